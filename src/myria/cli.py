@@ -1,0 +1,91 @@
+"""The `myria` command: one entry point for every subcommand.
+
+Each subcommand lives in its own module exposing `add_arguments(parser)` and `run(args) -> int`;
+only the chosen one is imported, so `myria --help` answers without importing torch.
+Errors a user can cause (`MyriaError`) print one clear line and exit with status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+# name -> (module, one-line help)
+COMMANDS: dict[str, tuple[str, str]] = {
+    "prepare": ("myria.data.prepare", "text files -> BPE tokenizer -> memory-mapped token shards"),
+    "train": ("myria.train.cli", "train a model (--nproc N starts N local processes)"),
+    "export": ("myria.train.export", "export a checkpoint (HF safetensors + config.json)"),
+    "supervise": ("myria.resilience.supervisor", "run training under the fault-tolerant "
+                  "supervisor"),
+    "doctor": ("myria.resilience.diagnostics", "self-check diagnostics of this host"),
+    "analyze": ("myria.sim.cli_analyze", "per-operator roofline table of a config"),
+    "simulate": ("myria.sim.cli_simulate", "predict step time, memory and MFU of runs"),
+    "plan": ("myria.sim.cli_plan", "search parallel layouts and rank them by predicted MFU"),
+    "report": ("myria.observe.report", "merged timeline, heat maps and curves of a run"),
+}
+
+
+def _top_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="myria",
+        description="myria: 4D-parallel LLM pre-training that plans, explains and survives runs.",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="commands:\n" + "\n".join(f"  {n:<10} {h}" for n, (_, h) in COMMANDS.items())
+        + "\n\nRun `myria COMMAND --help` for a command's options.",
+    )
+    p.add_argument("command", nargs="?", help="one of: " + ", ".join(COMMANDS))
+    p.add_argument("--version", action="store_true", help="print the version and exit")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help") or argv[0] == "--version" or \
+            argv[0] not in COMMANDS:
+        top = _top_parser()
+        ns, _ = top.parse_known_args(argv[:1])
+        if ns.version:
+            from myria import __version__
+            print(f"myria {__version__}")
+            return 0
+        if argv and argv[0] not in ("-h", "--help"):
+            import difflib
+            close = difflib.get_close_matches(argv[0], COMMANDS, n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            print(f"myria: unknown command {argv[0]!r}{hint}\n", file=sys.stderr)
+            top.print_help(sys.stderr)
+            return 2
+        top.print_help()
+        return 0
+    name, rest = argv[0], argv[1:]
+    module_name, help_text = COMMANDS[name]
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as e:
+        if e.name and e.name.startswith("myria"):
+            print(f"myria {name}: not available in this build ({e.name} is missing)",
+                  file=sys.stderr)
+            return 2
+        raise
+    parser = argparse.ArgumentParser(prog=f"myria {name}", description=help_text,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    module.add_arguments(parser)
+    from myria.errors import MyriaError
+
+    try:
+        args, unknown = parser.parse_known_args(rest)
+        if unknown and not getattr(module, "ACCEPTS_OVERRIDES", False):
+            parser.error(f"unrecognized arguments: {' '.join(unknown)}")
+        args.overrides = unknown
+        return int(module.run(args) or 0)
+    except MyriaError as e:
+        print(f"myria {name}: error: {e}", file=sys.stderr)
+        return e.exit_code
+    except KeyboardInterrupt:
+        print(f"myria {name}: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

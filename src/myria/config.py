@@ -1,0 +1,361 @@
+"""Run configuration: dataclass sections, TOML loading, `--section.key=value` overrides, validation.
+
+Every field has a default and a one-line description (`help` metadata). Unknown keys, wrong
+types, out-of-range values and inconsistent combinations raise `ConfigError` naming the field,
+the value seen and what is valid.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import tomllib
+
+from myria.errors import ConfigError
+
+
+def _f(default: Any, help: str, choices: tuple | None = None, min: float | None = None):
+    """A config field with its description, allowed choices and lower bound."""
+    meta = {"help": help, "choices": choices, "min": min}
+    if isinstance(default, (list, dict)):
+        return field(default_factory=lambda: type(default)(default), metadata=meta)
+    return field(default=default, metadata=meta)
+
+
+@dataclass
+class ModelConfig:
+    """The decoder-only language model."""
+
+    arch: str = _f("llama", "architecture: llama (RMSNorm, RoPE, SwiGLU, GQA) or gpt (LayerNorm, "
+                   "learned positions, GELU MLP, biases)", choices=("llama", "gpt"))
+    vocab_size: int = _f(8192, "vocabulary size of the embedding and output layers", min=2)
+    layers: int = _f(4, "number of transformer blocks", min=1)
+    hidden: int = _f(256, "model width (embedding dimension)", min=1)
+    heads: int = _f(8, "attention heads", min=1)
+    kv_heads: int = _f(0, "key/value heads for grouped-query attention; 0 means equal to heads",
+                       min=0)
+    ffn_hidden: int = _f(0, "MLP inner width; 0 means 4*hidden (gpt) or 8/3*hidden rounded up "
+                         "to a multiple of 64 (llama)", min=0)
+    seq_len: int = _f(256, "training sequence length in tokens", min=1)
+    parallel_block: bool = _f(False, "parallel transformer block: y = x + Attn(LN(x)) + MLP(LN(x))")
+    attention_window: int = _f(0, "sliding-window attention size in tokens; 0 means full causal",
+                               min=0)
+    tie_embeddings: bool = _f(False, "share the input embedding and output projection weights")
+    norm_eps: float = _f(1e-5, "epsilon of RMSNorm / LayerNorm", min=0.0)
+    rope_theta: float = _f(10000.0, "RoPE base frequency (llama)", min=1.0)
+    init_std: float = _f(0.02, "standard deviation of the normal weight initialisation", min=0.0)
+    experts: int = _f(0, "mixture-of-experts: experts per MLP layer; 0 means a dense MLP", min=0)
+    top_k: int = _f(1, "experts each token is routed to (MoE)", min=1)
+    capacity_factor: float = _f(0.0, "expert capacity factor; 0 means no token is dropped", min=0.0)
+
+    @property
+    def n_kv_heads(self) -> int:
+        return self.kv_heads or self.heads
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden // self.heads
+
+    @property
+    def ffn_dim(self) -> int:
+        if self.ffn_hidden:
+            return self.ffn_hidden
+        if self.arch == "gpt":
+            return 4 * self.hidden
+        return 64 * ((int(8 * self.hidden / 3) + 63) // 64)
+
+
+@dataclass
+class DataConfig:
+    """Token shards written by `myria prepare`."""
+
+    path: str = _f("data/demo", "directory written by `myria prepare` (index.json, shards, "
+                   "tokenizer.json)")
+    prefetch: int = _f(2, "batches the background loader thread keeps ready", min=0)
+    eval_batches: int = _f(4, "validation batches (of global_batch sequences) per evaluation",
+                           min=0)
+
+
+@dataclass
+class TrainingConfig:
+    """The optimisation run."""
+
+    steps: int = _f(200, "optimizer steps to train in total", min=1)
+    global_batch: int = _f(16, "sequences per optimizer step, whatever the number of processes",
+                           min=1)
+    micro_batch: int = _f(4, "sequences per forward/backward pass on one rank", min=1)
+    seed: int = _f(1234, "seed of weight initialisation and data order", min=0)
+    grad_clip: float = _f(1.0, "clip the global gradient norm to this; 0 disables", min=0.0)
+    dtype: str = _f("auto", "parameter/compute precision: auto (bf16 on GPU, fp32 on CPU), "
+                    "float32 or bfloat16", choices=("auto", "float32", "bfloat16"))
+    data_parallel: str = _f("fsdp", "data-parallel engine: fsdp (FSDP2 full sharding), "
+                            "zero2 (FSDP2, reshard_after_forward=False) or ddp",
+                            choices=("fsdp", "zero2", "ddp"))
+    device: str = _f("auto", "auto (cuda if available, else cpu), cpu or cuda",
+                     choices=("auto", "cpu", "cuda"))
+    init_timeout_s: float = _f(300.0, "process-group timeout while starting up", min=1.0)
+    timeout_s: float = _f(120.0, "process-group timeout once training is warm", min=1.0)
+    eval_interval: int = _f(0, "evaluate on the validation split every N steps; 0 disables",
+                            min=0)
+    threads: int = _f(0, "CPU threads per process; 0 means cores / local processes", min=0)
+
+
+@dataclass
+class OptimizerConfig:
+    """Optimizer and learning-rate schedule."""
+
+    name: str = _f("adamw", "adamw (PyTorch) or lamb (layer-wise trust ratio)",
+                   choices=("adamw", "lamb"))
+    lr: float = _f(3e-3, "peak learning rate", min=0.0)
+    min_lr_ratio: float = _f(0.1, "final learning rate as a fraction of the peak", min=0.0)
+    warmup_steps: int = _f(20, "linear warm-up steps", min=0)
+    schedule: str = _f("cosine", "decay after warm-up", choices=("cosine", "linear", "constant"))
+    beta1: float = _f(0.9, "first-moment decay", min=0.0)
+    beta2: float = _f(0.95, "second-moment decay", min=0.0)
+    eps: float = _f(1e-8, "denominator epsilon", min=0.0)
+    weight_decay: float = _f(0.1, "decoupled weight decay (not applied to norms and biases)",
+                             min=0.0)
+
+
+@dataclass
+class ParallelConfig:
+    """The parallel layout; the product of the dimensions must equal the world size."""
+
+    dp_replicate: int = _f(1, "data-parallel replicas (HSDP outer dimension)", min=1)
+    dp_shard: int = _f(-1, "data-parallel sharding degree (FSDP); -1 fills the rest of the "
+                       "world", min=-1)
+    tp: int = _f(1, "tensor-parallel degree", min=1)
+    pp: int = _f(1, "pipeline-parallel stages", min=1)
+    cp: int = _f(1, "context-parallel degree (ring attention)", min=1)
+    ep: int = _f(1, "expert-parallel degree (borrows data-parallel ranks)", min=1)
+    vpp: int = _f(1, "virtual pipeline chunks per rank (interleaved schedules)", min=1)
+    schedule: str = _f("1f1b", "pipeline schedule",
+                       choices=("gpipe", "1f1b", "interleaved-1f1b", "zero-bubble", "zbv"))
+
+
+@dataclass
+class CheckpointConfig:
+    """Distributed checkpoints under RUN_DIR/checkpoints."""
+
+    interval: int = _f(50, "save every N steps (and at the end); 0 saves only at the end", min=0)
+    keep: int = _f(3, "committed checkpoints to keep", min=1)
+    resume: bool = _f(True, "resume from the newest committed checkpoint in the run directory")
+
+
+@dataclass
+class LoggingConfig:
+    """Metrics and progress output."""
+
+    interval: int = _f(1, "write metrics every N steps", min=1)
+    tensorboard: bool = _f(True, "also write TensorBoard scalars to RUN_DIR/tensorboard")
+    progress: bool = _f(True, "show a live progress line on rank 0")
+
+
+@dataclass
+class Config:
+    """A whole run."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    training: TrainingConfig = field(default_factory=TrainingConfig)
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    def validate(self, world_size: int | None = None) -> Config:
+        """Check consistency between fields (and with the world size, when given)."""
+        validate(self, world_size)
+        return self
+
+
+SECTIONS: dict[str, type] = {
+    "model": ModelConfig, "data": DataConfig, "training": TrainingConfig,
+    "optimizer": OptimizerConfig, "parallel": ParallelConfig, "checkpoint": CheckpointConfig,
+    "logging": LoggingConfig,
+}
+
+
+def _suggest(name: str, valid: typing.Iterable[str]) -> str:
+    close = difflib.get_close_matches(name, list(valid), n=1)
+    return f" (did you mean {close[0]!r}?)" if close else ""
+
+
+def _field_type(cls: type, name: str) -> type:
+    hints = typing.get_type_hints(cls)
+    t = hints[name]
+    if isinstance(t, types.UnionType):  # e.g. int | None
+        t = next(a for a in typing.get_args(t) if a is not type(None))
+    return t
+
+
+def _coerce(section: str, cls: type, name: str, value: Any) -> Any:
+    where = f"{section}.{name}"
+    t = _field_type(cls, name)
+    meta = next(f.metadata for f in dataclasses.fields(cls) if f.name == name)
+    if t is bool:
+        if isinstance(value, str) and value.lower() in ("true", "false", "1", "0", "yes", "no"):
+            value = value.lower() in ("true", "1", "yes")
+        if not isinstance(value, bool):
+            raise ConfigError(f"{where} = {value!r}: expected true or false")
+    elif t is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            if isinstance(value, float) and value.is_integer():
+                value = int(value)
+            else:
+                raise ConfigError(f"{where} = {value!r}: expected an integer")
+    elif t is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ConfigError(f"{where} = {value!r}: expected a number")
+        value = float(value)
+    elif t is str:
+        if not isinstance(value, str):
+            raise ConfigError(f"{where} = {value!r}: expected a string")
+    choices = meta.get("choices")
+    if choices and value not in choices:
+        raise ConfigError(f"{where} = {value!r}: must be one of {', '.join(map(str, choices))}"
+                          + _suggest(str(value), map(str, choices)))
+    lo = meta.get("min")
+    if lo is not None and value < lo:
+        raise ConfigError(f"{where} = {value!r}: must be >= {lo}")
+    return value
+
+
+def from_dict(data: dict, base: Config | None = None) -> Config:
+    """Build a Config from nested dicts ({section: {key: value}}), starting from `base`."""
+    cfg = base if base is not None else Config()
+    for section, values in data.items():
+        if section not in SECTIONS:
+            raise ConfigError(f"unknown config section [{section}]; valid sections: "
+                              f"{', '.join(SECTIONS)}" + _suggest(section, SECTIONS))
+        if not isinstance(values, dict):
+            raise ConfigError(f"[{section}] must be a table of key = value pairs")
+        cls = SECTIONS[section]
+        obj = getattr(cfg, section)
+        names = [f.name for f in dataclasses.fields(cls)]
+        for key, value in values.items():
+            if key not in names:
+                raise ConfigError(f"unknown key {section}.{key}" + _suggest(key, names)
+                                  + f"; valid keys of [{section}]: {', '.join(names)}")
+            setattr(obj, key, _coerce(section, cls, key, value))
+    return cfg
+
+
+def parse_override(text: str) -> tuple[str, str, Any]:
+    """Parse `--section.key=value` (value in TOML syntax, or a bare string)."""
+    body = text[2:] if text.startswith("--") else text
+    if "=" not in body or "." not in body.split("=", 1)[0]:
+        raise ConfigError(f"override {text!r}: expected --section.key=value, e.g. "
+                          "--training.steps=100")
+    dotted, raw = body.split("=", 1)
+    section, key = dotted.split(".", 1)
+    try:
+        value = tomllib.loads(f"v = {raw}")["v"]
+    except tomllib.TOMLDecodeError:
+        value = raw
+    return section, key, value
+
+
+def load(path: str | Path | None = None, overrides: typing.Sequence[str] = ()) -> Config:
+    """Load a TOML config (or the defaults when `path` is None) and apply overrides."""
+    cfg = Config()
+    if path is not None:
+        p = Path(path)
+        if not p.is_file():
+            raise ConfigError(f"config file {str(p)!r} does not exist")
+        try:
+            data = tomllib.loads(p.read_text())
+        except tomllib.TOMLDecodeError as e:
+            raise ConfigError(f"config file {str(p)!r} is not valid TOML: {e}") from None
+        cfg = from_dict(data, cfg)
+    nested: dict[str, dict] = {}
+    for o in overrides:
+        section, key, value = parse_override(o)
+        nested.setdefault(section, {})[key] = value
+    cfg = from_dict(nested, cfg)
+    validate(cfg)
+    return cfg
+
+
+def resolve_layout(cfg: Config, world_size: int) -> dict[str, int]:
+    """Data-parallel degrees after filling dp_shard = -1 from the world size."""
+    p = cfg.parallel
+    other = p.dp_replicate * p.tp * p.pp * p.cp
+    if p.dp_shard == -1:
+        if world_size % other:
+            raise ConfigError(
+                f"world size {world_size} is not divisible by parallel.dp_replicate*tp*pp*cp = "
+                f"{other}; choose degrees whose product divides the number of processes")
+        shard = world_size // other
+    else:
+        shard = p.dp_shard
+    if other * shard != world_size:
+        raise ConfigError(
+            f"parallel layout dp_replicate={p.dp_replicate} x dp_shard={shard} x tp={p.tp} x "
+            f"pp={p.pp} x cp={p.cp} = {other * shard} processes, but the world size is "
+            f"{world_size}; set parallel.dp_shard=-1 to fill it or change --nproc")
+    dp = p.dp_replicate * shard
+    return {"dp_replicate": p.dp_replicate, "dp_shard": shard, "dp": dp, "tp": p.tp,
+            "pp": p.pp, "cp": p.cp, "ep": p.ep}
+
+
+def validate(cfg: Config, world_size: int | None = None) -> None:
+    """Raise ConfigError for inconsistent combinations."""
+    m, t, par = cfg.model, cfg.training, cfg.parallel
+    if m.hidden % m.heads:
+        raise ConfigError(f"model.heads = {m.heads} does not divide model.hidden = {m.hidden}; "
+                          "hidden must be a multiple of heads")
+    if m.n_kv_heads > m.heads or m.heads % m.n_kv_heads:
+        raise ConfigError(f"model.kv_heads = {m.kv_heads} must divide model.heads = {m.heads}")
+    if m.arch == "llama" and m.head_dim % 2:
+        raise ConfigError(f"head dimension hidden/heads = {m.head_dim} must be even for RoPE")
+    if m.attention_window > m.seq_len:
+        raise ConfigError(f"model.attention_window = {m.attention_window} is larger than "
+                          f"model.seq_len = {m.seq_len}; use 0 for full attention or a window "
+                          f"<= {m.seq_len}")
+    if m.experts and m.top_k > m.experts:
+        raise ConfigError(f"model.top_k = {m.top_k} exceeds model.experts = {m.experts}")
+    if t.micro_batch > t.global_batch:
+        raise ConfigError(f"training.micro_batch = {t.micro_batch} exceeds training.global_batch"
+                          f" = {t.global_batch}")
+    if cfg.optimizer.beta1 >= 1 or cfg.optimizer.beta2 >= 1:
+        raise ConfigError("optimizer.beta1 and optimizer.beta2 must be < 1")
+    if par.vpp > 1 and par.schedule not in ("interleaved-1f1b", "zero-bubble", "zbv"):
+        raise ConfigError(f"parallel.vpp = {par.vpp} needs an interleaved schedule "
+                          "(interleaved-1f1b, zero-bubble or zbv), not "
+                          f"parallel.schedule = {par.schedule!r}")
+    if world_size is not None:
+        lay = resolve_layout(cfg, world_size)
+        dp = lay["dp"]
+        if t.global_batch % (dp * t.micro_batch):
+            raise ConfigError(
+                f"training.global_batch = {t.global_batch} must be divisible by data-parallel "
+                f"ranks ({dp}) x training.micro_batch ({t.micro_batch}) = {dp * t.micro_batch}")
+
+
+def describe(cfg: Config) -> str:
+    """The resolved config as TOML text with each field's description as a comment."""
+    lines = []
+    for section, cls in SECTIONS.items():
+        lines.append(f"[{section}]")
+        obj = getattr(cfg, section)
+        for f in dataclasses.fields(cls):
+            v = getattr(obj, f.name)
+            if isinstance(v, bool):
+                s = "true" if v else "false"
+            elif isinstance(v, str):
+                s = f'"{v}"'
+            else:
+                s = repr(v)
+            lines.append(f"{f.name} = {s:<14} # {f.metadata.get('help', '')}")
+        lines.append("")
+    return "\n".join(lines)

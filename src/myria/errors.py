@@ -1,0 +1,27 @@
+"""Errors a user can cause: each names the field or file, the value seen and what is valid."""
+
+from __future__ import annotations
+
+
+class MyriaError(Exception):
+    """Base of every error caused by user input; the CLI prints it without a traceback."""
+
+    exit_code = 2
+
+
+class ConfigError(MyriaError):
+    """A config field is unknown, of the wrong type, out of range or inconsistent."""
+
+
+class DataError(MyriaError):
+    """A data path, shard, index or tokenizer is missing or damaged."""
+
+
+class CheckpointError(MyriaError):
+    """A checkpoint is missing, damaged or does not match the model."""
+
+
+class LaunchError(MyriaError):
+    """Workers could not be started or failed."""
+
+    exit_code = 1

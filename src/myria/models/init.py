@@ -1,0 +1,36 @@
+"""Layout-independent parameter initialisation.
+
+Each parameter's full value is generated from its own seeded generator and only the local
+shard is kept, so a model initialised on 1 process, under FSDP, TP or PP holds identical values.
+Generating the full tensor costs one parameter's worth of temporary memory at a time.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def _full_value(shape, dtype, kind: str, std: float, key: int) -> torch.Tensor:
+    if kind == "ones":
+        return torch.ones(shape, dtype=dtype)
+    if kind == "zeros":
+        return torch.zeros(shape, dtype=dtype)
+    g = torch.Generator().manual_seed(key)
+    return torch.randn(shape, generator=g, dtype=torch.float32).mul_(std).to(dtype)
+
+
+@torch.no_grad()
+def fill_parameter(p: torch.Tensor, kind: str, std: float, key: int) -> None:
+    """Set `p` (a plain tensor or a DTensor shard) to its slice of the full initial value."""
+    from torch.distributed.tensor import DTensor, Replicate
+
+    if isinstance(p, DTensor):
+        full = _full_value(p.shape, p.dtype, kind, std, key).to(p.device)
+        # Replicate -> Shard is a local slice: no communication.
+        # Every rank holds the same full value, so wrapping it as Replicate needs no check.
+        placed = DTensor.from_local(full, p.device_mesh, [Replicate()] * p.device_mesh.ndim,
+                                    run_check=False)
+        placed = placed.redistribute(p.device_mesh, p.placements)
+        p.to_local().copy_(placed.to_local())
+    else:
+        p.copy_(_full_value(p.shape, p.dtype, kind, std, key).to(p.device))

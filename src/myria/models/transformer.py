@@ -1,0 +1,206 @@
+"""Decoder-only language model, Llama-style or GPT-style, with no parallelism code inside.
+
+Build it on the meta device, let parallelism wrap it, move it with `to_empty`, then call
+`init_weights(seed)`. Initial values are a pure function of (seed, parameter name), whatever
+the sharding, so every parallel layout starts from the same model.
+"""
+
+from __future__ import annotations
+
+import math
+import zlib
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from myria.config import ModelConfig
+from myria.models.attention import CoreAttention, apply_rope, rope_tables
+from myria.models.loss import fused_linear_cross_entropy
+
+
+def _norm(cfg: ModelConfig) -> nn.Module:
+    if cfg.arch == "gpt":
+        return nn.LayerNorm(cfg.hidden, eps=cfg.norm_eps)
+    return nn.RMSNorm(cfg.hidden, eps=cfg.norm_eps)
+
+
+class Attention(nn.Module):
+    """Multi-head / grouped-query self-attention with RoPE (llama) or none (gpt)."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        bias = cfg.arch == "gpt"
+        self.n_heads, self.n_kv_heads, self.head_dim = cfg.heads, cfg.n_kv_heads, cfg.head_dim
+        self.use_rope = cfg.arch == "llama"
+        self.wq = nn.Linear(cfg.hidden, cfg.heads * cfg.head_dim, bias=bias)
+        self.wk = nn.Linear(cfg.hidden, cfg.n_kv_heads * cfg.head_dim, bias=bias)
+        self.wv = nn.Linear(cfg.hidden, cfg.n_kv_heads * cfg.head_dim, bias=bias)
+        self.wo = nn.Linear(cfg.heads * cfg.head_dim, cfg.hidden, bias=bias)
+        self.core = CoreAttention(cfg.attention_window)
+
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None):
+        b, s, _ = x.shape
+        # -1 heads: under tensor parallelism each rank holds a slice of the heads.
+        q = self.wq(x).view(b, s, -1, self.head_dim).transpose(1, 2)
+        k = self.wk(x).view(b, s, -1, self.head_dim).transpose(1, 2)
+        v = self.wv(x).view(b, s, -1, self.head_dim).transpose(1, 2)
+        if self.use_rope:
+            cos, sin = rope
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        o = self.core(q, k, v)
+        return self.wo(o.transpose(1, 2).reshape(b, s, -1))
+
+
+class MLP(nn.Module):
+    """SwiGLU (llama) or GELU (gpt) feed-forward network."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.gated = cfg.arch == "llama"
+        bias = cfg.arch == "gpt"
+        self.w1 = nn.Linear(cfg.hidden, cfg.ffn_dim, bias=bias)
+        self.w2 = nn.Linear(cfg.ffn_dim, cfg.hidden, bias=bias)
+        self.w3 = nn.Linear(cfg.hidden, cfg.ffn_dim, bias=False) if self.gated else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.gated:
+            return self.w2(F.silu(self.w1(x)) * self.w3(x))
+        return self.w2(F.gelu(self.w1(x), approximate="tanh"))
+
+
+class Block(nn.Module):
+    """Pre-norm transformer block; `parallel_block` computes attention and MLP from one input."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.parallel = cfg.parallel_block
+        self.attention_norm = _norm(cfg)
+        self.attention = Attention(cfg)
+        self.ffn_norm = None if self.parallel else _norm(cfg)
+        if cfg.experts:
+            from myria.models.moe import MoE  # optional layer; dense models never import it
+            self.feed_forward = MoE(cfg)
+        else:
+            self.feed_forward = MLP(cfg)
+
+    def forward(self, x: torch.Tensor, rope=None) -> torch.Tensor:
+        if self.parallel:  # MegaScale §3.1: y = x + Attn(LN(x)) + MLP(LN(x))
+            n = self.attention_norm(x)
+            return x + self.attention(n, rope) + self.feed_forward(n)
+        h = x + self.attention(self.attention_norm(x), rope)
+        return h + self.feed_forward(self.ffn_norm(h))
+
+
+class LMHead(nn.Module):
+    """Output projection; given targets it returns the mean cross-entropy (fused, chunked)."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(cfg.vocab_size, cfg.hidden))
+
+    def forward(self, h: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+        if targets is None:
+            return F.linear(h, self.weight)
+        return fused_linear_cross_entropy(h, self.weight, targets)
+
+
+class Transformer(nn.Module):
+    """Decoder-only LM: embeddings -> blocks -> final norm -> output head.
+
+    Submodules may be set to None (pipeline stages keep only their part); `layers` is a
+    ModuleDict keyed by the global layer index so that parameter names never change.
+    """
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.hidden)
+        self.pos_embeddings = nn.Embedding(cfg.seq_len, cfg.hidden) if cfg.arch == "gpt" else None
+        self.layers = nn.ModuleDict({str(i): Block(cfg) for i in range(cfg.layers)})
+        self.norm = _norm(cfg)
+        self.output = LMHead(cfg)
+        if cfg.tie_embeddings:
+            self.output.weight = self.tok_embeddings.weight
+        self.register_buffer("rope_cos", torch.empty(0), persistent=False)
+        self.register_buffer("rope_sin", torch.empty(0), persistent=False)
+
+    # -- initialisation -------------------------------------------------------------------
+    def _init_rule(self, name: str) -> tuple[str, float]:
+        """How parameter `name` is initialised: ('normal', std), ('ones', 0) or ('zeros', 0)."""
+        if "norm" in name:
+            return ("ones", 0.0) if name.endswith("weight") else ("zeros", 0.0)
+        if name.endswith("bias"):
+            return ("zeros", 0.0)
+        std = self.cfg.init_std
+        if name.endswith(("wo.weight", "w2.weight")) or ".experts.w2" in name:
+            std = std / math.sqrt(2 * self.cfg.layers)  # GPT-2 residual scaling
+        return ("normal", std)
+
+    @torch.no_grad()
+    def init_weights(self, seed: int = 0, buffers_only: bool = False) -> None:
+        """Fill every parameter as a pure function of (seed, name); also rebuild RoPE tables."""
+        from myria.models.init import fill_parameter
+
+        if self.cfg.arch == "llama":
+            dev = self.rope_cos.device if self.rope_cos.device.type != "meta" else "cpu"
+            cos, sin = rope_tables(self.cfg.seq_len, self.cfg.head_dim, self.cfg.rope_theta, dev)
+            self.rope_cos, self.rope_sin = cos, sin
+        if buffers_only:
+            return
+        seen = set()
+        for name, p in self.named_parameters():
+            if id(p) in seen:
+                continue
+            seen.add(id(p))
+            kind, std = self._init_rule(name)
+            key = (seed * 1_000_003 + zlib.crc32(name.encode())) % (2**63)
+            fill_parameter(p, kind, std, key)
+
+    # -- forward ---------------------------------------------------------------------------
+    def forward(self, tokens: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+        """tokens (B, S) -> logits (B, S, V), or the mean loss when targets are given.
+
+        A pipeline stage without embeddings takes hidden states (B, S, H) instead of tokens;
+        one without a head returns hidden states.
+        """
+        if self.tok_embeddings is not None:
+            h = self.tok_embeddings(tokens)
+            if self.pos_embeddings is not None:
+                pos = torch.arange(tokens.shape[1], device=tokens.device)
+                h = h + self.pos_embeddings(pos)
+        else:
+            h = tokens
+        rope = None
+        if self.cfg.arch == "llama":
+            rope = self.rope_tables_for(h.shape[1], h.dtype)
+        for layer in self.layers.values():
+            h = layer(h, rope)
+        if self.norm is not None:
+            h = self.norm(h)
+        if self.output is None:
+            return h
+        return self.output(h, targets)
+
+    def rope_tables_for(self, s: int, dtype: torch.dtype):
+        cos, sin = self.rope_cos[:s], self.rope_sin[:s]
+        return cos.to(dtype), sin.to(dtype)
+
+
+def build_model(cfg: ModelConfig, device: str | torch.device = "meta") -> Transformer:
+    """Construct the model on `device` (meta by default: no memory, no initialisation)."""
+    with torch.device(device):
+        return Transformer(cfg)
+
+
+def count_params(model: nn.Module, exclude_embeddings: bool = False) -> int:
+    """Number of distinct parameters (tied weights counted once)."""
+    seen, total = set(), 0
+    for name, p in model.named_parameters():
+        if id(p) in seen:
+            continue
+        seen.add(id(p))
+        if exclude_embeddings and ("embeddings" in name):
+            continue
+        total += p.numel()
+    return total
