@@ -90,8 +90,8 @@ def model_flops_per_token(cfg: ModelConfig, convention: str = "dense",
 def megatron_gpt_flops_per_iteration(batch: int, seq_len: int, layers: int, hidden: int,
                                      vocab: int) -> float:
     """F = 72 B s l h^2 (1 + s/6h + V/16lh): the published model-FLOPs formula for GPT."""
-    b, s, l, h, v = batch, seq_len, layers, hidden, vocab
-    return 72.0 * b * s * l * h * h * (1 + s / (6 * h) + v / (16 * l * h))
+    b, s, n, h, v = batch, seq_len, layers, hidden, vocab
+    return 72.0 * b * s * n * h * h * (1 + s / (6 * h) + v / (16 * n * h))
 
 
 @dataclass
