@@ -78,6 +78,7 @@ def main(argv: list[str] | None = None) -> int:
         if unknown and not getattr(module, "ACCEPTS_OVERRIDES", False):
             parser.error(f"unrecognized arguments: {' '.join(unknown)}")
         args.overrides = unknown
+        args.argv = rest
         return int(module.run(args) or 0)
     except MyriaError as e:
         print(f"myria {name}: error: {e}", file=sys.stderr)

@@ -24,17 +24,19 @@ class _FusedLinearCE(torch.autograd.Function):
         n = h.shape[0]
         need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         need_b = bias is not None and ctx.needs_input_grad[2]
+        # accumulate in fp32 (fp64 stays fp64)
+        acc = torch.float64 if h.dtype == torch.float64 else torch.float32
         grad_h = torch.empty_like(h) if need_h else None
-        grad_w = torch.zeros_like(weight, dtype=torch.float32) if need_w else None
-        grad_b = torch.zeros_like(bias, dtype=torch.float32) if need_b else None
-        total = torch.zeros((), dtype=torch.float32, device=h.device)
+        grad_w = torch.zeros_like(weight, dtype=acc) if need_w else None
+        grad_b = torch.zeros_like(bias, dtype=acc) if need_b else None
+        total = torch.zeros((), dtype=acc, device=h.device)
         for start in range(0, n, chunk):
             hc = h[start:start + chunk]
             tc = targets[start:start + chunk]
             logits = hc @ weight.t()
             if bias is not None:
                 logits += bias
-            logits = logits.float()
+            logits = logits.to(acc)
             m = logits.amax(dim=-1, keepdim=True)
             picked = logits.gather(1, tc.unsqueeze(1))
             logits.sub_(m).exp_()
@@ -47,10 +49,9 @@ class _FusedLinearCE(torch.autograd.Function):
                 if need_h:
                     torch.matmul(p, weight, out=grad_h[start:start + chunk])
                 if need_w:
-                    grad_w.addmm_(p.t().float() if p.dtype != torch.float32 else p.t(), hc.float()
-                                  if hc.dtype != torch.float32 else hc)
+                    grad_w.addmm_(p.t().to(acc), hc.to(acc))
                 if need_b:
-                    grad_b += p.float().sum(0)
+                    grad_b += p.to(acc).sum(0)
         scale = 1.0 / n
         ctx.save_for_backward(
             grad_h if need_h else None,

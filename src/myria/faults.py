@@ -1,0 +1,102 @@
+"""Fault hooks for tests and benchmarks, inert unless the MYRIA_FAULT environment variable is set.
+
+MYRIA_FAULT holds comma-separated faults, each `kind:key=value:...`:
+
+- `kill:rank=R:step=S`       rank R sends itself SIGKILL at the start of step S
+- `hang:rank=R:step=S`       rank R stops making progress (sleeps) at the start of step S
+- `raise:rank=R:step=S`      rank R raises an exception at the start of step S
+- `corrupt-checkpoint:step=S` after the checkpoint of step S is committed, damage one of its files
+- `diskfull:step=S`          the checkpoint save at step S fails with ENOSPC
+
+Each fault fires once per run directory (a marker file under RUN_DIR/faults/ records it), so a
+restarted job does not repeat it.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+KINDS = ("kill", "hang", "raise", "corrupt-checkpoint", "diskfull")
+
+
+@dataclass
+class Fault:
+    kind: str
+    params: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def tag(self) -> str:
+        return self.kind + "".join(f"_{k}{v}" for k, v in sorted(self.params.items()))
+
+    def matches(self, kind: str, step: int, rank: int | None = None) -> bool:
+        if self.kind != kind or self.params.get("step") != step:
+            return False
+        return "rank" not in self.params or rank is None or self.params["rank"] == rank
+
+
+def parse(text: str | None) -> list[Fault]:
+    """Parse MYRIA_FAULT; raises ValueError naming the bad item."""
+    faults = []
+    for item in (text or "").split(","):
+        item = item.strip()
+        if not item:
+            continue
+        kind, *kvs = item.split(":")
+        if kind not in KINDS:
+            raise ValueError(f"MYRIA_FAULT item {item!r}: unknown fault {kind!r}; valid: "
+                             f"{', '.join(KINDS)}")
+        params = {}
+        for kv in kvs:
+            k, _, v = kv.partition("=")
+            if k not in ("rank", "step") or not v.lstrip("-").isdigit():
+                raise ValueError(f"MYRIA_FAULT item {item!r}: expected rank=N and step=N")
+            params[k] = int(v)
+        if "step" not in params:
+            raise ValueError(f"MYRIA_FAULT item {item!r}: step=N is required")
+        faults.append(Fault(kind, params))
+    return faults
+
+
+class FaultInjector:
+    """Fires the configured faults once per run directory."""
+
+    def __init__(self, run_dir: str | Path, rank: int, text: str | None = None):
+        self.faults = parse(os.environ.get("MYRIA_FAULT") if text is None else text)
+        self.dir = Path(run_dir) / "faults"
+        self.rank = rank
+
+    def due(self, kind: str, step: int) -> Fault | None:
+        """The fault of `kind` due at `step` on this rank that has not fired yet, if any."""
+        for f in self.faults:
+            if f.matches(kind, step, self.rank) and not (self.dir / f.tag).exists():
+                return f
+        return None
+
+    def mark(self, fault: Fault) -> None:
+        """Record that `fault` fired (before acting, so a killed process does not repeat it)."""
+        self.dir.mkdir(parents=True, exist_ok=True)
+        p = self.dir / fault.tag
+        with open(p, "w") as fh:
+            fh.write(f"fired by rank {self.rank}\n")
+            fh.flush()
+            os.fsync(fh.fileno())
+
+    def at_step_start(self, step: int) -> None:
+        """Apply process faults (kill, hang, raise) due at the start of `step`."""
+        if not self.faults:
+            return
+        import signal
+        import time
+
+        if f := self.due("kill", step):
+            self.mark(f)
+            os.kill(os.getpid(), signal.SIGKILL)
+        if f := self.due("hang", step):
+            self.mark(f)
+            while True:  # alive but making no progress
+                time.sleep(3600)
+        if f := self.due("raise", step):
+            self.mark(f)
+            raise RuntimeError(f"injected fault: raise on rank {self.rank} at step {step}")

@@ -1,0 +1,145 @@
+"""`myria train`: train (or resume) a model; `--nproc N` starts N local ranks itself.
+
+    myria train --config configs/demo.toml --run-dir runs/demo --nproc 2 [--section.key=value]
+
+Run again with the same run directory to resume from its newest checkpoint; raise
+`--training.steps` to train further. `--stop-after N` stops cleanly after step N with a
+committed checkpoint, as a preempted job would.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from myria import config as config_mod
+from myria.errors import DataError
+
+ACCEPTS_OVERRIDES = True
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", help="TOML run config (default: built-in defaults)")
+    p.add_argument("--run-dir", help="where checkpoints, metrics.jsonl and TensorBoard go "
+                   "(required unless --dry-run)")
+    p.add_argument("--nproc", type=int, default=0,
+                   help="start this many local processes (ranks) through torch elastic; "
+                   "omit when launched by torchrun")
+    p.add_argument("--stop-after", type=int, default=None, metavar="N",
+                   help="stop cleanly after step N with a committed checkpoint")
+    p.add_argument("--dry-run", action="store_true",
+                   help="print the resolved config, parameter count, FLOPs per token and "
+                   "memory per rank, then exit")
+    p.epilog = ("Any config field can be overridden as --section.key=value, e.g. "
+                "--training.steps=100 --model.layers=8.")
+
+
+def _nproc_for(args) -> int:
+    from myria.train.launch import inside_launcher
+
+    if inside_launcher():
+        import os
+        return int(os.environ.get("WORLD_SIZE", 1))
+    return args.nproc or 1
+
+
+def dry_run(cfg: config_mod.Config, world: int) -> str:
+    """The text `--dry-run` prints: config, sizes, FLOPs and a memory estimate per rank."""
+    from myria.models.flops import model_flops_per_token, param_counts
+
+    m, t = cfg.model, cfg.training
+    pc = param_counts(m)
+    n = pc.total(m.layers)
+    lay = config_mod.resolve_layout(cfg, world)
+    mem = memory_estimate(cfg, lay)
+    lines = [config_mod.describe(cfg),
+             f"# world size {world}: layout " + ", ".join(f"{k}={v}" for k, v in lay.items()),
+             f"# parameters: {n:,} ({n - pc.embedding - pc.head - pc.positional:,} without "
+             "embeddings)",
+             f"# model FLOPs per token (training, dense attention): "
+             f"{model_flops_per_token(m):,.0f}",
+             f"# tokens per step: {t.global_batch * m.seq_len:,}; gradient accumulation: "
+             f"{t.global_batch // (lay['dp'] * t.micro_batch)} microbatches of {t.micro_batch}",
+             "# memory per rank (estimate): " + ", ".join(f"{k} {v / 2**30:.2f} GiB"
+                                                          for k, v in mem.items())]
+    return "\n".join(lines)
+
+
+def memory_estimate(cfg: config_mod.Config, layout: dict[str, int]) -> dict[str, float]:
+    """Bytes per rank: states (params, grads, Adam moments; sharded by FSDP) and activations."""
+    from myria.models.flops import param_counts
+
+    m, t = cfg.model, cfg.training
+    n = param_counts(m).total(m.layers)
+    shard = layout["dp"] if t.data_parallel != "ddp" else 1
+    model_parallel = layout["tp"] * layout["pp"]
+    states = n * (4 + 4 + 8) / (shard * model_parallel)
+    # Activations kept for backward per layer and token, fp32, no recomputation
+    # (Korthikanti et al. 2022, in units of hidden): ~ 34 h + 5 a s, scaled by 2 for fp32.
+    b, s, h, a = t.micro_batch, m.seq_len // layout["cp"], m.hidden, m.heads
+    per_layer = b * s * (34 * h + 5 * a * s) * 2
+    acts = per_layer * m.layers / (layout["tp"] * layout["pp"]) + b * s * m.vocab_size * 4
+    return {"states": states, "activations": acts, "total": states + acts}
+
+
+def run(args) -> int:
+    cfg = config_mod.load(args.config, args.overrides)
+    world = _nproc_for(args)
+    cfg.validate(world)
+    if args.dry_run:
+        print(dry_run(cfg, world))
+        return 0
+    if not args.run_dir:
+        raise config_mod.ConfigError("--run-dir is required (where checkpoints and metrics go)")
+    from myria.train.launch import inside_launcher, launch_local
+
+    if args.nproc and not inside_launcher():
+        # Check what we can before starting processes, so bad input fails once and clearly.
+        from myria.data.dataset import TokenDataset
+        from myria.train.trainer import check_vocab
+
+        check_vocab(cfg, TokenDataset(cfg.data.path, cfg.model.seq_len, split="train",
+                                      verify=False))
+        launch_local(args.nproc, ["train", *_without_nproc(args.argv)])
+        _summary(Path(args.run_dir))
+        return 0
+    from myria.train.trainer import train
+
+    train(cfg, args.run_dir, args.stop_after)
+    if not inside_launcher():
+        _summary(Path(args.run_dir))
+    return 0
+
+
+def _without_nproc(argv: list[str]) -> list[str]:
+    out, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+        elif a == "--nproc":
+            skip = True
+        elif not a.startswith("--nproc="):
+            out.append(a)
+    return out
+
+
+def _summary(run_dir: Path) -> None:
+    path = run_dir / "metrics.jsonl"
+    if not path.exists():
+        raise DataError(f"no metrics were written to {path}")
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    train_rows = [r for r in rows if "loss" in r]
+    if not train_rows:
+        return
+    last = train_rows[-1]
+    k = min(len(train_rows), 10)
+    tps = sum(r["tokens_per_s"] for r in train_rows[-k:]) / k
+    mfus = [r["mfu"] for r in train_rows[-k:] if r.get("mfu") is not None]
+    val = [r["val_loss"] for r in rows if "val_loss" in r]
+    print(f"\nrun {run_dir}: step {last['step']}, loss {train_rows[0]['loss']:.3f} -> "
+          f"{last['loss']:.3f}" + (f", val loss {val[-1]:.3f}" if val else "")
+          + f", {tps:,.0f} tokens/s" + (f", MFU {100 * sum(mfus) / len(mfus):.1f}%"
+                                         if mfus else ", MFU n/a"))
+    print(f"  metrics:     {path}\n  tensorboard: {run_dir / 'tensorboard'}\n"
+          f"  checkpoints: {run_dir / 'checkpoints'}")

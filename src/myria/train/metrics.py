@@ -1,0 +1,112 @@
+"""Step metrics: tokens/s, MFU, data wait, loss; written as JSONL and TensorBoard, shown live.
+
+MFU = model FLOPs per step / (step time x number of devices x peak FLOP/s per device), with the
+model FLOPs from `myria.models.flops` (the same numbers the planner uses) and the peak from
+`myria.device` (datasheet, or measured on a CPU). An unknown peak gives MFU None, never a guess.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+
+class MetricsLogger:
+    """Rank 0's metrics sink: RUN_DIR/metrics.jsonl, TensorBoard scalars, a live progress line."""
+
+    def __init__(self, run_dir: Path, total_steps: int, start_step: int, enabled: bool,
+                 tensorboard: bool = True, progress: bool = True):
+        self.enabled = enabled
+        self.total = total_steps
+        self.start = start_step
+        self._tb = None
+        self._progress = None
+        self._fh = None
+        if not enabled:
+            return
+        run_dir.mkdir(parents=True, exist_ok=True)
+        self._fh = open(run_dir / "metrics.jsonl", "a")
+        if tensorboard:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+                self._tb = SummaryWriter(str(run_dir / "tensorboard"))
+            except Exception:  # tensorboard is optional at run time
+                self._tb = None
+        if progress and sys.stderr.isatty():
+            from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
+            self._progress = Progress(
+                TextColumn("step {task.completed}/{task.total}"), BarColumn(),
+                TextColumn("{task.fields[info]}"), TimeRemainingColumn(), transient=False)
+            self._task = self._progress.add_task("train", total=total_steps,
+                                                 completed=start_step, info="")
+            self._progress.start()
+
+    def log(self, row: dict[str, Any]) -> None:
+        if not self.enabled:
+            return
+        self._fh.write(json.dumps(row) + "\n")
+        self._fh.flush()
+        if self._tb is not None:
+            for k, v in row.items():
+                if k != "step" and isinstance(v, (int, float)) and math.isfinite(v):
+                    self._tb.add_scalar(f"train/{k}", v, row["step"])
+        info = format_row(row)
+        if self._progress is not None:
+            self._progress.update(self._task, completed=row["step"], info=info)
+        else:
+            print(f"step {row['step']:>6}/{self.total}  {info}", flush=True)
+
+    def log_eval(self, step: int, val_loss: float) -> None:
+        if not self.enabled:
+            return
+        self._fh.write(json.dumps({"step": step, "val_loss": val_loss}) + "\n")
+        self._fh.flush()
+        if self._tb is not None:
+            self._tb.add_scalar("val/loss", val_loss, step)
+        msg = f"step {step:>6}/{self.total}  val_loss {val_loss:.4f}"
+        if self._progress is not None:
+            self._progress.console.print(msg)
+        else:
+            print(msg, flush=True)
+
+    def close(self) -> None:
+        if self._progress is not None:
+            self._progress.stop()
+        if self._tb is not None:
+            self._tb.close()
+        if self._fh is not None:
+            self._fh.close()
+
+
+def format_row(row: dict[str, Any]) -> str:
+    mfu = row.get("mfu")
+    mfu_s = f"{100 * mfu:5.1f}%" if mfu is not None else "  n/a"
+    return (f"loss {row['loss']:.4f}  {row['tokens_per_s']:,.0f} tok/s  MFU {mfu_s}  "
+            f"step {row['step_time_s'] * 1000:.0f} ms  data {row['data_wait_s'] * 1000:.1f} ms  "
+            f"lr {row['lr']:.2e}  gnorm {row['grad_norm']:.3f}")
+
+
+class StepTimer:
+    """Wall time of one step; on GPU call `sync` first so queued kernels are counted."""
+
+    def __init__(self, sync=None):
+        self.sync = sync or (lambda: None)
+        self.t0 = time.perf_counter()
+
+    def lap(self) -> float:
+        self.sync()
+        t = time.perf_counter()
+        dt, self.t0 = t - self.t0, t
+        return dt
+
+
+def mfu(flops_per_token: float, tokens_per_s: float, devices: int,
+        peak_tflops: float | None) -> float | None:
+    """Model FLOPs utilisation, or None when the peak is unknown."""
+    if not peak_tflops:
+        return None
+    return flops_per_token * tokens_per_s / (devices * peak_tflops * 1e12)

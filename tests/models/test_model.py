@@ -1,0 +1,145 @@
+"""The model: FLOP counts against torch's counter, parameter counts, fused loss, init."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.utils.flop_counter import FlopCounterMode, register_flop_formula, sdpa_flop_count
+
+from myria.config import ModelConfig
+from myria.models.flops import (
+    forward_flops_per_token,
+    megatron_gpt_flops_per_iteration,
+    model_flops_per_token,
+    param_counts,
+)
+from myria.models.loss import fused_linear_cross_entropy
+from myria.models.transformer import build_model, count_params
+
+# torch's FLOP counter knows the CUDA SDPA kernels but not the CPU one; count it the same way.
+try:
+    @register_flop_formula(torch.ops.aten._scaled_dot_product_flash_attention_for_cpu)
+    def _sdpa_cpu_flop(query, key, value, *args, out_val=None, **kwargs) -> int:
+        return sdpa_flop_count(query, key, value)  # the counter passes shapes
+
+    @register_flop_formula(torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward)
+    def _sdpa_cpu_bwd_flop(grad_out, query, key, value, *args, out_val=None, **kwargs) -> int:
+        # Model FLOPs: the backward of two matmuls is four (torch's own backward formula
+        # also charges the flash kernel's recomputation of QK^T, which MFU excludes).
+        return 2 * sdpa_flop_count(query, key, value)
+except (AttributeError, RuntimeError):  # already registered by a newer torch
+    pass
+
+OPTIONS = [
+    dict(arch="llama"), dict(arch="gpt"), dict(arch="llama", parallel_block=True),
+    dict(arch="llama", kv_heads=2), dict(arch="gpt", parallel_block=True, kv_heads=2),
+    dict(arch="llama", tie_embeddings=True), dict(arch="llama", ffn_hidden=96),
+]
+
+
+def small(**kw):
+    base = dict(vocab_size=384, layers=2, hidden=64, heads=4, seq_len=32)
+    base.update(kw)
+    return ModelConfig(**base)
+
+
+@pytest.mark.parametrize("kw", OPTIONS)
+def test_flops_match_torch_flop_counter(kw):
+    cfg = small(**kw)
+    model = build_model(cfg, "cpu")
+    model.init_weights(0)
+    x = torch.randint(0, cfg.vocab_size, (2, cfg.seq_len))
+    with FlopCounterMode(display=False) as fc:
+        logits = model(x)
+        F.cross_entropy(logits.flatten(0, 1), x.flatten()).backward()
+    assert fc.get_total_flops() == pytest.approx(model_flops_per_token(cfg) * x.numel(),
+                                                 rel=1e-9)
+
+
+def test_windowed_and_causal_conventions():
+    cfg = small(attention_window=8)
+    f_dense = forward_flops_per_token(cfg, "dense")
+    f_causal = forward_flops_per_token(cfg, "causal")
+    # dense charges min(window, S) keys per query; causal the exact unmasked pairs.
+    assert f_dense.attn_scores == cfg.layers * 2 * cfg.hidden * 8
+    exact = sum(min(i + 1, 8) for i in range(32)) / 32
+    assert f_causal.attn_scores == pytest.approx(cfg.layers * 2 * cfg.hidden * exact)
+    # unmasked pairs counted by brute force from the mask
+    from myria.models.attention import window_mask
+    assert window_mask(32, 32, 8, "cpu").sum().item() / 32 == pytest.approx(exact)
+
+
+def test_megatron_convention_equals_published_formula():
+    cfg = ModelConfig(arch="gpt", vocab_size=51200, layers=24, hidden=2304, heads=24,
+                      seq_len=2048)
+    per_iter = model_flops_per_token(cfg, "megatron") * 512 * 2048
+    assert per_iter == pytest.approx(megatron_gpt_flops_per_iteration(512, 2048, 24, 2304, 51200),
+                                     rel=1e-12)
+
+
+def test_moe_counts_active_experts_only():
+    dense = small(arch="llama")
+    moe = small(arch="llama", experts=4, top_k=2)
+    fd, fm = forward_flops_per_token(dense), forward_flops_per_token(moe)
+    assert fm.mlp == 2 * fd.mlp and fm.router == dense.layers * 2 * 64 * 4
+
+
+@pytest.mark.parametrize("kw", OPTIONS)
+def test_param_counts_exact(kw):
+    cfg = small(**kw)
+    assert count_params(build_model(cfg, "cpu")) == param_counts(cfg).total(cfg.layers)
+
+
+def test_fused_cross_entropy_matches_reference():
+    torch.manual_seed(0)
+    h = torch.randn(70, 16, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(50, 16, dtype=torch.float64, requires_grad=True)
+    t = torch.randint(0, 50, (70,))
+    ref = F.cross_entropy(h @ w.t(), t)
+    gh, gw = torch.autograd.grad(ref * 3.0, (h, w))
+    out = fused_linear_cross_entropy(h, w, t, chunk=16)  # several chunks, a ragged last one
+    fh, fw = torch.autograd.grad(out * 3.0, (h, w))
+    assert torch.allclose(out, ref, atol=1e-12)
+    assert torch.allclose(fh, gh, atol=1e-12) and torch.allclose(fw, gw, atol=1e-12)
+    with torch.no_grad():
+        assert torch.allclose(fused_linear_cross_entropy(h, w, t), ref)
+
+
+def test_model_loss_equals_logits_loss():
+    cfg = small()
+    model = build_model(cfg, "cpu")
+    model.init_weights(3)
+    x = torch.randint(0, cfg.vocab_size, (2, cfg.seq_len))
+    y = torch.roll(x, -1, 1)
+    ref = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
+    assert torch.allclose(model(x, y), ref, atol=1e-6)
+
+
+def test_init_is_a_function_of_seed_and_name():
+    cfg = small()
+    a, b, c = (build_model(cfg, "cpu") for _ in range(3))
+    a.init_weights(5)
+    b.init_weights(5)
+    c.init_weights(6)
+    for (n, pa), pb, pc in zip(a.named_parameters(), b.parameters(), c.parameters()):
+        assert torch.equal(pa, pb), n
+        if "norm" not in n:
+            assert not torch.equal(pa, pc), n
+    # meta construction + to_empty + init gives the same values
+    m = build_model(cfg, "meta")
+    m.to_empty(device="cpu")
+    m.init_weights(5)
+    for pa, pm in zip(a.parameters(), m.parameters()):
+        assert torch.equal(pa, pm)
+
+
+def test_sliding_window_limits_attention():
+    cfg = small(attention_window=4, layers=1)
+    model = build_model(cfg, "cpu")
+    model.init_weights(0)
+    x = torch.randint(0, cfg.vocab_size, (1, cfg.seq_len))
+    x2 = x.clone()
+    x2[0, 0] = (x[0, 0] + 1) % cfg.vocab_size  # change token 0
+    out, out2 = model(x), model(x2)
+    # with one layer, positions >= window cannot see token 0
+    assert torch.allclose(out[0, 4:], out2[0, 4:], atol=1e-6)
+    assert not torch.allclose(out[0, :4], out2[0, :4])

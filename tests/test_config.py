@@ -1,0 +1,75 @@
+"""Config loading, overrides and validation errors."""
+
+import pytest
+
+from myria import config
+from myria.errors import ConfigError
+
+
+def test_defaults_validate():
+    cfg = config.load()
+    assert cfg.model.arch == "llama" and cfg.training.steps > 0
+
+
+def test_toml_and_overrides(tmp_path):
+    p = tmp_path / "c.toml"
+    p.write_text('[model]\nlayers = 3\n[training]\nsteps = 7\n')
+    cfg = config.load(p, ["--training.steps=9", "--model.arch=gpt", "--logging.tensorboard=false"])
+    assert cfg.model.layers == 3 and cfg.training.steps == 9
+    assert cfg.model.arch == "gpt" and cfg.logging.tensorboard is False
+
+
+@pytest.mark.parametrize("override,needle", [
+    ("--model.layer=3", "did you mean 'layers'"),
+    ("--modle.layers=3", "did you mean 'model'"),
+    ("--model.layers=three", "model.layers = 'three': expected an integer"),
+    ("--model.layers=0", "model.layers = 0: must be >= 1"),
+    ("--model.arch=gtp", "did you mean 'gpt'"),
+    ("--model.heads=7", "model.heads = 7 does not divide model.hidden = 256"),
+    ("--model.kv_heads=3", "model.kv_heads = 3 must divide model.heads = 8"),
+    ("--model.attention_window=999", "attention_window = 999 is larger than model.seq_len"),
+    ("--training.micro_batch=99", "exceeds training.global_batch"),
+    ("--parallel.vpp=2", "needs an interleaved schedule"),
+])
+def test_errors_name_field_value_and_valid(override, needle):
+    with pytest.raises(ConfigError) as e:
+        config.load(None, [override])
+    assert needle in str(e.value)
+
+
+def test_world_size_mismatch():
+    cfg = config.load(None, ["--parallel.tp=2", "--parallel.dp_shard=2"])
+    with pytest.raises(ConfigError, match="world size is 2"):
+        cfg.validate(2)
+    cfg = config.load(None, ["--training.global_batch=6", "--training.micro_batch=2"])
+    with pytest.raises(ConfigError, match="divisible by data-parallel ranks"):
+        cfg.validate(2)
+    assert config.resolve_layout(cfg, 3)["dp"] == 3
+
+
+def test_bad_files(tmp_path):
+    with pytest.raises(ConfigError, match="does not exist"):
+        config.load(tmp_path / "missing.toml")
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[model\nlayers=")
+    with pytest.raises(ConfigError, match="not valid TOML"):
+        config.load(bad)
+    wrong = tmp_path / "w.toml"
+    wrong.write_text("[model]\nhidden = 1.5\n")
+    with pytest.raises(ConfigError, match="model.hidden = 1.5: expected an integer"):
+        config.load(wrong)
+
+
+def test_shipped_configs_validate():
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1] / "configs"
+    files = sorted(root.glob("*.toml"))
+    assert len(files) >= 3
+    for f in files:
+        config.load(f)
+
+
+def test_describe_has_every_field_with_help():
+    text = config.describe(config.Config())
+    assert "global_batch = 16" in text and "# sequences per optimizer step" in text
