@@ -142,6 +142,7 @@ def _train(cfg: Config, run_dir: Path, env, stop_after: int | None) -> TrainResu
 
     # -- the loop --------------------------------------------------------------------------
     losses: list[float] = []
+    val = None
     step = start_step
     timer = StepTimer(sync)
     try:
@@ -174,7 +175,8 @@ def _train(cfg: Config, run_dir: Path, env, stop_after: int | None) -> TrainResu
                     "time": time.time(),
                 })
             if t.eval_interval and step % t.eval_interval == 0:
-                metrics.log_eval(step, evaluate(model, cfg, dp_rank, dp_size, dp_group,
+                val = val or TokenDataset(cfg.data.path, m.seq_len, split="val")
+                metrics.log_eval(step, evaluate(model, val, cfg, dp_rank, dp_size, dp_group,
                                                 env.device))
             stopping = stop_after is not None and step >= stop_after
             interval = cfg.checkpoint.interval
@@ -206,9 +208,9 @@ def clip_grads(model: torch.nn.Module, max_norm: float) -> float:
 
 
 @torch.no_grad()
-def evaluate(model, cfg: Config, dp_rank: int, dp_size: int, group, device) -> float:
+def evaluate(model, val: TokenDataset, cfg: Config, dp_rank: int, dp_size: int, group,
+             device) -> float:
     """Mean loss over the first `data.eval_batches` global batches of the validation split."""
-    val = TokenDataset(cfg.data.path, cfg.model.seq_len, split="val")
     g, mb = cfg.training.global_batch, cfg.training.micro_batch
     # Every rank must run the same number of forwards (FSDP gathers in each), so round down.
     n = min(val.num_samples, cfg.data.eval_batches * g) // (dp_size * mb) * (dp_size * mb)

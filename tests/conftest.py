@@ -1,0 +1,47 @@
+"""Shared fixtures: a small prepared corpus and a helper that runs the `myria` CLI."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# A model small enough that a 2-process step takes milliseconds.
+TINY = ["--model.vocab_size=1024", "--model.layers=2", "--model.hidden=64", "--model.heads=4",
+        "--model.kv_heads=2", "--model.seq_len=64", "--training.global_batch=8",
+        "--training.micro_batch=2", "--optimizer.warmup_steps=4", "--logging.tensorboard=false",
+        "--data.prefetch=2"]
+
+
+def run_cli(*args: str, env: dict | None = None, check: bool = True,
+            timeout: float = 300) -> subprocess.CompletedProcess:
+    """Run `python -m myria ARGS` in a fresh process, as a user would."""
+    e = dict(os.environ)
+    e.pop("MYRIA_FAULT", None)
+    e.update(env or {})
+    p = subprocess.run([sys.executable, "-m", "myria", *args], capture_output=True, text=True,
+                       env=e, timeout=timeout, cwd=ROOT)
+    if check and p.returncode != 0:
+        raise AssertionError(f"myria {' '.join(args)} exited {p.returncode}\n"
+                             f"stdout:\n{p.stdout[-3000:]}\nstderr:\n{p.stderr[-5000:]}")
+    return p
+
+
+def losses(run_dir: Path) -> dict[int, float]:
+    rows = [json.loads(x) for x in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r["loss"] for r in rows if "loss" in r}
+
+
+@pytest.fixture(scope="session")
+def tiny_data(tmp_path_factory) -> Path:
+    """The first 20 State of the Union speeches, 1024-token BPE."""
+    out = tmp_path_factory.mktemp("data") / "tiny"
+    run_cli("prepare", "--corpus", "demo", "--max-docs", "20", "--vocab-size", "1024",
+            "--out", str(out), "--quiet")
+    return out

@@ -1,0 +1,137 @@
+"""End-to-end training through the CLI: parity across processes, bitwise resume, bad input."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+
+from tests.conftest import TINY, losses, run_cli
+
+
+def train(run_dir, data, *extra, nproc=None, env=None, check=True):
+    args = ["train", "--run-dir", str(run_dir), f"--data.path={data}", *TINY, *extra]
+    if nproc:
+        args += ["--nproc", str(nproc)]
+    return run_cli(*args, env=env, check=check)
+
+
+def final_params(run_dir):
+    from myria.train.export import load_checkpoint_model
+    model, _, _ = load_checkpoint_model(run_dir, None)
+    return dict(model.state_dict())
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory, tiny_data):
+    """One process, 40 steps, checkpoint every 10."""
+    d = tmp_path_factory.mktemp("ref")
+    train(d, tiny_data, "--training.steps=40", "--checkpoint.interval=10")
+    return d
+
+
+@pytest.mark.slow
+def test_fsdp_two_ranks_match_one_process(tmp_path, tiny_data, reference):
+    # same schedule as the reference (40 steps), stopped after 20
+    train(tmp_path, tiny_data, "--training.steps=40", "--checkpoint.interval=0",
+          "--stop-after", "20", nproc=2)
+    ref, got = losses(reference), losses(tmp_path)
+    assert sorted(got) == list(range(1, 21))
+    for s in got:
+        assert abs(got[s] - ref[s]) <= 1e-5, (s, got[s], ref[s])
+    assert ref[40] < ref[1] - 0.5  # it learns
+
+
+@pytest.mark.slow
+def test_stop_and_resume_is_bitwise_identical(tmp_path, tiny_data):
+    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+    train(straight, tiny_data, "--training.steps=40", "--checkpoint.interval=0", nproc=2)
+    p = train(resumed, tiny_data, "--training.steps=40", "--checkpoint.interval=0",
+              "--stop-after", "20", nproc=2)
+    assert "stopped after step 20" in p.stdout
+    assert sorted(losses(resumed)) == list(range(1, 21))
+    p = train(resumed, tiny_data, "--training.steps=40", "--checkpoint.interval=0", nproc=2)
+    assert "resumed from" in p.stdout
+    a, b = losses(straight), losses(resumed)
+    assert [a[s] for s in range(1, 41)] == [b[s] for s in range(1, 41)]  # exact floats
+    pa, pb = final_params(straight), final_params(resumed)
+    assert pa.keys() == pb.keys()
+    for k in pa:
+        assert torch.equal(pa[k], pb[k]), k
+
+
+@pytest.mark.slow
+def test_resume_on_a_different_number_of_ranks(tmp_path, tiny_data, reference):
+    # 2 ranks to step 20, then 1 rank to 40: DCP reshards, the data order continues.
+    train(tmp_path / "run", tiny_data, "--training.steps=40", "--stop-after", "20",
+          "--checkpoint.interval=0", nproc=2)
+    train(tmp_path / "run", tiny_data, "--training.steps=40", "--checkpoint.interval=0")
+    ref, got = losses(reference), losses(tmp_path / "run")
+    for s in range(1, 41):
+        assert abs(got[s] - ref[s]) <= 1e-4, (s, got[s], ref[s])
+
+
+def test_more_steps_continue_a_finished_run(tmp_path, tiny_data, reference):
+    run = tmp_path / "run"
+    shutil.copytree(reference, run)
+    before = losses(run)
+    train(run, tiny_data, "--training.steps=42", "--checkpoint.interval=10")
+    after = losses(run)
+    assert max(after) == 42 and all(after[s] == before[s] for s in before)
+
+
+def test_checkpoint_of_another_model_is_refused_and_kept(tmp_path, tiny_data, reference):
+    run = tmp_path / "run"
+    shutil.copytree(reference, run)
+    listing = sorted(p.name for p in (run / "checkpoints").iterdir())
+    p = train(run, tiny_data, "--training.steps=50", "--model.hidden=128", check=False)
+    assert p.returncode == 2
+    assert "does not match the model" in p.stderr and "layers.0.attention.wq.weight" in p.stderr
+    assert "Traceback" not in p.stderr
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == listing
+
+
+def test_failed_save_keeps_previous_checkpoint(tmp_path, tiny_data):
+    p = train(tmp_path, tiny_data, "--training.steps=6", "--checkpoint.interval=2",
+              env={"MYRIA_FAULT": "diskfull:step=4"})
+    assert "No space left on device" in p.stderr
+    names = sorted(x.name for x in (tmp_path / "checkpoints").iterdir())
+    assert names == ["latest", "step_00000002", "step_00000006"]
+    assert (tmp_path / "checkpoints" / "latest").read_text().strip() == "step_00000006"
+    assert max(losses(tmp_path)) == 6
+
+
+def test_corrupt_newest_checkpoint_is_skipped(tmp_path, tiny_data):
+    train(tmp_path, tiny_data, "--training.steps=4", "--checkpoint.interval=2",
+          env={"MYRIA_FAULT": "corrupt-checkpoint:step=4"})
+    p = train(tmp_path, tiny_data, "--training.steps=6", "--checkpoint.interval=2")
+    assert "skipping checkpoint" in p.stderr
+    assert "resumed from" in p.stdout and "step 2" in p.stdout
+
+
+def test_bad_input_gets_one_clear_line(tmp_path, tiny_data):
+    p = train(tmp_path, tmp_path / "nowhere", "--training.steps=2", check=False)
+    assert p.returncode == 2 and "Traceback" not in p.stderr
+    assert "nowhere" in p.stderr and "myria prepare" in p.stderr
+    p = train(tmp_path, tiny_data, "--model.vocab_size=512", check=False)
+    assert p.returncode == 2 and "model.vocab_size = 512" in p.stderr
+    p = train(tmp_path, tiny_data, "--model.hiden=3", check=False)
+    assert p.returncode == 2 and "did you mean 'hidden'" in p.stderr
+    p = train(tmp_path, tiny_data, "--training.global_batch=6", nproc=4, check=False)
+    assert p.returncode == 2 and "divisible by data-parallel ranks (4)" in p.stderr
+
+
+def test_dry_run_prints_sizes():
+    p = run_cli("train", "--config", "configs/llama3-8b.toml", "--dry-run", "--nproc", "64")
+    assert "parameters: 8,030,261,248" in p.stdout  # Llama-3-8B's published count
+    assert "model FLOPs per token" in p.stdout and "memory per rank" in p.stdout
+
+
+def test_metrics_file_fields(reference):
+    rows = [json.loads(x) for x in (reference / "metrics.jsonl").read_text().splitlines()]
+    for key in ("step", "loss", "tokens_per_s", "mfu", "step_time_s", "data_wait_s", "lr",
+                "grad_norm"):
+        assert key in rows[0]
+    assert 0 < rows[-1]["mfu"] < 1
