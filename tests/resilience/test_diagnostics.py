@@ -1,0 +1,211 @@
+"""Tests of `myria doctor`: a healthy host passes, an injected slow or wrong GEMM is flagged.
+
+Expected figures are generous floors (a loaded 2-core host still clears them by a wide margin);
+the only time-based assertions are the pass/fail thresholds that are the feature itself.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import threading
+
+import pytest
+import torch
+
+from myria.cli import main
+from myria.errors import ConfigError
+from myria.resilience import diagnostics as dg
+from myria.resilience.collective_bench import bus_bandwidth, busbw_factor
+
+# Floors a healthy host clears even when other jobs share its cores (healthy here: GEMM
+# ~0.1-0.3 TFLOP/s, copy ~5-10 GB/s, gloo busbw ~0.5-1 GB/s, hop latency ~0.1-5 ms).
+GENEROUS = {
+    "gemm_tflops": 0.02,
+    "membw_gbs": 0.2,
+    "all_reduce_busbw_gbs": 0.005,
+    "all_to_all_busbw_gbs": 0.005,
+    "all_gather_busbw_gbs": 0.005,
+    "reduce_scatter_busbw_gbs": 0.005,
+    "neighbor_all_reduce_busbw_gbs": 0.005,
+    "p2p_latency_max_us": 1e6,
+}
+
+
+@pytest.fixture(autouse=True)
+def _clean_env(monkeypatch, tmp_path):
+    for var in (dg.FAULT_ENV, "MYRIA_HOSTS", "MYRIA_HOST_INDEX", "SLURM_STEP_NODELIST",
+                "SLURMD_NODENAME", "MYRIA_DOCTOR_PORT"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("MYRIA_CACHE", str(tmp_path / "cache"))
+
+
+def _by(report, name, rank=None):
+    found = [c for c in report.checks if c.name == name and c.rank == rank]
+    assert len(found) == 1, (name, rank, report.checks)
+    return found[0]
+
+
+# --------------------------------------------------------------------------------- quick tests
+
+
+def test_bus_bandwidth_follows_nccl_tests():
+    assert busbw_factor("all_reduce", 4) == pytest.approx(1.5)
+    assert busbw_factor("all_reduce", 2) == pytest.approx(1.0)
+    for op in ("all_to_all", "all_gather", "reduce_scatter"):
+        assert busbw_factor(op, 4) == pytest.approx(0.75)
+    assert bus_bandwidth("all_reduce", 10.0, 8) == pytest.approx(17.5)
+    with pytest.raises(ValueError):
+        busbw_factor("broadcast_all", 2)
+
+
+def test_parse_faults():
+    assert dg.parse_faults(None) == []
+    faults = dg.parse_faults("slow-gemm:rank=1, wrong-gemm,slow-gemm:fraction=0.1")
+    assert [f.describe() for f in faults] == ["slow-gemm:rank=1", "wrong-gemm",
+                                              "slow-gemm:fraction=0.1"]
+    assert faults[0].applies(1) and not faults[0].applies(0) and faults[1].applies(5)
+    for bad in ("slow_gemm", "wrong-gemm:rank=x", "wrong-gemm:step=3", "slow-gemm:fraction=2"):
+        with pytest.raises(ConfigError):
+            dg.parse_faults(bad)
+
+
+def test_gemm_correctness_flags_wrong_gemm_only_on_its_rank():
+    cpu = torch.device("cpu")
+    ok = dg.check_gemm_correctness(cpu, "float32", rank=0)
+    assert ok.status == "pass" and ok.measured < ok.expected
+    faults = dg.parse_faults("wrong-gemm:rank=1")
+    assert dg.check_gemm_correctness(cpu, "float32", rank=0, faults=faults).status == "pass"
+    bad = dg.check_gemm_correctness(cpu, "float32", rank=1, faults=faults)
+    assert bad.status == "fail"
+    assert "wrong-gemm" in bad.reason and "> bound" in bad.reason
+    assert dg.check_gemm_correctness(cpu, "bfloat16").status == "pass"
+
+
+def test_slow_gemm_runs_below_the_floor():
+    cpu = torch.device("cpu")
+    slow = dg.parse_faults("slow-gemm")[0]
+    expected = 0.05
+    tflops = dg.measure_gemm_tflops(cpu, "float32", n=256, seconds=0.0, reps=1, slow=slow,
+                                    expected_tflops=expected)
+    # The hook sleeps each GEMM up to the time it would take at 25% of the expected figure.
+    assert tflops <= 0.25 * expected * 1.001
+    c = dg._throughput_check("gemm-throughput", 0, tflops, expected, "test", 0.5, "TFLOP/s")
+    assert c.status == "fail" and "below the 50% floor" in c.reason
+
+
+def test_neighbor_grouping_and_host_lists(monkeypatch):
+    assert dg.neighbor_group(1, 0) == [0]
+    assert dg.neighbor_group(4, 3) == [2, 3]
+    assert dg.neighbor_group(5, 1) == [0, 1]
+    assert dg.neighbor_group(5, 4) == [2, 3, 4] == dg.neighbor_group(5, 2)
+    assert dg.neighbor_group(3, 0) == [0, 1, 2]
+    assert dg.expand_nodelist("gpu[08-10,12],login1,r[1-2]n[1-2]") == [
+        "gpu08", "gpu09", "gpu10", "gpu12", "login1", "r1n1", "r1n2", "r2n1", "r2n2"]
+    assert dg.discover_hosts()[0] == [socket.gethostname()]
+    monkeypatch.setenv("SLURM_STEP_NODELIST", "node[1-4]")
+    monkeypatch.setenv("SLURMD_NODENAME", "node3")
+    assert dg.discover_hosts() == (["node1", "node2", "node3", "node4"], 2,
+                                   "SLURM_STEP_NODELIST")
+    assert dg.discover_hosts(["a", "b"], 1) == (["a", "b"], 1, "--peer-hosts")
+    with pytest.raises(ConfigError):
+        dg.discover_hosts(["a", "b"], 2)
+
+
+def test_report_pass_fail_and_json_round_trip():
+    checks = [dg.Check("gemm-correctness", "pass", "ok", 0, 1e-7, 1e-4),
+              dg.Check("neighbor-all-reduce", "skip", "skipped: single host")]
+    report = dg.HostReport("h", 1, "cpu", "gloo", "float32", checks)
+    assert report.passed
+    again = dg.HostReport.from_dict(json.loads(report.to_json()))
+    assert again == report
+    report.checks.append(dg.Check("gemm-throughput", "fail", "0.01 is 5% of 0.2", 0))
+    assert not report.passed and "gemm-throughput[rank 0]" in report.summary
+    assert json.loads(report.to_json())["passed"] is False
+    assert not dg.HostReport("h", 1, "cpu", "gloo", "float32", []).passed
+
+
+def test_bad_usage_is_a_clear_error(capsys):
+    assert main(["doctor", "--expect", "gemm_tflops"]) == 2
+    assert main(["doctor", "--expect", "bogus=1"]) == 2
+    err = capsys.readouterr().err
+    assert "KEY=VALUE" in err and "unknown expected figure 'bogus'" in err
+    with pytest.raises(ConfigError):
+        dg.run_diagnostics(0)
+
+
+# ------------------------------------------------------------------ multi-process (spawned)
+
+
+def _expect_args(expected: dict[str, float]) -> list[str]:
+    return [a for k, v in expected.items() for a in ("--expect", f"{k}={v}")]
+
+
+@pytest.mark.slow
+def test_cli_healthy_host_passes_and_writes_json(tmp_path, capsys):
+    path = tmp_path / "doctor.json"
+    rc = main(["doctor", "--nproc", "2", "--json", str(path), "--collectives",
+               "all_reduce,all_to_all,all_gather,reduce_scatter", *_expect_args(GENEROUS)])
+    out = capsys.readouterr().out
+    report = json.loads(path.read_text())
+    assert rc == 0, out
+    assert report["passed"] is True and "PASS" in out and str(path) in out
+    statuses = {(c["name"], c["rank"]): c["status"] for c in report["checks"]}
+    for name in ("gemm-correctness", "gemm-throughput"):
+        assert statuses[(name, 0)] == statuses[(name, 1)] == "pass"
+    for name in ("memory-bandwidth", "all-reduce", "all-to-all", "all-gather", "reduce-scatter",
+                 "p2p-loopback"):
+        assert statuses[(name, None)] == "pass", name
+    skip = next(c for c in report["checks"] if c["name"] == "neighbor-all-reduce")
+    assert skip["status"] == "skip" and "single host" in skip["reason"]
+    ar = next(c for c in report["checks"] if c["name"] == "all-reduce")["details"]
+    assert ar["busbw_gbs"] == pytest.approx(ar["algbw_gbs"] * 2 * (2 - 1) / 2)
+    assert ar["correct"] and report["faults"] == []
+
+
+@pytest.mark.slow
+def test_injected_slow_and_wrong_gemm_are_flagged(monkeypatch, tmp_path):
+    monkeypatch.setenv(dg.FAULT_ENV, "slow-gemm:rank=0,wrong-gemm:rank=1")
+    report = dg.run_diagnostics(2, GENEROUS, timeout_s=60)
+    assert not report.passed
+    slow = _by(report, "gemm-throughput", 0)
+    assert slow.status == "fail" and "slow-gemm" in slow.reason and "floor" in slow.reason
+    assert slow.measured <= 0.25 * GENEROUS["gemm_tflops"] * 1.001
+    wrong = _by(report, "gemm-correctness", 1)
+    assert wrong.status == "fail" and "wrong-gemm" in wrong.reason
+    # Each fault hits only its rank, and nothing else fails.
+    assert _by(report, "gemm-correctness", 0).status == "pass"
+    assert _by(report, "gemm-throughput", 1).status == "pass"
+    assert {(c.name, c.rank) for c in report.failures} == {("gemm-throughput", 0),
+                                                           ("gemm-correctness", 1)}
+    assert report.faults == ["slow-gemm:rank=0", "wrong-gemm:rank=1"]
+    saved = json.loads(report.write_json(tmp_path / "r.json").read_text())
+    assert saved["passed"] is False and "FAIL" in saved["summary"]
+
+
+@pytest.mark.slow
+def test_neighbor_all_reduce_between_two_hosts():
+    # Two "hosts" on 127.0.0.1, one local rank each, run side by side as the supervisor would.
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    reports: dict[int, dg.HostReport] = {}
+
+    def host(i: int) -> None:
+        reports[i] = dg.run_diagnostics(1, GENEROUS, timeout_s=60,
+                                        peer_hosts=["127.0.0.1", "127.0.0.1"], host_index=i,
+                                        peer_port=port)
+
+    threads = [threading.Thread(target=host, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=90)
+    assert set(reports) == {0, 1}
+    for i, report in reports.items():
+        c = _by(report, "neighbor-all-reduce")
+        assert c.status == "pass", (i, c.reason)
+        assert c.details["group"] == ["127.0.0.1", "127.0.0.1"] and c.details["position"] == i
+        assert c.details["correct"] and c.details["world"] == 2
+        assert _by(report, "p2p-loopback").status == "skip"
+        assert report.passed, report.summary
