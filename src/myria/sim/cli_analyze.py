@@ -1,0 +1,92 @@
+"""`myria analyze CONFIG`: the per-operator roofline table (the "memory wall" analysis).
+
+CONFIG is a simulator run file (`[[run]]` tables or one run) or a myria training config (the
+TOML `myria train` reads); for the latter the device is --gpu (default: this CPU, measured) and
+the layout the config's [parallel] section over --nproc processes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from myria.errors import ConfigError
+from myria.sim import runspec
+from myria.sim.perf import StepResult, simulate, simulate_config
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("config", help="run TOML (simulator schema) or myria training TOML")
+    parser.add_argument("--run", default="", help="with several runs in the file: which one "
+                        "(default: the first)")
+    parser.add_argument("--gpu", default="cpu", help="device for a training config "
+                        "(a100-sxm-80gb, h100-sxm-80gb, h200, cpu)")
+    parser.add_argument("--nproc", type=int, default=1,
+                        help="processes for a training config (default 1)")
+    parser.add_argument("--sort", choices=("layer", "time"), default="layer",
+                        help="row order: as executed in a layer, or by time")
+    parser.add_argument("--json", action="store_true", help="print the rows as JSON")
+
+
+def _load(args) -> StepResult:
+    p = Path(args.config)
+    if not p.is_file():
+        raise ConfigError(f"config file {args.config!r} does not exist")
+    text = p.read_text()
+    if runspec.is_run_file(text):
+        runs = runspec.loads(text, str(p))
+        if args.run:
+            match = [r for r in runs if r.name == args.run]
+            if not match:
+                raise ConfigError(f"--run {args.run!r}: no such run; runs: "
+                                  f"{', '.join(r.name for r in runs)}")
+            run = match[0]
+        else:
+            run = runs[0]
+        return simulate(run, detail=True)
+    from myria import config as mconfig
+    from myria.sim.hardware import device_spec
+
+    cfg = mconfig.load(p)
+    return simulate_config(cfg, args.nproc, device_spec(args.gpu), detail=True)
+
+
+def run(args: argparse.Namespace) -> int:
+    res = _load(args)
+    rows = list(res.ops)
+    if args.sort == "time":
+        rows.sort(key=lambda r: -r["time_s"])
+    if args.json:
+        print(json.dumps({"name": res.name, "iteration_time_s": res.iteration_time_s,
+                          "operators": rows, "breakdown": res.breakdown}))
+        return 0
+    from rich.console import Console
+    from rich.table import Table
+
+    con = Console(width=max(120, Console().width))
+    peak = res.details["peak_tflops"]
+    eff = res.details["efficiency"]
+    tab = Table(title=f"{res.name}: operators of the critical pipeline stage, per iteration "
+                f"and device")
+    for col in ("operator", "phase", "kind", "GFLOP", "GB moved", "FLOP/byte", "bound",
+                "time ms", "share"):
+        tab.add_column(col, justify="left" if col in ("operator", "phase", "kind", "bound")
+                       else "right")
+    for r in rows:
+        inten = r["intensity"]
+        tab.add_row(r["name"], r["phase"], r["kind"], f"{r['flops'] / 1e9:,.1f}",
+                    f"{r['bytes'] / 1e9:,.2f}", "-" if inten == float("inf") or r["kind"] ==
+                    "comm" else f"{inten:,.1f}", r["bound"], f"{r['time_s'] * 1e3:,.2f}",
+                    f"{r['share']:.1%}")
+    con.print(tab)
+    comp = sum(r["share"] for r in rows if r["bound"] == "compute")
+    mem = sum(r["share"] for r in rows if r["bound"] == "memory")
+    net = sum(r["share"] for r in rows if r["kind"] == "comm")
+    con.print(f"compute-bound {comp:.1%}, memory-bound {mem:.1%}, communication (unhidden "
+              f"cost) {net:.1%} of the {res.iteration_time_s:.3f} s step; the remainder is "
+              "bubble, optimizer and data-parallel time (see `myria simulate`).")
+    con.print(f"ridge point: {peak:.0f} TFLOP/s peak x GEMM efficiency {eff['gemm']:.2f} vs "
+              f"memory bandwidth x {eff['mem']:.2f}; operators below the ridge intensity are "
+              "memory-bound.")
+    return 0

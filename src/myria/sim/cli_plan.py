@@ -1,0 +1,256 @@
+"""`myria plan`: search parallel layouts for a model on a cluster; draw pipeline schedules.
+
+The model comes from a run file (first run, or --run), a myria training config, or flags
+(--layers --hidden --heads ...). Batch, sequence and cluster come from the file or flags; flags
+win. Without a file the kernels are FlashAttention + fused ops and pipeline/data-parallel
+communication overlap is on (what current Megatron-LM / torchtitan do by default); change with
+--no-flash and --overlap.
+
+`--show-schedule out.png --pp 4 --vpp 2 --microbatches 8` only draws that schedule; with a model
+it draws the best layout's schedule with the stage times the step model predicts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+from pathlib import Path
+
+from myria.errors import ConfigError
+from myria.sim import runspec
+from myria.sim.planner import SearchSpace, plan
+from myria.sim.runspec import (
+    RunSpec,
+)
+
+
+def _ints(text: str) -> list[int]:
+    try:
+        return [int(x) for x in text.split(",") if x]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected integers separated by commas")\
+            from None
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("base", nargs="?", help="run TOML or myria training TOML giving the "
+                        "model (and batch, cluster, kernels)")
+    parser.add_argument("--run", default="", help="which run of a multi-run file")
+    g = parser.add_argument_group("model (instead of, or overriding, a file)")
+    g.add_argument("--arch", choices=("gpt", "llama"))
+    for name in ("layers", "hidden", "heads", "kv-heads", "ffn-hidden", "vocab", "experts",
+                 "top-k"):
+        g.add_argument(f"--{name}", type=int)
+    g = parser.add_argument_group("run and cluster")
+    g.add_argument("--seq-len", type=int)
+    g.add_argument("--global-batch", type=int, help="sequences per iteration")
+    g.add_argument("--gpu", help="a100-sxm-80gb, h100-sxm-80gb, h200, ...")
+    g.add_argument("--gpus", type=int, help="number of devices")
+    g.add_argument("--gpus-per-node", type=int)
+    g.add_argument("--nic-gbps", type=float)
+    g.add_argument("--topology", choices=("fat-tree", "clos3", "rail-optimized"))
+    g.add_argument("--oversubscription", type=float)
+    g.add_argument("--no-flash", action="store_true", help="no FlashAttention")
+    g.add_argument("--overlap", help="overlaps to switch on, e.g. tp,pp,dp or none")
+    g = parser.add_argument_group("search space (comma lists)")
+    g.add_argument("--tp", type=_ints)
+    g.add_argument("--pp", type=_ints)
+    g.add_argument("--cp", type=_ints)
+    g.add_argument("--ep", type=_ints)
+    g.add_argument("--vpp", type=_ints)
+    g.add_argument("--mb", type=_ints, help="micro-batch sizes")
+    g.add_argument("--recompute", help="none,selective,full")
+    g.add_argument("--zero", type=_ints, help="ZeRO stages, e.g. 0,1,3")
+    parser.add_argument("--top", type=int, default=10, help="layouts to show (default 10)")
+    parser.add_argument("--json", action="store_true", help="print the ranked layouts as JSON")
+    g = parser.add_argument_group("pipeline schedule drawing")
+    g.add_argument("--show-schedule", metavar="PNG", help="draw a pipeline schedule to PNG")
+    g.add_argument("--microbatches", type=int, help="m for --show-schedule (with one --pp)")
+    g.add_argument("--schedule", choices=("gpipe", "1f1b", "interleaved-1f1b", "zero-bubble"))
+
+
+def _base_from_args(args) -> RunSpec:
+    model: dict = {}
+    training: dict = {}
+    cluster: dict = {}
+    kernels: dict = {"flash_attention": True, "fused_ops": True}
+    overlap: dict = {"tp": False, "pp": True, "dp": True}
+    parallel: dict = {}
+    name = "plan"
+    if args.base:
+        p = Path(args.base)
+        if not p.is_file():
+            raise ConfigError(f"file {args.base!r} does not exist")
+        text = p.read_text()
+        if runspec.is_run_file(text):
+            runs = runspec.loads(text, str(p))
+            run = next((r for r in runs if r.name == args.run), None) if args.run else runs[0]
+            if run is None:
+                raise ConfigError(f"--run {args.run!r}: no such run in {args.base}")
+            model = dataclasses.asdict(run.model)
+            training = dataclasses.asdict(run.training)
+            cluster = dataclasses.asdict(run.cluster)
+            kernels = dataclasses.asdict(run.kernels)
+            overlap = dataclasses.asdict(run.overlap)
+            parallel = {"schedule": run.parallel.schedule
+                        if run.parallel.schedule in ("gpipe", "zero-bubble") else "1f1b"}
+            name = run.name
+        else:
+            from myria import config as mconfig
+
+            cfg = mconfig.load(p)
+            mc = cfg.model
+            model = dict(arch=mc.arch, layers=mc.layers, hidden=mc.hidden, heads=mc.heads,
+                         kv_heads=mc.kv_heads, ffn_hidden=mc.ffn_hidden, vocab=mc.vocab_size,
+                         seq_len=mc.seq_len, parallel_block=mc.parallel_block,
+                         attention_window=mc.attention_window, experts=mc.experts,
+                         top_k=mc.top_k, dropout=0.0,
+                         tie_embeddings="true" if mc.tie_embeddings else "false")
+            training = dict(global_batch=cfg.training.global_batch)
+            name = p.stem
+    for flag, key in (("arch", "arch"), ("layers", "layers"), ("hidden", "hidden"),
+                      ("heads", "heads"), ("kv_heads", "kv_heads"),
+                      ("ffn_hidden", "ffn_hidden"), ("vocab", "vocab"),
+                      ("experts", "experts"), ("top_k", "top_k"), ("seq_len", "seq_len")):
+        if getattr(args, flag) is not None:
+            model[key] = getattr(args, flag)
+    if args.global_batch is not None:
+        training["global_batch"] = args.global_batch
+    for flag in ("gpu", "gpus", "gpus_per_node", "nic_gbps", "topology", "oversubscription"):
+        if getattr(args, flag) is not None:
+            cluster[flag] = getattr(args, flag)
+    if args.no_flash:
+        kernels["flash_attention"] = False
+    if args.overlap is not None:
+        want = {x.strip() for x in args.overlap.split(",") if x.strip() and x != "none"}
+        bad = want - {"tp", "pp", "dp"}
+        if bad:
+            raise ConfigError(f"--overlap {args.overlap!r}: unknown {sorted(bad)}; use tp, pp, "
+                              "dp or none")
+        overlap = {k: k in want for k in ("tp", "pp", "dp")}
+    for req, what in ((model.get("layers"), "--layers (or a file)"),
+                      (model.get("hidden"), "--hidden"), (model.get("heads"), "--heads"),
+                      (training.get("global_batch"), "--global-batch"),
+                      (cluster.get("gpu"), "--gpu"), (cluster.get("gpus"), "--gpus")):
+        if not req:
+            raise ConfigError(f"myria plan needs {what}")
+    data = {"name": name, "model": model, "training": training, "cluster": cluster,
+            "kernels": kernels, "overlap": overlap, "parallel": parallel}
+    # reuse the run-file parser for types, defaults and checks; search fields are reset
+    training.pop("micro_batch", None)
+    for k in ("recompute", "zero_stage"):
+        training.pop(k, None)
+    return runspec.parse_run(data, check=False)
+
+
+def _space(args) -> SearchSpace:
+    sp = SearchSpace()
+    for f in ("tp", "pp", "cp", "ep", "vpp"):
+        if getattr(args, f):
+            setattr(sp, f, getattr(args, f))
+    if args.mb:
+        sp.micro_batch = args.mb
+    if args.recompute:
+        vals = [x.strip() for x in args.recompute.split(",")]
+        bad = [x for x in vals if x not in ("none", "selective", "full")]
+        if bad:
+            raise ConfigError(f"--recompute: {bad[0]!r} is not none, selective or full")
+        sp.recompute = vals
+    if args.zero:
+        if any(z not in (0, 1, 2, 3) for z in args.zero):
+            raise ConfigError(f"--zero {args.zero}: stages are 0, 1, 2, 3")
+        sp.zero_stage = args.zero
+    return sp
+
+
+def _draw_only(args) -> int:
+    from myria.sim.schedule_plot import draw, formula_bubble, simulate_schedule
+
+    if not args.pp or len(args.pp) != 1:
+        raise ConfigError("--show-schedule with --microbatches needs one --pp value (stages)")
+    p = args.pp[0]
+    v = args.vpp[0] if args.vpp else 1
+    m = args.microbatches
+    sched = args.schedule or ("interleaved-1f1b" if v > 1 else "1f1b")
+    slots = simulate_schedule(sched, p, v, m)
+    frac = draw(slots, p, v, m, sched, args.show_schedule)
+    print(f"{sched}: p={p} vpp={v} m={m}: bubble {frac:.1%} of stage time (closed form "
+          f"{formula_bubble(sched, p, v, m):.1%}) -> {args.show_schedule}")
+    return 0
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.show_schedule and args.microbatches:
+        return _draw_only(args)
+    base = _base_from_args(args)
+    res = plan(base, _space(args), top=args.top)
+    if args.json:
+        print(json.dumps({"evaluated": res.evaluated, "fitting": res.fitting,
+                          "seconds": res.seconds,
+                          "ranked": [r.to_json() for r in res.ranked]}))
+    else:
+        _print(base, res)
+    if args.show_schedule and res.ranked:
+        from myria.sim.schedule_plot import draw, simulate_schedule
+
+        best = res.ranked[0]
+        lay = best.layout
+        p, v, m = lay["pp"], lay["vpp"], lay["microbatches"]
+        sched = lay["schedule"] if lay["schedule"] in ("gpipe", "1f1b", "interleaved-1f1b",
+                                                       "zero-bubble") else "1f1b"
+        slots = simulate_schedule(sched, p, v, m)
+        frac = draw(slots, p, v, m, sched, args.show_schedule,
+                    title=f"best layout {_layout(lay)}: {sched}, p={p}, vpp={v}, m={m}")
+        print(f"schedule of the best layout: bubble {frac:.1%} -> {args.show_schedule}")
+    return 0
+
+
+def _layout(lay: dict) -> str:
+    s = f"tp{lay['tp']} pp{lay['pp']} dp{lay['dp']}"
+    if lay["cp"] > 1:
+        s += f" cp{lay['cp']}"
+    if lay["ep"] > 1:
+        s += f" ep{lay['ep']}"
+    if lay["vpp"] > 1:
+        s += f" v{lay['vpp']}"
+    return s + (" sp" if lay["sequence_parallel"] else "")
+
+
+def _print(base: RunSpec, res) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    con = Console(width=max(150, Console().width))
+    m = base.model
+    con.print(f"model {m.arch} {m.layers}x{m.hidden} ({m.heads} heads), seq {m.seq_len}, global "
+              f"batch {base.training.global_batch}, {base.cluster.gpus} x {base.cluster.gpu}; "
+              f"flash={base.kernels.flash_attention}, overlap tp/pp/dp="
+              f"{base.overlap.tp}/{base.overlap.pp}/{base.overlap.dp}")
+    con.print(f"{res.evaluated:,} layouts evaluated in {res.seconds:.2f} s, {res.fitting:,} fit "
+              "in memory")
+    if not res.ranked:
+        con.print("[red]no layout fits in device memory[/red]")
+        if res.best_unfitting:
+            b = res.best_unfitting
+            con.print(f"fastest layout if memory allowed: {_layout(b.layout)} needs "
+                      f"{b.memory_gb_per_gpu:.0f} GB")
+        return
+    tab = Table(title="best layouts by predicted MFU")
+    cols = ("#", "layout", "mb", "m", "recompute", "ZeRO", "iter s", "MFU", "tok/s", "mem GB",
+            "compute", "recomp", "TP", "bubble", "p2p", "DP", "other")
+    for c in cols:
+        tab.add_column(c, justify="left" if c in ("layout", "recompute") else "right")
+    for i, r in enumerate(res.ranked, 1):
+        bd, t = r.breakdown, r.iteration_time_s
+        comp = bd["compute_gemm"] + bd["compute_attention"] + bd["compute_memory_bound"]
+        named = comp + bd["recompute"] + bd["tp_comm_exposed"] + bd["pp_bubble"] + \
+            bd["pp_p2p_exposed"] + bd["dp_comm_exposed"]
+        lay = r.layout
+        tab.add_row(str(i), _layout(lay), str(lay["micro_batch"]), str(lay["microbatches"]),
+                    lay["recompute"], str(lay["zero_stage"]), f"{t:.3f}", f"{r.mfu:.1%}",
+                    f"{r.tokens_per_s:,.0f}", f"{r.memory_gb_per_gpu:.1f}", f"{comp / t:.0%}",
+                    f"{bd['recompute'] / t:.0%}", f"{bd['tp_comm_exposed'] / t:.0%}",
+                    f"{bd['pp_bubble'] / t:.0%}", f"{bd['pp_p2p_exposed'] / t:.0%}",
+                    f"{bd['dp_comm_exposed'] / t:.0%}", f"{(t - named) / t:.0%}")
+    con.print(tab)

@@ -1,0 +1,112 @@
+"""`myria simulate RUN.toml`: predict iteration time, MFU, memory and a breakdown of each run."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from myria.errors import ConfigError
+from myria.sim import runspec
+from myria.sim.perf import StepResult, simulate
+
+BREAKDOWN_LABELS = {
+    "compute_gemm": "GEMMs", "compute_attention": "attention", "compute_memory_bound":
+    "memory-bound ops", "recompute": "recompute", "tp_comm_exposed": "TP comm",
+    "cp_comm_exposed": "CP comm", "ep_comm_exposed": "EP all-to-all", "pp_p2p_exposed":
+    "PP send/recv", "pp_bubble": "PP bubble", "dp_comm_exposed": "DP comm", "optimizer":
+    "optimizer", "offload": "offload", "data_loading": "data loading",
+}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("run_file", nargs="?", help="run TOML ([[run]] tables or one run); "
+                        "default: the packaged calibration runs")
+    parser.add_argument("--json", action="store_true",
+                        help="print one JSON object per run (one per line)")
+    parser.add_argument("--run", action="append", default=[],
+                        help="simulate only the run(s) with this name (repeatable)")
+    parser.add_argument("--schema", action="store_true",
+                        help="print the run schema with every default and exit")
+
+
+def _select(runs: list[runspec.RunSpec], names: list[str]) -> list[runspec.RunSpec]:
+    if not names:
+        return runs
+    by = {r.name: r for r in runs}
+    out = []
+    for n in names:
+        if n not in by:
+            import difflib
+            close = difflib.get_close_matches(n, list(by), n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            raise ConfigError(f"--run {n!r}: no such run{hint}; runs: {', '.join(by)}")
+        out.append(by[n])
+    return out
+
+
+def measured_error(run: runspec.RunSpec, res: StepResult) -> float | None:
+    """Relative error of the predicted iteration time against `measured`, when present."""
+    t = run.measured.get("iteration_time_s") if run.measured else None
+    if isinstance(t, (int, float)) and t > 0:
+        return res.iteration_time_s / t - 1
+    return None
+
+
+def _print_table(pairs: list[tuple[runspec.RunSpec, StepResult]]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    con = Console(width=max(150, Console().width))
+    tab = Table(title="myria simulate: predicted iteration", show_lines=False)
+    for col in ("run", "layout", "iter s", "meas s", "err", "MFU", "TFLOP/s", "hw TFLOP/s",
+                "tok/s", "mem GB", "fits", "largest costs"):
+        tab.add_column(col, justify="left" if col in ("run", "layout", "largest costs")
+                       else "right")
+    errs = []
+    for run, res in pairs:
+        lay = res.layout
+        layout = (f"tp{lay['tp']} pp{lay['pp']} dp{lay['dp']}" + (f" cp{lay['cp']}" if
+                                                                   lay['cp'] > 1 else "")
+                  + (f" ep{lay['ep']}" if lay['ep'] > 1 else "")
+                  + (f" v{lay['vpp']}" if lay['vpp'] > 1 else "") + f" mb{lay['micro_batch']}")
+        err = measured_error(run, res)
+        if err is not None:
+            errs.append(abs(err))
+        t = res.iteration_time_s
+        top = sorted(res.breakdown.items(), key=lambda kv: -kv[1])[:4]
+        costs = ", ".join(f"{BREAKDOWN_LABELS[k]} {v / t:.0%}" for k, v in top if v > 0)
+        meas = run.measured.get("iteration_time_s", "") if run.measured else ""
+        tab.add_row(run.name, layout, f"{t:.3f}", f"{meas}" if meas else "-",
+                    f"{err:+.1%}" if err is not None else "-", f"{res.mfu:.1%}",
+                    f"{res.tflops_per_gpu:.0f}", f"{res.hardware_tflops_per_gpu:.0f}",
+                    f"{res.tokens_per_s:,.0f}", f"{res.memory_gb_per_gpu:.1f}",
+                    "yes" if res.fits else "NO", costs)
+    con.print(tab)
+    if errs:
+        con.print(f"mean absolute error of iteration time over {len(errs)} measured run(s): "
+                  f"{sum(errs) / len(errs):.2%}")
+    con.print("TFLOP/s and MFU count model FLOPs only; hw TFLOP/s adds recomputation "
+              "(the convention of Narayanan et al. 2021).")
+    for run, res in pairs:
+        for w in res.warnings:
+            con.print(f"[yellow]warning[/yellow] {run.name}: {w}")
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.schema:
+        print(runspec.describe())
+        return 0
+    path = args.run_file or str(runspec.calibration_path())
+    runs = _select(runspec.load(path), args.run)
+    pairs = [(r, simulate(r)) for r in runs]
+    if args.json:
+        for r, res in pairs:
+            obj = res.to_json()
+            err = measured_error(r, res)
+            if err is not None:
+                obj["measured_iteration_time_s"] = r.measured["iteration_time_s"]
+                obj["error"] = err
+            print(json.dumps(obj))
+        return 0
+    _print_table(pairs)
+    return 0

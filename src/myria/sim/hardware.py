@@ -1,0 +1,225 @@
+"""Cluster facts the simulator prices against: device ceilings, links, servers, the fabric.
+
+Device peaks (FLOP/s, memory, HBM bandwidth, NVLink) come from `myria.device`, the one table the
+live MFU meter also reads. This module adds what a device table does not hold: *achieved* link
+figures from published nccl-tests style measurements, server facts (PCIe, host memory, NVMe) for
+offload, the latency terms of the alpha-beta model, and a measured memory bandwidth for "cpu".
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from myria.device import DeviceSpec, cpu_device_spec, lookup
+from myria.errors import ConfigError
+from myria.sim.runspec import ClusterSpec
+from myria.sim.topology import Fabric
+
+# Achieved all-reduce bus bandwidth inside one 8-GPU server (ring over NVLink/NVSwitch,
+# nccl-tests convention busbw = algbw * 2(n-1)/n). DGX A100 ~230 GB/s, DGX H100 ~370 GB/s
+# (hardware.md, published nccl-tests figures). Other devices: NVLINK_RING_EFFICIENCY x the
+# per-direction NVLink rate, the A100 ratio 230/300.
+INTRA_NODE_BUSBW_GBS = {"a100-sxm-80gb": 230.0, "a100-sxm-40gb": 230.0,
+                        "h100-sxm-80gb": 370.0, "h200": 370.0}
+NVLINK_RING_EFFICIENCY = 230.0 / 300.0
+
+
+def nic_efficiency(nic_gbps: float) -> float:
+    """Achieved fraction of a NIC's line rate: HDR 24/25 GB/s, NDR 47/50 GB/s (nccl-tests)."""
+    return 0.96 if nic_gbps <= 200 else 0.94
+
+
+# Latency terms of the alpha-beta model, of the order of NCCL's own tuning model (base latency
+# per collective and per ring step over NVLink / the network). They matter only for small
+# messages; nothing here is fitted.
+ALPHA_BASE_S = 8e-6       # launch + synchronisation of one collective
+ALPHA_INTRA_S = 1.0e-6    # one step (hop) over NVLink
+ALPHA_INTER_S = 5.0e-6    # one step (hop) across the network
+
+# fp8 tensor-core peak is twice the dense bf16 peak on Hopper (hardware.md: 1,979 vs 989); the
+# A100 has no fp8 tensor cores, so fp8 runs at the bf16 rate there.
+FP8_DEVICES = ("h100-sxm-80gb", "h200", "h800-sxm-80gb")
+
+
+@dataclass(frozen=True)
+class ServerSpec:
+    """Host-side facts of a server, used by the offload (ZeRO-Offload/Infinity) model."""
+
+    pcie_gbs: float            # achieved host<->device bandwidth per GPU, one direction
+    host_memory_gb: float      # per server
+    host_memory_bw_gbs: float  # per server, achieved
+    nvme_gb: float             # per server
+    nvme_gbs: float            # per server, aggregate read/write
+
+
+# DGX A100: PCIe Gen4 x16 (~32 GB/s line, 80% achieved), 1 TB DDR4 on 2 x 8 channels of
+# DDR4-3200 (410 GB/s peak, ~70% achieved), 15 TB of NVMe at ~25 GB/s aggregate.
+# DGX H100: PCIe Gen5 (~64 GB/s line), 2 TB DDR5 on 2 x 8 channels of DDR5-4800 (614 GB/s
+# peak), 30 TB of NVMe. These are datasheet-derived, not calibrated.
+SERVERS = {
+    "ampere": ServerSpec(pcie_gbs=25.6, host_memory_gb=1000, host_memory_bw_gbs=290,
+                         nvme_gb=15000, nvme_gbs=25),
+    "hopper": ServerSpec(pcie_gbs=51.2, host_memory_gb=2000, host_memory_bw_gbs=430,
+                         nvme_gb=30000, nvme_gbs=50),
+}
+
+
+@dataclass(frozen=True)
+class Hardware:
+    """Everything the step model needs about one cluster, in SI units (FLOP/s, bytes/s)."""
+
+    device: str
+    peak_flops: float          # dense peak for the run's precision
+    mem_bw: float              # HBM (or DRAM) bandwidth, bytes/s
+    memory_bytes: float        # per device
+    measured: bool             # peaks are measured, hence already achievable (efficiency 1)
+    gpus: int
+    gpus_per_node: int
+    nics_per_node: int
+    nic_gbps: float
+    nic_bw: float              # achieved bytes/s per NIC
+    intra_busbw: float         # achieved all-reduce bus bandwidth inside a server, bytes/s
+    intra_p2p: float           # achieved one-direction bandwidth between two GPUs of a server
+    server: ServerSpec
+    fabric: Fabric
+
+    @property
+    def nodes(self) -> int:
+        return max(1, self.gpus // self.gpus_per_node)
+
+    def nic_share(self) -> float:
+        """NIC bandwidth per device when every device of a server sends at once."""
+        return self.nic_bw * min(1.0, self.nics_per_node / self.gpus_per_node)
+
+
+# -- CPU memory bandwidth, measured once and cached --------------------------------------------
+def _cache_path() -> Path:
+    root = Path(os.environ.get("MYRIA_CACHE", Path.home() / ".cache" / "myria"))
+    return root / "cpu_membw.json"
+
+
+def measure_memory_bandwidth(mbytes: int = 64, seconds: float = 0.5) -> float:
+    """Best achieved copy bandwidth of this CPU in GB/s (bytes read + bytes written)."""
+    import numpy as np
+
+    n = mbytes * 2**20 // 8
+    a = np.ones(n)
+    b = np.empty_like(a)
+    np.copyto(b, a)
+    best, deadline = 0.0, time.perf_counter() + seconds
+    while True:
+        t0 = time.perf_counter()
+        np.copyto(b, a)
+        dt = time.perf_counter() - t0
+        best = max(best, 2 * a.nbytes / dt / 1e9)
+        if time.perf_counter() > deadline:
+            return best
+
+
+def cpu_memory_bandwidth(refresh: bool = False) -> float:
+    """This host's copy bandwidth in GB/s, measured once and cached under ~/.cache/myria."""
+    path = _cache_path()
+    key = f"{platform.node()}|{platform.processor() or platform.machine()}"
+    cache: dict = {}
+    if path.exists():
+        try:
+            cache = json.loads(path.read_text())
+        except (OSError, ValueError):
+            cache = {}
+    if not refresh and key in cache:
+        return float(cache[key])
+    bw = measure_memory_bandwidth()
+    cache[key] = bw
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(cache))
+        tmp.replace(path)
+    except OSError:
+        pass
+    return bw
+
+
+def _host_memory_gb() -> float:
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemTotal"):
+                return int(line.split()[1]) * 1024 / 1e9
+    except OSError:
+        pass
+    return 16.0
+
+
+def device_spec(name: str, cluster: ClusterSpec | None = None) -> DeviceSpec:
+    """The DeviceSpec of `name` ("cpu" measured here unless the run file gives its figures)."""
+    if name.lower() == "cpu":
+        peak = cluster.peak_tflops if cluster and cluster.peak_tflops else 0.0
+        bw = cluster.memory_bw_gbs if cluster and cluster.memory_bw_gbs else 0.0
+        if not peak:
+            peak = cpu_device_spec().peak_fp32_tflops
+        if not bw:
+            bw = cpu_memory_bandwidth()
+        mem = cluster.memory_gb if cluster and cluster.memory_gb else _host_memory_gb()
+        return DeviceSpec("cpu", peak, peak, mem, bw, 0.0, source="measured")
+    spec = lookup(name)
+    if spec is None:
+        import difflib
+
+        from myria.device import DEVICES
+        close = difflib.get_close_matches(name.lower(), list(DEVICES) + ["cpu"], n=1)
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        raise ConfigError(f"cluster.gpu = {name!r}: unknown device{hint}; known: "
+                          f"{', '.join(list(DEVICES) + ['cpu'])}")
+    return spec
+
+
+def build_hardware(cluster: ClusterSpec, precision: str = "bf16",
+                   spec: DeviceSpec | None = None) -> Hardware:
+    """Resolve a run's [cluster] section (with documented defaults) into a Hardware."""
+    spec = spec or device_spec(cluster.gpu, cluster)
+    is_cpu = spec.name == "cpu"
+    measured = spec.source.startswith("measured")
+    if precision == "fp32":
+        peak = spec.peak_fp32_tflops
+    else:
+        peak = spec.peak_bf16_tflops * (2.0 if precision == "fp8" and spec.name in FP8_DEVICES
+                                        else 1.0)
+    if cluster.peak_tflops:
+        peak = cluster.peak_tflops
+    mem_bw = cluster.memory_bw_gbs or spec.memory_bw_gbs
+    memory = cluster.memory_gb or spec.memory_gb
+    if is_cpu:
+        mem_bw = mem_bw or cpu_memory_bandwidth()
+        memory = memory or _host_memory_gb()
+    if not peak or not mem_bw:
+        raise ConfigError(f"cluster.gpu = {spec.name!r}: no peak FLOP/s or memory bandwidth; "
+                          "give cluster.peak_tflops and cluster.memory_bw_gbs")
+    gpn = min(cluster.gpus_per_node, cluster.gpus)
+    nics = cluster.nics_per_node or gpn
+    hopper = spec.name in FP8_DEVICES
+    nic_gbps = cluster.nic_gbps or (400.0 if hopper else 200.0)
+    nic_bw = nic_gbps / 8 * nic_efficiency(nic_gbps) * 1e9
+    if cluster.intra_node_gbs:
+        intra = cluster.intra_node_gbs
+    elif is_cpu:
+        # Placeholder until the CPU self-check calibrates gloo: a quarter of the copy bandwidth.
+        intra = mem_bw / 4
+    else:
+        intra = INTRA_NODE_BUSBW_GBS.get(spec.name, NVLINK_RING_EFFICIENCY * spec.nvlink_gbs)
+    # A point-to-point transfer inside a server reaches the same fraction of the link.
+    intra_p2p = intra if is_cpu or not spec.nvlink_gbs else \
+        NVLINK_RING_EFFICIENCY * spec.nvlink_gbs
+    nodes = max(1, cluster.gpus // gpn)
+    fabric = Fabric(kind=cluster.topology, nodes=nodes, gpus_per_node=gpn, nics_per_node=nics,
+                    oversubscription=cluster.oversubscription, routing=cluster.routing,
+                    flows_per_pair=cluster.flows_per_pair, radix=cluster.switch_radix)
+    return Hardware(device=spec.name, peak_flops=peak * 1e12, mem_bw=mem_bw * 1e9,
+                    memory_bytes=memory * 1e9, measured=measured, gpus=cluster.gpus,
+                    gpus_per_node=gpn, nics_per_node=nics, nic_gbps=nic_gbps, nic_bw=nic_bw,
+                    intra_busbw=intra * 1e9, intra_p2p=intra_p2p * 1e9,
+                    server=SERVERS["hopper" if hopper else "ampere"], fabric=fabric)

@@ -1,0 +1,194 @@
+"""Memory per device: weights, gradients, optimizer state under ZeRO 0-3, activations, buffers.
+
+Activations are enumerated tensor by tensor, as Korthikanti et al. 2022 ("Reducing Activation
+Recomputation in Large Transformer Models", section 4) count them: for the GPT layer with
+dropout, 16-bit activations and no parallelism this gives s*b*h*(34 + 5*a*s/h) bytes per layer,
+with tensor parallelism s*b*h*(10 + 24/t + 5*a*s/(h*t)), with sequence parallelism everything
+/t; selective recomputation drops the 5*a*s/h term (the attention core), full recomputation keeps
+only each layer's input. FlashAttention never stores the score matrix (only a log-sum-exp per
+query and head). In-flight microbatches on the first pipeline stage: GPipe all m; 1F1B and
+zero-bubble ZB-H1/ZB-V min(m, p); interleaved 1F1B a further factor 1 + (p-1)/(p*v)
+(Korthikanti et al. section 4.2.3).
+
+Model state per parameter (mixed precision, Rajbhandari et al. 2020 "ZeRO"): 2-byte weights,
+4-byte gradients (Megatron-LM accumulates and reduces gradients in an fp32 buffer), 12 bytes of
+Adam/LAMB state (fp32 master weights, two moments). ZeRO-1 shards the optimizer state over the
+data-parallel ranks, ZeRO-2 also the gradients, ZeRO-3 (FSDP) also the weights, which are then
+gathered one layer at a time (two layers in flight with prefetch).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+from myria.models.flops import param_counts
+from myria.sim.operators import LayerShape
+
+RESERVED_BYTES = 1.5e9    # CUDA context, cuBLAS workspaces, NCCL buffers (not calibrated)
+FRAGMENTATION = 0.05      # allocator fragmentation, as a share of the dynamic memory
+
+
+def layer_activation_bytes(shape: LayerShape, recompute: str) -> float:
+    """Bytes one layer keeps for its backward pass, per microbatch, on one device."""
+    e, tp, h = shape.act_bytes, shape.tp, shape.hidden
+    T = shape.micro_batch * shape.seq_len / shape.cp
+    Tsp = T / tp if shape.sp else T
+    if recompute == "full":
+        return e * Tsp * h  # the layer's input only
+    hd = shape.head_dim
+    q, kv = shape.heads * hd, shape.kv_heads * hd
+    ffn = shape.ffn
+    gpt = shape.arch == "gpt"
+    p = shape.dropout
+    mask = Tsp * h if p else 0.0               # 1-byte dropout masks
+    total = 0.0
+    # attention block: norm input, QKV input, Q, K, V, output-projection input, dropout mask
+    total += e * Tsp * h + e * Tsp * h
+    total += e * T * (q + 2 * kv) / tp + e * T * q / tp + mask
+    if shape.flash:
+        total += 4 * T * shape.heads / tp      # log-sum-exp per query and head
+    elif recompute != "selective":
+        n_scores = shape.micro_batch * shape.heads / tp * (shape.seq_len / shape.cp) * \
+            shape.seq_len
+        total += e * n_scores                  # softmax output
+        if p:
+            total += n_scores * (1 + e)        # dropout mask and dropout output
+    # MLP block
+    n_in = 1 if gpt else 2
+    if not shape.parallel_block:
+        total += e * Tsp * h                   # MLP norm input
+    if shape.experts:
+        cf = shape.capacity_factor or 1.0
+        routed = T * shape.top_k * cf / tp
+        total += e * Tsp * h + 4 * Tsp * shape.experts           # router input and probs
+        total += e * routed * h                                  # permuted expert input
+        total += e * routed * ffn / tp * (n_in + 1)              # activation in/out
+    else:
+        if not shape.parallel_block:
+            total += e * Tsp * h               # FC1 input
+        total += e * T * ffn / tp * (n_in + 1)  # activation input(s) and FC2 input
+    total += mask
+    return total
+
+
+def head_activation_bytes(shape: LayerShape, first: bool, last: bool) -> float:
+    """Activations of the embedding (first stage) and output layer (last stage), one microbatch."""
+    e, tp = shape.act_bytes, shape.tp
+    T = shape.micro_batch * shape.seq_len / shape.cp
+    Tsp = T / tp if shape.sp else T
+    total = 0.0
+    if first and shape.dropout:
+        total += Tsp * shape.hidden            # embedding dropout mask
+    if last:
+        # final norm input, logits (16-bit) and their fp32 copy for the cross-entropy
+        total += e * Tsp * shape.hidden + (e + 4) * T * shape.vocab / tp
+    return total
+
+
+def in_flight_microbatches(schedule: str, p: int, v: int, m: int) -> float:
+    """Microbatches whose activations the first stage holds at its peak (in units of its layers)."""
+    if p <= 1:
+        return 1.0
+    if schedule == "gpipe":
+        return float(m)
+    base = float(min(m, p))
+    if schedule == "interleaved-1f1b" and v > 1:
+        return base * (1 + (p - 1) / (p * v))
+    return base
+
+
+@dataclass
+class MemoryResult:
+    """Peak memory of the busiest device, in bytes, by kind."""
+
+    weights: float
+    gradients: float
+    optimizer: float
+    activations: float
+    temporary: float
+    reserved: float
+    total: float
+    capacity: float
+    fits: bool
+    stage: str                 # which pipeline stage is the peak: first | last | only
+    params_per_device: float
+    host_bytes_per_node: float = 0.0   # offloaded state per server (cpu or nvme)
+    host_fits: bool = True
+
+    def gb(self) -> dict:
+        """The sizes in GB (1e9 bytes): weights ... total, capacity, host_per_node."""
+        d = asdict(self)
+        out = {k: d[k] / 1e9 for k in ("weights", "gradients", "optimizer", "activations",
+                                       "temporary", "reserved", "total", "capacity")}
+        out["host_per_node"] = self.host_bytes_per_node / 1e9
+        return out
+
+
+def stage_params(shape: LayerShape, layers_on_stage: float, first: bool, last: bool,
+                 ep: int) -> tuple[float, float]:
+    """(dense, expert) parameters held by one device of a stage."""
+    cfg = shape.model_config()
+    pc = param_counts(cfg)
+    tp = shape.tp
+    dense = layers_on_stage * pc.per_layer_dense / tp
+    experts = layers_on_stage * pc.per_layer_experts / (tp * ep)
+    if first:
+        dense += pc.embedding / tp + pc.positional
+    if last:
+        dense += pc.final_norm + (pc.head / tp if pc.head else 0.0)
+        if not pc.head and not first:
+            dense += pc.embedding / tp  # tied output layer: the last stage keeps a copy
+    return dense, experts
+
+
+def memory(shape: LayerShape, *, layers: int, pp: int, vpp: int, microbatches: int,
+           schedule: str, recompute: str, zero_stage: int, dp: int, ep: int, precision: str,
+           offload: str, capacity: float, gpus_per_node: int) -> MemoryResult:
+    """Peak memory over the pipeline stages of one device (the first and last stage differ)."""
+    mixed = precision != "fp32"
+    w_b = 2 if mixed else 4
+    g_b = 4
+    o_b = 12 if mixed else 8
+    shard = max(1, dp)                 # ZeRO shards over the gradient-reduction ranks (dp x cp)
+    expert_shard = max(1, dp // ep)
+    per_stage = layers / pp
+    a_layer = layer_activation_bytes(shape, recompute)
+    results = []
+    stages = [("only", True, True)] if pp == 1 else [("first", True, False),
+                                                     ("last", False, True)]
+    for name, first, last in stages:
+        dense, expert = stage_params(shape, per_stage, first, last, ep)
+        w = dense * w_b + expert * w_b
+        g = dense * g_b + expert * g_b
+        o = dense * o_b + expert * o_b
+        temp = 0.0
+        if zero_stage >= 1:
+            o = dense * o_b / shard + expert * o_b / expert_shard
+        if zero_stage >= 2:
+            g = dense * g_b / shard + expert * g_b / expert_shard
+            # one layer's full gradient is produced before it is reduced and scattered
+            temp += (dense + expert) / per_stage * g_b
+        if zero_stage >= 3:
+            w = dense * w_b / shard + expert * w_b / expert_shard
+            temp += 2 * (dense + expert) / per_stage * w_b   # gathered layers (prefetch)
+        host = 0.0
+        if offload != "none":
+            host = o * gpus_per_node
+            o = 0.0
+            if zero_stage >= 3:
+                host += w * gpus_per_node
+                w = 0.0
+        in_flight = in_flight_microbatches(schedule, pp, vpp, microbatches)
+        if pp == 1:
+            in_flight = 1.0
+        act = per_stage * in_flight * a_layer
+        act += head_activation_bytes(shape, first, last) * (1 if last else in_flight)
+        if recompute == "full":
+            # the one layer being recomputed holds its full activations during its backward
+            temp += layer_activation_bytes(shape, "none")
+        dynamic = w + g + o + act + temp
+        total = dynamic * (1 + FRAGMENTATION) + RESERVED_BYTES
+        results.append(MemoryResult(w, g, o, act, temp + dynamic * FRAGMENTATION,
+                                    RESERVED_BYTES, total, capacity, total <= capacity, name,
+                                    dense + expert, host))
+    return max(results, key=lambda r: r.total)

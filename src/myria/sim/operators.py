@@ -1,0 +1,483 @@
+"""Per-operator roofline: FLOPs, bytes moved, intensity and time of every operator of a layer.
+
+FLOPs come from `myria.models.flops` (the one source of truth); this module adds the bytes each
+kernel moves through device memory, the GEMM shapes, and the time a kernel takes on a device:
+
+    t = max(FLOPs / (peak * E_GEMM * shape(M, N, K)),  bytes / (bandwidth * E_MEM)) + overhead
+
+for matrix products and FlashAttention, and bytes / (bandwidth * E_MEM) + overhead for the
+memory-bound rest (norms, activations, softmax, dropout, residual adds, cross-entropy). The
+shape factor d / (d + GEMM_HALF_DIM) of each GEMM dimension is the share of a kernel's time spent
+on useful tiles (tile padding, pipeline prologue/epilogue are amortised over long dimensions).
+The four constants are the calibrated ones (see `Efficiency` and docs/performance_model.md);
+on a device whose peaks were *measured* (the CPU) both efficiencies are 1.
+
+Fused kernels (Megatron-LM's bias+GELU, bias+dropout+add, scale+mask+softmax) read and write a
+tensor once instead of once per elementwise step; FlashAttention never writes the score matrix
+and, being block-sparse over the causal mask, does only the unmasked half of the work.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from functools import lru_cache
+
+from myria.config import ModelConfig
+from myria.models.flops import ForwardFlops, forward_flops_per_token
+
+
+@dataclass(frozen=True)
+class Efficiency:
+    """The calibrated constants of the roofline (fitted on calibration_runs.toml only)."""
+
+    gemm: float = 0.70            # E_GEMM: best fraction of the dense tensor-core peak
+    half_dim: float = 32.0        # GEMM_HALF_DIM: a GEMM dimension reaching half efficiency
+    mem: float = 0.85             # E_MEM: achievable fraction of the HBM bandwidth
+    kernel_overhead_s: float = 3e-6   # fixed time per kernel (launch + tail)
+
+
+DEFAULT_EFFICIENCY = Efficiency()
+MEASURED_EFFICIENCY = Efficiency(gemm=1.0, half_dim=0.0, mem=1.0, kernel_overhead_s=10e-6)
+
+
+@dataclass
+class Op:
+    """One kernel (or collective) of one layer for one microbatch on one device."""
+
+    name: str
+    kind: str                  # gemm | attn (fused flash kernel) | mem | comm
+    phase: str                 # fwd | bwd
+    flops: float = 0.0
+    bytes: float = 0.0
+    dims: tuple = ()           # (M, N, K) of one product; K is the reduction dimension
+    batch: int = 1             # independent products in one kernel (batched GEMM)
+    wgrad: bool = False        # a weight-gradient product (deferrable in zero-bubble schedules)
+    attn_core: bool = False    # part of the attention core (recomputed by selective recompute)
+    coll: str = ""             # collective for comm ops: allreduce, all_gather, ...
+    group: str = ""            # tp | cp | ep
+    pair: str = ""             # GEMM this collective can hide behind when overlap is on
+    always_overlap: bool = False
+    category: str = ""         # gemm | attention | memory | tp | cp | ep (for breakdowns)
+    time: float = 0.0
+    bound: str = ""
+
+    @property
+    def intensity(self) -> float:
+        return self.flops / self.bytes if self.bytes else float("inf")
+
+
+@dataclass(frozen=True)
+class LayerShape:
+    """Everything that fixes a layer's operators on one device (hashable, so it caches)."""
+
+    arch: str
+    hidden: int
+    heads: int
+    kv_heads: int
+    ffn: int
+    vocab: int
+    seq_len: int
+    window: int
+    experts: int
+    top_k: int
+    capacity_factor: float
+    parallel_block: bool
+    layers: int
+    micro_batch: int
+    tp: int = 1
+    cp: int = 1
+    ep: int = 1
+    sp: bool = False
+    flash: bool = False
+    fused: bool = True
+    dropout: float = 0.0
+    act_bytes: int = 2
+    fp8: bool = False
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden // self.heads
+
+    def model_config(self) -> ModelConfig:
+        return ModelConfig(arch=self.arch, vocab_size=self.vocab, layers=self.layers,
+                           hidden=self.hidden, heads=self.heads, kv_heads=self.kv_heads,
+                           ffn_hidden=self.ffn, seq_len=self.seq_len,
+                           parallel_block=self.parallel_block, attention_window=self.window,
+                           experts=self.experts, top_k=self.top_k if self.experts else 1,
+                           capacity_factor=self.capacity_factor)
+
+
+def layer_shape(cfg: ModelConfig, micro_batch: int, *, tp: int = 1, cp: int = 1, ep: int = 1,
+                sp: bool = False, flash: bool = False, fused: bool = True, dropout: float = 0.0,
+                act_bytes: int = 2, fp8: bool = False) -> LayerShape:
+    """The LayerShape of a ModelConfig under a parallel layout and kernel choices."""
+    return LayerShape(arch=cfg.arch, hidden=cfg.hidden, heads=cfg.heads, kv_heads=cfg.n_kv_heads,
+                      ffn=cfg.ffn_dim, vocab=cfg.vocab_size, seq_len=cfg.seq_len,
+                      window=cfg.attention_window, experts=cfg.experts, top_k=cfg.top_k,
+                      capacity_factor=cfg.capacity_factor, parallel_block=cfg.parallel_block,
+                      layers=cfg.layers, micro_batch=micro_batch, tp=tp, cp=cp, ep=ep,
+                      sp=sp and tp > 1, flash=flash, fused=fused, dropout=dropout,
+                      act_bytes=act_bytes, fp8=fp8)
+
+
+def _per_layer_flops(shape: LayerShape) -> tuple[ForwardFlops, ForwardFlops]:
+    """Forward FLOPs per token of one layer: (GEMMs as counted, attention as executed)."""
+    cfg = shape.model_config()
+    L = shape.layers
+    gem = forward_flops_per_token(cfg, "dense")
+    if shape.flash:
+        # block-sparse kernels skip fully masked blocks: the causal (and windowed) count
+        att = forward_flops_per_token(cfg, "causal")
+    else:
+        # a materialised score matrix is computed in full, whatever the mask
+        att = forward_flops_per_token(dataclasses.replace(cfg, attention_window=0), "dense")
+    scale = lambda f: ForwardFlops(**{k: v / L for k, v in f.as_dict().items()})
+    return scale(gem), scale(att)
+
+
+# -- building blocks --------------------------------------------------------------------------
+GRAD_ACC_BYTES = 4   # weight gradients accumulate into fp32 main-grad buffers (Megatron-LM)
+
+
+def _gemm(name: str, m: float, n: float, k: float, flops: float, e: int, cat: str = "gemm",
+          bias: bool = False) -> tuple[Op, list[Op]]:
+    """A linear layer y = x W (M x K times K x N): its forward op and its two backward ops."""
+    fwd = Op(name, "gemm", "fwd", flops, e * (m * k + k * n + m * n) + (e * n if bias else 0),
+             (m, n, k), category=cat)
+    dgrad = Op(name + ".dgrad", "gemm", "bwd", flops, e * (m * n + k * n + m * k), (m, k, n),
+               category=cat)
+    wgrad = Op(name + ".wgrad", "gemm", "bwd", flops,
+               e * (m * k + m * n) + 2 * GRAD_ACC_BYTES * k * n, (k, n, m), wgrad=True,
+               category=cat)
+    return fwd, [dgrad, wgrad]
+
+
+def _mem(name: str, fwd_bytes: float, bwd_bytes: float, flops: float = 0.0,
+         attn_core: bool = False, cat: str = "memory") -> tuple[Op, list[Op]]:
+    return (Op(name, "mem", "fwd", flops, fwd_bytes, attn_core=attn_core, category=cat),
+            [Op(name + ".bwd", "mem", "bwd", flops, bwd_bytes, attn_core=attn_core,
+                category=cat)] if bwd_bytes else [])
+
+
+def _comm(name: str, phase: str, coll: str, size: float, group: str, pair: str = "",
+          always: bool = False) -> Op:
+    return Op(name, "comm", phase, 0.0, size, coll=coll, group=group, pair=pair,
+              always_overlap=always, category=group)
+
+
+def layer_ops(shape: LayerShape) -> list[Op]:
+    """Forward and backward operators of one transformer layer, for one microbatch, per device.
+
+    Tokens on a device: T = micro_batch * seq_len / cp. With tensor parallelism the GEMMs and the
+    attention are split over tp ranks; norms, dropout and residual adds are replicated over the
+    tp ranks unless sequence parallelism shards them (Korthikanti et al. 2022, section 4.2.2).
+    """
+    e, tp, h = shape.act_bytes, shape.tp, shape.hidden
+    T = shape.micro_batch * shape.seq_len / shape.cp
+    Tsp = T / tp if shape.sp else T
+    hd = shape.head_dim
+    q_dim, kv_dim = shape.heads * hd, shape.kv_heads * hd
+    ffn = shape.ffn
+    gpt = shape.arch == "gpt"
+    p = shape.dropout
+    gem, att = _per_layer_flops(shape)
+    fwd: list[Op] = []
+    bwd: list[list[Op]] = []
+
+    def add(pair):
+        fwd.append(pair[0])
+        bwd.append(pair[1])
+
+    def norm(name):
+        # read x, write y (fwd); read x, dy, write dx (bwd)
+        add(_mem(name, 2 * e * Tsp * h, 3 * e * Tsp * h, 5 * Tsp * h))
+
+    def residual(name, with_bias):
+        # [bias +] dropout + residual add: fused = one pass; else one pass per step
+        mask = Tsp * h if p else 0.0
+        if shape.fused:
+            f, b = 3 * e * Tsp * h + mask, 3 * e * Tsp * h + mask
+        else:
+            steps = (2 if with_bias else 0) + (2 if p else 0) + 3
+            f = steps * e * Tsp * h + mask
+            b = ((3 if p else 0) + 3) * e * Tsp * h + mask
+        add(_mem(name, f, b, 2 * Tsp * h))
+
+    def tp_in(name, pair, conj_pair, wgrad_pair):
+        """Collective entering a column-parallel GEMM (SP all-gather / bwd all-reduce)."""
+        if tp == 1:
+            return
+        size = T * h * e
+        if shape.sp:
+            fwd.append(_comm(name + ".ag", "fwd", "all_gather", size, "tp", pair))
+            bwd.append([_comm(name + ".rs.bwd", "bwd", "reduce_scatter", size, "tp", conj_pair),
+                        _comm(name + ".ag.bwd", "bwd", "all_gather", size, "tp", conj_pair,
+                              always=True)])
+        else:
+            bwd.append([_comm(name + ".ar.bwd", "bwd", "allreduce", size, "tp", wgrad_pair)])
+
+    def tp_out(name, pair, conj_pair):
+        """Collective leaving a row-parallel GEMM (all-reduce, or SP reduce-scatter)."""
+        if tp == 1:
+            return
+        size = T * h * e
+        if shape.sp:
+            fwd.append(_comm(name + ".rs", "fwd", "reduce_scatter", size, "tp", pair))
+            bwd.append([_comm(name + ".ag.bwd", "bwd", "all_gather", size, "tp", conj_pair)])
+        else:
+            fwd.append(_comm(name + ".ar", "fwd", "allreduce", size, "tp", ""))
+
+    n_in = 2 if not gpt else 1                 # SwiGLU has gate and up projections
+    n_mats = n_in + 1
+    dense_mlp = not shape.experts
+    mlp_in_flops = gem.mlp * n_in / n_mats * T / tp
+    mlp_out_flops = gem.mlp / n_mats * T / tp
+
+    # -- attention block ---------------------------------------------------------------------
+    norm("attn_norm")
+    if shape.parallel_block and dense_mlp:
+        tp_in("qkv_fc1", "qkv_fc1", "qkv_fc1.dgrad", "qkv_fc1.wgrad")
+        add(_gemm("qkv_fc1", T, (q_dim + 2 * kv_dim + n_in * ffn) / tp, h,
+                  gem.qkv * T / tp + mlp_in_flops, e, bias=gpt))
+    else:
+        tp_in("qkv", "qkv", "qkv.dgrad", "qkv.wgrad")
+        add(_gemm("qkv", T, (q_dim + 2 * kv_dim) / tp, h, gem.qkv * T / tp, e, bias=gpt))
+    if not gpt:
+        passes = 1 if shape.fused else 3
+        rope = 2 * e * T * (q_dim + kv_dim) / tp * passes
+        add(_mem("rope", rope, rope, 6 * T * (q_dim + kv_dim) / tp))
+    heads = shape.heads / tp
+    b = shape.micro_batch
+    s_q, s_kv = shape.seq_len / shape.cp, shape.seq_len
+    attn_flops = (att.attn_scores + att.attn_values) * T / tp
+    if shape.flash:
+        qkvo = e * T * (2 * q_dim + 2 * kv_dim) / tp * (1 if shape.cp == 1 else 1.0)
+        lse = 4 * T * heads
+        fwd.append(Op("flash_attn", "attn", "fwd", attn_flops, qkvo + lse, (s_q, s_kv, hd),
+                      batch=int(b * heads), attn_core=True, category="attention"))
+        # FlashAttention-2 backward: five matrix products against the forward's two (2.5x
+        # FLOPs); reads Q, K, V, O, dO and writes dQ, dK, dV
+        bwd.append([Op("flash_attn.bwd", "attn", "bwd", 2.5 * attn_flops,
+                       2 * qkvo + qkvo / 2 + lse, (s_q, s_kv, hd), batch=int(b * heads),
+                       attn_core=True, category="attention")])
+    else:
+        n_scores = b * heads * s_q * s_kv
+        # QK^T: [s_q x hd] x [hd x s_kv] per head; K, V are expanded to every query head
+        sc_flops = att.attn_scores * T / tp
+        f = Op("attn_scores", "gemm", "fwd", sc_flops,
+               e * (b * heads * (s_q + s_kv) * hd + n_scores), (s_q, s_kv, hd),
+               batch=int(b * heads), attn_core=True, category="attention")
+        fwd.append(f)
+        bwd.append([dataclasses.replace(f, name="attn_scores.dq", phase="bwd",
+                                        dims=(s_q, hd, s_kv)),
+                    dataclasses.replace(f, name="attn_scores.dk", phase="bwd",
+                                        dims=(s_kv, hd, s_q))])
+        # scale + causal mask + softmax (fp16 in, fp16 out; fp32 inside the fused kernel)
+        passes_f, passes_b = (2, 3) if shape.fused else (6, 7)
+        add(_mem("softmax", passes_f * e * n_scores, passes_b * e * n_scores, 5 * n_scores,
+                 attn_core=True, cat="attention"))
+        if p:
+            add(_mem("attn_dropout", (2 * e + 1) * n_scores, (2 * e + 1) * n_scores,
+                     n_scores, attn_core=True, cat="attention"))
+        pv_flops = att.attn_values * T / tp
+        f = Op("attn_values", "gemm", "fwd", pv_flops,
+               e * (n_scores + b * heads * (s_kv + s_q) * hd), (s_q, hd, s_kv),
+               batch=int(b * heads), attn_core=True, category="attention")
+        fwd.append(f)
+        bwd.append([dataclasses.replace(f, name="attn_values.dp", phase="bwd",
+                                        dims=(s_q, s_kv, hd)),
+                    dataclasses.replace(f, name="attn_values.dv", phase="bwd",
+                                        dims=(s_kv, hd, s_q))])
+    add(_gemm("attn_out", T, h, q_dim / tp, gem.attn_out * T / tp, e))
+    if shape.parallel_block and dense_mlp:
+        # both branches end in a row-parallel GEMM; their sum needs one reduction (PaLM)
+        if gpt:
+            add(_mem("bias_gelu", (2 if shape.fused else 4) * e * T * ffn / tp,
+                     (3 if shape.fused else 4) * e * T * ffn / tp, 8 * T * ffn / tp))
+        else:
+            add(_mem("swiglu", (3 if shape.fused else 5) * e * T * ffn / tp,
+                     (5 if shape.fused else 8) * e * T * ffn / tp, 6 * T * ffn / tp))
+        add(_gemm("fc2", T, h, ffn / tp, mlp_out_flops, e))
+        add(_mem("branch_sum", 3 * e * T * h, 0.0, T * h))
+        tp_out("block_out", "fc2", "fc2.dgrad")
+        residual("residual", gpt)
+    else:
+        tp_out("attn_out", "attn_out", "attn_out.dgrad")
+        residual("attn_residual", gpt)
+        norm("mlp_norm")
+        if dense_mlp:
+            tp_in("fc1", "fc1", "fc1.dgrad", "fc1.wgrad")
+            add(_gemm("fc1", T, n_in * ffn / tp, h, mlp_in_flops, e))
+            if gpt:
+                add(_mem("bias_gelu", (2 if shape.fused else 4) * e * T * ffn / tp,
+                         (3 if shape.fused else 4) * e * T * ffn / tp, 8 * T * ffn / tp))
+            else:
+                add(_mem("swiglu", (3 if shape.fused else 5) * e * T * ffn / tp,
+                         (5 if shape.fused else 8) * e * T * ffn / tp, 6 * T * ffn / tp))
+            add(_gemm("fc2", T, h, ffn / tp, mlp_out_flops, e))
+        else:
+            _moe(shape, T, Tsp, gem, add, fwd, bwd, tp_in)
+        tp_out("mlp_out", "fc2" if dense_mlp else "", "fc2.dgrad" if dense_mlp else "")
+        residual("mlp_residual", gpt)
+    if shape.cp > 1:
+        # ring attention: cp-1 steps pass this rank's K and V around the ring (forward), and
+        # K, V plus their gradients (backward); hidden behind the attention blocks
+        kv = 2 * b * s_q * kv_dim / tp * e
+        fwd.append(_comm("cp_ring", "fwd", "p2p", (shape.cp - 1) * kv, "cp", "attention"))
+        bwd.append([_comm("cp_ring.bwd", "bwd", "p2p", 2 * (shape.cp - 1) * kv, "cp",
+                          "attention")])
+    if shape.fp8:
+        _fp8_casts(fwd, bwd, e)
+    ops = list(fwd)
+    for group in reversed(bwd):
+        ops.extend(group)
+    return ops
+
+
+def _fp8_casts(fwd: list[Op], bwd: list[list[Op]], e: int) -> None:
+    """fp8 GEMMs (Transformer Engine recipe): operands are cast from 16 bits to 8 bits.
+
+    Each GEMM then reads 1-byte operands, and one memory-bound pass per layer and direction
+    casts every activation operand (read 2 bytes, write 1) and the weights (amortised: weights
+    are cast once per microbatch too). Delayed scaling keeps amax bookkeeping negligible.
+    """
+    cast_f = cast_b = 0.0
+    for op in fwd:
+        if op.kind == "gemm" and not op.attn_core:
+            m, n, k = op.dims
+            cast_f += (e + 1) * (m * k + k * n) * op.batch
+            op.bytes -= (e - 1) * (m * k + k * n) * op.batch
+    for group in bwd:
+        for op in group:
+            if op.kind == "gemm" and not op.attn_core and not op.wgrad:
+                m, n, k = op.dims
+                cast_b += (e + 1) * m * k * op.batch   # the incoming gradient
+                op.bytes -= (e - 1) * (m * k + k * n) * op.batch
+    fwd.append(Op("fp8_cast", "mem", "fwd", 0.0, cast_f, category="memory"))
+    bwd.append([Op("fp8_cast.bwd", "mem", "bwd", 0.0, cast_b, category="memory")])
+
+
+def _moe(shape: LayerShape, T: float, Tsp: float, gem: ForwardFlops, add, fwd, bwd, tp_in):
+    """Mixture-of-experts MLP: router, permutation, all-to-all, grouped expert GEMMs."""
+    e, tp, h, ffn = shape.act_bytes, shape.tp, shape.hidden, shape.ffn
+    gpt = shape.arch == "gpt"
+    n_in = 1 if gpt else 2
+    cf = shape.capacity_factor or 1.0
+    E, k = shape.experts, shape.top_k
+    add(_gemm("router", Tsp, E, h, gem.router * Tsp, e))
+    add(_mem("topk", 3 * 4 * Tsp * E, 3 * 4 * Tsp * E, 5 * Tsp * E))
+    routed = T * k * cf / tp                      # token copies this rank dispatches
+    add(_mem("permute", 2 * e * routed * h, 2 * e * routed * h))
+    size = routed * h * e
+    if shape.ep > 1:
+        fwd.append(_comm("dispatch", "fwd", "all_to_all", size, "ep"))
+        bwd.append([_comm("dispatch.bwd", "bwd", "all_to_all", size, "ep")])
+    local = max(1, E // shape.ep)
+    m_exp = routed * shape.ep / E                 # tokens per local expert (balanced routing)
+    per_tok = gem.mlp / k                         # one expert's forward FLOPs per token
+    f_in = per_tok * n_in / (n_in + 1) * routed
+    f_out = per_tok / (n_in + 1) * routed
+    fi, bi = _gemm("expert_fc1", m_exp, n_in * ffn / tp, h, f_in, e)
+    fo, bo = _gemm("expert_fc2", m_exp, h, ffn / tp, f_out, e)
+    for op in [fi, fo, *bi, *bo]:
+        op.batch = local
+        op.bytes = op.bytes * local
+    act = (2 if gpt else 3) * e * routed * ffn / tp
+    fwd.append(fi)
+    bwd.append(bi)
+    add(_mem("expert_act", act, 1.6 * act, 6 * routed * ffn / tp))
+    fwd.append(fo)
+    bwd.append(bo)
+    if shape.ep > 1:
+        fwd.append(_comm("combine", "fwd", "all_to_all", size, "ep"))
+        bwd.append([_comm("combine.bwd", "bwd", "all_to_all", size, "ep")])
+    add(_mem("unpermute", 3 * e * routed * h, 3 * e * routed * h, 2 * routed * h))
+
+
+def head_ops(shape: LayerShape, first: bool, last: bool) -> list[Op]:
+    """Embedding (first stage) and final norm, logits and cross-entropy (last stage) ops."""
+    e, tp, h, V = shape.act_bytes, shape.tp, shape.hidden, shape.vocab
+    T = shape.micro_batch * shape.seq_len / shape.cp
+    Tsp = T / tp if shape.sp else T
+    gem, _ = _per_layer_flops(shape)
+    ops: list[Op] = []
+    bwd: list[Op] = []
+    if first:
+        pos = 2 if shape.arch == "gpt" else 0
+        drop = 3 if shape.dropout else 0
+        ops.append(Op("embedding", "mem", "fwd", 0.0, (2 + pos + drop) * e * T * h,
+                      category="memory"))
+        # scatter-add of the token gradients into the (fp32) embedding gradient
+        bwd.append(Op("embedding.bwd", "mem", "bwd", 0.0, (e + 2 * GRAD_ACC_BYTES) * T * h,
+                      category="memory"))
+        if tp > 1:  # vocabulary-parallel embedding: partial lookups are summed over tp
+            coll = "reduce_scatter" if shape.sp else "allreduce"
+            ops.append(_comm("embedding.tp", "fwd", coll, T * h * e, "tp"))
+    if last:
+        ops.append(Op("final_norm", "mem", "fwd", 5 * Tsp * h, 2 * e * Tsp * h,
+                      category="memory"))
+        bwd.append(Op("final_norm.bwd", "mem", "bwd", 5 * Tsp * h, 3 * e * Tsp * h,
+                      category="memory"))
+        if tp > 1 and shape.sp:
+            ops.append(_comm("logits.ag", "fwd", "all_gather", T * h * e, "tp", "logits"))
+            bwd.append(_comm("logits.rs.bwd", "bwd", "reduce_scatter", T * h * e, "tp",
+                             "logits.dgrad"))
+        elif tp > 1:
+            bwd.append(_comm("logits.ar.bwd", "bwd", "allreduce", T * h * e, "tp",
+                             "logits.wgrad"))
+        # flops.py counts the output layer once per token for the whole model
+        f, b = _gemm("logits", T, V / tp, h, gem.logits * shape.layers * T / tp, e)
+        ops.append(f)
+        bwd.extend(b)
+        n = T * V / tp
+        # vocabulary-parallel cross-entropy on fp32 logits (Megatron-LM upcasts the fp16/bf16
+        # logits): upcast, max, exp, sum, log-softmax gather ~ 5 fp32 passes forward, softmax
+        # gradient and downcast backward
+        ops.append(Op("cross_entropy", "mem", "fwd", 5 * n, (e + 4 * 5) * n, category="memory"))
+        bwd.append(Op("cross_entropy.bwd", "mem", "bwd", 3 * n, (4 * 3 + e) * n,
+                      category="memory"))
+    return ops + list(reversed(bwd))
+
+
+# -- timing -----------------------------------------------------------------------------------
+def shape_factor(dims: tuple, half_dim: float) -> float:
+    """Share of a GEMM kernel's time doing useful work: prod d / (d + half_dim)."""
+    f = 1.0
+    for d in dims:
+        f *= d / (d + half_dim) if d > 0 else 0.0
+    return f
+
+
+def op_time(op: Op, peak_flops: float, mem_bw: float, eff: Efficiency) -> tuple[float, str]:
+    """Roofline time of a compute op on one device, and whether it is compute- or memory-bound."""
+    t_mem = op.bytes / (mem_bw * eff.mem)
+    if op.kind in ("gemm", "attn"):
+        kappa = eff.gemm * shape_factor(op.dims, eff.half_dim)
+        t_cmp = op.flops / (peak_flops * kappa) if kappa > 0 else float("inf")
+        if t_cmp >= t_mem:
+            return t_cmp + eff.kernel_overhead_s, "compute"
+        return t_mem + eff.kernel_overhead_s, "memory"
+    return t_mem + eff.kernel_overhead_s, "memory"
+
+
+@lru_cache(maxsize=65536)
+def timed_layer_ops(shape: LayerShape, peak_flops: float, mem_bw: float, eff: Efficiency
+                    ) -> tuple[Op, ...]:
+    """`layer_ops` with each compute op's roofline time filled in (comm ops left at 0)."""
+    ops = layer_ops(shape)
+    for op in ops:
+        if op.kind != "comm":
+            op.time, op.bound = op_time(op, peak_flops, mem_bw, eff)
+    return tuple(ops)
+
+
+@lru_cache(maxsize=4096)
+def timed_head_ops(shape: LayerShape, first: bool, last: bool, peak_flops: float,
+                   mem_bw: float, eff: Efficiency) -> tuple[Op, ...]:
+    """`head_ops` with roofline times."""
+    ops = head_ops(shape, first, last)
+    for op in ops:
+        if op.kind != "comm":
+            op.time, op.bound = op_time(op, peak_flops, mem_bw, eff)
+    return tuple(ops)

@@ -1,0 +1,475 @@
+"""Step model: iteration time, MFU, tokens/s, memory and a time breakdown of one training run.
+
+One iteration = the pipeline (m microbatches through p stages, each stage running its layers'
+forward, backward and recomputation with the exposed part of its tensor-, context- and
+expert-parallel communication), then the exposed data-parallel gradient reduction, the optimizer
+step, offload transfers and data loading. Every overlap has one explicit rule:
+
+- TP (overlap.tp): a collective decomposed into n = tp chunks hides behind the GEMM it feeds or
+  follows (MegaScale section 3.2; Megatron/TransformerEngine sequence-parallel overlap):
+  exposed = t/n + max(0, t*(n-1)/n - t_gemm). Without sequence parallelism only the backward
+  all-reduce of a column-parallel input gradient can hide (behind its weight-gradient GEMM, as
+  Megatron's asynchronous all-reduce); forward all-reduces stay exposed. The sequence-parallel
+  backward re-gather of GEMM inputs always overlaps the data-gradient GEMM (Megatron does it
+  asynchronously in every version).
+- PP (overlap.pp): steady-state sends/receives hide behind compute; the fill and drain of the
+  pipeline always pay them. Without it every chunk's send/receive is on the critical path.
+- DP (overlap.dp): gradient buckets reduce during the backward of the last microbatch and
+  ZeRO-1/2 parameter gathers during the forward of the first one: exposed = max(t/buckets,
+  t - t_compute). ZeRO-3 gathers and scatters every microbatch; with overlap they hide behind
+  that microbatch's compute, otherwise they add to it.
+- CP: ring attention always overlaps the K/V exchange with the attention blocks.
+
+Pipeline time with per-stage time C_s (all chunks of one microbatch) over m microbatches:
+(m - 1) max C + sum_s C_s / v + (1 - 1/v) max C, i.e. m C + (p - 1) C / v for equal stages
+(Narayanan et al. 2021: bubble (p-1)/m for GPipe/1F1B, (p-1)/(v m) interleaved). Zero-bubble
+(Qi et al. 2023): ZB-H1 bubble (p-1)(C - 2W), ZB-V (p-1)(C - 3W)/2, W = weight-gradient time.
+
+MFU counts model FLOPs only (models/flops.py, "megatron" convention: for GPT exactly
+72 B s l h^2 (1 + s/6h + V/16lh) per iteration). `hardware_tflops_per_gpu` adds the FLOPs of
+recomputation (96 instead of 72 for full recomputation: the figure Narayanan et al. report).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from myria.device import DeviceSpec
+from myria.models.flops import forward_flops_per_token, model_flops_per_token
+from myria.sim import collectives as coll
+from myria.sim.hardware import Hardware, build_hardware
+from myria.sim.memory import MemoryResult, memory
+from myria.sim.operators import (
+    DEFAULT_EFFICIENCY,
+    MEASURED_EFFICIENCY,
+    Efficiency,
+    LayerShape,
+    Op,
+    layer_shape,
+    timed_head_ops,
+    timed_layer_ops,
+)
+from myria.sim.runspec import RunSpec
+
+BUCKET_PARAMS = 40e6          # Megatron-LM DDP bucket size (parameters)
+ADAM_BYTES_PER_PARAM = 38     # read g, p, m, v (fp32), write p, m, v, 16-bit copy, norm, zero g
+LAMB_EXTRA_BYTES = 16         # second pass: trust-ratio norms and the scaled update
+CPU_ADAM_BYTES_PER_PARAM = 32  # host-side Adam on fp32 p, m, v, g
+
+
+@dataclass
+class StepResult:
+    """Prediction for one run."""
+
+    name: str
+    iteration_time_s: float
+    mfu: float
+    tokens_per_s: float
+    tflops_per_gpu: float
+    hardware_tflops_per_gpu: float
+    memory_gb_per_gpu: float
+    fits: bool
+    breakdown: dict[str, float]
+    memory: MemoryResult
+    layout: dict
+    details: dict = field(default_factory=dict)
+    ops: list[dict] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)
+
+    def to_json(self) -> dict:
+        """The JSON object `myria simulate --json` prints."""
+        t = self.iteration_time_s
+        return {
+            "name": self.name,
+            "iteration_time_s": t,
+            "mfu": self.mfu,
+            "tokens_per_s": self.tokens_per_s,
+            "tflops_per_gpu": self.tflops_per_gpu,
+            "hardware_tflops_per_gpu": self.hardware_tflops_per_gpu,
+            "flops_note": "tflops_per_gpu and mfu count model FLOPs only (72 B s l h^2 (...) for "
+                          "GPT); hardware_tflops_per_gpu adds recomputation (96 for full)",
+            "memory_gb_per_gpu": self.memory_gb_per_gpu,
+            "fits": self.fits,
+            "breakdown": {k: v for k, v in self.breakdown.items()},
+            "breakdown_fraction": {k: v / t for k, v in self.breakdown.items()},
+            "memory_gb": self.memory.gb(),
+            "memory_peak_stage": self.memory.stage,
+            "layout": self.layout,
+            "details": self.details,
+            "warnings": self.warnings,
+        }
+
+
+# -- helpers -------------------------------------------------------------------------------
+def _chunked(t: float, n: int, t_hide: float) -> float:
+    """Exposed time of a collective cut into n chunks pipelined against t_hide of compute."""
+    n = max(1, n)
+    return t / n + max(0.0, t * (n - 1) / n - t_hide)
+
+
+@dataclass
+class _Phase:
+    """Per-layer (or head) sums for one microbatch."""
+
+    fwd: float = 0.0
+    bwd: float = 0.0
+    wgrad: float = 0.0
+    attn_core_fwd: float = 0.0
+    fwd_cat: dict = field(default_factory=dict)
+    bwd_cat: dict = field(default_factory=dict)
+    comm_detail: dict = field(default_factory=dict)
+
+
+def _sum_ops(ops: tuple[Op, ...], run: RunSpec, groups: dict[str, coll.Group]) -> _Phase:
+    ph = _Phase()
+    by_name = {op.name: op.time for op in ops if op.kind != "comm"}
+    attn_time = {"fwd": sum(o.time for o in ops if o.attn_core and o.phase == "fwd"),
+                 "bwd": sum(o.time for o in ops if o.attn_core and o.phase == "bwd")}
+    tp = run.parallel.tp
+    for op in ops:
+        cat = op.category
+        if op.kind == "comm":
+            fn = coll.COLLECTIVES[op.coll]
+            t, algo = fn(op.bytes, groups[op.group])
+            if op.group == "tp":
+                hide = by_name.get(op.pair, 0.0)
+                if op.always_overlap:
+                    exposed = max(0.0, t - hide)
+                elif run.overlap.tp and op.pair:
+                    exposed = _chunked(t, tp, hide)
+                else:
+                    exposed = t
+            elif op.group == "cp":
+                c = run.parallel.cp
+                exposed = max(0.0, t - (c - 1) / c * attn_time[op.phase])
+            else:
+                exposed = t
+            ph.comm_detail[op.group] = algo
+            val = exposed
+        else:
+            val = op.time
+            if op.wgrad:
+                ph.wgrad += val
+            if op.attn_core and op.phase == "fwd":
+                ph.attn_core_fwd += val
+        if op.phase == "fwd":
+            ph.fwd += val
+            ph.fwd_cat[cat] = ph.fwd_cat.get(cat, 0.0) + val
+        else:
+            ph.bwd += val
+            ph.bwd_cat[cat] = ph.bwd_cat.get(cat, 0.0) + val
+    return ph
+
+
+def efficiency_for(hw: Hardware) -> Efficiency:
+    """Calibrated efficiencies for datasheet devices; 1 for devices whose peaks are measured."""
+    return MEASURED_EFFICIENCY if hw.measured else DEFAULT_EFFICIENCY
+
+
+def run_shape(run: RunSpec) -> LayerShape:
+    """The LayerShape of a run (model, micro-batch, layout, kernels)."""
+    p, k = run.parallel, run.kernels
+    return layer_shape(run.model_config(), run.training.micro_batch, tp=p.tp, cp=p.cp, ep=p.ep,
+                       sp=p.sequence_parallel, flash=k.flash_attention, fused=k.fused_ops,
+                       dropout=run.dropout, act_bytes=run.act_bytes,
+                       fp8=run.training.precision == "fp8")
+
+
+def simulate(run: RunSpec, hw: Hardware | None = None, eff: Efficiency | None = None,
+             detail: bool = False) -> StepResult:
+    """Predict one iteration of `run`."""
+    hw = hw or build_hardware(run.cluster, run.training.precision)
+    eff = eff or efficiency_for(hw)
+    par, tr, ov = run.parallel, run.training, run.overlap
+    cfg = run.model_config()
+    shape = run_shape(run)
+    tp, pp, cp, ep, v = par.tp, par.pp, par.cp, par.ep, par.vpp
+    dp = run.dp
+    m = run.microbatches
+    L = cfg.layers
+    e = run.act_bytes
+    warnings: list[str] = []
+    if L % (pp * v):
+        warnings.append(f"layers ({L}) not divisible by pp*vpp ({pp * v}): stages hold "
+                        f"{L / (pp * v):.2f} layers per chunk on average")
+
+    groups = {
+        "tp": coll.make_group(hw, tp, 1),
+        "cp": coll.make_group(hw, cp, tp),
+        "ep": coll.make_group(hw, ep, tp * cp),
+        "dp": coll.make_group(hw, dp * cp, tp),
+        "edp": coll.make_group(hw, max(1, dp * cp // ep), tp * cp * ep),
+        "pp": coll.make_group(hw, pp, tp * cp * dp),
+    }
+    ops = timed_layer_ops(shape, hw.peak_flops, hw.mem_bw, eff)
+    lay = _sum_ops(ops, run, groups)
+    rec = tr.recompute
+    if rec == "full":
+        recompute = lay.fwd
+    elif rec == "selective":
+        recompute = lay.attn_core_fwd  # FlashAttention recomputes inside its own backward
+    else:
+        recompute = 0.0
+
+    per_stage = L / pp
+    kinds = [("only", True, True)] if pp == 1 else \
+        [("first", True, False), ("mid", False, False), ("last", False, True)]
+    counts = {"only": 1, "first": 1, "last": 1, "mid": max(0, pp - 2)}
+
+    # pipeline point-to-point per chunk boundary (Megatron's scatter/gather optimisation: each
+    # TP rank sends 1/tp across the network, then an NVLink all-gather rebuilds the tensor)
+    t_p2p = 0.0
+    if pp > 1:
+        act = tr.micro_batch * cfg.seq_len / cp * cfg.hidden * e
+        grp = groups["pp"]
+        if tp > 1 and (par.sequence_parallel or grp.k > 1):
+            t_p2p = coll.p2p(act / tp, grp)[0]
+            if not par.sequence_parallel:
+                t_p2p += coll.all_gather(act, groups["tp"])[0]
+        else:
+            t_p2p = coll.p2p(act, grp)[0]
+
+    # data-parallel state per device, for the busiest (first) stage
+    from myria.sim.memory import stage_params
+    dense0, expert0 = stage_params(shape, per_stage, True, pp == 1, ep)
+    g_b, w_b = 4, (4 if tr.precision == "fp32" else 2)
+    t_grad = coll.allreduce(dense0 * g_b, groups["dp"])[0] + \
+        coll.allreduce(expert0 * g_b, groups["edp"])[0]
+    t_rs = coll.reduce_scatter(dense0 * g_b, groups["dp"])[0] + \
+        coll.reduce_scatter(expert0 * g_b, groups["edp"])[0]
+    t_ag = coll.all_gather(dense0 * w_b, groups["dp"])[0] + \
+        coll.all_gather(expert0 * w_b, groups["edp"])[0]
+
+    stages = {}
+    for kind, first, last in kinds:
+        head = timed_head_ops(shape, first, last, hw.peak_flops, hw.mem_bw, eff)
+        hp = _sum_ops(head, run, groups)
+        F = per_stage * lay.fwd + hp.fwd
+        B = per_stage * (lay.bwd + recompute) + hp.bwd
+        W = per_stage * lay.wgrad + hp.wgrad
+        cats = {}
+        for src, mult in ((lay.fwd_cat, per_stage), (lay.bwd_cat, per_stage),
+                          (hp.fwd_cat, 1), (hp.bwd_cat, 1)):
+            for c, val in src.items():
+                cats[c] = cats.get(c, 0.0) + mult * val
+        cats["recompute"] = per_stage * recompute
+        z3 = 0.0
+        if tr.zero_stage >= 3 and dp * cp > 1:
+            # every microbatch gathers the weights twice (forward, backward) and scatters grads
+            t_mb = 2 * t_ag + t_rs
+            z3 = max(0.0, t_mb - (F + B)) if ov.dp else t_mb
+        cats["dp_zero3"] = z3
+        C = F + B + z3
+        steady = C + (max(0.0, 2 * v * t_p2p - C) if ov.pp else 2 * v * t_p2p)
+        stages[kind] = dict(F=F, B=B, W=W, C=C, steady=steady, fill=C + 2 * v * t_p2p,
+                            cats=cats)
+
+    crit = max(stages, key=lambda k: stages[k]["steady"])
+    s_max = stages[crit]["steady"]
+    if pp == 1:
+        t_pipe = m * s_max
+    elif par.schedule in ("zero-bubble", "zbv"):
+        worst = max(stages.values(), key=lambda s: s["fill"])
+        spare = (3 if par.schedule == "zbv" else 2) * worst["W"]
+        t_pipe = m * s_max + (pp - 1) * max(0.0, worst["fill"] - spare) / v
+    else:
+        fill_sum = sum(counts[k] * s["fill"] for k, s in stages.items())
+        t_pipe = (m - 1) * s_max + fill_sum / v + (1 - 1 / v) * s_max
+    bubble = max(0.0, t_pipe - m * s_max)
+
+    # data-parallel communication after (or overlapped with) the pipeline
+    F0, B0 = stages[kinds[0][0]]["F"], stages[kinds[0][0]]["B"]
+    buckets = max(1, math.ceil((dense0 + expert0) / BUCKET_PARAMS))
+    if dp * cp <= 1 and ep <= 1:
+        t_dp = 0.0
+    elif tr.zero_stage == 0:
+        t_dp = max(t_grad / buckets, t_grad - B0) if ov.dp else t_grad
+    elif tr.zero_stage in (1, 2):
+        if ov.dp:
+            t_dp = max(t_rs / buckets, t_rs - B0) + max(t_ag / buckets, t_ag - F0)
+        else:
+            t_dp = t_rs + t_ag
+    else:
+        t_dp = 0.0  # ZeRO-3 traffic is charged per microbatch above
+    if pp > 1 and cfg.tie_embeddings:
+        # the tied embedding's gradient is summed between the first and last stage
+        emb = cfg.vocab_size * cfg.hidden / tp * g_b
+        t_emb = coll.allreduce(emb, coll.make_group(hw, 2, tp * cp * dp * (pp - 1)))[0]
+        t_dp += 0.0 if ov.dp else t_emb
+
+    # optimizer step (memory-bound), offload transfers
+    shard = dp * cp if tr.zero_stage >= 1 else 1
+    n_opt = dense0 / shard + expert0 / (max(1, dp * cp // ep) if tr.zero_stage >= 1 else 1)
+    per_param = ADAM_BYTES_PER_PARAM + (LAMB_EXTRA_BYTES if tr.optimizer == "lamb" else 0)
+    t_offload = 0.0
+    if tr.offload == "none":
+        t_opt = n_opt * per_param / (hw.mem_bw * eff.mem)
+    else:
+        srv = hw.server
+        gpn = hw.gpus_per_node
+        t_opt = n_opt * CPU_ADAM_BYTES_PER_PARAM * gpn / (srv.host_memory_bw_gbs * 1e9)
+        t_offload = n_opt * (g_b + w_b) / (srv.pcie_gbs * 1e9)
+        if tr.offload == "nvme":
+            t_offload += n_opt * 12 * 2 * gpn / (srv.nvme_gbs * 1e9)
+        if tr.zero_stage >= 3:
+            # ZeRO-Infinity streams the weights in for forward and backward of every microbatch
+            t_offload += m * 2 * n_opt * w_b / (srv.pcie_gbs * 1e9)
+    t_data = tr.data_loading_s
+    total = t_pipe + t_dp + t_opt + t_offload + t_data
+
+    # breakdown: the critical stage's m microbatches, then the rest
+    cats = stages[crit]["cats"]
+    bd = {
+        "compute_gemm": m * cats.get("gemm", 0.0),
+        "compute_attention": m * cats.get("attention", 0.0),
+        "compute_memory_bound": m * cats.get("memory", 0.0),
+        "recompute": m * cats.get("recompute", 0.0),
+        "tp_comm_exposed": m * cats.get("tp", 0.0),
+        "cp_comm_exposed": m * cats.get("cp", 0.0),
+        "ep_comm_exposed": m * cats.get("ep", 0.0),
+        "pp_p2p_exposed": m * (stages[crit]["steady"] - stages[crit]["C"]),
+        "pp_bubble": bubble,
+        "dp_comm_exposed": t_dp + m * cats.get("dp_zero3", 0.0),
+        "optimizer": t_opt,
+        "offload": t_offload,
+        "data_loading": t_data,
+    }
+    tokens = tr.global_batch * cfg.seq_len
+    model_flops = model_flops_per_token(cfg, "megatron") * tokens
+    dense = model_flops_per_token(cfg, "dense") * tokens
+    fw = forward_flops_per_token(cfg, "dense")
+    if rec == "full":
+        extra = (fw.total - fw.logits) * tokens
+    elif rec == "selective":
+        # the attention core runs forward twice (FlashAttention: its block-sparse causal work)
+        fa = forward_flops_per_token(cfg, "causal") if run.kernels.flash_attention else fw
+        extra = (fa.attn_scores + fa.attn_values) * tokens
+    else:
+        extra = 0.0
+    gpus = hw.gpus
+    mfu_peak = hw.peak_flops
+    if tr.precision == "fp8":
+        mfu_peak = hw.peak_flops / 2 if hw.device in ("h100-sxm-80gb", "h200",
+                                                      "h800-sxm-80gb") else hw.peak_flops
+    mem = memory(shape, layers=L, pp=pp, vpp=v, microbatches=m, schedule=par.schedule,
+                 recompute=rec, zero_stage=tr.zero_stage, dp=dp * cp, ep=ep,
+                 precision=tr.precision, offload=tr.offload, capacity=hw.memory_bytes,
+                 gpus_per_node=hw.gpus_per_node)
+    if tr.offload != "none":
+        cap = (hw.server.host_memory_gb if tr.offload == "cpu" else hw.server.nvme_gb) * 1e9
+        mem.host_fits = mem.host_bytes_per_node <= cap
+        if not mem.host_fits:
+            warnings.append(f"offloaded state needs {mem.host_bytes_per_node / 1e9:.0f} GB per "
+                            f"server; {tr.offload} holds {cap / 1e9:.0f} GB")
+    fits = mem.fits and mem.host_fits
+    if not mem.fits:
+        warnings.append(f"needs {mem.total / 1e9:.1f} GB per device, has "
+                        f"{hw.memory_bytes / 1e9:.0f} GB")
+    layout = {"gpus": gpus, "tp": tp, "pp": pp, "dp": dp, "cp": cp, "ep": ep, "vpp": v,
+              "micro_batch": tr.micro_batch, "microbatches": m, "schedule": par.schedule,
+              "sequence_parallel": par.sequence_parallel, "recompute": rec,
+              "zero_stage": tr.zero_stage, "device": hw.device}
+    details = {
+        "bubble_fraction": bubble / t_pipe if t_pipe else 0.0,
+        "critical_stage": crit,
+        "stage_time_s": {k: s["steady"] for k, s in stages.items()},
+        "p2p_time_s": t_p2p,
+        "collective_algorithms": lay.comm_detail,
+        "model_flops_per_iteration": model_flops,
+        "hardware_flops_per_iteration": dense + extra,
+        "peak_tflops": mfu_peak / 1e12,
+        "memory_bw_gbs": hw.mem_bw / 1e9,
+        "params_per_device": mem.params_per_device,
+        "efficiency": {"gemm": eff.gemm, "half_dim": eff.half_dim, "mem": eff.mem,
+                       "kernel_overhead_s": eff.kernel_overhead_s},
+        "fabric": hw.fabric.describe(),
+    }
+    res = StepResult(
+        name=run.name, iteration_time_s=total,
+        mfu=model_flops / (total * gpus * mfu_peak),
+        tokens_per_s=tokens / total,
+        tflops_per_gpu=model_flops / (total * gpus) / 1e12,
+        hardware_tflops_per_gpu=(dense + extra) / (total * gpus) / 1e12,
+        memory_gb_per_gpu=mem.total / 1e9, fits=fits, breakdown=bd, memory=mem,
+        layout=layout, details=details, warnings=warnings)
+    if detail:
+        res.ops = op_table(run, res, ops, stages[crit], per_stage, m, crit, hw, eff, groups)
+    return res
+
+
+def op_table(run: RunSpec, res: StepResult, ops: tuple[Op, ...], stage: dict,
+             per_stage: float, m: int, crit: str, hw: Hardware, eff: Efficiency,
+             groups: dict) -> list[dict]:
+    """Per-operator rows for `myria analyze`: totals per iteration on the critical stage."""
+    shape = run_shape(run)
+    first, last = crit in ("only", "first"), crit in ("only", "last")
+    head = timed_head_ops(shape, first, last, hw.peak_flops, hw.mem_bw, eff)
+    rec = run.training.recompute
+    rows = []
+    for op, mult, in_layer in [(o, per_stage * m, True) for o in ops] + \
+            [(o, m, False) for o in head]:
+        repeats = 1
+        if in_layer and op.phase == "fwd" and (
+                rec == "full" or (rec == "selective" and op.attn_core and op.kind != "attn")):
+            repeats = 2
+        if op.kind == "comm":
+            t = coll.COLLECTIVES[op.coll](op.bytes, groups[op.group])[0]
+            bound = "network" if groups[op.group].k > 1 else "nvlink"
+        else:
+            t, bound = op.time, op.bound
+        rows.append({"name": op.name, "phase": op.phase, "kind": op.kind,
+                     "flops": op.flops * mult * repeats, "bytes": op.bytes * mult * repeats,
+                     "intensity": op.intensity, "bound": bound,
+                     "time_s": t * mult * repeats,
+                     "share": t * mult * repeats / res.iteration_time_s})
+    return rows
+
+
+def simulate_config(cfg, nproc: int, device_spec: DeviceSpec, **kw) -> StepResult:
+    """Predict a myria training Config (`myria.config.Config`) run on `nproc` local processes.
+
+    The layout comes from cfg.parallel (dp fills the rest); the device is `device_spec` (e.g.
+    `myria.device.cpu_device_spec()`), all processes on one node. For the CPU self-check.
+    """
+    from myria.config import resolve_layout
+    from myria.sim.runspec import (
+        ClusterSpec,
+        KernelSpec,
+        ModelSpec,
+        OverlapSpec,
+        ParallelSpec,
+        TrainingSpec,
+        validate,
+    )
+
+    lay = resolve_layout(cfg, nproc)
+    mc = cfg.model
+    dtype = cfg.training.dtype
+    if dtype == "auto":
+        dtype = "float32" if device_spec.name == "cpu" else "bfloat16"
+    zero = {"fsdp": 3, "zero2": 2, "ddp": 0}[cfg.training.data_parallel]
+    model = ModelSpec(arch=mc.arch, layers=mc.layers, hidden=mc.hidden, heads=mc.heads,
+                      kv_heads=mc.kv_heads, ffn_hidden=mc.ffn_hidden, vocab=mc.vocab_size,
+                      seq_len=mc.seq_len, parallel_block=mc.parallel_block,
+                      attention_window=mc.attention_window, experts=mc.experts,
+                      top_k=mc.top_k, capacity_factor=mc.capacity_factor,
+                      tie_embeddings="true" if mc.tie_embeddings else "false", dropout=0.0)
+    training = TrainingSpec(global_batch=cfg.training.global_batch,
+                            micro_batch=cfg.training.micro_batch,
+                            optimizer="lamb" if cfg.optimizer.name == "lamb" else "adam",
+                            zero_stage=zero, precision="fp32" if dtype == "float32" else "bf16")
+    par = ParallelSpec(tp=lay["tp"], pp=lay["pp"], cp=lay["cp"], ep=lay["ep"],
+                       vpp=cfg.parallel.vpp, schedule=cfg.parallel.schedule
+                       if cfg.parallel.schedule != "zbv" or cfg.parallel.vpp == 2 else "1f1b")
+    cluster = ClusterSpec(gpu=device_spec.name, gpus=nproc, gpus_per_node=nproc,
+                          peak_tflops=device_spec.peak_tflops(dtype),
+                          memory_bw_gbs=device_spec.memory_bw_gbs,
+                          memory_gb=device_spec.memory_gb)
+    run = RunSpec(name="myria-config", model=model, training=training, parallel=par,
+                  overlap=OverlapSpec(), kernels=KernelSpec(flash_attention=False,
+                                                            fused_ops=False),
+                  cluster=cluster)
+    validate(run)
+    hw = build_hardware(cluster, training.precision, spec=device_spec)
+    return simulate(run, hw=hw, **kw)

@@ -1,0 +1,424 @@
+"""Run descriptions for the simulator: the `[[run]]` TOML schema, its documented defaults, checks.
+
+A run file holds one or more `[[run]]` tables, or a single run written without the wrapper. Each
+run has the sections `model`, `training`, `parallel`, `overlap`, `kernels` and `cluster` (see the
+field help strings below, which are also the documentation of every default), plus free-form
+`name`, `source`, `notes` and `measured` (ignored by the model; the calibration bench reads it).
+
+Unknown sections and keys are errors with a "did you mean" suggestion, like the training config.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import tomllib
+
+from myria.config import ModelConfig
+from myria.errors import ConfigError
+
+
+def _f(default: Any, help: str, choices: tuple | None = None, min: float | None = None):
+    """A schema field with its one-line description, allowed choices and lower bound."""
+    return field(default=default, metadata={"help": help, "choices": choices, "min": min})
+
+
+REQUIRED = object()  # marker default of fields a run must give
+
+
+@dataclass
+class ModelSpec:
+    """The model being trained."""
+
+    arch: str = _f("gpt", "gpt (LayerNorm, GELU, biases, learned positions) or llama (RMSNorm, "
+                   "SwiGLU, RoPE, GQA)", choices=("gpt", "llama"))
+    layers: int = _f(REQUIRED, "transformer blocks", min=1)
+    hidden: int = _f(REQUIRED, "model width", min=1)
+    heads: int = _f(REQUIRED, "attention (query) heads", min=1)
+    kv_heads: int = _f(0, "key/value heads (GQA); 0 means equal to heads", min=0)
+    ffn_hidden: int = _f(0, "MLP inner width; 0 means 4*hidden (gpt) or 8/3*hidden rounded up to "
+                         "64 (llama)", min=0)
+    vocab: int = _f(0, "vocabulary size; 0 means 51200 (gpt) or 32000 (llama)", min=0)
+    seq_len: int = _f(2048, "sequence length in tokens", min=1)
+    parallel_block: bool = _f(False, "parallel attention+MLP block (GPT-J / PaLM / MegaScale)")
+    attention_window: int = _f(0, "sliding-window size; 0 means full causal attention", min=0)
+    experts: int = _f(0, "MoE experts per layer; 0 means a dense MLP", min=0)
+    top_k: int = _f(1, "experts per token (MoE)", min=1)
+    capacity_factor: float = _f(1.0, "MoE expert capacity factor (padding of expert batches); "
+                                "0 means dropless (no padding)", min=0.0)
+    tie_embeddings: str = _f("auto", "share input embedding and output layer: auto (yes for gpt, "
+                             "as Megatron-LM, no for llama), true or false",
+                             choices=("auto", "true", "false"))
+    dropout: float = _f(-1.0, "dropout probability of attention and hidden dropout; -1 means 0.1 "
+                        "for gpt (Megatron-LM GPT default) and 0 for llama", min=-1.0)
+
+
+@dataclass
+class TrainingSpec:
+    """Batch, recomputation, optimizer and precision."""
+
+    global_batch: int = _f(REQUIRED, "sequences per optimizer step", min=1)
+    micro_batch: int = _f(1, "sequences per forward/backward pass on one pipeline", min=1)
+    recompute: str = _f("none", "activation recomputation: none, selective (attention core, "
+                        "Korthikanti et al. 2022) or full (every layer)",
+                        choices=("none", "selective", "full"))
+    optimizer: str = _f("adam", "adam or lamb (both keep two fp32 moments)",
+                        choices=("adam", "lamb"))
+    zero_stage: int = _f(0, "ZeRO stage 0-3 (3 = FSDP full sharding) over the data-parallel "
+                         "ranks", min=0)
+    precision: str = _f("bf16", "compute precision: bf16, fp16, fp8 (Hopper GEMMs at twice the "
+                        "bf16 peak) or fp32", choices=("bf16", "fp16", "fp8", "fp32"))
+    offload: str = _f("none", "ZeRO-Offload/Infinity: optimizer state (and with zero_stage 3 the "
+                      "parameters) to cpu memory or nvme; none keeps all on the device",
+                      choices=("none", "cpu", "nvme"))
+    data_loading_s: float = _f(0.0, "exposed data-loading time per iteration in seconds (0: the "
+                               "loader prefetches behind compute)", min=0.0)
+
+
+@dataclass
+class ParallelSpec:
+    """The parallel layout; dp is what remains of the GPUs after tp*pp*cp."""
+
+    tp: int = _f(1, "tensor-parallel degree", min=1)
+    pp: int = _f(1, "pipeline stages", min=1)
+    cp: int = _f(1, "context-parallel degree (ring attention over the sequence)", min=1)
+    ep: int = _f(1, "expert-parallel degree (taken from the data-parallel ranks)", min=1)
+    vpp: int = _f(1, "virtual pipeline chunks per rank (interleaved schedules)", min=1)
+    dp: int = _f(0, "data-parallel degree; 0 means gpus/(tp*pp*cp), otherwise it is checked",
+                 min=0)
+    sequence_parallel: bool = _f(False, "Megatron sequence parallelism (norm/dropout activations "
+                                 "sharded over tp; all-gather + reduce-scatter instead of "
+                                 "all-reduce)")
+    schedule: str = _f("1f1b", "pipeline schedule: gpipe, 1f1b, interleaved-1f1b, zero-bubble "
+                       "(ZB-H1) or zbv (ZB-V, vpp=2)",
+                       choices=("gpipe", "1f1b", "interleaved-1f1b", "zero-bubble", "zbv"))
+
+
+@dataclass
+class OverlapSpec:
+    """Which communication overlaps compute (each has an explicit rule in perf.py)."""
+
+    tp: bool = _f(False, "tensor-parallel collectives decomposed and overlapped with GEMMs")
+    pp: bool = _f(False, "pipeline send/receive overlapped with compute")
+    dp: bool = _f(False, "data-parallel gradient reduction (and ZeRO gathers) overlapped with "
+                  "backward/forward compute")
+
+
+@dataclass
+class KernelSpec:
+    """Kernel choices."""
+
+    flash_attention: bool = _f(False, "FlashAttention (no materialised score matrix)")
+    fused_ops: bool = _f(True, "fused elementwise kernels (bias+GELU, bias+dropout+add, "
+                         "scale+mask+softmax, fused cross-entropy) as in Megatron-LM")
+
+
+@dataclass
+class ClusterSpec:
+    """Devices, servers and the network fabric."""
+
+    gpu: str = _f(REQUIRED, "device: a100-sxm-80gb, h100-sxm-80gb, h200, ... (myria.device) or "
+                  "cpu (measured peak and memory bandwidth)")
+    gpus: int = _f(REQUIRED, "devices in the run", min=1)
+    gpus_per_node: int = _f(8, "devices per server (one NVLink domain)", min=1)
+    nics_per_node: int = _f(0, "network interfaces per server; 0 means one per device", min=0)
+    nic_gbps: float = _f(0.0, "line rate per NIC in Gb/s; 0 means 200 (A100 era, HDR) or 400 "
+                         "(Hopper, NDR)", min=0.0)
+    topology: str = _f("fat-tree", "fabric: fat-tree (2 switch tiers), clos3 (3 tiers, pods) or "
+                       "rail-optimized (NIC i of every server on rail switch i)",
+                       choices=("fat-tree", "clos3", "rail-optimized"))
+    oversubscription: float = _f(1.0, "downlink:uplink bandwidth ratio at the top "
+                                 "oversubscribed tier (1 = full bisection)", min=1.0)
+    routing: str = _f("adaptive", "adaptive (load spread evenly over uplinks; also what IB "
+                      "fat-tree routing achieves for collectives) or ecmp (hash per flow)",
+                      choices=("adaptive", "ecmp"))
+    flows_per_pair: int = _f(2, "flows (queue pairs) NCCL opens per connection; more flows give "
+                             "ECMP more entropy", min=1)
+    switch_radix: int = _f(64, "ports per switch (half down, half up)", min=2)
+    peak_tflops: float = _f(0.0, "override the device's dense peak TFLOP/s (required meaning for "
+                            "cpu: 0 measures it)", min=0.0)
+    memory_bw_gbs: float = _f(0.0, "override the device memory bandwidth in GB/s (cpu: 0 "
+                              "measures it)", min=0.0)
+    memory_gb: float = _f(0.0, "override the device memory in GB (cpu: 0 reads the host's)",
+                          min=0.0)
+    intra_node_gbs: float = _f(0.0, "override the achieved intra-node all-reduce bus bandwidth "
+                               "GB/s (NVLink ring, nccl-tests convention)", min=0.0)
+
+
+SECTIONS: dict[str, type] = {
+    "model": ModelSpec, "training": TrainingSpec, "parallel": ParallelSpec,
+    "overlap": OverlapSpec, "kernels": KernelSpec, "cluster": ClusterSpec,
+}
+FREE_KEYS = ("name", "source", "notes", "measured")
+
+
+@dataclass
+class RunSpec:
+    """One run to simulate."""
+
+    name: str
+    model: ModelSpec
+    training: TrainingSpec
+    parallel: ParallelSpec = field(default_factory=ParallelSpec)
+    overlap: OverlapSpec = field(default_factory=OverlapSpec)
+    kernels: KernelSpec = field(default_factory=KernelSpec)
+    cluster: ClusterSpec = None  # type: ignore[assignment]
+    source: str = ""
+    measured: dict = field(default_factory=dict)
+
+    # -- derived quantities ------------------------------------------------------------------
+    @property
+    def dp(self) -> int:
+        p = self.parallel
+        return self.cluster.gpus // (p.tp * p.pp * p.cp)
+
+    @property
+    def microbatches(self) -> int:
+        """Microbatches per pipeline per iteration (gradient-accumulation steps)."""
+        return self.training.global_batch // (self.dp * self.training.micro_batch)
+
+    @property
+    def dropout(self) -> float:
+        d = self.model.dropout
+        return (0.1 if self.model.arch == "gpt" else 0.0) if d < 0 else d
+
+    @property
+    def act_bytes(self) -> int:
+        """Bytes per activation element (fp8 GEMMs still keep bf16 activations)."""
+        return 4 if self.training.precision == "fp32" else 2
+
+    def model_config(self) -> ModelConfig:
+        """The myria ModelConfig of this run, so that models/flops.py counts its FLOPs."""
+        m = self.model
+        tie = m.tie_embeddings == "true" or (m.tie_embeddings == "auto" and m.arch == "gpt")
+        vocab = m.vocab or (51200 if m.arch == "gpt" else 32000)
+        return ModelConfig(arch=m.arch, vocab_size=vocab, layers=m.layers, hidden=m.hidden,
+                           heads=m.heads, kv_heads=m.kv_heads, ffn_hidden=m.ffn_hidden,
+                           seq_len=m.seq_len, parallel_block=m.parallel_block,
+                           attention_window=m.attention_window, tie_embeddings=tie,
+                           experts=m.experts, top_k=m.top_k if m.experts else 1,
+                           capacity_factor=m.capacity_factor)
+
+    def replace(self, **sections: dict) -> RunSpec:
+        """A copy with some fields changed: replace(parallel={"tp": 4}, overlap={"dp": True})."""
+        kw = {}
+        for sec, changes in sections.items():
+            if sec in SECTIONS:
+                kw[sec] = dataclasses.replace(getattr(self, sec), **changes)
+            else:
+                kw[sec] = changes
+        out = dataclasses.replace(self, **kw)
+        validate(out)
+        return out
+
+
+# -- parsing ----------------------------------------------------------------------------------
+def _suggest(name: str, valid) -> str:
+    close = difflib.get_close_matches(name, list(valid), n=1)
+    return f" (did you mean {close[0]!r}?)" if close else ""
+
+
+def _coerce(where: str, t: Any, meta: dict, value: Any) -> Any:
+    if isinstance(t, types.UnionType):
+        t = next(a for a in typing.get_args(t) if a is not type(None))
+    if t is bool:
+        if not isinstance(value, bool):
+            raise ConfigError(f"{where} = {value!r}: expected true or false")
+    elif t is int:
+        if isinstance(value, float) and value.is_integer():
+            value = int(value)
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"{where} = {value!r}: expected an integer")
+    elif t is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ConfigError(f"{where} = {value!r}: expected a number")
+        value = float(value)
+    elif t is str:
+        if isinstance(value, bool) and meta.get("choices") and "true" in meta["choices"]:
+            value = "true" if value else "false"
+        if not isinstance(value, str):
+            raise ConfigError(f"{where} = {value!r}: expected a string")
+        if meta.get("choices"):
+            value = value.lower()
+    choices = meta.get("choices")
+    if choices and value not in choices:
+        raise ConfigError(f"{where} = {value!r}: must be one of {', '.join(choices)}"
+                          + _suggest(str(value), choices))
+    lo = meta.get("min")
+    if lo is not None and value < lo:
+        raise ConfigError(f"{where} = {value!r}: must be >= {lo}")
+    return value
+
+
+def _section(run: str, name: str, cls: type, data: Any) -> Any:
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"run {run!r}: [{name}] must be a table of key = value pairs")
+    hints = typing.get_type_hints(cls)
+    names = [f.name for f in dataclasses.fields(cls)]
+    kwargs = {}
+    for key, value in data.items():
+        if key not in names:
+            raise ConfigError(f"run {run!r}: unknown key {name}.{key}" + _suggest(key, names)
+                              + f"; valid keys of [{name}]: {', '.join(names)}")
+        meta = next(f.metadata for f in dataclasses.fields(cls) if f.name == key)
+        kwargs[key] = _coerce(f"run {run!r}: {name}.{key}", hints[key], meta, value)
+    for f in dataclasses.fields(cls):
+        if f.default is REQUIRED and f.name not in kwargs:
+            raise ConfigError(f"run {run!r}: {name}.{f.name} is required ({f.metadata['help']})")
+    return cls(**kwargs)
+
+
+def parse_run(data: dict, index: int = 0, check: bool = True) -> RunSpec:
+    """Build one RunSpec from its TOML table; `check` validates the layout as well."""
+    if not isinstance(data, dict):
+        raise ConfigError(f"run #{index + 1} must be a table")
+    name = data.get("name", f"run{index + 1}")
+    if not isinstance(name, str):
+        raise ConfigError(f"run #{index + 1}: name = {name!r}: expected a string")
+    valid = list(SECTIONS) + list(FREE_KEYS)
+    for key in data:
+        if key not in valid:
+            raise ConfigError(f"run {name!r}: unknown section or key {key!r}"
+                              + _suggest(key, valid) + f"; valid: {', '.join(valid)}")
+    for sec in ("model", "training", "cluster"):
+        if sec not in data:
+            raise ConfigError(f"run {name!r}: section [{sec}] is required")
+    secs = {sec: _section(name, sec, cls, data.get(sec)) for sec, cls in SECTIONS.items()}
+    measured = data.get("measured", {})
+    run = RunSpec(name=name, source=str(data.get("source", "")),
+                  measured=measured if isinstance(measured, dict) else {}, **secs)
+    if check:
+        validate(run)
+    return run
+
+
+def loads(text: str, origin: str = "<string>") -> list[RunSpec]:
+    """Parse run-file text: `[[run]]` tables or a single run without the wrapper."""
+    try:
+        data = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"run file {origin!r} is not valid TOML: {e}") from None
+    if "run" in data:
+        runs = data["run"]
+        extra = [k for k in data if k != "run"]
+        if extra:
+            raise ConfigError(f"run file {origin!r}: key {extra[0]!r} outside [[run]] tables; "
+                              "put every run in its own [[run]] table")
+        if isinstance(runs, dict):
+            runs = [runs]
+        if not isinstance(runs, list) or not runs:
+            raise ConfigError(f"run file {origin!r}: [[run]] must hold at least one table")
+        return [parse_run(r, i) for i, r in enumerate(runs)]
+    return [parse_run(data)]
+
+
+def load(path: str | Path) -> list[RunSpec]:
+    """Parse a run file from disk."""
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"run file {str(p)!r} does not exist")
+    return loads(p.read_text(), str(p))
+
+
+def is_run_file(text: str) -> bool:
+    """Whether TOML text looks like a simulator run file rather than a myria training config."""
+    try:
+        data = tomllib.loads(text)
+    except tomllib.TOMLDecodeError:
+        return False
+    return "run" in data or "cluster" in data
+
+
+def calibration_path() -> Path:
+    """The packaged copy of the calibration runs (Narayanan et al. 2021, Table 1)."""
+    return Path(__file__).with_name("data") / "calibration_runs.toml"
+
+
+def load_calibration() -> list[RunSpec]:
+    """The calibration runs as RunSpecs."""
+    return load(calibration_path())
+
+
+# -- checks -----------------------------------------------------------------------------------
+def validate(run: RunSpec) -> None:
+    """Raise ConfigError for inconsistent combinations, naming the fields."""
+    m, t, p, c = run.model, run.training, run.parallel, run.cluster
+    n = run.name
+    if m.hidden % m.heads:
+        raise ConfigError(f"run {n!r}: model.heads = {m.heads} does not divide model.hidden = "
+                          f"{m.hidden}")
+    kv = m.kv_heads or m.heads
+    if kv > m.heads or m.heads % kv:
+        raise ConfigError(f"run {n!r}: model.kv_heads = {m.kv_heads} must divide model.heads = "
+                          f"{m.heads}")
+    if m.attention_window > m.seq_len:
+        raise ConfigError(f"run {n!r}: model.attention_window = {m.attention_window} exceeds "
+                          f"model.seq_len = {m.seq_len}")
+    if m.experts and m.top_k > m.experts:
+        raise ConfigError(f"run {n!r}: model.top_k = {m.top_k} exceeds model.experts = "
+                          f"{m.experts}")
+    if t.zero_stage > 3:
+        raise ConfigError(f"run {n!r}: training.zero_stage = {t.zero_stage}: must be 0, 1, 2 "
+                          "or 3")
+    if c.gpus > c.gpus_per_node and c.gpus % c.gpus_per_node:
+        raise ConfigError(f"run {n!r}: cluster.gpus = {c.gpus} is not a multiple of "
+                          f"cluster.gpus_per_node = {c.gpus_per_node}")
+    model_par = p.tp * p.pp * p.cp
+    if c.gpus % model_par:
+        raise ConfigError(f"run {n!r}: parallel.tp*pp*cp = {p.tp}*{p.pp}*{p.cp} = {model_par} "
+                          f"does not divide cluster.gpus = {c.gpus}")
+    dp = c.gpus // model_par
+    if p.dp and p.dp != dp:
+        raise ConfigError(f"run {n!r}: parallel.dp = {p.dp} but cluster.gpus/(tp*pp*cp) = {dp}")
+    if t.global_batch % (dp * t.micro_batch):
+        raise ConfigError(f"run {n!r}: training.global_batch = {t.global_batch} is not "
+                          f"divisible by dp ({dp}) x training.micro_batch ({t.micro_batch})")
+    if m.heads % p.tp:
+        raise ConfigError(f"run {n!r}: parallel.tp = {p.tp} must divide model.heads = {m.heads}")
+    if p.pp > m.layers:
+        raise ConfigError(f"run {n!r}: parallel.pp = {p.pp} exceeds model.layers = {m.layers}")
+    if p.pp * p.vpp > m.layers:
+        raise ConfigError(f"run {n!r}: parallel.pp*vpp = {p.pp * p.vpp} exceeds model.layers = "
+                          f"{m.layers}: every virtual stage needs a layer")
+    if p.vpp > 1 and p.schedule not in ("interleaved-1f1b", "zbv"):
+        raise ConfigError(f"run {n!r}: parallel.vpp = {p.vpp} needs schedule interleaved-1f1b "
+                          f"or zbv, not {p.schedule!r}")
+    if p.schedule == "zbv" and p.vpp != 2:
+        raise ConfigError(f"run {n!r}: schedule zbv places two chunks per rank: set "
+                          f"parallel.vpp = 2 (got {p.vpp})")
+    if m.seq_len % p.cp:
+        raise ConfigError(f"run {n!r}: parallel.cp = {p.cp} must divide model.seq_len = "
+                          f"{m.seq_len}")
+    if p.ep > 1:
+        if not m.experts:
+            raise ConfigError(f"run {n!r}: parallel.ep = {p.ep} needs a MoE model "
+                              "(model.experts > 0)")
+        if m.experts % p.ep:
+            raise ConfigError(f"run {n!r}: parallel.ep = {p.ep} must divide model.experts = "
+                              f"{m.experts}")
+        if (dp * p.cp) % p.ep:
+            raise ConfigError(f"run {n!r}: parallel.ep = {p.ep} must divide the data-parallel "
+                              f"(x cp) ranks {dp * p.cp}: experts are spread over them")
+    if t.offload == "nvme" and t.zero_stage < 1:
+        raise ConfigError(f"run {n!r}: training.offload = 'nvme' (ZeRO-Infinity) needs "
+                          "training.zero_stage >= 1")
+
+
+def describe() -> str:
+    """The schema as commented TOML: every field with its default and meaning."""
+    lines = ["# Run schema of `myria simulate` (one run; wrap several in [[run]] tables)",
+             'name = "my-run"']
+    for sec, cls in SECTIONS.items():
+        lines.append(f"[{sec}]")
+        for f in dataclasses.fields(cls):
+            d = "(required)" if f.default is REQUIRED else repr(f.default)
+            lines.append(f"# {f.name} = {d}: {f.metadata['help']}")
+    return "\n".join(lines)

@@ -1,0 +1,140 @@
+"""Cluster fabrics as link graphs: fat-tree, 3-tier CLOS with pods, rail-optimized; flow paths.
+
+The model is deliberately small. Capacities are in units of one NIC's achieved rate, so the flow
+solver in `network.py` returns dimensionless factors. Every server's NICs attach to leaf (ToR)
+switches with `radix/2` ports down and `radix/2` up:
+
+- ``fat-tree``: a server's NICs share one leaf; leaves reach a non-blocking spine over uplinks
+  whose total capacity is the downlink capacity / `oversubscription`.
+- ``clos3``: as fat-tree inside a pod of `radix/2` leaves (full bisection, as in the Llama 3 pods
+  and MegaScale's CLOS); pods reach the core through `radix/2` aggregation planes of `radix/2`
+  uplinks each, oversubscribed by `oversubscription` (Llama 3: 1:7 at the aggregation layer).
+- ``rail-optimized``: NIC i of every server attaches to rail switch i of its group of `radix/2`
+  servers (MegaScale's multi-rail wiring), so same-rank traffic stays on one switch; traffic
+  between rails is first moved over NVLink to the right GPU (NCCL's PXN), then stays on a rail.
+
+Routing: ``adaptive`` spreads load evenly, modelled by pooling a switch's uplinks into one link;
+``ecmp`` hashes every flow (split into `flows_per_pair` sub-flows, as NCCL opens several queue
+pairs; Llama 3 used 16 per GPU pair for entropy) onto one uplink, and in a CLOS the spine chosen
+going up fixes the downlink coming down, so two flows collide if their hashes agree.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class Fabric:
+    """A cluster network; hashable, so results computed on it can be cached."""
+
+    kind: str = "fat-tree"
+    nodes: int = 1
+    gpus_per_node: int = 8
+    nics_per_node: int = 8
+    oversubscription: float = 1.0
+    routing: str = "adaptive"
+    flows_per_pair: int = 2
+    radix: int = 64
+
+    @property
+    def down(self) -> int:
+        return max(1, self.radix // 2)
+
+    @property
+    def nodes_per_leaf(self) -> int:
+        if self.kind == "rail-optimized":
+            return self.down
+        return max(1, self.down // self.nics_per_node)
+
+    @property
+    def leaf_groups(self) -> int:
+        """Groups of servers under one leaf (or one set of rail switches)."""
+        return -(-self.nodes // self.nodes_per_leaf)
+
+    @property
+    def n_leaves(self) -> int:
+        rails = self.nics_per_node if self.kind == "rail-optimized" else 1
+        return self.leaf_groups * rails
+
+    @property
+    def leaves_per_pod(self) -> int:
+        return self.down if self.kind == "clos3" else max(1, self.n_leaves)
+
+    @property
+    def n_pods(self) -> int:
+        return -(-self.n_leaves // self.leaves_per_pod)
+
+    def describe(self) -> str:
+        """One line about the fabric."""
+        tiers = {"fat-tree": "2-tier fat-tree", "clos3": "3-tier CLOS",
+                 "rail-optimized": "rail-optimized"}[self.kind]
+        return (f"{tiers}, {self.nodes} servers x {self.nics_per_node} NICs, radix {self.radix}, "
+                f"{self.nodes_per_leaf} servers per leaf, {self.n_leaves} leaves, "
+                f"{self.n_pods} pod(s), oversubscription {self.oversubscription:g}:1, "
+                f"{self.routing} routing"
+                + (f" ({self.flows_per_pair} flows per pair)" if self.routing == "ecmp" else ""))
+
+    # -- link layout --------------------------------------------------------------------------
+    def _dims(self) -> tuple[int, int, float, float]:
+        """Uplinks per leaf and per pod, and their capacities (NIC units), after pooling."""
+        adaptive = self.routing == "adaptive"
+        u, p = self.down, self.down * self.down
+        if self.kind == "clos3":
+            leaf_cap = 1.0                          # full bisection inside a pod
+            pod_cap = 1.0 / self.oversubscription   # aggregation -> core planes
+        else:
+            leaf_cap = 1.0 / self.oversubscription  # the single oversubscribed tier
+            pod_cap = 1.0
+        if adaptive:
+            return 1, 1, leaf_cap * u, pod_cap * p
+        return u, p, leaf_cap, pod_cap
+
+    def links(self) -> np.ndarray:
+        """Capacity of every link, in NIC units, in the order used by `paths`."""
+        n_nic = self.nodes * self.nics_per_node
+        u, p, leaf_cap, pod_cap = self._dims()
+        return np.concatenate([np.ones(2 * n_nic), np.full(2 * self.n_leaves * u, leaf_cap),
+                               np.full(2 * self.n_pods * p, pod_cap)])
+
+    def leaf_of(self, node: np.ndarray, nic: np.ndarray) -> np.ndarray:
+        group = node // self.nodes_per_leaf
+        if self.kind == "rail-optimized":
+            return group * self.nics_per_node + nic
+        return group
+
+    def paths(self, src_node: np.ndarray, src_nic: np.ndarray, dst_node: np.ndarray,
+              dst_nic: np.ndarray, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
+        """Links crossed by each flow, as (flow index, link index) pairs.
+
+        Flows inside one server never reach the fabric: callers leave them out.
+        """
+        nf = len(src_node)
+        n_nic = self.nodes * self.nics_per_node
+        u, p, _, _ = self._dims()
+        if self.kind == "rail-optimized":
+            src_nic = dst_nic  # PXN: hop over NVLink to the GPU on the destination's rail
+        la, lb = self.leaf_of(src_node, src_nic), self.leaf_of(dst_node, dst_nic)
+        pa, pb = la // self.leaves_per_pod, lb // self.leaves_per_pod
+        rng = np.random.default_rng(seed)
+        spine = rng.integers(0, u, nf) if u > 1 else np.zeros(nf, dtype=np.int64)
+        per_plane = max(1, p // u)
+        core = spine * per_plane + (rng.integers(0, per_plane, nf) if per_plane > 1 else 0)
+        flow = np.arange(nf)
+        off_leaf_up = 2 * n_nic
+        off_leaf_dn = off_leaf_up + self.n_leaves * u
+        off_pod_up = off_leaf_dn + self.n_leaves * u
+        off_pod_dn = off_pod_up + self.n_pods * p
+        f_parts = [flow, flow]
+        l_parts = [src_node * self.nics_per_node + src_nic,
+                   n_nic + dst_node * self.nics_per_node + dst_nic]
+        cross = la != lb
+        f_parts += [flow[cross], flow[cross]]
+        l_parts += [off_leaf_up + la[cross] * u + spine[cross],
+                    off_leaf_dn + lb[cross] * u + spine[cross]]
+        far = pa != pb
+        f_parts += [flow[far], flow[far]]
+        l_parts += [off_pod_up + pa[far] * p + core[far], off_pod_dn + pb[far] * p + core[far]]
+        return np.concatenate(f_parts), np.concatenate(l_parts).astype(np.int64)
