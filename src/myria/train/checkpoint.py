@@ -29,7 +29,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from myria.errors import CheckpointError
 
@@ -134,9 +133,13 @@ class CheckpointManager:
         return None
 
     # -- saving ----------------------------------------------------------------------------
-    def save(self, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-             extra: dict[str, Any]) -> bool:
-        """Save and commit the checkpoint of `step` (collective). False if it failed."""
+    def save(self, step: int, target, extra: dict[str, Any]) -> bool:
+        """Save and commit `target.state_dict()` as the checkpoint of `step` (collective).
+
+        `target` is anything with `state_dict()` returning {"model": {...}, "optim": {...}}
+        (the Engine); `extra` is JSON-serialisable state stored in meta.json. Returns False if
+        the save failed (the previous checkpoint is then untouched).
+        """
         rank, world = _world()
         final = self.path_for(step)
         tmp = final.with_name(final.name + ".tmp")
@@ -146,8 +149,7 @@ class CheckpointManager:
             if self.faults is not None and (f := self.faults.due("diskfull", step)):
                 self.faults.mark(f)
                 raise OSError(errno.ENOSPC, "No space left on device (injected fault)")
-            model_sd, optim_sd = get_state_dict(model, optimizer)
-            dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp))
+            dcp.save(target.state_dict(), checkpoint_id=str(tmp))
             _atomic_write(tmp / f"rng_rank{rank:05d}.json", json.dumps(rng_state()))
         except Exception as e:  # a failed save must not end training
             ok, err = False, e
@@ -216,20 +218,17 @@ class CheckpointManager:
                 f"{shown}{more}\nUse a new --run-dir for a different model; nothing was "
                 "overwritten.")
 
-    def load(self, path: Path, model: torch.nn.Module,
-             optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-        """Load model, optimizer and RNG from `path`; return its meta (step, scheduler, data)."""
+    def load(self, path: Path, target) -> dict[str, Any]:
+        """Load `target` (state_dict/load_state_dict) and RNG from `path`; return its meta."""
         rank, world = _world()
         meta = json.loads((path / "meta.json").read_text())
-        model_sd, optim_sd = get_state_dict(model, optimizer)
-        self.check_shapes(path, model_sd)
-        state = {"model": model_sd, "optim": optim_sd}
+        state = target.state_dict()
+        self.check_shapes(path, state["model"])
         try:
             dcp.load(state, checkpoint_id=str(path))
         except Exception as e:
             raise CheckpointError(f"checkpoint {path} could not be read: {e}") from None
-        set_state_dict(model, optimizer, model_state_dict=state["model"],
-                       optim_state_dict=state["optim"])
+        target.load_state_dict(state)
         rng_file = path / f"rng_rank{rank:05d}.json"
         if meta.get("world_size") == world and rng_file.exists():
             set_rng_state(json.loads(rng_file.read_text()))

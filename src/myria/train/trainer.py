@@ -13,7 +13,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 
 from myria import config as config_mod
 from myria.config import Config
@@ -22,13 +21,10 @@ from myria.data.loader import BatchLoader
 from myria.errors import ConfigError
 from myria.faults import FaultInjector
 from myria.models.flops import model_flops_per_token
-from myria.models.transformer import build_model
-from myria.optim import build_optimizer
-from myria.optim.schedules import build_scheduler
-from myria.parallel.mesh import build_mesh, dp_mesh, dp_rank_and_size
-from myria.parallel.parallelize import apply_ddp, apply_fsdp
+from myria.parallel.mesh import build_mesh
 from myria.train import distributed
 from myria.train.checkpoint import CheckpointManager
+from myria.train.engine import Engine
 from myria.train.metrics import MetricsLogger, StepTimer, mfu
 
 log = logging.getLogger("myria")
@@ -51,26 +47,6 @@ def check_vocab(cfg: Config, dataset: TokenDataset) -> None:
             f"{dataset.vocab_size}")
 
 
-def _grad_sync(model: torch.nn.Module, enabled: bool):
-    """Turn gradient synchronisation on or off for gradient accumulation (FSDP2 or DDP)."""
-    import contextlib
-
-    if hasattr(model, "set_requires_gradient_sync"):  # FSDP2
-        model.set_requires_gradient_sync(enabled)
-        return contextlib.nullcontext()
-    if not enabled and isinstance(model, torch.nn.parallel.DistributedDataParallel):
-        return model.no_sync()
-    return contextlib.nullcontext()
-
-
-def _mean_over(value: torch.Tensor, group) -> float:
-    if group is not None:
-        value = value.clone()
-        dist.all_reduce(value, op=dist.ReduceOp.SUM, group=group)
-        value /= dist.get_world_size(group)
-    return float(value)
-
-
 def train(cfg: Config, run_dir: str | Path, stop_after: int | None = None) -> TrainResult:
     """Run (or resume) training as this process's rank; returns the losses of this session."""
     run_dir = Path(run_dir)
@@ -87,27 +63,15 @@ def _train(cfg: Config, run_dir: Path, env, stop_after: int | None) -> TrainResu
         else None
     layout = config_mod.resolve_layout(cfg, env.world_size)
     mesh = build_mesh(layout, env.device.type)
-    dp_rank, dp_size = dp_rank_and_size(mesh)
-    dp_group = None
-    if dp_size > 1:
-        sub = dp_mesh(mesh)
-        dp_group = sub.get_group() if sub.ndim == 1 else sub._flatten().get_group()
     t, m = cfg.training, cfg.model
 
     # -- data ------------------------------------------------------------------------------
     dataset = TokenDataset(cfg.data.path, m.seq_len, split="train")
     check_vocab(cfg, dataset)
 
-    # -- model: meta -> parallelise -> materialise -> initialise ------------------------------
-    model = build_model(m, "meta")
-    if dp_size > 1 and t.data_parallel != "ddp":
-        apply_fsdp(model, dp_mesh(mesh), cfg, env.device.type)
-    model.to_empty(device=env.device)
-    model.init_weights(t.seed)
-    if dp_size > 1 and t.data_parallel == "ddp":
-        model = apply_ddp(model, dp_mesh(mesh), env.device)
-    optimizer = build_optimizer(model, cfg.optimizer)
-    scheduler = build_scheduler(optimizer, cfg.optimizer, t.steps)
+    # -- model, optimizer, schedule for this layout ------------------------------------------
+    engine = Engine(cfg, mesh, env.device)
+    dp_rank, dp_size = engine.dp_rank, engine.dp_size
 
     # -- resume ----------------------------------------------------------------------------
     faults = FaultInjector(run_dir, env.rank)
@@ -115,8 +79,8 @@ def _train(cfg: Config, run_dir: Path, env, stop_after: int | None) -> TrainResu
     start_step = 0
     latest = ckpt.latest_valid() if cfg.checkpoint.resume else None
     if latest is not None:
-        meta = ckpt.load(latest, model, optimizer)
-        scheduler.load_state_dict(meta["scheduler"])
+        meta = ckpt.load(latest, engine)
+        engine.load_scheduler_state(meta["scheduler"])
         start_step = meta["step"]
         if env.is_main:
             print(f"resumed from {latest} (step {start_step}, saved by {meta['world_size']} "
@@ -149,26 +113,18 @@ def _train(cfg: Config, run_dir: Path, env, stop_after: int | None) -> TrainResu
         while step < t.steps:
             faults.at_step_start(step)
             batch = next(loader)
-            accum = batch.inputs.shape[0]
-            loss_sum = torch.zeros((), device=env.device)
-            for i in range(accum):
-                with _grad_sync(model, i == accum - 1):
-                    loss = model(batch.inputs[i], batch.targets[i]) / accum
-                    loss.backward()
-                loss_sum += loss.detach()
-            grad_norm = clip_grads(model, t.grad_clip)
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-            scheduler.step()
+            loss_sum = engine.forward_backward(batch.inputs, batch.targets)
+            grad_norm = engine.clip_grads(t.grad_clip)
+            engine.step()
             step += 1
 
-            loss_value = _mean_over(loss_sum, dp_group)
+            loss_value = engine.mean_over_dp(loss_sum)
             losses.append(loss_value)
             dt = timer.lap()
             if step % cfg.logging.interval == 0 or step == t.steps:
                 tps = tokens_per_step / dt
                 metrics.log({
-                    "step": step, "loss": loss_value, "lr": scheduler.get_last_lr()[0],
+                    "step": step, "loss": loss_value, "lr": engine.lr,
                     "grad_norm": grad_norm, "tokens_per_s": tps, "step_time_s": dt,
                     "data_wait_s": loader.pop_wait_time(),
                     "mfu": mfu(flops_per_token, tps, env.world_size, peak),
@@ -176,13 +132,12 @@ def _train(cfg: Config, run_dir: Path, env, stop_after: int | None) -> TrainResu
                 })
             if t.eval_interval and step % t.eval_interval == 0:
                 val = val or TokenDataset(cfg.data.path, m.seq_len, split="val")
-                metrics.log_eval(step, evaluate(model, val, cfg, dp_rank, dp_size, dp_group,
-                                                env.device))
+                metrics.log_eval(step, evaluate(engine, val, cfg))
             stopping = stop_after is not None and step >= stop_after
             interval = cfg.checkpoint.interval
             if step == t.steps or stopping or (interval and step % interval == 0):
-                ckpt.save(step, model, optimizer, {
-                    "scheduler": scheduler.state_dict(), "data": loader.state_dict(),
+                ckpt.save(step, engine, {
+                    "scheduler": engine.scheduler_state(), "data": loader.state_dict(),
                     "layout": layout, "model": config_mod.dataclasses.asdict(m),
                     "data_path": str(Path(cfg.data.path).resolve()),
                 })
@@ -197,37 +152,21 @@ def _train(cfg: Config, run_dir: Path, env, stop_after: int | None) -> TrainResu
         metrics.close()
 
 
-def clip_grads(model: torch.nn.Module, max_norm: float) -> float:
-    """Clip the global gradient norm (DTensor-aware); returns the norm before clipping."""
-    params = [p for p in model.parameters() if p.grad is not None]
-    norm = torch.nn.utils.clip_grad_norm_(params, max_norm if max_norm > 0 else float("inf"),
-                                          foreach=True)
-    if hasattr(norm, "full_tensor"):
-        norm = norm.full_tensor()
-    return float(norm)
-
-
 @torch.no_grad()
-def evaluate(model, val: TokenDataset, cfg: Config, dp_rank: int, dp_size: int, group,
-             device) -> float:
+def evaluate(engine: Engine, val: TokenDataset, cfg: Config) -> float:
     """Mean loss over the first `data.eval_batches` global batches of the validation split."""
+    dp_rank, dp_size, device = engine.dp_rank, engine.dp_size, engine.device
     g, mb = cfg.training.global_batch, cfg.training.micro_batch
     # Every rank must run the same number of forwards (FSDP gathers in each), so round down.
     n = min(val.num_samples, cfg.data.eval_batches * g) // (dp_size * mb) * (dp_size * mb)
     idx = list(range(n))[dp_rank::dp_size]
     total = torch.zeros((), device=device)
     count = torch.zeros((), device=device)
-    model.eval()
     for s in range(0, len(idx), mb):
         chunk = torch.as_tensor(val.get_many(idx[s:s + mb]), device=device)
-        total += model(chunk[:, :-1], chunk[:, 1:]) * len(chunk)
+        total += engine.eval_loss(chunk[:, :-1], chunk[:, 1:]) * len(chunk)
         count += len(chunk)
-    model.train()
-    if group is not None:
-        both = torch.stack([total, count])
-        dist.all_reduce(both, group=group)
-        total, count = both[0], both[1]
-    return float(total / count.clamp(min=1))
+    return engine.mean_over_dp(total) / max(engine.mean_over_dp(count), 1.0)
 
 
 def layout_str(layout: dict[str, int]) -> str:
