@@ -137,6 +137,28 @@ class ParallelConfig:
     vpp: int = _f(1, "virtual pipeline chunks per rank (interleaved schedules)", min=1)
     schedule: str = _f("1f1b", "pipeline schedule",
                        choices=("gpipe", "1f1b", "interleaved-1f1b", "zero-bubble", "zbv"))
+    sequence_parallel: bool = _f(True, "with tp > 1, shard norms and dropout regions along the "
+                                 "sequence (Megatron-LM sequence parallelism)")
+    loss_parallel: bool = _f(True, "with tp > 1, compute the cross-entropy on vocabulary-sharded "
+                             "logits without gathering them")
+    cp_impl: str = _f("ring", "context-parallel attention: ring (ours, CPU and GPU) or torch "
+                      "(torch's context_parallel, GPU only)", choices=("ring", "torch"))
+    activation_checkpoint: str = _f("none", "recompute activations in backward: none, full "
+                                    "(every block) or selective (keep matmul outputs)",
+                                    choices=("none", "full", "selective"))
+    compile: bool = _f(False, "torch.compile each block (no speedup for fp32 on CPU)")
+    fsdp_prefetch: int = _f(1, "blocks whose FSDP all-gather is issued ahead (forward and "
+                            "backward); 0 leaves FSDP2's default of one", min=0)
+    cpu_offload: bool = _f(False, "keep parameters, gradients and optimizer state in host "
+                           "memory (FSDP2 CPUOffloadPolicy)")
+    data_broadcast: bool = _f(True, "one rank per tensor/context-parallel group reads each batch "
+                              "and broadcasts it (MegaScale's removal of redundant loaders)")
+    hosts: str = _f("", "comma-separated host names in rank order for placement reports; empty "
+                    "means this host only (or $MYRIA_HOSTS / Slurm's node list)")
+    hosts_per_switch: int = _f(0, "hosts under one leaf switch, for placement; 0 = unknown "
+                               "(one switch)", min=0)
+    fast_domain: int = _f(0, "ranks per fast (NVLink) domain; 0 means the ranks of one host",
+                          min=0)
 
 
 @dataclass
