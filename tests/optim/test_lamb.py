@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 
 import numpy as np
 import pytest
@@ -145,8 +144,7 @@ def _dtensor_worker(rank: int, world: int, port: int, out_dir: str) -> None:
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=world)
+    _init(rank, world, port)
     try:
         mesh = init_device_mesh("cpu", (world,))
         init, grads = _problem(steps=4, seed=1)
@@ -171,18 +169,30 @@ def _dtensor_worker(rank: int, world: int, port: int, out_dir: str) -> None:
         dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def _spawn(fn, world: int, out_dir: str) -> None:
+    """Run fn(rank, world, port, out_dir) on `world` spawned processes.
+
+    This process hosts the rendezvous store on a free port (bound to port 0 by the store
+    itself), so no other program can take the port between choosing and binding it.
+    """
+    import torch.distributed as dist
+    import torch.multiprocessing as mp
+
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    mp.spawn(fn, args=(world, store.port, out_dir), nprocs=world)
+
+
+def _init(rank: int, world: int, port: int) -> None:
+    import torch.distributed as dist
+
+    store = dist.TCPStore("127.0.0.1", port, is_master=False)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
 
 
 @pytest.mark.slow
 def test_lamb_dtensor_matches_plain(tmp_path):
-    import torch.multiprocessing as mp
-
     world = 2
-    mp.spawn(_dtensor_worker, args=(world, _free_port(), str(tmp_path)), nprocs=world)
+    _spawn(_dtensor_worker, world, str(tmp_path))
     for r in range(world):
         err = json.loads((tmp_path / f"rank{r}.json").read_text())["err"]
         assert err < 1e-12, f"rank {r}: DTensor LAMB differs from plain by {err}"

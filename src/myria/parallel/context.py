@@ -1,0 +1,348 @@
+"""Context parallelism: ring attention over a cp process group, and sequence sharding helpers.
+
+Each rank of the cp group holds a slice of the sequence for Q, K and V (B, H, S_local, D).
+K/V blocks travel around the ring (rank r sends to r+1 and receives from r-1) while the current
+block is being computed; partial outputs are merged with the log-sum-exp rule of online softmax
+(Milakov & Gimelshein 2018; Liu et al. 2023, "Ring Attention with Blockwise Transformers").
+The backward pass recomputes each block's probabilities from the saved log-sum-exp, and the
+dK/dV accumulators travel around the ring with their K/V block, so after a final hop every rank
+holds the gradients of its own K/V.
+
+Causal load balancing: the sequence is cut into 2*cp chunks and rank r holds chunks r and
+2*cp-1-r (a head and a tail chunk), so that every rank has the same amount of unmasked work.
+Attention masks come from absolute token positions with the semantics of
+`myria.models.attention.window_mask`; (q-chunk, k-chunk) blocks that are entirely masked (in the
+future, or out of the sliding window) are skipped and entirely visible blocks run unmasked.
+
+Why our own: torch's `context_parallel` (torch.distributed.tensor.experimental) does not run on
+CPU in torch 2.13, and we need context parallelism to be testable (and usable) on CPU with gloo,
+with sliding windows and grouped-query attention. The per-block math is plain matmuls with the
+softmax in fp32 (fp64 for fp64 inputs): simple, exact enough for 1e-5 tests, and the same
+recomputation the backward needs anyway.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from myria.models.attention import CoreAttention, window_mask
+
+__all__ = ["RingAttention", "chunk_bounds", "gather_sequence", "positions_for_rank",
+           "ring_attention", "shard_sequence", "swap_core_attention", "unshard_sequence"]
+
+
+# -- sequence layout ----------------------------------------------------------------------------
+
+def chunk_bounds(seq_len: int, cp_rank: int, cp_size: int,
+                 load_balance: bool = True) -> list[tuple[int, int]]:
+    """(start, length) of the contiguous pieces of the sequence rank `cp_rank` holds, in order.
+
+    Load-balanced: chunks r and 2*cp-1-r of 2*cp equal chunks; otherwise the r-th of cp chunks.
+    """
+    parts = 2 * cp_size if load_balance else cp_size
+    if seq_len % parts:
+        raise ValueError(f"sequence length {seq_len} is not divisible by {parts} "
+                         f"({'2 * ' if load_balance else ''}cp = {cp_size}); context "
+                         "parallelism needs equal chunks")
+    if not 0 <= cp_rank < cp_size:
+        raise ValueError(f"cp_rank {cp_rank} out of range for cp_size {cp_size}")
+    c = seq_len // parts
+    if not load_balance:
+        return [(cp_rank * c, c)]
+    return [(cp_rank * c, c), ((parts - 1 - cp_rank) * c, c)]
+
+
+def positions_for_rank(seq_len: int, cp_rank: int, cp_size: int, load_balance: bool = True,
+                       device: torch.device | str | None = None) -> torch.Tensor:
+    """Absolute token positions (int64, length seq_len / cp) that rank `cp_rank` holds.
+
+    The model needs them for position embeddings (RoPE tables indexed by these positions).
+    """
+    return torch.cat([torch.arange(s, s + n, device=device)
+                      for s, n in chunk_bounds(seq_len, cp_rank, cp_size, load_balance)])
+
+
+def shard_sequence(x: torch.Tensor, cp_rank: int, cp_size: int, dim: int = 1,
+                   load_balance: bool = True) -> torch.Tensor:
+    """The part of full-sequence tensor `x` (sequence along `dim`) that rank `cp_rank` holds."""
+    pieces = [x.narrow(dim, s, n)
+              for s, n in chunk_bounds(x.shape[dim], cp_rank, cp_size, load_balance)]
+    return pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim)
+
+
+def unshard_sequence(shards: Sequence[torch.Tensor], dim: int = 1,
+                     load_balance: bool = True) -> torch.Tensor:
+    """Inverse of `shard_sequence`: the full sequence from every rank's shard (in rank order)."""
+    cp = len(shards)
+    if not load_balance:
+        return torch.cat(list(shards), dim)
+    chunks: list[torch.Tensor | None] = [None] * (2 * cp)
+    for r, s in enumerate(shards):
+        head, tail = s.chunk(2, dim)
+        chunks[r], chunks[2 * cp - 1 - r] = head, tail
+    return torch.cat(chunks, dim)
+
+
+def gather_sequence(x: torch.Tensor, group: dist.ProcessGroup | None = None, dim: int = 1,
+                    load_balance: bool = True) -> torch.Tensor:
+    """All-gather every rank's shard over the cp group and return the full sequence (no grad)."""
+    n = dist.get_world_size(group)
+    shards = [torch.empty_like(x) for _ in range(n)]
+    dist.all_gather(shards, x.contiguous(), group=group)
+    return unshard_sequence(shards, dim, load_balance)
+
+
+# -- block plan ---------------------------------------------------------------------------------
+
+SKIP, FULL, MASKED = 0, 1, 2
+
+
+def _block_kind(q_start: int, q_len: int, k_start: int, k_len: int, window: int) -> int:
+    """SKIP, FULL or MASKED for contiguous query and key position ranges (window 0 = causal)."""
+    d_min = q_start - (k_start + k_len - 1)  # smallest query-key distance in the block
+    d_max = q_start + q_len - 1 - k_start
+    if d_max < 0 or (window and d_min >= window):
+        return SKIP
+    if d_min >= 0 and (not window or d_max < window):
+        return FULL
+    return MASKED
+
+
+# One computed block: local query offset and length, local key offset and length, mask or None.
+Block = tuple[int, int, int, int, "torch.Tensor | None"]
+
+
+def _plan(rank: int, size: int, local_len: int, window: int, load_balance: bool,
+          device: torch.device | str | None = None) -> list[list[Block]]:
+    """For ring step i (K/V from rank (rank - i) mod size): the blocks to compute."""
+    seq_len = local_len * size
+    q_bounds = chunk_bounds(seq_len, rank, size, load_balance)
+    masks: dict[tuple[int, int, int], torch.Tensor] = {}
+    steps = []
+    for i in range(size):
+        src = (rank - i) % size
+        blocks: list[Block] = []
+        qo = 0
+        for qs, ql in q_bounds:
+            ko = 0
+            for ks, kl in chunk_bounds(seq_len, src, size, load_balance):
+                kind = _block_kind(qs, ql, ks, kl, window)
+                if kind != SKIP:
+                    mask = None
+                    if kind == MASKED:  # the mask depends only on the offset between chunks
+                        key = (ql, kl, qs - ks)
+                        if key not in masks:
+                            masks[key] = window_mask(ql, kl, window, device, qs, ks)
+                        mask = masks[key]
+                    blocks.append((qo, ql, ko, kl, mask))
+                ko += kl
+            qo += ql
+        steps.append(blocks)
+    return steps
+
+
+# -- ring communication -------------------------------------------------------------------------
+
+class _Ring:
+    """Rank, size and global neighbour ranks of a cp group (group None = default group or none)."""
+
+    def __init__(self, group: dist.ProcessGroup | None):
+        self.group = group
+        if group is None and not (dist.is_available() and dist.is_initialized()):
+            self.rank, self.size = 0, 1
+            return
+        self.rank, self.size = dist.get_rank(group), dist.get_world_size(group)
+        g = group if group is not None else dist.group.WORLD
+        self.next = dist.get_global_rank(g, (self.rank + 1) % self.size)
+        self.prev = dist.get_global_rank(g, (self.rank - 1) % self.size)
+
+    def exchange(self, sends: Sequence[torch.Tensor], recvs: Sequence[torch.Tensor]) -> list:
+        """Start sending `sends` to the next rank and receiving `recvs` from the previous one.
+
+        The i-th send of a rank pairs with the i-th receive of its successor; the tag keeps
+        them apart on backends that match by tag.
+        """
+        ops = []
+        for tag, (s, r) in enumerate(zip(sends, recvs, strict=True)):
+            ops.append(dist.P2POp(dist.isend, s, self.next, self.group, tag))
+            ops.append(dist.P2POp(dist.irecv, r, self.prev, self.group, tag))
+        return dist.batch_isend_irecv(ops) if ops else []
+
+
+def _wait(works: list) -> None:
+    for w in works:
+        w.wait()
+
+
+# -- block math (q: (B, Hkv, G, Sq, D); k, v: (B, Hkv, Sk, D); G query heads per kv head) ------
+
+def _scores(q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor | None,
+            scale: float) -> torch.Tensor:
+    s = torch.einsum("bhgqd,bhkd->bhgqk", q, k).mul_(scale)
+    if mask is not None:
+        s.masked_fill_(~mask, float("-inf"))
+    return s
+
+
+def _finite(x: torch.Tensor) -> torch.Tensor:
+    """-inf (rows with no visible key) replaced by 0, so that exp(-inf - x) stays 0, not NaN."""
+    return torch.where(torch.isneginf(x), torch.zeros_like(x), x)
+
+
+def _attend_block(q, k, v, mask, scale) -> tuple[torch.Tensor, torch.Tensor]:
+    """Normalised block output (B, Hkv, G, Sq, D) and its log-sum-exp (B, Hkv, G, Sq)."""
+    s = _scores(q, k, mask, scale)
+    lse = torch.logsumexp(s, dim=-1)
+    p = torch.exp(s - _finite(lse).unsqueeze(-1))
+    return torch.einsum("bhgqk,bhkd->bhgqd", p, v), lse
+
+
+def _merge(out: torch.Tensor, lse: torch.Tensor, blk_out: torch.Tensor,
+           blk_lse: torch.Tensor) -> None:
+    """Online-softmax merge of a block's (output, lse) into the running (out, lse), in place."""
+    new = torch.logaddexp(lse, blk_lse)
+    ref = _finite(new)
+    out.mul_(torch.exp(lse - ref).unsqueeze(-1))
+    out.add_(blk_out * torch.exp(blk_lse - ref).unsqueeze(-1))
+    lse.copy_(new)
+
+
+class _RingAttentionFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, group, window, load_balance):
+        ring = _Ring(group)
+        b, h, s, d = q.shape
+        hkv = k.shape[1]
+        if h % hkv or k.shape != v.shape or k.shape[0] != b or k.shape[2:] != (s, d):
+            raise ValueError(f"ring attention: incompatible shapes q {tuple(q.shape)}, "
+                             f"k {tuple(k.shape)}, v {tuple(v.shape)}")
+        cdtype = torch.promote_types(q.dtype, torch.float32)
+        scale = 1.0 / math.sqrt(d)
+        plan = _plan(ring.rank, ring.size, s, window, load_balance, q.device)
+        qc = q.to(cdtype).reshape(b, hkv, h // hkv, s, d)
+        out = torch.zeros_like(qc)
+        lse = torch.full(qc.shape[:-1], float("-inf"), dtype=cdtype, device=q.device)
+        cur = torch.stack([k, v])  # one message per hop; sent in the input dtype
+        for i, blocks in enumerate(plan):
+            works, nxt = [], None
+            if i + 1 < ring.size:  # prefetch the next K/V block while computing this one
+                nxt = torch.empty_like(cur)
+                works = ring.exchange([cur], [nxt])
+            kc, vc = cur[0].to(cdtype), cur[1].to(cdtype)
+            for qo, ql, ko, kl, mask in blocks:
+                o_blk, l_blk = _attend_block(qc[..., qo:qo + ql, :], kc[:, :, ko:ko + kl],
+                                             vc[:, :, ko:ko + kl], mask, scale)
+                _merge(out[..., qo:qo + ql, :], lse[..., qo:qo + ql], o_blk, l_blk)
+            _wait(works)
+            if nxt is not None:
+                cur = nxt
+        o = out.reshape(b, h, s, d).to(q.dtype)
+        ctx.save_for_backward(q, k, v, o, lse)
+        ctx.group, ctx.plan, ctx.scale = group, plan, scale
+        return o
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        q, k, v, o, lse = ctx.saved_tensors
+        ring, plan, scale = _Ring(ctx.group), ctx.plan, ctx.scale
+        b, h, s, d = q.shape
+        hkv = k.shape[1]
+        cdtype = lse.dtype
+        shape5 = (b, hkv, h // hkv, s, d)
+        qc = q.to(cdtype).reshape(shape5)
+        do = grad_out.to(cdtype).reshape(shape5)
+        delta = (do * o.to(cdtype).reshape(shape5)).sum(-1)  # rowsum(dO * O)
+        lse_f = _finite(lse)
+        dq = torch.zeros_like(qc)
+        cur = torch.stack([k, v])
+        acc = None  # dK/dV accumulator of the block computed in the previous step
+        for i, blocks in enumerate(plan):
+            sends, recvs = [], []
+            nxt = incoming = None
+            if i + 1 < ring.size:
+                nxt = torch.empty_like(cur)
+                sends.append(cur)
+                recvs.append(nxt)
+            if i > 0:  # pass the previous block's dK/dV on; receive this block's so far
+                incoming = torch.empty_like(acc)
+                sends.append(acc)
+                recvs.append(incoming)
+            works = ring.exchange(sends, recvs)
+            kc, vc = cur[0].to(cdtype), cur[1].to(cdtype)
+            local = torch.zeros((2, *kc.shape), dtype=cdtype, device=q.device)
+            for qo, ql, ko, kl, mask in blocks:
+                qs, ks = slice(qo, qo + ql), slice(ko, ko + kl)
+                qb, dob = qc[..., qs, :], do[..., qs, :]
+                kb, vb = kc[:, :, ks], vc[:, :, ks]
+                p = torch.exp(_scores(qb, kb, mask, scale) - lse_f[..., qs].unsqueeze(-1))
+                local[1][:, :, ks] += torch.einsum("bhgqk,bhgqd->bhkd", p, dob)
+                dp = torch.einsum("bhgqd,bhkd->bhgqk", dob, vb)
+                ds = p.mul_(dp.sub_(delta[..., qs].unsqueeze(-1))).mul_(scale)
+                dq[..., qs, :] += torch.einsum("bhgqk,bhkd->bhgqd", ds, kb)
+                local[0][:, :, ks] += torch.einsum("bhgqk,bhgqd->bhkd", ds, qb)
+            _wait(works)
+            acc = local if incoming is None else incoming.add_(local)
+            if nxt is not None:
+                cur = nxt
+        if ring.size > 1:  # final hop: the accumulator goes home to the rank owning the block
+            home = torch.empty_like(acc)
+            _wait(ring.exchange([acc], [home]))
+            acc = home
+        dq = dq.reshape(b, h, s, d).to(q.dtype)
+        return dq, acc[0].to(k.dtype), acc[1].to(v.dtype), None, None, None
+
+
+def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                   group: dist.ProcessGroup | None = None, window: int = 0,
+                   load_balance: bool = True) -> torch.Tensor:
+    """Causal (window > 0: sliding-window) attention over a sequence sharded across `group`.
+
+    q: (B, H, S_local, D); k, v: (B, H_kv, S_local, D) with H a multiple of H_kv (GQA), laid out
+    as `shard_sequence` does. Returns this rank's (B, H, S_local, D) output. With no group and no
+    initialised process group, it is plain single-process attention.
+    """
+    return _RingAttentionFn.apply(q, k, v, group, window, load_balance)
+
+
+class RingAttention(nn.Module):
+    """Drop-in replacement for `CoreAttention` under context parallelism: (q, k, v) -> out.
+
+    The inputs hold this rank's part of the sequence as laid out by `shard_sequence` with the
+    same `load_balance`; absolute positions follow from (cp rank, cp size, local length).
+    """
+
+    def __init__(self, cp_group: dist.ProcessGroup | None = None, window: int = 0,
+                 load_balance: bool = True):
+        super().__init__()
+        self.cp_group, self.window, self.load_balance = cp_group, window, load_balance
+
+    @classmethod
+    def from_core(cls, core: CoreAttention, cp_group: dist.ProcessGroup | None,
+                  load_balance: bool = True) -> RingAttention:
+        """A ring attention with the same window as `core`."""
+        return cls(cp_group, core.window, load_balance)
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return ring_attention(q, k, v, self.cp_group, self.window, self.load_balance)
+
+    def extra_repr(self) -> str:
+        return f"window={self.window}, load_balance={self.load_balance}"
+
+
+def swap_core_attention(model: nn.Module, cp_group: dist.ProcessGroup | None,
+                        load_balance: bool = True) -> int:
+    """Replace every `CoreAttention` in `model` by a `RingAttention`; returns how many.
+
+    Position embeddings are not touched: the caller feeds each rank its
+    `positions_for_rank` (RoPE rows / learned-position indices).
+    """
+    targets = [(parent, name, child) for parent in model.modules()
+               for name, child in parent.named_children() if isinstance(child, CoreAttention)]
+    for parent, name, child in targets:
+        setattr(parent, name, RingAttention.from_core(child, cp_group, load_balance))
+    return len(targets)
