@@ -180,6 +180,62 @@ class LoggingConfig:
 
 
 @dataclass
+class ResilienceConfig:
+    """`myria supervise`: heartbeats, fault detection, recovery and two-stage checkpoints."""
+
+    heartbeat_s: float = _f(1.0, "period of each worker's heartbeat to the supervisor's store, "
+                            "seconds", min=0.05)
+    missed_heartbeats: int = _f(3, "heartbeat periods without a heartbeat before a worker is "
+                                "declared dead or frozen", min=1)
+    hang_timeout_s: float = _f(60.0, "a live worker without step or phase progress for this long "
+                               "is hung", min=0.1)
+    traffic_timeout_s: float = _f(0.0, "a rank whose communicated bytes stop growing for this "
+                                  "long while training is flagged; 0 means hang_timeout_s",
+                                  min=0.0)
+    alarm_keywords: str = _f("Traceback,CUDA error,NCCL error,out of memory", "comma-separated "
+                             "keywords that raise an alarm when a worker writes them to stderr")
+    alarm_grace_s: float = _f(10.0, "after a stderr alarm, restart if the rank has neither "
+                              "exited nor made progress within this many seconds", min=0.0)
+    max_restarts: int = _f(10, "restarts of the worker group before the supervisor gives up",
+                           min=0)
+    backoff_s: float = _f(1.0, "wait before the first restart; doubles on each further one",
+                          min=0.0)
+    backoff_max_s: float = _f(60.0, "largest wait between restarts", min=0.0)
+    store: str = _f("tcp", "where heartbeats go: tcp (a TCPStore served by the supervisor on "
+                    "127.0.0.1) or redis", choices=("tcp", "redis"))
+    redis_url: str = _f("redis://127.0.0.1:6379/0", "Redis server for store = redis")
+    diagnose: bool = _f(True, "run `myria doctor` checks on this host before each restart")
+    doctor_expect: str = _f("", "expected figures for the checks as key=value,... (keys of "
+                            "`myria doctor --expect`, e.g. gemm_tflops=0.02); empty = defaults")
+    doctor_timeout_s: float = _f(120.0, "time limit of the diagnostics before a restart",
+                                 min=1.0)
+    blocklist_hook: str = _f("", "shell command run for a host that fails diagnostics; {host} "
+                             "and {blocklist} (file of blocked hosts) are substituted, e.g. "
+                             "`scontrol update NodeName={host} State=DRAIN Reason=myria`")
+    bad_host_action: str = _f("exit", "after blocklisting this host: exit (status 3, so the "
+                              "scheduler requeues the job elsewhere) or recheck (run the "
+                              "diagnostics again after the hook and continue if they pass)",
+                              choices=("exit", "recheck"))
+    sigterm_grace_s: float = _f(60.0, "time workers get after SIGTERM to save a checkpoint and "
+                                "exit before SIGKILL", min=0.0)
+    async_checkpoint: bool = _f(True, "two-stage checkpoints: snapshot to host memory, write in "
+                                "the background; false writes synchronously")
+    snapshot_overlap: bool = _f(True, "copy the snapshot during the next step's forward and "
+                                "backward, blocking only before the optimizer changes weights")
+    nccl_ib_timeout: int = _f(20, "NCCL_IB_TIMEOUT: InfiniBand verbs timeout exponent, "
+                              "4.096 us * 2^N per retry (NVIDIA default 20)", min=1)
+    nccl_ib_retry_cnt: int = _f(7, "NCCL_IB_RETRY_CNT: InfiniBand retransmissions before a "
+                                "connection fails (NVIDIA default and maximum 7)", min=0)
+    nccl_async_error_handling: int = _f(1, "TORCH_NCCL_ASYNC_ERROR_HANDLING: 1 aborts the "
+                                        "communicators and ends the process on a collective "
+                                        "error or timeout, so the supervisor restarts it",
+                                        min=0)
+    nccl_trace_buffer: int = _f(2000, "TORCH_NCCL_TRACE_BUFFER_SIZE: collectives kept by the "
+                                "NCCL flight recorder, dumped on a timeout to name the hung "
+                                "collective; 0 disables", min=0)
+
+
+@dataclass
 class Config:
     """A whole run."""
 
@@ -190,6 +246,7 @@ class Config:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
+    resilience: ResilienceConfig = field(default_factory=ResilienceConfig)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -203,7 +260,7 @@ class Config:
 SECTIONS: dict[str, type] = {
     "model": ModelConfig, "data": DataConfig, "training": TrainingConfig,
     "optimizer": OptimizerConfig, "parallel": ParallelConfig, "checkpoint": CheckpointConfig,
-    "logging": LoggingConfig,
+    "logging": LoggingConfig, "resilience": ResilienceConfig,
 }
 
 
