@@ -92,12 +92,14 @@ class Block(nn.Module):
         return h + self.feed_forward(self.ffn_norm(h))
 
 
-class LMHead(nn.Module):
-    """Output projection; given targets it returns the mean cross-entropy (fused, chunked)."""
+class LMHead(nn.Linear):
+    """Output projection; given targets it returns the mean cross-entropy (fused, chunked).
+
+    A Linear subclass (no bias) so tensor parallelism can shard it like any projection.
+    """
 
     def __init__(self, cfg: ModelConfig):
-        super().__init__()
-        self.weight = nn.Parameter(torch.empty(cfg.vocab_size, cfg.hidden))
+        super().__init__(cfg.hidden, cfg.vocab_size, bias=False)
 
     def forward(self, h: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
         if targets is None:
@@ -124,6 +126,9 @@ class Transformer(nn.Module):
             self.output.weight = self.tok_embeddings.weight
         self.register_buffer("rope_cos", torch.empty(0), persistent=False)
         self.register_buffer("rope_sin", torch.empty(0), persistent=False)
+        # Absolute positions of the tokens this module is given, when they are not 0..S-1
+        # (a context-parallel rank holds a head and a tail chunk of each sequence).
+        self.positions: torch.Tensor | None = None
 
     # -- initialisation -------------------------------------------------------------------
     def _init_rule(self, name: str) -> tuple[str, float]:
@@ -161,13 +166,16 @@ class Transformer(nn.Module):
     def forward(self, tokens: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
         """tokens (B, S) -> logits (B, S, V), or the mean loss when targets are given.
 
+        In training mode an MoE model's loss includes its router losses (`models.moe`).
+
         A pipeline stage without embeddings takes hidden states (B, S, H) instead of tokens;
         one without a head returns hidden states.
         """
         if self.tok_embeddings is not None:
             h = self.tok_embeddings(tokens)
             if self.pos_embeddings is not None:
-                pos = torch.arange(tokens.shape[1], device=tokens.device)
+                pos = self.positions if self.positions is not None else \
+                    torch.arange(tokens.shape[1], device=tokens.device)
                 h = h + self.pos_embeddings(pos)
         else:
             h = tokens
@@ -180,10 +188,17 @@ class Transformer(nn.Module):
             h = self.norm(h)
         if self.output is None:
             return h
-        return self.output(h, targets)
+        out = self.output(h, targets)
+        if targets is not None and self.training and self.cfg.experts:
+            from myria.models.moe import moe_aux_loss  # router losses of this forward's layers
+            out = out + moe_aux_loss(self)
+        return out
 
     def rope_tables_for(self, s: int, dtype: torch.dtype):
-        cos, sin = self.rope_cos[:s], self.rope_sin[:s]
+        if self.positions is not None:
+            cos, sin = self.rope_cos[self.positions], self.rope_sin[self.positions]
+        else:
+            cos, sin = self.rope_cos[:s], self.rope_sin[:s]
         return cos.to(dtype), sin.to(dtype)
 
 
