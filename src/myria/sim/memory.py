@@ -20,6 +20,7 @@ gathered one layer at a time (two layers in flight with prefetch).
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
+from functools import lru_cache
 
 from myria.models.flops import param_counts
 from myria.sim.operators import LayerShape
@@ -69,6 +70,11 @@ def layer_activation_bytes(shape: LayerShape, recompute: str) -> float:
         total += e * T * ffn / tp * (n_in + 1)  # activation input(s) and FC2 input
     total += mask
     return total
+
+
+@lru_cache(maxsize=16384)
+def _act(shape: LayerShape, recompute: str) -> float:
+    return layer_activation_bytes(shape, recompute)
 
 
 def head_activation_bytes(shape: LayerShape, first: bool, last: bool) -> float:
@@ -124,11 +130,15 @@ class MemoryResult:
         return out
 
 
+@lru_cache(maxsize=4096)
+def _params(shape: LayerShape):
+    return param_counts(shape.model_config())
+
+
 def stage_params(shape: LayerShape, layers_on_stage: float, first: bool, last: bool,
                  ep: int) -> tuple[float, float]:
     """(dense, expert) parameters held by one device of a stage."""
-    cfg = shape.model_config()
-    pc = param_counts(cfg)
+    pc = _params(shape)
     tp = shape.tp
     dense = layers_on_stage * pc.per_layer_dense / tp
     experts = layers_on_stage * pc.per_layer_experts / (tp * ep)
@@ -152,7 +162,7 @@ def memory(shape: LayerShape, *, layers: int, pp: int, vpp: int, microbatches: i
     shard = max(1, dp)                 # ZeRO shards over the gradient-reduction ranks (dp x cp)
     expert_shard = max(1, dp // ep)
     per_stage = layers / pp
-    a_layer = layer_activation_bytes(shape, recompute)
+    a_layer = _act(shape, recompute)
     results = []
     stages = [("only", True, True)] if pp == 1 else [("first", True, False),
                                                      ("last", False, True)]
@@ -185,7 +195,7 @@ def memory(shape: LayerShape, *, layers: int, pp: int, vpp: int, microbatches: i
         act += head_activation_bytes(shape, first, last) * (1 if last else in_flight)
         if recompute == "full":
             # the one layer being recomputed holds its full activations during its backward
-            temp += layer_activation_bytes(shape, "none")
+            temp += _act(shape, "none")
         dynamic = w + g + o + act + temp
         total = dynamic * (1 + FRAGMENTATION) + RESERVED_BYTES
         results.append(MemoryResult(w, g, o, act, temp + dynamic * FRAGMENTATION,

@@ -7,9 +7,13 @@ slowest flow ends. The result is a *fabric factor* in (0, 1]: the time the step 
 only the NICs limited it, divided by the time it takes on this fabric. 1 means the fabric is
 invisible (full bisection, well-spread routes); ECMP collisions and oversubscription lower it.
 
+All flows of a pattern carry the same bytes, so the slowest flow's max-min rate is the first
+level of progressive filling: min over links of capacity / flows crossing it. One pass over the
+flows gives it; `max_min_rates` (the full allocation) is kept for other uses and for tests.
+
 Groups follow Megatron's rank order (tp fastest, then cp, dp, pp): a group is `size` ranks
-`stride` apart. Large clusters are sampled: the pattern is laid out on at most `MAX_SIM_NODES`
-servers (groups longer than that are shortened), since leaf-level contention is local.
+`stride` apart. Patterns with more than `MAX_SIM_FLOWS` flows (large all-to-alls) are laid out on
+fewer servers (groups shortened to fit), which keeps leaf-level contention but can hide the core.
 """
 
 from __future__ import annotations
@@ -21,7 +25,7 @@ import numpy as np
 
 from myria.sim.topology import Fabric
 
-MAX_SIM_NODES = 64
+MAX_SIM_FLOWS = 300_000
 
 
 def max_min_rates(flow: np.ndarray, link: np.ndarray, cap: np.ndarray, n_flows: int
@@ -73,8 +77,12 @@ def pattern_factor(fabric: Fabric, kind: str, size: int, stride: int) -> Pattern
     NIC as NCCL builds them), ``p2p`` (each member sends to the next member, no wrap: pipeline
     stages) or ``a2a`` (every member sends to every member on another server).
     """
+    if kind not in ("ring", "p2p", "a2a"):
+        raise ValueError(f"unknown traffic pattern {kind!r}")
     gpn = fabric.gpus_per_node
-    nodes = min(fabric.nodes, MAX_SIM_NODES)
+    q = fabric.flows_per_pair if fabric.routing == "ecmp" else 1
+    per_gpu = q * (max(1, size - 1) if kind == "a2a" else 1)
+    nodes = max(2, min(fabric.nodes, MAX_SIM_FLOWS // (per_gpu * gpn)))
     world = nodes * gpn
     while size > 1 and size * stride > world:
         size -= 1
@@ -82,41 +90,31 @@ def pattern_factor(fabric: Fabric, kind: str, size: int, stride: int) -> Pattern
         return PatternResult(1.0, 0, nodes)
     groups = _groups(world, size, stride)
     node = groups // gpn
-    if kind == "ring" or kind == "p2p":
-        nxt = np.roll(groups, -1, axis=1)
-        if kind == "p2p":
-            src, dst = groups[:, :-1].ravel(), groups[:, 1:].ravel()
-        else:
-            # members on the next server in the ring, same local position
-            src, dst = groups.ravel(), nxt.ravel()
-            per_node = max(1, int((node[0] == node[0, 0]).sum()))
-            if per_node > 1:
-                dst = np.roll(groups, -per_node, axis=1).ravel()
-    elif kind == "a2a":
-        s = np.repeat(groups, size, axis=1).reshape(-1)
-        d = np.tile(groups, (1, size)).reshape(-1)
-        src, dst = s, d
+    if kind == "p2p":
+        src, dst = groups[:, :-1].ravel(), groups[:, 1:].ravel()
+    elif kind == "ring":
+        # the member at the same local position on the next server of the ring
+        per_node = max(1, int((node[0] == node[0, 0]).sum()))
+        src, dst = groups.ravel(), np.roll(groups, -per_node, axis=1).ravel()
     else:
-        raise ValueError(f"unknown traffic pattern {kind!r}")
+        src = np.repeat(groups, size, axis=1).reshape(-1)
+        dst = np.tile(groups, (1, size)).reshape(-1)
     keep = (src // gpn) != (dst // gpn)
     src, dst = src[keep], dst[keep]
     if not len(src):
         return PatternResult(1.0, 0, nodes)
-    q = fabric.flows_per_pair if fabric.routing == "ecmp" else 1
     src, dst = np.repeat(src, q), np.repeat(dst, q)
     nics = fabric.nics_per_node
-    s_nic = (src % gpn) * nics // gpn
-    d_nic = (dst % gpn) * nics // gpn
     sim = Fabric(kind=fabric.kind, nodes=nodes, gpus_per_node=gpn, nics_per_node=nics,
                  oversubscription=fabric.oversubscription, routing=fabric.routing,
                  flows_per_pair=fabric.flows_per_pair, radix=fabric.radix)
-    f, lk = sim.paths(src // gpn, s_nic, dst // gpn, d_nic, seed=size * 7919 + stride)
+    f, lk = sim.paths(src // gpn, (src % gpn) * nics // gpn, dst // gpn,
+                      (dst % gpn) * nics // gpn, seed=size * 7919 + stride)
     cap = sim.links()
-    rate = max_min_rates(f, lk, cap, len(src))
-    units = 1.0 / q
-    t_fabric = float((units / rate).max())
-    # NIC-limited time: the busiest NIC (either direction) at its full rate
+    count = np.bincount(lk, minlength=len(cap))
+    used = count > 0
+    slowest = float((cap[used] / count[used]).min())   # first max-min fair level
+    # NIC-limited rate: the busiest NIC (either direction) shared by its flows
     n_nic = nodes * nics
-    load = np.bincount(lk[lk < 2 * n_nic], minlength=2 * n_nic) * units
-    t_nic = float(load.max())
-    return PatternResult(min(1.0, t_nic / t_fabric), len(src), nodes)
+    nic_rate = float(1.0 / count[:2 * n_nic].max())
+    return PatternResult(min(1.0, slowest / nic_rate), len(src), nodes)

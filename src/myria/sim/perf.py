@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from functools import lru_cache
 
 from myria.device import DeviceSpec
 from myria.models.flops import forward_flops_per_token, model_flops_per_token
@@ -121,12 +122,12 @@ class _Phase:
     comm_detail: dict = field(default_factory=dict)
 
 
-def _sum_ops(ops: tuple[Op, ...], run: RunSpec, groups: dict[str, coll.Group]) -> _Phase:
+def _sum_ops(ops: tuple[Op, ...], overlap_tp: bool, tp: int, cp: int,
+             groups: dict[str, coll.Group]) -> _Phase:
     ph = _Phase()
     by_name = {op.name: op.time for op in ops if op.kind != "comm"}
     attn_time = {"fwd": sum(o.time for o in ops if o.attn_core and o.phase == "fwd"),
                  "bwd": sum(o.time for o in ops if o.attn_core and o.phase == "bwd")}
-    tp = run.parallel.tp
     for op in ops:
         cat = op.category
         if op.kind == "comm":
@@ -136,13 +137,12 @@ def _sum_ops(ops: tuple[Op, ...], run: RunSpec, groups: dict[str, coll.Group]) -
                 hide = by_name.get(op.pair, 0.0)
                 if op.always_overlap:
                     exposed = max(0.0, t - hide)
-                elif run.overlap.tp and op.pair:
+                elif overlap_tp and op.pair:
                     exposed = _chunked(t, tp, hide)
                 else:
                     exposed = t
             elif op.group == "cp":
-                c = run.parallel.cp
-                exposed = max(0.0, t - (c - 1) / c * attn_time[op.phase])
+                exposed = max(0.0, t - (cp - 1) / cp * attn_time[op.phase])
             else:
                 exposed = t
             ph.comm_detail[op.group] = algo
@@ -160,6 +160,48 @@ def _sum_ops(ops: tuple[Op, ...], run: RunSpec, groups: dict[str, coll.Group]) -
             ph.bwd += val
             ph.bwd_cat[cat] = ph.bwd_cat.get(cat, 0.0) + val
     return ph
+
+
+@lru_cache(maxsize=4096)
+def _groups(hw: Hardware, tp: int, cp: int, ep: int, dp: int, pp: int) -> dict:
+    """Communicators of a layout (Megatron rank order: tp, cp, dp, pp; ep inside dp)."""
+    return {
+        "tp": coll.make_group(hw, tp, 1),
+        "cp": coll.make_group(hw, cp, tp),
+        "ep": coll.make_group(hw, ep, tp * cp),
+        "dp": coll.make_group(hw, dp * cp, tp),
+        "edp": coll.make_group(hw, max(1, dp * cp // ep), tp * cp * ep),
+        "pp": coll.make_group(hw, pp, tp * cp * dp),
+    }
+
+
+@lru_cache(maxsize=16384)
+def _layer_summary(shape: LayerShape, hw: Hardware, eff: Efficiency, overlap_tp: bool,
+                   groups_key: tuple) -> _Phase:
+    groups = _groups(hw, *groups_key)
+    ops = timed_layer_ops(shape, hw.peak_flops, hw.mem_bw, eff)
+    return _sum_ops(ops, overlap_tp, shape.tp, shape.cp, groups)
+
+
+@lru_cache(maxsize=16384)
+def _head_summary(shape: LayerShape, first: bool, last: bool, hw: Hardware, eff: Efficiency,
+                  overlap_tp: bool, groups_key: tuple) -> _Phase:
+    groups = _groups(hw, *groups_key)
+    ops = timed_head_ops(shape, first, last, hw.peak_flops, hw.mem_bw, eff)
+    return _sum_ops(ops, overlap_tp, shape.tp, shape.cp, groups)
+
+
+@lru_cache(maxsize=256)
+def _describe(fabric) -> str:
+    return fabric.describe()
+
+
+@lru_cache(maxsize=4096)
+def _model_flops(shape: LayerShape) -> tuple:
+    """(megatron model FLOPs, dense FLOPs, forward by op, causal forward) per token."""
+    cfg = shape.model_config()
+    return (model_flops_per_token(cfg, "megatron"), model_flops_per_token(cfg, "dense"),
+            forward_flops_per_token(cfg, "dense"), forward_flops_per_token(cfg, "causal"))
 
 
 def efficiency_for(hw: Hardware) -> Efficiency:
@@ -194,16 +236,9 @@ def simulate(run: RunSpec, hw: Hardware | None = None, eff: Efficiency | None = 
         warnings.append(f"layers ({L}) not divisible by pp*vpp ({pp * v}): stages hold "
                         f"{L / (pp * v):.2f} layers per chunk on average")
 
-    groups = {
-        "tp": coll.make_group(hw, tp, 1),
-        "cp": coll.make_group(hw, cp, tp),
-        "ep": coll.make_group(hw, ep, tp * cp),
-        "dp": coll.make_group(hw, dp * cp, tp),
-        "edp": coll.make_group(hw, max(1, dp * cp // ep), tp * cp * ep),
-        "pp": coll.make_group(hw, pp, tp * cp * dp),
-    }
-    ops = timed_layer_ops(shape, hw.peak_flops, hw.mem_bw, eff)
-    lay = _sum_ops(ops, run, groups)
+    gkey = (tp, cp, ep, dp, pp)
+    groups = _groups(hw, *gkey)
+    lay = _layer_summary(shape, hw, eff, ov.tp, gkey)
     rec = tr.recompute
     if rec == "full":
         recompute = lay.fwd
@@ -243,8 +278,7 @@ def simulate(run: RunSpec, hw: Hardware | None = None, eff: Efficiency | None = 
 
     stages = {}
     for kind, first, last in kinds:
-        head = timed_head_ops(shape, first, last, hw.peak_flops, hw.mem_bw, eff)
-        hp = _sum_ops(head, run, groups)
+        hp = _head_summary(shape, first, last, hw, eff, ov.tp, gkey)
         F = per_stage * lay.fwd + hp.fwd
         B = per_stage * (lay.bwd + recompute) + hp.bwd
         W = per_stage * lay.wgrad + hp.wgrad
@@ -336,14 +370,14 @@ def simulate(run: RunSpec, hw: Hardware | None = None, eff: Efficiency | None = 
         "data_loading": t_data,
     }
     tokens = tr.global_batch * cfg.seq_len
-    model_flops = model_flops_per_token(cfg, "megatron") * tokens
-    dense = model_flops_per_token(cfg, "dense") * tokens
-    fw = forward_flops_per_token(cfg, "dense")
+    mf, df, fw, fc = _model_flops(shape)
+    model_flops = mf * tokens
+    dense = df * tokens
     if rec == "full":
         extra = (fw.total - fw.logits) * tokens
     elif rec == "selective":
         # the attention core runs forward twice (FlashAttention: its block-sparse causal work)
-        fa = forward_flops_per_token(cfg, "causal") if run.kernels.flash_attention else fw
+        fa = fc if run.kernels.flash_attention else fw
         extra = (fa.attn_scores + fa.attn_values) * tokens
     else:
         extra = 0.0
@@ -383,7 +417,7 @@ def simulate(run: RunSpec, hw: Hardware | None = None, eff: Efficiency | None = 
         "params_per_device": mem.params_per_device,
         "efficiency": {"gemm": eff.gemm, "half_dim": eff.half_dim, "mem": eff.mem,
                        "kernel_overhead_s": eff.kernel_overhead_s},
-        "fabric": hw.fabric.describe(),
+        "fabric": _describe(hw.fabric),
     }
     res = StepResult(
         name=run.name, iteration_time_s=total,
@@ -394,6 +428,7 @@ def simulate(run: RunSpec, hw: Hardware | None = None, eff: Efficiency | None = 
         memory_gb_per_gpu=mem.total / 1e9, fits=fits, breakdown=bd, memory=mem,
         layout=layout, details=details, warnings=warnings)
     if detail:
+        ops = timed_layer_ops(shape, hw.peak_flops, hw.mem_bw, eff)
         res.ops = op_table(run, res, ops, stages[crit], per_stage, m, crit, hw, eff, groups)
     return res
 

@@ -21,6 +21,7 @@ from typing import Any
 import tomllib
 
 from myria.config import ModelConfig
+from myria.device import DEVICES, lookup
 from myria.errors import ConfigError
 
 
@@ -407,6 +408,11 @@ def validate(run: RunSpec) -> None:
         if (dp * p.cp) % p.ep:
             raise ConfigError(f"run {n!r}: parallel.ep = {p.ep} must divide the data-parallel "
                               f"(x cp) ranks {dp * p.cp}: experts are spread over them")
+    if c.gpu.lower() != "cpu" and lookup(c.gpu) is None:
+        close = difflib.get_close_matches(c.gpu.lower(), list(DEVICES) + ["cpu"], n=1)
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        raise ConfigError(f"run {n!r}: cluster.gpu = {c.gpu!r}: unknown device{hint}; known: "
+                          f"{', '.join(list(DEVICES) + ['cpu'])}")
     if t.offload == "nvme" and t.zero_stage < 1:
         raise ConfigError(f"run {n!r}: training.offload = 'nvme' (ZeRO-Infinity) needs "
                           "training.zero_stage >= 1")

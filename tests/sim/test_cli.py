@@ -1,0 +1,115 @@
+"""The analyze, simulate and plan subcommands, run in-process through myria.cli.main."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from myria.cli import main
+from myria.device import DeviceSpec
+from myria.sim.runspec import calibration_path
+
+CAL = str(calibration_path())
+
+
+def test_simulate_json(capsys):
+    assert main(["simulate", CAL, "--json"]) == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert len(lines) == 10
+    objs = [json.loads(x) for x in lines]
+    for o in objs:
+        for key in ("name", "iteration_time_s", "mfu", "tokens_per_s", "tflops_per_gpu",
+                    "memory_gb_per_gpu", "fits", "breakdown", "hardware_tflops_per_gpu"):
+            assert key in o
+        assert abs(o["error"]) < 0.1
+    assert sum(abs(o["error"]) for o in objs) / len(objs) <= 0.05
+
+
+def test_simulate_table_and_selection(capsys):
+    assert main(["simulate", "--run", "megatron-lm-2021-1.7b"]) == 0
+    out = capsys.readouterr().out
+    assert "megatron-lm-2021-1.7b" in out and "mean absolute error" in out
+    assert main(["simulate", CAL, "--run", "megatron-lm-2021-1.7"]) == 2
+    assert "did you mean" in capsys.readouterr().err
+    assert main(["simulate", "--schema"]) == 0
+    assert "[cluster]" in capsys.readouterr().out
+
+
+def test_simulate_bad_file(tmp_path, capsys):
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[model]\nlayers = 2\nhidden = 64\nheads = 4\nwindow = 3\n"
+                   "[training]\nglobal_batch = 8\n[cluster]\ngpu = 'h100'\ngpus = 8\n")
+    assert main(["simulate", str(bad)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "model.window" in err and "attention_window" in err
+    assert main(["simulate", str(tmp_path / "missing.toml")]) == 2
+
+
+def test_analyze_run_file(capsys):
+    assert main(["analyze", CAL, "--run", "megatron-lm-2021-18.4b", "--sort", "time"]) == 0
+    out = capsys.readouterr().out
+    assert "qkv" in out and "softmax" in out and "memory-bound" in out
+    assert main(["analyze", CAL, "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)["operators"]
+    kinds = {r["bound"] for r in rows}
+    assert {"compute", "memory"} <= kinds
+    assert sum(r["share"] for r in rows) < 1.0
+
+
+def test_analyze_training_config(tmp_path, capsys):
+    cfg = tmp_path / "train.toml"
+    cfg.write_text("[model]\narch = 'llama'\nlayers = 4\nhidden = 256\nheads = 8\n"
+                   "seq_len = 256\n[training]\nglobal_batch = 16\nmicro_batch = 4\n")
+    assert main(["analyze", str(cfg), "--gpu", "h100-sxm-80gb", "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)["operators"]
+    assert any(r["name"] == "swiglu" for r in rows)
+
+
+def test_plan_command(capsys, tmp_path):
+    args = ["plan", "--layers", "32", "--hidden", "4096", "--heads", "32", "--seq-len", "2048",
+            "--global-batch", "512", "--gpu", "a100-sxm-80gb", "--gpus", "64", "--top", "3"]
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    assert "layouts evaluated" in out and "best layouts" in out
+    assert main(args + ["--json", "--zero", "1"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["ranked"] and all(r["layout"]["zero_stage"] == 1 for r in data["ranked"])
+    assert main(["plan", "--layers", "32"]) == 2
+    assert "needs" in capsys.readouterr().err
+
+
+def test_plan_show_schedule(tmp_path, capsys):
+    png = tmp_path / "sched.png"
+    assert main(["plan", "--show-schedule", str(png), "--pp", "4", "--vpp", "2",
+                 "--microbatches", "8"]) == 0
+    out = capsys.readouterr().out
+    assert png.stat().st_size > 5000 and "bubble 15.8%" in out
+    assert main(["plan", "--show-schedule", str(png), "--pp", "4", "--vpp", "2",
+                 "--microbatches", "6"]) == 2
+
+
+def test_simulate_config_on_a_described_cpu():
+    from myria.config import Config
+    from myria.sim.perf import simulate_config
+
+    cfg = Config()
+    cpu = DeviceSpec("cpu", 0.2, 0.2, 16.0, 20.0, 0.0, source="measured (test)")
+    one = simulate_config(cfg, 1, cpu)
+    two = simulate_config(cfg, 2, cpu)
+    assert one.iteration_time_s > 0 and one.layout["device"] == "cpu"
+    assert two.layout["dp"] == 2
+    # half the microbatches per process, plus gradient traffic
+    assert two.iteration_time_s < one.iteration_time_s
+    cfg.parallel.pp = 2
+    cfg.model.layers = 4
+    pipe = simulate_config(cfg, 2, cpu)
+    assert pipe.layout["pp"] == 2 and pipe.breakdown["pp_bubble"] > 0
+
+
+@pytest.mark.parametrize("argv", [["simulate", "--help"], ["plan", "--help"],
+                                  ["analyze", "--help"]])
+def test_help(argv, capsys):
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    assert e.value.code == 0

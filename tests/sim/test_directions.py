@@ -1,0 +1,152 @@
+"""Every optimisation flag moves the prediction the right way, by a plausible amount."""
+
+from __future__ import annotations
+
+import pytest
+
+from myria.sim.perf import simulate
+
+
+def t(run):
+    return simulate(run).iteration_time_s
+
+
+def mem(run):
+    return simulate(run).memory_gb_per_gpu
+
+
+def speedup(base, other):
+    """How much faster `other` is than `base` (> 0: faster)."""
+    return t(base) / t(other) - 1
+
+
+@pytest.mark.parametrize("which", ["tp", "pp", "dp"])
+def test_overlap_raises_mfu(llama, gpt39, which):
+    for base in (gpt39, llama):
+        off = base.replace(overlap={which: False})
+        on = base.replace(overlap={which: True})
+        gain = speedup(off, on)
+        assert 0 < gain < 0.35, (base.name, which, gain)
+        assert simulate(on).mfu > simulate(off).mfu
+
+
+def test_parallel_block_raises_mfu(llama, gpt39):
+    for base in (gpt39, llama):
+        gain = speedup(base, base.replace(model={"parallel_block": True}))
+        assert 0.01 < gain < 0.25, gain   # PaLM reports ~15% at large scale
+
+
+def test_flash_attention_faster_and_smaller(llama, gpt39):
+    for base in (gpt39, llama):
+        off = base.replace(kernels={"flash_attention": False},
+                           training={"recompute": "none"})
+        on = off.replace(kernels={"flash_attention": True})
+        assert 0.02 < speedup(off, on) < 0.6
+        assert mem(on) < mem(off)
+
+
+def test_fused_kernels_faster(gpt39, llama):
+    for base in (gpt39, llama):
+        gain = speedup(base.replace(kernels={"fused_ops": False}), base)
+        assert 0 < gain < 0.2
+
+
+def test_sequence_parallel_saves_memory_and_time(llama):
+    off = llama.replace(parallel={"sequence_parallel": False})
+    assert mem(llama) < 0.8 * mem(off)
+    assert 0 < speedup(off, llama) < 0.2
+
+
+def test_recompute_ordering(gpt39, llama):
+    for base in (gpt39, llama.replace(kernels={"flash_attention": False})):
+        runs = {k: base.replace(training={"recompute": k}) for k in ("none", "selective",
+                                                                     "full")}
+        times = {k: t(r) for k, r in runs.items()}
+        mems = {k: mem(r) for k, r in runs.items()}
+        assert times["none"] < times["selective"] < times["full"]
+        assert mems["none"] > mems["selective"] > mems["full"]
+        # full recomputation adds about one forward pass: a third of the compute at most
+        assert times["full"] / times["none"] < 1.45
+    # hardware FLOP/s counts the recomputation, model FLOP/s does not
+    full = simulate(gpt39)
+    assert full.hardware_tflops_per_gpu > full.tflops_per_gpu
+
+
+def test_zero_stages(llama):
+    res = {z: simulate(llama.replace(training={"zero_stage": z})) for z in range(4)}
+    m = [res[z].memory_gb_per_gpu for z in range(4)]
+    assert m[0] > m[1] > m[2] > m[3]
+    # ZeRO-1/2 move the same bytes as an all-reduce (less: parameters gather in 16 bits)
+    assert res[1].iteration_time_s <= res[0].iteration_time_s * 1.02
+    # ZeRO-3 gathers the weights every microbatch: slower, slower still without overlap
+    assert res[3].iteration_time_s > res[2].iteration_time_s
+    no_ov = llama.replace(training={"zero_stage": 3}, overlap={"dp": False})
+    assert t(no_ov) > res[3].iteration_time_s
+
+
+def test_zero3_memory_shrinks_with_dp(llama):
+    base = llama.replace(training={"zero_stage": 3, "global_batch": 4096},
+                         parallel={"pp": 1, "vpp": 1, "schedule": "1f1b"})
+    mems = [mem(base.replace(cluster={"gpus": g})) for g in (64, 256, 1024)]
+    assert mems[0] > mems[1] > mems[2]
+    z0 = base.replace(training={"zero_stage": 0})
+    assert mem(z0.replace(cluster={"gpus": 64})) == pytest.approx(
+        mem(z0.replace(cluster={"gpus": 1024})), rel=0.01)
+
+
+def test_more_stages_raise_the_bubble(gpt39):
+    base = gpt39.replace(parallel={"vpp": 1, "schedule": "1f1b"})
+    fr = []
+    for pp in (2, 4, 8):
+        r = base.replace(parallel={"pp": pp}, cluster={"gpus": 16 * pp * 8},
+                         training={"global_batch": 512})
+        fr.append(simulate(r).details["bubble_fraction"])
+    assert fr[0] < fr[1] < fr[2]
+    # at the same layout, fewer microbatches mean a larger bubble share
+    small = base.replace(training={"global_batch": 256})
+    assert simulate(small).details["bubble_fraction"] > simulate(base).details[
+        "bubble_fraction"]
+
+
+def test_schedules(llama):
+    one = llama.replace(parallel={"vpp": 1, "schedule": "1f1b"})
+    inter = llama
+    zb = llama.replace(parallel={"vpp": 1, "schedule": "zero-bubble"})
+    gpipe = llama.replace(parallel={"vpp": 1, "schedule": "gpipe"})
+    b = {k: simulate(r).details["bubble_fraction"] for k, r in
+         (("1f1b", one), ("inter", inter), ("zb", zb), ("gpipe", gpipe))}
+    assert b["inter"] < b["1f1b"] and b["zb"] < b["1f1b"]
+    assert b["gpipe"] == pytest.approx(b["1f1b"], rel=1e-6)
+    assert mem(gpipe) > mem(one)
+    assert t(inter) < t(one) and t(zb) < t(one)
+
+
+def test_context_parallel_cuts_activation_memory(llama):
+    long = llama.replace(model={"seq_len": 32768}, training={"global_batch": 128,
+                                                             "recompute": "none"})
+    cp = long.replace(parallel={"cp": 4})
+    assert simulate(cp).memory.activations < 0.5 * simulate(long).memory.activations
+
+
+def test_expert_parallel(llama):
+    moe = llama.replace(model={"experts": 8, "top_k": 2})
+    res = {ep: simulate(moe.replace(parallel={"ep": ep})) for ep in (1, 2, 8)}
+    assert res[1].memory_gb_per_gpu > res[2].memory_gb_per_gpu > res[8].memory_gb_per_gpu
+    dense = simulate(llama)
+    assert res[8].iteration_time_s > dense.iteration_time_s   # top-2: twice the MLP work
+    assert res[8].breakdown["ep_comm_exposed"] > 0
+
+
+def test_network_fabric_never_helps(llama):
+    base = simulate(llama).iteration_time_s
+    assert t(llama.replace(cluster={"routing": "ecmp"})) >= base
+    over = llama.replace(cluster={"topology": "clos3", "oversubscription": 7.0, "gpus": 8192},
+                         training={"global_batch": 8192})
+    full = over.replace(cluster={"oversubscription": 1.0})
+    assert t(over) >= t(full)
+
+
+def test_fp8_faster_and_micro_batch_tradeoff(llama):
+    assert 0.1 < speedup(llama, llama.replace(training={"precision": "fp8"})) < 1.0
+    mb2 = llama.replace(training={"micro_batch": 2})
+    assert mem(mb2) > mem(llama)
