@@ -83,10 +83,11 @@ def run(args: argparse.Namespace) -> int:
     comp = sum(r["share"] for r in rows if r["bound"] == "compute")
     mem = sum(r["share"] for r in rows if r["bound"] == "memory")
     net = sum(r["share"] for r in rows if r["kind"] == "comm")
-    con.print(f"compute-bound {comp:.1%}, memory-bound {mem:.1%}, communication (unhidden "
-              f"cost) {net:.1%} of the {res.iteration_time_s:.3f} s step; the remainder is "
-              "bubble, optimizer and data-parallel time (see `myria simulate`).")
-    con.print(f"ridge point: {peak:.0f} TFLOP/s peak x GEMM efficiency {eff['gemm']:.2f} vs "
-              f"memory bandwidth x {eff['mem']:.2f}; operators below the ridge intensity are "
-              "memory-bound.")
+    ridge = peak * 1e12 * eff["gemm"] / (res.details["memory_bw_gbs"] * 1e9 * eff["mem"])
+    con.print(f"compute-bound operators {comp:.1%}, memory-bound {mem:.1%} of the "
+              f"{res.iteration_time_s:.3f} s step; collectives {net:.1%} if nothing overlapped "
+              "(the exposed part, bubble, optimizer and data-parallel time: `myria simulate`).")
+    con.print(f"ridge point {ridge:.0f} FLOP/byte ({peak:.0f} TFLOP/s x {eff['gemm']:.2f} over "
+              f"{res.details['memory_bw_gbs']:.0f} GB/s x {eff['mem']:.2f}): operators below it "
+              "are memory-bound (GEMMs also lose efficiency on short dimensions).")
     return 0

@@ -1,0 +1,132 @@
+"""Planner speed: layouts evaluated per second by `myria plan` (target >= 10,000 in <= 10 s).
+
+    .venv/bin/python bench/plan_speed.py
+
+Runs the full search (tp, pp, cp, ep, vpp, micro-batch, sequence parallelism, recomputation,
+ZeRO stage; every candidate priced by the step and memory models) for three models, each with
+cold caches, and writes bench/results/sim_plan_speed.json.
+"""
+
+from __future__ import annotations
+
+import json
+import platform
+import sys
+import time
+from pathlib import Path
+
+import tomllib
+
+from myria.sim import memory, network, operators, perf, runspec
+from myria.sim.planner import plan
+
+OUT = Path(__file__).resolve().parent / "results" / "sim_plan_speed.json"
+
+CASES = {
+    "gpt3-175b-1024xA100": """
+[model]
+arch = "gpt"
+layers = 96
+hidden = 12288
+heads = 96
+seq_len = 2048
+[training]
+global_batch = 1536
+[kernels]
+flash_attention = true
+[overlap]
+pp = true
+dp = true
+[cluster]
+gpu = "a100-sxm-80gb"
+gpus = 1024
+""",
+    "llama70b-512xH100-8k": """
+[model]
+arch = "llama"
+layers = 80
+hidden = 8192
+heads = 64
+kv_heads = 8
+ffn_hidden = 28672
+vocab = 128256
+seq_len = 8192
+[training]
+global_batch = 512
+[kernels]
+flash_attention = true
+[overlap]
+pp = true
+dp = true
+[cluster]
+gpu = "h100-sxm-80gb"
+gpus = 512
+""",
+    "moe-8x7b-256xH100": """
+[model]
+arch = "llama"
+layers = 32
+hidden = 4096
+heads = 32
+kv_heads = 8
+ffn_hidden = 14336
+experts = 8
+top_k = 2
+seq_len = 4096
+[training]
+global_batch = 1024
+[kernels]
+flash_attention = true
+[overlap]
+dp = true
+[cluster]
+gpu = "h100-sxm-80gb"
+gpus = 256
+""",
+}
+
+
+def clear_caches() -> None:
+    for fn in (network.pattern_factor, perf._groups, perf._layer_summary, perf._head_summary,
+               perf._model_flops, operators.timed_layer_ops, operators.timed_head_ops,
+               memory._params, memory._act):
+        fn.cache_clear()
+
+
+def main() -> int:
+    rows = []
+    print(f"{'case':<24}{'layouts':>10}{'fit':>8}{'seconds':>9}{'layouts/s':>11}  best layout "
+          "(MFU)")
+    for name, text in CASES.items():
+        base = runspec.parse_run(tomllib.loads(text) | {"name": name}, check=False)
+        clear_caches()
+        t0 = time.perf_counter()
+        res = plan(base, top=3)
+        dt = time.perf_counter() - t0
+        best = res.ranked[0] if res.ranked else None
+        lay = best.layout if best else {}
+        desc = (f"tp{lay['tp']} pp{lay['pp']} dp{lay['dp']} cp{lay['cp']} ep{lay['ep']} "
+                f"v{lay['vpp']} mb{lay['micro_batch']} {lay['recompute']} z{lay['zero_stage']}"
+                f" ({best.mfu:.1%})") if best else "none fits"
+        print(f"{name:<24}{res.evaluated:>10,}{res.fitting:>8,}{dt:>9.2f}"
+              f"{res.evaluated / dt:>11,.0f}  {desc}")
+        rows.append({"case": name, "evaluated": res.evaluated, "fitting": res.fitting,
+                     "seconds": dt, "per_second": res.evaluated / dt, "best": lay,
+                     "best_mfu": best.mfu if best else None})
+    for r in rows:
+        r["seconds_per_10000"] = 10_000 * r["seconds"] / r["evaluated"]
+    big = [r for r in rows if r["evaluated"] >= 10_000]
+    ok = all(r["seconds_per_10000"] <= 10 for r in big)
+    print("seconds per 10,000 layouts: " + ", ".join(
+        f"{r['case']} {r['seconds_per_10000']:.2f}" for r in rows)
+          + f"; target <= 10 s: {'met' if ok and big else 'NOT met'}")
+    OUT.parent.mkdir(parents=True, exist_ok=True)
+    OUT.write_text(json.dumps({"command": "bench/plan_speed.py", "machine":
+                               f"{platform.machine()} CPU (2 cores, shared)",
+                               "date": time.strftime("%Y-%m-%d"), "rows": rows}, indent=1))
+    print(f"wrote {OUT}")
+    return 0 if ok and big else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
