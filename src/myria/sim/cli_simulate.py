@@ -56,12 +56,12 @@ def _print_table(pairs: list[tuple[runspec.RunSpec, StepResult]]) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    con = Console(width=max(150, Console().width))
+    con = Console(width=max(190, Console().width))
     tab = Table(title="myria simulate: predicted iteration", show_lines=False)
     for col in ("run", "layout", "iter s", "meas s", "err", "MFU", "TFLOP/s", "hw TFLOP/s",
                 "tok/s", "mem GB", "fits", "largest costs"):
         tab.add_column(col, justify="left" if col in ("run", "layout", "largest costs")
-                       else "right")
+                       else "right", no_wrap=col != "largest costs")
     errs = []
     for run, res in pairs:
         lay = res.layout
@@ -73,7 +73,7 @@ def _print_table(pairs: list[tuple[runspec.RunSpec, StepResult]]) -> None:
         if err is not None:
             errs.append(abs(err))
         t = res.iteration_time_s
-        top = sorted(res.breakdown.items(), key=lambda kv: -kv[1])[:4]
+        top = sorted(res.breakdown.items(), key=lambda kv: -kv[1])[:3]
         costs = ", ".join(f"{BREAKDOWN_LABELS[k]} {v / t:.0%}" for k, v in top if v > 0)
         meas = run.measured.get("iteration_time_s", "") if run.measured else ""
         tab.add_row(run.name, layout, f"{t:.3f}", f"{meas}" if meas else "-",

@@ -475,11 +475,14 @@ def op_table(run: RunSpec, res: StepResult, ops: tuple[Op, ...], stage: dict,
     return rows
 
 
-def simulate_config(cfg, nproc: int, device_spec: DeviceSpec, **kw) -> StepResult:
-    """Predict a myria training Config (`myria.config.Config`) run on `nproc` local processes.
+def simulate_config(cfg, nproc: int, device_spec: DeviceSpec, gpus_per_node: int = 0,
+                    **kw) -> StepResult:
+    """Predict a myria training Config (`myria.config.Config`) run on `nproc` processes.
 
     The layout comes from cfg.parallel (dp fills the rest); the device is `device_spec` (e.g.
-    `myria.device.cpu_device_spec()`), all processes on one node. For the CPU self-check.
+    `myria.device.cpu_device_spec()`, all processes on this host, for the CPU self-check; or a
+    GPU DeviceSpec, 8 per server unless `gpus_per_node` says otherwise). The model is myria's
+    own: no dropout, eager PyTorch kernels (no fusion, no FlashAttention on CPU).
     """
     from myria.config import resolve_layout
     from myria.sim.runspec import (
@@ -511,13 +514,15 @@ def simulate_config(cfg, nproc: int, device_spec: DeviceSpec, **kw) -> StepResul
     par = ParallelSpec(tp=lay["tp"], pp=lay["pp"], cp=lay["cp"], ep=lay["ep"],
                        vpp=cfg.parallel.vpp, schedule=cfg.parallel.schedule
                        if cfg.parallel.schedule != "zbv" or cfg.parallel.vpp == 2 else "1f1b")
-    cluster = ClusterSpec(gpu=device_spec.name, gpus=nproc, gpus_per_node=nproc,
+    gpn = gpus_per_node or (nproc if device_spec.name == "cpu" else min(8, nproc))
+    cluster = ClusterSpec(gpu=device_spec.name, gpus=nproc, gpus_per_node=gpn,
                           peak_tflops=device_spec.peak_tflops(dtype),
                           memory_bw_gbs=device_spec.memory_bw_gbs,
                           memory_gb=device_spec.memory_gb)
     run = RunSpec(name="myria-config", model=model, training=training, parallel=par,
-                  overlap=OverlapSpec(), kernels=KernelSpec(flash_attention=False,
-                                                            fused_ops=False),
+                  overlap=OverlapSpec(),
+                  kernels=KernelSpec(flash_attention=device_spec.name != "cpu",
+                                     fused_ops=False),
                   cluster=cluster)
     validate(run)
     hw = build_hardware(cluster, training.precision, spec=device_spec)
