@@ -460,7 +460,7 @@ def op_table(run: RunSpec, res: StepResult, ops: tuple[Op, ...], stage: dict,
             [(o, m, False) for o in head]:
         repeats = 1
         if in_layer and op.phase == "fwd" and (
-                rec == "full" or (rec == "selective" and op.attn_core and op.kind != "attn")):
+                rec == "full" or (rec == "selective" and op.attn_core)):
             repeats = 2
         if op.kind == "comm":
             t = coll.COLLECTIVES[op.coll](op.bytes, groups[op.group])[0]
