@@ -1,28 +1,51 @@
-"""Distributed checkpoints: DCP shards written to a temporary directory, committed by rename.
+"""Two-stage distributed checkpoints: snapshot to host memory, write in the background, commit.
 
 Layout under RUN_DIR/checkpoints/:
 
     step_00000040/          a committed checkpoint
         .metadata, *.distcp DCP files (model + optimizer, resharded on load)
         rng_rank00000.json   each rank's RNG states
-        meta.json            step, scheduler, data position, layout, file sizes; written last
+        meta.json            the manifest, written last: step, scheduler, data position, layout,
+                             every file's size and CRC-32
     step_00000060.tmp/       a save in progress (never read)
     latest                   name of the newest committed checkpoint
 
-A save writes everything into `step_N.tmp`, then rank 0 writes meta.json, renames the directory
-to `step_N` (atomic on POSIX) and replaces `latest` (write + rename). A failed save removes its
-temporary directory and leaves older checkpoints untouched. Loading reads only tensors and JSON
-(DCP's loader executes nothing from the checkpoint).
+A save has two stages, as in MegaScale (§4.5.3) and torchtitan's asynchronous checkpointing:
+
+1. *Snapshot*: each rank copies its shard of the model and optimizer state into host buffers
+   allocated once and reused (pinned memory on GPU). With `overlap`, the copy runs on a helper
+   thread during the next step's data loading, forward and backward, which do not change the
+   weights; the loop waits for it only in `before_update()`, just before the optimizer step.
+2. *Persist*: a background thread writes the snapshot with DCP through its own gloo process
+   group (so it never interleaves with the training collectives), fsyncs every file, checksums
+   them, and the ranks vote. If every rank succeeded, rank 0 writes the manifest, renames
+   `step_N.tmp` to `step_N` (atomic on POSIX), fsyncs the directory and replaces `latest`.
+
+At most one save is in flight: a new save first waits for the previous one. A failed save is
+logged, its temporary directory removed, older checkpoints are untouched, and training goes on.
+
+Resuming picks the newest checkpoint whose manifest verifies (sizes and CRC-32, the files split
+among the ranks so each byte is read once) and skips damaged or incomplete ones with a warning.
+Loading is one read per group of ranks holding the same shard (data-parallel replicas under DDP
+or HSDP): the group's first rank reads it from storage and broadcasts it to the others
+(MegaScale §4.5.3); `bytes_read` counts what this rank read. Loading executes nothing from the
+checkpoint (DCP reads tensors with `weights_only=True`; the rest is JSON).
 """
 
 from __future__ import annotations
 
 import base64
+import copy
 import errno
+import hashlib
 import json
 import logging
 import os
 import shutil
+import threading
+import time
+import zlib
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -34,9 +57,13 @@ from myria.errors import CheckpointError
 
 log = logging.getLogger("myria")
 PREFIX = "step_"
+MANIFEST_VERSION = 2
+_CHUNK = 8 << 20
 
 
-def _atomic_write(path: Path, text: str) -> None:
+# -- small file helpers ----------------------------------------------------------------------
+def atomic_write(path: Path, text: str) -> None:
+    """Write `text` to `path` through a temporary file, fsync and rename (all or nothing)."""
     tmp = path.with_name(path.name + ".tmp")
     with open(tmp, "w") as fh:
         fh.write(text)
@@ -56,6 +83,16 @@ def _fsync_dir(path: Path) -> None:
         pass
 
 
+def file_crc32(path: Path) -> tuple[str, int]:
+    """CRC-32 of a file (hex) and the bytes read; zlib releases the GIL while it hashes."""
+    crc, n = 0, 0
+    with open(path, "rb") as fh:
+        while chunk := fh.read(_CHUNK):
+            crc = zlib.crc32(chunk, crc)
+            n += len(chunk)
+    return f"{crc:08x}", n
+
+
 def rng_state() -> dict[str, str]:
     states = {"cpu": torch.get_rng_state()}
     if torch.cuda.is_available():
@@ -72,29 +109,148 @@ def set_rng_state(states: dict[str, str]) -> None:
             torch.cuda.set_rng_state(t)
 
 
+def describe_error(e: BaseException) -> str:
+    """One line for an exception; DCP's CheckpointException gives its first rank's cause."""
+    failures = getattr(e, "failures", None)
+    if isinstance(failures, dict) and failures:
+        cause = next(iter(failures.values()))
+        if isinstance(cause, tuple):
+            cause = cause[0]
+        if isinstance(cause, BaseException):
+            return f"{type(cause).__name__}: {cause}"
+    return f"{type(e).__name__}: {e}"
+
+
 def _world() -> tuple[int, int]:
     if dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()
     return 0, 1
 
 
-def _all_ok(ok: bool) -> bool:
-    if not dist.is_initialized():
-        return ok
-    t = torch.tensor([1 if ok else 0], dtype=torch.int32)
-    if dist.get_backend() == "nccl":
-        t = t.cuda()
-    dist.all_reduce(t, op=dist.ReduceOp.MIN)
-    return bool(t.item())
+# -- nested state <-> flat leaves ------------------------------------------------------------
+def _flatten(obj: Any, prefix: tuple = ()) -> dict[tuple, Any]:
+    if isinstance(obj, dict):
+        out: dict[tuple, Any] = {}
+        for k, v in obj.items():
+            out.update(_flatten(v, prefix + (k,)))
+        return out
+    return {prefix: obj}
+
+
+def _unflatten(flat: dict[tuple, Any]) -> dict:
+    root: dict = {}
+    for path, v in flat.items():
+        node = root
+        for k in path[:-1]:
+            node = node.setdefault(k, {})
+        node[path[-1]] = v
+    return root
+
+
+def _is_dtensor(x: Any) -> bool:
+    return hasattr(x, "device_mesh") and hasattr(x, "placements") and hasattr(x, "_local_tensor")
+
+
+def _local(x: torch.Tensor) -> torch.Tensor:
+    return x._local_tensor if _is_dtensor(x) else x
+
+
+def _host_leaf(v: torch.Tensor) -> tuple[Any, torch.Tensor]:
+    """A host-memory twin of tensor `v` (DTensor or plain) and its local buffer."""
+    local = _local(v).detach()
+    pin = local.is_cuda
+    buf = torch.empty(local.shape, dtype=local.dtype, device="cpu", pin_memory=pin)
+    if not _is_dtensor(v):
+        return buf, buf
+    from torch.distributed.tensor import DTensor
+
+    if v.device_mesh.device_type == "cpu":
+        twin = DTensor.from_local(buf, v.device_mesh, v.placements, run_check=False,
+                                  shape=v.shape, stride=v.stride())
+    else:  # a CPU DTensor on a GPU mesh, as DCP's own staging makes (from_local would move it)
+        twin = v.detach().to("cpu")
+        twin._local_tensor = buf
+    return twin, _local(twin)
+
+
+@dataclass
+class SaveRecord:
+    """What one save cost: the loop's stall, the background time, the outcome."""
+
+    step: int
+    bytes: int = 0
+    wait_prev_s: float = 0.0       # blocked waiting for the previous save (never two in flight)
+    snapshot_s: float = 0.0        # the copy into host buffers
+    stall_s: float = 0.0           # total time the training loop was blocked by this save
+    persist_s: float = 0.0         # stage 2: write, fsync, checksum, vote, commit
+    ok: bool | None = None
+    error: str = ""
+
+
+@dataclass
+class _Pending:
+    step: int
+    flat: dict[tuple, Any]         # host twins and copied non-tensor leaves
+    copies: list[tuple[torch.Tensor, torch.Tensor]]  # (live local, host buffer)
+    extra: dict[str, Any]
+    rng: dict[str, str]
+    record: SaveRecord
+    snapshot_done: threading.Event = field(default_factory=threading.Event)
+    done: threading.Event = field(default_factory=threading.Event)
+    error: BaseException | None = None
+
+
+class _FaultyWriter(dcp.FileSystemWriter):
+    """A DCP writer that runs out of space half-way through its file (the `diskfull` hook)."""
+
+    def write_data(self, plan, planner):
+        fut = super().write_data(plan, planner)
+        fut.wait()
+        for p in Path(self.path).glob("*.distcp"):
+            with open(p, "r+b") as fh:
+                fh.truncate(p.stat().st_size // 2)
+        raise OSError(errno.ENOSPC, "No space left on device (injected fault)")
+
+
+class _CountingReader(dcp.FileSystemReader):
+    """A DCP reader that counts the bytes it reads from storage."""
+
+    def __init__(self, path: str | os.PathLike) -> None:
+        super().__init__(path)
+        self.bytes_read = 0
+
+    def _slice_file(self, file, sinfo):
+        self.bytes_read += int(sinfo.length)
+        return super()._slice_file(file, sinfo)
 
 
 class CheckpointManager:
-    """Saves, lists, prunes and loads the checkpoints of one run directory."""
+    """Saves (in two stages), verifies, prunes and loads the checkpoints of one run directory."""
 
-    def __init__(self, directory: str | Path, keep: int = 3, faults=None):
+    def __init__(self, directory: str | Path, keep: int = 3, faults=None, *,
+                 async_save: bool = False, overlap: bool = False, timeout_s: float = 600.0):
         self.dir = Path(directory)
         self.keep = keep
         self.faults = faults
+        self.async_save = async_save
+        self.overlap = overlap and async_save
+        self.timeout_s = timeout_s
+        self.history: list[SaveRecord] = []
+        self.bytes_read = 0            # from storage by this rank during the last load
+        self.verify_bytes = 0          # read by this rank to verify checksums
+        self._leaves: dict[tuple, tuple[Any, torch.Tensor]] = {}
+        self._pending: _Pending | None = None
+        self._thread: threading.Thread | None = None
+        self._pg = None
+        rank, world = _world()
+        if world > 1 and async_save:
+            # Background saves talk over their own gloo group, never the training group.
+            import datetime
+            self._pg = dist.new_group(backend="gloo",
+                                      timeout=datetime.timedelta(seconds=timeout_s))
+        if rank == 0 and self.dir.is_dir():  # leftovers of a save interrupted by a crash
+            for p in self.dir.glob(f"{PREFIX}*.tmp"):
+                shutil.rmtree(p, ignore_errors=True)
 
     # -- listing ---------------------------------------------------------------------------
     def committed(self) -> list[Path]:
@@ -102,29 +258,44 @@ class CheckpointManager:
         if not self.dir.is_dir():
             return []
         out = [p for p in self.dir.iterdir()
-               if p.is_dir() and p.name.startswith(PREFIX) and not p.name.endswith(".tmp")
+               if p.is_dir() and p.name.startswith(PREFIX) and p.name[len(PREFIX):].isdigit()
                and (p / "meta.json").exists()]
         return sorted(out, key=lambda p: int(p.name[len(PREFIX):]))
 
     def path_for(self, step: int) -> Path:
         return self.dir / f"{PREFIX}{step:08d}"
 
-    def verify(self, path: Path) -> str | None:
-        """None when `path` is complete and undamaged, else the reason."""
+    def verify(self, path: Path, checksums: bool = True, part: tuple[int, int] = (0, 1)
+               ) -> str | None:
+        """None when `path` is complete and undamaged, else the reason.
+
+        Sizes are always checked; with `checksums`, the CRC-32 of the files with index
+        `i % part[1] == part[0]` (so that ranks can share the reading).
+        """
         try:
             meta = json.loads((path / "meta.json").read_text())
         except (OSError, ValueError) as e:
             return f"meta.json unreadable ({e})"
-        for name, size in meta.get("files", {}).items():
+        files = meta.get("files", {})
+        for name, size in files.items():
             f = path / name
             if not f.exists():
                 return f"{name} is missing"
             if f.stat().st_size != size:
                 return f"{name} has {f.stat().st_size} bytes, expected {size}"
+        sums = meta.get("checksums", {})
+        if checksums:
+            for i, name in enumerate(sorted(sums)):
+                if i % part[1] != part[0]:
+                    continue
+                crc, n = file_crc32(path / name)
+                self.verify_bytes += n
+                if crc != sums[name]:
+                    return f"{name} fails its checksum (CRC-32 {crc}, manifest {sums[name]})"
         return None
 
     def latest_valid(self) -> Path | None:
-        """The newest checkpoint that verifies; damaged ones are skipped with a warning."""
+        """The newest checkpoint that verifies (one process); damaged ones are skipped."""
         for p in reversed(self.committed()):
             reason = self.verify(p)
             if reason is None:
@@ -132,67 +303,231 @@ class CheckpointManager:
             log.warning("skipping checkpoint %s: %s", p, reason)
         return None
 
-    # -- saving ----------------------------------------------------------------------------
-    def save(self, step: int, target, extra: dict[str, Any]) -> bool:
-        """Save and commit `target.state_dict()` as the checkpoint of `step` (collective).
+    def choose_resume(self) -> Path | None:
+        """The newest checkpoint that verifies, decided together by all ranks (collective).
 
-        `target` is anything with `state_dict()` returning {"model": {...}, "optim": {...}}
-        (the Engine); `extra` is JSON-serialisable state stored in meta.json. Returns False if
-        the save failed (the previous checkpoint is then untouched).
+        Each rank checks the sizes and the checksums of its share of the files; a checkpoint
+        is used only if every rank found its share intact.
         """
         rank, world = _world()
-        final = self.path_for(step)
-        tmp = final.with_name(final.name + ".tmp")
-        ok = True
-        err: Exception | None = None
-        try:
-            if self.faults is not None and (f := self.faults.due("diskfull", step)):
-                self.faults.mark(f)
-                raise OSError(errno.ENOSPC, "No space left on device (injected fault)")
-            dcp.save(target.state_dict(), checkpoint_id=str(tmp))
-            _atomic_write(tmp / f"rng_rank{rank:05d}.json", json.dumps(rng_state()))
-        except Exception as e:  # a failed save must not end training
-            ok, err = False, e
-        ok = _all_ok(ok)
-        if ok and rank == 0:
-            try:
-                files = {p.name: p.stat().st_size for p in tmp.iterdir() if p.is_file()}
-                meta = dict(extra, step=step, world_size=world, files=files)
-                _atomic_write(tmp / "meta.json", json.dumps(meta, indent=1))
-                _fsync_dir(tmp)
-                if final.exists():
-                    shutil.rmtree(final)
-                os.replace(tmp, final)
-                _fsync_dir(self.dir)
-                _atomic_write(self.dir / "latest", final.name + "\n")
-                self._prune()
-            except Exception as e:
-                ok, err = False, e
-        if not ok:
+        if world == 1:
+            return self.latest_valid()
+        for p in reversed(self.committed()):
+            reason = self.verify(p, part=(rank, world))
+            reasons: list[str | None] = [None] * world
+            dist.all_gather_object(reasons, reason, group=self._pg)
+            bad = [r for r in reasons if r is not None]
+            if not bad:
+                return p
             if rank == 0:
-                shutil.rmtree(tmp, ignore_errors=True)
-            if err is not None:
-                log.error("checkpoint of step %d failed on rank %d: %s; the previous checkpoint"
-                          " is kept and training continues", step, rank, err)
-            return False
-        if rank == 0 and self.faults is not None and (
-                f := self.faults.due("corrupt-checkpoint", step)):
-            self.faults.mark(f)
-            self._corrupt(final)
+                log.warning("skipping checkpoint %s: %s", p, bad[0])
+        return None
+
+    # -- saving ----------------------------------------------------------------------------
+    def save(self, step: int, target, extra: dict[str, Any]) -> bool:
+        """Checkpoint `target.state_dict()` as step `step` (collective).
+
+        `target` has `state_dict()` returning {"model": {...}, "optim": {...}} (the Engine);
+        `extra` is JSON state stored in the manifest. Synchronous mode returns whether the
+        checkpoint was committed. Asynchronous mode returns True once the save is under way;
+        `wait()` gives its outcome.
+        """
+        t0 = time.perf_counter()
+        prev_wait = self._wait_thread()
+        rec = SaveRecord(step, wait_prev_s=prev_wait)
+        self.history.append(rec)
+        pending = self._snapshot_refs(step, target, extra, rec)
+        if not self.async_save:
+            self._copy(pending)
+            self._persist(pending)
+            rec.stall_s = time.perf_counter() - t0
+            return bool(rec.ok)
+        self._pending = pending
+        if not self.overlap:
+            self._copy(pending)
+        self._thread = threading.Thread(target=self._background, args=(pending,),
+                                        name=f"myria-ckpt-{step}", daemon=True)
+        self._thread.start()
+        rec.stall_s = time.perf_counter() - t0
         return True
 
+    def before_update(self) -> float:
+        """Block until an overlapped snapshot is copied (call before the optimizer step)."""
+        p = self._pending
+        if p is None or p.snapshot_done.is_set():
+            return 0.0
+        t0 = time.perf_counter()
+        p.snapshot_done.wait()
+        dt = time.perf_counter() - t0
+        p.record.stall_s += dt
+        return dt
+
+    def wait(self) -> bool | None:
+        """Wait for the save in flight; its outcome (None if there was none)."""
+        p = self._pending
+        self._wait_thread()
+        return None if p is None else p.record.ok
+
+    def close(self) -> None:
+        """Finish the save in flight (call before the process exits)."""
+        self.wait()
+
+    def _wait_thread(self) -> float:
+        t0 = time.perf_counter()
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        self._pending = None
+        return time.perf_counter() - t0
+
+    def _snapshot_refs(self, step: int, target, extra: dict[str, Any],
+                       rec: SaveRecord) -> _Pending:
+        """Stage 1 bookkeeping: pair each live tensor with its preallocated host buffer."""
+        flat = _flatten(target.state_dict())
+        out: dict[tuple, Any] = {}
+        copies = []
+        for key, v in flat.items():
+            if isinstance(v, torch.Tensor):
+                local = _local(v).detach()
+                cached = self._leaves.get(key)
+                if cached is None or cached[1].shape != local.shape or \
+                        cached[1].dtype != local.dtype:
+                    cached = self._leaves[key] = _host_leaf(v)
+                out[key] = cached[0]
+                copies.append((local, cached[1]))
+                rec.bytes += local.numel() * local.element_size()
+            else:
+                out[key] = copy.deepcopy(v)
+        return _Pending(step, out, copies, json.loads(json.dumps(extra)), rng_state(), rec)
+
+    def _copy(self, p: _Pending) -> None:
+        t0 = time.perf_counter()
+        try:
+            for src, dst in p.copies:
+                dst.copy_(src, non_blocking=src.is_cuda)
+            if any(src.is_cuda for src, _ in p.copies):
+                torch.cuda.synchronize()
+        except BaseException as e:  # the writer sees it and fails the save
+            p.error = e
+        finally:
+            p.record.snapshot_s = time.perf_counter() - t0
+            p.snapshot_done.set()
+
+    def _background(self, p: _Pending) -> None:
+        try:
+            if not p.snapshot_done.is_set():
+                self._copy(p)
+            self._persist(p)
+        except BaseException as e:  # never let the thread die silently
+            p.record.ok, p.record.error = False, describe_error(e)
+            log.error("checkpoint of step %d failed: %s; training continues", p.step,
+                      p.record.error)
+        finally:
+            p.snapshot_done.set()
+            p.done.set()
+
+    def _persist(self, p: _Pending) -> None:
+        """Stage 2: write, fsync, checksum, vote, and (rank 0) commit."""
+        t0 = time.perf_counter()
+        rank, world = _world()
+        final = self.path_for(p.step)
+        tmp = final.with_name(final.name + ".tmp")
+        mine: dict[str, list] = {}
+        err: str = ""
+        try:
+            if p.error is not None:
+                raise p.error
+            writer_cls = dcp.FileSystemWriter
+            if self.faults is not None and (f := self.faults.due("diskfull", p.step)):
+                self.faults.mark(f)
+                writer_cls = _FaultyWriter
+            writer = writer_cls(str(tmp), single_file_per_rank=True, sync_files=True)
+            dcp.save(_unflatten(p.flat), storage_writer=writer, process_group=self._pg,
+                     no_dist=not dist.is_initialized())
+            atomic_write(tmp / f"rng_rank{rank:05d}.json", json.dumps(p.rng))
+            names = [f"rng_rank{rank:05d}.json"]
+            names += [q.name for q in tmp.glob(f"__{rank}_*.distcp")]
+            if rank == 0 and (tmp / ".metadata").exists():
+                names.append(".metadata")
+            for name in names:
+                crc, _ = file_crc32(tmp / name)
+                mine[name] = [(tmp / name).stat().st_size, crc]
+        except BaseException as e:  # a failed save must not end training (DCP raises
+            err = describe_error(e)   # CheckpointException, a BaseException)
+        votes: list[Any] = [(err, mine)]
+        if world > 1:
+            votes = [None] * world
+            try:
+                dist.all_gather_object(votes, (err, mine), group=self._pg)
+            except Exception as e:
+                votes = [(f"vote failed: {e}", {})]
+        errors = [(r, v[0]) for r, v in enumerate(votes) if v is None or v[0]]
+        committed = not errors
+        if committed and rank == 0:
+            try:
+                self._commit(p, tmp, final, votes, world)
+            except Exception as e:
+                committed, errors = False, [(0, f"commit failed: {type(e).__name__}: {e}")]
+        if world > 1:
+            flag = [committed if rank == 0 else None]
+            try:
+                dist.broadcast_object_list(flag, src=0, group=self._pg)
+                committed = bool(flag[0])
+            except Exception:
+                committed = False
+        if not committed:
+            if rank == 0:
+                shutil.rmtree(tmp, ignore_errors=True)
+            who = errors[0] if errors else (0, "commit failed on rank 0")
+            if err or rank == 0:
+                log.error("checkpoint of step %d failed (rank %d: %s); the previous checkpoint "
+                          "is kept and training continues", p.step, who[0], who[1])
+        elif rank == 0 and self.faults is not None and (
+                f := self.faults.due("corrupt-checkpoint", p.step)):
+            self.faults.mark(f)
+            self._corrupt(final)
+        p.record.ok = committed
+        p.record.error = "" if committed else str(errors[0][1] if errors else "commit failed")
+        p.record.persist_s = time.perf_counter() - t0
+        p.done.set()
+
+    def _commit(self, p: _Pending, tmp: Path, final: Path, votes: list, world: int) -> None:
+        files: dict[str, int] = {}
+        sums: dict[str, str] = {}
+        for _, entries in votes:
+            for name, (size, crc) in entries.items():
+                files[name], sums[name] = size, crc
+        meta = dict(p.extra, step=p.step, world_size=world, files=files, checksums=sums,
+                    manifest_version=MANIFEST_VERSION)
+        atomic_write(tmp / "meta.json", json.dumps(meta, indent=1))
+        _fsync_dir(tmp)
+        old = None
+        if final.exists():  # a step saved again after resuming from an older checkpoint
+            old = final.with_name(final.name + f".old{os.getpid()}")
+            os.replace(final, old)
+        os.replace(tmp, final)
+        _fsync_dir(self.dir)
+        atomic_write(self.dir / "latest", final.name + "\n")
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
+        self._prune()
+
     def _corrupt(self, path: Path) -> None:
-        victim = max((p for p in path.iterdir() if p.suffix == ".distcp"),
-                     key=lambda p: p.stat().st_size)
+        """Flip bytes in the middle of the largest shard (silent corruption, same size)."""
+        victim = max((q for q in path.iterdir() if q.suffix == ".distcp"),
+                     key=lambda q: q.stat().st_size)
         with open(victim, "r+b") as fh:
-            fh.truncate(max(0, victim.stat().st_size // 2))
-        log.warning("injected fault: truncated %s", victim)
+            fh.seek(victim.stat().st_size // 2)
+            b = fh.read(16)
+            fh.seek(victim.stat().st_size // 2)
+            fh.write(bytes(x ^ 0xFF for x in b))
+            fh.flush()
+            os.fsync(fh.fileno())
+        log.warning("injected fault: corrupted %s (16 bytes flipped)", victim)
 
     def _prune(self) -> None:
         ckpts = self.committed()
         for p in ckpts[:-self.keep]:
-            shutil.rmtree(p, ignore_errors=True)
-        for p in self.dir.glob(f"{PREFIX}*.tmp"):
             shutil.rmtree(p, ignore_errors=True)
 
     # -- loading ---------------------------------------------------------------------------
@@ -219,17 +554,91 @@ class CheckpointManager:
                 "overwritten.")
 
     def load(self, path: Path, target) -> dict[str, Any]:
-        """Load `target` (state_dict/load_state_dict) and RNG from `path`; return its meta."""
+        """Load `target` (state_dict/load_state_dict) and RNG from `path`; return its meta.
+
+        Ranks whose shards are identical form a group; the group's first rank reads the shard
+        from storage and broadcasts it to the rest.
+        """
         rank, world = _world()
         meta = json.loads((path / "meta.json").read_text())
         state = target.state_dict()
         self.check_shapes(path, state["model"])
+        groups = replica_groups(state)
+        mine = next(g for g in groups if rank in g)
+        reader = _CountingReader(str(path))
         try:
-            dcp.load(state, checkpoint_id=str(path))
+            if all(len(g) == 1 for g in groups):
+                dcp.load(state, storage_reader=reader, no_dist=not dist.is_initialized())
+            else:
+                readers = sorted(g[0] for g in groups)
+                readers_pg = dist.new_group(readers, backend=None)
+                bcast_pgs = {tuple(g): dist.new_group(g) for g in groups if len(g) > 1}
+                if rank == mine[0]:
+                    dcp.load(state, storage_reader=reader, process_group=readers_pg)
+                if len(mine) > 1:
+                    _broadcast_state(state, mine[0], bcast_pgs[tuple(mine)])
+        except CheckpointError:
+            raise
         except Exception as e:
             raise CheckpointError(f"checkpoint {path} could not be read: {e}") from None
+        self.bytes_read = reader.bytes_read
         target.load_state_dict(state)
         rng_file = path / f"rng_rank{rank:05d}.json"
         if meta.get("world_size") == world and rng_file.exists():
             set_rng_state(json.loads(rng_file.read_text()))
         return meta
+
+    def stats(self) -> dict[str, Any]:
+        """Save records and bytes read, for logs and benchmarks."""
+        return {"saves": [asdict(r) for r in self.history], "bytes_read": self.bytes_read,
+                "verify_bytes": self.verify_bytes}
+
+
+def _shard_key(v: Any) -> tuple:
+    """What identifies the data a rank holds for one state entry."""
+    if not isinstance(v, torch.Tensor):
+        return ()
+    if _is_dtensor(v):
+        coord = v.device_mesh.get_coordinate() or []
+        shards = tuple(c for c, pl in zip(coord, v.placements) if pl.is_shard())
+        return (tuple(v.shape), str(v.dtype), tuple(_local(v).shape), shards)
+    return (tuple(v.shape), str(v.dtype))
+
+
+def replica_groups(state: dict) -> list[list[int]]:
+    """Ranks grouped by identical state shards (collective; [[0]] for one process)."""
+    rank, world = _world()
+    if world == 1:
+        return [[0]]
+    flat = _flatten(state)
+    h = hashlib.sha256(repr(sorted((repr(k), _shard_key(v)) for k, v in flat.items()))
+                       .encode()).hexdigest()
+    keys: list[str | None] = [None] * world
+    dist.all_gather_object(keys, h)
+    groups: dict[str, list[int]] = {}
+    for r, k in enumerate(keys):
+        groups.setdefault(k, []).append(r)
+    return sorted(groups.values())
+
+
+def _broadcast_state(state: dict, src: int, group) -> None:
+    """Send the reader's state to its replicas, tensors in place, other leaves by pickle."""
+    flat = _flatten(state)
+    others = {k: v for k, v in flat.items() if not isinstance(v, torch.Tensor)}
+    for key in sorted(flat, key=repr):
+        v = flat[key]
+        if not isinstance(v, torch.Tensor):
+            continue
+        local = _local(v).detach()
+        buf = local if local.is_contiguous() else local.contiguous()
+        dist.broadcast(buf, src=src, group=group)
+        if buf is not local:
+            local.copy_(buf)
+    if others:
+        box = [others]
+        dist.broadcast_object_list(box, src=src, group=group)
+        for k, v in box[0].items():
+            node = state
+            for part in k[:-1]:
+                node = node[part]
+            node[k[-1]] = v

@@ -3,10 +3,17 @@
 One process is one rank. The loop reads top to bottom: each step takes the global batch's slice
 for this data-parallel rank, runs forward/backward over its microbatches (gradient sync only on
 the last), clips, steps the optimizer and the schedule, logs, and checkpoints on the interval.
+
+Robustness hooks (docs/robustness.md): a heartbeat thread reports the step and phase to the
+supervisor; checkpoints are two-stage (`ckpt.save` snapshots to host memory and returns,
+`ckpt.before_update` waits for an overlapped snapshot before the weights change); the
+collective timeout drops from `init_timeout_s` to `timeout_s` once the first step is done; a
+SIGTERM makes every rank save the current step and exit.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 from dataclasses import dataclass
@@ -22,10 +29,11 @@ from myria.errors import ConfigError
 from myria.faults import FaultInjector
 from myria.models.flops import model_flops_per_token
 from myria.parallel.mesh import build_mesh
-from myria.train import distributed
-from myria.train.checkpoint import CheckpointManager
+from myria.train import distributed, heartbeat
+from myria.train.checkpoint import CheckpointManager, atomic_write
 from myria.train.engine import Engine
 from myria.train.metrics import MetricsLogger, StepTimer, mfu
+from myria.train.preemption import StopRequest
 
 log = logging.getLogger("myria")
 
@@ -51,13 +59,19 @@ def train(cfg: Config, run_dir: str | Path, stop_after: int | None = None) -> Tr
     """Run (or resume) training as this process's rank; returns the losses of this session."""
     run_dir = Path(run_dir)
     env = distributed.init(cfg.training.device, cfg.training.init_timeout_s)
+    hb = heartbeat.start(env.rank)
+    phase = "failed"
     try:
-        return _train(cfg, run_dir, env, stop_after)
+        result = _train(cfg, run_dir, env, stop_after, hb)
+        phase = "stopped" if result.stopped_early else "done"
+        return result
     finally:
+        hb.close(phase)
         distributed.shutdown()
 
 
-def _train(cfg: Config, run_dir: Path, env, stop_after: int | None) -> TrainResult:
+def _train(cfg: Config, run_dir: Path, env, stop_after: int | None,
+           hb: heartbeat.Heartbeat) -> TrainResult:
     cfg.validate(env.world_size)
     threads = distributed.set_cpu_threads(cfg.training.threads, env) if env.device.type == "cpu" \
         else None
@@ -74,17 +88,23 @@ def _train(cfg: Config, run_dir: Path, env, stop_after: int | None) -> TrainResu
     dp_rank, dp_size = engine.dp_rank, engine.dp_size
 
     # -- resume ----------------------------------------------------------------------------
+    hb.phase("resume")
     faults = FaultInjector(run_dir, env.rank)
-    ckpt = CheckpointManager(run_dir / "checkpoints", cfg.checkpoint.keep, faults)
+    r = cfg.resilience
+    ckpt = CheckpointManager(run_dir / "checkpoints", cfg.checkpoint.keep, faults,
+                             async_save=r.async_checkpoint, overlap=r.snapshot_overlap,
+                             timeout_s=t.init_timeout_s)
     start_step = 0
-    latest = ckpt.latest_valid() if cfg.checkpoint.resume else None
+    latest = ckpt.choose_resume() if cfg.checkpoint.resume else None
     if latest is not None:
         meta = ckpt.load(latest, engine)
         engine.load_scheduler_state(meta["scheduler"])
         start_step = meta["step"]
         if env.is_main:
             print(f"resumed from {latest} (step {start_step}, saved by {meta['world_size']} "
-                  f"processes)", flush=True)
+                  f"processes; rank 0 read {ckpt.bytes_read / 2**20:.1f} MiB)", flush=True)
+    write_checkpoint_stats(run_dir, env.rank, ckpt, latest)
+    stop = StopRequest(t.init_timeout_s)
     loader = BatchLoader(dataset, t.global_batch, t.micro_batch, dp_rank, dp_size, t.seed,
                          start_step=start_step, prefetch=cfg.data.prefetch, device=env.device)
 
@@ -101,7 +121,6 @@ def _train(cfg: Config, run_dir: Path, env, stop_after: int | None) -> TrainResu
         print(f"training {t.steps} steps from step {start_step} on {env.world_size} x "
               f"{env.device.type} (layout {layout_str(layout)}, {threads or '-'} threads/rank); "
               f"peak {peak and round(peak, 3)} TFLOP/s ({peak_source})", flush=True)
-    distributed.set_timeout(t.timeout_s)
     sync = torch.cuda.synchronize if env.device.type == "cuda" else None
 
     # -- the loop --------------------------------------------------------------------------
@@ -111,16 +130,26 @@ def _train(cfg: Config, run_dir: Path, env, stop_after: int | None) -> TrainResu
     timer = StepTimer(sync)
     try:
         while step < t.steps:
+            hb.phase("data")
             faults.at_step_start(step)
             batch = next(loader)
+            hb.phase("forward-backward")
             loss_sum = engine.forward_backward(batch.inputs, batch.targets)
+            hb.phase("grad-clip")
             grad_norm = engine.clip_grads(t.grad_clip)
+            hb.phase("snapshot-wait")
+            ckpt.before_update()  # an overlapped snapshot must be copied before weights change
+            hb.phase("optimizer")
             engine.step()
             step += 1
 
+            hb.phase("metrics")
             loss_value = engine.mean_over_dp(loss_sum)
             losses.append(loss_value)
             dt = timer.lap()
+            hb.step_done(step, tokens_per_step / dt)
+            if step == start_step + 1:
+                distributed.set_timeout(t.timeout_s)  # warm: short collective timeouts
             if step % cfg.logging.interval == 0 or step == t.steps:
                 tps = tokens_per_step / dt
                 metrics.log({
@@ -131,11 +160,15 @@ def _train(cfg: Config, run_dir: Path, env, stop_after: int | None) -> TrainResu
                     "time": time.time(),
                 })
             if t.eval_interval and step % t.eval_interval == 0:
+                hb.phase("eval")
                 val = val or TokenDataset(cfg.data.path, m.seq_len, split="val")
                 metrics.log_eval(step, evaluate(engine, val, cfg))
-            stopping = stop_after is not None and step >= stop_after
+            hb.phase("stop-check")
+            preempted = stop.agreed()
+            stopping = preempted or (stop_after is not None and step >= stop_after)
             interval = cfg.checkpoint.interval
             if step == t.steps or stopping or (interval and step % interval == 0):
+                hb.phase("checkpoint")
                 ckpt.save(step, engine, {
                     "scheduler": engine.scheduler_state(), "data": loader.state_dict(),
                     "layout": layout, "model": config_mod.dataclasses.asdict(m),
@@ -143,13 +176,32 @@ def _train(cfg: Config, run_dir: Path, env, stop_after: int | None) -> TrainResu
                 })
                 timer.lap()  # checkpoint time is not step time
             if stopping and step < t.steps:
+                hb.phase("checkpoint-flush")
+                committed = ckpt.wait() is not False
                 if env.is_main:
-                    print(f"stopped after step {step} with a committed checkpoint", flush=True)
+                    why = f" on {stop.signal_name}" if preempted else ""
+                    state = "with a committed checkpoint" if committed else \
+                        "but its checkpoint failed (the previous one is kept)"
+                    print(f"stopped{why} after step {step} {state}", flush=True)
                 return TrainResult(step, losses, True)
+        hb.phase("checkpoint-flush")
+        ckpt.wait()
         return TrainResult(step, losses, False)
     finally:
+        ckpt.close()  # never leave a save half-written behind a clean exit
+        stop.restore()
+        write_checkpoint_stats(run_dir, env.rank, ckpt, latest)
         loader.close()
         metrics.close()
+
+
+def write_checkpoint_stats(run_dir: Path, rank: int, ckpt: CheckpointManager,
+                           resumed_from: Path | None) -> None:
+    """RUN_DIR/checkpoint_stats/rankNNNNN.json: bytes read to resume, each save's stall."""
+    out = run_dir / "checkpoint_stats"
+    out.mkdir(parents=True, exist_ok=True)
+    stats = dict(ckpt.stats(), rank=rank, resumed_from=str(resumed_from or ""))
+    atomic_write(out / f"rank{rank:05d}.json", json.dumps(stats, indent=1))
 
 
 @torch.no_grad()
