@@ -9,6 +9,16 @@ from __future__ import annotations
 
 import torch
 
+# Wrappers that insert a level into parameter names (activation checkpointing, torch.compile).
+_WRAPPER_TOKENS = ("_checkpoint_wrapped_module.", "_orig_mod.")
+
+
+def canonical_name(name: str) -> str:
+    """The parameter's name in the plain model, without wrapper levels."""
+    for tok in _WRAPPER_TOKENS:
+        name = name.replace(tok, "")
+    return name
+
 
 def _full_value(shape, dtype, kind: str, std: float, key: int) -> torch.Tensor:
     if kind == "ones":

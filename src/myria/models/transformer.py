@@ -46,7 +46,7 @@ class Attention(nn.Module):
         k = self.wk(x).view(b, s, -1, self.head_dim).transpose(1, 2)
         v = self.wv(x).view(b, s, -1, self.head_dim).transpose(1, 2)
         if self.use_rope:
-            cos, sin = rope
+            cos, sin = rope[0][:s], rope[1][:s]
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         o = self.core(q, k, v)
         return self.wo(o.transpose(1, 2).reshape(b, s, -1))
@@ -145,7 +145,7 @@ class Transformer(nn.Module):
     @torch.no_grad()
     def init_weights(self, seed: int = 0, buffers_only: bool = False) -> None:
         """Fill every parameter as a pure function of (seed, name); also rebuild RoPE tables."""
-        from myria.models.init import fill_parameter
+        from myria.models.init import canonical_name, fill_parameter
 
         if self.cfg.arch == "llama":
             dev = self.rope_cos.device if self.rope_cos.device.type != "meta" else "cpu"
@@ -158,6 +158,7 @@ class Transformer(nn.Module):
             if id(p) in seen:
                 continue
             seen.add(id(p))
+            name = canonical_name(name)
             kind, std = self._init_rule(name)
             key = (seed * 1_000_003 + zlib.crc32(name.encode())) % (2**63)
             fill_parameter(p, kind, std, key)
@@ -197,8 +198,8 @@ class Transformer(nn.Module):
     def rope_tables_for(self, s: int, dtype: torch.dtype):
         if self.positions is not None:
             cos, sin = self.rope_cos[self.positions], self.rope_sin[self.positions]
-        else:
-            cos, sin = self.rope_cos[:s], self.rope_sin[:s]
+        else:  # the whole table: under sequence parallelism attention sees more than `s`
+            cos, sin = self.rope_cos, self.rope_sin
         return cos.to(dtype), sin.to(dtype)
 
 

@@ -45,3 +45,53 @@ def dp_rank_and_size(mesh: DeviceMesh | None) -> tuple[int, int]:
         return sub.get_local_rank(), sub.size()
     r, s = sub.get_local_rank(0), sub.get_local_rank(1)
     return r * sub.size(1) + s, sub.size()
+
+
+def sub_size(mesh: DeviceMesh | None, name: str) -> int:
+    """Size of dimension `name` of the mesh (1 when absent)."""
+    if mesh is None or name not in (mesh.mesh_dim_names or ()):
+        return 1
+    return mesh[name].size()
+
+
+def sub_rank(mesh: DeviceMesh | None, name: str) -> int:
+    """This rank's coordinate along dimension `name` (0 when absent)."""
+    if mesh is None or name not in (mesh.mesh_dim_names or ()):
+        return 0
+    return mesh[name].get_local_rank()
+
+
+def fsdp_mesh(mesh: DeviceMesh | None) -> DeviceMesh | None:
+    """The mesh FSDP shards over: data-parallel ranks and context-parallel ranks together.
+
+    Context-parallel ranks hold the same parameters (they split the sequence), so FSDP shards
+    and reduces over dp_shard x cp, flattened; with dp_replicate it is a 2-D mesh (HSDP).
+    """
+    if mesh is None:
+        return None
+    names = mesh.mesh_dim_names or ()
+    shard = [n for n in ("dp_shard", "cp") if n in names]
+    if not shard and "dp_replicate" not in names:
+        return None
+    if len(shard) == 2:
+        mesh[tuple(shard)]._flatten("dp_shard_cp")
+        shard_name = "dp_shard_cp"
+    else:
+        shard_name = shard[0] if shard else None
+    if "dp_replicate" in names:
+        if shard_name is None:
+            return mesh["dp_replicate"]
+        return mesh["dp_replicate", shard_name]
+    return mesh[shard_name]
+
+
+def loss_group(mesh: DeviceMesh | None):
+    """Process group over which per-rank losses are averaged (dp x cp ranks), or None."""
+    names = (mesh.mesh_dim_names or ()) if mesh is not None else ()
+    dims = tuple(n for n in ("dp_replicate", "dp_shard", "cp") if n in names)
+    if not dims:
+        return None
+    sub = mesh[dims] if len(dims) > 1 else mesh[dims[0]]
+    if sub.ndim > 1:
+        sub = sub._flatten("_".join(dims))
+    return sub.get_group()

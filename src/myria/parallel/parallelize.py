@@ -1,8 +1,16 @@
-"""Apply parallelism to a plain model: data parallelism with FSDP2 (full or ZeRO-2-like) or DDP.
+"""Apply parallelism to a plain model part in the order that works: TP/SP, CP, AC, compile, FSDP.
 
-The model knows nothing of this. FSDP2 wraps each transformer block, then the root (embeddings,
-final norm, head). Its overlap is on by default: the next block's all-gather is prefetched while
-the current one computes, and reduce-scatters run asynchronously during backward.
+The model knows nothing of this. Each function takes a model (or pipeline stage) and a mesh:
+
+- tensor + sequence parallel with DTensor `parallelize_module` (Megatron-LM's column/row split of
+  attention and MLP; norms sequence-sharded; vocabulary-sharded embedding and head);
+- context parallel: every `CoreAttention` becomes our ring attention, and the model is told the
+  absolute positions of the tokens this rank holds;
+- activation checkpointing, full or selective (matmul outputs kept);
+- per-block `torch.compile`;
+- FSDP2 over the data-parallel (and context-parallel) ranks, HSDP on a 2-D mesh, CPU offload.
+  Its overlap is on by default: the next block's all-gather is issued while the current one
+  computes (`fsdp_prefetch` deepens it) and reduce-scatters run asynchronously in backward.
 """
 
 from __future__ import annotations
@@ -10,7 +18,16 @@ from __future__ import annotations
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    PrepareModuleInput,
+    RowwiseParallel,
+    SequenceParallel,
+    parallelize_module,
+)
+from torch.distributed.tensor.parallel.style import ParallelStyle
 
 from myria.config import Config
 
@@ -25,18 +42,138 @@ def mixed_precision(cfg: Config, device_type: str) -> MixedPrecisionPolicy | Non
     return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
 
 
-def apply_fsdp(model: nn.Module, mesh: DeviceMesh, cfg: Config, device_type: str) -> nn.Module:
+# -- tensor + sequence parallel ------------------------------------------------------------------
+def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bool = True,
+             loss_parallel: bool = True) -> None:
+    """Shard attention heads, MLP columns, vocabulary; norms along the sequence when SP is on.
+
+    Without SP the residual stream is replicated over the tp ranks; with SP it is sharded along
+    the sequence (dim 1) between blocks, and gathered right before each attention/MLP. The
+    head's output stays a vocabulary-sharded DTensor when `loss_parallel` is on (the trainer
+    computes the cross-entropy under torch's `loss_parallel`).
+    """
+    seq = Shard(1) if sequence_parallel else Replicate()
+    root_plan = {}
+    if getattr(model, "tok_embeddings", None) is not None:
+        root_plan["tok_embeddings"] = RowwiseParallel(input_layouts=Replicate(),
+                                                      output_layouts=seq)
+        if getattr(model, "pos_embeddings", None) is not None:
+            # (S, H) output: sequence-sharded on dim 0 to add to the sharded token embeddings
+            root_plan["pos_embeddings"] = RowwiseParallel(
+                input_layouts=Replicate(),
+                output_layouts=Shard(0) if sequence_parallel else Replicate())
+    if getattr(model, "norm", None) is not None:
+        root_plan["norm"] = SequenceParallel() if sequence_parallel else ReplicateParallel()
+        root_plan["output"] = ColwiseParallel(
+            input_layouts=seq, output_layouts=Shard(-1) if loss_parallel else Replicate(),
+            use_local_output=not loss_parallel)
+    if root_plan:
+        parallelize_module(model, tp_mesh, root_plan)
+    for block in model.layers.values():
+        plan = {
+            "attention_norm": SequenceParallel() if sequence_parallel else ReplicateParallel(),
+            "attention": PrepareModuleInput(input_layouts=(seq, None),
+                                            desired_input_layouts=(Replicate(), None)),
+            "attention.wq": ColwiseParallel(),
+            "attention.wk": ColwiseParallel(),
+            "attention.wv": ColwiseParallel(),
+            "attention.wo": RowwiseParallel(output_layouts=seq),
+            "feed_forward": PrepareModuleInput(input_layouts=(seq,),
+                                               desired_input_layouts=(Replicate(),)),
+            "feed_forward.w1": ColwiseParallel(),
+            "feed_forward.w2": RowwiseParallel(output_layouts=seq),
+        }
+        if getattr(block.feed_forward, "w3", None) is not None:
+            plan["feed_forward.w3"] = ColwiseParallel()
+        if block.ffn_norm is not None:
+            plan["ffn_norm"] = SequenceParallel() if sequence_parallel else ReplicateParallel()
+        parallelize_module(block, tp_mesh, plan)
+
+
+class ReplicateParallel(ParallelStyle):
+    """Parameters replicated as DTensors over the tp mesh; activations stay plain tensors.
+
+    For norms when sequence parallelism is off: their parameters must still be DTensors, or
+    the foreach optimizer sees a mix of tensors and DTensors (torch 2.13).
+    """
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        def inputs(mod, args, mesh):
+            return tuple(DTensor.from_local(a, mesh, [Replicate()], run_check=False)
+                         if isinstance(a, torch.Tensor) and not isinstance(a, DTensor) else a
+                         for a in args)
+
+        def outputs(mod, out, mesh):
+            return out.to_local() if isinstance(out, DTensor) else out
+
+        return distribute_module(module, device_mesh, None, input_fn=inputs, output_fn=outputs)
+
+
+# -- context parallel ----------------------------------------------------------------------------
+def apply_cp(model: nn.Module, cp_group, cp_rank: int, cp_size: int, seq_len: int,
+             device: torch.device) -> None:
+    """Ring attention in every block, and this rank's absolute token positions."""
+    from myria.parallel.context import positions_for_rank, swap_core_attention
+
+    swap_core_attention(model, cp_group, load_balance=True)
+    model.positions = positions_for_rank(seq_len, cp_rank, cp_size, device=device)
+
+
+# -- activation checkpointing and compile ----------------------------------------------------------
+def apply_ac(model: nn.Module, mode: str) -> None:
+    """Recompute each block's activations in backward (full), or all but matmul outputs."""
+    if mode == "none":
+        return
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    kwargs = {"preserve_rng_state": False}
+    if mode == "selective":
+        from functools import partial
+
+        from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+        keep = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default,
+                torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,
+                torch.ops.aten._scaled_dot_product_efficient_attention.default,
+                torch.ops.aten._scaled_dot_product_flash_attention.default}
+
+        def policy(ctx, op, *args, **kw):  # noqa: ARG001
+            return CheckpointPolicy.MUST_SAVE if op in keep else CheckpointPolicy.PREFER_RECOMPUTE
+
+        kwargs["context_fn"] = partial(create_selective_checkpoint_contexts, policy)
+    for name, block in list(model.layers.items()):
+        model.layers[name] = checkpoint_wrapper(block, **kwargs)
+
+
+def apply_compile(model: nn.Module) -> None:
+    """torch.compile each block (graph breaks stay inside a block)."""
+    for name, block in list(model.layers.items()):
+        model.layers[name] = torch.compile(block, fullgraph=False)
+
+
+# -- data parallel -------------------------------------------------------------------------------
+def apply_fsdp(model: nn.Module, mesh: DeviceMesh, cfg: Config, device_type: str,
+               reshard_root: bool = False) -> nn.Module:
     """Shard every block and the root with FSDP2 over `mesh` (1-D, or 2-D for HSDP)."""
     kwargs = {"mesh": mesh}
     mp = mixed_precision(cfg, device_type)
     if mp is not None:
         kwargs["mp_policy"] = mp
+    if cfg.parallel.cpu_offload:
+        kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=device_type == "cuda")
     reshard = cfg.training.data_parallel != "zero2"
-    for block in model.layers.values():
+    blocks = list(model.layers.values())
+    for block in blocks:
         fully_shard(block, reshard_after_forward=reshard, **kwargs)
     # The root's parameters (embeddings, head) are needed right after the last block's
-    # forward, so keeping them unsharded after forward avoids one all-gather.
-    fully_shard(model, reshard_after_forward=False, **kwargs)
+    # forward, so keeping them unsharded after forward avoids one all-gather (except under
+    # pipelining, where a stage's forward and backward are far apart).
+    fully_shard(model, reshard_after_forward=reshard_root, **kwargs)
+    depth = cfg.parallel.fsdp_prefetch
+    if depth > 1 and len(blocks) > 1:
+        for i, block in enumerate(blocks):
+            block.set_modules_to_forward_prefetch(blocks[i + 1:i + 1 + depth])
+            block.set_modules_to_backward_prefetch(blocks[max(0, i - depth):i][::-1])
     return model
 
 
@@ -45,8 +182,3 @@ def apply_ddp(model: nn.Module, mesh: DeviceMesh, device: torch.device) -> nn.Mo
     group = mesh.get_group() if mesh.ndim == 1 else mesh._flatten().get_group()
     ids = [device.index] if device.type == "cuda" else None
     return nn.parallel.DistributedDataParallel(model, device_ids=ids, process_group=group)
-
-
-def unwrap(model: nn.Module) -> nn.Module:
-    """The plain model inside a DDP wrapper (FSDP2 does not wrap)."""
-    return model.module if isinstance(model, nn.parallel.DistributedDataParallel) else model

@@ -1,9 +1,11 @@
 """The model as the training loop sees it, whatever the parallel layout.
 
-`Engine` builds the model on the meta device, applies the parallelism of the layout, materialises
-and initialises it, and owns the optimizer and schedule. The loop calls `forward_backward` on a
-batch, `step`, and for checkpoints `state_dict` / `load_state_dict`, whose keys are the plain
-model's parameter names whatever the layout, so a checkpoint loads under any other layout.
+`Engine` builds the model on the meta device, splits it into pipeline stages (pp > 1), applies
+tensor/sequence, context, expert and data parallelism to each part in that order, materialises
+and initialises the parts, and owns their optimizers and schedules. The loop calls
+`forward_backward` on a batch, `clip_grads`, `step`, and for checkpoints `state_dict` /
+`load_state_dict`, whose keys are the plain model's parameter names whatever the layout, so a
+checkpoint saved under one layout loads under any other.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import contextlib
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from torch import nn
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
@@ -22,11 +25,20 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from myria.config import Config
+from myria.errors import ConfigError
 from myria.models.transformer import build_model
 from myria.optim import build_optimizer
 from myria.optim.schedules import build_scheduler
-from myria.parallel.mesh import dp_mesh, dp_rank_and_size
-from myria.parallel.parallelize import apply_ddp, apply_fsdp
+from myria.parallel import pipeline
+from myria.parallel.mesh import dp_mesh, dp_rank_and_size, fsdp_mesh, loss_group, sub_rank, sub_size
+from myria.parallel.parallelize import (
+    apply_ac,
+    apply_compile,
+    apply_cp,
+    apply_ddp,
+    apply_fsdp,
+    apply_tp,
+)
 
 
 def _grad_sync(model: nn.Module, enabled: bool):
@@ -39,73 +51,230 @@ def _grad_sync(model: nn.Module, enabled: bool):
     return contextlib.nullcontext()
 
 
+def _local(x: torch.Tensor) -> torch.Tensor:
+    """A plain tensor from a (replicated) DTensor loss."""
+    return x.full_tensor() if hasattr(x, "full_tensor") else x
+
+
+def check_layout(cfg: Config, layout: dict[str, int]) -> None:
+    """Divisibility rules of the parallel layout, as clear errors."""
+    m, p = cfg.model, cfg.parallel
+    tp, cp, pp, dp, ep = layout["tp"], layout["cp"], layout["pp"], layout["dp"], layout["ep"]
+    if m.heads % tp or m.n_kv_heads % tp:
+        raise ConfigError(f"parallel.tp = {tp} must divide model.heads = {m.heads} and the "
+                          f"key/value heads = {m.n_kv_heads}")
+    if tp > 1 and p.sequence_parallel and m.seq_len % tp:
+        raise ConfigError(f"model.seq_len = {m.seq_len} must be divisible by parallel.tp = {tp} "
+                          "for sequence parallelism")
+    if cp > 1 and m.seq_len % (2 * cp):
+        raise ConfigError(f"model.seq_len = {m.seq_len} must be divisible by 2 x parallel.cp = "
+                          f"{2 * cp} (each context-parallel rank holds a head and a tail chunk)")
+    if tp > 1 and m.vocab_size % tp:
+        raise ConfigError(f"model.vocab_size = {m.vocab_size} must be divisible by parallel.tp ="
+                          f" {tp} (the embedding and head are split by vocabulary)")
+    if tp > 1 and m.ffn_dim % tp:
+        raise ConfigError(f"the MLP width {m.ffn_dim} must be divisible by parallel.tp = {tp}")
+    if ep > 1:
+        if not m.experts:
+            raise ConfigError(f"parallel.ep = {ep} needs a mixture-of-experts model "
+                              "(model.experts > 0)")
+        if dp % ep or m.experts % ep:
+            raise ConfigError(f"parallel.ep = {ep} must divide the data-parallel ranks ({dp}) "
+                              f"and model.experts = {m.experts}")
+    if m.experts and (tp > 1 or pp > 1 or cp > 1):
+        raise ConfigError("mixture-of-experts models run with data and expert parallelism "
+                          "(tp = pp = cp = 1) in this version")
+    if cfg.training.data_parallel == "ddp" and (tp > 1 or pp > 1 or cp > 1):
+        raise ConfigError("training.data_parallel = 'ddp' works with pure data parallelism; use "
+                          "'fsdp' or 'zero2' with tp, pp or cp")
+    if tp > 1 and m.tie_embeddings:
+        raise ConfigError("model.tie_embeddings is not supported with tensor parallelism")
+    if pp > 1:
+        accum = cfg.training.global_batch // (dp * cfg.training.micro_batch)
+        pipeline.validate(m, pp, p.vpp, p.schedule, accum)
+
+
 class Engine:
-    """Model parts, optimizer and schedule of this rank, built for the run's layout."""
+    """Model parts, optimizers and schedules of this rank, built for the run's layout."""
 
     def __init__(self, cfg: Config, mesh, device: torch.device):
         self.cfg, self.mesh, self.device = cfg, mesh, device
-        t = cfg.training
+        t, p = cfg.training, cfg.parallel
         self.dp_rank, self.dp_size = dp_rank_and_size(mesh)
-        self.dp_group = None
-        if self.dp_size > 1:
-            sub = dp_mesh(mesh)
-            self.dp_group = sub.get_group() if sub.ndim == 1 else sub._flatten().get_group()
+        self.tp, self.cp, self.pp = (sub_size(mesh, n) for n in ("tp", "cp", "pp"))
+        self.ep = p.ep
+        layout = {"tp": self.tp, "cp": self.cp, "pp": self.pp, "dp": self.dp_size, "ep": self.ep}
+        check_layout(cfg, layout)
+        self.cp_rank, self.pp_rank = sub_rank(mesh, "cp"), sub_rank(mesh, "pp")
+        self.loss_group = loss_group(mesh)
+        self.pp_group = mesh["pp"].get_group() if self.pp > 1 else None
+        self.loss_parallel = self.tp > 1 and p.loss_parallel
+        self.accum = t.global_batch // (self.dp_size * t.micro_batch)
 
         model = build_model(cfg.model, "meta")
-        if self.dp_size > 1 and t.data_parallel != "ddp":
-            apply_fsdp(model, dp_mesh(mesh), cfg, device.type)
-        model.to_empty(device=device)
-        model.init_weights(t.seed)
-        if self.dp_size > 1 and t.data_parallel == "ddp":
-            model = apply_ddp(model, dp_mesh(mesh), device)
-        self.model = model
-        self.parts: list[nn.Module] = [model]
-        self.optimizer = build_optimizer(model, cfg.optimizer)
-        self.scheduler = build_scheduler(self.optimizer, cfg.optimizer, t.steps)
+        if self.pp > 1:
+            parts, self.stage_ids = pipeline.build_stages(model, cfg.model, self.pp_rank,
+                                                          self.pp, p.vpp, p.schedule)
+        else:
+            parts, self.stage_ids = [model], [0]
+        fmesh = fsdp_mesh(mesh)
+        use_fsdp = fmesh is not None and t.data_parallel != "ddp"
+        # torch 2.13's zero-bubble schedules compute weight gradients after FSDP2 has reduced
+        # them (our parity test sees the difference): there, data-parallel gradients are
+        # all-reduced once after the schedule instead, without sharding.
+        self.manual_dp = use_fsdp and self.pp > 1 and p.schedule in ("zero-bubble", "zbv")
+        use_fsdp = use_fsdp and not self.manual_dp
+        for part in parts:
+            if self.tp > 1:
+                apply_tp(part, mesh["tp"], p.sequence_parallel, p.loss_parallel)
+            if self.cp > 1:
+                apply_cp(part, mesh["cp"].get_group(), self.cp_rank, self.cp, cfg.model.seq_len,
+                         device)
+            if self.ep > 1:
+                from myria.parallel.expert import apply_expert_parallel
+                apply_expert_parallel(part, self._ep_mesh())
+            apply_ac(part, p.activation_checkpoint)
+            if p.compile:
+                apply_compile(part)
+            if use_fsdp:
+                apply_fsdp(part, fmesh, cfg, device.type, reshard_root=self.pp > 1)
+            part.to_empty(device=device)
+            part.init_weights(t.seed)
+        if fmesh is not None and t.data_parallel == "ddp":
+            parts = [apply_ddp(parts[0], dp_mesh(mesh), device)]
+        self.parts: list[nn.Module] = parts
+        self.model = parts[0]
+        self.optimizers = [build_optimizer(part, cfg.optimizer) for part in parts]
+        self.schedulers = [build_scheduler(o, cfg.optimizer, t.steps) for o in self.optimizers]
+        self.schedule = None
+        if self.pp > 1:
+            self.schedule = pipeline.build_schedule(
+                parts, self.stage_ids, self.pp * p.vpp, p.schedule, self.accum, self._loss_fn,
+                device, self.pp_group)
+        n_stages = self.pp * p.vpp
+        self.has_first = 0 in self.stage_ids
+        self.has_last = (n_stages - 1) in self.stage_ids
+
+    def _ep_mesh(self):
+        from torch.distributed.device_mesh import DeviceMesh  # noqa: F401
+
+        sub = dp_mesh(self.mesh)
+        flat = sub if sub.ndim == 1 else sub._flatten()
+        ranks = flat.mesh.flatten().tolist()
+        # ep consecutive data-parallel ranks form an expert-parallel group
+        i = self.dp_rank // self.ep
+        return ranks[i * self.ep:(i + 1) * self.ep], self.dp_rank % self.ep
 
     # -- one step ----------------------------------------------------------------------------
+    def _loss_fn(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+
+    def _ctx(self):
+        if self.loss_parallel:
+            from torch.distributed.tensor.parallel import loss_parallel
+            return loss_parallel()
+        return contextlib.nullcontext()
+
+    def _shard_sequence(self, x: torch.Tensor) -> torch.Tensor:
+        if self.cp == 1:
+            return x
+        from myria.parallel.context import shard_sequence
+        return shard_sequence(x, self.cp_rank, self.cp, dim=-1)
+
     def forward_backward(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """Run all microbatches (inputs: [accum, micro, seq]); return this rank's mean loss."""
+        inputs, targets = self._shard_sequence(inputs), self._shard_sequence(targets)
+        if self.schedule is not None:
+            return self._pipelined(inputs, targets)
         accum = inputs.shape[0]
         loss_sum = torch.zeros((), device=self.device)
         for i in range(accum):
-            with _grad_sync(self.model, i == accum - 1):
-                loss = self.model(inputs[i], targets[i]) / accum
+            with _grad_sync(self.model, i == accum - 1), self._ctx():
+                if self.tp > 1:  # vocabulary-sharded logits, loss computed on the shards
+                    loss = self._loss_fn(self.model(inputs[i]), targets[i]) / accum
+                else:  # fused, chunked output projection + cross-entropy
+                    loss = self.model(inputs[i], targets[i]) / accum
                 loss.backward()
-            loss_sum += loss.detach()
+            loss_sum += _local(loss.detach())
         return loss_sum
 
+    def _pipelined(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        x = inputs.reshape(-1, inputs.shape[-1])
+        y = targets.reshape(-1, targets.shape[-1])
+        losses: list[torch.Tensor] = []
+        with self._ctx():
+            if self.has_first:
+                self.schedule.step(x, target=y if self.has_last else None, losses=losses)
+            elif self.has_last:
+                self.schedule.step(target=y, losses=losses)
+            else:
+                self.schedule.step()
+        if self.manual_dp:
+            self._all_reduce_grads()
+        loss = torch.stack([_local(lo.detach()) for lo in losses]).mean() if losses else \
+            torch.zeros((), device=self.device)
+        dist.all_reduce(loss, group=self.pp_group)  # only the last stage's is non-zero
+        return loss
+
+    def _all_reduce_grads(self) -> None:
+        """Average gradients over the data- and context-parallel ranks, one flat buffer."""
+        grads = [p.grad for m in self.parts for p in m.parameters() if p.grad is not None]
+        local = [g.to_local() if hasattr(g, "to_local") else g for g in grads]
+        flat = torch.cat([g.reshape(-1) for g in local])
+        dist.all_reduce(flat, group=self.loss_group)
+        flat /= dist.get_world_size(self.loss_group)
+        offset = 0
+        for g in local:
+            g.copy_(flat[offset:offset + g.numel()].view_as(g))
+            offset += g.numel()
+
     def clip_grads(self, max_norm: float) -> float:
-        """Clip the global gradient norm (DTensor-aware); returns the norm before clipping."""
+        """Clip the global gradient norm across all parts and pipeline ranks; return it."""
         params = [p for m in self.parts for p in m.parameters() if p.grad is not None]
-        norm = torch.nn.utils.clip_grad_norm_(params, max_norm if max_norm > 0 else float("inf"),
-                                              foreach=True)
+        norm = torch.nn.utils.get_total_norm([p.grad for p in params], foreach=True)
         if hasattr(norm, "full_tensor"):
             norm = norm.full_tensor()
+        if self.pp > 1:
+            sq = norm.pow(2)
+            dist.all_reduce(sq, group=self.pp_group)
+            norm = sq.sqrt()
+        if max_norm > 0:
+            torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm, foreach=True)
         return float(norm)
 
     def step(self) -> None:
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        self.scheduler.step()
+        for opt, sched in zip(self.optimizers, self.schedulers):
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            sched.step()
 
     @property
     def lr(self) -> float:
-        return self.scheduler.get_last_lr()[0]
+        return self.schedulers[0].get_last_lr()[0]
 
     def mean_over_dp(self, value: torch.Tensor) -> float:
-        """Average a per-rank scalar over the data-parallel ranks."""
-        if self.dp_group is not None:
+        """Average a per-rank scalar over the data- and context-parallel ranks."""
+        if self.loss_group is not None:
             value = value.clone()
-            dist.all_reduce(value, op=dist.ReduceOp.SUM, group=self.dp_group)
-            value /= self.dp_size
+            dist.all_reduce(value, op=dist.ReduceOp.SUM, group=self.loss_group)
+            value /= dist.get_world_size(self.loss_group)
         return float(value)
 
     @torch.no_grad()
     def eval_loss(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """Mean loss of one microbatch without gradients (not pipelined: pp must be 1)."""
+        if self.schedule is not None:
+            raise ConfigError("evaluation under pipeline parallelism is not supported yet; "
+                              "set training.eval_interval = 0")
+        inputs, targets = self._shard_sequence(inputs), self._shard_sequence(targets)
         self.model.eval()
         try:
-            return self.model(inputs, targets)
+            with self._ctx():
+                if self.tp > 1:
+                    loss = self._loss_fn(self.model(inputs), targets)
+                else:
+                    loss = self.model(inputs, targets)
+            return _local(loss)
         finally:
             self.model.train()
 
@@ -115,18 +284,19 @@ class Engine:
     def state_dict(self) -> dict:
         """{"model": {name: tensor}, "optim": {flat name: tensor}} keyed by plain names."""
         model_sd, optim_sd = {}, {}
-        for part in self.parts:
+        for part, opt in zip(self.parts, self.optimizers):
             model_sd.update(get_model_state_dict(part, options=self._OPTS))
-            optim_sd.update(get_optimizer_state_dict(part, self.optimizer, options=self._OPTS))
+            optim_sd.update(get_optimizer_state_dict(part, opt, options=self._OPTS))
         return {"model": model_sd, "optim": optim_sd}
 
     def load_state_dict(self, state: dict) -> None:
-        for part in self.parts:
+        for part, opt in zip(self.parts, self.optimizers):
             set_model_state_dict(part, state["model"], options=StateDictOptions(strict=False))
-            set_optimizer_state_dict(part, self.optimizer, state["optim"], options=self._OPTS)
+            set_optimizer_state_dict(part, opt, state["optim"], options=self._OPTS)
 
     def scheduler_state(self) -> dict:
-        return self.scheduler.state_dict()
+        return self.schedulers[0].state_dict()
 
     def load_scheduler_state(self, state: dict) -> None:
-        self.scheduler.load_state_dict(state)
+        for s in self.schedulers:
+            s.load_state_dict(state)
