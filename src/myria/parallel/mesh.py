@@ -12,13 +12,25 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 ORDER = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
 
 
-def build_mesh(layout: dict[str, int], device_type: str) -> DeviceMesh | None:
-    """A mesh over the non-trivial dimensions of `layout`, or None for a single process."""
+def build_mesh(layout: dict[str, int], device_type: str, cluster=None) -> DeviceMesh | None:
+    """A mesh over the non-trivial dimensions of `layout`, or None for a single process.
+
+    With a `placement.Cluster`, ranks take coordinates by topology (see placement.py);
+    without one, consecutive ranks fill tp first (torchrun's host-by-host numbering).
+    """
     dims = [(n, layout.get(n, 1)) for n in ORDER if layout.get(n, 1) > 1]
     if not dims:
         return None
     names = tuple(n for n, _ in dims)
-    mesh = init_device_mesh(device_type, tuple(s for _, s in dims), mesh_dim_names=names)
+    if cluster is None:
+        mesh = init_device_mesh(device_type, tuple(s for _, s in dims), mesh_dim_names=names)
+    else:
+        import torch
+
+        from myria.parallel.placement import place
+
+        grid = place(layout, cluster).reshape([s for _, s in dims])
+        mesh = DeviceMesh(device_type, torch.as_tensor(grid), mesh_dim_names=names)
     dp_names = tuple(n for n in ("dp_replicate", "dp_shard") if n in names)
     if len(dp_names) == 2:
         mesh[dp_names]._flatten("dp")

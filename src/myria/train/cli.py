@@ -28,6 +28,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "omit when launched by torchrun")
     p.add_argument("--stop-after", type=int, default=None, metavar="N",
                    help="stop cleanly after step N with a committed checkpoint")
+    p.add_argument("--nnodes", type=int, default=1,
+                   help="hosts, for --dry-run's placement report (launch across hosts with "
+                   "torchrun or `myria supervise`)")
     p.add_argument("--dry-run", action="store_true",
                    help="print the resolved config, parameter count, FLOPs per token and "
                    "memory per rank, then exit")
@@ -44,15 +47,27 @@ def _nproc_for(args) -> int:
     return args.nproc or 1
 
 
-def dry_run(cfg: config_mod.Config, world: int) -> str:
-    """The text `--dry-run` prints: config, sizes, FLOPs and a memory estimate per rank."""
+def cluster_for(cfg: config_mod.Config, ranks_per_host: int):
+    """The placement view of the machines from the config (host names, switches, NVLink)."""
+    import os
+
+    from myria.parallel.placement import Cluster
+
+    names = [h for h in (cfg.parallel.hosts or os.environ.get("MYRIA_HOSTS", "")).split(",") if h]
+    return Cluster(ranks_per_host=ranks_per_host, hosts_per_switch=cfg.parallel.hosts_per_switch,
+                   fast_domain=cfg.parallel.fast_domain, host_names=names or None)
+
+
+def dry_run(cfg: config_mod.Config, world: int, ranks_per_host: int | None = None) -> str:
+    """The text `--dry-run` prints: config, sizes, FLOPs, memory per rank and the placement."""
     from myria.models.flops import model_flops_per_token, param_counts
 
     m, t = cfg.model, cfg.training
     pc = param_counts(m)
     n = pc.total(m.layers)
     lay = config_mod.resolve_layout(cfg, world)
-    mem = memory_estimate(cfg, lay)
+    spec, pred = predicted(cfg, world, ranks_per_host or world)
+    mem = pred.memory.gb()
     lines = [config_mod.describe(cfg),
              f"# world size {world}: layout " + ", ".join(f"{k}={v}" for k, v in lay.items()),
              f"# parameters: {n:,} ({n - pc.embedding - pc.head - pc.positional:,} without "
@@ -61,35 +76,40 @@ def dry_run(cfg: config_mod.Config, world: int) -> str:
              f"{model_flops_per_token(m):,.0f}",
              f"# tokens per step: {t.global_batch * m.seq_len:,}; gradient accumulation: "
              f"{t.global_batch // (lay['dp'] * t.micro_batch)} microbatches of {t.micro_batch}",
-             "# memory per rank (estimate): " + ", ".join(f"{k} {v / 2**30:.2f} GiB"
-                                                          for k, v in mem.items())]
+             f"# predicted on {spec.name} ({spec.source}): memory per rank "
+             + ", ".join(f"{k} {mem[k]:.2f}" for k in ("weights", "gradients", "optimizer",
+                                                     "activations", "total"))
+             + f" GB ({'fits' if pred.fits else 'does NOT fit'} in {mem['capacity']:.0f} GB); "
+             f"step {pred.iteration_time_s:.3g} s, MFU {100 * pred.mfu:.1f}% "
+             "(see `myria simulate`, `myria plan`)"]
+    from myria.parallel.placement import describe
+
+    lines.append(describe(lay, cluster_for(cfg, ranks_per_host or world)))
     return "\n".join(lines)
 
 
-def memory_estimate(cfg: config_mod.Config, layout: dict[str, int]) -> dict[str, float]:
-    """Bytes per rank: states (params, grads, Adam moments; sharded by FSDP) and activations."""
-    from myria.models.flops import param_counts
+def predicted(cfg: config_mod.Config, world: int, ranks_per_host: int):
+    """The planner's prediction of this run: on the local GPU model, an H100 for bf16
+    configs when there is none, or this CPU (measured peak) for fp32 ones."""
+    from myria import device
+    from myria.sim.perf import simulate_config
 
-    m, t = cfg.model, cfg.training
-    n = param_counts(m).total(m.layers)
-    shard = layout["dp"] if t.data_parallel != "ddp" else 1
-    model_parallel = layout["tp"] * layout["pp"]
-    states = n * (4 + 4 + 8) / (shard * model_parallel)
-    # Activations kept for backward per layer and token, fp32, no recomputation
-    # (Korthikanti et al. 2022, in units of hidden): ~ 34 h + 5 a s, scaled by 2 for fp32.
-    b, s, h, a = t.micro_batch, m.seq_len // layout["cp"], m.hidden, m.heads
-    per_layer = b * s * (34 * h + 5 * a * s) * 2
-    acts = per_layer * m.layers / (layout["tp"] * layout["pp"]) + b * s * m.vocab_size * 4
-    return {"states": states, "activations": acts, "total": states + acts}
+    spec = device.cuda_device_spec()
+    if spec is None:
+        spec = device.lookup("h100-sxm-80gb") if cfg.training.dtype == "bfloat16" \
+            else device.cpu_device_spec()
+    gpn = ranks_per_host if spec.name != "cpu" else world
+    return spec, simulate_config(cfg, world, spec, gpus_per_node=gpn)
 
 
 def run(args) -> int:
     cfg = config_mod.load(args.config, args.overrides)
     world = _nproc_for(args)
-    cfg.validate(world)
     if args.dry_run:
-        print(dry_run(cfg, world))
+        cfg.validate(world * args.nnodes)
+        print(dry_run(cfg, world * args.nnodes, ranks_per_host=world))
         return 0
+    cfg.validate(world)
     if not args.run_dir:
         raise config_mod.ConfigError("--run-dir is required (where checkpoints and metrics go)")
     from myria.train.launch import inside_launcher, launch_local
