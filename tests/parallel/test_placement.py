@@ -1,0 +1,50 @@
+"""Topology-aware placement: TP inside hosts, pipelines under one switch, every rank once."""
+
+import numpy as np
+
+from myria.parallel.placement import Cluster, crossing_summary, groups, place
+
+
+def test_every_rank_placed_once_and_tp_inside_hosts():
+    lay = {"pp": 4, "dp_shard": 4, "tp": 8}
+    c = Cluster(ranks_per_host=8, hosts_per_switch=4)
+    grid = place(lay, c)
+    assert sorted(grid.flatten().tolist()) == list(range(128))
+    s = crossing_summary(grid, c)
+    assert s["tp"]["cross_host"] == 0
+    assert s["pp"]["cross_switch"] == 0  # a 32-rank pipeline fits under one 4-host switch
+    # data-parallel groups list ranks in slot order: a ring crosses each host boundary once
+    for g in groups(grid, "dp_shard"):
+        assert g == sorted(g)
+
+
+def test_pipeline_too_big_for_a_switch_puts_dp_inside():
+    lay = {"pp": 8, "dp_shard": 2, "tp": 8}
+    c = Cluster(ranks_per_host=8, hosts_per_switch=2)  # 16 ranks per switch < 64 per pipeline
+    s = crossing_summary(place(lay, c), c)
+    assert s["tp"]["cross_host"] == 0
+    assert s["dp_shard"]["cross_switch"] == 0
+
+
+def test_cp_and_tp_share_a_host_when_they_fit():
+    lay = {"dp_shard": 2, "cp": 2, "tp": 2}
+    c = Cluster(ranks_per_host=4)
+    s = crossing_summary(place(lay, c), c)
+    assert s["cp"]["cross_host"] == 0 and s["tp"]["cross_host"] == 0
+    assert s["dp_shard"] == {"groups": 4, "size": 2, "cross_host": 4, "cross_switch": 0,
+                              "cross_fast_domain": 4}
+
+
+def test_single_host_is_identity():
+    lay = {"pp": 2, "dp_shard": 2, "cp": 1, "tp": 2}
+    grid = place(lay, Cluster(ranks_per_host=8))
+    assert np.array_equal(grid.reshape(-1), np.arange(8))
+
+
+def test_dry_run_prints_placement():
+    from tests.conftest import run_cli
+
+    p = run_cli("train", "--config", "configs/gpt3-175b.toml", "--dry-run", "--nproc", "8",
+                "--nnodes", "128", "--parallel.hosts_per_switch=32")
+    assert "placement of 1024 ranks on 128 host(s)" in p.stdout
+    assert "(dp, pp, cp, tp, ep)" in p.stdout and "cross switch" in p.stdout
