@@ -1,0 +1,224 @@
+"""Mixture-of-experts feed-forward layer: top-k router, expert capacity, router losses.
+
+`MoE` replaces the dense MLP of a block when `model.experts > 0`. Each token is routed to
+`top_k` of `experts` feed-forward networks (SwiGLU for llama, GELU with biases for gpt, the
+same maths as `transformer.MLP`), and its output is the gate-weighted sum of theirs.
+
+Routing (in fp32 at least, the "selective precision" of Switch Transformer, Fedus et al. 2021):
+
+- ``probs = softmax(x @ W_router^T)`` over the experts, the top-k experts are chosen.
+- top-1 (Switch): the gate is the chosen expert's probability, so the router learns through it.
+- top-k, k > 1 (GShard, Lepikhin et al. 2020; Mixtral): the k probabilities are renormalised to
+  sum to one.
+
+Capacity (GShard / Switch): each expert takes at most
+``capacity = ceil(capacity_factor * tokens * top_k / experts)`` of a microbatch's assignments;
+the rest are dropped — a dropped assignment contributes nothing and the token goes on through
+the residual connection. Priority is "first choices first": all tokens' first choices, in token
+order, then all second choices, and so on (a token never loses its first expert to another
+token's second choice). ``capacity_factor = 0`` means unlimited capacity: nothing is dropped.
+
+Auxiliary losses, added to the training loss by `Transformer.forward` (see `moe_aux_loss`):
+
+- load balancing (Switch Transformer, eq. 4): ``E * sum_i f_i * P_i`` where ``f_i`` is the
+  fraction of the microbatch's (token, choice) assignments the router sends to expert i (before
+  capacity dropping) and ``P_i`` the mean router probability of expert i; it is 1 for perfectly
+  uniform routing. Coefficient `LOAD_BALANCE_COEF` = 1e-2, the value of the Switch paper.
+- router z-loss (ST-MoE, Zoph et al. 2022, eq. 5): ``mean_t logsumexp(logits_t)^2``, which keeps
+  router logits small for numerical stability. Coefficient `Z_LOSS_COEF` = 1e-3, as in ST-MoE.
+
+Both, and the capacity, are computed over the tokens of one forward call (one microbatch on
+one rank) from that rank's own router outputs, so they do not depend on how experts are placed:
+an expert-parallel run (`myria.parallel.expert`) computes exactly the single-process values.
+
+Expert weights are stored stacked, one 3-D parameter per matrix (``experts.w1`` [E, ffn, hidden],
+``experts.w2`` [E, hidden, ffn], ``experts.w3`` [E, ffn, hidden]; gpt adds ``experts.w1_bias``
+[E, ffn] and ``experts.w2_bias`` [E, hidden]) so that expert parallelism shards dim 0 and the
+names never change. Tokens are sorted by expert and each expert runs one matmul per weight on
+its contiguous slice: no per-token Python loops.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from myria.config import ModelConfig
+
+LOAD_BALANCE_COEF = 1e-2  # Switch Transformer (Fedus et al. 2021), alpha = 10^-2
+Z_LOSS_COEF = 1e-3        # ST-MoE (Zoph et al. 2022), c_z = 10^-3
+
+
+def expert_capacity(tokens: int, experts: int, top_k: int, capacity_factor: float) -> int | None:
+    """Assignments one expert may take from `tokens` tokens; None when unlimited (factor 0)."""
+    if capacity_factor <= 0:
+        return None
+    return math.ceil(capacity_factor * tokens * top_k / experts)
+
+
+@dataclass
+class Routing:
+    """Where a microbatch's tokens go.
+
+    The kept assignments are listed sorted by expert (then by priority): ``token[j]`` is the
+    token row of assignment j, ``gate[j]`` its gate value, and ``counts[e]`` how many kept
+    assignments expert e received, so expert e's inputs are a contiguous slice.
+    """
+
+    token: torch.Tensor      # [kept] long
+    gate: torch.Tensor       # [kept] routing precision
+    counts: torch.Tensor     # [E] long, kept assignments per expert
+    routed: torch.Tensor     # [E] long, assignments per expert before capacity dropping
+    expert: torch.Tensor     # [T, k] long, chosen experts
+    probs: torch.Tensor      # [T, E] router probabilities
+    logits: torch.Tensor     # [T, E] router logits
+    capacity: int | None
+
+    @property
+    def dropped(self) -> int:
+        return int(self.routed.sum() - self.counts.sum())
+
+
+def route(logits: torch.Tensor, top_k: int, capacity: int | None) -> Routing:
+    """Top-k routing of router logits [T, E] with optional capacity (see module docstring)."""
+    t, e = logits.shape
+    probs = logits.softmax(dim=-1)
+    top_p, top_e = probs.topk(top_k, dim=-1)
+    gates = top_p if top_k == 1 else top_p / top_p.sum(dim=-1, keepdim=True)
+    # Assignment a = choice * T + token: sorting stably by expert keeps "first choices first,
+    # then token order" inside every expert's slice, which is the dropping priority.
+    flat_e = top_e.t().reshape(-1)
+    order = torch.argsort(flat_e, stable=True)
+    routed = torch.bincount(flat_e, minlength=e)
+    counts = routed
+    if capacity is not None:
+        starts = routed.cumsum(0) - routed
+        slot = torch.arange(flat_e.numel(), device=logits.device) - starts[flat_e[order]]
+        order = order[slot < capacity]
+        counts = routed.clamp(max=capacity)
+    return Routing(token=order % t, gate=gates.t().reshape(-1)[order], counts=counts,
+                   routed=routed, expert=top_e, probs=probs, logits=logits, capacity=capacity)
+
+
+def load_balancing_loss(routing: Routing) -> torch.Tensor:
+    """Switch Transformer's E * sum_i f_i * P_i (1.0 when routing is uniform)."""
+    e = routing.probs.shape[1]
+    f = routing.routed.to(routing.probs.dtype) / routing.expert.numel()
+    p = routing.probs.mean(dim=0)
+    return e * (f * p).sum()
+
+
+def router_z_loss(logits: torch.Tensor) -> torch.Tensor:
+    """ST-MoE's mean over tokens of logsumexp(logits)^2."""
+    return torch.logsumexp(logits, dim=-1).square().mean()
+
+
+def expert_mlps(x: torch.Tensor, counts: list[int], w1: torch.Tensor, w2: torch.Tensor,
+                w3: torch.Tensor | None, b1: torch.Tensor | None,
+                b2: torch.Tensor | None) -> torch.Tensor:
+    """Run expert i on rows [sum(counts[:i]), sum(counts[:i+1])) of x; weights stacked on dim 0.
+
+    SwiGLU when `w3` is given, else GELU (tanh) with biases: `transformer.MLP` per expert. Every
+    expert runs even on an empty slice, so every weight is in the autograd graph on every rank
+    (data-parallel gradient reductions then see the same parameters everywhere).
+    """
+    w1s, w2s = w1.unbind(0), w2.unbind(0)
+    w3s = w3.unbind(0) if w3 is not None else None
+    b1s = b1.unbind(0) if b1 is not None else None
+    b2s = b2.unbind(0) if b2 is not None else None
+    outs = []
+    for i, xi in enumerate(x.split(counts)):
+        if w3s is not None:
+            h = F.silu(F.linear(xi, w1s[i])) * F.linear(xi, w3s[i])
+        else:
+            h = F.gelu(F.linear(xi, w1s[i], b1s[i] if b1s else None), approximate="tanh")
+        outs.append(F.linear(h, w2s[i], b2s[i] if b2s else None))
+    return torch.cat(outs)
+
+
+class Experts(nn.Module):
+    """E feed-forward experts as stacked parameters; `forward` runs them on sorted tokens.
+
+    `myria.parallel.expert.apply_expert_parallel` replaces this module by one holding E/ep
+    experts per rank (same parameter names, global shapes as DTensors) that exchanges tokens.
+    """
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        e, h, f = cfg.experts, cfg.hidden, cfg.ffn_dim
+        self.num_experts = e
+        self.gated = cfg.arch == "llama"
+        self.w1 = nn.Parameter(torch.empty(e, f, h))
+        self.w2 = nn.Parameter(torch.empty(e, h, f))
+        if self.gated:
+            self.w3 = nn.Parameter(torch.empty(e, f, h))
+            self.w1_bias = self.w2_bias = None
+        else:
+            self.w3 = None
+            # Names end in "bias" so Transformer._init_rule initialises them to zero.
+            self.w1_bias = nn.Parameter(torch.empty(e, f))
+            self.w2_bias = nn.Parameter(torch.empty(e, h))
+
+    def weights(self) -> tuple[torch.Tensor | None, ...]:
+        """(w1, w2, w3, w1_bias, w2_bias) as the forward computes with them (None where absent)."""
+        return self.w1, self.w2, self.w3, self.w1_bias, self.w2_bias
+
+    def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """x: kept assignments sorted by expert; counts: [E] rows per expert."""
+        return expert_mlps(x, counts.tolist(), *self.weights())
+
+    def extra_repr(self) -> str:
+        return f"experts={self.num_experts}, gated={self.gated}"
+
+
+class MoE(nn.Module):
+    """Routed mixture-of-experts MLP; after each forward, `aux_loss` holds its router losses.
+
+    `aux_loss` = LOAD_BALANCE_COEF * load balancing + Z_LOSS_COEF * z-loss of that forward
+    (differentiable); `stats` holds detached diagnostics (the two losses, tokens per expert
+    before and after capacity, dropped assignments).
+    """
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        if cfg.experts < 1 or not 1 <= cfg.top_k <= cfg.experts:
+            raise ValueError(f"MoE needs experts >= 1 and 1 <= top_k <= experts, got "
+                             f"experts={cfg.experts}, top_k={cfg.top_k}")
+        self.num_experts, self.top_k = cfg.experts, cfg.top_k
+        self.capacity_factor = cfg.capacity_factor
+        self.router = nn.Linear(cfg.hidden, cfg.experts, bias=False)
+        self.experts = Experts(cfg)
+        self.aux_loss: torch.Tensor | None = None
+        self.stats: dict[str, torch.Tensor] = {}
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x2 = x.reshape(-1, shape[-1])
+        t = x2.shape[0]
+        rdt = torch.promote_types(x.dtype, torch.float32)  # route in fp32 (or fp64)
+        logits = F.linear(x2.to(rdt), self.router.weight.to(rdt))
+        capacity = expert_capacity(t, self.num_experts, self.top_k, self.capacity_factor)
+        r = route(logits, self.top_k, capacity)
+        lb, z = load_balancing_loss(r), router_z_loss(logits)
+        self.aux_loss = LOAD_BALANCE_COEF * lb + Z_LOSS_COEF * z
+        self.stats = {"load_balancing_loss": lb.detach(), "z_loss": z.detach(),
+                      "routed": r.routed, "kept": r.counts,
+                      "dropped": r.routed.sum() - r.counts.sum()}
+        y = self.experts(x2[r.token], r.counts)
+        weighted = (y.to(r.gate.dtype) * r.gate.unsqueeze(1)).to(x.dtype)
+        out = x2.new_zeros(t, shape[-1]).index_add(0, r.token, weighted)
+        return out.view(shape)
+
+    def extra_repr(self) -> str:
+        return (f"experts={self.num_experts}, top_k={self.top_k}, "
+                f"capacity_factor={self.capacity_factor}")
+
+
+def moe_aux_loss(model: nn.Module) -> torch.Tensor | None:
+    """Sum of the router losses of every MoE layer of `model` from its latest forward."""
+    losses = [m.aux_loss for m in model.modules() if isinstance(m, MoE) and m.aux_loss is not None]
+    return torch.stack(losses).sum() if losses else None
