@@ -15,6 +15,7 @@ pytestmark = pytest.mark.slow
 
 BASE = [*TINY, "--model.layers=4", "--training.steps=10", "--checkpoint.interval=0"]
 WINDOW = ["--model.parallel_block=true", "--model.attention_window=24"]
+MOE = ["--model.experts=4", "--model.top_k=2"]
 
 LAYOUTS = {
     "dp2xtp2": ["--parallel.tp=2"],
@@ -47,7 +48,8 @@ def run(tmp, data, name, extra, nproc):
 def refs(tmp_path_factory, tiny_data):
     tmp = tmp_path_factory.mktemp("refs")
     return {"plain": run(tmp, tiny_data, "ref", [], 1),
-            "window": run(tmp, tiny_data, "ref-window", WINDOW, 1)}
+            "window": run(tmp, tiny_data, "ref-window", WINDOW, 1),
+            "moe": run(tmp, tiny_data, "ref-moe", MOE, 1)}
 
 
 def assert_close(got, ref):
@@ -64,6 +66,13 @@ def test_layout_matches_single_process(name, refs, tmp_path, tiny_data):
 @pytest.mark.parametrize("name", list(WINDOWED))
 def test_windowed_parallel_block_layout(name, refs, tmp_path, tiny_data):
     assert_close(run(tmp_path, tiny_data, name, WINDOWED[name], 4), refs["window"])
+
+
+@pytest.mark.parametrize("extra", [["--parallel.ep=2"], ["--parallel.ep=2",
+                                   "--parallel.dp_replicate=2", "--parallel.dp_shard=2"]],
+                         ids=["ep2xdp4", "ep2-hsdp2x2"])
+def test_expert_parallel_moe(extra, refs, tmp_path, tiny_data):
+    assert_close(run(tmp_path, tiny_data, "moe", [*MOE, *extra], 4), refs["moe"])
 
 
 def test_checkpoint_moves_between_layouts(refs, tmp_path, tiny_data):

@@ -153,8 +153,12 @@ def apply_compile(model: nn.Module) -> None:
 
 # -- data parallel -------------------------------------------------------------------------------
 def apply_fsdp(model: nn.Module, mesh: DeviceMesh, cfg: Config, device_type: str,
-               reshard_root: bool = False) -> nn.Module:
-    """Shard every block and the root with FSDP2 over `mesh` (1-D, or 2-D for HSDP)."""
+               reshard_root: bool = False, expert_mesh: DeviceMesh | None = None) -> nn.Module:
+    """Shard every block and the root with FSDP2 over `mesh` (1-D, or 2-D for HSDP).
+
+    Under expert parallelism each block's experts are sharded first, over `expert_mesh`: the
+    data-parallel ranks that hold the same experts.
+    """
     kwargs = {"mesh": mesh}
     mp = mixed_precision(cfg, device_type)
     if mp is not None:
@@ -164,6 +168,13 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh, cfg: Config, device_type: str
     reshard = cfg.training.data_parallel != "zero2"
     blocks = list(model.layers.values())
     for block in blocks:
+        if expert_mesh is not None:
+            from myria.parallel.expert import ParallelExperts
+
+            ekw = dict(kwargs, mesh=expert_mesh)
+            for sub in block.modules():
+                if isinstance(sub, ParallelExperts):
+                    fully_shard(sub, reshard_after_forward=reshard, **ekw)
         fully_shard(block, reshard_after_forward=reshard, **kwargs)
     # The root's parameters (embeddings, head) are needed right after the last block's
     # forward, so keeping them unsharded after forward avoids one all-gather (except under

@@ -81,6 +81,9 @@ def check_layout(cfg: Config, layout: dict[str, int]) -> None:
         if dp % ep or m.experts % ep:
             raise ConfigError(f"parallel.ep = {ep} must divide the data-parallel ranks ({dp}) "
                               f"and model.experts = {m.experts}")
+    if ep > 1 and cfg.training.data_parallel == "ddp":
+        raise ConfigError("parallel.ep > 1 needs training.data_parallel = 'fsdp' or 'zero2' "
+                          "(DDP would average different experts together)")
     if m.experts and (tp > 1 or pp > 1 or cp > 1):
         raise ConfigError("mixture-of-experts models run with data and expert parallelism "
                           "(tp = pp = cp = 1) in this version")
@@ -119,6 +122,10 @@ class Engine:
             parts, self.stage_ids = [model], [0]
         fmesh = fsdp_mesh(mesh)
         use_fsdp = fmesh is not None and t.data_parallel != "ddp"
+        self.ep_mesh = self.replica_mesh = None
+        if self.ep > 1:  # experts borrow data-parallel ranks (Megatron-LM, torchtitan)
+            from myria.parallel.expert import expert_meshes
+            self.ep_mesh, self.replica_mesh = expert_meshes(fmesh, self.ep)
         # torch 2.13's zero-bubble schedules compute weight gradients after FSDP2 has reduced
         # them (our parity test sees the difference): there, data-parallel gradients are
         # all-reduced once after the schedule instead, without sharding.
@@ -132,12 +139,13 @@ class Engine:
                          device)
             if self.ep > 1:
                 from myria.parallel.expert import apply_expert_parallel
-                apply_expert_parallel(part, self._ep_mesh())
+                apply_expert_parallel(part, self.ep_mesh)
             apply_ac(part, p.activation_checkpoint)
             if p.compile:
                 apply_compile(part)
             if use_fsdp:
-                apply_fsdp(part, fmesh, cfg, device.type, reshard_root=self.pp > 1)
+                apply_fsdp(part, fmesh, cfg, device.type, reshard_root=self.pp > 1,
+                           expert_mesh=self.replica_mesh)
             part.to_empty(device=device)
             part.init_weights(t.seed)
         if fmesh is not None and t.data_parallel == "ddp":
@@ -154,16 +162,6 @@ class Engine:
         n_stages = self.pp * p.vpp
         self.has_first = 0 in self.stage_ids
         self.has_last = (n_stages - 1) in self.stage_ids
-
-    def _ep_mesh(self):
-        from torch.distributed.device_mesh import DeviceMesh  # noqa: F401
-
-        sub = dp_mesh(self.mesh)
-        flat = sub if sub.ndim == 1 else sub._flatten()
-        ranks = flat.mesh.flatten().tolist()
-        # ep consecutive data-parallel ranks form an expert-parallel group
-        i = self.dp_rank // self.ep
-        return ranks[i * self.ep:(i + 1) * self.ep], self.dp_rank % self.ep
 
     # -- one step ----------------------------------------------------------------------------
     def _loss_fn(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -230,8 +228,10 @@ class Engine:
 
     def clip_grads(self, max_norm: float) -> float:
         """Clip the global gradient norm across all parts and pipeline ranks; return it."""
+        from myria.parallel import expert  # norms of gradients that live on several meshes
+
         params = [p for m in self.parts for p in m.parameters() if p.grad is not None]
-        norm = torch.nn.utils.get_total_norm([p.grad for p in params], foreach=True)
+        norm = expert.grad_norm(params, foreach=True)
         if hasattr(norm, "full_tensor"):
             norm = norm.full_tensor()
         if self.pp > 1:
@@ -239,7 +239,7 @@ class Engine:
             dist.all_reduce(sq, group=self.pp_group)
             norm = sq.sqrt()
         if max_norm > 0:
-            torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm, foreach=True)
+            expert.clip_grads_with_norm_(params, max_norm, norm)
         return float(norm)
 
     def step(self) -> None:
