@@ -3,7 +3,10 @@
 MYRIA_FAULT holds comma-separated faults, each `kind:key=value:...`:
 
 - `kill:rank=R:step=S`       rank R sends itself SIGKILL at the start of step S
-- `hang:rank=R:step=S`       rank R stops making progress (sleeps) at the start of step S
+- `hang:rank=R:step=S`       rank R stops making progress (sleeps) at the start of step S while
+                             its process, and its heartbeat thread, stay alive
+- `stop:rank=R:step=S`       rank R sends itself SIGSTOP at the start of step S (a frozen
+                             process: no heartbeats either)
 - `raise:rank=R:step=S`      rank R raises an exception at the start of step S
 - `corrupt-checkpoint:step=S` after the checkpoint of step S is committed, damage one of its files
 - `diskfull:step=S`          the checkpoint save at step S fails with ENOSPC
@@ -18,7 +21,7 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-KINDS = ("kill", "hang", "raise", "corrupt-checkpoint", "diskfull")
+KINDS = ("kill", "hang", "stop", "raise", "corrupt-checkpoint", "diskfull")
 
 
 @dataclass
@@ -93,6 +96,9 @@ class FaultInjector:
         if f := self.due("kill", step):
             self.mark(f)
             os.kill(os.getpid(), signal.SIGKILL)
+        if f := self.due("stop", step):
+            self.mark(f)
+            os.kill(os.getpid(), signal.SIGSTOP)
         if f := self.due("hang", step):
             self.mark(f)
             while True:  # alive but making no progress

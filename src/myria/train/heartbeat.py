@@ -164,6 +164,8 @@ class Progress:
         self.comm_bytes = 0
         self.step_bytes = 0
         self.tokens_per_s = 0.0
+        self.resumed_from = -1        # the step this process started from, once known
+        self.first_step_at = 0.0      # wall time of this process's first finished step
         self._step_start_bytes = 0
 
     def set_phase(self, name: str) -> None:
@@ -174,6 +176,8 @@ class Progress:
     def step_done(self, step: int, tokens_per_s: float) -> None:
         """Record a finished optimizer step and the bytes it communicated."""
         self.step = step
+        if not self.first_step_at:
+            self.first_step_at = time.time()
         self.tokens_per_s = tokens_per_s
         self.step_bytes = self.comm_bytes - self._step_start_bytes
         self._step_start_bytes = self.comm_bytes
@@ -186,7 +190,8 @@ class Progress:
             progress=self.progress, collective=self.collective,
             in_collective=self.in_collective, collectives=self.collectives,
             tokens_per_s=self.tokens_per_s, step_bytes=self.step_bytes,
-            comm_bytes=self.comm_bytes, mem_bytes=memory_in_use(), **more)
+            comm_bytes=self.comm_bytes, mem_bytes=memory_in_use(),
+            resumed_from=self.resumed_from, first_step_at=self.first_step_at, **more)
 
 
 # -- counting collectives --------------------------------------------------------------------
@@ -284,6 +289,12 @@ class Heartbeat:
 
     def step_done(self, step: int, tokens_per_s: float) -> None:
         self.progress.step_done(step, tokens_per_s)
+
+    def resumed(self, step: int) -> None:
+        """Record the step training starts from (0 for a fresh run)."""
+        self.progress.step = step
+        self.progress.resumed_from = step
+        self.progress.progress += 1
 
     def send(self) -> None:
         if self.store is None:

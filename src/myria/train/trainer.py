@@ -103,6 +103,7 @@ def _train(cfg: Config, run_dir: Path, env, stop_after: int | None,
         if env.is_main:
             print(f"resumed from {latest} (step {start_step}, saved by {meta['world_size']} "
                   f"processes; rank 0 read {ckpt.bytes_read / 2**20:.1f} MiB)", flush=True)
+    hb.resumed(start_step)
     write_checkpoint_stats(run_dir, env.rank, ckpt, latest)
     stop = StopRequest(t.init_timeout_s)
     loader = BatchLoader(dataset, t.global_batch, t.micro_batch, dp_rank, dp_size, t.seed,

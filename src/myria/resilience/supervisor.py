@@ -1,0 +1,686 @@
+"""`myria supervise`: training under torch elastic with heartbeats, fault detection and recovery.
+
+    myria supervise --config configs/demo.toml --run-dir runs/demo --nproc 2 [--section.key=value]
+    # several hosts: the same command on each, plus
+    #   --nnodes 4 --rdzv-endpoint HOST0:29400 --rdzv-id JOB
+
+The supervisor is MegaScale's driver (§4.1) built on torch elastic's agent API (the agent behind
+torchrun): a `LocalElasticAgent` subclass starts this host's workers (`myria train` processes),
+and its monitor loop also
+
+- reads every worker's heartbeat (a TCPStore the supervisor serves on 127.0.0.1, or Redis) and
+  scans the workers' stderr for alarm keywords (`myria.resilience.watch`);
+- on a fault (a worker exited, missed heartbeats, a hang, traffic stopped, an alarm the rank did
+  not recover from) logs the detection with its evidence, stops the worker group, runs the
+  self-check diagnostics on this host (`myria.resilience.diagnostics.run_diagnostics`), puts a
+  failing host on the blocklist and hands it to the scheduler through `resilience.blocklist_hook`,
+  waits a back-off (doubling) and restarts the group, whose workers resume from the newest
+  checkpoint that verifies; up to `resilience.max_restarts` times;
+- at the end writes RUN_DIR/supervisor_summary.json: every fault with its cause, evidence,
+  action, detection latency and time lost, and the effective training time ratio (time in
+  training steps whose result was kept / wall time).
+
+The supervisor's log (stderr and RUN_DIR/supervisor.log) has one line per detection (DETECTED),
+per action (ACTION) and per recovery milestone (RESUMED). Workers' own output goes to the console
+prefixed by their rank and to RUN_DIR/logs/. Restarts use `TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`
+and explicit rendezvous timeouts (torch issues #135712, #167288: restarts are flaky otherwise).
+Exit status: 0 done, 1 gave up (restarts exhausted or unrecoverable), 3 this host failed its
+diagnostics and left the job (bad_host_action = exit), 143 stopped by SIGTERM after the workers
+saved a checkpoint.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import logging
+import os
+import shlex
+import signal
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from myria import config as config_mod
+from myria.errors import ConfigError, LaunchError
+from myria.resilience.watch import Detection, Watchdog
+from myria.train import heartbeat
+
+ACCEPTS_OVERRIDES = True
+EXIT_BAD_HOST = 3
+EXIT_PREEMPTED = 143
+ACTIONABLE = ("exit", "missed-heartbeats", "no-heartbeat", "hang", "traffic-stopped", "alarm")
+
+log = logging.getLogger("myria.supervisor")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", help="TOML run config (default: built-in defaults)")
+    p.add_argument("--run-dir", required=True, help="run directory (checkpoints, metrics, logs, "
+                   "supervisor_summary.json)")
+    p.add_argument("--nproc", type=int, default=1, help="worker processes (ranks) on this host")
+    p.add_argument("--nnodes", default="1", help="hosts in the job: N or MIN:MAX (elastic)")
+    p.add_argument("--rdzv-endpoint", default="", help="HOST:PORT of the rendezvous (default: "
+                   "127.0.0.1 and a free port, one host)")
+    p.add_argument("--rdzv-id", default="", help="job id shared by the hosts of one job")
+    p.epilog = ("Config overrides --section.key=value pass to the workers as in `myria train`; "
+                "[resilience] sets heartbeats, timeouts, restarts and the blocklist hook.")
+
+
+def run(args) -> int:
+    cfg = config_mod.load(args.config, args.overrides)
+    if args.nproc < 1:
+        raise ConfigError(f"--nproc {args.nproc}: must be at least 1")
+    min_nodes, max_nodes = _parse_nnodes(args.nnodes)
+    cfg.validate(args.nproc * min_nodes)
+    from myria.data.dataset import TokenDataset
+    from myria.train.trainer import check_vocab
+
+    check_vocab(cfg, TokenDataset(cfg.data.path, cfg.model.seq_len, split="train",
+                                  verify=False))
+    worker_argv = ["train", "--run-dir", str(args.run_dir)]
+    if args.config:
+        worker_argv += ["--config", str(args.config)]
+    worker_argv += list(args.overrides)
+    sup = Supervisor(cfg, Path(args.run_dir), args.nproc, worker_argv, min_nodes=min_nodes,
+                     max_nodes=max_nodes, rdzv_endpoint=args.rdzv_endpoint,
+                     rdzv_id=args.rdzv_id)
+    return sup.run()
+
+
+def _parse_nnodes(text: str) -> tuple[int, int]:
+    try:
+        lo, _, hi = str(text).partition(":")
+        a, b = int(lo), int(hi or lo)
+    except ValueError:
+        raise ConfigError(f"--nnodes {text!r}: expected N or MIN:MAX") from None
+    if not 1 <= a <= b:
+        raise ConfigError(f"--nnodes {text!r}: need 1 <= MIN <= MAX")
+    return a, b
+
+
+def serve_tcp_store(timeout_s: float = 60.0):
+    """A TCPStore server bound to 127.0.0.1 only, on a free port; returns (store, port)."""
+    import torch.distributed as dist
+
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind(("127.0.0.1", 0))
+    sock.listen(64)
+    port = sock.getsockname()[1]
+    fd = sock.detach()  # TCPStore would otherwise listen on every address
+    store = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False,
+                          timeout=datetime.timedelta(seconds=timeout_s), master_listen_fd=fd)
+    return store, port
+
+
+def parse_expect(text: str) -> dict[str, float]:
+    """`resilience.doctor_expect` ("key=value,...") as a dict for run_diagnostics."""
+    from myria.resilience.diagnostics import EXPECTED_KEYS
+
+    out: dict[str, float] = {}
+    for item in filter(None, (x.strip() for x in text.split(","))):
+        k, _, v = item.partition("=")
+        if k not in EXPECTED_KEYS:
+            raise ConfigError(f"resilience.doctor_expect: unknown key {k!r}; valid: "
+                              f"{', '.join(EXPECTED_KEYS)}")
+        try:
+            out[k] = float(v)
+        except ValueError:
+            raise ConfigError(f"resilience.doctor_expect: {item!r} needs a number") from None
+    return out
+
+
+@dataclass
+class Fault:
+    """One fault as the summary reports it."""
+
+    kind: str
+    ranks: list[int]
+    attempt: int
+    fault_at: float
+    detected_at: float
+    evidence: str
+    cause: str = ""
+    injected: str = ""
+    last_step: int = 0
+    action: list[str] = field(default_factory=list)
+    diagnostics: list[str] = field(default_factory=list)
+    stopped_at: float = 0.0
+    restarted_at: float = 0.0
+    resumed_from: int | None = None
+    first_step_at: float = 0.0
+    regained_at: float = 0.0
+
+    @property
+    def detection_s(self) -> float:
+        return max(0.0, self.detected_at - self.fault_at)
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["detection_s"] = round(self.detection_s, 3)
+        d["fault_to_first_step_s"] = round(self.first_step_at - self.fault_at, 3) \
+            if self.first_step_at else None
+        d["lost_steps"] = (self.last_step - self.resumed_from) \
+            if self.resumed_from is not None else None
+        d["time_lost_s"] = round(self.regained_at - self.fault_at, 3) if self.regained_at \
+            else None
+        return d
+
+
+class _BadHost(Exception):
+    pass
+
+
+def _agent_class():
+    from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+
+    class SupervisedAgent(LocalElasticAgent):
+        """torch elastic's local agent with the supervisor's detection and recovery hooks."""
+
+        def __init__(self, sup: Supervisor, *a, **kw):
+            super().__init__(*a, **kw)
+            self.sup = sup
+
+        def _monitor_workers(self, worker_group):
+            return self.sup.monitor(self, worker_group, super()._monitor_workers(worker_group))
+
+        def _stop_workers(self, worker_group):
+            # A faulty group is killed outright: a frozen (SIGSTOP) or hung rank would ignore
+            # SIGTERM, and the restart resumes from the last committed checkpoint anyway.
+            self._shutdown(death_sig=signal.SIGKILL, timeout=10)
+
+        def _restart_workers(self, worker_group):
+            self.sup.recover(self, worker_group)
+            super()._restart_workers(worker_group)
+
+        def _initialize_workers(self, worker_group):
+            self.sup.before_start(self, worker_group)
+            super()._initialize_workers(worker_group)
+            self.sup.started(self, worker_group)
+
+    return SupervisedAgent
+
+
+class Supervisor:
+    """Runs one host's workers through torch elastic and recovers them from faults."""
+
+    def __init__(self, cfg: config_mod.Config, run_dir: Path, nproc: int, worker_argv: list[str],
+                 *, min_nodes: int = 1, max_nodes: int = 1, rdzv_endpoint: str = "",
+                 rdzv_id: str = "") -> None:
+        self.cfg, self.r = cfg, cfg.resilience
+        self.run_dir = Path(run_dir)
+        self.nproc = nproc
+        self.worker_argv = worker_argv
+        self.min_nodes, self.max_nodes = min_nodes, max_nodes
+        self.rdzv_endpoint = rdzv_endpoint
+        self.job = rdzv_id or f"myria-{uuid.uuid4().hex[:10]}"
+        self.host = socket.gethostname()
+        self.expect = parse_expect(self.r.doctor_expect)
+        self.faults: list[Fault] = []
+        self.current: Fault | None = None
+        self.attempt = 0
+        self.watch: Watchdog | None = None
+        self.alarms: list[Detection] = []
+        self.stderr_pos: dict[int, int] = {}
+        self.ranks: list[int] = []
+        self.max_step = 0
+        self.initial_step: int | None = None
+        self.started_at = time.time()
+        self.blocklist: list[str] = []
+        self.store = None
+        self._server = None
+
+    # -- set-up ------------------------------------------------------------------------------
+    def _setup_logging(self) -> None:
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        log.setLevel(logging.INFO)
+        log.propagate = False
+        fmt = logging.Formatter("%(asctime)s myria-supervisor %(levelname)s %(message)s",
+                                "%H:%M:%S")
+        for h in list(log.handlers):
+            log.removeHandler(h)
+        for h in (logging.StreamHandler(sys.stderr),
+                  logging.FileHandler(self.run_dir / "supervisor.log")):
+            h.setFormatter(fmt)
+            log.addHandler(h)
+
+    def _environment(self) -> None:
+        """What the workers inherit: heartbeat store, restart safety, NCCL fault settings."""
+        r = self.r
+        os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
+        os.environ.setdefault("OMP_NUM_THREADS",
+                              str(max(1, (os.cpu_count() or 1) // self.nproc)))
+        nccl = {"NCCL_IB_TIMEOUT": r.nccl_ib_timeout, "NCCL_IB_RETRY_CNT": r.nccl_ib_retry_cnt,
+                "TORCH_NCCL_ASYNC_ERROR_HANDLING": r.nccl_async_error_handling}
+        if r.nccl_trace_buffer:
+            nccl.update(TORCH_FR_BUFFER_SIZE=r.nccl_trace_buffer, TORCH_NCCL_DUMP_ON_TIMEOUT=1)
+        for k, v in nccl.items():
+            os.environ.setdefault(k, str(v))  # a value set by the user wins
+        if r.store == "redis":
+            self.store = heartbeat.open_store(r.redis_url, timeout_s=10)
+            url = r.redis_url
+        else:
+            self._server, port = serve_tcp_store()
+            self.store = heartbeat.TCPHeartbeatStore(self._server)
+            url = f"tcp://127.0.0.1:{port}"
+        os.environ[heartbeat.ENV_STORE] = url
+        os.environ[heartbeat.ENV_PERIOD] = str(r.heartbeat_s)
+        os.environ[heartbeat.ENV_JOB] = self.job
+
+    def _agent(self):
+        from torch.distributed.elastic.agent.server.api import WorkerSpec
+        from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std
+        from torch.distributed.elastic.rendezvous import RendezvousParameters
+        from torch.distributed.elastic.rendezvous import registry as rdzv_registry
+
+        from myria.train.launch import free_port
+
+        endpoint = self.rdzv_endpoint or f"127.0.0.1:{free_port()}"
+        t = self.cfg.training
+        params = RendezvousParameters(
+            backend="c10d", endpoint=endpoint, run_id=self.job, min_nodes=self.min_nodes,
+            max_nodes=self.max_nodes, join_timeout=int(t.init_timeout_s),
+            last_call_timeout=1 if self.min_nodes == self.max_nodes else 30,
+            close_timeout=30, read_timeout=int(max(60, t.init_timeout_s)))
+        spec = WorkerSpec(
+            role="trainer", local_world_size=self.nproc, entrypoint=sys.executable,
+            args=("-u", "-m", "myria", *self.worker_argv),
+            rdzv_handler=rdzv_registry.get_rendezvous_handler(params),
+            max_restarts=self.r.max_restarts,
+            monitor_interval=max(0.05, min(0.5, self.r.heartbeat_s / 4)))
+        logs = DefaultLogsSpecs(log_dir=str(self.run_dir / "logs"), tee=Std.ALL)
+        return _agent_class()(self, spec, logs, start_method="spawn", exit_barrier_timeout=60,
+                              shutdown_timeout=int(self.r.sigterm_grace_s))
+
+    # -- the run -----------------------------------------------------------------------------
+    def run(self) -> int:
+        """Supervise the job to its end; returns the exit status (see the module docstring)."""
+        from torch.distributed.elastic.agent.server.api import WorkerState
+        from torch.distributed.elastic.multiprocessing.api import SignalException
+
+        self._setup_logging()
+        self._environment()
+        self.started_at = time.time()
+        log.info("supervising %d worker(s) on %s: job %s, run dir %s, heartbeat every %g s "
+                 "to %s, up to %d restarts", self.nproc, self.host, self.job, self.run_dir,
+                 self.r.heartbeat_s, os.environ[heartbeat.ENV_STORE], self.r.max_restarts)
+        status, code = "failed", 1
+        try:
+            result = self._agent().run()
+            if result is not None and result.state == WorkerState.SUCCEEDED:
+                status, code = "succeeded", 0
+            else:
+                log.error("ACTION give up: %s", "restarts exhausted"
+                          if self.r.max_restarts else "no restarts allowed")
+        except _BadHost as e:
+            status, code = "host-blocklisted", EXIT_BAD_HOST
+            log.error("ACTION leave the job: %s", e)
+        except SignalException as e:
+            status, code = "preempted", EXIT_PREEMPTED
+            log.warning("ACTION stopped by %s: workers were asked to save and exit", e.sigval)
+        except LaunchError as e:
+            log.error("%s", e)
+        finally:
+            summary = self.summary(status)
+            self._write_summary(summary)
+            self._close()
+        return code
+
+    def _close(self) -> None:
+        if self.store is not None:
+            try:
+                self.store.close()
+            except Exception:
+                pass
+        self._server = None
+
+    # -- agent hooks -------------------------------------------------------------------------
+    def before_start(self, agent, wg) -> None:
+        """Clear the heartbeats of a previous attempt so nothing stale is read."""
+        keys = [heartbeat.key(self.job, r) for r in range(self.nproc * self.max_nodes)]
+        try:
+            self.store.delete(keys)
+        except Exception:
+            pass
+
+    def started(self, agent, wg) -> None:
+        self.attempt = wg.spec.max_restarts - agent._remaining_restarts
+        self.ranks = [w.global_rank for w in wg.workers]
+        r, t = self.r, self.cfg.training
+        self.watch = Watchdog(self.ranks, r.heartbeat_s, r.missed_heartbeats, r.hang_timeout_s,
+                              r.traffic_timeout_s, startup_timeout_s=t.init_timeout_s,
+                              keywords=tuple(k.strip() for k in r.alarm_keywords.split(",")),
+                              attempt=self.attempt)
+        self.alarms = []
+        self.stderr_pos = {}
+        if self.current is not None:
+            self.current.restarted_at = time.time()
+        log.info("attempt %d: started ranks %s (pids %s)", self.attempt, self.ranks,
+                 [w.id for w in wg.workers])
+
+    def monitor(self, agent, wg, result):
+        """Called every monitor interval with the agent's own verdict; may turn it UNHEALTHY."""
+        from torch.distributed.elastic.agent.server.api import RunResult, WorkerState
+
+        if self.watch is None:
+            return result
+        now = time.time()
+        self._scan_stderr(agent, wg, now)
+        records = self._read_heartbeats()
+        self._track_recovery(records, now)
+        if result.state == WorkerState.FAILED:
+            self._on_exit(result, records, now)
+            return result
+        if result.state != WorkerState.HEALTHY:
+            return result
+        found = self.watch.heartbeats(records, now)
+        found += self._expired_alarms(agent, now)
+        for d in found:
+            log.warning("DETECTED %s on rank(s) %s: %s", d.kind, d.ranks, d.evidence)
+        act = [d for d in found if d.kind in ACTIONABLE and d.kind != "alarm" or
+               d.kind == "alarm" and d.details.get("expired")]
+        if act:
+            self._record(act[0], [d for d in found if d is not act[0]])
+            return RunResult(state=WorkerState.UNHEALTHY)
+        return result
+
+    def recover(self, agent, wg) -> None:
+        """Stop the group, diagnose this host, blocklist it if bad, back off; then restart."""
+        f = self.current or self._record(Detection(
+            "membership-change", [], time.time(), time.time(),
+            "a host joined or left the rendezvous"), [])
+        f.action.append("stop worker group")
+        log.info("ACTION stop the worker group of attempt %d (SIGKILL)", self.attempt)
+        agent._stop_workers(wg)
+        f.stopped_at = time.time()
+        if self.r.diagnose:
+            self._diagnose(f)
+        restarts = sum(1 for x in self.faults if x.restarted_at) + 1
+        wait = min(self.r.backoff_s * 2 ** (restarts - 1), self.r.backoff_max_s)
+        newest = _newest_committed(self.run_dir)
+        f.action.append(f"restart after {wait:.1f} s back-off from the newest valid checkpoint")
+        log.info("ACTION restart (attempt %d, %d restart(s) left) after %.1f s back-off; "
+                 "workers resume from the newest checkpoint that verifies (newest committed: "
+                 "%s)", self.attempt + 1, agent._remaining_restarts, wait, newest or "none")
+        time.sleep(wait)
+
+    # -- detection helpers -------------------------------------------------------------------
+    def _read_heartbeats(self) -> dict[int, dict | None]:
+        keys = [heartbeat.key(self.job, r) for r in self.ranks]
+        try:
+            raw = self.store.get_many(keys)
+        except Exception as e:
+            log.warning("heartbeat store unreadable: %s", e)
+            return {}
+        out: dict[int, dict | None] = {}
+        for r, v in zip(self.ranks, raw):
+            try:
+                out[r] = json.loads(v) if v else None
+            except ValueError:
+                out[r] = None
+        return out
+
+    def _scan_stderr(self, agent, wg, now: float) -> None:
+        pc = getattr(agent, "_pcontext", None)
+        files = getattr(pc, "stderrs", None) or {}
+        for local, path in files.items():
+            if not path or not os.path.exists(path):
+                continue
+            rank = wg.workers[local].global_rank
+            pos = self.stderr_pos.get(rank, 0)
+            try:
+                with open(path, errors="replace") as fh:
+                    fh.seek(pos)
+                    text = fh.read()
+            except OSError:
+                continue
+            if not text:
+                continue
+            complete = text.rfind("\n") + 1  # leave a partial last line for the next read
+            if complete == 0:
+                continue
+            self.stderr_pos[rank] = pos + len(text[:complete].encode(errors="replace"))
+            for d in self.watch.stderr(rank, text[:complete].splitlines(), now):
+                log.warning("ALARM rank %d: %s", rank, d.evidence)
+                self.alarms.append(d)
+
+    def _expired_alarms(self, agent, now: float) -> list[Detection]:
+        out = []
+        for d in self.alarms:
+            if d.details.get("handled"):
+                continue
+            rank = d.ranks[0]
+            if self.watch.progressed_since(rank, d.detected_at + 1e-6):
+                d.details["handled"] = True
+                log.info("alarm on rank %d not acted on: the rank kept making progress", rank)
+            elif now - d.detected_at > self.r.alarm_grace_s:
+                d.details.update(handled=True, expired=True)
+                d.evidence += (f" (no progress and no exit {now - d.detected_at:.1f} s later, "
+                               f"alarm_grace_s {self.r.alarm_grace_s:g})")
+                d.detected_at = now
+                out.append(d)
+        return out
+
+    def _on_exit(self, result, records, now: float) -> None:
+        failures = result.failures
+        self.watch.heartbeats(records, now)
+        ranks = sorted(failures)
+
+        def order(r):
+            f = failures[r]
+            # SIGTERM came from the agent stopping the others; peer errors are consequences
+            killed = f.exitcode < 0 and f.exitcode != -signal.SIGTERM
+            return (0 if killed else 1, 1 if self.watch.is_secondary(r) else 0, f.timestamp, r)
+
+        ranks.sort(key=order)
+        culprit = ranks[0]
+        parts = []
+        for r in ranks:
+            f = failures[r]
+            how = f"signal {f.signal_name()}" if f.exitcode < 0 else f"exit code {f.exitcode}"
+            last = self.watch.last(r) or {}
+            cause = self.watch.cause_line(r)
+            parts.append(f"rank {r} (pid {f.pid}) ended with {how} at step {last.get('step')}, "
+                         f"phase {last.get('phase')}" + (f"; stderr: {cause}" if cause else ""))
+        others = [r for r in self.ranks if r not in failures]
+        evidence = "; ".join(parts) + (f"; ranks {others} still running" if others else "")
+        last = self.watch.state[culprit].seen_at or now
+        d = Detection("exit", [culprit] + [r for r in ranks if r != culprit], now, last,
+                      evidence, {"exitcodes": {r: failures[r].exitcode for r in ranks}})
+        log.warning("DETECTED exit on rank(s) %s: %s", d.ranks, d.evidence)
+        f = self._record(d, self.alarms)
+        f.cause = self.watch.cause_line(culprit) or (
+            f"signal {failures[culprit].signal_name()}" if failures[culprit].exitcode < 0
+            else f"exit code {failures[culprit].exitcode}")
+
+    def _record(self, d: Detection, related: list[Detection]) -> Fault:
+        injected, at = _injected(self.run_dir, self.watch.started if self.watch else 0)
+        steps = [rec.get("step", 0) for rec in
+                 (self.watch.last(r) for r in self.ranks) if rec] if self.watch else []
+        # an injected fault's marker is written the instant it fires: the exact fault time
+        f = Fault(d.kind, list(d.ranks), self.attempt, at or d.fault_at,
+                  d.detected_at, d.evidence, injected=injected,
+                  last_step=max(steps + [self.max_step]))
+        if not f.cause:
+            f.cause = d.kind if d.kind != "hang" else "no progress: " + d.evidence.split(";")[0]
+        extra = [x.evidence for x in related if x is not d]
+        if extra:
+            f.evidence += " | also: " + " | ".join(extra[:5])
+        if injected:
+            log.info("fault hook %s fired (MYRIA_FAULT)", injected)
+        self.faults.append(f)
+        self.current = f
+        return f
+
+    def _track_recovery(self, records: dict[int, dict | None], now: float) -> None:
+        recs = [x for x in records.values() if x and x.get("attempt") == self.attempt]
+        if not recs:
+            return
+        step = max(x.get("step", 0) for x in recs)
+        self.max_step = max(self.max_step, step)
+        if self.initial_step is None and self.attempt == 0:
+            self.initial_step = min(x.get("resumed_from", 0) for x in recs)
+        f = self.current
+        if f is None or f.attempt == self.attempt:
+            return
+        if f.resumed_from is None and all(x.get("resumed_from", -1) >= 0 for x in recs):
+            f.resumed_from = min(x.get("resumed_from", 0) for x in recs)
+        firsts = [x.get("first_step_at", 0) for x in recs]
+        if not f.first_step_at and firsts and all(firsts) and len(recs) == len(self.ranks):
+            f.first_step_at = max(firsts)
+            log.info("RESUMED attempt %d from step %s: first step done %.1f s after the fault "
+                     "(%s lost steps to redo)", self.attempt, f.resumed_from,
+                     f.first_step_at - f.fault_at,
+                     f.last_step - f.resumed_from if f.resumed_from is not None else "?")
+        if not f.regained_at and step >= f.last_step:
+            f.regained_at = now
+
+    def _diagnose(self, f: Fault) -> None:
+        from myria.resilience.diagnostics import FAULT_ENV, run_diagnostics
+
+        spec = _doctor_fault_once(self.run_dir, os.environ.get(FAULT_ENV, ""))
+        log.info("ACTION self-check diagnostics of %s (%d local ranks)%s", self.host,
+                 self.nproc, f" with test hook {FAULT_ENV}={spec}" if spec else "")
+        report = run_diagnostics(self.nproc, self.expect or None, self.r.doctor_timeout_s,
+                                 faults=spec)
+        out = report.write_json(self.run_dir / "diagnostics" /
+                                f"{self.host}-attempt{self.attempt}.json")
+        f.diagnostics.append(report.summary)
+        f.action.append(f"diagnostics: {'pass' if report.passed else 'FAIL'}")
+        log.info("diagnostics %s (report %s)", report.summary, out)
+        if report.passed:
+            return
+        self._blocklist(f, report.summary)
+        if self.r.bad_host_action == "exit":
+            raise _BadHost(f"{self.host} failed its diagnostics and is blocklisted")
+        log.info("ACTION re-run the diagnostics after the blocklist hook (bad_host_action = "
+                 "recheck)")
+        again = run_diagnostics(self.nproc, self.expect or None, self.r.doctor_timeout_s,
+                                faults="")
+        again.write_json(self.run_dir / "diagnostics" / f"{self.host}-attempt{self.attempt}"
+                         "-recheck.json")
+        f.diagnostics.append(again.summary)
+        f.action.append(f"diagnostics re-run: {'pass' if again.passed else 'FAIL'}")
+        log.info("diagnostics re-run: %s", again.summary)
+        if not again.passed:
+            raise _BadHost(f"{self.host} failed its diagnostics again")
+
+    def _blocklist(self, f: Fault, reason: str) -> None:
+        path = self.run_dir / "blocklist.txt"
+        hosts = set(path.read_text().split()) if path.exists() else set()
+        hosts.add(self.host)
+        from myria.train.checkpoint import atomic_write
+
+        atomic_write(path, "".join(h + "\n" for h in sorted(hosts)))
+        self.blocklist = sorted(hosts)
+        f.action.append(f"blocklist {self.host}")
+        log.warning("ACTION blocklist host %s (%s); blocklist: %s", self.host, reason, path)
+        hook = self.r.blocklist_hook
+        if not hook:
+            return
+        cmd = hook.replace("{host}", shlex.quote(self.host)).replace(
+            "{blocklist}", shlex.quote(str(path)))
+        try:
+            p = subprocess.run(cmd, shell=True, capture_output=True, text=True, timeout=120)
+            out = (p.stdout + p.stderr).strip()[-500:]
+            log.info("ACTION blocklist hook `%s` exited %d%s", cmd, p.returncode,
+                     f": {out}" if out else "")
+            f.action.append(f"blocklist hook exit {p.returncode}")
+        except subprocess.TimeoutExpired:
+            log.error("blocklist hook `%s` timed out after 120 s", cmd)
+            f.action.append("blocklist hook timed out")
+
+    # -- the summary -------------------------------------------------------------------------
+    def summary(self, status: str) -> dict[str, Any]:
+        """Faults, causes, actions, time lost and the effective training time ratio."""
+        end = time.time()
+        wall = end - self.started_at
+        rows = _metrics_rows(self.run_dir, self.started_at)
+        final = max(rows) if rows else self.max_step
+        start = self.initial_step if self.initial_step is not None else (
+            min(rows) - 1 if rows else 0)
+        times = [rows[s]["step_time_s"] for s in rows]
+        step_time = sum(times) / len(times) if times else 0.0
+        productive = step_time * max(0, final - start)
+        return {
+            "status": status, "host": self.host, "job": self.job,
+            "target_steps": self.cfg.training.steps, "start_step": start, "final_step": final,
+            "restarts": sum(1 for f in self.faults if f.restarted_at),
+            "wall_s": round(wall, 3), "productive_s": round(productive, 3),
+            "mean_step_s": round(step_time, 4),
+            "effective_training_time_ratio": round(productive / wall, 4) if wall else None,
+            "time_lost_s": round(wall - productive, 3),
+            "faults": [f.to_dict() for f in self.faults], "blocklist": self.blocklist,
+            "heartbeat_s": self.r.heartbeat_s, "store": self.r.store,
+        }
+
+    def _write_summary(self, s: dict[str, Any]) -> None:
+        from myria.train.checkpoint import atomic_write
+
+        path = self.run_dir / "supervisor_summary.json"
+        atomic_write(path, json.dumps(s, indent=1))
+        log.info("summary: %s at step %s/%s after %d restart(s); wall %.1f s, training %.1f s, "
+                 "effective training time ratio %s; %s", s["status"], s["final_step"],
+                 s["target_steps"], s["restarts"], s["wall_s"], s["productive_s"],
+                 s["effective_training_time_ratio"], path)
+        for f in s["faults"]:
+            log.info("  fault %s rank(s) %s at step %s: cause %s; detected in %.2f s; actions: "
+                     "%s; fault to first resumed step %s s; lost steps %s", f["kind"],
+                     f["ranks"], f["last_step"], f["cause"], f["detection_s"],
+                     ", ".join(f["action"]) or "-", f["fault_to_first_step_s"], f["lost_steps"])
+
+
+def _metrics_rows(run_dir: Path, since: float) -> dict[int, dict]:
+    """The last logged row of each training step written since `since`."""
+    path = run_dir / "metrics.jsonl"
+    out: dict[int, dict] = {}
+    if not path.exists():
+        return out
+    for line in path.read_text().splitlines():
+        try:
+            row = json.loads(line)
+        except ValueError:
+            continue
+        if "loss" in row and row.get("time", 0) >= since:
+            out[int(row["step"])] = row
+    return out
+
+
+def _newest_committed(run_dir: Path) -> str:
+    from myria.train.checkpoint import CheckpointManager
+
+    ckpts = CheckpointManager(run_dir / "checkpoints").committed()
+    return ckpts[-1].name if ckpts else ""
+
+
+def _injected(run_dir: Path, since: float) -> tuple[str, float]:
+    """The newest MYRIA_FAULT hook that fired since `since`, and when (its marker's mtime)."""
+    d = run_dir / "faults"
+    if not d.is_dir():
+        return "", 0.0
+    marks = [(p.stat().st_mtime, p.name) for p in d.iterdir()
+             if p.is_file() and not p.name.startswith("doctor") and p.stat().st_mtime >= since]
+    if not marks:
+        return "", 0.0
+    at, name = max(marks)
+    return name, at
+
+
+def _doctor_fault_once(run_dir: Path, spec: str) -> str:
+    """The MYRIA_DOCTOR_FAULT spec for this diagnostics run: once per run directory."""
+    if not spec:
+        return ""
+    tag = "doctor_" + "".join(c if c.isalnum() else "_" for c in spec)
+    marker = run_dir / "faults" / tag
+    if marker.exists():
+        return ""
+    marker.parent.mkdir(parents=True, exist_ok=True)
+    marker.write_text(f"fired by the supervisor at {time.time()}\n")
+    return spec
