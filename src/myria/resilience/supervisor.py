@@ -154,6 +154,7 @@ class Fault:
     diagnostics: list[str] = field(default_factory=list)
     stopped_at: float = 0.0
     restarted_at: float = 0.0
+    newest_committed: str = ""
     resumed_from: int | None = None
     first_step_at: float = 0.0
     regained_at: float = 0.0
@@ -400,11 +401,12 @@ class Supervisor:
         log.info("ACTION stop the worker group of attempt %d (SIGKILL)", self.attempt)
         agent._stop_workers(wg)
         f.stopped_at = time.time()
+        f.newest_committed = _newest_committed(self.run_dir)
         if self.r.diagnose:
             self._diagnose(f)
         restarts = sum(1 for x in self.faults if x.restarted_at) + 1
         wait = min(self.r.backoff_s * 2 ** (restarts - 1), self.r.backoff_max_s)
-        newest = _newest_committed(self.run_dir)
+        newest = f.newest_committed
         f.action.append(f"restart after {wait:.1f} s back-off from the newest valid checkpoint")
         log.info("ACTION restart (attempt %d, %d restart(s) left) after %.1f s back-off; "
                  "workers resume from the newest checkpoint that verifies (newest committed: "

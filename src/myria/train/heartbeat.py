@@ -257,9 +257,22 @@ def install_comm_meter(progress: Progress) -> None:
                 finally:
                     p.in_collective = False
             metered.__myria_meter__ = True
+            metered.__wrapped_collective__ = fn
             return metered
 
         setattr(dist, name, make())
+
+
+def uninstall_comm_meter() -> None:
+    """Put torch.distributed's own functions back (tests)."""
+    global _installed
+    import torch.distributed as dist
+
+    _installed = None
+    for name in _SIZES:
+        fn = getattr(dist, name, None)
+        if fn is not None and getattr(fn, "__myria_meter__", False):
+            setattr(dist, name, fn.__wrapped_collective__)
 
 
 # -- the sender ------------------------------------------------------------------------------

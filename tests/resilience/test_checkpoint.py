@@ -1,0 +1,134 @@
+"""Two-stage checkpoints in one process: snapshot isolation, one save in flight, failed saves,
+checksum-verified resume, and the same files whichever way they were written."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from myria.faults import FaultInjector
+from myria.train.checkpoint import CheckpointManager
+
+
+class Target:
+    """Something shaped like the Engine's checkpoint state."""
+
+    def __init__(self, seed: int = 0):
+        g = torch.Generator().manual_seed(seed)
+        self.w = torch.randn(256, 64, generator=g)
+        self.b = torch.randn(64, generator=g)
+        self.m = torch.zeros(256, 64)
+        self.lr = 0.1
+
+    def state_dict(self):
+        return {"model": {"w": self.w, "b": self.b},
+                "optim": {"state.w.exp_avg": self.m, "param_groups.w.lr": self.lr}}
+
+    def load_state_dict(self, state):
+        self.w.copy_(state["model"]["w"])
+        self.b.copy_(state["model"]["b"])
+        self.m.copy_(state["optim"]["state.w.exp_avg"])
+        self.lr = state["optim"]["param_groups.w.lr"]
+
+    def update(self):
+        self.w.add_(1.0)
+        self.m.add_(2.0)
+        self.lr *= 0.5
+
+
+def loaded(path):
+    t = Target(seed=99)
+    meta = CheckpointManager(path.parent).load(path, t)
+    return t, meta
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_snapshot_is_isolated_from_later_updates(tmp_path, overlap):
+    mgr = CheckpointManager(tmp_path / "ck", async_save=True, overlap=overlap)
+    t = Target()
+    w0, m0, lr0 = t.w.clone(), t.m.clone(), t.lr
+    assert mgr.save(3, t, {"scheduler": {}}) is True
+    mgr.before_update()          # the loop calls this just before the optimizer step
+    t.update()
+    assert mgr.wait() is True
+    got, meta = loaded(mgr.path_for(3))
+    assert torch.equal(got.w, w0) and torch.equal(got.m, m0) and got.lr == lr0
+    assert meta["step"] == 3 and set(meta["checksums"]) == set(meta["files"])
+    assert mgr.history[0].ok and mgr.history[0].bytes == (256 * 64 * 2 + 64) * 4
+
+
+def test_buffers_are_reused_and_one_save_is_in_flight(tmp_path):
+    mgr = CheckpointManager(tmp_path / "ck", keep=5, async_save=True, overlap=True)
+    t = Target()
+    mgr.save(1, t, {})
+    ptrs = {k: v[1].data_ptr() for k, v in mgr._leaves.items()}
+    mgr.before_update()
+    t.update()
+    mgr.save(2, t, {})           # waits for save 1 first
+    assert mgr.history[0].ok is True  # finished before save 2 began
+    assert {k: v[1].data_ptr() for k, v in mgr._leaves.items()} == ptrs
+    mgr.before_update()
+    t.update()
+    assert mgr.wait() is True
+    assert [p.name for p in mgr.committed()] == ["step_00000001", "step_00000002"]
+    assert (tmp_path / "ck" / "latest").read_text().strip() == "step_00000002"
+
+
+def test_failed_save_keeps_previous_and_later_saves_work(tmp_path):
+    faults = FaultInjector(tmp_path, 0, "diskfull:step=4")
+    mgr = CheckpointManager(tmp_path / "ck", faults=faults, async_save=True, overlap=True)
+    t = Target()
+    for step in (2, 4, 6):
+        mgr.save(step, t, {})
+        mgr.before_update()
+        t.update()
+        mgr.wait()
+    assert [r.ok for r in mgr.history] == [True, False, True]
+    assert "No space left on device" in mgr.history[1].error
+    names = sorted(p.name for p in (tmp_path / "ck").iterdir())
+    assert names == ["latest", "step_00000002", "step_00000006"]
+
+
+def test_bit_flip_is_caught_by_checksum_and_skipped(tmp_path, caplog):
+    faults = FaultInjector(tmp_path, 0, "corrupt-checkpoint:step=2")
+    mgr = CheckpointManager(tmp_path / "ck", faults=faults, async_save=False)
+    t = Target()
+    assert mgr.save(1, t, {})
+    t.update()
+    assert mgr.save(2, t, {})
+    p2 = mgr.path_for(2)
+    meta = json.loads((p2 / "meta.json").read_text())
+    assert all((p2 / n).stat().st_size == s for n, s in meta["files"].items())  # same sizes
+    assert "fails its checksum" in mgr.verify(p2)
+    with caplog.at_level("WARNING", logger="myria"):
+        assert mgr.choose_resume() == mgr.path_for(1)
+    assert "skipping checkpoint" in caplog.text
+    # a truncated file is caught by its size without reading it
+    victim = next(p for p in mgr.path_for(1).iterdir() if p.suffix == ".distcp")
+    victim.write_bytes(victim.read_bytes()[:-10])
+    assert "bytes, expected" in mgr.verify(mgr.path_for(1), checksums=False)
+    assert mgr.latest_valid() is None
+
+
+def test_sync_and_async_saves_load_the_same_state(tmp_path):
+    t = Target()
+    a = CheckpointManager(tmp_path / "a", async_save=False)
+    b = CheckpointManager(tmp_path / "b", async_save=True, overlap=True)
+    a.save(5, t, {"x": 1})
+    b.save(5, t, {"x": 1})
+    b.wait()
+    ta, _ = loaded(a.path_for(5))
+    tb, _ = loaded(b.path_for(5))
+    for k in ("w", "b", "m"):
+        assert torch.equal(getattr(ta, k), getattr(tb, k))
+    assert ta.lr == tb.lr == t.lr
+
+
+def test_leftover_temporary_directories_are_removed(tmp_path):
+    d = tmp_path / "ck" / "step_00000009.tmp"
+    d.mkdir(parents=True)
+    (d / "__0_0.distcp").write_bytes(b"partial")
+    mgr = CheckpointManager(tmp_path / "ck")
+    assert not d.exists() and mgr.committed() == []

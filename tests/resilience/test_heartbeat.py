@@ -1,0 +1,105 @@
+"""Heartbeats reach the supervisor's TCPStore with step, phase and traffic; fault hooks parse
+and fire once per run directory."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from myria import faults
+from myria.resilience.supervisor import parse_expect, serve_tcp_store
+from myria.train import heartbeat
+
+
+def wait_for(pred, timeout=10.0):
+    end = time.time() + timeout
+    while time.time() < end:
+        v = pred()
+        if v:
+            return v
+        time.sleep(0.02)
+    raise AssertionError("condition not met in time")
+
+
+def test_heartbeats_arrive_with_progress(monkeypatch):
+    server, port = serve_tcp_store()
+    reader = heartbeat.TCPHeartbeatStore(server)
+    monkeypatch.setenv(heartbeat.ENV_STORE, f"tcp://127.0.0.1:{port}")
+    monkeypatch.setenv(heartbeat.ENV_PERIOD, "0.05")
+    monkeypatch.setenv(heartbeat.ENV_JOB, "t1")
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "2")
+    hb = heartbeat.start(rank=3)
+    try:
+        hb.resumed(10)
+        hb.phase("forward-backward")
+        hb.step_done(11, 1234.0)
+        k = heartbeat.key("t1", 3)
+
+        def newest():
+            v = reader.get_many([k])[0]
+            rec = json.loads(v) if v else None
+            return rec if rec and rec["step"] == 11 else None
+
+        rec = wait_for(newest)
+        assert rec["rank"] == 3 and rec["attempt"] == 2 and rec["resumed_from"] == 10
+        assert rec["phase"] == "forward-backward" and rec["tokens_per_s"] == 1234.0
+        assert rec["mem_bytes"] > 0 and rec["first_step_at"] > 0
+        seq = rec["seq"]
+        wait_for(lambda: json.loads(reader.get_many([k])[0])["seq"] > seq + 2)
+    finally:
+        hb.close("done")
+        heartbeat.uninstall_comm_meter()
+    assert json.loads(reader.get_many([k])[0])["phase"] == "done"
+    assert reader.get_many([heartbeat.key("t1", 4)]) == [None]
+
+
+def test_comm_meter_counts_bytes_and_names_the_collective():
+    store = dist.HashStore()
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    try:
+        hb = heartbeat.Heartbeat(0)
+        heartbeat.install_comm_meter(hb.progress)
+        dist.all_reduce(torch.ones(1000))
+        out = torch.empty(10)
+        dist.all_gather_into_tensor(out, torch.ones(10))
+        p = hb.progress
+        assert p.collectives == 2 and p.collective == "all_gather_into_tensor"
+        assert p.comm_bytes == 4000 + 40 and not p.in_collective
+        hb.step_done(1, 0.0)
+        assert p.step_bytes == 4040
+    finally:
+        heartbeat.uninstall_comm_meter()
+        dist.destroy_process_group()
+    assert not getattr(dist.all_reduce, "__myria_meter__", False)
+
+
+def test_fault_specs_parse_and_fire_once(tmp_path):
+    fs = faults.parse("kill:rank=1:step=5, stop:rank=0:step=3,diskfull:step=4")
+    assert [(f.kind, f.params) for f in fs] == [
+        ("kill", {"rank": 1, "step": 5}), ("stop", {"rank": 0, "step": 3}),
+        ("diskfull", {"step": 4})]
+    for bad in ("explode:step=1", "kill:rank=x:step=1", "hang:rank=1"):
+        with pytest.raises(ValueError):
+            faults.parse(bad)
+    inj = faults.FaultInjector(tmp_path, 1, "kill:rank=1:step=5,raise:rank=0:step=5")
+    assert inj.due("kill", 4) is None and inj.due("raise", 5) is None
+    f = inj.due("kill", 5)
+    inj.mark(f)
+    assert inj.due("kill", 5) is None  # a restarted job does not repeat it
+    assert faults.FaultInjector(tmp_path, 1, "kill:rank=1:step=5").due("kill", 5) is None
+    r0 = faults.FaultInjector(tmp_path, 0, "raise:rank=0:step=5")
+    with pytest.raises(RuntimeError, match="injected fault"):
+        r0.at_step_start(5)
+    r0.at_step_start(5)  # fired already: inert
+
+
+def test_doctor_expectations_parse():
+    assert parse_expect("gemm_tflops=0.02, membw_gbs=1") == {"gemm_tflops": 0.02,
+                                                             "membw_gbs": 1.0}
+    from myria.errors import ConfigError
+    with pytest.raises(ConfigError, match="unknown key"):
+        parse_expect("gemm=1")
