@@ -2,7 +2,8 @@
 
 `myria train --nproc N` re-runs itself as N workers, each one rank; workers inherit the same
 arguments without --nproc. Across hosts, use torchrun (or `myria supervise`) with a rendezvous
-endpoint instead: the workers are the same.
+endpoint instead: the workers are the same. `myria supervise` (myria.resilience.supervisor) uses
+the same torch elastic agent with heartbeats, fault detection and recovery on top.
 """
 
 from __future__ import annotations
@@ -38,7 +39,11 @@ def launch_local(nproc: int, argv: list[str], max_restarts: int = 0) -> None:
     config = LaunchConfig(
         min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=str(uuid.uuid4()),
         rdzv_backend="c10d", rdzv_endpoint=f"127.0.0.1:{free_port()}",
-        rdzv_configs={"timeout": 120}, max_restarts=max_restarts, monitor_interval=0.2,
+        # explicit timeouts: joining, waiting for late hosts (none: fixed size), closing, and
+        # each rendezvous-store read
+        rdzv_configs={"join_timeout": 300, "last_call_timeout": 1, "close_timeout": 30,
+                      "read_timeout": 120},
+        max_restarts=max_restarts, monitor_interval=0.2,
         start_method="spawn",
     )
     try:
