@@ -111,11 +111,13 @@ class ReplicateParallel(ParallelStyle):
 
 # -- context parallel ----------------------------------------------------------------------------
 def apply_cp(model: nn.Module, cp_group, cp_rank: int, cp_size: int, seq_len: int,
-             device: torch.device) -> None:
-    """Ring attention in every block, and this rank's absolute token positions."""
+             device: torch.device, ring: bool = True) -> None:
+    """Ring attention in every block (unless torch's own CP replaces SDPA at run time), and
+    this rank's absolute token positions (head + tail chunk, the layout both use)."""
     from myria.parallel.context import positions_for_rank, swap_core_attention
 
-    swap_core_attention(model, cp_group, load_balance=True)
+    if ring:
+        swap_core_attention(model, cp_group, load_balance=True)
     model.positions = positions_for_rank(seq_len, cp_rank, cp_size, device=device)
 
 

@@ -121,6 +121,12 @@ def run(args) -> int:
 
         check_vocab(cfg, TokenDataset(cfg.data.path, cfg.model.seq_len, split="train",
                                       verify=False))
+        import torch
+
+        from myria.train.engine import check_layout
+        check_layout(cfg, config_mod.resolve_layout(cfg, args.nproc),
+                     "cuda" if cfg.training.device != "cpu" and torch.cuda.is_available()
+                     else "cpu")
         launch_local(args.nproc, ["train", *_without_nproc(args.argv)])
         _summary(Path(args.run_dir))
         return 0

@@ -56,10 +56,13 @@ def _local(x: torch.Tensor) -> torch.Tensor:
     return x.full_tensor() if hasattr(x, "full_tensor") else x
 
 
-def check_layout(cfg: Config, layout: dict[str, int]) -> None:
-    """Divisibility rules of the parallel layout, as clear errors."""
+def check_layout(cfg: Config, layout: dict[str, int], device_type: str = "cpu") -> None:
+    """Divisibility and support rules of the parallel layout, as clear errors."""
     m, p = cfg.model, cfg.parallel
     tp, cp, pp, dp, ep = layout["tp"], layout["cp"], layout["pp"], layout["dp"], layout["ep"]
+    if cp > 1 and p.cp_impl == "torch" and (device_type != "cuda" or m.attention_window):
+        raise ConfigError("parallel.cp_impl = 'torch' (torch's context_parallel) needs CUDA "
+                          "and full causal attention in torch 2.13; use cp_impl = 'ring'")
     if m.heads % tp or m.n_kv_heads % tp:
         raise ConfigError(f"parallel.tp = {tp} must divide model.heads = {m.heads} and the "
                           f"key/value heads = {m.n_kv_heads}")
@@ -107,11 +110,12 @@ class Engine:
         self.tp, self.cp, self.pp = (sub_size(mesh, n) for n in ("tp", "cp", "pp"))
         self.ep = p.ep
         layout = {"tp": self.tp, "cp": self.cp, "pp": self.pp, "dp": self.dp_size, "ep": self.ep}
-        check_layout(cfg, layout)
+        check_layout(cfg, layout, device.type)
         self.cp_rank, self.pp_rank = sub_rank(mesh, "cp"), sub_rank(mesh, "pp")
         self.loss_group = loss_group(mesh)
         self.pp_group = mesh["pp"].get_group() if self.pp > 1 else None
         self.loss_parallel = self.tp > 1 and p.loss_parallel
+        self.torch_cp = self.cp > 1 and p.cp_impl == "torch"
         self.accum = t.global_batch // (self.dp_size * t.micro_batch)
 
         model = build_model(cfg.model, "meta")
@@ -136,7 +140,7 @@ class Engine:
                 apply_tp(part, mesh["tp"], p.sequence_parallel, p.loss_parallel)
             if self.cp > 1:
                 apply_cp(part, mesh["cp"].get_group(), self.cp_rank, self.cp, cfg.model.seq_len,
-                         device)
+                         device, ring=not self.torch_cp)
             if self.ep > 1:
                 from myria.parallel.expert import apply_expert_parallel
                 apply_expert_parallel(part, self.ep_mesh)
@@ -168,10 +172,15 @@ class Engine:
         return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
 
     def _ctx(self):
+        stack = contextlib.ExitStack()
         if self.loss_parallel:
             from torch.distributed.tensor.parallel import loss_parallel
-            return loss_parallel()
-        return contextlib.nullcontext()
+            stack.enter_context(loss_parallel())
+        if self.torch_cp:  # GPU only: torch's ring SDPA on sequences we already sharded
+            from torch.distributed.tensor.experimental import context_parallel
+            stack.enter_context(context_parallel(self.mesh["cp"], buffers=[],
+                                                 buffer_seq_dims=[]))
+        return stack
 
     def _shard_sequence(self, x: torch.Tensor) -> torch.Tensor:
         if self.cp == 1:

@@ -1,0 +1,38 @@
+"""Layouts that cannot run get one clear error naming the field and what would be valid."""
+
+import pytest
+
+from myria import config
+from myria.errors import ConfigError
+from myria.train.engine import check_layout
+
+
+@pytest.mark.parametrize("overrides,world,needle", [
+    (["--parallel.tp=3", "--model.heads=8"], 3, "parallel.tp = 3 must divide model.heads"),
+    (["--parallel.cp=4", "--model.seq_len=100"], 4, "divisible by 2 x parallel.cp = 8"),
+    (["--parallel.ep=2"], 2, "needs a mixture-of-experts model"),
+    (["--parallel.ep=4", "--model.experts=4", "--training.global_batch=2",
+      "--training.micro_batch=1"], 2, "must divide the data-parallel ranks (2)"),
+    (["--parallel.tp=2", "--training.data_parallel=ddp"], 4, "pure data parallelism"),
+    (["--parallel.cp=2", "--parallel.cp_impl=torch"], 2, "needs CUDA"),
+    (["--parallel.pp=2", "--parallel.vpp=2", "--parallel.schedule=1f1b"], 2, "vpp"),
+    (["--parallel.pp=2", "--parallel.vpp=3", "--parallel.schedule=zbv",
+      "--model.layers=6"], 2, "exactly two stages per rank"),
+    (["--parallel.pp=4", "--model.layers=2"], 4, "cannot fill pp x vpp = 4"),
+    (["--parallel.pp=2", "--parallel.vpp=2", "--parallel.schedule=interleaved-1f1b",
+      "--training.global_batch=3", "--training.micro_batch=1", "--model.layers=4"], 2,
+     "multiple of parallel.pp = 2"),
+    (["--parallel.tp=2", "--model.tie_embeddings=true"], 2, "tie_embeddings"),
+])
+def test_layout_errors(overrides, world, needle):
+    with pytest.raises(ConfigError, match=None) as e:
+        cfg = config.load(None, overrides)
+        check_layout(cfg, config.resolve_layout(cfg, world))
+    assert needle in str(e.value)
+
+
+def test_valid_layouts_pass():
+    for o, w in [(["--parallel.tp=2", "--parallel.pp=2"], 8), (["--parallel.cp=2"], 4),
+                 (["--model.experts=4", "--parallel.ep=2"], 4)]:
+        cfg = config.load(None, [*o, "--model.layers=4"])
+        check_layout(cfg, config.resolve_layout(cfg, w))
