@@ -58,9 +58,19 @@ def assert_close(got, ref):
         assert abs(got[s] - ref[s]) <= 1e-4 * abs(ref[s]), (s, got[s], ref[s])
 
 
+# ranks that read token files: one per tp x cp group (MegaScale's redundant-loader removal)
+READERS = {"dp2xtp2": {0, 2}, "cp2": {0}, "cp2xdp2": {0, 2}, "tp2xpp2": {0, 2},
+           "hsdp2x2": {0, 1, 2, 3}}
+
+
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_layout_matches_single_process(name, refs, tmp_path, tiny_data):
     assert_close(run(tmp_path, tiny_data, name, LAYOUTS[name], 4), refs["plain"])
+    if name in READERS:
+        import json
+        reads = {r: json.loads((tmp_path / name / "stats" / f"data_rank{r:05d}.json")
+                               .read_text())["samples_read"] for r in range(4)}
+        assert {r for r, n in reads.items() if n > 0} == READERS[name], reads
 
 
 @pytest.mark.parametrize("name", list(WINDOWED))

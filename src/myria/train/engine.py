@@ -113,6 +113,12 @@ class Engine:
         check_layout(cfg, layout, device.type)
         self.cp_rank, self.pp_rank = sub_rank(mesh, "cp"), sub_rank(mesh, "pp")
         self.loss_group = loss_group(mesh)
+        # ranks that train on the same sequences: one of them reads, the others receive
+        inner = tuple(n for n in ("cp", "tp") if sub_size(mesh, n) > 1)
+        self.data_group = None
+        if inner:
+            sub = mesh[inner] if len(inner) > 1 else mesh[inner[0]]
+            self.data_group = (sub._flatten("cp_tp") if sub.ndim > 1 else sub).get_group()
         self.pp_group = mesh["pp"].get_group() if self.pp > 1 else None
         self.loss_parallel = self.tp > 1 and p.loss_parallel
         self.torch_cp = self.cp > 1 and p.cp_impl == "torch"

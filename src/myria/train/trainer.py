@@ -24,10 +24,10 @@ import torch
 from myria import config as config_mod
 from myria.config import Config
 from myria.data.dataset import TokenDataset
-from myria.data.loader import BatchLoader
 from myria.errors import ConfigError
 from myria.faults import FaultInjector
 from myria.models.flops import model_flops_per_token
+from myria.parallel.data import make_loader, write_read_counts
 from myria.parallel.mesh import build_mesh
 from myria.train import distributed, heartbeat
 from myria.train.checkpoint import CheckpointManager, atomic_write
@@ -85,7 +85,6 @@ def _train(cfg: Config, run_dir: Path, env, stop_after: int | None,
 
     # -- model, optimizer, schedule for this layout ------------------------------------------
     engine = Engine(cfg, mesh, env.device)
-    dp_rank, dp_size = engine.dp_rank, engine.dp_size
 
     # -- resume ----------------------------------------------------------------------------
     hb.phase("resume")
@@ -106,8 +105,7 @@ def _train(cfg: Config, run_dir: Path, env, stop_after: int | None,
     hb.resumed(start_step)
     write_checkpoint_stats(run_dir, env.rank, ckpt, latest)
     stop = StopRequest(t.init_timeout_s)
-    loader = BatchLoader(dataset, t.global_batch, t.micro_batch, dp_rank, dp_size, t.seed,
-                         start_step=start_step, prefetch=cfg.data.prefetch, device=env.device)
+    loader = make_loader(engine, dataset, cfg, start_step)  # one reader per tp x cp group
 
     # -- meters ----------------------------------------------------------------------------
     from myria.device import local_peak_tflops
@@ -193,6 +191,7 @@ def _train(cfg: Config, run_dir: Path, env, stop_after: int | None,
         stop.restore()
         write_checkpoint_stats(run_dir, env.rank, ckpt, latest)
         loader.close()
+        write_read_counts(run_dir, env.rank, loader)
         metrics.close()
 
 
