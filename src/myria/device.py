@@ -64,12 +64,17 @@ def cuda_device_spec(index: int = 0) -> DeviceSpec | None:
     return None
 
 
+def cache_dir() -> Path:
+    """Where measured machine figures are cached: $MYRIA_CACHE or ~/.cache/myria."""
+    return Path(os.environ.get("MYRIA_CACHE", Path.home() / ".cache" / "myria"))
+
+
 def _cache_path() -> Path:
-    root = Path(os.environ.get("MYRIA_CACHE", Path.home() / ".cache" / "myria"))
-    return root / "cpu_peak.json"
+    return cache_dir() / "cpu_peak.json"
 
 
-def _cpu_key(threads: int) -> str:
+def cpu_key(threads: int) -> str:
+    """Cache key of a CPU figure: processor model, threads and torch version."""
     import torch
 
     model = platform.processor() or platform.machine()
@@ -117,7 +122,7 @@ def cpu_device_spec(threads: int | None = None, refresh: bool = False) -> Device
     import torch
 
     threads = threads or torch.get_num_threads()
-    path, key = _cache_path(), _cpu_key(threads)
+    path, key = _cache_path(), cpu_key(threads)
     cache: dict = {}
     if path.exists():
         try:

@@ -12,6 +12,7 @@ import torch
 from myria.config import ModelConfig, OptimizerConfig
 from myria.models.transformer import build_model
 from myria.optim import Lamb, build_optimizer, no_decay, param_groups
+from tests.dist import init, spawn
 
 SHAPES = [(4, 3), (5,), (2, 3, 2), (3, 3), (2, 2)]
 
@@ -144,7 +145,7 @@ def _dtensor_worker(rank: int, world: int, port: int, out_dir: str) -> None:
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
     torch.set_num_threads(1)
-    _init(rank, world, port)
+    init(rank, world, port)
     try:
         mesh = init_device_mesh("cpu", (world,))
         init, grads = _problem(steps=4, seed=1)
@@ -169,30 +170,12 @@ def _dtensor_worker(rank: int, world: int, port: int, out_dir: str) -> None:
         dist.destroy_process_group()
 
 
-def _spawn(fn, world: int, out_dir: str) -> None:
-    """Run fn(rank, world, port, out_dir) on `world` spawned processes.
-
-    This process hosts the rendezvous store on a free port (bound to port 0 by the store
-    itself), so no other program can take the port between choosing and binding it.
-    """
-    import torch.distributed as dist
-    import torch.multiprocessing as mp
-
-    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-    mp.spawn(fn, args=(world, store.port, out_dir), nprocs=world)
-
-
-def _init(rank: int, world: int, port: int) -> None:
-    import torch.distributed as dist
-
-    store = dist.TCPStore("127.0.0.1", port, is_master=False)
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
 
 
 @pytest.mark.slow
 def test_lamb_dtensor_matches_plain(tmp_path):
     world = 2
-    _spawn(_dtensor_worker, world, str(tmp_path))
+    spawn(_dtensor_worker, world, str(tmp_path))
     for r in range(world):
         err = json.loads((tmp_path / f"rank{r}.json").read_text())["err"]
         assert err < 1e-12, f"rank {r}: DTensor LAMB differs from plain by {err}"

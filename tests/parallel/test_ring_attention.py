@@ -28,6 +28,7 @@ from myria.parallel.context import (
     swap_core_attention,
     unshard_sequence,
 )
+from tests.dist import init, spawn
 
 CHUNK = 4  # tokens per chunk; the sequence is 2 * cp * CHUNK long (cp * CHUNK unbalanced)
 
@@ -161,24 +162,6 @@ def test_swap_core_attention():
 
 # -- multi-process (gloo) -----------------------------------------------------------------------
 
-def _spawn(fn, world: int, out_dir: str) -> None:
-    """Run fn(rank, world, port, out_dir) on `world` spawned processes.
-
-    This process hosts the rendezvous store on a free port (bound to port 0 by the store
-    itself), so no other program can take the port between choosing and binding it.
-    """
-    import torch.distributed as dist
-    import torch.multiprocessing as mp
-
-    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-    mp.spawn(fn, args=(world, store.port, out_dir), nprocs=world)
-
-
-def _init(rank: int, world: int, port: int) -> None:
-    import torch.distributed as dist
-
-    store = dist.TCPStore("127.0.0.1", port, is_master=False)
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
 
 
 def _model_case(group, rank, size):
@@ -217,7 +200,7 @@ def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
     import torch.distributed as dist
 
     torch.set_num_threads(1)
-    _init(rank, world, port)
+    init(rank, world, port)
     try:
         results = {}
         group = dist.group.WORLD
@@ -240,7 +223,7 @@ def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
 def ring_results(request, tmp_path_factory):
     world = request.param
     out = tmp_path_factory.mktemp(f"ring{world}")
-    _spawn(_worker, world, str(out))
+    spawn(_worker, world, str(out))
     return world, [json.loads((out / f"rank{r}.json").read_text()) for r in range(world)]
 
 

@@ -444,27 +444,16 @@ def _throughput_check(name: str, rank: int | None, measured: float, expected: fl
 
 
 def _baseline_path() -> Path:
-    root = Path(os.environ.get("MYRIA_CACHE", Path.home() / ".cache" / "myria"))
-    return root / "doctor_baseline.json"
+    from myria.device import cache_dir
 
-
-def _cpu_host_key(threads: int) -> str:
-    import torch
-
-    model = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                model = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return f"{model}|threads={threads}|torch={torch.__version__}"
+    return cache_dir() / "doctor_baseline.json"
 
 
 def _cached_baseline(name: str, threads: int, measure: Any, refresh: bool) -> tuple[float, str]:
     """A CPU figure measured once and cached under $MYRIA_CACHE/doctor_baseline.json."""
-    path, key = _baseline_path(), _cpu_host_key(threads)
+    from myria.device import cpu_key
+
+    path, key = _baseline_path(), cpu_key(threads)
     cache: dict[str, Any] = {}
     try:
         cache = json.loads(path.read_text())
@@ -1176,7 +1165,9 @@ def _parse_expect(items: Sequence[str]) -> dict[str, float]:
 
 
 def default_report_path(host: str) -> Path:
-    root = Path(os.environ.get("MYRIA_CACHE", Path.home() / ".cache" / "myria"))
+    from myria.device import cache_dir
+
+    root = cache_dir()
     stamp = _dt.datetime.now().strftime("%Y%m%d-%H%M%S")
     return root / "doctor" / f"{host}-{stamp}.json"
 

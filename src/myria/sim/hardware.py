@@ -9,7 +9,6 @@ offload, the latency terms of the alpha-beta model, and a measured memory bandwi
 from __future__ import annotations
 
 import json
-import os
 import platform
 import time
 from dataclasses import dataclass
@@ -99,7 +98,9 @@ class Hardware:
 
 # -- CPU memory bandwidth, measured once and cached --------------------------------------------
 def _cache_path() -> Path:
-    root = Path(os.environ.get("MYRIA_CACHE", Path.home() / ".cache" / "myria"))
+    from myria.device import cache_dir
+
+    root = cache_dir()
     return root / "cpu_membw.json"
 
 
