@@ -12,7 +12,8 @@ import torch
 from myria.config import ModelConfig, OptimizerConfig
 from myria.models.transformer import build_model
 from myria.optim import Lamb, build_optimizer, no_decay, param_groups
-from tests.dist import init, spawn
+from tests.dist import init as init_group
+from tests.dist import spawn
 
 SHAPES = [(4, 3), (5,), (2, 3, 2), (3, 3), (2, 2)]
 
@@ -145,7 +146,7 @@ def _dtensor_worker(rank: int, world: int, port: int, out_dir: str) -> None:
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
     torch.set_num_threads(1)
-    init(rank, world, port)
+    init_group(rank, world, port)
     try:
         mesh = init_device_mesh("cpu", (world,))
         init, grads = _problem(steps=4, seed=1)
