@@ -181,6 +181,7 @@ def main() -> None:
     out = {
         "date": DATE, "machine": MACHINE, "host": platform.node(),
         "command": "python bench/checkpoint.py " + " ".join(sys.argv[1:]),
+        "load_average": os.getloadavg(),
         "state_bytes": nbytes, "tensors": len(tensors), "median_step_s": step_s,
         "rounds": res, "median": med,
         "targets": {
@@ -206,7 +207,8 @@ def main() -> None:
     t = out["targets"]
     text = f"""## Checkpoint stall (bench/checkpoint.py)
 
-Command: `{out['command']}` — {DATE}, {MACHINE}. One process; state = model + AdamW moments
+Command: `{out['command']}` — {DATE}, {MACHINE} (load average at the end
+{out['load_average'][0]:.1f}). One process; state = model + AdamW moments
 of a {sum(p.numel() for p in engine.model.parameters()) / 1e6:.1f} M-parameter model,
 {nbytes / 1e6:.0f} MB in {len(tensors)} tensors; {args.repeats} interleaved rounds; median
 un-checkpointed step {step_s:.2f} s.

@@ -139,6 +139,7 @@ def main() -> None:
     extrapolated = between / (between + recover + redo)
     out = {"date": DATE, "machine": MACHINE, "host": platform.node(),
            "command": "python bench/faults.py " + " ".join(sys.argv[1:]),
+           "load_average": os.getloadavg(),
            "heartbeat_s": hb, "missed_heartbeats": 3, "cases": results,
            "killed_with_diagnostics": with_diag,
            "ettr_extrapolated_llama3_rate": extrapolated,
@@ -160,7 +161,8 @@ def main() -> None:
                 f"{d['restart_to_first_step']:.2f} | {d['fault_to_first_step']:.2f} |")
     text = f"""## Fault detection and recovery (bench/faults.py)
 
-Command: `{out['command']}` — {DATE}, {MACHINE}. 2 ranks (gloo), the tests' tiny model, heartbeat
+Command: `{out['command']}` — {DATE}, {MACHINE} (load average at the end
+{out['load_average'][0]:.1f}). 2 ranks (gloo), the tests' tiny model, heartbeat
 every {hb:g} s, missed-heartbeat limit 3 periods, back-off 0.5 s; medians of {args.repeats}
 run(s) per case; times in seconds from the instant the fault hook fired.
 

@@ -230,9 +230,10 @@ class ResilienceConfig:
                                         "communicators and ends the process on a collective "
                                         "error or timeout, so the supervisor restarts it",
                                         min=0)
-    nccl_trace_buffer: int = _f(2000, "TORCH_FR_BUFFER_SIZE (was TORCH_NCCL_TRACE_BUFFER_SIZE): "
-                                "collectives kept by the flight recorder, dumped on a NCCL "
-                                "timeout to name the hung collective; 0 disables", min=0)
+    nccl_trace_buffer: int = _f(20000, "TORCH_FR_BUFFER_SIZE (was TORCH_NCCL_TRACE_BUFFER_SIZE):"
+                                " collectives kept by the flight recorder (torchtitan's default),"
+                                " dumped on a NCCL timeout to name the hung collective; 0 "
+                                "disables", min=0)
 
 
 @dataclass

@@ -4,9 +4,9 @@
     # several hosts: the same command on each, plus
     #   --nnodes 4 --rdzv-endpoint HOST0:29400 --rdzv-id JOB
 
-The supervisor is MegaScale's driver (§4.1) built on torch elastic's agent API (the agent behind
-torchrun): a `LocalElasticAgent` subclass starts this host's workers (`myria train` processes),
-and its monitor loop also
+The supervisor is MegaScale's robust-training driver, built on torch elastic's agent API (the
+agent behind torchrun): a `LocalElasticAgent` subclass starts this host's workers (`myria train`
+processes), and its monitor loop also
 
 - reads every worker's heartbeat (a TCPStore the supervisor serves on 127.0.0.1, or Redis) and
   scans the workers' stderr for alarm keywords (`myria.resilience.watch`);

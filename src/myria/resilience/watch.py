@@ -9,8 +9,8 @@ It returns `Detection`s, each with the evidence a person needs to believe it:
 - `no-heartbeat`: a worker never reported within the start-up timeout;
 - `hang`: heartbeats arrive but neither the step nor the phase moved for `hang_timeout_s`; the
   evidence names the collective and phase of each rank and which ranks are still inside a
-  collective: the others are the suspects (MegaScale §4.2; Llama 3 §3.3.4 finds the stuck rank
-  the same way, from the ranks that did not reach the collective);
+  collective: the others are the suspects (Llama 3 §3.3.4 also finds a stuck rank from the
+  ranks that did not reach the collective);
 - `traffic-stopped`: a rank that communicated before has moved no bytes for `traffic_timeout_s`
   while training (MegaScale watches RDMA traffic for the same reason);
 - `alarm`: a keyword (Traceback, CUDA error, NCCL error, out of memory) in a worker's stderr.
@@ -29,7 +29,8 @@ from typing import Any
 
 # Phases in which a rank is not expected to make progress on its own.
 FINISHED = ("done", "stopped", "exit", "failed")
-STARTUP = ("init", "resume")
+# Phases that may legitimately last long: judged against the start-up timeout.
+STARTUP = ("init", "resume", "checkpoint-flush")
 # Exception text that is a consequence of another rank failing, not a cause.
 SECONDARY = ("Connection closed by peer", "Connection reset by peer", "Broken pipe",
              "connection was closed", "Socket Timeout", "Timed out waiting",

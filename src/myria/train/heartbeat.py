@@ -5,7 +5,7 @@ rank, host, pid, attempt, step, phase (data, forward-backward, grad-clip, optimi
 eval, checkpoint, ...), the collective it is in or last issued, tokens/s, bytes communicated
 in the last step and in total, and memory in use. The supervisor reads these to tell a dead or
 frozen process (no heartbeat), a hang (heartbeats but no progress) and a silent rank (traffic
-stopped) apart, as MegaScale's driver does with its executors' heartbeats (§4.1-4.2).
+stopped) apart, as MegaScale's driver does with its executors' heartbeats.
 
 The store is a TCPStore served by the supervisor on 127.0.0.1 (default) or a Redis server
 (MegaScale moved its heartbeats to Redis); the supervisor passes its address in the environment:
