@@ -477,9 +477,15 @@ class Supervisor:
 
         def order(r):
             f = failures[r]
-            # SIGTERM came from the agent stopping the others; peer errors are consequences
-            killed = f.exitcode < 0 and f.exitcode != -signal.SIGTERM
-            return (0 if killed else 1, 1 if self.watch.is_secondary(r) else 0, f.timestamp, r)
+            # SIGTERM came from the agent stopping the others, peer errors are consequences:
+            # killed by another signal < failed by itself < failed because of a peer < SIGTERM
+            if f.exitcode == -signal.SIGTERM:
+                rank_of = 3
+            elif f.exitcode < 0:
+                rank_of = 0
+            else:
+                rank_of = 2 if self.watch.is_secondary(r) else 1
+            return (rank_of, f.timestamp, r)
 
         ranks.sort(key=order)
         culprit = ranks[0]

@@ -29,6 +29,7 @@ def inside_launcher() -> bool:
 
 def launch_local(nproc: int, argv: list[str], max_restarts: int = 0) -> None:
     """Run `python -m myria *argv` as `nproc` ranks on this host; raise LaunchError on failure."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
@@ -48,6 +49,9 @@ def launch_local(nproc: int, argv: list[str], max_restarts: int = 0) -> None:
     )
     try:
         elastic_launch(config, entrypoint=sys.executable)("-m", "myria", *argv)
+    except SignalException as e:  # the agent forwarded it; workers saved at their next step
+        raise LaunchError(f"stopped by {e.sigval.name}: the workers were asked to save a "
+                          "checkpoint and exit; run the same command to resume") from None
     except ChildFailedError as e:
         first = min(e.failures)
         f = e.failures[first]
