@@ -135,7 +135,24 @@ def build_schedule(parts: list[nn.Module], ids: list[int], n_stages: int, schedu
     return cls(stages, n_microbatches=n_microbatches, loss_fn=loss_fn)
 
 
-def bubble_fraction(pp: int, vpp: int, n_microbatches: int, schedule: str) -> float:
-    """Theoretical idle fraction of a rank: (p-1)/(v m) for (interleaved) 1F1B and GPipe."""
+def bubble_fraction(pp: int, vpp: int, n_microbatches: int, schedule: str,
+                    relative_to: str = "step") -> float:
+    """Theoretical idle share of a rank, for equal stages and backward = 2 x forward.
+
+    The bubble, in units of one microbatch's compute on a rank (forward + backward of all its
+    chunks), is b = (p-1)/v for GPipe, 1F1B and interleaved 1F1B (v = 1 for the first two), and
+    b = (p-1)/(3v) for the zero-bubble schedules, whose weight-gradient half of the backward (W)
+    fills the warm-up and cool-down (ZB-H1: (p-1)(F + B - W) per chunk with F = B = W; ZBV
+    reaches it once n_microbatches >= 2p). `relative_to="compute"` returns b/m, Narayanan et
+    al.'s bubble ratio (p-1)/(v m) (bubble time over ideal compute time); the default "step"
+    returns b/(m+b), the idle fraction of the step.
+    """
     v = vpp if schedule not in SINGLE_STAGE else 1
-    return (pp - 1) / (v * n_microbatches + pp - 1)
+    b = (pp - 1) / v
+    if schedule in ("zero-bubble", "zbv"):
+        b /= 3
+    if relative_to == "compute":
+        return b / n_microbatches
+    if relative_to != "step":
+        raise ValueError(f"relative_to must be 'step' or 'compute', got {relative_to!r}")
+    return b / (n_microbatches + b)
