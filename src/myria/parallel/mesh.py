@@ -31,9 +31,6 @@ def build_mesh(layout: dict[str, int], device_type: str, cluster=None) -> Device
 
         grid = place(layout, cluster).reshape([s for _, s in dims])
         mesh = DeviceMesh(device_type, torch.as_tensor(grid), mesh_dim_names=names)
-    dp_names = tuple(n for n in ("dp_replicate", "dp_shard") if n in names)
-    if len(dp_names) == 2:
-        mesh[dp_names]._flatten("dp")
     return mesh
 
 
