@@ -64,11 +64,11 @@ def plain_loop(cfg, steps: int, warmup: int, full_logits: bool) -> float:
             else:
                 loss = model(x, y)
             (loss / b.inputs.shape[0]).backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), t.grad_clip)
+        torch.nn.utils.clip_grad_norm_(model.parameters(), t.grad_clip, foreach=True)
         opt.step()
         opt.zero_grad(set_to_none=True)
         sched.step()
-        float(loss)
+        float(loss.detach())
         times.append(time.perf_counter() - t0)
     loader.close()
     tokens = t.global_batch * cfg.model.seq_len
@@ -110,10 +110,13 @@ def main() -> int:
     fpt = {"plain": model_flops_per_token(cfg.model), "myria": model_flops_per_token(cfg.model),
            "nanogpt": model_flops_per_token(gpt.model)}
     runs: dict[str, list[float]] = {"plain": [], "myria": [], "nanogpt": []}
+    loops = {"plain": lambda: plain_loop(cfg, args.steps, args.warmup, full_logits=False),
+             "myria": lambda: myria_loop(cfg, args.steps, args.warmup),
+             "nanogpt": lambda: plain_loop(gpt, args.steps, args.warmup, full_logits=True)}
+    names = list(loops)
     for r in range(args.rounds):
-        runs["plain"].append(plain_loop(cfg, args.steps, args.warmup, full_logits=False))
-        runs["myria"].append(myria_loop(cfg, args.steps, args.warmup))
-        runs["nanogpt"].append(plain_loop(gpt, args.steps, args.warmup, full_logits=True))
+        for name in names[r % 3:] + names[:r % 3]:  # rotate the order: no loop always first
+            runs[name].append(loops[name]())
         print(f"round {r + 1}: " + ", ".join(f"{k} {v[-1]:,.0f} tok/s" for k, v in runs.items()),
               flush=True)
     peak_end = measure_matmul_tflops(n=1024, seconds=2.0, threads=threads)
