@@ -121,7 +121,8 @@ def main() -> None:
               flush=True)
 
     def median_run(rs: list[dict]) -> dict:
-        return sorted(rs, key=lambda r: r["effective_training_time_ratio"])[len(rs) // 2]
+        # the median; of an even number, the lower middle (the conservative one)
+        return sorted(rs, key=lambda r: r["effective_training_time_ratio"])[(len(rs) - 1) // 2]
 
     clean, faulty = median_run(runs["clean"]), median_run(runs["faulty"])
     import shutil
