@@ -34,6 +34,16 @@ class Group:
     inter: float           # per-rank network rate for ring traffic, after the fabric factor
     inter_a2a: float       # per-rank network rate under all-to-all traffic
     inter_p2p: float       # per-rank network rate under pipeline (p2p) traffic
+    measured: tuple = ()   # CPU: ((op, alpha_s, bandwidth), ...) of gloo among local processes
+
+    def fit(self, op: str) -> tuple[float, float] | None:
+        """Measured (alpha, bandwidth) of `op` inside one host, if any."""
+        if self.k > 1:
+            return None
+        for name, alpha, bw in self.measured:
+            if name == op:
+                return alpha, bw
+        return None
 
     @property
     def ring_busbw(self) -> float:
@@ -61,8 +71,10 @@ def make_group(hw: Hardware, size: int, stride: int) -> Group:
         f_ring = pattern_factor(hw.fabric, "ring", size, stride).factor
         f_a2a = pattern_factor(hw.fabric, "a2a", size, stride).factor
         f_p2p = pattern_factor(hw.fabric, "p2p", size, stride).factor
+    measured = hw.cpu.gloo if hw.cpu is not None else ()
     return Group(n=size, g=g, k=k, intra_busbw=hw.intra_busbw, intra_p2p=hw.intra_p2p,
-                 inter=nic * f_ring, inter_a2a=nic * f_a2a, inter_p2p=nic * f_p2p)
+                 inter=nic * f_ring, inter_a2a=nic * f_a2a, inter_p2p=nic * f_p2p,
+                 measured=measured)
 
 
 def _alpha(grp: Group) -> float:
@@ -74,6 +86,9 @@ def allreduce(size: float, grp: Group) -> tuple[float, str]:
     n = grp.n
     if n <= 1 or size <= 0:
         return 0.0, "none"
+    fit = grp.fit("all_reduce")
+    if fit:
+        return fit[0] + 2 * (n - 1) / n * size / fit[1], "gloo"
     bw = grp.ring_busbw
     options = {"ring": 2 * (n - 1) / n * size / bw + ALPHA_BASE_S + 2 * (n - 1) * _alpha(grp)}
     if grp.k > 1:
@@ -96,18 +111,21 @@ def allreduce(size: float, grp: Group) -> tuple[float, str]:
 
 def reduce_scatter(size: float, grp: Group) -> tuple[float, str]:
     """Time of a reduce-scatter whose input is `size` bytes per rank (ring or hierarchical)."""
-    return _half(size, grp)
+    return _half(size, grp, "reduce_scatter")
 
 
 def all_gather(size: float, grp: Group) -> tuple[float, str]:
     """Time of an all-gather whose output is `size` bytes per rank (ring or hierarchical)."""
-    return _half(size, grp)
+    return _half(size, grp, "all_gather")
 
 
-def _half(size: float, grp: Group) -> tuple[float, str]:
+def _half(size: float, grp: Group, op: str = "") -> tuple[float, str]:
     n = grp.n
     if n <= 1 or size <= 0:
         return 0.0, "none"
+    fit = grp.fit(op)
+    if fit:
+        return fit[0] + (n - 1) / n * size / fit[1], "gloo"
     options = {"ring": (n - 1) / n * size / grp.ring_busbw + ALPHA_BASE_S
                + (n - 1) * _alpha(grp)}
     if grp.k > 1 and grp.g > 1:
@@ -134,6 +152,9 @@ def p2p(size: float, grp: Group) -> tuple[float, str]:
     """Time of one send/receive of `size` bytes between neighbours of the group."""
     if size <= 0:
         return 0.0, "none"
+    fit = grp.fit("p2p")
+    if fit:
+        return fit[0] + size / fit[1], "gloo"
     if grp.k <= 1:
         return size / grp.intra_p2p + ALPHA_BASE_S, "nvlink"
     return size / grp.inter_p2p + ALPHA_BASE_S, "network"

@@ -8,16 +8,21 @@ offload, the latency terms of the alpha-beta model, and a measured memory bandwi
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import platform
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from myria.device import DeviceSpec, cpu_device_spec, lookup
 from myria.errors import ConfigError
 from myria.sim.runspec import ClusterSpec
 from myria.sim.topology import Fabric
+
+if TYPE_CHECKING:
+    from myria.sim.cpu import CpuProfile
 
 # Achieved all-reduce bus bandwidth inside one 8-GPU server (ring over NVLink/NVSwitch,
 # nccl-tests convention busbw = algbw * 2(n-1)/n). DGX A100 ~230 GB/s, DGX H100 ~370 GB/s
@@ -86,6 +91,7 @@ class Hardware:
     intra_p2p: float           # achieved one-direction bandwidth between two GPUs of a server
     server: ServerSpec
     fabric: Fabric
+    cpu: CpuProfile | None = None   # measured CPU figures (myria.sim.cpu), "cpu" device only
 
     @property
     def nodes(self) -> int:
@@ -161,12 +167,14 @@ def device_spec(name: str, cluster: ClusterSpec | None = None) -> DeviceSpec:
     if name.lower() == "cpu":
         peak = cluster.peak_tflops if cluster and cluster.peak_tflops else 0.0
         bw = cluster.memory_bw_gbs if cluster and cluster.memory_bw_gbs else 0.0
+        source = "described"
         if not peak:
-            peak = cpu_device_spec().peak_fp32_tflops
+            here = cpu_device_spec()
+            peak, source = here.peak_fp32_tflops, here.source
         if not bw:
             bw = cpu_memory_bandwidth()
         mem = cluster.memory_gb if cluster and cluster.memory_gb else _host_memory_gb()
-        return DeviceSpec("cpu", peak, peak, mem, bw, 0.0, source="measured")
+        return DeviceSpec("cpu", peak, peak, mem, bw, 0.0, source=source)
     spec = lookup(name)
     if spec is None:
         import difflib
@@ -180,11 +188,26 @@ def device_spec(name: str, cluster: ClusterSpec | None = None) -> DeviceSpec:
 
 
 def build_hardware(cluster: ClusterSpec, precision: str = "bf16",
-                   spec: DeviceSpec | None = None) -> Hardware:
-    """Resolve a run's [cluster] section (with documented defaults) into a Hardware."""
+                   spec: DeviceSpec | None = None, cpu: CpuProfile | None = None) -> Hardware:
+    """Resolve a run's [cluster] section (with documented defaults) into a Hardware.
+
+    For a "cpu" measured here (no peak or bandwidth given in the run) the cached profile of
+    `myria.sim.cpu` at the trainer's threads per process (cores / processes per node) is used
+    when there is one, or `cpu` when given: its GEMM/SDPA rates, its elementwise bandwidth as the
+    memory bandwidth, and its gloo figures for the collectives between the local processes.
+    """
     spec = spec or device_spec(cluster.gpu, cluster)
     is_cpu = spec.name == "cpu"
-    measured = spec.source.startswith("measured")
+    if is_cpu and cpu is None and not cluster.peak_tflops and not cluster.memory_bw_gbs:
+        from myria.sim import cpu as cpu_mod
+
+        gpn0 = min(cluster.gpus_per_node, cluster.gpus)
+        cpu = cpu_mod.load_profile(cpu_mod.default_threads(gpn0), gpn0)
+    if not is_cpu:
+        cpu = None
+    if cpu is not None:
+        cluster = dataclasses.replace(cluster, memory_bw_gbs=cpu.elementwise_bw / 1e9)
+    measured = spec.source.startswith("measured") or is_cpu   # a CPU peak is an achieved one
     if precision == "fp32":
         peak = spec.peak_fp32_tflops
     else:
@@ -207,8 +230,11 @@ def build_hardware(cluster: ClusterSpec, precision: str = "bf16",
     nic_bw = nic_gbps / 8 * nic_efficiency(nic_gbps) * 1e9
     if cluster.intra_node_gbs:
         intra = cluster.intra_node_gbs
+    elif is_cpu and cpu is not None and cpu.gloo_fit("all_reduce"):
+        # gloo between local processes, measured (collectives.py also takes its alpha terms)
+        intra = cpu.gloo_fit("all_reduce")[1] / 1e9
     elif is_cpu:
-        # Placeholder until the CPU self-check calibrates gloo: a quarter of the copy bandwidth.
+        # Not measured (no gloo figures cached): a quarter of the copy bandwidth.
         intra = mem_bw / 4
     else:
         intra = INTRA_NODE_BUSBW_GBS.get(spec.name, NVLINK_RING_EFFICIENCY * spec.nvlink_gbs)
@@ -223,4 +249,4 @@ def build_hardware(cluster: ClusterSpec, precision: str = "bf16",
                     memory_bytes=memory * 1e9, measured=measured, gpus=cluster.gpus,
                     gpus_per_node=gpn, nics_per_node=nics, nic_gbps=nic_gbps, nic_bw=nic_bw,
                     intra_busbw=intra * 1e9, intra_p2p=intra_p2p * 1e9,
-                    server=SERVERS["hopper" if hopper else "ampere"], fabric=fabric)
+                    server=SERVERS["hopper" if hopper else "ampere"], fabric=fabric, cpu=cpu)

@@ -20,6 +20,7 @@ and, being block-sparse over the causal mask, does only the unmasked half of the
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -41,6 +42,9 @@ class Efficiency:
     half_dim: float = 32.0        # GEMM_HALF_DIM (prior): a dimension at half efficiency
     mem: float = 0.85             # E_MEM (prior): achievable fraction of HBM bandwidth
     kernel_overhead_s: float = 3e-6   # KERNEL_OVERHEAD (prior): launch gap per kernel
+    # Measured devices only (the CPU, `myria.sim.cpu`): achieved FLOP/s of GEMMs and attention
+    # kernels by shape, ((key, FLOP/s), ...) with the keys of `rate_key`. Empty: roofline above.
+    rates: tuple = ()
 
 
 DEFAULT_EFFICIENCY = Efficiency()
@@ -67,6 +71,11 @@ class Op:
     category: str = ""         # gemm | attention | memory | tp | cp | ep (for breakdowns)
     time: float = 0.0
     bound: str = ""
+    layout: str = ""           # measured rates: nt | nn | tn | tna (GEMM), attn-fwd | attn-bwd,
+                               # eltwise | head (eager memory-bound kernels of blocks / the
+                               # embedding, final norm and loss)
+    kernels: int = 1           # kernels (launches / eager dispatches) this op stands for
+    gqa: int = 1               # query heads per key/value head (attention ops)
 
     @property
     def intensity(self) -> float:
@@ -100,6 +109,8 @@ class LayerShape:
     dropout: float = 0.0
     act_bytes: int = 2
     fp8: bool = False
+    eager: bool = False        # myria's eager PyTorch modules (the CPU self-check), see below
+    ce_chunk: int = 0          # eager: rows per chunk of the fused linear+cross-entropy; 0: plain
 
     @property
     def head_dim(self) -> int:
@@ -116,7 +127,8 @@ class LayerShape:
 
 def layer_shape(cfg: ModelConfig, micro_batch: int, *, tp: int = 1, cp: int = 1, ep: int = 1,
                 sp: bool = False, flash: bool = False, fused: bool = True, dropout: float = 0.0,
-                act_bytes: int = 2, fp8: bool = False) -> LayerShape:
+                act_bytes: int = 2, fp8: bool = False, eager: bool = False,
+                ce_chunk: int = 0) -> LayerShape:
     """The LayerShape of a ModelConfig under a parallel layout and kernel choices."""
     return LayerShape(arch=cfg.arch, hidden=cfg.hidden, heads=cfg.heads, kv_heads=cfg.n_kv_heads,
                       ffn=cfg.ffn_dim, vocab=cfg.vocab_size, seq_len=cfg.seq_len,
@@ -124,7 +136,7 @@ def layer_shape(cfg: ModelConfig, micro_batch: int, *, tp: int = 1, cp: int = 1,
                       capacity_factor=cfg.capacity_factor, parallel_block=cfg.parallel_block,
                       layers=cfg.layers, micro_batch=micro_batch, tp=tp, cp=cp, ep=ep,
                       sp=sp and tp > 1, flash=flash, fused=fused, dropout=dropout,
-                      act_bytes=act_bytes, fp8=fp8)
+                      act_bytes=act_bytes, fp8=fp8, eager=eager, ce_chunk=ce_chunk)
 
 
 def _per_layer_flops(shape: LayerShape) -> tuple[ForwardFlops, ForwardFlops]:
@@ -179,6 +191,8 @@ def layer_ops(shape: LayerShape) -> list[Op]:
     attention are split over tp ranks; norms, dropout and residual adds are replicated over the
     tp ranks unless sequence parallelism shards them (Korthikanti et al. 2022, section 4.2.2).
     """
+    if eager_supported(shape):
+        return eager_layer_ops(shape)
     e, tp, h = shape.act_bytes, shape.tp, shape.hidden
     T = shape.micro_batch * shape.seq_len / shape.cp
     Tsp = T / tp if shape.sp else T
@@ -403,6 +417,8 @@ def _moe(shape: LayerShape, T: float, Tsp: float, gem: ForwardFlops, add, fwd, b
 
 def head_ops(shape: LayerShape, first: bool, last: bool) -> list[Op]:
     """Embedding (first stage) and final norm, logits and cross-entropy (last stage) ops."""
+    if eager_supported(shape):
+        return eager_head_ops(shape, first, last)
     e, tp, h, V = shape.act_bytes, shape.tp, shape.hidden, shape.vocab
     T = shape.micro_batch * shape.seq_len / shape.cp
     Tsp = T / tp if shape.sp else T
@@ -446,6 +462,168 @@ def head_ops(shape: LayerShape, first: bool, last: bool) -> list[Op]:
     return ops + list(reversed(bwd))
 
 
+# -- myria's eager PyTorch modules (the CPU path) -----------------------------------------------
+# What `myria.models.transformer` runs, kernel by kernel, when nothing is fused: separate Q, K, V
+# and gate/up projections (each one GEMM forward and two backward), RMSNorm as pow, mean, rsqrt
+# and two multiplies (LayerNorm: one native kernel), RoPE as neg, cat, two multiplies and an add
+# per tensor, SDPA's flash kernel (causal work only), SiLU/GELU and the gating multiply, residual
+# adds, and in the backward the sums autograd makes where a tensor feeds several operators. Byte
+# counts are in units of e*T (e = bytes per element, T tokens), per kernel input + output, as a
+# torch dispatch-mode trace of one block counts them (tests/sim/test_cpu.py checks the total).
+NORM_EAGER = {"llama": ((7, 6), (24, 14)), "gpt": ((2, 1), (3, 1))}   # ((fwd, kernels), (bwd, k))
+ROPE_EAGER = ((10, 10), (14, 14))  # per element of q and k: (bytes/e, kernels) fwd, bwd
+SWIGLU_EAGER = ((5, 2), (9, 3))    # silu + mul per ffn element; backward: 2 mul + silu_backward
+GELU_EAGER = ((2, 1), (3, 1))
+CE_FUSED_PASSES = 8                # amax, sub_, exp_, sum, div_ (read + write where in place)
+CE_PLAIN_PASSES = (3, 4)           # log_softmax (2 reads, 1 write); nll + log_softmax backward
+
+
+def eager_supported(shape: LayerShape) -> bool:
+    """The eager op lists cover myria's dense blocks without tp/cp/sp, dropout or fp8."""
+    return (shape.eager and shape.tp == 1 and shape.cp == 1 and not shape.experts
+            and not shape.parallel_block and not shape.dropout and not shape.fp8)
+
+
+def _eager_linear(name: str, T: float, n: float, k: float, flops: float, e: int,
+                  cat: str = "gemm") -> tuple[Op, list[Op]]:
+    """nn.Linear: x @ W^T (nt), dx = dy @ W (nn), dW^T = x^T @ dy (tn), as autograd runs them."""
+    fwd, (dgrad, wgrad) = _gemm(name, T, n, k, flops, e, cat)
+    fwd.layout, dgrad.layout, wgrad.layout = "nt", "nn", "tn"
+    wgrad.bytes = e * (T * k + T * n + k * n)   # autograd writes a fresh gradient
+    return fwd, [dgrad, wgrad]
+
+
+def _eager_mem(name: str, fwd: tuple, bwd: tuple, unit: float) -> tuple[Op, list[Op]]:
+    (fb, fk), (bb, bk) = fwd, bwd
+    return (Op(name, "mem", "fwd", 0.0, fb * unit, kernels=fk, category="memory",
+               layout="eltwise"),
+            [Op(name + ".bwd", "mem", "bwd", 0.0, bb * unit, kernels=bk, category="memory",
+                layout="eltwise")])
+
+
+def eager_layer_ops(shape: LayerShape) -> list[Op]:
+    """One block of `myria.models.transformer` in eager PyTorch, one microbatch, one device."""
+    e, h = shape.act_bytes, shape.hidden
+    T = shape.micro_batch * shape.seq_len
+    hd = shape.head_dim
+    q, kv, f = shape.heads * hd, shape.kv_heads * hd, shape.ffn
+    gpt = shape.arch == "gpt"
+    gem, att = _per_layer_flops(dataclasses.replace(shape, flash=True))
+    unit = e * T
+    fwd: list[Op] = []
+    bwd: list[list[Op]] = []
+
+    def add(pair):
+        fwd.append(pair[0])
+        bwd.append(pair[1])
+
+    def bwd_only(name: str, nbytes: float, kernels: int) -> None:
+        bwd.append([Op(name, "mem", "bwd", 0.0, nbytes, kernels=kernels, category="memory",
+                       layout="eltwise")])
+
+    def linear(name: str, n: float, k: float, flops: float) -> None:
+        add(_eager_linear(name, T, n, k, flops, e))
+        if gpt:  # bias gradient: a sum over the tokens of the output gradient
+            bwd_only(name + ".bias_grad", e * T * n, 1)
+
+    norm = NORM_EAGER[shape.arch]
+    add(_eager_mem("attn_norm", norm[0], norm[1], unit * h))
+    per_out = gem.qkv * T / (q + 2 * kv)
+    linear("wq", q, h, per_out * q)
+    linear("wk", kv, h, per_out * kv)
+    linear("wv", kv, h, per_out * kv)
+    bwd_only("qkv.dgrad_sum", 2 * 3 * unit * h, 2)   # x feeds three projections
+    if not gpt:
+        add(_eager_mem("rope", ROPE_EAGER[0], ROPE_EAGER[1], unit * (q + kv)))
+    b = shape.micro_batch
+    s = shape.seq_len
+    flops = (att.attn_scores + att.attn_values) * T
+    io = e * T * (2 * q + 2 * kv)
+    lse = 4 * T * shape.heads
+    gqa = max(1, shape.heads // shape.kv_heads)
+    fwd.append(Op("sdpa", "attn", "fwd", flops, io + lse, (s, s, hd), batch=b * shape.heads,
+                  attn_core=True, category="attention", layout="attn-fwd", gqa=gqa))
+    # backward: 2.5x the forward's matrix products (recomputes P, then dV, dP, dQ, dK)
+    bwd.append([Op("sdpa.bwd", "attn", "bwd", 2.5 * flops, 2 * io + io / 2 + lse, (s, s, hd),
+                   batch=b * shape.heads, attn_core=True, category="attention",
+                   layout="attn-bwd", gqa=gqa)])
+    linear("wo", h, q, gem.attn_out * T)
+    add(_eager_mem("attn_residual", (3, 1), (3, 1), unit * h))   # add; backward: the fork's sum
+    add(_eager_mem("mlp_norm", norm[0], norm[1], unit * h))
+    if gpt:
+        linear("w1", f, h, gem.mlp / 2 * T)
+        add(_eager_mem("gelu", GELU_EAGER[0], GELU_EAGER[1], unit * f))
+        linear("w2", h, f, gem.mlp / 2 * T)
+    else:
+        linear("w1", f, h, gem.mlp / 3 * T)
+        linear("w3", f, h, gem.mlp / 3 * T)
+        bwd_only("w13.dgrad_sum", 3 * unit * h, 1)
+        add(_eager_mem("swiglu", SWIGLU_EAGER[0], SWIGLU_EAGER[1], unit * f))
+        linear("w2", h, f, gem.mlp / 3 * T)
+    add(_eager_mem("mlp_residual", (3, 1), (3, 1), unit * h))
+    ops = list(fwd)
+    for group in reversed(bwd):
+        ops.extend(group)
+    return ops
+
+
+def eager_head_ops(shape: LayerShape, first: bool, last: bool) -> list[Op]:
+    """Embeddings (first stage), final norm, output layer and loss (last stage), eager.
+
+    With `ce_chunk` the loss is `myria.models.loss.fused_linear_cross_entropy`: per chunk of rows
+    the logits GEMM, five fp32 passes over the chunk's logits, then the input- and weight-gradient
+    GEMMs (the latter accumulating into one fp32 gradient), all inside the forward; its backward
+    only scales the two stored gradients. Without it (pipeline last stage) the logits exist
+    whole: F.cross_entropy's log-softmax forward, and the NLL and log-softmax backward.
+    """
+    e, h, V = shape.act_bytes, shape.hidden, shape.vocab
+    T = shape.micro_batch * shape.seq_len
+    gem, _ = _per_layer_flops(shape)
+    fwd: list[Op] = []
+    bwd: list[Op] = []
+    if first:
+        extra = (2 + 3, 2) if shape.arch == "gpt" else (0, 0)   # learned positions + add
+        fwd.append(Op("embedding", "mem", "fwd", 0.0, (2 + extra[0]) * e * T * h,
+                      kernels=1 + extra[1], category="memory", layout="head"))
+        # embedding_dense_backward: a zeroed (V x h) gradient, then a scatter-add of T rows
+        bwd.append(Op("embedding.bwd", "mem", "bwd", 0.0, e * (V * h + 3 * T * h),
+                      kernels=2 + extra[1], category="memory", layout="head"))
+    if last:
+        norm = NORM_EAGER[shape.arch]
+        nf, nb = _eager_mem("final_norm", norm[0], norm[1], e * T * h)
+        nf.layout = nb[0].layout = "head"
+        fwd.append(nf)
+        bwd.extend(nb)
+        flops = gem.logits * shape.layers * T
+        n = T * V
+        if shape.ce_chunk:
+            c = min(float(shape.ce_chunk), T)
+            k = max(1, math.ceil(T / c))
+            fwd.append(Op("logits", "gemm", "fwd", flops, e * (T * h + k * V * h + n), (c, V, h),
+                          layout="nt", kernels=k, category="gemm"))
+            fwd.append(Op("cross_entropy", "mem", "fwd", 5 * n,
+                          4 * CE_FUSED_PASSES * n + 4 * V * h, kernels=8 * k + 2,
+                          category="memory", layout="head"))
+            fwd.append(Op("logits.dgrad", "gemm", "fwd", flops, e * (n + k * V * h + T * h),
+                          (c, h, V), layout="nn", kernels=k, category="gemm"))
+            fwd.append(Op("logits.wgrad", "gemm", "fwd", flops, e * (n + T * h) + 8 * k * V * h,
+                          (V, h, c), layout="tna", kernels=k, wgrad=True, category="gemm"))
+            bwd.append(Op("cross_entropy.bwd", "mem", "bwd", 0.0, 2 * e * T * h + 8 * V * h,
+                          kernels=2, category="memory", layout="head"))
+        else:
+            fwd.append(Op("logits", "gemm", "fwd", flops, e * (T * h + V * h + n), (T, V, h),
+                          layout="nt", category="gemm"))
+            fwd.append(Op("cross_entropy", "mem", "fwd", 5 * n, 4 * CE_PLAIN_PASSES[0] * n,
+                          kernels=2, category="memory", layout="head"))
+            bwd.append(Op("cross_entropy.bwd", "mem", "bwd", 3 * n, 4 * CE_PLAIN_PASSES[1] * n,
+                          kernels=2, category="memory", layout="head"))
+            bwd.append(Op("logits.dgrad", "gemm", "bwd", flops, e * (n + V * h + T * h),
+                          (T, h, V), layout="nn", category="gemm"))
+            bwd.append(Op("logits.wgrad", "gemm", "bwd", flops, e * (n + T * h + V * h),
+                          (V, h, T), layout="tn", wgrad=True, category="gemm"))
+    return fwd + list(reversed(bwd))
+
+
 # -- timing -----------------------------------------------------------------------------------
 def shape_factor(dims: tuple, half_dim: float) -> float:
     """Share of a GEMM kernel's time doing useful work: prod d / (d + half_dim)."""
@@ -455,16 +633,73 @@ def shape_factor(dims: tuple, half_dim: float) -> float:
     return f
 
 
+def rate_key(op: Op) -> tuple:
+    """Key of an op in a measured rate table: (layout, M, N, K) or (attn-*, batch, s_q, s_kv,
+    head_dim, query heads per key/value head); ("bw", layout) for memory-bound kernels (their
+    achieved bytes/s)."""
+    if op.kind == "mem":
+        return ("bw", op.layout)
+    if op.kind == "attn":
+        return (op.layout or f"attn-{op.phase}", int(op.batch),
+                *(int(d) for d in op.dims), int(op.gqa))
+    layout = op.layout or ("tn" if op.wgrad else "nn" if op.name.endswith(".dgrad") else "nt")
+    return (layout, *(int(d) for d in op.dims))
+
+
+@lru_cache(maxsize=64)
+def _rate_index(rates: tuple) -> dict:
+    return dict(rates)
+
+
+def measured_rate(op: Op, rates: tuple) -> float | None:
+    """Achieved FLOP/s of `op` from a measured table: its own shape, else an interpolation.
+
+    Shapes not measured take the inverse-square-distance mean (in log2 of the dimensions) of
+    the four nearest measured shapes of the same layout (of any GEMM layout if none).
+    """
+    if not rates:
+        return None
+    key = rate_key(op)
+    index = _rate_index(rates)
+    if key in index:
+        return index[key]
+    if key[0] == "bw":
+        return None
+    same = [(k, r) for k, r in rates if k[0] == key[0] and len(k) == len(key)]
+    if not same and op.kind == "gemm":
+        same = [(k, r) for k, r in rates if len(k) == 4 and not k[0].startswith("attn")]
+    if not same:
+        return None
+    logs = [math.log2(max(1.0, float(d))) for d in key[1:]]
+
+    def dist(k: tuple) -> float:
+        return sum((a - math.log2(max(1.0, float(b)))) ** 2 for a, b in zip(logs, k[1:]))
+
+    near = sorted(same, key=lambda kr: dist(kr[0]))[:4]
+    w = [1.0 / (dist(k) + 1e-3) for k, _ in near]
+    return sum(wi * r for wi, (_, r) in zip(w, near)) / sum(w)
+
+
 def op_time(op: Op, peak_flops: float, mem_bw: float, eff: Efficiency) -> tuple[float, str]:
-    """Roofline time of a compute op on one device, and whether it is compute- or memory-bound."""
-    t_mem = op.bytes / (mem_bw * eff.mem)
+    """Roofline time of a compute op on one device, and whether it is compute- or memory-bound.
+
+    On a measured device (`eff.rates`) GEMMs and attention take their measured rate for their
+    shape: the measurement already holds whatever memory traffic the kernel needs.
+    """
+    overhead = eff.kernel_overhead_s * op.kernels
+    bw = (measured_rate(op, eff.rates) if op.kind == "mem" and op.layout else None) or \
+        mem_bw * eff.mem
+    t_mem = op.bytes / bw
     if op.kind in ("gemm", "attn"):
+        rate = measured_rate(op, eff.rates)
+        if rate:
+            return op.flops / rate + overhead, "compute"
         kappa = eff.gemm * shape_factor(op.dims, eff.half_dim)
         t_cmp = op.flops / (peak_flops * kappa) if kappa > 0 else float("inf")
         if t_cmp >= t_mem:
-            return t_cmp + eff.kernel_overhead_s, "compute"
-        return t_mem + eff.kernel_overhead_s, "memory"
-    return t_mem + eff.kernel_overhead_s, "memory"
+            return t_cmp + overhead, "compute"
+        return t_mem + overhead, "memory"
+    return t_mem + overhead, "memory"
 
 
 @lru_cache(maxsize=65536)

@@ -50,6 +50,7 @@ from myria.sim.operators import (
     Efficiency,
     LayerShape,
     Op,
+    eager_supported,
     layer_shape,
     timed_head_ops,
     timed_layer_ops,
@@ -217,17 +218,43 @@ def _model_flops(shape: LayerShape) -> tuple:
 
 
 def efficiency_for(hw: Hardware) -> Efficiency:
-    """Calibrated efficiencies for datasheet devices; 1 for devices whose peaks are measured."""
+    """Calibrated efficiencies for datasheet devices; 1 for devices whose peaks are measured;
+    a measured CPU profile's rates, bandwidth and kernel overhead when there is one."""
+    if hw.cpu is not None:
+        return hw.cpu.efficiency()
     return MEASURED_EFFICIENCY if hw.measured else DEFAULT_EFFICIENCY
 
 
 def run_shape(run: RunSpec) -> LayerShape:
     """The LayerShape of a run (model, micro-batch, layout, kernels)."""
     p, k = run.parallel, run.kernels
+    ce_chunk = 0
+    if k.eager and p.tp == 1 and p.pp == 1:
+        # the Engine's loss when pp = tp = 1: myria.models.loss.fused_linear_cross_entropy
+        from myria.models.loss import _chunk_rows
+        ce_chunk = _chunk_rows(run.model_config().vocab_size)
     return layer_shape(run.model_config(), run.training.micro_batch, tp=p.tp, cp=p.cp, ep=p.ep,
                        sp=p.sequence_parallel, flash=k.flash_attention, fused=k.fused_ops,
                        dropout=run.dropout, act_bytes=run.act_bytes,
-                       fp8=run.training.precision == "fp8")
+                       fp8=run.training.precision == "fp8", eager=k.eager, ce_chunk=ce_chunk)
+
+
+def _stage_layers(run: RunSpec, eager: bool) -> dict[str, float]:
+    """Layers per pipeline rank by kind: L/pp everywhere, or myria's FLOP-balanced split."""
+    L, pp, v = run.model.layers, run.parallel.pp, run.parallel.vpp
+    if pp == 1:
+        return {"only": float(L)}
+    even = {"first": L / pp, "mid": L / pp, "last": L / pp}
+    if not eager or run.parallel.schedule == "zbv":
+        return even
+    from myria.parallel.pipeline import split_layers, stage_ids
+
+    ranges = split_layers(run.model_config(), pp * v)
+    per_rank = [sum(len(ranges[s]) for s in stage_ids(r, pp, v, run.parallel.schedule))
+                for r in range(pp)]
+    mid = per_rank[1:-1]
+    return {"first": float(per_rank[0]), "mid": float(max(mid)) if mid else 0.0,
+            "last": float(per_rank[-1])}
 
 
 def simulate(run: RunSpec, hw: Hardware | None = None, eff: Efficiency | None = None,
@@ -259,6 +286,8 @@ def simulate(run: RunSpec, hw: Hardware | None = None, eff: Efficiency | None = 
     else:
         recompute = 0.0
 
+    eager = eager_supported(shape)
+    n_layers = _stage_layers(run, eager)
     per_stage = L / pp
     kinds = [("only", True, True)] if pp == 1 else \
         [("first", True, False), ("mid", False, False), ("last", False, True)]
@@ -279,7 +308,7 @@ def simulate(run: RunSpec, hw: Hardware | None = None, eff: Efficiency | None = 
 
     # data-parallel state per device, for the busiest (first) stage
     from myria.sim.memory import stage_params
-    dense0, expert0 = stage_params(shape, per_stage, True, pp == 1, ep)
+    dense0, expert0 = stage_params(shape, n_layers[kinds[0][0]], True, pp == 1, ep)
     g_b, w_b = 4, (4 if tr.precision == "fp32" else 2)
     t_grad = coll.allreduce(dense0 * g_b, groups["dp"])[0] + \
         coll.allreduce(expert0 * g_b, groups["edp"])[0]
@@ -288,25 +317,35 @@ def simulate(run: RunSpec, hw: Hardware | None = None, eff: Efficiency | None = 
     t_ag = coll.all_gather(dense0 * w_b, groups["dp"])[0] + \
         coll.all_gather(expert0 * w_b, groups["edp"])[0]
 
+    mem_rate = hw.mem_bw * eff.mem
     stages = {}
     for kind, first, last in kinds:
+        nl = n_layers[kind]
         hp = _head_summary(shape, first, last, hw, eff, ov.tp, gkey)
-        F = per_stage * lay.fwd + hp.fwd
-        B = per_stage * (lay.bwd + recompute) + hp.bwd
-        W = per_stage * lay.wgrad + hp.wgrad
+        F = nl * lay.fwd + hp.fwd
+        B = nl * (lay.bwd + recompute) + hp.bwd
+        W = nl * lay.wgrad + hp.wgrad
         cats = {}
-        for src, mult in ((lay.fwd_cat, per_stage), (lay.bwd_cat, per_stage),
+        for src, mult in ((lay.fwd_cat, nl), (lay.bwd_cat, nl),
                           (hp.fwd_cat, 1), (hp.bwd_cat, 1)):
             for c, val in src.items():
                 cats[c] = cats.get(c, 0.0) + mult * val
-        cats["recompute"] = per_stage * recompute
+        cats["recompute"] = nl * recompute
         z3 = 0.0
-        if tr.zero_stage >= 3 and dp * cp > 1:
+        if tr.zero_stage >= 3 and dp * cp > 1 and eager:
+            z3 = _fsdp2_microbatch(shape, nl, first, last, pp, ep, w_b, groups, mem_rate,
+                                   hw.cpu)
+        elif tr.zero_stage >= 3 and dp * cp > 1:
             # every microbatch gathers the weights twice (forward, backward) and scatters grads
             t_mb = 2 * t_ag + t_rs
             z3 = _cost(t_mb, max(0.0, t_mb - (F + B))) if ov.dp else t_mb
         cats["dp_zero3"] = z3
         C = F + B + z3
+        if eager and m > 1:
+            # autograd adds each later microbatch's gradients into .grad: read two, write one
+            acc = sum(stage_params(shape, nl, first, last, ep)) * 3 * g_b / mem_rate
+            cats["grad_accumulate"] = acc * (m - 1) / m
+            C += cats["grad_accumulate"]
         t_pp = 2 * v * t_p2p
         steady = C + (_cost(t_pp, max(0.0, t_pp - C)) if ov.pp else t_pp)
         stages[kind] = dict(F=F, B=B, W=W, C=C, steady=steady, fill=C + 2 * v * t_p2p,
@@ -338,6 +377,10 @@ def simulate(run: RunSpec, hw: Hardware | None = None, eff: Efficiency | None = 
                 _cost(t_ag, max(t_ag / buckets, t_ag - F0))
         else:
             t_dp = t_rs + t_ag
+    elif eager:
+        # FSDP2 under no_sync: one reduce-scatter of the accumulated gradients per step, after
+        # chunk_cat copies them into the reduce-scatter input (read + write, fp32)
+        t_dp = t_rs + 2 * (dense0 + expert0) * g_b / mem_rate
     else:
         t_dp = 0.0  # ZeRO-3 traffic is charged per microbatch above
     if pp > 1 and cfg.tie_embeddings:
@@ -351,7 +394,13 @@ def simulate(run: RunSpec, hw: Hardware | None = None, eff: Efficiency | None = 
     n_opt = dense0 / shard + expert0 / (max(1, dp * cp // ep) if tr.zero_stage >= 1 else 1)
     per_param = ADAM_BYTES_PER_PARAM + (LAMB_EXTRA_BYTES if tr.optimizer == "lamb" else 0)
     t_offload = 0.0
-    if tr.offload == "none":
+    if tr.offload == "none" and eager and hw.cpu is not None and hw.cpu.optimizer_s_per_param:
+        # measured: myria's foreach gradient clip + AdamW per parameter on this CPU, plus the
+        # two scalar all-reduces of the step (gradient norm, logged loss) per reduction group
+        t_opt = n_opt * hw.cpu.optimizer_s_per_param
+        for name in ("dp", "pp"):
+            t_opt += 2 * coll.allreduce(8.0, groups[name])[0]
+    elif tr.offload == "none":
         t_opt = n_opt * per_param / (hw.mem_bw * eff.mem)
     else:
         srv = hw.server
@@ -371,7 +420,7 @@ def simulate(run: RunSpec, hw: Hardware | None = None, eff: Efficiency | None = 
     bd = {
         "compute_gemm": m * cats.get("gemm", 0.0),
         "compute_attention": m * cats.get("attention", 0.0),
-        "compute_memory_bound": m * cats.get("memory", 0.0),
+        "compute_memory_bound": m * (cats.get("memory", 0.0) + cats.get("grad_accumulate", 0.0)),
         "recompute": m * cats.get("recompute", 0.0),
         "tp_comm_exposed": m * cats.get("tp", 0.0),
         "cp_comm_exposed": m * cats.get("cp", 0.0),
@@ -475,14 +524,52 @@ def op_table(run: RunSpec, res: StepResult, ops: tuple[Op, ...], stage: dict,
     return rows
 
 
-def simulate_config(cfg, nproc: int, device_spec: DeviceSpec, gpus_per_node: int = 0,
-                    **kw) -> StepResult:
-    """Predict a myria training Config (`myria.config.Config`) run on `nproc` processes.
+def _fsdp2_microbatch(shape: LayerShape, n_layers: float, first: bool, last: bool, pp: int,
+                      ep: int, w_b: int, groups: dict, mem_rate: float, cpu=None) -> float:
+    """FSDP2 traffic of one microbatch on one rank (myria's `apply_fsdp`, no overlap on CPU).
 
-    The layout comes from cfg.parallel (dp fills the rest); the device is `device_spec` (e.g.
-    `myria.device.cpu_device_spec()`, all processes on this host, for the CPU self-check; or a
-    GPU DeviceSpec, 8 per server unless `gpus_per_node` says otherwise). The model is myria's
-    own: no dropout, eager PyTorch kernels (no fusion, no FlashAttention on CPU).
+    Every block is all-gathered for its forward and again for its backward (resharded after
+    forward); the root module (embeddings, final norm, head) once per microbatch when pp = 1
+    (kept unsharded until its backward), twice under pipelining. Each all-gather copies the
+    local shard in and the gathered parameters out (torch's foreach_all_gather and
+    split_with_sizes_copy: read + write each); on a measured CPU the whole unshard is timed
+    (`cpu._fsdp_gather_points`).
+    """
+    from myria.sim.memory import stage_params
+
+    grp = groups["dp"]
+    n = max(1, grp.n)
+    blocks = sum(stage_params(shape, n_layers, False, False, ep))
+    root = sum(stage_params(shape, n_layers, first, last, ep)) - blocks
+    t = 0.0
+    for params, gathers in ((blocks / max(1.0, n_layers), 2 * n_layers),
+                            (root, (1 if pp == 1 else 2) if root else 0)):
+        if not gathers:
+            continue
+        measured = cpu.fsdp_gather_time(params * w_b) if cpu is not None else None
+        if measured is not None and grp.k <= 1:
+            t += gathers * measured   # FSDP2's unshard timed here, copies included
+        else:
+            ag = coll.all_gather(params * w_b, grp)[0]
+            t += gathers * (ag + 2 * params * w_b * (1 + 1 / n) / mem_rate)
+    return t
+
+
+def measured_here(spec: DeviceSpec) -> bool:
+    """A CPU spec measured on this machine by `myria.device.cpu_device_spec`."""
+    return spec.name == "cpu" and spec.source.startswith("measured (") and \
+        "threads" in spec.source
+
+
+def config_run(cfg, nproc: int, device_spec: DeviceSpec, gpus_per_node: int = 0
+               ) -> tuple[RunSpec, DeviceSpec, int]:
+    """The RunSpec `simulate_config` prices for a myria Config on `nproc` processes.
+
+    Returns (run, device spec, threads per process). On a CPU the run is myria's eager runtime
+    (`kernels.eager`; SDPA's flash kernel, which skips masked blocks) with the trainer's threads
+    per process (`training.threads`, or cores / processes); a CPU spec measured on this machine
+    (`myria.device.cpu_device_spec`, source "measured (N threads ...)") is re-read at those
+    threads. Off CPU, threads is 0.
     """
     from myria.config import resolve_layout
     from myria.sim.runspec import (
@@ -514,16 +601,47 @@ def simulate_config(cfg, nproc: int, device_spec: DeviceSpec, gpus_per_node: int
     par = ParallelSpec(tp=lay["tp"], pp=lay["pp"], cp=lay["cp"], ep=lay["ep"],
                        vpp=cfg.parallel.vpp, schedule=cfg.parallel.schedule
                        if cfg.parallel.schedule != "zbv" or cfg.parallel.vpp == 2 else "1f1b")
-    gpn = gpus_per_node or (nproc if device_spec.name == "cpu" else min(8, nproc))
+    is_cpu = device_spec.name == "cpu"
+    gpn = gpus_per_node or (nproc if is_cpu else min(8, nproc))
+    threads = 0
+    if is_cpu:
+        from myria.sim.cpu import default_threads
+        threads = cfg.training.threads or default_threads(gpn)
+        if measured_here(device_spec):
+            from myria.device import cpu_device_spec
+            device_spec = cpu_device_spec(threads=threads)
     cluster = ClusterSpec(gpu=device_spec.name, gpus=nproc, gpus_per_node=gpn,
                           peak_tflops=device_spec.peak_tflops(dtype),
                           memory_bw_gbs=device_spec.memory_bw_gbs,
                           memory_gb=device_spec.memory_gb)
     run = RunSpec(name="myria-config", model=model, training=training, parallel=par,
                   overlap=OverlapSpec(),
-                  kernels=KernelSpec(flash_attention=device_spec.name != "cpu",
-                                     fused_ops=False),
+                  kernels=KernelSpec(flash_attention=True, fused_ops=False, eager=is_cpu),
                   cluster=cluster)
     validate(run)
-    hw = build_hardware(cluster, training.precision, spec=device_spec)
+    return run, device_spec, threads
+
+
+def simulate_config(cfg, nproc: int, device_spec: DeviceSpec, gpus_per_node: int = 0,
+                    cpu_profile=None, measure: bool = True, **kw) -> StepResult:
+    """Predict a myria training Config (`myria.config.Config`) run on `nproc` processes.
+
+    The layout comes from cfg.parallel (dp fills the rest); the device is `device_spec` (e.g.
+    `myria.device.cpu_device_spec()`, all processes on this host, for the CPU self-check; or a
+    GPU DeviceSpec, 8 per server unless `gpus_per_node` says otherwise). The model is myria's
+    own: no dropout, no fused elementwise kernels (`config_run`).
+
+    On a CPU measured here the figures are the CPU profile of `myria.sim.cpu` at the trainer's
+    threads per process: `cpu_profile` if given, else the cached one, measuring the GEMM/SDPA
+    shapes it lacks when `measure` (on `nproc` concurrent processes, gloo included). A CPU
+    described by hand (a DeviceSpec with another source) is priced by its peak and bandwidth.
+    """
+    run, device_spec, threads = config_run(cfg, nproc, device_spec, gpus_per_node)
+    gpn = run.cluster.gpus_per_node
+    prof = cpu_profile
+    if threads and prof is None and measured_here(device_spec):
+        from myria.sim import cpu as cpu_mod
+        prof = cpu_mod.profile_for(run_shape(run), threads, gpn, pp=run.parallel.pp,
+                                   measure=measure)
+    hw = build_hardware(run.cluster, run.training.precision, spec=device_spec, cpu=prof)
     return simulate(run, hw=hw, **kw)

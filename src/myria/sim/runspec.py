@@ -118,6 +118,10 @@ class KernelSpec:
     flash_attention: bool = _f(False, "FlashAttention (no materialised score matrix)")
     fused_ops: bool = _f(True, "fused elementwise kernels (bias+GELU, bias+dropout+add, "
                          "scale+mask+softmax, fused cross-entropy) as in Megatron-LM")
+    eager: bool = _f(False, "myria's own eager PyTorch runtime (the CPU self-check): separate "
+                     "Q/K/V and gate/up GEMMs, elementwise kernels as myria's modules run them, "
+                     "chunked fused linear+cross-entropy when pp = tp = 1, FSDP2 semantics "
+                     "(gradients reduce-scattered once per step), FLOP-balanced pipeline stages")
 
 
 @dataclass

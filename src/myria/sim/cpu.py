@@ -1,0 +1,775 @@
+"""Measured figures of this CPU for the simulator's "cpu" device: the physics of the self-check.
+
+On a CPU myria runs eager PyTorch: oneDNN/MKL GEMMs whose speed depends on their shape and
+operand layout, SDPA's flash kernel, elementwise kernels bounded by cache/DRAM bandwidth and
+dispatch overhead, a foreach gradient clip and AdamW step, and gloo collectives between local
+processes. There is no datasheet for any of it, so this module measures each one as the trainer
+will run it: `nproc` processes at once, each with the threads the trainer gives it (cores /
+local processes, `myria.train.distributed.set_cpu_threads`), and caches the figures in
+`myria.device.cache_dir() / "cpu_profile.json"` under `myria.device.cpu_key(threads)` and the
+number of processes:
+
+- GEMM rates: achieved FLOP/s of every GEMM shape the simulated model runs, in the operand
+  layout autograd uses (nt forward, nn input gradient, tn weight gradient, tna weight gradient
+  accumulated by addmm_);
+- SDPA rates: forward and backward FLOP/s (causal convention) for the model's attention shape;
+- eager bandwidths: bytes/s of the elementwise kernels of one myria block (forward + backward)
+  and of the model's ends (embedding, final norm, loss), timed kernel by kernel under a torch
+  dispatch mode while running `myria.models.transformer` itself at the model's shape; plus a
+  generic figure (a mix of eager kernels on parameter-sized, 16 MiB tensors) for the passes over
+  parameters and gradients (gradient accumulation, FSDP's reduce-scatter copy);
+- kernel overhead: the dispatch time of one tiny eager kernel;
+- optimizer: myria's gradient clip plus AdamW (foreach) per parameter;
+- gloo (several processes): alpha and bus bandwidth (nccl-tests convention) of all-reduce,
+  all-gather and reduce-scatter, and latency and bandwidth of send/receive, fitted on three
+  message sizes, timed by `myria.resilience.collective_bench`; and FSDP2's own all-gather of a
+  unit (`unshard()` + `reshard()`: copy-in, gloo all-gather, copy-out) on three unit sizes.
+
+Times are medians of repeated calls, not minima: the machine is shared, and a training step sees
+the typical call, not the luckiest one (on an idle machine the two agree). With several
+processes every figure is the mean over the processes, measured concurrently, so cores, caches
+and memory bandwidth are shared as in training. Shapes the table lacks are interpolated
+(`operators.measured_rate`). Measurements are capped (a GEMM above GEMM_FLOP_CAP FLOPs is
+measured halved along its largest dimension, already at its asymptotic rate), so a dry run of a
+large model on a CPU stays quick.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import statistics
+import tempfile
+import time
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+from myria.sim.operators import (
+    Efficiency,
+    LayerShape,
+    Op,
+    head_ops,
+    layer_ops,
+    rate_key,
+)
+
+GEMM_FLOP_CAP = 4e9          # larger GEMMs are measured on a halved shape (asymptotic rate)
+ATTN_FLOP_CAP = 4e9
+MEASURE_SECONDS = 0.15       # per shape: median of the calls made in this time (at least 5)
+GLOO_SIZES = (1 << 16, 1 << 21, 1 << 24)   # 64 KiB, 2 MiB, 16 MiB per rank
+GLOO_OPS = ("all_reduce", "all_gather", "reduce_scatter")
+FSDP_SIZES = (1 << 18, 1 << 21, 1 << 23)   # parameters per FSDP unit (1, 8, 32 MiB of fp32)
+PARAM_TENSOR_BYTES = 1 << 24               # parameter-sized passes: 16 MiB tensors
+PROFILE_FILE = "cpu_profile.json"
+
+
+def default_threads(nproc: int) -> int:
+    """Threads per process as the trainer sets them: cores // local processes (at least 1)."""
+    return max(1, (os.cpu_count() or 1) // max(1, nproc))
+
+
+@dataclass(frozen=True)
+class CpuProfile:
+    """What the simulator needs about this CPU at `threads` threads per process (hashable)."""
+
+    threads: int
+    rates: tuple = ()                 # ((rate_key, FLOP/s), ...): GEMMs and SDPA by shape
+    elementwise_bw: float = 0.0       # bytes/s of eager elementwise kernels
+    kernel_overhead_s: float = 0.0    # dispatch time of one eager kernel
+    optimizer_s_per_param: float = 0.0
+    nproc: int = 1
+    gloo: tuple = ()                  # ((op, alpha_s, busbw bytes/s), ...) among nproc processes
+    fsdp_gather: tuple = ()           # ((unit bytes, seconds), ...): FSDP2 unshard + reshard
+    source: str = "measured"
+
+    def efficiency(self) -> Efficiency:
+        """The Efficiency of this CPU: measured rates, bandwidth already achieved (E_MEM = 1)."""
+        return Efficiency(gemm=1.0, half_dim=0.0, mem=1.0,
+                          kernel_overhead_s=self.kernel_overhead_s, rates=self.rates)
+
+    def fsdp_gather_time(self, nbytes: float) -> float | None:
+        """Seconds of FSDP2's all-gather of a unit of `nbytes` (piecewise linear in the measured
+        unit sizes, extrapolated along the last segment), if measured."""
+        pts = self.fsdp_gather
+        if not pts:
+            return None
+        if len(pts) == 1:
+            return pts[0][1] * nbytes / pts[0][0]
+        for (x0, t0), (x1, t1) in zip(pts, pts[1:]):
+            if nbytes <= x1 or (x1, t1) == pts[-1]:
+                return max(0.0, t0 + (t1 - t0) * (nbytes - x0) / (x1 - x0))
+        return None
+
+    def gloo_fit(self, op: str) -> tuple[float, float] | None:
+        """(alpha_s, bandwidth) of a collective ("all_reduce", ..., "p2p"), if measured."""
+        for name, alpha, bw in self.gloo:
+            if name == op:
+                return alpha, bw
+        return None
+
+
+# -- cache ----------------------------------------------------------------------------------------
+def _cache_path() -> Path:
+    from myria.device import cache_dir
+
+    return cache_dir() / PROFILE_FILE
+
+
+def _read_cache() -> dict:
+    path = _cache_path()
+    try:
+        return json.loads(path.read_text()) if path.exists() else {}
+    except (OSError, ValueError):
+        return {}
+
+
+def _write_cache(cache: dict) -> None:
+    path = _cache_path()
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
+        with os.fdopen(fd, "w") as f:
+            json.dump(cache, f, indent=1)
+        os.replace(tmp, path)
+    except OSError:
+        pass
+
+
+def _update_cache(key: str, entry: dict) -> None:
+    """Merge `entry` into the cache under `key` (re-read first: other processes write too)."""
+    cache = _read_cache()
+    old = cache.get(key, {})
+    for k, v in entry.items():
+        if isinstance(v, dict) and isinstance(old.get(k), dict):
+            old[k] = {**old[k], **v}
+        else:
+            old[k] = v
+    cache[key] = old
+    _write_cache(cache)
+
+
+def _key_str(key: tuple) -> str:
+    return ",".join(str(k) for k in key)
+
+
+def _key_tuple(text: str) -> tuple:
+    parts = text.split(",")
+    return (parts[0], *(int(p) for p in parts[1:]))
+
+
+def _compute_key(threads: int, nproc: int = 1) -> str:
+    from myria.device import cpu_key
+
+    return f"{cpu_key(threads)}|procs={nproc}"
+
+
+def _gloo_key(threads: int, nproc: int) -> str:
+    from myria.device import cpu_key
+
+    return f"{cpu_key(threads)}|gloo|procs={nproc}"
+
+
+def _loadavg() -> float:
+    try:
+        return os.getloadavg()[0]
+    except OSError:
+        return float("nan")
+
+
+def eager_key(shape: LayerShape) -> str:
+    """Cache key of the eager elementwise bandwidths of a model shape."""
+    return ",".join(str(x) for x in (shape.arch, shape.micro_batch, shape.seq_len, shape.hidden,
+                                     shape.heads, shape.kv_heads, shape.ffn, shape.vocab,
+                                     shape.ce_chunk))
+
+
+def load_profile(threads: int, nproc: int = 1, shape: LayerShape | None = None
+                 ) -> CpuProfile | None:
+    """The cached profile of this CPU at `threads` threads (None if never measured).
+
+    With `shape`, the elementwise bandwidths measured on that model's own kernels (if cached)
+    join the rates as ("bw", "eltwise") and ("bw", "head").
+    """
+    cache = _read_cache()
+    entry = cache.get(_compute_key(threads, nproc))
+    if not entry or not entry.get("elementwise_bw"):
+        return None
+    table = {_key_tuple(k): float(v) for k, v in entry.get("rates", {}).items()}
+    if shape is not None and eager_key(shape) in entry.get("eager_bw", {}):
+        block, head = entry["eager_bw"][eager_key(shape)]
+        table[("bw", "eltwise")], table[("bw", "head")] = float(block), float(head)
+    rates = tuple(sorted(table.items()))
+    gloo: tuple = ()
+    fsdp: tuple = ()
+    if nproc > 1:
+        g = cache.get(_gloo_key(threads, nproc), {})
+        gloo = tuple(sorted((op, float(a), float(b)) for op, (a, b) in g.get("fits", {}).items()))
+        fsdp = tuple(sorted((float(b), float(t)) for b, t in g.get("fsdp_all_gather", {}).items()))
+    return CpuProfile(threads=threads, rates=rates, elementwise_bw=float(entry["elementwise_bw"]),
+                      kernel_overhead_s=float(entry["kernel_overhead_s"]),
+                      optimizer_s_per_param=float(entry["optimizer_s_per_param"]),
+                      nproc=nproc, gloo=gloo, fsdp_gather=fsdp,
+                      source=f"measured {entry.get('measured_at', '?')} ({threads} threads)")
+
+
+# -- what a model runs ----------------------------------------------------------------------------
+def shape_ops(shape: LayerShape, pp: int = 1) -> list[Op]:
+    """Every GEMM and attention op a model of `shape` runs on any of `pp` pipeline stages."""
+    ops = [op for op in layer_ops(shape) if op.kind in ("gemm", "attn")]
+    ends = [(True, True)] if pp == 1 else [(True, False), (False, True)]
+    for first, last in ends:
+        ops += [op for op in head_ops(shape, first, last) if op.kind in ("gemm", "attn")]
+    return ops
+
+
+def missing_ops(shape: LayerShape, profile: CpuProfile | None, pp: int = 1) -> list[Op]:
+    """Ops of `shape` whose exact rate is not in `profile` (one per key)."""
+    have = {k for k, _ in profile.rates} if profile else set()
+    out: dict[tuple, Op] = {}
+    for op in shape_ops(shape, pp):
+        k = rate_key(op)
+        if k not in have:
+            out.setdefault(k, op)
+    return list(out.values())
+
+
+# -- measurements (in this process) ---------------------------------------------------------------
+def _time(fn, seconds: float = MEASURE_SECONDS, min_calls: int = 5) -> float:
+    """Median time of `fn` over the calls made in `seconds` (at least `min_calls`)."""
+    fn()  # warm-up (allocations, kernel selection)
+    times: list[float] = []
+    deadline = time.perf_counter() + seconds
+    while len(times) < min_calls or time.perf_counter() < deadline:
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def _capped(dims: list[int], flops_per_unit: float, cap: float) -> list[int]:
+    dims = list(dims)
+    while flops_per_unit * math.prod(dims) > cap and max(dims) > 64:
+        i = dims.index(max(dims))
+        dims[i] = max(64, dims[i] // 2)
+    return dims
+
+
+def measure_gemm(layout: str, m: int, n: int, k: int, seconds: float = MEASURE_SECONDS) -> float:
+    """Best achieved FLOP/s of one (M x K) by (K x N) product in `layout` (current threads)."""
+    import torch
+
+    m, n, k = _capped([max(1, m), max(1, n), max(1, k)], 2.0, GEMM_FLOP_CAP)
+    g = torch.Generator().manual_seed(0)
+    if layout == "nt":      # x @ W^T
+        a, b = torch.randn(m, k, generator=g), torch.randn(n, k, generator=g).t()
+    elif layout == "nn":    # dy @ W
+        a, b = torch.randn(m, k, generator=g), torch.randn(k, n, generator=g)
+    elif layout in ("tn", "tna"):   # x^T @ dy (weight gradient)
+        a, b = torch.randn(k, m, generator=g).t(), torch.randn(k, n, generator=g)
+    else:
+        raise ValueError(f"unknown GEMM layout {layout!r}")
+    if layout == "tna":
+        c = torch.zeros(m, n)
+        t = _time(lambda: c.addmm_(a, b), seconds)
+    else:
+        t = _time(lambda: torch.mm(a, b), seconds)
+    return 2.0 * m * n * k / t
+
+
+def measure_attention(op: Op, seconds: float = MEASURE_SECONDS) -> tuple[float, float]:
+    """(forward, backward) FLOP/s of causal SDPA with the shape of attention op `op`.
+
+    `op.flops` is the forward's (or backward's, 2.5x) count for `op.batch` heads; the measured
+    call runs batch / gqa sequences of gqa query heads sharing one key/value head, with the
+    query laid out (b, s, heads, d) and transposed, as `Attention.forward` hands it over.
+    """
+    import torch
+    import torch.nn.functional as F
+
+    s_q, s_kv, d = (int(x) for x in op.dims)
+    gqa = max(1, int(op.gqa))
+    fwd_flops = op.flops / (2.5 if op.phase == "bwd" else 1.0)
+    per_seq = fwd_flops / max(1, op.batch) * gqa
+    b = max(1, int(op.batch) // gqa)
+    while b > 1 and per_seq * b > ATTN_FLOP_CAP:
+        b //= 2
+    scale = b * gqa / max(1, op.batch)
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(b, s_q, gqa, d, generator=g).transpose(1, 2).requires_grad_()
+    k = torch.randn(b, s_kv, 1, d, generator=g).transpose(1, 2).requires_grad_()
+    v = torch.randn(b, s_kv, 1, d, generator=g).transpose(1, 2).requires_grad_()
+    kw = {"is_causal": True, "enable_gqa": gqa > 1}
+    grad = torch.randn(b, gqa, s_q, d, generator=g)
+    t_fwd = _time(lambda: F.scaled_dot_product_attention(q, k, v, **kw), seconds)
+    times: list[float] = []
+    deadline = time.perf_counter() + seconds
+    while len(times) < 5 or time.perf_counter() < deadline:
+        out = F.scaled_dot_product_attention(q, k, v, **kw)
+        t0 = time.perf_counter()
+        torch.autograd.grad(out, (q, k, v), grad)
+        times.append(time.perf_counter() - t0)
+    return fwd_flops * scale / t_fwd, 2.5 * fwd_flops * scale / statistics.median(times)
+
+
+def measure_elementwise(nbytes: int, seconds: float = 0.4) -> float:
+    """Bytes/s of a mix of eager elementwise kernels on fp32 tensors of `nbytes` each.
+
+    Out-of-place kernels allocate their outputs, as the model's do. Bytes per kernel: inputs
+    read + output written (a reduction writes nothing worth counting).
+    """
+    import torch
+    import torch.nn.functional as F
+
+    n = max(1024, nbytes // 4)
+    g = torch.Generator().manual_seed(0)
+    a, b = torch.randn(n, generator=g), torch.randn(n, generator=g)
+    w = torch.randn(n, generator=g)
+    kernels = [
+        (lambda: a * b, 3),
+        (lambda: a + b, 3),
+        (lambda: a.pow(2), 2),
+        (lambda: F.silu(a), 2),
+        (lambda: torch.exp(a), 2),
+        (lambda: a.sum(), 1),
+        (lambda: w.mul_(0.999), 2),
+    ]
+    t = sum(_time(fn, seconds / len(kernels)) for fn, _ in kernels)
+    return 4 * n * sum(p for _, p in kernels) / t
+
+
+_VIEWS = {"view", "t", "transpose", "_unsafe_view", "expand", "detach", "slice", "unsqueeze",
+          "select", "alias", "as_strided", "permute", "squeeze", "_reshape_alias", "empty",
+          "empty_like", "lift_fresh"}
+_NOT_ELEMENTWISE = {"mm", "addmm", "addmm_", "bmm", "matmul",
+                    "_scaled_dot_product_flash_attention_for_cpu",
+                    "_scaled_dot_product_flash_attention_for_cpu_backward"}
+
+
+def _timed_trace(fn, repeats: int = 3) -> tuple[float, float]:
+    """(bytes, seconds) of the elementwise kernels `fn` dispatches (median of `repeats`).
+
+    A torch dispatch mode times each aten call that is neither a view nor a GEMM nor SDPA, and
+    counts its bytes as inputs read + output written (in-place: inputs only), the convention
+    of the eager byte counts in `operators` (checked against the same trace in the tests).
+    """
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._pytree import tree_leaves
+
+    def nbytes(x) -> int:
+        return sum(t.numel() * t.element_size() for t in tree_leaves(x)
+                   if isinstance(t, torch.Tensor))
+
+    tot = {"b": 0, "t": 0.0}
+
+    class Timed(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            name = func.overloadpacket.__name__
+            if name in _VIEWS or name in _NOT_ELEMENTWISE:
+                return func(*args, **(kwargs or {}))
+            t0 = time.perf_counter()
+            out = func(*args, **(kwargs or {}))
+            tot["t"] += time.perf_counter() - t0
+            tot["b"] += nbytes((args, kwargs)) + (0 if name.endswith("_") else nbytes(out))
+            return out
+
+    fn(None)  # warm-up
+    runs = []
+    for _ in range(repeats):
+        tot["b"], tot["t"] = 0, 0.0
+        fn(Timed)
+        runs.append((tot["t"], tot["b"]))
+    t, b = sorted(runs)[len(runs) // 2]
+    return b, t
+
+
+def measure_eager_bandwidth(shape: LayerShape) -> tuple[float, float] | None:
+    """Bytes/s of the elementwise kernels of one myria block and of the model's ends.
+
+    Runs `myria.models.transformer` itself at this shape (one block forward + backward; then the
+    embedding, final norm and loss - the fused chunked one when `shape.ce_chunk`, else logits
+    and F.cross_entropy as the pipeline's last stage computes it) under `_timed_trace`. Returns
+    None when the activations would exceed 64 MiB per tensor (measure a smaller batch instead).
+    """
+    import contextlib
+
+    import torch
+    import torch.nn.functional as F
+
+    from myria.models.transformer import build_model
+
+    cfg = dataclasses.replace(shape.model_config(), layers=1)
+    b, s = shape.micro_batch, shape.seq_len
+    if 4 * b * s * max(shape.hidden, shape.ffn) > (1 << 26):
+        b = 1
+        if 4 * s * max(shape.hidden, shape.ffn) > (1 << 26):
+            return None
+    model = build_model(cfg, "cpu")
+    model.init_weights(0)
+    block = model.layers["0"]
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(b, s, cfg.hidden, generator=g, requires_grad=True)
+    rope = model.rope_tables_for(s, torch.float32) if cfg.arch == "llama" else None
+    dy = torch.randn(b, s, cfg.hidden, generator=g)
+
+    def mode(cls):
+        return cls() if cls else contextlib.nullcontext()
+
+    def run_block(cls):
+        with mode(cls):
+            y = block(x, rope)
+            y.backward(dy)
+
+    model.layers = torch.nn.ModuleDict()   # the ends only: embedding, final norm, head
+    tokens = torch.randint(0, cfg.vocab_size, (b, s), generator=g)
+
+    def run_head(cls):
+        with mode(cls):
+            if shape.ce_chunk:
+                loss = model(tokens, tokens)
+            else:
+                logits = model(tokens)
+                loss = F.cross_entropy(logits.flatten(0, 1).float(), tokens.flatten())
+            loss.backward()
+
+    bb, bt = _timed_trace(run_block)
+    hb, ht = _timed_trace(run_head)
+    return bb / bt, hb / ht
+
+
+def measure_kernel_overhead() -> float:
+    """Seconds of one tiny eager kernel (dispatch, allocation, no work)."""
+    import torch
+
+    a, b = torch.ones(16), torch.ones(16)
+
+    def ten():
+        for _ in range(10):
+            a * b
+    return _time(ten, 0.1, min_calls=20) / 10
+
+
+def measure_optimizer(n_params: int = 1 << 23, tensor_numel: int = 1 << 20) -> float:
+    """Seconds per parameter of myria's step tail: gradient clip, then AdamW (foreach)."""
+    import torch
+    from torch import nn
+
+    from myria.config import OptimizerConfig
+    from myria.optim import build_optimizer
+    from myria.parallel.expert import clip_grad_norm_
+
+    cols = 1024
+    rows = max(1, tensor_numel // cols)
+    k = max(1, n_params // (rows * cols))
+    model = nn.ParameterList([nn.Parameter(torch.randn(rows, cols) * 0.02) for _ in range(k)])
+    opt = build_optimizer(model, OptimizerConfig())
+    for p in model:
+        p.grad = torch.randn_like(p)
+
+    def step():
+        clip_grad_norm_(list(model), 1.0, foreach=True)
+        opt.step()
+    return _time(step, 0.5) / (k * rows * cols)
+
+
+def measure_compute(shape: LayerShape | None, threads: int, ops: list[Op] | None = None,
+                    base: bool = True, eager: bool = True,
+                    seconds: float = MEASURE_SECONDS) -> dict:
+    """Measure (at `threads` threads) the rates of `ops`, if `eager` the elementwise bandwidths
+    of this model's own kernels, and if `base` the scalar figures."""
+    import torch
+
+    old = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        rates: dict[str, float] = {}
+        attn_done: dict[tuple, tuple[float, float]] = {}
+        for op in ops or []:
+            key = rate_key(op)
+            if op.kind == "attn":
+                base_key = (op.batch, *op.dims, op.gqa)
+                if base_key not in attn_done:
+                    attn_done[base_key] = measure_attention(op, seconds)
+                f, b = attn_done[base_key]
+                rates[_key_str(("attn-fwd", *key[1:]))] = f
+                rates[_key_str(("attn-bwd", *key[1:]))] = b
+            else:
+                rates[_key_str(key)] = measure_gemm(key[0], *key[1:], seconds=seconds)
+        entry: dict = {"rates": rates}
+        if eager and shape is not None:
+            bw = measure_eager_bandwidth(shape)
+            if bw:
+                entry["eager_bw"] = {eager_key(shape): list(bw)}
+        if base and shape is not None:
+            entry.update(
+                elementwise_bw=measure_elementwise(PARAM_TENSOR_BYTES),
+                kernel_overhead_s=measure_kernel_overhead(),
+                optimizer_s_per_param=measure_optimizer(),
+                elementwise_tensor_bytes=PARAM_TENSOR_BYTES,
+            )
+        entry.update(measured_at=time.strftime("%Y-%m-%dT%H:%M:%S"), loadavg=_loadavg(),
+                     threads=threads)
+        return entry
+    finally:
+        torch.set_num_threads(old)
+
+
+def profile_for(shape: LayerShape, threads: int, nproc: int = 1, pp: int = 1,
+                measure: bool = True, refresh: bool = False) -> CpuProfile | None:
+    """The profile covering every GEMM/attention shape of `shape`, measuring what is missing.
+
+    `nproc` processes with `threads` threads each (the layout the trainer runs) measure at once;
+    with several, the gloo figures among them are measured too. `refresh` re-measures all of
+    it now (the self-check does, so that its figures and its runs see the same machine).
+    """
+    prof = None if refresh else load_profile(threads, nproc, shape)
+    if measure:
+        missing = missing_ops(shape, prof, pp) if not refresh else missing_ops(shape, None, pp)
+        no_bw = prof is None or ("bw", "eltwise") not in dict(prof.rates)
+        no_gloo = nproc > 1 and (refresh or not _read_cache().get(_gloo_key(threads, nproc)))
+        if refresh or prof is None or missing or no_bw or no_gloo:
+            run_measurements(shape, threads, nproc, missing, base=refresh or prof is None,
+                             eager=refresh or no_bw, gloo=no_gloo)
+        prof = load_profile(threads, nproc, shape)
+    return prof
+
+
+def measure_gloo(nproc: int, threads: int | None = None) -> dict:
+    """Measure (and cache) the gloo figures among `nproc` local processes; return the entry."""
+    threads = threads or default_threads(nproc)
+    run_measurements(None, threads, nproc, [], base=False, eager=False, gloo=True)
+    return _read_cache()[_gloo_key(threads, nproc)]
+
+
+def run_measurements(shape: LayerShape | None, threads: int, nproc: int, ops: list[Op],
+                     base: bool, eager: bool, gloo: bool) -> None:
+    """Measure on `nproc` concurrent processes (this one if 1) and merge into the cache."""
+    if nproc <= 1:
+        entries = [measure_compute(shape, threads, ops, base=base, eager=eager)]
+    else:
+        import subprocess
+        import sys
+
+        import torch.distributed as dist
+
+        # The parent hosts the rendezvous store on a free port (the pattern of tests/dist.py);
+        # workers are fresh interpreters (`python -m myria.sim.cpu JOB RANK`), so this works
+        # from any caller, whatever its __main__ module.
+        store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+        with tempfile.TemporaryDirectory() as tmp:
+            job = {"world": nproc, "port": store.port, "out": tmp, "threads": threads,
+                   "shape": dataclasses.asdict(shape) if shape is not None else None,
+                   "ops": [dataclasses.asdict(o) for o in ops], "base": base, "eager": eager,
+                   "gloo": gloo, "units": list(fsdp_units(shape)) if gloo else []}
+            Path(tmp, "job.json").write_text(json.dumps(job))
+            env = dict(os.environ, OMP_NUM_THREADS=str(threads))
+            procs = [subprocess.Popen([sys.executable, "-m", "myria.sim.cpu",
+                                      str(Path(tmp, "job.json")), str(r)], env=env)
+                     for r in range(nproc)]
+            codes = [p.wait(timeout=900) for p in procs]
+            if any(codes):
+                raise RuntimeError(f"CPU measurement workers exited with {codes}")
+            entries = [json.loads(Path(tmp, f"rank{r}.json").read_text())
+                       for r in range(nproc)]
+    merged = _mean_entries(entries)
+    points = merged.pop("gloo_points", None)
+    if shape is not None or base:
+        _update_cache(_compute_key(threads, nproc), merged)
+    if points:
+        fsdp = points.pop("fsdp_all_gather", [])
+        cache = _read_cache()
+        old = cache.get(_gloo_key(threads, nproc), {}).get("fsdp_all_gather", {})
+        cache[_gloo_key(threads, nproc)] = {
+            "fits": {op: list(_fit([tuple(p) for p in pts])) for op, pts in points.items()},
+            "points": points,
+            "fsdp_all_gather": {**old, **{str(int(b)): t for b, t in fsdp}},
+            "measured_at": merged.get("measured_at"),
+            "loadavg": merged.get("loadavg"), "threads": threads, "nproc": nproc}
+        _write_cache(cache)
+
+
+def fsdp_units(shape: LayerShape | None) -> tuple[int, ...]:
+    """Bytes of the FSDP units myria shards (a block, the root) plus FSDP_SIZES, fp32."""
+    units = {4 * n for n in FSDP_SIZES}
+    if shape is not None:
+        from myria.sim.memory import stage_params
+
+        block = sum(stage_params(shape, 1, False, False, 1))
+        for first, last in ((True, True), (True, False), (False, True)):
+            root = sum(stage_params(shape, 0, first, last, 1))
+            if root:
+                units.add(int(4 * root))
+        units.add(int(4 * block))
+    return tuple(sorted(units))
+
+
+def _mean_entries(entries: list[dict]) -> dict:
+    """The mean over processes of every measured figure (rank 0's gloo points)."""
+    out = dict(entries[0])
+    n = len(entries)
+    for k, v in entries[0].items():
+        if isinstance(v, float) and k != "loadavg":
+            out[k] = sum(e[k] for e in entries) / n
+    out["rates"] = {k: sum(e["rates"][k] for e in entries) / n
+                    for k in entries[0].get("rates", {})}
+    if "eager_bw" in entries[0]:
+        out["eager_bw"] = {k: [sum(e["eager_bw"][k][i] for e in entries) / n for i in (0, 1)]
+                           for k in entries[0]["eager_bw"]}
+    return out
+
+
+def _worker(rank: int, world: int, port: int, out_dir: str, threads: int,
+            shape: LayerShape | None, ops: list[Op], base: bool, eager: bool,
+            gloo: bool, units: tuple) -> None:
+    """One of the concurrent measuring processes (rank `rank` of `world`)."""
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(threads)
+    store = dist.TCPStore("127.0.0.1", port, is_master=False)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
+    try:
+        dist.barrier()
+        entry = measure_compute(shape, threads, ops, base=base, eager=eager)
+        if gloo:
+            dist.barrier()
+            entry["gloo_points"] = _gloo_points(world)
+            dist.barrier()
+            entry["gloo_points"]["fsdp_all_gather"] = _fsdp_gather_points(world, units)
+        Path(out_dir, f"rank{rank}.json").write_text(json.dumps(entry))
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+# -- gloo between local processes -----------------------------------------------------------------
+def _fit(points: list[tuple[float, float]]) -> tuple[float, float]:
+    """Least-squares t = alpha + x / bw over (x, t); alpha >= 0."""
+    n = len(points)
+    mx = sum(x for x, _ in points) / n
+    mt = sum(t for _, t in points) / n
+    sxx = sum((x - mx) ** 2 for x, _ in points)
+    slope = sum((x - mx) * (t - mt) for x, t in points) / sxx if sxx else 0.0
+    if slope <= 0:
+        x, t = max(points)
+        return 0.0, x / t
+    alpha = mt - slope * mx
+    if alpha < 0:
+        alpha = 0.0
+        slope = sum(x * t for x, t in points) / sum(x * x for x, _ in points)
+    return alpha, 1.0 / slope
+
+
+def _fsdp_gather_points(world: int, units: tuple, repeats: int = 7) -> list:
+    """(unit bytes, seconds) of FSDP2's own all-gather of one unit, as myria shards.
+
+    `fully_shard` a module holding one fp32 parameter of each size over the `world` local
+    processes and time `unshard()` + `reshard()`: the copy-in of the local shard, the gloo
+    all-gather and the copy-out into the unsharded parameter, as every block's forward and
+    backward pays them (`parallel/parallelize.apply_fsdp`). The time is not linear in the
+    size: an unsharded parameter is freed at reshard and allocated again at unshard, and above
+    the allocator's mmap threshold that means fresh pages (page faults) every time; hence the
+    units are measured at the model's own sizes and interpolated between them.
+    """
+    import torch
+    from torch import nn
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (world,))
+    pts = []
+    for nbytes in units:
+        numel = max(world * 1024, nbytes // 4)
+        module = nn.Module()
+        module.w = nn.Parameter(torch.zeros(numel // 1024, 1024))
+        fully_shard(module, mesh=mesh)
+
+        def cycle(m=module):
+            m.unshard()
+            m.reshard()
+        times = []
+        for _ in range(repeats):
+            torch.distributed.barrier()
+            t0 = time.perf_counter()
+            cycle()
+            times.append(time.perf_counter() - t0)
+        pts.append((nbytes, statistics.median(times[1:])))
+    return pts
+
+
+def _gloo_points(world: int, sizes: tuple = GLOO_SIZES, repeats: int = 5) -> dict:
+    """(bus bytes, seconds) per size for each collective, and (bytes, seconds) of send/recv.
+
+    Medians over `repeats` timings of 3 calls each (`collective_bench`: slowest rank's mean).
+    """
+    import torch
+
+    from myria.resilience.collective_bench import bench_collective, bench_p2p_ring, busbw_factor
+
+    cpu = torch.device("cpu")
+    raw: dict[str, list] = {}
+    for op in GLOO_OPS:
+        raw[op] = [(size * busbw_factor(op, world), statistics.median(
+            bench_collective(op, size, device=cpu, warmup=1, iters=3).time_s
+            for _ in range(repeats))) for size in sizes]
+    raw["p2p"] = [(float(size), statistics.median(
+        size / (bench_p2p_ring(size, device=cpu, latency_iters=5, iters=3).bandwidth_gbs * 1e9)
+        for _ in range(repeats))) for size in sizes]
+    return raw
+
+
+def with_gloo(profile: CpuProfile, nproc: int) -> CpuProfile:
+    """`profile` with the cached gloo figures for `nproc` processes (if any)."""
+    if nproc <= 1:
+        return replace(profile, nproc=1, gloo=())
+    g = _read_cache().get(_gloo_key(profile.threads, nproc), {})
+    gloo = tuple(sorted((op, float(a), float(b)) for op, (a, b) in g.get("fits", {}).items()))
+    return replace(profile, nproc=nproc, gloo=gloo)
+
+
+@dataclass
+class Summary:
+    """Human-readable view of a profile (for reports)."""
+
+    threads: int
+    gemm_gflops: dict = field(default_factory=dict)
+    attn_gflops: dict = field(default_factory=dict)
+    elementwise_gbs: float = 0.0
+    eager_bw_gbs: dict = field(default_factory=dict)
+    kernel_overhead_us: float = 0.0
+    optimizer_ns_per_param: float = 0.0
+    gloo: dict = field(default_factory=dict)
+    fsdp_gather_ms: dict = field(default_factory=dict)
+
+
+def summarize(profile: CpuProfile) -> Summary:
+    s = Summary(threads=profile.threads,
+                elementwise_gbs=profile.elementwise_bw / 1e9,
+                kernel_overhead_us=profile.kernel_overhead_s * 1e6,
+                optimizer_ns_per_param=profile.optimizer_s_per_param * 1e9)
+    for k, r in profile.rates:
+        if k[0] == "bw":
+            s.eager_bw_gbs[k[1]] = r / 1e9
+        else:
+            (s.attn_gflops if k[0].startswith("attn") else s.gemm_gflops)[_key_str(k)] = r / 1e9
+    for op, a, b in profile.gloo:
+        s.gloo[op] = {"alpha_us": a * 1e6, "bw_gbs": b / 1e9}
+    for nbytes, t in profile.fsdp_gather:
+        s.fsdp_gather_ms[f"{nbytes / 2**20:.1f} MiB"] = t * 1e3
+    return s
+
+
+def _worker_main(argv: list[str]) -> None:
+    job = json.loads(Path(argv[0]).read_text())
+    shape = LayerShape(**job["shape"]) if job["shape"] else None
+    ops = [Op(**{k: tuple(v) if k == "dims" else v for k, v in o.items()}) for o in job["ops"]]
+    _worker(int(argv[1]), job["world"], job["port"], job["out"], job["threads"], shape, ops,
+            job["base"], job["eager"], job["gloo"], tuple(job["units"]))
+
+
+if __name__ == "__main__":
+    import sys
+
+    _worker_main(sys.argv[1:])
