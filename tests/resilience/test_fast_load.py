@@ -7,6 +7,7 @@ one rank per replica group reads from storage (RUN_DIR/checkpoint_stats/rankN.js
 from __future__ import annotations
 
 import json
+import shutil
 
 import pytest
 import torch
@@ -39,9 +40,15 @@ def params(run_dir):
 ])
 def test_one_reader_per_replica_group(tmp_path, tiny_data, nproc, layout, readers):
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
-    train(straight, tiny_data, nproc, *layout)
-    train(resumed, tiny_data, nproc, *layout, "--stop-after", str(STEPS // 2))
-    p = train(resumed, tiny_data, nproc, *layout)
+    train(straight, tiny_data, nproc, *layout, f"--checkpoint.interval={STEPS // 2}")
+    # the same run stopped after the first checkpoint: drop what came after it
+    shutil.copytree(straight, resumed)
+    shutil.rmtree(resumed / "checkpoints" / f"step_{STEPS:08d}")
+    (resumed / "checkpoints" / "latest").write_text(f"step_{STEPS // 2:08d}\n")
+    rows = (resumed / "metrics.jsonl").read_text().splitlines()
+    (resumed / "metrics.jsonl").write_text("".join(
+        r + "\n" for r in rows if json.loads(r).get("step", 0) <= STEPS // 2))
+    p = train(resumed, tiny_data, nproc, *layout, f"--checkpoint.interval={STEPS // 2}")
     assert "resumed from" in p.stdout
     got = bytes_read(resumed, nproc)
     assert [r for r in range(nproc) if got[r] > 0] == readers, got
