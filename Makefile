@@ -6,7 +6,7 @@ BIN     := $(VENV)/bin
 NPROC   ?= 2
 STAMP   := $(VENV)/.installed
 
-.PHONY: setup demo test test-quick lint bench clean
+.PHONY: setup demo test test-quick lint bench clean redis
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -23,8 +23,14 @@ demo: $(STAMP)
 	@test -f data/demo/index.json || $(BIN)/myria prepare --corpus demo --out data/demo
 	$(BIN)/myria train --config configs/demo.toml --run-dir runs/demo --nproc $(NPROC)
 
+# A real redis-server for the Redis heartbeat-store tests (they skip cleanly without one).
+redis:
+	@command -v redis-server >/dev/null 2>&1 || (apt-get update -qq && \
+	  apt-get install -y -qq redis-server >/dev/null) 2>/dev/null || \
+	  echo "redis-server not installed: the Redis store tests will be skipped"
+
 # The whole test suite (CI runs this).
-test: $(STAMP)
+test: $(STAMP) redis
 	$(BIN)/python -m pytest -q
 
 # The quick subset: no multi-process or long tests.
