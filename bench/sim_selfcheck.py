@@ -210,49 +210,62 @@ def write_markdown(result: dict) -> None:
         "of a core; the load average (1 min) before/after each run and the cores other "
         "processes used during it (/proc/stat minus the run's own CPU time) are shown.",
         "",
+        f"Each configuration ran {result['repeats']} times (rounds over all configurations, "
+        "each trial: measure, predict, train); the table gives the medians over the trials "
+        "and every trial's error.",
+        "",
         "| config | processes x threads | layout | measured s | predicted s | error | "
-        "measured MFU | predicted MFU | load before/after | others' cores during run |",
+        "trial errors | measured MFU | predicted MFU | others' cores during runs |",
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in result["cases"]:
-        lay = r["prediction"]["layout"]
+        last = r["trials"][-1]
+        lay = last["prediction"]["layout"]
         lay_s = f"dp{lay['dp']} pp{lay['pp']} m{lay['microbatches']}"
         if lay["dp"] > 1:
             lay_s += f" zero{lay['zero_stage']}"
-        meas, pred = r["measured"], r["prediction"]
+        mfu_m = statistics.median(t["measured"]["mfu"] for t in r["trials"])
+        mfu_p = statistics.median(t["prediction"]["mfu"] for t in r["trials"])
         lines.append(
-            f"| {r['name']} | {r['nproc']} x {pred['threads']} | {lay_s} | "
-            f"{meas['step_s']:.3f} | {pred['step_s']:.3f} | {100 * r['error']:+.1f}% | "
-            f"{100 * meas['mfu']:.1f}% | {100 * pred['mfu']:.1f}% | "
-            f"{meas['loadavg_before']:.1f}/{meas['loadavg_after']:.1f} | "
-            f"{meas['others_cores_during_run']:.2f} |")
+            f"| {r['name']} | {r['nproc']} x {last['prediction']['threads']} | {lay_s} | "
+            f"{r['measured_s']:.3f} | {r['predicted_s']:.3f} | {100 * r['error']:+.1f}% | "
+            + " ".join(f"{100 * e:+.1f}%" for e in r["trial_errors"])
+            + f" | {100 * mfu_m:.1f}% | {100 * mfu_p:.1f}% | "
+            + " ".join(f"{t['measured']['others_cores_during_run']:.2f}" for t in r["trials"])
+            + " |")
     errs = [abs(r["error"]) for r in result["cases"]]
     lines += ["", f"Mean absolute error {100 * sum(errs) / len(errs):.1f}%, max "
               f"{100 * max(errs):.1f}% (target: each within {100 * TOLERANCE:.0f}%)."]
-    lines += ["", "What was measured on this CPU just before each run (medians of repeated "
-              "calls, mean over the concurrent processes):", ""]
+    lines += ["", "What was measured on this CPU just before the last trial of each "
+              "configuration (medians of repeated calls, mean over the concurrent processes):",
+              ""]
     for r in result["cases"]:
-        f = r["figures"]
+        f = r["trials"][-1]["figures"]
         p = f["profile"]
         g, a = p["gemm_gflops"], p["attn_gflops"]
         eb = p["eager_bw_gbs"]
         line = (f"- {r['name']} ({r['nproc']} x {f['threads']} threads): fp32 matmul peak "
-                f"{1000 * f['peak_tflops']:.0f} GFLOP/s; model GEMMs "
-                f"{min(g.values()):.0f}-{max(g.values()):.0f} GFLOP/s ({len(g)} shapes x "
-                "layouts); SDPA " + ", ".join(f"{k.split(',')[0][5:]} {v:.0f}"
-                                              for k, v in a.items())
+                f"{1000 * f['peak_tflops']:.0f} GFLOP/s; GEMMs "
+                f"{min(g.values()):.0f}-{max(g.values()):.0f} GFLOP/s over {len(g)} "
+                "shape/layout keys; SDPA " + ", ".join(f"{k.split(',')[0][5:]} {v:.0f}"
+                                                        for k, v in a.items())
                 + f" GFLOP/s; eager elementwise {eb.get('eltwise', 0):.1f} GB/s in blocks, "
                 f"{eb.get('head', 0):.1f} GB/s at the ends, {p['elementwise_gbs']:.1f} GB/s "
-                f"generic; kernel overhead {p['kernel_overhead_us']:.1f} us; clip + AdamW "
-                f"{p['optimizer_ns_per_param']:.1f} ns/parameter")
+                f"on 16 MiB tensors; kernel overhead {p['kernel_overhead_us']:.1f} us; clip + "
+                f"AdamW {p['optimizer_ns_per_param']:.1f} ns/parameter")
         if p["gloo"]:
             line += "; gloo " + ", ".join(
                 f"{op} {v['alpha_us']:.0f} us + {v['bw_gbs']:.2f} GB/s"
                 for op, v in p["gloo"].items())
+        if p.get("fsdp_ms"):
+            line += "; FSDP2 per unit (block / root per microbatch, reduce per step) " + \
+                ", ".join(f"{k} {v['block']:.1f} / {v['root']:.1f} / {v['reduce']:.1f} ms"
+                          for k, v in p["fsdp_ms"].items())
         lines.append(line + f" (measured in {f['seconds']} s)")
-    lines += ["", "Per-configuration predicted breakdown (seconds per step):", ""]
+    lines += ["", "Predicted breakdown of the last trial (seconds per step):", ""]
     for r in result["cases"]:
-        bd = ", ".join(f"{k} {v:.3f}" for k, v in r["prediction"]["breakdown_s"].items())
+        bd = ", ".join(f"{k} {v:.3f}"
+                       for k, v in r["trials"][-1]["prediction"]["breakdown_s"].items())
         lines.append(f"- {r['name']}: {bd}")
     if result.get("notes"):
         lines += ["", *result["notes"]]
@@ -261,14 +274,17 @@ def write_markdown(result: dict) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--steps", type=int, default=10, help="training steps per configuration")
+    ap.add_argument("--steps", type=int, default=9, help="training steps per configuration")
+    ap.add_argument("--repeats", type=int, default=2,
+                    help="rounds over the configurations (each: measure, predict, train); the "
+                    "table shows the medians")
     ap.add_argument("--warmup", type=int, default=3, help="steps left out of the median")
     ap.add_argument("--only", default="", help="comma-separated case names")
     ap.add_argument("--no-write", action="store_true", help="print only")
     ap.add_argument("--quiet-below", type=float, default=0.3,
                     help="before each configuration wait until other processes use fewer "
                     "cores than this (sampled over 2 s)")
-    ap.add_argument("--max-wait", type=float, default=300.0,
+    ap.add_argument("--max-wait", type=float, default=120.0,
                     help="seconds to wait for quiet before each configuration")
     args = ap.parse_args(argv)
     cases = [c for c in CASES if not args.only or c.name in args.only.split(",")]
@@ -276,32 +292,45 @@ def main(argv: list[str] | None = None) -> int:
 
     t_start = time.perf_counter()
     data = ensure_data()
+    trials: dict[str, list] = {c.name: [] for c in cases}
+    for rnd in range(args.repeats):
+        for c in cases:
+            quiet = wait_quiet(args.quiet_below, args.max_wait)
+            print(f"[{rnd + 1}/{args.repeats}] {c.name}: measuring this CPU as {c.nproc} "
+                  f"process(es) (load average {loadavg()}; other processes "
+                  f"{quiet['others_cores']} cores after waiting {quiet['waited_s']} s) ...",
+                  flush=True)
+            figures = measure_case(c)
+            figures["quiet"] = quiet
+            pred = predict(c)
+            print(f"  {figures['seconds']} s; predicted {pred['step_s']:.3f} s/step; training "
+                  f"{args.steps} steps ...", flush=True)
+            meas = train(c, args.steps, args.warmup, data)
+            err = pred["step_s"] / meas["step_s"] - 1
+            trials[c.name].append({"figures": figures, "measured": meas, "prediction": pred,
+                                   "error": err})
+            print(f"  measured {meas['step_s']:.3f} s, predicted {pred['step_s']:.3f} s "
+                  f"({100 * err:+.1f}%), load {meas['loadavg_before']}->"
+                  f"{meas['loadavg_after']}, other processes used "
+                  f"{meas['others_cores_during_run']} cores", flush=True)
     results = []
     for c in cases:
-        quiet = wait_quiet(args.quiet_below, args.max_wait)
-        print(f"{c.name}: measuring this CPU as {c.nproc} process(es) (load average "
-              f"{loadavg()}; other processes {quiet['others_cores']} cores after waiting "
-              f"{quiet['waited_s']} s) ...", flush=True)
-        figures = measure_case(c)
-        figures["quiet"] = quiet
-        pred = predict(c)
-        print(f"  {figures['seconds']} s; predicted {pred['step_s']:.3f} s/step; training "
-              f"{args.steps} steps ...", flush=True)
-        meas = train(c, args.steps, args.warmup, data)
-        err = pred["step_s"] / meas["step_s"] - 1
+        ts = trials[c.name]
+        meas = statistics.median(t["measured"]["step_s"] for t in ts)
+        pred = statistics.median(t["prediction"]["step_s"] for t in ts)
+        err = pred / meas - 1
         results.append({"name": c.name, "what": c.what, "nproc": c.nproc,
-                        "overrides": c.overrides, "figures": figures, "measured": meas,
-                        "prediction": pred, "error": err,
-                        "within_tolerance": abs(err) <= TOLERANCE})
-        print(f"  measured {meas['step_s']:.3f} s, predicted {pred['step_s']:.3f} s "
-              f"({100 * err:+.1f}%), load {meas['loadavg_before']}->{meas['loadavg_after']}, "
-              f"other processes used {meas['others_cores_during_run']} cores", flush=True)
+                        "overrides": c.overrides, "measured_s": meas, "predicted_s": pred,
+                        "error": err, "within_tolerance": abs(err) <= TOLERANCE,
+                        "trial_errors": [t["error"] for t in ts], "trials": ts})
     print()
-    print(f"{'config':12s} | {'measured s':>10s} | {'predicted s':>11s} | {'error %':>7s}")
-    print("-" * 50)
+    print(f"{'config':12s} | {'measured s':>10s} | {'predicted s':>11s} | {'error %':>7s} | "
+          "trials")
+    print("-" * 70)
     for r in results:
-        print(f"{r['name']:12s} | {r['measured']['step_s']:10.3f} | "
-              f"{r['prediction']['step_s']:11.3f} | {100 * r['error']:+7.1f}")
+        print(f"{r['name']:12s} | {r['measured_s']:10.3f} | {r['predicted_s']:11.3f} | "
+              f"{100 * r['error']:+7.1f} | "
+              + " ".join(f"{100 * e:+.1f}" for e in r["trial_errors"]))
     errs = [abs(r["error"]) for r in results]
     print(f"mean absolute error {100 * sum(errs) / len(errs):.1f}%, max {100 * max(errs):.1f}%"
           f"; total {time.perf_counter() - t_start:.0f} s")
@@ -311,7 +340,8 @@ def main(argv: list[str] | None = None) -> int:
         "date": DATE,
         "machine": {"cpu": cpu_model(), "cores": os.cpu_count(), "torch": torch.__version__,
                     "python": platform.python_version(), "platform": platform.platform()},
-        "steps": args.steps, "warmup": args.warmup, "tolerance": TOLERANCE,
+        "steps": args.steps, "warmup": args.warmup, "repeats": args.repeats,
+        "tolerance": TOLERANCE,
         "quiet_below": args.quiet_below, "max_wait": args.max_wait,
         "cases": results,
         "mean_abs_error": sum(errs) / len(errs), "max_abs_error": max(errs),

@@ -219,16 +219,18 @@ def test_alpha_beta_fit():
     assert alpha == pytest.approx(1e-4, rel=1e-6) and bw == pytest.approx(2e9, rel=1e-6)
 
 
-def test_fsdp_gather_time_interpolates_the_measured_units():
-    prof = dataclasses.replace(synthetic_profile(),
-                               fsdp_gather=((1e6, 1e-3), (1e7, 5e-3), (3e7, 9e-2)))
-    assert prof.fsdp_gather_time(1e6) == pytest.approx(1e-3)
-    assert prof.fsdp_gather_time(5.5e6) == pytest.approx(3e-3)
-    assert prof.fsdp_gather_time(4e7) > 9e-2           # extrapolated along the last segment
-    assert synthetic_profile().fsdp_gather_time(1e6) is None
+def test_fsdp_times_interpolate_the_measured_units():
+    prof = dataclasses.replace(synthetic_profile(), fsdp=((1e6, 1e-3, 5e-4, 2e-3),
+                                                          (1e7, 5e-3, 3e-3, 1e-2),
+                                                          (3e7, 9e-2, 5e-2, 3e-2)))
+    assert prof.fsdp_time(1e6, "block") == pytest.approx(1e-3)
+    assert prof.fsdp_time(5.5e6, "block") == pytest.approx(3e-3)
+    assert prof.fsdp_time(5.5e6, "reduce") == pytest.approx(6e-3)
+    assert prof.fsdp_time(4e7, "root") > 5e-2            # extrapolated along the last segment
+    assert synthetic_profile().fsdp_time(1e6, "block") is None
     # the FSDP traffic of a step follows the measured unit times
     demo = demo_config()
     base = simulate_config(demo, 2, HERE, cpu_profile=synthetic_profile())
     slow = simulate_config(demo, 2, HERE, cpu_profile=dataclasses.replace(
-        synthetic_profile(), fsdp_gather=((1e6, 0.05), (1e8, 0.5))))
+        synthetic_profile(), fsdp=((1e6, 0.05, 0.05, 0.05), (1e8, 0.5, 0.5, 0.5))))
     assert slow.breakdown["dp_comm_exposed"] > base.breakdown["dp_comm_exposed"] + 0.5

@@ -60,7 +60,7 @@ ATTN_FLOP_CAP = 4e9
 MEASURE_SECONDS = 0.15       # per shape: median of the calls made in this time (at least 5)
 GLOO_SIZES = (1 << 16, 1 << 21, 1 << 24)   # 64 KiB, 2 MiB, 16 MiB per rank
 GLOO_OPS = ("all_reduce", "all_gather", "reduce_scatter")
-FSDP_SIZES = (1 << 18, 1 << 21, 1 << 23)   # parameters per FSDP unit (1, 8, 32 MiB of fp32)
+FSDP_SIZES = (1 << 18, 1 << 23)   # parameters per FSDP unit besides the model's (1, 32 MiB fp32)
 PARAM_TENSOR_BYTES = 1 << 24               # parameter-sized passes: 16 MiB tensors
 PROFILE_FILE = "cpu_profile.json"
 
@@ -81,7 +81,7 @@ class CpuProfile:
     optimizer_s_per_param: float = 0.0
     nproc: int = 1
     gloo: tuple = ()                  # ((op, alpha_s, busbw bytes/s), ...) among nproc processes
-    fsdp_gather: tuple = ()           # ((unit bytes, seconds), ...): FSDP2 unshard + reshard
+    fsdp: tuple = ()                  # ((unit bytes, block s, root s, reduce s), ...): FSDP2
     source: str = "measured"
 
     def efficiency(self) -> Efficiency:
@@ -89,10 +89,12 @@ class CpuProfile:
         return Efficiency(gemm=1.0, half_dim=0.0, mem=1.0,
                           kernel_overhead_s=self.kernel_overhead_s, rates=self.rates)
 
-    def fsdp_gather_time(self, nbytes: float) -> float | None:
-        """Seconds of FSDP2's all-gather of a unit of `nbytes` (piecewise linear in the measured
-        unit sizes, extrapolated along the last segment), if measured."""
-        pts = self.fsdp_gather
+    def fsdp_time(self, nbytes: float, kind: str) -> float | None:
+        """Seconds FSDP2 adds for a unit of `nbytes`: "block" (per microbatch, resharded after
+        forward), "root" (per microbatch, kept), "reduce" (per step); piecewise linear in the
+        measured unit sizes, extrapolated along the last segment. None if not measured."""
+        col = {"block": 1, "root": 2, "reduce": 3}[kind]
+        pts = [(p[0], p[col]) for p in self.fsdp]
         if not pts:
             return None
         if len(pts) == 1:
@@ -197,6 +199,8 @@ def load_profile(threads: int, nproc: int = 1, shape: LayerShape | None = None
     if not entry or not entry.get("elementwise_bw"):
         return None
     table = {_key_tuple(k): float(v) for k, v in entry.get("rates", {}).items()}
+    # rates timed inside the running model win over isolated calls of the same shape
+    table.update({_key_tuple(k): float(v) for k, v in entry.get("rates_in_situ", {}).items()})
     if shape is not None and eager_key(shape) in entry.get("eager_bw", {}):
         block, head = entry["eager_bw"][eager_key(shape)]
         table[("bw", "eltwise")], table[("bw", "head")] = float(block), float(head)
@@ -206,11 +210,12 @@ def load_profile(threads: int, nproc: int = 1, shape: LayerShape | None = None
     if nproc > 1:
         g = cache.get(_gloo_key(threads, nproc), {})
         gloo = tuple(sorted((op, float(a), float(b)) for op, (a, b) in g.get("fits", {}).items()))
-        fsdp = tuple(sorted((float(b), float(t)) for b, t in g.get("fsdp_all_gather", {}).items()))
+        fsdp = tuple(sorted((float(b), *(float(t) for t in ts))
+                            for b, ts in g.get("fsdp", {}).items()))
     return CpuProfile(threads=threads, rates=rates, elementwise_bw=float(entry["elementwise_bw"]),
                       kernel_overhead_s=float(entry["kernel_overhead_s"]),
                       optimizer_s_per_param=float(entry["optimizer_s_per_param"]),
-                      nproc=nproc, gloo=gloo, fsdp_gather=fsdp,
+                      nproc=nproc, gloo=gloo, fsdp=fsdp,
                       source=f"measured {entry.get('measured_at', '?')} ({threads} threads)")
 
 
@@ -227,6 +232,7 @@ def shape_ops(shape: LayerShape, pp: int = 1) -> list[Op]:
 def missing_ops(shape: LayerShape, profile: CpuProfile | None, pp: int = 1) -> list[Op]:
     """Ops of `shape` whose exact rate is not in `profile` (one per key)."""
     have = {k for k, _ in profile.rates} if profile else set()
+    have |= {(k[0], k[2], k[1], k[3]) for k in have if len(k) == 4}
     out: dict[tuple, Op] = {}
     for op in shape_ops(shape, pp):
         k = rate_key(op)
@@ -347,12 +353,41 @@ _NOT_ELEMENTWISE = {"mm", "addmm", "addmm_", "bmm", "matmul",
                     "_scaled_dot_product_flash_attention_for_cpu_backward"}
 
 
-def _timed_trace(fn, repeats: int = 3) -> tuple[float, float]:
-    """(bytes, seconds) of the elementwise kernels `fn` dispatches (median of `repeats`).
+def _gemm_key(name: str, args: tuple) -> tuple | None:
+    """(layout, M, N, K) of an aten mm / addmm / addmm_ call from its operands' strides."""
+    if name == "mm":
+        x, w = args[0], args[1]
+    elif name in ("addmm", "addmm_"):
+        x, w = args[1], args[2]
+    else:
+        return None
+    if x.dim() != 2 or w.dim() != 2:
+        return None
 
-    A torch dispatch mode times each aten call that is neither a view nor a GEMM nor SDPA, and
-    counts its bytes as inputs read + output written (in-place: inputs only), the convention
-    of the eager byte counts in `operators` (checked against the same trace in the tests).
+    def tr(t) -> str:
+        return "t" if t.shape[0] > 1 and t.stride(0) == 1 else "n"
+    layout = tr(x) + tr(w) + ("a" if name == "addmm_" else "")
+    return (layout, int(x.shape[0]), int(w.shape[1]), int(x.shape[1]))
+
+
+class _Trace:
+    """Per-call timings of one traced run: elementwise bytes and seconds, GEMMs, SDPA."""
+
+    def __init__(self) -> None:
+        self.bytes = 0
+        self.seconds = 0.0
+        self.gemm: dict[tuple, list[float]] = {}
+        self.sdpa: dict[str, list[float]] = {"fwd": [], "bwd": []}
+
+
+def _timed_trace(fn, repeats: int = 7) -> list[_Trace]:
+    """Run `fn` under a timing dispatch mode `repeats` times (after a warm-up); one _Trace each.
+
+    Each aten call that is not a view is timed on its own (the mode's bookkeeping stays outside
+    the timed region): GEMMs by (layout, M, N, K), SDPA forward and backward, and every other
+    kernel as elementwise, with its bytes counted as inputs read + output written (in-place:
+    inputs only), the convention of the eager byte counts in `operators` (the tests check that
+    the counts agree).
     """
     import torch
     from torch.utils._python_dispatch import TorchDispatchMode
@@ -362,36 +397,48 @@ def _timed_trace(fn, repeats: int = 3) -> tuple[float, float]:
         return sum(t.numel() * t.element_size() for t in tree_leaves(x)
                    if isinstance(t, torch.Tensor))
 
-    tot = {"b": 0, "t": 0.0}
+    cur = [_Trace()]
 
     class Timed(TorchDispatchMode):
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             name = func.overloadpacket.__name__
-            if name in _VIEWS or name in _NOT_ELEMENTWISE:
+            if name in _VIEWS:
                 return func(*args, **(kwargs or {}))
             t0 = time.perf_counter()
             out = func(*args, **(kwargs or {}))
-            tot["t"] += time.perf_counter() - t0
-            tot["b"] += nbytes((args, kwargs)) + (0 if name.endswith("_") else nbytes(out))
+            dt = time.perf_counter() - t0
+            tr = cur[0]
+            if name.startswith("_scaled_dot_product"):
+                tr.sdpa["bwd" if name.endswith("backward") else "fwd"].append(dt)
+            elif name in _NOT_ELEMENTWISE:
+                key = _gemm_key(name, args)
+                if key:
+                    tr.gemm.setdefault(key, []).append(dt)
+            else:
+                tr.seconds += dt
+                tr.bytes += nbytes((args, kwargs)) + (0 if name.endswith("_") else nbytes(out))
             return out
 
     fn(None)  # warm-up
-    runs = []
+    traces = []
     for _ in range(repeats):
-        tot["b"], tot["t"] = 0, 0.0
+        cur[0] = _Trace()
         fn(Timed)
-        runs.append((tot["t"], tot["b"]))
-    t, b = sorted(runs)[len(runs) // 2]
-    return b, t
+        traces.append(cur[0])
+    return traces
 
 
-def measure_eager_bandwidth(shape: LayerShape) -> tuple[float, float] | None:
-    """Bytes/s of the elementwise kernels of one myria block and of the model's ends.
+def measure_in_situ(shape: LayerShape) -> dict | None:
+    """Rates of myria's own kernels, timed one by one while the model runs at this shape.
 
-    Runs `myria.models.transformer` itself at this shape (one block forward + backward; then the
-    embedding, final norm and loss - the fused chunked one when `shape.ce_chunk`, else logits
-    and F.cross_entropy as the pipeline's last stage computes it) under `_timed_trace`. Returns
-    None when the activations would exceed 64 MiB per tensor (measure a smaller batch instead).
+    Runs `myria.models.transformer` itself: one block forward + backward, then the ends
+    (embedding, final norm and loss: the fused chunked one when `shape.ce_chunk`, else logits
+    and F.cross_entropy as the pipeline's last stage computes them), under `_timed_trace`.
+    Returns {"rates": {key: FLOP/s}, "eager_bw": (block bytes/s, ends bytes/s)}: GEMMs by
+    (layout, M, N, K) and SDPA by the simulator's keys, each the FLOPs of one call over the
+    median time of its calls; elementwise bandwidth as the median run's bytes over seconds.
+    Operands are in the cache state the model leaves them in, which isolated calls are not.
+    None when an activation would exceed 64 MiB (then only isolated kernels are measured).
     """
     import contextlib
 
@@ -434,9 +481,27 @@ def measure_eager_bandwidth(shape: LayerShape) -> tuple[float, float] | None:
                 loss = F.cross_entropy(logits.flatten(0, 1).float(), tokens.flatten())
             loss.backward()
 
-    bb, bt = _timed_trace(run_block)
-    hb, ht = _timed_trace(run_head)
-    return bb / bt, hb / ht
+    block_runs = _timed_trace(run_block)
+    head_runs = _timed_trace(run_head)
+    rates: dict[str, float] = {}
+    for runs in (block_runs, head_runs):
+        for key in runs[0].gemm:
+            times = [t for r in runs for t in r.gemm.get(key, [])]
+            _, m, n, k = key
+            rates[_key_str(key)] = 2.0 * m * n * k / statistics.median(times)
+    sdpa = [o for o in layer_ops(dataclasses.replace(shape, micro_batch=b))
+            if o.kind == "attn"]
+    for op in sdpa:
+        times = [t for r in block_runs for t in r.sdpa[op.phase]]
+        if times:
+            rates[_key_str(rate_key(dataclasses.replace(op, batch=shape.micro_batch *
+                                                          shape.heads)))] = \
+                op.flops / statistics.median(times)
+
+    def bw(runs: list[_Trace]) -> float:
+        r = sorted(runs, key=lambda r: r.seconds)[len(runs) // 2]
+        return r.bytes / r.seconds if r.seconds else 0.0
+    return {"rates": rates, "eager_bw": (bw(block_runs), bw(head_runs))}
 
 
 def measure_kernel_overhead() -> float:
@@ -485,8 +550,19 @@ def measure_compute(shape: LayerShape | None, threads: int, ops: list[Op] | None
     torch.set_num_threads(threads)
     try:
         rates: dict[str, float] = {}
+        in_situ: dict[str, float] = {}
+        entry: dict = {}
+        if eager and shape is not None:
+            found = measure_in_situ(shape)
+            if found:
+                in_situ = found["rates"]
+                entry["eager_bw"] = {eager_key(shape): list(found["eager_bw"])}
+        covered = {_key_tuple(k) for k in in_situ}
+        covered |= {(k[0], k[2], k[1], k[3]) for k in covered if len(k) == 4}
         attn_done: dict[tuple, tuple[float, float]] = {}
         for op in ops or []:
+            if rate_key(op) in covered:
+                continue
             key = rate_key(op)
             if op.kind == "attn":
                 base_key = (op.batch, *op.dims, op.gqa)
@@ -497,11 +573,8 @@ def measure_compute(shape: LayerShape | None, threads: int, ops: list[Op] | None
                 rates[_key_str(("attn-bwd", *key[1:]))] = b
             else:
                 rates[_key_str(key)] = measure_gemm(key[0], *key[1:], seconds=seconds)
-        entry: dict = {"rates": rates}
-        if eager and shape is not None:
-            bw = measure_eager_bandwidth(shape)
-            if bw:
-                entry["eager_bw"] = {eager_key(shape): list(bw)}
+        entry["rates"] = rates
+        entry["rates_in_situ"] = in_situ
         if base and shape is not None:
             entry.update(
                 elementwise_bw=measure_elementwise(PARAM_TENSOR_BYTES),
@@ -578,13 +651,13 @@ def run_measurements(shape: LayerShape | None, threads: int, nproc: int, ops: li
     if shape is not None or base:
         _update_cache(_compute_key(threads, nproc), merged)
     if points:
-        fsdp = points.pop("fsdp_all_gather", [])
+        fsdp = points.pop("fsdp", [])
         cache = _read_cache()
-        old = cache.get(_gloo_key(threads, nproc), {}).get("fsdp_all_gather", {})
+        old = cache.get(_gloo_key(threads, nproc), {}).get("fsdp", {})
         cache[_gloo_key(threads, nproc)] = {
             "fits": {op: list(_fit([tuple(p) for p in pts])) for op, pts in points.items()},
             "points": points,
-            "fsdp_all_gather": {**old, **{str(int(b)): t for b, t in fsdp}},
+            "fsdp": {**old, **{str(int(p[0])): list(p[1:]) for p in fsdp}},
             "measured_at": merged.get("measured_at"),
             "loadavg": merged.get("loadavg"), "threads": threads, "nproc": nproc}
         _write_cache(cache)
@@ -612,8 +685,8 @@ def _mean_entries(entries: list[dict]) -> dict:
     for k, v in entries[0].items():
         if isinstance(v, float) and k != "loadavg":
             out[k] = sum(e[k] for e in entries) / n
-    out["rates"] = {k: sum(e["rates"][k] for e in entries) / n
-                    for k in entries[0].get("rates", {})}
+    for name in ("rates", "rates_in_situ"):
+        out[name] = {k: sum(e[name][k] for e in entries) / n for k in entries[0].get(name, {})}
     if "eager_bw" in entries[0]:
         out["eager_bw"] = {k: [sum(e["eager_bw"][k][i] for e in entries) / n for i in (0, 1)]
                            for k in entries[0]["eager_bw"]}
@@ -637,7 +710,7 @@ def _worker(rank: int, world: int, port: int, out_dir: str, threads: int,
             dist.barrier()
             entry["gloo_points"] = _gloo_points(world)
             dist.barrier()
-            entry["gloo_points"]["fsdp_all_gather"] = _fsdp_gather_points(world, units)
+            entry["gloo_points"]["fsdp"] = _fsdp_unit_points(world, units)
         Path(out_dir, f"rank{rank}.json").write_text(json.dumps(entry))
         dist.barrier()
     finally:
@@ -662,40 +735,75 @@ def _fit(points: list[tuple[float, float]]) -> tuple[float, float]:
     return alpha, 1.0 / slope
 
 
-def _fsdp_gather_points(world: int, units: tuple, repeats: int = 7) -> list:
-    """(unit bytes, seconds) of FSDP2's own all-gather of one unit, as myria shards.
+def _fsdp_unit_points(world: int, units: tuple, repeats: int = 7) -> list:
+    """(unit bytes, block s, root s, reduce s) of FSDP2 as myria applies it, per unit size.
 
-    `fully_shard` a module holding one fp32 parameter of each size over the `world` local
-    processes and time `unshard()` + `reshard()`: the copy-in of the local shard, the gloo
-    all-gather and the copy-out into the unsharded parameter, as every block's forward and
-    backward pays them (`parallel/parallelize.apply_fsdp`). The time is not linear in the
-    size: an unsharded parameter is freed at reshard and allocated again at unshard, and above
-    the allocator's mmap threshold that means fresh pages (page faults) every time; hence the
-    units are measured at the model's own sizes and interpolated between them.
+    Each unit is one fp32 parameter `fully_shard`-ed over the `world` local processes under an
+    (empty) FSDP root, as myria shards each block under the model's root
+    (`parallel/parallelize.apply_fsdp`); its forward is a trivial (w * x).sum(). Timed per
+    forward + backward, against the same module unsharded:
+
+    - block: resharded after forward, gradient sync off (a non-last microbatch): the forward
+      and backward all-gathers with their copy-in/copy-out, the hooks and the frees;
+    - root: kept unsharded after forward (myria's root when pp = 1): one all-gather;
+    - reduce: gradient sync on minus off (the last microbatch): chunk_cat copy-in, gloo
+      reduce-scatter, division and the sharded gradient.
+
+    Times are not linear in the size: an unsharded parameter is freed at reshard and allocated
+    again at unshard, and above the allocator's mmap threshold that means fresh pages every
+    time; so the model's own unit sizes are measured and interpolated between.
     """
     import torch
+    import torch.distributed as dist
     from torch import nn
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
+    class Unit(nn.Module):
+        def __init__(self, numel: int):
+            super().__init__()
+            self.w = nn.Parameter(torch.zeros(numel // 1024, 1024))
+
+        def forward(self, x):
+            return (self.w * x).sum()
+
+    class Root(nn.Module):
+        def __init__(self, unit: nn.Module):
+            super().__init__()
+            self.unit = unit
+
+        def forward(self, x):
+            return self.unit(x)
+
     mesh = init_device_mesh("cpu", (world,))
+    x = torch.ones(())
+
+    def timed(m, sync=None) -> float:
+        if sync is not None:
+            m.set_requires_gradient_sync(sync)
+        dist.barrier()
+        t0 = time.perf_counter()
+        m(x).backward()
+        return time.perf_counter() - t0
+
     pts = []
     for nbytes in units:
-        numel = max(world * 1024, nbytes // 4)
-        module = nn.Module()
-        module.w = nn.Parameter(torch.zeros(numel // 1024, 1024))
-        fully_shard(module, mesh=mesh)
-
-        def cycle(m=module):
-            m.unshard()
-            m.reshard()
-        times = []
-        for _ in range(repeats):
-            torch.distributed.barrier()
-            t0 = time.perf_counter()
-            cycle()
-            times.append(time.perf_counter() - t0)
-        pts.append((nbytes, statistics.median(times[1:])))
+        numel = max(world * 1024, nbytes // 4 // (1024 * world) * 1024 * world)
+        plain = Root(Unit(numel))
+        t_plain = statistics.median(timed(plain) for _ in range(repeats))
+        res = {}
+        for reshard in (True, False):
+            m = Root(Unit(numel))
+            fully_shard(m.unit, mesh=mesh, reshard_after_forward=reshard)
+            fully_shard(m, mesh=mesh)
+            off, on = [], []
+            for _ in range(repeats):
+                off.append(timed(m, False))
+                on.append(timed(m, True))
+                m.unit.w.grad = None
+            res[reshard] = (statistics.median(off[1:]), statistics.median(on[1:]))
+        pts.append((nbytes, max(0.0, res[True][0] - t_plain), max(0.0, res[False][0] - t_plain),
+                    max(0.0, res[True][1] - res[True][0])))
     return pts
 
 
@@ -741,7 +849,7 @@ class Summary:
     kernel_overhead_us: float = 0.0
     optimizer_ns_per_param: float = 0.0
     gloo: dict = field(default_factory=dict)
-    fsdp_gather_ms: dict = field(default_factory=dict)
+    fsdp_ms: dict = field(default_factory=dict)
 
 
 def summarize(profile: CpuProfile) -> Summary:
@@ -756,8 +864,9 @@ def summarize(profile: CpuProfile) -> Summary:
             (s.attn_gflops if k[0].startswith("attn") else s.gemm_gflops)[_key_str(k)] = r / 1e9
     for op, a, b in profile.gloo:
         s.gloo[op] = {"alpha_us": a * 1e6, "bw_gbs": b / 1e9}
-    for nbytes, t in profile.fsdp_gather:
-        s.fsdp_gather_ms[f"{nbytes / 2**20:.1f} MiB"] = t * 1e3
+    for nbytes, *ts in profile.fsdp:
+        s.fsdp_ms[f"{nbytes / 2**20:.1f} MiB"] = {k: round(t * 1e3, 2) for k, t in
+                                                   zip(("block", "root", "reduce"), ts)}
     return s
 
 

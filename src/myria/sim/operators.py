@@ -665,6 +665,10 @@ def measured_rate(op: Op, rates: tuple) -> float | None:
         return index[key]
     if key[0] == "bw":
         return None
+    if op.kind == "gemm" and (key[0], key[2], key[1], key[3]) in index:
+        # the same product with M and N swapped: autograd picks either orientation for a
+        # weight gradient (x^T dy or dy^T x), at the same cost
+        return index[(key[0], key[2], key[1], key[3])]
     same = [(k, r) for k, r in rates if k[0] == key[0] and len(k) == len(key)]
     if not same and op.kind == "gemm":
         same = [(k, r) for k, r in rates if len(k) == 4 and not k[0].startswith("attn")]

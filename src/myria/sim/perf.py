@@ -377,6 +377,14 @@ def simulate(run: RunSpec, hw: Hardware | None = None, eff: Efficiency | None = 
                 _cost(t_ag, max(t_ag / buckets, t_ag - F0))
         else:
             t_dp = t_rs + t_ag
+    elif eager and hw.cpu is not None and hw.cpu.fsdp and groups["dp"].k <= 1:
+        # FSDP2 under no_sync: each unit reduce-scatters its accumulated gradients once per
+        # step (the last microbatch), as timed on this machine per unit
+        nl0 = n_layers[kinds[0][0]]
+        block = sum(stage_params(shape, 1, False, False, ep))
+        root = dense0 + expert0 - nl0 * block
+        t_dp = nl0 * hw.cpu.fsdp_time(block * g_b, "reduce") + \
+            (hw.cpu.fsdp_time(root * g_b, "reduce") if root > 0 else 0.0)
     elif eager:
         # FSDP2 under no_sync: one reduce-scatter of the accumulated gradients per step, after
         # chunk_cat copies them into the reduce-scatter input (read + write, fp32)
@@ -532,8 +540,8 @@ def _fsdp2_microbatch(shape: LayerShape, n_layers: float, first: bool, last: boo
     forward); the root module (embeddings, final norm, head) once per microbatch when pp = 1
     (kept unsharded until its backward), twice under pipelining. Each all-gather copies the
     local shard in and the gathered parameters out (torch's foreach_all_gather and
-    split_with_sizes_copy: read + write each); on a measured CPU the whole unshard is timed
-    (`cpu._fsdp_gather_points`).
+    split_with_sizes_copy: read + write each); on a measured CPU FSDP2 itself is timed per unit
+    (`cpu._fsdp_unit_points`: gathers, copies and hooks of a block or the root).
     """
     from myria.sim.memory import stage_params
 
@@ -541,17 +549,22 @@ def _fsdp2_microbatch(shape: LayerShape, n_layers: float, first: bool, last: boo
     n = max(1, grp.n)
     blocks = sum(stage_params(shape, n_layers, False, False, ep))
     root = sum(stage_params(shape, n_layers, first, last, ep)) - blocks
+    per_block = blocks / max(1.0, n_layers)
+    root_kind = "root" if pp == 1 else "block"   # myria reshards the root only under pp
     t = 0.0
-    for params, gathers in ((blocks / max(1.0, n_layers), 2 * n_layers),
-                            (root, (1 if pp == 1 else 2) if root else 0)):
-        if not gathers:
+    for params, units, kind in ((per_block, n_layers, "block"), (root, 1 if root else 0,
+                                                                 root_kind)):
+        if not units:
             continue
-        measured = cpu.fsdp_gather_time(params * w_b) if cpu is not None else None
-        if measured is not None and grp.k <= 1:
-            t += gathers * measured   # FSDP2's unshard timed here, copies included
+        measured = cpu.fsdp_time(params * w_b, kind) if cpu is not None and grp.k <= 1 \
+            else None
+        if measured is not None:
+            # FSDP2 timed on this machine per unit and microbatch (gathers, copies, hooks)
+            t += units * measured
         else:
+            gathers = 2 if kind == "block" else 1
             ag = coll.all_gather(params * w_b, grp)[0]
-            t += gathers * (ag + 2 * params * w_b * (1 + 1 / n) / mem_rate)
+            t += units * gathers * (ag + 2 * params * w_b * (1 + 1 / n) / mem_rate)
     return t
 
 
