@@ -234,3 +234,36 @@ def test_fsdp_times_interpolate_the_measured_units():
     slow = simulate_config(demo, 2, HERE, cpu_profile=dataclasses.replace(
         synthetic_profile(), fsdp=((1e6, 0.05, 0.05, 0.05), (1e8, 0.5, 0.5, 0.5))))
     assert slow.breakdown["dp_comm_exposed"] > base.breakdown["dp_comm_exposed"] + 0.5
+
+
+def test_fsdp_measured_around_the_model_prices_the_data_parallel_step():
+    prof = dataclasses.replace(synthetic_profile(), fsdp_context=(0.01, 0.02, 0.03, 0.04))
+    res = simulate_config(demo_config(), 2, HERE, cpu_profile=prof)
+    # 2 microbatches x (4 blocks x 10 ms + ends 30 ms) + one reduce (4 x 20 ms + 40 ms)
+    assert res.breakdown["dp_comm_exposed"] == pytest.approx(2 * (0.04 + 0.03) + 0.12)
+    # the pipeline (no FSDP there: dp = 1) is unaffected
+    pp = simulate_config(demo_config(parallel__pp=2), 2, HERE, cpu_profile=prof)
+    assert pp.breakdown["dp_comm_exposed"] == 0
+
+
+def test_host_time_is_charged_per_block_and_pass():
+    rates = synthetic_profile().rates + ((("host", "block"), 0.005), (("host", "head"), 0.02))
+    prof = dataclasses.replace(synthetic_profile(), rates=tuple(sorted(rates)))
+    base = simulate_config(demo_config(), 1, HERE, cpu_profile=dataclasses.replace(
+        synthetic_profile(), nproc=1, gloo=()))
+    res = simulate_config(demo_config(), 1, HERE, cpu_profile=dataclasses.replace(
+        prof, nproc=1, gloo=()))
+    # 4 microbatches x (4 blocks x 5 ms + 20 ms for the ends)
+    assert res.breakdown["host_overhead"] == pytest.approx(4 * (4 * 0.005 + 0.02))
+    assert res.iteration_time_s - base.iteration_time_s == pytest.approx(0.16)
+
+
+def test_summary_keeps_the_models_own_figures():
+    run, _, _ = config_run(demo_config(), 2, HERE)
+    shape = run_shape(run)
+    other = (("nt", 4096, 4096, 4096), 1e11)
+    prof = dataclasses.replace(synthetic_profile(),
+                               rates=tuple(sorted(synthetic_profile().rates + (other,))))
+    s = cpu.summarize(prof, shape)
+    assert "nt,4096,4096,4096" not in s.gemm_gflops and "nt,1024,512,512" in s.gemm_gflops
+    assert "nt,4096,4096,4096" in cpu.summarize(prof).gemm_gflops

@@ -18,6 +18,8 @@ number of processes:
   dispatch mode while running `myria.models.transformer` itself at the model's shape; plus a
   generic figure (a mix of eager kernels on parameter-sized, 16 MiB tensors) for the passes over
   parameters and gradients (gradient accumulation, FSDP's reduce-scatter copy);
+- host time: per block and per pass over the model's ends, the wall time of the untraced run
+  minus the time of its kernels (Python, autograd and module overhead between kernels);
 - kernel overhead: the dispatch time of one tiny eager kernel;
 - optimizer: myria's gradient clip plus AdamW (foreach) per parameter;
 - gloo (several processes): alpha and bus bandwidth (nccl-tests convention) of all-reduce,
@@ -82,6 +84,9 @@ class CpuProfile:
     nproc: int = 1
     gloo: tuple = ()                  # ((op, alpha_s, busbw bytes/s), ...) among nproc processes
     fsdp: tuple = ()                  # ((unit bytes, block s, root s, reduce s), ...): FSDP2
+    # FSDP2 around this model's own block and ends, with their compute (`_fsdp_in_context`):
+    # (block s per microbatch, block reduce s per step, root s per microbatch, root reduce s)
+    fsdp_context: tuple = ()
     source: str = "measured"
 
     def efficiency(self) -> Efficiency:
@@ -158,7 +163,7 @@ def _key_str(key: tuple) -> str:
 
 def _key_tuple(text: str) -> tuple:
     parts = text.split(",")
-    return (parts[0], *(int(p) for p in parts[1:]))
+    return (parts[0], *(int(p) if p.lstrip("-").isdigit() else p for p in parts[1:]))
 
 
 def _compute_key(threads: int, nproc: int = 1) -> str:
@@ -207,15 +212,18 @@ def load_profile(threads: int, nproc: int = 1, shape: LayerShape | None = None
     rates = tuple(sorted(table.items()))
     gloo: tuple = ()
     fsdp: tuple = ()
+    context: tuple = ()
     if nproc > 1:
         g = cache.get(_gloo_key(threads, nproc), {})
         gloo = tuple(sorted((op, float(a), float(b)) for op, (a, b) in g.get("fits", {}).items()))
         fsdp = tuple(sorted((float(b), *(float(t) for t in ts))
                             for b, ts in g.get("fsdp", {}).items()))
+        if shape is not None and eager_key(shape) in g.get("fsdp_context", {}):
+            context = tuple(float(t) for t in g["fsdp_context"][eager_key(shape)])
     return CpuProfile(threads=threads, rates=rates, elementwise_bw=float(entry["elementwise_bw"]),
                       kernel_overhead_s=float(entry["kernel_overhead_s"]),
                       optimizer_s_per_param=float(entry["optimizer_s_per_param"]),
-                      nproc=nproc, gloo=gloo, fsdp=fsdp,
+                      nproc=nproc, gloo=gloo, fsdp=fsdp, fsdp_context=context,
                       source=f"measured {entry.get('measured_at', '?')} ({threads} threads)")
 
 
@@ -380,8 +388,9 @@ class _Trace:
         self.sdpa: dict[str, list[float]] = {"fwd": [], "bwd": []}
 
 
-def _timed_trace(fn, repeats: int = 7) -> list[_Trace]:
-    """Run `fn` under a timing dispatch mode `repeats` times (after a warm-up); one _Trace each.
+def _timed_trace(fn, repeats: int = 5, after=None, before=None) -> list[_Trace]:
+    """Run `fn` under a timing dispatch mode `repeats` times (after a warm-up; `after()` after
+    each); one _Trace each.
 
     Each aten call that is not a view is timed on its own (the mode's bookkeeping stays outside
     the timed region): GEMMs by (layout, M, N, K), SDPA forward and backward, and every other
@@ -422,13 +431,17 @@ def _timed_trace(fn, repeats: int = 7) -> list[_Trace]:
     fn(None)  # warm-up
     traces = []
     for _ in range(repeats):
+        if before is not None:
+            before()
         cur[0] = _Trace()
         fn(Timed)
         traces.append(cur[0])
+        if after is not None:
+            after()
     return traces
 
 
-def measure_in_situ(shape: LayerShape) -> dict | None:
+def measure_in_situ(shape: LayerShape, sync=None) -> dict | None:
     """Rates of myria's own kernels, timed one by one while the model runs at this shape.
 
     Runs `myria.models.transformer` itself: one block forward + backward, then the ends
@@ -481,8 +494,18 @@ def measure_in_situ(shape: LayerShape) -> dict | None:
                 loss = F.cross_entropy(logits.flatten(0, 1).float(), tokens.flatten())
             loss.backward()
 
-    block_runs = _timed_trace(run_block)
-    head_runs = _timed_trace(run_head)
+    walls: dict[str, list[float]] = {"block": [], "head": []}
+
+    def untraced(name: str, fn) -> None:
+        t0 = time.perf_counter()
+        fn(None)
+        walls[name].append(time.perf_counter() - t0)
+    # each traced run is followed by an untraced one, so that drifts of the machine's speed
+    # do not pass for host time
+    # `sync` (a barrier among the measuring processes) starts every repeat together
+    block_runs = _timed_trace(run_block, after=lambda: untraced("block", run_block),
+                              before=sync)
+    head_runs = _timed_trace(run_head, after=lambda: untraced("head", run_head), before=sync)
     rates: dict[str, float] = {}
     for runs in (block_runs, head_runs):
         for key in runs[0].gemm:
@@ -501,6 +524,16 @@ def measure_in_situ(shape: LayerShape) -> dict | None:
     def bw(runs: list[_Trace]) -> float:
         r = sorted(runs, key=lambda r: r.seconds)[len(runs) // 2]
         return r.bytes / r.seconds if r.seconds else 0.0
+
+    def kernels(r: _Trace) -> float:
+        return r.seconds + sum(sum(v) for v in r.gemm.values()) + sum(r.sdpa["fwd"]) + \
+            sum(r.sdpa["bwd"])
+    # host time: an untraced run's wall time minus the kernels of the traced run before it
+    # (Python, autograd and module calls between kernels), median over the pairs
+    scale = shape.micro_batch / b
+    for name, runs in (("block", block_runs), ("head", head_runs)):
+        gaps = [w - kernels(r) for w, r in zip(walls[name], runs)]
+        rates[_key_str(("host", name))] = max(0.0, statistics.median(gaps)) * scale
     return {"rates": rates, "eager_bw": (bw(block_runs), bw(head_runs))}
 
 
@@ -541,7 +574,7 @@ def measure_optimizer(n_params: int = 1 << 23, tensor_numel: int = 1 << 20) -> f
 
 def measure_compute(shape: LayerShape | None, threads: int, ops: list[Op] | None = None,
                     base: bool = True, eager: bool = True,
-                    seconds: float = MEASURE_SECONDS) -> dict:
+                    seconds: float = MEASURE_SECONDS, sync=None) -> dict:
     """Measure (at `threads` threads) the rates of `ops`, if `eager` the elementwise bandwidths
     of this model's own kernels, and if `base` the scalar figures."""
     import torch
@@ -553,7 +586,7 @@ def measure_compute(shape: LayerShape | None, threads: int, ops: list[Op] | None
         in_situ: dict[str, float] = {}
         entry: dict = {}
         if eager and shape is not None:
-            found = measure_in_situ(shape)
+            found = measure_in_situ(shape, sync)
             if found:
                 in_situ = found["rates"]
                 entry["eager_bw"] = {eager_key(shape): list(found["eager_bw"])}
@@ -604,7 +637,7 @@ def profile_for(shape: LayerShape, threads: int, nproc: int = 1, pp: int = 1,
         no_gloo = nproc > 1 and (refresh or not _read_cache().get(_gloo_key(threads, nproc)))
         if refresh or prof is None or missing or no_bw or no_gloo:
             run_measurements(shape, threads, nproc, missing, base=refresh or prof is None,
-                             eager=refresh or no_bw, gloo=no_gloo)
+                             eager=refresh or no_bw, gloo=no_gloo, fsdp=pp == 1)
         prof = load_profile(threads, nproc, shape)
     return prof
 
@@ -617,7 +650,7 @@ def measure_gloo(nproc: int, threads: int | None = None) -> dict:
 
 
 def run_measurements(shape: LayerShape | None, threads: int, nproc: int, ops: list[Op],
-                     base: bool, eager: bool, gloo: bool) -> None:
+                     base: bool, eager: bool, gloo: bool, fsdp: bool = True) -> None:
     """Measure on `nproc` concurrent processes (this one if 1) and merge into the cache."""
     if nproc <= 1:
         entries = [measure_compute(shape, threads, ops, base=base, eager=eager)]
@@ -635,7 +668,8 @@ def run_measurements(shape: LayerShape | None, threads: int, nproc: int, ops: li
             job = {"world": nproc, "port": store.port, "out": tmp, "threads": threads,
                    "shape": dataclasses.asdict(shape) if shape is not None else None,
                    "ops": [dataclasses.asdict(o) for o in ops], "base": base, "eager": eager,
-                   "gloo": gloo, "units": list(fsdp_units(shape)) if gloo else []}
+                   "gloo": gloo, "units": list(fsdp_units(shape)) if gloo else [],
+                   "fsdp": fsdp}
             Path(tmp, "job.json").write_text(json.dumps(job))
             env = dict(os.environ, OMP_NUM_THREADS=str(threads))
             procs = [subprocess.Popen([sys.executable, "-m", "myria.sim.cpu",
@@ -652,12 +686,18 @@ def run_measurements(shape: LayerShape | None, threads: int, nproc: int, ops: li
         _update_cache(_compute_key(threads, nproc), merged)
     if points:
         fsdp = points.pop("fsdp", [])
+        context = points.pop("fsdp_context", None)
         cache = _read_cache()
-        old = cache.get(_gloo_key(threads, nproc), {}).get("fsdp", {})
+        prev = cache.get(_gloo_key(threads, nproc), {})
+        old = prev.get("fsdp", {})
+        ctx = dict(prev.get("fsdp_context", {}))
+        if context is not None and shape is not None:
+            ctx[eager_key(shape)] = context
         cache[_gloo_key(threads, nproc)] = {
             "fits": {op: list(_fit([tuple(p) for p in pts])) for op, pts in points.items()},
             "points": points,
             "fsdp": {**old, **{str(int(p[0])): list(p[1:]) for p in fsdp}},
+            "fsdp_context": ctx,
             "measured_at": merged.get("measured_at"),
             "loadavg": merged.get("loadavg"), "threads": threads, "nproc": nproc}
         _write_cache(cache)
@@ -687,6 +727,11 @@ def _mean_entries(entries: list[dict]) -> dict:
             out[k] = sum(e[k] for e in entries) / n
     for name in ("rates", "rates_in_situ"):
         out[name] = {k: sum(e[name][k] for e in entries) / n for k in entries[0].get(name, {})}
+    ctx = [e.get("gloo_points", {}).get("fsdp_context") for e in entries]
+    if ctx[0] is not None:
+        out["gloo_points"] = dict(out["gloo_points"])
+        out["gloo_points"]["fsdp_context"] = [sum(c[i] for c in ctx) / n
+                                              for i in range(len(ctx[0]))]
     if "eager_bw" in entries[0]:
         out["eager_bw"] = {k: [sum(e["eager_bw"][k][i] for e in entries) / n for i in (0, 1)]
                            for k in entries[0]["eager_bw"]}
@@ -695,7 +740,7 @@ def _mean_entries(entries: list[dict]) -> dict:
 
 def _worker(rank: int, world: int, port: int, out_dir: str, threads: int,
             shape: LayerShape | None, ops: list[Op], base: bool, eager: bool,
-            gloo: bool, units: tuple) -> None:
+            gloo: bool, units: tuple, fsdp: bool = True) -> None:
     """One of the concurrent measuring processes (rank `rank` of `world`)."""
     import torch
     import torch.distributed as dist
@@ -705,12 +750,15 @@ def _worker(rank: int, world: int, port: int, out_dir: str, threads: int,
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
     try:
         dist.barrier()
-        entry = measure_compute(shape, threads, ops, base=base, eager=eager)
+        entry = measure_compute(shape, threads, ops, base=base, eager=eager, sync=dist.barrier)
         if gloo:
             dist.barrier()
             entry["gloo_points"] = _gloo_points(world)
             dist.barrier()
-            entry["gloo_points"]["fsdp"] = _fsdp_unit_points(world, units)
+            if shape is not None and fsdp:
+                entry["gloo_points"]["fsdp_context"] = _fsdp_in_context(world, shape)
+            elif fsdp:
+                entry["gloo_points"]["fsdp"] = _fsdp_unit_points(world, units)
         Path(out_dir, f"rank{rank}.json").write_text(json.dumps(entry))
         dist.barrier()
     finally:
@@ -733,6 +781,95 @@ def _fit(points: list[tuple[float, float]]) -> tuple[float, float]:
         alpha = 0.0
         slope = sum(x * t for x, t in points) / sum(x * x for x, _ in points)
     return alpha, 1.0 / slope
+
+
+def _fsdp_in_context(world: int, shape: LayerShape, repeats: int = 5) -> list[float]:
+    """What FSDP2 adds to myria's own block and model ends, measured around their compute.
+
+    Both processes run one block of this shape forward + backward (then the ends: embedding,
+    final norm, loss) at the same time, first unsharded, then sharded as
+    `parallel/parallelize.apply_fsdp` shards them (the block resharded after forward under a
+    root; the ends as the root, kept after forward), gradient sync off (a non-last
+    microbatch) and on (the last one). Returns [block per microbatch, block reduce per step,
+    ends per microbatch, ends reduce per step] in seconds: sharded minus unsharded, and sync on
+    minus off. Unlike `_fsdp_unit_points` this includes what the gathers, copies and gloo's
+    threads cost the compute they run beside, as in training.
+    """
+    import torch
+    import torch.distributed as dist
+    import torch.nn.functional as F
+    from torch import nn
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from myria.models.transformer import build_model
+
+    mesh = init_device_mesh("cpu", (world,))
+    cfg = dataclasses.replace(shape.model_config(), layers=1)
+    b, s = shape.micro_batch, shape.seq_len
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(b, s, cfg.hidden, generator=g, requires_grad=True)
+    dy = torch.randn(b, s, cfg.hidden, generator=g)
+    tokens = torch.randint(0, cfg.vocab_size, (b, s), generator=g)
+
+    class Holder(nn.Module):
+        def __init__(self, block: nn.Module, rope):
+            super().__init__()
+            self.block, self.rope = block, rope
+
+        def forward(self, inp):
+            return self.block(inp, self.rope)
+
+    def block_module(sharded: bool) -> nn.Module:
+        model = build_model(cfg, "cpu")
+        model.init_weights(0)
+        rope = model.rope_tables_for(s, torch.float32) if cfg.arch == "llama" else None
+        m = Holder(model.layers["0"], rope)
+        if sharded:
+            fully_shard(m.block, mesh=mesh, reshard_after_forward=True)
+            fully_shard(m, mesh=mesh)
+        return m
+
+    def ends_module(sharded: bool) -> nn.Module:
+        model = build_model(cfg, "cpu")
+        model.init_weights(0)
+        model.layers = nn.ModuleDict()
+        if sharded:
+            fully_shard(model, mesh=mesh, reshard_after_forward=False)
+        return model
+
+    def run_block(m) -> None:
+        m(x).backward(dy)
+
+    def run_ends(m) -> None:
+        if shape.ce_chunk:
+            m(tokens, tokens).backward()
+        else:
+            F.cross_entropy(m(tokens).flatten(0, 1), tokens.flatten()).backward()
+
+    def timed(fn, m, sync=None) -> float:
+        if sync is not None:
+            m.set_requires_gradient_sync(sync)
+        dist.barrier()
+        t0 = time.perf_counter()
+        fn(m)
+        return time.perf_counter() - t0
+
+    out: list[float] = []
+    for make, fn in ((block_module, run_block), (ends_module, run_ends)):
+        plain, sharded = make(False), make(True)
+        timed(fn, plain)
+        timed(fn, sharded, False)
+        base, off, on = [], [], []
+        for _ in range(repeats):   # interleaved, so that drifts hit all three alike
+            base.append(timed(fn, plain))
+            off.append(timed(fn, sharded, False))
+            on.append(timed(fn, sharded, True))
+            for p in sharded.parameters():
+                p.grad = None
+        med = statistics.median
+        out += [max(0.0, med(off) - med(base)), max(0.0, med(on) - med(off))]
+    return out
 
 
 def _fsdp_unit_points(world: int, units: tuple, repeats: int = 7) -> list:
@@ -846,27 +983,44 @@ class Summary:
     attn_gflops: dict = field(default_factory=dict)
     elementwise_gbs: float = 0.0
     eager_bw_gbs: dict = field(default_factory=dict)
+    host_ms: dict = field(default_factory=dict)
     kernel_overhead_us: float = 0.0
     optimizer_ns_per_param: float = 0.0
     gloo: dict = field(default_factory=dict)
     fsdp_ms: dict = field(default_factory=dict)
+    fsdp_context_ms: dict = field(default_factory=dict)
 
 
-def summarize(profile: CpuProfile) -> Summary:
+def summarize(profile: CpuProfile, shape: LayerShape | None = None, pp: int = 1) -> Summary:
+    """Readable figures of `profile` (with `shape`: only the rates that model uses)."""
+    keep = None
+    if shape is not None:
+        keep = {rate_key(op) for op in shape_ops(shape, pp)}
+        keep |= {(k[0], k[2], k[1], k[3]) for k in keep if len(k) == 4}
+        keep |= {("bw", "eltwise"), ("bw", "head"), ("host", "block"), ("host", "head")}
     s = Summary(threads=profile.threads,
                 elementwise_gbs=profile.elementwise_bw / 1e9,
                 kernel_overhead_us=profile.kernel_overhead_s * 1e6,
                 optimizer_ns_per_param=profile.optimizer_s_per_param * 1e9)
     for k, r in profile.rates:
+        if keep is not None and k not in keep:
+            continue
         if k[0] == "bw":
             s.eager_bw_gbs[k[1]] = r / 1e9
+        elif k[0] == "host":
+            s.host_ms[k[1]] = r * 1e3
         else:
             (s.attn_gflops if k[0].startswith("attn") else s.gemm_gflops)[_key_str(k)] = r / 1e9
     for op, a, b in profile.gloo:
         s.gloo[op] = {"alpha_us": a * 1e6, "bw_gbs": b / 1e9}
-    for nbytes, *ts in profile.fsdp:
-        s.fsdp_ms[f"{nbytes / 2**20:.1f} MiB"] = {k: round(t * 1e3, 2) for k, t in
-                                                   zip(("block", "root", "reduce"), ts)}
+    if profile.fsdp_context:
+        s.fsdp_context_ms = {k: round(t * 1e3, 2) for k, t in zip(
+            ("block per microbatch", "block reduce per step", "ends per microbatch",
+             "ends reduce per step"), profile.fsdp_context)}
+    else:
+        for nbytes, *ts in profile.fsdp:
+            s.fsdp_ms[f"{nbytes / 2**20:.1f} MiB"] = {k: round(t * 1e3, 2) for k, t in
+                                                       zip(("block", "root", "reduce"), ts)}
     return s
 
 
@@ -875,7 +1029,7 @@ def _worker_main(argv: list[str]) -> None:
     shape = LayerShape(**job["shape"]) if job["shape"] else None
     ops = [Op(**{k: tuple(v) if k == "dims" else v for k, v in o.items()}) for o in job["ops"]]
     _worker(int(argv[1]), job["world"], job["port"], job["out"], job["threads"], shape, ops,
-            job["base"], job["eager"], job["gloo"], tuple(job["units"]))
+            job["base"], job["eager"], job["gloo"], tuple(job["units"]), job.get("fsdp", True))
 
 
 if __name__ == "__main__":

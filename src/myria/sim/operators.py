@@ -56,7 +56,7 @@ class Op:
     """One kernel (or collective) of one layer for one microbatch on one device."""
 
     name: str
-    kind: str                  # gemm | attn (fused flash kernel) | mem | comm
+    kind: str                  # gemm | attn (fused flash kernel) | mem | comm | host
     phase: str                 # fwd | bwd
     flops: float = 0.0
     bytes: float = 0.0
@@ -561,6 +561,8 @@ def eager_layer_ops(shape: LayerShape) -> list[Op]:
         add(_eager_mem("swiglu", SWIGLU_EAGER[0], SWIGLU_EAGER[1], unit * f))
         linear("w2", h, f, gem.mlp / 3 * T)
     add(_eager_mem("mlp_residual", (3, 1), (3, 1), unit * h))
+    # time between kernels (Python, autograd, module calls), forward and backward together
+    fwd.append(Op("host", "host", "fwd", layout="block", kernels=0, category="host"))
     ops = list(fwd)
     for group in reversed(bwd):
         ops.extend(group)
@@ -621,6 +623,7 @@ def eager_head_ops(shape: LayerShape, first: bool, last: bool) -> list[Op]:
                           (T, h, V), layout="nn", category="gemm"))
             bwd.append(Op("logits.wgrad", "gemm", "bwd", flops, e * (n + T * h + V * h),
                           (V, h, T), layout="tn", wgrad=True, category="gemm"))
+        fwd.append(Op("host", "host", "fwd", layout="head", kernels=0, category="host"))
     return fwd + list(reversed(bwd))
 
 
@@ -639,6 +642,8 @@ def rate_key(op: Op) -> tuple:
     achieved bytes/s)."""
     if op.kind == "mem":
         return ("bw", op.layout)
+    if op.kind == "host":
+        return ("host", op.layout)
     if op.kind == "attn":
         return (op.layout or f"attn-{op.phase}", int(op.batch),
                 *(int(d) for d in op.dims), int(op.gqa))
@@ -663,7 +668,7 @@ def measured_rate(op: Op, rates: tuple) -> float | None:
     index = _rate_index(rates)
     if key in index:
         return index[key]
-    if key[0] == "bw":
+    if key[0] in ("bw", "host"):
         return None
     if op.kind == "gemm" and (key[0], key[2], key[1], key[3]) in index:
         # the same product with M and N swapped: autograd picks either orientation for a
@@ -690,6 +695,8 @@ def op_time(op: Op, peak_flops: float, mem_bw: float, eff: Efficiency) -> tuple[
     On a measured device (`eff.rates`) GEMMs and attention take their measured rate for their
     shape: the measurement already holds whatever memory traffic the kernel needs.
     """
+    if op.kind == "host":   # measured seconds of Python/autograd time per pass (CPU, eager)
+        return (measured_rate(op, eff.rates) or 0.0), "host"
     overhead = eff.kernel_overhead_s * op.kernels
     bw = (measured_rate(op, eff.rates) if op.kind == "mem" and op.layout else None) or \
         mem_bw * eff.mem

@@ -377,6 +377,10 @@ def simulate(run: RunSpec, hw: Hardware | None = None, eff: Efficiency | None = 
                 _cost(t_ag, max(t_ag / buckets, t_ag - F0))
         else:
             t_dp = t_rs + t_ag
+    elif eager and hw.cpu is not None and hw.cpu.fsdp_context and groups["dp"].k <= 1 \
+            and pp == 1:
+        _, block_rs, _, ends_rs = hw.cpu.fsdp_context
+        t_dp = n_layers[kinds[0][0]] * block_rs + ends_rs
     elif eager and hw.cpu is not None and hw.cpu.fsdp and groups["dp"].k <= 1:
         # FSDP2 under no_sync: each unit reduce-scatters its accumulated gradients once per
         # step (the last microbatch), as timed on this machine per unit
@@ -429,6 +433,7 @@ def simulate(run: RunSpec, hw: Hardware | None = None, eff: Efficiency | None = 
         "compute_gemm": m * cats.get("gemm", 0.0),
         "compute_attention": m * cats.get("attention", 0.0),
         "compute_memory_bound": m * (cats.get("memory", 0.0) + cats.get("grad_accumulate", 0.0)),
+        "host_overhead": m * cats.get("host", 0.0),
         "recompute": m * cats.get("recompute", 0.0),
         "tp_comm_exposed": m * cats.get("tp", 0.0),
         "cp_comm_exposed": m * cats.get("cp", 0.0),
@@ -547,6 +552,10 @@ def _fsdp2_microbatch(shape: LayerShape, n_layers: float, first: bool, last: boo
 
     grp = groups["dp"]
     n = max(1, grp.n)
+    if cpu is not None and cpu.fsdp_context and grp.k <= 1 and pp == 1:
+        # measured around this model's own block and ends (cpu._fsdp_in_context)
+        block_mb, _, ends_mb, _ = cpu.fsdp_context
+        return n_layers * block_mb + (ends_mb if first or last else 0.0)
     blocks = sum(stage_params(shape, n_layers, False, False, ep))
     root = sum(stage_params(shape, n_layers, first, last, ep)) - blocks
     per_block = blocks / max(1.0, n_layers)
