@@ -25,6 +25,16 @@ def test_simulated_bubble_matches_closed_form(sched, p, v, m):
     assert bubble_fraction(slots, p) == pytest.approx(formula_bubble(sched, p, v, m), abs=1e-9)
 
 
+def test_unequal_stages_replay_the_order():
+    # stage 0: F 1, B 2; stage 1: F 0.5, B 1; 1F1B, 4 microbatches. By hand: stage 0 runs
+    # F1 F2, waits for B1 until 2.5, then B1 F3 B2 F4 B3 B4 back to back, ending at 12.5; the
+    # closed form for equal stages, (m - 1) s_max + sum of stage times, would say 13.5
+    slots = simulate_schedule("1f1b", 2, 1, 4, t_f=[1.0, 0.5], t_b=[2.0, 1.0])
+    assert max(s.end for s in slots) == pytest.approx(12.5)
+    with pytest.raises(ConfigError, match="per-stage"):
+        simulate_schedule("1f1b", 2, 1, 4, t_f=[1.0], t_b=[2.0, 1.0])
+
+
 def test_schedule_errors_and_png(tmp_path):
     with pytest.raises(ConfigError, match="multiple"):
         simulate_schedule("interleaved-1f1b", 4, 2, 6)

@@ -61,6 +61,7 @@ BUCKET_PARAMS = 40e6          # Megatron-LM DDP bucket size (parameters)
 ADAM_BYTES_PER_PARAM = 38     # read g, p, m, v (fp32), write p, m, v, 16-bit copy, norm, zero g
 LAMB_EXTRA_BYTES = 16         # second pass: trust-ratio norms and the scaled update
 CPU_ADAM_BYTES_PER_PARAM = 32  # host-side Adam on fp32 p, m, v, g
+REPLAY_MAX_OPS = 20000        # eager pipelines up to this many (m x pp x vpp) are replayed
 # Slowdown of compute while communication hides behind it, as a share of the hidden time: NCCL
 # runs one thread block per channel (8-16 channels against 108-132 SMs on A100/H100) and shares
 # HBM bandwidth with the kernels it overlaps. A prior, not fitted (no calibration run overlaps).
@@ -359,6 +360,18 @@ def simulate(run: RunSpec, hw: Hardware | None = None, eff: Efficiency | None = 
         worst = max(stages.values(), key=lambda s: s["fill"])
         spare = (3 if par.schedule == "zbv" else 2) * worst["W"]
         t_pipe = m * s_max + (pp - 1) * max(0.0, worst["fill"] - spare) / v
+    elif eager and m * pp * v <= REPLAY_MAX_OPS:
+        # myria's own runtime splits layers by FLOPs, so its stages are unequal (the demo's go
+        # 3 + 1 layers, the head on the last) and the closed form below, exact for equal
+        # stages, overstates the bubble: replay the schedule's own order with each rank's
+        # forward and backward times instead (torch's 1F1B/GPipe/interleaved orders are
+        # Megatron's, as bench/pipeline_bubble.py checks)
+        from myria.sim.schedule_plot import simulate_schedule
+
+        ranks = [stages["first"]] + [stages["mid"]] * (pp - 2) + [stages["last"]]
+        t_f = [s["F"] + v * t_p2p for s in ranks]
+        t_b = [s["steady"] - f for s, f in zip(ranks, t_f)]
+        t_pipe = max(sl.end for sl in simulate_schedule(par.schedule, pp, v, m, t_f, t_b))
     else:
         fill_sum = sum(counts[k] * s["fill"] for k, s in stages.items())
         t_pipe = (m - 1) * s_max + fill_sum / v + (1 - 1 / v) * s_max

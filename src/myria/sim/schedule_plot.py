@@ -10,6 +10,7 @@ would otherwise wait. The simulated bubble is compared with the closed form the 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from myria.errors import ConfigError
@@ -66,10 +67,12 @@ def _orders(schedule: str, p: int, v: int, m: int) -> list[list[tuple[str, int, 
     return orders
 
 
-def simulate_schedule(schedule: str, p: int, v: int = 1, m: int = 8, t_f: float = 1.0,
-                      t_b: float = 2.0, t_w: float = 0.0) -> list[Slot]:
-    """Timeline of one iteration. t_f, t_b are per stage (all chunks); for zero-bubble t_b is
-    the input-gradient part and t_w the weight-gradient part (default: t_b split in halves)."""
+def simulate_schedule(schedule: str, p: int, v: int = 1, m: int = 8,
+                      t_f: float | Sequence[float] = 1.0, t_b: float | Sequence[float] = 2.0,
+                      t_w: float = 0.0) -> list[Slot]:
+    """Timeline of one iteration. t_f, t_b are per stage (all chunks), one figure for every
+    stage or one per stage (unequal stages); for zero-bubble t_b is the input-gradient part and
+    t_w the weight-gradient part (default: t_b split in halves)."""
     if schedule not in SCHEDULES:
         raise ConfigError(f"schedule {schedule!r} cannot be drawn; choose one of "
                           f"{', '.join(SCHEDULES)}")
@@ -81,9 +84,15 @@ def simulate_schedule(schedule: str, p: int, v: int = 1, m: int = 8, t_f: float 
         raise ConfigError(f"the interleaved schedule needs microbatches ({m}) to be a multiple "
                           f"of pipeline stages ({p}) (as Megatron-LM requires)")
     zb = schedule == "zero-bubble"
+    f_s = [float(t_f)] * p if isinstance(t_f, (int, float)) else [float(x) for x in t_f]
+    b_s = [float(t_b)] * p if isinstance(t_b, (int, float)) else [float(x) for x in t_b]
+    if len(f_s) != p or len(b_s) != p:
+        raise ConfigError(f"per-stage times need {p} figures, got {len(f_s)} and {len(b_s)}")
     if zb and not t_w:
-        t_b, t_w = t_b / 2, t_b / 2
-    df, db, dw = t_f / v, t_b / v, t_w / v
+        if len(set(b_s)) > 1:
+            raise ConfigError("zero-bubble with unequal stages needs t_w")
+        b_s, t_w = [b / 2 for b in b_s], b_s[0] / 2
+    df, db, dw = [x / v for x in f_s], [x / v for x in b_s], t_w / v
     orders = _orders(schedule, p, v, m)
     done: dict[tuple[str, int, int], float] = {}   # (kind, micro, virtual stage) -> end
     free = [0.0] * p
@@ -125,7 +134,7 @@ def simulate_schedule(schedule: str, p: int, v: int = 1, m: int = 8, t_f: float 
                     wm, wc = pending_w[r].pop(0)
                     run(r, "W", wm, wc, free[r], dw)
                 else:
-                    run(r, kind, mb, c, start, df if kind == "F" else db)
+                    run(r, kind, mb, c, start, df[r] if kind == "F" else db[r])
                     pos[r] += 1
                     remaining -= 1
                     if zb and kind == "B":
