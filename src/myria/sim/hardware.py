@@ -45,6 +45,24 @@ ALPHA_BASE_S = 8e-6       # launch + synchronisation of one collective
 ALPHA_INTRA_S = 1.0e-6    # one step (hop) over NVLink
 ALPHA_INTER_S = 5.0e-6    # one step (hop) across the network
 
+# Measured ceiling of a large bf16 matmul as a fraction of the datasheet peak, per device: the
+# "maximum achievable matmul FLOPS" of S. Bekman's ml-engineering handbook (mamf-finder, CUDA
+# 12.1): A100 SXM 267.9 of 312 TFLOP/s (85.9%), H100 SXM 792.1 of 989 (80.1%). E_GEMM is fitted
+# on A100 runs only; other devices scale it by their ceiling relative to the A100's (the H100
+# sustains a smaller share of its peak at its 700 W limit). H200 and H800 share the H100's die
+# and power limit and take its figure (an assumption: no published MAMF for them); devices not
+# listed keep E_GEMM as fitted. A device fact, not fitted to any training run.
+GEMM_CEILING = {"a100-sxm-80gb": 0.859, "a100-sxm-40gb": 0.859, "h100-sxm-80gb": 0.801,
+                "h200": 0.801, "h800-sxm-80gb": 0.801}
+CALIBRATION_DEVICE = "a100-sxm-80gb"
+
+
+def gemm_ceiling_ratio(device: str) -> float:
+    """E_GEMM multiplier of `device`: its matmul ceiling over the calibration device's."""
+    return GEMM_CEILING.get(device, GEMM_CEILING[CALIBRATION_DEVICE]) / \
+        GEMM_CEILING[CALIBRATION_DEVICE]
+
+
 # fp8 tensor-core peak is twice the dense bf16 peak on Hopper (hardware.md: 1,979 vs 989); the
 # A100 has no fp8 tensor cores, so fp8 runs at the bf16 rate there.
 FP8_DEVICES = ("h100-sxm-80gb", "h200", "h800-sxm-80gb")

@@ -35,6 +35,7 @@ recomputation (96 instead of 72 for full recomputation: the figure Narayanan et 
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 from functools import lru_cache
@@ -223,7 +224,14 @@ def efficiency_for(hw: Hardware) -> Efficiency:
     a measured CPU profile's rates, bandwidth and kernel overhead when there is one."""
     if hw.cpu is not None:
         return hw.cpu.efficiency()
-    return MEASURED_EFFICIENCY if hw.measured else DEFAULT_EFFICIENCY
+    if hw.measured:
+        return MEASURED_EFFICIENCY
+    from myria.sim.hardware import gemm_ceiling_ratio
+
+    ratio = gemm_ceiling_ratio(hw.device)
+    if ratio == 1.0:
+        return DEFAULT_EFFICIENCY
+    return dataclasses.replace(DEFAULT_EFFICIENCY, gemm=DEFAULT_EFFICIENCY.gemm * ratio)
 
 
 def run_shape(run: RunSpec) -> LayerShape:
