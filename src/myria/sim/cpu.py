@@ -65,6 +65,11 @@ GLOO_OPS = ("all_reduce", "all_gather", "reduce_scatter")
 FSDP_SIZES = (1 << 18, 1 << 23)   # parameters per FSDP unit besides the model's (1, 32 MiB fp32)
 PARAM_TENSOR_BYTES = 1 << 24               # parameter-sized passes: 16 MiB tensors
 PROFILE_FILE = "cpu_profile.json"
+# Sustained compute before measuring: the trainer's step times are read after its warm-up steps,
+# when the machine has been busy for seconds; on this VM a GEMM run straight after an idle spell
+# is up to 25% slower than a minute into training (bench/RESULTS_selfcheck.md probes), and a
+# 5 s measurement would sit entirely in that slow phase
+WARMUP_SECONDS = 4.0
 
 
 def default_threads(nproc: int) -> int:
@@ -260,6 +265,16 @@ def _time(fn, seconds: float = MEASURE_SECONDS, min_calls: int = 5) -> float:
         fn()
         times.append(time.perf_counter() - t0)
     return statistics.median(times)
+
+
+def warm_up(seconds: float = WARMUP_SECONDS) -> None:
+    """Keep this process's threads busy with GEMMs for `seconds` (see WARMUP_SECONDS)."""
+    import torch
+
+    a, b = torch.randn(512, 512), torch.randn(512, 512)
+    deadline = time.perf_counter() + seconds
+    while time.perf_counter() < deadline:
+        torch.mm(a, b)
 
 
 def _capped(dims: list[int], flops_per_unit: float, cap: float) -> list[int]:
@@ -582,6 +597,7 @@ def measure_compute(shape: LayerShape | None, threads: int, ops: list[Op] | None
     old = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
+        warm_up()
         rates: dict[str, float] = {}
         in_situ: dict[str, float] = {}
         entry: dict = {}
