@@ -70,6 +70,10 @@ PROFILE_FILE = "cpu_profile.json"
 # is up to 25% slower than a minute into training (bench/RESULTS_selfcheck.md probes), and a
 # 5 s measurement would sit entirely in that slow phase
 WARMUP_SECONDS = 4.0
+# A single measuring process times its block and its ends for at least this long each (several
+# processes time 5 barrier-synchronised repeats, which already last 20-30 s in all): medians
+# over a few seconds sample this VM's drifting speed better than five back-to-back runs
+IN_SITU_SECONDS = 3.0
 
 
 def default_threads(nproc: int) -> int:
@@ -403,9 +407,10 @@ class _Trace:
         self.sdpa: dict[str, list[float]] = {"fwd": [], "bwd": []}
 
 
-def _timed_trace(fn, repeats: int = 5, after=None, before=None) -> list[_Trace]:
-    """Run `fn` under a timing dispatch mode `repeats` times (after a warm-up; `after()` after
-    each); one _Trace each.
+def _timed_trace(fn, repeats: int = 5, after=None, before=None,
+                 min_seconds: float = 0.0) -> list[_Trace]:
+    """Run `fn` under a timing dispatch mode `repeats` times, and on until `min_seconds` have
+    passed when there is no `before` (after a warm-up; `after()` after each); one _Trace each.
 
     Each aten call that is not a view is timed on its own (the mode's bookkeeping stays outside
     the timed region): GEMMs by (layout, M, N, K), SDPA forward and backward, and every other
@@ -445,7 +450,9 @@ def _timed_trace(fn, repeats: int = 5, after=None, before=None) -> list[_Trace]:
 
     fn(None)  # warm-up
     traces = []
-    for _ in range(repeats):
+    deadline = time.perf_counter() + min_seconds
+    # with `before` (a barrier among processes) every process must run the same count
+    while len(traces) < repeats or (before is None and time.perf_counter() < deadline):
         if before is not None:
             before()
         cur[0] = _Trace()
@@ -519,8 +526,9 @@ def measure_in_situ(shape: LayerShape, sync=None) -> dict | None:
     # do not pass for host time
     # `sync` (a barrier among the measuring processes) starts every repeat together
     block_runs = _timed_trace(run_block, after=lambda: untraced("block", run_block),
-                              before=sync)
-    head_runs = _timed_trace(run_head, after=lambda: untraced("head", run_head), before=sync)
+                              before=sync, min_seconds=IN_SITU_SECONDS)
+    head_runs = _timed_trace(run_head, after=lambda: untraced("head", run_head), before=sync,
+                             min_seconds=IN_SITU_SECONDS)
     rates: dict[str, float] = {}
     for runs in (block_runs, head_runs):
         for key in runs[0].gemm:
