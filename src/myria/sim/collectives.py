@@ -17,9 +17,13 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from myria.sim.hardware import ALPHA_BASE_S, ALPHA_INTER_S, ALPHA_INTRA_S, Hardware
 from myria.sim.network import pattern_factor
+
+if TYPE_CHECKING:
+    from myria.sim.cpu import CpuProfile
 
 
 @dataclass(frozen=True)
@@ -34,16 +38,11 @@ class Group:
     inter: float           # per-rank network rate for ring traffic, after the fabric factor
     inter_a2a: float       # per-rank network rate under all-to-all traffic
     inter_p2p: float       # per-rank network rate under pipeline (p2p) traffic
-    measured: tuple = ()   # CPU: ((op, alpha_s, bandwidth), ...) of gloo among local processes
+    cpu: CpuProfile | None = None   # CPU: gloo among the local processes, measured
 
     def fit(self, op: str) -> tuple[float, float] | None:
         """Measured (alpha, bandwidth) of `op` inside one host, if any."""
-        if self.k > 1:
-            return None
-        for name, alpha, bw in self.measured:
-            if name == op:
-                return alpha, bw
-        return None
+        return self.cpu.gloo_fit(op) if self.cpu is not None and self.k <= 1 else None
 
     @property
     def ring_busbw(self) -> float:
@@ -71,10 +70,8 @@ def make_group(hw: Hardware, size: int, stride: int) -> Group:
         f_ring = pattern_factor(hw.fabric, "ring", size, stride).factor
         f_a2a = pattern_factor(hw.fabric, "a2a", size, stride).factor
         f_p2p = pattern_factor(hw.fabric, "p2p", size, stride).factor
-    measured = hw.cpu.gloo if hw.cpu is not None else ()
     return Group(n=size, g=g, k=k, intra_busbw=hw.intra_busbw, intra_p2p=hw.intra_p2p,
-                 inter=nic * f_ring, inter_a2a=nic * f_a2a, inter_p2p=nic * f_p2p,
-                 measured=measured)
+                 inter=nic * f_ring, inter_a2a=nic * f_a2a, inter_p2p=nic * f_p2p, cpu=hw.cpu)
 
 
 def _alpha(grp: Group) -> float:

@@ -224,14 +224,16 @@ def efficiency_for(hw: Hardware) -> Efficiency:
     a measured CPU profile's rates, bandwidth and kernel overhead when there is one."""
     if hw.cpu is not None:
         return hw.cpu.efficiency()
-    if hw.measured:
-        return MEASURED_EFFICIENCY
+    return MEASURED_EFFICIENCY if hw.measured else _device_efficiency(hw.device)
+
+
+@lru_cache(maxsize=16)
+def _device_efficiency(device: str) -> Efficiency:
+    """The calibrated efficiencies, E_GEMM scaled by the device's matmul ceiling."""
     from myria.sim.hardware import gemm_ceiling_ratio
 
-    ratio = gemm_ceiling_ratio(hw.device)
-    if ratio == 1.0:
-        return DEFAULT_EFFICIENCY
-    return dataclasses.replace(DEFAULT_EFFICIENCY, gemm=DEFAULT_EFFICIENCY.gemm * ratio)
+    return dataclasses.replace(DEFAULT_EFFICIENCY,
+                               gemm=DEFAULT_EFFICIENCY.gemm * gemm_ceiling_ratio(device))
 
 
 def run_shape(run: RunSpec) -> LayerShape:
@@ -398,9 +400,8 @@ def simulate(run: RunSpec, hw: Hardware | None = None, eff: Efficiency | None = 
                 _cost(t_ag, max(t_ag / buckets, t_ag - F0))
         else:
             t_dp = t_rs + t_ag
-    elif eager and hw.cpu is not None and hw.cpu.fsdp_context and groups["dp"].k <= 1 \
-            and pp == 1:
-        _, block_rs, _, ends_rs = hw.cpu.fsdp_context
+    elif eager and _fsdp_context(hw.cpu, groups["dp"], pp):
+        _, block_rs, _, ends_rs = _fsdp_context(hw.cpu, groups["dp"], pp)
         t_dp = n_layers[kinds[0][0]] * block_rs + ends_rs
     elif eager and hw.cpu is not None and hw.cpu.fsdp and groups["dp"].k <= 1:
         # FSDP2 under no_sync: each unit reduce-scatters its accumulated gradients once per
@@ -558,6 +559,12 @@ def op_table(run: RunSpec, res: StepResult, ops: tuple[Op, ...], stage: dict,
     return rows
 
 
+def _fsdp_context(cpu, grp, pp: int) -> tuple:
+    """FSDP2 measured around this model's own block and ends (`cpu._fsdp_in_context`), when it
+    applies: one host, no pipeline. Empty otherwise."""
+    return cpu.fsdp_context if cpu is not None and grp.k <= 1 and pp == 1 else ()
+
+
 def _fsdp2_microbatch(shape: LayerShape, n_layers: float, first: bool, last: bool, pp: int,
                       ep: int, w_b: int, groups: dict, mem_rate: float, cpu=None) -> float:
     """FSDP2 traffic of one microbatch on one rank (myria's `apply_fsdp`, no overlap on CPU).
@@ -573,9 +580,8 @@ def _fsdp2_microbatch(shape: LayerShape, n_layers: float, first: bool, last: boo
 
     grp = groups["dp"]
     n = max(1, grp.n)
-    if cpu is not None and cpu.fsdp_context and grp.k <= 1 and pp == 1:
-        # measured around this model's own block and ends (cpu._fsdp_in_context)
-        block_mb, _, ends_mb, _ = cpu.fsdp_context
+    if _fsdp_context(cpu, grp, pp):
+        block_mb, _, ends_mb, _ = _fsdp_context(cpu, grp, pp)
         return n_layers * block_mb + (ends_mb if first or last else 0.0)
     blocks = sum(stage_params(shape, n_layers, False, False, ep))
     root = sum(stage_params(shape, n_layers, first, last, ep)) - blocks
