@@ -167,7 +167,12 @@ class CheckpointConfig:
 
     interval: int = _f(50, "save every N steps (and at the end); 0 saves only at the end", min=0)
     keep: int = _f(3, "committed checkpoints to keep", min=1)
-    resume: bool = _f(True, "resume from the newest committed checkpoint in the run directory")
+    resume: bool = _f(True, "resume from the newest checkpoint in the run directory that "
+                      "verifies (false: move existing checkpoints aside and start at step 0)")
+    resume_from: str = _f("", "load this checkpoint directory instead (even a quarantined one); "
+                          "newer checkpoints of the run are moved aside, not deleted")
+    start_fresh: bool = _f(False, "when checkpoints exist but none can be loaded, train from "
+                           "step 0 instead of stopping (the damaged ones stay in quarantine/)")
 
 
 @dataclass

@@ -107,7 +107,7 @@ def test_corrupt_newest_checkpoint_is_skipped(tmp_path, tiny_data):
     train(tmp_path, tiny_data, "--training.steps=4", "--checkpoint.interval=2",
           env={"MYRIA_FAULT": "corrupt-checkpoint:step=4"})
     p = train(tmp_path, tiny_data, "--training.steps=6", "--checkpoint.interval=2")
-    assert "skipping checkpoint" in p.stderr
+    assert "is damaged" in p.stderr and "quarantine" in p.stderr
     assert "resumed from" in p.stdout and "step 2" in p.stdout
 
 

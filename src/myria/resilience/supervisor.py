@@ -48,7 +48,7 @@ from pathlib import Path
 from typing import Any
 
 from myria import config as config_mod
-from myria.errors import ConfigError, LaunchError
+from myria.errors import ConfigError, LaunchError, MyriaError
 from myria.resilience.watch import Detection, Watchdog
 from myria.train import heartbeat
 
@@ -177,6 +177,10 @@ class Fault:
 
 class _BadHost(Exception):
     pass
+
+
+class _UserError(Exception):
+    """A rank failed with an error of the user's input (exit 2): a restart cannot fix it."""
 
 
 def _agent_class():
@@ -323,6 +327,9 @@ class Supervisor:
         except _BadHost as e:
             status, code = "host-blocklisted", EXIT_BAD_HOST
             log.error("ACTION leave the job: %s", e)
+        except _UserError as e:
+            status, code = "input-error", 2
+            log.error("ACTION stop without restarting (a restart cannot fix bad input): %s", e)
         except SignalException as e:
             status, code = "preempted", EXIT_PREEMPTED
             log.warning("ACTION stopped by %s: workers were asked to save and exit", e.sigval)
@@ -507,6 +514,12 @@ class Supervisor:
         f.cause = self.watch.cause_line(culprit) or (
             f"signal {failures[culprit].signal_name()}" if failures[culprit].exitcode < 0
             else f"exit code {failures[culprit].exitcode}")
+        if failures[culprit].exitcode == MyriaError.exit_code:
+            data = failures[culprit].error_file_data
+            msg = data.get("message") if isinstance(data, dict) else None
+            f.cause = msg if isinstance(msg, str) and msg else f.cause
+            f.action.append("stop: input error")
+            raise _UserError(f"rank {culprit}: {f.cause}")
 
     def _record(self, d: Detection, related: list[Detection]) -> Fault:
         injected, at = _injected(self.run_dir, self.watch.started if self.watch else 0)
@@ -533,8 +546,9 @@ class Supervisor:
             return
         step = max(x.get("step", 0) for x in recs)
         self.max_step = max(self.max_step, step)
-        if self.initial_step is None and self.attempt == 0:
-            self.initial_step = min(x.get("resumed_from", 0) for x in recs)
+        known = [x["resumed_from"] for x in recs if x.get("resumed_from", -1) >= 0]
+        if self.initial_step is None and self.attempt == 0 and len(known) == len(recs):
+            self.initial_step = min(known)  # -1 means "not resumed yet", never a step
         f = self.current
         if f is None or f.attempt == self.attempt:
             return
@@ -607,23 +621,35 @@ class Supervisor:
 
     # -- the summary -------------------------------------------------------------------------
     def summary(self, status: str) -> dict[str, Any]:
-        """Faults, causes, actions, time lost and the effective training time ratio."""
+        """Faults, causes, actions, time lost and the effective training time ratio.
+
+        Productive time is the recorded time of the training steps the final model went
+        through, run under this supervisor (metrics rows since it started; each row carries the
+        step time since the previous row, and rows of steps redone after a rollback were set
+        aside by the trainer). ETTR = productive / wall, in [0, 1] by construction.
+        """
         end = time.time()
         wall = end - self.started_at
         rows = _metrics_rows(self.run_dir, self.started_at)
         final = max(rows) if rows else self.max_step
         start = self.initial_step if self.initial_step is not None else (
-            min(rows) - 1 if rows else 0)
-        times = [rows[s]["step_time_s"] for s in rows]
-        step_time = sum(times) / len(times) if times else 0.0
-        productive = step_time * max(0, final - start)
+            min(rows) - 1 if rows else final)
+        productive = sum(r.get("interval_time_s", r.get("step_time_s", 0.0))
+                         for s, r in rows.items() if s > start)
+        steps = max(0, final - start)
+        ettr = productive / wall if wall > 0 else 0.0
+        if not 0.0 <= ettr <= 1.0 + 1e-9:  # recorded step times lie inside the wall time
+            log.error("effective training time ratio %.4f outside [0, 1] (productive %.1f s, "
+                      "wall %.1f s): clamped; please report", ettr, productive, wall)
+        ettr = min(max(ettr, 0.0), 1.0)
         return {
             "status": status, "host": self.host, "job": self.job,
-            "target_steps": self.cfg.training.steps, "start_step": start, "final_step": final,
+            "target_steps": self.cfg.training.steps, "start_step": max(0, start),
+            "final_step": final, "steps_trained": steps,
             "restarts": sum(1 for f in self.faults if f.restarted_at),
             "wall_s": round(wall, 3), "productive_s": round(productive, 3),
-            "mean_step_s": round(step_time, 4),
-            "effective_training_time_ratio": round(productive / wall, 4) if wall else None,
+            "mean_step_s": round(productive / steps, 4) if steps else 0.0,
+            "effective_training_time_ratio": round(ettr, 4),
             "time_lost_s": round(wall - productive, 3),
             "faults": [f.to_dict() for f in self.faults], "blocklist": self.blocklist,
             "heartbeat_s": self.r.heartbeat_s, "store": self.r.store,
@@ -639,10 +665,12 @@ class Supervisor:
                  s["target_steps"], s["restarts"], s["wall_s"], s["productive_s"],
                  s["effective_training_time_ratio"], path)
         for f in s["faults"]:
+            back = (f"fault to first resumed step {f['fault_to_first_step_s']} s; lost steps "
+                    f"{f['lost_steps']}") if f["fault_to_first_step_s"] is not None else \
+                "training did not resume after it"
             log.info("  fault %s rank(s) %s at step %s: cause %s; detected in %.2f s; actions: "
-                     "%s; fault to first resumed step %s s; lost steps %s", f["kind"],
-                     f["ranks"], f["last_step"], f["cause"], f["detection_s"],
-                     ", ".join(f["action"]) or "-", f["fault_to_first_step_s"], f["lost_steps"])
+                     "%s; %s", f["kind"], f["ranks"], f["last_step"], f["cause"],
+                     f["detection_s"], ", ".join(f["action"]) or "-", back)
 
 
 def _metrics_rows(run_dir: Path, since: float) -> dict[int, dict]:

@@ -31,6 +31,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--nnodes", type=int, default=1,
                    help="hosts, for --dry-run's placement report (launch across hosts with "
                    "torchrun or `myria supervise`)")
+    p.add_argument("--resume-from", metavar="CKPT_DIR", default=None,
+                   help="load this checkpoint directory (even one in checkpoints/quarantine/) "
+                   "instead of the newest valid one; newer checkpoints are moved aside")
+    p.add_argument("--start-fresh", action="store_true",
+                   help="when every checkpoint of the run is damaged, train from step 0 "
+                   "instead of stopping (the damaged ones stay in checkpoints/quarantine/)")
     p.add_argument("--dry-run", action="store_true",
                    help="print the resolved config, parameter count, FLOPs per token and "
                    "memory per rank, then exit")
@@ -103,6 +109,10 @@ def predicted(cfg: config_mod.Config, world: int, ranks_per_host: int):
 
 
 def run(args) -> int:
+    if args.resume_from:
+        args.overrides.append(f"--checkpoint.resume_from={Path(args.resume_from).resolve()}")
+    if args.start_fresh:
+        args.overrides.append("--checkpoint.start_fresh=true")
     cfg = config_mod.load(args.config, args.overrides)
     world = _nproc_for(args)
     if args.dry_run:

@@ -24,7 +24,7 @@ import torch
 from myria import config as config_mod
 from myria.config import Config
 from myria.data.dataset import TokenDataset
-from myria.errors import ConfigError
+from myria.errors import CheckpointError, ConfigError
 from myria.faults import FaultInjector
 from myria.models.flops import model_flops_per_token
 from myria.parallel.data import make_loader, write_read_counts
@@ -94,7 +94,7 @@ def _train(cfg: Config, run_dir: Path, env, stop_after: int | None,
                              async_save=r.async_checkpoint, overlap=r.snapshot_overlap,
                              timeout_s=t.init_timeout_s)
     start_step = 0
-    latest = ckpt.choose_resume() if cfg.checkpoint.resume else None
+    latest = resume_point(ckpt, cfg, env.is_main)
     if latest is not None:
         meta = ckpt.load(latest, engine)
         engine.load_scheduler_state(meta["scheduler"])
@@ -102,6 +102,8 @@ def _train(cfg: Config, run_dir: Path, env, stop_after: int | None,
         if env.is_main:
             print(f"resumed from {latest} (step {start_step}, saved by {meta['world_size']} "
                   f"processes; rank 0 read {ckpt.bytes_read / 2**20:.1f} MiB)", flush=True)
+    if env.is_main and (cfg.checkpoint.resume_from or not cfg.checkpoint.resume):
+        ckpt.abandon_after(start_step)  # a new timeline: newer checkpoints go aside
     hb.resumed(start_step)
     write_checkpoint_stats(run_dir, env.rank, ckpt, latest)
     stop = StopRequest(t.init_timeout_s)
@@ -126,6 +128,7 @@ def _train(cfg: Config, run_dir: Path, env, stop_after: int | None,
     losses: list[float] = []
     val = None
     step = start_step
+    since_logged = 0.0  # step time since the last logged row (the supervisor's productive time)
     timer = StepTimer(sync)
     try:
         while step < t.steps:
@@ -146,6 +149,7 @@ def _train(cfg: Config, run_dir: Path, env, stop_after: int | None,
             loss_value = engine.mean_over_dp(loss_sum)
             losses.append(loss_value)
             dt = timer.lap()
+            since_logged += dt
             hb.step_done(step, tokens_per_step / dt)
             if step == start_step + 1:
                 distributed.set_timeout(t.timeout_s)  # warm: short collective timeouts
@@ -156,8 +160,9 @@ def _train(cfg: Config, run_dir: Path, env, stop_after: int | None,
                     "grad_norm": grad_norm, "tokens_per_s": tps, "step_time_s": dt,
                     "data_wait_s": loader.pop_wait_time(),
                     "mfu": mfu(flops_per_token, tps, env.world_size, peak),
-                    "time": time.time(),
+                    "time": time.time(), "interval_time_s": since_logged,
                 })
+                since_logged = 0.0
             if t.eval_interval and step % t.eval_interval == 0:
                 hb.phase("eval")
                 val = val or TokenDataset(cfg.data.path, m.seq_len, split="val")
@@ -193,6 +198,25 @@ def _train(cfg: Config, run_dir: Path, env, stop_after: int | None,
         loader.close()
         write_read_counts(run_dir, env.rank, loader)
         metrics.close()
+
+
+def resume_point(ckpt: CheckpointManager, cfg: Config, is_main: bool) -> Path | None:
+    """The checkpoint this run starts from: the one asked for, the newest that verifies, or
+    None (step 0). Damaged checkpoints are quarantined; when every one is damaged this raises a
+    CheckpointError unless `checkpoint.start_fresh` allows starting from step 0."""
+    c = cfg.checkpoint
+    if c.resume_from:
+        path = Path(c.resume_from)
+        if not (path / "meta.json").is_file():
+            raise CheckpointError(f"checkpoint.resume_from = {str(path)!r} is not a checkpoint "
+                                  "directory (no meta.json in it)")
+        reason = ckpt.verify(path)
+        if reason is not None and is_main:
+            log.warning("loading %s as asked although it does not verify: %s", path, reason)
+        return path
+    if not c.resume:
+        return None
+    return ckpt.choose_resume(allow_fresh=c.start_fresh)
 
 
 def write_checkpoint_stats(run_dir: Path, rank: int, ckpt: CheckpointManager,
