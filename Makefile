@@ -4,6 +4,7 @@ PY      ?= python3
 VENV    ?= .venv
 BIN     := $(VENV)/bin
 NPROC   ?= 2
+DEMO_ARGS ?=
 STAMP   := $(VENV)/.installed
 
 .PHONY: setup demo test test-quick lint bench clean redis
@@ -21,7 +22,7 @@ setup: $(STAMP)
 # Prepare the demo corpus, train the demo model on $(NPROC) processes, print a summary.
 demo: $(STAMP)
 	@test -f data/demo/index.json || $(BIN)/myria prepare --corpus demo --out data/demo
-	$(BIN)/myria train --config configs/demo.toml --run-dir runs/demo --nproc $(NPROC)
+	$(BIN)/myria train --config configs/demo.toml --run-dir runs/demo --nproc $(NPROC) $(DEMO_ARGS)
 
 # A real redis-server for the Redis heartbeat-store tests (they skip cleanly without one).
 redis:

@@ -153,8 +153,12 @@ def stage_params(shape: LayerShape, layers_on_stage: float, first: bool, last: b
 
 def memory(shape: LayerShape, *, layers: int, pp: int, vpp: int, microbatches: int,
            schedule: str, recompute: str, zero_stage: int, dp: int, ep: int, precision: str,
-           offload: str, capacity: float, gpus_per_node: int) -> MemoryResult:
-    """Peak memory over the pipeline stages of one device (the first and last stage differ)."""
+           offload: str, capacity: float, gpus_per_node: int,
+           reserved: float = RESERVED_BYTES) -> MemoryResult:
+    """Peak memory over the pipeline stages of one device (the first and last stage differ).
+
+    `reserved` is what the runtime holds outside the tensors (CUDA context, library
+    workspaces, NCCL buffers on a GPU; 0 on a CPU, where none of these exist)."""
     mixed = precision != "fp32"
     w_b = 2 if mixed else 4
     g_b = 4
@@ -197,8 +201,8 @@ def memory(shape: LayerShape, *, layers: int, pp: int, vpp: int, microbatches: i
             # the one layer being recomputed holds its full activations during its backward
             temp += _act(shape, "none")
         dynamic = w + g + o + act + temp
-        total = dynamic * (1 + FRAGMENTATION) + RESERVED_BYTES
+        total = dynamic * (1 + FRAGMENTATION) + reserved
         results.append(MemoryResult(w, g, o, act, temp + dynamic * FRAGMENTATION,
-                                    RESERVED_BYTES, total, capacity, total <= capacity, name,
+                                    reserved, total, capacity, total <= capacity, name,
                                     dense + expert, host))
     return max(results, key=lambda r: r.total)

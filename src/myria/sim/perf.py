@@ -44,7 +44,7 @@ from myria.device import DeviceSpec
 from myria.models.flops import forward_flops_per_token, model_flops_per_token
 from myria.sim import collectives as coll
 from myria.sim.hardware import Hardware, build_hardware
-from myria.sim.memory import MemoryResult, memory
+from myria.sim.memory import RESERVED_BYTES, MemoryResult, memory
 from myria.sim.operators import (
     DEFAULT_EFFICIENCY,
     MEASURED_EFFICIENCY,
@@ -487,7 +487,8 @@ def simulate(run: RunSpec, hw: Hardware | None = None, eff: Efficiency | None = 
     mem = memory(shape, layers=L, pp=pp, vpp=v, microbatches=m, schedule=par.schedule,
                  recompute=rec, zero_stage=tr.zero_stage, dp=dp * cp, ep=ep,
                  precision=tr.precision, offload=tr.offload, capacity=hw.memory_bytes,
-                 gpus_per_node=hw.gpus_per_node)
+                 gpus_per_node=hw.gpus_per_node,
+                 reserved=0.0 if hw.device == "cpu" else RESERVED_BYTES)
     if tr.offload != "none":
         cap = (hw.server.host_memory_gb if tr.offload == "cpu" else hw.server.nvme_gb) * 1e9
         mem.host_fits = mem.host_bytes_per_node <= cap
@@ -645,11 +646,13 @@ def config_run(cfg, nproc: int, device_spec: DeviceSpec, gpus_per_node: int = 0
                       tie_embeddings="true" if mc.tie_embeddings else "false", dropout=0.0)
     training = TrainingSpec(global_batch=cfg.training.global_batch,
                             micro_batch=cfg.training.micro_batch,
+                            recompute=cfg.parallel.activation_checkpoint,
                             optimizer="lamb" if cfg.optimizer.name == "lamb" else "adam",
                             zero_stage=zero, precision="fp32" if dtype == "float32" else "bf16")
     par = ParallelSpec(tp=lay["tp"], pp=lay["pp"], cp=lay["cp"], ep=lay["ep"],
                        vpp=cfg.parallel.vpp, schedule=cfg.parallel.schedule
-                       if cfg.parallel.schedule != "zbv" or cfg.parallel.vpp == 2 else "1f1b")
+                       if cfg.parallel.schedule != "zbv" or cfg.parallel.vpp == 2 else "1f1b",
+                       sequence_parallel=cfg.parallel.sequence_parallel and lay["tp"] > 1)
     is_cpu = device_spec.name == "cpu"
     gpn = gpus_per_node or (nproc if is_cpu else min(8, nproc))
     threads = 0

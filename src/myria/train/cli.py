@@ -82,16 +82,56 @@ def dry_run(cfg: config_mod.Config, world: int, ranks_per_host: int | None = Non
              f"{model_flops_per_token(m):,.0f}",
              f"# tokens per step: {t.global_batch * m.seq_len:,}; gradient accumulation: "
              f"{t.global_batch // (lay['dp'] * t.micro_batch)} microbatches of {t.micro_batch}",
-             f"# predicted on {spec.name} ({spec.source}): memory per rank "
-             + ", ".join(f"{k} {mem[k]:.2f}" for k in ("weights", "gradients", "optimizer",
-                                                     "activations", "total"))
-             + f" GB ({'fits' if pred.fits else 'does NOT fit'} in {mem['capacity']:.0f} GB); "
-             f"step {pred.iteration_time_s:.3g} s, MFU {100 * pred.mfu:.1f}% "
-             "(see `myria simulate`, `myria plan`)"]
+             f"# predicted on {spec.name} ({spec.source}), recompute "
+             f"{cfg.parallel.activation_checkpoint}, sequence parallel "
+             f"{'on' if cfg.parallel.sequence_parallel and lay['tp'] > 1 else 'off'}: "
+             "memory per rank " + " + ".join(f"{k} {mem[k]:.2f}" for k in MEMORY_PARTS)
+             + f" = {mem['total']:.2f} GB ({'fits' if pred.fits else 'does NOT fit'} in "
+             f"{mem['capacity']:.0f} GB); step {pred.iteration_time_s:.3g} s, MFU "
+             f"{100 * pred.mfu:.1f}% (see `myria simulate`, `myria plan`)"]
+    better = better_layout(cfg, world, ranks_per_host or world, spec, pred)
+    if better:
+        lines.append(better)
     from myria.parallel.placement import describe
 
     lines.append(describe(lay, cluster_for(cfg, ranks_per_host or world)))
     return "\n".join(lines)
+
+
+# The parts of a rank's predicted memory; they add up to the total (myria.sim.memory).
+MEMORY_PARTS = ("weights", "gradients", "optimizer", "activations", "temporary", "reserved")
+LOW_MFU_SHARE = 0.6  # warn when the config reaches less than this share of the planner's best
+
+
+def better_layout(cfg: config_mod.Config, world: int, ranks_per_host: int, spec, pred
+                  ) -> str | None:
+    """A warning line when `myria plan` finds a layout far faster than the config's, on the
+    same model, batch and cluster; None when the config is close to the best (or on a CPU,
+    where the planner has no cluster to search)."""
+    if spec.name == "cpu":
+        return None
+    from myria.sim.perf import config_run
+    from myria.sim.planner import plan
+
+    base, _, _ = config_run(cfg, world, spec, ranks_per_host)
+    try:
+        best = plan(base, top=1).ranked
+    except config_mod.ConfigError:
+        return None
+    if not best or pred.mfu >= LOW_MFU_SHARE * best[0].mfu:
+        return None
+    b = best[0]
+    lay = b.layout
+    parts = [f"tp={lay['tp']}", f"pp={lay['pp']}", f"dp={lay['dp']}"]
+    parts += [f"{k}={lay[k]}" for k in ("cp", "ep", "vpp") if lay[k] > 1]
+    zero = {0: "ddp", 1: "zero1", 2: "zero2", 3: "fsdp"}[lay["zero_stage"]]
+    return (f"# WARNING: predicted MFU {100 * pred.mfu:.1f}% is far below the "
+            f"{100 * b.mfu:.1f}% that `myria plan` predicts for this model on the same "
+            f"{world} x {spec.name}: {', '.join(parts)}, micro_batch {lay['micro_batch']}, "
+            f"recompute {lay['recompute']}, ZeRO stage {lay['zero_stage']} ({zero}), sequence "
+            f"parallel {'on' if lay['sequence_parallel'] else 'off'} "
+            f"({b.memory_gb_per_gpu:.0f} GB per GPU). The figure is this layout's, not "
+            "myria's best; run `myria plan` for the ranking.")
 
 
 def predicted(cfg: config_mod.Config, world: int, ranks_per_host: int):
@@ -100,10 +140,7 @@ def predicted(cfg: config_mod.Config, world: int, ranks_per_host: int):
     from myria import device
     from myria.sim.perf import simulate_config
 
-    spec = device.cuda_device_spec()
-    if spec is None:
-        spec = device.lookup("h100-sxm-80gb") if cfg.training.dtype == "bfloat16" \
-            else device.cpu_device_spec()
+    spec = device.planning_device(cfg.training.dtype)
     gpn = ranks_per_host if spec.name != "cpu" else world
     return spec, simulate_config(cfg, world, spec, gpus_per_node=gpn)
 
