@@ -83,7 +83,7 @@ def main(argv: list[str] | None = None) -> int:
     except MyriaError as e:
         from myria.train.launch import record_worker_error
 
-        if not record_worker_error(f"myria {name}: error: {e}", e.exit_code):
+        if not record_worker_error(str(e), e.exit_code):
             print(f"myria {name}: error: {e}", file=sys.stderr)
         return e.exit_code
     except Exception as e:

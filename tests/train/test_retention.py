@@ -228,3 +228,25 @@ def test_two_ranks_resume_past_a_damaged_checkpoint_bitwise(tmp_path, tiny_data)
             "--training.steps=12", "--checkpoint.interval=4", "--checkpoint.keep=1",
             "--nproc", "2")
     same_as_straight(run, ref)
+
+
+def test_tensorboard_shows_one_value_per_step_after_a_rollback(tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from myria.train.metrics import MetricsLogger
+
+    def log(start, end, loss):
+        m = MetricsLogger(tmp_path, 6, start, True, tensorboard=True, progress=False)
+        for s in range(start + 1, end + 1):
+            m.log({"step": s, "loss": loss + s, "lr": 0.1, "grad_norm": 1.0,
+                   "tokens_per_s": 1.0, "step_time_s": 0.1, "data_wait_s": 0.0, "mfu": None})
+        m.close()
+
+    log(0, 6, 100.0)   # the abandoned timeline
+    log(3, 6, 200.0)   # resumed from step 3
+    acc = EventAccumulator(str(tmp_path / "tensorboard"))
+    acc.Reload()
+    got = [(e.step, e.value) for e in acc.Scalars("train/loss")]
+    assert got == [(1, 101.0), (2, 102.0), (3, 103.0), (4, 204.0), (5, 205.0), (6, 206.0)]
+    kept = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["loss"] for r in kept] == [101.0, 102.0, 103.0, 204.0, 205.0, 206.0]

@@ -135,3 +135,25 @@ def test_metrics_file_fields(reference):
                 "grad_norm"):
         assert key in rows[0]
     assert 0 < rows[-1]["mfu"] < 1
+
+
+@pytest.mark.slow
+def test_failed_launch_names_the_rank_that_failed_first(tmp_path, tiny_data):
+    p = train(tmp_path, tiny_data, "--training.steps=6", nproc=2, check=False,
+              env={"MYRIA_FAULT": "raise:rank=1:step=3"})
+    assert p.returncode == 1
+    last = p.stderr.strip().splitlines()[-1]
+    assert "rank 1 of 2 failed first" in last and "injected fault: raise on rank 1" in last, last
+    assert "torch.distributed.elastic" not in p.stderr  # the launcher's own noise is gone
+    assert "ChildFailedError" not in p.stderr
+
+
+@pytest.mark.slow
+def test_an_input_error_of_every_rank_is_printed_once(tmp_path, tiny_data):
+    train(tmp_path, tiny_data, "--training.steps=2", "--checkpoint.interval=2")
+    from tests.train.test_retention import flip
+    flip(tmp_path / "checkpoints" / "step_00000002")
+    p = train(tmp_path, tiny_data, "--training.steps=4", nproc=2, check=False)
+    assert p.returncode == 2 and "Traceback" not in p.stderr
+    assert p.stderr.count("no checkpoint in") == 1, p.stderr
+    assert "failed first" in p.stderr

@@ -344,14 +344,16 @@ class CheckpointManager:
                     self.quarantine(p, bad[0])
         if rank == 0:
             self._set_latest()
+        if world > 1:
+            dist.barrier(group=self._pg)  # every rank sees the files rank 0 moved
         if chosen is None:
             damaged = self.unaccepted_quarantine()
             if damaged and not allow_fresh:
                 raise CheckpointError(self._all_damaged_message(damaged))
             if damaged and rank == 0:
                 self._accept_fresh_start(damaged)
-        if world > 1:
-            dist.barrier(group=self._pg)  # nobody proceeds while rank 0 still moves files
+            if world > 1:
+                dist.barrier(group=self._pg)
         return chosen
 
     def abandon_after(self, step: int) -> None:
