@@ -55,6 +55,13 @@ def readme_lines() -> list[str]:
     return out
 
 
+def documented_failure(cmd: str, p: subprocess.CompletedProcess) -> bool:
+    """`myria doctor` exits 1 when a check fails (docs/robustness.md): on a shared, loaded test
+    machine its throughput checks may; the command still has to run every check and report."""
+    return cmd.startswith("myria doctor") and p.returncode == 1 and \
+        "passed" in p.stdout + p.stderr and "JSON report" in p.stdout + p.stderr
+
+
 def runnable(line: str) -> bool:
     return not any(k in line for k in NOT_HERE)
 
@@ -77,9 +84,13 @@ def adapt(line: str) -> str:
 @pytest.fixture(scope="module")
 def scratch(tmp_path_factory):
     d = tmp_path_factory.mktemp("readme")
-    shutil.copytree(ROOT / "configs", d / "configs")
-    shutil.copy2(ROOT / "Makefile", d / "Makefile")
-    shutil.copy2(ROOT / "pyproject.toml", d / "pyproject.toml")
+    # a copy of the checkout's tracked files, as a user's clone would have them
+    files = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True,
+                           check=True).stdout.split()
+    for f in files:
+        if (ROOT / f).is_file():
+            (d / f).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(ROOT / f, d / f)
     (d / "texts" / "a").mkdir(parents=True)
     from myria.data.prepare import read_text, sotu_speeches
 
@@ -113,7 +124,8 @@ def test_every_readme_command_runs(scratch):
         cmd = adapt(line)
         p = subprocess.run(cmd, shell=True, cwd=scratch, env=env(), capture_output=True,
                            text=True, timeout=900)
-        if p.returncode != 0 or "Traceback" in p.stderr:
+        ok = p.returncode == 0 or documented_failure(cmd, p)
+        if not ok or "Traceback" in p.stderr:
             failures.append(f"$ {cmd}\nexit {p.returncode}\n{p.stdout[-1500:]}\n"
                             f"{p.stderr[-3000:]}")
     assert not failures, "\n\n".join(failures)

@@ -350,15 +350,31 @@ def parse_override(text: str) -> tuple[str, str, Any]:
     return section, key, value
 
 
+def read_text_file(path: str | Path, what: str = "config file") -> str:
+    """The text of a TOML file the user named: one clear ConfigError when it is missing, a
+    directory, unreadable or not UTF-8 (TOML files are UTF-8 by the specification)."""
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"{what} {str(p)!r} does not exist" if not p.exists() else
+                          f"{what} {str(p)!r} is not a file")
+    try:
+        return p.read_bytes().decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{what} {str(p)!r} is not UTF-8 text (byte {e.start}: "
+                          f"{e.object[e.start:e.start + 1]!r}); TOML files must be UTF-8"
+                          ) from None
+    except OSError as e:
+        raise ConfigError(f"{what} {str(p)!r} cannot be read: {e.strerror}") from None
+
+
 def load(path: str | Path | None = None, overrides: typing.Sequence[str] = ()) -> Config:
     """Load a TOML config (or the defaults when `path` is None) and apply overrides."""
     cfg = Config()
     if path is not None:
         p = Path(path)
-        if not p.is_file():
-            raise ConfigError(f"config file {str(p)!r} does not exist")
+        text = read_text_file(p)
         try:
-            data = tomllib.loads(p.read_text())
+            data = tomllib.loads(text)
         except tomllib.TOMLDecodeError as e:
             raise ConfigError(f"config file {str(p)!r} is not valid TOML: {e}") from None
         cfg = from_dict(data, cfg)
@@ -393,9 +409,8 @@ def resolve_layout(cfg: Config, world_size: int) -> dict[str, int]:
             "pp": p.pp, "cp": p.cp, "ep": p.ep}
 
 
-def validate(cfg: Config, world_size: int | None = None) -> None:
-    """Raise ConfigError for inconsistent combinations."""
-    m, t, par = cfg.model, cfg.training, cfg.parallel
+def validate_model(m: ModelConfig) -> None:
+    """Raise ConfigError for a model whose sizes do not fit together (shared with the planner)."""
     if m.hidden % m.heads:
         raise ConfigError(f"model.heads = {m.heads} does not divide model.hidden = {m.hidden}; "
                           "hidden must be a multiple of heads")
@@ -409,6 +424,12 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
                           f"<= {m.seq_len}")
     if m.experts and m.top_k > m.experts:
         raise ConfigError(f"model.top_k = {m.top_k} exceeds model.experts = {m.experts}")
+
+
+def validate(cfg: Config, world_size: int | None = None) -> None:
+    """Raise ConfigError for inconsistent combinations."""
+    m, t, par = cfg.model, cfg.training, cfg.parallel
+    validate_model(m)
     if t.micro_batch > t.global_batch:
         raise ConfigError(f"training.micro_batch = {t.micro_batch} exceeds training.global_batch"
                           f" = {t.global_batch}")

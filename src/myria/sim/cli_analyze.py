@@ -34,9 +34,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _load(args) -> StepResult:
     p = Path(args.config)
-    if not p.is_file():
-        raise ConfigError(f"config file {args.config!r} does not exist")
-    text = p.read_text()
+    from myria.config import read_text_file
+
+    text = read_text_file(p)
     if runspec.is_run_file(text):
         runs = runspec.loads(text, str(p))
         if args.run:

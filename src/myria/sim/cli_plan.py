@@ -26,11 +26,41 @@ from myria.sim.runspec import (
 
 
 def _ints(text: str) -> list[int]:
+    """A comma list of degrees or sizes, each >= 1."""
     try:
-        return [int(x) for x in text.split(",") if x]
+        vals = [int(x) for x in text.split(",") if x.strip()]
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r}: expected integers separated by commas")\
             from None
+    if not vals or any(v < 1 for v in vals):
+        raise argparse.ArgumentTypeError(f"{text!r}: every value must be an integer >= 1")
+    return vals
+
+
+def _zero_stages(text: str) -> list[int]:
+    """A comma list of ZeRO stages, each 0-3."""
+    try:
+        vals = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        vals = []
+    if not vals or any(v not in (0, 1, 2, 3) for v in vals):
+        raise argparse.ArgumentTypeError(f"{text!r}: ZeRO stages are 0, 1, 2, 3 "
+                                         "(comma-separated)")
+    return vals
+
+
+def _at_least(lo: float, kind=int):
+    """An argparse type: a number of `kind` that is >= lo."""
+    def parse(text: str):
+        try:
+            v = kind(text)
+        except ValueError:
+            what = "an integer" if kind is int else "a number"
+            raise argparse.ArgumentTypeError(f"{text!r} is not {what}") from None
+        if v < lo:
+            raise argparse.ArgumentTypeError(f"{text!r}: must be >= {lo:g}")
+        return v
+    return parse
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -39,18 +69,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--run", default="", help="which run of a multi-run file")
     g = parser.add_argument_group("model (instead of, or overriding, a file)")
     g.add_argument("--arch", choices=("gpt", "llama"))
-    for name in ("layers", "hidden", "heads", "kv-heads", "ffn-hidden", "vocab", "experts",
-                 "top-k"):
-        g.add_argument(f"--{name}", type=int)
+    for name, what in (("layers", "transformer layers"), ("hidden", "model width"),
+                       ("heads", "attention heads"), ("kv-heads", "key/value heads (GQA)"),
+                       ("ffn-hidden", "MLP width"), ("vocab", "vocabulary size"),
+                       ("top-k", "experts per token")):
+        g.add_argument(f"--{name}", type=_at_least(1), help=what)
+    g.add_argument("--experts", type=_at_least(0), help="experts per MoE layer (0: dense)")
     g = parser.add_argument_group("run and cluster")
-    g.add_argument("--seq-len", type=int)
-    g.add_argument("--global-batch", type=int, help="sequences per iteration")
+    g.add_argument("--seq-len", type=_at_least(1), help="tokens per sequence")
+    g.add_argument("--global-batch", type=_at_least(1), help="sequences per iteration")
     g.add_argument("--gpu", help="a100-sxm-80gb, h100-sxm-80gb, h200, ...")
-    g.add_argument("--gpus", type=int, help="number of devices")
-    g.add_argument("--gpus-per-node", type=int)
-    g.add_argument("--nic-gbps", type=float)
+    g.add_argument("--gpus", type=_at_least(1), help="number of devices")
+    g.add_argument("--gpus-per-node", type=_at_least(1), help="devices per server")
+    g.add_argument("--nic-gbps", type=_at_least(1e-3, float), help="NIC bandwidth, Gbit/s")
     g.add_argument("--topology", choices=("fat-tree", "clos3", "rail-optimized"))
-    g.add_argument("--oversubscription", type=float)
+    g.add_argument("--oversubscription", type=_at_least(1.0, float),
+                   help="fabric oversubscription (1 = non-blocking)")
     g.add_argument("--no-flash", action="store_true", help="no FlashAttention")
     g.add_argument("--overlap", help="overlaps to switch on, e.g. tp,pp,dp or none")
     g = parser.add_argument_group("search space (comma lists)")
@@ -61,12 +95,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--vpp", type=_ints)
     g.add_argument("--mb", type=_ints, help="micro-batch sizes")
     g.add_argument("--recompute", help="none,selective,full")
-    g.add_argument("--zero", type=_ints, help="ZeRO stages, e.g. 0,1,3")
-    parser.add_argument("--top", type=int, default=10, help="layouts to show (default 10)")
+    g.add_argument("--zero", type=_zero_stages, help="ZeRO stages, e.g. 0,1,3")
+    parser.add_argument("--top", type=_at_least(1), default=10,
+                        help="layouts to show (default 10)")
     parser.add_argument("--json", action="store_true", help="print the ranked layouts as JSON")
     g = parser.add_argument_group("pipeline schedule drawing")
     g.add_argument("--show-schedule", metavar="PNG", help="draw a pipeline schedule to PNG")
-    g.add_argument("--microbatches", type=int, help="m for --show-schedule (with one --pp)")
+    g.add_argument("--microbatches", type=_at_least(1),
+                   help="m for --show-schedule (with one --pp)")
     g.add_argument("--schedule", choices=("gpipe", "1f1b", "interleaved-1f1b", "zero-bubble"))
 
 
@@ -80,9 +116,9 @@ def _base_from_args(args) -> RunSpec:
     name = "plan"
     if args.base:
         p = Path(args.base)
-        if not p.is_file():
-            raise ConfigError(f"file {args.base!r} does not exist")
-        text = p.read_text()
+        from myria.config import read_text_file
+
+        text = read_text_file(p)
         if runspec.is_run_file(text):
             runs = runspec.loads(text, str(p))
             run = next((r for r in runs if r.name == args.run), None) if args.run else runs[0]
@@ -133,8 +169,16 @@ def _base_from_args(args) -> RunSpec:
                       (model.get("hidden"), "--hidden"), (model.get("heads"), "--heads"),
                       (training.get("global_batch"), "--global-batch"),
                       (cluster.get("gpu"), "--gpu"), (cluster.get("gpus"), "--gpus")):
-        if not req:
+        if req is None:
             raise ConfigError(f"myria plan needs {what}")
+    from myria.config import ModelConfig, validate_model
+
+    validate_model(ModelConfig(arch=model.get("arch", "gpt"), layers=model["layers"],
+                               hidden=model["hidden"], heads=model["heads"],
+                               kv_heads=model.get("kv_heads") or 0,
+                               seq_len=model.get("seq_len") or 2048,
+                               experts=model.get("experts") or 0,
+                               top_k=model.get("top_k") or 1))
     data = {"name": name, "model": model, "training": training, "cluster": cluster,
             "kernels": kernels, "overlap": overlap, "parallel": parallel}
     # reuse the run-file parser for types, defaults and checks; search fields are reset
@@ -158,8 +202,6 @@ def _space(args) -> SearchSpace:
             raise ConfigError(f"--recompute: {bad[0]!r} is not none, selective or full")
         sp.recompute = vals
     if args.zero:
-        if any(z not in (0, 1, 2, 3) for z in args.zero):
-            raise ConfigError(f"--zero {args.zero}: stages are 0, 1, 2, 3")
         sp.zero_stage = args.zero
     return sp
 

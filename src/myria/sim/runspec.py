@@ -327,10 +327,9 @@ def loads(text: str, origin: str = "<string>") -> list[RunSpec]:
 
 def load(path: str | Path) -> list[RunSpec]:
     """Parse a run file from disk."""
-    p = Path(path)
-    if not p.is_file():
-        raise ConfigError(f"run file {str(p)!r} does not exist")
-    return loads(p.read_text(), str(p))
+    from myria.config import read_text_file
+
+    return loads(read_text_file(path, "run file"), str(path))
 
 
 def is_run_file(text: str) -> bool:
