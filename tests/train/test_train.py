@@ -123,10 +123,40 @@ def test_bad_input_gets_one_clear_line(tmp_path, tiny_data):
     assert p.returncode == 2 and "divisible by data-parallel ranks (4)" in p.stderr
 
 
+def predicted_line(stdout):
+    return next(x for x in stdout.splitlines() if x.startswith("# predicted"))
+
+
+def memory_parts(line):
+    import re
+    parts = dict((k, float(v)) for k, v in re.findall(r"(\w+) ([\d.]+)(?= \+| =)", line))
+    total = float(re.search(r"= ([\d.]+) GB", line).group(1))
+    return parts, total
+
+
 def test_dry_run_prints_sizes():
     p = run_cli("train", "--config", "configs/llama3-8b.toml", "--dry-run", "--nproc", "64")
     assert "parameters: 8,030,261,248" in p.stdout  # Llama-3-8B's published count
     assert "model FLOPs per token" in p.stdout and "memory per rank" in p.stdout
+    parts, total = memory_parts(predicted_line(p.stdout))
+    assert set(parts) == {"weights", "gradients", "optimizer", "activations", "temporary",
+                          "reserved"}
+    assert abs(sum(parts.values()) - total) <= 0.01 * len(parts), (parts, total)
+
+
+def test_dry_run_uses_every_setting_and_warns_on_a_poor_layout():
+    base = ["train", "--config", "configs/llama3-8b.toml", "--dry-run", "--nproc", "64"]
+    plain = predicted_line(run_cli(*base).stdout)
+    full = predicted_line(run_cli(*base, "--parallel.activation_checkpoint=full").stdout)
+    no_sp = predicted_line(run_cli(*base, "--parallel.sequence_parallel=false").stdout)
+    assert "recompute full" in full and "sequence parallel off" in no_sp
+    act = {k: memory_parts(x)[0]["activations"] for k, x in
+           (("plain", plain), ("full", full), ("no_sp", no_sp))}
+    assert act["full"] < act["plain"] < act["no_sp"], act
+    p = run_cli("train", "--config", "configs/gpt3-175b.toml", "--dry-run", "--nnodes", "128",
+                "--nproc", "8")
+    warn = [x for x in p.stdout.splitlines() if x.startswith("# WARNING: predicted MFU")]
+    assert warn and "`myria plan` predicts" in warn[0] and "tp=" in warn[0], p.stdout[-2000:]
 
 
 def test_metrics_file_fields(reference):
