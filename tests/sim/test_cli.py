@@ -153,3 +153,30 @@ def test_plan_and_simulate_refuse_non_utf8_files(tmp_path, capsys):
         assert main(cmd) == 2
         err = capsys.readouterr().err
         assert "not UTF-8" in err and "Traceback" not in err, err
+
+
+def test_analyze_never_asks_for_more_than_the_machine_has(capsys):
+    import os
+
+    from myria.cli import main
+
+    assert main(["analyze", "configs/llama3-8b.toml", "--nproc", "64", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["iteration_time_s"] > 0  # priced analytically on the default accelerator
+    n = (os.cpu_count() or 1) * 4
+    assert main(["analyze", "configs/llama3-8b.toml", "--nproc", str(n), "--gpu", "cpu"]) == 2
+    err = capsys.readouterr().err
+    assert f"needs {n} cores" in err and "--gpu" in err and "Traceback" not in err
+
+
+def test_measuring_a_model_too_large_for_this_host_is_refused():
+    from myria import config as mconfig
+    from myria.errors import ConfigError
+    from myria.sim.cpu import check_measurable
+    from myria.sim.hardware import device_spec
+    from myria.sim.perf import config_run, run_shape
+
+    cfg = mconfig.load("configs/llama3-8b.toml")
+    run, _, _ = config_run(cfg, 8, device_spec("h100-sxm-80gb"))
+    with pytest.raises(ConfigError, match="pass --gpu"):
+        check_measurable(run_shape(run), 1)
