@@ -75,6 +75,10 @@ def test_plan_command(capsys, tmp_path):
     assert main(args + ["--json", "--zero", "1"]) == 0
     data = json.loads(capsys.readouterr().out)
     assert data["ranked"] and all(r["layout"]["zero_stage"] == 1 for r in data["ranked"])
+    assert {"evaluated", "fitting", "seconds", "ranked"} <= set(data)
+    for r in data["ranked"]:
+        assert r["mfu_low"] < r["mfu"] < r["mfu_high"] and 0 < r["ettr"] <= 1
+        assert r["checkpoint_interval_steps"] >= 1 and sum(r["layout"]["stage_layers"]) == 32
     assert main(["plan", "--layers", "32"]) == 2
     assert "needs" in capsys.readouterr().err
 

@@ -98,6 +98,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--zero", type=_zero_stages, help="ZeRO stages, e.g. 0,1,3")
     parser.add_argument("--top", type=_at_least(1), default=10,
                         help="layouts to show (default 10)")
+    parser.add_argument("--reserve-gb", type=_at_least(0.0, float), default=None,
+                        help="device memory kept free beyond the model's estimate (default: "
+                        "10%% of device memory; see docs/performance_model.md)")
+    g = parser.add_argument_group("reliability (expected effective training time)")
+    g.add_argument("--failures-per-gpu-hour", type=_at_least(0.0, float), default=None,
+                   help="failure rate per GPU-hour (default 1.97e-5: Llama 3 405B, 419 "
+                   "interruptions in 54 days on 16,384 GPUs)")
+    g.add_argument("--restart-s", type=_at_least(0.0, float), default=None,
+                   help="time to restart a failed job, excluding checkpoint load (default 300)")
+    g.add_argument("--storage-gbs", type=_at_least(1e-3, float), default=None,
+                   help="checkpoint storage bandwidth per server, GB/s (default 5)")
     parser.add_argument("--json", action="store_true", help="print the ranked layouts as JSON")
     g = parser.add_argument_group("pipeline schedule drawing")
     g.add_argument("--show-schedule", metavar="PNG", help="draw a pipeline schedule to PNG")
@@ -226,7 +237,8 @@ def run(args: argparse.Namespace) -> int:
     if args.show_schedule and args.microbatches:
         return _draw_only(args)
     base = _base_from_args(args)
-    res = plan(base, _space(args), top=args.top)
+    res = plan(base, _space(args), top=args.top, reserve_gb=args.reserve_gb,
+               reliability=_reliability(args))
     if args.json:
         print(json.dumps({"evaluated": res.evaluated, "fitting": res.fitting,
                           "seconds": res.seconds,
@@ -246,6 +258,20 @@ def run(args: argparse.Namespace) -> int:
                     title=f"best layout {_layout(lay)}: {sched}, p={p}, vpp={v}, m={m}")
         print(f"schedule of the best layout: bubble {frac:.1%} -> {args.show_schedule}")
     return 0
+
+
+def _reliability(args):
+    from myria.sim.reliability import Reliability
+
+    r = Reliability()
+    if args.failures_per_gpu_hour is not None:
+        r = dataclasses.replace(r, failures_per_gpu_hour=args.failures_per_gpu_hour)
+    if args.restart_s is not None:
+        r = dataclasses.replace(r, restart_s=args.restart_s)
+    if args.storage_gbs is not None:
+        r = dataclasses.replace(r, storage_write_gbs_per_node=args.storage_gbs,
+                                storage_read_gbs_per_node=args.storage_gbs)
+    return r
 
 
 def _layout(lay: dict) -> str:
@@ -279,8 +305,9 @@ def _print(base: RunSpec, res) -> None:
                       f"{b.memory_gb_per_gpu:.0f} GB")
         return
     tab = Table(title="best layouts by predicted MFU")
-    cols = ("#", "layout", "mb", "m", "recompute", "ZeRO", "iter s", "MFU", "tok/s", "mem GB",
-            "compute", "recomp", "TP", "bubble", "p2p", "DP", "other")
+    cols = ("#", "layout", "mb", "m", "recompute", "ZeRO", "iter s", "MFU (band)", "tok/s",
+            "mem GB", "ETTR", "ckpt every", "compute", "recomp", "TP", "bubble", "p2p", "DP",
+            "other")
     for c in cols:
         tab.add_column(c, justify="left" if c in ("layout", "recompute") else "right")
     for i, r in enumerate(res.ranked, 1):
@@ -289,10 +316,27 @@ def _print(base: RunSpec, res) -> None:
         named = comp + bd["recompute"] + bd["tp_comm_exposed"] + bd["pp_bubble"] + \
             bd["pp_p2p_exposed"] + bd["dp_comm_exposed"]
         lay = r.layout
-        tab.add_row(str(i), _layout(lay), str(lay["micro_batch"]), str(lay["microbatches"]),
-                    lay["recompute"], str(lay["zero_stage"]), f"{t:.3f}", f"{r.mfu:.1%}",
-                    f"{r.tokens_per_s:,.0f}", f"{r.memory_gb_per_gpu:.1f}", f"{comp / t:.0%}",
+        x = r.extra
+        tab.add_row(str(i) + ("=" if x.get("tied") else ""), _layout(lay),
+                    str(lay["micro_batch"]), str(lay["microbatches"]),
+                    lay["recompute"], str(lay["zero_stage"]), f"{t:.3f}",
+                    f"{r.mfu:.1%} ({x['mfu_low']:.0%}-{x['mfu_high']:.0%})",
+                    f"{r.tokens_per_s:,.0f}", f"{r.memory_gb_per_gpu:.1f}",
+                    f"{x['ettr']:.3f}", f"{x['checkpoint_interval_steps']} steps",
+                    f"{comp / t:.0%}",
                     f"{bd['recompute'] / t:.0%}", f"{bd['tp_comm_exposed'] / t:.0%}",
                     f"{bd['pp_bubble'] / t:.0%}", f"{bd['pp_p2p_exposed'] / t:.0%}",
                     f"{bd['dp_comm_exposed'] / t:.0%}", f"{(t - named) / t:.0%}")
     con.print(tab)
+    tied = sum(1 for r in res.ranked if r.extra.get("tied"))
+    band = res.ranked[0].extra["mfu_high"] / res.ranked[0].mfu - 1
+    if tied > 1:
+        con.print(f"#1-#{tied} (marked =) lie within the model's uncertainty (±{band:.0%}, its "
+                  "held-out error on the calibration runs) of the best MFU: statistically "
+                  "tied, so they are ordered simplest first (fewer parallel dimensions, lower "
+                  "ZeRO stage, less recomputation).")
+    rel = res.ranked[0].extra["reliability"]
+    con.print(f"ETTR: expected share of wall time in kept training steps with failures every "
+              f"{rel['mtbf_s'] / 3600:.1f} h on average (job MTBF), recovery "
+              f"{rel['recovery_s']:.0f} s, checkpoint stall {rel['checkpoint_stall_s']:.2f} s "
+              "at the interval that maximises it (Young/Daly); see docs/performance_model.md.")

@@ -87,6 +87,7 @@ class StepResult:
     details: dict = field(default_factory=dict)
     ops: list[dict] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)
+    extra: dict = field(default_factory=dict)  # the planner's band, ETTR, ties
 
     def to_json(self) -> dict:
         """The JSON object `myria simulate --json` prints."""
@@ -109,6 +110,7 @@ class StepResult:
             "layout": self.layout,
             "details": self.details,
             "warnings": self.warnings,
+            **self.extra,
         }
 
 
