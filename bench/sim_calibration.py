@@ -80,12 +80,13 @@ def main(argv: list[str] | None = None) -> int:
         costs = ", ".join(f"{k} {v / t:.0%}" for k, v in top)
         print(f"{r.name:<26}{layout:<20}{meas:>9.2f}{t:>9.2f}{err:>+8.1%}"
               f"{r.measured['tflops_per_gpu']:>9.0f}{res.hardware_tflops_per_gpu:>9.1f}"
-              f"{res.mfu:>7.1%}  {costs}")
+              f"{res.mfu_megatron:>7.1%}  {costs}")
         rows.append({"name": r.name, "layout": lay, "measured_iteration_time_s": meas,
                      "predicted_iteration_time_s": t, "error": err,
                      "measured_hardware_tflops_per_gpu": r.measured["tflops_per_gpu"],
                      "predicted_hardware_tflops_per_gpu": res.hardware_tflops_per_gpu,
-                     "predicted_mfu": res.mfu, "measured_mfu": r.measured.get("mfu"),
+                     "predicted_mfu_megatron": res.mfu_megatron,
+                     "measured_mfu_megatron": r.measured.get("mfu"),
                      "breakdown_fraction": {k: v / t for k, v in res.breakdown.items()}})
     print("-" * len(hdr))
     if args.cv:
