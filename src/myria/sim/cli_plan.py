@@ -282,6 +282,10 @@ def _layout(lay: dict) -> str:
         s += f" ep{lay['ep']}"
     if lay["vpp"] > 1:
         s += f" v{lay['vpp']}"
+    if lay.get("dp_shard") and lay["dp_shard"] < lay["dp"] and lay["zero_stage"] >= 1:
+        s += f" hsdp{lay['dp_shard']}"
+    if lay["zero_stage"] >= 3 and not lay.get("reshard_after_forward", True):
+        s += " keep-gathered"
     return s + (" sp" if lay["sequence_parallel"] else "")
 
 

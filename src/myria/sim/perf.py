@@ -188,13 +188,19 @@ def _sum_ops(ops: tuple[Op, ...], overlap_tp: bool, tp: int, cp: int,
 
 
 @lru_cache(maxsize=4096)
-def _groups(hw: Hardware, tp: int, cp: int, ep: int, dp: int, pp: int) -> dict:
-    """Communicators of a layout (Megatron rank order: tp, cp, dp, pp; ep inside dp)."""
+def _groups(hw: Hardware, tp: int, cp: int, ep: int, dp: int, pp: int,
+            dp_shard: int = 0) -> dict:
+    """Communicators of a layout (Megatron rank order: tp, cp, dp, pp; ep inside dp). Under
+    HSDP (`dp_shard`) the data-parallel ranks split into shard groups of dp_shard x cp
+    neighbours ("dps") and replica groups across them ("dpr")."""
+    shard = (dp_shard or dp) * cp
     return {
         "tp": coll.make_group(hw, tp, 1),
         "cp": coll.make_group(hw, cp, tp),
         "ep": coll.make_group(hw, ep, tp * cp),
         "dp": coll.make_group(hw, dp * cp, tp),
+        "dps": coll.make_group(hw, shard, tp),
+        "dpr": coll.make_group(hw, dp * cp // shard, tp * shard),
         "edp": coll.make_group(hw, max(1, dp * cp // ep), tp * cp * ep),
         "pp": coll.make_group(hw, pp, tp * cp * dp),
     }
@@ -297,7 +303,8 @@ def simulate(run: RunSpec, hw: Hardware | None = None, eff: Efficiency | None = 
                         f"{L / (pp * v):.2f} layers per chunk on average")
 
     gkey = (tp, cp, ep, dp, pp)
-    groups = _groups(hw, *gkey)
+    hsdp = par.dp_shard if 0 < par.dp_shard < dp and tr.zero_stage >= 1 else 0
+    groups = _groups(hw, *gkey, hsdp)
     lay = _layer_summary(shape, hw, eff, ov.tp, gkey)
     rec = tr.recompute
     if rec == "full":
@@ -333,10 +340,14 @@ def simulate(run: RunSpec, hw: Hardware | None = None, eff: Efficiency | None = 
     g_b, w_b = 4, (4 if tr.precision == "fp32" else 2)
     t_grad = coll.allreduce(dense0 * g_b, groups["dp"])[0] + \
         coll.allreduce(expert0 * g_b, groups["edp"])[0]
-    t_rs = coll.reduce_scatter(dense0 * g_b, groups["dp"])[0] + \
+    # sharded data parallel (ZeRO 1-3, FSDP): collectives over the shard group; under HSDP the
+    # replicas then all-reduce their gradient shards once per step
+    shard_n = groups["dps"].n
+    t_rs = coll.reduce_scatter(dense0 * g_b, groups["dps"])[0] + \
         coll.reduce_scatter(expert0 * g_b, groups["edp"])[0]
-    t_ag = coll.all_gather(dense0 * w_b, groups["dp"])[0] + \
+    t_ag = coll.all_gather(dense0 * w_b, groups["dps"])[0] + \
         coll.all_gather(expert0 * w_b, groups["edp"])[0]
+    t_rep = coll.allreduce(dense0 * g_b / shard_n, groups["dpr"])[0] if hsdp else 0.0
 
     mem_rate = hw.mem_bw * eff.mem
     stages = {}
@@ -356,9 +367,11 @@ def simulate(run: RunSpec, hw: Hardware | None = None, eff: Efficiency | None = 
         if tr.zero_stage >= 3 and dp * cp > 1 and eager:
             z3 = _fsdp2_microbatch(shape, nl, first, last, pp, ep, w_b, groups, mem_rate,
                                    hw.cpu)
-        elif tr.zero_stage >= 3 and dp * cp > 1:
-            # every microbatch gathers the weights twice (forward, backward) and scatters grads
-            t_mb = 2 * t_ag + t_rs
+        elif tr.zero_stage >= 2 and dp * cp > 1 and not eager:
+            # sharded gradients cannot accumulate whole: every microbatch reduce-scatters its
+            # gradients (ZeRO-2, FSDP); FSDP resharding after forward also gathers the weights
+            # twice per microbatch (forward, backward), without it once per step (below)
+            t_mb = t_rs + (2 * t_ag if tr.zero_stage >= 3 and tr.reshard_after_forward else 0)
             z3 = _cost(t_mb, max(0.0, t_mb - (F + B))) if ov.dp else t_mb
         cats["dp_zero3"] = z3
         C = F + B + z3
@@ -404,12 +417,21 @@ def simulate(run: RunSpec, hw: Hardware | None = None, eff: Efficiency | None = 
         t_dp = 0.0
     elif tr.zero_stage == 0:
         t_dp = _cost(t_grad, max(t_grad / buckets, t_grad - B0)) if ov.dp else t_grad
-    elif tr.zero_stage in (1, 2):
+    elif tr.zero_stage == 1 or (tr.zero_stage == 2 and eager):
+        # whole gradients accumulate over the microbatches: one reduce-scatter per step, then
+        # the updated shards are all-gathered (myria's eager "zero2" is FSDP2 without
+        # resharding after forward under no_sync: gradients accumulate whole, as here)
         if ov.dp:
             t_dp = _cost(t_rs, max(t_rs / buckets, t_rs - B0)) + \
                 _cost(t_ag, max(t_ag / buckets, t_ag - F0))
         else:
             t_dp = t_rs + t_ag
+    elif tr.zero_stage == 2 or (tr.zero_stage >= 3 and not tr.reshard_after_forward
+                                and not eager):
+        # gradients were reduce-scattered per microbatch (above); the updated parameter shards
+        # are all-gathered once per step, before (ZeRO-2) or during (FSDP without resharding)
+        # the first forward
+        t_dp = _cost(t_ag, max(t_ag / buckets, t_ag - F0)) if ov.dp else t_ag
     elif eager and _fsdp_context(hw.cpu, groups["dp"], pp):
         _, block_rs, _, ends_rs = _fsdp_context(hw.cpu, groups["dp"], pp)
         t_dp = n_layers[kinds[0][0]] * block_rs + ends_rs
@@ -427,6 +449,8 @@ def simulate(run: RunSpec, hw: Hardware | None = None, eff: Efficiency | None = 
         t_dp = t_rs + 2 * (dense0 + expert0) * g_b / mem_rate
     else:
         t_dp = 0.0  # ZeRO-3 traffic is charged per microbatch above
+    if t_rep:  # HSDP: the replicas all-reduce their gradient shards, after the last backward
+        t_dp += _cost(t_rep, max(t_rep / buckets, t_rep - B0)) if ov.dp else t_rep
     if pp > 1 and cfg.tie_embeddings:
         # the tied embedding's gradient is summed between the first and last stage
         emb = cfg.vocab_size * cfg.hidden / tp * g_b
@@ -434,7 +458,7 @@ def simulate(run: RunSpec, hw: Hardware | None = None, eff: Efficiency | None = 
         t_dp += 0.0 if ov.dp else t_emb
 
     # optimizer step (memory-bound), offload transfers
-    shard = dp * cp if tr.zero_stage >= 1 else 1
+    shard = shard_n if tr.zero_stage >= 1 else 1
     n_opt = dense0 / shard + expert0 / (max(1, dp * cp // ep) if tr.zero_stage >= 1 else 1)
     per_param = ADAM_BYTES_PER_PARAM + (LAMB_EXTRA_BYTES if tr.optimizer == "lamb" else 0)
     t_offload = 0.0
@@ -498,7 +522,8 @@ def simulate(run: RunSpec, hw: Hardware | None = None, eff: Efficiency | None = 
                  recompute=rec, zero_stage=tr.zero_stage, dp=dp * cp, ep=ep,
                  precision=tr.precision, offload=tr.offload, capacity=hw.memory_bytes,
                  gpus_per_node=hw.gpus_per_node,
-                 reserved=0.0 if hw.device == "cpu" else RESERVED_BYTES)
+                 reserved=0.0 if hw.device == "cpu" else RESERVED_BYTES,
+                 reshard_after_forward=tr.reshard_after_forward, shard=shard_n)
     if tr.offload != "none":
         cap = (hw.server.host_memory_gb if tr.offload == "cpu" else hw.server.nvme_gb) * 1e9
         mem.host_fits = mem.host_bytes_per_node <= cap
@@ -512,7 +537,8 @@ def simulate(run: RunSpec, hw: Hardware | None = None, eff: Efficiency | None = 
     layout = {"gpus": gpus, "tp": tp, "pp": pp, "dp": dp, "cp": cp, "ep": ep, "vpp": v,
               "micro_batch": tr.micro_batch, "microbatches": m, "schedule": par.schedule,
               "sequence_parallel": par.sequence_parallel, "recompute": rec,
-              "zero_stage": tr.zero_stage, "device": hw.device}
+              "zero_stage": tr.zero_stage, "device": hw.device,
+              "reshard_after_forward": tr.reshard_after_forward, "dp_shard": hsdp or dp}
     details = {
         "bubble_fraction": bubble / t_pipe if t_pipe else 0.0,
         "critical_stage": crit,

@@ -63,6 +63,9 @@ class SearchSpace:
     recompute: list[str] = field(default_factory=lambda: ["none", "selective", "full"])
     zero_stage: list[int] = field(default_factory=lambda: [0, 1, 2, 3])
     sequence_parallel: list[bool] = field(default_factory=lambda: [True, False])
+    # ZeRO-3/FSDP variants: reshard after forward or keep gathered; HSDP (shard inside a server)
+    reshard_after_forward: list[bool] = field(default_factory=lambda: [True, False])
+    hsdp: list[bool] = field(default_factory=lambda: [False, True])
     max_tp_across_nodes: bool = False
 
 
@@ -120,11 +123,29 @@ def candidates(base: RunSpec, space: SearchSpace):
                             for sp in (space.sequence_parallel if tp > 1 else [False]):
                                 for rec in space.recompute:
                                     for zero in space.zero_stage:
-                                        yield ({"tp": tp, "pp": pp, "cp": cp, "ep": ep,
-                                                "vpp": vpp, "dp": 0, "schedule": sched,
-                                                "sequence_parallel": sp},
-                                               {"micro_batch": mb, "recompute": rec,
-                                                "zero_stage": zero})
+                                        for rsh, shard in _sharding(zero, space, dp, tp * cp,
+                                                                    c.gpus_per_node):
+                                            yield ({"tp": tp, "pp": pp, "cp": cp, "ep": ep,
+                                                    "vpp": vpp, "dp": 0, "schedule": sched,
+                                                    "sequence_parallel": sp,
+                                                    "dp_shard": shard},
+                                                   {"micro_batch": mb, "recompute": rec,
+                                                    "zero_stage": zero,
+                                                    "reshard_after_forward": rsh})
+
+
+def _sharding(zero: int, space: SearchSpace, dp: int, inner: int, gpus_per_node: int):
+    """(reshard_after_forward, dp_shard) variants of a ZeRO stage: FSDP (stage 3) with and
+    without resharding after forward; HSDP with one shard group per server when the
+    data-parallel ranks span several servers."""
+    reshards = space.reshard_after_forward if zero >= 3 else [True]
+    node_shard = max(1, gpus_per_node // inner)
+    shards = [0]
+    if zero >= 1 and True in space.hsdp and 1 < node_shard < dp and dp % node_shard == 0:
+        shards = [0, node_shard] if False in space.hsdp else [node_shard]
+    for rsh in reshards:
+        for shard in shards:
+            yield rsh, shard
 
 
 def plan(base: RunSpec, space: SearchSpace | None = None, top: int = 10,
