@@ -185,6 +185,16 @@ class LoggingConfig:
 
 
 @dataclass
+class ObserveConfig:
+    """The event timer (RUN_DIR/events/) that `myria report` and the detectors read."""
+
+    enabled: bool = _f(True, "record every rank's timed events (compute, collectives, data "
+                       "wait, checkpoint) to RUN_DIR/events/")
+    flush_s: float = _f(1.0, "how often the writer thread appends recorded events, seconds",
+                        min=0.05)
+
+
+@dataclass
 class ResilienceConfig:
     """`myria supervise`: heartbeats, fault detection, recovery and two-stage checkpoints."""
 
@@ -253,6 +263,7 @@ class Config:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     resilience: ResilienceConfig = field(default_factory=ResilienceConfig)
+    observe: ObserveConfig = field(default_factory=ObserveConfig)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -266,7 +277,7 @@ class Config:
 SECTIONS: dict[str, type] = {
     "model": ModelConfig, "data": DataConfig, "training": TrainingConfig,
     "optimizer": OptimizerConfig, "parallel": ParallelConfig, "checkpoint": CheckpointConfig,
-    "logging": LoggingConfig, "resilience": ResilienceConfig,
+    "logging": LoggingConfig, "resilience": ResilienceConfig, "observe": ObserveConfig,
 }
 
 

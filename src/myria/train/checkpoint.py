@@ -65,6 +65,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
 from myria.errors import CheckpointError
+from myria.observe import events
 
 log = logging.getLogger("myria")
 PREFIX = "step_"
@@ -525,6 +526,7 @@ class CheckpointManager:
 
     def _copy(self, p: _Pending) -> None:
         t0 = time.perf_counter()
+        ev = events.current().begin("snapshot", "ckpt", bytes=p.record.bytes)
         try:
             for src, dst in p.copies:
                 dst.copy_(src, non_blocking=src.is_cuda)
@@ -534,13 +536,15 @@ class CheckpointManager:
             p.error = e
         finally:
             p.record.snapshot_s = time.perf_counter() - t0
+            events.current().end(ev)
             p.snapshot_done.set()
 
     def _background(self, p: _Pending) -> None:
         try:
             if not p.snapshot_done.is_set():
                 self._copy(p)
-            self._persist(p)
+            with events.current().span("persist", "ckpt", step_saved=p.step):
+                self._persist(p)
         except BaseException as e:  # never let the thread die silently
             p.record.ok, p.record.error = False, describe_error(e)
             log.error("checkpoint of step %d failed: %s; training continues", p.step,
