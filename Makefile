@@ -7,7 +7,7 @@ NPROC   ?= 2
 DEMO_ARGS ?=
 STAMP   := $(VENV)/.installed
 
-.PHONY: setup demo test test-quick lint bench clean redis
+.PHONY: setup demo test test-quick lint bench clean redis chromium
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -30,8 +30,15 @@ redis:
 	  apt-get install -y -qq redis-server >/dev/null) 2>/dev/null || \
 	  echo "redis-server not installed: the Redis store tests will be skipped"
 
+# Debian's chromium for the headless-browser test of `myria report` (Playwright drives it; it
+# never downloads a browser of its own). The test skips cleanly without it.
+chromium:
+	@command -v chromium >/dev/null 2>&1 || (apt-get update -qq && \
+	  apt-get install -y -qq chromium >/dev/null) 2>/dev/null || \
+	  echo "chromium not installed: the report's browser test will be skipped"
+
 # The whole test suite (CI runs this).
-test: $(STAMP) redis
+test: $(STAMP) redis chromium
 	$(BIN)/python -m pytest -q
 
 # The quick subset: no multi-process or long tests.

@@ -38,9 +38,9 @@ def clean_dp(tmp_path_factory, tiny_data):
     return train(tmp_path_factory.mktemp("clean_dp"), tiny_data)
 
 
-def test_unit_blame_attributes_waiting_to_the_late_rank(tmp_path):
-    """Hand-made events: rank 1 arrives 30 ms late at every all-reduce of 4 steps."""
-    ev = tmp_path / "events"
+def write_events(run_dir):
+    """Hand-made events of 3 ranks: rank 1 arrives 30 ms late at every all-reduce of 4 steps."""
+    ev = run_dir / "events"
     ev.mkdir()
     for r in range(3):
         lines = [json.dumps({"header": {"rank": r, "world": 3, "host": "h",
@@ -56,6 +56,11 @@ def test_unit_blame_attributes_waiting_to_the_late_rank(tmp_path):
                                      "t0": base + 40_000 + late, "t1": base + 75_000,
                                      "a": {"dim": "dp", "group": [0, 1, 2], "seq": s}}))
         (ev / f"rank{r:05d}.jsonl").write_text("\n".join(lines) + "\n")
+    return ev
+
+
+def test_unit_blame_attributes_waiting_to_the_late_rank(tmp_path):
+    ev = write_events(tmp_path)
     run = load_run(tmp_path)
     b = blame_report(run)
     by = {x["rank"]: x for x in b["ranks"]}
@@ -148,3 +153,22 @@ def test_report_on_a_copy_with_a_killed_rank(slow_dp, tmp_path):
     assert "rank 3: no events file" in p.stdout
     b = json.loads((run / "report" / "blame.json").read_text())
     assert b["missing_ranks"] == [3] and len(b["ranks"]) == 3
+
+
+@pytest.mark.slow
+def test_hang_report_names_the_frozen_rank_and_the_collective(tmp_path, tiny_data):
+    run = tmp_path / "hang"
+    run_cli("supervise", "--run-dir", str(run), "--nproc", "4", f"--data.path={tiny_data}",
+            *ARGS, "--training.steps=8", "--resilience.heartbeat_s=0.5",
+            "--resilience.hang_timeout_s=5", "--resilience.backoff_s=0.2",
+            "--resilience.diagnose=false", env={"MYRIA_FAULT": "hang:rank=2:step=4"},
+            timeout=600)
+    rep = json.loads((run / "report" / "hang.json").read_text())
+    assert rep["stuck_ranks"] == [2] and rep["silent_ranks"] == [], rep
+    assert rep["stuck"]["2"]["in"] == "step" if isinstance(next(iter(rep["stuck"])), str) \
+        else rep["stuck"][2]["in"] == "step"
+    c = rep["collective"]
+    assert c["ranks"] == [0, 1, 3] and c["name"] and c["dim"], c
+    log = (run / "supervisor.log").read_text()
+    assert "HANG REPORT rank 2 is stuck outside any collective" in log
+    assert f"ranks [0, 1, 3] wait in {c['name']}" in log

@@ -123,6 +123,9 @@ def test_hang_names_the_collective_and_the_stuck_rank(tmp_path, tiny_data, refer
     ev = summary["faults"][0]["evidence"]
     assert "while heartbeats continue" in ev and "ranks [1] wait inside" in ev, ev
     assert "suspect [0]" in ev
+    rep = json.loads((tmp_path / "report" / "hang.json").read_text())
+    assert rep["stuck_ranks"] == [0] and rep["collective"]["ranks"] == [1], rep
+    assert "HANG REPORT rank 0 is stuck outside any collective" in log
 
 
 @pytest.mark.slow

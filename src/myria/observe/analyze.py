@@ -17,9 +17,12 @@ Definitions (docs/observability.md):
   after B, B's blocking wait for it (up to the lateness) is blamed on A.
 - *Blame* of a rank: the waiting it caused, summed over instances. Waiting is attributed to the
   rank waited on, never to the one that waited.
-- *Noise*: per step, the spread (1.4826 x MAD) of blame across ranks; a rank stands out when its
-  blame in excess of the median rank's exceeds 3 x the square root of the summed per-step
-  variances (so a consistent slowdown grows with the steps, noise with their square root).
+- *Noise*: each rank's blame in a step minus the median rank's is its deviation. A rank's
+  *consistent excess* is the number of steps times its median deviation (a one-off hiccup, a
+  descheduled process on a busy host, does not move a median). It stands out when that exceeds
+  the noise: 3 x 1.25 x sqrt(steps) x the robust spread (1.4826 x MAD) of all deviations pooled,
+  i.e. three standard errors of such a sum under exchangeable ranks (a consistent slowdown grows
+  with the steps, the noise with their square root).
 """
 
 from __future__ import annotations
@@ -257,19 +260,21 @@ def blame_report(run: Run, table: dict | None = None) -> dict:
         rows.append({"rank": r, "coord": hdr.get("coord", {}), "host": hdr.get("host", ""),
                      "compute_s": comp, "blamed_s": blamed.get(r, 0.0),
                      "waited_s": waited.get(r, 0.0)})
-    # noise: per step, the spread of blame across ranks
-    excess = {r: 0.0 for r in ranks}
-    var = 0.0
+    # noise: each rank's per-step blame minus the median rank's, pooled (module docstring)
+    dev: dict[int, list[float]] = {r: [] for r in ranks}
     for s in steps:
         vals = [per_step_blame[s].get(r, 0.0) for r in ranks]
-        if len(vals) < 2:
-            continue
-        med = statistics.median(vals)
-        mad = 1.4826 * statistics.median(abs(v - med) for v in vals)
-        var += mad ** 2
+        med = statistics.median(vals) if vals else 0.0
         for r, v in zip(ranks, vals):
-            excess[r] += v - med
-    noise = 3 * math.sqrt(var)
+            dev[r].append(v - med)
+    n = len(steps)
+    pooled = [x for r in ranks for x in dev[r]]
+    noise = 0.0
+    if len(ranks) > 1 and pooled:
+        mid = statistics.median(pooled)
+        sigma = 1.4826 * statistics.median(abs(x - mid) for x in pooled)
+        noise = 3 * 1.25 * math.sqrt(n) * sigma
+    excess = {r: n * statistics.median(dev[r]) if dev[r] else 0.0 for r in ranks}
     most = max(rows, key=lambda x: x["blamed_s"])["rank"] if rows else None
     standout = [r for r in ranks if excess[r] > noise and excess[r] > 0]
     # per step: critical path (slowest rank's step) and the what-if of the most blamed rank

@@ -173,13 +173,20 @@ def figures(run: Run, table: dict, blame: dict, out: Path) -> dict[str, str]:
         data = np.array(rows, dtype=float)
         fig, ax = plt.subplots(figsize=(max(6, min(16, len(steps) * 0.35 + 3)),
                                         max(2.5, len(ranks) * 0.45 + 1.5)))
-        im = ax.imshow(data * 1e3, aspect="auto", cmap="viridis", interpolation="nearest")
+        # the colour scale ignores the warm-up step, which would wash the others out
+        steady = data[:, 1:] if data.shape[1] > 1 else data
+        finite = steady[np.isfinite(steady)]
+        lo, hi = (float(finite.min()) * 1e3, float(finite.max()) * 1e3) if finite.size else \
+            (None, None)
+        im = ax.imshow(data * 1e3, aspect="auto", cmap="viridis", interpolation="nearest",
+                       vmin=lo, vmax=hi)
         ax.set_yticks(range(len(ranks)),
                       [f"rank {r} {coord_label(run.ranks[r].header)}" for r in ranks])
         step_ticks = list(range(0, len(steps), max(1, len(steps) // 12)))
         ax.set_xticks(step_ticks, [str(steps[i]) for i in step_ticks])
         ax.set_xlabel("step")
-        ax.set_title("compute-only time per rank and step (ms; waits excluded)")
+        ax.set_title("compute-only time per rank and step (ms; waits excluded; colour scale "
+                     "from step 2)", fontsize=9)
         fig.colorbar(im, ax=ax, label="ms")
         figs["heatmap"] = _png(fig, out / "heatmap.png")
     bd = breakdown(table)

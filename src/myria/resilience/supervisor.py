@@ -395,9 +395,28 @@ class Supervisor:
         act = [d for d in found if d.kind in ACTIONABLE and d.kind != "alarm" or
                d.kind == "alarm" and d.details.get("expired")]
         if act:
-            self._record(act[0], [d for d in found if d is not act[0]])
+            f = self._record(act[0], [d for d in found if d is not act[0]])
+            if act[0].kind in ("hang", "missed-heartbeats", "traffic-stopped"):
+                self._hang_report(wg, f)
             return RunResult(state=WorkerState.UNHEALTHY)
         return result
+
+    def _hang_report(self, wg, f: Fault) -> None:
+        """Ask every worker what it is doing (SIGUSR1), merge into RUN_DIR/report/hang.json."""
+        from myria.observe import hang
+
+        pids = {w.global_rank: w.id for w in wg.workers if w.id}
+        try:
+            since = hang.request(pids, self.run_dir)
+            rep = hang.merge(self.run_dir, sorted(pids), since)
+            path = hang.write(self.run_dir, rep)
+        except Exception as e:  # the report is evidence; never let it stop recovery
+            log.warning("hang report failed: %s", e)
+            return
+        line = hang.summary_line(rep)
+        log.warning("HANG REPORT %s (%s)", line, path)
+        f.evidence += f" | hang report: {line}"
+        f.action.append("hang report")
 
     def recover(self, agent, wg) -> None:
         """Stop the group, diagnose this host, blocklist it if bad, back off; then restart."""
