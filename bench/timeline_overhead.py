@@ -78,7 +78,7 @@ def main(argv=None) -> int:
            "met": head < 0.01}
     OUT.parent.mkdir(parents=True, exist_ok=True)
     OUT.write_text(json.dumps(out, indent=1))
-    print(f"\n| round | order | timer on, ms/step | timer off, ms/step | overhead |\n"
+    print("\n| round | order | timer on, ms/step | timer off, ms/step | overhead |\n"
           "|---|---|---|---|---|")
     for i, r in enumerate(rounds, 1):
         print(f"| {i} | {r['order']} | {r['on']['median_step_s'] * 1e3:.1f} | "
