@@ -7,7 +7,7 @@ NPROC   ?= 2
 DEMO_ARGS ?=
 STAMP   := $(VENV)/.installed
 
-.PHONY: setup demo test test-quick lint bench clean redis chromium
+.PHONY: setup demo test test-quick lint bench clean redis chromium viewer
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -37,8 +37,15 @@ chromium:
 	  apt-get install -y -qq chromium >/dev/null) 2>/dev/null || \
 	  echo "chromium not installed: the report's browser test will be skipped"
 
+# speedscope (npm), a trace viewer that reads Chrome trace JSON: the test that a real viewer
+# opens `myria report`'s trace.json drives it in headless Chromium (skips without it).
+viewer:
+	@test -d $(VENV)/speedscope/node_modules/speedscope || (command -v npm >/dev/null 2>&1 && \
+	  npm install --silent --no-audit --no-fund --prefix $(VENV)/speedscope speedscope@1.25.0 \
+	  >/dev/null 2>&1) || echo "speedscope not installed: the trace-viewer test will be skipped"
+
 # The whole test suite (CI runs this).
-test: $(STAMP) redis chromium
+test: $(STAMP) redis chromium viewer
 	$(BIN)/python -m pytest -q
 
 # The quick subset: no multi-process or long tests.

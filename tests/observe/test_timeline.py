@@ -109,8 +109,9 @@ def test_clean_run_blames_no_rank_beyond_the_noise(clean_dp):
 def test_trace_has_a_track_per_rank_with_the_expected_events(slow_dp):
     trace = json.loads((write_report(slow_dp, predict=False) / "trace.json").read_text())
     ev = trace["traceEvents"]
-    names = {e["tid"]: e["args"]["name"] for e in ev if e.get("name") == "thread_name"}
-    assert sorted(names) == [0, 1, 2, 3]
+    names = {e["tid"]: e["args"]["name"] for e in ev if e.get("name") == "thread_name"
+             and "background" not in e["args"]["name"]}
+    assert sorted(names) == [0, 1, 2, 3]  # one track per rank (+ helper-thread tracks)
     assert names[2].startswith("rank 2 (dp2, pp0, cp0, tp0, ep0)")
     accum = 16 // (4 * 2)  # global batch / (dp x micro batch)
     for r in range(4):

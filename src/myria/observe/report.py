@@ -29,6 +29,7 @@ from myria import rundir
 from myria.errors import DataError
 from myria.observe.analyze import Run, blame_report, compute_matrix, load_run, step_table
 
+BACKGROUND_TID = 100000  # + rank: the track of a rank's helper threads
 CATEGORY_COLORS = {"compute": "thread_state_running", "comm": "terrible", "wait": "bad",
                    "p2p": "yellow", "data": "grey", "ckpt": "olive", "step": "generic_work"}
 
@@ -96,20 +97,30 @@ def chrome_trace(run: Run) -> dict:
                    "args": {"name": f"rank {r} {coord_label(re.header)}"}})
         ev.append({"ph": "M", "name": "thread_sort_index", "pid": pid, "tid": r,
                    "args": {"sort_index": r}})
+        side = set()
         for e in re.events:
             args = dict(e.get("a") or {}, step=e["s"])
             if "m" in e:
                 args["microbatch"] = e["m"]
+            # the training thread's spans nest; a helper thread's (checkpoint snapshot and
+            # persist) overlap them, so they get a track of their own under the rank's
+            tid = r
             if e.get("th", 0):
-                args["thread"] = e["th"]
+                tid = BACKGROUND_TID + r
+                side.add(tid)
             name = e["n"] if "m" not in e else f"{e['n']} mb{e['m']}"
-            ev.append({"ph": "X", "name": name, "cat": e["c"], "pid": pid, "tid": r,
+            ev.append({"ph": "X", "name": name, "cat": e["c"], "pid": pid, "tid": tid,
                        "ts": e["t0"] - t_min, "dur": max(0, e["t1"] - e["t0"]), "args": args,
                        "cname": CATEGORY_COLORS.get(e["c"], "generic_work")})
             if e["c"] == "p2p":
                 for op in (e.get("a") or {}).get("ops", []):
                     if op["kind"] == "send":
                         sends[(r, op["peer"], op["seq"])] = (pid, r, e["t0"] - t_min)
+        for tid in side:
+            ev.append({"ph": "M", "name": "thread_name", "pid": pid, "tid": tid,
+                       "args": {"name": f"rank {r} background (checkpoint)"}})
+            ev.append({"ph": "M", "name": "thread_sort_index", "pid": pid, "tid": tid,
+                       "args": {"sort_index": BACKGROUND_TID + r}})
     # flow arrows: send -> the matching receive
     flow_id = 0
     for r, re in sorted(run.ranks.items()):
