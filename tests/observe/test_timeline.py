@@ -173,3 +173,25 @@ def test_hang_report_names_the_frozen_rank_and_the_collective(tmp_path, tiny_dat
     log = (run / "supervisor.log").read_text()
     assert "HANG REPORT rank 2 is stuck outside any collective" in log
     assert f"ranks [0, 1, 3] wait in {c['name']}" in log
+
+
+def test_clock_offset_through_the_store_corrects_a_skewed_host():
+    import threading
+    import time
+
+    import torch.distributed as dist
+
+    from myria.observe.events import measure_clock_offset
+
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    client = dist.TCPStore("127.0.0.1", store.port, is_master=False)  # rank 1's own connection
+    skew_us = 5_000_000  # rank 1's host clock runs 5 s ahead
+
+    def rank0():
+        measure_clock_offset(store, 0, 2)
+
+    t = threading.Thread(target=rank0, daemon=True)
+    t.start()
+    off = measure_clock_offset(client, 1, 2, clock=lambda: time.time_ns() // 1000 + skew_us)
+    t.join(timeout=30)
+    assert abs(off - skew_us) < 50_000, off  # within the round trip through the store

@@ -86,6 +86,18 @@ class Recorder:
         self._stop = threading.Event()
         self._writer: threading.Thread | None = None
         self._header: dict | None = None
+        self._cuda_ref = None  # (CUDA event, host µs) when compute is timed on the device
+
+    def time_device(self) -> None:
+        """Time compute spans with CUDA events (on a GPU): recorded in the stream, resolved by
+        the writer thread against a reference event, so the training thread never waits."""
+        import torch
+
+        if self.enabled and torch.cuda.is_available():
+            ref = torch.cuda.Event(enable_timing=True)
+            ref.record()
+            ref.synchronize()  # once, at start
+            self._cuda_ref = (ref, self.now_us())
 
     # -- clock -----------------------------------------------------------------------------
     def now_us(self) -> int:
@@ -119,6 +131,13 @@ class Recorder:
             return
         with self._lock:
             batch, self._events = self._events, []
+        for e in batch:  # device-timed spans: resolve their CUDA events here, off the hot path
+            cuda = e.pop("_cuda", None)
+            if cuda is not None and self._cuda_ref is not None:
+                ref, ref_us = self._cuda_ref
+                cuda[1].synchronize()
+                e["t0"] = ref_us + int(ref.elapsed_time(cuda[0]) * 1000)
+                e["t1"] = ref_us + int(ref.elapsed_time(cuda[1]) * 1000)
         if batch:
             with open(self.path, "a") as fh:
                 fh.write("".join(json.dumps(e, separators=(",", ":")) + "\n" for e in batch))
@@ -173,11 +192,19 @@ class Recorder:
         """A compute span; under the `slow` fault hook it takes `factor` times as long."""
         ev = self.begin(name, "compute", mb, **args)
         t0 = time.perf_counter()
+        if ev is not None and self._cuda_ref is not None:
+            import torch
+
+            ev["_cuda"] = (torch.cuda.Event(enable_timing=True),
+                           torch.cuda.Event(enable_timing=True))
+            ev["_cuda"][0].record()
         try:
             yield ev
         finally:
             if self.slow is not None and self.step >= self.slow[1]:
                 time.sleep(max(0.0, (self.slow[0] - 1.0) * (time.perf_counter() - t0)))
+            if ev is not None and "_cuda" in ev:
+                ev["_cuda"][1].record()
             self.end(ev)
 
     # -- hang dumps ------------------------------------------------------------------------
@@ -421,7 +448,7 @@ def default_store():
         return None
 
 
-def measure_clock_offset(store, rank: int, world: int, rounds: int = 5) -> int:
+def measure_clock_offset(store, rank: int, world: int, rounds: int = 5, clock=None) -> int:
     """This rank's clock offset to rank 0 in µs, through the rendezvous store.
 
     Rank 0 answers each rank's pings with its own clock reading; the rank takes the reading of
@@ -430,7 +457,7 @@ def measure_clock_offset(store, rank: int, world: int, rounds: int = 5) -> int:
     """
     if world <= 1 or store is None:
         return 0
-    clock = lambda: (time.time_ns() // _NS)  # noqa: E731
+    clock = clock or (lambda: time.time_ns() // _NS)
     if rank == 0:
         for r in range(1, world):
             for i in range(rounds):

@@ -242,6 +242,8 @@ def start_events(cfg: Config, run_dir: Path, env, mesh, engine: Engine, layout: 
         if sub is not None and sub.ndim == 1:
             groups.setdefault("dp", dist.get_process_group_ranks(sub.get_group()))
     rec.set_mesh_groups(groups)
+    if env.device.type == "cuda":
+        rec.time_device()  # compute spans from CUDA events (not run on this CPU build's tests)
     ep = engine.ep_mesh.get_local_rank() if engine.ep_mesh is not None else 0
     coord = {"dp": engine.dp_rank, "pp": engine.pp_rank, "cp": engine.cp_rank,
              "tp": sub_rank(mesh, "tp"), "ep": ep}
