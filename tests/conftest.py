@@ -38,6 +38,13 @@ def losses(run_dir: Path) -> dict[int, float]:
     return {r["step"]: r["loss"] for r in rows if "loss" in r}
 
 
+def final_params(run_dir: Path) -> dict:
+    """The parameters of a run's newest checkpoint, as a plain state dict."""
+    from myria.train.export import load_checkpoint_model
+    model, _, _ = load_checkpoint_model(run_dir, None)
+    return dict(model.state_dict())
+
+
 @pytest.fixture(scope="session")
 def tiny_data(tmp_path_factory) -> Path:
     """The first 20 State of the Union speeches, 1024-token BPE."""

@@ -134,6 +134,8 @@ def test_pipeline_run_blames_the_slowed_stage_rank(tmp_path, tiny_data):
     run = train(tmp_path / "pp", tiny_data, "--parallel.pp=2", fault="slow:rank=1:factor=1.5")
     b = json.loads((write_report(run, predict=False) / "blame.json").read_text())
     assert b["most_blamed_rank"] == 1, b["ranks"]
+    comp = {r["rank"]: r["compute_s"] for r in b["ranks"]}
+    assert comp[1] > 1.25 * comp[0]  # in the heat map, against its peer of the same stage
     trace = json.loads((run / "report" / "trace.json").read_text())
     flows = [e for e in trace["traceEvents"] if e["ph"] in ("s", "f")]
     assert flows and len(flows) % 2 == 0  # pipeline send -> receive arrows

@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from myria.train.checkpoint import CheckpointManager
-from tests.conftest import ROOT, TINY, losses, run_cli
+from tests.conftest import ROOT, TINY, final_params, losses, run_cli
 
 STEPS = 24
 COMMON = [*TINY, f"--training.steps={STEPS}", "--checkpoint.interval=4",
@@ -34,12 +34,6 @@ GENEROUS = ("gemm_tflops=0.02,membw_gbs=0.2,all_reduce_busbw_gbs=0.005,"
 def supervise(run_dir, data, *extra, env=None, check=True):
     return run_cli("supervise", "--run-dir", str(run_dir), "--nproc", "2",
                    f"--data.path={data}", *COMMON, *extra, env=env, check=check, timeout=400)
-
-
-def final_params(run_dir):
-    from myria.train.export import load_checkpoint_model
-    model, _, _ = load_checkpoint_model(run_dir, None)
-    return dict(model.state_dict())
 
 
 @pytest.fixture(scope="module")

@@ -17,7 +17,7 @@ import torch
 from myria.errors import CheckpointError
 from myria.train.checkpoint import CheckpointManager
 from myria.train.metrics import set_aside_after
-from tests.conftest import TINY, run_cli
+from tests.conftest import TINY, final_params, run_cli
 from tests.resilience.test_checkpoint import Target
 
 
@@ -153,12 +153,6 @@ def rows(run_dir):
             if "loss" in x]
 
 
-def params(run_dir):
-    from myria.train.export import load_checkpoint_model
-    model, _, _ = load_checkpoint_model(run_dir, None)
-    return dict(model.state_dict())
-
-
 @pytest.fixture(scope="module")
 def straight(tmp_path_factory, tiny_data):
     """12 steps, checkpoints at 4, 8, 12, all kept."""
@@ -171,7 +165,7 @@ def same_as_straight(run, straight):
     got, ref = rows(run), rows(straight)
     assert [r["step"] for r in got] == list(range(1, 13)), "each step exactly once"
     assert [r["loss"] for r in got] == [r["loss"] for r in ref]  # exact floats
-    pa, pb = params(straight), params(run)
+    pa, pb = final_params(straight), final_params(run)
     assert pa.keys() == pb.keys() and all(torch.equal(pa[k], pb[k]) for k in pa)
     mgr = CheckpointManager(run / "checkpoints")
     ok = mgr.committed()

@@ -8,7 +8,7 @@ import shutil
 import pytest
 import torch
 
-from tests.conftest import TINY, losses, run_cli
+from tests.conftest import TINY, final_params, losses, run_cli
 
 
 def train(run_dir, data, *extra, nproc=None, env=None, check=True):
@@ -16,12 +16,6 @@ def train(run_dir, data, *extra, nproc=None, env=None, check=True):
     if nproc:
         args += ["--nproc", str(nproc)]
     return run_cli(*args, env=env, check=check)
-
-
-def final_params(run_dir):
-    from myria.train.export import load_checkpoint_model
-    model, _, _ = load_checkpoint_model(run_dir, None)
-    return dict(model.state_dict())
 
 
 @pytest.fixture(scope="module")

@@ -692,8 +692,9 @@ def check_measurable(shape: LayerShape | None, nproc: int) -> None:
     if nproc > cores:
         raise ConfigError(
             f"measuring this CPU as {nproc} processes needs {nproc} cores; this machine has "
-            f"{cores}. Predict on an accelerator instead (--gpu h100-sxm-80gb, a100-sxm-80gb, "
-            f"...), or on this CPU with at most {cores} processes")
+            f"{cores}. Predict for an accelerator instead (--gpu h100-sxm-80gb, a100-sxm-80gb, "
+            f"... in myria analyze, simulate and plan), or on this CPU with at most {cores} "
+            "processes")
     if shape is None:
         return
     from myria.sim.hardware import available_memory_bytes

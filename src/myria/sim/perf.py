@@ -686,11 +686,13 @@ def config_run(cfg, nproc: int, device_spec: DeviceSpec, gpus_per_node: int = 0
                             micro_batch=cfg.training.micro_batch,
                             recompute=cfg.parallel.activation_checkpoint,
                             optimizer="lamb" if cfg.optimizer.name == "lamb" else "adam",
-                            zero_stage=zero, precision="fp32" if dtype == "float32" else "bf16")
+                            zero_stage=zero, precision="fp32" if dtype == "float32" else "bf16",
+                            offload="cpu" if cfg.parallel.cpu_offload else "none")
     par = ParallelSpec(tp=lay["tp"], pp=lay["pp"], cp=lay["cp"], ep=lay["ep"],
                        vpp=cfg.parallel.vpp, schedule=cfg.parallel.schedule
                        if cfg.parallel.schedule != "zbv" or cfg.parallel.vpp == 2 else "1f1b",
-                       sequence_parallel=cfg.parallel.sequence_parallel and lay["tp"] > 1)
+                       sequence_parallel=cfg.parallel.sequence_parallel and lay["tp"] > 1,
+                       dp_shard=lay["dp_shard"] if lay["dp_replicate"] > 1 else 0)
     is_cpu = device_spec.name == "cpu"
     gpn = gpus_per_node or (nproc if is_cpu else min(8, nproc))
     threads = 0

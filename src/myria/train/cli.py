@@ -72,8 +72,6 @@ def dry_run(cfg: config_mod.Config, world: int, ranks_per_host: int | None = Non
     pc = param_counts(m)
     n = pc.total(m.layers)
     lay = config_mod.resolve_layout(cfg, world)
-    spec, pred = predicted(cfg, world, ranks_per_host or world)
-    mem = pred.memory.gb()
     lines = [config_mod.describe(cfg),
              f"# world size {world}: layout " + ", ".join(f"{k}={v}" for k, v in lay.items()),
              f"# parameters: {n:,} ({n - pc.embedding - pc.head - pc.positional:,} without "
@@ -81,8 +79,24 @@ def dry_run(cfg: config_mod.Config, world: int, ranks_per_host: int | None = Non
              f"# model FLOPs per token (training, dense attention): "
              f"{model_flops_per_token(m):,.0f}",
              f"# tokens per step: {t.global_batch * m.seq_len:,}; gradient accumulation: "
-             f"{t.global_batch // (lay['dp'] * t.micro_batch)} microbatches of {t.micro_batch}",
-             f"# predicted on {spec.name} ({spec.source}), recompute "
+             f"{t.global_batch // (lay['dp'] * t.micro_batch)} microbatches of {t.micro_batch}"]
+    try:
+        spec, pred = predicted(cfg, world, ranks_per_host or world)
+    except config_mod.ConfigError as e:  # e.g. measuring this CPU would need more cores
+        spec = pred = None
+        lines.append(f"# no prediction: {e}")
+    if pred is not None:
+        lines += prediction_lines(cfg, world, ranks_per_host, lay, spec, pred)
+    from myria.parallel.placement import describe
+
+    lines.append(describe(lay, cluster_for(cfg, ranks_per_host or world)))
+    return "\n".join(lines)
+
+
+def prediction_lines(cfg, world, ranks_per_host, lay, spec, pred) -> list[str]:
+    """The dry-run's prediction: memory parts that add up, step, MFU, a better layout."""
+    mem = pred.memory.gb()
+    lines = [f"# predicted on {spec.name} ({spec.source}), recompute "
              f"{cfg.parallel.activation_checkpoint}, sequence parallel "
              f"{'on' if cfg.parallel.sequence_parallel and lay['tp'] > 1 else 'off'}: "
              "memory per rank " + " + ".join(f"{k} {mem[k]:.2f}" for k in MEMORY_PARTS)
@@ -92,10 +106,7 @@ def dry_run(cfg: config_mod.Config, world: int, ranks_per_host: int | None = Non
     better = better_layout(cfg, world, ranks_per_host or world, spec, pred)
     if better:
         lines.append(better)
-    from myria.parallel.placement import describe
-
-    lines.append(describe(lay, cluster_for(cfg, ranks_per_host or world)))
-    return "\n".join(lines)
+    return lines
 
 
 # The parts of a rank's predicted memory; they add up to the total (myria.sim.memory).
