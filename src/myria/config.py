@@ -231,6 +231,16 @@ class ResilienceConfig:
                               "scheduler requeues the job elsewhere) or recheck (run the "
                               "diagnostics again after the hook and continue if they pass)",
                               choices=("exit", "recheck"))
+    straggler_threshold: float = _f(0.10, "a rank whose compute-only time is this much slower "
+                                    "than its peers' (same pipeline stage) is a straggler",
+                                    min=0.0)
+    straggler_window: int = _f(5, "steps per straggler window (medians over each window)",
+                               min=2)
+    straggler_windows: int = _f(2, "consecutive slow windows before a straggler is reported",
+                                min=1)
+    straggler_action: str = _f("warn", "on a straggler: warn (log and RUN_DIR/events.jsonl), "
+                               "replace (also exclude its host at the next restart when a spare "
+                               "host exists) or none", choices=("warn", "replace", "none"))
     sigterm_grace_s: float = _f(60.0, "time workers get after SIGTERM to save a checkpoint and "
                                 "exit before SIGKILL", min=0.0)
     async_checkpoint: bool = _f(True, "two-stage checkpoints: snapshot to host memory, write in "

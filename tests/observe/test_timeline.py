@@ -13,29 +13,10 @@ import pytest
 
 from myria.observe.analyze import blame_report, load_run, step_table
 from myria.observe.report import write_report
-from tests.conftest import TINY, run_cli
-
-STEPS = 10
-ARGS = [*TINY, "--training.global_batch=16", f"--training.steps={STEPS}",
-        "--checkpoint.interval=0", "--training.eval_interval=0"]
-
-
-def train(run_dir, data, *extra, fault=None):
-    env = {"MYRIA_FAULT": fault} if fault else None
-    run_cli("train", "--run-dir", str(run_dir), f"--data.path={data}", *ARGS, *extra,
-            "--nproc", "4", env=env, timeout=600)
-    return run_dir
-
-
-@pytest.fixture(scope="module")
-def slow_dp(tmp_path_factory, tiny_data):
-    return train(tmp_path_factory.mktemp("slow_dp"), tiny_data,
-                 fault="slow:rank=2:factor=1.5")
-
-
-@pytest.fixture(scope="module")
-def clean_dp(tmp_path_factory, tiny_data):
-    return train(tmp_path_factory.mktemp("clean_dp"), tiny_data)
+from tests.conftest import OBSERVE_ARGS as ARGS
+from tests.conftest import OBSERVE_STEPS as STEPS
+from tests.conftest import run_cli
+from tests.conftest import train4 as train
 
 
 def write_events(run_dir):

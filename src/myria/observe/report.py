@@ -66,6 +66,11 @@ def write_report(run_dir: Path, predict: bool = True) -> Path:
     out.mkdir(parents=True, exist_ok=True)
     table = step_table(run)
     blame = blame_report(run, table)
+    from myria.resilience.straggler import default_window, detect
+
+    found = detect(run, window=default_window(blame["steps"] + 1), table=table)
+    blame["stragglers"] = [dict(s.evidence(), rank=s.rank, host=s.host,
+                                detected_step=s.detected_step) for s in found]
     (out / "blame.json").write_text(json.dumps(blame, indent=1))
     (out / "trace.json").write_text(json.dumps(chrome_trace(run)))
     figs = figures(run, table, blame, out)
@@ -293,6 +298,10 @@ def page(run: Run, table: dict, blame: dict, figs: dict[str, str], pred: dict | 
                      f"<table><tr><th>predicted</th><th>ms</th></tr>{prow}</table>"
                      f"<table><tr><th>measured</th><th>ms</th></tr>{mrow}</table></div>")
     problems = "".join(f"<li>{esc(p)}</li>" for p in blame["problems"]) or "<li>none</li>"
+    strag = "".join(
+        f"<li>rank {s['rank']} ({esc(s['host'])}): {s['slowdown']:.0%} slower than its peers "
+        f"from step {s['first_step']}, costing {s['cost_s_per_step'] * 1e3:.0f} ms per step"
+        "</li>" for s in blame.get("stragglers", [])) or "<li>none</li>"
     standout = (f"rank(s) {blame['standout_ranks']} stand out" if blame["standout_ranks"]
                 else "no rank stands out of the noise")
     whatif = blame["whatif_saving_s"]
@@ -309,6 +318,8 @@ taken {whatif:.3f} s less in total.</p>
 <table id="blame"><tr><th>rank</th><th>(dp, pp, cp, tp, ep)</th><th>host</th>
 <th>compute s</th><th>others waited on it, s</th><th>it waited, s</th></tr>{rows}</table>
 {img}
+<h2>Stragglers (compute-only time against peers of the same stage)</h2>
+<ul id="stragglers">{strag}</ul>
 <h2>Predicted beside measured</h2>{pred_html}
 <h2>Missing</h2><ul>{problems}</ul>
 <p>Timeline: <code>trace.json</code> (Perfetto, chrome://tracing).</p></body></html>"""

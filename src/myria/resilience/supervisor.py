@@ -54,6 +54,7 @@ from myria.train import heartbeat
 
 ACCEPTS_OVERRIDES = True
 EXIT_BAD_HOST = 3
+STRAGGLER_CHECK_S = 5.0  # how often the supervisor scores the ranks' compute times
 EXIT_PREEMPTED = 143
 ACTIONABLE = ("exit", "missed-heartbeats", "no-heartbeat", "hang", "traffic-stopped", "alarm")
 
@@ -239,6 +240,8 @@ class Supervisor:
         self.initial_step: int | None = None
         self.started_at = time.time()
         self.blocklist: list[str] = []
+        self.stragglers: dict = {}
+        self._straggler_at = 0.0
         self.store = None
         self._server = None
 
@@ -336,6 +339,7 @@ class Supervisor:
         except LaunchError as e:
             log.error("%s", e)
         finally:
+            self._check_stragglers(time.time(), force=True)
             summary = self.summary(status)
             self._write_summary(summary)
             self._close()
@@ -388,6 +392,7 @@ class Supervisor:
             return result
         if result.state != WorkerState.HEALTHY:
             return result
+        self._check_stragglers(now)
         found = self.watch.heartbeats(records, now)
         found += self._expired_alarms(agent, now)
         for d in found:
@@ -400,6 +405,42 @@ class Supervisor:
                 self._hang_report(wg, f)
             return RunResult(state=WorkerState.UNHEALTHY)
         return result
+
+    def _check_stragglers(self, now: float, force: bool = False) -> None:
+        """Every few seconds (and once at the end), score each rank's compute-only time from the
+        event files against its peers (myria.resilience.straggler); report each new straggler
+        once."""
+        r = self.r
+        if r.straggler_action == "none" or \
+                (not force and now - self._straggler_at < STRAGGLER_CHECK_S):
+            return
+        self._straggler_at = now
+        from myria import detections
+        from myria.resilience import straggler
+
+        try:
+            found = straggler.detect_dir(self.run_dir, window=r.straggler_window,
+                                         threshold=r.straggler_threshold,
+                                         windows=r.straggler_windows)
+        except Exception as e:  # evidence, never a reason to stop the job
+            log.debug("straggler check failed: %s", e)
+            return
+        for s in found:
+            if s.rank in self.stragglers:
+                continue
+            self.stragglers[s.rank] = s
+            action = r.straggler_action
+            note = ""
+            if action == "replace":
+                note = (f"; its host {s.host} is to be replaced at the next restart" if
+                        self.max_nodes > self.min_nodes else
+                        "; no spare host to replace it with: training continues on it")
+            log.warning("DETECTED straggler rank %d on %s: %.0f%% slower than its peers from "
+                        "step %d (detected at step %d), costing %.3f s per step%s", s.rank,
+                        s.host, 100 * s.slowdown, s.first_step, s.detected_step,
+                        s.cost_s_per_step, note)
+            detections.record(self.run_dir, "straggler", s.rank, s.host, s.detected_step,
+                              s.evidence(), action + note)
 
     def _hang_report(self, wg, f: Fault) -> None:
         """Ask every worker what it is doing (SIGUSR1), merge into RUN_DIR/report/hang.json."""
