@@ -16,7 +16,9 @@ Definitions (docs/observability.md):
 - *Pipeline receive*: the k-th receive of B from A pairs with A's k-th send to B; if A issued it
   after B, B's blocking wait for it (up to the lateness) is blamed on A.
 - *Blame* of a rank: the waiting it caused, summed over instances. Waiting is attributed to the
-  rank waited on, never to the one that waited.
+  rank waited on, never to the one that waited; where the rank waited on was itself blocked
+  waiting for a third rank during that lateness, that part goes on to the third (up to four
+  hops): in a pipeline, to the slow stage's rank rather than the next stage that waited for it.
 - *Noise*: each rank's blame in a step minus the median rank's is its deviation. A rank's
   *consistent excess* is the number of steps times its median deviation (a one-off hiccup, a
   descheduled process on a busy host, does not move a median). It stands out when that exceeds
@@ -185,6 +187,7 @@ def instances(run: Run) -> list[Instance]:
     sends: dict[tuple, int] = {}                      # (src, dst, seq) -> send issue time
     recv_at: dict[tuple, tuple] = {}            # (src, dst, seq) -> (receive issue time, step)
     recv_blocked: dict[tuple, int] = defaultdict(int)  # (src, dst, seq) -> blocked waiting
+    recv_wait_at: dict[tuple, int] = {}               # (src, dst, seq) -> when waiting began
     for r, re in run.ranks.items():
         for e in re.events:
             a = e.get("a") or {}
@@ -198,7 +201,11 @@ def instances(run: Run) -> list[Instance]:
             elif e["c"] == "wait" and a.get("ops"):
                 for op in a["ops"]:
                     if op["kind"] == "recv":
-                        recv_blocked[(op["peer"], r, op["seq"])] += e["t1"] - e["t0"]
+                        k = (op["peer"], r, op["seq"])
+                        recv_blocked[k] += e["t1"] - e["t0"]
+                        # the receiver starts waiting here (its receive may have been issued
+                        # long before): the sender is late if it sends after this
+                        recv_wait_at[k] = min(recv_wait_at.get(k, e["t0"]), e["t0"])
             elif e["c"] == "wait" and a.get("seq") is not None:
                 waits[(r, tuple(a.get("group") or ()), a["seq"])] = e["t1"] - e["t0"]
             elif e["c"] == "p2p":
@@ -226,6 +233,7 @@ def instances(run: Run) -> list[Instance]:
         if t_send is None:
             continue
         blocked = recv_blocked.get((src, dst, seq), 0)
+        t_recv = recv_wait_at.get((src, dst, seq), t_recv)
         inst = Instance("p2p", "pp", step, {src: t_send, dst: t_recv}, {dst: blocked},
                         last=src)
         inst.waited[dst] = max(0, min(blocked, t_send - t_recv))
@@ -243,15 +251,24 @@ def blame_report(run: Run, table: dict | None = None) -> dict:
     blamed: dict[int, float] = defaultdict(float)
     waited: dict[int, float] = defaultdict(float)
     per_step_blame: dict[int, dict[int, float]] = defaultdict(lambda: defaultdict(float))
-    step_of_inst = {}
-    for inst in instances(run):
-        if inst.step not in steps:
-            continue
+    insts = [i for i in instances(run) if i.step in steps]
+    # each rank's blocked intervals and whom it waited for, to chase lateness to its root
+    blocked: dict[int, list[tuple[int, int, int]]] = defaultdict(list)
+    for inst in insts:
+        for r, w in inst.waited.items():
+            if w > 0:
+                t = inst.arrival[inst.last]
+                blocked[r].append((t - w, t, inst.last))
+    for r in blocked:
+        blocked[r].sort()
+    for inst in insts:
+        t_last = inst.arrival[inst.last]
         for r, w in inst.waited.items():
             waited[r] += w / 1e6
-            blamed[inst.last] += w / 1e6
-            step_of_inst[id(inst)] = inst.step
-            per_step_blame[inst.step][inst.last] += w / 1e6
+            for culprit, amount in _root(blocked, inst.last, t_last - w, t_last, w,
+                                         {r}).items():
+                blamed[culprit] += amount / 1e6
+                per_step_blame[inst.step][culprit] += amount / 1e6
     ranks = sorted(run.ranks)
     rows = []
     for r in ranks:
@@ -303,6 +320,37 @@ def blame_report(run: Run, table: dict | None = None) -> dict:
             "whatif_saving_s": sum(p["step_s"] - p["whatif_s"] for p in per_step),
             "missing_ranks": run.missing, "truncated_ranks": run.truncated,
             "problems": run.problems}
+
+
+def _root(blocked: dict, rank: int, t0: int, t1: int, amount: int, seen: set,
+          depth: int = 4) -> dict[int, int]:
+    """Who `amount` µs of waiting for `rank` during [t0, t1] is due to: the part of that window
+    in which `rank` was itself blocked waiting for another rank goes to that rank (recursively:
+    in a pipeline the next stage waits for the slow stage, and its data-parallel peers wait for
+    the next stage), the rest to `rank`."""
+    out: dict[int, int] = defaultdict(int)
+    if depth == 0 or rank in seen or t1 <= t0 or amount <= 0:
+        out[rank] += amount
+        return out
+    left = amount
+    for b0, b1, culprit in blocked.get(rank, ()):
+        if b1 <= t0:
+            continue
+        if b0 >= t1:
+            break
+        ov = min(t1, b1) - max(t0, b0)
+        if ov <= 0 or culprit == rank:
+            continue
+        part = min(left, ov)
+        for c, a in _root(blocked, culprit, max(t0, b0), min(t1, b1), part, seen | {rank},
+                          depth - 1).items():
+            out[c] += a
+        left -= part
+        if left <= 0:
+            break
+    if left > 0:
+        out[rank] += left
+    return out
 
 
 def _same_work(run: Run, a: int, b: int) -> bool:
