@@ -4,9 +4,10 @@ PY      ?= python3
 VENV    ?= .venv
 BIN     := $(VENV)/bin
 NPROC   ?= 2
+DEMO_ARGS ?=
 STAMP   := $(VENV)/.installed
 
-.PHONY: setup demo test test-quick lint bench clean redis
+.PHONY: setup demo test test-quick lint bench clean redis chromium viewer
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -21,7 +22,7 @@ setup: $(STAMP)
 # Prepare the demo corpus, train the demo model on $(NPROC) processes, print a summary.
 demo: $(STAMP)
 	@test -f data/demo/index.json || $(BIN)/myria prepare --corpus demo --out data/demo
-	$(BIN)/myria train --config configs/demo.toml --run-dir runs/demo --nproc $(NPROC)
+	$(BIN)/myria train --config configs/demo.toml --run-dir runs/demo --nproc $(NPROC) $(DEMO_ARGS)
 
 # A real redis-server for the Redis heartbeat-store tests (they skip cleanly without one).
 redis:
@@ -29,8 +30,22 @@ redis:
 	  apt-get install -y -qq redis-server >/dev/null) 2>/dev/null || \
 	  echo "redis-server not installed: the Redis store tests will be skipped"
 
+# Debian's chromium for the headless-browser test of `myria report` (Playwright drives it; it
+# never downloads a browser of its own). The test skips cleanly without it.
+chromium:
+	@command -v chromium >/dev/null 2>&1 || (apt-get update -qq && \
+	  apt-get install -y -qq chromium >/dev/null) 2>/dev/null || \
+	  echo "chromium not installed: the report's browser test will be skipped"
+
+# speedscope (npm), a trace viewer that reads Chrome trace JSON: the test that a real viewer
+# opens `myria report`'s trace.json drives it in headless Chromium (skips without it).
+viewer:
+	@test -d $(VENV)/speedscope/node_modules/speedscope || (command -v npm >/dev/null 2>&1 && \
+	  npm install --silent --no-audit --no-fund --prefix $(VENV)/speedscope speedscope@1.25.0 \
+	  >/dev/null 2>&1) || echo "speedscope not installed: the trace-viewer test will be skipped"
+
 # The whole test suite (CI runs this).
-test: $(STAMP) redis
+test: $(STAMP) redis chromium viewer
 	$(BIN)/python -m pytest -q
 
 # The quick subset: no multi-process or long tests.

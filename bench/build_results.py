@@ -2,7 +2,7 @@
 
 from pathlib import Path
 
-ORDER = ["train", "lamb", "parallel", "resilience", "sim", "selfcheck"]
+ORDER = ["train", "lamb", "parallel", "resilience", "observe", "sim", "selfcheck"]
 
 here = Path(__file__).resolve().parent
 parts = ["# myria benchmark results\n",

@@ -21,37 +21,19 @@ import time
 from pathlib import Path
 
 from myria.sim import runspec
+from myria.sim.calibration import UNCERTAINTY, band_from, fit_gemm, loo_errors, mae
 from myria.sim.hardware import build_hardware
-from myria.sim.operators import DEFAULT_EFFICIENCY, Efficiency
+from myria.sim.operators import DEFAULT_EFFICIENCY
 from myria.sim.perf import simulate
 
 OUT = Path(__file__).resolve().parent / "results" / "sim_calibration.json"
 
 
-def errors(runs, hws, eff: Efficiency) -> list[float]:
-    return [simulate(r, hw=h, eff=eff).iteration_time_s / r.measured["iteration_time_s"] - 1
-            for r, h in zip(runs, hws)]
-
-
-def mae(errs: list[float]) -> float:
-    return sum(abs(e) for e in errs) / len(errs)
-
-
-def fit_gemm(runs, hws, base: Efficiency, lo: float = 0.40, hi: float = 1.0,
-             step: float = 0.0025) -> tuple[float, float]:
-    """Grid search of E_GEMM (the only fitted constant) minimising the MAE."""
-    best = (float("inf"), base.gemm)
-    g = lo
-    while g <= hi + 1e-12:
-        m = mae(errors(runs, hws, dataclasses.replace(base, gemm=round(g, 4))))
-        best = min(best, (m, round(g, 4)))
-        g += step
-    return best[1], best[0]
-
-
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--fit", action="store_true", help="refit E_GEMM and show sensitivity")
+    ap.add_argument("--cv", action="store_true", help="leave-one-out cross-validation: the "
+                    "held-out error of each row; writes the planner's uncertainty band")
     args = ap.parse_args(argv)
     runs = runspec.load_calibration()
     hws = [build_hardware(r.cluster, r.training.precision) for r in runs]
@@ -98,14 +80,29 @@ def main(argv: list[str] | None = None) -> int:
         costs = ", ".join(f"{k} {v / t:.0%}" for k, v in top)
         print(f"{r.name:<26}{layout:<20}{meas:>9.2f}{t:>9.2f}{err:>+8.1%}"
               f"{r.measured['tflops_per_gpu']:>9.0f}{res.hardware_tflops_per_gpu:>9.1f}"
-              f"{res.mfu:>7.1%}  {costs}")
+              f"{res.mfu_megatron:>7.1%}  {costs}")
         rows.append({"name": r.name, "layout": lay, "measured_iteration_time_s": meas,
                      "predicted_iteration_time_s": t, "error": err,
                      "measured_hardware_tflops_per_gpu": r.measured["tflops_per_gpu"],
                      "predicted_hardware_tflops_per_gpu": res.hardware_tflops_per_gpu,
-                     "predicted_mfu": res.mfu, "measured_mfu": r.measured.get("mfu"),
+                     "predicted_mfu_megatron": res.mfu_megatron,
+                     "measured_mfu_megatron": r.measured.get("mfu"),
                      "breakdown_fraction": {k: v / t for k, v in res.breakdown.items()}})
     print("-" * len(hdr))
+    if args.cv:
+        loo = loo_errors(runs, hws, eff)
+        band = band_from(loo)
+        print("leave-one-out (E_GEMM refitted without the row): " + ", ".join(
+            f"{r.name.split('-')[-1]} {e:+.1%}" for r, e in zip(runs, loo)))
+        print(f"held-out MAE {mae(loo):.2%}, 90th percentile |error| {band:.2%} -> the "
+              f"planner's band; wrote {UNCERTAINTY}")
+        UNCERTAINTY.write_text(json.dumps({
+            "band": band, "held_out_mae": mae(loo), "held_out_errors": dict(
+                zip([r.name for r in runs], loo)), "command": "bench/sim_calibration.py --cv",
+            "date": time.strftime("%Y-%m-%d"),
+            "meaning": "90th percentile of |held-out iteration-time error| over the "
+                       "calibration rows (leave-one-out refit of E_GEMM)"}, indent=1) + "\n")
+        out["cv"] = {"held_out_errors": loo, "held_out_mae": mae(loo), "band": band}
     print(f"mean absolute error {mae(errs):.2%}, max {max(abs(e) for e in errs):.2%}, "
           f"mean signed {sum(errs) / len(errs):+.2%} over {len(errs)} runs")
     out.update({"rows": rows, "mae": mae(errs), "max_abs_error": max(abs(e) for e in errs)})

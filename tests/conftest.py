@@ -38,6 +38,13 @@ def losses(run_dir: Path) -> dict[int, float]:
     return {r["step"]: r["loss"] for r in rows if "loss" in r}
 
 
+def final_params(run_dir: Path) -> dict:
+    """The parameters of a run's newest checkpoint, as a plain state dict."""
+    from myria.train.export import load_checkpoint_model
+    model, _, _ = load_checkpoint_model(run_dir, None)
+    return dict(model.state_dict())
+
+
 @pytest.fixture(scope="session")
 def tiny_data(tmp_path_factory) -> Path:
     """The first 20 State of the Union speeches, 1024-token BPE."""
@@ -45,3 +52,29 @@ def tiny_data(tmp_path_factory) -> Path:
     run_cli("prepare", "--corpus", "demo", "--max-docs", "20", "--vocab-size", "1024",
             "--out", str(out), "--quiet")
     return out
+
+
+# -- 4-rank runs shared by the observability and straggler tests ------------------------------
+OBSERVE_STEPS = 10
+OBSERVE_ARGS = [*TINY, "--training.global_batch=16", f"--training.steps={OBSERVE_STEPS}",
+                "--checkpoint.interval=0", "--training.eval_interval=0"]
+
+
+def train4(run_dir: Path, data: Path, *extra: str, fault: str | None = None) -> Path:
+    """`myria train` on 4 ranks with the event timer on (the default)."""
+    env = {"MYRIA_FAULT": fault} if fault else None
+    run_cli("train", "--run-dir", str(run_dir), f"--data.path={data}", *OBSERVE_ARGS, *extra,
+            "--nproc", "4", env=env, timeout=600)
+    return run_dir
+
+
+@pytest.fixture(scope="session")
+def slow_dp(tmp_path_factory, tiny_data) -> Path:
+    """4-rank data parallel, rank 2 slowed 1.5x from step 1."""
+    return train4(tmp_path_factory.mktemp("slow_dp"), tiny_data, fault="slow:rank=2:factor=1.5")
+
+
+@pytest.fixture(scope="session")
+def clean_dp(tmp_path_factory, tiny_data) -> Path:
+    """4-rank data parallel, no fault."""
+    return train4(tmp_path_factory.mktemp("clean_dp"), tiny_data)

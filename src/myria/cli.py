@@ -81,8 +81,16 @@ def main(argv: list[str] | None = None) -> int:
         args.argv = rest
         return int(module.run(args) or 0)
     except MyriaError as e:
-        print(f"myria {name}: error: {e}", file=sys.stderr)
+        from myria.train.launch import record_worker_error
+
+        if not record_worker_error(str(e), e.exit_code):
+            print(f"myria {name}: error: {e}", file=sys.stderr)
         return e.exit_code
+    except Exception as e:
+        from myria.train.launch import record_worker_error
+
+        record_worker_error(f"{type(e).__name__}: {e} (traceback in this rank's output)", 1)
+        raise
     except KeyboardInterrupt:
         print(f"myria {name}: interrupted", file=sys.stderr)
         return 130

@@ -167,7 +167,12 @@ class CheckpointConfig:
 
     interval: int = _f(50, "save every N steps (and at the end); 0 saves only at the end", min=0)
     keep: int = _f(3, "committed checkpoints to keep", min=1)
-    resume: bool = _f(True, "resume from the newest committed checkpoint in the run directory")
+    resume: bool = _f(True, "resume from the newest checkpoint in the run directory that "
+                      "verifies (false: move existing checkpoints aside and start at step 0)")
+    resume_from: str = _f("", "load this checkpoint directory instead (even a quarantined one); "
+                          "newer checkpoints of the run are moved aside, not deleted")
+    start_fresh: bool = _f(False, "when checkpoints exist but none can be loaded, train from "
+                           "step 0 instead of stopping (the damaged ones stay in quarantine/)")
 
 
 @dataclass
@@ -177,6 +182,16 @@ class LoggingConfig:
     interval: int = _f(1, "write metrics every N steps", min=1)
     tensorboard: bool = _f(True, "also write TensorBoard scalars to RUN_DIR/tensorboard")
     progress: bool = _f(True, "show a live progress line on rank 0")
+
+
+@dataclass
+class ObserveConfig:
+    """The event timer (RUN_DIR/events/) that `myria report` and the detectors read."""
+
+    enabled: bool = _f(True, "record every rank's timed events (compute, collectives, data "
+                       "wait, checkpoint) to RUN_DIR/events/")
+    flush_s: float = _f(1.0, "how often the writer thread appends recorded events, seconds",
+                        min=0.05)
 
 
 @dataclass
@@ -216,6 +231,16 @@ class ResilienceConfig:
                               "scheduler requeues the job elsewhere) or recheck (run the "
                               "diagnostics again after the hook and continue if they pass)",
                               choices=("exit", "recheck"))
+    straggler_threshold: float = _f(0.10, "a rank whose compute-only time is this much slower "
+                                    "than its peers' (same pipeline stage) is a straggler",
+                                    min=0.0)
+    straggler_window: int = _f(5, "steps per straggler window (medians over each window)",
+                               min=2)
+    straggler_windows: int = _f(2, "consecutive slow windows before a straggler is reported",
+                                min=1)
+    straggler_action: str = _f("warn", "on a straggler: warn (log and RUN_DIR/events.jsonl), "
+                               "replace (also exclude its host at the next restart when a spare "
+                               "host exists) or none", choices=("warn", "replace", "none"))
     sigterm_grace_s: float = _f(60.0, "time workers get after SIGTERM to save a checkpoint and "
                                 "exit before SIGKILL", min=0.0)
     async_checkpoint: bool = _f(True, "two-stage checkpoints: snapshot to host memory, write in "
@@ -248,6 +273,7 @@ class Config:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     resilience: ResilienceConfig = field(default_factory=ResilienceConfig)
+    observe: ObserveConfig = field(default_factory=ObserveConfig)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -261,7 +287,7 @@ class Config:
 SECTIONS: dict[str, type] = {
     "model": ModelConfig, "data": DataConfig, "training": TrainingConfig,
     "optimizer": OptimizerConfig, "parallel": ParallelConfig, "checkpoint": CheckpointConfig,
-    "logging": LoggingConfig, "resilience": ResilienceConfig,
+    "logging": LoggingConfig, "resilience": ResilienceConfig, "observe": ObserveConfig,
 }
 
 
@@ -345,15 +371,31 @@ def parse_override(text: str) -> tuple[str, str, Any]:
     return section, key, value
 
 
+def read_text_file(path: str | Path, what: str = "config file") -> str:
+    """The text of a TOML file the user named: one clear ConfigError when it is missing, a
+    directory, unreadable or not UTF-8 (TOML files are UTF-8 by the specification)."""
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"{what} {str(p)!r} does not exist" if not p.exists() else
+                          f"{what} {str(p)!r} is not a file")
+    try:
+        return p.read_bytes().decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{what} {str(p)!r} is not UTF-8 text (byte {e.start}: "
+                          f"{e.object[e.start:e.start + 1]!r}); TOML files must be UTF-8"
+                          ) from None
+    except OSError as e:
+        raise ConfigError(f"{what} {str(p)!r} cannot be read: {e.strerror}") from None
+
+
 def load(path: str | Path | None = None, overrides: typing.Sequence[str] = ()) -> Config:
     """Load a TOML config (or the defaults when `path` is None) and apply overrides."""
     cfg = Config()
     if path is not None:
         p = Path(path)
-        if not p.is_file():
-            raise ConfigError(f"config file {str(p)!r} does not exist")
+        text = read_text_file(p)
         try:
-            data = tomllib.loads(p.read_text())
+            data = tomllib.loads(text)
         except tomllib.TOMLDecodeError as e:
             raise ConfigError(f"config file {str(p)!r} is not valid TOML: {e}") from None
         cfg = from_dict(data, cfg)
@@ -388,9 +430,8 @@ def resolve_layout(cfg: Config, world_size: int) -> dict[str, int]:
             "pp": p.pp, "cp": p.cp, "ep": p.ep}
 
 
-def validate(cfg: Config, world_size: int | None = None) -> None:
-    """Raise ConfigError for inconsistent combinations."""
-    m, t, par = cfg.model, cfg.training, cfg.parallel
+def validate_model(m: ModelConfig) -> None:
+    """Raise ConfigError for a model whose sizes do not fit together (shared with the planner)."""
     if m.hidden % m.heads:
         raise ConfigError(f"model.heads = {m.heads} does not divide model.hidden = {m.hidden}; "
                           "hidden must be a multiple of heads")
@@ -404,6 +445,12 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
                           f"<= {m.seq_len}")
     if m.experts and m.top_k > m.experts:
         raise ConfigError(f"model.top_k = {m.top_k} exceeds model.experts = {m.experts}")
+
+
+def validate(cfg: Config, world_size: int | None = None) -> None:
+    """Raise ConfigError for inconsistent combinations."""
+    m, t, par = cfg.model, cfg.training, cfg.parallel
+    validate_model(m)
     if t.micro_batch > t.global_batch:
         raise ConfigError(f"training.micro_batch = {t.micro_batch} exceeds training.global_batch"
                           f" = {t.global_batch}")

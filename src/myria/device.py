@@ -148,6 +148,16 @@ def cpu_device_spec(threads: int | None = None, refresh: bool = False) -> Device
     return spec
 
 
+def planning_device(dtype: str) -> DeviceSpec:
+    """The device a prediction of a config is made for when none is named: the local GPU, an
+    H100 for a bf16/fp16 config on a machine without one, else this CPU (measured)."""
+    spec = cuda_device_spec()
+    if spec is None:
+        spec = lookup("h100-sxm-80gb") if dtype in ("bfloat16", "float16") \
+            else cpu_device_spec()
+    return spec
+
+
 def local_peak_tflops(device_type: str, dtype: str) -> tuple[float | None, str]:
     """Peak TFLOP/s of this process's device for `dtype`, and where the figure comes from."""
     if device_type == "cpu":

@@ -10,6 +10,8 @@ MYRIA_FAULT holds comma-separated faults, each `kind:key=value:...`:
 - `raise:rank=R:step=S`      rank R raises an exception at the start of step S
 - `corrupt-checkpoint:step=S` after the checkpoint of step S is committed, damage one of its files
 - `diskfull:step=S`          the checkpoint save at step S fails with ENOSPC
+- `slow:rank=R:factor=F[:step=S]`  rank R's forward and backward take F times as long from
+                             step S on (default 1), as a slow GPU would (myria.observe.events)
 
 Each fault fires once per run directory (a marker file under RUN_DIR/faults/ records it), so a
 restarted job does not repeat it.
@@ -21,13 +23,14 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-KINDS = ("kill", "hang", "stop", "raise", "corrupt-checkpoint", "diskfull")
+KINDS = ("kill", "hang", "stop", "raise", "corrupt-checkpoint", "diskfull", "slow")
+FLOAT_KEYS = ("factor",)   # parameters that take a number, not an integer
 
 
 @dataclass
 class Fault:
     kind: str
-    params: dict[str, int] = field(default_factory=dict)
+    params: dict[str, float] = field(default_factory=dict)
 
     @property
     def tag(self) -> str:
@@ -50,12 +53,24 @@ def parse(text: str | None) -> list[Fault]:
         if kind not in KINDS:
             raise ValueError(f"MYRIA_FAULT item {item!r}: unknown fault {kind!r}; valid: "
                              f"{', '.join(KINDS)}")
-        params = {}
+        params: dict[str, float] = {}
         for kv in kvs:
             k, _, v = kv.partition("=")
+            if k in FLOAT_KEYS:
+                try:
+                    params[k] = float(v)
+                except ValueError:
+                    raise ValueError(f"MYRIA_FAULT item {item!r}: {k}={v!r} is not a number")\
+                        from None
+                continue
             if k not in ("rank", "step") or not v.lstrip("-").isdigit():
                 raise ValueError(f"MYRIA_FAULT item {item!r}: expected rank=N and step=N")
             params[k] = int(v)
+        if kind == "slow":
+            if "rank" not in params or params.get("factor", 0) < 1:
+                raise ValueError(f"MYRIA_FAULT item {item!r}: slow needs rank=R and "
+                                 "factor=F >= 1")
+            params.setdefault("step", 1)
         if "step" not in params:
             raise ValueError(f"MYRIA_FAULT item {item!r}: step=N is required")
         faults.append(Fault(kind, params))
@@ -75,6 +90,13 @@ class FaultInjector:
         for f in self.faults:
             if f.matches(kind, step, self.rank) and not (self.dir / f.tag).exists():
                 return f
+        return None
+
+    def slow(self) -> tuple[float, int] | None:
+        """(factor, from step) when this rank is to be slowed (not once: from then on)."""
+        for f in self.faults:
+            if f.kind == "slow" and f.params.get("rank") == self.rank:
+                return float(f.params["factor"]), int(f.params["step"])
         return None
 
     def mark(self, fault: Fault) -> None:

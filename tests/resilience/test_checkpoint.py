@@ -104,7 +104,7 @@ def test_bit_flip_is_caught_by_checksum_and_skipped(tmp_path, caplog):
     assert "fails its checksum" in mgr.verify(p2)
     with caplog.at_level("WARNING", logger="myria"):
         assert mgr.choose_resume() == mgr.path_for(1)
-    assert "skipping checkpoint" in caplog.text
+    assert "is damaged" in caplog.text and "quarantine" in caplog.text
     # a truncated file is caught by its size without reading it
     victim = next(p for p in mgr.path_for(1).iterdir() if p.suffix == ".distcp")
     victim.write_bytes(victim.read_bytes()[:-10])

@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from myria.train.checkpoint import CheckpointManager
-from tests.conftest import ROOT, TINY, losses, run_cli
+from tests.conftest import ROOT, TINY, final_params, losses, run_cli
 
 STEPS = 24
 COMMON = [*TINY, f"--training.steps={STEPS}", "--checkpoint.interval=4",
@@ -36,18 +36,28 @@ def supervise(run_dir, data, *extra, env=None, check=True):
                    f"--data.path={data}", *COMMON, *extra, env=env, check=check, timeout=400)
 
 
-def final_params(run_dir):
-    from myria.train.export import load_checkpoint_model
-    model, _, _ = load_checkpoint_model(run_dir, None)
-    return dict(model.state_dict())
-
-
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory, tiny_data):
     """The same job, uninterrupted, under plain `myria train`."""
     d = tmp_path_factory.mktemp("ref")
     run_cli("train", "--run-dir", str(d), "--nproc", "2", f"--data.path={tiny_data}", *COMMON)
     return d
+
+
+def check_summary_fields(summary):
+    """Every field of a recovered job's summary is filled in and within its range."""
+    assert summary["start_step"] == 0 and summary["steps_trained"] == STEPS, summary
+    assert 0 < summary["effective_training_time_ratio"] <= 1, summary
+    assert 0 < summary["productive_s"] <= summary["wall_s"], summary
+    assert summary["time_lost_s"] == pytest.approx(summary["wall_s"] - summary["productive_s"],
+                                                   abs=2e-3)
+    assert summary["mean_step_s"] > 0
+    for f in summary["faults"]:
+        for key in ("detection_s", "fault_to_first_step_s", "lost_steps", "time_lost_s",
+                    "resumed_from", "cause"):
+            assert f[key] is not None and f[key] != "", (key, f)
+        assert f["detection_s"] >= 0 and f["fault_to_first_step_s"] > 0, f
+        assert 0 <= f["lost_steps"] <= STEPS and f["time_lost_s"] > 0, f
 
 
 def check_recovered(run, reference, kind, rank, resumed_from=None):
@@ -68,6 +78,10 @@ def check_recovered(run, reference, kind, rank, resumed_from=None):
     if resumed_from is None:
         resumed_from = int(f["newest_committed"].split("_")[1]) if f["newest_committed"] else 0
     assert f["resumed_from"] == resumed_from, f
+    check_summary_fields(summary)
+    steps = [json.loads(x)["step"] for x in (run / "metrics.jsonl").read_text().splitlines()
+             if "loss" in x]
+    assert sorted(steps) == list(range(1, STEPS + 1)), "each step exactly once"
     # bitwise: same losses at every step, same final parameters
     ref, got = losses(reference), losses(run)
     assert [got[s] for s in range(1, STEPS + 1)] == [ref[s] for s in range(1, STEPS + 1)]
@@ -103,6 +117,9 @@ def test_hang_names_the_collective_and_the_stuck_rank(tmp_path, tiny_data, refer
     ev = summary["faults"][0]["evidence"]
     assert "while heartbeats continue" in ev and "ranks [1] wait inside" in ev, ev
     assert "suspect [0]" in ev
+    rep = json.loads((tmp_path / "report" / "hang.json").read_text())
+    assert rep["stuck_ranks"] == [0] and rep["collective"]["ranks"] == [1], rep
+    assert "HANG REPORT rank 0 is stuck outside any collective" in log
 
 
 @pytest.mark.slow
@@ -134,7 +151,7 @@ def test_corrupt_newest_checkpoint_and_full_disk(tmp_path, tiny_data, reference)
     f = summary["faults"][0]
     assert f["newest_committed"] == "step_00000012" and f["resumed_from"] == 4, f
     out = "\n".join(p.read_text() for p in (tmp_path / "logs").rglob("stderr.log"))
-    assert "No space left on device" in out and "skipping checkpoint" in out
+    assert "No space left on device" in out and "is damaged" in out
     assert "fails its checksum" in out
     check_recovered(tmp_path, reference, "exit", 0, resumed_from=4)
 

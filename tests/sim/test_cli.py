@@ -75,6 +75,10 @@ def test_plan_command(capsys, tmp_path):
     assert main(args + ["--json", "--zero", "1"]) == 0
     data = json.loads(capsys.readouterr().out)
     assert data["ranked"] and all(r["layout"]["zero_stage"] == 1 for r in data["ranked"])
+    assert {"evaluated", "fitting", "seconds", "ranked"} <= set(data)
+    for r in data["ranked"]:
+        assert r["mfu_low"] < r["mfu"] < r["mfu_high"] and 0 < r["ettr"] <= 1
+        assert r["checkpoint_interval_steps"] >= 1 and sum(r["layout"]["stage_layers"]) == 32
     assert main(["plan", "--layers", "32"]) == 2
     assert "needs" in capsys.readouterr().err
 
@@ -113,3 +117,70 @@ def test_help(argv, capsys):
     with pytest.raises(SystemExit) as e:
         main(argv)
     assert e.value.code == 0
+
+
+PLAN = ["plan", "--gpu", "h100-sxm-80gb", "--arch", "llama", "--layers", "32", "--hidden",
+        "4096", "--heads", "32", "--global-batch", "512", "--gpus", "64", "--top", "1"]
+BAD_PLAN_FLAGS = [
+    ["--tp", "0"], ["--tp", "abc"], ["--pp", "-2"], ["--cp", "0"], ["--ep", "0"], ["--vpp", "0"],
+    ["--mb", "0"], ["--gpus", "0"], ["--gpus", "-8"], ["--layers", "0"], ["--hidden", "0"],
+    ["--heads", "0"], ["--kv-heads", "0"], ["--ffn-hidden", "0"], ["--vocab", "0"],
+    ["--experts", "-1"], ["--top-k", "0"], ["--seq-len", "0"], ["--global-batch", "0"],
+    ["--gpus-per-node", "0"], ["--nic-gbps", "0"], ["--oversubscription", "0.5"],
+    ["--topology", "ring"], ["--gpu", "tpu-v9"], ["--zero", "4"], ["--recompute", "some"],
+    ["--overlap", "xx"], ["--top", "0"], ["--hidden", "100", "--heads", "7"],
+    ["--heads", "32", "--kv-heads", "5"], ["--arch", "rnn"], ["--microbatches", "0"],
+]
+
+
+@pytest.mark.parametrize("bad", BAD_PLAN_FLAGS, ids=" ".join)
+def test_every_bad_plan_flag_gets_one_clear_line(bad, capsys):
+    from myria.cli import main
+
+    try:
+        code = main([*PLAN, *bad])
+    except SystemExit as e:  # argparse's own errors
+        code = e.code
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2, (bad, err)
+    assert err and err[-1].startswith("myria plan: error:"), err
+    assert bad[0].lstrip("-").split("-")[0] in err[-1] or "model." in err[-1], err[-1]
+    assert not any("Traceback" in x for x in err)
+
+
+def test_plan_and_simulate_refuse_non_utf8_files(tmp_path, capsys):
+    from myria.cli import main
+
+    f = tmp_path / "run.toml"
+    f.write_bytes(b"[run]\nname = \"caf\xe9\"\n")
+    for cmd in (["plan", str(f)], ["simulate", str(f)], ["analyze", str(f)]):
+        assert main(cmd) == 2
+        err = capsys.readouterr().err
+        assert "not UTF-8" in err and "Traceback" not in err, err
+
+
+def test_analyze_never_asks_for_more_than_the_machine_has(capsys):
+    import os
+
+    from myria.cli import main
+
+    assert main(["analyze", "configs/llama3-8b.toml", "--nproc", "64", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["iteration_time_s"] > 0  # priced analytically on the default accelerator
+    n = (os.cpu_count() or 1) * 4
+    assert main(["analyze", "configs/llama3-8b.toml", "--nproc", str(n), "--gpu", "cpu"]) == 2
+    err = capsys.readouterr().err
+    assert f"needs {n} cores" in err and "--gpu" in err and "Traceback" not in err
+
+
+def test_measuring_a_model_too_large_for_this_host_is_refused():
+    from myria import config as mconfig
+    from myria.errors import ConfigError
+    from myria.sim.cpu import check_measurable
+    from myria.sim.hardware import device_spec
+    from myria.sim.perf import config_run, run_shape
+
+    cfg = mconfig.load("configs/llama3-8b.toml")
+    run, _, _ = config_run(cfg, 8, device_spec("h100-sxm-80gb"))
+    with pytest.raises(ConfigError, match="pass --gpu"):
+        check_measurable(run_shape(run), 1)

@@ -163,3 +163,51 @@ def test_hopper_gemms_reach_a_smaller_share_of_peak(gpt39):
     # faster than the A100 run, but by less than the 3.17x of the datasheet peaks
     gain = t(gpt39) / t(h100_run)
     assert 1.8 < gain < 989 / 312
+
+
+def dp_time(run):
+    r = simulate(run)
+    return r.breakdown["dp_comm_exposed"]
+
+
+def test_sharded_data_parallel_memory_and_time_agree(llama):
+    """ZeRO-2's sharded gradients cost a reduce-scatter per microbatch (llama: pp4, 32 of them);
+    ZeRO-1 keeps whole gradients and reduces once per step: more memory, less traffic."""
+    base = llama.replace(overlap={"dp": False}, parallel={"pp": 4, "vpp": 1,
+                                                          "schedule": "1f1b"})
+    z1, z2 = base.replace(training={"zero_stage": 1}), base.replace(training={"zero_stage": 2})
+    assert mem(z2) < mem(z1)
+    assert t(z2) > t(z1)  # m reduce-scatters instead of one
+    m = z1.microbatches
+    assert m >= 8
+    # the extra cost is (m - 1) reduce-scatters of the stage's 17.5B fp32 gradients over 32
+    # ranks without overlap (plus the bubble they widen): large, but bounded
+    assert 0.5 < t(z2) / t(z1) - 1 < 3.0
+
+
+def test_fsdp_without_resharding_trades_memory_for_traffic(llama):
+    base = llama.replace(overlap={"dp": False}, training={"zero_stage": 3},
+                         parallel={"pp": 4, "vpp": 1, "schedule": "1f1b"})
+    keep = base.replace(training={"reshard_after_forward": False})
+    assert t(keep) < t(base)           # one all-gather per step instead of two per microbatch
+    assert mem(keep) > mem(base)       # the weights stay whole
+    z2 = base.replace(training={"zero_stage": 2})
+    assert t(keep) == pytest.approx(t(z2), rel=1e-9)  # the same collectives as ZeRO-2
+
+
+def test_hsdp_keeps_per_microbatch_traffic_inside_a_server(llama):
+    # tp2 x dp512, 8 microbatches: FSDP gathers and scatters 70B over 512 ranks across the
+    # fabric 3 times per microbatch; HSDP does it inside each server (4 ranks) and all-reduces
+    # a quarter of the gradients across the 128 replicas once per step
+    base = llama.replace(overlap={"dp": False}, training={"zero_stage": 3, "global_batch": 4096},
+                         parallel={"tp": 2, "pp": 1, "vpp": 1, "schedule": "1f1b"})
+    hsdp = base.replace(parallel={"dp_shard": 4})
+    assert t(hsdp) < t(base)       # all-gathers and reduce-scatters over NVLink, not the NICs
+    assert mem(hsdp) > mem(base)   # a shard is 1/4 of the model, not 1/512
+    r = simulate(hsdp)
+    assert r.layout["dp_shard"] == 4
+    # with one microbatch per step the replica all-reduce is not paid back
+    one = dict(training={"global_batch": 512})
+    assert t(hsdp.replace(**one)) > t(base.replace(**one))
+    with pytest.raises(Exception, match="dp_shard"):
+        base.replace(parallel={"dp_shard": 7})

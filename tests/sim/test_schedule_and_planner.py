@@ -50,8 +50,18 @@ def test_plan_ranks_fitting_layouts(calibration):
     res = plan(base, top=5)
     assert res.evaluated >= 10_000
     assert 0 < res.fitting < res.evaluated
-    mfus = [r.mfu for r in res.ranked]
-    assert mfus == sorted(mfus, reverse=True) and all(r.fits for r in res.ranked)
+    assert all(r.fits for r in res.ranked)
+    # statistically tied layouts (within the band of the best) first, simplest first; the rest
+    # by MFU
+    best = max(r.mfu for r in res.ranked)
+    band = res.ranked[0].extra["mfu_high"] / res.ranked[0].mfu - 1
+    tied = [r for r in res.ranked if r.extra["tied"]]
+    assert tied and res.ranked[:len(tied)] == tied
+    assert all(r.mfu >= best * (1 - band) for r in tied)
+    rest = [r.mfu for r in res.ranked[len(tied):]]
+    assert rest == sorted(rest, reverse=True)
+    from myria.sim.planner import simplicity
+    assert [simplicity(r) for r in tied] == sorted(simplicity(r) for r in tied)
     # the planner's best beats the published layout (which had no overlap or SP tricks
     # but does use recompute); at least it is not worse
     from myria.sim.perf import simulate
@@ -61,7 +71,11 @@ def test_plan_ranks_fitting_layouts(calibration):
 def test_search_space_respects_constraints(calibration):
     base = calibration[4]
     for par, tr in candidates(base, SearchSpace(recompute=["full"], zero_stage=[0])):
-        assert base.model.heads % par["tp"] == 0 and base.model.layers % par["pp"] == 0
+        assert base.model.heads % par["tp"] == 0 and par["pp"] <= base.model.layers
+        if base.model.layers % par["pp"]:  # uneven stages: one chunk per rank
+            assert par["vpp"] == 1
+        else:
+            assert (base.model.layers // par["pp"]) % par["vpp"] == 0
         dp = base.cluster.gpus // (par["tp"] * par["pp"] * par["cp"])
         m = base.training.global_batch // (dp * tr["micro_batch"])
         assert m * dp * tr["micro_batch"] == base.training.global_batch
@@ -83,3 +97,41 @@ gpus = 8
 """)
     res = plan(huge, SearchSpace(recompute=["none"], zero_stage=[0]))
     assert res.ranked == [] and res.best_unfitting is not None
+
+
+def test_plan_accepts_uneven_stages_and_keeps_a_memory_reserve():
+    from myria.sim import runspec
+    base = runspec.parse_run({
+        "name": "405b-like", "model": {"arch": "llama", "layers": 126, "hidden": 16384,
+                                       "heads": 128, "kv_heads": 8, "ffn_hidden": 53248,
+                                       "vocab": 128256, "seq_len": 8192},
+        "training": {"global_batch": 2048}, "cluster": {"gpu": "h100-sxm-80gb", "gpus": 16384},
+        "kernels": {"flash_attention": True}, "overlap": {"pp": True, "dp": True}},
+        check=False)
+    res = plan(base, SearchSpace(pp=[16], recompute=["none", "full"], zero_stage=[1]), top=3)
+    assert res.ranked
+    for r in res.ranked:
+        st = r.layout["stage_layers"]
+        assert len(st) == 16 * r.layout["vpp"] and sum(st) == 126
+        assert st[0] <= max(st) and st[-1] < max(st)  # the output layer's stage holds fewer
+        assert r.memory.total <= 0.9 * 80e9 + 1  # the default 10% reserve
+        x = r.extra
+        assert x["mfu_low"] < r.mfu < x["mfu_high"] and 0 < x["ettr"] <= 1
+        assert x["checkpoint_interval_steps"] >= 1
+    tight = plan(base, SearchSpace(pp=[16], recompute=["none", "full"], zero_stage=[1]), top=3,
+                 reserve_gb=40)
+    assert all(r.memory.total <= 40e9 for r in tight.ranked)
+
+
+def test_young_daly_interval_maximises_ettr():
+    from myria.sim.reliability import Reliability, ettr_at, expected_ettr
+    e = expected_ettr(10.0, 16384, 8, 20e9, 16384 * 5e9, 50.0)
+    lam = Reliability().failures_per_gpu_hour * 16384 / 3600
+    assert e.interval_s == pytest.approx((2 * e.stall_s / lam) ** 0.5, rel=0.05)
+    for f in (0.5, 0.8, 1.25, 2.0):  # shorter or longer intervals do no better
+        assert ettr_at(e.interval_s * f, e.stall_s, e.write_s, e.recovery_s, lam) <= e.ettr
+    worse = expected_ettr(10.0, 16384, 8, 20e9, 16384 * 5e9, 50.0,
+                          Reliability(failures_per_gpu_hour=1e-4))
+    assert 0 < worse.ettr < e.ettr < 1 and worse.interval_steps < e.interval_steps
+    none = expected_ettr(10.0, 8, 8, 1e9, 8e9, 50.0, Reliability(failures_per_gpu_hour=0))
+    assert none.ettr == 1.0

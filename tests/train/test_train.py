@@ -8,7 +8,7 @@ import shutil
 import pytest
 import torch
 
-from tests.conftest import TINY, losses, run_cli
+from tests.conftest import TINY, final_params, losses, run_cli
 
 
 def train(run_dir, data, *extra, nproc=None, env=None, check=True):
@@ -16,12 +16,6 @@ def train(run_dir, data, *extra, nproc=None, env=None, check=True):
     if nproc:
         args += ["--nproc", str(nproc)]
     return run_cli(*args, env=env, check=check)
-
-
-def final_params(run_dir):
-    from myria.train.export import load_checkpoint_model
-    model, _, _ = load_checkpoint_model(run_dir, None)
-    return dict(model.state_dict())
 
 
 @pytest.fixture(scope="module")
@@ -107,7 +101,7 @@ def test_corrupt_newest_checkpoint_is_skipped(tmp_path, tiny_data):
     train(tmp_path, tiny_data, "--training.steps=4", "--checkpoint.interval=2",
           env={"MYRIA_FAULT": "corrupt-checkpoint:step=4"})
     p = train(tmp_path, tiny_data, "--training.steps=6", "--checkpoint.interval=2")
-    assert "skipping checkpoint" in p.stderr
+    assert "is damaged" in p.stderr and "quarantine" in p.stderr
     assert "resumed from" in p.stdout and "step 2" in p.stdout
 
 
@@ -123,10 +117,40 @@ def test_bad_input_gets_one_clear_line(tmp_path, tiny_data):
     assert p.returncode == 2 and "divisible by data-parallel ranks (4)" in p.stderr
 
 
+def predicted_line(stdout):
+    return next(x for x in stdout.splitlines() if x.startswith("# predicted"))
+
+
+def memory_parts(line):
+    import re
+    parts = dict((k, float(v)) for k, v in re.findall(r"(\w+) ([\d.]+)(?= \+| =)", line))
+    total = float(re.search(r"= ([\d.]+) GB", line).group(1))
+    return parts, total
+
+
 def test_dry_run_prints_sizes():
     p = run_cli("train", "--config", "configs/llama3-8b.toml", "--dry-run", "--nproc", "64")
     assert "parameters: 8,030,261,248" in p.stdout  # Llama-3-8B's published count
     assert "model FLOPs per token" in p.stdout and "memory per rank" in p.stdout
+    parts, total = memory_parts(predicted_line(p.stdout))
+    assert set(parts) == {"weights", "gradients", "optimizer", "activations", "temporary",
+                          "reserved"}
+    assert abs(sum(parts.values()) - total) <= 0.01 * len(parts), (parts, total)
+
+
+def test_dry_run_uses_every_setting_and_warns_on_a_poor_layout():
+    base = ["train", "--config", "configs/llama3-8b.toml", "--dry-run", "--nproc", "64"]
+    plain = predicted_line(run_cli(*base).stdout)
+    full = predicted_line(run_cli(*base, "--parallel.activation_checkpoint=full").stdout)
+    no_sp = predicted_line(run_cli(*base, "--parallel.sequence_parallel=false").stdout)
+    assert "recompute full" in full and "sequence parallel off" in no_sp
+    act = {k: memory_parts(x)[0]["activations"] for k, x in
+           (("plain", plain), ("full", full), ("no_sp", no_sp))}
+    assert act["full"] < act["plain"] < act["no_sp"], act
+    p = run_cli("train", "--config", "configs/gpt3-175b.toml", "--dry-run", "--nnodes", "128",
+                "--nproc", "8")
+    warn = [x for x in p.stdout.splitlines() if x.startswith("# WARNING: predicted MFU")]
+    assert warn and "`myria plan` predicts" in warn[0] and "tp=" in warn[0], p.stdout[-2000:]
 
 
 def test_metrics_file_fields(reference):
@@ -135,3 +159,25 @@ def test_metrics_file_fields(reference):
                 "grad_norm"):
         assert key in rows[0]
     assert 0 < rows[-1]["mfu"] < 1
+
+
+@pytest.mark.slow
+def test_failed_launch_names_the_rank_that_failed_first(tmp_path, tiny_data):
+    p = train(tmp_path, tiny_data, "--training.steps=6", nproc=2, check=False,
+              env={"MYRIA_FAULT": "raise:rank=1:step=3"})
+    assert p.returncode == 1
+    last = p.stderr.strip().splitlines()[-1]
+    assert "rank 1 of 2 failed first" in last and "injected fault: raise on rank 1" in last, last
+    assert "torch.distributed.elastic" not in p.stderr  # the launcher's own noise is gone
+    assert "ChildFailedError" not in p.stderr
+
+
+@pytest.mark.slow
+def test_an_input_error_of_every_rank_is_printed_once(tmp_path, tiny_data):
+    train(tmp_path, tiny_data, "--training.steps=2", "--checkpoint.interval=2")
+    from tests.train.test_retention import flip
+    flip(tmp_path / "checkpoints" / "step_00000002")
+    p = train(tmp_path, tiny_data, "--training.steps=4", nproc=2, check=False)
+    assert p.returncode == 2 and "Traceback" not in p.stderr
+    assert p.stderr.count("no checkpoint in") == 1, p.stderr
+    assert "failed first" in p.stderr

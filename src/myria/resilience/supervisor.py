@@ -48,12 +48,13 @@ from pathlib import Path
 from typing import Any
 
 from myria import config as config_mod
-from myria.errors import ConfigError, LaunchError
+from myria.errors import ConfigError, LaunchError, MyriaError
 from myria.resilience.watch import Detection, Watchdog
 from myria.train import heartbeat
 
 ACCEPTS_OVERRIDES = True
 EXIT_BAD_HOST = 3
+STRAGGLER_CHECK_S = 5.0  # how often the supervisor scores the ranks' compute times
 EXIT_PREEMPTED = 143
 ACTIONABLE = ("exit", "missed-heartbeats", "no-heartbeat", "hang", "traffic-stopped", "alarm")
 
@@ -179,6 +180,10 @@ class _BadHost(Exception):
     pass
 
 
+class _UserError(Exception):
+    """A rank failed with an error of the user's input (exit 2): a restart cannot fix it."""
+
+
 def _agent_class():
     from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 
@@ -235,6 +240,8 @@ class Supervisor:
         self.initial_step: int | None = None
         self.started_at = time.time()
         self.blocklist: list[str] = []
+        self.stragglers: dict = {}
+        self._straggler_at = 0.0
         self.store = None
         self._server = None
 
@@ -323,12 +330,16 @@ class Supervisor:
         except _BadHost as e:
             status, code = "host-blocklisted", EXIT_BAD_HOST
             log.error("ACTION leave the job: %s", e)
+        except _UserError as e:
+            status, code = "input-error", 2
+            log.error("ACTION stop without restarting (a restart cannot fix bad input): %s", e)
         except SignalException as e:
             status, code = "preempted", EXIT_PREEMPTED
             log.warning("ACTION stopped by %s: workers were asked to save and exit", e.sigval)
         except LaunchError as e:
             log.error("%s", e)
         finally:
+            self._check_stragglers(time.time(), force=True)
             summary = self.summary(status)
             self._write_summary(summary)
             self._close()
@@ -381,6 +392,7 @@ class Supervisor:
             return result
         if result.state != WorkerState.HEALTHY:
             return result
+        self._check_stragglers(now)
         found = self.watch.heartbeats(records, now)
         found += self._expired_alarms(agent, now)
         for d in found:
@@ -388,9 +400,64 @@ class Supervisor:
         act = [d for d in found if d.kind in ACTIONABLE and d.kind != "alarm" or
                d.kind == "alarm" and d.details.get("expired")]
         if act:
-            self._record(act[0], [d for d in found if d is not act[0]])
+            f = self._record(act[0], [d for d in found if d is not act[0]])
+            if act[0].kind in ("hang", "missed-heartbeats", "traffic-stopped"):
+                self._hang_report(wg, f)
             return RunResult(state=WorkerState.UNHEALTHY)
         return result
+
+    def _check_stragglers(self, now: float, force: bool = False) -> None:
+        """Every few seconds (and once at the end), score each rank's compute-only time from the
+        event files against its peers (myria.resilience.straggler); report each new straggler
+        once."""
+        r = self.r
+        if r.straggler_action == "none" or \
+                (not force and now - self._straggler_at < STRAGGLER_CHECK_S):
+            return
+        self._straggler_at = now
+        from myria import detections
+        from myria.resilience import straggler
+
+        try:
+            found = straggler.detect_dir(self.run_dir, window=r.straggler_window,
+                                         threshold=r.straggler_threshold,
+                                         windows=r.straggler_windows)
+        except Exception as e:  # evidence, never a reason to stop the job
+            log.debug("straggler check failed: %s", e)
+            return
+        for s in found:
+            if s.rank in self.stragglers:
+                continue
+            self.stragglers[s.rank] = s
+            action = r.straggler_action
+            note = ""
+            if action == "replace":
+                note = (f"; its host {s.host} is to be replaced at the next restart" if
+                        self.max_nodes > self.min_nodes else
+                        "; no spare host to replace it with: training continues on it")
+            log.warning("DETECTED straggler rank %d on %s: %.0f%% slower than its peers from "
+                        "step %d (detected at step %d), costing %.3f s per step%s", s.rank,
+                        s.host, 100 * s.slowdown, s.first_step, s.detected_step,
+                        s.cost_s_per_step, note)
+            detections.record(self.run_dir, "straggler", s.rank, s.host, s.detected_step,
+                              s.evidence(), action + note)
+
+    def _hang_report(self, wg, f: Fault) -> None:
+        """Ask every worker what it is doing (SIGUSR1), merge into RUN_DIR/report/hang.json."""
+        from myria.observe import hang
+
+        pids = {w.global_rank: w.id for w in wg.workers if w.id}
+        try:
+            since = hang.request(pids, self.run_dir)
+            rep = hang.merge(self.run_dir, sorted(pids), since)
+            path = hang.write(self.run_dir, rep)
+        except Exception as e:  # the report is evidence; never let it stop recovery
+            log.warning("hang report failed: %s", e)
+            return
+        line = hang.summary_line(rep)
+        log.warning("HANG REPORT %s (%s)", line, path)
+        f.evidence += f" | hang report: {line}"
+        f.action.append("hang report")
 
     def recover(self, agent, wg) -> None:
         """Stop the group, diagnose this host, blocklist it if bad, back off; then restart."""
@@ -507,6 +574,12 @@ class Supervisor:
         f.cause = self.watch.cause_line(culprit) or (
             f"signal {failures[culprit].signal_name()}" if failures[culprit].exitcode < 0
             else f"exit code {failures[culprit].exitcode}")
+        if failures[culprit].exitcode == MyriaError.exit_code:
+            data = failures[culprit].error_file_data
+            msg = data.get("message") if isinstance(data, dict) else None
+            f.cause = msg if isinstance(msg, str) and msg else f.cause
+            f.action.append("stop: input error")
+            raise _UserError(f"rank {culprit}: {f.cause}")
 
     def _record(self, d: Detection, related: list[Detection]) -> Fault:
         injected, at = _injected(self.run_dir, self.watch.started if self.watch else 0)
@@ -533,8 +606,9 @@ class Supervisor:
             return
         step = max(x.get("step", 0) for x in recs)
         self.max_step = max(self.max_step, step)
-        if self.initial_step is None and self.attempt == 0:
-            self.initial_step = min(x.get("resumed_from", 0) for x in recs)
+        known = [x["resumed_from"] for x in recs if x.get("resumed_from", -1) >= 0]
+        if self.initial_step is None and self.attempt == 0 and len(known) == len(recs):
+            self.initial_step = min(known)  # -1 means "not resumed yet", never a step
         f = self.current
         if f is None or f.attempt == self.attempt:
             return
@@ -607,23 +681,35 @@ class Supervisor:
 
     # -- the summary -------------------------------------------------------------------------
     def summary(self, status: str) -> dict[str, Any]:
-        """Faults, causes, actions, time lost and the effective training time ratio."""
+        """Faults, causes, actions, time lost and the effective training time ratio.
+
+        Productive time is the recorded time of the training steps the final model went
+        through, run under this supervisor (metrics rows since it started; each row carries the
+        step time since the previous row, and rows of steps redone after a rollback were set
+        aside by the trainer). ETTR = productive / wall, in [0, 1] by construction.
+        """
         end = time.time()
         wall = end - self.started_at
         rows = _metrics_rows(self.run_dir, self.started_at)
         final = max(rows) if rows else self.max_step
         start = self.initial_step if self.initial_step is not None else (
-            min(rows) - 1 if rows else 0)
-        times = [rows[s]["step_time_s"] for s in rows]
-        step_time = sum(times) / len(times) if times else 0.0
-        productive = step_time * max(0, final - start)
+            min(rows) - 1 if rows else final)
+        productive = sum(r.get("interval_time_s", r.get("step_time_s", 0.0))
+                         for s, r in rows.items() if s > start)
+        steps = max(0, final - start)
+        ettr = productive / wall if wall > 0 else 0.0
+        if not 0.0 <= ettr <= 1.0 + 1e-9:  # recorded step times lie inside the wall time
+            log.error("effective training time ratio %.4f outside [0, 1] (productive %.1f s, "
+                      "wall %.1f s): clamped; please report", ettr, productive, wall)
+        ettr = min(max(ettr, 0.0), 1.0)
         return {
             "status": status, "host": self.host, "job": self.job,
-            "target_steps": self.cfg.training.steps, "start_step": start, "final_step": final,
+            "target_steps": self.cfg.training.steps, "start_step": max(0, start),
+            "final_step": final, "steps_trained": steps,
             "restarts": sum(1 for f in self.faults if f.restarted_at),
             "wall_s": round(wall, 3), "productive_s": round(productive, 3),
-            "mean_step_s": round(step_time, 4),
-            "effective_training_time_ratio": round(productive / wall, 4) if wall else None,
+            "mean_step_s": round(productive / steps, 4) if steps else 0.0,
+            "effective_training_time_ratio": round(ettr, 4),
             "time_lost_s": round(wall - productive, 3),
             "faults": [f.to_dict() for f in self.faults], "blocklist": self.blocklist,
             "heartbeat_s": self.r.heartbeat_s, "store": self.r.store,
@@ -639,10 +725,12 @@ class Supervisor:
                  s["target_steps"], s["restarts"], s["wall_s"], s["productive_s"],
                  s["effective_training_time_ratio"], path)
         for f in s["faults"]:
+            back = (f"fault to first resumed step {f['fault_to_first_step_s']} s; lost steps "
+                    f"{f['lost_steps']}") if f["fault_to_first_step_s"] is not None else \
+                "training did not resume after it"
             log.info("  fault %s rank(s) %s at step %s: cause %s; detected in %.2f s; actions: "
-                     "%s; fault to first resumed step %s s; lost steps %s", f["kind"],
-                     f["ranks"], f["last_step"], f["cause"], f["detection_s"],
-                     ", ".join(f["action"]) or "-", f["fault_to_first_step_s"], f["lost_steps"])
+                     "%s; %s", f["kind"], f["ranks"], f["last_step"], f["cause"],
+                     f["detection_s"], ", ".join(f["action"]) or "-", back)
 
 
 def _metrics_rows(run_dir: Path, since: float) -> dict[int, dict]:

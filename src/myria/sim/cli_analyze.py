@@ -20,10 +20,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("config", help="run TOML (simulator schema) or myria training TOML")
     parser.add_argument("--run", default="", help="with several runs in the file: which one "
                         "(default: the first)")
-    parser.add_argument("--gpu", default="cpu", help="device for a training config "
-                        "(a100-sxm-80gb, h100-sxm-80gb, h200, cpu)")
-    parser.add_argument("--nproc", type=int, default=1,
-                        help="processes for a training config (default 1)")
+    parser.add_argument("--gpu", default="", help="device for a training config "
+                        "(a100-sxm-80gb, h100-sxm-80gb, h200, cpu; default: as `myria train "
+                        "--dry-run` chooses: the local GPU, an H100 for a bf16 config, else "
+                        "this CPU)")
+    parser.add_argument("--nproc", type=int, default=0,
+                        help="processes for a training config (default: the fewest its "
+                        "[parallel] layout needs, dp_replicate x tp x pp x cp)")
     parser.add_argument("--sort", choices=("layer", "time"), default="layer",
                         help="row order: as executed in a layer, or by time")
     parser.add_argument("--json", action="store_true", help="print the rows as JSON")
@@ -31,9 +34,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _load(args) -> StepResult:
     p = Path(args.config)
-    if not p.is_file():
-        raise ConfigError(f"config file {args.config!r} does not exist")
-    text = p.read_text()
+    from myria.config import read_text_file
+
+    text = read_text_file(p)
     if runspec.is_run_file(text):
         runs = runspec.loads(text, str(p))
         if args.run:
@@ -49,7 +52,14 @@ def _load(args) -> StepResult:
     from myria.sim.hardware import device_spec
 
     cfg = mconfig.load(p)
-    return simulate_config(cfg, args.nproc, device_spec(args.gpu), detail=True)
+    if args.nproc < 0:
+        raise ConfigError(f"--nproc {args.nproc}: give a positive number of processes")
+    par = cfg.parallel
+    nproc = args.nproc or par.dp_replicate * par.tp * par.pp * par.cp
+    from myria.device import planning_device
+
+    spec = device_spec(args.gpu) if args.gpu else planning_device(cfg.training.dtype)
+    return simulate_config(cfg, nproc, spec, detail=True)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -26,11 +26,41 @@ from myria.sim.runspec import (
 
 
 def _ints(text: str) -> list[int]:
+    """A comma list of degrees or sizes, each >= 1."""
     try:
-        return [int(x) for x in text.split(",") if x]
+        vals = [int(x) for x in text.split(",") if x.strip()]
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r}: expected integers separated by commas")\
             from None
+    if not vals or any(v < 1 for v in vals):
+        raise argparse.ArgumentTypeError(f"{text!r}: every value must be an integer >= 1")
+    return vals
+
+
+def _zero_stages(text: str) -> list[int]:
+    """A comma list of ZeRO stages, each 0-3."""
+    try:
+        vals = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        vals = []
+    if not vals or any(v not in (0, 1, 2, 3) for v in vals):
+        raise argparse.ArgumentTypeError(f"{text!r}: ZeRO stages are 0, 1, 2, 3 "
+                                         "(comma-separated)")
+    return vals
+
+
+def _at_least(lo: float, kind=int):
+    """An argparse type: a number of `kind` that is >= lo."""
+    def parse(text: str):
+        try:
+            v = kind(text)
+        except ValueError:
+            what = "an integer" if kind is int else "a number"
+            raise argparse.ArgumentTypeError(f"{text!r} is not {what}") from None
+        if v < lo:
+            raise argparse.ArgumentTypeError(f"{text!r}: must be >= {lo:g}")
+        return v
+    return parse
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -39,18 +69,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--run", default="", help="which run of a multi-run file")
     g = parser.add_argument_group("model (instead of, or overriding, a file)")
     g.add_argument("--arch", choices=("gpt", "llama"))
-    for name in ("layers", "hidden", "heads", "kv-heads", "ffn-hidden", "vocab", "experts",
-                 "top-k"):
-        g.add_argument(f"--{name}", type=int)
+    for name, what in (("layers", "transformer layers"), ("hidden", "model width"),
+                       ("heads", "attention heads"), ("kv-heads", "key/value heads (GQA)"),
+                       ("ffn-hidden", "MLP width"), ("vocab", "vocabulary size"),
+                       ("top-k", "experts per token")):
+        g.add_argument(f"--{name}", type=_at_least(1), help=what)
+    g.add_argument("--experts", type=_at_least(0), help="experts per MoE layer (0: dense)")
     g = parser.add_argument_group("run and cluster")
-    g.add_argument("--seq-len", type=int)
-    g.add_argument("--global-batch", type=int, help="sequences per iteration")
+    g.add_argument("--seq-len", type=_at_least(1), help="tokens per sequence")
+    g.add_argument("--global-batch", type=_at_least(1), help="sequences per iteration")
     g.add_argument("--gpu", help="a100-sxm-80gb, h100-sxm-80gb, h200, ...")
-    g.add_argument("--gpus", type=int, help="number of devices")
-    g.add_argument("--gpus-per-node", type=int)
-    g.add_argument("--nic-gbps", type=float)
+    g.add_argument("--gpus", type=_at_least(1), help="number of devices")
+    g.add_argument("--gpus-per-node", type=_at_least(1), help="devices per server")
+    g.add_argument("--nic-gbps", type=_at_least(1e-3, float), help="NIC bandwidth, Gbit/s")
     g.add_argument("--topology", choices=("fat-tree", "clos3", "rail-optimized"))
-    g.add_argument("--oversubscription", type=float)
+    g.add_argument("--oversubscription", type=_at_least(1.0, float),
+                   help="fabric oversubscription (1 = non-blocking)")
     g.add_argument("--no-flash", action="store_true", help="no FlashAttention")
     g.add_argument("--overlap", help="overlaps to switch on, e.g. tp,pp,dp or none")
     g = parser.add_argument_group("search space (comma lists)")
@@ -61,12 +95,25 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--vpp", type=_ints)
     g.add_argument("--mb", type=_ints, help="micro-batch sizes")
     g.add_argument("--recompute", help="none,selective,full")
-    g.add_argument("--zero", type=_ints, help="ZeRO stages, e.g. 0,1,3")
-    parser.add_argument("--top", type=int, default=10, help="layouts to show (default 10)")
+    g.add_argument("--zero", type=_zero_stages, help="ZeRO stages, e.g. 0,1,3")
+    parser.add_argument("--top", type=_at_least(1), default=10,
+                        help="layouts to show (default 10)")
+    parser.add_argument("--reserve-gb", type=_at_least(0.0, float), default=None,
+                        help="device memory kept free beyond the model's estimate (default: "
+                        "10%% of device memory; see docs/performance_model.md)")
+    g = parser.add_argument_group("reliability (expected effective training time)")
+    g.add_argument("--failures-per-gpu-hour", type=_at_least(0.0, float), default=None,
+                   help="failure rate per GPU-hour (default 1.97e-5: Llama 3 405B, 419 "
+                   "interruptions in 54 days on 16,384 GPUs)")
+    g.add_argument("--restart-s", type=_at_least(0.0, float), default=None,
+                   help="time to restart a failed job, excluding checkpoint load (default 300)")
+    g.add_argument("--storage-gbs", type=_at_least(1e-3, float), default=None,
+                   help="checkpoint storage bandwidth per server, GB/s (default 5)")
     parser.add_argument("--json", action="store_true", help="print the ranked layouts as JSON")
     g = parser.add_argument_group("pipeline schedule drawing")
     g.add_argument("--show-schedule", metavar="PNG", help="draw a pipeline schedule to PNG")
-    g.add_argument("--microbatches", type=int, help="m for --show-schedule (with one --pp)")
+    g.add_argument("--microbatches", type=_at_least(1),
+                   help="m for --show-schedule (with one --pp)")
     g.add_argument("--schedule", choices=("gpipe", "1f1b", "interleaved-1f1b", "zero-bubble"))
 
 
@@ -80,9 +127,9 @@ def _base_from_args(args) -> RunSpec:
     name = "plan"
     if args.base:
         p = Path(args.base)
-        if not p.is_file():
-            raise ConfigError(f"file {args.base!r} does not exist")
-        text = p.read_text()
+        from myria.config import read_text_file
+
+        text = read_text_file(p)
         if runspec.is_run_file(text):
             runs = runspec.loads(text, str(p))
             run = next((r for r in runs if r.name == args.run), None) if args.run else runs[0]
@@ -133,8 +180,16 @@ def _base_from_args(args) -> RunSpec:
                       (model.get("hidden"), "--hidden"), (model.get("heads"), "--heads"),
                       (training.get("global_batch"), "--global-batch"),
                       (cluster.get("gpu"), "--gpu"), (cluster.get("gpus"), "--gpus")):
-        if not req:
+        if req is None:
             raise ConfigError(f"myria plan needs {what}")
+    from myria.config import ModelConfig, validate_model
+
+    validate_model(ModelConfig(arch=model.get("arch", "gpt"), layers=model["layers"],
+                               hidden=model["hidden"], heads=model["heads"],
+                               kv_heads=model.get("kv_heads") or 0,
+                               seq_len=model.get("seq_len") or 2048,
+                               experts=model.get("experts") or 0,
+                               top_k=model.get("top_k") or 1))
     data = {"name": name, "model": model, "training": training, "cluster": cluster,
             "kernels": kernels, "overlap": overlap, "parallel": parallel}
     # reuse the run-file parser for types, defaults and checks; search fields are reset
@@ -158,8 +213,6 @@ def _space(args) -> SearchSpace:
             raise ConfigError(f"--recompute: {bad[0]!r} is not none, selective or full")
         sp.recompute = vals
     if args.zero:
-        if any(z not in (0, 1, 2, 3) for z in args.zero):
-            raise ConfigError(f"--zero {args.zero}: stages are 0, 1, 2, 3")
         sp.zero_stage = args.zero
     return sp
 
@@ -184,7 +237,8 @@ def run(args: argparse.Namespace) -> int:
     if args.show_schedule and args.microbatches:
         return _draw_only(args)
     base = _base_from_args(args)
-    res = plan(base, _space(args), top=args.top)
+    res = plan(base, _space(args), top=args.top, reserve_gb=args.reserve_gb,
+               reliability=_reliability(args))
     if args.json:
         print(json.dumps({"evaluated": res.evaluated, "fitting": res.fitting,
                           "seconds": res.seconds,
@@ -206,6 +260,20 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _reliability(args):
+    from myria.sim.reliability import Reliability
+
+    r = Reliability()
+    if args.failures_per_gpu_hour is not None:
+        r = dataclasses.replace(r, failures_per_gpu_hour=args.failures_per_gpu_hour)
+    if args.restart_s is not None:
+        r = dataclasses.replace(r, restart_s=args.restart_s)
+    if args.storage_gbs is not None:
+        r = dataclasses.replace(r, storage_write_gbs_per_node=args.storage_gbs,
+                                storage_read_gbs_per_node=args.storage_gbs)
+    return r
+
+
 def _layout(lay: dict) -> str:
     s = f"tp{lay['tp']} pp{lay['pp']} dp{lay['dp']}"
     if lay["cp"] > 1:
@@ -214,6 +282,10 @@ def _layout(lay: dict) -> str:
         s += f" ep{lay['ep']}"
     if lay["vpp"] > 1:
         s += f" v{lay['vpp']}"
+    if lay.get("dp_shard") and lay["dp_shard"] < lay["dp"] and lay["zero_stage"] >= 1:
+        s += f" hsdp{lay['dp_shard']}"
+    if lay["zero_stage"] >= 3 and not lay.get("reshard_after_forward", True):
+        s += " keep-gathered"
     return s + (" sp" if lay["sequence_parallel"] else "")
 
 
@@ -237,8 +309,9 @@ def _print(base: RunSpec, res) -> None:
                       f"{b.memory_gb_per_gpu:.0f} GB")
         return
     tab = Table(title="best layouts by predicted MFU")
-    cols = ("#", "layout", "mb", "m", "recompute", "ZeRO", "iter s", "MFU", "tok/s", "mem GB",
-            "compute", "recomp", "TP", "bubble", "p2p", "DP", "other")
+    cols = ("#", "layout", "mb", "m", "recompute", "ZeRO", "iter s", "MFU (band)", "tok/s",
+            "mem GB", "ETTR", "ckpt every", "compute", "recomp", "TP", "bubble", "p2p", "DP",
+            "other")
     for c in cols:
         tab.add_column(c, justify="left" if c in ("layout", "recompute") else "right")
     for i, r in enumerate(res.ranked, 1):
@@ -247,10 +320,27 @@ def _print(base: RunSpec, res) -> None:
         named = comp + bd["recompute"] + bd["tp_comm_exposed"] + bd["pp_bubble"] + \
             bd["pp_p2p_exposed"] + bd["dp_comm_exposed"]
         lay = r.layout
-        tab.add_row(str(i), _layout(lay), str(lay["micro_batch"]), str(lay["microbatches"]),
-                    lay["recompute"], str(lay["zero_stage"]), f"{t:.3f}", f"{r.mfu:.1%}",
-                    f"{r.tokens_per_s:,.0f}", f"{r.memory_gb_per_gpu:.1f}", f"{comp / t:.0%}",
+        x = r.extra
+        tab.add_row(str(i) + ("=" if x.get("tied") else ""), _layout(lay),
+                    str(lay["micro_batch"]), str(lay["microbatches"]),
+                    lay["recompute"], str(lay["zero_stage"]), f"{t:.3f}",
+                    f"{r.mfu:.1%} ({x['mfu_low']:.0%}-{x['mfu_high']:.0%})",
+                    f"{r.tokens_per_s:,.0f}", f"{r.memory_gb_per_gpu:.1f}",
+                    f"{x['ettr']:.3f}", f"{x['checkpoint_interval_steps']} steps",
+                    f"{comp / t:.0%}",
                     f"{bd['recompute'] / t:.0%}", f"{bd['tp_comm_exposed'] / t:.0%}",
                     f"{bd['pp_bubble'] / t:.0%}", f"{bd['pp_p2p_exposed'] / t:.0%}",
                     f"{bd['dp_comm_exposed'] / t:.0%}", f"{(t - named) / t:.0%}")
     con.print(tab)
+    tied = sum(1 for r in res.ranked if r.extra.get("tied"))
+    band = res.ranked[0].extra["mfu_high"] / res.ranked[0].mfu - 1
+    if tied > 1:
+        con.print(f"#1-#{tied} (marked =) lie within the model's uncertainty (±{band:.0%}, its "
+                  "held-out error on the calibration runs) of the best MFU: statistically "
+                  "tied, so they are ordered simplest first (fewer parallel dimensions, lower "
+                  "ZeRO stage, less recomputation).")
+    rel = res.ranked[0].extra["reliability"]
+    con.print(f"ETTR: expected share of wall time in kept training steps with failures every "
+              f"{rel['mtbf_s'] / 3600:.1f} h on average (job MTBF), recovery "
+              f"{rel['recovery_s']:.0f} s, checkpoint stall {rel['checkpoint_stall_s']:.2f} s "
+              "at the interval that maximises it (Young/Daly); see docs/performance_model.md.")

@@ -48,6 +48,7 @@ import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+from myria.errors import ConfigError
 from myria.sim.operators import (
     Efficiency,
     LayerShape,
@@ -673,9 +674,44 @@ def measure_gloo(nproc: int, threads: int | None = None) -> dict:
     return _read_cache()[_gloo_key(threads, nproc)]
 
 
+def measurement_bytes(shape: LayerShape) -> float:
+    """What one measuring process holds for `shape`: a block's fp32 weights, gradients and
+    two Adam moments, and its activations at the micro-batch (as the trainer keeps them)."""
+    from myria.sim.memory import _act, _params
+
+    pc = _params(shape)
+    block = pc.per_layer_dense + pc.per_layer_experts
+    ends = pc.embedding + pc.head
+    return 16.0 * (block + ends) + 2 * _act(dataclasses.replace(shape, act_bytes=4), "none")
+
+
+def check_measurable(shape: LayerShape | None, nproc: int) -> None:
+    """Refuse, with one clear line, a measurement that would ask more than this machine has:
+    more processes than cores, or shapes that do not fit the memory available to them."""
+    cores = os.cpu_count() or 1
+    if nproc > cores:
+        raise ConfigError(
+            f"measuring this CPU as {nproc} processes needs {nproc} cores; this machine has "
+            f"{cores}. Predict for an accelerator instead (--gpu h100-sxm-80gb, a100-sxm-80gb, "
+            f"... in myria analyze, simulate and plan), or on this CPU with at most {cores} "
+            "processes")
+    if shape is None:
+        return
+    from myria.sim.hardware import available_memory_bytes
+
+    need = nproc * measurement_bytes(shape)
+    have = 0.8 * available_memory_bytes()
+    if need > have:
+        raise ConfigError(
+            f"measuring this CPU at this model's shapes needs about {need / 1e9:.1f} GB "
+            f"({nproc} process(es)); {have / 1e9:.1f} GB is available. This model is for an "
+            "accelerator: pass --gpu (h100-sxm-80gb, a100-sxm-80gb, ...)")
+
+
 def run_measurements(shape: LayerShape | None, threads: int, nproc: int, ops: list[Op],
                      base: bool, eager: bool, gloo: bool, fsdp: bool = True) -> None:
     """Measure on `nproc` concurrent processes (this one if 1) and merge into the cache."""
+    check_measurable(shape, nproc)
     if nproc <= 1:
         entries = [measure_compute(shape, threads, ops, base=base, eager=eager)]
     else:

@@ -170,6 +170,17 @@ def cpu_memory_bandwidth(refresh: bool = False) -> float:
     return bw
 
 
+def available_memory_bytes() -> float:
+    """Memory the kernel can give new processes now (MemAvailable), in bytes."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable"):
+                return int(line.split()[1]) * 1024.0
+    except OSError:
+        pass
+    return _host_memory_gb() * 1e9 / 2
+
+
 def _host_memory_gb() -> float:
     try:
         for line in Path("/proc/meminfo").read_text().splitlines():

@@ -153,13 +153,19 @@ def stage_params(shape: LayerShape, layers_on_stage: float, first: bool, last: b
 
 def memory(shape: LayerShape, *, layers: int, pp: int, vpp: int, microbatches: int,
            schedule: str, recompute: str, zero_stage: int, dp: int, ep: int, precision: str,
-           offload: str, capacity: float, gpus_per_node: int) -> MemoryResult:
-    """Peak memory over the pipeline stages of one device (the first and last stage differ)."""
+           offload: str, capacity: float, gpus_per_node: int,
+           reserved: float = RESERVED_BYTES, reshard_after_forward: bool = True,
+           shard: int = 0) -> MemoryResult:
+    """Peak memory over the pipeline stages of one device (the first and last stage differ).
+
+    `reserved` is what the runtime holds outside the tensors (CUDA context, library
+    workspaces, NCCL buffers on a GPU; 0 on a CPU, where none of these exist)."""
     mixed = precision != "fp32"
     w_b = 2 if mixed else 4
     g_b = 4
     o_b = 12 if mixed else 8
-    shard = max(1, dp)                 # ZeRO shards over the gradient-reduction ranks (dp x cp)
+    # ZeRO shards over the gradient-reduction ranks (dp x cp), or over an HSDP shard group
+    shard = max(1, shard or dp)
     expert_shard = max(1, dp // ep)
     per_stage = layers / pp
     a_layer = _act(shape, recompute)
@@ -178,9 +184,13 @@ def memory(shape: LayerShape, *, layers: int, pp: int, vpp: int, microbatches: i
             g = dense * g_b / shard + expert * g_b / expert_shard
             # one layer's full gradient is produced before it is reduced and scattered
             temp += (dense + expert) / per_stage * g_b
-        if zero_stage >= 3:
+        if zero_stage >= 3 and reshard_after_forward:
             w = dense * w_b / shard + expert * w_b / expert_shard
             temp += 2 * (dense + expert) / per_stage * w_b   # gathered layers (prefetch)
+        elif zero_stage >= 3:
+            # parameters stay gathered from the first forward to the end of the step: the
+            # weights' memory is whole, only gradients and optimizer state are sharded
+            temp += 0.0
         host = 0.0
         if offload != "none":
             host = o * gpus_per_node
@@ -197,8 +207,8 @@ def memory(shape: LayerShape, *, layers: int, pp: int, vpp: int, microbatches: i
             # the one layer being recomputed holds its full activations during its backward
             temp += _act(shape, "none")
         dynamic = w + g + o + act + temp
-        total = dynamic * (1 + FRAGMENTATION) + RESERVED_BYTES
+        total = dynamic * (1 + FRAGMENTATION) + reserved
         results.append(MemoryResult(w, g, o, act, temp + dynamic * FRAGMENTATION,
-                                    RESERVED_BYTES, total, capacity, total <= capacity, name,
+                                    reserved, total, capacity, total <= capacity, name,
                                     dense + expert, host))
     return max(results, key=lambda r: r.total)

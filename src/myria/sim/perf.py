@@ -28,9 +28,12 @@ Pipeline time with per-stage time C_s (all chunks of one microbatch) over m micr
 (Narayanan et al. 2021: bubble (p-1)/m for GPipe/1F1B, (p-1)/(v m) interleaved). Zero-bubble
 (Qi et al. 2023): ZB-H1 bubble (p-1)(C - 2W), ZB-V (p-1)(C - 3W)/2, W = weight-gradient time.
 
-MFU counts model FLOPs only (models/flops.py, "megatron" convention: for GPT exactly
-72 B s l h^2 (1 + s/6h + V/16lh) per iteration). `hardware_tflops_per_gpu` adds the FLOPs of
-recomputation (96 instead of 72 for full recomputation: the figure Narayanan et al. report).
+MFU counts model FLOPs only, in the live meter's convention (models/flops.py "dense": every
+matmul the model runs, 3x its forward), so a predicted and a measured MFU compare directly;
+`mfu_megatron` gives the figure under Narayanan et al.'s formula (for GPT exactly
+72 B s l h^2 (1 + s/6h + V/16lh) per iteration, the output layer at 2.25x its forward), as
+published tables use it. `hardware_tflops_per_gpu` adds the FLOPs of recomputation (for GPT with
+full recomputation 96/72 of the Megatron figure: the number Narayanan et al. report).
 """
 
 from __future__ import annotations
@@ -44,7 +47,7 @@ from myria.device import DeviceSpec
 from myria.models.flops import forward_flops_per_token, model_flops_per_token
 from myria.sim import collectives as coll
 from myria.sim.hardware import Hardware, build_hardware
-from myria.sim.memory import MemoryResult, memory
+from myria.sim.memory import RESERVED_BYTES, MemoryResult, memory
 from myria.sim.operators import (
     DEFAULT_EFFICIENCY,
     MEASURED_EFFICIENCY,
@@ -75,7 +78,7 @@ class StepResult:
 
     name: str
     iteration_time_s: float
-    mfu: float
+    mfu: float                 # the live meter's convention (flops.py "dense")
     tokens_per_s: float
     tflops_per_gpu: float
     hardware_tflops_per_gpu: float
@@ -87,6 +90,8 @@ class StepResult:
     details: dict = field(default_factory=dict)
     ops: list[dict] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)
+    extra: dict = field(default_factory=dict)  # the planner's band, ETTR, ties
+    mfu_megatron: float = 0.0  # Narayanan et al. 2021's convention, as published tables use it
 
     def to_json(self) -> dict:
         """The JSON object `myria simulate --json` prints."""
@@ -95,11 +100,15 @@ class StepResult:
             "name": self.name,
             "iteration_time_s": t,
             "mfu": self.mfu,
+            "mfu_megatron": self.mfu_megatron,
             "tokens_per_s": self.tokens_per_s,
             "tflops_per_gpu": self.tflops_per_gpu,
             "hardware_tflops_per_gpu": self.hardware_tflops_per_gpu,
-            "flops_note": "tflops_per_gpu and mfu count model FLOPs only (72 B s l h^2 (...) for "
-                          "GPT); hardware_tflops_per_gpu adds recomputation (96 for full)",
+            "flops_note": "mfu and tflops_per_gpu count model FLOPs as myria's live meter does "
+                          "(every matmul the model runs, 3x its forward; flops.py 'dense'); "
+                          "mfu_megatron uses Narayanan et al. 2021's formula (72 B s l h^2 (...) "
+                          "for GPT: the output layer at 2.25x), as published tables do; "
+                          "hardware_tflops_per_gpu adds recomputation",
             "memory_gb_per_gpu": self.memory_gb_per_gpu,
             "fits": self.fits,
             "breakdown": {k: v for k, v in self.breakdown.items()},
@@ -109,6 +118,7 @@ class StepResult:
             "layout": self.layout,
             "details": self.details,
             "warnings": self.warnings,
+            **self.extra,
         }
 
 
@@ -178,13 +188,19 @@ def _sum_ops(ops: tuple[Op, ...], overlap_tp: bool, tp: int, cp: int,
 
 
 @lru_cache(maxsize=4096)
-def _groups(hw: Hardware, tp: int, cp: int, ep: int, dp: int, pp: int) -> dict:
-    """Communicators of a layout (Megatron rank order: tp, cp, dp, pp; ep inside dp)."""
+def _groups(hw: Hardware, tp: int, cp: int, ep: int, dp: int, pp: int,
+            dp_shard: int = 0) -> dict:
+    """Communicators of a layout (Megatron rank order: tp, cp, dp, pp; ep inside dp). Under
+    HSDP (`dp_shard`) the data-parallel ranks split into shard groups of dp_shard x cp
+    neighbours ("dps") and replica groups across them ("dpr")."""
+    shard = (dp_shard or dp) * cp
     return {
         "tp": coll.make_group(hw, tp, 1),
         "cp": coll.make_group(hw, cp, tp),
         "ep": coll.make_group(hw, ep, tp * cp),
         "dp": coll.make_group(hw, dp * cp, tp),
+        "dps": coll.make_group(hw, shard, tp),
+        "dpr": coll.make_group(hw, dp * cp // shard, tp * shard),
         "edp": coll.make_group(hw, max(1, dp * cp // ep), tp * cp * ep),
         "pp": coll.make_group(hw, pp, tp * cp * dp),
     }
@@ -287,7 +303,8 @@ def simulate(run: RunSpec, hw: Hardware | None = None, eff: Efficiency | None = 
                         f"{L / (pp * v):.2f} layers per chunk on average")
 
     gkey = (tp, cp, ep, dp, pp)
-    groups = _groups(hw, *gkey)
+    hsdp = par.dp_shard if 0 < par.dp_shard < dp and tr.zero_stage >= 1 else 0
+    groups = _groups(hw, *gkey, hsdp)
     lay = _layer_summary(shape, hw, eff, ov.tp, gkey)
     rec = tr.recompute
     if rec == "full":
@@ -323,10 +340,14 @@ def simulate(run: RunSpec, hw: Hardware | None = None, eff: Efficiency | None = 
     g_b, w_b = 4, (4 if tr.precision == "fp32" else 2)
     t_grad = coll.allreduce(dense0 * g_b, groups["dp"])[0] + \
         coll.allreduce(expert0 * g_b, groups["edp"])[0]
-    t_rs = coll.reduce_scatter(dense0 * g_b, groups["dp"])[0] + \
+    # sharded data parallel (ZeRO 1-3, FSDP): collectives over the shard group; under HSDP the
+    # replicas then all-reduce their gradient shards once per step
+    shard_n = groups["dps"].n
+    t_rs = coll.reduce_scatter(dense0 * g_b, groups["dps"])[0] + \
         coll.reduce_scatter(expert0 * g_b, groups["edp"])[0]
-    t_ag = coll.all_gather(dense0 * w_b, groups["dp"])[0] + \
+    t_ag = coll.all_gather(dense0 * w_b, groups["dps"])[0] + \
         coll.all_gather(expert0 * w_b, groups["edp"])[0]
+    t_rep = coll.allreduce(dense0 * g_b / shard_n, groups["dpr"])[0] if hsdp else 0.0
 
     mem_rate = hw.mem_bw * eff.mem
     stages = {}
@@ -346,9 +367,11 @@ def simulate(run: RunSpec, hw: Hardware | None = None, eff: Efficiency | None = 
         if tr.zero_stage >= 3 and dp * cp > 1 and eager:
             z3 = _fsdp2_microbatch(shape, nl, first, last, pp, ep, w_b, groups, mem_rate,
                                    hw.cpu)
-        elif tr.zero_stage >= 3 and dp * cp > 1:
-            # every microbatch gathers the weights twice (forward, backward) and scatters grads
-            t_mb = 2 * t_ag + t_rs
+        elif tr.zero_stage >= 2 and dp * cp > 1 and not eager:
+            # sharded gradients cannot accumulate whole: every microbatch reduce-scatters its
+            # gradients (ZeRO-2, FSDP); FSDP resharding after forward also gathers the weights
+            # twice per microbatch (forward, backward), without it once per step (below)
+            t_mb = t_rs + (2 * t_ag if tr.zero_stage >= 3 and tr.reshard_after_forward else 0)
             z3 = _cost(t_mb, max(0.0, t_mb - (F + B))) if ov.dp else t_mb
         cats["dp_zero3"] = z3
         C = F + B + z3
@@ -394,12 +417,21 @@ def simulate(run: RunSpec, hw: Hardware | None = None, eff: Efficiency | None = 
         t_dp = 0.0
     elif tr.zero_stage == 0:
         t_dp = _cost(t_grad, max(t_grad / buckets, t_grad - B0)) if ov.dp else t_grad
-    elif tr.zero_stage in (1, 2):
+    elif tr.zero_stage == 1 or (tr.zero_stage == 2 and eager):
+        # whole gradients accumulate over the microbatches: one reduce-scatter per step, then
+        # the updated shards are all-gathered (myria's eager "zero2" is FSDP2 without
+        # resharding after forward under no_sync: gradients accumulate whole, as here)
         if ov.dp:
             t_dp = _cost(t_rs, max(t_rs / buckets, t_rs - B0)) + \
                 _cost(t_ag, max(t_ag / buckets, t_ag - F0))
         else:
             t_dp = t_rs + t_ag
+    elif tr.zero_stage == 2 or (tr.zero_stage >= 3 and not tr.reshard_after_forward
+                                and not eager):
+        # gradients were reduce-scattered per microbatch (above); the updated parameter shards
+        # are all-gathered once per step, before (ZeRO-2) or during (FSDP without resharding)
+        # the first forward
+        t_dp = _cost(t_ag, max(t_ag / buckets, t_ag - F0)) if ov.dp else t_ag
     elif eager and _fsdp_context(hw.cpu, groups["dp"], pp):
         _, block_rs, _, ends_rs = _fsdp_context(hw.cpu, groups["dp"], pp)
         t_dp = n_layers[kinds[0][0]] * block_rs + ends_rs
@@ -417,6 +449,8 @@ def simulate(run: RunSpec, hw: Hardware | None = None, eff: Efficiency | None = 
         t_dp = t_rs + 2 * (dense0 + expert0) * g_b / mem_rate
     else:
         t_dp = 0.0  # ZeRO-3 traffic is charged per microbatch above
+    if t_rep:  # HSDP: the replicas all-reduce their gradient shards, after the last backward
+        t_dp += _cost(t_rep, max(t_rep / buckets, t_rep - B0)) if ov.dp else t_rep
     if pp > 1 and cfg.tie_embeddings:
         # the tied embedding's gradient is summed between the first and last stage
         emb = cfg.vocab_size * cfg.hidden / tp * g_b
@@ -424,7 +458,7 @@ def simulate(run: RunSpec, hw: Hardware | None = None, eff: Efficiency | None = 
         t_dp += 0.0 if ov.dp else t_emb
 
     # optimizer step (memory-bound), offload transfers
-    shard = dp * cp if tr.zero_stage >= 1 else 1
+    shard = shard_n if tr.zero_stage >= 1 else 1
     n_opt = dense0 / shard + expert0 / (max(1, dp * cp // ep) if tr.zero_stage >= 1 else 1)
     per_param = ADAM_BYTES_PER_PARAM + (LAMB_EXTRA_BYTES if tr.optimizer == "lamb" else 0)
     t_offload = 0.0
@@ -487,7 +521,9 @@ def simulate(run: RunSpec, hw: Hardware | None = None, eff: Efficiency | None = 
     mem = memory(shape, layers=L, pp=pp, vpp=v, microbatches=m, schedule=par.schedule,
                  recompute=rec, zero_stage=tr.zero_stage, dp=dp * cp, ep=ep,
                  precision=tr.precision, offload=tr.offload, capacity=hw.memory_bytes,
-                 gpus_per_node=hw.gpus_per_node)
+                 gpus_per_node=hw.gpus_per_node,
+                 reserved=0.0 if hw.device == "cpu" else RESERVED_BYTES,
+                 reshard_after_forward=tr.reshard_after_forward, shard=shard_n)
     if tr.offload != "none":
         cap = (hw.server.host_memory_gb if tr.offload == "cpu" else hw.server.nvme_gb) * 1e9
         mem.host_fits = mem.host_bytes_per_node <= cap
@@ -501,14 +537,16 @@ def simulate(run: RunSpec, hw: Hardware | None = None, eff: Efficiency | None = 
     layout = {"gpus": gpus, "tp": tp, "pp": pp, "dp": dp, "cp": cp, "ep": ep, "vpp": v,
               "micro_batch": tr.micro_batch, "microbatches": m, "schedule": par.schedule,
               "sequence_parallel": par.sequence_parallel, "recompute": rec,
-              "zero_stage": tr.zero_stage, "device": hw.device}
+              "zero_stage": tr.zero_stage, "device": hw.device,
+              "reshard_after_forward": tr.reshard_after_forward, "dp_shard": hsdp or dp}
     details = {
         "bubble_fraction": bubble / t_pipe if t_pipe else 0.0,
         "critical_stage": crit,
         "stage_time_s": {k: s["steady"] for k, s in stages.items()},
         "p2p_time_s": t_p2p,
         "collective_algorithms": lay.comm_detail,
-        "model_flops_per_iteration": model_flops,
+        "model_flops_per_iteration": dense,
+        "megatron_flops_per_iteration": model_flops,
         "hardware_flops_per_iteration": dense + extra,
         "peak_tflops": mfu_peak / 1e12,
         "memory_bw_gbs": hw.mem_bw / 1e9,
@@ -519,9 +557,10 @@ def simulate(run: RunSpec, hw: Hardware | None = None, eff: Efficiency | None = 
     }
     res = StepResult(
         name=run.name, iteration_time_s=total,
-        mfu=model_flops / (total * gpus * mfu_peak),
+        mfu=dense / (total * gpus * mfu_peak),
+        mfu_megatron=model_flops / (total * gpus * mfu_peak),
         tokens_per_s=tokens / total,
-        tflops_per_gpu=model_flops / (total * gpus) / 1e12,
+        tflops_per_gpu=dense / (total * gpus) / 1e12,
         hardware_tflops_per_gpu=(dense + extra) / (total * gpus) / 1e12,
         memory_gb_per_gpu=mem.total / 1e9, fits=fits, breakdown=bd, memory=mem,
         layout=layout, details=details, warnings=warnings)
@@ -645,11 +684,15 @@ def config_run(cfg, nproc: int, device_spec: DeviceSpec, gpus_per_node: int = 0
                       tie_embeddings="true" if mc.tie_embeddings else "false", dropout=0.0)
     training = TrainingSpec(global_batch=cfg.training.global_batch,
                             micro_batch=cfg.training.micro_batch,
+                            recompute=cfg.parallel.activation_checkpoint,
                             optimizer="lamb" if cfg.optimizer.name == "lamb" else "adam",
-                            zero_stage=zero, precision="fp32" if dtype == "float32" else "bf16")
+                            zero_stage=zero, precision="fp32" if dtype == "float32" else "bf16",
+                            offload="cpu" if cfg.parallel.cpu_offload else "none")
     par = ParallelSpec(tp=lay["tp"], pp=lay["pp"], cp=lay["cp"], ep=lay["ep"],
                        vpp=cfg.parallel.vpp, schedule=cfg.parallel.schedule
-                       if cfg.parallel.schedule != "zbv" or cfg.parallel.vpp == 2 else "1f1b")
+                       if cfg.parallel.schedule != "zbv" or cfg.parallel.vpp == 2 else "1f1b",
+                       sequence_parallel=cfg.parallel.sequence_parallel and lay["tp"] > 1,
+                       dp_shard=lay["dp_shard"] if lay["dp_replicate"] > 1 else 0)
     is_cpu = device_spec.name == "cpu"
     gpn = gpus_per_node or (nproc if is_cpu else min(8, nproc))
     threads = 0

@@ -1,10 +1,26 @@
 """Layout search: enumerate tp/pp/dp/cp/ep/vpp/micro-batch/recompute/ZeRO, keep what fits, rank.
 
 Every candidate is priced by the full step model (`perf.simulate`) and memory model; those that
-do not fit in device memory are counted but not ranked. Constraints follow Megatron-LM: tp
-divides the heads and stays inside a server unless allowed, pp divides the layers (and vpp the
-layers per stage), the interleaved schedule needs the microbatch count to be a multiple of pp,
-cp divides the sequence, ep divides the experts and the data-parallel ranks.
+do not fit in device memory less a reserve are counted but not ranked. Constraints follow
+Megatron-LM: tp divides the heads and stays inside a server unless allowed, the interleaved
+schedule needs the microbatch count to be a multiple of pp and vpp to divide the layers per
+stage, cp divides the sequence, ep divides the experts and the data-parallel ranks. pp need not
+divide the layers: stages are then uneven (FLOP-balanced as the trainer splits them, so the
+first and last stages, which also hold the embedding and the output layer, get fewer layers).
+
+Honesty about precision: every prediction carries the model's uncertainty band (the 90th
+percentile of its held-out error on the calibration set, `calibration.uncertainty()`), and
+layouts whose MFU lies within that band of the best are statistically tied: among them the
+simpler layout (fewer parallel dimensions, lower ZeRO stage, less recomputation) ranks first.
+Each ranked layout also gets the expected effective training time ratio and the checkpoint
+interval that maximises it (`reliability.expected_ettr`).
+
+Memory reserve: a layout fits when its predicted peak stays below capacity minus
+`reserve_gb` (default 10% of device memory: 8 GB on an 80 GB GPU). The memory model counts
+1.5 GB for CUDA context and library workspaces and 5% fragmentation; real runs also lose memory
+to allocator fragmentation spikes, NCCL buffers that grow with communicators, and activation
+peaks the model averages, which is why practice (e.g. PyTorch's `expandable_segments` advice,
+Megatron-LM users' reports of OOM above ~90% use) leaves a margin.
 """
 
 from __future__ import annotations
@@ -16,7 +32,10 @@ from dataclasses import dataclass, field
 from myria.errors import ConfigError
 from myria.sim import perf
 from myria.sim.hardware import build_hardware
+from myria.sim.reliability import Reliability, expected_ettr
 from myria.sim.runspec import RunSpec
+
+RESERVE_SHARE = 0.10  # default memory reserve: a share of device memory (module docstring)
 
 
 def _divisors(n: int) -> list[int]:
@@ -44,6 +63,9 @@ class SearchSpace:
     recompute: list[str] = field(default_factory=lambda: ["none", "selective", "full"])
     zero_stage: list[int] = field(default_factory=lambda: [0, 1, 2, 3])
     sequence_parallel: list[bool] = field(default_factory=lambda: [True, False])
+    # ZeRO-3/FSDP variants: reshard after forward or keep gathered; HSDP (shard inside a server)
+    reshard_after_forward: list[bool] = field(default_factory=lambda: [True, False])
+    hsdp: list[bool] = field(default_factory=lambda: [False, True])
     max_tp_across_nodes: bool = False
 
 
@@ -72,16 +94,18 @@ def candidates(base: RunSpec, space: SearchSpace):
             if gpus % (tp * cp):
                 continue
             rest = gpus // (tp * cp)
-            pps = space.pp or [x for x in _divisors(m.layers) if rest % x == 0]
+            pps = space.pp or sorted({x for x in _divisors(m.layers) + _pow2_upto(m.layers)
+                                      if rest % x == 0})
             for pp in pps:
                 if rest % pp or pp > m.layers:
                     continue
                 dp = rest // pp
                 if base.training.global_batch % dp:
                     continue
+                # uneven stages run one chunk per rank; interleaving needs equal chunks
                 per = m.layers // pp if m.layers % pp == 0 else 0
-                vpps = space.vpp or ([x for x in (1, 2, 3, 4, 6, 8) if per and per % x == 0]
-                                     if pp > 1 else [1])
+                vpps = space.vpp or ([x for x in (1, 2, 3, 4, 6, 8) if x == 1 or
+                                      (per and per % x == 0)] if pp > 1 else [1])
                 for ep in eps:
                     if (dp * cp) % ep or (m.experts and m.experts % ep):
                         continue
@@ -99,18 +123,50 @@ def candidates(base: RunSpec, space: SearchSpace):
                             for sp in (space.sequence_parallel if tp > 1 else [False]):
                                 for rec in space.recompute:
                                     for zero in space.zero_stage:
-                                        yield ({"tp": tp, "pp": pp, "cp": cp, "ep": ep,
-                                                "vpp": vpp, "dp": 0, "schedule": sched,
-                                                "sequence_parallel": sp},
-                                               {"micro_batch": mb, "recompute": rec,
-                                                "zero_stage": zero})
+                                        for rsh, shard in _sharding(zero, space, dp, tp * cp,
+                                                                    c.gpus_per_node):
+                                            yield ({"tp": tp, "pp": pp, "cp": cp, "ep": ep,
+                                                    "vpp": vpp, "dp": 0, "schedule": sched,
+                                                    "sequence_parallel": sp,
+                                                    "dp_shard": shard},
+                                                   {"micro_batch": mb, "recompute": rec,
+                                                    "zero_stage": zero,
+                                                    "reshard_after_forward": rsh})
+
+
+def _sharding(zero: int, space: SearchSpace, dp: int, inner: int, gpus_per_node: int):
+    """(reshard_after_forward, dp_shard) variants of a ZeRO stage: FSDP (stage 3) with and
+    without resharding after forward; HSDP with one shard group per server when the
+    data-parallel ranks span several servers."""
+    reshards = space.reshard_after_forward if zero >= 3 else [True]
+    node_shard = max(1, gpus_per_node // inner)
+    shards = [0]
+    if zero >= 1 and True in space.hsdp and 1 < node_shard < dp and dp % node_shard == 0:
+        shards = [0, node_shard] if False in space.hsdp else [node_shard]
+    for rsh in reshards:
+        for shard in shards:
+            yield rsh, shard
 
 
 def plan(base: RunSpec, space: SearchSpace | None = None, top: int = 10,
-         limit: int | None = None) -> PlanResult:
-    """Search layouts for `base` (model, batch, cluster, kernels, overlap) and rank by MFU."""
+         limit: int | None = None, reserve_gb: float | None = None,
+         reliability: Reliability | None = None) -> PlanResult:
+    """Search layouts for `base` (model, batch, cluster, kernels, overlap) and rank them.
+
+    A layout fits when its peak memory is below capacity minus `reserve_gb` (default 10% of
+    device memory). Ranked by MFU, then statistically tied layouts (within the model's
+    uncertainty band of the best) simplest first; each gets `extra` fields: mfu_low, mfu_high,
+    ettr, checkpoint_interval_steps, tied.
+    """
+    from myria.sim.calibration import uncertainty
+
     space = space or SearchSpace()
     hw = build_hardware(base.cluster, base.training.precision)
+    reserve = (RESERVE_SHARE * hw.memory_bytes) if reserve_gb is None else reserve_gb * 1e9
+    if reserve < 0 or reserve >= hw.memory_bytes:
+        raise ConfigError(f"memory reserve {reserve / 1e9:g} GB: must be >= 0 and below the "
+                          f"device's {hw.memory_bytes / 1e9:g} GB")
+    limit_bytes = hw.memory_bytes - reserve
     t0 = time.perf_counter()
     ok: list[perf.StepResult] = []
     best_bad: perf.StepResult | None = None
@@ -120,7 +176,7 @@ def plan(base: RunSpec, space: SearchSpace | None = None, top: int = 10,
                                   training=dataclasses.replace(base.training, **tr))
         res = perf.simulate(run, hw=hw)
         n += 1
-        if res.fits:
+        if res.fits and res.memory.total <= limit_bytes:
             ok.append(res)
         elif best_bad is None or res.mfu > best_bad.mfu:
             best_bad = res
@@ -130,4 +186,56 @@ def plan(base: RunSpec, space: SearchSpace | None = None, top: int = 10,
         raise ConfigError("no layout matches the model, batch and GPU count: check that "
                           "training.global_batch is divisible by some data-parallel degree")
     ok.sort(key=lambda r: -r.mfu)
-    return PlanResult(ok[:top], n, len(ok), time.perf_counter() - t0, best_bad)
+    band = uncertainty()
+    ranked = rank_with_ties(ok[:max(top, 50)], band)[:top]
+    for r in ranked:
+        annotate(r, base, hw, band, reliability)
+    return PlanResult(ranked, n, len(ok), time.perf_counter() - t0, best_bad)
+
+
+def simplicity(r: perf.StepResult) -> tuple:
+    """Smaller is simpler: parallel dimensions in use, ZeRO stage, recomputation, degrees."""
+    lay = r.layout
+    dims = sum(1 for k in ("tp", "pp", "cp", "ep", "vpp") if lay[k] > 1)
+    rec = {"none": 0, "selective": 1, "full": 2}[lay["recompute"]]
+    return (dims, lay["zero_stage"], rec, lay["pp"] * lay["vpp"], lay["tp"], lay["cp"])
+
+
+def rank_with_ties(results: list[perf.StepResult], band: float) -> list[perf.StepResult]:
+    """Results sorted by MFU, with those within `band` of the best MFU (statistically tied
+    with it) moved to the front, simplest first."""
+    if not results:
+        return []
+    best = max(r.mfu for r in results)
+    tied = [r for r in results if r.mfu >= best * (1 - band)]
+    rest = [r for r in results if r.mfu < best * (1 - band)]
+    tied.sort(key=lambda r: (simplicity(r), -r.mfu))
+    for r in tied:
+        r.extra["tied"] = True
+    return tied + sorted(rest, key=lambda r: -r.mfu)
+
+
+def stage_layers(base: RunSpec, pp: int, vpp: int) -> list[int]:
+    """Layers per pipeline stage (pp x vpp stages, in order), as the trainer splits them."""
+    if pp * vpp == 1:
+        return [base.model.layers]
+    from myria.parallel.pipeline import split_layers
+
+    return [len(x) for x in split_layers(base.model_config(), pp * vpp)]
+
+
+def annotate(r: perf.StepResult, base: RunSpec, hw, band: float,
+             reliability: Reliability | None = None) -> None:
+    """Add the uncertainty band, the expected ETTR and checkpoint interval, stage layers."""
+    from myria.models.flops import param_counts
+
+    lay = r.layout
+    lay["stage_layers"] = stage_layers(base, lay["pp"], lay["vpp"])
+    mem = r.memory
+    bytes_per_param = 14 if base.training.precision != "fp32" else 12
+    total = param_counts(base.model_config()).total(base.model.layers) * bytes_per_param
+    e = expected_ettr(r.iteration_time_s, hw.gpus, hw.gpus_per_node,
+                      mem.weights + mem.optimizer, total, hw.server.pcie_gbs, reliability)
+    r.extra.update(mfu_low=r.mfu * (1 - band), mfu_high=r.mfu * (1 + band), ettr=e.ettr,
+                   checkpoint_interval_steps=e.interval_steps, reliability=e.to_json())
+    r.extra.setdefault("tied", False)

@@ -75,6 +75,11 @@ class TrainingSpec:
                          "ranks", min=0)
     precision: str = _f("bf16", "compute precision: bf16, fp16, fp8 (Hopper GEMMs at twice the "
                         "bf16 peak) or fp32", choices=("bf16", "fp16", "fp8", "fp32"))
+    reshard_after_forward: bool = _f(True, "ZeRO-3/FSDP: free the gathered parameters after "
+                                     "each forward and gather them again for backward, every "
+                                     "microbatch (false: keep them gathered across the step's "
+                                     "microbatches: one all-gather per step, full parameter "
+                                     "memory)")
     offload: str = _f("none", "ZeRO-Offload/Infinity: optimizer state (and with zero_stage 3 the "
                       "parameters) to cpu memory or nvme; none keeps all on the device",
                       choices=("none", "cpu", "nvme"))
@@ -93,6 +98,9 @@ class ParallelSpec:
     vpp: int = _f(1, "virtual pipeline chunks per rank (interleaved schedules)", min=1)
     dp: int = _f(0, "data-parallel degree; 0 means gpus/(tp*pp*cp), otherwise it is checked",
                  min=0)
+    dp_shard: int = _f(0, "HSDP: data-parallel ranks one ZeRO shard group spans (0: all of "
+                       "them); the dp/dp_shard replicas all-reduce their sharded gradients once "
+                       "per step", min=0)
     sequence_parallel: bool = _f(False, "Megatron sequence parallelism (norm/dropout activations "
                                  "sharded over tp; all-gather + reduce-scatter instead of "
                                  "all-reduce)")
@@ -327,10 +335,9 @@ def loads(text: str, origin: str = "<string>") -> list[RunSpec]:
 
 def load(path: str | Path) -> list[RunSpec]:
     """Parse a run file from disk."""
-    p = Path(path)
-    if not p.is_file():
-        raise ConfigError(f"run file {str(p)!r} does not exist")
-    return loads(p.read_text(), str(p))
+    from myria.config import read_text_file
+
+    return loads(read_text_file(path, "run file"), str(path))
 
 
 def is_run_file(text: str) -> bool:
@@ -357,19 +364,15 @@ def validate(run: RunSpec) -> None:
     """Raise ConfigError for inconsistent combinations, naming the fields."""
     m, t, p, c = run.model, run.training, run.parallel, run.cluster
     n = run.name
-    if m.hidden % m.heads:
-        raise ConfigError(f"run {n!r}: model.heads = {m.heads} does not divide model.hidden = "
-                          f"{m.hidden}")
-    kv = m.kv_heads or m.heads
-    if kv > m.heads or m.heads % kv:
-        raise ConfigError(f"run {n!r}: model.kv_heads = {m.kv_heads} must divide model.heads = "
-                          f"{m.heads}")
-    if m.attention_window > m.seq_len:
-        raise ConfigError(f"run {n!r}: model.attention_window = {m.attention_window} exceeds "
-                          f"model.seq_len = {m.seq_len}")
-    if m.experts and m.top_k > m.experts:
-        raise ConfigError(f"run {n!r}: model.top_k = {m.top_k} exceeds model.experts = "
-                          f"{m.experts}")
+    from myria.config import validate_model
+
+    try:
+        validate_model(run.model_config())  # the trainer's own checks of a model
+    except ConfigError as e:
+        raise ConfigError(f"run {n!r}: {e}") from None
+    if p.dp_shard and (run.dp % p.dp_shard or p.dp_shard > run.dp):
+        raise ConfigError(f"run {n!r}: parallel.dp_shard = {p.dp_shard} must divide the "
+                          f"data-parallel degree {run.dp}")
     if t.zero_stage > 3:
         raise ConfigError(f"run {n!r}: training.zero_stage = {t.zero_stage}: must be 0, 1, 2 "
                           "or 3")

@@ -8,7 +8,9 @@ Layout under RUN_DIR/checkpoints/:
         meta.json            the manifest, written last: step, scheduler, data position, layout,
                              every file's size and CRC-32
     step_00000060.tmp/       a save in progress (never read)
-    latest                   name of the newest committed checkpoint
+    latest                   name of the newest checkpoint that verifies
+    quarantine/step_00000120/  a checkpoint found damaged, moved aside with QUARANTINED.json
+                             (the reason and when); never loaded, counted or deleted by myria
 
 A save has two stages, as in MegaScale (§4.5.3) and torchtitan's asynchronous checkpointing:
 
@@ -25,7 +27,16 @@ At most one save is in flight: a new save first waits for the previous one. A fa
 logged, its temporary directory removed, older checkpoints are untouched, and training goes on.
 
 Resuming picks the newest checkpoint whose manifest verifies (sizes and CRC-32, the files split
-among the ranks so each byte is read once) and skips damaged or incomplete ones with a warning.
+among the ranks so each byte is read once); a damaged or incomplete one is moved to
+`quarantine/` with its reason, so it is never counted, pruned into or pointed at by `latest`.
+
+Retention is by validity: after each commit the newest `keep` checkpoints that verify are kept
+(a damaged one met on the way is quarantined, not counted), and older ones are deleted only once
+`keep` newer verified ones exist, so the newest loadable checkpoint is never deleted. A checkpoint
+this process wrote (its files checksummed as written) or verified counts as verified after a size
+check; any other is checksummed once. When checkpoints exist but none verifies, resuming raises
+a CheckpointError naming them instead of starting again from step 0; `allow_fresh` (the
+`checkpoint.start_fresh` option) starts from step 0 explicitly and records that it did.
 Loading is one read per group of ranks holding the same shard (data-parallel replicas under DDP
 or HSDP): the group's first rank reads it from storage and broadcasts it to the others
 (MegaScale §4.5.3); `bytes_read` counts what this rank read. Loading executes nothing from the
@@ -54,9 +65,12 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
 from myria.errors import CheckpointError
+from myria.observe import events
 
 log = logging.getLogger("myria")
 PREFIX = "step_"
+QUARANTINE = "quarantine"
+FRESH_START = "fresh_start.json"  # in quarantine/: damaged checkpoints a fresh start accepted
 MANIFEST_VERSION = 2
 _CHUNK = 8 << 20
 
@@ -241,6 +255,7 @@ class CheckpointManager:
         self._leaves: dict[tuple, tuple[Any, torch.Tensor]] = {}
         self._pending: _Pending | None = None
         self._thread: threading.Thread | None = None
+        self._verified: set[str] = set()  # names this process wrote or checksummed
         self._pg = None
         rank, world = _world()
         if world > 1 and async_save:
@@ -295,33 +310,142 @@ class CheckpointManager:
         return None
 
     def latest_valid(self) -> Path | None:
-        """The newest checkpoint that verifies (one process); damaged ones are skipped."""
+        """The newest checkpoint that verifies (one process); damaged ones are quarantined."""
         for p in reversed(self.committed()):
             reason = self.verify(p)
             if reason is None:
+                self._verified.add(p.name)
                 return p
-            log.warning("skipping checkpoint %s: %s", p, reason)
+            self.quarantine(p, reason)
         return None
 
-    def choose_resume(self) -> Path | None:
+    def choose_resume(self, allow_fresh: bool = False) -> Path | None:
         """The newest checkpoint that verifies, decided together by all ranks (collective).
 
         Each rank checks the sizes and the checksums of its share of the files; a checkpoint
-        is used only if every rank found its share intact.
+        is used only if every rank found its share intact. Damaged ones are quarantined by
+        rank 0 and `latest` is pointed at the chosen one. When there were checkpoints but none
+        verifies, raises CheckpointError unless `allow_fresh` (then returns None).
         """
         rank, world = _world()
+        chosen = None
         if world == 1:
-            return self.latest_valid()
-        for p in reversed(self.committed()):
-            reason = self.verify(p, part=(rank, world))
-            reasons: list[str | None] = [None] * world
-            dist.all_gather_object(reasons, reason, group=self._pg)
-            bad = [r for r in reasons if r is not None]
-            if not bad:
-                return p
-            if rank == 0:
-                log.warning("skipping checkpoint %s: %s", p, bad[0])
-        return None
+            chosen = self.latest_valid()
+        else:
+            for p in reversed(self.committed()):
+                reason = self.verify(p, part=(rank, world))
+                reasons: list[str | None] = [None] * world
+                dist.all_gather_object(reasons, reason, group=self._pg)
+                bad = [r for r in reasons if r is not None]
+                if not bad:
+                    chosen = p
+                    self._verified.add(p.name)
+                    break
+                if rank == 0:
+                    self.quarantine(p, bad[0])
+        if rank == 0:
+            self._set_latest()
+        if world > 1:
+            dist.barrier(group=self._pg)  # every rank sees the files rank 0 moved
+        if chosen is None:
+            damaged = self.unaccepted_quarantine()
+            if damaged and not allow_fresh:
+                raise CheckpointError(self._all_damaged_message(damaged))
+            if damaged and rank == 0:
+                self._accept_fresh_start(damaged)
+            if world > 1:
+                dist.barrier(group=self._pg)
+        return chosen
+
+    def abandon_after(self, step: int) -> None:
+        """Move checkpoints newer than `step` aside (rank 0): an explicit older resume point
+        starts a new timeline, and `latest`/retention must not jump back to the old one."""
+        for p in self.committed():
+            if int(p.name[len(PREFIX):]) > step:
+                self.quarantine(p, f"newer than the explicitly chosen resume point (step {step})"
+                                "; kept aside, not damaged", accepted=True)
+        self._set_latest()
+
+    # -- quarantine and `latest` -------------------------------------------------------------
+    def quarantine(self, path: Path, reason: str, accepted: bool = False) -> Path:
+        """Move a checkpoint aside to quarantine/ with its reason (rank 0 only)."""
+        qdir = self.dir / QUARANTINE
+        qdir.mkdir(parents=True, exist_ok=True)
+        dest = qdir / path.name
+        n = 1
+        while dest.exists():
+            dest, n = qdir / f"{path.name}.{n}", n + 1
+        os.replace(path, dest)
+        _fsync_dir(self.dir)
+        atomic_write(dest / "QUARANTINED.json", json.dumps(
+            {"reason": reason, "time": time.time(), "from": str(path),
+             "accepted": accepted}, indent=1))
+        self._verified.discard(path.name)
+        if accepted:
+            log.warning("moved checkpoint %s aside to %s: %s", path.name, dest, reason)
+        else:
+            log.warning("checkpoint %s is damaged (%s): moved to %s; it will not be loaded, "
+                        "counted or deleted", path.name, reason, dest)
+        return dest
+
+    def quarantined(self) -> list[Path]:
+        """Checkpoints moved aside, oldest first."""
+        qdir = self.dir / QUARANTINE
+        if not qdir.is_dir():
+            return []
+        return sorted((p for p in qdir.iterdir() if p.is_dir() and p.name.startswith(PREFIX)),
+                      key=lambda p: p.name)
+
+    def unaccepted_quarantine(self) -> list[Path]:
+        """Damaged checkpoints that no fresh start has accepted yet."""
+        accepted = set()
+        f = self.dir / QUARANTINE / FRESH_START
+        if f.exists():
+            try:
+                accepted = set(json.loads(f.read_text()).get("accepted", []))
+            except (OSError, ValueError):
+                pass
+        out = []
+        for p in self.quarantined():
+            try:
+                info = json.loads((p / "QUARANTINED.json").read_text())
+            except (OSError, ValueError):
+                info = {}
+            if not info.get("accepted") and p.name not in accepted:
+                out.append(p)
+        return out
+
+    def _accept_fresh_start(self, damaged: list[Path]) -> None:
+        f = self.dir / QUARANTINE / FRESH_START
+        names = sorted({p.name for p in damaged} | set(
+            json.loads(f.read_text()).get("accepted", []) if f.exists() else []))
+        atomic_write(f, json.dumps({"accepted": names, "time": time.time()}, indent=1))
+        log.warning("starting from step 0 as asked (checkpoint.start_fresh): the damaged "
+                    "checkpoints %s stay in %s", ", ".join(p.name for p in damaged),
+                    self.dir / QUARANTINE)
+
+    def _all_damaged_message(self, damaged: list[Path]) -> str:
+        lines = []
+        for p in damaged:
+            try:
+                why = json.loads((p / "QUARANTINED.json").read_text())["reason"]
+            except (OSError, ValueError, KeyError):
+                why = "damaged"
+            lines.append(f"{p.name} ({why})")
+        return (f"no checkpoint in {self.dir} can be loaded: every one is damaged and was moved "
+                f"to {self.dir / QUARANTINE}: " + "; ".join(lines) + ". To go on, load one "
+                "anyway with --resume-from PATH (or --checkpoint.resume_from=PATH), or train "
+                "from step 0 with --start-fresh (--checkpoint.start_fresh=true)")
+
+    def _set_latest(self) -> None:
+        """Point `latest` at the newest committed checkpoint, or remove it (rank 0)."""
+        ckpts = self.committed()
+        f = self.dir / "latest"
+        if ckpts:
+            if not f.exists() or f.read_text().strip() != ckpts[-1].name:
+                atomic_write(f, ckpts[-1].name + "\n")
+        elif f.exists():
+            f.unlink()
 
     # -- saving ----------------------------------------------------------------------------
     def save(self, step: int, target, extra: dict[str, Any]) -> bool:
@@ -402,6 +526,7 @@ class CheckpointManager:
 
     def _copy(self, p: _Pending) -> None:
         t0 = time.perf_counter()
+        ev = events.current().begin("snapshot", "ckpt", bytes=p.record.bytes)
         try:
             for src, dst in p.copies:
                 dst.copy_(src, non_blocking=src.is_cuda)
@@ -411,13 +536,15 @@ class CheckpointManager:
             p.error = e
         finally:
             p.record.snapshot_s = time.perf_counter() - t0
+            events.current().end(ev)
             p.snapshot_done.set()
 
     def _background(self, p: _Pending) -> None:
         try:
             if not p.snapshot_done.is_set():
                 self._copy(p)
-            self._persist(p)
+            with events.current().span("persist", "ckpt", step_saved=p.step):
+                self._persist(p)
         except BaseException as e:  # never let the thread die silently
             p.record.ok, p.record.error = False, describe_error(e)
             log.error("checkpoint of step %d failed: %s; training continues", p.step,
@@ -507,6 +634,7 @@ class CheckpointManager:
             os.replace(final, old)
         os.replace(tmp, final)
         _fsync_dir(self.dir)
+        self._verified.add(final.name)  # every file was checksummed as it was written
         atomic_write(self.dir / "latest", final.name + "\n")
         if old is not None:
             shutil.rmtree(old, ignore_errors=True)
@@ -526,9 +654,19 @@ class CheckpointManager:
         log.warning("injected fault: corrupted %s (16 bytes flipped)", victim)
 
     def _prune(self) -> None:
-        ckpts = self.committed()
-        for p in ckpts[:-self.keep]:
-            shutil.rmtree(p, ignore_errors=True)
+        """Keep the newest `keep` checkpoints that verify; quarantine damaged ones (rank 0)."""
+        valid = 0
+        for p in reversed(self.committed()):
+            if valid >= self.keep:
+                shutil.rmtree(p, ignore_errors=True)
+                continue
+            reason = self.verify(p, checksums=p.name not in self._verified)
+            if reason is not None:
+                self.quarantine(p, reason)
+                continue
+            self._verified.add(p.name)
+            valid += 1
+        self._set_latest()
 
     # -- loading ---------------------------------------------------------------------------
     def check_shapes(self, path: Path, model_sd: dict[str, torch.Tensor]) -> None:

@@ -31,6 +31,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--nnodes", type=int, default=1,
                    help="hosts, for --dry-run's placement report (launch across hosts with "
                    "torchrun or `myria supervise`)")
+    p.add_argument("--resume-from", metavar="CKPT_DIR", default=None,
+                   help="load this checkpoint directory (even one in checkpoints/quarantine/) "
+                   "instead of the newest valid one; newer checkpoints are moved aside")
+    p.add_argument("--start-fresh", action="store_true",
+                   help="when every checkpoint of the run is damaged, train from step 0 "
+                   "instead of stopping (the damaged ones stay in checkpoints/quarantine/)")
     p.add_argument("--dry-run", action="store_true",
                    help="print the resolved config, parameter count, FLOPs per token and "
                    "memory per rank, then exit")
@@ -66,8 +72,6 @@ def dry_run(cfg: config_mod.Config, world: int, ranks_per_host: int | None = Non
     pc = param_counts(m)
     n = pc.total(m.layers)
     lay = config_mod.resolve_layout(cfg, world)
-    spec, pred = predicted(cfg, world, ranks_per_host or world)
-    mem = pred.memory.gb()
     lines = [config_mod.describe(cfg),
              f"# world size {world}: layout " + ", ".join(f"{k}={v}" for k, v in lay.items()),
              f"# parameters: {n:,} ({n - pc.embedding - pc.head - pc.positional:,} without "
@@ -75,17 +79,70 @@ def dry_run(cfg: config_mod.Config, world: int, ranks_per_host: int | None = Non
              f"# model FLOPs per token (training, dense attention): "
              f"{model_flops_per_token(m):,.0f}",
              f"# tokens per step: {t.global_batch * m.seq_len:,}; gradient accumulation: "
-             f"{t.global_batch // (lay['dp'] * t.micro_batch)} microbatches of {t.micro_batch}",
-             f"# predicted on {spec.name} ({spec.source}): memory per rank "
-             + ", ".join(f"{k} {mem[k]:.2f}" for k in ("weights", "gradients", "optimizer",
-                                                     "activations", "total"))
-             + f" GB ({'fits' if pred.fits else 'does NOT fit'} in {mem['capacity']:.0f} GB); "
-             f"step {pred.iteration_time_s:.3g} s, MFU {100 * pred.mfu:.1f}% "
-             "(see `myria simulate`, `myria plan`)"]
+             f"{t.global_batch // (lay['dp'] * t.micro_batch)} microbatches of {t.micro_batch}"]
+    try:
+        spec, pred = predicted(cfg, world, ranks_per_host or world)
+    except config_mod.ConfigError as e:  # e.g. measuring this CPU would need more cores
+        spec = pred = None
+        lines.append(f"# no prediction: {e}")
+    if pred is not None:
+        lines += prediction_lines(cfg, world, ranks_per_host, lay, spec, pred)
     from myria.parallel.placement import describe
 
     lines.append(describe(lay, cluster_for(cfg, ranks_per_host or world)))
     return "\n".join(lines)
+
+
+def prediction_lines(cfg, world, ranks_per_host, lay, spec, pred) -> list[str]:
+    """The dry-run's prediction: memory parts that add up, step, MFU, a better layout."""
+    mem = pred.memory.gb()
+    lines = [f"# predicted on {spec.name} ({spec.source}), recompute "
+             f"{cfg.parallel.activation_checkpoint}, sequence parallel "
+             f"{'on' if cfg.parallel.sequence_parallel and lay['tp'] > 1 else 'off'}: "
+             "memory per rank " + " + ".join(f"{k} {mem[k]:.2f}" for k in MEMORY_PARTS)
+             + f" = {mem['total']:.2f} GB ({'fits' if pred.fits else 'does NOT fit'} in "
+             f"{mem['capacity']:.0f} GB); step {pred.iteration_time_s:.3g} s, MFU "
+             f"{100 * pred.mfu:.1f}% (see `myria simulate`, `myria plan`)"]
+    better = better_layout(cfg, world, ranks_per_host or world, spec, pred)
+    if better:
+        lines.append(better)
+    return lines
+
+
+# The parts of a rank's predicted memory; they add up to the total (myria.sim.memory).
+MEMORY_PARTS = ("weights", "gradients", "optimizer", "activations", "temporary", "reserved")
+LOW_MFU_SHARE = 0.6  # warn when the config reaches less than this share of the planner's best
+
+
+def better_layout(cfg: config_mod.Config, world: int, ranks_per_host: int, spec, pred
+                  ) -> str | None:
+    """A warning line when `myria plan` finds a layout far faster than the config's, on the
+    same model, batch and cluster; None when the config is close to the best (or on a CPU,
+    where the planner has no cluster to search)."""
+    if spec.name == "cpu":
+        return None
+    from myria.sim.perf import config_run
+    from myria.sim.planner import plan
+
+    base, _, _ = config_run(cfg, world, spec, ranks_per_host)
+    try:
+        best = plan(base, top=1).ranked
+    except config_mod.ConfigError:
+        return None
+    if not best or pred.mfu >= LOW_MFU_SHARE * best[0].mfu:
+        return None
+    b = best[0]
+    lay = b.layout
+    parts = [f"tp={lay['tp']}", f"pp={lay['pp']}", f"dp={lay['dp']}"]
+    parts += [f"{k}={lay[k]}" for k in ("cp", "ep", "vpp") if lay[k] > 1]
+    zero = {0: "ddp", 1: "zero1", 2: "zero2", 3: "fsdp"}[lay["zero_stage"]]
+    return (f"# WARNING: predicted MFU {100 * pred.mfu:.1f}% is far below the "
+            f"{100 * b.mfu:.1f}% that `myria plan` predicts for this model on the same "
+            f"{world} x {spec.name}: {', '.join(parts)}, micro_batch {lay['micro_batch']}, "
+            f"recompute {lay['recompute']}, ZeRO stage {lay['zero_stage']} ({zero}), sequence "
+            f"parallel {'on' if lay['sequence_parallel'] else 'off'} "
+            f"({b.memory_gb_per_gpu:.0f} GB per GPU). The figure is this layout's, not "
+            "myria's best; run `myria plan` for the ranking.")
 
 
 def predicted(cfg: config_mod.Config, world: int, ranks_per_host: int):
@@ -94,15 +151,16 @@ def predicted(cfg: config_mod.Config, world: int, ranks_per_host: int):
     from myria import device
     from myria.sim.perf import simulate_config
 
-    spec = device.cuda_device_spec()
-    if spec is None:
-        spec = device.lookup("h100-sxm-80gb") if cfg.training.dtype == "bfloat16" \
-            else device.cpu_device_spec()
+    spec = device.planning_device(cfg.training.dtype)
     gpn = ranks_per_host if spec.name != "cpu" else world
     return spec, simulate_config(cfg, world, spec, gpus_per_node=gpn)
 
 
 def run(args) -> int:
+    if args.resume_from:
+        args.overrides.append(f"--checkpoint.resume_from={Path(args.resume_from).resolve()}")
+    if args.start_fresh:
+        args.overrides.append("--checkpoint.start_fresh=true")
     cfg = config_mod.load(args.config, args.overrides)
     world = _nproc_for(args)
     if args.dry_run:

@@ -27,6 +27,7 @@ from torch.distributed.checkpoint.state_dict import (
 from myria.config import Config
 from myria.errors import ConfigError
 from myria.models.transformer import build_model
+from myria.observe import events
 from myria.optim import build_optimizer
 from myria.optim.schedules import build_scheduler
 from myria.parallel import pipeline
@@ -49,6 +50,28 @@ def _grad_sync(model: nn.Module, enabled: bool):
     if not enabled and isinstance(model, nn.parallel.DistributedDataParallel):
         return model.no_sync()
     return contextlib.nullcontext()
+
+
+def _time_stages(schedule) -> None:
+    """Record each pipeline stage's forward and backward of every microbatch in the event
+    timer: torch's pipelining exposes no hooks, so the stage objects' per-chunk methods are
+    wrapped (forward_one_chunk, backward_one_chunk, backward_weight_one_chunk)."""
+    stages = getattr(schedule, "_stages", None) or [getattr(schedule, "_stage", None)]
+    for st in stages:
+        if st is None:
+            continue
+        for meth, name in (("forward_one_chunk", "forward"), ("backward_one_chunk", "backward"),
+                           ("backward_weight_one_chunk", "backward_weight")):
+            fn = getattr(st, meth, None)
+            if fn is None:
+                continue
+
+            def timed(*a, _fn=fn, _name=name, _stage=st.stage_index, **kw):
+                mb = a[0] if a else kw.get("fwd_chunk_id", kw.get("bwd_chunk_id"))
+                with events.current().compute(_name, mb=mb, stage=_stage):
+                    return _fn(*a, **kw)
+
+            setattr(st, meth, timed)
 
 
 def _local(x: torch.Tensor) -> torch.Tensor:
@@ -170,6 +193,8 @@ class Engine:
                 parts, self.stage_ids, self.pp * p.vpp, p.schedule, self.accum, self._loss_fn,
                 device, self.pp_group)
         n_stages = self.pp * p.vpp
+        if self.schedule is not None:
+            _time_stages(self.schedule)
         self.has_first = 0 in self.stage_ids
         self.has_last = (n_stages - 1) in self.stage_ids
 
@@ -201,13 +226,16 @@ class Engine:
             return self._pipelined(inputs, targets)
         accum = inputs.shape[0]
         loss_sum = torch.zeros((), device=self.device)
+        rec = events.current()
         for i in range(accum):
             with _grad_sync(self.model, i == accum - 1), self._ctx():
-                if self.tp > 1:  # vocabulary-sharded logits, loss computed on the shards
-                    loss = self._loss_fn(self.model(inputs[i]), targets[i]) / accum
-                else:  # fused, chunked output projection + cross-entropy
-                    loss = self.model(inputs[i], targets[i]) / accum
-                loss.backward()
+                with rec.compute("forward", mb=i, stage=0):
+                    if self.tp > 1:  # vocabulary-sharded logits, loss computed on the shards
+                        loss = self._loss_fn(self.model(inputs[i]), targets[i]) / accum
+                    else:  # fused, chunked output projection + cross-entropy
+                        loss = self.model(inputs[i], targets[i]) / accum
+                with rec.compute("backward", mb=i, stage=0):
+                    loss.backward()
             loss_sum += _local(loss.detach())
         return loss_sum
 

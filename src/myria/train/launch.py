@@ -8,10 +8,15 @@ the same torch elastic agent with heartbeats, fault detection and recovery on to
 
 from __future__ import annotations
 
+import json
+import logging
 import os
+import signal
 import socket
 import sys
+import time
 import uuid
+from typing import Any
 
 from myria.errors import LaunchError
 
@@ -25,6 +30,53 @@ def free_port() -> int:
 def inside_launcher() -> bool:
     """True when this process is already a worker started by torchrun / torch elastic."""
     return "TORCHELASTIC_RUN_ID" in os.environ or "RANK" in os.environ
+
+
+QUIET_ENV = "MYRIA_LAUNCHER_REPORTS"  # set for workers whose launcher prints their errors
+
+
+def record_worker_error(message: str, exit_code: int) -> bool:
+    """In a worker of torch elastic, write `message` to the error file its agent reads.
+
+    torch elastic hands each worker a path in TORCHELASTIC_ERROR_FILE and reads it when the
+    worker fails (`ProcessFailure`); we add the exact time, so the launcher can tell which
+    rank failed first. Returns True when the launcher will print the message itself (the
+    worker then stays quiet, so a message shared by every rank appears once).
+    """
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not path:
+        return False
+    now = time.time()
+    try:
+        with open(path, "w") as fh:
+            json.dump({"message": message, "timestamp": int(now),
+                       "myria": {"time": now, "exit_code": exit_code}}, fh)
+    except OSError:
+        return False
+    return os.environ.get(QUIET_ENV) == "1"
+
+
+def first_failure(failures: dict) -> tuple[int, Any]:
+    """The rank that failed first among torch elastic's ProcessFailures.
+
+    A rank that reported its own error (error file) comes before one killed by a signal, which
+    comes before one the agent stopped with SIGTERM because a peer had failed; ties go to the
+    earliest recorded time, then the lowest rank.
+    """
+    def order(item):
+        rank, f = item
+        data = getattr(f, "error_file_data", None) or {}
+        mine = data.get("myria") if isinstance(data, dict) else None
+        t = mine["time"] if mine else float(getattr(f, "timestamp", 0) or 0)
+        if mine or (data.get("message") if isinstance(data, dict) else None):
+            kind = 0
+        elif f.exitcode == -signal.SIGTERM:
+            kind = 2
+        else:
+            kind = 1
+        return (kind, t, rank)
+
+    return min(failures.items(), key=order)
 
 
 def launch_local(nproc: int, argv: list[str], max_restarts: int = 0) -> None:
@@ -47,14 +99,32 @@ def launch_local(nproc: int, argv: list[str], max_restarts: int = 0) -> None:
         max_restarts=max_restarts, monitor_interval=0.2,
         start_method="spawn",
     )
+    os.environ[QUIET_ENV] = "1"
+    # We report a failure ourselves (the rank that failed first, its message once): torch
+    # elastic's own error lines and tracebacks about its children would repeat it.
+    quiet = [logging.getLogger(n) for n in ("torch.distributed.elastic",
+                                            "torch.distributed.launcher")]
+    levels = [lg.level for lg in quiet]
+    for lg in quiet:
+        lg.setLevel(logging.CRITICAL)
     try:
         elastic_launch(config, entrypoint=sys.executable)("-m", "myria", *argv)
     except SignalException as e:  # the agent forwarded it; workers saved at their next step
         raise LaunchError(f"stopped by {e.sigval.name}: the workers were asked to save a "
                           "checkpoint and exit; run the same command to resume") from None
     except ChildFailedError as e:
-        first = min(e.failures)
-        f = e.failures[first]
-        raise LaunchError(f"worker rank {f.local_rank} failed with exit code {f.exitcode} "
-                          f"({len(e.failures)} of {nproc} ranks failed); its message is above"
-                          ) from None
+        rank, f = first_failure(e.failures)
+        data = f.error_file_data if isinstance(f.error_file_data, dict) else {}
+        msg = data.get("message") if isinstance(data.get("message"), str) else ""
+        how = f"signal {f.signal_name()}" if f.exitcode < 0 else f"exit code {f.exitcode}"
+        others = len(e.failures) - 1
+        err = LaunchError(
+            (msg or f"rank {rank} ended with {how} (its output is above)")
+            + f"  [rank {rank} of {nproc} failed first"
+            + (f"; {others} other rank(s) stopped after it]" if others else "]"))
+        err.exit_code = (data.get("myria") or {}).get("exit_code", 1)
+        raise err from None
+    finally:
+        os.environ.pop(QUIET_ENV, None)
+        for lg, level in zip(quiet, levels):
+            lg.setLevel(level)

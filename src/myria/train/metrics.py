@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import sys
 import time
 from pathlib import Path
@@ -29,11 +30,14 @@ class MetricsLogger:
         if not enabled:
             return
         run_dir.mkdir(parents=True, exist_ok=True)
+        set_aside_after(run_dir, start_step)
         self._fh = open(run_dir / "metrics.jsonl", "a")
         if tensorboard:
             try:
                 from torch.utils.tensorboard import SummaryWriter
-                self._tb = SummaryWriter(str(run_dir / "tensorboard"))
+                # purge_step: TensorBoard drops the abandoned timeline's points from this step on
+                self._tb = SummaryWriter(str(run_dir / "tensorboard"),
+                                         purge_step=start_step + 1)
             except Exception:  # tensorboard is optional at run time
                 self._tb = None
         if progress and sys.stderr.isatty():
@@ -80,6 +84,42 @@ class MetricsLogger:
             self._tb.close()
         if self._fh is not None:
             self._fh.close()
+
+
+def set_aside_after(run_dir: Path, step: int) -> int:
+    """Move the rows of steps after `step` from metrics.jsonl to metrics.abandoned.jsonl.
+
+    A run resumed from step S redoes the steps after S: the rows an abandoned timeline wrote
+    for them (a crash after the last checkpoint, a rollback past a damaged one) are moved to the
+    side file, tagged with the resume step, so metrics.jsonl keeps one row per step, the one the
+    final model went through. Returns the number of rows moved.
+    """
+    path = run_dir / "metrics.jsonl"
+    if not path.exists():
+        return 0
+    keep, gone = [], []
+    for line in path.read_text().splitlines():
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except ValueError:  # a line cut by a crash mid-write
+            gone.append(json.dumps({"unparsable": line, "resumed_from": step}))
+            continue
+        if int(row.get("step", 0)) > step:
+            gone.append(json.dumps(dict(row, resumed_from=step)))
+        else:
+            keep.append(line)
+    if not gone:
+        return 0
+    with open(run_dir / "metrics.abandoned.jsonl", "a") as fh:
+        fh.write("\n".join(gone) + "\n")
+        fh.flush()
+        os.fsync(fh.fileno())
+    from myria.train.checkpoint import atomic_write
+
+    atomic_write(path, "".join(x + "\n" for x in keep))
+    return len(gone)
 
 
 def format_row(row: dict[str, Any]) -> str:

@@ -24,9 +24,10 @@ import torch
 from myria import config as config_mod
 from myria.config import Config
 from myria.data.dataset import TokenDataset
-from myria.errors import ConfigError
+from myria.errors import CheckpointError, ConfigError
 from myria.faults import FaultInjector
 from myria.models.flops import model_flops_per_token
+from myria.observe import events
 from myria.parallel.data import make_loader, write_read_counts
 from myria.parallel.mesh import build_mesh
 from myria.train import distributed, heartbeat
@@ -58,6 +59,7 @@ def check_vocab(cfg: Config, dataset: TokenDataset) -> None:
 def train(cfg: Config, run_dir: str | Path, stop_after: int | None = None) -> TrainResult:
     """Run (or resume) training as this process's rank; returns the losses of this session."""
     run_dir = Path(run_dir)
+    events.listen_for_dumps(run_dir)  # before any thread starts (SIGUSR1 -> hang dump)
     env = distributed.init(cfg.training.device, cfg.training.init_timeout_s)
     hb = heartbeat.start(env.rank)
     phase = "failed"
@@ -65,8 +67,17 @@ def train(cfg: Config, run_dir: str | Path, stop_after: int | None = None) -> Tr
         result = _train(cfg, run_dir, env, stop_after, hb)
         phase = "stopped" if result.stopped_early else "done"
         return result
+    except BaseException:
+        rec = events.current()
+        if rec.enabled:  # what this rank was doing when it failed (a collective timeout...)
+            try:
+                events.write_dump(run_dir, rec, "exception")
+            except Exception:
+                pass
+        raise
     finally:
         hb.close(phase)
+        events.uninstall()
         distributed.shutdown()
 
 
@@ -85,6 +96,7 @@ def _train(cfg: Config, run_dir: Path, env, stop_after: int | None,
 
     # -- model, optimizer, schedule for this layout ------------------------------------------
     engine = Engine(cfg, mesh, env.device)
+    rec = start_events(cfg, run_dir, env, mesh, engine, layout)
 
     # -- resume ----------------------------------------------------------------------------
     hb.phase("resume")
@@ -94,7 +106,7 @@ def _train(cfg: Config, run_dir: Path, env, stop_after: int | None,
                              async_save=r.async_checkpoint, overlap=r.snapshot_overlap,
                              timeout_s=t.init_timeout_s)
     start_step = 0
-    latest = ckpt.choose_resume() if cfg.checkpoint.resume else None
+    latest = resume_point(ckpt, cfg, env.is_main)
     if latest is not None:
         meta = ckpt.load(latest, engine)
         engine.load_scheduler_state(meta["scheduler"])
@@ -102,6 +114,8 @@ def _train(cfg: Config, run_dir: Path, env, stop_after: int | None,
         if env.is_main:
             print(f"resumed from {latest} (step {start_step}, saved by {meta['world_size']} "
                   f"processes; rank 0 read {ckpt.bytes_read / 2**20:.1f} MiB)", flush=True)
+    if env.is_main and (cfg.checkpoint.resume_from or not cfg.checkpoint.resume):
+        ckpt.abandon_after(start_step)  # a new timeline: newer checkpoints go aside
     hb.resumed(start_step)
     write_checkpoint_stats(run_dir, env.rank, ckpt, latest)
     stop = StopRequest(t.init_timeout_s)
@@ -126,26 +140,36 @@ def _train(cfg: Config, run_dir: Path, env, stop_after: int | None,
     losses: list[float] = []
     val = None
     step = start_step
+    since_logged = 0.0  # step time since the last logged row (the supervisor's productive time)
     timer = StepTimer(sync)
     try:
         while step < t.steps:
+            rec.step = step + 1
+            step_ev = rec.begin("step", "step")
             hb.phase("data")
             faults.at_step_start(step)
-            batch = next(loader)
+            with rec.span("data_wait", "data"):
+                batch = next(loader)
             hb.phase("forward-backward")
             loss_sum = engine.forward_backward(batch.inputs, batch.targets)
             hb.phase("grad-clip")
-            grad_norm = engine.clip_grads(t.grad_clip)
+            with rec.span("grad_clip", "compute"):
+                grad_norm = engine.clip_grads(t.grad_clip)
             hb.phase("snapshot-wait")
-            ckpt.before_update()  # an overlapped snapshot must be copied before weights change
+            with rec.span("snapshot_wait", "ckpt"):
+                ckpt.before_update()  # an overlapped snapshot must be copied before weights change
             hb.phase("optimizer")
-            engine.step()
+            with rec.span("optimizer", "compute"):
+                engine.step()
             step += 1
 
             hb.phase("metrics")
-            loss_value = engine.mean_over_dp(loss_sum)
+            with rec.span("loss_mean", "compute"):
+                loss_value = engine.mean_over_dp(loss_sum)
+            rec.end(step_ev)
             losses.append(loss_value)
             dt = timer.lap()
+            since_logged += dt
             hb.step_done(step, tokens_per_step / dt)
             if step == start_step + 1:
                 distributed.set_timeout(t.timeout_s)  # warm: short collective timeouts
@@ -156,8 +180,9 @@ def _train(cfg: Config, run_dir: Path, env, stop_after: int | None,
                     "grad_norm": grad_norm, "tokens_per_s": tps, "step_time_s": dt,
                     "data_wait_s": loader.pop_wait_time(),
                     "mfu": mfu(flops_per_token, tps, env.world_size, peak),
-                    "time": time.time(),
+                    "time": time.time(), "interval_time_s": since_logged,
                 })
+                since_logged = 0.0
             if t.eval_interval and step % t.eval_interval == 0:
                 hb.phase("eval")
                 val = val or TokenDataset(cfg.data.path, m.seq_len, split="val")
@@ -168,11 +193,12 @@ def _train(cfg: Config, run_dir: Path, env, stop_after: int | None,
             interval = cfg.checkpoint.interval
             if step == t.steps or stopping or (interval and step % interval == 0):
                 hb.phase("checkpoint")
-                ckpt.save(step, engine, {
-                    "scheduler": engine.scheduler_state(), "data": loader.state_dict(),
-                    "layout": layout, "model": config_mod.dataclasses.asdict(m),
-                    "data_path": str(Path(cfg.data.path).resolve()),
-                })
+                with rec.span("checkpoint_save", "ckpt"):
+                    ckpt.save(step, engine, {
+                        "scheduler": engine.scheduler_state(), "data": loader.state_dict(),
+                        "layout": layout, "model": config_mod.dataclasses.asdict(m),
+                        "data_path": str(Path(cfg.data.path).resolve()),
+                    })
                 timer.lap()  # checkpoint time is not step time
             if stopping and step < t.steps:
                 hb.phase("checkpoint-flush")
@@ -193,6 +219,60 @@ def _train(cfg: Config, run_dir: Path, env, stop_after: int | None,
         loader.close()
         write_read_counts(run_dir, env.rank, loader)
         metrics.close()
+
+
+def start_events(cfg: Config, run_dir: Path, env, mesh, engine: Engine, layout: dict):
+    """Install and start this rank's event timer (RUN_DIR/events/), or a disabled one."""
+    import torch.distributed as dist
+
+    from myria.parallel.mesh import dp_mesh, fsdp_mesh, sub_rank
+
+    faults = FaultInjector(run_dir, env.rank)
+    rec = events.install(run_dir, env.rank, env.world_size, cfg.observe.enabled,
+                         slow=faults.slow(), flush_s=cfg.observe.flush_s)
+    if not rec.enabled:
+        return rec
+    if env.world_size > 1:
+        rec.offset_us = events.measure_clock_offset(events.default_store(), env.rank,
+                                                    env.world_size)
+    groups = {}
+    for dim in (mesh.mesh_dim_names or ()) if mesh is not None else ():
+        groups[dim] = dist.get_process_group_ranks(mesh[dim].get_group())
+    for sub in (fsdp_mesh(mesh), dp_mesh(mesh)):  # the groups FSDP and DDP reduce over
+        if sub is not None and sub.ndim == 1:
+            groups.setdefault("dp", dist.get_process_group_ranks(sub.get_group()))
+    rec.set_mesh_groups(groups)
+    if env.device.type == "cuda":
+        rec.time_device()  # compute spans from CUDA events (not run on this CPU build's tests)
+    ep = engine.ep_mesh.get_local_rank() if engine.ep_mesh is not None else 0
+    coord = {"dp": engine.dp_rank, "pp": engine.pp_rank, "cp": engine.cp_rank,
+             "tp": sub_rank(mesh, "tp"), "ep": ep}
+    rec.start({"coord": coord, "layout": layout, "groups": groups,
+               "schedule": cfg.parallel.schedule if layout.get("pp", 1) > 1 else None,
+               "microbatches": engine.accum, "stages": engine.stage_ids})
+    if env.is_main:
+        from myria import rundir
+        atomic_write(run_dir / rundir.CONFIG, json.dumps(cfg.to_dict(), indent=1))
+    return rec
+
+
+def resume_point(ckpt: CheckpointManager, cfg: Config, is_main: bool) -> Path | None:
+    """The checkpoint this run starts from: the one asked for, the newest that verifies, or
+    None (step 0). Damaged checkpoints are quarantined; when every one is damaged this raises a
+    CheckpointError unless `checkpoint.start_fresh` allows starting from step 0."""
+    c = cfg.checkpoint
+    if c.resume_from:
+        path = Path(c.resume_from)
+        if not (path / "meta.json").is_file():
+            raise CheckpointError(f"checkpoint.resume_from = {str(path)!r} is not a checkpoint "
+                                  "directory (no meta.json in it)")
+        reason = ckpt.verify(path)
+        if reason is not None and is_main:
+            log.warning("loading %s as asked although it does not verify: %s", path, reason)
+        return path
+    if not c.resume:
+        return None
+    return ckpt.choose_resume(allow_fresh=c.start_fresh)
 
 
 def write_checkpoint_stats(run_dir: Path, rank: int, ckpt: CheckpointManager,

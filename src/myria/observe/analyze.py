@@ -1,0 +1,370 @@
+"""Read every rank's events and answer: where did each step's time go, who waited on whom.
+
+    run = load_run(RUN_DIR)          # events per rank (a truncated or missing file is reported)
+    table = step_table(run)          # per rank and step: compute-only, exposed comm by dim, ...
+    blame = blame_report(run)        # per rank: compute, time others waited on it, time waited
+
+Definitions (docs/observability.md):
+
+- *Compute-only* time of a rank in a step: its compute spans (forward, backward,
+  backward_weight, grad_clip, optimizer, loss_mean) minus the blocking communication inside them
+  (synchronous collectives and `wait` spans, on the same thread). Waiting is never compute.
+- *Collective instance*: the calls with the same (group, sequence number); every member issues
+  the same sequence on a group. Its *arrival* on a rank is the issue time; the last to arrive is
+  the rank the others waited for; each other rank waited min(its blocking time in the call,
+  last arrival - its arrival).
+- *Pipeline receive*: the k-th receive of B from A pairs with A's k-th send to B; if A issued it
+  after B, B's blocking wait for it (up to the lateness) is blamed on A.
+- *Blame* of a rank: the waiting it caused, summed over instances. Waiting is attributed to the
+  rank waited on, never to the one that waited; where the rank waited on was itself blocked
+  waiting for a third rank during that lateness, that part goes on to the third (up to four
+  hops): in a pipeline, to the slow stage's rank rather than the next stage that waited for it.
+- *Noise*: each rank's blame in a step minus the median rank's is its deviation. A rank's
+  *consistent excess* is the number of steps times its median deviation (a one-off hiccup, a
+  descheduled process on a busy host, does not move a median). It stands out when that exceeds
+  the noise: 3 x 1.25 x sqrt(steps) x the robust spread (1.4826 x MAD) of all deviations pooled,
+  i.e. three standard errors of such a sum under exchangeable ranks (a consistent slowdown grows
+  with the steps, the noise with their square root).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import statistics
+from collections import defaultdict
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from myria import rundir
+
+COMPUTE = ("forward", "backward", "backward_weight", "grad_clip", "optimizer", "loss_mean")
+MODEL_COMPUTE = ("forward", "backward", "backward_weight")
+
+
+@dataclass
+class RankEvents:
+    rank: int
+    header: dict
+    events: list[dict]
+    truncated: bool = False
+
+
+@dataclass
+class Run:
+    """The events of a run directory, by rank."""
+
+    run_dir: Path
+    ranks: dict[int, RankEvents]
+    world: int
+    missing: list[int] = field(default_factory=list)
+    truncated: list[int] = field(default_factory=list)
+    problems: list[str] = field(default_factory=list)
+
+    @property
+    def steps(self) -> list[int]:
+        s = {e["s"] for r in self.ranks.values() for e in r.events
+             if e.get("n") == "step" and "t1" in e}
+        return sorted(s)
+
+
+def load_run(run_dir: str | Path) -> Run:
+    """Every rank's events; a rank whose file is missing or cut off mid-write is noted, and
+    whatever was written before the damage is kept."""
+    run_dir = Path(run_dir)
+    d = run_dir / rundir.EVENTS_DIR
+    ranks: dict[int, RankEvents] = {}
+    problems, truncated = [], []
+    world = 0
+    for f in sorted(d.glob("rank*.jsonl")) if d.is_dir() else []:
+        try:
+            r = int(f.stem[4:])
+        except ValueError:
+            continue
+        header, evs, cut = {}, [], False
+        try:
+            text = f.read_text(errors="replace")
+        except OSError as e:
+            problems.append(f"{f.name}: unreadable ({e.strerror})")
+            continue
+        for line in text.splitlines():
+            try:
+                obj = json.loads(line)
+            except ValueError:
+                cut = True  # a line cut by a crash: keep what came before
+                continue
+            if "header" in obj:
+                header = obj["header"]
+                world = max(world, int(header.get("world", 0)))
+            elif "t0" in obj and "t1" in obj:
+                evs.append(obj)
+        if cut:
+            truncated.append(r)
+            problems.append(f"rank {r}: events file truncated (a line cut mid-write)")
+        if not header:
+            problems.append(f"rank {r}: events file has no header")
+        ranks[r] = RankEvents(r, header, evs, cut)
+    world = max(world, max(ranks) + 1 if ranks else 0)
+    missing = [r for r in range(world) if r not in ranks]
+    for r in missing:
+        problems.append(f"rank {r}: no events file (the rank was killed before writing, or "
+                        "observe.enabled = false)")
+    return Run(run_dir, ranks, world, missing, truncated, problems)
+
+
+def _blocking(evs: list[dict]) -> list[dict]:
+    """Spans in which a rank blocks on communication: synchronous collectives and waits."""
+    return [e for e in evs if e["c"] == "wait" or
+            (e["c"] == "comm" and not e.get("a", {}).get("async"))]
+
+
+def _overlap(a0: int, a1: int, spans: list[tuple[int, int]]) -> int:
+    return sum(max(0, min(a1, b1) - max(a0, b0)) for b0, b1 in spans)
+
+
+def step_table(run: Run) -> dict[int, dict[int, dict]]:
+    """{rank: {step: {step_s, compute_s, model_compute_s, comm_s: {dim: s}, wait_s, data_s,
+    optimizer_s, ckpt_s, idle_s}}} from the events of each rank."""
+    out: dict[int, dict[int, dict]] = {}
+    for r, re in run.ranks.items():
+        by_step: dict[int, list[dict]] = defaultdict(list)
+        for e in re.events:
+            by_step[e["s"]].append(e)
+        rows = {}
+        for s, evs in by_step.items():
+            step = next((e for e in evs if e["n"] == "step"), None)
+            if step is None:
+                continue
+            block = _blocking(evs)
+            spans_by_th = defaultdict(list)
+            for b in block:
+                spans_by_th[b.get("th", 0)].append((b["t0"], b["t1"]))
+            comp = model = opt = 0
+            for e in evs:
+                if e["c"] == "compute" and e["n"] in COMPUTE:
+                    d = e["t1"] - e["t0"] - _overlap(e["t0"], e["t1"], spans_by_th[e.get("th", 0)])
+                    comp += d
+                    if e["n"] in MODEL_COMPUTE:
+                        model += d
+                    if e["n"] == "optimizer":
+                        opt += d
+            comm: dict[str, float] = defaultdict(float)
+            for b in block:
+                if b.get("th", 0) == 0:
+                    dim = (b.get("a") or {}).get("dim") or ("pp" if (b.get("a") or {}).get("ops")
+                                                            else "other")
+                    comm[dim] += (b["t1"] - b["t0"]) / 1e6
+            data = sum(e["t1"] - e["t0"] for e in evs if e["c"] == "data")
+            ckpt = sum(e["t1"] - e["t0"] for e in evs if e["c"] == "ckpt" and e.get("th", 0) == 0)
+            total = step["t1"] - step["t0"]
+            accounted = comp + sum(comm.values()) * 1e6 + data + ckpt
+            rows[s] = {"step_s": total / 1e6, "compute_s": comp / 1e6,
+                       "model_compute_s": model / 1e6, "optimizer_s": opt / 1e6,
+                       "comm_s": dict(comm), "data_s": data / 1e6, "ckpt_s": ckpt / 1e6,
+                       "idle_s": max(0.0, (total - accounted) / 1e6)}
+        out[r] = rows
+    return out
+
+
+@dataclass
+class Instance:
+    """One collective (or one pipeline transfer) across the ranks that took part."""
+
+    name: str
+    dim: str
+    step: int
+    arrival: dict[int, int]       # rank -> issue time (µs)
+    blocked: dict[int, int]       # rank -> blocking time in it (µs)
+    last: int = -1
+    waited: dict[int, int] = field(default_factory=dict)
+
+
+def instances(run: Run) -> list[Instance]:
+    """Collective instances and pipeline transfers, matched across ranks."""
+    coll: dict[tuple, dict] = defaultdict(lambda: {"arr": {}, "blk": {}, "name": "", "dim": "",
+                                                   "step": 0})
+    waits: dict[tuple, int] = {}
+    sends: dict[tuple, int] = {}                      # (src, dst, seq) -> send issue time
+    recv_at: dict[tuple, tuple] = {}            # (src, dst, seq) -> (receive issue time, step)
+    recv_blocked: dict[tuple, int] = defaultdict(int)  # (src, dst, seq) -> blocked waiting
+    recv_wait_at: dict[tuple, int] = {}               # (src, dst, seq) -> when waiting began
+    for r, re in run.ranks.items():
+        for e in re.events:
+            a = e.get("a") or {}
+            if e["c"] == "comm" and a.get("group"):
+                key = (tuple(a["group"]), a["seq"])
+                c = coll[key]
+                c["arr"][r] = e["t0"]
+                c["name"], c["dim"], c["step"] = e["n"], a.get("dim", ""), e["s"]
+                if not a.get("async"):
+                    c["blk"][r] = e["t1"] - e["t0"]
+            elif e["c"] == "wait" and a.get("ops"):
+                for op in a["ops"]:
+                    if op["kind"] == "recv":
+                        k = (op["peer"], r, op["seq"])
+                        recv_blocked[k] += e["t1"] - e["t0"]
+                        # the receiver starts waiting here (its receive may have been issued
+                        # long before): the sender is late if it sends after this
+                        recv_wait_at[k] = min(recv_wait_at.get(k, e["t0"]), e["t0"])
+            elif e["c"] == "wait" and a.get("seq") is not None:
+                waits[(r, tuple(a.get("group") or ()), a["seq"])] = e["t1"] - e["t0"]
+            elif e["c"] == "p2p":
+                for op in a.get("ops", []):
+                    if op["kind"] == "send":
+                        sends[(r, op["peer"], op["seq"])] = e["t0"]
+                    else:
+                        recv_at[(op["peer"], r, op["seq"])] = (e["t0"], e["s"])
+    out = []
+    for (group, seq), c in coll.items():
+        for r in c["arr"]:
+            if r not in c["blk"]:
+                c["blk"][r] = waits.get((r, group, seq), 0)
+        if set(c["arr"]) != set(group) or len(group) < 2:
+            continue  # a rank's events are missing: the instance cannot be judged
+        inst = Instance(c["name"], c["dim"], c["step"], c["arr"], c["blk"])
+        inst.last = max(c["arr"], key=lambda r: (c["arr"][r], r))
+        t_last = c["arr"][inst.last]
+        for r, t in c["arr"].items():
+            if r != inst.last:
+                inst.waited[r] = max(0, min(c["blk"][r], t_last - t))
+        out.append(inst)
+    for (src, dst, seq), (t_recv, step) in recv_at.items():
+        t_send = sends.get((src, dst, seq))
+        if t_send is None:
+            continue
+        blocked = recv_blocked.get((src, dst, seq), 0)
+        t_recv = recv_wait_at.get((src, dst, seq), t_recv)
+        inst = Instance("p2p", "pp", step, {src: t_send, dst: t_recv}, {dst: blocked},
+                        last=src)
+        inst.waited[dst] = max(0, min(blocked, t_send - t_recv))
+        out.append(inst)
+    return out
+
+
+def blame_report(run: Run, table: dict | None = None) -> dict:
+    """The blame.json object: per rank compute, blamed and waited seconds; the most blamed
+    rank; the noise; per-step critical path and what-if."""
+    table = table if table is not None else step_table(run)
+    steps = sorted({s for rows in table.values() for s in rows})
+    warmup = steps[0] if len(steps) > 1 else None  # the first step (allocation, warm-up)
+    steps = [s for s in steps if s != warmup]
+    blamed: dict[int, float] = defaultdict(float)
+    waited: dict[int, float] = defaultdict(float)
+    per_step_blame: dict[int, dict[int, float]] = defaultdict(lambda: defaultdict(float))
+    insts = [i for i in instances(run) if i.step in steps]
+    # each rank's blocked intervals and whom it waited for, to chase lateness to its root
+    blocked: dict[int, list[tuple[int, int, int]]] = defaultdict(list)
+    for inst in insts:
+        for r, w in inst.waited.items():
+            if w > 0:
+                t = inst.arrival[inst.last]
+                blocked[r].append((t - w, t, inst.last))
+    for r in blocked:
+        blocked[r].sort()
+    for inst in insts:
+        t_last = inst.arrival[inst.last]
+        for r, w in inst.waited.items():
+            waited[r] += w / 1e6
+            for culprit, amount in _root(blocked, inst.last, t_last - w, t_last, w,
+                                         {r}).items():
+                blamed[culprit] += amount / 1e6
+                per_step_blame[inst.step][culprit] += amount / 1e6
+    ranks = sorted(run.ranks)
+    rows = []
+    for r in ranks:
+        hdr = run.ranks[r].header
+        comp = sum(row["compute_s"] for s, row in table.get(r, {}).items() if s != warmup)
+        rows.append({"rank": r, "coord": hdr.get("coord", {}), "host": hdr.get("host", ""),
+                     "compute_s": comp, "blamed_s": blamed.get(r, 0.0),
+                     "waited_s": waited.get(r, 0.0)})
+    # noise: each rank's per-step blame minus the median rank's, pooled (module docstring)
+    dev: dict[int, list[float]] = {r: [] for r in ranks}
+    for s in steps:
+        vals = [per_step_blame[s].get(r, 0.0) for r in ranks]
+        med = statistics.median(vals) if vals else 0.0
+        for r, v in zip(ranks, vals):
+            dev[r].append(v - med)
+    n = len(steps)
+    pooled = [x for r in ranks for x in dev[r]]
+    noise = 0.0
+    if len(ranks) > 1 and pooled:
+        mid = statistics.median(pooled)
+        sigma = 1.4826 * statistics.median(abs(x - mid) for x in pooled)
+        noise = 3 * 1.25 * math.sqrt(n) * sigma
+    excess = {r: n * statistics.median(dev[r]) if dev[r] else 0.0 for r in ranks}
+    most = max(rows, key=lambda x: x["blamed_s"])["rank"] if rows else None
+    standout = [r for r in ranks if excess[r] > noise and excess[r] > 0]
+    # per step: critical path (slowest rank's step) and the what-if of the most blamed rank
+    per_step = []
+    for s in steps:
+        have = {r: table[r][s] for r in ranks if s in table.get(r, {})}
+        if not have:
+            continue
+        crit = max(have, key=lambda r: have[r]["step_s"])
+        t = have[crit]["step_s"]
+        whatif = t
+        if most is not None and most in have and len(have) > 1:
+            peers = [have[r]["compute_s"] for r in have if r != most and
+                     _same_work(run, r, most)] or [have[r]["compute_s"] for r in have
+                                                   if r != most]
+            if peers:
+                gain = have[most]["compute_s"] - statistics.median(peers)
+                whatif = max(0.0, t - max(0.0, gain))
+        per_step.append({"step": s, "step_s": t, "critical_rank": crit,
+                         "blame": {str(r): v for r, v in per_step_blame[s].items()},
+                         "whatif_s": whatif})
+    return {"ranks": rows, "most_blamed_rank": most, "steps": len(steps),
+            "warmup_step_excluded": warmup,
+            "noise_s": noise, "excess_blame_s": {str(r): excess[r] for r in ranks},
+            "standout_ranks": standout, "per_step": per_step,
+            "whatif_saving_s": sum(p["step_s"] - p["whatif_s"] for p in per_step),
+            "missing_ranks": run.missing, "truncated_ranks": run.truncated,
+            "problems": run.problems}
+
+
+def _root(blocked: dict, rank: int, t0: int, t1: int, amount: int, seen: set,
+          depth: int = 4) -> dict[int, int]:
+    """Who `amount` µs of waiting for `rank` during [t0, t1] is due to: the part of that window
+    in which `rank` was itself blocked waiting for another rank goes to that rank (recursively:
+    in a pipeline the next stage waits for the slow stage, and its data-parallel peers wait for
+    the next stage), the rest to `rank`."""
+    out: dict[int, int] = defaultdict(int)
+    if depth == 0 or rank in seen or t1 <= t0 or amount <= 0:
+        out[rank] += amount
+        return out
+    left = amount
+    for b0, b1, culprit in blocked.get(rank, ()):
+        if b1 <= t0:
+            continue
+        if b0 >= t1:
+            break
+        ov = min(t1, b1) - max(t0, b0)
+        if ov <= 0 or culprit == rank:
+            continue
+        part = min(left, ov)
+        for c, a in _root(blocked, culprit, max(t0, b0), min(t1, b1), part, seen | {rank},
+                          depth - 1).items():
+            out[c] += a
+        left -= part
+        if left <= 0:
+            break
+    if left > 0:
+        out[rank] += left
+    return out
+
+
+def _same_work(run: Run, a: int, b: int) -> bool:
+    """Whether two ranks do the same work (the same pipeline stage)."""
+    ca = run.ranks[a].header.get("coord", {})
+    cb = run.ranks[b].header.get("coord", {})
+    return ca.get("pp") == cb.get("pp")
+
+
+def compute_matrix(run: Run, table: dict | None = None) -> tuple[list[int], list[int], list]:
+    """(ranks, steps, rows of compute-only seconds): the heat map's data. Stragglers read this
+    (myria.resilience detectors score each rank against peers of the same stage)."""
+    table = table if table is not None else step_table(run)
+    ranks = sorted(table)
+    steps = sorted({s for rows in table.values() for s in rows})
+    return ranks, steps, [[table[r].get(s, {}).get("compute_s", float("nan")) for s in steps]
+                          for r in ranks]

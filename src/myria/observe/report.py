@@ -1,0 +1,325 @@
+"""`myria report RUN_DIR`: one timeline of every rank, who waited on whom, and a page to read.
+
+Writes RUN_DIR/report/:
+
+    trace.json    Chrome trace events (Perfetto and chrome://tracing open it): a process per
+                  host, a track per rank named by its (dp, pp, cp, tp, ep) coordinate, every
+                  event of the timer, flow arrows from each pipeline send to its receive
+    blame.json    {"ranks": [{rank, coord, compute_s, blamed_s, waited_s}], "most_blamed_rank",
+                   "steps", ...}: see myria.observe.analyze
+    index.html    a self-contained page (images inlined): heat map of rank x step compute time,
+                  the step-time breakdown beside the performance model's prediction, loss,
+                  tokens/s and MFU curves, the blame table, what is missing
+    *.png         the same figures as files
+
+A directory that is not a run, or a run with missing or truncated event files, gets a report
+of what there is and a list of what is missing; never a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import html
+import json
+import statistics
+from pathlib import Path
+
+from myria import rundir
+from myria.errors import DataError
+from myria.observe.analyze import Run, blame_report, compute_matrix, load_run, step_table
+
+BACKGROUND_TID = 100000  # + rank: the track of a rank's helper threads
+CATEGORY_COLORS = {"compute": "thread_state_running", "comm": "terrible", "wait": "bad",
+                   "p2p": "yellow", "data": "grey", "ckpt": "olive", "step": "generic_work"}
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("run_dir", metavar="RUN_DIR", help="a run directory written by myria train")
+    p.add_argument("--no-prediction", action="store_true",
+                   help="skip the performance model's predicted breakdown")
+
+
+def run(args) -> int:
+    out = write_report(Path(args.run_dir), predict=not args.no_prediction)
+    b = json.loads((out / "blame.json").read_text())
+    print(f"report of {args.run_dir}: {b['steps']} step(s), {len(b['ranks'])} rank(s); most "
+          f"blamed rank {b['most_blamed_rank']}" + (f" (stands out: ranks "
+                                                     f"{b['standout_ranks']})"
+                                                     if b["standout_ranks"] else
+                                                     " (no rank stands out of the noise)"))
+    for p in b["problems"]:
+        print(f"  missing: {p}")
+    print(f"  open {out / 'index.html'} (timeline: load {out / 'trace.json'} in "
+          "https://ui.perfetto.dev or chrome://tracing)")
+    return 0
+
+
+def write_report(run_dir: Path, predict: bool = True) -> Path:
+    if not run_dir.is_dir():
+        raise DataError(f"{run_dir} is not a directory")
+    run = load_run(run_dir)
+    if not run.ranks and not (run_dir / rundir.METRICS).exists():
+        raise DataError(f"{run_dir} is not a myria run directory (no {rundir.EVENTS_DIR}/ "
+                        f"and no {rundir.METRICS}); pass the --run-dir of `myria train`")
+    out = rundir.report_dir(run_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    table = step_table(run)
+    blame = blame_report(run, table)
+    from myria.resilience.straggler import default_window, detect
+
+    found = detect(run, window=default_window(blame["steps"] + 1), table=table)
+    blame["stragglers"] = [dict(s.evidence(), rank=s.rank, host=s.host,
+                                detected_step=s.detected_step) for s in found]
+    (out / "blame.json").write_text(json.dumps(blame, indent=1))
+    (out / "trace.json").write_text(json.dumps(chrome_trace(run)))
+    figs = figures(run, table, blame, out)
+    pred = prediction(run_dir) if predict else None
+    (out / "index.html").write_text(page(run, table, blame, figs, pred))
+    return out
+
+
+# -- the trace -------------------------------------------------------------------------------
+
+def coord_label(hdr: dict) -> str:
+    c = hdr.get("coord", {})
+    return "(" + ", ".join(f"{k}{c.get(k, 0)}" for k in ("dp", "pp", "cp", "tp", "ep")) + ")"
+
+
+def chrome_trace(run: Run) -> dict:
+    """The Trace Event Format object: pid = host, tid = rank, ts/dur in µs."""
+    hosts = sorted({r.header.get("host", "?") for r in run.ranks.values()})
+    pid_of = {h: i + 1 for i, h in enumerate(hosts)}
+    ev: list[dict] = []
+    t_min = min((e["t0"] for r in run.ranks.values() for e in r.events), default=0)
+    for h, pid in pid_of.items():
+        ev.append({"ph": "M", "name": "process_name", "pid": pid, "tid": 0,
+                   "args": {"name": f"host {h}"}})
+    sends: dict[tuple, tuple] = {}
+    for r, re in sorted(run.ranks.items()):
+        pid = pid_of[re.header.get("host", "?")]
+        ev.append({"ph": "M", "name": "thread_name", "pid": pid, "tid": r,
+                   "args": {"name": f"rank {r} {coord_label(re.header)}"}})
+        ev.append({"ph": "M", "name": "thread_sort_index", "pid": pid, "tid": r,
+                   "args": {"sort_index": r}})
+        side = set()
+        for e in re.events:
+            args = dict(e.get("a") or {}, step=e["s"])
+            if "m" in e:
+                args["microbatch"] = e["m"]
+            # the training thread's spans nest; a helper thread's (checkpoint snapshot and
+            # persist) overlap them, so they get a track of their own under the rank's
+            tid = r
+            if e.get("th", 0):
+                tid = BACKGROUND_TID + r
+                side.add(tid)
+            name = e["n"] if "m" not in e else f"{e['n']} mb{e['m']}"
+            ev.append({"ph": "X", "name": name, "cat": e["c"], "pid": pid, "tid": tid,
+                       "ts": e["t0"] - t_min, "dur": max(0, e["t1"] - e["t0"]), "args": args,
+                       "cname": CATEGORY_COLORS.get(e["c"], "generic_work")})
+            if e["c"] == "p2p":
+                for op in (e.get("a") or {}).get("ops", []):
+                    if op["kind"] == "send":
+                        sends[(r, op["peer"], op["seq"])] = (pid, r, e["t0"] - t_min)
+        for tid in side:
+            ev.append({"ph": "M", "name": "thread_name", "pid": pid, "tid": tid,
+                       "args": {"name": f"rank {r} background (checkpoint)"}})
+            ev.append({"ph": "M", "name": "thread_sort_index", "pid": pid, "tid": tid,
+                       "args": {"sort_index": BACKGROUND_TID + r}})
+    # flow arrows: send -> the matching receive
+    flow_id = 0
+    for r, re in sorted(run.ranks.items()):
+        pid = pid_of[re.header.get("host", "?")]
+        for e in re.events:
+            if e["c"] != "p2p":
+                continue
+            for op in (e.get("a") or {}).get("ops", []):
+                src = sends.get((op["peer"], r, op["seq"])) if op["kind"] == "recv" else None
+                if src is None:
+                    continue
+                flow_id += 1
+                ev.append({"ph": "s", "id": flow_id, "name": "p2p", "cat": "p2p",
+                           "pid": src[0], "tid": src[1], "ts": src[2]})
+                ev.append({"ph": "f", "bp": "e", "id": flow_id, "name": "p2p", "cat": "p2p",
+                           "pid": pid, "tid": r, "ts": e["t1"] - t_min})
+    return {"traceEvents": ev, "displayTimeUnit": "ms",
+            "otherData": {"run_dir": str(run.run_dir), "missing_ranks": run.missing,
+                          "truncated_ranks": run.truncated}}
+
+
+# -- figures ---------------------------------------------------------------------------------
+
+def _png(fig, path: Path) -> str:
+    fig.savefig(path, dpi=110, bbox_inches="tight")
+    import matplotlib.pyplot as plt
+
+    plt.close(fig)
+    return base64.b64encode(path.read_bytes()).decode()
+
+
+def breakdown(table: dict) -> dict[str, float]:
+    """Mean seconds per step over ranks and steps (the warm-up step excluded)."""
+    parts: dict[str, list[float]] = {}
+    for rows in table.values():
+        steps = sorted(rows)[1:] if len(rows) > 1 else sorted(rows)
+        for s in steps:
+            row = rows[s]
+            vals = {"compute": row["model_compute_s"], "optimizer": row["optimizer_s"],
+                    "other compute": row["compute_s"] - row["model_compute_s"] -
+                    row["optimizer_s"], "data wait": row["data_s"],
+                    "checkpoint": row["ckpt_s"], "idle / bubble": row["idle_s"]}
+            for dim, v in row["comm_s"].items():
+                vals[f"exposed comm ({dim})"] = v
+            for k, v in vals.items():
+                parts.setdefault(k, []).append(v)
+    n = max((len(v) for v in parts.values()), default=1)
+    return {k: sum(v) / n for k, v in parts.items()}
+
+
+def figures(run: Run, table: dict, blame: dict, out: Path) -> dict[str, str]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    figs = {}
+    ranks, steps, rows = compute_matrix(run, table)
+    if ranks and steps:
+        data = np.array(rows, dtype=float)
+        fig, ax = plt.subplots(figsize=(max(6, min(16, len(steps) * 0.35 + 3)),
+                                        max(2.5, len(ranks) * 0.45 + 1.5)))
+        # the colour scale ignores the warm-up step, which would wash the others out
+        steady = data[:, 1:] if data.shape[1] > 1 else data
+        finite = steady[np.isfinite(steady)]
+        lo, hi = (float(finite.min()) * 1e3, float(finite.max()) * 1e3) if finite.size else \
+            (None, None)
+        im = ax.imshow(data * 1e3, aspect="auto", cmap="viridis", interpolation="nearest",
+                       vmin=lo, vmax=hi)
+        ax.set_yticks(range(len(ranks)),
+                      [f"rank {r} {coord_label(run.ranks[r].header)}" for r in ranks])
+        step_ticks = list(range(0, len(steps), max(1, len(steps) // 12)))
+        ax.set_xticks(step_ticks, [str(steps[i]) for i in step_ticks])
+        ax.set_xlabel("step")
+        ax.set_title("compute-only time per rank and step (ms; waits excluded; colour scale "
+                     "from step 2)", fontsize=9)
+        fig.colorbar(im, ax=ax, label="ms")
+        figs["heatmap"] = _png(fig, out / "heatmap.png")
+    bd = breakdown(table)
+    if bd:
+        fig, ax = plt.subplots(figsize=(7, 3.2))
+        names = [k for k, v in sorted(bd.items(), key=lambda kv: -kv[1]) if v > 0]
+        ax.barh(names[::-1], [bd[k] * 1e3 for k in names[::-1]], color="#4477aa")
+        ax.set_xlabel("ms per step (mean over ranks and steps)")
+        ax.set_title("where a step's time goes (measured)")
+        figs["breakdown"] = _png(fig, out / "breakdown.png")
+    metrics = _metrics(run.run_dir)
+    if metrics:
+        fig, axes = plt.subplots(1, 3, figsize=(12, 3))
+        for ax, key, label in zip(axes, ("loss", "tokens_per_s", "mfu"),
+                                  ("loss", "tokens/s", "MFU")):
+            pts = [(m["step"], m[key]) for m in metrics if m.get(key) is not None]
+            if pts:
+                ax.plot(*zip(*pts), color="#aa3377")
+            ax.set_xlabel("step")
+            ax.set_title(label)
+        figs["curves"] = _png(fig, out / "curves.png")
+    return figs
+
+
+def _metrics(run_dir: Path) -> list[dict]:
+    path = run_dir / rundir.METRICS
+    out = []
+    if path.exists():
+        for line in path.read_text(errors="replace").splitlines():
+            try:
+                row = json.loads(line)
+            except ValueError:
+                continue
+            if "loss" in row:
+                out.append(row)
+    return out
+
+
+# -- the model's prediction ------------------------------------------------------------------
+
+def prediction(run_dir: Path) -> dict | None:
+    """The performance model's breakdown of the same config (from the cached CPU profile; no
+    new measurement), in the meter's MFU convention, or None with no config or profile."""
+    cfg_path = run_dir / rundir.CONFIG
+    if not cfg_path.exists():
+        return None
+    try:
+        from myria import config as mconfig
+        from myria.device import planning_device
+        from myria.sim.perf import simulate_config
+
+        cfg = mconfig.from_dict(json.loads(cfg_path.read_text()))
+        world = max(1, sum(1 for _ in (run_dir / rundir.EVENTS_DIR).glob("rank*.jsonl")))
+        spec = planning_device(cfg.training.dtype if cfg.training.dtype != "auto"
+                               else "float32")
+        res = simulate_config(cfg, world, spec, measure=False)
+    except Exception as e:  # a prediction is a bonus: say why there is none
+        return {"error": f"{type(e).__name__}: {e}"}
+    return {"iteration_time_s": res.iteration_time_s, "mfu": res.mfu,
+            "breakdown": res.breakdown, "device": spec.name}
+
+
+# -- the page --------------------------------------------------------------------------------
+
+def page(run: Run, table: dict, blame: dict, figs: dict[str, str], pred: dict | None) -> str:
+    esc = html.escape
+    rows = "".join(
+        f"<tr{' class=hot' if r['rank'] == blame['most_blamed_rank'] else ''}>"
+        f"<td>{r['rank']}</td><td>{esc(coord_label({'coord': r['coord']}))}</td>"
+        f"<td>{esc(r['host'])}</td><td>{r['compute_s']:.3f}</td><td>{r['blamed_s']:.3f}</td>"
+        f"<td>{r['waited_s']:.3f}</td></tr>" for r in blame["ranks"])
+    img = "".join(f"<h2>{esc(t)}</h2><img id='{k}' alt='{esc(t)}' "
+                  f"src='data:image/png;base64,{figs[k]}'>"
+                  for k, t in (("heatmap", "Compute time per rank and step"),
+                               ("breakdown", "Step-time breakdown"),
+                               ("curves", "Loss, tokens/s and MFU")) if k in figs)
+    bd = breakdown(table)
+    measured_step = statistics.median(
+        [row["step_s"] for rows in table.values() for s, row in sorted(rows.items())[1:]]
+        or [0.0])
+    pred_html = "<p>no prediction (no config.json in the run directory)</p>"
+    if pred and "error" in pred:
+        pred_html = f"<p>no prediction: {esc(pred['error'])}</p>"
+    elif pred:
+        prow = "".join(f"<tr><td>{esc(k)}</td><td>{v * 1e3:.1f}</td></tr>"
+                       for k, v in sorted(pred["breakdown"].items(), key=lambda kv: -kv[1])
+                       if v > 0)
+        mrow = "".join(f"<tr><td>{esc(k)}</td><td>{v * 1e3:.1f}</td></tr>"
+                       for k, v in sorted(bd.items(), key=lambda kv: -kv[1]) if v > 0)
+        pred_html = (f"<p>predicted step {pred['iteration_time_s'] * 1e3:.1f} ms on "
+                     f"{esc(pred['device'])} (MFU {pred['mfu']:.1%}, the meter's convention), "
+                     f"measured median step {measured_step * 1e3:.1f} ms.</p><div class=row>"
+                     f"<table><tr><th>predicted</th><th>ms</th></tr>{prow}</table>"
+                     f"<table><tr><th>measured</th><th>ms</th></tr>{mrow}</table></div>")
+    problems = "".join(f"<li>{esc(p)}</li>" for p in blame["problems"]) or "<li>none</li>"
+    strag = "".join(
+        f"<li>rank {s['rank']} ({esc(s['host'])}): {s['slowdown']:.0%} slower than its peers "
+        f"from step {s['first_step']}, costing {s['cost_s_per_step'] * 1e3:.0f} ms per step"
+        "</li>" for s in blame.get("stragglers", [])) or "<li>none</li>"
+    standout = (f"rank(s) {blame['standout_ranks']} stand out" if blame["standout_ranks"]
+                else "no rank stands out of the noise")
+    whatif = blame["whatif_saving_s"]
+    return f"""<!doctype html><html><head><meta charset="utf-8"><title>myria report</title>
+<style>body{{font-family:sans-serif;margin:2em;max-width:1200px}}table{{border-collapse:collapse;
+margin:1em 1em 1em 0}}td,th{{border:1px solid #ccc;padding:3px 8px;text-align:right}}
+tr.hot{{background:#fdd}}img{{max-width:100%}}.row{{display:flex;gap:2em}}</style></head><body>
+<h1>myria report: {esc(str(run.run_dir))}</h1>
+<p>{len(run.ranks)} rank(s) of {run.world}, {blame['steps']} step(s) analysed (first step
+excluded as warm-up). Most blamed rank: <b>{blame['most_blamed_rank']}</b>; {standout}
+(noise {blame['noise_s']:.3f} s). If it ran at its peers' median speed the steps would have
+taken {whatif:.3f} s less in total.</p>
+<h2>Blame: who waited on whom</h2>
+<table id="blame"><tr><th>rank</th><th>(dp, pp, cp, tp, ep)</th><th>host</th>
+<th>compute s</th><th>others waited on it, s</th><th>it waited, s</th></tr>{rows}</table>
+{img}
+<h2>Stragglers (compute-only time against peers of the same stage)</h2>
+<ul id="stragglers">{strag}</ul>
+<h2>Predicted beside measured</h2>{pred_html}
+<h2>Missing</h2><ul>{problems}</ul>
+<p>Timeline: <code>trace.json</code> (Perfetto, chrome://tracing).</p></body></html>"""

@@ -1,0 +1,40 @@
+"""The run directory: the interface between the worker side and the tools above it.
+
+Every path under RUN_DIR that more than one part of myria reads or writes is named here:
+
+    config.json              the resolved config of the run (rank 0, at start)
+    metrics.jsonl            one row per logged step (rank 0); metrics.abandoned.jsonl holds
+                             rows of steps redone after a rollback
+    checkpoints/             two-stage checkpoints (myria.train.checkpoint)
+    events/rankNNNNN.jsonl   each rank's timed events (myria.observe.events)
+    hang/rankNNNNN.json      what each rank was doing when a hang dump was requested
+    report/                  `myria report` output: index.html, trace.json, blame.json, PNGs,
+                             hang.json (the supervisor's merged hang report)
+    events.jsonl             detections (stragglers, corruption, numerical faults, health)
+    supervisor.log, supervisor_summary.json, logs/, faults/
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+CONFIG = "config.json"
+METRICS = "metrics.jsonl"
+METRICS_ABANDONED = "metrics.abandoned.jsonl"
+CHECKPOINTS = "checkpoints"
+EVENTS_DIR = "events"
+HANG_DIR = "hang"
+REPORT_DIR = "report"
+DETECTIONS = "events.jsonl"
+
+
+def events_file(run_dir: str | Path, rank: int) -> Path:
+    return Path(run_dir) / EVENTS_DIR / f"rank{rank:05d}.jsonl"
+
+
+def hang_file(run_dir: str | Path, rank: int) -> Path:
+    return Path(run_dir) / HANG_DIR / f"rank{rank:05d}.json"
+
+
+def report_dir(run_dir: str | Path) -> Path:
+    return Path(run_dir) / REPORT_DIR

@@ -1,0 +1,77 @@
+"""Calibration of the performance model: error on the published runs, the one fitted constant,
+and the model's own uncertainty estimated by leave-one-out cross-validation.
+
+The calibration set is Narayanan et al. 2021, Table 1 (`data/calibration_runs.toml`). Only
+E_GEMM is fitted on it. `loo_errors` refits E_GEMM on all rows but one and predicts the one
+left out, for each row: the spread of those held-out errors is what the planner reports as the
+uncertainty of a prediction (`uncertainty()`, stored in `data/uncertainty.json` by
+`bench/sim_calibration.py --cv`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from functools import lru_cache
+from pathlib import Path
+
+from myria.sim.operators import Efficiency
+from myria.sim.perf import simulate
+
+UNCERTAINTY = Path(__file__).resolve().parent / "data" / "uncertainty.json"
+DEFAULT_BAND = 0.10  # used only when data/uncertainty.json is missing
+
+
+def errors(runs, hws, eff: Efficiency) -> list[float]:
+    """Relative iteration-time error (predicted / measured - 1) of each run."""
+    return [simulate(r, hw=h, eff=eff).iteration_time_s / r.measured["iteration_time_s"] - 1
+            for r, h in zip(runs, hws)]
+
+
+def mae(errs: list[float]) -> float:
+    return sum(abs(e) for e in errs) / len(errs)
+
+
+def fit_gemm(runs, hws, base: Efficiency, lo: float = 0.40, hi: float = 1.0,
+             step: float = 0.0025) -> tuple[float, float]:
+    """Grid search of E_GEMM (the only fitted constant) minimising the MAE; (E_GEMM, MAE)."""
+    best = (float("inf"), base.gemm)
+    g = lo
+    while g <= hi + 1e-12:
+        m = mae(errors(runs, hws, dataclasses.replace(base, gemm=round(g, 4))))
+        best = min(best, (m, round(g, 4)))
+        g += step
+    return best[1], best[0]
+
+
+def loo_errors(runs, hws, base: Efficiency, step: float = 0.005) -> list[float]:
+    """Held-out error of each run with E_GEMM refitted on the others."""
+    out = []
+    for i in range(len(runs)):
+        rest = [r for j, r in enumerate(runs) if j != i]
+        rest_hw = [h for j, h in enumerate(hws) if j != i]
+        g, _ = fit_gemm(rest, rest_hw, base, step=step)
+        out.append(errors([runs[i]], [hws[i]], dataclasses.replace(base, gemm=g))[0])
+    return out
+
+
+def band_from(errs: list[float]) -> float:
+    """The half-width of the uncertainty band: the 90th percentile of |held-out error|
+    (linear interpolation between order statistics)."""
+    a = sorted(abs(e) for e in errs)
+    if not a:
+        return DEFAULT_BAND
+    pos = 0.9 * (len(a) - 1)
+    lo = int(pos)
+    hi = min(lo + 1, len(a) - 1)
+    return a[lo] + (a[hi] - a[lo]) * (pos - lo)
+
+
+@lru_cache(maxsize=1)
+def uncertainty() -> float:
+    """Relative uncertainty of a predicted iteration time (and so of MFU), from the stored
+    leave-one-out cross-validation of the calibration."""
+    try:
+        return float(json.loads(UNCERTAINTY.read_text())["band"])
+    except (OSError, ValueError, KeyError):
+        return DEFAULT_BAND

@@ -1,0 +1,65 @@
+"""Straggler detection from the event timer: a rank slowed by 20% is named within K steps; clean
+runs on this busy 2-core host raise nothing; detections are JSON lines in RUN_DIR/events.jsonl."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from myria import detections
+from myria.observe.analyze import load_run
+from myria.resilience.straggler import detect
+from tests.conftest import TINY, run_cli
+
+WINDOW, WINDOWS = 3, 2
+K = WINDOW * WINDOWS  # steps after the slowdown starts (and after the warm-up step)
+
+
+@pytest.mark.slow
+def test_a_rank_slowed_by_20_percent_is_named_within_k_steps(tmp_path, tiny_data):
+    run = tmp_path / "run"
+    run_cli("train", "--run-dir", str(run), f"--data.path={tiny_data}", *TINY,
+            "--training.global_batch=16", "--training.steps=14", "--checkpoint.interval=0",
+            "--nproc", "4", env={"MYRIA_FAULT": "slow:rank=3:factor=1.2"}, timeout=600)
+    found = detect(load_run(run), window=WINDOW, windows=WINDOWS)
+    assert [s.rank for s in found] == [3], [(s.rank, s.windows) for s in found]
+    s = found[0]
+    assert s.detected_step <= 1 + K  # within K steps of the first measured step
+    assert 0.10 <= s.slowdown < 0.6 and s.cost_s_per_step > 0
+    assert all(w["slowdown"] >= 0.10 for w in s.windows)
+
+
+@pytest.mark.slow
+def test_clean_and_slowed_runs(clean_dp, slow_dp):
+    assert detect(load_run(clean_dp), window=WINDOW, windows=WINDOWS) == []
+    found = detect(load_run(slow_dp), window=WINDOW, windows=WINDOWS)
+    assert [s.rank for s in found] == [2]
+
+
+def test_detections_are_json_lines(tmp_path):
+    detections.record(tmp_path, "straggler", 3, "host-a", 12, {"slowdown": 0.2}, "warn")
+    detections.record(tmp_path, "health", None, "host-a", 0, {"gemm": "ok"}, "none")
+    (tmp_path / "events.jsonl").open("a").write('{"kind": "cut')  # a crash mid-line
+    rows = detections.read(tmp_path)
+    assert [r["kind"] for r in rows] == ["straggler", "health"]
+    assert set(rows[0]) >= {"kind", "rank", "host", "step", "evidence", "action"}
+    assert detections.read(tmp_path, "straggler")[0]["evidence"] == {"slowdown": 0.2}
+    with pytest.raises(ValueError):
+        detections.record(tmp_path, "gremlin", 0, "h", 0, {}, "none")
+    json.dumps(rows)
+
+
+@pytest.mark.slow
+def test_supervisor_reports_a_straggler_once(tmp_path, tiny_data):
+    run = tmp_path / "sup"
+    run_cli("supervise", "--run-dir", str(run), "--nproc", "4", f"--data.path={tiny_data}",
+            *TINY, "--training.global_batch=16", "--training.steps=24",
+            "--checkpoint.interval=0", "--resilience.straggler_window=3",
+            "--resilience.diagnose=false", env={"MYRIA_FAULT": "slow:rank=1:factor=1.5"},
+            timeout=600)
+    rows = detections.read(run, "straggler")
+    assert [r["rank"] for r in rows] == [1], rows
+    assert rows[0]["evidence"]["slowdown"] >= 0.10 and rows[0]["action"] == "warn"
+    log = (run / "supervisor.log").read_text()
+    assert "DETECTED straggler rank 1" in log
