@@ -41,14 +41,5 @@ def record(run_dir: str | Path, kind: str, rank: int | None, host: str, step: in
 
 def read(run_dir: str | Path, kind: str | None = None) -> list[dict]:
     """The detections of a run (optionally of one kind); a line cut by a crash is skipped."""
-    path = Path(run_dir) / rundir.DETECTIONS
-    out = []
-    if path.exists():
-        for line in path.read_text(errors="replace").splitlines():
-            try:
-                row = json.loads(line)
-            except ValueError:
-                continue
-            if kind is None or row.get("kind") == kind:
-                out.append(row)
-    return out
+    rows = rundir.read_jsonl(Path(run_dir) / rundir.DETECTIONS)
+    return [r for r in rows if kind is None or r.get("kind") == kind]

@@ -16,6 +16,7 @@ Every path under RUN_DIR that more than one part of myria reads or writes is nam
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 CONFIG = "config.json"
@@ -38,3 +39,19 @@ def hang_file(run_dir: str | Path, rank: int) -> Path:
 
 def report_dir(run_dir: str | Path) -> Path:
     return Path(run_dir) / REPORT_DIR
+
+
+def read_jsonl(path: str | Path) -> list[dict]:
+    """The JSON objects of a JSON-lines file of the run directory; a line cut by a crash (or
+    otherwise unparsable) is skipped, a missing file is empty."""
+    path = Path(path)
+    out = []
+    if path.exists():
+        for line in path.read_text(errors="replace").splitlines():
+            try:
+                row = json.loads(line)
+            except ValueError:
+                continue
+            if isinstance(row, dict):
+                out.append(row)
+    return out

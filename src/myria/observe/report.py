@@ -228,17 +228,7 @@ def figures(run: Run, table: dict, blame: dict, out: Path) -> dict[str, str]:
 
 
 def _metrics(run_dir: Path) -> list[dict]:
-    path = run_dir / rundir.METRICS
-    out = []
-    if path.exists():
-        for line in path.read_text(errors="replace").splitlines():
-            try:
-                row = json.loads(line)
-            except ValueError:
-                continue
-            if "loss" in row:
-                out.append(row)
-    return out
+    return [r for r in rundir.read_jsonl(run_dir / rundir.METRICS) if "loss" in r]
 
 
 # -- the model's prediction ------------------------------------------------------------------
