@@ -13,16 +13,20 @@ from myria.resilience.straggler import detect
 from tests.conftest import TINY, run_cli
 
 WINDOW, WINDOWS = 3, 2
-K = WINDOW * WINDOWS  # steps after the slowdown starts (and after the warm-up step)
+# Named within K measured steps of the slowdown (it starts at step 1; step 1 is the warm-up):
+# K = window x windows when the evidence is clear, one window more when noise resets the streak
+# (the detector's documented bound).
+SLOW_WINDOW = 4
+K = SLOW_WINDOW * (WINDOWS + 1)
 
 
 @pytest.mark.slow
 def test_a_rank_slowed_by_20_percent_is_named_within_k_steps(tmp_path, tiny_data):
     run = tmp_path / "run"
     run_cli("train", "--run-dir", str(run), f"--data.path={tiny_data}", *TINY,
-            "--training.global_batch=16", "--training.steps=14", "--checkpoint.interval=0",
+            "--training.global_batch=16", "--training.steps=18", "--checkpoint.interval=0",
             "--nproc", "4", env={"MYRIA_FAULT": "slow:rank=3:factor=1.2"}, timeout=600)
-    found = detect(load_run(run), window=WINDOW, windows=WINDOWS)
+    found = detect(load_run(run), window=SLOW_WINDOW, windows=WINDOWS)
     assert [s.rank for s in found] == [3], [(s.rank, s.windows) for s in found]
     s = found[0]
     assert s.detected_step <= 1 + K  # within K steps of the first measured step

@@ -1,28 +1,38 @@
 """Stragglers: ranks whose own compute is persistently slower than their peers'.
 
 Reads the event timer's per-rank, per-step compute-only time (waits excluded, so the ranks that
-wait for a straggler are never blamed: `myria.observe.analyze.step_table`). Steps after the
-warm-up are cut into windows of `window` steps. In each window a rank's median compute time is
-compared with the median of its peers doing the same work (the same pipeline stage):
+wait for a straggler are never blamed: `myria.observe.analyze.step_table`). Peers are the ranks
+doing the same work (the same pipeline stage). The score is paired by step, so whatever slows
+every rank at once (a busy host, a longer batch) cancels:
 
-    slowdown = rank median / peer median - 1
-    z        = (rank median - peer median) / (1.4826 x MAD of the peers' medians, at least 3% of
-               the peer median: with one or two peers the MAD says nothing)
+    l[r, s]  = log(compute[r, s] / median of r's peers' compute[., s])
+    sigma    = 1.4826 x MAD of the peers' own l over every step so far (the per-step noise of
+               this host, measured on the ranks that are not under test; at least 2%)
+    window   = `window` consecutive measured steps after the warm-up step
+    slowdown = exp(median of l[r, .] in the window) - 1
+    z        = median of l[r, .] / (1.2533 x sigma / sqrt(n))   (the median's standard error)
 
-A rank is a straggler when slowdown >= `threshold` and z >= 3 in `windows` consecutive windows:
-detection within window x windows steps of the slowdown starting (10 with the defaults), and one
-window of noise (a descheduled process on a busy host) is not enough. Without peers (one rank per
-stage) it is compared with its own best window instead. The cost to the job is the rank's excess
-compute per step: in synchronous training every step waits for the slowest rank.
+A rank is a straggler when slowdown >= `threshold` and z >= `z_min` (2.5) in `windows`
+consecutive windows: detection within K = window x windows measured steps of the slowdown
+starting when the evidence is clear (10 with the defaults), K + window when one noisy window
+resets the streak; one bad window (a descheduled process on a busy host) is never enough. Under
+independent Gaussian noise a clean rank passes z >= 2.5 in two consecutive windows with
+probability 4e-5 per window pair, before the slowdown threshold is even asked. Without peers (one rank per stage) a rank is compared with its own
+best window instead. The cost to the job is the rank's excess compute per step: in synchronous
+training every step waits for the slowest rank. Missing steps (a rank that restarted, a cut
+event file) shrink a window; they never end the analysis.
 """
 
 from __future__ import annotations
 
+import math
 import statistics
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from myria.observe.analyze import Run, load_run, step_table
+
+MIN_SIGMA = 0.02   # no host is quieter than 2% per step; keeps z finite on identical samples
 
 
 @dataclass
@@ -46,56 +56,86 @@ def _peers_key(run: Run, r: int):
     return run.ranks[r].header.get("coord", {}).get("pp", 0)
 
 
+def _log_ratios(table: dict, group: list[int], steps: list[int]) -> dict[int, dict[int, float]]:
+    """{rank: {step: log(its compute / its peers' median compute)}} within one peer group."""
+    out: dict[int, dict[int, float]] = {r: {} for r in group}
+    for s in steps:
+        here = {r: table[r][s]["compute_s"] for r in group
+                if s in table[r] and table[r][s]["compute_s"] > 0}
+        for r, x in here.items():
+            peers = [y for p, y in here.items() if p != r]
+            if peers:
+                out[r][s] = math.log(x / statistics.median(peers))
+    return out
+
+
+def _windows(steps: list[int], window: int):
+    for i in range(0, len(steps) - window + 1, window):
+        yield steps[i:i + window]
+
+
 def detect(run: Run, window: int = 5, threshold: float = 0.10, windows: int = 2,
-           table: dict | None = None) -> list[Straggler]:
+           table: dict | None = None, z_min: float = 2.5) -> list[Straggler]:
     """The stragglers of `run` (see the module docstring)."""
     table = table if table is not None else step_table(run)
     steps = sorted({s for rows in table.values() for s in rows})[1:]  # skip the warm-up
     groups: dict = {}
     for r in table:
         groups.setdefault(_peers_key(run, r), []).append(r)
+    need = max(2, window // 2 + 1)   # samples a window needs to count
     found = []
-    for r in sorted(table):
-        peers = [p for p in groups[_peers_key(run, r)] if p != r]
-        streak: list[dict] = []
-        best_self = None
-        convicted = None
-        for i in range(0, len(steps) - window + 1, window):
-            w = steps[i:i + window]
-            mine = [table[r][s]["compute_s"] for s in w if s in table[r]]
-            if len(mine) < window:
-                break
-            med = statistics.median(mine)
-            if peers:
-                pm = [statistics.median(table[p][s]["compute_s"] for s in w if s in table[p])
-                      for p in peers if all(s in table[p] for s in w)]
-                if not pm:
-                    break
-                ref = statistics.median(pm)
-                mad = statistics.median(abs(x - ref) for x in pm) * 1.4826
-                z = (med - ref) / max(mad, 0.03 * ref, 1e-9)
-            else:  # no peer does the same work: against its own best window
-                best_self = med if best_self is None else min(best_self, med)
-                ref, z = best_self, float("inf") if med > best_self else 0.0
-            slow = med / ref - 1 if ref > 0 else 0.0
-            row = {"steps": [w[0], w[-1]], "median_s": round(med, 6),
-                   "peer_median_s": round(ref, 6), "slowdown": round(slow, 4),
-                   "z": round(z, 2) if z != float("inf") else None}
-            if slow >= threshold and z >= 3:
-                streak.append(row)
-                if len(streak) >= windows:
-                    convicted = streak[-windows:]
-                    break
-            else:
-                streak = []
-        if convicted:
-            slows = [c["slowdown"] for c in convicted]
-            cost = statistics.median(c["median_s"] - c["peer_median_s"] for c in convicted)
-            hdr = run.ranks[r].header
-            found.append(Straggler(r, hdr.get("host", ""), hdr.get("coord", {}),
-                                   convicted[0]["steps"][0], convicted[-1]["steps"][1],
-                                   statistics.median(slows), cost, convicted))
-    return found
+    for group in groups.values():
+        lr = _log_ratios(table, group, steps) if len(group) > 1 else {}
+        for r in sorted(group):
+            streak: list[dict] = []
+            convicted = None
+            best_self = None
+            seen: list[int] = []
+            for w in _windows(steps, window):
+                seen += w
+                if lr:
+                    mine = [lr[r][s] for s in w if s in lr[r]]
+                    if len(mine) < need:
+                        streak = []
+                        continue
+                    noise = [v for p in group if p != r for s, v in lr[p].items() if s <= w[-1]]
+                    med_noise = statistics.median(noise)
+                    sigma = max(MIN_SIGMA,
+                                1.4826 * statistics.median(abs(v - med_noise) for v in noise))
+                    m = statistics.median(mine)
+                    z = m / (1.2533 * sigma / math.sqrt(len(mine)))
+                    slow = math.exp(m) - 1
+                    own = statistics.median(table[r][s]["compute_s"] for s in w if s in table[r])
+                    ref = own / (1 + slow)
+                else:  # no peer does the same work: against its own best window
+                    xs = [table[r][s]["compute_s"] for s in w if s in table[r]]
+                    if len(xs) < need:
+                        streak = []
+                        continue
+                    own = statistics.median(xs)
+                    best_self = own if best_self is None else min(best_self, own)
+                    ref, sigma = best_self, None
+                    slow = own / ref - 1 if ref > 0 else 0.0
+                    z = math.inf if slow > 0 else 0.0
+                row = {"steps": [w[0], w[-1]], "median_s": round(own, 6),
+                       "peer_median_s": round(ref, 6), "slowdown": round(slow, 4),
+                       "z": round(z, 2) if math.isfinite(z) else None,
+                       "sigma": round(sigma, 4) if sigma is not None else None}
+                if slow >= threshold and z >= z_min:
+                    streak.append(row)
+                    if len(streak) >= windows:
+                        convicted = streak[-windows:]
+                        break
+                else:
+                    streak = []
+            if convicted:
+                hdr = run.ranks[r].header
+                found.append(Straggler(
+                    r, hdr.get("host", ""), hdr.get("coord", {}), convicted[0]["steps"][0],
+                    convicted[-1]["steps"][1], statistics.median(c["slowdown"] for c in convicted),
+                    statistics.median(c["median_s"] - c["peer_median_s"] for c in convicted),
+                    convicted))
+    return sorted(found, key=lambda s: s.rank)
 
 
 def detect_dir(run_dir: str | Path, **kw) -> list[Straggler]:
