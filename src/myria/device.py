@@ -1,18 +1,27 @@
 """Device facts: dense peak FLOP/s and bandwidths, read by the MFU meter and the simulator alike.
 
 Accelerator figures are datasheet peaks (dense, no 2:4 sparsity). A CPU has no datasheet entry
-here: its fp32 peak is *measured* once by a matmul benchmark and cached, and every figure says
-whether it was looked up or measured. An unknown device has no peak, so MFU is shown as unknown
+here: its fp32 peak is *measured* by a matmul benchmark, and every figure says whether it was
+looked up or measured, how and when. An unknown device has no peak, so MFU is shown as unknown
 rather than a wrong number.
+
+A measured figure is a ceiling, and this machine is shared: one probe taken while other work
+runs reads low, and a low peak makes every MFU after it too high. So a measured figure
+(`measured_figure`) is the best of several short probes, raised by every later probe and never
+lowered, kept with its recent samples, the time and the host's load average of each, in
+$MYRIA_CACHE/machine_figures.json; a peak with more threads is never below the one-thread peak
+(two threads are not slower than one: if they read so, the host was busy); `myria doctor
+--refresh` measures again.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import platform
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 
 
@@ -69,8 +78,101 @@ def cache_dir() -> Path:
     return Path(os.environ.get("MYRIA_CACHE", Path.home() / ".cache" / "myria"))
 
 
-def _cache_path() -> Path:
-    return cache_dir() / "cpu_peak.json"
+def _figures_path() -> Path:
+    return cache_dir() / "machine_figures.json"
+
+
+HISTORY = 20   # samples kept per figure
+
+
+@dataclass(frozen=True)
+class Figure:
+    """A measured figure: its best value, where it comes from, and the samples behind it."""
+
+    value: float
+    source: str
+    samples: tuple = ()       # (iso time, value, load average) of the most recent probes
+    measured_at: str = ""     # when the best value was measured
+
+
+def _load_figures() -> dict:
+    try:
+        return json.loads(_figures_path().read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def _save_figures(cache: dict) -> None:
+    path = _figures_path()
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(cache, indent=1))
+        tmp.replace(path)
+    except OSError:
+        pass
+
+
+@contextlib.contextmanager
+def _locked():
+    """An exclusive lock on the figures file's neighbour (fcntl; a no-op where it is missing)."""
+    try:
+        import fcntl
+
+        path = _figures_path().with_suffix(".lock")
+        path.parent.mkdir(parents=True, exist_ok=True)
+        f = path.open("a")
+    except (ImportError, OSError):
+        yield
+        return
+    with f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def _load_average() -> float | None:
+    try:
+        return round(os.getloadavg()[0], 2)
+    except OSError:
+        return None
+
+
+def measured_figure(name: str, threads: int, measure, *, refresh: bool = False, probes: int = 3,
+                    floor: float | None = None, what: str = "") -> Figure:
+    """The best-known value of a machine figure (`name`, e.g. "fp32_matmul_tflops") at
+    `threads` threads: the cached best when `refresh` is false and one exists, else `probes`
+    calls of `measure()` merged into the cache (the best is raised, never lowered). `floor`
+    (e.g. the one-thread peak for more threads) bounds it from below, with a note."""
+    import datetime as _dt
+
+    key = cpu_key(threads)
+    entry = _load_figures().get(key, {}).get(name)
+    if refresh or not entry:
+        new = []
+        for _ in range(max(1, probes)):
+            v = float(measure())
+            new.append([_dt.datetime.now().isoformat(timespec="seconds"), round(v, 6),
+                        _load_average()])
+        with _locked():   # other ranks of this host merge their probes into the same file
+            cache = _load_figures()
+            entry = dict(cache.get(key, {}).get(name) or
+                         {"best": 0.0, "best_at": "", "samples": []})
+            entry["samples"] = (entry["samples"] + new)[-HISTORY:]
+            for at, v, _ in new:
+                if v > entry["best"]:
+                    entry["best"], entry["best_at"] = v, at
+            cache.setdefault(key, {})[name] = entry
+            _save_figures(cache)
+    value, note = float(entry["best"]), ""
+    if floor is not None and floor > value:
+        value, note = floor, "; raised to the 1-thread figure (more threads read lower: busy host)"
+    n = len(entry["samples"])
+    source = (f"measured ({threads} threads{', ' + what if what else ''}, best of {n} probes "
+              f"since {entry['samples'][0][0] if n else '?'}, best at {entry['best_at']}{note})")
+    return Figure(value, source, tuple(tuple(x) for x in entry["samples"]), entry["best_at"])
 
 
 def cpu_key(threads: int) -> str:
@@ -118,34 +220,27 @@ def measure_matmul_tflops(n: int = 1024, dtype: str = "float32", seconds: float 
 
 
 def cpu_device_spec(threads: int | None = None, refresh: bool = False) -> DeviceSpec:
-    """This CPU, with its fp32 matmul peak measured once and cached (labelled 'measured')."""
+    """This CPU, with its fp32 matmul peak measured (`measured_figure`; labelled 'measured')."""
     import torch
 
     threads = threads or torch.get_num_threads()
-    path, key = _cache_path(), cpu_key(threads)
-    cache: dict = {}
-    if path.exists():
-        try:
-            cache = json.loads(path.read_text())
-        except (OSError, ValueError):
-            cache = {}
-    if not refresh and key in cache:
-        return DeviceSpec(**cache[key])
-    # A measurement on a busy machine reads low, and a peak is a ceiling: keep the best one.
-    tflops = measure_matmul_tflops(threads=threads, seconds=0.5 if key in cache else 1.0)
-    if key in cache:
-        tflops = max(tflops, cache[key]["peak_fp32_tflops"])
-    spec = DeviceSpec("cpu", peak_bf16_tflops=tflops, peak_fp32_tflops=tflops, memory_gb=0.0,
-                      memory_bw_gbs=0.0, source=f"measured ({threads} threads, fp32 matmul)")
-    cache[key] = asdict(spec)
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(cache, indent=1))
-        tmp.replace(path)
-    except OSError:
-        pass
-    return spec
+    first = not _load_figures().get(cpu_key(threads), {}).get("fp32_matmul_tflops")
+    floor = None
+    if threads > 1:   # the sanity bound: never below one thread's peak
+        floor = cpu_peak_figure(1, refresh=False).value
+    fig = measured_figure("fp32_matmul_tflops", threads,
+                          lambda: measure_matmul_tflops(threads=threads, seconds=0.2),
+                          refresh=refresh, probes=5 if first else 3, floor=floor,
+                          what="fp32 matmul")
+    return DeviceSpec("cpu", peak_bf16_tflops=fig.value, peak_fp32_tflops=fig.value,
+                      memory_gb=0.0, memory_bw_gbs=0.0, source=fig.source)
+
+
+def cpu_peak_figure(threads: int, refresh: bool = False) -> Figure:
+    """The fp32 matmul peak of this CPU at `threads` threads, with its samples."""
+    return measured_figure("fp32_matmul_tflops", threads,
+                           lambda: measure_matmul_tflops(threads=threads, seconds=0.2),
+                           refresh=refresh, what="fp32 matmul")
 
 
 def planning_device(dtype: str) -> DeviceSpec:
@@ -161,7 +256,7 @@ def planning_device(dtype: str) -> DeviceSpec:
 def local_peak_tflops(device_type: str, dtype: str) -> tuple[float | None, str]:
     """Peak TFLOP/s of this process's device for `dtype`, and where the figure comes from."""
     if device_type == "cpu":
-        spec = cpu_device_spec(refresh=True)  # half a second; keeps the best figure seen
+        spec = cpu_device_spec(refresh=True)  # 3 probes, 0.6 s; raises the best seen
         return spec.peak_fp32_tflops, spec.source
     spec = cuda_device_spec()
     if spec is None:

@@ -90,7 +90,7 @@ def test_slow_gemm_runs_below_the_floor():
                                     expected_tflops=expected)
     # The hook sleeps each GEMM up to the time it would take at 25% of the expected figure.
     assert tflops <= 0.25 * expected * 1.001
-    c = dg._throughput_check("gemm-throughput", 0, tflops, expected, "test", 0.5, "TFLOP/s")
+    c = dg.throughput_check("gemm-throughput", 0, tflops, expected, "test", 0.5, "TFLOP/s")
     assert c.status == "fail" and "below the 50% floor" in c.reason
 
 
@@ -177,7 +177,11 @@ def test_injected_slow_and_wrong_gemm_are_flagged(monkeypatch, tmp_path):
     assert _by(report, "gemm-correctness", 0).status == "pass"
     assert _by(report, "gemm-throughput", 1).status == "pass"
     assert {(c.name, c.rank) for c in report.failures} == {("gemm-throughput", 0),
-                                                           ("gemm-correctness", 1)}
+                                                           ("gemm-correctness", 1),
+                                                           ("golden", 1)}
+    assert _by(report, "golden", 0).status == "pass"
+    # The slow rank was measured three times before it failed (against a configured figure).
+    assert len(slow.details["samples"]) == 3
     assert report.faults == ["slow-gemm:rank=0", "wrong-gemm:rank=1"]
     saved = json.loads(report.write_json(tmp_path / "r.json").read_text())
     assert saved["passed"] is False and "FAIL" in saved["summary"]

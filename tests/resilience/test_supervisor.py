@@ -187,3 +187,39 @@ def test_sigterm_saves_then_exits_and_the_run_resumes(tmp_path, tiny_data, refer
     assert [got[s] for s in range(1, STEPS + 1)] == [ref[s] for s in range(1, STEPS + 1)]
     pa, pb = final_params(reference), final_params(tmp_path)
     assert all(torch.equal(pa[k], pb[k]) for k in pa)
+
+
+@pytest.mark.slow
+def test_busy_host_is_restarted_on_not_blocklisted(tmp_path, tiny_data, reference):
+    """Issue 10's incident: the host's own history was measured quiet (here: a figure no host
+    reaches), now two busy loops load it and a worker is killed. The self-check reads low
+    against that history on every rank alike: a warning with the evidence, never a reason to
+    blocklist the only host; the job restarts and ends bit-equal to a clean run."""
+    from myria import detections, device
+
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    quiet = {"best": 1000.0, "best_at": "2026-01-01T00:00:00",
+             "samples": [["2026-01-01T00:00:00", 1000.0, 0.0]]}
+    (cache / "machine_figures.json").write_text(json.dumps({
+        device.cpu_key(t): {"fp32_matmul_tflops": quiet, "membw_gbs": quiet}
+        for t in range(1, (os.cpu_count() or 2) + 1)}))
+    busy = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(2)]
+    try:
+        run = tmp_path / "run"
+        supervise(run, tiny_data, "--resilience.diagnose=true", "--resilience.hang_timeout_s=60",
+                  env={"MYRIA_FAULT": "kill:rank=1:step=9", "MYRIA_CACHE": str(cache)})
+    finally:
+        for p in busy:
+            p.kill()
+            p.wait()
+    summary, log = check_recovered(run, reference, "exit", 1)
+    assert "blocklist" not in log.lower().replace("blocklist_hook", "")
+    assert not (run / "blocklist.txt").exists()
+    health = detections.read(run, "health")
+    assert len(health) == 1 and health[0]["action"] == "none", health
+    warned = {c["name"] for c in health[0]["evidence"]["checks"]}
+    assert {"gemm-throughput", "memory-bandwidth"} <= warned
+    assert all(c["status"] == "warn" and c["details"]["load_average"] for c in
+               health[0]["evidence"]["checks"])
+    assert "PASS" in summary["faults"][0]["diagnostics"][0]

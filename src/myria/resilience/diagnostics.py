@@ -1,40 +1,35 @@
 """Self-check diagnostics of one host (`myria doctor`), also run by the supervisor before a restart.
 
-Checks, each with a pass/fail/skip status and the reason (measured vs expected):
+Checks (each family is a module of `myria.resilience.checks`), each with a pass, warn, fail or
+skip status and the reason (measured vs expected, with the evidence):
 
 1. `gemm-correctness` (per local rank): random matmuls in the training dtype against a float64
-   reference of the same (rounded) inputs; fails if any element's error exceeds the rounding
-   bound `2 * (k * u_fp32 + u_out) * (|A| |B|)_ij` (fp32 accumulation, output rounding).
-2. `gemm-throughput` (per local rank): best TFLOP/s of repeated matmuls against the expected
-   figure: on CPU the measured fp32 peak cached by `myria.device.cpu_device_spec`; on GPU the
-   datasheet peak times an achievable fraction. Fails below `tolerance` (default 0.5) of it.
-3. `memory-bandwidth`: a large buffer copy (GB/s counting read + write) against the first
-   measurement, cached per CPU model / thread count (CPU; once per host, since the ranks share
-   the memory) or the datasheet HBM bandwidth times an achievable fraction (GPU, per rank).
-4. `all-reduce`, `all-to-all` (optionally `all-gather`, `reduce-scatter`) among the host's
+   reference of the same (rounded) inputs, within the rounding bound.
+2. `golden` (per local rank): integer GEMM, reduction and softmax with exact known answers.
+3. `gemm-throughput` (per local rank): best TFLOP/s of repeated matmuls against the expected
+   figure: on CPU this host's own measured peak (`myria.device.measured_figure`); on GPU the
+   datasheet peak times an achievable fraction. Below `tolerance` (default 0.5) it is measured
+   twice more, and then judged against the other local ranks first: a rank far below its peers
+   fails; every rank as low (a busy host) is a warning, never a fault, on CPU.
+4. `memory-bandwidth`: a large buffer copy (GB/s counting read + write) against this host's
+   measured history (CPU; once per host, the ranks share the memory) or the datasheet HBM
+   bandwidth times an achievable fraction (GPU, per rank); re-measured and judged as above.
+5. `all-reduce`, `all-to-all` (optionally `all-gather`, `reduce-scatter`) among the host's
    `nproc` local ranks (gloo over loopback on CPU, NCCL on GPU): the data are checked, and the
    bus bandwidth, computed as nccl-tests does (see `collective_bench`), is compared with the
    expected value (on CPU a modest floor).
-5. `neighbor-all-reduce`: under a multi-host launch this host forms a group with its neighbour
+6. `neighbor-all-reduce`: under a multi-host launch this host forms a group with its neighbour
    (hosts are paired in list order, (0, 1), (2, 3), ..., the last three together when the count
    is odd: list hosts in switch order) and all-reduces one buffer per host. The host list comes
    from `--peer-hosts`, else `MYRIA_HOSTS` (comma-separated), else Slurm's `SLURM_STEP_NODELIST`
    inside `srun`; this host's position from `--host-index`, `MYRIA_HOST_INDEX`, `SLURMD_NODENAME`
    or its host name. The group's first host serves the rendezvous on `--peer-port` (default
    29571, or `MYRIA_DOCTOR_PORT`) plus the group's first index. On one host: skipped.
-6. `p2p-loopback`: a send/recv ring among the local ranks: payload integrity and hop latency.
+7. `p2p-loopback`: a send/recv ring among the local ranks: payload integrity and hop latency.
 
 A worker that crashes or hangs is a failure of the `workers` check naming the rank and the check
-it was running. The host passes when no check fails. Local rendezvous binds 127.0.0.1 only.
-
-Test hook (inert unless set): `MYRIA_DOCTOR_FAULT` holds comma-separated faults, each
-`kind[:rank=R][:fraction=F]`:
-
-- `slow-gemm`  every timed GEMM sleeps so that it runs at `fraction` (default 0.25) of the
-  expected throughput or of its own speed, whichever is lower: the throughput check fails;
-- `wrong-gemm` every GEMM result gets one element perturbed: the correctness check fails.
-
-Without `rank=` the fault applies to every local rank. Reports name an active fault hook.
+it was running. The host passes when no check fails (warnings are evidence, not faults). Local
+rendezvous binds 127.0.0.1 only. Test hook: MYRIA_DOCTOR_FAULT (`myria.resilience.checks.hooks`).
 
 Python API (for the supervisor): `run_diagnostics(nproc, expected, timeout_s) -> HostReport`.
 """
@@ -44,623 +39,62 @@ from __future__ import annotations
 import argparse
 import datetime as _dt
 import ipaddress
-import json
-import math
 import os
 import platform
 import queue as _queue
-import re
 import socket
 import sys
 import time
 import traceback
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
 from myria.errors import ConfigError, MyriaError
+from myria.resilience.checks.collectives import (  # noqa: F401 - the doctor's public API
+    collective_check,
+    discover_hosts,
+    expand_nodelist,
+    neighbor_group,
+)
+from myria.resilience.checks.compute import (  # noqa: F401
+    check_gemm_correctness,
+    gemm_error_bound,
+    measure_gemm_tflops,
+)
+from myria.resilience.checks.expected import (  # noqa: F401
+    EXPECTED_KEYS,
+    judge,
+    remeasure,
+    resolve_expected,
+    throughput_check,
+    validate_expected,
+)
+from myria.resilience.checks.golden import check_golden
+from myria.resilience.checks.hooks import (
+    FAULT_ENV,
+    DoctorFault,
+    find_fault,
+    parse_faults,  # noqa: F401
+)
+from myria.resilience.checks.memory import MEMBW_BYTES, measure_memory_bandwidth
+from myria.resilience.checks.report import (  # noqa: F401
+    CHECKS,
+    DEFAULT_TOLERANCE,
+    Check,
+    HostReport,
+    fmt,
+    label,
+)
 
-FAULT_ENV = "MYRIA_DOCTOR_FAULT"
-FAULT_KINDS = ("slow-gemm", "wrong-gemm")
-DEFAULT_TOLERANCE = 0.5
 DEFAULT_PEER_PORT = 29571
 DTYPES = ("float32", "bfloat16", "float16")
-
-# Check names in report order.
-CHECKS = ("gemm-correctness", "gemm-throughput", "memory-bandwidth", "all-reduce", "all-to-all",
-          "all-gather", "reduce-scatter", "p2p-loopback", "neighbor-all-reduce", "workers")
-
-EXPECTED_KEYS: dict[str, str] = {
-    "gemm_tflops": "GEMM throughput per rank, TFLOP/s",
-    "membw_gbs": "memory copy bandwidth, GB/s (read + write)",
-    "all_reduce_busbw_gbs": "local all-reduce bus bandwidth, GB/s",
-    "all_to_all_busbw_gbs": "local all-to-all bus bandwidth, GB/s",
-    "all_gather_busbw_gbs": "local all-gather bus bandwidth, GB/s",
-    "reduce_scatter_busbw_gbs": "local reduce-scatter bus bandwidth, GB/s",
-    "neighbor_all_reduce_busbw_gbs": "all-reduce bus bandwidth with the neighbour host(s), GB/s",
-    "p2p_latency_max_us": "largest acceptable send/recv hop latency, microseconds",
-    "gemm_error_bound": "override of the GEMM error bound, max |C - C64| / (|A||B|)",
-    "tolerance": "fail a throughput below this fraction of its expected figure (default 0.5)",
-}
-
-# CPU: modest floors for gloo over loopback (a healthy 2-core host measures ~0.5-1 GB/s).
-CPU_COLLECTIVE_FLOOR_GBS = 0.1
-CPU_P2P_LATENCY_MAX_US = 20_000.0
-# GPU: fractions of datasheet figures a healthy device reaches (nccl-tests on DGX A100 give
-# ~230 GB/s all-reduce bus bandwidth over 300 GB/s NVLink per direction, hardware.md).
-GPU_GEMM_FRACTION = 0.6
-GPU_MEMBW_FRACTION = 0.8
-GPU_NVLINK_FRACTION = {"all_reduce": 0.75, "all_gather": 0.75, "reduce_scatter": 0.75,
-                       "all_to_all": 0.5}
-GPU_NEIGHBOR_BUSBW_GBS = 20.0    # one 200 Gb/s NIC (~24 GB/s in nccl-tests)
-GPU_P2P_LATENCY_MAX_US = 1_000.0
-
-_UNIT_ROUNDOFF = {"float32": 2.0**-24, "bfloat16": 2.0**-8, "float16": 2.0**-11}
-
-
-# ---------------------------------------------------------------------------------------------
-# Report types
-
-
-@dataclass
-class Check:
-    """One check's outcome; `rank` is the local rank, or None for a host-wide check."""
-
-    name: str
-    status: str                    # "pass" | "fail" | "skip"
-    reason: str
-    rank: int | None = None
-    measured: float | None = None
-    expected: float | None = None
-    unit: str = ""
-    details: dict[str, Any] = field(default_factory=dict)
-
-    @property
-    def failed(self) -> bool:
-        return self.status == "fail"
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
-
-@dataclass
-class HostReport:
-    """All checks of one host; the host passes when no check failed."""
-
-    host: str
-    nproc: int
-    device: str
-    backend: str
-    dtype: str
-    checks: list[Check]
-    expected: dict[str, float | None] = field(default_factory=dict)
-    expected_sources: dict[str, str] = field(default_factory=dict)
-    tolerance: float = DEFAULT_TOLERANCE
-    faults: list[str] = field(default_factory=list)
-    neighbors: list[str] = field(default_factory=list)
-    started_at: str = ""
-    duration_s: float = 0.0
-    versions: dict[str, str] = field(default_factory=dict)
-
-    @property
-    def passed(self) -> bool:
-        return bool(self.checks) and not any(c.failed for c in self.checks)
-
-    @property
-    def failures(self) -> list[Check]:
-        return [c for c in self.checks if c.failed]
-
-    @property
-    def counts(self) -> str:
-        n_pass = sum(c.status == "pass" for c in self.checks)
-        n_skip = sum(c.status == "skip" for c in self.checks)
-        return (f"{n_pass} passed, {len(self.failures)} failed, {n_skip} skipped "
-                f"in {self.duration_s:.1f} s")
-
-    @property
-    def summary(self) -> str:
-        """One line: host, PASS/FAIL, counts, and the failed checks with their reasons."""
-        head = f"{self.host}: {'PASS' if self.passed else 'FAIL'} ({self.counts})"
-        if not self.checks:
-            return head + ": no check ran"
-        if self.passed:
-            return head
-        return head + ": " + "; ".join(f"{_label(c)}: {c.reason}" for c in self.failures)
-
-    def to_dict(self) -> dict[str, Any]:
-        d = asdict(self)
-        d["passed"] = self.passed
-        d["summary"] = self.summary
-        return d
-
-    def to_json(self, indent: int | None = 1) -> str:
-        return json.dumps(_json_safe(self.to_dict()), indent=indent)
-
-    def write_json(self, path: str | Path) -> Path:
-        """Write the report atomically (temporary file + rename); returns the path."""
-        path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(path.name + ".tmp")
-        tmp.write_text(self.to_json() + "\n")
-        tmp.replace(path)
-        return path
-
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> HostReport:
-        d = dict(d)
-        d.pop("passed", None)
-        d.pop("summary", None)
-        d["checks"] = [Check(**c) for c in d.get("checks", [])]
-        return cls(**d)
-
-
-def _json_safe(x: Any) -> Any:
-    if isinstance(x, float) and not math.isfinite(x):
-        return None if math.isnan(x) else ("inf" if x > 0 else "-inf")
-    if isinstance(x, dict):
-        return {k: _json_safe(v) for k, v in x.items()}
-    if isinstance(x, (list, tuple)):
-        return [_json_safe(v) for v in x]
-    return x
-
-
-def _label(c: Check) -> str:
-    return c.name if c.rank is None else f"{c.name}[rank {c.rank}]"
-
-
-def _pct(frac: float) -> str:
-    return f"{frac:.1%}" if frac < 1 else f"{frac:.0%}"
-
-
-def _fmt(x: float | None) -> str:
-    if x is None:
-        return "-"
-    if x == 0 or not math.isfinite(x):
-        return str(x)
-    if abs(x) >= 1000:
-        return f"{x:.0f}"
-    return f"{x:.4g}" if abs(x) >= 1 else f"{x:.3g}"
-
-
-# ---------------------------------------------------------------------------------------------
-# Fault hook
-
-
-@dataclass(frozen=True)
-class DoctorFault:
-    """One injected fault of the MYRIA_DOCTOR_FAULT test hook."""
-
-    kind: str
-    rank: int | None = None
-    fraction: float = 0.25
-
-    def applies(self, rank: int | None) -> bool:
-        return self.rank is None or rank is None or self.rank == rank
-
-    def describe(self) -> str:
-        s = self.kind
-        if self.rank is not None:
-            s += f":rank={self.rank}"
-        if self.kind == "slow-gemm" and self.fraction != 0.25:
-            s += f":fraction={self.fraction:g}"
-        return s
-
-
-def parse_faults(text: str | None) -> list[DoctorFault]:
-    """Parse MYRIA_DOCTOR_FAULT, e.g. `slow-gemm`, `wrong-gemm:rank=1,slow-gemm:rank=0`."""
-    faults: list[DoctorFault] = []
-    for item in (text or "").split(","):
-        item = item.strip()
-        if not item:
-            continue
-        kind, *params = item.split(":")
-        if kind not in FAULT_KINDS:
-            raise ConfigError(f"{FAULT_ENV}: unknown fault {kind!r} in {item!r}; "
-                              f"known: {', '.join(FAULT_KINDS)}")
-        rank: int | None = None
-        fraction = 0.25
-        for p in params:
-            key, _, value = p.partition("=")
-            try:
-                if key == "rank":
-                    rank = int(value)
-                    if rank < 0:
-                        raise ValueError
-                elif key == "fraction" and kind == "slow-gemm":
-                    fraction = float(value)
-                    if not 0 < fraction < 1:
-                        raise ValueError
-                else:
-                    raise KeyError(key)
-            except KeyError:
-                raise ConfigError(f"{FAULT_ENV}: unknown parameter {key!r} in {item!r}; "
-                                  "valid: rank=R" + (", fraction=F (0..1)"
-                                                     if kind == "slow-gemm" else "")) from None
-            except ValueError:
-                raise ConfigError(f"{FAULT_ENV}: bad value {p!r} in {item!r} (rank: an integer "
-                                  ">= 0, fraction: between 0 and 1)") from None
-        faults.append(DoctorFault(kind, rank, fraction))
-    return faults
-
-
-def _fault(faults: Sequence[DoctorFault], kind: str, rank: int | None) -> DoctorFault | None:
-    for f in faults:
-        if f.kind == kind and f.applies(rank):
-            return f
-    return None
-
-
-# ---------------------------------------------------------------------------------------------
-# Measurements (run in the workers, and in the caller for the cached CPU baselines)
-
-
-def _sync(device: Any) -> None:
-    import torch
-
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def _matmul(a: Any, b: Any, out: Any, *, device: Any, wrong: DoctorFault | None = None,
-            slow: DoctorFault | None = None, expected_tflops: float | None = None) -> None:
-    """out = a @ b, through the fault hook when one is active."""
-    import torch
-
-    t0 = time.perf_counter()
-    torch.matmul(a, b, out=out)
-    if wrong is not None:
-        # Silent data corruption of one element, well above any rounding error.
-        flat = out.view(-1)
-        i = flat.numel() // 2 + 1 if flat.numel() > 1 else 0
-        flat[i] += 1.0 + float(out.abs().max())
-    if slow is not None:
-        _sync(device)
-        elapsed = time.perf_counter() - t0
-        flops = 2.0 * a.shape[0] * a.shape[1] * b.shape[1]
-        target = elapsed / slow.fraction
-        if expected_tflops:
-            target = max(target, flops / (slow.fraction * expected_tflops * 1e12))
-        time.sleep(max(0.0, target - elapsed))
-
-
-def gemm_error_bound(k: int, dtype: str) -> float:
-    """Bound on |C - C64|_ij / (|A||B|)_ij: fp32 accumulation over k terms, output rounding, x2."""
-    return 2.0 * (k * _UNIT_ROUNDOFF["float32"] + _UNIT_ROUNDOFF[dtype])
-
-
-GEMM_SHAPES = ((384, 1024, 256), (257, 1031, 129))   # (m, k, n), one with odd sizes
-
-
-def check_gemm_correctness(device: Any, dtype: str, *, rank: int | None = None,
-                           faults: Sequence[DoctorFault] = (), bound: float | None = None,
-                           seed: int = 0) -> Check:
-    """GEMM in `dtype` vs a float64 reference of the same inputs, with a rounding-error bound."""
-    import torch
-
-    wrong = _fault(faults, "wrong-gemm", rank)
-    gen = torch.Generator().manual_seed(1234 + seed)
-    dt = getattr(torch, dtype)
-    worst, worst_at, worst_bound, rel_fro, finite = 0.0, "", 0.0, 0.0, True
-    for m, k, n in GEMM_SHAPES:
-        a = torch.randn(m, k, generator=gen).to(dt)
-        b = torch.randn(k, n, generator=gen).to(dt)
-        a_d, b_d = a.to(device), b.to(device)
-        c = torch.empty(m, n, dtype=dt, device=device)
-        _matmul(a_d, b_d, c, device=device, wrong=wrong)
-        _sync(device)
-        a64, b64, c64 = a.double(), b.double(), c.cpu().double()
-        ref = a64 @ b64
-        scale = a64.abs() @ b64.abs()
-        ratio = (c64 - ref).abs() / scale.clamp_min(1e-300)
-        lim = bound if bound is not None else gemm_error_bound(k, dtype)
-        if not bool(torch.isfinite(c64).all()):
-            finite = False
-        r = float(ratio.max())
-        if not math.isfinite(r) or r / lim > (worst / worst_bound if worst_bound else -1):
-            idx = int(ratio.argmax())
-            worst, worst_bound = r, lim
-            worst_at = f"shape {m}x{k}x{n} element ({idx // n}, {idx % n})"
-        rel_fro = max(rel_fro, float((c64 - ref).norm() / ref.norm()))
-    hook = f" (fault hook {wrong.describe()} active)" if wrong else ""
-    ok = finite and math.isfinite(worst) and worst <= worst_bound
-    details = {"dtype": dtype, "shapes": [list(s) for s in GEMM_SHAPES],
-               "max_scaled_error": worst, "bound": worst_bound, "relative_frobenius": rel_fro,
-               "worst_element": worst_at, "fault": wrong.describe() if wrong else None}
-    if not finite:
-        reason = f"non-finite values in the {dtype} GEMM result{hook}"
-    elif ok:
-        reason = (f"max |C-C64|/(|A||B|) = {worst:.2g} <= bound {worst_bound:.2g} "
-                  f"({dtype}, {len(GEMM_SHAPES)} shapes){hook}")
-    else:
-        reason = (f"max |C-C64|/(|A||B|) = {worst:.2g} > bound {worst_bound:.2g} at "
-                  f"{worst_at} ({dtype}){hook}")
-    return Check("gemm-correctness", "pass" if ok else "fail", reason, rank, worst, worst_bound,
-                 "scaled error", details)
-
-
-def measure_gemm_tflops(device: Any, dtype: str, *, n: int, seconds: float, reps: int,
-                        slow: DoctorFault | None = None,
-                        expected_tflops: float | None = None) -> float:
-    """Best TFLOP/s of groups of `reps` n x n x n matmuls within about `seconds` (>= 2 groups)."""
-    import torch
-
-    dt = getattr(torch, dtype)
-    a = torch.randn(n, n, dtype=dt, device=device)
-    b = torch.randn(n, n, dtype=dt, device=device)
-    c = torch.empty(n, n, dtype=dt, device=device)
-    torch.matmul(a, b, out=c)  # warm-up
-    _sync(device)
-    best, groups = 0.0, 0
-    deadline = time.perf_counter() + seconds
-    while groups < 2 or time.perf_counter() < deadline:
-        t0 = time.perf_counter()
-        for _ in range(reps):
-            _matmul(a, b, c, device=device, slow=slow, expected_tflops=expected_tflops)
-        _sync(device)
-        dt_s = (time.perf_counter() - t0) / reps
-        best = max(best, 2.0 * n**3 / dt_s / 1e12)
-        groups += 1
-    return best
-
-
-def measure_memory_bandwidth(device: Any, nbytes: int, seconds: float = 0.3) -> float:
-    """Best GB/s of copying an `nbytes` buffer (read + write counted, as STREAM copy does)."""
-    import torch
-
-    src = torch.ones(nbytes // 4, dtype=torch.float32, device=device)
-    dst = torch.empty_like(src)
-    dst.copy_(src)  # first touch
-    _sync(device)
-    best, reps = 0.0, 0
-    deadline = time.perf_counter() + seconds
-    while reps < 3 or time.perf_counter() < deadline:
-        t0 = time.perf_counter()
-        dst.copy_(src)
-        _sync(device)
-        best = max(best, 2.0 * src.numel() * 4 / (time.perf_counter() - t0) / 1e9)
-        reps += 1
-    return best
-
-
-def _throughput_check(name: str, rank: int | None, measured: float, expected: float | None,
-                      source: str, tolerance: float, unit: str, note: str = "",
-                      details: dict[str, Any] | None = None) -> Check:
-    """Pass when `measured` >= tolerance x `expected`; skip when there is no expected figure."""
-    details = dict(details or {}, expected_source=source, tolerance=tolerance)
-    if expected is None:
-        return Check(name, "skip", f"measured {_fmt(measured)} {unit}{note}; no expected figure "
-                     f"({source}): set one with --expect", rank, measured, None, unit, details)
-    frac = measured / expected if expected > 0 else float("inf")
-    ok = frac >= tolerance
-    verdict = "" if ok else f"; below the {tolerance:.0%} floor"
-    return Check(name, "pass" if ok else "fail",
-                 f"{_fmt(measured)} {unit} is {_pct(frac)} of the expected {_fmt(expected)}{note} "
-                 f"[expected: {source}]{verdict}", rank, measured, expected, unit, details)
-
-
-# ---------------------------------------------------------------------------------------------
-# Expected figures
-
-
-def _baseline_path() -> Path:
-    from myria.device import cache_dir
-
-    return cache_dir() / "doctor_baseline.json"
-
-
-def _cached_baseline(name: str, threads: int, measure: Any, refresh: bool) -> tuple[float, str]:
-    """A CPU figure measured once and cached under $MYRIA_CACHE/doctor_baseline.json."""
-    from myria.device import cpu_key
-
-    path, key = _baseline_path(), cpu_key(threads)
-    cache: dict[str, Any] = {}
-    try:
-        cache = json.loads(path.read_text())
-    except (OSError, ValueError):
-        cache = {}
-    entry = cache.get(key, {})
-    if not refresh and isinstance(entry.get(name), (int, float)):
-        return float(entry[name]), f"cached first measurement, {threads} threads"
-    value = float(measure())
-    entry[name] = value
-    entry[name + "_measured_at"] = _dt.datetime.now().isoformat(timespec="seconds")
-    cache[key] = entry
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(path.name + f".{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(cache, indent=1))
-        tmp.replace(path)
-    except OSError:
-        pass
-    return value, f"first measurement (now cached), {threads} threads"
-
-
-def resolve_expected(device_type: str, dtype: str, threads: int,
-                     overrides: dict[str, float] | None = None, rebaseline: bool = False,
-                     ) -> tuple[dict[str, float | None], dict[str, str]]:
-    """Expected figures and where each comes from; `overrides` (e.g. --expect) win."""
-    overrides = dict(overrides or {})
-    values: dict[str, float | None] = {}
-    sources: dict[str, str] = {}
-
-    def put(key: str, value: float | None, source: str) -> None:
-        if key in overrides:
-            values[key], sources[key] = float(overrides[key]), "configured"
-        else:
-            values[key], sources[key] = value, source
-
-    ops = ["all_reduce", "all_to_all", "all_gather", "reduce_scatter"]
-    if device_type == "cpu":
-        import torch
-
-        if "gemm_tflops" not in overrides:
-            if dtype == "float32":
-                from myria.device import cpu_device_spec
-
-                spec = cpu_device_spec(threads=threads, refresh=rebaseline)
-                put("gemm_tflops", spec.peak_fp32_tflops, f"cached CPU peak, {spec.source}")
-            else:
-                from myria.device import measure_matmul_tflops
-
-                v, src = _cached_baseline(f"gemm_tflops[{dtype}]", threads,
-                                          lambda: measure_matmul_tflops(dtype=dtype,
-                                                                        threads=threads),
-                                          rebaseline)
-                put("gemm_tflops", v, f"CPU {dtype} peak, {src}")
-        else:
-            put("gemm_tflops", None, "")
-        if "membw_gbs" not in overrides:
-            def _measure_bw() -> float:
-                old = torch.get_num_threads()
-                torch.set_num_threads(threads)
-                try:
-                    return measure_memory_bandwidth(torch.device("cpu"), _MEMBW_BYTES["cpu"])
-                finally:
-                    torch.set_num_threads(old)
-
-            v, src = _cached_baseline("membw_gbs", threads, _measure_bw, rebaseline)
-            put("membw_gbs", v, src)
-        else:
-            put("membw_gbs", None, "")
-        for op in ops:
-            put(f"{op}_busbw_gbs", CPU_COLLECTIVE_FLOOR_GBS, "CPU gloo floor, default")
-        put("neighbor_all_reduce_busbw_gbs", CPU_COLLECTIVE_FLOOR_GBS, "CPU gloo floor, default")
-        put("p2p_latency_max_us", CPU_P2P_LATENCY_MAX_US, "CPU gloo ceiling, default")
-    else:
-        from myria.device import cuda_device_spec
-
-        spec = cuda_device_spec()
-        if spec is None:
-            unknown = "unknown GPU: no datasheet entry"
-            put("gemm_tflops", None, unknown)
-            put("membw_gbs", None, unknown)
-            for op in ops:
-                put(f"{op}_busbw_gbs", None, unknown)
-        else:
-            put("gemm_tflops", spec.peak_tflops(dtype) * GPU_GEMM_FRACTION,
-                f"{spec.name} datasheet {dtype} x {GPU_GEMM_FRACTION}")
-            put("membw_gbs", spec.memory_bw_gbs * GPU_MEMBW_FRACTION,
-                f"{spec.name} datasheet x {GPU_MEMBW_FRACTION}")
-            for op in ops:
-                f = GPU_NVLINK_FRACTION[op]
-                put(f"{op}_busbw_gbs", spec.nvlink_gbs * f or None,
-                    f"{spec.name} NVLink {spec.nvlink_gbs:g} GB/s per direction x {f}")
-        put("neighbor_all_reduce_busbw_gbs", GPU_NEIGHBOR_BUSBW_GBS,
-            "one 200 Gb/s NIC, nccl-tests figure, default")
-        put("p2p_latency_max_us", GPU_P2P_LATENCY_MAX_US, "NCCL ceiling, default")
-    if "gemm_error_bound" in overrides:
-        put("gemm_error_bound", None, "")
-    return values, sources
-
-
-def _validate_expected(expected: dict[str, Any] | None) -> tuple[dict[str, float], float]:
-    out: dict[str, float] = {}
-    tolerance = DEFAULT_TOLERANCE
-    for key, value in (expected or {}).items():
-        if key not in EXPECTED_KEYS:
-            raise ConfigError(f"unknown expected figure {key!r}; valid: "
-                              f"{', '.join(EXPECTED_KEYS)}")
-        try:
-            v = float(value)
-        except (TypeError, ValueError):
-            raise ConfigError(f"expected figure {key}={value!r} is not a number") from None
-        if not (v > 0 and math.isfinite(v)):
-            raise ConfigError(f"expected figure {key}={value!r} must be a positive number")
-        if key == "tolerance":
-            if v > 1:
-                raise ConfigError(f"tolerance={value!r} must be a fraction in (0, 1]")
-            tolerance = v
-        else:
-            out[key] = v
-    return out, tolerance
-
-
-# ---------------------------------------------------------------------------------------------
-# Multi-host neighbour
-
-
-def expand_nodelist(text: str) -> list[str]:
-    """Expand a Slurm node list such as `gpu[01-03,07],login1` into host names."""
-    items, depth, cur = [], 0, ""
-    for ch in text.strip():
-        if ch == "," and depth == 0:
-            items.append(cur)
-            cur = ""
-            continue
-        depth += ch == "["
-        depth -= ch == "]"
-        cur += ch
-    items.append(cur)
-    hosts: list[str] = []
-    for item in filter(None, (i.strip() for i in items)):
-        hosts.extend(_expand_item(item))
-    return hosts
-
-
-def _expand_item(item: str) -> list[str]:
-    m = re.match(r"([^\[]*)\[([^\]]*)\](.*)$", item)
-    if not m:
-        return [item]
-    prefix, ranges, rest = m.groups()
-    heads: list[str] = []
-    for part in ranges.split(","):
-        lo, sep, hi = part.partition("-")
-        if sep:
-            width = len(lo)
-            heads.extend(f"{prefix}{i:0{width}d}" for i in range(int(lo), int(hi) + 1))
-        else:
-            heads.append(prefix + part)
-    return [h + t for h in heads for t in _expand_item(rest)]
-
-
-def neighbor_group(n_hosts: int, index: int) -> list[int]:
-    """Indices of the hosts `index` is tested with: pairs in list order, a trio at an odd end."""
-    if not 0 <= index < n_hosts:
-        raise ValueError(f"host index {index} outside 0..{n_hosts - 1}")
-    if n_hosts < 2:
-        return [index]
-    start = index - index % 2
-    if n_hosts % 2 == 1 and start >= n_hosts - 3:
-        return [n_hosts - 3, n_hosts - 2, n_hosts - 1]
-    return [start, start + 1]
-
-
-def discover_hosts(peer_hosts: Sequence[str] | None = None,
-                   host_index: int | None = None) -> tuple[list[str], int | None, str]:
-    """(host list, this host's index or None, where the list came from)."""
-    env = os.environ
-    if peer_hosts:
-        hosts, source = [h.strip() for h in peer_hosts if h.strip()], "--peer-hosts"
-    elif env.get("MYRIA_HOSTS"):
-        hosts, source = [h.strip() for h in env["MYRIA_HOSTS"].split(",") if h.strip()], \
-            "MYRIA_HOSTS"
-    elif env.get("SLURM_STEP_NODELIST"):
-        hosts, source = expand_nodelist(env["SLURM_STEP_NODELIST"]), "SLURM_STEP_NODELIST"
-    else:
-        return [socket.gethostname()], 0, "this host only"
-    if host_index is None and env.get("MYRIA_HOST_INDEX"):
-        try:
-            host_index = int(env["MYRIA_HOST_INDEX"])
-        except ValueError:
-            raise ConfigError(f"MYRIA_HOST_INDEX={env['MYRIA_HOST_INDEX']!r} is not an "
-                              "integer") from None
-    if host_index is None:
-        names = {socket.gethostname(), socket.gethostname().split(".")[0], socket.getfqdn()}
-        if env.get("SLURMD_NODENAME"):
-            names = {env["SLURMD_NODENAME"]}
-        matches = [i for i, h in enumerate(hosts) if h in names or h.split(".")[0] in names]
-        host_index = matches[0] if len(matches) == 1 else None
-    if host_index is not None and not 0 <= host_index < len(hosts):
-        raise ConfigError(f"host index {host_index} is outside the host list of {len(hosts)} "
-                          f"hosts ({source})")
-    return hosts, host_index, source
 
 
 # ---------------------------------------------------------------------------------------------
 # Worker processes
 
-_MEMBW_BYTES = {"cpu": 128 * 2**20, "cuda": 1 << 30}
 _GEMM_N = {"cpu": 1024, "cuda": 8192}
 _GEMM_REPS = {"cpu": 2, "cuda": 10}
 _COLL_BYTES = {"cpu": 16 * 2**20, "cuda": 256 * 2**20}
@@ -712,41 +146,35 @@ def _compute_checks(rank: int, cfg: dict[str, Any], device: Any, q: Any) -> None
                                bound=exp.get("gemm_error_bound"), seed=rank)
     _put(q, "check", rank, c.to_dict())
 
+    _put(q, "phase", rank, "golden")
+    _put(q, "check", rank, check_golden(device, cfg["dtype"], rank=rank, faults=faults,
+                                        seed=rank).to_dict())
+
     _put(q, "phase", rank, "gemm-throughput")
-    slow = _fault(faults, "slow-gemm", rank)
-    tflops = measure_gemm_tflops(device, cfg["dtype"], n=_GEMM_N[dev], seconds=cfg["gemm_s"],
-                                 reps=_GEMM_REPS[dev], slow=slow,
-                                 expected_tflops=exp.get("gemm_tflops"))
+    slow = find_fault(faults, "slow-gemm", rank)
+
+    def gemm() -> float:
+        return measure_gemm_tflops(device, cfg["dtype"], n=_GEMM_N[dev], seconds=cfg["gemm_s"],
+                                   reps=_GEMM_REPS[dev], slow=slow,
+                                   expected_tflops=exp.get("gemm_tflops"))
+
     hook = f" (fault hook {slow.describe()} active)" if slow else ""
-    c = _throughput_check("gemm-throughput", rank, tflops, exp.get("gemm_tflops"),
-                          src.get("gemm_tflops", ""), tol, "TFLOP/s", hook,
-                          {"n": _GEMM_N[dev], "dtype": cfg["dtype"],
-                           "fault": slow.describe() if slow else None})
-    _put(q, "check", rank, c.to_dict())
+    c = throughput_check("gemm-throughput", rank, gemm(), exp.get("gemm_tflops"),
+                         src.get("gemm_tflops", ""), tol, "TFLOP/s", hook,
+                         {"n": _GEMM_N[dev], "dtype": cfg["dtype"],
+                          "fault": slow.describe() if slow else None})
+    _put(q, "check", rank, remeasure(c, gemm).to_dict())
 
     if dev == "cuda" or rank == 0:      # host memory is shared: measured once on CPU
         _put(q, "phase", rank, "memory-bandwidth")
-        bw = measure_memory_bandwidth(device, _MEMBW_BYTES[dev])
-        c = _throughput_check("memory-bandwidth", rank if dev == "cuda" else None, bw,
-                              exp.get("membw_gbs"), src.get("membw_gbs", ""), tol, "GB/s",
-                              details={"bytes": _MEMBW_BYTES[dev]})
-        _put(q, "check", rank, c.to_dict())
 
+        def membw() -> float:
+            return measure_memory_bandwidth(device, MEMBW_BYTES[dev])
 
-def _collective_check(name: str, res: Any, expected: float | None, source: str, tol: float,
-                      rank: int | None = None, what: str = "") -> Check:
-    details = res.to_dict()
-    if not res.correct:
-        return Check(name, "fail", f"wrong result on rank(s) {res.bad_ranks} (max deviation "
-                     f"{res.max_error:.3g}){what}", rank, res.busbw_gbs, expected, "GB/s busbw",
-                     details)
-    note = f" ({res.world} ranks, {res.nbytes / 2**20:.0f} MiB{what})"
-    c = _throughput_check(name, rank, res.busbw_gbs, expected, source, tol, "GB/s busbw", note,
-                          details=details)
-    if c.status == "skip":   # the data check passed: that is a pass, without a figure to meet
-        c.status = "pass"
-        c.reason = "data correct; " + c.reason
-    return c
+        c = throughput_check("memory-bandwidth", rank if dev == "cuda" else None, membw(),
+                             exp.get("membw_gbs"), src.get("membw_gbs", ""), tol, "GB/s",
+                             details={"bytes": MEMBW_BYTES[dev]})
+        _put(q, "check", rank, remeasure(c, membw).to_dict())
 
 
 def _worker(rank: int, cfg: dict[str, Any], q: Any) -> None:
@@ -800,7 +228,7 @@ def _worker(rank: int, cfg: dict[str, Any], q: Any) -> None:
                                           iters=_COLL_ITERS[dev])
                 if rank == 0:
                     key = f"{op}_busbw_gbs"
-                    c = _collective_check(name, res, exp.get(key), src.get(key, ""), tol)
+                    c = collective_check(name, res, exp.get(key), src.get(key, ""), tol)
                     _put(q, "check", rank, c.to_dict())
             phase = "p2p-loopback"
             _put(q, "phase", rank, phase)
@@ -812,13 +240,13 @@ def _worker(rank: int, cfg: dict[str, Any], q: Any) -> None:
                     status, reason = "fail", f"payload corrupted on receiving rank(s) " \
                         f"{p2p.bad_ranks}"
                 elif not ok_lat:
-                    status, reason = "fail", f"hop latency {_fmt(p2p.latency_us)} us > " \
-                        f"ceiling {_fmt(lim)} us ({src.get('p2p_latency_max_us', '')})"
+                    status, reason = "fail", f"hop latency {fmt(p2p.latency_us)} us > " \
+                        f"ceiling {fmt(lim)} us ({src.get('p2p_latency_max_us', '')})"
                 else:
                     status = "pass"
                     reason = (f"ring of {n}: payload intact, hop latency "
-                              f"{_fmt(p2p.latency_us)} us <= {_fmt(lim)} us, "
-                              f"{_fmt(p2p.bandwidth_gbs)} GB/s per link")
+                              f"{fmt(p2p.latency_us)} us <= {fmt(lim)} us, "
+                              f"{fmt(p2p.bandwidth_gbs)} GB/s per link")
                 c = Check("p2p-loopback", status, reason, None, p2p.latency_us, lim, "us",
                           p2p.to_dict())
                 _put(q, "check", rank, c.to_dict())
@@ -868,7 +296,7 @@ def _neighbor_worker(cfg: dict[str, Any], q: Any, release: Any) -> None:
                                   iters=_COLL_ITERS[device.type])
         k = "neighbor_all_reduce_busbw_gbs"
         others = ", ".join(h for i, h in enumerate(hosts) if i != pos)
-        c = _collective_check("neighbor-all-reduce", res, cfg["expected"].get(k),
+        c = collective_check("neighbor-all-reduce", res, cfg["expected"].get(k),
                               cfg["sources"].get(k, ""), cfg["tolerance"], what=f", with {others}")
         c.details.update(group=hosts, position=pos)
         _put(q, "check", key, c.to_dict())
@@ -888,7 +316,7 @@ def run_diagnostics(nproc: int = 2, expected: dict[str, float] | None = None,
                     timeout_s: float = 60, *, device: str = "auto", dtype: str | None = None,
                     collectives: Sequence[str] = ("all_reduce", "all_to_all"),
                     peer_hosts: Sequence[str] | None = None, host_index: int | None = None,
-                    peer_port: int | None = None, rebaseline: bool = False,
+                    peer_port: int | None = None, refresh: bool = False,
                     gemm_seconds: float | None = None,
                     faults: str | None = None) -> HostReport:
     """Run every check on this host with `nproc` local ranks and return the report.
@@ -927,10 +355,10 @@ def run_diagnostics(nproc: int = 2, expected: dict[str, float] | None = None,
     bad = [op for op in collectives if op not in OPS]
     if bad:
         raise ConfigError(f"unknown collective(s) {bad}; known: {', '.join(OPS)}")
-    overrides, tolerance = _validate_expected(expected)
+    overrides, tolerance = validate_expected(expected)
     fault_list = parse_faults(os.environ.get(FAULT_ENV) if faults is None else faults)
     threads = torch.get_num_threads()
-    values, sources = resolve_expected(device, dtype, threads, overrides, rebaseline)
+    values, sources = resolve_expected(device, dtype, threads, overrides, refresh)
     backend = "nccl" if device == "cuda" else "gloo"
     host = socket.gethostname()
     deadline = t_start + timeout_s
@@ -1001,7 +429,7 @@ def run_diagnostics(nproc: int = 2, expected: dict[str, float] | None = None,
                 p.join(timeout=5)
         del store
         q.close()
-    checks.extend(received)
+    checks.extend(judge(received))
     order = {name: i for i, name in enumerate(CHECKS)}
     checks.sort(key=lambda c: (order.get(c.name, len(order)),
                                -1 if c.rank is None else c.rank))
@@ -1093,12 +521,12 @@ def render_report(report: HostReport, file: Any = None) -> None:
                   f"{report.device}/{report.backend}, {report.dtype})", title_justify="left")
     for col in ("check", "rank", "status", "measured", "expected", "reason"):
         table.add_column(col, overflow="fold", no_wrap=col != "reason")
-    style = {"pass": "green", "fail": "bold red", "skip": "yellow"}
+    style = {"pass": "green", "fail": "bold red", "warn": "magenta", "skip": "yellow"}
     for c in report.checks:
         unit = f" {c.unit}" if c.unit and c.measured is not None else ""
         table.add_row(c.name, "all" if c.rank is None else str(c.rank),
                       Text(c.status.upper(), style=style[c.status]),
-                      Text(_fmt(c.measured) + unit), Text(_fmt(c.expected)), Text(c.reason))
+                      Text(fmt(c.measured) + unit), Text(fmt(c.expected)), Text(c.reason))
     console.print(table)
     if report.faults:
         console.print(Text(f"fault hook {FAULT_ENV} active: {', '.join(report.faults)}",
@@ -1106,8 +534,8 @@ def render_report(report: HostReport, file: Any = None) -> None:
     verdict = Text("PASS", style="bold green") if report.passed else \
         Text("FAIL", style="bold red")
     console.print(Text.assemble(verdict, f" {report.host}: {report.counts}"))
-    for c in report.failures:
-        console.print(Text(f"  {_label(c)}: {c.reason}"))
+    for c in report.failures + report.warnings:
+        console.print(Text(f"  {label(c)} ({c.status}): {c.reason}"))
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -1146,8 +574,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--peer-port", type=int, default=None,
                         help=f"rendezvous port of the neighbour check (default "
                              f"{DEFAULT_PEER_PORT} + the group's first index)")
-    parser.add_argument("--rebaseline", action="store_true",
-                        help="re-measure the cached CPU peak and memory bandwidth baselines")
+    parser.add_argument("--refresh", "--rebaseline", dest="refresh", action="store_true",
+                        help="measure this CPU's peak and memory bandwidth again (3 probes "
+                             "each) and merge them into the cached history: a higher figure "
+                             "raises it, a lower one (a busy host) never lowers it")
 
 
 def _parse_expect(items: Sequence[str]) -> dict[str, float]:
@@ -1188,7 +618,7 @@ def run(args: argparse.Namespace) -> int:
     report = run_diagnostics(nproc, expected, args.timeout, device=device, dtype=args.dtype,
                              collectives=collectives, peer_hosts=peers,
                              host_index=args.host_index, peer_port=args.peer_port,
-                             rebaseline=args.rebaseline)
+                             refresh=args.refresh)
     to_stdout = args.json == "-"
     render_report(report, file=sys.stderr if to_stdout else sys.stdout)
     if to_stdout:

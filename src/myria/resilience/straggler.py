@@ -17,9 +17,10 @@ consecutive windows: detection within K = window x windows measured steps of the
 starting when the evidence is clear (10 with the defaults), K + window when one noisy window
 resets the streak; one bad window (a descheduled process on a busy host) is never enough. Under
 independent Gaussian noise a clean rank passes z >= 2.5 in two consecutive windows with
-probability 4e-5 per window pair, before the slowdown threshold is even asked. Without peers (one rank per stage) a rank is compared with its own
-best window instead. The cost to the job is the rank's excess compute per step: in synchronous
-training every step waits for the slowest rank. Missing steps (a rank that restarted, a cut
+probability 4e-5 per window pair, before the slowdown threshold is even asked. Without peers
+(one rank per stage) a rank is compared with its own best window instead. The cost to the job
+is the rank's excess compute per step: in synchronous training every step waits for the
+slowest rank. Missing steps (a rank that restarted, a cut
 event file) shrink a window; they never end the analysis.
 """
 

@@ -637,7 +637,25 @@ class Supervisor:
         f.diagnostics.append(report.summary)
         f.action.append(f"diagnostics: {'pass' if report.passed else 'FAIL'}")
         log.info("diagnostics %s (report %s)", report.summary, out)
+        keep = report.performance_only and self.max_nodes <= self.min_nodes
+        if report.warnings or not report.passed:
+            from myria import detections
+
+            detections.record(self.run_dir, "health", None, self.host, f.last_step,
+                              {"summary": report.summary, "report": str(out),
+                               "checks": [c.to_dict() for c in report.failures +
+                                          report.warnings]},
+                              "none" if report.passed else
+                              "restart on it: no spare host" if keep else "blocklist")
         if report.passed:
+            return
+        if keep:
+            # Our own throughput measurement alone never ends a job: with no spare host the
+            # choice is this host or nothing.
+            log.warning("ACTION %s measured below its expected throughput (%s); no spare host "
+                        "to replace it with: restarting on it (evidence in %s)", self.host,
+                        "; ".join(c.reason for c in report.failures), out)
+            f.action.append("slow host kept: no spare host")
             return
         self._blocklist(f, report.summary)
         if self.r.bad_host_action == "exit":

@@ -1,0 +1,107 @@
+"""Trustworthy self-measurement: a measured figure is the best of several probes, raised and never
+lowered, floored by the one-thread figure, labelled with its samples; a throughput below its own
+history is re-measured, then judged against peers first and becomes a warning (never a fault)
+when every peer reads as low; golden tests catch a wrong GEMM."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from myria import device
+from myria.resilience.checks import expected as ex
+from myria.resilience.checks.golden import check_golden
+from myria.resilience.checks.hooks import parse_faults
+from myria.resilience.checks.report import Check, HostReport
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("MYRIA_CACHE", str(tmp_path))
+    return tmp_path
+
+
+def _probes(*values):
+    it = iter(values)
+    return lambda: next(it)
+
+
+def test_a_peak_measured_on_a_busy_host_is_raised_and_never_lowered(cache):
+    busy = device.measured_figure("x", 2, _probes(0.05, 0.048, 0.049))
+    assert busy.value == 0.05 and len(busy.samples) == 3
+    assert "best of 3 probes" in busy.source and "2 threads" in busy.source
+    # Cached: no probe runs without refresh.
+    assert device.measured_figure("x", 2, _probes()).value == 0.05
+    quiet = device.measured_figure("x", 2, _probes(0.15, 0.16, 0.14), refresh=True)
+    assert quiet.value == 0.16 and len(quiet.samples) == 6
+    busy_again = device.measured_figure("x", 2, _probes(0.04, 0.05, 0.03), refresh=True)
+    assert busy_again.value == 0.16                    # a lower probe never lowers it
+    assert [s[1] for s in busy_again.samples][-3:] == [0.04, 0.05, 0.03]   # but is kept
+    # Sanity: more threads are never below one thread's figure.
+    floored = device.measured_figure("y", 2, _probes(0.05, 0.05, 0.05), floor=0.09)
+    assert floored.value == 0.09 and "1-thread" in floored.source
+
+
+def test_history_is_bounded(cache):
+    for i in range(30):
+        fig = device.measured_figure("z", 1, _probes(float(i)), refresh=True, probes=1)
+    assert len(fig.samples) == device.HISTORY and fig.value == 29.0
+
+
+def test_cpu_peak_is_labelled_and_not_below_one_thread(cache):
+    spec = device.cpu_device_spec(threads=2)
+    one = device.cpu_peak_figure(1)
+    assert spec.peak_fp32_tflops >= one.value > 0
+    assert spec.source.startswith("measured (2 threads")   # sim.perf.measured_here reads this
+
+
+def _gemm(rank, measured, expected=1.0, src=ex.OWN_HISTORY + "CPU peak"):
+    return ex.throughput_check("gemm-throughput", rank, measured, expected, src, 0.5, "TFLOP/s")
+
+
+def test_remeasure_before_failing():
+    first = _gemm(0, 0.3)
+    assert first.status == "fail"
+    again = ex.remeasure(first, _probes(0.2, 0.8), pause_s=0)
+    assert again.status == "pass" and again.details["samples"] == [0.3, 0.2, 0.8]
+    assert ex.remeasure(_gemm(0, 0.9), _probes(), pause_s=0).status == "pass"   # no re-run
+
+
+def test_peers_first_own_history_second():
+    # One rank far below its peers: a fault of that rank.
+    odd = ex.judge([_gemm(0, 0.2), _gemm(1, 0.9), _gemm(2, 0.85)])
+    assert [c.status for c in odd] == ["fail", "pass", "pass"]
+    assert "odd one out" in odd[0].reason and odd[0].details["peers"] == [0.9, 0.85]
+    # Every rank as low against its own history: a busy host, a warning with the evidence.
+    busy = ex.judge([_gemm(0, 0.3), _gemm(1, 0.35)])
+    assert [c.status for c in busy] == ["warn", "warn"]
+    assert "load_average" in busy[0].details and "not a fault" in busy[0].reason
+    # Nothing to compare with: a warning too.
+    alone = ex.judge([Check("memory-bandwidth", "fail", "low", None, 3.0, 10.0, "GB/s",
+                            {"expected_source": ex.OWN_HISTORY + "x", "tolerance": 0.5})])
+    assert alone[0].status == "warn"
+    # A configured or datasheet figure is not this host's history: the failure stands.
+    assert ex.judge([_gemm(0, 0.3, src="configured"), _gemm(1, 0.3, src="configured")])[0] \
+        .status == "fail"
+    report = HostReport("h", 2, "cpu", "gloo", "float32", busy)
+    assert report.passed and len(report.warnings) == 2 and "warn" in report.summary
+
+
+def test_performance_only_failures():
+    slow = HostReport("h", 2, "cpu", "gloo", "float32", [_gemm(0, 0.1, src="configured")])
+    assert not slow.passed and slow.performance_only
+    wrong = HostReport("h", 2, "cpu", "gloo", "float32",
+                       [Check("golden", "fail", "wrong", 0)])
+    assert not wrong.performance_only
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_golden_answers(dtype):
+    cpu = torch.device("cpu")
+    assert check_golden(cpu, dtype, rank=0).status == "pass"
+    bad = check_golden(cpu, dtype, rank=1, faults=parse_faults("wrong-gemm:rank=1"))
+    assert bad.status == "fail" and "integer GEMM" in bad.reason
+    assert check_golden(cpu, dtype, rank=0, faults=parse_faults("wrong-gemm:rank=1")) \
+        .status == "pass"
+
+
