@@ -104,6 +104,10 @@ class TrainingConfig:
     eval_interval: int = _f(0, "evaluate on the validation split every N steps; 0 disables",
                             min=0)
     threads: int = _f(0, "CPU threads per process; 0 means cores / local processes", min=0)
+    gc_interval: int = _f(50, "synchronised garbage collection: Python's automatic collector "
+                          "off, every rank collects at the same steps, every N; 0 leaves the "
+                          "automatic collector on (each rank pauses at its own moments and the "
+                          "others wait for it)", min=0)
 
 
 @dataclass
@@ -259,6 +263,19 @@ class ResilienceConfig:
                                 " collectives kept by the flight recorder (torchtitan's default),"
                                 " dumped on a NCCL timeout to name the hung collective; 0 "
                                 "disables", min=0)
+    sdc_interval: int = _f(10, "steps between replica-consistency checks (a bit checksum of "
+                           "the parameters every replica must hold identically, also run before "
+                           "each checkpoint); 0 = off", min=0)
+    sdc_action: str = _f("rollback", "on diverged replicas: rollback (stop; under `myria "
+                         "supervise` restart from the newest checkpoint) or warn",
+                         choices=("rollback", "warn"))
+    numerical_action: str = _f("skip", "on a non-finite loss or gradient norm, or a loss spike: "
+                               "skip (no update for that batch), rollback (restart from the "
+                               "newest checkpoint and skip that step's batch) or stop",
+                               choices=("skip", "rollback", "stop"))
+    loss_spike_sigmas: float = _f(0.0, "a loss above its running mean by this many running "
+                                  "deviations (after 20 steps) is a spike, handled as "
+                                  "numerical_action; 0 = off (6-10 suits most runs)", min=0.0)
 
 
 @dataclass

@@ -12,6 +12,10 @@ MYRIA_FAULT holds comma-separated faults, each `kind:key=value:...`:
 - `diskfull:step=S`          the checkpoint save at step S fails with ENOSPC
 - `slow:rank=R:factor=F[:step=S]`  rank R's forward and backward take F times as long from
                              step S on (default 1), as a slow GPU would (myria.observe.events)
+- `bitflip:rank=R:step=S[:target=param|grad]`  flip one bit of rank R's first parameter (at the
+                             start of step S) or of its gradient (after the gradient reduction,
+                             before the update): silent data corruption
+- `nan:rank=R:step=S`        rank R's loss at step S is NaN (a transient numerical fault)
 
 Each fault fires once per run directory (a marker file under RUN_DIR/faults/ records it), so a
 restarted job does not repeat it.
@@ -23,14 +27,16 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-KINDS = ("kill", "hang", "stop", "raise", "corrupt-checkpoint", "diskfull", "slow")
+KINDS = ("kill", "hang", "stop", "raise", "corrupt-checkpoint", "diskfull", "slow", "bitflip",
+         "nan")
 FLOAT_KEYS = ("factor",)   # parameters that take a number, not an integer
+WORD_KEYS = {"target": ("param", "grad")}   # parameters that take one of a few words
 
 
 @dataclass
 class Fault:
     kind: str
-    params: dict[str, float] = field(default_factory=dict)
+    params: dict = field(default_factory=dict)
 
     @property
     def tag(self) -> str:
@@ -53,9 +59,15 @@ def parse(text: str | None) -> list[Fault]:
         if kind not in KINDS:
             raise ValueError(f"MYRIA_FAULT item {item!r}: unknown fault {kind!r}; valid: "
                              f"{', '.join(KINDS)}")
-        params: dict[str, float] = {}
+        params: dict = {}
         for kv in kvs:
             k, _, v = kv.partition("=")
+            if k in WORD_KEYS:
+                if v not in WORD_KEYS[k]:
+                    raise ValueError(f"MYRIA_FAULT item {item!r}: {k} must be one of "
+                                     f"{', '.join(WORD_KEYS[k])}")
+                params[k] = v
+                continue
             if k in FLOAT_KEYS:
                 try:
                     params[k] = float(v)
@@ -73,6 +85,10 @@ def parse(text: str | None) -> list[Fault]:
             params.setdefault("step", 1)
         if "step" not in params:
             raise ValueError(f"MYRIA_FAULT item {item!r}: step=N is required")
+        if kind in ("bitflip", "nan") and "rank" not in params:
+            raise ValueError(f"MYRIA_FAULT item {item!r}: {kind} needs rank=R")
+        if kind == "bitflip":
+            params.setdefault("target", "param")
         faults.append(Fault(kind, params))
     return faults
 

@@ -183,6 +183,7 @@ class Engine:
             part.init_weights(t.seed)
         if fmesh is not None and t.data_parallel == "ddp":
             parts = [apply_ddp(parts[0], dp_mesh(mesh), device)]
+            self._settle_ddp_buckets(parts[0], cfg.model.seq_len)
         self.parts: list[nn.Module] = parts
         self.model = parts[0]
         self.optimizers = [build_optimizer(part, cfg.optimizer) for part in parts]
@@ -197,6 +198,26 @@ class Engine:
             _time_stages(self.schedule)
         self.has_first = 0 in self.stage_ids
         self.has_last = (n_stages - 1) in self.stage_ids
+
+    def _settle_ddp_buckets(self, ddp: nn.Module, seq_len: int) -> None:
+        """One throw-away forward and backward so that DDP rebuilds its gradient buckets now.
+
+        DDP reduces the first iteration after its construction in buckets of parameter order
+        and every later one in buckets of gradient-ready order; the sum of an element then
+        happens in a different order (gloo's and NCCL's ring chunks follow the buffer layout),
+        so a run resumed at step N would differ in the last bits from one that trained through
+        step N. With the rebuild done here, every real step of every run uses the same buckets.
+        The gradients are dropped and the random-number state is put back."""
+        cpu_rng = torch.get_rng_state()
+        cuda_rng = torch.cuda.get_rng_state_all() if self.device.type == "cuda" else None
+        x = torch.zeros(1, seq_len, dtype=torch.long, device=self.device)
+        with self._ctx():
+            loss = ddp(x, x) if self.tp == 1 else self._loss_fn(ddp(x), x)
+        loss.backward()
+        ddp.zero_grad(set_to_none=True)
+        torch.set_rng_state(cpu_rng)
+        if cuda_rng is not None:
+            torch.cuda.set_rng_state_all(cuda_rng)
 
     # -- one step ----------------------------------------------------------------------------
     def _loss_fn(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -288,6 +309,13 @@ class Engine:
     def step(self) -> None:
         for opt, sched in zip(self.optimizers, self.schedulers):
             opt.step()
+            opt.zero_grad(set_to_none=True)
+            sched.step()
+
+    def skip_step(self) -> None:
+        """No update for this batch (a numerical fault): its gradients are dropped and the
+        learning-rate schedule goes on, so the schedule stays a function of the step."""
+        for opt, sched in zip(self.optimizers, self.schedulers):
             opt.zero_grad(set_to_none=True)
             sched.step()
 

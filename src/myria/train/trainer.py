@@ -13,6 +13,7 @@ SIGTERM makes every rank save the current step and exit.
 
 from __future__ import annotations
 
+import gc
 import json
 import logging
 import time
@@ -30,6 +31,7 @@ from myria.models.flops import model_flops_per_token
 from myria.observe import events
 from myria.parallel.data import make_loader, write_read_counts
 from myria.parallel.mesh import build_mesh
+from myria.resilience.integrity import StepGuard
 from myria.train import distributed, heartbeat
 from myria.train.checkpoint import CheckpointManager, atomic_write
 from myria.train.engine import Engine
@@ -142,30 +144,43 @@ def _train(cfg: Config, run_dir: Path, env, stop_after: int | None,
     step = start_step
     since_logged = 0.0  # step time since the last logged row (the supervisor's productive time)
     timer = StepTimer(sync)
+    guard = StepGuard(cfg, engine, run_dir, env.rank, faults)
+    if t.gc_interval:
+        gc.disable()   # synchronised collection: every rank at the same steps (see below)
     try:
         while step < t.steps:
             rec.step = step + 1
             step_ev = rec.begin("step", "step")
             hb.phase("data")
             faults.at_step_start(step)
+            train_this = guard.before(step)
             with rec.span("data_wait", "data"):
                 batch = next(loader)
-            hb.phase("forward-backward")
-            loss_sum = engine.forward_backward(batch.inputs, batch.targets)
-            hb.phase("grad-clip")
-            with rec.span("grad_clip", "compute"):
-                grad_norm = engine.clip_grads(t.grad_clip)
+            apply = False
+            loss_value = grad_norm = float("nan")
+            if train_this:  # else: a batch skipped after a numerical-fault rollback
+                hb.phase("forward-backward")
+                loss_sum = engine.forward_backward(batch.inputs, batch.targets)
+                guard.after_backward(step)
+                hb.phase("grad-clip")
+                with rec.span("grad_clip", "compute"):
+                    grad_norm = engine.clip_grads(t.grad_clip)
+                with rec.span("loss_mean", "compute"):
+                    loss_value = engine.mean_over_dp(loss_sum)
+                apply = guard.judge(step + 1, loss_sum, loss_value, grad_norm)
             hb.phase("snapshot-wait")
             with rec.span("snapshot_wait", "ckpt"):
                 ckpt.before_update()  # an overlapped snapshot must be copied before weights change
             hb.phase("optimizer")
             with rec.span("optimizer", "compute"):
-                engine.step()
+                engine.step() if apply else engine.skip_step()
             step += 1
+            if t.gc_interval and step % t.gc_interval == 0:
+                with rec.span("gc", "compute"):
+                    gc.collect()  # every rank at the same step (automatic collection is off)
+            guard.check_replicas(step)
 
             hb.phase("metrics")
-            with rec.span("loss_mean", "compute"):
-                loss_value = engine.mean_over_dp(loss_sum)
             rec.end(step_ev)
             losses.append(loss_value)
             dt = timer.lap()
@@ -181,6 +196,7 @@ def _train(cfg: Config, run_dir: Path, env, stop_after: int | None,
                     "data_wait_s": loader.pop_wait_time(),
                     "mfu": mfu(flops_per_token, tps, env.world_size, peak),
                     "time": time.time(), "interval_time_s": since_logged,
+                    **({} if apply else {"skipped": True}),
                 })
                 since_logged = 0.0
             if t.eval_interval and step % t.eval_interval == 0:
@@ -192,6 +208,7 @@ def _train(cfg: Config, run_dir: Path, env, stop_after: int | None,
             stopping = preempted or (stop_after is not None and step >= stop_after)
             interval = cfg.checkpoint.interval
             if step == t.steps or stopping or (interval and step % interval == 0):
+                guard.check_replicas(step, force=True)  # never commit diverged replicas
                 hb.phase("checkpoint")
                 with rec.span("checkpoint_save", "ckpt"):
                     ckpt.save(step, engine, {
@@ -219,6 +236,8 @@ def _train(cfg: Config, run_dir: Path, env, stop_after: int | None,
         loader.close()
         write_read_counts(run_dir, env.rank, loader)
         metrics.close()
+        if t.gc_interval:
+            gc.enable()
 
 
 def start_events(cfg: Config, run_dir: Path, env, mesh, engine: Engine, layout: dict):

@@ -1,0 +1,332 @@
+"""Silent data corruption and numerical faults, checked inside the training loop.
+
+**Replica consistency.** Every `resilience.sdc_interval` steps, and before every checkpoint
+(so a committed checkpoint never holds diverged replicas), the ranks that must hold identical
+values compare a checksum of them: the integer sum of each parameter's bits (exact: any flipped
+bit changes it; a few microseconds per MB). Replicas are found from the parameters themselves:
+every DTensor mesh dimension a parameter is `Replicate` on (tensor-parallel norms, HSDP
+replicas), and the data-parallel (x context-parallel) group for DDP and for pipelines whose
+gradients are all-reduced by hand. Plain FSDP shards have no replica: corruption there is left
+to the golden tests of `myria doctor` and to the numerical checks below. A mismatch names the
+odd rank out by majority (with two replicas, both: the check cannot tell which one is wrong)
+and the first parameter that differs; the default action rolls back: every rank stops with
+`SilentCorruption`, and under `myria supervise` the job restarts from the newest checkpoint.
+
+**Numerical faults.** A non-finite loss or gradient norm, or a loss spike (the loss above a
+running mean by `loss_spike_sigmas` running deviations, after `SPIKE_WARMUP` steps), is judged
+the same on every rank (both figures are global), then: `skip` the update (the batch is
+consumed, the optimizer does not step, the learning-rate schedule goes on), `rollback` (stop;
+the restart resumes from the newest checkpoint and skips the offending step's batch, listed in
+RUN_DIR/skip_steps.json) or `stop`. The ranks whose own loss was non-finite are named (one
+all-gather of a flag, only on a bad step); when every local loss was finite the gradients turned
+non-finite in the backward pass or its reduction and no rank can be named from the loss.
+
+Every detection is one line in RUN_DIR/events.jsonl (`myria.detections`).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from myria import detections
+from myria.errors import MyriaError
+
+SKIP_STEPS = "skip_steps.json"
+SPIKE_WARMUP = 20        # steps before the running loss estimate judges spikes
+SPIKE_DECAY = 0.9        # running mean and deviation: exponential, this weight on the past
+
+
+class SilentCorruption(MyriaError):
+    """Replicas that must be identical differ: the state since the last check is suspect."""
+
+    exit_code = 1     # a fault of the machine, not of the input: the supervisor restarts
+
+
+class NumericalFault(MyriaError):
+    """A non-finite or spiking loss under `numerical_action = rollback` (exit 1: restarted) or
+    `stop` (exit 2: not restarted)."""
+
+    def __init__(self, message: str, restart: bool):
+        super().__init__(message)
+        self.exit_code = 1 if restart else 2
+
+
+# ---------------------------------------------------------------------------------------------
+# Replica consistency
+
+
+def bit_checksum(t: torch.Tensor) -> int:
+    """The exact integer sum of a tensor's elements read as integers of their width."""
+    t = t.detach()
+    if hasattr(t, "to_local"):
+        t = t.to_local()
+    t = t.contiguous().reshape(-1)
+    width = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.int8}[t.element_size()]
+    return int(t.view(width).sum(dtype=torch.int64))
+
+
+def _local(p: torch.Tensor) -> torch.Tensor:
+    return p.to_local() if hasattr(p, "to_local") else p
+
+
+@dataclass
+class ReplicaGroup:
+    """Parameters whose local tensors are identical on every rank of `group`."""
+
+    name: str
+    group: object
+    ranks: list[int]
+    params: list[tuple[str, torch.Tensor]] = field(default_factory=list)
+
+
+def replica_groups(engine) -> list[ReplicaGroup]:
+    """The replica groups of an engine's parameters (see the module docstring)."""
+    from torch.distributed.tensor import DTensor
+
+    groups: dict[tuple, ReplicaGroup] = {}
+
+    def add(key, name, group, pname, p):
+        if key not in groups:
+            groups[key] = ReplicaGroup(name, group, dist.get_process_group_ranks(group))
+        groups[key].params.append((pname, p))
+
+    plain_replicated = engine.loss_group is not None and (
+        engine.cfg.training.data_parallel == "ddp" or engine.manual_dp)
+    for part in engine.parts:
+        for pname, p in part.named_parameters():
+            if isinstance(p, DTensor):
+                mesh = p.device_mesh
+                for i, pl in enumerate(p.placements):
+                    if pl.is_replicate() and mesh.size(i) > 1:
+                        dim = (mesh.mesh_dim_names or [str(i)])[i]
+                        add(("mesh", id(mesh), i), dim, mesh.get_group(i), pname, p)
+            if plain_replicated:
+                add(("dp",), "dp", engine.loss_group, pname, p)
+    return [g for g in groups.values() if len(g.ranks) > 1]
+
+
+@dataclass
+class Mismatch:
+    group: str
+    ranks: list[int]
+    suspects: list[int]       # the odd rank(s) out
+    param: str                # the first parameter that differs
+    checksums: dict[int, int]
+
+    def evidence(self) -> dict:
+        return {"group": self.group, "ranks": self.ranks, "suspects": self.suspects,
+                "param": self.param, "checksums": {str(k): v for k, v in
+                                                   self.checksums.items()}}
+
+
+class ReplicaCheck:
+    """Compares the checksums of every replica group; collective over the whole world."""
+
+    def __init__(self, engine):
+        self.groups = replica_groups(engine)
+        self.device = engine.device
+
+    def check(self) -> list[Mismatch]:
+        found: list[Mismatch] = []
+        for g in self.groups:
+            local = torch.tensor([bit_checksum(p) for _, p in g.params], dtype=torch.int64,
+                                 device=self.device)
+            gathered = [torch.empty_like(local) for _ in g.ranks]
+            dist.all_gather(gathered, local, group=g.group)
+            table = torch.stack(gathered).cpu()          # [ranks, params]
+            differs = (table != table[0]).any(dim=0)
+            if not bool(differs.any()):
+                continue
+            j = int(differs.nonzero()[0])
+            col = table[:, j].tolist()
+            counts = {v: col.count(v) for v in col}
+            top = max(counts.values())
+            majority = [v for v, c in counts.items() if c == top]
+            suspects = [g.ranks[i] for i, v in enumerate(col)
+                        if len(majority) > 1 or v != majority[0]]
+            found.append(Mismatch(g.name, g.ranks, suspects, g.params[j][0],
+                                  dict(zip(g.ranks, col))))
+        # Every rank learns whether any group diverged, so that all act together.
+        flag = torch.tensor([len(found)], dtype=torch.int64, device=self.device)
+        dist.all_reduce(flag)
+        if int(flag) and not found:
+            found.append(Mismatch("elsewhere", [], [], "", {}))
+        return found
+
+
+def flip_bit(p: torch.Tensor, bit: int = 22) -> None:
+    """Flip one bit (22: the top mantissa bit of fp32, a change of up to half the value) of the
+    first element of a parameter's (or gradient's) local tensor."""
+    t = _local(p.detach()).reshape(-1)[:1]
+    width = {4: torch.int32, 2: torch.int16, 8: torch.int64}[t.element_size()]
+    v = t.view(width)
+    v.bitwise_xor_(torch.tensor(1 << (bit % (8 * t.element_size() - 1)), dtype=width))
+
+
+# ---------------------------------------------------------------------------------------------
+# Numerical faults
+
+
+class LossTracker:
+    """A running mean and absolute deviation of the (global) loss; judges spikes."""
+
+    def __init__(self, sigmas: float):
+        self.sigmas = sigmas
+        self.mean: float | None = None
+        self.dev = 0.0
+        self.n = 0
+
+    def is_spike(self, loss: float) -> bool:
+        if self.sigmas <= 0 or self.mean is None or self.n < SPIKE_WARMUP:
+            return False
+        return loss > self.mean + self.sigmas * max(self.dev, 0.01 * abs(self.mean))
+
+    def update(self, loss: float) -> None:
+        if not math.isfinite(loss):
+            return
+        if self.mean is None:
+            self.mean = loss
+        else:
+            self.dev = SPIKE_DECAY * self.dev + (1 - SPIKE_DECAY) * abs(loss - self.mean)
+            self.mean = SPIKE_DECAY * self.mean + (1 - SPIKE_DECAY) * loss
+        self.n += 1
+
+
+def nonfinite_ranks(local_loss: torch.Tensor, device) -> list[int]:
+    """The global ranks whose own loss is non-finite (collective: call on every rank)."""
+    flag = torch.tensor([0 if bool(torch.isfinite(local_loss)) else 1], dtype=torch.int64,
+                        device=device)
+    if not (dist.is_available() and dist.is_initialized()):
+        return [0] if int(flag) else []
+    flags = [torch.empty_like(flag) for _ in range(dist.get_world_size())]
+    dist.all_gather(flags, flag)
+    return [r for r, f in enumerate(flags) if int(f)]
+
+
+def read_skip_steps(run_dir: Path) -> set[int]:
+    try:
+        return set(json.loads((run_dir / SKIP_STEPS).read_text()))
+    except (OSError, ValueError):
+        return set()
+
+
+def add_skip_step(run_dir: Path, step: int) -> None:
+    from myria.train.checkpoint import atomic_write
+
+    steps = sorted(read_skip_steps(run_dir) | {step})
+    atomic_write(run_dir / SKIP_STEPS, json.dumps(steps))
+
+
+# ---------------------------------------------------------------------------------------------
+# The trainer's side
+
+
+class StepGuard:
+    """What the training loop calls around each step (see the module docstring)."""
+
+    def __init__(self, cfg, engine, run_dir: Path, rank: int, faults):
+        import socket
+
+        self.r, self.engine, self.run_dir, self.rank = cfg.resilience, engine, run_dir, rank
+        self.faults, self.host = faults, socket.gethostname()
+        multi = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+        self.replicas = ReplicaCheck(engine) if self.r.sdc_interval and multi else None
+        self.losses = LossTracker(self.r.loss_spike_sigmas)
+        self.skip = read_skip_steps(run_dir)
+        self._hook = None
+        self.checked_at: int | None = None
+
+    # -- before the forward pass -------------------------------------------------------------
+    def before(self, step: int) -> bool:
+        """Apply the fault hooks due at the start of `step` (steps done so far, as in
+        `myria.faults`); False when the batch of step `step + 1` is to be skipped (rollback)."""
+        if f := self.faults.due("bitflip", step):
+            if f.params.get("target") == "param":
+                self.faults.mark(f)
+                flip_bit(self._target())
+        if f := self.faults.due("nan", step):
+            self.faults.mark(f)
+            self._hook = self.engine.model.register_forward_hook(
+                lambda mod, args, out: out * float("nan"))
+        return step + 1 not in self.skip
+
+    def after_backward(self, step: int) -> None:
+        if self._hook is not None:
+            self._hook.remove()
+            self._hook = None
+        if f := self.faults.due("bitflip", step):   # target = grad: after the reduction
+            self.faults.mark(f)
+            p = self._target()
+            if p.grad is not None:
+                flip_bit(p.grad)
+
+    def _target(self) -> torch.Tensor:
+        """The parameter the bitflip hook corrupts: the last one (the final norm or the output
+        layer, whose gradient is never zero; an unused embedding row's would be)."""
+        return list(self.engine.model.parameters())[-1]
+
+    # -- before the update -------------------------------------------------------------------
+    def judge(self, step: int, local_loss: torch.Tensor, loss: float, grad_norm: float) -> bool:
+        """True to apply the update of step `step` (1-based, as in the metrics). `loss` and
+        `grad_norm` are global, so every rank decides alike."""
+        kind = None
+        if not (math.isfinite(loss) and math.isfinite(grad_norm)):
+            kind = "nonfinite"
+        elif self.losses.is_spike(loss):
+            kind = "loss_spike"
+        if kind is None:
+            self.losses.update(loss)
+            return True
+        action = self.r.numerical_action
+        evidence = {"loss": loss if math.isfinite(loss) else str(loss),
+                    "grad_norm": grad_norm if math.isfinite(grad_norm) else str(grad_norm)}
+        named = None
+        if kind == "nonfinite":
+            ranks = nonfinite_ranks(local_loss, self.engine.device)
+            evidence["ranks_with_nonfinite_loss"] = ranks
+            named = ranks[0] if ranks else None
+            if not ranks:
+                evidence["note"] = ("every rank's own loss was finite: the gradients turned "
+                                    "non-finite in the backward pass or their reduction")
+        else:
+            evidence.update(running_mean=self.losses.mean, running_dev=self.losses.dev,
+                            sigmas=self.losses.sigmas)
+        if self.rank == 0:
+            detections.record(self.run_dir, kind, named, self.host, step, evidence, action)
+            print(f"DETECTED {kind} at step {step}" +
+                  (f" (first non-finite on rank(s) {evidence['ranks_with_nonfinite_loss']})"
+                   if named is not None else "") + f": {action}", flush=True)
+        if action == "skip":
+            return False
+        if action == "rollback" and self.rank == 0:
+            add_skip_step(self.run_dir, step)
+        raise NumericalFault(f"{kind} at step {step} (loss {loss}, gradient norm {grad_norm}); "
+                             f"numerical_action = {action}", restart=action == "rollback")
+
+    # -- after the update --------------------------------------------------------------------
+    def check_replicas(self, step: int, force: bool = False) -> None:
+        """Every sdc_interval steps, and when `force` (before a checkpoint): compare replicas."""
+        if self.replicas is None or self.checked_at == step or \
+                not (force or step % self.r.sdc_interval == 0):
+            return
+        self.checked_at = step
+        found = self.replicas.check()
+        if not found:
+            return
+        action = self.r.sdc_action
+        for m in found:
+            if m.ranks and self.rank == min(m.ranks):
+                named = m.suspects[0] if len(m.suspects) == 1 else None
+                detections.record(self.run_dir, "sdc", named, self.host, step, m.evidence(),
+                                  action)
+                print(f"DETECTED sdc at step {step}: {m.group} replicas {m.ranks} differ in "
+                      f"{m.param}; odd rank(s) out {m.suspects}: {action}", flush=True)
+        if action == "rollback":
+            raise SilentCorruption(f"replicas diverged by step {step} (see events.jsonl); "
+                                   "rolling back to the newest checkpoint")
