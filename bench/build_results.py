@@ -2,7 +2,8 @@
 
 from pathlib import Path
 
-ORDER = ["train", "lamb", "parallel", "resilience", "observe", "sim", "selfcheck"]
+ORDER = ["train", "lamb", "parallel", "resilience", "observe", "detect", "sim", "selfcheck",
+         "offload", "network", "architectures"]
 
 here = Path(__file__).resolve().parent
 parts = ["# myria benchmark results\n",

@@ -316,7 +316,10 @@ class StepGuard:
                 not (force or step % self.r.sdc_interval == 0):
             return
         self.checked_at = step
-        found = self.replicas.check()
+        from myria.observe import events
+
+        with events.current().span("replica_check", "check"):
+            found = self.replicas.check()
         if not found:
             return
         action = self.r.sdc_action

@@ -176,7 +176,7 @@ def _train(cfg: Config, run_dir: Path, env, stop_after: int | None,
                 engine.step() if apply else engine.skip_step()
             step += 1
             if t.gc_interval and step % t.gc_interval == 0:
-                with rec.span("gc", "compute"):
+                with rec.span("gc", "check"):
                     gc.collect()  # every rank at the same step (automatic collection is off)
             guard.check_replicas(step)
 
