@@ -15,7 +15,9 @@ MYRIA_FAULT holds comma-separated faults, each `kind:key=value:...`:
 - `bitflip:rank=R:step=S[:target=param|grad]`  flip one bit of rank R's first parameter (at the
                              start of step S) or of its gradient (after the gradient reduction,
                              before the update): silent data corruption
-- `nan:rank=R:step=S`        rank R's loss at step S is NaN (a transient numerical fault)
+- `nan:rank=R:step=S[:sticky=yes]`  rank R's loss at step S is NaN (a transient numerical
+                             fault), or with sticky=yes every forward from then on in this
+                             process (a device that keeps computing wrong numbers)
 
 Each fault fires once per run directory (a marker file under RUN_DIR/faults/ records it), so a
 restarted job does not repeat it.
@@ -30,7 +32,8 @@ from pathlib import Path
 KINDS = ("kill", "hang", "stop", "raise", "corrupt-checkpoint", "diskfull", "slow", "bitflip",
          "nan")
 FLOAT_KEYS = ("factor",)   # parameters that take a number, not an integer
-WORD_KEYS = {"target": ("param", "grad")}   # parameters that take one of a few words
+# parameters that take one of a few words
+WORD_KEYS = {"target": ("param", "grad"), "sticky": ("yes", "no")}
 
 
 @dataclass

@@ -88,6 +88,7 @@ def test_nan_is_attributed_and_its_update_skipped(tmp_path, tiny_data):
     rows = detections.read(run, "nonfinite")
     assert len(rows) == 1 and rows[0]["rank"] == 1 and rows[0]["step"] == 6, rows
     assert rows[0]["evidence"]["ranks_with_nonfinite_loss"] == [1]
+    assert rows[0]["evidence"]["replay"]["ranks"] == {"1": "transient"}   # it did not repeat
     assert rows[0]["action"] == "skip"
     metrics = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
     skipped = [r["step"] for r in metrics if r.get("skipped")]
@@ -118,3 +119,20 @@ def test_nan_rollback_skips_the_batch(tmp_path, tiny_data):
     assert summary["status"] == "succeeded" and summary["faults"][0]["resumed_from"] == 4
     metrics = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in metrics if r.get("skipped")] == [5]
+
+
+@pytest.mark.slow
+def test_replay_tells_a_persistent_fault_from_a_transient_one(tmp_path, tiny_data):
+    """A device that keeps computing NaN (sticky hook on rank 1) is `persistent`: its replay
+    fails again while rank 0 computes the same microbatch finitely; with `stop` the job ends
+    (exit 2, not restarted) after one detection."""
+    run = tmp_path / "run"
+    p = run_cli("train", "--run-dir", str(run), "--nproc", "2", f"--data.path={tiny_data}",
+                *TINY, "--training.steps=6", "--checkpoint.interval=0",
+                "--resilience.numerical_action=stop",
+                env={"MYRIA_FAULT": "nan:rank=1:step=2:sticky=yes"}, check=False, timeout=600)
+    assert p.returncode != 0
+    rows = detections.read(run, "nonfinite")
+    assert len(rows) == 1 and rows[0]["rank"] == 1 and rows[0]["action"] == "stop"
+    assert rows[0]["evidence"]["replay"]["ranks"] == {"1": "persistent"}
+    assert rows[0]["evidence"]["replay"]["replayed_on"] == {"1": 0}

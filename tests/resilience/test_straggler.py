@@ -67,3 +67,13 @@ def test_supervisor_reports_a_straggler_once(tmp_path, tiny_data):
     assert rows[0]["evidence"]["slowdown"] >= 0.10 and rows[0]["action"] == "warn"
     log = (run / "supervisor.log").read_text()
     assert "DETECTED straggler rank 1" in log
+
+
+def test_rebalancing_is_weighed_not_done():
+    from myria.resilience.straggler import rebalance
+
+    r = rebalance(0.5, 8, 3)     # 8 x 1.5 = 12 before; moving 2: max(6 x 1.5, 8 + 1) = 9
+    assert r["possible"] and r["move_microbatches"] == 2 and r["step_saving_fraction"] == 0.25
+    assert "not bit for bit" in r["numbers"]
+    assert not rebalance(0.5, 1, 3)["possible"]           # one microbatch: nothing to move
+    assert not rebalance(0.1, 2, 1)["possible"]           # the peer would become the straggler

@@ -209,6 +209,59 @@ def nonfinite_ranks(local_loss: torch.Tensor, device) -> list[int]:
     return [r for r, f in enumerate(flags) if int(f)]
 
 
+def replay(engine, inputs: torch.Tensor, targets: torch.Tensor, local_bad: bool) -> dict:
+    """Rerun attribution of a non-finite step (collective; pipeline parallelism excluded): every
+    rank replays its first microbatch forward, and the first microbatch of the previous rank of
+    its data-parallel group; a rank whose own loss was non-finite is then
+
+    - `transient` if its replay is finite (the fault did not repeat),
+    - `persistent` if its replay is non-finite again while another rank computes the same
+      microbatch finitely (this rank's device is at fault: exclude its host),
+    - `instability` if the other rank's replay of it is non-finite too (the data and the model
+      state produce it anywhere: roll back and skip the data).
+    Returns {"ranks": {rank: verdict}, "replayed_on": {rank: other rank}}."""
+    if engine.schedule is not None:
+        return {"note": "no replay under pipeline parallelism"}
+    world = dist.get_world_size()
+    rank = dist.get_rank()
+    x, y = inputs[0], targets[0]
+    own = engine.eval_loss(x, y)
+    group = engine.loss_group
+    other_of = {}
+    nb_bad = 0
+    if group is not None and dist.get_world_size(group) > 1:
+        ranks = dist.get_process_group_ranks(group)
+        xs = [torch.empty_like(x) for _ in ranks]
+        ys = [torch.empty_like(y) for _ in ranks]
+        dist.all_gather(xs, x, group=group)
+        dist.all_gather(ys, y, group=group)
+        me = ranks.index(rank)
+        prev = (me - 1) % len(ranks)
+        nb = engine.eval_loss(xs[prev], ys[prev])
+        nb_bad = 0 if bool(torch.isfinite(nb)) else 1
+        # the rank that replayed each rank's microbatch: the next one in the group
+        other_of = {ranks[i]: ranks[(i + 1) % len(ranks)] for i in range(len(ranks))}
+    flags = torch.tensor([int(local_bad), 0 if bool(torch.isfinite(own)) else 1, nb_bad],
+                         dtype=torch.int64, device=engine.device)
+    table = [torch.empty_like(flags) for _ in range(world)]
+    dist.all_gather(table, flags)
+    out: dict[int, str] = {}
+    for r, f in enumerate(table):
+        bad, own_bad, _ = (int(v) for v in f)
+        if not bad:
+            continue
+        if not own_bad:
+            out[r] = "transient"
+            continue
+        o = other_of.get(r)
+        if o is None:
+            out[r] = "persistent or instability (no other rank to replay it on)"
+        else:
+            out[r] = "instability" if int(table[o][2]) else "persistent"
+    return {"ranks": {str(k): v for k, v in out.items()},
+            "replayed_on": {str(k): v for k, v in other_of.items() if k in out}}
+
+
 def read_skip_steps(run_dir: Path) -> set[int]:
     try:
         return set(json.loads((run_dir / SKIP_STEPS).read_text()))
@@ -252,8 +305,10 @@ class StepGuard:
                 flip_bit(self._target())
         if f := self.faults.due("nan", step):
             self.faults.mark(f)
-            self._hook = self.engine.model.register_forward_hook(
+            hook = self.engine.model.register_forward_hook(
                 lambda mod, args, out: out * float("nan"))
+            if f.params.get("sticky") != "yes":   # sticky: a device that keeps failing
+                self._hook = hook
         return step + 1 not in self.skip
 
     def after_backward(self, step: int) -> None:
@@ -272,7 +327,8 @@ class StepGuard:
         return list(self.engine.model.parameters())[-1]
 
     # -- before the update -------------------------------------------------------------------
-    def judge(self, step: int, local_loss: torch.Tensor, loss: float, grad_norm: float) -> bool:
+    def judge(self, step: int, local_loss: torch.Tensor, loss: float, grad_norm: float,
+              batch=None) -> bool:
         """True to apply the update of step `step` (1-based, as in the metrics). `loss` and
         `grad_norm` are global, so every rank decides alike."""
         kind = None
@@ -294,13 +350,17 @@ class StepGuard:
             if not ranks:
                 evidence["note"] = ("every rank's own loss was finite: the gradients turned "
                                     "non-finite in the backward pass or their reduction")
+            elif batch is not None and dist.is_initialized():
+                evidence["replay"] = replay(self.engine, batch.inputs, batch.targets,
+                                            self.rank in ranks)
         else:
             evidence.update(running_mean=self.losses.mean, running_dev=self.losses.dev,
                             sigmas=self.losses.sigmas)
         if self.rank == 0:
             detections.record(self.run_dir, kind, named, self.host, step, evidence, action)
             print(f"DETECTED {kind} at step {step}" +
-                  (f" (first non-finite on rank(s) {evidence['ranks_with_nonfinite_loss']})"
+                  (f" (first non-finite on rank(s) {evidence['ranks_with_nonfinite_loss']}; "
+                   f"replay: {evidence.get('replay', {}).get('ranks')})"
                    if named is not None else "") + f": {action}", flush=True)
         if action == "skip":
             return False

@@ -167,7 +167,7 @@ def _train(cfg: Config, run_dir: Path, env, stop_after: int | None,
                     grad_norm = engine.clip_grads(t.grad_clip)
                 with rec.span("loss_mean", "compute"):
                     loss_value = engine.mean_over_dp(loss_sum)
-                apply = guard.judge(step + 1, loss_sum, loss_value, grad_norm)
+                apply = guard.judge(step + 1, loss_sum, loss_value, grad_norm, batch)
             hb.phase("snapshot-wait")
             with rec.span("snapshot_wait", "ckpt"):
                 ckpt.before_update()  # an overlapped snapshot must be copied before weights change
