@@ -16,9 +16,12 @@ Definitions (docs/observability.md):
 - *Pipeline receive*: the k-th receive of B from A pairs with A's k-th send to B; if A issued it
   after B, B's blocking wait for it (up to the lateness) is blamed on A.
 - *Blame* of a rank: the waiting it caused, summed over instances. Waiting is attributed to the
-  rank waited on, never to the one that waited; where the rank waited on was itself blocked
-  waiting for a third rank during that lateness, that part goes on to the third (up to four
-  hops): in a pipeline, to the slow stage's rank rather than the next stage that waited for it.
+  rank waited on, never to the one that waited. For a collective, the last arrival's delay is
+  its extra compute plus its extra blocked time since the step began, against the waiter (the
+  same work): the extra blocked time goes to whom it was blocked on (in a pipeline, the slow
+  stage's rank rather than the next stage that waited for it), onward up to four hops; for a
+  pipeline transfer, the part of the waiting window in which the sender was itself blocked
+  goes on the same way.
 - *Noise*: each rank's blame in a step minus the median rank's is its deviation. A rank's
   *consistent excess* is the number of steps times its median deviation (a one-off hiccup, a
   descheduled process on a busy host, does not move a median). It stands out when that exceeds
@@ -261,12 +264,17 @@ def blame_report(run: Run, table: dict | None = None) -> dict:
                 blocked[r].append((t - w, t, inst.last))
     for r in blocked:
         blocked[r].sort()
+    step_t0 = {(r, e["s"]): e["t0"] for r, re in run.ranks.items() for e in re.events
+               if e["n"] == "step"}
     for inst in insts:
         t_last = inst.arrival[inst.last]
         for r, w in inst.waited.items():
             waited[r] += w / 1e6
-            for culprit, amount in _root(blocked, inst.last, t_last - w, t_last, w,
-                                         {r}).items():
+            if inst.name == "p2p":
+                shares = _root(blocked, inst.last, t_last - w, t_last, w, {r})
+            else:
+                shares = _delay_root(blocked, step_t0, inst, r, w)
+            for culprit, amount in shares.items():
                 blamed[culprit] += amount / 1e6
                 per_step_blame[inst.step][culprit] += amount / 1e6
     ranks = sorted(run.ranks)
@@ -350,6 +358,44 @@ def _root(blocked: dict, rank: int, t0: int, t1: int, amount: int, seen: set,
             break
     if left > 0:
         out[rank] += left
+    return out
+
+
+def _blocked_in(blocked: dict, rank: int, t0: int, t1: int) -> list[tuple[int, int, int]]:
+    """`rank`'s blocked intervals clipped to [t0, t1], with whom it waited for."""
+    out = []
+    for b0, b1, culprit in blocked.get(rank, ()):
+        lo, hi = max(t0, b0), min(t1, b1)
+        if hi > lo and culprit != rank:
+            out.append((lo, hi, culprit))
+    return out
+
+
+def _delay_root(blocked: dict, step_t0: dict, inst: Instance, waiter: int,
+                w: int) -> dict[int, int]:
+    """Who `waiter`'s `w` µs of waiting for the last arrival `last` of a collective is due to.
+
+    Both began the step and arrived at the collective (members of a group do the same work),
+    `last` w later: its delay is its extra compute plus its extra blocked time since the step
+    began. The blocked time `last` spent beyond the waiter's (in a pipeline: waiting for a slow
+    stage's sends that the waiter did not wait for) goes to whom `last` was blocked on, in
+    proportion and onward (`_root`); only the rest is `last`'s own."""
+    last = inst.last
+    s_last, s_w = step_t0.get((last, inst.step)), step_t0.get((waiter, inst.step))
+    t_last, t_w = inst.arrival[last], inst.arrival[waiter]
+    if s_last is None or s_w is None:
+        return _root(blocked, last, t_last - w, t_last, w, {waiter})
+    mine = _blocked_in(blocked, last, s_last, t_last)
+    b_last = sum(b1 - b0 for b0, b1, _ in mine)
+    b_w = sum(b1 - b0 for b0, b1, _ in _blocked_in(blocked, waiter, s_w, t_w))
+    excess = min(w, max(0, b_last - b_w))
+    out: dict[int, int] = defaultdict(int)
+    if excess > 0:
+        for b0, b1, culprit in mine:
+            part = excess * (b1 - b0) // b_last
+            for c, a in _root(blocked, culprit, b0, b1, part, {last, waiter}, 3).items():
+                out[c] += a
+    out[last] += w - sum(out.values())
     return out
 
 
