@@ -16,6 +16,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "prepare": ("myria.data.prepare", "text files -> BPE tokenizer -> memory-mapped token shards"),
     "train": ("myria.train.cli", "train a model (--nproc N starts N local processes)"),
     "export": ("myria.train.export", "export a checkpoint (HF safetensors + config.json)"),
+    "generate": ("myria.generate", "continue a prompt with a checkpoint (KV cache, greedy or "
+                 "sampled)"),
     "supervise": ("myria.resilience.supervisor", "run training under the fault-tolerant "
                   "supervisor"),
     "doctor": ("myria.resilience.diagnostics", "self-check diagnostics of this host"),

@@ -1,0 +1,178 @@
+"""`myria generate`: text from a checkpoint, on one process, with a KV cache.
+
+    myria generate --run-dir runs/demo --prompt "My fellow citizens" --max-new-tokens 60
+
+Loads the newest checkpoint that verifies (or `--step N`), encodes the prompt with the run's
+tokenizer (the data directory recorded in the checkpoint), and decodes token by token: one
+forward over the prompt fills the cache of keys and values of every layer, then each new token
+is one forward of one position against the cache (memory grows by one key and value per layer
+per token; no attention over the whole sequence again). `--temperature 0` is greedy and
+deterministic (for the Llama architecture it equals `transformers`' greedy `generate` on the
+exported model, token for token: tested); above 0 it samples from softmax(logits / T), over the
+`--top-k` most likely tokens when given, with a generator seeded by `--seed`. Generation stops at
+the end-of-text token or after `--max-new-tokens`.
+
+The cached forward reuses the model's own modules (norms, projections, MLPs or MoE, head); only
+the attention over the cache is written here, because the training forward attends within one
+sequence and has no cache.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from myria.errors import ConfigError, DataError
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--run-dir", required=True, help="run directory holding checkpoints/")
+    p.add_argument("--prompt", required=True, help="text to continue")
+    p.add_argument("--max-new-tokens", type=int, default=50, help="tokens to generate (50)")
+    p.add_argument("--temperature", type=float, default=0.8,
+                   help="sampling temperature; 0 = greedy, deterministic (0.8)")
+    p.add_argument("--top-k", type=int, default=0,
+                   help="sample among the K most likely tokens only; 0 = all (0)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the sampler (0)")
+    p.add_argument("--step", type=int, default=None, help="checkpoint step (default: newest)")
+
+
+class KVCache:
+    """Keys and values of every layer for the positions seen so far: (B, Hkv, T, D) each."""
+
+    def __init__(self):
+        self.k: dict[str, torch.Tensor] = {}
+        self.v: dict[str, torch.Tensor] = {}
+
+    def append(self, layer: str, k: torch.Tensor, v: torch.Tensor):
+        if layer in self.k:
+            k = torch.cat([self.k[layer], k], dim=2)
+            v = torch.cat([self.v[layer], v], dim=2)
+        self.k[layer], self.v[layer] = k, v
+        return k, v
+
+    def __len__(self) -> int:
+        return next(iter(self.k.values())).shape[2] if self.k else 0
+
+
+def _attend(att, x: torch.Tensor, cache: KVCache, name: str, rope, pos0: int) -> torch.Tensor:
+    from myria.models.attention import apply_rope, window_mask
+
+    b, s, _ = x.shape
+    q = att.wq(x).view(b, s, -1, att.head_dim).transpose(1, 2)
+    k = att.wk(x).view(b, s, -1, att.head_dim).transpose(1, 2)
+    v = att.wv(x).view(b, s, -1, att.head_dim).transpose(1, 2)
+    if att.use_rope:
+        cos, sin = rope[0][pos0:pos0 + s], rope[1][pos0:pos0 + s]
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+    k, v = cache.append(name, k, v)
+    mask = window_mask(s, k.shape[2], att.core.window, x.device, q_offset=pos0)
+    o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask,
+                                       enable_gqa=k.shape[1] != q.shape[1])
+    return att.wo(o.transpose(1, 2).reshape(b, s, -1))
+
+
+@torch.no_grad()
+def forward_cached(model, tokens: torch.Tensor, cache: KVCache, rope=None) -> torch.Tensor:
+    """Logits (B, S, V) of `tokens` (B, S) at positions len(cache).., extending the cache."""
+    pos0 = len(cache)
+    h = model.tok_embeddings(tokens)
+    if model.pos_embeddings is not None:
+        h = h + model.pos_embeddings(torch.arange(pos0, pos0 + tokens.shape[1],
+                                                  device=tokens.device))
+    for name, layer in model.layers.items():
+        n = layer.attention_norm(h)
+        a = _attend(layer.attention, n, cache, name, rope, pos0)
+        if layer.parallel:
+            h = h + a + layer.feed_forward(n)
+        else:
+            h = h + a
+            h = h + layer.feed_forward(layer.ffn_norm(h))
+    return model.output(model.norm(h))
+
+
+def rope_for(model, length: int):
+    """RoPE tables long enough for `length` positions (beyond the training length too)."""
+    if model.cfg.arch != "llama":
+        return None
+    if model.rope_cos.shape[0] >= length:
+        return model.rope_cos, model.rope_sin
+    from myria.models.attention import rope_tables
+
+    return rope_tables(length, model.cfg.head_dim, model.cfg.rope_theta)
+
+
+def pick(logits: torch.Tensor, temperature: float, top_k: int, gen: torch.Generator) -> int:
+    """The next token from the last position's logits (1-D, vocabulary)."""
+    if temperature <= 0:
+        return int(logits.argmax())
+    logits = logits.float() / temperature
+    if 0 < top_k < logits.numel():
+        kth = torch.topk(logits, top_k).values[-1]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    return int(torch.multinomial(torch.softmax(logits, dim=-1), 1, generator=gen))
+
+
+@torch.no_grad()
+def generate(model, prompt_ids: list[int], max_new_tokens: int, temperature: float = 0.0,
+             top_k: int = 0, seed: int = 0, eos: int | None = None) -> list[int]:
+    """The new token ids after `prompt_ids` (stops after `eos`, which is included)."""
+    model.eval()
+    cfg = model.cfg
+    total = len(prompt_ids) + max_new_tokens
+    if cfg.arch == "gpt" and total > cfg.seq_len:
+        raise ConfigError(f"prompt ({len(prompt_ids)} tokens) + --max-new-tokens "
+                          f"{max_new_tokens} = {total} exceeds the GPT model's {cfg.seq_len} "
+                          "learned positions")
+    rope = rope_for(model, total)
+    gen = torch.Generator().manual_seed(seed)
+    cache = KVCache()
+    logits = forward_cached(model, torch.tensor([prompt_ids]), cache, rope)[0, -1]
+    out: list[int] = []
+    for _ in range(max_new_tokens):
+        t = pick(logits, temperature, top_k, gen)
+        out.append(t)
+        if eos is not None and t == eos:
+            break
+        logits = forward_cached(model, torch.tensor([[t]]), cache, rope)[0, -1]
+    return out
+
+
+def run(args) -> int:
+    from myria.data.tokenizer import decode, eos_id, load_tokenizer
+    from myria.errors import CheckpointError
+    from myria.train.export import load_checkpoint_model
+
+    if args.max_new_tokens < 1:
+        raise ConfigError(f"--max-new-tokens {args.max_new_tokens}: must be at least 1")
+    if args.temperature < 0:
+        raise ConfigError(f"--temperature {args.temperature}: must be 0 (greedy) or more")
+    if args.top_k < 0:
+        raise ConfigError(f"--top-k {args.top_k}: must be 0 (all tokens) or more")
+    run_dir = Path(args.run_dir)
+    if not run_dir.is_dir():
+        raise CheckpointError(f"run directory {run_dir} does not exist")
+    model, m, path = load_checkpoint_model(run_dir, args.step)
+    data = json.loads((path / "meta.json").read_text()).get("data_path")
+    tok_file = Path(data or "") / "tokenizer.json"
+    if not data or not tok_file.exists():
+        raise DataError(f"the tokenizer of {path} is not found: the checkpoint names data path "
+                        f"{data!r}, which has no tokenizer.json")
+    tok = load_tokenizer(tok_file)
+    ids = tok.encode(args.prompt, add_special_tokens=False).ids
+    if not ids:
+        raise ConfigError("--prompt encodes to no tokens")
+    t0 = time.perf_counter()
+    new = generate(model, ids, args.max_new_tokens, args.temperature, args.top_k, args.seed,
+                   eos_id(tok))
+    dt = time.perf_counter() - t0
+    print(args.prompt + decode(tok, new))
+    print(f"[{path.name}: {len(new)} tokens in {dt:.2f} s, {len(new) / dt:.1f} tokens/s, "
+          f"{'greedy' if args.temperature == 0 else f'temperature {args.temperature}'}]",
+          flush=True)
+    return 0
