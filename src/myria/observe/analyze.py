@@ -23,11 +23,12 @@ Definitions (docs/observability.md):
   pipeline transfer, the part of the waiting window in which the sender was itself blocked
   goes on the same way.
 - *Noise*: each rank's blame in a step minus the median rank's is its deviation. A rank's
-  *consistent excess* is the number of steps times its median deviation (a one-off hiccup, a
-  descheduled process on a busy host, does not move a median). It stands out when that exceeds
-  the noise: 3 x 1.25 x sqrt(steps) x the robust spread (1.4826 x MAD) of all deviations pooled,
-  i.e. three standard errors of such a sum under exchangeable ranks (a consistent slowdown grows
-  with the steps, the noise with their square root).
+  *consistent excess* is the number of steps times the lower quartile of its deviations: it must
+  exceed the others in three steps of four (a one-off hiccup, or a rank descheduled for a few
+  consecutive steps on a busy host, does not move it). It stands out when that exceeds the
+  noise: 3 x 1.36 x sqrt(steps) x the robust spread (1.4826 x MAD) of all deviations pooled,
+  i.e. three standard errors of such a quartile sum under exchangeable ranks (a consistent
+  slowdown grows with the steps, the noise with their square root).
 """
 
 from __future__ import annotations
@@ -298,8 +299,8 @@ def blame_report(run: Run, table: dict | None = None) -> dict:
     if len(ranks) > 1 and pooled:
         mid = statistics.median(pooled)
         sigma = 1.4826 * statistics.median(abs(x - mid) for x in pooled)
-        noise = 3 * 1.25 * math.sqrt(n) * sigma
-    excess = {r: n * statistics.median(dev[r]) if dev[r] else 0.0 for r in ranks}
+        noise = 3 * 1.36 * math.sqrt(n) * sigma
+    excess = {r: n * _lower_quartile(dev[r]) if dev[r] else 0.0 for r in ranks}
     most = max(rows, key=lambda x: x["blamed_s"])["rank"] if rows else None
     standout = [r for r in ranks if excess[r] > noise and excess[r] > 0]
     # per step: critical path (slowest rank's step) and the what-if of the most blamed rank
@@ -328,6 +329,11 @@ def blame_report(run: Run, table: dict | None = None) -> dict:
             "whatif_saving_s": sum(p["step_s"] - p["whatif_s"] for p in per_step),
             "missing_ranks": run.missing, "truncated_ranks": run.truncated,
             "problems": run.problems}
+
+
+def _lower_quartile(xs: list[float]) -> float:
+    """The 25th percentile (linear interpolation): exceeded in three steps of four."""
+    return statistics.quantiles(xs, n=4, method="inclusive")[0] if len(xs) > 1 else xs[0]
 
 
 def _root(blocked: dict, rank: int, t0: int, t1: int, amount: int, seen: set,
