@@ -140,32 +140,36 @@ def _load_average() -> float | None:
         return None
 
 
+def record_samples(name: str, threads: int, values: list[float]) -> dict:
+    """Merge measurements of a figure taken now into its history (the best is raised, never
+    lowered); returns the figure's cache entry. Other processes of this host may do the same."""
+    import datetime as _dt
+
+    at = _dt.datetime.now().isoformat(timespec="seconds")
+    new = [[at, round(float(v), 6), _load_average()] for v in values]
+    key = cpu_key(threads)
+    with _locked():
+        cache = _load_figures()
+        entry = dict(cache.get(key, {}).get(name) or {"best": 0.0, "best_at": "", "samples": []})
+        entry["samples"] = (entry["samples"] + new)[-HISTORY:]
+        for t, v, _ in new:
+            if v > entry["best"]:
+                entry["best"], entry["best_at"] = v, t
+        cache.setdefault(key, {})[name] = entry
+        _save_figures(cache)
+    return entry
+
+
 def measured_figure(name: str, threads: int, measure, *, refresh: bool = False, probes: int = 3,
                     floor: float | None = None, what: str = "") -> Figure:
     """The best-known value of a machine figure (`name`, e.g. "fp32_matmul_tflops") at
     `threads` threads: the cached best when `refresh` is false and one exists, else `probes`
     calls of `measure()` merged into the cache (the best is raised, never lowered). `floor`
     (e.g. the one-thread peak for more threads) bounds it from below, with a note."""
-    import datetime as _dt
-
     key = cpu_key(threads)
     entry = _load_figures().get(key, {}).get(name)
     if refresh or not entry:
-        new = []
-        for _ in range(max(1, probes)):
-            v = float(measure())
-            new.append([_dt.datetime.now().isoformat(timespec="seconds"), round(v, 6),
-                        _load_average()])
-        with _locked():   # other ranks of this host merge their probes into the same file
-            cache = _load_figures()
-            entry = dict(cache.get(key, {}).get(name) or
-                         {"best": 0.0, "best_at": "", "samples": []})
-            entry["samples"] = (entry["samples"] + new)[-HISTORY:]
-            for at, v, _ in new:
-                if v > entry["best"]:
-                    entry["best"], entry["best_at"] = v, at
-            cache.setdefault(key, {})[name] = entry
-            _save_figures(cache)
+        entry = record_samples(name, threads, [float(measure()) for _ in range(max(1, probes))])
     value, note = float(entry["best"]), ""
     if floor is not None and floor > value:
         value, note = floor, "; raised to the 1-thread figure (more threads read lower: busy host)"
