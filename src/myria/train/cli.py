@@ -80,6 +80,9 @@ def dry_run(cfg: config_mod.Config, world: int, ranks_per_host: int | None = Non
              f"{model_flops_per_token(m):,.0f}",
              f"# tokens per step: {t.global_batch * m.seq_len:,}; gradient accumulation: "
              f"{t.global_batch // (lay['dp'] * t.micro_batch)} microbatches of {t.micro_batch}"]
+    if cfg.parallel.offload_tier != "none" or cfg.parallel.fast_memory_gb:
+        from myria.train.offload import plan_for_config
+        lines.append("# " + plan_for_config(cfg, lay).describe())
     try:
         spec, pred = predicted(cfg, world, ranks_per_host or world)
     except config_mod.ConfigError as e:  # e.g. measuring this CPU would need more cores

@@ -121,7 +121,7 @@ def check_layout(cfg: Config, layout: dict[str, int], device_type: str = "cpu") 
     if pp > 1:
         accum = cfg.training.global_batch // (dp * cfg.training.micro_batch)
         pipeline.validate(m, pp, p.vpp, p.schedule, accum)
-    if p.offload_tier != "none":
+    if p.offload_tier != "none" or p.fast_memory_gb:
         from myria.train.offload import check_layout as check_offload
         check_offload(cfg, layout)
 

@@ -322,6 +322,27 @@ def plan_memory(cfg, params_local: int, layer_params_local: int, itemsize: int,
     return plan
 
 
+def plan_for_config(cfg, layout: dict[str, int]) -> MemoryPlan:
+    """`plan_memory` estimated from the config before any tensor exists (the CLI's check
+    before launching, the dry-run): the parameters of the busier pipeline stage
+    (myria.sim.memory.stage_params), sharded over the data-parallel ranks under FSDP."""
+    from myria.sim.memory import stage_params
+    from myria.sim.operators import layer_shape
+
+    m, t = cfg.model, cfg.training
+    tp, pp, ep = layout["tp"], layout["pp"], layout["ep"]
+    shard = layout["dp"] * layout["cp"] if t.data_parallel != "ddp" else 1
+    shape = layer_shape(m, t.micro_batch, tp=tp, ep=ep)
+    stages = [(True, True)] if pp == 1 else [(True, False), (False, True)]
+    dense, expert = max((stage_params(shape, m.layers / pp, f, la, ep) for f, la in stages),
+                        key=sum)
+    ldense, lexpert = stage_params(shape, 1, False, False, ep)
+    eshard = max(1, shard // ep)
+    total = math.ceil(dense / shard + expert / eshard)
+    layer = math.ceil(ldense / shard + lexpert / eshard)
+    return plan_memory(cfg, total, layer, 4, activation_bytes(cfg, layout))
+
+
 def activation_bytes(cfg, layout: dict[str, int]) -> float:
     """Activation memory per rank as the planner models it (myria.sim.memory), for myria's
     eager modules in the run's precision."""
@@ -373,6 +394,7 @@ class _Read:
 
 @dataclass
 class _Write:
+    gen: int
     fd: int
     buffer: int
     segments: list[tuple[int, int, int]]
@@ -397,6 +419,7 @@ class _Pipeline:
         self._ready: queue.SimpleQueue = queue.SimpleQueue()
         self._writes: queue.SimpleQueue = queue.SimpleQueue()
         self.error: BaseException | None = None
+        self.error_doing = ""              # what the thread was doing when it failed
         self.stats = IOStats()
         self.outstanding: list[tuple] = []   # keys of reads queued and not yet taken
         self._threads = [threading.Thread(target=self._read_loop, name="myria-offload-read",
@@ -430,10 +453,10 @@ class _Pipeline:
     def write(self, job: _Write) -> None:
         self._writes.put(job)
 
-    def call(self, fn) -> threading.Event:
+    def call(self, fn, doing: str) -> threading.Event:
         """Run `fn` on the writer thread after the writes queued before it; set when done."""
         done = threading.Event()
-        self._writes.put((fn, done))
+        self._writes.put((fn, done, doing))
         return done
 
     def release(self, idx: int) -> None:
@@ -452,9 +475,9 @@ class _Pipeline:
             th.join(timeout=60)
 
     # threads
-    def _fail(self, e: BaseException) -> None:
+    def _fail(self, e: BaseException, doing: str) -> None:
         if self.error is None:
-            self.error = e
+            self.error, self.error_doing = e, doing
 
     def _read_loop(self) -> None:
         while (job := self._reads.get()) is not None:
@@ -470,20 +493,20 @@ class _Pipeline:
                         _full_io(os.preadv, job.fd, self._views[idx][boff:boff + n], off)
                         self.stats.bytes_read += n
                 except BaseException as e:
-                    self._fail(e)
+                    self._fail(e, f"reading generation {job.key[0]}")
                 self.stats.read_s += time.perf_counter() - t0
             self._ready.put((job.key, idx))
 
     def _write_loop(self) -> None:
         while (job := self._writes.get()) is not None:
             if isinstance(job, tuple):  # a call
-                fn, done = job
+                fn, done, doing = job
                 if self.error is None:
                     t0 = time.perf_counter()
                     try:
                         fn()
                     except BaseException as e:
-                        self._fail(e)
+                        self._fail(e, doing)
                     self.stats.write_s += time.perf_counter() - t0
                 done.set()
                 continue
@@ -497,7 +520,7 @@ class _Pipeline:
                                  off)
                         self.stats.bytes_written += n
                 except BaseException as e:
-                    self._fail(e)
+                    self._fail(e, f"writing generation {job.gen}")
                 self.stats.write_s += time.perf_counter() - t0
             self._free.put(job.buffer)
             if job.done is not None:
@@ -614,9 +637,9 @@ class OffloadedAdamW(torch.optim.AdamW):
             self.pipe.read(_Read((gen, c), fd, self._segments(chunk),
                                  after[c] if after else None))
 
-    def _raise_if_failed(self, doing: str) -> None:
+    def _raise_if_failed(self) -> None:
         if self.pipe.error is not None:
-            raise self._error(self.pipe.error, doing)
+            raise self._error(self.pipe.error, self.pipe.error_doing)
 
     @torch.no_grad()
     def step(self, closure=None):  # noqa: ARG002 (the Optimizer signature)
@@ -625,7 +648,7 @@ class OffloadedAdamW(torch.optim.AdamW):
         t0 = time.perf_counter()
         g = self.gen
         new = g + 1
-        self._raise_if_failed(f"writing generation {g}")
+        self._raise_if_failed()
         new_fd = self._create(new)
         if not self._prefetched:
             self._queue_reads(g, self.fd, None)
@@ -638,7 +661,7 @@ class OffloadedAdamW(torch.optim.AdamW):
         for c, chunk in enumerate(self.chunks):
             idx = self.pipe.take((g, c))
             try:
-                self._raise_if_failed(f"reading generation {g}")
+                self._raise_if_failed()
                 self._update(chunk, self.pipe.buffers[idx], before, after)
             except BaseException:
                 self.pipe.release(idx)
@@ -646,7 +669,7 @@ class OffloadedAdamW(torch.optim.AdamW):
             fail = full is not None and c == len(self.chunks) // 2
             if fail:
                 self.faults.mark(full)
-            self.pipe.write(_Write(new_fd, idx, self._segments(chunk), written[c], fail))
+            self.pipe.write(_Write(new, new_fd, idx, self._segments(chunk), written[c], fail))
             if kill is not None and c == len(self.chunks) // 2:
                 written[c].wait()   # a half-written generation on disk, then die
                 self.faults.mark(kill)
@@ -657,7 +680,8 @@ class OffloadedAdamW(torch.optim.AdamW):
             elif t in before:  # an empty local shard: only its step advances, as AdamW's
                 before[t].add_(torch.tensor(1.0), alpha=1.0)
         old_fd = self.fd
-        self._committed = self.pipe.call(lambda: self._commit(new, new_fd, old_fd, g))
+        self._committed = self.pipe.call(lambda: self._commit(new, new_fd, old_fd, g),
+                                         f"committing generation {new}")
         self.gen, self.fd = new, new_fd
         self._queue_reads(new, new_fd, written)   # prefetch the next step's first chunks
         self._prefetched = True
@@ -711,7 +735,7 @@ class OffloadedAdamW(torch.optim.AdamW):
         if self._committed is not None:
             self._committed.wait()
         self.pipe.stats.flush_s += time.perf_counter() - t0
-        self._raise_if_failed(f"writing generation {self.gen}")
+        self._raise_if_failed()
 
     # -- checkpoints ---------------------------------------------------------------------
     def checkpoint_files(self, prefix: str) -> dict[str, Path]:
@@ -922,6 +946,7 @@ def check_layout(cfg, layout: dict[str, int]) -> None:
         if cfg.model.tie_embeddings or par.compile:
             raise ConfigError("parallel.offload_params = true does not support "
                               "model.tie_embeddings or parallel.compile")
+    plan_for_config(cfg, layout)  # a budget too small: one line before anything starts
 
 
 def check_checkpoint(path: Path, meta: dict, offloaded: bool) -> None:
