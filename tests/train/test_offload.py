@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from myria import config
-from myria.errors import CheckpointError, OffloadError
+from myria.errors import CheckpointError, ConfigError, OffloadError
 from myria.train.checkpoint import CheckpointManager
 from myria.train.engine import Engine
 from myria.train.offload import ALIGN, Layout
@@ -82,6 +82,31 @@ def test_disk_matches_memory_bit_for_bit(tmp_path, budget):
     off.close()
     stats = json.loads((tmp_path / "disk" / "offload_stats" / "rank00000.json").read_text())
     assert stats["steps"] == 4 and stats["bytes_written"] == 4 * opt.layout.file_bytes
+
+
+@pytest.mark.parametrize("ac", ["full", "selective"])
+def test_parameters_on_disk_match_memory_bit_for_bit(tmp_path, ac):
+    common = [f"--parallel.activation_checkpoint={ac}", "--model.layers=3"]
+    ref = engine(tmp_path / "mem", *common)
+    train_steps(ref, 3)
+    off = engine(tmp_path / "disk", *common, "--parallel.offload=nvme",
+                 "--parallel.offload_params=true")
+    train_steps(off, 3)
+    # between steps no parameter is in memory: each layer was read for its forward/backward
+    assert all(p.numel() == 0 for p in off.model.parameters())
+    # every microbatch reads every layer for forward, and most of them again for backward
+    once = sum(off.optimizers[0].layout.numels) * 4
+    assert 3 * 2 * once < off.optimizers[0].streamer.bytes_read < 3 * 2 * 2 * once * 1.05
+    a, b = ref.state_dict()["model"], off.state_dict()["model"]   # b: mapped from the file
+    assert a.keys() == b.keys()
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+    off.close()
+
+
+def test_parameter_offload_needs_recomputation(tmp_path):
+    with pytest.raises(ConfigError, match="activation_checkpoint = 'full' or 'selective'"):
+        engine(tmp_path, "--parallel.offload=nvme", "--parallel.offload_params=true")
 
 
 def test_checkpoint_links_the_state_and_checks_it(tmp_path):

@@ -515,7 +515,10 @@ class CheckpointManager:
         out: dict[tuple, Any] = {}
         copies = []
         for key, v in flat.items():
-            if isinstance(v, torch.Tensor):
+            if getattr(v, "_myria_immutable", False):  # a file never written again: as it is
+                out[key] = v
+                rec.bytes += v.numel() * v.element_size()
+            elif isinstance(v, torch.Tensor):
                 local = _local(v).detach()
                 cached = self._leaves.get(key)
                 if cached is None or cached[1].shape != local.shape or \
@@ -727,6 +730,8 @@ class CheckpointManager:
             target.check_checkpoint(path, meta)
         state = target.state_dict()
         self.check_shapes(path, state["model"])
+        for key in getattr(target, "file_backed_keys", list)():  # restored with the files
+            state["model"].pop(key)
         groups = replica_groups(state)
         mine = next(g for g in groups if rank in g)
         reader = _CountingReader(str(path))

@@ -123,7 +123,7 @@ def check_layout(cfg: Config, layout: dict[str, int], device_type: str = "cpu") 
         pipeline.validate(m, pp, p.vpp, p.schedule, accum)
     if p.offload_tier != "none" or p.fast_memory_gb:
         from myria.train.offload import check_layout as check_offload
-        check_offload(cfg, layout)
+        check_offload(cfg, layout, device_type)
 
 
 class Engine:
@@ -182,8 +182,9 @@ class Engine:
             if use_fsdp:
                 apply_fsdp(part, fmesh, cfg, device.type, reshard_root=self.pp > 1,
                            expert_mesh=self.replica_mesh)
-            part.to_empty(device=device)
-            part.init_weights(t.seed)
+            if not p.offload_params:  # else materialised layer by layer (offload_params.py)
+                part.to_empty(device=device)
+                part.init_weights(t.seed)
         if fmesh is not None and t.data_parallel == "ddp":
             parts = [apply_ddp(parts[0], dp_mesh(mesh), device)]
             self._settle_ddp_buckets(parts[0], cfg.model.seq_len)
@@ -367,6 +368,8 @@ class Engine:
         for part, opt in zip(self.parts, self.optimizers):
             model_sd.update(get_model_state_dict(part, options=self._OPTS))
             optim_sd.update(get_optimizer_state_dict(part, opt, options=self._OPTS))
+        if self.offload:  # parameters kept on disk (offload_params): mapped from the files
+            model_sd.update(self.offload.file_backed_state())
         return {"model": model_sd, "optim": optim_sd}
 
     def load_state_dict(self, state: dict) -> None:
@@ -381,6 +384,10 @@ class Engine:
     def check_checkpoint(self, path, meta: dict) -> None:
         from myria.train.offload import check_checkpoint
         check_checkpoint(path, meta, self.offload is not None)
+
+    def file_backed_keys(self) -> list[str]:
+        """Model keys a checkpoint restores through `load_checkpoint_files`, not DCP."""
+        return list(self.offload.file_backed_state()) if self.offload else []
 
     def load_checkpoint_files(self, path) -> None:
         if self.offload:

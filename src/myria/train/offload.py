@@ -69,6 +69,8 @@ log = logging.getLogger("myria")
 ALIGN = 4096                 # O_DIRECT alignment of offsets, lengths and buffer addresses
 CHUNK_BYTES = 64 << 20       # bytes per section per buffer when the budget allows (I/O saturates)
 MIN_BUFFERS = 3              # one being read, one being updated, one being written
+MIN_CHUNK = 8 << 20          # bytes per section per buffer at least (or one layer if smaller)
+PARAM_SLABS = 3              # offload_params: units in memory at once (offload_params.py)
 MAX_BUFFERS = 64
 DEFAULT_BUFFERS = 4          # without a budget (fast_memory_gb = 0)
 CKPT_PREFIX = "offload"      # checkpoint subdirectory of the linked state files
@@ -266,14 +268,16 @@ class MemoryPlan:
 
 
 def plan_memory(cfg, params_local: int, layer_params_local: int, itemsize: int,
-                activations: float) -> MemoryPlan:
+                activations: float, unit_params_local: int = 0) -> MemoryPlan:
     """The fast-tier plan of one rank, or a ConfigError (one line) when the budget
     `parallel.fast_memory_gb` cannot hold even one layer's worth of it.
 
     `params_local`: parameters this rank holds (its shards); `layer_params_local`: of them,
-    the largest transformer block's. Under nvme the buffers take what the budget leaves,
-    at least MIN_BUFFERS of one layer's state, at most enough for the whole state (with room
-    for the next step's prefetch) and CHUNK_BYTES per section each."""
+    the largest transformer block's; `unit_params_local`: the largest unit offload_params
+    loads at once (a block, the embeddings or the head). Under nvme the buffers take what the
+    budget leaves, at least MIN_BUFFERS chunks of MIN_CHUNK (or a layer, if smaller) per
+    section, at most enough for the whole state (with room for the next step's prefetch) and
+    CHUNK_BYTES per section each."""
     par = cfg.parallel
     tier = par.offload_tier
     budget = par.fast_memory_gb * 1e9
@@ -290,11 +294,12 @@ def plan_memory(cfg, params_local: int, layer_params_local: int, itemsize: int,
         return plan
     sections = 3 if par.offload_params else 2
     layer_state = layer_params_local * itemsize * sections
-    # with offloaded parameters the fast tier holds the layer being computed and the next
-    resident_params = 2 * layer_params_local * itemsize if par.offload_params else p_bytes
+    # with offloaded parameters the fast tier holds a few units (offload_params.py)
+    unit = _round_up(max(unit_params_local, layer_params_local) * itemsize)
+    resident_params = PARAM_SLABS * unit if par.offload_params else p_bytes
     plan = MemoryPlan(tier, budget, resident_params, p_bytes, 0.0, activations,
                       offloaded=p_bytes * sections, layer_state=layer_state, sections=sections)
-    chunk_min = _round_up(max(1, layer_params_local * itemsize))
+    chunk_min = _round_up(max(1, min(layer_params_local * itemsize, MIN_CHUNK)))
     if budget:
         room = budget - plan.resident
         need = MIN_BUFFERS * chunk_min * sections
@@ -304,8 +309,8 @@ def plan_memory(cfg, params_local: int, layer_params_local: int, itemsize: int,
                 f"parallel.fast_memory_gb = {par.fast_memory_gb:g} is too small for even one "
                 f"layer: this rank needs at least {least:.3g} GB (parameters "
                 f"{plan.params / 1e9:.3g}, gradients {plan.grads / 1e9:.3g}, activations "
-                f"{activations / 1e9:.3g}, and {MIN_BUFFERS} I/O buffers of one layer's "
-                f"optimizer state, {layer_state / 1e9:.3g} each)"
+                f"{activations / 1e9:.3g}, and {MIN_BUFFERS} I/O buffers of "
+                f"{chunk_min * sections / 1e9:.3g})"
                 + ("" if par.offload_params else "; parallel.offload_params = true also moves "
                    "the parameters to disk"))
         # several chunks even when the whole state would fit: the pipeline needs them
@@ -326,6 +331,7 @@ def plan_for_config(cfg, layout: dict[str, int]) -> MemoryPlan:
     """`plan_memory` estimated from the config before any tensor exists (the CLI's check
     before launching, the dry-run): the parameters of the busier pipeline stage
     (myria.sim.memory.stage_params), sharded over the data-parallel ranks under FSDP."""
+    from myria.models.flops import param_counts
     from myria.sim.memory import stage_params
     from myria.sim.operators import layer_shape
 
@@ -340,7 +346,10 @@ def plan_for_config(cfg, layout: dict[str, int]) -> MemoryPlan:
     eshard = max(1, shard // ep)
     total = math.ceil(dense / shard + expert / eshard)
     layer = math.ceil(ldense / shard + lexpert / eshard)
-    return plan_memory(cfg, total, layer, 4, activation_bytes(cfg, layout))
+    pc = param_counts(m)
+    unit = max(layer, math.ceil(max(pc.embedding + pc.positional, pc.final_norm + pc.head)
+                                / tp / shard))
+    return plan_memory(cfg, total, layer, 4, activation_bytes(cfg, layout), unit)
 
 
 def activation_bytes(cfg, layout: dict[str, int]) -> float:
@@ -548,7 +557,7 @@ class OffloadedAdamW(torch.optim.AdamW):
     def __init__(self, groups: list[dict], directory: Path, *, lr: float, betas, eps: float,
                  foreach: bool, buffers: int, chunk_bytes: int, direct: bool,
                  offload_params: bool = False, faults=None, stats_file: Path | None = None,
-                 budget: float = 0.0):
+                 budget: float = 0.0, shapes: list[tuple[int, ...]] | None = None):
         super().__init__(groups, lr=lr, betas=betas, eps=eps, foreach=foreach)
         self.dir = Path(directory)
         self.tensors = [p for g in self.param_groups for p in g["params"]]
@@ -560,9 +569,17 @@ class OffloadedAdamW(torch.optim.AdamW):
             self.state[p]["step"] = torch.tensor(0.0, dtype=scalar)
         sections = ("param", "exp_avg", "exp_avg_sq") if offload_params else \
             ("exp_avg", "exp_avg_sq")
-        self.layout = Layout([(tuple(_local(p).shape), p.dtype) for p in self.tensors], sections)
+        shapes = shapes or [tuple(_local(p).shape) for p in self.tensors]
+        self.layout = Layout([(s, p.dtype) for s, p in zip(shapes, self.tensors)], sections)
         self.chunk_bytes = chunk_bytes
         self.chunks = self.layout.chunks(chunk_bytes)
+        self._chunks_of: dict[int, list[int]] = {}
+        for c, chunk in enumerate(self.chunks):
+            for pc in chunk.pieces:
+                self._chunks_of.setdefault(pc.index, []).append(c)
+        self._written: list[threading.Event] | None = None  # the last step's chunk writes
+        self.before_step: list = []     # called first in each step (parameter offload)
+        self.streamer = None            # myria.train.offload_params.ParamStreamer
         self.direct = direct
         self.faults = faults
         self.stats_file = stats_file
@@ -649,6 +666,8 @@ class OffloadedAdamW(torch.optim.AdamW):
         g = self.gen
         new = g + 1
         self._raise_if_failed()
+        for fn in self.before_step:
+            fn()
         new_fd = self._create(new)
         if not self._prefetched:
             self._queue_reads(g, self.fd, None)
@@ -682,7 +701,7 @@ class OffloadedAdamW(torch.optim.AdamW):
         old_fd = self.fd
         self._committed = self.pipe.call(lambda: self._commit(new, new_fd, old_fd, g),
                                          f"committing generation {new}")
-        self.gen, self.fd = new, new_fd
+        self.gen, self.fd, self._written = new, new_fd, written
         self._queue_reads(new, new_fd, written)   # prefetch the next step's first chunks
         self._prefetched = True
         self.pipe.stats.step_s += time.perf_counter() - t0
@@ -717,9 +736,6 @@ class OffloadedAdamW(torch.optim.AdamW):
                 lst.append(x)
         for gi, (params, grads, m, v, steps) in lists.items():
             adam(params, grads, m, v, [], steps, **_adam_kwargs(self.param_groups[gi]))
-        if self.offload_params and chunk.pieces:
-            from myria.train.offload_params import after_update
-            after_update(self, chunk, buf)
 
     def _commit(self, gen: int, fd: int, old_fd: int, old: int) -> None:
         """Writer thread, after the last chunk of `gen`: sync it, then drop generation `old`."""
@@ -728,6 +744,13 @@ class OffloadedAdamW(torch.optim.AdamW):
         os.close(old_fd)
         self.path(old).unlink(missing_ok=True)
         self.path(old, ".json").unlink(missing_ok=True)
+
+    def written_events(self, tensors: set[int]) -> list[threading.Event]:
+        """The last step's writes of the chunks holding `tensors` (to read them after)."""
+        if self._written is None:
+            return []
+        return [self._written[c] for c in sorted({c for t in tensors
+                                                   for c in self._chunks_of.get(t, ())})]
 
     def flush(self) -> None:
         """Wait for the trailing writes of the last step (its generation is then committed)."""
@@ -761,6 +784,7 @@ class OffloadedAdamW(torch.optim.AdamW):
         self.flush()
         self.pipe.drain()
         self._prefetched = False
+        self._written = None
         gen = int(info["gen"])
         try:
             if gen != self.gen:
@@ -788,6 +812,8 @@ class OffloadedAdamW(torch.optim.AdamW):
                 self._committed.wait()
         finally:
             self.pipe.close()
+            if self.streamer is not None:
+                self.streamer.close()
             if self.fd >= 0:
                 os.close(self.fd)
                 self.fd = -1
@@ -830,8 +856,9 @@ def _status_kb(key: str) -> int:
     return 0
 
 
-def local_sizes(parts: list[nn.Module]) -> tuple[int, int]:
-    """(parameters this rank holds, of them the largest transformer block's), local shards."""
+def local_sizes(parts: list[nn.Module]) -> tuple[int, int, int]:
+    """(parameters this rank holds, the largest transformer block's, the largest of the
+    embeddings, the final norm with the output layer, and a block), local shards."""
     seen: set[int] = set()
     total = 0
     for part in parts:
@@ -839,11 +866,16 @@ def local_sizes(parts: list[nn.Module]) -> tuple[int, int]:
             if id(p) not in seen:
                 seen.add(id(p))
                 total += _local(p).numel()
-    layer = 0
+    layer = ends = 0
+    count = lambda mods: sum(_local(p).numel() for m in mods if m is not None  # noqa: E731
+                             for p in m.parameters())
     for part in parts:
         for block in getattr(part, "layers", {}).values():
-            layer = max(layer, sum(_local(p).numel() for p in block.parameters()))
-    return total, layer
+            layer = max(layer, count([block]))
+        ends = max(ends, count([getattr(part, "tok_embeddings", None),
+                                getattr(part, "pos_embeddings", None)]),
+                   count([getattr(part, "norm", None), getattr(part, "output", None)]))
+    return total, layer, max(layer, ends)
 
 
 @dataclass
@@ -854,7 +886,7 @@ class Offload:
     plan: MemoryPlan
     rank: int
     directory: Path
-    extra: dict = field(default_factory=dict)
+    parts: list[nn.Module] = field(default_factory=list)
 
     @classmethod
     def build(cls, cfg, parts: list[nn.Module], layout: dict[str, int],
@@ -868,9 +900,9 @@ class Offload:
                               f"{o.name!r}")
         root = offload_root(cfg, run_dir)
         directory = root / f"rank{rank:05d}"
-        total, layer = local_sizes(parts)
+        total, layer, unit = local_sizes(parts)
         itemsize = next(iter(parts[0].parameters())).element_size()
-        plan = plan_memory(cfg, total, layer, itemsize, activation_bytes(cfg, layout))
+        plan = plan_memory(cfg, total, layer, itemsize, activation_bytes(cfg, layout), unit)
         try:
             directory.mkdir(parents=True, exist_ok=True)
         except OSError as e:
@@ -886,14 +918,24 @@ class Offload:
         opts = []
         for i, part in enumerate(parts):
             sf = stats if stats is None or n == 1 else stats.with_name(f"{stats.stem}.part{i}.json")
+            shapes = None
+            if par.offload_params:  # the part is still on the meta device (Engine)
+                from myria.train.offload_params import placeholders
+                true_shape = placeholders(part, torch.device("cpu"))
             groups = param_groups(part, o.weight_decay)
+            if par.offload_params:
+                shapes = [true_shape[id(p)] for g in groups for p in g["params"]]
             kinds = {hasattr(p, "_local_tensor") for g in groups for p in g["params"]}
-            opts.append(OffloadedAdamW(
+            opt = OffloadedAdamW(
                 groups, directory / f"part{i}", lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps,
                 foreach=len(kinds) < 2, buffers=plan.buffers, chunk_bytes=chunk,
                 direct=direct, offload_params=par.offload_params, faults=faults,
-                stats_file=sf, budget=plan.budget))
-        return cls(opts, plan, rank, directory)
+                stats_file=sf, budget=plan.budget, shapes=shapes)
+            if par.offload_params:
+                from myria.train.offload_params import ParamStreamer
+                opt.streamer = ParamStreamer(part, opt, cfg.training.seed)
+            opts.append(opt)
+        return cls(opts, plan, rank, directory, parts)
 
     def names(self, i: int) -> str:
         return f"{CKPT_PREFIX}/rank{self.rank:05d}.part{i}"
@@ -907,6 +949,21 @@ class Offload:
     def load_files(self, ckpt: Path) -> None:
         for i, opt in enumerate(self.optimizers):
             opt.load_files(ckpt, self.names(i))
+
+    def file_backed_state(self) -> dict[str, torch.Tensor]:
+        """Under offload_params: {parameter name: its committed value, memory-mapped}."""
+        from myria.models.init import canonical_name
+        from myria.train.offload_params import file_tensor
+
+        out = {}
+        for part, opt in zip(self.parts, self.optimizers):
+            if opt.streamer is None:
+                continue
+            opt.flush()
+            index = {id(p): t for t, p in enumerate(opt.tensors)}
+            for name, p in part.named_parameters():
+                out[canonical_name(name)] = file_tensor(opt, index[id(p)])
+        return out
 
     def close(self) -> None:
         for opt in self.optimizers:
@@ -926,7 +983,7 @@ def offload_root(cfg, run_dir: str | Path | None) -> Path:
     return Path(run_dir) / rundir.OFFLOAD_DIR
 
 
-def check_layout(cfg, layout: dict[str, int]) -> None:
+def check_layout(cfg, layout: dict[str, int], device_type: str = "cpu") -> None:
     """What each offload tier supports, as one-line ConfigErrors (before training starts)."""
     par, t = cfg.parallel, cfg.training
     shard = layout["dp"] * layout["cp"]
@@ -943,9 +1000,15 @@ def check_layout(cfg, layout: dict[str, int]) -> None:
             raise ConfigError("parallel.offload_params = true runs on one process (no "
                               "data, tensor, pipeline, context or expert parallelism), not "
                               + ", ".join(f"{k}={v}" for k, v in many.items()))
-        if cfg.model.tie_embeddings or par.compile:
-            raise ConfigError("parallel.offload_params = true does not support "
-                              "model.tie_embeddings or parallel.compile")
+        if cfg.model.tie_embeddings or par.compile or device_type != "cpu":
+            raise ConfigError("parallel.offload_params = true runs on CPU without "
+                              "model.tie_embeddings or parallel.compile in this version")
+        if par.activation_checkpoint == "none":
+            # a dropped block is read back into another slab: what autograd saved in forward
+            # (views of the weights) would point at other data; recomputation re-reads them
+            raise ConfigError("parallel.offload_params = true needs "
+                              "parallel.activation_checkpoint = 'full' or 'selective' (each "
+                              "block's forward is recomputed from the parameters read back)")
     plan_for_config(cfg, layout)  # a budget too small: one line before anything starts
 
 
