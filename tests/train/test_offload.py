@@ -219,3 +219,65 @@ def test_killed_mid_step_under_supervise_resumes_bit_equal(tmp_path, tiny_data):
     assert summary["faults"][0]["resumed_from"] == 4
     assert "fault hook offload-kill_rank1_step7 fired" in (run / "supervisor.log").read_text()
     assert losses(run) == losses(ref) and same_params(run, ref)
+
+
+# -- the planner and the dry-run --------------------------------------------------------------
+def _llama13b(gpus: int):
+    from myria.sim import runspec
+
+    (run,) = runspec.loads(f"""
+[model]
+arch = "llama"
+layers = 40
+hidden = 5120
+heads = 40
+[training]
+global_batch = 16
+[cluster]
+gpu = "a100-sxm-80gb"
+gpus = {gpus}
+""")
+    return run
+
+
+def test_planner_proposes_offload_when_nothing_else_fits():
+    from myria.sim.planner import plan
+
+    alone = plan(_llama13b(1), top=5)     # 13B parameters x 16 bytes: no layout fits one GPU
+    assert alone.offloaded and alone.ranked
+    for r in alone.ranked:
+        lay = r.layout
+        assert (lay["offload"], lay["offload_params"]) == ("nvme", True), lay
+        assert r.memory.total < 80e9 and r.memory.weights < 0.2 * r.memory.gradients
+        assert r.memory.host_bytes_per_node > 13e9 * 12 and r.breakdown["offload"] > 0
+    eight = plan(_llama13b(8), top=5)    # fits on eight GPUs: no offload proposed
+    assert not eight.offloaded and all(r.layout["offload"] == "none" for r in eight.ranked)
+
+
+def test_offload_time_is_the_disk_beyond_the_update():
+    from myria.sim.perf import simulate
+
+    base = _llama13b(8).replace(training={"zero_stage": 3, "micro_batch": 2})
+    slow = simulate(base.replace(training={"offload": "nvme"}, cluster={"nvme_gbs": 1.0}))
+    fast = simulate(base.replace(training={"offload": "nvme"}, cluster={"nvme_gbs": 1000.0}))
+    none = simulate(base)
+    n_opt = 12.85e9 / 8                          # each device's shard, read and written
+    # a fast disk: the host bus (25.6 GB/s per A100) is the limit, beyond the update's time
+    bus = 2 * 12 * n_opt / 25.6e9 - fast.breakdown["optimizer"]
+    assert fast.breakdown["offload"] == pytest.approx(bus, rel=0.03)
+    # a slow disk: 8 devices share one server's 1 GB/s
+    disk = 8 * 2 * 12 * n_opt / 1e9 - slow.breakdown["optimizer"]
+    assert slow.breakdown["offload"] == pytest.approx(disk, rel=0.03)
+    assert slow.memory.optimizer == 0 and none.memory.optimizer > 0
+
+
+def test_dry_run_accounts_for_offload():
+    from tests.train.test_train import memory_parts, predicted_line
+
+    base = ["train", "--config", "configs/llama3-8b.toml", "--dry-run", "--nproc", "8"]
+    plain = memory_parts(predicted_line(run_cli(*base).stdout))[0]
+    p = run_cli(*base, "--parallel.offload=nvme", "--parallel.fast_memory_gb=40")
+    off = memory_parts(predicted_line(p.stdout))[0]
+    assert off["optimizer"] == 0 < plain["optimizer"]
+    line = next(x for x in p.stdout.splitlines() if x.startswith("# offload nvme"))
+    assert "I/O buffers" in line and "(budget 40 GB)" in line and "fits in 40 GB" in p.stdout

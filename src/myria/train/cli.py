@@ -104,7 +104,7 @@ def prediction_lines(cfg, world, ranks_per_host, lay, spec, pred) -> list[str]:
              f"{'on' if cfg.parallel.sequence_parallel and lay['tp'] > 1 else 'off'}: "
              "memory per rank " + " + ".join(f"{k} {mem[k]:.2f}" for k in MEMORY_PARTS)
              + f" = {mem['total']:.2f} GB ({'fits' if pred.fits else 'does NOT fit'} in "
-             f"{mem['capacity']:.0f} GB); step {pred.iteration_time_s:.3g} s, MFU "
+             f"{mem['capacity']:.3g} GB); step {pred.iteration_time_s:.3g} s, MFU "
              f"{100 * pred.mfu:.1f}% (see `myria simulate`, `myria plan`)"]
     better = better_layout(cfg, world, ranks_per_host or world, spec, pred)
     if better:
