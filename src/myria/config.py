@@ -153,8 +153,21 @@ class ParallelConfig:
     compile: bool = _f(False, "torch.compile each block (no speedup for fp32 on CPU)")
     fsdp_prefetch: int = _f(1, "blocks whose FSDP all-gather is issued ahead (forward and "
                             "backward); 0 leaves FSDP2's default of one", min=0)
-    cpu_offload: bool = _f(False, "keep parameters, gradients and optimizer state in host "
-                           "memory (FSDP2 CPUOffloadPolicy)")
+    offload: str = _f("none", "where the optimizer state lives: none (beside the model), cpu "
+                      "(host memory, with the parameters and gradients: FSDP2 "
+                      "CPUOffloadPolicy, needs FSDP on > 1 rank) or nvme (files in offload_dir "
+                      "streamed through a few buffers by background I/O; docs/offload.md)",
+                      choices=("none", "cpu", "nvme"))
+    offload_dir: str = _f("", "directory of the nvme tier's files (a fast local disk); empty "
+                          "means RUN_DIR/offload")
+    offload_params: bool = _f(False, "offload = nvme: the parameters live in the files too and "
+                              "are read layer by layer for forward and backward (one process, "
+                              "no tensor/pipeline/context parallelism)")
+    fast_memory_gb: float = _f(0.0, "memory budget per rank of the fast tier (accelerator "
+                               "memory; RAM on a CPU) for parameters, gradients, activations and "
+                               "the nvme tier's buffers; checked before training; 0 = no budget",
+                               min=0.0)
+    cpu_offload: bool = _f(False, "alias of offload = 'cpu' (older configs)")
     data_broadcast: bool = _f(True, "one rank per tensor/context-parallel group reads each batch "
                               "and broadcasts it (MegaScale's removal of redundant loaders)")
     hosts: str = _f("", "comma-separated host names in rank order for placement reports; empty "
@@ -163,6 +176,11 @@ class ParallelConfig:
                                "(one switch)", min=0)
     fast_domain: int = _f(0, "ranks per fast (NVLink) domain; 0 means the ranks of one host",
                           min=0)
+
+    @property
+    def offload_tier(self) -> str:
+        """`offload`, with the `cpu_offload` alias folded in: none, cpu or nvme."""
+        return "cpu" if self.cpu_offload and self.offload == "none" else self.offload
 
 
 @dataclass
@@ -477,6 +495,12 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
         raise ConfigError(f"parallel.vpp = {par.vpp} needs an interleaved schedule "
                           "(interleaved-1f1b, zero-bubble or zbv), not "
                           f"parallel.schedule = {par.schedule!r}")
+    if par.cpu_offload and par.offload == "nvme":
+        raise ConfigError("parallel.cpu_offload = true (an alias of offload = 'cpu') contradicts "
+                          "parallel.offload = 'nvme'; set one of them")
+    if par.offload_params and par.offload_tier != "nvme":
+        raise ConfigError("parallel.offload_params = true needs parallel.offload = 'nvme' (the "
+                          "parameters go to the same files as the optimizer state)")
     if world_size is not None:
         lay = resolve_layout(cfg, world_size)
         dp = lay["dp"]

@@ -21,6 +21,10 @@ class CheckpointError(MyriaError):
     """A checkpoint is missing, damaged or does not match the model."""
 
 
+class OffloadError(MyriaError):
+    """The offload directory is full, unwritable, or its files do not match the run."""
+
+
 class LaunchError(MyriaError):
     """Workers could not be started or failed."""
 

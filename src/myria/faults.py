@@ -10,6 +10,10 @@ MYRIA_FAULT holds comma-separated faults, each `kind:key=value:...`:
 - `raise:rank=R:step=S`      rank R raises an exception at the start of step S
 - `corrupt-checkpoint:step=S` after the checkpoint of step S is committed, damage one of its files
 - `diskfull:step=S`          the checkpoint save at step S fails with ENOSPC
+- `offload-kill[:rank=R]:step=S`  the nvme tier's update S (the optimizer step of step S) sends
+                             SIGKILL half-way through, once half its chunks are written
+- `offload-diskfull[:rank=R]:step=S`  the nvme tier's update S fails with ENOSPC half-way
+                             through writing its state (a full offload directory)
 - `slow:rank=R:factor=F[:step=S]`  rank R's forward and backward take F times as long from
                              step S on (default 1), as a slow GPU would (myria.observe.events)
 - `bitflip:rank=R:step=S[:target=param|grad]`  flip one bit of rank R's first parameter (at the
@@ -30,7 +34,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 KINDS = ("kill", "hang", "stop", "raise", "corrupt-checkpoint", "diskfull", "slow", "bitflip",
-         "nan")
+         "nan", "offload-kill", "offload-diskfull")
 FLOAT_KEYS = ("factor",)   # parameters that take a number, not an integer
 # parameters that take one of a few words
 WORD_KEYS = {"target": ("param", "grad"), "sticky": ("yes", "no")}

@@ -11,6 +11,10 @@ Every path under RUN_DIR that more than one part of myria reads or writes is nam
     report/                  `myria report` output: index.html, trace.json, blame.json, PNGs,
                              hang.json (the supervisor's merged hang report)
     events.jsonl             detections (stragglers, corruption, numerical faults, health)
+    offload/rankNNNNN/       the nvme tier's optimizer-state files (parallel.offload = nvme,
+                             unless parallel.offload_dir puts them elsewhere)
+    offload_stats/rankNNNNN.json  the nvme tier's I/O per rank: bytes, times, exposed waits,
+                             peak resident memory
     supervisor.log, supervisor_summary.json, logs/, faults/
 """
 
@@ -27,6 +31,8 @@ EVENTS_DIR = "events"
 HANG_DIR = "hang"
 REPORT_DIR = "report"
 DETECTIONS = "events.jsonl"
+OFFLOAD_DIR = "offload"
+OFFLOAD_STATS = "offload_stats"
 
 
 def events_file(run_dir: str | Path, rank: int) -> Path:
@@ -39,6 +45,10 @@ def hang_file(run_dir: str | Path, rank: int) -> Path:
 
 def report_dir(run_dir: str | Path) -> Path:
     return Path(run_dir) / REPORT_DIR
+
+
+def offload_stats_file(run_dir: str | Path, rank: int) -> Path:
+    return Path(run_dir) / OFFLOAD_STATS / f"rank{rank:05d}.json"
 
 
 def read_jsonl(path: str | Path) -> list[dict]:

@@ -145,8 +145,6 @@ class Transformer(nn.Module):
     @torch.no_grad()
     def init_weights(self, seed: int = 0, buffers_only: bool = False) -> None:
         """Fill every parameter as a pure function of (seed, name); also rebuild RoPE tables."""
-        from myria.models.init import canonical_name, fill_parameter
-
         if self.cfg.arch == "llama":
             dev = self.rope_cos.device if self.rope_cos.device.type != "meta" else "cpu"
             cos, sin = rope_tables(self.cfg.seq_len, self.cfg.head_dim, self.cfg.rope_theta, dev)
@@ -158,10 +156,18 @@ class Transformer(nn.Module):
             if id(p) in seen:
                 continue
             seen.add(id(p))
-            name = canonical_name(name)
-            kind, std = self._init_rule(name)
-            key = (seed * 1_000_003 + zlib.crc32(name.encode())) % (2**63)
-            fill_parameter(p, kind, std, key)
+            self.init_parameter(name, p, seed)
+
+    @torch.no_grad()
+    def init_parameter(self, name: str, p: torch.Tensor, seed: int) -> None:
+        """Fill parameter `name` (as named_parameters gives it) as a pure function of
+        (seed, name); init_weights does this for all, parameter offload one layer at a time."""
+        from myria.models.init import canonical_name, fill_parameter
+
+        name = canonical_name(name)
+        kind, std = self._init_rule(name)
+        key = (seed * 1_000_003 + zlib.crc32(name.encode())) % (2**63)
+        fill_parameter(p, kind, std, key)
 
     # -- forward ---------------------------------------------------------------------------
     def forward(self, tokens: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:

@@ -165,7 +165,7 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh, cfg: Config, device_type: str
     mp = mixed_precision(cfg, device_type)
     if mp is not None:
         kwargs["mp_policy"] = mp
-    if cfg.parallel.cpu_offload:
+    if cfg.parallel.offload_tier == "cpu":
         kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=device_type == "cuda")
     reshard = cfg.training.data_parallel != "zero2"
     blocks = list(model.layers.values())

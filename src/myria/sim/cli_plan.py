@@ -241,7 +241,7 @@ def run(args: argparse.Namespace) -> int:
                reliability=_reliability(args))
     if args.json:
         print(json.dumps({"evaluated": res.evaluated, "fitting": res.fitting,
-                          "seconds": res.seconds,
+                          "seconds": res.seconds, "offloaded": res.offloaded,
                           "ranked": [r.to_json() for r in res.ranked]}))
     else:
         _print(base, res)
@@ -286,6 +286,8 @@ def _layout(lay: dict) -> str:
         s += f" hsdp{lay['dp_shard']}"
     if lay["zero_stage"] >= 3 and not lay.get("reshard_after_forward", True):
         s += " keep-gathered"
+    if lay.get("offload", "none") != "none":
+        s += f" offload={lay['offload']}" + ("+params" if lay.get("offload_params") else "")
     return s + (" sp" if lay["sequence_parallel"] else "")
 
 
@@ -301,8 +303,12 @@ def _print(base: RunSpec, res) -> None:
               f"{base.overlap.tp}/{base.overlap.pp}/{base.overlap.dp}")
     con.print(f"{res.evaluated:,} layouts evaluated in {res.seconds:.2f} s, {res.fitting:,} fit "
               "in memory")
+    if res.offloaded:
+        con.print("[yellow]no layout fits in device memory as it is: these keep the optimizer "
+                  "state (offload=cpu: host memory; nvme: disk, myria's parallel.offload) and "
+                  "with +params the parameters off the device[/yellow]")
     if not res.ranked:
-        con.print("[red]no layout fits in device memory[/red]")
+        con.print("[red]no layout fits in device memory, even with offload[/red]")
         if res.best_unfitting:
             b = res.best_unfitting
             con.print(f"fastest layout if memory allowed: {_layout(b.layout)} needs "

@@ -90,6 +90,11 @@ SERVERS = {
                          nvme_gb=30000, nvme_gbs=50),
 }
 
+# A CPU host's offload disk (myria's nvme tier run on a CPU): priors, overridden by the run's
+# cluster.nvme_gbs; bench/offload.py measures the real one (about 1.1 GB/s here, O_DIRECT).
+CPU_DISK_GBS = 1.0
+CPU_DISK_GB = 100.0
+
 
 @dataclass(frozen=True)
 class Hardware:
@@ -274,8 +279,14 @@ def build_hardware(cluster: ClusterSpec, precision: str = "bf16",
     fabric = Fabric(kind=cluster.topology, nodes=nodes, gpus_per_node=gpn, nics_per_node=nics,
                     oversubscription=cluster.oversubscription, routing=cluster.routing,
                     flows_per_pair=cluster.flows_per_pair, radix=cluster.switch_radix)
+    server = SERVERS["hopper" if hopper else "ampere"]
+    if is_cpu:  # the device is the host: no bus to cross, its own memory, a local disk
+        server = ServerSpec(pcie_gbs=mem_bw, host_memory_gb=memory, host_memory_bw_gbs=mem_bw,
+                            nvme_gb=CPU_DISK_GB, nvme_gbs=CPU_DISK_GBS)
+    if cluster.nvme_gbs:
+        server = dataclasses.replace(server, nvme_gbs=cluster.nvme_gbs)
     return Hardware(device=spec.name, peak_flops=peak * 1e12, mem_bw=mem_bw * 1e9,
                     memory_bytes=memory * 1e9, measured=measured, gpus=cluster.gpus,
                     gpus_per_node=gpn, nics_per_node=nics, nic_gbps=nic_gbps, nic_bw=nic_bw,
                     intra_busbw=intra * 1e9, intra_p2p=intra_p2p * 1e9,
-                    server=SERVERS["hopper" if hopper else "ampere"], fabric=fabric, cpu=cpu)
+                    server=server, fabric=fabric, cpu=cpu)

@@ -118,7 +118,7 @@ class MemoryResult:
     fits: bool
     stage: str                 # which pipeline stage is the peak: first | last | only
     params_per_device: float
-    host_bytes_per_node: float = 0.0   # offloaded state per server (cpu or nvme)
+    host_bytes_per_node: float = 0.0   # offloaded state per server (host memory or disk)
     host_fits: bool = True
 
     def gb(self) -> dict:
@@ -155,11 +155,14 @@ def memory(shape: LayerShape, *, layers: int, pp: int, vpp: int, microbatches: i
            schedule: str, recompute: str, zero_stage: int, dp: int, ep: int, precision: str,
            offload: str, capacity: float, gpus_per_node: int,
            reserved: float = RESERVED_BYTES, reshard_after_forward: bool = True,
-           shard: int = 0) -> MemoryResult:
+           shard: int = 0, offload_params: bool = False) -> MemoryResult:
     """Peak memory over the pipeline stages of one device (the first and last stage differ).
 
     `reserved` is what the runtime holds outside the tensors (CUDA context, library
-    workspaces, NCCL buffers on a GPU; 0 on a CPU, where none of these exist)."""
+    workspaces, NCCL buffers on a GPU; 0 on a CPU, where none of these exist).
+    Offload: the optimizer state leaves the device (cpu or nvme); under cpu with ZeRO-3 also
+    the sharded weights and gradients (FSDP2's CPUOffloadPolicy); under nvme with
+    `offload_params` the weights, of which three layers stay (myria.train.offload_params)."""
     mixed = precision != "fp32"
     w_b = 2 if mixed else 4
     g_b = 4
@@ -195,9 +198,12 @@ def memory(shape: LayerShape, *, layers: int, pp: int, vpp: int, microbatches: i
         if offload != "none":
             host = o * gpus_per_node
             o = 0.0
-            if zero_stage >= 3:
+            if offload == "cpu" and zero_stage >= 3:
+                host += (w + g) * gpus_per_node
+                w = g = 0.0
+            if offload_params:
                 host += w * gpus_per_node
-                w = 0.0
+                w = 3 * (dense + expert) / per_stage * w_b
         in_flight = in_flight_microbatches(schedule, pp, vpp, microbatches)
         if pp == 1:
             in_flight = 1.0

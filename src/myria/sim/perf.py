@@ -462,24 +462,26 @@ def simulate(run: RunSpec, hw: Hardware | None = None, eff: Efficiency | None = 
     n_opt = dense0 / shard + expert0 / (max(1, dp * cp // ep) if tr.zero_stage >= 1 else 1)
     per_param = ADAM_BYTES_PER_PARAM + (LAMB_EXTRA_BYTES if tr.optimizer == "lamb" else 0)
     t_offload = 0.0
-    if tr.offload == "none" and eager and hw.cpu is not None and hw.cpu.optimizer_s_per_param:
+    on_device = tr.offload in ("none", "nvme")   # where the update's arithmetic runs
+    if on_device and eager and hw.cpu is not None and hw.cpu.optimizer_s_per_param:
         # measured: myria's foreach gradient clip + AdamW per parameter on this CPU, plus the
         # two scalar all-reduces of the step (gradient norm, logged loss) per reduction group
         t_opt = n_opt * hw.cpu.optimizer_s_per_param
         for name in ("dp", "pp"):
             t_opt += 2 * coll.allreduce(8.0, groups[name])[0]
-    elif tr.offload == "none":
+    elif on_device:
         t_opt = n_opt * per_param / (hw.mem_bw * eff.mem)
     else:
         srv = hw.server
         gpn = hw.gpus_per_node
         t_opt = n_opt * CPU_ADAM_BYTES_PER_PARAM * gpn / (srv.host_memory_bw_gbs * 1e9)
         t_offload = n_opt * (g_b + w_b) / (srv.pcie_gbs * 1e9)
-        if tr.offload == "nvme":
-            t_offload += n_opt * 12 * 2 * gpn / (srv.nvme_gbs * 1e9)
         if tr.zero_stage >= 3:
-            # ZeRO-Infinity streams the weights in for forward and backward of every microbatch
+            # FSDP2's CPU offload copies the sharded weights in for forward and backward of
+            # every microbatch
             t_offload += m * 2 * n_opt * w_b / (srv.pcie_gbs * 1e9)
+    if tr.offload == "nvme":
+        t_offload = _nvme_time(tr, hw, n_opt, t_opt, m, w_b, m * stages[crit]["C"])
     t_data = tr.data_loading_s
     total = t_pipe + t_dp + t_opt + t_offload + t_data
 
@@ -520,7 +522,8 @@ def simulate(run: RunSpec, hw: Hardware | None = None, eff: Efficiency | None = 
                                                       "h800-sxm-80gb") else hw.peak_flops
     mem = memory(shape, layers=L, pp=pp, vpp=v, microbatches=m, schedule=par.schedule,
                  recompute=rec, zero_stage=tr.zero_stage, dp=dp * cp, ep=ep,
-                 precision=tr.precision, offload=tr.offload, capacity=hw.memory_bytes,
+                 precision=tr.precision, offload=tr.offload,
+                 offload_params=tr.offload_params, capacity=hw.memory_bytes,
                  gpus_per_node=hw.gpus_per_node,
                  reserved=0.0 if hw.device == "cpu" else RESERVED_BYTES,
                  reshard_after_forward=tr.reshard_after_forward, shard=shard_n)
@@ -538,7 +541,8 @@ def simulate(run: RunSpec, hw: Hardware | None = None, eff: Efficiency | None = 
               "micro_batch": tr.micro_batch, "microbatches": m, "schedule": par.schedule,
               "sequence_parallel": par.sequence_parallel, "recompute": rec,
               "zero_stage": tr.zero_stage, "device": hw.device,
-              "reshard_after_forward": tr.reshard_after_forward, "dp_shard": hsdp or dp}
+              "reshard_after_forward": tr.reshard_after_forward, "dp_shard": hsdp or dp,
+              "offload": tr.offload, "offload_params": tr.offload_params}
     details = {
         "bubble_fraction": bubble / t_pipe if t_pipe else 0.0,
         "critical_stage": crit,
@@ -568,6 +572,33 @@ def simulate(run: RunSpec, hw: Hardware | None = None, eff: Efficiency | None = 
         ops = timed_layer_ops(shape, hw.peak_flops, hw.mem_bw, eff)
         res.ops = op_table(run, res, ops, stages[crit], per_stage, m, crit, hw, eff, groups)
     return res
+
+
+def _nvme_time(tr, hw: Hardware, n_opt: float, t_opt: float, m: int, w_b: int,
+               t_compute: float) -> float:
+    """Exposed time of myria's nvme tier (myria.train.offload) per iteration.
+
+    The update runs on the device chunk by chunk while a reader and a writer thread stream the
+    optimizer state from disk and back (across the host bus on a GPU): the optimizer phase
+    takes the slowest of its arithmetic, the disk and the bus, so what the offload adds is the
+    excess over the arithmetic. Every server's devices share its disks. With offload_params
+    each microbatch also reads the parameters for forward and backward, a layer ahead of the
+    compute, which hides them up to the compute time. The prefetch of the next step's chunks
+    and the trailing writes, which hide more behind forward and backward as far as the
+    buffers reach, are not counted (conservative)."""
+    srv, gpn = hw.server, hw.gpus_per_node
+    state_b = (12 if tr.precision != "fp32" else 8) + \
+        (w_b if tr.offload_params and tr.precision == "fp32" else 0)
+    stream = 2 * n_opt * state_b                       # read and write, per device
+    t_disk = stream * gpn / (srv.nvme_gbs * 1e9)
+    t_bus = 0.0 if hw.device == "cpu" else stream / (srv.pcie_gbs * 1e9)
+    exposed = max(0.0, max(t_disk, t_bus) - t_opt)
+    if tr.offload_params:
+        reads = m * 2 * n_opt * w_b
+        t_reads = max(reads * gpn / (srv.nvme_gbs * 1e9),
+                      0.0 if hw.device == "cpu" else reads / (srv.pcie_gbs * 1e9))
+        exposed += max(0.0, t_reads - t_compute)
+    return exposed
 
 
 def op_table(run: RunSpec, res: StepResult, ops: tuple[Op, ...], stage: dict,
@@ -687,7 +718,8 @@ def config_run(cfg, nproc: int, device_spec: DeviceSpec, gpus_per_node: int = 0
                             recompute=cfg.parallel.activation_checkpoint,
                             optimizer="lamb" if cfg.optimizer.name == "lamb" else "adam",
                             zero_stage=zero, precision="fp32" if dtype == "float32" else "bf16",
-                            offload="cpu" if cfg.parallel.cpu_offload else "none")
+                            offload=cfg.parallel.offload_tier,
+                            offload_params=cfg.parallel.offload_params)
     par = ParallelSpec(tp=lay["tp"], pp=lay["pp"], cp=lay["cp"], ep=lay["ep"],
                        vpp=cfg.parallel.vpp, schedule=cfg.parallel.schedule
                        if cfg.parallel.schedule != "zbv" or cfg.parallel.vpp == 2 else "1f1b",
@@ -705,7 +737,7 @@ def config_run(cfg, nproc: int, device_spec: DeviceSpec, gpus_per_node: int = 0
     cluster = ClusterSpec(gpu=device_spec.name, gpus=nproc, gpus_per_node=gpn,
                           peak_tflops=device_spec.peak_tflops(dtype),
                           memory_bw_gbs=device_spec.memory_bw_gbs,
-                          memory_gb=device_spec.memory_gb)
+                          memory_gb=cfg.parallel.fast_memory_gb or device_spec.memory_gb)
     run = RunSpec(name="myria-config", model=model, training=training, parallel=par,
                   overlap=OverlapSpec(),
                   kernels=KernelSpec(flash_attention=True, fused_ops=False, eager=is_cpu),

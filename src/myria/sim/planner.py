@@ -67,6 +67,10 @@ class SearchSpace:
     reshard_after_forward: list[bool] = field(default_factory=lambda: [True, False])
     hsdp: list[bool] = field(default_factory=lambda: [False, True])
     max_tp_across_nodes: bool = False
+    # (offload, offload_params): what is searched first, and what when nothing fits that way
+    offload: list[tuple[str, bool]] = field(default_factory=lambda: [("none", False)])
+    offload_fallback: list[tuple[str, bool]] = field(
+        default_factory=lambda: [("cpu", False), ("nvme", False), ("nvme", True)])
 
 
 @dataclass
@@ -78,6 +82,7 @@ class PlanResult:
     fitting: int
     seconds: float
     best_unfitting: perf.StepResult | None = None
+    offloaded: bool = False      # nothing fitted without offload: these layouts offload
 
 
 def candidates(base: RunSpec, space: SearchSpace):
@@ -125,13 +130,30 @@ def candidates(base: RunSpec, space: SearchSpace):
                                     for zero in space.zero_stage:
                                         for rsh, shard in _sharding(zero, space, dp, tp * cp,
                                                                     c.gpus_per_node):
-                                            yield ({"tp": tp, "pp": pp, "cp": cp, "ep": ep,
-                                                    "vpp": vpp, "dp": 0, "schedule": sched,
-                                                    "sequence_parallel": sp,
-                                                    "dp_shard": shard},
-                                                   {"micro_batch": mb, "recompute": rec,
-                                                    "zero_stage": zero,
-                                                    "reshard_after_forward": rsh})
+                                            for off, offp in space.offload:
+                                                if not _runnable(off, offp, zero, dp * cp,
+                                                                 tp * pp * cp * ep * dp):
+                                                    continue
+                                                yield ({"tp": tp, "pp": pp, "cp": cp,
+                                                        "ep": ep, "vpp": vpp, "dp": 0,
+                                                        "schedule": sched,
+                                                        "sequence_parallel": sp,
+                                                        "dp_shard": shard},
+                                                       {"micro_batch": mb, "recompute": rec,
+                                                        "zero_stage": zero,
+                                                        "reshard_after_forward": rsh,
+                                                        "offload": off,
+                                                        "offload_params": offp})
+
+
+def _runnable(offload: str, offload_params: bool, zero: int, shard: int, gpus: int) -> bool:
+    """Offload layouts myria runs: cpu is FSDP2's CPUOffloadPolicy (ZeRO-3 over > 1 rank);
+    parameters go to disk on one process only (myria.train.offload.check_layout)."""
+    if offload == "cpu":
+        return zero >= 3 and shard > 1
+    if offload_params:
+        return gpus == 1
+    return True
 
 
 def _sharding(zero: int, space: SearchSpace, dp: int, inner: int, gpus_per_node: int):
@@ -156,7 +178,9 @@ def plan(base: RunSpec, space: SearchSpace | None = None, top: int = 10,
     A layout fits when its peak memory is below capacity minus `reserve_gb` (default 10% of
     device memory). Ranked by MFU, then statistically tied layouts (within the model's
     uncertainty band of the best) simplest first; each gets `extra` fields: mfu_low, mfu_high,
-    ettr, checkpoint_interval_steps, tied.
+    ettr, checkpoint_interval_steps, tied. When no layout fits, the search runs again with the
+    optimizer state (and parameters) offloaded, `space.offload_fallback`, and the result says
+    so (`offloaded`).
     """
     from myria.sim.calibration import uncertainty
 
@@ -185,20 +209,34 @@ def plan(base: RunSpec, space: SearchSpace | None = None, top: int = 10,
     if not n:
         raise ConfigError("no layout matches the model, batch and GPU count: check that "
                           "training.global_batch is divisible by some data-parallel degree")
+    offloaded = False
+    if not ok and space.offload_fallback and space.offload != space.offload_fallback:
+        again = dataclasses.replace(space, offload=space.offload_fallback, offload_fallback=[])
+        res = plan(base, again, top, limit, reserve_gb, reliability)
+        res.evaluated += n
+        res.seconds = time.perf_counter() - t0
+        res.offloaded = bool(res.ranked)
+        if res.best_unfitting is None or (best_bad is not None and
+                                          best_bad.mfu > res.best_unfitting.mfu):
+            res.best_unfitting = best_bad
+        return res
     ok.sort(key=lambda r: -r.mfu)
     band = uncertainty()
     ranked = rank_with_ties(ok[:max(top, 50)], band)[:top]
     for r in ranked:
         annotate(r, base, hw, band, reliability)
-    return PlanResult(ranked, n, len(ok), time.perf_counter() - t0, best_bad)
+    return PlanResult(ranked, n, len(ok), time.perf_counter() - t0, best_bad, offloaded)
 
 
 def simplicity(r: perf.StepResult) -> tuple:
-    """Smaller is simpler: parallel dimensions in use, ZeRO stage, recomputation, degrees."""
+    """Smaller is simpler: offload, parallel dimensions in use, ZeRO stage, recomputation,
+    degrees."""
     lay = r.layout
     dims = sum(1 for k in ("tp", "pp", "cp", "ep", "vpp") if lay[k] > 1)
     rec = {"none": 0, "selective": 1, "full": 2}[lay["recompute"]]
-    return (dims, lay["zero_stage"], rec, lay["pp"] * lay["vpp"], lay["tp"], lay["cp"])
+    off = {"none": 0, "cpu": 1, "nvme": 2}[lay.get("offload", "none")] + \
+        bool(lay.get("offload_params"))
+    return (off, dims, lay["zero_stage"], rec, lay["pp"] * lay["vpp"], lay["tp"], lay["cp"])
 
 
 def rank_with_ties(results: list[perf.StepResult], band: float) -> list[perf.StepResult]:

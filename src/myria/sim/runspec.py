@@ -80,9 +80,13 @@ class TrainingSpec:
                                      "microbatch (false: keep them gathered across the step's "
                                      "microbatches: one all-gather per step, full parameter "
                                      "memory)")
-    offload: str = _f("none", "ZeRO-Offload/Infinity: optimizer state (and with zero_stage 3 the "
-                      "parameters) to cpu memory or nvme; none keeps all on the device",
+    offload: str = _f("none", "ZeRO-Offload/Infinity: the optimizer state to cpu memory (with "
+                      "zero_stage 3 also the sharded parameters and gradients, as FSDP2's "
+                      "CPUOffloadPolicy) or nvme (myria's nvme tier: files streamed through the "
+                      "device, overlapped with the update); none keeps all on the device",
                       choices=("none", "cpu", "nvme"))
+    offload_params: bool = _f(False, "offload = nvme: the parameters' master copy on disk too, "
+                              "three layers at a time on the device")
     data_loading_s: float = _f(0.0, "exposed data-loading time per iteration in seconds (0: the "
                                "loader prefetches behind compute)", min=0.0)
 
@@ -160,6 +164,9 @@ class ClusterSpec:
                               "measures it)", min=0.0)
     memory_gb: float = _f(0.0, "override the device memory in GB (cpu: 0 reads the host's)",
                           min=0.0)
+    nvme_gbs: float = _f(0.0, "sequential bandwidth of the offload disks per server in GB/s "
+                         "(nvme tier); 0 means the server's datasheet figure, on a cpu 1 GB/s "
+                         "(a prior: measure yours with bench/offload.py)", min=0.0)
     intra_node_gbs: float = _f(0.0, "override the achieved intra-node all-reduce bus bandwidth "
                                "GB/s (NVLink ring, nccl-tests convention)", min=0.0)
 
@@ -420,9 +427,8 @@ def validate(run: RunSpec) -> None:
         hint = f" (did you mean {close[0]!r}?)" if close else ""
         raise ConfigError(f"run {n!r}: cluster.gpu = {c.gpu!r}: unknown device{hint}; known: "
                           f"{', '.join(list(DEVICES) + ['cpu'])}")
-    if t.offload == "nvme" and t.zero_stage < 1:
-        raise ConfigError(f"run {n!r}: training.offload = 'nvme' (ZeRO-Infinity) needs "
-                          "training.zero_stage >= 1")
+    if t.offload_params and t.offload != "nvme":
+        raise ConfigError(f"run {n!r}: training.offload_params needs training.offload = 'nvme'")
 
 
 def describe() -> str:

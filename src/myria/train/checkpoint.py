@@ -5,6 +5,8 @@ Layout under RUN_DIR/checkpoints/:
     step_00000040/          a committed checkpoint
         .metadata, *.distcp DCP files (model + optimizer, resharded on load)
         rng_rank00000.json   each rank's RNG states
+        offload/rank00000.part0.bin, .json  the nvme tier's optimizer state (parallel.offload =
+                             nvme), hard-linked from the offload directory, not copied
         meta.json            the manifest, written last: step, scheduler, data position, layout,
                              every file's size and CRC-32
     step_00000060.tmp/       a save in progress (never read)
@@ -209,6 +211,7 @@ class _Pending:
     extra: dict[str, Any]
     rng: dict[str, str]
     record: SaveRecord
+    linked: list[str] = field(default_factory=list)  # files linked in (offloaded state)
     snapshot_done: threading.Event = field(default_factory=threading.Event)
     done: threading.Event = field(default_factory=threading.Event)
     error: BaseException | None = None
@@ -461,6 +464,7 @@ class CheckpointManager:
         rec = SaveRecord(step, wait_prev_s=prev_wait)
         self.history.append(rec)
         pending = self._snapshot_refs(step, target, extra, rec)
+        self._link_files(pending, target)
         if not self.async_save:
             self._copy(pending)
             self._persist(pending)
@@ -511,7 +515,10 @@ class CheckpointManager:
         out: dict[tuple, Any] = {}
         copies = []
         for key, v in flat.items():
-            if isinstance(v, torch.Tensor):
+            if getattr(v, "_myria_immutable", False):  # a file never written again: as it is
+                out[key] = v
+                rec.bytes += v.numel() * v.element_size()
+            elif isinstance(v, torch.Tensor):
                 local = _local(v).detach()
                 cached = self._leaves.get(key)
                 if cached is None or cached[1].shape != local.shape or \
@@ -523,6 +530,26 @@ class CheckpointManager:
             else:
                 out[key] = copy.deepcopy(v)
         return _Pending(step, out, copies, json.loads(json.dumps(extra)), rng_state(), rec)
+
+    def _link_files(self, p: _Pending, target) -> None:
+        """Stage 1 for state kept in files (`target.checkpoint_files()`: the nvme tier's
+        optimizer state): link them into the checkpoint now, before the next step replaces
+        them (myria.train.offload.link_or_copy: no copy through memory)."""
+        files = target.checkpoint_files() if hasattr(target, "checkpoint_files") else {}
+        if not files:
+            return
+        from myria.train.offload import link_or_copy
+
+        final = self.path_for(p.step)
+        tmp = final.with_name(final.name + ".tmp")
+        try:
+            for name, src in files.items():
+                (tmp / name).parent.mkdir(parents=True, exist_ok=True)
+                link_or_copy(src, tmp / name)
+                p.linked.append(name)
+                p.record.bytes += (tmp / name).stat().st_size
+        except OSError as e:  # the save fails (the vote sees it); training goes on
+            p.error = e
 
     def _copy(self, p: _Pending) -> None:
         t0 = time.perf_counter()
@@ -572,7 +599,7 @@ class CheckpointManager:
             dcp.save(_unflatten(p.flat), storage_writer=writer, process_group=self._pg,
                      no_dist=not dist.is_initialized())
             atomic_write(tmp / f"rng_rank{rank:05d}.json", json.dumps(p.rng))
-            names = [f"rng_rank{rank:05d}.json"]
+            names = [f"rng_rank{rank:05d}.json", *p.linked]
             names += [q.name for q in tmp.glob(f"__{rank}_*.distcp")]
             if rank == 0 and (tmp / ".metadata").exists():
                 names.append(".metadata")
@@ -699,8 +726,12 @@ class CheckpointManager:
         """
         rank, world = _world()
         meta = json.loads((path / "meta.json").read_text())
+        if hasattr(target, "check_checkpoint"):  # optimizer state in files or in shards
+            target.check_checkpoint(path, meta)
         state = target.state_dict()
         self.check_shapes(path, state["model"])
+        for key in getattr(target, "file_backed_keys", list)():  # restored with the files
+            state["model"].pop(key)
         groups = replica_groups(state)
         mine = next(g for g in groups if rank in g)
         reader = _CountingReader(str(path))
@@ -721,6 +752,8 @@ class CheckpointManager:
             raise CheckpointError(f"checkpoint {path} could not be read: {e}") from None
         self.bytes_read = reader.bytes_read
         target.load_state_dict(state)
+        if hasattr(target, "load_checkpoint_files"):
+            target.load_checkpoint_files(path)
         rng_file = path / f"rng_rank{rank:05d}.json"
         if meta.get("world_size") == world and rng_file.exists():
             set_rng_state(json.loads(rng_file.read_text()))

@@ -80,6 +80,9 @@ def dry_run(cfg: config_mod.Config, world: int, ranks_per_host: int | None = Non
              f"{model_flops_per_token(m):,.0f}",
              f"# tokens per step: {t.global_batch * m.seq_len:,}; gradient accumulation: "
              f"{t.global_batch // (lay['dp'] * t.micro_batch)} microbatches of {t.micro_batch}"]
+    if cfg.parallel.offload_tier != "none" or cfg.parallel.fast_memory_gb:
+        from myria.train.offload import plan_for_config
+        lines.append("# " + plan_for_config(cfg, lay).describe())
     try:
         spec, pred = predicted(cfg, world, ranks_per_host or world)
     except config_mod.ConfigError as e:  # e.g. measuring this CPU would need more cores
@@ -101,7 +104,7 @@ def prediction_lines(cfg, world, ranks_per_host, lay, spec, pred) -> list[str]:
              f"{'on' if cfg.parallel.sequence_parallel and lay['tp'] > 1 else 'off'}: "
              "memory per rank " + " + ".join(f"{k} {mem[k]:.2f}" for k in MEMORY_PARTS)
              + f" = {mem['total']:.2f} GB ({'fits' if pred.fits else 'does NOT fit'} in "
-             f"{mem['capacity']:.0f} GB); step {pred.iteration_time_s:.3g} s, MFU "
+             f"{mem['capacity']:.3g} GB); step {pred.iteration_time_s:.3g} s, MFU "
              f"{100 * pred.mfu:.1f}% (see `myria simulate`, `myria plan`)"]
     better = better_layout(cfg, world, ranks_per_host or world, spec, pred)
     if better:

@@ -121,12 +121,15 @@ def check_layout(cfg: Config, layout: dict[str, int], device_type: str = "cpu") 
     if pp > 1:
         accum = cfg.training.global_batch // (dp * cfg.training.micro_batch)
         pipeline.validate(m, pp, p.vpp, p.schedule, accum)
+    if p.offload_tier != "none" or p.fast_memory_gb:
+        from myria.train.offload import check_layout as check_offload
+        check_offload(cfg, layout, device_type)
 
 
 class Engine:
     """Model parts, optimizers and schedules of this rank, built for the run's layout."""
 
-    def __init__(self, cfg: Config, mesh, device: torch.device):
+    def __init__(self, cfg: Config, mesh, device: torch.device, run_dir=None):
         self.cfg, self.mesh, self.device = cfg, mesh, device
         t, p = cfg.training, cfg.parallel
         self.dp_rank, self.dp_size = dp_rank_and_size(mesh)
@@ -179,14 +182,21 @@ class Engine:
             if use_fsdp:
                 apply_fsdp(part, fmesh, cfg, device.type, reshard_root=self.pp > 1,
                            expert_mesh=self.replica_mesh)
-            part.to_empty(device=device)
-            part.init_weights(t.seed)
+            if not p.offload_params:  # else materialised layer by layer (offload_params.py)
+                part.to_empty(device=device)
+                part.init_weights(t.seed)
         if fmesh is not None and t.data_parallel == "ddp":
             parts = [apply_ddp(parts[0], dp_mesh(mesh), device)]
             self._settle_ddp_buckets(parts[0], cfg.model.seq_len)
         self.parts: list[nn.Module] = parts
         self.model = parts[0]
-        self.optimizers = [build_optimizer(part, cfg.optimizer) for part in parts]
+        self.offload = None  # the nvme tier (parallel.offload = nvme): myria.train.offload
+        if p.offload_tier == "nvme":
+            from myria.train.offload import Offload
+            self.offload = Offload.build(cfg, parts, layout, run_dir,
+                                         dist.get_rank() if dist.is_initialized() else 0)
+        self.optimizers = self.offload.optimizers if self.offload else \
+            [build_optimizer(part, cfg.optimizer) for part in parts]
         self.schedulers = [build_scheduler(o, cfg.optimizer, t.steps) for o in self.optimizers]
         self.schedule = None
         if self.pp > 1:
@@ -358,12 +368,34 @@ class Engine:
         for part, opt in zip(self.parts, self.optimizers):
             model_sd.update(get_model_state_dict(part, options=self._OPTS))
             optim_sd.update(get_optimizer_state_dict(part, opt, options=self._OPTS))
+        if self.offload:  # parameters kept on disk (offload_params): mapped from the files
+            model_sd.update(self.offload.file_backed_state())
         return {"model": model_sd, "optim": optim_sd}
 
     def load_state_dict(self, state: dict) -> None:
         for part, opt in zip(self.parts, self.optimizers):
             set_model_state_dict(part, state["model"], options=StateDictOptions(strict=False))
             set_optimizer_state_dict(part, opt, state["optim"], options=self._OPTS)
+
+    # offloaded optimizer state: files linked into checkpoints (myria.train.checkpoint)
+    def checkpoint_files(self) -> dict:
+        return self.offload.checkpoint_files() if self.offload else {}
+
+    def check_checkpoint(self, path, meta: dict) -> None:
+        from myria.train.offload import check_checkpoint
+        check_checkpoint(path, meta, self.offload is not None)
+
+    def file_backed_keys(self) -> list[str]:
+        """Model keys a checkpoint restores through `load_checkpoint_files`, not DCP."""
+        return list(self.offload.file_backed_state()) if self.offload else []
+
+    def load_checkpoint_files(self, path) -> None:
+        if self.offload:
+            self.offload.load_files(path)
+
+    def close(self) -> None:
+        if self.offload:
+            self.offload.close()
 
     def scheduler_state(self) -> dict:
         return self.schedulers[0].state_dict()

@@ -97,7 +97,7 @@ def _train(cfg: Config, run_dir: Path, env, stop_after: int | None,
     check_vocab(cfg, dataset)
 
     # -- model, optimizer, schedule for this layout ------------------------------------------
-    engine = Engine(cfg, mesh, env.device)
+    engine = Engine(cfg, mesh, env.device, run_dir)
     rec = start_events(cfg, run_dir, env, mesh, engine, layout)
 
     # -- resume ----------------------------------------------------------------------------
@@ -231,6 +231,7 @@ def _train(cfg: Config, run_dir: Path, env, stop_after: int | None,
         return TrainResult(step, losses, False)
     finally:
         ckpt.close()  # never leave a save half-written behind a clean exit
+        engine.close()  # the nvme tier's trailing writes and threads
         stop.restore()
         write_checkpoint_stats(run_dir, env.rank, ckpt, latest)
         loader.close()

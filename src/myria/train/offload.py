@@ -1,0 +1,1026 @@
+"""The nvme tier (parallel.offload = nvme): AdamW's state in files, streamed through a few buffers.
+
+ZeRO-Infinity (Rajbhandari et al. 2021) keeps what does not fit in accelerator memory in host
+memory and on NVMe and streams it in with overlap; PyTorch offers the host tier (FSDP2's
+`CPUOffloadPolicy`, myria's `offload = cpu`) but nothing for NVMe. This module is that tier for
+AdamW: each rank's two moments (and, with `offload_params`, its fp32 parameters: see
+myria.train.offload_params) live in a file on a local disk; the fast tier holds only a ring of
+a few aligned buffers, sized from `parallel.fast_memory_gb`.
+
+**Files.** `OFFLOAD_DIR/rankNNNNN/partK/gen_00000012.bin` is the state after 12 updates:
+one region per section (`param`, `exp_avg`, `exp_avg_sq`), each holding the rank's local
+tensors one after another at 4 KiB-aligned offsets (`Layout`); `gen_N.json` beside it says what
+is where. A generation is never written twice: update N+1 reads generation N and writes a new
+file, created at full size first (`posix_fallocate`, so a full disk fails before any parameter
+changes); when its last chunk is written it is synced, and generation N is deleted. A fresh run
+starts from a preallocated file of zeros, which is AdamW's initial state.
+
+**The I/O pipeline** (`_Pipeline`). A reader thread runs ahead of the optimizer, reading chunk
+i+1, i+2, ... into free buffers while the main thread updates chunk i, and a writer thread
+writes chunk i-1 back. When a step ends the reader goes on prefetching the next step's first
+chunks (they depend only on this step's writes), and the writer's last chunks trail into the
+next forward pass: the I/O hides behind the optimizer's arithmetic and, as far as the buffers
+reach, behind forward and backward. Files are opened with O_DIRECT where the file system allows
+it (no page-cache copy, no cache pollution, bandwidth that is the disk's); elsewhere (tmpfs,
+some network file systems) plain buffered I/O is used. Python's `os.preadv`/`os.pwritev`
+release the GIL, so the threads overlap with torch's kernels; no extra library is needed.
+
+**Same bits as in memory.** Each chunk is updated by torch's own functional Adam
+(`torch.optim.adam.adam`, the function AdamW.step calls) with each param group's exact
+settings (foreach, fused, decoupled weight decay, ...). Every operation in it is elementwise
+with per-tensor scalars, so applying it to pieces of a tensor gives the bits of applying it to
+the whole; the only per-tensor state, the step count, is incremented once per tensor
+(`tests/train/test_offload.py` checks the parameters bit for bit against torch.optim.AdamW,
+one process and two FSDP ranks).
+
+**Checkpoints** link the committed generation file into the checkpoint (a hard link, else a
+reflink, else a kernel-side copy: `link_or_copy`), so saving costs no copy through memory and
+no write-back; the checkpoint manager checksums and validates it like any shard. Since no
+generation is modified in place, a linked file is immutable. Resuming links it back. A process
+killed mid-step leaves a half-written generation that the next start deletes; training resumes
+from the last checkpoint, bit for bit. A full or unwritable offload directory raises an
+`OffloadError` (one line; training stops, committed checkpoints are untouched).
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import logging
+import math
+import os
+import queue
+import shutil
+import signal
+import threading
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from myria import rundir
+from myria.errors import CheckpointError, ConfigError, OffloadError
+from myria.observe import events
+
+log = logging.getLogger("myria")
+
+ALIGN = 4096                 # O_DIRECT alignment of offsets, lengths and buffer addresses
+CHUNK_BYTES = 64 << 20       # bytes per section per buffer when the budget allows (I/O saturates)
+MIN_BUFFERS = 3              # one being read, one being updated, one being written
+MIN_CHUNK = 8 << 20          # bytes per section per buffer at least (or one layer if smaller)
+PARAM_SLABS = 3              # offload_params: units in memory at once (offload_params.py)
+MAX_BUFFERS = 64
+DEFAULT_BUFFERS = 4          # without a budget (fast_memory_gb = 0)
+CKPT_PREFIX = "offload"      # checkpoint subdirectory of the linked state files
+
+
+def _round_up(n: int, to: int = ALIGN) -> int:
+    return -(-n // to) * to
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """The local tensor of a DTensor (its shard on this rank), else the tensor itself."""
+    return t._local_tensor if hasattr(t, "_local_tensor") else t
+
+
+def _flat(t: torch.Tensor) -> torch.Tensor:
+    """A flat view of `t` (in-place updates through it reach `t`)."""
+    if not t.is_contiguous():
+        raise RuntimeError("the nvme tier needs contiguous parameters and gradients")
+    return t.view(-1)
+
+
+def aligned_buffer(nbytes: int) -> torch.Tensor:
+    """A uint8 CPU tensor of `nbytes` whose address is a multiple of ALIGN (for O_DIRECT).
+
+    torch's allocator aligns to 64 bytes only, so a larger block is sliced at the first aligned
+    address. (On a GPU run these are the host staging buffers; pinning them is future work.)"""
+    raw = torch.empty(nbytes + ALIGN, dtype=torch.uint8)
+    skip = (-raw.data_ptr()) % ALIGN
+    return raw[skip:skip + nbytes]
+
+
+# -- files --------------------------------------------------------------------------------
+def open_file(path: Path, flags: int, direct: bool) -> int:
+    """os.open with O_DIRECT when `direct` (raises OSError as os.open does)."""
+    extra = getattr(os, "O_DIRECT", 0) if direct else 0
+    return os.open(path, flags | extra, 0o644)
+
+
+def probe_direct(directory: Path) -> bool:
+    """Whether O_DIRECT reads and writes work in `directory` (not on tmpfs, for instance)."""
+    if not hasattr(os, "O_DIRECT"):
+        return False
+    probe = directory / ".direct_probe"
+    buf = aligned_buffer(ALIGN)
+    try:
+        fd = open_file(probe, os.O_RDWR | os.O_CREAT | os.O_TRUNC, True)
+    except OSError:
+        return False
+    try:
+        mv = memoryview(buf.numpy())
+        return os.pwritev(fd, [mv], 0) == ALIGN and os.preadv(fd, [mv], 0) == ALIGN
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
+        probe.unlink(missing_ok=True)
+
+
+def _full_io(op, fd: int, mv: memoryview, offset: int) -> None:
+    """Read (os.preadv) or write (os.pwritev) all of `mv` at `offset`, looping on short I/O."""
+    done = 0
+    while done < len(mv):
+        n = op(fd, [mv[done:]], offset + done)
+        if n <= 0:
+            raise OSError(errno.EIO, f"short {'read' if op is os.preadv else 'write'} at "
+                          f"offset {offset + done}")
+        done += n
+
+
+def link_or_copy(src: Path, dst: Path) -> str:
+    """Make `dst` hold `src`'s bytes without reading them through this process: a hard link
+    (same file system), else a reflink (copy-on-write clone: btrfs, XFS), else a kernel-side
+    copy (`shutil.copyfile`, which uses sendfile/copy_file_range). Returns which was used."""
+    dst.unlink(missing_ok=True)
+    try:
+        os.link(src, dst)
+        return "link"
+    except OSError:
+        pass
+    try:
+        import fcntl
+        with open(src, "rb") as fs, open(dst, "wb") as fd:
+            fcntl.ioctl(fd.fileno(), 0x40049409, fs.fileno())  # FICLONE
+        return "reflink"
+    except OSError:
+        dst.unlink(missing_ok=True)
+    shutil.copyfile(src, dst)
+    return "copy"
+
+
+# -- where each tensor lives -------------------------------------------------------------------
+@dataclass(frozen=True)
+class Piece:
+    """Elements [start, stop) of tensor `index`, at byte `offset` of a chunk's section."""
+
+    index: int
+    start: int
+    stop: int
+    offset: int
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """Bytes [start, stop) of every section region, and the tensor pieces they hold."""
+
+    start: int
+    stop: int
+    pieces: tuple[Piece, ...]
+
+
+class Layout:
+    """Sections (e.g. exp_avg, exp_avg_sq) one region after another; in each region the tensors
+    in optimizer order, each at a 4 KiB-aligned byte offset."""
+
+    def __init__(self, tensors: list[tuple[tuple[int, ...], torch.dtype]],
+                 sections: tuple[str, ...]):
+        self.sections = sections
+        self.shapes = [tuple(s) for s, _ in tensors]
+        self.dtypes = [d for _, d in tensors]
+        self.numels = [math.prod(s) for s in self.shapes]
+        self.itemsizes = [torch.empty((), dtype=d).element_size() for d in self.dtypes]
+        self.offsets = []
+        off = 0
+        for n, isz in zip(self.numels, self.itemsizes):
+            self.offsets.append(off)
+            off += _round_up(n * isz)
+        self.region = off
+        self.file_bytes = off * len(sections)
+
+    def section(self, name: str) -> int:
+        return self.sections.index(name)
+
+    def chunks(self, cap: int) -> list[Chunk]:
+        """The region cut into chunks of at most `cap` bytes (a multiple of ALIGN)."""
+        out = []
+        a = 0
+        while a < self.region:
+            b = min(a + cap, self.region)
+            pieces = []
+            for t, (o, n, isz) in enumerate(zip(self.offsets, self.numels, self.itemsizes)):
+                x, y = max(a, o), min(b, o + n * isz)
+                if x < y:
+                    pieces.append(Piece(t, (x - o) // isz, (y - o) // isz, x - a))
+            out.append(Chunk(a, b, tuple(pieces)))
+            a = b
+        return out
+
+    def to_json(self) -> dict:
+        return {"sections": list(self.sections),
+                "tensors": [[list(s), str(d).replace("torch.", "")]
+                            for s, d in zip(self.shapes, self.dtypes)],
+                "region_bytes": self.region}
+
+
+# -- budget ------------------------------------------------------------------------------------
+@dataclass
+class MemoryPlan:
+    """What one rank keeps in the fast tier under `parallel.offload`, in bytes."""
+
+    tier: str
+    budget: float                  # fast_memory_gb in bytes (0: none)
+    params: float                  # parameters kept resident (a layer at a time if offloaded)
+    grads: float
+    optimizer: float               # optimizer state kept resident (0 under nvme)
+    activations: float             # the planner's estimate (myria.sim.memory)
+    buffers: int = 0               # nvme: I/O buffers ...
+    buffer_bytes: float = 0.0      # ... of this size each (all sections of one chunk)
+    offloaded: float = 0.0         # bytes in the offload files per rank
+    layer_state: float = 0.0       # one layer's offloaded state (all sections)
+    sections: int = 2              # nvme: state tensors per parameter in the files
+
+    @property
+    def resident(self) -> float:
+        return self.params + self.grads + self.optimizer + self.activations + \
+            self.buffers * self.buffer_bytes
+
+    @property
+    def chunk_bytes(self) -> int:
+        """Bytes per section of one buffer."""
+        return int(self.buffer_bytes // max(1, self.sections)) if self.buffers else 0
+
+    def describe(self) -> str:
+        gb = lambda x: f"{x / 1e9:.3g}"  # noqa: E731
+        s = (f"offload {self.tier}: fast tier per rank: parameters {gb(self.params)} + "
+             f"gradients {gb(self.grads)} + optimizer {gb(self.optimizer)} + activations "
+             f"{gb(self.activations)}")
+        if self.tier == "nvme":
+            s += (f" + {self.buffers} I/O buffers of {self.buffer_bytes / 2**20:.1f} MiB"
+                  f" = {gb(self.resident)} GB; on disk {gb(self.offloaded)} GB per rank")
+        else:
+            s += f" = {gb(self.resident)} GB"
+        if self.budget:
+            s += f" (budget {gb(self.budget)} GB)"
+        return s
+
+
+def plan_memory(cfg, params_local: int, layer_params_local: int, itemsize: int,
+                activations: float, unit_params_local: int = 0) -> MemoryPlan:
+    """The fast-tier plan of one rank, or a ConfigError (one line) when the budget
+    `parallel.fast_memory_gb` cannot hold even one layer's worth of it.
+
+    `params_local`: parameters this rank holds (its shards); `layer_params_local`: of them,
+    the largest transformer block's; `unit_params_local`: the largest unit offload_params
+    loads at once (a block, the embeddings or the head). Under nvme the buffers take what the
+    budget leaves, at least MIN_BUFFERS chunks of MIN_CHUNK (or a layer, if smaller) per
+    section, at most enough for the whole state (with room for the next step's prefetch) and
+    CHUNK_BYTES per section each."""
+    par = cfg.parallel
+    tier = par.offload_tier
+    budget = par.fast_memory_gb * 1e9
+    p_bytes = params_local * itemsize
+    if tier != "nvme":
+        plan = MemoryPlan(tier, budget, p_bytes, p_bytes, 2 * p_bytes if tier == "none" else 0,
+                          activations)
+        if tier == "none" and budget and plan.resident > budget:
+            raise ConfigError(
+                f"parallel.fast_memory_gb = {par.fast_memory_gb:g} is too small for this run in "
+                f"memory: it needs {plan.resident / 1e9:.3g} GB per rank (parameters, gradients"
+                f", optimizer state, activations); set parallel.offload = 'nvme' to keep the "
+                "optimizer state on disk")
+        return plan
+    sections = 3 if par.offload_params else 2
+    layer_state = layer_params_local * itemsize * sections
+    # with offloaded parameters the fast tier holds a few units (offload_params.py)
+    unit = _round_up(max(unit_params_local, layer_params_local) * itemsize)
+    resident_params = PARAM_SLABS * unit if par.offload_params else p_bytes
+    plan = MemoryPlan(tier, budget, resident_params, p_bytes, 0.0, activations,
+                      offloaded=p_bytes * sections, layer_state=layer_state, sections=sections)
+    chunk_min = _round_up(max(1, min(layer_params_local * itemsize, MIN_CHUNK)))
+    if budget:
+        room = budget - plan.resident
+        need = MIN_BUFFERS * chunk_min * sections
+        if room < need:
+            least = (plan.resident + need) / 1e9
+            raise ConfigError(
+                f"parallel.fast_memory_gb = {par.fast_memory_gb:g} is too small for even one "
+                f"layer: this rank needs at least {least:.3g} GB (parameters "
+                f"{plan.params / 1e9:.3g}, gradients {plan.grads / 1e9:.3g}, activations "
+                f"{activations / 1e9:.3g}, and {MIN_BUFFERS} I/O buffers of "
+                f"{chunk_min * sections / 1e9:.3g})"
+                + ("" if par.offload_params else "; parallel.offload_params = true also moves "
+                   "the parameters to disk"))
+        # several chunks even when the whole state would fit: the pipeline needs them
+        chunk = min(CHUNK_BYTES, int(room // (MIN_BUFFERS * sections)),
+                    _round_up(max(1, p_bytes // 4)))
+        chunk = max(chunk_min, chunk // ALIGN * ALIGN)
+        n = int(room // (chunk * sections))
+    else:
+        chunk = max(chunk_min, min(CHUNK_BYTES, _round_up(max(1, p_bytes // 8))))
+        n = DEFAULT_BUFFERS
+    whole = -(-p_bytes // chunk) + 2  # every chunk prefetched, plus one being written
+    plan.buffers = max(MIN_BUFFERS, min(n, whole, MAX_BUFFERS))
+    plan.buffer_bytes = chunk * sections
+    return plan
+
+
+def plan_for_config(cfg, layout: dict[str, int]) -> MemoryPlan:
+    """`plan_memory` estimated from the config before any tensor exists (the CLI's check
+    before launching, the dry-run): the parameters of the busier pipeline stage
+    (myria.sim.memory.stage_params), sharded over the data-parallel ranks under FSDP."""
+    from myria.models.flops import param_counts
+    from myria.sim.memory import stage_params
+    from myria.sim.operators import layer_shape
+
+    m, t = cfg.model, cfg.training
+    tp, pp, ep = layout["tp"], layout["pp"], layout["ep"]
+    shard = layout["dp"] * layout["cp"] if t.data_parallel != "ddp" else 1
+    shape = layer_shape(m, t.micro_batch, tp=tp, ep=ep)
+    stages = [(True, True)] if pp == 1 else [(True, False), (False, True)]
+    dense, expert = max((stage_params(shape, m.layers / pp, f, la, ep) for f, la in stages),
+                        key=sum)
+    ldense, lexpert = stage_params(shape, 1, False, False, ep)
+    eshard = max(1, shard // ep)
+    total = math.ceil(dense / shard + expert / eshard)
+    layer = math.ceil(ldense / shard + lexpert / eshard)
+    pc = param_counts(m)
+    unit = max(layer, math.ceil(max(pc.embedding + pc.positional, pc.final_norm + pc.head)
+                                / tp / shard))
+    return plan_memory(cfg, total, layer, 4, activation_bytes(cfg, layout), unit)
+
+
+def activation_bytes(cfg, layout: dict[str, int]) -> float:
+    """Activation memory per rank as the planner models it (myria.sim.memory), for myria's
+    eager modules in the run's precision."""
+    from myria.models.loss import _chunk_rows
+    from myria.sim.memory import (
+        head_activation_bytes,
+        in_flight_microbatches,
+        layer_activation_bytes,
+    )
+    from myria.sim.operators import layer_shape
+
+    m, t, p = cfg.model, cfg.training, cfg.parallel
+    tp, cp, pp = layout.get("tp", 1), layout.get("cp", 1), layout.get("pp", 1)
+    bf16 = t.dtype == "bfloat16" or (t.dtype == "auto" and t.device == "cuda")
+    shape = layer_shape(m, t.micro_batch, tp=tp, cp=cp, ep=layout.get("ep", 1),
+                        sp=p.sequence_parallel, flash=True, fused=False,
+                        act_bytes=2 if bf16 else 4, eager=True,
+                        ce_chunk=_chunk_rows(m.vocab_size) if tp == 1 and pp == 1 else 0)
+    micro = t.global_batch // max(1, layout.get("dp", 1) * t.micro_batch)
+    flight = in_flight_microbatches(p.schedule, pp, p.vpp, micro) if pp > 1 else 1.0
+    act = m.layers / pp * flight * layer_activation_bytes(shape, p.activation_checkpoint)
+    if p.activation_checkpoint == "full":  # the layer being recomputed, whole
+        act += layer_activation_bytes(shape, "none")
+    return act + head_activation_bytes(shape, True, True) * flight
+
+
+# -- the I/O pipeline --------------------------------------------------------------------------
+@dataclass
+class IOStats:
+    """What the pipeline did: bytes, the threads' busy time, the optimizer's waits."""
+
+    bytes_read: int = 0
+    bytes_written: int = 0
+    read_s: float = 0.0            # reader thread inside preadv
+    write_s: float = 0.0           # writer thread inside pwritev and fdatasync
+    wait_s: float = 0.0            # main thread blocked on a chunk not yet read (exposed I/O)
+    step_s: float = 0.0            # main thread inside optimizer steps (incl. waits)
+    flush_s: float = 0.0           # main thread waiting for trailing writes (checkpoints, end)
+    steps: int = 0
+
+
+@dataclass
+class _Read:
+    key: tuple
+    fd: int
+    segments: list[tuple[int, int, int]]   # (file offset, buffer offset, bytes)
+    after: threading.Event | None = None   # the write this read depends on
+
+
+@dataclass
+class _Write:
+    gen: int
+    fd: int
+    buffer: int
+    segments: list[tuple[int, int, int]]
+    done: threading.Event | None = None
+    fail: bool = False             # the offload-diskfull fault hook
+
+
+class _Pipeline:
+    """A reader and a writer thread around a ring of aligned buffers.
+
+    Reads run ahead as far as free buffers allow; the consumer takes them in order; writes
+    trail and free their buffer when done. Any I/O error is kept, the threads keep draining
+    their queues without I/O (nobody waits forever), and the consumer raises it."""
+
+    def __init__(self, n_buffers: int, nbytes: int):
+        self.buffers = [aligned_buffer(nbytes) for _ in range(n_buffers)]
+        self._views = [memoryview(b.numpy()) for b in self.buffers]
+        self._free: queue.SimpleQueue = queue.SimpleQueue()
+        for i in range(n_buffers):
+            self._free.put(i)
+        self._reads: queue.SimpleQueue = queue.SimpleQueue()
+        self._ready: queue.SimpleQueue = queue.SimpleQueue()
+        self._writes: queue.SimpleQueue = queue.SimpleQueue()
+        self.error: BaseException | None = None
+        self.error_doing = ""              # what the thread was doing when it failed
+        self.stats = IOStats()
+        self.outstanding: list[tuple] = []   # keys of reads queued and not yet taken
+        self._threads = [threading.Thread(target=self._read_loop, name="myria-offload-read",
+                                          daemon=True),
+                         threading.Thread(target=self._write_loop, name="myria-offload-write",
+                                          daemon=True)]
+        for th in self._threads:
+            th.start()
+
+    # main thread
+    def read(self, job: _Read) -> None:
+        self.outstanding.append(job.key)
+        self._reads.put(job)
+
+    def take(self, key: tuple) -> int:
+        """The buffer holding read `key` (reads are taken in the order they were queued)."""
+        t0 = time.perf_counter()
+        ev = None
+        try:
+            got, idx = self._ready.get_nowait()
+        except queue.Empty:
+            ev = events.current().begin("offload_wait", "offload")
+            got, idx = self._ready.get()
+        events.current().end(ev)
+        self.stats.wait_s += time.perf_counter() - t0
+        self.outstanding.pop(0)
+        if got != key:
+            raise RuntimeError(f"offload pipeline out of order: {got} != {key}")
+        return idx
+
+    def write(self, job: _Write) -> None:
+        self._writes.put(job)
+
+    def call(self, fn, doing: str) -> threading.Event:
+        """Run `fn` on the writer thread after the writes queued before it; set when done."""
+        done = threading.Event()
+        self._writes.put((fn, done, doing))
+        return done
+
+    def release(self, idx: int) -> None:
+        self._free.put(idx)
+
+    def drain(self) -> None:
+        """Drop the reads queued and not yet taken (their buffers go back to the ring)."""
+        while self.outstanding:
+            self.release(self.take(self.outstanding[0]))
+
+    def close(self) -> None:
+        self._reads.put(None)
+        self._writes.put(None)
+        self._free.put(-1)
+        for th in self._threads:
+            th.join(timeout=60)
+
+    # threads
+    def _fail(self, e: BaseException, doing: str) -> None:
+        if self.error is None:
+            self.error, self.error_doing = e, doing
+
+    def _read_loop(self) -> None:
+        while (job := self._reads.get()) is not None:
+            idx = self._free.get()
+            if idx < 0:
+                return
+            if job.after is not None:
+                job.after.wait()
+            if self.error is None:
+                t0 = time.perf_counter()
+                try:
+                    for off, boff, n in job.segments:
+                        _full_io(os.preadv, job.fd, self._views[idx][boff:boff + n], off)
+                        self.stats.bytes_read += n
+                except BaseException as e:
+                    self._fail(e, f"reading generation {job.key[0]}")
+                self.stats.read_s += time.perf_counter() - t0
+            self._ready.put((job.key, idx))
+
+    def _write_loop(self) -> None:
+        while (job := self._writes.get()) is not None:
+            if isinstance(job, tuple):  # a call
+                fn, done, doing = job
+                if self.error is None:
+                    t0 = time.perf_counter()
+                    try:
+                        fn()
+                    except BaseException as e:
+                        self._fail(e, doing)
+                    self.stats.write_s += time.perf_counter() - t0
+                done.set()
+                continue
+            if self.error is None:
+                t0 = time.perf_counter()
+                try:
+                    if job.fail:
+                        raise OSError(errno.ENOSPC, "No space left on device (injected fault)")
+                    for off, boff, n in job.segments:
+                        _full_io(os.pwritev, job.fd, self._views[job.buffer][boff:boff + n],
+                                 off)
+                        self.stats.bytes_written += n
+                except BaseException as e:
+                    self._fail(e, f"writing generation {job.gen}")
+                self.stats.write_s += time.perf_counter() - t0
+            self._free.put(job.buffer)
+            if job.done is not None:
+                job.done.set()
+
+
+# -- the optimizer -----------------------------------------------------------------------------
+def _adam_kwargs(group: dict) -> dict:
+    """The settings AdamW.step passes to torch.optim.adam.adam for `group`."""
+    beta1, beta2 = group["betas"]
+    return dict(amsgrad=group["amsgrad"], has_complex=False, beta1=beta1, beta2=beta2,
+                lr=group["lr"], weight_decay=group["weight_decay"], eps=group["eps"],
+                maximize=group["maximize"], foreach=group["foreach"],
+                capturable=group["capturable"], differentiable=group["differentiable"],
+                fused=group["fused"], grad_scale=None, found_inf=None,
+                decoupled_weight_decay=group["decoupled_weight_decay"])
+
+
+class OffloadedAdamW(torch.optim.AdamW):
+    """torch.optim.AdamW whose moments (and optionally master parameters) live in generation
+    files (module docstring). `state[p]` holds only `step`, so `state_dict()` and DCP
+    checkpoints carry the steps and the hyperparameters; the files go into checkpoints by
+    `checkpoint_files()` and come back by `load_files()`."""
+
+    def __init__(self, groups: list[dict], directory: Path, *, lr: float, betas, eps: float,
+                 foreach: bool, buffers: int, chunk_bytes: int, direct: bool,
+                 offload_params: bool = False, faults=None, stats_file: Path | None = None,
+                 budget: float = 0.0, shapes: list[tuple[int, ...]] | None = None):
+        super().__init__(groups, lr=lr, betas=betas, eps=eps, foreach=foreach)
+        self.dir = Path(directory)
+        self.tensors = [p for g in self.param_groups for p in g["params"]]
+        self.group_of = [i for i, g in enumerate(self.param_groups) for _ in g["params"]]
+        from torch.optim.optimizer import _get_scalar_dtype
+
+        scalar = _get_scalar_dtype()
+        for p in self.tensors:   # filled now, so DCP's state-dict helpers see a live state
+            self.state[p]["step"] = torch.tensor(0.0, dtype=scalar)
+        sections = ("param", "exp_avg", "exp_avg_sq") if offload_params else \
+            ("exp_avg", "exp_avg_sq")
+        shapes = shapes or [tuple(_local(p).shape) for p in self.tensors]
+        self.layout = Layout([(s, p.dtype) for s, p in zip(shapes, self.tensors)], sections)
+        self.chunk_bytes = chunk_bytes
+        self.chunks = self.layout.chunks(chunk_bytes)
+        self._chunks_of: dict[int, list[int]] = {}
+        for c, chunk in enumerate(self.chunks):
+            for pc in chunk.pieces:
+                self._chunks_of.setdefault(pc.index, []).append(c)
+        self._written: list[threading.Event] | None = None  # the last step's chunk writes
+        self.before_step: list = []     # called first in each step (parameter offload)
+        self.streamer = None            # myria.train.offload_params.ParamStreamer
+        self.direct = direct
+        self.faults = faults
+        self.stats_file = stats_file
+        self.budget = budget
+        self.offload_params = offload_params
+        self.pipe = _Pipeline(buffers, chunk_bytes * len(sections))
+        self.gen = 0
+        self.fd = -1
+        self._committed: threading.Event | None = None
+        self._prefetched = False
+        self._closed = False
+        self._prepare_dir()
+        self.fd = self._create(0)
+        self._write_index(0)
+        self._committed = threading.Event()
+        self._committed.set()
+
+    # -- files ---------------------------------------------------------------------------
+    def path(self, gen: int, suffix: str = ".bin") -> Path:
+        return self.dir / f"gen_{gen:08d}{suffix}"
+
+    def _prepare_dir(self) -> None:
+        try:
+            self.dir.mkdir(parents=True, exist_ok=True)
+            for f in self.dir.glob("gen_*"):   # a crashed run's generations
+                f.unlink()
+        except OSError as e:
+            raise OffloadError(f"offload directory {self.dir} is not usable: "
+                               f"{e.strerror or e}") from None
+
+    def _create(self, gen: int) -> int:
+        """A new generation file at full size (zeros); OffloadError when there is no room."""
+        path = self.path(gen)
+        try:
+            path.unlink(missing_ok=True)   # never truncate a file a checkpoint may link
+            fd = open_file(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, self.direct)
+            try:
+                if self.layout.file_bytes:
+                    os.posix_fallocate(fd, 0, self.layout.file_bytes)
+            except OSError:
+                os.close(fd)
+                path.unlink(missing_ok=True)
+                raise
+            return fd
+        except OSError as e:
+            raise self._error(e, f"creating {path.name}") from None
+
+    def _error(self, e: BaseException, doing: str) -> OffloadError:
+        full = isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT)
+        why = "is full" if full else "failed"
+        detail = e.strerror if isinstance(e, OSError) and e.strerror else str(e)
+        return OffloadError(
+            f"offload directory {self.dir} {why} ({detail}) while {doing} "
+            f"({self.layout.file_bytes / 1e9:.3g} GB per generation); training stopped, "
+            "the committed checkpoints are intact: free space or set parallel.offload_dir, then "
+            "run the same command to resume")
+
+    def _write_index(self, gen: int) -> None:
+        text = json.dumps({"gen": gen, "direct": self.direct, **self.layout.to_json()})
+        tmp = self.path(gen, ".json.tmp")
+        tmp.write_text(text)
+        os.replace(tmp, self.path(gen, ".json"))
+
+    # -- the step ------------------------------------------------------------------------
+    def _segments(self, chunk: Chunk) -> list[tuple[int, int, int]]:
+        n = chunk.stop - chunk.start
+        return [(s * self.layout.region + chunk.start, s * self.chunk_bytes, n)
+                for s in range(len(self.layout.sections))]
+
+    def _queue_reads(self, gen: int, fd: int, after: list[threading.Event] | None) -> None:
+        for c, chunk in enumerate(self.chunks):
+            self.pipe.read(_Read((gen, c), fd, self._segments(chunk),
+                                 after[c] if after else None))
+
+    def _raise_if_failed(self) -> None:
+        if self.pipe.error is not None:
+            raise self._error(self.pipe.error, self.pipe.error_doing)
+
+    @torch.no_grad()
+    def step(self, closure=None):  # noqa: ARG002 (the Optimizer signature)
+        if closure is not None:
+            raise ValueError("OffloadedAdamW.step takes no closure")
+        t0 = time.perf_counter()
+        g = self.gen
+        new = g + 1
+        self._raise_if_failed()
+        for fn in self.before_step:
+            fn()
+        new_fd = self._create(new)
+        if not self._prefetched:
+            self._queue_reads(g, self.fd, None)
+        kill = self.faults.due("offload-kill", new) if self.faults else None
+        full = self.faults.due("offload-diskfull", new) if self.faults else None
+        before = {t: self.state[p]["step"] for t, p in enumerate(self.tensors)
+                  if p.grad is not None}
+        after: dict[int, torch.Tensor] = {}
+        written = [threading.Event() for _ in self.chunks]
+        for c, chunk in enumerate(self.chunks):
+            idx = self.pipe.take((g, c))
+            try:
+                self._raise_if_failed()
+                self._update(chunk, self.pipe.buffers[idx], before, after)
+            except BaseException:
+                self.pipe.release(idx)
+                raise
+            fail = full is not None and c == len(self.chunks) // 2
+            if fail:
+                self.faults.mark(full)
+            self.pipe.write(_Write(new, new_fd, idx, self._segments(chunk), written[c], fail))
+            if kill is not None and c == len(self.chunks) // 2:
+                written[c].wait()   # a half-written generation on disk, then die
+                self.faults.mark(kill)
+                os.kill(os.getpid(), signal.SIGKILL)
+        for t, p in enumerate(self.tensors):
+            if t in after:
+                self.state[p]["step"] = after[t]
+            elif t in before:  # an empty local shard: only its step advances, as AdamW's
+                before[t].add_(torch.tensor(1.0), alpha=1.0)
+        old_fd = self.fd
+        self._committed = self.pipe.call(lambda: self._commit(new, new_fd, old_fd, g),
+                                         f"committing generation {new}")
+        self.gen, self.fd, self._written = new, new_fd, written
+        self._queue_reads(new, new_fd, written)   # prefetch the next step's first chunks
+        self._prefetched = True
+        self.pipe.stats.step_s += time.perf_counter() - t0
+        self.pipe.stats.steps += 1
+        self._write_stats()
+
+    def _update(self, chunk: Chunk, buf: torch.Tensor, before: dict, after: dict) -> None:
+        """AdamW on the pieces of `chunk` whose moments are in `buf`, group by group."""
+        from torch.optim.adam import adam
+
+        lists: dict[int, tuple[list, list, list, list, list]] = {}
+        s_param = self.layout.section("param") if self.offload_params else -1
+        s_m, s_v = self.layout.section("exp_avg"), self.layout.section("exp_avg_sq")
+        for pc in chunk.pieces:
+            p = self.tensors[pc.index]
+            if p.grad is None:
+                continue
+            dtype, isz = self.layout.dtypes[pc.index], self.layout.itemsizes[pc.index]
+            n = (pc.stop - pc.start) * isz
+
+            def view(s: int, at: int = pc.offset, n: int = n, dtype=dtype) -> torch.Tensor:
+                at += s * self.chunk_bytes
+                return buf[at:at + n].view(dtype)
+
+            param = view(s_param) if s_param >= 0 else \
+                _flat(_local(p).detach())[pc.start:pc.stop]
+            grad = _flat(_local(p.grad))[pc.start:pc.stop]
+            step = before[pc.index].clone()
+            after[pc.index] = step
+            ls = lists.setdefault(self.group_of[pc.index], ([], [], [], [], []))
+            for lst, x in zip(ls, (param, grad, view(s_m), view(s_v), step)):
+                lst.append(x)
+        for gi, (params, grads, m, v, steps) in lists.items():
+            adam(params, grads, m, v, [], steps, **_adam_kwargs(self.param_groups[gi]))
+
+    def _commit(self, gen: int, fd: int, old_fd: int, old: int) -> None:
+        """Writer thread, after the last chunk of `gen`: sync it, then drop generation `old`."""
+        os.fdatasync(fd)
+        self._write_index(gen)
+        os.close(old_fd)
+        self.path(old).unlink(missing_ok=True)
+        self.path(old, ".json").unlink(missing_ok=True)
+
+    def written_events(self, tensors: set[int]) -> list[threading.Event]:
+        """The last step's writes of the chunks holding `tensors` (to read them after)."""
+        if self._written is None:
+            return []
+        return [self._written[c] for c in sorted({c for t in tensors
+                                                   for c in self._chunks_of.get(t, ())})]
+
+    def flush(self) -> None:
+        """Wait for the trailing writes of the last step (its generation is then committed)."""
+        t0 = time.perf_counter()
+        if self._committed is not None:
+            self._committed.wait()
+        self.pipe.stats.flush_s += time.perf_counter() - t0
+        self._raise_if_failed()
+
+    # -- checkpoints ---------------------------------------------------------------------
+    def checkpoint_files(self, prefix: str) -> dict[str, Path]:
+        """{name in the checkpoint: file} of the committed state (after flushing)."""
+        self.flush()
+        return {f"{prefix}.bin": self.path(self.gen), f"{prefix}.json": self.path(self.gen,
+                                                                                   ".json")}
+
+    def load_files(self, ckpt: Path, prefix: str) -> None:
+        """Make the checkpoint's state files this optimizer's current generation."""
+        src, idx = ckpt / f"{prefix}.bin", ckpt / f"{prefix}.json"
+        if not src.exists() or not idx.exists():
+            raise CheckpointError(f"checkpoint {ckpt} has no offloaded optimizer state "
+                                  f"{prefix}.bin: it was saved with another parallel.offload "
+                                  "setting or layout; resume with the settings it was saved with")
+        info = json.loads(idx.read_text())
+        want = self.layout.to_json()
+        if {k: info.get(k) for k in want} != want:
+            raise CheckpointError(
+                f"checkpoint {ckpt}: the offloaded optimizer state {prefix}.bin was saved for "
+                "other local tensors (another layout, model or parallel.offload_params); "
+                "resume with the layout it was saved with")
+        self.flush()
+        self.pipe.drain()
+        self._prefetched = False
+        self._written = None
+        gen = int(info["gen"])
+        try:
+            if gen != self.gen:
+                self.path(gen).unlink(missing_ok=True)
+            how = link_or_copy(src, self.path(gen, ".bin.tmp"))
+            os.replace(self.path(gen, ".bin.tmp"), self.path(gen))
+            fd = open_file(self.path(gen), os.O_RDWR, self.direct)
+        except OSError as e:
+            raise self._error(e, f"restoring {src}") from None
+        os.close(self.fd)
+        if gen != self.gen:
+            self.path(self.gen).unlink(missing_ok=True)
+            self.path(self.gen, ".json").unlink(missing_ok=True)
+        self.gen, self.fd = gen, fd
+        self._write_index(gen)
+        log.debug("offload: restored generation %d from %s (%s)", gen, src, how)
+
+    def close(self) -> None:
+        """Finish the trailing writes and stop the threads (idempotent, never raises)."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            if self._committed is not None:
+                self._committed.wait()
+        finally:
+            self.pipe.close()
+            if self.streamer is not None:
+                self.streamer.close()
+            if self.fd >= 0:
+                os.close(self.fd)
+                self.fd = -1
+            self._write_stats()
+
+    def _write_stats(self) -> None:
+        if self.stats_file is None:
+            return
+        s = asdict(self.pipe.stats)
+        s.update(gen=self.gen, direct=self.direct, buffers=len(self.pipe.buffers),
+                 buffer_bytes=self.pipe.buffers[0].numel(), chunks=len(self.chunks),
+                 file_bytes=self.layout.file_bytes, budget_bytes=self.budget,
+                 peak_rss_bytes=peak_rss(), rss_bytes=current_rss(), time=time.time())
+        try:
+            self.stats_file.parent.mkdir(parents=True, exist_ok=True)
+            tmp = self.stats_file.with_name(self.stats_file.name + ".tmp")
+            tmp.write_text(json.dumps(s, indent=1))
+            os.replace(tmp, self.stats_file)
+        except OSError:
+            pass
+
+
+# -- the rank's tier ---------------------------------------------------------------------------
+def peak_rss() -> int:
+    """This process's peak resident memory (VmHWM), bytes; 0 where /proc is missing."""
+    return _status_kb("VmHWM") * 1024
+
+
+def current_rss() -> int:
+    return _status_kb("VmRSS") * 1024
+
+
+def _status_kb(key: str) -> int:
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith(key + ":"):
+                return int(line.split()[1])
+    except OSError:
+        pass
+    return 0
+
+
+def local_sizes(parts: list[nn.Module]) -> tuple[int, int, int]:
+    """(parameters this rank holds, the largest transformer block's, the largest of the
+    embeddings, the final norm with the output layer, and a block), local shards."""
+    seen: set[int] = set()
+    total = 0
+    for part in parts:
+        for p in part.parameters():
+            if id(p) not in seen:
+                seen.add(id(p))
+                total += _local(p).numel()
+    layer = ends = 0
+    count = lambda mods: sum(_local(p).numel() for m in mods if m is not None  # noqa: E731
+                             for p in m.parameters())
+    for part in parts:
+        for block in getattr(part, "layers", {}).values():
+            layer = max(layer, count([block]))
+        ends = max(ends, count([getattr(part, "tok_embeddings", None),
+                                getattr(part, "pos_embeddings", None)]),
+                   count([getattr(part, "norm", None), getattr(part, "output", None)]))
+    return total, layer, max(layer, ends)
+
+
+@dataclass
+class Offload:
+    """The nvme tier of one rank: one OffloadedAdamW per model part, sharing the budget."""
+
+    optimizers: list[OffloadedAdamW]
+    plan: MemoryPlan
+    rank: int
+    directory: Path
+    parts: list[nn.Module] = field(default_factory=list)
+
+    @classmethod
+    def build(cls, cfg, parts: list[nn.Module], layout: dict[str, int],
+              run_dir: str | Path | None, rank: int) -> Offload:
+        from myria.faults import FaultInjector
+        from myria.optim import param_groups
+
+        par, o = cfg.parallel, cfg.optimizer
+        if o.name != "adamw":
+            raise ConfigError(f"parallel.offload = 'nvme' supports optimizer.name = 'adamw', not "
+                              f"{o.name!r}")
+        root = offload_root(cfg, run_dir)
+        directory = root / f"rank{rank:05d}"
+        total, layer, unit = local_sizes(parts)
+        itemsize = next(iter(parts[0].parameters())).element_size()
+        plan = plan_memory(cfg, total, layer, itemsize, activation_bytes(cfg, layout), unit)
+        try:
+            directory.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise OffloadError(f"parallel.offload_dir {str(root)!r} is not writable: "
+                               f"{e.strerror or e}") from None
+        if not os.access(directory, os.W_OK):
+            raise OffloadError(f"parallel.offload_dir {str(root)!r} is not writable")
+        direct = probe_direct(directory)
+        faults = FaultInjector(run_dir, rank) if run_dir is not None else None
+        stats = rundir.offload_stats_file(run_dir, rank) if run_dir is not None else None
+        n = len(parts)
+        chunk = max(ALIGN, plan.chunk_bytes // n // ALIGN * ALIGN)
+        opts = []
+        for i, part in enumerate(parts):
+            sf = stats if stats is None or n == 1 else stats.with_name(f"{stats.stem}.part{i}.json")
+            shapes = None
+            if par.offload_params:  # the part is still on the meta device (Engine)
+                from myria.train.offload_params import placeholders
+                true_shape = placeholders(part, torch.device("cpu"))
+            groups = param_groups(part, o.weight_decay)
+            if par.offload_params:
+                shapes = [true_shape[id(p)] for g in groups for p in g["params"]]
+            kinds = {hasattr(p, "_local_tensor") for g in groups for p in g["params"]}
+            opt = OffloadedAdamW(
+                groups, directory / f"part{i}", lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps,
+                foreach=len(kinds) < 2, buffers=plan.buffers, chunk_bytes=chunk,
+                direct=direct, offload_params=par.offload_params, faults=faults,
+                stats_file=sf, budget=plan.budget, shapes=shapes)
+            if par.offload_params:
+                from myria.train.offload_params import ParamStreamer
+                opt.streamer = ParamStreamer(part, opt, cfg.training.seed)
+            opts.append(opt)
+        return cls(opts, plan, rank, directory, parts)
+
+    def names(self, i: int) -> str:
+        return f"{CKPT_PREFIX}/rank{self.rank:05d}.part{i}"
+
+    def checkpoint_files(self) -> dict[str, Path]:
+        files: dict[str, Path] = {}
+        for i, opt in enumerate(self.optimizers):
+            files.update(opt.checkpoint_files(self.names(i)))
+        return files
+
+    def load_files(self, ckpt: Path) -> None:
+        for i, opt in enumerate(self.optimizers):
+            opt.load_files(ckpt, self.names(i))
+
+    def file_backed_state(self) -> dict[str, torch.Tensor]:
+        """Under offload_params: {parameter name: its committed value, memory-mapped}."""
+        from myria.models.init import canonical_name
+        from myria.train.offload_params import file_tensor
+
+        out = {}
+        for part, opt in zip(self.parts, self.optimizers):
+            if opt.streamer is None:
+                continue
+            opt.flush()
+            index = {id(p): t for t, p in enumerate(opt.tensors)}
+            for name, p in part.named_parameters():
+                out[canonical_name(name)] = file_tensor(opt, index[id(p)])
+        return out
+
+    def close(self) -> None:
+        for opt in self.optimizers:
+            try:
+                opt.close()
+            except Exception as e:  # never hide the error that stopped training
+                log.error("offload: closing %s: %s", opt.dir, e)
+
+
+def offload_root(cfg, run_dir: str | Path | None) -> Path:
+    """The offload directory: parallel.offload_dir, or RUN_DIR/offload."""
+    if cfg.parallel.offload_dir:
+        return Path(cfg.parallel.offload_dir)
+    if run_dir is None:
+        raise ConfigError("parallel.offload = 'nvme' needs parallel.offload_dir (or a run "
+                          "directory to put RUN_DIR/offload in)")
+    return Path(run_dir) / rundir.OFFLOAD_DIR
+
+
+def check_layout(cfg, layout: dict[str, int], device_type: str = "cpu") -> None:
+    """What each offload tier supports, as one-line ConfigErrors (before training starts)."""
+    par, t = cfg.parallel, cfg.training
+    shard = layout["dp"] * layout["cp"]
+    if par.offload_tier == "cpu" and (shard <= 1 or t.data_parallel == "ddp"):
+        raise ConfigError("parallel.offload = 'cpu' is FSDP2's CPUOffloadPolicy: it needs "
+                          "training.data_parallel = 'fsdp' or 'zero2' on more than one rank; "
+                          "on one process use parallel.offload = 'nvme'")
+    if par.offload_tier == "nvme" and cfg.optimizer.name != "adamw":
+        raise ConfigError(f"parallel.offload = 'nvme' supports optimizer.name = 'adamw', not "
+                          f"{cfg.optimizer.name!r}")
+    if par.offload_params:
+        many = {k: layout[k] for k in ("dp", "tp", "pp", "cp", "ep") if layout[k] > 1}
+        if many:
+            raise ConfigError("parallel.offload_params = true runs on one process (no "
+                              "data, tensor, pipeline, context or expert parallelism), not "
+                              + ", ".join(f"{k}={v}" for k, v in many.items()))
+        if cfg.model.tie_embeddings or par.compile or device_type != "cpu":
+            raise ConfigError("parallel.offload_params = true runs on CPU without "
+                              "model.tie_embeddings or parallel.compile in this version")
+        if par.activation_checkpoint == "none":
+            # a dropped block is read back into another slab: what autograd saved in forward
+            # (views of the weights) would point at other data; recomputation re-reads them
+            raise ConfigError("parallel.offload_params = true needs "
+                              "parallel.activation_checkpoint = 'full' or 'selective' (each "
+                              "block's forward is recomputed from the parameters read back)")
+    plan_for_config(cfg, layout)  # a budget too small: one line before anything starts
+
+
+def check_checkpoint(path: Path, meta: dict, offloaded: bool) -> None:
+    """CheckpointError (one line) when a checkpoint's optimizer state is not where this run
+    keeps it: in offload files (parallel.offload = nvme) or in the DCP shards."""
+    has = any(name.startswith(CKPT_PREFIX + "/") for name in meta.get("files", {}))
+    if has and not offloaded:
+        raise CheckpointError(f"checkpoint {path} keeps its optimizer state in offload files "
+                              "(saved with parallel.offload = 'nvme'); resume it with "
+                              "parallel.offload = 'nvme'")
+    if offloaded and not has:
+        raise CheckpointError(f"checkpoint {path} keeps its optimizer state in memory shards "
+                              "(saved without parallel.offload = 'nvme'); resume it with the "
+                              "parallel.offload setting it was saved with")

@@ -1,0 +1,264 @@
+"""Parameters on disk too (parallel.offload_params): each layer read in for forward and backward.
+
+With `offload = nvme` and `offload_params = true`, a parameter's home is the `param` section of
+the optimizer's generation files (myria.train.offload), where the optimizer updates it in place
+of the fp32 master copy; the fast tier holds at most a few *units* at a time (the embeddings,
+one transformer block, the final norm with the output layer) in aligned slabs. This is
+ZeRO-Infinity's parameter offload (Rajbhandari et al. 2021, section 5) for one process.
+
+- Before a unit's forward (a forward pre-hook) it is loaded, waiting for its read if the
+  prefetch has not finished, and the next unit's read starts on the loader thread; after its
+  forward it is dropped (`p.data` becomes an empty tensor), except the last block and the head,
+  which backward needs next.
+- Backward reaches a unit through the gradient of its output (a tensor hook): the unit is loaded
+  again and the one below it prefetched; once every parameter of the unit has its gradient
+  accumulated (`register_post_accumulate_grad_hook`), it is dropped. Activation checkpointing
+  recomputes inside the checkpointed module, after that hook: the parameters are there.
+- Gradients stay in the fast tier (backward produces them; the optimizer reads them chunk by
+  chunk); all units are dropped before each optimizer step, whose new parameters the next
+  forward reads (waiting for the chunks still being written, if any).
+
+Swapping `p.data` keeps each Parameter object (the optimizer's, autograd's saved tensors) and
+its shape during the unit's forward and backward, which is when autograd looks at it. With
+gradient accumulation every microbatch reads the parameters again (twice): use one microbatch
+per step with this option. The model is materialised one unit at a time (its initial values
+written to generation 0), so the whole model never sits in memory.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from myria.train.offload import PARAM_SLABS as SLABS
+from myria.train.offload import OffloadedAdamW, _full_io, _round_up, aligned_buffer
+
+
+@dataclass
+class Unit:
+    """Parameters loaded and dropped together, and where each lives in a slab."""
+
+    name: str
+    params: list[tuple[nn.Parameter, int, int]]   # (parameter, tensor index, slab offset)
+    first: nn.Module                                # forward pre-hook
+    last: nn.Module                                 # forward hook: the unit's output
+    outputs: list[nn.Module] = field(default_factory=list)   # outputs whose grad starts it
+    slab: int = -1
+    ready: threading.Event | None = None            # set when its read is done
+    accumulated: int = 0                            # parameters whose gradient arrived
+
+
+def units_of(model: nn.Module) -> list[tuple[str, list[nn.Module]]]:
+    """The model's units in forward order: embeddings, blocks, final norm + output layer."""
+    out = []
+    emb = [m for m in (model.tok_embeddings, getattr(model, "pos_embeddings", None)) if m]
+    out.append(("embeddings", emb))
+    for name, block in model.layers.items():
+        out.append((f"layers.{name}", [block]))
+    out.append(("head", [model.norm, model.output]))
+    return out
+
+
+def placeholders(model: nn.Module, device: torch.device) -> dict[int, tuple[int, ...]]:
+    """Replace the meta model's parameters with empty CPU ones of the same rank (so `ndim`
+    still tells weight decay which they are) and materialise its buffers; returns each new
+    parameter's true shape by id."""
+    shapes = {}
+    for mod in model.modules():
+        for name, p in list(mod._parameters.items()):
+            if p is None:
+                continue
+            q = nn.Parameter(torch.empty((0,) * p.ndim, dtype=p.dtype, device=device),
+                             requires_grad=p.requires_grad)
+            mod._parameters[name] = q
+            shapes[id(q)] = tuple(p.shape)
+        for name, b in list(mod._buffers.items()):
+            if b is not None and b.is_meta:
+                mod._buffers[name] = torch.empty_like(b, device=device)
+    return shapes
+
+
+class ParamStreamer:
+    """Loads and drops the units of one model part around forward and backward."""
+
+    def __init__(self, model: nn.Module, opt: OffloadedAdamW, seed: int):
+        self.opt = opt
+        lay = opt.layout
+        self.section = lay.section("param") * lay.region
+        index = {id(p): t for t, p in enumerate(opt.tensors)}
+        self.units: list[Unit] = []
+        for name, mods in units_of(model):
+            params, off = [], 0
+            for m in mods:
+                for p in m.parameters():
+                    t = index[id(p)]
+                    params.append((p, t, off))
+                    off += _round_up(lay.numels[t] * lay.itemsizes[t])
+            self.units.append(Unit(name, params, mods[0], mods[-1], mods))
+        self.slab_bytes = max(self._bytes(u) for u in self.units)
+        self.slabs = [aligned_buffer(self.slab_bytes) for _ in range(SLABS)]
+        self._views = [memoryview(s.numpy()) for s in self.slabs]
+        self.free = list(range(SLABS))
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self.read_s = self.wait_s = 0.0
+        self.bytes_read = 0
+        self.error: BaseException | None = None
+        self._thread = threading.Thread(target=self._loop, name="myria-offload-params",
+                                        daemon=True)
+        self._thread.start()
+        self._materialise(model, seed)
+        self._hooks(model)
+        opt.before_step.append(self.drop_all)
+
+    def _bytes(self, u: Unit) -> int:
+        lay = self.opt.layout
+        return sum(_round_up(lay.numels[t] * lay.itemsizes[t]) for _, t, _ in u.params)
+
+    def _segments(self, u: Unit) -> list[tuple[int, int, int]]:
+        """(file offset, slab offset, bytes) of each of the unit's parameters."""
+        lay = self.opt.layout
+        return [(self.section + lay.offsets[t], off, _round_up(lay.numels[t] * lay.itemsizes[t]))
+                for _, t, off in u.params]
+
+    # -- loading and dropping --------------------------------------------------------------
+    def _attach(self, u: Unit) -> None:
+        """Point the unit's parameters at their slab."""
+        lay, slab = self.opt.layout, self.slabs[u.slab]
+        for p, t, off in u.params:
+            n = lay.numels[t] * lay.itemsizes[t]
+            p.data = slab[off:off + n].view(lay.dtypes[t]).view(lay.shapes[t])
+
+    def prefetch(self, u: Unit) -> None:
+        """Start reading `u` if it is not loaded or loading and a slab is free."""
+        if u.slab >= 0 or not self.free:
+            return
+        u.slab = self.free.pop()
+        u.ready = threading.Event()
+        after = self.opt.written_events({t for _, t, _ in u.params})
+        self._jobs.put((u, after))
+
+    def ensure(self, u: Unit) -> None:
+        """Make `u`'s parameters usable now."""
+        if u.slab < 0:
+            if not self.free:   # never in forward/backward order; drop what else is loaded
+                for other in self.units:
+                    if other is not u and other.slab >= 0:
+                        self.drop(other)
+            self.prefetch(u)
+        t0 = time.perf_counter()
+        u.ready.wait()
+        self.wait_s += time.perf_counter() - t0
+        if self.error is not None:
+            raise self.opt._error(self.error, f"reading the parameters of {u.name}")
+        self._attach(u)
+
+    def drop(self, u: Unit) -> None:
+        if u.slab < 0:
+            return
+        u.ready.wait()
+        for p, _, _ in u.params:
+            p.data = torch.empty((0,) * p.ndim, dtype=p.dtype, device=p.device)
+        self.free.append(u.slab)
+        u.slab, u.ready, u.accumulated = -1, None, 0
+
+    def drop_all(self) -> None:
+        """Before an optimizer step: every loaded unit is about to be out of date."""
+        for u in self.units:
+            self.drop(u)
+
+    def _loop(self) -> None:
+        while (job := self._jobs.get()) is not None:
+            u, after = job
+            for ev in after:
+                ev.wait()
+            if self.error is None:
+                t0 = time.perf_counter()
+                try:
+                    for off, soff, n in self._segments(u):
+                        _full_io(os.preadv, self.opt.fd, self._views[u.slab][soff:soff + n],
+                                 off)
+                        self.bytes_read += n
+                except BaseException as e:
+                    self.error = e
+                self.read_s += time.perf_counter() - t0
+            u.ready.set()
+
+    def close(self) -> None:
+        self._jobs.put(None)
+        self._thread.join(timeout=60)
+
+    # -- setup -----------------------------------------------------------------------------
+    @torch.no_grad()
+    def _materialise(self, model: nn.Module, seed: int) -> None:
+        """Initialise one unit at a time and write it to generation 0 (then drop it)."""
+        model.init_weights(seed, buffers_only=True)   # RoPE tables
+        names = {id(p): n for n, p in model.named_parameters()}
+        for u in self.units:
+            u.slab = self.free.pop()
+            u.ready = threading.Event()
+            u.ready.set()
+            self._attach(u)
+            for p, _, _ in u.params:
+                model.init_parameter(names[id(p)], p, seed)
+            for off, soff, n in self._segments(u):
+                _full_io(os.pwritev, self.opt.fd, self._views[u.slab][soff:soff + n], off)
+            self.drop(u)
+        os.fdatasync(self.opt.fd)
+
+    def _hooks(self, model: nn.Module) -> None:
+        last = len(self.units) - 1
+        for i, u in enumerate(self.units):
+            nxt = self.units[i + 1] if i < last else None
+
+            def pre(mod, args, u=u, nxt=nxt):
+                self.ensure(u)
+                if nxt is not None:
+                    self.prefetch(nxt)
+
+            u.first.register_forward_pre_hook(pre)
+            for m in u.outputs:
+                def post(mod, args, out, u=u, i=i, m=m):
+                    if isinstance(out, torch.Tensor) and out.requires_grad:
+                        out.register_hook(lambda g, u=u, i=i: self._before_backward(u, i))
+                    # backward needs the last block and the head right after forward
+                    keep = torch.is_grad_enabled() and i >= last - 1
+                    if m is u.last and not keep:
+                        self.drop(u)
+
+                m.register_forward_hook(post)
+            for p, _, _ in u.params:
+                p.register_post_accumulate_grad_hook(lambda p, u=u: self._accumulated(u))
+
+    def _before_backward(self, u: Unit, i: int) -> None:
+        self.ensure(u)
+        for below in reversed(self.units[:i]):
+            if below.slab < 0:
+                self.prefetch(below)
+                break
+
+    def _accumulated(self, u: Unit) -> None:
+        u.accumulated += 1
+        if u.accumulated == len(u.params):
+            self.drop(u)
+
+
+def file_tensor(opt: OffloadedAdamW, t: int) -> torch.Tensor:
+    """Parameter `t` as stored in the committed generation, memory-mapped read-only (for
+    checkpoints: no copy in anonymous memory). Marked immutable: a generation file is never
+    written again, so the checkpoint's snapshot stage can use it as it is."""
+    lay = opt.layout
+    n = lay.numels[t]
+    start = lay.section("param") * lay.region + lay.offsets[t]
+    isz = lay.itemsizes[t]
+    whole = torch.from_file(str(opt.path(opt.gen)), shared=False,
+                            size=(start + n * isz) // isz, dtype=lay.dtypes[t])
+    v = whole[start // isz:start // isz + n].view(lay.shapes[t])
+    v._myria_immutable = True
+    return v
+

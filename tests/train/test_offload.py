@@ -1,0 +1,283 @@
+"""The nvme tier (parallel.offload = nvme): same bits as in memory, checkpoints, faults, budget."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from myria import config
+from myria.errors import CheckpointError, ConfigError, OffloadError
+from myria.train.checkpoint import CheckpointManager
+from myria.train.engine import Engine
+from myria.train.offload import ALIGN, Layout
+from tests.conftest import TINY, final_params, losses, run_cli
+
+SMALL = ["--model.vocab_size=512", "--model.layers=2", "--model.hidden=64", "--model.heads=4",
+         "--model.kv_heads=2", "--model.seq_len=32", "--training.global_batch=4",
+         "--training.micro_batch=2"]
+
+
+def engine(tmp_path, *overrides):
+    cfg = config.load(None, [*SMALL, *overrides])
+    return Engine(cfg, None, torch.device("cpu"), tmp_path)
+
+
+def train_steps(e: Engine, steps: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(1)
+    for _ in range(steps):
+        x = torch.randint(0, 512, (2, 2, 33), generator=g)
+        e.forward_backward(x[..., :-1], x[..., 1:])
+        e.clip_grads(1.0)
+        e.step()
+    return {k: v.clone() for k, v in e.model.state_dict().items()}
+
+
+def test_layout_pieces_tile_every_tensor_once():
+    lay = Layout([((3, 1000), torch.float32), ((7,), torch.float32), ((5000,), torch.float32),
+                  ((0,), torch.float32)], ("exp_avg", "exp_avg_sq"))
+    assert all(o % ALIGN == 0 for o in lay.offsets) and lay.region % ALIGN == 0
+    for cap in (ALIGN, 3 * ALIGN, lay.region):
+        covered = {i: [] for i in range(4)}
+        for ch in lay.chunks(cap):
+            assert ch.stop - ch.start <= cap and ch.start % ALIGN == 0
+            for pc in ch.pieces:
+                covered[pc.index].append((pc.start, pc.stop))
+        for i, n in enumerate(lay.numels):
+            spans = sorted(covered[i])
+            assert sum(b - a for a, b in spans) == n
+            assert all(a2 == b1 for (_, b1), (a2, _) in zip(spans, spans[1:]))
+
+
+@pytest.mark.parametrize("budget", ["0", "0.006"])
+def test_disk_matches_memory_bit_for_bit(tmp_path, budget):
+    # 0.006 GB: chunks of one layer, tensors cut between chunks
+    ref_engine = engine(tmp_path / "mem")
+    ref = train_steps(ref_engine, 4)
+    off = engine(tmp_path / "disk", "--parallel.offload=nvme",
+                 f"--parallel.fast_memory_gb={budget}")
+    opt = off.optimizers[0]
+    if budget != "0":
+        assert len(opt.chunks) >= 4 and len(opt.pipe.buffers) >= 3
+        cut = [pc.index for ch in opt.chunks for pc in ch.pieces if pc.start > 0]
+        assert cut, "no tensor was cut between chunks"
+    got = train_steps(off, 4)
+    assert ref.keys() == got.keys()
+    for k in ref:
+        assert torch.equal(ref[k], got[k]), k
+    ref_steps = [s["step"] for s in ref_engine.optimizers[0].state.values()]
+    assert [opt.state[p]["step"] for p in opt.tensors] == ref_steps
+    # the moments on disk are AdamW's, and only the last generation is kept
+    opt.flush()
+    files = sorted(p.name for p in opt.dir.iterdir())
+    assert files == ["gen_00000004.bin", "gen_00000004.json"]
+    ref_opt = ref_engine.optimizers[0]
+    raw = torch.frombuffer(bytearray(opt.path(4).read_bytes()), dtype=torch.uint8)
+    m = opt.layout.section("exp_avg")
+    for t, p in enumerate(opt.tensors):
+        at = m * opt.layout.region + opt.layout.offsets[t]
+        disk = raw[at:at + p.numel() * 4].view(torch.float32).view_as(p)
+        assert torch.equal(disk, ref_opt.state[list(ref_opt.state)[t]]["exp_avg"])
+    off.close()
+    stats = json.loads((tmp_path / "disk" / "offload_stats" / "rank00000.json").read_text())
+    assert stats["steps"] == 4 and stats["bytes_written"] == 4 * opt.layout.file_bytes
+
+
+@pytest.mark.parametrize("ac", ["full", "selective"])
+def test_parameters_on_disk_match_memory_bit_for_bit(tmp_path, ac):
+    common = [f"--parallel.activation_checkpoint={ac}", "--model.layers=3"]
+    ref = engine(tmp_path / "mem", *common)
+    train_steps(ref, 3)
+    off = engine(tmp_path / "disk", *common, "--parallel.offload=nvme",
+                 "--parallel.offload_params=true")
+    train_steps(off, 3)
+    # between steps no parameter is in memory: each layer was read for its forward/backward
+    assert all(p.numel() == 0 for p in off.model.parameters())
+    # every microbatch reads every layer for forward, and most of them again for backward
+    once = sum(off.optimizers[0].layout.numels) * 4
+    assert 3 * 2 * once < off.optimizers[0].streamer.bytes_read < 3 * 2 * 2 * once * 1.05
+    a, b = ref.state_dict()["model"], off.state_dict()["model"]   # b: mapped from the file
+    assert a.keys() == b.keys()
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+    off.close()
+
+
+def test_parameter_offload_needs_recomputation(tmp_path):
+    with pytest.raises(ConfigError, match="activation_checkpoint = 'full' or 'selective'"):
+        engine(tmp_path, "--parallel.offload=nvme", "--parallel.offload_params=true")
+
+
+def test_checkpoint_links_the_state_and_checks_it(tmp_path):
+    e = engine(tmp_path, "--parallel.offload=nvme")
+    train_steps(e, 2)
+    ckpt = CheckpointManager(tmp_path / "checkpoints")
+    assert ckpt.save(2, e, {"scheduler": {}})
+    path = ckpt.path_for(2)
+    meta = json.loads((path / "meta.json").read_text())
+    name = "offload/rank00000.part0.bin"
+    assert name in meta["files"] and name in meta["checksums"]
+    assert (path / name).stat().st_nlink == 2          # a hard link, not a copy
+    assert (path / name).stat().st_ino == e.optimizers[0].path(2).stat().st_ino
+    train_steps(e, 1)                                   # a new generation; the link survives
+    e.optimizers[0].flush()
+    assert (path / name).stat().st_nlink == 1 and ckpt.verify(path) is None
+    with open(path / name, "r+b") as fh:                # damage the offloaded state
+        fh.seek(100)
+        fh.write(b"\xff" * 8)
+    assert "fails its checksum" in ckpt.verify(path)
+    e.close()
+
+
+def test_resume_with_another_offload_setting_is_refused(tmp_path):
+    e = engine(tmp_path, "--parallel.offload=nvme")
+    train_steps(e, 1)
+    ckpt = CheckpointManager(tmp_path / "checkpoints")
+    ckpt.save(1, e, {"scheduler": {}})
+    e.close()
+    plain = engine(tmp_path / "plain")
+    with pytest.raises(CheckpointError, match="parallel.offload = 'nvme'"):
+        ckpt.load(ckpt.path_for(1), plain)
+
+
+def cli_train(run_dir, data, *extra, nproc=None, env=None, check=True):
+    args = ["train", "--run-dir", str(run_dir), f"--data.path={data}", *TINY, *extra]
+    if nproc:
+        args += ["--nproc", str(nproc)]
+    return run_cli(*args, env=env, check=check)
+
+
+def same_params(a, b) -> bool:
+    pa, pb = final_params(a), final_params(b)
+    return pa.keys() == pb.keys() and all(torch.equal(pa[k], pb[k]) for k in pa)
+
+
+@pytest.mark.slow
+def test_full_offload_dir_stops_cleanly_and_resumes(tmp_path, tiny_data):
+    run, ref = tmp_path / "run", tmp_path / "ref"
+    steps = ["--training.steps=8", "--checkpoint.interval=4", "--parallel.offload=nvme"]
+    p = cli_train(run, tiny_data, *steps, env={"MYRIA_FAULT": "offload-diskfull:step=6"},
+                  check=False)
+    assert p.returncode == 2, p.stderr[-2000:]
+    err = [x for x in p.stderr.splitlines() if x.startswith("myria train: error:")]
+    assert len(err) == 1 and "is full (No space left on device" in err[0], p.stderr[-2000:]
+    assert "Traceback" not in p.stderr
+    ckpt = CheckpointManager(run / "checkpoints")
+    assert [c.name for c in ckpt.committed()] == ["step_00000004"]
+    assert ckpt.verify(ckpt.committed()[0]) is None
+    assert not list((run / "checkpoints").glob("*.tmp"))
+    # space is back: the same command resumes and ends as a run that never stopped
+    cli_train(run, tiny_data, *steps)
+    cli_train(ref, tiny_data, *steps[:2])
+    assert losses(run) == losses(ref) and same_params(run, ref)
+
+
+def test_small_budget_is_one_line_before_any_rank_starts(tmp_path, tiny_data):
+    p = cli_train(tmp_path / "run", tiny_data, "--parallel.offload=nvme",
+                  "--parallel.fast_memory_gb=0.001", nproc=2, check=False)
+    assert p.returncode == 2, p.stderr[-2000:]
+    assert p.stderr.strip().splitlines() == [p.stderr.strip()]
+    assert "parallel.fast_memory_gb = 0.001 is too small for even one layer" in p.stderr
+    assert not (tmp_path / "run").exists()
+
+
+def test_unwritable_offload_dir_is_one_clear_error(tmp_path):
+    (tmp_path / "file").write_text("not a directory")
+    with pytest.raises(OffloadError, match="is not writable: Not a directory"):
+        engine(tmp_path, "--parallel.offload=nvme",
+               f"--parallel.offload_dir={tmp_path / 'file' / 'sub'}")
+
+
+@pytest.mark.slow
+def test_two_fsdp_ranks_on_disk_match_memory_and_resume(tmp_path, tiny_data):
+    mem, disk = tmp_path / "mem", tmp_path / "disk"
+    common = ["--training.steps=10", "--checkpoint.interval=0"]
+    cli_train(mem, tiny_data, *common, nproc=2)
+    p = cli_train(disk, tiny_data, *common, "--parallel.offload=nvme", "--stop-after", "5",
+                  nproc=2)
+    assert "stopped after step 5" in p.stdout
+    cli_train(disk, tiny_data, *common, "--parallel.offload=nvme", nproc=2)
+    assert losses(mem) == losses(disk) and same_params(mem, disk)
+    for r in (0, 1):
+        stats = json.loads((disk / "offload_stats" / f"rank{r:05d}.json").read_text())
+        assert stats["steps"] == 5 and stats["gen"] == 10
+
+
+@pytest.mark.slow
+def test_killed_mid_step_under_supervise_resumes_bit_equal(tmp_path, tiny_data):
+    common = [*TINY, f"--data.path={tiny_data}", "--training.steps=12",
+              "--checkpoint.interval=4", "--parallel.offload=nvme"]
+    ref, run = tmp_path / "ref", tmp_path / "run"
+    run_cli("train", "--run-dir", str(ref), "--nproc", "2", *common)
+    run_cli("supervise", "--run-dir", str(run), "--nproc", "2", *common,
+            "--resilience.heartbeat_s=0.5", "--resilience.hang_timeout_s=5",
+            "--resilience.backoff_s=0.2", "--resilience.diagnose=false",
+            env={"MYRIA_FAULT": "offload-kill:rank=1:step=7"}, timeout=400)
+    summary = json.loads((run / "supervisor_summary.json").read_text())
+    assert summary["status"] == "succeeded" and summary["restarts"] == 1, summary
+    assert summary["faults"][0]["resumed_from"] == 4
+    assert "fault hook offload-kill_rank1_step7 fired" in (run / "supervisor.log").read_text()
+    assert losses(run) == losses(ref) and same_params(run, ref)
+
+
+# -- the planner and the dry-run --------------------------------------------------------------
+def _llama13b(gpus: int):
+    from myria.sim import runspec
+
+    (run,) = runspec.loads(f"""
+[model]
+arch = "llama"
+layers = 40
+hidden = 5120
+heads = 40
+[training]
+global_batch = 16
+[cluster]
+gpu = "a100-sxm-80gb"
+gpus = {gpus}
+""")
+    return run
+
+
+def test_planner_proposes_offload_when_nothing_else_fits():
+    from myria.sim.planner import plan
+
+    alone = plan(_llama13b(1), top=5)     # 13B parameters x 16 bytes: no layout fits one GPU
+    assert alone.offloaded and alone.ranked
+    for r in alone.ranked:
+        lay = r.layout
+        assert (lay["offload"], lay["offload_params"]) == ("nvme", True), lay
+        assert r.memory.total < 80e9 and r.memory.weights < 0.2 * r.memory.gradients
+        assert r.memory.host_bytes_per_node > 13e9 * 12 and r.breakdown["offload"] > 0
+    eight = plan(_llama13b(8), top=5)    # fits on eight GPUs: no offload proposed
+    assert not eight.offloaded and all(r.layout["offload"] == "none" for r in eight.ranked)
+
+
+def test_offload_time_is_the_disk_beyond_the_update():
+    from myria.sim.perf import simulate
+
+    base = _llama13b(8).replace(training={"zero_stage": 3, "micro_batch": 2})
+    slow = simulate(base.replace(training={"offload": "nvme"}, cluster={"nvme_gbs": 1.0}))
+    fast = simulate(base.replace(training={"offload": "nvme"}, cluster={"nvme_gbs": 1000.0}))
+    none = simulate(base)
+    n_opt = 12.85e9 / 8                          # each device's shard, read and written
+    # a fast disk: the host bus (25.6 GB/s per A100) is the limit, beyond the update's time
+    bus = 2 * 12 * n_opt / 25.6e9 - fast.breakdown["optimizer"]
+    assert fast.breakdown["offload"] == pytest.approx(bus, rel=0.03)
+    # a slow disk: 8 devices share one server's 1 GB/s
+    disk = 8 * 2 * 12 * n_opt / 1e9 - slow.breakdown["optimizer"]
+    assert slow.breakdown["offload"] == pytest.approx(disk, rel=0.03)
+    assert slow.memory.optimizer == 0 and none.memory.optimizer > 0
+
+
+def test_dry_run_accounts_for_offload():
+    from tests.train.test_train import memory_parts, predicted_line
+
+    base = ["train", "--config", "configs/llama3-8b.toml", "--dry-run", "--nproc", "8"]
+    plain = memory_parts(predicted_line(run_cli(*base).stdout))[0]
+    p = run_cli(*base, "--parallel.offload=nvme", "--parallel.fast_memory_gb=40")
+    off = memory_parts(predicted_line(p.stdout))[0]
+    assert off["optimizer"] == 0 < plain["optimizer"]
+    line = next(x for x in p.stdout.splitlines() if x.startswith("# offload nvme"))
+    assert "I/O buffers" in line and "(budget 40 GB)" in line and "fits in 40 GB" in p.stdout
