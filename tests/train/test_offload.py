@@ -281,3 +281,12 @@ def test_dry_run_accounts_for_offload():
     assert off["optimizer"] == 0 < plain["optimizer"]
     line = next(x for x in p.stdout.splitlines() if x.startswith("# offload nvme"))
     assert "I/O buffers" in line and "(budget 40 GB)" in line and "fits in 40 GB" in p.stdout
+
+
+def test_nvme_tier_refuses_a_gpu_in_one_line():
+    from myria.train.offload import check_layout
+    cfg = config.load(None, [*SMALL, "--parallel.offload=nvme"])
+    layout = {"dp": 1, "tp": 1, "pp": 1, "cp": 1, "ep": 1}
+    check_layout(cfg, layout, "cpu")
+    with pytest.raises(ConfigError, match="runs on CPU in this version, not on cuda"):
+        check_layout(cfg, layout, "cuda")

@@ -57,6 +57,7 @@ import os
 import shutil
 import threading
 import time
+import warnings
 import zlib
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -68,6 +69,10 @@ import torch.distributed.checkpoint as dcp
 
 from myria.errors import CheckpointError
 from myria.observe import events
+
+# One process saves and loads with no_dist=True on purpose; DCP warns that it "assumes" so.
+warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or "
+                        "uninitialized", category=UserWarning)
 
 log = logging.getLogger("myria")
 PREFIX = "step_"

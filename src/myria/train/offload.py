@@ -991,6 +991,11 @@ def check_layout(cfg, layout: dict[str, int], device_type: str = "cpu") -> None:
         raise ConfigError("parallel.offload = 'cpu' is FSDP2's CPUOffloadPolicy: it needs "
                           "training.data_parallel = 'fsdp' or 'zero2' on more than one rank; "
                           "on one process use parallel.offload = 'nvme'")
+    if par.offload_tier == "nvme" and device_type != "cpu":
+        # the moments sit in host buffers: the update would need a per-chunk copy to the device
+        # (or a host-side update, as ZeRO-Offload does), not written yet (docs/offload.md)
+        raise ConfigError(f"parallel.offload = 'nvme' runs on CPU in this version, not on "
+                          f"{device_type}; use parallel.offload = 'cpu' (FSDP2's host offload)")
     if par.offload_tier == "nvme" and cfg.optimizer.name != "adamw":
         raise ConfigError(f"parallel.offload = 'nvme' supports optimizer.name = 'adamw', not "
                           f"{cfg.optimizer.name!r}")

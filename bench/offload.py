@@ -1,0 +1,222 @@
+"""Train a model whose training state is >= 3x the fast-tier budget (issue 14).
+
+    .venv/bin/python bench/offload.py [--steps 5] [--rounds 3] [--budget-gb 2.05] [--dir DIR]
+
+The same model and batches are trained for `--steps` steps twice per round, each in a process of
+its own (so each peak resident memory is its own):
+
+- `memory`: everything in RAM (AdamW, activation checkpointing as below);
+- `disk`:   `parallel.offload = nvme`, `offload_params = true`, `fast_memory_gb = --budget-gb`:
+            parameters and both AdamW moments in files under `--dir`, streamed through buffers.
+
+Both recompute activations (`activation_checkpoint = full`; the parameter tier needs it), so the
+arithmetic is the same and tokens/s compare the tiers, not the recomputation. Between the two
+runs of a round the disk's sequential bandwidth is measured on the same directory (O_DIRECT
+writes then reads of `--probe-gb`, the best of 2), the limit the offload can reach.
+
+Reported per round: training state (16 bytes per parameter: fp32 weights, gradients, two
+moments) against the budget; peak resident memory of each run (VmHWM) against budget and the
+runtime's own memory (the process after `import torch` with the model's code, measured in the
+same child); tokens/s of both (median step after the first); whether the final parameters are
+bit-equal; bytes moved per step, each I/O thread's achieved bandwidth against the measured
+sequential bandwidth, and how much of the I/O hid behind compute: hidden = 1 - exposed / I/O,
+where I/O is the busier tier thread's time and exposed is the time the training loop waited on a
+chunk or a layer that was not yet read. Writes bench/results/offload.json and prints a table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import platform
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+OUT = ROOT / "bench" / "results" / "offload.json"
+
+# ~388M parameters: 6.2 GB of training state
+MODEL = ["--model.vocab_size=8192",
+         "--model.heads=12", "--model.kv_heads=4", "--model.seq_len=256",
+         "--training.global_batch=2", "--training.micro_batch=1",
+         "--parallel.activation_checkpoint=full"]
+
+
+def child(mode: str, steps: int, budget: float, directory: Path, size: list[str]) -> dict:
+    """One run in this process: train `steps` steps, report timings, memory and a digest."""
+    import torch
+
+    from myria import config
+    from myria.train.engine import Engine
+    from myria.train.offload import current_rss, peak_rss
+
+    torch.set_num_threads(os.cpu_count() or 1)
+    runtime_rss = current_rss()
+    extra = [] if mode == "memory" else [
+        "--parallel.offload=nvme", "--parallel.offload_params=true",
+        f"--parallel.fast_memory_gb={budget}", f"--parallel.offload_dir={directory}"]
+    cfg = config.load(None, [*MODEL, *size, *extra])
+    e = Engine(cfg, None, torch.device("cpu"), directory / f"run-{mode}")
+    g = torch.Generator().manual_seed(7)
+    times = []
+    for _ in range(steps):
+        x = torch.randint(0, cfg.model.vocab_size, (2, 1, cfg.model.seq_len + 1), generator=g)
+        t0 = time.perf_counter()
+        e.forward_backward(x[..., :-1], x[..., 1:])
+        e.clip_grads(1.0)
+        e.step()
+        times.append(time.perf_counter() - t0)
+    out = {"mode": mode, "step_s": times, "peak_rss_bytes": peak_rss(),
+           "runtime_rss_bytes": runtime_rss,
+           "params": sum(p.numel() for p in e.model.parameters())}
+    if mode == "disk":
+        opt = e.optimizers[0]
+        opt.flush()
+        st = opt.pipe.stats
+        ps = opt.streamer
+        out.update(io={"bytes_read": st.bytes_read + ps.bytes_read,
+                       "bytes_written": st.bytes_written,
+                       "opt_read_s": st.read_s, "opt_write_s": st.write_s,
+                       "param_read_s": ps.read_s, "opt_wait_s": st.wait_s,
+                       "param_wait_s": ps.wait_s, "direct": opt.direct,
+                       "buffers": len(opt.pipe.buffers),
+                       "buffer_bytes": int(opt.pipe.buffers[0].numel())},
+                   params=sum(opt.layout.numels))
+    sd = e.state_dict()["model"]
+    h = hashlib.sha256()
+    for k in sorted(sd):
+        h.update(k.encode())
+        h.update(sd[k].detach().contiguous().view(torch.uint8).numpy().tobytes())
+    out["digest"] = h.hexdigest()
+    e.close() if hasattr(e, "close") else None
+    return out
+
+
+def disk_bandwidth(directory: Path, gb: float) -> dict:
+    """Sequential write then read of `gb` GB with O_DIRECT (where the file system allows it) in
+    the offload's own chunk size: the bandwidth the tier could reach on this disk now."""
+    from myria.train.offload import CHUNK_BYTES, _full_io, aligned_buffer, open_file, probe_direct
+
+    direct = probe_direct(directory)
+    buf = aligned_buffer(CHUNK_BYTES)
+    buf.fill_(1)
+    mv = memoryview(buf.numpy()).cast("B")
+    n = max(1, int(gb * (1 << 30)) // CHUNK_BYTES)
+    path = directory / "probe.bin"
+    fd = open_file(path, os.O_RDWR | os.O_CREAT, direct)
+    try:
+        t0 = time.perf_counter()
+        for i in range(n):
+            _full_io(os.pwritev, fd, mv, i * CHUNK_BYTES)
+        os.fdatasync(fd)
+        w = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        for i in range(n):
+            _full_io(os.preadv, fd, mv, i * CHUNK_BYTES)
+        r = time.perf_counter() - t0
+    finally:
+        os.close(fd)
+        path.unlink(missing_ok=True)
+    b = n * CHUNK_BYTES
+    return {"write_gbs": b / w / 1e9, "read_gbs": b / r / 1e9, "direct": direct, "bytes": b}
+
+
+def run_child(mode: str, a, directory: Path) -> dict:
+    env = dict(os.environ, PYTHONPATH=str(ROOT / "src") + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    cp = subprocess.run([sys.executable, __file__, "--child", mode, "--steps", str(a.steps),
+                         "--budget-gb", str(a.budget_gb), "--dir", str(directory),
+                          "--layers", str(a.layers), "--hidden", str(a.hidden)],
+                        env=env, capture_output=True, text=True)
+    if cp.returncode:
+        sys.exit(f"{mode} run failed:\n{cp.stderr[-3000:]}")
+    return json.loads(cp.stdout.strip().splitlines()[-1])
+
+
+def summarise(mem: dict, disk: dict, bw: dict, budget: float, tokens: int) -> dict:
+    gb = 1e9
+    state = 16 * mem["params"]
+    steady = lambda r: statistics.median(r["step_s"][1:] or r["step_s"])  # noqa: E731
+    io, steps = disk["io"], len(disk["step_s"])
+    opt_busy = max(io["opt_read_s"], io["opt_write_s"])
+    io_busy = max(opt_busy, io["param_read_s"])
+    exposed = io["opt_wait_s"] + io["param_wait_s"]
+    return {
+        "params": mem["params"], "state_gb": state / gb, "budget_gb": budget * (1 << 30) / gb,
+        "state_over_budget": state / (budget * (1 << 30)),
+        "peak_gb": {"memory": mem["peak_rss_bytes"] / gb, "disk": disk["peak_rss_bytes"] / gb},
+        "runtime_gb": disk["runtime_rss_bytes"] / gb,
+        "over_budget_gb": (disk["peak_rss_bytes"] - budget * (1 << 30)) / gb,
+        "tokens_per_s": {"memory": tokens / steady(mem), "disk": tokens / steady(disk)},
+        "speed_ratio": steady(mem) / steady(disk),
+        "bit_equal": mem["digest"] == disk["digest"],
+        "io_per_step_gb": {"read": io["bytes_read"] / steps / gb,
+                           "written": io["bytes_written"] / steps / gb},
+        "achieved_gbs": {
+            "read": io["bytes_read"] / max(1e-9, io["opt_read_s"] + io["param_read_s"]) / gb,
+            "write": io["bytes_written"] / max(1e-9, io["opt_write_s"]) / gb},
+        "sequential_gbs": {"read": bw["read_gbs"], "write": bw["write_gbs"]},
+        "direct": io["direct"],
+        "io_busy_s_per_step": io_busy / steps, "exposed_s_per_step": exposed / steps,
+        "hidden_fraction": max(0.0, 1 - exposed / io_busy) if io_busy else 1.0,
+        "step_s": {"memory": steady(mem), "disk": steady(disk)},
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--budget-gb", type=float, default=2.05,
+                    help="fast-tier budget, GiB (parallel.fast_memory_gb)")
+    ap.add_argument("--probe-gb", type=float, default=2.0)
+    ap.add_argument("--dir", default="", help="offload directory (a local disk; default: a "
+                    "temporary directory under the project, not /tmp, which may be tmpfs)")
+    ap.add_argument("--layers", type=int, default=12)
+    ap.add_argument("--hidden", type=int, default=1536, help="model width (heads: 12)")
+    ap.add_argument("--child", default="", help=argparse.SUPPRESS)
+    a = ap.parse_args()
+    if a.child:
+        size = [f"--model.layers={a.layers}", f"--model.hidden={a.hidden}"]
+        print(json.dumps(child(a.child, a.steps, a.budget_gb, Path(a.dir), size)))
+        return
+    base = Path(a.dir) if a.dir else Path(tempfile.mkdtemp(prefix="offload-bench-", dir=ROOT))
+    tokens = 2 * 256
+    rounds = []
+    try:
+        for r in range(a.rounds):
+            d = base / f"round{r}"
+            d.mkdir(parents=True, exist_ok=True)
+            mem = run_child("memory", a, d)
+            bw = max((disk_bandwidth(d, a.probe_gb) for _ in range(2)),
+                     key=lambda b: b["read_gbs"] + b["write_gbs"])
+            disk = run_child("disk", a, d)
+            s = summarise(mem, disk, bw, a.budget_gb, tokens)
+            rounds.append(s)
+            print(f"round {r}: state {s['state_gb']:.2f} GB = {s['state_over_budget']:.2f}x "
+                  f"budget; peak {s['peak_gb']['disk']:.2f} GB (memory run "
+                  f"{s['peak_gb']['memory']:.2f}); {s['tokens_per_s']['disk']:.1f} vs "
+                  f"{s['tokens_per_s']['memory']:.1f} tokens/s; bit-equal {s['bit_equal']}; "
+                  f"read {s['achieved_gbs']['read']:.2f}/{s['sequential_gbs']['read']:.2f} GB/s, "
+                  f"write {s['achieved_gbs']['write']:.2f}/{s['sequential_gbs']['write']:.2f} "
+                  f"GB/s; hidden {100 * s['hidden_fraction']:.0f}%", flush=True)
+            shutil.rmtree(d, ignore_errors=True)
+    finally:
+        if not a.dir:
+            shutil.rmtree(base, ignore_errors=True)
+    OUT.parent.mkdir(parents=True, exist_ok=True)
+    OUT.write_text(json.dumps({
+        "command": "python bench/offload.py " + " ".join(sys.argv[1:]),
+        "machine": f"{platform.machine()}, {os.cpu_count()} cores",
+        "date": time.strftime("%Y-%m-%d"), "steps": a.steps, "rounds": rounds}, indent=1))
+    print(f"wrote {OUT}")
+
+
+if __name__ == "__main__":
+    main()
