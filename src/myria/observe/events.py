@@ -202,7 +202,7 @@ class Recorder:
             yield ev
         finally:
             if self.slow is not None and self.step >= self.slow[1]:
-                time.sleep(max(0.0, (self.slow[0] - 1.0) * (time.perf_counter() - t0)))
+                _spin((self.slow[0] - 1.0) * (time.perf_counter() - t0))
             if ev is not None and "_cuda" in ev:
                 ev["_cuda"][1].record()
             self.end(ev)
@@ -341,6 +341,15 @@ class Recorder:
 
         wrapped.__wrapped__ = fn
         return wrapped
+
+
+def _spin(seconds: float) -> None:
+    """Keep the CPU busy for `seconds`, as a slow device computing longer would. (Sleeping would
+    hand the core to the other ranks of a small host and speed them up unevenly, which no slow
+    GPU does to its neighbours.)"""
+    end = time.perf_counter() + max(0.0, seconds)
+    while time.perf_counter() < end:
+        pass
 
 
 def _bytes(t) -> int:
