@@ -22,6 +22,10 @@ Definitions (docs/observability.md):
   stage's rank rather than the next stage that waited for it), onward up to four hops; for a
   pipeline transfer, the part of the waiting window in which the sender was itself blocked
   goes on the same way.
+- *Most blamed rank*: the largest blame; in a pipeline whose every stage has data-parallel
+  peers, the largest blame beyond the median of its stage's ranks (`blamed_beyond_peers_s`): a
+  stage that is heavier by construction (the output layer and loss on the last stage) makes
+  the other stage wait on all its ranks alike, which says nothing of any one of them.
 - *Noise*: each rank's blame in a step minus the median rank's is its deviation. A rank's
   *consistent excess* is the number of steps times the lower quartile of its deviations: it must
   exceed the others in three steps of four (a one-off hiccup, or a rank descheduled for a few
@@ -238,11 +242,19 @@ def instances(run: Run) -> list[Instance]:
             continue
         blocked = recv_blocked.get((src, dst, seq), 0)
         t_recv = recv_wait_at.get((src, dst, seq), t_recv)
-        inst = Instance("p2p", "pp", step, {src: t_send, dst: t_recv}, {dst: blocked},
-                        last=src)
+        inst = Instance("p2p", _pair_dim(run, src, dst), step, {src: t_send, dst: t_recv},
+                        {dst: blocked}, last=src)
         inst.waited[dst] = max(0, min(blocked, t_send - t_recv))
         out.append(inst)
     return out
+
+
+def _pair_dim(run: Run, src: int, dst: int) -> str:
+    """The mesh dimension of a transfer: the smallest of the receiver's groups holding both
+    ranks (pipeline neighbours: pp; ring attention's: cp)."""
+    groups = (run.ranks[dst].header.get("groups") or {}).items()
+    fits = [(len(g), d) for d, g in groups if src in g and dst in g]
+    return min(fits)[1] if fits else "pp"
 
 
 def blame_report(run: Run, table: dict | None = None) -> dict:
@@ -301,7 +313,17 @@ def blame_report(run: Run, table: dict | None = None) -> dict:
         sigma = 1.4826 * statistics.median(abs(x - mid) for x in pooled)
         noise = 3 * 1.36 * math.sqrt(n) * sigma
     excess = {r: n * _lower_quartile(dev[r]) if dev[r] else 0.0 for r in ranks}
-    most = max(rows, key=lambda x: x["blamed_s"])["rank"] if rows else None
+    # most blamed: beyond its peers of the same pipeline stage when every stage has peers (a
+    # pipeline's imbalance, e.g. the head on the last stage, blames a whole stage alike)
+    stage = {r: run.ranks[r].header.get("coord", {}).get("pp") for r in ranks}
+    by_stage: dict = defaultdict(list)
+    for row in rows:
+        by_stage[stage[row["rank"]]].append(row["blamed_s"])
+    peered = len(by_stage) > 1 and all(len(v) > 1 for v in by_stage.values())
+    for row in rows:
+        row["blamed_beyond_peers_s"] = row["blamed_s"] - statistics.median(
+            by_stage[stage[row["rank"]]]) if peered else row["blamed_s"]
+    most = max(rows, key=lambda x: x["blamed_beyond_peers_s"])["rank"] if rows else None
     standout = [r for r in ranks if excess[r] > noise and excess[r] > 0]
     # per step: critical path (slowest rank's step) and the what-if of the most blamed rank
     per_step = []

@@ -17,8 +17,9 @@ lazily by the writer thread; this CPU build records host time, which is device t
 
 Categories: `compute` (forward, backward, backward_weight per microbatch and pipeline stage,
 optimizer, grad_clip), `comm` (every collective issued through `torch.distributed`'s module
-functions, with its mesh dimension, group, bytes and per-group sequence number), `p2p` (pipeline
-sends and receives issued by `batch_isend_irecv`, with peers and per-pair sequence numbers),
+functions, with its mesh dimension, group, bytes and per-group sequence number), `p2p` (sends and
+receives, batched by `batch_isend_irecv` or one by one by `isend`/`irecv`: pipeline transfers and
+ring attention, with peers and per-pair sequence numbers),
 `data` (waiting for the next batch), `ckpt` (snapshot and persist of a checkpoint), `step`;
 `wait` is the time a rank blocks in `Work.wait()` on an asynchronous collective or a pipeline
 transfer (their exposed part; the `comm`/`p2p` event spans issue to completion).
@@ -26,8 +27,8 @@ transfer (their exposed part; the `comm`/`p2p` event spans issue to completion).
 What is NOT seen (documented in docs/observability.md): collectives that bypass the module
 functions of `torch.distributed` - DTensor's functional collectives (tensor-parallel all-reduce,
 all-gather and reduce-scatter inside forward/backward: their time falls inside the compute
-spans), collectives issued inside C++ (DDP's bucketed all-reduce: use FSDP to see them), and
-`isend`/`irecv` called one by one outside `batch_isend_irecv` (myria's ring attention).
+spans), and collectives issued inside C++ (DDP's bucketed all-reduce: use FSDP to see them); blocking
+`send`/`recv` are recorded as collectives of their pair.
 
 Compute-only time of a span = its duration minus the communication spans nested in it on the
 same thread; `myria.observe.analyze` computes it, and stragglers are scored on it.
@@ -36,6 +37,7 @@ same thread; `myria.observe.analyze` computes it, and stragglers are scored on i
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import os
 import signal
@@ -246,10 +248,19 @@ class Recorder:
                 setattr(dist, name, self._collective(dist, name, fn, gi, ai))
         orig = dist.batch_isend_irecv
         dist.batch_isend_irecv = self._batch_p2p(dist, orig)
+        # isend/irecv one by one (torch's pipelining sends a homogeneous batch this way, and
+        # ring attention): replaced in the package and in distributed_c10d, whose P2POp checks
+        # `op is isend` against its own globals
+        c10d = dist.distributed_c10d
+        singles = {name: getattr(c10d, name) for name in ("isend", "irecv")}
+        for name, fn in singles.items():
+            w = self._single_p2p(dist, name, fn)
+            setattr(dist, name, w)
+            setattr(c10d, name, w)
         work_cls = dist.distributed_c10d.Work
         orig_wait = work_cls.wait
         work_cls.wait = self._timed_wait(orig_wait)
-        dist._myria_wrapped = (_WRAPPED, orig, orig_wait)
+        dist._myria_wrapped = (_WRAPPED, orig, orig_wait, singles)
 
     def _timed_wait(self, orig):
         """Work.wait, recorded: the exposed part of an asynchronous collective or p2p (FSDP's
@@ -317,27 +328,62 @@ class Recorder:
         wrapped.__wrapped__ = fn
         return wrapped
 
+    def _p2p_op(self, kind: str, peer: int, tensor) -> dict:
+        """One send or receive, numbered per (kind, source, destination): the k-th send of A
+        to B pairs with B's k-th receive from A."""
+        src, dst = (self.rank, peer) if kind == "send" else (peer, self.rank)
+        k = (kind, src, dst)
+        seq = self._pair_seq.get(k, 0)
+        self._pair_seq[k] = seq + 1
+        return {"kind": kind, "peer": peer, "seq": seq, "bytes": _bytes(tensor)}
+
+    def _p2p_issued(self, ops: list[dict], works: list) -> None:
+        ev = self.begin("p2p", "p2p", ops=ops)
+        if ev is None:
+            return
+        ev["_pending"] = len(works)
+        for w in works:  # closed when the last of them is waited for (Work.wait below)
+            self._works[id(w)] = ev
+
     def _batch_p2p(self, dist, fn):
         rec = self
 
         def wrapped(p2p_op_list, *a, **kw):
-            ops = []
-            for op in p2p_op_list:
-                kind = "send" if getattr(op.op, "__name__", "") == "isend" else "recv"
-                src, dst = (rec.rank, op.peer) if kind == "send" else (op.peer, rec.rank)
-                k = (kind, src, dst)
-                seq = rec._pair_seq.get(k, 0)
-                rec._pair_seq[k] = seq + 1
-                ops.append({"kind": kind, "peer": op.peer, "seq": seq,
-                            "bytes": _bytes(op.tensor)})
-            ev = rec.begin("p2p", "p2p", ops=ops)
-            works = fn(p2p_op_list, *a, **kw)
-            if ev is None:
-                return works
-            ev["_pending"] = len(works)
-            for w in works:  # closed when the last of them is waited for (Work.wait below)
-                rec._works[id(w)] = ev
+            if not rec.enabled:
+                return fn(p2p_op_list, *a, **kw)
+            ops = [rec._p2p_op("send" if getattr(op.op, "__name__", "") == "isend" else "recv",
+                               op.peer, op.tensor) for op in p2p_op_list]
+            _IN_BATCH.on = True   # its isend/irecv calls are this batch's, recorded here
+            try:
+                works = fn(p2p_op_list, *a, **kw)
+            finally:
+                _IN_BATCH.on = False
+            rec._p2p_issued(ops, [w for w in works if w is not None])
             return works
+
+        wrapped.__wrapped__ = fn
+        return wrapped
+
+    def _single_p2p(self, dist, name: str, fn):
+        rec = self
+        kind = "send" if name == "isend" else "recv"
+        peer_kw = "dst" if kind == "send" else "src"
+
+        @functools.wraps(fn)
+        def wrapped(tensor, *a, **kw):
+            if not rec.enabled or getattr(_IN_BATCH, "on", False):
+                return fn(tensor, *a, **kw)
+            work = fn(tensor, *a, **kw)
+            try:
+                peer = kw.get(peer_kw, a[0] if a else None)
+                if peer is None:
+                    group = kw.get("group", a[1] if len(a) > 1 else None)
+                    peer = dist.get_global_rank(group, kw.get("group_" + peer_kw))
+                if work is not None:
+                    rec._p2p_issued([rec._p2p_op(kind, int(peer), tensor)], [work])
+            except Exception:  # never let the timer break a transfer
+                pass
+            return work
 
         wrapped.__wrapped__ = fn
         return wrapped
@@ -365,6 +411,7 @@ def _bytes(t) -> int:
 
 
 # -- the recorder of this process ---------------------------------------------------------------
+_IN_BATCH = threading.local()   # inside batch_isend_irecv: its single ops are recorded by it
 
 _CURRENT = Recorder(None, 0, 1, enabled=False)
 
@@ -398,6 +445,9 @@ def uninstall() -> None:
                 setattr(dist, name, fn.__wrapped__)
         dist.batch_isend_irecv = wrapped[1]
         dist.distributed_c10d.Work.wait = wrapped[2]
+        for name, fn in wrapped[3].items():
+            setattr(dist, name, fn)
+            setattr(dist.distributed_c10d, name, fn)
         dist._myria_wrapped = False
     _CURRENT = Recorder(None, 0, 1, enabled=False)
 
