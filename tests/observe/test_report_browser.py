@@ -42,7 +42,7 @@ def test_report_renders_in_headless_chromium(tmp_path):
         assert table.is_visible()
         rows = table.locator("tr")
         assert rows.count() == 1 + 3  # header + one row per rank
-        assert "others waited on it" in table.inner_text()
+        assert "waiting it caused" in table.inner_text()
         page.screenshot(path=str(out / "screenshot.png"), full_page=True)
         browser.close()
     assert (out / "screenshot.png").stat().st_size > 10_000

@@ -15,17 +15,16 @@ Definitions (docs/observability.md):
   last arrival - its arrival).
 - *Pipeline receive*: the k-th receive of B from A pairs with A's k-th send to B; if A issued it
   after B, B's blocking wait for it (up to the lateness) is blamed on A.
-- *Blame* of a rank: the waiting it caused, summed over instances. Waiting is attributed to the
-  rank waited on, never to the one that waited. For a collective, the last arrival's delay is
-  its extra compute plus its extra blocked time since the step began, against the waiter (the
-  same work): the extra blocked time goes to whom it was blocked on (in a pipeline, the slow
-  stage's rank rather than the next stage that waited for it), onward up to four hops; for a
-  pipeline transfer, the part of the waiting window in which the sender was itself blocked
-  goes on the same way.
-- *Most blamed rank*: the largest blame; in a pipeline whose every stage has data-parallel
-  peers, the largest blame beyond the median of its stage's ranks (`blamed_beyond_peers_s`): a
-  stage that is heavier by construction (the output layer and loss on the last stage) makes
-  the other stage wait on all its ranks alike, which says nothing of any one of them.
+- *Blame* of a rank: the waiting it caused: how much less every other rank would block if it
+  computed at the median speed of its peers doing the same work (same pipeline stage), found by
+  replaying the step over its recorded dependencies (`StepReplay`): the collectives' last
+  arrivals, the pipeline's sends. A rank is blamed only for its own slowness; the waits that
+  slowness sets off down a pipeline and across data-parallel groups are all its. Waiting is
+  never attributed to the rank that waited. The *what-if* of a step is the same replay's step
+  time with the most blamed rank at its peers' speed.
+- *Last arrival* (`last_arrival_s`, the direct view): the waiting at instances where the rank
+  arrived last (or sent late), its own extra blocked time since the step began passed on to
+  whom it was blocked on, up to four hops.
 - *Noise*: each rank's blame in a step minus the median rank's is its deviation. A rank's
   *consistent excess* is the number of steps times the lower quartile of its deviations: it must
   exceed the others in three steps of four (a one-off hiccup, or a rank descheduled for a few
@@ -249,6 +248,160 @@ def instances(run: Run) -> list[Instance]:
     return out
 
 
+class StepReplay:
+    """One step of every rank replayed over its recorded dependencies, to ask "what if".
+
+    Each rank's main thread is a sequence of markers in time order: collective issues (an
+    asynchronous collective's arrival), sends, and blocking spans (a synchronous collective, a
+    wait on an asynchronous one, a wait on receives), each with what it waits for. Between two
+    markers the rank works. Replayed, a marker is reached when the rank's previous marker ends
+    plus the work in between (its compute shortened by `speed` where asked); a blocking span
+    ends when its last dependency has arrived (the group's last member, the sender's send) plus
+    the transfer time it had (its recorded end minus when its last dependency arrived). With
+    nothing changed the replay gives back each rank's recorded waits; with one rank's compute
+    set to its peers' median speed, the others' waits that disappear are the waiting that rank
+    caused. No library replays a trace of torch.distributed calls against its own dependencies
+    (HTA and Perfetto analyse one timeline as it was), hence this one.
+    """
+
+    def __init__(self, run: Run, step: int):
+        self.marks: dict[int, list[tuple]] = {}
+        self.bounds: dict[int, tuple[int, int]] = {}
+        self.compute: dict[int, list[tuple[int, int]]] = {}
+        self.arrived: dict[tuple, dict[int, int]] = defaultdict(dict)  # recorded arrivals
+        for r, re in run.ranks.items():
+            evs = [e for e in re.events if e["s"] == step]
+            st = next((e for e in evs if e["n"] == "step"), None)
+            if st is None:
+                continue
+            marks, spans = [], []
+            for e in evs:
+                a, main = e.get("a") or {}, e.get("th", 0) == 0
+                if e["c"] == "compute" and e["n"] in COMPUTE and main:
+                    spans.append((e["t0"], e["t1"]))
+                elif e["c"] == "comm" and a.get("group"):
+                    key = ("c", tuple(a["group"]), a["seq"])
+                    if a.get("async"):
+                        marks.append((e["t0"], e["t0"], "issue", (key,)))
+                    elif main:
+                        marks.append((e["t0"], e["t1"], "block", (key,)))
+                    self.arrived[key].setdefault(r, e["t0"])
+                elif e["c"] == "p2p":
+                    for op in a.get("ops", []):
+                        if op["kind"] == "send":
+                            key = ("p", r, op["peer"], op["seq"])
+                            marks.append((e["t0"], e["t0"], "issue", (key,)))
+                            self.arrived[key][r] = e["t0"]
+                elif e["c"] == "wait" and main:
+                    if a.get("ops"):
+                        deps = tuple(("p", op["peer"], r, op["seq"]) for op in a["ops"]
+                                     if op["kind"] == "recv")
+                    elif a.get("seq") is not None and a.get("group"):
+                        deps = (("c", tuple(a["group"]), a["seq"]),)
+                    else:
+                        continue
+                    marks.append((e["t0"], e["t1"], "block", deps))
+            marks.sort(key=lambda m: (m[0], m[1]))
+            self.marks[r], self.bounds[r], self.compute[r] = marks, (st["t0"], st["t1"]), spans
+
+    def _work(self, r: int, a: int, b: int, speed: float) -> float:
+        """The time rank r works between a and b, its compute run at `speed` x its own."""
+        gap = max(0, b - a)
+        if speed == 1.0 or gap == 0:
+            return gap
+        comp = sum(max(0, min(b, y) - max(a, x)) for x, y in self.compute[r])
+        return gap - comp + comp * speed
+
+    def run(self, speed: dict[int, float] | None = None) -> tuple[dict, dict]:
+        """(each rank's step duration, each rank's blocked time), in µs, with each rank's
+        compute scaled by `speed` (fraction of its recorded time)."""
+        speed = speed or {}
+        arrived: dict[tuple, dict[int, float]] = defaultdict(dict)
+        done_o = {r: b[0] for r, b in self.bounds.items()}      # recorded time reached
+        done_n = {r: float(b[0]) for r, b in self.bounds.items()}  # replayed time reached
+        idx = {r: 0 for r in self.marks}
+        blocked: dict[int, float] = defaultdict(float)
+        moved = True
+        while moved:  # each pass advances every rank as far as its dependencies allow
+            moved = False
+            for r, marks in self.marks.items():
+                f = speed.get(r, 1.0)
+                while idx[r] < len(marks):
+                    t0, t1, kind, deps = marks[idx[r]]
+                    reach = done_n[r] + self._work(r, done_o[r], t0, f)
+                    if kind == "issue":
+                        arrived[deps[0]][r] = reach
+                        done_o[r], done_n[r] = max(done_o[r], t0), reach
+                        idx[r] += 1
+                        moved = True
+                        continue
+                    for d in deps:  # a synchronous collective arrives where it blocks
+                        if d[0] == "c" and self.arrived[d].get(r) == t0:
+                            arrived[d].setdefault(r, reach)
+                    ready_n, ready_o, ok = reach, t0, True
+                    for d in deps:
+                        want = set(d[1]) if d[0] == "c" else {d[1]}
+                        want &= set(self.arrived[d]) | set(self.marks)  # members with events
+                        if not want <= set(arrived[d]):
+                            ok = False
+                            break
+                        ready_n = max([ready_n, *(arrived[d][q] for q in want)])
+                        ready_o = max([ready_o, *(self.arrived[d].get(q, t0) for q in want)])
+                    if not ok:
+                        break
+                    end = ready_n + max(0, t1 - max(t0, ready_o))
+                    blocked[r] += end - reach
+                    done_o[r], done_n[r] = max(done_o[r], t1), end
+                    idx[r] += 1
+                    moved = True
+        dur = {}
+        for r, (s0, s1) in self.bounds.items():
+            if idx[r] < len(self.marks[r]):
+                continue  # a dependency never arrived (a rank's events are missing)
+            dur[r] = done_n[r] + self._work(r, done_o[r], s1, speed.get(r, 1.0)) - s0
+        return dur, blocked
+
+
+def counterfactual_blame(run: Run, table: dict, steps: list[int], candidates: int = 8
+                         ) -> tuple[dict[int, dict[int, float]], dict[int, float]]:
+    """Per step, the waiting each rank caused: how much less the other ranks would block if it
+    computed at the median speed of its peers doing the same work (same pipeline stage), by
+    StepReplay; and per step, how much shorter the step would be. Only ranks slower than those
+    peers cause waiting; the `candidates` ranks with the most compute beyond their peers over
+    the run are replayed (each replay costs one pass over every rank's markers)."""
+    stage = {r: run.ranks[r].header.get("coord", {}).get("pp") for r in run.ranks}
+
+    def peer_median(r: int, s: int) -> float | None:
+        peers = [table[q][s]["compute_s"] for q in table if q != r and stage.get(q) ==
+                 stage.get(r) and s in table[q]]
+        return statistics.median(peers) if peers else None
+
+    excess: dict[int, float] = defaultdict(float)
+    for r in table:
+        for s in steps:
+            med = peer_median(r, s) if s in table[r] else None
+            if med is not None:
+                excess[r] += max(0.0, table[r][s]["compute_s"] - med)
+    picked = [r for r in sorted(excess, key=excess.get, reverse=True)[:candidates]
+              if excess[r] > 0]
+    caused: dict[int, dict[int, float]] = {s: {} for s in steps}
+    shorter: dict[int, dict[int, float]] = {s: {} for s in steps}
+    for s in steps:
+        rp = StepReplay(run, s)
+        base_dur, base_blk = rp.run()
+        for r in picked:
+            med = peer_median(r, s) if s in table[r] else None
+            own = table[r][s]["compute_s"] if s in table[r] else 0.0
+            if med is None or own <= med or r not in base_dur:
+                continue
+            dur, blk = rp.run({r: med / own})
+            caused[s][r] = max(0.0, sum(base_blk[q] - blk.get(q, base_blk[q])
+                                        for q in base_blk if q != r) / 1e6)
+            if dur:
+                shorter[s][r] = max(0.0, (max(base_dur.values()) - max(dur.values())) / 1e6)
+    return caused, shorter
+
+
 def _pair_dim(run: Run, src: int, dst: int) -> str:
     """The mesh dimension of a transfer: the smallest of the receiver's groups holding both
     ranks (pipeline neighbours: pp; ring attention's: cp)."""
@@ -265,8 +418,8 @@ def blame_report(run: Run, table: dict | None = None) -> dict:
     warmup = steps[0] if len(steps) > 1 else None  # the first step (allocation, warm-up)
     steps = [s for s in steps if s != warmup]
     blamed: dict[int, float] = defaultdict(float)
+    direct: dict[int, float] = defaultdict(float)
     waited: dict[int, float] = defaultdict(float)
-    per_step_blame: dict[int, dict[int, float]] = defaultdict(lambda: defaultdict(float))
     insts = [i for i in instances(run) if i.step in steps]
     # each rank's blocked intervals and whom it waited for, to chase lateness to its root
     blocked: dict[int, list[tuple[int, int, int]]] = defaultdict(list)
@@ -288,8 +441,11 @@ def blame_report(run: Run, table: dict | None = None) -> dict:
             else:
                 shares = _delay_root(blocked, step_t0, inst, r, w)
             for culprit, amount in shares.items():
-                blamed[culprit] += amount / 1e6
-                per_step_blame[inst.step][culprit] += amount / 1e6
+                direct[culprit] += amount / 1e6
+    per_step_blame, shorter = counterfactual_blame(run, table, steps)
+    for s in steps:
+        for r, v in per_step_blame[s].items():
+            blamed[r] += v
     ranks = sorted(run.ranks)
     rows = []
     for r in ranks:
@@ -297,7 +453,7 @@ def blame_report(run: Run, table: dict | None = None) -> dict:
         comp = sum(row["compute_s"] for s, row in table.get(r, {}).items() if s != warmup)
         rows.append({"rank": r, "coord": hdr.get("coord", {}), "host": hdr.get("host", ""),
                      "compute_s": comp, "blamed_s": blamed.get(r, 0.0),
-                     "waited_s": waited.get(r, 0.0)})
+                     "last_arrival_s": direct.get(r, 0.0), "waited_s": waited.get(r, 0.0)})
     # noise: each rank's per-step blame minus the median rank's, pooled (module docstring)
     dev: dict[int, list[float]] = {r: [] for r in ranks}
     for s in steps:
@@ -313,17 +469,7 @@ def blame_report(run: Run, table: dict | None = None) -> dict:
         sigma = 1.4826 * statistics.median(abs(x - mid) for x in pooled)
         noise = 3 * 1.36 * math.sqrt(n) * sigma
     excess = {r: n * _lower_quartile(dev[r]) if dev[r] else 0.0 for r in ranks}
-    # most blamed: beyond its peers of the same pipeline stage when every stage has peers (a
-    # pipeline's imbalance, e.g. the head on the last stage, blames a whole stage alike)
-    stage = {r: run.ranks[r].header.get("coord", {}).get("pp") for r in ranks}
-    by_stage: dict = defaultdict(list)
-    for row in rows:
-        by_stage[stage[row["rank"]]].append(row["blamed_s"])
-    peered = len(by_stage) > 1 and all(len(v) > 1 for v in by_stage.values())
-    for row in rows:
-        row["blamed_beyond_peers_s"] = row["blamed_s"] - statistics.median(
-            by_stage[stage[row["rank"]]]) if peered else row["blamed_s"]
-    most = max(rows, key=lambda x: x["blamed_beyond_peers_s"])["rank"] if rows else None
+    most = max(rows, key=lambda x: (x["blamed_s"], -x["rank"]))["rank"] if rows else None
     standout = [r for r in ranks if excess[r] > noise and excess[r] > 0]
     # per step: critical path (slowest rank's step) and the what-if of the most blamed rank
     per_step = []
@@ -333,14 +479,7 @@ def blame_report(run: Run, table: dict | None = None) -> dict:
             continue
         crit = max(have, key=lambda r: have[r]["step_s"])
         t = have[crit]["step_s"]
-        whatif = t
-        if most is not None and most in have and len(have) > 1:
-            peers = [have[r]["compute_s"] for r in have if r != most and
-                     _same_work(run, r, most)] or [have[r]["compute_s"] for r in have
-                                                   if r != most]
-            if peers:
-                gain = have[most]["compute_s"] - statistics.median(peers)
-                whatif = max(0.0, t - max(0.0, gain))
+        whatif = max(0.0, t - shorter[s].get(most, 0.0))
         per_step.append({"step": s, "step_s": t, "critical_rank": crit,
                          "blame": {str(r): v for r, v in per_step_blame[s].items()},
                          "whatif_s": whatif})
@@ -425,13 +564,6 @@ def _delay_root(blocked: dict, step_t0: dict, inst: Instance, waiter: int,
                 out[c] += a
     out[last] += w - sum(out.values())
     return out
-
-
-def _same_work(run: Run, a: int, b: int) -> bool:
-    """Whether two ranks do the same work (the same pipeline stage)."""
-    ca = run.ranks[a].header.get("coord", {})
-    cb = run.ranks[b].header.get("coord", {})
-    return ca.get("pp") == cb.get("pp")
 
 
 def compute_matrix(run: Run, table: dict | None = None) -> tuple[list[int], list[int], list]:

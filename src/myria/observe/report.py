@@ -5,7 +5,7 @@ Writes RUN_DIR/report/:
     trace.json    Chrome trace events (Perfetto and chrome://tracing open it): a process per
                   host, a track per rank named by its (dp, pp, cp, tp, ep) coordinate, every
                   event of the timer, flow arrows from each pipeline send to its receive
-    blame.json    {"ranks": [{rank, coord, compute_s, blamed_s, blamed_beyond_peers_s,
+    blame.json    {"ranks": [{rank, coord, compute_s, blamed_s, last_arrival_s,
                   waited_s}], "most_blamed_rank", "steps", ...}: see myria.observe.analyze
     index.html    a self-contained page (images inlined): heat map of rank x step compute time,
                   the step-time breakdown beside the performance model's prediction, loss,
@@ -263,7 +263,7 @@ def page(run: Run, table: dict, blame: dict, figs: dict[str, str], pred: dict | 
         f"<tr{' class=hot' if r['rank'] == blame['most_blamed_rank'] else ''}>"
         f"<td>{r['rank']}</td><td>{esc(coord_label({'coord': r['coord']}))}</td>"
         f"<td>{esc(r['host'])}</td><td>{r['compute_s']:.3f}</td><td>{r['blamed_s']:.3f}</td>"
-        f"<td>{r.get('blamed_beyond_peers_s', r['blamed_s']):.3f}</td>"
+        f"<td>{r.get('last_arrival_s', 0.0):.3f}</td>"
         f"<td>{r['waited_s']:.3f}</td></tr>" for r in blame["ranks"])
     img = "".join(f"<h2>{esc(t)}</h2><img id='{k}' alt='{esc(t)}' "
                   f"src='data:image/png;base64,{figs[k]}'>"
@@ -307,7 +307,7 @@ excluded as warm-up). Most blamed rank: <b>{blame['most_blamed_rank']}</b>; {sta
 taken {whatif:.3f} s less in total.</p>
 <h2>Blame: who waited on whom</h2>
 <table id="blame"><tr><th>rank</th><th>(dp, pp, cp, tp, ep)</th><th>host</th>
-<th>compute s</th><th>others waited on it, s</th><th>beyond its stage's median, s</th>
+<th>compute s</th><th>waiting it caused, s</th><th>others waited where it came last, s</th>
 <th>it waited, s</th></tr>{rows}</table>
 {img}
 <h2>Stragglers (compute-only time against peers of the same stage)</h2>
