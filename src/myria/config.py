@@ -491,10 +491,9 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
                           f" = {t.global_batch}")
     if cfg.optimizer.beta1 >= 1 or cfg.optimizer.beta2 >= 1:
         raise ConfigError("optimizer.beta1 and optimizer.beta2 must be < 1")
-    if par.vpp > 1 and par.schedule not in ("interleaved-1f1b", "zero-bubble", "zbv"):
-        raise ConfigError(f"parallel.vpp = {par.vpp} needs an interleaved schedule "
-                          "(interleaved-1f1b, zero-bubble or zbv), not "
-                          f"parallel.schedule = {par.schedule!r}")
+    from myria.layout import validate_pipeline  # the one pipeline-layout check
+
+    validate_pipeline(m.layers, par.pp, par.vpp, par.schedule)
     if par.cpu_offload and par.offload == "nvme":
         raise ConfigError("parallel.cpu_offload = true (an alias of offload = 'cpu') contradicts "
                           "parallel.offload = 'nvme'; set one of them")

@@ -267,18 +267,19 @@ def run_shape(run: RunSpec) -> LayerShape:
 
 
 def _stage_layers(run: RunSpec, eager: bool) -> dict[str, float]:
-    """Layers per pipeline rank by kind: L/pp everywhere, or myria's FLOP-balanced split."""
+    """Layers per pipeline rank by kind (first, busiest middle, last rank).
+
+    Equal stages (L/pp each) when pp x vpp divides the layers and the run is not myria's own
+    eager runtime (Megatron-LM's split); otherwise the trainer's split (`myria.layout`: stages
+    balanced by forward FLOPs, so the output layer's stage holds fewer layers)."""
     L, pp, v = run.model.layers, run.parallel.pp, run.parallel.vpp
     if pp == 1:
         return {"only": float(L)}
-    even = {"first": L / pp, "mid": L / pp, "last": L / pp}
-    if not eager or run.parallel.schedule == "zbv":
-        return even
-    from myria.parallel.pipeline import split_layers, stage_ids
+    if not eager and L % (pp * v) == 0:
+        return {"first": L / pp, "mid": L / pp, "last": L / pp}
+    from myria.layout import rank_layers
 
-    ranges = split_layers(run.model_config(), pp * v)
-    per_rank = [sum(len(ranges[s]) for s in stage_ids(r, pp, v, run.parallel.schedule))
-                for r in range(pp)]
+    per_rank = rank_layers(run.model_config(), pp, v, run.parallel.schedule)
     mid = per_rank[1:-1]
     return {"first": float(per_rank[0]), "mid": float(max(mid)) if mid else 0.0,
             "last": float(per_rank[-1])}
@@ -298,9 +299,6 @@ def simulate(run: RunSpec, hw: Hardware | None = None, eff: Efficiency | None = 
     L = cfg.layers
     e = run.act_bytes
     warnings: list[str] = []
-    if L % (pp * v):
-        warnings.append(f"layers ({L}) not divisible by pp*vpp ({pp * v}): stages hold "
-                        f"{L / (pp * v):.2f} layers per chunk on average")
 
     gkey = (tp, cp, ep, dp, pp)
     hsdp = par.dp_shard if 0 < par.dp_shard < dp and tr.zero_stage >= 1 else 0
@@ -316,7 +314,6 @@ def simulate(run: RunSpec, hw: Hardware | None = None, eff: Efficiency | None = 
 
     eager = eager_supported(shape)
     n_layers = _stage_layers(run, eager)
-    per_stage = L / pp
     kinds = [("only", True, True)] if pp == 1 else \
         [("first", True, False), ("mid", False, False), ("last", False, True)]
     counts = {"only": 1, "first": 1, "last": 1, "mid": max(0, pp - 2)}
@@ -336,7 +333,9 @@ def simulate(run: RunSpec, hw: Hardware | None = None, eff: Efficiency | None = 
 
     # data-parallel state per device, for the busiest (first) stage
     from myria.sim.memory import stage_params
-    dense0, expert0 = stage_params(shape, n_layers[kinds[0][0]], True, pp == 1, ep)
+    # (uneven stages: the rank holding the most parameters)
+    dense0, expert0 = max((stage_params(shape, n_layers[k], f, la, ep) for k, f, la in kinds),
+                          key=sum)
     g_b, w_b = 4, (4 if tr.precision == "fp32" else 2)
     t_grad = coll.allreduce(dense0 * g_b, groups["dp"])[0] + \
         coll.allreduce(expert0 * g_b, groups["edp"])[0]
@@ -526,7 +525,8 @@ def simulate(run: RunSpec, hw: Hardware | None = None, eff: Efficiency | None = 
                  offload_params=tr.offload_params, capacity=hw.memory_bytes,
                  gpus_per_node=hw.gpus_per_node,
                  reserved=0.0 if hw.device == "cpu" else RESERVED_BYTES,
-                 reshard_after_forward=tr.reshard_after_forward, shard=shard_n)
+                 reshard_after_forward=tr.reshard_after_forward, shard=shard_n,
+                 stage_layers=n_layers if pp > 1 else None)
     if tr.offload != "none":
         cap = (hw.server.host_memory_gb if tr.offload == "cpu" else hw.server.nvme_gb) * 1e9
         mem.host_fits = mem.host_bytes_per_node <= cap
@@ -570,7 +570,8 @@ def simulate(run: RunSpec, hw: Hardware | None = None, eff: Efficiency | None = 
         layout=layout, details=details, warnings=warnings)
     if detail:
         ops = timed_layer_ops(shape, hw.peak_flops, hw.mem_bw, eff)
-        res.ops = op_table(run, res, ops, stages[crit], per_stage, m, crit, hw, eff, groups)
+        res.ops = op_table(run, res, ops, stages[crit], n_layers[crit], m, crit, hw, eff,
+                           groups)
     return res
 
 

@@ -396,19 +396,14 @@ def validate(run: RunSpec) -> None:
     if t.global_batch % (dp * t.micro_batch):
         raise ConfigError(f"run {n!r}: training.global_batch = {t.global_batch} is not "
                           f"divisible by dp ({dp}) x training.micro_batch ({t.micro_batch})")
+    from myria.layout import validate_pipeline  # the trainer's own pipeline-layout check
+
+    try:
+        validate_pipeline(m.layers, p.pp, p.vpp, p.schedule, run.microbatches)
+    except ConfigError as e:
+        raise ConfigError(f"run {n!r}: {e}") from None
     if m.heads % p.tp:
         raise ConfigError(f"run {n!r}: parallel.tp = {p.tp} must divide model.heads = {m.heads}")
-    if p.pp > m.layers:
-        raise ConfigError(f"run {n!r}: parallel.pp = {p.pp} exceeds model.layers = {m.layers}")
-    if p.pp * p.vpp > m.layers:
-        raise ConfigError(f"run {n!r}: parallel.pp*vpp = {p.pp * p.vpp} exceeds model.layers = "
-                          f"{m.layers}: every virtual stage needs a layer")
-    if p.vpp > 1 and p.schedule not in ("interleaved-1f1b", "zbv"):
-        raise ConfigError(f"run {n!r}: parallel.vpp = {p.vpp} needs schedule interleaved-1f1b "
-                          f"or zbv, not {p.schedule!r}")
-    if p.schedule == "zbv" and p.vpp != 2:
-        raise ConfigError(f"run {n!r}: schedule zbv places two chunks per rank: set "
-                          f"parallel.vpp = 2 (got {p.vpp})")
     if m.seq_len % p.cp:
         raise ConfigError(f"run {n!r}: parallel.cp = {p.cp} must divide model.seq_len = "
                           f"{m.seq_len}")
