@@ -722,8 +722,7 @@ def config_run(cfg, nproc: int, device_spec: DeviceSpec, gpus_per_node: int = 0
                             offload=cfg.parallel.offload_tier,
                             offload_params=cfg.parallel.offload_params)
     par = ParallelSpec(tp=lay["tp"], pp=lay["pp"], cp=lay["cp"], ep=lay["ep"],
-                       vpp=cfg.parallel.vpp, schedule=cfg.parallel.schedule
-                       if cfg.parallel.schedule != "zbv" or cfg.parallel.vpp == 2 else "1f1b",
+                       vpp=cfg.parallel.vpp, schedule=cfg.parallel.schedule,
                        sequence_parallel=cfg.parallel.sequence_parallel and lay["tp"] > 1,
                        dp_shard=lay["dp_shard"] if lay["dp_replicate"] > 1 else 0)
     is_cpu = device_spec.name == "cpu"

@@ -30,6 +30,7 @@ import time
 from dataclasses import dataclass, field
 
 from myria.errors import ConfigError
+from myria.layout import SINGLE_STAGE, stage_layers
 from myria.sim import perf
 from myria.sim.hardware import build_hardware
 from myria.sim.reliability import Reliability, expected_ettr
@@ -119,12 +120,9 @@ def candidates(base: RunSpec, space: SearchSpace):
                             continue
                         nmb = base.training.global_batch // (dp * mb)
                         for vpp in vpps:
-                            if vpp > 1 and nmb % pp:
+                            sched = _schedule(base.parallel.schedule, vpp)
+                            if pp * vpp > m.layers or (sched not in SINGLE_STAGE and nmb % pp):
                                 continue
-                            sched = "interleaved-1f1b" if vpp > 1 else \
-                                ("1f1b" if base.parallel.schedule not in ("gpipe",
-                                                                          "zero-bubble")
-                                 else base.parallel.schedule)
                             for sp in (space.sequence_parallel if tp > 1 else [False]):
                                 for rec in space.recompute:
                                     for zero in space.zero_stage:
@@ -144,6 +142,14 @@ def candidates(base: RunSpec, space: SearchSpace):
                                                         "reshard_after_forward": rsh,
                                                         "offload": off,
                                                         "offload_params": offp})
+
+
+def _schedule(asked: str, vpp: int) -> str:
+    """The schedule a candidate runs: the base run's zero-bubble (any vpp) or GPipe (vpp 1)
+    as asked, else 1F1B, interleaved when vpp > 1."""
+    if asked == "zero-bubble" or (asked == "gpipe" and vpp == 1):
+        return asked
+    return "interleaved-1f1b" if vpp > 1 else "1f1b"
 
 
 def _runnable(offload: str, offload_params: bool, zero: int, shard: int, gpus: int) -> bool:
@@ -253,22 +259,13 @@ def rank_with_ties(results: list[perf.StepResult], band: float) -> list[perf.Ste
     return tied + sorted(rest, key=lambda r: -r.mfu)
 
 
-def stage_layers(base: RunSpec, pp: int, vpp: int) -> list[int]:
-    """Layers per pipeline stage (pp x vpp stages, in order), as the trainer splits them."""
-    if pp * vpp == 1:
-        return [base.model.layers]
-    from myria.parallel.pipeline import split_layers
-
-    return [len(x) for x in split_layers(base.model_config(), pp * vpp)]
-
-
 def annotate(r: perf.StepResult, base: RunSpec, hw, band: float,
              reliability: Reliability | None = None) -> None:
     """Add the uncertainty band, the expected ETTR and checkpoint interval, stage layers."""
     from myria.models.flops import param_counts
 
     lay = r.layout
-    lay["stage_layers"] = stage_layers(base, lay["pp"], lay["vpp"])
+    lay["stage_layers"] = stage_layers(base.model_config(), lay["pp"], lay["vpp"])
     mem = r.memory
     bytes_per_param = 14 if base.training.precision != "fp32" else 12
     total = param_counts(base.model_config()).total(base.model.layers) * bytes_per_param
