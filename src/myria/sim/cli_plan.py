@@ -18,7 +18,7 @@ import json
 from pathlib import Path
 
 from myria.errors import ConfigError
-from myria.sim import runspec
+from myria.sim import reliability, runspec
 from myria.sim.planner import SearchSpace, plan
 from myria.sim.runspec import (
     RunSpec,
@@ -101,14 +101,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--reserve-gb", type=_at_least(0.0, float), default=None,
                         help="device memory kept free beyond the model's estimate (default: "
                         "10%% of device memory; see docs/performance_model.md)")
-    g = parser.add_argument_group("reliability (expected effective training time)")
-    g.add_argument("--failures-per-gpu-hour", type=_at_least(0.0, float), default=None,
-                   help="failure rate per GPU-hour (default 1.97e-5: Llama 3 405B, 419 "
-                   "interruptions in 54 days on 16,384 GPUs)")
-    g.add_argument("--restart-s", type=_at_least(0.0, float), default=None,
-                   help="time to restart a failed job, excluding checkpoint load (default 300)")
-    g.add_argument("--storage-gbs", type=_at_least(1e-3, float), default=None,
-                   help="checkpoint storage bandwidth per server, GB/s (default 5)")
+    reliability.add_arguments(parser, _at_least(1e-3, float), _at_least(0.0, float))
     parser.add_argument("--json", action="store_true", help="print the ranked layouts as JSON")
     g = parser.add_argument_group("pipeline schedule drawing")
     g.add_argument("--show-schedule", metavar="PNG", help="draw a pipeline schedule to PNG")
@@ -238,7 +231,7 @@ def run(args: argparse.Namespace) -> int:
         return _draw_only(args)
     base = _base_from_args(args)
     res = plan(base, _space(args), top=args.top, reserve_gb=args.reserve_gb,
-               reliability=_reliability(args))
+               reliability=reliability.from_args(args))
     if args.json:
         print(json.dumps({"evaluated": res.evaluated, "fitting": res.fitting,
                           "seconds": res.seconds, "offloaded": res.offloaded,
@@ -258,20 +251,6 @@ def run(args: argparse.Namespace) -> int:
                     title=f"best layout {_layout(lay)}: {sched}, p={p}, vpp={v}, m={m}")
         print(f"schedule of the best layout: bubble {frac:.1%} -> {args.show_schedule}")
     return 0
-
-
-def _reliability(args):
-    from myria.sim.reliability import Reliability
-
-    r = Reliability()
-    if args.failures_per_gpu_hour is not None:
-        r = dataclasses.replace(r, failures_per_gpu_hour=args.failures_per_gpu_hour)
-    if args.restart_s is not None:
-        r = dataclasses.replace(r, restart_s=args.restart_s)
-    if args.storage_gbs is not None:
-        r = dataclasses.replace(r, storage_write_gbs_per_node=args.storage_gbs,
-                                storage_read_gbs_per_node=args.storage_gbs)
-    return r
 
 
 def _layout(lay: dict) -> str:

@@ -33,7 +33,7 @@ from myria.errors import ConfigError
 from myria.layout import SINGLE_STAGE, stage_layers
 from myria.sim import perf
 from myria.sim.hardware import build_hardware
-from myria.sim.reliability import Reliability, expected_ettr
+from myria.sim.reliability import Reliability, run_ettr
 from myria.sim.runspec import RunSpec
 
 RESERVE_SHARE = 0.10  # default memory reserve: a share of device memory (module docstring)
@@ -262,15 +262,9 @@ def rank_with_ties(results: list[perf.StepResult], band: float) -> list[perf.Ste
 def annotate(r: perf.StepResult, base: RunSpec, hw, band: float,
              reliability: Reliability | None = None) -> None:
     """Add the uncertainty band, the expected ETTR and checkpoint interval, stage layers."""
-    from myria.models.flops import param_counts
-
     lay = r.layout
     lay["stage_layers"] = stage_layers(base.model_config(), lay["pp"], lay["vpp"])
-    mem = r.memory
-    bytes_per_param = 14 if base.training.precision != "fp32" else 12
-    total = param_counts(base.model_config()).total(base.model.layers) * bytes_per_param
-    e = expected_ettr(r.iteration_time_s, hw.gpus, hw.gpus_per_node,
-                      mem.weights + mem.optimizer, total, hw.server.pcie_gbs, reliability)
+    e = run_ettr(r, base, hw, reliability)
     r.extra.update(mfu_low=r.mfu * (1 - band), mfu_high=r.mfu * (1 + band), ettr=e.ettr,
                    checkpoint_interval_steps=e.interval_steps, reliability=e.to_json())
     r.extra.setdefault("tied", False)
