@@ -20,12 +20,17 @@ import tomllib
 from myria.errors import ConfigError
 
 
-def _f(default: Any, help: str, choices: tuple | None = None, min: float | None = None):
-    """A config field with its description, allowed choices and lower bound."""
+def schema_field(default: Any, help: str, choices: tuple | None = None,
+                 min: float | None = None):
+    """A config field with its description, allowed choices and lower bound (the schema of
+    both the training config and the simulator's run files)."""
     meta = {"help": help, "choices": choices, "min": min}
     if isinstance(default, (list, dict)):
         return field(default_factory=lambda: type(default)(default), metadata=meta)
     return field(default=default, metadata=meta)
+
+
+_f = schema_field
 
 
 @dataclass
@@ -326,9 +331,11 @@ SECTIONS: dict[str, type] = {
 }
 
 
-def _suggest(name: str, valid: typing.Iterable[str]) -> str:
+def suggest(name: str, valid: typing.Iterable[str]) -> str:
+    """' (did you mean ...?)' for the closest valid name, or ''."""
     close = difflib.get_close_matches(name, list(valid), n=1)
     return f" (did you mean {close[0]!r}?)" if close else ""
+
 
 
 def _field_type(cls: type, name: str) -> type:
@@ -339,10 +346,12 @@ def _field_type(cls: type, name: str) -> type:
     return t
 
 
-def _coerce(section: str, cls: type, name: str, value: Any) -> Any:
-    where = f"{section}.{name}"
+def coerce(where: str, cls: type, name: str, value: Any) -> Any:
+    """`value` checked and converted for field `name` of schema dataclass `cls` (type, choices,
+    lower bound of its `_f` metadata); `where` names it in the error ("training.steps")."""
     t = _field_type(cls, name)
     meta = next(f.metadata for f in dataclasses.fields(cls) if f.name == name)
+    choices = meta.get("choices")
     if t is bool:
         if isinstance(value, str) and value.lower() in ("true", "false", "1", "0", "yes", "no"):
             value = value.lower() in ("true", "1", "yes")
@@ -359,16 +368,34 @@ def _coerce(section: str, cls: type, name: str, value: Any) -> Any:
             raise ConfigError(f"{where} = {value!r}: expected a number")
         value = float(value)
     elif t is str:
+        if isinstance(value, bool) and choices and "true" in choices:
+            value = "true" if value else "false"     # tri-state fields: auto, true, false
         if not isinstance(value, str):
             raise ConfigError(f"{where} = {value!r}: expected a string")
-    choices = meta.get("choices")
+        if choices and value not in choices and value.lower() in choices:
+            value = value.lower()
     if choices and value not in choices:
         raise ConfigError(f"{where} = {value!r}: must be one of {', '.join(map(str, choices))}"
-                          + _suggest(str(value), map(str, choices)))
+                          + suggest(str(value), map(str, choices)))
     lo = meta.get("min")
     if lo is not None and value < lo:
         raise ConfigError(f"{where} = {value!r}: must be >= {lo}")
     return value
+
+
+def section_values(section: str, cls: type, values: Any, prefix: str = "") -> dict[str, Any]:
+    """The checked values of one TOML table for schema dataclass `cls`: unknown keys are errors
+    with a "did you mean"; `prefix` starts every message (e.g. "run 'x': ")."""
+    if not isinstance(values, dict):
+        raise ConfigError(f"{prefix}[{section}] must be a table of key = value pairs")
+    names = [f.name for f in dataclasses.fields(cls)]
+    out = {}
+    for key, value in values.items():
+        if key not in names:
+            raise ConfigError(f"{prefix}unknown key {section}.{key}" + suggest(key, names)
+                              + f"; valid keys of [{section}]: {', '.join(names)}")
+        out[key] = coerce(f"{prefix}{section}.{key}", cls, key, value)
+    return out
 
 
 def from_dict(data: dict, base: Config | None = None) -> Config:
@@ -377,17 +404,10 @@ def from_dict(data: dict, base: Config | None = None) -> Config:
     for section, values in data.items():
         if section not in SECTIONS:
             raise ConfigError(f"unknown config section [{section}]; valid sections: "
-                              f"{', '.join(SECTIONS)}" + _suggest(section, SECTIONS))
-        if not isinstance(values, dict):
-            raise ConfigError(f"[{section}] must be a table of key = value pairs")
-        cls = SECTIONS[section]
+                              f"{', '.join(SECTIONS)}" + suggest(section, SECTIONS))
         obj = getattr(cfg, section)
-        names = [f.name for f in dataclasses.fields(cls)]
-        for key, value in values.items():
-            if key not in names:
-                raise ConfigError(f"unknown key {section}.{key}" + _suggest(key, names)
-                                  + f"; valid keys of [{section}]: {', '.join(names)}")
-            setattr(obj, key, _coerce(section, cls, key, value))
+        for key, value in section_values(section, SECTIONS[section], values).items():
+            setattr(obj, key, value)
     return cfg
 
 

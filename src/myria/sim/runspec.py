@@ -11,25 +11,17 @@ Unknown sections and keys are errors with a "did you mean" suggestion, like the 
 from __future__ import annotations
 
 import dataclasses
-import difflib
-import types
-import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import tomllib
 
-from myria.config import ModelConfig
+from myria.config import ModelConfig, schema_field, section_values, suggest
 from myria.device import DEVICES, lookup
 from myria.errors import ConfigError
 
-
-def _f(default: Any, help: str, choices: tuple | None = None, min: float | None = None):
-    """A schema field with its one-line description, allowed choices and lower bound."""
-    return field(default=default, metadata={"help": help, "choices": choices, "min": min})
-
-
+_f = schema_field
 REQUIRED = object()  # marker default of fields a run must give
 
 
@@ -239,57 +231,8 @@ class RunSpec:
 
 
 # -- parsing ----------------------------------------------------------------------------------
-def _suggest(name: str, valid) -> str:
-    close = difflib.get_close_matches(name, list(valid), n=1)
-    return f" (did you mean {close[0]!r}?)" if close else ""
-
-
-def _coerce(where: str, t: Any, meta: dict, value: Any) -> Any:
-    if isinstance(t, types.UnionType):
-        t = next(a for a in typing.get_args(t) if a is not type(None))
-    if t is bool:
-        if not isinstance(value, bool):
-            raise ConfigError(f"{where} = {value!r}: expected true or false")
-    elif t is int:
-        if isinstance(value, float) and value.is_integer():
-            value = int(value)
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise ConfigError(f"{where} = {value!r}: expected an integer")
-    elif t is float:
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise ConfigError(f"{where} = {value!r}: expected a number")
-        value = float(value)
-    elif t is str:
-        if isinstance(value, bool) and meta.get("choices") and "true" in meta["choices"]:
-            value = "true" if value else "false"
-        if not isinstance(value, str):
-            raise ConfigError(f"{where} = {value!r}: expected a string")
-        if meta.get("choices"):
-            value = value.lower()
-    choices = meta.get("choices")
-    if choices and value not in choices:
-        raise ConfigError(f"{where} = {value!r}: must be one of {', '.join(choices)}"
-                          + _suggest(str(value), choices))
-    lo = meta.get("min")
-    if lo is not None and value < lo:
-        raise ConfigError(f"{where} = {value!r}: must be >= {lo}")
-    return value
-
-
 def _section(run: str, name: str, cls: type, data: Any) -> Any:
-    if data is None:
-        data = {}
-    if not isinstance(data, dict):
-        raise ConfigError(f"run {run!r}: [{name}] must be a table of key = value pairs")
-    hints = typing.get_type_hints(cls)
-    names = [f.name for f in dataclasses.fields(cls)]
-    kwargs = {}
-    for key, value in data.items():
-        if key not in names:
-            raise ConfigError(f"run {run!r}: unknown key {name}.{key}" + _suggest(key, names)
-                              + f"; valid keys of [{name}]: {', '.join(names)}")
-        meta = next(f.metadata for f in dataclasses.fields(cls) if f.name == key)
-        kwargs[key] = _coerce(f"run {run!r}: {name}.{key}", hints[key], meta, value)
+    kwargs = section_values(name, cls, {} if data is None else data, f"run {run!r}: ")
     for f in dataclasses.fields(cls):
         if f.default is REQUIRED and f.name not in kwargs:
             raise ConfigError(f"run {run!r}: {name}.{f.name} is required ({f.metadata['help']})")
@@ -307,7 +250,7 @@ def parse_run(data: dict, index: int = 0, check: bool = True) -> RunSpec:
     for key in data:
         if key not in valid:
             raise ConfigError(f"run {name!r}: unknown section or key {key!r}"
-                              + _suggest(key, valid) + f"; valid: {', '.join(valid)}")
+                              + suggest(key, valid) + f"; valid: {', '.join(valid)}")
     for sec in ("model", "training", "cluster"):
         if sec not in data:
             raise ConfigError(f"run {name!r}: section [{sec}] is required")
@@ -418,8 +361,7 @@ def validate(run: RunSpec) -> None:
             raise ConfigError(f"run {n!r}: parallel.ep = {p.ep} must divide the data-parallel "
                               f"(x cp) ranks {dp * p.cp}: experts are spread over them")
     if c.gpu.lower() != "cpu" and lookup(c.gpu) is None:
-        close = difflib.get_close_matches(c.gpu.lower(), list(DEVICES) + ["cpu"], n=1)
-        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        hint = suggest(c.gpu.lower(), list(DEVICES) + ["cpu"])
         raise ConfigError(f"run {n!r}: cluster.gpu = {c.gpu!r}: unknown device{hint}; known: "
                           f"{', '.join(list(DEVICES) + ['cpu'])}")
     if t.offload_params and t.offload != "nvme":
