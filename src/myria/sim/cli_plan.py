@@ -140,13 +140,7 @@ def _base_from_args(args) -> RunSpec:
             from myria import config as mconfig
 
             cfg = mconfig.load(p)
-            mc = cfg.model
-            model = dict(arch=mc.arch, layers=mc.layers, hidden=mc.hidden, heads=mc.heads,
-                         kv_heads=mc.kv_heads, ffn_hidden=mc.ffn_hidden, vocab=mc.vocab_size,
-                         seq_len=mc.seq_len, parallel_block=mc.parallel_block,
-                         attention_window=mc.attention_window, experts=mc.experts,
-                         top_k=mc.top_k, dropout=0.0,
-                         tie_embeddings="true" if mc.tie_embeddings else "false")
+            model = runspec.model_section(cfg.model)
             training = dict(global_batch=cfg.training.global_batch)
             name = p.stem
     for flag, key in (("arch", "arch"), ("layers", "layers"), ("hidden", "hidden"),
@@ -175,21 +169,17 @@ def _base_from_args(args) -> RunSpec:
                       (cluster.get("gpu"), "--gpu"), (cluster.get("gpus"), "--gpus")):
         if req is None:
             raise ConfigError(f"myria plan needs {what}")
-    from myria.config import ModelConfig, validate_model
-
-    validate_model(ModelConfig(arch=model.get("arch", "gpt"), layers=model["layers"],
-                               hidden=model["hidden"], heads=model["heads"],
-                               kv_heads=model.get("kv_heads") or 0,
-                               seq_len=model.get("seq_len") or 2048,
-                               experts=model.get("experts") or 0,
-                               top_k=model.get("top_k") or 1))
     data = {"name": name, "model": model, "training": training, "cluster": cluster,
             "kernels": kernels, "overlap": overlap, "parallel": parallel}
     # reuse the run-file parser for types, defaults and checks; search fields are reset
     training.pop("micro_batch", None)
     for k in ("recompute", "zero_stage"):
         training.pop(k, None)
-    return runspec.parse_run(data, check=False)
+    base = runspec.parse_run(data, check=False)
+    from myria.config import validate_model
+
+    validate_model(base.model_config())  # the layout is the search's: only the model's checks
+    return base
 
 
 def _space(args) -> SearchSpace:

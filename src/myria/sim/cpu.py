@@ -1086,7 +1086,9 @@ def summarize(profile: CpuProfile, shape: LayerShape | None = None, pp: int = 1)
 
 def _worker_main(argv: list[str]) -> None:
     job = json.loads(Path(argv[0]).read_text())
-    shape = LayerShape(**job["shape"]) if job["shape"] else None
+    sh = job["shape"]
+    shape = LayerShape(**{**sh, "model": tuple(
+        (k, tuple(v) if isinstance(v, list) else v) for k, v in sh["model"])}) if sh else None
     ops = [Op(**{k: tuple(v) if k == "dims" else v for k, v in o.items()}) for o in job["ops"]]
     _worker(int(argv[1]), job["world"], job["port"], job["out"], job["threads"], shape, ops,
             job["base"], job["eager"], job["gloo"], tuple(job["units"]), job.get("fsdp", True))

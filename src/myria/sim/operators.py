@@ -111,18 +111,15 @@ class LayerShape:
     fp8: bool = False
     eager: bool = False        # myria's eager PyTorch modules (the CPU self-check), see below
     ce_chunk: int = 0          # eager: rows per chunk of the fused linear+cross-entropy; 0: plain
+    model: tuple = ()          # the ModelConfig's (field, value) pairs: `model_config()`
 
     @property
     def head_dim(self) -> int:
         return self.hidden // self.heads
 
     def model_config(self) -> ModelConfig:
-        return ModelConfig(arch=self.arch, vocab_size=self.vocab, layers=self.layers,
-                           hidden=self.hidden, heads=self.heads, kv_heads=self.kv_heads,
-                           ffn_hidden=self.ffn, seq_len=self.seq_len,
-                           parallel_block=self.parallel_block, attention_window=self.window,
-                           experts=self.experts, top_k=self.top_k if self.experts else 1,
-                           capacity_factor=self.capacity_factor)
+        """The ModelConfig this shape was made from (every field, as `layer_shape` got it)."""
+        return ModelConfig(**dict(self.model))
 
 
 def layer_shape(cfg: ModelConfig, micro_batch: int, *, tp: int = 1, cp: int = 1, ep: int = 1,
@@ -136,7 +133,14 @@ def layer_shape(cfg: ModelConfig, micro_batch: int, *, tp: int = 1, cp: int = 1,
                       capacity_factor=cfg.capacity_factor, parallel_block=cfg.parallel_block,
                       layers=cfg.layers, micro_batch=micro_batch, tp=tp, cp=cp, ep=ep,
                       sp=sp and tp > 1, flash=flash, fused=fused, dropout=dropout,
-                      act_bytes=act_bytes, fp8=fp8, eager=eager, ce_chunk=ce_chunk)
+                      act_bytes=act_bytes, fp8=fp8, eager=eager, ce_chunk=ce_chunk,
+                      model=config_items(cfg))
+
+
+def config_items(cfg: ModelConfig) -> tuple:
+    """A ModelConfig as hashable (field, value) pairs (lists become tuples)."""
+    return tuple((f.name, tuple(v) if isinstance(v := getattr(cfg, f.name), list) else v)
+                 for f in dataclasses.fields(cfg))
 
 
 def _per_layer_flops(shape: LayerShape) -> tuple[ForwardFlops, ForwardFlops]:

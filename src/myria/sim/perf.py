@@ -699,21 +699,16 @@ def config_run(cfg, nproc: int, device_spec: DeviceSpec, gpus_per_node: int = 0
         OverlapSpec,
         ParallelSpec,
         TrainingSpec,
+        model_section,
         validate,
     )
 
     lay = resolve_layout(cfg, nproc)
-    mc = cfg.model
     dtype = cfg.training.dtype
     if dtype == "auto":
         dtype = "float32" if device_spec.name == "cpu" else "bfloat16"
     zero = {"fsdp": 3, "zero2": 2, "ddp": 0}[cfg.training.data_parallel]
-    model = ModelSpec(arch=mc.arch, layers=mc.layers, hidden=mc.hidden, heads=mc.heads,
-                      kv_heads=mc.kv_heads, ffn_hidden=mc.ffn_hidden, vocab=mc.vocab_size,
-                      seq_len=mc.seq_len, parallel_block=mc.parallel_block,
-                      attention_window=mc.attention_window, experts=mc.experts,
-                      top_k=mc.top_k, capacity_factor=mc.capacity_factor,
-                      tie_embeddings="true" if mc.tie_embeddings else "false", dropout=0.0)
+    model = ModelSpec(**model_section(cfg.model))
     training = TrainingSpec(global_batch=cfg.training.global_batch,
                             micro_batch=cfg.training.micro_batch,
                             recompute=cfg.parallel.activation_checkpoint,

@@ -11,6 +11,7 @@ Unknown sections and keys are errors with a "did you mean" suggestion, like the 
 from __future__ import annotations
 
 import dataclasses
+import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -25,31 +26,58 @@ _f = schema_field
 REQUIRED = object()  # marker default of fields a run must give
 
 
-@dataclass
-class ModelSpec:
-    """The model being trained."""
+# The [model] section is the trainer's own ModelConfig seen with the simulator's defaults: every
+# ModelConfig field is a key here (a field added there appears here, with its help and checks),
+# vocab_size is spelled `vocab` as published tables do, and these fields differ in default
+# (published GPT runs: Megatron-LM's defaults) or type (tie_embeddings: auto by architecture).
+MODEL_RENAMED = {"vocab_size": "vocab"}
+_MODEL_FACE = {
+    "arch": (str, _f("gpt", "gpt (LayerNorm, GELU, biases, learned positions) or llama "
+                     "(RMSNorm, SwiGLU, RoPE, GQA)", choices=("gpt", "llama"))),
+    "layers": (int, _f(REQUIRED, "transformer blocks", min=1)),
+    "hidden": (int, _f(REQUIRED, "model width", min=1)),
+    "heads": (int, _f(REQUIRED, "attention (query) heads", min=1)),
+    "vocab_size": (int, _f(0, "vocabulary size; 0 means 51200 (gpt) or 32000 (llama)", min=0)),
+    "seq_len": (int, _f(2048, "sequence length in tokens", min=1)),
+    "capacity_factor": (float, _f(1.0, "MoE expert capacity factor (padding of expert "
+                                  "batches); 0 means dropless (no padding)", min=0.0)),
+    "tie_embeddings": (str, _f("auto", "share input embedding and output layer: auto (yes for "
+                               "gpt, as Megatron-LM, no for llama), true or false",
+                               choices=("auto", "true", "false"))),
+}
+_MODEL_ONLY_HERE = [  # what the simulator needs and myria's models do not have
+    ("dropout", float, _f(-1.0, "dropout probability of attention and hidden dropout; -1 means "
+                          "0.1 for gpt (Megatron-LM GPT default) and 0 for llama", min=-1.0)),
+]
 
-    arch: str = _f("gpt", "gpt (LayerNorm, GELU, biases, learned positions) or llama (RMSNorm, "
-                   "SwiGLU, RoPE, GQA)", choices=("gpt", "llama"))
-    layers: int = _f(REQUIRED, "transformer blocks", min=1)
-    hidden: int = _f(REQUIRED, "model width", min=1)
-    heads: int = _f(REQUIRED, "attention (query) heads", min=1)
-    kv_heads: int = _f(0, "key/value heads (GQA); 0 means equal to heads", min=0)
-    ffn_hidden: int = _f(0, "MLP inner width; 0 means 4*hidden (gpt) or 8/3*hidden rounded up to "
-                         "64 (llama)", min=0)
-    vocab: int = _f(0, "vocabulary size; 0 means 51200 (gpt) or 32000 (llama)", min=0)
-    seq_len: int = _f(2048, "sequence length in tokens", min=1)
-    parallel_block: bool = _f(False, "parallel attention+MLP block (GPT-J / PaLM / MegaScale)")
-    attention_window: int = _f(0, "sliding-window size; 0 means full causal attention", min=0)
-    experts: int = _f(0, "MoE experts per layer; 0 means a dense MLP", min=0)
-    top_k: int = _f(1, "experts per token (MoE)", min=1)
-    capacity_factor: float = _f(1.0, "MoE expert capacity factor (padding of expert batches); "
-                                "0 means dropless (no padding)", min=0.0)
-    tie_embeddings: str = _f("auto", "share input embedding and output layer: auto (yes for gpt, "
-                             "as Megatron-LM, no for llama), true or false",
-                             choices=("auto", "true", "false"))
-    dropout: float = _f(-1.0, "dropout probability of attention and hidden dropout; -1 means 0.1 "
-                        "for gpt (Megatron-LM GPT default) and 0 for llama", min=-1.0)
+
+def _model_fields() -> list[tuple]:
+    hints = typing.get_type_hints(ModelConfig)
+    out = []
+    for f in dataclasses.fields(ModelConfig):
+        name = MODEL_RENAMED.get(f.name, f.name)
+        if f.name in _MODEL_FACE:
+            out.append((name, *_MODEL_FACE[f.name]))
+        elif f.default_factory is not dataclasses.MISSING:
+            out.append((name, hints[f.name], field(default_factory=f.default_factory,
+                                                   metadata=f.metadata)))
+        else:
+            out.append((name, hints[f.name], field(default=f.default, metadata=f.metadata)))
+    return out + _MODEL_ONLY_HERE
+
+
+ModelSpec = dataclasses.make_dataclass("ModelSpec", _model_fields(), namespace={
+    "__doc__": "The model being trained: myria's ModelConfig as a run file spells it.",
+    "__module__": __name__})
+
+
+def model_section(mc: ModelConfig) -> dict:
+    """The [model] table of a myria ModelConfig (the inverse of `RunSpec.model_config`)."""
+    out = {MODEL_RENAMED.get(f.name, f.name): getattr(mc, f.name)
+           for f in dataclasses.fields(ModelConfig)}
+    out["tie_embeddings"] = "true" if mc.tie_embeddings else "false"
+    out["dropout"] = 0.0  # myria's models have no dropout
+    return out
 
 
 @dataclass
@@ -206,16 +234,16 @@ class RunSpec:
         return 4 if self.training.precision == "fp32" else 2
 
     def model_config(self) -> ModelConfig:
-        """The myria ModelConfig of this run, so that models/flops.py counts its FLOPs."""
+        """The myria ModelConfig of this run (every field passes through by name), so that
+        models/flops.py counts its FLOPs as the live meter does."""
         m = self.model
-        tie = m.tie_embeddings == "true" or (m.tie_embeddings == "auto" and m.arch == "gpt")
-        vocab = m.vocab or (51200 if m.arch == "gpt" else 32000)
-        return ModelConfig(arch=m.arch, vocab_size=vocab, layers=m.layers, hidden=m.hidden,
-                           heads=m.heads, kv_heads=m.kv_heads, ffn_hidden=m.ffn_hidden,
-                           seq_len=m.seq_len, parallel_block=m.parallel_block,
-                           attention_window=m.attention_window, tie_embeddings=tie,
-                           experts=m.experts, top_k=m.top_k if m.experts else 1,
-                           capacity_factor=m.capacity_factor)
+        kw = {f.name: getattr(m, MODEL_RENAMED.get(f.name, f.name))
+              for f in dataclasses.fields(ModelConfig)}
+        kw["tie_embeddings"] = m.tie_embeddings == "true" or (
+            m.tie_embeddings == "auto" and m.arch == "gpt")
+        kw["vocab_size"] = m.vocab or (51200 if m.arch == "gpt" else 32000)
+        kw["top_k"] = m.top_k if m.experts else 1
+        return ModelConfig(**kw)
 
     def replace(self, **sections: dict) -> RunSpec:
         """A copy with some fields changed: replace(parallel={"tp": 4}, overlap={"dp": True})."""
