@@ -75,3 +75,17 @@ def test_simulate_takes_the_failure_rate(capsys):
     # the failure rate prices reliability only, never the step
     assert high["iteration_time_s"] == low["iteration_time_s"]
     assert high["reliability"]["mtbf_s"] == pytest.approx(low["reliability"]["mtbf_s"] / 10)
+
+
+def test_the_analytic_model_imports_no_trainer_code():
+    import subprocess
+    import sys
+
+    code = ("import sys\n"
+            "from myria.sim import cli_plan, cli_simulate, planner, runspec\n"
+            "from myria.sim.perf import simulate\n"
+            "simulate(runspec.load_calibration()[-1])\n"
+            "bad = [m for m in sys.modules if m == 'torch' or m.startswith(('myria.train', "
+            "'myria.parallel', 'myria.resilience', 'myria.measure', 'myria.models.transformer'))]\n"
+            "assert not bad, bad\n")
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)

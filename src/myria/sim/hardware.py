@@ -22,7 +22,7 @@ from myria.sim.runspec import ClusterSpec
 from myria.sim.topology import Fabric
 
 if TYPE_CHECKING:
-    from myria.sim.cpu import CpuProfile
+    from myria.sim.cpu_profile import CpuProfile
 
 # Achieved all-reduce bus bandwidth inside one 8-GPU server (ring over NVLink/NVSwitch,
 # nccl-tests convention busbw = algbw * 2(n-1)/n). DGX A100 ~230 GB/s, DGX H100 ~370 GB/s
@@ -225,15 +225,16 @@ def build_hardware(cluster: ClusterSpec, precision: str = "bf16",
                    spec: DeviceSpec | None = None, cpu: CpuProfile | None = None) -> Hardware:
     """Resolve a run's [cluster] section (with documented defaults) into a Hardware.
 
-    For a "cpu" measured here (no peak or bandwidth given in the run) the cached profile of
-    `myria.sim.cpu` at the trainer's threads per process (cores / processes per node) is used
-    when there is one, or `cpu` when given: its GEMM/SDPA rates, its elementwise bandwidth as the
-    memory bandwidth, and its gloo figures for the collectives between the local processes.
+    For a "cpu" measured here (no peak or bandwidth given in the run) the cached profile
+    (`myria.sim.cpu_profile`, measured by `myria.measure.cpu`) at the trainer's threads per
+    process (cores / processes per node) is used when there is one, or `cpu` when given: its
+    GEMM/SDPA rates, its elementwise bandwidth as the memory bandwidth, and its gloo figures for
+    the collectives between the local processes.
     """
     spec = spec or device_spec(cluster.gpu, cluster)
     is_cpu = spec.name == "cpu"
     if is_cpu and cpu is None and not cluster.peak_tflops and not cluster.memory_bw_gbs:
-        from myria.sim import cpu as cpu_mod
+        from myria.sim import cpu_profile as cpu_mod
 
         gpn0 = min(cluster.gpus_per_node, cluster.gpus)
         cpu = cpu_mod.load_profile(cpu_mod.default_threads(gpn0), gpn0)

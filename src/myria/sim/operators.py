@@ -42,7 +42,7 @@ class Efficiency:
     half_dim: float = 32.0        # GEMM_HALF_DIM (prior): a dimension at half efficiency
     mem: float = 0.85             # E_MEM (prior): achievable fraction of HBM bandwidth
     kernel_overhead_s: float = 3e-6   # KERNEL_OVERHEAD (prior): launch gap per kernel
-    # Measured devices only (the CPU, `myria.sim.cpu`): achieved FLOP/s of GEMMs and attention
+    # Measured devices only (the CPU, `myria.measure.cpu`): achieved FLOP/s of GEMMs and attention
     # kernels by shape, ((key, FLOP/s), ...) with the keys of `rate_key`. Empty: roofline above.
     rates: tuple = ()
 

@@ -44,7 +44,11 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 
 from myria.device import DeviceSpec
-from myria.models.flops import forward_flops_per_token, model_flops_per_token
+from myria.models.flops import (
+    forward_flops_per_token,
+    loss_chunk_rows,
+    model_flops_per_token,
+)
 from myria.sim import collectives as coll
 from myria.sim.hardware import Hardware, build_hardware
 from myria.sim.memory import RESERVED_BYTES, MemoryResult, memory
@@ -258,8 +262,7 @@ def run_shape(run: RunSpec) -> LayerShape:
     ce_chunk = 0
     if k.eager and p.tp == 1 and p.pp == 1:
         # the Engine's loss when pp = tp = 1: myria.models.loss.fused_linear_cross_entropy
-        from myria.models.loss import _chunk_rows
-        ce_chunk = _chunk_rows(run.model_config().vocab_size)
+        ce_chunk = loss_chunk_rows(run.model_config().vocab_size)
     return layer_shape(run.model_config(), run.training.micro_batch, tp=p.tp, cp=p.cp, ep=p.ep,
                        sp=p.sequence_parallel, flash=k.flash_attention, fused=k.fused_ops,
                        dropout=run.dropout, act_bytes=run.act_bytes,
@@ -724,7 +727,7 @@ def config_run(cfg, nproc: int, device_spec: DeviceSpec, gpus_per_node: int = 0
     gpn = gpus_per_node or (nproc if is_cpu else min(8, nproc))
     threads = 0
     if is_cpu:
-        from myria.sim.cpu import default_threads
+        from myria.sim.cpu_profile import default_threads
         threads = cfg.training.threads or default_threads(gpn)
         if measured_here(device_spec):
             from myria.device import cpu_device_spec
@@ -742,7 +745,7 @@ def config_run(cfg, nproc: int, device_spec: DeviceSpec, gpus_per_node: int = 0
 
 
 def simulate_config(cfg, nproc: int, device_spec: DeviceSpec, gpus_per_node: int = 0,
-                    cpu_profile=None, measure: bool = True, **kw) -> StepResult:
+                    cpu_profile=None, **kw) -> StepResult:
     """Predict a myria training Config (`myria.config.Config`) run on `nproc` processes.
 
     The layout comes from cfg.parallel (dp fills the rest); the device is `device_spec` (e.g.
@@ -750,17 +753,17 @@ def simulate_config(cfg, nproc: int, device_spec: DeviceSpec, gpus_per_node: int
     GPU DeviceSpec, 8 per server unless `gpus_per_node` says otherwise). The model is myria's
     own: no dropout, no fused elementwise kernels (`config_run`).
 
-    On a CPU measured here the figures are the CPU profile of `myria.sim.cpu` at the trainer's
-    threads per process: `cpu_profile` if given, else the cached one, measuring the GEMM/SDPA
-    shapes it lacks when `measure` (on `nproc` concurrent processes, gloo included). A CPU
-    described by hand (a DeviceSpec with another source) is priced by its peak and bandwidth.
+    On a CPU measured here the figures are a CPU profile at the trainer's threads per process:
+    `cpu_profile` if given (`myria.measure.cpu.measured_profile` measures what a config needs),
+    else the cached one (`myria.sim.cpu_profile`); this function never measures. A CPU described
+    by hand (a DeviceSpec with another source) is priced by its peak and bandwidth.
     """
     run, device_spec, threads = config_run(cfg, nproc, device_spec, gpus_per_node)
     gpn = run.cluster.gpus_per_node
     prof = cpu_profile
     if threads and prof is None and measured_here(device_spec):
-        from myria.sim import cpu as cpu_mod
-        prof = cpu_mod.profile_for(run_shape(run), threads, gpn, pp=run.parallel.pp,
-                                   measure=measure)
+        from myria.sim.cpu_profile import load_profile
+
+        prof = load_profile(threads, gpn, run_shape(run))
     hw = build_hardware(run.cluster, run.training.precision, spec=device_spec, cpu=prof)
     return simulate(run, hw=hw, **kw)
