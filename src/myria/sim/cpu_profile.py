@@ -7,9 +7,7 @@ number of processes; this module only reads it, so the analytic model imports no
 
 from __future__ import annotations
 
-import json
 import os
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -76,23 +74,15 @@ def _cache_path() -> Path:
 
 
 def _read_cache() -> dict:
-    path = _cache_path()
-    try:
-        return json.loads(path.read_text()) if path.exists() else {}
-    except (OSError, ValueError):
-        return {}
+    from myria.device import read_cache_file
+
+    return read_cache_file(_cache_path())
 
 
 def _write_cache(cache: dict) -> None:
-    path = _cache_path()
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
-        with os.fdopen(fd, "w") as f:
-            json.dump(cache, f, indent=1)
-        os.replace(tmp, path)
-    except OSError:
-        pass
+    from myria.device import write_cache_file
+
+    write_cache_file(_cache_path(), cache)
 
 
 def _update_cache(key: str, entry: dict) -> None:
