@@ -63,6 +63,31 @@ def gemm_ceiling_ratio(device: str) -> float:
         GEMM_CEILING[CALIBRATION_DEVICE]
 
 
+# FlashAttention throughput from the kernels' own published microbenchmarks (bf16/fp16, causal,
+# head dim 128; FLOPs counted as those papers count them: the causal half, backward 2.5x the
+# forward), as fractions of the dense peak: (forward, backward) at long sequences and the
+# sequence length at which a kernel reaches half of that, r(s) = r_inf * s / (s + s_half),
+# fitted to the published curves. Not fitted to any training run (no calibration run uses
+# FlashAttention):
+# - Hopper: FlashAttention-3 (Shah et al. 2024, arXiv 2407.08608, Figs. 5-6, H100 SXM5; the
+#   tables are in sim/data/kernel_benchmarks.toml): forward causal 292/423/521/579/602/616
+#   TFLOP/s at 0.5k-16k, backward (no mask) 316/424/501/542/559/561 (-> 0.64 / 0.58 of 989
+#   TFLOP/s; s_half 440 / 285);
+# - Ampere: FlashAttention-2 (Dao 2023, arXiv 2307.08691, Figs. 4-6, A100 SXM4 80GB): forward
+#   up to ~73% of peak (abstract; ~197 TFLOP/s causal at head dim 128), backward ~175 TFLOP/s
+#   causal at 16k (read off the figure) -> 0.63 / 0.56 of 312 TFLOP/s, with Hopper's s_half.
+# Other devices keep the GEMM roofline for the attention kernels. The head dimension scales the
+# rate by hd/(hd + 38) relative to 128 (FA3 non-causal forward at head dim 64: 497 vs 648
+# TFLOP/s at 16k), capped at the head-dim-128 figure.
+FLASH_ATTENTION = {
+    "ampere": (0.63, 0.56, 440.0, 285.0),
+    "hopper": (0.64, 0.58, 440.0, 285.0),
+}
+FLASH_GENERATION = {"a100-sxm-80gb": "ampere", "a100-sxm-40gb": "ampere",
+                    "h100-sxm-80gb": "hopper", "h200": "hopper", "h800-sxm-80gb": "hopper"}
+FLASH_HEAD_DIM_HALF = 38.0
+
+
 # fp8 tensor-core peak is twice the dense bf16 peak on Hopper (hardware.md: 1,979 vs 989); the
 # A100 has no fp8 tensor cores, so fp8 runs at the bf16 rate there.
 FP8_DEVICES = ("h100-sxm-80gb", "h200", "h800-sxm-80gb")

@@ -249,11 +249,14 @@ def efficiency_for(hw: Hardware) -> Efficiency:
 
 @lru_cache(maxsize=16)
 def _device_efficiency(device: str) -> Efficiency:
-    """The calibrated efficiencies, E_GEMM scaled by the device's matmul ceiling."""
-    from myria.sim.hardware import gemm_ceiling_ratio
+    """The calibrated efficiencies, E_GEMM scaled by the device's matmul ceiling, and the
+    device's FlashAttention rates from the kernels' microbenchmarks (hardware.FLASH_ATTENTION)."""
+    from myria.sim.hardware import FLASH_ATTENTION, FLASH_GENERATION, gemm_ceiling_ratio
 
+    fa = FLASH_ATTENTION.get(FLASH_GENERATION.get(device, ""))
     return dataclasses.replace(DEFAULT_EFFICIENCY,
-                               gemm=DEFAULT_EFFICIENCY.gemm * gemm_ceiling_ratio(device))
+                               gemm=DEFAULT_EFFICIENCY.gemm * gemm_ceiling_ratio(device),
+                               flash=fa[:2] if fa else (), flash_half_seq=fa[2:] if fa else ())
 
 
 def run_shape(run: RunSpec) -> LayerShape:
