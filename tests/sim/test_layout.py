@@ -89,3 +89,20 @@ def test_the_analytic_model_imports_no_trainer_code():
             "'myria.parallel', 'myria.resilience', 'myria.measure', 'myria.models.transformer'))]\n"
             "assert not bad, bad\n")
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+
+
+def test_plan_cli_accepts_126_layers_on_16_stages(capsys):
+    from myria.cli import main
+
+    argv = ["plan", "--gpu", "h100-sxm-80gb", "--arch", "llama", "--layers", "126", "--hidden",
+            "16384", "--heads", "128", "--kv-heads", "8", "--ffn-hidden", "53248", "--vocab",
+            "128256", "--seq-len", "8192", "--global-batch", "2048", "--gpus", "16384",
+            "--pp", "16", "--tp", "8", "--cp", "1", "--recompute", "full,none", "--zero", "1",
+            "--top", "2", "--json"]
+    assert main(argv) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert {"evaluated", "fitting", "seconds", "ranked"} <= set(out) and out["ranked"]
+    for r in out["ranked"]:
+        assert r["layout"]["stage_layers"] == [7] + [8] * 14 + [7]
+        assert r["memory_gb_per_gpu"] <= 0.9 * 80 and r["memory_peak_stage"] in ("first", "mid")
+        assert r["mfu_low"] < r["mfu"] < r["mfu_high"] and 0 < r["ettr"] < 1
