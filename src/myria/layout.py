@@ -64,6 +64,23 @@ def validate_pipeline(layers: int, pp: int, vpp: int, schedule: str,
             f"global_batch / (dp x micro_batch)) to be a multiple of {where}.pp = {pp}")
 
 
+def validate_degrees(m: ModelConfig, tp: int, cp: int, sequence_parallel: bool) -> None:
+    """Raise ConfigError when tensor or context parallelism cannot split the model's tensors
+    (the rules of Megatron-LM and of myria's trainer alike)."""
+    if m.heads % tp or m.n_kv_heads % tp:
+        raise ConfigError(f"parallel.tp = {tp} must divide model.heads = {m.heads} and the "
+                          f"key/value heads = {m.n_kv_heads}")
+    if tp > 1 and m.ffn_dim % tp:
+        raise ConfigError(f"the MLP width {m.ffn_dim} must be divisible by parallel.tp = {tp}")
+    if tp > 1 and sequence_parallel and m.seq_len % tp:
+        raise ConfigError(f"model.seq_len = {m.seq_len} must be divisible by parallel.tp = {tp} "
+                          "for sequence parallelism")
+    if cp > 1 and m.seq_len % (2 * cp):
+        raise ConfigError(f"model.seq_len = {m.seq_len} must be divisible by 2 x parallel.cp = "
+                          f"{2 * cp} (each context-parallel rank holds a head and a tail chunk, "
+                          "which balances the causal work)")
+
+
 def split_layers(cfg: ModelConfig, n_stages: int) -> list[list[int]]:
     """Contiguous layer ranges per stage that minimise the most expensive stage.
 

@@ -30,7 +30,7 @@ import time
 from dataclasses import dataclass, field
 
 from myria.errors import ConfigError
-from myria.layout import SINGLE_STAGE, stage_layers
+from myria.layout import SINGLE_STAGE, stage_layers, validate_degrees
 from myria.sim import perf
 from myria.sim.hardware import build_hardware
 from myria.sim.reliability import Reliability, run_ettr
@@ -90,9 +90,11 @@ def candidates(base: RunSpec, space: SearchSpace):
     """Yield (parallel, training) field dicts of every layout in the search space."""
     m, c = base.model, base.cluster
     gpus = c.gpus
-    tps = space.tp or [t for t in _pow2_upto(min(gpus, 64)) if m.heads % t == 0
-                       and (space.max_tp_across_nodes or t <= c.gpus_per_node)]
-    cps = space.cp or [x for x in _pow2_upto(16) if m.seq_len % x == 0 and m.seq_len // x >= 256]
+    cfg = base.model_config()
+    tps = [t for t in space.tp or [t for t in _pow2_upto(min(gpus, 64)) if space.
+           max_tp_across_nodes or t <= c.gpus_per_node] if _splits(cfg, t, 1)]
+    cps = [x for x in space.cp or [x for x in _pow2_upto(16) if m.seq_len // x >= 256]
+           if _splits(cfg, 1, x)]
     eps = space.ep or ([x for x in _divisors(m.experts)] if m.experts else [1])
     mbs = space.micro_batch or _pow2_upto(16)
     for tp in tps:
@@ -150,6 +152,15 @@ def _schedule(asked: str, vpp: int) -> str:
     if asked == "zero-bubble" or (asked == "gpipe" and vpp == 1):
         return asked
     return "interleaved-1f1b" if vpp > 1 else "1f1b"
+
+
+def _splits(cfg, tp: int, cp: int) -> bool:
+    """Whether tp and cp can split the model's tensors (`myria.layout.validate_degrees`)."""
+    try:
+        validate_degrees(cfg, tp, cp, False)
+    except ConfigError:
+        return False
+    return True
 
 
 def _runnable(offload: str, offload_params: bool, zero: int, shard: int, gpus: int) -> bool:

@@ -367,17 +367,13 @@ def validate(run: RunSpec) -> None:
     if t.global_batch % (dp * t.micro_batch):
         raise ConfigError(f"run {n!r}: training.global_batch = {t.global_batch} is not "
                           f"divisible by dp ({dp}) x training.micro_batch ({t.micro_batch})")
-    from myria.layout import validate_pipeline  # the trainer's own pipeline-layout check
+    from myria.layout import validate_degrees, validate_pipeline
 
-    try:
+    try:  # the trainer's own checks of a layout
         validate_pipeline(m.layers, p.pp, p.vpp, p.schedule, run.microbatches)
+        validate_degrees(run.model_config(), p.tp, p.cp, p.sequence_parallel)
     except ConfigError as e:
         raise ConfigError(f"run {n!r}: {e}") from None
-    if m.heads % p.tp:
-        raise ConfigError(f"run {n!r}: parallel.tp = {p.tp} must divide model.heads = {m.heads}")
-    if m.seq_len % p.cp:
-        raise ConfigError(f"run {n!r}: parallel.cp = {p.cp} must divide model.seq_len = "
-                          f"{m.seq_len}")
     if p.ep > 1:
         if not m.experts:
             raise ConfigError(f"run {n!r}: parallel.ep = {p.ep} needs a MoE model "
