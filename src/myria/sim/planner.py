@@ -17,10 +17,13 @@ interval that maximises it (`reliability.expected_ettr`).
 
 Memory reserve: a layout fits when its predicted peak stays below capacity minus
 `reserve_gb` (default 10% of device memory: 8 GB on an 80 GB GPU). The memory model counts
-1.5 GB for CUDA context and library workspaces and 5% fragmentation; real runs also lose memory
-to allocator fragmentation spikes, NCCL buffers that grow with communicators, and activation
-peaks the model averages, which is why practice (e.g. PyTorch's `expandable_segments` advice,
-Megatron-LM users' reports of OOM above ~90% use) leaves a margin.
+1.5 GB for CUDA context and library workspaces and 5% fragmentation; what it does not see is
+what practice keeps free for: NVIDIA's Megatron-Bridge memory-tuning guide says its own
+theoretical estimator "does not include allocator fragmentation, CUDA/NCCL workspace, CUDA
+graph buffers, token imbalance, or dispatcher workspace" and asks to validate with runtime
+metrics; Huawei's MindSpeed guide shows a 2.7 GB reserved-vs-allocated gap on a 61 GB device
+and caps PyTorch at 94% of device memory to leave the collective library its share. 10% covers
+both (docs/performance_model.md).
 """
 
 from __future__ import annotations
