@@ -522,11 +522,9 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
                           "parameters go to the same files as the optimizer state)")
     if world_size is not None:
         lay = resolve_layout(cfg, world_size)
-        dp = lay["dp"]
-        if t.global_batch % (dp * t.micro_batch):
-            raise ConfigError(
-                f"training.global_batch = {t.global_batch} must be divisible by data-parallel "
-                f"ranks ({dp}) x training.micro_batch ({t.micro_batch}) = {dp * t.micro_batch}")
+        from myria.layout import validate_batch
+
+        validate_batch(t.global_batch, t.micro_batch, lay["dp"])
 
 
 def describe(cfg: Config) -> str:

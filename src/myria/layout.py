@@ -64,6 +64,15 @@ def validate_pipeline(layers: int, pp: int, vpp: int, schedule: str,
             f"global_batch / (dp x micro_batch)) to be a multiple of {where}.pp = {pp}")
 
 
+def validate_batch(global_batch: int, micro_batch: int, dp: int) -> None:
+    """Raise ConfigError unless the data-parallel ranks split the batch into whole
+    microbatches."""
+    if global_batch % (dp * micro_batch):
+        raise ConfigError(
+            f"training.global_batch = {global_batch} must be divisible by data-parallel ranks "
+            f"({dp}) x training.micro_batch ({micro_batch}) = {dp * micro_batch}")
+
+
 def validate_degrees(m: ModelConfig, tp: int, cp: int, sequence_parallel: bool) -> None:
     """Raise ConfigError when tensor or context parallelism cannot split the model's tensors
     (the rules of Megatron-LM and of myria's trainer alike)."""

@@ -64,7 +64,7 @@ def test_measured_section_is_free_form():
     (MINIMAL.replace("gpus = 8", "gpus = 8\nnic_gbps = -1"), ">= 0"),
     (MINIMAL.replace("heads = 4", ""), "model.heads is required"),
     (MINIMAL + "[parallel]\ntp = 3\n", "does not divide cluster.gpus"),
-    (MINIMAL.replace("global_batch = 8", "global_batch = 6"), "not divisible by dp"),
+    (MINIMAL.replace("global_batch = 8", "global_batch = 6"), "divisible by data-parallel ranks"),
     (MINIMAL.replace("layers = 2", "layers = 8") + "[parallel]\npp = 2\nvpp = 2\n",
      "needs an interleaved schedule"),
     (MINIMAL + "[parallel]\nep = 2\n", "needs a MoE model"),

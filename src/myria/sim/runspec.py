@@ -364,12 +364,10 @@ def validate(run: RunSpec) -> None:
     dp = c.gpus // model_par
     if p.dp and p.dp != dp:
         raise ConfigError(f"run {n!r}: parallel.dp = {p.dp} but cluster.gpus/(tp*pp*cp) = {dp}")
-    if t.global_batch % (dp * t.micro_batch):
-        raise ConfigError(f"run {n!r}: training.global_batch = {t.global_batch} is not "
-                          f"divisible by dp ({dp}) x training.micro_batch ({t.micro_batch})")
-    from myria.layout import validate_degrees, validate_pipeline
+    from myria.layout import validate_batch, validate_degrees, validate_pipeline
 
     try:  # the trainer's own checks of a layout
+        validate_batch(t.global_batch, t.micro_batch, dp)
         validate_pipeline(m.layers, p.pp, p.vpp, p.schedule, run.microbatches)
         validate_degrees(run.model_config(), p.tp, p.cp, p.sequence_parallel)
     except ConfigError as e:
