@@ -144,8 +144,10 @@ class ParallelConfig:
     cp: int = _f(1, "context-parallel degree (ring attention)", min=1)
     ep: int = _f(1, "expert-parallel degree (borrows data-parallel ranks)", min=1)
     vpp: int = _f(1, "virtual pipeline chunks per rank (interleaved schedules)", min=1)
-    schedule: str = _f("1f1b", "pipeline schedule",
-                       choices=("gpipe", "1f1b", "interleaved-1f1b", "zero-bubble", "zbv"))
+    schedule: str = _f("1f1b", "pipeline schedule: gpipe, 1f1b, interleaved-1f1b, zero-bubble "
+                       "(torch's interleaved zero-bubble, ZB-H1 order, any vpp) or zbv (V shape, "
+                       "vpp = 2); myria.layout", choices=("gpipe", "1f1b", "interleaved-1f1b",
+                                                          "zero-bubble", "zbv"))
     sequence_parallel: bool = _f(True, "with tp > 1, shard norms and dropout regions along the "
                                  "sequence (Megatron-LM sequence parallelism)")
     loss_parallel: bool = _f(True, "with tp > 1, compute the cross-entropy on vocabulary-sharded "

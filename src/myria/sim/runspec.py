@@ -18,7 +18,13 @@ from typing import Any
 
 import tomllib
 
-from myria.config import ModelConfig, schema_field, section_values, suggest
+from myria.config import (
+    ModelConfig,
+    ParallelConfig,
+    schema_field,
+    section_values,
+    suggest,
+)
 from myria.device import DEVICES, lookup
 from myria.errors import ConfigError
 
@@ -51,24 +57,30 @@ _MODEL_ONLY_HERE = [  # what the simulator needs and myria's models do not have
 ]
 
 
-def _model_fields() -> list[tuple]:
-    hints = typing.get_type_hints(ModelConfig)
+def _face(name: str, src: type, doc: str, overrides: dict, extra: list, keep=None,
+          renamed: dict | None = None) -> type:
+    """A schema dataclass that shows fields of the trainer's `src` dataclass (all, or `keep`)
+    with their help and checks, some spelled differently (`renamed`) or with the simulator's
+    default (`overrides`: name -> (type, field)), plus `extra` fields of its own."""
+    hints = typing.get_type_hints(src)
     out = []
-    for f in dataclasses.fields(ModelConfig):
-        name = MODEL_RENAMED.get(f.name, f.name)
-        if f.name in _MODEL_FACE:
-            out.append((name, *_MODEL_FACE[f.name]))
+    for f in dataclasses.fields(src):
+        if keep is not None and f.name not in keep:
+            continue
+        key = (renamed or {}).get(f.name, f.name)
+        if f.name in overrides:
+            out.append((key, *overrides[f.name]))
         elif f.default_factory is not dataclasses.MISSING:
-            out.append((name, hints[f.name], field(default_factory=f.default_factory,
-                                                   metadata=f.metadata)))
+            out.append((key, hints[f.name], field(default_factory=f.default_factory,
+                                                  metadata=f.metadata)))
         else:
-            out.append((name, hints[f.name], field(default=f.default, metadata=f.metadata)))
-    return out + _MODEL_ONLY_HERE
+            out.append((key, hints[f.name], field(default=f.default, metadata=f.metadata)))
+    return dataclasses.make_dataclass(name, out + extra, namespace={
+        "__doc__": doc, "__module__": __name__})
 
 
-ModelSpec = dataclasses.make_dataclass("ModelSpec", _model_fields(), namespace={
-    "__doc__": "The model being trained: myria's ModelConfig as a run file spells it.",
-    "__module__": __name__})
+ModelSpec = _face("ModelSpec", ModelConfig, "The model being trained: myria's ModelConfig as a "
+                  "run file spells it.", _MODEL_FACE, _MODEL_ONLY_HERE, renamed=MODEL_RENAMED)
 
 
 def model_section(mc: ModelConfig) -> dict:
@@ -111,26 +123,22 @@ class TrainingSpec:
                                "loader prefetches behind compute)", min=0.0)
 
 
-@dataclass
-class ParallelSpec:
-    """The parallel layout; dp is what remains of the GPUs after tp*pp*cp."""
-
-    tp: int = _f(1, "tensor-parallel degree", min=1)
-    pp: int = _f(1, "pipeline stages", min=1)
-    cp: int = _f(1, "context-parallel degree (ring attention over the sequence)", min=1)
-    ep: int = _f(1, "expert-parallel degree (taken from the data-parallel ranks)", min=1)
-    vpp: int = _f(1, "virtual pipeline chunks per rank (interleaved schedules)", min=1)
-    dp: int = _f(0, "data-parallel degree; 0 means gpus/(tp*pp*cp), otherwise it is checked",
-                 min=0)
-    dp_shard: int = _f(0, "HSDP: data-parallel ranks one ZeRO shard group spans (0: all of "
-                       "them); the dp/dp_shard replicas all-reduce their sharded gradients once "
-                       "per step", min=0)
-    sequence_parallel: bool = _f(False, "Megatron sequence parallelism (norm/dropout activations "
-                                 "sharded over tp; all-gather + reduce-scatter instead of "
-                                 "all-reduce)")
-    schedule: str = _f("1f1b", "pipeline schedule: gpipe, 1f1b, interleaved-1f1b, zero-bubble "
-                       "(ZB-H1) or zbv (ZB-V, vpp=2)",
-                       choices=("gpipe", "1f1b", "interleaved-1f1b", "zero-bubble", "zbv"))
+# The [parallel] section: the trainer's degrees, interleaving, schedule and sequence parallelism
+# (`myria.config.ParallelConfig`, same help and checks), with the data-parallel degree of a
+# cluster run (dp fills the GPUs; the trainer's dp_replicate x dp_shard) and sequence
+# parallelism off by default, as in the published runs without it.
+ParallelSpec = _face(
+    "ParallelSpec", ParallelConfig, "The parallel layout; dp is what remains of the GPUs after "
+    "tp*pp*cp.", {"sequence_parallel": (bool, _f(False, "Megatron sequence parallelism "
+                                                 "(norm/dropout activations sharded over tp; "
+                                                 "all-gather + reduce-scatter instead of "
+                                                 "all-reduce)"))},
+    [("dp", int, _f(0, "data-parallel degree; 0 means gpus/(tp*pp*cp), otherwise it is "
+                    "checked", min=0)),
+     ("dp_shard", int, _f(0, "HSDP: data-parallel ranks one ZeRO shard group spans (0: all of "
+                          "them); the dp/dp_shard replicas all-reduce their sharded gradients "
+                          "once per step", min=0))],
+    keep=("tp", "pp", "cp", "ep", "vpp", "schedule", "sequence_parallel"))
 
 
 @dataclass
