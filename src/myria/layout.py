@@ -29,6 +29,10 @@ from myria.config import ModelConfig
 from myria.errors import ConfigError
 from myria.models.flops import forward_flops_per_token
 
+# The mesh's dimensions, outermost first: consecutive ranks fill tp, then cp, then the
+# data-parallel shard and replica dimensions, then pp (Megatron-LM's order; the trainer's
+# DeviceMesh, the placement of ranks on hosts and the simulator's communicators all use it)
+MESH_ORDER = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
 SCHEDULE_NAMES = ("gpipe", "1f1b", "interleaved-1f1b", "zero-bubble", "zbv")
 SINGLE_STAGE = ("gpipe", "1f1b")              # one stage (chunk) per rank
 ZERO_BUBBLE = ("zero-bubble", "zbv")          # backward split into input and weight gradients
@@ -39,6 +43,16 @@ def stage_ids(pp_rank: int, pp: int, vpp: int, schedule: str) -> list[int]:
     if schedule == "zbv":
         return [pp_rank, 2 * pp - 1 - pp_rank]
     return [pp_rank + i * pp for i in range(vpp)]
+
+
+def strides(degrees: dict[str, int]) -> dict[str, int]:
+    """Rank distance between neighbours along each mesh dimension (`MESH_ORDER`) for the given
+    degrees (missing dimensions are 1): tp 1, cp tp, dp_shard tp x cp, ..."""
+    out, step = {}, 1
+    for name in reversed(MESH_ORDER):
+        out[name] = step
+        step *= degrees.get(name, 1)
+    return out
 
 
 def validate_pipeline(layers: int, pp: int, vpp: int, schedule: str,

@@ -194,19 +194,25 @@ def _sum_ops(ops: tuple[Op, ...], overlap_tp: bool, tp: int, cp: int,
 @lru_cache(maxsize=4096)
 def _groups(hw: Hardware, tp: int, cp: int, ep: int, dp: int, pp: int,
             dp_shard: int = 0) -> dict:
-    """Communicators of a layout (Megatron rank order: tp, cp, dp, pp; ep inside dp). Under
-    HSDP (`dp_shard`) the data-parallel ranks split into shard groups of dp_shard x cp
-    neighbours ("dps") and replica groups across them ("dpr")."""
+    """Communicators of a layout, placed as the trainer's mesh places them
+    (`myria.layout.MESH_ORDER`: tp fastest, then cp, dp_shard, dp_replicate, pp; ep inside the
+    data-parallel ranks). Data-parallel reductions run over dp x cp (cp ranks hold the same
+    parameters); under HSDP (`dp_shard`) over shard groups of dp_shard x cp neighbours ("dps")
+    and replica groups across them ("dpr")."""
+    from myria.layout import strides
+
     shard = (dp_shard or dp) * cp
+    st = strides({"tp": tp, "cp": cp, "dp_shard": dp_shard or dp,
+                  "dp_replicate": dp // (dp_shard or dp), "pp": pp})
     return {
-        "tp": coll.make_group(hw, tp, 1),
-        "cp": coll.make_group(hw, cp, tp),
-        "ep": coll.make_group(hw, ep, tp * cp),
-        "dp": coll.make_group(hw, dp * cp, tp),
-        "dps": coll.make_group(hw, shard, tp),
-        "dpr": coll.make_group(hw, dp * cp // shard, tp * shard),
-        "edp": coll.make_group(hw, max(1, dp * cp // ep), tp * cp * ep),
-        "pp": coll.make_group(hw, pp, tp * cp * dp),
+        "tp": coll.make_group(hw, tp, st["tp"]),
+        "cp": coll.make_group(hw, cp, st["cp"]),
+        "ep": coll.make_group(hw, ep, st["cp"] * cp),
+        "dp": coll.make_group(hw, dp * cp, st["cp"]),
+        "dps": coll.make_group(hw, shard, st["cp"]),
+        "dpr": coll.make_group(hw, dp * cp // shard, st["dp_replicate"]),
+        "edp": coll.make_group(hw, max(1, dp * cp // ep), st["cp"] * cp * ep),
+        "pp": coll.make_group(hw, pp, st["pp"]),
     }
 
 
