@@ -2,7 +2,7 @@
 
     .venv/bin/python bench/sim_selfcheck.py [--steps 10] [--warmup 3] [--only demo,pp2]
 
-In one invocation: (1) measure this CPU's figures (`myria.sim.cpu`: GEMM rates for every shape
+In one invocation: (1) measure this CPU's figures (`myria.measure.cpu`: GEMM rates for every shape
 the configurations run, SDPA, elementwise bandwidth, kernel overhead, optimizer, and gloo
 collectives between 2 local processes), with the threads per process the trainer uses
 (cores / processes), refreshing the cache; (2) predict each configuration's step time with
@@ -159,7 +159,7 @@ def load_config(case: Case):
 def measure_case(case: Case) -> dict:
     """Re-measure every figure `case` needs now, as it will run: `nproc` processes at once."""
     from myria.device import cpu_device_spec
-    from myria.sim import cpu
+    from myria.measure import cpu
     from myria.sim.perf import config_run, run_shape
 
     cfg = load_config(case)
@@ -186,12 +186,12 @@ def measure_case(case: Case) -> dict:
 def predict(case: Case) -> dict:
     """The simulator's prediction of `case` from the cached (just measured) figures."""
     from myria.device import cpu_device_spec
-    from myria.sim.cpu import default_threads
+    from myria.sim.cpu_profile import default_threads
     from myria.sim.perf import simulate_config
 
     cfg = load_config(case)
     threads = cfg.training.threads or default_threads(case.nproc)
-    res = simulate_config(cfg, case.nproc, cpu_device_spec(threads=threads), measure=False)
+    res = simulate_config(cfg, case.nproc, cpu_device_spec(threads=threads))
     t = res.iteration_time_s
     return {"step_s": t, "mfu": res.mfu, "threads": threads, "layout": res.layout,
             "breakdown_s": {k: round(v, 4) for k, v in res.breakdown.items() if v},
@@ -267,7 +267,7 @@ def write_markdown(result: dict) -> None:
         f"torch {m['torch']}, Python {m['python']}; date {DATE}.",
         "",
         "The simulator predicts each step from figures measured on this CPU just before "
-        "(`myria.sim.cpu`, threads per process = cores / processes, as the trainer sets them); "
+        "(`myria.measure.cpu`, threads per process = cores / processes, as the trainer sets them); "
         "then `myria train` runs the configuration through the CLI and the median "
         f"`step_time_s` after {result['warmup']} warm-up steps is the measured figure. "
         "The machine is shared: before each configuration the bench waits (up to "

@@ -20,12 +20,17 @@ import tomllib
 from myria.errors import ConfigError
 
 
-def _f(default: Any, help: str, choices: tuple | None = None, min: float | None = None):
-    """A config field with its description, allowed choices and lower bound."""
+def schema_field(default: Any, help: str, choices: tuple | None = None,
+                 min: float | None = None):
+    """A config field with its description, allowed choices and lower bound (the schema of
+    both the training config and the simulator's run files)."""
     meta = {"help": help, "choices": choices, "min": min}
     if isinstance(default, (list, dict)):
         return field(default_factory=lambda: type(default)(default), metadata=meta)
     return field(default=default, metadata=meta)
+
+
+_f = schema_field
 
 
 @dataclass
@@ -139,8 +144,10 @@ class ParallelConfig:
     cp: int = _f(1, "context-parallel degree (ring attention)", min=1)
     ep: int = _f(1, "expert-parallel degree (borrows data-parallel ranks)", min=1)
     vpp: int = _f(1, "virtual pipeline chunks per rank (interleaved schedules)", min=1)
-    schedule: str = _f("1f1b", "pipeline schedule",
-                       choices=("gpipe", "1f1b", "interleaved-1f1b", "zero-bubble", "zbv"))
+    schedule: str = _f("1f1b", "pipeline schedule: gpipe, 1f1b, interleaved-1f1b, zero-bubble "
+                       "(torch's interleaved zero-bubble, ZB-H1 order, any vpp) or zbv (V shape, "
+                       "vpp = 2); myria.layout", choices=("gpipe", "1f1b", "interleaved-1f1b",
+                                                          "zero-bubble", "zbv"))
     sequence_parallel: bool = _f(True, "with tp > 1, shard norms and dropout regions along the "
                                  "sequence (Megatron-LM sequence parallelism)")
     loss_parallel: bool = _f(True, "with tp > 1, compute the cross-entropy on vocabulary-sharded "
@@ -326,9 +333,11 @@ SECTIONS: dict[str, type] = {
 }
 
 
-def _suggest(name: str, valid: typing.Iterable[str]) -> str:
+def suggest(name: str, valid: typing.Iterable[str]) -> str:
+    """' (did you mean ...?)' for the closest valid name, or ''."""
     close = difflib.get_close_matches(name, list(valid), n=1)
     return f" (did you mean {close[0]!r}?)" if close else ""
+
 
 
 def _field_type(cls: type, name: str) -> type:
@@ -339,10 +348,12 @@ def _field_type(cls: type, name: str) -> type:
     return t
 
 
-def _coerce(section: str, cls: type, name: str, value: Any) -> Any:
-    where = f"{section}.{name}"
+def coerce(where: str, cls: type, name: str, value: Any) -> Any:
+    """`value` checked and converted for field `name` of schema dataclass `cls` (type, choices,
+    lower bound of its `_f` metadata); `where` names it in the error ("training.steps")."""
     t = _field_type(cls, name)
     meta = next(f.metadata for f in dataclasses.fields(cls) if f.name == name)
+    choices = meta.get("choices")
     if t is bool:
         if isinstance(value, str) and value.lower() in ("true", "false", "1", "0", "yes", "no"):
             value = value.lower() in ("true", "1", "yes")
@@ -359,16 +370,34 @@ def _coerce(section: str, cls: type, name: str, value: Any) -> Any:
             raise ConfigError(f"{where} = {value!r}: expected a number")
         value = float(value)
     elif t is str:
+        if isinstance(value, bool) and choices and "true" in choices:
+            value = "true" if value else "false"     # tri-state fields: auto, true, false
         if not isinstance(value, str):
             raise ConfigError(f"{where} = {value!r}: expected a string")
-    choices = meta.get("choices")
+        if choices and value not in choices and value.lower() in choices:
+            value = value.lower()
     if choices and value not in choices:
         raise ConfigError(f"{where} = {value!r}: must be one of {', '.join(map(str, choices))}"
-                          + _suggest(str(value), map(str, choices)))
+                          + suggest(str(value), map(str, choices)))
     lo = meta.get("min")
     if lo is not None and value < lo:
         raise ConfigError(f"{where} = {value!r}: must be >= {lo}")
     return value
+
+
+def section_values(section: str, cls: type, values: Any, prefix: str = "") -> dict[str, Any]:
+    """The checked values of one TOML table for schema dataclass `cls`: unknown keys are errors
+    with a "did you mean"; `prefix` starts every message (e.g. "run 'x': ")."""
+    if not isinstance(values, dict):
+        raise ConfigError(f"{prefix}[{section}] must be a table of key = value pairs")
+    names = [f.name for f in dataclasses.fields(cls)]
+    out = {}
+    for key, value in values.items():
+        if key not in names:
+            raise ConfigError(f"{prefix}unknown key {section}.{key}" + suggest(key, names)
+                              + f"; valid keys of [{section}]: {', '.join(names)}")
+        out[key] = coerce(f"{prefix}{section}.{key}", cls, key, value)
+    return out
 
 
 def from_dict(data: dict, base: Config | None = None) -> Config:
@@ -377,17 +406,10 @@ def from_dict(data: dict, base: Config | None = None) -> Config:
     for section, values in data.items():
         if section not in SECTIONS:
             raise ConfigError(f"unknown config section [{section}]; valid sections: "
-                              f"{', '.join(SECTIONS)}" + _suggest(section, SECTIONS))
-        if not isinstance(values, dict):
-            raise ConfigError(f"[{section}] must be a table of key = value pairs")
-        cls = SECTIONS[section]
+                              f"{', '.join(SECTIONS)}" + suggest(section, SECTIONS))
         obj = getattr(cfg, section)
-        names = [f.name for f in dataclasses.fields(cls)]
-        for key, value in values.items():
-            if key not in names:
-                raise ConfigError(f"unknown key {section}.{key}" + _suggest(key, names)
-                                  + f"; valid keys of [{section}]: {', '.join(names)}")
-            setattr(obj, key, _coerce(section, cls, key, value))
+        for key, value in section_values(section, SECTIONS[section], values).items():
+            setattr(obj, key, value)
     return cfg
 
 
@@ -491,10 +513,9 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
                           f" = {t.global_batch}")
     if cfg.optimizer.beta1 >= 1 or cfg.optimizer.beta2 >= 1:
         raise ConfigError("optimizer.beta1 and optimizer.beta2 must be < 1")
-    if par.vpp > 1 and par.schedule not in ("interleaved-1f1b", "zero-bubble", "zbv"):
-        raise ConfigError(f"parallel.vpp = {par.vpp} needs an interleaved schedule "
-                          "(interleaved-1f1b, zero-bubble or zbv), not "
-                          f"parallel.schedule = {par.schedule!r}")
+    from myria.layout import validate_pipeline  # the one pipeline-layout check
+
+    validate_pipeline(m.layers, par.pp, par.vpp, par.schedule)
     if par.cpu_offload and par.offload == "nvme":
         raise ConfigError("parallel.cpu_offload = true (an alias of offload = 'cpu') contradicts "
                           "parallel.offload = 'nvme'; set one of them")
@@ -503,11 +524,9 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
                           "parameters go to the same files as the optimizer state)")
     if world_size is not None:
         lay = resolve_layout(cfg, world_size)
-        dp = lay["dp"]
-        if t.global_batch % (dp * t.micro_batch):
-            raise ConfigError(
-                f"training.global_batch = {t.global_batch} must be divisible by data-parallel "
-                f"ranks ({dp}) x training.micro_batch ({t.micro_batch}) = {dp * t.micro_batch}")
+        from myria.layout import validate_batch
+
+        validate_batch(t.global_batch, t.micro_batch, lay["dp"])
 
 
 def describe(cfg: Config) -> str:

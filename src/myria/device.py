@@ -95,15 +95,17 @@ class Figure:
     measured_at: str = ""     # when the best value was measured
 
 
-def _load_figures() -> dict:
+def read_cache_file(path: Path) -> dict:
+    """A JSON cache of measured figures ({} when missing or unreadable: measure again)."""
     try:
-        return json.loads(_figures_path().read_text())
+        return json.loads(path.read_text())
     except (OSError, ValueError):
         return {}
 
 
-def _save_figures(cache: dict) -> None:
-    path = _figures_path()
+def write_cache_file(path: Path, cache: dict) -> None:
+    """Replace a JSON cache atomically (a temporary file per process, then rename); a cache
+    that cannot be written is skipped, never an error."""
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
@@ -111,6 +113,14 @@ def _save_figures(cache: dict) -> None:
         tmp.replace(path)
     except OSError:
         pass
+
+
+def _load_figures() -> dict:
+    return read_cache_file(_figures_path())
+
+
+def _save_figures(cache: dict) -> None:
+    write_cache_file(_figures_path(), cache)
 
 
 @contextlib.contextmanager

@@ -176,7 +176,7 @@ def test_analyze_never_asks_for_more_than_the_machine_has(capsys):
 def test_measuring_a_model_too_large_for_this_host_is_refused():
     from myria import config as mconfig
     from myria.errors import ConfigError
-    from myria.sim.cpu import check_measurable
+    from myria.measure.cpu import check_measurable
     from myria.sim.hardware import device_spec
     from myria.sim.perf import config_run, run_shape
 

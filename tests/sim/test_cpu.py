@@ -8,8 +8,8 @@ import pytest
 
 from myria.config import Config
 from myria.device import DeviceSpec
+from myria.measure import cpu
 from myria.sim import collectives as coll
-from myria.sim import cpu
 from myria.sim.hardware import build_hardware
 from myria.sim.operators import Op, layer_shape, measured_rate, op_time, rate_key
 from myria.sim.perf import config_run, efficiency_for, run_shape, simulate_config

@@ -26,6 +26,12 @@ from myria.config import ModelConfig
 CONVENTIONS = ("dense", "causal", "megatron")
 
 
+def loss_chunk_rows(vocab: int, target_elems: int = 1 << 22) -> int:
+    """Rows per chunk of myria's fused linear + cross-entropy (models/loss.py): logits of
+    about `target_elems` elements at a time (the planner prices the same chunks)."""
+    return max(16, target_elems // max(vocab, 1))
+
+
 @dataclass
 class ForwardFlops:
     """Forward FLOPs per token, by operator, summed over all layers."""

@@ -12,9 +12,7 @@ from __future__ import annotations
 
 import torch
 
-
-def _chunk_rows(vocab: int, target_elems: int = 1 << 22) -> int:
-    return max(16, target_elems // max(vocab, 1))
+from myria.models.flops import loss_chunk_rows
 
 
 class _FusedLinearCE(torch.autograd.Function):
@@ -78,4 +76,4 @@ def fused_linear_cross_entropy(h: torch.Tensor, weight: torch.Tensor, targets: t
     """Mean cross-entropy of `h @ weight.T (+ bias)` against `targets`; h is (..., hidden)."""
     h2 = h.reshape(-1, h.shape[-1])
     t = targets.reshape(-1)
-    return _FusedLinearCE.apply(h2, weight, bias, t, chunk or _chunk_rows(weight.shape[0]))
+    return _FusedLinearCE.apply(h2, weight, bias, t, chunk or loss_chunk_rows(weight.shape[0]))

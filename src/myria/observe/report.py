@@ -248,7 +248,7 @@ def prediction(run_dir: Path) -> dict | None:
         world = max(1, sum(1 for _ in (run_dir / rundir.EVENTS_DIR).glob("rank*.jsonl")))
         spec = planning_device(cfg.training.dtype if cfg.training.dtype != "auto"
                                else "float32")
-        res = simulate_config(cfg, world, spec, measure=False)
+        res = simulate_config(cfg, world, spec)
     except Exception as e:  # a prediction is a bonus: say why there is none
         return {"error": f"{type(e).__name__}: {e}"}
     return {"iteration_time_s": res.iteration_time_s, "mfu": res.mfu,

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-ORDER = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
+from myria.layout import MESH_ORDER as ORDER
 
 
 def build_mesh(layout: dict[str, int], device_type: str, cluster=None) -> DeviceMesh | None:

@@ -27,75 +27,28 @@ from torch.distributed.pipelining.schedules import (
 
 from myria.config import ModelConfig
 from myria.errors import ConfigError
-from myria.models.flops import forward_flops_per_token
+from myria.layout import (  # noqa: F401  (split_layers, stage_ids: the trainer's names)
+    SCHEDULE_NAMES,
+    SINGLE_STAGE,
+    split_layers,
+    stage_ids,
+    validate_pipeline,
+)
 
 SCHEDULES = {
     "gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved-1f1b": ScheduleInterleaved1F1B,
     "zero-bubble": ScheduleInterleavedZeroBubble, "zbv": ScheduleZBVZeroBubble,
 }
-SINGLE_STAGE = ("gpipe", "1f1b")
-
-
-def stage_ids(pp_rank: int, pp: int, vpp: int, schedule: str) -> list[int]:
-    """Global indices of the stages held by pipeline rank `pp_rank`."""
-    if schedule == "zbv":
-        return [pp_rank, 2 * pp - 1 - pp_rank]
-    return [pp_rank + i * pp for i in range(vpp)]
+assert tuple(SCHEDULES) == SCHEDULE_NAMES
 
 
 def validate(cfg: ModelConfig, pp: int, vpp: int, schedule: str, n_microbatches: int) -> None:
-    """Clear errors for layouts the schedules cannot run."""
-    if schedule in SINGLE_STAGE and vpp != 1:
-        raise ConfigError(f"parallel.schedule = {schedule!r} runs one stage per rank; set "
-                          "parallel.vpp = 1 or use interleaved-1f1b / zero-bubble / zbv")
-    if schedule == "zbv" and vpp != 2:
-        raise ConfigError("parallel.schedule = 'zbv' holds exactly two stages per rank (a V): "
-                          f"set parallel.vpp = 2 (got {vpp})")
-    stages = pp * vpp
-    if cfg.layers < stages:
-        raise ConfigError(f"model.layers = {cfg.layers} cannot fill pp x vpp = {stages} "
-                          "pipeline stages; use fewer stages or more layers")
+    """Clear errors for layouts the schedules cannot run (`myria.layout.validate_pipeline`)
+    and for what the trainer does not support under pipelining."""
+    validate_pipeline(cfg.layers, pp, vpp, schedule, n_microbatches)
     if cfg.tie_embeddings:
         raise ConfigError("model.tie_embeddings is not supported with pipeline parallelism "
                           "(the embedding and the head live on different stages)")
-    if schedule not in SINGLE_STAGE and n_microbatches % pp:
-        raise ConfigError(
-            f"the {schedule} schedule needs the microbatches per step ({n_microbatches} = "
-            f"global_batch / (dp x micro_batch)) to be a multiple of parallel.pp = {pp}")
-
-
-def split_layers(cfg: ModelConfig, n_stages: int) -> list[list[int]]:
-    """Contiguous layer ranges per stage that minimise the most expensive stage.
-
-    Costs are forward FLOPs per token: every block costs the same; the first stage adds the
-    embedding lookup (about one FLOP per element, negligible) and the last adds the final norm
-    and head (2 h V), expressed in blocks.
-    """
-    f = forward_flops_per_token(cfg)
-    per_layer = (f.total - f.logits) / cfg.layers
-    head = f.logits / per_layer
-    n = cfg.layers
-
-    def cost(stage: int, lo: int, hi: int) -> float:
-        return (hi - lo) + (head if stage == n_stages - 1 else 0.0)
-
-    # best[s][i]: minimal max-cost of placing layers [0, i) on stages [0, s)
-    inf = float("inf")
-    best = [[inf] * (n + 1) for _ in range(n_stages + 1)]
-    cut = [[0] * (n + 1) for _ in range(n_stages + 1)]
-    best[0][0] = 0.0
-    for s in range(1, n_stages + 1):
-        for i in range(s, n - (n_stages - s) + 1):
-            for j in range(s - 1, i):
-                c = max(best[s - 1][j], cost(s - 1, j, i))
-                if c < best[s][i]:
-                    best[s][i], cut[s][i] = c, j
-    ranges, i = [], n
-    for s in range(n_stages, 0, -1):
-        j = cut[s][i]
-        ranges.append(list(range(j, i)))
-        i = j
-    return ranges[::-1]
 
 
 def stage_module(model: nn.Module, layers: list[int], first: bool, last: bool) -> nn.Module:

@@ -18,8 +18,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-# mesh dimension order used by myria.parallel.mesh (outermost first)
-DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
+from myria.layout import MESH_ORDER as DIMS  # outermost first, as myria.parallel.mesh
 
 
 @dataclass

@@ -75,3 +75,39 @@ def uncertainty() -> float:
         return float(json.loads(UNCERTAINTY.read_text())["band"])
     except (OSError, ValueError, KeyError):
         return DEFAULT_BAND
+
+
+# -- kernel microbenchmarks ----------------------------------------------------------------------
+KERNEL_BENCHMARKS = Path(__file__).resolve().parent / "data" / "kernel_benchmarks.toml"
+FLASH_KERNEL = {"hopper": "flash-attention-3", "ampere": "flash-attention-2"}
+
+
+def kernel_tables() -> list[dict]:
+    """The published attention-kernel tables (data/kernel_benchmarks.toml)."""
+    import tomllib
+
+    return tomllib.loads(KERNEL_BENCHMARKS.read_text())["table"]
+
+
+def attention_tflops(device: str, direction: str, seq: int, flash: bool,
+                     head_dim: int = 128, hidden: int = 2048) -> float:
+    """The model's attention-kernel rate in the setting of the published microbenchmarks
+    (batch x seq = 16k tokens, `hidden` split in heads of `head_dim`): TFLOP/s of the FLOPs the
+    kernels execute (FlashAttention: the causal half; unfused attention: every score), forward
+    or backward (2.5x the forward FLOPs), from the operators' roofline times."""
+    from myria.config import ModelConfig
+    from myria.sim.hardware import build_hardware
+    from myria.sim.operators import layer_shape, timed_layer_ops
+    from myria.sim.perf import efficiency_for
+    from myria.sim.runspec import ClusterSpec
+
+    hw = build_hardware(ClusterSpec(gpu=device, gpus=8), "bf16")
+    b = max(1, 16384 // seq)
+    cfg = ModelConfig(arch="gpt", layers=1, hidden=hidden, heads=hidden // head_dim,
+                      seq_len=seq, vocab_size=1024)
+    shape = layer_shape(cfg, b, flash=flash, fused=False, dropout=0.0)
+    ops = timed_layer_ops(shape, hw.peak_flops, hw.mem_bw, efficiency_for(hw))
+    t = sum(o.time for o in ops if o.attn_core and o.phase == direction)
+    flops = 4 * b * seq * seq * hidden * (0.5 if flash else 1.0) * \
+        (2.5 if direction == "bwd" else 1.0)
+    return flops / t / 1e12

@@ -59,7 +59,10 @@ def _load(args) -> StepResult:
     from myria.device import planning_device
 
     spec = device_spec(args.gpu) if args.gpu else planning_device(cfg.training.dtype)
-    return simulate_config(cfg, nproc, spec, detail=True)
+    from myria.measure.cpu import measured_profile
+
+    return simulate_config(cfg, nproc, spec, cpu_profile=measured_profile(cfg, nproc, spec),
+                           detail=True)
 
 
 def run(args: argparse.Namespace) -> int:

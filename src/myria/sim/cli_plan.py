@@ -18,7 +18,7 @@ import json
 from pathlib import Path
 
 from myria.errors import ConfigError
-from myria.sim import runspec
+from myria.sim import reliability, runspec
 from myria.sim.planner import SearchSpace, plan
 from myria.sim.runspec import (
     RunSpec,
@@ -101,14 +101,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--reserve-gb", type=_at_least(0.0, float), default=None,
                         help="device memory kept free beyond the model's estimate (default: "
                         "10%% of device memory; see docs/performance_model.md)")
-    g = parser.add_argument_group("reliability (expected effective training time)")
-    g.add_argument("--failures-per-gpu-hour", type=_at_least(0.0, float), default=None,
-                   help="failure rate per GPU-hour (default 1.97e-5: Llama 3 405B, 419 "
-                   "interruptions in 54 days on 16,384 GPUs)")
-    g.add_argument("--restart-s", type=_at_least(0.0, float), default=None,
-                   help="time to restart a failed job, excluding checkpoint load (default 300)")
-    g.add_argument("--storage-gbs", type=_at_least(1e-3, float), default=None,
-                   help="checkpoint storage bandwidth per server, GB/s (default 5)")
+    reliability.add_arguments(parser, _at_least(1e-3, float), _at_least(0.0, float))
     parser.add_argument("--json", action="store_true", help="print the ranked layouts as JSON")
     g = parser.add_argument_group("pipeline schedule drawing")
     g.add_argument("--show-schedule", metavar="PNG", help="draw a pipeline schedule to PNG")
@@ -147,13 +140,7 @@ def _base_from_args(args) -> RunSpec:
             from myria import config as mconfig
 
             cfg = mconfig.load(p)
-            mc = cfg.model
-            model = dict(arch=mc.arch, layers=mc.layers, hidden=mc.hidden, heads=mc.heads,
-                         kv_heads=mc.kv_heads, ffn_hidden=mc.ffn_hidden, vocab=mc.vocab_size,
-                         seq_len=mc.seq_len, parallel_block=mc.parallel_block,
-                         attention_window=mc.attention_window, experts=mc.experts,
-                         top_k=mc.top_k, dropout=0.0,
-                         tie_embeddings="true" if mc.tie_embeddings else "false")
+            model = runspec.model_section(cfg.model)
             training = dict(global_batch=cfg.training.global_batch)
             name = p.stem
     for flag, key in (("arch", "arch"), ("layers", "layers"), ("hidden", "hidden"),
@@ -182,21 +169,17 @@ def _base_from_args(args) -> RunSpec:
                       (cluster.get("gpu"), "--gpu"), (cluster.get("gpus"), "--gpus")):
         if req is None:
             raise ConfigError(f"myria plan needs {what}")
-    from myria.config import ModelConfig, validate_model
-
-    validate_model(ModelConfig(arch=model.get("arch", "gpt"), layers=model["layers"],
-                               hidden=model["hidden"], heads=model["heads"],
-                               kv_heads=model.get("kv_heads") or 0,
-                               seq_len=model.get("seq_len") or 2048,
-                               experts=model.get("experts") or 0,
-                               top_k=model.get("top_k") or 1))
     data = {"name": name, "model": model, "training": training, "cluster": cluster,
             "kernels": kernels, "overlap": overlap, "parallel": parallel}
     # reuse the run-file parser for types, defaults and checks; search fields are reset
     training.pop("micro_batch", None)
     for k in ("recompute", "zero_stage"):
         training.pop(k, None)
-    return runspec.parse_run(data, check=False)
+    base = runspec.parse_run(data, check=False)
+    from myria.config import validate_model
+
+    validate_model(base.model_config())  # the layout is the search's: only the model's checks
+    return base
 
 
 def _space(args) -> SearchSpace:
@@ -238,7 +221,7 @@ def run(args: argparse.Namespace) -> int:
         return _draw_only(args)
     base = _base_from_args(args)
     res = plan(base, _space(args), top=args.top, reserve_gb=args.reserve_gb,
-               reliability=_reliability(args))
+               reliability=reliability.from_args(args))
     if args.json:
         print(json.dumps({"evaluated": res.evaluated, "fitting": res.fitting,
                           "seconds": res.seconds, "offloaded": res.offloaded,
@@ -258,20 +241,6 @@ def run(args: argparse.Namespace) -> int:
                     title=f"best layout {_layout(lay)}: {sched}, p={p}, vpp={v}, m={m}")
         print(f"schedule of the best layout: bubble {frac:.1%} -> {args.show_schedule}")
     return 0
-
-
-def _reliability(args):
-    from myria.sim.reliability import Reliability
-
-    r = Reliability()
-    if args.failures_per_gpu_hour is not None:
-        r = dataclasses.replace(r, failures_per_gpu_hour=args.failures_per_gpu_hour)
-    if args.restart_s is not None:
-        r = dataclasses.replace(r, restart_s=args.restart_s)
-    if args.storage_gbs is not None:
-        r = dataclasses.replace(r, storage_write_gbs_per_node=args.storage_gbs,
-                                storage_read_gbs_per_node=args.storage_gbs)
-    return r
 
 
 def _layout(lay: dict) -> str:

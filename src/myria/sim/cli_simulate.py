@@ -6,7 +6,8 @@ import argparse
 import json
 
 from myria.errors import ConfigError
-from myria.sim import runspec
+from myria.sim import reliability, runspec
+from myria.sim.hardware import build_hardware
 from myria.sim.perf import StepResult, simulate
 
 BREAKDOWN_LABELS = {
@@ -27,6 +28,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="simulate only the run(s) with this name (repeatable)")
     parser.add_argument("--schema", action="store_true",
                         help="print the run schema with every default and exit")
+    from myria.sim.cli_plan import _at_least
+
+    reliability.add_arguments(parser, _at_least(1e-3, float), _at_least(0.0, float))
 
 
 def _select(runs: list[runspec.RunSpec], names: list[str]) -> list[runspec.RunSpec]:
@@ -59,7 +63,7 @@ def _print_table(pairs: list[tuple[runspec.RunSpec, StepResult]]) -> None:
     con = Console(width=max(190, Console().width))
     tab = Table(title="myria simulate: predicted iteration", show_lines=False)
     for col in ("run", "layout", "iter s", "meas s", "err", "MFU", "TFLOP/s", "hw TFLOP/s",
-                "tok/s", "mem GB", "fits", "largest costs"):
+                "tok/s", "mem GB", "fits", "ETTR", "ckpt every", "largest costs"):
         tab.add_column(col, justify="left" if col in ("run", "layout", "largest costs")
                        else "right", no_wrap=col != "largest costs")
     errs = []
@@ -80,14 +84,17 @@ def _print_table(pairs: list[tuple[runspec.RunSpec, StepResult]]) -> None:
                     f"{err:+.1%}" if err is not None else "-", f"{res.mfu:.1%}",
                     f"{res.tflops_per_gpu:.0f}", f"{res.hardware_tflops_per_gpu:.0f}",
                     f"{res.tokens_per_s:,.0f}", f"{res.memory_gb_per_gpu:.1f}",
-                    "yes" if res.fits else "NO", costs)
+                    "yes" if res.fits else "NO", f"{res.extra['ettr']:.3f}",
+                    f"{res.extra['checkpoint_interval_steps']} steps", costs)
     con.print(tab)
     if errs:
         con.print(f"mean absolute error of iteration time over {len(errs)} measured run(s): "
                   f"{sum(errs) / len(errs):.2%}")
     con.print("TFLOP/s and MFU count model FLOPs as myria's live meter does (every matmul, 3x "
               "its forward); --json adds mfu_megatron (Narayanan et al. 2021's formula, as "
-              "published tables use it); hw TFLOP/s adds recomputation.")
+              "published tables use it); hw TFLOP/s adds recomputation. ETTR: expected "
+              "share of wall time in kept steps under failures (--failures-per-gpu-hour), "
+              "checkpointing at the Young/Daly interval shown.")
     for run, res in pairs:
         for w in res.warnings:
             con.print(f"[yellow]warning[/yellow] {run.name}: {w}")
@@ -100,6 +107,11 @@ def run(args: argparse.Namespace) -> int:
     path = args.run_file or str(runspec.calibration_path())
     runs = _select(runspec.load(path), args.run)
     pairs = [(r, simulate(r)) for r in runs]
+    rel = reliability.from_args(args)
+    for r, res in pairs:
+        e = reliability.run_ettr(res, r, build_hardware(r.cluster, r.training.precision), rel)
+        res.extra.update(ettr=e.ettr, checkpoint_interval_steps=e.interval_steps,
+                         reliability=e.to_json())
     if args.json:
         for r, res in pairs:
             obj = res.to_json()

@@ -23,7 +23,7 @@ from myria.sim.hardware import ALPHA_BASE_S, ALPHA_INTER_S, ALPHA_INTRA_S, Hardw
 from myria.sim.network import pattern_factor
 
 if TYPE_CHECKING:
-    from myria.sim.cpu import CpuProfile
+    from myria.sim.cpu_profile import CpuProfile
 
 
 @dataclass(frozen=True)

@@ -22,7 +22,7 @@ from myria.sim.runspec import ClusterSpec
 from myria.sim.topology import Fabric
 
 if TYPE_CHECKING:
-    from myria.sim.cpu import CpuProfile
+    from myria.sim.cpu_profile import CpuProfile
 
 # Achieved all-reduce bus bandwidth inside one 8-GPU server (ring over NVLink/NVSwitch,
 # nccl-tests convention busbw = algbw * 2(n-1)/n). DGX A100 ~230 GB/s, DGX H100 ~370 GB/s
@@ -61,6 +61,31 @@ def gemm_ceiling_ratio(device: str) -> float:
     """E_GEMM multiplier of `device`: its matmul ceiling over the calibration device's."""
     return GEMM_CEILING.get(device, GEMM_CEILING[CALIBRATION_DEVICE]) / \
         GEMM_CEILING[CALIBRATION_DEVICE]
+
+
+# FlashAttention throughput from the kernels' own published microbenchmarks (bf16/fp16, causal,
+# head dim 128; FLOPs counted as those papers count them: the causal half, backward 2.5x the
+# forward), as fractions of the dense peak: (forward, backward) at long sequences and the
+# sequence length at which a kernel reaches half of that, r(s) = r_inf * s / (s + s_half),
+# fitted to the published curves. Not fitted to any training run (no calibration run uses
+# FlashAttention):
+# - Hopper: FlashAttention-3 (Shah et al. 2024, arXiv 2407.08608, Figs. 5-6, H100 SXM5; the
+#   tables are in sim/data/kernel_benchmarks.toml): forward causal 292/423/521/579/602/616
+#   TFLOP/s at 0.5k-16k, backward (no mask) 316/424/501/542/559/561 (-> 0.64 / 0.58 of 989
+#   TFLOP/s; s_half 440 / 285);
+# - Ampere: FlashAttention-2 (Dao 2023, arXiv 2307.08691, Figs. 4-6, A100 SXM4 80GB): forward
+#   up to ~73% of peak (abstract; ~197 TFLOP/s causal at head dim 128), backward ~175 TFLOP/s
+#   causal at 16k (read off the figure) -> 0.63 / 0.56 of 312 TFLOP/s, with Hopper's s_half.
+# Other devices keep the GEMM roofline for the attention kernels. The head dimension scales the
+# rate by hd/(hd + 38) relative to 128 (FA3 non-causal forward at head dim 64: 497 vs 648
+# TFLOP/s at 16k), capped at the head-dim-128 figure.
+FLASH_ATTENTION = {
+    "ampere": (0.63, 0.56, 440.0, 285.0),
+    "hopper": (0.64, 0.58, 440.0, 285.0),
+}
+FLASH_GENERATION = {"a100-sxm-80gb": "ampere", "a100-sxm-40gb": "ampere",
+                    "h100-sxm-80gb": "hopper", "h200": "hopper", "h800-sxm-80gb": "hopper"}
+FLASH_HEAD_DIM_HALF = 38.0
 
 
 # fp8 tensor-core peak is twice the dense bf16 peak on Hopper (hardware.md: 1,979 vs 989); the
@@ -225,15 +250,16 @@ def build_hardware(cluster: ClusterSpec, precision: str = "bf16",
                    spec: DeviceSpec | None = None, cpu: CpuProfile | None = None) -> Hardware:
     """Resolve a run's [cluster] section (with documented defaults) into a Hardware.
 
-    For a "cpu" measured here (no peak or bandwidth given in the run) the cached profile of
-    `myria.sim.cpu` at the trainer's threads per process (cores / processes per node) is used
-    when there is one, or `cpu` when given: its GEMM/SDPA rates, its elementwise bandwidth as the
-    memory bandwidth, and its gloo figures for the collectives between the local processes.
+    For a "cpu" measured here (no peak or bandwidth given in the run) the cached profile
+    (`myria.sim.cpu_profile`, measured by `myria.measure.cpu`) at the trainer's threads per
+    process (cores / processes per node) is used when there is one, or `cpu` when given: its
+    GEMM/SDPA rates, its elementwise bandwidth as the memory bandwidth, and its gloo figures for
+    the collectives between the local processes.
     """
     spec = spec or device_spec(cluster.gpu, cluster)
     is_cpu = spec.name == "cpu"
     if is_cpu and cpu is None and not cluster.peak_tflops and not cluster.memory_bw_gbs:
-        from myria.sim import cpu as cpu_mod
+        from myria.sim import cpu_profile as cpu_mod
 
         gpn0 = min(cluster.gpus_per_node, cluster.gpus)
         cpu = cpu_mod.load_profile(cpu_mod.default_threads(gpn0), gpn0)

@@ -91,14 +91,15 @@ def head_activation_bytes(shape: LayerShape, first: bool, last: bool) -> float:
     return total
 
 
-def in_flight_microbatches(schedule: str, p: int, v: int, m: int) -> float:
-    """Microbatches whose activations the first stage holds at its peak (in units of its layers)."""
+def in_flight_microbatches(schedule: str, p: int, v: int, m: int, rank: int = 0) -> float:
+    """Microbatches whose activations pipeline rank `rank` (default the first) holds at its
+    peak, in units of its layers: rank r of 1F1B holds min(m, p - r)."""
     if p <= 1:
         return 1.0
     if schedule == "gpipe":
         return float(m)
-    base = float(min(m, p))
-    if schedule == "interleaved-1f1b" and v > 1:
+    base = float(min(m, p - rank))
+    if schedule in ("interleaved-1f1b", "zero-bubble") and v > 1:
         return base * (1 + (p - 1) / (p * v))
     return base
 
@@ -155,14 +156,18 @@ def memory(shape: LayerShape, *, layers: int, pp: int, vpp: int, microbatches: i
            schedule: str, recompute: str, zero_stage: int, dp: int, ep: int, precision: str,
            offload: str, capacity: float, gpus_per_node: int,
            reserved: float = RESERVED_BYTES, reshard_after_forward: bool = True,
-           shard: int = 0, offload_params: bool = False) -> MemoryResult:
+           shard: int = 0, offload_params: bool = False,
+           stage_layers: dict | None = None) -> MemoryResult:
     """Peak memory over the pipeline stages of one device (the first and last stage differ).
 
     `reserved` is what the runtime holds outside the tensors (CUDA context, library
     workspaces, NCCL buffers on a GPU; 0 on a CPU, where none of these exist).
     Offload: the optimizer state leaves the device (cpu or nvme); under cpu with ZeRO-3 also
     the sharded weights and gradients (FSDP2's CPUOffloadPolicy); under nvme with
-    `offload_params` the weights, of which three layers stay (myria.train.offload_params)."""
+    `offload_params` the weights, of which three layers stay (myria.train.offload_params).
+    `stage_layers` gives uneven stages' layers per rank ({"first", "mid", "last"}: the
+    busiest middle rank is priced as the second, which holds the most in-flight microbatches
+    of the middle ranks); default layers / pp everywhere."""
     mixed = precision != "fp32"
     w_b = 2 if mixed else 4
     g_b = 4
@@ -170,12 +175,14 @@ def memory(shape: LayerShape, *, layers: int, pp: int, vpp: int, microbatches: i
     # ZeRO shards over the gradient-reduction ranks (dp x cp), or over an HSDP shard group
     shard = max(1, shard or dp)
     expert_shard = max(1, dp // ep)
-    per_stage = layers / pp
     a_layer = _act(shape, recompute)
     results = []
     stages = [("only", True, True)] if pp == 1 else [("first", True, False),
                                                      ("last", False, True)]
+    if stage_layers and pp > 2:
+        stages.insert(1, ("mid", False, False))
     for name, first, last in stages:
+        per_stage = (stage_layers or {}).get(name, layers / pp)
         dense, expert = stage_params(shape, per_stage, first, last, ep)
         w = dense * w_b + expert * w_b
         g = dense * g_b + expert * g_b
@@ -204,7 +211,8 @@ def memory(shape: LayerShape, *, layers: int, pp: int, vpp: int, microbatches: i
             if offload_params:
                 host += w * gpus_per_node
                 w = 3 * (dense + expert) / per_stage * w_b
-        in_flight = in_flight_microbatches(schedule, pp, vpp, microbatches)
+        in_flight = in_flight_microbatches(schedule, pp, vpp, microbatches,
+                                           1 if name == "mid" else 0)
         if pp == 1:
             in_flight = 1.0
         act = per_stage * in_flight * a_layer

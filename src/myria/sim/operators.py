@@ -42,7 +42,13 @@ class Efficiency:
     half_dim: float = 32.0        # GEMM_HALF_DIM (prior): a dimension at half efficiency
     mem: float = 0.85             # E_MEM (prior): achievable fraction of HBM bandwidth
     kernel_overhead_s: float = 3e-6   # KERNEL_OVERHEAD (prior): launch gap per kernel
-    # Measured devices only (the CPU, `myria.sim.cpu`): achieved FLOP/s of GEMMs and attention
+    # FlashAttention kernels (device facts from their published microbenchmarks, see
+    # hardware.FLASH_ATTENTION): (forward, backward) fraction of the dense peak at long
+    # sequences and head dim 128, (forward, backward) sequence length at half that rate;
+    # () keeps the GEMM roofline for attention
+    flash: tuple = ()
+    flash_half_seq: tuple = ()
+    # Measured devices only (the CPU, `myria.measure.cpu`): achieved FLOP/s of GEMMs and attention
     # kernels by shape, ((key, FLOP/s), ...) with the keys of `rate_key`. Empty: roofline above.
     rates: tuple = ()
 
@@ -111,18 +117,15 @@ class LayerShape:
     fp8: bool = False
     eager: bool = False        # myria's eager PyTorch modules (the CPU self-check), see below
     ce_chunk: int = 0          # eager: rows per chunk of the fused linear+cross-entropy; 0: plain
+    model: tuple = ()          # the ModelConfig's (field, value) pairs: `model_config()`
 
     @property
     def head_dim(self) -> int:
         return self.hidden // self.heads
 
     def model_config(self) -> ModelConfig:
-        return ModelConfig(arch=self.arch, vocab_size=self.vocab, layers=self.layers,
-                           hidden=self.hidden, heads=self.heads, kv_heads=self.kv_heads,
-                           ffn_hidden=self.ffn, seq_len=self.seq_len,
-                           parallel_block=self.parallel_block, attention_window=self.window,
-                           experts=self.experts, top_k=self.top_k if self.experts else 1,
-                           capacity_factor=self.capacity_factor)
+        """The ModelConfig this shape was made from (every field, as `layer_shape` got it)."""
+        return ModelConfig(**dict(self.model))
 
 
 def layer_shape(cfg: ModelConfig, micro_batch: int, *, tp: int = 1, cp: int = 1, ep: int = 1,
@@ -136,7 +139,14 @@ def layer_shape(cfg: ModelConfig, micro_batch: int, *, tp: int = 1, cp: int = 1,
                       capacity_factor=cfg.capacity_factor, parallel_block=cfg.parallel_block,
                       layers=cfg.layers, micro_batch=micro_batch, tp=tp, cp=cp, ep=ep,
                       sp=sp and tp > 1, flash=flash, fused=fused, dropout=dropout,
-                      act_bytes=act_bytes, fp8=fp8, eager=eager, ce_chunk=ce_chunk)
+                      act_bytes=act_bytes, fp8=fp8, eager=eager, ce_chunk=ce_chunk,
+                      model=config_items(cfg))
+
+
+def config_items(cfg: ModelConfig) -> tuple:
+    """A ModelConfig as hashable (field, value) pairs (lists become tuples)."""
+    return tuple((f.name, tuple(v) if isinstance(v := getattr(cfg, f.name), list) else v)
+                 for f in dataclasses.fields(cfg))
 
 
 def _per_layer_flops(shape: LayerShape) -> tuple[ForwardFlops, ForwardFlops]:
@@ -636,6 +646,17 @@ def shape_factor(dims: tuple, half_dim: float) -> float:
     return f
 
 
+def flash_efficiency(op: Op, eff: Efficiency) -> float:
+    """Achieved fraction of the dense peak of a FlashAttention kernel (`Efficiency.flash`):
+    r_inf * s / (s + s_half) along the key length, times the head-dimension factor."""
+    from myria.sim.hardware import FLASH_HEAD_DIM_HALF as c
+
+    s_q, s_kv, hd = op.dims
+    i = 0 if op.phase == "fwd" else 1
+    r = eff.flash[i] * s_kv / (s_kv + eff.flash_half_seq[i])
+    return r * min(1.0, hd / (hd + c) / (128 / (128 + c)))
+
+
 def rate_key(op: Op) -> tuple:
     """Key of an op in a measured rate table: (layout, M, N, K) or (attn-*, batch, s_q, s_kv,
     head_dim, query heads per key/value head); ("bw", layout) for memory-bound kernels (their
@@ -705,7 +726,10 @@ def op_time(op: Op, peak_flops: float, mem_bw: float, eff: Efficiency) -> tuple[
         rate = measured_rate(op, eff.rates)
         if rate:
             return op.flops / rate + overhead, "compute"
-        kappa = eff.gemm * shape_factor(op.dims, eff.half_dim)
+        if op.kind == "attn" and eff.flash:
+            kappa = flash_efficiency(op, eff)
+        else:
+            kappa = eff.gemm * shape_factor(op.dims, eff.half_dim)
         t_cmp = op.flops / (peak_flops * kappa) if kappa > 0 else float("inf")
         if t_cmp >= t_mem:
             return t_cmp + overhead, "compute"

@@ -44,7 +44,11 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 
 from myria.device import DeviceSpec
-from myria.models.flops import forward_flops_per_token, model_flops_per_token
+from myria.models.flops import (
+    forward_flops_per_token,
+    loss_chunk_rows,
+    model_flops_per_token,
+)
 from myria.sim import collectives as coll
 from myria.sim.hardware import Hardware, build_hardware
 from myria.sim.memory import RESERVED_BYTES, MemoryResult, memory
@@ -190,19 +194,25 @@ def _sum_ops(ops: tuple[Op, ...], overlap_tp: bool, tp: int, cp: int,
 @lru_cache(maxsize=4096)
 def _groups(hw: Hardware, tp: int, cp: int, ep: int, dp: int, pp: int,
             dp_shard: int = 0) -> dict:
-    """Communicators of a layout (Megatron rank order: tp, cp, dp, pp; ep inside dp). Under
-    HSDP (`dp_shard`) the data-parallel ranks split into shard groups of dp_shard x cp
-    neighbours ("dps") and replica groups across them ("dpr")."""
+    """Communicators of a layout, placed as the trainer's mesh places them
+    (`myria.layout.MESH_ORDER`: tp fastest, then cp, dp_shard, dp_replicate, pp; ep inside the
+    data-parallel ranks). Data-parallel reductions run over dp x cp (cp ranks hold the same
+    parameters); under HSDP (`dp_shard`) over shard groups of dp_shard x cp neighbours ("dps")
+    and replica groups across them ("dpr")."""
+    from myria.layout import strides
+
     shard = (dp_shard or dp) * cp
+    st = strides({"tp": tp, "cp": cp, "dp_shard": dp_shard or dp,
+                  "dp_replicate": dp // (dp_shard or dp), "pp": pp})
     return {
-        "tp": coll.make_group(hw, tp, 1),
-        "cp": coll.make_group(hw, cp, tp),
-        "ep": coll.make_group(hw, ep, tp * cp),
-        "dp": coll.make_group(hw, dp * cp, tp),
-        "dps": coll.make_group(hw, shard, tp),
-        "dpr": coll.make_group(hw, dp * cp // shard, tp * shard),
-        "edp": coll.make_group(hw, max(1, dp * cp // ep), tp * cp * ep),
-        "pp": coll.make_group(hw, pp, tp * cp * dp),
+        "tp": coll.make_group(hw, tp, st["tp"]),
+        "cp": coll.make_group(hw, cp, st["cp"]),
+        "ep": coll.make_group(hw, ep, st["cp"] * cp),
+        "dp": coll.make_group(hw, dp * cp, st["cp"]),
+        "dps": coll.make_group(hw, shard, st["cp"]),
+        "dpr": coll.make_group(hw, dp * cp // shard, st["dp_replicate"]),
+        "edp": coll.make_group(hw, max(1, dp * cp // ep), st["cp"] * cp * ep),
+        "pp": coll.make_group(hw, pp, st["pp"]),
     }
 
 
@@ -245,11 +255,14 @@ def efficiency_for(hw: Hardware) -> Efficiency:
 
 @lru_cache(maxsize=16)
 def _device_efficiency(device: str) -> Efficiency:
-    """The calibrated efficiencies, E_GEMM scaled by the device's matmul ceiling."""
-    from myria.sim.hardware import gemm_ceiling_ratio
+    """The calibrated efficiencies, E_GEMM scaled by the device's matmul ceiling, and the
+    device's FlashAttention rates from the kernels' microbenchmarks (hardware.FLASH_ATTENTION)."""
+    from myria.sim.hardware import FLASH_ATTENTION, FLASH_GENERATION, gemm_ceiling_ratio
 
+    fa = FLASH_ATTENTION.get(FLASH_GENERATION.get(device, ""))
     return dataclasses.replace(DEFAULT_EFFICIENCY,
-                               gemm=DEFAULT_EFFICIENCY.gemm * gemm_ceiling_ratio(device))
+                               gemm=DEFAULT_EFFICIENCY.gemm * gemm_ceiling_ratio(device),
+                               flash=fa[:2] if fa else (), flash_half_seq=fa[2:] if fa else ())
 
 
 def run_shape(run: RunSpec) -> LayerShape:
@@ -258,8 +271,7 @@ def run_shape(run: RunSpec) -> LayerShape:
     ce_chunk = 0
     if k.eager and p.tp == 1 and p.pp == 1:
         # the Engine's loss when pp = tp = 1: myria.models.loss.fused_linear_cross_entropy
-        from myria.models.loss import _chunk_rows
-        ce_chunk = _chunk_rows(run.model_config().vocab_size)
+        ce_chunk = loss_chunk_rows(run.model_config().vocab_size)
     return layer_shape(run.model_config(), run.training.micro_batch, tp=p.tp, cp=p.cp, ep=p.ep,
                        sp=p.sequence_parallel, flash=k.flash_attention, fused=k.fused_ops,
                        dropout=run.dropout, act_bytes=run.act_bytes,
@@ -267,18 +279,19 @@ def run_shape(run: RunSpec) -> LayerShape:
 
 
 def _stage_layers(run: RunSpec, eager: bool) -> dict[str, float]:
-    """Layers per pipeline rank by kind: L/pp everywhere, or myria's FLOP-balanced split."""
+    """Layers per pipeline rank by kind (first, busiest middle, last rank).
+
+    Equal stages (L/pp each) when pp x vpp divides the layers and the run is not myria's own
+    eager runtime (Megatron-LM's split); otherwise the trainer's split (`myria.layout`: stages
+    balanced by forward FLOPs, so the output layer's stage holds fewer layers)."""
     L, pp, v = run.model.layers, run.parallel.pp, run.parallel.vpp
     if pp == 1:
         return {"only": float(L)}
-    even = {"first": L / pp, "mid": L / pp, "last": L / pp}
-    if not eager or run.parallel.schedule == "zbv":
-        return even
-    from myria.parallel.pipeline import split_layers, stage_ids
+    if not eager and L % (pp * v) == 0:
+        return {"first": L / pp, "mid": L / pp, "last": L / pp}
+    from myria.layout import rank_layers
 
-    ranges = split_layers(run.model_config(), pp * v)
-    per_rank = [sum(len(ranges[s]) for s in stage_ids(r, pp, v, run.parallel.schedule))
-                for r in range(pp)]
+    per_rank = rank_layers(run.model_config(), pp, v, run.parallel.schedule)
     mid = per_rank[1:-1]
     return {"first": float(per_rank[0]), "mid": float(max(mid)) if mid else 0.0,
             "last": float(per_rank[-1])}
@@ -298,9 +311,6 @@ def simulate(run: RunSpec, hw: Hardware | None = None, eff: Efficiency | None = 
     L = cfg.layers
     e = run.act_bytes
     warnings: list[str] = []
-    if L % (pp * v):
-        warnings.append(f"layers ({L}) not divisible by pp*vpp ({pp * v}): stages hold "
-                        f"{L / (pp * v):.2f} layers per chunk on average")
 
     gkey = (tp, cp, ep, dp, pp)
     hsdp = par.dp_shard if 0 < par.dp_shard < dp and tr.zero_stage >= 1 else 0
@@ -316,7 +326,6 @@ def simulate(run: RunSpec, hw: Hardware | None = None, eff: Efficiency | None = 
 
     eager = eager_supported(shape)
     n_layers = _stage_layers(run, eager)
-    per_stage = L / pp
     kinds = [("only", True, True)] if pp == 1 else \
         [("first", True, False), ("mid", False, False), ("last", False, True)]
     counts = {"only": 1, "first": 1, "last": 1, "mid": max(0, pp - 2)}
@@ -336,7 +345,9 @@ def simulate(run: RunSpec, hw: Hardware | None = None, eff: Efficiency | None = 
 
     # data-parallel state per device, for the busiest (first) stage
     from myria.sim.memory import stage_params
-    dense0, expert0 = stage_params(shape, n_layers[kinds[0][0]], True, pp == 1, ep)
+    # (uneven stages: the rank holding the most parameters)
+    dense0, expert0 = max((stage_params(shape, n_layers[k], f, la, ep) for k, f, la in kinds),
+                          key=sum)
     g_b, w_b = 4, (4 if tr.precision == "fp32" else 2)
     t_grad = coll.allreduce(dense0 * g_b, groups["dp"])[0] + \
         coll.allreduce(expert0 * g_b, groups["edp"])[0]
@@ -526,7 +537,8 @@ def simulate(run: RunSpec, hw: Hardware | None = None, eff: Efficiency | None = 
                  offload_params=tr.offload_params, capacity=hw.memory_bytes,
                  gpus_per_node=hw.gpus_per_node,
                  reserved=0.0 if hw.device == "cpu" else RESERVED_BYTES,
-                 reshard_after_forward=tr.reshard_after_forward, shard=shard_n)
+                 reshard_after_forward=tr.reshard_after_forward, shard=shard_n,
+                 stage_layers=n_layers if pp > 1 else None)
     if tr.offload != "none":
         cap = (hw.server.host_memory_gb if tr.offload == "cpu" else hw.server.nvme_gb) * 1e9
         mem.host_fits = mem.host_bytes_per_node <= cap
@@ -570,7 +582,8 @@ def simulate(run: RunSpec, hw: Hardware | None = None, eff: Efficiency | None = 
         layout=layout, details=details, warnings=warnings)
     if detail:
         ops = timed_layer_ops(shape, hw.peak_flops, hw.mem_bw, eff)
-        res.ops = op_table(run, res, ops, stages[crit], per_stage, m, crit, hw, eff, groups)
+        res.ops = op_table(run, res, ops, stages[crit], n_layers[crit], m, crit, hw, eff,
+                           groups)
     return res
 
 
@@ -698,21 +711,16 @@ def config_run(cfg, nproc: int, device_spec: DeviceSpec, gpus_per_node: int = 0
         OverlapSpec,
         ParallelSpec,
         TrainingSpec,
+        model_section,
         validate,
     )
 
     lay = resolve_layout(cfg, nproc)
-    mc = cfg.model
     dtype = cfg.training.dtype
     if dtype == "auto":
         dtype = "float32" if device_spec.name == "cpu" else "bfloat16"
     zero = {"fsdp": 3, "zero2": 2, "ddp": 0}[cfg.training.data_parallel]
-    model = ModelSpec(arch=mc.arch, layers=mc.layers, hidden=mc.hidden, heads=mc.heads,
-                      kv_heads=mc.kv_heads, ffn_hidden=mc.ffn_hidden, vocab=mc.vocab_size,
-                      seq_len=mc.seq_len, parallel_block=mc.parallel_block,
-                      attention_window=mc.attention_window, experts=mc.experts,
-                      top_k=mc.top_k, capacity_factor=mc.capacity_factor,
-                      tie_embeddings="true" if mc.tie_embeddings else "false", dropout=0.0)
+    model = ModelSpec(**model_section(cfg.model))
     training = TrainingSpec(global_batch=cfg.training.global_batch,
                             micro_batch=cfg.training.micro_batch,
                             recompute=cfg.parallel.activation_checkpoint,
@@ -721,15 +729,14 @@ def config_run(cfg, nproc: int, device_spec: DeviceSpec, gpus_per_node: int = 0
                             offload=cfg.parallel.offload_tier,
                             offload_params=cfg.parallel.offload_params)
     par = ParallelSpec(tp=lay["tp"], pp=lay["pp"], cp=lay["cp"], ep=lay["ep"],
-                       vpp=cfg.parallel.vpp, schedule=cfg.parallel.schedule
-                       if cfg.parallel.schedule != "zbv" or cfg.parallel.vpp == 2 else "1f1b",
+                       vpp=cfg.parallel.vpp, schedule=cfg.parallel.schedule,
                        sequence_parallel=cfg.parallel.sequence_parallel and lay["tp"] > 1,
                        dp_shard=lay["dp_shard"] if lay["dp_replicate"] > 1 else 0)
     is_cpu = device_spec.name == "cpu"
     gpn = gpus_per_node or (nproc if is_cpu else min(8, nproc))
     threads = 0
     if is_cpu:
-        from myria.sim.cpu import default_threads
+        from myria.sim.cpu_profile import default_threads
         threads = cfg.training.threads or default_threads(gpn)
         if measured_here(device_spec):
             from myria.device import cpu_device_spec
@@ -747,7 +754,7 @@ def config_run(cfg, nproc: int, device_spec: DeviceSpec, gpus_per_node: int = 0
 
 
 def simulate_config(cfg, nproc: int, device_spec: DeviceSpec, gpus_per_node: int = 0,
-                    cpu_profile=None, measure: bool = True, **kw) -> StepResult:
+                    cpu_profile=None, **kw) -> StepResult:
     """Predict a myria training Config (`myria.config.Config`) run on `nproc` processes.
 
     The layout comes from cfg.parallel (dp fills the rest); the device is `device_spec` (e.g.
@@ -755,17 +762,17 @@ def simulate_config(cfg, nproc: int, device_spec: DeviceSpec, gpus_per_node: int
     GPU DeviceSpec, 8 per server unless `gpus_per_node` says otherwise). The model is myria's
     own: no dropout, no fused elementwise kernels (`config_run`).
 
-    On a CPU measured here the figures are the CPU profile of `myria.sim.cpu` at the trainer's
-    threads per process: `cpu_profile` if given, else the cached one, measuring the GEMM/SDPA
-    shapes it lacks when `measure` (on `nproc` concurrent processes, gloo included). A CPU
-    described by hand (a DeviceSpec with another source) is priced by its peak and bandwidth.
+    On a CPU measured here the figures are a CPU profile at the trainer's threads per process:
+    `cpu_profile` if given (`myria.measure.cpu.measured_profile` measures what a config needs),
+    else the cached one (`myria.sim.cpu_profile`); this function never measures. A CPU described
+    by hand (a DeviceSpec with another source) is priced by its peak and bandwidth.
     """
     run, device_spec, threads = config_run(cfg, nproc, device_spec, gpus_per_node)
     gpn = run.cluster.gpus_per_node
     prof = cpu_profile
     if threads and prof is None and measured_here(device_spec):
-        from myria.sim import cpu as cpu_mod
-        prof = cpu_mod.profile_for(run_shape(run), threads, gpn, pp=run.parallel.pp,
-                                   measure=measure)
+        from myria.sim.cpu_profile import load_profile
+
+        prof = load_profile(threads, gpn, run_shape(run))
     hw = build_hardware(run.cluster, run.training.precision, spec=device_spec, cpu=prof)
     return simulate(run, hw=hw, **kw)

@@ -17,10 +17,13 @@ interval that maximises it (`reliability.expected_ettr`).
 
 Memory reserve: a layout fits when its predicted peak stays below capacity minus
 `reserve_gb` (default 10% of device memory: 8 GB on an 80 GB GPU). The memory model counts
-1.5 GB for CUDA context and library workspaces and 5% fragmentation; real runs also lose memory
-to allocator fragmentation spikes, NCCL buffers that grow with communicators, and activation
-peaks the model averages, which is why practice (e.g. PyTorch's `expandable_segments` advice,
-Megatron-LM users' reports of OOM above ~90% use) leaves a margin.
+1.5 GB for CUDA context and library workspaces and 5% fragmentation; what it does not see is
+what practice keeps free for: NVIDIA's Megatron-Bridge memory-tuning guide says its own
+theoretical estimator "does not include allocator fragmentation, CUDA/NCCL workspace, CUDA
+graph buffers, token imbalance, or dispatcher workspace" and asks to validate with runtime
+metrics; Huawei's MindSpeed guide shows a 2.7 GB reserved-vs-allocated gap on a 61 GB device
+and caps PyTorch at 94% of device memory to leave the collective library its share. 10% covers
+both (docs/performance_model.md).
 """
 
 from __future__ import annotations
@@ -30,9 +33,10 @@ import time
 from dataclasses import dataclass, field
 
 from myria.errors import ConfigError
+from myria.layout import SINGLE_STAGE, stage_layers, validate_degrees
 from myria.sim import perf
 from myria.sim.hardware import build_hardware
-from myria.sim.reliability import Reliability, expected_ettr
+from myria.sim.reliability import Reliability, run_ettr
 from myria.sim.runspec import RunSpec
 
 RESERVE_SHARE = 0.10  # default memory reserve: a share of device memory (module docstring)
@@ -89,9 +93,11 @@ def candidates(base: RunSpec, space: SearchSpace):
     """Yield (parallel, training) field dicts of every layout in the search space."""
     m, c = base.model, base.cluster
     gpus = c.gpus
-    tps = space.tp or [t for t in _pow2_upto(min(gpus, 64)) if m.heads % t == 0
-                       and (space.max_tp_across_nodes or t <= c.gpus_per_node)]
-    cps = space.cp or [x for x in _pow2_upto(16) if m.seq_len % x == 0 and m.seq_len // x >= 256]
+    cfg = base.model_config()
+    tps = [t for t in space.tp or [t for t in _pow2_upto(min(gpus, 64)) if space.
+           max_tp_across_nodes or t <= c.gpus_per_node] if _splits(cfg, t, 1)]
+    cps = [x for x in space.cp or [x for x in _pow2_upto(16) if m.seq_len // x >= 256]
+           if _splits(cfg, 1, x)]
     eps = space.ep or ([x for x in _divisors(m.experts)] if m.experts else [1])
     mbs = space.micro_batch or _pow2_upto(16)
     for tp in tps:
@@ -119,12 +125,9 @@ def candidates(base: RunSpec, space: SearchSpace):
                             continue
                         nmb = base.training.global_batch // (dp * mb)
                         for vpp in vpps:
-                            if vpp > 1 and nmb % pp:
+                            sched = _schedule(base.parallel.schedule, vpp)
+                            if pp * vpp > m.layers or (sched not in SINGLE_STAGE and nmb % pp):
                                 continue
-                            sched = "interleaved-1f1b" if vpp > 1 else \
-                                ("1f1b" if base.parallel.schedule not in ("gpipe",
-                                                                          "zero-bubble")
-                                 else base.parallel.schedule)
                             for sp in (space.sequence_parallel if tp > 1 else [False]):
                                 for rec in space.recompute:
                                     for zero in space.zero_stage:
@@ -144,6 +147,23 @@ def candidates(base: RunSpec, space: SearchSpace):
                                                         "reshard_after_forward": rsh,
                                                         "offload": off,
                                                         "offload_params": offp})
+
+
+def _schedule(asked: str, vpp: int) -> str:
+    """The schedule a candidate runs: the base run's zero-bubble (any vpp) or GPipe (vpp 1)
+    as asked, else 1F1B, interleaved when vpp > 1."""
+    if asked == "zero-bubble" or (asked == "gpipe" and vpp == 1):
+        return asked
+    return "interleaved-1f1b" if vpp > 1 else "1f1b"
+
+
+def _splits(cfg, tp: int, cp: int) -> bool:
+    """Whether tp and cp can split the model's tensors (`myria.layout.validate_degrees`)."""
+    try:
+        validate_degrees(cfg, tp, cp, False)
+    except ConfigError:
+        return False
+    return True
 
 
 def _runnable(offload: str, offload_params: bool, zero: int, shard: int, gpus: int) -> bool:
@@ -253,27 +273,12 @@ def rank_with_ties(results: list[perf.StepResult], band: float) -> list[perf.Ste
     return tied + sorted(rest, key=lambda r: -r.mfu)
 
 
-def stage_layers(base: RunSpec, pp: int, vpp: int) -> list[int]:
-    """Layers per pipeline stage (pp x vpp stages, in order), as the trainer splits them."""
-    if pp * vpp == 1:
-        return [base.model.layers]
-    from myria.parallel.pipeline import split_layers
-
-    return [len(x) for x in split_layers(base.model_config(), pp * vpp)]
-
-
 def annotate(r: perf.StepResult, base: RunSpec, hw, band: float,
              reliability: Reliability | None = None) -> None:
     """Add the uncertainty band, the expected ETTR and checkpoint interval, stage layers."""
-    from myria.models.flops import param_counts
-
     lay = r.layout
-    lay["stage_layers"] = stage_layers(base, lay["pp"], lay["vpp"])
-    mem = r.memory
-    bytes_per_param = 14 if base.training.precision != "fp32" else 12
-    total = param_counts(base.model_config()).total(base.model.layers) * bytes_per_param
-    e = expected_ettr(r.iteration_time_s, hw.gpus, hw.gpus_per_node,
-                      mem.weights + mem.optimizer, total, hw.server.pcie_gbs, reliability)
+    lay["stage_layers"] = stage_layers(base.model_config(), lay["pp"], lay["vpp"])
+    e = run_ettr(r, base, hw, reliability)
     r.extra.update(mfu_low=r.mfu * (1 - band), mfu_high=r.mfu * (1 + band), ettr=e.ettr,
                    checkpoint_interval_steps=e.interval_steps, reliability=e.to_json())
     r.extra.setdefault("tied", False)

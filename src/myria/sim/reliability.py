@@ -31,6 +31,8 @@ stragglers, silent data corruption found late (all lower the true ETTR).
 
 from __future__ import annotations
 
+import argparse
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -102,3 +104,42 @@ def expected_ettr(iteration_time_s: float, gpus: int, gpus_per_node: int,
     tau = steps * iteration_time_s
     return Ettr(ettr_at(tau, stall, write, recovery, lam), tau, steps, 1 / lam, stall, write,
                 recovery)
+
+
+def add_arguments(parser: argparse.ArgumentParser, positive, non_negative) -> None:
+    """The reliability flags of `myria plan` and `myria simulate` (types check the values)."""
+    g = parser.add_argument_group("reliability (expected effective training time)")
+    g.add_argument("--failures-per-gpu-hour", type=non_negative, default=None,
+                   help="failure rate per GPU-hour (default 1.97e-5: Llama 3 405B, 419 "
+                   "interruptions in 54 days on 16,384 GPUs)")
+    g.add_argument("--restart-s", type=non_negative, default=None,
+                   help="time to restart a failed job, excluding checkpoint load (default 300)")
+    g.add_argument("--storage-gbs", type=positive, default=None,
+                   help="checkpoint storage bandwidth per server, GB/s (default 5)")
+
+
+def from_args(args: argparse.Namespace) -> Reliability:
+    """The Reliability the flags of `add_arguments` describe (defaults where not given)."""
+    r = Reliability()
+    if args.failures_per_gpu_hour is not None:
+        r = dataclasses.replace(r, failures_per_gpu_hour=args.failures_per_gpu_hour)
+    if args.restart_s is not None:
+        r = dataclasses.replace(r, restart_s=args.restart_s)
+    if args.storage_gbs is not None:
+        r = dataclasses.replace(r, storage_write_gbs_per_node=args.storage_gbs,
+                                storage_read_gbs_per_node=args.storage_gbs)
+    return r
+
+
+def run_ettr(res, run, hw, rel: Reliability | None = None) -> Ettr:
+    """Expected ETTR of a simulated run (`perf.StepResult` of `run` on `hw`): each device
+    snapshots its weights and optimizer state over PCIe; the checkpoint on storage holds the
+    16-bit weights and the fp32 master weights and moments once (14 bytes per parameter; fp32
+    training 12)."""
+    from myria.models.flops import param_counts
+
+    mem = res.memory
+    bytes_per_param = 14 if run.training.precision != "fp32" else 12
+    total = param_counts(run.model_config()).total(run.model.layers) * bytes_per_param
+    return expected_ettr(res.iteration_time_s, hw.gpus, hw.gpus_per_node,
+                         mem.weights + mem.optimizer, total, hw.server.pcie_gbs, rel)

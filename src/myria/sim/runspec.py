@@ -11,8 +11,6 @@ Unknown sections and keys are errors with a "did you mean" suggestion, like the 
 from __future__ import annotations
 
 import dataclasses
-import difflib
-import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -20,44 +18,78 @@ from typing import Any
 
 import tomllib
 
-from myria.config import ModelConfig
+from myria.config import (
+    ModelConfig,
+    ParallelConfig,
+    schema_field,
+    section_values,
+    suggest,
+)
 from myria.device import DEVICES, lookup
 from myria.errors import ConfigError
 
-
-def _f(default: Any, help: str, choices: tuple | None = None, min: float | None = None):
-    """A schema field with its one-line description, allowed choices and lower bound."""
-    return field(default=default, metadata={"help": help, "choices": choices, "min": min})
-
-
+_f = schema_field
 REQUIRED = object()  # marker default of fields a run must give
 
 
-@dataclass
-class ModelSpec:
-    """The model being trained."""
+# The [model] section is the trainer's own ModelConfig seen with the simulator's defaults: every
+# ModelConfig field is a key here (a field added there appears here, with its help and checks),
+# vocab_size is spelled `vocab` as published tables do, and these fields differ in default
+# (published GPT runs: Megatron-LM's defaults) or type (tie_embeddings: auto by architecture).
+MODEL_RENAMED = {"vocab_size": "vocab"}
+_MODEL_FACE = {
+    "arch": (str, _f("gpt", "gpt (LayerNorm, GELU, biases, learned positions) or llama "
+                     "(RMSNorm, SwiGLU, RoPE, GQA)", choices=("gpt", "llama"))),
+    "layers": (int, _f(REQUIRED, "transformer blocks", min=1)),
+    "hidden": (int, _f(REQUIRED, "model width", min=1)),
+    "heads": (int, _f(REQUIRED, "attention (query) heads", min=1)),
+    "vocab_size": (int, _f(0, "vocabulary size; 0 means 51200 (gpt) or 32000 (llama)", min=0)),
+    "seq_len": (int, _f(2048, "sequence length in tokens", min=1)),
+    "capacity_factor": (float, _f(1.0, "MoE expert capacity factor (padding of expert "
+                                  "batches); 0 means dropless (no padding)", min=0.0)),
+    "tie_embeddings": (str, _f("auto", "share input embedding and output layer: auto (yes for "
+                               "gpt, as Megatron-LM, no for llama), true or false",
+                               choices=("auto", "true", "false"))),
+}
+_MODEL_ONLY_HERE = [  # what the simulator needs and myria's models do not have
+    ("dropout", float, _f(-1.0, "dropout probability of attention and hidden dropout; -1 means "
+                          "0.1 for gpt (Megatron-LM GPT default) and 0 for llama", min=-1.0)),
+]
 
-    arch: str = _f("gpt", "gpt (LayerNorm, GELU, biases, learned positions) or llama (RMSNorm, "
-                   "SwiGLU, RoPE, GQA)", choices=("gpt", "llama"))
-    layers: int = _f(REQUIRED, "transformer blocks", min=1)
-    hidden: int = _f(REQUIRED, "model width", min=1)
-    heads: int = _f(REQUIRED, "attention (query) heads", min=1)
-    kv_heads: int = _f(0, "key/value heads (GQA); 0 means equal to heads", min=0)
-    ffn_hidden: int = _f(0, "MLP inner width; 0 means 4*hidden (gpt) or 8/3*hidden rounded up to "
-                         "64 (llama)", min=0)
-    vocab: int = _f(0, "vocabulary size; 0 means 51200 (gpt) or 32000 (llama)", min=0)
-    seq_len: int = _f(2048, "sequence length in tokens", min=1)
-    parallel_block: bool = _f(False, "parallel attention+MLP block (GPT-J / PaLM / MegaScale)")
-    attention_window: int = _f(0, "sliding-window size; 0 means full causal attention", min=0)
-    experts: int = _f(0, "MoE experts per layer; 0 means a dense MLP", min=0)
-    top_k: int = _f(1, "experts per token (MoE)", min=1)
-    capacity_factor: float = _f(1.0, "MoE expert capacity factor (padding of expert batches); "
-                                "0 means dropless (no padding)", min=0.0)
-    tie_embeddings: str = _f("auto", "share input embedding and output layer: auto (yes for gpt, "
-                             "as Megatron-LM, no for llama), true or false",
-                             choices=("auto", "true", "false"))
-    dropout: float = _f(-1.0, "dropout probability of attention and hidden dropout; -1 means 0.1 "
-                        "for gpt (Megatron-LM GPT default) and 0 for llama", min=-1.0)
+
+def _face(name: str, src: type, doc: str, overrides: dict, extra: list, keep=None,
+          renamed: dict | None = None) -> type:
+    """A schema dataclass that shows fields of the trainer's `src` dataclass (all, or `keep`)
+    with their help and checks, some spelled differently (`renamed`) or with the simulator's
+    default (`overrides`: name -> (type, field)), plus `extra` fields of its own."""
+    hints = typing.get_type_hints(src)
+    out = []
+    for f in dataclasses.fields(src):
+        if keep is not None and f.name not in keep:
+            continue
+        key = (renamed or {}).get(f.name, f.name)
+        if f.name in overrides:
+            out.append((key, *overrides[f.name]))
+        elif f.default_factory is not dataclasses.MISSING:
+            out.append((key, hints[f.name], field(default_factory=f.default_factory,
+                                                  metadata=f.metadata)))
+        else:
+            out.append((key, hints[f.name], field(default=f.default, metadata=f.metadata)))
+    return dataclasses.make_dataclass(name, out + extra, namespace={
+        "__doc__": doc, "__module__": __name__})
+
+
+ModelSpec = _face("ModelSpec", ModelConfig, "The model being trained: myria's ModelConfig as a "
+                  "run file spells it.", _MODEL_FACE, _MODEL_ONLY_HERE, renamed=MODEL_RENAMED)
+
+
+def model_section(mc: ModelConfig) -> dict:
+    """The [model] table of a myria ModelConfig (the inverse of `RunSpec.model_config`)."""
+    out = {MODEL_RENAMED.get(f.name, f.name): getattr(mc, f.name)
+           for f in dataclasses.fields(ModelConfig)}
+    out["tie_embeddings"] = "true" if mc.tie_embeddings else "false"
+    out["dropout"] = 0.0  # myria's models have no dropout
+    return out
 
 
 @dataclass
@@ -91,26 +123,22 @@ class TrainingSpec:
                                "loader prefetches behind compute)", min=0.0)
 
 
-@dataclass
-class ParallelSpec:
-    """The parallel layout; dp is what remains of the GPUs after tp*pp*cp."""
-
-    tp: int = _f(1, "tensor-parallel degree", min=1)
-    pp: int = _f(1, "pipeline stages", min=1)
-    cp: int = _f(1, "context-parallel degree (ring attention over the sequence)", min=1)
-    ep: int = _f(1, "expert-parallel degree (taken from the data-parallel ranks)", min=1)
-    vpp: int = _f(1, "virtual pipeline chunks per rank (interleaved schedules)", min=1)
-    dp: int = _f(0, "data-parallel degree; 0 means gpus/(tp*pp*cp), otherwise it is checked",
-                 min=0)
-    dp_shard: int = _f(0, "HSDP: data-parallel ranks one ZeRO shard group spans (0: all of "
-                       "them); the dp/dp_shard replicas all-reduce their sharded gradients once "
-                       "per step", min=0)
-    sequence_parallel: bool = _f(False, "Megatron sequence parallelism (norm/dropout activations "
-                                 "sharded over tp; all-gather + reduce-scatter instead of "
-                                 "all-reduce)")
-    schedule: str = _f("1f1b", "pipeline schedule: gpipe, 1f1b, interleaved-1f1b, zero-bubble "
-                       "(ZB-H1) or zbv (ZB-V, vpp=2)",
-                       choices=("gpipe", "1f1b", "interleaved-1f1b", "zero-bubble", "zbv"))
+# The [parallel] section: the trainer's degrees, interleaving, schedule and sequence parallelism
+# (`myria.config.ParallelConfig`, same help and checks), with the data-parallel degree of a
+# cluster run (dp fills the GPUs; the trainer's dp_replicate x dp_shard) and sequence
+# parallelism off by default, as in the published runs without it.
+ParallelSpec = _face(
+    "ParallelSpec", ParallelConfig, "The parallel layout; dp is what remains of the GPUs after "
+    "tp*pp*cp.", {"sequence_parallel": (bool, _f(False, "Megatron sequence parallelism "
+                                                 "(norm/dropout activations sharded over tp; "
+                                                 "all-gather + reduce-scatter instead of "
+                                                 "all-reduce)"))},
+    [("dp", int, _f(0, "data-parallel degree; 0 means gpus/(tp*pp*cp), otherwise it is "
+                    "checked", min=0)),
+     ("dp_shard", int, _f(0, "HSDP: data-parallel ranks one ZeRO shard group spans (0: all of "
+                          "them); the dp/dp_shard replicas all-reduce their sharded gradients "
+                          "once per step", min=0))],
+    keep=("tp", "pp", "cp", "ep", "vpp", "schedule", "sequence_parallel"))
 
 
 @dataclass
@@ -214,16 +242,16 @@ class RunSpec:
         return 4 if self.training.precision == "fp32" else 2
 
     def model_config(self) -> ModelConfig:
-        """The myria ModelConfig of this run, so that models/flops.py counts its FLOPs."""
+        """The myria ModelConfig of this run (every field passes through by name), so that
+        models/flops.py counts its FLOPs as the live meter does."""
         m = self.model
-        tie = m.tie_embeddings == "true" or (m.tie_embeddings == "auto" and m.arch == "gpt")
-        vocab = m.vocab or (51200 if m.arch == "gpt" else 32000)
-        return ModelConfig(arch=m.arch, vocab_size=vocab, layers=m.layers, hidden=m.hidden,
-                           heads=m.heads, kv_heads=m.kv_heads, ffn_hidden=m.ffn_hidden,
-                           seq_len=m.seq_len, parallel_block=m.parallel_block,
-                           attention_window=m.attention_window, tie_embeddings=tie,
-                           experts=m.experts, top_k=m.top_k if m.experts else 1,
-                           capacity_factor=m.capacity_factor)
+        kw = {f.name: getattr(m, MODEL_RENAMED.get(f.name, f.name))
+              for f in dataclasses.fields(ModelConfig)}
+        kw["tie_embeddings"] = m.tie_embeddings == "true" or (
+            m.tie_embeddings == "auto" and m.arch == "gpt")
+        kw["vocab_size"] = m.vocab or (51200 if m.arch == "gpt" else 32000)
+        kw["top_k"] = m.top_k if m.experts else 1
+        return ModelConfig(**kw)
 
     def replace(self, **sections: dict) -> RunSpec:
         """A copy with some fields changed: replace(parallel={"tp": 4}, overlap={"dp": True})."""
@@ -239,57 +267,8 @@ class RunSpec:
 
 
 # -- parsing ----------------------------------------------------------------------------------
-def _suggest(name: str, valid) -> str:
-    close = difflib.get_close_matches(name, list(valid), n=1)
-    return f" (did you mean {close[0]!r}?)" if close else ""
-
-
-def _coerce(where: str, t: Any, meta: dict, value: Any) -> Any:
-    if isinstance(t, types.UnionType):
-        t = next(a for a in typing.get_args(t) if a is not type(None))
-    if t is bool:
-        if not isinstance(value, bool):
-            raise ConfigError(f"{where} = {value!r}: expected true or false")
-    elif t is int:
-        if isinstance(value, float) and value.is_integer():
-            value = int(value)
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise ConfigError(f"{where} = {value!r}: expected an integer")
-    elif t is float:
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise ConfigError(f"{where} = {value!r}: expected a number")
-        value = float(value)
-    elif t is str:
-        if isinstance(value, bool) and meta.get("choices") and "true" in meta["choices"]:
-            value = "true" if value else "false"
-        if not isinstance(value, str):
-            raise ConfigError(f"{where} = {value!r}: expected a string")
-        if meta.get("choices"):
-            value = value.lower()
-    choices = meta.get("choices")
-    if choices and value not in choices:
-        raise ConfigError(f"{where} = {value!r}: must be one of {', '.join(choices)}"
-                          + _suggest(str(value), choices))
-    lo = meta.get("min")
-    if lo is not None and value < lo:
-        raise ConfigError(f"{where} = {value!r}: must be >= {lo}")
-    return value
-
-
 def _section(run: str, name: str, cls: type, data: Any) -> Any:
-    if data is None:
-        data = {}
-    if not isinstance(data, dict):
-        raise ConfigError(f"run {run!r}: [{name}] must be a table of key = value pairs")
-    hints = typing.get_type_hints(cls)
-    names = [f.name for f in dataclasses.fields(cls)]
-    kwargs = {}
-    for key, value in data.items():
-        if key not in names:
-            raise ConfigError(f"run {run!r}: unknown key {name}.{key}" + _suggest(key, names)
-                              + f"; valid keys of [{name}]: {', '.join(names)}")
-        meta = next(f.metadata for f in dataclasses.fields(cls) if f.name == key)
-        kwargs[key] = _coerce(f"run {run!r}: {name}.{key}", hints[key], meta, value)
+    kwargs = section_values(name, cls, {} if data is None else data, f"run {run!r}: ")
     for f in dataclasses.fields(cls):
         if f.default is REQUIRED and f.name not in kwargs:
             raise ConfigError(f"run {run!r}: {name}.{f.name} is required ({f.metadata['help']})")
@@ -307,7 +286,7 @@ def parse_run(data: dict, index: int = 0, check: bool = True) -> RunSpec:
     for key in data:
         if key not in valid:
             raise ConfigError(f"run {name!r}: unknown section or key {key!r}"
-                              + _suggest(key, valid) + f"; valid: {', '.join(valid)}")
+                              + suggest(key, valid) + f"; valid: {', '.join(valid)}")
     for sec in ("model", "training", "cluster"):
         if sec not in data:
             raise ConfigError(f"run {name!r}: section [{sec}] is required")
@@ -393,25 +372,14 @@ def validate(run: RunSpec) -> None:
     dp = c.gpus // model_par
     if p.dp and p.dp != dp:
         raise ConfigError(f"run {n!r}: parallel.dp = {p.dp} but cluster.gpus/(tp*pp*cp) = {dp}")
-    if t.global_batch % (dp * t.micro_batch):
-        raise ConfigError(f"run {n!r}: training.global_batch = {t.global_batch} is not "
-                          f"divisible by dp ({dp}) x training.micro_batch ({t.micro_batch})")
-    if m.heads % p.tp:
-        raise ConfigError(f"run {n!r}: parallel.tp = {p.tp} must divide model.heads = {m.heads}")
-    if p.pp > m.layers:
-        raise ConfigError(f"run {n!r}: parallel.pp = {p.pp} exceeds model.layers = {m.layers}")
-    if p.pp * p.vpp > m.layers:
-        raise ConfigError(f"run {n!r}: parallel.pp*vpp = {p.pp * p.vpp} exceeds model.layers = "
-                          f"{m.layers}: every virtual stage needs a layer")
-    if p.vpp > 1 and p.schedule not in ("interleaved-1f1b", "zbv"):
-        raise ConfigError(f"run {n!r}: parallel.vpp = {p.vpp} needs schedule interleaved-1f1b "
-                          f"or zbv, not {p.schedule!r}")
-    if p.schedule == "zbv" and p.vpp != 2:
-        raise ConfigError(f"run {n!r}: schedule zbv places two chunks per rank: set "
-                          f"parallel.vpp = 2 (got {p.vpp})")
-    if m.seq_len % p.cp:
-        raise ConfigError(f"run {n!r}: parallel.cp = {p.cp} must divide model.seq_len = "
-                          f"{m.seq_len}")
+    from myria.layout import validate_batch, validate_degrees, validate_pipeline
+
+    try:  # the trainer's own checks of a layout
+        validate_batch(t.global_batch, t.micro_batch, dp)
+        validate_pipeline(m.layers, p.pp, p.vpp, p.schedule, run.microbatches)
+        validate_degrees(run.model_config(), p.tp, p.cp, p.sequence_parallel)
+    except ConfigError as e:
+        raise ConfigError(f"run {n!r}: {e}") from None
     if p.ep > 1:
         if not m.experts:
             raise ConfigError(f"run {n!r}: parallel.ep = {p.ep} needs a MoE model "
@@ -423,8 +391,7 @@ def validate(run: RunSpec) -> None:
             raise ConfigError(f"run {n!r}: parallel.ep = {p.ep} must divide the data-parallel "
                               f"(x cp) ranks {dp * p.cp}: experts are spread over them")
     if c.gpu.lower() != "cpu" and lookup(c.gpu) is None:
-        close = difflib.get_close_matches(c.gpu.lower(), list(DEVICES) + ["cpu"], n=1)
-        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        hint = suggest(c.gpu.lower(), list(DEVICES) + ["cpu"])
         raise ConfigError(f"run {n!r}: cluster.gpu = {c.gpu!r}: unknown device{hint}; known: "
                           f"{', '.join(list(DEVICES) + ['cpu'])}")
     if t.offload_params and t.offload != "nvme":

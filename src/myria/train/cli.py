@@ -152,11 +152,13 @@ def predicted(cfg: config_mod.Config, world: int, ranks_per_host: int):
     """The planner's prediction of this run: on the local GPU model, an H100 for bf16
     configs when there is none, or this CPU (measured peak) for fp32 ones."""
     from myria import device
+    from myria.measure.cpu import measured_profile
     from myria.sim.perf import simulate_config
 
     spec = device.planning_device(cfg.training.dtype)
     gpn = ranks_per_host if spec.name != "cpu" else world
-    return spec, simulate_config(cfg, world, spec, gpus_per_node=gpn)
+    prof = measured_profile(cfg, world, spec, gpus_per_node=gpn)
+    return spec, simulate_config(cfg, world, spec, gpus_per_node=gpn, cpu_profile=prof)
 
 
 def run(args) -> int:

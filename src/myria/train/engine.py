@@ -26,6 +26,7 @@ from torch.distributed.checkpoint.state_dict import (
 
 from myria.config import Config
 from myria.errors import ConfigError
+from myria.layout import validate_degrees
 from myria.models.transformer import build_model
 from myria.observe import events
 from myria.optim import build_optimizer
@@ -86,20 +87,10 @@ def check_layout(cfg: Config, layout: dict[str, int], device_type: str = "cpu") 
     if cp > 1 and p.cp_impl == "torch" and (device_type != "cuda" or m.attention_window):
         raise ConfigError("parallel.cp_impl = 'torch' (torch's context_parallel) needs CUDA "
                           "and full causal attention in torch 2.13; use cp_impl = 'ring'")
-    if m.heads % tp or m.n_kv_heads % tp:
-        raise ConfigError(f"parallel.tp = {tp} must divide model.heads = {m.heads} and the "
-                          f"key/value heads = {m.n_kv_heads}")
-    if tp > 1 and p.sequence_parallel and m.seq_len % tp:
-        raise ConfigError(f"model.seq_len = {m.seq_len} must be divisible by parallel.tp = {tp} "
-                          "for sequence parallelism")
-    if cp > 1 and m.seq_len % (2 * cp):
-        raise ConfigError(f"model.seq_len = {m.seq_len} must be divisible by 2 x parallel.cp = "
-                          f"{2 * cp} (each context-parallel rank holds a head and a tail chunk)")
+    validate_degrees(m, tp, cp, p.sequence_parallel)   # shared with the simulator
     if tp > 1 and m.vocab_size % tp:
         raise ConfigError(f"model.vocab_size = {m.vocab_size} must be divisible by parallel.tp ="
                           f" {tp} (the embedding and head are split by vocabulary)")
-    if tp > 1 and m.ffn_dim % tp:
-        raise ConfigError(f"the MLP width {m.ffn_dim} must be divisible by parallel.tp = {tp}")
     if ep > 1:
         if not m.experts:
             raise ConfigError(f"parallel.ep = {ep} needs a mixture-of-experts model "

@@ -355,7 +355,7 @@ def plan_for_config(cfg, layout: dict[str, int]) -> MemoryPlan:
 def activation_bytes(cfg, layout: dict[str, int]) -> float:
     """Activation memory per rank as the planner models it (myria.sim.memory), for myria's
     eager modules in the run's precision."""
-    from myria.models.loss import _chunk_rows
+    from myria.models.flops import loss_chunk_rows
     from myria.sim.memory import (
         head_activation_bytes,
         in_flight_microbatches,
@@ -369,7 +369,7 @@ def activation_bytes(cfg, layout: dict[str, int]) -> float:
     shape = layer_shape(m, t.micro_batch, tp=tp, cp=cp, ep=layout.get("ep", 1),
                         sp=p.sequence_parallel, flash=True, fused=False,
                         act_bytes=2 if bf16 else 4, eager=True,
-                        ce_chunk=_chunk_rows(m.vocab_size) if tp == 1 and pp == 1 else 0)
+                        ce_chunk=loss_chunk_rows(m.vocab_size) if tp == 1 and pp == 1 else 0)
     micro = t.global_batch // max(1, layout.get("dp", 1) * t.micro_batch)
     flight = in_flight_microbatches(p.schedule, pp, p.vpp, micro) if pp > 1 else 1.0
     act = m.layers / pp * flight * layer_activation_bytes(shape, p.activation_checkpoint)

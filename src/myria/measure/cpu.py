@@ -1,4 +1,8 @@
-"""Measured figures of this CPU for the simulator's "cpu" device: the physics of the self-check.
+"""Measuring this CPU for the simulator's "cpu" device: the physics of the self-check.
+
+This part runs torch, the trainer's model and the doctor's collective bench; it sits above the
+trainer and hands its figures to the analytic model through the cache that
+`myria.sim.cpu_profile` reads (the model itself never measures, so `--dry-run` calls downward).
 
 On a CPU myria runs eager PyTorch: oneDNN/MKL GEMMs whose speed depends on their shape and
 operand layout, SDPA's flash kernel, elementwise kernels bounded by cache/DRAM bandwidth and
@@ -49,8 +53,21 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from myria.errors import ConfigError
+from myria.sim.cpu_profile import (  # noqa: F401  (the cache's names, used here and by tests)
+    CpuProfile,
+    _compute_key,
+    _gloo_key,
+    _key_str,
+    _key_tuple,
+    _loadavg,
+    _read_cache,
+    _update_cache,
+    _write_cache,
+    default_threads,
+    eager_key,
+    load_profile,
+)
 from myria.sim.operators import (
-    Efficiency,
     LayerShape,
     Op,
     head_ops,
@@ -65,7 +82,6 @@ GLOO_SIZES = (1 << 16, 1 << 21, 1 << 24)   # 64 KiB, 2 MiB, 16 MiB per rank
 GLOO_OPS = ("all_reduce", "all_gather", "reduce_scatter")
 FSDP_SIZES = (1 << 18, 1 << 23)   # parameters per FSDP unit besides the model's (1, 32 MiB fp32)
 PARAM_TENSOR_BYTES = 1 << 24               # parameter-sized passes: 16 MiB tensors
-PROFILE_FILE = "cpu_profile.json"
 # Sustained compute before measuring: the trainer's step times are read after its warm-up steps,
 # when the machine has been busy for seconds; on this VM a GEMM run straight after an idle spell
 # is up to 25% slower than a minute into training (bench/RESULTS_selfcheck.md probes), and a
@@ -75,166 +91,6 @@ WARMUP_SECONDS = 4.0
 # processes time 5 barrier-synchronised repeats, which already last 20-30 s in all): medians
 # over a few seconds sample this VM's drifting speed better than five back-to-back runs
 IN_SITU_SECONDS = 3.0
-
-
-def default_threads(nproc: int) -> int:
-    """Threads per process as the trainer sets them: cores // local processes (at least 1)."""
-    return max(1, (os.cpu_count() or 1) // max(1, nproc))
-
-
-@dataclass(frozen=True)
-class CpuProfile:
-    """What the simulator needs about this CPU at `threads` threads per process (hashable)."""
-
-    threads: int
-    rates: tuple = ()                 # ((rate_key, FLOP/s), ...): GEMMs and SDPA by shape
-    elementwise_bw: float = 0.0       # bytes/s of eager elementwise kernels
-    kernel_overhead_s: float = 0.0    # dispatch time of one eager kernel
-    optimizer_s_per_param: float = 0.0
-    nproc: int = 1
-    gloo: tuple = ()                  # ((op, alpha_s, busbw bytes/s), ...) among nproc processes
-    fsdp: tuple = ()                  # ((unit bytes, block s, root s, reduce s), ...): FSDP2
-    # FSDP2 around this model's own block and ends, with their compute (`_fsdp_in_context`):
-    # (block s per microbatch, block reduce s per step, root s per microbatch, root reduce s)
-    fsdp_context: tuple = ()
-    source: str = "measured"
-
-    def efficiency(self) -> Efficiency:
-        """The Efficiency of this CPU: measured rates, bandwidth already achieved (E_MEM = 1)."""
-        return Efficiency(gemm=1.0, half_dim=0.0, mem=1.0,
-                          kernel_overhead_s=self.kernel_overhead_s, rates=self.rates)
-
-    def fsdp_time(self, nbytes: float, kind: str) -> float | None:
-        """Seconds FSDP2 adds for a unit of `nbytes`: "block" (per microbatch, resharded after
-        forward), "root" (per microbatch, kept), "reduce" (per step); piecewise linear in the
-        measured unit sizes, extrapolated along the last segment. None if not measured."""
-        col = {"block": 1, "root": 2, "reduce": 3}[kind]
-        pts = [(p[0], p[col]) for p in self.fsdp]
-        if not pts:
-            return None
-        if len(pts) == 1:
-            return pts[0][1] * nbytes / pts[0][0]
-        for (x0, t0), (x1, t1) in zip(pts, pts[1:]):
-            if nbytes <= x1 or (x1, t1) == pts[-1]:
-                return max(0.0, t0 + (t1 - t0) * (nbytes - x0) / (x1 - x0))
-        return None
-
-    def gloo_fit(self, op: str) -> tuple[float, float] | None:
-        """(alpha_s, bandwidth) of a collective ("all_reduce", ..., "p2p"), if measured."""
-        for name, alpha, bw in self.gloo:
-            if name == op:
-                return alpha, bw
-        return None
-
-
-# -- cache ----------------------------------------------------------------------------------------
-def _cache_path() -> Path:
-    from myria.device import cache_dir
-
-    return cache_dir() / PROFILE_FILE
-
-
-def _read_cache() -> dict:
-    path = _cache_path()
-    try:
-        return json.loads(path.read_text()) if path.exists() else {}
-    except (OSError, ValueError):
-        return {}
-
-
-def _write_cache(cache: dict) -> None:
-    path = _cache_path()
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
-        with os.fdopen(fd, "w") as f:
-            json.dump(cache, f, indent=1)
-        os.replace(tmp, path)
-    except OSError:
-        pass
-
-
-def _update_cache(key: str, entry: dict) -> None:
-    """Merge `entry` into the cache under `key` (re-read first: other processes write too)."""
-    cache = _read_cache()
-    old = cache.get(key, {})
-    for k, v in entry.items():
-        if isinstance(v, dict) and isinstance(old.get(k), dict):
-            old[k] = {**old[k], **v}
-        else:
-            old[k] = v
-    cache[key] = old
-    _write_cache(cache)
-
-
-def _key_str(key: tuple) -> str:
-    return ",".join(str(k) for k in key)
-
-
-def _key_tuple(text: str) -> tuple:
-    parts = text.split(",")
-    return (parts[0], *(int(p) if p.lstrip("-").isdigit() else p for p in parts[1:]))
-
-
-def _compute_key(threads: int, nproc: int = 1) -> str:
-    from myria.device import cpu_key
-
-    return f"{cpu_key(threads)}|procs={nproc}"
-
-
-def _gloo_key(threads: int, nproc: int) -> str:
-    from myria.device import cpu_key
-
-    return f"{cpu_key(threads)}|gloo|procs={nproc}"
-
-
-def _loadavg() -> float:
-    try:
-        return os.getloadavg()[0]
-    except OSError:
-        return float("nan")
-
-
-def eager_key(shape: LayerShape) -> str:
-    """Cache key of the eager elementwise bandwidths of a model shape."""
-    return ",".join(str(x) for x in (shape.arch, shape.micro_batch, shape.seq_len, shape.hidden,
-                                     shape.heads, shape.kv_heads, shape.ffn, shape.vocab,
-                                     shape.ce_chunk))
-
-
-def load_profile(threads: int, nproc: int = 1, shape: LayerShape | None = None
-                 ) -> CpuProfile | None:
-    """The cached profile of this CPU at `threads` threads (None if never measured).
-
-    With `shape`, the elementwise bandwidths measured on that model's own kernels (if cached)
-    join the rates as ("bw", "eltwise") and ("bw", "head").
-    """
-    cache = _read_cache()
-    entry = cache.get(_compute_key(threads, nproc))
-    if not entry or not entry.get("elementwise_bw"):
-        return None
-    table = {_key_tuple(k): float(v) for k, v in entry.get("rates", {}).items()}
-    # rates timed inside the running model win over isolated calls of the same shape
-    table.update({_key_tuple(k): float(v) for k, v in entry.get("rates_in_situ", {}).items()})
-    if shape is not None and eager_key(shape) in entry.get("eager_bw", {}):
-        block, head = entry["eager_bw"][eager_key(shape)]
-        table[("bw", "eltwise")], table[("bw", "head")] = float(block), float(head)
-    rates = tuple(sorted(table.items()))
-    gloo: tuple = ()
-    fsdp: tuple = ()
-    context: tuple = ()
-    if nproc > 1:
-        g = cache.get(_gloo_key(threads, nproc), {})
-        gloo = tuple(sorted((op, float(a), float(b)) for op, (a, b) in g.get("fits", {}).items()))
-        fsdp = tuple(sorted((float(b), *(float(t) for t in ts))
-                            for b, ts in g.get("fsdp", {}).items()))
-        if shape is not None and eager_key(shape) in g.get("fsdp_context", {}):
-            context = tuple(float(t) for t in g["fsdp_context"][eager_key(shape)])
-    return CpuProfile(threads=threads, rates=rates, elementwise_bw=float(entry["elementwise_bw"]),
-                      kernel_overhead_s=float(entry["kernel_overhead_s"]),
-                      optimizer_s_per_param=float(entry["optimizer_s_per_param"]),
-                      nproc=nproc, gloo=gloo, fsdp=fsdp, fsdp_context=context,
-                      source=f"measured {entry.get('measured_at', '?')} ({threads} threads)")
 
 
 # -- what a model runs ----------------------------------------------------------------------------
@@ -667,6 +523,19 @@ def profile_for(shape: LayerShape, threads: int, nproc: int = 1, pp: int = 1,
     return prof
 
 
+def measured_profile(cfg, nproc: int, device_spec, gpus_per_node: int = 0
+                     ) -> CpuProfile | None:
+    """The CPU profile `myria.sim.perf.simulate_config` needs for a myria Config on `nproc`
+    processes of this CPU, measuring the shapes the cache lacks (never more processes than
+    cores nor shapes beyond the memory: `check_measurable`); None off this CPU."""
+    from myria.sim.perf import config_run, measured_here, run_shape
+
+    run, spec, threads = config_run(cfg, nproc, device_spec, gpus_per_node)
+    if not threads or not measured_here(spec):
+        return None
+    return profile_for(run_shape(run), threads, run.cluster.gpus_per_node, pp=run.parallel.pp)
+
+
 def measure_gloo(nproc: int, threads: int | None = None) -> dict:
     """Measure (and cache) the gloo figures among `nproc` local processes; return the entry."""
     threads = threads or default_threads(nproc)
@@ -721,7 +590,7 @@ def run_measurements(shape: LayerShape | None, threads: int, nproc: int, ops: li
         import torch.distributed as dist
 
         # The parent hosts the rendezvous store on a free port (the pattern of tests/dist.py);
-        # workers are fresh interpreters (`python -m myria.sim.cpu JOB RANK`), so this works
+        # workers are fresh interpreters (`python -m myria.measure.cpu JOB RANK`), so this works
         # from any caller, whatever its __main__ module.
         store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
         with tempfile.TemporaryDirectory() as tmp:
@@ -732,7 +601,7 @@ def run_measurements(shape: LayerShape | None, threads: int, nproc: int, ops: li
                    "fsdp": fsdp}
             Path(tmp, "job.json").write_text(json.dumps(job))
             env = dict(os.environ, OMP_NUM_THREADS=str(threads))
-            procs = [subprocess.Popen([sys.executable, "-m", "myria.sim.cpu",
+            procs = [subprocess.Popen([sys.executable, "-m", "myria.measure.cpu",
                                       str(Path(tmp, "job.json")), str(r)], env=env)
                      for r in range(nproc)]
             codes = [p.wait(timeout=900) for p in procs]
@@ -1086,7 +955,9 @@ def summarize(profile: CpuProfile, shape: LayerShape | None = None, pp: int = 1)
 
 def _worker_main(argv: list[str]) -> None:
     job = json.loads(Path(argv[0]).read_text())
-    shape = LayerShape(**job["shape"]) if job["shape"] else None
+    sh = job["shape"]
+    shape = LayerShape(**{**sh, "model": tuple(
+        (k, tuple(v) if isinstance(v, list) else v) for k, v in sh["model"])}) if sh else None
     ops = [Op(**{k: tuple(v) if k == "dims" else v for k, v in o.items()}) for o in job["ops"]]
     _worker(int(argv[1]), job["world"], job["port"], job["out"], job["threads"], shape, ops,
             job["base"], job["eager"], job["gloo"], tuple(job["units"]), job.get("fsdp", True))

@@ -1,0 +1,1 @@
+"""Measurements of this machine that feed the analytic model (above the trainer)."""

@@ -1,0 +1,168 @@
+"""Measured figures of this CPU as the analytic model reads them: `CpuProfile` and its cache.
+
+`myria.measure.cpu` measures (torch, the trainer's model, gloo) and writes the cache
+`myria.device.cache_dir() / "cpu_profile.json"`, keyed by `myria.device.cpu_key(threads)` and the
+number of processes; this module only reads it, so the analytic model imports no trainer code.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from myria.sim.operators import Efficiency, LayerShape
+
+PROFILE_FILE = "cpu_profile.json"
+
+
+def default_threads(nproc: int) -> int:
+    """Threads per process as the trainer sets them: cores // local processes (at least 1)."""
+    return max(1, (os.cpu_count() or 1) // max(1, nproc))
+
+
+@dataclass(frozen=True)
+class CpuProfile:
+    """What the simulator needs about this CPU at `threads` threads per process (hashable)."""
+
+    threads: int
+    rates: tuple = ()                 # ((rate_key, FLOP/s), ...): GEMMs and SDPA by shape
+    elementwise_bw: float = 0.0       # bytes/s of eager elementwise kernels
+    kernel_overhead_s: float = 0.0    # dispatch time of one eager kernel
+    optimizer_s_per_param: float = 0.0
+    nproc: int = 1
+    gloo: tuple = ()                  # ((op, alpha_s, busbw bytes/s), ...) among nproc processes
+    fsdp: tuple = ()                  # ((unit bytes, block s, root s, reduce s), ...): FSDP2
+    # FSDP2 around this model's own block and ends, with their compute (`_fsdp_in_context`):
+    # (block s per microbatch, block reduce s per step, root s per microbatch, root reduce s)
+    fsdp_context: tuple = ()
+    source: str = "measured"
+
+    def efficiency(self) -> Efficiency:
+        """The Efficiency of this CPU: measured rates, bandwidth already achieved (E_MEM = 1)."""
+        return Efficiency(gemm=1.0, half_dim=0.0, mem=1.0,
+                          kernel_overhead_s=self.kernel_overhead_s, rates=self.rates)
+
+    def fsdp_time(self, nbytes: float, kind: str) -> float | None:
+        """Seconds FSDP2 adds for a unit of `nbytes`: "block" (per microbatch, resharded after
+        forward), "root" (per microbatch, kept), "reduce" (per step); piecewise linear in the
+        measured unit sizes, extrapolated along the last segment. None if not measured."""
+        col = {"block": 1, "root": 2, "reduce": 3}[kind]
+        pts = [(p[0], p[col]) for p in self.fsdp]
+        if not pts:
+            return None
+        if len(pts) == 1:
+            return pts[0][1] * nbytes / pts[0][0]
+        for (x0, t0), (x1, t1) in zip(pts, pts[1:]):
+            if nbytes <= x1 or (x1, t1) == pts[-1]:
+                return max(0.0, t0 + (t1 - t0) * (nbytes - x0) / (x1 - x0))
+        return None
+
+    def gloo_fit(self, op: str) -> tuple[float, float] | None:
+        """(alpha_s, bandwidth) of a collective ("all_reduce", ..., "p2p"), if measured."""
+        for name, alpha, bw in self.gloo:
+            if name == op:
+                return alpha, bw
+        return None
+
+
+# -- cache ----------------------------------------------------------------------------------------
+def _cache_path() -> Path:
+    from myria.device import cache_dir
+
+    return cache_dir() / PROFILE_FILE
+
+
+def _read_cache() -> dict:
+    from myria.device import read_cache_file
+
+    return read_cache_file(_cache_path())
+
+
+def _write_cache(cache: dict) -> None:
+    from myria.device import write_cache_file
+
+    write_cache_file(_cache_path(), cache)
+
+
+def _update_cache(key: str, entry: dict) -> None:
+    """Merge `entry` into the cache under `key` (re-read first: other processes write too)."""
+    cache = _read_cache()
+    old = cache.get(key, {})
+    for k, v in entry.items():
+        if isinstance(v, dict) and isinstance(old.get(k), dict):
+            old[k] = {**old[k], **v}
+        else:
+            old[k] = v
+    cache[key] = old
+    _write_cache(cache)
+
+
+def _key_str(key: tuple) -> str:
+    return ",".join(str(k) for k in key)
+
+
+def _key_tuple(text: str) -> tuple:
+    parts = text.split(",")
+    return (parts[0], *(int(p) if p.lstrip("-").isdigit() else p for p in parts[1:]))
+
+
+def _compute_key(threads: int, nproc: int = 1) -> str:
+    from myria.device import cpu_key
+
+    return f"{cpu_key(threads)}|procs={nproc}"
+
+
+def _gloo_key(threads: int, nproc: int) -> str:
+    from myria.device import cpu_key
+
+    return f"{cpu_key(threads)}|gloo|procs={nproc}"
+
+
+def _loadavg() -> float:
+    try:
+        return os.getloadavg()[0]
+    except OSError:
+        return float("nan")
+
+
+def eager_key(shape: LayerShape) -> str:
+    """Cache key of the eager elementwise bandwidths of a model shape."""
+    return ",".join(str(x) for x in (shape.arch, shape.micro_batch, shape.seq_len, shape.hidden,
+                                     shape.heads, shape.kv_heads, shape.ffn, shape.vocab,
+                                     shape.ce_chunk))
+
+
+def load_profile(threads: int, nproc: int = 1, shape: LayerShape | None = None
+                 ) -> CpuProfile | None:
+    """The cached profile of this CPU at `threads` threads (None if never measured).
+
+    With `shape`, the elementwise bandwidths measured on that model's own kernels (if cached)
+    join the rates as ("bw", "eltwise") and ("bw", "head").
+    """
+    cache = _read_cache()
+    entry = cache.get(_compute_key(threads, nproc))
+    if not entry or not entry.get("elementwise_bw"):
+        return None
+    table = {_key_tuple(k): float(v) for k, v in entry.get("rates", {}).items()}
+    # rates timed inside the running model win over isolated calls of the same shape
+    table.update({_key_tuple(k): float(v) for k, v in entry.get("rates_in_situ", {}).items()})
+    if shape is not None and eager_key(shape) in entry.get("eager_bw", {}):
+        block, head = entry["eager_bw"][eager_key(shape)]
+        table[("bw", "eltwise")], table[("bw", "head")] = float(block), float(head)
+    rates = tuple(sorted(table.items()))
+    gloo: tuple = ()
+    fsdp: tuple = ()
+    context: tuple = ()
+    if nproc > 1:
+        g = cache.get(_gloo_key(threads, nproc), {})
+        gloo = tuple(sorted((op, float(a), float(b)) for op, (a, b) in g.get("fits", {}).items()))
+        fsdp = tuple(sorted((float(b), *(float(t) for t in ts))
+                            for b, ts in g.get("fsdp", {}).items()))
+        if shape is not None and eager_key(shape) in g.get("fsdp_context", {}):
+            context = tuple(float(t) for t in g["fsdp_context"][eager_key(shape)])
+    return CpuProfile(threads=threads, rates=rates, elementwise_bw=float(entry["elementwise_bw"]),
+                      kernel_overhead_s=float(entry["kernel_overhead_s"]),
+                      optimizer_s_per_param=float(entry["optimizer_s_per_param"]),
+                      nproc=nproc, gloo=gloo, fsdp=fsdp, fsdp_context=context,
+                      source=f"measured {entry.get('measured_at', '?')} ({threads} threads)")
