@@ -23,6 +23,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "doctor": ("myria.resilience.diagnostics", "self-check diagnostics of this host"),
     "analyze": ("myria.sim.cli_analyze", "per-operator roofline table of a config"),
     "simulate": ("myria.sim.cli_simulate", "predict step time, memory and MFU of runs"),
+    "simulate-network": ("myria.sim.netsim.cli", "a collective on a simulated cluster fabric "
+                         "(CLOS, ECMP/adaptive routing)"),
     "plan": ("myria.sim.cli_plan", "search parallel layouts and rank them by predicted MFU"),
     "report": ("myria.observe.report", "merged timeline, heat maps and curves of a run"),
 }

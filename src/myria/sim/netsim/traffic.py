@@ -298,6 +298,7 @@ def _report(fab, coll, t, t_ideal, link_bytes, flows, events, max_flows, top) ->
         "events": int(events),
         "collective": coll.kind, "algorithm": coll.algorithm, "ranks": coll.n,
         "bytes": coll.size,
+        "_fabric_util": util[fabric],       # for plots; not JSON
     }
 
 
