@@ -216,3 +216,28 @@ def test_bad_values_are_config_errors(tmp_path):
                    '[agg]\ndown_ports = 4\n')
     with pytest.raises(ConfigError, match="tiers = 4"):
         load_spec(str(bad))
+
+
+def test_pfc_pauses_spread_upstream_and_make_victims_dcqcn_leaves_permutations_alone():
+    from myria.sim.netsim.congestion import simulate_congestion
+    from myria.sim.netsim.flows import incidence_of
+
+    fab = build("fat-tree", 64)                   # 8 hosts, 2 per ToR
+
+    def run(src, dst):
+        nb = np.full(len(src), 4e6)
+        r = route(fab, np.array(src), np.array(dst), nb, "adaptive")
+        return simulate_congestion(fab, incidence_of(r.flow, r.link, r.n_flows, fab.links), nb)
+
+    # 6:1 incast into GPU 0 plus a bystander from an incast source's NIC to GPU 1
+    res = run([16, 24, 32, 40, 48, 56, 16], [0, 0, 0, 0, 0, 0, 1])
+    s = res.summary()
+    assert s["victim_flows"] == 1 and res.victim[6]
+    paused = np.nonzero(res.paused_fraction)[0]
+    tiers = set(fab.tier_of_link[paused])
+    assert {5, 4, 0} <= tiers                     # agg->ToR, then ToR->agg, then the NICs
+    assert s["completion_time_s"] > s["max_min_time_s"]
+    # a permutation (host 2 -> host 0, one flow per GPU): no queue, no pause, ~max-min time
+    s = run(list(range(16, 24)), list(range(0, 8))).summary()
+    assert s["paused_links"] == 0 and s["max_queue_kb"] == 0
+    assert s["completion_time_s"] == pytest.approx(s["max_min_time_s"], rel=0.1)

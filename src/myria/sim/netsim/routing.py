@@ -19,7 +19,8 @@ Routing policies (``ROUTINGS``):
   routing and flowlet switching steer toward. It sees the whole path (an upper bound on what a
   switch seeing only its own queues reaches).
 - ``rail``: static, destination-based routes (aggregation switch = the destination NIC's port
-  number below its ToR mod the uplinks, core = the next digit), the D-mod-k routing of fat-trees, plus PXN on rail-optimised
+  number below its ToR, plus the ToR's index in its pod, mod the uplinks; core = the next
+  digit), the D-mod-k routing of fat-trees, plus PXN on rail-optimised
   fabrics: traffic stays on its rail.
 """
 
@@ -112,12 +113,14 @@ def route(fab: Fabric, src: np.ndarray, dst: np.ndarray, nbytes: np.ndarray, rou
         a = (h1 % np.uint64(U)).astype(np.int64)
         v = (h2 % np.uint64(V)).astype(np.int64)
     elif routing == "rail":
-        # D-mod-k: the destination NIC's port number below its ToR picks the way up
+        # D-mod-k on the destination's port number below its ToR, offset by the ToR's index in
+        # its pod so that the rails' ToRs of one group climb to different aggregation switches
         dhost, rail = np.divmod(dn, s.nics)
-        pos = dhost % s.hosts_per_tor_group
+        port = dhost % s.hosts_per_tor_group
         if not s.rail_optimized:
-            pos = pos * s.nics + rail
-        a, v = pos % U, (pos // U) % V
+            port = port * s.nics + rail
+        key = port + td % fab.tors_per_pod
+        a, v = key % U, (key // U) % V
     else:
         a, v = _adaptive(fab, ts, td, ps, pd, cross_pod, np.asarray(nbytes, float)[f])
     flows += [f, f]
