@@ -25,6 +25,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="print one JSON object per run (one per line)")
     parser.add_argument("--run", action="append", default=[],
                         help="simulate only the run(s) with this name (repeatable)")
+    parser.add_argument("--network", default="analytic",
+                        help="how the fabric prices collectives: analytic (formula) or flow "
+                        "(myria's flow-level network simulator, cached per pattern)")
     parser.add_argument("--schema", action="store_true",
                         help="print the run schema with every default and exit")
 
@@ -99,7 +102,14 @@ def run(args: argparse.Namespace) -> int:
         return 0
     path = args.run_file or str(runspec.calibration_path())
     runs = _select(runspec.load(path), args.run)
-    pairs = [(r, simulate(r)) for r in runs]
+    if args.network != "analytic":
+        from myria.sim.hardware import build_hardware
+        from myria.sim.netsim.api import with_network_model
+
+        pairs = [(r, simulate(r, hw=with_network_model(
+            build_hardware(r.cluster, r.training.precision), args.network))) for r in runs]
+    else:
+        pairs = [(r, simulate(r)) for r in runs]
     if args.json:
         for r, res in pairs:
             obj = res.to_json()

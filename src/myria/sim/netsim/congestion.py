@@ -40,8 +40,8 @@ from myria.sim.netsim.fabric import Fabric
 from myria.sim.netsim.flows import simulate_flows
 
 # hop order of the link blocks along any route (see Fabric): GPU->NVSwitch, NVSwitch->GPU,
-# NIC->ToR, ToR->agg, agg->core, core->agg, agg->ToR, ToR->NIC
-_HOP_RANK = np.array([2, 7, 0, 1, 3, 6, 4, 5])
+# NIC->ToR, ToR->agg, agg->core, core->agg, agg->ToR, ToR->NIC (pooled links as theirs)
+_HOP_RANK = np.array([2, 7, 0, 1, 3, 6, 4, 5, 3, 6, 4, 5])
 
 
 @dataclass(frozen=True)

@@ -198,7 +198,11 @@ def load_spec(preset_or_path: str) -> FabricSpec:
 class Fabric:
     """A fabric built for ``hosts`` hosts: every directed link has an index and a capacity in
     bytes/s. Link blocks, in order: NIC->ToR, ToR->NIC, GPU->NVSwitch, NVSwitch->GPU,
-    ToR->agg, agg->ToR, agg->core, core->agg."""
+    ToR->agg, agg->ToR, agg->core, core->agg, then the pooled links of adaptive routing
+    (per-packet spraying): all uplinks of a ToR as one link, all its downlinks, all uplinks of a
+    pod, all its downlinks. Spraying puts 1/U of every flow on each of a ToR's U uplinks, so
+    every uplink carries the same load and the pooled link (capacity U x uplink) is an exact
+    stand-in; likewise at the pod's U x V core links."""
 
     spec: FabricSpec
     hosts: int
@@ -221,13 +225,15 @@ class Fabric:
         self.V = s.agg.up_ports if s.tiers == 3 else 0   # core switches per plane
         sizes = [self.n_nic, self.n_nic, self.n_gpu, self.n_gpu, self.n_tor * self.U,
                  self.n_tor * self.U, self.n_pod * self.U * self.V,
-                 self.n_pod * self.U * self.V]
+                 self.n_pod * self.U * self.V, self.n_tor, self.n_tor, self.n_pod, self.n_pod]
         self.base = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
         gb = 1e9 / 8
         caps = [s.nic_gbps * gb, s.nic_gbps * gb, s.nvlink_gbs * 1e9, s.nvlink_gbs * 1e9,
                 s.tor.up_gbps * gb, s.tor.up_gbps * gb, s.agg.up_gbps * gb, s.agg.up_gbps * gb]
+        caps += [caps[4] * self.U, caps[5] * self.U, caps[6] * self.U * self.V,
+                 caps[7] * self.U * self.V]
         self.capacity = np.repeat(np.array(caps, dtype=float), sizes)
-        self.tier_of_link = np.repeat(np.arange(8), sizes)
+        self.tier_of_link = np.repeat(np.arange(12), sizes)
 
     # -- geometry ------------------------------------------------------------------------
     @property
@@ -238,6 +244,11 @@ class Fabric:
     def edge_links(self) -> np.ndarray:
         """Links that only NICs and NVLink limit (the 'ideal' fabric keeps just these)."""
         return self.tier_of_link < 4
+
+    @property
+    def switch_links(self) -> np.ndarray:
+        """Physical links between switches (not the pooled ones)."""
+        return (self.tier_of_link >= 4) & (self.tier_of_link < 8)
 
     def nic_of_gpu(self, gpu: np.ndarray) -> np.ndarray:
         s = self.spec
@@ -253,12 +264,14 @@ class Fabric:
     def link_names(self, idx: np.ndarray) -> list[str]:
         """Readable names of links (for the most congested links report)."""
         kinds = ["nic{}->tor", "tor->nic{}", "gpu{}->nvswitch", "nvswitch->gpu{}",
-                 "tor{}->agg{}", "agg{}->tor{}", "pod{}.agg{}->core{}", "core{}->pod{}.agg{}"]
+                 "tor{}->agg{}", "agg{}->tor{}", "pod{}.agg{}->core{}", "core{}->pod{}.agg{}",
+                 "tor{}->aggs (sprayed)", "aggs->tor{} (sprayed)", "pod{}->cores (sprayed)",
+                 "cores->pod{} (sprayed)"]
         out = []
         for i in np.asarray(idx):
             t = int(np.searchsorted(self.base, i, side="right") - 1)
             k = int(i - self.base[t])
-            if t < 4:
+            if t < 4 or t >= 8:
                 out.append(kinds[t].format(k))
             elif t < 6:
                 tor, a = divmod(k, self.U)

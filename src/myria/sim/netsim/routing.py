@@ -14,10 +14,14 @@ Routing policies (``ROUTINGS``):
   uplinks. Each tier salts the hash differently unless ``polarized``: then every tier uses the
   same function and, with as many uplinks at each tier, the core choice repeats the aggregation
   choice (hash polarisation), so only one core of each plane carries traffic.
-- ``adaptive``: flows are placed one after another on the equal-cost path whose most loaded link
-  (bytes already placed / capacity) is least loaded — the steady state InfiniBand adaptive
-  routing and flowlet switching steer toward. It sees the whole path (an upper bound on what a
-  switch seeing only its own queues reaches).
+- ``adaptive``: per-packet spraying toward the least-loaded port, as InfiniBand adaptive routing
+  does, in its fluid limit: every flow spreads evenly over all its equal-cost paths, so a ToR's
+  uplinks (and a pod's core links) act as one pooled link (exact under even spreading; see
+  ``Fabric``). Vectorised.
+- ``flowlet``: one path per flow, flows placed one after another on the equal-cost path whose
+  most loaded link (bytes already placed / capacity) is least loaded, as flowlet switching
+  steers toward; it sees the whole path (an upper bound on what a switch seeing only its own
+  queues reaches). A Python loop over the flows that leave their ToR.
 - ``rail``: static, destination-based routes (aggregation switch = the destination NIC's port
   number below its ToR, plus the ToR's index in its pod, mod the uplinks; core = the next
   digit), the D-mod-k routing of fat-trees, plus PXN on rail-optimised
@@ -33,7 +37,7 @@ import numpy as np
 from myria.errors import ConfigError
 from myria.sim.netsim.fabric import Fabric
 
-ROUTINGS = ("ecmp", "adaptive", "rail")
+ROUTINGS = ("ecmp", "adaptive", "flowlet", "rail")
 ROCE_DPORT, UDP = 4791, 17
 
 _M1, _M2 = np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB)
@@ -121,6 +125,11 @@ def route(fab: Fabric, src: np.ndarray, dst: np.ndarray, nbytes: np.ndarray, rou
             port = port * s.nics + rail
         key = port + td % fab.tors_per_pod
         a, v = key % U, (key // U) % V
+    elif routing == "adaptive":            # sprayed: the pooled links
+        c = cross_pod
+        flows += [f, f, f[c], f[c]]
+        links += [b[8] + ts, b[9] + td, b[10] + ps[c], b[11] + pd[c]]
+        return Routed(np.concatenate(flows), np.concatenate(links).astype(np.int64), nf)
     else:
         a, v = _adaptive(fab, ts, td, ps, pd, cross_pod, np.asarray(nbytes, float)[f])
     flows += [f, f]

@@ -262,7 +262,7 @@ def simulate_collective(fab: Fabric, coll: Collective, routing: str = "ecmp", qp
         t_ideal += rp.phase.steps * ti
         events += ev
         link_bytes += rp.phase.steps * (rp.a.T @ rp.phase.nbytes)
-        fab_links = ~fab.edge_links
+        fab_links = fab.switch_links
         if fab_links.any():
             counts = np.asarray(rp.a.sum(axis=0)).ravel()
             max_flows = max(max_flows, int(counts[fab_links].max(initial=0)))
@@ -275,7 +275,8 @@ def simulate_collective(fab: Fabric, coll: Collective, routing: str = "ecmp", qp
 
 def _report(fab, coll, t, t_ideal, link_bytes, flows, events, max_flows, top) -> dict:
     factor = BUS_FACTOR[coll.kind](coll.n) if coll.n > 1 else 0.0
-    util = link_bytes / (fab.capacity * t) if t > 0 else np.zeros(fab.links)
+    util = np.divide(link_bytes, fab.capacity * t, out=np.zeros(fab.links),
+                     where=fab.capacity * t > 0)
     used = link_bytes > 0
     fabric = used & ~fab.edge_links
     order = np.argsort(-util)[:top]
