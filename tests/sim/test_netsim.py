@@ -242,3 +242,19 @@ def test_pfc_pauses_spread_upstream_and_make_victims_dcqcn_leaves_permutations_a
     s = run(list(range(16, 24)), list(range(0, 8))).summary()
     assert s["paused_links"] == 0 and s["max_queue_kb"] == 0
     assert s["completion_time_s"] == pytest.approx(s["max_min_time_s"], rel=0.1)
+
+
+def test_equal_flows_shortcut_equals_the_event_driven_max_min():
+    from myria.sim.netsim.flows import incidence_of, simulate_flows
+
+    fab = build("fat-tree", 256)
+    rng = np.random.default_rng(1)
+    m = 400
+    src, dst = rng.integers(0, 256, m), rng.integers(0, 256, m)
+    for routing in ("ecmp", "flowlet"):
+        r = route(fab, src, dst, np.ones(m), routing)
+        a = incidence_of(r.flow, r.link, r.n_flows, fab.links)
+        fast = simulate_flows(a, np.full(m, 1e6), fab.capacity)
+        slow = simulate_flows(a, np.full(m, 1e6), fab.capacity, events=True)
+        assert slow.events > 1 and fast.events == 1
+        assert fast.completion_time_s == pytest.approx(slow.completion_time_s, rel=1e-9)
