@@ -258,3 +258,55 @@ def test_equal_flows_shortcut_equals_the_event_driven_max_min():
         slow = simulate_flows(a, np.full(m, 1e6), fab.capacity, events=True)
         assert slow.events > 1 and fast.events == 1
         assert fast.completion_time_s == pytest.approx(slow.completion_time_s, rel=1e-9)
+
+
+def test_simulate_network_cli_contract(capsys, tmp_path):
+    import json
+
+    from myria.cli import main
+
+    args = ["simulate-network", "--topology", "megascale", "--gpus", "1024", "--collective",
+            "all-reduce", "--bytes", "256M", "--algorithm", "two-stage-ring", "--routing",
+            "ecmp", "--qps-per-connection", "4", "--json"]
+    assert main(args) == 0
+    out = json.loads(capsys.readouterr().out)
+    for key in ("completion_time_s", "busbw_gbs", "ideal_busbw_gbs", "max_link_utilization",
+                "flows", "links", "wall_s"):
+        assert key in out
+    assert 0 < out["busbw_gbs"] <= out["ideal_busbw_gbs"] and out["flows"] > 0
+    # a layout's data-parallel groups, a TOML fabric, a plot
+    toml = tmp_path / "f.toml"
+    toml.write_text('tiers = 2\n[host]\nnic_gbps = 200\n[tor]\ndown_ports = 16\nup_ports = 8\n'
+                    'oversubscription = 2.0\n[agg]\ndown_ports = 16\n')
+    png = tmp_path / "u.png"
+    assert main(["simulate-network", "--topology", str(toml), "--gpus", "128", "--collective",
+                 "all-reduce", "--bytes", "1G", "--layout", "tp=8,dp=16", "--group", "dp",
+                 "--plot", str(png)]) == 0
+    assert "16 ranks" in capsys.readouterr().out and png.stat().st_size > 0
+    for bad, msg in ((["--gpus", "x"], "--gpus"), (["--bytes", "1X"], "--bytes"),
+                     (["--routing", "spray"], "--routing"), (["--algorithm", "rings"], "ring"),
+                     (["--topology", "nope"], "not a preset")):
+        argv = args[:-1] + bad
+        assert main(argv) == 2
+        err = capsys.readouterr().err.strip()
+        assert msg in err and len(err.splitlines()) == 1
+
+
+def test_flow_pricing_hook_for_the_performance_model():
+    import dataclasses
+
+    from myria.sim.network import pattern_factor
+    from myria.sim.netsim.api import flow_pattern_factor
+    from myria.sim.topology import Fabric
+
+    ada = Fabric(kind="fat-tree", nodes=64, routing="adaptive", model="flow")
+    assert pattern_factor(ada, "ring", 64, 8).factor == pytest.approx(1.0)
+    over = dataclasses.replace(ada, oversubscription=4.0)
+    assert pattern_factor(over, "p2p", 2, 256).factor == pytest.approx(0.25, rel=0.01)
+    one = Fabric(kind="fat-tree", nodes=64, routing="ecmp", flows_per_pair=1, model="flow")
+    many = dataclasses.replace(one, flows_per_pair=16)
+    f1, f16 = pattern_factor(one, "ring", 64, 8).factor, pattern_factor(many, "ring", 64, 8).factor
+    assert f1 < 0.6 < f16
+    hits = flow_pattern_factor.cache_info().hits
+    assert flow_pattern_factor(one, "ring", 64, 8).factor == f1   # cached per fabric, pattern
+    assert flow_pattern_factor.cache_info().hits == hits + 1
