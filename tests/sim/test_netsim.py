@@ -283,6 +283,13 @@ def test_simulate_network_cli_contract(capsys, tmp_path):
                  "all-reduce", "--bytes", "1G", "--layout", "tp=8,dp=16", "--group", "dp",
                  "--plot", str(png)]) == 0
     assert "16 ranks" in capsys.readouterr().out and png.stat().st_size > 0
+    # several jobs at once: the data-parallel all-reduce with the pipeline sends of the layout
+    assert main(["simulate-network", "--topology", "fat-tree", "--gpus", "256", "--collective",
+                 "all-reduce", "--bytes", "64M", "--layout", "tp=8,pp=4,dp=8", "--group", "dp",
+                 "--with", "ring-p2p:pp:32M", "--json"]) == 0
+    jobs = json.loads(capsys.readouterr().out)["jobs"]
+    assert [j["collective"] for j in jobs] == ["all-reduce", "ring-p2p"]
+    assert all(j["slowdown"] >= 1 - 1e-9 for j in jobs)
     for bad, msg in ((["--gpus", "x"], "--gpus"), (["--bytes", "1X"], "--bytes"),
                      (["--routing", "spray"], "--routing"), (["--algorithm", "rings"], "ring"),
                      (["--topology", "nope"], "not a preset")):

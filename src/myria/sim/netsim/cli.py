@@ -64,6 +64,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "--group of that layout, placed by myria's rank placement")
     parser.add_argument("--group", default="dp", help="tp | cp | dp | dp_replicate | pp "
                         "(with --layout; default dp)")
+    parser.add_argument("--with", dest="also", action="append", default=[],
+                        metavar="COLLECTIVE:GROUP:BYTES[:ALGORITHM]",
+                        help="with --layout: another collective running at the same time over "
+                        "that layout's GROUP groups (repeatable), e.g. all-to-all:tp:64M; all "
+                        "jobs are then simulated step by step, sharing the fabric (slower: keep to a few hundred "
+                        "steps)")
     parser.add_argument("--congestion", action="store_true",
                         help="also run the fluid PFC/DCQCN model on the step's flows")
     parser.add_argument("--plot", default="", help="write a PNG of the link utilisation "
@@ -128,6 +134,8 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError(f"{kind} over {groups.shape[1]} ranks makes {n_flows:,} flows (limit "
                           f"{MAX_FLOWS:,}): use --layout/--group for smaller groups")
     out = simulate_collective(fab, coll, routing, qps, seed, args.polarized)
+    if args.also:
+        out["jobs"] = _jobs(args, spec, fab, coll, routing, qps, seed)
     if args.congestion:
         from myria.sim.netsim.congestion import simulate_congestion
         from myria.sim.netsim.traffic import route_collective
@@ -156,6 +164,9 @@ def run(args: argparse.Namespace) -> int:
           f"{p[3]:.1%}; most flows on one switch link: {out['max_flows_on_a_fabric_link']}")
     print("  most congested links: " + ", ".join(
         f"{d['link']} {d['utilization']:.0%}" for d in out["most_congested_links"]))
+    for j in out.get("jobs", []):
+        print(f"  together: {j['collective']} ({j['algorithm']}) {j['completion_time_s'] * 1e3:.3f}"
+              f" ms, {j['slowdown']:.2f} x its time alone")
     if "congestion" in out:
         c = out["congestion"]
         print(f"  PFC/DCQCN fluid model: step {c['completion_time_s'] * 1e3:.3f} ms vs "
@@ -163,6 +174,38 @@ def run(args: argparse.Namespace) -> int:
               f"{c['paused_links']}, victim flows {c['victim_flows']}")
     print(f"  {out['flows']:,} flows on {out['links']:,} links, {out['wall_s']:.2f} s")
     return 0
+
+
+def _jobs(args, spec, fab, coll, routing: str, qps: int, seed: int) -> list[dict]:
+    """The main collective and the --with ones, at once (traffic.simulate_jobs)."""
+    from myria.sim.netsim.layout import layout_groups, parse_layout
+    from myria.sim.netsim.traffic import (ALGORITHMS, COLLECTIVES, collective,
+                                          simulate_collective, simulate_jobs)
+
+    if not args.layout:
+        raise ConfigError("--with needs --layout (its groups say who talks to whom)")
+    layout = parse_layout(args.layout)
+    jobs = [(coll, routing, qps)]
+    for text in args.also:
+        parts = text.split(":")
+        if len(parts) not in (3, 4):
+            raise ConfigError(f"--with {text!r}: expected COLLECTIVE:GROUP:BYTES[:ALGORITHM]")
+        kind = _choice(parts[0], "--with collective", COLLECTIVES)
+        algo = _choice(parts[3] if len(parts) == 4 else "ring", "--with algorithm", ALGORITHMS)
+        groups = layout_groups(layout, spec, parts[1])
+        jobs.append((collective(kind, groups, parse_bytes(parts[2]), algo, spec.gpus,
+                                spec.nics), routing, qps))
+    steps = sum(p.steps for c, _, _ in jobs for p in c.phases)
+    if steps > 2_000:
+        raise ConfigError(f"--with: {steps:,} collective steps to simulate one by one (limit "
+                          "2,000): use smaller groups or the two-stage ring")
+    res = simulate_jobs(fab, jobs, seed)
+    alone = [simulate_collective(fab, c, r, q, seed + 31 * j)["completion_time_s"]
+             for j, (c, r, q) in enumerate(jobs)]
+    for r, t in zip(res, alone):
+        r["alone_s"] = float(t)
+        r["slowdown"] = float(r["completion_time_s"] / t) if t else 1.0
+    return res
 
 
 def _plot(out: dict, util: np.ndarray, path: str) -> None:
