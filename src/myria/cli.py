@@ -35,7 +35,7 @@ def _top_parser() -> argparse.ArgumentParser:
         prog="myria",
         description="myria: 4D-parallel LLM pre-training that plans, explains and survives runs.",
         formatter_class=argparse.RawDescriptionHelpFormatter,
-        epilog="commands:\n" + "\n".join(f"  {n:<10} {h}" for n, (_, h) in COMMANDS.items())
+        epilog="commands:\n" + "\n".join(f"  {n:<16} {h}" for n, (_, h) in COMMANDS.items())
         + "\n\nRun `myria COMMAND --help` for a command's options.",
     )
     p.add_argument("command", nargs="?", help="one of: " + ", ".join(COMMANDS))

@@ -93,7 +93,7 @@ def test_adaptive_ring_reaches_ideal_busbw_on_non_blocking_fat_tree():
     assert out["ideal_busbw_gbs"] == pytest.approx(8 * 50.0)   # 8 NICs x 400G per host
 
 
-def _ecmp_runs(spec, qps=1, salts=range(24)):
+def _ecmp_runs(spec, qps=1, salts=range(80)):
     fab = Fabric(spec, TORS * HOSTS_PER_TOR)
     ring = cross_tor_ring(HOSTS_PER_TOR, TORS)
     coll = collective("all-reduce", ring, 1e9, "ring", 8)
@@ -104,11 +104,11 @@ def test_ecmp_max_link_load_matches_balls_into_bins():
     # each ToR hashes 16 flows onto 16 uplinks, the next ToR receives the same 16 flows on
     # the same spines' downlinks: the fabric's busiest link is the largest of 8 independent
     # balls-into-bins maxima
-    runs = _ecmp_runs(spec_from_dict(LEAF_SPINE), salts=range(40))
+    runs = _ecmp_runs(spec_from_dict(LEAF_SPINE), salts=range(200))
     observed = np.mean([r["max_flows_on_a_fabric_link"] for r in runs])
     dist = fabric_max_distribution(16, 16, TORS)
     expected = float((np.arange(len(dist)) * dist).sum())
-    assert abs(observed - expected) < 0.3, (observed, expected)
+    assert abs(observed - expected) < 0.15, (observed, expected)   # ~3 standard errors
     # and the ring runs at 1/K of the NICs' rate (every flow of a collided link equally slow)
     for r in runs[:5]:
         assert r["fabric_efficiency"] == pytest.approx(1 / r["max_flows_on_a_fabric_link"])

@@ -185,7 +185,10 @@ def collective(kind: str, groups: np.ndarray, size: float, algorithm: str, gpus_
         out.phases.append(Phase(src, dst, const(src, size), 1, 0.0, "p2p"))
         return out
     two = algorithm == "two-stage-ring" and k > 1 and g > 1
-    if algorithm == "tree" and kind == "all-reduce" and k > 1:
+    tree = algorithm == "tree" and kind == "all-reduce" and k > 1
+    if not (two or tree):
+        out.algorithm = "ring"                 # what runs (one host, one GPU per host, ...)
+    if tree:
         src, dst, share = _tree_flows(blocks, channels)
         lat = 2 * (math.ceil(math.log2(k)) * ALPHA_INTER_S + (g - 1) * ALPHA_INTRA_S)
         out.phases.append(Phase(src, dst, share * size, 1, lat, "double binary tree"))
