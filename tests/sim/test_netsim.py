@@ -317,3 +317,10 @@ def test_flow_pricing_hook_for_the_performance_model():
     hits = flow_pattern_factor.cache_info().hits
     assert flow_pattern_factor(one, "ring", 64, 8).factor == f1   # cached per fabric, pattern
     assert flow_pattern_factor.cache_info().hits == hits + 1
+    # any collective over explicit groups on a netsim fabric, cached the same way
+    from myria.sim.netsim.api import price_collective
+    key = (tuple(range(64)),)
+    out = price_collective(load_spec("fat-tree"), 64, "all-reduce", key, 1e9, "ring", "adaptive")
+    assert out["ideal_busbw_gbs"] == pytest.approx(400.0)
+    assert price_collective(load_spec("fat-tree"), 64, "all-reduce", key, 1e9, "ring",
+                            "adaptive") is out
