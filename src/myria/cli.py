@@ -23,6 +23,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "doctor": ("myria.resilience.diagnostics", "self-check diagnostics of this host"),
     "analyze": ("myria.sim.cli_analyze", "per-operator roofline table of a config"),
     "simulate": ("myria.sim.cli_simulate", "predict step time, memory and MFU of runs"),
+    "simulate-network": ("myria.sim.netsim.cli", "a collective on a simulated cluster fabric "
+                         "(CLOS, ECMP/adaptive routing)"),
     "plan": ("myria.sim.cli_plan", "search parallel layouts and rank them by predicted MFU"),
     "report": ("myria.observe.report", "merged timeline, heat maps and curves of a run"),
 }
@@ -33,7 +35,7 @@ def _top_parser() -> argparse.ArgumentParser:
         prog="myria",
         description="myria: 4D-parallel LLM pre-training that plans, explains and survives runs.",
         formatter_class=argparse.RawDescriptionHelpFormatter,
-        epilog="commands:\n" + "\n".join(f"  {n:<10} {h}" for n, (_, h) in COMMANDS.items())
+        epilog="commands:\n" + "\n".join(f"  {n:<16} {h}" for n, (_, h) in COMMANDS.items())
         + "\n\nRun `myria COMMAND --help` for a command's options.",
     )
     p.add_argument("command", nargs="?", help="one of: " + ", ".join(COMMANDS))

@@ -26,6 +26,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="print one JSON object per run (one per line)")
     parser.add_argument("--run", action="append", default=[],
                         help="simulate only the run(s) with this name (repeatable)")
+    parser.add_argument("--network", default="analytic", choices=("analytic", "flow"),
+                        help="how the fabric prices collectives: analytic (formula) or flow "
+                        "(myria's flow-level network simulator, cached per pattern)")
     parser.add_argument("--schema", action="store_true",
                         help="print the run schema with every default and exit")
     from myria.sim.cli_plan import _at_least
@@ -106,7 +109,13 @@ def run(args: argparse.Namespace) -> int:
         return 0
     path = args.run_file or str(runspec.calibration_path())
     runs = _select(runspec.load(path), args.run)
-    pairs = [(r, simulate(r)) for r in runs]
+    if args.network != "analytic":
+        from myria.sim.netsim.api import with_network_model
+
+        pairs = [(r, simulate(r, hw=with_network_model(
+            build_hardware(r.cluster, r.training.precision), args.network))) for r in runs]
+    else:
+        pairs = [(r, simulate(r)) for r in runs]
     rel = reliability.from_args(args)
     for r, res in pairs:
         e = reliability.run_ettr(res, r, build_hardware(r.cluster, r.training.precision), rel)

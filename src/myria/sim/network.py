@@ -79,6 +79,9 @@ def pattern_factor(fabric: Fabric, kind: str, size: int, stride: int) -> Pattern
     """
     if kind not in ("ring", "p2p", "a2a"):
         raise ValueError(f"unknown traffic pattern {kind!r}")
+    if fabric.model == "flow":                 # myria simulate --network flow
+        from myria.sim.netsim.api import flow_pattern_factor
+        return flow_pattern_factor(fabric, kind, size, stride)
     gpn = fabric.gpus_per_node
     q = fabric.flows_per_pair if fabric.routing == "ecmp" else 1
     per_gpu = q * (max(1, size - 1) if kind == "a2a" else 1)

@@ -38,6 +38,7 @@ class Fabric:
     routing: str = "adaptive"
     flows_per_pair: int = 2
     radix: int = 64
+    model: str = "analytic"     # "flow": network.pattern_factor asks the flow simulator
 
     @property
     def down(self) -> int:
@@ -75,7 +76,8 @@ class Fabric:
                 f"{self.nodes_per_leaf} servers per leaf, {self.n_leaves} leaves, "
                 f"{self.n_pods} pod(s), oversubscription {self.oversubscription:g}:1, "
                 f"{self.routing} routing"
-                + (f" ({self.flows_per_pair} flows per pair)" if self.routing == "ecmp" else ""))
+                + (f" ({self.flows_per_pair} flows per pair)" if self.routing == "ecmp" else "")
+                + (", flow-level simulated" if self.model == "flow" else ""))
 
     # -- link layout --------------------------------------------------------------------------
     def _dims(self) -> tuple[int, int, float, float]:

@@ -1,7 +1,10 @@
-"""Flow-level cluster network simulator (issue 12, first part).
+"""Flow-level cluster network simulator (issue 12).
 
-Done so far: a two-tier leaf-spine fabric (``fabric.py``), ECMP 5-tuple hashing with several
-queue pairs per connection and greedy adaptive routing, and event-driven max-min fair sharing
-vectorised over a sparse flows x links incidence matrix (``flows.py``), with ring traffic.
-Not yet: three-tier CLOS, presets, PFC/DCQCN, other collectives, the CLI and the perf-model hook.
+``fabric``: two- and three-tier CLOS / fat-tree fabrics with rails, from TOML or presets;
+``routing``: ECMP (polarised or not, queue pairs), adaptive and static rail-aware routes;
+``flows``: event-driven max-min fair sharing over a sparse flows x links matrix;
+``traffic``: the flows of NCCL's collectives over the groups of a layout, one job or several;
+``layout``: the groups of a myria layout placed by ``myria.parallel.placement``;
+``congestion``: a fluid PFC / DCQCN model; ``api``: cached pricing for the performance model;
+``cli``: ``myria simulate-network``. docs/network.md describes the abstraction and its limits.
 """

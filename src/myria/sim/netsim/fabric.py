@@ -1,118 +1,324 @@
-"""Leaf-spine fabric: directed links with capacities, and routes of flows through it."""
+"""Cluster fabrics: two-tier leaf-spine and three-tier CLOS / fat-tree, hosts with an NVLink
+domain and several NICs (rails), from a TOML description or a preset; directed links with
+capacities, numbered so that routes are computed with numpy.
+
+A fabric description (TOML, presets in ``myria/sim/data/fabric-*.toml``)::
+
+    name = "megascale"
+    tiers = 3                      # 2: leaf-spine, 3: ToR / aggregation / core
+    [host]
+    gpus = 8                       # one NVLink domain
+    nics = 8                       # NIC i serves GPU i*nics/gpus ("rail" i)
+    nic_gbps = 200                 # line rate of one NIC
+    nvlink_gbs = 300               # one GPU's NVLink bandwidth, each direction, GB/s
+    rail_optimized = true          # NIC i of a group of hosts on ToR i of a rail group
+    [tor]
+    down_ports = 64                # NIC-facing ports (a 400G port split into 2 x 200G counts 2)
+    up_ports = 32                  # one to each aggregation switch of the pod
+    up_gbps = 400                  # or: oversubscription = 1.0 (down:up bandwidth)
+    [agg]                          # the spine when tiers = 2
+    down_ports = 32                # ToRs per pod
+    up_ports = 32                  # one to each core switch of its plane (tiers = 3)
+    up_gbps = 400                  # or: oversubscription = 7.0
+    [core]
+    down_ports = 64                # pods
+
+Wiring (the standard folded CLOS): ToR port u goes to aggregation switch u of its pod;
+aggregation switch a of every pod joins core plane a, its port v to core switch v of the plane.
+Routes go up to the lowest common tier and down again; the choice going up (aggregation switch
+``a`` and core ``v``) fixes the way down, which is why two flows collide if their hashes agree.
+"""
 
 from __future__ import annotations
 
-import hashlib
+import math
+import tomllib
 from dataclasses import dataclass, field
+from functools import cached_property
+from importlib import resources
+from pathlib import Path
 
-import networkx as nx
 import numpy as np
 
 from myria.errors import ConfigError
 
-
-@dataclass
-class LeafSpine:
-    """Two-tier CLOS: ``leaves`` leaf switches with ``hosts_per_leaf`` one-NIC hosts each, every
-    leaf wired once to each of ``spines`` spines. Uplink speed / NIC speed sets oversubscription
-    (non-blocking when spines * uplink_gbps >= hosts_per_leaf * nic_gbps)."""
-
-    leaves: int
-    hosts_per_leaf: int
-    spines: int
-    nic_gbps: float = 400.0
-    uplink_gbps: float = 400.0
-    graph: nx.DiGraph = field(init=False, repr=False)
-    capacity: np.ndarray = field(init=False, repr=False)  # bytes/s per directed link
-
-    def __post_init__(self) -> None:
-        for name in ("leaves", "hosts_per_leaf", "spines"):
-            if getattr(self, name) < 1:
-                raise ConfigError(f"fabric.{name} = {getattr(self, name)}: must be >= 1")
-        g = nx.DiGraph()
-        for h in range(self.hosts):
-            leaf = ("leaf", h // self.hosts_per_leaf)
-            g.add_edge(("host", h), leaf, gbps=self.nic_gbps)
-            g.add_edge(leaf, ("host", h), gbps=self.nic_gbps)
-        for lf in range(self.leaves):
-            for s in range(self.spines):
-                g.add_edge(("leaf", lf), ("spine", s), gbps=self.uplink_gbps)
-                g.add_edge(("spine", s), ("leaf", lf), gbps=self.uplink_gbps)
-        if not nx.is_strongly_connected(g):  # pragma: no cover - wiring above is complete
-            raise ConfigError("fabric: not every host reaches every other")
-        self.graph = g
-        self._edges = list(g.edges)
-        self._index = {e: i for i, e in enumerate(self._edges)}
-        self.capacity = np.array([g.edges[e]["gbps"] * 1e9 / 8 for e in self._edges])
-
-    @property
-    def hosts(self) -> int:
-        return self.leaves * self.hosts_per_leaf
-
-    @property
-    def links(self) -> int:
-        return len(self._edges)
-
-    def link(self, a, b) -> int:
-        return self._index[(a, b)]
-
-    def uplink(self, leaf: int, spine: int) -> int:
-        return self.link(("leaf", leaf), ("spine", spine))
-
-    def path(self, src: int, dst: int, spine: int | None) -> list[int]:
-        """Link indices from host ``src`` to ``dst``, via ``spine`` if on different leaves."""
-        ls, ld = src // self.hosts_per_leaf, dst // self.hosts_per_leaf
-        hops = [("host", src), ("leaf", ls)]
-        if ls != ld:
-            hops += [("spine", spine), ("leaf", ld)]
-        hops.append(("host", dst))
-        return [self._index[(a, b)] for a, b in zip(hops, hops[1:])]
+PRESETS = ("megascale", "llama3", "fat-tree")
 
 
 @dataclass(frozen=True)
-class Flow:
-    src: int
-    dst: int
-    nbytes: float
-    sport: int  # the source port: one per queue pair, the ECMP entropy
+class Tier:
+    """One switch tier: ports toward the tier below and above, and the up-link speed."""
+
+    down_ports: int
+    up_ports: int = 0
+    up_gbps: float = 0.0
+
+    def oversubscription(self, down_gbps: float) -> float:
+        return (self.down_ports * down_gbps) / (self.up_ports * self.up_gbps) \
+            if self.up_ports else 1.0
 
 
-def ecmp_hash(flow: Flow, n: int, salt: int = 0) -> int:
-    """ECMP port choice from the 5-tuple (src, dst, sport, dport=4791 RoCEv2, proto=UDP).
-    blake2b stands in for a switch's CRC hash: uniform over ports, deterministic per flow."""
-    key = f"{flow.src}|{flow.dst}|{flow.sport}|4791|17|{salt}".encode()
-    return int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "little") % n
+@dataclass(frozen=True)
+class FabricSpec:
+    """A fabric description (hashable: results computed on it are cached)."""
+
+    name: str
+    tiers: int
+    gpus: int
+    nics: int
+    nic_gbps: float
+    nvlink_gbs: float
+    rail_optimized: bool
+    tor: Tier
+    agg: Tier
+    core: Tier = Tier(down_ports=1)
+    source: str = ""
+
+    def __post_init__(self) -> None:
+        def need(cond: bool, msg: str) -> None:
+            if not cond:
+                raise ConfigError(f"fabric {self.name!r}: {msg}")
+        need(self.tiers in (2, 3), f"tiers = {self.tiers}: must be 2 or 3")
+        need(self.gpus >= 1 and self.nics >= 1, "host.gpus and host.nics must be >= 1")
+        need(self.gpus % self.nics == 0 or self.nics % self.gpus == 0,
+             f"host.gpus = {self.gpus} and host.nics = {self.nics}: one must divide the other")
+        need(self.nic_gbps > 0 and self.nvlink_gbs > 0, "nic_gbps and nvlink_gbs must be > 0")
+        need(self.tor.up_ports >= 1 and self.tor.up_gbps > 0,
+             "tor.up_ports and tor.up_gbps (or oversubscription) must be > 0")
+        if self.rail_optimized:
+            need(self.agg.down_ports % self.nics == 0,
+                 f"rail-optimized: agg.down_ports = {self.agg.down_ports} (ToRs per pod) must "
+                 f"be a multiple of host.nics = {self.nics}")
+        else:
+            need(self.tor.down_ports >= self.nics,
+                 f"tor.down_ports = {self.tor.down_ports} < host.nics = {self.nics}")
+        if self.tiers == 3:
+            need(self.agg.up_ports >= 1 and self.agg.up_gbps > 0,
+                 "tiers = 3 needs agg.up_ports and agg.up_gbps (or oversubscription)")
+
+    @property
+    def hosts_per_tor_group(self) -> int:
+        """Hosts under one ToR (rail-optimised: under one group of ``nics`` rail ToRs)."""
+        return self.tor.down_ports if self.rail_optimized else self.tor.down_ports // self.nics
+
+    @property
+    def tor_group(self) -> int:
+        return self.nics if self.rail_optimized else 1
+
+    @property
+    def max_hosts(self) -> int:
+        groups_per_pod = self.agg.down_ports // self.tor_group
+        pods = self.core.down_ports if self.tiers == 3 else 1
+        return pods * groups_per_pod * self.hosts_per_tor_group
+
+    @property
+    def max_gpus(self) -> int:
+        return self.max_hosts * self.gpus
+
+    def describe(self) -> str:
+        os_tor = self.tor.oversubscription(self.nic_gbps)
+        line = (f"{self.name}: {self.tiers}-tier, hosts of {self.gpus} GPUs (NVLink "
+                f"{self.nvlink_gbs:g} GB/s) x {self.nics} NICs of {self.nic_gbps:g}G"
+                f"{', rail-optimized' if self.rail_optimized else ''}; ToR {self.tor.down_ports}"
+                f" down / {self.tor.up_ports} x {self.tor.up_gbps:g}G up ({os_tor:g}:1)")
+        if self.tiers == 3:
+            line += (f"; agg {self.agg.down_ports} down / {self.agg.up_ports} x "
+                     f"{self.agg.up_gbps:g}G up "
+                     f"({self.agg.oversubscription(self.tor.up_gbps):g}:1); "
+                     f"up to {self.max_gpus} GPUs")
+        else:
+            line += f"; {self.tor.up_ports} spines of {self.agg.down_ports} ports; " \
+                    f"up to {self.max_gpus} GPUs"
+        return line
 
 
-def connections(pairs: list[tuple[int, int]], nbytes: float, qps: int, seed: int = 0) -> list[Flow]:
-    """One flow per queue pair (NCCL_IB_QPS_PER_CONNECTION): each pair's bytes split over
-    ``qps`` flows with distinct source ports."""
-    if qps < 1:
-        raise ConfigError(f"qps_per_connection = {qps}: must be >= 1")
-    rng = np.random.default_rng(seed)
-    return [Flow(s, d, nbytes / qps, int(rng.integers(49152, 65536)))
-            for s, d in pairs for _ in range(qps)]
+def _tier(d: dict, name: str, down_gbps: float) -> Tier:
+    if not isinstance(d, dict):
+        raise ConfigError(f"fabric [{name}]: missing table")
+    unknown = set(d) - {"down_ports", "up_ports", "up_gbps", "oversubscription"}
+    if unknown:
+        raise ConfigError(f"fabric [{name}]: unknown key(s) {sorted(unknown)}; valid: "
+                          "down_ports, up_ports, up_gbps, oversubscription")
+    try:
+        down, up = int(d["down_ports"]), int(d.get("up_ports", 0))
+    except (KeyError, TypeError, ValueError):
+        raise ConfigError(f"fabric [{name}]: down_ports (an integer) is required") from None
+    gbps = float(d.get("up_gbps", 0.0))
+    if "oversubscription" in d:
+        os_ = float(d["oversubscription"])
+        if os_ <= 0 or up < 1:
+            raise ConfigError(f"fabric [{name}]: oversubscription = {os_} needs up_ports >= 1 "
+                              "and a value > 0")
+        gbps = down * down_gbps / (os_ * up)
+    if down < 1 or up < 0:
+        raise ConfigError(f"fabric [{name}]: down_ports = {down}, up_ports = {up}: invalid")
+    return Tier(down, up, gbps)
 
 
-def route(fabric: LeafSpine, flows: list[Flow], routing: str, salt: int = 0) -> list[list[int]]:
-    """Paths of ``flows``: ``ecmp`` hashes the 5-tuple onto a spine; ``adaptive`` sends each flow
-    (in order) to the spine whose up- and down-links carry the fewest bytes so far, as InfiniBand
-    adaptive routing steers toward the least-loaded port (flowlet granularity, not per packet)."""
-    if routing not in ("ecmp", "adaptive"):
-        raise ConfigError(f"routing = {routing!r}: valid are 'ecmp', 'adaptive'")
-    load = np.zeros(fabric.links)
-    paths = []
-    for f in flows:
-        ls, ld = f.src // fabric.hosts_per_leaf, f.dst // fabric.hosts_per_leaf
-        spine = None
-        if ls != ld:
-            if routing == "ecmp":
-                spine = ecmp_hash(f, fabric.spines, salt)
+def spec_from_dict(d: dict, name: str = "custom") -> FabricSpec:
+    """A FabricSpec from a parsed TOML description (see the module docstring)."""
+    unknown = set(d) - {"name", "tiers", "host", "tor", "agg", "core", "source"}
+    if unknown:
+        raise ConfigError(f"fabric {name!r}: unknown key(s) {sorted(unknown)}")
+    host = d.get("host", {})
+    try:
+        gpus, nics = int(host.get("gpus", 8)), int(host.get("nics", 8))
+        nic_gbps = float(host.get("nic_gbps", 400.0))
+        nvlink = float(host.get("nvlink_gbs", 450.0))
+    except (TypeError, ValueError) as e:
+        raise ConfigError(f"fabric {name!r} [host]: {e}") from None
+    rail = bool(host.get("rail_optimized", False))
+    tor = _tier(d.get("tor"), "tor", nic_gbps)
+    agg = _tier(d.get("agg"), "agg", tor.up_gbps)
+    tiers = int(d.get("tiers", 3 if "core" in d else 2))
+    core = _tier(d.get("core", {"down_ports": 1}), "core", agg.up_gbps)
+    return FabricSpec(name=str(d.get("name", name)), tiers=tiers, gpus=gpus, nics=nics,
+                      nic_gbps=nic_gbps, nvlink_gbs=nvlink, rail_optimized=rail, tor=tor,
+                      agg=agg, core=core, source=str(d.get("source", "")))
+
+
+def load_spec(preset_or_path: str) -> FabricSpec:
+    """A preset name (megascale, llama3, fat-tree) or the path of a TOML description."""
+    if preset_or_path in PRESETS:
+        text = resources.files("myria.sim").joinpath(
+            f"data/fabric-{preset_or_path}.toml").read_text()
+        return spec_from_dict(tomllib.loads(text), preset_or_path)
+    p = Path(preset_or_path)
+    if not p.is_file():
+        raise ConfigError(f"--topology {preset_or_path!r}: not a preset ({', '.join(PRESETS)}) "
+                          "nor a TOML file")
+    try:
+        d = tomllib.loads(p.read_text())
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"{p}: not valid TOML ({e})") from None
+    return spec_from_dict(d, p.stem)
+
+
+@dataclass
+class Fabric:
+    """A fabric built for ``hosts`` hosts: every directed link has an index and a capacity in
+    bytes/s. Link blocks, in order: NIC->ToR, ToR->NIC, GPU->NVSwitch, NVSwitch->GPU,
+    ToR->agg, agg->ToR, agg->core, core->agg, then the pooled links of adaptive routing
+    (per-packet spraying): all uplinks of a ToR as one link, all its downlinks, all uplinks of a
+    pod, all its downlinks. Spraying puts 1/U of every flow on each of a ToR's U uplinks, so
+    every uplink carries the same load and the pooled link (capacity U x uplink) is an exact
+    stand-in; likewise at the pod's U x V core links."""
+
+    spec: FabricSpec
+    hosts: int
+    capacity: np.ndarray = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        s = self.spec
+        if self.hosts < 1:
+            raise ConfigError(f"fabric: hosts = {self.hosts}: must be >= 1")
+        if self.hosts > s.max_hosts:
+            raise ConfigError(f"fabric {s.name!r}: {self.hosts * s.gpus} GPUs exceed its "
+                              f"{s.max_gpus} (raise core.down_ports or agg.down_ports)")
+        self.n_nic = self.hosts * s.nics
+        self.n_gpu = self.hosts * s.gpus
+        groups = -(-self.hosts // s.hosts_per_tor_group)
+        self.n_tor = groups * s.tor_group
+        self.tors_per_pod = s.agg.down_ports
+        self.n_pod = -(-self.n_tor // self.tors_per_pod)
+        self.U = s.tor.up_ports          # aggregation switches per pod
+        self.V = s.agg.up_ports if s.tiers == 3 else 0   # core switches per plane
+        sizes = [self.n_nic, self.n_nic, self.n_gpu, self.n_gpu, self.n_tor * self.U,
+                 self.n_tor * self.U, self.n_pod * self.U * self.V,
+                 self.n_pod * self.U * self.V, self.n_tor, self.n_tor, self.n_pod, self.n_pod]
+        self.base = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
+        gb = 1e9 / 8
+        caps = [s.nic_gbps * gb, s.nic_gbps * gb, s.nvlink_gbs * 1e9, s.nvlink_gbs * 1e9,
+                s.tor.up_gbps * gb, s.tor.up_gbps * gb, s.agg.up_gbps * gb, s.agg.up_gbps * gb]
+        caps += [caps[4] * self.U, caps[5] * self.U, caps[6] * self.U * self.V,
+                 caps[7] * self.U * self.V]
+        self.capacity = np.repeat(np.array(caps, dtype=float), sizes)
+        self.tier_of_link = np.repeat(np.arange(12), sizes)
+
+    # -- geometry ------------------------------------------------------------------------
+    @property
+    def links(self) -> int:
+        return len(self.capacity)
+
+    @property
+    def edge_links(self) -> np.ndarray:
+        """Links that only NICs and NVLink limit (the 'ideal' fabric keeps just these)."""
+        return self.tier_of_link < 4
+
+    @property
+    def switch_links(self) -> np.ndarray:
+        """Physical links between switches (not the pooled ones)."""
+        return (self.tier_of_link >= 4) & (self.tier_of_link < 8)
+
+    def nic_of_gpu(self, gpu: np.ndarray) -> np.ndarray:
+        s = self.spec
+        host, local = np.divmod(np.asarray(gpu, dtype=np.int64), s.gpus)
+        return host * s.nics + local * s.nics // s.gpus
+
+    def tor_of_nic(self, nic: np.ndarray) -> np.ndarray:
+        s = self.spec
+        host, rail = np.divmod(np.asarray(nic, dtype=np.int64), s.nics)
+        group = host // s.hosts_per_tor_group
+        return group * s.tor_group + (rail if s.rail_optimized else 0)
+
+    def link_names(self, idx: np.ndarray) -> list[str]:
+        """Readable names of links (for the most congested links report)."""
+        kinds = ["nic{}->tor", "tor->nic{}", "gpu{}->nvswitch", "nvswitch->gpu{}",
+                 "tor{}->agg{}", "agg{}->tor{}", "pod{}.agg{}->core{}", "core{}->pod{}.agg{}",
+                 "tor{}->aggs (sprayed)", "aggs->tor{} (sprayed)", "pod{}->cores (sprayed)",
+                 "cores->pod{} (sprayed)"]
+        out = []
+        for i in np.asarray(idx):
+            t = int(np.searchsorted(self.base, i, side="right") - 1)
+            k = int(i - self.base[t])
+            if t < 4 or t >= 8:
+                out.append(kinds[t].format(k))
+            elif t < 6:
+                tor, a = divmod(k, self.U)
+                out.append(kinds[t].format(*((tor, a) if t == 4 else (a, tor))))
             else:
-                down = [fabric.link(("spine", s), ("leaf", ld)) for s in range(fabric.spines)]
-                cost = [max(load[fabric.uplink(ls, s)], load[d]) for s, d in enumerate(down)]
-                spine = int(np.argmin(cost))
-        p = fabric.path(f.src, f.dst, spine)
-        load[p] += f.nbytes
-        paths.append(p)
-    return paths
+                pa, v = divmod(k, self.V)
+                p, a = divmod(pa, self.U)
+                out.append(kinds[t].format(*((p, a, v) if t == 6 else (v, p, a))))
+        return out
+
+    def graph(self):
+        """The fabric as a networkx DiGraph (for checks on small fabrics)."""
+        import networkx as nx
+
+        s, g = self.spec, nx.DiGraph()
+        for nic in range(self.n_nic):
+            tor = int(self.tor_of_nic(np.array([nic]))[0])
+            g.add_edge(("nic", nic), ("tor", tor))
+            g.add_edge(("tor", tor), ("nic", nic))
+            g.add_edge(("nic", nic), ("host", nic // s.nics))
+            g.add_edge(("host", nic // s.nics), ("nic", nic))
+        for tor in range(self.n_tor):
+            pod = tor // self.tors_per_pod
+            for a in range(self.U):
+                g.add_edge(("tor", tor), ("agg", pod, a))
+                g.add_edge(("agg", pod, a), ("tor", tor))
+                for v in range(self.V):
+                    g.add_edge(("agg", pod, a), ("core", a, v))
+                    g.add_edge(("core", a, v), ("agg", pod, a))
+        return g
+
+
+def build(spec: FabricSpec | str, gpus: int) -> Fabric:
+    """The fabric of ``spec`` (or a preset / TOML path) sized for ``gpus`` GPUs."""
+    if isinstance(spec, str):
+        spec = load_spec(spec)
+    if gpus < 1:
+        raise ConfigError(f"--gpus {gpus}: must be >= 1")
+    if gpus % spec.gpus and gpus > spec.gpus:
+        raise ConfigError(f"--gpus {gpus}: must be a multiple of the {spec.gpus} GPUs per host")
+    return Fabric(spec, max(1, math.ceil(gpus / spec.gpus)))
+
+
+def with_uplinks(spec: FabricSpec, factor: float) -> FabricSpec:
+    """The same fabric with every ToR uplink ``factor`` times faster (2: MegaScale's 400G
+    uplinks over 200G downlinks)."""
+    from dataclasses import replace
+
+    return replace(spec, name=f"{spec.name}-x{factor:g}-uplinks",
+                   tor=replace(spec.tor, up_gbps=spec.tor.up_gbps * factor))

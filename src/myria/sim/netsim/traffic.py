@@ -1,30 +1,370 @@
-"""Traffic of collectives as flows: ring all-reduce (flat) for now."""
+"""Traffic of collectives as flows, and their simulation on a fabric.
+
+A collective is a list of *phases*; a phase is ``steps`` identical steps, each a set of flows
+that run at once and a latency ``alpha`` (the per-hop software/hardware latency of the alpha-beta
+model, the constants of ``myria.sim.hardware``). Communicators are rows of GPU ids in ring order
+(e.g. every data-parallel group of a layout, from ``myria.parallel.placement``), all running at
+once; within a row the members of one host are adjacent (placement orders them so).
+
+**Exactness-preserving reduction.** Every step of a ring (or of a phase) moves the same bytes
+between the same pairs, so its flows, routes and max-min rates are the same at every step: the
+simulator simulates *one* step per phase and multiplies (phase time = steps x (alpha + step
+time)). This is exact for a collective running alone; ``simulate_jobs`` simulates several
+collectives step by step, with flows arriving and finishing (no reduction).
+
+Algorithms (NCCL's):
+
+- ``ring`` (flat): one ring per channel, ``C`` = members per host channels; channel ``c`` walks
+  every host's members starting at member ``c`` over NVLink and crosses to the next host on NIC
+  ``c`` (the last NVLink hop is NCCL's PXN hop to the GPU that owns NIC ``c``), so every NIC
+  carries one channel. Chunk = size / (n C); all-reduce 2(n-1) steps, reduce-scatter and
+  all-gather n-1.
+- ``two-stage-ring``: NVLink reduce-scatter inside each host (g-1 steps of size/g), one ring per
+  rail across the k hosts on size/g (2(k-1) steps of size/(g k)), NVLink all-gather.
+- ``tree``: NCCL's double binary tree across hosts (one per channel, two trees each carrying
+  half, the second shifted so a node interior in one is a leaf in the other), chains inside
+  hosts; reduction and broadcast pipelined, so one phase whose latency is 2 (log2 k hops
+  across + g-1 hops inside).
+- all-to-all: every member sends size/n to every other at once through its own NIC (NCCL does
+  not combine NICs for all-to-all); ``ring-p2p``: each member sends size to the next (pipeline
+  neighbours; the last to the first).
+"""
 
 from __future__ import annotations
 
+import math
+from dataclasses import dataclass, field
+
 import numpy as np
+import scipy.sparse as sp
 
-from myria.sim.netsim.fabric import LeafSpine, connections, route
-from myria.sim.netsim.flows import simulate
+from myria.errors import ConfigError
+from myria.sim.hardware import ALPHA_BASE_S, ALPHA_INTER_S, ALPHA_INTRA_S
+from myria.sim.netsim.fabric import Fabric
+from myria.sim.netsim.flows import incidence_of, max_min_rates, simulate_flows
+from myria.sim.netsim.routing import route, source_ports
+
+COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "ring-p2p")
+ALGORITHMS = ("ring", "two-stage-ring", "tree")
+# nccl-tests bus bandwidth factor: busbw = algbw x factor(n)
+BUS_FACTOR = {"all-reduce": lambda n: 2 * (n - 1) / n, "all-gather": lambda n: (n - 1) / n,
+              "reduce-scatter": lambda n: (n - 1) / n, "all-to-all": lambda n: (n - 1) / n,
+              "ring-p2p": lambda n: 1.0}
 
 
-def ring_all_reduce(fabric: LeafSpine, hosts: list[int], nbytes: float, routing: str = "ecmp",
-                    qps: int = 1, salt: int = 0) -> dict:
-    """Ring all-reduce of ``nbytes`` over ``hosts`` (ring order as given): each neighbour
-    connection carries 2(N-1)/N * nbytes; busbw = that / completion time (NCCL's definition)."""
-    n = len(hosts)
-    per_pair = 2 * (n - 1) / n * nbytes
-    pairs = [(hosts[i], hosts[(i + 1) % n]) for i in range(n)]
-    flows = connections(pairs, per_pair, qps, seed=salt)
-    paths = route(fabric, flows, routing, salt=salt)
-    res = simulate(paths, np.array([f.nbytes for f in flows]), fabric.capacity)
-    util = res.link_bytes / (fabric.capacity * res.completion_time_s)
+@dataclass
+class Phase:
+    src: np.ndarray
+    dst: np.ndarray
+    nbytes: np.ndarray
+    steps: int
+    alpha: float
+    label: str
+
+
+@dataclass
+class Collective:
+    kind: str
+    algorithm: str
+    size: float           # bytes per rank (nccl-tests convention)
+    n: int                # ranks per communicator
+    phases: list[Phase] = field(default_factory=list)
+    base_alpha: float = ALPHA_BASE_S
+
+
+def _blocks(groups: np.ndarray, gpus: int) -> np.ndarray | None:
+    """Groups as (G, k hosts, g members) when every host holds g adjacent members."""
+    G, n = groups.shape
+    host = groups // gpus
+    g = int((host[0] == host[0, 0]).sum())
+    if n % g:
+        return None
+    b = host.reshape(G, n // g, g)
+    heads = np.sort(b[:, :, 0], axis=1)
+    if not (b == b[:, :, :1]).all() or (heads[:, 1:] == heads[:, :-1]).any():
+        return None
+    return groups.reshape(G, n // g, g)
+
+
+def _cycle(rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Flows of rings over the last axis: member i -> member i+1 (wrapping)."""
+    return rows.reshape(-1), np.roll(rows, -1, axis=-1).reshape(-1)
+
+
+def _ring_flows(blocks: np.ndarray, channels: int) -> tuple[np.ndarray, np.ndarray]:
+    """Flows of one step of the flat ring with ``channels`` channels (see module doc)."""
+    G, k, g = blocks.shape
+    src, dst = [], []
+    for c in range(channels):
+        rolled = np.roll(blocks, -c, axis=2)
+        if g > 1:
+            s, d = _cycle(rolled)
+            src.append(s)
+            dst.append(d)
+        if k > 1:
+            s, d = _cycle(rolled[:, :, 0])
+            src.append(s)
+            dst.append(d)
+    return np.concatenate(src), np.concatenate(dst)
+
+
+def btree_parent(k: int) -> np.ndarray:
+    """Parent of every position in NCCL's binary tree over k ranks (``ncclGetBtree``): rank r's
+    parent is (r xor b) | 2b for b its lowest set bit, or r xor b when that is >= k; 0 is the
+    root and odd ranks are leaves."""
+    r = np.arange(k, dtype=np.int64)
+    bit = r & -r
+    up = (r ^ bit) | (bit << 1)
+    up = np.where(up >= k, r ^ bit, up)
+    up[0] = -1
+    return up
+
+
+def _tree_flows(blocks: np.ndarray, channels: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Flows of the double binary tree (both trees, both directions) and intra-host chains,
+    with their shares of the buffer."""
+    G, k, g = blocks.shape
+    src, dst, share = [], [], []
+    child = np.arange(1, k)
+    parent = btree_parent(k)
+    # the second tree: mirrored (k even) or shifted (k odd), as NCCL does, so that a host
+    # interior in one tree is a leaf in the other
+    second = k - 1 - np.arange(k) if k % 2 == 0 else (np.arange(k) + 1) % k
+    for c in range(channels):
+        rolled = np.roll(blocks, -c, axis=2)
+        heads = rolled[:, :, 0]
+        for lab in (np.arange(k), second):             # tree position -> host slot
+            a, p = heads[:, lab[child]], heads[:, lab[parent[child]]]
+            for s, d in ((a, p), (p, a)):
+                src.append(s.reshape(-1))
+                dst.append(d.reshape(-1))
+                share.append(np.full(s.size, 0.5 / channels))
+        if g > 1:
+            s, d = rolled[:, :, :-1].reshape(-1), rolled[:, :, 1:].reshape(-1)
+            for x, y in ((s, d), (d, s)):
+                src.append(x)
+                dst.append(y)
+                share.append(np.full(x.size, 1.0 / channels))
+    return np.concatenate(src), np.concatenate(dst), np.concatenate(share)
+
+
+def collective(kind: str, groups: np.ndarray, size: float, algorithm: str, gpus_per_host: int,
+               nics_per_host: int | None = None) -> Collective:
+    """The phases of ``kind`` over every row of ``groups`` (GPU ids, ring order) at once."""
+    if kind not in COLLECTIVES:
+        raise ConfigError(f"collective = {kind!r}: valid are {', '.join(COLLECTIVES)}")
+    if algorithm not in ALGORITHMS:
+        raise ConfigError(f"algorithm = {algorithm!r}: valid are {', '.join(ALGORITHMS)}")
+    if size <= 0:
+        raise ConfigError(f"bytes = {size:g}: must be > 0")
+    groups = np.atleast_2d(np.asarray(groups, dtype=np.int64))
+    G, n = groups.shape
+    out = Collective(kind, algorithm, float(size), n)
+    if n < 2:
+        return out
+    blocks = _blocks(groups, gpus_per_host)
+    if blocks is None:                         # irregular: one member per "host block"
+        blocks = groups.reshape(G, n, 1)
+    _, k, g = blocks.shape
+    a_step = ALPHA_INTER_S if k > 1 else ALPHA_INTRA_S
+    channels = g if k > 1 else 1
+    if nics_per_host:
+        channels = max(1, min(channels, nics_per_host))
+
+    def const(x, v):
+        return np.full(len(x), float(v))
+
+    if kind == "all-to-all":
+        i, j = np.nonzero(~np.eye(n, dtype=bool))
+        src, dst = groups[:, i].reshape(-1), groups[:, j].reshape(-1)
+        out.phases.append(Phase(src, dst, const(src, size / n), 1, (n - 1) * a_step,
+                                "all-to-all"))
+        return out
+    if kind == "ring-p2p":
+        src, dst = _cycle(groups)
+        out.phases.append(Phase(src, dst, const(src, size), 1, 0.0, "p2p"))
+        return out
+    two = algorithm == "two-stage-ring" and k > 1 and g > 1
+    tree = algorithm == "tree" and kind == "all-reduce" and k > 1
+    if not (two or tree):
+        out.algorithm = "ring"                 # what runs (one host, one GPU per host, ...)
+    if tree:
+        src, dst, share = _tree_flows(blocks, channels)
+        lat = 2 * (math.ceil(math.log2(k)) * ALPHA_INTER_S + (g - 1) * ALPHA_INTRA_S)
+        out.phases.append(Phase(src, dst, share * size, 1, lat, "double binary tree"))
+        return out
+    if not two:
+        src, dst = _ring_flows(blocks, channels)
+        steps = (2 if kind == "all-reduce" else 1) * (n - 1)
+        out.phases.append(Phase(src, dst, const(src, size / (n * channels)), steps, a_step,
+                                f"ring {kind}"))
+        return out
+    s_in, d_in = _cycle(blocks)                           # NVLink rings inside hosts
+    s_x, d_x = _cycle(np.swapaxes(blocks, 1, 2))         # one ring per rail across hosts
+    intra = Phase(s_in, d_in, const(s_in, size / g), g - 1, ALPHA_INTRA_S, "NVLink ring")
+    x_steps = (2 if kind == "all-reduce" else 1) * (k - 1)
+    inter = Phase(s_x, d_x, const(s_x, size / (g * k)), x_steps, ALPHA_INTER_S, "rail rings")
+    if kind == "all-reduce":
+        out.phases += [intra, inter, Phase(s_in, d_in, intra.nbytes, g - 1, ALPHA_INTRA_S,
+                                           "NVLink all-gather")]
+    elif kind == "reduce-scatter":
+        out.phases += [intra, inter]
+    else:
+        out.phases += [inter, intra]
+    out.base_alpha = ALPHA_BASE_S * len(out.phases)
+    return out
+
+
+@dataclass
+class RoutedPhase:
+    phase: Phase
+    a: sp.csr_matrix
+
+
+def route_collective(fab: Fabric, coll: Collective, routing: str, qps: int = 1, salt: int = 0,
+                     polarized: bool = False) -> list[RoutedPhase]:
+    """Route every phase; each connection is split into ``qps`` flows (queue pairs) with their
+    own source ports (NCCL_IB_QPS_PER_CONNECTION)."""
+    if qps < 1:
+        raise ConfigError(f"qps_per_connection = {qps}: must be >= 1")
+    out = []
+    for i, ph in enumerate(coll.phases):
+        src, dst = np.repeat(ph.src, qps), np.repeat(ph.dst, qps)
+        nb = np.repeat(ph.nbytes / qps, qps)
+        if src.max(initial=0) >= fab.n_gpu or dst.max(initial=0) >= fab.n_gpu:
+            raise ConfigError(f"traffic reaches GPU {max(src.max(), dst.max())} but the fabric "
+                              f"has {fab.n_gpu}")
+        r = route(fab, src, dst, nb, routing, source_ports(len(src), salt * 1009 + i), salt,
+                  polarized)
+        out.append(RoutedPhase(Phase(src, dst, nb, ph.steps, ph.alpha, ph.label),
+                               incidence_of(r.flow, r.link, r.n_flows, fab.links)))
+    return out
+
+
+def _step_time(rp: RoutedPhase, capacity: np.ndarray) -> tuple[float, int]:
+    if not len(rp.phase.nbytes):
+        return 0.0, 0
+    res = simulate_flows(rp.a, rp.phase.nbytes, capacity)
+    return res.completion_time_s, res.events
+
+
+def simulate_collective(fab: Fabric, coll: Collective, routing: str = "ecmp", qps: int = 1,
+                        salt: int = 0, polarized: bool = False, top: int = 5) -> dict:
+    """Completion time, bus bandwidth against the ideal (only NICs and NVLink limit, no
+    latency), link utilisation, for ``coll`` alone on ``fab`` (one step per phase, see the
+    module doc)."""
+    routed = route_collective(fab, coll, routing, qps, salt, polarized)
+    ideal_cap = np.where(fab.edge_links, fab.capacity, np.inf)
+    t, t_ideal, t_xfer, events = coll.base_alpha, 0.0, 0.0, 0
+    link_bytes = np.zeros(fab.links)
+    max_flows = 0
+    for rp in routed:
+        ts, ev = _step_time(rp, fab.capacity)
+        ti, _ = _step_time(rp, ideal_cap)
+        t += rp.phase.steps * (rp.phase.alpha + ts)
+        t_xfer += rp.phase.steps * ts
+        t_ideal += rp.phase.steps * ti
+        events += ev
+        link_bytes += rp.phase.steps * (rp.a.T @ rp.phase.nbytes)
+        fab_links = fab.switch_links
+        if fab_links.any():
+            counts = np.asarray(rp.a.sum(axis=0)).ravel()
+            max_flows = max(max_flows, int(counts[fab_links].max(initial=0)))
+    out = _report(fab, coll, t, t_ideal, link_bytes, sum(len(r.phase.src) for r in routed),
+                  events, max_flows, top)
+    out["transfer_time_s"] = t_xfer
+    out["fabric_efficiency"] = t_ideal / t_xfer if t_xfer > 0 else 1.0
+    return out
+
+
+def _report(fab, coll, t, t_ideal, link_bytes, flows, events, max_flows, top) -> dict:
+    factor = BUS_FACTOR[coll.kind](coll.n) if coll.n > 1 else 0.0
+    util = np.divide(link_bytes, fab.capacity * t, out=np.zeros(fab.links),
+                     where=fab.capacity * t > 0)
+    used = link_bytes > 0
+    fabric = used & ~fab.edge_links
+    order = np.argsort(-util)[:top]
+    pct = (np.percentile(util[fabric], [50, 90, 99, 100]).tolist() if fabric.any()
+           else [0.0] * 4)
     return {
-        "completion_time_s": res.completion_time_s,
-        "busbw_gbs": per_pair / res.completion_time_s / 1e9,
-        "ideal_busbw_gbs": fabric.nic_gbps / 8,
-        "max_link_utilization": float(util.max()),
-        "flows": len(flows),
-        "links": fabric.links,
-        "paths": paths,
+        "completion_time_s": t,
+        "algbw_gbs": coll.size / t / 1e9 if t > 0 else 0.0,
+        "busbw_gbs": factor * coll.size / t / 1e9 if t > 0 else 0.0,
+        "ideal_busbw_gbs": factor * coll.size / t_ideal / 1e9 if t_ideal > 0 else 0.0,
+        "ideal_time_s": t_ideal,
+        "max_link_utilization": float(util.max(initial=0.0)),
+        "fabric_link_utilization_p50_p90_p99_max": pct,
+        "max_flows_on_a_fabric_link": max_flows,
+        "most_congested_links": [{"link": name, "utilization": float(util[i])}
+                                 for name, i in zip(fab.link_names(order), order)
+                                 if util[i] > 0],
+        "flows": int(flows),
+        "links": int(used.sum()),
+        "events": int(events),
+        "collective": coll.kind, "algorithm": coll.algorithm, "ranks": coll.n,
+        "bytes": coll.size,
+        "_fabric_util": util[fabric],       # for plots; not JSON
     }
+
+
+def simulate_jobs(fab: Fabric, jobs: list[tuple[Collective, str, int]], salt: int = 0
+                  ) -> list[dict]:
+    """Several collectives at once (``(collective, routing, qps)`` each), step by step: a step's
+    flows start ``alpha`` after the job's previous step ends and share the fabric max-min
+    fairly with whatever else runs. Returns each job's completion time and bus bandwidth."""
+    phases, owner = [], []        # (job, phase index) -> routed phase
+    for j, (coll, routing, qps) in enumerate(jobs):
+        for rp in route_collective(fab, coll, routing, qps, salt + 31 * j):
+            phases.append(rp)
+            owner.append(j)
+    a = sp.vstack([rp.a for rp in phases]).tocsr() if phases else None
+    at = a.T.tocsr() if a is not None else None
+    sizes = [len(rp.phase.nbytes) for rp in phases]
+    start = np.concatenate([[0], np.cumsum(sizes)])
+    nbytes = np.concatenate([rp.phase.nbytes for rp in phases]) if phases else np.zeros(0)
+    left = np.zeros(len(nbytes))
+    active = np.zeros(len(nbytes), dtype=bool)
+    # per job: list of its phase ids, current position, step, time the next step starts
+    plan = {j: [i for i, o in enumerate(owner) if o == j] for j in range(len(jobs))}
+    pos = {j: 0 for j in plan}
+    step = {j: 0 for j in plan}
+    wake = {j: jobs[j][0].base_alpha + (phases[plan[j][0]].phase.alpha if plan[j] else 0)
+            for j in plan}
+    done_at = {j: (0.0 if not plan[j] else None) for j in plan}
+    running = {j: False for j in plan}
+    t = 0.0
+    while any(v is None for v in done_at.values()):
+        for j in plan:     # start steps whose latency has elapsed
+            if done_at[j] is None and not running[j] and wake[j] <= t + 1e-15:
+                p = plan[j][pos[j]]
+                sl = slice(start[p], start[p + 1])
+                left[sl], active[sl] = nbytes[sl], nbytes[sl] > 0
+                running[j] = True
+        rate = max_min_rates(a, fab.capacity, active, at) if active.any() else left * 0
+        dt_flow = np.min(left[active] / rate[active]) if active.any() else np.inf
+        pending = [wake[j] - t for j in plan if done_at[j] is None and not running[j]]
+        dt = min([dt_flow] + pending)
+        left[active] -= rate[active] * dt
+        t += dt
+        active &= left > 1e-9 * np.maximum(nbytes, 1e-30)
+        for j in plan:     # steps that ended
+            if not running[j]:
+                continue
+            p = plan[j][pos[j]]
+            if active[start[p]:start[p + 1]].any():
+                continue
+            running[j] = False
+            step[j] += 1
+            if step[j] >= phases[p].phase.steps:
+                step[j], pos[j] = 0, pos[j] + 1
+            if pos[j] >= len(plan[j]):
+                done_at[j] = t
+            else:
+                wake[j] = t + phases[plan[j][pos[j]]].phase.alpha
+    out = []
+    for j, (coll, _, _) in enumerate(jobs):
+        tj = done_at[j]
+        f = BUS_FACTOR[coll.kind](coll.n) if coll.n > 1 else 0.0
+        out.append({"completion_time_s": tj, "busbw_gbs": f * coll.size / tj / 1e9
+                    if tj else 0.0, "collective": coll.kind, "algorithm": coll.algorithm})
+    return out
