@@ -98,7 +98,7 @@ def forward_cached(model, tokens: torch.Tensor, cache: KVCache, rope=None) -> to
 
 def rope_for(model, length: int):
     """RoPE tables long enough for `length` positions (beyond the training length too)."""
-    if model.cfg.arch != "llama":
+    if model.cfg.arch == "gpt":
         return None
     if model.rope_cos.shape[0] >= length:
         return model.rope_cos, model.rope_sin

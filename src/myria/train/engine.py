@@ -86,6 +86,10 @@ def check_layout(cfg: Config, layout: dict[str, int], device_type: str = "cpu") 
     if cp > 1 and p.cp_impl == "torch" and (device_type != "cuda" or m.attention_window):
         raise ConfigError("parallel.cp_impl = 'torch' (torch's context_parallel) needs CUDA "
                           "and full causal attention in torch 2.13; use cp_impl = 'ring'")
+    if cp > 1 and (m.arch in ("retnet", "griffin") or m.attention != "softmax"):
+        raise ConfigError(f"parallel.cp = {cp} (ring attention) needs softmax attention in "
+                          f"llama or gpt; model.arch = {m.arch!r}, model.attention = "
+                          f"{m.attention!r} runs with parallel.cp = 1")
     if m.heads % tp or m.n_kv_heads % tp:
         raise ConfigError(f"parallel.tp = {tp} must divide model.heads = {m.heads} and the "
                           f"key/value heads = {m.n_kv_heads}")
