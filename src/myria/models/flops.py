@@ -26,7 +26,8 @@ counted by it nor here: feature maps, decay tables, gates' sigmoids, norms, the 
 - block-sparse attention: dense masked SDPA (all S keys) when S <= global + window + block,
   else the blockwise kernel's keys per query block (`block_sparse_keys`);
 - linear attention, chunked (C = chunk_size, D = head_dim, sequence padded to chunks): per
-  token and head 2CD (scores) + 2CD (values) + 4D^2 (state update and readout);
+  token and head 2CD (scores) + 2CD (values) + 4D^2 (state update and readout) (retention's
+  chunkwise form cuts its last chunk short instead of padding it);
 - retention: the parallel form (2SD + 2SD per token and head) up to C tokens, beyond that the
   chunkwise form (as linear attention); plus the swish gate projection;
 - Griffin's recurrent block: W_x, W_y, W_o projections, the width-4 depthwise convolution
@@ -110,10 +111,15 @@ def block_sparse_keys(seq_len: int, window: int, n_global: int, block: int,
     return total / s
 
 
-def _chunked_per_token(s: int, chunk: int, d: int) -> tuple[float, float, float]:
-    """(scores, values, state) FLOPs per token and head of a chunked linear form."""
-    padded = -(-s // chunk) * chunk / s
-    return padded * 2 * chunk * d, padded * 2 * chunk * d, padded * 4 * d * d
+def _chunked_per_token(s: int, chunk: int, d: int, pad: bool) -> tuple[float, float, float]:
+    """(scores, values, state) FLOPs per token and head of a chunked linear form; `pad`: the
+    last chunk is padded to full length (linear attention) rather than cut (retention)."""
+    if pad:
+        padded = -(-s // chunk) * chunk / s
+        return padded * 2 * chunk * d, padded * 2 * chunk * d, padded * 4 * d * d
+    full, last = divmod(s, chunk)
+    pairs = full * chunk * chunk + last * last
+    return 2 * d * pairs / s, 2 * d * pairs / s, 4 * d * d
 
 
 def _mixer_flops(cfg: ModelConfig, kind: str, s: int, convention: str) -> ForwardFlops:
@@ -135,11 +141,11 @@ def _mixer_flops(cfg: ModelConfig, kind: str, s: int, convention: str) -> Forwar
         if s <= cfg.chunk_size:
             f.attn_scores = f.attn_values = 2 * q_dim * s
         else:
-            sc, va, st = _chunked_per_token(s, cfg.chunk_size, hd)
+            sc, va, st = _chunked_per_token(s, cfg.chunk_size, hd, pad=False)
             f.attn_scores, f.attn_values, f.state = (cfg.heads * x for x in (sc, va, st))
         return f
     if cfg.attention == "linear":
-        sc, va, st = _chunked_per_token(s, cfg.chunk_size, hd)
+        sc, va, st = _chunked_per_token(s, cfg.chunk_size, hd, pad=True)
         f.attn_scores, f.attn_values, f.state = (cfg.heads * x for x in (sc, va, st))
         return f
     if cfg.attention == "block_sparse":

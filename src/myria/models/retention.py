@@ -50,31 +50,34 @@ def retention_step(q, k, v, log_gamma, state):
     return q @ state, state
 
 
+def _chunk_decays(n: int, log_gamma: torch.Tensor, dtype):
+    """Decay tables of a chunk of n tokens: inside it, for the queries' reading of the state,
+    for the keys' writing into it, and of the state across it."""
+    lg = log_gamma.view(1, -1, 1, 1)
+    i = torch.arange(n, device=log_gamma.device, dtype=dtype)
+    dist = i.unsqueeze(1) - i.unsqueeze(0)
+    inner = torch.exp(dist * lg).masked_fill(dist < 0, 0.0)             # (1,H,n,n)
+    return (inner, torch.exp((i + 1).view(-1, 1) * lg), torch.exp((n - 1 - i).view(-1, 1) * lg),
+            torch.exp(n * lg))
+
+
 def retention_chunkwise(q, k, v, log_gamma, chunk: int, state=None,
                         return_state: bool = False):
     """Chunkwise form; `state` (B, H, D, E) carried in from earlier tokens, returned if asked."""
     b, h, s, d = q.shape
-    pad = (-s) % chunk
-    if pad:  # zero keys/values add nothing; padded queries are dropped
-        q, k, v = (F.pad(t, (0, 0, 0, pad)) for t in (q, k, v))
-    n = (s + pad) // chunk
-    lg = log_gamma.view(1, -1, 1, 1)
-    i = torch.arange(chunk, device=q.device, dtype=q.dtype)
-    dist = i.unsqueeze(1) - i.unsqueeze(0)
-    inner_decay = torch.exp(dist * lg).masked_fill(dist < 0, 0.0)       # (1,H,C,C)
-    q_decay = torch.exp((i + 1).view(-1, 1) * lg)                       # (1,H,C,1)
-    k_decay = torch.exp((chunk - 1 - i).view(-1, 1) * lg)               # (1,H,C,1)
-    chunk_decay = torch.exp(chunk * lg)                                 # (1,H,1,1)
     if state is None:
         state = q.new_zeros(b, h, d, v.shape[-1])
+    tables = {}
     outs = []
-    for c in range(n):
-        sl = slice(c * chunk, (c + 1) * chunk)
-        qc, kc, vc = q[:, :, sl], k[:, :, sl], v[:, :, sl]
-        o = (qc @ kc.transpose(-1, -2) * inner_decay) @ vc + (qc * q_decay) @ state
-        outs.append(o)
+    for c0 in range(0, s, chunk):
+        n = min(chunk, s - c0)
+        if n not in tables:
+            tables[n] = _chunk_decays(n, log_gamma, q.dtype)
+        inner, q_decay, k_decay, chunk_decay = tables[n]
+        qc, kc, vc = q[:, :, c0:c0 + n], k[:, :, c0:c0 + n], v[:, :, c0:c0 + n]
+        outs.append((qc @ kc.transpose(-1, -2) * inner) @ vc + (qc * q_decay) @ state)
         state = chunk_decay * state + (kc * k_decay).transpose(-1, -2) @ vc
-    out = torch.cat(outs, dim=2)[:, :, :s]
+    out = torch.cat(outs, dim=2)
     return (out, state) if return_state else out
 
 
