@@ -191,3 +191,27 @@ def test_invalid_combinations_are_one_line(over, msg):
     with pytest.raises(ConfigError) as e:
         validate_model(ModelConfig(**over))
     assert msg in str(e.value) and "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("name", ["retnet", "griffin", "linear", "block_sparse"])
+def test_recurrent_generation_equals_full_forward_greedy(name):
+    """`generate` (state or trimmed cache, one token per step) picks the argmax of the full
+    forward over the whole sequence at every step; the state stops growing."""
+    from myria.generate import KVCache, forward_cached, generate, rope_for
+
+    cfg = _cfg(name, vocab_size=64, **({"attention_window": 16} if name == "griffin" else {}))
+    model = build_model(cfg, "cpu")
+    model.init_weights(5)
+    prompt = torch.randint(1, cfg.vocab_size, (10,), generator=torch.Generator().manual_seed(2))
+    new = generate(model, prompt.tolist(), 30, temperature=0.0)
+    seq = prompt.tolist()
+    with torch.no_grad():
+        for _ in range(30):
+            seq.append(int(model(torch.tensor([seq]))[0, -1].argmax()))
+    assert new == seq[10:]
+    cache, rope = KVCache(), rope_for(model, 60)
+    forward_cached(model, torch.tensor([seq[:30]]), cache, rope)
+    size = cache.nbytes()
+    for t in seq[30:40]:
+        forward_cached(model, torch.tensor([[t]]), cache, rope)
+    assert cache.nbytes() == size and len(cache) == 40
