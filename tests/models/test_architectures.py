@@ -215,3 +215,22 @@ def test_recurrent_generation_equals_full_forward_greedy(name):
     for t in seq[30:40]:
         forward_cached(model, torch.tensor([[t]]), cache, rope)
     assert cache.nbytes() == size and len(cache) == 40
+
+
+@pytest.mark.parametrize("name", ["retnet", "griffin", "linear", "block_sparse"])
+def test_performance_model_state_memory_matches_generation(name):
+    from myria.generate import KVCache, forward_cached, rope_for
+    from myria.sim.memory import decode_state_bytes
+
+    cfg = _cfg(name, **({"attention_window": 16} if name == "griffin" else {}))
+    model = build_model(cfg, "cpu")
+    model.init_weights(0)
+    cache, rope = KVCache(), rope_for(model, 80)
+    x = torch.randint(0, cfg.vocab_size, (2, 40))
+    forward_cached(model, x, cache, rope)
+    forward_cached(model, x[:, :1], cache, rope)
+    assert cache.nbytes() == decode_state_bytes(cfg, 2, 41, elem_bytes=4)
+    assert decode_state_bytes(cfg, 1, 10_000) == decode_state_bytes(cfg, 1, 20_000)  # constant
+    dense = dataclasses.replace(cfg, arch="llama", attention="softmax", attention_window=0,
+                                global_tokens=0)
+    assert decode_state_bytes(dense, 1, 20_000) == 2 * decode_state_bytes(dense, 1, 10_000)
