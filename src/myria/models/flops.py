@@ -23,8 +23,9 @@ pairs). All counts are of matmuls (and the convolution), exactly as
 counted by it nor here: feature maps, decay tables, gates' sigmoids, norms, the RG-LRU scan
 (about 10 FLOPs per channel per token, plus the scan's log2 S combining steps), prefix sums.
 
-- block-sparse attention: dense masked SDPA (all S keys) when S <= global + window + block,
-  else the blockwise kernel's keys per query block (`block_sparse_keys`);
+- block-sparse attention (and Griffin's local attention, block-sparse without global tokens):
+  dense masked SDPA (all S keys) when S <= global + window + block, else the blockwise kernel's
+  keys per query block (`block_sparse_keys`);
 - linear attention, chunked (C = chunk_size, D = head_dim, sequence padded to chunks): per
   token and head 2CD (scores) + 2CD (values) + 4D^2 (state update and readout) (retention's
   chunkwise form cuts its last chunk short instead of padding it);
@@ -148,7 +149,7 @@ def _mixer_flops(cfg: ModelConfig, kind: str, s: int, convention: str) -> Forwar
         sc, va, st = _chunked_per_token(s, cfg.chunk_size, hd, pad=True)
         f.attn_scores, f.attn_values, f.state = (cfg.heads * x for x in (sc, va, st))
         return f
-    if cfg.attention == "block_sparse":
+    if cfg.attention == "block_sparse" or cfg.arch == "griffin":
         keys = block_sparse_keys(s, cfg.attention_window, cfg.global_tokens, cfg.chunk_size,
                                  convention)
     else:

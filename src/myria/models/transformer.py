@@ -49,7 +49,7 @@ class Attention(nn.Module):
         self.wk = nn.Linear(cfg.hidden, cfg.n_kv_heads * cfg.head_dim, bias=bias)
         self.wv = nn.Linear(cfg.hidden, cfg.n_kv_heads * cfg.head_dim, bias=bias)
         self.wo = nn.Linear(cfg.heads * cfg.head_dim, cfg.hidden, bias=bias)
-        if cfg.attention == "block_sparse":
+        if cfg.attention == "block_sparse" or cfg.arch == "griffin":  # Griffin: local only
             self.core = BlockSparseAttention(cfg.attention_window, cfg.global_tokens,
                                              cfg.chunk_size)
         elif cfg.attention == "linear":
