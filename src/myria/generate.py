@@ -8,11 +8,11 @@ forward over the prompt fills the cache of keys and values of every layer, then 
 is one forward of one position against the cache (memory grows by one key and value per layer
 per token; no attention over the whole sequence again). RetNet, Griffin's recurrent blocks and
 linear attention carry a recurrent state instead, and local attention (a window, block-sparse)
-keeps only the keys a later query can see: constant memory per token. `--temperature 0` is greedy and
-deterministic (for the Llama architecture it equals `transformers`' greedy `generate` on the
-exported model, token for token: tested); above 0 it samples from softmax(logits / T), over the
-`--top-k` most likely tokens when given, with a generator seeded by `--seed`. Generation stops at
-the end-of-text token or after `--max-new-tokens`.
+keeps only the keys a later query can see: constant memory per token. `--temperature 0` is
+greedy and deterministic (for the Llama architecture it equals `transformers`' greedy
+`generate` on the exported model, token for token: tested); above 0 it samples from
+softmax(logits / T), over the `--top-k` most likely tokens when given, with a generator seeded
+by `--seed`. Generation stops at the end-of-text token or after `--max-new-tokens`.
 
 The cached forward reuses the model's own modules (norms, projections, MLPs or MoE, head, the
 recurrent forms of retention and Griffin's block); only the attention over the cache is written

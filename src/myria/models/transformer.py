@@ -20,13 +20,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from myria.config import ModelConfig
-from myria.models.flops import layer_kind
 from myria.models.attention import (
     BlockSparseAttention,
     CoreAttention,
     apply_rope,
     rope_tables,
 )
+from myria.models.flops import layer_kind
 from myria.models.linear_attention import LinearAttention
 from myria.models.loss import fused_linear_cross_entropy
 
