@@ -47,8 +47,8 @@ class ModelConfig:
                          "to a multiple of 64 (llama)", min=0)
     seq_len: int = _f(256, "training sequence length in tokens", min=1)
     parallel_block: bool = _f(False, "parallel transformer block: y = x + Attn(LN(x)) + MLP(LN(x))")
-    attention_window: int = _f(0, "sliding-window attention size in tokens; 0 means full causal",
-                               min=0)
+    attention_window: int = _f(0, "sliding-window attention size in tokens; 0 means full causal "
+                               "(block_sparse and griffin: the local window, required)", min=0)
     tie_embeddings: bool = _f(False, "share the input embedding and output projection weights")
     norm_eps: float = _f(1e-5, "epsilon of RMSNorm / LayerNorm", min=0.0)
     rope_theta: float = _f(10000.0, "RoPE base frequency (llama)", min=1.0)
@@ -56,11 +56,12 @@ class ModelConfig:
     experts: int = _f(0, "mixture-of-experts: experts per MLP layer; 0 means a dense MLP", min=0)
     top_k: int = _f(1, "experts each token is routed to (MoE)", min=1)
     capacity_factor: float = _f(0.0, "expert capacity factor; 0 means no token is dropped", min=0.0)
-    attention: str = _f("softmax", "attention of llama/gpt (and griffin's A layers): softmax "
-                        "(causal, or sliding with attention_window), block_sparse (Longformer: "
+    attention: str = _f("softmax", "attention of llama/gpt: softmax (causal, or sliding with "
+                        "attention_window), block_sparse (Longformer: "
                         "a local window of attention_window keys plus global_tokens leading "
                         "tokens every query sees) or linear (kernel feature map, no softmax, "
-                        "no RoPE)", choices=("softmax", "block_sparse", "linear"))
+                        "no RoPE); griffin's A layers are always local (block_sparse adds global "
+                        "tokens)", choices=("softmax", "block_sparse", "linear"))
     global_tokens: int = _f(0, "block_sparse: leading tokens that attend to all before them and "
                             "that every later query attends to", min=0)
     feature_map: str = _f("elu1", "linear attention's positive feature map: elu1 (elu(x)+1) or "
