@@ -2,8 +2,8 @@
 and tensor parallel (heads split over tp), to the same losses, and its loss goes down; a
 Griffin run stopped and resumed from its checkpoint continues bit for bit.
 
-(Pipeline parallelism splits these models by layers like any other; a pure pp2 run cannot
-resume on main either: the checkpoint check compares all keys with one stage's.)"""
+Griffin also runs pp2 (its mixed layer types split into stages). (A pure pp2 run cannot resume
+on main either, whatever the model: the checkpoint check compares all keys with one stage's.)"""
 
 from __future__ import annotations
 
@@ -51,6 +51,14 @@ def test_trains_data_and_tensor_parallel(name, dp2, tmp_path, tiny_data):
     for s in dp:   # the same model and batches: tensor parallelism changes only rounding
         assert abs(dp[s] - tp[s]) <= 1e-4 * dp[s], (s, dp[s], tp[s])
     assert dp[STEPS] < dp[1] - 0.2, dp
+
+
+def test_griffin_pipeline_parallel(dp2, tmp_path, tiny_data):
+    """pp2 splits Griffin's mixed layers (R, R | A) into stages: the same losses as dp2."""
+    pp = _train(tmp_path / "pp2", tiny_data, ARCHS["griffin"], "--parallel.pp=2")
+    dp = dp2("griffin")
+    for s in dp:
+        assert abs(dp[s] - pp[s]) <= 1e-4 * dp[s], (s, dp[s], pp[s])
 
 
 def test_griffin_resumes_bit_for_bit(dp2, tmp_path, tiny_data):
