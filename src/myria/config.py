@@ -37,8 +37,11 @@ _f = schema_field
 class ModelConfig:
     """The decoder-only language model."""
 
-    arch: str = _f("llama", "architecture: llama (RMSNorm, RoPE, SwiGLU, GQA) or gpt (LayerNorm, "
-                   "learned positions, GELU MLP, biases)", choices=("llama", "gpt"))
+    arch: str = _f("llama", "architecture: llama (RMSNorm, RoPE, SwiGLU, GQA), gpt (LayerNorm, "
+                   "learned positions, GELU MLP, biases), retnet (multi-scale retention instead "
+                   "of attention, llama's other parts) or griffin (RG-LRU recurrent blocks mixed "
+                   "with local attention per block_pattern, llama's other parts)",
+                   choices=("llama", "gpt", "retnet", "griffin"))
     vocab_size: int = _f(8192, "vocabulary size of the embedding and output layers", min=2)
     layers: int = _f(4, "number of transformer blocks", min=1)
     hidden: int = _f(256, "model width (embedding dimension)", min=1)
@@ -49,8 +52,8 @@ class ModelConfig:
                          "to a multiple of 64 (llama)", min=0)
     seq_len: int = _f(256, "training sequence length in tokens", min=1)
     parallel_block: bool = _f(False, "parallel transformer block: y = x + Attn(LN(x)) + MLP(LN(x))")
-    attention_window: int = _f(0, "sliding-window attention size in tokens; 0 means full causal",
-                               min=0)
+    attention_window: int = _f(0, "sliding-window attention size in tokens; 0 means full causal "
+                               "(block_sparse and griffin: the local window, required)", min=0)
     tie_embeddings: bool = _f(False, "share the input embedding and output projection weights")
     norm_eps: float = _f(1e-5, "epsilon of RMSNorm / LayerNorm", min=0.0)
     rope_theta: float = _f(10000.0, "RoPE base frequency (llama)", min=1.0)
@@ -58,6 +61,20 @@ class ModelConfig:
     experts: int = _f(0, "mixture-of-experts: experts per MLP layer; 0 means a dense MLP", min=0)
     top_k: int = _f(1, "experts each token is routed to (MoE)", min=1)
     capacity_factor: float = _f(0.0, "expert capacity factor; 0 means no token is dropped", min=0.0)
+    attention: str = _f("softmax", "attention of llama/gpt: softmax (causal, or sliding with "
+                        "attention_window), block_sparse (Longformer: "
+                        "a local window of attention_window keys plus global_tokens leading "
+                        "tokens every query sees) or linear (kernel feature map, no softmax, "
+                        "no RoPE); griffin's A layers are always local (block_sparse adds global "
+                        "tokens)", choices=("softmax", "block_sparse", "linear"))
+    global_tokens: int = _f(0, "block_sparse: leading tokens that attend to all before them and "
+                            "that every later query attends to", min=0)
+    feature_map: str = _f("elu1", "linear attention's positive feature map: elu1 (elu(x)+1) or "
+                          "relu", choices=("elu1", "relu"))
+    block_pattern: str = _f("RRA", "griffin: layer types repeated over the layers, R = RG-LRU "
+                            "recurrent block, A = local attention (e.g. RRA)")
+    chunk_size: int = _f(64, "block length of blockwise block-sparse attention and of the "
+                         "chunkwise forms of linear attention and retention", min=1)
 
     @property
     def n_kv_heads(self) -> int:
@@ -494,7 +511,7 @@ def validate_model(m: ModelConfig) -> None:
                           "hidden must be a multiple of heads")
     if m.n_kv_heads > m.heads or m.heads % m.n_kv_heads:
         raise ConfigError(f"model.kv_heads = {m.kv_heads} must divide model.heads = {m.heads}")
-    if m.arch == "llama" and m.head_dim % 2:
+    if m.arch != "gpt" and m.head_dim % 2:
         raise ConfigError(f"head dimension hidden/heads = {m.head_dim} must be even for RoPE")
     if m.attention_window > m.seq_len:
         raise ConfigError(f"model.attention_window = {m.attention_window} is larger than "
@@ -502,6 +519,40 @@ def validate_model(m: ModelConfig) -> None:
                           f"<= {m.seq_len}")
     if m.experts and m.top_k > m.experts:
         raise ConfigError(f"model.top_k = {m.top_k} exceeds model.experts = {m.experts}")
+    validate_mixer(m)
+
+
+def validate_mixer(m: ModelConfig) -> None:
+    """Clear errors for combinations of arch, attention, window, global tokens and pattern."""
+    if m.arch == "retnet" and m.attention != "softmax":
+        raise ConfigError(f"model.attention = {m.attention!r} does not apply to model.arch = "
+                          "'retnet' (retention replaces attention); leave it 'softmax'")
+    if m.arch == "retnet" and (m.attention_window or m.kv_heads not in (0, m.heads)):
+        raise ConfigError("model.arch = 'retnet' has no attention window and no grouped "
+                          "key/value heads; set model.attention_window = 0 and model.kv_heads = 0")
+    if m.arch == "griffin":
+        if not m.block_pattern or set(m.block_pattern) - {"R", "A"}:
+            raise ConfigError(f"model.block_pattern = {m.block_pattern!r}: use the letters R "
+                              "(recurrent) and A (local attention), e.g. 'RRA'")
+        if "A" in m.block_pattern and m.attention == "softmax" and not m.attention_window:
+            raise ConfigError("model.arch = 'griffin' attends locally: set "
+                              "model.attention_window > 0 (e.g. 1024; at most model.seq_len)")
+        if m.attention == "linear":
+            raise ConfigError("model.arch = 'griffin' mixes recurrences with local softmax "
+                              "attention; model.attention = 'linear' is for llama or gpt")
+    if m.attention == "block_sparse":
+        if not m.attention_window:
+            raise ConfigError("model.attention = 'block_sparse' needs model.attention_window > 0 "
+                              "(the local window)")
+        if m.global_tokens >= m.seq_len:
+            raise ConfigError(f"model.global_tokens = {m.global_tokens} must be smaller than "
+                              f"model.seq_len = {m.seq_len}")
+    elif m.global_tokens:
+        raise ConfigError(f"model.global_tokens = {m.global_tokens} needs model.attention = "
+                          f"'block_sparse' (got {m.attention!r})")
+    if m.attention == "linear" and m.attention_window:
+        raise ConfigError("model.attention = 'linear' has no window: set model.attention_window "
+                          "= 0 (or use attention = 'block_sparse')")
 
 
 def validate(cfg: Config, world_size: int | None = None) -> None:

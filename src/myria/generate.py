@@ -6,15 +6,17 @@ Loads the newest checkpoint that verifies (or `--step N`), encodes the prompt wi
 tokenizer (the data directory recorded in the checkpoint), and decodes token by token: one
 forward over the prompt fills the cache of keys and values of every layer, then each new token
 is one forward of one position against the cache (memory grows by one key and value per layer
-per token; no attention over the whole sequence again). `--temperature 0` is greedy and
-deterministic (for the Llama architecture it equals `transformers`' greedy `generate` on the
-exported model, token for token: tested); above 0 it samples from softmax(logits / T), over the
-`--top-k` most likely tokens when given, with a generator seeded by `--seed`. Generation stops at
-the end-of-text token or after `--max-new-tokens`.
+per token; no attention over the whole sequence again). RetNet, Griffin's recurrent blocks and
+linear attention carry a recurrent state instead, and local attention (a window, block-sparse)
+keeps only the keys a later query can see: constant memory per token. `--temperature 0` is
+greedy and deterministic (for the Llama architecture it equals `transformers`' greedy
+`generate` on the exported model, token for token: tested); above 0 it samples from
+softmax(logits / T), over the `--top-k` most likely tokens when given, with a generator seeded
+by `--seed`. Generation stops at the end-of-text token or after `--max-new-tokens`.
 
-The cached forward reuses the model's own modules (norms, projections, MLPs or MoE, head); only
-the attention over the cache is written here, because the training forward attends within one
-sequence and has no cache.
+The cached forward reuses the model's own modules (norms, projections, MLPs or MoE, head, the
+recurrent forms of retention and Griffin's block); only the attention over the cache is written
+here, because the training forward attends within one sequence and has no cache.
 """
 
 from __future__ import annotations
@@ -43,25 +45,54 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 class KVCache:
-    """Keys and values of every layer for the positions seen so far: (B, Hkv, T, D) each."""
+    """What decoding keeps per layer: keys and values of attention layers (B, Hkv, T, D) with
+    their absolute positions, and the recurrent state of retention, linear-attention and
+    RG-LRU layers (constant size); `len` is the number of positions seen.
+
+    A local-attention layer (sliding window, block-sparse) keeps only the keys a later query
+    can still see: the global tokens and the last window - 1, so its memory stops growing.
+    """
 
     def __init__(self):
         self.k: dict[str, torch.Tensor] = {}
         self.v: dict[str, torch.Tensor] = {}
+        self.pos: dict[str, torch.Tensor] = {}
+        self.state: dict[str, dict] = {}
+        self.n = 0
 
-    def append(self, layer: str, k: torch.Tensor, v: torch.Tensor):
+    def append(self, layer: str, k: torch.Tensor, v: torch.Tensor, pos0: int = 0):
+        """Keys and values of every cached position and this call's, with their positions."""
+        pos = torch.arange(pos0, pos0 + k.shape[2], device=k.device)
         if layer in self.k:
             k = torch.cat([self.k[layer], k], dim=2)
             v = torch.cat([self.v[layer], v], dim=2)
-        self.k[layer], self.v[layer] = k, v
-        return k, v
+            pos = torch.cat([self.pos[layer], pos])
+        self.k[layer], self.v[layer], self.pos[layer] = k, v, pos
+        return k, v, pos
+
+    def trim(self, layer: str, window: int, n_global: int, next_pos: int) -> None:
+        """Drop the keys no query from `next_pos` on can see (window > 0)."""
+        keep = (self.pos[layer] < n_global) | (self.pos[layer] > next_pos - window)
+        if not bool(keep.all()):
+            self.k[layer], self.v[layer] = self.k[layer][:, :, keep], self.v[layer][:, :, keep]
+            self.pos[layer] = self.pos[layer][keep]
 
     def __len__(self) -> int:
-        return next(iter(self.k.values())).shape[2] if self.k else 0
+        return self.n
+
+    def nbytes(self) -> int:
+        """Bytes held: keys, values and recurrent states."""
+        ts = [*self.k.values(), *self.v.values()]
+        ts += [t for st in self.state.values() for t in st.values()
+               if isinstance(t, torch.Tensor)]
+        ts += [t for st in self.state.values() for tup in st.values() if isinstance(tup, tuple)
+               for t in tup]
+        return sum(t.numel() * t.element_size() for t in ts)
 
 
 def _attend(att, x: torch.Tensor, cache: KVCache, name: str, rope, pos0: int) -> torch.Tensor:
-    from myria.models.attention import apply_rope, window_mask
+    from myria.models.attention import BlockSparseAttention, apply_rope
+    from myria.models.linear_attention import LinearAttention
 
     b, s, _ = x.shape
     q = att.wq(x).view(b, s, -1, att.head_dim).transpose(1, 2)
@@ -70,11 +101,37 @@ def _attend(att, x: torch.Tensor, cache: KVCache, name: str, rope, pos0: int) ->
     if att.use_rope:
         cos, sin = rope[0][pos0:pos0 + s], rope[1][pos0:pos0 + s]
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-    k, v = cache.append(name, k, v)
-    mask = window_mask(s, k.shape[2], att.core.window, x.device, q_offset=pos0)
+    if isinstance(att.core, LinearAttention):
+        o = _linear_recurrent(att.core, q, k, v, cache.state.setdefault(name, {}))
+        return att.wo(o.transpose(1, 2).reshape(b, s, -1))
+    window = att.core.window
+    n_global = att.core.n_global if isinstance(att.core, BlockSparseAttention) else 0
+    k, v, kpos = cache.append(name, k, v, pos0)
+    qpos = torch.arange(pos0, pos0 + s, device=x.device).unsqueeze(1)
+    kp = kpos.unsqueeze(0)
+    mask = kp <= qpos
+    if window:
+        mask &= (qpos - kp < window) | (kp < n_global) | (qpos < n_global)
+        cache.trim(name, window, n_global, pos0 + s)
     o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask,
                                        enable_gqa=k.shape[1] != q.shape[1])
     return att.wo(o.transpose(1, 2).reshape(b, s, -1))
+
+
+def _linear_recurrent(core, q, k, v, state: dict) -> torch.Tensor:
+    """Linear attention against its (S, z) state: one step per token after the prompt."""
+    from myria.models.linear_attention import (
+        feature_map,
+        linear_attention_chunked,
+        linear_attention_step,
+    )
+
+    q, k = feature_map(q, core.kind), feature_map(k, core.kind)
+    if q.shape[2] == 1 and "sz" in state:
+        o, state["sz"] = linear_attention_step(q, k, v, state["sz"])
+    else:
+        o, state["sz"] = linear_attention_chunked(q, k, v, core.chunk, state.get("sz"), True)
+    return o
 
 
 @torch.no_grad()
@@ -87,18 +144,23 @@ def forward_cached(model, tokens: torch.Tensor, cache: KVCache, rope=None) -> to
                                                   device=tokens.device))
     for name, layer in model.layers.items():
         n = layer.attention_norm(h)
-        a = _attend(layer.attention, n, cache, name, rope, pos0)
+        mixer = layer.attention
+        if hasattr(mixer, "forward_recurrent"):   # retention, Griffin's recurrent block
+            a = mixer.forward_recurrent(n, rope, cache.state.setdefault(name, {}), pos0)
+        else:
+            a = _attend(mixer, n, cache, name, rope, pos0)
         if layer.parallel:
             h = h + a + layer.feed_forward(n)
         else:
             h = h + a
             h = h + layer.feed_forward(layer.ffn_norm(h))
+    cache.n = pos0 + tokens.shape[1]
     return model.output(model.norm(h))
 
 
 def rope_for(model, length: int):
     """RoPE tables long enough for `length` positions (beyond the training length too)."""
-    if model.cfg.arch != "llama":
+    if model.cfg.arch == "gpt":
         return None
     if model.rope_cos.shape[0] >= length:
         return model.rope_cos, model.rope_sin

@@ -90,6 +90,10 @@ def validate_batch(global_batch: int, micro_batch: int, dp: int) -> None:
 def validate_degrees(m: ModelConfig, tp: int, cp: int, sequence_parallel: bool) -> None:
     """Raise ConfigError when tensor or context parallelism cannot split the model's tensors
     (the rules of Megatron-LM and of myria's trainer alike)."""
+    if cp > 1 and (m.arch in ("retnet", "griffin") or m.attention != "softmax"):
+        raise ConfigError(f"parallel.cp = {cp} (ring attention) needs softmax attention in "
+                          f"llama or gpt; model.arch = {m.arch!r}, model.attention = "
+                          f"{m.attention!r} runs with parallel.cp = 1")
     if m.heads % tp or m.n_kv_heads % tp:
         raise ConfigError(f"parallel.tp = {tp} must divide model.heads = {m.heads} and the "
                           f"key/value heads = {m.n_kv_heads}")

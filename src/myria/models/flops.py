@@ -15,6 +15,24 @@ Conventions for attention and the output layer:
   MFU figures use it: 3/4 of the recomputing count (4 layer passes, 3 logit passes), i.e. dense
   attention with the logit layer charged 2.25x its forward instead of 3x. For the GPT
   architecture it equals F = 72 B s l h^2 (1 + s/6h + V/16lh) per iteration.
+
+The sub-quadratic mixers are charged what their implementation multiplies, under every
+convention (``causal`` differs for block-sparse attention only: there it counts the unmasked
+pairs). All counts are of matmuls (and the convolution), exactly as
+`torch.utils.flop_counter.FlopCounterMode` counts them (tested); elementwise work is not
+counted by it nor here: feature maps, decay tables, gates' sigmoids, norms, the RG-LRU scan
+(about 10 FLOPs per channel per token, plus the scan's log2 S combining steps), prefix sums.
+
+- block-sparse attention (and Griffin's local attention, block-sparse without global tokens):
+  dense masked SDPA (all S keys) when S <= global + window + block, else the blockwise kernel's
+  keys per query block (`block_sparse_keys`);
+- linear attention, chunked (C = chunk_size, D = head_dim, sequence padded to chunks): per
+  token and head 2CD (scores) + 2CD (values) + 4D^2 (state update and readout) (retention's
+  chunkwise form cuts its last chunk short instead of padding it);
+- retention: the parallel form (2SD + 2SD per token and head) up to C tokens, beyond that the
+  chunkwise form (as linear attention); plus the swish gate projection;
+- Griffin's recurrent block: W_x, W_y, W_o projections, the width-4 depthwise convolution
+  (2 * 4 per channel) and the two block-diagonal gates (2 * W * W/heads each).
 """
 
 from __future__ import annotations
@@ -43,6 +61,9 @@ class ForwardFlops:
     mlp: float = 0.0           # dense MLP or the active experts
     router: float = 0.0        # MoE gate
     logits: float = 0.0        # output layer
+    gate: float = 0.0          # retention's swish gate, Griffin's gate branch and RG-LRU gates
+    conv: float = 0.0          # Griffin's temporal convolution
+    state: float = 0.0         # recurrent state update and readout (linear attention, retention)
 
     @property
     def total(self) -> float:
@@ -65,19 +86,98 @@ def keys_per_query(seq_len: int, window: int, convention: str) -> float:
     raise ValueError(f"unknown FLOP convention {convention!r}; valid: {CONVENTIONS}")
 
 
+def layer_kind(cfg: ModelConfig, index: int) -> str:
+    """The temporal mixer of layer `index`: attention, retention or recurrent (Griffin's R)."""
+    if cfg.arch == "retnet":
+        return "retention"
+    if cfg.arch == "griffin":
+        pat = cfg.block_pattern
+        return "recurrent" if pat[index % len(pat)] == "R" else "attention"
+    return "attention"
+
+
+def block_sparse_keys(seq_len: int, window: int, n_global: int, block: int,
+                      convention: str = "dense") -> float:
+    """Average keys per query of block-sparse attention (`models.attention`): what the kernel
+    multiplies (dense masked SDPA or the blockwise form), or the unmasked pairs (causal)."""
+    s, w, g = seq_len, window, n_global
+    if convention == "causal":
+        total = sum(i + 1 if i < g else min(i + 1, w) + max(0, min(g, i + 1 - w))
+                    for i in range(s))
+        return total / s
+    if convention not in CONVENTIONS:
+        raise ValueError(f"unknown FLOP convention {convention!r}; valid: {CONVENTIONS}")
+    if s <= g + w + block:
+        return float(s)
+    total = 0
+    for i0 in range(0, s, block):
+        i1 = min(s, i0 + block)
+        lo = max(0, i0 - w + 1)
+        keys = i1 if (i0 < g or lo <= g) else g + i1 - lo
+        total += (i1 - i0) * keys
+    return total / s
+
+
+def _chunked_per_token(s: int, chunk: int, d: int, pad: bool) -> tuple[float, float, float]:
+    """(scores, values, state) FLOPs per token and head of a chunked linear form; `pad`: the
+    last chunk is padded to full length (linear attention) rather than cut (retention)."""
+    if pad:
+        padded = -(-s // chunk) * chunk / s
+        return padded * 2 * chunk * d, padded * 2 * chunk * d, padded * 4 * d * d
+    full, last = divmod(s, chunk)
+    pairs = full * chunk * chunk + last * last
+    return 2 * d * pairs / s, 2 * d * pairs / s, 4 * d * d
+
+
+def _mixer_flops(cfg: ModelConfig, kind: str, s: int, convention: str) -> ForwardFlops:
+    """Forward FLOPs per token of one layer's temporal mixer."""
+    h, hd = cfg.hidden, cfg.head_dim
+    q_dim, kv_dim = cfg.heads * hd, cfg.n_kv_heads * hd
+    f = ForwardFlops()
+    if kind == "recurrent":   # Griffin: width = hidden
+        w = h
+        f.qkv = 2 * h * w                       # W_x
+        f.gate = 2 * h * w + 2 * 2 * w * (w // cfg.heads)   # W_y and the two gates
+        f.conv = 2 * w * 4
+        f.attn_out = 2 * w * h
+        return f
+    f.qkv = 2 * h * (q_dim + 2 * kv_dim)
+    f.attn_out = 2 * q_dim * h
+    if kind == "retention":
+        f.gate = 2 * h * q_dim
+        if s <= cfg.chunk_size:
+            f.attn_scores = f.attn_values = 2 * q_dim * s
+        else:
+            sc, va, st = _chunked_per_token(s, cfg.chunk_size, hd, pad=False)
+            f.attn_scores, f.attn_values, f.state = (cfg.heads * x for x in (sc, va, st))
+        return f
+    if cfg.attention == "linear":
+        sc, va, st = _chunked_per_token(s, cfg.chunk_size, hd, pad=True)
+        f.attn_scores, f.attn_values, f.state = (cfg.heads * x for x in (sc, va, st))
+        return f
+    if cfg.attention == "block_sparse" or cfg.arch == "griffin":
+        keys = block_sparse_keys(s, cfg.attention_window, cfg.global_tokens, cfg.chunk_size,
+                                 convention)
+    else:
+        keys = keys_per_query(s, cfg.attention_window, convention)
+    f.attn_scores = 2 * q_dim * keys
+    f.attn_values = 2 * q_dim * keys
+    return f
+
+
 def forward_flops_per_token(cfg: ModelConfig, convention: str = "dense",
                             seq_len: int | None = None) -> ForwardFlops:
     """Forward FLOPs per token of the whole model, by operator."""
-    h, hd, L = cfg.hidden, cfg.head_dim, cfg.layers
-    q_dim, kv_dim = cfg.heads * hd, cfg.n_kv_heads * hd
+    h, L = cfg.hidden, cfg.layers
     s = seq_len or cfg.seq_len
     f = ForwardFlops()
-    f.qkv = L * 2 * h * (q_dim + 2 * kv_dim)
-    keys = keys_per_query(s, cfg.attention_window, convention)
-    f.attn_scores = L * 2 * q_dim * keys
-    f.attn_values = L * 2 * q_dim * keys
-    f.attn_out = L * 2 * q_dim * h
-    n_mats = 3 if cfg.arch == "llama" else 2
+    kinds = [layer_kind(cfg, i) for i in range(L)]
+    for kind in set(kinds):
+        part = _mixer_flops(cfg, kind, s, convention)
+        n = kinds.count(kind)
+        for k, v in part.as_dict().items():
+            setattr(f, k, getattr(f, k) + n * v)
+    n_mats = 3 if cfg.arch != "gpt" else 2
     active = cfg.top_k if cfg.experts else 1
     f.mlp = L * active * n_mats * 2 * h * cfg.ffn_dim
     f.router = L * 2 * h * cfg.experts if cfg.experts else 0.0
@@ -106,15 +206,15 @@ class ParamCounts:
 
     embedding: int
     positional: int
-    per_layer_dense: int     # attention + norms (+ dense MLP)
+    per_layer_dense: float   # attention + norms (+ dense MLP); Griffin: mean over its layers
     per_layer_experts: int   # all experts of one layer (0 for a dense model)
     per_layer_active_experts: int
     final_norm: int
     head: int                # 0 when tied
 
     def total(self, layers: int) -> int:
-        return (self.embedding + self.positional + self.final_norm + self.head
-                + layers * (self.per_layer_dense + self.per_layer_experts))
+        return round(self.embedding + self.positional + self.final_norm + self.head
+                     + layers * (self.per_layer_dense + self.per_layer_experts))
 
 
 def param_counts(cfg: ModelConfig) -> ParamCounts:
@@ -130,6 +230,14 @@ def param_counts(cfg: ModelConfig) -> ParamCounts:
     if gpt:
         mlp += cfg.ffn_dim + h
     n_norms = 1 if cfg.parallel_block else 2
+    if cfg.arch == "retnet":
+        attn = 5 * h * q_dim                     # wq, wk, wv, swish gate, wo
+    elif cfg.arch == "griffin":               # layers differ: the per-layer figure is a mean
+        w, blk = h, h // cfg.heads
+        rec = 3 * h * w + 5 * w + 2 * (w * blk + w) + w   # W_x W_y W_o, conv, gates, decay
+        kinds = [layer_kind(cfg, i) for i in range(cfg.layers)]
+        n_rec = kinds.count("recurrent")
+        attn = (n_rec * rec + (cfg.layers - n_rec) * attn) / cfg.layers
     dense = attn + n_norms * norm
     experts = active = 0
     if cfg.experts:

@@ -26,6 +26,9 @@ def _full_value(shape, dtype, kind: str, std: float, key: int) -> torch.Tensor:
     if kind == "zeros":
         return torch.zeros(shape, dtype=dtype)
     g = torch.Generator().manual_seed(key)
+    if kind == "lru":  # Griffin's decay: softplus(value) = -log a0, a0^2 uniform in [0.81, 0.998]
+        u = torch.empty(shape, dtype=torch.float64).uniform_(0.9 ** 2, 0.999 ** 2, generator=g)
+        return torch.log(torch.expm1(-0.5 * torch.log(u))).to(dtype)
     return torch.randn(shape, generator=g, dtype=torch.float32).mul_(std).to(dtype)
 
 

@@ -151,7 +151,7 @@ class Experts(nn.Module):
         super().__init__()
         e, h, f = cfg.experts, cfg.hidden, cfg.ffn_dim
         self.num_experts = e
-        self.gated = cfg.arch == "llama"
+        self.gated = cfg.arch != "gpt"
         self.w1 = nn.Parameter(torch.empty(e, f, h))
         self.w2 = nn.Parameter(torch.empty(e, h, f))
         if self.gated:

@@ -1,4 +1,9 @@
-"""Decoder-only language model, Llama-style or GPT-style, with no parallelism code inside.
+"""Decoder-only language model, with no parallelism code inside.
+
+Llama-style or GPT-style, with softmax, block-sparse (Longformer) or linear attention; or RetNet
+(retention in place of attention) or Griffin (RG-LRU recurrent blocks mixed with local
+attention). Every block is norm -> temporal mixer (`Block.attention`) -> norm -> MLP; only the
+mixer differs (`make_mixer`), so parallelism, checkpoints and the trainer treat them alike.
 
 Build it on the meta device, let parallelism wrap it, move it with `to_empty`, then call
 `init_weights(seed)`. Initial values are a pure function of (seed, parameter name), whatever
@@ -15,7 +20,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from myria.config import ModelConfig
-from myria.models.attention import CoreAttention, apply_rope, rope_tables
+from myria.models.attention import (
+    BlockSparseAttention,
+    CoreAttention,
+    apply_rope,
+    rope_tables,
+)
+from myria.models.flops import layer_kind
+from myria.models.linear_attention import LinearAttention
 from myria.models.loss import fused_linear_cross_entropy
 
 
@@ -32,12 +44,18 @@ class Attention(nn.Module):
         super().__init__()
         bias = cfg.arch == "gpt"
         self.n_heads, self.n_kv_heads, self.head_dim = cfg.heads, cfg.n_kv_heads, cfg.head_dim
-        self.use_rope = cfg.arch == "llama"
+        self.use_rope = cfg.arch != "gpt" and cfg.attention != "linear"
         self.wq = nn.Linear(cfg.hidden, cfg.heads * cfg.head_dim, bias=bias)
         self.wk = nn.Linear(cfg.hidden, cfg.n_kv_heads * cfg.head_dim, bias=bias)
         self.wv = nn.Linear(cfg.hidden, cfg.n_kv_heads * cfg.head_dim, bias=bias)
         self.wo = nn.Linear(cfg.heads * cfg.head_dim, cfg.hidden, bias=bias)
-        self.core = CoreAttention(cfg.attention_window)
+        if cfg.attention == "block_sparse" or cfg.arch == "griffin":  # Griffin: local only
+            self.core = BlockSparseAttention(cfg.attention_window, cfg.global_tokens,
+                                             cfg.chunk_size)
+        elif cfg.attention == "linear":
+            self.core = LinearAttention(cfg.feature_map, cfg.chunk_size)
+        else:
+            self.core = CoreAttention(cfg.attention_window)
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None):
         b, s, _ = x.shape
@@ -52,12 +70,24 @@ class Attention(nn.Module):
         return self.wo(o.transpose(1, 2).reshape(b, s, -1))
 
 
+def make_mixer(cfg: ModelConfig, index: int) -> nn.Module:
+    """The temporal-mixing module of layer `index` (called `attention` in every block)."""
+    kind = layer_kind(cfg, index)
+    if kind == "retention":
+        from myria.models.retention import Retention
+        return Retention(cfg)
+    if kind == "recurrent":
+        from myria.models.griffin import RecurrentBlock
+        return RecurrentBlock(cfg)
+    return Attention(cfg)
+
+
 class MLP(nn.Module):
     """SwiGLU (llama) or GELU (gpt) feed-forward network."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.gated = cfg.arch == "llama"
+        self.gated = cfg.arch != "gpt"
         bias = cfg.arch == "gpt"
         self.w1 = nn.Linear(cfg.hidden, cfg.ffn_dim, bias=bias)
         self.w2 = nn.Linear(cfg.ffn_dim, cfg.hidden, bias=bias)
@@ -72,11 +102,11 @@ class MLP(nn.Module):
 class Block(nn.Module):
     """Pre-norm transformer block; `parallel_block` computes attention and MLP from one input."""
 
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, index: int = 0):
         super().__init__()
         self.parallel = cfg.parallel_block
         self.attention_norm = _norm(cfg)
-        self.attention = Attention(cfg)
+        self.attention = make_mixer(cfg, index)
         self.ffn_norm = None if self.parallel else _norm(cfg)
         if cfg.experts:
             from myria.models.moe import MoE  # optional layer; dense models never import it
@@ -119,7 +149,7 @@ class Transformer(nn.Module):
         self.cfg = cfg
         self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.hidden)
         self.pos_embeddings = nn.Embedding(cfg.seq_len, cfg.hidden) if cfg.arch == "gpt" else None
-        self.layers = nn.ModuleDict({str(i): Block(cfg) for i in range(cfg.layers)})
+        self.layers = nn.ModuleDict({str(i): Block(cfg, i) for i in range(cfg.layers)})
         self.norm = _norm(cfg)
         self.output = LMHead(cfg)
         if cfg.tie_embeddings:
@@ -137,6 +167,8 @@ class Transformer(nn.Module):
             return ("ones", 0.0) if name.endswith("weight") else ("zeros", 0.0)
         if name.endswith("bias"):
             return ("zeros", 0.0)
+        if name.endswith("rglru.a_param"):
+            return ("lru", 0.0)
         std = self.cfg.init_std
         if name.endswith(("wo.weight", "w2.weight")) or ".experts.w2" in name:
             std = std / math.sqrt(2 * self.cfg.layers)  # GPT-2 residual scaling
@@ -145,7 +177,7 @@ class Transformer(nn.Module):
     @torch.no_grad()
     def init_weights(self, seed: int = 0, buffers_only: bool = False) -> None:
         """Fill every parameter as a pure function of (seed, name); also rebuild RoPE tables."""
-        if self.cfg.arch == "llama":
+        if self.cfg.arch != "gpt":
             dev = self.rope_cos.device if self.rope_cos.device.type != "meta" else "cpu"
             cos, sin = rope_tables(self.cfg.seq_len, self.cfg.head_dim, self.cfg.rope_theta, dev)
             self.rope_cos, self.rope_sin = cos, sin
@@ -187,7 +219,7 @@ class Transformer(nn.Module):
         else:
             h = tokens
         rope = None
-        if self.cfg.arch == "llama":
+        if self.cfg.arch != "gpt":
             rope = self.rope_tables_for(h.shape[1], h.dtype)
         for layer in self.layers.values():
             h = layer(h, rope)

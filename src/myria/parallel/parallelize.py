@@ -19,7 +19,13 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
-from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module
+from torch.distributed.tensor import (
+    DTensor,
+    Replicate,
+    Shard,
+    distribute_module,
+    distribute_tensor,
+)
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     PrepareModuleInput,
@@ -74,9 +80,7 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bool = Tr
             "attention_norm": SequenceParallel() if sequence_parallel else ReplicateParallel(),
             "attention": PrepareModuleInput(input_layouts=(seq, None),
                                             desired_input_layouts=(Replicate(), None)),
-            "attention.wq": ColwiseParallel(),
-            "attention.wk": ColwiseParallel(),
-            "attention.wv": ColwiseParallel(),
+            **_mixer_plan(block.attention, tp_mesh),
             "attention.wo": RowwiseParallel(output_layouts=seq),
             "feed_forward": PrepareModuleInput(input_layouts=(seq,),
                                                desired_input_layouts=(Replicate(),)),
@@ -88,6 +92,38 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bool = Tr
         if block.ffn_norm is not None:
             plan["ffn_norm"] = SequenceParallel() if sequence_parallel else ReplicateParallel()
         parallelize_module(block, tp_mesh, plan)
+
+
+def _mixer_plan(mixer: nn.Module, tp_mesh: DeviceMesh) -> dict:
+    """Column-parallel input projections of a block's temporal mixer, heads split over tp.
+
+    Attention: q, k, v. Retention: q, k, v and the swish gate; each rank keeps the decays of
+    its own heads (`head_offset`). Griffin's recurrent block: both branches column-parallel,
+    and its per-channel parameters (convolution, block-diagonal gates by head, decay) sharded
+    along their first dimension, so the recurrence runs on local channels with no
+    communication; the row-parallel output projection reduces.
+    """
+    from myria.models.griffin import RecurrentBlock
+    from myria.models.retention import Retention
+
+    if isinstance(mixer, RecurrentBlock):
+        _shard_dim0(mixer, tp_mesh, ("conv_weight", "conv_bias"))
+        _shard_dim0(mixer.rglru, tp_mesh, [n for n, _ in mixer.rglru.named_parameters()])
+        return {"attention.wx": ColwiseParallel(), "attention.wy": ColwiseParallel()}
+    plan = {"attention.wq": ColwiseParallel(), "attention.wk": ColwiseParallel(),
+            "attention.wv": ColwiseParallel()}
+    if isinstance(mixer, Retention):
+        mixer.head_offset = tp_mesh.get_local_rank() * (mixer.n_heads // tp_mesh.size())
+        plan["attention.wg"] = ColwiseParallel()
+    return plan
+
+
+def _shard_dim0(module: nn.Module, mesh: DeviceMesh, names) -> None:
+    """Make `module`'s own parameters `names` DTensors sharded along dim 0 over `mesh`."""
+    for name in names:
+        p = getattr(module, name)
+        module.register_parameter(name, nn.Parameter(distribute_tensor(p, mesh, [Shard(0)]),
+                                                     requires_grad=p.requires_grad))
 
 
 class ReplicateParallel(ParallelStyle):

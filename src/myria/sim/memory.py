@@ -226,3 +226,33 @@ def memory(shape: LayerShape, *, layers: int, pp: int, vpp: int, microbatches: i
                                     reserved, total, capacity, total <= capacity, name,
                                     dense + expert, host))
     return max(results, key=lambda r: r.total)
+
+
+def decode_state_bytes(cfg, batch: int, context: int, elem_bytes: int = 2, tp: int = 1) -> float:
+    """Bytes of what generation keeps per device after `context` tokens (`cfg`: ModelConfig).
+
+    Softmax attention: keys and values of every position its window (and global tokens) can
+    still reach (grows with the context up to the window); linear attention and retention: a
+    head_dim x head_dim state per head (plus linear attention's normaliser); Griffin's
+    recurrent block: its RG-LRU state and the last 3 convolution inputs (constant).
+    Matches `myria.generate.KVCache.nbytes` (tested); heads and channels split over tp.
+    """
+    from myria.models.flops import layer_kind
+
+    hd, h = cfg.head_dim, cfg.heads
+    total = 0.0
+    for i in range(cfg.layers):
+        kind = layer_kind(cfg, i)
+        if kind == "recurrent":
+            per_seq = 4 * cfg.hidden                       # h (W) + 3 conv inputs (W each)
+        elif kind == "retention":
+            per_seq = h * hd * hd
+        elif cfg.attention == "linear":
+            per_seq = h * hd * hd + h * hd
+        else:
+            kept = context
+            if cfg.attention_window:
+                kept = min(context, cfg.attention_window - 1 + cfg.global_tokens)
+            per_seq = 2 * cfg.n_kv_heads * hd * kept
+        total += batch * per_seq * elem_bytes
+    return total / tp

@@ -83,11 +83,20 @@ def dry_run(cfg: config_mod.Config, world: int, ranks_per_host: int | None = Non
     if cfg.parallel.offload_tier != "none" or cfg.parallel.fast_memory_gb:
         from myria.train.offload import plan_for_config
         lines.append("# " + plan_for_config(cfg, lay).describe())
-    try:
-        spec, pred = predicted(cfg, world, ranks_per_host or world)
-    except config_mod.ConfigError as e:  # e.g. measuring this CPU would need more cores
-        spec = pred = None
-        lines.append(f"# no prediction: {e}")
+    from myria.sim.memory import decode_state_bytes
+
+    lines.append(f"# generation state per sequence of {m.seq_len} tokens (fp32): "
+                 f"{decode_state_bytes(m, 1, m.seq_len, elem_bytes=4) / 2**20:,.2f} MiB")
+    if m.arch in ("retnet", "griffin") or m.attention != "softmax":
+        spec = pred = None   # the simulator's operator and activation models are attention's
+        lines.append(f"# no prediction: the performance model does not model arch={m.arch!r} "
+                     f"/ attention={m.attention!r} yet (FLOPs above are exact)")
+    else:
+        try:
+            spec, pred = predicted(cfg, world, ranks_per_host or world)
+        except config_mod.ConfigError as e:  # e.g. measuring this CPU would need more cores
+            spec = pred = None
+            lines.append(f"# no prediction: {e}")
     if pred is not None:
         lines += prediction_lines(cfg, world, ranks_per_host, lay, spec, pred)
     from myria.parallel.placement import describe

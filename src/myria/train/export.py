@@ -66,10 +66,12 @@ def to_hf_state_dict(sd: dict[str, torch.Tensor], m) -> dict[str, torch.Tensor]:
 
 
 def check_exportable(m) -> None:
-    if m.arch != "llama" or m.parallel_block or m.attention_window or m.experts:
+    if (m.arch != "llama" or m.attention != "softmax" or m.parallel_block or m.attention_window
+            or m.experts):
         raise ConfigError(
-            "HF export maps onto LlamaForCausalLM, which needs model.arch = 'llama' without "
-            f"parallel_block, attention_window or experts (got arch={m.arch!r}, "
+            "HF export maps onto LlamaForCausalLM, which needs model.arch = 'llama' with softmax "
+            "attention, without parallel_block, attention_window or experts (got "
+            f"arch={m.arch!r}, attention={m.attention!r}, "
             f"parallel_block={m.parallel_block}, attention_window={m.attention_window}, "
             f"experts={m.experts})")
 
