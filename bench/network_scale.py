@@ -74,8 +74,30 @@ def main() -> int:
         groups = ep.reshape(-1, width)
         rows.append(case(f"all-to-all groups of {width} ecmp", spec, groups, "all-to-all",
                          "ring", "ecmp", 1, 64e6))
-    # the fluid PFC/DCQCN model on the ring's inter-host step
+    for routing in ("flowlet",):          # greedy least-loaded paths: a Python loop per flow
+        rows.append(case(f"dp groups (tp8 pp8 dp192) ring {routing} qps=4", spec, dp,
+                         "all-reduce", "ring", routing, 4))
+    # cost of the exact shortcuts: the same steps through the event-driven loop
+    from myria.sim.netsim.flows import simulate_flows
     fab = build(spec, GPUS)
+    event_rows = []
+    for name, groups, qps in (("dp ring step, ecmp", dp, 1), ("dp ring step, ecmp", dp, 4),
+                              ("12,288-rank ring step, ecmp", world, 1)):
+        coll = collective("all-reduce", groups, SIZE, "ring", spec.gpus, spec.nics)
+        rp = route_collective(fab, coll, "ecmp", qps)[0]
+        t0 = time.perf_counter()
+        fast = simulate_flows(rp.a, rp.phase.nbytes, fab.capacity)
+        t1 = time.perf_counter()
+        slow = simulate_flows(rp.a, rp.phase.nbytes, fab.capacity, events=True)
+        t2 = time.perf_counter()
+        event_rows.append({"case": f"{name} qps={qps}", "flows": rp.a.shape[0],
+                           "shortcut_s": t1 - t0, "event_loop_s": t2 - t1,
+                           "events": slow.events, "same": bool(abs(
+                               fast.completion_time_s / slow.completion_time_s - 1) < 1e-9)})
+        print(f"{name} qps={qps}: {rp.a.shape[0]:,} flows, shortcut {t1 - t0:.3f} s, event "
+              f"loop {t2 - t1:.2f} s ({slow.events} events), equal: {event_rows[-1]['same']}",
+              flush=True)
+    # the fluid PFC/DCQCN model on the ring's inter-host step
     coll = collective("all-reduce", dp, SIZE, "ring", spec.gpus, spec.nics)
     rp = route_collective(fab, coll, "ecmp", 1)[0]
     t0 = time.perf_counter()
@@ -87,7 +109,7 @@ def main() -> int:
     res = {"machine": f"{platform.machine()} {platform.processor() or ''}".strip(),
            "python": sys.version.split()[0], "date": time.strftime("%Y-%m-%d"),
            "fabric": spec.describe(), "gpus": GPUS, "bytes_per_rank": SIZE,
-           "cases": rows, "congestion": cong, "total_wall_s": total,
+           "cases": rows, "event_loop": event_rows, "congestion": cong, "total_wall_s": total,
            "max_case_wall_s": max(r["wall_s"] for r in rows)}
     OUT.parent.mkdir(parents=True, exist_ok=True)
     OUT.write_text(json.dumps(res, indent=1))
