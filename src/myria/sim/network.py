@@ -69,6 +69,24 @@ def _groups(world: int, size: int, stride: int) -> np.ndarray:
     return bases[:, None] + stride * np.arange(size, dtype=np.int64)[None, :]
 
 
+def pattern_groups(fabric: Fabric, kind: str, size: int, stride: int, max_flows: int,
+                   ring_flows: int = 1) -> tuple[np.ndarray | None, int]:
+    """The groups a pattern is simulated on and the servers they span: the fabric shrunk to at
+    most `max_flows` flows (`ring_flows` per member of a ring), the group size clipped to it;
+    None when no group leaves one rank (nothing crosses the fabric)."""
+    gpn = fabric.gpus_per_node
+    q = fabric.flows_per_pair if fabric.routing == "ecmp" else 1
+    per_gpu = q * (max(1, size - 1) if kind == "a2a" else 1) * (ring_flows if kind == "ring"
+                                                                 else 1)
+    nodes = max(2, min(fabric.nodes, max_flows // (per_gpu * gpn)))
+    world = nodes * gpn
+    while size > 1 and size * stride > world:
+        size -= 1
+    if size <= 1 or fabric.nodes <= 1:
+        return None, nodes
+    return _groups(world, size, stride), nodes
+
+
 @lru_cache(maxsize=4096)
 def pattern_factor(fabric: Fabric, kind: str, size: int, stride: int) -> PatternResult:
     """Fabric factor of every group of `size` ranks `stride` apart running `kind` at once.
@@ -84,14 +102,10 @@ def pattern_factor(fabric: Fabric, kind: str, size: int, stride: int) -> Pattern
         return flow_pattern_factor(fabric, kind, size, stride)
     gpn = fabric.gpus_per_node
     q = fabric.flows_per_pair if fabric.routing == "ecmp" else 1
-    per_gpu = q * (max(1, size - 1) if kind == "a2a" else 1)
-    nodes = max(2, min(fabric.nodes, MAX_SIM_FLOWS // (per_gpu * gpn)))
-    world = nodes * gpn
-    while size > 1 and size * stride > world:
-        size -= 1
-    if size <= 1 or fabric.nodes <= 1:
+    groups, nodes = pattern_groups(fabric, kind, size, stride, MAX_SIM_FLOWS)
+    if groups is None:
         return PatternResult(1.0, 0, nodes)
-    groups = _groups(world, size, stride)
+    size = groups.shape[1]
     node = groups // gpn
     if kind == "p2p":
         src, dst = groups[:, :-1].ravel(), groups[:, 1:].ravel()

@@ -69,18 +69,13 @@ def _pattern(kind: str, groups: np.ndarray, gpus: int, nics: int) -> Collective:
 @lru_cache(maxsize=4096)
 def flow_pattern_factor(fabric, kind: str, size: int, stride: int):
     """``pattern_factor`` by the flow-level simulator (same meaning, same result type)."""
-    from myria.sim.network import PatternResult, _groups
+    from myria.sim.network import PatternResult, pattern_groups
 
     gpn = fabric.gpus_per_node
     q = fabric.flows_per_pair if fabric.routing == "ecmp" else 1
-    per_gpu = q * (max(1, size - 1) if kind == "a2a" else 1) * (2 if kind == "ring" else 1)
-    nodes = max(2, min(fabric.nodes, MAX_FLOWS // (per_gpu * gpn)))
-    world = nodes * gpn
-    while size > 1 and size * stride > world:
-        size -= 1
-    if size <= 1 or fabric.nodes <= 1:
+    groups, nodes = pattern_groups(fabric, kind, size, stride, MAX_FLOWS, ring_flows=2)
+    if groups is None:
         return PatternResult(1.0, 0, nodes)
-    groups = _groups(world, size, stride)
     if not ((groups // gpn) != (groups[:, :1] // gpn)).any():
         return PatternResult(1.0, 0, nodes)      # every group inside one server
     small = dataclasses.replace(fabric, nodes=nodes)
