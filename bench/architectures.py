@@ -156,21 +156,31 @@ def scaling_part(max_len: int, max_step_s: float, start: int = 256) -> list[dict
     return rows
 
 
+def add_flops(scale: list[dict]) -> None:
+    """Exact training model FLOPs per token (`models.flops`, the implementation's matmuls)."""
+    from myria.models.flops import model_flops_per_token
+
+    for r in scale:
+        r["model_flops_per_token"] = model_flops_per_token(_config(r["arch"], r["seq_len"]))
+
+
 def plot(scale: list[dict], out: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 3, figsize=(15, 4.5))
+    fig, axes = plt.subplots(1, 4, figsize=(19, 4.5))
     for name in [*ARCHS, "window_dense"]:
         r = [x for x in scale if x["arch"] == name]
         s = [x["seq_len"] for x in r]
         axes[0].plot(s, [x["us_per_token"] for x in r], "o-", label=name)
         axes[1].plot(s, [x["saved_bytes_per_token"] / 1024 for x in r], "o-", label=name)
         axes[2].plot(s, [x["decode_state_bytes"] / 2**20 for x in r], "o-", label=name)
-    titles = ["training time per token (fwd+bwd, us)", "activation memory per token (KiB)",
-              "generation state per sequence (MiB, fp32)"]
+        axes[3].plot(s, [x["model_flops_per_token"] / 1e6 for x in r], "o-", label=name)
+    titles = ["training time per token (fwd+bwd, us; noisy host)",
+              "activation memory per token (KiB)", "generation state per sequence (MiB, fp32)",
+              "training model FLOPs per token (M, exact)"]
     for ax, t in zip(axes, titles):
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
@@ -199,10 +209,11 @@ def write_md(res: dict, path: Path) -> None:
                      f"{r['first_loss']:.2f} -> {r['last_loss']:.2f} | "
                      f"{r['tokens_per_s']:,.0f} |")
     lines += ["", "### Time and memory per token against sequence length (batch 1)", "",
-              "| architecture | seq len | fwd+bwd us/token | saved KiB/token | "
-              "generation state MiB |", "|---|---|---|---|---|"]
+              "| architecture | seq len | fwd+bwd us/token | model MFLOPs/token | "
+              "saved KiB/token | generation state MiB |", "|---|---|---|---|---|---|"]
     for r in res["scale"]:
         lines.append(f"| {r['arch']} | {r['seq_len']} | {r['us_per_token']:.1f} | "
+                     f"{r['model_flops_per_token'] / 1e6:.2f} | "
                      f"{r['saved_bytes_per_token'] / 1024:.1f} | "
                      f"{r['decode_state_bytes'] / 2**20:.3f} |")
     lines += ["", *res["notes"], ""]
@@ -217,7 +228,16 @@ def main() -> None:
     ap.add_argument("--max-step-s", type=float, default=8.0,
                     help="stop doubling an architecture's length after a step this slow (8 s)")
     ap.add_argument("--quick", action="store_true", help="a smoke run: 8 steps, up to 2048")
+    ap.add_argument("--replot", action="store_true",
+                    help="rewrite the table and plot from bench/results/architectures.json")
     a = ap.parse_args()
+    if a.replot:
+        res = json.loads((HERE / "results" / "architectures.json").read_text())
+        add_flops(res["scale"])
+        (HERE / "results" / "architectures.json").write_text(json.dumps(res, indent=1))
+        plot(res["scale"], HERE / "results" / "architectures.png")
+        write_md(res, HERE / "RESULTS_architectures.md")
+        return
     if a.quick:
         a.steps, a.max_len = 8, 2048
     import torch
@@ -229,7 +249,10 @@ def main() -> None:
              "--out", str(data), "--quiet")
         train = train_part(data, tmp, [int(x) for x in a.seq_lens.split(",")], a.steps)
     torch.set_num_threads(os.cpu_count() or 1)
+    load = [os.getloadavg()[0]]
     scale = scaling_part(a.max_len, a.max_step_s)
+    load.append(os.getloadavg()[0])
+    add_flops(scale)
     longest = {n: max(r["seq_len"] for r in scale if r["arch"] == n)
                for n in [*ARCHS, "window_dense"]}
     notes = [
@@ -241,13 +264,17 @@ def main() -> None:
         "are linear in S. window_dense (scaling only) is softmax with a 64-token sliding "
         "window through SDPA and a dense S x S boolean mask, the path block-sparse leaves "
         "for long inputs.",
+        "- window_dense's FLOPs column follows the existing dense convention for a sliding "
+        "window (each query charged its band), but its masked SDPA kernel multiplies all S keys "
+        "and keeps S x S tensors: its time and activation memory per token grow with S.",
         "- Griffin's activation memory per token grows slowly (log S): the Hillis-Steele scan "
         "keeps log2 S intermediate (S x width) tensors for backward.",
         f"- Longest length reached per architecture (doubling stops after a step slower than "
         f"{a.max_step_s:g} s or at {a.max_len}): "
         + ", ".join(f"{n} {v}" for n, v in longest.items()) + ".",
-        "- Wall-clock figures come from a shared 2-core machine (other jobs running); compare "
-        "within a column of one run only.",
+        f"- Wall-clock figures come from a shared 2-core machine (1-minute load average "
+        f"{load[0]:.1f} before and {load[1]:.1f} after the scaling part); compare within one "
+        "run only, and read the trend from the exact FLOPs column.",
     ]
     res = {"command": "PYTHONPATH=src .venv/bin/python bench/architectures.py"
                       + (" --quick" if a.quick else ""),
