@@ -701,16 +701,23 @@ class CheckpointManager:
         self._set_latest()
 
     # -- loading ---------------------------------------------------------------------------
-    def check_shapes(self, path: Path, model_sd: dict[str, torch.Tensor]) -> None:
-        """Raise CheckpointError listing keys whose presence or shape differ from the model."""
+    def check_shapes(self, path: Path, model_sd: dict[str, torch.Tensor],
+                     whole_model: set[str] | None = None) -> None:
+        """Raise CheckpointError listing keys whose presence or shape differ from the model.
+
+        `whole_model`: the keys of the whole model when this rank holds part of it (a pipeline
+        stage): a checkpoint key is extra only if no rank's part has it."""
         md = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
         saved = {k[len("model."):]: tuple(v.size) for k, v in md.items()
                  if k.startswith("model.") and hasattr(v, "size")}
         want = {k: tuple(v.shape) for k, v in model_sd.items()}
+        whole = set(want) if whole_model is None else whole_model
         problems = []
         for k in sorted(set(saved) | set(want)):
             if k not in saved:
                 problems.append(f"{k}: not in checkpoint (model has {list(want[k])})")
+            elif k not in want and k in whole:
+                continue  # another pipeline stage's
             elif k not in want:
                 problems.append(f"{k}: in checkpoint {list(saved[k])} but not in the model")
             elif saved[k] != want[k]:
@@ -734,7 +741,12 @@ class CheckpointManager:
         if hasattr(target, "check_checkpoint"):  # optimizer state in files or in shards
             target.check_checkpoint(path, meta)
         state = target.state_dict()
-        self.check_shapes(path, state["model"])
+        whole = None
+        if world > 1:  # pipeline stages hold parts of the model: compare with their union
+            parts: list = [None] * world
+            dist.all_gather_object(parts, sorted(state["model"]))
+            whole = set().union(*map(set, parts))
+        self.check_shapes(path, state["model"], whole)
         for key in getattr(target, "file_backed_keys", list)():  # restored with the files
             state["model"].pop(key)
         groups = replica_groups(state)
