@@ -482,26 +482,11 @@ def load(path: str | Path | None = None, overrides: typing.Sequence[str] = ()) -
     return cfg
 
 
-def resolve_layout(cfg: Config, world_size: int) -> dict[str, int]:
-    """Data-parallel degrees after filling dp_shard = -1 from the world size."""
-    p = cfg.parallel
-    other = p.dp_replicate * p.tp * p.pp * p.cp
-    if p.dp_shard == -1:
-        if world_size % other:
-            raise ConfigError(
-                f"world size {world_size} is not divisible by parallel.dp_replicate*tp*pp*cp = "
-                f"{other}; choose degrees whose product divides the number of processes")
-        shard = world_size // other
-    else:
-        shard = p.dp_shard
-    if other * shard != world_size:
-        raise ConfigError(
-            f"parallel layout dp_replicate={p.dp_replicate} x dp_shard={shard} x tp={p.tp} x "
-            f"pp={p.pp} x cp={p.cp} = {other * shard} processes, but the world size is "
-            f"{world_size}; set parallel.dp_shard=-1 to fill it or change --nproc")
-    dp = p.dp_replicate * shard
-    return {"dp_replicate": p.dp_replicate, "dp_shard": shard, "dp": dp, "tp": p.tp,
-            "pp": p.pp, "cp": p.cp, "ep": p.ep}
+def resolve_layout(cfg: Config, world_size: int):
+    """The run's `myria.layout.Layout` on `world_size` ranks (dp_shard = -1 fills the rest)."""
+    from myria.layout import Layout
+
+    return Layout.resolve(cfg.parallel, world_size)
 
 
 def validate_model(m: ModelConfig) -> None:
@@ -574,10 +559,9 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
         raise ConfigError("parallel.offload_params = true needs parallel.offload = 'nvme' (the "
                           "parameters go to the same files as the optimizer state)")
     if world_size is not None:
-        lay = resolve_layout(cfg, world_size)
         from myria.layout import validate_batch
 
-        validate_batch(t.global_batch, t.micro_batch, lay["dp"])
+        validate_batch(t.global_batch, t.micro_batch, resolve_layout(cfg, world_size)["dp"])
 
 
 def describe(cfg: Config) -> str:

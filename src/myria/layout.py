@@ -1,8 +1,12 @@
-"""Pipeline layout facts shared by the trainer, `--dry-run`, the simulator and the planner.
+"""The parallel layout of a run, shared by the trainer, `--dry-run`, the simulator and the planner.
 
-One place for the schedule names and what each means, which pipeline ranks hold which stages,
-how the layers are split into stages, and the checks a pipeline layout must pass. Pure Python
-(no torch), so the analytic performance model can use it without importing the trainer.
+`Layout` is the one description of how a run's ranks are arranged: its degrees (a dict:
+``layout["tp"]``), pipeline interleaving and schedule; it resolves itself from a config and a
+world size, validates itself against a model and a batch, and gives each rank's coordinates, the
+process groups of every dimension and (on the trainer's side) the DeviceMesh, all in one mesh
+order. Beside it: the schedule names and what each means, which pipeline ranks hold which
+stages, how the layers are split into stages, and the checks a layout must pass. Pure Python and
+numpy (no torch), so the analytic performance model can use it without importing the trainer.
 
 Schedule names (the same to every part of myria):
 
@@ -36,6 +40,84 @@ MESH_ORDER = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
 SCHEDULE_NAMES = ("gpipe", "1f1b", "interleaved-1f1b", "zero-bubble", "zbv")
 SINGLE_STAGE = ("gpipe", "1f1b")              # one stage (chunk) per rank
 ZERO_BUBBLE = ("zero-bubble", "zbv")          # backward split into input and weight gradients
+
+
+class Layout(dict):
+    """Degrees by mesh dimension (`dp_replicate`, `dp_shard`, `dp` = their product, `tp`,
+    `pp`, `cp`, `ep`) as a dict, plus `vpp`, `schedule` and `sequence_parallel`."""
+
+    def __init__(self, dp_replicate: int = 1, dp_shard: int = 1, tp: int = 1, pp: int = 1,
+                 cp: int = 1, ep: int = 1, vpp: int = 1, schedule: str = "1f1b",
+                 sequence_parallel: bool = False):
+        super().__init__(dp_replicate=dp_replicate, dp_shard=dp_shard,
+                         dp=dp_replicate * dp_shard, tp=tp, pp=pp, cp=cp, ep=ep)
+        self.vpp, self.schedule, self.sequence_parallel = vpp, schedule, sequence_parallel
+
+    @classmethod
+    def resolve(cls, par, world_size: int) -> Layout:
+        """The layout of a `ParallelConfig` on `world_size` ranks (dp_shard = -1 fills the
+        rest), or a ConfigError saying which product does not match."""
+        other = par.dp_replicate * par.tp * par.pp * par.cp
+        if par.dp_shard == -1:
+            if world_size % other:
+                raise ConfigError(
+                    f"world size {world_size} is not divisible by parallel.dp_replicate*tp*pp*cp"
+                    f" = {other}; choose degrees whose product divides the number of processes")
+            shard = world_size // other
+        else:
+            shard = par.dp_shard
+        if other * shard != world_size:
+            raise ConfigError(
+                f"parallel layout dp_replicate={par.dp_replicate} x dp_shard={shard} x "
+                f"tp={par.tp} x pp={par.pp} x cp={par.cp} = {other * shard} processes, but the "
+                f"world size is {world_size}; set parallel.dp_shard=-1 to fill it or change "
+                "--nproc")
+        return cls(par.dp_replicate, shard, par.tp, par.pp, par.cp, par.ep, par.vpp,
+                   par.schedule, par.sequence_parallel)
+
+    @property
+    def world(self) -> int:
+        return self["dp"] * self["tp"] * self["pp"] * self["cp"]
+
+    def validate(self, model: ModelConfig, global_batch: int | None = None,
+                 micro_batch: int | None = None, microbatches: int | None = None) -> None:
+        """The checks every part of myria applies to a layout (ConfigError, one line each):
+        pipeline (stages, schedule, microbatches), tensor/context splits, batch split."""
+        validate_pipeline(model.layers, self["pp"], self.vpp, self.schedule, microbatches)
+        validate_degrees(model, self["tp"], self["cp"], self.sequence_parallel)
+        if global_batch is not None and micro_batch is not None:
+            validate_batch(global_batch, micro_batch, self["dp"])
+
+    def grid(self, cluster=None):
+        """The global ranks as a numpy array with one axis per dimension of `MESH_ORDER`:
+        consecutive ranks fill tp first, or placed by topology given a
+        `myria.parallel.placement.Cluster`."""
+        import numpy as np
+
+        sizes = [self[d] for d in MESH_ORDER]
+        if cluster is None:
+            return np.arange(self.world, dtype=np.int64).reshape(sizes)
+        from myria.parallel.placement import place
+
+        return place(self, cluster)
+
+    def coord(self, rank: int, cluster=None) -> dict[str, int]:
+        """`rank`'s index along every dimension."""
+        from myria.parallel.placement import coordinates
+
+        return coordinates(self.grid(cluster))[rank]
+
+    def groups(self, dim: str, cluster=None) -> list[list[int]]:
+        """The process groups along `dim`, each in group-rank order."""
+        from myria.parallel.placement import groups
+
+        return groups(self.grid(cluster), dim)
+
+    def mesh(self, device_type: str, cluster=None):
+        """The trainer's DeviceMesh over the non-trivial dimensions (None for one process)."""
+        from myria.parallel.mesh import build_mesh
+
+        return build_mesh(self, device_type, cluster)
 
 
 def stage_ids(pp_rank: int, pp: int, vpp: int, schedule: str) -> list[int]:

@@ -106,3 +106,31 @@ def test_plan_cli_accepts_126_layers_on_16_stages(capsys):
         assert r["layout"]["stage_layers"] == [7] + [8] * 14 + [7]
         assert r["memory_gb_per_gpu"] <= 0.9 * 80 and r["memory_peak_stage"] in ("first", "mid")
         assert r["mfu_low"] < r["mfu"] < r["mfu_high"] and 0 < r["ettr"] < 1
+
+
+def test_one_layout_object_gives_the_trainers_mesh_groups():
+    """Layout resolves, validates, and its ranks and groups are the DeviceMesh's (built through
+    the same object, on torch's in-process fake backend for each of several ranks)."""
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from myria import config
+    from myria.layout import Layout
+
+    cfg = config.load(None, ["--parallel.tp=2", "--parallel.pp=2", "--model.layers=4",
+                             "--parallel.dp_replicate=2"])
+    lay = config.resolve_layout(cfg, 16)
+    assert isinstance(lay, Layout) and lay.world == 16 and lay["dp_shard"] == 2
+    lay.validate(cfg.model, cfg.training.global_batch, cfg.training.micro_batch)
+    for rank in (0, 5, 11):
+        dist.init_process_group("fake", rank=rank, world_size=16, store=FakeStore())
+        try:
+            mesh = lay.mesh("cpu")
+            for dim in mesh.mesh_dim_names:
+                mine = next(g for g in lay.groups(dim) if rank in g)
+                assert mesh[dim].mesh.tolist() == mine, dim
+                assert mesh[dim].get_local_rank() == lay.coord(rank)[dim], dim
+        finally:
+            dist.destroy_process_group()
+    with pytest.raises(ConfigError, match="world size 6 is not divisible"):
+        config.resolve_layout(cfg, 6)

@@ -372,12 +372,11 @@ def validate(run: RunSpec) -> None:
     dp = c.gpus // model_par
     if p.dp and p.dp != dp:
         raise ConfigError(f"run {n!r}: parallel.dp = {p.dp} but cluster.gpus/(tp*pp*cp) = {dp}")
-    from myria.layout import validate_batch, validate_degrees, validate_pipeline
+    from myria.layout import Layout
 
     try:  # the trainer's own checks of a layout
-        validate_batch(t.global_batch, t.micro_batch, dp)
-        validate_pipeline(m.layers, p.pp, p.vpp, p.schedule, run.microbatches)
-        validate_degrees(run.model_config(), p.tp, p.cp, p.sequence_parallel)
+        Layout(1, dp, p.tp, p.pp, p.cp, p.ep, p.vpp, p.schedule, p.sequence_parallel).validate(
+            run.model_config(), t.global_batch, t.micro_batch, run.microbatches)
     except ConfigError as e:
         raise ConfigError(f"run {n!r}: {e}") from None
     if p.ep > 1:

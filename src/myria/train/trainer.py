@@ -30,7 +30,6 @@ from myria.faults import FaultInjector
 from myria.models.flops import model_flops_per_token
 from myria.observe import events
 from myria.parallel.data import make_loader, write_read_counts
-from myria.parallel.mesh import build_mesh
 from myria.resilience.integrity import StepGuard
 from myria.train import distributed, heartbeat
 from myria.train.checkpoint import CheckpointManager, atomic_write
@@ -89,7 +88,7 @@ def _train(cfg: Config, run_dir: Path, env, stop_after: int | None,
     threads = distributed.set_cpu_threads(cfg.training.threads, env) if env.device.type == "cpu" \
         else None
     layout = config_mod.resolve_layout(cfg, env.world_size)
-    mesh = build_mesh(layout, env.device.type)
+    mesh = layout.mesh(env.device.type)
     t, m = cfg.training, cfg.model
 
     # -- data ------------------------------------------------------------------------------
