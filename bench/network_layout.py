@@ -10,7 +10,6 @@ Writes bench/results/network_layout.json. The planner is not edited: its hardwar
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import time
 from pathlib import Path

@@ -132,7 +132,8 @@ def disk_bandwidth(directory: Path, gb: float) -> dict:
 
 
 def run_child(mode: str, a, directory: Path) -> dict:
-    env = dict(os.environ, PYTHONPATH=str(ROOT / "src") + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    env = dict(os.environ, PYTHONPATH=str(ROOT / "src") + os.pathsep +
+               os.environ.get("PYTHONPATH", ""))
     cp = subprocess.run([sys.executable, __file__, "--child", mode, "--steps", str(a.steps),
                          "--budget-gb", str(a.budget_gb), "--dir", str(directory),
                           "--layers", str(a.layers), "--hidden", str(a.hidden)],

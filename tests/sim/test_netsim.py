@@ -182,7 +182,6 @@ def test_hash_polarization_concentrates_core_traffic():
 def test_several_jobs_share_the_fabric_and_one_job_matches_the_step_reduction():
     fab = build("fat-tree", 64)
     a = collective("all-reduce", np.arange(32)[None, :], 64e6, "ring", 8)
-    b = collective("all-to-all", np.arange(32, 64)[None, :], 64e6, "ring", 8)
     alone = simulate_collective(fab, a, "ecmp", 1, 5)["completion_time_s"]
     assert simulate_jobs(fab, [(a, "ecmp", 1)], salt=5)[0]["completion_time_s"] == \
         pytest.approx(alone, rel=1e-9)
@@ -302,8 +301,8 @@ def test_simulate_network_cli_contract(capsys, tmp_path):
 def test_flow_pricing_hook_for_the_performance_model():
     import dataclasses
 
-    from myria.sim.network import pattern_factor
     from myria.sim.netsim.api import flow_pattern_factor
+    from myria.sim.network import pattern_factor
     from myria.sim.topology import Fabric
 
     ada = Fabric(kind="fat-tree", nodes=64, routing="adaptive", model="flow")

@@ -27,8 +27,8 @@ transfer (their exposed part; the `comm`/`p2p` event spans issue to completion).
 What is NOT seen (documented in docs/observability.md): collectives that bypass the module
 functions of `torch.distributed` - DTensor's functional collectives (tensor-parallel all-reduce,
 all-gather and reduce-scatter inside forward/backward: their time falls inside the compute
-spans), and collectives issued inside C++ (DDP's bucketed all-reduce: use FSDP to see them); blocking
-`send`/`recv` are recorded as collectives of their pair.
+spans), and collectives issued inside C++ (DDP's bucketed all-reduce: use FSDP to see them);
+blocking `send`/`recv` are recorded as collectives of their pair.
 
 Compute-only time of a span = its duration minus the communication spans nested in it on the
 same thread; `myria.observe.analyze` computes it, and stragglers are scored on it.

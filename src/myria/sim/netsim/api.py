@@ -7,9 +7,9 @@ fabric. With ``cluster.network = "flow"`` semantics (``myria simulate --network 
 factor comes from here: the analytic ``topology.Fabric`` is turned into a netsim fabric, the
 pattern's flows are generated, routed (ECMP with the fabric's queue pairs per connection, or
 adaptive) and simulated, and ``fabric_efficiency`` is returned; under ECMP it is the expected
-value over ``ECMP_SEEDS`` hash seeds (the analytic formula prices one random draw). Results are cached
-(``functools.lru_cache``) on the hashable fabric and pattern, so a planner search pays once per
-distinct (fabric, pattern).
+value over ``ECMP_SEEDS`` hash seeds (the analytic formula prices one random draw). Results are
+cached (``functools.lru_cache``) on the hashable fabric and pattern, so a planner search pays
+once per distinct (fabric, pattern).
 
 ``price_collective`` is the general API: a collective of ``nbytes`` per rank over explicit
 groups on a netsim fabric spec, cached on (spec, gpus, pattern, routing, QPs).
@@ -22,7 +22,7 @@ from functools import lru_cache
 
 import numpy as np
 
-from myria.sim.netsim.fabric import FabricSpec, Fabric, Tier, build
+from myria.sim.netsim.fabric import Fabric, FabricSpec, Tier, build
 from myria.sim.netsim.traffic import Collective, Phase, collective, simulate_collective
 
 MAX_FLOWS = 1_000_000

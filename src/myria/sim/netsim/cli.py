@@ -68,8 +68,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         metavar="COLLECTIVE:GROUP:BYTES[:ALGORITHM]",
                         help="with --layout: another collective running at the same time over "
                         "that layout's GROUP groups (repeatable), e.g. all-to-all:tp:64M; all "
-                        "jobs are then simulated step by step, sharing the fabric (slower: keep to a few hundred "
-                        "steps)")
+                        "jobs are then simulated step by step, sharing the fabric (slower: keep "
+                        "to a few hundred steps)")
     parser.add_argument("--congestion", action="store_true",
                         help="also run the fluid PFC/DCQCN model on the step's flows")
     parser.add_argument("--plot", default="", help="write a PNG of the link utilisation "
@@ -114,8 +114,7 @@ def groups_for(args, spec, gpus: int, collective: str) -> np.ndarray:
 def run(args: argparse.Namespace) -> int:
     from myria.sim.netsim.fabric import build, load_spec
     from myria.sim.netsim.routing import ROUTINGS
-    from myria.sim.netsim.traffic import ALGORITHMS, COLLECTIVES, collective, \
-        simulate_collective
+    from myria.sim.netsim.traffic import ALGORITHMS, COLLECTIVES, collective, simulate_collective
 
     t0 = time.perf_counter()
     kind = _choice(args.collective, "--collective", COLLECTIVES)
@@ -179,8 +178,13 @@ def run(args: argparse.Namespace) -> int:
 def _jobs(args, spec, fab, coll, routing: str, qps: int, seed: int) -> list[dict]:
     """The main collective and the --with ones, at once (traffic.simulate_jobs)."""
     from myria.sim.netsim.layout import layout_groups, parse_layout
-    from myria.sim.netsim.traffic import (ALGORITHMS, COLLECTIVES, collective,
-                                          simulate_collective, simulate_jobs)
+    from myria.sim.netsim.traffic import (
+        ALGORITHMS,
+        COLLECTIVES,
+        collective,
+        simulate_collective,
+        simulate_jobs,
+    )
 
     if not args.layout:
         raise ConfigError("--with needs --layout (its groups say who talks to whom)")
