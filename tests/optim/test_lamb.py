@@ -167,6 +167,10 @@ def _dtensor_worker(rank: int, world: int, port: int, out_dir: str) -> None:
                   for p, d in zip(plain, dts, strict=True))
         with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
             json.dump({"err": err}, f)
+        # both ranks done before either tears gloo down (a rank leaving while its peer's gloo
+        # thread still talked to it aborted once in a full run: "terminate called without an
+        # active exception")
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 
