@@ -128,6 +128,10 @@ class Engine:
         self.ep = p.ep
         layout = {"tp": self.tp, "cp": self.cp, "pp": self.pp, "dp": self.dp_size, "ep": self.ep}
         check_layout(cfg, layout, device.type)
+        if p.offload_tier == "nvme":  # a memory budget: freed tensors must leave the process
+            from myria.train.offload import keep_heap_small
+
+            keep_heap_small()
         self.cp_rank, self.pp_rank = sub_rank(mesh, "cp"), sub_rank(mesh, "pp")
         self.loss_group = loss_group(mesh)
         # ranks that train on the same sequences: one of them reads, the others receive
