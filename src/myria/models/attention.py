@@ -102,16 +102,14 @@ def blockwise_block_sparse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, wi
     return torch.cat(outs, dim=2)
 
 
-def _flex_block_sparse(q, k, v, window: int, n_global: int):
-    """FlexAttention with a block mask (CUDA only: its backward does not run on CPU)."""
-    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+def _flex_block_mask(s: int, window: int, n_global: int, device):
+    """FlexAttention's block mask of the pattern (CUDA only: its backward does not run on CPU)."""
+    from torch.nn.attention.flex_attention import create_block_mask
 
     def keep(b, h, qi, kj):
         return (kj <= qi) & ((qi - kj < window) | (kj < n_global) | (qi < n_global))
 
-    s = q.shape[2]
-    bm = create_block_mask(keep, None, None, s, s, device=q.device)
-    return flex_attention(q, k, v, block_mask=bm, enable_gqa=k.shape[1] != q.shape[1])
+    return create_block_mask(keep, None, None, s, s, device=device)
 
 
 class BlockSparseAttention(nn.Module):
@@ -123,18 +121,20 @@ class BlockSparseAttention(nn.Module):
         self._mask_cache: dict = {}
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        s = q.shape[2]
-        if q.is_cuda:
-            return _flex_block_sparse(q, k, v, self.window, self.n_global)
-        if s > self.n_global + self.window + self.block:   # blockwise does less work
+        s, gqa = q.shape[2], k.shape[1] != q.shape[1]
+        if not q.is_cuda and s > self.n_global + self.window + self.block:
             return blockwise_block_sparse(q, k, v, self.window, self.n_global, self.block)
-        key = (s, q.device)
+        key = (s, q.device)   # a mask per length, built once (not in every forward)
         mask = self._mask_cache.get(key)
         if mask is None:
-            mask = self._mask_cache[key] = block_sparse_mask(s, s, self.window, self.n_global,
-                                                             q.device)
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask,
-                                              enable_gqa=k.shape[1] != q.shape[1])
+            mask = _flex_block_mask(s, self.window, self.n_global, q.device) if q.is_cuda \
+                else block_sparse_mask(s, s, self.window, self.n_global, q.device)
+            self._mask_cache[key] = mask
+        if q.is_cuda:
+            from torch.nn.attention.flex_attention import flex_attention
+
+            return flex_attention(q, k, v, block_mask=mask, enable_gqa=gqa)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
 
 
 def rope_tables(seq_len: int, head_dim: int, theta: float, device=None,
