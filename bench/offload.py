@@ -98,7 +98,7 @@ def child(mode: str, steps: int, budget: float, directory: Path, size: list[str]
         h.update(k.encode())
         h.update(sd[k].detach().contiguous().view(torch.uint8).numpy().tobytes())
     out["digest"] = h.hexdigest()
-    e.close() if hasattr(e, "close") else None
+    e.close()
     return out
 
 
