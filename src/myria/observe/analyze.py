@@ -264,13 +264,13 @@ class StepReplay:
     (HTA and Perfetto analyse one timeline as it was), hence this one.
     """
 
-    def __init__(self, run: Run, step: int):
+    def __init__(self, events: dict[int, list[dict]]):
+        """`events`: each rank's events of the step."""
         self.marks: dict[int, list[tuple]] = {}
         self.bounds: dict[int, tuple[int, int]] = {}
         self.compute: dict[int, list[tuple[int, int]]] = {}
         self.arrived: dict[tuple, dict[int, int]] = defaultdict(dict)  # recorded arrivals
-        for r, re in run.ranks.items():
-            evs = [e for e in re.events if e["s"] == step]
+        for r, evs in events.items():
             st = next((e for e in evs if e["n"] == "step"), None)
             if st is None:
                 continue
@@ -370,11 +370,18 @@ def counterfactual_blame(run: Run, table: dict, steps: list[int], candidates: in
     peers cause waiting; the `candidates` ranks with the most compute beyond their peers over
     the run are replayed (each replay costs one pass over every rank's markers)."""
     stage = {r: run.ranks[r].header.get("coord", {}).get("pp") for r in run.ranks}
+    same: dict = defaultdict(list)
+    for q in table:
+        same[stage.get(q)].append(q)
 
     def peer_median(r: int, s: int) -> float | None:
-        peers = [table[q][s]["compute_s"] for q in table if q != r and stage.get(q) ==
-                 stage.get(r) and s in table[q]]
+        peers = [table[q][s]["compute_s"] for q in same[stage.get(r)] if q != r and s in table[q]]
         return statistics.median(peers) if peers else None
+
+    by_step: dict[int, dict[int, list[dict]]] = defaultdict(lambda: defaultdict(list))
+    for r, re in run.ranks.items():  # each rank's events by step, once
+        for e in re.events:
+            by_step[e["s"]][r].append(e)
 
     excess: dict[int, float] = defaultdict(float)
     for r in table:
@@ -387,7 +394,7 @@ def counterfactual_blame(run: Run, table: dict, steps: list[int], candidates: in
     caused: dict[int, dict[int, float]] = {s: {} for s in steps}
     shorter: dict[int, dict[int, float]] = {s: {} for s in steps}
     for s in steps:
-        rp = StepReplay(run, s)
+        rp = StepReplay(by_step[s])
         base_dur, base_blk = rp.run()
         for r in picked:
             med = peer_median(r, s) if s in table[r] else None

@@ -385,7 +385,6 @@ class Recorder:
                 pass
             return work
 
-        wrapped.__wrapped__ = fn
         return wrapped
 
 
