@@ -82,11 +82,90 @@ KERNEL_BENCHMARKS = Path(__file__).resolve().parent / "data" / "kernel_benchmark
 FLASH_KERNEL = {"hopper": "flash-attention-3", "ampere": "flash-attention-2"}
 
 
-def kernel_tables() -> list[dict]:
-    """The published attention-kernel tables (data/kernel_benchmarks.toml)."""
+def kernel_tables(kind: str = "attention") -> list[dict]:
+    """The published kernel tables of one kind (data/kernel_benchmarks.toml): "attention"
+    (the tables without a kind) or "memory" (norms, activations, RoPE, softmax, loss)."""
     import tomllib
 
-    return tomllib.loads(KERNEL_BENCHMARKS.read_text())["table"]
+    return [t for t in tomllib.loads(KERNEL_BENCHMARKS.read_text())["table"]
+            if t.get("kind", "attention") == kind]
+
+
+def memory_points() -> list[dict]:
+    """Every published point of the memory-bound kernel tables, one dict per (table,
+    implementation, size): bytes moved, kernels, the device's datasheet bandwidth (bytes/s) and
+    the published time of one call in seconds (from `ms`, or from `gbs` as the source counts
+    it)."""
+    out = []
+    for tab in kernel_tables("memory"):
+        bw = tab["bandwidth_gbs"] * 1e9
+        for imp in tab["impl"]:
+            sizes = imp.get("sizes", tab["sizes"])
+            for i, size in enumerate(sizes):
+                n = tab["elements_per_size"] * size
+                nbytes = imp["bytes_per_element"] * n
+                if "ms" in imp:
+                    t = imp["ms"][i] * 1e-3
+                else:
+                    t = tab["gbs_bytes_per_element"] * n / (imp["gbs"][i] * 1e9)
+                out.append({"family": tab["family"], "op_class": tab["op_class"],
+                            "direction": tab["direction"],
+                            "device": tab["device"], "source": tab["source"],
+                            "impl": imp["name"], "fused": imp["fused"], "size": size,
+                            "elements": n, "bytes": nbytes, "kernels": imp["kernels"],
+                            "bandwidth": bw, "timed": "ms" in imp, "published_s": t})
+    return out
+
+
+def _median(xs: list[float]) -> float:
+    a = sorted(xs)
+    m = len(a) // 2
+    return a[m] if len(a) % 2 else (a[m - 1] + a[m]) / 2
+
+
+def fit_memory_tables() -> dict:
+    """The achievable fractions of HBM bandwidth, fitted to the memory-bound kernel tables.
+
+    Per implementation of a table: with x = bytes / datasheet bandwidth (the time at peak), the
+    least-squares line t = x / E + c over its sizes gives its bandwidth fraction E and its fixed
+    time per call c (timed tables with three sizes or more); a table of throughputs gives E
+    point by point (its mean) and no c. E_MEM is the median E of the fused implementations;
+    E_MEM_EAGER, per class of operator (`op_class`: norm, rope, softmax, pointwise), the median
+    E of the unfused (eager PyTorch) implementations of that class, and "all" over every one;
+    the launch overhead of a kernel is the median of c / kernels per call over each group.
+    """
+    groups: dict[tuple, list[dict]] = {}
+    for p in memory_points():
+        groups.setdefault((p["source"], p["impl"]), []).append(p)
+    impls = []
+    for (_, name), pts in groups.items():
+        xs = [p["bytes"] / p["bandwidth"] for p in pts]
+        ts = [p["published_s"] for p in pts]
+        c = None
+        if pts[0]["timed"] and len(pts) >= 3:
+            mx, mt = sum(xs) / len(xs), sum(ts) / len(ts)
+            slope = sum((x - mx) * (t - mt) for x, t in zip(xs, ts)) / \
+                sum((x - mx) ** 2 for x in xs)
+            e, c = 1.0 / slope, mt - slope * mx
+        else:
+            e = sum(x / t for x, t in zip(xs, ts)) / len(xs)
+        impls.append({"family": pts[0]["family"], "op_class": pts[0]["op_class"],
+                      "direction": pts[0]["direction"],
+                      "device": pts[0]["device"], "impl": name, "fused": pts[0]["fused"],
+                      "kernels": pts[0]["kernels"], "e_mem": e, "intercept_s": c})
+
+    def med(fused: bool, key: str, op_class: str = "") -> float:
+        vals = [(i[key] / i["kernels"] if key == "intercept_s" else i[key]) for i in impls
+                if i["fused"] == fused and i[key] is not None
+                and i["op_class"] == (op_class or i["op_class"])]
+        return _median(vals)
+
+    classes = sorted({i["op_class"] for i in impls if not i["fused"]})
+    return {"impls": impls, "fused": med(True, "e_mem"),
+            "eager": {"all": med(False, "e_mem"),
+                      **{c: med(False, "e_mem", c) for c in classes}},
+            "overhead_fused_s": med(True, "intercept_s"),
+            "overhead_eager_s": med(False, "intercept_s")}
 
 
 def attention_tflops(device: str, direction: str, seq: int, flash: bool,

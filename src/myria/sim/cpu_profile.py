@@ -40,7 +40,7 @@ class CpuProfile:
 
     def efficiency(self) -> Efficiency:
         """The Efficiency of this CPU: measured rates, bandwidth already achieved (E_MEM = 1)."""
-        return Efficiency(gemm=1.0, half_dim=0.0, mem=1.0,
+        return Efficiency(gemm=1.0, half_dim=0.0, mem=1.0, mem_eager=(),
                           kernel_overhead_s=self.kernel_overhead_s, rates=self.rates)
 
     def fsdp_time(self, nbytes: float, kind: str) -> float | None:

@@ -87,6 +87,29 @@ FLASH_GENERATION = {"a100-sxm-80gb": "ampere", "a100-sxm-40gb": "ampere",
                     "h100-sxm-80gb": "hopper", "h200": "hopper", "h800-sxm-80gb": "hopper"}
 FLASH_HEAD_DIM_HALF = 38.0
 
+# Memory-bound kernels (norms, activations, RoPE, softmax, losses, residual chains) from their
+# own published microbenchmarks (sim/data/kernel_benchmarks.toml, kind = "memory"), not from any
+# training run: the achieved fraction of the datasheet HBM bandwidth of a fused kernel (one
+# kernel per operator: Liger-Kernel's Triton kernels, QuACK's CuTe-DSL kernels, torch.compile)
+# and of PyTorch eager code (one ATen kernel per step, as Hugging Face's modules run), each the
+# median over the tables' implementations of the fit t = bytes / (bandwidth * E) + c
+# (calibration.fit_memory_tables; bench/sim_kernels.py prints every table):
+# - fused 0.86, one figure: Liger on A100 (RMSNorm 0.81, LayerNorm 0.89, RoPE 0.86,
+#   cross-entropy 0.88), Liger SwiGLU on B200 (0.85-0.86), QuACK on H100 (0.90; "~90% of
+#   peak" stated), Liger and torch.compile softmax on H100 (0.75, 0.85);
+# - eager, per class of operator (the spread between classes, 0.44-0.86, is what the data
+#   show): norm 0.54 (Hugging Face RMSNorm forward 0.65 and backward 0.44, with fp32 casts and a
+#   row reduction; PyTorch's LayerNorm kernel 0.54), rope 0.48 (broadcast and strided
+#   multiplies, 0.44 / 0.53), softmax 0.86 (F.cross_entropy's log-softmax), pointwise 0.78
+#   (SiLU and multiplies on B200, 0.74 / 0.82).
+# Fused figures differ less between the A100, H100 and B200 than between kernels, so one
+# serves every device. The launch gap per eager kernel is the median intercept per kernel of
+# the eager rows (4 us; a Triton kernel's, 7.6 us, includes its Python launcher and is not
+# used: the model's fused kernels are C++ launches).
+MEMORY_EFFICIENCY = {"fused": 0.86,
+                     "eager": {"norm": 0.54, "rope": 0.48, "softmax": 0.86, "pointwise": 0.78}}
+KERNEL_LAUNCH_S = 4e-6
+
 
 # fp8 tensor-core peak is twice the dense bf16 peak on Hopper (hardware.md: 1,979 vs 989); the
 # A100 has no fp8 tensor cores, so fp8 runs at the bf16 rate there.

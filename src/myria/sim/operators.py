@@ -26,22 +26,28 @@ from functools import lru_cache
 
 from myria.config import ModelConfig
 from myria.models.flops import ForwardFlops, forward_flops_per_token
+from myria.sim.hardware import KERNEL_LAUNCH_S, MEMORY_EFFICIENCY
 
 
 @dataclass(frozen=True)
 class Efficiency:
     """The constants of the roofline; docs/performance_model.md documents each one.
 
-    Only `gemm` is fitted (bench/sim_calibration.py --fit, on calibration_runs.toml alone:
-    mean absolute error 2.8%). The other three are a-priori values: the calibration data
-    hardly constrain them (the fit's error moves by < 0.3 points over half_dim 0-64,
-    mem 0.8-0.9, overhead 0-3 us), so they are not tuned.
+    Only `gemm` is fitted (bench/sim_calibration.py --fit, on calibration_runs.toml alone).
+    `mem`, `mem_eager` and `kernel_overhead_s` come from published kernel microbenchmarks
+    (hardware.MEMORY_EFFICIENCY, KERNEL_LAUNCH_S); `half_dim` is an a-priori value the
+    calibration data hardly constrain (the fit's error moves by < 0.3 points over 0-64).
     """
 
     gemm: float = 0.6875          # E_GEMM (fitted): large-GEMM fraction of the dense peak
     half_dim: float = 32.0        # GEMM_HALF_DIM (prior): a dimension at half efficiency
-    mem: float = 0.85             # E_MEM (prior): achievable fraction of HBM bandwidth
-    kernel_overhead_s: float = 3e-6   # KERNEL_OVERHEAD (prior): launch gap per kernel
+    # E_MEM (kernel benchmarks): achievable fraction of HBM bandwidth of a fused kernel
+    mem: float = MEMORY_EFFICIENCY["fused"]
+    # E_MEM_EAGER (kernel benchmarks): the same for PyTorch eager kernels, one per step of an
+    # unfused operator, per class of operator (`Op.eager`): ((class, fraction), ...); a class
+    # not listed (or () on measured devices) takes `mem`
+    mem_eager: tuple = tuple(sorted(MEMORY_EFFICIENCY["eager"].items()))
+    kernel_overhead_s: float = KERNEL_LAUNCH_S   # KERNEL_OVERHEAD: launch gap per kernel
     # FlashAttention kernels (device facts from their published microbenchmarks, see
     # hardware.FLASH_ATTENTION): (forward, backward) fraction of the dense peak at long
     # sequences and head dim 128, (forward, backward) sequence length at half that rate;
@@ -54,7 +60,8 @@ class Efficiency:
 
 
 DEFAULT_EFFICIENCY = Efficiency()
-MEASURED_EFFICIENCY = Efficiency(gemm=1.0, half_dim=0.0, mem=1.0, kernel_overhead_s=10e-6)
+MEASURED_EFFICIENCY = Efficiency(gemm=1.0, half_dim=0.0, mem=1.0, mem_eager=(),
+                                 kernel_overhead_s=10e-6)
 
 
 @dataclass
@@ -81,6 +88,8 @@ class Op:
                                # eltwise | head (eager memory-bound kernels of blocks / the
                                # embedding, final norm and loss)
     kernels: int = 1           # kernels (launches / eager dispatches) this op stands for
+    eager: str = ""            # memory-bound steps run as PyTorch eager kernels: their class
+                               # (norm | rope | softmax | pointwise) for E_MEM_EAGER
     gqa: int = 1               # query heads per key/value head (attention ops)
 
     @property
@@ -182,10 +191,16 @@ def _gemm(name: str, m: float, n: float, k: float, flops: float, e: int, cat: st
 
 
 def _mem(name: str, fwd_bytes: float, bwd_bytes: float, flops: float = 0.0,
-         attn_core: bool = False, cat: str = "memory") -> tuple[Op, list[Op]]:
-    return (Op(name, "mem", "fwd", flops, fwd_bytes, attn_core=attn_core, category=cat),
+         attn_core: bool = False, cat: str = "memory",
+         eager: tuple[str, int, int] | None = None) -> tuple[Op, list[Op]]:
+    """A memory-bound operator: one fused kernel each way, or with `eager` = (class, forward
+    kernels, backward kernels) a chain of PyTorch eager kernels (E_MEM_EAGER of its class, one
+    launch each)."""
+    cls, kf, kb = eager or ("", 1, 1)
+    return (Op(name, "mem", "fwd", flops, fwd_bytes, attn_core=attn_core, category=cat,
+               kernels=kf, eager=cls),
             [Op(name + ".bwd", "mem", "bwd", flops, bwd_bytes, attn_core=attn_core,
-                category=cat)] if bwd_bytes else [])
+                category=cat, kernels=kb, eager=cls)] if bwd_bytes else [])
 
 
 def _comm(name: str, phase: str, coll: str, size: float, group: str, pair: str = "",
@@ -227,12 +242,26 @@ def layer_ops(shape: LayerShape) -> list[Op]:
         # [bias +] dropout + residual add: fused = one pass; else one pass per step
         mask = Tsp * h if p else 0.0
         if shape.fused:
-            f, b = 3 * e * Tsp * h + mask, 3 * e * Tsp * h + mask
-        else:
-            steps = (2 if with_bias else 0) + (2 if p else 0) + 3
-            f = steps * e * Tsp * h + mask
-            b = ((3 if p else 0) + 3) * e * Tsp * h + mask
-        add(_mem(name, f, b, 2 * Tsp * h))
+            add(_mem(name, 3 * e * Tsp * h + mask, 3 * e * Tsp * h + mask, 2 * Tsp * h))
+            return
+        steps = (2 if with_bias else 0) + (2 if p else 0) + 3
+        f = steps * e * Tsp * h + mask
+        b = ((3 if p else 0) + 3) * e * Tsp * h + mask
+        add(_mem(name, f, b, 2 * Tsp * h,
+                 eager=("pointwise", (1 if with_bias else 0) + (1 if p else 0) + 1,
+                        (1 if p else 0) + 1)))
+
+    def activation():
+        n = T * ffn / tp
+        if gpt and shape.fused:
+            add(_mem("bias_gelu", 2 * e * n, 3 * e * n, 8 * n))
+        elif gpt:   # bias add, then GELU; backward: GELU's gradient and the bias sum
+            add(_mem("bias_gelu", 4 * e * n, 4 * e * n, 8 * n, eager=("pointwise", 2, 2)))
+        elif shape.fused:
+            add(_mem("swiglu", 3 * e * n, 5 * e * n, 6 * n))
+        else:       # silu, multiply; backward: two multiplies and silu_backward
+            (fb, fk), (bb, bk) = SWIGLU_EAGER
+            add(_mem("swiglu", fb * e * n, bb * e * n, 6 * n, eager=("pointwise", fk, bk)))
 
     def tp_in(name, pair, conj_pair, wgrad_pair):
         """Collective entering a column-parallel GEMM (SP all-gather / bwd all-reduce)."""
@@ -274,9 +303,12 @@ def layer_ops(shape: LayerShape) -> list[Op]:
         tp_in("qkv", "qkv", "qkv.dgrad", "qkv.wgrad")
         add(_gemm("qkv", T, (q_dim + 2 * kv_dim) / tp, h, gem.qkv * T / tp, e, bias=gpt))
     if not gpt:
-        passes = 1 if shape.fused else 3
-        rope = 2 * e * T * (q_dim + kv_dim) / tp * passes
-        add(_mem("rope", rope, rope, 6 * T * (q_dim + kv_dim) / tp))
+        n_rot = T * (q_dim + kv_dim) / tp
+        if shape.fused:
+            add(_mem("rope", 2 * e * n_rot, 2 * e * n_rot, 6 * n_rot))
+        else:   # neg, cat, two multiplies and an add per tensor, as in eager PyTorch
+            (fb, fk), (bb, bk) = ROPE_EAGER
+            add(_mem("rope", fb * e * n_rot, bb * e * n_rot, 6 * n_rot, eager=("rope", fk, bk)))
     heads = shape.heads / tp
     b = shape.micro_batch
     s_q, s_kv = shape.seq_len / shape.cp, shape.seq_len
@@ -306,7 +338,8 @@ def layer_ops(shape: LayerShape) -> list[Op]:
         # scale + causal mask + softmax (fp16 in, fp16 out; fp32 inside the fused kernel)
         passes_f, passes_b = (2, 3) if shape.fused else (6, 7)
         add(_mem("softmax", passes_f * e * n_scores, passes_b * e * n_scores, 5 * n_scores,
-                 attn_core=True, cat="attention"))
+                 attn_core=True, cat="attention",
+                 eager=None if shape.fused else ("softmax", 3, 3)))
         if p:
             add(_mem("attn_dropout", (2 * e + 1) * n_scores, (2 * e + 1) * n_scores,
                      n_scores, attn_core=True, cat="attention"))
@@ -322,12 +355,7 @@ def layer_ops(shape: LayerShape) -> list[Op]:
     add(_gemm("attn_out", T, h, q_dim / tp, gem.attn_out * T / tp, e))
     if shape.parallel_block and dense_mlp:
         # both branches end in a row-parallel GEMM; their sum needs one reduction (PaLM)
-        if gpt:
-            add(_mem("bias_gelu", (2 if shape.fused else 4) * e * T * ffn / tp,
-                     (3 if shape.fused else 4) * e * T * ffn / tp, 8 * T * ffn / tp))
-        else:
-            add(_mem("swiglu", (3 if shape.fused else 5) * e * T * ffn / tp,
-                     (5 if shape.fused else 8) * e * T * ffn / tp, 6 * T * ffn / tp))
+        activation()
         add(_gemm("fc2", T, h, ffn / tp, mlp_out_flops, e))
         add(_mem("branch_sum", 3 * e * T * h, 0.0, T * h))
         tp_out("block_out", "fc2", "fc2.dgrad")
@@ -339,12 +367,7 @@ def layer_ops(shape: LayerShape) -> list[Op]:
         if dense_mlp:
             tp_in("fc1", "fc1", "fc1.dgrad", "fc1.wgrad")
             add(_gemm("fc1", T, n_in * ffn / tp, h, mlp_in_flops, e))
-            if gpt:
-                add(_mem("bias_gelu", (2 if shape.fused else 4) * e * T * ffn / tp,
-                         (3 if shape.fused else 4) * e * T * ffn / tp, 8 * T * ffn / tp))
-            else:
-                add(_mem("swiglu", (3 if shape.fused else 5) * e * T * ffn / tp,
-                         (5 if shape.fused else 8) * e * T * ffn / tp, 6 * T * ffn / tp))
+            activation()
             add(_gemm("fc2", T, h, ffn / tp, mlp_out_flops, e))
         else:
             _moe(shape, T, Tsp, gem, add, fwd, bwd, tp_in)
@@ -503,12 +526,13 @@ def _eager_linear(name: str, T: float, n: float, k: float, flops: float, e: int,
     return fwd, [dgrad, wgrad]
 
 
-def _eager_mem(name: str, fwd: tuple, bwd: tuple, unit: float) -> tuple[Op, list[Op]]:
+def _eager_mem(name: str, fwd: tuple, bwd: tuple, unit: float,
+               cls: str = "pointwise") -> tuple[Op, list[Op]]:
     (fb, fk), (bb, bk) = fwd, bwd
     return (Op(name, "mem", "fwd", 0.0, fb * unit, kernels=fk, category="memory",
-               layout="eltwise"),
+               layout="eltwise", eager=cls),
             [Op(name + ".bwd", "mem", "bwd", 0.0, bb * unit, kernels=bk, category="memory",
-                layout="eltwise")])
+                layout="eltwise", eager=cls)])
 
 
 def eager_layer_ops(shape: LayerShape) -> list[Op]:
@@ -537,14 +561,14 @@ def eager_layer_ops(shape: LayerShape) -> list[Op]:
             bwd_only(name + ".bias_grad", e * T * n, 1)
 
     norm = NORM_EAGER[shape.arch]
-    add(_eager_mem("attn_norm", norm[0], norm[1], unit * h))
+    add(_eager_mem("attn_norm", norm[0], norm[1], unit * h, "norm"))
     per_out = gem.qkv * T / (q + 2 * kv)
     linear("wq", q, h, per_out * q)
     linear("wk", kv, h, per_out * kv)
     linear("wv", kv, h, per_out * kv)
     bwd_only("qkv.dgrad_sum", 2 * 3 * unit * h, 2)   # x feeds three projections
     if not gpt:
-        add(_eager_mem("rope", ROPE_EAGER[0], ROPE_EAGER[1], unit * (q + kv)))
+        add(_eager_mem("rope", ROPE_EAGER[0], ROPE_EAGER[1], unit * (q + kv), "rope"))
     b = shape.micro_batch
     s = shape.seq_len
     flops = (att.attn_scores + att.attn_values) * T
@@ -559,7 +583,7 @@ def eager_layer_ops(shape: LayerShape) -> list[Op]:
                    layout="attn-bwd", gqa=gqa)])
     linear("wo", h, q, gem.attn_out * T)
     add(_eager_mem("attn_residual", (3, 1), (3, 1), unit * h))   # add; backward: the fork's sum
-    add(_eager_mem("mlp_norm", norm[0], norm[1], unit * h))
+    add(_eager_mem("mlp_norm", norm[0], norm[1], unit * h, "norm"))
     if gpt:
         linear("w1", f, h, gem.mlp / 2 * T)
         add(_eager_mem("gelu", GELU_EAGER[0], GELU_EAGER[1], unit * f))
@@ -602,7 +626,7 @@ def eager_head_ops(shape: LayerShape, first: bool, last: bool) -> list[Op]:
                       kernels=2 + extra[1], category="memory", layout="head"))
     if last:
         norm = NORM_EAGER[shape.arch]
-        nf, nb = _eager_mem("final_norm", norm[0], norm[1], e * T * h)
+        nf, nb = _eager_mem("final_norm", norm[0], norm[1], e * T * h, "norm")
         nf.layout = nb[0].layout = "head"
         fwd.append(nf)
         bwd.extend(nb)
@@ -720,7 +744,7 @@ def op_time(op: Op, peak_flops: float, mem_bw: float, eff: Efficiency) -> tuple[
         return (measured_rate(op, eff.rates) or 0.0), "host"
     overhead = eff.kernel_overhead_s * op.kernels
     bw = (measured_rate(op, eff.rates) if op.kind == "mem" and op.layout else None) or \
-        mem_bw * eff.mem
+        mem_bw * (dict(eff.mem_eager).get(op.eager, eff.mem) if op.eager else eff.mem)
     t_mem = op.bytes / bw
     if op.kind in ("gemm", "attn"):
         rate = measured_rate(op, eff.rates)
