@@ -112,6 +112,7 @@ def memory_points() -> list[dict]:
                             "direction": tab["direction"],
                             "device": tab["device"], "source": tab["source"],
                             "impl": imp["name"], "fused": imp["fused"], "size": size,
+                            "outlier": imp.get("outlier", ""),
                             "elements": n, "bytes": nbytes, "kernels": imp["kernels"],
                             "bandwidth": bw, "timed": "ms" in imp, "published_s": t})
     return out
@@ -133,6 +134,7 @@ def fit_memory_tables() -> dict:
     E_MEM_EAGER, per class of operator (`op_class`: norm, rope, softmax, pointwise), the median
     E of the unfused (eager PyTorch) implementations of that class, and "all" over every one;
     the launch overhead of a kernel is the median of c / kernels per call over each group.
+    Implementations marked `outlier` in the tables are fitted but left out of the medians.
     """
     groups: dict[tuple, list[dict]] = {}
     for p in memory_points():
@@ -152,11 +154,12 @@ def fit_memory_tables() -> dict:
         impls.append({"family": pts[0]["family"], "op_class": pts[0]["op_class"],
                       "direction": pts[0]["direction"],
                       "device": pts[0]["device"], "impl": name, "fused": pts[0]["fused"],
-                      "kernels": pts[0]["kernels"], "e_mem": e, "intercept_s": c})
+                      "kernels": pts[0]["kernels"], "e_mem": e, "intercept_s": c,
+                      "outlier": pts[0]["outlier"]})
 
     def med(fused: bool, key: str, op_class: str = "") -> float:
         vals = [(i[key] / i["kernels"] if key == "intercept_s" else i[key]) for i in impls
-                if i["fused"] == fused and i[key] is not None
+                if i["fused"] == fused and i[key] is not None and not i["outlier"]
                 and i["op_class"] == (op_class or i["op_class"])]
         return _median(vals)
 
@@ -190,3 +193,15 @@ def attention_tflops(device: str, direction: str, seq: int, flash: bool,
     flops = 4 * b * seq * seq * hidden * (0.5 if flash else 1.0) * \
         (2.5 if direction == "bwd" else 1.0)
     return flops / t / 1e12
+
+
+def memory_kernel_time(point: dict, eff: Efficiency | None = None) -> float:
+    """The model's time for one published memory-bound kernel call (a `memory_points` entry):
+    the operator's bytes at E_MEM (fused) or at E_MEM_EAGER of its class (eager) of the
+    device's datasheet bandwidth, plus the launch gap of each kernel, as `op_time` prices every
+    memory-bound operator of a layer."""
+    from myria.sim.operators import DEFAULT_EFFICIENCY, Op, op_time
+
+    op = Op(point["family"], "mem", point["direction"], bytes=point["bytes"],
+            kernels=point["kernels"], eager="" if point["fused"] else point["op_class"])
+    return op_time(op, 1.0, point["bandwidth"], eff or DEFAULT_EFFICIENCY)[0]
