@@ -71,7 +71,7 @@ def speedups(rs: list[dict]) -> list[dict]:
     keyed = {}
     for r in rs:
         keyed.setdefault((r["source"], r["size"]), []).append(r)
-    for (src, size), pair in keyed.items():
+    for (_, size), pair in keyed.items():
         fused = [r for r in pair if r["fused"]]
         eager = [r for r in pair if not r["fused"]]
         if len(fused) == 1 and len(eager) == 1:
