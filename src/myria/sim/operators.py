@@ -9,12 +9,15 @@ for matrix products and FlashAttention, and bytes / (bandwidth * E_MEM) + overhe
 memory-bound rest (norms, activations, softmax, dropout, residual adds, cross-entropy). The
 shape factor d / (d + GEMM_HALF_DIM) of each GEMM dimension is the share of a kernel's time spent
 on useful tiles (tile padding, pipeline prologue/epilogue are amortised over long dimensions).
-The four constants are the calibrated ones (see `Efficiency` and docs/performance_model.md);
-on a device whose peaks were *measured* (the CPU) both efficiencies are 1.
+E_GEMM is fitted to training runs; E_MEM, E_MEM_EAGER and the overhead per kernel come from
+published kernel microbenchmarks (see `Efficiency` and docs/performance_model.md); on a device
+whose peaks were *measured* (the CPU) the efficiencies are 1.
 
 Fused kernels (Megatron-LM's bias+GELU, bias+dropout+add, scale+mask+softmax) read and write a
-tensor once instead of once per elementwise step; FlashAttention never writes the score matrix
-and, being block-sparse over the causal mask, does only the unmasked half of the work.
+tensor once instead of once per elementwise step; unfused, each step is a PyTorch eager kernel
+(its own launch, and the bandwidth fraction eager kernels of its class reach: E_MEM_EAGER).
+FlashAttention never writes the score matrix and, being block-sparse over the causal mask, does
+only the unmasked half of the work.
 """
 
 from __future__ import annotations
