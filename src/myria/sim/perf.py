@@ -568,6 +568,7 @@ def simulate(run: RunSpec, hw: Hardware | None = None, eff: Efficiency | None = 
         "memory_bw_gbs": hw.mem_bw / 1e9,
         "params_per_device": mem.params_per_device,
         "efficiency": {"gemm": eff.gemm, "half_dim": eff.half_dim, "mem": eff.mem,
+                       "mem_eager": dict(eff.mem_eager),
                        "kernel_overhead_s": eff.kernel_overhead_s},
         "fabric": _describe(hw.fabric),
     }
