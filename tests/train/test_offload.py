@@ -104,6 +104,60 @@ def test_parameters_on_disk_match_memory_bit_for_bit(tmp_path, ac):
     off.close()
 
 
+def test_update_runs_behind_the_next_forward(tmp_path, monkeypatch):
+    """With parameters on disk, step() returns before its chunks are written; the next forward
+    waits for each unit's chunks, and the run stays bit-equal to the in-memory one."""
+    import threading
+
+    from myria.train import offload
+
+    common = ["--parallel.activation_checkpoint=full", "--model.layers=3"]
+    ref = engine(tmp_path / "mem", *common)
+    want = train_steps(ref, 3)
+    gate = threading.Event()
+    real = offload._full_io
+
+    def gated(op, fd, mv, offset):
+        if op is offload.os.pwritev:
+            gate.wait()
+        return real(op, fd, mv, offset)
+
+    monkeypatch.setattr(offload, "_full_io", gated)
+    gate.set()   # open while the initial generation is written
+    off = engine(tmp_path / "disk", *common, "--parallel.offload=nvme",
+                 "--parallel.offload_params=true")
+    opt = off.optimizers[0]
+    assert opt.asynchronous
+    g = torch.Generator().manual_seed(1)
+    batches = [torch.randint(0, 512, (2, 2, 33), generator=g) for _ in range(3)]
+    gate.clear()
+    x = batches[0]
+    off.forward_backward(x[..., :-1], x[..., 1:])
+    off.clip_grads(1.0)
+    off.step()                      # returns with no chunk written yet
+    assert not any(ev.is_set() for ev in opt._written)
+    nxt = threading.Thread(target=off.forward_backward,
+                           args=(batches[1][..., :-1], batches[1][..., 1:]))
+    nxt.start()
+    nxt.join(timeout=2.0)
+    assert nxt.is_alive(), "the next forward ran on parameters not yet written"
+    gate.set()
+    nxt.join(timeout=60)
+    assert not nxt.is_alive()
+    off.clip_grads(1.0)
+    off.step()
+    x = batches[2]
+    off.forward_backward(x[..., :-1], x[..., 1:])
+    off.clip_grads(1.0)
+    off.step()
+    got = off.state_dict()["model"]
+    for k in want:
+        assert torch.equal(want[k], got[k]), k
+    stats = opt.pipe.stats
+    assert stats.behind_s > 0 and stats.steps == 3
+    off.close()
+
+
 def test_parameter_offload_needs_recomputation(tmp_path):
     with pytest.raises(ConfigError, match="activation_checkpoint = 'full' or 'selective'"):
         engine(tmp_path, "--parallel.offload=nvme", "--parallel.offload_params=true")
@@ -153,10 +207,16 @@ def same_params(a, b) -> bool:
     return pa.keys() == pb.keys() and all(torch.equal(pa[k], pb[k]) for k in pa)
 
 
+PARAMS_ON_DISK = ["--parallel.offload_params=true", "--parallel.activation_checkpoint=full"]
+
+
 @pytest.mark.slow
-def test_full_offload_dir_stops_cleanly_and_resumes(tmp_path, tiny_data):
+@pytest.mark.parametrize("extra", [[], PARAMS_ON_DISK], ids=["moments", "params"])
+def test_full_offload_dir_stops_cleanly_and_resumes(tmp_path, tiny_data, extra):
+    """Moments on disk: the update fails in the step; parameters too: the update runs behind
+    training and its failure stops the next forward, with the same one line."""
     run, ref = tmp_path / "run", tmp_path / "ref"
-    steps = ["--training.steps=8", "--checkpoint.interval=4", "--parallel.offload=nvme"]
+    steps = ["--training.steps=8", "--checkpoint.interval=4", "--parallel.offload=nvme", *extra]
     p = cli_train(run, tiny_data, *steps, env={"MYRIA_FAULT": "offload-diskfull:step=6"},
                   check=False)
     assert p.returncode == 2, p.stderr[-2000:]
@@ -205,19 +265,25 @@ def test_two_fsdp_ranks_on_disk_match_memory_and_resume(tmp_path, tiny_data):
 
 
 @pytest.mark.slow
-def test_killed_mid_step_under_supervise_resumes_bit_equal(tmp_path, tiny_data):
+@pytest.mark.parametrize("extra,nproc,rank", [([], 2, 1), (PARAMS_ON_DISK, 1, 0)],
+                         ids=["moments", "params"])
+def test_killed_mid_step_under_supervise_resumes_bit_equal(tmp_path, tiny_data, extra, nproc,
+                                                           rank):
+    """Killed half-way through writing generation 7 (with parameters on disk: on the thread
+    that runs the update behind training)."""
     common = [*TINY, f"--data.path={tiny_data}", "--training.steps=12",
-              "--checkpoint.interval=4", "--parallel.offload=nvme"]
+              "--checkpoint.interval=4", "--parallel.offload=nvme", *extra]
     ref, run = tmp_path / "ref", tmp_path / "run"
-    run_cli("train", "--run-dir", str(ref), "--nproc", "2", *common)
-    run_cli("supervise", "--run-dir", str(run), "--nproc", "2", *common,
+    run_cli("train", "--run-dir", str(ref), "--nproc", str(nproc), *common)
+    run_cli("supervise", "--run-dir", str(run), "--nproc", str(nproc), *common,
             "--resilience.heartbeat_s=0.5", "--resilience.hang_timeout_s=5",
             "--resilience.backoff_s=0.2", "--resilience.diagnose=false",
-            env={"MYRIA_FAULT": "offload-kill:rank=1:step=7"}, timeout=400)
+            env={"MYRIA_FAULT": f"offload-kill:rank={rank}:step=7"}, timeout=400)
     summary = json.loads((run / "supervisor_summary.json").read_text())
     assert summary["status"] == "succeeded" and summary["restarts"] == 1, summary
     assert summary["faults"][0]["resumed_from"] == 4
-    assert "fault hook offload-kill_rank1_step7 fired" in (run / "supervisor.log").read_text()
+    assert f"fault hook offload-kill_rank{rank}_step7 fired" in \
+        (run / "supervisor.log").read_text()
     assert losses(run) == losses(ref) and same_params(run, ref)
 
 

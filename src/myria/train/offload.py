@@ -389,6 +389,8 @@ class IOStats:
     write_s: float = 0.0           # writer thread inside pwritev and fdatasync
     wait_s: float = 0.0            # main thread blocked on a chunk not yet read (exposed I/O)
     step_s: float = 0.0            # main thread inside optimizer steps (incl. waits)
+    behind_s: float = 0.0          # the update running behind training (asynchronous step)
+    behind_wait_s: float = 0.0     # ... of it waiting for chunks (hidden from training)
     flush_s: float = 0.0           # main thread waiting for trailing writes (checkpoints, end)
     steps: int = 0
 
@@ -443,17 +445,22 @@ class _Pipeline:
         self.outstanding.append(job.key)
         self._reads.put(job)
 
-    def take(self, key: tuple) -> int:
-        """The buffer holding read `key` (reads are taken in the order they were queued)."""
+    def take(self, key: tuple, exposed: bool = True) -> int:
+        """The buffer holding read `key` (reads are taken in the order they were queued).
+        `exposed`: the training thread waits (recorded on its timeline), not a thread behind it."""
         t0 = time.perf_counter()
         ev = None
         try:
             got, idx = self._ready.get_nowait()
         except queue.Empty:
-            ev = events.current().begin("offload_wait", "offload")
+            if exposed:
+                ev = events.current().begin("offload_wait", "offload")
             got, idx = self._ready.get()
         events.current().end(ev)
-        self.stats.wait_s += time.perf_counter() - t0
+        if exposed:
+            self.stats.wait_s += time.perf_counter() - t0
+        else:
+            self.stats.behind_wait_s += time.perf_counter() - t0
         self.outstanding.pop(0)
         if got != key:
             raise RuntimeError(f"offload pipeline out of order: {got} != {key}")
@@ -474,7 +481,7 @@ class _Pipeline:
     def drain(self) -> None:
         """Drop the reads queued and not yet taken (their buffers go back to the ring)."""
         while self.outstanding:
-            self.release(self.take(self.outstanding[0]))
+            self.release(self.take(self.outstanding[0], exposed=False))
 
     def close(self) -> None:
         self._reads.put(None)
@@ -591,6 +598,10 @@ class OffloadedAdamW(torch.optim.AdamW):
         self._committed: threading.Event | None = None
         self._prefetched = False
         self._closed = False
+        # parameters on disk: the update runs behind training (step); its end and its error
+        self.asynchronous = offload_params
+        self._behind: threading.Event | None = None
+        self._behind_error: BaseException | None = None
         self._prepare_dir()
         self.fd = self._create(0)
         self._write_index(0)
@@ -657,17 +668,31 @@ class OffloadedAdamW(torch.optim.AdamW):
     def _raise_if_failed(self) -> None:
         if self.pipe.error is not None:
             raise self._error(self.pipe.error, self.pipe.error_doing)
+        if self._behind_error is not None:
+            e = self._behind_error
+            raise e if isinstance(e, OffloadError) else self._error(e, "updating") from None
 
     @torch.no_grad()
     def step(self, closure=None):  # noqa: ARG002 (the Optimizer signature)
+        """Update every chunk: now (moments on disk, parameters in memory), or, when the
+        parameters are on disk too (`asynchronous`), on a thread behind training.
+
+        Behind training: everything the update reads is fixed here (the gradients, the step
+        counts, each group's settings with this step's learning rate) and the step counts
+        advance now; the chunks are read, updated and written by a thread while the caller goes
+        on. The next forward reads each unit's new parameters after their chunks are written
+        (`written_events`), so it follows the update chunk by chunk, and the reads, updates and
+        writes of the optimizer overlap with it instead of preceding it: the same arithmetic on
+        the same values, so the same bits."""
         if closure is not None:
             raise ValueError("OffloadedAdamW.step takes no closure")
         t0 = time.perf_counter()
-        g = self.gen
-        new = g + 1
+        self.wait_behind()
         self._raise_if_failed()
         for fn in self.before_step:
             fn()
+        g = self.gen
+        new = g + 1
         new_fd = self._create(new)
         if not self._prefetched:
             self._queue_reads(g, self.fd, None)
@@ -675,13 +700,37 @@ class OffloadedAdamW(torch.optim.AdamW):
         full = self.faults.due("offload-diskfull", new) if self.faults else None
         before = {t: self.state[p]["step"] for t, p in enumerate(self.tensors)
                   if p.grad is not None}
-        after: dict[int, torch.Tensor] = {}
+        grads = {t: _flat(_local(self.tensors[t].grad)) for t in before}
+        settings = [_adam_kwargs(group) for group in self.param_groups]
+        for t in before:   # what adam's own `step += 1` gives each tensor's count
+            self.state[self.tensors[t]]["step"] = before[t] + 1
         written = [threading.Event() for _ in self.chunks]
+        old_fd = self.fd
+        self.gen, self.fd, self._written = new, new_fd, written
+        work = lambda: self._update_all(g, new, new_fd, old_fd, before, grads,  # noqa: E731
+                                        settings, written, kill, full)
+        if self.asynchronous:
+            done = self._behind = threading.Event()
+            threading.Thread(target=self._run_behind, args=(work, written, done),
+                             name="myria-offload-step", daemon=True).start()
+        else:
+            work()
+        self._queue_reads(new, new_fd, written)   # prefetch the next step's first chunks
+        self._prefetched = True
+        self.pipe.stats.step_s += time.perf_counter() - t0
+        self.pipe.stats.steps += 1
+        self._write_stats()
+
+    def _update_all(self, g: int, new: int, new_fd: int, old_fd: int, before: dict,
+                    grads: dict, settings: list[dict], written: list[threading.Event],
+                    kill, full) -> None:
+        """Read, update and write every chunk of generation `g` into `new`, then commit."""
+        exposed = not self.asynchronous
         for c, chunk in enumerate(self.chunks):
-            idx = self.pipe.take((g, c))
+            idx = self.pipe.take((g, c), exposed)
             try:
                 self._raise_if_failed()
-                self._update(chunk, self.pipe.buffers[idx], before, after)
+                self._update(chunk, self.pipe.buffers[idx], before, grads, settings)
             except BaseException:
                 self.pipe.release(idx)
                 raise
@@ -693,22 +742,33 @@ class OffloadedAdamW(torch.optim.AdamW):
                 written[c].wait()   # a half-written generation on disk, then die
                 self.faults.mark(kill)
                 os.kill(os.getpid(), signal.SIGKILL)
-        for t, p in enumerate(self.tensors):
-            if t in after:
-                self.state[p]["step"] = after[t]
-            elif t in before:  # an empty local shard: only its step advances, as AdamW's
-                before[t].add_(torch.tensor(1.0), alpha=1.0)
-        old_fd = self.fd
         self._committed = self.pipe.call(lambda: self._commit(new, new_fd, old_fd, g),
                                          f"committing generation {new}")
-        self.gen, self.fd, self._written = new, new_fd, written
-        self._queue_reads(new, new_fd, written)   # prefetch the next step's first chunks
-        self._prefetched = True
-        self.pipe.stats.step_s += time.perf_counter() - t0
-        self.pipe.stats.steps += 1
-        self._write_stats()
 
-    def _update(self, chunk: Chunk, buf: torch.Tensor, before: dict, after: dict) -> None:
+    def _run_behind(self, work, written: list[threading.Event], done: threading.Event) -> None:
+        """The update on its thread: an error is kept for the training thread, and every
+        chunk is marked written so that nothing waits for it forever."""
+        t0 = time.perf_counter()
+        try:
+            with torch.no_grad():   # grad mode is per thread
+                work()
+        except BaseException as e:
+            self._behind_error = e
+            for ev in written:
+                ev.set()
+        finally:
+            self.pipe.stats.behind_s += time.perf_counter() - t0
+            done.set()
+
+    def wait_behind(self) -> None:
+        """Wait for an update running behind training (exposed time: the caller waits)."""
+        if self._behind is not None and not self._behind.is_set():
+            t0 = time.perf_counter()
+            self._behind.wait()
+            self.pipe.stats.wait_s += time.perf_counter() - t0
+
+    def _update(self, chunk: Chunk, buf: torch.Tensor, before: dict, grads: dict,
+                settings: list[dict]) -> None:
         """AdamW on the pieces of `chunk` whose moments are in `buf`, group by group."""
         from torch.optim.adam import adam
 
@@ -716,9 +776,9 @@ class OffloadedAdamW(torch.optim.AdamW):
         s_param = self.layout.section("param") if self.offload_params else -1
         s_m, s_v = self.layout.section("exp_avg"), self.layout.section("exp_avg_sq")
         for pc in chunk.pieces:
-            p = self.tensors[pc.index]
-            if p.grad is None:
+            if pc.index not in grads:
                 continue
+            p = self.tensors[pc.index]
             dtype, isz = self.layout.dtypes[pc.index], self.layout.itemsizes[pc.index]
             n = (pc.stop - pc.start) * isz
 
@@ -728,14 +788,13 @@ class OffloadedAdamW(torch.optim.AdamW):
 
             param = view(s_param) if s_param >= 0 else \
                 _flat(_local(p).detach())[pc.start:pc.stop]
-            grad = _flat(_local(p.grad))[pc.start:pc.stop]
+            grad = grads[pc.index][pc.start:pc.stop]
             step = before[pc.index].clone()
-            after[pc.index] = step
             ls = lists.setdefault(self.group_of[pc.index], ([], [], [], [], []))
             for lst, x in zip(ls, (param, grad, view(s_m), view(s_v), step)):
                 lst.append(x)
-        for gi, (params, grads, m, v, steps) in lists.items():
-            adam(params, grads, m, v, [], steps, **_adam_kwargs(self.param_groups[gi]))
+        for gi, (params, grads_, m, v, steps) in lists.items():
+            adam(params, grads_, m, v, [], steps, **settings[gi])
 
     def _commit(self, gen: int, fd: int, old_fd: int, old: int) -> None:
         """Writer thread, after the last chunk of `gen`: sync it, then drop generation `old`."""
@@ -755,6 +814,8 @@ class OffloadedAdamW(torch.optim.AdamW):
     def flush(self) -> None:
         """Wait for the trailing writes of the last step (its generation is then committed)."""
         t0 = time.perf_counter()
+        if self._behind is not None:
+            self._behind.wait()
         if self._committed is not None:
             self._committed.wait()
         self.pipe.stats.flush_s += time.perf_counter() - t0
@@ -808,6 +869,8 @@ class OffloadedAdamW(torch.optim.AdamW):
             return
         self._closed = True
         try:
+            if self._behind is not None:
+                self._behind.wait()
             if self._committed is not None:
                 self._committed.wait()
         finally:

@@ -15,8 +15,10 @@ ZeRO-Infinity's parameter offload (Rajbhandari et al. 2021, section 5) for one p
   accumulated (`register_post_accumulate_grad_hook`), it is dropped. Activation checkpointing
   recomputes inside the checkpointed module, after that hook: the parameters are there.
 - Gradients stay in the fast tier (backward produces them; the optimizer reads them chunk by
-  chunk); all units are dropped before each optimizer step, whose new parameters the next
-  forward reads (waiting for the chunks still being written, if any).
+  chunk); all units are dropped before each optimizer step. The step runs behind training
+  (`OffloadedAdamW.step`): the next forward starts at once and reads each unit's new parameters
+  as soon as the update has written their chunks, so the optimizer's reads and writes overlap
+  with the forward pass instead of stopping training.
 
 Swapping `p.data` keeps each Parameter object (the optimizer's, autograd's saved tensors) and
 its shape during the unit's forward and backward, which is when autograd looks at it. With
@@ -156,6 +158,7 @@ class ParamStreamer:
         self.wait_s += time.perf_counter() - t0
         if self.error is not None:
             raise self.opt._error(self.error, f"reading the parameters of {u.name}")
+        self.opt._raise_if_failed()   # the update behind training, if it failed
         self._attach(u)
 
     def drop(self, u: Unit) -> None:
