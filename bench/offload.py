@@ -253,7 +253,8 @@ def main() -> None:
             s["update_before_forward"] = {
                 "step_s": statistics.median(sync["step_s"][1:] or sync["step_s"]),
                 "exposed_s_per_step": (sync["io"]["opt_wait_s"] + sync["io"]["param_wait_s"])
-                / len(sync["step_s"]), "bit_equal": sync["digest"] == mem["digest"]}
+                / len(sync["step_s"]), "bit_equal": sync["digest"] == mem["digest"],
+                "digest": sync["digest"][:16]}
             rounds.append(s)
             print(f"round {r}: state {s['state_gb']:.2f} GB = {s['state_over_budget']:.2f}x "
                   f"budget; peak {s['peak_gb']['disk']:.2f} GB (memory run "
@@ -319,6 +320,17 @@ def markdown(res: dict) -> str:
               "disk time of the step's bytes (reads and writes at the rates the probe measured "
               "while both ran, the rest alone). The "
               "machine is shared: tokens/s of the two runs of a round are minutes apart.", ""]
+    count: dict[str, dict[str, int]] = {}
+    for r in res["rounds"]:
+        for kind, d in (("memory", r["digests"]["memory"]), ("disk", r["digests"]["disk"]),
+                        ("update before forward", r.get("update_before_forward", {})
+                         .get("digest"))):
+            if d:
+                count.setdefault(kind, {}).setdefault(d, 0)
+                count[kind][d] += 1
+    lines += ["Final parameters' digests over the rounds (each run a fresh process): " + "; ".join(
+        f"{kind}: " + ", ".join(f"{d[:8]} x{n}" for d, n in c.items()) for kind, c in
+        count.items()) + ".", ""]
     return "\n".join(lines)
 
 
