@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import statistics
 from functools import lru_cache
 from pathlib import Path
 
@@ -118,12 +119,6 @@ def memory_points() -> list[dict]:
     return out
 
 
-def _median(xs: list[float]) -> float:
-    a = sorted(xs)
-    m = len(a) // 2
-    return a[m] if len(a) % 2 else (a[m - 1] + a[m]) / 2
-
-
 def fit_memory_tables() -> dict:
     """The achievable fractions of HBM bandwidth, fitted to the memory-bound kernel tables.
 
@@ -145,10 +140,8 @@ def fit_memory_tables() -> dict:
         ts = [p["published_s"] for p in pts]
         c = None
         if pts[0]["timed"] and len(pts) >= 3:
-            mx, mt = sum(xs) / len(xs), sum(ts) / len(ts)
-            slope = sum((x - mx) * (t - mt) for x, t in zip(xs, ts)) / \
-                sum((x - mx) ** 2 for x in xs)
-            e, c = 1.0 / slope, mt - slope * mx
+            slope, c = statistics.linear_regression(xs, ts)
+            e = 1.0 / slope
         else:
             e = sum(x / t for x, t in zip(xs, ts)) / len(xs)
         impls.append({"family": pts[0]["family"], "op_class": pts[0]["op_class"],
@@ -161,7 +154,7 @@ def fit_memory_tables() -> dict:
         vals = [(i[key] / i["kernels"] if key == "intercept_s" else i[key]) for i in impls
                 if i["fused"] == fused and i[key] is not None and not i["outlier"]
                 and i["op_class"] == (op_class or i["op_class"])]
-        return _median(vals)
+        return statistics.median(vals)
 
     classes = sorted({i["op_class"] for i in impls if not i["fused"]})
     return {"impls": impls, "fused": med(True, "e_mem"),

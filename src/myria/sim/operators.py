@@ -747,7 +747,8 @@ def op_time(op: Op, peak_flops: float, mem_bw: float, eff: Efficiency) -> tuple[
         return (measured_rate(op, eff.rates) or 0.0), "host"
     overhead = eff.kernel_overhead_s * op.kernels
     bw = (measured_rate(op, eff.rates) if op.kind == "mem" and op.layout else None) or \
-        mem_bw * (dict(eff.mem_eager).get(op.eager, eff.mem) if op.eager else eff.mem)
+        mem_bw * (next((f for c, f in eff.mem_eager if c == op.eager), eff.mem)
+                  if op.eager else eff.mem)
     t_mem = op.bytes / bw
     if op.kind in ("gemm", "attn"):
         rate = measured_rate(op, eff.rates)
