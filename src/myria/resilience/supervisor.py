@@ -469,6 +469,12 @@ class Supervisor:
         agent._stop_workers(wg)
         f.stopped_at = time.time()
         f.newest_committed = _newest_committed(self.run_dir)
+        # The heartbeats read at detection can lag the workers by a beat (a loaded host): the
+        # step a committed checkpoint or a metrics row of this attempt proves was reached
+        # counts too, so the steps lost are never negative.
+        since = self.watch.started if self.watch else self.started_at
+        done = [int(f.newest_committed.split("_")[1])] if f.newest_committed else []
+        f.last_step = max([f.last_step, *done, *_metrics_rows(self.run_dir, since)])
         if self.r.diagnose:
             self._diagnose(f)
         restarts = sum(1 for x in self.faults if x.restarted_at) + 1
