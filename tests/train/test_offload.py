@@ -96,7 +96,11 @@ def test_parameters_on_disk_match_memory_bit_for_bit(tmp_path, ac):
     assert all(p.numel() == 0 for p in off.model.parameters())
     # every microbatch reads every layer for forward, and most of them again for backward
     once = sum(off.optimizers[0].layout.numels) * 4
-    assert 3 * 2 * once < off.optimizers[0].streamer.bytes_read < 3 * 2 * 2 * once * 1.05
+    ps = off.optimizers[0].streamer
+    assert 3 * 2 * once < ps.bytes_read + ps.bytes_copied < 3 * 2 * 2 * once * 1.05
+    # by the last chunk of the first update nearly all gradient memory is given back and no
+    # buffer is lent yet: that chunk waits for its write in a buffer of its own, off the ring
+    assert off.optimizers[0].pipe.stats.behind_buffers >= 1
     a, b = ref.state_dict()["model"], off.state_dict()["model"]   # b: mapped from the file
     assert a.keys() == b.keys()
     for k in a:
@@ -105,50 +109,76 @@ def test_parameters_on_disk_match_memory_bit_for_bit(tmp_path, ac):
 
 
 def test_update_runs_behind_the_next_forward(tmp_path, monkeypatch):
-    """With parameters on disk, step() returns before its chunks are written; the next forward
-    waits for each unit's chunks, and the run stays bit-equal to the in-memory one."""
+    """With parameters on disk, step() returns before its chunks are updated; the next forward
+    waits for each unit's chunks to be updated, and takes their parameters from memory while
+    their writes trail (here: held back); the run stays bit-equal to the in-memory one."""
     import threading
+    import time
 
     from myria.train import offload
 
     common = ["--parallel.activation_checkpoint=full", "--model.layers=3"]
     ref = engine(tmp_path / "mem", *common)
     want = train_steps(ref, 3)
-    gate = threading.Event()
-    real = offload._full_io
+    gate, writes = threading.Event(), threading.Event()
+    real_io, real_update = offload._full_io, offload.OffloadedAdamW._update
 
-    def gated(op, fd, mv, offset):
+    def gated_io(op, fd, mv, offset):
         if op is offload.os.pwritev:
-            gate.wait()
-        return real(op, fd, mv, offset)
+            writes.wait()
+        return real_io(op, fd, mv, offset)
 
-    monkeypatch.setattr(offload, "_full_io", gated)
-    gate.set()   # open while the initial generation is written
+    def gated_update(self, *a):
+        gate.wait()
+        return real_update(self, *a)
+
+    monkeypatch.setattr(offload, "_full_io", gated_io)
+    monkeypatch.setattr(offload.OffloadedAdamW, "_update", gated_update)
+    gate.set()
+    writes.set()   # open while the initial generation is written
+    # a budget with a buffer for every chunk: with the writes held back the update still ends
     off = engine(tmp_path / "disk", *common, "--parallel.offload=nvme",
-                 "--parallel.offload_params=true")
+                 "--parallel.offload_params=true", "--parallel.fast_memory_gb=1")
     opt = off.optimizers[0]
-    assert opt.asynchronous
+    assert opt.asynchronous and len(opt.pipe.buffers) >= len(opt.chunks)
     g = torch.Generator().manual_seed(1)
     batches = [torch.randint(0, 512, (2, 2, 33), generator=g) for _ in range(3)]
+
+    def run(x):
+        off.forward_backward(x[..., :-1], x[..., 1:])
+        off.clip_grads(1.0)
+
+    # 1. the update held back: step() returns, the next forward cannot start on old parameters
+    run(batches[0])
     gate.clear()
-    x = batches[0]
-    off.forward_backward(x[..., :-1], x[..., 1:])
-    off.clip_grads(1.0)
-    off.step()                      # returns with no chunk written yet
-    assert not any(ev.is_set() for ev in opt._written)
-    nxt = threading.Thread(target=off.forward_backward,
-                           args=(batches[1][..., :-1], batches[1][..., 1:]))
+    off.step()                      # returns with no chunk updated yet
+    assert not any(ev.is_set() for ev in opt._computed)
+    nxt = threading.Thread(target=run, args=(batches[1],))
     nxt.start()
     nxt.join(timeout=2.0)
-    assert nxt.is_alive(), "the next forward ran on parameters not yet written"
+    assert nxt.is_alive(), "the next forward ran on parameters not yet updated"
     gate.set()
     nxt.join(timeout=60)
     assert not nxt.is_alive()
-    off.clip_grads(1.0)
+    # 2. the writes held back: the next forward reads every unit from the update's buffers
+    writes.clear()
     off.step()
-    x = batches[2]
-    off.forward_backward(x[..., :-1], x[..., 1:])
-    off.clip_grads(1.0)
+    once = sum(opt.layout.numels) * 4
+    copied0 = opt.streamer.bytes_copied
+    nxt = threading.Thread(target=run, args=(batches[2],))
+    nxt.start()
+    deadline = time.time() + 30
+    try:
+        while opt.streamer.bytes_copied - copied0 < once and time.time() < deadline:
+            time.sleep(0.05)
+        assert not any(ev.is_set() for ev in opt._written), "a write went through"
+        assert opt.streamer.bytes_copied - copied0 >= once, \
+            ("the forward did not run from memory", opt.streamer.bytes_copied - copied0, once,
+             [e.is_set() for e in opt._computed], opt.pipe.stats)
+    finally:
+        writes.set()
+    nxt.join(timeout=60)
+    assert not nxt.is_alive()
     off.step()
     got = off.state_dict()["model"]
     for k in want:

@@ -44,6 +44,7 @@ from the last checkpoint, bit for bit. A full or unwritable offload directory ra
 
 from __future__ import annotations
 
+import bisect
 import errno
 import json
 import logging
@@ -183,20 +184,24 @@ class Chunk:
 
 class Layout:
     """Sections (e.g. exp_avg, exp_avg_sq) one region after another; in each region the tensors
-    in optimizer order, each at a 4 KiB-aligned byte offset."""
+    in optimizer order (or in `order`: tensor indices in the order they are placed), each at a
+    4 KiB-aligned byte offset."""
 
     def __init__(self, tensors: list[tuple[tuple[int, ...], torch.dtype]],
-                 sections: tuple[str, ...]):
+                 sections: tuple[str, ...], order: list[int] | None = None):
         self.sections = sections
         self.shapes = [tuple(s) for s, _ in tensors]
         self.dtypes = [d for _, d in tensors]
         self.numels = [math.prod(s) for s in self.shapes]
         self.itemsizes = [torch.empty((), dtype=d).element_size() for d in self.dtypes]
-        self.offsets = []
+        self.order = list(order) if order is not None else list(range(len(tensors)))
+        if sorted(self.order) != list(range(len(tensors))):
+            raise ValueError("Layout: order must place every tensor once")
+        self.offsets = [0] * len(tensors)
         off = 0
-        for n, isz in zip(self.numels, self.itemsizes):
-            self.offsets.append(off)
-            off += _round_up(n * isz)
+        for t in self.order:
+            self.offsets[t] = off
+            off += _round_up(self.numels[t] * self.itemsizes[t])
         self.region = off
         self.file_bytes = off * len(sections)
 
@@ -219,10 +224,13 @@ class Layout:
         return out
 
     def to_json(self) -> dict:
-        return {"sections": list(self.sections),
-                "tensors": [[list(s), str(d).replace("torch.", "")]
-                            for s, d in zip(self.shapes, self.dtypes)],
-                "region_bytes": self.region}
+        out = {"sections": list(self.sections),
+               "tensors": [[list(s), str(d).replace("torch.", "")]
+                           for s, d in zip(self.shapes, self.dtypes)],
+               "region_bytes": self.region}
+        if self.order != list(range(len(self.shapes))):
+            out["order"] = self.order
+        return out
 
 
 # -- budget ------------------------------------------------------------------------------------
@@ -392,6 +400,9 @@ class IOStats:
     behind_s: float = 0.0          # the update running behind training (asynchronous step)
     behind_wait_s: float = 0.0     # ... of it waiting for chunks (hidden from training)
     flush_s: float = 0.0           # main thread waiting for trailing writes (checkpoints, end)
+    room_wait_s: float = 0.0       # backward waiting for write-behind buffers to drain
+    behind_buffers: int = 0        # chunks written from a buffer of their own (write-behind)
+    behind_peak_bytes: int = 0     # the most memory write-behind buffers held at once
     steps: int = 0
 
 
@@ -407,10 +418,12 @@ class _Read:
 class _Write:
     gen: int
     fd: int
-    buffer: int
+    buffer: int                    # a ring slot, or -1: `view` is a buffer of its own
     segments: list[tuple[int, int, int]]
     done: threading.Event | None = None
     fail: bool = False             # the offload-diskfull fault hook
+    view: memoryview | None = None
+    finished: object = None        # called after the write (before the slot is freed)
 
 
 class _Pipeline:
@@ -468,6 +481,14 @@ class _Pipeline:
 
     def write(self, job: _Write) -> None:
         self._writes.put(job)
+
+    def swap(self, idx: int) -> tuple[torch.Tensor, memoryview]:
+        """Give ring slot `idx` (taken, not free) a new buffer and return its old one, which
+        is then the caller's: a chunk can wait for its write there while the slot reads on."""
+        old, view = self.buffers[idx], self._views[idx]
+        self.buffers[idx] = aligned_buffer(old.numel())
+        self._views[idx] = memoryview(self.buffers[idx].numpy())
+        return old, view
 
     def call(self, fn, doing: str) -> threading.Event:
         """Run `fn` on the writer thread after the writes queued before it; set when done."""
@@ -531,19 +552,32 @@ class _Pipeline:
                 try:
                     if job.fail:
                         raise OSError(errno.ENOSPC, "No space left on device (injected fault)")
+                    view = job.view if job.view is not None else self._views[job.buffer]
                     for off, boff, n in job.segments:
-                        _full_io(os.pwritev, job.fd, self._views[job.buffer][boff:boff + n],
-                                 off)
+                        _full_io(os.pwritev, job.fd, view[boff:boff + n], off)
                         self.stats.bytes_written += n
                 except BaseException as e:
                     self._fail(e, f"writing generation {job.gen}")
                 self.stats.write_s += time.perf_counter() - t0
-            self._free.put(job.buffer)
+            job.view = None   # a buffer of its own is freed once written
+            if job.finished is not None:
+                job.finished()
+            if job.buffer >= 0:
+                self._free.put(job.buffer)
             if job.done is not None:
                 job.done.set()
 
 
 # -- the optimizer -----------------------------------------------------------------------------
+@dataclass
+class _Held:
+    """A chunk updated and not yet written: the next forward may copy parameters from it."""
+
+    buf: torch.Tensor
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    valid: bool = True
+
+
 def _adam_kwargs(group: dict) -> dict:
     """The settings AdamW.step passes to torch.optim.adam.adam for `group`."""
     beta1, beta2 = group["betas"]
@@ -564,7 +598,8 @@ class OffloadedAdamW(torch.optim.AdamW):
     def __init__(self, groups: list[dict], directory: Path, *, lr: float, betas, eps: float,
                  foreach: bool, buffers: int, chunk_bytes: int, direct: bool,
                  offload_params: bool = False, faults=None, stats_file: Path | None = None,
-                 budget: float = 0.0, shapes: list[tuple[int, ...]] | None = None):
+                 budget: float = 0.0, shapes: list[tuple[int, ...]] | None = None,
+                 order: list[int] | None = None):
         super().__init__(groups, lr=lr, betas=betas, eps=eps, foreach=foreach)
         self.dir = Path(directory)
         self.tensors = [p for g in self.param_groups for p in g["params"]]
@@ -577,7 +612,8 @@ class OffloadedAdamW(torch.optim.AdamW):
         sections = ("param", "exp_avg", "exp_avg_sq") if offload_params else \
             ("exp_avg", "exp_avg_sq")
         shapes = shapes or [tuple(_local(p).shape) for p in self.tensors]
-        self.layout = Layout([(s, p.dtype) for s, p in zip(shapes, self.tensors)], sections)
+        self.layout = Layout([(s, p.dtype) for s, p in zip(shapes, self.tensors)], sections,
+                             order)
         self.chunk_bytes = chunk_bytes
         self.chunks = self.layout.chunks(chunk_bytes)
         self._chunks_of: dict[int, list[int]] = {}
@@ -585,6 +621,24 @@ class OffloadedAdamW(torch.optim.AdamW):
             for pc in chunk.pieces:
                 self._chunks_of.setdefault(pc.index, []).append(c)
         self._written: list[threading.Event] | None = None  # the last step's chunk writes
+        self._ends_at: list[list[int]] = [[] for _ in self.chunks]   # tensors ending in chunk c
+        for t, cs in self._chunks_of.items():
+            self._ends_at[cs[-1]].append(t)
+        self._starts = [c.start for c in self.chunks]
+        # parameters on disk: chunks updated and not yet written, readable from memory
+        self._computed: list[threading.Event] | None = None
+        self._held: dict[tuple[int, int], _Held] = {}
+        # Gradient memory lent to write-behind buffers. `_room` is the gradient bytes the plan
+        # reserves minus the gradients alive minus the write-behind buffers: the update gives
+        # a gradient's bytes back once its last chunk is done, a chunk may then wait for its
+        # write in a buffer of its own (the ring slot reads on), and backward, charging each
+        # gradient as it arrives, waits for such buffers to drain before it takes more.
+        self._room_cv = threading.Condition()
+        self._grad_bytes = [n * isz if p.requires_grad else 0 for n, isz, p in
+                            zip(self.layout.numels, self.layout.itemsizes, self.tensors)]
+        self._room = sum(self._grad_bytes)
+        self._extra = 0
+        self._charged: set[int] = set()
         self.before_step: list = []     # called first in each step (parameter offload)
         self.streamer = None            # myria.train.offload_params.ParamStreamer
         self.direct = direct
@@ -602,6 +656,10 @@ class OffloadedAdamW(torch.optim.AdamW):
         self.asynchronous = offload_params
         self._behind: threading.Event | None = None
         self._behind_error: BaseException | None = None
+        if offload_params:
+            for t, p in enumerate(self.tensors):
+                if p.requires_grad:
+                    p.register_post_accumulate_grad_hook(lambda p, t=t: self._charge(t))
         self._prepare_dir()
         self.fd = self._create(0)
         self._write_index(0)
@@ -705,13 +763,16 @@ class OffloadedAdamW(torch.optim.AdamW):
         for t in before:   # what adam's own `step += 1` gives each tensor's count
             self.state[self.tensors[t]]["step"] = before[t] + 1
         written = [threading.Event() for _ in self.chunks]
+        computed = [threading.Event() for _ in self.chunks] if self.offload_params else None
+        taken, self._charged = self._charged, set()
         old_fd = self.fd
-        self.gen, self.fd, self._written = new, new_fd, written
+        self.gen, self.fd, self._written, self._computed = new, new_fd, written, computed
         work = lambda: self._update_all(g, new, new_fd, old_fd, before, grads,  # noqa: E731
-                                        settings, written, kill, full)
+                                        settings, written, kill, full, computed, taken)
         if self.asynchronous:
             done = self._behind = threading.Event()
-            threading.Thread(target=self._run_behind, args=(work, written, done),
+            threading.Thread(target=self._run_behind,
+                             args=(work, written + (computed or []), done),
                              name="myria-offload-step", daemon=True).start()
         else:
             work()
@@ -723,8 +784,13 @@ class OffloadedAdamW(torch.optim.AdamW):
 
     def _update_all(self, g: int, new: int, new_fd: int, old_fd: int, before: dict,
                     grads: dict, settings: list[dict], written: list[threading.Event],
-                    kill, full) -> None:
-        """Read, update and write every chunk of generation `g` into `new`, then commit."""
+                    kill, full, computed: list[threading.Event] | None = None,
+                    taken: set[int] = frozenset()) -> None:
+        """Read, update and write every chunk of generation `g` into `new`, then commit.
+
+        With the parameters on disk each updated chunk stays readable from memory until it is
+        written (`computed`, `read_params`), and, while gradient memory given back allows, waits
+        for its write in a buffer of its own so that its ring slot reads on."""
         exposed = not self.asynchronous
         for c, chunk in enumerate(self.chunks):
             idx = self.pipe.take((g, c), exposed)
@@ -737,7 +803,26 @@ class OffloadedAdamW(torch.optim.AdamW):
             fail = full is not None and c == len(self.chunks) // 2
             if fail:
                 self.faults.mark(full)
-            self.pipe.write(_Write(new, new_fd, idx, self._segments(chunk), written[c], fail))
+            key, nbytes = (new, c), self.pipe.buffers[idx].numel()
+            if computed is not None:
+                self._held[key] = _Held(self.pipe.buffers[idx])
+                computed[c].set()
+            segs = self._segments(chunk)
+            if self.asynchronous and self._lend(nbytes):
+                view = self.pipe.swap(idx)[1]
+                self.pipe.release(idx)
+                job = _Write(new, new_fd, -1, segs, written[c], fail, view=view,
+                             finished=lambda key=key, n=nbytes: self._unhold(key, n))
+                del view
+            else:
+                job = _Write(new, new_fd, idx, segs, written[c], fail,
+                             finished=(lambda key=key: self._unhold(key, 0))
+                             if computed is not None else None)
+            self.pipe.write(job)
+            del job
+            for t in self._ends_at[c]:   # this gradient is used up: its memory goes back
+                if grads.pop(t, None) is not None and t in taken:
+                    self._give_back(self._grad_bytes[t])
             if kill is not None and c == len(self.chunks) // 2:
                 written[c].wait()   # a half-written generation on disk, then die
                 self.faults.mark(kill)
@@ -759,6 +844,97 @@ class OffloadedAdamW(torch.optim.AdamW):
         finally:
             self.pipe.stats.behind_s += time.perf_counter() - t0
             done.set()
+
+    # -- gradient memory lent to write-behind buffers -------------------------------------
+    def _charge(self, t: int) -> None:
+        """Backward (a gradient accumulated): count it; wait while write-behind buffers hold
+        the memory it needs (exposed time, on the training thread's timeline)."""
+        if t in self._charged:
+            return
+        self._charged.add(t)
+        with self._room_cv:
+            self._room -= self._grad_bytes[t]
+            if self._room >= 0 or self._extra == 0:
+                return
+        t0 = time.perf_counter()
+        ev = events.current().begin("offload_wait", "offload")
+        with self._room_cv:
+            while self._room < 0 and self._extra > 0 and self.pipe.error is None:
+                self._room_cv.wait(0.5)
+        events.current().end(ev)
+        self.pipe.stats.room_wait_s += time.perf_counter() - t0
+
+    def _lend(self, n: int) -> bool:
+        with self._room_cv:
+            if self._room < n:
+                return False
+            self._room -= n
+            self._extra += n
+            st = self.pipe.stats
+            st.behind_buffers += 1
+            st.behind_peak_bytes = max(st.behind_peak_bytes, self._extra)
+            return True
+
+    def _give_back(self, n: int) -> None:
+        with self._room_cv:
+            self._room += n
+            self._room_cv.notify_all()
+
+    def _unhold(self, key: tuple[int, int], lent: int) -> None:
+        """Writer thread, a chunk written: no longer read from memory; its buffer's bytes
+        go back if it had one of its own."""
+        entry = self._held.pop(key, None)
+        if entry is not None:
+            with entry.lock:
+                entry.valid = False
+                entry.buf = None
+        if lent:
+            with self._room_cv:
+                self._room += lent
+                self._extra -= lent
+                self._room_cv.notify_all()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        if set_to_none and self._charged:   # dropped without a step (a skipped step)
+            n = sum(self._grad_bytes[t] for t in self._charged)
+            self._charged = set()
+            self._give_back(n)
+        super().zero_grad(set_to_none)
+
+    def computed_events(self, tensors: set[int]) -> list[threading.Event]:
+        """The last step's updates of the chunks holding `tensors` (to read them after)."""
+        evs = self._computed if self._computed is not None else self._written
+        if evs is None:
+            return []
+        return [evs[c] for c in sorted({c for t in tensors for c in self._chunks_of.get(t, ())})]
+
+    def read_params(self, slab: torch.Tensor, view: memoryview, soff: int, off: int, n: int,
+                    gen: int, fd: int) -> int:
+        """Fill slab bytes [soff, soff + n) with the parameter bytes at file offset `off` of
+        generation `gen` (after `computed_events`): copied from the update's buffer where the
+        chunk is not written yet, else read from the file. Returns the bytes copied."""
+        s = self.layout.section("param")
+        base = s * self.layout.region
+        x, end, copied = off - base, off - base + n, 0
+        while x < end:
+            c = bisect.bisect_right(self._starts, x) - 1
+            chunk = self.chunks[c]
+            m = min(end, chunk.stop) - x
+            at = soff + x - (off - base)
+            entry = self._held.get((gen, c))
+            done = False
+            if entry is not None:
+                with entry.lock:
+                    if entry.valid:
+                        b = s * self.chunk_bytes + x - chunk.start
+                        slab[at:at + m].copy_(entry.buf[b:b + m])
+                        done = True
+            if done:
+                copied += m
+            else:
+                _full_io(os.preadv, fd, view[at:at + m], base + x)
+            x += m
+        return copied
 
     def wait_behind(self) -> None:
         """Wait for an update running behind training (exposed time: the caller waits)."""
@@ -845,7 +1021,7 @@ class OffloadedAdamW(torch.optim.AdamW):
         self.flush()
         self.pipe.drain()
         self._prefetched = False
-        self._written = None
+        self._written = self._computed = None
         gen = int(info["gen"])
         try:
             if gen != self.gen:
@@ -995,19 +1171,26 @@ class Offload:
         opts = []
         for i, part in enumerate(parts):
             sf = stats if stats is None or n == 1 else stats.with_name(f"{stats.stem}.part{i}.json")
-            shapes = None
+            shapes = order = None
             if par.offload_params:  # the part is still on the meta device (Engine)
-                from myria.train.offload_params import placeholders
+                from myria.train.offload_params import placeholders, units_of
                 true_shape = placeholders(part, torch.device("cpu"))
             groups = param_groups(part, o.weight_decay)
             if par.offload_params:
-                shapes = [true_shape[id(p)] for g in groups for p in g["params"]]
+                flat = [p for g in groups for p in g["params"]]
+                shapes = [true_shape[id(p)] for p in flat]
+                # the files in forward order of the units, each unit's tensors together (its
+                # norms too, which AdamW's groups put last): the next forward then follows
+                # the update chunk by chunk instead of waiting for its last chunk
+                where = {id(p): t for t, p in enumerate(flat)}
+                order = [where[id(p)] for _, mods in units_of(part) for m in mods
+                         for p in m.parameters()]
             kinds = {hasattr(p, "_local_tensor") for g in groups for p in g["params"]}
             opt = OffloadedAdamW(
                 groups, directory / f"part{i}", lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps,
                 foreach=len(kinds) < 2, buffers=plan.buffers, chunk_bytes=chunk,
                 direct=direct, offload_params=par.offload_params, faults=faults,
-                stats_file=sf, budget=plan.budget, shapes=shapes)
+                stats_file=sf, budget=plan.budget, shapes=shapes, order=order)
             if par.offload_params:
                 from myria.train.offload_params import ParamStreamer
                 opt.streamer = ParamStreamer(part, opt, cfg.training.seed)

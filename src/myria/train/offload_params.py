@@ -110,6 +110,7 @@ class ParamStreamer:
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
         self.read_s = self.wait_s = 0.0
         self.bytes_read = 0
+        self.bytes_copied = 0       # updated parameters taken from memory before their write
         self.error: BaseException | None = None
         self._thread = threading.Thread(target=self._loop, name="myria-offload-params",
                                         daemon=True)
@@ -142,8 +143,8 @@ class ParamStreamer:
             return
         u.slab = self.free.pop()
         u.ready = threading.Event()
-        after = self.opt.written_events({t for _, t, _ in u.params})
-        self._jobs.put((u, after))
+        after = self.opt.computed_events({t for _, t, _ in u.params})
+        self._jobs.put((u, after, self.opt.gen, self.opt.fd))
 
     def ensure(self, u: Unit) -> None:
         """Make `u`'s parameters usable now."""
@@ -177,16 +178,17 @@ class ParamStreamer:
 
     def _loop(self) -> None:
         while (job := self._jobs.get()) is not None:
-            u, after = job
+            u, after, gen, fd = job
             for ev in after:
                 ev.wait()
             if self.error is None:
                 t0 = time.perf_counter()
                 try:
                     for off, soff, n in self._segments(u):
-                        _full_io(os.preadv, self.opt.fd, self._views[u.slab][soff:soff + n],
-                                 off)
-                        self.bytes_read += n
+                        copied = self.opt.read_params(self.slabs[u.slab], self._views[u.slab],
+                                                      soff, off, n, gen, fd)
+                        self.bytes_copied += copied
+                        self.bytes_read += n - copied
                 except BaseException as e:
                     self.error = e
                 self.read_s += time.perf_counter() - t0
