@@ -23,7 +23,8 @@ bit-equal; bytes moved per step, each I/O thread's achieved bandwidth against th
 sequential bandwidth; the limit the bandwidths allow (the larger of the in-memory step and the
 disk time of the step's bytes: reads and writes at the rates measured while both run, the rest
 alone), and how much of the I/O hid behind compute: hidden = 1 - exposed / that disk time, where
-exposed is the time the training loop waited on a chunk or a layer not yet there. A third run per
+exposed is the time the training loop waited on a chunk or a layer not yet there (or, in
+backward, for write-behind buffers to give memory back). A third run per
 round, `disk-sync`, is the A/B of the update behind training: the same disk run with the update
 finished inside step(), before the next forward starts.
 """
@@ -95,6 +96,9 @@ def child(mode: str, steps: int, budget: float, directory: Path, size: list[str]
                        "opt_read_s": st.read_s, "opt_write_s": st.write_s,
                        "param_read_s": ps.read_s, "opt_wait_s": st.wait_s,
                        "param_wait_s": ps.wait_s, "behind_s": st.behind_s,
+                       "room_wait_s": st.room_wait_s, "param_copied": ps.bytes_copied,
+                       "write_behind_buffers": st.behind_buffers,
+                       "write_behind_peak_bytes": st.behind_peak_bytes,
                        "direct": opt.direct,
                        "buffers": len(opt.pipe.buffers),
                        "buffer_bytes": int(opt.pipe.buffers[0].numel())},
@@ -187,7 +191,7 @@ def summarise(mem: dict, disk: dict, bw: dict, budget: float, tokens: int) -> di
     io, steps = disk["io"], len(disk["step_s"])
     opt_busy = max(io["opt_read_s"], io["opt_write_s"])
     io_busy = max(opt_busy, io["param_read_s"])
-    exposed = io["opt_wait_s"] + io["param_wait_s"]
+    exposed = io["opt_wait_s"] + io["param_wait_s"] + io.get("room_wait_s", 0.0)
     # the limit: the step's bytes at the probe's rates (reads and writes sharing the disk),
     # overlapped with all of the in-memory run's compute
     disk_s = io_time(io["bytes_read"], io["bytes_written"], bw) / steps
@@ -204,7 +208,11 @@ def summarise(mem: dict, disk: dict, bw: dict, budget: float, tokens: int) -> di
         "bit_equal": mem["digest"] == disk["digest"],
         "digests": {"memory": mem["digest"][:16], "disk": disk["digest"][:16]},
         "io_per_step_gb": {"read": io["bytes_read"] / steps / gb,
-                           "written": io["bytes_written"] / steps / gb},
+                           "written": io["bytes_written"] / steps / gb,
+                           "params_from_memory": io.get("param_copied", 0) / steps / gb},
+        "write_behind": {"buffers_per_step": io.get("write_behind_buffers", 0) / steps,
+                         "peak_gb": io.get("write_behind_peak_bytes", 0) / gb,
+                         "backward_wait_s_per_step": io.get("room_wait_s", 0.0) / steps},
         "achieved_gbs": {
             "read": io["bytes_read"] / max(1e-9, io["opt_read_s"] + io["param_read_s"]) / gb,
             "write": io["bytes_written"] / max(1e-9, io["opt_write_s"]) / gb},
@@ -303,7 +311,9 @@ def markdown(res: dict) -> str:
             f"{r['achieved_gbs']['write']:.2f} / {r['sequential_gbs']['write']:.2f} / "
             f"{r['sequential_gbs'].get('write_shared', float('nan')):.2f} | "
             f"{r['io_per_step_gb']['read']:.1f} GB read, {r['io_per_step_gb']['written']:.1f} "
-            f"GB written | {100 * r['hidden_fraction']:.0f}% | {r['step_s']['memory']:.1f} / "
+            f"GB written, {r['io_per_step_gb'].get('params_from_memory', 0):.1f} GB of "
+            f"parameters from memory | {100 * r['hidden_fraction']:.0f}% | "
+            f"{r['step_s']['memory']:.1f} / "
             f"{r['step_s']['disk']:.1f} / {r['bound_step_s']:.1f} s | "
             + (f"{r['update_before_forward']['step_s']:.1f} s, "
                f"{r['update_before_forward']['exposed_s_per_step']:.1f} s"

@@ -482,12 +482,12 @@ class _Pipeline:
     def write(self, job: _Write) -> None:
         self._writes.put(job)
 
-    def swap(self, idx: int) -> tuple[torch.Tensor, memoryview]:
-        """Give ring slot `idx` (taken, not free) a new buffer and return its old one, which
+    def swap(self, idx: int, new: torch.Tensor) -> tuple[torch.Tensor, memoryview]:
+        """Give ring slot `idx` (taken, not free) buffer `new` and return its old one, which
         is then the caller's: a chunk can wait for its write there while the slot reads on."""
         old, view = self.buffers[idx], self._views[idx]
-        self.buffers[idx] = aligned_buffer(old.numel())
-        self._views[idx] = memoryview(self.buffers[idx].numpy())
+        self.buffers[idx] = new
+        self._views[idx] = memoryview(new.numpy())
         return old, view
 
     def call(self, fn, doing: str) -> threading.Event:
@@ -637,7 +637,9 @@ class OffloadedAdamW(torch.optim.AdamW):
         self._grad_bytes = [n * isz if p.requires_grad else 0 for n, isz, p in
                             zip(self.layout.numels, self.layout.itemsizes, self.tensors)]
         self._room = sum(self._grad_bytes)
-        self._extra = 0
+        self._extra = 0          # bytes of write-behind buffers: being written or pooled
+        self._inflight = 0       # write-behind buffers being written
+        self._pool: list[tuple[torch.Tensor, tuple[int, int]]] = []   # written, kept for reuse
         self._charged: set[int] = set()
         self.before_step: list = []     # called first in each step (parameter offload)
         self.streamer = None            # myria.train.offload_params.ParamStreamer
@@ -808,15 +810,16 @@ class OffloadedAdamW(torch.optim.AdamW):
                 self._held[key] = _Held(self.pipe.buffers[idx])
                 computed[c].set()
             segs = self._segments(chunk)
-            if self.asynchronous and self._lend(nbytes):
-                view = self.pipe.swap(idx)[1]
+            spare = self._lend(nbytes) if self.asynchronous else None
+            if spare is not None:
+                old, view = self.pipe.swap(idx, spare)
                 self.pipe.release(idx)
                 job = _Write(new, new_fd, -1, segs, written[c], fail, view=view,
-                             finished=lambda key=key, n=nbytes: self._unhold(key, n))
-                del view
+                             finished=lambda key=key, b=old: self._pooled(key, b))
+                del view, old, spare
             else:
                 job = _Write(new, new_fd, idx, segs, written[c], fail,
-                             finished=(lambda key=key: self._unhold(key, 0))
+                             finished=(lambda key=key: self._unhold(key))
                              if computed is not None else None)
             self.pipe.write(job)
             del job
@@ -847,52 +850,75 @@ class OffloadedAdamW(torch.optim.AdamW):
 
     # -- gradient memory lent to write-behind buffers -------------------------------------
     def _charge(self, t: int) -> None:
-        """Backward (a gradient accumulated): count it; wait while write-behind buffers hold
-        the memory it needs (exposed time, on the training thread's timeline)."""
+        """Backward (a gradient accumulated): count it; drop pooled write-behind buffers, and
+        wait for those being written, while they hold the memory it needs (exposed time, on
+        the training thread's timeline)."""
         if t in self._charged:
             return
         self._charged.add(t)
+        n = self.pipe.buffers[0].numel()
+        dropped: list[tuple[int, int]] = []
+        t0, ev = 0.0, None
         with self._room_cv:
             self._room -= self._grad_bytes[t]
-            if self._room >= 0 or self._extra == 0:
-                return
-        t0 = time.perf_counter()
-        ev = events.current().begin("offload_wait", "offload")
-        with self._room_cv:
-            while self._room < 0 and self._extra > 0 and self.pipe.error is None:
-                self._room_cv.wait(0.5)
-        events.current().end(ev)
-        self.pipe.stats.room_wait_s += time.perf_counter() - t0
+            while self._room < 0 and (self._pool or self._inflight):
+                if self._pool:
+                    dropped.append(self._pool.pop()[1])
+                    self._room += n
+                    self._extra -= n
+                elif self.pipe.error is not None:
+                    break
+                else:
+                    if ev is None:
+                        t0 = time.perf_counter()
+                        ev = events.current().begin("offload_wait", "offload")
+                    self._room_cv.wait(0.5)
+        for key in dropped:
+            self._unhold(key)
+        if ev is not None:
+            events.current().end(ev)
+            self.pipe.stats.room_wait_s += time.perf_counter() - t0
 
-    def _lend(self, n: int) -> bool:
+    def _lend(self, n: int) -> torch.Tensor | None:
+        """A buffer for a ring slot whose chunk then waits for its write off the ring: a pooled
+        one, or a new one while the gradient memory given back allows; None otherwise."""
         with self._room_cv:
-            if self._room < n:
-                return False
-            self._room -= n
-            self._extra += n
+            if self._pool:
+                buf, key = self._pool.pop()
+            elif self._room >= n:
+                buf, key = None, None
+                self._room -= n
+                self._extra += n
+            else:
+                return None
+            self._inflight += 1
             st = self.pipe.stats
             st.behind_buffers += 1
             st.behind_peak_bytes = max(st.behind_peak_bytes, self._extra)
-            return True
+        if key is not None:
+            self._unhold(key)
+        return buf if buf is not None else aligned_buffer(n)
 
     def _give_back(self, n: int) -> None:
         with self._room_cv:
             self._room += n
             self._room_cv.notify_all()
 
-    def _unhold(self, key: tuple[int, int], lent: int) -> None:
-        """Writer thread, a chunk written: no longer read from memory; its buffer's bytes
-        go back if it had one of its own."""
+    def _pooled(self, key: tuple[int, int], buf: torch.Tensor) -> None:
+        """Writer thread, a write-behind chunk written: its buffer is kept for reuse, and the
+        chunk stays readable from it until then."""
+        with self._room_cv:
+            self._pool.append((buf, key))
+            self._inflight -= 1
+            self._room_cv.notify_all()
+
+    def _unhold(self, key: tuple[int, int]) -> None:
+        """A chunk's buffer is about to hold something else: no longer read from memory."""
         entry = self._held.pop(key, None)
         if entry is not None:
             with entry.lock:
                 entry.valid = False
                 entry.buf = None
-        if lent:
-            with self._room_cv:
-                self._room += lent
-                self._extra -= lent
-                self._room_cv.notify_all()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         if set_to_none and self._charged:   # dropped without a step (a skipped step)
