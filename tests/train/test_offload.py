@@ -100,7 +100,16 @@ def test_parameters_on_disk_match_memory_bit_for_bit(tmp_path, ac):
     assert 3 * 2 * once < ps.bytes_read + ps.bytes_copied < 3 * 2 * 2 * once * 1.05
     # by the last chunk of the first update nearly all gradient memory is given back and no
     # buffer is lent yet: that chunk waits for its write in a buffer of its own, off the ring
-    assert off.optimizers[0].pipe.stats.behind_buffers >= 1
+    opt = off.optimizers[0]
+    assert opt.pipe.stats.behind_buffers >= 1
+    # the gradient memory lent out is all accounted for, after steps and after a skipped one
+    opt.flush()
+    assert opt._inflight == 0 and opt._room + opt._extra == sum(opt._grad_bytes)
+    x = torch.randint(0, 512, (2, 2, 33))
+    off.forward_backward(x[..., :-1], x[..., 1:])
+    assert opt._room + opt._extra < sum(opt._grad_bytes)   # backward took its share
+    off.skip_step()
+    assert opt._room + opt._extra == sum(opt._grad_bytes)
     a, b = ref.state_dict()["model"], off.state_dict()["model"]   # b: mapped from the file
     assert a.keys() == b.keys()
     for k in a:

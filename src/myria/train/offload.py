@@ -767,6 +767,9 @@ class OffloadedAdamW(torch.optim.AdamW):
         written = [threading.Event() for _ in self.chunks]
         computed = [threading.Event() for _ in self.chunks] if self.offload_params else None
         taken, self._charged = self._charged, set()
+        unused = [t for t in taken if t not in grads]   # charged, and no gradient came
+        if unused:
+            self._give_back(sum(self._grad_bytes[t] for t in unused))
         old_fd = self.fd
         self.gen, self.fd, self._written, self._computed = new, new_fd, written, computed
         work = lambda: self._update_all(g, new, new_fd, old_fd, before, grads,  # noqa: E731
@@ -849,11 +852,17 @@ class OffloadedAdamW(torch.optim.AdamW):
             done.set()
 
     # -- gradient memory lent to write-behind buffers -------------------------------------
+    def charge(self, tensors) -> None:
+        """Backward is about to produce the gradients of `tensors` (offload_params.py, before
+        a unit's backward): count them now, so their memory is free before they exist."""
+        for t in tensors:
+            self._charge(t)
+
     def _charge(self, t: int) -> None:
-        """Backward (a gradient accumulated): count it; drop pooled write-behind buffers, and
-        wait for those being written, while they hold the memory it needs (exposed time, on
-        the training thread's timeline)."""
-        if t in self._charged:
+        """Backward (a gradient about to be produced, or accumulated): count it once; drop
+        pooled write-behind buffers, and wait for those being written, while they hold the
+        memory it needs (exposed time, on the training thread's timeline)."""
+        if t in self._charged or not self._grad_bytes[t]:
             return
         self._charged.add(t)
         n = self.pipe.buffers[0].numel()

@@ -241,6 +241,7 @@ class ParamStreamer:
                 p.register_post_accumulate_grad_hook(lambda p, u=u: self._accumulated(u))
 
     def _before_backward(self, u: Unit, i: int) -> None:
+        self.opt.charge(t for _, t, _ in u.params)   # room for its gradients first
         self.ensure(u)
         for below in reversed(self.units[:i]):
             if below.slab < 0:
