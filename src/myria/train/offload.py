@@ -20,10 +20,14 @@ i+1, i+2, ... into free buffers while the main thread updates chunk i, and a wri
 writes chunk i-1 back. When a step ends the reader goes on prefetching the next step's first
 chunks (they depend only on this step's writes), and the writer's last chunks trail into the
 next forward pass: the I/O hides behind the optimizer's arithmetic and, as far as the buffers
-reach, behind forward and backward. Files are opened with O_DIRECT where the file system allows
-it (no page-cache copy, no cache pollution, bandwidth that is the disk's); elsewhere (tmpfs,
-some network file systems) plain buffered I/O is used. Python's `os.preadv`/`os.pwritev`
-release the GIL, so the threads overlap with torch's kernels; no extra library is needed.
+reach, behind forward and backward. With the parameters on disk the update runs behind
+training, the next forward copies updated parameters from its buffers, and the gradient memory
+the update has used up is lent to write-behind buffers, which backward takes back
+(`OffloadedAdamW.charge`, docs/offload.md). Files are opened with O_DIRECT where the file
+system allows it (no page-cache copy, no cache pollution, bandwidth that is the disk's);
+elsewhere (tmpfs, some network file systems) plain buffered I/O is used. Python's
+`os.preadv`/`os.pwritev` release the GIL, so the threads overlap with torch's kernels; no extra
+library is needed.
 
 **Same bits as in memory.** Each chunk is updated by torch's own functional Adam
 (`torch.optim.adam.adam`, the function AdamW.step calls) with each param group's exact

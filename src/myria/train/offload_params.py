@@ -15,10 +15,13 @@ ZeRO-Infinity's parameter offload (Rajbhandari et al. 2021, section 5) for one p
   accumulated (`register_post_accumulate_grad_hook`), it is dropped. Activation checkpointing
   recomputes inside the checkpointed module, after that hook: the parameters are there.
 - Gradients stay in the fast tier (backward produces them; the optimizer reads them chunk by
-  chunk); all units are dropped before each optimizer step. The step runs behind training
-  (`OffloadedAdamW.step`): the next forward starts at once and reads each unit's new parameters
-  as soon as the update has written their chunks, so the optimizer's reads and writes overlap
-  with the forward pass instead of stopping training.
+  chunk); before a unit's backward its gradients are charged against the gradient memory the
+  update lends to write-behind buffers (`OffloadedAdamW.charge`). All units are dropped before
+  each optimizer step. The step runs behind training (`OffloadedAdamW.step`): the next forward
+  starts at once and loads each unit as soon as the update has computed its chunks, copying the
+  new parameters from the update's buffers where they are not written yet
+  (`OffloadedAdamW.read_params`), so the optimizer's reads and writes overlap with forward and
+  backward instead of stopping training.
 
 Swapping `p.data` keeps each Parameter object (the optimizer's, autograd's saved tensors) and
 its shape during the unit's forward and backward, which is when autograd looks at it. With
