@@ -1061,6 +1061,13 @@ class OffloadedAdamW(torch.optim.AdamW):
         self.pipe.drain()
         self._prefetched = False
         self._written = self._computed = None
+        with self._room_cv:   # chunks kept in memory are of the state being replaced
+            pooled, self._pool = self._pool, []
+            self._room += len(pooled) * self.pipe.buffers[0].numel()
+            self._extra -= len(pooled) * self.pipe.buffers[0].numel()
+        for key in list(self._held):
+            self._unhold(key)
+        del pooled
         gen = int(info["gen"])
         try:
             if gen != self.gen:
