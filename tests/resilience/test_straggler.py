@@ -13,7 +13,7 @@ from myria.resilience.straggler import detect
 from tests.conftest import TINY, run_cli
 
 # Windows of 4 steps. The fixtures' steps take ~30 ms of compute each on 4 processes over 2
-# cores: with windows of 3, one rank of a clean run that lost CPU for ~0.2 s (another job on the
+# cores: with windows of 3, one rank of a clean run that lost CPU for ~0.2 s (a busy moment of the
 # shared host) was named in two consecutive windows (slowdown 11% and 13%, z 2.6 and 3.5; one
 # full suite of this session). The two-window rule rejects blips shorter than a window; at real
 # step times a window is minutes.
