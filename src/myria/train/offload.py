@@ -575,7 +575,8 @@ class _Pipeline:
 # -- the optimizer -----------------------------------------------------------------------------
 @dataclass
 class _Held:
-    """A chunk updated and not yet written: the next forward may copy parameters from it."""
+    """An updated chunk still in memory (being written, or written and its buffer not yet
+    reused): the next forward may copy parameters from it."""
 
     buf: torch.Tensor
     lock: threading.Lock = field(default_factory=threading.Lock)
@@ -635,8 +636,9 @@ class OffloadedAdamW(torch.optim.AdamW):
         # Gradient memory lent to write-behind buffers. `_room` is the gradient bytes the plan
         # reserves minus the gradients alive minus the write-behind buffers: the update gives
         # a gradient's bytes back once its last chunk is done, a chunk may then wait for its
-        # write in a buffer of its own (the ring slot reads on), and backward, charging each
-        # gradient as it arrives, waits for such buffers to drain before it takes more.
+        # write in a buffer of its own (the ring slot reads on; written, the buffer is pooled),
+        # and backward, charging each unit's gradients before they exist, drops pooled buffers
+        # and waits for those being written before it takes more.
         self._room_cv = threading.Condition()
         self._grad_bytes = [n * isz if p.requires_grad else 0 for n, isz, p in
                             zip(self.layout.numels, self.layout.itemsizes, self.tensors)]
@@ -744,10 +746,10 @@ class OffloadedAdamW(torch.optim.AdamW):
         Behind training: everything the update reads is fixed here (the gradients, the step
         counts, each group's settings with this step's learning rate) and the step counts
         advance now; the chunks are read, updated and written by a thread while the caller goes
-        on. The next forward reads each unit's new parameters after their chunks are written
-        (`written_events`), so it follows the update chunk by chunk, and the reads, updates and
-        writes of the optimizer overlap with it instead of preceding it: the same arithmetic on
-        the same values, so the same bits."""
+        on. The next forward loads each unit's new parameters once their chunks are updated
+        (`computed_events`, `read_params`), so it follows the update chunk by chunk, and the
+        optimizer's reads, updates and writes overlap with it instead of preceding it: the same
+        arithmetic on the same values, so the same bits."""
         if closure is not None:
             raise ValueError("OffloadedAdamW.step takes no closure")
         t0 = time.perf_counter()
@@ -869,16 +871,13 @@ class OffloadedAdamW(torch.optim.AdamW):
         if t in self._charged or not self._grad_bytes[t]:
             return
         self._charged.add(t)
-        n = self.pipe.buffers[0].numel()
         dropped: list[tuple[int, int]] = []
         t0, ev = 0.0, None
         with self._room_cv:
             self._room -= self._grad_bytes[t]
             while self._room < 0 and (self._pool or self._inflight):
                 if self._pool:
-                    dropped.append(self._pool.pop()[1])
-                    self._room += n
-                    self._extra -= n
+                    dropped.append(self._drop_pooled())
                 elif self.pipe.error is not None:
                     break
                 else:
@@ -912,6 +911,15 @@ class OffloadedAdamW(torch.optim.AdamW):
             self._unhold(key)
         return buf if buf is not None else aligned_buffer(n)
 
+    def _drop_pooled(self) -> tuple[int, int]:
+        """With `_room_cv` held: free a pooled buffer's memory; returns its chunk's key (the
+        caller unholds it outside the lock, which frees the buffer)."""
+        key = self._pool.pop()[1]
+        n = self.pipe.buffers[0].numel()
+        self._room += n
+        self._extra -= n
+        return key
+
     def _give_back(self, n: int) -> None:
         with self._room_cv:
             self._room += n
@@ -942,10 +950,10 @@ class OffloadedAdamW(torch.optim.AdamW):
 
     def computed_events(self, tensors: set[int]) -> list[threading.Event]:
         """The last step's updates of the chunks holding `tensors` (to read them after)."""
-        evs = self._computed if self._computed is not None else self._written
-        if evs is None:
+        if self._computed is None:
             return []
-        return [evs[c] for c in sorted({c for t in tensors for c in self._chunks_of.get(t, ())})]
+        return [self._computed[c] for c in sorted({c for t in tensors
+                                                    for c in self._chunks_of.get(t, ())})]
 
     def read_params(self, slab: torch.Tensor, view: memoryview, soff: int, off: int, n: int,
                     gen: int, fd: int) -> int:
@@ -1019,13 +1027,6 @@ class OffloadedAdamW(torch.optim.AdamW):
         self.path(old).unlink(missing_ok=True)
         self.path(old, ".json").unlink(missing_ok=True)
 
-    def written_events(self, tensors: set[int]) -> list[threading.Event]:
-        """The last step's writes of the chunks holding `tensors` (to read them after)."""
-        if self._written is None:
-            return []
-        return [self._written[c] for c in sorted({c for t in tensors
-                                                   for c in self._chunks_of.get(t, ())})]
-
     def flush(self) -> None:
         """Wait for the trailing writes of the last step (its generation is then committed)."""
         t0 = time.perf_counter()
@@ -1062,12 +1063,10 @@ class OffloadedAdamW(torch.optim.AdamW):
         self._prefetched = False
         self._written = self._computed = None
         with self._room_cv:   # chunks kept in memory are of the state being replaced
-            pooled, self._pool = self._pool, []
-            self._room += len(pooled) * self.pipe.buffers[0].numel()
-            self._extra -= len(pooled) * self.pipe.buffers[0].numel()
+            while self._pool:
+                self._drop_pooled()
         for key in list(self._held):
             self._unhold(key)
-        del pooled
         gen = int(info["gen"])
         try:
             if gen != self.gen:
