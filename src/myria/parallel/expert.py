@@ -273,14 +273,20 @@ def grad_norm(parameters, foreach: bool | None = None) -> torch.Tensor:
 
 
 @torch.no_grad()
+def clip_coef(max_norm: float, total_norm: torch.Tensor | float) -> float:
+    """The factor clipping scales gradients by (1.0: they stay as they are), torch's rule."""
+    if not 0 < max_norm < float("inf"):
+        return 1.0
+    coef = max_norm / (float(total_norm) + 1e-6)
+    return coef if coef < 1.0 else 1.0
+
+
 def clip_grads_with_norm_(parameters, max_norm: float, total_norm: torch.Tensor | float) -> None:
     """Scale gradients by max_norm / total_norm when that is < 1, one foreach per mesh.
 
     `torch.nn.utils.clip_grads_with_norm_` fails on gradients of different meshes.
     """
-    if not 0 < max_norm < float("inf"):
-        return
-    coef = max_norm / (float(total_norm) + 1e-6)
+    coef = clip_coef(max_norm, total_norm)
     if coef < 1.0:
         for group in _by_mesh([p.grad for p in parameters if p.grad is not None]):
             torch._foreach_mul_(group, coef)

@@ -320,6 +320,7 @@ class StepGuard:
             p = self._target()
             if p.grad is not None:
                 flip_bit(p.grad)
+                self.engine.gradients_changed()
 
     def _target(self) -> torch.Tensor:
         """The parameter the bitflip hook corrupts: the last one (the final norm or the output

@@ -260,6 +260,8 @@ class Engine:
                         loss = self._loss_fn(self.model(inputs[i]), targets[i]) / accum
                     else:  # fused, chunked output projection + cross-entropy
                         loss = self.model(inputs[i], targets[i]) / accum
+                if i == accum - 1:
+                    self._tell_optimizers("last_backward")
                 with rec.compute("backward", mb=i, stage=0):
                     loss.backward()
             loss_sum += _local(loss.detach())
@@ -307,9 +309,22 @@ class Engine:
             sq = norm.pow(2)
             dist.all_reduce(sq, group=self.pp_group)
             norm = sq.sqrt()
-        if max_norm > 0:
+        scaled = expert.clip_coef(max_norm, norm) < 1.0
+        self._tell_optimizers("clipping", scaled)   # before the gradients change
+        if scaled:
             expert.clip_grads_with_norm_(params, max_norm, norm)
         return float(norm)
+
+    def gradients_changed(self) -> None:
+        """Gradients were changed after backward (a fault injected into one)."""
+        self._tell_optimizers("gradients_changed")
+
+    def _tell_optimizers(self, event: str, *args) -> None:
+        """Optimizers that act on the gradients before step() (the nvme tier's update during
+        backward: myria.train.offload) hear what happens to them; others have no such method."""
+        for opt in self.optimizers:
+            if (fn := getattr(opt, event, None)) is not None:
+                fn(*args)
 
     def step(self) -> None:
         for opt, sched in zip(self.optimizers, self.schedulers):

@@ -407,6 +407,10 @@ class IOStats:
     room_wait_s: float = 0.0       # backward waiting for write-behind buffers to drain
     behind_buffers: int = 0        # chunks written from a buffer of their own (write-behind)
     behind_peak_bytes: int = 0     # the most memory write-behind buffers held at once
+    spec_confirmed: int = 0        # updates run during backward and kept (gradients not scaled)
+    spec_cancelled: int = 0        # ... and dropped (clipped, skipped, gradients changed)
+    spec_cancel_s: float = 0.0     # main thread stopping dropped speculations (exposed)
+    spec_chunks_ahead: int = 0     # chunks a kept speculation had updated when step() came
     steps: int = 0
 
 
@@ -416,6 +420,7 @@ class _Read:
     fd: int
     segments: list[tuple[int, int, int]]   # (file offset, buffer offset, bytes)
     after: threading.Event | None = None   # the write this read depends on
+    cancel: threading.Event | None = None  # set: skip the I/O (the read is not wanted any more)
 
 
 @dataclass
@@ -527,7 +532,7 @@ class _Pipeline:
                 return
             if job.after is not None:
                 job.after.wait()
-            if self.error is None:
+            if self.error is None and not (job.cancel is not None and job.cancel.is_set()):
                 t0 = time.perf_counter()
                 try:
                     for off, boff, n in job.segments:
@@ -583,6 +588,41 @@ class _Held:
     valid: bool = True
 
 
+@dataclass
+class _Update:
+    """One update of every chunk, generation `g` into `new` (file `fd`), in `order`.
+
+    Speculative (`ready` set): started during the last backward, before the gradients are
+    clipped. Chunk c is updated once the gradients of all its tensors are final (`ready[c]`),
+    assuming they will not be scaled; `step()` keeps it (`confirmed`) when nothing changed them,
+    else it is dropped (`cancelled`) and its file is reused by the update that replaces it."""
+
+    g: int
+    new: int
+    fd: int
+    old_fd: int
+    before: dict          # tensor -> its step count before this update
+    settings: list[dict]  # each group's adam() settings (this step's learning rate)
+    grads: dict           # tensor -> its flat gradient (speculative: filled as they are final)
+    order: list[int]
+    written: list[threading.Event]
+    computed: list[threading.Event] | None
+    left: list[int]       # tensor -> chunks of it not updated yet
+    taken: set = field(default_factory=set)   # tensors whose gradient memory was charged
+    kill: object = None
+    full: object = None
+    ready: list[threading.Event] | None = None
+    waiting: list[int] | None = None          # chunk -> tensors whose gradient is not final
+    ptr: dict = field(default_factory=dict)   # tensor -> data_ptr of the gradient used
+    after: threading.Event | None = None      # the previous update's end
+    confirmed: bool = True
+    cancelled: bool = False
+    decided: threading.Event = field(default_factory=threading.Event)
+    used: list[int] = field(default_factory=list)   # used up before it was confirmed
+    updated: int = 0      # chunks updated so far
+    done: threading.Event = field(default_factory=threading.Event)
+
+
 def _adam_kwargs(group: dict) -> dict:
     """The settings AdamW.step passes to torch.optim.adam.adam for `group`."""
     beta1, beta2 = group["betas"]
@@ -626,13 +666,12 @@ class OffloadedAdamW(torch.optim.AdamW):
             for pc in chunk.pieces:
                 self._chunks_of.setdefault(pc.index, []).append(c)
         self._written: list[threading.Event] | None = None  # the last step's chunk writes
-        self._ends_at: list[list[int]] = [[] for _ in self.chunks]   # tensors ending in chunk c
-        for t, cs in self._chunks_of.items():
-            self._ends_at[cs[-1]].append(t)
+        self._tensors_in = [sorted({pc.index for pc in chunk.pieces}) for chunk in self.chunks]
         self._starts = [c.start for c in self.chunks]
         # parameters on disk: chunks updated and not yet written, readable from memory
         self._computed: list[threading.Event] | None = None
         self._held: dict[tuple[int, int], _Held] = {}
+        self._held_lock = threading.Lock()
         # Gradient memory lent to write-behind buffers. `_room` is the gradient bytes the plan
         # reserves minus the gradients alive minus the write-behind buffers: the update gives
         # a gradient's bytes back once its last chunk is done, a chunk may then wait for its
@@ -645,7 +684,7 @@ class OffloadedAdamW(torch.optim.AdamW):
         self._room = sum(self._grad_bytes)
         self._extra = 0          # bytes of write-behind buffers: being written or pooled
         self._inflight = 0       # write-behind buffers being written
-        self._pool: list[tuple[torch.Tensor, tuple[int, int]]] = []   # written, kept for reuse
+        self._pool: list[tuple[torch.Tensor, tuple[int, int], _Held | None]] = []  # for reuse
         self._charged: set[int] = set()
         self.before_step: list = []     # called first in each step (parameter offload)
         self.streamer = None            # myria.train.offload_params.ParamStreamer
@@ -658,8 +697,15 @@ class OffloadedAdamW(torch.optim.AdamW):
         self.gen = 0
         self.fd = -1
         self._committed: threading.Event | None = None
-        self._prefetched = False
+        self._queued: str | None = None    # reads of the next update queued: forward | reverse
+        self._reads_cancel = threading.Event()
         self._closed = False
+        # Parameters on disk: the update runs during the last backward when the gradients are
+        # not expected to be clipped (the last step's were not), and is kept if they were not.
+        self.speculate = True
+        self._speculate_next = True
+        self._spec: _Update | None = None
+        self._spare: tuple[int, int] | None = None   # a dropped speculation's (gen, fd)
         # parameters on disk: the update runs behind training (step); its end and its error
         self.asynchronous = offload_params
         self._behind: threading.Event | None = None
@@ -667,7 +713,7 @@ class OffloadedAdamW(torch.optim.AdamW):
         if offload_params:
             for t, p in enumerate(self.tensors):
                 if p.requires_grad:
-                    p.register_post_accumulate_grad_hook(lambda p, t=t: self._charge(t))
+                    p.register_post_accumulate_grad_hook(lambda p, t=t: self._final(t))
         self._prepare_dir()
         self.fd = self._create(0)
         self._write_index(0)
@@ -726,10 +772,21 @@ class OffloadedAdamW(torch.optim.AdamW):
         return [(s * self.layout.region + chunk.start, s * self.chunk_bytes, n)
                 for s in range(len(self.layout.sections))]
 
-    def _queue_reads(self, gen: int, fd: int, after: list[threading.Event] | None) -> None:
-        for c, chunk in enumerate(self.chunks):
-            self.pipe.read(_Read((gen, c), fd, self._segments(chunk),
-                                 after[c] if after else None))
+    def _queue_reads(self, gen: int, fd: int, after: list[threading.Event] | None,
+                     order: str = "forward") -> None:
+        """Queue the reads of generation `gen`'s chunks for the next update, in its order."""
+        self._reads_cancel = cancel = threading.Event()
+        cs = range(len(self.chunks))
+        for c in (cs if order == "forward" else reversed(cs)):
+            self.pipe.read(_Read((gen, c), fd, self._segments(self.chunks[c]),
+                                 after[c] if after else None, cancel))
+        self._queued = order
+
+    def _drop_reads(self) -> None:
+        """Drop the reads queued and not taken (those not done yet skip their I/O)."""
+        self._reads_cancel.set()
+        self.pipe.drain()
+        self._queued = None
 
     def _raise_if_failed(self) -> None:
         if self.pipe.error is not None:
@@ -737,6 +794,45 @@ class OffloadedAdamW(torch.optim.AdamW):
         if self._behind_error is not None:
             e = self._behind_error
             raise e if isinstance(e, OffloadError) else self._error(e, "updating") from None
+
+    def _new_update(self, settings: list[dict], speculative: bool) -> _Update:
+        g, new = self.gen, self.gen + 1
+        fd = self._file_for(new)
+        n = len(self.chunks)
+        u = _Update(g=g, new=new, fd=fd, old_fd=self.fd,
+                    before={t: self.state[p]["step"] for t, p in enumerate(self.tensors)},
+                    settings=settings, grads={},
+                    order=list(reversed(range(n))) if speculative else list(range(n)),
+                    written=[threading.Event() for _ in range(n)],
+                    computed=[threading.Event() for _ in range(n)]
+                    if self.offload_params else None,
+                    left=[len(self._chunks_of.get(t, ())) for t in range(len(self.tensors))],
+                    kill=self.faults.due("offload-kill", new) if self.faults else None,
+                    full=self.faults.due("offload-diskfull", new) if self.faults else None)
+        if speculative:
+            u.confirmed = False
+            u.ready = [threading.Event() for _ in range(n)]
+            u.waiting = [sum(1 for t in ts if self._grad_bytes[t]) for ts in self._tensors_in]
+            for c, w in enumerate(u.waiting):
+                if not w:
+                    u.ready[c].set()
+        return u
+
+    def _drop_spare(self) -> None:
+        if self._spare is not None:
+            gen, fd = self._spare
+            self._spare = None
+            os.close(fd)
+            self.path(gen).unlink(missing_ok=True)
+
+    def _file_for(self, gen: int) -> int:
+        """The file generation `gen` is written into: a dropped speculation's, else a new one."""
+        if self._spare is not None and self._spare[0] == gen:
+            fd = self._spare[1]
+            self._spare = None
+            return fd
+        self._drop_spare()
+        return self._create(gen)
 
     @torch.no_grad()
     def step(self, closure=None):  # noqa: ARG002 (the Optimizer signature)
@@ -749,7 +845,11 @@ class OffloadedAdamW(torch.optim.AdamW):
         on. The next forward loads each unit's new parameters once their chunks are updated
         (`computed_events`, `read_params`), so it follows the update chunk by chunk, and the
         optimizer's reads, updates and writes overlap with it instead of preceding it: the same
-        arithmetic on the same values, so the same bits."""
+        arithmetic on the same values, so the same bits.
+
+        If an update already ran during backward (`last_backward`) on these very gradients
+        (none scaled by clipping or changed since, same settings), it is kept and goes on
+        behind training; otherwise it is dropped and the update starts here."""
         if closure is not None:
             raise ValueError("OffloadedAdamW.step takes no closure")
         t0 = time.perf_counter()
@@ -757,105 +857,217 @@ class OffloadedAdamW(torch.optim.AdamW):
         self._raise_if_failed()
         for fn in self.before_step:
             fn()
-        g = self.gen
-        new = g + 1
-        new_fd = self._create(new)
-        if not self._prefetched:
-            self._queue_reads(g, self.fd, None)
-        kill = self.faults.due("offload-kill", new) if self.faults else None
-        full = self.faults.due("offload-diskfull", new) if self.faults else None
-        before = {t: self.state[p]["step"] for t, p in enumerate(self.tensors)
-                  if p.grad is not None}
-        grads = {t: _flat(_local(self.tensors[t].grad)) for t in before}
         settings = [_adam_kwargs(group) for group in self.param_groups]
-        for t in before:   # what adam's own `step += 1` gives each tensor's count
-            self.state[self.tensors[t]]["step"] = before[t] + 1
-        written = [threading.Event() for _ in self.chunks]
-        computed = [threading.Event() for _ in self.chunks] if self.offload_params else None
+        grads = {t: _flat(_local(p.grad)) for t, p in enumerate(self.tensors)
+                 if p.grad is not None}
         taken, self._charged = self._charged, set()
         unused = [t for t in taken if t not in grads]   # charged, and no gradient came
         if unused:
             self._give_back(sum(self._grad_bytes[t] for t in unused))
-        old_fd = self.fd
-        self.gen, self.fd, self._written, self._computed = new, new_fd, written, computed
-        work = lambda: self._update_all(g, new, new_fd, old_fd, before, grads,  # noqa: E731
-                                        settings, written, kill, full, computed, taken)
-        if self.asynchronous:
-            done = self._behind = threading.Event()
-            threading.Thread(target=self._run_behind,
-                             args=(work, written + (computed or []), done),
-                             name="myria-offload-step", daemon=True).start()
+        u = self._spec
+        if u is not None and not (u.settings == settings and set(u.ptr) <= set(grads) and
+                                  all(grads[t].data_ptr() == a for t, a in u.ptr.items())):
+            self._cancel()
+            u = None
+        if u is not None:   # the speculation holds: it goes on behind training
+            self._spec = None
+            for t in grads:
+                if t not in u.ptr:   # no hook told of it: its chunks are still waiting
+                    u.grads[t] = grads[t]
+            with self._room_cv:
+                u.taken, u.confirmed = taken, True
+                self._room += sum(self._grad_bytes[t] for t in u.used if t in taken)
+                self._room_cv.notify_all()
+            for ev in u.ready:
+                ev.set()
+            u.decided.set()
+            self.pipe.stats.spec_confirmed += 1
+            self.pipe.stats.spec_chunks_ahead += u.updated
         else:
-            work()
-        self._queue_reads(new, new_fd, written)   # prefetch the next step's first chunks
-        self._prefetched = True
+            u = self._new_update(settings, speculative=False)
+            u.grads, u.taken = grads, taken
+            if self._queued != "forward":
+                if self._queued is not None:
+                    self._drop_reads()
+                self._queue_reads(u.g, self.fd, self._written, "forward")
+        for t in grads:   # what adam's own `step += 1` gives each tensor's count
+            self.state[self.tensors[t]]["step"] = u.before[t] + 1
+        self.gen, self.fd, self._written, self._computed = u.new, u.fd, u.written, u.computed
+        if self.asynchronous:
+            self._behind = u.done
+            if u.ready is None:
+                threading.Thread(target=self._run_behind, args=(u,),
+                                 name="myria-offload-step", daemon=True).start()
+        else:
+            self._update_all(u)
+        # prefetch the next update's first chunks, in the order it will take them
+        nxt = "reverse" if self.asynchronous and self.speculate and self._speculate_next \
+            else "forward"
+        self._queue_reads(u.new, u.fd, u.written, nxt)
         self.pipe.stats.step_s += time.perf_counter() - t0
         self.pipe.stats.steps += 1
         self._write_stats()
 
-    def _update_all(self, g: int, new: int, new_fd: int, old_fd: int, before: dict,
-                    grads: dict, settings: list[dict], written: list[threading.Event],
-                    kill, full, computed: list[threading.Event] | None = None,
-                    taken: set[int] = frozenset()) -> None:
-        """Read, update and write every chunk of generation `g` into `new`, then commit.
+    # -- speculation: the update during the last backward -----------------------------------
+    def last_backward(self) -> None:
+        """The engine is about to run the step's last backward: with the parameters on disk,
+        start updating each chunk as soon as its gradients are final (`_final`), on the bet
+        that clipping will leave them as they are (it did last step). `step()` keeps the
+        result; clipping (`clipping`), a changed gradient (`gradients_changed`) or a skipped
+        step drop it, and the update then runs as without speculation."""
+        if not (self.asynchronous and self.speculate and self._speculate_next) \
+                or self._spec is not None or self._closed:
+            return
+        if self._queued == "forward":   # the last step did not expect this
+            return
+        self._raise_if_failed()
+        if self._queued is None:
+            self._queue_reads(self.gen, self.fd, self._written, "reverse")
+        u = self._new_update([_adam_kwargs(group) for group in self.param_groups],
+                             speculative=True)
+        u.after, self._spec = self._behind, u
+        threading.Thread(target=self._run_behind, args=(u,), name="myria-offload-speculate",
+                         daemon=True).start()
+
+    def _final(self, t: int) -> None:
+        """Backward (post-accumulate hook): tensor `t`'s gradient has accumulated."""
+        self._charge(t)
+        u = self._spec
+        if u is None or u.cancelled or t in u.ptr or self.tensors[t].grad is None:
+            return
+        flat = _flat(_local(self.tensors[t].grad))
+        u.grads[t], u.ptr[t] = flat, flat.data_ptr()
+        for c in self._chunks_of.get(t, ()):
+            u.waiting[c] -= 1
+            if u.waiting[c] == 0:
+                u.ready[c].set()
+
+    def clipping(self, scaled: bool) -> None:
+        """The engine's clip: the gradients are about to be scaled (or not). Scaled: a
+        speculation stops before they change and is dropped; the next step speculates only if
+        this one was not clipped."""
+        if scaled:
+            self._cancel()
+        self._speculate_next = not scaled
+
+    def gradients_changed(self) -> None:
+        """Something changed gradients after backward (a fault injected into one): a
+        speculation computed from them is dropped."""
+        self._cancel()
+
+    def _cancel(self) -> None:
+        """Stop and drop the speculation: its thread ends, its writes finish (into a file that
+        is never committed, reused by the next update), its chunks are no longer readable."""
+        u = self._spec
+        if u is None:
+            return
+        t0 = time.perf_counter()
+        self._spec = None
+        u.cancelled = True
+        self._reads_cancel.set()
+        for ev in u.ready:
+            ev.set()
+        u.decided.set()
+        u.done.wait()
+        self.pipe.call(lambda: None, "finishing dropped writes").wait()
+        for c in range(len(self.chunks)):
+            self._unhold((u.new, c))
+        self._drop_reads()
+        self._spare = (u.new, u.fd)
+        self.pipe.stats.spec_cancelled += 1
+        self.pipe.stats.spec_cancel_s += time.perf_counter() - t0
+
+    def _used_up(self, u: _Update, t: int) -> None:
+        """Every chunk of tensor `t` is updated: its gradient's memory goes back (once the
+        update is confirmed: a dropped speculation's gradients are used again)."""
+        if u.grads.pop(t, None) is None:
+            return
+        with self._room_cv:
+            if not u.confirmed:
+                u.used.append(t)
+            elif t in u.taken:
+                self._room += self._grad_bytes[t]
+                self._room_cv.notify_all()
+
+    def _update_all(self, u: _Update) -> None:
+        """Read, update and write every chunk of generation `u.g` into `u.new`, then commit.
 
         With the parameters on disk each updated chunk stays readable from memory until it is
         written (`computed`, `read_params`), and, while gradient memory given back allows, waits
         for its write in a buffer of its own so that its ring slot reads on."""
         exposed = not self.asynchronous
-        for c, chunk in enumerate(self.chunks):
-            idx = self.pipe.take((g, c), exposed)
+        half = len(u.order) // 2
+        for i, c in enumerate(u.order):
+            chunk = self.chunks[c]
+            idx = self.pipe.take((u.g, c), exposed)
+            if u.ready is not None:
+                u.ready[c].wait()
+            if u.cancelled:
+                self.pipe.release(idx)
+                return
             try:
                 self._raise_if_failed()
-                self._update(chunk, self.pipe.buffers[idx], before, grads, settings)
+                self._update(chunk, self.pipe.buffers[idx], u.before, u.grads, u.settings)
             except BaseException:
                 self.pipe.release(idx)
                 raise
-            fail = full is not None and c == len(self.chunks) // 2
+            u.updated += 1
+            fail = u.full is not None and i == half
             if fail:
-                self.faults.mark(full)
-            key, nbytes = (new, c), self.pipe.buffers[idx].numel()
-            if computed is not None:
-                self._held[key] = _Held(self.pipe.buffers[idx])
-                computed[c].set()
+                self.faults.mark(u.full)
+            key, nbytes = (u.new, c), self.pipe.buffers[idx].numel()
+            entry = None
+            if u.computed is not None:
+                entry = _Held(self.pipe.buffers[idx])
+                with self._held_lock:
+                    self._held[key] = entry
+                u.computed[c].set()
             segs = self._segments(chunk)
-            spare = self._lend(nbytes) if self.asynchronous else None
+            spare = self._lend(nbytes) if self.asynchronous and u.confirmed else None
             if spare is not None:
                 old, view = self.pipe.swap(idx, spare)
                 self.pipe.release(idx)
-                job = _Write(new, new_fd, -1, segs, written[c], fail, view=view,
-                             finished=lambda key=key, b=old: self._pooled(key, b))
+                job = _Write(u.new, u.fd, -1, segs, u.written[c], fail, view=view,
+                             finished=lambda key=key, b=old, e=entry: self._pooled(key, b, e))
                 del view, old, spare
             else:
-                job = _Write(new, new_fd, idx, segs, written[c], fail,
-                             finished=(lambda key=key: self._unhold(key))
-                             if computed is not None else None)
+                job = _Write(u.new, u.fd, idx, segs, u.written[c], fail,
+                             finished=(lambda key=key, e=entry: self._unhold(key, e))
+                             if entry is not None else None)
             self.pipe.write(job)
-            del job
-            for t in self._ends_at[c]:   # this gradient is used up: its memory goes back
-                if grads.pop(t, None) is not None and t in taken:
-                    self._give_back(self._grad_bytes[t])
-            if kill is not None and c == len(self.chunks) // 2:
-                written[c].wait()   # a half-written generation on disk, then die
-                self.faults.mark(kill)
+            del job, entry
+            for t in self._tensors_in[c]:
+                u.left[t] -= 1
+                if u.left[t] == 0:
+                    self._used_up(u, t)
+            if u.kill is not None and i == half:
+                u.written[c].wait()   # a half-written generation on disk, then die
+                self.faults.mark(u.kill)
                 os.kill(os.getpid(), signal.SIGKILL)
-        self._committed = self.pipe.call(lambda: self._commit(new, new_fd, old_fd, g),
-                                         f"committing generation {new}")
+        if u.ready is not None:   # a speculation commits only once step() has kept it
+            u.decided.wait()
+            if u.cancelled:
+                return
+        self._committed = self.pipe.call(lambda: self._commit(u.new, u.fd, u.old_fd, u.g),
+                                         f"committing generation {u.new}")
 
-    def _run_behind(self, work, written: list[threading.Event], done: threading.Event) -> None:
+    def _run_behind(self, u: _Update) -> None:
         """The update on its thread: an error is kept for the training thread, and every
         chunk is marked written so that nothing waits for it forever."""
         t0 = time.perf_counter()
         try:
+            if u.after is not None:
+                u.after.wait()
             with torch.no_grad():   # grad mode is per thread
-                work()
+                self._update_all(u)
         except BaseException as e:
-            self._behind_error = e
-            for ev in written:
+            if not u.cancelled:
+                self._behind_error = e
+            for ev in u.written + (u.computed or []):
                 ev.set()
         finally:
             self.pipe.stats.behind_s += time.perf_counter() - t0
-            done.set()
+            u.done.set()
 
     # -- gradient memory lent to write-behind buffers -------------------------------------
     def charge(self, tensors) -> None:
@@ -871,7 +1083,7 @@ class OffloadedAdamW(torch.optim.AdamW):
         if t in self._charged or not self._grad_bytes[t]:
             return
         self._charged.add(t)
-        dropped: list[tuple[int, int]] = []
+        dropped: list[tuple[tuple[int, int], _Held | None]] = []
         t0, ev = 0.0, None
         with self._room_cv:
             self._room -= self._grad_bytes[t]
@@ -885,8 +1097,8 @@ class OffloadedAdamW(torch.optim.AdamW):
                         t0 = time.perf_counter()
                         ev = events.current().begin("offload_wait", "offload")
                     self._room_cv.wait(0.5)
-        for key in dropped:
-            self._unhold(key)
+        for key, entry in dropped:
+            self._unhold(key, entry)
         if ev is not None:
             events.current().end(ev)
             self.pipe.stats.room_wait_s += time.perf_counter() - t0
@@ -896,9 +1108,9 @@ class OffloadedAdamW(torch.optim.AdamW):
         one, or a new one while the gradient memory given back allows; None otherwise."""
         with self._room_cv:
             if self._pool:
-                buf, key = self._pool.pop()
+                buf, key, entry = self._pool.pop()
             elif self._room >= n:
-                buf, key = None, None
+                buf, key, entry = None, None, None
                 self._room -= n
                 self._extra += n
             else:
@@ -908,40 +1120,46 @@ class OffloadedAdamW(torch.optim.AdamW):
             st.behind_buffers += 1
             st.behind_peak_bytes = max(st.behind_peak_bytes, self._extra)
         if key is not None:
-            self._unhold(key)
+            self._unhold(key, entry)
         return buf if buf is not None else aligned_buffer(n)
 
-    def _drop_pooled(self) -> tuple[int, int]:
-        """With `_room_cv` held: free a pooled buffer's memory; returns its chunk's key (the
-        caller unholds it outside the lock, which frees the buffer)."""
-        key = self._pool.pop()[1]
+    def _drop_pooled(self) -> tuple[tuple[int, int], _Held | None]:
+        """With `_room_cv` held: free a pooled buffer's memory; returns its chunk's key and
+        entry (the caller unholds it outside the lock, which frees the buffer)."""
+        _, key, entry = self._pool.pop()
         n = self.pipe.buffers[0].numel()
         self._room += n
         self._extra -= n
-        return key
+        return key, entry
 
     def _give_back(self, n: int) -> None:
         with self._room_cv:
             self._room += n
             self._room_cv.notify_all()
 
-    def _pooled(self, key: tuple[int, int], buf: torch.Tensor) -> None:
+    def _pooled(self, key: tuple[int, int], buf: torch.Tensor, entry: _Held | None) -> None:
         """Writer thread, a write-behind chunk written: its buffer is kept for reuse, and the
         chunk stays readable from it until then."""
         with self._room_cv:
-            self._pool.append((buf, key))
+            self._pool.append((buf, key, entry))
             self._inflight -= 1
             self._room_cv.notify_all()
 
-    def _unhold(self, key: tuple[int, int]) -> None:
-        """A chunk's buffer is about to hold something else: no longer read from memory."""
-        entry = self._held.pop(key, None)
+    def _unhold(self, key: tuple[int, int], entry: _Held | None = None) -> None:
+        """A chunk's buffer is about to hold something else: no longer read from memory.
+        With `entry`: only that one (a newer entry of the same chunk stays readable)."""
+        with self._held_lock:
+            if entry is None:
+                entry = self._held.pop(key, None)
+            elif self._held.get(key) is entry:
+                del self._held[key]
         if entry is not None:
             with entry.lock:
                 entry.valid = False
                 entry.buf = None
 
     def zero_grad(self, set_to_none: bool = True) -> None:
+        self._cancel()   # no step took the gradients (a skipped step): nor does a speculation
         if set_to_none and self._charged:   # dropped without a step (a skipped step)
             n = sum(self._grad_bytes[t] for t in self._charged)
             self._charged = set()
@@ -1058,9 +1276,10 @@ class OffloadedAdamW(torch.optim.AdamW):
                 f"checkpoint {ckpt}: the offloaded optimizer state {prefix}.bin was saved for "
                 "other local tensors (another layout, model or parallel.offload_params); "
                 "resume with the layout it was saved with")
+        self._cancel()
         self.flush()
-        self.pipe.drain()
-        self._prefetched = False
+        self._drop_reads()
+        self._drop_spare()
         self._written = self._computed = None
         with self._room_cv:   # chunks kept in memory are of the state being replaced
             while self._pool:
@@ -1090,6 +1309,8 @@ class OffloadedAdamW(torch.optim.AdamW):
             return
         self._closed = True
         try:
+            self._cancel()
+            self._drop_spare()
             if self._behind is not None:
                 self._behind.wait()
             if self._committed is not None:
