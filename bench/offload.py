@@ -24,9 +24,15 @@ sequential bandwidth; the limit the bandwidths allow (the larger of the in-memor
 disk time of the step's bytes: reads and writes at the rates measured while both run, the rest
 alone), and how much of the I/O hid behind compute: hidden = 1 - exposed / that disk time, where
 exposed is the time the training loop waited on a chunk or a layer not yet there (or, in
-backward, for write-behind buffers to give memory back). A third run per
-round, `disk-sync`, is the A/B of the update behind training: the same disk run with the update
+backward, for write-behind buffers to give memory back). With `--ab`, a third run per round,
+`disk-sync`, is the A/B of the update behind training: the same disk run with the update
 finished inside step(), before the next forward starts.
+
+Each round runs the pair twice: with the gradient clipped at 1.0, which binds at every step of
+this short run from random weights (norms 7-40), and with a clip of `--loose-clip` (1000),
+above every norm here: the regime of most of a pretraining run once the norm has settled under
+the clip. Only there can the update run during backward (the speculation of
+myria.train.offload: it assumes the gradients will not be scaled, and is dropped if they are).
 """
 
 from __future__ import annotations
@@ -54,7 +60,8 @@ MODEL = ["--model.vocab_size=8192",
          "--parallel.activation_checkpoint=full"]
 
 
-def child(mode: str, steps: int, budget: float, directory: Path, size: list[str]) -> dict:
+def child(mode: str, steps: int, budget: float, directory: Path, size: list[str],
+          clip: float) -> dict:
     """One run in this process: train `steps` steps, report timings, memory and a digest."""
     import torch
 
@@ -72,15 +79,15 @@ def child(mode: str, steps: int, budget: float, directory: Path, size: list[str]
     if mode == "disk-sync":   # the A/B: the update before the next forward, not behind it
         e.optimizers[0].asynchronous = False
     g = torch.Generator().manual_seed(7)
-    times = []
+    times, norms = [], []
     for _ in range(steps):
         x = torch.randint(0, cfg.model.vocab_size, (1, 2, cfg.model.seq_len + 1), generator=g)
         t0 = time.perf_counter()
         e.forward_backward(x[..., :-1], x[..., 1:])
-        e.clip_grads(1.0)
+        norms.append(e.clip_grads(clip))
         e.step()
         times.append(time.perf_counter() - t0)
-    out = {"mode": mode, "step_s": times, "peak_rss_bytes": peak_rss(),
+    out = {"mode": mode, "step_s": times, "grad_norms": norms, "peak_rss_bytes": peak_rss(),
            "runtime_rss_bytes": runtime_rss,
            "params": sum(p.numel() for p in e.model.parameters())}
     if mode != "memory":
@@ -99,6 +106,10 @@ def child(mode: str, steps: int, budget: float, directory: Path, size: list[str]
                        "room_wait_s": st.room_wait_s, "param_copied": ps.bytes_copied,
                        "write_behind_buffers": st.behind_buffers,
                        "write_behind_peak_bytes": st.behind_peak_bytes,
+                       "spec_confirmed": st.spec_confirmed,
+                       "spec_cancelled": st.spec_cancelled,
+                       "spec_cancel_s": st.spec_cancel_s,
+                       "spec_chunks_ahead": st.spec_chunks_ahead, "chunks": len(opt.chunks),
                        "direct": opt.direct,
                        "buffers": len(opt.pipe.buffers),
                        "buffer_bytes": int(opt.pipe.buffers[0].numel())},
@@ -172,12 +183,13 @@ def io_time(read: float, written: float, bw: dict) -> float:
     return together + max(0.0, rest_r) + max(0.0, rest_w)
 
 
-def run_child(mode: str, a, directory: Path) -> dict:
+def run_child(mode: str, a, directory: Path, clip: float) -> dict:
     env = dict(os.environ, PYTHONPATH=str(ROOT / "src") + os.pathsep +
                os.environ.get("PYTHONPATH", ""))
     cp = subprocess.run([sys.executable, __file__, "--child", mode, "--steps", str(a.steps),
                          "--budget-gb", str(a.budget_gb), "--dir", str(directory),
-                          "--layers", str(a.layers), "--hidden", str(a.hidden)],
+                         "--layers", str(a.layers), "--hidden", str(a.hidden),
+                         "--clip", str(clip)],
                         env=env, capture_output=True, text=True)
     if cp.returncode:
         sys.exit(f"{mode} run failed:\n{cp.stderr[-3000:]}")
@@ -191,7 +203,8 @@ def summarise(mem: dict, disk: dict, bw: dict, budget: float, tokens: int) -> di
     io, steps = disk["io"], len(disk["step_s"])
     opt_busy = max(io["opt_read_s"], io["opt_write_s"])
     io_busy = max(opt_busy, io["param_read_s"])
-    exposed = io["opt_wait_s"] + io["param_wait_s"] + io.get("room_wait_s", 0.0)
+    exposed = io["opt_wait_s"] + io["param_wait_s"] + io.get("room_wait_s", 0.0) + \
+        io.get("spec_cancel_s", 0.0)
     # the limit: the step's bytes at the probe's rates (reads and writes sharing the disk),
     # overlapped with all of the in-memory run's compute
     disk_s = io_time(io["bytes_read"], io["bytes_written"], bw) / steps
@@ -206,10 +219,16 @@ def summarise(mem: dict, disk: dict, bw: dict, budget: float, tokens: int) -> di
         "tokens_per_s": {"memory": tokens / steady(mem), "disk": tokens / steady(disk)},
         "speed_ratio": steady(mem) / steady(disk),
         "bit_equal": mem["digest"] == disk["digest"],
+        "grad_norms": [min(disk.get("grad_norms", [0])), max(disk.get("grad_norms", [0]))],
         "digests": {"memory": mem["digest"][:16], "disk": disk["digest"][:16]},
         "io_per_step_gb": {"read": io["bytes_read"] / steps / gb,
                            "written": io["bytes_written"] / steps / gb,
                            "params_from_memory": io.get("param_copied", 0) / steps / gb},
+        "speculation": {"kept": io.get("spec_confirmed", 0),
+                        "dropped": io.get("spec_cancelled", 0),
+                        "drop_s_per_step": io.get("spec_cancel_s", 0.0) / steps,
+                        "updated_in_backward": io.get("spec_chunks_ahead", 0)
+                        / max(1, io.get("spec_confirmed", 0)) / max(1, io.get("chunks", 1))},
         "write_behind": {"buffers_per_step": io.get("write_behind_buffers", 0) / steps,
                          "peak_gb": io.get("write_behind_peak_bytes", 0) / gb,
                          "backward_wait_s_per_step": io.get("room_wait_s", 0.0) / steps},
@@ -239,11 +258,16 @@ def main() -> None:
                     "temporary directory under the project, not /tmp, which may be tmpfs)")
     ap.add_argument("--layers", type=int, default=24)
     ap.add_argument("--hidden", type=int, default=1152, help="model width (heads: 12)")
+    ap.add_argument("--loose-clip", type=float, default=1000.0,
+                    help="the clip of the second pair of runs, above every gradient norm")
+    ap.add_argument("--ab", action="store_true",
+                    help="also the disk run with the update finished inside step()")
     ap.add_argument("--child", default="", help=argparse.SUPPRESS)
+    ap.add_argument("--clip", type=float, default=1.0, help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.child:
         size = [f"--model.layers={a.layers}", f"--model.hidden={a.hidden}"]
-        print(json.dumps(child(a.child, a.steps, a.budget_gb, Path(a.dir), size)))
+        print(json.dumps(child(a.child, a.steps, a.budget_gb, Path(a.dir), size, a.clip)))
         return
     base = Path(a.dir) if a.dir else Path(tempfile.mkdtemp(prefix="offload-bench-", dir=ROOT))
     tokens = 2 * 256
@@ -252,26 +276,36 @@ def main() -> None:
         for r in range(a.rounds):
             d = base / f"round{r}"
             d.mkdir(parents=True, exist_ok=True)
-            mem = run_child("memory", a, d)
+            mem = run_child("memory", a, d, 1.0)
             bw = max((disk_bandwidth(d, a.probe_gb) for _ in range(2)),
                      key=lambda b: b["read_shared_gbs"] + b["write_shared_gbs"])
-            disk = run_child("disk", a, d)
-            sync = run_child("disk-sync", a, d)
+            disk = run_child("disk", a, d, 1.0)
             s = summarise(mem, disk, bw, a.budget_gb, tokens)
-            s["update_before_forward"] = {
-                "step_s": statistics.median(sync["step_s"][1:] or sync["step_s"]),
-                "exposed_s_per_step": (sync["io"]["opt_wait_s"] + sync["io"]["param_wait_s"])
-                / len(sync["step_s"]), "bit_equal": sync["digest"] == mem["digest"],
-                "digest": sync["digest"][:16]}
+            if a.ab:
+                sync = run_child("disk-sync", a, d, 1.0)
+                s["update_before_forward"] = {
+                    "step_s": statistics.median(sync["step_s"][1:] or sync["step_s"]),
+                    "exposed_s_per_step": (sync["io"]["opt_wait_s"] +
+                                           sync["io"]["param_wait_s"]) / len(sync["step_s"]),
+                    "bit_equal": sync["digest"] == mem["digest"], "digest": sync["digest"][:16]}
+            s["clip"] = 1.0
             rounds.append(s)
-            print(f"round {r}: state {s['state_gb']:.2f} GB = {s['state_over_budget']:.2f}x "
-                  f"budget; peak {s['peak_gb']['disk']:.2f} GB (memory run "
-                  f"{s['peak_gb']['memory']:.2f}; planned {s['planned_gb']:.2f}, runtime "
-                  f"{s['runtime_gb']:.2f}); {s['tokens_per_s']['disk']:.1f} vs "
-                  f"{s['tokens_per_s']['memory']:.1f} tokens/s; bit-equal {s['bit_equal']}; "
-                  f"read {s['achieved_gbs']['read']:.2f}/{s['sequential_gbs']['read']:.2f} GB/s, "
-                  f"write {s['achieved_gbs']['write']:.2f}/{s['sequential_gbs']['write']:.2f} "
-                  f"GB/s; hidden {100 * s['hidden_fraction']:.0f}%", flush=True)
+            mem_l = run_child("memory", a, d, a.loose_clip)
+            bw_l = max((disk_bandwidth(d, a.probe_gb) for _ in range(2)),
+                       key=lambda b: b["read_shared_gbs"] + b["write_shared_gbs"])
+            disk_l = run_child("disk", a, d, a.loose_clip)
+            s["loose"] = summarise(mem_l, disk_l, bw_l, a.budget_gb, tokens)
+            s["loose"]["clip"] = a.loose_clip
+            for x in (s, s["loose"]):
+                    print(f"round {r}, clip {x['clip']:g}: state {x['state_gb']:.2f} GB = "
+                      f"{x['state_over_budget']:.2f}x budget; peak {x['peak_gb']['disk']:.2f} GB "
+                      f"(memory run {x['peak_gb']['memory']:.2f}; planned "
+                      f"{x['planned_gb']:.2f}, runtime {x['runtime_gb']:.2f}); "
+                      f"{x['tokens_per_s']['disk']:.1f} vs {x['tokens_per_s']['memory']:.1f} "
+                      f"tokens/s; step {x['step_over_bound']:.2f}x the limit; bit-equal "
+                      f"{x['bit_equal']}; update during backward kept "
+                      f"{x['speculation']['kept']}, dropped {x['speculation']['dropped']}; "
+                      f"hidden {100 * x['hidden_fraction']:.0f}%", flush=True)
             shutil.rmtree(d, ignore_errors=True)
     finally:
         if not a.dir:
@@ -280,7 +314,8 @@ def main() -> None:
     res = {"command": "python bench/offload.py " + " ".join(sys.argv[1:]),
            "machine": f"{platform.machine()}, {os.cpu_count()} cores, "
                       f"{os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_PHYS_PAGES') / 1e9:.0f} GB",
-           "date": time.strftime("%Y-%m-%d"), "steps": a.steps, "rounds": rounds}
+           "date": time.strftime("%Y-%m-%d"), "steps": a.steps, "probe_gb": a.probe_gb,
+           "rounds": rounds}
     OUT.write_text(json.dumps(res, indent=1))
     (ROOT / "bench" / "RESULTS_offload.md").write_text(markdown(res))
     print(f"wrote {OUT} and bench/RESULTS_offload.md")
@@ -295,49 +330,72 @@ def markdown(res: dict) -> str:
         f"AdamW moments) against a fast-tier budget of {r0['budget_gb']:g} GB "
         f"({r0['state_over_budget']:.2f}x); `disk`: parameters and moments in files "
         "(`offload = nvme`, `offload_params = true`), `memory`: everything in RAM; both "
-        f"recompute activations; {res['steps']} steps each, median step after the first.", "",
-        "| round | peak memory run | peak disk run | budget + runtime | tokens/s memory | "
-        "tokens/s disk | bit-equal | read achieved / alone / shared GB/s | write achieved / "
-        "alone / shared GB/s | I/O per step | I/O hidden | step: memory / disk / limit | update "
-        "before forward: step, exposed |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
-    for i, r in enumerate(res["rounds"]):
-        lines.append(
-            f"| {i} | {r['peak_gb']['memory']:.2f} GB | {r['peak_gb']['disk']:.2f} GB | "
-            f"{r['budget_gb']:g} + {r['runtime_gb']:.2f} GB | {r['tokens_per_s']['memory']:.1f} | "
-            f"{r['tokens_per_s']['disk']:.1f} | {'yes' if r['bit_equal'] else 'NO'} | "
-            f"{r['achieved_gbs']['read']:.2f} / {r['sequential_gbs']['read']:.2f} / "
-            f"{r['sequential_gbs'].get('read_shared', float('nan')):.2f} | "
-            f"{r['achieved_gbs']['write']:.2f} / {r['sequential_gbs']['write']:.2f} / "
-            f"{r['sequential_gbs'].get('write_shared', float('nan')):.2f} | "
-            f"{r['io_per_step_gb']['read']:.1f} GB read, {r['io_per_step_gb']['written']:.1f} "
-            f"GB written, {r['io_per_step_gb'].get('params_from_memory', 0):.1f} GB of "
-            f"parameters from memory | {100 * r['hidden_fraction']:.0f}% | "
-            f"{r['step_s']['memory']:.1f} / "
-            f"{r['step_s']['disk']:.1f} / {r['bound_step_s']:.1f} s | "
-            + (f"{r['update_before_forward']['step_s']:.1f} s, "
-               f"{r['update_before_forward']['exposed_s_per_step']:.1f} s"
-               + ("" if r['update_before_forward']['bit_equal'] else " (NOT bit-equal)")
-               if "update_before_forward" in r else "") + " |")
+        f"recompute activations; {res['steps']} steps each, median step after the first. "
+        "Each round trains the pair with the gradient clipped at 1 (binding at every step: "
+        f"norms {min(r['grad_norms'][0] for r in res['rounds']):.1f}-"
+        f"{max(r['grad_norms'][1] for r in res['rounds']):.1f} from random weights) and with "
+        "a clip above every norm (the update can then run during backward).", "",
+        "| round | clip | peak memory run | peak disk run | budget + runtime | tokens/s memory "
+        "| tokens/s disk | bit-equal | read achieved / alone / shared GB/s | write achieved / "
+        "alone / shared GB/s | I/O per step | update during backward: kept, dropped, chunks "
+        "done by step() | I/O hidden | step: memory / disk / limit | **step / limit** |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for i, r0 in enumerate(res["rounds"]):
+        for r in (r0, r0.get("loose")):
+            if r is None:
+                continue
+            sp = r.get("speculation", {})
+            lines.append(
+                f"| {i} | {r.get('clip', 1.0):g} | {r['peak_gb']['memory']:.2f} GB | "
+                f"{r['peak_gb']['disk']:.2f} GB | {r['budget_gb']:g} + {r['runtime_gb']:.2f} GB "
+                f"| {r['tokens_per_s']['memory']:.1f} | {r['tokens_per_s']['disk']:.1f} | "
+                f"{'yes' if r['bit_equal'] else 'NO'} | "
+                f"{r['achieved_gbs']['read']:.2f} / {r['sequential_gbs']['read']:.2f} / "
+                f"{r['sequential_gbs'].get('read_shared', float('nan')):.2f} | "
+                f"{r['achieved_gbs']['write']:.2f} / {r['sequential_gbs']['write']:.2f} / "
+                f"{r['sequential_gbs'].get('write_shared', float('nan')):.2f} | "
+                f"{r['io_per_step_gb']['read']:.1f} GB read, "
+                f"{r['io_per_step_gb']['written']:.1f} GB written, "
+                f"{r['io_per_step_gb'].get('params_from_memory', 0):.1f} GB of parameters from "
+                f"memory | {sp.get('kept', 0)}, {sp.get('dropped', 0)}, "
+                f"{100 * sp.get('updated_in_backward', 0):.0f}% | "
+                f"{100 * r['hidden_fraction']:.0f}% | {r['step_s']['memory']:.1f} / "
+                f"{r['step_s']['disk']:.1f} / {r['bound_step_s']:.1f} s | "
+                f"**{r['step_over_bound']:.2f}x** |")
     lines += ["", "Peak memory is the process's high-water mark (VmHWM); *runtime* is the "
               "process after importing torch and myria, which no budget removes. I/O hidden = "
-              "1 - (time the loop waited for a chunk or a layer) / (the step's bytes at the "
-              "probe's rates). "
+              "1 - (time the loop waited for a chunk or a layer, or for a dropped speculation "
+              "to stop) / (the step's bytes at the probe's rates). "
               "Achieved bandwidth is bytes over the I/O threads' busy time; sequential is an "
-              "O_DIRECT write then read of 2 GB on the same directory in the same round (alone), "
-              "then a read and a write of 2 GB each at once on two threads (shared). The "
+              f"O_DIRECT write then read of {res.get('probe_gb', 2):g} GB on the same directory in "
+              f"the same round (alone), then a read and a write of {res.get('probe_gb', 2):g} GB "
+              "each at once on two threads (shared), measured "
+              "before each disk run. The "
               "limit is the step the bandwidths allow: the larger of the in-memory step and the "
               "disk time of the step's bytes (reads and writes at the rates the probe measured "
-              "while both ran, the rest alone). The "
-              "machine is shared: tokens/s of the two runs of a round are minutes apart.", ""]
+              "while both ran, the rest alone). *Update during backward*: steps whose update ran "
+              "during backward and was kept, and dropped (the gradients were then clipped; "
+              "the first step speculates, later ones only after an unclipped step), and the "
+              "share of chunks a kept one had updated when step() came. The "
+              "machine is shared: tokens/s of the runs of a round are minutes apart.", ""]
+    ab = [r["update_before_forward"] for r in res["rounds"] if "update_before_forward" in r]
+    if ab:
+        lines += ["A/B, the update finished inside step() (clip 1): step " + ", ".join(
+            f"{x['step_s']:.1f} s (exposed {x['exposed_s_per_step']:.1f} s"
+            + ("" if x["bit_equal"] else ", NOT bit-equal") + ")" for x in ab) + ".", ""]
     count: dict[str, dict[str, int]] = {}
-    for r in res["rounds"]:
-        for kind, d in (("memory", r["digests"]["memory"]), ("disk", r["digests"]["disk"]),
-                        ("update before forward", r.get("update_before_forward", {})
-                         .get("digest"))):
-            if d:
-                count.setdefault(kind, {}).setdefault(d, 0)
-                count[kind][d] += 1
+    for r0 in res["rounds"]:
+        for r in (r0, r0.get("loose")):
+            if r is None:
+                continue
+            c = f"clip {r.get('clip', 1.0):g}"
+            for kind, d in ((f"memory, {c}", r["digests"]["memory"]),
+                            (f"disk, {c}", r["digests"]["disk"]),
+                            (f"update before forward, {c}", r.get("update_before_forward", {})
+                             .get("digest"))):
+                if d:
+                    count.setdefault(kind, {}).setdefault(d, 0)
+                    count[kind][d] += 1
     lines += ["Final parameters' digests over the rounds (each run a fresh process): " + "; ".join(
         f"{kind}: " + ", ".join(f"{d[:8]} x{n}" for d, n in c.items()) for kind, c in
         count.items()) + ".", ""]
