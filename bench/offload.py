@@ -79,15 +79,18 @@ def child(mode: str, steps: int, budget: float, directory: Path, size: list[str]
     if mode == "disk-sync":   # the A/B: the update before the next forward, not behind it
         e.optimizers[0].asynchronous = False
     g = torch.Generator().manual_seed(7)
-    times, norms = [], []
+    times, norms, cpu = [], [], []
     for _ in range(steps):
+        c0 = sum(os.times()[:2])
         x = torch.randint(0, cfg.model.vocab_size, (1, 2, cfg.model.seq_len + 1), generator=g)
         t0 = time.perf_counter()
         e.forward_backward(x[..., :-1], x[..., 1:])
         norms.append(e.clip_grads(clip))
         e.step()
         times.append(time.perf_counter() - t0)
-    out = {"mode": mode, "step_s": times, "grad_norms": norms, "peak_rss_bytes": peak_rss(),
+        cpu.append(sum(os.times()[:2]) - c0)
+    out = {"mode": mode, "step_s": times, "grad_norms": norms, "cpu_s": cpu,
+           "peak_rss_bytes": peak_rss(),
            "runtime_rss_bytes": runtime_rss,
            "params": sum(p.numel() for p in e.model.parameters())}
     if mode != "memory":
@@ -242,6 +245,10 @@ def summarise(mem: dict, disk: dict, bw: dict, budget: float, tokens: int) -> di
         "io_busy_s_per_step": io_busy / steps, "exposed_s_per_step": exposed / steps,
         "hidden_fraction": max(0.0, 1 - exposed / steps / disk_s) if disk_s else 1.0,
         "step_s": {"memory": steady(mem), "disk": steady(disk)},
+        # CPU seconds (user + system, every thread) per step: what moving the data costs the
+        # cores that also compute
+        "cpu_s": {k: statistics.median(r["cpu_s"][1:] or r["cpu_s"]) for k, r in
+                  (("memory", mem), ("disk", disk)) if "cpu_s" in r},
         "disk_s_per_step": disk_s, "bound_step_s": bound,
         "step_over_bound": steady(disk) / bound,
     }

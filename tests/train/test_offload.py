@@ -150,6 +150,7 @@ def test_update_runs_behind_the_next_forward(tmp_path, monkeypatch):
                  "--parallel.offload_params=true", "--parallel.fast_memory_gb=1")
     opt = off.optimizers[0]
     assert opt.asynchronous and len(opt.pipe.buffers) >= len(opt.chunks)
+    opt.speculate = False   # the update starts in step() (the next test: during backward)
     g = torch.Generator().manual_seed(1)
     batches = [torch.randint(0, 512, (2, 2, 33), generator=g) for _ in range(3)]
 
@@ -194,6 +195,75 @@ def test_update_runs_behind_the_next_forward(tmp_path, monkeypatch):
         assert torch.equal(want[k], got[k]), k
     stats = opt.pipe.stats
     assert stats.behind_s > 0 and stats.steps == 3
+    off.close()
+
+
+def test_update_runs_during_backward_and_is_kept_only_if_gradients_stay(tmp_path, monkeypatch):
+    """With parameters on disk the update starts during the last backward, each chunk once its
+    gradients are final, betting that clipping leaves them as they are. step() keeps it when
+    it did; clipping, a skipped step or a changed gradient drop it and the update runs from
+    step() as before. Every path ends bit-equal to AdamW in memory with the same steps."""
+
+    from myria.train.offload_params import ParamStreamer
+
+    common = ["--parallel.activation_checkpoint=full", "--model.layers=3"]
+    # (clip, what happens): the first step speculates; a clipped step drops it and the next one
+    # does not speculate; a skipped step or a gradient changed after backward drops it
+    plan = [(1e-3, "step"), (100.0, "step"), (100.0, "step"), (100.0, "skip"),
+            (100.0, "step"), (100.0, "change"), (100.0, "step")]
+
+    def train(e: Engine, during_backward=None) -> dict[str, torch.Tensor]:
+        g = torch.Generator().manual_seed(1)
+        for i, (clip, what) in enumerate(plan):
+            x = torch.randint(0, 512, (2, 2, 33), generator=g)
+            e.forward_backward(x[..., :-1], x[..., 1:])
+            if during_backward is not None:
+                during_backward(i)
+            if what == "change":
+                p = next(p for p in e.model.parameters() if p.grad is not None)
+                p.grad.mul_(0.5)
+                e.gradients_changed()
+            e.clip_grads(clip)
+            e.step() if what != "skip" else e.skip_step()
+        return {k: v.clone() for k, v in e.state_dict()["model"].items()}
+
+    want = train(engine(tmp_path / "mem", *common))
+    # the first unit's backward (the last to run) waits until some chunk of the update is
+    # done: an update that starts only after backward would never come (then: timeout)
+    seen: list[bool] = []
+    real = ParamStreamer._before_backward
+
+    def first_unit_waits(self, u, i):
+        spec = self.opt._spec
+        if i == 0 and spec is not None:
+            seen.append(any(ev.wait(10) for ev in spec.computed[-1:]))
+        return real(self, u, i)
+
+    monkeypatch.setattr(ParamStreamer, "_before_backward", first_unit_waits)
+    off = engine(tmp_path / "disk", *common, "--parallel.offload=nvme",
+                 "--parallel.offload_params=true", "--parallel.fast_memory_gb=0.01")
+    opt = off.optimizers[0]
+    assert len(opt.chunks) >= 3
+
+    def before_step(i):
+        if i == 2:   # a kept speculation: every chunk is updated before step() is called,
+            spec = opt._spec   # into a generation not committed until step() keeps it
+            assert spec is not None and all(ev.wait(10) for ev in spec.computed)
+            assert opt.gen == spec.g and not opt.path(spec.new, ".json").exists()
+            # the gradients it used up are still held (a dropped speculation needs them)
+            assert spec.used and opt._room + opt._extra == 0
+
+    got = train(off, before_step)
+    assert seen == [True] * 6, seen   # every speculating step updated chunks during backward
+    st = opt.pipe.stats
+    assert (st.spec_confirmed, st.spec_cancelled) == (3, 3)
+    assert st.spec_chunks_ahead >= len(opt.chunks)
+    for k in want:
+        assert torch.equal(want[k], got[k]), k
+    opt.flush()
+    assert opt._inflight == 0 and opt._room + opt._extra == sum(opt._grad_bytes)
+    assert sorted(f.name for f in opt.dir.iterdir()) == ["gen_00000006.bin",
+                                                         "gen_00000006.json"]
     off.close()
 
 
@@ -247,13 +317,16 @@ def same_params(a, b) -> bool:
 
 
 PARAMS_ON_DISK = ["--parallel.offload_params=true", "--parallel.activation_checkpoint=full"]
+# ... with no clipping: every update runs during backward (speculation kept at every step)
+DURING_BACKWARD = [*PARAMS_ON_DISK, "--training.grad_clip=0"]
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("extra", [[], PARAMS_ON_DISK], ids=["moments", "params"])
+@pytest.mark.parametrize("extra", [[], PARAMS_ON_DISK, DURING_BACKWARD],
+                         ids=["moments", "params", "params-during-backward"])
 def test_full_offload_dir_stops_cleanly_and_resumes(tmp_path, tiny_data, extra):
     """Moments on disk: the update fails in the step; parameters too: the update runs behind
-    training and its failure stops the next forward, with the same one line."""
+    training (or during backward) and its failure stops training, with the same one line."""
     run, ref = tmp_path / "run", tmp_path / "ref"
     steps = ["--training.steps=8", "--checkpoint.interval=4", "--parallel.offload=nvme", *extra]
     p = cli_train(run, tiny_data, *steps, env={"MYRIA_FAULT": "offload-diskfull:step=6"},
@@ -304,8 +377,9 @@ def test_two_fsdp_ranks_on_disk_match_memory_and_resume(tmp_path, tiny_data):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("extra,nproc,rank", [([], 2, 1), (PARAMS_ON_DISK, 1, 0)],
-                         ids=["moments", "params"])
+@pytest.mark.parametrize("extra,nproc,rank", [([], 2, 1), (PARAMS_ON_DISK, 1, 0),
+                                              (DURING_BACKWARD, 1, 0)],
+                         ids=["moments", "params", "params-during-backward"])
 def test_killed_mid_step_under_supervise_resumes_bit_equal(tmp_path, tiny_data, extra, nproc,
                                                            rank):
     """Killed half-way through writing generation 7 (with parameters on disk: on the thread
