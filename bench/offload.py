@@ -107,7 +107,6 @@ def child(mode: str, steps: int, budget: float, directory: Path, size: list[str]
                        "param_read_s": ps.read_s, "opt_wait_s": st.wait_s,
                        "param_wait_s": ps.wait_s, "behind_s": st.behind_s,
                        "room_wait_s": st.room_wait_s, "param_copied": ps.bytes_copied,
-                       "gave_way_s": st.gave_way_s,
                        "write_behind_buffers": st.behind_buffers,
                        "write_behind_peak_bytes": st.behind_peak_bytes,
                        "spec_confirmed": st.spec_confirmed,

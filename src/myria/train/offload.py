@@ -59,7 +59,6 @@ import shutil
 import signal
 import threading
 import time
-from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -406,7 +405,6 @@ class IOStats:
     behind_wait_s: float = 0.0     # ... of it waiting for chunks (hidden from training)
     flush_s: float = 0.0           # main thread waiting for trailing writes (checkpoints, end)
     room_wait_s: float = 0.0       # backward waiting for write-behind buffers to drain
-    gave_way_s: float = 0.0        # the pipeline's threads holding I/O while a layer is read
     behind_buffers: int = 0        # chunks written from a buffer of their own (write-behind)
     behind_peak_bytes: int = 0     # the most memory write-behind buffers held at once
     spec_confirmed: int = 0        # updates run during backward and kept (gradients not scaled)
@@ -457,8 +455,6 @@ class _Pipeline:
         self.error_doing = ""              # what the thread was doing when it failed
         self.stats = IOStats()
         self.outstanding: list[tuple] = []   # keys of reads queued and not yet taken
-        self._first = 0                      # reads training waits for, in progress
-        self._first_cv = threading.Condition()
         self._threads = [threading.Thread(target=self._read_loop, name="myria-offload-read",
                                           daemon=True),
                          threading.Thread(target=self._write_loop, name="myria-offload-write",
@@ -494,33 +490,6 @@ class _Pipeline:
 
     def write(self, job: _Write) -> None:
         self._writes.put(job)
-
-    @contextmanager
-    def first(self):
-        """Around a read the training thread is about to wait for (a layer's parameters,
-        offload_params.py): the pipeline's threads hold their next segment until it is done,
-        so it has the disk to itself. The update's own reads and writes have slack (they run
-        behind or beside compute); the layer is on compute's critical path."""
-        with self._first_cv:
-            self._first += 1
-        try:
-            yield
-        finally:
-            with self._first_cv:
-                self._first -= 1
-                self._first_cv.notify_all()
-
-    def _give_way(self) -> float:
-        """Pipeline thread, before a segment: wait while a `first` read runs (seconds)."""
-        if not self._first:
-            return 0.0
-        t0 = time.perf_counter()
-        with self._first_cv:
-            while self._first:
-                self._first_cv.wait()
-        waited = time.perf_counter() - t0
-        self.stats.gave_way_s += waited
-        return waited
 
     def swap(self, idx: int, new: torch.Tensor) -> tuple[torch.Tensor, memoryview]:
         """Give ring slot `idx` (taken, not free) buffer `new` and return its old one, which
@@ -567,7 +536,6 @@ class _Pipeline:
                 t0 = time.perf_counter()
                 try:
                     for off, boff, n in job.segments:
-                        t0 += self._give_way()
                         _full_io(os.preadv, job.fd, self._views[idx][boff:boff + n], off)
                         self.stats.bytes_read += n
                 except BaseException as e:
@@ -595,7 +563,6 @@ class _Pipeline:
                         raise OSError(errno.ENOSPC, "No space left on device (injected fault)")
                     view = job.view if job.view is not None else self._views[job.buffer]
                     for off, boff, n in job.segments:
-                        t0 += self._give_way()
                         _full_io(os.pwritev, job.fd, view[boff:boff + n], off)
                         self.stats.bytes_written += n
                 except BaseException as e:

@@ -187,13 +187,11 @@ class ParamStreamer:
             if self.error is None:
                 t0 = time.perf_counter()
                 try:
-                    with self.opt.pipe.first():   # training waits for it: it goes first
-                        for off, soff, n in self._segments(u):
-                            copied = self.opt.read_params(self.slabs[u.slab],
-                                                          self._views[u.slab], soff, off, n,
-                                                          gen, fd)
-                            self.bytes_copied += copied
-                            self.bytes_read += n - copied
+                    for off, soff, n in self._segments(u):
+                        copied = self.opt.read_params(self.slabs[u.slab], self._views[u.slab],
+                                                      soff, off, n, gen, fd)
+                        self.bytes_copied += copied
+                        self.bytes_read += n - copied
                 except BaseException as e:
                     self.error = e
                 self.read_s += time.perf_counter() - t0
