@@ -448,6 +448,17 @@ def test_offload_time_is_the_disk_beyond_the_update():
     disk = 8 * 2 * 12 * n_opt / 1e9 - slow.breakdown["optimizer"]
     assert slow.breakdown["offload"] == pytest.approx(disk, rel=0.03)
     assert slow.memory.optimizer == 0 and none.memory.optimizer > 0
+    # parameters on disk too: the update runs behind training, so the state's stream and the
+    # layers' reads share the disk with compute and are exposed only beyond it (slope 1 in the
+    # disk time, offset by the compute and the update's arithmetic)
+    params = base.replace(training={"offload": "nvme", "offload_params": True})
+    fast_p = simulate(params.replace(cluster={"nvme_gbs": 1000.0}))
+    assert fast_p.breakdown["offload"] == 0.0
+    off = {g: simulate(params.replace(cluster={"nvme_gbs": g})).breakdown["offload"]
+           for g in (0.25, 0.5, 1.0)}
+    assert off[1.0] > 0 and off[0.25] - off[0.5] == pytest.approx(2 * (off[0.5] - off[1.0]))
+    hidden = off[0.25] - 2 * off[0.5]   # offload(g) = disk bytes / g - hidden
+    assert 0.5 * fast_p.iteration_time_s < hidden <= fast_p.iteration_time_s * (1 + 1e-9)
 
 
 def test_dry_run_accounts_for_offload():
