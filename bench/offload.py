@@ -61,8 +61,10 @@ MODEL = ["--model.vocab_size=8192",
 
 
 def child(mode: str, steps: int, budget: float, directory: Path, size: list[str],
-          clip: float) -> dict:
-    """One run in this process: train `steps` steps, report timings, memory and a digest."""
+          clip: float, update_threads: int = 0) -> dict:
+    """One run in this process: train `steps` steps, report timings, memory and a digest.
+    `update_threads`: torch's intra-op threads on the thread that runs the update (the A/B of
+    the two thread pools, the update's and training's, sharing the cores)."""
     import torch
 
     from myria import config
@@ -78,6 +80,16 @@ def child(mode: str, steps: int, budget: float, directory: Path, size: list[str]
     e = Engine(cfg, None, torch.device("cpu"), directory / f"run-{mode}")
     if mode == "disk-sync":   # the A/B: the update before the next forward, not behind it
         e.optimizers[0].asynchronous = False
+    if update_threads:
+        from myria.train.offload import OffloadedAdamW
+
+        real = OffloadedAdamW._run_behind
+
+        def run_behind(self, u):
+            torch.set_num_threads(update_threads)   # this thread's OpenMP/MKL threads
+            return real(self, u)
+
+        OffloadedAdamW._run_behind = run_behind
     g = torch.Generator().manual_seed(7)
     times, norms, cpu = [], [], []
     for _ in range(steps):
@@ -186,13 +198,13 @@ def io_time(read: float, written: float, bw: dict) -> float:
     return together + max(0.0, rest_r) + max(0.0, rest_w)
 
 
-def run_child(mode: str, a, directory: Path, clip: float) -> dict:
+def run_child(mode: str, a, directory: Path, clip: float, update_threads: int = 0) -> dict:
     env = dict(os.environ, PYTHONPATH=str(ROOT / "src") + os.pathsep +
                os.environ.get("PYTHONPATH", ""))
     cp = subprocess.run([sys.executable, __file__, "--child", mode, "--steps", str(a.steps),
                          "--budget-gb", str(a.budget_gb), "--dir", str(directory),
                          "--layers", str(a.layers), "--hidden", str(a.hidden),
-                         "--clip", str(clip)],
+                         "--clip", str(clip), "--update-threads", str(update_threads)],
                         env=env, capture_output=True, text=True)
     if cp.returncode:
         sys.exit(f"{mode} run failed:\n{cp.stderr[-3000:]}")
@@ -271,10 +283,14 @@ def main() -> None:
                     help="also the disk run with the update finished inside step()")
     ap.add_argument("--child", default="", help=argparse.SUPPRESS)
     ap.add_argument("--clip", type=float, default=1.0, help=argparse.SUPPRESS)
+    ap.add_argument("--update-threads", type=int, default=0, help=argparse.SUPPRESS)
+    ap.add_argument("--threads-ab", action="store_true",
+                    help="also the loose-clip disk run with the update on one torch thread")
     a = ap.parse_args()
     if a.child:
         size = [f"--model.layers={a.layers}", f"--model.hidden={a.hidden}"]
-        print(json.dumps(child(a.child, a.steps, a.budget_gb, Path(a.dir), size, a.clip)))
+        print(json.dumps(child(a.child, a.steps, a.budget_gb, Path(a.dir), size, a.clip,
+                               a.update_threads)))
         return
     base = Path(a.dir) if a.dir else Path(tempfile.mkdtemp(prefix="offload-bench-", dir=ROOT))
     tokens = 2 * 256
@@ -303,6 +319,15 @@ def main() -> None:
             disk_l = run_child("disk", a, d, a.loose_clip)
             s["loose"] = summarise(mem_l, disk_l, bw_l, a.budget_gb, tokens)
             s["loose"]["clip"] = a.loose_clip
+            if a.threads_ab:
+                one = summarise(mem_l, run_child("disk", a, d, a.loose_clip, 1), bw_l,
+                                a.budget_gb, tokens)
+                s["loose"]["update_one_thread"] = {
+                    k: one[k] for k in ("step_s", "step_over_bound", "exposed_s_per_step",
+                                        "cpu_s", "bit_equal")}
+                print(f"round {r}, clip {a.loose_clip:g}, update on one thread: step "
+                      f"{one['step_s']['disk']:.2f} s ({one['step_over_bound']:.2f}x the limit) "
+                      f"against {s['loose']['step_s']['disk']:.2f} s", flush=True)
             for x in (s, s["loose"]):
                     print(f"round {r}, clip {x['clip']:g}: state {x['state_gb']:.2f} GB = "
                       f"{x['state_over_budget']:.2f}x budget; peak {x['peak_gb']['disk']:.2f} GB "
@@ -385,6 +410,15 @@ def markdown(res: dict) -> str:
               "the first step speculates, later ones only after an unclipped step), and the "
               "share of chunks a kept one had updated when step() came. The "
               "machine is shared: tokens/s of the runs of a round are minutes apart.", ""]
+    one = [r["loose"]["update_one_thread"] for r in res["rounds"]
+           if "update_one_thread" in r.get("loose", {})]
+    if one:
+        lines += [f"A/B, the update's thread on one torch thread (clip "
+                  f"{res['rounds'][0]['loose']['clip']:g}): step " + ", ".join(
+                      f"{x['step_s']['disk']:.1f} s ({x['step_over_bound']:.2f}x the limit"
+                      + ("" if x["bit_equal"] else ", NOT bit-equal") + ")" for x in one)
+                  + " (rounds in order; compare the clip-"
+                  f"{res['rounds'][0]['loose']['clip']:g} rows above).", ""]
     ab = [r["update_before_forward"] for r in res["rounds"] if "update_before_forward" in r]
     if ab:
         lines += ["A/B, the update finished inside step() (clip 1): step " + ", ".join(

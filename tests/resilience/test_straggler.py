@@ -27,15 +27,22 @@ K = SLOW_WINDOW * (WINDOWS + 1)
 
 @pytest.mark.slow
 def test_a_rank_slowed_by_20_percent_is_named_within_k_steps(tmp_path, tiny_data):
+    # Steps of ~120 ms of compute (global batch 64), not ~30 ms: in one full suite the 30 ms
+    # steps were so noisy (per-step sigma 0.2-0.3 with the host busy) that the 20% slowdown
+    # reached z of only 1.0-1.6 and nobody was named. Reproduced with two busy loops beside the
+    # run: 1 miss in 4 runs at batch 16, 0 in 4 at batch 64 (z 2.9-6.0, sigma 0.14-0.21).
     run = tmp_path / "run"
     run_cli("train", "--run-dir", str(run), f"--data.path={tiny_data}", *TINY,
-            "--training.global_batch=16", "--training.steps=18", "--checkpoint.interval=0",
+            "--training.global_batch=64", "--training.steps=18", "--checkpoint.interval=0",
             "--nproc", "4", env={"MYRIA_FAULT": "slow:rank=3:factor=1.2"}, timeout=600)
     found = detect(load_run(run), window=SLOW_WINDOW, windows=WINDOWS)
     assert [s.rank for s in found] == [3], [(s.rank, s.windows) for s in found]
     s = found[0]
     assert s.detected_step <= 1 + K  # within K steps of the first measured step
-    assert 0.10 <= s.slowdown < 0.6 and s.cost_s_per_step > 0
+    # The hook spins for 20% more than each span took. On 2 cores shared by 4 ranks, a busy host
+    # makes the spinning rank lose more CPU than its peers, so it is slowed by more than 20%:
+    # 0.20-0.70 per window with one or two busy loops beside it.
+    assert 0.10 <= s.slowdown < 1.0 and s.cost_s_per_step > 0
     assert all(w["slowdown"] >= 0.10 for w in s.windows)
 
 
