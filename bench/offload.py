@@ -63,8 +63,11 @@ MODEL = ["--model.vocab_size=8192",
 def child(mode: str, steps: int, budget: float, directory: Path, size: list[str],
           clip: float, update_threads: int = 0) -> dict:
     """One run in this process: train `steps` steps, report timings, memory and a digest.
-    `update_threads`: torch's intra-op threads on the thread that runs the update (the A/B of
-    the two thread pools, the update's and training's, sharing the cores)."""
+    `update_threads`: `torch.set_num_threads(n)` called on the thread that runs the update. In
+    this torch build (OpenMP) that sets ATen's intra-op threads for the whole process from the
+    first update on, training's elementwise kernels included (OpenMP's thread-count ICV is
+    global); MKL's GEMMs keep their own count (MKL's setting is per thread). An A/B of thread
+    pools sharing 2 cores, not of the update's pool alone."""
     import torch
 
     from myria import config
@@ -86,7 +89,7 @@ def child(mode: str, steps: int, budget: float, directory: Path, size: list[str]
         real = OffloadedAdamW._run_behind
 
         def run_behind(self, u):
-            torch.set_num_threads(update_threads)   # this thread's OpenMP/MKL threads
+            torch.set_num_threads(update_threads)   # process-wide for ATen (see above)
             return real(self, u)
 
         OffloadedAdamW._run_behind = run_behind
@@ -285,7 +288,8 @@ def main() -> None:
     ap.add_argument("--clip", type=float, default=1.0, help=argparse.SUPPRESS)
     ap.add_argument("--update-threads", type=int, default=0, help=argparse.SUPPRESS)
     ap.add_argument("--threads-ab", action="store_true",
-                    help="also the loose-clip disk run with the update on one torch thread")
+                    help="also the loose-clip disk run with torch.set_num_threads(1) called on "
+                    "the update's thread (process-wide for ATen's kernels from then on)")
     a = ap.parse_args()
     if a.child:
         size = [f"--model.layers={a.layers}", f"--model.hidden={a.hidden}"]
