@@ -26,9 +26,10 @@ the update has used up is lent to write-behind buffers, which backward takes bac
 (`OffloadedAdamW.charge`, docs/offload.md). And when clipping is not expected to bind (the last
 step's did not), the update starts during the last backward, each chunk once its gradients are
 final: a bet `step()` keeps if no gradient was scaled or changed, and drops otherwise, the
-update then running from `step()` into the same uncommitted file (`last_backward`). Files are opened with O_DIRECT where the file
-system allows it (no page-cache copy, no cache pollution, bandwidth that is the disk's);
-elsewhere (tmpfs, some network file systems) plain buffered I/O is used. Python's
+update then running from `step()` into the same uncommitted file (`last_backward`).
+Files are opened with O_DIRECT where the file system allows it (no page-cache copy, no cache
+pollution, bandwidth that is the disk's); elsewhere (tmpfs, some network file systems) plain
+buffered I/O is used. Python's
 `os.preadv`/`os.pwritev` release the GIL, so the threads overlap with torch's kernels; no extra
 library is needed.
 
