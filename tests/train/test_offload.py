@@ -68,10 +68,11 @@ def test_disk_matches_memory_bit_for_bit(tmp_path, budget):
         assert torch.equal(ref[k], got[k]), k
     ref_steps = [s["step"] for s in ref_engine.optimizers[0].state.values()]
     assert [opt.state[p]["step"] for p in opt.tensors] == ref_steps
-    # the moments on disk are AdamW's, and only the last generation is kept
+    # the moments on disk are AdamW's, and only the last generation is kept (beside the
+    # replaced one's file, which the next is written into)
     opt.flush()
     files = sorted(p.name for p in opt.dir.iterdir())
-    assert files == ["gen_00000004.bin", "gen_00000004.json"]
+    assert files == ["gen_00000004.bin", "gen_00000004.json", "spare.bin"]
     ref_opt = ref_engine.optimizers[0]
     raw = torch.frombuffer(bytearray(opt.path(4).read_bytes()), dtype=torch.uint8)
     m = opt.layout.section("exp_avg")
@@ -263,7 +264,7 @@ def test_update_runs_during_backward_and_is_kept_only_if_gradients_stay(tmp_path
     opt.flush()
     assert opt._inflight == 0 and opt._room + opt._extra == sum(opt._grad_bytes)
     assert sorted(f.name for f in opt.dir.iterdir()) == ["gen_00000006.bin",
-                                                         "gen_00000006.json"]
+                                                         "gen_00000006.json", "spare.bin"]
     off.close()
 
 
@@ -282,10 +283,19 @@ def test_checkpoint_links_the_state_and_checks_it(tmp_path):
     name = "offload/rank00000.part0.bin"
     assert name in meta["files"] and name in meta["checksums"]
     assert (path / name).stat().st_nlink == 2          # a hard link, not a copy
-    assert (path / name).stat().st_ino == e.optimizers[0].path(2).stat().st_ino
-    train_steps(e, 1)                                   # a new generation; the link survives
-    e.optimizers[0].flush()
+    opt = e.optimizers[0]
+    assert (path / name).stat().st_ino == opt.path(2).stat().st_ino
+    # new generations: a replaced generation's file is written again as a later one, but never
+    # the linked one (only its name in the offload directory goes)
+    ino = {}
+    for gen in (3, 4, 5):
+        train_steps(e, 1)
+        opt.flush()
+        ino[gen] = opt.path(gen).stat().st_ino
     assert (path / name).stat().st_nlink == 1 and ckpt.verify(path) is None
+    assert (path / name).stat().st_ino not in ino.values()
+    assert ino[5] == ino[3] != ino[4]   # generation 3's file became 5's
+    assert (opt.dir / "spare.bin").stat().st_ino == ino[4]
     with open(path / name, "r+b") as fh:                # damage the offloaded state
         fh.seek(100)
         fh.write(b"\xff" * 8)

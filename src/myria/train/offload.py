@@ -10,10 +10,13 @@ a few aligned buffers, sized from `parallel.fast_memory_gb`.
 **Files.** `OFFLOAD_DIR/rankNNNNN/partK/gen_00000012.bin` is the state after 12 updates:
 one region per section (`param`, `exp_avg`, `exp_avg_sq`), each holding the rank's local
 tensors one after another at 4 KiB-aligned offsets (`Layout`); `gen_N.json` beside it says what
-is where. A generation is never written twice: update N+1 reads generation N and writes a new
-file, created at full size first (`posix_fallocate`, so a full disk fails before any parameter
-changes); when its last chunk is written it is synced, and generation N is deleted. A fresh run
-starts from a preallocated file of zeros, which is AdamW's initial state.
+is where. A generation is never written twice: update N+1 reads generation N and writes another
+file; when its last chunk is written it is synced, and generation N is dropped. Its file is kept
+as `spare.bin` and becomes generation N+2's (its blocks are allocated already: deleting and
+allocating 4 GB files each step slowed the disk for the reads that followed), unless a
+checkpoint links it, in which case only its name goes. A new file is created at full size first
+(`posix_fallocate`, so a full disk fails before any parameter changes). A fresh run starts from
+a preallocated file of zeros, which is AdamW's initial state.
 
 **The I/O pipeline** (`_Pipeline`). A reader thread runs ahead of the optimizer, reading chunk
 i+1, i+2, ... into free buffers while the main thread updates chunk i, and a writer thread
@@ -80,6 +83,7 @@ CHUNK_BYTES = 64 << 20       # bytes per section per buffer when the budget allo
 MIN_BUFFERS = 3              # one being read, one being updated, one being written
 MIN_CHUNK = 8 << 20          # bytes per section per buffer at least (or one layer if smaller)
 PARAM_SLABS = 3              # offload_params: units in memory at once (offload_params.py)
+SPARE = "spare.bin"          # a replaced generation's file, rewritten as a later one
 MAX_BUFFERS = 64
 DEFAULT_BUFFERS = 4          # without a budget (fast_memory_gb = 0)
 CKPT_PREFIX = "offload"      # checkpoint subdirectory of the linked state files
@@ -425,6 +429,7 @@ class _Read:
     segments: list[tuple[int, int, int]]   # (file offset, buffer offset, bytes)
     after: threading.Event | None = None   # the write this read depends on
     cancel: threading.Event | None = None  # set: skip the I/O (the read is not wanted any more)
+    gate: threading.Event | None = None    # set: the disk is free for it (see step())
 
 
 @dataclass
@@ -536,6 +541,9 @@ class _Pipeline:
                 return
             if job.after is not None:
                 job.after.wait()
+            while job.gate is not None and not job.gate.wait(0.05):
+                if job.cancel is not None and job.cancel.is_set():
+                    break
             if self.error is None and not (job.cancel is not None and job.cancel.is_set()):
                 t0 = time.perf_counter()
                 try:
@@ -691,6 +699,8 @@ class OffloadedAdamW(torch.optim.AdamW):
         self._pool: list[tuple[torch.Tensor, tuple[int, int], _Held | None]] = []  # for reuse
         self._charged: set[int] = set()
         self.before_step: list = []     # called first in each step (parameter offload)
+        self.after_step: list = []      # then, the new generation current; an Event it
+        # returns gates the next update's reads (same)
         self.streamer = None            # myria.train.offload_params.ParamStreamer
         self.direct = direct
         self.faults = faults
@@ -709,7 +719,10 @@ class OffloadedAdamW(torch.optim.AdamW):
         self.speculate = True
         self._speculate_next = True
         self._spec: _Update | None = None
-        self._spare: tuple[int, int] | None = None   # a dropped speculation's (gen, fd)
+        # a file the next generation can be written into (`_file_for`): a dropped
+        # speculation's (its gen, fd), or a replaced generation's, renamed SPARE (-1, fd)
+        self._spare: tuple[int, int] | None = None
+        self._spare_lock = threading.Lock()
         # parameters on disk: the update runs behind training (step); its end and its error
         self.asynchronous = offload_params
         self._behind: threading.Event | None = None
@@ -731,8 +744,8 @@ class OffloadedAdamW(torch.optim.AdamW):
     def _prepare_dir(self) -> None:
         try:
             self.dir.mkdir(parents=True, exist_ok=True)
-            for f in self.dir.glob("gen_*"):   # a crashed run's generations
-                f.unlink()
+            for f in [*self.dir.glob("gen_*"), self.dir / SPARE]:   # a crashed run's
+                f.unlink(missing_ok=True)
         except OSError as e:
             raise OffloadError(f"offload directory {self.dir} is not usable: "
                                f"{e.strerror or e}") from None
@@ -777,13 +790,15 @@ class OffloadedAdamW(torch.optim.AdamW):
                 for s in range(len(self.layout.sections))]
 
     def _queue_reads(self, gen: int, fd: int, after: list[threading.Event] | None,
-                     order: str = "forward") -> None:
-        """Queue the reads of generation `gen`'s chunks for the next update, in its order."""
+                     order: str = "forward", gate: threading.Event | None = None) -> None:
+        """Queue the reads of generation `gen`'s chunks for the next update, in its order;
+        none starts before `gate` is set."""
         self._reads_cancel = cancel = threading.Event()
         cs = range(len(self.chunks))
         for c in (cs if order == "forward" else reversed(cs)):
             self.pipe.read(_Read((gen, c), fd, self._segments(self.chunks[c]),
-                                 after[c] if after else None, cancel))
+                                 after[c] if after else None, cancel, gate))
+            gate = None   # one reader takes them in order: the first waits for all
         self._queued = order
 
     def _drop_reads(self) -> None:
@@ -822,20 +837,46 @@ class OffloadedAdamW(torch.optim.AdamW):
                     u.ready[c].set()
         return u
 
+    def _spare_path(self, gen: int) -> Path:
+        return self.dir / SPARE if gen < 0 else self.path(gen)
+
     def _drop_spare(self) -> None:
-        if self._spare is not None:
-            gen, fd = self._spare
-            self._spare = None
-            os.close(fd)
-            self.path(gen).unlink(missing_ok=True)
+        with self._spare_lock:
+            spare, self._spare = self._spare, None
+        if spare is not None:
+            os.close(spare[1])
+            self._spare_path(spare[0]).unlink(missing_ok=True)
+
+    def _keep_spare(self, gen: int, fd: int) -> bool:
+        """Keep the file of generation `gen` (or -1: already named SPARE) to write a later
+        generation into, if nothing else is kept and no checkpoint links it; False: not kept."""
+        with self._spare_lock:
+            if self._spare is not None or self._closed or os.fstat(fd).st_nlink != 1:
+                return False
+            if gen >= 0:
+                os.replace(self.path(gen), self.dir / SPARE)
+            self._spare = (-1, fd)
+            return True
 
     def _file_for(self, gen: int) -> int:
-        """The file generation `gen` is written into: a dropped speculation's, else a new one."""
-        if self._spare is not None and self._spare[0] == gen:
-            fd = self._spare[1]
-            self._spare = None
-            return fd
-        self._drop_spare()
+        """The file generation `gen` is written into: a dropped speculation's or a replaced
+        generation's (its blocks already allocated: rewriting them costs the file system
+        nothing, while deleting a generation file frees every block of it, discarding them
+        on a disk mounted with `discard`, and a new one is allocated and its extents converted
+        as they are written: measured here, the next forward's first layer reads ran 3-5x
+        slower for the half second after each deletion), else a new one."""
+        with self._spare_lock:
+            spare, self._spare = self._spare, None
+        if spare is not None:
+            sgen, fd = spare
+            if sgen == gen:
+                return fd
+            try:
+                os.replace(self._spare_path(sgen), self.path(gen))
+                return fd
+            except OSError:
+                os.close(fd)
+                self._spare_path(sgen).unlink(missing_ok=True)
         return self._create(gen)
 
     @torch.no_grad()
@@ -904,10 +945,13 @@ class OffloadedAdamW(torch.optim.AdamW):
                                  name="myria-offload-step", daemon=True).start()
         else:
             self._update_all(u)
-        # prefetch the next update's first chunks, in the order it will take them
+        # the next forward's first parameters (offload_params): their reads start now
+        gates = [ev for fn in self.after_step if (ev := fn()) is not None]
+        # prefetch the next update's first chunks, in the order it will take them, once those
+        # parameters are in: the next update needs its chunks a forward later at the earliest
         nxt = "reverse" if self.asynchronous and self.speculate and self._speculate_next \
             else "forward"
-        self._queue_reads(u.new, u.fd, u.written, nxt)
+        self._queue_reads(u.new, u.fd, u.written, nxt, gates[0] if gates else None)
         self.pipe.stats.step_s += time.perf_counter() - t0
         self.pipe.stats.steps += 1
         self._write_stats()
@@ -977,7 +1021,9 @@ class OffloadedAdamW(torch.optim.AdamW):
         for c in range(len(self.chunks)):
             self._unhold((u.new, c))
         self._drop_reads()
-        self._spare = (u.new, u.fd)
+        if not self._keep_spare(u.new, u.fd):
+            os.close(u.fd)
+            self.path(u.new).unlink(missing_ok=True)
         self.pipe.stats.spec_cancelled += 1
         self.pipe.stats.spec_cancel_s += time.perf_counter() - t0
 
@@ -1245,9 +1291,10 @@ class OffloadedAdamW(torch.optim.AdamW):
         """Writer thread, after the last chunk of `gen`: sync it, then drop generation `old`."""
         os.fdatasync(fd)
         self._write_index(gen)
-        os.close(old_fd)
-        self.path(old).unlink(missing_ok=True)
         self.path(old, ".json").unlink(missing_ok=True)
+        if not self._keep_spare(old, old_fd):   # linked into a checkpoint: the link keeps it
+            os.close(old_fd)
+            self.path(old).unlink(missing_ok=True)
 
     def flush(self) -> None:
         """Wait for the trailing writes of the last step (its generation is then committed)."""
@@ -1282,6 +1329,8 @@ class OffloadedAdamW(torch.optim.AdamW):
                 "resume with the layout it was saved with")
         self._cancel()
         self.flush()
+        for fn in self.before_step:   # parameters loaded or loading are of the replaced state
+            fn()
         self._drop_reads()
         self._drop_spare()
         self._written = self._computed = None

@@ -112,6 +112,7 @@ class ParamStreamer:
         self.free = list(range(SLABS))
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
         self.read_s = self.wait_s = 0.0
+        self.waits: dict[str, float] = {}   # exposed wait per "forward|backward unit"
         self.bytes_read = 0
         self.bytes_copied = 0       # updated parameters taken from memory before their write
         self.error: BaseException | None = None
@@ -121,6 +122,7 @@ class ParamStreamer:
         self._materialise(model, seed)
         self._hooks(model)
         opt.before_step.append(self.drop_all)
+        opt.after_step.append(self.prefetch_first)
 
     def _bytes(self, u: Unit) -> int:
         lay = self.opt.layout
@@ -149,7 +151,7 @@ class ParamStreamer:
         after = self.opt.computed_events({t for _, t, _ in u.params})
         self._jobs.put((u, after, self.opt.gen, self.opt.fd))
 
-    def ensure(self, u: Unit) -> None:
+    def ensure(self, u: Unit, phase: str = "forward") -> None:
         """Make `u`'s parameters usable now."""
         if u.slab < 0:
             if not self.free:   # never in forward/backward order; drop what else is loaded
@@ -159,7 +161,10 @@ class ParamStreamer:
             self.prefetch(u)
         t0 = time.perf_counter()
         u.ready.wait()
-        self.wait_s += time.perf_counter() - t0
+        dt = time.perf_counter() - t0
+        self.wait_s += dt
+        key = f"{phase} {u.name}"
+        self.waits[key] = self.waits.get(key, 0.0) + dt
         if self.error is not None:
             raise self.opt._error(self.error, f"reading the parameters of {u.name}")
         self.opt._raise_if_failed()   # the update behind training, if it failed
@@ -178,6 +183,19 @@ class ParamStreamer:
         """Before an optimizer step: every loaded unit is about to be out of date."""
         for u in self.units:
             self.drop(u)
+
+    def prefetch_first(self) -> threading.Event | None:
+        """After an optimizer step: start reading the units the next forward takes first, into
+        every slab. Each read waits for its chunks' update and takes the new values from the
+        update's buffers while they are not yet written (`read_params`): with the update run
+        during backward those chunks (the first layers') are the last it computes, and waiting
+        for the forward's own hook to ask for them left the forward's first layers waiting for
+        the disk, behind the update's trailing writes. Returns an event set once they are in
+        (the reads run in order), which the optimizer waits for before it reads ahead for the
+        next update, so that its reads do not share the disk with these."""
+        for u in self.units[:SLABS]:
+            self.prefetch(u)
+        return self.units[min(SLABS, len(self.units)) - 1].ready
 
     def _loop(self) -> None:
         while (job := self._jobs.get()) is not None:
@@ -222,11 +240,11 @@ class ParamStreamer:
     def _hooks(self, model: nn.Module) -> None:
         last = len(self.units) - 1
         for i, u in enumerate(self.units):
-            nxt = self.units[i + 1] if i < last else None
+            ahead = self.units[i + 1:i + SLABS]   # as many as the other slabs hold
 
-            def pre(mod, args, u=u, nxt=nxt):
+            def pre(mod, args, u=u, ahead=ahead):
                 self.ensure(u)
-                if nxt is not None:
+                for nxt in ahead:
                     self.prefetch(nxt)
 
             u.first.register_forward_pre_hook(pre)
@@ -245,11 +263,9 @@ class ParamStreamer:
 
     def _before_backward(self, u: Unit, i: int) -> None:
         self.opt.charge(t for _, t, _ in u.params)   # room for its gradients first
-        self.ensure(u)
-        for below in reversed(self.units[:i]):
-            if below.slab < 0:
-                self.prefetch(below)
-                break
+        self.ensure(u, "backward")
+        for below in reversed(self.units[max(0, i - SLABS + 1):i]):
+            self.prefetch(below)   # in order, as far as free slabs allow
 
     def _accumulated(self, u: Unit) -> None:
         u.accumulated += 1
