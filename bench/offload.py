@@ -64,10 +64,9 @@ def child(mode: str, steps: int, budget: float, directory: Path, size: list[str]
           clip: float, update_threads: int = 0) -> dict:
     """One run in this process: train `steps` steps, report timings, memory and a digest.
     `update_threads`: `torch.set_num_threads(n)` called on the thread that runs the update. In
-    this torch build (OpenMP) that sets ATen's intra-op threads for the whole process from the
-    first update on, training's elementwise kernels included (OpenMP's thread-count ICV is
-    global); MKL's GEMMs keep their own count (MKL's setting is per thread). An A/B of thread
-    pools sharing 2 cores, not of the update's pool alone."""
+    this torch build (OpenMP) that sets that thread's OpenMP pool and the count threads started
+    afterwards take; the training thread keeps its own (checked: `torch.get_num_threads()` there
+    stays 2). MKL's setting is per thread too."""
     import torch
 
     from myria import config
@@ -89,7 +88,7 @@ def child(mode: str, steps: int, budget: float, directory: Path, size: list[str]
         real = OffloadedAdamW._run_behind
 
         def run_behind(self, u):
-            torch.set_num_threads(update_threads)   # process-wide for ATen (see above)
+            torch.set_num_threads(update_threads)   # this thread's pool (see above)
             return real(self, u)
 
         OffloadedAdamW._run_behind = run_behind
@@ -303,7 +302,7 @@ def main() -> None:
     ap.add_argument("--update-threads", type=int, default=0, help=argparse.SUPPRESS)
     ap.add_argument("--threads-ab", action="store_true",
                     help="also the loose-clip disk run with torch.set_num_threads(1) called on "
-                    "the update's thread (process-wide for ATen's kernels from then on)")
+                    "the update's thread (its own OpenMP pool; training keeps its own)")
     a = ap.parse_args()
     if a.child:
         size = [f"--model.layers={a.layers}", f"--model.hidden={a.hidden}"]
