@@ -11,7 +11,7 @@ from myria import config
 from myria.errors import CheckpointError, ConfigError, OffloadError
 from myria.train.checkpoint import CheckpointManager
 from myria.train.engine import Engine
-from myria.train.offload import ALIGN, Layout
+from myria.train.offload import ALIGN, HUGE_PAGE, Layout, aligned_buffer
 from tests.conftest import TINY, final_params, losses, run_cli
 
 SMALL = ["--model.vocab_size=512", "--model.layers=2", "--model.hidden=64", "--model.heads=4",
@@ -266,6 +266,48 @@ def test_update_runs_during_backward_and_is_kept_only_if_gradients_stay(tmp_path
     assert sorted(f.name for f in opt.dir.iterdir()) == ["gen_00000006.bin",
                                                          "gen_00000006.json", "spare.bin"]
     off.close()
+
+
+def _mapping_of(addr: int) -> tuple[int, int, set[str]] | None:
+    """(start, end, VmFlags) of this process's mapping holding `addr`, from /proc/self/smaps."""
+    found = None
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split()[0]
+            if "-" in head and ":" not in head:
+                lo, hi = (int(x, 16) for x in head.split("-"))
+                found = (lo, hi) if lo <= addr < hi else None
+            elif found and line.startswith("VmFlags:"):
+                return (*found, set(line.split()[1:]))
+    return None
+
+
+def test_io_buffers_are_huge_page_mappings_given_back_when_freed():
+    """The I/O buffers of a huge page and more are their own 2 MiB-aligned mappings marked for
+    transparent huge pages (4 KiB pages split O_DIRECT into ~1 MB requests); a buffer lent from
+    gradient memory must give it back once freed, so the mapping has to go with the tensor."""
+    thp = "/sys/kernel/mm/transparent_hugepage/enabled"
+    try:
+        mode = open(thp).read()
+    except OSError:
+        pytest.skip("no transparent huge pages in this kernel")
+    small = aligned_buffer(3 * ALIGN + 5)
+    assert small.numel() == 3 * ALIGN + 5 and small.data_ptr() % ALIGN == 0
+    n = 3 * HUGE_PAGE + 12345
+    buf = aligned_buffer(n)
+    addr = buf.data_ptr()
+    assert buf.numel() == n and addr % HUGE_PAGE == 0
+    buf.fill_(7)
+    lo, hi, flags = _mapping_of(addr)
+    assert hi >= addr + n
+    if "[never]" not in mode:
+        assert "hg" in flags   # MADV_HUGEPAGE
+    view = buf[HUGE_PAGE:]   # a view keeps the mapping
+    del buf
+    assert _mapping_of(addr) is not None and int(view[0]) == 7
+    del view
+    gone = _mapping_of(addr)
+    assert gone is None or gone[:2] != (lo, hi), "the buffer's mapping outlived its tensor"
 
 
 def test_parameter_offload_needs_recomputation(tmp_path):

@@ -60,6 +60,7 @@ import errno
 import json
 import logging
 import math
+import mmap
 import os
 import queue
 import shutil
@@ -78,6 +79,7 @@ from myria.observe import events
 
 log = logging.getLogger("myria")
 
+HUGE_PAGE = 2 << 20          # a transparent huge page (x86-64, arm64 with 4 KiB pages)
 ALIGN = 4096                 # O_DIRECT alignment of offsets, lengths and buffer addresses
 CHUNK_BYTES = 64 << 20       # bytes per section per buffer when the budget allows (I/O saturates)
 MIN_BUFFERS = 3              # one being read, one being updated, one being written
@@ -108,8 +110,28 @@ def _flat(t: torch.Tensor) -> torch.Tensor:
 def aligned_buffer(nbytes: int) -> torch.Tensor:
     """A uint8 CPU tensor of `nbytes` whose address is a multiple of ALIGN (for O_DIRECT).
 
-    torch's allocator aligns to 64 bytes only, so a larger block is sliced at the first aligned
-    address. (On a GPU run these are the host staging buffers; pinning them is future work.)"""
+    Buffers of a huge page and more are their own anonymous mapping, aligned to HUGE_PAGE and
+    marked MADV_HUGEPAGE, so that the kernel backs them with transparent huge pages where it
+    offers them (`enabled` = always or madvise; elsewhere they stay 4 KiB pages and work the
+    same). Why: a direct I/O request takes at most `max_segments` physical segments (254 on a
+    virtio disk), so a buffer of scattered 4 KiB pages splits the I/O into ~1 MB requests, each
+    costing the block layer's workers CPU time that no process is charged for. Measured on the
+    2-core VM (18 MB preadv/pwritev of 2 GB, O_DIRECT): reads 1.39 -> 2.9 GB/s, writes 3.2 ->
+    6.2 GB/s, block-layer worker CPU 0.1 s -> 0 per 2 GB; the offload moves ~12 GB a step.
+    The mapping is unmapped when the tensor's storage is freed (it holds the mapping).
+
+    Smaller buffers come from torch's allocator, which aligns to 64 bytes only, so a larger
+    block is sliced at the first aligned address. (On a GPU run these are the host staging
+    buffers; pinning them, e.g. `cudaHostRegister` over the same mapping, is future work.)"""
+    if nbytes >= HUGE_PAGE and hasattr(mmap, "MADV_HUGEPAGE"):
+        m = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        raw = torch.frombuffer(m, dtype=torch.uint8)   # holds `m`: unmapped with the storage
+        skip = (-raw.data_ptr()) % HUGE_PAGE
+        try:
+            m.madvise(mmap.MADV_HUGEPAGE, skip, _round_up(nbytes))
+        except OSError:   # no transparent huge pages in this kernel: 4 KiB pages
+            pass
+        return raw[skip:skip + nbytes]
     raw = torch.empty(nbytes + ALIGN, dtype=torch.uint8)
     skip = (-raw.data_ptr()) % ALIGN
     return raw[skip:skip + nbytes]
