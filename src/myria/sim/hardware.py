@@ -141,7 +141,8 @@ SERVERS = {
 }
 
 # A CPU host's offload disk (myria's nvme tier run on a CPU): priors, overridden by the run's
-# cluster.nvme_gbs; bench/offload.py measures the real one (about 1.1 GB/s here, O_DIRECT).
+# cluster.nvme_gbs; bench/offload.py measures the real one (here 2.6-3.1 GB/s reading and
+# 2.7-4.3 writing alone, O_DIRECT from huge-page buffers; 1.0-1.9 from 4 KiB pages).
 CPU_DISK_GBS = 1.0
 CPU_DISK_GB = 100.0
 
