@@ -18,12 +18,11 @@ fewer servers (groups shortened to fit), which keeps leaf-level contention but c
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from functools import lru_cache
 
 import numpy as np
 
-from myria.sim.topology import Fabric
+from myria.sim.topology import Fabric, PatternResult, pattern_groups
 
 MAX_SIM_FLOWS = 300_000
 
@@ -52,41 +51,6 @@ def max_min_rates(flow: np.ndarray, link: np.ndarray, cap: np.ndarray, n_flows: 
     return rate
 
 
-@dataclass(frozen=True)
-class PatternResult:
-    """Outcome of one traffic pattern on a fabric."""
-
-    factor: float       # NIC-limited time / fabric time, in (0, 1]
-    flows: int          # flows simulated
-    nodes: int          # servers the pattern was laid out on
-
-
-def _groups(world: int, size: int, stride: int) -> np.ndarray:
-    """Ranks of every group of `size` ranks `stride` apart, shape (groups, size)."""
-    block = size * stride
-    bases = np.array([b * block + o for b in range(world // block) for o in range(stride)],
-                     dtype=np.int64)
-    return bases[:, None] + stride * np.arange(size, dtype=np.int64)[None, :]
-
-
-def pattern_groups(fabric: Fabric, kind: str, size: int, stride: int, max_flows: int,
-                   ring_flows: int = 1) -> tuple[np.ndarray | None, int]:
-    """The groups a pattern is simulated on and the servers they span: the fabric shrunk to at
-    most `max_flows` flows (`ring_flows` per member of a ring), the group size clipped to it;
-    None when no group leaves one rank (nothing crosses the fabric)."""
-    gpn = fabric.gpus_per_node
-    q = fabric.flows_per_pair if fabric.routing == "ecmp" else 1
-    per_gpu = q * (max(1, size - 1) if kind == "a2a" else 1) * (ring_flows if kind == "ring"
-                                                                 else 1)
-    nodes = max(2, min(fabric.nodes, max_flows // (per_gpu * gpn)))
-    world = nodes * gpn
-    while size > 1 and size * stride > world:
-        size -= 1
-    if size <= 1 or fabric.nodes <= 1:
-        return None, nodes
-    return _groups(world, size, stride), nodes
-
-
 @lru_cache(maxsize=4096)
 def pattern_factor(fabric: Fabric, kind: str, size: int, stride: int) -> PatternResult:
     """Fabric factor of every group of `size` ranks `stride` apart running `kind` at once.
@@ -98,6 +62,9 @@ def pattern_factor(fabric: Fabric, kind: str, size: int, stride: int) -> Pattern
     if kind not in ("ring", "p2p", "a2a"):
         raise ValueError(f"unknown traffic pattern {kind!r}")
     if fabric.model == "flow":                 # myria simulate --network flow
+        # imported here, not at the top: netsim loads scipy.sparse (~0.6 s), which the
+        # analytic path (every `plan` and `simulate`) does not need; netsim imports nothing
+        # from this module, so the dependency runs one way
         from myria.sim.netsim.api import flow_pattern_factor
         return flow_pattern_factor(fabric, kind, size, stride)
     gpn = fabric.gpus_per_node

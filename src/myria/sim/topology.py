@@ -17,6 +17,11 @@ Routing: ``adaptive`` spreads load evenly, modelled by pooling a switch's uplink
 ``ecmp`` hashes every flow (split into `flows_per_pair` sub-flows, as NCCL opens several queue
 pairs; Llama 3 used 16 per GPU pair for entropy) onto one uplink, and in a CLOS the spine chosen
 going up fixes the downlink coming down, so two flows collide if their hashes agree.
+
+`pattern_groups` lays a traffic pattern (every group of `size` ranks `stride` apart) on a fabric
+for both pricers of it: `network.pattern_factor` (analytic) and `netsim.api.flow_pattern_factor`
+(flow-level); both return a `PatternResult`. They live here, below both, so that neither
+imports the other's module for them.
 """
 
 from __future__ import annotations
@@ -140,3 +145,38 @@ class Fabric:
         f_parts += [flow[far], flow[far]]
         l_parts += [off_pod_up + pa[far] * p + core[far], off_pod_dn + pb[far] * p + core[far]]
         return np.concatenate(f_parts), np.concatenate(l_parts).astype(np.int64)
+
+
+@dataclass(frozen=True)
+class PatternResult:
+    """Outcome of one traffic pattern on a fabric."""
+
+    factor: float       # NIC-limited time / fabric time, in (0, 1]
+    flows: int          # flows simulated
+    nodes: int          # servers the pattern was laid out on
+
+
+def _groups(world: int, size: int, stride: int) -> np.ndarray:
+    """Ranks of every group of `size` ranks `stride` apart, shape (groups, size)."""
+    block = size * stride
+    bases = np.array([b * block + o for b in range(world // block) for o in range(stride)],
+                     dtype=np.int64)
+    return bases[:, None] + stride * np.arange(size, dtype=np.int64)[None, :]
+
+
+def pattern_groups(fabric: Fabric, kind: str, size: int, stride: int, max_flows: int,
+                   ring_flows: int = 1) -> tuple[np.ndarray | None, int]:
+    """The groups a pattern is simulated on and the servers they span: the fabric shrunk to at
+    most `max_flows` flows (`ring_flows` per member of a ring), the group size clipped to it;
+    None when no group leaves one rank (nothing crosses the fabric)."""
+    gpn = fabric.gpus_per_node
+    q = fabric.flows_per_pair if fabric.routing == "ecmp" else 1
+    per_gpu = q * (max(1, size - 1) if kind == "a2a" else 1) * (ring_flows if kind == "ring"
+                                                                 else 1)
+    nodes = max(2, min(fabric.nodes, max_flows // (per_gpu * gpn)))
+    world = nodes * gpn
+    while size > 1 and size * stride > world:
+        size -= 1
+    if size <= 1 or fabric.nodes <= 1:
+        return None, nodes
+    return _groups(world, size, stride), nodes

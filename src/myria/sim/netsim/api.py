@@ -24,6 +24,7 @@ import numpy as np
 
 from myria.sim.netsim.fabric import Fabric, FabricSpec, Tier, build
 from myria.sim.netsim.traffic import Collective, Phase, collective, simulate_collective
+from myria.sim.topology import PatternResult, pattern_groups
 
 MAX_FLOWS = 1_000_000
 ECMP_SEEDS = 8
@@ -69,8 +70,6 @@ def _pattern(kind: str, groups: np.ndarray, gpus: int, nics: int) -> Collective:
 @lru_cache(maxsize=4096)
 def flow_pattern_factor(fabric, kind: str, size: int, stride: int):
     """``pattern_factor`` by the flow-level simulator (same meaning, same result type)."""
-    from myria.sim.network import PatternResult, pattern_groups
-
     gpn = fabric.gpus_per_node
     q = fabric.flows_per_pair if fabric.routing == "ecmp" else 1
     groups, nodes = pattern_groups(fabric, kind, size, stride, MAX_FLOWS, ring_flows=2)
