@@ -23,7 +23,14 @@ from functools import lru_cache
 import numpy as np
 
 from myria.sim.netsim.fabric import Fabric, FabricSpec, Tier, build
-from myria.sim.netsim.traffic import Collective, Phase, collective, simulate_collective
+from myria.sim.netsim.traffic import (
+    Collective,
+    Phase,
+    best_algorithm,
+    collective,
+    nics_of,
+    simulate_collective,
+)
 from myria.sim.topology import PatternResult, pattern_groups
 
 MAX_FLOWS = 1_000_000
@@ -58,7 +65,11 @@ def spec_of(fabric) -> FabricSpec:
 
 def _pattern(kind: str, groups: np.ndarray, gpus: int, nics: int) -> Collective:
     if kind == "ring":
-        return collective("all-reduce", groups, 1e9, "ring", gpus, nics)
+        # one channel per NIC: the performance model's ``flows_per_pair`` (default 2) already
+        # stands for NCCL's connections per NIC pair (its duplicated channels), so NCCL's
+        # default channel count here would count them twice
+        return collective("all-reduce", groups, 1e9, "ring", gpus, nics,
+                          channels=nics_of(groups, gpus, nics))
     if kind == "a2a":
         return collective("all-to-all", groups, 1e9, "ring", gpus, nics)
     src, dst = groups[:, :-1].reshape(-1), groups[:, 1:].reshape(-1)   # pipeline: no wrap
@@ -92,12 +103,17 @@ def flow_pattern_factor(fabric, kind: str, size: int, stride: int):
 
 @lru_cache(maxsize=1024)
 def price_collective(spec: FabricSpec, gpus: int, kind: str, group_key: tuple, nbytes: float,
-                     algorithm: str = "ring", routing: str = "ecmp", qps: int = 1) -> dict:
+                     algorithm: str = "auto", routing: str = "ecmp", qps: int = 1,
+                     channels: int | None = None) -> dict:
     """Completion time and bus bandwidth of ``kind`` over the groups ``group_key`` (a tuple of
-    tuples of GPU ids, hashable for the cache) on ``spec`` sized for ``gpus`` GPUs."""
+    tuples of GPU ids, hashable for the cache) on ``spec`` sized for ``gpus`` GPUs; the
+    defaults are NCCL's (see ``netsim.traffic``)."""
     fab = build(spec, gpus)
-    coll = collective(kind, np.array(group_key, dtype=np.int64), nbytes, algorithm, spec.gpus,
-                      spec.nics)
+    groups = np.array(group_key, dtype=np.int64)
+    if algorithm == "auto":
+        coll = best_algorithm(fab, kind, groups, nbytes, spec.gpus, spec.nics, channels)
+    else:
+        coll = collective(kind, groups, nbytes, algorithm, spec.gpus, spec.nics, channels)
     out = simulate_collective(fab, coll, routing, qps)
     out.pop("_fabric_util", None)
     return out

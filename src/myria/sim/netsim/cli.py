@@ -7,6 +7,12 @@ Without --layout the communicator is all --gpus GPUs in rank order (ring-p2p: ea
 the same local GPU of the next host, as neighbouring pipeline stages do); with --layout
 "tp=8,pp=4,dp=64" --group dp every data-parallel group of that layout, placed by myria's rank
 placement, runs the collective at once. --bytes is per rank (nccl-tests convention).
+
+The defaults are NCCL's (2.30): --algorithm auto (NCCL_ALGO unset: ring or double binary tree,
+whichever NCCL's kind of cost model finds faster), --channels auto (NCCL_MIN_NCHANNELS /
+NCCL_MAX_NCHANNELS unset: one ring per NIC a host's members own, duplicated), and
+--qps-per-connection 1 (NCCL_IB_QPS_PER_CONNECTION). The ideal bus bandwidth is the aggregate of
+those NICs. docs/network.md compares with published nccl-tests figures.
 """
 
 from __future__ import annotations
@@ -21,16 +27,24 @@ import numpy as np
 from myria.errors import ConfigError
 
 MAX_FLOWS = 5_000_000
+# argparse takes "-5G" for an option (its default matcher knows only plain negative numbers), so
+# "--bytes -5G" would fail with "expected one argument"; this parser has no option that starts
+# with "-<digit>", so such words are values, and parse_bytes says what is wrong with them
+_NEGATIVE_VALUE = re.compile(r"^-[0-9.]")
 _UNITS = {"": 1, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12, "ki": 2**10, "mi": 2**20,
           "gi": 2**30, "ti": 2**40}
 
 
 def parse_bytes(text: str) -> float:
     """``1e9``, ``256M``, ``1G``, ``4GiB`` -> bytes."""
-    m = re.fullmatch(r"\s*([0-9.]+(?:e[+-]?\d+)?)\s*([kmgt]i?)?b?\s*", str(text).lower())
+    m = re.fullmatch(r"\s*([+-]?[0-9.]+(?:e[+-]?\d+)?)\s*([kmgt]i?)?b?\s*", str(text).lower())
     if not m:
         raise ConfigError(f"--bytes {text!r}: expected a size such as 1e9, 256M, 1G or 4GiB")
-    val = float(m.group(1)) * _UNITS[m.group(2) or ""]
+    try:
+        val = float(m.group(1)) * _UNITS[m.group(2) or ""]
+    except ValueError:                                   # "1.2.3G"
+        raise ConfigError(f"--bytes {text!r}: expected a size such as 1e9, 256M, 1G or "
+                          "4GiB") from None
     if val <= 0:
         raise ConfigError(f"--bytes {text!r}: must be > 0")
     return val
@@ -42,20 +56,28 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     from myria.sim.netsim.traffic import ALGORITHMS, COLLECTIVES
 
     parser.description = __doc__
+    parser._negative_number_matcher = _NEGATIVE_VALUE
     parser.add_argument("--topology", required=True,
                         help=f"a preset ({', '.join(PRESETS)}) or a fabric TOML file "
                         "(see myria/sim/netsim/fabric.py for the keys)")
     parser.add_argument("--gpus", required=True, help="GPUs in the run (a multiple of the GPUs "
-                        "per host)")
+                        "per host; others are refused)")
     parser.add_argument("--collective", required=True, help=" | ".join(COLLECTIVES))
     parser.add_argument("--bytes", required=True, help="bytes per rank: 1e9, 256M, 1G, 4GiB")
-    parser.add_argument("--algorithm", default="ring", help=" | ".join(ALGORITHMS)
-                        + " (default ring; tree applies to all-reduce)")
+    parser.add_argument("--algorithm", default="auto", help=" | ".join(ALGORITHMS)
+                        + " (default auto, as NCCL_ALGO unset: ring, or for all-reduce the "
+                        "double binary tree when NCCL's kind of cost model, NICs, NVLink and "
+                        "per-hop latencies, finds it faster; tree applies to all-reduce; "
+                        "two-stage-ring is not NCCL's)")
     parser.add_argument("--routing", default="ecmp", help=" | ".join(ROUTINGS)
                         + " (default ecmp)")
+    parser.add_argument("--channels", default="auto",
+                        help="NCCL channels (rings / tree pairs) per communicator, as "
+                        "NCCL_MIN_NCHANNELS = NCCL_MAX_NCHANNELS (default auto: NCCL 2.30's, "
+                        "2 per NIC the members of a host own, e.g. 16 on 8-NIC hosts)")
     parser.add_argument("--qps-per-connection", default="1",
                         help="flows (queue pairs) per connection, NCCL_IB_QPS_PER_CONNECTION "
-                        "(default 1)")
+                        "(default 1, NCCL's)")
     parser.add_argument("--polarized", action="store_true",
                         help="every switch tier uses the same ECMP hash function")
     parser.add_argument("--seed", default="0", help="salt of the ECMP hashes and source ports")
@@ -114,20 +136,33 @@ def groups_for(args, spec, gpus: int, collective: str) -> np.ndarray:
 def run(args: argparse.Namespace) -> int:
     from myria.sim.netsim.fabric import build, load_spec
     from myria.sim.netsim.routing import ROUTINGS
-    from myria.sim.netsim.traffic import ALGORITHMS, COLLECTIVES, collective, simulate_collective
+    from myria.sim.netsim.traffic import (
+        ALGORITHMS,
+        COLLECTIVES,
+        MAXCHANNELS,
+        best_algorithm,
+        collective,
+        simulate_collective,
+    )
 
     t0 = time.perf_counter()
     kind = _choice(args.collective, "--collective", COLLECTIVES)
     algo = _choice(args.algorithm, "--algorithm", ALGORITHMS)
     routing = _choice(args.routing, "--routing", ROUTINGS)
     qps = _int(args.qps_per_connection, "--qps-per-connection")
+    channels = None if args.channels == "auto" else _int(args.channels, "--channels")
+    if channels is not None and channels > MAXCHANNELS:
+        raise ConfigError(f"--channels {channels}: NCCL has at most {MAXCHANNELS}")
     gpus = _int(args.gpus, "--gpus")
     seed = _int(args.seed, "--seed", 0)
     size = parse_bytes(args.bytes)
     spec = load_spec(args.topology)
     fab = build(spec, gpus)
     groups = groups_for(args, spec, gpus, kind)
-    coll = collective(kind, groups, size, algo, spec.gpus, spec.nics)
+    if algo == "auto":
+        coll = best_algorithm(fab, kind, groups, size, spec.gpus, spec.nics, channels)
+    else:
+        coll = collective(kind, groups, size, algo, spec.gpus, spec.nics, channels)
     n_flows = qps * sum(len(p.src) for p in coll.phases)
     if n_flows > MAX_FLOWS:
         raise ConfigError(f"{kind} over {groups.shape[1]} ranks makes {n_flows:,} flows (limit "
@@ -143,6 +178,7 @@ def run(args: argparse.Namespace) -> int:
                  key=lambda r: r.phase.steps * r.phase.nbytes.sum())
         out["congestion"] = simulate_congestion(fab, rp.a, rp.phase.nbytes).summary()
     out.update(topology=spec.name, gpus=gpus, routing=routing, qps_per_connection=qps,
+               requested_algorithm=algo,
                groups=int(groups.shape[0]), wall_s=time.perf_counter() - t0)
     util = out.pop("_fabric_util")
     if args.plot:
@@ -152,12 +188,14 @@ def run(args: argparse.Namespace) -> int:
                           for k, v in out.items()}))
         return 0
     print(spec.describe())
-    print(f"{kind} ({algo}) of {size / 1e9:g} GB per rank over {out['groups']} group(s) of "
-          f"{out['ranks']} ranks, {routing} routing, {qps} QP(s) per connection")
+    ran = coll.algorithm + (" (auto)" if algo == "auto" else "")
+    print(f"{kind} ({ran}) of {size / 1e9:g} GB per rank over {out['groups']} group(s) of "
+          f"{out['ranks']} ranks, {coll.channels} channel(s), {routing} routing, {qps} QP(s) "
+          "per connection")
     print(f"  completion {out['completion_time_s'] * 1e3:.3f} ms; bus bandwidth "
           f"{out['busbw_gbs']:.1f} GB/s of an ideal {out['ideal_busbw_gbs']:.1f} "
           f"({out['busbw_gbs'] / out['ideal_busbw_gbs']:.1%}); fabric efficiency "
-          f"{out['fabric_efficiency']:.1%} (bandwidth only)")
+          f"{out['fabric_efficiency']:.1%} (bandwidth only, latency excluded)")
     p = out["fabric_link_utilization_p50_p90_p99_max"]
     print(f"  switch-link utilisation p50 {p[0]:.1%}  p90 {p[1]:.1%}  p99 {p[2]:.1%}  max "
           f"{p[3]:.1%}; most flows on one switch link: {out['max_flows_on_a_fabric_link']}")
@@ -181,6 +219,7 @@ def _jobs(args, spec, fab, coll, routing: str, qps: int, seed: int) -> list[dict
     from myria.sim.netsim.traffic import (
         ALGORITHMS,
         COLLECTIVES,
+        best_algorithm,
         collective,
         simulate_collective,
         simulate_jobs,
@@ -197,8 +236,11 @@ def _jobs(args, spec, fab, coll, routing: str, qps: int, seed: int) -> list[dict
         kind = _choice(parts[0], "--with collective", COLLECTIVES)
         algo = _choice(parts[3] if len(parts) == 4 else "ring", "--with algorithm", ALGORITHMS)
         groups = layout_groups(layout, spec, parts[1])
-        jobs.append((collective(kind, groups, parse_bytes(parts[2]), algo, spec.gpus,
-                                spec.nics), routing, qps))
+        make = best_algorithm if algo == "auto" else collective
+        extra = (fab,) if algo == "auto" else ()
+        nbytes = parse_bytes(parts[2])
+        jobs.append((make(*extra, kind, groups, nbytes, *(() if extra else (algo,)), spec.gpus,
+                          spec.nics), routing, qps))
     steps = sum(p.steps for c, _, _ in jobs for p in c.phases)
     if steps > 2_000:
         raise ConfigError(f"--with: {steps:,} collective steps to simulate one by one (limit "

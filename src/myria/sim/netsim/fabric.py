@@ -309,7 +309,7 @@ def build(spec: FabricSpec | str, gpus: int) -> Fabric:
         spec = load_spec(spec)
     if gpus < 1:
         raise ConfigError(f"--gpus {gpus}: must be >= 1")
-    if gpus % spec.gpus and gpus > spec.gpus:
+    if gpus % spec.gpus:
         raise ConfigError(f"--gpus {gpus}: must be a multiple of the {spec.gpus} GPUs per host")
     return Fabric(spec, max(1, math.ceil(gpus / spec.gpus)))
 

@@ -12,22 +12,31 @@ simulator simulates *one* step per phase and multiplies (phase time = steps x (a
 time)). This is exact for a collective running alone; ``simulate_jobs`` simulates several
 collectives step by step, with flows arriving and finishing (no reduction).
 
-Algorithms (NCCL's):
+Algorithms (NCCL's; the defaults follow NCCL 2.30, see ``nccl_channels``):
 
-- ``ring`` (flat): one ring per channel, ``C`` = members per host channels; channel ``c`` walks
-  every host's members starting at member ``c`` over NVLink and crosses to the next host on NIC
-  ``c`` (the last NVLink hop is NCCL's PXN hop to the GPU that owns NIC ``c``), so every NIC
-  carries one channel. Chunk = size / (n C); all-reduce 2(n-1) steps, reduce-scatter and
-  all-gather n-1.
+- ``ring`` (flat): one ring per channel. NCCL's topology search finds one ring per NIC the
+  host's members own (rail-aligned: channel ``c`` walks every host's members starting at member
+  ``c`` over NVLink and crosses to the next host on that member's NIC), then duplicates every
+  channel (``src/graph/connect.cc``), so ``C`` = 2 x NICs channels and every NIC carries two
+  connections, each its own queue pair(s) and so its own ECMP hash. Chunk = size / (n C);
+  all-reduce 2(n-1) steps, reduce-scatter and all-gather n-1. Latency as NCCL's tuning model
+  (``src/graph/tuning.cc``) sums it: of the steps, 2(k-1) (all-reduce; k-1 otherwise) cross
+  hosts at ``ALPHA_INTER_S`` each, the rest are NVLink hops at ``ALPHA_INTRA_S``: a ring's
+  latency grows linearly with its ranks, which is why NCCL switches to trees at scale.
 - ``two-stage-ring``: NVLink reduce-scatter inside each host (g-1 steps of size/g), one ring per
   rail across the k hosts on size/g (2(k-1) steps of size/(g k)), NVLink all-gather.
-- ``tree``: NCCL's double binary tree across hosts (one per channel, two trees each carrying
+- ``tree``: NCCL's double binary tree across hosts (on every channel, two trees each carrying
   half, the second shifted so a node interior in one is a leaf in the other), chains inside
   hosts; reduction and broadcast pipelined, so one phase whose latency is 2 (log2 k hops
   across + g-1 hops inside).
 - all-to-all: every member sends size/n to every other at once through its own NIC (NCCL does
   not combine NICs for all-to-all); ``ring-p2p``: each member sends size to the next (pipeline
   neighbours; the last to the first).
+- ``auto`` (``best_algorithm``; NCCL_ALGO unset): NCCL's tuner picks, per call, the algorithm
+  with the least predicted time from its own model, which knows NIC and NVLink bandwidths and
+  per-hop latencies but not the fabric's congestion; ``auto`` does the same with the time the
+  simulator gives when only NICs and NVLink limit (plus the latencies above), among the ring and,
+  for all-reduce, the tree (two-stage-ring is not NCCL's and is never picked).
 """
 
 from __future__ import annotations
@@ -45,7 +54,10 @@ from myria.sim.netsim.flows import incidence_of, max_min_rates, simulate_flows
 from myria.sim.netsim.routing import route, source_ports
 
 COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "ring-p2p")
-ALGORITHMS = ("ring", "two-stage-ring", "tree")
+ALGORITHMS = ("auto", "ring", "two-stage-ring", "tree")
+NCCL_VERSION = "2.30"
+MAXCHANNELS = 64               # NCCL's src/include/device.h
+CHANNELS_PER_NIC = 2           # one search channel per NIC, duplicated (src/graph/connect.cc)
 # nccl-tests bus bandwidth factor: busbw = algbw x factor(n)
 BUS_FACTOR = {"all-reduce": lambda n: 2 * (n - 1) / n, "all-gather": lambda n: (n - 1) / n,
               "reduce-scatter": lambda n: (n - 1) / n, "all-to-all": lambda n: (n - 1) / n,
@@ -70,6 +82,24 @@ class Collective:
     n: int                # ranks per communicator
     phases: list[Phase] = field(default_factory=list)
     base_alpha: float = ALPHA_BASE_S
+    hosts: int = 1        # hosts a communicator spans
+    nics: int = 0         # NICs its members own on one host (the 'ideal' is their aggregate)
+    channels: int = 1
+
+
+def nccl_channels(nics: int) -> int:
+    """NCCL's default channel count for a communicator whose members own ``nics`` NICs on each
+    host: one ring per NIC from the topology search, each duplicated, at most MAXCHANNELS
+    (NCCL_MIN_NCHANNELS / NCCL_MAX_NCHANNELS override it; ``--channels`` here)."""
+    return min(MAXCHANNELS, CHANNELS_PER_NIC * max(1, nics))
+
+
+def nics_of(groups: np.ndarray, gpus_per_host: int, nics_per_host: int | None) -> int:
+    """Distinct NICs the members of the first group own on its first host (NIC i serves GPU
+    i * nics / gpus)."""
+    nics = nics_per_host or gpus_per_host
+    first = groups[0][groups[0] // gpus_per_host == groups[0, 0] // gpus_per_host]
+    return len(np.unique((first % gpus_per_host) * nics // gpus_per_host))
 
 
 def _blocks(groups: np.ndarray, gpus: int) -> np.ndarray | None:
@@ -149,11 +179,12 @@ def _tree_flows(blocks: np.ndarray, channels: int) -> tuple[np.ndarray, np.ndarr
 
 
 def collective(kind: str, groups: np.ndarray, size: float, algorithm: str, gpus_per_host: int,
-               nics_per_host: int | None = None) -> Collective:
-    """The phases of ``kind`` over every row of ``groups`` (GPU ids, ring order) at once."""
+               nics_per_host: int | None = None, channels: int | None = None) -> Collective:
+    """The phases of ``kind`` over every row of ``groups`` (GPU ids, ring order) at once, on
+    ``channels`` channels (None: NCCL's default, ``nccl_channels``)."""
     if kind not in COLLECTIVES:
         raise ConfigError(f"collective = {kind!r}: valid are {', '.join(COLLECTIVES)}")
-    if algorithm not in ALGORITHMS:
+    if algorithm not in ALGORITHMS or algorithm == "auto":
         raise ConfigError(f"algorithm = {algorithm!r}: valid are {', '.join(ALGORITHMS)}")
     if size <= 0:
         raise ConfigError(f"bytes = {size:g}: must be > 0")
@@ -167,9 +198,14 @@ def collective(kind: str, groups: np.ndarray, size: float, algorithm: str, gpus_
         blocks = groups.reshape(G, n, 1)
     _, k, g = blocks.shape
     a_step = ALPHA_INTER_S if k > 1 else ALPHA_INTRA_S
-    channels = g if k > 1 else 1
-    if nics_per_host:
-        channels = max(1, min(channels, nics_per_host))
+    out.hosts, out.nics = k, nics_of(groups, gpus_per_host, nics_per_host)
+    if channels is not None and channels < 1:
+        raise ConfigError(f"channels = {channels}: must be >= 1")
+    if k == 1:
+        channels = 1          # inside one host: NVLink ports limit, whatever the channels
+    elif channels is None:
+        channels = nccl_channels(out.nics)
+    out.channels = channels
 
     def const(x, v):
         return np.full(len(x), float(v))
@@ -196,7 +232,9 @@ def collective(kind: str, groups: np.ndarray, size: float, algorithm: str, gpus_
     if not two:
         src, dst = _ring_flows(blocks, channels)
         steps = (2 if kind == "all-reduce" else 1) * (n - 1)
-        out.phases.append(Phase(src, dst, const(src, size / (n * channels)), steps, a_step,
+        inter = (2 if kind == "all-reduce" else 1) * (k - 1)     # NCCL's nInterSteps
+        alpha = (inter * ALPHA_INTER_S + (steps - inter) * ALPHA_INTRA_S) / steps
+        out.phases.append(Phase(src, dst, const(src, size / (n * channels)), steps, alpha,
                                 f"ring {kind}"))
         return out
     s_in, d_in = _cycle(blocks)                           # NVLink rings inside hosts
@@ -248,6 +286,27 @@ def _step_time(rp: RoutedPhase, capacity: np.ndarray) -> tuple[float, int]:
     return res.completion_time_s, res.events
 
 
+def ideal_time(fab: Fabric, coll: Collective) -> float:
+    """Completion time of ``coll`` when only NICs and NVLink limit, latencies included: what
+    NCCL's tuner can see (the route does not matter on those links)."""
+    cap = np.where(fab.edge_links, fab.capacity, np.inf)
+    return coll.base_alpha + sum(rp.phase.steps * (rp.phase.alpha + _step_time(rp, cap)[0])
+                                 for rp in route_collective(fab, coll, "adaptive"))
+
+
+def best_algorithm(fab: Fabric, kind: str, groups: np.ndarray, size: float, gpus_per_host: int,
+                   nics_per_host: int | None = None, channels: int | None = None
+                   ) -> Collective:
+    """``algorithm = "auto"``, as NCCL_ALGO unset: the ring, or for all-reduce the double binary
+    tree if its NIC/NVLink-limited time is smaller (see the module doc)."""
+    cands = ("ring", "tree") if kind == "all-reduce" else ("ring",)
+    colls = [collective(kind, groups, size, a, gpus_per_host, nics_per_host, channels)
+             for a in cands]
+    if len(colls) == 1 or colls[1].algorithm == "ring":
+        return colls[0]
+    return min(colls, key=lambda c: ideal_time(fab, c))
+
+
 def simulate_collective(fab: Fabric, coll: Collective, routing: str = "ecmp", qps: int = 1,
                         salt: int = 0, polarized: bool = False, top: int = 5) -> dict:
     """Completion time, bus bandwidth against the ideal (only NICs and NVLink limit, no
@@ -279,6 +338,13 @@ def simulate_collective(fab: Fabric, coll: Collective, routing: str = "ecmp", qp
 
 def _report(fab, coll, t, t_ideal, link_bytes, flows, events, max_flows, top) -> dict:
     factor = BUS_FACTOR[coll.kind](coll.n) if coll.n > 1 else 0.0
+    # the ideal bus bandwidth: across hosts, the aggregate of the NICs the members own on a host
+    # (no algorithm that moves the data through the NICs beats it; NVLS/SHARP in-network
+    # reduction is not modelled); otherwise the same flows with only NICs and NVLink limiting
+    if coll.hosts > 1 and coll.kind in ("all-reduce", "all-gather", "reduce-scatter"):
+        ideal_bus = coll.nics * fab.spec.nic_gbps / 8
+    else:
+        ideal_bus = factor * coll.size / t_ideal / 1e9 if t_ideal > 0 else 0.0
     util = np.divide(link_bytes, fab.capacity * t, out=np.zeros(fab.links),
                      where=fab.capacity * t > 0)
     used = link_bytes > 0
@@ -290,7 +356,7 @@ def _report(fab, coll, t, t_ideal, link_bytes, flows, events, max_flows, top) ->
         "completion_time_s": t,
         "algbw_gbs": coll.size / t / 1e9 if t > 0 else 0.0,
         "busbw_gbs": factor * coll.size / t / 1e9 if t > 0 else 0.0,
-        "ideal_busbw_gbs": factor * coll.size / t_ideal / 1e9 if t_ideal > 0 else 0.0,
+        "ideal_busbw_gbs": ideal_bus,
         "ideal_time_s": t_ideal,
         "max_link_utilization": float(util.max(initial=0.0)),
         "fabric_link_utilization_p50_p90_p99_max": pct,
@@ -302,6 +368,7 @@ def _report(fab, coll, t, t_ideal, link_bytes, flows, events, max_flows, top) ->
         "links": int(used.sum()),
         "events": int(events),
         "collective": coll.kind, "algorithm": coll.algorithm, "ranks": coll.n,
+        "channels": coll.channels,
         "bytes": coll.size,
         "_fabric_util": util[fabric],       # for plots; not JSON
     }
