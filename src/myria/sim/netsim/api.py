@@ -22,6 +22,7 @@ from functools import lru_cache
 
 import numpy as np
 
+from myria.errors import ConfigError
 from myria.sim.netsim.fabric import Fabric, FabricSpec, Tier, build
 from myria.sim.netsim.traffic import (
     Collective,
@@ -121,8 +122,6 @@ def price_collective(spec: FabricSpec, gpus: int, kind: str, group_key: tuple, n
 
 def with_network_model(hw, model: str):
     """``hw`` (a ``myria.sim.hardware.Hardware``) whose fabric is priced by ``model``."""
-    from myria.errors import ConfigError
-
     if model not in NETWORK_MODELS:
         raise ConfigError(f"--network {model!r}: valid are {', '.join(NETWORK_MODELS)}")
     return dataclasses.replace(hw, fabric=dataclasses.replace(hw.fabric, model=model))

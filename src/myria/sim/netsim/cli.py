@@ -18,6 +18,7 @@ those NICs. docs/network.md compares with published nccl-tests figures.
 from __future__ import annotations
 
 import argparse
+import difflib
 import json
 import re
 import time
@@ -25,6 +26,20 @@ import time
 import numpy as np
 
 from myria.errors import ConfigError
+from myria.sim.netsim.congestion import simulate_congestion
+from myria.sim.netsim.fabric import PRESETS, build, load_spec
+from myria.sim.netsim.layout import layout_groups, parse_layout
+from myria.sim.netsim.routing import ROUTINGS
+from myria.sim.netsim.traffic import (
+    ALGORITHMS,
+    COLLECTIVES,
+    MAXCHANNELS,
+    best_algorithm,
+    collective,
+    route_collective,
+    simulate_collective,
+    simulate_jobs,
+)
 
 MAX_FLOWS = 5_000_000
 # argparse takes "-5G" for an option (its default matcher knows only plain negative numbers), so
@@ -51,10 +66,6 @@ def parse_bytes(text: str) -> float:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from myria.sim.netsim.fabric import PRESETS
-    from myria.sim.netsim.routing import ROUTINGS
-    from myria.sim.netsim.traffic import ALGORITHMS, COLLECTIVES
-
     parser.description = __doc__
     parser._negative_number_matcher = _NEGATIVE_VALUE
     parser.add_argument("--topology", required=True,
@@ -111,40 +122,26 @@ def _int(text: str, flag: str, lo: int = 1) -> int:
 
 def _choice(val: str, flag: str, valid: tuple) -> str:
     if val not in valid:
-        import difflib
         close = difflib.get_close_matches(val, valid, n=1)
         hint = f" (did you mean {close[0]!r}?)" if close else ""
         raise ConfigError(f"{flag} {val!r}: valid are {', '.join(valid)}{hint}")
     return val
 
 
-def groups_for(args, spec, gpus: int, collective: str) -> np.ndarray:
-    from myria.sim.netsim.layout import layout_groups, parse_layout
-
+def groups_for(args, spec, gpus: int, kind: str) -> np.ndarray:
     if args.layout:
         layout = parse_layout(args.layout)
         world = int(np.prod(list(layout.values())))
         if world != gpus:
             raise ConfigError(f"--layout {args.layout!r} has {world} ranks, --gpus is {gpus}")
         return layout_groups(layout, spec, args.group)
-    if collective == "ring-p2p":
+    if kind == "ring-p2p":
         g = min(spec.gpus, gpus)
         return np.arange(gpus).reshape(-1, g).T.copy()
     return np.arange(gpus)[None, :]
 
 
 def run(args: argparse.Namespace) -> int:
-    from myria.sim.netsim.fabric import build, load_spec
-    from myria.sim.netsim.routing import ROUTINGS
-    from myria.sim.netsim.traffic import (
-        ALGORITHMS,
-        COLLECTIVES,
-        MAXCHANNELS,
-        best_algorithm,
-        collective,
-        simulate_collective,
-    )
-
     t0 = time.perf_counter()
     kind = _choice(args.collective, "--collective", COLLECTIVES)
     algo = _choice(args.algorithm, "--algorithm", ALGORITHMS)
@@ -171,8 +168,6 @@ def run(args: argparse.Namespace) -> int:
     if args.also:
         out["jobs"] = _jobs(args, spec, fab, coll, routing, qps, seed)
     if args.congestion:
-        from myria.sim.netsim.congestion import simulate_congestion
-        from myria.sim.netsim.traffic import route_collective
 
         rp = max(route_collective(fab, coll, routing, qps, seed, args.polarized),
                  key=lambda r: r.phase.steps * r.phase.nbytes.sum())
@@ -215,16 +210,6 @@ def run(args: argparse.Namespace) -> int:
 
 def _jobs(args, spec, fab, coll, routing: str, qps: int, seed: int) -> list[dict]:
     """The main collective and the --with ones, at once (traffic.simulate_jobs)."""
-    from myria.sim.netsim.layout import layout_groups, parse_layout
-    from myria.sim.netsim.traffic import (
-        ALGORITHMS,
-        COLLECTIVES,
-        best_algorithm,
-        collective,
-        simulate_collective,
-        simulate_jobs,
-    )
-
     if not args.layout:
         raise ConfigError("--with needs --layout (its groups say who talks to whom)")
     layout = parse_layout(args.layout)

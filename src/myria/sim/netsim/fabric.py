@@ -32,7 +32,7 @@ Routes go up to the lowest common tier and down again; the choice going up (aggr
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from importlib import resources
 from pathlib import Path
 
@@ -317,7 +317,5 @@ def build(spec: FabricSpec | str, gpus: int) -> Fabric:
 def with_uplinks(spec: FabricSpec, factor: float) -> FabricSpec:
     """The same fabric with every ToR uplink ``factor`` times faster (2: MegaScale's 400G
     uplinks over 200G downlinks)."""
-    from dataclasses import replace
-
     return replace(spec, name=f"{spec.name}-x{factor:g}-uplinks",
                    tor=replace(spec.tor, up_gbps=spec.tor.up_gbps * factor))

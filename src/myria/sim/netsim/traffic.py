@@ -237,6 +237,7 @@ def collective(kind: str, groups: np.ndarray, size: float, algorithm: str, gpus_
         out.phases.append(Phase(src, dst, const(src, size / (n * channels)), steps, alpha,
                                 f"ring {kind}"))
         return out
+    out.channels = g                                      # one ring per rail across hosts
     s_in, d_in = _cycle(blocks)                           # NVLink rings inside hosts
     s_x, d_x = _cycle(np.swapaxes(blocks, 1, 2))         # one ring per rail across hosts
     intra = Phase(s_in, d_in, const(s_in, size / g), g - 1, ALPHA_INTRA_S, "NVLink ring")
