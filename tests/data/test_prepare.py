@@ -131,7 +131,7 @@ def test_same_inputs_and_seed_give_identical_bytes(corpus: Path, tmp_path: Path)
 def test_rerun_into_same_dir_removes_stale_shards(corpus: Path, tmp_path: Path) -> None:
     out = tmp_path / "d"
     small = run_prepare(corpus, out, shard_tokens=300)
-    big = run_prepare(corpus, out, shard_tokens=100_000)
+    big = run_prepare(corpus, out, shard_tokens=100_000, force=True)
     assert len(small["splits"]["train"]["shards"]) > 1
     assert sorted(p.name for p in out.glob("train_*")) == ["train_00000.bin",
                                                             "train_00000.docs.npy"]
