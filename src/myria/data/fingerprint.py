@@ -124,8 +124,8 @@ def check_resume(ckpt: str | Path, current: dict[str, Any], allow: bool = False,
         raise DataError(msg + "; restore that data, point --data.path at it, or pass "
                         "--allow-data-change to continue training on the new data")
     if announce:
-        log.warning("%s; continuing on the new data (allow_data_change)", msg)
-        print(f"WARNING: {msg}; continuing on the new data as allowed", flush=True)
+        log.warning("%s; continuing on the new data as allowed (checkpoint.allow_data_change)",
+                    msg)
 
 
 def checkpoint_tokenizer(run_dir: str | Path, ckpt: str | Path, override: str | Path | None = None

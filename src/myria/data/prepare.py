@@ -108,6 +108,10 @@ _CONTROL = re.compile("[\x00-\x08\x0e-\x1f\x7f]")
 _CONTROL_SHARE = 0.01
 
 
+def _binary(text: str) -> bool:
+    return "\x00" in text or len(_CONTROL.findall(text)) > _CONTROL_SHARE * len(text)
+
+
 @dataclass
 class Decoding:
     """How input bytes become text (`--encoding`, `--errors`) and what that did, for the summary.
@@ -143,6 +147,8 @@ class Decoding:
         try:
             text = raw.decode(self.encoding)
         except UnicodeDecodeError as e:
+            if _binary(raw.decode("latin-1")):   # every byte a character: the binary test
+                return self._binary(where, raw.decode("latin-1"))
             if self.errors == "skip":
                 self.skipped.append(f"{where} (not {self.encoding})")
                 return None
@@ -155,16 +161,16 @@ class Decoding:
             before = _REPLACED[0]
             text = raw.decode(self.encoding, errors=_COUNT_REPLACE)
             self.replaced += _REPLACED[0] - before
+        return self._binary(where, text) if _binary(text) else text
+
+    def _binary(self, where: str, text: str) -> None:
+        if self.errors == "skip":
+            self.skipped.append(f"{where} (binary)")
+            return None
         ctrl = len(_CONTROL.findall(text))
-        if "\x00" in text or ctrl > _CONTROL_SHARE * max(len(text), 1):
-            if self.errors == "skip":
-                self.skipped.append(f"{where} (binary)")
-                return None
-            raise DataError(f"{where} looks binary, not text ({ctrl:,} control characters in "
-                            f"{len(text):,}{', NUL bytes' if chr(0) in text else ''}); "
-                            "remove it from --input, or pass --errors skip to leave such files "
-                            "out")
-        return text
+        raise DataError(f"{where} looks binary, not text ({ctrl:,} control characters in "
+                        f"{len(text):,}{', NUL bytes' if chr(0) in text else ''}); remove it "
+                        "from --input, or pass --errors skip to leave such files out")
 
     def describe(self) -> str:
         parts = [f"{self.files:,} file(s) read as {self.encoding}"]
@@ -172,7 +178,7 @@ class Decoding:
             parts.append(f"{self.replaced:,} undecodable byte sequence(s) replaced by U+FFFD")
         if self.skipped:
             shown = ", ".join(self.skipped[:3]) + (", ..." if len(self.skipped) > 3 else "")
-            parts.append(f"{len(self.skipped):,} document(s) skipped: {shown}")
+            parts.append(f"{len(self.skipped):,} file(s) skipped: {shown}")
         return "; ".join(parts)
 
 
