@@ -87,10 +87,14 @@ def keep_tokenizer(data_dir: str | Path, run_dir: str | Path, write: bool = True
         if _sha256_bytes(data) != fp["tokenizer_sha256"]:  # changed under our feet
             raise DataError(f"{str(src)!r} changed while the run was starting; is `myria "
                             "prepare` writing into it?")
-        dest.parent.mkdir(parents=True, exist_ok=True)
         tmp = dest.with_name(dest.name + f".tmp{os.getpid()}")
-        tmp.write_bytes(data)
-        os.replace(tmp, dest)
+        try:
+            dest.parent.mkdir(parents=True, exist_ok=True)
+            tmp.write_bytes(data)
+            os.replace(tmp, dest)
+        except OSError as e:
+            raise CheckpointError(f"cannot keep the run's tokenizer in {dest.parent}: "
+                                  f"{e.strerror or e}") from None
     return fp
 
 
