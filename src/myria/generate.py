@@ -213,7 +213,7 @@ def run(args) -> int:
     from myria.data import fingerprint
     from myria.data.tokenizer import decode, eos_id, load_tokenizer
     from myria.errors import CheckpointError
-    from myria.train.export import load_checkpoint_model
+    from myria.train.export import checkpoint_path, load_checkpoint_model
 
     if args.max_new_tokens < 1:
         raise ConfigError(f"--max-new-tokens {args.max_new_tokens}: must be at least 1")
@@ -225,11 +225,12 @@ def run(args) -> int:
     if not run_dir.is_dir():
         raise CheckpointError(f"run directory {run_dir} does not exist" if not run_dir.exists()
                               else f"--run-dir {run_dir} is a file, not a run directory")
-    model, m, path = load_checkpoint_model(run_dir, args.step)
+    path = checkpoint_path(run_dir, args.step)
     tok_file, note = fingerprint.checkpoint_tokenizer(run_dir, path, args.tokenizer)
     if note:
         print(note, file=sys.stderr)
     tok = load_tokenizer(tok_file)
+    model, m, path = load_checkpoint_model(run_dir, args.step, path)
     ids = tok.encode(args.prompt, add_special_tokens=False).ids
     if not ids:
         raise ConfigError("--prompt encodes to no tokens")

@@ -126,12 +126,8 @@ def check_exportable(m) -> None:
             f"experts={m.experts})")
 
 
-def load_checkpoint_model(run_dir: Path, step: int | None):
-    """Rebuild the model of a run's checkpoint in this process and load its weights."""
-    import torch.distributed.checkpoint as dcp
-
-    from myria import config as config_mod
-    from myria.models.transformer import build_model
+def checkpoint_path(run_dir: Path, step: int | None) -> Path:
+    """The committed checkpoint of `step` (default: the newest that verifies) of a run."""
     from myria.train.checkpoint import CheckpointManager
 
     mgr = CheckpointManager(run_dir / "checkpoints")
@@ -145,6 +141,20 @@ def load_checkpoint_model(run_dir: Path, step: int | None):
             have = [int(p.name.split("_")[1]) for p in mgr.committed()]
             raise CheckpointError(f"no committed checkpoint for step {step} in {run_dir}; "
                                   f"available steps: {have or 'none'}")
+    return path
+
+
+def load_checkpoint_model(run_dir: Path, step: int | None, path: Path | None = None):
+    """Rebuild the model of a run's checkpoint (`path`, or found by `step`) in this process and
+    load its weights."""
+    import torch.distributed.checkpoint as dcp
+
+    from myria import config as config_mod
+    from myria.models.transformer import build_model
+    from myria.train.checkpoint import CheckpointManager
+
+    path = path or checkpoint_path(run_dir, step)
+    mgr = CheckpointManager(run_dir / "checkpoints")
     meta = json.loads((path / "meta.json").read_text())
     m = config_mod.from_dict({"model": meta["model"]}).model
     model = build_model(m, "cpu")
@@ -174,10 +184,11 @@ def run(args) -> int:
                               else f"--run-dir {run_dir} is a file, not a run directory")
     out = Path(args.out)
     check_out(out, args.force)
-    model, m, path = load_checkpoint_model(run_dir, args.step)
-    check_exportable(m)
+    path = checkpoint_path(run_dir, args.step)
     tok_path, note = fingerprint.checkpoint_tokenizer(run_dir, path, args.tokenizer)
     eos = eos_id(load_tokenizer(tok_path))
+    model, m, path = load_checkpoint_model(run_dir, args.step, path)
+    check_exportable(m)
     from safetensors.torch import save_file
 
     try:
