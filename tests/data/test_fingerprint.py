@@ -67,6 +67,23 @@ def test_checkpoint_tokenizer_never_uses_another(tmp_path: Path) -> None:
         F.checkpoint_tokenizer(tmp_path / "run", ck)
 
 
+def test_check_resume(tmp_path: Path) -> None:
+    src = _texts(tmp_path / "in", 3)
+    P.prepare(tmp_path / "d", [src], vocab_size=300, val_fraction=0)
+    old = F.fingerprint(tmp_path / "d")
+    ck = _ckpt(tmp_path, {F.META_KEY: old})
+    F.check_resume(ck, F.fingerprint(tmp_path / "d"))            # unchanged: fine
+    P.prepare(tmp_path / "d", [src], vocab_size=280, val_fraction=0, force=True)
+    new = F.fingerprint(tmp_path / "d")
+    with pytest.raises(DataError, match=f"{old['tokenizer_sha256'][:12]}.*"
+                       f"{new['tokenizer_sha256'][:12]}.*--allow-data-change"):
+        F.check_resume(ck, new)
+    F.check_resume(ck, new, allow=True)
+    (ck / "meta.json").write_text("{}")                           # an older checkpoint
+    F.check_resume(ck, new)
+
+
+@pytest.mark.slow
 def test_resume_on_reprepared_data_is_refused(tmp_path: Path, tiny_data: Path) -> None:
     """The user's steps: train, re-prepare the data directory, resume; then generate."""
     import torch
