@@ -219,6 +219,8 @@ class CheckpointConfig:
                           "newer checkpoints of the run are moved aside, not deleted")
     start_fresh: bool = _f(False, "when checkpoints exist but none can be loaded, train from "
                            "step 0 instead of stopping (the damaged ones stay in quarantine/)")
+    allow_data_change: bool = _f(False, "resume although data.path's tokenizer or tokens differ "
+                                 "from the fingerprint the checkpoint recorded")
 
 
 @dataclass

@@ -2,8 +2,9 @@
 
     myria generate --run-dir runs/demo --prompt "My fellow citizens" --max-new-tokens 60
 
-Loads the newest checkpoint that verifies (or `--step N`), encodes the prompt with the run's
-tokenizer (the data directory recorded in the checkpoint), and decodes token by token: one
+Loads the newest checkpoint that verifies (or `--step N`), encodes the prompt with the tokenizer
+the checkpoint was trained with (the copy kept in the run directory, so the data directory may
+have moved or been re-prepared since; see myria.data.fingerprint), and decodes token by token: one
 forward over the prompt fills the cache of keys and values of every layer, then each new token
 is one forward of one position against the cache (memory grows by one key and value per layer
 per token; no attention over the whole sequence again). RetNet, Griffin's recurrent blocks and
@@ -22,14 +23,14 @@ here, because the training forward attends within one sequence and has no cache.
 from __future__ import annotations
 
 import argparse
-import json
+import sys
 import time
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-from myria.errors import ConfigError, DataError
+from myria.errors import ConfigError
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -42,6 +43,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="sample among the K most likely tokens only; 0 = all (0)")
     p.add_argument("--seed", type=int, default=0, help="seed of the sampler (0)")
     p.add_argument("--step", type=int, default=None, help="checkpoint step (default: newest)")
+    p.add_argument("--tokenizer", metavar="PATH", default=None,
+                   help="tokenizer.json to use, for checkpoints that kept none (it must match "
+                   "the fingerprint the checkpoint recorded, if any)")
 
 
 class KVCache:
@@ -206,9 +210,10 @@ def generate(model, prompt_ids: list[int], max_new_tokens: int, temperature: flo
 
 
 def run(args) -> int:
+    from myria.data import fingerprint
     from myria.data.tokenizer import decode, eos_id, load_tokenizer
     from myria.errors import CheckpointError
-    from myria.train.export import load_checkpoint_model
+    from myria.train.export import checkpoint_path, load_checkpoint_model
 
     if args.max_new_tokens < 1:
         raise ConfigError(f"--max-new-tokens {args.max_new_tokens}: must be at least 1")
@@ -218,14 +223,14 @@ def run(args) -> int:
         raise ConfigError(f"--top-k {args.top_k}: must be 0 (all tokens) or more")
     run_dir = Path(args.run_dir)
     if not run_dir.is_dir():
-        raise CheckpointError(f"run directory {run_dir} does not exist")
-    model, m, path = load_checkpoint_model(run_dir, args.step)
-    data = json.loads((path / "meta.json").read_text()).get("data_path")
-    tok_file = Path(data or "") / "tokenizer.json"
-    if not data or not tok_file.exists():
-        raise DataError(f"the tokenizer of {path} is not found: the checkpoint names data path "
-                        f"{data!r}, which has no tokenizer.json")
+        raise CheckpointError(f"run directory {run_dir} does not exist" if not run_dir.exists()
+                              else f"--run-dir {run_dir} is a file, not a run directory")
+    path = checkpoint_path(run_dir, args.step)
+    tok_file, note = fingerprint.checkpoint_tokenizer(run_dir, path, args.tokenizer)
+    if note:
+        print(note, file=sys.stderr)
     tok = load_tokenizer(tok_file)
+    model, m, path = load_checkpoint_model(run_dir, args.step, path)
     ids = tok.encode(args.prompt, add_special_tokens=False).ids
     if not ids:
         raise ConfigError("--prompt encodes to no tokens")

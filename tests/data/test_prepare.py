@@ -131,7 +131,7 @@ def test_same_inputs_and_seed_give_identical_bytes(corpus: Path, tmp_path: Path)
 def test_rerun_into_same_dir_removes_stale_shards(corpus: Path, tmp_path: Path) -> None:
     out = tmp_path / "d"
     small = run_prepare(corpus, out, shard_tokens=300)
-    big = run_prepare(corpus, out, shard_tokens=100_000)
+    big = run_prepare(corpus, out, shard_tokens=100_000, force=True)
     assert len(small["splits"]["train"]["shards"]) > 1
     assert sorted(p.name for p in out.glob("train_*")) == ["train_00000.bin",
                                                             "train_00000.docs.npy"]
@@ -226,3 +226,77 @@ def test_too_few_documents_for_validation(tmp_path: Path) -> None:
     (tmp_path / "one.txt").write_text("just one document\n")
     with pytest.raises(DataError, match="--val-fraction 0"):
         P.prepare(tmp_path / "o", inputs=[str(tmp_path / "one.txt")])
+
+
+def _cli(*args: str) -> tuple[int, str, str]:
+    """`myria prepare ARGS` as the command line runs it (in this process): rc, stdout, stderr."""
+    import contextlib
+    import io
+
+    from myria.cli import main
+
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        rc = main(["prepare", "--quiet", "--workers", "1", *args])
+    return rc, out.getvalue(), err.getvalue()
+
+
+def test_refuses_to_overwrite_a_prepared_directory(corpus: Path, tmp_path: Path) -> None:
+    out = tmp_path / "data"
+    args = ["--input", str(corpus / "txt"), "--vocab-size", "280", "--out", str(out)]
+    assert _cli(*args)[0] == 0
+    before = (out / "index.json").read_bytes()
+    rc, _, err = _cli(*args[:-3], "300", "--out", str(out))
+    assert rc == 2 and err.count("\n") == 1 and "already a prepared data directory" in err
+    assert "--force" in err and str(out) in err
+    assert (out / "index.json").read_bytes() == before
+    rc, _, _ = _cli(*args[:-3], "300", "--out", str(out), "--force")
+    assert rc == 0 and (out / "index.json").read_bytes() != before
+    rc, _, err = _cli("--input", str(corpus / "txt"), "--out", str(corpus / "records.jsonl"))
+    assert rc == 2 and "is a file" in err
+
+
+def test_non_utf8_and_binary_inputs(tmp_path: Path) -> None:
+    import sys
+
+    text = "Café crème brûlée, naïve résumé.\n" * 40
+    (tmp_path / "latin1.txt").write_bytes(text.encode("latin-1"))
+    (tmp_path / "ok.txt").write_text(make_text(random.Random(1), 400))
+    (tmp_path / "prog.txt").write_bytes(Path(sys.executable).read_bytes()[:65536])  # ELF etc.
+    lat, ok, prog = (str(tmp_path / f) for f in ("latin1.txt", "ok.txt", "prog.txt"))
+    common = ["--val-fraction", "0", "--vocab-size", "300"]
+    rc, _, err = _cli("--input", lat, "--input", ok, *common, "--out", str(tmp_path / "a"))
+    assert rc == 2 and err.count("\n") == 1 and "latin1.txt" in err and "not utf-8" in err
+    assert "--encoding" in err and not (tmp_path / "a" / "index.json").exists()
+    for enc in ("utf-8", "latin-1"):  # binary whatever it decodes as
+        rc, _, err = _cli("--input", prog, "--encoding", enc, *common, "--out", str(tmp_path / "b"))
+        assert rc == 2 and "prog.txt" in err and "binary" in err, err
+    # decoded as the user says
+    rc, out, _ = _cli("--input", lat, "--input", ok, "--encoding", "latin-1", *common,
+                      "--out", str(tmp_path / "c"))
+    assert rc == 0 and "2 file(s) read as latin-1" in out
+    tok = T.load_tokenizer(tmp_path / "c" / "tokenizer.json")
+    index = json.loads((tmp_path / "c" / "index.json").read_text())
+    stream = read_split(tmp_path / "c", index, "train")
+    assert tok.decode(stream[: np.flatnonzero(stream == index["eos_id"])[0]].tolist()) == text
+    # replaced: one U+FFFD per undecodable byte, counted
+    rc, out, _ = _cli("--input", lat, "--input", ok, "--errors", "replace", *common,
+                      "--out", str(tmp_path / "d"))
+    assert rc == 0 and "280 undecodable byte sequence(s) replaced" in out  # 7 per line x 40
+    # skipped: the Latin-1 file and the binary, named and counted
+    rc, out, _ = _cli("--input", lat, "--input", ok, "--input", prog, "--errors", "skip", *common,
+                      "--out", str(tmp_path / "e"))
+    assert rc == 0 and "3 file(s) read as utf-8; 2 file(s) skipped" in out
+    assert "latin1.txt' (not utf-8)" in out and "prog.txt' (binary)" in out
+    assert json.loads((tmp_path / "e" / "index.json").read_text())["total_documents"] == 1
+
+
+def test_vocabulary_smaller_than_asked_is_said(corpus: Path, tmp_path: Path) -> None:
+    rc, out, _ = _cli("--input", str(corpus / "txt"), "--vocab-size", "16384",
+                      "--out", str(tmp_path / "v"))
+    index = json.loads((tmp_path / "v" / "index.json").read_text())
+    assert rc == 0 and index["vocab_size"] < 16384 and index["vocab_size_requested"] == 16384
+    assert f"vocab      {index['vocab_size']:,}" in out and "SMALLER than the 16,384 asked" in out
+    rc, out, _ = _cli("--input", str(corpus / "txt"), "--vocab-size", "280",
+                      "--out", str(tmp_path / "w"))
+    assert rc == 0 and "SMALLER" not in out

@@ -1,9 +1,12 @@
-"""HF export: transformers' LlamaForCausalLM loads the files and gives the same logits."""
+"""HF export: a directory that transformers' Auto classes and pipeline use as they are, with the
+tokenizer the checkpoint was trained with (even when the data directory moved), the same logits
+as ours, and one-line refusals of what cannot be exported or written."""
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
 
 import pytest
 import torch
@@ -15,21 +18,29 @@ transformers = pytest.importorskip("transformers")
 
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory, tiny_data):
-    d = tmp_path_factory.mktemp("exp")
-    run_cli("train", "--run-dir", str(d), f"--data.path={tiny_data}", *TINY,
+    """A 3-step run on a private copy of the data, which is then moved away."""
+    root = tmp_path_factory.mktemp("exp")
+    data, run = root / "data", root / "run"
+    shutil.copytree(tiny_data, data)
+    run_cli("train", "--run-dir", str(run), f"--data.path={data}", *TINY,
             "--training.steps=3", "--checkpoint.interval=0")
-    return d
+    data.rename(root / "moved")   # export must not depend on the data directory
+    return run
 
 
-def test_hf_logits_match(tmp_path, trained):
-    out = tmp_path / "hf"
+@pytest.fixture(scope="module")
+def exported(tmp_path_factory, trained):
+    out = tmp_path_factory.mktemp("hf") / "hf"
     p = run_cli("export", "--run-dir", str(trained), "--format", "hf", "--out", str(out))
-    assert "LlamaForCausalLM" in p.stdout
-    assert json.loads((out / "config.json").read_text())["num_key_value_heads"] == 2
-    assert (out / "tokenizer.json").exists()
+    assert "LlamaForCausalLM" in p.stdout and "eos id 0" in p.stdout
     os.environ["HF_HUB_OFFLINE"] = "1"
-    hf = transformers.LlamaForCausalLM.from_pretrained(str(out), local_files_only=True,
-                                                       torch_dtype=torch.float32).eval()
+    return out
+
+
+def test_hf_logits_match(trained, exported):
+    assert json.loads((exported / "config.json").read_text())["num_key_value_heads"] == 2
+    hf = transformers.LlamaForCausalLM.from_pretrained(str(exported), local_files_only=True,
+                                                       dtype=torch.float32).eval()
     from myria.train.export import load_checkpoint_model
 
     ours, cfg, _ = load_checkpoint_model(trained, None)
@@ -38,6 +49,54 @@ def test_hf_logits_match(tmp_path, trained):
         a = ours(x)
         b = hf(x).logits
     assert (a - b).abs().max().item() <= 1e-4
+
+
+def test_auto_classes_and_pipeline_need_no_argument(trained, exported):
+    d = str(exported)
+    kept = next((trained / "tokenizers").glob("tokenizer-*.json"))
+    assert (exported / "tokenizer.json").read_bytes() == kept.read_bytes()
+    cfg = json.loads((exported / "config.json").read_text())
+    gen = json.loads((exported / "generation_config.json").read_text())
+    assert cfg["eos_token_id"] == cfg["pad_token_id"] == gen["eos_token_id"] == 0
+    tok = transformers.AutoTokenizer.from_pretrained(d)
+    assert tok.eos_token == tok.pad_token == "<|endoftext|>" and tok.eos_token_id == 0
+    batch = tok(["The Congress", "My fellow citizens of the United States"], padding=True,
+                return_tensors="pt")
+    lengths = batch["attention_mask"].sum(1).tolist()
+    assert lengths[0] < lengths[1] == batch["input_ids"].shape[1]
+    assert batch["input_ids"][0, 0] == tok.pad_token_id          # left padding
+    assert tok.decode(tok("Fellow-citizens, 1789")["input_ids"]) == "Fellow-citizens, 1789"
+    model = transformers.AutoModelForCausalLM.from_pretrained(d)
+    assert type(model).__name__ == "LlamaForCausalLM"
+    out = model.generate(**batch, max_new_tokens=4, do_sample=False)
+    assert out.shape == (2, batch["input_ids"].shape[1] + 4)
+    pipe = transformers.pipeline("text-generation", model=d)
+    texts = pipe(["The Congress", "My fellow citizens"], max_new_tokens=5, do_sample=False,
+                 batch_size=2)
+    assert texts[0][0]["generated_text"].startswith("The Congress")
+    assert texts[1][0]["generated_text"].startswith("My fellow citizens")
+    # greedy through the pipeline continues the prompt as `myria generate` does
+    mine = run_cli("generate", "--run-dir", str(trained), "--prompt", "The Congress",
+                   "--max-new-tokens", "5", "--temperature", "0")
+    assert mine.stdout.splitlines()[0] == texts[0][0]["generated_text"]
+
+
+def test_out_that_exists(tmp_path, trained, exported):
+    f = tmp_path / "file"
+    f.write_text("x")
+    p = run_cli("export", "--run-dir", str(trained), "--out", str(f), check=False)
+    assert p.returncode == 2 and "is a file" in p.stderr and "Traceback" not in p.stderr
+    assert f.read_text() == "x"
+    d = tmp_path / "d"
+    shutil.copytree(exported, d)
+    (d / "config.json").write_text("{}")
+    (d / "mine.txt").write_text("keep")
+    p = run_cli("export", "--run-dir", str(trained), "--out", str(d), check=False)
+    assert p.returncode == 2 and "not empty" in p.stderr and "--force" in p.stderr
+    assert p.stderr.count("\n") == 1 and (d / "config.json").read_text() == "{}"
+    run_cli("export", "--run-dir", str(trained), "--out", str(d), "--force")
+    assert (d / "config.json").read_bytes() == (exported / "config.json").read_bytes()
+    assert (d / "mine.txt").read_text() == "keep"
 
 
 def test_export_refuses_what_llama_cannot_hold(tmp_path, tiny_data):

@@ -20,6 +20,7 @@ byte-identical output.
 from __future__ import annotations
 
 import argparse
+import codecs
 import glob
 import hashlib
 import importlib.metadata
@@ -59,9 +60,10 @@ class Corpus:
 
     documents: list[str] = field(default_factory=list)
     sources: list[dict[str, Any]] = field(default_factory=list)
+    decoding: Decoding | None = None  # the user's inputs' decoding and its counts
 
-    def add(self, name: str, docs: Sequence[str]) -> None:
-        kept = [d for d in docs if d.strip()]
+    def add(self, name: str, docs: Sequence[str | None]) -> None:
+        kept = [d for d in docs if d is not None and d.strip()]
         self.documents.extend(kept)
         self.sources.append({"name": name, "documents": len(kept)})
 
@@ -99,39 +101,138 @@ def expand_inputs(patterns: Sequence[str]) -> list[Path]:
     return files
 
 
-def read_text(path: Path) -> str:
-    """A whole text file as one document (invalid UTF-8 bytes become U+FFFD)."""
+ERRORS = ("strict", "replace", "skip")
+# C0 controls other than \t \n \v \f \r, and DEL: a text with a NUL, or with more than this
+# share of them, is binary (an executable, an archive, an image), whatever it decodes as.
+_CONTROL = re.compile("[\x00-\x08\x0e-\x1f\x7f]")
+_CONTROL_SHARE = 0.01
+
+
+def _binary(text: str) -> bool:
+    return "\x00" in text or len(_CONTROL.findall(text)) > _CONTROL_SHARE * len(text)
+
+
+@dataclass
+class Decoding:
+    """How input bytes become text (`--encoding`, `--errors`) and what that did, for the summary.
+
+    errors: strict refuses a file that does not decode (DataError naming it, the line and the
+    bytes); replace puts U+FFFD for each undecodable byte sequence (counted); skip leaves out a
+    file (text or JSONL) that does not decode. A binary file (NUL bytes, or more than 1% control
+    characters) is refused whatever the encoding, or left out with skip.
+    """
+
+    encoding: str = "utf-8"
+    errors: str = "strict"
+    files: int = 0
+    replaced: int = 0
+    skipped: list[str] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if self.errors not in ERRORS:
+            raise DataError(f"--errors {self.errors!r}: expected one of {', '.join(ERRORS)}")
+        try:
+            codecs.lookup(self.encoding)
+        except LookupError:
+            raise DataError(f"--encoding {self.encoding!r}: not an encoding Python knows "
+                            "(e.g. utf-8, latin-1, cp1252, utf-16)") from None
+
+    def _hint(self) -> str:
+        return ("pass --encoding NAME if it is text in another encoding (e.g. latin-1), "
+                "--errors replace to replace undecodable bytes with U+FFFD, or --errors skip "
+                "to leave it out")
+
+    def decode(self, raw: bytes, where: str) -> str | None:
+        """Text of `raw` (None: skipped); DataError naming `where` when refused."""
+        try:
+            text = raw.decode(self.encoding)
+        except UnicodeDecodeError as e:
+            if _binary(raw.decode("latin-1")):   # every byte a character: the binary test
+                return self._binary(where, raw.decode("latin-1"))
+            if self.errors == "skip":
+                self.skipped.append(f"{where} (not {self.encoding})")
+                return None
+            if self.errors == "strict":
+                bad = raw[e.start:e.start + 4].hex(" ")
+                line = raw.count(b"\n", 0, e.start) + 1
+                raise DataError(f"{where} is not {self.encoding} text (bytes {bad} at line "
+                                f"{line}, byte offset {e.start}: {e.reason}); {self._hint()}"
+                                ) from None
+            before = _REPLACED[0]
+            text = raw.decode(self.encoding, errors=_COUNT_REPLACE)
+            self.replaced += _REPLACED[0] - before
+        return self._binary(where, text) if _binary(text) else text
+
+    def _binary(self, where: str, text: str) -> None:
+        if self.errors == "skip":
+            self.skipped.append(f"{where} (binary)")
+            return None
+        ctrl = len(_CONTROL.findall(text))
+        raise DataError(f"{where} looks binary, not text ({ctrl:,} control characters in "
+                        f"{len(text):,}{', NUL bytes' if chr(0) in text else ''}); remove it "
+                        "from --input, or pass --errors skip to leave such files out")
+
+    def describe(self) -> str:
+        parts = [f"{self.files:,} file(s) read as {self.encoding}"]
+        if self.replaced:
+            parts.append(f"{self.replaced:,} undecodable byte sequence(s) replaced by U+FFFD")
+        if self.skipped:
+            shown = ", ".join(self.skipped[:3]) + (", ..." if len(self.skipped) > 3 else "")
+            parts.append(f"{len(self.skipped):,} file(s) skipped: {shown}")
+        return "; ".join(parts)
+
+
+# A codecs error handler that replaces like "replace" and counts the replacements.
+_REPLACED = [0]
+_COUNT_REPLACE = "myria-count-replace"
+
+
+def _count_replace(err: UnicodeError) -> tuple[str, int]:
+    _REPLACED[0] += 1
+    return "\ufffd", err.end  # type: ignore[attr-defined]
+
+
+codecs.register_error(_COUNT_REPLACE, _count_replace)
+
+
+def _read_bytes(path: Path) -> bytes:
     try:
-        return path.read_text(encoding="utf-8", errors="replace")
+        return path.read_bytes()
     except OSError as e:
         raise DataError(f"cannot read {str(path)!r}: {e.strerror or e}") from None
 
 
-def read_jsonl(path: Path, text_field: str) -> list[str]:
+def read_text(path: Path, dec: Decoding | None = None) -> str | None:
+    """A whole text file as one document, decoded by `dec` (default: strict UTF-8); None when
+    `dec` skips it."""
+    dec = dec or Decoding()
+    dec.files += 1
+    return dec.decode(_read_bytes(path), repr(str(path)))
+
+
+def read_jsonl(path: Path, text_field: str, dec: Decoding | None = None) -> list[str]:
     """The `text_field` string of every non-blank line; DataError with file:line otherwise."""
-    docs = []
-    try:
-        fh = path.open(encoding="utf-8", errors="replace")
-    except OSError as e:
-        raise DataError(f"cannot read {str(path)!r}: {e.strerror or e}") from None
-    with fh:
-        for lineno, line in enumerate(fh, 1):
-            if not line.strip():
-                continue
-            where = f"{path}:{lineno}"
-            try:
-                obj = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise DataError(f"{where}: not valid JSON ({e.msg} at column {e.colno})") from None
-            if not isinstance(obj, dict) or text_field not in obj:
-                keys = ", ".join(map(str, obj)) if isinstance(obj, dict) else type(obj).__name__
-                raise DataError(f"{where}: no {text_field!r} field (found: {keys}); choose the "
-                                "field with --jsonl-field")
-            text = obj[text_field]
-            if not isinstance(text, str):
-                raise DataError(f"{where}: field {text_field!r} is {type(text).__name__}, "
-                                "expected a string")
-            docs.append(text)
+    dec = dec or Decoding()
+    dec.files += 1
+    content = dec.decode(_read_bytes(path), repr(str(path)))
+    docs: list[str] = []
+    for lineno, line in enumerate((content or "").split("\n"), 1):
+        if not line.strip():
+            continue
+        where = f"{path}:{lineno}"
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise DataError(f"{where}: not valid JSON ({e.msg} at column {e.colno})") from None
+        if not isinstance(obj, dict) or text_field not in obj:
+            keys = ", ".join(map(str, obj)) if isinstance(obj, dict) else type(obj).__name__
+            raise DataError(f"{where}: no {text_field!r} field (found: {keys}); choose the "
+                            "field with --jsonl-field")
+        text = obj[text_field]
+        if not isinstance(text, str):
+            raise DataError(f"{where}: field {text_field!r} is {type(text).__name__}, "
+                            "expected a string")
+        docs.append(text)
     return docs
 
 
@@ -227,12 +328,13 @@ def demo_corpus(plus: bool = False) -> Corpus:
     return c
 
 
-def collect(inputs: Sequence[str] = (), corpus: str | None = None, jsonl_field: str = "text"
-            ) -> Corpus:
-    """All documents: the built-in corpus first (if any), then each input file in order."""
+def collect(inputs: Sequence[str] = (), corpus: str | None = None, jsonl_field: str = "text",
+            encoding: str = "utf-8", errors: str = "strict") -> Corpus:
+    """All documents: the built-in corpus first (if any), then each input file in order, decoded
+    as `encoding` with `errors` (see Decoding)."""
     if not inputs and not corpus:
         raise DataError("no input: pass --input PATH_OR_GLOB (repeatable) or --corpus demo")
-    c = Corpus()
+    c = Corpus(decoding=Decoding(encoding, errors))
     if corpus:
         if corpus not in ("demo", "demo+"):
             raise DataError(f"--corpus {corpus!r}: expected demo or demo+")
@@ -240,9 +342,9 @@ def collect(inputs: Sequence[str] = (), corpus: str | None = None, jsonl_field: 
         c.documents, c.sources = d.documents, d.sources
     for f in expand_inputs(inputs):
         if f.suffix == ".jsonl":
-            c.add(f"{f} [{jsonl_field}]", read_jsonl(f, jsonl_field))
+            c.add(f"{f} [{jsonl_field}]", read_jsonl(f, jsonl_field, c.decoding))
         else:
-            c.add(str(f), [read_text(f)])
+            c.add(str(f), [read_text(f, c.decoding)])
     return c
 
 
@@ -372,22 +474,29 @@ def prepare(out: str | Path, inputs: Sequence[str] = (), corpus: str | None = No
             jsonl_field: str = "text", vocab_size: int = 8192, tokenizer: str | None = None,
             val_fraction: float = 0.01, workers: int = 0, seed: int = 1234,
             shard_tokens: int = 50_000_000, max_docs: int | None = None,
-            progress: bool = False) -> dict[str, Any]:
-    """Build DATA_DIR `out` (see the module docstring) and return its index."""
+            progress: bool = False, encoding: str = "utf-8", errors: str = "strict",
+            force: bool = False) -> dict[str, Any]:
+    """Build DATA_DIR `out` (see the module docstring) and return its index.
+
+    A directory that already holds a prepared index.json is refused unless `force`: runs that
+    train on it would otherwise go on with other tokens (their checkpoints record its
+    fingerprint and refuse the change, see myria.data.fingerprint)."""
     from myria.data import tokenizer as T
 
+    check_overwrite(Path(out), force)
     if shard_tokens < 1:
         raise DataError(f"--shard-tokens {shard_tokens}: must be >= 1")
     if max_docs is not None and max_docs < 1:
         raise DataError(f"--max-docs {max_docs}: must be >= 1")
     T.set_threads(workers)
-    c = collect(inputs, corpus, jsonl_field)
+    c = collect(inputs, corpus, jsonl_field, encoding, errors)
     docs = c.documents
     if max_docs is not None:
         docs = docs[:max_docs]
     if not docs:
         what = ", ".join(inputs) if inputs else str(corpus)
-        raise DataError(f"empty corpus: {what} gave no non-blank documents")
+        skipped = f" ({c.decoding.describe()})" if c.decoding and c.decoding.skipped else ""
+        raise DataError(f"empty corpus: {what} gave no non-blank documents{skipped}")
     val_idx = split_documents(len(docs), val_fraction, seed)
     is_val = np.zeros(len(docs), dtype=bool)
     is_val[val_idx] = True
@@ -443,12 +552,15 @@ def prepare(out: str | Path, inputs: Sequence[str] = (), corpus: str | None = No
         "tokenizer": TOKENIZER_FILE,
         "tokenizer_sha256": hashlib.sha256(tok_json).hexdigest(),
         "tokenizer_source": tok_desc,
+        "vocab_size_requested": None if tokenizer else vocab_size,
         "shard_tokens": shard_tokens,
         "seed": seed,
         "val_fraction": val_fraction,
         "source": "; ".join(s["name"] for s in c.sources)
         + (f" (first {max_docs} documents)" if max_docs is not None else ""),
         "sources": c.sources,
+        "inputs": {"files": d.files, "encoding": d.encoding, "errors": d.errors,
+                   "replaced": d.replaced, "skipped": d.skipped} if (d := c.decoding) else None,
         "total_documents": len(docs),
         "total_tokens": sum(s["tokens"] for s in splits.values()),
         "splits": splits,
@@ -461,10 +573,33 @@ def prepare(out: str | Path, inputs: Sequence[str] = (), corpus: str | None = No
     return index
 
 
+def check_overwrite(out: Path, force: bool) -> None:
+    """DataError when `out` is a file, or already a prepared data directory and not `force`."""
+    if out.exists() and not out.is_dir():
+        raise DataError(f"--out {str(out)!r} is a file, not a directory; choose a directory")
+    idx = out / INDEX_FILE
+    if force or not idx.exists():
+        return
+    try:
+        old = json.loads(idx.read_text())
+        what = f" ({old['total_tokens']:,} tokens, vocab {old['vocab_size']:,})"
+    except (OSError, ValueError, KeyError, TypeError):
+        what = ""
+    raise DataError(f"--out {str(out)!r} is already a prepared data directory{what}; runs "
+                    "trained on it would not resume on other data: choose another --out, or "
+                    "pass --force to overwrite it")
+
+
 def summary(index: dict[str, Any], out: str | Path, seconds: float) -> str:
     """A few lines describing a prepared DATA_DIR."""
     sp = index["splits"]
     tr, va = sp["train"], sp["val"]
+    asked = index.get("vocab_size_requested")
+    smaller = (f"; SMALLER than the {asked:,} asked: the corpus has too few distinct merges "
+               "for more" if asked and index["vocab_size"] < asked else "")
+    inputs = index.get("inputs")
+    d = Decoding(inputs["encoding"], inputs["errors"], inputs["files"], inputs["replaced"],
+                 inputs["skipped"]) if inputs and inputs["files"] else None
     return "\n".join([
         f"prepared {out} in {seconds:.1f} s from {index['source']}",
         f"  documents  {index['total_documents']:,} (train {tr['documents']:,}, "
@@ -474,7 +609,8 @@ def summary(index: dict[str, Any], out: str | Path, seconds: float) -> str:
         f"  shards     train {len(tr['shards'])}, val {len(va['shards'])} "
         f"(at most {index['shard_tokens']:,} tokens each)",
         f"  vocab      {index['vocab_size']:,} (eos id {index['eos_id']}), "
-        f"{index['tokenizer_source']}",
+        f"{index['tokenizer_source']}{smaller}",
+        *([f"  inputs     {d.describe()}"] if d else []),
     ])
 
 
@@ -509,6 +645,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="tokenizer threads for training and encoding (default: all cores)")
     parser.add_argument("--seed", type=int, default=1234,
                         help="seed of the validation split (default: 1234)")
+    parser.add_argument("--encoding", default="utf-8",
+                        help="encoding of the --input files (default: utf-8), e.g. latin-1")
+    parser.add_argument("--errors", choices=ERRORS, default="strict",
+                        help="input that does not decode: strict = stop with the file's name "
+                        "(default), replace = replace each undecodable byte sequence by U+FFFD "
+                        "(counted), skip = leave the file out (counted); binary files are "
+                        "refused, or left out with skip")
+    parser.add_argument("--force", action="store_true",
+                        help="overwrite --out even if it already holds a prepared data directory "
+                        "(runs trained on it will refuse to resume on the new data)")
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
 
 
@@ -519,6 +665,7 @@ def run(args: argparse.Namespace) -> int:
                     jsonl_field=args.jsonl_field, vocab_size=args.vocab_size,
                     tokenizer=args.tokenizer, val_fraction=args.val_fraction,
                     workers=args.workers, seed=args.seed, shard_tokens=args.shard_tokens,
-                    max_docs=args.max_docs, progress=show)
+                    max_docs=args.max_docs, progress=show, encoding=args.encoding,
+                    errors=args.errors, force=args.force)
     print(summary(index, args.out, time.perf_counter() - t0))
     return 0

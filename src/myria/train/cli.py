@@ -37,6 +37,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--start-fresh", action="store_true",
                    help="when every checkpoint of the run is damaged, train from step 0 "
                    "instead of stopping (the damaged ones stay in checkpoints/quarantine/)")
+    p.add_argument("--allow-data-change", action="store_true",
+                   help="resume although the data directory was re-prepared since the "
+                   "checkpoint (its tokenizer or tokens differ from the recorded fingerprint)")
     p.add_argument("--dry-run", action="store_true",
                    help="print the resolved config, parameter count, FLOPs per token and "
                    "memory per rank, then exit")
@@ -175,6 +178,8 @@ def run(args) -> int:
         args.overrides.append(f"--checkpoint.resume_from={Path(args.resume_from).resolve()}")
     if args.start_fresh:
         args.overrides.append("--checkpoint.start_fresh=true")
+    if args.allow_data_change:
+        args.overrides.append("--checkpoint.allow_data_change=true")
     cfg = config_mod.load(args.config, args.overrides)
     world = _nproc_for(args)
     if args.dry_run:

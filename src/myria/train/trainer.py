@@ -24,6 +24,7 @@ import torch
 
 from myria import config as config_mod
 from myria.config import Config
+from myria.data import fingerprint
 from myria.data.dataset import TokenDataset
 from myria.errors import CheckpointError, ConfigError
 from myria.faults import FaultInjector
@@ -94,6 +95,7 @@ def _train(cfg: Config, run_dir: Path, env, stop_after: int | None,
     # -- data ------------------------------------------------------------------------------
     dataset = TokenDataset(cfg.data.path, m.seq_len, split="train")
     check_vocab(cfg, dataset)
+    data_fp = fingerprint.keep_tokenizer(cfg.data.path, run_dir, env.is_main)  # in checkpoints
 
     # -- model, optimizer, schedule for this layout ------------------------------------------
     engine = Engine(cfg, mesh, env.device, run_dir)
@@ -109,6 +111,7 @@ def _train(cfg: Config, run_dir: Path, env, stop_after: int | None,
     start_step = 0
     latest = resume_point(ckpt, cfg, env.is_main)
     if latest is not None:
+        fingerprint.check_resume(latest, data_fp, cfg.checkpoint.allow_data_change, env.is_main)
         meta = ckpt.load(latest, engine)
         engine.load_scheduler_state(meta["scheduler"])
         start_step = meta["step"]
@@ -214,6 +217,7 @@ def _train(cfg: Config, run_dir: Path, env, stop_after: int | None,
                         "scheduler": engine.scheduler_state(), "data": loader.state_dict(),
                         "layout": layout, "model": config_mod.dataclasses.asdict(m),
                         "data_path": str(Path(cfg.data.path).resolve()),
+                        fingerprint.META_KEY: data_fp,
                     })
                 timer.lap()  # checkpoint time is not step time
             if stopping and step < t.steps:
