@@ -126,6 +126,12 @@ class TokenDataset:
     def tokenizer_path(self) -> Path:
         return self.path / self.index.get("tokenizer", "tokenizer.json")
 
+    @property
+    def mean_document_tokens(self) -> float:
+        """Mean tokens per document of this split (EOS included), from the index."""
+        docs = int(self.index["splits"][self.split].get("documents", 0))
+        return self.num_tokens / docs if docs else float(self.num_tokens)
+
     def __len__(self) -> int:
         return self.num_samples
 

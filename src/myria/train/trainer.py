@@ -96,7 +96,7 @@ def _train(cfg: Config, run_dir: Path, env, stop_after: int | None,
     check_vocab(cfg, dataset)
 
     # -- model, optimizer, schedule for this layout ------------------------------------------
-    engine = Engine(cfg, mesh, env.device, run_dir)
+    engine = Engine(cfg, mesh, env.device, run_dir, eos_id=dataset.eos_id)
     rec = start_events(cfg, run_dir, env, mesh, engine, layout)
 
     # -- resume ----------------------------------------------------------------------------
@@ -127,7 +127,10 @@ def _train(cfg: Config, run_dir: Path, env, stop_after: int | None,
 
     dtype = "float32" if (t.dtype == "auto" and env.device.type == "cpu") else t.dtype
     peak, peak_source = local_peak_tflops(env.device.type, dtype)
-    flops_per_token = model_flops_per_token(m)
+    span = None   # document masking: attention inside documents of the data's mean length
+    if m.document_mask and not m.document_len:
+        span = max(1, min(m.seq_len, round(dataset.mean_document_tokens)))
+    flops_per_token = model_flops_per_token(m, seq_len=span)
     tokens_per_step = t.global_batch * m.seq_len
     metrics = MetricsLogger(run_dir, t.steps, start_step, env.is_main, cfg.logging.tensorboard,
                             cfg.logging.progress)
