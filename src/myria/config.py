@@ -107,6 +107,9 @@ class DataConfig:
 
     path: str = _f("data/demo", "directory written by `myria prepare` (index.json, shards, "
                    "tokenizer.json)")
+    sources: str = _f("", "a weighted mixture of prepared directories instead of path: "
+                      "'PATH:WEIGHT[:EPOCHS],...' (e.g. 'data/web:0.7,data/code:0.3:2'; EPOCHS "
+                      "limits the passes over a source; one tokenizer for all)")
     prefetch: int = _f(2, "batches the background loader thread keeps ready", min=0)
     eval_batches: int = _f(4, "validation batches (of global_batch sequences) per evaluation",
                            min=0)

@@ -135,6 +135,10 @@ class TokenDataset:
     def __len__(self) -> int:
         return self.num_samples
 
+    def batch_indices(self, step: int, global_batch: int, seed: int) -> np.ndarray:
+        """Sample indices of optimizer step `step` (the order rule above)."""
+        return global_batch_indices(step, global_batch, self.num_samples, seed)
+
     def __getitem__(self, i: int) -> np.ndarray:
         return self.get(i)
 

@@ -25,6 +25,7 @@ import torch
 from myria import config as config_mod
 from myria.config import Config
 from myria.data.dataset import TokenDataset
+from myria.data.mixture import MixtureDataset, open_dataset
 from myria.errors import CheckpointError, ConfigError
 from myria.faults import FaultInjector
 from myria.models.flops import model_flops_per_token
@@ -49,10 +50,10 @@ class TrainResult:
     stopped_early: bool
 
 
-def check_vocab(cfg: Config, dataset: TokenDataset) -> None:
+def check_vocab(cfg: Config, dataset: TokenDataset | MixtureDataset) -> None:
     if dataset.vocab_size > cfg.model.vocab_size:
         raise ConfigError(
-            f"the tokenizer of {cfg.data.path} has {dataset.vocab_size} tokens but "
+            f"the tokenizer of {dataset.path} has {dataset.vocab_size} tokens but "
             f"model.vocab_size = {cfg.model.vocab_size}; set model.vocab_size >= "
             f"{dataset.vocab_size}")
 
@@ -92,8 +93,10 @@ def _train(cfg: Config, run_dir: Path, env, stop_after: int | None,
     t, m = cfg.training, cfg.model
 
     # -- data ------------------------------------------------------------------------------
-    dataset = TokenDataset(cfg.data.path, m.seq_len, split="train")
+    dataset = open_dataset(cfg.data, m.seq_len, split="train")   # one directory or a mixture
     check_vocab(cfg, dataset)
+    if isinstance(dataset, MixtureDataset):
+        dataset.check(t.global_batch, t.steps)
 
     # -- model, optimizer, schedule for this layout ------------------------------------------
     engine = Engine(cfg, mesh, env.device, run_dir, eos_id=dataset.eos_id)
@@ -203,8 +206,8 @@ def _train(cfg: Config, run_dir: Path, env, stop_after: int | None,
                 since_logged = 0.0
             if t.eval_interval and step % t.eval_interval == 0:
                 hb.phase("eval")
-                val = val or TokenDataset(cfg.data.path, m.seq_len, split="val")
-                metrics.log_eval(step, evaluate(engine, val, cfg))
+                val = val or open_dataset(cfg.data, m.seq_len, split="val")
+                metrics.log_eval(step, *evaluate_sources(engine, val, cfg))
             hb.phase("stop-check")
             preempted = stop.agreed()
             stopping = preempted or (stop_after is not None and step >= stop_after)
@@ -216,7 +219,7 @@ def _train(cfg: Config, run_dir: Path, env, stop_after: int | None,
                     ckpt.save(step, engine, {
                         "scheduler": engine.scheduler_state(), "data": loader.state_dict(),
                         "layout": layout, "model": config_mod.dataclasses.asdict(m),
-                        "data_path": str(Path(cfg.data.path).resolve()),
+                        "data_path": str(Path(dataset.path).resolve()),
                     })
                 timer.lap()  # checkpoint time is not step time
             if stopping and step < t.steps:
@@ -321,6 +324,16 @@ def evaluate(engine: Engine, val: TokenDataset, cfg: Config) -> float:
         total += engine.eval_loss(chunk[:, :-1], chunk[:, 1:]) * len(chunk)
         count += len(chunk)
     return engine.mean_over_dp(total) / max(engine.mean_over_dp(count), 1.0)
+
+
+def evaluate_sources(engine: Engine, val, cfg: Config) -> tuple[float, dict[str, float]]:
+    """Validation loss, and per source for a mixture (the mixture's loss weights the sources'
+    losses by their shares)."""
+    if not isinstance(val, MixtureDataset):
+        return evaluate(engine, val, cfg), {}
+    per = {s.name: evaluate(engine, part, cfg) for s, part in zip(val.sources, val.parts,
+                                                                  strict=True)}
+    return sum(float(w) * per[s.name] for w, s in zip(val.shares, val.sources, strict=True)), per
 
 
 def layout_str(layout: dict[str, int]) -> str:
