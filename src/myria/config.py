@@ -75,6 +75,14 @@ class ModelConfig:
                             "recurrent block, A = local attention (e.g. RRA)")
     chunk_size: int = _f(64, "block length of blockwise block-sparse attention and of the "
                          "chunkwise forms of linear attention and retention", min=1)
+    document_mask: bool = _f(False, "attention stays inside each document of a packed sequence "
+                             "(EOS tokens separate them; llama or gpt with softmax attention, "
+                             "full or sliding window)")
+    document_positions: bool = _f(False, "with document_mask: RoPE positions restart at 0 in "
+                                  "every document (llama)")
+    document_len: int = _f(0, "with document_mask: the mean document length in tokens over which "
+                           "FLOP counts and the performance model charge attention; 0 means the "
+                           "training data's own mean (seq_len where no data is at hand)", min=0)
 
     @property
     def n_kv_heads(self) -> int:
@@ -99,6 +107,9 @@ class DataConfig:
 
     path: str = _f("data/demo", "directory written by `myria prepare` (index.json, shards, "
                    "tokenizer.json)")
+    sources: str = _f("", "a weighted mixture of prepared directories instead of path: "
+                      "'PATH:WEIGHT[:EPOCHS],...' (e.g. 'data/web:0.7,data/code:0.3:2'; EPOCHS "
+                      "limits the passes over a source; one tokenizer for all)")
     prefetch: int = _f(2, "batches the background loader thread keeps ready", min=0)
     eval_batches: int = _f(4, "validation batches (of global_batch sequences) per evaluation",
                            min=0)
@@ -511,6 +522,13 @@ def validate_model(m: ModelConfig) -> None:
 
 def validate_mixer(m: ModelConfig) -> None:
     """Clear errors for combinations of arch, attention, window, global tokens and pattern."""
+    if m.document_mask and (m.arch not in ("llama", "gpt") or m.attention != "softmax"):
+        raise ConfigError(f"model.document_mask needs softmax attention in llama or gpt; "
+                          f"model.arch = {m.arch!r}, model.attention = {m.attention!r} attend "
+                          "across documents (set model.document_mask = false)")
+    if m.document_positions and (not m.document_mask or m.arch != "llama"):
+        raise ConfigError("model.document_positions restarts RoPE positions per document: it "
+                          "needs model.document_mask = true and model.arch = 'llama'")
     if m.arch == "retnet" and m.attention != "softmax":
         raise ConfigError(f"model.attention = {m.attention!r} does not apply to model.arch = "
                           "'retnet' (retention replaces attention); leave it 'softmax'")

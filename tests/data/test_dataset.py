@@ -193,6 +193,7 @@ class SlowDataset:
     def __init__(self, ds: TokenDataset, delay: float) -> None:
         self.ds, self.delay = ds, delay
         self.num_samples, self.seq_len = ds.num_samples, ds.seq_len
+        self.batch_indices = ds.batch_indices
 
     def get_many(self, idx):
         time.sleep(self.delay)

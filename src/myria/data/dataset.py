@@ -126,8 +126,18 @@ class TokenDataset:
     def tokenizer_path(self) -> Path:
         return self.path / self.index.get("tokenizer", "tokenizer.json")
 
+    @property
+    def mean_document_tokens(self) -> float:
+        """Mean tokens per document of this split (EOS included), from the index."""
+        docs = int(self.index["splits"][self.split].get("documents", 0))
+        return self.num_tokens / docs if docs else float(self.num_tokens)
+
     def __len__(self) -> int:
         return self.num_samples
+
+    def batch_indices(self, step: int, global_batch: int, seed: int) -> np.ndarray:
+        """Sample indices of optimizer step `step` (the order rule above)."""
+        return global_batch_indices(step, global_batch, self.num_samples, seed)
 
     def __getitem__(self, i: int) -> np.ndarray:
         return self.get(i)

@@ -86,9 +86,11 @@ class BatchLoader:
     # -- building batches ---------------------------------------------------------------
 
     def indices(self, step: int) -> np.ndarray:
-        """This rank's sample indices for `step` (accum * micro_batch of them)."""
-        return rank_batch_indices(step, self.global_batch, self.dataset.num_samples, self.seed,
-                                  self.dp_rank, self.dp_size)
+        """This rank's sample indices for `step` (accum * micro_batch of them): its contiguous
+        slice of the step's global batch (a TokenDataset's or a MixtureDataset's order)."""
+        per = self.global_batch // self.dp_size
+        g = self.dataset.batch_indices(step, self.global_batch, self.seed)
+        return g[self.dp_rank * per: (self.dp_rank + 1) * per]
 
     def make_batch(self, step: int) -> Batch:
         """Read and shape the batch of `step` (on CPU; pinned when the device is CUDA)."""

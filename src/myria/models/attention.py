@@ -5,6 +5,13 @@ parallelism) without the model knowing. On CPU it runs SDPA: causal via `is_caus
 window via an explicit banded boolean mask (FlexAttention's backward does not run on CPU in torch
 2.13). On GPU, SDPA picks FlashAttention for the causal case.
 
+Document masking (`model.document_mask`): a packed sequence holds several documents separated
+by EOS tokens; `document_segments` gives every token the index of its document (an EOS token
+opens the next one, like a BOS) and its position inside it. `CoreAttention` given those ids
+attends only within a document: short sequences through SDPA with a block-diagonal causal mask,
+long ones block by block (`blockwise_document`) so the S x S mask is never built, and on CUDA
+through FlexAttention with a block mask (Llama 3's document masking).
+
 `BlockSparseAttention` is Longformer's pattern made causal: a sliding window of `window` keys
 plus `n_global` leading tokens that every later query attends to (and that attend to all
 before them). Short sequences run SDPA with the dense boolean mask; long ones run blockwise
@@ -37,17 +44,92 @@ def window_mask(q_len: int, k_len: int, window: int, device, q_offset: int = 0,
     return mask
 
 
-class CoreAttention(nn.Module):
-    """Causal (optionally sliding-window) scaled dot-product attention on (B, H, S, D) tensors."""
+def document_segments(tokens: torch.Tensor, eos_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(document index, position inside the document) of every token of packed sequences.
 
-    def __init__(self, window: int = 0):
+    tokens: (..., S) token ids. An EOS token ends a document and opens the next segment: it
+    plays the part of the next document's BOS, so the last token of a document predicts EOS
+    with the whole document in view and the next document's first token is predicted from the
+    EOS alone. The tokens before the first EOS (the tail of a document cut by the window) form
+    segment 0, with positions from 0.
+    """
+    is_eos = tokens == eos_id
+    ids = torch.cumsum(is_eos, dim=-1)
+    idx = torch.arange(tokens.shape[-1], device=tokens.device).expand_as(tokens)
+    start = torch.cummax(torch.where(is_eos, idx, torch.zeros_like(idx)), dim=-1).values
+    return ids, idx - start
+
+
+def document_mask(q_ids: torch.Tensor, k_ids: torch.Tensor, window: int, q_offset: int = 0,
+                  k_offset: int = 0) -> torch.Tensor:
+    """Boolean mask (B, 1, Sq, Sk) of causal (window > 0: sliding) attention inside documents,
+    for queries at positions q_offset.. with document ids q_ids (B, Sq) and keys at k_offset..
+    with ids k_ids (B, Sk)."""
+    base = window_mask(q_ids.shape[-1], k_ids.shape[-1], window, q_ids.device, q_offset, k_offset)
+    return (base & (q_ids.unsqueeze(-1) == k_ids.unsqueeze(-2))).unsqueeze(1)
+
+
+def blockwise_document(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, doc_ids: torch.Tensor,
+                       window: int, block: int) -> torch.Tensor:
+    """Document-masked causal attention on (B, H, S, D) one block of queries at a time.
+
+    A block [i0, i1) needs keys from the start of the document of its first query (and no
+    earlier than its window reaches) up to i1, so the largest mask is block x (document or
+    window length): work and memory grow with the documents, not with S^2.
+    """
+    s = q.shape[2]
+    gqa = k.shape[1] != q.shape[1]
+    # first index of each token's document: the last index with a smaller id, plus one
+    first = torch.searchsorted(doc_ids.contiguous(), doc_ids.contiguous(), right=False)
+    outs = []
+    for i0 in range(0, s, block):
+        i1 = min(s, i0 + block)
+        lo = int(first[:, i0].min())
+        if window:
+            lo = max(lo, i0 - window + 1)
+        mask = document_mask(doc_ids[:, i0:i1], doc_ids[:, lo:i1], window, i0, lo)
+        outs.append(F.scaled_dot_product_attention(q[:, :, i0:i1], k[:, :, lo:i1],
+                                                   v[:, :, lo:i1], attn_mask=mask,
+                                                   enable_gqa=gqa))
+    return torch.cat(outs, dim=2)
+
+
+def _flex_document(q, k, v, doc_ids: torch.Tensor, window: int, gqa: bool) -> torch.Tensor:
+    """FlexAttention with a document block mask (CUDA: its backward does not run on CPU)."""
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    def keep(b, h, qi, kj):
+        ok = (kj <= qi) & (doc_ids[b, qi] == doc_ids[b, kj])
+        return ok & (qi - kj < window) if window else ok
+
+    b, s = doc_ids.shape
+    mask = create_block_mask(keep, b, None, s, s, device=q.device)
+    return flex_attention(q, k, v, block_mask=mask, enable_gqa=gqa)
+
+
+class CoreAttention(nn.Module):
+    """Causal (optionally sliding-window) scaled dot-product attention on (B, H, S, D) tensors,
+    inside documents when given their ids."""
+
+    # sequences longer than this run the document mask block by block (never S x S)
+    DENSE_MASK_MAX = 1024
+
+    def __init__(self, window: int = 0, block: int = 256):
         super().__init__()
-        self.window = window
+        self.window, self.block = window, block
         self._mask_cache: dict = {}
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                doc_ids: torch.Tensor | None = None) -> torch.Tensor:
         enable_gqa = k.shape[1] != q.shape[1]
         s = q.shape[2]
+        if doc_ids is not None:
+            if q.is_cuda:
+                return _flex_document(q, k, v, doc_ids, self.window, enable_gqa)
+            if s > self.DENSE_MASK_MAX:
+                return blockwise_document(q, k, v, doc_ids, self.window, self.block)
+            mask = document_mask(doc_ids, doc_ids, self.window)
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=enable_gqa)
         if self.window and self.window < s:
             key = (s, q.device)
             mask = self._mask_cache.get(key)

@@ -23,6 +23,11 @@ pairs). All counts are of matmuls (and the convolution), exactly as
 counted by it nor here: feature maps, decay tables, gates' sigmoids, norms, the RG-LRU scan
 (about 10 FLOPs per channel per token, plus the scan's log2 S combining steps), prefix sums.
 
+Document masking (``model.document_mask``) charges attention as if every sequence were one
+document of the mean length ``model.document_len`` (when shorter than the sequence): the
+masked kernels skip the (query, key) blocks of different documents. The trainer's meter uses
+the training data's own mean document length when ``document_len`` is 0.
+
 - block-sparse attention (and Griffin's local attention, block-sparse without global tokens):
   dense masked SDPA (all S keys) when S <= global + window + block, else the blockwise kernel's
   keys per query block (`block_sparse_keys`);
@@ -170,6 +175,8 @@ def forward_flops_per_token(cfg: ModelConfig, convention: str = "dense",
     """Forward FLOPs per token of the whole model, by operator."""
     h, L = cfg.hidden, cfg.layers
     s = seq_len or cfg.seq_len
+    if cfg.document_mask and cfg.document_len:
+        s = min(s, cfg.document_len)  # attention stays inside documents of this mean length
     f = ForwardFlops()
     kinds = [layer_kind(cfg, i) for i in range(L)]
     for kind in set(kinds):

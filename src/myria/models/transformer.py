@@ -57,16 +57,19 @@ class Attention(nn.Module):
         else:
             self.core = CoreAttention(cfg.attention_window)
 
-    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None):
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None,
+                doc_ids: torch.Tensor | None = None):
         b, s, _ = x.shape
         # -1 heads: under tensor parallelism each rank holds a slice of the heads.
         q = self.wq(x).view(b, s, -1, self.head_dim).transpose(1, 2)
         k = self.wk(x).view(b, s, -1, self.head_dim).transpose(1, 2)
         v = self.wv(x).view(b, s, -1, self.head_dim).transpose(1, 2)
         if self.use_rope:
-            cos, sin = rope[0][:s], rope[1][:s]
+            cos, sin = rope
+            if cos.dim() == 2:  # one table for every sequence (else (B, 1, S, D) per sequence)
+                cos, sin = cos[:s], sin[:s]
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        o = self.core(q, k, v)
+        o = self.core(q, k, v) if doc_ids is None else self.core(q, k, v, doc_ids)
         return self.wo(o.transpose(1, 2).reshape(b, s, -1))
 
 
@@ -114,11 +117,12 @@ class Block(nn.Module):
         else:
             self.feed_forward = MLP(cfg)
 
-    def forward(self, x: torch.Tensor, rope=None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope=None, doc_ids: torch.Tensor | None = None):
+        kw = {} if doc_ids is None else {"doc_ids": doc_ids}  # document masking (softmax only)
         if self.parallel:  # MegaScale §3.1: y = x + Attn(LN(x)) + MLP(LN(x))
             n = self.attention_norm(x)
-            return x + self.attention(n, rope) + self.feed_forward(n)
-        h = x + self.attention(self.attention_norm(x), rope)
+            return x + self.attention(n, rope, **kw) + self.feed_forward(n)
+        h = x + self.attention(self.attention_norm(x), rope, **kw)
         return h + self.feed_forward(self.ffn_norm(h))
 
 
@@ -202,14 +206,21 @@ class Transformer(nn.Module):
         fill_parameter(p, kind, std, key)
 
     # -- forward ---------------------------------------------------------------------------
-    def forward(self, tokens: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, targets: torch.Tensor | None = None,
+                documents: tuple[torch.Tensor, torch.Tensor | None] | None = None):
         """tokens (B, S) -> logits (B, S, V), or the mean loss when targets are given.
 
         In training mode an MoE model's loss includes its router losses (`models.moe`).
 
+        `documents` (document masking): the document ids of the whole sequence (B, S_full;
+        under context parallelism every rank gets all of them, for the keys of other ranks) and,
+        when positions restart per document, this rank's positions (B, S) — from
+        `attention.document_segments`. Without it attention is causal over the whole sequence.
+
         A pipeline stage without embeddings takes hidden states (B, S, H) instead of tokens;
         one without a head returns hidden states.
         """
+        doc_ids, doc_pos = documents if documents is not None else (None, None)
         if self.tok_embeddings is not None:
             h = self.tok_embeddings(tokens)
             if self.pos_embeddings is not None:
@@ -220,9 +231,13 @@ class Transformer(nn.Module):
             h = tokens
         rope = None
         if self.cfg.arch != "gpt":
-            rope = self.rope_tables_for(h.shape[1], h.dtype)
+            if doc_pos is not None:  # positions restart in every document: a table per sequence
+                rope = (self.rope_cos[doc_pos].unsqueeze(1).to(h.dtype),
+                        self.rope_sin[doc_pos].unsqueeze(1).to(h.dtype))
+            else:
+                rope = self.rope_tables_for(h.shape[1], h.dtype)
         for layer in self.layers.values():
-            h = layer(h, rope)
+            h = layer(h, rope) if doc_ids is None else layer(h, rope, doc_ids)
         if self.norm is not None:
             h = self.norm(h)
         if self.output is None:

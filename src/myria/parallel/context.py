@@ -146,6 +146,26 @@ def _plan(rank: int, size: int, local_len: int, window: int, load_balance: bool,
     return steps
 
 
+def _document_plan(plan: list[list[Block]], doc_ids: torch.Tensor, rank: int, size: int,
+                   load_balance: bool) -> list[list[Block]]:
+    """`plan` with each block's mask narrowed to query-key pairs of the same document
+    (doc_ids: (B, S) of the whole sequence); blocks left with no such pair are dropped, and
+    masks are (B, 1, 1, Sq, Sk) to broadcast over the (B, Hkv, G) score dimensions."""
+    q_ids = shard_sequence(doc_ids, rank, size, dim=1, load_balance=load_balance)
+    out = []
+    for i, blocks in enumerate(plan):
+        k_ids = shard_sequence(doc_ids, (rank - i) % size, size, dim=1, load_balance=load_balance)
+        kept: list[Block] = []
+        for qo, ql, ko, kl, mask in blocks:
+            same = q_ids[:, qo:qo + ql, None] == k_ids[:, None, ko:ko + kl]
+            keep = same if mask is None else same & mask
+            if not keep.any():
+                continue
+            kept.append((qo, ql, ko, kl, None if keep.all() else keep[:, None, None]))
+        out.append(kept)
+    return out
+
+
 # -- ring communication -------------------------------------------------------------------------
 
 class _Ring:
@@ -214,7 +234,7 @@ def _merge(out: torch.Tensor, lse: torch.Tensor, blk_out: torch.Tensor,
 
 class _RingAttentionFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, group, window, load_balance):
+    def forward(ctx, q, k, v, group, window, load_balance, doc_ids=None):
         ring = _Ring(group)
         b, h, s, d = q.shape
         hkv = k.shape[1]
@@ -224,6 +244,8 @@ class _RingAttentionFn(torch.autograd.Function):
         cdtype = torch.promote_types(q.dtype, torch.float32)
         scale = 1.0 / math.sqrt(d)
         plan = _plan(ring.rank, ring.size, s, window, load_balance, q.device)
+        if doc_ids is not None:
+            plan = _document_plan(plan, doc_ids, ring.rank, ring.size, load_balance)
         qc = q.to(cdtype).reshape(b, hkv, h // hkv, s, d)
         out = torch.zeros_like(qc)
         lse = torch.full(qc.shape[:-1], float("-inf"), dtype=cdtype, device=q.device)
@@ -294,19 +316,21 @@ class _RingAttentionFn(torch.autograd.Function):
             _wait(ring.exchange([acc], [home]))
             acc = home
         dq = dq.reshape(b, h, s, d).to(q.dtype)
-        return dq, acc[0].to(k.dtype), acc[1].to(v.dtype), None, None, None
+        return dq, acc[0].to(k.dtype), acc[1].to(v.dtype), None, None, None, None
 
 
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                    group: dist.ProcessGroup | None = None, window: int = 0,
-                   load_balance: bool = True) -> torch.Tensor:
+                   load_balance: bool = True, doc_ids: torch.Tensor | None = None) -> torch.Tensor:
     """Causal (window > 0: sliding-window) attention over a sequence sharded across `group`.
 
     q: (B, H, S_local, D); k, v: (B, H_kv, S_local, D) with H a multiple of H_kv (GQA), laid out
     as `shard_sequence` does. Returns this rank's (B, H, S_local, D) output. With no group and no
-    initialised process group, it is plain single-process attention.
+    initialised process group, it is plain single-process attention. `doc_ids` (B, S) of the
+    whole sequence (every rank has them) keeps attention inside documents; blocks with no
+    query-key pair in the same document are not computed.
     """
-    return _RingAttentionFn.apply(q, k, v, group, window, load_balance)
+    return _RingAttentionFn.apply(q, k, v, group, window, load_balance, doc_ids)
 
 
 class RingAttention(nn.Module):
@@ -327,8 +351,9 @@ class RingAttention(nn.Module):
         """A ring attention with the same window as `core`."""
         return cls(cp_group, core.window, load_balance)
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        return ring_attention(q, k, v, self.cp_group, self.window, self.load_balance)
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                doc_ids: torch.Tensor | None = None) -> torch.Tensor:
+        return ring_attention(q, k, v, self.cp_group, self.window, self.load_balance, doc_ids)
 
     def extra_repr(self) -> str:
         return f"window={self.window}, load_balance={self.load_balance}"

@@ -80,11 +80,10 @@ def run(args) -> int:
         raise ConfigError(f"--nproc {args.nproc}: must be at least 1")
     min_nodes, max_nodes = _parse_nnodes(args.nnodes)
     cfg.validate(args.nproc * min_nodes)
-    from myria.data.dataset import TokenDataset
+    from myria.data.mixture import open_dataset
     from myria.train.trainer import check_vocab
 
-    check_vocab(cfg, TokenDataset(cfg.data.path, cfg.model.seq_len, split="train",
-                                  verify=False))
+    check_vocab(cfg, open_dataset(cfg.data, cfg.model.seq_len, verify=False))
     worker_argv = ["train", "--run-dir", str(args.run_dir)]
     if args.config:
         worker_argv += ["--config", str(args.config)]

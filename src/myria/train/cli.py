@@ -193,11 +193,10 @@ def run(args) -> int:
 
     if args.nproc and not inside_launcher():
         # Check what we can before starting processes, so bad input fails once and clearly.
-        from myria.data.dataset import TokenDataset
+        from myria.data.mixture import open_dataset
         from myria.train.trainer import check_vocab
 
-        check_vocab(cfg, TokenDataset(cfg.data.path, cfg.model.seq_len, split="train",
-                                      verify=False))
+        check_vocab(cfg, open_dataset(cfg.data, cfg.model.seq_len, verify=False))
         import torch
 
         from myria.train.engine import check_layout

@@ -101,6 +101,9 @@ def check_layout(cfg: Config, layout: dict[str, int], device_type: str = "cpu") 
     if ep > 1 and cfg.training.data_parallel == "ddp":
         raise ConfigError("parallel.ep > 1 needs training.data_parallel = 'fsdp' or 'zero2' "
                           "(DDP would average different experts together)")
+    if m.document_mask and (pp > 1 or (cp > 1 and p.cp_impl == "torch")):
+        raise ConfigError("model.document_mask runs without pipeline parallelism (pp = 1) and, "
+                          "under context parallelism, with parallel.cp_impl = 'ring'")
     if m.experts and (tp > 1 or pp > 1 or cp > 1):
         raise ConfigError("mixture-of-experts models run with data and expert parallelism "
                           "(tp = pp = cp = 1) in this version")
@@ -120,8 +123,10 @@ def check_layout(cfg: Config, layout: dict[str, int], device_type: str = "cpu") 
 class Engine:
     """Model parts, optimizers and schedules of this rank, built for the run's layout."""
 
-    def __init__(self, cfg: Config, mesh, device: torch.device, run_dir=None):
+    def __init__(self, cfg: Config, mesh, device: torch.device, run_dir=None,
+                 eos_id: int | None = None):
         self.cfg, self.mesh, self.device = cfg, mesh, device
+        self.eos_id = eos_id  # the document separator, for model.document_mask
         t, p = cfg.training, cfg.parallel
         self.dp_rank, self.dp_size = dp_rank_and_size(mesh)
         self.tp, self.cp, self.pp = (sub_size(mesh, n) for n in ("tp", "cp", "pp"))
@@ -245,8 +250,22 @@ class Engine:
         from myria.parallel.context import shard_sequence
         return shard_sequence(x, self.cp_rank, self.cp, dim=-1)
 
+    def _documents(self, inputs: torch.Tensor):
+        """Per microbatch, the model's `documents` argument (model.document_mask): document ids
+        of the whole sequence and this rank's positions; None without document masking."""
+        if not self.cfg.model.document_mask:
+            return [None] * inputs.shape[0]
+        if self.eos_id is None:
+            raise ConfigError("model.document_mask needs the data's EOS token id (the engine "
+                              "was built without one)")
+        from myria.models.attention import document_segments
+        ids, pos = document_segments(inputs, self.eos_id)
+        pos = self._shard_sequence(pos) if self.cfg.model.document_positions else None
+        return [(ids[i], None if pos is None else pos[i]) for i in range(inputs.shape[0])]
+
     def forward_backward(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """Run all microbatches (inputs: [accum, micro, seq]); return this rank's mean loss."""
+        docs = self._documents(inputs)
         inputs, targets = self._shard_sequence(inputs), self._shard_sequence(targets)
         if self.schedule is not None:
             return self._pipelined(inputs, targets)
@@ -254,12 +273,13 @@ class Engine:
         loss_sum = torch.zeros((), device=self.device)
         rec = events.current()
         for i in range(accum):
+            kw = {} if docs[i] is None else {"documents": docs[i]}
             with _grad_sync(self.model, i == accum - 1), self._ctx():
                 with rec.compute("forward", mb=i, stage=0):
                     if self.tp > 1:  # vocabulary-sharded logits, loss computed on the shards
-                        loss = self._loss_fn(self.model(inputs[i]), targets[i]) / accum
+                        loss = self._loss_fn(self.model(inputs[i], **kw), targets[i]) / accum
                     else:  # fused, chunked output projection + cross-entropy
-                        loss = self.model(inputs[i], targets[i]) / accum
+                        loss = self.model(inputs[i], targets[i], **kw) / accum
                 if i == accum - 1:
                     self._tell_optimizers("last_backward")
                 with rec.compute("backward", mb=i, stage=0):
@@ -357,14 +377,16 @@ class Engine:
         if self.schedule is not None:
             raise ConfigError("evaluation under pipeline parallelism is not supported yet; "
                               "set training.eval_interval = 0")
+        doc = self._documents(inputs.unsqueeze(0))[0]
+        kw = {} if doc is None else {"documents": doc}
         inputs, targets = self._shard_sequence(inputs), self._shard_sequence(targets)
         self.model.eval()
         try:
             with self._ctx():
                 if self.tp > 1:
-                    loss = self._loss_fn(self.model(inputs), targets)
+                    loss = self._loss_fn(self.model(inputs, **kw), targets)
                 else:
-                    loss = self.model(inputs, targets)
+                    loss = self.model(inputs, targets, **kw)
             return _local(loss)
         finally:
             self.model.train()

@@ -64,14 +64,21 @@ class MetricsLogger:
         else:
             print(f"step {row['step']:>6}/{self.total}  {info}", flush=True)
 
-    def log_eval(self, step: int, val_loss: float) -> None:
+    def log_eval(self, step: int, val_loss: float, by_source: dict | None = None) -> None:
+        """The validation loss, and for a data mixture each source's (`val_loss_by_source`)."""
         if not self.enabled:
             return
-        self._fh.write(json.dumps({"step": step, "val_loss": val_loss}) + "\n")
+        row = {"step": step, "val_loss": val_loss}
+        if by_source:
+            row["val_loss_by_source"] = by_source
+        self._fh.write(json.dumps(row) + "\n")
         self._fh.flush()
         if self._tb is not None:
             self._tb.add_scalar("val/loss", val_loss, step)
-        msg = f"step {step:>6}/{self.total}  val_loss {val_loss:.4f}"
+            for name, v in (by_source or {}).items():
+                self._tb.add_scalar(f"val/loss/{name}", v, step)
+        msg = f"step {step:>6}/{self.total}  val_loss {val_loss:.4f}" + "".join(
+            f"  {name} {v:.4f}" for name, v in (by_source or {}).items())
         if self._progress is not None:
             self._progress.console.print(msg)
         else:

@@ -26,6 +26,7 @@ from myria import config as config_mod
 from myria.config import Config
 from myria.data import fingerprint
 from myria.data.dataset import TokenDataset
+from myria.data.mixture import MixtureDataset, open_dataset
 from myria.errors import CheckpointError, ConfigError
 from myria.faults import FaultInjector
 from myria.models.flops import model_flops_per_token
@@ -50,10 +51,10 @@ class TrainResult:
     stopped_early: bool
 
 
-def check_vocab(cfg: Config, dataset: TokenDataset) -> None:
+def check_vocab(cfg: Config, dataset: TokenDataset | MixtureDataset) -> None:
     if dataset.vocab_size > cfg.model.vocab_size:
         raise ConfigError(
-            f"the tokenizer of {cfg.data.path} has {dataset.vocab_size} tokens but "
+            f"the tokenizer of {dataset.path} has {dataset.vocab_size} tokens but "
             f"model.vocab_size = {cfg.model.vocab_size}; set model.vocab_size >= "
             f"{dataset.vocab_size}")
 
@@ -93,12 +94,15 @@ def _train(cfg: Config, run_dir: Path, env, stop_after: int | None,
     t, m = cfg.training, cfg.model
 
     # -- data ------------------------------------------------------------------------------
-    dataset = TokenDataset(cfg.data.path, m.seq_len, split="train")
+    dataset = open_dataset(cfg.data, m.seq_len, split="train")   # one directory or a mixture
     check_vocab(cfg, dataset)
-    data_fp = fingerprint.keep_tokenizer(cfg.data.path, run_dir, env.is_main)  # in checkpoints
+    data_fp = fingerprint.keep_tokenizer(dataset.path, run_dir, env.is_main)  # in checkpoints
+    if isinstance(dataset, MixtureDataset):
+        dataset.check(t.global_batch, t.steps)
+        data_fp = dataset.fingerprint(data_fp)
 
     # -- model, optimizer, schedule for this layout ------------------------------------------
-    engine = Engine(cfg, mesh, env.device, run_dir)
+    engine = Engine(cfg, mesh, env.device, run_dir, eos_id=dataset.eos_id)
     rec = start_events(cfg, run_dir, env, mesh, engine, layout)
 
     # -- resume ----------------------------------------------------------------------------
@@ -130,7 +134,10 @@ def _train(cfg: Config, run_dir: Path, env, stop_after: int | None,
 
     dtype = "float32" if (t.dtype == "auto" and env.device.type == "cpu") else t.dtype
     peak, peak_source = local_peak_tflops(env.device.type, dtype)
-    flops_per_token = model_flops_per_token(m)
+    span = None   # document masking: attention inside documents of the data's mean length
+    if m.document_mask and not m.document_len:
+        span = max(1, min(m.seq_len, round(dataset.mean_document_tokens)))
+    flops_per_token = model_flops_per_token(m, seq_len=span)
     tokens_per_step = t.global_batch * m.seq_len
     metrics = MetricsLogger(run_dir, t.steps, start_step, env.is_main, cfg.logging.tensorboard,
                             cfg.logging.progress)
@@ -203,8 +210,8 @@ def _train(cfg: Config, run_dir: Path, env, stop_after: int | None,
                 since_logged = 0.0
             if t.eval_interval and step % t.eval_interval == 0:
                 hb.phase("eval")
-                val = val or TokenDataset(cfg.data.path, m.seq_len, split="val")
-                metrics.log_eval(step, evaluate(engine, val, cfg))
+                val = val or open_dataset(cfg.data, m.seq_len, split="val")
+                metrics.log_eval(step, *evaluate_sources(engine, val, cfg))
             hb.phase("stop-check")
             preempted = stop.agreed()
             stopping = preempted or (stop_after is not None and step >= stop_after)
@@ -216,7 +223,7 @@ def _train(cfg: Config, run_dir: Path, env, stop_after: int | None,
                     ckpt.save(step, engine, {
                         "scheduler": engine.scheduler_state(), "data": loader.state_dict(),
                         "layout": layout, "model": config_mod.dataclasses.asdict(m),
-                        "data_path": str(Path(cfg.data.path).resolve()),
+                        "data_path": str(Path(dataset.path).resolve()),
                         fingerprint.META_KEY: data_fp,
                     })
                 timer.lap()  # checkpoint time is not step time
@@ -322,6 +329,16 @@ def evaluate(engine: Engine, val: TokenDataset, cfg: Config) -> float:
         total += engine.eval_loss(chunk[:, :-1], chunk[:, 1:]) * len(chunk)
         count += len(chunk)
     return engine.mean_over_dp(total) / max(engine.mean_over_dp(count), 1.0)
+
+
+def evaluate_sources(engine: Engine, val, cfg: Config) -> tuple[float, dict[str, float]]:
+    """Validation loss, and per source for a mixture (the mixture's loss weights the sources'
+    losses by their shares)."""
+    if not isinstance(val, MixtureDataset):
+        return evaluate(engine, val, cfg), {}
+    per = {s.name: evaluate(engine, part, cfg) for s, part in zip(val.sources, val.parts,
+                                                                  strict=True)}
+    return sum(float(w) * per[s.name] for w, s in zip(val.shares, val.sources, strict=True)), per
 
 
 def layout_str(layout: dict[str, int]) -> str:

@@ -1,0 +1,114 @@
+"""Data mixtures (`data.sources`): shares, the order as a function of the step, bad inputs."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from collections import Counter
+
+import numpy as np
+import pytest
+
+from myria.config import DataConfig
+from myria.data.loader import BatchLoader
+from myria.data.mixture import MixtureDataset, parse_sources, source_counts
+from myria.errors import ConfigError, DataError
+from tests.conftest import TINY, run_cli
+
+
+@pytest.fixture(scope="module")
+def two_sources(tiny_data, tmp_path_factory):
+    """Two directories with the tiny corpus's tokenizer: a copy of it and a 4-document one."""
+    root = tmp_path_factory.mktemp("mix")
+    web = root / "web"
+    shutil.copytree(tiny_data, web)
+    code = root / "code"
+    run_cli("prepare", "--corpus", "demo", "--max-docs", "4", "--tokenizer",
+            str(tiny_data / "tokenizer.json"), "--out", str(code), "--quiet")
+    return web, code
+
+
+def _mixture(web, code, weights=(0.3, 0.7), seq_len=64, epochs=""):
+    return MixtureDataset(parse_sources(f"{web}:{weights[0]},{code}:{weights[1]}{epochs}"),
+                          seq_len)
+
+
+def test_shares_follow_weights_over_500_steps(two_sources):
+    mix = _mixture(*two_sources)
+    steps, g = 500, 16
+    src = np.concatenate([mix.source_of(mix.batch_indices(t, g, 7)) for t in range(steps)])
+    share = np.bincount(src, minlength=2) / len(src)
+    assert abs(share[0] - 0.3) < 0.005 and abs(share[1] - 0.7) < 0.005
+    # every prefix of the run is within one sample of its weight, per source
+    for t in (1, 3, 17, 250):
+        c = source_counts(t, g, mix.shares)
+        assert c.sum() == t * g and np.all(np.abs(c - t * g * np.array([0.3, 0.7])) < 1)
+
+
+def test_each_sample_once_per_epoch_and_resume_on_another_layout(two_sources):
+    """Stop at step 200 of a 2-rank run, resume on 4 ranks: the samples read are those of the
+    uninterrupted run, and a source repeats a sample only after it has read all of them."""
+    mix = _mixture(*two_sources)
+    g, seed = 16, 3
+
+    def read(steps, dp):
+        loaders = [BatchLoader(mix, g, 2, r, dp, seed, prefetch=0) for r in range(dp)]
+        return [int(i) for t in steps for ld in loaders for i in ld.indices(t)]
+
+    whole = read(range(500), 2)
+    resumed = read(range(200), 2) + read(range(200, 500), 4)
+    assert Counter(whole) == Counter(resumed)
+    for t in (37, 200, 500):     # after any step, every sample of a source read n or n+1 times
+        seen = Counter(whole[:t * g])
+        for k in range(2):
+            n = int(mix.sizes[k])
+            reads = [seen[int(mix.offsets[k]) + i] for i in range(n)]
+            assert max(reads) - min(reads) <= 1
+
+
+def test_bad_sources_one_line(two_sources, tmp_path):
+    web, code = two_sources
+    with pytest.raises(ConfigError, match="must be > 0"):
+        parse_sources(f"{web}:0,{code}:1")
+    with pytest.raises(ConfigError, match="not a number"):
+        parse_sources(f"{web}:x")
+    with pytest.raises(DataError, match="does not exist"):
+        MixtureDataset(parse_sources(f"{tmp_path / 'nope'}:1,{code}:1"), 64)
+    with pytest.raises(DataError, match="epoch limit"):
+        _mixture(web, code, epochs=":1").check(16, 5000)
+    with pytest.raises(DataError, match="under one of the 16"):
+        _mixture(web, code, weights=(0.01, 0.99)).check(16, 10)
+
+
+def test_mismatched_tokenizers_refused(two_sources, tmp_path):
+    other = tmp_path / "other"
+    run_cli("prepare", "--corpus", "demo", "--max-docs", "3", "--vocab-size", "300",
+            "--out", str(other), "--quiet")
+    with pytest.raises(DataError, match="another tokenizer"):
+        MixtureDataset(parse_sources(f"{two_sources[0]}:1,{other}:1"), 64)
+
+
+def test_single_path_order_unchanged(tiny_data):
+    """A single `path` keeps the one-directory order (old runs resume the same)."""
+    from myria.data.dataset import TokenDataset, rank_batch_indices
+    from myria.data.mixture import open_dataset
+
+    ds = open_dataset(DataConfig(path=str(tiny_data)), 64)
+    assert isinstance(ds, TokenDataset)
+    ld = BatchLoader(ds, 8, 2, 1, 2, 5, prefetch=0)
+    assert list(ld.indices(9)) == list(rank_batch_indices(9, 8, ds.num_samples, 5, 1, 2))
+
+
+@pytest.mark.slow
+def test_train_on_a_mixture_reports_validation_per_source(two_sources, tmp_path):
+    web, code = two_sources
+    run = tmp_path / "run"
+    run_cli("train", "--run-dir", str(run), "--nproc", "1", *TINY,
+            f"--data.sources={web}:0.3,{code}:0.7", "--training.steps=4",
+            "--training.eval_interval=2", "--data.eval_batches=1", "--checkpoint.interval=0")
+    rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    evals = [r for r in rows if "val_loss" in r]
+    assert [r["step"] for r in evals] == [2, 4]
+    by = evals[-1]["val_loss_by_source"]
+    assert set(by) == {"web", "code"}
+    assert evals[-1]["val_loss"] == pytest.approx(0.3 * by["web"] + 0.7 * by["code"])
