@@ -63,7 +63,6 @@ import math
 import mmap
 import os
 import queue
-import shutil
 import signal
 import threading
 import time
@@ -75,6 +74,7 @@ from torch import nn
 
 from myria import rundir
 from myria.errors import CheckpointError, ConfigError, OffloadError
+from myria.fsutil import atomic_write_json, link_or_copy
 from myria.observe import events
 
 log = logging.getLogger("myria")
@@ -174,27 +174,6 @@ def _full_io(op, fd: int, mv: memoryview, offset: int) -> None:
             raise OSError(errno.EIO, f"short {'read' if op is os.preadv else 'write'} at "
                           f"offset {offset + done}")
         done += n
-
-
-def link_or_copy(src: Path, dst: Path) -> str:
-    """Make `dst` hold `src`'s bytes without reading them through this process: a hard link
-    (same file system), else a reflink (copy-on-write clone: btrfs, XFS), else a kernel-side
-    copy (`shutil.copyfile`, which uses sendfile/copy_file_range). Returns which was used."""
-    dst.unlink(missing_ok=True)
-    try:
-        os.link(src, dst)
-        return "link"
-    except OSError:
-        pass
-    try:
-        import fcntl
-        with open(src, "rb") as fs, open(dst, "wb") as fd:
-            fcntl.ioctl(fd.fileno(), 0x40049409, fs.fileno())  # FICLONE
-        return "reflink"
-    except OSError:
-        dst.unlink(missing_ok=True)
-    shutil.copyfile(src, dst)
-    return "copy"
 
 
 # -- where each tensor lives -------------------------------------------------------------------
@@ -801,10 +780,9 @@ class OffloadedAdamW(torch.optim.AdamW):
             "run the same command to resume")
 
     def _write_index(self, gen: int) -> None:
-        text = json.dumps({"gen": gen, "direct": self.direct, **self.layout.to_json()})
-        tmp = self.path(gen, ".json.tmp")
-        tmp.write_text(text)
-        os.replace(tmp, self.path(gen, ".json"))
+        atomic_write_json(self.path(gen, ".json"),
+                          {"gen": gen, "direct": self.direct, **self.layout.to_json()},
+                          indent=None, durable=False)
 
     # -- the step ------------------------------------------------------------------------
     def _segments(self, chunk: Chunk) -> list[tuple[int, int, int]]:
@@ -1410,9 +1388,7 @@ class OffloadedAdamW(torch.optim.AdamW):
                  peak_rss_bytes=peak_rss(), rss_bytes=current_rss(), time=time.time())
         try:
             self.stats_file.parent.mkdir(parents=True, exist_ok=True)
-            tmp = self.stats_file.with_name(self.stats_file.name + ".tmp")
-            tmp.write_text(json.dumps(s, indent=1))
-            os.replace(tmp, self.stats_file)
+            atomic_write_json(self.stats_file, s, durable=False)
         except OSError:
             pass
 
