@@ -17,6 +17,7 @@ the top of its file (the supervisor, the event recorder, the data preparation, t
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import shutil
@@ -73,7 +74,6 @@ def link_or_copy(src: Path, dst: Path) -> str:
     except OSError:
         pass
     try:
-        import fcntl  # POSIX only
         with open(src, "rb") as fs, open(dst, "wb") as fd:
             fcntl.ioctl(fd.fileno(), 0x40049409, fs.fileno())  # FICLONE
         return "reflink"

@@ -535,3 +535,36 @@ def test_nvme_tier_refuses_a_gpu_in_one_line():
     check_layout(cfg, layout, "cpu")
     with pytest.raises(ConfigError, match="runs on CPU in this version, not on cuda"):
         check_layout(cfg, layout, "cuda")
+
+
+def test_budget_counts_activations_in_the_precision_the_run_computes_in():
+    """training.dtype = auto is bf16 on CUDA only where FSDP2's mixed-precision policy applies
+    (data or context parallel ranks); one process computes in fp32 whatever the device."""
+    from myria.offload.budget import activation_bytes
+
+    cfg = config.load(None, SMALL)
+    one = {"dp": 1, "tp": 1, "pp": 1, "cp": 1, "ep": 1}
+    two = dict(one, dp=2)
+    assert cfg.training.dtype == "auto" and cfg.training.device == "auto"
+    assert activation_bytes(cfg, two, "cuda") == activation_bytes(cfg, two, "cpu") / 2
+    assert activation_bytes(cfg, one, "cuda") == activation_bytes(cfg, one, "cpu")
+    ddp = config.load(None, [*SMALL, "--training.data_parallel=ddp"])
+    assert activation_bytes(ddp, two, "cuda") == activation_bytes(ddp, two, "cpu")
+
+
+def test_offload_package_imports_no_simulator_and_no_private_names():
+    """The tier plans with models/memory.py, like the planner, not with sim/; its modules use
+    each other's public names only."""
+    import ast
+    from pathlib import Path
+
+    import myria.offload
+
+    for path in [*Path(myria.offload.__file__).parent.glob("*.py"),
+                 Path(myria.offload.__file__).parents[1] / "models" / "memory.py"]:
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module:
+                assert not node.module.startswith("myria.sim"), (path.name, node.module)
+                if node.module.startswith("myria."):
+                    private = [a.name for a in node.names if a.name.startswith("_")]
+                    assert not private, (path.name, node.module, private)
