@@ -546,7 +546,8 @@ def test_budget_counts_activations_in_the_precision_the_run_computes_in():
     one = {"dp": 1, "tp": 1, "pp": 1, "cp": 1, "ep": 1}
     two = dict(one, dp=2)
     assert cfg.training.dtype == "auto" and cfg.training.device == "auto"
-    assert activation_bytes(cfg, two, "cuda") == activation_bytes(cfg, two, "cpu") / 2
+    # 16-bit activations (log-sum-exp and the logits' fp32 copy stay 4-byte)
+    assert activation_bytes(cfg, two, "cuda") < 0.6 * activation_bytes(cfg, two, "cpu")
     assert activation_bytes(cfg, one, "cuda") == activation_bytes(cfg, one, "cpu")
     ddp = config.load(None, [*SMALL, "--training.data_parallel=ddp"])
     assert activation_bytes(ddp, two, "cuda") == activation_bytes(ddp, two, "cpu")

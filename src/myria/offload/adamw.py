@@ -16,7 +16,7 @@ update has used up is lent to write-behind buffers, which backward takes back
 (myria.offload.lending). And when clipping is not expected to bind (the last step's did not),
 the update starts during the last backward, each chunk once its gradients are final: a bet
 `step()` keeps if no gradient was scaled or changed, and drops otherwise, the update then
-running from `step()` into the same uncommitted file (`last_backward`).
+running from `step()` into the same uncommitted file (`before_last_backward`).
 """
 
 from __future__ import annotations
@@ -203,7 +203,7 @@ class OffloadedAdamW(torch.optim.AdamW):
         optimizer's reads, updates and writes overlap with it instead of preceding it: the same
         arithmetic on the same values, so the same bits.
 
-        If an update already ran during backward (`last_backward`) on these very gradients
+        If an update already ran during backward (`before_last_backward`) on these very gradients
         (none scaled by clipping or changed since, same settings), it is kept and goes on
         behind training; otherwise it is dropped and the update starts here."""
         if closure is not None:
@@ -268,11 +268,11 @@ class OffloadedAdamW(torch.optim.AdamW):
         self._write_stats()
 
     # -- speculation: the update during the last backward -----------------------------------
-    def last_backward(self) -> None:
+    def before_last_backward(self) -> None:
         """The engine is about to run the step's last backward: with the parameters on disk,
         start updating each chunk as soon as its gradients are final (`_final`), on the bet
         that clipping will leave them as they are (it did last step). `step()` keeps the
-        result; clipping (`clipping`), a changed gradient (`gradients_changed`) or a skipped
+        result; clipping (`on_clip`), a changed gradient (`on_grads_changed`) or a skipped
         step drop it, and the update then runs as without speculation."""
         if not (self.asynchronous and self.speculate and self._speculate_next) \
                 or self._spec is not None or self._closed:
@@ -301,7 +301,7 @@ class OffloadedAdamW(torch.optim.AdamW):
             if u.waiting[c] == 0:
                 u.ready[c].set()
 
-    def clipping(self, scaled: bool) -> None:
+    def on_clip(self, scaled: bool) -> None:
         """The engine's clip: the gradients are about to be scaled (or not). Scaled: a
         speculation stops before they change and is dropped; the next step speculates only if
         this one was not clipped."""
@@ -309,7 +309,7 @@ class OffloadedAdamW(torch.optim.AdamW):
             self._cancel()
         self._speculate_next = not scaled
 
-    def gradients_changed(self) -> None:
+    def on_grads_changed(self) -> None:
         """Something changed gradients after backward (a fault injected into one): a
         speculation computed from them is dropped."""
         self._cancel()

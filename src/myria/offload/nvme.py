@@ -136,18 +136,18 @@ class NvmeTier:
         self.optimizers, self.plan, self.parts = opts, plan, list(parts)
         return opts
 
-    # -- what the step tells the optimizers --------------------------------------------------
+    # -- what the step tells the optimizers (the same methods, per part) ---------------------
     def before_last_backward(self) -> None:
         for opt in self.optimizers:
-            opt.last_backward()
+            opt.before_last_backward()
 
     def on_clip(self, scaled: bool) -> None:
         for opt in self.optimizers:
-            opt.clipping(scaled)
+            opt.on_clip(scaled)
 
     def on_grads_changed(self) -> None:
         for opt in self.optimizers:
-            opt.gradients_changed()
+            opt.on_grads_changed()
 
     # -- checkpoints -------------------------------------------------------------------------
     def names(self, i: int) -> str:
