@@ -32,7 +32,7 @@ Each round runs the pair twice: with the gradient clipped at 1.0, which binds at
 this short run from random weights (norms 7-40), and with a clip of `--loose-clip` (1000),
 above every norm here: the regime of most of a pretraining run once the norm has settled under
 the clip. Only there can the update run during backward (the speculation of
-myria.train.offload: it assumes the gradients will not be scaled, and is dropped if they are).
+myria.offload.adamw: it assumes the gradients will not be scaled, and is dropped if they are).
 """
 
 from __future__ import annotations
@@ -70,8 +70,8 @@ def child(mode: str, steps: int, budget: float, directory: Path, size: list[str]
     import torch
 
     from myria import config
+    from myria.offload.procmem import current_rss, peak_rss
     from myria.train.engine import Engine
-    from myria.train.offload import current_rss, peak_rss
 
     torch.set_num_threads(os.cpu_count() or 1)
     runtime_rss = current_rss()
@@ -83,7 +83,7 @@ def child(mode: str, steps: int, budget: float, directory: Path, size: list[str]
     if mode == "disk-sync":   # the A/B: the update before the next forward, not behind it
         e.optimizers[0].asynchronous = False
     if update_threads:
-        from myria.train.offload import OffloadedAdamW
+        from myria.offload.adamw import OffloadedAdamW
 
         real = OffloadedAdamW._run_behind
 
@@ -108,7 +108,7 @@ def child(mode: str, steps: int, budget: float, directory: Path, size: list[str]
            "runtime_rss_bytes": runtime_rss,
            "params": sum(p.numel() for p in e.model.parameters())}
     if mode != "memory":
-        from myria.train.offload import plan_for_config
+        from myria.offload.budget import plan_for_config
         out["planned_bytes"] = plan_for_config(cfg, {k: 1 for k in ("dp", "tp", "pp", "cp",
                                                                     "ep")}).resident
         opt = e.optimizers[0]
@@ -132,7 +132,7 @@ def child(mode: str, steps: int, budget: float, directory: Path, size: list[str]
                        "direct": opt.direct,
                        "buffers": len(opt.pipe.buffers),
                        "buffer_bytes": int(opt.pipe.buffers[0].numel())},
-                   params=sum(opt.layout.numels))
+                   params=sum(opt.filemap.numels))
     sd = e.state_dict()["model"]
     h = hashlib.sha256()
     for k in sorted(sd):
@@ -150,7 +150,8 @@ def disk_bandwidth(directory: Path, gb: float) -> dict:
     reach on this disk now, alone and sharing the disk."""
     import threading
 
-    from myria.train.offload import CHUNK_BYTES, _full_io, aligned_buffer, open_file, probe_direct
+    from myria.offload.budget import CHUNK_BYTES
+    from myria.offload.diskio import aligned_buffer, full_io, open_file, probe_direct
 
     direct = probe_direct(directory)
     n = max(1, int(gb * (1 << 30)) // CHUNK_BYTES)
@@ -164,7 +165,7 @@ def disk_bandwidth(directory: Path, gb: float) -> dict:
     def run(op, fd, mv, out, key):
         t0 = time.perf_counter()
         for i in range(n):
-            _full_io(op, fd, mv, i * CHUNK_BYTES)
+            full_io(op, fd, mv, i * CHUNK_BYTES)
         if op is os.pwritev:
             os.fdatasync(fd)
         out[key] = time.perf_counter() - t0

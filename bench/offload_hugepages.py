@@ -11,7 +11,7 @@ process is charged for them. A direct I/O request holds at most `max_segments` p
 segments (printed), so from 4 KiB pages a large call becomes many small requests.
 
 `4k` is a buffer from torch's allocator (what `aligned_buffer` returned before); `huge` is
-`myria.train.offload.aligned_buffer`, which maps buffers of 2 MiB and more on huge pages.
+`myria.offload.diskio.aligned_buffer`, which maps buffers of 2 MiB and more on huge pages.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-from myria.train.offload import ALIGN, _full_io, aligned_buffer, probe_direct
+from myria.offload.diskio import ALIGN, aligned_buffer, full_io, probe_direct
 
 OUT = Path(__file__).resolve().parent / "results" / "offload_hugepages.json"
 CALL = 18 << 20
@@ -73,7 +73,7 @@ def one(path: Path, buf: torch.Tensor, nbytes: int, op: str, direct: bool) -> di
     try:
         k0, c0, t0 = kernel_workers_s(), os.times(), time.perf_counter()
         for off in range(0, nbytes, CALL):
-            _full_io(os.pwritev if op == "write" else os.preadv, fd, mv, off)
+            full_io(os.pwritev if op == "write" else os.preadv, fd, mv, off)
         if op == "write":
             os.fdatasync(fd)
         dt, c1, k1 = time.perf_counter() - t0, os.times(), kernel_workers_s()

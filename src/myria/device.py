@@ -24,6 +24,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from myria.fsutil import atomic_write_json
+
 
 @dataclass(frozen=True)
 class DeviceSpec:
@@ -108,9 +110,7 @@ def write_cache_file(path: Path, cache: dict) -> None:
     that cannot be written is skipped, never an error."""
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(cache, indent=1))
-        tmp.replace(path)
+        atomic_write_json(path, cache, durable=False)
     except OSError:
         pass
 

@@ -9,9 +9,10 @@ import torch
 
 from myria import config
 from myria.errors import CheckpointError, ConfigError, OffloadError
+from myria.offload.diskio import ALIGN, HUGE_PAGE, aligned_buffer
+from myria.offload.files import FileMap
 from myria.train.checkpoint import CheckpointManager
 from myria.train.engine import Engine
-from myria.train.offload import ALIGN, HUGE_PAGE, Layout, aligned_buffer
 from tests.conftest import TINY, final_params, losses, run_cli
 
 SMALL = ["--model.vocab_size=512", "--model.layers=2", "--model.hidden=64", "--model.heads=4",
@@ -34,8 +35,8 @@ def train_steps(e: Engine, steps: int) -> dict[str, torch.Tensor]:
     return {k: v.clone() for k, v in e.model.state_dict().items()}
 
 
-def test_layout_pieces_tile_every_tensor_once():
-    lay = Layout([((3, 1000), torch.float32), ((7,), torch.float32), ((5000,), torch.float32),
+def test_file_map_pieces_tile_every_tensor_once():
+    lay = FileMap([((3, 1000), torch.float32), ((7,), torch.float32), ((5000,), torch.float32),
                   ((0,), torch.float32)], ("exp_avg", "exp_avg_sq"))
     assert all(o % ALIGN == 0 for o in lay.offsets) and lay.region % ALIGN == 0
     for cap in (ALIGN, 3 * ALIGN, lay.region):
@@ -74,15 +75,15 @@ def test_disk_matches_memory_bit_for_bit(tmp_path, budget):
     files = sorted(p.name for p in opt.dir.iterdir())
     assert files == ["gen_00000004.bin", "gen_00000004.json", "spare.bin"]
     ref_opt = ref_engine.optimizers[0]
-    raw = torch.frombuffer(bytearray(opt.path(4).read_bytes()), dtype=torch.uint8)
-    m = opt.layout.section("exp_avg")
+    raw = torch.frombuffer(bytearray(opt.gens.path(4).read_bytes()), dtype=torch.uint8)
+    m = opt.filemap.section("exp_avg")
     for t, p in enumerate(opt.tensors):
-        at = m * opt.layout.region + opt.layout.offsets[t]
+        at = m * opt.filemap.region + opt.filemap.offsets[t]
         disk = raw[at:at + p.numel() * 4].view(torch.float32).view_as(p)
         assert torch.equal(disk, ref_opt.state[list(ref_opt.state)[t]]["exp_avg"])
     off.close()
     stats = json.loads((tmp_path / "disk" / "offload_stats" / "rank00000.json").read_text())
-    assert stats["steps"] == 4 and stats["bytes_written"] == 4 * opt.layout.file_bytes
+    assert stats["steps"] == 4 and stats["bytes_written"] == 4 * opt.filemap.file_bytes
 
 
 @pytest.mark.parametrize("ac", ["full", "selective"])
@@ -96,7 +97,7 @@ def test_parameters_on_disk_match_memory_bit_for_bit(tmp_path, ac):
     # between steps no parameter is in memory: each layer was read for its forward/backward
     assert all(p.numel() == 0 for p in off.model.parameters())
     # every microbatch reads every layer for forward, and most of them again for backward
-    once = sum(off.optimizers[0].layout.numels) * 4
+    once = sum(off.optimizers[0].filemap.numels) * 4
     ps = off.optimizers[0].streamer
     assert 3 * 2 * once < ps.bytes_read + ps.bytes_copied < 3 * 2 * 2 * once * 1.05
     # by the last chunk of the first update nearly all gradient memory is given back and no
@@ -105,12 +106,12 @@ def test_parameters_on_disk_match_memory_bit_for_bit(tmp_path, ac):
     assert opt.pipe.stats.behind_buffers >= 1
     # the gradient memory lent out is all accounted for, after steps and after a skipped one
     opt.flush()
-    assert opt._inflight == 0 and opt._room + opt._extra == sum(opt._grad_bytes)
+    assert opt.loan.inflight == 0 and opt.loan.room + opt.loan.extra == sum(opt.loan.grad_bytes)
     x = torch.randint(0, 512, (2, 2, 33))
     off.forward_backward(x[..., :-1], x[..., 1:])
-    assert opt._room + opt._extra < sum(opt._grad_bytes)   # backward took its share
+    assert opt.loan.room + opt.loan.extra < sum(opt.loan.grad_bytes)   # backward took its share
     off.skip_step()
-    assert opt._room + opt._extra == sum(opt._grad_bytes)
+    assert opt.loan.room + opt.loan.extra == sum(opt.loan.grad_bytes)
     a, b = ref.state_dict()["model"], off.state_dict()["model"]   # b: mapped from the file
     assert a.keys() == b.keys()
     for k in a:
@@ -122,19 +123,21 @@ def test_update_runs_behind_the_next_forward(tmp_path, monkeypatch):
     """With parameters on disk, step() returns before its chunks are updated; the next forward
     waits for each unit's chunks to be updated, and takes their parameters from memory while
     their writes trail (here: held back); the run stays bit-equal to the in-memory one."""
+    import os
     import threading
     import time
 
-    from myria.train import offload
+    from myria.offload import pipeline
+    from myria.offload.adamw import OffloadedAdamW
 
     common = ["--parallel.activation_checkpoint=full", "--model.layers=3"]
     ref = engine(tmp_path / "mem", *common)
     want = train_steps(ref, 3)
     gate, writes = threading.Event(), threading.Event()
-    real_io, real_update = offload._full_io, offload.OffloadedAdamW._update
+    real_io, real_update = pipeline.full_io, OffloadedAdamW._update
 
     def gated_io(op, fd, mv, offset):
-        if op is offload.os.pwritev:
+        if op is os.pwritev:
             writes.wait()
         return real_io(op, fd, mv, offset)
 
@@ -142,8 +145,8 @@ def test_update_runs_behind_the_next_forward(tmp_path, monkeypatch):
         gate.wait()
         return real_update(self, *a)
 
-    monkeypatch.setattr(offload, "_full_io", gated_io)
-    monkeypatch.setattr(offload.OffloadedAdamW, "_update", gated_update)
+    monkeypatch.setattr(pipeline, "full_io", gated_io)
+    monkeypatch.setattr(OffloadedAdamW, "_update", gated_update)
     gate.set()
     writes.set()   # open while the initial generation is written
     # a budget with a buffer for every chunk: with the writes held back the update still ends
@@ -174,7 +177,7 @@ def test_update_runs_behind_the_next_forward(tmp_path, monkeypatch):
     # 2. the writes held back: the next forward reads every unit from the update's buffers
     writes.clear()
     off.step()
-    once = sum(opt.layout.numels) * 4
+    once = sum(opt.filemap.numels) * 4
     copied0 = opt.streamer.bytes_copied
     nxt = threading.Thread(target=run, args=(batches[2],))
     nxt.start()
@@ -205,7 +208,7 @@ def test_update_runs_during_backward_and_is_kept_only_if_gradients_stay(tmp_path
     it did; clipping, a skipped step or a changed gradient drop it and the update runs from
     step() as before. Every path ends bit-equal to AdamW in memory with the same steps."""
 
-    from myria.train.offload_params import ParamStreamer
+    from myria.offload.params import ParamStreamer
 
     common = ["--parallel.activation_checkpoint=full", "--model.layers=3"]
     # (clip, what happens): the first step speculates; a clipped step drops it and the next one
@@ -250,9 +253,9 @@ def test_update_runs_during_backward_and_is_kept_only_if_gradients_stay(tmp_path
         if i == 2:   # a kept speculation: every chunk is updated before step() is called,
             spec = opt._spec   # into a generation not committed until step() keeps it
             assert spec is not None and all(ev.wait(10) for ev in spec.computed)
-            assert opt.gen == spec.g and not opt.path(spec.new, ".json").exists()
+            assert opt.gen == spec.g and not opt.gens.path(spec.new, ".json").exists()
             # the gradients it used up are still held (a dropped speculation needs them)
-            assert spec.used and opt._room + opt._extra == 0
+            assert spec.used and opt.loan.room + opt.loan.extra == 0
 
     got = train(off, before_step)
     assert seen == [True] * 6, seen   # every speculating step updated chunks during backward
@@ -262,7 +265,7 @@ def test_update_runs_during_backward_and_is_kept_only_if_gradients_stay(tmp_path
     for k in want:
         assert torch.equal(want[k], got[k]), k
     opt.flush()
-    assert opt._inflight == 0 and opt._room + opt._extra == sum(opt._grad_bytes)
+    assert opt.loan.inflight == 0 and opt.loan.room + opt.loan.extra == sum(opt.loan.grad_bytes)
     assert sorted(f.name for f in opt.dir.iterdir()) == ["gen_00000006.bin",
                                                          "gen_00000006.json", "spare.bin"]
     off.close()
@@ -326,14 +329,14 @@ def test_checkpoint_links_the_state_and_checks_it(tmp_path):
     assert name in meta["files"] and name in meta["checksums"]
     assert (path / name).stat().st_nlink == 2          # a hard link, not a copy
     opt = e.optimizers[0]
-    assert (path / name).stat().st_ino == opt.path(2).stat().st_ino
+    assert (path / name).stat().st_ino == opt.gens.path(2).stat().st_ino
     # new generations: a replaced generation's file is written again as a later one, but never
     # the linked one (only its name in the offload directory goes)
     ino = {}
     for gen in (3, 4, 5):
         train_steps(e, 1)
         opt.flush()
-        ino[gen] = opt.path(gen).stat().st_ino
+        ino[gen] = opt.gens.path(gen).stat().st_ino
     assert (path / name).stat().st_nlink == 1 and ckpt.verify(path) is None
     assert (path / name).stat().st_ino not in ino.values()
     assert ino[5] == ino[3] != ino[4]   # generation 3's file became 5's
@@ -526,9 +529,43 @@ def test_dry_run_accounts_for_offload():
 
 
 def test_nvme_tier_refuses_a_gpu_in_one_line():
-    from myria.train.offload import check_layout
+    from myria.offload.tier import check_layout
     cfg = config.load(None, [*SMALL, "--parallel.offload=nvme"])
     layout = {"dp": 1, "tp": 1, "pp": 1, "cp": 1, "ep": 1}
     check_layout(cfg, layout, "cpu")
     with pytest.raises(ConfigError, match="runs on CPU in this version, not on cuda"):
         check_layout(cfg, layout, "cuda")
+
+
+def test_budget_counts_activations_in_the_precision_the_run_computes_in():
+    """training.dtype = auto is bf16 on CUDA only where FSDP2's mixed-precision policy applies
+    (data or context parallel ranks); one process computes in fp32 whatever the device."""
+    from myria.offload.budget import activation_bytes
+
+    cfg = config.load(None, SMALL)
+    one = {"dp": 1, "tp": 1, "pp": 1, "cp": 1, "ep": 1}
+    two = dict(one, dp=2)
+    assert cfg.training.dtype == "auto" and cfg.training.device == "auto"
+    # 16-bit activations (log-sum-exp and the logits' fp32 copy stay 4-byte)
+    assert activation_bytes(cfg, two, "cuda") < 0.6 * activation_bytes(cfg, two, "cpu")
+    assert activation_bytes(cfg, one, "cuda") == activation_bytes(cfg, one, "cpu")
+    ddp = config.load(None, [*SMALL, "--training.data_parallel=ddp"])
+    assert activation_bytes(ddp, two, "cuda") == activation_bytes(ddp, two, "cpu")
+
+
+def test_offload_package_imports_no_simulator_and_no_private_names():
+    """The tier plans with models/memory.py, like the planner, not with sim/; its modules use
+    each other's public names only."""
+    import ast
+    from pathlib import Path
+
+    import myria.offload
+
+    for path in [*Path(myria.offload.__file__).parent.glob("*.py"),
+                 Path(myria.offload.__file__).parents[1] / "models" / "memory.py"]:
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module:
+                assert not node.module.startswith("myria.sim"), (path.name, node.module)
+                if node.module.startswith("myria."):
+                    private = [a.name for a in node.names if a.name.startswith("_")]
+                    assert not private, (path.name, node.module, private)

@@ -38,6 +38,7 @@ from typing import Any
 import numpy as np
 
 from myria.errors import DataError
+from myria.fsutil import atomic_write
 
 FORMAT = "myria-tokens"
 FORMAT_VERSION = 1
@@ -374,15 +375,6 @@ def sha256_file(path: str | Path, chunk: int = 1 << 22) -> str:
     return h.hexdigest()
 
 
-def _atomic_write_bytes(path: Path, data: bytes) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as fh:
-        fh.write(data)
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, path)
-
-
 class ShardWriter:
     """Streams documents into `{split}_{k:05d}.bin` shards of at most `max_tokens` tokens.
 
@@ -520,7 +512,7 @@ def prepare(out: str | Path, inputs: Sequence[str] = (), corpus: str | None = No
             tok_json = tok.to_str(pretty=True).encode()
             tok_desc = f"byte-level BPE trained on {len(split_docs['train'])} documents"
             bar.update(task, total=1, completed=1)
-        _atomic_write_bytes(out_dir / TOKENIZER_FILE, tok_json)
+        atomic_write(out_dir / TOKENIZER_FILE, tok_json)
         vocab = tok.get_vocab_size()
         dtype = np.dtype(np.uint16) if vocab <= 65535 else np.dtype(np.uint32)
         eos = T.eos_id(tok)
@@ -565,7 +557,7 @@ def prepare(out: str | Path, inputs: Sequence[str] = (), corpus: str | None = No
         "total_tokens": sum(s["tokens"] for s in splits.values()),
         "splits": splits,
     }
-    _atomic_write_bytes(out_dir / INDEX_FILE, (json.dumps(index, indent=2) + "\n").encode())
+    atomic_write(out_dir / INDEX_FILE, (json.dumps(index, indent=2) + "\n").encode())
     keep = {s[k] for sp in splits.values() for s in sp["shards"] for k in ("file", "docs_file")}
     for p in out_dir.iterdir():  # shards of an earlier, larger run in the same directory
         if _SHARD_RE.match(p.name) and p.name not in keep:

@@ -48,6 +48,7 @@ from pathlib import Path
 from typing import Any
 
 from myria import rundir
+from myria.fsutil import atomic_write
 
 _NS = 1000  # ns per µs
 
@@ -453,8 +454,6 @@ def uninstall() -> None:
 
 def write_dump(run_dir: str | Path, rec: Recorder, why: str) -> Path:
     """RUN_DIR/hang/rankNNNNN.json: this rank's open events and last completed one."""
-    from myria.train.checkpoint import atomic_write
-
     path = rundir.hang_file(run_dir, rec.rank)
     path.parent.mkdir(parents=True, exist_ok=True)
     atomic_write(path, json.dumps(dict(rec.snapshot(), why=why), indent=1))

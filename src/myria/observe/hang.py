@@ -17,6 +17,7 @@ from collections import Counter
 from pathlib import Path
 
 from myria import rundir
+from myria.fsutil import atomic_write
 
 WAITING = ("comm", "wait", "p2p")
 
@@ -101,8 +102,6 @@ def summary_line(rep: dict) -> str:
 
 
 def write(run_dir: str | Path, rep: dict) -> Path:
-    from myria.train.checkpoint import atomic_write
-
     out = rundir.report_dir(run_dir) / "hang.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     atomic_write(out, json.dumps(rep, indent=1))

@@ -8,7 +8,6 @@ touch the token files. `samples_read` counts, per rank, the samples read from st
 
 from __future__ import annotations
 
-import json
 import time
 from pathlib import Path
 
@@ -17,6 +16,7 @@ import torch.distributed as dist
 
 from myria.data.dataset import TokenDataset
 from myria.data.loader import Batch, BatchLoader
+from myria.fsutil import atomic_write_json
 
 
 class BroadcastLoader:
@@ -91,6 +91,6 @@ def write_read_counts(run_dir: Path, rank: int, loader) -> None:
     """RUN_DIR/stats/data_rank{r}.json: samples this rank read from the token files."""
     d = Path(run_dir) / "stats"
     d.mkdir(parents=True, exist_ok=True)
-    tmp = d / f"data_rank{rank:05d}.json.tmp"
-    tmp.write_text(json.dumps({"rank": rank, "samples_read": int(loader.samples_read)}))
-    tmp.replace(d / f"data_rank{rank:05d}.json")
+    atomic_write_json(d / f"data_rank{rank:05d}.json",
+                      {"rank": rank, "samples_read": int(loader.samples_read)},
+                      indent=None, durable=False)

@@ -36,6 +36,7 @@ import torch.distributed as dist
 
 from myria import detections
 from myria.errors import MyriaError
+from myria.fsutil import atomic_write
 
 SKIP_STEPS = "skip_steps.json"
 SPIKE_WARMUP = 20        # steps before the running loss estimate judges spikes
@@ -270,8 +271,6 @@ def read_skip_steps(run_dir: Path) -> set[int]:
 
 
 def add_skip_step(run_dir: Path, step: int) -> None:
-    from myria.train.checkpoint import atomic_write
-
     steps = sorted(read_skip_steps(run_dir) | {step})
     atomic_write(run_dir / SKIP_STEPS, json.dumps(steps))
 

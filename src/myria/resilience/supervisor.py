@@ -49,6 +49,7 @@ from typing import Any
 
 from myria import config as config_mod
 from myria.errors import ConfigError, LaunchError, MyriaError
+from myria.fsutil import atomic_write
 from myria.resilience.watch import Detection, Watchdog
 from myria.train import heartbeat
 
@@ -681,8 +682,6 @@ class Supervisor:
         path = self.run_dir / "blocklist.txt"
         hosts = set(path.read_text().split()) if path.exists() else set()
         hosts.add(self.host)
-        from myria.train.checkpoint import atomic_write
-
         atomic_write(path, "".join(h + "\n" for h in sorted(hosts)))
         self.blocklist = sorted(hosts)
         f.action.append(f"blocklist {self.host}")
@@ -739,8 +738,6 @@ class Supervisor:
         }
 
     def _write_summary(self, s: dict[str, Any]) -> None:
-        from myria.train.checkpoint import atomic_write
-
         path = self.run_dir / "supervisor_summary.json"
         atomic_write(path, json.dumps(s, indent=1))
         log.info("summary: %s at step %s/%s after %d restart(s); wall %.1f s, training %.1f s, "

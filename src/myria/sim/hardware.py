@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 
 from myria.device import DeviceSpec, cpu_device_spec, lookup
 from myria.errors import ConfigError
+from myria.fsutil import atomic_write_json
 from myria.sim.runspec import ClusterSpec
 from myria.sim.topology import Fabric
 
@@ -218,9 +219,7 @@ def cpu_memory_bandwidth(refresh: bool = False) -> float:
     cache[key] = bw
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(cache))
-        tmp.replace(path)
+        atomic_write_json(path, cache, indent=None, durable=False)
     except OSError:
         pass
     return bw

@@ -23,85 +23,21 @@ from dataclasses import asdict, dataclass
 from functools import lru_cache
 
 from myria.models.flops import param_counts
+from myria.models.memory import (  # the formulas the trainer's budget uses too
+    head_activation_bytes,
+    in_flight_microbatches,
+    layer_activation_bytes,
+)
+from myria.models.memory import stage_params as model_stage_params
 from myria.sim.operators import LayerShape
 
 RESERVED_BYTES = 1.5e9    # CUDA context, cuBLAS workspaces, NCCL buffers (not calibrated)
 FRAGMENTATION = 0.05      # allocator fragmentation, as a share of the dynamic memory
 
 
-def layer_activation_bytes(shape: LayerShape, recompute: str) -> float:
-    """Bytes one layer keeps for its backward pass, per microbatch, on one device."""
-    e, tp, h = shape.act_bytes, shape.tp, shape.hidden
-    T = shape.micro_batch * shape.seq_len / shape.cp
-    Tsp = T / tp if shape.sp else T
-    if recompute == "full":
-        return e * Tsp * h  # the layer's input only
-    hd = shape.head_dim
-    q, kv = shape.heads * hd, shape.kv_heads * hd
-    ffn = shape.ffn
-    gpt = shape.arch == "gpt"
-    p = shape.dropout
-    mask = Tsp * h if p else 0.0               # 1-byte dropout masks
-    total = 0.0
-    # attention block: norm input, QKV input, Q, K, V, output-projection input, dropout mask
-    total += e * Tsp * h + e * Tsp * h
-    total += e * T * (q + 2 * kv) / tp + e * T * q / tp + mask
-    if shape.flash:
-        total += 4 * T * shape.heads / tp      # log-sum-exp per query and head
-    elif recompute != "selective":
-        n_scores = shape.micro_batch * shape.heads / tp * (shape.seq_len / shape.cp) * \
-            shape.seq_len
-        total += e * n_scores                  # softmax output
-        if p:
-            total += n_scores * (1 + e)        # dropout mask and dropout output
-    # MLP block
-    n_in = 1 if gpt else 2
-    if not shape.parallel_block:
-        total += e * Tsp * h                   # MLP norm input
-    if shape.experts:
-        cf = shape.capacity_factor or 1.0
-        routed = T * shape.top_k * cf / tp
-        total += e * Tsp * h + 4 * Tsp * shape.experts           # router input and probs
-        total += e * routed * h                                  # permuted expert input
-        total += e * routed * ffn / tp * (n_in + 1)              # activation in/out
-    else:
-        if not shape.parallel_block:
-            total += e * Tsp * h               # FC1 input
-        total += e * T * ffn / tp * (n_in + 1)  # activation input(s) and FC2 input
-    total += mask
-    return total
-
-
 @lru_cache(maxsize=16384)
 def _act(shape: LayerShape, recompute: str) -> float:
     return layer_activation_bytes(shape, recompute)
-
-
-def head_activation_bytes(shape: LayerShape, first: bool, last: bool) -> float:
-    """Activations of the embedding (first stage) and output layer (last stage), one microbatch."""
-    e, tp = shape.act_bytes, shape.tp
-    T = shape.micro_batch * shape.seq_len / shape.cp
-    Tsp = T / tp if shape.sp else T
-    total = 0.0
-    if first and shape.dropout:
-        total += Tsp * shape.hidden            # embedding dropout mask
-    if last:
-        # final norm input, logits (16-bit) and their fp32 copy for the cross-entropy
-        total += e * Tsp * shape.hidden + (e + 4) * T * shape.vocab / tp
-    return total
-
-
-def in_flight_microbatches(schedule: str, p: int, v: int, m: int, rank: int = 0) -> float:
-    """Microbatches whose activations pipeline rank `rank` (default the first) holds at its
-    peak, in units of its layers: rank r of 1F1B holds min(m, p - r)."""
-    if p <= 1:
-        return 1.0
-    if schedule == "gpipe":
-        return float(m)
-    base = float(min(m, p - rank))
-    if schedule in ("interleaved-1f1b", "zero-bubble") and v > 1:
-        return base * (1 + (p - 1) / (p * v))
-    return base
 
 
 @dataclass
@@ -138,18 +74,8 @@ def _params(shape: LayerShape):
 
 def stage_params(shape: LayerShape, layers_on_stage: float, first: bool, last: bool,
                  ep: int) -> tuple[float, float]:
-    """(dense, expert) parameters held by one device of a stage."""
-    pc = _params(shape)
-    tp = shape.tp
-    dense = layers_on_stage * pc.per_layer_dense / tp
-    experts = layers_on_stage * pc.per_layer_experts / (tp * ep)
-    if first:
-        dense += pc.embedding / tp + pc.positional
-    if last:
-        dense += pc.final_norm + (pc.head / tp if pc.head else 0.0)
-        if not pc.head and not first:
-            dense += pc.embedding / tp  # tied output layer: the last stage keeps a copy
-    return dense, experts
+    """(dense, expert) parameters held by one device of a stage (myria.models.memory)."""
+    return model_stage_params(_params(shape), shape.tp, layers_on_stage, first, last, ep)
 
 
 def memory(shape: LayerShape, *, layers: int, pp: int, vpp: int, microbatches: int,
@@ -164,7 +90,7 @@ def memory(shape: LayerShape, *, layers: int, pp: int, vpp: int, microbatches: i
     workspaces, NCCL buffers on a GPU; 0 on a CPU, where none of these exist).
     Offload: the optimizer state leaves the device (cpu or nvme); under cpu with ZeRO-3 also
     the sharded weights and gradients (FSDP2's CPUOffloadPolicy); under nvme with
-    `offload_params` the weights, of which three layers stay (myria.train.offload_params).
+    `offload_params` the weights, of which three layers stay (myria.offload.params).
     `stage_layers` gives uneven stages' layers per rank ({"first", "mid", "last"}: the
     busiest middle rank is priced as the second, which holds the most in-flight microbatches
     of the middle ranks); default layers / pp everywhere."""

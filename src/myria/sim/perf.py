@@ -590,7 +590,7 @@ def simulate(run: RunSpec, hw: Hardware | None = None, eff: Efficiency | None = 
 
 def _nvme_time(tr, hw: Hardware, n_opt: float, t_opt: float, m: int, w_b: int,
                t_compute: float) -> float:
-    """Exposed time of myria's nvme tier (myria.train.offload) per iteration.
+    """Exposed time of myria's nvme tier (myria.offload) per iteration.
 
     The update runs on the device chunk by chunk while a reader and a writer thread stream the
     optimizer state from disk and back (across the host bus on a GPU): the optimizer phase

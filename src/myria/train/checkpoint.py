@@ -58,7 +58,6 @@ import shutil
 import threading
 import time
 import warnings
-import zlib
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -68,6 +67,8 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
 from myria.errors import CheckpointError
+from myria.fsutil import atomic_write, file_crc32, link_or_copy
+from myria.fsutil import fsync_dir as _fsync_dir
 from myria.observe import events
 
 # One process saves and loads with no_dist=True on purpose; DCP warns that it "assumes" so.
@@ -79,39 +80,6 @@ PREFIX = "step_"
 QUARANTINE = "quarantine"
 FRESH_START = "fresh_start.json"  # in quarantine/: damaged checkpoints a fresh start accepted
 MANIFEST_VERSION = 2
-_CHUNK = 8 << 20
-
-
-# -- small file helpers ----------------------------------------------------------------------
-def atomic_write(path: Path, text: str) -> None:
-    """Write `text` to `path` through a temporary file, fsync and rename (all or nothing)."""
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w") as fh:
-        fh.write(text)
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, path)
-
-
-def _fsync_dir(path: Path) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-    except OSError:
-        pass
-
-
-def file_crc32(path: Path) -> tuple[str, int]:
-    """CRC-32 of a file (hex) and the bytes read; zlib releases the GIL while it hashes."""
-    crc, n = 0, 0
-    with open(path, "rb") as fh:
-        while chunk := fh.read(_CHUNK):
-            crc = zlib.crc32(chunk, crc)
-            n += len(chunk)
-    return f"{crc:08x}", n
 
 
 def rng_state() -> dict[str, str]:
@@ -539,12 +507,10 @@ class CheckpointManager:
     def _link_files(self, p: _Pending, target) -> None:
         """Stage 1 for state kept in files (`target.checkpoint_files()`: the nvme tier's
         optimizer state): link them into the checkpoint now, before the next step replaces
-        them (myria.train.offload.link_or_copy: no copy through memory)."""
+        them (myria.fsutil.link_or_copy: no copy through memory)."""
         files = target.checkpoint_files() if hasattr(target, "checkpoint_files") else {}
         if not files:
             return
-        from myria.train.offload import link_or_copy
-
         final = self.path_for(p.step)
         tmp = final.with_name(final.name + ".tmp")
         try:

@@ -84,7 +84,7 @@ def dry_run(cfg: config_mod.Config, world: int, ranks_per_host: int | None = Non
              f"# tokens per step: {t.global_batch * m.seq_len:,}; gradient accumulation: "
              f"{t.global_batch // (lay['dp'] * t.micro_batch)} microbatches of {t.micro_batch}"]
     if cfg.parallel.offload_tier != "none" or cfg.parallel.fast_memory_gb:
-        from myria.train.offload import plan_for_config
+        from myria.offload.budget import plan_for_config
         lines.append("# " + plan_for_config(cfg, lay).describe())
     from myria.sim.memory import decode_state_bytes
 

@@ -29,7 +29,8 @@ from myria.errors import ConfigError
 from myria.layout import validate_degrees
 from myria.models.transformer import build_model
 from myria.observe import events
-from myria.optim import build_optimizer
+from myria.offload.tier import check_layout as check_tier
+from myria.offload.tier import optimizer_tier
 from myria.optim.schedules import build_scheduler
 from myria.parallel import pipeline
 from myria.parallel.mesh import dp_mesh, dp_rank_and_size, fsdp_mesh, loss_group, sub_rank, sub_size
@@ -115,9 +116,7 @@ def check_layout(cfg: Config, layout: dict[str, int], device_type: str = "cpu") 
     if pp > 1:
         accum = cfg.training.global_batch // (dp * cfg.training.micro_batch)
         pipeline.validate(m, pp, p.vpp, p.schedule, accum)
-    if p.offload_tier != "none" or p.fast_memory_gb:
-        from myria.train.offload import check_layout as check_offload
-        check_offload(cfg, layout, device_type)
+    check_tier(cfg, layout, device_type)
 
 
 class Engine:
@@ -133,10 +132,8 @@ class Engine:
         self.ep = p.ep
         layout = {"tp": self.tp, "cp": self.cp, "pp": self.pp, "dp": self.dp_size, "ep": self.ep}
         check_layout(cfg, layout, device.type)
-        if p.offload_tier == "nvme":  # a memory budget: freed tensors must leave the process
-            from myria.train.offload import keep_heap_small
-
-            keep_heap_small()
+        # where the optimizer state (and parameters kept off the device) live: myria.offload
+        self.tier = optimizer_tier(cfg, run_dir, dist.get_rank() if dist.is_initialized() else 0)
         self.cp_rank, self.pp_rank = sub_rank(mesh, "cp"), sub_rank(mesh, "pp")
         self.loss_group = loss_group(mesh)
         # ranks that train on the same sequences: one of them reads, the others receive
@@ -182,21 +179,13 @@ class Engine:
             if use_fsdp:
                 apply_fsdp(part, fmesh, cfg, device.type, reshard_root=self.pp > 1,
                            expert_mesh=self.replica_mesh)
-            if not p.offload_params:  # else materialised layer by layer (offload_params.py)
-                part.to_empty(device=device)
-                part.init_weights(t.seed)
+            self.tier.materialise(part, device, t.seed)
         if fmesh is not None and t.data_parallel == "ddp":
             parts = [apply_ddp(parts[0], dp_mesh(mesh), device)]
             self._settle_ddp_buckets(parts[0], cfg.model.seq_len)
         self.parts: list[nn.Module] = parts
         self.model = parts[0]
-        self.offload = None  # the nvme tier (parallel.offload = nvme): myria.train.offload
-        if p.offload_tier == "nvme":
-            from myria.train.offload import Offload
-            self.offload = Offload.build(cfg, parts, layout, run_dir,
-                                         dist.get_rank() if dist.is_initialized() else 0)
-        self.optimizers = self.offload.optimizers if self.offload else \
-            [build_optimizer(part, cfg.optimizer) for part in parts]
+        self.optimizers = self.tier.build(parts, layout, device.type)
         self.schedulers = [build_scheduler(o, cfg.optimizer, t.steps) for o in self.optimizers]
         self.schedule = None
         if self.pp > 1:
@@ -281,7 +270,7 @@ class Engine:
                     else:  # fused, chunked output projection + cross-entropy
                         loss = self.model(inputs[i], targets[i], **kw) / accum
                 if i == accum - 1:
-                    self._tell_optimizers("last_backward")
+                    self.tier.before_last_backward()
                 with rec.compute("backward", mb=i, stage=0):
                     loss.backward()
             loss_sum += _local(loss.detach())
@@ -330,21 +319,14 @@ class Engine:
             dist.all_reduce(sq, group=self.pp_group)
             norm = sq.sqrt()
         scaled = expert.clip_coef(max_norm, norm) < 1.0
-        self._tell_optimizers("clipping", scaled)   # before the gradients change
+        self.tier.on_clip(scaled)   # before the gradients change
         if scaled:
             expert.clip_grads_with_norm_(params, max_norm, norm)
         return float(norm)
 
     def gradients_changed(self) -> None:
         """Gradients were changed after backward (a fault injected into one)."""
-        self._tell_optimizers("gradients_changed")
-
-    def _tell_optimizers(self, event: str, *args) -> None:
-        """Optimizers that act on the gradients before step() (the nvme tier's update during
-        backward: myria.train.offload) hear what happens to them; others have no such method."""
-        for opt in self.optimizers:
-            if (fn := getattr(opt, event, None)) is not None:
-                fn(*args)
+        self.tier.on_grads_changed()
 
     def step(self) -> None:
         for opt, sched in zip(self.optimizers, self.schedulers):
@@ -400,8 +382,7 @@ class Engine:
         for part, opt in zip(self.parts, self.optimizers):
             model_sd.update(get_model_state_dict(part, options=self._OPTS))
             optim_sd.update(get_optimizer_state_dict(part, opt, options=self._OPTS))
-        if self.offload:  # parameters kept on disk (offload_params): mapped from the files
-            model_sd.update(self.offload.file_backed_state())
+        model_sd.update(self.tier.file_backed_state())  # parameters kept in files, mapped
         return {"model": model_sd, "optim": optim_sd}
 
     def load_state_dict(self, state: dict) -> None:
@@ -409,25 +390,22 @@ class Engine:
             set_model_state_dict(part, state["model"], options=StateDictOptions(strict=False))
             set_optimizer_state_dict(part, opt, state["optim"], options=self._OPTS)
 
-    # offloaded optimizer state: files linked into checkpoints (myria.train.checkpoint)
+    # state kept in files (the nvme tier): linked into checkpoints (myria.train.checkpoint)
     def checkpoint_files(self) -> dict:
-        return self.offload.checkpoint_files() if self.offload else {}
+        return self.tier.checkpoint_files()
 
     def check_checkpoint(self, path, meta: dict) -> None:
-        from myria.train.offload import check_checkpoint
-        check_checkpoint(path, meta, self.offload is not None)
+        self.tier.check_checkpoint(path, meta)
 
     def file_backed_keys(self) -> list[str]:
         """Model keys a checkpoint restores through `load_checkpoint_files`, not DCP."""
-        return list(self.offload.file_backed_state()) if self.offload else []
+        return list(self.tier.file_backed_state())
 
     def load_checkpoint_files(self, path) -> None:
-        if self.offload:
-            self.offload.load_files(path)
+        self.tier.load_files(path)
 
     def close(self) -> None:
-        if self.offload:
-            self.offload.close()
+        self.tier.close()
 
     def scheduler_state(self) -> dict:
         return self.schedulers[0].state_dict()

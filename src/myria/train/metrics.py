@@ -15,6 +15,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from myria.fsutil import atomic_write
+
 
 class MetricsLogger:
     """Rank 0's metrics sink: RUN_DIR/metrics.jsonl, TensorBoard scalars, a live progress line."""
@@ -123,8 +125,6 @@ def set_aside_after(run_dir: Path, step: int) -> int:
         fh.write("\n".join(gone) + "\n")
         fh.flush()
         os.fsync(fh.fileno())
-    from myria.train.checkpoint import atomic_write
-
     atomic_write(path, "".join(x + "\n" for x in keep))
     return len(gone)
 

@@ -29,12 +29,13 @@ from myria.data.dataset import TokenDataset
 from myria.data.mixture import MixtureDataset, open_dataset
 from myria.errors import CheckpointError, ConfigError
 from myria.faults import FaultInjector
+from myria.fsutil import atomic_write
 from myria.models.flops import model_flops_per_token
 from myria.observe import events
 from myria.parallel.data import make_loader, write_read_counts
 from myria.resilience.integrity import StepGuard
 from myria.train import distributed, heartbeat
-from myria.train.checkpoint import CheckpointManager, atomic_write
+from myria.train.checkpoint import CheckpointManager
 from myria.train.engine import Engine
 from myria.train.metrics import MetricsLogger, StepTimer, mfu
 from myria.train.preemption import StopRequest

@@ -14,6 +14,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from myria.fsutil import atomic_write
+
 DEFAULT_TOLERANCE = 0.5
 # Check names in report order.
 CHECKS = ("gemm-correctness", "golden", "gemm-throughput", "memory-bandwidth", "all-reduce",
@@ -113,9 +115,7 @@ class HostReport:
         """Write the report atomically (temporary file + rename); returns the path."""
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(path.name + ".tmp")
-        tmp.write_text(self.to_json() + "\n")
-        tmp.replace(path)
+        atomic_write(path, self.to_json() + "\n", durable=False)
         return path
 
     @classmethod

@@ -1,7 +1,7 @@
 """Parameters on disk too (parallel.offload_params): each layer read in for forward and backward.
 
 With `offload = nvme` and `offload_params = true`, a parameter's home is the `param` section of
-the optimizer's generation files (myria.train.offload), where the optimizer updates it in place
+the optimizer's generation files (myria.offload.adamw), where the optimizer updates it in place
 of the fp32 master copy; the fast tier holds at most a few *units* at a time (the embeddings,
 one transformer block, the final norm with the output layer) in aligned slabs. This is
 ZeRO-Infinity's parameter offload (Rajbhandari et al. 2021, section 5) for one process.
@@ -16,7 +16,7 @@ ZeRO-Infinity's parameter offload (Rajbhandari et al. 2021, section 5) for one p
   recomputes inside the checkpointed module, after that hook: the parameters are there.
 - Gradients stay in the fast tier (backward produces them; the optimizer reads them chunk by
   chunk); before a unit's backward its gradients are charged against the gradient memory the
-  update lends to write-behind buffers (`OffloadedAdamW.charge`). All units are dropped before
+  update lends to write-behind buffers (myria.offload.lending). All units are dropped before
   each optimizer step. The step runs behind training (`OffloadedAdamW.step`): the next forward
   starts at once and loads each unit as soon as the update has computed its chunks, copying the
   new parameters from the update's buffers where they are not written yet
@@ -41,8 +41,9 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from myria.train.offload import PARAM_SLABS as SLABS
-from myria.train.offload import OffloadedAdamW, _full_io, _round_up, aligned_buffer
+from myria.offload.adamw import OffloadedAdamW
+from myria.offload.budget import PARAM_SLABS as SLABS
+from myria.offload.diskio import aligned_buffer, full_io, round_up
 
 
 @dataclass
@@ -94,7 +95,7 @@ class ParamStreamer:
 
     def __init__(self, model: nn.Module, opt: OffloadedAdamW, seed: int):
         self.opt = opt
-        lay = opt.layout
+        lay = opt.filemap
         self.section = lay.section("param") * lay.region
         index = {id(p): t for t, p in enumerate(opt.tensors)}
         self.units: list[Unit] = []
@@ -104,7 +105,7 @@ class ParamStreamer:
                 for p in m.parameters():
                     t = index[id(p)]
                     params.append((p, t, off))
-                    off += _round_up(lay.numels[t] * lay.itemsizes[t])
+                    off += round_up(lay.numels[t] * lay.itemsizes[t])
             self.units.append(Unit(name, params, mods[0], mods[-1], mods))
         self.slab_bytes = max(self._bytes(u) for u in self.units)
         self.slabs = [aligned_buffer(self.slab_bytes) for _ in range(SLABS)]
@@ -125,19 +126,19 @@ class ParamStreamer:
         opt.after_step.append(self.prefetch_first)
 
     def _bytes(self, u: Unit) -> int:
-        lay = self.opt.layout
-        return sum(_round_up(lay.numels[t] * lay.itemsizes[t]) for _, t, _ in u.params)
+        lay = self.opt.filemap
+        return sum(round_up(lay.numels[t] * lay.itemsizes[t]) for _, t, _ in u.params)
 
     def _segments(self, u: Unit) -> list[tuple[int, int, int]]:
         """(file offset, slab offset, bytes) of each of the unit's parameters."""
-        lay = self.opt.layout
-        return [(self.section + lay.offsets[t], off, _round_up(lay.numels[t] * lay.itemsizes[t]))
+        lay = self.opt.filemap
+        return [(self.section + lay.offsets[t], off, round_up(lay.numels[t] * lay.itemsizes[t]))
                 for _, t, off in u.params]
 
     # -- loading and dropping --------------------------------------------------------------
     def _attach(self, u: Unit) -> None:
         """Point the unit's parameters at their slab."""
-        lay, slab = self.opt.layout, self.slabs[u.slab]
+        lay, slab = self.opt.filemap, self.slabs[u.slab]
         for p, t, off in u.params:
             n = lay.numels[t] * lay.itemsizes[t]
             p.data = slab[off:off + n].view(lay.dtypes[t]).view(lay.shapes[t])
@@ -166,8 +167,8 @@ class ParamStreamer:
         key = f"{phase} {u.name}"
         self.waits[key] = self.waits.get(key, 0.0) + dt
         if self.error is not None:
-            raise self.opt._error(self.error, f"reading the parameters of {u.name}")
-        self.opt._raise_if_failed()   # the update behind training, if it failed
+            raise self.opt.gens.error(self.error, f"reading the parameters of {u.name}")
+        self.opt.raise_if_failed()   # the update behind training, if it failed
         self._attach(u)
 
     def drop(self, u: Unit) -> None:
@@ -233,7 +234,7 @@ class ParamStreamer:
             for p, _, _ in u.params:
                 model.init_parameter(names[id(p)], p, seed)
             for off, soff, n in self._segments(u):
-                _full_io(os.pwritev, self.opt.fd, self._views[u.slab][soff:soff + n], off)
+                full_io(os.pwritev, self.opt.fd, self._views[u.slab][soff:soff + n], off)
             self.drop(u)
         os.fdatasync(self.opt.fd)
 
@@ -262,7 +263,7 @@ class ParamStreamer:
                 p.register_post_accumulate_grad_hook(lambda p, u=u: self._accumulated(u))
 
     def _before_backward(self, u: Unit, i: int) -> None:
-        self.opt.charge(t for _, t, _ in u.params)   # room for its gradients first
+        self.opt.loan.charge(t for _, t, _ in u.params)   # room for its gradients first
         self.ensure(u, "backward")
         for below in reversed(self.units[max(0, i - SLABS + 1):i]):
             self.prefetch(below)   # in order, as far as free slabs allow
@@ -277,11 +278,11 @@ def file_tensor(opt: OffloadedAdamW, t: int) -> torch.Tensor:
     """Parameter `t` as stored in the committed generation, memory-mapped read-only (for
     checkpoints: no copy in anonymous memory). Marked immutable: a generation file is never
     written again, so the checkpoint's snapshot stage can use it as it is."""
-    lay = opt.layout
+    lay = opt.filemap
     n = lay.numels[t]
     start = lay.section("param") * lay.region + lay.offsets[t]
     isz = lay.itemsizes[t]
-    whole = torch.from_file(str(opt.path(opt.gen)), shared=False,
+    whole = torch.from_file(str(opt.gens.path(opt.gen)), shared=False,
                             size=(start + n * isz) // isz, dtype=lay.dtypes[t])
     v = whole[start // isz:start // isz + n].view(lay.shapes[t])
     v._myria_immutable = True

@@ -1,0 +1,149 @@
+"""Memory per layer: activations a layer keeps for backward, parameters a pipeline stage holds.
+
+The one source for the trainer (the offload tier's fast-memory budget, myria.offload.budget)
+and the planner (myria.sim.memory prices a whole device with them), as models/flops.py is for
+FLOPs.
+
+Activations are enumerated tensor by tensor, as Korthikanti et al. 2022 ("Reducing Activation
+Recomputation in Large Transformer Models", section 4) count them: for the GPT layer with
+dropout, 16-bit activations and no parallelism this gives s*b*h*(34 + 5*a*s/h) bytes per layer,
+with tensor parallelism s*b*h*(10 + 24/t + 5*a*s/(h*t)), with sequence parallelism everything
+/t; selective recomputation drops the 5*a*s/h term (the attention core), full recomputation keeps
+only each layer's input. FlashAttention never stores the score matrix (only a log-sum-exp per
+query and head). In-flight microbatches on the first pipeline stage: GPipe all m; 1F1B and
+zero-bubble ZB-H1/ZB-V min(m, p); interleaved 1F1B a further factor 1 + (p-1)/(p*v)
+(Korthikanti et al. section 4.2.3).
+
+The formulas read a layer's dimensions from a `LayerDims` or any object with the same fields
+(the planner's `sim.operators.LayerShape`, which adds the kernel choices it prices).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from myria.config import ModelConfig
+from myria.models.flops import ParamCounts
+
+
+@dataclass(frozen=True)
+class LayerDims:
+    """What fixes one layer's activation memory on one device (hashable)."""
+
+    arch: str
+    hidden: int
+    heads: int
+    kv_heads: int
+    ffn: int
+    vocab: int
+    seq_len: int
+    experts: int
+    top_k: int
+    capacity_factor: float
+    parallel_block: bool
+    micro_batch: int
+    tp: int = 1
+    cp: int = 1
+    sp: bool = False
+    flash: bool = False
+    dropout: float = 0.0
+    act_bytes: int = 2
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden // self.heads
+
+
+def layer_dims(cfg: ModelConfig, micro_batch: int, *, tp: int = 1, cp: int = 1,
+               sp: bool = False, flash: bool = False, dropout: float = 0.0,
+               act_bytes: int = 2) -> LayerDims:
+    """The LayerDims of a ModelConfig under a parallel layout (sequence parallel needs tp > 1)."""
+    return LayerDims(arch=cfg.arch, hidden=cfg.hidden, heads=cfg.heads, kv_heads=cfg.n_kv_heads,
+                     ffn=cfg.ffn_dim, vocab=cfg.vocab_size, seq_len=cfg.seq_len,
+                     experts=cfg.experts, top_k=cfg.top_k, capacity_factor=cfg.capacity_factor,
+                     parallel_block=cfg.parallel_block, micro_batch=micro_batch, tp=tp, cp=cp,
+                     sp=sp and tp > 1, flash=flash, dropout=dropout, act_bytes=act_bytes)
+
+
+def layer_activation_bytes(shape: LayerDims, recompute: str) -> float:
+    """Bytes one layer keeps for its backward pass, per microbatch, on one device."""
+    e, tp, h = shape.act_bytes, shape.tp, shape.hidden
+    T = shape.micro_batch * shape.seq_len / shape.cp
+    Tsp = T / tp if shape.sp else T
+    if recompute == "full":
+        return e * Tsp * h  # the layer's input only
+    hd = shape.head_dim
+    q, kv = shape.heads * hd, shape.kv_heads * hd
+    ffn = shape.ffn
+    gpt = shape.arch == "gpt"
+    p = shape.dropout
+    mask = Tsp * h if p else 0.0               # 1-byte dropout masks
+    total = 0.0
+    # attention block: norm input, QKV input, Q, K, V, output-projection input, dropout mask
+    total += e * Tsp * h + e * Tsp * h
+    total += e * T * (q + 2 * kv) / tp + e * T * q / tp + mask
+    if shape.flash:
+        total += 4 * T * shape.heads / tp      # log-sum-exp per query and head
+    elif recompute != "selective":
+        n_scores = shape.micro_batch * shape.heads / tp * (shape.seq_len / shape.cp) * \
+            shape.seq_len
+        total += e * n_scores                  # softmax output
+        if p:
+            total += n_scores * (1 + e)        # dropout mask and dropout output
+    # MLP block
+    n_in = 1 if gpt else 2
+    if not shape.parallel_block:
+        total += e * Tsp * h                   # MLP norm input
+    if shape.experts:
+        cf = shape.capacity_factor or 1.0
+        routed = T * shape.top_k * cf / tp
+        total += e * Tsp * h + 4 * Tsp * shape.experts           # router input and probs
+        total += e * routed * h                                  # permuted expert input
+        total += e * routed * ffn / tp * (n_in + 1)              # activation in/out
+    else:
+        if not shape.parallel_block:
+            total += e * Tsp * h               # FC1 input
+        total += e * T * ffn / tp * (n_in + 1)  # activation input(s) and FC2 input
+    total += mask
+    return total
+
+
+def head_activation_bytes(shape: LayerDims, first: bool, last: bool) -> float:
+    """Activations of the embedding (first stage) and output layer (last stage), one microbatch."""
+    e, tp = shape.act_bytes, shape.tp
+    T = shape.micro_batch * shape.seq_len / shape.cp
+    Tsp = T / tp if shape.sp else T
+    total = 0.0
+    if first and shape.dropout:
+        total += Tsp * shape.hidden            # embedding dropout mask
+    if last:
+        # final norm input, logits (16-bit) and their fp32 copy for the cross-entropy
+        total += e * Tsp * shape.hidden + (e + 4) * T * shape.vocab / tp
+    return total
+
+
+def in_flight_microbatches(schedule: str, p: int, v: int, m: int, rank: int = 0) -> float:
+    """Microbatches whose activations pipeline rank `rank` (default the first) holds at its
+    peak, in units of its layers: rank r of 1F1B holds min(m, p - r)."""
+    if p <= 1:
+        return 1.0
+    if schedule == "gpipe":
+        return float(m)
+    base = float(min(m, p - rank))
+    if schedule in ("interleaved-1f1b", "zero-bubble") and v > 1:
+        return base * (1 + (p - 1) / (p * v))
+    return base
+
+
+def stage_params(pc: ParamCounts, tp: int, layers_on_stage: float, first: bool, last: bool,
+                 ep: int) -> tuple[float, float]:
+    """(dense, expert) parameters held by one device of a stage (`pc`: the model's counts)."""
+    dense = layers_on_stage * pc.per_layer_dense / tp
+    experts = layers_on_stage * pc.per_layer_experts / (tp * ep)
+    if first:
+        dense += pc.embedding / tp + pc.positional
+    if last:
+        dense += pc.final_norm + (pc.head / tp if pc.head else 0.0)
+        if not pc.head and not first:
+            dense += pc.embedding / tp  # tied output layer: the last stage keeps a copy
+    return dense, experts

@@ -1,0 +1,154 @@
+"""Where a rank's optimizer state lives: one protocol the engine calls for every tier.
+
+- `MemoryTier` (parallel.offload = none or cpu): torch's optimizers over the model parts; their
+  state is in memory (under `cpu`, FSDP2's CPUOffloadPolicy keeps it in host memory: nothing for
+  the tier to do beyond what `parallelize.apply_fsdp` sets up).
+- `NvmeTier` (parallel.offload = nvme, myria.offload.nvme): AdamW's state in files on a local
+  disk, streamed through a few buffers; with `offload_params` the parameters too.
+
+The engine builds the tier before the model (`optimizer_tier`), lets it materialise each
+parallelised part, builds the optimizers through it, and then calls the same methods whatever
+the tier: what happens to the gradients before `step()` (the nvme tier starts its update during
+the last backward, and must hear of a clip or a changed gradient), and what a checkpoint saves
+beside the DCP shards (files linked, parameters mapped from files).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Protocol
+
+import torch
+from torch import nn
+
+from myria.errors import CheckpointError, ConfigError
+from myria.offload.budget import plan_for_config
+from myria.offload.nvme import NvmeTier, has_offload_files
+from myria.optim import build_optimizer
+
+
+class OptimizerTier(Protocol):
+    """What the engine asks of the home of the optimizer state (and of parameters kept off
+    the device)."""
+
+    optimizers: list[torch.optim.Optimizer]
+
+    def materialise(self, part: nn.Module, device: torch.device, seed: int) -> None:
+        """Give a parallelised part on the meta device its storage and initial values."""
+
+    def build(self, parts: list[nn.Module], layout: dict[str, int],
+              device_type: str) -> list[torch.optim.Optimizer]:
+        """The optimizers of the parts (one each), kept as `optimizers`."""
+
+    def before_last_backward(self) -> None:
+        """The step's last backward is about to run."""
+
+    def on_clip(self, scaled: bool) -> None:
+        """The gradients are about to be scaled by clipping (or not: `scaled` False)."""
+
+    def on_grads_changed(self) -> None:
+        """Something changed gradients after backward (a fault injected into one)."""
+
+    def file_backed_state(self) -> dict[str, torch.Tensor]:
+        """Model entries a checkpoint takes from files, not from the parts."""
+
+    def checkpoint_files(self) -> dict[str, Path]:
+        """{name in the checkpoint: file} to link into a checkpoint (committed state)."""
+
+    def check_checkpoint(self, path: Path, meta: dict) -> None:
+        """CheckpointError (one line) when a checkpoint's state is not where this tier keeps
+        it."""
+
+    def load_files(self, path: Path) -> None:
+        """Take the checkpoint's files back (after `check_checkpoint`)."""
+
+    def close(self) -> None:
+        """Finish and release what the tier holds (never raises)."""
+
+
+class MemoryTier:
+    """torch's optimizers, their state in memory (parallel.offload = none or cpu)."""
+
+    def __init__(self, cfg):
+        self.cfg = cfg
+        self.optimizers: list[torch.optim.Optimizer] = []
+
+    def materialise(self, part: nn.Module, device: torch.device, seed: int) -> None:
+        part.to_empty(device=device)
+        part.init_weights(seed)
+
+    def build(self, parts: list[nn.Module], layout: dict[str, int],
+              device_type: str) -> list[torch.optim.Optimizer]:
+        self.optimizers = [build_optimizer(part, self.cfg.optimizer) for part in parts]
+        return self.optimizers
+
+    def before_last_backward(self) -> None:
+        pass
+
+    def on_clip(self, scaled: bool) -> None:
+        pass
+
+    def on_grads_changed(self) -> None:
+        pass
+
+    def file_backed_state(self) -> dict[str, torch.Tensor]:
+        return {}
+
+    def checkpoint_files(self) -> dict[str, Path]:
+        return {}
+
+    def check_checkpoint(self, path: Path, meta: dict) -> None:
+        if has_offload_files(meta):
+            raise CheckpointError(f"checkpoint {path} keeps its optimizer state in offload "
+                                  "files (saved with parallel.offload = 'nvme'); resume it with "
+                                  "parallel.offload = 'nvme'")
+
+    def load_files(self, path: Path) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def optimizer_tier(cfg, run_dir: str | Path | None, rank: int) -> OptimizerTier:
+    """The tier `parallel.offload` names, before the model is built."""
+    if cfg.parallel.offload_tier == "nvme":
+        return NvmeTier(cfg, run_dir, rank)
+    return MemoryTier(cfg)
+
+
+def check_layout(cfg, layout: dict[str, int], device_type: str = "cpu") -> None:
+    """What each offload tier supports, and a fast-memory budget too small, as one-line
+    ConfigErrors (before training starts)."""
+    par, t = cfg.parallel, cfg.training
+    if par.offload_tier == "none" and not par.fast_memory_gb:
+        return
+    shard = layout["dp"] * layout["cp"]
+    if par.offload_tier == "cpu" and (shard <= 1 or t.data_parallel == "ddp"):
+        raise ConfigError("parallel.offload = 'cpu' is FSDP2's CPUOffloadPolicy: it needs "
+                          "training.data_parallel = 'fsdp' or 'zero2' on more than one rank; "
+                          "on one process use parallel.offload = 'nvme'")
+    if par.offload_tier == "nvme" and device_type != "cpu":
+        # the moments sit in host buffers: the update would need a per-chunk copy to the device
+        # (or a host-side update, as ZeRO-Offload does), not written yet (docs/offload.md)
+        raise ConfigError(f"parallel.offload = 'nvme' runs on CPU in this version, not on "
+                          f"{device_type}; use parallel.offload = 'cpu' (FSDP2's host offload)")
+    if par.offload_tier == "nvme" and cfg.optimizer.name != "adamw":
+        raise ConfigError(f"parallel.offload = 'nvme' supports optimizer.name = 'adamw', not "
+                          f"{cfg.optimizer.name!r}")
+    if par.offload_params:
+        many = {k: layout[k] for k in ("dp", "tp", "pp", "cp", "ep") if layout[k] > 1}
+        if many:
+            raise ConfigError("parallel.offload_params = true runs on one process (no "
+                              "data, tensor, pipeline, context or expert parallelism), not "
+                              + ", ".join(f"{k}={v}" for k, v in many.items()))
+        if cfg.model.tie_embeddings or par.compile or device_type != "cpu":
+            raise ConfigError("parallel.offload_params = true runs on CPU without "
+                              "model.tie_embeddings or parallel.compile in this version")
+        if par.activation_checkpoint == "none":
+            # a dropped block is read back into another slab: what autograd saved in forward
+            # (views of the weights) would point at other data; recomputation re-reads them
+            raise ConfigError("parallel.offload_params = true needs "
+                              "parallel.activation_checkpoint = 'full' or 'selective' (each "
+                              "block's forward is recomputed from the parameters read back)")
+    plan_for_config(cfg, layout, device_type)  # a budget too small: one line before the start

@@ -1,0 +1,45 @@
+"""myria.fsutil: the file helpers every writer of state uses."""
+
+import os
+import subprocess
+import sys
+import zlib
+
+import pytest
+
+from myria import fsutil
+
+
+def test_atomic_write_all_or_nothing(tmp_path, monkeypatch):
+    p = tmp_path / "state.json"
+    fsutil.atomic_write_json(p, {"a": 1})
+    fsutil.atomic_write(p, b"\x00\x01")           # bytes replace the text
+    assert p.read_bytes() == b"\x00\x01"
+    fsutil.atomic_write(p, "text\n", durable=False)
+    assert p.read_text() == "text\n"
+
+    def fail(*a):
+        raise OSError(28, "No space left on device")
+    monkeypatch.setattr(os, "replace", fail)       # the rename fails: the old file stays whole
+    with pytest.raises(OSError):
+        fsutil.atomic_write_json(p, {"b": 2})
+    assert p.read_text() == "text\n"
+    assert sorted(x.name for x in tmp_path.iterdir()) == ["state.json"]  # no temporary left
+
+
+def test_link_or_copy_and_crc(tmp_path):
+    src, dst = tmp_path / "a.bin", tmp_path / "b.bin"
+    data = os.urandom(3 << 10)
+    src.write_bytes(data)
+    dst.write_text("stale")
+    assert fsutil.link_or_copy(src, dst) == "link"   # same file system: a hard link
+    assert os.path.samefile(src, dst)
+    assert fsutil.file_crc32(dst, chunk=1000) == (f"{zlib.crc32(data):08x}", len(data))
+
+
+def test_torch_free():
+    """Writers that must stay light (the supervisor, `myria --help`) import it at the top."""
+    out = subprocess.run([sys.executable, "-c", "import myria.fsutil, sys; "
+                          "print('torch' in sys.modules)"], capture_output=True, text=True,
+                         check=True)
+    assert out.stdout.strip() == "False"
