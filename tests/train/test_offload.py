@@ -526,9 +526,9 @@ def test_dry_run_accounts_for_offload():
 
 
 def test_nvme_tier_refuses_a_gpu_in_one_line():
-    from myria.train.offload import check_layout
+    from myria.train.engine import check_run
     cfg = config.load(None, [*SMALL, "--parallel.offload=nvme"])
-    layout = {"dp": 1, "tp": 1, "pp": 1, "cp": 1, "ep": 1}
-    check_layout(cfg, layout, "cpu")
+    layout = config.resolve_layout(cfg, 1)
+    check_run(cfg, layout, "cpu")
     with pytest.raises(ConfigError, match="runs on CPU in this version, not on cuda"):
-        check_layout(cfg, layout, "cuda")
+        check_run(cfg, layout, "cuda")
