@@ -6,9 +6,9 @@ as torchrun's agent store) and each rank runs `myria.train.distributed.init` wit
 environment (RANK, WORLD_SIZE, MASTER_ADDR/PORT, TORCHELASTIC_USE_AGENT_STORE). Then, for each
 representative layout, in the same processes, it times
 
-  mesh     `myria.parallel.mesh.build_mesh` (init_device_mesh: one gloo group per mesh row)
-  engine   what `Engine.__init__` asks of the mesh: dp_rank_and_size, sub sizes and ranks,
-           `loss_group`, the pp group, `fsdp_mesh`, the tp / cp sub-meshes
+  mesh     `myria.parallel.dims.build_mesh` (init_device_mesh: one gloo group per mesh row)
+  engine   what the engine asks of the mesh, `ParallelDims.from_mesh`: coordinates, the loss,
+           data and pp groups, the FSDP and DDP sub-meshes (each derived once)
   first    the first 1-element all_reduce on every group this rank belongs to (gloo connects
            eagerly at group creation unless TORCH_GLOO_LAZY_INIT=1, so this is normally small)
   warm     the same all_reduces again, for comparison
@@ -25,12 +25,10 @@ load drifts over all variants alike); tables show medians over repetitions. `CPU
 slowest rank's process CPU time (all threads) over mesh + engine + first collectives: unlike
 the wall times it does not grow when a rank waits for a core.
 
-Variants (--variants): `current` is the code as it is; `proposed` prototypes the changes this
-benchmark recommends for mesh.py / engine.py: build_mesh no longer flattens dp_replicate x
-dp_shard into "dp" (a group nothing uses: loss_group flattens the same ranks again under
-"dp_replicate_dp_shard"), and the engine slices each mesh dimension once and keeps the
-sub-meshes instead of re-slicing in every helper; `lazy` is `current` with
-TORCH_GLOO_LAZY_INIT=1 (gloo connects on first use instead of at group creation).
+Variants (--variants): `current` is the code as it is (the `proposed` variant of the first
+runs, one slice per dimension kept instead of re-slicing in every helper, is now the code:
+`ParallelDims`); `lazy` is `current` with TORCH_GLOO_LAZY_INIT=1 (gloo connects on first use
+instead of at group creation).
 
 Usage:  .venv/bin/python bench/comm_startup.py [--worlds 2 4 8] [--reps 4] [--variants V ...]
 """
@@ -64,61 +62,26 @@ LAYOUTS: dict[int, list[tuple[str, dict[str, int]]]] = {
 }
 
 
-def _build_mesh_no_dp_flatten(layout: dict[str, int], device_type: str):
-    """Prototype of the proposed build_mesh: the same mesh, without the unused "dp" flatten."""
-    from torch.distributed.device_mesh import init_device_mesh
+def _engine_groups(layout: dict[str, int], mesh) -> list:
+    """The groups the engine derives from the mesh (`ParallelDims.from_mesh`), plus the mesh's
+    own per-dimension groups, in a rank-agreed order."""
+    from myria.layout import Layout
+    from myria.parallel.dims import ParallelDims
 
-    from myria.parallel.mesh import ORDER
-
-    dims = [(n, layout.get(n, 1)) for n in ORDER if layout.get(n, 1) > 1]
-    if not dims:
-        return None
-    return init_device_mesh(device_type, tuple(s for _, s in dims),
-                            mesh_dim_names=tuple(n for n, _ in dims))
-
-
-def _engine_groups(mesh, once: bool = False) -> list:
-    """The mesh calls Engine.__init__ makes; returns this rank's groups in a rank-agreed order.
-
-    once=False makes them as engine.py does today (each helper slices the mesh again: about a
-    dozen sub-mesh constructions); once=True prototypes the proposal: one slice per dimension,
-    kept and reused for sizes, coordinates and groups (fsdp_mesh and loss_group called once).
-    """
-    from myria.parallel.mesh import dp_rank_and_size, fsdp_mesh, loss_group, sub_rank, sub_size
-
-    groups = {}
-    if once:
-        sub = {n: mesh[n] for n in mesh.mesh_dim_names}
-        size = {n: s.size() for n, s in sub.items()}
-        coord = {n: s.get_local_rank() for n, s in sub.items()}  # noqa: F841 (engine uses them)
-        tp, cp, pp = (size.get(n, 1) for n in ("tp", "cp", "pp"))
-        pp_group = sub["pp"].get_group() if pp > 1 else None
-        tp_group = sub["tp"].get_group() if tp > 1 else None
-        cp_group = sub["cp"].get_group() if cp > 1 else None
-    else:
-        dp_rank_and_size(mesh)
-        tp, cp, pp = (sub_size(mesh, n) for n in ("tp", "cp", "pp"))
-        sub_rank(mesh, "cp"), sub_rank(mesh, "pp")
-        pp_group = mesh["pp"].get_group() if pp > 1 else None
-        tp_group = mesh["tp"].get_group() if tp > 1 else None
-        cp_group = mesh["cp"].get_group() if cp > 1 else None
-    lg = loss_group(mesh)
-    if lg is not None:
-        groups["loss"] = lg
-    fm = fsdp_mesh(mesh)
-    if fm is not None:
-        for i, g in enumerate(fm.get_all_groups()):
+    if mesh is None:
+        return []
+    dims = ParallelDims.from_mesh(Layout(**layout), mesh)
+    groups = {"loss": dims.loss_group, "data": dims.data_group, "pp": dims.pp_group}
+    if dims.fsdp_mesh is not None:
+        for i, g in enumerate(dims.fsdp_mesh.get_all_groups()):
             groups[f"fsdp{i}"] = g
-    for key, g in (("pp", pp_group), ("tp", tp_group), ("cp", cp_group)):
-        if g is not None:
-            groups[key] = g
     for name, g in zip(mesh.mesh_dim_names, mesh.get_all_groups()):
         groups[f"mesh_{name}"] = g
     # one entry per distinct group, ordered by key: every rank walks the same sequence
     seen, out = set(), []
     for key in sorted(groups):
         g = groups[key]
-        if id(g) not in seen:
+        if g is not None and id(g) not in seen:
             seen.add(id(g))
             out.append((key, g))
     return out
@@ -135,10 +98,9 @@ def _worker(rank: int, world: int, port: int, variant: str, layouts: list, out: 
     from torch.distributed import device_mesh  # noqa: F401  (imported outside the timed phases)
     from torch.distributed.distributed_c10d import _world
 
-    from myria.parallel.mesh import build_mesh
+    from myria.layout import Layout
+    from myria.parallel.dims import build_mesh
     from myria.train import distributed
-
-    build = _build_mesh_no_dp_flatten if variant == "proposed" else build_mesh
     now = time.perf_counter
     rec: dict = {"arrive": now()}
     distributed.init("cpu", init_timeout_s=120)
@@ -154,9 +116,9 @@ def _worker(rank: int, world: int, port: int, variant: str, layouts: list, out: 
             warnings.simplefilter("always")
             c0 = time.process_time()    # CPU of all this process's threads: not inflated
             t0 = now()                   # by waiting for a core, unlike the wall clock
-            mesh = build(layout, "cpu")
+            mesh = build_mesh(Layout(**layout), "cpu")
             t1 = now()
-            groups = _engine_groups(mesh, once=variant == "proposed")
+            groups = _engine_groups(layout, mesh)
             t2 = now()
         for _, g in groups:
             dist.all_reduce(one, group=g)
@@ -278,8 +240,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="world sizes (processes on this host) [2 4 8]")
     ap.add_argument("--reps", type=int, default=4,
                     help="fresh launches per world size and variant [4]")
-    ap.add_argument("--variants", nargs="+", default=["current", "proposed", "lazy"],
-                    choices=["current", "proposed", "lazy"], help="what to run [all three]")
+    ap.add_argument("--variants", nargs="+", default=["current", "lazy"],
+                    choices=["current", "lazy"], help="what to run [both]")
     ap.add_argument("--json", default=str(ROOT / "bench/results/comm_startup.json"),
                     help="output file [bench/results/comm_startup.json]")
     a = ap.parse_args(argv)

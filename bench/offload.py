@@ -108,9 +108,9 @@ def child(mode: str, steps: int, budget: float, directory: Path, size: list[str]
            "runtime_rss_bytes": runtime_rss,
            "params": sum(p.numel() for p in e.model.parameters())}
     if mode != "memory":
+        from myria.layout import Layout
         from myria.offload.budget import plan_for_config
-        out["planned_bytes"] = plan_for_config(cfg, {k: 1 for k in ("dp", "tp", "pp", "cp",
-                                                                    "ep")}).resident
+        out["planned_bytes"] = plan_for_config(cfg, Layout()).resident
         opt = e.optimizers[0]
         opt.flush()
         st = opt.pipe.stats

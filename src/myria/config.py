@@ -561,7 +561,8 @@ def validate_mixer(m: ModelConfig) -> None:
 
 
 def validate(cfg: Config, world_size: int | None = None) -> None:
-    """Raise ConfigError for inconsistent combinations."""
+    """Raise ConfigError for inconsistent fields (the parallel layout's rules are
+    `Layout.check`, run before the workers start and by each worker's engine)."""
     m, t, par = cfg.model, cfg.training, cfg.parallel
     validate_model(m)
     if t.micro_batch > t.global_batch:
@@ -569,19 +570,11 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
                           f" = {t.global_batch}")
     if cfg.optimizer.beta1 >= 1 or cfg.optimizer.beta2 >= 1:
         raise ConfigError("optimizer.beta1 and optimizer.beta2 must be < 1")
-    from myria.layout import validate_pipeline  # the one pipeline-layout check
-
-    validate_pipeline(m.layers, par.pp, par.vpp, par.schedule)
     if par.cpu_offload and par.offload == "nvme":
         raise ConfigError("parallel.cpu_offload = true (an alias of offload = 'cpu') contradicts "
                           "parallel.offload = 'nvme'; set one of them")
-    if par.offload_params and par.offload_tier != "nvme":
-        raise ConfigError("parallel.offload_params = true needs parallel.offload = 'nvme' (the "
-                          "parameters go to the same files as the optimizer state)")
-    if world_size is not None:
-        from myria.layout import validate_batch
-
-        validate_batch(t.global_batch, t.micro_batch, resolve_layout(cfg, world_size)["dp"])
+    if world_size is not None:  # the degrees multiply to the world size (Layout.resolve)
+        resolve_layout(cfg, world_size)   # the layout's rules: myria.layout.Layout.check
 
 
 def describe(cfg: Config) -> str:

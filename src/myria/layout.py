@@ -1,12 +1,18 @@
 """The parallel layout of a run, shared by the trainer, `--dry-run`, the simulator and the planner.
 
-`Layout` is the one description of how a run's ranks are arranged: its degrees (a dict:
-``layout["tp"]``), pipeline interleaving and schedule; it resolves itself from a config and a
-world size, validates itself against a model and a batch, and gives each rank's coordinates, the
-process groups of every dimension and (on the trainer's side) the DeviceMesh, all in one mesh
-order. Beside it: the schedule names and what each means, which pipeline ranks hold which
-stages, how the layers are split into stages, and the checks a layout must pass. Pure Python and
-numpy (no torch), so the analytic performance model can use it without importing the trainer.
+`Layout` is the one frozen description of how a run's ranks are arranged: the degree of every
+mesh dimension (`MESH_ORDER`) and of expert parallelism, pipeline interleaving and schedule,
+sequence parallelism. It resolves itself from a `ParallelConfig` and a world size, computes the
+microbatch count (`microbatches`, the one place it is computed) and holds every rule a layout
+must pass (`check`): the trainer checks a layout with it before any worker starts and in each
+worker's engine, the simulator and planner with `trainer=False`, which relaxes the rules that
+are limits of myria's trainer rather than of the layout. The torch side (the DeviceMesh, groups,
+this rank's coordinates) is `myria.parallel.dims.ParallelDims`, built from a Layout; the
+placement of ranks on hosts is `myria.parallel.placement`.
+
+Beside it: the schedule names and what each means, which pipeline ranks hold which stages, and
+how the layers are split into stages. Pure Python (no torch), so the analytic performance model
+can use it without importing the trainer.
 
 Schedule names (the same to every part of myria):
 
@@ -27,9 +33,10 @@ sub-module; only the activation shape between stages must agree), and so does my
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from functools import lru_cache
 
-from myria.config import ModelConfig
+from myria.config import Config, ModelConfig
 from myria.errors import ConfigError
 from myria.models.flops import forward_flops_per_token
 
@@ -40,23 +47,77 @@ MESH_ORDER = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
 SCHEDULE_NAMES = ("gpipe", "1f1b", "interleaved-1f1b", "zero-bubble", "zbv")
 SINGLE_STAGE = ("gpipe", "1f1b")              # one stage (chunk) per rank
 ZERO_BUBBLE = ("zero-bubble", "zbv")          # backward split into input and weight gradients
+DEGREES = (*MESH_ORDER, "dp", "ep")
 
 
-class Layout(dict):
-    """Degrees by mesh dimension (`dp_replicate`, `dp_shard`, `dp` = their product, `tp`,
-    `pp`, `cp`, `ep`) as a dict, plus `vpp`, `schedule` and `sequence_parallel`."""
+@dataclass(frozen=True)
+class Layout:
+    """How a run's ranks are arranged: degrees by mesh dimension, pipeline interleaving and
+    schedule, sequence parallelism. Frozen; `check` holds every rule a layout must pass.
 
-    def __init__(self, dp_replicate: int = 1, dp_shard: int = 1, tp: int = 1, pp: int = 1,
-                 cp: int = 1, ep: int = 1, vpp: int = 1, schedule: str = "1f1b",
-                 sequence_parallel: bool = False):
-        super().__init__(dp_replicate=dp_replicate, dp_shard=dp_shard,
-                         dp=dp_replicate * dp_shard, tp=tp, pp=pp, cp=cp, ep=ep)
-        self.vpp, self.schedule, self.sequence_parallel = vpp, schedule, sequence_parallel
+    `dp` = dp_replicate x dp_shard (the data-parallel ranks); context-parallel ranks share the
+    data of their sequence. `layout["tp"]` reads a degree by name (for code that walks the mesh
+    dimensions); `as_dict()` is the whole description (what checkpoints record).
+    """
+
+    dp_replicate: int = 1
+    dp_shard: int = 1
+    tp: int = 1
+    pp: int = 1
+    cp: int = 1
+    ep: int = 1
+    vpp: int = 1
+    schedule: str = "1f1b"
+    sequence_parallel: bool = False
+
+    @property
+    def dp(self) -> int:
+        return self.dp_replicate * self.dp_shard
+
+    @property
+    def world(self) -> int:
+        return self.dp * self.tp * self.pp * self.cp
+
+    @property
+    def stages(self) -> int:
+        return self.pp * self.vpp
+
+    def __getitem__(self, dim: str) -> int:
+        """The degree of mesh dimension `dim` (or `dp`, `ep`)."""
+        if dim not in DEGREES:
+            raise KeyError(dim)
+        return getattr(self, dim)
+
+    def get(self, dim: str, default: int = 1) -> int:
+        return getattr(self, dim) if dim in DEGREES else default
+
+    def degrees(self) -> dict[str, int]:
+        """{dim: degree} of every dimension (MESH_ORDER, then dp and ep)."""
+        return {d: getattr(self, d) for d in DEGREES}
+
+    def as_dict(self) -> dict:
+        return {**self.degrees(), "vpp": self.vpp, "schedule": self.schedule,
+                "sequence_parallel": self.sequence_parallel}
+
+    def short(self) -> str:
+        """"tp2xpp2"-style name of the non-trivial degrees ("single" for one process)."""
+        parts = [f"{d}{getattr(self, d)}" for d in ("dp_replicate", "dp_shard", "tp", "pp",
+                                                     "cp", "ep") if getattr(self, d) > 1]
+        return "x".join(parts) or "single"
+
+    @classmethod
+    def of(cls, par, dp_shard: int | None = None) -> Layout:
+        """The layout a `ParallelConfig` names (dp_shard given explicitly or as configured)."""
+        return cls(par.dp_replicate, par.dp_shard if dp_shard is None else dp_shard, par.tp,
+                   par.pp, par.cp, par.ep, par.vpp, par.schedule,
+                   bool(par.sequence_parallel and par.tp > 1))
 
     @classmethod
     def resolve(cls, par, world_size: int) -> Layout:
         """The layout of a `ParallelConfig` on `world_size` ranks (dp_shard = -1 fills the
         rest), or a ConfigError saying which product does not match."""
+        if world_size < 1:
+            raise ConfigError(f"the number of processes must be >= 1 (got {world_size})")
         other = par.dp_replicate * par.tp * par.pp * par.cp
         if par.dp_shard == -1:
             if world_size % other:
@@ -72,52 +133,120 @@ class Layout(dict):
                 f"tp={par.tp} x pp={par.pp} x cp={par.cp} = {other * shard} processes, but the "
                 f"world size is {world_size}; set parallel.dp_shard=-1 to fill it or change "
                 "--nproc")
-        return cls(par.dp_replicate, shard, par.tp, par.pp, par.cp, par.ep, par.vpp,
-                   par.schedule, par.sequence_parallel)
+        return cls.of(par, shard)
 
-    @property
-    def world(self) -> int:
-        return self["dp"] * self["tp"] * self["pp"] * self["cp"]
+    def microbatches(self, global_batch: int, micro_batch: int) -> int:
+        """Microbatches per step on each data-parallel rank (gradient accumulation, and what a
+        pipeline schedule interleaves): global_batch / (dp x micro_batch), checked to divide."""
+        if global_batch % (self.dp * micro_batch):
+            raise ConfigError(
+                f"training.global_batch = {global_batch} must be divisible by data-parallel "
+                f"ranks ({self.dp}) x training.micro_batch ({micro_batch}) = "
+                f"{self.dp * micro_batch}")
+        return global_batch // (self.dp * micro_batch)
 
-    def validate(self, model: ModelConfig, global_batch: int | None = None,
-                 micro_batch: int | None = None, microbatches: int | None = None) -> None:
-        """The checks every part of myria applies to a layout (ConfigError, one line each):
-        pipeline (stages, schedule, microbatches), tensor/context splits, batch split."""
-        validate_pipeline(model.layers, self["pp"], self.vpp, self.schedule, microbatches)
-        validate_degrees(model, self["tp"], self["cp"], self.sequence_parallel)
-        if global_batch is not None and micro_batch is not None:
-            validate_batch(global_batch, micro_batch, self["dp"])
+    def manual_reduce(self, data_parallel: str) -> bool:
+        """Whether the trainer all-reduces data-parallel gradients itself, unsharded: torch
+        2.13's zero-bubble schedules compute weight gradients after FSDP2 has reduced them."""
+        return (self.dp * self.cp > 1 and data_parallel != "ddp" and self.pp > 1
+                and self.schedule in ZERO_BUBBLE)
 
-    def grid(self, cluster=None):
-        """The global ranks as a numpy array with one axis per dimension of `MESH_ORDER`:
-        consecutive ranks fill tp first, or placed by topology given a
-        `myria.parallel.placement.Cluster`."""
-        import numpy as np
+    def uses_fsdp(self, data_parallel: str) -> bool:
+        """Whether the trainer shards the model with FSDP2 (and its mixed-precision policy):
+        data or context ranks > 1, not DDP, not the zero-bubble schedules."""
+        return (self.dp * self.cp > 1 and data_parallel != "ddp"
+                and not self.manual_reduce(data_parallel))
 
-        sizes = [self[d] for d in MESH_ORDER]
-        if cluster is None:
-            return np.arange(self.world, dtype=np.int64).reshape(sizes)
-        from myria.parallel.placement import place
+    def check(self, cfg: Config, device_type: str = "cpu", trainer: bool = True) -> None:
+        """Every rule a layout must pass, as one-line ConfigErrors naming the fields.
 
-        return place(self, cluster)
-
-    def coord(self, rank: int, cluster=None) -> dict[str, int]:
-        """`rank`'s index along every dimension."""
-        from myria.parallel.placement import coordinates
-
-        return coordinates(self.grid(cluster))[rank]
-
-    def groups(self, dim: str, cluster=None) -> list[list[int]]:
-        """The process groups along `dim`, each in group-rank order."""
-        from myria.parallel.placement import groups
-
-        return groups(self.grid(cluster), dim)
-
-    def mesh(self, device_type: str, cluster=None):
-        """The trainer's DeviceMesh over the non-trivial dimensions (None for one process)."""
-        from myria.parallel.mesh import build_mesh
-
-        return build_mesh(self, device_type, cluster)
+        `cfg` gives the model, batch, data-parallel engine, optimizer and the [parallel]
+        options; `trainer=False` (the simulator and planner) relaxes the rules that are limits
+        of myria's trainer in this version rather than of the layout itself, so that layouts
+        other frameworks run can still be priced (each such rule says so below).
+        """
+        m, t, p = cfg.model, cfg.training, cfg.parallel
+        tp, cp, pp, ep = self.tp, self.cp, self.pp, self.ep
+        only_trainer = trainer   # the trainer's own limits apply
+        # -- the batch and the pipeline -----------------------------------------------------
+        n_micro = self.microbatches(t.global_batch, t.micro_batch)
+        validate_pipeline(m.layers, pp, self.vpp, self.schedule, n_micro)
+        validate_degrees(m, tp, cp, self.sequence_parallel)
+        # -- experts ---------------------------------------------------------------------------
+        if ep > 1:
+            if not m.experts:
+                raise ConfigError(f"parallel.ep = {ep} needs a mixture-of-experts model "
+                                  "(model.experts > 0)")
+            if m.experts % ep:
+                raise ConfigError(f"parallel.ep = {ep} must divide model.experts = {m.experts}")
+            # myria's experts borrow the FSDP shard ranks; Megatron-LM's borrow dp x cp
+            if only_trainer and self.dp_shard % ep:
+                raise ConfigError(f"parallel.ep = {ep} must divide the data-parallel sharding "
+                                  f"degree parallel.dp_shard = {self.dp_shard} (experts are "
+                                  "spread over the FSDP shard ranks; dp_replicate copies them)")
+            if not only_trainer and (self.dp * cp) % ep:
+                raise ConfigError(f"parallel.ep = {ep} must divide the data-parallel (x cp) "
+                                  f"ranks {self.dp * cp}: experts are spread over them")
+        tier = p.offload_tier
+        if p.offload_params and tier != "nvme":
+            raise ConfigError("parallel.offload_params = true needs parallel.offload = 'nvme' "
+                              "(the parameters go to the same files as the optimizer state)")
+        if not only_trainer:
+            return
+        # -- limits of myria's trainer in this version (relaxed for the simulator) -------------
+        if cp > 1 and p.cp_impl == "torch" and (device_type != "cuda" or m.attention_window):
+            raise ConfigError("parallel.cp_impl = 'torch' (torch's context_parallel) needs CUDA "
+                              "and full causal attention in torch 2.13; use cp_impl = 'ring'")
+        if tp > 1 and m.vocab_size % tp:
+            raise ConfigError(f"model.vocab_size = {m.vocab_size} must be divisible by "
+                              f"parallel.tp = {tp} (the embedding and head are split by "
+                              "vocabulary)")
+        if ep > 1 and t.data_parallel == "ddp":
+            raise ConfigError("parallel.ep > 1 needs training.data_parallel = 'fsdp' or 'zero2' "
+                              "(DDP would average different experts together)")
+        if m.experts and (tp > 1 or pp > 1 or cp > 1):
+            raise ConfigError("mixture-of-experts models run with data and expert parallelism "
+                              "(tp = pp = cp = 1) in this version")
+        if t.data_parallel == "ddp" and (tp > 1 or pp > 1 or cp > 1):
+            raise ConfigError("training.data_parallel = 'ddp' works with pure data "
+                              "parallelism; use 'fsdp' or 'zero2' with tp, pp or cp")
+        if m.tie_embeddings and tp > 1:
+            raise ConfigError("model.tie_embeddings is not supported with tensor parallelism")
+        if m.tie_embeddings and pp > 1:
+            raise ConfigError("model.tie_embeddings is not supported with pipeline parallelism "
+                              "(the embedding and the head live on different stages)")
+        if m.document_mask and (pp > 1 or (cp > 1 and p.cp_impl == "torch")):
+            raise ConfigError("model.document_mask runs without pipeline parallelism (pp = 1) "
+                              "and, under context parallelism, with parallel.cp_impl = 'ring'")
+        if tier == "cpu" and (self.dp * cp <= 1 or t.data_parallel == "ddp"):
+            raise ConfigError("parallel.offload = 'cpu' is FSDP2's CPUOffloadPolicy: it needs "
+                              "training.data_parallel = 'fsdp' or 'zero2' on more than one "
+                              "rank; on one process use parallel.offload = 'nvme'")
+        if tier == "nvme" and device_type != "cpu":
+            # the moments sit in host buffers: the update would need a per-chunk copy to the
+            # device (or a host-side update, as ZeRO-Offload does), not written yet
+            raise ConfigError(f"parallel.offload = 'nvme' runs on CPU in this version, not on "
+                              f"{device_type}; use parallel.offload = 'cpu' (FSDP2's host "
+                              "offload)")
+        if tier == "nvme" and cfg.optimizer.name != "adamw":
+            raise ConfigError(f"parallel.offload = 'nvme' supports optimizer.name = 'adamw', "
+                              f"not {cfg.optimizer.name!r}")
+        if p.offload_params:
+            many = {d: getattr(self, d) for d in ("dp", "tp", "pp", "cp", "ep")
+                    if getattr(self, d) > 1}
+            if many:
+                raise ConfigError("parallel.offload_params = true runs on one process (no "
+                                  "data, tensor, pipeline, context or expert parallelism), not "
+                                  + ", ".join(f"{k}={v}" for k, v in many.items()))
+            if m.tie_embeddings or p.compile or device_type != "cpu":
+                raise ConfigError("parallel.offload_params = true runs on CPU without "
+                                  "model.tie_embeddings or parallel.compile in this version")
+            if p.activation_checkpoint == "none":
+                # a dropped block is read back into another slab: what autograd saved in
+                # forward (views of the weights) would point at other data
+                raise ConfigError("parallel.offload_params = true needs "
+                                  "parallel.activation_checkpoint = 'full' or 'selective' (each "
+                                  "block's forward is recomputed from the parameters read back)")
 
 
 def stage_ids(pp_rank: int, pp: int, vpp: int, schedule: str) -> list[int]:
@@ -139,7 +268,8 @@ def strides(degrees: dict[str, int]) -> dict[str, int]:
 
 def validate_pipeline(layers: int, pp: int, vpp: int, schedule: str,
                       microbatches: int | None = None, where: str = "parallel") -> None:
-    """Raise ConfigError for a pipeline layout no schedule can run, naming the fields."""
+    """Raise ConfigError for a pipeline layout no schedule can run, naming the fields (part of
+    `Layout.check`)."""
     if schedule not in SCHEDULE_NAMES:
         raise ConfigError(f"{where}.schedule = {schedule!r}: must be one of "
                           f"{', '.join(SCHEDULE_NAMES)}")
@@ -160,18 +290,10 @@ def validate_pipeline(layers: int, pp: int, vpp: int, schedule: str,
             f"global_batch / (dp x micro_batch)) to be a multiple of {where}.pp = {pp}")
 
 
-def validate_batch(global_batch: int, micro_batch: int, dp: int) -> None:
-    """Raise ConfigError unless the data-parallel ranks split the batch into whole
-    microbatches."""
-    if global_batch % (dp * micro_batch):
-        raise ConfigError(
-            f"training.global_batch = {global_batch} must be divisible by data-parallel ranks "
-            f"({dp}) x training.micro_batch ({micro_batch}) = {dp * micro_batch}")
-
-
 def validate_degrees(m: ModelConfig, tp: int, cp: int, sequence_parallel: bool) -> None:
     """Raise ConfigError when tensor or context parallelism cannot split the model's tensors
-    (the rules of Megatron-LM and of myria's trainer alike)."""
+    (the rules of Megatron-LM and of myria's trainer alike; part of `Layout.check`, and the
+    planner's quick filter of degrees)."""
     if cp > 1 and (m.arch in ("retnet", "griffin") or m.attention != "softmax"):
         raise ConfigError(f"parallel.cp = {cp} (ring attention) needs softmax attention in "
                           f"llama or gpt; model.arch = {m.arch!r}, model.attention = "

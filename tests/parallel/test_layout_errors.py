@@ -4,7 +4,7 @@ import pytest
 
 from myria import config
 from myria.errors import ConfigError
-from myria.train.engine import check_layout
+from myria.train.engine import check_run
 
 
 @pytest.mark.parametrize("overrides,world,needle", [
@@ -12,7 +12,10 @@ from myria.train.engine import check_layout
     (["--parallel.cp=4", "--model.seq_len=100"], 4, "divisible by 2 x parallel.cp = 8"),
     (["--parallel.ep=2"], 2, "needs a mixture-of-experts model"),
     (["--parallel.ep=4", "--model.experts=4", "--training.global_batch=2",
-      "--training.micro_batch=1"], 2, "must divide the data-parallel ranks (2)"),
+      "--training.micro_batch=1"], 2, "must divide the data-parallel sharding degree "
+     "parallel.dp_shard = 2"),
+    (["--parallel.ep=4", "--model.experts=4", "--parallel.dp_replicate=2",
+      "--parallel.dp_shard=2", "--model.top_k=2"], 4, "parallel.dp_shard = 2"),
     (["--parallel.tp=2", "--training.data_parallel=ddp"], 4, "pure data parallelism"),
     (["--parallel.cp=2", "--parallel.cp_impl=torch"], 2, "needs CUDA"),
     (["--parallel.pp=2", "--parallel.vpp=2", "--parallel.schedule=1f1b"], 2, "vpp"),
@@ -27,7 +30,7 @@ from myria.train.engine import check_layout
 def test_layout_errors(overrides, world, needle):
     with pytest.raises(ConfigError, match=None) as e:
         cfg = config.load(None, overrides)
-        check_layout(cfg, config.resolve_layout(cfg, world))
+        check_run(cfg, config.resolve_layout(cfg, world))
     assert needle in str(e.value)
 
 
@@ -35,4 +38,4 @@ def test_valid_layouts_pass():
     for o, w in [(["--parallel.tp=2", "--parallel.pp=2"], 8), (["--parallel.cp=2"], 4),
                  (["--model.experts=4", "--parallel.ep=2"], 4)]:
         cfg = config.load(None, [*o, "--model.layers=4"])
-        check_layout(cfg, config.resolve_layout(cfg, w))
+        check_run(cfg, config.resolve_layout(cfg, w))

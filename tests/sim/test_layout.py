@@ -116,20 +116,25 @@ def test_one_layout_object_gives_the_trainers_mesh_groups():
 
     from myria import config
     from myria.layout import Layout
+    from myria.parallel import placement
+    from myria.parallel.dims import ParallelDims
 
     cfg = config.load(None, ["--parallel.tp=2", "--parallel.pp=2", "--model.layers=4",
                              "--parallel.dp_replicate=2"])
     lay = config.resolve_layout(cfg, 16)
     assert isinstance(lay, Layout) and lay.world == 16 and lay["dp_shard"] == 2
-    lay.validate(cfg.model, cfg.training.global_batch, cfg.training.micro_batch)
+    lay.check(cfg)
+    grid = placement.grid(lay)
+    coords = placement.coordinates(grid)
     for rank in (0, 5, 11):
         dist.init_process_group("fake", rank=rank, world_size=16, store=FakeStore())
         try:
-            mesh = lay.mesh("cpu")
-            for dim in mesh.mesh_dim_names:
-                mine = next(g for g in lay.groups(dim) if rank in g)
-                assert mesh[dim].mesh.tolist() == mine, dim
-                assert mesh[dim].get_local_rank() == lay.coord(rank)[dim], dim
+            dims = ParallelDims.build(lay, "cpu")
+            for dim in dims.mesh.mesh_dim_names:
+                mine = next(g for g in placement.groups(grid, dim) if rank in g)
+                assert dims.mesh[dim].mesh.tolist() == mine, dim
+                assert dims.coord[dim] == coords[rank][dim], dim
+            assert dims.dp_rank == coords[rank]["dp_replicate"] * 2 + coords[rank]["dp_shard"]
         finally:
             dist.destroy_process_group()
     with pytest.raises(ConfigError, match="world size 6 is not divisible"):

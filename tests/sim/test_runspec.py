@@ -67,7 +67,7 @@ def test_measured_section_is_free_form():
     (MINIMAL.replace("global_batch = 8", "global_batch = 6"), "divisible by data-parallel ranks"),
     (MINIMAL.replace("layers = 2", "layers = 8") + "[parallel]\npp = 2\nvpp = 2\n",
      "needs an interleaved schedule"),
-    (MINIMAL + "[parallel]\nep = 2\n", "needs a MoE model"),
+    (MINIMAL + "[parallel]\nep = 2\n", "needs a mixture-of-experts model"),
     (MINIMAL.replace("gpu = \"a100-sxm-80gb\"", "gpu = 'a100-sxm-80'"), "did you mean"),
     ("[[run]]\nname = 'x'\n", "section [model] is required"),
     ("this is not toml", "not valid TOML"),

@@ -529,22 +529,22 @@ def test_dry_run_accounts_for_offload():
 
 
 def test_nvme_tier_refuses_a_gpu_in_one_line():
-    from myria.offload.tier import check_layout
+    from myria.train.engine import check_run
     cfg = config.load(None, [*SMALL, "--parallel.offload=nvme"])
-    layout = {"dp": 1, "tp": 1, "pp": 1, "cp": 1, "ep": 1}
-    check_layout(cfg, layout, "cpu")
+    layout = config.resolve_layout(cfg, 1)
+    check_run(cfg, layout, "cpu")
     with pytest.raises(ConfigError, match="runs on CPU in this version, not on cuda"):
-        check_layout(cfg, layout, "cuda")
+        check_run(cfg, layout, "cuda")
 
 
 def test_budget_counts_activations_in_the_precision_the_run_computes_in():
     """training.dtype = auto is bf16 on CUDA only where FSDP2's mixed-precision policy applies
     (data or context parallel ranks); one process computes in fp32 whatever the device."""
+    from myria.layout import Layout
     from myria.offload.budget import activation_bytes
 
     cfg = config.load(None, SMALL)
-    one = {"dp": 1, "tp": 1, "pp": 1, "cp": 1, "ep": 1}
-    two = dict(one, dp=2)
+    one, two = Layout(), Layout(dp_shard=2)
     assert cfg.training.dtype == "auto" and cfg.training.device == "auto"
     # 16-bit activations (log-sum-exp and the logits' fp32 copy stay 4-byte)
     assert activation_bytes(cfg, two, "cuda") < 0.6 * activation_bytes(cfg, two, "cpu")

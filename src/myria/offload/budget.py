@@ -13,6 +13,7 @@ import math
 from dataclasses import dataclass
 
 from myria.errors import ConfigError
+from myria.layout import Layout
 from myria.models.flops import param_counts
 from myria.models.memory import (
     head_activation_bytes,
@@ -133,7 +134,7 @@ def plan_memory(cfg, params_local: int, layer_params_local: int, itemsize: int,
     return plan
 
 
-def plan_for_config(cfg, layout: dict[str, int], device_type: str | None = None) -> MemoryPlan:
+def plan_for_config(cfg, layout: Layout, device_type: str | None = None) -> MemoryPlan:
     """`plan_memory` estimated from the config before any tensor exists (the CLI's check
     before launching, the dry-run): the parameters of the busier pipeline stage
     (myria.models.memory.stage_params), sharded over the data-parallel ranks under FSDP.
@@ -156,20 +157,17 @@ def plan_for_config(cfg, layout: dict[str, int], device_type: str | None = None)
     return plan_memory(cfg, total, layer, 4, activation_bytes(cfg, layout, device_type), unit)
 
 
-def activation_bytes(cfg, layout: dict[str, int], device_type: str) -> float:
+def activation_bytes(cfg, layout: Layout, device_type: str) -> float:
     """Activation memory per rank as the planner models it (myria.models.memory), for
     myria's eager modules in the precision the run computes in on `device_type`."""
     m, t, p = cfg.model, cfg.training, cfg.parallel
-    tp, cp, pp = layout.get("tp", 1), layout.get("cp", 1), layout.get("pp", 1)
-    # 16-bit only where the engine applies FSDP2 with a mixed-precision policy: data or
-    # context parallel ranks, not DDP, not the zero-bubble schedules' manual reduction; the
-    # policy resolves training.dtype = auto (bf16 on CUDA). Elsewhere the model runs in fp32.
-    fsdp = layout.get("dp", 1) * cp > 1 and t.data_parallel != "ddp" and not (
-        pp > 1 and p.schedule in ("zero-bubble", "zbv"))
-    bf16 = fsdp and mixed_precision(cfg, device_type) is not None
+    tp, cp, pp = layout.tp, layout.cp, layout.pp
+    # 16-bit only where the engine applies FSDP2 with a mixed-precision policy (the policy
+    # resolves training.dtype = auto: bf16 on CUDA); elsewhere the model runs in fp32
+    bf16 = layout.uses_fsdp(t.data_parallel) and mixed_precision(cfg, device_type) is not None
     shape = layer_dims(m, t.micro_batch, tp=tp, cp=cp, sp=p.sequence_parallel, flash=True,
                        act_bytes=2 if bf16 else 4)
-    micro = t.global_batch // max(1, layout.get("dp", 1) * t.micro_batch)
+    micro = layout.microbatches(t.global_batch, t.micro_batch)
     flight = in_flight_microbatches(p.schedule, pp, p.vpp, micro) if pp > 1 else 1.0
     act = m.layers / pp * flight * layer_activation_bytes(shape, p.activation_checkpoint)
     if p.activation_checkpoint == "full":  # the layer being recomputed, whole

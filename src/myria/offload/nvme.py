@@ -19,6 +19,7 @@ from torch import nn
 from myria import rundir
 from myria.errors import CheckpointError, ConfigError, OffloadError
 from myria.faults import FaultInjector
+from myria.layout import Layout
 from myria.models.init import canonical_name
 from myria.offload.adamw import OffloadedAdamW, local_tensor
 from myria.offload.budget import MemoryPlan, activation_bytes, plan_memory
@@ -87,7 +88,7 @@ class NvmeTier:
             part.to_empty(device=device)
             part.init_weights(seed)
 
-    def build(self, parts: list[nn.Module], layout: dict[str, int],
+    def build(self, parts: list[nn.Module], layout: Layout,
               device_type: str) -> list[OffloadedAdamW]:
         cfg, rank, run_dir = self.cfg, self.rank, self.run_dir
         par, o = cfg.parallel, cfg.optimizer

@@ -21,7 +21,8 @@ from typing import Protocol
 import torch
 from torch import nn
 
-from myria.errors import CheckpointError, ConfigError
+from myria.errors import CheckpointError
+from myria.layout import Layout
 from myria.offload.budget import plan_for_config
 from myria.offload.nvme import NvmeTier, has_offload_files
 from myria.optim import build_optimizer
@@ -36,7 +37,7 @@ class OptimizerTier(Protocol):
     def materialise(self, part: nn.Module, device: torch.device, seed: int) -> None:
         """Give a parallelised part on the meta device its storage and initial values."""
 
-    def build(self, parts: list[nn.Module], layout: dict[str, int],
+    def build(self, parts: list[nn.Module], layout: Layout,
               device_type: str) -> list[torch.optim.Optimizer]:
         """The optimizers of the parts (one each), kept as `optimizers`."""
 
@@ -77,7 +78,7 @@ class MemoryTier:
         part.to_empty(device=device)
         part.init_weights(seed)
 
-    def build(self, parts: list[nn.Module], layout: dict[str, int],
+    def build(self, parts: list[nn.Module], layout: Layout,
               device_type: str) -> list[torch.optim.Optimizer]:
         self.optimizers = [build_optimizer(part, self.cfg.optimizer) for part in parts]
         return self.optimizers
@@ -117,38 +118,10 @@ def optimizer_tier(cfg, run_dir: str | Path | None, rank: int) -> OptimizerTier:
     return MemoryTier(cfg)
 
 
-def check_layout(cfg, layout: dict[str, int], device_type: str = "cpu") -> None:
-    """What each offload tier supports, and a fast-memory budget too small, as one-line
-    ConfigErrors (before training starts)."""
-    par, t = cfg.parallel, cfg.training
+def check_budget(cfg, layout, device_type: str = "cpu") -> None:
+    """A fast-memory budget too small for the run, as a one-line ConfigError before training
+    starts (what each tier supports is part of the layout's rules: `Layout.check`)."""
+    par = cfg.parallel
     if par.offload_tier == "none" and not par.fast_memory_gb:
         return
-    shard = layout["dp"] * layout["cp"]
-    if par.offload_tier == "cpu" and (shard <= 1 or t.data_parallel == "ddp"):
-        raise ConfigError("parallel.offload = 'cpu' is FSDP2's CPUOffloadPolicy: it needs "
-                          "training.data_parallel = 'fsdp' or 'zero2' on more than one rank; "
-                          "on one process use parallel.offload = 'nvme'")
-    if par.offload_tier == "nvme" and device_type != "cpu":
-        # the moments sit in host buffers: the update would need a per-chunk copy to the device
-        # (or a host-side update, as ZeRO-Offload does), not written yet (docs/offload.md)
-        raise ConfigError(f"parallel.offload = 'nvme' runs on CPU in this version, not on "
-                          f"{device_type}; use parallel.offload = 'cpu' (FSDP2's host offload)")
-    if par.offload_tier == "nvme" and cfg.optimizer.name != "adamw":
-        raise ConfigError(f"parallel.offload = 'nvme' supports optimizer.name = 'adamw', not "
-                          f"{cfg.optimizer.name!r}")
-    if par.offload_params:
-        many = {k: layout[k] for k in ("dp", "tp", "pp", "cp", "ep") if layout[k] > 1}
-        if many:
-            raise ConfigError("parallel.offload_params = true runs on one process (no "
-                              "data, tensor, pipeline, context or expert parallelism), not "
-                              + ", ".join(f"{k}={v}" for k, v in many.items()))
-        if cfg.model.tie_embeddings or par.compile or device_type != "cpu":
-            raise ConfigError("parallel.offload_params = true runs on CPU without "
-                              "model.tie_embeddings or parallel.compile in this version")
-        if par.activation_checkpoint == "none":
-            # a dropped block is read back into another slab: what autograd saved in forward
-            # (views of the weights) would point at other data; recomputation re-reads them
-            raise ConfigError("parallel.offload_params = true needs "
-                              "parallel.activation_checkpoint = 'full' or 'selective' (each "
-                              "block's forward is recomputed from the parameters read back)")
-    plan_for_config(cfg, layout, device_type)  # a budget too small: one line before the start
+    plan_for_config(cfg, layout, device_type)

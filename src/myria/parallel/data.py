@@ -73,16 +73,16 @@ def make_loader(engine, dataset: TokenDataset, cfg, start_step: int):
     t = cfg.training
 
     def real() -> BatchLoader:
-        return BatchLoader(dataset, t.global_batch, t.micro_batch, engine.dp_rank,
-                           engine.dp_size, t.seed, start_step=start_step,
+        return BatchLoader(dataset, t.global_batch, t.micro_batch, engine.dims.dp_rank,
+                           engine.dims.dp, t.seed, start_step=start_step,
                            prefetch=cfg.data.prefetch, device=engine.device)
 
-    group = engine.data_group if cfg.parallel.data_broadcast else None
+    group = engine.dims.data_group if cfg.parallel.data_broadcast else None
     if group is None:
         return real()
     src = dist.get_global_rank(group, 0)
     is_reader = dist.get_rank() == src
-    shape = (engine.accum, t.micro_batch, cfg.model.seq_len)
+    shape = (engine.microbatches, t.micro_batch, cfg.model.seq_len)
     return BroadcastLoader(real() if is_reader else None, group, src, shape, start_step,
                            engine.device, t.seed, t.global_batch)
 

@@ -36,6 +36,30 @@ from torch.distributed.tensor.parallel import (
 from torch.distributed.tensor.parallel.style import ParallelStyle
 
 from myria.config import Config
+from myria.parallel.dims import ParallelDims
+
+
+def parallelize(part: nn.Module, dims: ParallelDims, cfg: Config, device: torch.device,
+                fsdp: bool = True) -> None:
+    """Apply this rank's parallelism to one model part (the model, or a pipeline stage), in
+    the order that works: tensor/sequence -> context -> expert -> activation checkpointing ->
+    compile -> FSDP (`fsdp=False`: no sharding, e.g. when the engine all-reduces gradients
+    itself or wraps the model in DDP)."""
+    p = cfg.parallel
+    if dims.tp > 1:
+        apply_tp(part, dims.sub("tp"), p.sequence_parallel, p.loss_parallel)
+    if dims.cp > 1:
+        apply_cp(part, dims.sub("cp").get_group(), dims.cp_rank, dims.cp, cfg.model.seq_len,
+                 device, ring=p.cp_impl != "torch")
+    if dims.ep > 1:
+        from myria.parallel.expert import apply_expert_parallel
+        apply_expert_parallel(part, dims.ep_mesh)
+    apply_ac(part, p.activation_checkpoint)
+    if p.compile:
+        apply_compile(part)
+    if fsdp and dims.fsdp_mesh is not None and cfg.training.data_parallel != "ddp":
+        apply_fsdp(part, dims.fsdp_mesh, cfg, device.type, reshard_root=dims.pp > 1,
+                   expert_mesh=dims.replica_mesh)
 
 
 def mixed_precision(cfg: Config, device_type: str) -> MixedPrecisionPolicy | None:

@@ -26,29 +26,13 @@ from torch.distributed.pipelining.schedules import (
 )
 
 from myria.config import ModelConfig
-from myria.errors import ConfigError
-from myria.layout import (  # noqa: F401  (split_layers, stage_ids: the trainer's names)
-    SCHEDULE_NAMES,
-    SINGLE_STAGE,
-    split_layers,
-    stage_ids,
-    validate_pipeline,
-)
+from myria.layout import SCHEDULE_NAMES, SINGLE_STAGE, split_layers, stage_ids
 
 SCHEDULES = {
     "gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved-1f1b": ScheduleInterleaved1F1B,
     "zero-bubble": ScheduleInterleavedZeroBubble, "zbv": ScheduleZBVZeroBubble,
 }
 assert tuple(SCHEDULES) == SCHEDULE_NAMES
-
-
-def validate(cfg: ModelConfig, pp: int, vpp: int, schedule: str, n_microbatches: int) -> None:
-    """Clear errors for layouts the schedules cannot run (`myria.layout.validate_pipeline`)
-    and for what the trainer does not support under pipelining."""
-    validate_pipeline(cfg.layers, pp, vpp, schedule, n_microbatches)
-    if cfg.tie_embeddings:
-        raise ConfigError("model.tie_embeddings is not supported with pipeline parallelism "
-                          "(the embedding and the head live on different stages)")
 
 
 def stage_module(model: nn.Module, layers: list[int], first: bool, last: bool) -> nn.Module:

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from myria.layout import MESH_ORDER as DIMS  # outermost first, as myria.parallel.mesh
+from myria.layout import MESH_ORDER as DIMS  # outermost first, as the DeviceMesh (dims.py)
 
 
 @dataclass
@@ -67,6 +67,15 @@ def place(layout: dict[str, int], cluster: Cluster) -> np.ndarray:
         coord = dict(zip(reversed(order), coords_outer_first))
         out[tuple(coord[d] for d in DIMS)] = slots[i]
     return out
+
+
+def grid(layout, cluster: Cluster | None = None) -> np.ndarray:
+    """The global ranks as an array with one axis per dimension of `MESH_ORDER`: consecutive
+    ranks fill tp first, or placed by topology given a `Cluster`."""
+    if cluster is not None:
+        return place(layout, cluster)
+    sizes = [layout.get(d, 1) for d in DIMS]
+    return np.arange(int(np.prod(sizes)), dtype=np.int64).reshape(sizes)
 
 
 def coordinates(grid: np.ndarray) -> dict[int, dict[str, int]]:

@@ -97,7 +97,7 @@ def replica_groups(engine) -> list[ReplicaGroup]:
             groups[key] = ReplicaGroup(name, group, dist.get_process_group_ranks(group))
         groups[key].params.append((pname, p))
 
-    plain_replicated = engine.loss_group is not None and (
+    plain_replicated = engine.dims.loss_group is not None and (
         engine.cfg.training.data_parallel == "ddp" or engine.manual_dp)
     for part in engine.parts:
         for pname, p in part.named_parameters():
@@ -108,7 +108,7 @@ def replica_groups(engine) -> list[ReplicaGroup]:
                         dim = (mesh.mesh_dim_names or [str(i)])[i]
                         add(("mesh", id(mesh), i), dim, mesh.get_group(i), pname, p)
             if plain_replicated:
-                add(("dp",), "dp", engine.loss_group, pname, p)
+                add(("dp",), "dp", engine.dims.loss_group, pname, p)
     return [g for g in groups.values() if len(g.ranks) > 1]
 
 
@@ -227,7 +227,7 @@ def replay(engine, inputs: torch.Tensor, targets: torch.Tensor, local_bad: bool)
     rank = dist.get_rank()
     x, y = inputs[0], targets[0]
     own = engine.eval_loss(x, y)
-    group = engine.loss_group
+    group = engine.dims.loss_group
     other_of = {}
     nb_bad = 0
     if group is not None and dist.get_world_size(group) > 1:

@@ -82,9 +82,13 @@ def run(args) -> int:
     min_nodes, max_nodes = _parse_nnodes(args.nnodes)
     cfg.validate(args.nproc * min_nodes)
     from myria.data.mixture import open_dataset
+    from myria.train.distributed import device_type
+    from myria.train.engine import check_run
     from myria.train.trainer import check_vocab
 
     check_vocab(cfg, open_dataset(cfg.data, cfg.model.seq_len, verify=False))
+    check_run(cfg, config_mod.resolve_layout(cfg, args.nproc * min_nodes),
+              device_type(cfg.training.device))
     worker_argv = ["train", "--run-dir", str(args.run_dir)]
     if args.config:
         worker_argv += ["--config", str(args.config)]

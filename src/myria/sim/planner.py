@@ -168,7 +168,7 @@ def _splits(cfg, tp: int, cp: int) -> bool:
 
 def _runnable(offload: str, offload_params: bool, zero: int, shard: int, gpus: int) -> bool:
     """Offload layouts myria runs: cpu is FSDP2's CPUOffloadPolicy (ZeRO-3 over > 1 rank);
-    parameters go to disk on one process only (myria.offload.tier.check_layout)."""
+    parameters go to disk on one process only (myria.layout.Layout.check)."""
     if offload == "cpu":
         return zero >= 3 and shard > 1
     if offload_params:

@@ -20,7 +20,8 @@ Model (first order, failures independent and exponential with rate λ = per-GPU 
 Defaults and their sources:
 - failure rate: Llama 3 405B pre-training saw 419 unexpected interruptions in 54 days on 16,384
   H100 GPUs (Dubey et al. 2024, "The Llama 3 Herd of Models", §3.3.4): 1.97e-5 per GPU-hour;
-- detection: myria's supervisor defaults (heartbeat every 5 s, 3 missed), 15 s;
+- detection: myria's supervisor defaults (`resilience.heartbeat_s` x `missed_heartbeats`: a
+  heartbeat every 1 s, 3 missed), 3 s, read from the config's defaults;
 - restart: 300 s for process start, rendezvous and communicator set-up at scale (an
   assumption of this model: MegaScale reports recovery in minutes without a breakdown);
 - storage: 5 GB/s read and write per server to a shared parallel file system (an assumption;
@@ -36,6 +37,11 @@ import dataclasses
 import math
 from dataclasses import dataclass
 
+from myria.config import ResilienceConfig
+
+# the supervisor's default detection time: missed heartbeats x their period
+_DEFAULT_DETECT_S = ResilienceConfig().heartbeat_s * ResilienceConfig().missed_heartbeats
+
 LLAMA3_FAILURES_PER_GPU_HOUR = 419 / (54 * 24 * 16384)
 
 
@@ -44,7 +50,7 @@ class Reliability:
     """The failure and recovery facts of a cluster (see the module docstring for sources)."""
 
     failures_per_gpu_hour: float = LLAMA3_FAILURES_PER_GPU_HOUR
-    detect_s: float = 15.0
+    detect_s: float = _DEFAULT_DETECT_S
     restart_s: float = 300.0
     storage_write_gbs_per_node: float = 5.0
     storage_read_gbs_per_node: float = 5.0

@@ -19,14 +19,18 @@ from typing import Any
 import tomllib
 
 from myria.config import (
+    Config,
     ModelConfig,
     ParallelConfig,
+    read_text_file,
     schema_field,
     section_values,
     suggest,
+    validate_model,
 )
 from myria.device import DEVICES, lookup
 from myria.errors import ConfigError
+from myria.layout import Layout
 
 _f = schema_field
 REQUIRED = object()  # marker default of fields a run must give
@@ -229,7 +233,25 @@ class RunSpec:
     @property
     def microbatches(self) -> int:
         """Microbatches per pipeline per iteration (gradient-accumulation steps)."""
-        return self.training.global_batch // (self.dp * self.training.micro_batch)
+        return self.layout().microbatches(self.training.global_batch, self.training.micro_batch)
+
+    def layout(self) -> Layout:
+        """The run's parallel layout (parallel.dp_shard 0: every data-parallel rank shards)."""
+        p, dp = self.parallel, self.dp
+        shard = p.dp_shard or dp
+        return Layout(dp // shard, shard, p.tp, p.pp, p.cp, p.ep, p.vpp, p.schedule,
+                      bool(p.sequence_parallel and p.tp > 1))
+
+    def trainer_config(self) -> Config:
+        """The run as myria's training Config (model, batch, data-parallel engine, offload), the
+        input of the layout's one check (`Layout.check`)."""
+        t = self.training
+        cfg = Config(model=self.model_config())
+        cfg.training.global_batch, cfg.training.micro_batch = t.global_batch, t.micro_batch
+        cfg.training.data_parallel = {3: "fsdp", 2: "zero2"}.get(t.zero_stage, "ddp")
+        cfg.parallel.offload, cfg.parallel.offload_params = t.offload, t.offload_params
+        cfg.parallel.activation_checkpoint = t.recompute   # the same names
+        return cfg
 
     @property
     def dropout(self) -> float:
@@ -321,7 +343,6 @@ def loads(text: str, origin: str = "<string>") -> list[RunSpec]:
 
 def load(path: str | Path) -> list[RunSpec]:
     """Parse a run file from disk."""
-    from myria.config import read_text_file
 
     return loads(read_text_file(path, "run file"), str(path))
 
@@ -348,9 +369,8 @@ def load_calibration() -> list[RunSpec]:
 # -- checks -----------------------------------------------------------------------------------
 def validate(run: RunSpec) -> None:
     """Raise ConfigError for inconsistent combinations, naming the fields."""
-    m, t, p, c = run.model, run.training, run.parallel, run.cluster
+    t, p, c = run.training, run.parallel, run.cluster
     n = run.name
-    from myria.config import validate_model
 
     try:
         validate_model(run.model_config())  # the trainer's own checks of a model
@@ -372,29 +392,14 @@ def validate(run: RunSpec) -> None:
     dp = c.gpus // model_par
     if p.dp and p.dp != dp:
         raise ConfigError(f"run {n!r}: parallel.dp = {p.dp} but cluster.gpus/(tp*pp*cp) = {dp}")
-    from myria.layout import Layout
-
-    try:  # the trainer's own checks of a layout
-        Layout(1, dp, p.tp, p.pp, p.cp, p.ep, p.vpp, p.schedule, p.sequence_parallel).validate(
-            run.model_config(), t.global_batch, t.micro_batch, run.microbatches)
+    try:  # the layout's one check; the limits of myria's trainer alone are relaxed
+        run.layout().check(run.trainer_config(), trainer=False)
     except ConfigError as e:
         raise ConfigError(f"run {n!r}: {e}") from None
-    if p.ep > 1:
-        if not m.experts:
-            raise ConfigError(f"run {n!r}: parallel.ep = {p.ep} needs a MoE model "
-                              "(model.experts > 0)")
-        if m.experts % p.ep:
-            raise ConfigError(f"run {n!r}: parallel.ep = {p.ep} must divide model.experts = "
-                              f"{m.experts}")
-        if (dp * p.cp) % p.ep:
-            raise ConfigError(f"run {n!r}: parallel.ep = {p.ep} must divide the data-parallel "
-                              f"(x cp) ranks {dp * p.cp}: experts are spread over them")
     if c.gpu.lower() != "cpu" and lookup(c.gpu) is None:
         hint = suggest(c.gpu.lower(), list(DEVICES) + ["cpu"])
         raise ConfigError(f"run {n!r}: cluster.gpu = {c.gpu!r}: unknown device{hint}; known: "
                           f"{', '.join(list(DEVICES) + ['cpu'])}")
-    if t.offload_params and t.offload != "nvme":
-        raise ConfigError(f"run {n!r}: training.offload_params needs training.offload = 'nvme'")
 
 
 def describe() -> str:

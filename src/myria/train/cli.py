@@ -76,13 +76,14 @@ def dry_run(cfg: config_mod.Config, world: int, ranks_per_host: int | None = Non
     n = pc.total(m.layers)
     lay = config_mod.resolve_layout(cfg, world)
     lines = [config_mod.describe(cfg),
-             f"# world size {world}: layout " + ", ".join(f"{k}={v}" for k, v in lay.items()),
+             f"# world size {world}: layout " + ", ".join(f"{k}={v}"
+                                                         for k, v in lay.degrees().items()),
              f"# parameters: {n:,} ({n - pc.embedding - pc.head - pc.positional:,} without "
              "embeddings)",
              f"# model FLOPs per token (training, dense attention): "
              f"{model_flops_per_token(m):,.0f}",
              f"# tokens per step: {t.global_batch * m.seq_len:,}; gradient accumulation: "
-             f"{t.global_batch // (lay['dp'] * t.micro_batch)} microbatches of {t.micro_batch}"]
+             f"{lay.microbatches(t.global_batch, t.micro_batch)} microbatches of {t.micro_batch}"]
     if cfg.parallel.offload_tier != "none" or cfg.parallel.fast_memory_gb:
         from myria.offload.budget import plan_for_config
         lines.append("# " + plan_for_config(cfg, lay).describe())
@@ -184,6 +185,9 @@ def run(args) -> int:
     world = _nproc_for(args)
     if args.dry_run:
         cfg.validate(world * args.nnodes)
+        from myria.train.distributed import device_type
+        config_mod.resolve_layout(cfg, world * args.nnodes).check(
+            cfg, device_type(cfg.training.device))
         print(dry_run(cfg, world * args.nnodes, ranks_per_host=world))
         return 0
     cfg.validate(world)
@@ -197,12 +201,10 @@ def run(args) -> int:
         from myria.train.trainer import check_vocab
 
         check_vocab(cfg, open_dataset(cfg.data, cfg.model.seq_len, verify=False))
-        import torch
-
-        from myria.train.engine import check_layout
-        check_layout(cfg, config_mod.resolve_layout(cfg, args.nproc),
-                     "cuda" if cfg.training.device != "cpu" and torch.cuda.is_available()
-                     else "cpu")
+        from myria.train.distributed import device_type
+        from myria.train.engine import check_run
+        check_run(cfg, config_mod.resolve_layout(cfg, args.nproc),
+                  device_type(cfg.training.device))
         launch_local(args.nproc, ["train", *_without_nproc(args.argv)])
         _summary(Path(args.run_dir))
         return 0

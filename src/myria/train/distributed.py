@@ -45,10 +45,15 @@ def read_env() -> DistEnv:
     )
 
 
+def device_type(requested: str) -> str:
+    """`training.device` resolved: cuda when asked, or when `auto` and a GPU is present."""
+    return "cuda" if requested == "cuda" or (requested == "auto" and torch.cuda.is_available()) \
+        else "cpu"
+
+
 def pick_device(requested: str, env: DistEnv) -> tuple[torch.device, str]:
     """Device and backend: cuda/nccl when available (or requested), else cpu/gloo."""
-    use_cuda = requested == "cuda" or (requested == "auto" and torch.cuda.is_available())
-    if use_cuda:
+    if device_type(requested) == "cuda":
         if not torch.cuda.is_available():
             from myria.errors import ConfigError
             raise ConfigError("training.device = 'cuda' but no CUDA device is available; "

@@ -26,22 +26,14 @@ from torch.distributed.checkpoint.state_dict import (
 
 from myria.config import Config
 from myria.errors import ConfigError
-from myria.layout import validate_degrees
+from myria.layout import Layout
 from myria.models.transformer import build_model
 from myria.observe import events
-from myria.offload.tier import check_layout as check_tier
-from myria.offload.tier import optimizer_tier
+from myria.offload.tier import check_budget, optimizer_tier
 from myria.optim.schedules import build_scheduler
 from myria.parallel import pipeline
-from myria.parallel.mesh import dp_mesh, dp_rank_and_size, fsdp_mesh, loss_group, sub_rank, sub_size
-from myria.parallel.parallelize import (
-    apply_ac,
-    apply_compile,
-    apply_cp,
-    apply_ddp,
-    apply_fsdp,
-    apply_tp,
-)
+from myria.parallel.dims import ParallelDims
+from myria.parallel.parallelize import apply_ddp, parallelize
 
 
 def _grad_sync(model: nn.Module, enabled: bool):
@@ -81,122 +73,57 @@ def _local(x: torch.Tensor) -> torch.Tensor:
     return x.full_tensor() if hasattr(x, "full_tensor") else x
 
 
-def check_layout(cfg: Config, layout: dict[str, int], device_type: str = "cpu") -> None:
-    """Divisibility and support rules of the parallel layout, as clear errors."""
-    m, p = cfg.model, cfg.parallel
-    tp, cp, pp, dp, ep = layout["tp"], layout["cp"], layout["pp"], layout["dp"], layout["ep"]
-    if cp > 1 and p.cp_impl == "torch" and (device_type != "cuda" or m.attention_window):
-        raise ConfigError("parallel.cp_impl = 'torch' (torch's context_parallel) needs CUDA "
-                          "and full causal attention in torch 2.13; use cp_impl = 'ring'")
-    validate_degrees(m, tp, cp, p.sequence_parallel)   # shared with the simulator
-    if tp > 1 and m.vocab_size % tp:
-        raise ConfigError(f"model.vocab_size = {m.vocab_size} must be divisible by parallel.tp ="
-                          f" {tp} (the embedding and head are split by vocabulary)")
-    if ep > 1:
-        if not m.experts:
-            raise ConfigError(f"parallel.ep = {ep} needs a mixture-of-experts model "
-                              "(model.experts > 0)")
-        if dp % ep or m.experts % ep:
-            raise ConfigError(f"parallel.ep = {ep} must divide the data-parallel ranks ({dp}) "
-                              f"and model.experts = {m.experts}")
-    if ep > 1 and cfg.training.data_parallel == "ddp":
-        raise ConfigError("parallel.ep > 1 needs training.data_parallel = 'fsdp' or 'zero2' "
-                          "(DDP would average different experts together)")
-    if m.document_mask and (pp > 1 or (cp > 1 and p.cp_impl == "torch")):
-        raise ConfigError("model.document_mask runs without pipeline parallelism (pp = 1) and, "
-                          "under context parallelism, with parallel.cp_impl = 'ring'")
-    if m.experts and (tp > 1 or pp > 1 or cp > 1):
-        raise ConfigError("mixture-of-experts models run with data and expert parallelism "
-                          "(tp = pp = cp = 1) in this version")
-    if cfg.training.data_parallel == "ddp" and (tp > 1 or pp > 1 or cp > 1):
-        raise ConfigError("training.data_parallel = 'ddp' works with pure data parallelism; use "
-                          "'fsdp' or 'zero2' with tp, pp or cp")
-    if tp > 1 and m.tie_embeddings:
-        raise ConfigError("model.tie_embeddings is not supported with tensor parallelism")
-    if pp > 1:
-        accum = cfg.training.global_batch // (dp * cfg.training.micro_batch)
-        pipeline.validate(m, pp, p.vpp, p.schedule, accum)
-    check_tier(cfg, layout, device_type)
+def check_run(cfg: Config, layout: Layout, device_type: str = "cpu") -> None:
+    """Everything to refuse before a worker starts: the layout's rules (`Layout.check`) and
+    the offload tier's memory budget."""
+    layout.check(cfg, device_type)
+    check_budget(cfg, layout, device_type)
 
 
 class Engine:
     """Model parts, optimizers and schedules of this rank, built for the run's layout."""
 
-    def __init__(self, cfg: Config, mesh, device: torch.device, run_dir=None,
-                 eos_id: int | None = None):
-        self.cfg, self.mesh, self.device = cfg, mesh, device
+    def __init__(self, cfg: Config, dims: ParallelDims | None, device: torch.device,
+                 run_dir=None, eos_id: int | None = None):
+        self.cfg, self.device = cfg, device
         self.eos_id = eos_id  # the document separator, for model.document_mask
-        t, p = cfg.training, cfg.parallel
-        self.dp_rank, self.dp_size = dp_rank_and_size(mesh)
-        self.tp, self.cp, self.pp = (sub_size(mesh, n) for n in ("tp", "cp", "pp"))
-        self.ep = p.ep
-        layout = {"tp": self.tp, "cp": self.cp, "pp": self.pp, "dp": self.dp_size, "ep": self.ep}
-        check_layout(cfg, layout, device.type)
+        # the layout's mesh, groups and this rank's coordinates (one process: no mesh)
+        self.dims = dims = dims or ParallelDims.build(Layout.resolve(cfg.parallel, 1),
+                                                      device.type)
+        lay, t = dims.layout, cfg.training
+        check_run(cfg, lay, device.type)
         # where the optimizer state (and parameters kept off the device) live: myria.offload
         self.tier = optimizer_tier(cfg, run_dir, dist.get_rank() if dist.is_initialized() else 0)
-        self.cp_rank, self.pp_rank = sub_rank(mesh, "cp"), sub_rank(mesh, "pp")
-        self.loss_group = loss_group(mesh)
-        # ranks that train on the same sequences: one of them reads, the others receive
-        inner = tuple(n for n in ("cp", "tp") if sub_size(mesh, n) > 1)
-        self.data_group = None
-        if inner:
-            sub = mesh[inner] if len(inner) > 1 else mesh[inner[0]]
-            self.data_group = (sub._flatten("cp_tp") if sub.ndim > 1 else sub).get_group()
-        self.pp_group = mesh["pp"].get_group() if self.pp > 1 else None
-        self.loss_parallel = self.tp > 1 and p.loss_parallel
-        self.torch_cp = self.cp > 1 and p.cp_impl == "torch"
-        self.accum = t.global_batch // (self.dp_size * t.micro_batch)
+        self.microbatches = lay.microbatches(t.global_batch, t.micro_batch)
 
         model = build_model(cfg.model, "meta")
-        if self.pp > 1:
-            parts, self.stage_ids = pipeline.build_stages(model, cfg.model, self.pp_rank,
-                                                          self.pp, p.vpp, p.schedule)
+        if lay.pp > 1:
+            parts, self.stage_ids = pipeline.build_stages(model, cfg.model, dims.pp_rank,
+                                                          lay.pp, lay.vpp, lay.schedule)
         else:
             parts, self.stage_ids = [model], [0]
-        fmesh = fsdp_mesh(mesh)
-        use_fsdp = fmesh is not None and t.data_parallel != "ddp"
-        self.ep_mesh = self.replica_mesh = None
-        if self.ep > 1:  # experts borrow data-parallel ranks (Megatron-LM, torchtitan)
-            from myria.parallel.expert import expert_meshes
-            self.ep_mesh, self.replica_mesh = expert_meshes(fmesh, self.ep)
         # torch 2.13's zero-bubble schedules compute weight gradients after FSDP2 has reduced
         # them (our parity test sees the difference): there, data-parallel gradients are
         # all-reduced once after the schedule instead, without sharding.
-        self.manual_dp = use_fsdp and self.pp > 1 and p.schedule in ("zero-bubble", "zbv")
-        use_fsdp = use_fsdp and not self.manual_dp
+        self.manual_dp = lay.manual_reduce(t.data_parallel)
         for part in parts:
-            if self.tp > 1:
-                apply_tp(part, mesh["tp"], p.sequence_parallel, p.loss_parallel)
-            if self.cp > 1:
-                apply_cp(part, mesh["cp"].get_group(), self.cp_rank, self.cp, cfg.model.seq_len,
-                         device, ring=not self.torch_cp)
-            if self.ep > 1:
-                from myria.parallel.expert import apply_expert_parallel
-                apply_expert_parallel(part, self.ep_mesh)
-            apply_ac(part, p.activation_checkpoint)
-            if p.compile:
-                apply_compile(part)
-            if use_fsdp:
-                apply_fsdp(part, fmesh, cfg, device.type, reshard_root=self.pp > 1,
-                           expert_mesh=self.replica_mesh)
+            parallelize(part, dims, cfg, device, fsdp=lay.uses_fsdp(t.data_parallel))
             self.tier.materialise(part, device, t.seed)
-        if fmesh is not None and t.data_parallel == "ddp":
-            parts = [apply_ddp(parts[0], dp_mesh(mesh), device)]
+        if dims.fsdp_mesh is not None and t.data_parallel == "ddp":
+            parts = [apply_ddp(parts[0], dims.dp_mesh, device)]
             self._settle_ddp_buckets(parts[0], cfg.model.seq_len)
         self.parts: list[nn.Module] = parts
         self.model = parts[0]
-        self.optimizers = self.tier.build(parts, layout, device.type)
+        self.optimizers = self.tier.build(parts, lay, device.type)
         self.schedulers = [build_scheduler(o, cfg.optimizer, t.steps) for o in self.optimizers]
         self.schedule = None
-        if self.pp > 1:
+        if lay.pp > 1:
             self.schedule = pipeline.build_schedule(
-                parts, self.stage_ids, self.pp * p.vpp, p.schedule, self.accum, self._loss_fn,
-                device, self.pp_group)
-        n_stages = self.pp * p.vpp
-        if self.schedule is not None:
+                parts, self.stage_ids, lay.stages, lay.schedule, self.microbatches,
+                self._loss_fn, device, dims.pp_group)
             _time_stages(self.schedule)
         self.has_first = 0 in self.stage_ids
-        self.has_last = (n_stages - 1) in self.stage_ids
+        self.has_last = (lay.stages - 1) in self.stage_ids
 
     def _settle_ddp_buckets(self, ddp: nn.Module, seq_len: int) -> None:
         """One throw-away forward and backward so that DDP rebuilds its gradient buckets now.
@@ -211,7 +138,7 @@ class Engine:
         cuda_rng = torch.cuda.get_rng_state_all() if self.device.type == "cuda" else None
         x = torch.zeros(1, seq_len, dtype=torch.long, device=self.device)
         with self._ctx():
-            loss = ddp(x, x) if self.tp == 1 else self._loss_fn(ddp(x), x)
+            loss = ddp(x, x) if self.dims.tp == 1 else self._loss_fn(ddp(x), x)
         loss.backward()
         ddp.zero_grad(set_to_none=True)
         torch.set_rng_state(cpu_rng)
@@ -224,20 +151,21 @@ class Engine:
 
     def _ctx(self):
         stack = contextlib.ExitStack()
-        if self.loss_parallel:
+        if self.dims.tp > 1 and self.cfg.parallel.loss_parallel:
             from torch.distributed.tensor.parallel import loss_parallel
             stack.enter_context(loss_parallel())
-        if self.torch_cp:  # GPU only: torch's ring SDPA on sequences we already sharded
+        if self.dims.cp > 1 and self.cfg.parallel.cp_impl == "torch":
+            # GPU only: torch's ring SDPA on sequences we already sharded
             from torch.distributed.tensor.experimental import context_parallel
-            stack.enter_context(context_parallel(self.mesh["cp"], buffers=[],
+            stack.enter_context(context_parallel(self.dims.sub("cp"), buffers=[],
                                                  buffer_seq_dims=[]))
         return stack
 
     def _shard_sequence(self, x: torch.Tensor) -> torch.Tensor:
-        if self.cp == 1:
+        if self.dims.cp == 1:
             return x
         from myria.parallel.context import shard_sequence
-        return shard_sequence(x, self.cp_rank, self.cp, dim=-1)
+        return shard_sequence(x, self.dims.cp_rank, self.dims.cp, dim=-1)
 
     def _documents(self, inputs: torch.Tensor):
         """Per microbatch, the model's `documents` argument (model.document_mask): document ids
@@ -265,7 +193,7 @@ class Engine:
             kw = {} if docs[i] is None else {"documents": docs[i]}
             with _grad_sync(self.model, i == accum - 1), self._ctx():
                 with rec.compute("forward", mb=i, stage=0):
-                    if self.tp > 1:  # vocabulary-sharded logits, loss computed on the shards
+                    if self.dims.tp > 1:  # vocabulary-sharded logits, loss on the shards
                         loss = self._loss_fn(self.model(inputs[i], **kw), targets[i]) / accum
                     else:  # fused, chunked output projection + cross-entropy
                         loss = self.model(inputs[i], targets[i], **kw) / accum
@@ -291,7 +219,7 @@ class Engine:
             self._all_reduce_grads()
         loss = torch.stack([_local(lo.detach()) for lo in losses]).mean() if losses else \
             torch.zeros((), device=self.device)
-        dist.all_reduce(loss, group=self.pp_group)  # only the last stage's is non-zero
+        dist.all_reduce(loss, group=self.dims.pp_group)  # only the last stage's is non-zero
         return loss
 
     def _all_reduce_grads(self) -> None:
@@ -299,8 +227,8 @@ class Engine:
         grads = [p.grad for m in self.parts for p in m.parameters() if p.grad is not None]
         local = [g.to_local() if hasattr(g, "to_local") else g for g in grads]
         flat = torch.cat([g.reshape(-1) for g in local])
-        dist.all_reduce(flat, group=self.loss_group)
-        flat /= dist.get_world_size(self.loss_group)
+        dist.all_reduce(flat, group=self.dims.loss_group)
+        flat /= dist.get_world_size(self.dims.loss_group)
         offset = 0
         for g in local:
             g.copy_(flat[offset:offset + g.numel()].view_as(g))
@@ -314,9 +242,9 @@ class Engine:
         norm = expert.grad_norm(params, foreach=True)
         if hasattr(norm, "full_tensor"):
             norm = norm.full_tensor()
-        if self.pp > 1:
+        if self.dims.pp > 1:
             sq = norm.pow(2)
-            dist.all_reduce(sq, group=self.pp_group)
+            dist.all_reduce(sq, group=self.dims.pp_group)
             norm = sq.sqrt()
         scaled = expert.clip_coef(max_norm, norm) < 1.0
         self.tier.on_clip(scaled)   # before the gradients change
@@ -347,10 +275,11 @@ class Engine:
 
     def mean_over_dp(self, value: torch.Tensor) -> float:
         """Average a per-rank scalar over the data- and context-parallel ranks."""
-        if self.loss_group is not None:
+        group = self.dims.loss_group
+        if group is not None:
             value = value.clone()
-            dist.all_reduce(value, op=dist.ReduceOp.SUM, group=self.loss_group)
-            value /= dist.get_world_size(self.loss_group)
+            dist.all_reduce(value, op=dist.ReduceOp.SUM, group=group)
+            value /= dist.get_world_size(group)
         return float(value)
 
     @torch.no_grad()
@@ -365,7 +294,7 @@ class Engine:
         self.model.eval()
         try:
             with self._ctx():
-                if self.tp > 1:
+                if self.dims.tp > 1:
                     loss = self._loss_fn(self.model(inputs, **kw), targets)
                 else:
                     loss = self.model(inputs, targets, **kw)

@@ -33,6 +33,7 @@ from myria.fsutil import atomic_write
 from myria.models.flops import model_flops_per_token
 from myria.observe import events
 from myria.parallel.data import make_loader, write_read_counts
+from myria.parallel.dims import ParallelDims
 from myria.resilience.integrity import StepGuard
 from myria.train import distributed, heartbeat
 from myria.train.checkpoint import CheckpointManager
@@ -91,7 +92,7 @@ def _train(cfg: Config, run_dir: Path, env, stop_after: int | None,
     threads = distributed.set_cpu_threads(cfg.training.threads, env) if env.device.type == "cpu" \
         else None
     layout = config_mod.resolve_layout(cfg, env.world_size)
-    mesh = layout.mesh(env.device.type)
+    dims = ParallelDims.build(layout, env.device.type)   # the mesh, groups, coordinates
     t, m = cfg.training, cfg.model
 
     # -- data ------------------------------------------------------------------------------
@@ -103,8 +104,8 @@ def _train(cfg: Config, run_dir: Path, env, stop_after: int | None,
         data_fp = dataset.fingerprint(data_fp)
 
     # -- model, optimizer, schedule for this layout ------------------------------------------
-    engine = Engine(cfg, mesh, env.device, run_dir, eos_id=dataset.eos_id)
-    rec = start_events(cfg, run_dir, env, mesh, engine, layout)
+    engine = Engine(cfg, dims, env.device, run_dir, eos_id=dataset.eos_id)
+    rec = start_events(cfg, run_dir, env, dims, engine)
 
     # -- resume ----------------------------------------------------------------------------
     hb.phase("resume")
@@ -144,7 +145,7 @@ def _train(cfg: Config, run_dir: Path, env, stop_after: int | None,
                             cfg.logging.progress)
     if env.is_main:
         print(f"training {t.steps} steps from step {start_step} on {env.world_size} x "
-              f"{env.device.type} (layout {layout_str(layout)}, {threads or '-'} threads/rank); "
+              f"{env.device.type} (layout {layout.short()}, {threads or '-'} threads/rank); "
               f"peak {peak and round(peak, 3)} TFLOP/s ({peak_source})", flush=True)
     sync = torch.cuda.synchronize if env.device.type == "cuda" else None
 
@@ -223,7 +224,7 @@ def _train(cfg: Config, run_dir: Path, env, stop_after: int | None,
                 with rec.span("checkpoint_save", "ckpt"):
                     ckpt.save(step, engine, {
                         "scheduler": engine.scheduler_state(), "data": loader.state_dict(),
-                        "layout": layout, "model": config_mod.dataclasses.asdict(m),
+                        "layout": layout.as_dict(), "model": config_mod.dataclasses.asdict(m),
                         "data_path": str(Path(dataset.path).resolve()),
                         fingerprint.META_KEY: data_fp,
                     })
@@ -252,11 +253,9 @@ def _train(cfg: Config, run_dir: Path, env, stop_after: int | None,
             gc.enable()
 
 
-def start_events(cfg: Config, run_dir: Path, env, mesh, engine: Engine, layout: dict):
+def start_events(cfg: Config, run_dir: Path, env, dims: ParallelDims, engine: Engine):
     """Install and start this rank's event timer (RUN_DIR/events/), or a disabled one."""
     import torch.distributed as dist
-
-    from myria.parallel.mesh import dp_mesh, fsdp_mesh, sub_rank
 
     faults = FaultInjector(run_dir, env.rank)
     rec = events.install(run_dir, env.rank, env.world_size, cfg.observe.enabled,
@@ -266,21 +265,20 @@ def start_events(cfg: Config, run_dir: Path, env, mesh, engine: Engine, layout: 
     if env.world_size > 1:
         rec.offset_us = events.measure_clock_offset(events.default_store(), env.rank,
                                                     env.world_size)
-    groups = {}
+    groups, mesh = {}, dims.mesh
     for dim in (mesh.mesh_dim_names or ()) if mesh is not None else ():
         groups[dim] = dist.get_process_group_ranks(mesh[dim].get_group())
-    for sub in (fsdp_mesh(mesh), dp_mesh(mesh)):  # the groups FSDP and DDP reduce over
+    for sub in (dims.fsdp_mesh, dims.dp_mesh):  # the groups FSDP and DDP reduce over
         if sub is not None and sub.ndim == 1:
             groups.setdefault("dp", dist.get_process_group_ranks(sub.get_group()))
     rec.set_mesh_groups(groups)
     if env.device.type == "cuda":
         rec.time_device()  # compute spans from CUDA events (not run on this CPU build's tests)
-    ep = engine.ep_mesh.get_local_rank() if engine.ep_mesh is not None else 0
-    coord = {"dp": engine.dp_rank, "pp": engine.pp_rank, "cp": engine.cp_rank,
-             "tp": sub_rank(mesh, "tp"), "ep": ep}
-    rec.start({"coord": coord, "layout": layout, "groups": groups,
-               "schedule": cfg.parallel.schedule if layout.get("pp", 1) > 1 else None,
-               "microbatches": engine.accum, "stages": engine.stage_ids})
+    coord = {"dp": dims.dp_rank, "pp": dims.pp_rank, "cp": dims.cp_rank, "tp": dims.tp_rank,
+             "ep": dims.ep_rank}
+    rec.start({"coord": coord, "layout": dims.layout.degrees(), "groups": groups,
+               "schedule": dims.layout.schedule if dims.pp > 1 else None,
+               "microbatches": engine.microbatches, "stages": engine.stage_ids})
     if env.is_main:
         from myria import rundir
         atomic_write(run_dir / rundir.CONFIG, json.dumps(cfg.to_dict(), indent=1))
@@ -318,7 +316,7 @@ def write_checkpoint_stats(run_dir: Path, rank: int, ckpt: CheckpointManager,
 @torch.no_grad()
 def evaluate(engine: Engine, val: TokenDataset, cfg: Config) -> float:
     """Mean loss over the first `data.eval_batches` global batches of the validation split."""
-    dp_rank, dp_size, device = engine.dp_rank, engine.dp_size, engine.device
+    dp_rank, dp_size, device = engine.dims.dp_rank, engine.dims.dp, engine.device
     g, mb = cfg.training.global_batch, cfg.training.micro_batch
     # Every rank must run the same number of forwards (FSDP gathers in each), so round down.
     n = min(val.num_samples, cfg.data.eval_batches * g) // (dp_size * mb) * (dp_size * mb)
@@ -342,6 +340,3 @@ def evaluate_sources(engine: Engine, val, cfg: Config) -> tuple[float, dict[str,
     return sum(float(w) * per[s.name] for w, s in zip(val.shares, val.sources, strict=True)), per
 
 
-def layout_str(layout: dict[str, int]) -> str:
-    parts = [f"{k}{v}" for k, v in layout.items() if k != "dp" and v > 1]
-    return "x".join(parts) or "single"
