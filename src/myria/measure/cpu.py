@@ -32,7 +32,14 @@ number of processes:
   unit (`unshard()` + `reshard()`: copy-in, gloo all-gather, copy-out) on three unit sizes.
 
 Times are medians of repeated calls, not minima: the machine is shared, and a training step sees
-the typical call, not the luckiest one (on an idle machine the two agree). With several
+the typical call, not the luckiest one (on an idle machine the two agree). With one thread per
+process (the trainer's layout whenever it runs as many processes as cores) the compute
+timings read that thread's own CPU time (`compute_clock`): the kernels run on the calling
+thread, so this is the time they take when they run, which other jobs holding the cores do not
+inflate (a prediction for a quiet host, measured on a shared one). With several threads a
+kernel lasts as long as its slowest thread, which no per-thread clock sees: the wall clock,
+and a quiet host to measure on (bench/sim_selfcheck.py waits for one). Collectives are always
+timed on the wall clock (waiting for a peer is part of their time). With several
 processes every figure is the mean over the processes, measured concurrently, so cores, caches
 and memory bandwidth are shared as in training. Shapes the table lacks are interpolated
 (`operators.measured_rate`). Measurements are capped (a GEMM above GEMM_FLOP_CAP FLOPs is
@@ -116,15 +123,24 @@ def missing_ops(shape: LayerShape, profile: CpuProfile | None, pp: int = 1) -> l
 
 
 # -- measurements (in this process) ---------------------------------------------------------------
+def compute_clock(threads: int):
+    """The clock compute timings read at `threads` threads per process (see the module's
+    docstring): the calling thread's CPU time with one thread, else the wall clock."""
+    return time.thread_time if threads == 1 else time.perf_counter
+
+
+_clock = time.perf_counter   # set by `measure_compute` for its measurements
+
+
 def _time(fn, seconds: float = MEASURE_SECONDS, min_calls: int = 5) -> float:
     """Median time of `fn` over the calls made in `seconds` (at least `min_calls`)."""
     fn()  # warm-up (allocations, kernel selection)
     times: list[float] = []
     deadline = time.perf_counter() + seconds
     while len(times) < min_calls or time.perf_counter() < deadline:
-        t0 = time.perf_counter()
+        t0 = _clock()
         fn()
-        times.append(time.perf_counter() - t0)
+        times.append(_clock() - t0)
     return statistics.median(times)
 
 
@@ -197,9 +213,9 @@ def measure_attention(op: Op, seconds: float = MEASURE_SECONDS) -> tuple[float, 
     deadline = time.perf_counter() + seconds
     while len(times) < 5 or time.perf_counter() < deadline:
         out = F.scaled_dot_product_attention(q, k, v, **kw)
-        t0 = time.perf_counter()
+        t0 = _clock()
         torch.autograd.grad(out, (q, k, v), grad)
-        times.append(time.perf_counter() - t0)
+        times.append(_clock() - t0)
     return fwd_flops * scale / t_fwd, 2.5 * fwd_flops * scale / statistics.median(times)
 
 
@@ -290,9 +306,9 @@ def _timed_trace(fn, repeats: int = 5, after=None, before=None,
             name = func.overloadpacket.__name__
             if name in _VIEWS:
                 return func(*args, **(kwargs or {}))
-            t0 = time.perf_counter()
+            t0 = _clock()
             out = func(*args, **(kwargs or {}))
-            dt = time.perf_counter() - t0
+            dt = _clock() - t0
             tr = cur[0]
             if name.startswith("_scaled_dot_product"):
                 tr.sdpa["bwd" if name.endswith("backward") else "fwd"].append(dt)
@@ -376,9 +392,9 @@ def measure_in_situ(shape: LayerShape, sync=None) -> dict | None:
     walls: dict[str, list[float]] = {"block": [], "head": []}
 
     def untraced(name: str, fn) -> None:
-        t0 = time.perf_counter()
+        t0 = _clock()
         fn(None)
-        walls[name].append(time.perf_counter() - t0)
+        walls[name].append(_clock() - t0)
     # each traced run is followed by an untraced one, so that drifts of the machine's speed
     # do not pass for host time
     # `sync` (a barrier among the measuring processes) starts every repeat together
@@ -459,8 +475,10 @@ def measure_compute(shape: LayerShape | None, threads: int, ops: list[Op] | None
     of this model's own kernels, and if `base` the scalar figures."""
     import torch
 
-    old = torch.get_num_threads()
+    global _clock
+    old, old_clock = torch.get_num_threads(), _clock
     torch.set_num_threads(threads)
+    _clock = compute_clock(threads)
     try:
         warm_up()
         rates: dict[str, float] = {}
@@ -497,10 +515,12 @@ def measure_compute(shape: LayerShape | None, threads: int, ops: list[Op] | None
                 elementwise_tensor_bytes=PARAM_TENSOR_BYTES,
             )
         entry.update(measured_at=time.strftime("%Y-%m-%dT%H:%M:%S"), loadavg=_loadavg(),
-                     threads=threads)
+                     threads=threads,
+                     clock="thread CPU time" if _clock is time.thread_time else "wall")
         return entry
     finally:
         torch.set_num_threads(old)
+        _clock = old_clock
 
 
 def profile_for(shape: LayerShape, threads: int, nproc: int = 1, pp: int = 1,

@@ -165,4 +165,14 @@ def load_profile(threads: int, nproc: int = 1, shape: LayerShape | None = None
                       kernel_overhead_s=float(entry["kernel_overhead_s"]),
                       optimizer_s_per_param=float(entry["optimizer_s_per_param"]),
                       nproc=nproc, gloo=gloo, fsdp=fsdp, fsdp_context=context,
-                      source=f"measured {entry.get('measured_at', '?')} ({threads} threads)")
+                      source=_source(entry, threads))
+
+
+def _source(entry: dict, threads: int) -> str:
+    """"measured WHEN (N threads, CLOCK, load average L)": when and how a profile was taken."""
+    how = [f"{threads} threads"]
+    if entry.get("clock"):
+        how.append(f"timed on {entry['clock']}")
+    if isinstance(entry.get("loadavg"), (int, float)):
+        how.append(f"load average {entry['loadavg']:.1f}")
+    return f"measured {entry.get('measured_at', '?')} ({', '.join(how)})"
