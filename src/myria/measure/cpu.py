@@ -980,6 +980,11 @@ def summarize(profile: CpuProfile, shape: LayerShape | None = None, pp: int = 1)
 
 
 def _worker_main(argv: list[str]) -> None:
+    import warnings
+
+    # torch 2.13 deprecates the collective names the doctor's bench times; a measuring worker's
+    # stderr is the user's terminal (`myria report`, `train --dry-run`): no warnings there
+    warnings.filterwarnings("ignore", category=FutureWarning, module="torch.distributed")
     job = json.loads(Path(argv[0]).read_text())
     sh = job["shape"]
     shape = LayerShape(**{**sh, "model": tuple(
