@@ -307,8 +307,7 @@ def _prediction_device(cfg, world: int):
     from myria.measure import cpu as mcpu
     from myria.sim.perf import config_run, run_shape
 
-    spec = cpu_device_spec()
-    run, _, threads = config_run(cfg, world, spec)
+    run, spec, threads = config_run(cfg, world, cpu_device_spec())   # at its threads/process
     gpn = run.cluster.gpus_per_node
     shape = run_shape(run)
     have = mcpu.load_profile(threads, gpn, shape)
