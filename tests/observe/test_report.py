@@ -13,6 +13,7 @@ from myria.observe import report
 from tests.conftest import TINY, run_cli
 
 STEPS = 4
+pytestmark = pytest.mark.slow   # one tiny training run (a launcher and a worker) for both tests
 
 
 @pytest.fixture(scope="module")
