@@ -13,7 +13,6 @@ from myria.observe import report
 from tests.conftest import TINY, run_cli
 
 STEPS = 4
-pytestmark = pytest.mark.slow   # one tiny training run (a launcher and a worker) for both tests
 
 
 @pytest.fixture(scope="module")
@@ -26,6 +25,7 @@ def quiet_run(tmp_path_factory, tiny_data):
     return run
 
 
+@pytest.mark.slow   # one tiny training run (a launcher and a worker), shared
 def test_report_of_a_run_without_events_says_so_in_one_line(quiet_run):
     p = run_cli("report", str(quiet_run), "--no-prediction")
     lines = p.stdout.splitlines()
@@ -42,6 +42,7 @@ def test_report_of_a_run_without_events_says_so_in_one_line(quiet_run):
     assert (quiet_run / "report" / "curves.png").stat().st_size > 10_000
 
 
+@pytest.mark.slow
 def test_prediction_uses_the_measured_profile_of_the_runs_layout(quiet_run, tmp_path,
                                                                   monkeypatch):
     from myria.measure import cpu
@@ -75,3 +76,17 @@ def test_prediction_uses_the_measured_profile_of_the_runs_layout(quiet_run, tmp_
     assert pred["threads"] == threads and pred["figures"] == prof.source
     assert pred["measured_from"] == "metrics.jsonl" and pred["measured_step_s"] > 0
     assert "predicted step" in (out / "index.html").read_text()
+
+
+def test_a_prediction_from_figures_of_a_busy_host_says_so():
+    from myria.sim.cpu_profile import CpuProfile
+
+    wall = CpuProfile(threads=2, nproc=1, clock="wall", loadavg=9.0)
+    assert "load average 9.0" in report.busy_figures(wall)
+    assert report.busy_figures(CpuProfile(threads=2, nproc=1, clock="wall", loadavg=2.3)) == ""
+    cpu_time = CpuProfile(threads=1, nproc=2, clock="thread CPU time", loadavg=9.0)
+    assert report.busy_figures(cpu_time) == ""     # timed on CPU time: a quiet host's figure
+    line = report.prediction_line({"iteration_time_s": 2.0, "mfu": 0.5, "device": "cpu",
+                                   "processes": 1, "threads": 2, "measured_step_s": 4.0,
+                                   "measured_mfu": 0.25, "caveat": "busy"})
+    assert line.endswith("measured median step 4000 ms, MFU 25.0%: prediction -50% [busy]")

@@ -280,7 +280,27 @@ def prediction(run_dir: Path, world: int | None = None) -> dict | None:
            "threads": threads, "peak": spec.source}
     if prof is not None:
         out["figures"] = prof.source
+        busy = busy_figures(prof)
+        if busy:
+            out["caveat"] = busy
     return out
+
+
+def busy_figures(prof) -> str:
+    """Why a CPU profile is not a quiet host's, or "": compute timed on the wall clock (several
+    threads per process) while other work held the cores (load average above this process's
+    own threads: the measuring processes' own)."""
+    import os
+
+    own = prof.threads * max(1, prof.nproc)
+    if prof.clock == "thread CPU time" or prof.loadavg <= own + 0.5:
+        return ""
+    from myria.sim.cpu_profile import profile_path
+
+    return (f"this CPU's figures were timed on the wall clock ({prof.threads} threads per "
+            f"process) at load average {prof.loadavg:.1f} on {os.cpu_count()} cores: other "
+            "jobs held the cores, so the predicted step is too long; remove "
+            f"{profile_path()} and run `myria report` again on a quiet host")
 
 
 def run_world(run_dir: Path) -> int:
@@ -345,6 +365,8 @@ def prediction_line(pred: dict) -> str:
         line += (f"; measured median step {pred['measured_step_s'] * 1e3:.0f} ms" +
                  (f", MFU {pred['measured_mfu']:.1%}" if pred.get("measured_mfu") is not None
                   else "") + f": prediction {err:+.0%}")
+    if pred.get("caveat"):
+        line += f" [{pred['caveat']}]"
     return line
 
 

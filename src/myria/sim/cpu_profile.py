@@ -42,6 +42,8 @@ class CpuProfile:
     # (block s per microbatch, block reduce s per step, root s per microbatch, root reduce s)
     fsdp_context: tuple = ()
     source: str = "measured"
+    clock: str = ""                   # what compute was timed on: "thread CPU time" or "wall"
+    loadavg: float = 0.0              # the host's load average when it was measured
 
     def fsdp_time(self, nbytes: float, kind: str) -> float | None:
         """Seconds FSDP2 adds for a unit of `nbytes`: "block" (per microbatch, resharded after
@@ -67,22 +69,24 @@ class CpuProfile:
 
 
 # -- cache ----------------------------------------------------------------------------------------
-def _cache_path() -> Path:
+def profile_path() -> Path:
+    """The cache file of measured CPU profiles (under `myria.device.cache_dir()`)."""
     from myria.device import cache_dir
 
     return cache_dir() / PROFILE_FILE
 
 
+
 def read_cache() -> dict:
     from myria.device import read_cache_file
 
-    return read_cache_file(_cache_path())
+    return read_cache_file(profile_path())
 
 
 def write_cache(cache: dict) -> None:
     from myria.device import write_cache_file
 
-    write_cache_file(_cache_path(), cache)
+    write_cache_file(profile_path(), cache)
 
 
 def update_cache(key: str, entry: dict) -> None:
@@ -158,7 +162,8 @@ def load_profile(threads: int, nproc: int = 1, shape: LayerShape | None = None
                       kernel_overhead_s=float(entry["kernel_overhead_s"]),
                       optimizer_s_per_param=float(entry["optimizer_s_per_param"]),
                       nproc=nproc, gloo=gloo, fsdp=fsdp, fsdp_context=context,
-                      source=_source(entry, threads))
+                      source=_source(entry, threads), clock=str(entry.get("clock", "")),
+                      loadavg=float(entry.get("loadavg") or 0.0))
 
 
 def _source(entry: dict, threads: int) -> str:
