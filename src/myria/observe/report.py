@@ -334,6 +334,8 @@ def _prediction_device(cfg, world: int):
     if have is None or mcpu.missing_ops(shape, have, run.parallel.pp):
         from myria.device import cache_dir
 
+        mcpu.check_measurable(shape, gpn)   # more processes than cores: one line, no measuring
+
         print(f"predicting the step: measuring this CPU's figures for this model as {gpn} "
               f"process(es) x {threads} thread(s) (once; cached in {cache_dir()})", flush=True)
     return spec, mcpu.measured_profile(cfg, world, spec), threads
