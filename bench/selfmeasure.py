@@ -7,7 +7,8 @@
    the figure a one-shot cache would have kept for good.
 2. The busy loops stop; the demo model trains for `--steps` steps with that cache. Its MFU
    (median of the logged rows after the warm-up) is computed by the trainer against the peak it
-   now holds: the cached best, raised by its own start-up probes.
+   now holds: since 2026-11-26 the pinned core peak (measured once, under load, on its CPU time)
+   x threads; before, the cached best, raised by its own start-up probes.
 3. Fresh measurements in other empty caches, one before the demo trains (after the busy loops
    stopped) and one after, give the reference peak (the higher: a reference must be quiet too);
    the demo's tokens/s against it gives the reference MFU.
@@ -76,9 +77,7 @@ def main() -> None:
         rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
         rows = [r for r in rows if "loss" in r and r["step"] >= 3]
         mfu = statistics.median(r["mfu"] for r in rows)
-        trainer_peak = json.loads((loaded_cache / "machine_figures.json").read_text())
-        trainer_peak = max(v["fp32_matmul_tflops"]["best"] for k, v in trainer_peak.items()
-                           if f"threads={threads}|" in k)
+        trainer_peak = peak(loaded_cache, threads)   # the figure the trainer divided by
         quiet = max(quiet_before, peak(quiet_cache, threads))
         ref_mfu = mfu * trainer_peak / quiet
         one_shot_mfu = mfu * trainer_peak / loaded

@@ -11,7 +11,14 @@ from myria.device import DeviceSpec
 from myria.measure import cpu
 from myria.sim import collectives as coll
 from myria.sim.hardware import build_hardware
-from myria.sim.operators import Op, layer_shape, measured_rate, op_time, rate_key
+from myria.sim.operators import (
+    Efficiency,
+    Op,
+    layer_shape,
+    measured_rate,
+    op_time,
+    rate_key,
+)
 from myria.sim.perf import config_run, efficiency_for, run_shape, simulate_config
 
 HERE = DeviceSpec("cpu", 0.15, 0.15, 16.0, 0.0, 0.0, source="measured (test)")
@@ -80,7 +87,8 @@ def test_measured_rate_exact_and_interpolated():
     assert measured_rate(exact, rates) == 100e9
     mid = dataclasses.replace(exact, dims=(1024, 1024, 512))
     assert 50e9 < measured_rate(mid, rates) < 100e9
-    eff = dataclasses.replace(synthetic_profile().efficiency(), rates=rates)
+    eff = Efficiency(gemm=1.0, half_dim=0.0, mem=1.0, mem_eager=(), kernel_overhead_s=2e-6,
+                     rates=rates)
     t, bound = op_time(exact, 1e12, 1e10, eff)
     assert bound == "compute" and t == pytest.approx(exact.flops / 100e9 + 2e-6)
     # a layout never measured borrows any GEMM's rate; attention keys stay separate
@@ -202,13 +210,13 @@ def test_profile_cache_round_trip():
     assert cpu.load_profile(1) is None
     entry = {"rates": {"nt,1024,512,512": 1e11}, "elementwise_bw": 2e10,
              "kernel_overhead_s": 1e-6, "optimizer_s_per_param": 4e-9}
-    cpu._update_cache(cpu._compute_key(1), entry)
-    cpu._update_cache(cpu._compute_key(1), {"rates": {"nn,1024,512,512": 9e10}})
+    cpu.update_cache(cpu.compute_key(1), entry)
+    cpu.update_cache(cpu.compute_key(1), {"rates": {"nn,1024,512,512": 9e10}})
     prof = cpu.load_profile(1)
     assert dict(prof.rates) == {("nn", 1024, 512, 512): 9e10, ("nt", 1024, 512, 512): 1e11}
-    cache = cpu._read_cache()
-    cache[cpu._gloo_key(1, 2)] = {"fits": {"all_reduce": [1e-4, 1e9]}}
-    cpu._write_cache(cache)
+    cache = cpu.read_cache()
+    cache[cpu.gloo_key(1, 2)] = {"fits": {"all_reduce": [1e-4, 1e9]}}
+    cpu.write_cache(cache)
     assert cpu.with_gloo(prof, 2).gloo_fit("all_reduce") == (1e-4, 1e9)
     assert cpu.with_gloo(prof, 1).gloo == ()
 
@@ -267,3 +275,16 @@ def test_summary_keeps_the_models_own_figures():
     s = cpu.summarize(prof, shape)
     assert "nt,4096,4096,4096" not in s.gemm_gflops and "nt,1024,512,512" in s.gemm_gflops
     assert "nt,4096,4096,4096" in cpu.summarize(prof).gemm_gflops
+
+
+def test_cpu_profile_is_a_leaf_of_the_simulator():
+    """`hardware` loads profiles and `operators` reads `hardware`: `cpu_profile` imports neither
+    (no circle), nor torch."""
+    import subprocess
+    import sys
+
+    code = ("import sys, myria.sim.cpu_profile; "
+            "print(sorted(m for m in sys.modules if m.startswith(('myria', 'torch'))))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True).stdout
+    assert out.strip() == "['myria', 'myria.sim', 'myria.sim.cpu_profile']"

@@ -32,7 +32,14 @@ number of processes:
   unit (`unshard()` + `reshard()`: copy-in, gloo all-gather, copy-out) on three unit sizes.
 
 Times are medians of repeated calls, not minima: the machine is shared, and a training step sees
-the typical call, not the luckiest one (on an idle machine the two agree). With several
+the typical call, not the luckiest one (on an idle machine the two agree). With one thread per
+process (the trainer's layout whenever it runs as many processes as cores) the compute
+timings read that thread's own CPU time (`compute_clock`): the kernels run on the calling
+thread, so this is the time they take when they run, which other jobs holding the cores do not
+inflate (a prediction for a quiet host, measured on a shared one). With several threads a
+kernel lasts as long as its slowest thread, which no per-thread clock sees: the wall clock,
+and a quiet host to measure on (bench/sim_selfcheck.py waits for one). Collectives are always
+timed on the wall clock (waiting for a peer is part of their time). With several
 processes every figure is the mean over the processes, measured concurrently, so cores, caches
 and memory bandwidth are shared as in training. Shapes the table lacks are interpolated
 (`operators.measured_rate`). Measurements are capped (a GEMM above GEMM_FLOP_CAP FLOPs is
@@ -55,17 +62,16 @@ from pathlib import Path
 from myria.errors import ConfigError
 from myria.sim.cpu_profile import (  # noqa: F401  (the cache's names, used here and by tests)
     CpuProfile,
-    _compute_key,
-    _gloo_key,
-    _key_str,
-    _key_tuple,
-    _loadavg,
-    _read_cache,
-    _update_cache,
-    _write_cache,
+    compute_key,
     default_threads,
     eager_key,
+    gloo_key,
+    key_str,
+    key_tuple,
     load_profile,
+    read_cache,
+    update_cache,
+    write_cache,
 )
 from myria.sim.operators import (
     LayerShape,
@@ -115,16 +121,32 @@ def missing_ops(shape: LayerShape, profile: CpuProfile | None, pp: int = 1) -> l
     return list(out.values())
 
 
+def _loadavg() -> float:
+    try:
+        return os.getloadavg()[0]
+    except OSError:
+        return float("nan")
+
+
 # -- measurements (in this process) ---------------------------------------------------------------
+def compute_clock(threads: int):
+    """The clock compute timings read at `threads` threads per process (see the module's
+    docstring): the calling thread's CPU time with one thread, else the wall clock."""
+    return time.thread_time if threads == 1 else time.perf_counter
+
+
+_clock = time.perf_counter   # set by `measure_compute` for its measurements
+
+
 def _time(fn, seconds: float = MEASURE_SECONDS, min_calls: int = 5) -> float:
     """Median time of `fn` over the calls made in `seconds` (at least `min_calls`)."""
     fn()  # warm-up (allocations, kernel selection)
     times: list[float] = []
     deadline = time.perf_counter() + seconds
     while len(times) < min_calls or time.perf_counter() < deadline:
-        t0 = time.perf_counter()
+        t0 = _clock()
         fn()
-        times.append(time.perf_counter() - t0)
+        times.append(_clock() - t0)
     return statistics.median(times)
 
 
@@ -197,9 +219,9 @@ def measure_attention(op: Op, seconds: float = MEASURE_SECONDS) -> tuple[float, 
     deadline = time.perf_counter() + seconds
     while len(times) < 5 or time.perf_counter() < deadline:
         out = F.scaled_dot_product_attention(q, k, v, **kw)
-        t0 = time.perf_counter()
+        t0 = _clock()
         torch.autograd.grad(out, (q, k, v), grad)
-        times.append(time.perf_counter() - t0)
+        times.append(_clock() - t0)
     return fwd_flops * scale / t_fwd, 2.5 * fwd_flops * scale / statistics.median(times)
 
 
@@ -290,9 +312,9 @@ def _timed_trace(fn, repeats: int = 5, after=None, before=None,
             name = func.overloadpacket.__name__
             if name in _VIEWS:
                 return func(*args, **(kwargs or {}))
-            t0 = time.perf_counter()
+            t0 = _clock()
             out = func(*args, **(kwargs or {}))
-            dt = time.perf_counter() - t0
+            dt = _clock() - t0
             tr = cur[0]
             if name.startswith("_scaled_dot_product"):
                 tr.sdpa["bwd" if name.endswith("backward") else "fwd"].append(dt)
@@ -376,9 +398,9 @@ def measure_in_situ(shape: LayerShape, sync=None) -> dict | None:
     walls: dict[str, list[float]] = {"block": [], "head": []}
 
     def untraced(name: str, fn) -> None:
-        t0 = time.perf_counter()
+        t0 = _clock()
         fn(None)
-        walls[name].append(time.perf_counter() - t0)
+        walls[name].append(_clock() - t0)
     # each traced run is followed by an untraced one, so that drifts of the machine's speed
     # do not pass for host time
     # `sync` (a barrier among the measuring processes) starts every repeat together
@@ -391,13 +413,13 @@ def measure_in_situ(shape: LayerShape, sync=None) -> dict | None:
         for key in runs[0].gemm:
             times = [t for r in runs for t in r.gemm.get(key, [])]
             _, m, n, k = key
-            rates[_key_str(key)] = 2.0 * m * n * k / statistics.median(times)
+            rates[key_str(key)] = 2.0 * m * n * k / statistics.median(times)
     sdpa = [o for o in layer_ops(dataclasses.replace(shape, micro_batch=b))
             if o.kind == "attn"]
     for op in sdpa:
         times = [t for r in block_runs for t in r.sdpa[op.phase]]
         if times:
-            rates[_key_str(rate_key(dataclasses.replace(op, batch=shape.micro_batch *
+            rates[key_str(rate_key(dataclasses.replace(op, batch=shape.micro_batch *
                                                           shape.heads)))] = \
                 op.flops / statistics.median(times)
 
@@ -413,7 +435,7 @@ def measure_in_situ(shape: LayerShape, sync=None) -> dict | None:
     scale = shape.micro_batch / b
     for name, runs in (("block", block_runs), ("head", head_runs)):
         gaps = [w - kernels(r) for w, r in zip(walls[name], runs)]
-        rates[_key_str(("host", name))] = max(0.0, statistics.median(gaps)) * scale
+        rates[key_str(("host", name))] = max(0.0, statistics.median(gaps)) * scale
     return {"rates": rates, "eager_bw": (bw(block_runs), bw(head_runs))}
 
 
@@ -459,8 +481,10 @@ def measure_compute(shape: LayerShape | None, threads: int, ops: list[Op] | None
     of this model's own kernels, and if `base` the scalar figures."""
     import torch
 
-    old = torch.get_num_threads()
+    global _clock
+    old, old_clock = torch.get_num_threads(), _clock
     torch.set_num_threads(threads)
+    _clock = compute_clock(threads)
     try:
         warm_up()
         rates: dict[str, float] = {}
@@ -471,7 +495,7 @@ def measure_compute(shape: LayerShape | None, threads: int, ops: list[Op] | None
             if found:
                 in_situ = found["rates"]
                 entry["eager_bw"] = {eager_key(shape): list(found["eager_bw"])}
-        covered = {_key_tuple(k) for k in in_situ}
+        covered = {key_tuple(k) for k in in_situ}
         covered |= {(k[0], k[2], k[1], k[3]) for k in covered if len(k) == 4}
         attn_done: dict[tuple, tuple[float, float]] = {}
         for op in ops or []:
@@ -483,10 +507,10 @@ def measure_compute(shape: LayerShape | None, threads: int, ops: list[Op] | None
                 if base_key not in attn_done:
                     attn_done[base_key] = measure_attention(op, seconds)
                 f, b = attn_done[base_key]
-                rates[_key_str(("attn-fwd", *key[1:]))] = f
-                rates[_key_str(("attn-bwd", *key[1:]))] = b
+                rates[key_str(("attn-fwd", *key[1:]))] = f
+                rates[key_str(("attn-bwd", *key[1:]))] = b
             else:
-                rates[_key_str(key)] = measure_gemm(key[0], *key[1:], seconds=seconds)
+                rates[key_str(key)] = measure_gemm(key[0], *key[1:], seconds=seconds)
         entry["rates"] = rates
         entry["rates_in_situ"] = in_situ
         if base and shape is not None:
@@ -497,10 +521,12 @@ def measure_compute(shape: LayerShape | None, threads: int, ops: list[Op] | None
                 elementwise_tensor_bytes=PARAM_TENSOR_BYTES,
             )
         entry.update(measured_at=time.strftime("%Y-%m-%dT%H:%M:%S"), loadavg=_loadavg(),
-                     threads=threads)
+                     threads=threads,
+                     clock="thread CPU time" if _clock is time.thread_time else "wall")
         return entry
     finally:
         torch.set_num_threads(old)
+        _clock = old_clock
 
 
 def profile_for(shape: LayerShape, threads: int, nproc: int = 1, pp: int = 1,
@@ -515,7 +541,7 @@ def profile_for(shape: LayerShape, threads: int, nproc: int = 1, pp: int = 1,
     if measure:
         missing = missing_ops(shape, prof, pp) if not refresh else missing_ops(shape, None, pp)
         no_bw = prof is None or ("bw", "eltwise") not in dict(prof.rates)
-        no_gloo = nproc > 1 and (refresh or not _read_cache().get(_gloo_key(threads, nproc)))
+        no_gloo = nproc > 1 and (refresh or not read_cache().get(gloo_key(threads, nproc)))
         if refresh or prof is None or missing or no_bw or no_gloo:
             run_measurements(shape, threads, nproc, missing, base=refresh or prof is None,
                              eager=refresh or no_bw, gloo=no_gloo, fsdp=pp == 1)
@@ -540,7 +566,7 @@ def measure_gloo(nproc: int, threads: int | None = None) -> dict:
     """Measure (and cache) the gloo figures among `nproc` local processes; return the entry."""
     threads = threads or default_threads(nproc)
     run_measurements(None, threads, nproc, [], base=False, eager=False, gloo=True)
-    return _read_cache()[_gloo_key(threads, nproc)]
+    return read_cache()[gloo_key(threads, nproc)]
 
 
 def measurement_bytes(shape: LayerShape) -> float:
@@ -612,24 +638,24 @@ def run_measurements(shape: LayerShape | None, threads: int, nproc: int, ops: li
     merged = _mean_entries(entries)
     points = merged.pop("gloo_points", None)
     if shape is not None or base:
-        _update_cache(_compute_key(threads, nproc), merged)
+        update_cache(compute_key(threads, nproc), merged)
     if points:
         fsdp = points.pop("fsdp", [])
         context = points.pop("fsdp_context", None)
-        cache = _read_cache()
-        prev = cache.get(_gloo_key(threads, nproc), {})
+        cache = read_cache()
+        prev = cache.get(gloo_key(threads, nproc), {})
         old = prev.get("fsdp", {})
         ctx = dict(prev.get("fsdp_context", {}))
         if context is not None and shape is not None:
             ctx[eager_key(shape)] = context
-        cache[_gloo_key(threads, nproc)] = {
+        cache[gloo_key(threads, nproc)] = {
             "fits": {op: list(_fit([tuple(p) for p in pts])) for op, pts in points.items()},
             "points": points,
             "fsdp": {**old, **{str(int(p[0])): list(p[1:]) for p in fsdp}},
             "fsdp_context": ctx,
             "measured_at": merged.get("measured_at"),
             "loadavg": merged.get("loadavg"), "threads": threads, "nproc": nproc}
-        _write_cache(cache)
+        write_cache(cache)
 
 
 def fsdp_units(shape: LayerShape | None) -> tuple[int, ...]:
@@ -898,7 +924,7 @@ def with_gloo(profile: CpuProfile, nproc: int) -> CpuProfile:
     """`profile` with the cached gloo figures for `nproc` processes (if any)."""
     if nproc <= 1:
         return replace(profile, nproc=1, gloo=())
-    g = _read_cache().get(_gloo_key(profile.threads, nproc), {})
+    g = read_cache().get(gloo_key(profile.threads, nproc), {})
     gloo = tuple(sorted((op, float(a), float(b)) for op, (a, b) in g.get("fits", {}).items()))
     return replace(profile, nproc=nproc, gloo=gloo)
 
@@ -939,7 +965,7 @@ def summarize(profile: CpuProfile, shape: LayerShape | None = None, pp: int = 1)
         elif k[0] == "host":
             s.host_ms[k[1]] = r * 1e3
         else:
-            (s.attn_gflops if k[0].startswith("attn") else s.gemm_gflops)[_key_str(k)] = r / 1e9
+            (s.attn_gflops if k[0].startswith("attn") else s.gemm_gflops)[key_str(k)] = r / 1e9
     for op, a, b in profile.gloo:
         s.gloo[op] = {"alpha_us": a * 1e6, "bw_gbs": b / 1e9}
     if profile.fsdp_context:
@@ -954,6 +980,11 @@ def summarize(profile: CpuProfile, shape: LayerShape | None = None, pp: int = 1)
 
 
 def _worker_main(argv: list[str]) -> None:
+    import warnings
+
+    # torch 2.13 deprecates the collective names the doctor's bench times; a measuring worker's
+    # stderr is the user's terminal (`myria report`, `train --dry-run`): no warnings there
+    warnings.filterwarnings("ignore", category=FutureWarning, module="torch.distributed")
     job = json.loads(Path(argv[0]).read_text())
     sh = job["shape"]
     shape = LayerShape(**{**sh, "model": tuple(

@@ -116,7 +116,24 @@ def load_run(run_dir: str | Path) -> Run:
     for r in missing:
         problems.append(f"rank {r}: no events file (the rank was killed before writing, or "
                         "observe.enabled = false)")
+    if not ranks and not problems:
+        problems.append(no_events_reason(run_dir))
     return Run(run_dir, ranks, world, missing, truncated, problems)
+
+
+def no_events_reason(run_dir: Path) -> str:
+    """One line on why a run has no events: turned off in its config, or the files are gone."""
+    where = f"{run_dir / rundir.EVENTS_DIR}/"
+    try:
+        cfg = json.loads((run_dir / rundir.CONFIG).read_text())
+        enabled = cfg.get("observe", {}).get("enabled", True)
+    except (OSError, ValueError, AttributeError):
+        enabled = True
+    if enabled is False:
+        return (f"no events: the run was trained with observe.enabled = false, so {where} was "
+                "never written (no timeline, blame or measured breakdown)")
+    return (f"no events: {where} is missing or empty (removed, or the run stopped before its "
+            "first write); no timeline, blame or measured breakdown")
 
 
 def _blocking(evs: list[dict]) -> list[dict]:

@@ -9,11 +9,19 @@ Writes RUN_DIR/report/:
                   waited_s}], "most_blamed_rank", "steps", ...}: see myria.observe.analyze
     index.html    a self-contained page (images inlined): heat map of rank x step compute time,
                   the step-time breakdown beside the performance model's prediction, loss,
-                  tokens/s and MFU curves, the blame table, what is missing
+                  learning-rate, tokens/s and MFU curves, the blame table, what is missing
+    prediction.json  the performance model's step for the same config and processes, beside
+                  the measured one
     *.png         the same figures as files
 
+The prediction on a CPU is made from this CPU's measured figures at the run's threads per
+process (`myria.measure.cpu`: the GEMM/SDPA rates of the model's own shapes, eager elementwise
+bandwidths, gloo among the run's processes), measured on first use and cached, as `myria train
+--dry-run` does; never from the matmul peak alone, which prices an eager step 2-3x too fast.
+
 A directory that is not a run, or a run with missing or truncated event files, gets a report
-of what there is and a list of what is missing; never a traceback.
+of what there is and a list of what is missing (one line for a run without events); never a
+traceback.
 """
 
 from __future__ import annotations
@@ -43,13 +51,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args) -> int:
     out = write_report(Path(args.run_dir), predict=not args.no_prediction)
     b = json.loads((out / "blame.json").read_text())
-    print(f"report of {args.run_dir}: {b['steps']} step(s), {len(b['ranks'])} rank(s); most "
-          f"blamed rank {b['most_blamed_rank']}" + (f" (stands out: ranks "
-                                                     f"{b['standout_ranks']})"
-                                                     if b["standout_ranks"] else
-                                                     " (no rank stands out of the noise)"))
-    for p in b["problems"]:
-        print(f"  missing: {p}")
+    if not b["ranks"]:
+        print(f"report of {args.run_dir}: {'; '.join(b['problems'])}: loss and learning-rate "
+              "curves and the prediction only")
+    else:
+        print(f"report of {args.run_dir}: {b['steps']} step(s), {len(b['ranks'])} rank(s); "
+              f"most blamed rank {b['most_blamed_rank']}" +
+              (f" (stands out: ranks {b['standout_ranks']})" if b["standout_ranks"] else
+               " (no rank stands out of the noise)"))
+        for p in b["problems"]:
+            print(f"  missing: {p}")
+    pred_path = out / "prediction.json"
+    if pred_path.exists():
+        print(f"  {prediction_line(json.loads(pred_path.read_text()))}")
     print(f"  open {out / 'index.html'} (timeline: load {out / 'trace.json'} in "
           "https://ui.perfetto.dev or chrome://tracing)")
     return 0
@@ -74,7 +88,13 @@ def write_report(run_dir: Path, predict: bool = True) -> Path:
     (out / "blame.json").write_text(json.dumps(blame, indent=1))
     (out / "trace.json").write_text(json.dumps(chrome_trace(run)))
     figs = figures(run, table, blame, out)
-    pred = prediction(run_dir) if predict else None
+    pred = None
+    (out / "prediction.json").unlink(missing_ok=True)
+    if predict:
+        pred = prediction(run_dir, run.world or None)
+        if pred is not None:
+            pred.update(measured_step(table, _metrics(run_dir)))
+            (out / "prediction.json").write_text(json.dumps(pred, indent=1))
     (out / "index.html").write_text(page(run, table, blame, figs, pred))
     return out
 
@@ -215,16 +235,19 @@ def figures(run: Run, table: dict, blame: dict, out: Path) -> dict[str, str]:
         figs["breakdown"] = _png(fig, out / "breakdown.png")
     metrics = _metrics(run.run_dir)
     if metrics:
-        fig, axes = plt.subplots(1, 3, figsize=(12, 3))
-        for ax, key, label in zip(axes, ("loss", "tokens_per_s", "mfu"),
-                                  ("loss", "tokens/s", "MFU")):
+        fig, axes = plt.subplots(1, 4, figsize=(16, 3))
+        for ax, key, label in zip(axes, CURVES, ("loss", "learning rate", "tokens/s", "MFU")):
             pts = [(m["step"], m[key]) for m in metrics if m.get(key) is not None]
             if pts:
                 ax.plot(*zip(*pts), color="#aa3377")
             ax.set_xlabel("step")
             ax.set_title(label)
+            ax.ticklabel_format(axis="y", style="sci", scilimits=(-3, 4))
         figs["curves"] = _png(fig, out / "curves.png")
     return figs
+
+
+CURVES = ("loss", "lr", "tokens_per_s", "mfu")   # metrics.jsonl keys, in the curves' order
 
 
 def _metrics(run_dir: Path) -> list[dict]:
@@ -233,26 +256,120 @@ def _metrics(run_dir: Path) -> list[dict]:
 
 # -- the model's prediction ------------------------------------------------------------------
 
-def prediction(run_dir: Path) -> dict | None:
-    """The performance model's breakdown of the same config (from the cached CPU profile; no
-    new measurement), in the meter's MFU convention, or None with no config or profile."""
+def prediction(run_dir: Path, world: int | None = None) -> dict | None:
+    """The performance model's step for the run's config on its `world` processes (default:
+    its event files), in the meter's MFU convention; None with no config.json. On a CPU it is
+    priced from this CPU's figures measured at the run's threads per process (measured now if
+    the cache lacks them, `myria.measure.cpu.measured_profile`); elsewhere on the device the
+    planner would use (`myria.device.planning_device`)."""
     cfg_path = run_dir / rundir.CONFIG
     if not cfg_path.exists():
         return None
     try:
         from myria import config as mconfig
-        from myria.device import planning_device
         from myria.sim.perf import simulate_config
 
         cfg = mconfig.from_dict(json.loads(cfg_path.read_text()))
-        world = max(1, sum(1 for _ in (run_dir / rundir.EVENTS_DIR).glob("rank*.jsonl")))
-        spec = planning_device(cfg.training.dtype if cfg.training.dtype != "auto"
-                               else "float32")
-        res = simulate_config(cfg, world, spec)
+        world = world or run_world(run_dir)
+        spec, prof, threads = _prediction_device(cfg, world)
+        res = simulate_config(cfg, world, spec, cpu_profile=prof)
     except Exception as e:  # a prediction is a bonus: say why there is none
         return {"error": f"{type(e).__name__}: {e}"}
-    return {"iteration_time_s": res.iteration_time_s, "mfu": res.mfu,
-            "breakdown": res.breakdown, "device": spec.name}
+    out = {"iteration_time_s": res.iteration_time_s, "mfu": res.mfu,
+           "breakdown": res.breakdown, "device": spec.name, "processes": world,
+           "threads": threads, "peak": spec.source}
+    if prof is not None:
+        out["figures"] = prof.source
+        busy = busy_figures(prof)
+        if busy:
+            out["caveat"] = busy
+    return out
+
+
+def busy_figures(prof) -> str:
+    """Why a CPU profile is not a quiet host's, or "": compute timed on the wall clock (several
+    threads per process) while other work held the cores (load average above this process's
+    own threads: the measuring processes' own)."""
+    import os
+
+    own = prof.threads * max(1, prof.nproc)
+    if prof.clock == "thread CPU time" or prof.loadavg <= own + 0.5:
+        return ""
+    from myria.sim.cpu_profile import profile_path
+
+    return (f"this CPU's figures were timed on the wall clock ({prof.threads} threads per "
+            f"process) at load average {prof.loadavg:.1f} on {os.cpu_count()} cores: other "
+            "jobs held the cores, so the predicted step is too long; remove "
+            f"{profile_path()} and run `myria report` again on a quiet host")
+
+
+def run_world(run_dir: Path) -> int:
+    """How many processes a run had, from the per-rank files it leaves besides its events (the
+    data loader's statistics, the checkpoint manager's): 1 when there are none."""
+    counts = [sum(1 for _ in (run_dir / d).glob(pattern)) for d, pattern in
+              ((rundir.EVENTS_DIR, "rank*.jsonl"), ("stats", "data_rank*.json"),
+               ("checkpoint_stats", "rank*.json"))]
+    return max(1, *counts)
+
+
+def _prediction_device(cfg, world: int):
+    """(device spec, CPU profile or None, threads per process or 0) of a run's prediction."""
+    from myria.device import cpu_device_spec, planning_device
+
+    device = cfg.training.device
+    if device == "auto":
+        import torch
+
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device != "cpu":
+        dtype = cfg.training.dtype if cfg.training.dtype != "auto" else "bfloat16"
+        return planning_device(dtype), None, 0
+    from myria.measure import cpu as mcpu
+    from myria.sim.perf import config_run, run_shape
+
+    run, spec, threads = config_run(cfg, world, cpu_device_spec())   # at its threads/process
+    gpn = run.cluster.gpus_per_node
+    shape = run_shape(run)
+    have = mcpu.load_profile(threads, gpn, shape)
+    if have is None or mcpu.missing_ops(shape, have, run.parallel.pp):
+        from myria.device import cache_dir
+
+        mcpu.check_measurable(shape, gpn)   # more processes than cores: one line, no measuring
+
+        print(f"predicting the step: measuring this CPU's figures for this model as {gpn} "
+              f"process(es) x {threads} thread(s) (once; cached in {cache_dir()})", flush=True)
+    return spec, mcpu.measured_profile(cfg, world, spec), threads
+
+
+def measured_step(table: dict, metrics: list[dict]) -> dict:
+    """The measured median step (the events' steps after the first; metrics.jsonl's after the
+    first three when there are no events) and median MFU of the meter."""
+    steps = [row["step_s"] for rows in table.values() for _, row in sorted(rows.items())[1:]]
+    src = "events"
+    if not steps:
+        steps = [m["step_time_s"] for m in metrics[3:] if m.get("step_time_s")]
+        src = "metrics.jsonl"
+    mfus = [m["mfu"] for m in metrics[3:] if m.get("mfu") is not None]
+    return {"measured_step_s": statistics.median(steps) if steps else None,
+            "measured_from": src, "measured_mfu": statistics.median(mfus) if mfus else None}
+
+
+def prediction_line(pred: dict) -> str:
+    """One line: predicted beside measured step (and MFU), and the prediction's error."""
+    if "error" in pred:
+        return f"no prediction: {pred['error']}"
+    who = f"{pred['processes']} x {pred['device']}" + \
+        (f" ({pred['threads']} thread(s) each)" if pred.get("threads") else "")
+    line = (f"predicted step {pred['iteration_time_s'] * 1e3:.0f} ms on {who}, MFU "
+            f"{pred['mfu']:.1%}")
+    if pred.get("measured_step_s"):
+        err = pred["iteration_time_s"] / pred["measured_step_s"] - 1
+        line += (f"; measured median step {pred['measured_step_s'] * 1e3:.0f} ms" +
+                 (f", MFU {pred['measured_mfu']:.1%}" if pred.get("measured_mfu") is not None
+                  else "") + f": prediction {err:+.0%}")
+    if pred.get("caveat"):
+        line += f" [{pred['caveat']}]"
+    return line
 
 
 # -- the page --------------------------------------------------------------------------------
@@ -269,11 +386,9 @@ def page(run: Run, table: dict, blame: dict, figs: dict[str, str], pred: dict | 
                   f"src='data:image/png;base64,{figs[k]}'>"
                   for k, t in (("heatmap", "Compute time per rank and step"),
                                ("breakdown", "Step-time breakdown"),
-                               ("curves", "Loss, tokens/s and MFU")) if k in figs)
+                               ("curves", "Loss, learning rate, tokens/s and MFU"))
+                  if k in figs)
     bd = breakdown(table)
-    measured_step = statistics.median(
-        [row["step_s"] for rows in table.values() for s, row in sorted(rows.items())[1:]]
-        or [0.0])
     pred_html = "<p>no prediction (no config.json in the run directory)</p>"
     if pred and "error" in pred:
         pred_html = f"<p>no prediction: {esc(pred['error'])}</p>"
@@ -283,9 +398,13 @@ def page(run: Run, table: dict, blame: dict, figs: dict[str, str], pred: dict | 
                        if v > 0)
         mrow = "".join(f"<tr><td>{esc(k)}</td><td>{v * 1e3:.1f}</td></tr>"
                        for k, v in sorted(bd.items(), key=lambda kv: -kv[1]) if v > 0)
-        pred_html = (f"<p>predicted step {pred['iteration_time_s'] * 1e3:.1f} ms on "
-                     f"{esc(pred['device'])} (MFU {pred['mfu']:.1%}, the meter's convention), "
-                     f"measured median step {measured_step * 1e3:.1f} ms.</p><div class=row>"
+        basis = f"peak {pred['peak']}" + (f"; figures {pred['figures']}"
+                                          if pred.get("figures") else "")
+        pred_html = (f"<p id=prediction>{esc(prediction_line(pred))} (MFU in the meter's "
+                     f"convention; measured from {esc(pred.get('measured_from') or '-')}).</p>"
+                     f"<p><small>{esc(basis)}. On a shared host the measured step includes "
+                     "the time other jobs held the cores; the prediction is for a quiet host."
+                     "</small></p><div class=row>"
                      f"<table><tr><th>predicted</th><th>ms</th></tr>{prow}</table>"
                      f"<table><tr><th>measured</th><th>ms</th></tr>{mrow}</table></div>")
     problems = "".join(f"<li>{esc(p)}</li>" for p in blame["problems"]) or "<li>none</li>"
@@ -296,22 +415,27 @@ def page(run: Run, table: dict, blame: dict, figs: dict[str, str], pred: dict | 
     standout = (f"rank(s) {blame['standout_ranks']} stand out" if blame["standout_ranks"]
                 else "no rank stands out of the noise")
     whatif = blame["whatif_saving_s"]
-    return f"""<!doctype html><html><head><meta charset="utf-8"><title>myria report</title>
-<style>body{{font-family:sans-serif;margin:2em;max-width:1200px}}table{{border-collapse:collapse;
-margin:1em 1em 1em 0}}td,th{{border:1px solid #ccc;padding:3px 8px;text-align:right}}
-tr.hot{{background:#fdd}}img{{max-width:100%}}.row{{display:flex;gap:2em}}</style></head><body>
-<h1>myria report: {esc(str(run.run_dir))}</h1>
-<p>{len(run.ranks)} rank(s) of {run.world}, {blame['steps']} step(s) analysed (first step
-excluded as warm-up). Most blamed rank: <b>{blame['most_blamed_rank']}</b>; {standout}
+    summary = f"""<p>{len(run.ranks)} rank(s) of {run.world}, {blame['steps']} step(s) analysed
+(first step excluded as warm-up). Most blamed rank: <b>{blame['most_blamed_rank']}</b>; {standout}
 (noise {blame['noise_s']:.3f} s). If it ran at its peers' median speed the steps would have
 taken {whatif:.3f} s less in total.</p>
 <h2>Blame: who waited on whom</h2>
 <table id="blame"><tr><th>rank</th><th>(dp, pp, cp, tp, ep)</th><th>host</th>
 <th>compute s</th><th>waiting it caused, s</th><th>others waited where it came last, s</th>
-<th>it waited, s</th></tr>{rows}</table>
+<th>it waited, s</th></tr>{rows}</table>"""
+    strag_html = f"""<h2>Stragglers (compute-only time against peers of the same stage)</h2>
+<ul id="stragglers">{strag}</ul>"""
+    if not run.ranks:   # no events: one line instead of empty tables
+        summary = f"<p id=no-events><b>{esc('; '.join(blame['problems']))}</b>.</p>"
+        strag_html = ""
+    return f"""<!doctype html><html><head><meta charset="utf-8"><title>myria report</title>
+<style>body{{font-family:sans-serif;margin:2em;max-width:1200px}}table{{border-collapse:collapse;
+margin:1em 1em 1em 0}}td,th{{border:1px solid #ccc;padding:3px 8px;text-align:right}}
+tr.hot{{background:#fdd}}img{{max-width:100%}}.row{{display:flex;gap:2em}}</style></head><body>
+<h1>myria report: {esc(str(run.run_dir))}</h1>
+{summary}
 {img}
-<h2>Stragglers (compute-only time against peers of the same stage)</h2>
-<ul id="stragglers">{strag}</ul>
+{strag_html}
 <h2>Predicted beside measured</h2>{pred_html}
 <h2>Missing</h2><ul>{problems}</ul>
 <p>Timeline: <code>trace.json</code> (Perfetto, chrome://tracing).</p></body></html>"""

@@ -1,5 +1,8 @@
 """Measured figures of this CPU as the analytic model reads them: `CpuProfile` and its cache.
 
+A leaf of the simulator: it imports no other part of `myria.sim` (the step model turns a profile
+into its `Efficiency`, `myria.sim.perf.efficiency_for`), so `hardware` can load a profile and
+`operators` can read `hardware`'s constants without a circle.
 `myria.measure.cpu` measures (torch, the trainer's model, gloo) and writes the cache
 `myria.device.cache_dir() / "cpu_profile.json"`, keyed by `myria.device.cpu_key(threads)` and the
 number of processes; this module only reads it, so the analytic model imports no trainer code.
@@ -10,8 +13,10 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from myria.sim.operators import Efficiency, LayerShape
+if TYPE_CHECKING:   # the model's shape, read by attribute: this module imports no other sim part
+    from myria.sim.operators import LayerShape
 
 PROFILE_FILE = "cpu_profile.json"
 
@@ -37,11 +42,8 @@ class CpuProfile:
     # (block s per microbatch, block reduce s per step, root s per microbatch, root reduce s)
     fsdp_context: tuple = ()
     source: str = "measured"
-
-    def efficiency(self) -> Efficiency:
-        """The Efficiency of this CPU: measured rates, bandwidth already achieved (E_MEM = 1)."""
-        return Efficiency(gemm=1.0, half_dim=0.0, mem=1.0, mem_eager=(),
-                          kernel_overhead_s=self.kernel_overhead_s, rates=self.rates)
+    clock: str = ""                   # what compute was timed on: "thread CPU time" or "wall"
+    loadavg: float = 0.0              # the host's load average when it was measured
 
     def fsdp_time(self, nbytes: float, kind: str) -> float | None:
         """Seconds FSDP2 adds for a unit of `nbytes`: "block" (per microbatch, resharded after
@@ -67,27 +69,29 @@ class CpuProfile:
 
 
 # -- cache ----------------------------------------------------------------------------------------
-def _cache_path() -> Path:
+def profile_path() -> Path:
+    """The cache file of measured CPU profiles (under `myria.device.cache_dir()`)."""
     from myria.device import cache_dir
 
     return cache_dir() / PROFILE_FILE
 
 
-def _read_cache() -> dict:
+
+def read_cache() -> dict:
     from myria.device import read_cache_file
 
-    return read_cache_file(_cache_path())
+    return read_cache_file(profile_path())
 
 
-def _write_cache(cache: dict) -> None:
+def write_cache(cache: dict) -> None:
     from myria.device import write_cache_file
 
-    write_cache_file(_cache_path(), cache)
+    write_cache_file(profile_path(), cache)
 
 
-def _update_cache(key: str, entry: dict) -> None:
+def update_cache(key: str, entry: dict) -> None:
     """Merge `entry` into the cache under `key` (re-read first: other processes write too)."""
-    cache = _read_cache()
+    cache = read_cache()
     old = cache.get(key, {})
     for k, v in entry.items():
         if isinstance(v, dict) and isinstance(old.get(k), dict):
@@ -95,35 +99,28 @@ def _update_cache(key: str, entry: dict) -> None:
         else:
             old[k] = v
     cache[key] = old
-    _write_cache(cache)
+    write_cache(cache)
 
 
-def _key_str(key: tuple) -> str:
+def key_str(key: tuple) -> str:
     return ",".join(str(k) for k in key)
 
 
-def _key_tuple(text: str) -> tuple:
+def key_tuple(text: str) -> tuple:
     parts = text.split(",")
     return (parts[0], *(int(p) if p.lstrip("-").isdigit() else p for p in parts[1:]))
 
 
-def _compute_key(threads: int, nproc: int = 1) -> str:
+def compute_key(threads: int, nproc: int = 1) -> str:
     from myria.device import cpu_key
 
     return f"{cpu_key(threads)}|procs={nproc}"
 
 
-def _gloo_key(threads: int, nproc: int) -> str:
+def gloo_key(threads: int, nproc: int) -> str:
     from myria.device import cpu_key
 
     return f"{cpu_key(threads)}|gloo|procs={nproc}"
-
-
-def _loadavg() -> float:
-    try:
-        return os.getloadavg()[0]
-    except OSError:
-        return float("nan")
 
 
 def eager_key(shape: LayerShape) -> str:
@@ -140,13 +137,13 @@ def load_profile(threads: int, nproc: int = 1, shape: LayerShape | None = None
     With `shape`, the elementwise bandwidths measured on that model's own kernels (if cached)
     join the rates as ("bw", "eltwise") and ("bw", "head").
     """
-    cache = _read_cache()
-    entry = cache.get(_compute_key(threads, nproc))
+    cache = read_cache()
+    entry = cache.get(compute_key(threads, nproc))
     if not entry or not entry.get("elementwise_bw"):
         return None
-    table = {_key_tuple(k): float(v) for k, v in entry.get("rates", {}).items()}
+    table = {key_tuple(k): float(v) for k, v in entry.get("rates", {}).items()}
     # rates timed inside the running model win over isolated calls of the same shape
-    table.update({_key_tuple(k): float(v) for k, v in entry.get("rates_in_situ", {}).items()})
+    table.update({key_tuple(k): float(v) for k, v in entry.get("rates_in_situ", {}).items()})
     if shape is not None and eager_key(shape) in entry.get("eager_bw", {}):
         block, head = entry["eager_bw"][eager_key(shape)]
         table[("bw", "eltwise")], table[("bw", "head")] = float(block), float(head)
@@ -155,7 +152,7 @@ def load_profile(threads: int, nproc: int = 1, shape: LayerShape | None = None
     fsdp: tuple = ()
     context: tuple = ()
     if nproc > 1:
-        g = cache.get(_gloo_key(threads, nproc), {})
+        g = cache.get(gloo_key(threads, nproc), {})
         gloo = tuple(sorted((op, float(a), float(b)) for op, (a, b) in g.get("fits", {}).items()))
         fsdp = tuple(sorted((float(b), *(float(t) for t in ts))
                             for b, ts in g.get("fsdp", {}).items()))
@@ -165,4 +162,15 @@ def load_profile(threads: int, nproc: int = 1, shape: LayerShape | None = None
                       kernel_overhead_s=float(entry["kernel_overhead_s"]),
                       optimizer_s_per_param=float(entry["optimizer_s_per_param"]),
                       nproc=nproc, gloo=gloo, fsdp=fsdp, fsdp_context=context,
-                      source=f"measured {entry.get('measured_at', '?')} ({threads} threads)")
+                      source=_source(entry, threads), clock=str(entry.get("clock", "")),
+                      loadavg=float(entry.get("loadavg") or 0.0))
+
+
+def _source(entry: dict, threads: int) -> str:
+    """"measured WHEN (N threads, CLOCK, load average L)": when and how a profile was taken."""
+    how = [f"{threads} threads"]
+    if entry.get("clock"):
+        how.append(f"timed on {entry['clock']}")
+    if isinstance(entry.get("loadavg"), (int, float)):
+        how.append(f"load average {entry['loadavg']:.1f}")
+    return f"measured {entry.get('measured_at', '?')} ({', '.join(how)})"

@@ -248,8 +248,9 @@ def _model_flops(shape: LayerShape) -> tuple:
 def efficiency_for(hw: Hardware) -> Efficiency:
     """Calibrated efficiencies for datasheet devices; 1 for devices whose peaks are measured;
     a measured CPU profile's rates, bandwidth and kernel overhead when there is one."""
-    if hw.cpu is not None:
-        return hw.cpu.efficiency()
+    if hw.cpu is not None:   # measured rates, bandwidth already achieved (E_MEM = 1)
+        return Efficiency(gemm=1.0, half_dim=0.0, mem=1.0, mem_eager=(),
+                          kernel_overhead_s=hw.cpu.kernel_overhead_s, rates=hw.cpu.rates)
     return MEASURED_EFFICIENCY if hw.measured else _device_efficiency(hw.device)
 
 

@@ -260,6 +260,10 @@ def start_events(cfg: Config, run_dir: Path, env, dims: ParallelDims, engine: En
     faults = FaultInjector(run_dir, env.rank)
     rec = events.install(run_dir, env.rank, env.world_size, cfg.observe.enabled,
                          slow=faults.slow(), flush_s=cfg.observe.flush_s)
+    if env.is_main:   # also without events: `myria report` reads it (prediction, why no events)
+        from myria import rundir
+        run_dir.mkdir(parents=True, exist_ok=True)
+        atomic_write(run_dir / rundir.CONFIG, json.dumps(cfg.to_dict(), indent=1))
     if not rec.enabled:
         return rec
     if env.world_size > 1:
@@ -279,9 +283,6 @@ def start_events(cfg: Config, run_dir: Path, env, dims: ParallelDims, engine: En
     rec.start({"coord": coord, "layout": dims.layout.degrees(), "groups": groups,
                "schedule": dims.layout.schedule if dims.pp > 1 else None,
                "microbatches": engine.microbatches, "stages": engine.stage_ids})
-    if env.is_main:
-        from myria import rundir
-        atomic_write(run_dir / rundir.CONFIG, json.dumps(cfg.to_dict(), indent=1))
     return rec
 
 

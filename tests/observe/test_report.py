@@ -1,0 +1,92 @@
+"""`myria report` on a run without events, its learning-rate curve, and its prediction: priced
+from this CPU's measured figures (the eager per-operator profile), not from the matmul peak."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from myria import config as mconfig
+from myria import device
+from myria.observe import report
+from tests.conftest import TINY, run_cli
+
+STEPS = 4
+
+
+@pytest.fixture(scope="module")
+def quiet_run(tmp_path_factory, tiny_data):
+    """A tiny 1-process run trained with the event timer off (observe.enabled = false)."""
+    run = tmp_path_factory.mktemp("no_events") / "run"
+    run_cli("train", "--run-dir", str(run), f"--data.path={tiny_data}", *TINY, "--nproc", "1",
+            f"--training.steps={STEPS}", "--checkpoint.interval=0", "--observe.enabled=false")
+    assert not (run / "events").exists()
+    return run
+
+
+@pytest.mark.slow   # one tiny training run (a launcher and a worker), shared
+def test_report_of_a_run_without_events_says_so_in_one_line(quiet_run):
+    p = run_cli("report", str(quiet_run), "--no-prediction")
+    lines = p.stdout.splitlines()
+    assert "observe.enabled = false" in lines[0] and "no events" in lines[0]
+    assert not any("missing:" in x for x in lines), p.stdout
+    page = (quiet_run / "report" / "index.html").read_text()
+    assert "id=no-events" in page and "observe.enabled = false" in page
+    assert "<li>none</li>" not in page.split("<h2>Missing</h2>")[1]     # not "Missing: none"
+    assert "id=\"blame\"" not in page                                    # no empty table
+    # the curves beside the loss: the learning rate metrics.jsonl records at every step
+    rows = [json.loads(x) for x in (quiet_run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows if r.get("lr")] == list(range(1, STEPS + 1))
+    assert report.CURVES[:2] == ("loss", "lr") and "Loss, learning rate" in page
+    assert (quiet_run / "report" / "curves.png").stat().st_size > 10_000
+
+
+@pytest.mark.slow
+def test_prediction_uses_the_measured_profile_of_the_runs_layout(quiet_run, tmp_path,
+                                                                  monkeypatch):
+    from myria.measure import cpu
+    from myria.sim.perf import simulate_config
+    from tests.sim.test_cpu import synthetic_profile
+
+    # a pinned core peak (no measurement) and a profile the test controls
+    monkeypatch.setenv("MYRIA_CACHE", str(tmp_path))
+    core = {"value": 0.05, "quantile": 0.9, "calls": 100, "n": 512,
+            "q10_q50_q90": [0.05] * 3, "measured_at": "2026-01-01T00:00:00", "loadavg": 0.0}
+    (tmp_path / "machine_figures.json").write_text(json.dumps(
+        {device.cpu_key(1): {device.CORE_PEAK: core}}))
+    threads = cpu.default_threads(1)
+    prof = synthetic_profile(threads=threads, gflops=20.0, nproc=1)
+    asked = []
+
+    def measured_profile(cfg, nproc, spec, gpus_per_node=0):
+        asked.append((nproc, spec.peak_fp32_tflops))
+        return prof
+    monkeypatch.setattr(cpu, "measured_profile", measured_profile)
+    monkeypatch.setattr(cpu, "load_profile", lambda *a, **k: prof)
+    monkeypatch.setattr(cpu, "missing_ops", lambda *a, **k: [])
+    out = report.write_report(quiet_run, predict=True)
+    pred = json.loads((out / "prediction.json").read_text())
+    assert asked and asked[0][0] == 1                     # one process: from its stats files
+    cfg = mconfig.from_dict(json.loads((quiet_run / "config.json").read_text()))
+    spec = device.cpu_device_spec()
+    want = simulate_config(cfg, 1, spec, cpu_profile=prof).iteration_time_s
+    peak_only = simulate_config(cfg, 1, spec).iteration_time_s   # no cached profile here
+    assert pred["iteration_time_s"] == pytest.approx(want) and want != pytest.approx(peak_only)
+    assert pred["threads"] == threads and pred["figures"] == prof.source
+    assert pred["measured_from"] == "metrics.jsonl" and pred["measured_step_s"] > 0
+    assert "predicted step" in (out / "index.html").read_text()
+
+
+def test_a_prediction_from_figures_of_a_busy_host_says_so():
+    from myria.sim.cpu_profile import CpuProfile
+
+    wall = CpuProfile(threads=2, nproc=1, clock="wall", loadavg=9.0)
+    assert "load average 9.0" in report.busy_figures(wall)
+    assert report.busy_figures(CpuProfile(threads=2, nproc=1, clock="wall", loadavg=2.3)) == ""
+    cpu_time = CpuProfile(threads=1, nproc=2, clock="thread CPU time", loadavg=9.0)
+    assert report.busy_figures(cpu_time) == ""     # timed on CPU time: a quiet host's figure
+    line = report.prediction_line({"iteration_time_s": 2.0, "mfu": 0.5, "device": "cpu",
+                                   "processes": 1, "threads": 2, "measured_step_s": 4.0,
+                                   "measured_mfu": 0.25, "caveat": "busy"})
+    assert line.endswith("measured median step 4000 ms, MFU 25.0%: prediction -50% [busy]")
