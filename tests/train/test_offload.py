@@ -444,7 +444,7 @@ def test_killed_mid_step_under_supervise_resumes_bit_equal(tmp_path, tiny_data, 
     ref, run = tmp_path / "ref", tmp_path / "run"
     run_cli("train", "--run-dir", str(ref), "--nproc", str(nproc), *common)
     run_cli("supervise", "--run-dir", str(run), "--nproc", str(nproc), *common,
-            "--resilience.heartbeat_s=0.5", "--resilience.hang_timeout_s=5",
+            "--resilience.heartbeat_s=0.5", "--resilience.hang_timeout_s=30",
             "--resilience.backoff_s=0.2", "--resilience.diagnose=false",
             env={"MYRIA_FAULT": f"offload-kill:rank={rank}:step=7"}, timeout=400)
     summary = json.loads((run / "supervisor_summary.json").read_text())
