@@ -4,6 +4,7 @@ import pytest
 
 from myria import config
 from myria.errors import ConfigError
+from myria.layout import Layout
 
 
 def test_defaults_validate():
@@ -39,11 +40,11 @@ def test_errors_name_field_value_and_valid(override, needle):
 def test_world_size_mismatch():
     cfg = config.load(None, ["--parallel.tp=2", "--parallel.dp_shard=2"])
     with pytest.raises(ConfigError, match="world size is 2"):
-        cfg.validate(2)
+        Layout.resolve(cfg.parallel, 2)
     cfg = config.load(None, ["--training.global_batch=6", "--training.micro_batch=2"])
     with pytest.raises(ConfigError, match="divisible by data-parallel ranks"):
-        config.resolve_layout(cfg, 2).check(cfg)
-    assert config.resolve_layout(cfg, 3)["dp"] == 3
+        Layout.resolve(cfg.parallel, 2).check(cfg)
+    assert Layout.resolve(cfg.parallel, 3)["dp"] == 3
 
 
 def test_bad_files(tmp_path):

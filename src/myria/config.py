@@ -350,9 +350,9 @@ class Config:
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
 
-    def validate(self, world_size: int | None = None) -> Config:
-        """Check consistency between fields (and with the world size, when given)."""
-        validate(self, world_size)
+    def validate(self) -> Config:
+        """Check consistency between fields (the parallel layout: `myria.layout.Layout`)."""
+        validate(self)
         return self
 
 
@@ -495,11 +495,6 @@ def load(path: str | Path | None = None, overrides: typing.Sequence[str] = ()) -
     return cfg
 
 
-def resolve_layout(cfg: Config, world_size: int):
-    """The run's `myria.layout.Layout` on `world_size` ranks (dp_shard = -1 fills the rest)."""
-    from myria.layout import Layout
-
-    return Layout.resolve(cfg.parallel, world_size)
 
 
 def validate_model(m: ModelConfig) -> None:
@@ -560,7 +555,7 @@ def validate_mixer(m: ModelConfig) -> None:
                           "= 0 (or use attention = 'block_sparse')")
 
 
-def validate(cfg: Config, world_size: int | None = None) -> None:
+def validate(cfg: Config) -> None:
     """Raise ConfigError for inconsistent fields (the parallel layout's rules are
     `Layout.check`, run before the workers start and by each worker's engine)."""
     m, t, par = cfg.model, cfg.training, cfg.parallel
@@ -573,8 +568,6 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
     if par.cpu_offload and par.offload == "nvme":
         raise ConfigError("parallel.cpu_offload = true (an alias of offload = 'cpu') contradicts "
                           "parallel.offload = 'nvme'; set one of them")
-    if world_size is not None:  # the degrees multiply to the world size (Layout.resolve)
-        resolve_layout(cfg, world_size)   # the layout's rules: myria.layout.Layout.check
 
 
 def describe(cfg: Config) -> str:

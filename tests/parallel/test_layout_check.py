@@ -48,7 +48,7 @@ def _cases():
 
 def _verdict(over, world):
     cfg = config.load(None, over)
-    lay = config.resolve_layout(cfg, world)
+    lay = Layout.resolve(cfg.parallel, world)
     try:
         lay.check(cfg)
         return cfg, lay, None
@@ -115,7 +115,7 @@ def test_what_the_check_accepts_the_engine_builds(monkeypatch):
 ])
 def test_structural_refusals_fail_in_the_engine_too(over, world, needle, monkeypatch):
     cfg = config.load(None, [*MODEL, *over])
-    lay = config.resolve_layout(cfg, world)
+    lay = Layout.resolve(cfg.parallel, world)
     with pytest.raises(ConfigError, match=needle):
         lay.check(cfg)
     with pytest.raises(Exception):  # noqa: B017 (any failure: the engine cannot build it)

@@ -4,6 +4,7 @@ import pytest
 
 from myria import config
 from myria.errors import ConfigError
+from myria.layout import Layout
 from myria.train.engine import check_run
 
 
@@ -30,7 +31,7 @@ from myria.train.engine import check_run
 def test_layout_errors(overrides, world, needle):
     with pytest.raises(ConfigError, match=None) as e:
         cfg = config.load(None, overrides)
-        check_run(cfg, config.resolve_layout(cfg, world))
+        check_run(cfg, Layout.resolve(cfg.parallel, world))
     assert needle in str(e.value)
 
 
@@ -38,4 +39,4 @@ def test_valid_layouts_pass():
     for o, w in [(["--parallel.tp=2", "--parallel.pp=2"], 8), (["--parallel.cp=2"], 4),
                  (["--model.experts=4", "--parallel.ep=2"], 4)]:
         cfg = config.load(None, [*o, "--model.layers=4"])
-        check_run(cfg, config.resolve_layout(cfg, w))
+        check_run(cfg, Layout.resolve(cfg.parallel, w))

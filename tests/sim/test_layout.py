@@ -121,7 +121,7 @@ def test_one_layout_object_gives_the_trainers_mesh_groups():
 
     cfg = config.load(None, ["--parallel.tp=2", "--parallel.pp=2", "--model.layers=4",
                              "--parallel.dp_replicate=2"])
-    lay = config.resolve_layout(cfg, 16)
+    lay = Layout.resolve(cfg.parallel, 16)
     assert isinstance(lay, Layout) and lay.world == 16 and lay["dp_shard"] == 2
     lay.check(cfg)
     grid = placement.grid(lay)
@@ -138,4 +138,4 @@ def test_one_layout_object_gives_the_trainers_mesh_groups():
         finally:
             dist.destroy_process_group()
     with pytest.raises(ConfigError, match="world size 6 is not divisible"):
-        config.resolve_layout(cfg, 6)
+        Layout.resolve(cfg.parallel, 6)

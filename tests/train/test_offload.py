@@ -9,6 +9,7 @@ import torch
 
 from myria import config
 from myria.errors import CheckpointError, ConfigError, OffloadError
+from myria.layout import Layout
 from myria.offload.diskio import ALIGN, HUGE_PAGE, aligned_buffer
 from myria.offload.files import FileMap
 from myria.train.checkpoint import CheckpointManager
@@ -531,7 +532,7 @@ def test_dry_run_accounts_for_offload():
 def test_nvme_tier_refuses_a_gpu_in_one_line():
     from myria.train.engine import check_run
     cfg = config.load(None, [*SMALL, "--parallel.offload=nvme"])
-    layout = config.resolve_layout(cfg, 1)
+    layout = Layout.resolve(cfg.parallel, 1)
     check_run(cfg, layout, "cpu")
     with pytest.raises(ConfigError, match="runs on CPU in this version, not on cuda"):
         check_run(cfg, layout, "cuda")

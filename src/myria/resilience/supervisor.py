@@ -80,14 +80,14 @@ def run(args) -> int:
     if args.nproc < 1:
         raise ConfigError(f"--nproc {args.nproc}: must be at least 1")
     min_nodes, max_nodes = _parse_nnodes(args.nnodes)
-    cfg.validate(args.nproc * min_nodes)
     from myria.data.mixture import open_dataset
+    from myria.layout import Layout
     from myria.train.distributed import device_type
     from myria.train.engine import check_run
     from myria.train.trainer import check_vocab
 
     check_vocab(cfg, open_dataset(cfg.data, cfg.model.seq_len, verify=False))
-    check_run(cfg, config_mod.resolve_layout(cfg, args.nproc * min_nodes),
+    check_run(cfg, Layout.resolve(cfg.parallel, args.nproc * min_nodes),
               device_type(cfg.training.device))
     worker_argv = ["train", "--run-dir", str(args.run_dir)]
     if args.config:

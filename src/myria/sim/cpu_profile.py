@@ -13,10 +13,11 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Any
 
-if TYPE_CHECKING:   # the model's shape, read by attribute: this module imports no other sim part
-    from myria.sim.operators import LayerShape
+# `shape` arguments are a myria.sim.operators.LayerShape, read by attribute: this module imports
+# no other part of the simulator (it sits below hardware.py and operators.py)
+LayerShape = Any
 
 PROFILE_FILE = "cpu_profile.json"
 

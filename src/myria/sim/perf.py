@@ -708,7 +708,7 @@ def config_run(cfg, nproc: int, device_spec: DeviceSpec, gpus_per_node: int = 0
     (`myria.device.cpu_device_spec`, source "measured (N threads ...)") is re-read at those
     threads. Off CPU, threads is 0.
     """
-    from myria.config import resolve_layout
+    from myria.layout import Layout
     from myria.sim.runspec import (
         ClusterSpec,
         KernelSpec,
@@ -720,7 +720,7 @@ def config_run(cfg, nproc: int, device_spec: DeviceSpec, gpus_per_node: int = 0
         validate,
     )
 
-    lay = resolve_layout(cfg, nproc)
+    lay = Layout.resolve(cfg.parallel, nproc)
     dtype = cfg.training.dtype
     if dtype == "auto":
         dtype = "float32" if device_spec.name == "cpu" else "bfloat16"

@@ -15,6 +15,7 @@ from pathlib import Path
 
 from myria import config as config_mod
 from myria.errors import DataError
+from myria.layout import Layout
 
 ACCEPTS_OVERRIDES = True
 
@@ -74,7 +75,7 @@ def dry_run(cfg: config_mod.Config, world: int, ranks_per_host: int | None = Non
     m, t = cfg.model, cfg.training
     pc = param_counts(m)
     n = pc.total(m.layers)
-    lay = config_mod.resolve_layout(cfg, world)
+    lay = Layout.resolve(cfg.parallel, world)
     lines = [config_mod.describe(cfg),
              f"# world size {world}: layout " + ", ".join(f"{k}={v}"
                                                          for k, v in lay.degrees().items()),
@@ -184,13 +185,11 @@ def run(args) -> int:
     cfg = config_mod.load(args.config, args.overrides)
     world = _nproc_for(args)
     if args.dry_run:
-        cfg.validate(world * args.nnodes)
         from myria.train.distributed import device_type
-        config_mod.resolve_layout(cfg, world * args.nnodes).check(
+        Layout.resolve(cfg.parallel, world * args.nnodes).check(
             cfg, device_type(cfg.training.device))
         print(dry_run(cfg, world * args.nnodes, ranks_per_host=world))
         return 0
-    cfg.validate(world)
     if not args.run_dir:
         raise config_mod.ConfigError("--run-dir is required (where checkpoints and metrics go)")
     from myria.train.launch import inside_launcher, launch_local
@@ -203,7 +202,7 @@ def run(args) -> int:
         check_vocab(cfg, open_dataset(cfg.data, cfg.model.seq_len, verify=False))
         from myria.train.distributed import device_type
         from myria.train.engine import check_run
-        check_run(cfg, config_mod.resolve_layout(cfg, args.nproc),
+        check_run(cfg, Layout.resolve(cfg.parallel, args.nproc),
                   device_type(cfg.training.device))
         launch_local(args.nproc, ["train", *_without_nproc(args.argv)])
         _summary(Path(args.run_dir))

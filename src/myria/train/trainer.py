@@ -30,6 +30,7 @@ from myria.data.mixture import MixtureDataset, open_dataset
 from myria.errors import CheckpointError, ConfigError
 from myria.faults import FaultInjector
 from myria.fsutil import atomic_write
+from myria.layout import Layout
 from myria.models.flops import model_flops_per_token
 from myria.observe import events
 from myria.parallel.data import make_loader, write_read_counts
@@ -88,10 +89,9 @@ def train(cfg: Config, run_dir: str | Path, stop_after: int | None = None) -> Tr
 
 def _train(cfg: Config, run_dir: Path, env, stop_after: int | None,
            hb: heartbeat.Heartbeat) -> TrainResult:
-    cfg.validate(env.world_size)
     threads = distributed.set_cpu_threads(cfg.training.threads, env) if env.device.type == "cpu" \
         else None
-    layout = config_mod.resolve_layout(cfg, env.world_size)
+    layout = Layout.resolve(cfg.parallel, env.world_size)
     dims = ParallelDims.build(layout, env.device.type)   # the mesh, groups, coordinates
     t, m = cfg.training, cfg.model
 
