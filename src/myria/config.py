@@ -219,6 +219,10 @@ class CheckpointConfig:
                           "newer checkpoints of the run are moved aside, not deleted")
     start_fresh: bool = _f(False, "when checkpoints exist but none can be loaded, train from "
                            "step 0 instead of stopping (the damaged ones stay in quarantine/)")
+    max_failed_saves: int = _f(2, "stop the run (exit status 4) once this many checkpoint "
+                               "saves in a row have failed, e.g. on a full disk; 0 trains on "
+                               "through failed saves, but a run whose final checkpoint is not "
+                               "saved still ends with status 4", min=0)
 
 
 @dataclass
