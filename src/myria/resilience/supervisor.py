@@ -623,6 +623,7 @@ class Supervisor:
             f.action.append("stop: input error")
             raise _UserError(f"rank {culprit}: {f.cause}")
         if failures[culprit].exitcode == SAVE_FAILED:
+            f.newest_committed = _newest_committed(self.run_dir)
             f.action.append("stop: checkpoints cannot be saved")
             raise _SaveFailed(f"rank {culprit}: {f.cause}")
         # before any step of this attempt: the same error as last time is deterministic
@@ -791,6 +792,7 @@ class Supervisor:
             "mean_step_s": round(productive / steps, 4) if steps else 0.0,
             "effective_training_time_ratio": round(ettr, 4),
             "time_lost_s": round(wall - productive, 3),
+            "newest_checkpoint": _newest_committed(self.run_dir),
             "faults": [f.to_dict() for f in self.faults], "blocklist": self.blocklist,
             "heartbeat_s": self.r.heartbeat_s, "store": self.r.store,
         }

@@ -330,7 +330,12 @@ class Heartbeat:
         self.sent += 1
 
     def _run(self) -> None:
+        from myria.train.launch import launcher_gone
+
         while True:
+            if launcher_gone():  # its store went with it: a send would print a C++ stack
+                self.lost = True
+                return
             try:
                 self.send()
             except Exception as e:  # the store may be gone; keep training, retry next period
