@@ -288,7 +288,7 @@ def test_killed_supervisor_stops_its_workers_and_locks_its_run_dir(tmp_path, tin
     sup = subprocess.Popen([sys.executable, "-m", "myria", "supervise", "--run-dir",
                             str(tmp_path), "--nproc", "2", *args, "--training.steps=2000",
                             "--resilience.diagnose=false"], cwd=ROOT, env=e,
-                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                           stdout=subprocess.DEVNULL, stderr=open(tmp_path / "sup.err", "w"))
     try:
         deadline = time.time() + 180
         while time.time() < deadline and sup.poll() is None:

@@ -351,8 +351,8 @@ class Heartbeat:
     def _supervisor_gone(self, e: Exception) -> bool:
         """A lost connection to the supervisor's own TCPStore means the supervisor ended: stop
         sending (each try would print a C++ stack) and stop training cleanly at the end of
-        this step (SIGTERM: a checkpoint, then exit), unless the launcher's death already
-        delivered that signal (myria.train.launch.stop_with_launcher)."""
+        this step (SIGTERM: a checkpoint, then exit), unless the launcher's death already did
+        that (myria.train.launch.stop_with_launcher)."""
         if not isinstance(self.store, TCPHeartbeatStore) or not any(
                 m in str(e) for m in LOST_CONNECTION):
             return False

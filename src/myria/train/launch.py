@@ -61,40 +61,49 @@ def stop_with_launcher() -> None:
     """Make this worker stop when its launcher (`myria supervise`, `myria train --nproc`,
     torchrun: the parent process) dies, instead of training on as an orphan.
 
-    On Linux the kernel sends SIGTERM at the parent's death (prctl PR_SET_PDEATHSIG; torch
-    elastic starts the workers from the agent's main thread, so the signal follows the agent
-    process): the trainer saves a checkpoint at the end of the current step and exits, as on
-    a preemption. A thread also watches the parent: it says so in one line, sends the SIGTERM
-    itself where prctl is unavailable, and kills the process if it has not stopped
-    ORPHAN_GRACE_S later (a hung rank never reaches its next step)."""
+    On Linux the kernel signals the worker at its parent's death (prctl PR_SET_PDEATHSIG;
+    torch elastic starts the workers from the agent's main thread, so the signal follows the
+    agent process). The signal is SIGUSR2, not SIGTERM: the kernel sends it once per thread
+    that inherited the setting, and a second SIGTERM would end a save half-way. Its handler,
+    and a thread that watches the parent where prctl is missing, send this process one
+    SIGTERM: the trainer saves a checkpoint at the end of the current step and exits, as on a
+    preemption. The thread kills the process if it has not stopped ORPHAN_GRACE_S later (a
+    hung rank never reaches its next step). Call from the main thread."""
     global _watching, _first_ppid
     if _watching:
         return
     _watching = True
     want = os.environ.get(LAUNCHER_ENV, "")
     _first_ppid = os.getppid()
-    armed = False
+    import threading
+
+    once = threading.Lock()
+
+    def stop(*_) -> None:
+        if not once.acquire(blocking=False):
+            return  # told already
+        print(f"myria: rank {os.environ.get('RANK', '?')} (pid {os.getpid()}): its launcher "
+              f"(pid {_first_ppid}) died; stopping at the end of this step with a checkpoint",
+              file=sys.stderr, flush=True)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    signal.signal(signal.SIGUSR2, stop)
     if sys.platform.startswith("linux"):
         try:
             import ctypes
-            libc = ctypes.CDLL(None, use_errno=True)
-            armed = libc.prctl(PR_SET_PDEATHSIG, int(signal.SIGTERM), 0, 0, 0) == 0
+            ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, int(signal.SIGUSR2),
+                                                    0, 0, 0)
         except (OSError, AttributeError):
-            armed = False
+            pass
     if (want.isdigit() and int(want) != _first_ppid) or _first_ppid == 1:
         print(f"myria: the launcher of this worker (pid {want or '?'}) is gone before it "
               "started: exiting", file=sys.stderr, flush=True)
         os._exit(1)
-    import threading
 
     def watch() -> None:
         while os.getppid() == _first_ppid:
             time.sleep(0.5)
-        print(f"myria: rank {os.environ.get('RANK', '?')} (pid {os.getpid()}): its launcher "
-              f"(pid {_first_ppid}) died; stopping at the end of this step with a checkpoint",
-              file=sys.stderr, flush=True)
-        if not armed:
-            os.kill(os.getpid(), signal.SIGTERM)
+        stop()
         time.sleep(ORPHAN_GRACE_S)
         print(f"myria: rank {os.environ.get('RANK', '?')} (pid {os.getpid()}) did not stop "
               f"within {ORPHAN_GRACE_S:g} s of its launcher's death: killing itself",
