@@ -177,7 +177,6 @@ class Fault:
     before_first_step: bool = False  # the attempt had not finished a step when it failed
     signature: str = field(default="", repr=False)  # the error, numbers masked
 
-
     @property
     def detection_s(self) -> float:
         return max(0.0, self.detected_at - self.fault_at)
