@@ -284,6 +284,7 @@ class _Pending:
     rng: dict[str, str]
     record: SaveRecord
     linked: list[str] = field(default_factory=list)  # files linked in (offloaded state)
+    unique: int = 0                # bytes of the checkpoint that only this rank writes (at least)
     snapshot_done: threading.Event = field(default_factory=threading.Event)
     done: threading.Event = field(default_factory=threading.Event)
     error: BaseException | None = None
@@ -626,7 +627,10 @@ class CheckpointManager:
         flat = _flatten(target.state_dict())
         out: dict[tuple, Any] = {}
         copies = []
+        unique = 0
         for key, v in flat.items():
+            if isinstance(v, torch.Tensor):
+                unique += _unique_bytes(v)
             if getattr(v, "_myria_immutable", False):  # a file never written again: as it is
                 out[key] = v
                 rec.bytes += v.numel() * v.element_size()
@@ -641,7 +645,8 @@ class CheckpointManager:
                 rec.bytes += local.numel() * local.element_size()
             else:
                 out[key] = copy.deepcopy(v)
-        return _Pending(step, out, copies, json.loads(json.dumps(extra)), rng_state(), rec)
+        return _Pending(step, out, copies, json.loads(json.dumps(extra)), rng_state(), rec,
+                        unique=unique)
 
     def _link_files(self, p: _Pending, target) -> None:
         """Stage 1 for state kept in files (`target.checkpoint_files()`: the nvme tier's
@@ -726,11 +731,11 @@ class CheckpointManager:
             if disk:
                 log.debug("checkpoint of step %d: %s", p.step, err)
                 err = disk + (" (injected fault)" if "injected fault" in err else "")
-        votes: list[Any] = [(err, mine, p.record.bytes)]
+        votes: list[Any] = [(err, mine, p.unique)]
         if world > 1:
             votes = [None] * world
             try:
-                dist.all_gather_object(votes, (err, mine, p.record.bytes), group=self._pg)
+                dist.all_gather_object(votes, (err, mine, p.unique), group=self._pg)
             except Exception as e:
                 votes = [(f"vote failed: {e}", {}, 0)]
         errors = [(r, v[0]) for r, v in enumerate(votes) if v is None or v[0]]
@@ -786,8 +791,8 @@ class CheckpointManager:
             need = _checkpoint_bytes(ckpts[-1]) if ckpts else None
             if need:
                 need_s = f"about {_mib(need)} (the size of {ckpts[-1].name})"
-            else:  # every rank's state is in the checkpoint once at least
-                need_s = "at least " + _mib(max((v[2] for v in votes if v), default=0))
+            else:  # each rank's shards, replicated state once
+                need_s = "at least " + _mib(sum(v[2] for v in votes if v))
             line += (f" in {self.dir}: a checkpoint needs {need_s}, "
                      f"{_mib(free_bytes(self.dir))} free")
         return line
@@ -922,6 +927,21 @@ class CheckpointManager:
         """Save records and bytes read, for logs and benchmarks."""
         return {"saves": [asdict(r) for r in self.history], "bytes_read": self.bytes_read,
                 "verify_bytes": self.verify_bytes}
+
+
+def _unique_bytes(v: torch.Tensor) -> int:
+    """The bytes of tensor `v` that this rank alone holds: a DTensor's shard on the ranks at
+    coordinate 0 of its replicated mesh dimensions; a plain tensor on rank 0 (summed over the
+    ranks: the size of the checkpoint's tensors, or less where plain tensors differ by rank)."""
+    local = _local(v)
+    n = local.numel() * local.element_size()
+    if _is_dtensor(v):
+        coord = v.device_mesh.get_coordinate()
+        if coord is None:
+            return 0
+        return n if all(c == 0 for c, pl in zip(coord, v.placements) if not pl.is_shard()) \
+            else 0
+    return n if _world()[0] == 0 else 0
 
 
 def _checkpoint_bytes(path: Path) -> int | None:
