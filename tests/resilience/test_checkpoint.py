@@ -86,7 +86,7 @@ def test_failed_save_keeps_previous_and_later_saves_work(tmp_path):
         t.update()
         mgr.wait()
     assert [r.ok for r in mgr.history] == [True, False, True]
-    assert "no space left on device" in mgr.history[1].error
+    assert "No space left on device" in mgr.history[1].error
     names = sorted(p.name for p in (tmp_path / "ck").iterdir())
     assert names == ["latest", "step_00000002", "step_00000006"]
 
@@ -104,7 +104,7 @@ def test_failed_saves_in_a_row_stop_the_run(tmp_path, caplog, async_save):
         mgr.save(2, t, {})
         mgr.wait()
     line = caplog.records[-1].getMessage()
-    assert "checkpoint of step 2 failed on rank 0: no space left on device (injected fault) in " \
+    assert "checkpoint of step 2 failed on rank 0: No space left on device (injected fault) in " \
         in line and "no checkpoint of this run is saved yet" in line and "is kept" not in line
     assert "at least 0.1 MiB" in line and " free" in line and "\n" not in line
     with pytest.raises(SaveError) as e:
@@ -120,7 +120,7 @@ def test_failed_saves_in_a_row_stop_the_run(tmp_path, caplog, async_save):
     mgr.require_saved(8)
     mgr.save(9, t, {})
     with pytest.raises(SaveError, match="training stopped at step 9 but its checkpoint could "
-                       "not be saved: .*no space left on device.* the newest saved checkpoint "
+                       "not be saved: .*No space left on device.* the newest saved checkpoint "
                        "is step_00000008"):
         mgr.require_saved(9)
 

@@ -152,7 +152,7 @@ def test_corrupt_newest_checkpoint_and_full_disk(tmp_path, tiny_data, reference)
     f = summary["faults"][0]
     assert f["newest_committed"] == "step_00000012" and f["resumed_from"] == 4, f
     out = "\n".join(p.read_text() for p in (tmp_path / "logs").rglob("stderr.log"))
-    assert "no space left on device" in out and "is damaged" in out
+    assert "No space left on device" in out and "is damaged" in out
     assert "fails its checksum" in out
     check_recovered(tmp_path, reference, "exit", 0, resumed_from=4)
 
@@ -242,7 +242,7 @@ def small_disk(tmp_path):
 
 @pytest.mark.slow
 def test_full_disk_stops_with_status_4_and_no_restart(small_disk, tiny_data):
-    """Issue 29 item 1: on a full disk `myria train` and `myria supervise` say "no space left
+    """Issue 29 item 1: on a full disk `myria train` and `myria supervise` say "No space left
     on device" with what a checkpoint needs and what is free, stop after 2 failed saves in a
     row with exit status 4 (never "succeeded" for unsaved work), and the supervisor records
     the fault and does not restart into the full disk."""
@@ -251,7 +251,7 @@ def test_full_disk_stops_with_status_4_and_no_restart(small_disk, tiny_data):
     assert p.returncode == 4, p.stderr[-3000:]
     err = p.stderr
     assert "Traceback" not in err and "inline_container" not in err, err[-3000:]
-    assert "checkpoint of step 4 failed on rank 0: no space left on device in " in err
+    assert "checkpoint of step 4 failed on rank 0: No space left on device in " in err
     assert "a checkpoint needs about 3." in err and "MiB free" in err
     assert "the previous checkpoint step_00000002 is kept" in err
     assert "myria train: error: training stopped at step" in err
@@ -271,7 +271,7 @@ def test_full_disk_stops_with_status_4_and_no_restart(small_disk, tiny_data):
     assert summary["status"] == "checkpoint-failed" and summary["restarts"] == 0, summary
     assert summary["newest_checkpoint"] == "step_00000002"
     f = summary["faults"][0]
-    assert "no space left on device" in f["cause"] and f["action"] == [
+    assert "No space left on device" in f["cause"] and f["action"] == [
         "stop: checkpoints cannot be saved"], f
     assert "ACTION stop without restarting (the work would not be saved)" in \
         (run / "supervisor.log").read_text()

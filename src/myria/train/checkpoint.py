@@ -26,7 +26,7 @@ A save has two stages, as in MegaScale (§4.5.3) and torchtitan's asynchronous c
    `step_N.tmp` to `step_N` (atomic on POSIX), fsyncs the directory and replaces `latest`.
 
 At most one save is in flight: a new save first waits for the previous one. A failed save is
-logged in one line (a full disk reads "no space left on device", with what a checkpoint needs
+logged in one line (a full disk reads "No space left on device", with what a checkpoint needs
 and what is free), its temporary directory removed, older checkpoints are untouched, and
 training goes on, unless `max_failures` saves in a row have failed (`checkpoint.max_failed_saves`):
 then the next save raises `SaveError`, as `require_saved` does when the final save (or the save
@@ -175,20 +175,21 @@ _ZIP_SHORT_WRITE = "unexpected pos"
 
 
 def _disk_error(e: BaseException, path: Path, needed: int) -> str | None:
-    """"no space left on device" / "disk quota exceeded" when that is why `e` happened.
+    """The OS's words for a full disk ("No space left on device", "Disk quota exceeded") when
+    that is why `e` happened.
 
     An OSError with ENOSPC/EDQUOT says so itself; torch's "[enforce fail at inline_container.cc]
     unexpected pos" (a short write inside torch.save) counts when `path` has less free space
     than the `needed` bytes."""
     for x in _errors_of(e):
         if isinstance(x, BaseException) and getattr(x, "errno", None) == errno.ENOSPC:
-            return "no space left on device"
+            return os.strerror(errno.ENOSPC)
         if isinstance(x, BaseException) and getattr(x, "errno", None) == errno.EDQUOT:
-            return "disk quota exceeded"
+            return os.strerror(errno.EDQUOT)
         if isinstance(x, BaseException) and _ZIP_SHORT_WRITE in str(x):
             free = free_bytes(path)
             if free is not None and free < needed:
-                return "no space left on device"
+                return os.strerror(errno.ENOSPC)
     return None
 
 
@@ -784,8 +785,8 @@ class CheckpointManager:
         needs and what is free; whether an older checkpoint is kept."""
         rank, why = who
         line = f"checkpoint of step {step} failed on rank {rank}: {why}"
-        self.disk_full = why.startswith(("no space left", "disk quota", "commit failed: no "
-                                         "space", "commit failed: disk quota"))
+        self.disk_full = why.removeprefix("commit failed: ").startswith(
+            (os.strerror(errno.ENOSPC), os.strerror(errno.EDQUOT)))
         if self.disk_full:
             ckpts = [c for c in self.committed() if c.name != self.path_for(step).name]
             need = _checkpoint_bytes(ckpts[-1]) if ckpts else None
