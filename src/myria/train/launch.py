@@ -101,6 +101,8 @@ def stop_with_launcher() -> None:
         os._exit(1)
 
     def watch() -> None:
+        # signals are the main thread's and the SIGUSR1 dump thread's (myria.observe.events)
+        signal.pthread_sigmask(signal.SIG_BLOCK, signal.valid_signals())
         while os.getppid() == _first_ppid:
             time.sleep(0.5)
         stop()
