@@ -232,6 +232,10 @@ class CheckpointConfig:
                            "step 0 instead of stopping (the damaged ones stay in quarantine/)")
     allow_data_change: bool = _f(False, "resume although data.path's tokenizer or tokens differ "
                                  "from the fingerprint the checkpoint recorded")
+    max_failed_saves: int = _f(2, "stop the run (exit status 4) once this many checkpoint "
+                               "saves in a row have failed, e.g. on a full disk; 0 trains on "
+                               "through failed saves, but a run whose final checkpoint is not "
+                               "saved still ends with status 4", min=0)
 
 
 @dataclass

@@ -25,6 +25,17 @@ MYRIA_FAULT holds comma-separated faults, each `kind:key=value:...`:
 
 Each fault fires once per run directory (a marker file under RUN_DIR/faults/ records it), so a
 restarted job does not repeat it.
+
+Step numbers. The console counts steps from 1 ("step 1/30" is printed when the first step is
+done), and so do the checkpoint and offload hooks: `diskfull:step=S`, `corrupt-checkpoint:step=S`,
+`offload-*:step=S` act on the checkpoint or optimizer update of console step S. The hooks that
+act "at the start of step S" (`kill`, `hang`, `stop`, `raise`, `bitflip`, `nan`) count the steps
+done before them: they fire once S steps are done, during the step the console prints as S+1
+(`kill:rank=0:step=0` kills before the first step; `kill:rank=0:step=14` after "step 14" is
+printed, before step 15 runs). `slow` applies from console step S on.
+
+A malformed MYRIA_FAULT is a FaultSpecError (a ConfigError): one line, exit status 2, and the
+supervisor checks it before it starts any worker.
 """
 
 from __future__ import annotations
@@ -33,11 +44,17 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from myria.errors import ConfigError
+
 KINDS = ("kill", "hang", "stop", "raise", "corrupt-checkpoint", "diskfull", "slow", "bitflip",
          "nan", "offload-kill", "offload-diskfull")
 FLOAT_KEYS = ("factor",)   # parameters that take a number, not an integer
 # parameters that take one of a few words
 WORD_KEYS = {"target": ("param", "grad"), "sticky": ("yes", "no")}
+
+
+class FaultSpecError(ConfigError, ValueError):
+    """MYRIA_FAULT does not parse (also a ValueError, as it always was)."""
 
 
 @dataclass
@@ -56,7 +73,7 @@ class Fault:
 
 
 def parse(text: str | None) -> list[Fault]:
-    """Parse MYRIA_FAULT; raises ValueError naming the bad item."""
+    """Parse MYRIA_FAULT; raises FaultSpecError naming the bad item and what is valid."""
     faults = []
     for item in (text or "").split(","):
         item = item.strip()
@@ -64,36 +81,41 @@ def parse(text: str | None) -> list[Fault]:
             continue
         kind, *kvs = item.split(":")
         if kind not in KINDS:
-            raise ValueError(f"MYRIA_FAULT item {item!r}: unknown fault {kind!r}; valid: "
-                             f"{', '.join(KINDS)}")
+            raise FaultSpecError(f"MYRIA_FAULT item {item!r}: unknown fault {kind!r}; "
+                                 f"valid: {', '.join(KINDS)}")
         params: dict = {}
         for kv in kvs:
             k, _, v = kv.partition("=")
             if k in WORD_KEYS:
                 if v not in WORD_KEYS[k]:
-                    raise ValueError(f"MYRIA_FAULT item {item!r}: {k} must be one of "
-                                     f"{', '.join(WORD_KEYS[k])}")
+                    raise FaultSpecError(f"MYRIA_FAULT item {item!r}: {k} must be one of "
+                                         f"{', '.join(WORD_KEYS[k])}")
                 params[k] = v
                 continue
             if k in FLOAT_KEYS:
                 try:
                     params[k] = float(v)
                 except ValueError:
-                    raise ValueError(f"MYRIA_FAULT item {item!r}: {k}={v!r} is not a number")\
-                        from None
+                    raise FaultSpecError(f"MYRIA_FAULT item {item!r}: {k}={v!r} is not a "
+                                         "number") from None
                 continue
-            if k not in ("rank", "step") or not v.lstrip("-").isdigit():
-                raise ValueError(f"MYRIA_FAULT item {item!r}: expected rank=N and step=N")
+            if k not in ("rank", "step"):
+                raise FaultSpecError(f"MYRIA_FAULT item {item!r}: unknown parameter {k!r}; "
+                                     "valid: rank=N, step=N, factor=F (slow), target=param|grad "
+                                     "(bitflip), sticky=yes|no (nan)")
+            if not v.lstrip("-").isdigit():
+                raise FaultSpecError(f"MYRIA_FAULT item {item!r}: {k}={v!r} is not an integer "
+                                     f"(expected {k}=N)")
             params[k] = int(v)
         if kind == "slow":
             if "rank" not in params or params.get("factor", 0) < 1:
-                raise ValueError(f"MYRIA_FAULT item {item!r}: slow needs rank=R and "
-                                 "factor=F >= 1")
+                raise FaultSpecError(f"MYRIA_FAULT item {item!r}: slow needs rank=R and "
+                                     "factor=F >= 1")
             params.setdefault("step", 1)
         if "step" not in params:
-            raise ValueError(f"MYRIA_FAULT item {item!r}: step=N is required")
+            raise FaultSpecError(f"MYRIA_FAULT item {item!r}: step=N is required")
         if kind in ("bitflip", "nan") and "rank" not in params:
-            raise ValueError(f"MYRIA_FAULT item {item!r}: {kind} needs rank=R")
+            raise FaultSpecError(f"MYRIA_FAULT item {item!r}: {kind} needs rank=R")
         if kind == "bitflip":
             params.setdefault("target", "param")
         faults.append(Fault(kind, params))
@@ -150,4 +172,5 @@ class FaultInjector:
                 time.sleep(3600)
         if f := self.due("raise", step):
             self.mark(f)
-            raise RuntimeError(f"injected fault: raise on rank {self.rank} at step {step}")
+            raise RuntimeError(f"injected fault: raise on rank {self.rank} at step {step} "
+                               f"(after {step} steps, before console step {step + 1})")

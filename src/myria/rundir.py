@@ -16,11 +16,21 @@ Every path under RUN_DIR that more than one part of myria reads or writes is nam
     offload_stats/rankNNNNN.json  the nvme tier's I/O per rank: bytes, times, exposed waits,
                              peak resident memory
     supervisor.log, supervisor_summary.json, logs/, faults/
+    run.lock                 the job that owns the directory (advisory flock, exclusive; JSON:
+                             host, pid, command, job, time), held by `myria train` or
+                             `myria supervise` (for its workers too) while it runs
+    workers.lock             a shared flock held by every worker process while it runs, so that
+                             a new job waits for the workers of a dead one to stop
 """
 
 from __future__ import annotations
 
+import atexit
 import json
+import os
+import socket
+import sys
+import time
 from pathlib import Path
 
 CONFIG = "config.json"
@@ -33,6 +43,9 @@ REPORT_DIR = "report"
 DETECTIONS = "events.jsonl"
 OFFLOAD_DIR = "offload"
 OFFLOAD_STATS = "offload_stats"
+LOCK = "run.lock"
+WORKERS_LOCK = "workers.lock"
+LOCK_ENV = "MYRIA_RUN_LOCK"   # set by the lock's owner: its workers run under its lock
 
 
 def events_file(run_dir: str | Path, rank: int) -> Path:
@@ -65,3 +78,165 @@ def read_jsonl(path: str | Path) -> list[dict]:
             if isinstance(row, dict):
                 out.append(row)
     return out
+
+
+# -- the run directory's lock ----------------------------------------------------------------
+_held: dict[str, int] = {}   # lock path -> fd, in this process
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _read_owner(fd: int) -> dict:
+    try:
+        os.lseek(fd, 0, os.SEEK_SET)
+        data = json.loads(os.read(fd, 65536).decode() or "{}")
+        return data if isinstance(data, dict) else {}
+    except (OSError, ValueError):
+        return {}
+
+
+def _describe(owner: dict) -> str:
+    since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(owner["time"])) \
+        if isinstance(owner.get("time"), (int, float)) else "?"
+    return (f"`myria {owner.get('command', '?')}` (pid {owner.get('pid', '?')} on host "
+            f"{owner.get('host', '?')}, since {since})")
+
+
+def _open_dir(run_dir: Path) -> None:
+    from myria.errors import ConfigError
+
+    if run_dir.exists() and not run_dir.is_dir():
+        raise ConfigError(f"--run-dir {run_dir} is a file, not a directory; give a directory "
+                          "(it is created if missing)")
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ConfigError(f"--run-dir {run_dir}: cannot create it ({e.strerror})") from None
+
+
+def lock(run_dir: str | Path, command: str, job: str = "") -> None:
+    """Make this process the owner of `run_dir` for as long as it runs (an exclusive flock on
+    RUN_DIR/run.lock, released at exit), or raise ConfigError naming the owner.
+
+    Workers started by an owner (its environment carries LOCK_ENV) run under its lock and take
+    only the shared workers' lock; a worker of a launcher that is not myria's (torchrun) locks
+    on its host's local rank 0. Before owning the directory, waits (up to a minute) for the
+    workers of a previous owner that died (they stop at their next step) to exit. A lock left
+    by a process that no longer runs on this host is taken over with a message; an owner of
+    the same `job` (the hosts of one multi-host job) shares it."""
+    import fcntl
+
+    run_dir = Path(run_dir).resolve()
+    _open_dir(run_dir)
+    path = run_dir / LOCK
+    if str(path) in _held:
+        return
+    worker = "TORCHELASTIC_RUN_ID" in os.environ or "RANK" in os.environ
+    if worker:
+        _lock_worker(run_dir)
+        if os.environ.get(LOCK_ENV) == str(path) or os.environ.get("LOCAL_RANK", "0") != "0":
+            return  # the launcher owns the directory (or this host's local rank 0 does)
+        job = job or os.environ.get("TORCHELASTIC_RUN_ID", "")
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        owner = _read_owner(fd)
+        os.close(fd)
+        if job and owner.get("job") == job:
+            return  # another host of the same job owns it
+        from myria.errors import ConfigError
+        raise ConfigError(f"run directory {run_dir} is in use by {_describe(owner)}; wait for "
+                          f"it to end, stop it, or use another --run-dir") from None
+    except OSError as e:  # a filesystem without locks: say so once, go on unlocked
+        os.close(fd)
+        print(f"myria: warning: cannot lock {path} ({e.strerror}); nothing stops a second job "
+              "on this run directory", file=sys.stderr)
+        return
+    owner = _read_owner(fd)
+    if owner.get("pid"):
+        here = owner.get("host") == socket.gethostname()
+        gone = "is no longer running" if here and not _pid_alive(int(owner["pid"])) else \
+            "left it (it holds no lock)"
+        print(f"myria: taking over the lock of {run_dir} from {_describe(owner)}, which {gone}",
+              file=sys.stderr)
+    if not worker:
+        _wait_for_workers(run_dir)
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, json.dumps({"host": socket.gethostname(), "pid": os.getpid(),
+                              "command": command, "job": job, "time": time.time()}).encode(), 0)
+    os.fsync(fd)
+    _held[str(path)] = fd
+    os.environ[LOCK_ENV] = str(path)
+    atexit.register(_release, str(path))
+
+
+def _lock_worker(run_dir: Path) -> None:
+    import fcntl
+
+    p = run_dir / WORKERS_LOCK
+    if str(p) in _held:
+        return
+    fd = os.open(p, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH)
+    except OSError:
+        os.close(fd)
+        return
+    _held[str(p)] = fd  # released when the process ends
+
+
+def _wait_for_workers(run_dir: Path, wait_s: float = 60.0) -> None:
+    """Wait until no worker process holds RUN_DIR/workers.lock (those of a dead owner stop at
+    their next step); ConfigError after `wait_s`."""
+    import fcntl
+
+    fd = os.open(run_dir / WORKERS_LOCK, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        deadline, said = time.time() + wait_s, False
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                fcntl.flock(fd, fcntl.LOCK_UN)
+                return
+            except BlockingIOError:
+                if time.time() > deadline:
+                    from myria.errors import ConfigError
+                    raise ConfigError(
+                        f"run directory {run_dir}: worker processes of an earlier job still "
+                        f"run after {wait_s:.0f} s (they hold {run_dir / WORKERS_LOCK}; see "
+                        f"`fuser {run_dir / WORKERS_LOCK}`); stop them and run again") from None
+                if not said:
+                    print(f"myria: waiting for the workers of an earlier job on {run_dir} to "
+                          "stop", file=sys.stderr)
+                    said = True
+                time.sleep(0.2)
+            except OSError:
+                return
+    finally:
+        os.close(fd)
+
+
+def _release(path: str) -> None:
+    """Give up ownership at exit: the file stays (removing it would race with a waiter)."""
+    import fcntl
+
+    fd = _held.pop(path, None)
+    if fd is None:
+        return
+    try:
+        os.ftruncate(fd, 0)
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        os.close(fd)
+    except OSError:
+        pass
+    if os.environ.get(LOCK_ENV) == path:
+        os.environ.pop(LOCK_ENV, None)

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from myria.faults import FaultInjector
-from myria.train.checkpoint import CheckpointManager
+from myria.train.checkpoint import CheckpointManager, SaveError
 
 
 class Target:
@@ -89,6 +89,40 @@ def test_failed_save_keeps_previous_and_later_saves_work(tmp_path):
     assert "No space left on device" in mgr.history[1].error
     names = sorted(p.name for p in (tmp_path / "ck").iterdir())
     assert names == ["latest", "step_00000002", "step_00000006"]
+
+
+@pytest.mark.parametrize("async_save", [False, True])
+def test_failed_saves_in_a_row_stop_the_run(tmp_path, caplog, async_save):
+    """Issue 29: a full disk never ends in success. One failed save is logged in one line (no
+    "previous checkpoint is kept" when there is none); the second in a row raises SaveError
+    (exit 4) at the latest at the next save; a failed final save raises at require_saved."""
+    faults = FaultInjector(tmp_path, 0, "diskfull:step=2,diskfull:step=4,diskfull:step=9")
+    mgr = CheckpointManager(tmp_path / "ck", faults=faults, async_save=async_save,
+                            max_failures=2)
+    t = Target()
+    with caplog.at_level("ERROR", logger="myria"):
+        mgr.save(2, t, {})
+        mgr.wait()
+    line = caplog.records[-1].getMessage()
+    assert "checkpoint of step 2 failed on rank 0: No space left on device (injected fault) in " \
+        in line and "no checkpoint of this run is saved yet" in line and "is kept" not in line
+    assert "at least 0.1 MiB" in line and " free" in line and "\n" not in line
+    with pytest.raises(SaveError) as e:
+        mgr.save(4, t, {})
+        mgr.save(6, t, {})  # asynchronous: the outcome of 4 is known when 6 begins
+    assert e.value.exit_code == 4
+    assert "2 checkpoint saves in a row failed" in str(e.value)
+    assert "no checkpoint of this run was saved" in str(e.value)
+    # a success resets the count; a failed final save is an error even alone
+    mgr = CheckpointManager(tmp_path / "ck", faults=faults, async_save=async_save,
+                            max_failures=0)
+    assert mgr.save(8, t, {})
+    mgr.require_saved(8)
+    mgr.save(9, t, {})
+    with pytest.raises(SaveError, match="training stopped at step 9 but its checkpoint could "
+                       "not be saved: .*No space left on device.* the newest saved checkpoint "
+                       "is step_00000008"):
+        mgr.require_saved(9)
 
 
 def test_bit_flip_is_caught_by_checksum_and_skipped(tmp_path, caplog):

@@ -12,6 +12,7 @@ import json
 import os
 import random
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -223,3 +224,137 @@ def test_busy_host_is_restarted_on_not_blocklisted(tmp_path, tiny_data, referenc
     assert all(c["status"] == "warn" and c["details"]["load_average"] for c in
                health[0]["evidence"]["checks"])
     assert "PASS" in summary["faults"][0]["diagnostics"][0]
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A 5 MB tmpfs: one checkpoint of the TINY model (3.2 MB) fits, a second does not."""
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", "size=5m", "tmpfs",
+                                            str(disk)], capture_output=True).returncode:
+        pytest.skip("mounting a tmpfs needs root")
+    try:
+        yield disk
+    finally:
+        subprocess.run(["umount", "-l", str(disk)], capture_output=True)
+
+
+@pytest.mark.slow
+def test_full_disk_stops_with_status_4_and_no_restart(small_disk, tiny_data):
+    """Issue 29 item 1: on a full disk `myria train` and `myria supervise` say "No space left
+    on device" with what a checkpoint needs and what is free, stop after 2 failed saves in a
+    row with exit status 4 (never "succeeded" for unsaved work), and the supervisor records
+    the fault and does not restart into the full disk."""
+    args = [f"--data.path={tiny_data}", *TINY, "--training.steps=8", "--checkpoint.interval=2"]
+    p = run_cli("train", "--run-dir", str(small_disk / "train"), *args, check=False)
+    assert p.returncode == 4, p.stderr[-3000:]
+    err = p.stderr
+    assert "Traceback" not in err and "inline_container" not in err, err[-3000:]
+    assert "checkpoint of step 4 failed on rank 0: No space left on device in " in err
+    assert "a checkpoint needs about 3." in err and "MiB free" in err
+    assert "the previous checkpoint step_00000002 is kept" in err
+    assert "myria train: error: training stopped at step" in err
+    assert "2 checkpoint saves in a row failed" in err and "newest saved checkpoint is " \
+        "step_00000002" in err
+    assert "run " not in p.stdout.splitlines()[-1]  # no success summary
+    assert [c.name for c in CheckpointManager(small_disk / "train" / "checkpoints").committed()
+            ] == ["step_00000002"]
+    subprocess.run(["rm", "-rf", str(small_disk / "train")], check=True)
+
+    run = small_disk / "sup"
+    p = run_cli("supervise", "--run-dir", str(run), "--nproc", "2", *args,
+                "--resilience.backoff_s=0.2", "--resilience.diagnose=false", check=False,
+                timeout=400)
+    assert p.returncode == 4, p.stderr[-3000:]
+    summary = json.loads((run / "supervisor_summary.json").read_text())
+    assert summary["status"] == "checkpoint-failed" and summary["restarts"] == 0, summary
+    assert summary["newest_checkpoint"] == "step_00000002"
+    f = summary["faults"][0]
+    assert "No space left on device" in f["cause"] and f["action"] == [
+        "stop: checkpoints cannot be saved"], f
+    assert "ACTION stop without restarting (the work would not be saved)" in \
+        (run / "supervisor.log").read_text()
+
+
+@pytest.mark.slow
+def test_killed_supervisor_stops_its_workers_and_locks_its_run_dir(tmp_path, tiny_data):
+    """Issue 29 item 2: while `myria supervise` runs, a second job on its run directory is
+    refused in one line naming the owner; after kill -9 of the supervisor its workers save
+    and stop within seconds, and the next job takes the stale lock over and resumes."""
+    e = dict(os.environ)
+    e.pop("MYRIA_FAULT", None)
+    args = [f"--data.path={tiny_data}", *TINY, "--checkpoint.interval=1000"]
+    sup = subprocess.Popen([sys.executable, "-m", "myria", "supervise", "--run-dir",
+                            str(tmp_path), "--nproc", "2", *args, "--training.steps=2000",
+                            "--resilience.diagnose=false"], cwd=ROOT, env=e,
+                           stdout=subprocess.DEVNULL, stderr=open(tmp_path / "sup.err", "w"))
+    try:
+        deadline = time.time() + 180
+        while time.time() < deadline and sup.poll() is None:
+            if (tmp_path / "metrics.jsonl").exists() and max(losses(tmp_path) or [0]) >= 2:
+                break
+            time.sleep(0.1)
+        assert sup.poll() is None, "the job ended before the test could kill it"
+        p = run_cli("train", "--run-dir", str(tmp_path), *args, check=False)
+        assert p.returncode == 2, p.stderr[-2000:]
+        assert p.stderr.strip() == (
+            f"myria train: error: run directory {tmp_path.resolve()} is in use by `myria "
+            f"supervise` (pid {sup.pid} on host {socket.gethostname()}, since "
+            f"{p.stderr.split('since ')[1].split(')')[0]}); wait for it to end, stop it, or use "
+            "another --run-dir"), p.stderr
+        log = (tmp_path / "supervisor.log").read_text()
+        pids = json.loads(log.split("(pids ")[1].split(")")[0])
+        sup.kill()
+        sup.wait()
+        t0 = time.time()
+        while time.time() - t0 < 60 and any(_alive(pid) for pid in pids):
+            time.sleep(0.1)
+        gone_s = time.time() - t0
+    finally:
+        sup.kill()
+    assert not any(_alive(pid) for pid in pids), "workers outlived their supervisor"
+    assert gone_s < 30, gone_s
+    out = "\n".join(p.read_text() for p in (tmp_path / "logs").rglob("std*.log"))
+    assert f"its launcher (pid {sup.pid}) died" in out
+    stopped = int(out.split("stopped on SIGTERM after step ")[1].split()[0])
+    assert "with a committed checkpoint" in out and out.count("frame #0") <= 2, out[-3000:]
+    p = run_cli("train", "--run-dir", str(tmp_path), *args, f"--training.steps={stopped + 1}")
+    assert f"taking over the lock of {tmp_path.resolve()} from `myria supervise` (pid " \
+        f"{sup.pid}" in p.stderr and "which is no longer running" in p.stderr
+    assert f"resumed from {tmp_path / 'checkpoints' / f'step_{stopped:08d}'}" in p.stdout
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:  # a zombie is gone for our purpose
+        return "Z" not in open(f"/proc/{pid}/stat").read().split(")")[1].split()[0]
+    except OSError:
+        return False
+
+
+@pytest.mark.slow
+def test_same_startup_error_twice_is_not_restarted(tmp_path, tiny_data):
+    """Issue 29 item 7: a bad MYRIA_FAULT is one line before any worker starts; an error that
+    ends two attempts in a row the same way before their first step stops the supervisor."""
+    p = supervise(tmp_path / "bad", tiny_data, env={"MYRIA_FAULT": "kill:rank=x:step=1"},
+                  check=False)
+    assert p.returncode == 2 and p.stderr.strip() == (
+        "myria supervise: error: MYRIA_FAULT item 'kill:rank=x:step=1': rank='x' is not an "
+        "integer (expected rank=N)"), p.stderr
+    # two hooks with one message: attempt 0 fires the first, attempt 1 the second
+    run = tmp_path / "run"
+    p = run_cli("supervise", "--run-dir", str(run), "--nproc", "1", f"--data.path={tiny_data}",
+                *COMMON, env={"MYRIA_FAULT": "raise:rank=0:step=0,raise:step=0"}, check=False,
+                timeout=400)
+    assert p.returncode == 1, p.stderr[-3000:]
+    summary = json.loads((run / "supervisor_summary.json").read_text())
+    assert summary["status"] == "startup-error" and summary["restarts"] == 1, summary
+    assert [f["before_first_step"] for f in summary["faults"]] == [True, True]
+    assert summary["faults"][1]["action"] == ["stop: the same error before the first step twice"]
+    log = (run / "supervisor.log").read_text()
+    assert "ACTION stop without restarting: attempts 0 and 1 failed the same way before their " \
+        "first step" in log and "injected fault: raise on rank 0 at step 0" in log

@@ -24,9 +24,18 @@ The supervisor's log (stderr and RUN_DIR/supervisor.log) has one line per detect
 per action (ACTION) and per recovery milestone (RESUMED). Workers' own output goes to the console
 prefixed by their rank and to RUN_DIR/logs/. Restarts use `TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`
 and explicit rendezvous timeouts (torch issues #135712, #167288: restarts are flaky otherwise).
-Exit status: 0 done, 1 gave up (restarts exhausted or unrecoverable), 3 this host failed its
-diagnostics and left the job (bad_host_action = exit), 143 stopped by SIGTERM after the workers
-saved a checkpoint.
+A restart is not tried where it cannot help: an input error a worker reports as such (exit 2,
+a `MyriaError`: config, data, checkpoint), checkpoints that cannot be saved (exit 4: a full disk,
+myria.train.checkpoint.SaveError), and the same error before the first step on two attempts in
+a row (a deterministic start-up error): the supervisor says so in one line, records the fault
+in the summary and exits non-zero. It owns the run directory while it runs (RUN_DIR/run.lock,
+myria.rundir.lock: a second job on it is refused) and its workers stop at their next step if it
+dies (myria.train.launch.stop_with_launcher).
+
+Exit status: 0 done, 1 gave up (restarts exhausted, unrecoverable, or the same start-up error
+twice), 2 input error, 3 this host failed its diagnostics and left the job (bad_host_action =
+exit), 4 checkpoints could not be saved (free space, then run again to resume), 143 stopped by
+SIGTERM after the workers saved a checkpoint.
 """
 
 from __future__ import annotations
@@ -36,6 +45,7 @@ import datetime
 import json
 import logging
 import os
+import re
 import shlex
 import signal
 import socket
@@ -57,6 +67,7 @@ ACCEPTS_OVERRIDES = True
 EXIT_BAD_HOST = 3
 STRAGGLER_CHECK_S = 5.0  # how often the supervisor scores the ranks' compute times
 EXIT_PREEMPTED = 143
+SAVE_FAILED = 4  # myria.train.checkpoint.SaveError.exit_code (not imported: torch-free here)
 ACTIONABLE = ("exit", "missed-heartbeats", "no-heartbeat", "hang", "traffic-stopped", "alarm")
 
 log = logging.getLogger("myria.supervisor")
@@ -80,6 +91,10 @@ def run(args) -> int:
     if args.nproc < 1:
         raise ConfigError(f"--nproc {args.nproc}: must be at least 1")
     min_nodes, max_nodes = _parse_nnodes(args.nnodes)
+    from myria import faults, rundir
+
+    faults.parse(os.environ.get("MYRIA_FAULT"))  # a bad test hook: one line, no restarts
+    rundir.lock(args.run_dir, "supervise", job=args.rdzv_id)
     from myria.data.mixture import open_dataset
     from myria.layout import Layout
     from myria.train.distributed import device_type
@@ -163,6 +178,8 @@ class Fault:
     resumed_from: int | None = None
     first_step_at: float = 0.0
     regained_at: float = 0.0
+    before_first_step: bool = False  # the attempt had not finished a step when it failed
+    signature: str = field(default="", repr=False)  # the error, numbers masked
 
     @property
     def detection_s(self) -> float:
@@ -170,6 +187,7 @@ class Fault:
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
+        d.pop("signature")
         d["detection_s"] = round(self.detection_s, 3)
         d["fault_to_first_step_s"] = round(self.first_step_at - self.fault_at, 3) \
             if self.first_step_at else None
@@ -186,6 +204,14 @@ class _BadHost(Exception):
 
 class _UserError(Exception):
     """A rank failed with an error of the user's input (exit 2): a restart cannot fix it."""
+
+
+class _SaveFailed(Exception):
+    """Checkpoints could not be saved (exit 4, a full disk): a restart would redo unsaved work."""
+
+
+class _StartupError(Exception):
+    """The same error ended two attempts in a row before their first step: deterministic."""
 
 
 def _agent_class():
@@ -285,6 +311,8 @@ class Supervisor:
         os.environ[heartbeat.ENV_STORE] = url
         os.environ[heartbeat.ENV_PERIOD] = str(r.heartbeat_s)
         os.environ[heartbeat.ENV_JOB] = self.job
+        from myria.train.launch import LAUNCHER_ENV
+        os.environ[LAUNCHER_ENV] = str(os.getpid())  # workers stop when this process dies
 
     def _agent(self):
         from torch.distributed.elastic.agent.server.api import WorkerSpec
@@ -337,6 +365,12 @@ class Supervisor:
         except _UserError as e:
             status, code = "input-error", 2
             log.error("ACTION stop without restarting (a restart cannot fix bad input): %s", e)
+        except _SaveFailed as e:
+            status, code = "checkpoint-failed", SAVE_FAILED
+            log.error("ACTION stop without restarting (the work would not be saved): %s", e)
+        except _StartupError as e:
+            status, code = "startup-error", 1
+            log.error("ACTION stop without restarting: %s", e)
         except SignalException as e:
             status, code = "preempted", EXIT_PREEMPTED
             log.warning("ACTION stopped by %s: workers were asked to save and exit", e.sigval)
@@ -584,12 +618,34 @@ class Supervisor:
         f.cause = self.watch.cause_line(culprit) or (
             f"signal {failures[culprit].signal_name()}" if failures[culprit].exitcode < 0
             else f"exit code {failures[culprit].exitcode}")
-        if failures[culprit].exitcode == MyriaError.exit_code:
-            data = failures[culprit].error_file_data
-            msg = data.get("message") if isinstance(data, dict) else None
+        data = failures[culprit].error_file_data
+        msg = data.get("message") if isinstance(data, dict) else None
+        if failures[culprit].exitcode in (MyriaError.exit_code, SAVE_FAILED):
             f.cause = msg if isinstance(msg, str) and msg else f.cause
+        if failures[culprit].exitcode == MyriaError.exit_code:
             f.action.append("stop: input error")
             raise _UserError(f"rank {culprit}: {f.cause}")
+        if failures[culprit].exitcode == SAVE_FAILED:
+            f.newest_committed = _newest_committed(self.run_dir)
+            f.action.append("stop: checkpoints cannot be saved")
+            raise _SaveFailed(f"rank {culprit}: {f.cause}")
+        # before any step of this attempt: the same error as last time is deterministic
+        started = any(x and x.get("attempt") == self.attempt and x.get("first_step_at")
+                      for x in records.values())
+        f.before_first_step = not started
+        if started:
+            return
+        sign = _signature(failures[culprit].exitcode, msg if isinstance(msg, str) and msg
+                          else f.cause)
+        prev = self.faults[-2] if len(self.faults) > 1 else None
+        if prev is not None and prev.before_first_step and prev.signature == sign and \
+                prev.attempt == self.attempt - 1:
+            f.action.append("stop: the same error before the first step twice")
+            raise _StartupError(
+                f"attempts {prev.attempt} and {self.attempt} failed the same way before their "
+                f"first step, so a restart cannot fix it (a deterministic start-up error such "
+                f"as the config or the environment): rank {culprit}: {f.cause}")
+        f.signature = sign
 
     def _record(self, d: Detection, related: list[Detection]) -> Fault:
         injected, at = _injected(self.run_dir, self.watch.started if self.watch else 0)
@@ -737,6 +793,7 @@ class Supervisor:
             "mean_step_s": round(productive / steps, 4) if steps else 0.0,
             "effective_training_time_ratio": round(ettr, 4),
             "time_lost_s": round(wall - productive, 3),
+            "newest_checkpoint": _newest_committed(self.run_dir),
             "faults": [f.to_dict() for f in self.faults], "blocklist": self.blocklist,
             "heartbeat_s": self.r.heartbeat_s, "store": self.r.store,
         }
@@ -755,6 +812,12 @@ class Supervisor:
             log.info("  fault %s rank(s) %s at step %s: cause %s; detected in %.2f s; actions: "
                      "%s; %s", f["kind"], f["ranks"], f["last_step"], f["cause"],
                      f["detection_s"], ", ".join(f["action"]) or "-", back)
+
+
+def _signature(exitcode: int, cause: str) -> str:
+    """What makes two failures the same: the exit code and the message with its numbers (pids,
+    ports, times, addresses) masked."""
+    return f"{exitcode}:" + re.sub(r"0x[0-9a-fA-F]+|\d+", "#", cause or "")
 
 
 def _metrics_rows(run_dir: Path, since: float) -> dict[int, dict]:

@@ -26,7 +26,11 @@ A save has two stages, as in MegaScale (§4.5.3) and torchtitan's asynchronous c
    `step_N.tmp` to `step_N` (atomic on POSIX), fsyncs the directory and replaces `latest`.
 
 At most one save is in flight: a new save first waits for the previous one. A failed save is
-logged, its temporary directory removed, older checkpoints are untouched, and training goes on.
+logged in one line (a full disk reads "No space left on device", with what a checkpoint needs
+and what is free), its temporary directory removed, older checkpoints are untouched, and
+training goes on, unless `max_failures` saves in a row have failed (`checkpoint.max_failed_saves`):
+then the next save raises `SaveError`, as `require_saved` does when the final save (or the save
+of a requested stop) was not committed. A run never ends with success on work it did not save.
 
 Resuming picks the newest checkpoint whose manifest verifies (sizes and CRC-32, the files split
 among the ranks so each byte is read once); a damaged or incomplete one is moved to
@@ -71,6 +75,14 @@ from myria.fsutil import atomic_write, file_crc32, link_or_copy
 from myria.fsutil import fsync_dir as _fsync_dir
 from myria.observe import events
 
+
+class SaveError(CheckpointError):
+    """Checkpoints could not be saved (a full disk, ...): the run stops, so that no work is
+    reported done that was not saved. Exit status 4; the supervisor does not restart it."""
+
+    exit_code = 4
+
+
 # One process saves and loads with no_dist=True on purpose; DCP warns that it "assumes" so.
 warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or "
                         "uninitialized", category=UserWarning)
@@ -108,6 +120,62 @@ def describe_error(e: BaseException) -> str:
         if isinstance(cause, BaseException):
             return f"{type(cause).__name__}: {cause}"
     return f"{type(e).__name__}: {e}"
+
+
+def _errors_of(e: BaseException):
+    """`e`, DCP's per-rank failures in it, and their causes and contexts."""
+    seen, todo = set(), [e]
+    while todo:
+        x = todo.pop()
+        if x is None or id(x) in seen:
+            continue
+        seen.add(id(x))
+        yield x
+        failures = getattr(x, "failures", None)
+        if isinstance(failures, dict):
+            for v in failures.values():
+                todo.append(v[0] if isinstance(v, tuple) else v)
+        todo += [x.__cause__, x.__context__]
+
+
+# torch's zip writer reports a write that the disk refused as a position mismatch
+_ZIP_SHORT_WRITE = "unexpected pos"
+
+
+def _disk_error(e: BaseException, path: Path, needed: int) -> str | None:
+    """The OS's words for a full disk ("No space left on device", "Disk quota exceeded") when
+    that is why `e` happened.
+
+    An OSError with ENOSPC/EDQUOT says so itself; torch's "[enforce fail at inline_container.cc]
+    unexpected pos" (a short write inside torch.save) counts when `path` has less free space
+    than the `needed` bytes."""
+    for x in _errors_of(e):
+        if isinstance(x, BaseException) and getattr(x, "errno", None) == errno.ENOSPC:
+            return os.strerror(errno.ENOSPC)
+        if isinstance(x, BaseException) and getattr(x, "errno", None) == errno.EDQUOT:
+            return os.strerror(errno.EDQUOT)
+        if isinstance(x, BaseException) and _ZIP_SHORT_WRITE in str(x):
+            free = free_bytes(path)
+            if free is not None and free < needed:
+                return os.strerror(errno.ENOSPC)
+    return None
+
+
+def free_bytes(path: Path) -> int | None:
+    """Bytes an unprivileged writer may still use on the filesystem of `path` (or its parent)."""
+    for p in (path, *path.parents):
+        try:
+            st = os.statvfs(p)
+        except OSError:
+            continue
+        return st.f_bavail * st.f_frsize
+    return None
+
+
+def _mib(n: int | None) -> str:
+    if n is None:
+        return "? MiB"
+    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
 
 
 def _world() -> tuple[int, int]:
@@ -185,6 +253,7 @@ class _Pending:
     rng: dict[str, str]
     record: SaveRecord
     linked: list[str] = field(default_factory=list)  # files linked in (offloaded state)
+    unique: int = 0                # bytes of the checkpoint that only this rank writes (at least)
     snapshot_done: threading.Event = field(default_factory=threading.Event)
     done: threading.Event = field(default_factory=threading.Event)
     error: BaseException | None = None
@@ -218,9 +287,14 @@ class CheckpointManager:
     """Saves (in two stages), verifies, prunes and loads the checkpoints of one run directory."""
 
     def __init__(self, directory: str | Path, keep: int = 3, faults=None, *,
-                 async_save: bool = False, overlap: bool = False, timeout_s: float = 600.0):
+                 async_save: bool = False, overlap: bool = False, timeout_s: float = 600.0,
+                 max_failures: int = 2):
         self.dir = Path(directory)
         self.keep = keep
+        self.max_failures = max_failures  # failed saves in a row that stop the run; 0: never
+        self.failed_in_row = 0
+        self.last_failure = ""         # the one-line reason of the newest failed save
+        self.disk_full = False         # ... and whether it was a full disk (or quota)
         self.faults = faults
         self.async_save = async_save
         self.overlap = overlap and async_save
@@ -434,6 +508,7 @@ class CheckpointManager:
         """
         t0 = time.perf_counter()
         prev_wait = self._wait_thread()
+        self._check_failures(step)
         rec = SaveRecord(step, wait_prev_s=prev_wait)
         self.history.append(rec)
         pending = self._snapshot_refs(step, target, extra, rec)
@@ -442,6 +517,7 @@ class CheckpointManager:
             self._copy(pending)
             self._persist(pending)
             rec.stall_s = time.perf_counter() - t0
+            self._check_failures(step)
             return bool(rec.ok)
         self._pending = pending
         if not self.overlap:
@@ -473,6 +549,39 @@ class CheckpointManager:
         """Finish the save in flight (call before the process exits)."""
         self.wait()
 
+    def require_saved(self, step: int) -> None:
+        """Wait for the save in flight; raise SaveError if the save of `step` failed (the end of
+        a run, or a requested stop: work that was not saved never ends as a success)."""
+        self.wait()
+        last = self.history[-1] if self.history else None
+        if last is None or last.step != step or last.ok:
+            return
+        raise SaveError(f"training stopped at step {step} but its checkpoint could not be "
+                        f"saved: {self.last_failure or last.error}; {self._resume_hint()}")
+
+    def _check_failures(self, step: int) -> None:
+        """Raise SaveError once `max_failures` saves in a row have failed (same on every rank:
+        each save's outcome is agreed by all)."""
+        if not self.max_failures or self.failed_in_row < self.max_failures:
+            return
+        raise SaveError(f"training stopped at step {step}: {self.failed_in_row} checkpoint "
+                        f"saves in a row failed (checkpoint.max_failed_saves = "
+                        f"{self.max_failures}; 0 trains on), the newest: {self.last_failure}; "
+                        f"{self._resume_hint()}")
+
+    def _resume_hint(self) -> str:
+        ckpts = self.committed()
+        fix = f"free space in {self.dir}" if self.disk_full else "fix the cause"
+        if not ckpts:
+            return f"no checkpoint of this run was saved: {fix} and run again (from step 0)"
+        return (f"the newest saved checkpoint is {ckpts[-1].name}: {fix} and run the same "
+                "command to resume from it")
+
+    def _kept(self, step: int) -> str:
+        prev = [p for p in self.committed() if p.name != self.path_for(step).name]
+        return (f"the previous checkpoint {prev[-1].name} is kept" if prev else
+                "no checkpoint of this run is saved yet")
+
     def _wait_thread(self) -> float:
         t0 = time.perf_counter()
         if self._thread is not None:
@@ -487,7 +596,10 @@ class CheckpointManager:
         flat = _flatten(target.state_dict())
         out: dict[tuple, Any] = {}
         copies = []
+        unique = 0
         for key, v in flat.items():
+            if isinstance(v, torch.Tensor):
+                unique += _unique_bytes(v)
             if getattr(v, "_myria_immutable", False):  # a file never written again: as it is
                 out[key] = v
                 rec.bytes += v.numel() * v.element_size()
@@ -502,7 +614,8 @@ class CheckpointManager:
                 rec.bytes += local.numel() * local.element_size()
             else:
                 out[key] = copy.deepcopy(v)
-        return _Pending(step, out, copies, json.loads(json.dumps(extra)), rng_state(), rec)
+        return _Pending(step, out, copies, json.loads(json.dumps(extra)), rng_state(), rec,
+                        unique=unique)
 
     def _link_files(self, p: _Pending, target) -> None:
         """Stage 1 for state kept in files (`target.checkpoint_files()`: the nvme tier's
@@ -545,8 +658,10 @@ class CheckpointManager:
                 self._persist(p)
         except BaseException as e:  # never let the thread die silently
             p.record.ok, p.record.error = False, describe_error(e)
-            log.error("checkpoint of step %d failed: %s; training continues", p.step,
-                      p.record.error)
+            self.failed_in_row += 1
+            self.last_failure = f"checkpoint of step {p.step} failed: {p.record.error}"
+            self.disk_full = False
+            log.error("%s; %s", self.last_failure, self._kept(p.step))
         finally:
             p.snapshot_done.set()
             p.done.set()
@@ -579,20 +694,28 @@ class CheckpointManager:
                 mine[name] = [(tmp / name).stat().st_size, crc]
         except BaseException as e:  # a failed save must not end training (DCP raises
             err = describe_error(e)   # CheckpointException, a BaseException)
-        votes: list[Any] = [(err, mine)]
+            disk = _disk_error(e, tmp, p.record.bytes)
+            if disk:
+                log.debug("checkpoint of step %d: %s", p.step, err)
+                err = disk + (" (injected fault)" if "injected fault" in err else "")
+        votes: list[Any] = [(err, mine, p.unique)]
         if world > 1:
             votes = [None] * world
             try:
-                dist.all_gather_object(votes, (err, mine), group=self._pg)
+                dist.all_gather_object(votes, (err, mine, p.unique), group=self._pg)
             except Exception as e:
-                votes = [(f"vote failed: {e}", {})]
+                votes = [(f"vote failed: {e}", {}, 0)]
         errors = [(r, v[0]) for r, v in enumerate(votes) if v is None or v[0]]
         committed = not errors
         if committed and rank == 0:
             try:
                 self._commit(p, tmp, final, votes, world)
             except Exception as e:
-                committed, errors = False, [(0, f"commit failed: {type(e).__name__}: {e}")]
+                committed = False
+                disk = _disk_error(e, tmp, p.record.bytes)
+                errors = [(0, f"commit failed: {disk or describe_error(e)}")]
+        if not committed and rank == 0:  # free the space before the other ranks go on
+            shutil.rmtree(tmp, ignore_errors=True)
         if world > 1:
             flag = [committed if rank == 0 else None]
             try:
@@ -601,13 +724,20 @@ class CheckpointManager:
             except Exception:
                 committed = False
         if not committed:
-            if rank == 0:
-                shutil.rmtree(tmp, ignore_errors=True)
             who = errors[0] if errors else (0, "commit failed on rank 0")
-            if err or rank == 0:
-                log.error("checkpoint of step %d failed (rank %d: %s); the previous checkpoint "
-                          "is kept and training continues", p.step, who[0], who[1])
-        elif rank == 0 and self.faults is not None and (
+            self.failed_in_row += 1
+            self.last_failure = self._failure_line(p.step, who, votes)
+            if rank == 0 or (err and len(votes) < world):  # rank 0 speaks for the vote
+                stop = self.max_failures and self.failed_in_row >= self.max_failures
+                log.error("%s; %s%s", self.last_failure, self._kept(p.step),
+                          ("; training stops" + (" at its next checkpoint step"
+                                                 if self.async_save else "")) if stop else
+                          f" ({self.failed_in_row} failed in a row; the run stops at "
+                          f"{self.max_failures}: checkpoint.max_failed_saves)"
+                          if self.max_failures else "")
+        else:
+            self.failed_in_row = 0
+        if committed and rank == 0 and self.faults is not None and (
                 f := self.faults.due("corrupt-checkpoint", p.step)):
             self.faults.mark(f)
             self._corrupt(final)
@@ -616,10 +746,28 @@ class CheckpointManager:
         p.record.persist_s = time.perf_counter() - t0
         p.done.set()
 
+    def _failure_line(self, step: int, who: tuple[int, str], votes: list) -> str:
+        """One line for a failed save: which rank, why, and for a full disk what a checkpoint
+        needs and what is free; whether an older checkpoint is kept."""
+        rank, why = who
+        line = f"checkpoint of step {step} failed on rank {rank}: {why}"
+        self.disk_full = why.removeprefix("commit failed: ").startswith(
+            (os.strerror(errno.ENOSPC), os.strerror(errno.EDQUOT)))
+        if self.disk_full:
+            ckpts = [c for c in self.committed() if c.name != self.path_for(step).name]
+            need = _checkpoint_bytes(ckpts[-1]) if ckpts else None
+            if need:
+                need_s = f"about {_mib(need)} (the size of {ckpts[-1].name})"
+            else:  # each rank's shards, replicated state once
+                need_s = "at least " + _mib(sum(v[2] for v in votes if v))
+            line += (f" in {self.dir}: a checkpoint needs {need_s}, "
+                     f"{_mib(free_bytes(self.dir))} free")
+        return line
+
     def _commit(self, p: _Pending, tmp: Path, final: Path, votes: list, world: int) -> None:
         files: dict[str, int] = {}
         sums: dict[str, str] = {}
-        for _, entries in votes:
+        for _, entries, _ in votes:
             for name, (size, crc) in entries.items():
                 files[name], sums[name] = size, crc
         meta = dict(p.extra, step=p.step, world_size=world, files=files, checksums=sums,
@@ -746,6 +894,29 @@ class CheckpointManager:
         """Save records and bytes read, for logs and benchmarks."""
         return {"saves": [asdict(r) for r in self.history], "bytes_read": self.bytes_read,
                 "verify_bytes": self.verify_bytes}
+
+
+def _unique_bytes(v: torch.Tensor) -> int:
+    """The bytes of tensor `v` that this rank alone holds: a DTensor's shard on the ranks at
+    coordinate 0 of its replicated mesh dimensions; a plain tensor on rank 0 (summed over the
+    ranks: the size of the checkpoint's tensors, or less where plain tensors differ by rank)."""
+    local = _local(v)
+    n = local.numel() * local.element_size()
+    if _is_dtensor(v):
+        coord = v.device_mesh.get_coordinate()
+        if coord is None:
+            return 0
+        return n if all(c == 0 for c, pl in zip(coord, v.placements) if not pl.is_shard()) \
+            else 0
+    return n if _world()[0] == 0 else 0
+
+
+def _checkpoint_bytes(path: Path) -> int | None:
+    """The bytes of a committed checkpoint, from its manifest."""
+    try:
+        return sum(json.loads((path / "meta.json").read_text()).get("files", {}).values())
+    except (OSError, ValueError, TypeError):
+        return None
 
 
 def _shard_key(v: Any) -> tuple:

@@ -192,8 +192,9 @@ def run(args) -> int:
         return 0
     if not args.run_dir:
         raise config_mod.ConfigError("--run-dir is required (where checkpoints and metrics go)")
-    from myria.train.launch import inside_launcher, launch_local
+    from myria.train.launch import inside_launcher, launch_local, own_run_dir
 
+    own_run_dir(args.run_dir)  # a second job on it is refused; workers stop with the launcher
     if args.nproc and not inside_launcher():
         # Check what we can before starting processes, so bad input fails once and clearly.
         from myria.data.mixture import open_dataset

@@ -15,6 +15,9 @@ The store is a TCPStore served by the supervisor on 127.0.0.1 (default) or a Red
     MYRIA_HEARTBEAT_JOB   the key namespace (one per supervised job)
 
 Without MYRIA_HEARTBEAT (`myria train` alone) the progress is still tracked but nothing is sent.
+When the supervisor's TCPStore goes away (the supervisor died), the sender stops sending and,
+unless the parent-death signal already did (myria.train.launch.stop_with_launcher), asks its
+process to stop at the end of the step with a checkpoint (SIGTERM), in one log line.
 Collectives are counted by wrapping `torch.distributed`'s Python entry points in this process
 (FSDP2's all-gather and reduce-scatter, all-reduce, broadcast, send/recv, ...): collectives that
 bypass them (DDP's C++ reducer, functional collectives under DTensor) are not counted.
@@ -38,6 +41,15 @@ log = logging.getLogger("myria")
 ENV_STORE = "MYRIA_HEARTBEAT"
 ENV_PERIOD = "MYRIA_HEARTBEAT_S"
 ENV_JOB = "MYRIA_HEARTBEAT_JOB"
+
+
+# what a TCPStore client's error says when the server's process has gone
+LOST_CONNECTION = ("Broken pipe", "Connection reset", "Connection refused")
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return text.splitlines()[0] if text else type(e).__name__
 
 
 def key(job: str, rank: int) -> str:
@@ -288,6 +300,7 @@ class Heartbeat:
         self.attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
         self.sent = 0
         self.failures = 0
+        self.lost = False  # the supervisor's store went away: nothing more is sent
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         if store is not None:
@@ -317,16 +330,44 @@ class Heartbeat:
         self.sent += 1
 
     def _run(self) -> None:
+        from myria.train.launch import launcher_gone
+
         while True:
+            if launcher_gone():  # its store went with it: a send would print a C++ stack
+                self.lost = True
+                return
             try:
                 self.send()
             except Exception as e:  # the store may be gone; keep training, retry next period
                 self.failures += 1
+                if self._supervisor_gone(e):
+                    return
                 if self.failures in (1, 10, 100):
                     log.warning("heartbeat of rank %d not sent (%d failures): %s",
-                                self.progress.rank, self.failures, e)
+                                self.progress.rank, self.failures, _first_line(e))
             if self._stop.wait(self.period_s):
                 return
+
+    def _supervisor_gone(self, e: Exception) -> bool:
+        """A lost connection to the supervisor's own TCPStore means the supervisor ended: stop
+        sending (each try would print a C++ stack) and stop training cleanly at the end of
+        this step (SIGTERM: a checkpoint, then exit), unless the launcher's death already did
+        that (myria.train.launch.stop_with_launcher)."""
+        if not isinstance(self.store, TCPHeartbeatStore) or not any(
+                m in str(e) for m in LOST_CONNECTION):
+            return False
+        self.lost = True
+        from myria.train.launch import launcher_gone
+
+        time.sleep(min(2.0, 2 * self.period_s))  # the parent-death signal comes with the exit
+        gone = launcher_gone()
+        log.warning("rank %d: the supervisor's heartbeat store is gone (%s)%s",
+                    self.progress.rank, _first_line(e),
+                    "" if gone else ": stopping at the end of this step with a checkpoint")
+        if not gone:
+            import signal
+            os.kill(os.getpid(), signal.SIGTERM)
+        return True
 
     def close(self, phase: str = "exit") -> None:
         """Send a last heartbeat with `phase` and stop the thread."""
@@ -335,7 +376,8 @@ class Heartbeat:
         if self._thread is not None:
             self._thread.join(timeout=max(1.0, 2 * self.period_s))
             try:
-                self.send()
+                if not self.lost:
+                    self.send()
             except Exception:
                 pass
         if self.store is not None:

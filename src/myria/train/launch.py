@@ -33,6 +33,86 @@ def inside_launcher() -> bool:
 
 
 QUIET_ENV = "MYRIA_LAUNCHER_REPORTS"  # set for workers whose launcher prints their errors
+LAUNCHER_ENV = "MYRIA_LAUNCHER_PID"    # the process that starts the workers (their parent)
+ORPHAN_GRACE_S = 120.0  # after its launcher died, a worker that has not stopped is killed
+PR_SET_PDEATHSIG = 1
+_watching = False
+
+
+def own_run_dir(run_dir) -> None:
+    """Lock `run_dir` for this job (myria.rundir.lock: a second job is refused); in a worker,
+    also stop at the next step when the launcher dies (`stop_with_launcher`)."""
+    from myria import rundir
+
+    if inside_launcher():
+        stop_with_launcher()
+    rundir.lock(run_dir, "train")
+
+
+_first_ppid: int | None = None  # this worker's parent when stop_with_launcher() ran
+
+
+def launcher_gone() -> bool:
+    """True in a worker (after `stop_with_launcher`) whose launcher has died."""
+    return _first_ppid is not None and os.getppid() != _first_ppid
+
+
+def stop_with_launcher() -> None:
+    """Make this worker stop when its launcher (`myria supervise`, `myria train --nproc`,
+    torchrun: the parent process) dies, instead of training on as an orphan.
+
+    On Linux the kernel signals the worker at its parent's death (prctl PR_SET_PDEATHSIG;
+    torch elastic starts the workers from the agent's main thread, so the signal follows the
+    agent process). The signal is SIGUSR2, not SIGTERM: the kernel sends it once per thread
+    that inherited the setting, and a second SIGTERM would end a save half-way. Its handler,
+    and a thread that watches the parent where prctl is missing, send this process one
+    SIGTERM: the trainer saves a checkpoint at the end of the current step and exits, as on a
+    preemption. The thread kills the process if it has not stopped ORPHAN_GRACE_S later (a
+    hung rank never reaches its next step). Call from the main thread."""
+    global _watching, _first_ppid
+    if _watching:
+        return
+    _watching = True
+    want = os.environ.get(LAUNCHER_ENV, "")
+    _first_ppid = os.getppid()
+    import threading
+
+    once = threading.Lock()
+
+    def stop(*_) -> None:
+        if not once.acquire(blocking=False):
+            return  # told already
+        print(f"myria: rank {os.environ.get('RANK', '?')} (pid {os.getpid()}): its launcher "
+              f"(pid {_first_ppid}) died; stopping at the end of this step with a checkpoint",
+              file=sys.stderr, flush=True)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    signal.signal(signal.SIGUSR2, stop)
+    if sys.platform.startswith("linux"):
+        try:
+            import ctypes
+            ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, int(signal.SIGUSR2),
+                                                    0, 0, 0)
+        except (OSError, AttributeError):
+            pass
+    if (want.isdigit() and int(want) != _first_ppid) or _first_ppid == 1:
+        print(f"myria: the launcher of this worker (pid {want or '?'}) is gone before it "
+              "started: exiting", file=sys.stderr, flush=True)
+        os._exit(1)
+
+    def watch() -> None:
+        # signals are the main thread's and the SIGUSR1 dump thread's (myria.observe.events)
+        signal.pthread_sigmask(signal.SIG_BLOCK, signal.valid_signals())
+        while os.getppid() == _first_ppid:
+            time.sleep(0.5)
+        stop()
+        time.sleep(ORPHAN_GRACE_S)
+        print(f"myria: rank {os.environ.get('RANK', '?')} (pid {os.getpid()}) did not stop "
+              f"within {ORPHAN_GRACE_S:g} s of its launcher's death: killing itself",
+              file=sys.stderr, flush=True)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    threading.Thread(target=watch, name="myria-orphan-watch", daemon=True).start()
 
 
 def record_worker_error(message: str, exit_code: int) -> bool:
@@ -100,6 +180,7 @@ def launch_local(nproc: int, argv: list[str], max_restarts: int = 0) -> None:
         start_method="spawn",
     )
     os.environ[QUIET_ENV] = "1"
+    os.environ[LAUNCHER_ENV] = str(os.getpid())
     # We report a failure ourselves (the rank that failed first, its message once): torch
     # elastic's own error lines and tracebacks about its children would repeat it.
     quiet = [logging.getLogger(n) for n in ("torch.distributed.elastic",

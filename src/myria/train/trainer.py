@@ -113,7 +113,8 @@ def _train(cfg: Config, run_dir: Path, env, stop_after: int | None,
     r = cfg.resilience
     ckpt = CheckpointManager(run_dir / "checkpoints", cfg.checkpoint.keep, faults,
                              async_save=r.async_checkpoint, overlap=r.snapshot_overlap,
-                             timeout_s=t.init_timeout_s)
+                             timeout_s=t.init_timeout_s,
+                             max_failures=cfg.checkpoint.max_failed_saves)
     start_step = 0
     latest = resume_point(ckpt, cfg, env.is_main)
     if latest is not None:
@@ -231,15 +232,14 @@ def _train(cfg: Config, run_dir: Path, env, stop_after: int | None,
                 timer.lap()  # checkpoint time is not step time
             if stopping and step < t.steps:
                 hb.phase("checkpoint-flush")
-                committed = ckpt.wait() is not False
+                ckpt.require_saved(step)  # SaveError (exit 4) if it failed
                 if env.is_main:
                     why = f" on {stop.signal_name}" if preempted else ""
-                    state = "with a committed checkpoint" if committed else \
-                        "but its checkpoint failed (the previous one is kept)"
-                    print(f"stopped{why} after step {step} {state}", flush=True)
+                    print(f"stopped{why} after step {step} with a committed checkpoint",
+                          flush=True)
                 return TrainResult(step, losses, True)
         hb.phase("checkpoint-flush")
-        ckpt.wait()
+        ckpt.require_saved(step)  # never a success for work that was not saved
         return TrainResult(step, losses, False)
     finally:
         ckpt.close()  # never leave a save half-written behind a clean exit
@@ -309,9 +309,12 @@ def write_checkpoint_stats(run_dir: Path, rank: int, ckpt: CheckpointManager,
                            resumed_from: Path | None) -> None:
     """RUN_DIR/checkpoint_stats/rankNNNNN.json: bytes read to resume, each save's stall."""
     out = run_dir / "checkpoint_stats"
-    out.mkdir(parents=True, exist_ok=True)
     stats = dict(ckpt.stats(), rank=rank, resumed_from=str(resumed_from or ""))
-    atomic_write(out / f"rank{rank:05d}.json", json.dumps(stats, indent=1))
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        atomic_write(out / f"rank{rank:05d}.json", json.dumps(stats, indent=1))
+    except OSError as e:  # statistics: never the reason a run fails (a full disk, ...)
+        log.warning("checkpoint statistics not written to %s: %s", out, e)
 
 
 @torch.no_grad()
