@@ -51,7 +51,7 @@ from myria.models.flops import (
 )
 from myria.sim import collectives as coll
 from myria.sim.hardware import Hardware, build_hardware
-from myria.sim.memory import RESERVED_BYTES, MemoryResult, memory
+from myria.sim.memory import FRAGMENTATION, RESERVED_BYTES, MemoryResult, memory
 from myria.sim.operators import (
     DEFAULT_EFFICIENCY,
     MEASURED_EFFICIENCY,
@@ -537,6 +537,7 @@ def simulate(run: RunSpec, hw: Hardware | None = None, eff: Efficiency | None = 
                  offload_params=tr.offload_params, capacity=hw.memory_bytes,
                  gpus_per_node=hw.gpus_per_node,
                  reserved=0.0 if hw.device == "cpu" else RESERVED_BYTES,
+                 fragmentation=0.0 if hw.device == "cpu" else FRAGMENTATION,
                  reshard_after_forward=tr.reshard_after_forward, shard=shard_n,
                  stage_layers=n_layers if pp > 1 else None)
     if tr.offload != "none":
