@@ -191,9 +191,10 @@ def _space(args) -> SearchSpace:
         sp.micro_batch = args.mb
     if args.recompute:
         vals = [x.strip() for x in args.recompute.split(",")]
-        bad = [x for x in vals if x not in ("none", "selective", "full")]
+        bad = [x for x in vals if x not in ("none", "selective", "elementwise", "full")]
         if bad:
-            raise ConfigError(f"--recompute: {bad[0]!r} is not none, selective or full")
+            raise ConfigError(f"--recompute: {bad[0]!r} is not none, selective, elementwise "
+                              "or full")
         sp.recompute = vals
     if args.zero:
         sp.zero_stage = args.zero

@@ -136,7 +136,7 @@ def eager_layer_activation_bytes(shape: LayerShape, recompute: str) -> float:
     lse = 4 * T * shape.heads                   # SDPA's fp32 log-sum-exp
     if recompute == "full":
         return e * T * h                        # checkpoint_wrapper keeps the block's input
-    if recompute == "selective":                # mm/addmm and SDPA outputs, and the input
+    if recompute in ("selective", "elementwise"):  # mm/addmm and SDPA outputs, and the input
         return e * T * (3 * h + 2 * q + 2 * kv + (1 if gpt else 2) * f) + lse
     # norm: input, fp32 statistics (LayerNorm mean and rstd; RMSNorm rstd and x * rstd),
     # and its output as the next Linear's input

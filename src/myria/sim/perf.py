@@ -99,7 +99,9 @@ class StepResult:
 
     def to_json(self) -> dict:
         """The JSON object `myria simulate --json` prints."""
-        t = self.iteration_time_s
+        from myria.sim.calibration import band_coverage, uncertainty
+
+        t, b = self.iteration_time_s, uncertainty()
         return {
             "name": self.name,
             "iteration_time_s": t,
@@ -122,6 +124,11 @@ class StepResult:
             "layout": self.layout,
             "details": self.details,
             "warnings": self.warnings,
+            # the model's uncertainty (leave-one-out residuals of the calibration, jackknife+
+            # quantile): the iteration time lies within t (1 -/+ band) with the nominal coverage
+            "band": b, "band_nominal_coverage": band_coverage(),
+            "iteration_time_low_s": t * (1 - b), "iteration_time_high_s": t * (1 + b),
+            "mfu_low": self.mfu / (1 + b), "mfu_high": self.mfu / (1 - b),
             **self.extra,
         }
 
@@ -321,6 +328,8 @@ def simulate(run: RunSpec, hw: Hardware | None = None, eff: Efficiency | None = 
         recompute = lay.fwd
     elif rec == "selective":
         recompute = lay.attn_core_fwd  # FlashAttention recomputes inside its own backward
+    elif rec == "elementwise":
+        recompute = lay.fwd_cat.get("memory", 0.0)  # norms, RoPE, activations, dropout
     else:
         recompute = 0.0
 
@@ -632,7 +641,8 @@ def op_table(run: RunSpec, res: StepResult, ops: tuple[Op, ...], stage: dict,
             [(o, m, False) for o in head]:
         repeats = 1
         if in_layer and op.phase == "fwd" and (
-                rec == "full" or (rec == "selective" and op.attn_core)):
+                rec == "full" or (rec == "selective" and op.attn_core) or
+                (rec == "elementwise" and op.category == "memory")):
             repeats = 2
         if op.kind == "comm":
             t = coll.COLLECTIVES[op.coll](op.bytes, groups[op.group])[0]
