@@ -313,15 +313,18 @@ def memory(shape: LayerShape, *, layers: int, pp: int, vpp: int, microbatches: i
             if offload_params:
                 host += w * gpus_per_node
                 w = 3 * (dense + expert) / per_stage * w_b
+        # rank r of 1F1B holds min(m, p - r): the first rank p, the last one microbatch
         in_flight = in_flight_microbatches(schedule, pp, vpp, microbatches,
-                                           1 if name == "mid" else 0)
+                                           {"mid": 1, "last": pp - 1}.get(name, 0))
         if pp == 1:
             in_flight = 1.0
         act = per_stage * in_flight * a_layer
         # the peak is the larger of the loss's forward (every layer's activations and the
         # output layer's buffers) and a layer's backward (its recomputed activations, when it
         # recomputes, and the gradients of its outputs in flight)
-        head = head_activation_bytes(shape, first, last) * (1 if last else in_flight)
+        # (the last rank keeps the loss's buffers for each microbatch in flight: one under
+        # 1F1B, all m under GPipe)
+        head = head_activation_bytes(shape, first, last) * in_flight
         regrown = _act(shape, "none") - a_layer if recompute != "none" and per_stage else 0.0
         temp += max(head, regrown + backward_transient_bytes(shape))
         dynamic = w + g + o + act + temp
