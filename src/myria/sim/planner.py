@@ -115,9 +115,9 @@ def candidates(base: RunSpec, space: SearchSpace):
                 if base.training.global_batch % dp:
                     continue
                 # interleaving with uneven chunks too (the trainer's FLOP-balanced split of
-                # pp x vpp stages, as Llama 3 ran 126 layers on 16 ranks), every chunk a layer
-                vpps = space.vpp or ([x for x in range(1, 9) if pp * x <= m.layers]
-                                     if pp > 1 else [1])
+                # pp x vpp stages, as Llama 3 ran 126 layers on 16 ranks); pp x vpp beyond the
+                # layers is refused below
+                vpps = space.vpp or (list(range(1, 9)) if pp > 1 else [1])
                 for ep in eps:
                     if (dp * cp) % ep or (m.experts and m.experts % ep):
                         continue
