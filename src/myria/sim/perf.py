@@ -140,6 +140,28 @@ def _chunked(t: float, n: int, t_hide: float) -> float:
     return t / n + max(0.0, t * (n - 1) / n - t_hide)
 
 
+def _grad_reduce_exposed(t: float, b_last: float, buckets: int, pp: int, v: int) -> float:
+    """Exposed time of a once-per-step gradient reduction of `t` seconds on the first pipeline
+    rank (the last to finish), overlapped with backward (Megatron-LM's overlap_grad_reduce:
+    a bucket is reduced as soon as its gradients are final).
+
+    One chunk per rank: the buckets reduce during the last microbatch's backward (`b_last`),
+    the last bucket after it: max(t / buckets, t - b_last). Interleaved (v chunks): the
+    gradients of chunks 1..v-1 are final when the schedule's last group of pp chunk-0
+    backwards starts (Megatron's interleaved order runs the backwards of pp microbatches per
+    chunk), so they reduce behind those pp chunk backwards (pp x b_last / v); chunk 0's share
+    t / v behind its own last backward, as above. Mirrored, the same holds for the updated
+    parameters' all-gather before the first forwards (Megatron's overlap_param_gather: chunk
+    0's parameters first, behind its first forward; the other chunks' behind the first group
+    of pp chunk-0 forwards), with `b_last` the first microbatch's forward."""
+    if pp <= 1 or v <= 1:
+        return max(t / buckets, t - b_last)
+    own = t / v
+    rest = t - own
+    b_chunk = b_last / v
+    return max(0.0, rest - pp * b_chunk) + max(own / max(1, buckets // v), own - b_chunk)
+
+
 def _cost(t: float, exposed: float) -> float:
     """Time a collective adds: its exposed part plus the interference of its hidden part."""
     return exposed + OVERLAP_INTERFERENCE * max(0.0, t - exposed)
@@ -436,14 +458,15 @@ def simulate(run: RunSpec, hw: Hardware | None = None, eff: Efficiency | None = 
     if dp * cp <= 1 and ep <= 1:
         t_dp = 0.0
     elif tr.zero_stage == 0:
-        t_dp = _cost(t_grad, max(t_grad / buckets, t_grad - B0)) if ov.dp else t_grad
+        t_dp = _cost(t_grad, _grad_reduce_exposed(t_grad, B0, buckets, pp, v)) if ov.dp \
+            else t_grad
     elif tr.zero_stage == 1 or (tr.zero_stage == 2 and eager):
         # whole gradients accumulate over the microbatches: one reduce-scatter per step, then
         # the updated shards are all-gathered (myria's eager "zero2" is FSDP2 without
         # resharding after forward under no_sync: gradients accumulate whole, as here)
         if ov.dp:
-            t_dp = _cost(t_rs, max(t_rs / buckets, t_rs - B0)) + \
-                _cost(t_ag, max(t_ag / buckets, t_ag - F0))
+            t_dp = _cost(t_rs, _grad_reduce_exposed(t_rs, B0, buckets, pp, v)) + \
+                _cost(t_ag, _grad_reduce_exposed(t_ag, F0, buckets, pp, v))
         else:
             t_dp = t_rs + t_ag
     elif tr.zero_stage == 2 or (tr.zero_stage >= 3 and not tr.reshard_after_forward
@@ -451,7 +474,7 @@ def simulate(run: RunSpec, hw: Hardware | None = None, eff: Efficiency | None = 
         # gradients were reduce-scattered per microbatch (above); the updated parameter shards
         # are all-gathered once per step, before (ZeRO-2) or during (FSDP without resharding)
         # the first forward
-        t_dp = _cost(t_ag, max(t_ag / buckets, t_ag - F0)) if ov.dp else t_ag
+        t_dp = _cost(t_ag, _grad_reduce_exposed(t_ag, F0, buckets, pp, v)) if ov.dp else t_ag
     elif eager and _fsdp_context(hw.cpu, groups["dp"], pp):
         _, block_rs, _, ends_rs = _fsdp_context(hw.cpu, groups["dp"], pp)
         t_dp = n_layers[kinds[0][0]] * block_rs + ends_rs
