@@ -51,3 +51,27 @@ def test_breakdown_sums_to_iteration_time(calibration, llama):
             assert key in j
         assert j["tokens_per_s"] == pytest.approx(
             r.training.global_batch * r.model.seq_len / j["iteration_time_s"])
+
+
+def test_band_is_the_jackknife_plus_quantile_and_json_carries_it(capsys):
+    import json
+
+    from myria.cli import main
+    from myria.sim.calibration import UNCERTAINTY, band_from, uncertainty
+
+    stored = json.loads(UNCERTAINTY.read_text())
+    errs = list(stored["held_out_errors"].values())
+    # ceil((n + 1) 0.9) = 10th of 10 |held-out errors|: the largest, not the 90th percentile
+    assert len(errs) == 10 and stored["nominal_coverage"] == 0.9
+    assert stored["band"] == pytest.approx(max(abs(e) for e in errs))
+    assert band_from(errs) == pytest.approx(stored["band"])
+    assert band_from(errs, 0.5) == sorted(abs(e) for e in errs)[5]
+    # each row's held-out error lies inside the band built from the other nine rows
+    inside = sum(abs(e) <= band_from(errs[:i] + errs[i + 1:]) for i, e in enumerate(errs))
+    assert inside >= 8
+    assert main(["simulate", "--json", "--run", "megatron-lm-2021-1.7b"]) == 0
+    j = json.loads(capsys.readouterr().out.splitlines()[0])
+    b = uncertainty()
+    assert j["band"] == pytest.approx(b) and j["band_nominal_coverage"] == 0.9
+    assert j["iteration_time_low_s"] == pytest.approx(j["iteration_time_s"] * (1 - b))
+    assert j["mfu_low"] < j["mfu"] < j["mfu_high"]

@@ -97,7 +97,8 @@ def test_plan_cli_accepts_126_layers_on_16_stages(capsys):
     argv = ["plan", "--gpu", "h100-sxm-80gb", "--arch", "llama", "--layers", "126", "--hidden",
             "16384", "--heads", "128", "--kv-heads", "8", "--ffn-hidden", "53248", "--vocab",
             "128256", "--seq-len", "8192", "--global-batch", "2048", "--gpus", "16384",
-            "--pp", "16", "--tp", "8", "--cp", "1", "--recompute", "full,none", "--zero", "1",
+            "--pp", "16", "--vpp", "1", "--tp", "8", "--cp", "1", "--recompute", "full,none",
+            "--zero", "1",
             "--top", "2", "--json"]
     assert main(argv) == 0
     out = json.loads(capsys.readouterr().out)

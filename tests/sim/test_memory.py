@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from myria.config import ModelConfig
-from myria.sim.memory import in_flight_microbatches, layer_activation_bytes
+from myria.models.memory import in_flight_microbatches, layer_activation_bytes
 from myria.sim.operators import layer_shape
 
 GPT = ModelConfig(arch="gpt", vocab_size=51200, layers=24, hidden=2048, heads=16, seq_len=2048)
@@ -82,3 +82,63 @@ def test_unfitting_layout_flagged(calibration):
     big = calibration[-1].replace(training={"recompute": "none"})   # 1T without recompute
     res = simulate(big)
     assert not res.fits and any("GB per device" in w for w in res.warnings)
+
+
+# -- the model against measured peaks of myria's own model on this CPU -------------------------
+def _measured_peak(cfg, recompute: str, batch: int) -> float:
+    """Peak bytes of live tensors during one microbatch's forward and backward of myria's model
+    (recomputation applied as the trainer applies it), above what was live before it (weights,
+    and the gradients a first microbatch left: gradient accumulation), as torch's memory
+    profiler (profile_memory=True) records every allocation and free on the CPU."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    from myria.models.transformer import Transformer
+    from myria.parallel.parallelize import apply_ac
+
+    torch.manual_seed(0)
+    model = Transformer(cfg)
+    model.init_weights(0)
+    apply_ac(model, recompute)
+    x = torch.randint(0, cfg.vocab_size, (batch, cfg.seq_len))
+    y = torch.randint(0, cfg.vocab_size, (batch, cfg.seq_len))
+    model(x, y).backward()
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        model(x, y).backward()
+    events = sorted((e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"),
+                    key=lambda e: e.start_ns())
+    live = peak = 0
+    for e in events:
+        live += e.nbytes()
+        peak = max(peak, live)
+    return peak
+
+
+def _modelled_peak(cfg, recompute: str, batch: int) -> float:
+    """The memory model's activations and temporaries for the same single-process run."""
+    from myria.models.flops import loss_chunk_rows
+    from myria.sim.memory import memory
+
+    sh = layer_shape(cfg, batch, flash=True, fused=False, act_bytes=4, eager=True,
+                     ce_chunk=loss_chunk_rows(cfg.vocab_size))
+    r = memory(sh, layers=cfg.layers, pp=1, vpp=1, microbatches=2, schedule="1f1b",
+               recompute=recompute, zero_stage=0, dp=1, ep=1, precision="fp32",
+               offload="none", capacity=1e12, gpus_per_node=1, reserved=0.0,
+               fragmentation=0.0)
+    return r.activations + r.temporary
+
+
+# 12 configurations (architecture x recomputation x shape); three run in the quick suite, the
+# rest under -m slow (the profiler makes each take seconds on a loaded 2-core machine)
+_GRID = [pytest.param(a, r, *shp, marks=() if (a, shp[0]) == ("llama", 64) else pytest.mark.slow)
+         for a in ("llama", "gpt") for r in ("none", "selective", "full")
+         for shp in ((64, 128, 4, 2), (128, 256, 2, 3))]
+
+
+@pytest.mark.parametrize("arch, recompute, hidden, seq, batch, layers", _GRID)
+def test_activation_model_within_10_percent_of_measured_peak(arch, recompute, hidden, seq,
+                                                             batch, layers):
+    cfg = ModelConfig(arch=arch, vocab_size=512, layers=layers, hidden=hidden, heads=4,
+                      kv_heads=2 if arch == "llama" else 0, seq_len=seq)
+    measured = _measured_peak(cfg, recompute, batch)
+    assert _modelled_peak(cfg, recompute, batch) == pytest.approx(measured, rel=0.10)

@@ -59,7 +59,7 @@ def test_measured_section_is_free_form():
     (MINIMAL + "[paralel]\ntp = 2\n", "did you mean 'parallel'"),
     (MINIMAL + "[parallel]\nschedule = 'interleaved'\n", "interleaved-1f1b"),
     (MINIMAL.replace("global_batch = 8", "global_batch = 8\nrecompute = 'partial'"),
-     "none, selective, full"),
+     "none, selective, elementwise, full"),
     (MINIMAL.replace("layers = 2", "layers = 'two'"), "expected an integer"),
     (MINIMAL.replace("gpus = 8", "gpus = 8\nnic_gbps = -1"), ">= 0"),
     (MINIMAL.replace("heads = 4", ""), "model.heads is required"),

@@ -70,12 +70,13 @@ def test_plan_ranks_fitting_layouts(calibration):
 
 def test_search_space_respects_constraints(calibration):
     base = calibration[4]
+    # 40 layers on 16 ranks: uneven stages, and interleaved too (2 chunks of 1-2 layers)
+    b18 = calibration[3]
+    vpps = {par["vpp"] for par, _ in candidates(b18, SearchSpace(pp=[16], tp=[8], cp=[1]))}
+    assert vpps == {1, 2} and b18.model.layers % 16
     for par, tr in candidates(base, SearchSpace(recompute=["full"], zero_stage=[0])):
         assert base.model.heads % par["tp"] == 0 and par["pp"] <= base.model.layers
-        if base.model.layers % par["pp"]:  # uneven stages: one chunk per rank
-            assert par["vpp"] == 1
-        else:
-            assert (base.model.layers // par["pp"]) % par["vpp"] == 0
+        assert par["pp"] * par["vpp"] <= base.model.layers  # every chunk holds a layer
         dp = base.cluster.gpus // (par["tp"] * par["pp"] * par["cp"])
         m = base.training.global_batch // (dp * tr["micro_batch"])
         assert m * dp * tr["micro_batch"] == base.training.global_batch
@@ -135,3 +136,72 @@ def test_young_daly_interval_maximises_ettr():
     assert 0 < worse.ettr < e.ettr < 1 and worse.interval_steps < e.interval_steps
     none = expected_ettr(10.0, 8, 8, 1e9, 8e9, 50.0, Reliability(failures_per_gpu_hour=0))
     assert none.ettr == 1.0
+
+
+# -- public layouts of well-known large runs (layout, hardware and batch only) ---------------
+def _experts():
+    from myria.sim.runspec import load
+
+    return {r.name: r for r in load(runspec.calibration_path().with_name(
+        "expert_layouts.toml"))}
+
+
+def test_expert_layouts_fit_without_full_recompute_where_unused():
+    import dataclasses
+
+    from myria.sim.perf import simulate
+
+    runs = _experts()
+    for name, rec in (("llama3-405b", "elementwise"), ("megascale-175b", "selective"),
+                      ("megatron-lm-gpt3-175b", "full")):
+        r = runs[name]
+        run = dataclasses.replace(r, training=dataclasses.replace(r.training, recompute=rec))
+        res = simulate(run)
+        assert res.fits and res.memory.total <= 0.9 * res.memory.capacity, (name, res.memory)
+    # Llama 3's FSDP without resharding keeps the stage's bf16 weights whole, shards the rest
+    res = simulate(runs["llama3-405b"].replace(training={"recompute": "elementwise"}))
+    n = res.memory.params_per_device
+    assert res.memory.weights == pytest.approx(2 * n) and res.memory.optimizer < 12 * n / 100
+
+
+def _plan_expert(name: str, space: SearchSpace | None = None):
+    r = _experts()[name]
+    res = plan(r, space, top=10 ** 6)
+    p = r.parallel
+    same = [x for x in res.ranked if (x.layout["tp"], x.layout["pp"], x.layout["cp"],
+                                      x.layout["dp"]) == (p.tp, p.pp, p.cp, r.dp)]
+    return res, same
+
+
+def _assert_in_tie_band(res, same):
+    inter = [x for x in same if x.layout["vpp"] > 1]
+    assert inter, "the published layout is not generated with interleaving"
+    best = max(x.mfu for x in res.ranked)
+    band = res.ranked[0].extra["band"]
+    top = max(inter, key=lambda x: x.mfu)
+    assert top.mfu >= best * (1 - band) and top.extra["tied"]
+    # the first pick shards its optimizer state (ties never go to replicated Adam state)
+    first = res.ranked[0].layout
+    assert first["zero_stage"] >= 1 or first["dp"] * first["cp"] == 1
+
+
+def test_megatron_gpt3_layout_ranks_in_the_tie_band():
+    res, same = _plan_expert("megatron-lm-gpt3-175b", SearchSpace(micro_batch=[1, 2]))
+    _assert_in_tie_band(res, same)
+
+
+@pytest.mark.slow
+def test_megascale_layout_ranks_in_the_tie_band():
+    res, same = _plan_expert("megascale-175b")
+    _assert_in_tie_band(res, same)
+
+
+@pytest.mark.slow
+def test_llama3_layout_is_generated_interleaved_uneven_and_fits():
+    # 126 layers on 16 ranks interleaved (uneven chunks), without full recomputation. Its rank
+    # (outside the tie band: bubble and exposed DP traffic at 16 microbatches) is in
+    # bench/RESULTS.md, not asserted
+    res, same = _plan_expert("llama3-405b", SearchSpace(tp=[8], cp=[1], pp=[16]))
+    inter = [x for x in same if x.layout["vpp"] > 1 and x.layout["recompute"] != "full"]
+    assert inter and all(sum(x.layout["stage_layers"]) == 126 for x in inter[:5])
+    assert any(len(set(x.layout["stage_layers"])) > 1 for x in inter)

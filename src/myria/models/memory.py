@@ -48,6 +48,8 @@ class LayerDims:
     flash: bool = False
     dropout: float = 0.0
     act_bytes: int = 2
+    eager: bool = False      # myria's own eager modules (what autograd keeps in models.transformer)
+    ce_chunk: int = 0        # rows per chunk of the fused linear + cross-entropy (eager)
 
     @property
     def head_dim(self) -> int:
@@ -65,8 +67,18 @@ def layer_dims(cfg: ModelConfig, micro_batch: int, *, tp: int = 1, cp: int = 1,
                      sp=sp and tp > 1, flash=flash, dropout=dropout, act_bytes=act_bytes)
 
 
+def eager_layer(shape) -> bool:
+    """Whether a layer is priced as myria's own eager block (`eager_layer_activation_bytes`):
+    dense, without tp/cp, dropout or fp8 (what the eager op lists cover)."""
+    return bool(getattr(shape, "eager", False) and shape.tp == 1 and shape.cp == 1
+                and not shape.experts and not shape.parallel_block and not shape.dropout
+                and not getattr(shape, "fp8", False))
+
+
 def layer_activation_bytes(shape: LayerDims, recompute: str) -> float:
     """Bytes one layer keeps for its backward pass, per microbatch, on one device."""
+    if eager_layer(shape):
+        return eager_layer_activation_bytes(shape, recompute)
     e, tp, h = shape.act_bytes, shape.tp, shape.hidden
     T = shape.micro_batch * shape.seq_len / shape.cp
     Tsp = T / tp if shape.sp else T
@@ -76,6 +88,24 @@ def layer_activation_bytes(shape: LayerDims, recompute: str) -> float:
     q, kv = shape.heads * hd, shape.kv_heads * hd
     ffn = shape.ffn
     gpt = shape.arch == "gpt"
+    n_in = 1 if gpt else 2
+    if recompute == "elementwise":
+        # GEMM and attention outputs only: layer input and post-attention residual (norms are
+        # recomputed from them), Q/K/V before RoPE, the attention output (or, unfused, the
+        # score GEMM's output), fc1's output(s); the activation and dropout are recomputed
+        total = e * Tsp * h * (1 if shape.parallel_block else 2)
+        total += e * T * (q + 2 * kv) / tp + e * T * q / tp
+        if shape.flash:
+            total += 4 * T * shape.heads / tp
+        else:
+            total += e * shape.micro_batch * shape.heads / tp * T * shape.seq_len
+        if shape.experts:
+            cf = shape.capacity_factor or 1.0
+            routed = T * shape.top_k * cf / tp
+            total += 4 * Tsp * shape.experts + e * routed * h + e * routed * ffn / tp * n_in
+        else:
+            total += e * T * ffn / tp * n_in
+        return total
     p = shape.dropout
     mask = Tsp * h if p else 0.0               # 1-byte dropout masks
     total = 0.0
@@ -91,7 +121,6 @@ def layer_activation_bytes(shape: LayerDims, recompute: str) -> float:
         if p:
             total += n_scores * (1 + e)        # dropout mask and dropout output
     # MLP block
-    n_in = 1 if gpt else 2
     if not shape.parallel_block:
         total += e * Tsp * h                   # MLP norm input
     if shape.experts:
@@ -108,14 +137,60 @@ def layer_activation_bytes(shape: LayerDims, recompute: str) -> float:
     return total
 
 
+def eager_layer_activation_bytes(shape: LayerDims, recompute: str) -> float:
+    """What autograd keeps for one block of myria's own model (`models.transformer.Block`,
+    dense, no tp/cp) per microbatch: tensor by tensor as listed in the module docstring."""
+    e, h = shape.act_bytes, shape.hidden
+    T = shape.micro_batch * shape.seq_len
+    q, kv, f = shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim, shape.ffn
+    gpt = shape.arch == "gpt"
+    lse = 4 * T * shape.heads                   # SDPA's fp32 log-sum-exp
+    if recompute == "full":
+        return e * T * h                        # checkpoint_wrapper keeps the block's input
+    if recompute in ("selective", "elementwise"):  # mm/addmm and SDPA outputs, and the input
+        return e * T * (3 * h + 2 * q + 2 * kv + (1 if gpt else 2) * f) + lse
+    # norm: input, fp32 statistics (LayerNorm mean and rstd; RMSNorm rstd and x * rstd),
+    # and its output as the next Linear's input
+    norm = e * T * 2 * h + 8 * T if gpt else e * T * 3 * h + 4 * T
+    attn = e * T * (q + 2 * kv) + e * T * q + lse    # SDPA inputs and output
+    mlp = e * T * 2 * f if gpt else e * T * 4 * f    # GELU in/out; SwiGLU w1, silu, w3, product
+    return 2 * norm + attn + mlp
+
+
+def backward_transient_bytes(shape: LayerDims) -> float:
+    """Gradients in flight inside one layer's backward, at its largest (the MLP activation's
+    backward): the residual stream's gradient and the gradients of the activation function's
+    inputs (two for SwiGLU, gate and up; one for GELU). Checked against torch's memory
+    profiler on myria's blocks (tests/sim/test_memory.py)."""
+    e, tp = shape.act_bytes, shape.tp
+    T = shape.micro_batch * shape.seq_len / shape.cp
+    Tsp = T / tp if shape.sp else T
+    n_in = 1 if shape.arch == "gpt" else 2
+    return e * (Tsp * shape.hidden + n_in * T * shape.ffn / tp)
+
+
 def head_activation_bytes(shape: LayerDims, first: bool, last: bool) -> float:
-    """Activations of the embedding (first stage) and output layer (last stage), one microbatch."""
+    """Activations of the embedding (first stage) and output layer (last stage), one microbatch:
+    at the loss's peak (its forward), the final norm's saved tensors and output and the loss's
+    own buffers."""
     e, tp = shape.act_bytes, shape.tp
     T = shape.micro_batch * shape.seq_len / shape.cp
     Tsp = T / tp if shape.sp else T
     total = 0.0
     if first and shape.dropout:
         total += Tsp * shape.hidden            # embedding dropout mask
+    if shape.eager and shape.ce_chunk and tp == 1:
+        # myria's fused linear + cross-entropy (models/loss.py): tokens and targets (int64),
+        # the final norm's saved tensors and output, the input and weight gradients it
+        # computes in forward, and one chunk's fp32 logits
+        h = shape.hidden
+        if first:
+            total += 16 * T
+        if last:
+            norm = e * T * h + 8 * T if shape.arch == "gpt" else e * T * 2 * h + 4 * T
+            total += norm + 2 * e * T * h + e * shape.vocab * h + \
+                4 * min(T, shape.ce_chunk) * shape.vocab
+        return total
     if last:
         # final norm input, logits (16-bit) and their fp32 copy for the cross-entropy
         total += e * Tsp * shape.hidden + (e + 4) * T * shape.vocab / tp

@@ -191,9 +191,10 @@ def _space(args) -> SearchSpace:
         sp.micro_batch = args.mb
     if args.recompute:
         vals = [x.strip() for x in args.recompute.split(",")]
-        bad = [x for x in vals if x not in ("none", "selective", "full")]
+        bad = [x for x in vals if x not in ("none", "selective", "elementwise", "full")]
         if bad:
-            raise ConfigError(f"--recompute: {bad[0]!r} is not none, selective or full")
+            raise ConfigError(f"--recompute: {bad[0]!r} is not none, selective, elementwise "
+                              "or full")
         sp.recompute = vals
     if args.zero:
         sp.zero_stage = args.zero
@@ -308,12 +309,12 @@ def _print(base: RunSpec, res) -> None:
                     f"{bd['dp_comm_exposed'] / t:.0%}", f"{(t - named) / t:.0%}")
     con.print(tab)
     tied = sum(1 for r in res.ranked if r.extra.get("tied"))
-    band = res.ranked[0].extra["mfu_high"] / res.ranked[0].mfu - 1
+    band = res.ranked[0].extra["band"]
     if tied > 1:
         con.print(f"#1-#{tied} (marked =) lie within the model's uncertainty (±{band:.0%}, its "
                   "held-out error on the calibration runs) of the best MFU: statistically "
-                  "tied, so they are ordered simplest first (fewer parallel dimensions, lower "
-                  "ZeRO stage, less recomputation).")
+                  "tied, so they are ordered simplest first (sharded optimizer state, fewer "
+                  "parallel dimensions, less recomputation, lower ZeRO stage, less memory).")
     rel = res.ranked[0].extra["reliability"]
     con.print(f"ETTR: expected share of wall time in kept training steps with failures every "
               f"{rel['mtbf_s'] / 3600:.1f} h on average (job MTBF), recovery "

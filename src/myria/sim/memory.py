@@ -1,20 +1,53 @@
 """Memory per device: weights, gradients, optimizer state under ZeRO 0-3, activations, buffers.
 
-Activations are enumerated tensor by tensor, as Korthikanti et al. 2022 ("Reducing Activation
-Recomputation in Large Transformer Models", section 4) count them: for the GPT layer with
-dropout, 16-bit activations and no parallelism this gives s*b*h*(34 + 5*a*s/h) bytes per layer,
-with tensor parallelism s*b*h*(10 + 24/t + 5*a*s/(h*t)), with sequence parallelism everything
-/t; selective recomputation drops the 5*a*s/h term (the attention core), full recomputation keeps
-only each layer's input. FlashAttention never stores the score matrix (only a log-sum-exp per
-query and head). In-flight microbatches on the first pipeline stage: GPipe all m; 1F1B and
-zero-bubble ZB-H1/ZB-V min(m, p); interleaved 1F1B a further factor 1 + (p-1)/(p*v)
-(Korthikanti et al. section 4.2.3).
+Every rule says which framework keeps memory that way and where the rule comes from.
+
+Activations (per layer and microbatch, one device; e bytes per 16-bit element):
+
+- **Megatron-style layers** are enumerated tensor by tensor, as Korthikanti et al. 2022
+  ("Reducing Activation Recomputation in Large Transformer Models", section 4) count them: for
+  the GPT layer with dropout and no parallelism s*b*h*(34 + 5*a*s/h) bytes, with tensor
+  parallelism s*b*h*(10 + 24/t + 5*a*s/(h*t)), with sequence parallelism everything /t (their
+  eqs. 1-4). SwiGLU keeps its two input halves and its output (Megatron-core's fused
+  `bias_swiglu` saves the fc1 output, fc2 saves its input). FlashAttention (Dao 2022) never
+  stores the b*a*s*s score matrix, only a log-sum-exp per query and head; its output is the
+  output projection's input.
+- **Recomputation**: `selective` is Korthikanti's (the attention core is recomputed: the 5as/h
+  term goes; with FlashAttention nothing changes), `elementwise` keeps only GEMM and attention
+  outputs and recomputes norms, RoPE, activation functions and dropout from them (torchtitan's
+  op-level selective checkpointing and myria's own `selective` policy; Megatron-core's
+  `--recompute-modules layernorm moe_act`), `full` keeps each layer's input (Megatron
+  `--recompute-granularity full --recompute-method uniform`), and the one layer being
+  recomputed holds its full activations during its backward.
+- **myria's own eager modules** (`LayerShape.eager`: what a myria run on torch keeps) are
+  counted from what autograd saves in `models.transformer.Block`, tensor by tensor (checked
+  against torch's memory profiler in tests/sim/test_memory.py): an RMSNorm keeps its input, its
+  fp32 reciprocal RMS and the normalised input, and the Linear after it its output; LayerNorm
+  its input and fp32 mean and rstd; SDPA keeps q, k, v, its output and the fp32 log-sum-exp;
+  SwiGLU both GEMM outputs, the SiLU output and the product; GELU its input and output. myria's
+  `selective` keeps only mm/addmm and SDPA outputs (`parallel.parallelize.apply_ac`).
+- **In-flight microbatches** on the busiest pipeline rank: GPipe all m; 1F1B and ZB-H1 min(m,
+  p - r) on rank r (Narayanan et al. 2021, section 2.2); interleaved 1F1B with v chunks a
+  further factor 1 + (p-1)/(p*v) (Korthikanti et al. section 4.2.3; Megatron's warm-up of
+  2(p-1) + (v-1)p chunk-microbatches on rank 0); uneven stages price each rank by the layers it
+  really holds (`myria.layout.rank_layers`).
 
 Model state per parameter (mixed precision, Rajbhandari et al. 2020 "ZeRO"): 2-byte weights,
 4-byte gradients (Megatron-LM accumulates and reduces gradients in an fp32 buffer), 12 bytes of
-Adam/LAMB state (fp32 master weights, two moments). ZeRO-1 shards the optimizer state over the
-data-parallel ranks, ZeRO-2 also the gradients, ZeRO-3 (FSDP) also the weights, which are then
-gathered one layer at a time (two layers in flight with prefetch).
+Adam/LAMB state (fp32 master weights, two moments). ZeRO-1 (Megatron's distributed optimizer)
+shards the optimizer state over the data-parallel ranks, ZeRO-2 also the gradients, ZeRO-3
+(FSDP) also the weights, which are then gathered one layer at a time (two layers in flight
+with prefetch: FSDP2's default forward prefetch). FSDP2 with `reshard_after_forward=False`
+(PyTorch FSDP2 docs, `fully_shard`: "parameters stay unsharded after forward", used by Llama 3,
+Dubey et al. 2024 section 3.3.2) keeps every parameter of the stage gathered from its forward
+to its backward: the weights' memory is whole. HSDP shards over `shard` ranks and replicates
+across the rest (PyTorch FSDP2 docs, 2-D device mesh).
+
+The caching allocator's fragmentation is a measured fraction of the dynamic memory: 4.6%,
+the reserved-minus-allocated gap (2.7 GB) over the allocated memory (58.3 GB) that Huawei's
+MindSpeed guide measures on a 61 GB device ("memory fragmentation optimisation"); the GPU
+issue replaces it with the accelerator's own measured peaks. On a CPU torch has no caching
+allocator (freed tensors return to the C allocator), and it is 0.
 """
 
 from __future__ import annotations
@@ -24,6 +57,7 @@ from functools import lru_cache
 
 from myria.models.flops import param_counts
 from myria.models.memory import (  # the formulas the trainer's budget uses too
+    backward_transient_bytes,
     head_activation_bytes,
     in_flight_microbatches,
     layer_activation_bytes,
@@ -32,7 +66,7 @@ from myria.models.memory import stage_params as model_stage_params
 from myria.sim.operators import LayerShape
 
 RESERVED_BYTES = 1.5e9    # CUDA context, cuBLAS workspaces, NCCL buffers (not calibrated)
-FRAGMENTATION = 0.05      # allocator fragmentation, as a share of the dynamic memory
+FRAGMENTATION = 0.046     # caching allocator: reserved - allocated over allocated (MindSpeed)
 
 
 @lru_cache(maxsize=16384)
@@ -83,11 +117,13 @@ def memory(shape: LayerShape, *, layers: int, pp: int, vpp: int, microbatches: i
            offload: str, capacity: float, gpus_per_node: int,
            reserved: float = RESERVED_BYTES, reshard_after_forward: bool = True,
            shard: int = 0, offload_params: bool = False,
-           stage_layers: dict | None = None) -> MemoryResult:
+           stage_layers: dict | None = None,
+           fragmentation: float = FRAGMENTATION) -> MemoryResult:
     """Peak memory over the pipeline stages of one device (the first and last stage differ).
 
     `reserved` is what the runtime holds outside the tensors (CUDA context, library
-    workspaces, NCCL buffers on a GPU; 0 on a CPU, where none of these exist).
+    workspaces, NCCL buffers on a GPU; 0 on a CPU, where none of these exist), and
+    `fragmentation` the caching allocator's share of the dynamic memory (0 on a CPU).
     Offload: the optimizer state leaves the device (cpu or nvme); under cpu with ZeRO-3 also
     the sharded weights and gradients (FSDP2's CPUOffloadPolicy); under nvme with
     `offload_params` the weights, of which three layers stay (myria.offload.params).
@@ -137,18 +173,23 @@ def memory(shape: LayerShape, *, layers: int, pp: int, vpp: int, microbatches: i
             if offload_params:
                 host += w * gpus_per_node
                 w = 3 * (dense + expert) / per_stage * w_b
+        # rank r of 1F1B holds min(m, p - r): the first rank p, the last one microbatch
         in_flight = in_flight_microbatches(schedule, pp, vpp, microbatches,
-                                           1 if name == "mid" else 0)
+                                           {"mid": 1, "last": pp - 1}.get(name, 0))
         if pp == 1:
             in_flight = 1.0
         act = per_stage * in_flight * a_layer
-        act += head_activation_bytes(shape, first, last) * (1 if last else in_flight)
-        if recompute == "full":
-            # the one layer being recomputed holds its full activations during its backward
-            temp += _act(shape, "none")
+        # the peak is the larger of the loss's forward (every layer's activations and the
+        # output layer's buffers) and a layer's backward (its recomputed activations, when it
+        # recomputes, and the gradients of its outputs in flight)
+        # (the last rank keeps the loss's buffers for each microbatch in flight: one under
+        # 1F1B, all m under GPipe)
+        head = head_activation_bytes(shape, first, last) * in_flight
+        regrown = _act(shape, "none") - a_layer if recompute != "none" and per_stage else 0.0
+        temp += max(head, regrown + backward_transient_bytes(shape))
         dynamic = w + g + o + act + temp
-        total = dynamic * (1 + FRAGMENTATION) + reserved
-        results.append(MemoryResult(w, g, o, act, temp + dynamic * FRAGMENTATION,
+        total = dynamic * (1 + fragmentation) + reserved
+        results.append(MemoryResult(w, g, o, act, temp + dynamic * fragmentation,
                                     reserved, total, capacity, total <= capacity, name,
                                     dense + expert, host))
     return max(results, key=lambda r: r.total)

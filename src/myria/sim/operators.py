@@ -29,6 +29,7 @@ from functools import lru_cache
 
 from myria.config import ModelConfig
 from myria.models.flops import ForwardFlops, forward_flops_per_token
+from myria.models.memory import eager_layer
 from myria.sim.hardware import KERNEL_LAUNCH_S, MEMORY_EFFICIENCY
 
 
@@ -515,9 +516,9 @@ CE_PLAIN_PASSES = (3, 4)           # log_softmax (2 reads, 1 write); nll + log_s
 
 
 def eager_supported(shape: LayerShape) -> bool:
-    """The eager op lists cover myria's dense blocks without tp/cp/sp, dropout or fp8."""
-    return (shape.eager and shape.tp == 1 and shape.cp == 1 and not shape.experts
-            and not shape.parallel_block and not shape.dropout and not shape.fp8)
+    """The eager op lists cover myria's dense blocks without tp/cp/sp, dropout or fp8 (the
+    same rule prices their memory: myria.models.memory.eager_layer)."""
+    return eager_layer(shape)
 
 
 def _eager_linear(name: str, T: float, n: float, k: float, flops: float, e: int,

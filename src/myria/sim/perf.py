@@ -51,7 +51,7 @@ from myria.models.flops import (
 )
 from myria.sim import collectives as coll
 from myria.sim.hardware import Hardware, build_hardware
-from myria.sim.memory import RESERVED_BYTES, MemoryResult, memory
+from myria.sim.memory import FRAGMENTATION, RESERVED_BYTES, MemoryResult, memory
 from myria.sim.operators import (
     DEFAULT_EFFICIENCY,
     MEASURED_EFFICIENCY,
@@ -99,7 +99,9 @@ class StepResult:
 
     def to_json(self) -> dict:
         """The JSON object `myria simulate --json` prints."""
-        t = self.iteration_time_s
+        from myria.sim.calibration import band_coverage, uncertainty
+
+        t, b = self.iteration_time_s, uncertainty()
         return {
             "name": self.name,
             "iteration_time_s": t,
@@ -122,6 +124,11 @@ class StepResult:
             "layout": self.layout,
             "details": self.details,
             "warnings": self.warnings,
+            # the model's uncertainty (leave-one-out residuals of the calibration, jackknife+
+            # quantile): the iteration time lies within t (1 -/+ band) with the nominal coverage
+            "band": b, "band_nominal_coverage": band_coverage(),
+            "iteration_time_low_s": t * (1 - b), "iteration_time_high_s": t * (1 + b),
+            "mfu_low": self.mfu / (1 + b), "mfu_high": self.mfu / (1 - b),
             **self.extra,
         }
 
@@ -131,6 +138,28 @@ def _chunked(t: float, n: int, t_hide: float) -> float:
     """Exposed time of a collective cut into n chunks pipelined against t_hide of compute."""
     n = max(1, n)
     return t / n + max(0.0, t * (n - 1) / n - t_hide)
+
+
+def _grad_reduce_exposed(t: float, b_last: float, buckets: int, pp: int, v: int) -> float:
+    """Exposed time of a once-per-step gradient reduction of `t` seconds on the first pipeline
+    rank (the last to finish), overlapped with backward (Megatron-LM's overlap_grad_reduce:
+    a bucket is reduced as soon as its gradients are final).
+
+    One chunk per rank: the buckets reduce during the last microbatch's backward (`b_last`),
+    the last bucket after it: max(t / buckets, t - b_last). Interleaved (v chunks): the
+    gradients of chunks 1..v-1 are final when the schedule's last group of pp chunk-0
+    backwards starts (Megatron's interleaved order runs the backwards of pp microbatches per
+    chunk), so they reduce behind those pp chunk backwards (pp x b_last / v); chunk 0's share
+    t / v behind its own last backward, as above. Mirrored, the same holds for the updated
+    parameters' all-gather before the first forwards (Megatron's overlap_param_gather: chunk
+    0's parameters first, behind its first forward; the other chunks' behind the first group
+    of pp chunk-0 forwards), with `b_last` the first microbatch's forward."""
+    if pp <= 1 or v <= 1:
+        return max(t / buckets, t - b_last)
+    own = t / v
+    rest = t - own
+    b_chunk = b_last / v
+    return max(0.0, rest - pp * b_chunk) + max(own / max(1, buckets // v), own - b_chunk)
 
 
 def _cost(t: float, exposed: float) -> float:
@@ -322,6 +351,8 @@ def simulate(run: RunSpec, hw: Hardware | None = None, eff: Efficiency | None = 
         recompute = lay.fwd
     elif rec == "selective":
         recompute = lay.attn_core_fwd  # FlashAttention recomputes inside its own backward
+    elif rec == "elementwise":
+        recompute = lay.fwd_cat.get("memory", 0.0)  # norms, RoPE, activations, dropout
     else:
         recompute = 0.0
 
@@ -428,14 +459,15 @@ def simulate(run: RunSpec, hw: Hardware | None = None, eff: Efficiency | None = 
     if dp * cp <= 1 and ep <= 1:
         t_dp = 0.0
     elif tr.zero_stage == 0:
-        t_dp = _cost(t_grad, max(t_grad / buckets, t_grad - B0)) if ov.dp else t_grad
+        t_dp = _cost(t_grad, _grad_reduce_exposed(t_grad, B0, buckets, pp, v)) if ov.dp \
+            else t_grad
     elif tr.zero_stage == 1 or (tr.zero_stage == 2 and eager):
         # whole gradients accumulate over the microbatches: one reduce-scatter per step, then
         # the updated shards are all-gathered (myria's eager "zero2" is FSDP2 without
         # resharding after forward under no_sync: gradients accumulate whole, as here)
         if ov.dp:
-            t_dp = _cost(t_rs, max(t_rs / buckets, t_rs - B0)) + \
-                _cost(t_ag, max(t_ag / buckets, t_ag - F0))
+            t_dp = _cost(t_rs, _grad_reduce_exposed(t_rs, B0, buckets, pp, v)) + \
+                _cost(t_ag, _grad_reduce_exposed(t_ag, F0, buckets, pp, v))
         else:
             t_dp = t_rs + t_ag
     elif tr.zero_stage == 2 or (tr.zero_stage >= 3 and not tr.reshard_after_forward
@@ -443,7 +475,7 @@ def simulate(run: RunSpec, hw: Hardware | None = None, eff: Efficiency | None = 
         # gradients were reduce-scattered per microbatch (above); the updated parameter shards
         # are all-gathered once per step, before (ZeRO-2) or during (FSDP without resharding)
         # the first forward
-        t_dp = _cost(t_ag, max(t_ag / buckets, t_ag - F0)) if ov.dp else t_ag
+        t_dp = _cost(t_ag, _grad_reduce_exposed(t_ag, F0, buckets, pp, v)) if ov.dp else t_ag
     elif eager and _fsdp_context(hw.cpu, groups["dp"], pp):
         _, block_rs, _, ends_rs = _fsdp_context(hw.cpu, groups["dp"], pp)
         t_dp = n_layers[kinds[0][0]] * block_rs + ends_rs
@@ -538,6 +570,7 @@ def simulate(run: RunSpec, hw: Hardware | None = None, eff: Efficiency | None = 
                  offload_params=tr.offload_params, capacity=hw.memory_bytes,
                  gpus_per_node=hw.gpus_per_node,
                  reserved=0.0 if hw.device == "cpu" else RESERVED_BYTES,
+                 fragmentation=0.0 if hw.device == "cpu" else FRAGMENTATION,
                  reshard_after_forward=tr.reshard_after_forward, shard=shard_n,
                  stage_layers=n_layers if pp > 1 else None)
     if tr.offload != "none":
@@ -632,7 +665,8 @@ def op_table(run: RunSpec, res: StepResult, ops: tuple[Op, ...], stage: dict,
             [(o, m, False) for o in head]:
         repeats = 1
         if in_layer and op.phase == "fwd" and (
-                rec == "full" or (rec == "selective" and op.attn_core)):
+                rec == "full" or (rec == "selective" and op.attn_core) or
+                (rec == "elementwise" and op.category == "memory")):
             repeats = 2
         if op.kind == "comm":
             t = coll.COLLECTIVES[op.coll](op.bytes, groups[op.group])[0]

@@ -64,7 +64,8 @@ class SearchSpace:
     ep: list[int] | None = None
     vpp: list[int] | None = None
     micro_batch: list[int] | None = None
-    recompute: list[str] = field(default_factory=lambda: ["none", "selective", "full"])
+    recompute: list[str] = field(default_factory=lambda: ["none", "selective", "elementwise",
+                                                          "full"])
     zero_stage: list[int] = field(default_factory=lambda: [0, 1, 2, 3])
     sequence_parallel: list[bool] = field(default_factory=lambda: [True, False])
     # ZeRO-3/FSDP variants: reshard after forward or keep gathered; HSDP (shard inside a server)
@@ -113,10 +114,10 @@ def candidates(base: RunSpec, space: SearchSpace):
                 dp = rest // pp
                 if base.training.global_batch % dp:
                     continue
-                # uneven stages run one chunk per rank; interleaving needs equal chunks
-                per = m.layers // pp if m.layers % pp == 0 else 0
-                vpps = space.vpp or ([x for x in (1, 2, 3, 4, 6, 8) if x == 1 or
-                                      (per and per % x == 0)] if pp > 1 else [1])
+                # interleaving with uneven chunks too (the trainer's FLOP-balanced split of
+                # pp x vpp stages, as Llama 3 ran 126 layers on 16 ranks); pp x vpp beyond the
+                # layers is refused below
+                vpps = space.vpp or (list(range(1, 9)) if pp > 1 else [1])
                 for ep in eps:
                     if (dp * cp) % ep or (m.experts and m.experts % ep):
                         continue
@@ -130,6 +131,11 @@ def candidates(base: RunSpec, space: SearchSpace):
                                 continue
                             for sp in (space.sequence_parallel if tp > 1 else [False]):
                                 for rec in space.recompute:
+                                    # with FlashAttention, Korthikanti's selective recompute
+                                    # keeps what "none" keeps (no score matrix) and costs time
+                                    if rec == "selective" and base.kernels.flash_attention \
+                                            and len(space.recompute) > 1:
+                                        continue
                                     for zero in space.zero_stage:
                                         for rsh, shard in _sharding(zero, space, dp, tp * cp,
                                                                     c.gpus_per_node):
@@ -242,21 +248,26 @@ def plan(base: RunSpec, space: SearchSpace | None = None, top: int = 10,
         return res
     ok.sort(key=lambda r: -r.mfu)
     band = uncertainty()
-    ranked = rank_with_ties(ok[:max(top, 50)], band)[:top]
+    ranked = rank_with_ties(ok, band)[:top]
     for r in ranked:
         annotate(r, base, hw, band, reliability)
     return PlanResult(ranked, n, len(ok), time.perf_counter() - t0, best_bad, offloaded)
 
 
 def simplicity(r: perf.StepResult) -> tuple:
-    """Smaller is simpler: offload, parallel dimensions in use, ZeRO stage, recomputation,
-    degrees."""
+    """Smaller ranks first among tied layouts: no offload; the optimizer state sharded when
+    there is more than one data-parallel rank (a tie never goes to keeping replicated Adam
+    state: ZeRO-1 costs no extra communication, Rajbhandari et al. 2020); fewer parallel
+    dimensions in use; less recomputation; lower ZeRO stage; less memory (to the GB); fewer
+    stages and smaller degrees."""
     lay = r.layout
     dims = sum(1 for k in ("tp", "pp", "cp", "ep", "vpp") if lay[k] > 1)
-    rec = {"none": 0, "selective": 1, "full": 2}[lay["recompute"]]
+    rec = {"none": 0, "selective": 1, "elementwise": 1, "full": 2}[lay["recompute"]]
     off = {"none": 0, "cpu": 1, "nvme": 2}[lay.get("offload", "none")] + \
         bool(lay.get("offload_params"))
-    return (off, dims, lay["zero_stage"], rec, lay["pp"] * lay["vpp"], lay["tp"], lay["cp"])
+    replicated = lay["zero_stage"] == 0 and lay["dp"] * lay["cp"] > 1
+    return (off, replicated, dims, rec, lay["zero_stage"], round(r.memory.total / 1e9),
+            lay["pp"] * lay["vpp"], lay["tp"], lay["cp"])
 
 
 def rank_with_ties(results: list[perf.StepResult], band: float) -> list[perf.StepResult]:
@@ -279,6 +290,11 @@ def annotate(r: perf.StepResult, base: RunSpec, hw, band: float,
     lay = r.layout
     lay["stage_layers"] = stage_layers(base.model_config(), lay["pp"], lay["vpp"])
     e = run_ettr(r, base, hw, reliability)
-    r.extra.update(mfu_low=r.mfu * (1 - band), mfu_high=r.mfu * (1 + band), ettr=e.ettr,
+    from myria.sim.calibration import band_coverage
+
+    r.extra.update(mfu_low=r.mfu / (1 + band), mfu_high=r.mfu / (1 - band), band=band,
+                   band_nominal_coverage=band_coverage(),
+                   iteration_time_low_s=r.iteration_time_s * (1 - band),
+                   iteration_time_high_s=r.iteration_time_s * (1 + band), ettr=e.ettr,
                    checkpoint_interval_steps=e.interval_steps, reliability=e.to_json())
     r.extra.setdefault("tied", False)

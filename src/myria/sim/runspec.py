@@ -103,8 +103,11 @@ class TrainingSpec:
     global_batch: int = _f(REQUIRED, "sequences per optimizer step", min=1)
     micro_batch: int = _f(1, "sequences per forward/backward pass on one pipeline", min=1)
     recompute: str = _f("none", "activation recomputation: none, selective (attention core, "
-                        "Korthikanti et al. 2022) or full (every layer)",
-                        choices=("none", "selective", "full"))
+                        "Korthikanti et al. 2022), elementwise (keep GEMM and attention "
+                        "outputs, recompute norms, RoPE, activation functions and dropout: "
+                        "torchtitan's op-level selective checkpointing, myria's own selective) "
+                        "or full (every layer)",
+                        choices=("none", "selective", "elementwise", "full"))
     optimizer: str = _f("adam", "adam or lamb (both keep two fp32 moments)",
                         choices=("adam", "lamb"))
     zero_stage: int = _f(0, "ZeRO stage 0-3 (3 = FSDP full sharding) over the data-parallel "

@@ -194,9 +194,10 @@ def run(args) -> int:
         raise config_mod.ConfigError("--run-dir is required (where checkpoints and metrics go)")
     from myria.train.launch import inside_launcher, launch_local, own_run_dir
 
-    own_run_dir(args.run_dir)  # a second job on it is refused; workers stop with the launcher
-    if args.nproc and not inside_launcher():
-        # Check what we can before starting processes, so bad input fails once and clearly.
+    launching = args.nproc and not inside_launcher()
+    if launching:
+        # Check what we can before starting processes, so bad input fails once and clearly
+        # (and leaves no run directory behind).
         from myria.data.mixture import open_dataset
         from myria.train.trainer import check_vocab
 
@@ -205,6 +206,8 @@ def run(args) -> int:
         from myria.train.engine import check_run
         check_run(cfg, Layout.resolve(cfg.parallel, args.nproc),
                   device_type(cfg.training.device))
+    own_run_dir(args.run_dir)  # a second job on it is refused; workers stop with the launcher
+    if launching:
         launch_local(args.nproc, ["train", *_without_nproc(args.argv)])
         _summary(Path(args.run_dir))
         return 0
