@@ -10,7 +10,9 @@ committed checkpoint, as a preempted job would.
 from __future__ import annotations
 
 import argparse
+import copy
 import json
+import os
 from pathlib import Path
 
 from myria import config as config_mod
@@ -170,22 +172,113 @@ def predicted(cfg: config_mod.Config, world: int, ranks_per_host: int):
     return spec, simulate_config(cfg, world, spec, gpus_per_node=gpn, cpu_profile=prof)
 
 
+# Local ranks per CPU core beyond which `--nproc` is refused: each would get under an eighth of
+# a core, and the processes, threads and gloo connections would swamp the host.
+RANKS_PER_CORE = 8
+
+
+def check_nproc(nproc: int, device: str, flag: str = "--nproc") -> None:
+    """One line for a number of local processes this host cannot run (before any starts)."""
+    import os
+
+    if nproc < 1:
+        raise config_mod.ConfigError(f"{flag} {nproc}: must be at least 1 (processes on this "
+                                     "host)")
+    if device == "cuda":
+        import torch
+        if nproc > (n := torch.cuda.device_count()):
+            raise config_mod.ConfigError(f"{flag} {nproc}: this host has {n} GPU(s); start at "
+                                         f"most {n} processes per host (one per GPU)")
+    elif nproc > (n := RANKS_PER_CORE * (os.cpu_count() or 1)):
+        raise config_mod.ConfigError(f"{flag} {nproc}: this host has {os.cpu_count()} CPU "
+                                     f"cores; at most {n} processes ({RANKS_PER_CORE} per core)")
+
+
+def check_run_dir(run_dir: str | Path, flag: str = "--run-dir") -> None:
+    """One line when the run directory cannot be one (a file, under a file, not writable);
+    creates it otherwise."""
+    p = Path(run_dir)
+    if p.exists() and not p.is_dir():
+        raise config_mod.ConfigError(f"{flag} {str(p)!r} is a file, not a directory; name a new "
+                                     "directory or an existing run's")
+    try:
+        p.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise config_mod.ConfigError(f"{flag} {str(p)!r} cannot be created: {e.strerror}"
+                                     + (f" ({e.filename})" if e.filename and
+                                        str(e.filename) != str(p) else "")) from None
+
+
+def newest_checkpoint(cfg: config_mod.Config, run_dir: Path) -> Path | None:
+    """The checkpoint a start would most likely resume (resume_from, or `latest`), unverified;
+    None for a fresh start. The trainer decides for good (it verifies checksums)."""
+    c = cfg.checkpoint
+    if c.resume_from:
+        return Path(c.resume_from) if (Path(c.resume_from) / "meta.json").is_file() else None
+    if not c.resume:
+        return None
+    try:
+        name = (run_dir / "checkpoints" / "latest").read_text().strip()
+    except OSError:
+        return None
+    path = run_dir / "checkpoints" / name
+    return path if name and (path / "meta.json").is_file() else None
+
+
+def preflight(cfg: config_mod.Config, run_dir: str | Path, stop_after: int | None) -> str | None:
+    """What can be checked before processes start: the run directory, `--stop-after` and the
+    config against the checkpoint the run resumes (fields that cannot change are refused).
+    Returns a line to print instead of training when the run already reached training.steps."""
+    from myria.train import resume
+
+    run_dir = Path(run_dir)
+    check_run_dir(run_dir)
+    if stop_after is not None and stop_after < 1:
+        raise config_mod.ConfigError(f"--stop-after {stop_after}: must be a step >= 1 (the run "
+                                     "stops cleanly after that step)")
+    ckpt = newest_checkpoint(cfg, run_dir)
+    if ckpt is None:
+        return None
+    try:
+        prev, step = resume.previous_config(ckpt, run_dir)
+    except (OSError, ValueError):
+        return None  # unreadable: the trainer quarantines it and says so
+    config_mod.resume_changes(prev, copy.deepcopy(cfg), step)
+    if step >= cfg.training.steps:
+        return (f"{run_dir}: already trained to step {step} of training.steps = "
+                f"{cfg.training.steps}; nothing to do (raise --training.steps to train further, "
+                "docs/resume.md)")
+    if stop_after is not None and stop_after <= step:
+        raise config_mod.ConfigError(f"--stop-after {stop_after}: the run resumes at step "
+                                     f"{step} ({ckpt}); give a later step")
+    return None
+
+
 def run(args) -> int:
     if args.resume_from:
         args.overrides.append(f"--checkpoint.resume_from={Path(args.resume_from).resolve()}")
     if args.start_fresh:
         args.overrides.append("--checkpoint.start_fresh=true")
     cfg = config_mod.load(args.config, args.overrides)
+    if args.nproc < 0:
+        check_nproc(args.nproc, "cpu")
     world = _nproc_for(args)
     if args.dry_run:
         cfg.validate(world * args.nnodes)
         print(dry_run(cfg, world * args.nnodes, ranks_per_host=world))
         return 0
+    from myria.train.launch import inside_launcher, launch_local
+
+    if args.nproc and not inside_launcher():
+        check_nproc(args.nproc, _device(cfg))
     cfg.validate(world)
     if not args.run_dir:
         raise config_mod.ConfigError("--run-dir is required (where checkpoints and metrics go)")
-    from myria.train.launch import inside_launcher, launch_local
-
+    done = preflight(cfg, args.run_dir, args.stop_after)
+    if done:
+        if not inside_launcher() or os.environ.get("RANK", "0") == "0":
+            print(done)
+        return 0
     if args.nproc and not inside_launcher():
         # Check what we can before starting processes, so bad input fails once and clearly.
         from myria.data.dataset import TokenDataset
@@ -193,12 +286,8 @@ def run(args) -> int:
 
         check_vocab(cfg, TokenDataset(cfg.data.path, cfg.model.seq_len, split="train",
                                       verify=False))
-        import torch
-
         from myria.train.engine import check_layout
-        check_layout(cfg, config_mod.resolve_layout(cfg, args.nproc),
-                     "cuda" if cfg.training.device != "cpu" and torch.cuda.is_available()
-                     else "cpu")
+        check_layout(cfg, config_mod.resolve_layout(cfg, args.nproc), _device(cfg))
         launch_local(args.nproc, ["train", *_without_nproc(args.argv)])
         _summary(Path(args.run_dir))
         return 0
@@ -208,6 +297,12 @@ def run(args) -> int:
     if not inside_launcher():
         _summary(Path(args.run_dir))
     return 0
+
+
+def _device(cfg: config_mod.Config) -> str:
+    import torch
+
+    return "cuda" if cfg.training.device != "cpu" and torch.cuda.is_available() else "cpu"
 
 
 def _without_nproc(argv: list[str]) -> list[str]:

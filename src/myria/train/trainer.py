@@ -31,7 +31,7 @@ from myria.models.flops import model_flops_per_token
 from myria.observe import events
 from myria.parallel.data import make_loader, write_read_counts
 from myria.resilience.integrity import StepGuard
-from myria.train import distributed, heartbeat
+from myria.train import distributed, heartbeat, resume
 from myria.train.checkpoint import CheckpointManager, atomic_write
 from myria.train.engine import Engine
 from myria.train.metrics import MetricsLogger, StepTimer, mfu
@@ -109,12 +109,14 @@ def _train(cfg: Config, run_dir: Path, env, stop_after: int | None,
     start_step = 0
     latest = resume_point(ckpt, cfg, env.is_main)
     if latest is not None:
+        changed = resume.changes(cfg, latest, run_dir)  # refuses fields that cannot change
         meta = ckpt.load(latest, engine)
         engine.load_scheduler_state(meta["scheduler"])
         start_step = meta["step"]
         if env.is_main:
             print(f"resumed from {latest} (step {start_step}, saved by {meta['world_size']} "
                   f"processes; rank 0 read {ckpt.bytes_read / 2**20:.1f} MiB)", flush=True)
+        resume.apply(cfg, engine, run_dir, start_step, changed, env.is_main)
     if env.is_main and (cfg.checkpoint.resume_from or not cfg.checkpoint.resume):
         ckpt.abandon_after(start_step)  # a new timeline: newer checkpoints go aside
     hb.resumed(start_step)
@@ -214,6 +216,7 @@ def _train(cfg: Config, run_dir: Path, env, stop_after: int | None,
                         "scheduler": engine.scheduler_state(), "data": loader.state_dict(),
                         "layout": layout, "model": config_mod.dataclasses.asdict(m),
                         "data_path": str(Path(cfg.data.path).resolve()),
+                        "config": cfg.to_dict(),  # what it was trained with (train/resume.py)
                     })
                 timer.lap()  # checkpoint time is not step time
             if stopping and step < t.steps:
