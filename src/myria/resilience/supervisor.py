@@ -79,7 +79,13 @@ def run(args) -> int:
     if args.nproc < 1:
         raise ConfigError(f"--nproc {args.nproc}: must be at least 1")
     min_nodes, max_nodes = _parse_nnodes(args.nnodes)
+    from myria.train import cli as train_cli  # one line for what is wrong before anything starts
+
+    train_cli.check_nproc(args.nproc, train_cli.device_of(cfg))
     cfg.validate(args.nproc * min_nodes)
+    if done := train_cli.preflight(cfg, args.run_dir, None):
+        print(done)
+        return 0
     from myria.data.dataset import TokenDataset
     from myria.train.trainer import check_vocab
 

@@ -270,7 +270,7 @@ def run(args) -> int:
     from myria.train.launch import inside_launcher, launch_local
 
     if args.nproc and not inside_launcher():
-        check_nproc(args.nproc, _device(cfg))
+        check_nproc(args.nproc, device_of(cfg))
     cfg.validate(world)
     if not args.run_dir:
         raise config_mod.ConfigError("--run-dir is required (where checkpoints and metrics go)")
@@ -287,7 +287,7 @@ def run(args) -> int:
         check_vocab(cfg, TokenDataset(cfg.data.path, cfg.model.seq_len, split="train",
                                       verify=False))
         from myria.train.engine import check_layout
-        check_layout(cfg, config_mod.resolve_layout(cfg, args.nproc), _device(cfg))
+        check_layout(cfg, config_mod.resolve_layout(cfg, args.nproc), device_of(cfg))
         launch_local(args.nproc, ["train", *_without_nproc(args.argv)])
         _summary(Path(args.run_dir))
         return 0
@@ -299,7 +299,7 @@ def run(args) -> int:
     return 0
 
 
-def _device(cfg: config_mod.Config) -> str:
+def device_of(cfg: config_mod.Config) -> str:
     import torch
 
     return "cuda" if cfg.training.device != "cpu" and torch.cuda.is_available() else "cpu"

@@ -174,6 +174,7 @@ def _train(cfg: Config, run_dir: Path, env, stop_after: int | None,
                 ckpt.before_update()  # an overlapped snapshot must be copied before weights change
             hb.phase("optimizer")
             with rec.span("optimizer", "compute"):
+                lr = engine.lr  # this step's (the schedule then moves on to the next step's)
                 engine.step() if apply else engine.skip_step()
             step += 1
             if t.gc_interval and step % t.gc_interval == 0:
@@ -192,7 +193,7 @@ def _train(cfg: Config, run_dir: Path, env, stop_after: int | None,
             if step % cfg.logging.interval == 0 or step == t.steps:
                 tps = tokens_per_step / dt
                 metrics.log({
-                    "step": step, "loss": loss_value, "lr": engine.lr,
+                    "step": step, "loss": loss_value, "lr": lr,
                     "grad_norm": grad_norm, "tokens_per_s": tps, "step_time_s": dt,
                     "data_wait_s": loader.pop_wait_time(),
                     "mfu": mfu(flops_per_token, tps, env.world_size, peak),
