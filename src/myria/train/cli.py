@@ -13,6 +13,7 @@ import argparse
 import copy
 import json
 import os
+import shlex
 from pathlib import Path
 
 from myria import config as config_mod
@@ -272,12 +273,16 @@ def run(args) -> int:
     if args.nproc and not inside_launcher():
         check_nproc(args.nproc, device_of(cfg))
     cfg.validate(world)
+    if cfg.training.eval_interval and cfg.parallel.pp > 1:
+        _say(f"note: no validation loss (training.eval_interval = "
+             f"{cfg.training.eval_interval} set to 0): evaluation under pipeline "
+             f"parallelism (parallel.pp = {cfg.parallel.pp}) is not supported yet")
+        cfg.training.eval_interval = 0
     if not args.run_dir:
         raise config_mod.ConfigError("--run-dir is required (where checkpoints and metrics go)")
     done = preflight(cfg, args.run_dir, args.stop_after)
     if done:
-        if not inside_launcher() or os.environ.get("RANK", "0") == "0":
-            print(done)
+        _say(done)
         return 0
     if args.nproc and not inside_launcher():
         # Check what we can before starting processes, so bad input fails once and clearly.
@@ -297,6 +302,15 @@ def run(args) -> int:
     if not inside_launcher():
         _summary(Path(args.run_dir))
     return 0
+
+
+def _say(line: str) -> None:
+    """Print once per job: here, unless this is a worker whose launcher already said it."""
+    from myria.train.launch import QUIET_ENV, inside_launcher
+
+    if not inside_launcher() or (os.environ.get("RANK", "0") == "0"
+                                 and os.environ.get(QUIET_ENV) != "1"):
+        print(line, flush=True)
 
 
 def device_of(cfg: config_mod.Config) -> str:
@@ -329,10 +343,18 @@ def _summary(run_dir: Path) -> None:
     k = min(len(train_rows), 10)
     tps = sum(r["tokens_per_s"] for r in train_rows[-k:]) / k
     mfus = [r["mfu"] for r in train_rows[-k:] if r.get("mfu") is not None]
-    val = [r["val_loss"] for r in rows if "val_loss" in r]
+    val = [r for r in rows if "val_loss" in r]
+    val_text = "" if not val else f", val loss {val[-1]['val_loss']:.3f}" + (
+        f" (step {val[-1]['step']})" if val[-1]["step"] != last["step"] else "")
     print(f"\nrun {run_dir}: step {last['step']}, loss {train_rows[0]['loss']:.3f} -> "
-          f"{last['loss']:.3f}" + (f", val loss {val[-1]:.3f}" if val else "")
+          f"{last['loss']:.3f}" + val_text
           + f", {tps:,.0f} tokens/s" + (f", MFU {100 * sum(mfus) / len(mfus):.1f}%"
                                          if mfus else ", MFU n/a"))
     print(f"  metrics:     {path}\n  tensorboard: {run_dir / 'tensorboard'}\n"
           f"  checkpoints: {run_dir / 'checkpoints'}")
+    d = shlex.quote(str(run_dir))
+    print(f"next:\n  myria report {d}          # timeline, heat maps, loss and MFU curves -> "
+          f"{run_dir / 'report' / 'index.html'}\n"
+          f"  myria generate --run-dir {d} --prompt \"My fellow citizens\" --temperature 0\n"
+          f"  myria export --run-dir {d} --format hf --out {shlex.quote(str(run_dir) + '-hf')}"
+          "   # Hugging Face safetensors")
