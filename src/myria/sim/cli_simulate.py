@@ -72,10 +72,11 @@ def measured_error(run: runspec.RunSpec, res: StepResult) -> float | None:
 
 
 def _print_table(pairs: list[tuple[runspec.RunSpec, StepResult]]) -> None:
-    from rich.console import Console
     from rich.table import Table
 
-    con = Console(width=max(190, Console().width))
+    from myria.sim.cli_plan import console
+
+    con = console(190)
     tab = Table(title="myria simulate: predicted iteration", show_lines=False)
     for col in ("run", "layout", "iter s", "meas s", "err", "MFU", "TFLOP/s", "hw TFLOP/s",
                 "tok/s", "mem GB", "fits", "ETTR", "ckpt every", "largest costs"):
