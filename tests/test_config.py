@@ -93,3 +93,11 @@ def test_resume_changes_apply_refuse_and_keep_the_lr_horizon():
     assert "optimizer.lr" not in msg and "\n" not in msg
     # a checkpoint that recorded only its model (older meta.json): only the model is compared
     assert config.resume_changes({"model": before["model"]}, config.load(), 10) == []
+
+
+def test_demo_config_evaluates_before_its_last_step():
+    """The demo shows a validation loss in its summary: it evaluates, at its last step too."""
+    cfg = config.load("configs/demo.toml")
+    t = cfg.training
+    assert 0 < t.eval_interval <= t.steps and t.steps % t.eval_interval == 0
+    assert cfg.data.eval_batches > 0

@@ -208,6 +208,17 @@ def test_dry_run_uses_every_setting_and_warns_on_a_poor_layout():
     assert warn and "`myria plan` predicts" in warn[0] and "tp=" in warn[0], p.stdout[-2000:]
 
 
+def test_summary_points_to_the_next_commands(reference, capsys):
+    from myria.train.cli import _summary
+
+    _summary(reference)
+    out = capsys.readouterr().out
+    assert f"run {reference}: step 40, loss " in out
+    for cmd in (f"myria report {reference}", f"myria generate --run-dir {reference} --prompt",
+                f"myria export --run-dir {reference} --format hf --out {reference}-hf"):
+        assert cmd in out, out
+
+
 def test_metrics_file_fields(reference):
     rows = [json.loads(x) for x in (reference / "metrics.jsonl").read_text().splitlines()]
     for key in ("step", "loss", "tokens_per_s", "mfu", "step_time_s", "data_wait_s", "lr",
