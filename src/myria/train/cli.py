@@ -180,8 +180,6 @@ RANKS_PER_CORE = 8
 
 def check_nproc(nproc: int, device: str, flag: str = "--nproc") -> None:
     """One line for a number of local processes this host cannot run (before any starts)."""
-    import os
-
     if nproc < 1:
         raise config_mod.ConfigError(f"{flag} {nproc}: must be at least 1 (processes on this "
                                      "host)")
