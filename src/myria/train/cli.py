@@ -348,8 +348,9 @@ def _summary(run_dir: Path) -> None:
           f"{last['loss']:.3f}" + val_text
           + f", {tps:,.0f} tokens/s" + (f", MFU {100 * sum(mfus) / len(mfus):.1f}%"
                                          if mfus else ", MFU n/a"))
-    print(f"  metrics:     {path}\n  tensorboard: {run_dir / 'tensorboard'}\n"
-          f"  checkpoints: {run_dir / 'checkpoints'}")
+    print(f"  metrics:     {path}\n" + (f"  tensorboard: {run_dir / 'tensorboard'}\n" if
+                                           (run_dir / "tensorboard").is_dir() else "")
+          + f"  checkpoints: {run_dir / 'checkpoints'}")
     d = shlex.quote(str(run_dir))
     print(f"next:\n  myria report {d}          # timeline, heat maps, loss and MFU curves -> "
           f"{run_dir / 'report' / 'index.html'}\n"
