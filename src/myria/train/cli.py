@@ -243,6 +243,13 @@ def preflight(cfg: config_mod.Config, run_dir: str | Path, stop_after: int | Non
     except (OSError, ValueError):
         return None  # unreadable: the trainer quarantines it and says so
     config_mod.resume_changes(prev, copy.deepcopy(cfg), step)
+    if step < cfg.training.steps and (stop_after is None or stop_after > step):
+        return None
+    from myria.train.checkpoint import CheckpointManager
+
+    if not cfg.checkpoint.resume_from and \
+            CheckpointManager(run_dir / "checkpoints").verify(ckpt) is not None:
+        return None  # damaged: the trainer quarantines it, says so and resumes an older one
     if step >= cfg.training.steps:
         return (f"{run_dir}: already trained to step {step} of training.steps = "
                 f"{cfg.training.steps}; nothing to do (raise --training.steps to train further, "
