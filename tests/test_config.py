@@ -91,6 +91,11 @@ def test_resume_changes_apply_refuse_and_keep_the_lr_horizon():
     msg = str(e.value)
     assert "model.hidden = 512 (the checkpoint has 256" in msg and "training.seed = 7" in msg
     assert "optimizer.lr" not in msg and "\n" not in msg
+    # still warming up at step 10 of 20: the decay has not begun, stretching it cannot jump
+    cfg = config.load(None, ["--training.steps=300"])
+    assert config.resume_changes(before, cfg, 10) == [("training.steps", 120, 300),
+                                                      ("optimizer.decay_steps", 120, 300)]
+    assert cfg.optimizer.decay_steps == 0
     # a checkpoint that recorded only its model (older meta.json): only the model is compared
     assert config.resume_changes({"model": before["model"]}, config.load(), 10) == []
 

@@ -615,12 +615,14 @@ def resume_changes(previous: dict, cfg: Config, step: int) -> list[tuple[str, An
     """The fields of `cfg` that differ from `previous` (the config dict a checkpoint of step
     `step` was trained with; sections it lacks are not compared), as (field, old, new).
 
-    Raises one ConfigError naming every field that cannot change on resume. A run that raised
-    training.steps keeps the lr decay horizon it was trained with (optimizer.decay_steps is set
-    to it unless given), so the lr goes on where it was instead of jumping.
+    Raises one ConfigError naming every field that cannot change on resume. A run whose decay
+    had begun keeps the lr decay horizon it was trained with when training.steps changes
+    (optimizer.decay_steps is set to it unless given), so the lr goes on where it was instead
+    of jumping; during warm-up a new horizon changes nothing that already happened.
     """
     prev_opt, prev_train = previous.get("optimizer", {}), previous.get("training", {})
-    if not cfg.optimizer.decay_steps and (old := decay_horizon(prev_opt, prev_train)):
+    old = decay_horizon(prev_opt, prev_train)
+    if not cfg.optimizer.decay_steps and old and step > cfg.optimizer.warmup_steps:
         cfg.optimizer.decay_steps = old  # keep the schedule the checkpoint was trained on
     changes, refused = [], []
     for section, cls in SECTIONS.items():
@@ -635,6 +637,7 @@ def resume_changes(previous: dict, cfg: Config, step: int) -> list[tuple[str, An
             old, new = before[f.name], getattr(now, f.name)
             if name == "optimizer.decay_steps":  # 0 means training.steps: compare horizons
                 old = decay_horizon(prev_opt, prev_train)
+                new = new or cfg.training.steps
             if old == new or (isinstance(new, tuple) and list(new) == old):
                 continue
             if name in FROZEN_ON_RESUME:

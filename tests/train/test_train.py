@@ -79,7 +79,9 @@ def test_more_steps_continue_a_finished_run(tmp_path, tiny_data, reference):
     assert max(after) == 42 and all(after[s] == before[s] for s in before)
     assert "changed on resume, from step 41: training.steps 40 -> 42, optimizer.lr 0.003 -> " \
         "0.001" in p.stdout
-    assert "the cosine decay ends at step 40" in p.stdout and "decay_steps=42" in p.stdout
+    assert "the cosine decay reaches its minimum at step 40" in p.stdout
+    assert "steps 41-42 train at that minimum lr 0.0001" in p.stdout
+    assert "--optimizer.decay_steps=42 stretches" in p.stdout
     rows = {r["step"]: r for r in map(json.loads,
                                       (run / "metrics.jsonl").read_text().splitlines())}
     # the lr each step trained with (step s is the schedule's 0-based step s - 1)

@@ -68,8 +68,9 @@ def apply(cfg: Config, engine, run_dir: Path, step: int, found: list[tuple[str, 
     if o.schedule != "constant" and o.decay_steps and t.steps > o.decay_steps > 0 \
             and step < t.steps:
         start = max(step, o.decay_steps) + 1
-        print(f"lr schedule: the {o.schedule} decay ends at step {o.decay_steps} as the run was "
-              f"started; steps {start}-{t.steps} train at its minimum lr "
+        print(f"lr schedule: the {o.schedule} decay reaches its minimum at step "
+              f"{o.decay_steps} (optimizer.decay_steps, the horizon this run decayed over); "
+              f"steps {start}-{t.steps} train at that minimum lr "
               f"{o.lr * o.min_lr_ratio:.3g} (--optimizer.decay_steps={t.steps} stretches the "
               "decay over the whole run instead; docs/resume.md)", flush=True)
     atomic_write(Path(run_dir) / rundir.CONFIG, json.dumps(cfg.to_dict(), indent=1))
