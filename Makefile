@@ -7,7 +7,8 @@ NPROC   ?= 2
 DEMO_ARGS ?=
 STAMP   := $(VENV)/.installed
 
-.PHONY: setup demo test test-quick lint bench clean redis chromium viewer
+.PHONY: setup demo test test-quick lint bench clean redis chromium viewer \
+	announce-system-packages
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -44,9 +45,14 @@ viewer:
 	  npm install --silent --no-audit --no-fund --prefix $(VENV)/speedscope speedscope@1.25.0 \
 	  >/dev/null 2>&1) || echo "speedscope not installed: the trace-viewer test will be skipped"
 
-# The whole test suite (CI runs this).
-test: $(STAMP) redis chromium viewer
+# The whole test suite (CI runs this). It installs the system packages some tests use when
+# they are missing: redis-server and chromium (apt-get) and speedscope (npm, into $(VENV)).
+test: announce-system-packages $(STAMP) redis chromium viewer
 	$(BIN)/python -m pytest -q
+
+announce-system-packages:
+	@echo "make test: installing what is missing of redis-server, chromium (apt-get, needs root)" \
+	  "and speedscope (npm, into $(VENV)); tests that need them skip without them"
 
 # The quick subset: no multi-process or long tests.
 test-quick: $(STAMP)

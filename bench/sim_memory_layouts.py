@@ -54,11 +54,14 @@ def _rank(rank: int, world: int, port: int, args: list[str], q) -> None:
     env = distributed.init("cpu")
     torch.set_num_threads(1)
     cfg = config_mod.load(None, BASE + args)
-    mesh = config_mod.resolve_layout(cfg, world).mesh("cpu")
+    from myria.layout import Layout
+    from myria.parallel.dims import ParallelDims
+
+    dims = ParallelDims.build(Layout.resolve(cfg.parallel, world), "cpu")
     torch.manual_seed(0)
-    eng = Engine(cfg, mesh, env.device)
+    eng = Engine(cfg, dims, env.device)
     m = cfg.model
-    x = torch.randint(0, m.vocab_size, (eng.accum, cfg.training.micro_batch, m.seq_len + 1))
+    x = torch.randint(0, m.vocab_size, (eng.microbatches, cfg.training.micro_batch, m.seq_len + 1))
     eng.forward_backward(x[..., :-1], x[..., 1:])
     eng.step()
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:

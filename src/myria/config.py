@@ -158,6 +158,10 @@ class OptimizerConfig:
     eps: float = _f(1e-8, "denominator epsilon", min=0.0)
     weight_decay: float = _f(0.1, "decoupled weight decay (not applied to norms and biases)",
                              min=0.0)
+    decay_steps: int = _f(0, "step at which the decay reaches min_lr_ratio (cosine, linear) and "
+                          "stays; 0 = training.steps of the run's start: a run resumed with more "
+                          "training.steps keeps its horizon and goes on at the minimum lr; set it "
+                          "to stretch the decay anew (docs/resume.md)", min=0)
 
 
 @dataclass
@@ -591,3 +595,68 @@ def describe(cfg: Config) -> str:
             lines.append(f"{f.name} = {s:<14} # {f.metadata.get('help', '')}")
         lines.append("")
     return "\n".join(lines)
+
+
+# -- resuming with a changed config ---------------------------------------------------------
+
+# Fields a resumed run cannot change, with the reason (the checkpoint's weights, the data
+# position or the optimizer state depend on them). Every other field is applied from the
+# resumed step on and recorded (RUN_DIR/config_changes.jsonl).
+FROZEN_ON_RESUME: dict[str, str] = {
+    **{f"model.{k}": "the checkpoint's weights have that shape" for k in (
+        "arch", "vocab_size", "layers", "hidden", "heads", "kv_heads", "ffn_hidden", "experts",
+        "tie_embeddings", "parallel_block", "block_pattern")},
+    "model.init_std": "it only initialises the weights at step 0",
+    "model.seq_len": "the data position of the checkpoint is counted in sequences of that length",
+    "training.seed": "the data order (and the initialisation) is a function of the seed",
+    "training.global_batch": "the data position of the checkpoint is counted in global batches",
+    "optimizer.name": "the checkpoint's optimizer state is that optimizer's",
+}
+# Fields that choose what one session does, not part of the run's history.
+SESSION_FIELDS = ("checkpoint.resume", "checkpoint.resume_from", "checkpoint.start_fresh")
+
+
+def decay_horizon(optimizer: dict, training: dict) -> int:
+    """The step where the lr decay reaches its minimum: decay_steps, or training.steps if 0."""
+    return int(optimizer.get("decay_steps") or training.get("steps") or 0)
+
+
+def resume_changes(previous: dict, cfg: Config, step: int) -> list[tuple[str, Any, Any]]:
+    """The fields of `cfg` that differ from `previous` (the config dict a checkpoint of step
+    `step` was trained with; sections it lacks are not compared), as (field, old, new).
+
+    Raises one ConfigError naming every field that cannot change on resume. A run whose decay
+    had begun keeps the lr decay horizon it was trained with when training.steps changes
+    (optimizer.decay_steps is set to it unless given), so the lr goes on where it was instead
+    of jumping; during warm-up a new horizon changes nothing that already happened.
+    """
+    prev_opt, prev_train = previous.get("optimizer", {}), previous.get("training", {})
+    old = decay_horizon(prev_opt, prev_train)
+    if not cfg.optimizer.decay_steps and old and step > cfg.optimizer.warmup_steps:
+        cfg.optimizer.decay_steps = old  # keep the schedule the checkpoint was trained on
+    changes, refused = [], []
+    for section, cls in SECTIONS.items():
+        before = previous.get(section)
+        if not isinstance(before, dict):
+            continue
+        now = getattr(cfg, section)
+        for f in dataclasses.fields(cls):
+            name = f"{section}.{f.name}"
+            if name in SESSION_FIELDS or f.name not in before:
+                continue
+            old, new = before[f.name], getattr(now, f.name)
+            if name == "optimizer.decay_steps":  # 0 means training.steps: compare horizons
+                old = decay_horizon(prev_opt, prev_train)
+                new = new or cfg.training.steps
+            if old == new or (isinstance(new, tuple) and list(new) == old):
+                continue
+            if name in FROZEN_ON_RESUME:
+                refused.append(f"{name} = {new!r} (the checkpoint has {old!r}: "
+                               f"{FROZEN_ON_RESUME[name]})")
+            else:
+                changes.append((name, old, new))
+    if refused:
+        raise ConfigError(f"cannot change on resume from step {step}: " + "; ".join(refused)
+                          + ". Use a new --run-dir, or --checkpoint.resume=false to train this "
+                          "run directory from step 0")
+    return changes

@@ -3,6 +3,7 @@
 Every path under RUN_DIR that more than one part of myria reads or writes is named here:
 
     config.json              the resolved config of the run (rank 0, at start)
+    config_changes.jsonl     fields changed on resume: step, field, old and new value
     metrics.jsonl            one row per logged step (rank 0); metrics.abandoned.jsonl holds
                              rows of steps redone after a rollback
     checkpoints/             two-stage checkpoints (myria.train.checkpoint)
@@ -34,6 +35,7 @@ import time
 from pathlib import Path
 
 CONFIG = "config.json"
+CONFIG_CHANGES = "config_changes.jsonl"
 METRICS = "metrics.jsonl"
 METRICS_ABANDONED = "metrics.abandoned.jsonl"
 CHECKPOINTS = "checkpoints"

@@ -55,3 +55,40 @@ def test_build_scheduler_drives_optimizer_lr():
     assert seen[20] == pytest.approx(1e-3)
     state = sched.state_dict()
     assert state["last_epoch"] == 21
+
+
+def test_apply_config_overrides_the_loaded_optimizer_and_schedule():
+    """Resuming loads the checkpoint's param groups and scheduler (its lr and base_lrs): the
+    new config must be what trains next, at the same point of the schedule."""
+    from myria.optim import build_optimizer
+    from myria.optim.schedules import apply_config
+
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.LayerNorm(4))
+    old = OptimizerConfig(lr=3e-3, warmup_steps=2, min_lr_ratio=0.1)
+    opt = build_optimizer(model, old)
+    sched = build_scheduler(opt, old, total_steps=10)
+    for _ in range(10):
+        model(torch.randn(2, 4)).sum().backward()
+        opt.step()
+        sched.step()
+    new = OptimizerConfig(lr=1e-5, warmup_steps=2, min_lr_ratio=0.1, weight_decay=0.5,
+                          beta2=0.99, decay_steps=10)
+    opt2 = build_optimizer(model, new)
+    sched2 = build_scheduler(opt2, new, total_steps=30)
+    opt2.load_state_dict(opt.state_dict())
+    sched2.load_state_dict(sched.state_dict())
+    assert opt2.param_groups[0]["lr"] == pytest.approx(3e-4)  # the bug: the old lr comes back
+    assert apply_config([opt2], [sched2], new, 30) == pytest.approx(1e-6)
+    decay, no_decay = opt2.param_groups
+    assert decay["lr"] == no_decay["lr"] == pytest.approx(1e-6) and sched2.get_last_lr()[0] == \
+        pytest.approx(1e-6)
+    assert decay["weight_decay"] == 0.5 and no_decay["weight_decay"] == 0.0
+    assert decay["betas"] == (0.9, 0.99)
+    model(torch.randn(2, 4)).sum().backward()
+    opt2.step()
+    sched2.step()
+    assert opt2.param_groups[0]["lr"] == pytest.approx(1e-6)  # decay horizon 10 kept: minimum
+    # stretched over 30 steps instead: the lr rises back up the cosine
+    stretched = OptimizerConfig(lr=1e-5, warmup_steps=2, min_lr_ratio=0.1)
+    assert apply_config([opt2], [sched2], stretched, 30) == pytest.approx(
+        1e-5 * lr_lambda(11, 2, 30, "cosine", 0.1))

@@ -68,23 +68,80 @@ def test_resume_on_a_different_number_of_ranks(tmp_path, tiny_data, reference):
 
 
 def test_more_steps_continue_a_finished_run(tmp_path, tiny_data, reference):
+    """Train further with a new lr: the lr goes on at the end of the decayed schedule (no
+    re-stretch), at the new peak's minimum; the change is said, recorded and in config.json."""
     run = tmp_path / "run"
     shutil.copytree(reference, run)
     before = losses(run)
-    train(run, tiny_data, "--training.steps=42", "--checkpoint.interval=10")
+    p = train(run, tiny_data, "--training.steps=42", "--checkpoint.interval=10",
+              "--optimizer.lr=1e-3")
     after = losses(run)
     assert max(after) == 42 and all(after[s] == before[s] for s in before)
+    assert "changed on resume, from step 41: training.steps 40 -> 42, optimizer.lr 0.003 -> " \
+        "0.001" in p.stdout
+    assert "the cosine decay reaches its minimum at step 40" in p.stdout
+    assert "steps 41-42 train at that minimum lr 0.0001" in p.stdout
+    assert "--optimizer.decay_steps=42 stretches" in p.stdout
+    rows = {r["step"]: r for r in map(json.loads,
+                                      (run / "metrics.jsonl").read_text().splitlines())}
+    # the lr each step trained with (step s is the schedule's 0-based step s - 1)
+    from myria.optim import lr_lambda
+    for s in (1, 40):
+        assert rows[s]["lr"] == pytest.approx(3e-3 * lr_lambda(s - 1, 4, 40, "cosine", 0.1))
+    assert rows[41]["lr"] == rows[42]["lr"] == pytest.approx(1e-4)  # 1e-3 * min_lr_ratio
+    changes = [json.loads(x) for x in (run / "config_changes.jsonl").read_text().splitlines()
+               if x]
+    assert [(c["step"], c["field"], c["new"]) for c in changes] == [
+        (41, "training.steps", 42), (41, "optimizer.lr", 1e-3)]
+    saved = json.loads((run / "config.json").read_text())["optimizer"]
+    assert saved["lr"] == 1e-3 and saved["decay_steps"] == 40
 
 
-def test_checkpoint_of_another_model_is_refused_and_kept(tmp_path, tiny_data, reference):
+def in_process(capsys, *args):
+    """`myria ARGS` in this process: (exit status, stdout, stderr)."""
+    from myria.cli import main
+
+    code = main(list(args))
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def test_a_finished_run_or_a_change_that_cannot_apply_stops_before_anything_starts(
+        tmp_path, tiny_data, reference, capsys, monkeypatch):
+    import myria.train.launch
+    import myria.train.trainer
+
+    def must_not_run(*a, **k):
+        raise AssertionError("training started")
+
+    monkeypatch.setattr(myria.train.trainer, "train", must_not_run)
+    monkeypatch.setattr(myria.train.launch, "launch_local", must_not_run)
     run = tmp_path / "run"
     shutil.copytree(reference, run)
+    base = ["train", "--run-dir", str(run), f"--data.path={tiny_data}", *TINY]
+    code, out, err = in_process(capsys, *base, "--training.steps=40", "--nproc", "2")
+    assert code == 0 and out.strip().splitlines() == [
+        f"{run}: already trained to step 40 of training.steps = 40; nothing to do (raise "
+        "--training.steps to train further, docs/resume.md)"], out
     listing = sorted(p.name for p in (run / "checkpoints").iterdir())
-    p = train(run, tiny_data, "--training.steps=50", "--model.hidden=128", check=False)
-    assert p.returncode == 2
-    assert "does not match the model" in p.stderr and "layers.0.attention.wq.weight" in p.stderr
-    assert "Traceback" not in p.stderr
+    for extra, needle in [
+            (["--model.hidden=128"], "model.hidden = 128 (the checkpoint has 64"),
+            (["--training.seed=1"], "training.seed = 1 (the checkpoint has 1234"),
+            (["--stop-after", "-3"], "--stop-after -3: must be a step >= 1"),
+            (["--stop-after", "0"], "--stop-after 0: must be a step >= 1"),
+            (["--stop-after", "30"], "--stop-after 30: the run resumes at step 40"),
+            (["--nproc", "-1"], "--nproc -1: must be at least 1"),
+            (["--nproc", "100000"], "--nproc 100000: this host has")]:
+        code, out, err = in_process(capsys, *base, "--training.steps=50", *extra)
+        assert code == 2 and len(err.strip().splitlines()) == 1 and needle in err, (extra, err)
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == listing
+    assert not (run / "config_changes.jsonl").exists()
+    for where, needle in [(run / "metrics.jsonl", "is a file, not a directory"),
+                          (run / "metrics.jsonl" / "x", "cannot be created: Not a directory")]:
+        for cmd in (["train", "--nproc", "2"], ["supervise"]):
+            code, out, err = in_process(capsys, cmd[0], "--run-dir", str(where), *cmd[1:],
+                                        f"--data.path={tiny_data}", *TINY)
+            assert code == 2 and needle in err and len(err.strip().splitlines()) == 1, err
 
 
 def test_failed_save_keeps_previous_checkpoint(tmp_path, tiny_data):
@@ -151,6 +208,17 @@ def test_dry_run_uses_every_setting_and_warns_on_a_poor_layout():
                 "--nproc", "8")
     warn = [x for x in p.stdout.splitlines() if x.startswith("# WARNING: predicted MFU")]
     assert warn and "`myria plan` predicts" in warn[0] and "tp=" in warn[0], p.stdout[-2000:]
+
+
+def test_summary_points_to_the_next_commands(reference, capsys):
+    from myria.train.cli import _summary
+
+    _summary(reference)
+    out = capsys.readouterr().out
+    assert f"run {reference}: step 40, loss " in out
+    for cmd in (f"myria report {reference}", f"myria generate --run-dir {reference} --prompt",
+                f"myria export --run-dir {reference} --format hf --out {reference}-hf"):
+        assert cmd in out, out
 
 
 def test_metrics_file_fields(reference):

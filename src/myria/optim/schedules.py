@@ -38,8 +38,34 @@ def lr_lambda(step: int, warmup: int, total: int, schedule: str = "cosine",
     return min_ratio + (1.0 - min_ratio) * (1.0 - progress)
 
 
+def _multiplier(cfg: OptimizerConfig, total_steps: int):
+    return functools.partial(lr_lambda, warmup=cfg.warmup_steps,
+                             total=cfg.decay_steps or total_steps, schedule=cfg.schedule,
+                             min_ratio=cfg.min_lr_ratio)
+
+
 def build_scheduler(optimizer: Optimizer, cfg: OptimizerConfig, total_steps: int) -> LambdaLR:
-    """A LambdaLR applying `cfg`'s warm-up and decay over `total_steps` optimizer steps."""
-    fn = functools.partial(lr_lambda, warmup=cfg.warmup_steps, total=total_steps,
-                           schedule=cfg.schedule, min_ratio=cfg.min_lr_ratio)
-    return LambdaLR(optimizer, fn)
+    """A LambdaLR applying `cfg`'s warm-up and decay; the decay ends at `cfg.decay_steps`, or
+    at `total_steps` when that is 0."""
+    return LambdaLR(optimizer, _multiplier(cfg, total_steps))
+
+
+def apply_config(optimizers: list[Optimizer], schedulers: list[LambdaLR], cfg: OptimizerConfig,
+                 total_steps: int) -> float:
+    """After a checkpoint's optimizer and scheduler state were loaded (which bring back the
+    hyperparameters they were saved with): make `cfg` the one that trains from here on. The
+    peak lr, betas, eps and weight decay go into every param group, the schedule's shape into
+    each scheduler, keeping its step count; returns the lr of the next step."""
+    fn = _multiplier(cfg, total_steps)
+    for opt, sched in zip(optimizers, schedulers, strict=True):
+        sched.lr_lambdas = [fn] * len(opt.param_groups)
+        sched.base_lrs = [cfg.lr] * len(opt.param_groups)
+        lr = cfg.lr * fn(sched.last_epoch)
+        for g in opt.param_groups:
+            g.update(lr=lr, initial_lr=cfg.lr, eps=cfg.eps)
+            if "betas" in g:
+                g["betas"] = (cfg.beta1, cfg.beta2)
+            if g.get("name", "decay" if g.get("weight_decay") else "") == "decay":
+                g["weight_decay"] = cfg.weight_decay  # norms and biases stay at 0
+        sched._last_lr = [lr] * len(opt.param_groups)
+    return cfg.lr * fn(schedulers[0].last_epoch) if schedulers else cfg.lr

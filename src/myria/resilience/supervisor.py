@@ -88,22 +88,25 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args) -> int:
     cfg = config_mod.load(args.config, args.overrides)
-    if args.nproc < 1:
-        raise ConfigError(f"--nproc {args.nproc}: must be at least 1")
     min_nodes, max_nodes = _parse_nnodes(args.nnodes)
     from myria import faults, rundir
-
-    faults.parse(os.environ.get("MYRIA_FAULT"))  # a bad test hook: one line, no restarts
-    rundir.lock(args.run_dir, "supervise", job=args.rdzv_id)
     from myria.data.mixture import open_dataset
     from myria.layout import Layout
+    from myria.train import cli as train_cli  # one line for what is wrong before anything starts
     from myria.train.distributed import device_type
     from myria.train.engine import check_run
+
+    faults.parse(os.environ.get("MYRIA_FAULT"))  # a bad test hook: one line, no restarts
+    train_cli.check_nproc(args.nproc, device_type(cfg.training.device))
+    if done := train_cli.preflight(cfg, args.run_dir, None):
+        print(done)
+        return 0
     from myria.train.trainer import check_vocab
 
     check_vocab(cfg, open_dataset(cfg.data, cfg.model.seq_len, verify=False))
     check_run(cfg, Layout.resolve(cfg.parallel, args.nproc * min_nodes),
               device_type(cfg.training.device))
+    rundir.lock(args.run_dir, "supervise", job=args.rdzv_id)   # one job per run directory
     worker_argv = ["train", "--run-dir", str(args.run_dir)]
     if args.config:
         worker_argv += ["--config", str(args.config)]

@@ -74,10 +74,11 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps({"name": res.name, "iteration_time_s": res.iteration_time_s,
                           "operators": rows, "breakdown": res.breakdown}))
         return 0
-    from rich.console import Console
     from rich.table import Table
 
-    con = Console(width=max(120, Console().width))
+    from myria.sim.cli_plan import console
+
+    con = console(120)
     peak = res.details["peak_tflops"]
     eff = res.details["efficiency"]
     tab = Table(title=f"{res.name}: operators of the critical pipeline stage, per iteration "

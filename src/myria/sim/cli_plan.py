@@ -217,12 +217,71 @@ def _draw_only(args) -> int:
     return 0
 
 
+def console(min_width: int = 150):
+    """A rich Console for wide tables: the terminal's width (at least `min_width`); when the
+    output is not a terminal (piped, redirected) wide enough that no column is cut."""
+    from rich.console import Console
+
+    probe = Console()
+    if not probe.is_terminal:
+        return Console(width=max(min_width, 400))
+    return Console(width=max(min_width, probe.width))
+
+
+# The planner's largest model-parallel degrees (myria.sim.planner.candidates).
+MAX_TP, MAX_CP = 64, 16
+
+
+def check_gpus(base: RunSpec, space: SearchSpace) -> None:
+    """One line blaming the GPU count when it is what no layout can match: whole servers, and
+    no more GPUs than the batch and the model's split degrees can occupy."""
+    c, m = base.cluster, base.model
+    if c.gpus > c.gpus_per_node and c.gpus % c.gpus_per_node:
+        lo = c.gpus // c.gpus_per_node * c.gpus_per_node
+        raise ConfigError(f"--gpus {c.gpus}: a cluster of several servers has whole servers of "
+                          f"--gpus-per-node {c.gpus_per_node} GPUs; use {lo} or "
+                          f"{lo + c.gpus_per_node} (or set --gpus-per-node)")
+    tp = max(space.tp or [min(MAX_TP, c.gpus if space.max_tp_across_nodes else c.gpus_per_node)])
+    pp = max(space.pp or [m.layers])
+    cp = max(space.cp or [max(1, min(MAX_CP, m.seq_len // 256))])
+    most = base.training.global_batch * tp * pp * cp
+    if c.gpus > most:
+        raise ConfigError(f"--gpus {c.gpus}: more than this model and batch can occupy: at most "
+                          f"{most:,} GPUs (global batch {base.training.global_batch} x tp {tp} x "
+                          f"pp {pp} x cp {cp}); use fewer GPUs or a larger --global-batch")
+
+
+def _plan(base: RunSpec, space: SearchSpace, args):
+    """The planner's result; when no layout matches, which GPU counts near this one do."""
+    from myria.sim.planner import candidates
+
+    check_gpus(base, space)
+    try:
+        return plan(base, space, top=args.top, reserve_gb=args.reserve_gb,
+                    reliability=reliability.from_args(args))
+    except ConfigError as e:
+        if not str(e).startswith("no layout matches"):
+            raise
+    c = base.cluster
+    step = c.gpus_per_node if c.gpus >= c.gpus_per_node else 1
+
+    def works(n: int) -> bool:
+        run = dataclasses.replace(base, cluster=dataclasses.replace(c, gpus=n))
+        return next(candidates(run, space), None) is not None
+
+    near = [n for n in sorted({*range(step, 4 * c.gpus + step, step)}, key=lambda n:
+                              (abs(n - c.gpus), n)) if n != c.gpus and works(n)][:2]
+    raise ConfigError(f"--gpus {c.gpus}: no layout splits {c.gpus} GPUs for this model and "
+                      f"global batch {base.training.global_batch} (the data-parallel degree, "
+                      "GPUs / (tp x pp x cp), must divide the global batch, pp the layers)"
+                      + (f"; {' or '.join(map(str, sorted(near)))} GPUs do" if near else ""))
+
+
 def run(args: argparse.Namespace) -> int:
     if args.show_schedule and args.microbatches:
         return _draw_only(args)
     base = _base_from_args(args)
-    res = plan(base, _space(args), top=args.top, reserve_gb=args.reserve_gb,
-               reliability=reliability.from_args(args))
+    res = _plan(base, _space(args), args)
     if args.json:
         print(json.dumps({"evaluated": res.evaluated, "fitting": res.fitting,
                           "seconds": res.seconds, "offloaded": res.offloaded,
@@ -262,10 +321,9 @@ def _layout(lay: dict) -> str:
 
 
 def _print(base: RunSpec, res) -> None:
-    from rich.console import Console
     from rich.table import Table
 
-    con = Console(width=max(150, Console().width))
+    con = console(150)
     m = base.model
     con.print(f"model {m.arch} {m.layers}x{m.hidden} ({m.heads} heads), seq {m.seq_len}, global "
               f"batch {base.training.global_batch}, {base.cluster.gpus} x {base.cluster.gpu}; "

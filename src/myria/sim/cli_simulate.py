@@ -1,4 +1,10 @@
-"""`myria simulate RUN.toml`: predict iteration time, MFU, memory and a breakdown of each run."""
+"""`myria simulate RUN.toml`: predict iteration time, MFU, memory and a breakdown of each run.
+
+RUN.toml is a simulator run file (`[[run]]` tables or one run; `--schema` prints it) or a myria
+training config (the TOML `myria train`, `plan` and `analyze` read): that is priced as `myria
+analyze` does, on --gpu (default: as `myria train --dry-run` chooses) with the config's
+[parallel] layout over --nproc processes.
+"""
 
 from __future__ import annotations
 
@@ -31,6 +37,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "(myria's flow-level network simulator, cached per pattern)")
     parser.add_argument("--schema", action="store_true",
                         help="print the run schema with every default and exit")
+    parser.add_argument("--gpu", default="", help="device for a training config "
+                        "(a100-sxm-80gb, h100-sxm-80gb, h200, cpu; default: the local GPU, an "
+                        "H100 for a bf16 config, else this CPU)")
+    parser.add_argument("--nproc", type=int, default=0,
+                        help="processes for a training config (default: the fewest its "
+                        "[parallel] layout needs, dp_replicate x tp x pp x cp)")
     from myria.sim.cli_plan import _at_least
 
     reliability.add_arguments(parser, _at_least(1e-3, float), _at_least(0.0, float))
@@ -60,10 +72,11 @@ def measured_error(run: runspec.RunSpec, res: StepResult) -> float | None:
 
 
 def _print_table(pairs: list[tuple[runspec.RunSpec, StepResult]]) -> None:
-    from rich.console import Console
     from rich.table import Table
 
-    con = Console(width=max(190, Console().width))
+    from myria.sim.cli_plan import console
+
+    con = console(190)
     tab = Table(title="myria simulate: predicted iteration", show_lines=False)
     for col in ("run", "layout", "iter s", "meas s", "err", "MFU", "TFLOP/s", "hw TFLOP/s",
                 "tok/s", "mem GB", "fits", "ETTR", "ckpt every", "largest costs"):
@@ -103,22 +116,53 @@ def _print_table(pairs: list[tuple[runspec.RunSpec, StepResult]]) -> None:
             con.print(f"[yellow]warning[/yellow] {run.name}: {w}")
 
 
+def _config_run(args: argparse.Namespace, path: str):
+    """(run, hardware) of a myria training config, as `myria analyze` prices it."""
+    from pathlib import Path
+
+    from myria import config as mconfig
+    from myria.device import planning_device
+    from myria.layout import Layout
+    from myria.measure.cpu import measured_profile
+    from myria.sim.hardware import device_spec
+    from myria.sim.perf import config_run
+
+    cfg = mconfig.load(path)
+    if args.nproc < 0:
+        raise ConfigError(f"--nproc {args.nproc}: give a positive number of processes")
+    par = cfg.parallel
+    nproc = args.nproc or par.dp_replicate * par.tp * par.pp * par.cp
+    Layout.resolve(par, nproc).check(cfg, trainer=False)   # the layout's rules, before pricing
+    spec = device_spec(args.gpu) if args.gpu else planning_device(cfg.training.dtype)
+    run, spec, _ = config_run(cfg, nproc, spec)
+    run.name = Path(path).stem
+    prof = measured_profile(cfg, nproc, spec)
+    return run, build_hardware(run.cluster, run.training.precision, spec=spec, cpu=prof)
+
+
 def run(args: argparse.Namespace) -> int:
     if args.schema:
         print(runspec.describe())
         return 0
     path = args.run_file or str(runspec.calibration_path())
-    runs = _select(runspec.load(path), args.run)
+    from myria.config import read_text_file
+
+    if runspec.is_run_file(read_text_file(path, "run file")):
+        if args.gpu or args.nproc:
+            raise ConfigError(f"--gpu and --nproc are for a training config; {path} is a "
+                              "simulator run file (set [cluster] in it)")
+        runs = [(r, build_hardware(r.cluster, r.training.precision))
+                for r in _select(runspec.load(path), args.run)]
+    else:
+        runs = [_config_run(args, path)]
     if args.network != "analytic":
         from myria.sim.netsim.api import with_network_model
 
-        pairs = [(r, simulate(r, hw=with_network_model(
-            build_hardware(r.cluster, r.training.precision), args.network))) for r in runs]
-    else:
-        pairs = [(r, simulate(r)) for r in runs]
+        runs = [(r, with_network_model(hw, args.network)) for r, hw in runs]
+    pairs = [(r, simulate(r, hw=hw)) for r, hw in runs]
     rel = reliability.from_args(args)
-    for r, res in pairs:
-        e = reliability.run_ettr(res, r, build_hardware(r.cluster, r.training.precision), rel)
+    for (r, res), (_, hw) in zip(pairs, runs, strict=True):
+        e = reliability.run_ettr(res, r, hw, rel)
         res.extra.update(ettr=e.ettr, checkpoint_interval_steps=e.interval_steps,
                          reliability=e.to_json())
     if args.json:

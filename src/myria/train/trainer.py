@@ -36,7 +36,7 @@ from myria.observe import events
 from myria.parallel.data import make_loader, write_read_counts
 from myria.parallel.dims import ParallelDims
 from myria.resilience.integrity import StepGuard
-from myria.train import distributed, heartbeat
+from myria.train import distributed, heartbeat, resume
 from myria.train.checkpoint import CheckpointManager
 from myria.train.engine import Engine
 from myria.train.metrics import MetricsLogger, StepTimer, mfu
@@ -119,12 +119,14 @@ def _train(cfg: Config, run_dir: Path, env, stop_after: int | None,
     latest = resume_point(ckpt, cfg, env.is_main)
     if latest is not None:
         fingerprint.check_resume(latest, data_fp, cfg.checkpoint.allow_data_change, env.is_main)
+        changed = resume.changes(cfg, latest, run_dir)  # refuses fields that cannot change
         meta = ckpt.load(latest, engine)
         engine.load_scheduler_state(meta["scheduler"])
         start_step = meta["step"]
         if env.is_main:
             print(f"resumed from {latest} (step {start_step}, saved by {meta['world_size']} "
                   f"processes; rank 0 read {ckpt.bytes_read / 2**20:.1f} MiB)", flush=True)
+        resume.apply(cfg, engine, run_dir, start_step, changed, env.is_main)
     if env.is_main and (cfg.checkpoint.resume_from or not cfg.checkpoint.resume):
         ckpt.abandon_after(start_step)  # a new timeline: newer checkpoints go aside
     hb.resumed(start_step)
@@ -185,6 +187,7 @@ def _train(cfg: Config, run_dir: Path, env, stop_after: int | None,
                 ckpt.before_update()  # an overlapped snapshot must be copied before weights change
             hb.phase("optimizer")
             with rec.span("optimizer", "compute"):
+                lr = engine.lr  # this step's (the schedule then moves on to the next step's)
                 engine.step() if apply else engine.skip_step()
             step += 1
             if t.gc_interval and step % t.gc_interval == 0:
@@ -203,7 +206,7 @@ def _train(cfg: Config, run_dir: Path, env, stop_after: int | None,
             if step % cfg.logging.interval == 0 or step == t.steps:
                 tps = tokens_per_step / dt
                 metrics.log({
-                    "step": step, "loss": loss_value, "lr": engine.lr,
+                    "step": step, "loss": loss_value, "lr": lr,
                     "grad_norm": grad_norm, "tokens_per_s": tps, "step_time_s": dt,
                     "data_wait_s": loader.pop_wait_time(),
                     "mfu": mfu(flops_per_token, tps, env.world_size, peak),
@@ -228,6 +231,7 @@ def _train(cfg: Config, run_dir: Path, env, stop_after: int | None,
                         "layout": layout.as_dict(), "model": config_mod.dataclasses.asdict(m),
                         "data_path": str(Path(dataset.path).resolve()),
                         fingerprint.META_KEY: data_fp,
+                        "config": cfg.to_dict(),  # what it was trained with (train/resume.py)
                     })
                 timer.lap()  # checkpoint time is not step time
             if stopping and step < t.steps:
