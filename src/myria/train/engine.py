@@ -38,6 +38,7 @@ from myria.parallel.parallelize import (
     apply_compile,
     apply_cp,
     apply_ddp,
+    apply_float8,
     apply_fsdp,
     apply_tp,
 )
@@ -168,6 +169,7 @@ class Engine:
         self.manual_dp = use_fsdp and self.pp > 1 and p.schedule in ("zero-bubble", "zbv")
         use_fsdp = use_fsdp and not self.manual_dp
         for part in parts:
+            apply_float8(part, cfg, device, self.tp)  # training.float8 (torchao), else nothing
             if self.tp > 1:
                 apply_tp(part, mesh["tp"], p.sequence_parallel, p.loss_parallel)
             if self.cp > 1:
