@@ -42,6 +42,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="sample among the K most likely tokens only; 0 = all (0)")
     p.add_argument("--seed", type=int, default=0, help="seed of the sampler (0)")
     p.add_argument("--step", type=int, default=None, help="checkpoint step (default: newest)")
+    p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"),
+                   help="where to decode: auto (cuda if available, else cpu), cpu or cuda")
 
 
 class KVCache:
@@ -171,9 +173,10 @@ def rope_for(model, length: int):
 
 def pick(logits: torch.Tensor, temperature: float, top_k: int, gen: torch.Generator) -> int:
     """The next token from the last position's logits (1-D, vocabulary)."""
+    logits = logits.float().cpu()  # the sampler's generator lives on the CPU, on every device
     if temperature <= 0:
         return int(logits.argmax())
-    logits = logits.float() / temperature
+    logits = logits / temperature
     if 0 < top_k < logits.numel():
         kth = torch.topk(logits, top_k).values[-1]
         logits = logits.masked_fill(logits < kth, float("-inf"))
@@ -194,14 +197,17 @@ def generate(model, prompt_ids: list[int], max_new_tokens: int, temperature: flo
     rope = rope_for(model, total)
     gen = torch.Generator().manual_seed(seed)
     cache = KVCache()
-    logits = forward_cached(model, torch.tensor([prompt_ids]), cache, rope)[0, -1]
+    dev = next(model.parameters()).device
+    if rope is not None:
+        rope = tuple(r.to(dev) for r in rope)
+    logits = forward_cached(model, torch.tensor([prompt_ids], device=dev), cache, rope)[0, -1]
     out: list[int] = []
     for _ in range(max_new_tokens):
         t = pick(logits, temperature, top_k, gen)
         out.append(t)
         if eos is not None and t == eos:
             break
-        logits = forward_cached(model, torch.tensor([[t]]), cache, rope)[0, -1]
+        logits = forward_cached(model, torch.tensor([[t]], device=dev), cache, rope)[0, -1]
     return out
 
 
@@ -220,6 +226,10 @@ def run(args) -> int:
     if not run_dir.is_dir():
         raise CheckpointError(f"run directory {run_dir} does not exist")
     model, m, path = load_checkpoint_model(run_dir, args.step)
+    use_cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
+    if use_cuda and not torch.cuda.is_available():
+        raise ConfigError("--device cuda but no CUDA device is available; use auto or cpu")
+    model.to("cuda" if use_cuda else "cpu")
     data = json.loads((path / "meta.json").read_text()).get("data_path")
     tok_file = Path(data or "") / "tokenizer.json"
     if not data or not tok_file.exists():

@@ -153,11 +153,13 @@ class Engine:
         else:
             parts, self.stage_ids = [model], [0]
         fmesh = fsdp_mesh(mesh)
-        if mesh is None and t.data_parallel != "ddp" and p.offload_tier == "none":
+        if mesh is None and t.data_parallel != "ddp" and p.offload_tier != "nvme":
             from myria.parallel.mesh import single_rank_mesh
             from myria.parallel.parallelize import mixed_precision
-            if mixed_precision(cfg, device.type) is not None:  # one process in bf16: FSDP2's
-                fmesh = single_rank_mesh(device.type)       # policy, as on N ranks
+            # one process in bf16, or on a GPU with host offload: FSDP2 on one rank, so that
+            # its mixed-precision and CPU-offload policies apply as on N ranks
+            if mixed_precision(cfg, device.type) is not None or p.offload_tier == "cpu":
+                fmesh = single_rank_mesh(device.type)
         use_fsdp = fmesh is not None and t.data_parallel != "ddp"
         self.ep_mesh = self.replica_mesh = None
         if self.ep > 1:  # experts borrow data-parallel ranks (Megatron-LM, torchtitan)

@@ -1589,10 +1589,11 @@ def check_layout(cfg, layout: dict[str, int], device_type: str = "cpu") -> None:
     """What each offload tier supports, as one-line ConfigErrors (before training starts)."""
     par, t = cfg.parallel, cfg.training
     shard = layout["dp"] * layout["cp"]
-    if par.offload_tier == "cpu" and (shard <= 1 or t.data_parallel == "ddp"):
+    if par.offload_tier == "cpu" and (t.data_parallel == "ddp"
+                                      or (shard <= 1 and device_type != "cuda")):
         raise ConfigError("parallel.offload = 'cpu' is FSDP2's CPUOffloadPolicy: it needs "
-                          "training.data_parallel = 'fsdp' or 'zero2' on more than one rank; "
-                          "on one process use parallel.offload = 'nvme'")
+                          "training.data_parallel = 'fsdp' or 'zero2' on more than one rank "
+                          "(or on one GPU); on one CPU process use parallel.offload = 'nvme'")
     if par.offload_tier == "nvme" and device_type != "cpu":
         # the moments sit in host buffers: the update would need a per-chunk copy to the device
         # (or a host-side update, as ZeRO-Offload does), not written yet (docs/offload.md)
