@@ -135,6 +135,9 @@ def _train(cfg: Config, run_dir: Path, env, stop_after: int | None,
         print(f"training {t.steps} steps from step {start_step} on {env.world_size} x "
               f"{env.device.type} (layout {layout_str(layout)}, {threads or '-'} threads/rank); "
               f"peak {peak and round(peak, 3)} TFLOP/s ({peak_source})", flush=True)
+        from myria.compat import torch_note
+        if note := torch_note():  # another torch than the tested one: what it lacks
+            print(note, flush=True)
     sync = torch.cuda.synchronize if env.device.type == "cuda" else None
 
     # -- the loop --------------------------------------------------------------------------
