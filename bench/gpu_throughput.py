@@ -450,11 +450,15 @@ def main() -> int:
           f"{args.micro} x {args.accum}, {args.warmup} warm-up + {args.steps} measured steps")
     print(table(rows))
     for k, s in result["summary"].items():
-        print(f"{k}: " + ", ".join(
-            f"{n} {100 * v:+.1f}%" if n != "mfu" else f"MFU {100 * v:.1f}%"
-            for n, v in s.items() if isinstance(v, float) and n != "step_s")
-            + (f", float8 x{s['float8']['speedup']:.2f} (max |dloss| "
-               f"{s['float8']['max_abs_loss_diff']:.4f})" if "float8" in s else ""))
+        parts = [f"MFU {100 * s['mfu']:.1f}%" if s.get("mfu") is not None else "MFU -"]
+        parts += [f"{n} {100 * s[n]:+.1f}%" for n in ("overhead_vs_plain", "step_time_error",
+                                                    "memory_error") if n in s]
+        if "max_abs_loss_diff_vs_plain" in s:
+            parts.append(f"max |dloss| vs plain {s['max_abs_loss_diff_vs_plain']:.4f}")
+        if "float8" in s:
+            parts.append(f"float8 x{s['float8']['speedup']:.2f} (max |dloss| "
+                         f"{s['float8']['max_abs_loss_diff']:.4f})")
+        print(f"{k}: " + ", ".join(parts))
     if skipped:
         print("skipped: " + "; ".join(skipped))
     print(f"wrote {out}")
