@@ -312,16 +312,20 @@ def _env() -> dict:
 
 
 def plan(args) -> list[tuple[str, str, list[str]]]:
-    """(config, compile on/off, loops) in priority order: compiled runs first, 1.5B first."""
+    """(config, compile on/off, loops) in priority order: the 1.5B compiled (MFU, float8)
+    first, then every config eager (cheap: memory and step time against the model for all
+    three), then the other configs compiled (each compile costs tens of seconds)."""
     names = ["toy"] if args.cpu else [n for n in ("1.5b", "0.5b", "3b")
                                         if n in args.configs.split(",")]
-    loops = ["myria", "plain"]
+    modes = args.compile_modes.split(",")
+    cases = [(n, c) for n in names for c in modes]
+    rank = {("1.5b", "on"): 0}
+    cases.sort(key=lambda nc: rank.get(nc, 1 if nc[1] == "off" else 2))
     out = []
-    for comp in args.compile_modes.split(","):
-        for n in names:
-            extra = ["myria-float8"] if args.float8 and n == "1.5b" and comp == "on" \
-                and not args.cpu else []
-            out.append((n, comp, loops + extra))
+    for n, comp in cases:
+        extra = ["myria-float8"] if args.float8 and n == "1.5b" and comp == "on" \
+            and not args.cpu else []
+        out.append((n, comp, ["myria", "plain"] + extra))
     return out
 
 
