@@ -32,9 +32,10 @@ def train(run_dir, data, *extra, check=True):
 
 @pytest.fixture(scope="module")
 def bf16_run(tmp_path_factory, tiny_data):
-    """One GPU, bf16 (training.dtype = auto), 12 steps, a checkpoint at the end."""
+    """One GPU, bf16 (training.dtype = auto), 12 steps, a checkpoint at the end; torch's
+    deterministic algorithms on (flash attention's backward is not deterministic without)."""
     d = tmp_path_factory.mktemp("bf16")
-    p = train(d, tiny_data)
+    p = train(d, tiny_data, "--training.deterministic=true")
     assert "on 1 x cuda" in p.stdout, p.stdout
     return d
 
@@ -73,9 +74,9 @@ def test_bf16_loss_falls_and_tracks_fp32(bf16_run, tmp_path, tiny_data, record_p
 
 def test_bitwise_resume_on_the_gpu(bf16_run, tmp_path, tiny_data):
     resumed = tmp_path / "resumed"
-    p = train(resumed, tiny_data, "--stop-after", "6")
+    p = train(resumed, tiny_data, "--training.deterministic=true", "--stop-after", "6")
     assert "stopped after step 6" in p.stdout
-    p = train(resumed, tiny_data)
+    p = train(resumed, tiny_data, "--training.deterministic=true")
     assert "resumed from" in p.stdout
     a, b = losses(bf16_run), losses(resumed)
     assert [a[s] for s in range(1, STEPS + 1)] == [b[s] for s in range(1, STEPS + 1)]

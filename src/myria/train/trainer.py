@@ -61,6 +61,10 @@ def train(cfg: Config, run_dir: str | Path, stop_after: int | None = None) -> Tr
     """Run (or resume) training as this process's rank; returns the losses of this session."""
     run_dir = Path(run_dir)
     events.listen_for_dumps(run_dir)  # before any thread starts (SIGUSR1 -> hang dump)
+    if cfg.training.deterministic:  # before the first cuBLAS handle (GPU bitwise resume)
+        import os
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        torch.use_deterministic_algorithms(True)
     env = distributed.init(cfg.training.device, cfg.training.init_timeout_s)
     hb = heartbeat.start(env.rank)
     phase = "failed"
