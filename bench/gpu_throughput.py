@@ -238,8 +238,11 @@ def predict(cfg, spec, float8: bool) -> dict:
 
     run, spec, _ = config_run(cfg, 1, spec, 1)
     kernels = dataclasses.replace(run.kernels, fused_ops=cfg.parallel.compile)
-    training = dataclasses.replace(run.training, precision="fp8") if float8 else run.training
-    run = dataclasses.replace(run, kernels=kernels, training=training)
+    training, cluster = run.training, run.cluster
+    if float8:  # fp8 GEMMs at the device's fp8 peak (config_run pins the bf16 one)
+        training = dataclasses.replace(training, precision="fp8")
+        cluster = dataclasses.replace(cluster, peak_tflops=0.0)
+    run = dataclasses.replace(run, kernels=kernels, training=training, cluster=cluster)
     res = simulate(run, hw=build_hardware(run.cluster, run.training.precision, spec=spec))
     return {"device": spec.name, "step_s": res.iteration_time_s, "mfu": res.mfu,
             "memory_gb": res.memory_gb_per_gpu, "memory_parts_gb": res.memory.gb(),
