@@ -60,3 +60,21 @@ def test_one_cpu_process_in_bf16_uses_fsdp2_mixed_precision():
 def test_one_gpu_in_bf16_uses_fsdp2_mixed_precision():
     _check("cuda")
 
+
+
+@pytest.mark.slow
+def test_one_cpu_process_in_bf16_resumes_bitwise(tmp_path, tiny_data):
+    from tests.conftest import TINY, final_params, losses, run_cli
+
+    def train(d, *extra):
+        return run_cli("train", "--run-dir", str(d), f"--data.path={tiny_data}", *TINY,
+                       "--training.dtype=bfloat16", "--training.steps=6",
+                       "--checkpoint.interval=0", *extra)
+
+    train(tmp_path / "straight")
+    train(tmp_path / "resumed", "--stop-after", "3")
+    assert "resumed from" in train(tmp_path / "resumed").stdout
+    a, b = losses(tmp_path / "straight"), losses(tmp_path / "resumed")
+    assert [a[s] for s in range(1, 7)] == [b[s] for s in range(1, 7)]
+    pa, pb = final_params(tmp_path / "straight"), final_params(tmp_path / "resumed")
+    assert all(torch.equal(pa[k], pb[k]) for k in pa)
