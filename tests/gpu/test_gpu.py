@@ -88,7 +88,7 @@ def test_bitwise_resume_on_the_gpu(bf16_run, tmp_path, tiny_data):
 
 def test_generate_on_the_gpu(bf16_run):
     args = ["generate", "--run-dir", str(bf16_run), "--prompt", "My fellow citizens",
-            "--max-new-tokens", "20", "--temperature", "0"]
+            "--max-new-tokens", "8", "--temperature", "0"]
     gpu = run_cli(*args, "--device", "cuda").stdout
     cpu = run_cli(*args, "--device", "cpu").stdout
     assert "tokens/s" in gpu
