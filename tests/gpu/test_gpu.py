@@ -229,5 +229,5 @@ def test_cpu_only_features_are_refused_in_one_line(tmp_path, tiny_data):
     p = train(tmp_path / "nvme", tiny_data, "--parallel.offload=nvme", check=False)
     assert p.returncode != 0
     assert "Traceback" not in p.stderr, p.stderr[-2000:]
-    err = [line for line in p.stderr.splitlines() if "error" in line]
+    err = [line for line in p.stderr.splitlines() if line.startswith("myria train: error")]
     assert len(err) == 1 and "runs on CPU" in err[0] and "parallel.offload" in err[0], p.stderr
