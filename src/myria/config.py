@@ -127,6 +127,14 @@ class TrainingConfig:
     grad_clip: float = _f(1.0, "clip the global gradient norm to this; 0 disables", min=0.0)
     dtype: str = _f("auto", "parameter/compute precision: auto (bf16 on GPU, fp32 on CPU), "
                     "float32 or bfloat16", choices=("auto", "float32", "bfloat16"))
+    deterministic: bool = _f(False, "torch's deterministic algorithms (and "
+                             "CUBLAS_WORKSPACE_CONFIG): on a GPU, flash attention's backward "
+                             "and other atomics-based kernels give the same bits every run, "
+                             "which bitwise resume needs there; slower. CPU runs are "
+                             "deterministic without it")
+    float8: bool = _f(False, "float8 linear layers in the blocks (torchao's float8 training, "
+                      "dynamic scaling; embedding and output stay bf16): CUDA with compute "
+                      "capability >= 8.9 (H100) and torchao installed; docs/gpu.md")
     data_parallel: str = _f("fsdp", "data-parallel engine: fsdp (FSDP2 full sharding), "
                             "zero2 (FSDP2, reshard_after_forward=False) or ddp",
                             choices=("fsdp", "zero2", "ddp"))

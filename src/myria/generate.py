@@ -46,6 +46,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tokenizer", metavar="PATH", default=None,
                    help="tokenizer.json to use, for checkpoints that kept none (it must match "
                    "the fingerprint the checkpoint recorded, if any)")
+    p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"),
+                   help="where to decode: auto (cuda if available, else cpu), cpu or cuda")
 
 
 class KVCache:
@@ -175,9 +177,10 @@ def rope_for(model, length: int):
 
 def pick(logits: torch.Tensor, temperature: float, top_k: int, gen: torch.Generator) -> int:
     """The next token from the last position's logits (1-D, vocabulary)."""
+    logits = logits.float().cpu()  # the sampler's generator lives on the CPU, on every device
     if temperature <= 0:
         return int(logits.argmax())
-    logits = logits.float() / temperature
+    logits = logits / temperature
     if 0 < top_k < logits.numel():
         kth = torch.topk(logits, top_k).values[-1]
         logits = logits.masked_fill(logits < kth, float("-inf"))
@@ -198,14 +201,17 @@ def generate(model, prompt_ids: list[int], max_new_tokens: int, temperature: flo
     rope = rope_for(model, total)
     gen = torch.Generator().manual_seed(seed)
     cache = KVCache()
-    logits = forward_cached(model, torch.tensor([prompt_ids]), cache, rope)[0, -1]
+    dev = next(model.parameters()).device
+    if rope is not None:
+        rope = tuple(r.to(dev) for r in rope)
+    logits = forward_cached(model, torch.tensor([prompt_ids], device=dev), cache, rope)[0, -1]
     out: list[int] = []
     for _ in range(max_new_tokens):
         t = pick(logits, temperature, top_k, gen)
         out.append(t)
         if eos is not None and t == eos:
             break
-        logits = forward_cached(model, torch.tensor([[t]]), cache, rope)[0, -1]
+        logits = forward_cached(model, torch.tensor([[t]], device=dev), cache, rope)[0, -1]
     return out
 
 
@@ -231,6 +237,10 @@ def run(args) -> int:
         print(note, file=sys.stderr)
     tok = load_tokenizer(tok_file)
     model, m, path = load_checkpoint_model(run_dir, args.step, path)
+    use_cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
+    if use_cuda and not torch.cuda.is_available():
+        raise ConfigError("--device cuda but no CUDA device is available; use auto or cpu")
+    model.to("cuda" if use_cuda else "cpu")
     ids = tok.encode(args.prompt, add_special_tokens=False).ids
     if not ids:
         raise ConfigError("--prompt encodes to no tokens")

@@ -151,12 +151,6 @@ class Layout:
         return (self.dp * self.cp > 1 and data_parallel != "ddp" and self.pp > 1
                 and self.schedule in ZERO_BUBBLE)
 
-    def uses_fsdp(self, data_parallel: str) -> bool:
-        """Whether the trainer shards the model with FSDP2 (and its mixed-precision policy):
-        data or context ranks > 1, not DDP, not the zero-bubble schedules."""
-        return (self.dp * self.cp > 1 and data_parallel != "ddp"
-                and not self.manual_reduce(data_parallel))
-
     def check(self, cfg: Config, device_type: str = "cpu", trainer: bool = True) -> None:
         """Every rule a layout must pass, as one-line ConfigErrors naming the fields.
 
@@ -218,10 +212,12 @@ class Layout:
         if m.document_mask and (pp > 1 or (cp > 1 and p.cp_impl == "torch")):
             raise ConfigError("model.document_mask runs without pipeline parallelism (pp = 1) "
                               "and, under context parallelism, with parallel.cp_impl = 'ring'")
-        if tier == "cpu" and (self.dp * cp <= 1 or t.data_parallel == "ddp"):
+        if tier == "cpu" and (t.data_parallel == "ddp"
+                              or (self.dp * cp <= 1 and device_type != "cuda")):
             raise ConfigError("parallel.offload = 'cpu' is FSDP2's CPUOffloadPolicy: it needs "
                               "training.data_parallel = 'fsdp' or 'zero2' on more than one "
-                              "rank; on one process use parallel.offload = 'nvme'")
+                              "rank (or on one GPU); on one CPU process use parallel.offload "
+                              "= 'nvme'")
         if tier == "nvme" and device_type != "cpu":
             # the moments sit in host buffers: the update would need a per-chunk copy to the
             # device (or a host-side update, as ZeRO-Offload does), not written yet

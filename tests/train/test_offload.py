@@ -541,8 +541,8 @@ def test_nvme_tier_refuses_a_gpu_in_one_line():
 
 
 def test_budget_counts_activations_in_the_precision_the_run_computes_in():
-    """training.dtype = auto is bf16 on CUDA only where FSDP2's mixed-precision policy applies
-    (data or context parallel ranks); one process computes in fp32 whatever the device."""
+    """training.dtype = auto is bf16 on CUDA where FSDP2's mixed-precision policy applies (data
+    or context parallel ranks, or one process on a one-rank mesh), fp32 under DDP."""
     from myria.layout import Layout
     from myria.offload.budget import activation_bytes
 
@@ -551,7 +551,8 @@ def test_budget_counts_activations_in_the_precision_the_run_computes_in():
     assert cfg.training.dtype == "auto" and cfg.training.device == "auto"
     # 16-bit activations (log-sum-exp and the logits' fp32 copy stay 4-byte)
     assert activation_bytes(cfg, two, "cuda") < 0.6 * activation_bytes(cfg, two, "cpu")
-    assert activation_bytes(cfg, one, "cuda") == activation_bytes(cfg, one, "cpu")
+    # one process in bf16 shards over a one-rank mesh: the same policy (tests/gpu)
+    assert activation_bytes(cfg, one, "cuda") < 0.6 * activation_bytes(cfg, one, "cpu")
     ddp = config.load(None, [*SMALL, "--training.data_parallel=ddp"])
     assert activation_bytes(ddp, two, "cuda") == activation_bytes(ddp, two, "cpu")
 

@@ -23,7 +23,7 @@ from myria.models.memory import (
     stage_params,
 )
 from myria.offload.diskio import ALIGN, round_up
-from myria.parallel.parallelize import mixed_precision
+from myria.parallel.parallelize import mixed_precision, shards_with_fsdp
 
 CHUNK_BYTES = 64 << 20       # bytes per section per buffer when the budget allows (I/O saturates)
 MIN_BUFFERS = 3              # one being read, one being updated, one being written
@@ -164,7 +164,8 @@ def activation_bytes(cfg, layout: Layout, device_type: str) -> float:
     tp, cp, pp = layout.tp, layout.cp, layout.pp
     # 16-bit only where the engine applies FSDP2 with a mixed-precision policy (the policy
     # resolves training.dtype = auto: bf16 on CUDA); elsewhere the model runs in fp32
-    bf16 = layout.uses_fsdp(t.data_parallel) and mixed_precision(cfg, device_type) is not None
+    bf16 = shards_with_fsdp(cfg, layout, device_type) and \
+        mixed_precision(cfg, device_type) is not None
     shape = layer_dims(m, t.micro_batch, tp=tp, cp=cp, sp=p.sequence_parallel, flash=True,
                        act_bytes=2 if bf16 else 4)
     micro = layout.microbatches(t.global_batch, t.micro_batch)

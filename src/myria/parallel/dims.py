@@ -119,6 +119,19 @@ class ParallelDims:
         return self.mesh[name]
 
 
+def single_rank_mesh(device_type: str) -> DeviceMesh:
+    """A one-rank data-parallel mesh for a lone process, so that FSDP2 (and its bf16
+    mixed-precision policy with fp32 gradient reduction, or its CPU offload) applies exactly as
+    on N ranks; the process group of one is made here (an in-memory store) when none was
+    started."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        dist.init_process_group("nccl" if device_type == "cuda" else "gloo",
+                                store=dist.HashStore(), rank=0, world_size=1)
+    return init_device_mesh(device_type, (1,), mesh_dim_names=("dp_shard",))
+
+
 def _fsdp_mesh(mesh: DeviceMesh, names) -> DeviceMesh | None:
     """The mesh FSDP shards over: data-parallel and context-parallel ranks together.
 

@@ -204,7 +204,8 @@ def expert_meshes(dp_mesh: DeviceMesh, ep: int) -> tuple[DeviceMesh, DeviceMesh]
         raise ValueError(f"expert-parallel degree ep = {ep} must divide the data-parallel "
                          f"sharding degree {shard} = {size}")
     mod_name, ep_name = f"{shard}_mod_ep", "ep"
-    split = dp_mesh._unflatten(shard, (size // ep, ep), (mod_name, ep_name))
+    # by index, not name: torch 2.11's _unflatten refuses a dimension name that exists
+    split = dp_mesh._unflatten(dp_mesh.ndim - 1, (size // ep, ep), (mod_name, ep_name))
     replica = split[(*names[:-1], mod_name)] if dp_mesh.ndim > 1 else split[mod_name]
     return split[ep_name], replica
 

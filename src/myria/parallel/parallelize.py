@@ -36,16 +36,18 @@ from torch.distributed.tensor.parallel import (
 from torch.distributed.tensor.parallel.style import ParallelStyle
 
 from myria.config import Config
+from myria.errors import ConfigError
 from myria.parallel.dims import ParallelDims
 
 
 def parallelize(part: nn.Module, dims: ParallelDims, cfg: Config, device: torch.device,
                 fsdp: bool = True) -> None:
     """Apply this rank's parallelism to one model part (the model, or a pipeline stage), in
-    the order that works: tensor/sequence -> context -> expert -> activation checkpointing ->
-    compile -> FSDP (`fsdp=False`: no sharding, e.g. when the engine all-reduces gradients
-    itself or wraps the model in DDP)."""
+    the order that works: float8 -> tensor/sequence -> context -> expert -> activation
+    checkpointing -> compile -> FSDP (`fsdp=False`: no sharding, e.g. when the engine
+    all-reduces gradients itself or wraps the model in DDP)."""
     p = cfg.parallel
+    apply_float8(part, cfg, device, dims.tp)  # training.float8 (torchao), else nothing
     if dims.tp > 1:
         apply_tp(part, dims.sub("tp"), p.sequence_parallel, p.loss_parallel)
     if dims.cp > 1:
@@ -57,9 +59,23 @@ def parallelize(part: nn.Module, dims: ParallelDims, cfg: Config, device: torch.
     apply_ac(part, p.activation_checkpoint)
     if p.compile:
         apply_compile(part)
-    if fsdp and dims.fsdp_mesh is not None and cfg.training.data_parallel != "ddp":
+    if fsdp and dims.fsdp_mesh is not None:
         apply_fsdp(part, dims.fsdp_mesh, cfg, device.type, reshard_root=dims.pp > 1,
                    expert_mesh=dims.replica_mesh)
+
+
+def shards_with_fsdp(cfg: Config, layout, device_type: str) -> bool:
+    """Whether the trainer shards the model with FSDP2, and so applies its mixed-precision and
+    CPU-offload policies: over the data and context ranks (not under DDP, not with the
+    zero-bubble schedules, whose gradients the engine all-reduces itself), and on a lone
+    process that computes in bf16 or offloads to the host (a one-rank mesh: as on N ranks)."""
+    t, p = cfg.training, cfg.parallel
+    if t.data_parallel == "ddp" or layout.manual_reduce(t.data_parallel):
+        return False
+    if layout.dp * layout.cp > 1:
+        return True
+    return p.offload_tier != "nvme" and (mixed_precision(cfg, device_type) is not None
+                                         or p.offload_tier == "cpu")
 
 
 def mixed_precision(cfg: Config, device_type: str) -> MixedPrecisionPolicy | None:
@@ -179,6 +195,49 @@ def apply_cp(model: nn.Module, cp_group, cp_rank: int, cp_size: int, seq_len: in
     if ring:
         swap_core_attention(model, cp_group, load_balance=True)
     model.positions = positions_for_rank(seq_len, cp_rank, cp_size, device=device)
+
+
+# -- float8 linear layers -------------------------------------------------------------------------
+def check_float8(cfg: Config, device: torch.device, tp: int = 1) -> None:
+    """`training.float8` where it can run (CUDA, compute capability >= 8.9, torchao, no tensor
+    parallelism), else one ConfigError saying what is missing."""
+    if not cfg.training.float8:
+        return
+    if device.type != "cuda":
+        raise ConfigError(f"training.float8 = true needs a CUDA GPU with float8 matrix units "
+                          f"(H100, H200, L40S...); this run is on {device.type}: set "
+                          "training.float8 = false")
+    cap = torch.cuda.get_device_capability(device)
+    if cap < (8, 9):
+        raise ConfigError(f"training.float8 = true needs compute capability >= 8.9 (float8 "
+                          f"matrix units); {torch.cuda.get_device_name(device)} has "
+                          f"{cap[0]}.{cap[1]}: set training.float8 = false")
+    if tp > 1:
+        raise ConfigError("training.float8 = true is not supported with tensor parallelism "
+                          "(parallel.tp > 1) in this version")
+    try:
+        import torchao.float8  # noqa: F401
+    except Exception as e:  # ImportError, or a torchao built for another torch
+        raise ConfigError(f"training.float8 = true needs torchao's float8 training "
+                          f"(pip install torchao), which cannot be imported here: "
+                          f"{type(e).__name__}: {e}") from None
+
+
+def apply_float8(model: nn.Module, cfg: Config, device: torch.device, tp: int = 1) -> None:
+    """Swap the blocks' nn.Linear layers for torchao's Float8Linear (dynamic tensorwise
+    scaling) when `training.float8` is on; before compile and FSDP, as torchtitan does. The
+    embedding and the output layer (whose weight the fused loss reads) keep their dtype."""
+    if not cfg.training.float8:
+        return
+    check_float8(cfg, device, tp)
+    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+    def blocks_only(mod: nn.Module, fqn: str) -> bool:
+        return fqn.startswith("layers.") and mod.in_features % 16 == 0 \
+            and mod.out_features % 16 == 0
+
+    convert_to_float8_training(model, config=Float8LinearConfig(),
+                               module_filter_fn=blocks_only)
 
 
 # -- activation checkpointing and compile ----------------------------------------------------------

@@ -32,8 +32,8 @@ from myria.observe import events
 from myria.offload.tier import check_budget, optimizer_tier
 from myria.optim.schedules import build_scheduler
 from myria.parallel import pipeline
-from myria.parallel.dims import ParallelDims
-from myria.parallel.parallelize import apply_ddp, parallelize
+from myria.parallel.dims import ParallelDims, single_rank_mesh
+from myria.parallel.parallelize import apply_ddp, parallelize, shards_with_fsdp
 
 
 def _grad_sync(model: nn.Module, enabled: bool):
@@ -95,6 +95,9 @@ class Engine:
         # where the optimizer state (and parameters kept off the device) live: myria.offload
         self.tier = optimizer_tier(cfg, run_dir, dist.get_rank() if dist.is_initialized() else 0)
         self.microbatches = lay.microbatches(t.global_batch, t.micro_batch)
+        fsdp = shards_with_fsdp(cfg, lay, device.type)
+        if fsdp and dims.fsdp_mesh is None:  # one process in bf16 or with host offload
+            dims.fsdp_mesh = single_rank_mesh(device.type)
 
         model = build_model(cfg.model, "meta")
         if lay.pp > 1:
@@ -107,7 +110,7 @@ class Engine:
         # all-reduced once after the schedule instead, without sharding.
         self.manual_dp = lay.manual_reduce(t.data_parallel)
         for part in parts:
-            parallelize(part, dims, cfg, device, fsdp=lay.uses_fsdp(t.data_parallel))
+            parallelize(part, dims, cfg, device, fsdp=fsdp)
             self.tier.materialise(part, device, t.seed)
         if dims.fsdp_mesh is not None and t.data_parallel == "ddp":
             parts = [apply_ddp(parts[0], dims.dp_mesh, device)]

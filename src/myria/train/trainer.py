@@ -66,6 +66,10 @@ def train(cfg: Config, run_dir: str | Path, stop_after: int | None = None) -> Tr
     """Run (or resume) training as this process's rank; returns the losses of this session."""
     run_dir = Path(run_dir)
     events.listen_for_dumps(run_dir)  # before any thread starts (SIGUSR1 -> hang dump)
+    if cfg.training.deterministic:  # before the first cuBLAS handle (GPU bitwise resume)
+        import os
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        torch.use_deterministic_algorithms(True)
     env = distributed.init(cfg.training.device, cfg.training.init_timeout_s)
     hb = heartbeat.start(env.rank)
     phase = "failed"
@@ -150,6 +154,9 @@ def _train(cfg: Config, run_dir: Path, env, stop_after: int | None,
         print(f"training {t.steps} steps from step {start_step} on {env.world_size} x "
               f"{env.device.type} (layout {layout.short()}, {threads or '-'} threads/rank); "
               f"peak {peak and round(peak, 3)} TFLOP/s ({peak_source})", flush=True)
+        from myria.compat import torch_note
+        if note := torch_note():  # another torch than the tested one: what it lacks
+            print(note, flush=True)
     sync = torch.cuda.synchronize if env.device.type == "cuda" else None
 
     # -- the loop --------------------------------------------------------------------------

@@ -1,0 +1,36 @@
+"""bench/gpu_throughput.py at toy sizes on the CPU (`--cpu`), so the GPU benchmark never rots.
+
+Not marked `gpu`: it runs in the normal suite. The plain loop and `myria train` must train the
+same model on the same data with the same optimizer: in fp32 on one CPU process their losses
+agree step for step.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+
+from tests.conftest import ROOT
+
+
+def test_gpu_throughput_cpu_mode(tmp_path, tiny_data):
+    out = tmp_path / "gpu_cpu.json"
+    p = subprocess.run([sys.executable, "bench/gpu_throughput.py", "--cpu", "--warmup", "1",
+                        "--steps", "2", "--data", str(tiny_data), "--out", str(out)],
+                       cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    r = json.loads(out.read_text())
+    rows = {x["loop"]: x for x in r["rows"]}
+    assert set(rows) == {"myria", "plain"} and not r["skipped"]
+    for x in rows.values():
+        assert len(x["losses"]) == 3 and all(math.isfinite(v) for v in x["losses"])
+        assert x["step_s"] > 0 and x["tokens_per_s"] > 0 and 0 < x["mfu"] < 1
+        assert x["breakdown_s"]["forward"] > 0 and x["breakdown_s"]["backward"] > 0
+        assert x["predicted"]["step_s"] > 0 and x["predicted"]["memory_gb"] > 0
+    for a, b in zip(rows["myria"]["losses"], rows["plain"]["losses"]):
+        assert abs(a - b) < 1e-4, (rows["myria"]["losses"], rows["plain"]["losses"])
+    s = r["summary"]["toy/compile=off"]
+    assert "overhead_vs_plain" in s and "step_time_error" in s
+    assert "toy" in p.stdout and "MFU" in p.stdout   # the table
