@@ -54,7 +54,7 @@ def train(tag: str, steps: int, nproc: int, extra: list[str], data: str) -> dict
                 if e.get("n") in spans and "t1" in e:
                     spans[e["n"]].append((e["t1"] - e["t0"]) / 1e6)
         t0 = time.perf_counter()
-        from myria.resilience.straggler import default_window, detect_dir
+        from myria.observe.straggler import default_window, detect_dir
 
         detect_dir(d, window=default_window(steps))
         detect_s = time.perf_counter() - t0

@@ -13,9 +13,8 @@ import json
 import platform
 import sys
 import time
-from pathlib import Path
-
 import tomllib
+from pathlib import Path
 
 from myria.sim import memory, network, operators, perf, runspec
 from myria.sim.planner import plan

@@ -21,14 +21,8 @@ import time
 from pathlib import Path
 
 from myria.sim import runspec
-from myria.sim.calibration import (
-    NOMINAL_COVERAGE,
-    UNCERTAINTY,
-    band_from,
-    fit_gemm,
-    loo_errors,
-    mae,
-)
+from myria.sim.band import NOMINAL_COVERAGE, UNCERTAINTY, band_from
+from myria.sim.calibration import fit_gemm, loo_errors, mae
 from myria.sim.hardware import build_hardware
 from myria.sim.operators import DEFAULT_EFFICIENCY
 from myria.sim.perf import simulate

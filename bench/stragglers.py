@@ -42,7 +42,7 @@ def _spin(stop):
 
 def one(factor: float, steps: int, data: Path, window: int, windows: int) -> dict:
     from myria.observe.analyze import load_run
-    from myria.resilience.straggler import detect
+    from myria.observe.straggler import detect
 
     d = Path(tempfile.mkdtemp(prefix="myria-bench-straggler-"))
     try:

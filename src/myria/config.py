@@ -9,13 +9,12 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import tomllib
 import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
-
-import tomllib
 
 from myria.errors import ConfigError
 

@@ -75,7 +75,7 @@ def _build(cfg, lay: Layout, world: int, monkeypatch, bypass: bool = False):
     from myria.train import engine as engine_mod
 
     if bypass:
-        monkeypatch.setattr(engine_mod, "check_run", lambda *a, **k: None)
+        monkeypatch.setattr(engine_mod, "check_run", lambda *a, **k: None)  # engine's name
     # DDP's bucket-settling backward needs real collectives (fake ones return no tensor)
     monkeypatch.setattr(engine_mod.Engine, "_settle_ddp_buckets", lambda *a, **k: None)
     dist.init_process_group("fake", rank=world - 1, world_size=world, store=FakeStore())

@@ -5,7 +5,7 @@ import pytest
 from myria import config
 from myria.errors import ConfigError
 from myria.layout import Layout
-from myria.train.engine import check_run
+from myria.train.preflight import check_run
 
 
 @pytest.mark.parametrize("overrides,world,needle", [

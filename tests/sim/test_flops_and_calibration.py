@@ -57,7 +57,7 @@ def test_band_is_the_jackknife_plus_quantile_and_json_carries_it(capsys):
     import json
 
     from myria.cli import main
-    from myria.sim.calibration import UNCERTAINTY, band_from, uncertainty
+    from myria.sim.band import UNCERTAINTY, band_from, uncertainty
 
     stored = json.loads(UNCERTAINTY.read_text())
     errs = list(stored["held_out_errors"].values())

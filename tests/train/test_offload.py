@@ -532,7 +532,7 @@ def test_dry_run_accounts_for_offload():
 
 
 def test_nvme_tier_refuses_a_gpu_in_one_line():
-    from myria.train.engine import check_run
+    from myria.train.preflight import check_run
     cfg = config.load(None, [*SMALL, "--parallel.offload=nvme"])
     layout = Layout.resolve(cfg.parallel, 1)
     check_run(cfg, layout, "cpu")

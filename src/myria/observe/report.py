@@ -80,7 +80,7 @@ def write_report(run_dir: Path, predict: bool = True) -> Path:
     out.mkdir(parents=True, exist_ok=True)
     table = step_table(run)
     blame = blame_report(run, table)
-    from myria.resilience.straggler import default_window, detect
+    from myria.observe.straggler import default_window, detect
 
     found = detect(run, window=default_window(blame["steps"] + 1), table=table)
     blame["stragglers"] = [dict(s.evidence(), rank=s.rank, host=s.host,

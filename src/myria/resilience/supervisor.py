@@ -92,13 +92,12 @@ def run(args) -> int:
     from myria import faults, rundir
     from myria.data.mixture import open_dataset
     from myria.layout import Layout
-    from myria.train import cli as train_cli  # one line for what is wrong before anything starts
     from myria.train.distributed import device_type
-    from myria.train.engine import check_run
+    from myria.train.preflight import check_nproc, check_run, preflight
 
     faults.parse(os.environ.get("MYRIA_FAULT"))  # a bad test hook: one line, no restarts
-    train_cli.check_nproc(args.nproc, device_type(cfg.training.device))
-    if done := train_cli.preflight(cfg, args.run_dir, None):
+    check_nproc(args.nproc, device_type(cfg.training.device))   # one line each, before anything
+    if done := preflight(cfg, args.run_dir, None):
         print(done)
         return 0
     from myria.train.trainer import check_vocab
@@ -449,7 +448,7 @@ class Supervisor:
 
     def _check_stragglers(self, now: float, force: bool = False) -> None:
         """Every few seconds (and once at the end), score each rank's compute-only time from the
-        event files against its peers (myria.resilience.straggler); report each new straggler
+        event files against its peers (myria.observe.straggler); report each new straggler
         once."""
         r = self.r
         if r.straggler_action == "none" or \
@@ -457,7 +456,7 @@ class Supervisor:
             return
         self._straggler_at = now
         from myria import detections
-        from myria.resilience import straggler
+        from myria.observe import straggler
 
         try:
             found = straggler.detect_dir(self.run_dir, window=r.straggler_window,

@@ -99,7 +99,7 @@ class StepResult:
 
     def to_json(self) -> dict:
         """The JSON object `myria simulate --json` prints."""
-        from myria.sim.calibration import band_coverage, uncertainty
+        from myria.sim.band import band_coverage, uncertainty
 
         t, b = self.iteration_time_s, uncertainty()
         return {

@@ -9,7 +9,7 @@ divide the layers: stages are then uneven (FLOP-balanced as the trainer splits t
 first and last stages, which also hold the embedding and the output layer, get fewer layers).
 
 Honesty about precision: every prediction carries the model's uncertainty band (the 90th
-percentile of its held-out error on the calibration set, `calibration.uncertainty()`), and
+percentile of its held-out error on the calibration set, `band.uncertainty()`), and
 layouts whose MFU lies within that band of the best are statistically tied: among them the
 simpler layout (fewer parallel dimensions, lower ZeRO stage, less recomputation) ranks first.
 Each ranked layout also gets the expected effective training time ratio and the checkpoint
@@ -208,7 +208,7 @@ def plan(base: RunSpec, space: SearchSpace | None = None, top: int = 10,
     optimizer state (and parameters) offloaded, `space.offload_fallback`, and the result says
     so (`offloaded`).
     """
-    from myria.sim.calibration import uncertainty
+    from myria.sim.band import uncertainty
 
     space = space or SearchSpace()
     hw = build_hardware(base.cluster, base.training.precision)
@@ -290,7 +290,7 @@ def annotate(r: perf.StepResult, base: RunSpec, hw, band: float,
     lay = r.layout
     lay["stage_layers"] = stage_layers(base.model_config(), lay["pp"], lay["vpp"])
     e = run_ettr(r, base, hw, reliability)
-    from myria.sim.calibration import band_coverage
+    from myria.sim.band import band_coverage
 
     r.extra.update(mfu_low=r.mfu / (1 + band), mfu_high=r.mfu / (1 - band), band=band,
                    band_nominal_coverage=band_coverage(),

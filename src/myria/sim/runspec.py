@@ -11,12 +11,11 @@ Unknown sections and keys are errors with a "did you mean" suggestion, like the 
 from __future__ import annotations
 
 import dataclasses
+import tomllib
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
-
-import tomllib
 
 from myria.config import (
     Config,

@@ -29,11 +29,12 @@ from myria.errors import ConfigError
 from myria.layout import Layout
 from myria.models.transformer import build_model
 from myria.observe import events
-from myria.offload.tier import check_budget, optimizer_tier
+from myria.offload.tier import optimizer_tier
 from myria.optim.schedules import build_scheduler
 from myria.parallel import pipeline
 from myria.parallel.dims import ParallelDims, single_rank_mesh
 from myria.parallel.parallelize import apply_ddp, parallelize, shards_with_fsdp
+from myria.train.preflight import check_run
 
 
 def _grad_sync(model: nn.Module, enabled: bool):
@@ -73,13 +74,6 @@ def _local(x: torch.Tensor) -> torch.Tensor:
     return x.full_tensor() if hasattr(x, "full_tensor") else x
 
 
-def check_run(cfg: Config, layout: Layout, device_type: str = "cpu") -> None:
-    """Everything to refuse before a worker starts: the layout's rules (`Layout.check`) and
-    the offload tier's memory budget."""
-    layout.check(cfg, device_type)
-    check_budget(cfg, layout, device_type)
-
-
 class Engine:
     """Model parts, optimizers and schedules of this rank, built for the run's layout."""
 
@@ -91,7 +85,7 @@ class Engine:
         self.dims = dims = dims or ParallelDims.build(Layout.resolve(cfg.parallel, 1),
                                                       device.type)
         lay, t = dims.layout, cfg.training
-        check_run(cfg, lay, device.type)
+        check_run(cfg, lay, device.type)   # the one place a layout is accepted
         # where the optimizer state (and parameters kept off the device) live: myria.offload
         self.tier = optimizer_tier(cfg, run_dir, dist.get_rank() if dist.is_initialized() else 0)
         self.microbatches = lay.microbatches(t.global_batch, t.micro_batch)

@@ -35,10 +35,10 @@ from myria.models.flops import model_flops_per_token
 from myria.observe import events
 from myria.parallel.data import make_loader, write_read_counts
 from myria.parallel.dims import ParallelDims
-from myria.resilience.integrity import StepGuard
 from myria.train import distributed, heartbeat, resume
 from myria.train.checkpoint import CheckpointManager
 from myria.train.engine import Engine
+from myria.train.integrity import StepGuard
 from myria.train.metrics import MetricsLogger, StepTimer, mfu
 from myria.train.preemption import StopRequest
 

@@ -32,12 +32,12 @@ Routes go up to the lowest common tier and down again; the choice going up (aggr
 from __future__ import annotations
 
 import math
+import tomllib
 from dataclasses import dataclass, field, replace
 from importlib import resources
 from pathlib import Path
 
 import numpy as np
-import tomllib
 
 from myria.errors import ConfigError
 

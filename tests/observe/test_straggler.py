@@ -9,7 +9,7 @@ import pytest
 
 from myria import detections
 from myria.observe.analyze import load_run
-from myria.resilience.straggler import detect
+from myria.observe.straggler import detect
 from tests.conftest import TINY, run_cli
 
 # Windows of 4 steps. The fixtures' steps take ~30 ms of compute each on 4 processes over 2
@@ -82,7 +82,7 @@ def test_supervisor_reports_a_straggler_once(tmp_path, tiny_data):
 
 
 def test_rebalancing_is_weighed_not_done():
-    from myria.resilience.straggler import rebalance
+    from myria.observe.straggler import rebalance
 
     r = rebalance(0.5, 8, 3)     # 8 x 1.5 = 12 before; moving 2: max(6 x 1.5, 8 + 1) = 9
     assert r["possible"] and r["move_microbatches"] == 2 and r["step_saving_fraction"] == 0.25

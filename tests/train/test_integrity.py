@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from myria import detections, faults
-from myria.resilience.integrity import LossTracker, bit_checksum, flip_bit
+from myria.train.integrity import LossTracker, bit_checksum, flip_bit
 from tests.conftest import TINY, final_params, losses, run_cli
 
 STEPS = 16

@@ -1,0 +1,113 @@
+"""What is refused before any process of a run starts, in one line each: the number of local
+processes, the run directory, `--stop-after`, the config against the checkpoint the run resumes,
+the parallel layout (`Layout.check`) and the offload tier's memory budget.
+
+`myria train` and `myria supervise` call these before they start workers; the engine of each
+worker checks the layout again (`check_run`), as the one place a layout is accepted.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+from pathlib import Path
+
+from myria import config as config_mod
+from myria import rundir
+from myria.config import Config
+from myria.layout import Layout
+from myria.offload.tier import check_budget
+
+
+def check_run(cfg: Config, layout: Layout, device_type: str = "cpu") -> None:
+    """Everything to refuse before a worker starts: the layout's rules (`Layout.check`) and
+    the offload tier's memory budget."""
+    layout.check(cfg, device_type)
+    check_budget(cfg, layout, device_type)
+
+
+# Local ranks per CPU core beyond which `--nproc` is refused: each would get under an eighth of
+# a core, and the processes, threads and gloo connections would swamp the host.
+RANKS_PER_CORE = 8
+
+
+def check_nproc(nproc: int, device: str, flag: str = "--nproc") -> None:
+    """One line for a number of local processes this host cannot run (before any starts)."""
+    if nproc < 1:
+        raise config_mod.ConfigError(f"{flag} {nproc}: must be at least 1 (processes on this "
+                                     "host)")
+    if device == "cuda":
+        import torch
+        if nproc > (n := torch.cuda.device_count()):
+            raise config_mod.ConfigError(f"{flag} {nproc}: this host has {n} GPU(s); start at "
+                                         f"most {n} processes per host (one per GPU)")
+    elif nproc > (n := RANKS_PER_CORE * (os.cpu_count() or 1)):
+        raise config_mod.ConfigError(f"{flag} {nproc}: this host has {os.cpu_count()} CPU "
+                                     f"cores; at most {n} processes ({RANKS_PER_CORE} per core)")
+
+
+def check_run_dir(run_dir: str | Path, flag: str = "--run-dir") -> None:
+    """One line when the run directory cannot be one (a file, under a file, not writable);
+    creates it otherwise."""
+    p = Path(run_dir)
+    if p.exists() and not p.is_dir():
+        raise config_mod.ConfigError(f"{flag} {str(p)!r} is a file, not a directory; name a new "
+                                     "directory or an existing run's")
+    try:
+        p.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise config_mod.ConfigError(f"{flag} {str(p)!r} cannot be created: {e.strerror}"
+                                     + (f" ({e.filename})" if e.filename and
+                                        str(e.filename) != str(p) else "")) from None
+
+
+def newest_checkpoint(cfg: config_mod.Config, run_dir: Path) -> Path | None:
+    """The checkpoint a start would most likely resume (resume_from, or `latest`), unverified;
+    None for a fresh start. The trainer decides for good (it verifies checksums)."""
+    c = cfg.checkpoint
+    if c.resume_from:
+        return Path(c.resume_from) if (Path(c.resume_from) / "meta.json").is_file() else None
+    if not c.resume:
+        return None
+    try:
+        name = (run_dir / rundir.CHECKPOINTS / "latest").read_text().strip()
+    except OSError:
+        return None
+    path = run_dir / rundir.CHECKPOINTS / name
+    return path if name and (path / "meta.json").is_file() else None
+
+
+def preflight(cfg: config_mod.Config, run_dir: str | Path, stop_after: int | None) -> str | None:
+    """What can be checked before processes start: the run directory, `--stop-after` and the
+    config against the checkpoint the run resumes (fields that cannot change are refused).
+    Returns a line to print instead of training when the run already reached training.steps."""
+    from myria.train import resume
+
+    run_dir = Path(run_dir)
+    check_run_dir(run_dir)
+    if stop_after is not None and stop_after < 1:
+        raise config_mod.ConfigError(f"--stop-after {stop_after}: must be a step >= 1 (the run "
+                                     "stops cleanly after that step)")
+    ckpt = newest_checkpoint(cfg, run_dir)
+    if ckpt is None:
+        return None
+    try:
+        prev, step = resume.previous_config(ckpt, run_dir)
+    except (OSError, ValueError):
+        return None  # unreadable: the trainer quarantines it and says so
+    config_mod.resume_changes(prev, copy.deepcopy(cfg), step)
+    if step < cfg.training.steps and (stop_after is None or stop_after > step):
+        return None
+    from myria.train.checkpoint import CheckpointManager
+
+    if not cfg.checkpoint.resume_from and \
+            CheckpointManager(run_dir / rundir.CHECKPOINTS).verify(ckpt) is not None:
+        return None  # damaged: the trainer quarantines it, says so and resumes an older one
+    if step >= cfg.training.steps:
+        return (f"{run_dir}: already trained to step {step} of training.steps = "
+                f"{cfg.training.steps}; nothing to do (raise --training.steps to train further, "
+                "docs/resume.md)")
+    if stop_after is not None and stop_after <= step:
+        raise config_mod.ConfigError(f"--stop-after {stop_after}: the run resumes at step "
+                                     f"{step} ({ckpt}); give a later step")
+    return None
