@@ -202,9 +202,13 @@ def test_busy_host_is_restarted_on_not_blocklisted(tmp_path, tiny_data, referenc
     cache.mkdir()
     quiet = {"best": 1000.0, "best_at": "2026-01-01T00:00:00",
              "samples": [["2026-01-01T00:00:00", 1000.0, 0.0]]}
-    (cache / "machine_figures.json").write_text(json.dumps({
-        device.cpu_key(t): {"fp32_matmul_tflops": quiet, "membw_gbs": quiet}
-        for t in range(1, (os.cpu_count() or 2) + 1)}))
+    figures = {device.cpu_key(t): {"fp32_matmul_tflops": quiet, "membw_gbs": quiet}
+               for t in range(1, (os.cpu_count() or 2) + 1)}
+    # the pinned per-core peak the GEMM check expects (threads x it): measured quiet too
+    figures[device.cpu_key(1)][device.CORE_PEAK] = {
+        "value": 1000.0, "quantile": 0.9, "calls": 1, "n": 512, "q10_q50_q90": [1000.0] * 3,
+        "measured_at": "2026-01-01T00:00:00", "loadavg": 0.0}
+    (cache / "machine_figures.json").write_text(json.dumps(figures))
     busy = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(2)]
     try:
         run = tmp_path / "run"
