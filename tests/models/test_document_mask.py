@@ -46,7 +46,7 @@ def _packed() -> tuple[torch.Tensor, torch.Tensor]:
 def _alone_sum(model, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     """Sum over tokens of the loss of every document segment run as its own sequence."""
     ids, _ = document_segments(x, EOS)
-    total = torch.zeros((), dtype=torch.float64)
+    total = torch.zeros((), dtype=torch.float64, device=x.device)
     for row in range(x.shape[0]):
         for d in ids[row].unique():
             sel = ids[row] == d

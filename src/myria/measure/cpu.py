@@ -562,13 +562,6 @@ def measured_profile(cfg, nproc: int, device_spec, gpus_per_node: int = 0
     return profile_for(run_shape(run), threads, run.cluster.gpus_per_node, pp=run.parallel.pp)
 
 
-def measure_gloo(nproc: int, threads: int | None = None) -> dict:
-    """Measure (and cache) the gloo figures among `nproc` local processes; return the entry."""
-    threads = threads or default_threads(nproc)
-    run_measurements(None, threads, nproc, [], base=False, eager=False, gloo=True)
-    return read_cache()[gloo_key(threads, nproc)]
-
-
 def measurement_bytes(shape: LayerShape) -> float:
     """What one measuring process holds for `shape`: a block's fp32 weights, gradients and
     two Adam moments, and its activations at the micro-batch (as the trainer keeps them)."""

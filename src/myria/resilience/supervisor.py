@@ -58,6 +58,7 @@ from pathlib import Path
 from typing import Any
 
 from myria import config as config_mod
+from myria import rundir
 from myria.errors import ConfigError, LaunchError, MyriaError
 from myria.fsutil import atomic_write
 from myria.resilience.watch import Detection, Watchdog
@@ -841,7 +842,7 @@ def _metrics_rows(run_dir: Path, since: float) -> dict[int, dict]:
 def _newest_committed(run_dir: Path) -> str:
     from myria.train.checkpoint import CheckpointManager
 
-    ckpts = CheckpointManager(run_dir / "checkpoints").committed()
+    ckpts = CheckpointManager(run_dir / rundir.CHECKPOINTS).committed()
     return ckpts[-1].name if ckpts else ""
 
 

@@ -171,8 +171,9 @@ def _per_layer_flops(shape: LayerShape) -> tuple[ForwardFlops, ForwardFlops]:
         # block-sparse kernels skip fully masked blocks: the causal (and windowed) count
         att = forward_flops_per_token(cfg, "causal")
     else:
-        # a materialised score matrix is computed in full, whatever the mask
-        att = forward_flops_per_token(dataclasses.replace(cfg, attention_window=0), "dense")
+        # a materialised score matrix is computed in full, whatever the mask (documents too)
+        att = forward_flops_per_token(dataclasses.replace(cfg, attention_window=0,
+                                                          document_mask=False), "dense")
     scale = lambda f: ForwardFlops(**{k: v / L for k, v in f.as_dict().items()})
     return scale(gem), scale(att)
 

@@ -30,6 +30,7 @@ from pathlib import Path
 
 import torch
 
+from myria import rundir
 from myria.errors import CheckpointError, ConfigError
 
 FILES = ("model.safetensors", "config.json", "generation_config.json", "tokenizer.json",
@@ -130,7 +131,7 @@ def checkpoint_path(run_dir: Path, step: int | None) -> Path:
     """The committed checkpoint of `step` (default: the newest that verifies) of a run."""
     from myria.train.checkpoint import CheckpointManager
 
-    mgr = CheckpointManager(run_dir / "checkpoints")
+    mgr = CheckpointManager(run_dir / rundir.CHECKPOINTS)
     if step is None:
         path = mgr.latest_valid()
         if path is None:
@@ -154,7 +155,7 @@ def load_checkpoint_model(run_dir: Path, step: int | None, path: Path | None = N
     from myria.train.checkpoint import CheckpointManager
 
     path = path or checkpoint_path(run_dir, step)
-    mgr = CheckpointManager(run_dir / "checkpoints")
+    mgr = CheckpointManager(run_dir / rundir.CHECKPOINTS)
     meta = json.loads((path / "meta.json").read_text())
     m = config_mod.from_dict({"model": meta["model"]}).model
     model = build_model(m, "cpu")

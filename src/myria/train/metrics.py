@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from myria import rundir
 from myria.fsutil import atomic_write
 
 
@@ -121,7 +122,7 @@ def set_aside_after(run_dir: Path, step: int) -> int:
             keep.append(line)
     if not gone:
         return 0
-    with open(run_dir / "metrics.abandoned.jsonl", "a") as fh:
+    with open(run_dir / rundir.METRICS_ABANDONED, "a") as fh:
         fh.write("\n".join(gone) + "\n")
         fh.flush()
         os.fsync(fh.fileno())

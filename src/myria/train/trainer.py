@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 
 from myria import config as config_mod
+from myria import rundir
 from myria.config import Config
 from myria.data import fingerprint
 from myria.data.dataset import TokenDataset
@@ -115,7 +116,7 @@ def _train(cfg: Config, run_dir: Path, env, stop_after: int | None,
     hb.phase("resume")
     faults = FaultInjector(run_dir, env.rank)
     r = cfg.resilience
-    ckpt = CheckpointManager(run_dir / "checkpoints", cfg.checkpoint.keep, faults,
+    ckpt = CheckpointManager(run_dir / rundir.CHECKPOINTS, cfg.checkpoint.keep, faults,
                              async_save=r.async_checkpoint, overlap=r.snapshot_overlap,
                              timeout_s=t.init_timeout_s,
                              max_failures=cfg.checkpoint.max_failed_saves)
@@ -272,7 +273,6 @@ def start_events(cfg: Config, run_dir: Path, env, dims: ParallelDims, engine: En
     rec = events.install(run_dir, env.rank, env.world_size, cfg.observe.enabled,
                          slow=faults.slow(), flush_s=cfg.observe.flush_s)
     if env.is_main:   # also without events: `myria report` reads it (prediction, why no events)
-        from myria import rundir
         run_dir.mkdir(parents=True, exist_ok=True)
         atomic_write(run_dir / rundir.CONFIG, json.dumps(cfg.to_dict(), indent=1))
     if not rec.enabled:
