@@ -317,21 +317,23 @@ def prepare(out: str | Path, inputs: Sequence[str] = (), corpus: str | None = No
         committed = {s: len(writers[s].shards) for s in SPLITS}
         for b, ids, lengths in _encoded(_batches(docs, start, is_val, counts, dec), tok,
                                         tok_json.decode(), dtype, workers_used):
-            pos = 0
-            for v, n in zip(b.val, lengths.tolist(), strict=True):
+            pos, chars = 0, b.snapshot["chars"] - sum(map(len, b.texts))
+            for j, (v, n) in enumerate(zip(b.val, lengths.tolist(), strict=True)):
                 writers["val" if v else "train"].add(ids[pos:pos + n])
                 pos += n
+                chars += len(b.texts[j])
+                if any(len(writers[s].shards) > committed[s] for s in SPLITS):
+                    checkpoints += 1  # a shard was committed: record where we are
+                    if stop_at and checkpoints >= stop_at:
+                        os._exit(75)  # the test hook: as if killed before this manifest
+                    for s in SPLITS:
+                        writers[s].sync()
+                        man["splits"][s] = writers[s].state()
+                        committed[s] = len(writers[s].shards)
+                    man.update(kept=b.first + j + 1, chars=chars)
+                    atomic_write_json(man_path, man, indent=None)
             ntok += pos
             man.update(b.snapshot)
-            if any(len(writers[s].shards) > committed[s] for s in SPLITS):
-                checkpoints += 1
-                if stop_at and checkpoints >= stop_at:
-                    os._exit(75)  # the test hook: as if killed before this manifest
-                for s in SPLITS:
-                    writers[s].sync()
-                    man["splits"][s] = writers[s].state()
-                    committed[s] = len(writers[s].shards)
-                atomic_write_json(man_path, man, indent=None)
             dt = max(time.perf_counter() - t1, 1e-9)
             bar.update(task, completed=meter.bytes,
                        info=f"{(man['chars'] - start_chars) / dt / 1e6:.1f} MB/s, "
