@@ -289,10 +289,11 @@ def prepare(out: str | Path, inputs: Sequence[str] = (), corpus: str | None = No
             man = _start(out_dir, sources, key, tokenizer, vocab_size, val_fraction, seed,
                          dedup, max_docs, sample_mb, encoding, errors, inputs, corpus, bar)
             atomic_write_json(man_path, man)
-        tok_json = (out_dir / TOKENIZER_FILE).read_bytes()
+        tok_path = out_dir / TOKENIZER_FILE
+        tok_json = tok_path.read_bytes() if tok_path.is_file() else b""
         if hashlib.sha256(tok_json).hexdigest() != man["tokenizer_sha256"]:
             raise DataError(f"cannot resume in {str(out_dir)!r}: tokenizer.json changed since "
-                            "the prepare started; pass --force to start over")
+                            "the prepare started (or is missing); pass --force to start over")
         tok = T.load_tokenizer(out_dir / TOKENIZER_FILE)
         dtype = np.dtype(man["dtype"])
         clean_for_resume(out_dir, [man["splits"][s] for s in SPLITS])
