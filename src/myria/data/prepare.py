@@ -354,7 +354,7 @@ def prepare(out: str | Path, inputs: Sequence[str] = (), corpus: str | None = No
                         f"{val_fraction} and {splits['train']['documents']} for training; "
                         "change --val-fraction (0 disables validation)")
     LAST_RUN.update(seconds=time.perf_counter() - t0, chars=man["chars"] - start_chars,
-                    tokens=ntok, resumed_at=start)
+                    tokens=ntok, resumed_at=start, encode_seconds=time.perf_counter() - t1)
     index = _index(man, splits, sources, shard_tokens, seed, val_fraction, max_docs, inputs,
                    encoding, errors, dedup)
     atomic_write_json(out_dir / INDEX_FILE, index)
@@ -509,7 +509,9 @@ def summary(index: dict[str, Any], out: str | Path, seconds: float) -> str:
         *([f"  dedup      {index['dedup']['duplicates_dropped']:,} exact duplicate document(s) "
            "dropped"] if index.get("dedup") else []),
         *([f"  speed      {run['chars'] / run['seconds'] / 1e6:,.2f} M characters/s, "
-           f"{run['tokens'] / run['seconds']:,.0f} tokens/s"
+           f"{run['tokens'] / run['seconds']:,.0f} tokens/s; reading and encoding "
+           f"{run['chars'] / run['encode_seconds'] / 1e6:,.2f} M characters/s in "
+           f"{run['encode_seconds']:,.1f} s"
            + (f" (resumed after {run['resumed_at']:,.0f} documents)" if run["resumed_at"]
               else "")] if (run := LAST_RUN) and run.get("seconds") else []),
     ])
