@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
@@ -119,3 +120,37 @@ def encode_documents(tok: Tokenizer, texts: Sequence[str], dtype: np.dtype | typ
 def decode(tok: Tokenizer, ids: Iterable[int]) -> str:
     """Text of token ids (special tokens included, so document boundaries stay visible)."""
     return tok.decode([int(i) for i in ids], skip_special_tokens=False)
+
+
+def encode_packed(tok: Tokenizer, texts: Sequence[str], dtype: np.dtype | type = np.uint32
+                  ) -> tuple[np.ndarray, np.ndarray]:
+    """Token ids of all `texts`, each followed by EOS, concatenated; and each text's length in
+    tokens (EOS included)."""
+    eos = eos_id(tok)
+    encs = tok.encode_batch_fast(list(texts), add_special_tokens=False) \
+        if hasattr(tok, "encode_batch_fast") else \
+        tok.encode_batch(list(texts), add_special_tokens=False)
+    lengths = np.fromiter((len(e.ids) + 1 for e in encs), dtype=np.int64, count=len(encs))
+    out = np.empty(int(lengths.sum()), dtype=dtype)
+    pos = 0
+    for e, n in zip(encs, lengths.tolist(), strict=True):
+        out[pos:pos + n - 1] = e.ids
+        out[pos + n - 1] = eos
+        pos += n
+    return out, lengths
+
+
+# Encoding in worker processes (`myria prepare --workers N`): each loads the tokenizer once and
+# encodes with one thread, so N processes use N cores without oversubscription.
+_WORKER: dict[str, Any] = {}
+
+
+def init_worker(tok_json: str, dtype: str) -> None:
+    os.environ["RAYON_NUM_THREADS"] = "1"
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"
+    _WORKER["tok"] = Tokenizer.from_str(tok_json)
+    _WORKER["dtype"] = np.dtype(dtype)
+
+
+def worker_encode(texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
+    return encode_packed(_WORKER["tok"], texts, _WORKER["dtype"])
