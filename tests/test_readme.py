@@ -168,7 +168,9 @@ def test_packaging_metadata_and_what_make_test_installs():
     readme = (ROOT / "README.md").read_text()
     for pkg in ("redis-server", "chromium", "speedscope", "apt-get"):
         assert pkg in readme
-    p = subprocess.run(["make", "-n", "test"], cwd=ROOT, capture_output=True, text=True)
+    # --no-print-directory: under `make test` this runs in a nested make (MAKELEVEL > 0)
+    p = subprocess.run(["make", "-n", "--no-print-directory", "test"], cwd=ROOT,
+                       capture_output=True, text=True)
     first = p.stdout[:p.stdout.index("\n", p.stdout.index("speedscope"))]  # said first
     assert first.startswith("echo") and "redis-server" in first and "chromium" in first, first
     assert "-m venv" not in first and "apt-get install" not in first
