@@ -22,3 +22,20 @@ def init(rank: int, world: int, port: int) -> None:
 
     store = dist.TCPStore("127.0.0.1", port, is_master=False)
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
+
+
+def finish() -> None:
+    """Leave a spawned worker after its results are written, without torch's gloo teardown.
+
+    Seen in CI and in full runs (test_lamb, test_document_mask): a rank aborted in
+    destroy_process_group with "terminate called without an active exception" (a C++ thread
+    destroyed while joinable), after its result was written, also with a barrier first. The
+    teardown is torch's, not what the tests check: after a barrier, os._exit skips it and the
+    OS closes the sockets.
+    """
+    import os
+
+    import torch.distributed as dist
+
+    dist.barrier()
+    os._exit(0)

@@ -18,7 +18,7 @@ import torch
 from myria.config import ModelConfig
 from myria.models.attention import CoreAttention, document_segments
 from myria.models.transformer import build_model
-from tests.dist import init, spawn
+from tests.dist import finish, init, spawn
 
 EOS = 3
 SEQ = 32
@@ -114,7 +114,7 @@ def _cp_worker(rank, world, port, out_dir):
         out[f"{window}-{positions}"] = abs(float(total) - alone) / alone
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
         json.dump(out, f)
-    dist.destroy_process_group()
+    finish()
 
 
 @pytest.mark.slow

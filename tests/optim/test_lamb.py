@@ -13,7 +13,7 @@ from myria.config import ModelConfig, OptimizerConfig
 from myria.models.transformer import build_model
 from myria.optim import Lamb, build_optimizer, no_decay, param_groups
 from tests.dist import init as init_group
-from tests.dist import spawn
+from tests.dist import finish, spawn
 
 SHAPES = [(4, 3), (5,), (2, 3, 2), (3, 3), (2, 2)]
 
@@ -167,16 +167,10 @@ def _dtensor_worker(rank: int, world: int, port: int, out_dir: str) -> None:
                   for p, d in zip(plain, dts, strict=True))
         with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
             json.dump({"err": err}, f)
-        # Both ranks done, then leave without tearing gloo down: in two full runs (once after a
-        # barrier was added before destroy_process_group) a rank aborted in torch's teardown
-        # with "terminate called without an active exception" (a C++ thread destroyed while
-        # joinable), after its result was written. The teardown is torch's, not what this test
-        # checks; os._exit skips it and the OS closes the sockets.
-        dist.barrier()
     except BaseException:
         dist.destroy_process_group()
         raise
-    os._exit(0)
+    finish()  # barrier, then leave without torch's gloo teardown (see tests/dist.finish)
 
 
 

@@ -28,7 +28,7 @@ from myria.parallel.context import (
     swap_core_attention,
     unshard_sequence,
 )
-from tests.dist import init, spawn
+from tests.dist import finish, init, spawn
 
 CHUNK = 4  # tokens per chunk; the sequence is 2 * cp * CHUNK long (cp * CHUNK unbalanced)
 
@@ -215,8 +215,10 @@ def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
                                                       dist.get_rank(sub), 2)
         with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
             json.dump(results, f)
-    finally:
+    except BaseException:
         dist.destroy_process_group()
+        raise
+    finish()  # barrier, then leave without torch's gloo teardown (see tests/dist.finish)
 
 
 @pytest.fixture(scope="module", params=[2, 4], ids=lambda w: f"world{w}")
