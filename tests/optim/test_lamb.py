@@ -12,8 +12,8 @@ import torch
 from myria.config import ModelConfig, OptimizerConfig
 from myria.models.transformer import build_model
 from myria.optim import Lamb, build_optimizer, no_decay, param_groups
-from tests.dist import init as init_group
 from tests.dist import finish, spawn
+from tests.dist import init as init_group
 
 SHAPES = [(4, 3), (5,), (2, 3, 2), (3, 3), (2, 2)]
 
