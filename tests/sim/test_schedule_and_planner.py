@@ -84,6 +84,62 @@ def test_search_space_respects_constraints(calibration):
             assert m % par["pp"] == 0 and par["schedule"] == "interleaved-1f1b"
 
 
+def test_planner_asks_the_layouts_one_check(monkeypatch):
+    # a small MoE on 16 GPUs: every degree combination the planner generates is exactly one
+    # that Layout.check(trainer=False) accepts, and a rule added there reaches the planner
+    import itertools
+
+    from myria.layout import Layout
+
+    (moe,) = runspec.loads("""
+[model]
+arch = "llama"
+layers = 6
+hidden = 256
+heads = 8
+kv_heads = 4
+experts = 4
+seq_len = 1024
+[training]
+global_batch = 16
+[cluster]
+gpu = "h100-sxm-80gb"
+gpus = 16
+""")
+    space = SearchSpace(recompute=["none"], zero_stage=[1], hsdp=[False])
+
+    def degrees(par, tr):
+        return (par["tp"], par["cp"], par["pp"], par["ep"], par["vpp"], tr["micro_batch"],
+                par["sequence_parallel"])
+
+    got = {degrees(p, t) for p, t in candidates(moe, space)}
+    want = set()
+    cfg = moe.trainer_config()
+    for tp, cp, pp, ep, vpp, mb, sp in itertools.product(
+            (1, 2, 4, 8), (1, 2, 4), (1, 2, 3, 4, 6, 8), (1, 2, 4), range(1, 9), (1, 2, 4, 8, 16),
+            (False, True)):
+        if 16 % (tp * cp * pp) or (sp and tp == 1) or (pp == 1 and vpp > 1):
+            continue
+        cfg.training.micro_batch = mb
+        lay = Layout(1, 16 // (tp * cp * pp), tp, pp, cp, ep, vpp,
+                     "interleaved-1f1b" if vpp > 1 else "1f1b", sp)
+        try:
+            lay.check(cfg, trainer=False)
+        except ConfigError:
+            continue
+        want.add((tp, cp, pp, ep, vpp, mb, sp))
+    assert got == want and any(d[3] == 4 for d in got) and any(d[4] > 1 for d in got)
+    real = Layout.check
+
+    def no_ep4(self, cfg, device_type="cpu", trainer=True):
+        if self.ep == 4:
+            raise ConfigError("test: ep 4 refused")
+        return real(self, cfg, device_type, trainer)
+
+    monkeypatch.setattr(Layout, "check", no_ep4)
+    assert {degrees(p, t) for p, t in candidates(moe, space)} == {d for d in want if d[3] != 4}
+
+
 def test_plan_reports_when_nothing_fits():
     (huge,) = runspec.loads("""
 [model]

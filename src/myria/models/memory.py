@@ -14,8 +14,9 @@ query and head). In-flight microbatches on the first pipeline stage: GPipe all m
 zero-bubble ZB-H1/ZB-V min(m, p); interleaved 1F1B a further factor 1 + (p-1)/(p*v)
 (Korthikanti et al. section 4.2.3).
 
-The formulas read a layer's dimensions from a `LayerDims` or any object with the same fields
-(the planner's `sim.operators.LayerShape`, which adds the kernel choices it prices).
+The formulas read a layer's dimensions from a `LayerDims`: the trainer's budget builds one with
+`layer_dims`, the planner's `sim.operators.LayerShape` is one (a subclass that adds what its
+operators' time depends on: window, experts' degree, kernel choices, the whole ModelConfig).
 """
 
 from __future__ import annotations

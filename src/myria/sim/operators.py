@@ -29,7 +29,7 @@ from functools import lru_cache
 
 from myria.config import ModelConfig
 from myria.models.flops import ForwardFlops, forward_flops_per_token
-from myria.models.memory import eager_layer
+from myria.models.memory import LayerDims, eager_layer, layer_dims
 from myria.sim.hardware import KERNEL_LAUNCH_S, MEMORY_EFFICIENCY
 
 
@@ -102,39 +102,17 @@ class Op:
 
 
 @dataclass(frozen=True)
-class LayerShape:
-    """Everything that fixes a layer's operators on one device (hashable, so it caches)."""
+class LayerShape(LayerDims):
+    """Everything that fixes a layer's operators on one device (hashable, so it caches): the
+    layer's dimensions and layout as its activation memory sees them (`LayerDims`, declared
+    once in models/memory.py), plus what its operators' time also depends on."""
 
-    arch: str
-    hidden: int
-    heads: int
-    kv_heads: int
-    ffn: int
-    vocab: int
-    seq_len: int
-    window: int
-    experts: int
-    top_k: int
-    capacity_factor: float
-    parallel_block: bool
-    layers: int
-    micro_batch: int
-    tp: int = 1
-    cp: int = 1
+    window: int = 0            # sliding attention window (0: full causal)
+    layers: int = 1            # the model's layers (per-layer FLOPs are the model's / layers)
     ep: int = 1
-    sp: bool = False
-    flash: bool = False
     fused: bool = True
-    dropout: float = 0.0
-    act_bytes: int = 2
     fp8: bool = False
-    eager: bool = False        # myria's eager PyTorch modules (the CPU self-check), see below
-    ce_chunk: int = 0          # eager: rows per chunk of the fused linear+cross-entropy; 0: plain
     model: tuple = ()          # the ModelConfig's (field, value) pairs: `model_config()`
-
-    @property
-    def head_dim(self) -> int:
-        return self.hidden // self.heads
 
     def model_config(self) -> ModelConfig:
         """The ModelConfig this shape was made from (every field, as `layer_shape` got it)."""
@@ -146,14 +124,11 @@ def layer_shape(cfg: ModelConfig, micro_batch: int, *, tp: int = 1, cp: int = 1,
                 act_bytes: int = 2, fp8: bool = False, eager: bool = False,
                 ce_chunk: int = 0) -> LayerShape:
     """The LayerShape of a ModelConfig under a parallel layout and kernel choices."""
-    return LayerShape(arch=cfg.arch, hidden=cfg.hidden, heads=cfg.heads, kv_heads=cfg.n_kv_heads,
-                      ffn=cfg.ffn_dim, vocab=cfg.vocab_size, seq_len=cfg.seq_len,
-                      window=cfg.attention_window, experts=cfg.experts, top_k=cfg.top_k,
-                      capacity_factor=cfg.capacity_factor, parallel_block=cfg.parallel_block,
-                      layers=cfg.layers, micro_batch=micro_batch, tp=tp, cp=cp, ep=ep,
-                      sp=sp and tp > 1, flash=flash, fused=fused, dropout=dropout,
-                      act_bytes=act_bytes, fp8=fp8, eager=eager, ce_chunk=ce_chunk,
-                      model=config_items(cfg))
+    dims = layer_dims(cfg, micro_batch, tp=tp, cp=cp, sp=sp, flash=flash, dropout=dropout,
+                      act_bytes=act_bytes)
+    return LayerShape(**{**vars(dims), "eager": eager, "ce_chunk": ce_chunk},
+                      window=cfg.attention_window, layers=cfg.layers, ep=ep, fused=fused,
+                      fp8=fp8, model=config_items(cfg))
 
 
 def config_items(cfg: ModelConfig) -> tuple:

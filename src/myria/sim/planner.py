@@ -33,7 +33,7 @@ import time
 from dataclasses import dataclass, field
 
 from myria.errors import ConfigError
-from myria.layout import SINGLE_STAGE, stage_layers, validate_degrees
+from myria.layout import Layout, stage_layers, validate_degrees, validate_pipeline
 from myria.sim import perf
 from myria.sim.hardware import build_hardware
 from myria.sim.reliability import Reliability, run_ettr
@@ -91,68 +91,99 @@ class PlanResult:
 
 
 def candidates(base: RunSpec, space: SearchSpace):
-    """Yield (parallel, training) field dicts of every layout in the search space."""
+    """Yield (parallel, training) field dicts of every layout in the search space.
+
+    Degrees are generated (tp, cp, pp dividing the GPUs, dp what remains; ep, vpp,
+    micro-batch, sequence parallelism, recomputation, ZeRO stage and offload from the space)
+    and every combination is asked the layout's one check, `myria.layout.Layout.check` with
+    `trainer=False` (the rules of a layout, without the limits of myria's own trainer). The
+    outer loops skip early with the same helpers that check calls (`validate_degrees`,
+    `Layout.microbatches`, `validate_pipeline`), so a refused degree is not enumerated further.
+    """
     m, c = base.model, base.cluster
     gpus = c.gpus
     cfg = base.model_config()
+    gb = base.training.global_batch
     tps = [t for t in space.tp or [t for t in _pow2_upto(min(gpus, 64)) if space.
-           max_tp_across_nodes or t <= c.gpus_per_node] if _splits(cfg, t, 1)]
+           max_tp_across_nodes or t <= c.gpus_per_node] if _passes(validate_degrees, cfg, t, 1,
+                                                                   False)]
     cps = [x for x in space.cp or [x for x in _pow2_upto(16) if m.seq_len // x >= 256]
-           if _splits(cfg, 1, x)]
+           if _passes(validate_degrees, cfg, 1, x, False)]
     eps = space.ep or ([x for x in _divisors(m.experts)] if m.experts else [1])
     mbs = space.micro_batch or _pow2_upto(16)
+    check = _Checker(base)
     for tp in tps:
         for cp in cps:
-            if gpus % (tp * cp):
+            if gpus % (tp * cp) or not _passes(validate_degrees, cfg, tp, cp, False):
                 continue
             rest = gpus // (tp * cp)
             pps = space.pp or sorted({x for x in _divisors(m.layers) + _pow2_upto(m.layers)
                                       if rest % x == 0})
             for pp in pps:
-                if rest % pp or pp > m.layers:
+                if rest % pp:
                     continue
                 dp = rest // pp
-                if base.training.global_batch % dp:
-                    continue
                 # interleaving with uneven chunks too (the trainer's FLOP-balanced split of
-                # pp x vpp stages, as Llama 3 ran 126 layers on 16 ranks); pp x vpp beyond the
-                # layers is refused below
+                # pp x vpp stages, as Llama 3 ran 126 layers on 16 ranks)
                 vpps = space.vpp or (list(range(1, 9)) if pp > 1 else [1])
                 for ep in eps:
-                    if (dp * cp) % ep or (m.experts and m.experts % ep):
-                        continue
                     for mb in mbs:
-                        if base.training.global_batch % (dp * mb):
+                        try:
+                            nmb = Layout(1, dp, tp, pp, cp).microbatches(gb, mb)
+                        except ConfigError:
                             continue
-                        nmb = base.training.global_batch // (dp * mb)
                         for vpp in vpps:
                             sched = _schedule(base.parallel.schedule, vpp)
-                            if pp * vpp > m.layers or (sched not in SINGLE_STAGE and nmb % pp):
+                            if not _passes(validate_pipeline, m.layers, pp, vpp, sched, nmb):
                                 continue
                             for sp in (space.sequence_parallel if tp > 1 else [False]):
-                                for rec in space.recompute:
-                                    # with FlashAttention, Korthikanti's selective recompute
-                                    # keeps what "none" keeps (no score matrix) and costs time
-                                    if rec == "selective" and base.kernels.flash_attention \
-                                            and len(space.recompute) > 1:
-                                        continue
-                                    for zero in space.zero_stage:
-                                        for rsh, shard in _sharding(zero, space, dp, tp * cp,
-                                                                    c.gpus_per_node):
-                                            for off, offp in space.offload:
-                                                if not _runnable(off, offp, zero, dp * cp,
-                                                                 tp * pp * cp * ep * dp):
-                                                    continue
-                                                yield ({"tp": tp, "pp": pp, "cp": cp,
-                                                        "ep": ep, "vpp": vpp, "dp": 0,
-                                                        "schedule": sched,
-                                                        "sequence_parallel": sp,
-                                                        "dp_shard": shard},
-                                                       {"micro_batch": mb, "recompute": rec,
-                                                        "zero_stage": zero,
-                                                        "reshard_after_forward": rsh,
-                                                        "offload": off,
-                                                        "offload_params": offp})
+                                lay = Layout(1, dp, tp, pp, cp, ep, vpp, sched, sp)
+                                yield from _variants(base, space, check, lay, mb)
+
+
+def _variants(base: RunSpec, space: SearchSpace, check: _Checker, lay: Layout, mb: int):
+    """The training-side variants of one layout (recomputation, ZeRO stage and sharding,
+    offload) that pass the layout's check."""
+    c = base.cluster
+    ok = {(zero, off, offp) for zero in space.zero_stage for off, offp in space.offload
+          if check(lay, mb, zero, off, offp)}
+    if not ok:
+        return
+    dp, inner = lay.dp, lay.tp * lay.cp
+    par = {"tp": lay.tp, "pp": lay.pp, "cp": lay.cp, "ep": lay.ep, "vpp": lay.vpp, "dp": 0,
+           "schedule": lay.schedule, "sequence_parallel": lay.sequence_parallel}
+    state = [(zero, rsh, shard, off, offp) for zero in space.zero_stage
+             for rsh, shard in _sharding(zero, space, dp, inner, c.gpus_per_node)
+             for off, offp in space.offload if (zero, off, offp) in ok]
+    for rec in space.recompute:
+        # with FlashAttention, Korthikanti's selective recompute keeps what "none" keeps (no
+        # score matrix) and costs time: dominated, not searched
+        if rec == "selective" and base.kernels.flash_attention and len(space.recompute) > 1:
+            continue
+        for zero, rsh, shard, off, offp in state:
+            yield ({**par, "dp_shard": shard},
+                   {"micro_batch": mb, "recompute": rec, "zero_stage": zero,
+                    "reshard_after_forward": rsh, "offload": off, "offload_params": offp})
+
+
+class _Checker:
+    """`Layout.check(cfg, trainer=False)`, where cfg is the base run's training config
+    (`RunSpec.trainer_config`) with one candidate's micro-batch, ZeRO stage and offload (built
+    once per such combination)."""
+
+    def __init__(self, base: RunSpec):
+        self.base = base
+        self.cfgs: dict[tuple, object] = {}
+
+    def __call__(self, lay: Layout, mb: int, zero: int, off: str, offp: bool) -> bool:
+        key = (mb, zero, off, offp)
+        cfg = self.cfgs.get(key)
+        if cfg is None:
+            run = dataclasses.replace(self.base, training=dataclasses.replace(
+                self.base.training, micro_batch=mb, zero_stage=zero, offload=off,
+                offload_params=offp))
+            cfg = self.cfgs[key] = run.trainer_config()
+        return _passes(lay.check, cfg, trainer=False)
 
 
 def _schedule(asked: str, vpp: int) -> str:
@@ -163,22 +194,12 @@ def _schedule(asked: str, vpp: int) -> str:
     return "interleaved-1f1b" if vpp > 1 else "1f1b"
 
 
-def _splits(cfg, tp: int, cp: int) -> bool:
-    """Whether tp and cp can split the model's tensors (`myria.layout.validate_degrees`)."""
+def _passes(rule, *args, **kw) -> bool:
+    """Whether a rule of `myria.layout` (a function raising ConfigError) accepts `args`."""
     try:
-        validate_degrees(cfg, tp, cp, False)
+        rule(*args, **kw)
     except ConfigError:
         return False
-    return True
-
-
-def _runnable(offload: str, offload_params: bool, zero: int, shard: int, gpus: int) -> bool:
-    """Offload layouts myria runs: cpu is FSDP2's CPUOffloadPolicy (ZeRO-3 over > 1 rank);
-    parameters go to disk on one process only (myria.layout.Layout.check)."""
-    if offload == "cpu":
-        return zero >= 3 and shard > 1
-    if offload_params:
-        return gpus == 1
     return True
 
 
