@@ -12,7 +12,7 @@ with tensor parallelism s*b*h*(10 + 24/t + 5*a*s/(h*t)), with sequence paralleli
 only each layer's input. FlashAttention never stores the score matrix (only a log-sum-exp per
 query and head). In-flight microbatches on the first pipeline stage: GPipe all m; 1F1B and
 zero-bubble ZB-H1/ZB-V min(m, p); interleaved 1F1B a further factor 1 + (p-1)/(p*v)
-(Korthikanti et al. section 4.2.3).
+(Korthikanti et al. section 4.2.3), which is Megatron-LM's warm-up count, capped at m.
 
 The formulas read a layer's dimensions from a `LayerDims`: the trainer's budget builds one with
 `layer_dims`, the planner's `sim.operators.LayerShape` is one (a subclass that adds what its
@@ -200,15 +200,18 @@ def head_activation_bytes(shape: LayerDims, first: bool, last: bool) -> float:
 
 def in_flight_microbatches(schedule: str, p: int, v: int, m: int, rank: int = 0) -> float:
     """Microbatches whose activations pipeline rank `rank` (default the first) holds at its
-    peak, in units of its layers: rank r of 1F1B holds min(m, p - r)."""
+    peak, in units of its layers: rank r of 1F1B holds min(m, p - r); of an interleaved
+    schedule with v chunks, Megatron-LM's warm-up of 2(p - r - 1) + (v - 1)p chunk-microbatches
+    and one more in the steady state, never more than all m x v (with m = p every forward runs
+    before the first backward: all m)."""
     if p <= 1:
         return 1.0
     if schedule == "gpipe":
         return float(m)
-    base = float(min(m, p - rank))
     if schedule in ("interleaved-1f1b", "zero-bubble") and v > 1:
-        return base * (1 + (p - 1) / (p * v))
-    return base
+        chunks = 2 * (p - rank - 1) + (v - 1) * p + 1
+        return min(m * v, chunks) / v
+    return float(min(m, p - rank))
 
 
 def stage_params(pc: ParamCounts, tp: int, layers_on_stage: float, first: bool, last: bool,

@@ -34,6 +34,14 @@ INTRA_NODE_BUSBW_GBS = {"a100-sxm-80gb": 230.0, "a100-sxm-40gb": 230.0,
 NVLINK_RING_EFFICIENCY = 230.0 / 300.0
 
 
+# Device memory as the driver reports it (NVML, nvidia-smi "Total", MiB): an "80 GB" HBM part
+# holds 80 GiB less the driver's own share, not 80e9 bytes (7% more). Figures of Modal's table,
+# "Why does an NVIDIA H100 80GB card offer 85.52 GB?" (thundergolfer.com/blog/
+# nvidia-gpu-memory-capacity); the H800 carries the H100's memory. Devices not listed take
+# their datasheet figure in 1e9 bytes (the lower reading); cluster.memory_gb overrides both.
+NVML_MEMORY_MIB = {"a100-sxm-80gb": 81920, "a100-sxm-40gb": 40960, "h100-sxm-80gb": 81559,
+                   "h800-sxm-80gb": 81559, "h200": 143771}
+
 def nic_efficiency(nic_gbps: float) -> float:
     """Achieved fraction of a NIC's line rate: HDR 24/25 GB/s, NDR 47/50 GB/s (nccl-tests)."""
     return 0.96 if nic_gbps <= 200 else 0.94
@@ -301,7 +309,8 @@ def build_hardware(cluster: ClusterSpec, precision: str = "bf16",
     if cluster.peak_tflops:
         peak = cluster.peak_tflops
     mem_bw = cluster.memory_bw_gbs or spec.memory_bw_gbs
-    memory = cluster.memory_gb or spec.memory_gb
+    memory = cluster.memory_gb or (NVML_MEMORY_MIB[spec.name] * 2**20 / 1e9
+                                   if spec.name in NVML_MEMORY_MIB else spec.memory_gb)
     if is_cpu:
         mem_bw = mem_bw or cpu_memory_bandwidth()
         memory = memory or _host_memory_gb()

@@ -28,9 +28,11 @@ Activations (per layer and microbatch, one device; e bytes per 16-bit element):
   `selective` keeps only mm/addmm and SDPA outputs (`parallel.parallelize.apply_ac`).
 - **In-flight microbatches** on the busiest pipeline rank: GPipe all m; 1F1B and ZB-H1 min(m,
   p - r) on rank r (Narayanan et al. 2021, section 2.2); interleaved 1F1B with v chunks a
-  further factor 1 + (p-1)/(p*v) (Korthikanti et al. section 4.2.3; Megatron's warm-up of
-  2(p-1) + (v-1)p chunk-microbatches on rank 0); uneven stages price each rank by the layers it
-  really holds (`myria.layout.rank_layers`).
+  further factor 1 + (p-1)/(p*v) on rank 0 (Korthikanti et al. section 4.2.3; Megatron's warm-up
+  of 2(p-r-1) + (v-1)p chunk-microbatches on rank r, plus one), never more than all m (with m = p
+  Megatron runs every forward before the first backward); the output layer's buffers are held
+  for one microbatch (its chunk runs forward and backward back to back), all m under GPipe;
+  uneven stages price each rank by the layers it really holds (`myria.layout.rank_layers`).
 
 Model state per parameter (mixed precision, Rajbhandari et al. 2020 "ZeRO"): 2-byte weights,
 4-byte gradients (Megatron-LM accumulates and reduces gradients in an fp32 buffer), 12 bytes of
@@ -184,7 +186,12 @@ def memory(shape: LayerShape, *, layers: int, pp: int, vpp: int, microbatches: i
         # recomputes, and the gradients of its outputs in flight)
         # (the last rank keeps the loss's buffers for each microbatch in flight: one under
         # 1F1B, all m under GPipe)
-        head = head_activation_bytes(shape, first, last) * in_flight
+        # the output layer sits in the last chunk, which holds one microbatch between its
+        # forward and backward (all m under GPipe), whatever the rank's other chunks hold
+        head = head_activation_bytes(shape, first, False) * in_flight
+        if last:
+            head += head_activation_bytes(shape, False, True) * (
+                in_flight if pp == 1 or schedule == "gpipe" else 1.0)
         regrown = _act(shape, "none") - a_layer if recompute != "none" and per_stage else 0.0
         temp += max(head, regrown + backward_transient_bytes(shape))
         dynamic = w + g + o + act + temp

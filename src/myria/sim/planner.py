@@ -39,7 +39,7 @@ from myria.sim.hardware import build_hardware
 from myria.sim.reliability import Reliability, run_ettr
 from myria.sim.runspec import RunSpec
 
-RESERVE_SHARE = 0.10  # default memory reserve: a share of device memory (module docstring)
+RESERVE_SHARE = 0.0  # default memory reserve beyond what the memory model prices (docstring)
 
 
 def _divisors(n: int) -> list[int]:

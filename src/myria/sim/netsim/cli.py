@@ -10,7 +10,8 @@ placement, runs the collective at once. --bytes is per rank (nccl-tests conventi
 
 The defaults are NCCL's (2.30): --algorithm auto (NCCL_ALGO unset: ring or double binary tree,
 whichever NCCL's kind of cost model finds faster), --channels auto (NCCL_MIN_NCHANNELS /
-NCCL_MAX_NCHANNELS unset: one ring per NIC a host's members own, duplicated), and
+NCCL_MAX_NCHANNELS unset: one ring per NIC a host's members own, duplicated), --protocol auto
+(NCCL_PROTO unset: Simple or LL128, whichever is faster), and
 --qps-per-connection 1 (NCCL_IB_QPS_PER_CONNECTION). The ideal bus bandwidth is the aggregate of
 those NICs. docs/network.md compares with published nccl-tests figures.
 """
@@ -34,6 +35,7 @@ from myria.sim.netsim.traffic import (
     ALGORITHMS,
     COLLECTIVES,
     MAXCHANNELS,
+    PROTOCOLS,
     best_algorithm,
     collective,
     route_collective,
@@ -80,6 +82,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "double binary tree when NCCL's kind of cost model, NICs, NVLink and "
                         "per-hop latencies, finds it faster; tree applies to all-reduce; "
                         "two-stage-ring is not NCCL's)")
+    parser.add_argument("--protocol", default="auto", help=" | ".join(PROTOCOLS)
+                        + " (default auto, as NCCL_PROTO unset: the faster of Simple and LL128 "
+                        "for the collective; a ring step's hop latency hides behind its "
+                        "transfer when the transfer is longer)")
     parser.add_argument("--routing", default="ecmp", help=" | ".join(ROUTINGS)
                         + " (default ecmp)")
     parser.add_argument("--channels", default="auto",
@@ -146,6 +152,7 @@ def run(args: argparse.Namespace) -> int:
     kind = _choice(args.collective, "--collective", COLLECTIVES)
     algo = _choice(args.algorithm, "--algorithm", ALGORITHMS)
     routing = _choice(args.routing, "--routing", ROUTINGS)
+    proto = _choice(args.protocol, "--protocol", PROTOCOLS)
     qps = _int(args.qps_per_connection, "--qps-per-connection")
     channels = None if args.channels == "auto" else _int(args.channels, "--channels")
     if channels is not None and channels > MAXCHANNELS:
@@ -157,14 +164,14 @@ def run(args: argparse.Namespace) -> int:
     fab = build(spec, gpus)
     groups = groups_for(args, spec, gpus, kind)
     if algo == "auto":
-        coll = best_algorithm(fab, kind, groups, size, spec.gpus, spec.nics, channels)
+        coll = best_algorithm(fab, kind, groups, size, spec.gpus, spec.nics, channels, proto)
     else:
         coll = collective(kind, groups, size, algo, spec.gpus, spec.nics, channels)
     n_flows = qps * sum(len(p.src) for p in coll.phases)
     if n_flows > MAX_FLOWS:
         raise ConfigError(f"{kind} over {groups.shape[1]} ranks makes {n_flows:,} flows (limit "
                           f"{MAX_FLOWS:,}): use --layout/--group for smaller groups")
-    out = simulate_collective(fab, coll, routing, qps, seed, args.polarized)
+    out = simulate_collective(fab, coll, routing, qps, seed, args.polarized, protocol=proto)
     if args.also:
         out["jobs"] = _jobs(args, spec, fab, coll, routing, qps, seed)
     if args.congestion:
@@ -183,7 +190,8 @@ def run(args: argparse.Namespace) -> int:
                           for k, v in out.items()}))
         return 0
     print(spec.describe())
-    ran = coll.algorithm + (" (auto)" if algo == "auto" else "")
+    ran = coll.algorithm + (" (auto)" if algo == "auto" else "") + f", {out['protocol']}" \
+        + (" (auto)" if proto == "auto" else "")
     print(f"{kind} ({ran}) of {size / 1e9:g} GB per rank over {out['groups']} group(s) of "
           f"{out['ranks']} ranks, {coll.channels} channel(s), {routing} routing, {qps} QP(s) "
           "per connection")

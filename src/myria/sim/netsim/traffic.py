@@ -19,10 +19,14 @@ Algorithms (NCCL's; the defaults follow NCCL 2.30, see ``nccl_channels``):
   ``c`` over NVLink and crosses to the next host on that member's NIC), then duplicates every
   channel (``src/graph/connect.cc``), so ``C`` = 2 x NICs channels and every NIC carries two
   connections, each its own queue pair(s) and so its own ECMP hash. Chunk = size / (n C);
-  all-reduce 2(n-1) steps, reduce-scatter and all-gather n-1. Latency as NCCL's tuning model
-  (``src/graph/tuning.cc``) sums it: of the steps, 2(k-1) (all-reduce; k-1 otherwise) cross
-  hosts at ``ALPHA_INTER_S`` each, the rest are NVLink hops at ``ALPHA_INTRA_S``: a ring's
-  latency grows linearly with its ranks, which is why NCCL switches to trees at scale.
+  all-reduce 2(n-1) steps, reduce-scatter and all-gather n-1. Of the steps, 2(k-1)
+  (all-reduce; k-1 otherwise) cross hosts at ``ALPHA_INTER_S`` each, the rest are NVLink hops
+  at ``ALPHA_INTRA_S``. A step is a pipeline (``step_cost``): under NCCL's LL128 protocol lines
+  are forwarded over NVLink as they arrive, so the hops' latency hides behind the chunk's
+  transfer when that is longer (at 120/128 of the links' rate); under Simple a hop first
+  receives a whole slice (1 MiB), so a ring whose chunk is one slice pays latency + transfer
+  per step, as NCCL's tuning model (``src/graph/tuning.cc``) sums it. ``--protocol auto``
+  (NCCL_PROTO unset) takes the faster.
 - ``two-stage-ring``: NVLink reduce-scatter inside each host (g-1 steps of size/g), one ring per
   rail across the k hosts on size/g (2(k-1) steps of size/(g k)), NVLink all-gather.
 - ``tree``: NCCL's double binary tree across hosts (on every channel, two trees each carrying
@@ -55,6 +59,13 @@ from myria.sim.netsim.routing import route, source_ports
 
 COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "ring-p2p")
 ALGORITHMS = ("auto", "ring", "two-stage-ring", "tree")
+PROTOCOLS = ("auto", "simple", "ll128")     # NCCL_PROTO (LL, for small messages, not modelled)
+# LL128: 128-byte lines of 120 data bytes and an 8-byte flag (NCCL's NCCL_LL128_DATAELEMS = 15
+# of NCCL_LL128_LINEELEMS = 16 eight-byte words), forwarded as they arrive
+LL128_EFFICIENCY = 120 / 128
+# Simple: a ring step's chunk moves in slices of SLICESTEPS x (buffer / NCCL_STEPS) = 2 x 4 MiB
+# / 8 (NCCL's defaults), each forwarded once whole
+SIMPLE_SLICE_BYTES = 2 * 4 * 2**20 / 8
 NCCL_VERSION = "2.30"
 MAXCHANNELS = 64               # NCCL's src/include/device.h
 CHANNELS_PER_NIC = 2           # one search channel per NIC, duplicated (src/graph/connect.cc)
@@ -72,6 +83,10 @@ class Phase:
     steps: int
     alpha: float
     label: str
+    # ring phases: the share of a ring's hops that cross hosts (the network proxy forwards whole
+    # chunks there, whatever the protocol); -1 for phases that are not rings
+    hop_store: float = -1.0
+    chunk: float = 0.0      # a connection's bytes per step, when split into queue pairs
 
 
 @dataclass
@@ -85,6 +100,27 @@ class Collective:
     hosts: int = 1        # hosts a communicator spans
     nics: int = 0         # NICs its members own on one host (the 'ideal' is their aggregate)
     channels: int = 1
+
+
+def step_cost(ph: Phase, ts: float, protocol: str) -> float:
+    """Time of one step of phase ``ph`` whose transfers take ``ts`` alone, under NCCL's
+    ``protocol`` (simple or ll128).
+
+    A ring step is a pipeline, not a latency followed by a transfer: rank r's step s needs its
+    neighbour's step s-1, so one hop's latency sits on the chain, while each link keeps sending
+    the rest of the chunk. Per step the chain costs the hop latency plus what a hop must receive
+    before it forwards (Simple: one slice of the chunk; LL128: nothing over NVLink, where lines
+    are forwarded as they arrive, the whole chunk across hosts, where the network proxy sends
+    full buffers), the links the chunk's transfer (at LL128's 120/128 line efficiency). A
+    step costs the larger; when it is the transfer, the latency is hidden. Phases that are
+    not rings, and phases whose chunk is one slice under Simple, cost latency + transfer."""
+    if ph.hop_store < 0:
+        return ph.alpha + ts
+    if protocol == "ll128":
+        return max(ph.alpha + ph.hop_store * ts, ts / LL128_EFFICIENCY)
+    chunk = ph.chunk or float(ph.nbytes.max(initial=0.0))
+    slices = max(1, int(chunk // SIMPLE_SLICE_BYTES))
+    return max(ph.alpha + ts / slices, ts)
 
 
 def nccl_channels(nics: int) -> int:
@@ -235,17 +271,18 @@ def collective(kind: str, groups: np.ndarray, size: float, algorithm: str, gpus_
         inter = (2 if kind == "all-reduce" else 1) * (k - 1)     # NCCL's nInterSteps
         alpha = (inter * ALPHA_INTER_S + (steps - inter) * ALPHA_INTRA_S) / steps
         out.phases.append(Phase(src, dst, const(src, size / (n * channels)), steps, alpha,
-                                f"ring {kind}"))
+                                f"ring {kind}", inter / steps))
         return out
     out.channels = g                                      # one ring per rail across hosts
     s_in, d_in = _cycle(blocks)                           # NVLink rings inside hosts
     s_x, d_x = _cycle(np.swapaxes(blocks, 1, 2))         # one ring per rail across hosts
-    intra = Phase(s_in, d_in, const(s_in, size / g), g - 1, ALPHA_INTRA_S, "NVLink ring")
+    intra = Phase(s_in, d_in, const(s_in, size / g), g - 1, ALPHA_INTRA_S, "NVLink ring", 0.0)
     x_steps = (2 if kind == "all-reduce" else 1) * (k - 1)
-    inter = Phase(s_x, d_x, const(s_x, size / (g * k)), x_steps, ALPHA_INTER_S, "rail rings")
+    inter = Phase(s_x, d_x, const(s_x, size / (g * k)), x_steps, ALPHA_INTER_S, "rail rings",
+                  1.0)
     if kind == "all-reduce":
         out.phases += [intra, inter, Phase(s_in, d_in, intra.nbytes, g - 1, ALPHA_INTRA_S,
-                                           "NVLink all-gather")]
+                                           "NVLink all-gather", 0.0)]
     elif kind == "reduce-scatter":
         out.phases += [intra, inter]
     else:
@@ -275,7 +312,8 @@ def route_collective(fab: Fabric, coll: Collective, routing: str, qps: int = 1, 
                               f"has {fab.n_gpu}")
         r = route(fab, src, dst, nb, routing, source_ports(len(src), salt * 1009 + i), salt,
                   polarized)
-        out.append(RoutedPhase(Phase(src, dst, nb, ph.steps, ph.alpha, ph.label),
+        out.append(RoutedPhase(Phase(src, dst, nb, ph.steps, ph.alpha, ph.label, ph.hop_store,
+                                     float(ph.nbytes.max(initial=0.0))),
                                incidence_of(r.flow, r.link, r.n_flows, fab.links)))
     return out
 
@@ -287,17 +325,31 @@ def _step_time(rp: RoutedPhase, capacity: np.ndarray) -> tuple[float, int]:
     return res.completion_time_s, res.events
 
 
-def ideal_time(fab: Fabric, coll: Collective) -> float:
+def _protocols(protocol: str) -> tuple[str, ...]:
+    if protocol not in PROTOCOLS:
+        raise ConfigError(f"protocol = {protocol!r}: valid are {', '.join(PROTOCOLS)}")
+    return ("simple", "ll128") if protocol == "auto" else (protocol,)
+
+
+def _timed(coll: Collective, steps: list[tuple[Phase, float]], protocol: str
+           ) -> tuple[float, str]:
+    """(completion time, protocol) of phases with step transfer times ``steps``: the
+    protocol asked, or with ``auto`` (NCCL_PROTO unset) the faster of Simple and LL128."""
+    return min(((coll.base_alpha + sum(ph.steps * step_cost(ph, ts, p) for ph, ts in steps), p)
+                for p in _protocols(protocol)), key=lambda tp: tp[0])
+
+
+def ideal_time(fab: Fabric, coll: Collective, protocol: str = "auto") -> float:
     """Completion time of ``coll`` when only NICs and NVLink limit, latencies included: what
     NCCL's tuner can see (the route does not matter on those links)."""
     cap = np.where(fab.edge_links, fab.capacity, np.inf)
-    return coll.base_alpha + sum(rp.phase.steps * (rp.phase.alpha + _step_time(rp, cap)[0])
-                                 for rp in route_collective(fab, coll, "adaptive"))
+    return _timed(coll, [(rp.phase, _step_time(rp, cap)[0])
+                         for rp in route_collective(fab, coll, "adaptive")], protocol)[0]
 
 
 def best_algorithm(fab: Fabric, kind: str, groups: np.ndarray, size: float, gpus_per_host: int,
-                   nics_per_host: int | None = None, channels: int | None = None
-                   ) -> Collective:
+                   nics_per_host: int | None = None, channels: int | None = None,
+                   protocol: str = "auto") -> Collective:
     """``algorithm = "auto"``, as NCCL_ALGO unset: the ring, or for all-reduce the double binary
     tree if its NIC/NVLink-limited time is smaller (see the module doc)."""
     cands = ("ring", "tree") if kind == "all-reduce" else ("ring",)
@@ -305,23 +357,26 @@ def best_algorithm(fab: Fabric, kind: str, groups: np.ndarray, size: float, gpus
              for a in cands]
     if len(colls) == 1 or colls[1].algorithm == "ring":
         return colls[0]
-    return min(colls, key=lambda c: ideal_time(fab, c))
+    return min(colls, key=lambda c: ideal_time(fab, c, protocol))
 
 
 def simulate_collective(fab: Fabric, coll: Collective, routing: str = "ecmp", qps: int = 1,
-                        salt: int = 0, polarized: bool = False, top: int = 5) -> dict:
+                        salt: int = 0, polarized: bool = False, top: int = 5,
+                        protocol: str = "auto") -> dict:
     """Completion time, bus bandwidth against the ideal (only NICs and NVLink limit, no
     latency), link utilisation, for ``coll`` alone on ``fab`` (one step per phase, see the
-    module doc)."""
+    module doc), under NCCL's ``protocol`` (auto: the faster of Simple and LL128)."""
+    _protocols(protocol)
     routed = route_collective(fab, coll, routing, qps, salt, polarized)
     ideal_cap = np.where(fab.edge_links, fab.capacity, np.inf)
-    t, t_ideal, t_xfer, events = coll.base_alpha, 0.0, 0.0, 0
+    t_ideal, t_xfer, events = 0.0, 0.0, 0
+    steps = []
     link_bytes = np.zeros(fab.links)
     max_flows = 0
     for rp in routed:
         ts, ev = _step_time(rp, fab.capacity)
         ti, _ = _step_time(rp, ideal_cap)
-        t += rp.phase.steps * (rp.phase.alpha + ts)
+        steps.append((rp.phase, ts))
         t_xfer += rp.phase.steps * ts
         t_ideal += rp.phase.steps * ti
         events += ev
@@ -330,8 +385,10 @@ def simulate_collective(fab: Fabric, coll: Collective, routing: str = "ecmp", qp
         if fab_links.any():
             counts = np.asarray(rp.a.sum(axis=0)).ravel()
             max_flows = max(max_flows, int(counts[fab_links].max(initial=0)))
+    t, proto = _timed(coll, steps, protocol)
     out = _report(fab, coll, t, t_ideal, link_bytes, sum(len(r.phase.src) for r in routed),
                   events, max_flows, top)
+    out["protocol"] = proto
     out["transfer_time_s"] = t_xfer
     out["fabric_efficiency"] = t_ideal / t_xfer if t_xfer > 0 else 1.0
     return out
