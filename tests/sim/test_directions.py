@@ -75,7 +75,15 @@ def test_recompute_ordering(gpt39, llama):
 def test_zero_stages(llama):
     res = {z: simulate(llama.replace(training={"zero_stage": z})) for z in range(4)}
     m = [res[z].memory_gb_per_gpu for z in range(4)]
-    assert m[0] > m[1] > m[2] > m[3]
+    # under a pipeline (pp 4) sharded gradients accumulate whole until each stage's last
+    # backward (torch.distributed.pipelining): ZeRO-2 keeps what ZeRO-1 keeps, and its shard
+    assert m[0] > m[1] and m[3] < m[1]
+    from myria.sim.memory import FRAGMENTATION
+    assert m[2] == pytest.approx(m[1] + res[2].memory.gradients / 1e9 * (1 + FRAGMENTATION),
+                                 rel=1e-3)
+    one = llama.replace(parallel={"pp": 1, "vpp": 1, "schedule": "1f1b"})
+    flat = [mem(one.replace(training={"zero_stage": z})) for z in range(4)]
+    assert flat[0] > flat[1] > flat[2] > flat[3]
     # ZeRO-1/2 move the same bytes as an all-reduce (less: parameters gather in 16 bits)
     assert res[1].iteration_time_s <= res[0].iteration_time_s * 1.02
     # ZeRO-3 gathers the weights every microbatch: slower, slower still without overlap
@@ -171,18 +179,23 @@ def dp_time(run):
 
 
 def test_sharded_data_parallel_memory_and_time_agree(llama):
-    """ZeRO-2's sharded gradients cost a reduce-scatter per microbatch (llama: pp4, 32 of them);
-    ZeRO-1 keeps whole gradients and reduces once per step: more memory, less traffic."""
-    base = llama.replace(overlap={"dp": False}, parallel={"pp": 4, "vpp": 1,
+    """Without a pipeline ZeRO-2's sharded gradients cost a reduce-scatter per microbatch;
+    ZeRO-1 keeps whole gradients and reduces once per step: more memory, less traffic. Under a
+    pipeline (torch.distributed.pipelining) ZeRO-2 also reduces once per step, after each
+    stage's last backward, and keeps whole gradients until then."""
+    base = llama.replace(overlap={"dp": False}, parallel={"pp": 1, "vpp": 1,
                                                           "schedule": "1f1b"})
     z1, z2 = base.replace(training={"zero_stage": 1}), base.replace(training={"zero_stage": 2})
     assert mem(z2) < mem(z1)
     assert t(z2) > t(z1)  # m reduce-scatters instead of one
     m = z1.microbatches
     assert m >= 8
-    # the extra cost is (m - 1) reduce-scatters of the stage's 17.5B fp32 gradients over 32
-    # ranks without overlap (plus the bubble they widen): large, but bounded
-    assert 0.5 < t(z2) / t(z1) - 1 < 3.0
+    # the extra cost is (m - 1) reduce-scatters of the model's fp32 gradients over 128 ranks
+    # without overlap: large, but bounded
+    assert 0.2 < t(z2) / t(z1) - 1 < 3.0
+    piped = base.replace(parallel={"pp": 4})
+    p1, p2 = piped.replace(training={"zero_stage": 1}), piped.replace(training={"zero_stage": 2})
+    assert dp_time(p2) == pytest.approx(dp_time(p1), rel=1e-9) and mem(p2) >= mem(p1)
 
 
 def test_fsdp_without_resharding_trades_memory_for_traffic(llama):

@@ -120,7 +120,7 @@ def memory(shape: LayerShape, *, layers: int, pp: int, vpp: int, microbatches: i
            reserved: float = RESERVED_BYTES, reshard_after_forward: bool = True,
            shard: int = 0, offload_params: bool = False,
            stage_layers: dict | None = None,
-           fragmentation: float = FRAGMENTATION) -> MemoryResult:
+           fragmentation: float = FRAGMENTATION, accumulate: bool = False) -> MemoryResult:
     """Peak memory over the pipeline stages of one device (the first and last stage differ).
 
     `reserved` is what the runtime holds outside the tensors (CUDA context, library
@@ -131,7 +131,11 @@ def memory(shape: LayerShape, *, layers: int, pp: int, vpp: int, microbatches: i
     `offload_params` the weights, of which three layers stay (myria.offload.params).
     `stage_layers` gives uneven stages' layers per rank ({"first", "mid", "last"}: the
     busiest middle rank is priced as the second, which holds the most in-flight microbatches
-    of the middle ranks); default layers / pp everywhere."""
+    of the middle ranks); default layers / pp everywhere. `accumulate`: sharded gradients
+    (ZeRO-2, FSDP) accumulate whole over the microbatches and are reduce-scattered after each
+    stage's last backward (a pipeline run by torch.distributed.pipelining, as Llama 3 did): a
+    chunk's gradients live from its first backward to its last, so at the activations' peak
+    one chunk's when every forward runs first (interleaved, m <= p), else the whole stage's."""
     mixed = precision != "fp32"
     w_b = 2 if mixed else 4
     g_b = 4
@@ -156,8 +160,12 @@ def memory(shape: LayerShape, *, layers: int, pp: int, vpp: int, microbatches: i
             o = dense * o_b / shard + expert * o_b / expert_shard
         if zero_stage >= 2:
             g = dense * g_b / shard + expert * g_b / expert_shard
-            # one layer's full gradient is produced before it is reduced and scattered
-            temp += (dense + expert) / per_stage * g_b
+            if accumulate:
+                temp += (dense + expert) * g_b * (1 / vpp if vpp > 1 and microbatches <= pp
+                                                  else 1.0)
+            else:
+                # one layer's full gradient is produced before it is reduced and scattered
+                temp += (dense + expert) / per_stage * g_b
         if zero_stage >= 3 and reshard_after_forward:
             w = dense * w_b / shard + expert * w_b / expert_shard
             temp += 2 * (dense + expert) / per_stage * w_b   # gathered layers (prefetch)

@@ -17,7 +17,12 @@ step, offload transfers and data loading. Every overlap has one explicit rule:
 - DP (overlap.dp): gradient buckets reduce during the backward of the last microbatch and
   ZeRO-1/2 parameter gathers during the forward of the first one: exposed = max(t/buckets,
   t - t_compute). ZeRO-3 gathers and scatters every microbatch; with overlap they hide behind
-  that microbatch's compute, otherwise they add to it.
+  that microbatch's compute, otherwise they add to it. Under a pipeline (pp > 1) sharded
+  gradients (ZeRO-2, FSDP) are reduce-scattered once per step, after each stage's last
+  backward: torch.distributed.pipelining runs FSDP stages with gradient sync off until then
+  (`PipelineStage.backward_maybe_with_nosync`), and Llama 3 "accumulate[s] gradients in FP32
+  during backward computation over multiple micro-batches" and reduce-scatters them (Dubey et
+  al. 2024, section 3.3.4); the memory model keeps those gradients whole meanwhile.
 - CP: ring attention always overlaps the K/V exchange with the attention blocks.
 - Hidden communication is not free: NCCL runs one thread block per channel on the SMs the
   compute needs and shares HBM with it, so every overlap charges OVERLAP_INTERFERENCE times the
@@ -393,6 +398,8 @@ def simulate(run: RunSpec, hw: Hardware | None = None, eff: Efficiency | None = 
     t_rep = coll.allreduce(dense0 * g_b / shard_n, groups["dpr"])[0] if hsdp else 0.0
 
     mem_rate = hw.mem_bw * eff.mem
+    # sharded gradients under a pipeline accumulate whole and reduce once per step (docstring)
+    deferred = pp > 1 and tr.zero_stage >= 2 and not eager
     stages = {}
     for kind, first, last in kinds:
         nl = n_layers[kind]
@@ -411,10 +418,12 @@ def simulate(run: RunSpec, hw: Hardware | None = None, eff: Efficiency | None = 
             z3 = _fsdp2_microbatch(shape, nl, first, last, pp, ep, w_b, groups, mem_rate,
                                    hw.cpu)
         elif tr.zero_stage >= 2 and dp * cp > 1 and not eager:
-            # sharded gradients cannot accumulate whole: every microbatch reduce-scatters its
-            # gradients (ZeRO-2, FSDP); FSDP resharding after forward also gathers the weights
-            # twice per microbatch (forward, backward), without it once per step (below)
-            t_mb = t_rs + (2 * t_ag if tr.zero_stage >= 3 and tr.reshard_after_forward else 0)
+            # without a pipeline every microbatch reduce-scatters its gradients (ZeRO-2, FSDP);
+            # under one, once per step (`deferred`, below); FSDP resharding after forward also
+            # gathers the weights twice per microbatch (forward, backward), without it once
+            # per step (below)
+            t_mb = (0.0 if deferred else t_rs) + \
+                (2 * t_ag if tr.zero_stage >= 3 and tr.reshard_after_forward else 0)
             z3 = _cost(t_mb, max(0.0, t_mb - (F + B))) if ov.dp else t_mb
         cats["dp_zero3"] = z3
         C = F + B + z3
@@ -493,6 +502,10 @@ def simulate(run: RunSpec, hw: Hardware | None = None, eff: Efficiency | None = 
         t_dp = t_rs + 2 * (dense0 + expert0) * g_b / mem_rate
     else:
         t_dp = 0.0  # ZeRO-3 traffic is charged per microbatch above
+    if deferred and dp * cp > 1:
+        # each stage's accumulated gradients, reduce-scattered after its last backward (the
+        # interleaved chunks' during the remaining chunks' backward)
+        t_dp += _cost(t_rs, _grad_reduce_exposed(t_rs, B0, buckets, pp, v)) if ov.dp else t_rs
     if t_rep:  # HSDP: the replicas all-reduce their gradient shards, after the last backward
         t_dp += _cost(t_rep, max(t_rep / buckets, t_rep - B0)) if ov.dp else t_rep
     if pp > 1 and cfg.tie_embeddings:
@@ -572,7 +585,8 @@ def simulate(run: RunSpec, hw: Hardware | None = None, eff: Efficiency | None = 
                  reserved=0.0 if hw.device == "cpu" else RESERVED_BYTES,
                  fragmentation=0.0 if hw.device == "cpu" else FRAGMENTATION,
                  reshard_after_forward=tr.reshard_after_forward, shard=shard_n,
-                 stage_layers=n_layers if pp > 1 else None)
+                 stage_layers=n_layers if pp > 1 else None,
+                 accumulate=pp > 1 and not eager)
     if tr.offload != "none":
         cap = (hw.server.host_memory_gb if tr.offload == "cpu" else hw.server.nvme_gb) * 1e9
         mem.host_fits = mem.host_bytes_per_node <= cap
