@@ -171,7 +171,8 @@ def test_plan_accepts_uneven_stages_and_keeps_a_memory_reserve():
         st = r.layout["stage_layers"]
         assert len(st) == 16 * r.layout["vpp"] and sum(st) == 126
         assert st[0] <= max(st) and st[-1] < max(st)  # the output layer's stage holds fewer
-        assert r.memory.total <= 0.9 * 80e9 + 1  # the default 10% reserve
+        assert r.memory.total <= r.memory.capacity  # no reserve beyond the model's own
+        assert r.memory.capacity == 81559 * 2**20   # an "80 GB" H100 as NVML reports it
         x = r.extra
         assert x["mfu_low"] < r.mfu < x["mfu_high"] and 0 < x["ettr"] <= 1
         assert x["checkpoint_interval_steps"] >= 1
@@ -208,12 +209,17 @@ def test_expert_layouts_fit_without_full_recompute_where_unused():
     from myria.sim.perf import simulate
 
     runs = _experts()
-    for name, rec in (("llama3-405b", "elementwise"), ("megascale-175b", "selective"),
+    for name, rec in (("llama3-405b", "none"), ("megascale-175b", "selective"),
                       ("megatron-lm-gpt3-175b", "full")):
         r = runs[name]
         run = dataclasses.replace(r, training=dataclasses.replace(r.training, recompute=rec))
         res = simulate(run)
-        assert res.fits and res.memory.total <= 0.9 * res.memory.capacity, (name, res.memory)
+        assert res.fits and res.memory.total <= res.memory.capacity, (name, res.memory)
+    # Llama 3 "without activation checkpointing": 16 microbatches on 16 ranks run every
+    # forward first, so the second rank holds all 16 of its 8 layers' activations (Megatron's
+    # warm-up of 2(p-2) + (v-1)p + 1 chunks exceeds them), near the device's 85.5 GB
+    res = simulate(runs["llama3-405b"])
+    assert res.memory.stage == "mid" and 0.9 < res.memory.total / res.memory.capacity < 1
     # Llama 3's FSDP without resharding keeps the stage's bf16 weights whole, shards the rest
     res = simulate(runs["llama3-405b"].replace(training={"recompute": "elementwise"}))
     n = res.memory.params_per_device
@@ -253,11 +259,12 @@ def test_megascale_layout_ranks_in_the_tie_band():
 
 
 @pytest.mark.slow
-def test_llama3_layout_is_generated_interleaved_uneven_and_fits():
-    # 126 layers on 16 ranks interleaved (uneven chunks), without full recomputation. Its rank
-    # (outside the tie band: bubble and exposed DP traffic at 16 microbatches) is in
-    # bench/RESULTS.md, not asserted
-    res, same = _plan_expert("llama3-405b", SearchSpace(tp=[8], cp=[1], pp=[16]))
-    inter = [x for x in same if x.layout["vpp"] > 1 and x.layout["recompute"] != "full"]
+def test_llama3_layout_is_generated_interleaved_uneven_fits_and_ranks_in_the_tie_band():
+    # 126 layers on 16 ranks interleaved (uneven chunks), with no recomputation, as published
+    res, same = _plan_expert("llama3-405b")
+    _assert_in_tie_band(res, same)
+    inter = [x for x in same if x.layout["vpp"] > 1 and x.layout["recompute"] == "none"]
     assert inter and all(sum(x.layout["stage_layers"]) == 126 for x in inter[:5])
     assert any(len(set(x.layout["stage_layers"])) > 1 for x in inter)
+    assert any(x.extra["tied"] and x.layout["zero_stage"] == 3
+               and not x.layout["reshard_after_forward"] for x in inter)

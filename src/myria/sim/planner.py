@@ -15,15 +15,16 @@ simpler layout (fewer parallel dimensions, lower ZeRO stage, less recomputation)
 Each ranked layout also gets the expected effective training time ratio and the checkpoint
 interval that maximises it (`reliability.expected_ettr`).
 
-Memory reserve: a layout fits when its predicted peak stays below capacity minus
-`reserve_gb` (default 10% of device memory: 8 GB on an 80 GB GPU). The memory model counts
-1.5 GB for CUDA context and library workspaces and 5% fragmentation; what it does not see is
-what practice keeps free for: NVIDIA's Megatron-Bridge memory-tuning guide says its own
-theoretical estimator "does not include allocator fragmentation, CUDA/NCCL workspace, CUDA
-graph buffers, token imbalance, or dispatcher workspace" and asks to validate with runtime
-metrics; Huawei's MindSpeed guide shows a 2.7 GB reserved-vs-allocated gap on a 61 GB device
-and caps PyTorch at 94% of device memory to leave the collective library its share. 10% covers
-both (docs/performance_model.md).
+Memory: a layout fits when its predicted peak stays below the device's memory (as the driver
+reports it, `hardware.NVML_MEMORY_MIB`) less `reserve_gb` (default 0). The reserve that
+practice keeps is already inside the prediction: the memory model counts the caching
+allocator's fragmentation as a measured share (4.6%, MindSpeed's reserved-vs-allocated gap)
+and 1.5 GB for the CUDA context, library workspaces and NCCL buffers, which are what
+NVIDIA's Megatron-Bridge memory-tuning guide lists as missing from its own estimator
+("allocator fragmentation, CUDA/NCCL workspace, ..."). A second share on top (10% until
+issue 24) counted them twice and refused the layout Llama 3 405B trained with (82 of 85.5 GB
+predicted). `--reserve-gb` keeps headroom for what a run adds (CUDA graphs, MoE token
+imbalance); the ranking breaks ties towards less memory.
 """
 
 from __future__ import annotations
