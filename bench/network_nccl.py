@@ -51,7 +51,8 @@ def main() -> int:
             continue
         out = json.loads(proc.stdout)
         row = {"case": name, "command": "myria simulate-network " + " ".join(argv),
-               "algorithm": out["algorithm"], "busbw_gbs": out["busbw_gbs"],
+               "algorithm": out["algorithm"], "protocol": out.get("protocol", "simple"),
+               "busbw_gbs": out["busbw_gbs"],
                "ideal_busbw_gbs": out["ideal_busbw_gbs"],
                "of_ideal": out["busbw_gbs"] / out["ideal_busbw_gbs"],
                "fabric_efficiency": out["fabric_efficiency"], "flows": out["flows"],
