@@ -99,8 +99,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--top", type=_at_least(1), default=10,
                         help="layouts to show (default 10)")
     parser.add_argument("--reserve-gb", type=_at_least(0.0, float), default=None,
-                        help="device memory kept free beyond the model's estimate (default: "
-                        "10%% of device memory; see docs/performance_model.md)")
+                        help="device memory kept free beyond the model's estimate, which "
+                        "already counts the allocator's fragmentation and the runtime's "
+                        "workspaces (default 0; see myria.sim.planner)")
     reliability.add_arguments(parser, _at_least(1e-3, float), _at_least(0.0, float))
     parser.add_argument("--json", action="store_true", help="print the ranked layouts as JSON")
     g = parser.add_argument_group("pipeline schedule drawing")
