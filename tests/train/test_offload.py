@@ -478,14 +478,14 @@ gpus = {gpus}
 def test_planner_proposes_offload_when_nothing_else_fits():
     from myria.sim.planner import plan
 
-    alone = plan(_llama13b(1), top=5)     # 13B parameters x 16 bytes: no layout fits one GPU
+    alone = plan(_llama13b(1), top=10)    # 13B parameters x 16 bytes: no layout fits one GPU
     assert alone.offloaded and alone.ranked
     for r in alone.ranked:
         lay = r.layout
         assert (lay["offload"], lay["offload_params"]) == ("nvme", True), lay
-        assert r.memory.total < 80e9 and r.memory.weights < 0.2 * r.memory.gradients
+        assert r.memory.total < r.memory.capacity and r.memory.weights < 0.2 * r.memory.gradients
         assert r.memory.host_bytes_per_node > 13e9 * 12 and r.breakdown["offload"] >= 0
-    # priced: exposed where compute cannot hide the disk (micro-batch 8 hides it entirely)
+    # priced: exposed where compute cannot hide the disk (micro-batch 8 or more hides it)
     assert any(r.breakdown["offload"] > 0 for r in alone.ranked)
     eight = plan(_llama13b(8), top=5)    # fits on eight GPUs: no offload proposed
     assert not eight.offloaded and all(r.layout["offload"] == "none" for r in eight.ranked)
