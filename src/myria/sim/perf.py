@@ -797,7 +797,9 @@ def config_run(cfg, nproc: int, device_spec: DeviceSpec, gpus_per_node: int = 0
     cluster = ClusterSpec(gpu=device_spec.name, gpus=nproc, gpus_per_node=gpn,
                           peak_tflops=device_spec.peak_tflops(dtype),
                           memory_bw_gbs=device_spec.memory_bw_gbs,
-                          memory_gb=cfg.parallel.fast_memory_gb or device_spec.memory_gb)
+                          # a datasheet device: its memory as the driver reports it (hardware.py)
+                          memory_gb=cfg.parallel.fast_memory_gb or (
+                              0.0 if device_spec.source == "datasheet" else device_spec.memory_gb))
     run = RunSpec(name="myria-config", model=model, training=training, parallel=par,
                   overlap=OverlapSpec(),
                   kernels=KernelSpec(flash_attention=True, fused_ops=False, eager=is_cpu),
