@@ -61,8 +61,8 @@ from myria import config as config_mod
 from myria import rundir
 from myria.errors import ConfigError, LaunchError, MyriaError
 from myria.fsutil import atomic_write
+from myria.observe import heartbeat_store as heartbeat
 from myria.resilience.watch import Detection, Watchdog
-from myria.train import heartbeat
 
 ACCEPTS_OVERRIDES = True
 EXIT_BAD_HOST = 3
