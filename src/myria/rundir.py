@@ -7,6 +7,7 @@ Every path under RUN_DIR that more than one part of myria reads or writes is nam
     metrics.jsonl            one row per logged step (rank 0); metrics.abandoned.jsonl holds
                              rows of steps redone after a rollback
     checkpoints/             two-stage checkpoints (myria.train.checkpoint)
+    checkpoint_stats/rankNNNNN.json  bytes each rank read to resume, each save's stall
     events/rankNNNNN.jsonl   each rank's timed events (myria.observe.events)
     hang/rankNNNNN.json      what each rank was doing when a hang dump was requested
     report/                  `myria report` output: index.html, trace.json, blame.json, PNGs,
@@ -39,6 +40,7 @@ CONFIG_CHANGES = "config_changes.jsonl"
 METRICS = "metrics.jsonl"
 METRICS_ABANDONED = "metrics.abandoned.jsonl"
 CHECKPOINTS = "checkpoints"
+CHECKPOINT_STATS = "checkpoint_stats"
 EVENTS_DIR = "events"
 HANG_DIR = "hang"
 REPORT_DIR = "report"
@@ -48,6 +50,14 @@ OFFLOAD_STATS = "offload_stats"
 LOCK = "run.lock"
 WORKERS_LOCK = "workers.lock"
 LOCK_ENV = "MYRIA_RUN_LOCK"   # set by the lock's owner: its workers run under its lock
+
+
+def checkpoints_dir(run_dir: str | Path) -> Path:
+    return Path(run_dir) / CHECKPOINTS
+
+
+def checkpoint_stats_file(run_dir: str | Path, rank: int) -> Path:
+    return Path(run_dir) / CHECKPOINT_STATS / f"rank{rank:05d}.json"
 
 
 def events_file(run_dir: str | Path, rank: int) -> Path:
