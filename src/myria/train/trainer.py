@@ -1,12 +1,17 @@
-"""The training loop: build, parallelise, initialise or resume, then step, log and checkpoint.
+"""The training loop: `Run.build` sets a rank's run up, `train_step` is one optimizer step, and
+`_train` is the loop around them (step, log, stop check, checkpoint).
 
-One process is one rank. The loop reads top to bottom: each step takes the global batch's slice
-for this data-parallel rank, runs forward/backward over its microbatches (gradient sync only on
-the last), clips, steps the optimizer and the schedule, logs, and checkpoints on the interval.
+One process is one rank. `Run.build` opens the data, builds and parallelises the model for the
+layout, starts the event timer, resumes from the newest checkpoint that verifies, and makes the
+loader, meters and the step guard. `train_step` reads in one sitting: this data-parallel rank's
+batch, forward/backward over its microbatches (gradient sync only on the last), clip, the
+optimizer and the schedule. The loop then logs, asks the checkpoint manager whether to save
+(`CheckpointManager.should_save`: the interval, the last step, a stop) and stops when asked.
 
-Robustness hooks (docs/robustness.md): a heartbeat thread reports the step and phase to the
-supervisor; checkpoints are two-stage (`ckpt.save` snapshots to host memory and returns,
-`ckpt.before_update` waits for an overlapped snapshot before the weights change); the
+Robustness hooks (docs/robustness.md): `hb.phase(...)` tells the supervisor's heartbeat and the
+event timer which phase the rank is in (one call for both); the StepGuard's calls (`guard.*`)
+are the integrity seams; checkpoints are two-stage (`ckpt.save` snapshots to host memory and
+returns, `ckpt.before_update` waits for an overlapped snapshot before the weights change); the
 collective timeout drops from `init_timeout_s` to `timeout_s` once the first step is done; a
 SIGTERM makes every rank save the current step and exit.
 """
