@@ -154,31 +154,32 @@ def train_step(run: Run, step: int) -> StepDone:
     seams; `hb.phase` marks each phase for the supervisor and the event timer at once."""
     engine, guard, hb, rec, t = run.engine, run.guard, run.hb, run.rec, run.cfg.training
     rec.step = step + 1
-    with rec.span("step", "step"):
-        run.faults.at_step_start(step)
-        train_this = guard.before(step)
-        with hb.phase("data"):
-            batch = next(run.loader)
-        apply = False
-        loss = grad_norm = float("nan")
-        if train_this:  # else: a batch skipped after a numerical-fault rollback
-            hb.phase("forward-backward")
-            loss_sum = engine.forward_backward(batch.inputs, batch.targets)
-            guard.after_backward(step)
-            with hb.phase("grad-clip"):
-                grad_norm = engine.clip_grads(t.grad_clip)
-            with rec.span("loss_mean", "compute"):
-                loss = engine.mean_over_dp(loss_sum)
-            apply = guard.judge(step + 1, loss_sum, loss, grad_norm, batch)
-        with hb.phase("snapshot-wait"):
-            run.ckpt.before_update()  # an overlapped snapshot must be copied before weights change
-        with hb.phase("optimizer"):
-            lr = engine.lr  # this step's (the schedule then moves on to the next step's)
-            engine.step() if apply else engine.skip_step()
-        if t.gc_interval and (step + 1) % t.gc_interval == 0:
-            with rec.span("gc", "check"):
-                gc.collect()  # every rank at the same step (automatic collection is off)
-        guard.check_replicas(step + 1)
+    step_ev = rec.begin("step", "step")  # left open if the step raises (the exception dump)
+    run.faults.at_step_start(step)
+    train_this = guard.before(step)
+    with hb.phase("data"):
+        batch = next(run.loader)
+    apply = False
+    loss = grad_norm = float("nan")
+    if train_this:  # else: a batch skipped after a numerical-fault rollback
+        hb.phase("forward-backward")
+        loss_sum = engine.forward_backward(batch.inputs, batch.targets)
+        guard.after_backward(step)
+        with hb.phase("grad-clip"):
+            grad_norm = engine.clip_grads(t.grad_clip)
+        with rec.span("loss_mean", "compute"):
+            loss = engine.mean_over_dp(loss_sum)
+        apply = guard.judge(step + 1, loss_sum, loss, grad_norm, batch)
+    with hb.phase("snapshot-wait"):
+        run.ckpt.before_update()  # an overlapped snapshot must be copied before weights change
+    with hb.phase("optimizer"):
+        lr = engine.lr  # this step's (the schedule then moves on to the next step's)
+        engine.step() if apply else engine.skip_step()
+    if t.gc_interval and (step + 1) % t.gc_interval == 0:
+        with rec.span("gc", "check"):
+            gc.collect()  # every rank at the same step (automatic collection is off)
+    guard.check_replicas(step + 1)
+    rec.end(step_ev)
     return StepDone(loss, grad_norm, lr, apply)
 
 
