@@ -207,7 +207,7 @@ class Run:
     timer: StepTimer
     flops_per_token: float
     peak: float | None
-    since_logged: float = 0.0  # step time since the last logged row (the supervisor's)
+    since_logged: float = 0.0  # step time since the last logged row (productive time)
     val: Any = None            # the validation split, opened at the first evaluation
 
     @classmethod
