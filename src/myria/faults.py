@@ -44,6 +44,7 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from myria import rundir
 from myria.errors import ConfigError
 
 KINDS = ("kill", "hang", "stop", "raise", "corrupt-checkpoint", "diskfull", "slow", "bitflip",
@@ -127,7 +128,7 @@ class FaultInjector:
 
     def __init__(self, run_dir: str | Path, rank: int, text: str | None = None):
         self.faults = parse(os.environ.get("MYRIA_FAULT") if text is None else text)
-        self.dir = Path(run_dir) / "faults"
+        self.dir = Path(run_dir) / rundir.FAULTS
         self.rank = rank
 
     def due(self, kind: str, step: int) -> Fault | None:

@@ -7,6 +7,9 @@ Every path under RUN_DIR that more than one part of myria reads or writes is nam
     metrics.jsonl            one row per logged step (rank 0); metrics.abandoned.jsonl holds
                              rows of steps redone after a rollback
     checkpoints/             two-stage checkpoints (myria.train.checkpoint)
+    checkpoint_stats/rankNNNNN.json  bytes each rank read to resume, each save's stall
+    stats/data_rankNNNNN.json  samples each rank read from the token files
+    tensorboard/             TensorBoard's copy of the metrics (logging.tensorboard)
     events/rankNNNNN.jsonl   each rank's timed events (myria.observe.events)
     hang/rankNNNNN.json      what each rank was doing when a hang dump was requested
     report/                  `myria report` output: index.html, trace.json, blame.json, PNGs,
@@ -16,7 +19,9 @@ Every path under RUN_DIR that more than one part of myria reads or writes is nam
                              unless parallel.offload_dir puts them elsewhere)
     offload_stats/rankNNNNN.json  the nvme tier's I/O per rank: bytes, times, exposed waits,
                              peak resident memory
-    supervisor.log, supervisor_summary.json, logs/, faults/
+    supervisor.log, supervisor_summary.json, logs/ (workers' output), diagnostics/ (the
+    doctor's reports at a fault), blocklist.txt (hosts the supervisor excluded)
+    faults/                  markers of injected faults that fired (myria.faults: once a run)
     run.lock                 the job that owns the directory (advisory flock, exclusive; JSON:
                              host, pid, command, job, time), held by `myria train` or
                              `myria supervise` (for its workers too) while it runs
@@ -39,6 +44,15 @@ CONFIG_CHANGES = "config_changes.jsonl"
 METRICS = "metrics.jsonl"
 METRICS_ABANDONED = "metrics.abandoned.jsonl"
 CHECKPOINTS = "checkpoints"
+CHECKPOINT_STATS = "checkpoint_stats"
+DATA_STATS = "stats"
+TENSORBOARD = "tensorboard"
+FAULTS = "faults"
+SUPERVISOR_LOG = "supervisor.log"
+SUPERVISOR_SUMMARY = "supervisor_summary.json"
+LOGS_DIR = "logs"
+DIAGNOSTICS_DIR = "diagnostics"
+BLOCKLIST = "blocklist.txt"
 EVENTS_DIR = "events"
 HANG_DIR = "hang"
 REPORT_DIR = "report"
@@ -48,6 +62,18 @@ OFFLOAD_STATS = "offload_stats"
 LOCK = "run.lock"
 WORKERS_LOCK = "workers.lock"
 LOCK_ENV = "MYRIA_RUN_LOCK"   # set by the lock's owner: its workers run under its lock
+
+
+def checkpoints_dir(run_dir: str | Path) -> Path:
+    return Path(run_dir) / CHECKPOINTS
+
+
+def checkpoint_stats_file(run_dir: str | Path, rank: int) -> Path:
+    return Path(run_dir) / CHECKPOINT_STATS / f"rank{rank:05d}.json"
+
+
+def data_stats_file(run_dir: str | Path, rank: int) -> Path:
+    return Path(run_dir) / DATA_STATS / f"data_rank{rank:05d}.json"
 
 
 def events_file(run_dir: str | Path, rank: int) -> Path:

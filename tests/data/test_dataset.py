@@ -19,6 +19,7 @@ from myria.data.dataset import (
 )
 from myria.data.loader import BatchLoader
 from myria.errors import ConfigError, DataError
+from myria.layout import Layout
 
 SEQ = 16
 
@@ -154,8 +155,8 @@ def test_loader_shapes_and_ranks(data_dir: Path) -> None:
             assert x.inputs.shape == (2, 2, SEQ) and ld.samples_read == 4
             halves.append(x.inputs.reshape(4, SEQ))
     assert torch.equal(torch.cat(halves), b.inputs.reshape(8, SEQ))
-    with pytest.raises(ConfigError, match="divisible"):
-        BatchLoader(ds, 8, 3, 0, 1, seed=0)
+    with pytest.raises(ConfigError, match="divisible"):   # the one microbatch rule
+        Layout().microbatches(8, 3)
 
 
 def test_prefetch_matches_sync_and_resume(data_dir: Path) -> None:

@@ -11,6 +11,8 @@ import torch
 import torch.distributed as dist
 
 from myria import faults
+from myria.observe import comm, events
+from myria.observe import heartbeat_store as store
 from myria.resilience.supervisor import parse_expect, serve_tcp_store
 from myria.train import heartbeat
 
@@ -27,17 +29,17 @@ def wait_for(pred, timeout=10.0):
 
 def test_heartbeats_arrive_with_progress(monkeypatch):
     server, port = serve_tcp_store()
-    reader = heartbeat.TCPHeartbeatStore(server)
-    monkeypatch.setenv(heartbeat.ENV_STORE, f"tcp://127.0.0.1:{port}")
-    monkeypatch.setenv(heartbeat.ENV_PERIOD, "0.05")
-    monkeypatch.setenv(heartbeat.ENV_JOB, "t1")
+    reader = store.TCPHeartbeatStore(server)
+    monkeypatch.setenv(store.ENV_STORE, f"tcp://127.0.0.1:{port}")
+    monkeypatch.setenv(store.ENV_PERIOD, "0.05")
+    monkeypatch.setenv(store.ENV_JOB, "t1")
     monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "2")
     hb = heartbeat.start(rank=3)
     try:
         hb.resumed(10)
         hb.phase("forward-backward")
         hb.step_done(11, 1234.0)
-        k = heartbeat.key("t1", 3)
+        k = store.key("t1", 3)
 
         def newest():
             v = reader.get_many([k])[0]
@@ -52,29 +54,46 @@ def test_heartbeats_arrive_with_progress(monkeypatch):
         wait_for(lambda: json.loads(reader.get_many([k])[0])["seq"] > seq + 2)
     finally:
         hb.close("done")
-        heartbeat.uninstall_comm_meter()
+    assert not comm.installed()  # the last subscriber left: torch's own functions are back
     assert json.loads(reader.get_many([k])[0])["phase"] == "done"
-    assert reader.get_many([heartbeat.key("t1", 4)]) == [None]
+    assert reader.get_many([store.key("t1", 4)]) == [None]
 
 
-def test_comm_meter_counts_bytes_and_names_the_collective():
-    store = dist.HashStore()
-    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+def test_one_interception_feeds_heartbeat_and_timeline_with_one_byte_rule(tmp_path):
+    """Each collective is published once by myria.observe.comm: the heartbeat's counters and
+    the event timer both subscribe and agree on its bytes."""
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    torch_own = dist.all_reduce, dist.distributed_c10d.Work.wait
     try:
         hb = heartbeat.Heartbeat(0)
-        heartbeat.install_comm_meter(hb.progress)
+        comm.subscribe(hb.progress)
+        rec = events.install(tmp_path, 0, 1)
+        rec.start({})
         dist.all_reduce(torch.ones(1000))
         out = torch.empty(10)
         dist.all_gather_into_tensor(out, torch.ones(10))
+        dist.all_reduce(torch.ones(5), async_op=True).wait()
         p = hb.progress
-        assert p.collectives == 2 and p.collective == "all_gather_into_tensor"
-        assert p.comm_bytes == 4000 + 40 and not p.in_collective
+        assert p.collectives == 3 and p.collective == "all_reduce"
+        assert p.comm_bytes == 4000 + 40 + 20 and not p.in_collective
         hb.step_done(1, 0.0)
-        assert p.step_bytes == 4040
+        assert p.step_bytes == 4060
+        with hb.phase("optimizer"):   # one call: the heartbeat's phase and the timer's span
+            assert p.phase == "optimizer"
+        rec.close()
+        rows = [json.loads(x) for x in rec.path.read_text().splitlines()[1:]]
+        comms = [r for r in rows if r["c"] == "comm"]
+        assert [(r["n"], r["a"]["bytes"]) for r in comms] == [
+            ("all_reduce", 4000), ("all_gather_into_tensor", 40), ("all_reduce", 20)]
+        assert all(r["t1"] >= r["t0"] for r in comms) and comms[2]["a"].get("async")
+        assert [r["a"]["of"] for r in rows if r["c"] == "wait"] == ["all_reduce"]
+        assert [r["n"] for r in rows if r["c"] == "compute"] == ["optimizer"]
     finally:
-        heartbeat.uninstall_comm_meter()
+        comm.unsubscribe(hb.progress)
+        events.uninstall()
         dist.destroy_process_group()
-    assert not getattr(dist.all_reduce, "__myria_meter__", False)
+    assert not comm.installed()
+    assert (dist.all_reduce, dist.distributed_c10d.Work.wait) == torch_own
 
 
 def test_fault_specs_parse_and_fire_once(tmp_path):

@@ -12,6 +12,7 @@ import time
 
 import pytest
 
+from myria.observe import heartbeat_store as store
 from myria.train import heartbeat
 from myria.train.launch import free_port
 from tests.conftest import TINY, run_cli
@@ -47,12 +48,12 @@ def redis_url(tmp_path_factory):
 
 
 def test_heartbeats_through_redis(redis_url, monkeypatch):
-    monkeypatch.setenv(heartbeat.ENV_STORE, redis_url)
-    monkeypatch.setenv(heartbeat.ENV_PERIOD, "0.05")
-    monkeypatch.setenv(heartbeat.ENV_JOB, "redis-unit")
+    monkeypatch.setenv(store.ENV_STORE, redis_url)
+    monkeypatch.setenv(store.ENV_PERIOD, "0.05")
+    monkeypatch.setenv(store.ENV_JOB, "redis-unit")
     hb = heartbeat.start(rank=1)
-    reader = heartbeat.open_store(redis_url)
-    k = heartbeat.key("redis-unit", 1)
+    reader = store.open_store(redis_url)
+    k = store.key("redis-unit", 1)
     try:
         hb.step_done(7, 10.0)
         for _ in range(200):
@@ -64,10 +65,9 @@ def test_heartbeats_through_redis(redis_url, monkeypatch):
         assert rec["rank"] == 1 and rec["step"] == 7
         assert reader.client.ttl(k) > 0  # stale heartbeats expire
         reader.delete([k])
-        assert reader.get_many([k, heartbeat.key("redis-unit", 2)]) == [None, None]
+        assert reader.get_many([k, store.key("redis-unit", 2)]) == [None, None]
     finally:
         hb.close()
-        heartbeat.uninstall_comm_meter()
         reader.close()
 
 

@@ -2,7 +2,9 @@
 
 `BatchLoader` yields, for optimizer steps start_step, start_step+1, ..., this data-parallel
 rank's share of the global batch (see `myria.data.dataset` for the order rule) shaped as
-[accum, micro_batch, seq_len] inputs and targets, accum = global_batch // (dp_size*micro_batch).
+[microbatches, micro_batch, seq_len] inputs and targets. The microbatch count is the layout's
+(`myria.layout.Layout.microbatches`, which also checks that the global batch divides): the
+loader only cuts its share of the global batch into microbatches of `micro_batch`.
 Batches depend only on (seed, step, global_batch, dataset), so `state_dict()` (the next step)
 is all a checkpoint needs, and prefetching never changes what is produced.
 """
@@ -29,9 +31,9 @@ class Batch:
     """One optimizer step's data for this rank."""
 
     step: int
-    inputs: torch.Tensor   # int64 [accum, micro_batch, seq_len]
-    targets: torch.Tensor  # int64 [accum, micro_batch, seq_len], inputs shifted by one
-    indices: np.ndarray    # sample indices, [accum * micro_batch]
+    inputs: torch.Tensor   # int64 [microbatches, micro_batch, seq_len]
+    targets: torch.Tensor  # int64 [microbatches, micro_batch, seq_len], inputs shifted by one
+    indices: np.ndarray    # sample indices, [microbatches * micro_batch]
 
     @property
     def tokens(self) -> int:
@@ -59,10 +61,6 @@ class BatchLoader:
                               "must be >= 1")
         if dp_size < 1 or not 0 <= dp_rank < dp_size:
             raise ConfigError(f"dp_rank = {dp_rank} must be in [0, dp_size = {dp_size})")
-        if global_batch % (dp_size * micro_batch):
-            raise ConfigError(f"training.global_batch = {global_batch} must be divisible by "
-                              f"data-parallel ranks ({dp_size}) x micro_batch ({micro_batch}) "
-                              f"= {dp_size * micro_batch}")
         if prefetch < 0:
             raise ConfigError(f"prefetch = {prefetch}: must be >= 0")
         if start_step < 0:
@@ -70,7 +68,6 @@ class BatchLoader:
         self.dataset = dataset
         self.global_batch, self.micro_batch = int(global_batch), int(micro_batch)
         self.dp_rank, self.dp_size = int(dp_rank), int(dp_size)
-        self.accum = self.global_batch // (self.dp_size * self.micro_batch)
         self.seed = int(seed)
         self.prefetch = int(prefetch)
         self.device = torch.device(device)
@@ -86,7 +83,7 @@ class BatchLoader:
     # -- building batches ---------------------------------------------------------------
 
     def indices(self, step: int) -> np.ndarray:
-        """This rank's sample indices for `step` (accum * micro_batch of them): its contiguous
+        """This rank's sample indices for `step` (global_batch / dp_size of them): its contiguous
         slice of the step's global batch (a TokenDataset's or a MixtureDataset's order)."""
         per = self.global_batch // self.dp_size
         g = self.dataset.batch_indices(step, self.global_batch, self.seed)
@@ -97,7 +94,7 @@ class BatchLoader:
         idx = self.indices(step)
         arr = torch.from_numpy(self.dataset.get_many(idx))
         self.samples_read += len(idx)
-        shape = (self.accum, self.micro_batch, self.dataset.seq_len)
+        shape = (-1, self.micro_batch, self.dataset.seq_len)   # Layout.microbatches of them
         inputs = arr[:, :-1].reshape(shape).contiguous()
         targets = arr[:, 1:].reshape(shape).contiguous()
         if self._pin:

@@ -17,7 +17,8 @@ lazily by the writer thread; this CPU build records host time, which is device t
 
 Categories: `compute` (forward, backward, backward_weight per microbatch and pipeline stage,
 optimizer, grad_clip), `comm` (every collective issued through `torch.distributed`'s module
-functions, with its mesh dimension, group, bytes and per-group sequence number), `p2p` (sends and
+functions, with its mesh dimension, group, bytes (`myria.observe.comm`'s one rule) and per-group
+sequence number; the timer subscribes to `comm`, the one interception), `p2p` (sends and
 receives, batched by `batch_isend_irecv` or one by one by `isend`/`irecv`: pipeline transfers and
 ring attention, with peers and per-pair sequence numbers),
 `data` (waiting for the next batch), `ckpt` (snapshot and persist of a checkpoint), `step`;
@@ -37,7 +38,6 @@ same thread; `myria.observe.analyze` computes it, and stragglers are scored on i
 from __future__ import annotations
 
 import contextlib
-import functools
 import json
 import os
 import signal
@@ -49,20 +49,11 @@ from typing import Any
 
 from myria import rundir
 from myria.fsutil import atomic_write
+from myria.observe import comm
 
 _NS = 1000  # ns per µs
 
-# torch.distributed functions wrapped, with the positional index of `group` and `async_op`
-_WRAPPED = {
-    "all_reduce": (2, 3), "all_gather_into_tensor": (2, 3), "reduce_scatter_tensor": (3, 4),
-    "all_gather": (2, 3), "reduce_scatter": (3, 4), "broadcast": (2, 3),
-    "all_to_all_single": (4, 5), "all_to_all": (2, 3), "barrier": (0, 1), "reduce": (3, 4),
-    "all_gather_single": (2, 3), "reduce_scatter_single": (3, 4),   # FSDP2 in torch 2.13
-    "send": (2, None), "recv": (2, None),
-}
-
-
-class Recorder:
+class Recorder(comm.Subscriber):
     """One rank's event timer. Thread-safe; cheap enough to stay on (bench/timeline_overhead)."""
 
     def __init__(self, run_dir: str | Path | None, rank: int, world: int, enabled: bool = True,
@@ -76,10 +67,8 @@ class Recorder:
         self._open: dict[int, list[dict]] = {}       # thread id -> stack of open spans
         self._last: dict | None = None
         self._seq: dict[tuple, int] = {}
-        self._works: dict[int, dict] = {}             # id(Work) -> its issuing event
         self._pair_seq: dict[tuple, int] = {}
         self._dims: dict[tuple, str] = {}
-        self._groups: dict[int, tuple] = {}
         self._threads: dict[int, int] = {}
         self.slow: tuple[float, int] | None = None   # (factor, from step): MYRIA_FAULT slow
         self._mono0 = time.perf_counter_ns()
@@ -105,7 +94,11 @@ class Recorder:
     # -- clock -----------------------------------------------------------------------------
     def now_us(self) -> int:
         """Microseconds on the clock shared by all ranks (wall-aligned monotonic - offset)."""
-        return (self._wall0 + time.perf_counter_ns() - self._mono0) // _NS - self.offset_us
+        return self._us(time.perf_counter_ns())
+
+    def _us(self, ns: int) -> int:
+        """A `time.perf_counter_ns()` reading on the shared clock, in µs."""
+        return (self._wall0 + ns - self._mono0) // _NS - self.offset_us
 
     # -- lifecycle -------------------------------------------------------------------------
     def start(self, header: dict[str, Any]) -> None:
@@ -219,174 +212,60 @@ class Recorder:
         return {"rank": self.rank, "host": socket.gethostname(), "pid": os.getpid(),
                 "time_us": now, "step": self.step, "open": opened, "last": self._last}
 
-    # -- torch.distributed wrapper -----------------------------------------------------------
+    # -- torch.distributed's operations (myria.observe.comm) --------------------------------
     def set_mesh_groups(self, groups: dict[str, list[int]]) -> None:
         """Name communication groups by mesh dimension (ranks tuple -> dim)."""
         for dim, ranks in groups.items():
             self._dims.setdefault(tuple(ranks), dim)
 
-    def _group_key(self, dist, group) -> tuple:
-        key = self._groups.get(id(group))
-        if key is None:
-            try:
-                key = tuple(dist.get_process_group_ranks(group or dist.group.WORLD))
-            except Exception:
-                key = ()
-            self._groups[id(group)] = key
-        return key
+    def subscribe(self) -> None:
+        """Record every operation that `myria.observe.comm` publishes (its one interception of
+        torch.distributed)."""
+        if self.enabled:
+            comm.subscribe(self)
 
-    def wrap_distributed(self) -> None:
-        """Record every collective issued through torch.distributed's module functions."""
-        if not self.enabled:
-            return
-        import torch.distributed as dist
-
-        if getattr(dist, "_myria_wrapped", False):
-            return
-        for name, (gi, ai) in _WRAPPED.items():
-            fn = getattr(dist, name, None)
-            if fn is not None:
-                setattr(dist, name, self._collective(dist, name, fn, gi, ai))
-        orig = dist.batch_isend_irecv
-        dist.batch_isend_irecv = self._batch_p2p(dist, orig)
-        # isend/irecv one by one (torch's pipelining sends a homogeneous batch this way, and
-        # ring attention): replaced in the package and in distributed_c10d, whose P2POp checks
-        # `op is isend` against its own globals
-        c10d = dist.distributed_c10d
-        singles = {name: getattr(c10d, name) for name in ("isend", "irecv")}
-        for name, fn in singles.items():
-            w = self._single_p2p(dist, name, fn)
-            setattr(dist, name, w)
-            setattr(c10d, name, w)
-        work_cls = dist.distributed_c10d.Work
-        orig_wait = work_cls.wait
-        work_cls.wait = self._timed_wait(orig_wait)
-        dist._myria_wrapped = (_WRAPPED, orig, orig_wait, singles)
-
-    def _timed_wait(self, orig):
-        """Work.wait, recorded: the exposed part of an asynchronous collective or p2p (FSDP's
-        prefetched all-gathers, pipeline receives) is the time its issuer blocks here."""
-        rec = self
-
-        def wait(work, *a, **kw):
-            issued = rec._works.pop(id(work), None)
-            if issued is None or not rec.enabled:
-                return orig(work, *a, **kw)
-            t0 = rec.now_us()
-            try:
-                return orig(work, *a, **kw)
-            finally:
-                t1 = rec.now_us()
-                args = issued.get("a", {})
-                w = {"n": "wait", "c": "wait", "s": rec.step, "t0": t0, "t1": t1,
-                     "th": rec._thread(), "a": {"of": issued["n"], "dim": args.get("dim"),
-                                                "seq": args.get("seq"),
-                                                "group": args.get("group")}}
-                if issued["c"] == "p2p":
-                    w["a"]["ops"] = args.get("ops")
-                    issued["_pending"] -= 1
-                    if issued["_pending"] <= 0:
-                        issued.pop("_pending", None)
-                        rec.end(issued, t1)
-                with rec._lock:
-                    rec._events.append(w)
-
-        wait.__wrapped__ = orig
-        return wait
-
-    def _collective(self, dist, name: str, fn, gi: int, ai: int | None):
-        rec = self
-
-        def wrapped(*args, **kwargs):
-            group = kwargs.get("group", args[gi] if len(args) > gi else None)
-            async_op = kwargs.get("async_op", args[ai] if ai is not None and len(args) > ai
-                                  else False)
-            key = rec._group_key(dist, group)
-            seq = rec._seq.get(key, 0)
-            rec._seq[key] = seq + 1
-            # the larger buffer: the gathered output, the scattered input, the reduced tensor
-            nbytes = max((_bytes(x) for x in (*args[:2], *kwargs.values())), default=0)
-            ev = rec.begin(name, "comm", dim=rec._dims.get(key, "world" if len(key) ==
-                                                           rec.world else "other"),
-                           group=list(key), seq=seq, bytes=nbytes)
-            try:
-                work = fn(*args, **kwargs)
-            except BaseException:
-                rec.end(ev)
-                raise
-            if not async_op or work is None:
-                rec.end(ev)
-                return work
-            if ev is not None:
+    # comm.Subscriber: an op's event spans issue to completion
+    def started(self, op: comm.Op) -> None:
+        if op.kind == "p2p":
+            ops = [dict(o, seq=self._pair(o["kind"], o["peer"])) for o in op.p2p]
+            ev = self.begin("p2p", "p2p", ops=ops)
+        else:
+            key = op.group
+            seq = self._seq.get(key, 0)
+            self._seq[key] = seq + 1
+            ev = self.begin(op.name, "comm", dim=self._dims.get(key, "world" if len(key) ==
+                                                                self.world else "other"),
+                            group=list(key), seq=seq, bytes=op.bytes)
+            if op.async_op:
                 ev["a"]["async"] = True
-                rec._works[id(work)] = ev
-                try:
-                    work.get_future().add_done_callback(lambda _f: rec.end(ev))
-                except Exception:
-                    rec.end(ev)
-            return work
+        if ev is not None:
+            ev["t0"] = self._us(op.t0)
+            op.notes[self] = ev
 
-        wrapped.__wrapped__ = fn
-        return wrapped
+    def ended(self, op: comm.Op) -> None:
+        self.end(op.notes.get(self), self._us(op.t1))
 
-    def _p2p_op(self, kind: str, peer: int, tensor) -> dict:
-        """One send or receive, numbered per (kind, source, destination): the k-th send of A
+    def waited(self, op: comm.Op, t0: int, t1: int) -> None:
+        issued = op.notes.get(self)
+        if issued is None:
+            return
+        args = issued.get("a", {})
+        w = {"n": "wait", "c": "wait", "s": self.step, "t0": self._us(t0), "t1": self._us(t1),
+             "th": self._thread(), "a": {"of": issued["n"], "dim": args.get("dim"),
+                                        "seq": args.get("seq"), "group": args.get("group")}}
+        if issued["c"] == "p2p":
+            w["a"]["ops"] = args.get("ops")
+        with self._lock:
+            self._events.append(w)
+
+    def _pair(self, kind: str, peer: int) -> int:
+        """Sends and receives are numbered per (kind, source, destination): the k-th send of A
         to B pairs with B's k-th receive from A."""
         src, dst = (self.rank, peer) if kind == "send" else (peer, self.rank)
         k = (kind, src, dst)
         seq = self._pair_seq.get(k, 0)
         self._pair_seq[k] = seq + 1
-        return {"kind": kind, "peer": peer, "seq": seq, "bytes": _bytes(tensor)}
-
-    def _p2p_issued(self, ops: list[dict], works: list) -> None:
-        ev = self.begin("p2p", "p2p", ops=ops)
-        if ev is None:
-            return
-        ev["_pending"] = len(works)
-        for w in works:  # closed when the last of them is waited for (Work.wait below)
-            self._works[id(w)] = ev
-
-    def _batch_p2p(self, dist, fn):
-        rec = self
-
-        def wrapped(p2p_op_list, *a, **kw):
-            if not rec.enabled:
-                return fn(p2p_op_list, *a, **kw)
-            ops = [rec._p2p_op("send" if getattr(op.op, "__name__", "") == "isend" else "recv",
-                               op.peer, op.tensor) for op in p2p_op_list]
-            _IN_BATCH.on = True   # its isend/irecv calls are this batch's, recorded here
-            try:
-                works = fn(p2p_op_list, *a, **kw)
-            finally:
-                _IN_BATCH.on = False
-            rec._p2p_issued(ops, [w for w in works if w is not None])
-            return works
-
-        wrapped.__wrapped__ = fn
-        return wrapped
-
-    def _single_p2p(self, dist, name: str, fn):
-        rec = self
-        kind = "send" if name == "isend" else "recv"
-        peer_kw = "dst" if kind == "send" else "src"
-
-        @functools.wraps(fn)
-        def wrapped(tensor, *a, **kw):
-            if not rec.enabled or getattr(_IN_BATCH, "on", False):
-                return fn(tensor, *a, **kw)
-            work = fn(tensor, *a, **kw)
-            try:
-                peer = kw.get(peer_kw, a[0] if a else None)
-                if peer is None:
-                    group = kw.get("group", a[1] if len(a) > 1 else None)
-                    peer = dist.get_global_rank(group, kw.get("group_" + peer_kw))
-                if work is not None:
-                    rec._p2p_issued([rec._p2p_op(kind, int(peer), tensor)], [work])
-            except Exception:  # never let the timer break a transfer
-                pass
-            return work
-
-        return wrapped
+        return seq
 
 
 def _spin(seconds: float) -> None:
@@ -398,21 +277,7 @@ def _spin(seconds: float) -> None:
         pass
 
 
-def _bytes(t) -> int:
-    if isinstance(t, (list, tuple)):
-        return sum(_bytes(x) for x in t)
-    numel = getattr(t, "numel", None)
-    if numel is None:
-        return 0
-    try:
-        return int(numel() * t.element_size())
-    except Exception:
-        return 0
-
-
 # -- the recorder of this process ---------------------------------------------------------------
-_IN_BATCH = threading.local()   # inside batch_isend_irecv: its single ops are recorded by it
-
 _CURRENT = Recorder(None, 0, 1, enabled=False)
 
 
@@ -423,32 +288,19 @@ def current() -> Recorder:
 
 def install(run_dir: str | Path, rank: int, world: int, enabled: bool = True,
             slow: tuple[float, int] | None = None, flush_s: float = 1.0) -> Recorder:
-    """Create this rank's recorder and wrap torch.distributed's collectives."""
+    """Create this rank's recorder, subscribed to torch.distributed's operations."""
     global _CURRENT
     _CURRENT = Recorder(run_dir, rank, world, enabled, flush_s)
     _CURRENT.slow = slow
-    _CURRENT.wrap_distributed()
+    _CURRENT.subscribe()
     return _CURRENT
 
 
 def uninstall() -> None:
-    """Close this process's recorder and restore torch.distributed's functions."""
+    """Close this process's recorder and stop its subscription."""
     global _CURRENT
     _CURRENT.close()
-    import torch.distributed as dist
-
-    wrapped = getattr(dist, "_myria_wrapped", None)
-    if wrapped:
-        for name in wrapped[0]:
-            fn = getattr(dist, name, None)
-            if fn is not None and hasattr(fn, "__wrapped__"):
-                setattr(dist, name, fn.__wrapped__)
-        dist.batch_isend_irecv = wrapped[1]
-        dist.distributed_c10d.Work.wait = wrapped[2]
-        for name, fn in wrapped[3].items():
-            setattr(dist, name, fn)
-            setattr(dist.distributed_c10d, name, fn)
-        dist._myria_wrapped = False
+    comm.unsubscribe(_CURRENT)
     _CURRENT = Recorder(None, 0, 1, enabled=False)
 
 

@@ -307,8 +307,8 @@ def run_world(run_dir: Path) -> int:
     """How many processes a run had, from the per-rank files it leaves besides its events (the
     data loader's statistics, the checkpoint manager's): 1 when there are none."""
     counts = [sum(1 for _ in (run_dir / d).glob(pattern)) for d, pattern in
-              ((rundir.EVENTS_DIR, "rank*.jsonl"), ("stats", "data_rank*.json"),
-               ("checkpoint_stats", "rank*.json"))]
+              ((rundir.EVENTS_DIR, "rank*.jsonl"), (rundir.DATA_STATS, "data_rank*.json"),
+               (rundir.CHECKPOINT_STATS, "rank*.json"))]
     return max(1, *counts)
 
 
@@ -348,7 +348,7 @@ def measured_step(table: dict, metrics: list[dict]) -> dict:
     src = "events"
     if not steps:
         steps = [m["step_time_s"] for m in metrics[3:] if m.get("step_time_s")]
-        src = "metrics.jsonl"
+        src = rundir.METRICS
     mfus = [m["mfu"] for m in metrics[3:] if m.get("mfu") is not None]
     return {"measured_step_s": statistics.median(steps) if steps else None,
             "measured_from": src, "measured_mfu": statistics.median(mfus) if mfus else None}

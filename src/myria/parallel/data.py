@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from myria import rundir
 from myria.data.dataset import TokenDataset
 from myria.data.loader import Batch, BatchLoader
 from myria.fsutil import atomic_write_json
@@ -89,8 +90,8 @@ def make_loader(engine, dataset: TokenDataset, cfg, start_step: int):
 
 def write_read_counts(run_dir: Path, rank: int, loader) -> None:
     """RUN_DIR/stats/data_rank{r}.json: samples this rank read from the token files."""
-    d = Path(run_dir) / "stats"
-    d.mkdir(parents=True, exist_ok=True)
-    atomic_write_json(d / f"data_rank{rank:05d}.json",
+    path = rundir.data_stats_file(run_dir, rank)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write_json(path,
                       {"rank": rank, "samples_read": int(loader.samples_read)},
                       indent=None, durable=False)

@@ -61,8 +61,8 @@ from myria import config as config_mod
 from myria import rundir
 from myria.errors import ConfigError, LaunchError, MyriaError
 from myria.fsutil import atomic_write
+from myria.observe import heartbeat_store as heartbeat
 from myria.resilience.watch import Detection, Watchdog
-from myria.train import heartbeat
 
 ACCEPTS_OVERRIDES = True
 EXIT_BAD_HOST = 3
@@ -288,7 +288,7 @@ class Supervisor:
         for h in list(log.handlers):
             log.removeHandler(h)
         for h in (logging.StreamHandler(sys.stderr),
-                  logging.FileHandler(self.run_dir / "supervisor.log")):
+                  logging.FileHandler(self.run_dir / rundir.SUPERVISOR_LOG)):
             h.setFormatter(fmt)
             log.addHandler(h)
 
@@ -338,7 +338,7 @@ class Supervisor:
             rdzv_handler=rdzv_registry.get_rendezvous_handler(params),
             max_restarts=self.r.max_restarts,
             monitor_interval=max(0.05, min(0.5, self.r.heartbeat_s / 4)))
-        logs = DefaultLogsSpecs(log_dir=str(self.run_dir / "logs"), tee=Std.ALL)
+        logs = DefaultLogsSpecs(log_dir=str(self.run_dir / rundir.LOGS_DIR), tee=Std.ALL)
         return _agent_class()(self, spec, logs, start_method="spawn", exit_barrier_timeout=60,
                               shutdown_timeout=int(self.r.sigterm_grace_s))
 
@@ -701,7 +701,7 @@ class Supervisor:
                  self.nproc, f" with test hook {FAULT_ENV}={spec}" if spec else "")
         report = run_diagnostics(self.nproc, self.expect or None, self.r.doctor_timeout_s,
                                  faults=spec)
-        out = report.write_json(self.run_dir / "diagnostics" /
+        out = report.write_json(self.run_dir / rundir.DIAGNOSTICS_DIR /
                                 f"{self.host}-attempt{self.attempt}.json")
         f.diagnostics.append(report.summary)
         f.action.append(f"diagnostics: {'pass' if report.passed else 'FAIL'}")
@@ -733,8 +733,8 @@ class Supervisor:
                  "recheck)")
         again = run_diagnostics(self.nproc, self.expect or None, self.r.doctor_timeout_s,
                                 faults="")
-        again.write_json(self.run_dir / "diagnostics" / f"{self.host}-attempt{self.attempt}"
-                         "-recheck.json")
+        again.write_json(self.run_dir / rundir.DIAGNOSTICS_DIR /
+                         f"{self.host}-attempt{self.attempt}-recheck.json")
         f.diagnostics.append(again.summary)
         f.action.append(f"diagnostics re-run: {'pass' if again.passed else 'FAIL'}")
         log.info("diagnostics re-run: %s", again.summary)
@@ -742,7 +742,7 @@ class Supervisor:
             raise _BadHost(f"{self.host} failed its diagnostics again")
 
     def _blocklist(self, f: Fault, reason: str) -> None:
-        path = self.run_dir / "blocklist.txt"
+        path = self.run_dir / rundir.BLOCKLIST
         hosts = set(path.read_text().split()) if path.exists() else set()
         hosts.add(self.host)
         atomic_write(path, "".join(h + "\n" for h in sorted(hosts)))
@@ -802,7 +802,7 @@ class Supervisor:
         }
 
     def _write_summary(self, s: dict[str, Any]) -> None:
-        path = self.run_dir / "supervisor_summary.json"
+        path = self.run_dir / rundir.SUPERVISOR_SUMMARY
         atomic_write(path, json.dumps(s, indent=1))
         log.info("summary: %s at step %s/%s after %d restart(s); wall %.1f s, training %.1f s, "
                  "effective training time ratio %s; %s", s["status"], s["final_step"],
@@ -825,7 +825,7 @@ def _signature(exitcode: int, cause: str) -> str:
 
 def _metrics_rows(run_dir: Path, since: float) -> dict[int, dict]:
     """The last logged row of each training step written since `since`."""
-    path = run_dir / "metrics.jsonl"
+    path = run_dir / rundir.METRICS
     out: dict[int, dict] = {}
     if not path.exists():
         return out
@@ -848,7 +848,7 @@ def _newest_committed(run_dir: Path) -> str:
 
 def _injected(run_dir: Path, since: float) -> tuple[str, float]:
     """The newest MYRIA_FAULT hook that fired since `since`, and when (its marker's mtime)."""
-    d = run_dir / "faults"
+    d = run_dir / rundir.FAULTS
     if not d.is_dir():
         return "", 0.0
     marks = [(p.stat().st_mtime, p.name) for p in d.iterdir()
@@ -864,7 +864,7 @@ def _doctor_fault_once(run_dir: Path, spec: str) -> str:
     if not spec:
         return ""
     tag = "doctor_" + "".join(c if c.isalnum() else "_" for c in spec)
-    marker = run_dir / "faults" / tag
+    marker = run_dir / rundir.FAULTS / tag
     if marker.exists():
         return ""
     marker.parent.mkdir(parents=True, exist_ok=True)

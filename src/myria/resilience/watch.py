@@ -1,7 +1,8 @@
 """Fault detection from heartbeats and worker stderr: dead, frozen, hung, silent or alarming ranks.
 
-The supervisor feeds a `Watchdog` the newest heartbeat of each local rank (see
-`myria.train.heartbeat`) and the new lines of each worker's stderr, once per monitor interval.
+The supervisor feeds a `Watchdog` the newest heartbeat of each local rank (the record of
+`myria.observe.heartbeat_store`) and the new lines of each worker's stderr, once per monitor
+interval.
 It returns `Detection`s, each with the evidence a person needs to believe it:
 
 - `missed-heartbeats`: no heartbeat for `missed_heartbeats` periods: the process is dead or frozen

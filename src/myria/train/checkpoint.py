@@ -288,9 +288,10 @@ class CheckpointManager:
 
     def __init__(self, directory: str | Path, keep: int = 3, faults=None, *,
                  async_save: bool = False, overlap: bool = False, timeout_s: float = 600.0,
-                 max_failures: int = 2):
+                 max_failures: int = 2, interval: int = 0):
         self.dir = Path(directory)
         self.keep = keep
+        self.interval = interval       # save every `interval` steps (0: only last and stop)
         self.max_failures = max_failures  # failed saves in a row that stop the run; 0: never
         self.failed_in_row = 0
         self.last_failure = ""         # the one-line reason of the newest failed save
@@ -498,6 +499,11 @@ class CheckpointManager:
             f.unlink()
 
     # -- saving ----------------------------------------------------------------------------
+    def should_save(self, step: int, last: bool = False, stopping: bool = False) -> bool:
+        """Whether to checkpoint after step `step`: the last step, a stop (preemption or
+        `stop_after`), or every `interval` steps."""
+        return last or stopping or bool(self.interval and step % self.interval == 0)
+
     def save(self, step: int, target, extra: dict[str, Any]) -> bool:
         """Checkpoint `target.state_dict()` as step `step` (collective).
 

@@ -10,12 +10,12 @@ committed checkpoint, as a preempted job would.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shlex
 from pathlib import Path
 
 from myria import config as config_mod
+from myria import rundir
 from myria.errors import DataError
 from myria.layout import Layout
 from myria.train.preflight import check_nproc, check_run, preflight
@@ -256,10 +256,10 @@ def _without_nproc(argv: list[str]) -> list[str]:
 
 
 def _summary(run_dir: Path) -> None:
-    path = run_dir / "metrics.jsonl"
+    path = run_dir / rundir.METRICS
     if not path.exists():
         raise DataError(f"no metrics were written to {path}")
-    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    rows = rundir.read_jsonl(path)  # a line cut by a crash is skipped
     train_rows = [r for r in rows if "loss" in r]
     if not train_rows:
         return
@@ -274,9 +274,9 @@ def _summary(run_dir: Path) -> None:
           f"{last['loss']:.3f}" + val_text
           + f", {tps:,.0f} tokens/s" + (f", MFU {100 * sum(mfus) / len(mfus):.1f}%"
                                          if mfus else ", MFU n/a"))
-    print(f"  metrics:     {path}\n" + (f"  tensorboard: {run_dir / 'tensorboard'}\n" if
-                                           (run_dir / "tensorboard").is_dir() else "")
-          + f"  checkpoints: {run_dir / 'checkpoints'}")
+    print(f"  metrics:     {path}\n" + (f"  tensorboard: {run_dir / rundir.TENSORBOARD}\n"
+                                           if (run_dir / rundir.TENSORBOARD).is_dir() else "")
+          + f"  checkpoints: {rundir.checkpoints_dir(run_dir)}")
     d = shlex.quote(str(run_dir))
     print(f"next:\n  myria report {d}          # timeline, heat maps, loss and MFU curves -> "
           f"{run_dir / 'report' / 'index.html'}\n"

@@ -131,11 +131,12 @@ def checkpoint_path(run_dir: Path, step: int | None) -> Path:
     """The committed checkpoint of `step` (default: the newest that verifies) of a run."""
     from myria.train.checkpoint import CheckpointManager
 
-    mgr = CheckpointManager(run_dir / rundir.CHECKPOINTS)
+    mgr = CheckpointManager(rundir.checkpoints_dir(run_dir))
     if step is None:
         path = mgr.latest_valid()
         if path is None:
-            raise CheckpointError(f"no committed checkpoint under {run_dir / 'checkpoints'}")
+            raise CheckpointError("no committed checkpoint under "
+                                  f"{rundir.checkpoints_dir(run_dir)}")
     else:
         path = mgr.path_for(step)
         if not (path / "meta.json").exists():
@@ -155,7 +156,7 @@ def load_checkpoint_model(run_dir: Path, step: int | None, path: Path | None = N
     from myria.train.checkpoint import CheckpointManager
 
     path = path or checkpoint_path(run_dir, step)
-    mgr = CheckpointManager(run_dir / rundir.CHECKPOINTS)
+    mgr = CheckpointManager(rundir.checkpoints_dir(run_dir))
     meta = json.loads((path / "meta.json").read_text())
     m = config_mod.from_dict({"model": meta["model"]}).model
     model = build_model(m, "cpu")

@@ -34,12 +34,12 @@ class MetricsLogger:
             return
         run_dir.mkdir(parents=True, exist_ok=True)
         set_aside_after(run_dir, start_step)
-        self._fh = open(run_dir / "metrics.jsonl", "a")
+        self._fh = open(run_dir / rundir.METRICS, "a")
         if tensorboard:
             try:
                 from torch.utils.tensorboard import SummaryWriter
                 # purge_step: TensorBoard drops the abandoned timeline's points from this step on
-                self._tb = SummaryWriter(str(run_dir / "tensorboard"),
+                self._tb = SummaryWriter(str(run_dir / rundir.TENSORBOARD),
                                          purge_step=start_step + 1)
             except Exception:  # tensorboard is optional at run time
                 self._tb = None
@@ -104,7 +104,7 @@ def set_aside_after(run_dir: Path, step: int) -> int:
     side file, tagged with the resume step, so metrics.jsonl keeps one row per step, the one the
     final model went through. Returns the number of rows moved.
     """
-    path = run_dir / "metrics.jsonl"
+    path = run_dir / rundir.METRICS
     if not path.exists():
         return 0
     keep, gone = [], []

@@ -1,12 +1,17 @@
-"""The training loop: build, parallelise, initialise or resume, then step, log and checkpoint.
+"""The training loop: `Run.build` sets a rank's run up, `train_step` is one optimizer step, and
+`_train` is the loop around them (step, log, stop check, checkpoint).
 
-One process is one rank. The loop reads top to bottom: each step takes the global batch's slice
-for this data-parallel rank, runs forward/backward over its microbatches (gradient sync only on
-the last), clips, steps the optimizer and the schedule, logs, and checkpoints on the interval.
+One process is one rank. `Run.build` opens the data, builds and parallelises the model for the
+layout, starts the event timer, resumes from the newest checkpoint that verifies, and makes the
+loader, meters and the step guard. `train_step` reads in one sitting: this data-parallel rank's
+batch, forward/backward over its microbatches (gradient sync only on the last), clip, the
+optimizer and the schedule. The loop then logs, asks the checkpoint manager whether to save
+(`CheckpointManager.should_save`: the interval, the last step, a stop) and stops when asked.
 
-Robustness hooks (docs/robustness.md): a heartbeat thread reports the step and phase to the
-supervisor; checkpoints are two-stage (`ckpt.save` snapshots to host memory and returns,
-`ckpt.before_update` waits for an overlapped snapshot before the weights change); the
+Robustness hooks (docs/robustness.md): `hb.phase(...)` tells the supervisor's heartbeat and the
+event timer which phase the rank is in (one call for both); the StepGuard's calls (`guard.*`)
+are the integrity seams; checkpoints are two-stage (`ckpt.save` snapshots to host memory and
+returns, `ckpt.before_update` waits for an overlapped snapshot before the weights change); the
 collective timeout drops from `init_timeout_s` to `timeout_s` once the first step is done; a
 SIGTERM makes every rank save the current step and exit.
 """
@@ -16,18 +21,23 @@ from __future__ import annotations
 import gc
 import json
 import logging
+import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from myria import config as config_mod
 from myria import rundir
+from myria.compat import torch_note
 from myria.config import Config
 from myria.data import fingerprint
 from myria.data.dataset import TokenDataset
 from myria.data.mixture import MixtureDataset, open_dataset
+from myria.device import local_peak_tflops
 from myria.errors import CheckpointError, ConfigError
 from myria.faults import FaultInjector
 from myria.fsutil import atomic_write
@@ -68,7 +78,6 @@ def train(cfg: Config, run_dir: str | Path, stop_after: int | None = None) -> Tr
     run_dir = Path(run_dir)
     events.listen_for_dumps(run_dir)  # before any thread starts (SIGUSR1 -> hang dump)
     if cfg.training.deterministic:  # before the first cuBLAS handle (GPU bitwise resume)
-        import os
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
         torch.use_deterministic_algorithms(True)
     env = distributed.init(cfg.training.device, cfg.training.init_timeout_s)
@@ -94,32 +103,224 @@ def train(cfg: Config, run_dir: str | Path, stop_after: int | None = None) -> Tr
 
 def _train(cfg: Config, run_dir: Path, env, stop_after: int | None,
            hb: heartbeat.Heartbeat) -> TrainResult:
-    threads = distributed.set_cpu_threads(cfg.training.threads, env) if env.device.type == "cpu" \
-        else None
-    layout = Layout.resolve(cfg.parallel, env.world_size)
-    dims = ParallelDims.build(layout, env.device.type)   # the mesh, groups, coordinates
-    t, m = cfg.training, cfg.model
+    """Set the run up, then step until the last step, a stop or `stop_after`."""
+    run = Run.build(cfg, run_dir, env, hb)
+    t = cfg.training
+    losses: list[float] = []
+    step = run.start_step
+    if t.gc_interval:
+        gc.disable()   # synchronised collection: every rank at the same steps (train_step)
+    try:
+        while step < t.steps:
+            done = train_step(run, step)
+            step += 1
+            losses.append(done.loss)
+            run.after_step(step, done)   # heartbeat, metrics row, evaluation
+            hb.phase("stop-check")
+            preempted = run.stop.agreed()
+            stopping = preempted or (stop_after is not None and step >= stop_after)
+            if run.ckpt.should_save(step, last=step == t.steps, stopping=stopping):
+                run.save(step)
+            if stopping and step < t.steps:
+                hb.phase("checkpoint-flush")
+                run.ckpt.require_saved(step)  # SaveError (exit 4) if it failed
+                if env.is_main:
+                    why = f" on {run.stop.signal_name}" if preempted else ""
+                    print(f"stopped{why} after step {step} with a committed checkpoint",
+                          flush=True)
+                return TrainResult(step, losses, True)
+        hb.phase("checkpoint-flush")
+        run.ckpt.require_saved(step)  # never a success for work that was not saved
+        return TrainResult(step, losses, False)
+    finally:
+        run.close()
+        if t.gc_interval:
+            gc.enable()
 
-    # -- data ------------------------------------------------------------------------------
-    dataset = open_dataset(cfg.data, m.seq_len, split="train")   # one directory or a mixture
-    check_vocab(cfg, dataset)
-    data_fp = fingerprint.keep_tokenizer(dataset.path, run_dir, env.is_main)  # in checkpoints
-    if isinstance(dataset, MixtureDataset):
-        dataset.check(t.global_batch, t.steps)
-        data_fp = dataset.fingerprint(data_fp)
 
-    # -- model, optimizer, schedule for this layout ------------------------------------------
-    engine = Engine(cfg, dims, env.device, run_dir, eos_id=dataset.eos_id)
-    rec = start_events(cfg, run_dir, env, dims, engine)
+@dataclass
+class StepDone:
+    """What one optimizer step reports to the loop."""
 
-    # -- resume ----------------------------------------------------------------------------
-    hb.phase("resume")
-    faults = FaultInjector(run_dir, env.rank)
-    r = cfg.resilience
-    ckpt = CheckpointManager(run_dir / rundir.CHECKPOINTS, cfg.checkpoint.keep, faults,
-                             async_save=r.async_checkpoint, overlap=r.snapshot_overlap,
-                             timeout_s=t.init_timeout_s,
-                             max_failures=cfg.checkpoint.max_failed_saves)
+    loss: float
+    grad_norm: float
+    lr: float
+    applied: bool   # False: skipped (a numerical fault) or rolled back
+
+
+def train_step(run: Run, step: int) -> StepDone:
+    """Step `step` + 1: this rank's batch, forward/backward over its microbatches, clip, the
+    optimizer. The StepGuard's calls (`guard.*`) are the silent-corruption and numerical-fault
+    seams; `hb.phase` marks each phase for the supervisor and the event timer at once."""
+    engine, guard, hb, rec, t = run.engine, run.guard, run.hb, run.rec, run.cfg.training
+    rec.step = step + 1
+    step_ev = rec.begin("step", "step")  # left open if the step raises (the exception dump)
+    run.faults.at_step_start(step)
+    train_this = guard.before(step)
+    with hb.phase("data"):
+        batch = next(run.loader)
+    apply = False
+    loss = grad_norm = float("nan")
+    if train_this:  # else: a batch skipped after a numerical-fault rollback
+        hb.phase("forward-backward")
+        loss_sum = engine.forward_backward(batch.inputs, batch.targets)
+        guard.after_backward(step)
+        with hb.phase("grad-clip"):
+            grad_norm = engine.clip_grads(t.grad_clip)
+        with rec.span("loss_mean", "compute"):
+            loss = engine.mean_over_dp(loss_sum)
+        apply = guard.judge(step + 1, loss_sum, loss, grad_norm, batch)
+    with hb.phase("snapshot-wait"):
+        run.ckpt.before_update()  # an overlapped snapshot must be copied before weights change
+    with hb.phase("optimizer"):
+        lr = engine.lr  # this step's (the schedule then moves on to the next step's)
+        engine.step() if apply else engine.skip_step()
+    if t.gc_interval and (step + 1) % t.gc_interval == 0:
+        with rec.span("gc", "check"):
+            gc.collect()  # every rank at the same step (automatic collection is off)
+    guard.check_replicas(step + 1)
+    rec.end(step_ev)
+    return StepDone(loss, grad_norm, lr, apply)
+
+
+@dataclass
+class Run:
+    """One rank's run, set up by `Run.build`: everything the loop and `train_step` use."""
+
+    cfg: Config
+    run_dir: Path
+    env: Any
+    hb: heartbeat.Heartbeat
+    layout: Layout
+    dataset: TokenDataset | MixtureDataset
+    data_fp: dict
+    engine: Engine
+    rec: events.Recorder
+    faults: FaultInjector
+    ckpt: CheckpointManager
+    resumed_from: Path | None
+    start_step: int
+    stop: StopRequest
+    loader: Any
+    metrics: MetricsLogger
+    guard: StepGuard
+    timer: StepTimer
+    flops_per_token: float
+    peak: float | None
+    since_logged: float = 0.0  # step time since the last logged row (productive time)
+    val: Any = None            # the validation split, opened at the first evaluation
+
+    @classmethod
+    def build(cls, cfg: Config, run_dir: Path, env, hb: heartbeat.Heartbeat) -> Run:
+        """Data, model and optimizer for this layout, event timer, checkpoints and resume, the
+        loader from the resumed step, meters and the step guard."""
+        t, m = cfg.training, cfg.model
+        threads = distributed.set_cpu_threads(t.threads, env) if env.device.type == "cpu" \
+            else None
+        layout = Layout.resolve(cfg.parallel, env.world_size)
+        dims = ParallelDims.build(layout, env.device.type)   # the mesh, groups, coordinates
+
+        # -- data ----------------------------------------------------------------------------
+        dataset = open_dataset(cfg.data, m.seq_len, split="train")   # a directory or a mixture
+        check_vocab(cfg, dataset)
+        data_fp = fingerprint.keep_tokenizer(dataset.path, run_dir, env.is_main)
+        if isinstance(dataset, MixtureDataset):
+            dataset.check(t.global_batch, t.steps)
+            data_fp = dataset.fingerprint(data_fp)
+
+        # -- model, optimizer, schedule for this layout ----------------------------------------
+        engine = Engine(cfg, dims, env.device, run_dir, eos_id=dataset.eos_id)
+        faults = FaultInjector(run_dir, env.rank)
+        rec = start_events(cfg, run_dir, env, dims, engine, faults)
+
+        # -- resume --------------------------------------------------------------------------
+        hb.phase("resume")
+        r = cfg.resilience
+        ckpt = CheckpointManager(rundir.checkpoints_dir(run_dir), cfg.checkpoint.keep, faults,
+                                 async_save=r.async_checkpoint, overlap=r.snapshot_overlap,
+                                 timeout_s=t.init_timeout_s,
+                                 max_failures=cfg.checkpoint.max_failed_saves,
+                                 interval=cfg.checkpoint.interval)
+        start_step, latest = resume_run(cfg, run_dir, env, engine, ckpt, data_fp)
+        hb.resumed(start_step)
+        write_checkpoint_stats(run_dir, env.rank, ckpt, latest)
+        stop = StopRequest(t.init_timeout_s)
+        loader = make_loader(engine, dataset, cfg, start_step)  # one reader per tp x cp group
+
+        # -- meters --------------------------------------------------------------------------
+        dtype = "float32" if (t.dtype == "auto" and env.device.type == "cpu") else t.dtype
+        peak, peak_source = local_peak_tflops(env.device.type, dtype)
+        span = None   # document masking: attention inside documents of the data's mean length
+        if m.document_mask and not m.document_len:
+            span = max(1, min(m.seq_len, round(dataset.mean_document_tokens)))
+        metrics = MetricsLogger(run_dir, t.steps, start_step, env.is_main,
+                                cfg.logging.tensorboard, cfg.logging.progress)
+        if env.is_main:
+            print(f"training {t.steps} steps from step {start_step} on {env.world_size} x "
+                  f"{env.device.type} (layout {layout.short()}, {threads or '-'} threads/rank); "
+                  f"peak {peak and round(peak, 3)} TFLOP/s ({peak_source})", flush=True)
+            if note := torch_note():  # another torch than the tested one: what it lacks
+                print(note, flush=True)
+        sync = torch.cuda.synchronize if env.device.type == "cuda" else None
+        return cls(cfg, run_dir, env, hb, layout, dataset, data_fp, engine, rec, faults, ckpt,
+                   latest, start_step, stop, loader, metrics,
+                   StepGuard(cfg, engine, run_dir, env.rank, faults), StepTimer(sync),
+                   model_flops_per_token(m, seq_len=span), peak)
+
+    def after_step(self, step: int, done: StepDone) -> None:
+        """After step `step`: the heartbeat's progress, the metrics row on the logging
+        interval, the evaluation on its interval."""
+        cfg, t = self.cfg, self.cfg.training
+        self.hb.phase("metrics")
+        dt = self.timer.lap()
+        self.since_logged += dt
+        tps = t.global_batch * cfg.model.seq_len / dt
+        self.hb.step_done(step, tps)
+        if step == self.start_step + 1:
+            distributed.set_timeout(t.timeout_s)  # warm: short collective timeouts
+        if step % cfg.logging.interval == 0 or step == t.steps:
+            self.metrics.log({
+                "step": step, "loss": done.loss, "lr": done.lr,
+                "grad_norm": done.grad_norm, "tokens_per_s": tps, "step_time_s": dt,
+                "data_wait_s": self.loader.pop_wait_time(),
+                "mfu": mfu(self.flops_per_token, tps, self.env.world_size, self.peak),
+                "time": time.time(), "interval_time_s": self.since_logged,
+                **({} if done.applied else {"skipped": True}),
+            })
+            self.since_logged = 0.0
+        if t.eval_interval and step % t.eval_interval == 0:
+            self.hb.phase("eval")
+            self.val = self.val or open_dataset(cfg.data, cfg.model.seq_len, split="val")
+            self.metrics.log_eval(step, *evaluate_sources(self.engine, self.val, cfg))
+
+    def save(self, step: int) -> None:
+        """Checkpoint step `step` (two-stage: this returns once the snapshot is taken)."""
+        self.guard.check_replicas(step, force=True)  # never commit diverged replicas
+        with self.hb.phase("checkpoint"):
+            self.ckpt.save(step, self.engine, {
+                "scheduler": self.engine.scheduler_state(), "data": self.loader.state_dict(),
+                "layout": self.layout.as_dict(),
+                "model": config_mod.dataclasses.asdict(self.cfg.model),
+                "data_path": str(Path(self.dataset.path).resolve()),
+                fingerprint.META_KEY: self.data_fp,
+                "config": self.cfg.to_dict(),  # what it was trained with (train/resume.py)
+            })
+        self.timer.lap()  # checkpoint time is not step time
+
+    def close(self) -> None:
+        """Finish the run's saves, writers and threads (also after a failure)."""
+        self.ckpt.close()  # never leave a save half-written behind a clean exit
+        self.engine.close()  # the nvme tier's trailing writes and threads
+        self.stop.restore()
+        write_checkpoint_stats(self.run_dir, self.env.rank, self.ckpt, self.resumed_from)
+        self.loader.close()
+        write_read_counts(self.run_dir, self.env.rank, self.loader)
+        self.metrics.close()
+
+
+def resume_run(cfg: Config, run_dir: Path, env, engine: Engine, ckpt: CheckpointManager,
+               data_fp: dict) -> tuple[int, Path | None]:
+    """Load the checkpoint this run starts from (if any) into `engine`: (its step, its path)."""
     start_step = 0
     latest = resume_point(ckpt, cfg, env.is_main)
     if latest is not None:
@@ -134,142 +335,12 @@ def _train(cfg: Config, run_dir: Path, env, stop_after: int | None,
         resume.apply(cfg, engine, run_dir, start_step, changed, env.is_main)
     if env.is_main and (cfg.checkpoint.resume_from or not cfg.checkpoint.resume):
         ckpt.abandon_after(start_step)  # a new timeline: newer checkpoints go aside
-    hb.resumed(start_step)
-    write_checkpoint_stats(run_dir, env.rank, ckpt, latest)
-    stop = StopRequest(t.init_timeout_s)
-    loader = make_loader(engine, dataset, cfg, start_step)  # one reader per tp x cp group
-
-    # -- meters ----------------------------------------------------------------------------
-    from myria.device import local_peak_tflops
-
-    dtype = "float32" if (t.dtype == "auto" and env.device.type == "cpu") else t.dtype
-    peak, peak_source = local_peak_tflops(env.device.type, dtype)
-    span = None   # document masking: attention inside documents of the data's mean length
-    if m.document_mask and not m.document_len:
-        span = max(1, min(m.seq_len, round(dataset.mean_document_tokens)))
-    flops_per_token = model_flops_per_token(m, seq_len=span)
-    tokens_per_step = t.global_batch * m.seq_len
-    metrics = MetricsLogger(run_dir, t.steps, start_step, env.is_main, cfg.logging.tensorboard,
-                            cfg.logging.progress)
-    if env.is_main:
-        print(f"training {t.steps} steps from step {start_step} on {env.world_size} x "
-              f"{env.device.type} (layout {layout.short()}, {threads or '-'} threads/rank); "
-              f"peak {peak and round(peak, 3)} TFLOP/s ({peak_source})", flush=True)
-        from myria.compat import torch_note
-        if note := torch_note():  # another torch than the tested one: what it lacks
-            print(note, flush=True)
-    sync = torch.cuda.synchronize if env.device.type == "cuda" else None
-
-    # -- the loop --------------------------------------------------------------------------
-    losses: list[float] = []
-    val = None
-    step = start_step
-    since_logged = 0.0  # step time since the last logged row (the supervisor's productive time)
-    timer = StepTimer(sync)
-    guard = StepGuard(cfg, engine, run_dir, env.rank, faults)
-    if t.gc_interval:
-        gc.disable()   # synchronised collection: every rank at the same steps (see below)
-    try:
-        while step < t.steps:
-            rec.step = step + 1
-            step_ev = rec.begin("step", "step")
-            hb.phase("data")
-            faults.at_step_start(step)
-            train_this = guard.before(step)
-            with rec.span("data_wait", "data"):
-                batch = next(loader)
-            apply = False
-            loss_value = grad_norm = float("nan")
-            if train_this:  # else: a batch skipped after a numerical-fault rollback
-                hb.phase("forward-backward")
-                loss_sum = engine.forward_backward(batch.inputs, batch.targets)
-                guard.after_backward(step)
-                hb.phase("grad-clip")
-                with rec.span("grad_clip", "compute"):
-                    grad_norm = engine.clip_grads(t.grad_clip)
-                with rec.span("loss_mean", "compute"):
-                    loss_value = engine.mean_over_dp(loss_sum)
-                apply = guard.judge(step + 1, loss_sum, loss_value, grad_norm, batch)
-            hb.phase("snapshot-wait")
-            with rec.span("snapshot_wait", "ckpt"):
-                ckpt.before_update()  # an overlapped snapshot must be copied before weights change
-            hb.phase("optimizer")
-            with rec.span("optimizer", "compute"):
-                lr = engine.lr  # this step's (the schedule then moves on to the next step's)
-                engine.step() if apply else engine.skip_step()
-            step += 1
-            if t.gc_interval and step % t.gc_interval == 0:
-                with rec.span("gc", "check"):
-                    gc.collect()  # every rank at the same step (automatic collection is off)
-            guard.check_replicas(step)
-
-            hb.phase("metrics")
-            rec.end(step_ev)
-            losses.append(loss_value)
-            dt = timer.lap()
-            since_logged += dt
-            hb.step_done(step, tokens_per_step / dt)
-            if step == start_step + 1:
-                distributed.set_timeout(t.timeout_s)  # warm: short collective timeouts
-            if step % cfg.logging.interval == 0 or step == t.steps:
-                tps = tokens_per_step / dt
-                metrics.log({
-                    "step": step, "loss": loss_value, "lr": lr,
-                    "grad_norm": grad_norm, "tokens_per_s": tps, "step_time_s": dt,
-                    "data_wait_s": loader.pop_wait_time(),
-                    "mfu": mfu(flops_per_token, tps, env.world_size, peak),
-                    "time": time.time(), "interval_time_s": since_logged,
-                    **({} if apply else {"skipped": True}),
-                })
-                since_logged = 0.0
-            if t.eval_interval and step % t.eval_interval == 0:
-                hb.phase("eval")
-                val = val or open_dataset(cfg.data, m.seq_len, split="val")
-                metrics.log_eval(step, *evaluate_sources(engine, val, cfg))
-            hb.phase("stop-check")
-            preempted = stop.agreed()
-            stopping = preempted or (stop_after is not None and step >= stop_after)
-            interval = cfg.checkpoint.interval
-            if step == t.steps or stopping or (interval and step % interval == 0):
-                guard.check_replicas(step, force=True)  # never commit diverged replicas
-                hb.phase("checkpoint")
-                with rec.span("checkpoint_save", "ckpt"):
-                    ckpt.save(step, engine, {
-                        "scheduler": engine.scheduler_state(), "data": loader.state_dict(),
-                        "layout": layout.as_dict(), "model": config_mod.dataclasses.asdict(m),
-                        "data_path": str(Path(dataset.path).resolve()),
-                        fingerprint.META_KEY: data_fp,
-                        "config": cfg.to_dict(),  # what it was trained with (train/resume.py)
-                    })
-                timer.lap()  # checkpoint time is not step time
-            if stopping and step < t.steps:
-                hb.phase("checkpoint-flush")
-                ckpt.require_saved(step)  # SaveError (exit 4) if it failed
-                if env.is_main:
-                    why = f" on {stop.signal_name}" if preempted else ""
-                    print(f"stopped{why} after step {step} with a committed checkpoint",
-                          flush=True)
-                return TrainResult(step, losses, True)
-        hb.phase("checkpoint-flush")
-        ckpt.require_saved(step)  # never a success for work that was not saved
-        return TrainResult(step, losses, False)
-    finally:
-        ckpt.close()  # never leave a save half-written behind a clean exit
-        engine.close()  # the nvme tier's trailing writes and threads
-        stop.restore()
-        write_checkpoint_stats(run_dir, env.rank, ckpt, latest)
-        loader.close()
-        write_read_counts(run_dir, env.rank, loader)
-        metrics.close()
-        if t.gc_interval:
-            gc.enable()
+    return start_step, latest
 
 
-def start_events(cfg: Config, run_dir: Path, env, dims: ParallelDims, engine: Engine):
+def start_events(cfg: Config, run_dir: Path, env, dims: ParallelDims, engine: Engine,
+                 faults: FaultInjector) -> events.Recorder:
     """Install and start this rank's event timer (RUN_DIR/events/), or a disabled one."""
-    import torch.distributed as dist
-
-    faults = FaultInjector(run_dir, env.rank)
     rec = events.install(run_dir, env.rank, env.world_size, cfg.observe.enabled,
                          slow=faults.slow(), flush_s=cfg.observe.flush_s)
     if env.is_main:   # also without events: `myria report` reads it (prediction, why no events)
@@ -319,11 +390,11 @@ def resume_point(ckpt: CheckpointManager, cfg: Config, is_main: bool) -> Path | 
 def write_checkpoint_stats(run_dir: Path, rank: int, ckpt: CheckpointManager,
                            resumed_from: Path | None) -> None:
     """RUN_DIR/checkpoint_stats/rankNNNNN.json: bytes read to resume, each save's stall."""
-    out = run_dir / "checkpoint_stats"
+    out = rundir.checkpoint_stats_file(run_dir, rank)
     stats = dict(ckpt.stats(), rank=rank, resumed_from=str(resumed_from or ""))
     try:
-        out.mkdir(parents=True, exist_ok=True)
-        atomic_write(out / f"rank{rank:05d}.json", json.dumps(stats, indent=1))
+        out.parent.mkdir(parents=True, exist_ok=True)
+        atomic_write(out, json.dumps(stats, indent=1))
     except OSError as e:  # statistics: never the reason a run fails (a full disk, ...)
         log.warning("checkpoint statistics not written to %s: %s", out, e)
 
