@@ -61,6 +61,7 @@ from myria import config as config_mod
 from myria import rundir
 from myria.errors import ConfigError, LaunchError, MyriaError
 from myria.fsutil import atomic_write
+from myria.resilience import goodput
 from myria.resilience.watch import Detection, Watchdog
 from myria.train import heartbeat
 
@@ -176,6 +177,8 @@ class Fault:
     action: list[str] = field(default_factory=list)
     diagnostics: list[str] = field(default_factory=list)
     stopped_at: float = 0.0
+    decided_at: float = 0.0      # diagnostics done (or skipped)
+    backoff_done_at: float = 0.0  # the back-off wait over: the restart begins
     restarted_at: float = 0.0
     newest_committed: str = ""
     resumed_from: int | None = None
@@ -518,6 +521,7 @@ class Supervisor:
         f.last_step = max([f.last_step, *done, *_metrics_rows(self.run_dir, since)])
         if self.r.diagnose:
             self._diagnose(f)
+        f.decided_at = time.time()
         restarts = sum(1 for x in self.faults if x.restarted_at) + 1
         wait = min(self.r.backoff_s * 2 ** (restarts - 1), self.r.backoff_max_s)
         newest = f.newest_committed
@@ -526,6 +530,7 @@ class Supervisor:
                  "workers resume from the newest checkpoint that verifies (newest committed: "
                  "%s)", self.attempt + 1, agent._remaining_restarts, wait, newest or "none")
         time.sleep(wait)
+        f.backoff_done_at = time.time()
 
     # -- detection helpers -------------------------------------------------------------------
     def _read_heartbeats(self) -> dict[int, dict | None]:
@@ -787,6 +792,16 @@ class Supervisor:
             log.error("effective training time ratio %.4f outside [0, 1] (productive %.1f s, "
                       "wall %.1f s): clamped; please report", ettr, productive, wall)
         ettr = min(max(ettr, 0.0), 1.0)
+        faults = []
+        for f in self.faults:
+            d = f.to_dict()
+            d["recovery_phases"] = goodput.breakdown(d, goodput.read_marks(self.run_dir,
+                                                                           f.attempt + 1))
+            faults.append(d)
+        ledger = goodput.summarize(self.run_dir, self.started_at, end, faults,
+                                   [{"first_step": s.first_step,
+                                     "cost_s_per_step": s.cost_s_per_step}
+                                    for s in self.stragglers.values()])
         return {
             "status": status, "host": self.host, "job": self.job,
             "target_steps": self.cfg.training.steps, "start_step": max(0, start),
@@ -797,7 +812,7 @@ class Supervisor:
             "effective_training_time_ratio": round(ettr, 4),
             "time_lost_s": round(wall - productive, 3),
             "newest_checkpoint": _newest_committed(self.run_dir),
-            "faults": [f.to_dict() for f in self.faults], "blocklist": self.blocklist,
+            "faults": faults, "blocklist": self.blocklist, "goodput": ledger,
             "heartbeat_s": self.r.heartbeat_s, "store": self.r.store,
         }
 
@@ -815,6 +830,13 @@ class Supervisor:
             log.info("  fault %s rank(s) %s at step %s: cause %s; detected in %.2f s; actions: "
                      "%s; %s", f["kind"], f["ranks"], f["last_step"], f["cause"],
                      f["detection_s"], ", ".join(f["action"]) or "-", back)
+            if f.get("recovery_phases"):
+                log.info("    recovery phases (s): %s", ", ".join(
+                    f"{k} {v:.2f}" for k, v in f["recovery_phases"].items()))
+        g = s["goodput"]
+        log.info("goodput ledger: ETTR %.4f; %s; accounted %.1f of %.1f s", g["ettr"],
+                 ", ".join(f"{k} {v:.1f}" for k, v in g["seconds"].items() if v),
+                 g["accounted_s"], g["wall_s"])
 
 
 def _signature(exitcode: int, cause: str) -> str:

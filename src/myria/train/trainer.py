@@ -36,6 +36,7 @@ from myria.models.flops import model_flops_per_token
 from myria.observe import events
 from myria.parallel.data import make_loader, write_read_counts
 from myria.parallel.dims import ParallelDims
+from myria.resilience import goodput
 from myria.train import distributed, heartbeat, resume
 from myria.train.checkpoint import CheckpointManager
 from myria.train.engine import Engine
@@ -71,8 +72,9 @@ def train(cfg: Config, run_dir: str | Path, stop_after: int | None = None) -> Tr
         import os
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
         torch.use_deterministic_algorithms(True)
+    ledger = goodput.Ledger(run_dir)  # every second of this process, by category
     env = distributed.init(cfg.training.device, cfg.training.init_timeout_s)
-    hb = heartbeat.start(env.rank)
+    hb = goodput.follow(heartbeat.start(env.rank), ledger, env.rank)
     phase = "failed"
     try:
         result = _train(cfg, run_dir, env, stop_after, hb)
@@ -213,14 +215,14 @@ def _train(cfg: Config, run_dir: Path, env, stop_after: int | None,
                 distributed.set_timeout(t.timeout_s)  # warm: short collective timeouts
             if step % cfg.logging.interval == 0 or step == t.steps:
                 tps = tokens_per_step / dt
-                metrics.log({
+                metrics.log(hb.ledger.row({
                     "step": step, "loss": loss_value, "lr": lr,
                     "grad_norm": grad_norm, "tokens_per_s": tps, "step_time_s": dt,
                     "data_wait_s": loader.pop_wait_time(),
                     "mfu": mfu(flops_per_token, tps, env.world_size, peak),
                     "time": time.time(), "interval_time_s": since_logged,
                     **({} if apply else {"skipped": True}),
-                })
+                }))
                 since_logged = 0.0
             if t.eval_interval and step % t.eval_interval == 0:
                 hb.phase("eval")
