@@ -268,6 +268,11 @@ def summarize(run_dir: str | Path, started_at: float, ended_at: float, faults: l
         seg = {k: v * min(1.0, keep) for k, v in cats.items() if v > 0}
         if total < t1 - t0:
             seg["other"] = seg.get("other", 0.0) + (t1 - t0 - total)
+        for head in ("startup", "recovery"):  # a row's start-up came first: its own segment
+            if head in seg and len(seg) > 1:
+                v = seg.pop(head)
+                timeline.append((t0, t0 + v, {head: v}))
+                t0 += v
         timeline.append((t0, t1, seg))
         cursor = t1
 

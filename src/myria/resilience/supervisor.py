@@ -494,6 +494,7 @@ class Supervisor:
         try:
             since = hang.request(pids, self.run_dir)
             rep = hang.merge(self.run_dir, sorted(pids), since)
+            hang.add_stacks(rep, hang.request_stacks(pids, self.run_dir))
             path = hang.write(self.run_dir, rep)
         except Exception as e:  # the report is evidence; never let it stop recovery
             log.warning("hang report failed: %s", e)

@@ -33,7 +33,7 @@ from myria.faults import FaultInjector
 from myria.fsutil import atomic_write
 from myria.layout import Layout
 from myria.models.flops import model_flops_per_token
-from myria.observe import events
+from myria.observe import events, hang
 from myria.parallel.data import make_loader, write_read_counts
 from myria.parallel.dims import ParallelDims
 from myria.resilience import goodput
@@ -68,6 +68,7 @@ def train(cfg: Config, run_dir: str | Path, stop_after: int | None = None) -> Tr
     """Run (or resume) training as this process's rank; returns the losses of this session."""
     run_dir = Path(run_dir)
     events.listen_for_dumps(run_dir)  # before any thread starts (SIGUSR1 -> hang dump)
+    hang.listen_for_stacks(run_dir)  # SIGUSR2 -> every thread's Python stack (faulthandler)
     if cfg.training.deterministic:  # before the first cuBLAS handle (GPU bitwise resume)
         import os
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
