@@ -56,12 +56,65 @@ def supervise(run_dir: Path, data: Path, nproc: int, fault: str, extra: list[str
     return s
 
 
+def train(run_dir: Path, data: Path, nproc: int, steps: int, interval: int) -> dict:
+    """A plain `myria train` of the demo config; returns mean step time (steps after the first)
+    and rank 0's peer-snapshot statistics."""
+    env = dict(os.environ, PYTHONPATH=str(ROOT / "src"))
+    env.pop("MYRIA_FAULT", None)
+    cmd = [sys.executable, "-m", "myria", "train", "--config", "configs/demo.toml",
+           "--run-dir", str(run_dir), "--nproc", str(nproc), f"--data.path={data}",
+           "--logging.tensorboard=false", "--logging.progress=false", "--checkpoint.interval=0",
+           f"--training.steps={steps}", f"--resilience.memory_snapshot_interval={interval}"]
+    p = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=3000)
+    if p.returncode != 0:
+        raise SystemExit(f"train failed ({p.returncode}):\n{p.stderr[-4000:]}")
+    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    times = [r["step_time_s"] for r in rows if "loss" in r][1:]
+    out = {"mean_step_s": sum(times) / len(times), "steps": len(times)}
+    stats = run_dir / "peer" / "rank00000.json"
+    if stats.exists():
+        out["peer"] = json.loads(stats.read_text())
+    return out
+
+
+def snapshot_cost(work: Path, data: Path, nproc: int, steps: int, rounds: int) -> dict:
+    """Peer snapshots every step vs none, interleaved rounds (the host's load drifts)."""
+    runs: dict[str, list[dict]] = {"off": [], "every step": []}
+    for rnd in range(rounds):
+        for name, interval in (("off", 0), ("every step", 1)):
+            r = train(work / f"snap-{interval}-{rnd}", data, nproc, steps, interval)
+            runs[name].append(r)
+            line = f"snapshot cost round {rnd + 1} {name}: mean step {r['mean_step_s']:.3f} s"
+            if "peer" in r:
+                q = r["peer"]
+                n = q["snapshots"]
+                line += (f"; training thread {1e3 * (q['copy_s'] + q['stall_s']) / n:.1f} ms "
+                         f"per snapshot, exchange {1e3 * q['exchange_s'] / n:.1f} ms, "
+                         f"{q['bytes'] / n / 2**20:.1f} MiB")
+            print(line, flush=True)
+    off = sum(r["mean_step_s"] for r in runs["off"]) / rounds
+    on = sum(r["mean_step_s"] for r in runs["every step"]) / rounds
+    p = [r["peer"] for r in runs["every step"]]
+    n = sum(x["snapshots"] for x in p)
+    thread_ms = 1e3 * sum(x["copy_s"] + x["stall_s"] for x in p) / n
+    return {"mean_step_off_s": round(off, 4), "mean_step_on_s": round(on, 4),
+            "step_time_change": round(on / off - 1, 4),
+            "training_thread_ms_per_snapshot": round(thread_ms, 2),
+            "training_thread_share_of_step": round(thread_ms / 1e3 / off, 5),
+            "exchange_ms_per_snapshot": round(1e3 * sum(x["exchange_s"] for x in p) / n, 2),
+            "mib_per_snapshot": round(sum(x["bytes"] for x in p) / n / 2**20, 2),
+            "crc_failures": sum(x["crc_failures"] for x in p), "runs": runs}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--nproc", type=int, default=4)
     ap.add_argument("--steps", type=int, default=12)
     ap.add_argument("--kill-step", type=int, default=7, help="steps done before the kill")
     ap.add_argument("--data", default="", help="prepared demo data (default: prepare it)")
+    ap.add_argument("--part", choices=("all", "recovery", "snapshot"), default="all")
+    ap.add_argument("--snapshot-steps", type=int, default=8, help="steps of each cost run")
+    ap.add_argument("--rounds", type=int, default=2, help="rounds of the snapshot cost runs")
     args = ap.parse_args()
     work = Path(tempfile.mkdtemp(prefix="recovery-bench-"))
     data = Path(args.data) if args.data else work / "data"
@@ -72,7 +125,7 @@ def main() -> None:
     rank = max(0, args.nproc - 2)
     fault = f"kill:rank={rank}:step={args.kill_step}"
     extra = [f"--training.steps={args.steps}", "--checkpoint.interval=5"]
-    paths = {"full-restart": []}
+    paths = {"full-restart": []} if args.part in ("all", "recovery") else {}
     results = {}
     for name, more in paths.items():
         s = supervise(work / name, data, args.nproc, fault, extra + more)
@@ -90,8 +143,12 @@ def main() -> None:
     out = {"date": time.strftime("%Y-%m-%d"), "machine": f"{platform.machine()}, "
            f"{os.cpu_count()} CPUs (shared), torch CPU", "command": " ".join(sys.argv),
            "nproc": args.nproc, "steps": args.steps, "fault": fault, "results": results}
+    if args.part in ("all", "snapshot"):
+        out["snapshot_cost"] = snapshot_cost(work, data, args.nproc, args.snapshot_steps,
+                                             args.rounds)
     (ROOT / "bench" / "results").mkdir(exist_ok=True)
-    (ROOT / "bench" / "results" / "recovery.json").write_text(json.dumps(out, indent=1))
+    name = "recovery.json" if args.part == "all" else f"recovery-{args.part}.json"
+    (ROOT / "bench" / "results" / name).write_text(json.dumps(out, indent=1))
     print(json.dumps(out, indent=1))
 
 

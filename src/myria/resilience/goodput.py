@@ -41,7 +41,8 @@ CATEGORIES = ("productive", "startup", "data_wait", "checkpoint", "eval", "strag
 LOSSES = tuple(c for c in CATEGORIES if c != "productive")
 # heartbeat phase -> ledger category (phases not named here count as step time)
 PHASES = {"init": None, "resume": None, "snapshot-wait": "checkpoint",
-          "checkpoint": "checkpoint", "checkpoint-flush": "checkpoint", "eval": "eval"}
+          "checkpoint": "checkpoint", "checkpoint-flush": "checkpoint", "eval": "eval",
+          "peer-snapshot": "checkpoint"}
 MILESTONES = ("process_start", "entered", "pg_ready", "model_built", "restored", "first_step")
 RECOVERY_PHASES = ("detection", "teardown", "decision", "backoff", "start_processes",
                    "process_groups", "build_model", "restore", "redo_steps")

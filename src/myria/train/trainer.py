@@ -36,7 +36,7 @@ from myria.models.flops import model_flops_per_token
 from myria.observe import events, hang
 from myria.parallel.data import make_loader, write_read_counts
 from myria.parallel.dims import ParallelDims
-from myria.resilience import goodput
+from myria.resilience import goodput, peer
 from myria.train import distributed, heartbeat, resume
 from myria.train.checkpoint import CheckpointManager
 from myria.train.engine import Engine
@@ -138,6 +138,7 @@ def _train(cfg: Config, run_dir: Path, env, stop_after: int | None,
     if env.is_main and (cfg.checkpoint.resume_from or not cfg.checkpoint.resume):
         ckpt.abandon_after(start_step)  # a new timeline: newer checkpoints go aside
     hb.resumed(start_step)
+    peers = peer.start(r.memory_snapshot_interval, engine, env.rank, env.world_size, run_dir)
     write_checkpoint_stats(run_dir, env.rank, ckpt, latest)
     stop = StopRequest(t.init_timeout_s)
     loader = make_loader(engine, dataset, cfg, start_step)  # one reader per tp x cp group
@@ -205,6 +206,8 @@ def _train(cfg: Config, run_dir: Path, env, stop_after: int | None,
                 with rec.span("gc", "check"):
                     gc.collect()  # every rank at the same step (automatic collection is off)
             guard.check_replicas(step)
+            hb.phase("peer-snapshot")
+            peers.after_step(step)  # this rank's state into its ring neighbour's memory
 
             hb.phase("metrics")
             rec.end(step_ev)
@@ -258,6 +261,7 @@ def _train(cfg: Config, run_dir: Path, env, stop_after: int | None,
         return TrainResult(step, losses, False)
     finally:
         ckpt.close()  # never leave a save half-written behind a clean exit
+        peers.close()
         engine.close()  # the nvme tier's trailing writes and threads
         stop.restore()
         write_checkpoint_stats(run_dir, env.rank, ckpt, latest)

@@ -1,0 +1,246 @@
+"""State in peer memory: each rank's snapshot also held by its ring neighbour's process.
+
+Every `resilience.memory_snapshot_interval` steps (0: off), after the optimizer step, a rank
+copies its training state (its shard of the model and optimizer state, `Engine.state_dict()`
+flattened to local tensors, plus the RNG state and the step) into one preallocated host buffer:
+the only work on the training thread. A background thread then computes the buffer's CRC-32,
+sends it with a header (step, sizes, checksums) and a JSON layout to rank+1 and receives
+rank-1's, over a gloo process group of its own (so it never interleaves with the training
+collectives, whatever their group), and keeps what it received once its checksums verify. Two
+receive buffers alternate: the last verified copy is never overwritten by one in transit, so a
+sender that dies mid-transfer leaves its previous snapshot intact. On one host the peer is
+another process (another failure domain in placement terms when the ring crosses hosts: with
+ranks placed host by host, rank+1 of a host's last rank is on the next host).
+
+The next training step waits for the previous exchange only if it is still running (the stall
+the benchmark measures); RUN_DIR/peer/rankNNNNN.json has the counts and seconds (copy on the
+training thread, stall, background exchange and checksums) and any checksum failure.
+
+Why torch.distributed and not torchft: see myria.resilience.inplace (the evaluation).
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import logging
+import threading
+import time
+import zlib
+from pathlib import Path
+from typing import Any
+
+import torch
+
+log = logging.getLogger("myria")
+DIR = "peer"
+
+
+def _unwrapped(fn):
+    # the event timer and the heartbeat's meter wrap torch.distributed's functions for the
+    # training thread; the snapshot traffic is not training traffic
+    while hasattr(fn, "__wrapped__"):
+        fn = fn.__wrapped__
+    return fn
+
+
+def crc32(buf: torch.Tensor) -> int:
+    return zlib.crc32(memoryview(buf.numpy())) & 0xFFFFFFFF
+
+
+def _local(v):
+    return v._local_tensor if hasattr(v, "_local_tensor") else v
+
+
+def flat_state(engine) -> dict[str, Any]:
+    """{"/"-joined key: local tensor or plain value} of the engine's state."""
+    from myria.train.checkpoint import _flatten
+
+    return {"/".join(map(str, k)): (_local(v).detach() if isinstance(v, torch.Tensor) else v)
+            for k, v in _flatten(engine.state_dict()).items()}
+
+
+def layout_of(state: dict[str, Any]) -> tuple[list[dict], int]:
+    out, off = [], 0
+    for k, v in state.items():
+        if isinstance(v, torch.Tensor):
+            n = v.numel() * v.element_size()
+            out.append({"k": k, "dtype": str(v.dtype).removeprefix("torch."),
+                        "shape": list(v.shape), "off": off, "n": n})
+            off += n
+        else:
+            out.append({"k": k, "value": v if isinstance(v, (int, float, str, bool))
+                        or v is None else repr(v)})
+    return out, off
+
+
+def pack(state: dict[str, Any], buf: torch.Tensor, layout: list[dict]) -> None:
+    for item in layout:
+        if "off" in item and item["n"]:
+            t = state[item["k"]].reshape(-1)
+            t = t if t.is_contiguous() else t.contiguous()
+            buf[item["off"]:item["off"] + item["n"]].copy_(t.view(torch.uint8))
+
+
+def unpack(meta: dict, buf: torch.Tensor) -> dict[str, Any]:
+    """The state a snapshot holds: {key: tensor (a copy) or value}, plus "_step", "_rng"."""
+    out: dict[str, Any] = {"_step": meta["step"], "_rng": meta.get("rng")}
+    for item in meta["layout"]:
+        if "off" not in item:
+            out[item["k"]] = item.get("value")
+            continue
+        raw = buf[item["off"]:item["off"] + item["n"]].clone()
+        out[item["k"]] = raw.view(getattr(torch, item["dtype"])).reshape(item["shape"])
+    return out
+
+
+class PeerSnapshots:
+    """This rank's side of the ring: sends its snapshot right, holds the left one's."""
+
+    def __init__(self, interval: int, engine, rank: int, world: int, run_dir: Path | None,
+                 timeout_s: float = 600.0) -> None:
+        import torch.distributed as dist
+
+        self.interval, self.engine = interval, engine
+        self.rank, self.world, self.run_dir = rank, world, run_dir
+        self.right, self.left = (rank + 1) % world, (rank - 1) % world
+        # a group of its own: its traffic never queues behind (or between) training collectives
+        self.group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout_s))
+        self._isend = _unwrapped(dist.isend)
+        self._irecv = _unwrapped(dist.irecv)
+        self.layout: list[dict] | None = None
+        self.buf: torch.Tensor | None = None
+        self.recv = [None, None]       # alternating receive buffers
+        self.held: dict | None = None  # {"from", "step", "meta", "buf", "crc"} once verified
+        self.stats = {"snapshots": 0, "bytes": 0, "copy_s": 0.0, "stall_s": 0.0,
+                      "exchange_s": 0.0, "crc_failures": 0, "held_step": None}
+        self._job: threading.Thread | None = None
+        self._error: BaseException | None = None
+
+    # -- the training thread -----------------------------------------------------------------
+    def after_step(self, step: int) -> None:
+        if not self.interval or step % self.interval:
+            return
+        t0 = time.perf_counter()
+        self.wait()
+        t1 = time.perf_counter()
+        from myria.train.checkpoint import rng_state
+
+        state = flat_state(self.engine)
+        layout, nbytes = layout_of(state)
+        if self.buf is None or self.buf.numel() != nbytes:
+            self.buf = torch.empty(nbytes, dtype=torch.uint8)
+        pack(state, self.buf, layout)
+        meta = {"step": step, "rank": self.rank, "layout": layout, "rng": rng_state()}
+        t2 = time.perf_counter()
+        self.stats["stall_s"] += t1 - t0
+        self.stats["copy_s"] += t2 - t1
+        self.stats["snapshots"] += 1
+        self.stats["bytes"] += nbytes
+        self._job = threading.Thread(target=self._exchange, args=(meta,), daemon=True,
+                                     name="myria-peer-snapshot")
+        self._job.start()
+
+    def wait(self) -> None:
+        """Until the exchange in flight (if any) is over; raises what it failed with."""
+        if self._job is not None:
+            self._job.join()
+            self._job = None
+        if self._error is not None:
+            e, self._error = self._error, None
+            raise e
+
+    # -- the background thread ---------------------------------------------------------------
+    def _exchange(self, meta: dict) -> None:
+        try:
+            t0 = time.perf_counter()
+            self._swap(meta)
+            self.stats["exchange_s"] += time.perf_counter() - t0
+        except BaseException as e:  # the training thread sees it at the next snapshot
+            self._error = e
+
+    def _swap(self, meta: dict) -> None:
+        mbytes = json.dumps(meta).encode()
+        mt = torch.frombuffer(bytearray(mbytes), dtype=torch.uint8)
+        head = torch.tensor([meta["step"], len(mbytes), self.buf.numel(), crc32(self.buf),
+                             zlib.crc32(mbytes)], dtype=torch.int64)
+        rhead = torch.empty(5, dtype=torch.int64)
+        self._run([self._isend(head, self.right, group=self.group),
+                   self._irecv(rhead, self.left, group=self.group)])
+        step, mlen, nbytes, crc, mcrc = (int(x) for x in rhead)
+        slot = 0 if self.held is None or self.held["buf"] is not self.recv[0] else 1
+        rbuf = self.recv[slot]
+        if rbuf is None or rbuf.numel() != nbytes:
+            rbuf = self.recv[slot] = torch.empty(nbytes, dtype=torch.uint8)
+        rmeta = torch.empty(mlen, dtype=torch.uint8)
+        self._run([self._isend(mt, self.right, group=self.group),
+                   self._isend(self.buf, self.right, group=self.group),
+                   self._irecv(rmeta, self.left, group=self.group),
+                   self._irecv(rbuf, self.left, group=self.group)])
+        mraw = bytes(rmeta.numpy())
+        if crc32(rbuf) != crc or zlib.crc32(mraw) != mcrc:
+            self.stats["crc_failures"] += 1
+            log.warning("peer snapshot of rank %d at step %d fails its checksum: the previous "
+                        "copy (step %s) is kept", self.left, step, self.stats["held_step"])
+            return
+        self.held = {"from": self.left, "step": step, "meta": json.loads(mraw), "buf": rbuf,
+                     "crc": crc}
+        self.stats["held_step"] = step
+
+    @staticmethod
+    def _run(works) -> None:
+        for w in works:
+            w.wait()
+
+    # -- what is held ------------------------------------------------------------------------
+    def verify(self) -> str | None:
+        """None if the held snapshot still matches its checksum, else why not."""
+        if self.held is None:
+            return "no snapshot held"
+        if crc32(self.held["buf"]) != self.held["crc"]:
+            return (f"the snapshot of rank {self.held['from']} at step {self.held['step']} "
+                    "no longer matches its CRC-32")
+        return None
+
+    def held_state(self) -> dict[str, Any]:
+        if (why := self.verify()) is not None:
+            from myria.errors import CheckpointError
+
+            raise CheckpointError(f"peer snapshot unusable: {why}")
+        return unpack(self.held["meta"], self.held["buf"])
+
+    def close(self) -> None:
+        try:
+            self.wait()
+        except BaseException as e:
+            log.warning("peer snapshot exchange failed: %s", e)
+        if self.run_dir is None:
+            return
+        from myria.fsutil import atomic_write
+
+        try:
+            out = Path(self.run_dir) / DIR / f"rank{self.rank:05d}.json"
+            out.parent.mkdir(parents=True, exist_ok=True)
+            s = dict(self.stats, interval=self.interval, rank=self.rank, peer=self.right,
+                     holds_rank=self.left)
+            atomic_write(out, json.dumps({k: round(v, 6) if isinstance(v, float) else v
+                                          for k, v in s.items()}, indent=1))
+        except OSError:
+            pass
+
+
+class _Off:
+    held = None
+
+    def after_step(self, step: int) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def start(interval: int, engine, rank: int, world: int, run_dir: Path | None):
+    """The ring's member for this rank, or a no-op when off (interval 0) or alone."""
+    if not interval or world < 2:
+        return _Off()
+    return PeerSnapshots(interval, engine, rank, world, run_dir)
