@@ -97,11 +97,18 @@ def snapshot_cost(work: Path, data: Path, nproc: int, steps: int, rounds: int) -
     p = [r["peer"] for r in runs["every step"]]
     n = sum(x["snapshots"] for x in p)
     thread_ms = 1e3 * sum(x["copy_s"] + x["stall_s"] for x in p) / n
+    # CPU: the copy (training thread, CPU-bound) and the exchange thread's own CPU time, as a
+    # share of rank 0's process CPU time: load-independent, unlike the step-time difference
+    cpu = sum(x["copy_s"] + x["exchange_cpu_s"] for x in p)
+    cpu_share = cpu / sum(x["process_cpu_s"] - x["copy_s"] - x["exchange_cpu_s"] for x in p)
     return {"mean_step_off_s": round(off, 4), "mean_step_on_s": round(on, 4),
             "step_time_change": round(on / off - 1, 4),
             "training_thread_ms_per_snapshot": round(thread_ms, 2),
             "training_thread_share_of_step": round(thread_ms / 1e3 / off, 5),
             "exchange_ms_per_snapshot": round(1e3 * sum(x["exchange_s"] for x in p) / n, 2),
+            "cpu_ms_per_snapshot": round(1e3 * cpu / n, 2),
+            "cpu_share_every_step": round(cpu_share, 4),
+            "interval_for_2pct": max(1, -(-int(cpu_share * 1e4) // 200)),
             "mib_per_snapshot": round(sum(x["bytes"] for x in p) / n / 2**20, 2),
             "crc_failures": sum(x["crc_failures"] for x in p), "runs": runs}
 

@@ -133,7 +133,8 @@ def test_supervised_fault_run_ledger_sums_to_wall_time(tmp_path, tiny_data):
     run_cli("supervise", "--run-dir", str(tmp_path), "--nproc", "2", f"--data.path={tiny_data}",
             *TINY, "--training.steps=10", "--checkpoint.interval=4",
             "--resilience.heartbeat_s=0.5", "--resilience.backoff_s=0.2",
-            "--resilience.diagnose=false", env={"MYRIA_FAULT": "kill:rank=1:step=6"},
+            "--resilience.diagnose=false", "--resilience.memory_snapshot_interval=1",
+            env={"MYRIA_FAULT": "kill:rank=1:step=6"},
             timeout=400)
     s = json.loads((tmp_path / "supervisor_summary.json").read_text())
     g = s["goodput"]
@@ -150,6 +151,11 @@ def test_supervised_fault_run_ledger_sums_to_wall_time(tmp_path, tiny_data):
     assert set(ph) == set(goodput.RECOVERY_PHASES) and min(ph.values()) >= 0, ph
     assert ph["start_processes"] > 0 and ph["redo_steps"] > 0
     assert sum(ph.values()) == pytest.approx(f["time_lost_s"], abs=0.01)
+    # the ring neighbour held each rank's state after every step of the last attempt
+    for rank in (0, 1):
+        p = json.loads((tmp_path / "peer" / f"rank{rank:05d}.json").read_text())
+        assert p["holds_rank"] == 1 - rank and p["held_step"] == 10, p
+        assert p["snapshots"] == 10 - f["resumed_from"] and p["crc_failures"] == 0, p
     run_cli("report", str(tmp_path), "--no-prediction")
     page = (tmp_path / "report" / "index.html").read_text()
     assert "id=goodput" in page and "id=recoveries" in page and f"ETTR {g['ettr']:.4f}" in page

@@ -113,7 +113,9 @@ class PeerSnapshots:
         self.recv = [None, None]       # alternating receive buffers
         self.held: dict | None = None  # {"from", "step", "meta", "buf", "crc"} once verified
         self.stats = {"snapshots": 0, "bytes": 0, "copy_s": 0.0, "stall_s": 0.0,
-                      "exchange_s": 0.0, "crc_failures": 0, "held_step": None}
+                      "exchange_s": 0.0, "exchange_cpu_s": 0.0, "crc_failures": 0,
+                      "held_step": None}
+        self._cpu0 = time.process_time()
         self._job: threading.Thread | None = None
         self._error: BaseException | None = None
 
@@ -153,9 +155,10 @@ class PeerSnapshots:
     # -- the background thread ---------------------------------------------------------------
     def _exchange(self, meta: dict) -> None:
         try:
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.thread_time()
             self._swap(meta)
             self.stats["exchange_s"] += time.perf_counter() - t0
+            self.stats["exchange_cpu_s"] += time.thread_time() - c0
         except BaseException as e:  # the training thread sees it at the next snapshot
             self._error = e
 
@@ -221,8 +224,10 @@ class PeerSnapshots:
         try:
             out = Path(self.run_dir) / DIR / f"rank{self.rank:05d}.json"
             out.parent.mkdir(parents=True, exist_ok=True)
+            # the whole process's CPU time since the ring started: the snapshots' share of it
+            # is their cost on a host whose cores are all busy (this CPU box)
             s = dict(self.stats, interval=self.interval, rank=self.rank, peer=self.right,
-                     holds_rank=self.left)
+                     holds_rank=self.left, process_cpu_s=time.process_time() - self._cpu0)
             atomic_write(out, json.dumps({k: round(v, 6) if isinstance(v, float) else v
                                           for k, v in s.items()}, indent=1))
         except OSError:
