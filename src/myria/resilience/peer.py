@@ -16,7 +16,28 @@ The next training step waits for the previous exchange only if it is still runni
 the benchmark measures); RUN_DIR/peer/rankNNNNN.json has the counts and seconds (copy on the
 training thread, stall, background exchange and checksums) and any checksum failure.
 
-Why torch.distributed and not torchft: see myria.resilience.inplace (the evaluation).
+Nothing reads the held snapshots yet: in-job recovery (survivors stay, a spare takes its state
+from the neighbour's copy) is not built, so the interval defaults to 0 (off) and the
+supervisor's full restart from the newest checkpoint on disk is the recovery (issue 26).
+
+Why these snapshots are on torch.distributed, and what in-job recovery should build on. torchft
+0.2.0 (PyPI; needs torch>=2.7 and three opentelemetry packages) imports and runs on torch
+2.13 CPU with gloo here: three single-process replica groups under its lighthouse, one killed
+with SIGKILL at step 8: the two survivors committed their next step 1.3 s later (0.2 s of it a
+sleep in the loop) with 2 participants, and a fresh replica that joined at step 47 started
+with the survivors' weights, healed from a peer's memory over HTTP (2026-11-26, a toy
+all-reduce loop; the fresh process took ~9.6 s to start and import torch on this loaded host,
+the part a hot spare removes). So for the survivors-stay, heal-from-peer and shrink-or-grow
+behaviour along the data-parallel replicas, use torchft (Manager + its reconfigurable gloo/NCCL
+process groups, as torchtitan does), not a home-made quorum on torch.distributed: that is the
+principle "use the distributed engine that exists". What torchft does not cover, and why this
+module exists anyway: it is fault tolerance across replica groups only — a fault inside a
+replica group (one FSDP/TP/PP shard of it) restarts that whole group, whose state then comes
+from another replica, so a layout without data-parallel replicas (pure FSDP, TP or PP, the
+demo's zero2 over all ranks) has no peer copy in torchft at all; a ring neighbour copy holds
+every rank's shard in any layout. Adopting torchft also means each replica group is its own
+launch (torchrun per group, a lighthouse) and its step commit protocol wraps the optimizer,
+which is the change to myria's launcher and engine that in-job recovery has to make.
 """
 
 from __future__ import annotations

@@ -17,8 +17,17 @@ processes), and its monitor loop also
   waits a back-off (doubling) and restarts the group, whose workers resume from the newest
   checkpoint that verifies; up to `resilience.max_restarts` times;
 - at the end writes RUN_DIR/supervisor_summary.json: every fault with its cause, evidence,
-  action, detection latency and time lost, and the effective training time ratio (time in
-  training steps whose result was kept / wall time).
+  action, detection latency and time lost, each recovery by phase (`recovery_phases`:
+  detection, tear-down, decision = diagnostics, back-off, starting processes, process groups,
+  model build, restoring state, redoing lost steps; they add up to its time lost), the
+  effective training time ratio (time in training steps whose result was kept / wall time) and
+  the goodput ledger (`goodput`: every second of the wall time by category, with its own ETTR
+  and a timeline; myria.resilience.goodput). A hang's report (RUN_DIR/report/hang.json) holds
+  each rank's Python stack beside the collective it waits in (myria.observe.hang).
+
+Recovery is a full restart of this host's worker group. In-job recovery (survivors stay, a spare
+heals from a peer's memory) is not built; myria.resilience.peer says what is (each rank's state
+in its ring neighbour's memory) and why torchft is what it should build on.
 
 The supervisor's log (stderr and RUN_DIR/supervisor.log) has one line per detection (DETECTED),
 per action (ACTION) and per recovery milestone (RESUMED). Workers' own output goes to the console
