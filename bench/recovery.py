@@ -1,6 +1,7 @@
 """Recovery from a killed worker, phase by phase, and the goodput ledger of the run.
 
-    python bench/recovery.py [--nproc 4] [--steps 12] [--kill-step 7] [--data DIR]
+    python bench/recovery.py [--part all|recovery|snapshot|ettr] [--nproc 4] [--steps 12]
+                             [--kill-step 7] [--data DIR] [--snapshot-steps 8] [--rounds 2]
 
 A `--nproc`-rank run of the demo config (configs/demo.toml: Llama-style, 4 layers, hidden 512,
 seq 256, global batch 16) under `myria supervise`, one worker (rank nproc-2) killed (SIGKILL)
@@ -16,7 +17,17 @@ Paths: `full-restart` (today: the supervisor stops the whole group and restarts 
 newest checkpoint on disk). In-job recovery is not built yet (issue 26); when it is, it is added
 here and run in the same invocation.
 
-Writes bench/results/recovery.json and its section of bench/RESULTS.md.
+`--part snapshot`: the cost of holding each rank's state in its ring neighbour's memory every
+step (myria.resilience.peer) on the same demo run without faults, `myria train` with
+`resilience.memory_snapshot_interval` 1 vs 0 in interleaved rounds: mean step time, and the
+snapshots' CPU time (copy + exchange thread) as a share of the process's CPU time, which on
+this all-cores-busy host is what they cost, whatever the load of the moment.
+
+`--part ettr`: a 200-step 2-rank supervised run of a tiny model with three workers killed:
+the goodput ledger's total against the wall time, and its ETTR.
+
+Writes bench/results/recovery.json (recovery-PART.json for one part); the tables in
+bench/RESULTS.md are written by hand from them.
 """
 
 from __future__ import annotations
@@ -113,13 +124,35 @@ def snapshot_cost(work: Path, data: Path, nproc: int, steps: int, rounds: int) -
             "crc_failures": sum(x["crc_failures"] for x in p), "runs": runs}
 
 
+TINY = ["--model.layers=2", "--model.hidden=64", "--model.heads=4", "--model.kv_heads=2",
+        "--model.seq_len=64", "--training.global_batch=8", "--training.micro_batch=2",
+        "--optimizer.warmup_steps=4", "--training.eval_interval=0"]
+
+
+def ettr_run(work: Path, data: Path, steps: int, faults: int) -> dict:
+    """A `steps`-step 2-rank supervised run of a tiny model with `faults` workers killed:
+    its goodput ledger against the wall time (the supervisor's and one measured outside)."""
+    every = steps // (faults + 1)
+    kills = ",".join(f"kill:rank={i % 2}:step={every * (i + 1)}" for i in range(faults))
+    s = supervise(work / "ettr", data, 2, kills, [
+        *TINY, f"--training.steps={steps}", "--checkpoint.interval=10",
+        "--resilience.diagnose=false", "--resilience.backoff_s=0.5"])
+    g = s["goodput"]
+    return {"faults": kills, "restarts": s["restarts"], "wall_s": s["wall_s"],
+            "outside_wall_s": s["outside_wall_s"], "accounted_s": g["accounted_s"],
+            "other_s": g["seconds"]["other"], "ettr": g["ettr"],
+            "ettr_step_times": s["effective_training_time_ratio"], "seconds": g["seconds"],
+            "accounted_vs_wall": round(g["accounted_s"] / s["wall_s"] - 1, 5),
+            "time_lost_per_fault_s": [f["time_lost_s"] for f in s["faults"]]}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--nproc", type=int, default=4)
     ap.add_argument("--steps", type=int, default=12)
     ap.add_argument("--kill-step", type=int, default=7, help="steps done before the kill")
     ap.add_argument("--data", default="", help="prepared demo data (default: prepare it)")
-    ap.add_argument("--part", choices=("all", "recovery", "snapshot"), default="all")
+    ap.add_argument("--part", choices=("all", "recovery", "snapshot", "ettr"), default="all")
     ap.add_argument("--snapshot-steps", type=int, default=8, help="steps of each cost run")
     ap.add_argument("--rounds", type=int, default=2, help="rounds of the snapshot cost runs")
     args = ap.parse_args()
@@ -133,6 +166,10 @@ def main() -> None:
     fault = f"kill:rank={rank}:step={args.kill_step}"
     extra = [f"--training.steps={args.steps}", "--checkpoint.interval=5"]
     paths = {"full-restart": []} if args.part in ("all", "recovery") else {}
+    if args.part in ("all", "ettr"):
+        e = ettr_run(work, data, 200, 3)
+        print(f"200 steps, 3 kills: ledger {e['accounted_s']} s of wall {e['wall_s']} s "
+              f"(other {e['other_s']} s); ETTR {e['ettr']}", flush=True)
     results = {}
     for name, more in paths.items():
         s = supervise(work / name, data, args.nproc, fault, extra + more)
@@ -150,6 +187,8 @@ def main() -> None:
     out = {"date": time.strftime("%Y-%m-%d"), "machine": f"{platform.machine()}, "
            f"{os.cpu_count()} CPUs (shared), torch CPU", "command": " ".join(sys.argv),
            "nproc": args.nproc, "steps": args.steps, "fault": fault, "results": results}
+    if args.part in ("all", "ettr"):
+        out["ettr_200_steps"] = e
     if args.part in ("all", "snapshot"):
         out["snapshot_cost"] = snapshot_cost(work, data, args.nproc, args.snapshot_steps,
                                              args.rounds)
