@@ -398,7 +398,17 @@ class Supervisor:
             self._close()
         return code
 
+    def _remove_shared(self) -> None:
+        """The peer snapshots in shared memory of workers that no longer run."""
+        from myria.resilience import peer
+
+        try:
+            peer.remove_shared(self.job)
+        except OSError:
+            pass
+
     def _close(self) -> None:
+        self._remove_shared()
         if self.store is not None:
             try:
                 self.store.close()
@@ -522,6 +532,7 @@ class Supervisor:
         log.info("ACTION stop the worker group of attempt %d (SIGKILL)", self.attempt)
         agent._stop_workers(wg)
         f.stopped_at = time.time()
+        self._remove_shared()
         f.newest_committed = _newest_committed(self.run_dir)
         # The heartbeats read at detection can lag the workers by a beat (a loaded host): the
         # step a committed checkpoint or a metrics row of this attempt proves was reached
