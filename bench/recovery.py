@@ -76,12 +76,20 @@ def train(run_dir: Path, data: Path, nproc: int, steps: int, interval: int) -> d
            "--run-dir", str(run_dir), "--nproc", str(nproc), f"--data.path={data}",
            "--logging.tensorboard=false", "--logging.progress=false", "--checkpoint.interval=0",
            f"--training.steps={steps}", f"--resilience.memory_snapshot_interval={interval}"]
+    import resource
+
+    def cpu() -> float:  # every waited-for descendant: the launcher and its workers
+        u = resource.getrusage(resource.RUSAGE_CHILDREN)
+        return u.ru_utime + u.ru_stime
+
+    c0 = cpu()
     p = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=3000)
     if p.returncode != 0:
         raise SystemExit(f"train failed ({p.returncode}):\n{p.stderr[-4000:]}")
+    cpu_s = cpu() - c0
     rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     times = [r["step_time_s"] for r in rows if "loss" in r][1:]
-    out = {"mean_step_s": sum(times) / len(times), "steps": len(times)}
+    out = {"mean_step_s": sum(times) / len(times), "steps": len(times), "cpu_s": cpu_s}
     stats = run_dir / "peer" / "rank00000.json"
     if stats.exists():
         out["peer"] = json.loads(stats.read_text())
@@ -95,7 +103,8 @@ def snapshot_cost(work: Path, data: Path, nproc: int, steps: int, rounds: int) -
         for name, interval in (("off", 0), ("every step", 1)):
             r = train(work / f"snap-{interval}-{rnd}", data, nproc, steps, interval)
             runs[name].append(r)
-            line = f"snapshot cost round {rnd + 1} {name}: mean step {r['mean_step_s']:.3f} s"
+            line = (f"snapshot cost round {rnd + 1} {name}: mean step {r['mean_step_s']:.3f} s, "
+                    f"CPU {r['cpu_s']:.1f} s")
             if "peer" in r:
                 q = r["peer"]
                 n = q["snapshots"]
@@ -111,15 +120,20 @@ def snapshot_cost(work: Path, data: Path, nproc: int, steps: int, rounds: int) -
     # CPU: the copy (training thread, CPU-bound) and the exchange thread's own CPU time, as a
     # share of rank 0's process CPU time: load-independent, unlike the step-time difference
     cpu = sum(x["copy_s"] + x["exchange_cpu_s"] for x in p)
-    cpu_share = cpu / sum(x["process_cpu_s"] - x["copy_s"] - x["exchange_cpu_s"] for x in p)
+    # the CPU time of the whole job (all ranks, start-up included, the same in both): the
+    # difference per rank-step is what a snapshot costs a host whose cores are all busy
+    c_off = sum(r["cpu_s"] for r in runs["off"]) / rounds
+    c_on = sum(r["cpu_s"] for r in runs["every step"]) / rounds
+    rank_steps = nproc * steps
     return {"mean_step_off_s": round(off, 4), "mean_step_on_s": round(on, 4),
+            "job_cpu_off_s": round(c_off, 2), "job_cpu_on_s": round(c_on, 2),
+            "cpu_ms_per_rank_step": round(1e3 * (c_on - c_off) / rank_steps, 1),
+            "cpu_share_of_step": round((c_on - c_off) / c_off, 4),
             "step_time_change": round(on / off - 1, 4),
             "training_thread_ms_per_snapshot": round(thread_ms, 2),
             "training_thread_share_of_step": round(thread_ms / 1e3 / off, 5),
             "exchange_ms_per_snapshot": round(1e3 * sum(x["exchange_s"] for x in p) / n, 2),
-            "cpu_ms_per_snapshot": round(1e3 * cpu / n, 2),
-            "cpu_share_every_step": round(cpu_share, 4),
-            "interval_for_2pct": max(1, -(-int(cpu_share * 1e4) // 200)),
+            "thread_cpu_ms_per_snapshot": round(1e3 * cpu / n, 2),
             "mib_per_snapshot": round(sum(x["bytes"] for x in p) / n / 2**20, 2),
             "crc_failures": sum(x["crc_failures"] for x in p), "runs": runs}
 
