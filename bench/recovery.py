@@ -155,7 +155,7 @@ def ettr_run(work: Path, data: Path, steps: int, faults: int) -> dict:
     return {"faults": kills, "restarts": s["restarts"], "wall_s": s["wall_s"],
             "outside_wall_s": s["outside_wall_s"], "accounted_s": g["accounted_s"],
             "other_s": g["seconds"]["other"], "ettr": g["ettr"],
-            "ettr_step_times": s["effective_training_time_ratio"], "seconds": g["seconds"],
+            "step_time_ratio": s["step_time_ratio"], "seconds": g["seconds"],
             "accounted_vs_wall": round(g["accounted_s"] / s["wall_s"] - 1, 5),
             "time_lost_per_fault_s": [f["time_lost_s"] for f in s["faults"]]}
 

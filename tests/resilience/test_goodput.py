@@ -145,7 +145,7 @@ def test_supervised_fault_run_ledger_sums_to_wall_time(tmp_path, tiny_data):
     # productive time is the recorded step time of the kept steps, less the data wait
     rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert 0 < g["seconds"]["productive"] <= sum(r["step_time_s"] for r in rows) + 0.05
-    assert 0 < g["ettr"] < 1
+    assert 0 < g["ettr"] < 1 and s["effective_training_time_ratio"] == g["ettr"]
     f = s["faults"][0]
     ph = f["recovery_phases"]
     assert set(ph) == set(goodput.RECOVERY_PHASES) and min(ph.values()) >= 0, ph

@@ -250,6 +250,15 @@ def summarize(run_dir: str | Path, started_at: float, ended_at: float, faults: l
     {"cost_s_per_step", "first_step"} of each detected straggler."""
     run_dir = Path(run_dir)
     rows = _rows(run_dir, started_at)
+    # a straggler's measured cost per step, on each step after it was first seen, is time the
+    # job lost to it: moved out of the row's productive time
+    for r in rows:
+        gp = r["goodput"] = dict(r["goodput"])
+        for st in stragglers or []:
+            if "productive" in gp and int(r["step"]) >= int(st.get("first_step", 0)):
+                cost = min(gp["productive"], float(st.get("cost_s_per_step", 0.0)))
+                gp["productive"] -= cost
+                gp["straggler"] = gp.get("straggler", 0.0) + cost
     timeline: list[tuple[float, float, dict[str, float]]] = []
     cursor = started_at
 
@@ -304,14 +313,6 @@ def summarize(run_dir: str | Path, started_at: float, ended_at: float, faults: l
     for _, _, seg in timeline:
         for k, v in seg.items():
             seconds[k] += v
-    # a straggler's measured cost per step, for the steps after it was first seen, is time the
-    # job lost to it: moved out of productive time
-    steps = [r for r in rows if "productive" in r["goodput"]]
-    for s in stragglers or []:
-        n = sum(1 for r in steps if int(r["step"]) >= int(s.get("first_step", 0)))
-        cost = min(seconds["productive"], n * float(s.get("cost_s_per_step", 0.0)))
-        seconds["productive"] -= cost
-        seconds["straggler"] += cost
     wall = ended_at - started_at
     out = {c: round(seconds.get(c, 0.0), 3) for c in CATEGORIES}
     return {

@@ -794,10 +794,13 @@ class Supervisor:
     def summary(self, status: str) -> dict[str, Any]:
         """Faults, causes, actions, time lost and the effective training time ratio.
 
-        Productive time is the recorded time of the training steps the final model went
-        through, run under this supervisor (metrics rows since it started; each row carries the
-        step time since the previous row, and rows of steps redone after a rollback were set
-        aside by the trainer). ETTR = productive / wall, in [0, 1] by construction.
+        ETTR = productive / wall from the goodput ledger (myria.resilience.goodput: the wall
+        time tiled by category; productive = the first run of each step, less its data wait
+        and any straggler's cost). `step_time_ratio` is the older measure, kept for comparison:
+        the recorded time of the training steps the final model went through, run under this
+        supervisor (metrics rows since it started; each row carries the step time since the
+        previous row, and rows of steps redone after a rollback were set aside by the trainer)
+        over the wall time; `mean_step_s` is from it. Both lie in [0, 1] by construction.
         """
         end = time.time()
         wall = end - self.started_at
@@ -823,14 +826,20 @@ class Supervisor:
                                    [{"first_step": s.first_step,
                                      "cost_s_per_step": s.cost_s_per_step}
                                     for s in self.stragglers.values()])
+        kept = productive  # the step-time measure; the ledger's when it has rows
+        if ledger["seconds"]["productive"] > 0:
+            productive, ettr_ledger = ledger["seconds"]["productive"], ledger["ettr"]
+        else:
+            ettr_ledger = ettr
         return {
             "status": status, "host": self.host, "job": self.job,
             "target_steps": self.cfg.training.steps, "start_step": max(0, start),
             "final_step": final, "steps_trained": steps,
             "restarts": sum(1 for f in self.faults if f.restarted_at),
             "wall_s": round(wall, 3), "productive_s": round(productive, 3),
-            "mean_step_s": round(productive / steps, 4) if steps else 0.0,
-            "effective_training_time_ratio": round(ettr, 4),
+            "mean_step_s": round(kept / steps, 4) if steps else 0.0,
+            "effective_training_time_ratio": round(ettr_ledger, 4),
+            "step_time_ratio": round(ettr, 4),
             "time_lost_s": round(wall - productive, 3),
             "newest_checkpoint": _newest_committed(self.run_dir),
             "faults": faults, "blocklist": self.blocklist, "goodput": ledger,
