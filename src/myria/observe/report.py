@@ -462,7 +462,7 @@ def goodput_ledger(run_dir: Path) -> tuple[dict | None, list[dict]]:
             s = {}
         if s.get("goodput"):
             return s["goodput"], s.get("faults", [])
-    rows = goodput._rows(run_dir, 0.0)
+    rows = goodput.ledger_rows(run_dir, 0.0)
     if not rows:
         return None, []
     return goodput.summarize(run_dir, min(r["goodput_since"] for r in rows),

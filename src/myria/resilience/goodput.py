@@ -222,7 +222,8 @@ def breakdown(f: dict, marks: dict[int, dict]) -> dict[str, float] | None:
     return {k: round(v, 3) for k, v in out.items()}
 
 
-def _rows(run_dir: Path, since: float) -> list[dict]:
+def ledger_rows(run_dir: Path, since: float) -> list[dict]:
+    """The metrics rows with a ledger written since `since` (kept and set-aside), by time."""
     from myria import rundir
 
     rows = []
@@ -249,7 +250,7 @@ def summarize(run_dir: str | Path, started_at: float, ended_at: float, faults: l
     `faults` are Fault.to_dict()s in order (attempt, fault_at, detected_at); `stragglers` are
     {"cost_s_per_step", "first_step"} of each detected straggler."""
     run_dir = Path(run_dir)
-    rows = _rows(run_dir, started_at)
+    rows = ledger_rows(run_dir, started_at)
     # a straggler's measured cost per step, on each step after it was first seen, is time the
     # job lost to it: moved out of the row's productive time
     for r in rows:
