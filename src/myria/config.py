@@ -319,6 +319,9 @@ class ResilienceConfig:
                                 "exit before SIGKILL", min=0.0)
     async_checkpoint: bool = _f(True, "two-stage checkpoints: snapshot to host memory, write in "
                                 "the background; false writes synchronously")
+    memory_snapshot_interval: int = _f(0, "every this many steps each rank's state is also "
+                                       "held in its ring neighbour's memory, checksummed "
+                                       "(myria.train.peer); 0 = off", min=0)
     snapshot_overlap: bool = _f(True, "copy the snapshot during the next step's forward and "
                                 "backward, blocking only before the optimizer changes weights")
     nccl_ib_timeout: int = _f(20, "NCCL_IB_TIMEOUT: InfiniBand verbs timeout exponent, "

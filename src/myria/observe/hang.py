@@ -5,13 +5,22 @@ writes RUN_DIR/hang/rankNNNNN.json with its open events (innermost last) and its
 event (myria.observe.events). `merge` reads them and names the rank stuck outside any
 collective, or that wrote nothing (frozen, dead, or not running Python), and the collective the
 others wait in; the result goes to RUN_DIR/report/hang.json.
+
+Beside each rank's open events the report holds its Python stack (`stacks`, and `stack`, the
+innermost frames of its main thread, on each stuck or waiting rank): taken with py-spy where
+the `py-spy` command is installed and may attach (it reads a process from outside, so a frozen
+or GIL-holding one answers too), else with the standard library's faulthandler, which each worker
+registers on SIGUSR2 (`listen_for_stacks`) and which dumps every thread from the signal handler
+in C, also while the main thread waits inside a collective.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
+import subprocess
 import time
 from collections import Counter
 from pathlib import Path
@@ -90,7 +99,8 @@ def summary_line(rep: dict) -> str:
     for r, s in sorted(rep["stuck"].items()):
         parts.append(f"rank {r} is stuck outside any collective (in {s['in'] or 'no event'}"
                      + (f" for {s['since_s']:.1f} s" if s["since_s"] is not None else "")
-                     + f", step {s['step']})")
+                     + f", step {s['step']})"
+                     + (f" at {s['stack'][0].strip()}" if s.get("stack") else ""))
     if rep["silent_ranks"]:
         parts.append(f"rank(s) {rep['silent_ranks']} wrote nothing (frozen, dead or outside "
                      "Python)")
@@ -106,3 +116,114 @@ def write(run_dir: str | Path, rep: dict) -> Path:
     out.parent.mkdir(parents=True, exist_ok=True)
     atomic_write(out, json.dumps(rep, indent=1))
     return out
+
+
+# -- Python stacks ----------------------------------------------------------------------------
+STACK_SIGNAL = signal.SIGUSR2
+_STACK_FH = None
+
+
+def stack_file(run_dir: str | Path, rank: int) -> Path:
+    return rundir.hang_file(run_dir, rank).with_suffix(".stack.txt")
+
+
+def listen_for_stacks(run_dir: str | Path, rank: int | None = None) -> None:
+    """Dump every thread's Python stack to RUN_DIR/hang/rankNNNNN.stack.txt on SIGUSR2
+    (faulthandler). Call early in a worker; RANK from the environment by default."""
+    global _STACK_FH
+    import faulthandler
+
+    if _STACK_FH is not None:
+        return
+    rank = int(os.environ.get("RANK", 0)) if rank is None else rank
+    path = stack_file(run_dir, rank)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        _STACK_FH = open(path, "a")  # append: the requester truncates it before each dump
+    except OSError:
+        return
+    faulthandler.register(STACK_SIGNAL, file=_STACK_FH, all_threads=True, chain=False)
+
+
+def main_thread_frames(text: str, tool: str) -> list[str]:
+    """The main thread's frames, innermost first, from a py-spy or faulthandler dump."""
+    blocks, cur = [], None
+    for line in text.splitlines():
+        if line.startswith(("Thread ", "Current thread ")):
+            cur = [line]
+            blocks.append(cur)
+        elif cur is not None and line.strip():
+            cur.append(line.strip())
+    if not blocks:
+        return []
+    if tool == "py-spy":
+        main = next((b for b in blocks if "MainThread" in b[0]), blocks[0])
+    else:  # faulthandler lists the newest thread first: the main thread is the last
+        main = blocks[-1]
+    return main[1:]
+
+
+def _py_spy(pids: dict[int, int], timeout_s: float) -> dict[int, str]:
+    exe = shutil.which("py-spy")
+    if not exe:
+        return {}
+    procs = {r: subprocess.Popen([exe, "dump", "--pid", str(pid)], stdout=subprocess.PIPE,
+                                 stderr=subprocess.DEVNULL, text=True)
+             for r, pid in pids.items()}
+    out = {}
+    for r, p in procs.items():
+        try:
+            text, _ = p.communicate(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            continue
+        if p.returncode == 0 and text.strip():
+            out[r] = text
+    return out
+
+
+def request_stacks(pids: dict[int, int], run_dir: str | Path,
+                   timeout_s: float = 5.0) -> dict[int, dict]:
+    """Each rank's Python stack: {rank: {"tool", "text", "main"}}; py-spy first, faulthandler
+    (SIGUSR2 to a worker that called `listen_for_stacks`) for the ranks it could not read."""
+    got = {r: {"tool": "py-spy", "text": t} for r, t in _py_spy(pids, timeout_s).items()}
+    rest = {r: pid for r, pid in pids.items() if r not in got}
+    for r, pid in rest.items():
+        path = stack_file(run_dir, r)
+        if not path.exists():
+            continue  # no handler registered: SIGUSR2 would end the process
+        try:
+            os.truncate(path, 0)
+            os.kill(pid, STACK_SIGNAL)
+        except OSError:
+            continue
+    deadline = time.time() + timeout_s
+    sizes: dict[int, int] = {}
+    while rest and time.time() < deadline:
+        time.sleep(0.1)
+        for r in list(rest):
+            try:
+                n = stack_file(run_dir, r).stat().st_size
+            except OSError:
+                continue
+            if n and sizes.get(r) == n:  # written and no longer growing
+                got[r] = {"tool": "faulthandler",
+                          "text": stack_file(run_dir, r).read_text(errors="replace")}
+                del rest[r]
+            sizes[r] = n
+    for d in got.values():
+        d["main"] = main_thread_frames(d["text"], d["tool"])
+    return got
+
+
+def add_stacks(rep: dict, stacks: dict[int, dict], frames: int = 8) -> dict:
+    """Put each rank's stack in the report, and its main thread's innermost frames beside the
+    collective it waits in (or the event it is stuck in)."""
+    rep["stacks"] = {r: {"tool": d["tool"], "main": d["main"], "text": d["text"]}
+                     for r, d in sorted(stacks.items())}
+    for part in ("waiting", "stuck"):
+        for r, entry in rep.get(part, {}).items():
+            if r in stacks:
+                entry["stack"] = stacks[r]["main"][:frames]
+    rep["stack_ranks"] = sorted(stacks)
+    return rep

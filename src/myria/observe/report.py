@@ -95,7 +95,8 @@ def write_report(run_dir: Path, predict: bool = True) -> Path:
         if pred is not None:
             pred.update(measured_step(table, _metrics(run_dir)))
             (out / "prediction.json").write_text(json.dumps(pred, indent=1))
-    (out / "index.html").write_text(page(run, table, blame, figs, pred))
+    (out / "index.html").write_text(page(run, table, blame, figs, pred).replace(
+        "</body></html>", recovery_section(run_dir, out) + "</body></html>"))
     return out
 
 
@@ -439,3 +440,105 @@ tr.hot{{background:#fdd}}img{{max-width:100%}}.row{{display:flex;gap:2em}}</styl
 <h2>Predicted beside measured</h2>{pred_html}
 <h2>Missing</h2><ul>{problems}</ul>
 <p>Timeline: <code>trace.json</code> (Perfetto, chrome://tracing).</p></body></html>"""
+
+
+# -- recovery and goodput (issue 26) ---------------------------------------------------------
+LEDGER_COLORS = {"productive": "#2ca02c", "startup": "#9467bd", "data_wait": "#7f7f7f",
+                 "checkpoint": "#bcbd22", "eval": "#17becf", "straggler": "#ff7f0e",
+                 "detection": "#d62728", "recovery": "#e377c2", "lost": "#8c564b",
+                 "redone": "#f7b6d2", "shutdown": "#c5b0d5", "other": "#000000"}
+
+
+def goodput_ledger(run_dir: Path) -> tuple[dict | None, list[dict]]:
+    """The run's goodput ledger (the supervisor's, or else one made from metrics.jsonl's rows)
+    and the supervisor's faults (empty without a supervisor)."""
+    from myria.observe import goodput
+
+    path = run_dir / "supervisor_summary.json"
+    if path.exists():
+        try:
+            s = json.loads(path.read_text())
+        except ValueError:
+            s = {}
+        if s.get("goodput"):
+            return s["goodput"], s.get("faults", [])
+    rows = goodput.ledger_rows(run_dir, 0.0)
+    if not rows:
+        return None, []
+    return goodput.summarize(run_dir, min(r["goodput_since"] for r in rows),
+                             max(r["time"] for r in rows), []), []
+
+
+def goodput_bins(timeline: list[dict], bins: int = 40) -> tuple[list[float], float,
+                                                                dict[str, list[float]]]:
+    """The ledger's timeline as `bins` equal slices of wall time: (slice starts, width,
+    seconds of each category per slice); each segment is spread over the slices it overlaps."""
+    from myria.observe.goodput import CATEGORIES
+
+    end = max((seg["t"] + seg["dt"] for seg in timeline), default=0.0)
+    width = end / bins if end > 0 else 1.0
+    out = {c: [0.0] * bins for c in CATEGORIES}
+    for seg in timeline:
+        t0, t1 = seg["t"], seg["t"] + seg["dt"]
+        if t1 <= t0:
+            continue
+        for i in range(int(t0 // width), min(bins, int(t1 // width) + 1)):
+            lo, hi = max(t0, i * width), min(t1, (i + 1) * width)
+            if hi > lo:
+                for c, v in seg["s"].items():
+                    out.setdefault(c, [0.0] * bins)[i] += v * (hi - lo) / (t1 - t0)
+    return [i * width for i in range(bins)], width, out
+
+
+def recovery_section(run_dir: Path, out: Path) -> str:
+    """HTML: the goodput ledger (table, ETTR, a stacked bar of wall time over time) and each
+    fault's recovery by phase; '' for a run without a ledger."""
+    from myria.observe.goodput import RECOVERY_PHASES
+
+    ledger, faults = goodput_ledger(run_dir)
+    if ledger is None:
+        return ""
+    esc = html.escape
+    wall = ledger["wall_s"] or 1.0
+    rows = "".join(f"<tr><td>{esc(k)}</td><td>{v:.1f}</td><td>{100 * v / wall:.1f}%</td></tr>"
+                   for k, v in ledger["seconds"].items() if v > 0)
+    (out / "goodput.json").write_text(json.dumps({"ledger": ledger, "faults": faults},
+                                                 indent=1))
+    img = ""
+    if ledger.get("timeline"):
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        starts, width, cats = goodput_bins(ledger["timeline"])
+        fig, ax = plt.subplots(figsize=(10, 3.2))
+        bottom = [0.0] * len(starts)
+        for c, vals in cats.items():
+            if not any(vals):
+                continue
+            ax.bar(starts, vals, width=width, bottom=bottom, align="edge", label=c,
+                   color=LEDGER_COLORS.get(c))
+            bottom = [b + v for b, v in zip(bottom, vals, strict=True)]
+        ax.set_xlabel("wall time since start, s")
+        ax.set_ylabel("seconds per slice")
+        ax.set_title(f"Goodput ledger: ETTR {ledger['ettr']:.3f}")
+        ax.legend(loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8)
+        img = f"<img id=goodput alt='goodput ledger' src='data:image/png;base64," \
+              f"{_png(fig, out / 'goodput.png')}'>"
+    frows = ""
+    for f in faults:
+        ph = f.get("recovery_phases") or {}
+        cells = "".join(f"<td>{ph[k]:.2f}</td>" if k in ph else "<td>-</td>"
+                        for k in RECOVERY_PHASES)
+        frows += (f"<tr><td>{esc(str(f.get('kind')))}</td><td>{esc(str(f.get('ranks')))}</td>"
+                  f"<td>{f.get('last_step')}</td>{cells}<td>{f.get('time_lost_s')}</td></tr>")
+    ftable = ""
+    if faults:
+        head = "".join(f"<th>{esc(k)}</th>" for k in RECOVERY_PHASES)
+        ftable = (f"<h2>Recoveries by phase, s</h2><table id=recoveries><tr><th>fault</th>"
+                  f"<th>ranks</th><th>step</th>{head}<th>total lost</th></tr>{frows}</table>")
+    return (f"<h2>Goodput ledger</h2><p id=ettr>ETTR {ledger['ettr']:.4f}: {ledger['wall_s']:.1f}"
+            f" s of wall time, {ledger['accounted_s']:.1f} s accounted.</p>"
+            f"<table id=ledger><tr><th>category</th><th>s</th><th>of wall</th></tr>{rows}"
+            f"</table>{img}{ftable}")

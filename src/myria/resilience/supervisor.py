@@ -17,8 +17,17 @@ processes), and its monitor loop also
   waits a back-off (doubling) and restarts the group, whose workers resume from the newest
   checkpoint that verifies; up to `resilience.max_restarts` times;
 - at the end writes RUN_DIR/supervisor_summary.json: every fault with its cause, evidence,
-  action, detection latency and time lost, and the effective training time ratio (time in
-  training steps whose result was kept / wall time).
+  action, detection latency and time lost, each recovery by phase (`recovery_phases`:
+  detection, tear-down, decision = diagnostics, back-off, starting processes, process groups,
+  model build, restoring state, redoing lost steps; they add up to its time lost), the
+  effective training time ratio (time in training steps whose result was kept / wall time) and
+  the goodput ledger (`goodput`: every second of the wall time by category, with its own ETTR
+  and a timeline; myria.observe.goodput). A hang's report (RUN_DIR/report/hang.json) holds
+  each rank's Python stack beside the collective it waits in (myria.observe.hang).
+
+Recovery is a full restart of this host's worker group. In-job recovery (survivors stay, a spare
+heals from a peer's memory) is not built; myria.train.peer says what is (each rank's state
+in its ring neighbour's memory) and why torchft is what it should build on.
 
 The supervisor's log (stderr and RUN_DIR/supervisor.log) has one line per detection (DETECTED),
 per action (ACTION) and per recovery milestone (RESUMED). Workers' own output goes to the console
@@ -61,6 +70,7 @@ from myria import config as config_mod
 from myria import rundir
 from myria.errors import ConfigError, LaunchError, MyriaError
 from myria.fsutil import atomic_write
+from myria.observe import goodput
 from myria.observe import heartbeat_store as heartbeat
 from myria.resilience.watch import Detection, Watchdog
 
@@ -176,6 +186,8 @@ class Fault:
     action: list[str] = field(default_factory=list)
     diagnostics: list[str] = field(default_factory=list)
     stopped_at: float = 0.0
+    decided_at: float = 0.0      # diagnostics done (or skipped)
+    backoff_done_at: float = 0.0  # the back-off wait over: the restart begins
     restarted_at: float = 0.0
     newest_committed: str = ""
     resumed_from: int | None = None
@@ -386,7 +398,17 @@ class Supervisor:
             self._close()
         return code
 
+    def _remove_shared(self) -> None:
+        """The peer snapshots in shared memory of workers that no longer run."""
+        from myria.train import peer
+
+        try:
+            peer.remove_shared(self.job)
+        except OSError:
+            pass
+
     def _close(self) -> None:
+        self._remove_shared()
         if self.store is not None:
             try:
                 self.store.close()
@@ -491,6 +513,7 @@ class Supervisor:
         try:
             since = hang.request(pids, self.run_dir)
             rep = hang.merge(self.run_dir, sorted(pids), since)
+            hang.add_stacks(rep, hang.request_stacks(pids, self.run_dir))
             path = hang.write(self.run_dir, rep)
         except Exception as e:  # the report is evidence; never let it stop recovery
             log.warning("hang report failed: %s", e)
@@ -509,6 +532,7 @@ class Supervisor:
         log.info("ACTION stop the worker group of attempt %d (SIGKILL)", self.attempt)
         agent._stop_workers(wg)
         f.stopped_at = time.time()
+        self._remove_shared()
         f.newest_committed = _newest_committed(self.run_dir)
         # The heartbeats read at detection can lag the workers by a beat (a loaded host): the
         # step a committed checkpoint or a metrics row of this attempt proves was reached
@@ -518,6 +542,7 @@ class Supervisor:
         f.last_step = max([f.last_step, *done, *_metrics_rows(self.run_dir, since)])
         if self.r.diagnose:
             self._diagnose(f)
+        f.decided_at = time.time()
         restarts = sum(1 for x in self.faults if x.restarted_at) + 1
         wait = min(self.r.backoff_s * 2 ** (restarts - 1), self.r.backoff_max_s)
         newest = f.newest_committed
@@ -526,6 +551,7 @@ class Supervisor:
                  "workers resume from the newest checkpoint that verifies (newest committed: "
                  "%s)", self.attempt + 1, agent._remaining_restarts, wait, newest or "none")
         time.sleep(wait)
+        f.backoff_done_at = time.time()
 
     # -- detection helpers -------------------------------------------------------------------
     def _read_heartbeats(self) -> dict[int, dict | None]:
@@ -768,10 +794,13 @@ class Supervisor:
     def summary(self, status: str) -> dict[str, Any]:
         """Faults, causes, actions, time lost and the effective training time ratio.
 
-        Productive time is the recorded time of the training steps the final model went
-        through, run under this supervisor (metrics rows since it started; each row carries the
-        step time since the previous row, and rows of steps redone after a rollback were set
-        aside by the trainer). ETTR = productive / wall, in [0, 1] by construction.
+        ETTR = productive / wall from the goodput ledger (myria.observe.goodput: the wall
+        time tiled by category; productive = the first run of each step, less its data wait
+        and any straggler's cost). `step_time_ratio` is the older measure, kept for comparison:
+        the recorded time of the training steps the final model went through, run under this
+        supervisor (metrics rows since it started; each row carries the step time since the
+        previous row, and rows of steps redone after a rollback were set aside by the trainer)
+        over the wall time; `mean_step_s` is from it. Both lie in [0, 1] by construction.
         """
         end = time.time()
         wall = end - self.started_at
@@ -787,17 +816,33 @@ class Supervisor:
             log.error("effective training time ratio %.4f outside [0, 1] (productive %.1f s, "
                       "wall %.1f s): clamped; please report", ettr, productive, wall)
         ettr = min(max(ettr, 0.0), 1.0)
+        faults = []
+        for f in self.faults:
+            d = f.to_dict()
+            d["recovery_phases"] = goodput.breakdown(d, goodput.read_marks(self.run_dir,
+                                                                           f.attempt + 1))
+            faults.append(d)
+        ledger = goodput.summarize(self.run_dir, self.started_at, end, faults,
+                                   [{"first_step": s.first_step,
+                                     "cost_s_per_step": s.cost_s_per_step}
+                                    for s in self.stragglers.values()])
+        kept = productive  # the step-time measure; the ledger's when it has rows
+        if ledger["seconds"]["productive"] > 0:
+            productive, ettr_ledger = ledger["seconds"]["productive"], ledger["ettr"]
+        else:
+            ettr_ledger = ettr
         return {
             "status": status, "host": self.host, "job": self.job,
             "target_steps": self.cfg.training.steps, "start_step": max(0, start),
             "final_step": final, "steps_trained": steps,
             "restarts": sum(1 for f in self.faults if f.restarted_at),
             "wall_s": round(wall, 3), "productive_s": round(productive, 3),
-            "mean_step_s": round(productive / steps, 4) if steps else 0.0,
-            "effective_training_time_ratio": round(ettr, 4),
+            "mean_step_s": round(kept / steps, 4) if steps else 0.0,
+            "effective_training_time_ratio": round(ettr_ledger, 4),
+            "step_time_ratio": round(ettr, 4),
             "time_lost_s": round(wall - productive, 3),
             "newest_checkpoint": _newest_committed(self.run_dir),
-            "faults": [f.to_dict() for f in self.faults], "blocklist": self.blocklist,
+            "faults": faults, "blocklist": self.blocklist, "goodput": ledger,
             "heartbeat_s": self.r.heartbeat_s, "store": self.r.store,
         }
 
@@ -815,6 +860,13 @@ class Supervisor:
             log.info("  fault %s rank(s) %s at step %s: cause %s; detected in %.2f s; actions: "
                      "%s; %s", f["kind"], f["ranks"], f["last_step"], f["cause"],
                      f["detection_s"], ", ".join(f["action"]) or "-", back)
+            if f.get("recovery_phases"):
+                log.info("    recovery phases (s): %s", ", ".join(
+                    f"{k} {v:.2f}" for k, v in f["recovery_phases"].items()))
+        g = s["goodput"]
+        log.info("goodput ledger: ETTR %.4f; %s; accounted %.1f of %.1f s", g["ettr"],
+                 ", ".join(f"{k} {v:.1f}" for k, v in g["seconds"].items() if v),
+                 g["accounted_s"], g["wall_s"])
 
 
 def _signature(exitcode: int, cause: str) -> str:

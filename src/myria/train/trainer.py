@@ -43,10 +43,10 @@ from myria.faults import FaultInjector
 from myria.fsutil import atomic_write
 from myria.layout import Layout
 from myria.models.flops import model_flops_per_token
-from myria.observe import events
+from myria.observe import events, goodput, hang
 from myria.parallel.data import make_loader, write_read_counts
 from myria.parallel.dims import ParallelDims
-from myria.train import distributed, heartbeat, resume
+from myria.train import distributed, heartbeat, peer, resume
 from myria.train.checkpoint import CheckpointManager
 from myria.train.engine import Engine
 from myria.train.integrity import StepGuard
@@ -77,11 +77,13 @@ def train(cfg: Config, run_dir: str | Path, stop_after: int | None = None) -> Tr
     """Run (or resume) training as this process's rank; returns the losses of this session."""
     run_dir = Path(run_dir)
     events.listen_for_dumps(run_dir)  # before any thread starts (SIGUSR1 -> hang dump)
+    hang.listen_for_stacks(run_dir)  # SIGUSR2 -> every thread's Python stack (faulthandler)
     if cfg.training.deterministic:  # before the first cuBLAS handle (GPU bitwise resume)
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
         torch.use_deterministic_algorithms(True)
+    ledger = goodput.Ledger(run_dir)  # every second of this process, by category
     env = distributed.init(cfg.training.device, cfg.training.init_timeout_s)
-    hb = heartbeat.start(env.rank)
+    hb = goodput.follow(heartbeat.start(env.rank), ledger, env.rank)
     phase = "failed"
     try:
         result = _train(cfg, run_dir, env, stop_after, hb)
@@ -179,6 +181,8 @@ def train_step(run: Run, step: int) -> StepDone:
         with rec.span("gc", "check"):
             gc.collect()  # every rank at the same step (automatic collection is off)
     guard.check_replicas(step + 1)
+    hb.phase("peer-snapshot")
+    run.peers.after_step(step + 1)  # this rank's state into its ring neighbour's memory
     rec.end(step_ev)
     return StepDone(loss, grad_norm, lr, apply)
 
@@ -209,6 +213,7 @@ class Run:
     peak: float | None
     since_logged: float = 0.0  # step time since the last logged row (productive time)
     val: Any = None            # the validation split, opened at the first evaluation
+    peers: Any = None          # resilience.peer: this rank's state held by its neighbour
 
     @classmethod
     def build(cls, cfg: Config, run_dir: Path, env, hb: heartbeat.Heartbeat) -> Run:
@@ -243,6 +248,7 @@ class Run:
                                  interval=cfg.checkpoint.interval)
         start_step, latest = resume_run(cfg, run_dir, env, engine, ckpt, data_fp)
         hb.resumed(start_step)
+        peers = peer.start(r.memory_snapshot_interval, engine, env.rank, env.world_size, run_dir)
         write_checkpoint_stats(run_dir, env.rank, ckpt, latest)
         stop = StopRequest(t.init_timeout_s)
         loader = make_loader(engine, dataset, cfg, start_step)  # one reader per tp x cp group
@@ -265,7 +271,7 @@ class Run:
         return cls(cfg, run_dir, env, hb, layout, dataset, data_fp, engine, rec, faults, ckpt,
                    latest, start_step, stop, loader, metrics,
                    StepGuard(cfg, engine, run_dir, env.rank, faults), StepTimer(sync),
-                   model_flops_per_token(m, seq_len=span), peak)
+                   model_flops_per_token(m, seq_len=span), peak, peers=peers)
 
     def after_step(self, step: int, done: StepDone) -> None:
         """After step `step`: the heartbeat's progress, the metrics row on the logging
@@ -279,14 +285,14 @@ class Run:
         if step == self.start_step + 1:
             distributed.set_timeout(t.timeout_s)  # warm: short collective timeouts
         if step % cfg.logging.interval == 0 or step == t.steps:
-            self.metrics.log({
+            self.metrics.log(self.hb.ledger.row({
                 "step": step, "loss": done.loss, "lr": done.lr,
                 "grad_norm": done.grad_norm, "tokens_per_s": tps, "step_time_s": dt,
                 "data_wait_s": self.loader.pop_wait_time(),
                 "mfu": mfu(self.flops_per_token, tps, self.env.world_size, self.peak),
                 "time": time.time(), "interval_time_s": self.since_logged,
                 **({} if done.applied else {"skipped": True}),
-            })
+            }))
             self.since_logged = 0.0
         if t.eval_interval and step % t.eval_interval == 0:
             self.hb.phase("eval")
@@ -310,6 +316,7 @@ class Run:
     def close(self) -> None:
         """Finish the run's saves, writers and threads (also after a failure)."""
         self.ckpt.close()  # never leave a save half-written behind a clean exit
+        self.peers.close()
         self.engine.close()  # the nvme tier's trailing writes and threads
         self.stop.restore()
         write_checkpoint_stats(self.run_dir, self.env.rank, self.ckpt, self.resumed_from)

@@ -1,0 +1,352 @@
+"""State in peer memory: each rank's snapshot also held by its ring neighbour's process.
+
+Every `resilience.memory_snapshot_interval` steps (0: off), after the optimizer step, a rank
+copies its training state (its shard of the model and optimizer state, `Engine.state_dict()`
+flattened to local tensors, plus the RNG state and the step) into one preallocated host buffer:
+the only work on the training thread. A background thread then computes the buffer's CRC-32
+and hands the snapshot with a header (step, sizes, checksums) and a JSON layout to rank+1,
+over a gloo process group of its own (so it never interleaves with the training collectives,
+whatever their group), and takes rank-1's. On one host the peer is another process (another
+failure domain in placement terms when the ring crosses hosts: with ranks placed host by host,
+rank+1 of a host's last rank is on the next host), and the two ways differ:
+
+- another host: the buffer itself goes over the group; the receiver keeps it once its
+  checksums verify, in one of two alternating receive buffers, so the last verified copy is
+  never overwritten by one in transit and a sender that dies mid-transfer leaves its previous
+  snapshot intact;
+- the same host: the buffer is a shared-memory file (/dev/shm) the sender packs into directly,
+  three of them in turn; only the header goes over the group and the holder maps the file, so
+  the copy outlives the sender's process at the cost of one copy and one checksum (the loopback
+  transfer of the whole state cost 20% of the demo's step on this 2-core host, see
+  bench/RESULTS.md); the holder checks the CRC-32 when the copy is used (`verify`), as a
+  checkpoint on disk is checked when it is loaded. The sender removes its files when it ends;
+  the supervisor removes those of processes that were killed (`remove_shared`).
+
+The next training step waits for the previous exchange only if it is still running (the stall
+the benchmark measures); RUN_DIR/peer/rankNNNNN.json has the counts and seconds (copy on the
+training thread, stall, background exchange and checksums) and any checksum failure.
+
+Nothing reads the held snapshots yet: in-job recovery (survivors stay, a spare takes its state
+from the neighbour's copy) is not built, so the interval defaults to 0 (off) and the
+supervisor's full restart from the newest checkpoint on disk is the recovery (issue 26).
+
+Why these snapshots are on torch.distributed, and what in-job recovery should build on. torchft
+0.2.0 (PyPI; needs torch>=2.7 and three opentelemetry packages) imports and runs on torch
+2.13 CPU with gloo here: three single-process replica groups under its lighthouse, one killed
+with SIGKILL at step 8: the two survivors committed their next step 1.3 s later (0.2 s of it a
+sleep in the loop) with 2 participants, and a fresh replica that joined at step 47 started
+with the survivors' weights, healed from a peer's memory over HTTP (2026-11-26, a toy
+all-reduce loop; the fresh process took ~9.6 s to start and import torch on this loaded host,
+the part a hot spare removes). So for the survivors-stay, heal-from-peer and shrink-or-grow
+behaviour along the data-parallel replicas, use torchft (Manager + its reconfigurable gloo/NCCL
+process groups, as torchtitan does), not a home-made quorum on torch.distributed: that is the
+principle "use the distributed engine that exists". What torchft does not cover, and why this
+module exists anyway: it is fault tolerance across replica groups only — a fault inside a
+replica group (one FSDP/TP/PP shard of it) restarts that whole group, whose state then comes
+from another replica, so a layout without data-parallel replicas (pure FSDP, TP or PP, the
+demo's zero2 over all ranks) has no peer copy in torchft at all; a ring neighbour copy holds
+every rank's shard in any layout. Adopting torchft also means each replica group is its own
+launch (torchrun per group, a lighthouse) and its step commit protocol wraps the optimizer,
+which is the change to myria's launcher and engine that in-job recovery has to make.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import logging
+import os
+import socket
+import tempfile
+import threading
+import time
+import uuid
+import zlib
+from pathlib import Path
+from typing import Any
+
+import torch
+
+log = logging.getLogger("myria")
+DIR = "peer"
+SLOTS = 3  # shared-memory snapshots per sender: the holder's newest is never the one written
+
+
+def shm_dir() -> str:
+    return "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
+
+
+def remove_shared(job: str) -> int:
+    """Remove the shared-memory snapshot files of job `job` (its processes have ended)."""
+    n = 0
+    for name in os.listdir(shm_dir()):
+        if name.startswith(f"myria-{job}-"):
+            try:
+                os.unlink(os.path.join(shm_dir(), name))
+                n += 1
+            except OSError:
+                pass
+    return n
+
+
+def _shared(path: str, nbytes: int) -> torch.Tensor:
+    fd = os.open(path, os.O_CREAT | os.O_RDWR, 0o600)
+    try:
+        if os.fstat(fd).st_size < nbytes:
+            os.ftruncate(fd, nbytes)
+    finally:
+        os.close(fd)
+    return torch.from_file(path, shared=True, size=nbytes, dtype=torch.uint8)
+
+
+def _unwrapped(fn):
+    # the event timer and the heartbeat's meter wrap torch.distributed's functions for the
+    # training thread; the snapshot traffic is not training traffic
+    while hasattr(fn, "__wrapped__"):
+        fn = fn.__wrapped__
+    return fn
+
+
+def crc32(buf: torch.Tensor) -> int:
+    return zlib.crc32(memoryview(buf.numpy())) & 0xFFFFFFFF
+
+
+def _local(v):
+    return v._local_tensor if hasattr(v, "_local_tensor") else v
+
+
+def flat_state(engine) -> dict[str, Any]:
+    """{"/"-joined key: local tensor or plain value} of the engine's state."""
+    from myria.train.checkpoint import _flatten
+
+    return {"/".join(map(str, k)): (_local(v).detach() if isinstance(v, torch.Tensor) else v)
+            for k, v in _flatten(engine.state_dict()).items()}
+
+
+def layout_of(state: dict[str, Any]) -> tuple[list[dict], int]:
+    out, off = [], 0
+    for k, v in state.items():
+        if isinstance(v, torch.Tensor):
+            n = v.numel() * v.element_size()
+            out.append({"k": k, "dtype": str(v.dtype).removeprefix("torch."),
+                        "shape": list(v.shape), "off": off, "n": n})
+            off += n
+        else:
+            out.append({"k": k, "value": v if isinstance(v, (int, float, str, bool))
+                        or v is None else repr(v)})
+    return out, off
+
+
+def pack(state: dict[str, Any], buf: torch.Tensor, layout: list[dict]) -> None:
+    for item in layout:
+        if "off" in item and item["n"]:
+            t = state[item["k"]].reshape(-1)
+            t = t if t.is_contiguous() else t.contiguous()
+            buf[item["off"]:item["off"] + item["n"]].copy_(t.view(torch.uint8))
+
+
+def unpack(meta: dict, buf: torch.Tensor) -> dict[str, Any]:
+    """The state a snapshot holds: {key: tensor (a copy) or value}, plus "_step", "_rng"."""
+    out: dict[str, Any] = {"_step": meta["step"], "_rng": meta.get("rng")}
+    for item in meta["layout"]:
+        if "off" not in item:
+            out[item["k"]] = item.get("value")
+            continue
+        raw = buf[item["off"]:item["off"] + item["n"]].clone()
+        out[item["k"]] = raw.view(getattr(torch, item["dtype"])).reshape(item["shape"])
+    return out
+
+
+class PeerSnapshots:
+    """This rank's side of the ring: sends its snapshot right, holds the left one's."""
+
+    def __init__(self, interval: int, engine, rank: int, world: int, run_dir: Path | None,
+                 timeout_s: float = 600.0, shared: bool | None = None) -> None:
+        import torch.distributed as dist
+
+        self.interval, self.engine = interval, engine
+        self.rank, self.world, self.run_dir = rank, world, run_dir
+        self.right, self.left = (rank + 1) % world, (rank - 1) % world
+        # a group of its own: its traffic never queues behind (or between) training collectives
+        self.group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout_s))
+        self._isend = _unwrapped(dist.isend)
+        self._irecv = _unwrapped(dist.irecv)
+        # which neighbours share this host, and a name for this ring's shared files
+        hosts: list = [None] * world
+        _unwrapped(dist.all_gather_object)(hosts, socket.gethostname(), group=self.group)
+        token = [f"{os.environ.get('MYRIA_HEARTBEAT_JOB', 'local')}-{uuid.uuid4().hex[:8]}"]
+        _unwrapped(dist.broadcast_object_list)(token, src=0, group=self.group)
+        self.prefix = os.path.join(shm_dir(), f"myria-{token[0]}-")
+        # shared: None = by host, False = always over the group (tests of that path)
+        self.shared_right = hosts[self.right] == hosts[rank] and shared is not False
+        self.shared_left = hosts[self.left] == hosts[rank] and shared is not False
+        self.slot = -1
+        self.slots: dict[int, torch.Tensor] = {}      # this rank's shared files, by slot
+        self.mapped: dict[int, torch.Tensor] = {}     # the left neighbour's, by slot
+        self.layout: list[dict] | None = None
+        self.buf: torch.Tensor | None = None
+        self.recv = [None, None]       # alternating receive buffers
+        self.held: dict | None = None  # {"from", "step", "meta", "buf", "crc"} once verified
+        self.stats = {"snapshots": 0, "bytes": 0, "copy_s": 0.0, "stall_s": 0.0,
+                      "exchange_s": 0.0, "exchange_cpu_s": 0.0, "crc_failures": 0,
+                      "held_step": None}
+        self._cpu0 = time.process_time()
+        self._job: threading.Thread | None = None
+        self._error: BaseException | None = None
+
+    # -- the training thread -----------------------------------------------------------------
+    def after_step(self, step: int) -> None:
+        if not self.interval or step % self.interval:
+            return
+        t0 = time.perf_counter()
+        self.wait()
+        t1 = time.perf_counter()
+        from myria.train.checkpoint import rng_state
+
+        state = flat_state(self.engine)
+        layout, nbytes = layout_of(state)
+        if self.shared_right:
+            self.slot = (self.slot + 1) % SLOTS
+            buf = self.slots.get(self.slot)
+            if buf is None or buf.numel() != nbytes:
+                buf = self.slots[self.slot] = _shared(f"{self.prefix}{self.rank}-{self.slot}",
+                                                      nbytes)
+            self.buf = buf
+        elif self.buf is None or self.buf.numel() != nbytes:
+            self.buf = torch.empty(nbytes, dtype=torch.uint8)
+        pack(state, self.buf, layout)
+        meta = {"step": step, "rank": self.rank, "layout": layout, "rng": rng_state()}
+        t2 = time.perf_counter()
+        self.stats["stall_s"] += t1 - t0
+        self.stats["copy_s"] += t2 - t1
+        self.stats["snapshots"] += 1
+        self.stats["bytes"] += nbytes
+        self._job = threading.Thread(target=self._exchange, args=(meta,), daemon=True,
+                                     name="myria-peer-snapshot")
+        self._job.start()
+
+    def wait(self) -> None:
+        """Until the exchange in flight (if any) is over; raises what it failed with."""
+        if self._job is not None:
+            self._job.join()
+            self._job = None
+        if self._error is not None:
+            e, self._error = self._error, None
+            raise e
+
+    # -- the background thread ---------------------------------------------------------------
+    def _exchange(self, meta: dict) -> None:
+        try:
+            t0, c0 = time.perf_counter(), time.thread_time()
+            self._swap(meta)
+            self.stats["exchange_s"] += time.perf_counter() - t0
+            self.stats["exchange_cpu_s"] += time.thread_time() - c0
+        except BaseException as e:  # the training thread sees it at the next snapshot
+            self._error = e
+
+    def _swap(self, meta: dict) -> None:
+        mbytes = json.dumps(meta).encode()
+        mt = torch.frombuffer(bytearray(mbytes), dtype=torch.uint8)
+        head = torch.tensor([meta["step"], len(mbytes), self.buf.numel(), crc32(self.buf),
+                             zlib.crc32(mbytes), self.slot], dtype=torch.int64)
+        rhead = torch.empty(6, dtype=torch.int64)
+        self._run([self._isend(head, self.right, group=self.group),
+                   self._irecv(rhead, self.left, group=self.group)])
+        step, mlen, nbytes, crc, mcrc, slot = (int(x) for x in rhead)
+        rmeta = torch.empty(mlen, dtype=torch.uint8)
+        sends = [self._isend(mt, self.right, group=self.group)]
+        if not self.shared_right:
+            sends.append(self._isend(self.buf, self.right, group=self.group))
+        if self.shared_left:  # the left neighbour's file holds it: map it, take the layout
+            self._run([*sends, self._irecv(rmeta, self.left, group=self.group)])
+            mraw = bytes(rmeta.numpy())
+            rbuf = self.mapped.get(slot)
+            if rbuf is None or rbuf.numel() != nbytes:
+                rbuf = self.mapped[slot] = _shared(f"{self.prefix}{self.left}-{slot}", nbytes)
+            if zlib.crc32(mraw) != mcrc:
+                self.stats["crc_failures"] += 1
+                return
+            self.held = {"from": self.left, "step": step, "meta": json.loads(mraw),
+                         "buf": rbuf, "crc": crc}
+            self.stats["held_step"] = step
+            return
+        slot = 0 if self.held is None or self.held["buf"] is not self.recv[0] else 1
+        rbuf = self.recv[slot]
+        if rbuf is None or rbuf.numel() != nbytes:
+            rbuf = self.recv[slot] = torch.empty(nbytes, dtype=torch.uint8)
+        self._run([*sends, self._irecv(rmeta, self.left, group=self.group),
+                   self._irecv(rbuf, self.left, group=self.group)])
+        mraw = bytes(rmeta.numpy())
+        if crc32(rbuf) != crc or zlib.crc32(mraw) != mcrc:
+            self.stats["crc_failures"] += 1
+            log.warning("peer snapshot of rank %d at step %d fails its checksum: the previous "
+                        "copy (step %s) is kept", self.left, step, self.stats["held_step"])
+            return
+        self.held = {"from": self.left, "step": step, "meta": json.loads(mraw), "buf": rbuf,
+                     "crc": crc}
+        self.stats["held_step"] = step
+
+    @staticmethod
+    def _run(works) -> None:
+        for w in works:
+            w.wait()
+
+    # -- what is held ------------------------------------------------------------------------
+    def verify(self) -> str | None:
+        """None if the held snapshot still matches its checksum, else why not."""
+        if self.held is None:
+            return "no snapshot held"
+        if crc32(self.held["buf"]) != self.held["crc"]:
+            return (f"the snapshot of rank {self.held['from']} at step {self.held['step']} "
+                    "no longer matches its CRC-32")
+        return None
+
+    def held_state(self) -> dict[str, Any]:
+        if (why := self.verify()) is not None:
+            from myria.errors import CheckpointError
+
+            raise CheckpointError(f"peer snapshot unusable: {why}")
+        return unpack(self.held["meta"], self.held["buf"])
+
+    def close(self) -> None:
+        try:
+            self.wait()
+        except BaseException as e:
+            log.warning("peer snapshot exchange failed: %s", e)
+        for slot in self.slots:  # the holder's mapping keeps its copy until it ends
+            try:
+                os.unlink(f"{self.prefix}{self.rank}-{slot}")
+            except OSError:
+                pass
+        if self.run_dir is None:
+            return
+        from myria.fsutil import atomic_write
+
+        try:
+            out = Path(self.run_dir) / DIR / f"rank{self.rank:05d}.json"
+            out.parent.mkdir(parents=True, exist_ok=True)
+            # the whole process's CPU time since the ring started: the snapshots' share of it
+            # is their cost on a host whose cores are all busy (this CPU box)
+            s = dict(self.stats, interval=self.interval, rank=self.rank, peer=self.right,
+                     holds_rank=self.left, process_cpu_s=time.process_time() - self._cpu0)
+            atomic_write(out, json.dumps({k: round(v, 6) if isinstance(v, float) else v
+                                          for k, v in s.items()}, indent=1))
+        except OSError:
+            pass
+
+
+class _Off:
+    held = None
+
+    def after_step(self, step: int) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def start(interval: int, engine, rank: int, world: int, run_dir: Path | None):
+    """The ring's member for this rank, or a no-op when off (interval 0) or alone."""
+    if not interval or world < 2:
+        return _Off()
+    return PeerSnapshots(interval, engine, rank, world, run_dir)

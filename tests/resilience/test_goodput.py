@@ -1,0 +1,166 @@
+"""The goodput ledger, the recovery phases and the hang report's stacks (issue 26)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+
+import pytest
+
+from myria.observe import goodput, hang
+from tests.conftest import TINY, run_cli
+
+
+class Clock:
+    def __init__(self):
+        self.t = 1000.0
+
+    def __call__(self):
+        return self.t
+
+    def tick(self, s):
+        self.t += s
+
+
+def test_ledger_rows_tile_the_process_time_and_mark_redone_steps(tmp_path):
+    (tmp_path / "metrics.abandoned.jsonl").write_text(
+        json.dumps({"step": 3, "loss": 1.0, "resumed_from": 2}) + "\n")
+    c = Clock()
+    led = goodput.Ledger(tmp_path, attempt=1, clock=c)
+    c.tick(2.0)
+    hb = goodput.follow(type("HB", (), {"phase": lambda *a: None, "resumed": lambda *a: None,
+                                        "step_done": lambda *a: None})(), led, rank=0)
+    hb.phase("resume")
+    c.tick(1.0)
+    hb.resumed(2)
+    c.tick(0.5)
+    rows = []
+    for step in (3, 4):            # step 3 was done by the killed attempt: redone
+        hb.phase("data")
+        c.tick(0.25)
+        hb.phase("forward-backward")
+        c.tick(1.0)
+        hb.step_done(step, 1.0)
+        hb.phase("metrics")
+        rows.append(led.row({"step": step, "data_wait_s": 0.25, "time": c()}))
+        hb.phase("checkpoint")
+        c.tick(0.75)
+    first, second = rows[0]["goodput"], rows[1]["goodput"]
+    # attempt 1: its start-up is recovery; the first row covers process start to its end
+    assert first == {"recovery": 3.5, "data_wait": 0.25, "redone": 1.0}
+    assert second == {"productive": 1.0, "data_wait": 0.25, "checkpoint": 0.75}
+    assert rows[1]["goodput_since"] == rows[0]["time"] and rows[0]["attempt"] == 1
+    marks = json.loads(goodput.marks_file(tmp_path, 1, 0).read_text())
+    assert marks["model_built"] - marks["process_start"] == 2.0
+    assert marks["first_step"] - marks["restored"] == 1.75
+
+
+def test_summary_tiles_wall_time_by_attempts_and_faults(tmp_path):
+    rows = [
+        {"step": 1, "time": 14.0, "goodput_since": 2.0, "attempt": 0,
+         "goodput": {"startup": 10.0, "productive": 2.0}},
+        {"step": 2, "time": 16.0, "goodput_since": 14.0, "attempt": 0,
+         "goodput": {"productive": 2.0}},
+        {"step": 2, "time": 40.0, "goodput_since": 30.0, "attempt": 1,
+         "goodput": {"recovery": 8.0, "redone": 2.0}},
+        {"step": 3, "time": 42.0, "goodput_since": 40.0, "attempt": 1,
+         "goodput": {"productive": 1.5}},     # 0.5 s no category explains
+    ]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    fault = {"attempt": 0, "fault_at": 17.0, "detected_at": 18.0}
+    s = goodput.summarize(tmp_path, 0.0, 45.0, [fault],
+                          [{"first_step": 3, "cost_s_per_step": 0.5}])
+    sec = s["seconds"]
+    assert sec["startup"] == 12.0            # before the first worker, and its start-up
+    assert sec["lost"] == 1.0 and sec["detection"] == 1.0
+    assert sec["recovery"] == 12.0 + 8.0     # detection to the new process, then its start-up
+    assert sec["redone"] == 2.0 and sec["shutdown"] == 3.0 and sec["other"] == 0.5
+    assert sec["productive"] == 5.0 and sec["straggler"] == 0.5
+    assert s["accounted_s"] == pytest.approx(45.0)
+    assert s["ettr"] == pytest.approx(5.0 / 45, abs=1e-4)
+    starts = [seg["t"] for seg in s["timeline"]]
+    assert starts == sorted(starts) and s["timeline"][0]["s"] == {"startup": 2.0}
+
+
+def test_breakdown_phases_add_up_to_the_time_lost():
+    f = {"fault_at": 10.0, "detected_at": 11.0, "stopped_at": 11.5, "decided_at": 20.0,
+         "backoff_done_at": 21.0, "restarted_at": 21.0, "regained_at": 60.0}
+    marks = {0: {"entered": 28.0, "pg_ready": 30.0, "model_built": 33.0, "restored": 34.0},
+             1: {"entered": 29.0, "pg_ready": 30.5, "model_built": 32.0, "restored": 35.0}}
+    b = goodput.breakdown(f, marks)
+    assert b == {"detection": 1.0, "teardown": 0.5, "decision": 8.5, "backoff": 1.0,
+                 "start_processes": 8.0, "process_groups": 1.5, "build_model": 2.5,
+                 "restore": 2.0, "redo_steps": 25.0}
+    assert sum(b.values()) == pytest.approx(f["regained_at"] - f["fault_at"])
+
+
+WAITER = """
+import sys, threading, time
+from myria.observe import hang
+hang.listen_for_stacks(sys.argv[1], rank=3)
+def wait_in_collective():
+    time.sleep(60)
+print("ready", flush=True)
+wait_in_collective()
+"""
+
+
+def test_hang_stacks_name_the_function_each_rank_waits_in(tmp_path, monkeypatch):
+    monkeypatch.setattr(hang.shutil, "which", lambda name: None)  # the faulthandler path
+    p = subprocess.Popen([sys.executable, "-c", WAITER, str(tmp_path)], stdout=subprocess.PIPE,
+                         text=True)
+    try:
+        assert p.stdout.readline().strip() == "ready"
+        time.sleep(0.2)
+        stacks = hang.request_stacks({3: p.pid}, tmp_path)
+        assert p.poll() is None  # SIGUSR2 did not end it
+    finally:
+        p.kill()
+    assert stacks[3]["tool"] == "faulthandler"
+    assert "wait_in_collective" in stacks[3]["main"][0], stacks[3]["main"]
+    rep = hang.add_stacks({"waiting": {3: {"collective": "all_reduce"}}, "stuck": {}}, stacks)
+    assert rep["waiting"][3]["stack"][0] == stacks[3]["main"][0] and rep["stack_ranks"] == [3]
+
+
+@pytest.mark.slow
+def test_supervised_fault_run_ledger_sums_to_wall_time(tmp_path, tiny_data):
+    """A killed worker under `myria supervise`: the ledger accounts for the wall time within
+    1% (no more than 1% left as `other`), every recovery phase is filled in and adds up to the
+    fault's time lost, and `myria report` draws it."""
+    run_cli("supervise", "--run-dir", str(tmp_path), "--nproc", "2", f"--data.path={tiny_data}",
+            *TINY, "--training.steps=10", "--checkpoint.interval=4",
+            "--resilience.heartbeat_s=0.5", "--resilience.backoff_s=0.2",
+            "--resilience.diagnose=false", "--resilience.memory_snapshot_interval=1",
+            env={"MYRIA_FAULT": "kill:rank=1:step=6"},
+            timeout=400)
+    s = json.loads((tmp_path / "supervisor_summary.json").read_text())
+    g = s["goodput"]
+    assert g["accounted_s"] == pytest.approx(s["wall_s"], rel=0.01)
+    assert g["seconds"]["other"] <= 0.01 * s["wall_s"], g["seconds"]
+    assert g["seconds"]["detection"] > 0 and g["seconds"]["recovery"] > 0
+    assert g["seconds"]["redone"] > 0  # steps 5 and 6 after resuming from step 4
+    # the ledger's step time (first runs, redone runs, data waits) is the steps' recorded time
+    # (kept and set-aside rows) less the peer snapshots' copies, which the ledger counts apart
+    rows = [r for name in ("metrics.jsonl", "metrics.abandoned.jsonl")
+            for r in map(json.loads, (tmp_path / name).read_text().splitlines())
+            if "step_time_s" in r]
+    steps = g["seconds"]["productive"] + g["seconds"]["redone"] + g["seconds"]["data_wait"]
+    recorded = sum(r["step_time_s"] for r in rows)
+    assert 0.8 * recorded <= steps <= recorded + 0.05, (steps, recorded)
+    assert len(rows) == 10 + 2 and g["seconds"]["productive"] > 0
+    assert 0 < g["ettr"] < 1 and s["effective_training_time_ratio"] == g["ettr"]
+    f = s["faults"][0]
+    ph = f["recovery_phases"]
+    assert set(ph) == set(goodput.RECOVERY_PHASES) and min(ph.values()) >= 0, ph
+    assert ph["start_processes"] > 0 and ph["redo_steps"] > 0
+    assert sum(ph.values()) == pytest.approx(f["time_lost_s"], abs=0.01)
+    # the ring neighbour held each rank's state after every step of the last attempt
+    for rank in (0, 1):
+        p = json.loads((tmp_path / "peer" / f"rank{rank:05d}.json").read_text())
+        assert p["holds_rank"] == 1 - rank and p["held_step"] == 10, p
+        assert p["snapshots"] == 10 - f["resumed_from"] and p["crc_failures"] == 0, p
+    run_cli("report", str(tmp_path), "--no-prediction")
+    page = (tmp_path / "report" / "index.html").read_text()
+    assert "id=goodput" in page and "id=recoveries" in page and f"ETTR {g['ettr']:.4f}" in page
