@@ -100,7 +100,7 @@ def test_single_path_order_unchanged(tiny_data):
 
 
 @pytest.mark.slow
-def test_train_on_a_mixture_reports_validation_per_source(two_sources, tmp_path):
+def test_train_on_a_mixture_reports_validation_per_source_down_to_the_report(two_sources, tmp_path):
     web, code = two_sources
     run = tmp_path / "run"
     run_cli("train", "--run-dir", str(run), "--nproc", "1", *TINY,
@@ -112,3 +112,21 @@ def test_train_on_a_mixture_reports_validation_per_source(two_sources, tmp_path)
     by = evals[-1]["val_loss_by_source"]
     assert set(by) == {"web", "code"}
     assert evals[-1]["val_loss"] == pytest.approx(0.3 * by["web"] + 0.7 * by["code"])
+    # `myria report`: the per-source curve, table and line, with metrics.jsonl's numbers
+    p = run_cli("report", str(run), "--no-prediction")
+    line = (f"validation loss at step 4: {evals[-1]['val_loss']:.4f} "
+            f"(web {by['web']:.4f}, code {by['code']:.4f})")
+    assert line in p.stdout, p.stdout
+    val = json.loads((run / "report" / "val_loss.json").read_text())
+    assert val == {"steps": [2, 4], "val_loss": [r["val_loss"] for r in evals],
+                   "by_source": {k: [r["val_loss_by_source"][k] for r in evals]
+                                 for k in ("web", "code")},
+                   "weights": {"web": 0.3, "code": 0.7}}
+    page = (run / "report" / "index.html").read_text()
+    section = page.split("<h2>Validation loss per source</h2>")[1].split("<h2>")[0]
+    assert "<img id='val_loss'" in section and (run / "report" / "val_loss.png").exists()
+    first, last = evals[0]["val_loss_by_source"]["code"], by["code"]
+    assert (f"<tr><td>code</td><td>0.7</td><td>{first:.4f}</td><td>{last:.4f}</td>"
+            in section), section
+    assert (f"<tr><td>4</td><td>{evals[-1]['val_loss']:.4f}</td><td>{by['web']:.4f}</td>"
+            f"<td>{by['code']:.4f}</td></tr>" in section), section
