@@ -80,12 +80,30 @@ def test_bad_sources_one_line(two_sources, tmp_path):
         _mixture(web, code, weights=(0.01, 0.99)).check(16, 10)
 
 
-def test_mismatched_tokenizers_refused(two_sources, tmp_path):
+def test_bad_mixtures_through_the_cli_one_line_and_no_run_dir(two_sources, tmp_path, capsys):
+    """`myria train --data.sources=...` as a user types it: a missing source, a weight <= 0 and
+    sources prepared with different tokenizers each end in one line naming the source, before
+    any process starts or the run directory exists."""
+    from myria.cli import main
+
+    web, code = two_sources
     other = tmp_path / "other"
     run_cli("prepare", "--corpus", "demo", "--max-docs", "3", "--vocab-size", "300",
             "--out", str(other), "--quiet")
-    with pytest.raises(DataError, match="another tokenizer"):
-        MixtureDataset(parse_sources(f"{two_sources[0]}:1,{other}:1"), 64)
+    cases = {f"{tmp_path / 'nope'}:0.3,{code}:0.7": f"data directory '{tmp_path / 'nope'}' "
+             "does not exist",
+             f"{web}:0,{code}:1": f"entry '{web}:0': weight 0.0 must be > 0",
+             f"{web}:1,{code}:-0.5": f"entry '{code}:-0.5': weight -0.5 must be > 0",
+             f"{web}:0.3,{other}:0.7": f"'{other}' was prepared with another tokenizer than "
+             f"'{web}' (tokenizer_sha256"}
+    run = tmp_path / "run"
+    for sources, msg in cases.items():
+        capsys.readouterr()
+        rc = main(["train", "--run-dir", str(run), "--nproc", "1", *TINY,
+                   f"--data.sources={sources}", "--training.steps=2"])
+        err = capsys.readouterr().err
+        assert rc == 2 and err.count("\n") == 1 and msg in err, (sources, err)
+        assert not run.exists(), sources
 
 
 def test_single_path_order_unchanged(tiny_data):
