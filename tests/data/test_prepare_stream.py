@@ -114,6 +114,16 @@ def test_killed_prepare_resumes_to_identical_bytes(texts: list[str], tmp_path: P
     man = json.loads((out / P.MANIFEST_FILE).read_text())
     assert not (out / "index.json").exists() and len(man["splits"]["train"]["shards"]) == 2
     assert (out / "train_00002.bin").exists()  # written after the manifest: not trusted
+    # nor does a training run trust the unfinished directory: one line saying what it is
+    from myria.cli import main
+
+    with contextlib.redirect_stderr(io.StringIO()) as err:
+        rc = main(["train", "--run-dir", str(tmp_path / "run"), "--nproc", "1",
+                   f"--data.path={out}"])
+    assert rc == 2 and err.getvalue().count("\n") == 1, err.getvalue()
+    assert (f"'{out}' holds an unfinished `myria prepare` ({man['kept']:,} documents written"
+            in err.getvalue())
+    assert not (tmp_path / "run").exists()
     # other options: refused while the unfinished prepare is there
     rc, _, err = cli(*args[2:-6], "--shard-tokens", "999", "--sample-mb", "0.005",
                      "--val-fraction", "0.05", "--workers", "1")

@@ -31,6 +31,7 @@ import numpy as np
 from myria.errors import ConfigError, DataError
 
 INDEX_FILE = "index.json"
+MANIFEST_FILE = "prepare.progress.json"   # an unfinished `myria prepare` (myria.data.prepare)
 FORMAT = "myria-tokens"
 FORMAT_VERSION = 1
 
@@ -46,6 +47,15 @@ def load_index(path: str | Path) -> dict[str, Any]:
     if not d.is_dir():
         raise DataError(f"data directory {str(d)!r} does not exist; {_prepare_hint(d)}")
     p = d / INDEX_FILE
+    if not p.is_file() and (d / MANIFEST_FILE).is_file():
+        try:
+            kept = f"{int(json.loads((d / MANIFEST_FILE).read_text()).get('kept', 0)):,}"
+        except (OSError, ValueError, TypeError, AttributeError):
+            kept = "some"
+        raise DataError(f"{str(d)!r} holds an unfinished `myria prepare` ({kept} documents "
+                        f"written, no {INDEX_FILE} yet): rerun `myria prepare --out {d}` with the "
+                        "same inputs to finish it (it resumes where it stopped), or with --force "
+                        "to start over")
     if not p.is_file():
         raise DataError(f"{str(p)!r} not found: {str(d)!r} is not a prepared data directory; "
                         f"{_prepare_hint(d)}")

@@ -41,6 +41,7 @@ from typing import Any
 
 import numpy as np
 
+from myria.data import dataset as D
 from myria.data.shards import SHARD_RE as _SHARD_RE
 from myria.data.shards import (
     ShardWriter,
@@ -74,7 +75,7 @@ FORMAT = "myria-tokens"
 FORMAT_VERSION = 1
 INDEX_FILE = "index.json"
 TOKENIZER_FILE = "tokenizer.json"
-MANIFEST_FILE = "prepare.progress.json"
+MANIFEST_FILE = D.MANIFEST_FILE   # the progress manifest of an unfinished prepare
 SPLITS = ("train", "val")
 # Encode this many characters (or documents) per batch: big enough to keep a worker busy,
 # small enough to stream.

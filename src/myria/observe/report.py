@@ -12,6 +12,9 @@ Writes RUN_DIR/report/:
                   learning-rate, tokens/s and MFU curves, the blame table, what is missing
     prediction.json  the performance model's step for the same config and processes, beside
                   the measured one
+    val_loss.json the validation losses of metrics.jsonl by eval step, per source for a data
+                  mixture (`data.sources`), with each source's weight: {"steps", "val_loss",
+                  "by_source": {name: [...]}, "weights": {name: w}} (absent: no eval ran)
     *.png         the same figures as files
 
 The prediction on a CPU is made from this CPU's measured figures at the run's threads per
@@ -34,7 +37,7 @@ import statistics
 from pathlib import Path
 
 from myria import rundir
-from myria.errors import DataError
+from myria.errors import DataError, MyriaError
 from myria.observe.analyze import Run, blame_report, compute_matrix, load_run, step_table
 
 BACKGROUND_TID = 100000  # + rank: the track of a rank's helper threads
@@ -61,6 +64,9 @@ def run(args) -> int:
                " (no rank stands out of the noise)"))
         for p in b["problems"]:
             print(f"  missing: {p}")
+    val_path = out / VAL_FILE
+    if val_path.exists():
+        print(f"  {validation_line(json.loads(val_path.read_text()))}")
     pred_path = out / "prediction.json"
     if pred_path.exists():
         print(f"  {prediction_line(json.loads(pred_path.read_text()))}")
@@ -95,8 +101,9 @@ def write_report(run_dir: Path, predict: bool = True) -> Path:
         if pred is not None:
             pred.update(measured_step(table, _metrics(run_dir)))
             (out / "prediction.json").write_text(json.dumps(pred, indent=1))
-    (out / "index.html").write_text(page(run, table, blame, figs, pred).replace(
-        "</body></html>", recovery_section(run_dir, out) + "</body></html>"))
+    val = write_validation(run_dir, out)
+    (out / "index.html").write_text(page(run, table, blame, figs, pred, val,
+                                         recovery_section(run_dir, out)))
     return out
 
 
@@ -255,6 +262,117 @@ def _metrics(run_dir: Path) -> list[dict]:
     return [r for r in rundir.read_jsonl(run_dir / rundir.METRICS) if "loss" in r]
 
 
+# -- validation loss, per source of a data mixture ------------------------------------------
+
+VAL_FILE = "val_loss.json"
+VAL_TABLE_ROWS = 40   # eval steps listed in the page's table (evenly spaced, the last kept)
+
+
+def validation_losses(run_dir: Path) -> dict | None:
+    """The validation losses metrics.jsonl records (`val_loss`, and `val_loss_by_source` for a
+    data mixture) by eval step, the last row of a step winning; each source's weight from the
+    run's config.json (`data.sources`). None when no eval ran."""
+    rows: dict[int, dict] = {}
+    for r in rundir.read_jsonl(run_dir / rundir.METRICS):
+        if isinstance(r.get("step"), int) and isinstance(r.get("val_loss"), (int, float)):
+            rows[r["step"]] = r
+    if not rows:
+        return None
+    steps = sorted(rows)
+    per = {s: rows[s].get("val_loss_by_source") or {} for s in steps}
+    names = list(dict.fromkeys(n for s in steps for n in per[s]))
+    weights: dict[str, float] = {}
+    try:
+        from myria.data.mixture import parse_sources
+
+        cfg = json.loads((run_dir / rundir.CONFIG).read_text())
+        spec = (cfg.get("data") or {}).get("sources") or ""
+        weights = {src.name: src.weight for src in parse_sources(spec)} if spec else {}
+    except (OSError, ValueError, MyriaError):
+        pass   # no or unreadable config: the losses without the weights
+    return {"steps": steps, "val_loss": [rows[s]["val_loss"] for s in steps],
+            "by_source": {n: [per[s].get(n) for s in steps] for n in names},
+            "weights": {n: weights[n] for n in names if n in weights}}
+
+
+def write_validation(run_dir: Path, out: Path) -> dict | None:
+    """val_loss.json and val_loss.png in the report directory (both removed when no eval ran);
+    the losses, with the figure inlined under "png"."""
+    val = validation_losses(run_dir)
+    for name in (VAL_FILE, "val_loss.png"):
+        (out / name).unlink(missing_ok=True)
+    if val is None:
+        return None
+    (out / VAL_FILE).write_text(json.dumps(val, indent=1))
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 3.4))
+    for n, ys in val["by_source"].items():
+        pts = [(x, y) for x, y in zip(val["steps"], ys, strict=True) if y is not None]
+        w = val["weights"].get(n)
+        ax.plot(*zip(*pts), marker=".", label=n + (f" (weight {w:g})" if w else ""))
+    ax.plot(val["steps"], val["val_loss"], color="black", linestyle="--", marker=".",
+            label="mixture (share-weighted)" if val["by_source"] else "validation")
+    ax.set_xlabel("step")
+    ax.set_ylabel("validation loss")
+    ax.set_title("validation loss" + (" per source" if val["by_source"] else ""))
+    ax.legend(fontsize=8)
+    return {**val, "png": _png(fig, out / "val_loss.png")}
+
+
+def validation_line(val: dict) -> str:
+    """One line: the last eval's loss, and each source's."""
+    per = ", ".join(f"{n} {ys[-1]:.4f}" for n, ys in val["by_source"].items()
+                    if ys[-1] is not None)
+    return (f"validation loss at step {val['steps'][-1]}: {val['val_loss'][-1]:.4f}" +
+            (f" ({per})" if per else ""))
+
+
+def validation_html(val: dict | None) -> str:
+    """The page's section: the curve, a table per source (weight, first, last, best, change),
+    and the losses at each eval step."""
+    if val is None:
+        return ""
+    esc = html.escape
+    steps, names = val["steps"], list(val["by_source"])
+    cols = [("mixture" if names else "validation", None, val["val_loss"])] + \
+        [(n, val["weights"].get(n), val["by_source"][n]) for n in names]
+
+    def f(x) -> str:
+        return "-" if x is None else f"{x:.4f}"
+
+    summary = ""
+    for name, w, ys in cols:
+        pts = [(s, y) for s, y in zip(steps, ys, strict=True) if y is not None]
+        if not pts:
+            continue
+        best = min(pts, key=lambda p: p[1])
+        summary += (f"<tr><td>{esc(name)}</td><td>{'-' if w is None else f'{w:g}'}</td>"
+                    f"<td>{f(pts[0][1])}</td><td>{f(pts[-1][1])}</td>"
+                    f"<td>{f(best[1])} (step {best[0]})</td>"
+                    f"<td>{pts[-1][1] - pts[0][1]:+.4f}</td></tr>")
+    keep = range(len(steps))
+    if len(steps) > VAL_TABLE_ROWS:
+        keep = sorted({round(i * (len(steps) - 1) / (VAL_TABLE_ROWS - 1))
+                       for i in range(VAL_TABLE_ROWS)})
+    head = "".join(f"<th>{esc(n)}</th>" for n, _, _ in cols)
+    body = "".join(f"<tr><td>{steps[i]}</td>" + "".join(f"<td>{f(ys[i])}</td>"
+                                                         for _, _, ys in cols) + "</tr>"
+                   for i in keep)
+    img = (f"<img id='val_loss' alt='validation loss' src='data:image/png;base64,{val['png']}'>"
+           if val.get("png") else "")
+    shown = "" if len(keep) == len(steps) else f" ({len(keep)} of {len(steps)} evals shown)"
+    return f"""<h2>Validation loss{' per source' if names else ''}</h2>{img}
+<p>{esc(validation_line(val))}. First and last eval: steps {steps[0]} and {steps[-1]}
+(<code>{VAL_FILE}</code> holds every eval).</p>
+<table id="val-by-source"><tr><th>{'source' if names else ''}</th><th>weight</th>
+<th>first</th><th>last</th><th>best</th><th>change</th></tr>{summary}</table>
+<table id="val-steps"><tr><th>step{shown}</th>{head}</tr>{body}</table>"""
+
+
 # -- the model's prediction ------------------------------------------------------------------
 
 def prediction(run_dir: Path, world: int | None = None) -> dict | None:
@@ -375,7 +493,9 @@ def prediction_line(pred: dict) -> str:
 
 # -- the page --------------------------------------------------------------------------------
 
-def page(run: Run, table: dict, blame: dict, figs: dict[str, str], pred: dict | None) -> str:
+def page(run: Run, table: dict, blame: dict, figs: dict[str, str], pred: dict | None,
+         val: dict | None = None, recovery: str = "") -> str:
+    """The report's HTML; `recovery` is `recovery_section`'s (goodput and recoveries)."""
     esc = html.escape
     rows = "".join(
         f"<tr{' class=hot' if r['rank'] == blame['most_blamed_rank'] else ''}>"
@@ -436,10 +556,11 @@ tr.hot{{background:#fdd}}img{{max-width:100%}}.row{{display:flex;gap:2em}}</styl
 <h1>myria report: {esc(str(run.run_dir))}</h1>
 {summary}
 {img}
+{validation_html(val)}
 {strag_html}
 <h2>Predicted beside measured</h2>{pred_html}
 <h2>Missing</h2><ul>{problems}</ul>
-<p>Timeline: <code>trace.json</code> (Perfetto, chrome://tracing).</p></body></html>"""
+<p>Timeline: <code>trace.json</code> (Perfetto, chrome://tracing).</p>{recovery}</body></html>"""
 
 
 # -- recovery and goodput (issue 26) ---------------------------------------------------------
