@@ -16,9 +16,14 @@ MYRIA_FAULT holds comma-separated faults, each `kind:key=value:...`:
                              through writing its state (a full offload directory)
 - `slow:rank=R:factor=F[:step=S]`  rank R's forward and backward take F times as long from
                              step S on (default 1), as a slow GPU would (myria.observe.events)
-- `bitflip:rank=R:step=S[:target=param|grad]`  flip one bit of rank R's first parameter (at the
-                             start of step S) or of its gradient (after the gradient reduction,
-                             before the update): silent data corruption
+- `bitflip:rank=R:step=S[:target=param|grad|optimizer|compute][:sticky=yes]`  silent data
+                             corruption on rank R: flip one bit of its last parameter's local
+                             shard (at the start of step S), of that parameter's gradient
+                             (after the gradient reduction, before the update), of its
+                             optimizer state (the last exp_avg, at the start of step S), or of
+                             a GEMM result (the output of the first linear layer in the first
+                             forward of the step; with sticky=yes in every forward from then
+                             on, a device that keeps computing wrong numbers)
 - `nan:rank=R:step=S[:sticky=yes]`  rank R's loss at step S is NaN (a transient numerical
                              fault), or with sticky=yes every forward from then on in this
                              process (a device that keeps computing wrong numbers)
@@ -50,7 +55,7 @@ KINDS = ("kill", "hang", "stop", "raise", "corrupt-checkpoint", "diskfull", "slo
          "nan", "offload-kill", "offload-diskfull")
 FLOAT_KEYS = ("factor",)   # parameters that take a number, not an integer
 # parameters that take one of a few words
-WORD_KEYS = {"target": ("param", "grad"), "sticky": ("yes", "no")}
+WORD_KEYS = {"target": ("param", "grad", "optimizer", "compute"), "sticky": ("yes", "no")}
 
 
 class FaultSpecError(ConfigError, ValueError):
@@ -101,8 +106,9 @@ def parse(text: str | None) -> list[Fault]:
                 continue
             if k not in ("rank", "step"):
                 raise FaultSpecError(f"MYRIA_FAULT item {item!r}: unknown parameter {k!r}; "
-                                     "valid: rank=N, step=N, factor=F (slow), target=param|grad "
-                                     "(bitflip), sticky=yes|no (nan)")
+                                     "valid: rank=N, step=N, factor=F (slow), "
+                                     "target=param|grad|optimizer|compute (bitflip), "
+                                     "sticky=yes|no (nan, bitflip)")
             if not v.lstrip("-").isdigit():
                 raise FaultSpecError(f"MYRIA_FAULT item {item!r}: {k}={v!r} is not an integer "
                                      f"(expected {k}=N)")
