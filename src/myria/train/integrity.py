@@ -161,10 +161,11 @@ class ReplicaCheck:
         return found
 
 
-def flip_bit(p: torch.Tensor, bit: int = 22) -> None:
+def flip_bit(p: torch.Tensor, bit: int = 22, last: bool = False) -> None:
     """Flip one bit (22: the top mantissa bit of fp32, a change of up to half the value) of the
-    first element of a parameter's (or gradient's) local tensor."""
-    t = _local(p.detach()).reshape(-1)[:1]
+    first (or `last`) element of a parameter's (or gradient's) local tensor."""
+    t = _local(p.detach()).reshape(-1)
+    t = t[-1:] if last else t[:1]
     width = {4: torch.int32, 2: torch.int16, 8: torch.int64}[t.element_size()]
     v = t.view(width)
     v.bitwise_xor_(torch.tensor(1 << (bit % (8 * t.element_size() - 1)), dtype=width))
@@ -360,7 +361,8 @@ class StepGuard:
             if state:
                 pick = [t for n, t in state if n.endswith(".exp_avg")] or [t for _, t in state]
                 flip_bit(pick[-1])
-        elif target == "compute":     # a GEMM result: the first linear layer's output
+        elif target == "compute":     # a GEMM result: the first linear layer's output (its
+            # last element: the first position's query would not matter, attending to itself)
             from torch import nn
 
             lin = next(m for m in self.engine.model.modules() if isinstance(m, nn.Linear))
@@ -368,7 +370,7 @@ class StepGuard:
 
             def corrupt(mod, args, out):
                 out = out.clone()
-                flip_bit(out)
+                flip_bit(out, last=True)
                 if not sticky:
                     hook.remove()
                 return out

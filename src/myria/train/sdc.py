@@ -16,8 +16,11 @@ update and never be seen again.
 **In compute** (`ComputeCheck`). Every `resilience.sdc_interval` steps each data-parallel rank's
 first microbatch of the step is recomputed by a partner rank of the same tensor-, context- and
 pipeline-parallel coordinates (the same gathered weights: the recomputation runs before the
-update) and the two losses are compared bit for bit; every rank checks one partner at a time, so
-the cost is one extra forward of one microbatch per rank per interval. The partner rotates:
+update) and the checksums of the two computations' final hidden states (the final norm's output,
+which every logit comes from, so a changed bit anywhere upstream shows) are compared bit for bit;
+every rank checks one partner at a time, so the cost is one extra forward of one microbatch per
+rank per interval. The backward pass is not recomputed (it would triple the cost); a fault in a
+backward GEMM reaches the reduced gradients of every rank alike and is not seen here. The partner rotates:
 check c pairs data-parallel rank i with rank i + 1 + (c mod (n - 1)), so over n - 1 checks every
 rank is compared with every other. A mismatch is replayed: the owner recomputes its microbatch
 again and (with three or more data-parallel ranks) a third rank computes it too. The owner is
@@ -180,42 +183,49 @@ class ComputeCheck:
     def enabled(self) -> bool:
         return len(self.ranks) > 1
 
-    # the loss of the step's first microbatch, as the training forward computed it
+    def _watched(self):
+        """The module whose output is compared: the final norm (the hidden states every token's
+        logits come from: a changed bit anywhere upstream changes them), else the model."""
+        base = getattr(self.engine.model, "module", self.engine.model)   # DDP wraps it
+        return getattr(base, "norm", None) or self.engine.model
+
+    # the step's first microbatch, as the training forward computed it
     def capture(self) -> None:
-        """Record the output of the next forward of the model (the step's first microbatch)."""
+        """Record the checksum of the next forward's hidden states (the step's first
+        microbatch)."""
+        self.cancel()
         self.captured = None
 
         def hook(mod, args, out):
-            self.captured = out.detach()
-            self._hook.remove()
-            self._hook = None
+            self.captured = sums([_local(out)])[0]
+            self.cancel()
 
-        self._hook = self.engine.model.register_forward_hook(hook)
+        self._hook = self._watched().register_forward_hook(hook)
 
     def cancel(self) -> None:
         if self._hook is not None:
             self._hook.remove()
             self._hook = None
 
-    def _loss(self, out: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        """The scalar loss from a forward's output (tensor parallel: vocabulary-sharded logits
-        whose loss is computed here, as the training step does)."""
-        e = self.engine
-        if e.dims.tp > 1:
-            with e._ctx():
-                out = e._loss_fn(out, e._shard_sequence(targets))
-        return (out.full_tensor() if hasattr(out, "full_tensor") else out).float().reshape(())
-
     @torch.no_grad()
     def recompute(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        """The loss of microbatch (x, y) computed here, the way the training forward does."""
+        """The checksum of microbatch (x, y)'s hidden states computed here, the way the
+        training forward does (training mode, same kernels; no gradients kept)."""
         e = self.engine
+        self.capture()
         doc = e._documents(x.unsqueeze(0))[0]
         kw = {} if doc is None else {"documents": doc}
         xs = e._shard_sequence(x)
-        with e._ctx():
-            out = e.model(xs, **kw) if e.dims.tp > 1 else e.model(xs, e._shard_sequence(y), **kw)
-        return self._loss(out, y)
+        try:
+            with e._ctx():
+                if e.dims.tp > 1:
+                    e.model(xs, **kw)
+                else:
+                    e.model(xs, e._shard_sequence(y), **kw)
+        finally:
+            self.cancel()
+        out, self.captured = self.captured, None
+        return out
 
     def check(self, inputs: torch.Tensor, targets: torch.Tensor) -> dict | None:
         """Compare; collective over the whole world (every rank calls it at the same steps).
@@ -227,7 +237,8 @@ class ComputeCheck:
         k = 1 + self.count % (n - 1)           # this check's partner offset
         self.count += 1
         x, y = inputs[0], targets[0]
-        own = self._loss(self.captured, y) if self.captured is not None else self.recompute(x, y)
+        own = self.captured if self.captured is not None else self.recompute(x, y)
+        self.captured = None
         xs = [torch.empty_like(x) for _ in range(n)]
         ys = [torch.empty_like(y) for _ in range(n)]
         dist.all_gather(xs, x, group=self.group)
@@ -264,19 +275,14 @@ class ComputeCheck:
                 v = {"rank": None, "suspects": [owner], "verdict": "inconsistent"}
             v.update(microbatch_of=owner, recomputed_by=checker,
                      third=self.ranks[(i + k2) % n] if k2 else None,
-                     losses={"own": _as_float(t), "partner": _as_float(p),
-                             "replay": _as_float(r)})
+                     checksums={"own": t, "partner": p, "replay": r})
             verdicts[str(owner)] = v
         return {"group": self.ranks, "mismatches": verdicts}
 
     def _gather_bits(self, values: list[torch.Tensor]) -> list[list[int]]:
-        """Each rank's scalars as exact bit patterns, for every rank of the group."""
-        local = torch.stack([v.detach().float().reshape(()) for v in values]).view(torch.int32)
-        local = local.to(torch.int64).to(self.engine.device)
+        """Each rank's checksums, for every rank of the group."""
+        local = torch.stack([v.reshape(()) for v in values]).to(self.engine.device)
         table = [torch.empty_like(local) for _ in self.ranks]
         dist.all_gather(table, local, group=self.group)
         return [t.tolist() for t in table]
 
-
-def _as_float(bits: int) -> float:
-    return float(torch.tensor([bits], dtype=torch.int64).to(torch.int32).view(torch.float32))
