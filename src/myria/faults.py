@@ -8,7 +8,10 @@ MYRIA_FAULT holds comma-separated faults, each `kind:key=value:...`:
 - `stop:rank=R:step=S`       rank R sends itself SIGSTOP at the start of step S (a frozen
                              process: no heartbeats either)
 - `raise:rank=R:step=S`      rank R raises an exception at the start of step S
-- `corrupt-checkpoint:step=S` after the checkpoint of step S is committed, damage one of its files
+- `corrupt-checkpoint:step=S` damage one file of the checkpoint of step S once its manifest
+                             holds the files' checksums, just before the commit makes it
+                             visible (as if the bytes rotted right after: a kill cannot separate
+                             the commit from the damage)
 - `diskfull:step=S`          the checkpoint save at step S fails with ENOSPC
 - `offload-kill[:rank=R]:step=S`  the nvme tier's update S (the optimizer step of step S) sends
                              SIGKILL half-way through, once half its chunks are written

@@ -15,20 +15,20 @@ update and never be seen again.
 
 **In compute** (`ComputeCheck`). Every `resilience.sdc_interval` steps each data-parallel rank's
 first microbatch of the step is recomputed by a partner rank of the same tensor-, context- and
-pipeline-parallel coordinates (the same gathered weights: the recomputation runs before the
-update) and the checksums of the two computations' final hidden states (the final norm's output,
-which every logit comes from, so a changed bit anywhere upstream shows) are compared bit for bit;
-every rank checks one partner at a time, so the cost is one extra forward of one microbatch per
-rank per interval. The backward pass is not recomputed (it would triple the cost); a fault in a
-backward GEMM reaches the reduced gradients of every rank alike and is not seen here. The partner rotates:
-check c pairs data-parallel rank i with rank i + 1 + (c mod (n - 1)), so over n - 1 checks every
-rank is compared with every other. A mismatch is replayed: the owner recomputes its microbatch
-again and (with three or more data-parallel ranks) a third rank computes it too. The owner is
-named `transient` when its replay agrees with the partner (its step's computation was wrong
-once), `persistent` when its replay repeats its own result and the third rank agrees with the
-partner; the partner is named when the third rank agrees with the owner. With two ranks a
-repeated disagreement names both as suspects. Pipeline parallelism is not checked in compute
-(a stage's microbatch cannot be recomputed outside the schedule); its state is checked at rest.
+pipeline-parallel coordinates (on the same gathered weights: the recomputation runs before the
+update), and the checksums of the two computations' final hidden states (the final norm's
+output, which every logit comes from, so a changed bit anywhere upstream shows) are compared bit
+for bit. Every rank recomputes one partner's microbatch per check, so the cost is one extra
+forward of one microbatch per rank per interval. The backward pass is not recomputed (it would
+triple the cost): a fault in a backward GEMM is not seen here. The partner rotates: check c pairs
+data-parallel rank i with rank i + 1 + (c mod (n - 1)), so over n - 1 checks every rank is
+compared with every other. A mismatch is replayed: the owner recomputes its microbatch again
+and (with three or more data-parallel ranks) a third rank computes it too. The owner is named
+`transient` when its replay agrees with the partner (its step's computation was wrong once),
+`persistent` when its replay repeats its own result and the third rank agrees with the partner;
+the partner is named when the third rank agrees with the owner. With two ranks a repeated
+disagreement names both as suspects. Pipeline parallelism is not checked in compute (a stage's
+microbatch cannot be recomputed outside the schedule); its state is checked at rest.
 """
 
 from __future__ import annotations
