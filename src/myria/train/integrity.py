@@ -333,7 +333,8 @@ class StepGuard:
             self._hook.remove()
             self._hook = None
         if self.ledger is not None:   # the reduction has written them
-            self.ledger.record_grads()
+            with _span():
+                self.ledger.record_grads()
         if f := self.faults.due("bitflip", step):   # target = grad: after the reduction
             self.faults.mark(f)
             p = self._target(grad=True)
@@ -341,7 +342,9 @@ class StepGuard:
                 flip_bit(p.grad)
                 self.engine.gradients_changed()
         if self.ledger is not None:   # before clipping reads them
-            self._sdc(step + 1, "at rest", self.ledger.verify_grads(), "after the reduction")
+            with _span():
+                bad = self.ledger.verify_grads()
+            self._sdc(step + 1, "at rest", bad, "after the reduction")
 
     def _target(self, grad: bool = False) -> torch.Tensor:
         """The parameter the bitflip hook corrupts: the last one of this rank's model whose
@@ -441,7 +444,8 @@ class StepGuard:
             else:
                 if self.verified_at != step:   # a skipped update: the state did not change
                     self._verify_state(step, "after a skipped update")
-                self.ledger.record_state()
+                with _span():
+                    self.ledger.record_state()
         if self.replicas is None or self.checked_at == step or \
                 not (force or step % self.r.sdc_interval == 0):
             return
@@ -467,7 +471,9 @@ class StepGuard:
     # -- silent data corruption at rest and in compute (myria.train.sdc) ---------------------
     def _verify_state(self, step: int, when: str) -> None:
         self.verified_at = step
-        self._sdc(step, "at rest", self.ledger.verify_state(), when)
+        with _span():
+            bad = self.ledger.verify_state()
+        self._sdc(step, "at rest", bad, when)
 
     def _sdc(self, step: int, check: str, bad: list[str], when: str) -> None:
         """Act on this rank's at-rest verdict; collective: every rank learns who failed."""
@@ -503,6 +509,13 @@ class StepGuard:
         if action == "rollback":
             raise SilentCorruption(f"a recomputed microbatch differs at step {step} (see "
                                    "events.jsonl); rolling back to the newest checkpoint")
+
+
+def _span():
+    """The event-timer span of the at-rest checksums (bench/integrity.py sums them per step)."""
+    from myria.observe import events
+
+    return events.current().span("sdc_at_rest", "check")
 
 
 def sdc_state(engine) -> list[tuple[str, torch.Tensor]]:
