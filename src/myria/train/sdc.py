@@ -210,7 +210,10 @@ class ComputeCheck:
     @torch.no_grad()
     def recompute(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """The checksum of microbatch (x, y)'s hidden states computed here, the way the
-        training forward does (training mode, same kernels; no gradients kept)."""
+        training forward does (training mode, same kernels; no gradients kept). FSDP modules
+        are resharded afterwards: one that keeps its parameters gathered after a forward (the
+        root, zero2) would otherwise carry this step's weights into the next step's forward,
+        past the update."""
         e = self.engine
         self.capture()
         doc = e._documents(x.unsqueeze(0))[0]
@@ -224,6 +227,7 @@ class ComputeCheck:
                     e.model(xs, e._shard_sequence(y), **kw)
         finally:
             self.cancel()
+            _reshard(e.parts)
         out, self.captured = self.captured, None
         return out
 
@@ -286,3 +290,16 @@ class ComputeCheck:
         dist.all_gather(table, local, group=self.group)
         return [t.tolist() for t in table]
 
+
+
+def _reshard(parts) -> None:
+    """Free every FSDP2 module's gathered parameters (a forward without a backward leaves those
+    with reshard_after_forward=False gathered)."""
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:   # pragma: no cover - older torch
+        return
+    for part in parts:
+        for m in part.modules():
+            if isinstance(m, FSDPModule):
+                m.reshard()
