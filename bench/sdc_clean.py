@@ -28,6 +28,16 @@ from bench.sdc_matrix import LAYOUTS, TINY, cli  # noqa: E402
 OUT = ROOT / "bench" / "results" / "sdc_clean.json"
 
 
+def write(rows: list[dict], a) -> dict:
+    res = {"command": "bench/sdc_clean.py " + " ".join(sys.argv[1:]),
+           "date": time.strftime("%Y-%m-%d %H:%M"), "busy_loops": a.busy, "runs": rows,
+           "clean": sum(r["exit"] == 0 and r["sdc"] == 0 for r in rows),
+           "false_alarms": sum(r["sdc"] > 0 for r in rows)}
+    OUT.parent.mkdir(parents=True, exist_ok=True)
+    OUT.write_text(json.dumps(res, indent=1))
+    return res
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--runs", type=int, default=20)
@@ -62,17 +72,14 @@ def main() -> None:
                          **({"stderr": p.stderr[-300:]} if p.returncode else {})})
             print(json.dumps(rows[-1]), flush=True)
             shutil.rmtree(run, ignore_errors=True)
+            write(rows, a)   # after every run: a stopped series still leaves its result
     finally:
         for b in busy:
             b.kill()
             b.wait()
         shutil.rmtree(tmp, ignore_errors=True)
-    ok = sum(r["exit"] == 0 and r["sdc"] == 0 for r in rows)
-    res = {"command": "bench/sdc_clean.py " + " ".join(sys.argv[1:]),
-           "date": time.strftime("%Y-%m-%d %H:%M"), "busy_loops": a.busy, "runs": rows,
-           "clean": ok, "false_alarms": sum(r["sdc"] > 0 for r in rows)}
-    OUT.parent.mkdir(parents=True, exist_ok=True)
-    OUT.write_text(json.dumps(res, indent=1))
+    res = write(rows, a)
+    ok = res["clean"]
     print(f"\n{ok} of {len(rows)} clean runs without an sdc line and exit 0 "
           f"({res['false_alarms']} false alarms), {a.busy} busy loops beside, load average "
           f"{min(r['load'] for r in rows)}-{max(r['load'] for r in rows)}")
