@@ -6,8 +6,9 @@ values compare a checksum of them: the integer sum of each parameter's bits (exa
 bit changes it; a few microseconds per MB). Replicas are found from the parameters themselves:
 every DTensor mesh dimension a parameter is `Replicate` on (tensor-parallel norms, HSDP
 replicas), and the data-parallel (x context-parallel) group for DDP and for pipelines whose
-gradients are all-reduced by hand. Plain FSDP shards have no replica: corruption there is left
-to the golden tests of `myria doctor` and to the numerical checks below. A mismatch names the
+gradients are all-reduced by hand. Plain FSDP shards have no replica: there, and on every
+layout, each rank's own checksums of its state at rest and the partner recomputation of a
+microbatch (`myria.train.sdc`, driven by `StepGuard` below) catch corruption. A mismatch names the
 odd rank out by majority (with two replicas, both: the check cannot tell which one is wrong)
 and the first parameter that differs; the default action rolls back: every rank stops with
 `SilentCorruption`, and under `myria supervise` the job restarts from the newest checkpoint.
