@@ -8,7 +8,10 @@ MYRIA_FAULT holds comma-separated faults, each `kind:key=value:...`:
 - `stop:rank=R:step=S`       rank R sends itself SIGSTOP at the start of step S (a frozen
                              process: no heartbeats either)
 - `raise:rank=R:step=S`      rank R raises an exception at the start of step S
-- `corrupt-checkpoint:step=S` after the checkpoint of step S is committed, damage one of its files
+- `corrupt-checkpoint:step=S` damage one file of the checkpoint of step S once its manifest
+                             holds the files' checksums, just before the commit makes it
+                             visible (as if the bytes rotted right after: a kill cannot separate
+                             the commit from the damage)
 - `diskfull:step=S`          the checkpoint save at step S fails with ENOSPC
 - `offload-kill[:rank=R]:step=S`  the nvme tier's update S (the optimizer step of step S) sends
                              SIGKILL half-way through, once half its chunks are written
@@ -16,9 +19,14 @@ MYRIA_FAULT holds comma-separated faults, each `kind:key=value:...`:
                              through writing its state (a full offload directory)
 - `slow:rank=R:factor=F[:step=S]`  rank R's forward and backward take F times as long from
                              step S on (default 1), as a slow GPU would (myria.observe.events)
-- `bitflip:rank=R:step=S[:target=param|grad]`  flip one bit of rank R's first parameter (at the
-                             start of step S) or of its gradient (after the gradient reduction,
-                             before the update): silent data corruption
+- `bitflip:rank=R:step=S[:target=param|grad|optimizer|compute][:sticky=yes]`  silent data
+                             corruption on rank R: flip one bit of its last parameter's local
+                             shard (at the start of step S), of that parameter's gradient
+                             (after the gradient reduction, before the update), of its
+                             optimizer state (the last exp_avg, at the start of step S), or of
+                             a GEMM result (the output of the first linear layer in the first
+                             forward of the step; with sticky=yes in every forward from then
+                             on, a device that keeps computing wrong numbers)
 - `nan:rank=R:step=S[:sticky=yes]`  rank R's loss at step S is NaN (a transient numerical
                              fault), or with sticky=yes every forward from then on in this
                              process (a device that keeps computing wrong numbers)
@@ -51,7 +59,7 @@ KINDS = ("kill", "hang", "stop", "raise", "corrupt-checkpoint", "diskfull", "slo
          "nan", "offload-kill", "offload-diskfull")
 FLOAT_KEYS = ("factor",)   # parameters that take a number, not an integer
 # parameters that take one of a few words
-WORD_KEYS = {"target": ("param", "grad"), "sticky": ("yes", "no")}
+WORD_KEYS = {"target": ("param", "grad", "optimizer", "compute"), "sticky": ("yes", "no")}
 
 
 class FaultSpecError(ConfigError, ValueError):
@@ -102,8 +110,9 @@ def parse(text: str | None) -> list[Fault]:
                 continue
             if k not in ("rank", "step"):
                 raise FaultSpecError(f"MYRIA_FAULT item {item!r}: unknown parameter {k!r}; "
-                                     "valid: rank=N, step=N, factor=F (slow), target=param|grad "
-                                     "(bitflip), sticky=yes|no (nan)")
+                                     "valid: rank=N, step=N, factor=F (slow), "
+                                     "target=param|grad|optimizer|compute (bitflip), "
+                                     "sticky=yes|no (nan, bitflip)")
             if not v.lstrip("-").isdigit():
                 raise FaultSpecError(f"MYRIA_FAULT item {item!r}: {k}={v!r} is not an integer "
                                      f"(expected {k}=N)")

@@ -150,10 +150,13 @@ def test_exception_in_one_rank_on_a_host_failing_diagnostics(tmp_path, tiny_data
 
 @pytest.mark.slow
 def test_corrupt_newest_checkpoint_and_full_disk(tmp_path, tiny_data, reference):
-    # saves at 4, 8 (disk full: fails), 12 (corrupted after commit); killed at step 14:
+    # saves at 4, 8 (disk full: fails), 12 (corrupted as it is committed); killed at step 14:
     # the resume must skip step 12 with a warning and use step 4, the newest intact one.
-    supervise(tmp_path, tiny_data, "--checkpoint.keep=5", env={
-        "MYRIA_FAULT": "diskfull:step=8,corrupt-checkpoint:step=12,kill:rank=0:step=14"})
+    # Synchronous saves: an asynchronous one of step 12 may still be persisting when rank 0 is
+    # killed on a loaded host (then 4 is the newest committed: a race in the test, not a
+    # verification fault; issue 27).
+    supervise(tmp_path, tiny_data, "--checkpoint.keep=5", "--resilience.async_checkpoint=false",
+              env={"MYRIA_FAULT": "diskfull:step=8,corrupt-checkpoint:step=12,kill:rank=0:step=14"})
     summary = json.loads((tmp_path / "supervisor_summary.json").read_text())
     f = summary["faults"][0]
     assert f["newest_committed"] == "step_00000012" and f["resumed_from"] == 4, f

@@ -32,11 +32,42 @@ def test_checksum_sees_every_bit_and_nothing_else():
     assert bit_checksum(torch.zeros(3, dtype=torch.bfloat16)) == 0
 
 
+def test_ledger_names_what_changed_at_rest():
+    """Each rank's checksums of its parameters, optimizer state and gradients: a flipped bit in
+    any of them is named; an optimizer update recorded afterwards is not a false alarm."""
+    from types import SimpleNamespace
+
+    from myria.train.sdc import StateLedger
+
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 2))
+    opt = torch.optim.AdamW(model.parameters())
+    ledger = StateLedger(SimpleNamespace(parts=[model], optimizers=[opt]))
+    model(torch.randn(4, 8)).sum().backward()
+    opt.step()
+    ledger.record_state()
+    assert ledger.verify_state() == []
+    flip_bit(opt.state[model[1].weight]["exp_avg"])
+    assert ledger.verify_state() == ["optimizer 1.weight.exp_avg"]
+    ledger.record_state()
+    flip_bit(model[0].bias, bit=0)              # the lowest bit too
+    assert ledger.verify_state() == ["param 0.bias"]
+    opt.zero_grad()
+    model(torch.randn(4, 8)).sum().backward()
+    ledger.record_grads()
+    flip_bit(model[1].bias.grad)
+    assert ledger.verify_grads() == ["grad 1.bias"]
+    opt.step()                                  # a legitimate write, then recorded
+    ledger.record_state()
+    assert ledger.verify_state() == []
+
+
 def test_fault_hooks_parse():
     f = faults.parse("bitflip:rank=2:step=5,nan:rank=1:step=3")
     assert f[0].params == {"rank": 2, "step": 5, "target": "param"}
     assert faults.parse("bitflip:rank=0:step=1:target=grad")[0].params["target"] == "grad"
-    for bad in ("bitflip:step=3", "nan:rank=1", "bitflip:rank=1:step=2:target=optimizer"):
+    assert faults.parse("bitflip:rank=0:step=1:target=optimizer")[0].params["target"] == \
+        "optimizer"
+    for bad in ("bitflip:step=3", "nan:rank=1", "bitflip:rank=1:step=2:target=weights"):
         with pytest.raises(ValueError):
             faults.parse(bad)
 
@@ -58,24 +89,66 @@ def ddp4_reference(tmp_path_factory, tiny_data):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("target", ["param", "grad"])
-def test_bitflip_is_named_and_rolled_back_bit_equal(tmp_path, tiny_data, ddp4_reference, target):
+def test_bitflip_in_a_replica_is_named_and_rolled_back_bit_equal(tmp_path, tiny_data,
+                                                                  ddp4_reference):
     run = tmp_path / "run"
     run_cli("supervise", "--run-dir", str(run), "--nproc", "4", f"--data.path={tiny_data}",
-            *DDP4, env={"MYRIA_FAULT": f"bitflip:rank=2:step=5:target={target}"}, timeout=600)
+            *DDP4, env={"MYRIA_FAULT": "bitflip:rank=2:step=5:target=param"}, timeout=600)
     sdc = detections.read(run, "sdc")
     assert len(sdc) == 1, sdc
     row = sdc[0]
-    # Flipped at the start of (or during) step 6; the checks run at steps 3, 6, 9, ...
-    assert row["rank"] == 2 and row["evidence"]["suspects"] == [2], row
-    assert row["step"] == 6 and row["action"] == "rollback"
-    assert row["evidence"]["ranks"] == [0, 1, 2, 3] and row["evidence"]["param"]
+    # Flipped at the start of step 6: the rank's own at-rest checksum sees it before the
+    # forward, before the replica check (steps 3, 6, 9, ...) would.
+    assert row["rank"] == 2 and row["step"] == 6 and row["action"] == "rollback", row
+    assert row["evidence"]["check"] == "at rest" and row["evidence"]["ranks"] == [2], row
+    assert row["evidence"]["tensors"][0].startswith("param "), row
     summary = json.loads((run / "supervisor_summary.json").read_text())
     assert summary["status"] == "succeeded" and summary["restarts"] == 1
     assert summary["faults"][0]["resumed_from"] == 4     # the newest checkpoint before it
     ref, got = losses(ddp4_reference), losses(run)
     assert [got[s] for s in range(1, STEPS + 1)] == [ref[s] for s in range(1, STEPS + 1)]
     pa, pb = final_params(ddp4_reference), final_params(run)
+    assert all(torch.equal(pa[k], pb[k]) for k in pa)
+
+
+# -- issue 27: the default layout (FSDP, no replica), every target ------------------------------
+FSDP2 = [*TINY, "--training.steps=8", "--checkpoint.interval=4", "--resilience.sdc_interval=3",
+         "--resilience.diagnose=false", "--resilience.heartbeat_s=0.5",
+         "--resilience.backoff_s=0.2", "--training.eval_interval=0"]
+
+
+@pytest.fixture(scope="module")
+def fsdp2_reference(tmp_path_factory, tiny_data):
+    d = tmp_path_factory.mktemp("fsdp2ref")
+    # with the checks off: a run with them on (and a fault caught) must end bit-equal to it
+    run_cli("train", "--config", "configs/demo.toml", "--run-dir", str(d), "--nproc", "2",
+            f"--data.path={tiny_data}", *FSDP2, "--resilience.sdc_interval=0", timeout=600)
+    return d
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("target", ["param", "grad", "optimizer", "compute"])
+def test_bitflip_on_fsdp_is_named_and_rolled_back_bit_equal(tmp_path, tiny_data,
+                                                            fsdp2_reference, target):
+    """The user's path of issue 27: `myria supervise --config configs/demo.toml` (FSDP, the
+    default) on 2 processes, one flipped bit on rank 1 in step 6 (a checked step)."""
+    run = tmp_path / "run"
+    run_cli("supervise", "--config", "configs/demo.toml", "--run-dir", str(run), "--nproc", "2",
+            f"--data.path={tiny_data}", *FSDP2,
+            env={"MYRIA_FAULT": f"bitflip:rank=1:step=5:target={target}"}, timeout=600)
+    sdc = detections.read(run, "sdc")
+    assert [(r["rank"], r["step"], r["action"]) for r in sdc] == [(1, 6, "rollback")], sdc
+    ev = sdc[0]["evidence"]
+    if target == "compute":   # rank 0 recomputed rank 1's microbatch; rank 1's replay agreed
+        assert ev["check"] == "compute" and ev["verdict"] == "transient", ev
+        assert ev["microbatch_of"] == 1 and ev["recomputed_by"] == 0, ev
+        assert ev["checksums"]["replay"] == ev["checksums"]["partner"] != ev["checksums"]["own"]
+    else:
+        word = {"optimizer": "optimizer", "grad": "grad", "param": "param"}[target]
+        assert ev["check"] == "at rest" and ev["tensors"][0].startswith(word + " "), ev
+    summary = json.loads((run / "supervisor_summary.json").read_text())
+    assert summary["status"] == "succeeded" and summary["faults"][0]["resumed_from"] == 4
+    pa, pb = final_params(fsdp2_reference), final_params(run)
     assert all(torch.equal(pa[k], pb[k]) for k in pa)
 
 

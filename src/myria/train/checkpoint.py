@@ -743,10 +743,6 @@ class CheckpointManager:
                           if self.max_failures else "")
         else:
             self.failed_in_row = 0
-        if committed and rank == 0 and self.faults is not None and (
-                f := self.faults.due("corrupt-checkpoint", p.step)):
-            self.faults.mark(f)
-            self._corrupt(final)
         p.record.ok = committed
         p.record.error = "" if committed else str(errors[0][1] if errors else "commit failed")
         p.record.persist_s = time.perf_counter() - t0
@@ -780,6 +776,11 @@ class CheckpointManager:
                     manifest_version=MANIFEST_VERSION)
         atomic_write(tmp / "meta.json", json.dumps(meta, indent=1))
         _fsync_dir(tmp)
+        if self.faults is not None and (f := self.faults.due("corrupt-checkpoint", p.step)):
+            # after its checksums are in the manifest, before it becomes visible: a process
+            # killed after the commit can no longer leave it undamaged (issue 27)
+            self.faults.mark(f)
+            self._corrupt(tmp)
         old = None
         if final.exists():  # a step saved again after resuming from an older checkpoint
             old = final.with_name(final.name + f".old{os.getpid()}")

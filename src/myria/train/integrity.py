@@ -6,8 +6,9 @@ values compare a checksum of them: the integer sum of each parameter's bits (exa
 bit changes it; a few microseconds per MB). Replicas are found from the parameters themselves:
 every DTensor mesh dimension a parameter is `Replicate` on (tensor-parallel norms, HSDP
 replicas), and the data-parallel (x context-parallel) group for DDP and for pipelines whose
-gradients are all-reduced by hand. Plain FSDP shards have no replica: corruption there is left
-to the golden tests of `myria doctor` and to the numerical checks below. A mismatch names the
+gradients are all-reduced by hand. Plain FSDP shards have no replica: there, and on every
+layout, each rank's own checksums of its state at rest and the partner recomputation of a
+microbatch (`myria.train.sdc`, driven by `StepGuard` below) catch corruption. A mismatch names the
 odd rank out by majority (with two replicas, both: the check cannot tell which one is wrong)
 and the first parameter that differs; the default action rolls back: every rank stops with
 `SilentCorruption`, and under `myria supervise` the job restarts from the newest checkpoint.
@@ -161,10 +162,11 @@ class ReplicaCheck:
         return found
 
 
-def flip_bit(p: torch.Tensor, bit: int = 22) -> None:
+def flip_bit(p: torch.Tensor, bit: int = 22, last: bool = False) -> None:
     """Flip one bit (22: the top mantissa bit of fp32, a change of up to half the value) of the
-    first element of a parameter's (or gradient's) local tensor."""
-    t = _local(p.detach()).reshape(-1)[:1]
+    first (or `last`) element of a parameter's (or gradient's) local tensor."""
+    t = _local(p.detach()).reshape(-1)
+    t = t[-1:] if last else t[:1]
     width = {4: torch.int32, 2: torch.int16, 8: torch.int64}[t.element_size()]
     v = t.view(width)
     v.bitwise_xor_(torch.tensor(1 << (bit % (8 * t.element_size() - 1)), dtype=width))
@@ -289,6 +291,16 @@ class StepGuard:
         self.faults, self.host = faults, socket.gethostname()
         multi = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
         self.replicas = ReplicaCheck(engine) if self.r.sdc_interval and multi else None
+        from myria.train import sdc
+
+        # at rest (every step) and in compute (every sdc_interval steps): myria.train.sdc
+        self.ledger = sdc.StateLedger(engine) if self.r.sdc_interval else None
+        self.compute = sdc.ComputeCheck(engine) if self.r.sdc_interval and multi else None
+        if self.compute is not None and not self.compute.enabled:
+            self.compute = None
+        self.verified_at: int | None = None
+        if self.ledger is not None:
+            self.ledger.record_state()   # what was initialised or loaded
         self.losses = LossTracker(self.r.loss_spike_sigmas)
         self.skip = read_skip_steps(run_dir)
         self._hook = None
@@ -299,9 +311,16 @@ class StepGuard:
         """Apply the fault hooks due at the start of `step` (steps done so far, as in
         `myria.faults`); False when the batch of step `step + 1` is to be skipped (rollback)."""
         if f := self.faults.due("bitflip", step):
-            if f.params.get("target") == "param":
+            target = f.params.get("target")
+            if target in ("param", "optimizer", "compute"):
                 self.faults.mark(f)
-                flip_bit(self._target())
+                self._inject(target, f.params.get("sticky") == "yes")
+        if self.ledger is not None:   # before the forward gathers the parameters
+            self._verify_state(step + 1, "before the forward")
+        if self.compute is not None:
+            self.compute.cancel()
+            if (step + 1) % self.r.sdc_interval == 0:
+                self.compute.capture()   # this step's first microbatch, for the compute check
         if f := self.faults.due("nan", step):
             self.faults.mark(f)
             hook = self.engine.model.register_forward_hook(
@@ -314,23 +333,68 @@ class StepGuard:
         if self._hook is not None:
             self._hook.remove()
             self._hook = None
+        if self.ledger is not None:   # the reduction has written them
+            with _span():
+                self.ledger.record_grads()
         if f := self.faults.due("bitflip", step):   # target = grad: after the reduction
             self.faults.mark(f)
-            p = self._target()
+            p = self._target(grad=True)
             if p.grad is not None:
                 flip_bit(p.grad)
                 self.engine.gradients_changed()
+        if self.ledger is not None:   # before clipping reads them
+            with _span():
+                bad = self.ledger.verify_grads()
+            self._sdc(step + 1, "at rest", bad, "after the reduction")
 
-    def _target(self) -> torch.Tensor:
-        """The parameter the bitflip hook corrupts: the last one (the final norm or the output
-        layer, whose gradient is never zero; an unused embedding row's would be)."""
-        return list(self.engine.model.parameters())[-1]
+    def _target(self, grad: bool = False) -> torch.Tensor:
+        """The parameter the bitflip hook corrupts: the last one of this rank's model whose
+        local shard is not empty (the final norm or the output layer, whose gradient is never
+        zero; an unused embedding row's would be)."""
+        ps = [p for part in self.engine.parts for p in part.parameters()
+              if _local(p).numel() and (not grad or p.grad is not None)]
+        return ps[-1] if ps else list(self.engine.model.parameters())[-1]
+
+    def _inject(self, target: str, sticky: bool) -> None:
+        """The `bitflip` fault hooks acting at the start of a step (myria.faults)."""
+        if target == "param":
+            flip_bit(self._target())
+        elif target == "optimizer":   # the first moment (exp_avg) of a parameter, or any state
+            state = self.ledger.optim() if self.ledger is not None else \
+                sdc_state(self.engine)
+            if state:
+                pick = [t for n, t in state if n.endswith(".exp_avg")] or [t for _, t in state]
+                flip_bit(pick[-1])
+        elif target == "compute":     # a GEMM result: the first linear layer's output (its
+            # last element: the first position's query would not matter, attending to itself)
+            from torch import nn
+
+            lin = next(m for m in self.engine.model.modules() if isinstance(m, nn.Linear))
+            hook = None
+
+            def corrupt(mod, args, out):
+                out = out.clone()
+                flip_bit(out, last=True)
+                if not sticky:
+                    hook.remove()
+                return out
+
+            hook = lin.register_forward_hook(corrupt)
 
     # -- before the update -------------------------------------------------------------------
     def judge(self, step: int, local_loss: torch.Tensor, loss: float, grad_norm: float,
               batch=None) -> bool:
         """True to apply the update of step `step` (1-based, as in the metrics). `loss` and
         `grad_norm` are global, so every rank decides alike."""
+        if self.ledger is not None:   # before the update reads them
+            self._verify_state(step, "before the update")
+        if self.compute is not None and step % self.r.sdc_interval == 0 and batch is not None:
+            from myria.observe import events
+
+            with events.current().span("compute_check", "check"):
+                found = self.compute.check(batch.inputs, batch.targets)
+            if found is not None:
+                self._compute_fault(step, found)
         kind = None
         if not (math.isfinite(loss) and math.isfinite(grad_norm)):
             kind = "nonfinite"
@@ -371,7 +435,18 @@ class StepGuard:
 
     # -- after the update --------------------------------------------------------------------
     def check_replicas(self, step: int, force: bool = False) -> None:
-        """Every sdc_interval steps, and when `force` (before a checkpoint): compare replicas."""
+        """Every sdc_interval steps, and when `force` (before a checkpoint): compare replicas.
+        Called after each update (and before each checkpoint): verify and record the state."""
+        if self.ledger is not None:
+            if self.compute is not None:
+                self.compute.cancel()
+            if force:   # never commit corrupted state
+                self._verify_state(step, "before the checkpoint")
+            else:
+                if self.verified_at != step:   # a skipped update: the state did not change
+                    self._verify_state(step, "after a skipped update")
+                with _span():
+                    self.ledger.record_state()
         if self.replicas is None or self.checked_at == step or \
                 not (force or step % self.r.sdc_interval == 0):
             return
@@ -393,3 +468,58 @@ class StepGuard:
         if action == "rollback":
             raise SilentCorruption(f"replicas diverged by step {step} (see events.jsonl); "
                                    "rolling back to the newest checkpoint")
+
+    # -- silent data corruption at rest and in compute (myria.train.sdc) ---------------------
+    def _verify_state(self, step: int, when: str) -> None:
+        self.verified_at = step
+        with _span():
+            bad = self.ledger.verify_state()
+        self._sdc(step, "at rest", bad, when)
+
+    def _sdc(self, step: int, check: str, bad: list[str], when: str) -> None:
+        """Act on this rank's at-rest verdict; collective: every rank learns who failed."""
+        from myria.train.sdc import ranks_with
+
+        failed = ranks_with(bool(bad), self.engine.device)
+        if not failed:
+            return
+        action = self.r.sdc_action
+        if bad:
+            evidence = {"check": check, "when": when, "tensors": bad[:8], "changed": len(bad),
+                        "ranks": failed}
+            detections.record(self.run_dir, "sdc", self.rank, self.host, step, evidence, action)
+            print(f"DETECTED sdc at step {step} on rank {self.rank} ({check}, {when}): "
+                  f"{bad[0]} changed since it was written: {action}", flush=True)
+        if action == "rollback":
+            raise SilentCorruption(f"state of rank(s) {failed} changed at rest by step {step} "
+                                   "(see events.jsonl); rolling back to the newest checkpoint")
+        if bad and self.ledger is not None:   # warn: go on from the state as it is now
+            self.ledger.record_state()
+
+    def _compute_fault(self, step: int, found: dict) -> None:
+        action = self.r.sdc_action
+        if self.rank == min(found["group"]):
+            for v in found["mismatches"].values():
+                evidence = {"check": "compute", "group": found["group"], **v}
+                detections.record(self.run_dir, "sdc", v["rank"], self.host, step, evidence,
+                                  action)
+                print(f"DETECTED sdc at step {step}: rank {v['microbatch_of']}'s microbatch "
+                      f"recomputed by rank {v['recomputed_by']} differs; {v['verdict']} "
+                      f"(rank {v['rank'] if v['rank'] is not None else v.get('suspects')}): "
+                      f"{action}", flush=True)
+        if action == "rollback":
+            raise SilentCorruption(f"a recomputed microbatch differs at step {step} (see "
+                                   "events.jsonl); rolling back to the newest checkpoint")
+
+
+def _span():
+    """The event-timer span of the at-rest checksums (bench/integrity.py sums them per step)."""
+    from myria.observe import events
+
+    return events.current().span("sdc_at_rest", "check")
+
+
+def sdc_state(engine) -> list[tuple[str, torch.Tensor]]:
+    from myria.train.sdc import StateLedger
+
+    return StateLedger(engine).optim()
