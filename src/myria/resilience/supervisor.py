@@ -564,7 +564,7 @@ class Supervisor:
         out: dict[int, dict | None] = {}
         for r, v in zip(self.ranks, raw):
             try:
-                out[r] = json.loads(v) if v else None
+                out[r] = heartbeat.decode(v)
             except ValueError:
                 out[r] = None
         return out
@@ -877,15 +877,8 @@ def _signature(exitcode: int, cause: str) -> str:
 
 def _metrics_rows(run_dir: Path, since: float) -> dict[int, dict]:
     """The last logged row of each training step written since `since`."""
-    path = run_dir / rundir.METRICS
     out: dict[int, dict] = {}
-    if not path.exists():
-        return out
-    for line in path.read_text().splitlines():
-        try:
-            row = json.loads(line)
-        except ValueError:
-            continue
+    for row in rundir.read_jsonl(run_dir / rundir.METRICS):
         if "loss" in row and row.get("time", 0) >= since:
             out[int(row["step"])] = row
     return out
