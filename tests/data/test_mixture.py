@@ -109,7 +109,8 @@ def test_bad_sources_one_line(two_sources, tmp_path):
 def test_bad_mixtures_through_the_cli_one_line_and_no_run_dir(two_sources, tmp_path, capsys):
     """`myria train --data.sources=...` as a user types it: a missing source, a weight <= 0 and
     sources prepared with different tokenizers each end in one line naming the source, before
-    any process starts or the run directory exists."""
+    any process starts or the run directory exists: with `--nproc` and without it (one
+    process, the default)."""
     from myria.cli import main
 
     web, code = two_sources
@@ -123,9 +124,10 @@ def test_bad_mixtures_through_the_cli_one_line_and_no_run_dir(two_sources, tmp_p
              f"{web}:0.3,{other}:0.7": f"'{other}' was prepared with another tokenizer than "
              f"'{web}' (tokenizer_sha256"}
     run = tmp_path / "run"
-    for sources, msg in cases.items():
+    for i, (sources, msg) in enumerate(cases.items()):
         capsys.readouterr()
-        rc = main(["train", "--run-dir", str(run), "--nproc", "1", *TINY,
+        nproc = ["--nproc", "1"] if i % 2 else []
+        rc = main(["train", "--run-dir", str(run), *nproc, *TINY,
                    f"--data.sources={sources}", "--training.steps=2"])
         err = capsys.readouterr().err
         assert rc == 2 and err.count("\n") == 1 and msg in err, (sources, err)

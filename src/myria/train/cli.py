@@ -208,14 +208,14 @@ def run(args) -> int:
         cfg.training.eval_interval = 0
     if not args.run_dir:
         raise config_mod.ConfigError("--run-dir is required (where checkpoints and metrics go)")
-    if launching:
-        # Check what we can before starting processes, so bad input fails once and clearly
-        # (and leaves no run directory behind).
+    if not inside_launcher():
+        # Check what we can before starting processes (or, for one process, before taking the
+        # run directory), so bad input fails once and clearly and leaves no run directory behind.
         from myria.data.mixture import open_dataset
         from myria.train.trainer import check_vocab
 
         check_vocab(cfg, open_dataset(cfg.data, cfg.model.seq_len, verify=False))
-        check_run(cfg, Layout.resolve(cfg.parallel, args.nproc),
+        check_run(cfg, Layout.resolve(cfg.parallel, args.nproc or 1),
                   device_type(cfg.training.device))
     done = preflight(cfg, args.run_dir, args.stop_after)
     if done:
