@@ -115,7 +115,7 @@ def test_hang_stacks_name_the_function_each_rank_waits_in(tmp_path, monkeypatch)
         assert p.stdout.readline().strip() == "ready"
         time.sleep(0.2)
         stacks = hang.request_stacks({3: p.pid}, tmp_path)
-        assert p.poll() is None  # SIGUSR2 did not end it
+        assert p.poll() is None  # the stack signal did not end it
     finally:
         p.kill()
     assert stacks[3]["tool"] == "faulthandler"

@@ -10,8 +10,8 @@ Beside each rank's open events the report holds its Python stack (`stacks`, and 
 innermost frames of its main thread, on each stuck or waiting rank): taken with py-spy where
 the `py-spy` command is installed and may attach (it reads a process from outside, so a frozen
 or GIL-holding one answers too), else with the standard library's faulthandler, which each worker
-registers on SIGUSR2 (`listen_for_stacks`) and which dumps every thread from the signal handler
-in C, also while the main thread waits inside a collective.
+registers on a real-time signal (`STACK_SIGNAL`, `listen_for_stacks`) and which dumps every
+thread from the signal handler in C, also while the main thread waits inside a collective.
 """
 
 from __future__ import annotations
@@ -119,7 +119,11 @@ def write(run_dir: str | Path, rep: dict) -> Path:
 
 
 # -- Python stacks ----------------------------------------------------------------------------
-STACK_SIGNAL = signal.SIGUSR2
+# Not SIGUSR1 (the event dump, myria.observe.events) nor SIGUSR2 (the parent-death signal that
+# myria.train.launch turns into a clean stop): faulthandler's handler replaces Python's, so sharing
+# SIGUSR2 left workers without their stop when the launcher died. Real-time signals are unused by
+# torch and gloo; SIGRTMIN + 4 stays clear of those glibc keeps below SIGRTMIN.
+STACK_SIGNAL = signal.SIGRTMIN + 4
 _STACK_FH = None
 
 
@@ -128,7 +132,7 @@ def stack_file(run_dir: str | Path, rank: int) -> Path:
 
 
 def listen_for_stacks(run_dir: str | Path, rank: int | None = None) -> None:
-    """Dump every thread's Python stack to RUN_DIR/hang/rankNNNNN.stack.txt on SIGUSR2
+    """Dump every thread's Python stack to RUN_DIR/hang/rankNNNNN.stack.txt on STACK_SIGNAL
     (faulthandler). Call early in a worker; RANK from the environment by default."""
     global _STACK_FH
     import faulthandler
@@ -185,13 +189,13 @@ def _py_spy(pids: dict[int, int], timeout_s: float) -> dict[int, str]:
 def request_stacks(pids: dict[int, int], run_dir: str | Path,
                    timeout_s: float = 5.0) -> dict[int, dict]:
     """Each rank's Python stack: {rank: {"tool", "text", "main"}}; py-spy first, faulthandler
-    (SIGUSR2 to a worker that called `listen_for_stacks`) for the ranks it could not read."""
+    (STACK_SIGNAL to a worker that called `listen_for_stacks`) for the ranks it could not read."""
     got = {r: {"tool": "py-spy", "text": t} for r, t in _py_spy(pids, timeout_s).items()}
     rest = {r: pid for r, pid in pids.items() if r not in got}
     for r, pid in rest.items():
         path = stack_file(run_dir, r)
         if not path.exists():
-            continue  # no handler registered: SIGUSR2 would end the process
+            continue  # no handler registered: the signal would end the process
         try:
             os.truncate(path, 0)
             os.kill(pid, STACK_SIGNAL)

@@ -77,7 +77,7 @@ def train(cfg: Config, run_dir: str | Path, stop_after: int | None = None) -> Tr
     """Run (or resume) training as this process's rank; returns the losses of this session."""
     run_dir = Path(run_dir)
     events.listen_for_dumps(run_dir)  # before any thread starts (SIGUSR1 -> hang dump)
-    hang.listen_for_stacks(run_dir)  # SIGUSR2 -> every thread's Python stack (faulthandler)
+    hang.listen_for_stacks(run_dir)  # STACK_SIGNAL -> every thread's stack (faulthandler)
     if cfg.training.deterministic:  # before the first cuBLAS handle (GPU bitwise resume)
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
         torch.use_deterministic_algorithms(True)
