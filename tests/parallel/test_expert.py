@@ -18,6 +18,7 @@ import torch
 
 from myria.config import ModelConfig
 from myria.parallel.expert import clip_grad_norm_, is_expert_parameter
+from tests.dist import finish
 
 STEPS = 5
 TRAIN_REL_TOL = 1e-4
@@ -278,8 +279,10 @@ def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
         results["errors"] = errors
         with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
             json.dump(results, f)
-    finally:
+    except BaseException:
         dist.destroy_process_group()
+        raise
+    finish()  # barrier, then leave without torch's gloo teardown (see tests/dist.finish)
 
 
 @pytest.fixture(scope="module")
