@@ -24,11 +24,11 @@ LAYERS = [
     ("layout",),                                # the parallel layout and its one check
     ("parallel",),                              # meshes, groups, parallelisation (torch)
     ("sim",),                                   # the performance model, planner, network
+    ("measure",),                               # measurements of this machine for the model
     ("observe",),                               # events, analysis, stragglers, reports
     ("offload",),                               # the nvme tier
     ("train",),                                 # the worker: engine, loop, checkpoints
     ("resilience", "generate"),                 # the supervisor and doctor; generation
-    ("measure",),                               # measurements of this machine for the model
 ]
 LEVEL = {name: i for i, names in enumerate(LAYERS) for name in names}
 FRONT_DOORS = {"cli", "__main__", "train.cli", "observe.report", "sim.cli_plan",

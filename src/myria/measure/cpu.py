@@ -28,7 +28,7 @@ number of processes:
 - optimizer: myria's gradient clip plus AdamW (foreach) per parameter;
 - gloo (several processes): alpha and bus bandwidth (nccl-tests convention) of all-reduce,
   all-gather and reduce-scatter, and latency and bandwidth of send/receive, fitted on three
-  message sizes, timed by `myria.resilience.collective_bench`; and FSDP2's own all-gather of a
+  message sizes, timed by `myria.measure.collective`; and FSDP2's own all-gather of a
   unit (`unshard()` + `reshard()`: copy-in, gloo all-gather, copy-out) on three unit sizes.
 
 Times are medians of repeated calls, not minima: the machine is shared, and a training step sees
@@ -895,11 +895,11 @@ def _fsdp_unit_points(world: int, units: tuple, repeats: int = 7) -> list:
 def _gloo_points(world: int, sizes: tuple = GLOO_SIZES, repeats: int = 5) -> dict:
     """(bus bytes, seconds) per size for each collective, and (bytes, seconds) of send/recv.
 
-    Medians over `repeats` timings of 3 calls each (`collective_bench`: slowest rank's mean).
+    Medians over `repeats` timings of 3 calls each (`measure.collective`: slowest rank's mean).
     """
     import torch
 
-    from myria.resilience.collective_bench import bench_collective, bench_p2p_ring, busbw_factor
+    from myria.measure.collective import bench_collective, bench_p2p_ring, busbw_factor
 
     cpu = torch.device("cpu")
     raw: dict[str, list] = {}

@@ -16,7 +16,7 @@ skip status and the reason (measured vs expected, with the evidence):
    bandwidth times an achievable fraction (GPU, per rank); re-measured and judged as above.
 5. `all-reduce`, `all-to-all` (optionally `all-gather`, `reduce-scatter`) among the host's
    `nproc` local ranks (gloo over loopback on CPU, NCCL on GPU): the data are checked, and the
-   bus bandwidth, computed as nccl-tests does (see `collective_bench`), is compared with the
+   bus bandwidth, computed as nccl-tests does (see `myria.measure.collective`), is compared with the
    expected value (on CPU a modest floor).
 6. `neighbor-all-reduce`: under a multi-host launch this host forms a group with its neighbour
    (hosts are paired in list order, (0, 1), (2, 3), ..., the last three together when the count
@@ -188,7 +188,7 @@ def _worker(rank: int, cfg: dict[str, Any], q: Any) -> None:
         import torch
         import torch.distributed as dist
 
-        from myria.resilience import collective_bench as cb
+        from myria.measure import collective as cb
 
         torch.set_num_threads(cfg["threads"])
         n = cfg["nproc"]
@@ -273,7 +273,7 @@ def _neighbor_worker(cfg: dict[str, Any], q: Any, release: Any) -> None:
         import torch
         import torch.distributed as dist
 
-        from myria.resilience import collective_bench as cb
+        from myria.measure import collective as cb
 
         device = torch.device("cuda", 0) if cfg["device"] == "cuda" else torch.device("cpu")
         if device.type == "cuda":
@@ -350,7 +350,7 @@ def run_diagnostics(nproc: int = 2, expected: dict[str, float] | None = None,
     dtype = dtype or ("float32" if device == "cpu" else "bfloat16")
     if dtype not in DTYPES:
         raise ConfigError(f"dtype {dtype!r}: use one of {', '.join(DTYPES)}")
-    from myria.resilience.collective_bench import OPS
+    from myria.measure.collective import OPS
 
     bad = [op for op in collectives if op not in OPS]
     if bad:
