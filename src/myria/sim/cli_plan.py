@@ -356,7 +356,8 @@ def _print(base: RunSpec, res) -> None:
             bd["pp_p2p_exposed"] + bd["dp_comm_exposed"]
         lay = r.layout
         x = r.extra
-        tab.add_row(str(i) + ("=" if x.get("tied") else ""), _layout(lay),
+        tab.add_row(str(i) + ("=" if x.get("tied") else "") +
+                    ("" if x.get("runnable", True) else "†"), _layout(lay),
                     str(lay["micro_batch"]), str(lay["microbatches"]),
                     lay["recompute"], str(lay["zero_stage"]), f"{t:.3f}",
                     f"{r.mfu:.1%} ({x['mfu_low']:.0%}-{x['mfu_high']:.0%})",
@@ -367,6 +368,14 @@ def _print(base: RunSpec, res) -> None:
                     f"{bd['pp_bubble'] / t:.0%}", f"{bd['pp_p2p_exposed'] / t:.0%}",
                     f"{bd['dp_comm_exposed'] / t:.0%}", f"{(t - named) / t:.0%}")
     con.print(tab)
+    for i, r in enumerate(res.ranked, 1):
+        if r.extra.get("not_runnable"):
+            con.print(f"† #{i}: {r.extra['not_runnable']}")
+    first = res.ranked[0]
+    if first.extra.get("runnable") and any(not r.extra.get("runnable", True) and
+                                           r.mfu > first.mfu for r in res.ranked):
+        con.print("#1 is the best layout myria's trainer runs; the faster ones marked † are "
+                  "priced for other frameworks only.")
     tied = sum(1 for r in res.ranked if r.extra.get("tied"))
     band = res.ranked[0].extra["band"]
     if tied > 1:

@@ -228,7 +228,9 @@ def plan(base: RunSpec, space: SearchSpace | None = None, top: int = 10,
     uncertainty band of the best) simplest first; each gets `extra` fields: mfu_low, mfu_high,
     ettr, checkpoint_interval_steps, tied. When no layout fits, the search runs again with the
     optimizer state (and parameters) offloaded, `space.offload_fallback`, and the result says
-    so (`offloaded`).
+    so (`offloaded`). Each ranked layout carries the trainer's verdict (`extra.runnable`,
+    and `extra.not_runnable` with the reason: `trainer_verdict`), and the first place goes to
+    one myria's trainer runs whenever one fits (`runnable_first`).
     """
     from myria.sim.band import uncertainty
 
@@ -241,6 +243,7 @@ def plan(base: RunSpec, space: SearchSpace | None = None, top: int = 10,
     limit_bytes = hw.memory_bytes - reserve
     t0 = time.perf_counter()
     ok: list[perf.StepResult] = []
+    runs: dict[int, RunSpec] = {}     # id(result) -> its run, for the trainer's verdict
     best_bad: perf.StepResult | None = None
     n = 0
     for par, tr in candidates(base, space):
@@ -250,6 +253,7 @@ def plan(base: RunSpec, space: SearchSpace | None = None, top: int = 10,
         n += 1
         if res.fits and res.memory.total <= limit_bytes:
             ok.append(res)
+            runs[id(res)] = run
         elif best_bad is None or res.mfu > best_bad.mfu:
             best_bad = res
         if limit and n >= limit:
@@ -270,10 +274,48 @@ def plan(base: RunSpec, space: SearchSpace | None = None, top: int = 10,
         return res
     ok.sort(key=lambda r: -r.mfu)
     band = uncertainty()
-    ranked = rank_with_ties(ok, band)[:top]
+    ranked = runnable_first(rank_with_ties(ok, band), runs, hw)[:top]
     for r in ranked:
         annotate(r, base, hw, band, reliability)
+        mark_runnable(r, runs[id(r)], hw)
     return PlanResult(ranked, n, len(ok), time.perf_counter() - t0, best_bad, offloaded)
+
+
+NOT_RUNNABLE = "priced, not runnable by myria"
+
+
+def trainer_verdict(run: RunSpec, hw) -> str:
+    """Why myria's trainer refuses `run` ("" if it runs it): the layout's one check,
+    `Layout.check(..., trainer=True)`, on the device type of the cluster. The planner searches
+    with `trainer=False` (layouts other frameworks run, ZeRO-Offload with ZeRO 0-2, parameters
+    on NVMe over several GPUs), so a priced layout may be one the trainer refuses."""
+    device = "cpu" if hw.cpu is not None or hw.device == "cpu" else "cuda"
+    try:
+        run.layout().check(run.trainer_config(), device, trainer=True)
+    except ConfigError as e:
+        return str(e)
+    return ""
+
+
+def mark_runnable(r: perf.StepResult, run: RunSpec, hw) -> None:
+    """`extra.runnable` (and `extra.not_runnable`: the note and the trainer's reason)."""
+    if "runnable" not in r.extra:
+        why = trainer_verdict(run, hw)
+        r.extra["runnable"] = not why
+        if why:
+            r.extra["not_runnable"] = f"{NOT_RUNNABLE}: {why}"
+
+
+def runnable_first(ranked: list[perf.StepResult], runs: dict[int, RunSpec], hw
+                   ) -> list[perf.StepResult]:
+    """`ranked` with its first place given to a layout myria's trainer runs: a priced-only
+    layout is never first above a runnable one that fits (the best-ranked runnable one moves
+    to the front; the rest keep their order). Unchanged when none is runnable."""
+    for i, r in enumerate(ranked):
+        mark_runnable(r, runs[id(r)], hw)
+        if r.extra["runnable"]:
+            return [r] + ranked[:i] + ranked[i + 1:] if i else ranked
+    return ranked
 
 
 def simplicity(r: perf.StepResult) -> tuple:
