@@ -252,15 +252,9 @@ def test_megascale_optimisation_ladder_each_step_raises_mfu_plausibly():
       to 1.8% and the DP traffic per token to a third: 2-10.
 
     Every gain is positive (8/8) and the whole ladder stays under the GEMM ceiling E_GEMM."""
-    import importlib.util
-    from pathlib import Path
-
     from myria.sim.operators import DEFAULT_EFFICIENCY
 
-    path = Path(__file__).resolve().parents[2] / "bench" / "sim_ladder.py"
-    spec = importlib.util.spec_from_file_location("sim_ladder", path)
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    bench = _bench("sim_ladder")
     bounds = {"parallel block": (0.5, 10), "sliding window": (0.05, 1),
               "tp overlap": (0.5, 10), "pp overlap": (0.05, 1), "dp overlap": (0.2, 5),
               "efficient operators": (0.1, 3), "data pipeline": (0.001, 0.5),
@@ -276,3 +270,30 @@ def test_megascale_optimisation_ladder_each_step_raises_mfu_plausibly():
     before, after = rows[5]["breakdown"], rows[6]["breakdown"]
     assert after["compute_memory_bound"] < before["compute_memory_bound"]
     assert after["compute_attention"] == pytest.approx(before["compute_attention"], rel=0.02)
+
+
+def _bench(name: str):
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "bench" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(name, path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.mark.parametrize("p, v, m", [(4, 1, 8), (4, 2, 16)])
+def test_blocking_pipeline_sends_cost_no_more_than_the_model_charges(p, v, m):
+    """Without overlap.pp the model charges 2 v transfers per microbatch and stage. Megatron's
+    blocking, bundled exchanges (every send waits for its receiver), replayed in its own order
+    (bench/sim_pp_exchange.py): without transfers the replay is the closed form exactly; with
+    them it never ends later than the model's charge, so the PP overlap's gain is the
+    transfers' size and not a hidden coupling of the ranks."""
+    bench = _bench("sim_pp_exchange")
+    assert bench.blocking_pipeline_time(p, v, m, 1.0, 2.0, 0.0) == pytest.approx(
+        bench.closed_form(p, v, m, 1.0, 2.0, 0.0))
+    for tx in (0.004, 0.02):
+        replay = bench.blocking_pipeline_time(p, v, m, 1.0, 2.0, tx)
+        assert bench.closed_form(p, v, m, 1.0, 2.0, 0.0) < replay <= \
+            bench.closed_form(p, v, m, 1.0, 2.0, tx) * (1 + 1e-9)
