@@ -78,6 +78,7 @@ def test_plan_command(capsys, tmp_path):
     assert {"evaluated", "fitting", "seconds", "ranked"} <= set(data)
     for r in data["ranked"]:
         assert r["mfu_low"] < r["mfu"] < r["mfu_high"] and 0 < r["ettr"] <= 1
+        assert r["band_nominal_coverage"] == 0.9 and 0 < r["band_held_out_mae"] < r["band"]
         assert r["checkpoint_interval_steps"] >= 1 and sum(r["layout"]["stage_layers"]) == 32
     assert main(["plan", "--layers", "32"]) == 2
     assert "needs" in capsys.readouterr().err

@@ -383,6 +383,9 @@ def _print(base: RunSpec, res) -> None:
                   "held-out error on the calibration runs) of the best MFU: statistically "
                   "tied, so they are ordered simplest first (sharded optimizer state, fewer "
                   "parallel dimensions, less recomputation, lower ZeRO stage, less memory).")
+    from myria.sim.band import describe
+
+    con.print(describe())
     rel = res.ranked[0].extra["reliability"]
     con.print(f"ETTR: expected share of wall time in kept training steps with failures every "
               f"{rel['mtbf_s'] / 3600:.1f} h on average (job MTBF), recovery "
