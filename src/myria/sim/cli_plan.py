@@ -286,7 +286,10 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps({"evaluated": res.evaluated, "fitting": res.fitting,
                           "seconds": res.seconds, "offloaded": res.offloaded,
-                          "ranked": [r.to_json() for r in res.ranked]}))
+                          "ranked": [r.to_json() for r in res.ranked],
+                          "best_runnable": (res.best_runnable.to_json()
+                                            if res.best_runnable is not None else None),
+                          "best_runnable_rank": res.best_runnable_rank}))
     else:
         _print(base, res)
     if args.show_schedule and res.ranked:
@@ -372,10 +375,17 @@ def _print(base: RunSpec, res) -> None:
         if r.extra.get("not_runnable"):
             con.print(f"† #{i}: {r.extra['not_runnable']}")
     first = res.ranked[0]
-    if first.extra.get("runnable") and any(not r.extra.get("runnable", True) and
-                                           r.mfu > first.mfu for r in res.ranked):
-        con.print("#1 is the best layout myria's trainer runs; the faster ones marked † are "
-                  "priced for other frameworks only.")
+    if not first.extra.get("runnable", True):
+        b = res.best_runnable
+        if b is None:
+            con.print("none of the first layouts is one myria's trainer runs (†: priced for "
+                      "other frameworks only)")
+        elif res.best_runnable_rank > len(res.ranked):
+            con.print(f"the best layout myria's trainer runs is #{res.best_runnable_rank}: "
+                      f"{_layout(b.layout)}, MFU {b.mfu:.1%}, {b.iteration_time_s:.3f} s per "
+                      f"step, {b.memory_gb_per_gpu:.1f} GB")
+        else:
+            con.print(f"the best layout myria's trainer runs is #{res.best_runnable_rank}")
     tied = sum(1 for r in res.ranked if r.extra.get("tied"))
     band = res.ranked[0].extra["band"]
     if tied > 1:

@@ -89,6 +89,8 @@ class PlanResult:
     seconds: float
     best_unfitting: perf.StepResult | None = None
     offloaded: bool = False      # nothing fitted without offload: these layouts offload
+    best_runnable: perf.StepResult | None = None  # when #1 is priced only: the trainer's best
+    best_runnable_rank: int = 0                    # its place in the whole ranking (1-based)
 
 
 def candidates(base: RunSpec, space: SearchSpace):
@@ -229,8 +231,9 @@ def plan(base: RunSpec, space: SearchSpace | None = None, top: int = 10,
     ettr, checkpoint_interval_steps, tied. When no layout fits, the search runs again with the
     optimizer state (and parameters) offloaded, `space.offload_fallback`, and the result says
     so (`offloaded`). Each ranked layout carries the trainer's verdict (`extra.runnable`,
-    and `extra.not_runnable` with the reason: `trainer_verdict`), and the first place goes to
-    one myria's trainer runs whenever one fits (`runnable_first`).
+    and `extra.not_runnable` with the reason: `trainer_verdict`), and among layouts tied with the
+    best the first place goes to one myria's trainer runs (`runnable_first`); when the first
+    is priced only, `best_runnable` names the trainer's best and its place.
     """
     from myria.sim.band import uncertainty
 
@@ -274,11 +277,17 @@ def plan(base: RunSpec, space: SearchSpace | None = None, top: int = 10,
         return res
     ok.sort(key=lambda r: -r.mfu)
     band = uncertainty()
-    ranked = runnable_first(rank_with_ties(ok, band), runs, hw)[:top]
+    whole = runnable_first(rank_with_ties(ok, band), runs, hw)
+    ranked = whole[:top]
     for r in ranked:
         annotate(r, base, hw, band, reliability)
         mark_runnable(r, runs[id(r)], hw)
-    return PlanResult(ranked, n, len(ok), time.perf_counter() - t0, best_bad, offloaded)
+    out = PlanResult(ranked, n, len(ok), time.perf_counter() - t0, best_bad, offloaded)
+    if ranked and not ranked[0].extra["runnable"]:
+        out.best_runnable_rank, out.best_runnable = best_runnable(whole, runs, hw)
+        if out.best_runnable is not None:
+            annotate(out.best_runnable, base, hw, band, reliability)
+    return out
 
 
 NOT_RUNNABLE = "priced, not runnable by myria"
@@ -308,14 +317,29 @@ def mark_runnable(r: perf.StepResult, run: RunSpec, hw) -> None:
 
 def runnable_first(ranked: list[perf.StepResult], runs: dict[int, RunSpec], hw
                    ) -> list[perf.StepResult]:
-    """`ranked` with its first place given to a layout myria's trainer runs: a priced-only
-    layout is never first above a runnable one that fits (the best-ranked runnable one moves
-    to the front; the rest keep their order). Unchanged when none is runnable."""
+    """`ranked` with a layout myria's trainer runs first when one is statistically tied with
+    the best (the tie band at the head of `rank_with_ties`): among ties the planner prefers
+    what it can run. A faster layout only other frameworks run is not hidden below a slower
+    runnable one (a cluster planner compares frameworks too): it stays first, marked, and
+    `best_runnable` names the trainer's best. Unchanged when no tied layout is runnable."""
     for i, r in enumerate(ranked):
+        if not r.extra.get("tied") and i:
+            break
         mark_runnable(r, runs[id(r)], hw)
         if r.extra["runnable"]:
             return [r] + ranked[:i] + ranked[i + 1:] if i else ranked
     return ranked
+
+
+def best_runnable(ranked: list[perf.StepResult], runs: dict[int, RunSpec], hw
+                  ) -> tuple[int, perf.StepResult | None]:
+    """(1-based place, result) of the best-ranked layout myria's trainer runs (each verdict
+    is one `Layout.check`, ~0.15 ms); (0, None) when none is."""
+    for i, r in enumerate(ranked, 1):
+        mark_runnable(r, runs[id(r)], hw)
+        if r.extra["runnable"]:
+            return i, r
+    return 0, None
 
 
 def simplicity(r: perf.StepResult) -> tuple:
