@@ -78,6 +78,7 @@ def test_plan_command(capsys, tmp_path):
     assert {"evaluated", "fitting", "seconds", "ranked"} <= set(data)
     for r in data["ranked"]:
         assert r["mfu_low"] < r["mfu"] < r["mfu_high"] and 0 < r["ettr"] <= 1
+        assert r["band_nominal_coverage"] == 0.9 and 0 < r["band_held_out_mae"] < r["band"]
         assert r["checkpoint_interval_steps"] >= 1 and sum(r["layout"]["stage_layers"]) == 32
     assert main(["plan", "--layers", "32"]) == 2
     assert "needs" in capsys.readouterr().err
@@ -184,3 +185,29 @@ def test_measuring_a_model_too_large_for_this_host_is_refused():
     run, _, _ = config_run(cfg, 8, device_spec("h100-sxm-80gb"))
     with pytest.raises(ConfigError, match="pass --gpu"):
         check_measurable(run_shape(run), 1)
+
+
+def test_plan_marks_priced_not_runnable_layouts_and_never_puts_one_first(capsys):
+    """13B on one A100: nothing fits without offload, so the planner prices ZeRO-Offload with
+    ZeRO 0-2 and NVMe offload too (`Layout.check(trainer=False)`). Those myria's trainer
+    refuses (ZeRO 0/1 is DDP, which FSDP2's CPU offload cannot serve; NVMe offload runs on CPU
+    only) are marked with the trainer's own reason, and the first pick is one it runs, although
+    a priced-only ZeRO-0 layout ties with it and is simpler."""
+    args = ["plan", "--arch", "llama", "--layers", "40", "--hidden", "5120", "--heads", "40",
+            "--ffn-hidden", "13824", "--vocab", "32000", "--seq-len", "2048",
+            "--global-batch", "8", "--gpu", "a100-sxm-80gb", "--gpus", "1", "--top", "8"]
+    assert main(args + ["--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    ranked = data["ranked"]
+    assert data["offloaded"] and ranked[0]["runnable"] and "not_runnable" not in ranked[0]
+    priced = [r for r in ranked if not r["runnable"]]
+    assert priced and all(r["not_runnable"].startswith("priced, not runnable by myria: ")
+                          for r in priced)
+    assert any(r["layout"]["zero_stage"] < ranked[0]["layout"]["zero_stage"] and r["tied"]
+               and r["layout"]["offload"] == "cpu" and "CPUOffloadPolicy" in r["not_runnable"]
+               for r in priced)
+    assert any(r["layout"]["offload"] == "nvme" and "runs on CPU" in r["not_runnable"]
+               for r in priced)
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    assert "2=†" in out and "1=†" not in out and "† #2: priced, not runnable by myria" in out

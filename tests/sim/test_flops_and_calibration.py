@@ -75,3 +75,8 @@ def test_band_is_the_jackknife_plus_quantile_and_json_carries_it(capsys):
     assert j["band"] == pytest.approx(b) and j["band_nominal_coverage"] == 0.9
     assert j["iteration_time_low_s"] == pytest.approx(j["iteration_time_s"] * (1 - b))
     assert j["mfu_low"] < j["mfu"] < j["mfu_high"]
+    # the leave-one-out error the band comes from is reported with it, and in the table
+    mae = sum(abs(e) for e in errs) / len(errs)
+    assert j["band_held_out_mae"] == pytest.approx(mae) and mae < b
+    assert main(["simulate", "--run", "megatron-lm-2021-1.7b"]) == 0
+    assert f"leave-one-out mean absolute error {mae:.2%}" in capsys.readouterr().out

@@ -117,7 +117,7 @@ def test_unfused_layer_ops_are_eager_chains_never_faster(arch, tp, sp):
             assert not eager
         else:   # every unfused operator runs as eager kernels of its class, one launch each
             want = {"softmax": "softmax", "attn_residual": "pointwise",
-                    "mlp_residual": "pointwise",
+                    "mlp_residual": "pointwise", "attn_norm": "norm", "mlp_norm": "norm",
                     "bias_gelu" if arch == "gpt" else "swiglu": "pointwise"}
             if arch == "llama":
                 want["rope"] = "rope"
@@ -127,7 +127,8 @@ def test_unfused_layer_ops_are_eager_chains_never_faster(arch, tp, sp):
                     e = dict(efficiency_for(hw).mem_eager)[o.eager]
                     assert o.time == pytest.approx(o.bytes / (hw.mem_bw * e)
                                                    + o.kernels * KERNEL_LAUNCH_S)
-                    assert o.kernels >= 2
+                    # torch's LayerNorm is one native kernel each way; the rest are chains
+                    assert o.kernels >= (1 if arch == "gpt" and "norm" in o.name else 2)
     for name, op in times[True].items():
         assert op.time <= times[False][name].time, name
     assert sum(o.time for o in times[True].values()) < \

@@ -86,3 +86,18 @@ def test_describe_lists_every_field():
     for sec in runspec.SECTIONS:
         assert f"[{sec}]" in text
     assert "flash_attention" in text and "(required)" in text
+
+
+def test_trainer_config_carries_what_the_trainers_verdict_reads():
+    """The planner's "priced, not runnable by myria" verdict is `Layout.check(trainer=True)` on
+    `RunSpec.trainer_config()`: the optimizer reaches it (myria's NVMe tier runs AdamW only)."""
+
+    (run,) = runspec.loads("[model]\narch = 'llama'\nlayers = 4\nhidden = 256\nheads = 4\n"
+                           "[training]\nglobal_batch = 4\noffload = 'nvme'\noptimizer = 'lamb'\n"
+                           "[cluster]\ngpu = 'a100-sxm-80gb'\ngpus = 1\n")
+    assert run.trainer_config().optimizer.name == "lamb"
+    with pytest.raises(ConfigError, match="supports optimizer.name = 'adamw', not 'lamb'"):
+        run.layout().check(run.trainer_config(), "cpu", trainer=True)
+    adam = run.replace(training={"optimizer": "adam"})
+    assert adam.trainer_config().optimizer.name == "adamw"
+    adam.layout().check(adam.trainer_config(), "cpu", trainer=True)

@@ -51,21 +51,31 @@ def test_plan_ranks_fitting_layouts(calibration):
     assert res.evaluated >= 10_000
     assert 0 < res.fitting < res.evaluated
     assert all(r.fits for r in res.ranked)
-    # statistically tied layouts (within the band of the best) first, simplest first; the rest
-    # by MFU
-    best = max(r.mfu for r in res.ranked)
+    # GPT ties its embeddings, which myria's trainer runs without tp or pp only: the fast
+    # layouts are priced only, marked with the trainer's reason, and not hidden below a slower
+    # one it runs (none is tied with the best); the trainer's best is named, far down
+    assert all(not r.extra["runnable"] and r.extra["not_runnable"].startswith(
+        "priced, not runnable by myria: ") for r in res.ranked)
+    assert any("model.tie_embeddings" in r.extra["not_runnable"] for r in res.ranked)
+    b = res.best_runnable
+    assert b is not None and b.extra["runnable"] and res.best_runnable_rank > len(res.ranked)
+    assert b.layout["tp"] == b.layout["pp"] == 1 and b.mfu < res.ranked[0].mfu
+    # statistically tied layouts (within the band of the best) first, simplest first; the
+    # rest by MFU
+    ranked = res.ranked
+    best = max(r.mfu for r in ranked)
     band = res.ranked[0].extra["mfu_high"] / res.ranked[0].mfu - 1
-    tied = [r for r in res.ranked if r.extra["tied"]]
-    assert tied and res.ranked[:len(tied)] == tied
+    tied = [r for r in ranked if r.extra["tied"]]
+    assert tied and ranked[:len(tied)] == tied
     assert all(r.mfu >= best * (1 - band) for r in tied)
-    rest = [r.mfu for r in res.ranked[len(tied):]]
+    rest = [r.mfu for r in ranked[len(tied):]]
     assert rest == sorted(rest, reverse=True)
     from myria.sim.planner import simplicity
     assert [simplicity(r) for r in tied] == sorted(simplicity(r) for r in tied)
     # the planner's best beats the published layout (which had no overlap or SP tricks
     # but does use recompute); at least it is not worse
     from myria.sim.perf import simulate
-    assert res.ranked[0].mfu >= simulate(base).mfu
+    assert max(r.mfu for r in res.ranked) >= simulate(base).mfu
 
 
 def test_search_space_respects_constraints(calibration):

@@ -51,3 +51,23 @@ def uncertainty() -> float:
         return float(json.loads(UNCERTAINTY.read_text())["band"])
     except (OSError, ValueError, KeyError):
         return DEFAULT_BAND
+
+
+@lru_cache(maxsize=1)
+def held_out_mae() -> float | None:
+    """Mean |leave-one-out iteration-time error| over the calibration rows, as stored with
+    the band (None when data/uncertainty.json is missing)."""
+    try:
+        return float(json.loads(UNCERTAINTY.read_text())["held_out_mae"])
+    except (OSError, ValueError, KeyError):
+        return None
+
+
+def describe() -> str:
+    """One line for the CLI: the band, its nominal coverage and the held-out error."""
+    mae = held_out_mae()
+    return (f"model uncertainty: +/-{uncertainty():.1%} on iteration time and MFU at "
+            f"{band_coverage():.0%} nominal coverage (jackknife+ quantile of the leave-one-out "
+            "errors on the calibration runs" +
+            (f"; leave-one-out mean absolute error {mae:.2%})" if mae is not None else ")"))
+

@@ -286,7 +286,10 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps({"evaluated": res.evaluated, "fitting": res.fitting,
                           "seconds": res.seconds, "offloaded": res.offloaded,
-                          "ranked": [r.to_json() for r in res.ranked]}))
+                          "ranked": [r.to_json() for r in res.ranked],
+                          "best_runnable": (res.best_runnable.to_json()
+                                            if res.best_runnable is not None else None),
+                          "best_runnable_rank": res.best_runnable_rank}))
     else:
         _print(base, res)
     if args.show_schedule and res.ranked:
@@ -356,7 +359,8 @@ def _print(base: RunSpec, res) -> None:
             bd["pp_p2p_exposed"] + bd["dp_comm_exposed"]
         lay = r.layout
         x = r.extra
-        tab.add_row(str(i) + ("=" if x.get("tied") else ""), _layout(lay),
+        tab.add_row(str(i) + ("=" if x.get("tied") else "") +
+                    ("" if x.get("runnable", True) else "†"), _layout(lay),
                     str(lay["micro_batch"]), str(lay["microbatches"]),
                     lay["recompute"], str(lay["zero_stage"]), f"{t:.3f}",
                     f"{r.mfu:.1%} ({x['mfu_low']:.0%}-{x['mfu_high']:.0%})",
@@ -367,6 +371,21 @@ def _print(base: RunSpec, res) -> None:
                     f"{bd['pp_bubble'] / t:.0%}", f"{bd['pp_p2p_exposed'] / t:.0%}",
                     f"{bd['dp_comm_exposed'] / t:.0%}", f"{(t - named) / t:.0%}")
     con.print(tab)
+    for i, r in enumerate(res.ranked, 1):
+        if r.extra.get("not_runnable"):
+            con.print(f"† #{i}: {r.extra['not_runnable']}")
+    first = res.ranked[0]
+    if not first.extra.get("runnable", True):
+        b = res.best_runnable
+        if b is None:
+            con.print("none of the first layouts is one myria's trainer runs (†: priced for "
+                      "other frameworks only)")
+        elif res.best_runnable_rank > len(res.ranked):
+            con.print(f"the best layout myria's trainer runs is #{res.best_runnable_rank}: "
+                      f"{_layout(b.layout)}, MFU {b.mfu:.1%}, {b.iteration_time_s:.3f} s per "
+                      f"step, {b.memory_gb_per_gpu:.1f} GB")
+        else:
+            con.print(f"the best layout myria's trainer runs is #{res.best_runnable_rank}")
     tied = sum(1 for r in res.ranked if r.extra.get("tied"))
     band = res.ranked[0].extra["band"]
     if tied > 1:
@@ -374,6 +393,9 @@ def _print(base: RunSpec, res) -> None:
                   "held-out error on the calibration runs) of the best MFU: statistically "
                   "tied, so they are ordered simplest first (sharded optimizer state, fewer "
                   "parallel dimensions, less recomputation, lower ZeRO stage, less memory).")
+    from myria.sim.band import describe
+
+    con.print(describe())
     rel = res.ranked[0].extra["reliability"]
     con.print(f"ETTR: expected share of wall time in kept training steps with failures every "
               f"{rel['mtbf_s'] / 3600:.1f} h on average (job MTBF), recovery "

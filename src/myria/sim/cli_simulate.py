@@ -106,6 +106,9 @@ def _print_table(pairs: list[tuple[runspec.RunSpec, StepResult]]) -> None:
     if errs:
         con.print(f"mean absolute error of iteration time over {len(errs)} measured run(s): "
                   f"{sum(errs) / len(errs):.2%}")
+    from myria.sim.band import describe
+
+    con.print(describe())
     con.print("TFLOP/s and MFU count model FLOPs as myria's live meter does (every matmul, 3x "
               "its forward); --json adds mfu_megatron (Narayanan et al. 2021's formula, as "
               "published tables use it); hw TFLOP/s adds recomputation. ETTR: expected "

@@ -183,6 +183,19 @@ def _mem(name: str, fwd_bytes: float, bwd_bytes: float, flops: float = 0.0,
                 category=cat, kernels=kb, eager=cls)] if bwd_bytes else [])
 
 
+def _norm_op(name: str, shape: LayerShape, tokens: float) -> tuple[Op, list[Op]]:
+    """LayerNorm / RMSNorm over `tokens` rows: one fused kernel each way (Apex / Megatron /
+    Liger: read x, write y; read x, dy, write dx), or unfused as PyTorch runs them
+    (`NORM_EAGER`: RMSNorm as pow, mean, rsqrt and two multiplies with autograd's backward;
+    LayerNorm as torch's native kernel), at the eager norm kernels' bandwidth (E_MEM_EAGER
+    "norm", fitted to Liger's and QuACK's norm benchmarks) with one launch per kernel."""
+    e, n = shape.act_bytes, tokens * shape.hidden
+    if shape.fused:
+        return _mem(name, 2 * e * n, 3 * e * n, 5 * n)
+    (fb, fk), (bb, bk) = NORM_EAGER[shape.arch if shape.arch in NORM_EAGER else "llama"]
+    return _mem(name, fb * e * n, bb * e * n, 5 * n, eager=("norm", fk, bk))
+
+
 def _comm(name: str, phase: str, coll: str, size: float, group: str, pair: str = "",
           always: bool = False) -> Op:
     return Op(name, "comm", phase, 0.0, size, coll=coll, group=group, pair=pair,
@@ -215,8 +228,8 @@ def layer_ops(shape: LayerShape) -> list[Op]:
         bwd.append(pair[1])
 
     def norm(name):
-        # read x, write y (fwd); read x, dy, write dx (bwd)
-        add(_mem(name, 2 * e * Tsp * h, 3 * e * Tsp * h, 5 * Tsp * h))
+        # fused: read x, write y (fwd); read x, dy, write dx (bwd). Unfused: PyTorch's kernels
+        add(_norm_op(name, shape, Tsp))
 
     def residual(name, with_bias):
         # [bias +] dropout + residual add: fused = one pass; else one pass per step
@@ -450,10 +463,9 @@ def head_ops(shape: LayerShape, first: bool, last: bool) -> list[Op]:
             coll = "reduce_scatter" if shape.sp else "allreduce"
             ops.append(_comm("embedding.tp", "fwd", coll, T * h * e, "tp"))
     if last:
-        ops.append(Op("final_norm", "mem", "fwd", 5 * Tsp * h, 2 * e * Tsp * h,
-                      category="memory"))
-        bwd.append(Op("final_norm.bwd", "mem", "bwd", 5 * Tsp * h, 3 * e * Tsp * h,
-                      category="memory"))
+        nf, nb = _norm_op("final_norm", shape, Tsp)
+        ops.append(nf)
+        bwd.extend(nb)
         if tp > 1 and shape.sp:
             ops.append(_comm("logits.ag", "fwd", "all_gather", T * h * e, "tp", "logits"))
             bwd.append(_comm("logits.rs.bwd", "bwd", "reduce_scatter", T * h * e, "tp",

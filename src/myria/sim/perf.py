@@ -104,7 +104,7 @@ class StepResult:
 
     def to_json(self) -> dict:
         """The JSON object `myria simulate --json` prints."""
-        from myria.sim.band import band_coverage, uncertainty
+        from myria.sim.band import band_coverage, held_out_mae, uncertainty
 
         t, b = self.iteration_time_s, uncertainty()
         return {
@@ -132,6 +132,7 @@ class StepResult:
             # the model's uncertainty (leave-one-out residuals of the calibration, jackknife+
             # quantile): the iteration time lies within t (1 -/+ band) with the nominal coverage
             "band": b, "band_nominal_coverage": band_coverage(),
+            "band_held_out_mae": held_out_mae(),
             "iteration_time_low_s": t * (1 - b), "iteration_time_high_s": t * (1 + b),
             "mfu_low": self.mfu / (1 + b), "mfu_high": self.mfu / (1 - b),
             **self.extra,

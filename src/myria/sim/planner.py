@@ -89,6 +89,8 @@ class PlanResult:
     seconds: float
     best_unfitting: perf.StepResult | None = None
     offloaded: bool = False      # nothing fitted without offload: these layouts offload
+    best_runnable: perf.StepResult | None = None  # when #1 is priced only: the trainer's best
+    best_runnable_rank: int = 0                    # its place in the whole ranking (1-based)
 
 
 def candidates(base: RunSpec, space: SearchSpace):
@@ -228,7 +230,10 @@ def plan(base: RunSpec, space: SearchSpace | None = None, top: int = 10,
     uncertainty band of the best) simplest first; each gets `extra` fields: mfu_low, mfu_high,
     ettr, checkpoint_interval_steps, tied. When no layout fits, the search runs again with the
     optimizer state (and parameters) offloaded, `space.offload_fallback`, and the result says
-    so (`offloaded`).
+    so (`offloaded`). Each ranked layout carries the trainer's verdict (`extra.runnable`,
+    and `extra.not_runnable` with the reason: `trainer_verdict`), and among layouts tied with the
+    best the first place goes to one myria's trainer runs (`runnable_first`); when the first
+    is priced only, `best_runnable` names the trainer's best and its place.
     """
     from myria.sim.band import uncertainty
 
@@ -241,6 +246,7 @@ def plan(base: RunSpec, space: SearchSpace | None = None, top: int = 10,
     limit_bytes = hw.memory_bytes - reserve
     t0 = time.perf_counter()
     ok: list[perf.StepResult] = []
+    runs: dict[int, RunSpec] = {}     # id(result) -> its run, for the trainer's verdict
     best_bad: perf.StepResult | None = None
     n = 0
     for par, tr in candidates(base, space):
@@ -250,6 +256,7 @@ def plan(base: RunSpec, space: SearchSpace | None = None, top: int = 10,
         n += 1
         if res.fits and res.memory.total <= limit_bytes:
             ok.append(res)
+            runs[id(res)] = run
         elif best_bad is None or res.mfu > best_bad.mfu:
             best_bad = res
         if limit and n >= limit:
@@ -270,10 +277,69 @@ def plan(base: RunSpec, space: SearchSpace | None = None, top: int = 10,
         return res
     ok.sort(key=lambda r: -r.mfu)
     band = uncertainty()
-    ranked = rank_with_ties(ok, band)[:top]
+    whole = runnable_first(rank_with_ties(ok, band), runs, hw)
+    ranked = whole[:top]
     for r in ranked:
         annotate(r, base, hw, band, reliability)
-    return PlanResult(ranked, n, len(ok), time.perf_counter() - t0, best_bad, offloaded)
+        mark_runnable(r, runs[id(r)], hw)
+    out = PlanResult(ranked, n, len(ok), time.perf_counter() - t0, best_bad, offloaded)
+    if ranked and not ranked[0].extra["runnable"]:
+        out.best_runnable_rank, out.best_runnable = best_runnable(whole, runs, hw)
+        if out.best_runnable is not None:
+            annotate(out.best_runnable, base, hw, band, reliability)
+    return out
+
+
+NOT_RUNNABLE = "priced, not runnable by myria"
+
+
+def trainer_verdict(run: RunSpec, hw) -> str:
+    """Why myria's trainer refuses `run` ("" if it runs it): the layout's one check,
+    `Layout.check(..., trainer=True)`, on the device type of the cluster. The planner searches
+    with `trainer=False` (layouts other frameworks run, ZeRO-Offload with ZeRO 0-2, parameters
+    on NVMe over several GPUs), so a priced layout may be one the trainer refuses."""
+    device = "cpu" if hw.cpu is not None or hw.device == "cpu" else "cuda"
+    try:
+        run.layout().check(run.trainer_config(), device, trainer=True)
+    except ConfigError as e:
+        return str(e)
+    return ""
+
+
+def mark_runnable(r: perf.StepResult, run: RunSpec, hw) -> None:
+    """`extra.runnable` (and `extra.not_runnable`: the note and the trainer's reason)."""
+    if "runnable" not in r.extra:
+        why = trainer_verdict(run, hw)
+        r.extra["runnable"] = not why
+        if why:
+            r.extra["not_runnable"] = f"{NOT_RUNNABLE}: {why}"
+
+
+def runnable_first(ranked: list[perf.StepResult], runs: dict[int, RunSpec], hw
+                   ) -> list[perf.StepResult]:
+    """`ranked` with a layout myria's trainer runs first when one is statistically tied with
+    the best (the tie band at the head of `rank_with_ties`): among ties the planner prefers
+    what it can run. A faster layout only other frameworks run is not hidden below a slower
+    runnable one (a cluster planner compares frameworks too): it stays first, marked, and
+    `best_runnable` names the trainer's best. Unchanged when no tied layout is runnable."""
+    for i, r in enumerate(ranked):
+        if not r.extra.get("tied") and i:
+            break
+        mark_runnable(r, runs[id(r)], hw)
+        if r.extra["runnable"]:
+            return [r] + ranked[:i] + ranked[i + 1:] if i else ranked
+    return ranked
+
+
+def best_runnable(ranked: list[perf.StepResult], runs: dict[int, RunSpec], hw
+                  ) -> tuple[int, perf.StepResult | None]:
+    """(1-based place, result) of the best-ranked layout myria's trainer runs (each verdict
+    is one `Layout.check`, ~0.15 ms); (0, None) when none is."""
+    for i, r in enumerate(ranked, 1):
+        mark_runnable(r, runs[id(r)], hw)
+        if r.extra["runnable"]:
+            return i, r
+    return 0, None
 
 
 def simplicity(r: perf.StepResult) -> tuple:

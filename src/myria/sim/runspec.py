@@ -253,6 +253,7 @@ class RunSpec:
         cfg.training.data_parallel = {3: "fsdp", 2: "zero2"}.get(t.zero_stage, "ddp")
         cfg.parallel.offload, cfg.parallel.offload_params = t.offload, t.offload_params
         cfg.parallel.activation_checkpoint = t.recompute   # the same names
+        cfg.optimizer.name = {"adam": "adamw"}.get(t.optimizer, t.optimizer)
         return cfg
 
     @property
