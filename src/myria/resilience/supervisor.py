@@ -12,7 +12,9 @@ processes), and its monitor loop also
   scans the workers' stderr for alarm keywords (`myria.resilience.watch`);
 - on a fault (a worker exited, missed heartbeats, a hang, traffic stopped, an alarm the rank did
   not recover from) logs the detection with its evidence, stops the worker group, runs the
-  self-check diagnostics on this host (`myria.resilience.diagnostics.run_diagnostics`), puts a
+  self-check diagnostics on this host (`myria.resilience.diagnostics.run_diagnostics`; skipped,
+  with the reason in the fault's `decision`, when the host passed them within
+  `resilience.diagnostics_ttl_s` and the fault does not point at the hardware), puts a
   failing host on the blocklist and hands it to the scheduler through `resilience.blocklist_hook`,
   waits a back-off (doubling) and restarts the group, whose workers resume from the newest
   checkpoint that verifies; up to `resilience.max_restarts` times;
@@ -187,6 +189,7 @@ class Fault:
     diagnostics: list[str] = field(default_factory=list)
     stopped_at: float = 0.0
     decided_at: float = 0.0      # diagnostics done (or skipped)
+    decision: str = ""           # diagnostics run or skipped, and why
     backoff_done_at: float = 0.0  # the back-off wait over: the restart begins
     restarted_at: float = 0.0
     newest_committed: str = ""
@@ -720,9 +723,18 @@ class Supervisor:
             f.regained_at = now
 
     def _diagnose(self, f: Fault) -> None:
-        from myria.resilience.diagnostics import FAULT_ENV, run_diagnostics
+        from myria.resilience.diagnostics import FAULT_ENV, decide_for_supervisor, run_diagnostics
 
         spec = _doctor_fault_once(self.run_dir, os.environ.get(FAULT_ENV, ""))
+        d = decide_for_supervisor(self.run_dir, self.host, self.nproc, f.to_dict(),
+                                  [x.to_dict() for x in self.faults if x is not f],
+                                  self.r.diagnostics_ttl_s,
+                                  self.watch.started if self.watch else 0.0, hook=bool(spec))
+        f.decision = d.reason
+        log.info("DECISION diagnostics %s", d.reason)
+        if not d.run:
+            f.action.append(f"diagnostics {d.reason.split(' (')[0]}")
+            return
         log.info("ACTION self-check diagnostics of %s (%d local ranks)%s", self.host,
                  self.nproc, f" with test hook {FAULT_ENV}={spec}" if spec else "")
         report = run_diagnostics(self.nproc, self.expect or None, self.r.doctor_timeout_s,
