@@ -277,14 +277,16 @@ def killed_supervisor(env: Env, run_dir: Path, kill_after: int = 10) -> dict:
     resumed = second.get("start_step")
     first_after = next(((t, s) for t, s in after
                         if resumed is None or s > resumed), None)
-    regained = next((t for t, s in after if s >= at_step and t > kill_at + workers_gone_s),
+    reached = max(at_step, stopped)   # the old workers finish the step they are in and save
+    regained = next((t for t, s in after if s >= reached and t > kill_at + workers_gone_s),
                     None)
     fault = {"kind": "supervisor killed (-9)", "ranks": [], "fault_at": kill_at,
-             "last_step": at_step, "stopped_step": stopped, "resumed_from": resumed,
+             "last_step": reached, "logged_at_kill": at_step, "stopped_step": stopped,
+             "resumed_from": resumed,
              "workers_gone_s": round(workers_gone_s, 2),
              "mttr_s": round(first_after[0] - kill_at, 2) if first_after else None,
              "time_lost_s": round(regained - kill_at, 2) if regained else None,
-             "lost_steps": (at_step - resumed) if resumed is not None else None,
+             "lost_steps": (reached - resumed) if resumed is not None else None,
              "decision": "none: the supervisor itself died; the command was started again"}
     return {"rc": p.returncode, "wall_s": round(time.time() - t0, 2), "seen": seen,
             "stderr": p.stderr[-3000:], "faults": [fault], "fault_at": kill_at}
@@ -392,18 +394,28 @@ def check_case(name: str, run_dir: Path, ref: Path, job: dict, steps: int) -> di
     fault_at = job.get("fault_at") or min([f.get("fault_at") or 1e18 for f in faults] + [1e18])
     mgr = CheckpointManager(run_dir / "checkpoints")
     before = sorted(k for k, t in job["seen"].items() if t < fault_at)
-    for name in before:
-        p = run_dir / "checkpoints" / name
+    for ckpt in before:
+        p = run_dir / "checkpoints" / ckpt
         if not p.is_dir():
-            problems.append(f"{name}, committed before the fault, is gone")
+            problems.append(f"{ckpt}, committed before the fault, is gone")
         elif (why := mgr.verify(p)) is not None:
-            problems.append(f"{name}, committed before the fault, does not verify: {why}")
+            problems.append(f"{ckpt}, committed before the fault, does not verify: {why}")
     for f in faults:
         nc = f.get("newest_committed")
         if nc and f.get("resumed_from") is not None and f["resumed_from"] != int(nc.split("_")[1]):
             problems.append(f"resumed from {f['resumed_from']}, newest committed was {nc}")
+    # the case as a whole (several faults: the first fault to the end of the last recovery)
+    rows = step_times(run_dir)
+    first = next((t for t, _ in rows if t > fault_at), None)
+    reached = faults[0].get("last_step") if faults else None
+    regained = next((t for t, s in rows if t > fault_at and reached is not None and
+                     s >= reached), None)
     return {"case": name, "status": "FAIL" if problems else "pass", "problems": problems,
             "wall_s": job["wall_s"], "restarts": summary.get("restarts"),
+            "mttr_s": faults[0].get("mttr_s") if len(faults) == 1 else
+            round(first - fault_at, 2) if first and fault_at < 1e18 else None,
+            "time_lost_s": faults[0].get("time_lost_s") if len(faults) == 1 else
+            round(regained - fault_at, 2) if regained else None,
             "bit_equal": bit_equal, "tensors_compared": n,
             "committed_before_fault": before, "faults": faults}
 
