@@ -172,6 +172,9 @@ def test_diagnostics_are_skipped_only_when_they_cannot_tell_anything():
     assert not dg.decide(_kill(), [_kill(0, at=now - ttl - 10), _kill(0, at=900.0)], ok,
                          now=now, ttl_s=ttl).run
     assert dg.decide(_kill(), [], ok, now=now, ttl_s=0).run
+    from myria.config import ResilienceConfig
+
+    assert ResilienceConfig().diagnostics_ttl_s == dg.DEFAULT_TTL_S   # the documented default
     assert dg.decide(_kill(), [], ok, now=now, ttl_s=ttl, hook=True).run
 
 
