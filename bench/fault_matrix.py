@@ -16,6 +16,8 @@ per fault whether to run them; `--no-prolog` leaves no pass, so every restart ru
 - `raise`: a worker raises an exception;
 - `during-recovery`: a worker is killed, then another right after the restart resumed, before
   the first redone step completes (MYRIA_FAULT `attempt=1`);
+- `during-recovery-twice`: the same, and a third kill (another rank) right after the second
+  restart: two attempts in a row killed before their first step;
 - `two-at-once`: two ranks killed at the same step (no peer holds their state: falls back to
   the newest checkpoint on disk, on every recovery path);
 - `killed-supervisor`: the `myria supervise` process is killed (-9) mid-run; its workers save
@@ -28,7 +30,8 @@ Each case is checked against an uninterrupted supervised run of the same config:
 with every step run once (metrics.jsonl), the same loss at every step, and its final
 checkpoint's tensors (model and optimizer, every DCP entry) equal to the reference's bit for
 bit; every checkpoint committed before the (first) fault is still there and verifies (a
-thread lists committed checkpoints every 0.2 s during the run); each restart resumed from the
+thread lists committed checkpoints every 0.2 s during the run, each with the time its directory
+was renamed into place); each restart resumed from the
 newest checkpoint committed when it was decided. Per case: status (pass / FAIL with the
 problems / skipped), wall time, and per fault its detection, the diagnostics decision, MTTR
 (the fault to the first step completed after it), time lost (the fault to the step reached
@@ -68,8 +71,8 @@ from tests.conftest import TINY  # noqa: E402
 FLOORS = ("gemm_tflops=0.002,membw_gbs=0.02,all_reduce_busbw_gbs=0.0005,"
           "all_to_all_busbw_gbs=0.0005,p2p_latency_max_us=1e7")
 DOCTOR_TIMEOUT_S = 300
-CASES = ("kill", "hang", "raise", "during-recovery", "two-at-once", "killed-supervisor",
-         "killed-spare")
+CASES = ("kill", "hang", "raise", "during-recovery", "during-recovery-twice", "two-at-once",
+         "killed-supervisor", "killed-spare")
 
 
 def fault_of(case: str, nproc: int) -> str:
@@ -81,6 +84,9 @@ def fault_of(case: str, nproc: int) -> str:
         "raise": f"raise:rank={last}:step=7",
         # killed after 10 steps; the restart resumes from 8 and rank 0 dies before step 9
         "during-recovery": f"kill:rank={last}:step=10,kill:rank=0:step=8:attempt=1",
+        # ... and again, another rank, right after the second restart
+        "during-recovery-twice": f"kill:rank={last}:step=10,kill:rank=0:step=8:attempt=1,"
+                                 f"kill:rank={last}:step=8:attempt=2",
         "two-at-once": f"kill:rank=0:step=10,kill:rank={last}:step=10",
     }.get(case, "")
 
@@ -126,7 +132,7 @@ class Env:
 
 
 class Watcher(threading.Thread):
-    """Lists the committed checkpoints of a run every 0.2 s: name -> when first seen."""
+    """Lists the committed checkpoints of a run every 0.2 s: name -> when committed."""
 
     def __init__(self, run_dir: Path):
         super().__init__(daemon=True)
@@ -141,8 +147,10 @@ class Watcher(threading.Thread):
             try:
                 for p in self.dir.iterdir():
                     if p.name.startswith("step_") and p.name[5:].isdigit() and \
-                            (p / "meta.json").exists():
-                        self.seen.setdefault(p.name, time.time())
+                            p.name not in self.seen and (p / "meta.json").exists():
+                        # committed when renamed into place: the rename sets the directory's
+                        # ctime (a poll on a loaded host can come 0.2 s or more later)
+                        self.seen[p.name] = min(time.time(), p.stat().st_ctime)
             except OSError:
                 pass
 
