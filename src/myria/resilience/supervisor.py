@@ -38,10 +38,10 @@ and explicit rendezvous timeouts (torch issues #135712, #167288: restarts are fl
 A restart is not tried where it cannot help: an input error a worker reports as such (exit 2,
 a `MyriaError`: config, data, checkpoint), checkpoints that cannot be saved (exit 4: a full disk,
 myria.train.checkpoint.SaveError), and the same error before the first step on two attempts in
-a row (a deterministic start-up error): the supervisor says so in one line, records the fault
-in the summary and exits non-zero. It owns the run directory while it runs (RUN_DIR/run.lock,
-myria.rundir.lock: a second job on it is refused) and its workers stop at their next step if it
-dies (myria.train.launch.stop_with_launcher).
+a row (a deterministic start-up error; a SIGKILL, from outside, never counts): the supervisor
+says so in one line, records the fault in the summary and exits non-zero. It owns the run
+directory while it runs (RUN_DIR/run.lock, myria.rundir.lock: a second job on it is refused)
+and its workers stop at their next step if it dies (myria.train.launch.stop_with_launcher).
 
 Exit status: 0 done, 1 gave up (restarts exhausted, unrecoverable, or the same start-up error
 twice), 2 input error, 3 this host failed its diagnostics and left the job (bad_host_action =
@@ -665,8 +665,9 @@ class Supervisor:
         started = any(x and x.get("attempt") == self.attempt and x.get("first_step_at")
                       for x in records.values())
         f.before_first_step = not started
-        if started:
-            return
+        if started or failures[culprit].exitcode == -signal.SIGKILL:
+            return  # a SIGKILL comes from outside (OOM killer, operator, node agent, a fault
+            # during recovery): no evidence of a deterministic start-up error, even twice
         sign = _signature(failures[culprit].exitcode, msg if isinstance(msg, str) and msg
                           else f.cause)
         prev = self.faults[-2] if len(self.faults) > 1 else None
