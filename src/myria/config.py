@@ -298,6 +298,10 @@ class ResilienceConfig:
                             "`myria doctor --expect`, e.g. gemm_tflops=0.02); empty = defaults")
     doctor_timeout_s: float = _f(120.0, "time limit of the diagnostics before a restart",
                                  min=1.0)
+    diagnostics_ttl_s: float = _f(3600.0, "skip the diagnostics before a restart when this "
+                                  "host passed them (or `myria doctor`) this recently and the "
+                                  "fault does not point at the hardware; 0 = always run them",
+                                  min=0.0)
     blocklist_hook: str = _f("", "shell command run for a host that fails diagnostics; {host} "
                              "and {blocklist} (file of blocked hosts) are substituted, e.g. "
                              "`scontrol update NodeName={host} State=DRAIN Reason=myria`")

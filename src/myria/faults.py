@@ -32,7 +32,10 @@ MYRIA_FAULT holds comma-separated faults, each `kind:key=value:...`:
                              process (a device that keeps computing wrong numbers)
 
 Each fault fires once per run directory (a marker file under RUN_DIR/faults/ records it), so a
-restarted job does not repeat it.
+restarted job does not repeat it. Any fault may add `:attempt=A`: it fires only in the workers of
+the supervisor's attempt A (torch elastic's TORCHELASTIC_RESTART_COUNT; 0 is the first start,
+1 the first restart), e.g. `kill:rank=0:step=8:attempt=1` kills rank 0 again right after the
+first restart resumed from step 8: a fault during recovery.
 
 Step numbers. The console counts steps from 1 ("step 1/30" is printed when the first step is
 done), and so do the checkpoint and offload hooks: `diskfull:step=S`, `corrupt-checkpoint:step=S`,
@@ -75,8 +78,11 @@ class Fault:
     def tag(self) -> str:
         return self.kind + "".join(f"_{k}{v}" for k, v in sorted(self.params.items()))
 
-    def matches(self, kind: str, step: int, rank: int | None = None) -> bool:
+    def matches(self, kind: str, step: int, rank: int | None = None,
+                attempt: int | None = None) -> bool:
         if self.kind != kind or self.params.get("step") != step:
+            return False
+        if attempt is not None and self.params.get("attempt", attempt) != attempt:
             return False
         return "rank" not in self.params or rank is None or self.params["rank"] == rank
 
@@ -108,9 +114,9 @@ def parse(text: str | None) -> list[Fault]:
                     raise FaultSpecError(f"MYRIA_FAULT item {item!r}: {k}={v!r} is not a "
                                          "number") from None
                 continue
-            if k not in ("rank", "step"):
+            if k not in ("rank", "step", "attempt"):
                 raise FaultSpecError(f"MYRIA_FAULT item {item!r}: unknown parameter {k!r}; "
-                                     "valid: rank=N, step=N, factor=F (slow), "
+                                     "valid: rank=N, step=N, attempt=N, factor=F (slow), "
                                      "target=param|grad|optimizer|compute (bitflip), "
                                      "sticky=yes|no (nan, bitflip)")
             if not v.lstrip("-").isdigit():
@@ -139,11 +145,13 @@ class FaultInjector:
         self.faults = parse(os.environ.get("MYRIA_FAULT") if text is None else text)
         self.dir = Path(run_dir) / rundir.FAULTS
         self.rank = rank
+        self.attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
 
     def due(self, kind: str, step: int) -> Fault | None:
         """The fault of `kind` due at `step` on this rank that has not fired yet, if any."""
         for f in self.faults:
-            if f.matches(kind, step, self.rank) and not (self.dir / f.tag).exists():
+            if f.matches(kind, step, self.rank, self.attempt) and \
+                    not (self.dir / f.tag).exists():
                 return f
         return None
 

@@ -134,6 +134,82 @@ def test_bad_usage_is_a_clear_error(capsys):
         dg.run_diagnostics(0)
 
 
+def _kill(rank=1, at=1000.0, **kw):
+    """A supervisor Fault.to_dict() of a SIGKILLed rank."""
+    return {"kind": "exit", "ranks": [rank], "attempt": 0, "fault_at": at, "last_step": 7,
+            "cause": "signal SIGKILL", "evidence": f"rank {rank} (pid 9) ended with signal "
+            "SIGKILL at step 7, phase forward; ranks [0] still running", **kw}
+
+
+def test_diagnostics_are_skipped_only_when_they_cannot_tell_anything():
+    """Issue 26: before a restart, skip the diagnostics when the host passed them within the
+    TTL and the fault does not point at the hardware; otherwise run them, with the reason."""
+    now, ttl = 1000.0, 3600.0
+    ok = {"at": now - 42, "passed": True, "path": "r.json"}
+    d = dg.decide(_kill(), [], ok, now=now, ttl_s=ttl)
+    assert not d.run and d.reason.startswith("skipped: host passed 42 s ago") and \
+        d.last_pass_age_s == 42
+    # (fault, previous faults, detections, newest report) -> the reason it runs
+    runs = [
+        (_kill(), [], [], None, "no full diagnostics of this host on record"),
+        (_kill(), [], [], {**ok, "at": now - ttl - 1}, "host passed 3601 s ago, more than"),
+        (_kill(), [], [], {**ok, "passed": False}, "newest diagnostics of this host failed"),
+        (_kill(), [], [{"kind": "sdc", "rank": 1, "step": 6, "evidence": {"check": "at rest"}}],
+         ok, "sdc verdict at step 6 on rank 1 (at rest)"),
+        (_kill(evidence="rank 1 (pid 9) ended with signal SIGBUS at step 7"), [], [], ok,
+         "died of SIGBUS"),
+        (_kill(cause="RuntimeError: CUDA error: uncorrectable ECC error encountered"), [], [],
+         ok, "its error names the hardware ('CUDA error'"),
+        (_kill(kind="traffic-stopped"), [], [], ok, "traffic stopped"),
+        (_kill(), [_kill(at=900.0)], [], ok, "rank 1 faulted again (before: exit at step 7"),
+        (_kill(), [_kill(0, at=800.0), _kill(0, at=900.0)], [], ok, "fault 3 on this host"),
+    ]
+    for fault, prev, dets, last, why in runs:
+        d = dg.decide(fault, prev, last, now=now, ttl_s=ttl, detections=dets)
+        assert d.run and why in d.reason, (why, d)
+    # a different rank after an earlier fault, and two faults an hour apart: still skipped
+    assert not dg.decide(_kill(), [_kill(0, at=900.0)], ok, now=now, ttl_s=ttl).run
+    assert not dg.decide(_kill(), [_kill(0, at=now - ttl - 10), _kill(0, at=900.0)], ok,
+                         now=now, ttl_s=ttl).run
+    assert dg.decide(_kill(), [], ok, now=now, ttl_s=0).run
+    from myria.config import ResilienceConfig
+
+    assert ResilienceConfig().diagnostics_ttl_s == dg.DEFAULT_TTL_S   # the documented default
+    assert dg.decide(_kill(), [], ok, now=now, ttl_s=ttl, hook=True).run
+
+
+def test_the_newest_full_report_of_the_host_is_found_in_the_run_and_the_cache(tmp_path):
+    """Reports the supervisor wrote (RUN_DIR/diagnostics) and `myria doctor`'s in the host cache
+    count; one of a test hook, of fewer local ranks, or of another host does not."""
+    import time
+
+    from myria.device import cache_dir
+
+    host = socket.gethostname()
+    run = tmp_path / "run"
+
+    def write(path, *, ago, nproc=2, faults=(), passed=True, name=host):
+        checks = [dg.Check("gemm-correctness", "pass" if passed else "fail", "x", 0)]
+        r = dg.HostReport(name, nproc, "cpu", "gloo", "float32", checks, faults=list(faults),
+                          started_at=dg._dt.datetime.fromtimestamp(time.time() - ago)
+                          .isoformat(timespec="seconds"), duration_s=1.0)
+        r.write_json(path)
+
+    write(run / "diagnostics" / f"{host}-attempt0.json", ago=300)
+    write(cache_dir() / "doctor" / f"{host}-20990101-000000.json", ago=100)
+    for kw in ({"nproc": 1}, {"faults": ["wrong-gemm"], "passed": False}):
+        write(cache_dir() / "doctor" / f"{host}-{len(kw)}.json", ago=10, **kw)
+    found = dg.newest_report(host, 2, [run / "diagnostics", cache_dir() / "doctor"])
+    assert found["passed"] and found["path"].endswith("20990101-000000.json")
+    assert 95 <= time.time() - found["at"] <= 110, found
+    d = dg.decide_for_supervisor(run, host, 2, _kill(at=time.time()), [], 3600.0, since=0.0)
+    assert not d.run and "skipped: host passed" in d.reason, d
+    assert dg.decide_for_supervisor(run, host, 4, _kill(at=time.time()), [], 3600.0, 0.0).run
+    write(run / "diagnostics" / f"{host}-attempt1.json", ago=5, passed=False)
+    d = dg.decide_for_supervisor(run, host, 2, _kill(at=time.time()), [], 3600.0, since=0.0)
+    assert d.run and "failed" in d.reason, d
+
+
 # ------------------------------------------------------------------ multi-process (spawned)
 
 

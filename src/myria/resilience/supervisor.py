@@ -12,7 +12,9 @@ processes), and its monitor loop also
   scans the workers' stderr for alarm keywords (`myria.resilience.watch`);
 - on a fault (a worker exited, missed heartbeats, a hang, traffic stopped, an alarm the rank did
   not recover from) logs the detection with its evidence, stops the worker group, runs the
-  self-check diagnostics on this host (`myria.resilience.diagnostics.run_diagnostics`), puts a
+  self-check diagnostics on this host (`myria.resilience.diagnostics.run_diagnostics`; skipped,
+  with the reason in the fault's `decision`, when the host passed them within
+  `resilience.diagnostics_ttl_s` and the fault does not point at the hardware), puts a
   failing host on the blocklist and hands it to the scheduler through `resilience.blocklist_hook`,
   waits a back-off (doubling) and restarts the group, whose workers resume from the newest
   checkpoint that verifies; up to `resilience.max_restarts` times;
@@ -36,10 +38,10 @@ and explicit rendezvous timeouts (torch issues #135712, #167288: restarts are fl
 A restart is not tried where it cannot help: an input error a worker reports as such (exit 2,
 a `MyriaError`: config, data, checkpoint), checkpoints that cannot be saved (exit 4: a full disk,
 myria.train.checkpoint.SaveError), and the same error before the first step on two attempts in
-a row (a deterministic start-up error): the supervisor says so in one line, records the fault
-in the summary and exits non-zero. It owns the run directory while it runs (RUN_DIR/run.lock,
-myria.rundir.lock: a second job on it is refused) and its workers stop at their next step if it
-dies (myria.train.launch.stop_with_launcher).
+a row (a deterministic start-up error; a SIGKILL, from outside, never counts): the supervisor
+says so in one line, records the fault in the summary and exits non-zero. It owns the run
+directory while it runs (RUN_DIR/run.lock, myria.rundir.lock: a second job on it is refused)
+and its workers stop at their next step if it dies (myria.train.launch.stop_with_launcher).
 
 Exit status: 0 done, 1 gave up (restarts exhausted, unrecoverable, or the same start-up error
 twice), 2 input error, 3 this host failed its diagnostics and left the job (bad_host_action =
@@ -187,6 +189,7 @@ class Fault:
     diagnostics: list[str] = field(default_factory=list)
     stopped_at: float = 0.0
     decided_at: float = 0.0      # diagnostics done (or skipped)
+    decision: str = ""           # diagnostics run or skipped, and why
     backoff_done_at: float = 0.0  # the back-off wait over: the restart begins
     restarted_at: float = 0.0
     newest_committed: str = ""
@@ -662,8 +665,9 @@ class Supervisor:
         started = any(x and x.get("attempt") == self.attempt and x.get("first_step_at")
                       for x in records.values())
         f.before_first_step = not started
-        if started:
-            return
+        if started or failures[culprit].exitcode == -signal.SIGKILL:
+            return  # a SIGKILL comes from outside (OOM killer, operator, node agent, a fault
+            # during recovery): no evidence of a deterministic start-up error, even twice
         sign = _signature(failures[culprit].exitcode, msg if isinstance(msg, str) and msg
                           else f.cause)
         prev = self.faults[-2] if len(self.faults) > 1 else None
@@ -720,9 +724,18 @@ class Supervisor:
             f.regained_at = now
 
     def _diagnose(self, f: Fault) -> None:
-        from myria.resilience.diagnostics import FAULT_ENV, run_diagnostics
+        from myria.resilience.diagnostics import FAULT_ENV, decide_for_supervisor, run_diagnostics
 
         spec = _doctor_fault_once(self.run_dir, os.environ.get(FAULT_ENV, ""))
+        d = decide_for_supervisor(self.run_dir, self.host, self.nproc, f.to_dict(),
+                                  [x.to_dict() for x in self.faults if x is not f],
+                                  self.r.diagnostics_ttl_s,
+                                  self.watch.started if self.watch else 0.0, hook=bool(spec))
+        f.decision = d.reason
+        log.info("DECISION diagnostics %s", d.reason)
+        if not d.run:
+            f.action.append(f"diagnostics {d.reason.split(' (')[0]}")
+            return
         log.info("ACTION self-check diagnostics of %s (%d local ranks)%s", self.host,
                  self.nproc, f" with test hook {FAULT_ENV}={spec}" if spec else "")
         report = run_diagnostics(self.nproc, self.expect or None, self.r.doctor_timeout_s,
