@@ -917,12 +917,12 @@ def _sdc_verdict(run_dir: Path, since: float) -> dict | None:
         ev = r.get("evidence") or {}
         named = [r["rank"]] if r.get("rank") is not None else ev.get("suspects") or []
         ranks += [x for x in named if x not in ranks]
-        verdicts.append(str(ev.get("verdict") or "transient"))
+        verdicts.append(str(ev.get("verdict") or "not classified"))
     first = rows[0].get("evidence") or {}
     persistent = any(v.startswith("persistent") for v in verdicts)
     return {"ranks": sorted(ranks), "step": rows[0].get("step"),
             "check": first.get("check", "replica"), "host": rows[0].get("host"),
-            "verdict": "persistent" if persistent else verdicts[0],
+            "verdict": next((v for v in verdicts if v.startswith("persistent")), verdicts[0]),
             "persistent": persistent, "detections": len(rows)}
 
 
