@@ -14,21 +14,35 @@ needs no replica, so it covers plain FSDP shards, which have none. It runs on ev
 update and never be seen again.
 
 **In compute** (`ComputeCheck`). Every `resilience.sdc_interval` steps each data-parallel rank's
-first microbatch of the step is recomputed by a partner rank of the same tensor-, context- and
-pipeline-parallel coordinates (on the same gathered weights: the recomputation runs before the
-update), and the checksums of the two computations' final hidden states (the final norm's
-output, which every logit comes from, so a changed bit anywhere upstream shows) are compared bit
-for bit. Every rank recomputes one partner's microbatch per check, so the cost is one extra
-forward of one microbatch per rank per interval. The backward pass is not recomputed (it would
-triple the cost): a fault in a backward GEMM is not seen here. The partner rotates: check c pairs
-data-parallel rank i with rank i + 1 + (c mod (n - 1)), so over n - 1 checks every rank is
-compared with every other. A mismatch is replayed: the owner recomputes its microbatch again
-and (with three or more data-parallel ranks) a third rank computes it too. The owner is named
-`transient` when its replay agrees with the partner (its step's computation was wrong once),
-`persistent` when its replay repeats its own result and the third rank agrees with the partner;
-the partner is named when the third rank agrees with the owner. With two ranks a repeated
-disagreement names both as suspects. Pipeline parallelism is not checked in compute (a stage's
-microbatch cannot be recomputed outside the schedule); its state is checked at rest.
+first microbatch of the step is recomputed, forward and backward, by a partner rank of the same
+tensor-, context- and pipeline-parallel coordinates (on the same gathered weights: the
+recomputation runs before the update), and two checksums of the two computations are compared
+bit for bit: the forward's (the final norm's output, which every logit comes from, so a changed
+bit anywhere upstream shows; a pipeline stage without the head: the activations it sends on) and
+the backward's (the gradient of the first block's input: every block's data-gradient GEMMs, the
+head's and the loss's lead to it). The training pass's own checksums are taken by hooks as it
+runs (no extra work on the owner); the partner's recomputation runs the forward with gradients
+and a backward to that input only (`torch.autograd.grad`): the parameters' gradients are not
+touched, nothing is reduced, and the weight-gradient GEMMs are not recomputed (a fault there is
+not seen by this check; the reduced gradients are checked at rest). Under a pipeline each stage
+is checked by the DP partner of the same stage: the owner keeps its stage's input (tokens or the
+received activations) and the gradient it received for its output (the last stage: its targets)
+for the first microbatch, and the partner runs the stage's forward and backward on them outside
+the schedule. Every rank recomputes one partner's microbatch per check, so the cost is one extra
+forward and input-gradient backward of one microbatch per rank per interval. The partner
+rotates: check c pairs data-parallel rank i with rank i + 1 + (c mod (n - 1)), so over n - 1
+checks every rank is compared with every other. A mismatch is replayed: the owner recomputes its
+microbatch again and (with three or more data-parallel ranks) a third rank computes it too. The
+owner is named `transient` when its replay agrees with the partner (its step's computation was
+wrong once), `persistent` when its replay repeats its own result and the third rank agrees with
+the partner; the partner is named when the third rank agrees with the owner. With two ranks a
+repeated disagreement names both as suspects (`persistent`, no third to decide).
+
+**Transient or persistent at rest** (`StateLedger.retest`). On an at-rest mismatch the rank
+writes each changed tensor's complement over it and its value back, checking every bit after
+each write: memory that does not hold a rewrite (a stuck cell) is `persistent`, else the change
+was `transient`. Under `myria supervise` a persistent verdict blocklists the rank's host
+(myria.resilience.supervisor).
 """
 
 from __future__ import annotations
