@@ -473,6 +473,13 @@ class ComputeCheck:
         dist.all_reduce(flag)   # every rank of the world learns that some group disagreed
         if not int(flag):
             return None
+        # which pass this rank's own microbatch differs in (2 forward, 1 backward only, 0 none),
+        # for every rank of the world, with its data- and pipeline-parallel coordinates
+        mine_bad = vals[me][0] != vals[(me + k) % n][1]
+        first = next((x for x, (a, b) in enumerate(zip(vals[me][0], vals[(me + k) % n][1]))
+                      if a != b), None) if mine_bad else None
+        code = 0 if first is None else (2 if first % 2 == 0 else 1)
+        world = self._world_codes(code)
         # replay: the owner again, and a third rank (offset k2) if there is one
         k2 = next((o for o in range(1, n) if o != k), None)
         again = self.recompute(mine)
@@ -481,8 +488,19 @@ class ComputeCheck:
         names = ["forward", "backward"] if not self.pp else \
             [f"stage {s} {w}" for s in e.stage_ids for w in ("forward", "backward")]
         verdicts: dict[str, dict] = {}
+        affected: dict[str, dict] = {}
         for i in bad:
             owner, checker = self.ranks[i], self.ranks[(i + k) % n]
+            # The tensor/context-parallel peers of a rank compute its microbatch with it: a
+            # wrong result on one reaches the others through their collectives. A rank whose
+            # peer differs in an earlier pass (its forward, this one only in its backward) is
+            # affected through that peer, not named itself.
+            peers = [r for r, (dpr, ppr, c) in enumerate(world) if r != owner and
+                     (dpr, ppr) == tuple(world[owner][:2])]
+            origin = [r for r in peers if world[r][2] > world[owner][2]]
+            if origin:
+                affected[str(owner)] = {"through": origin}
+                continue
             t, p, r = vals[i][0], vals[(i + k) % n][1], rep[i][0]
             q = rep[(i + k2) % n][1] if k2 else None
             if r == p:
@@ -496,12 +514,24 @@ class ComputeCheck:
                      "verdict": "persistent (two ranks disagree; no third to decide)"}
             else:
                 v = {"rank": None, "suspects": [owner], "verdict": "inconsistent"}
+            later = [r for r in peers if 0 < world[r][2] < world[owner][2]]
+            if later:
+                v["peers_affected"] = later
             v.update(microbatch_of=owner, recomputed_by=checker,
                      third=self.ranks[(i + k2) % n] if k2 else None,
                      differs=[nm for nm, a, b in zip(names, t, p) if a != b],
                      checksums={"own": t, "partner": p, "replay": r})
             verdicts[str(owner)] = v
-        return {"group": self.ranks, "mismatches": verdicts}
+        return {"group": self.ranks, "mismatches": verdicts, "affected": affected}
+
+    def _world_codes(self, code: int) -> list[list[int]]:
+        """[data-parallel rank, pipeline rank, code] of every rank of the world."""
+        d = self.engine.dims
+        local = torch.tensor([d.dp_rank, d.pp_rank, code], dtype=torch.int64,
+                             device=self.engine.device)
+        table = [torch.empty_like(local) for _ in range(dist.get_world_size())]
+        dist.all_gather(table, local)
+        return [t.tolist() for t in table]
 
     def _gather_bits(self, values: list[torch.Tensor]) -> list[list[list[int]]]:
         """Each rank's checksum vectors, for every rank of the group."""
