@@ -1,10 +1,12 @@
 """No false alarm from the silent-data-corruption checks (issue 27): N clean runs on a loaded host.
 
-    .venv/bin/python bench/sdc_clean.py [--runs 20] [--busy 2] [--layouts fsdp,ddp,hsdp,tp2dp2]
+    .venv/bin/python bench/sdc_clean.py [--runs 20] [--busy 2]
+                                        [--layouts fsdp,ddp,hsdp,tp2dp2,pp2dp2]
 
 Each run is `myria train` of the test suite's tiny model for 12 steps with
-`resilience.sdc_interval = 1` (the at-rest checksums, the partner recomputation and the replica
-check on every step: the most chances to raise a false alarm), cycling through the layouts,
+`resilience.sdc_interval = 1` (the at-rest checksums, the partner recomputation of a microbatch's
+forward and backward and the replica check on every step: the most chances to raise a false
+alarm), cycling through the layouts (the pipeline's compute check included),
 with `--busy` busy loops beside. A run passes when it exits 0 and events.jsonl holds no `sdc`
 line. Writes bench/results/sdc_clean.json.
 """
@@ -42,7 +44,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--runs", type=int, default=20)
     ap.add_argument("--busy", type=int, default=2)
-    ap.add_argument("--layouts", default="fsdp,ddp,hsdp,tp2dp2")
+    ap.add_argument("--layouts", default="fsdp,ddp,hsdp,tp2dp2,pp2dp2")
     ap.add_argument("--data", default="")
     a = ap.parse_args()
     sys.path.insert(0, str(ROOT / "src"))

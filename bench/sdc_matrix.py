@@ -8,7 +8,8 @@ A tiny model (the test suite's TINY) trains 8 steps on 2 or 4 gloo ranks with ch
 4 steps and `resilience.sdc_interval = 3`; the fault `bitflip:rank=R:step=5:target=T` acts in
 step 6 (a checked step). For each layout one clean `myria train` with the checks off is the
 reference (so bit-equal also says the checks leave no trace in training). Each row:
-the `sdc` lines of events.jsonl (rank, step, check), the supervisor's restarts and resumed step,
+the `sdc` lines of events.jsonl (rank, step, check), what the supervisor filed the fault as (kind
+`sdc` and the verdict) and its blocklist, its restarts and resumed step,
 and whether the final parameters equal the reference's bit for bit. Writes
 bench/results/sdc_matrix.json and prints a Markdown table.
 """
@@ -105,6 +106,9 @@ def main() -> None:
                              "check": r["evidence"].get("check"),
                              "verdict": r["evidence"].get("verdict")} for r in sdc],
                     "named": [r["rank"] for r in sdc] == [rank],
+                    "filed_as": [(f.get("kind"), (f.get("sdc") or {}).get("verdict"))
+                                 for f in summary.get("faults", [])],
+                    "blocklist": summary.get("blocklist"),
                     "status": summary.get("status"), "restarts": summary.get("restarts"),
                     "resumed_from": [f.get("resumed_from") for f in summary.get("faults", [])],
                     "bit_equal": equal, "wall_s": round(time.time() - t0, 1)})
@@ -114,15 +118,16 @@ def main() -> None:
     OUT.parent.mkdir(parents=True, exist_ok=True)
     OUT.write_text(json.dumps({"command": "bench/sdc_matrix.py " + " ".join(sys.argv[1:]),
                                "date": time.strftime("%Y-%m-%d %H:%M"), "rows": rows}, indent=1))
-    print("\n| layout | target | sdc (rank @ step, check) | named the rank | restarts | "
-          "resumed from | bit-equal to clean |\n|---|---|---|---|---|---|---|")
+    print("\n| layout | target | sdc (rank @ step, check) | named the rank | supervisor filed | "
+          "restarts | resumed from | bit-equal to clean |\n|---|---|---|---|---|---|---|---|")
     for r in rows:
         if "error" in r:
-            print(f"| {r['layout']} | - | clean run failed: {r['error'][-80:]!r} | | | | |")
+            print(f"| {r['layout']} | - | clean run failed: {r['error'][-80:]!r} | | | | | |")
             continue
         s = ", ".join(f"{x['rank']} @ {x['step']} ({x['check']}"
                       + (f", {x['verdict']}" if x["verdict"] else "") + ")" for x in r["sdc"])
-        print(f"| {r['layout']} | {r['target']} | {s or 'none'} | {r['named']} | "
+        filed = ", ".join(f"{k} ({v})" if v else str(k) for k, v in r["filed_as"]) or "-"
+        print(f"| {r['layout']} | {r['target']} | {s or 'none'} | {r['named']} | {filed} | "
               f"{r['restarts']} | {r['resumed_from']} | {r['bit_equal']} |")
 
 

@@ -340,7 +340,7 @@ class ResilienceConfig:
                                 " collectives kept by the flight recorder (torchtitan's default),"
                                 " dumped on a NCCL timeout to name the hung collective; 0 "
                                 "disables", min=0)
-    sdc_interval: int = _f(20, "steps between the silent-data-corruption checks that compare "
+    sdc_interval: int = _f(40, "steps between the silent-data-corruption checks that compare "
                            "ranks: a partner recomputes one microbatch, replicas compare bit "
                            "checksums (also before each checkpoint); > 0 also turns on each "
                            "rank's checksums of its state at rest, every step; 0 = off", min=0)

@@ -26,7 +26,9 @@ MYRIA_FAULT holds comma-separated faults, each `kind:key=value:...`:
                              optimizer state (the last exp_avg, at the start of step S), or of
                              a GEMM result (the output of the first linear layer in the first
                              forward of the step; with sticky=yes in every forward from then
-                             on, a device that keeps computing wrong numbers)
+                             on, a device that keeps computing wrong numbers); target=param
+                             with sticky=yes: the flipped bit stays flipped whatever is written
+                             over it (a stuck memory cell: a persistent fault at rest)
 - `nan:rank=R:step=S[:sticky=yes]`  rank R's loss at step S is NaN (a transient numerical
                              fault), or with sticky=yes every forward from then on in this
                              process (a device that keeps computing wrong numbers)

@@ -61,6 +61,29 @@ def test_ledger_names_what_changed_at_rest():
     assert ledger.verify_state() == []
 
 
+def test_retest_tells_a_stuck_cell_from_a_transient_flip():
+    """At rest, a changed tensor is rewritten (its complement, then its value) and read back: a
+    flipped bit that a rewrite clears is transient, a cell stuck at its flipped value (the
+    `sticky=yes` hook) is persistent; the tensor keeps the value it was found with."""
+    from types import SimpleNamespace
+
+    from myria.train.sdc import StateLedger, stick
+
+    model = torch.nn.Linear(8, 4)
+    ledger = StateLedger(SimpleNamespace(parts=[model], optimizers=[]))
+    ledger.record_state()
+    flip_bit(model.weight)
+    found = model.weight.detach().clone()
+    assert ledger.verify_state() == ["param weight"]
+    assert ledger.retest(["param weight"]) == "transient"
+    assert torch.equal(model.weight, found)
+    ledger.record_state()
+    ledger.stuck.append(stick(model.bias))
+    assert ledger.verify_state() == ["param bias"]
+    assert ledger.retest(["param bias"]).startswith("persistent (memory of param bias")
+    assert ledger.retest(["param weight"]) == "transient"   # only the stuck tensor fails
+
+
 def test_fault_hooks_parse():
     f = faults.parse("bitflip:rank=2:step=5,nan:rank=1:step=3")
     assert f[0].params == {"rank": 2, "step": 5, "target": "param"}
@@ -142,14 +165,72 @@ def test_bitflip_on_fsdp_is_named_and_rolled_back_bit_equal(tmp_path, tiny_data,
     if target == "compute":   # rank 0 recomputed rank 1's microbatch; rank 1's replay agreed
         assert ev["check"] == "compute" and ev["verdict"] == "transient", ev
         assert ev["microbatch_of"] == 1 and ev["recomputed_by"] == 0, ev
+        assert ev["differs"] == ["forward", "backward"], ev   # both passes recomputed
         assert ev["checksums"]["replay"] == ev["checksums"]["partner"] != ev["checksums"]["own"]
     else:
         word = {"optimizer": "optimizer", "grad": "grad", "param": "param"}[target]
         assert ev["check"] == "at rest" and ev["tensors"][0].startswith(word + " "), ev
+        assert ev["verdict"] == "transient", ev
     summary = json.loads((run / "supervisor_summary.json").read_text())
     assert summary["status"] == "succeeded" and summary["faults"][0]["resumed_from"] == 4
+    # the supervisor reads the workers' verdict: a transient fault does not blocklist the host
+    fault = summary["faults"][0]
+    assert fault["kind"] == "sdc" and fault["ranks"] == [1], fault
+    assert fault["sdc"]["step"] == 6 and fault["sdc"]["verdict"] == "transient", fault
+    assert not fault["sdc"]["persistent"] and summary["blocklist"] == [], summary
     pa, pb = final_params(fsdp2_reference), final_params(run)
     assert all(torch.equal(pa[k], pb[k]) for k in pa)
+
+
+@pytest.mark.slow
+def test_persistent_sdc_blocklists_the_host_and_the_run_goes_on(tmp_path, tiny_data,
+                                                                 fsdp2_reference):
+    """A stuck memory cell on rank 1 (`sticky=yes`: the flipped bit survives a rewrite) under
+    `myria supervise --config configs/demo.toml` on 2 processes: the at-rest check names rank 1,
+    its retest calls it persistent, the supervisor files the fault as sdc, blocklists the host
+    (one host: kept, no spare), the restart resumes from the newest verified checkpoint and the
+    run ends bit-equal to a clean one; the report shows the verdict."""
+    from myria.observe.report import recovery_section
+
+    run = tmp_path / "run"
+    run_cli("supervise", "--config", "configs/demo.toml", "--run-dir", str(run), "--nproc", "2",
+            f"--data.path={tiny_data}", *FSDP2,
+            env={"MYRIA_FAULT": "bitflip:rank=1:step=5:target=param:sticky=yes"}, timeout=600)
+    sdc = detections.read(run, "sdc")
+    assert [(r["rank"], r["step"]) for r in sdc] == [(1, 6)], sdc
+    assert sdc[0]["evidence"]["verdict"].startswith("persistent"), sdc
+    summary = json.loads((run / "supervisor_summary.json").read_text())
+    fault = summary["faults"][0]
+    assert fault["kind"] == "sdc" and fault["ranks"] == [1] and fault["sdc"]["persistent"]
+    assert fault["sdc"]["check"] == "at rest" and "persistent" in fault["cause"], fault
+    host = sdc[0]["host"]
+    assert summary["blocklist"] == [host] and f"blocklist {host}" in fault["action"], summary
+    assert (run / "blocklist.txt").read_text().split() == [host]
+    assert summary["status"] == "succeeded" and fault["resumed_from"] == 4, summary
+    pa, pb = final_params(fsdp2_reference), final_params(run)
+    assert all(torch.equal(pa[k], pb[k]) for k in pa)
+    (run / "report").mkdir()
+    page = recovery_section(run, run / "report")
+    assert "sdc (at rest check at step 6: persistent" in page and "host blocklisted" in page
+
+
+@pytest.mark.slow
+def test_compute_check_under_a_pipeline_names_the_stage_rank(tmp_path, tiny_data):
+    """PP2 x DP2: a wrong GEMM result on rank 3 (stage 1) in step 6 is found by its DP partner
+    of the same stage, which recomputes the stage's forward and backward from the stage input
+    and output gradient rank 3 kept; the verdict is transient and the run rolls back."""
+    run = tmp_path / "run"
+    run_cli("supervise", "--run-dir", str(run), "--nproc", "4", f"--data.path={tiny_data}",
+            *FSDP2, "--training.global_batch=16", "--parallel.pp=2",
+            env={"MYRIA_FAULT": "bitflip:rank=3:step=5:target=compute"}, timeout=600)
+    sdc = detections.read(run, "sdc")
+    assert [(r["rank"], r["step"]) for r in sdc] == [(3, 6)], sdc
+    ev = sdc[0]["evidence"]
+    assert ev["check"] == "compute" and ev["verdict"] == "transient", ev
+    assert ev["group"] == [2, 3] and ev["recomputed_by"] == 2, ev
+    assert ev["differs"] == ["stage 1 forward", "stage 1 backward"], ev
+    summary = json.loads((run / "supervisor_summary.json").read_text())
+    assert summary["status"] == "succeeded" and summary["faults"][0]["resumed_from"] == 4
 
 
 @pytest.mark.slow

@@ -652,7 +652,12 @@ def recovery_section(run_dir: Path, out: Path) -> str:
         ph = f.get("recovery_phases") or {}
         cells = "".join(f"<td>{ph[k]:.2f}</td>" if k in ph else "<td>-</td>"
                         for k in RECOVERY_PHASES)
-        frows += (f"<tr><td>{esc(str(f.get('kind')))}</td><td>{esc(str(f.get('ranks')))}</td>"
+        kind = str(f.get("kind"))
+        if v := f.get("sdc"):   # the workers' silent-corruption verdict (myria.train.sdc)
+            kind += f" ({v.get('check')} check at step {v.get('step')}: {v.get('verdict')}" + (
+                "; host blocklisted" if any(str(a).startswith("blocklist ")
+                                            for a in f.get("action", [])) else "") + ")"
+        frows += (f"<tr><td>{esc(kind)}</td><td>{esc(str(f.get('ranks')))}</td>"
                   f"<td>{f.get('last_step')}</td>{cells}<td>{f.get('time_lost_s')}</td></tr>")
     ftable = ""
     if faults:

@@ -197,6 +197,7 @@ class Fault:
     first_step_at: float = 0.0
     regained_at: float = 0.0
     before_first_step: bool = False  # the attempt had not finished a step when it failed
+    sdc: dict | None = None      # kind sdc: the workers' verdict (rank, step, check, verdict)
     signature: str = field(default="", repr=False)  # the error, numbers masked
 
     @property
@@ -661,6 +662,24 @@ class Supervisor:
             f.newest_committed = _newest_committed(self.run_dir)
             f.action.append("stop: checkpoints cannot be saved")
             raise _SaveFailed(f"rank {culprit}: {f.cause}")
+        if v := _sdc_verdict(self.run_dir, self.watch.started):
+            # the workers stopped on a silent-corruption verdict (myria.train.sdc): a rollback
+            f.kind, f.sdc, f.ranks = "sdc", v, v["ranks"]
+            f.cause = (f"silent data corruption on rank(s) {v['ranks']} at step {v['step']} "
+                       f"({v['check']} check): {v['verdict']}")
+            log.warning("DETECTED sdc on rank(s) %s at step %s (%s check): %s", v["ranks"],
+                        v["step"], v["check"], v["verdict"])
+            if v["persistent"] and set(v["ranks"]) <= set(self.ranks):   # this host's device
+                self._blocklist(f, f.cause)
+                spare = self.max_nodes > self.min_nodes
+                if spare and self.r.bad_host_action == "exit":
+                    raise _BadHost(f"{self.host}: {f.cause}")
+                log.warning("ACTION %s stays in the job: %s; the restart resumes from the "
+                            "newest verified checkpoint", self.host,
+                            "no spare host to replace it" if not spare else
+                            "bad_host_action = recheck")
+                f.action.append("host kept: no spare host" if not spare else "host kept")
+            return   # a rollback, not a start-up error: restart from the newest checkpoint
         # before any step of this attempt: the same error as last time is deterministic
         started = any(x and x.get("attempt") == self.attempt and x.get("first_step_at")
                       for x in records.values())
@@ -895,6 +914,29 @@ def _metrics_rows(run_dir: Path, since: float) -> dict[int, dict]:
         if "loss" in row and row.get("time", 0) >= since:
             out[int(row["step"])] = row
     return out
+
+
+def _sdc_verdict(run_dir: Path, since: float) -> dict | None:
+    """The workers' silent-corruption verdict written since `since` (RUN_DIR/events.jsonl, kind
+    sdc; myria.train.sdc): the ranks named, step, check, verdict and whether it is persistent
+    (a device that keeps computing or storing wrong bits); None without one."""
+    from myria import detections
+
+    rows = [r for r in detections.read(run_dir, "sdc") if r.get("time", 0) >= since]
+    if not rows:
+        return None
+    ranks, verdicts = [], []
+    for r in rows:
+        ev = r.get("evidence") or {}
+        named = [r["rank"]] if r.get("rank") is not None else ev.get("suspects") or []
+        ranks += [x for x in named if x not in ranks]
+        verdicts.append(str(ev.get("verdict") or "not classified"))
+    first = rows[0].get("evidence") or {}
+    persistent = any(v.startswith("persistent") for v in verdicts)
+    return {"ranks": sorted(ranks), "step": rows[0].get("step"),
+            "check": first.get("check", "replica"), "host": rows[0].get("host"),
+            "verdict": next((v for v in verdicts if v.startswith("persistent")), verdicts[0]),
+            "persistent": persistent, "detections": len(rows)}
 
 
 def _newest_committed(run_dir: Path) -> str:

@@ -357,7 +357,11 @@ class StepGuard:
 
     def _inject(self, target: str, sticky: bool) -> None:
         """The `bitflip` fault hooks acting at the start of a step (myria.faults)."""
-        if target == "param":
+        if target == "param" and sticky and self.ledger is not None:   # a stuck cell
+            from myria.train.sdc import stick
+
+            self.ledger.stuck.append(stick(self._target()))
+        elif target == "param":
             flip_bit(self._target())
         elif target == "optimizer":   # the first moment (exp_avg) of a parameter, or any state
             state = self.ledger.optim() if self.ledger is not None else \
@@ -486,7 +490,7 @@ class StepGuard:
         action = self.r.sdc_action
         if bad:
             evidence = {"check": check, "when": when, "tensors": bad[:8], "changed": len(bad),
-                        "ranks": failed}
+                        "ranks": failed, "verdict": self.ledger.retest(bad)}
             detections.record(self.run_dir, "sdc", self.rank, self.host, step, evidence, action)
             print(f"DETECTED sdc at step {step} on rank {self.rank} ({check}, {when}): "
                   f"{bad[0]} changed since it was written: {action}", flush=True)

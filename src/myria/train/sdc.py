@@ -14,21 +14,35 @@ needs no replica, so it covers plain FSDP shards, which have none. It runs on ev
 update and never be seen again.
 
 **In compute** (`ComputeCheck`). Every `resilience.sdc_interval` steps each data-parallel rank's
-first microbatch of the step is recomputed by a partner rank of the same tensor-, context- and
-pipeline-parallel coordinates (on the same gathered weights: the recomputation runs before the
-update), and the checksums of the two computations' final hidden states (the final norm's
-output, which every logit comes from, so a changed bit anywhere upstream shows) are compared bit
-for bit. Every rank recomputes one partner's microbatch per check, so the cost is one extra
-forward of one microbatch per rank per interval. The backward pass is not recomputed (it would
-triple the cost): a fault in a backward GEMM is not seen here. The partner rotates: check c pairs
-data-parallel rank i with rank i + 1 + (c mod (n - 1)), so over n - 1 checks every rank is
-compared with every other. A mismatch is replayed: the owner recomputes its microbatch again
-and (with three or more data-parallel ranks) a third rank computes it too. The owner is named
-`transient` when its replay agrees with the partner (its step's computation was wrong once),
-`persistent` when its replay repeats its own result and the third rank agrees with the partner;
-the partner is named when the third rank agrees with the owner. With two ranks a repeated
-disagreement names both as suspects. Pipeline parallelism is not checked in compute (a stage's
-microbatch cannot be recomputed outside the schedule); its state is checked at rest.
+first microbatch of the step is recomputed, forward and backward, by a partner rank of the same
+tensor-, context- and pipeline-parallel coordinates (on the same gathered weights: the
+recomputation runs before the update), and two checksums of the two computations are compared
+bit for bit: the forward's (the final norm's output, which every logit comes from, so a changed
+bit anywhere upstream shows; a pipeline stage without the head: the activations it sends on) and
+the backward's (the gradient of the first block's input: every block's data-gradient GEMMs, the
+head's and the loss's lead to it). The training pass's own checksums are taken by hooks as it
+runs (no extra work on the owner); the partner's recomputation runs the forward with gradients
+and a backward to that input only (`torch.autograd.grad`): the parameters' gradients are not
+touched, nothing is reduced, and the weight-gradient GEMMs are not recomputed (a fault there is
+not seen by this check; the reduced gradients are checked at rest). Under a pipeline each stage
+is checked by the DP partner of the same stage: the owner keeps its stage's input (tokens or the
+received activations) and the gradient it received for its output (the last stage: its targets)
+for the first microbatch, and the partner runs the stage's forward and backward on them outside
+the schedule. Every rank recomputes one partner's microbatch per check, so the cost is one extra
+forward and input-gradient backward of one microbatch per rank per interval. The partner
+rotates: check c pairs data-parallel rank i with rank i + 1 + (c mod (n - 1)), so over n - 1
+checks every rank is compared with every other. A mismatch is replayed: the owner recomputes its
+microbatch again and (with three or more data-parallel ranks) a third rank computes it too. The
+owner is named `transient` when its replay agrees with the partner (its step's computation was
+wrong once), `persistent` when its replay repeats its own result and the third rank agrees with
+the partner; the partner is named when the third rank agrees with the owner. With two ranks a
+repeated disagreement names both as suspects (`persistent`, no third to decide).
+
+**Transient or persistent at rest** (`StateLedger.retest`). On an at-rest mismatch the rank
+writes each changed tensor's complement over it and its value back, checking every bit after
+each write: memory that does not hold a rewrite (a stuck cell) is `persistent`, else the change
+was `transient`. Under `myria supervise` a persistent verdict blocklists the rank's host
+(myria.resilience.supervisor).
 """
 
 from __future__ import annotations
@@ -56,6 +70,16 @@ def sums(tensors: list[torch.Tensor]) -> torch.Tensor:
     return torch.stack(out)
 
 
+def stick(t: torch.Tensor, bit: int = 22) -> tuple:
+    """The `bitflip ... sticky=yes` fault at rest: flip one bit of the first element of a
+    tensor's local shard and keep it there (a cell stuck at its new value; `StateLedger.retest`
+    finds it). Returns the stuck cell for `StateLedger.stuck`."""
+    t = _local(t.detach())
+    v = t.reshape(-1)[:1].view({4: torch.int32, 2: torch.int16, 8: torch.int64}[t.element_size()])
+    v.bitwise_xor_(1 << bit)
+    return (t, 0, bit, int(v.item() >> bit) & 1)
+
+
 def _world() -> bool:
     return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
 
@@ -77,6 +101,7 @@ class StateLedger:
         self.engine = engine
         self._state: tuple[list[str], torch.Tensor] | None = None
         self._grads: tuple[list[str], torch.Tensor] | None = None
+        self.stuck: list[tuple] = []   # (tensor, index, bit, value): stuck cells (fault hook)
 
     def _owned(self) -> list[tuple[str, torch.Tensor]]:
         """(name, parameter) of what the optimizers update: the parameters this rank owns (the
@@ -143,6 +168,43 @@ class StateLedger:
         """The tensors whose bits changed since `record_state` (empty: intact)."""
         return self._diff(self._state, self.params() + self.optim())
 
+    def retest(self, names: list[str]) -> str:
+        """Tell a transient change at rest from memory that keeps failing: write each changed
+        tensor's complement over it and then its value back, checking every bit after each
+        write (a march over those words: a cell stuck at 0 or 1 fails one of the two). Only on
+        a mismatch; the tensor's value is left as it was found. Returns "transient" or
+        "persistent (...)"."""
+        found = dict(self.params() + self.optim() + self.grads())
+        failed = []
+        for name in names:
+            t = found.get(name)
+            if t is None or not t.is_contiguous():
+                continue
+            width = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.int8}[
+                t.element_size()]
+            w = t.detach().view(width)
+            keep = w.clone()
+            for want in (torch.bitwise_not(keep), keep):
+                w.copy_(want)
+                self._settle(t)
+                if not torch.equal(w, want):
+                    failed.append(name)
+                    break
+            w.copy_(keep)
+        if failed:
+            return f"persistent (memory of {failed[0]} does not hold a rewrite)"
+        return "transient"
+
+    def _settle(self, t: torch.Tensor) -> None:
+        """After a write: the fault hook's stuck bits (a `bitflip ... sticky=yes` fault keeps
+        its bit at the corrupted value, as a cell stuck at 0 or 1 would)."""
+        for tensor, index, bit, value in self.stuck:
+            if tensor.data_ptr() == t.data_ptr():
+                v = tensor.detach().reshape(-1)[index:index + 1].view(
+                    {4: torch.int32, 2: torch.int16, 8: torch.int64}[tensor.element_size()])
+                mask = 1 << bit
+                v.copy_((v & ~mask) | (mask if value else 0))
+
     def record_grads(self) -> None:
         self._grads = self._take(self.grads())
 
@@ -168,102 +230,277 @@ def dp_group(engine):
     return mesh.get_group()
 
 
+def _base(part):
+    return getattr(part, "module", part)   # DDP wraps the model
+
+
+def _first_block(part):
+    layers = getattr(_base(part), "layers", None)
+    return next(iter(layers.values()), None) if layers is not None else None
+
+
+def _watched(part):
+    """The module whose output is the forward's result: the final norm (the hidden states every
+    token's logits come from: a changed bit anywhere upstream changes them), else the part (a
+    pipeline stage without the head: the activations it sends on)."""
+    return getattr(_base(part), "norm", None) or part
+
+
+class _Capture:
+    """Hooks that take the checksums of one microbatch's forward and backward, as training (or a
+    recomputation) runs it: the forward's = the watched module's output; the backward's = the
+    gradient of the first block's input (every block's backward data-gradient GEMMs, the head's
+    and the loss's lead to it). Under a pipeline it also keeps the stage's input and the
+    gradient it received for its output (what a partner needs to recompute it). Each hook acts
+    on its first call only: the step's first microbatch."""
+
+    def __init__(self, part, keep_io: bool):
+        self.fwd: torch.Tensor | None = None
+        self.bwd: torch.Tensor | None = None
+        self.inp: torch.Tensor | None = None
+        self.gout: torch.Tensor | None = None
+        self.h: torch.Tensor | None = None
+        self.hooks: list = []
+        self._on(_watched(part), "fwd", self._fwd)
+        if (blk := _first_block(part)) is not None:
+            self._on(blk, "pre", self._pre)
+        if keep_io:
+            self._on(part, "pre", self._inp)
+            self._on(part, "fwd", self._out)
+
+    def _on(self, mod, kind, fn):
+        box = []
+
+        def once(m, args, *out):
+            box[0].remove()
+            return fn(args, *out)
+
+        h = mod.register_forward_pre_hook(once) if kind == "pre" else \
+            mod.register_forward_hook(once)
+        box.append(h)
+        self.hooks.append(h)
+
+    def _fwd(self, args, out):
+        self.fwd = sums([_local(out)])[0]
+
+    def _pre(self, args):
+        h = args[0] if args else None
+        if isinstance(h, torch.Tensor) and h.requires_grad:
+            self.h = h
+
+            def grad(g):
+                self.bwd = sums([_local(g)])[0]
+
+            h.register_hook(grad)
+
+    def _inp(self, args):
+        self.inp = args[0].detach().clone()
+
+    def _out(self, args, out):
+        if isinstance(out, torch.Tensor) and out.requires_grad:
+            def grad(g):
+                self.gout = g.detach().clone()
+
+            out.register_hook(grad)
+
+    def cancel(self):
+        for h in self.hooks:
+            h.remove()
+        self.hooks = []
+
+    def result(self) -> torch.Tensor | None:
+        if self.fwd is None or self.bwd is None:
+            return None
+        return torch.stack([self.fwd, self.bwd])
+
+
 class ComputeCheck:
-    """Partner recomputation of one microbatch per data-parallel rank (module docstring)."""
+    """Partner recomputation of one microbatch per data-parallel rank, forward and backward
+    (module docstring)."""
 
     def __init__(self, engine):
         self.engine = engine
-        self.group = dp_group(engine) if engine.schedule is None else None
+        self.pp = engine.schedule is not None
+        self.group = dp_group(engine)
         self.ranks = dist.get_process_group_ranks(self.group) if self.group is not None else []
         self.count = 0
-        self.captured: torch.Tensor | None = None
-        self._hook = None
+        self._accum = 1
+        self.captures: list[_Capture] = []
 
     @property
     def enabled(self) -> bool:
         return len(self.ranks) > 1
 
-    def _watched(self):
-        """The module whose output is compared: the final norm (the hidden states every token's
-        logits come from: a changed bit anywhere upstream changes them), else the model."""
-        base = getattr(self.engine.model, "module", self.engine.model)   # DDP wraps it
-        return getattr(base, "norm", None) or self.engine.model
-
-    # the step's first microbatch, as the training forward computed it
+    # the step's first microbatch, as the training forward and backward computed it
     def capture(self) -> None:
-        """Record the checksum of the next forward's hidden states (the step's first
-        microbatch)."""
+        """Take the checksums of this step's first microbatch (forward and backward) as
+        training computes them; under a pipeline also each stage's input and output
+        gradient."""
         self.cancel()
-        self.captured = None
-
-        def hook(mod, args, out):
-            self.captured = sums([_local(out)])[0]
-            self.cancel()
-
-        self._hook = self._watched().register_forward_hook(hook)
+        self.captures = [_Capture(part, self.pp) for part in self.engine.parts]
 
     def cancel(self) -> None:
-        if self._hook is not None:
-            self._hook.remove()
-            self._hook = None
+        for c in self.captures:
+            c.cancel()
 
-    @torch.no_grad()
-    def recompute(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        """The checksum of microbatch (x, y)'s hidden states computed here, the way the
-        training forward does (training mode, same kernels; no gradients kept). FSDP modules
-        are resharded afterwards: one that keeps its parameters gathered after a forward (the
-        root, zero2) would otherwise carry this step's weights into the next step's forward,
-        past the update."""
+    def _last(self, k: int) -> bool:
         e = self.engine
-        self.capture()
+        return e.stage_ids[k] == e.dims.layout.stages - 1
+
+    def _items(self, inputs: torch.Tensor, targets: torch.Tensor) -> list[torch.Tensor] | None:
+        """What a partner needs to recompute this rank's first microbatch: the tokens and
+        targets; under a pipeline, per stage, its input and (the last stage) its targets or
+        (any other) the gradient it received. None: not captured (every rank alike)."""
+        if not self.pp:
+            return [inputs[0], targets[0]]
+        out = []
+        for k, c in enumerate(self.captures):
+            if c.inp is None or (not self._last(k) and c.gout is None):
+                return None
+            out += [c.inp, self.engine._shard_sequence(targets[0]) if self._last(k) else c.gout]
+        return out
+
+    def recompute(self, items: list[torch.Tensor]) -> torch.Tensor:
+        """The checksums [forward, backward] (per part under a pipeline) of the microbatch in
+        `items` computed here, the way training does (training mode, same kernels, the same
+        loss scaling; the backward computes the input gradients only and leaves the parameters'
+        gradients alone, without any gradient reduction). FSDP modules are resharded afterwards:
+        one that keeps its parameters gathered after a forward (the root, zero2) would
+        otherwise carry this step's weights into the next step's forward, past the update."""
+        from myria.train.engine import _grad_sync
+
+        e = self.engine
+        outs = []
+        try:
+            with torch.enable_grad():
+                if not self.pp:
+                    outs.append(self._recompute_model(items[0], items[1]))
+                else:
+                    for k, part in enumerate(e.parts):
+                        inp, other = items[2 * k], items[2 * k + 1]
+                        cap = _Capture(part, False)
+                        try:
+                            with _grad_sync(part, False), e._ctx():
+                                x = inp.detach()
+                                if x.is_floating_point():
+                                    x.requires_grad_(True)
+                                out = part(x)
+                                if self._last(k):
+                                    loss, gout = e._loss_fn(out, other), None
+                                else:
+                                    loss, gout = out, other
+                                if cap.h is not None:
+                                    torch.autograd.grad(loss, cap.h, grad_outputs=gout)
+                        finally:
+                            cap.cancel()
+                        outs.append(self._result(cap))
+        finally:
+            for part in e.parts:
+                if hasattr(part, "set_requires_gradient_sync"):
+                    part.set_requires_gradient_sync(True)
+            _reshard(e.parts)
+        return torch.cat(outs)
+
+    def _recompute_model(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        from myria.train.engine import _grad_sync
+
+        e = self.engine
         doc = e._documents(x.unsqueeze(0))[0]
         kw = {} if doc is None else {"documents": doc}
-        xs = e._shard_sequence(x)
+        accum = self._accum   # training divides each microbatch's loss by their number
+        cap = _Capture(e.model, False)
         try:
-            with e._ctx():
+            with _grad_sync(e.model, False), e._ctx():
+                xs, ys = e._shard_sequence(x), e._shard_sequence(y)
                 if e.dims.tp > 1:
-                    e.model(xs, **kw)
+                    loss = e._loss_fn(e.model(xs, **kw), ys) / accum
                 else:
-                    e.model(xs, e._shard_sequence(y), **kw)
+                    loss = e.model(xs, ys, **kw) / accum
+                if cap.h is not None:
+                    torch.autograd.grad(loss, cap.h)
         finally:
-            self.cancel()
-            _reshard(e.parts)
-        out, self.captured = self.captured, None
-        return out
+            cap.cancel()
+        return self._result(cap)
+
+    @staticmethod
+    def _result(cap: _Capture) -> torch.Tensor:
+        fwd = cap.fwd if cap.fwd is not None else torch.zeros((), dtype=torch.int64)
+        bwd = cap.bwd if cap.bwd is not None else torch.zeros((), dtype=torch.int64)
+        return torch.stack([fwd.reshape(()).cpu(), bwd.reshape(()).cpu()])
+
+    def _own(self) -> torch.Tensor | None:
+        res = [c.result() for c in self.captures]
+        if not res or any(r is None for r in res):
+            return None
+        return torch.cat([r.reshape(-1).cpu() for r in res])
 
     def check(self, inputs: torch.Tensor, targets: torch.Tensor) -> dict | None:
         """Compare; collective over the whole world (every rank calls it at the same steps).
-        Returns None when all agree, else the verdict (the same on every rank)."""
+        Returns None when all agree (or, under a pipeline, when the step's first microbatch was
+        not captured), else the verdict (the same on every rank)."""
         e = self.engine
         self.cancel()
         n = len(self.ranks)
         me = self.ranks.index(dist.get_rank())
         k = 1 + self.count % (n - 1)           # this check's partner offset
         self.count += 1
-        x, y = inputs[0], targets[0]
-        own = self.captured if self.captured is not None else self.recompute(x, y)
-        self.captured = None
-        xs = [torch.empty_like(x) for _ in range(n)]
-        ys = [torch.empty_like(y) for _ in range(n)]
-        dist.all_gather(xs, x, group=self.group)
-        dist.all_gather(ys, y, group=self.group)
+        self._accum = inputs.shape[0]
+        mine = self._items(inputs, targets)
+        ready = ranks_with(mine is None, e.device)
+        if ready:   # a pipeline step whose first microbatch was not captured: nothing to check
+            self.captures = []
+            return None
+        own = self._own()
+        self.captures = []
+        if own is None:
+            own = self.recompute(mine)
+        gathered = []
+        for t in mine:
+            t = t.contiguous()
+            parts = [torch.empty_like(t) for _ in range(n)]
+            dist.all_gather(parts, t, group=self.group)
+            gathered.append(parts)
+
+        def of(i):   # the items of group rank i
+            return [g[i] for g in gathered]
+
         j = (me - k) % n                       # the rank whose microbatch this one recomputes
-        theirs = self.recompute(xs[j], ys[j])
-        vals = self._gather_bits([own, theirs])            # [n, 2]
+        theirs = self.recompute(of(j))
+        vals = self._gather_bits([own, theirs])            # [n][2][values]
         # owner i: T = vals[i][0]; its checker (i + k) computed P = vals[(i + k) % n][1]
         bad = [i for i in range(n) if vals[i][0] != vals[(i + k) % n][1]]
         flag = torch.tensor([len(bad)], dtype=torch.int64, device=e.device)
         dist.all_reduce(flag)   # every rank of the world learns that some group disagreed
         if not int(flag):
             return None
+        # which pass this rank's own microbatch differs in (2 forward, 1 backward only, 0 none),
+        # for every rank of the world, with its data- and pipeline-parallel coordinates
+        mine_bad = vals[me][0] != vals[(me + k) % n][1]
+        first = next((x for x, (a, b) in enumerate(zip(vals[me][0], vals[(me + k) % n][1]))
+                      if a != b), None) if mine_bad else None
+        code = 0 if first is None else (2 if first % 2 == 0 else 1)
+        world = self._world_codes(code)
         # replay: the owner again, and a third rank (offset k2) if there is one
         k2 = next((o for o in range(1, n) if o != k), None)
-        again = self.recompute(x, y)
-        third = self.recompute(xs[(me - k2) % n], ys[(me - k2) % n]) if k2 else again
+        again = self.recompute(mine)
+        third = self.recompute(of((me - k2) % n)) if k2 else again
         rep = self._gather_bits([again, third])
+        names = ["forward", "backward"] if not self.pp else \
+            [f"stage {s} {w}" for s in e.stage_ids for w in ("forward", "backward")]
         verdicts: dict[str, dict] = {}
+        affected: dict[str, dict] = {}
         for i in bad:
             owner, checker = self.ranks[i], self.ranks[(i + k) % n]
+            # The tensor/context-parallel peers of a rank compute its microbatch with it: a
+            # wrong result on one reaches the others through their collectives. A rank whose
+            # peer differs in an earlier pass (its forward, this one only in its backward) is
+            # affected through that peer, not named itself.
+            peers = [r for r, (dpr, ppr, c) in enumerate(world) if r != owner and
+                     (dpr, ppr) == tuple(world[owner][:2])]
+            origin = [r for r in peers if world[r][2] > world[owner][2]]
+            if origin:
+                affected[str(owner)] = {"through": origin}
+                continue
             t, p, r = vals[i][0], vals[(i + k) % n][1], rep[i][0]
             q = rep[(i + k2) % n][1] if k2 else None
             if r == p:
@@ -277,19 +514,31 @@ class ComputeCheck:
                      "verdict": "persistent (two ranks disagree; no third to decide)"}
             else:
                 v = {"rank": None, "suspects": [owner], "verdict": "inconsistent"}
+            later = [r for r in peers if 0 < world[r][2] < world[owner][2]]
+            if later:
+                v["peers_affected"] = later
             v.update(microbatch_of=owner, recomputed_by=checker,
                      third=self.ranks[(i + k2) % n] if k2 else None,
+                     differs=[nm for nm, a, b in zip(names, t, p) if a != b],
                      checksums={"own": t, "partner": p, "replay": r})
             verdicts[str(owner)] = v
-        return {"group": self.ranks, "mismatches": verdicts}
+        return {"group": self.ranks, "mismatches": verdicts, "affected": affected}
 
-    def _gather_bits(self, values: list[torch.Tensor]) -> list[list[int]]:
-        """Each rank's checksums, for every rank of the group."""
-        local = torch.stack([v.reshape(()) for v in values]).to(self.engine.device)
+    def _world_codes(self, code: int) -> list[list[int]]:
+        """[data-parallel rank, pipeline rank, code] of every rank of the world."""
+        d = self.engine.dims
+        local = torch.tensor([d.dp_rank, d.pp_rank, code], dtype=torch.int64,
+                             device=self.engine.device)
+        table = [torch.empty_like(local) for _ in range(dist.get_world_size())]
+        dist.all_gather(table, local)
+        return [t.tolist() for t in table]
+
+    def _gather_bits(self, values: list[torch.Tensor]) -> list[list[list[int]]]:
+        """Each rank's checksum vectors, for every rank of the group."""
+        local = torch.stack([v.reshape(-1) for v in values]).to(self.engine.device)
         table = [torch.empty_like(local) for _ in self.ranks]
         dist.all_gather(table, local, group=self.group)
         return [t.tolist() for t in table]
-
 
 
 def _reshard(parts) -> None:
