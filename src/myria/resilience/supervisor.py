@@ -25,9 +25,10 @@ processes), and its monitor loop also
   and a timeline; myria.observe.goodput). A hang's report (RUN_DIR/report/hang.json) holds
   each rank's Python stack beside the collective it waits in (myria.observe.hang).
 
-Recovery is a full restart of this host's worker group. In-job recovery (survivors stay, a spare
-heals from a peer's memory) is not built; myria.train.peer says what is (each rank's state
-in its ring neighbour's memory) and why torchft is what it should build on.
+Recovery is a full restart of this host's worker group (`resilience.recovery = "restart"`, the
+default), or with "in-job" the survivors stay and a hot spare or a fresh process takes the lost
+rank's state from its ring neighbour's memory (myria.resilience.injob, myria.train.rejoin);
+what in-job recovery cannot serve falls back to the full restart.
 
 The supervisor's log (stderr and RUN_DIR/supervisor.log) has one line per detection (DETECTED),
 per action (ACTION) and per recovery milestone (RESUMED). Workers' own output goes to the console
@@ -116,6 +117,9 @@ def run(args) -> int:
     check_vocab(cfg, open_dataset(cfg.data, cfg.model.seq_len, verify=False))
     check_run(cfg, Layout.resolve(cfg.parallel, args.nproc * min_nodes),
               device_type(cfg.training.device))
+    from myria.resilience import injob
+
+    injob.check(cfg, min_nodes, max_nodes, args.nproc)
     rundir.lock(args.run_dir, "supervise", job=args.rdzv_id)   # one job per run directory
     worker_argv = ["train", "--run-dir", str(args.run_dir)]
     if args.config:
@@ -194,6 +198,7 @@ class Fault:
     first_step_at: float = 0.0
     regained_at: float = 0.0
     before_first_step: bool = False  # the attempt had not finished a step when it failed
+    recovery: str = "restart"   # or "in-job: spare" / "in-job: fresh process"
     signature: str = field(default="", repr=False)  # the error, numbers masked
 
     @property
@@ -240,6 +245,10 @@ def _agent_class():
             self.sup = sup
 
         def _monitor_workers(self, worker_group):
+            if self.sup.injob is not None:  # a lost worker replaced in-job, or None
+                handled = self.sup.injob.poll(self, worker_group)
+                if handled is not None:
+                    return handled
             return self.sup.monitor(self, worker_group, super()._monitor_workers(worker_group))
 
         def _stop_workers(self, worker_group):
@@ -289,6 +298,11 @@ class Supervisor:
         self._straggler_at = 0.0
         self.store = None
         self._server = None
+        self.injob = None
+        if self.r.recovery == "in-job":
+            from myria.resilience.injob import InJobRecovery
+
+            self.injob = InJobRecovery(self)
 
     # -- set-up ------------------------------------------------------------------------------
     def _setup_logging(self) -> None:
@@ -368,6 +382,8 @@ class Supervisor:
                  self.r.heartbeat_s, os.environ[heartbeat.ENV_STORE], self.r.max_restarts)
         status, code = "failed", 1
         try:
+            if self.injob is not None:
+                self.injob.start_spares()
             result = self._agent().run()
             if result is not None and result.state == WorkerState.SUCCEEDED:
                 status, code = "succeeded", 0
@@ -408,6 +424,8 @@ class Supervisor:
             pass
 
     def _close(self) -> None:
+        if self.injob is not None:
+            self.injob.close()
         self._remove_shared()
         if self.store is not None:
             try:
@@ -428,17 +446,21 @@ class Supervisor:
     def started(self, agent, wg) -> None:
         self.attempt = wg.spec.max_restarts - agent._remaining_restarts
         self.ranks = [w.global_rank for w in wg.workers]
+        self.stderr_pos = {}
+        self.new_watch()
+        if self.current is not None:
+            self.current.restarted_at = time.time()
+        log.info("attempt %d: started ranks %s (pids %s)", self.attempt, self.ranks,
+                 [w.id for w in wg.workers])
+
+    def new_watch(self) -> None:
+        """A watchdog for the ranks of attempt `self.attempt`."""
         r, t = self.r, self.cfg.training
         self.watch = Watchdog(self.ranks, r.heartbeat_s, r.missed_heartbeats, r.hang_timeout_s,
                               r.traffic_timeout_s, startup_timeout_s=t.init_timeout_s,
                               keywords=tuple(k.strip() for k in r.alarm_keywords.split(",")),
                               attempt=self.attempt)
         self.alarms = []
-        self.stderr_pos = {}
-        if self.current is not None:
-            self.current.restarted_at = time.time()
-        log.info("attempt %d: started ranks %s (pids %s)", self.attempt, self.ranks,
-                 [w.id for w in wg.workers])
 
     def monitor(self, agent, wg, result):
         """Called every monitor interval with the agent's own verdict; may turn it UNHEALTHY."""
