@@ -95,18 +95,78 @@ def attempt_now() -> int:
 
 
 def abort_groups() -> None:
-    """Abort every process group of this process: its connections close, so a peer blocked on
-    this rank fails at once instead of at its timeout."""
-    if not dist.is_initialized():
-        return
-    try:
-        dist.distributed_c10d._abort_process_group()
-    except Exception as e:  # already half torn down: destroy what is left
-        log.debug("abort of the process groups: %s", e)
+    """Abort every process group of this process and close its connections to its peers, so
+    a peer blocked on this rank fails at once instead of at its timeout.
+
+    gloo in torch 2.13 has no abort that reaches the wire: measured, a peer blocked in a
+    collective with a rank that aborted (`_abort_process_group`) or shut down its group stays
+    blocked until its timeout (120 s here); only the group's destruction closes the
+    connections, and the failed run's objects (FSDP state, meshes, tracebacks) keep it alive.
+    So the connections are closed under it: shutdown(2) on every TCP socket of this process
+    but those to the supervisor's store (its heartbeats and the next attempt's group)."""
+    if dist.is_initialized():
         try:
-            dist.destroy_process_group()
-        except Exception:
+            dist.distributed_c10d._abort_process_group()
+        except Exception as e:  # already half torn down
+            log.debug("abort of the process groups: %s", e)
+    addr = store_address()
+    close_connections(addr[1] if addr else None)
+
+
+def close_connections(keep_port: int | None) -> int:
+    """shutdown(2) every connected TCP socket of this process except those to `keep_port`;
+    returns how many."""
+    import socket
+    import stat
+
+    n = 0
+    try:
+        fds = [int(x) for x in os.listdir("/proc/self/fd")]
+    except OSError:  # not Linux: the collective timeout is the backstop
+        return 0
+    for fd in fds:
+        try:
+            if not stat.S_ISSOCK(os.fstat(fd).st_mode):
+                continue
+            s = socket.socket(fileno=fd)
+        except (OSError, ValueError):
+            continue
+        try:
+            if s.family not in (socket.AF_INET, socket.AF_INET6) or \
+                    s.type != socket.SOCK_STREAM:
+                continue
+            try:
+                peer = s.getpeername()
+            except OSError:
+                continue  # listening or not connected
+            if keep_port is not None and keep_port in (peer[1], s.getsockname()[1]):
+                continue
+            s.shutdown(socket.SHUT_RDWR)
+            n += 1
+        except OSError:
             pass
+        finally:
+            s.detach()
+    return n
+
+
+def release(error: BaseException) -> None:
+    """Drop every reference the failed run left behind (the frames of its traceback hold the
+    model, its FSDP state, the checkpoint manager...), so its gloo process groups are
+    destroyed and their connections closed: a survivor blocked in a collective with this rank
+    then fails at once ("Connection closed by peer"). Aborting a gloo group does not close its
+    connections (torch 2.13: a peer stays blocked until its timeout); destroying it does."""
+    import gc
+    import traceback
+
+    seen = set()
+    e: BaseException | None = error
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        if e.__traceback__ is not None:
+            traceback.clear_frames(e.__traceback__)
+        e = e.__cause__ or e.__context__
+    gc.collect()
 
 
 class InJob:
@@ -161,6 +221,7 @@ class InJob:
             return False
         self.failed_at = self.failed_at or time.time()
         abort_groups()
+        release(error)
         r = self.cfg.resilience
         looks_lost = any(m in f"{type(error).__name__}: {error}" for m in PEER_LOST)
         # a peer's loss is announced within a monitor interval of its exit; a hang takes the
@@ -215,6 +276,7 @@ class InJob:
         led.marks = {"process_start": since, "entered": since}
         led.since = led.row_since = since
         hb.ledger = led
+        hb.phase("init")  # start-up again: judged against the start-up timeout, not a hang
 
     def adjust_ledger(self, ledger) -> None:
         """A spare's ledger starts when it was given its rank, not when it was started."""
