@@ -738,7 +738,10 @@ class Supervisor:
                      "(%s lost steps to redo)", self.attempt, f.resumed_from,
                      f.first_step_at - f.fault_at,
                      f.last_step - f.resumed_from if f.resumed_from is not None else "?")
-        if not f.regained_at and step >= f.last_step:
+        # regained once every rank is back at the step reached before the fault (an in-job
+        # recovery that lost no step gets there on restoring, not on its first step)
+        if not f.regained_at and len(recs) == len(self.ranks) and \
+                min(x.get("step", 0) for x in recs) >= f.last_step:
             f.regained_at = now
 
     def _diagnose(self, f: Fault) -> None:
