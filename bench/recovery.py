@@ -28,7 +28,8 @@ step (myria.train.peer) on the same demo run without faults, `myria train` with
 snapshots' CPU time (copy + exchange thread) as a share of the process's CPU time, which on
 this all-cores-busy host is what they cost, whatever the load of the moment.
 
-`--part ettr`: a 200-step 2-rank supervised run of a tiny model with three workers killed:
+`--part ettr`: a 200-step 2-rank supervised run of a tiny model with three workers killed
+(`--ettr-recovery`: in-job with a spare, the default, or restart):
 the goodput ledger's total against the wall time, and its ETTR.
 
 Writes bench/results/recovery.json (recovery-PART.json for one part); the tables in
@@ -158,16 +159,19 @@ TINY = ["--model.layers=2", "--model.hidden=64", "--model.heads=4", "--model.kv_
         "--optimizer.warmup_steps=4", "--training.eval_interval=0"]
 
 
-def ettr_run(work: Path, data: Path, steps: int, faults: int) -> dict:
+def ettr_run(work: Path, data: Path, steps: int, faults: int,
+             recovery: str = "in-job") -> dict:
     """A `steps`-step 2-rank supervised run of a tiny model with `faults` workers killed:
     its goodput ledger against the wall time (the supervisor's and one measured outside)."""
     every = steps // (faults + 1)
     kills = ",".join(f"kill:rank={i % 2}:step={every * (i + 1)}" for i in range(faults))
     s = supervise(work / "ettr", data, 2, kills, [
         *TINY, f"--training.steps={steps}", "--checkpoint.interval=10",
-        "--resilience.diagnose=false", "--resilience.backoff_s=0.5"])
+        "--resilience.diagnose=false", "--resilience.backoff_s=0.5",
+        f"--resilience.recovery={recovery}",
+        *(["--resilience.spares=1"] if recovery == "in-job" else [])])
     g = s["goodput"]
-    return {"faults": kills, "restarts": s["restarts"], "wall_s": s["wall_s"],
+    return {"recovery": recovery, "faults": kills, "restarts": s["restarts"], "wall_s": s["wall_s"],
             "outside_wall_s": s["outside_wall_s"], "accounted_s": g["accounted_s"],
             "other_s": g["seconds"]["other"], "ettr": g["ettr"],
             "step_time_ratio": s["step_time_ratio"], "seconds": g["seconds"],
@@ -182,6 +186,7 @@ def main() -> None:
     ap.add_argument("--kill-step", type=int, default=7, help="steps done before the kill")
     ap.add_argument("--data", default="", help="prepared demo data (default: prepare it)")
     ap.add_argument("--part", choices=("all", "recovery", "snapshot", "ettr"), default="all")
+    ap.add_argument("--ettr-recovery", choices=("in-job", "restart"), default="in-job")
     ap.add_argument("--snapshot-steps", type=int, default=8, help="steps of each cost run")
     ap.add_argument("--rounds", type=int, default=2, help="rounds of the snapshot cost runs")
     args = ap.parse_args()
@@ -199,7 +204,7 @@ def main() -> None:
              "in-job-fresh": ["--resilience.recovery=in-job"]} \
         if args.part in ("all", "recovery") else {}
     if args.part in ("all", "ettr"):
-        e = ettr_run(work, data, 200, 3)
+        e = ettr_run(work, data, 200, 3, args.ettr_recovery)
         print(f"200 steps, 3 kills: ledger {e['accounted_s']} s of wall {e['wall_s']} s "
               f"(other {e['other_s']} s); ETTR {e['ettr']}", flush=True)
     results = {}
@@ -226,9 +231,10 @@ def main() -> None:
             "recovery": f.get("recovery"), "detection_s": f["detection_s"],
             "bit_equal": same_weights(reference, work / name)}
         r = results[name]
-        if r["mttr_s"] is not None:
-            r["target_s"] = round(min(10.0, 3 * r["mean_step_s"] + r["detection_s"]), 3)
-            r["meets_target"] = r["mttr_s"] <= r["target_s"]
+        if r["mttr_s"] is not None:  # the issue's two targets: <= 10 s, <= 3 steps + detection
+            r["three_steps_plus_detection_s"] = round(3 * r["mean_step_s"] + r["detection_s"], 3)
+            r["meets_10_s"] = r["mttr_s"] <= 10.0
+            r["meets_3_steps"] = r["mttr_s"] <= r["three_steps_plus_detection_s"]
         print(f"{name}: MTTR {f['fault_to_first_step_s']} s, time lost {f['time_lost_s']} s "
               f"({f['lost_steps']} steps redone); phases {f['recovery_phases']}; "
               f"mean step {s['mean_step_s']} s; ETTR {g['ettr']}; bit-equal "

@@ -68,6 +68,7 @@ class InJobRecovery:
         self.spares: dict[int, subprocess.Popen] = {}
         self.next_spare = 0
         self.recovered = 0
+        self.owed = 0   # spares used, to be started again once the recovery is over
 
     # -- spares ------------------------------------------------------------------------------
     def start_spares(self) -> None:
@@ -120,11 +121,16 @@ class InJobRecovery:
         handlers = getattr(pc, "subprocess_handlers", None)
         if not handlers or self.sup.watch is None:
             return None
+        f = self.sup.current
+        if self.owed and (f is None or f.first_step_at):
+            # after the recovery: a spare's start (importing torch) would compete with it
+            for _ in range(self.owed):
+                self._start_spare()
+            self.owed = 0
         dead = {lr: h.proc.poll() for lr, h in handlers.items()}
         dead = {lr: c for lr, c in dead.items() if c not in (None, 0)}
         if not dead:
             return None
-        f = self.sup.current
         busy = f is not None and f.recovery.startswith("in-job") and not f.first_step_at
         code = next(iter(dead.values()))
         if len(dead) > 1 or busy or code in (USER_ERROR, SAVE_FAILED) or \
@@ -203,7 +209,7 @@ class InJobRecovery:
         sup.new_watch()
         self.recovered += 1
         if spare is not None:
-            self._start_spare()  # the pool back to its size, while training goes on
+            self.owed += 1  # the pool back to its size once the recovery is over
 
     @staticmethod
     def _fresh(pc, local: int, env: dict) -> subprocess.Popen:

@@ -222,6 +222,8 @@ class InJob:
         self.failed_at = self.failed_at or time.time()
         abort_groups()
         release(error)
+        # waiting is start-up, not a hang: the supervisor judges it by the start-up timeout
+        getattr(hb, "_hb", hb).phase("init")
         r = self.cfg.resilience
         looks_lost = any(m in f"{type(error).__name__}: {error}" for m in PEER_LOST)
         # a peer's loss is announced within a monitor interval of its exit; a hang takes the
