@@ -103,3 +103,16 @@ def test_both_copies_lost_falls_back_to_the_checkpoint(tmp_path, tiny_data, refe
     last = s["faults"][-1]
     assert last["recovery"] == "restart" and last["resumed_from"] == 4, last
     check_bit_equal(tmp_path, reference)
+
+
+@pytest.mark.slow
+def test_without_snapshots_every_rank_loads_the_checkpoint_in_job(tmp_path, tiny_data,
+                                                                   reference):
+    supervise(tmp_path, tiny_data, "kill:rank=1:step=6", "--resilience.memory_snapshot_interval=0")
+    s = json.loads((tmp_path / "supervisor_summary.json").read_text())
+    f = s["faults"][0]
+    assert s["status"] == "succeeded" and len(s["faults"]) == 1, s
+    assert f["recovery"] == "in-job: fresh process" and f["resumed_from"] == 4, f
+    restored = json.loads((tmp_path / "peer" / "injob.json").read_text())
+    assert restored[0]["step"] is None and "rank 0: no snapshot" in restored[0]["facts"]
+    check_bit_equal(tmp_path, reference)

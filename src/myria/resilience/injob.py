@@ -202,7 +202,8 @@ class InJobRecovery:
         f.last_step = max([f.last_step, *done, *_metrics_rows(sup.run_dir, since)])
         f.action.append(f"in-job: survivors stay; rank {rank} taken over by {how_new}")
         log.info("ACTION in-job recovery (attempt %d, %d restart(s) left): ranks %s stay, rank "
-                 "%d is taken over by %s and takes its state from rank %d's memory", attempt,
+                 "%d is taken over by %s and takes its state from rank %d's memory (or the "
+                 "newest checkpoint)", attempt,
                  agent._remaining_restarts, [r for r in sup.ranks if r != rank], rank, how_new,
                  (rank + 1) % len(sup.ranks))
         sup.attempt = attempt

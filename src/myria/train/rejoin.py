@@ -298,7 +298,7 @@ class InJob:
         t0 = time.time()
         kept, self.kept = self.kept, None
         self.rejoined = False
-        info = _describe(kept, env.rank)
+        info = _describe(kept, env.rank, survivor=not self.replacement)
         infos: list = [None] * env.world_size
         dist.all_gather_object(infos, info)
         plan = choose(infos)
@@ -362,13 +362,14 @@ def _first_line(e: BaseException) -> str:
     return f"{type(e).__name__}: " + (text.splitlines()[0][:200] if text else "")
 
 
-def _describe(kept: dict | None, rank: int) -> dict:
+def _describe(kept: dict | None, rank: int, survivor: bool = True) -> dict:
     """What this rank can contribute: its own snapshots' steps and the held copies (their
     metadata and checksums: the bytes go to the replacement only)."""
     from myria.train import peer
 
-    if kept is None:
-        return {"rank": rank, "fresh": True, "own": [], "holds": None, "held": {}}
+    if kept is None:  # a replacement, or a survivor without snapshots (interval 0)
+        return {"rank": rank, "fresh": True, "own": [], "holds": None, "held": {},
+                "survivor": survivor}
     own = [s for s, o in kept["own"].items()
            if o["crc"] is None or peer.crc32(o["buf"]) == o["crc"]]
     held = {}
@@ -402,7 +403,8 @@ def choose(infos: list[dict]) -> dict | None:
 
 
 def _facts(infos: list[dict]) -> str:
-    return "; ".join(f"rank {i['rank']}: " + ("replacement" if i["fresh"] else
+    return "; ".join(f"rank {i['rank']}: " + (
+        ("no snapshot" if i.get("survivor") else "replacement") if i["fresh"] else
                      f"own {i['own']}, holds rank {i['holds']} at {sorted(i['held'])}")
                      for i in infos)
 
