@@ -17,7 +17,7 @@ under way (before every rank has finished a step), an input error (exit 2), a fa
 in-job recovery uses one of `resilience.max_restarts`, so attempts keep one numbering.
 
 Hot spares (`resilience.spares`): processes started with the job (`python -m
-myria.train.rejoin I ARGS`) that import torch and the trainer, then wait on the store for a
+myria.train.spare I ARGS`) that import torch and the trainer, then wait on the store for a
 rank; a used spare is replaced by a new one at once. Without a spare, the replacement is a
 fresh worker process (the same command and environment the agent gave the lost one).
 
@@ -83,7 +83,7 @@ class InJobRecovery:
         out = open(logs / f"spare{i}.log", "a")  # noqa: SIM115 (the child keeps it)
         try:
             self.spares[i] = subprocess.Popen(
-                [sys.executable, "-u", "-m", "myria.train.rejoin", str(i),
+                [sys.executable, "-u", "-m", "myria.train.spare", str(i),
                  *self.sup.worker_argv], stdout=out, stderr=subprocess.STDOUT,
                 start_new_session=True)
         finally:
@@ -151,7 +151,6 @@ class InJobRecovery:
     def _replace(self, agent, wg, pc, local: int, code: int) -> None:
         import signal
 
-        from myria.resilience.supervisor import _metrics_rows, _newest_committed
         from myria.resilience.watch import Detection
         from myria.train.rejoin import ENV_JOIN, key
 
@@ -196,10 +195,7 @@ class InJobRecovery:
         pc.subprocess_handlers[local].proc = proc
         worker.id = proc.pid
         f.restarted_at = time.time()
-        f.newest_committed = _newest_committed(sup.run_dir)
-        since = sup.watch.started
-        done = [int(f.newest_committed.split("_")[1])] if f.newest_committed else []
-        f.last_step = max([f.last_step, *done, *_metrics_rows(sup.run_dir, since)])
+        sup.reached(f)
         f.action.append(f"in-job: survivors stay; rank {rank} taken over by {how_new}")
         log.info("ACTION in-job recovery (attempt %d, %d restart(s) left): ranks %s stay, rank "
                  "%d is taken over by %s and takes its state from rank %d's memory (or the "

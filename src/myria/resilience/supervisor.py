@@ -555,13 +555,7 @@ class Supervisor:
         agent._stop_workers(wg)
         f.stopped_at = time.time()
         self._remove_shared()
-        f.newest_committed = _newest_committed(self.run_dir)
-        # The heartbeats read at detection can lag the workers by a beat (a loaded host): the
-        # step a committed checkpoint or a metrics row of this attempt proves was reached
-        # counts too, so the steps lost are never negative.
-        since = self.watch.started if self.watch else self.started_at
-        done = [int(f.newest_committed.split("_")[1])] if f.newest_committed else []
-        f.last_step = max([f.last_step, *done, *_metrics_rows(self.run_dir, since)])
+        self.reached(f)
         if self.r.diagnose:
             self._diagnose(f)
         f.decided_at = time.time()
@@ -574,6 +568,16 @@ class Supervisor:
                  "%s)", self.attempt + 1, agent._remaining_restarts, wait, newest or "none")
         time.sleep(wait)
         f.backoff_done_at = time.time()
+
+    def reached(self, f: Fault) -> None:
+        """The newest committed checkpoint and the step reached before fault `f`."""
+        f.newest_committed = _newest_committed(self.run_dir)
+        # The heartbeats read at detection can lag the workers by a beat (a loaded host): the
+        # step a committed checkpoint or a metrics row of this attempt proves was reached
+        # counts too, so the steps lost are never negative.
+        since = self.watch.started if self.watch else self.started_at
+        done = [int(f.newest_committed.split("_")[1])] if f.newest_committed else []
+        f.last_step = max([f.last_step, *done, *_metrics_rows(self.run_dir, since)])
 
     # -- detection helpers -------------------------------------------------------------------
     def _read_heartbeats(self) -> dict[int, dict | None]:
