@@ -321,11 +321,10 @@ class InJob:
                 dist.recv(buf, src=holder)
                 from myria.train import peer
 
-                if peer.crc32(buf) != meta["crc"]:
-                    from myria.errors import CheckpointError
-
-                    raise CheckpointError(f"the snapshot of rank {lost} at step {step} from "
-                                          f"rank {holder} fails its CRC-32 on arrival")
+                if peer.crc32(buf) != meta["crc"]:  # not an input error (exit 2): exit 1, so
+                    # the supervisor restarts the group from the newest checkpoint
+                    raise RuntimeError(f"the snapshot of rank {lost} at step {step} from rank "
+                                       f"{holder} fails its CRC-32 on arrival")
                 state = peer.unpack(meta["meta"], buf)
         if state is None:
             from myria.train import peer
@@ -412,21 +411,20 @@ def _facts(infos: list[dict]) -> str:
 def load(engine, state: dict[str, Any]) -> None:
     """Load a snapshot (myria.train.peer.unpack) into `engine`: tensors into its own state's
     local shards, the optimizer's plain numbers, the scheduler and the RNG."""
-    from myria.errors import CheckpointError
     from myria.train.checkpoint import _flatten, _local, _unflatten, set_rng_state
 
     flat = _flatten(engine.state_dict())
     for k, v in flat.items():
         name = "/".join(map(str, k))
         if name not in state:
-            raise CheckpointError(f"the snapshot has no {name!r}: it was taken with another "
-                                  "model or layout")
+            raise RuntimeError(f"the snapshot has no {name!r}: it was taken with another "
+                               "model or layout")
         src = state[name]
         if isinstance(v, torch.Tensor):
             dst = _local(v)
             if tuple(dst.shape) != tuple(src.shape) or dst.dtype != src.dtype:
-                raise CheckpointError(f"snapshot {name!r}: {tuple(src.shape)} {src.dtype}, "
-                                      f"this rank holds {tuple(dst.shape)} {dst.dtype}")
+                raise RuntimeError(f"snapshot {name!r}: {tuple(src.shape)} {src.dtype}, this "
+                                   f"rank holds {tuple(dst.shape)} {dst.dtype}")
             with torch.no_grad():
                 dst.copy_(src)
         elif isinstance(src, (int, float, bool)) and not isinstance(v, str):

@@ -13,7 +13,9 @@ event timer which phase the rank is in (one call for both); the StepGuard's call
 are the integrity seams; checkpoints are two-stage (`ckpt.save` snapshots to host memory and
 returns, `ckpt.before_update` waits for an overlapped snapshot before the weights change); the
 collective timeout drops from `init_timeout_s` to `timeout_s` once the first step is done; a
-SIGTERM makes every rank save the current step and exit.
+SIGTERM makes every rank save the current step and exit. With in-job recovery
+(myria.train.rejoin) a failed step does not end the process: `train` joins the next attempt
+and builds the run again from the peers' memory.
 """
 
 from __future__ import annotations
