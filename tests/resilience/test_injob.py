@@ -116,3 +116,14 @@ def test_without_snapshots_every_rank_loads_the_checkpoint_in_job(tmp_path, tiny
     restored = json.loads((tmp_path / "peer" / "injob.json").read_text())
     assert restored[0]["step"] is None and "rank 0: no snapshot" in restored[0]["facts"]
     check_bit_equal(tmp_path, reference)
+
+
+@pytest.mark.slow
+def test_a_frozen_rank_is_killed_and_replaced_in_job(tmp_path, tiny_data, reference):
+    supervise(tmp_path, tiny_data, "stop:rank=1:step=5", "--resilience.spares=1")
+    s = json.loads((tmp_path / "supervisor_summary.json").read_text())
+    f = s["faults"][0]
+    assert s["status"] == "succeeded" and len(s["faults"]) == 1, s
+    assert f["kind"] == "missed-heartbeats" and f["recovery"] == "in-job: spare", f
+    assert "in-job: kill the frozen rank 1" in f["action"], f
+    check_bit_equal(tmp_path, reference)

@@ -13,7 +13,9 @@ shutdown and final wait see the live process), and reports the group healthy. Ev
 else goes the agent's way, which is the fallback to today's full restart from the newest
 checkpoint on disk: two workers lost at once, a worker lost while an in-job recovery is still
 under way (before every rank has finished a step), an input error (exit 2), a failed save
-(exit 4), hangs and missed heartbeats (the watchdog's detections), no restarts left. Each
+(exit 4), hangs (heartbeats without progress: the stuck rank cannot be told from those
+waiting for it), no restarts left. A single rank without heartbeats (frozen) is killed
+(`kill_frozen`) and then replaced like a lost one. Each
 in-job recovery uses one of `resilience.max_restarts`, so attempts keep one numbering.
 
 Hot spares (`resilience.spares`): processes started with the job (`python -m
@@ -69,6 +71,7 @@ class InJobRecovery:
         self.next_spare = 0
         self.recovered = 0
         self.owed = 0   # spares used, to be started again once the recovery is over
+        self.frozen: tuple[int, object] | None = None  # (local rank, its Fault): killed by us
 
     # -- spares ------------------------------------------------------------------------------
     def start_spares(self) -> None:
@@ -145,10 +148,38 @@ class InJobRecovery:
                 f.action.append("fault during in-job recovery: full restart")
             return None
         local = next(iter(dead))
-        self._replace(agent, wg, pc, local, code)
+        fault = None
+        if self.frozen is not None and self.frozen[0] == local:
+            fault = self.frozen[1]   # the frozen rank we killed: its fault is recorded
+        self.frozen = None
+        self._replace(agent, wg, pc, local, code, fault)
         return RunResult(state=WorkerState.HEALTHY)
 
-    def _replace(self, agent, wg, pc, local: int, code: int) -> None:
+    def kill_frozen(self, agent, wg, f) -> bool:
+        """A single rank without heartbeats (frozen: SIGSTOP, a stuck kernel call) is killed,
+        and replaced in-job at the next poll; True if so. A hang (heartbeats, no progress) is
+        not: the watchdog cannot tell the stuck rank from the ranks waiting for it."""
+        if f.kind != "missed-heartbeats" or len(f.ranks) != 1 or agent._remaining_restarts <= 0:
+            return False
+        prev = self.sup.faults[-2] if len(self.sup.faults) > 1 else None
+        if prev is not None and prev.recovery.startswith("in-job") and not prev.first_step_at:
+            return False  # during an in-job recovery: the full restart
+        local = next((w.local_rank for w in wg.workers if w.global_rank == f.ranks[0]), None)
+        if local is None or not wg.workers[local].id:
+            return False
+        import signal
+
+        try:
+            os.kill(wg.workers[local].id, signal.SIGKILL)
+        except OSError:
+            return False
+        self.frozen = (local, f)
+        f.action.append(f"in-job: kill the frozen rank {f.ranks[0]}")
+        log.info("ACTION kill the frozen rank %d (pid %s) to replace it in-job", f.ranks[0],
+                 wg.workers[local].id)
+        return True
+
+    def _replace(self, agent, wg, pc, local: int, code: int, fault=None) -> None:
         import signal
 
         from myria.resilience.watch import Detection
@@ -158,19 +189,23 @@ class InJobRecovery:
         now = time.time()
         worker = wg.workers[local]
         rank = worker.global_rank
-        records = sup._read_heartbeats()
-        sup.watch.heartbeats(records, now)
-        how = f"signal {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
-        last = sup.watch.last(rank) or {}
-        cause = sup.watch.cause_line(rank)
-        evidence = (f"rank {rank} (pid {worker.id}) ended with {how} at step {last.get('step')},"
-                    f" phase {last.get('phase')}" + (f"; stderr: {cause}" if cause else "") +
-                    f"; ranks {[r for r in sup.ranks if r != rank]} still running")
-        seen = sup.watch.state[rank].seen_at or now
-        d = Detection("exit", [rank], now, seen, evidence, {"exitcodes": {rank: code}})
-        log.warning("DETECTED exit on rank(s) %s: %s", d.ranks, d.evidence)
-        f = sup._record(d, sup.alarms)
-        f.cause = cause or how
+        if fault is None:
+            records = sup._read_heartbeats()
+            sup.watch.heartbeats(records, now)
+            how = f"signal {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
+            last = sup.watch.last(rank) or {}
+            cause = sup.watch.cause_line(rank)
+            evidence = (f"rank {rank} (pid {worker.id}) ended with {how} at step "
+                        f"{last.get('step')}, phase {last.get('phase')}" +
+                        (f"; stderr: {cause}" if cause else "") +
+                        f"; ranks {[r for r in sup.ranks if r != rank]} still running")
+            seen = sup.watch.state[rank].seen_at or now
+            d = Detection("exit", [rank], now, seen, evidence, {"exitcodes": {rank: code}})
+            log.warning("DETECTED exit on rank(s) %s: %s", d.ranks, d.evidence)
+            f = sup._record(d, sup.alarms)
+            f.cause = cause or how
+        else:
+            f = fault
         f.recovery = "in-job"
         # the attempt the survivors join: one of the restarts, so attempts keep one numbering
         agent._remaining_restarts -= 1

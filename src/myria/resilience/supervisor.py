@@ -488,6 +488,8 @@ class Supervisor:
             f = self._record(act[0], [d for d in found if d is not act[0]])
             if act[0].kind in ("hang", "missed-heartbeats", "traffic-stopped"):
                 self._hang_report(wg, f)
+            if self.injob is not None and self.injob.kill_frozen(agent, wg, f):
+                return result  # the killed rank is replaced in-job at the next poll
             return RunResult(state=WorkerState.UNHEALTHY)
         return result
 
