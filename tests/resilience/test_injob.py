@@ -79,6 +79,7 @@ def test_a_spare_takes_the_lost_rank_from_peer_memory(tmp_path, tiny_data, refer
     assert f["resumed_from"] in (4, 5) and f["lost_steps"] in (0, 1), f
     restored = json.loads((tmp_path / "peer" / "injob.json").read_text())
     assert restored[0]["step"] == f["resumed_from"] and restored[0]["sources"] == {"1": 0}
+    assert restored[0]["copy"] == {"1": "mapped"}  # one host: the lost rank's shared file
     # nothing stopped (the announcement only), no diagnostics, no back-off, no disk
     p = f["recovery_phases"]
     assert p["teardown"] < 0.5 and p["decision"] == p["backoff"] == 0.0, p

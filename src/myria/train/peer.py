@@ -281,7 +281,8 @@ class PeerSnapshots:
                 self.stats["crc_failures"] += 1
                 return
             self._hold({"from": self.left, "step": step, "meta": json.loads(mraw),
-                        "buf": rbuf, "crc": crc})
+                        "buf": rbuf, "crc": crc, "path": f"{self.prefix}{self.left}-{slot}",
+                        "host": socket.gethostname()})
             return
         busy = [h["buf"] for h in self.held_by_step.values()]
         slot = next(i for i, b in enumerate(self.recv) if b is None or

@@ -312,14 +312,24 @@ class InJob:
             return None
         step, sources = plan["step"], plan["sources"]
         state = None
+        how = {}
         for lost, holder in sources.items():
-            if env.rank == holder:
+            meta = infos[holder]["held"][step]
+            # on one host the copy is the lost rank's shared-memory file: the replacement maps
+            # it (what its holder maps); else the holder sends it over the new group
+            mapped = bool(meta.get("path")) and meta.get("host") == infos[lost]["host"]
+            how[lost] = "mapped" if mapped else "sent"
+            if env.rank == holder and not mapped:
                 dist.send(kept["held"][step]["buf"], dst=lost)
             elif env.rank == lost:
-                meta = infos[holder]["held"][step]
-                buf = torch.empty(meta["nbytes"], dtype=torch.uint8)
-                dist.recv(buf, src=holder)
                 from myria.train import peer
+
+                if mapped:
+                    buf = torch.from_file(meta["path"], shared=False, size=meta["nbytes"],
+                                          dtype=torch.uint8)
+                else:
+                    buf = torch.empty(meta["nbytes"], dtype=torch.uint8)
+                    dist.recv(buf, src=holder)
 
                 if peer.crc32(buf) != meta["crc"]:  # not an input error (exit 2): exit 1, so
                     # the supervisor restarts the group from the newest checkpoint
@@ -333,15 +343,16 @@ class InJob:
             state = peer.unpack(own["meta"], own["buf"])
         load(engine, state)
         del kept
-        self._record(step, infos, t0, env, sources)
+        self._record(step, infos, t0, env, sources, how)
         if env.is_main:
             print(f"in-job recovery: resumed from step {step} held in memory (rank(s) "
                   f"{sorted(sources)} from their ring neighbours' copies) in "
                   f"{time.time() - t0:.2f} s", flush=True)
         return step
 
-    def _record(self, step, infos, t0, env, sources=None) -> None:
+    def _record(self, step, infos, t0, env, sources=None, how=None) -> None:
         self.stats.append({"attempt": self.attempt, "step": step, "sources": sources or {},
+                           "copy": how or {},
                            "restore_s": round(time.time() - t0, 4), "facts": _facts(infos)})
         if not env.is_main:
             return
@@ -364,19 +375,22 @@ def _first_line(e: BaseException) -> str:
 def _describe(kept: dict | None, rank: int, survivor: bool = True) -> dict:
     """What this rank can contribute: its own snapshots' steps and the held copies (their
     metadata and checksums: the bytes go to the replacement only)."""
+    import socket
+
     from myria.train import peer
 
     if kept is None:  # a replacement, or a survivor without snapshots (interval 0)
         return {"rank": rank, "fresh": True, "own": [], "holds": None, "held": {},
-                "survivor": survivor}
+                "survivor": survivor, "host": socket.gethostname()}
     own = [s for s, o in kept["own"].items()
            if o["crc"] is None or peer.crc32(o["buf"]) == o["crc"]]
     held = {}
     for s, h in kept["held"].items():
         if peer.crc32(h["buf"]) == h["crc"]:  # the same check as a checkpoint's on load
-            held[s] = {"meta": h["meta"], "crc": h["crc"], "nbytes": h["buf"].numel()}
+            held[s] = {"meta": h["meta"], "crc": h["crc"], "nbytes": h["buf"].numel(),
+                       "path": h.get("path"), "host": h.get("host")}
     return {"rank": rank, "fresh": False, "own": sorted(own), "holds": kept["left"],
-            "held": held}
+            "held": held, "host": socket.gethostname()}
 
 
 def choose(infos: list[dict]) -> dict | None:
