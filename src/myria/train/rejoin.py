@@ -21,8 +21,10 @@ rank for rank, and every rank rebuilds its run in a new *attempt* (a generation 
 3. `Run.build` builds the model and groups again (a second or so) and, instead of reading the
    newest checkpoint, calls `InJob.restore`: the ranks exchange what they hold
    (`all_gather_object`), choose the newest step s for which every survivor has its own
-   snapshot and each lost rank's holder (rank+1) has a copy that verifies (CRC-32), the holder
-   sends that copy to the replacement (point to point over the new group), and every rank
+   snapshot and each lost rank's holder (rank+1) has a copy that verifies (CRC-32), the
+   replacement takes that copy (on the holder's host it maps the lost rank's shared-memory
+   file, which outlives its process; else the holder sends it over the new group), and every
+   rank
    loads its state of step s (model and optimizer shards, scheduler, RNG). The loader
    starts at s (each step's batch is a function of seed and step). Survivors a step ahead
    roll back to s from their own copy. Nothing is read from disk, no survivor restarts.
