@@ -6,12 +6,12 @@ holds, bit for bit as if nothing had failed (`resilience.recovery = "in-job"`, u
 One mechanism for every layout (FSDP, HSDP, DDP, TP, PP, experts): a lost worker is replaced
 rank for rank, and every rank rebuilds its run in a new *attempt* (a generation of the job):
 
-1. A survivor learns of the loss from its collective (gloo raises "Connection closed by peer"
-   within a fraction of a second when a peer process dies; a rank blocked on another survivor
-   is released when that survivor aborts its groups, which closes its connections), or from the
-   announcement the supervisor puts in its store when it sees the exit. It aborts every
-   process group (torch's `_abort_process_group`: no collective of this rank can wait on a
-   dead peer), keeps its peer snapshots (myria.train.peer: its own last snapshots and its left
+1. A survivor learns of the loss from its collective: gloo raises "Connection closed by peer"
+   within a fraction of a second when a peer process dies, and a rank blocked on another
+   survivor is released when that survivor closes its connections (`abort_groups`: torch's
+   `_abort_process_group`, then shutdown(2) of its sockets, since a gloo abort alone leaves
+   them open). The supervisor announces the next attempt in its store when it sees the exit.
+   The survivor keeps its peer snapshots (myria.train.peer: its own last snapshots and its left
    neighbour's) and drops its Run (model, optimizer, loader, checkpoint manager).
 2. It waits for the supervisor's announcement of the next attempt (a number in the store), and
    then forms the default process group of that attempt on the supervisor's TCPStore under a
