@@ -323,9 +323,18 @@ class ResilienceConfig:
                                 "exit before SIGKILL", min=0.0)
     async_checkpoint: bool = _f(True, "two-stage checkpoints: snapshot to host memory, write in "
                                 "the background; false writes synchronously")
-    memory_snapshot_interval: int = _f(0, "every this many steps each rank's state is also "
+    memory_snapshot_interval: int = _f(-1, "every this many steps each rank's state is also "
                                        "held in its ring neighbour's memory, checksummed "
-                                       "(myria.train.peer); 0 = off", min=0)
+                                       "(myria.train.peer); 0 = off; -1 = every step with "
+                                       "recovery = in-job, else off", min=-1)
+    recovery: str = _f("restart", "on a lost worker under `myria supervise`: restart (stop "
+                       "the worker group, start it again from the newest checkpoint on disk) "
+                       "or in-job (survivors stay; a spare or a fresh process takes the lost "
+                       "rank's state from its ring neighbour's memory; myria.train.rejoin)",
+                       choices=("restart", "in-job"))
+    spares: int = _f(0, "hot spare processes (torch imported, waiting) the supervisor keeps "
+                     "for recovery = in-job; 0 = a fresh process replaces a lost worker",
+                     min=0)
     snapshot_overlap: bool = _f(True, "copy the snapshot during the next step's forward and "
                                 "backward, blocking only before the optimizer changes weights")
     nccl_ib_timeout: int = _f(20, "NCCL_IB_TIMEOUT: InfiniBand verbs timeout exponent, "

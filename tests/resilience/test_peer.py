@@ -45,6 +45,9 @@ def _ring(rank, world, shared):
     peer.crc32 = real
     res.update(held=ring.held["step"], failures=ring.stats["crc_failures"],
                damaged=ring.verify())
+    # kept for in-job recovery: its own snapshots, and the left's copies that were held
+    kept = ring.kept()
+    res.update(own=sorted(kept["own"]), kept_held=sorted(kept["held"]))
     return ring, res, left
 
 
@@ -83,3 +86,7 @@ def test_ring_neighbour_holds_each_rank_bit_for_bit(tmp_path):
         assert "no longer matches its CRC-32" in net["damaged"], net
         assert shm["equal"] and shm["held"] == 2 and "no longer matches" in shm["damaged"], shm
         assert shm["after_close"], shm
+        # each rank keeps its own snapshots; over the group the damaged step 2 never became a
+        # held copy (in shared memory it is found damaged only when used)
+        assert net["own"] == shm["own"] == [1, 2] and net["kept_held"] == [1], r
+        assert shm["kept_held"] == [1, 2], shm

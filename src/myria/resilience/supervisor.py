@@ -27,9 +27,10 @@ processes), and its monitor loop also
   and a timeline; myria.observe.goodput). A hang's report (RUN_DIR/report/hang.json) holds
   each rank's Python stack beside the collective it waits in (myria.observe.hang).
 
-Recovery is a full restart of this host's worker group. In-job recovery (survivors stay, a spare
-heals from a peer's memory) is not built; myria.train.peer says what is (each rank's state
-in its ring neighbour's memory) and why torchft is what it should build on.
+Recovery is a full restart of this host's worker group (`resilience.recovery = "restart"`, the
+default), or with "in-job" the survivors stay and a hot spare or a fresh process takes the lost
+rank's state from its ring neighbour's memory (myria.resilience.injob, myria.train.rejoin);
+what in-job recovery cannot serve falls back to the full restart.
 
 The supervisor's log (stderr and RUN_DIR/supervisor.log) has one line per detection (DETECTED),
 per action (ACTION) and per recovery milestone (RESUMED). Workers' own output goes to the console
@@ -118,6 +119,9 @@ def run(args) -> int:
     check_vocab(cfg, open_dataset(cfg.data, cfg.model.seq_len, verify=False))
     check_run(cfg, Layout.resolve(cfg.parallel, args.nproc * min_nodes),
               device_type(cfg.training.device))
+    from myria.resilience import injob
+
+    injob.check(cfg, min_nodes, max_nodes, args.nproc)
     rundir.lock(args.run_dir, "supervise", job=args.rdzv_id)   # one job per run directory
     worker_argv = ["train", "--run-dir", str(args.run_dir)]
     if args.config:
@@ -198,6 +202,7 @@ class Fault:
     regained_at: float = 0.0
     before_first_step: bool = False  # the attempt had not finished a step when it failed
     sdc: dict | None = None      # kind sdc: the workers' verdict (rank, step, check, verdict)
+    recovery: str = "restart"   # or "in-job: spare" / "in-job: fresh process"
     signature: str = field(default="", repr=False)  # the error, numbers masked
 
     @property
@@ -244,6 +249,10 @@ def _agent_class():
             self.sup = sup
 
         def _monitor_workers(self, worker_group):
+            if self.sup.injob is not None:  # a lost worker replaced in-job, or None
+                handled = self.sup.injob.poll(self, worker_group)
+                if handled is not None:
+                    return handled
             return self.sup.monitor(self, worker_group, super()._monitor_workers(worker_group))
 
         def _stop_workers(self, worker_group):
@@ -293,6 +302,11 @@ class Supervisor:
         self._straggler_at = 0.0
         self.store = None
         self._server = None
+        self.injob = None
+        if self.r.recovery == "in-job":
+            from myria.resilience.injob import InJobRecovery
+
+            self.injob = InJobRecovery(self)
 
     # -- set-up ------------------------------------------------------------------------------
     def _setup_logging(self) -> None:
@@ -372,6 +386,8 @@ class Supervisor:
                  self.r.heartbeat_s, os.environ[heartbeat.ENV_STORE], self.r.max_restarts)
         status, code = "failed", 1
         try:
+            if self.injob is not None:
+                self.injob.start_spares()
             result = self._agent().run()
             if result is not None and result.state == WorkerState.SUCCEEDED:
                 status, code = "succeeded", 0
@@ -412,6 +428,8 @@ class Supervisor:
             pass
 
     def _close(self) -> None:
+        if self.injob is not None:
+            self.injob.close()
         self._remove_shared()
         if self.store is not None:
             try:
@@ -432,17 +450,21 @@ class Supervisor:
     def started(self, agent, wg) -> None:
         self.attempt = wg.spec.max_restarts - agent._remaining_restarts
         self.ranks = [w.global_rank for w in wg.workers]
+        self.stderr_pos = {}
+        self.new_watch()
+        if self.current is not None:
+            self.current.restarted_at = time.time()
+        log.info("attempt %d: started ranks %s (pids %s)", self.attempt, self.ranks,
+                 [w.id for w in wg.workers])
+
+    def new_watch(self) -> None:
+        """A watchdog for the ranks of attempt `self.attempt`."""
         r, t = self.r, self.cfg.training
         self.watch = Watchdog(self.ranks, r.heartbeat_s, r.missed_heartbeats, r.hang_timeout_s,
                               r.traffic_timeout_s, startup_timeout_s=t.init_timeout_s,
                               keywords=tuple(k.strip() for k in r.alarm_keywords.split(",")),
                               attempt=self.attempt)
         self.alarms = []
-        self.stderr_pos = {}
-        if self.current is not None:
-            self.current.restarted_at = time.time()
-        log.info("attempt %d: started ranks %s (pids %s)", self.attempt, self.ranks,
-                 [w.id for w in wg.workers])
 
     def monitor(self, agent, wg, result):
         """Called every monitor interval with the agent's own verdict; may turn it UNHEALTHY."""
@@ -470,6 +492,8 @@ class Supervisor:
             f = self._record(act[0], [d for d in found if d is not act[0]])
             if act[0].kind in ("hang", "missed-heartbeats", "traffic-stopped"):
                 self._hang_report(wg, f)
+            if self.injob is not None and self.injob.kill_frozen(agent, wg, f):
+                return result  # the killed rank is replaced in-job at the next poll
             return RunResult(state=WorkerState.UNHEALTHY)
         return result
 
@@ -537,13 +561,7 @@ class Supervisor:
         agent._stop_workers(wg)
         f.stopped_at = time.time()
         self._remove_shared()
-        f.newest_committed = _newest_committed(self.run_dir)
-        # The heartbeats read at detection can lag the workers by a beat (a loaded host): the
-        # step a committed checkpoint or a metrics row of this attempt proves was reached
-        # counts too, so the steps lost are never negative.
-        since = self.watch.started if self.watch else self.started_at
-        done = [int(f.newest_committed.split("_")[1])] if f.newest_committed else []
-        f.last_step = max([f.last_step, *done, *_metrics_rows(self.run_dir, since)])
+        self.reached(f)
         if self.r.diagnose:
             self._diagnose(f)
         f.decided_at = time.time()
@@ -556,6 +574,16 @@ class Supervisor:
                  "%s)", self.attempt + 1, agent._remaining_restarts, wait, newest or "none")
         time.sleep(wait)
         f.backoff_done_at = time.time()
+
+    def reached(self, f: Fault) -> None:
+        """The newest committed checkpoint and the step reached before fault `f`."""
+        f.newest_committed = _newest_committed(self.run_dir)
+        # The heartbeats read at detection can lag the workers by a beat (a loaded host): the
+        # step a committed checkpoint or a metrics row of this attempt proves was reached
+        # counts too, so the steps lost are never negative.
+        since = self.watch.started if self.watch else self.started_at
+        done = [int(f.newest_committed.split("_")[1])] if f.newest_committed else []
+        f.last_step = max([f.last_step, *done, *_metrics_rows(self.run_dir, since)])
 
     # -- detection helpers -------------------------------------------------------------------
     def _read_heartbeats(self) -> dict[int, dict | None]:
@@ -739,7 +767,10 @@ class Supervisor:
                      "(%s lost steps to redo)", self.attempt, f.resumed_from,
                      f.first_step_at - f.fault_at,
                      f.last_step - f.resumed_from if f.resumed_from is not None else "?")
-        if not f.regained_at and step >= f.last_step:
+        # regained once every rank is back at the step reached before the fault (an in-job
+        # recovery that lost no step gets there on restoring, not on its first step)
+        if not f.regained_at and len(recs) == len(self.ranks) and \
+                min(x.get("step", 0) for x in recs) >= f.last_step:
             f.regained_at = now
 
     def _diagnose(self, f: Fault) -> None:

@@ -70,14 +70,19 @@ def set_cpu_threads(threads: int, env: DistEnv) -> int:
     return n
 
 
-def init(requested_device: str = "auto", init_timeout_s: float = 300.0) -> DistEnv:
-    """Initialise the default process group (if several processes) with an explicit timeout."""
+def init(requested_device: str = "auto", init_timeout_s: float = 300.0,
+         store=None) -> DistEnv:
+    """Initialise the default process group (if several processes) with an explicit timeout;
+    on `store` when given (in-job recovery: the supervisor's, outliving every worker), else
+    the launcher's rendezvous (MASTER_ADDR, MASTER_PORT)."""
     env = read_env()
     env.device, env.backend = pick_device(requested_device, env)
     if env.distributed and not dist.is_initialized():
         kwargs = {}
         if env.backend == "nccl":
             kwargs["device_id"] = env.device  # eager NCCL init, no lazy first-collective stall
+        if store is not None:
+            kwargs.update(store=store, rank=env.rank, world_size=env.world_size)
         dist.init_process_group(backend=env.backend,
                                 timeout=datetime.timedelta(seconds=init_timeout_s), **kwargs)
     return env

@@ -26,9 +26,12 @@ The next training step waits for the previous exchange only if it is still runni
 the benchmark measures); RUN_DIR/peer/rankNNNNN.json has the counts and seconds (copy on the
 training thread, stall, background exchange and checksums) and any checksum failure.
 
-Nothing reads the held snapshots yet: in-job recovery (survivors stay, a spare takes its state
-from the neighbour's copy) is not built, so the interval defaults to 0 (off) and the
-supervisor's full restart from the newest checkpoint on disk is the recovery (issue 26).
+In-job recovery (`resilience.recovery = "in-job"`, myria.train.rejoin) reads them: a rank
+keeps its own last SLOTS snapshots (to roll back to the newest step every rank's copy exists
+for) and its left neighbour's last two verified ones (`kept`), and a replacement for a lost
+rank takes that rank's copy from its holder. The interval's default (-1) is every step with
+in-job recovery and off otherwise (the supervisor's full restart from the newest checkpoint on
+disk needs none).
 
 Why these snapshots are on torch.distributed, and what in-job recovery should build on. torchft
 0.2.0 (PyPI; needs torch>=2.7 and three opentelemetry packages) imports and runs on torch
@@ -147,7 +150,8 @@ def pack(state: dict[str, Any], buf: torch.Tensor, layout: list[dict]) -> None:
 
 def unpack(meta: dict, buf: torch.Tensor) -> dict[str, Any]:
     """The state a snapshot holds: {key: tensor (a copy) or value}, plus "_step", "_rng"."""
-    out: dict[str, Any] = {"_step": meta["step"], "_rng": meta.get("rng")}
+    out: dict[str, Any] = {"_step": meta["step"], "_rng": meta.get("rng"),
+                           "_scheduler": meta.get("scheduler")}
     for item in meta["layout"]:
         if "off" not in item:
             out[item["k"]] = item.get("value")
@@ -181,11 +185,13 @@ class PeerSnapshots:
         self.shared_right = hosts[self.right] == hosts[rank] and shared is not False
         self.shared_left = hosts[self.left] == hosts[rank] and shared is not False
         self.slot = -1
-        self.slots: dict[int, torch.Tensor] = {}      # this rank's shared files, by slot
+        self.slots: dict[int, torch.Tensor] = {}      # this rank's snapshot buffers, by slot
+        self.own: dict[int, dict] = {}   # step -> {"meta", "buf", "crc"}: this rank's, kept
+        self.held_by_step: dict[int, dict] = {}  # step -> held: the left's, the newest two
         self.mapped: dict[int, torch.Tensor] = {}     # the left neighbour's, by slot
         self.layout: list[dict] | None = None
         self.buf: torch.Tensor | None = None
-        self.recv = [None, None]       # alternating receive buffers
+        self.recv = [None, None, None]  # receive buffers: never one of the two held copies
         self.held: dict | None = None  # {"from", "step", "meta", "buf", "crc"} once verified
         self.stats = {"snapshots": 0, "bytes": 0, "copy_s": 0.0, "stall_s": 0.0,
                       "exchange_s": 0.0, "exchange_cpu_s": 0.0, "crc_failures": 0,
@@ -205,17 +211,22 @@ class PeerSnapshots:
 
         state = flat_state(self.engine)
         layout, nbytes = layout_of(state)
-        if self.shared_right:
-            self.slot = (self.slot + 1) % SLOTS
-            buf = self.slots.get(self.slot)
-            if buf is None or buf.numel() != nbytes:
-                buf = self.slots[self.slot] = _shared(f"{self.prefix}{self.rank}-{self.slot}",
-                                                      nbytes)
-            self.buf = buf
-        elif self.buf is None or self.buf.numel() != nbytes:
-            self.buf = torch.empty(nbytes, dtype=torch.uint8)
+        # SLOTS buffers in turn, either way: the last SLOTS snapshots of this rank stay intact
+        # (in-job recovery rolls back to the newest step every rank's copy exists for)
+        self.slot = (self.slot + 1) % SLOTS
+        buf = self.slots.get(self.slot)
+        if buf is None or buf.numel() != nbytes:
+            buf = self.slots[self.slot] = (
+                _shared(f"{self.prefix}{self.rank}-{self.slot}", nbytes) if self.shared_right
+                else torch.empty(nbytes, dtype=torch.uint8))
+        self.buf = buf
+        for old in [k for k, v in self.own.items() if v["buf"] is buf]:
+            del self.own[old]
         pack(state, self.buf, layout)
-        meta = {"step": step, "rank": self.rank, "layout": layout, "rng": rng_state()}
+        sched = getattr(self.engine, "scheduler_state", None)
+        meta = {"step": step, "rank": self.rank, "layout": layout, "rng": rng_state(),
+                "scheduler": sched() if sched else None}
+        self.own[step] = {"meta": meta, "buf": buf, "crc": None}
         t2 = time.perf_counter()
         self.stats["stall_s"] += t1 - t0
         self.stats["copy_s"] += t2 - t1
@@ -247,7 +258,10 @@ class PeerSnapshots:
     def _swap(self, meta: dict) -> None:
         mbytes = json.dumps(meta).encode()
         mt = torch.frombuffer(bytearray(mbytes), dtype=torch.uint8)
-        head = torch.tensor([meta["step"], len(mbytes), self.buf.numel(), crc32(self.buf),
+        own_crc = crc32(self.buf)
+        if meta["step"] in self.own:
+            self.own[meta["step"]]["crc"] = own_crc
+        head = torch.tensor([meta["step"], len(mbytes), self.buf.numel(), own_crc,
                              zlib.crc32(mbytes), self.slot], dtype=torch.int64)
         rhead = torch.empty(6, dtype=torch.int64)
         self._run([self._isend(head, self.right, group=self.group),
@@ -266,11 +280,13 @@ class PeerSnapshots:
             if zlib.crc32(mraw) != mcrc:
                 self.stats["crc_failures"] += 1
                 return
-            self.held = {"from": self.left, "step": step, "meta": json.loads(mraw),
-                         "buf": rbuf, "crc": crc}
-            self.stats["held_step"] = step
+            self._hold({"from": self.left, "step": step, "meta": json.loads(mraw),
+                        "buf": rbuf, "crc": crc, "path": f"{self.prefix}{self.left}-{slot}",
+                        "host": socket.gethostname()})
             return
-        slot = 0 if self.held is None or self.held["buf"] is not self.recv[0] else 1
+        busy = [h["buf"] for h in self.held_by_step.values()]
+        slot = next(i for i, b in enumerate(self.recv) if b is None or
+                    not any(b is x for x in busy))
         rbuf = self.recv[slot]
         if rbuf is None or rbuf.numel() != nbytes:
             rbuf = self.recv[slot] = torch.empty(nbytes, dtype=torch.uint8)
@@ -282,9 +298,18 @@ class PeerSnapshots:
             log.warning("peer snapshot of rank %d at step %d fails its checksum: the previous "
                         "copy (step %s) is kept", self.left, step, self.stats["held_step"])
             return
-        self.held = {"from": self.left, "step": step, "meta": json.loads(mraw), "buf": rbuf,
-                     "crc": crc}
-        self.stats["held_step"] = step
+        self._hold({"from": self.left, "step": step, "meta": json.loads(mraw), "buf": rbuf,
+                    "crc": crc})
+
+    def _hold(self, held: dict) -> None:
+        """`held` is the newest verified copy; the one before it stays (the two newest)."""
+        for k in [k for k, v in self.held_by_step.items() if v["buf"] is held["buf"]]:
+            del self.held_by_step[k]   # its buffer (a shared file's slot) is overwritten
+        self.held_by_step[held["step"]] = held
+        for k in sorted(self.held_by_step)[:-2]:
+            del self.held_by_step[k]
+        self.held = held
+        self.stats["held_step"] = held["step"]
 
     @staticmethod
     def _run(works) -> None:
@@ -300,6 +325,13 @@ class PeerSnapshots:
             return (f"the snapshot of rank {self.held['from']} at step {self.held['step']} "
                     "no longer matches its CRC-32")
         return None
+
+    def kept(self) -> dict[str, Any]:
+        """What outlives this ring for in-job recovery (call after `wait`, or once the
+        exchange has failed): this rank's own snapshots and its left neighbour's held ones,
+        by step. The buffers stay valid after `close` (a mapping outlives its file)."""
+        return {"rank": self.rank, "left": self.left, "own": dict(self.own),
+                "held": dict(self.held_by_step)}
 
     def held_state(self) -> dict[str, Any]:
         if (why := self.verify()) is not None:
@@ -338,11 +370,23 @@ class PeerSnapshots:
 class _Off:
     held = None
 
+    def kept(self) -> None:
+        return None
+
     def after_step(self, step: int) -> None:
         pass
 
     def close(self) -> None:
         pass
+
+
+def interval_of(resilience) -> int:
+    """`resilience.memory_snapshot_interval` resolved: -1 is every step with in-job recovery
+    (which reads the snapshots), else off."""
+    n = resilience.memory_snapshot_interval
+    if n >= 0:
+        return n
+    return 1 if resilience.recovery == "in-job" else 0
 
 
 def start(interval: int, engine, rank: int, world: int, run_dir: Path | None):

@@ -13,7 +13,9 @@ event timer which phase the rank is in (one call for both); the StepGuard's call
 are the integrity seams; checkpoints are two-stage (`ckpt.save` snapshots to host memory and
 returns, `ckpt.before_update` waits for an overlapped snapshot before the weights change); the
 collective timeout drops from `init_timeout_s` to `timeout_s` once the first step is done; a
-SIGTERM makes every rank save the current step and exit.
+SIGTERM makes every rank save the current step and exit. With in-job recovery
+(myria.train.rejoin) a failed step does not end the process: `train` joins the next attempt
+and builds the run again from the peers' memory.
 """
 
 from __future__ import annotations
@@ -46,7 +48,7 @@ from myria.models.flops import model_flops_per_token
 from myria.observe import events, goodput, hang
 from myria.parallel.data import make_loader, write_read_counts
 from myria.parallel.dims import ParallelDims
-from myria.train import distributed, heartbeat, peer, resume
+from myria.train import distributed, heartbeat, peer, rejoin, resume
 from myria.train.checkpoint import CheckpointManager
 from myria.train.engine import Engine
 from myria.train.integrity import StepGuard
@@ -82,11 +84,27 @@ def train(cfg: Config, run_dir: str | Path, stop_after: int | None = None) -> Tr
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
         torch.use_deterministic_algorithms(True)
     ledger = goodput.Ledger(run_dir)  # every second of this process, by category
-    env = distributed.init(cfg.training.device, cfg.training.init_timeout_s)
+    injob = rejoin.InJob.create(cfg, run_dir)  # None unless resilience.recovery = in-job
+    if injob is not None:
+        injob.adjust_ledger(ledger)
+    env = distributed.init(cfg.training.device, cfg.training.init_timeout_s,
+                           injob.pg_store() if injob else None)
     hb = goodput.follow(heartbeat.start(env.rank), ledger, env.rank)
     phase = "failed"
     try:
-        result = _train(cfg, run_dir, env, stop_after, hb)
+        while True:
+            try:
+                result = _train(cfg, run_dir, env, stop_after, hb, injob)
+                break
+            except Exception as e:
+                # in-job recovery: a peer was lost; this process stays and joins the next
+                # attempt (myria.train.rejoin), else the error ends it
+                if injob is None or not injob.recover(e, hb):
+                    raise
+                events.uninstall()
+                env = distributed.init(cfg.training.device, cfg.training.init_timeout_s,
+                                       injob.pg_store())
+                hb.ledger.mark("pg_ready")
         phase = "stopped" if result.stopped_early else "done"
         return result
     except BaseException:
@@ -104,9 +122,9 @@ def train(cfg: Config, run_dir: str | Path, stop_after: int | None = None) -> Tr
 
 
 def _train(cfg: Config, run_dir: Path, env, stop_after: int | None,
-           hb: heartbeat.Heartbeat) -> TrainResult:
+           hb: heartbeat.Heartbeat, injob: rejoin.InJob | None = None) -> TrainResult:
     """Set the run up, then step until the last step, a stop or `stop_after`."""
-    run = Run.build(cfg, run_dir, env, hb)
+    run = Run.build(cfg, run_dir, env, hb, injob)
     t = cfg.training
     losses: list[float] = []
     step = run.start_step
@@ -134,6 +152,10 @@ def _train(cfg: Config, run_dir: Path, env, stop_after: int | None,
         hb.phase("checkpoint-flush")
         run.ckpt.require_saved(step)  # never a success for work that was not saved
         return TrainResult(step, losses, False)
+    except Exception:
+        if injob is not None:  # before the close: no thread of the run waits on a lost peer
+            injob.keep(run)
+        raise
     finally:
         run.close()
         if t.gc_interval:
@@ -216,9 +238,11 @@ class Run:
     peers: Any = None          # resilience.peer: this rank's state held by its neighbour
 
     @classmethod
-    def build(cls, cfg: Config, run_dir: Path, env, hb: heartbeat.Heartbeat) -> Run:
-        """Data, model and optimizer for this layout, event timer, checkpoints and resume, the
-        loader from the resumed step, meters and the step guard."""
+    def build(cls, cfg: Config, run_dir: Path, env, hb: heartbeat.Heartbeat,
+              injob: rejoin.InJob | None = None) -> Run:
+        """Data, model and optimizer for this layout, event timer, checkpoints and resume (from
+        peer memory in an in-job recovery, `injob`), the loader from the resumed step, meters
+        and the step guard."""
         t, m = cfg.training, cfg.model
         threads = distributed.set_cpu_threads(t.threads, env) if env.device.type == "cpu" \
             else None
@@ -246,9 +270,13 @@ class Run:
                                  timeout_s=t.init_timeout_s,
                                  max_failures=cfg.checkpoint.max_failed_saves,
                                  interval=cfg.checkpoint.interval)
-        start_step, latest = resume_run(cfg, run_dir, env, engine, ckpt, data_fp)
+        held = injob.restore(engine, env) if injob is not None else None
+        if held is None:
+            start_step, latest = resume_run(cfg, run_dir, env, engine, ckpt, data_fp)
+        else:
+            start_step, latest = held, None
         hb.resumed(start_step)
-        peers = peer.start(r.memory_snapshot_interval, engine, env.rank, env.world_size, run_dir)
+        peers = peer.start(peer.interval_of(r), engine, env.rank, env.world_size, run_dir)
         write_checkpoint_stats(run_dir, env.rank, ckpt, latest)
         stop = StopRequest(t.init_timeout_s)
         loader = make_loader(engine, dataset, cfg, start_step)  # one reader per tp x cp group

@@ -1,0 +1,261 @@
+"""In-job recovery, supervisor side (`resilience.recovery = "in-job"`): on the loss of one
+worker the others stay; the supervisor gives the lost rank to a hot spare or a fresh process
+and announces the next attempt in its store, and the workers rebuild their run from peer
+memory (myria.train.rejoin, which also says why this is built on torch.distributed and not
+torchft).
+
+How it sits on torch elastic. The supervisor's `LocalElasticAgent` restarts the whole worker
+group on any failure (its process context terminates every worker the moment one fails), so
+in in-job mode `poll` runs before the agent looks at its workers: when exactly one worker has
+exited with a failure, it starts the replacement itself, puts its process in the dead
+worker's place in the agent's process context and worker group (so the agent's own monitor,
+shutdown and final wait see the live process), and reports the group healthy. Everything
+else goes the agent's way, which is the fallback to today's full restart from the newest
+checkpoint on disk: two workers lost at once, a worker lost while an in-job recovery is still
+under way (before every rank has finished a step), an input error (exit 2), a failed save
+(exit 4), hangs (heartbeats without progress: the stuck rank cannot be told from those
+waiting for it), no restarts left. A single rank without heartbeats (frozen) is killed
+(`kill_frozen`) and then replaced like a lost one. Each
+in-job recovery uses one of `resilience.max_restarts`, so attempts keep one numbering.
+
+Hot spares (`resilience.spares`): processes started with the job (`python -m
+myria.train.spare I ARGS`) that import torch and the trainer, then wait on the store for a
+rank; a used spare is replaced by a new one at once. Without a spare, the replacement is a
+fresh worker process (the same command and environment the agent gave the lost one).
+
+In-job recovery needs the supervisor's TCPStore (the workers' process groups live on it, so
+they outlive any worker) and one host (`--nnodes 1`); a config that asks for it otherwise is
+refused in one line.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import subprocess
+import sys
+import time
+
+from myria import rundir
+from myria.errors import ConfigError
+
+log = logging.getLogger("myria.supervisor")
+
+USER_ERROR, SAVE_FAILED = 2, 4  # exits a replacement cannot fix (myria.errors, checkpoint)
+
+
+def check(cfg, min_nodes: int, max_nodes: int, nproc: int) -> None:
+    """One line for a config in-job recovery cannot serve."""
+    r = cfg.resilience
+    if r.recovery != "in-job":
+        return
+    if max_nodes > 1:
+        raise ConfigError(f"resilience.recovery = 'in-job' runs on one host (--nnodes 1), not "
+                          f"--nnodes {min_nodes}:{max_nodes}; use recovery = 'restart'")
+    if r.store != "tcp":
+        raise ConfigError(f"resilience.recovery = 'in-job' needs resilience.store = 'tcp' (the "
+                          f"workers' process groups live on the supervisor's TCPStore), not "
+                          f"{r.store!r}")
+    if nproc < 2:
+        raise ConfigError("resilience.recovery = 'in-job' needs --nproc >= 2 (survivors to "
+                          "stay); use recovery = 'restart'")
+
+
+class InJobRecovery:
+    """The supervisor's in-job recovery: replaces a lost worker, keeps spares."""
+
+    def __init__(self, sup) -> None:
+        self.sup = sup
+        self.spares: dict[int, subprocess.Popen] = {}
+        self.next_spare = 0
+        self.recovered = 0
+        self.owed = 0   # spares used, to be started again once the recovery is over
+        self.frozen: tuple[int, object] | None = None  # (local rank, its Fault): killed by us
+
+    # -- spares ------------------------------------------------------------------------------
+    def start_spares(self) -> None:
+        for _ in range(self.sup.r.spares):
+            self._start_spare()
+
+    def _start_spare(self) -> None:
+        i = self.next_spare
+        self.next_spare += 1
+        logs = self.sup.run_dir / rundir.LOGS_DIR
+        logs.mkdir(parents=True, exist_ok=True)
+        out = open(logs / f"spare{i}.log", "a")  # noqa: SIM115 (the child keeps it)
+        try:
+            self.spares[i] = subprocess.Popen(
+                [sys.executable, "-u", "-m", "myria.train.spare", str(i),
+                 *self.sup.worker_argv], stdout=out, stderr=subprocess.STDOUT,
+                start_new_session=True)
+        finally:
+            out.close()
+        log.info("started hot spare %d (pid %d)", i, self.spares[i].pid)
+
+    def _take_spare(self) -> tuple[int, subprocess.Popen] | None:
+        for i, p in sorted(self.spares.items()):
+            if p.poll() is None:
+                del self.spares[i]
+                return i, p
+            del self.spares[i]
+            log.warning("hot spare %d (pid %d) is gone (exit %s): not used", i, p.pid,
+                        p.returncode)
+        return None
+
+    def close(self) -> None:
+        for p in self.spares.values():
+            if p.poll() is None:
+                p.kill()
+        for p in self.spares.values():
+            try:
+                p.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                pass
+        self.spares.clear()
+
+    # -- the agent's monitor -----------------------------------------------------------------
+    def poll(self, agent, wg):
+        """Before the agent's monitor: a RunResult (healthy) when a lost worker was replaced
+        in-job, else None (the agent's path: nothing failed, or the full restart)."""
+        from torch.distributed.elastic.agent.server.api import RunResult, WorkerState
+
+        pc = getattr(agent, "_pcontext", None)
+        handlers = getattr(pc, "subprocess_handlers", None)
+        if not handlers or self.sup.watch is None:
+            return None
+        f = self.sup.current
+        if self.owed and (f is None or f.first_step_at):
+            # after the recovery: a spare's start (importing torch) would compete with it
+            for _ in range(self.owed):
+                self._start_spare()
+            self.owed = 0
+        dead = {lr: h.proc.poll() for lr, h in handlers.items()}
+        dead = {lr: c for lr, c in dead.items() if c not in (None, 0)}
+        if not dead:
+            return None
+        busy = f is not None and f.recovery.startswith("in-job") and not f.first_step_at
+        code = next(iter(dead.values()))
+        if len(dead) > 1 or busy or code in (USER_ERROR, SAVE_FAILED) or \
+                agent._remaining_restarts <= 0:
+            why = ("a fault during an in-job recovery" if busy else
+                   f"{len(dead)} workers lost at once" if len(dead) > 1 else
+                   "no restarts left" if agent._remaining_restarts <= 0 else
+                   f"exit code {code}")
+            log.warning("ACTION in-job recovery not possible (%s): the worker group restarts "
+                        "from the newest checkpoint", why)
+            if f is not None and busy:
+                f.action.append("fault during in-job recovery: full restart")
+            return None
+        local = next(iter(dead))
+        fault = None
+        if self.frozen is not None and self.frozen[0] == local:
+            fault = self.frozen[1]   # the frozen rank we killed: its fault is recorded
+        self.frozen = None
+        self._replace(agent, wg, pc, local, code, fault)
+        return RunResult(state=WorkerState.HEALTHY)
+
+    def kill_frozen(self, agent, wg, f) -> bool:
+        """A single rank without heartbeats (frozen: SIGSTOP, a stuck kernel call) is killed,
+        and replaced in-job at the next poll; True if so. A hang (heartbeats, no progress) is
+        not: the watchdog cannot tell the stuck rank from the ranks waiting for it."""
+        if f.kind != "missed-heartbeats" or len(f.ranks) != 1 or agent._remaining_restarts <= 0:
+            return False
+        prev = self.sup.faults[-2] if len(self.sup.faults) > 1 else None
+        if prev is not None and prev.recovery.startswith("in-job") and not prev.first_step_at:
+            return False  # during an in-job recovery: the full restart
+        local = next((w.local_rank for w in wg.workers if w.global_rank == f.ranks[0]), None)
+        if local is None or not wg.workers[local].id:
+            return False
+        import signal
+
+        try:
+            os.kill(wg.workers[local].id, signal.SIGKILL)
+        except OSError:
+            return False
+        self.frozen = (local, f)
+        f.action.append(f"in-job: kill the frozen rank {f.ranks[0]}")
+        log.info("ACTION kill the frozen rank %d (pid %s) to replace it in-job", f.ranks[0],
+                 wg.workers[local].id)
+        return True
+
+    def _replace(self, agent, wg, pc, local: int, code: int, fault=None) -> None:
+        import signal
+
+        from myria.resilience.watch import Detection
+        from myria.train.rejoin import ENV_JOIN, key
+
+        sup = self.sup
+        now = time.time()
+        worker = wg.workers[local]
+        rank = worker.global_rank
+        if fault is None:
+            records = sup._read_heartbeats()
+            sup.watch.heartbeats(records, now)
+            how = f"signal {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
+            last = sup.watch.last(rank) or {}
+            cause = sup.watch.cause_line(rank)
+            evidence = (f"rank {rank} (pid {worker.id}) ended with {how} at step "
+                        f"{last.get('step')}, phase {last.get('phase')}" +
+                        (f"; stderr: {cause}" if cause else "") +
+                        f"; ranks {[r for r in sup.ranks if r != rank]} still running")
+            seen = sup.watch.state[rank].seen_at or now
+            d = Detection("exit", [rank], now, seen, evidence, {"exitcodes": {rank: code}})
+            log.warning("DETECTED exit on rank(s) %s: %s", d.ranks, d.evidence)
+            f = sup._record(d, sup.alarms)
+            f.cause = cause or how
+        else:
+            f = fault
+        f.recovery = "in-job"
+        # the attempt the survivors join: one of the restarts, so attempts keep one numbering
+        agent._remaining_restarts -= 1
+        attempt = wg.spec.max_restarts - agent._remaining_restarts
+        store = sup._server
+        store.set(key(sup.job, "lost"), json.dumps([rank]))
+        store.set(key(sup.job, "attempt"), str(attempt))
+        f.stopped_at = f.decided_at = f.backoff_done_at = time.time()  # no stop, no decision
+        env = dict(pc.envs[local], TORCHELASTIC_RESTART_COUNT=str(attempt))
+        env[ENV_JOIN] = "1"
+        spare = self._take_spare()
+        if spare is not None:
+            i, proc = spare
+            store.set(key(sup.job, f"spare{i}"), json.dumps(
+                {"env": env, "stdout": pc.stdouts.get(local), "stderr": pc.stderrs.get(local)}))
+            how_new = f"hot spare {i} (pid {proc.pid})"
+            f.recovery = "in-job: spare"
+        else:
+            proc = self._fresh(pc, local, env)
+            how_new = f"a fresh process (pid {proc.pid})"
+            f.recovery = "in-job: fresh process"
+        pc.subprocess_handlers[local].proc = proc
+        worker.id = proc.pid
+        f.restarted_at = time.time()
+        sup.reached(f)
+        f.action.append(f"in-job: survivors stay; rank {rank} taken over by {how_new}")
+        log.info("ACTION in-job recovery (attempt %d, %d restart(s) left): ranks %s stay, rank "
+                 "%d is taken over by %s and takes its state from rank %d's memory (or the "
+                 "newest checkpoint)", attempt,
+                 agent._remaining_restarts, [r for r in sup.ranks if r != rank], rank, how_new,
+                 (rank + 1) % len(sup.ranks))
+        sup.attempt = attempt
+        sup.new_watch()
+        self.recovered += 1
+        if spare is not None:
+            self.owed += 1  # the pool back to its size once the recovery is over
+
+    @staticmethod
+    def _fresh(pc, local: int, env: dict) -> subprocess.Popen:
+        """The lost worker's command again, in a new process, its output appended to the same
+        files (the agent's tee keeps showing it)."""
+        files = []
+        try:
+            for path in (pc.stdouts.get(local), pc.stderrs.get(local)):
+                files.append(open(path, "a") if path else None)  # noqa: SIM115
+            return subprocess.Popen([pc.entrypoint, *map(str, pc.args[local])],
+                                    env={**os.environ, **env}, stdout=files[0],
+                                    stderr=files[1], start_new_session=True)
+        finally:
+            for fh in files:
+                if fh is not None:
+                    fh.close()
+

@@ -1,0 +1,452 @@
+"""In-job recovery, worker side: survivors stay, a replacement takes the lost rank's state from
+its ring neighbour's memory, and training goes on from the newest step every rank's snapshot
+holds, bit for bit as if nothing had failed (`resilience.recovery = "in-job"`, under
+`myria supervise`; the supervisor's side is myria.resilience.injob).
+
+One mechanism for every layout (FSDP, HSDP, DDP, TP, PP, experts): a lost worker is replaced
+rank for rank, and every rank rebuilds its run in a new *attempt* (a generation of the job):
+
+1. A survivor learns of the loss from its collective: gloo raises "Connection closed by peer"
+   within a fraction of a second when a peer process dies, and a rank blocked on another
+   survivor is released when that survivor closes its connections (`abort_groups`: torch's
+   `_abort_process_group`, then shutdown(2) of its sockets, since a gloo abort alone leaves
+   them open). The supervisor announces the next attempt in its store when it sees the exit.
+   The survivor keeps its peer snapshots (myria.train.peer: its own last snapshots and its left
+   neighbour's) and drops its Run (model, optimizer, loader, checkpoint manager).
+2. It waits for the supervisor's announcement of the next attempt (a number in the store), and
+   then forms the default process group of that attempt on the supervisor's TCPStore under a
+   prefix of its own (`pgA/`): same world size, same rank numbers, the replacement (a hot spare
+   the supervisor had started, or a fresh process) in the lost rank's place. The store is the
+   supervisor's, not rank 0's, so it outlives any worker.
+3. `Run.build` builds the model and groups again (a second or so) and, instead of reading the
+   newest checkpoint, calls `InJob.restore`: the ranks exchange what they hold
+   (`all_gather_object`), choose the newest step s for which every survivor has its own
+   snapshot and each lost rank's holder (rank+1) has a copy that verifies (CRC-32), the
+   replacement takes that copy (on the holder's host it maps the lost rank's shared-memory
+   file, which outlives its process; else the holder sends it over the new group), and every
+   rank
+   loads its state of step s (model and optimizer shards, scheduler, RNG). The loader
+   starts at s (each step's batch is a function of seed and step). Survivors a step ahead
+   roll back to s from their own copy. Nothing is read from disk, no survivor restarts.
+4. When no such step exists (a rank and its holder both lost, snapshots off, damaged copies)
+   every rank knows it from the same exchanged facts and loads the newest checkpoint that
+   verifies instead, still in-job (the fallback to disk).
+
+Why on torch.distributed's own primitives and not torchft (evaluated, see myria.train.peer):
+torchft heals replica groups of data parallelism from another replica; a fault inside a
+replica group restarts that group, so pure FSDP (the demo's zero2 over all ranks), TP and PP
+have no peer copy in it. Here the copy is the ring neighbour's, which exists in every layout,
+and the recovery is the same "abort, new group of the same size, restore" in all of them;
+what torchft adds (quorum per step, shrink) belongs to data-parallel shrinking, not built.
+torch's gloo has no reconfigurable group, but aborting and re-initialising the default group
+under a new store prefix is supported (`destroy_process_group` resets the group counter "to
+allow consistent value to be generated when we re-create process groups after some trainers
+recover from failure").
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import logging
+import os
+import time
+from typing import Any
+from urllib.parse import urlparse
+
+import torch
+import torch.distributed as dist
+
+from myria.observe import heartbeat_store
+
+log = logging.getLogger("myria")
+
+PREFIX = "myria-injob"       # the store keys of in-job recovery: PREFIX/JOB/...
+ENV_JOIN = "MYRIA_INJOB_JOIN"            # "1": this process replaces a lost rank
+ENV_ASSIGNED_AT = "MYRIA_INJOB_ASSIGNED_AT"  # a spare: when it was given its rank
+# what a survivor's error says when a peer is gone (collective or store)
+PEER_LOST = ("Connection closed by peer", "Connection reset by peer", "Broken pipe",
+             "Socket Timeout", "Timed out", "timed out", "ProcessGroupGloo", "gloo",
+             "DistBackendError", "Connection refused", "has not been initialized",
+             "aborted", "Aborted")
+
+
+def key(job: str, name: str) -> str:
+    return f"{PREFIX}/{job}/{name}"
+
+
+def store_address() -> tuple[str, int] | None:
+    """(host, port) of the supervisor's TCPStore, or None (not supervised, or Redis)."""
+    url = os.environ.get(heartbeat_store.ENV_STORE, "")
+    if not url.startswith("tcp://"):
+        return None
+    u = urlparse(url)
+    return u.hostname or "127.0.0.1", int(u.port or 0)
+
+
+def connect(timeout_s: float = 60.0):
+    addr = store_address()
+    if addr is None:
+        return None
+    return dist.TCPStore(addr[0], addr[1], is_master=False, wait_for_workers=False,
+                         timeout=datetime.timedelta(seconds=timeout_s))
+
+
+def attempt_now() -> int:
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
+
+
+def abort_groups() -> None:
+    """Abort every process group of this process and close its connections to its peers, so
+    a peer blocked on this rank fails at once instead of at its timeout.
+
+    gloo in torch 2.13 has no abort that reaches the wire: measured, a peer blocked in a
+    collective with a rank that aborted (`_abort_process_group`) or shut down its group stays
+    blocked until its timeout (120 s here); only the group's destruction closes the
+    connections, and the failed run's objects (FSDP state, meshes, tracebacks) keep it alive.
+    So the connections are closed under it: shutdown(2) on every TCP socket of this process
+    but those to the supervisor's store (its heartbeats and the next attempt's group)."""
+    if dist.is_initialized():
+        try:
+            dist.distributed_c10d._abort_process_group()
+        except Exception as e:  # already half torn down
+            log.debug("abort of the process groups: %s", e)
+    addr = store_address()
+    close_connections(addr[1] if addr else None)
+
+
+def close_connections(keep_port: int | None) -> int:
+    """shutdown(2) every connected TCP socket of this process except those to `keep_port`;
+    returns how many."""
+    import socket
+    import stat
+
+    n = 0
+    try:
+        fds = [int(x) for x in os.listdir("/proc/self/fd")]
+    except OSError:  # not Linux: the collective timeout is the backstop
+        return 0
+    for fd in fds:
+        try:
+            if not stat.S_ISSOCK(os.fstat(fd).st_mode):
+                continue
+            s = socket.socket(fileno=fd)
+        except (OSError, ValueError):
+            continue
+        try:
+            if s.family not in (socket.AF_INET, socket.AF_INET6) or \
+                    s.type != socket.SOCK_STREAM:
+                continue
+            try:
+                peer = s.getpeername()
+            except OSError:
+                continue  # listening or not connected
+            if keep_port is not None and keep_port in (peer[1], s.getsockname()[1]):
+                continue
+            s.shutdown(socket.SHUT_RDWR)
+            n += 1
+        except OSError:
+            pass
+        finally:
+            s.detach()
+    return n
+
+
+def release(error: BaseException) -> None:
+    """Drop every reference the failed run left behind (the frames of its traceback hold the
+    model, its FSDP state, the checkpoint manager...), so its gloo process groups are
+    destroyed and their connections closed: a survivor blocked in a collective with this rank
+    then fails at once ("Connection closed by peer"). Aborting a gloo group does not close its
+    connections (torch 2.13: a peer stays blocked until its timeout); destroying it does."""
+    import gc
+    import traceback
+
+    seen = set()
+    e: BaseException | None = error
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        if e.__traceback__ is not None:
+            traceback.clear_frames(e.__traceback__)
+        e = e.__cause__ or e.__context__
+    gc.collect()
+
+
+class InJob:
+    """This process's part in in-job recovery (None when off: see `create`)."""
+
+    def __init__(self, cfg, run_dir, job: str, store) -> None:
+        self.cfg, self.run_dir, self.job, self.store = cfg, run_dir, job, store
+        self.attempt = attempt_now()
+        self.replacement = os.environ.get(ENV_JOIN) == "1"
+        self.kept: dict[str, Any] | None = None   # peer snapshots that outlived the Run
+        self.rejoined = False   # a survivor set up for the next attempt: restore in-job
+        self.failed_at = 0.0
+        self.stats: list[dict] = []
+
+    @classmethod
+    def create(cls, cfg, run_dir) -> InJob | None:
+        """In-job recovery for this worker: with recovery = in-job under the supervisor's
+        TCPStore (myria.resilience.injob checks the rest before it starts a worker)."""
+        if cfg.resilience.recovery != "in-job" or store_address() is None or \
+                int(os.environ.get("WORLD_SIZE", 1)) < 2:
+            return None
+        store = connect(max(60.0, cfg.training.init_timeout_s))
+        return cls(cfg, run_dir, os.environ.get(heartbeat_store.ENV_JOB, "local"), store)
+
+    # -- the process group of an attempt -------------------------------------------------------
+    def pg_store(self):
+        """The default group's store of this attempt: the supervisor's, under its own prefix."""
+        return dist.PrefixStore(key(self.job, f"pg{self.attempt}") + "/", self.store)
+
+    # -- a failure -----------------------------------------------------------------------------
+    def keep(self, run) -> None:
+        """The training loop failed: abort the groups, keep the peer snapshots of `run`."""
+        self.failed_at = self.failed_at or time.time()
+        abort_groups()
+        peers = getattr(run, "peers", None)
+        if peers is None:
+            return
+        try:
+            peers.wait()
+        except BaseException as e:  # the exchange in flight met the same failure
+            log.debug("peer snapshot exchange ended with: %s", e)
+        kept = peers.kept()
+        if kept is not None:
+            self.kept = kept
+
+    def recover(self, error: BaseException, hb) -> bool:
+        """After `error` ended this rank's run: True once the supervisor has announced the
+        next attempt and this process is set up for it (the caller forms its group and builds
+        the run again); False: the error is this rank's own, or nobody announced a recovery
+        (the caller re-raises it and the process exits)."""
+        if not isinstance(error, Exception):
+            return False
+        self.failed_at = self.failed_at or time.time()
+        abort_groups()
+        release(error)
+        # waiting is start-up, not a hang: the supervisor judges it by the start-up timeout
+        getattr(hb, "_hb", hb).phase("init")
+        r = self.cfg.resilience
+        looks_lost = any(m in f"{type(error).__name__}: {error}" for m in PEER_LOST)
+        # a peer's loss is announced within a monitor interval of its exit; a hang takes the
+        # supervisor hang_timeout_s to see. Our own error: a short look, then exit with it.
+        wait = r.hang_timeout_s + 10 * r.heartbeat_s if looks_lost else 2 * r.heartbeat_s
+        nxt = self._announced(wait)
+        if nxt is None:
+            self.failed_at = 0.0
+            return False
+        lost = self._get("lost", "[]")
+        log.warning("rank %s: %s; the supervisor replaces rank(s) %s: joining attempt %d "
+                    "in-job", os.environ.get("RANK", "?"), _first_line(error), lost, nxt)
+        self.attempt = nxt
+        os.environ["TORCHELASTIC_RESTART_COUNT"] = str(nxt)
+        self._new_attempt(hb, self.failed_at)
+        self.failed_at = 0.0
+        self.rejoined = True
+        return True
+
+    def _get(self, name: str, default: str) -> str:
+        try:
+            k = key(self.job, name)
+            return self.store.get(k).decode() if self.store.check([k]) else default
+        except Exception:
+            return default
+
+    def _announced(self, wait_s: float) -> int | None:
+        """The next attempt once the supervisor has announced it, else None after wait_s."""
+        end = time.time() + wait_s
+        while True:
+            v = self._get("attempt", "")
+            if v.isdigit() and int(v) > self.attempt:
+                return int(v)
+            if time.time() >= end:
+                return None
+            time.sleep(0.05)
+
+    def _new_attempt(self, hb, since: float) -> None:
+        """The heartbeat and the goodput ledger of this process go on as the new attempt's:
+        its time from the failure on is recovery, its first step is looked for again."""
+        from myria.observe import goodput
+
+        inner = getattr(hb, "_hb", hb)
+        inner.attempt = self.attempt
+        inner.progress.first_step_at = 0.0
+        inner.progress.resumed_from = -1
+        old = getattr(hb, "ledger", None)
+        if old is None:
+            return
+        led = goodput.Ledger(self.run_dir, attempt=self.attempt)
+        led.rank = old.rank
+        led.marks = {"process_start": since, "entered": since}
+        led.since = led.row_since = since
+        hb.ledger = led
+        hb.phase("init")  # start-up again: judged against the start-up timeout, not a hang
+
+    def adjust_ledger(self, ledger) -> None:
+        """A spare's ledger starts when it was given its rank, not when it was started."""
+        at = os.environ.get(ENV_ASSIGNED_AT)
+        if at:
+            t = float(at)
+            ledger.marks["process_start"] = t
+            ledger.since = ledger.row_since = t
+
+    # -- restoring from peer memory ------------------------------------------------------------
+    def restore(self, engine, env) -> int | None:
+        """In `Run.build` in place of the resume from disk: load the state of the newest step
+        every rank's snapshot holds; its step, or None (a fresh start, or the fallback to the
+        newest checkpoint, which every rank then takes together)."""
+        if not (self.rejoined or self.replacement):
+            return None  # a started (or restarted) job: the usual resume from disk
+        t0 = time.time()
+        kept, self.kept = self.kept, None
+        self.rejoined = False
+        info = _describe(kept, env.rank, survivor=not self.replacement)
+        infos: list = [None] * env.world_size
+        dist.all_gather_object(infos, info)
+        plan = choose(infos)
+        self.replacement = False
+        if plan is None:
+            if env.is_main:
+                print(f"in-job recovery: no step whose state every rank holds in memory "
+                      f"({_facts(infos)}): every rank loads the newest checkpoint instead",
+                      flush=True)
+            self._record(None, infos, t0, env)
+            return None
+        step, sources = plan["step"], plan["sources"]
+        state = None
+        how = {}
+        for lost, holder in sources.items():
+            meta = infos[holder]["held"][step]
+            # on one host the copy is the lost rank's shared-memory file: the replacement maps
+            # it (what its holder maps); else the holder sends it over the new group
+            mapped = bool(meta.get("path")) and meta.get("host") == infos[lost]["host"]
+            how[lost] = "mapped" if mapped else "sent"
+            if env.rank == holder and not mapped:
+                dist.send(kept["held"][step]["buf"], dst=lost)
+            elif env.rank == lost:
+                from myria.train import peer
+
+                if mapped:
+                    buf = torch.from_file(meta["path"], shared=False, size=meta["nbytes"],
+                                          dtype=torch.uint8)
+                else:
+                    buf = torch.empty(meta["nbytes"], dtype=torch.uint8)
+                    dist.recv(buf, src=holder)
+
+                if peer.crc32(buf) != meta["crc"]:  # not an input error (exit 2): exit 1, so
+                    # the supervisor restarts the group from the newest checkpoint
+                    raise RuntimeError(f"the snapshot of rank {lost} at step {step} from rank "
+                                       f"{holder} fails its CRC-32 on arrival")
+                state = peer.unpack(meta["meta"], buf)
+        if state is None:
+            from myria.train import peer
+
+            own = kept["own"][step]
+            state = peer.unpack(own["meta"], own["buf"])
+        load(engine, state)
+        del kept
+        self._record(step, infos, t0, env, sources, how)
+        if env.is_main:
+            print(f"in-job recovery: resumed from step {step} held in memory (rank(s) "
+                  f"{sorted(sources)} from their ring neighbours' copies) in "
+                  f"{time.time() - t0:.2f} s", flush=True)
+        return step
+
+    def _record(self, step, infos, t0, env, sources=None, how=None) -> None:
+        self.stats.append({"attempt": self.attempt, "step": step, "sources": sources or {},
+                           "copy": how or {},
+                           "restore_s": round(time.time() - t0, 4), "facts": _facts(infos)})
+        if not env.is_main:
+            return
+        try:
+            from myria.fsutil import atomic_write
+
+            out = self.run_dir / "peer" / "injob.json"
+            out.parent.mkdir(parents=True, exist_ok=True)
+            old = json.loads(out.read_text()) if out.exists() else []
+            atomic_write(out, json.dumps(old + self.stats[-1:], indent=1))
+        except (OSError, ValueError):
+            pass
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return f"{type(e).__name__}: " + (text.splitlines()[0][:200] if text else "")
+
+
+def _describe(kept: dict | None, rank: int, survivor: bool = True) -> dict:
+    """What this rank can contribute: its own snapshots' steps and the held copies (their
+    metadata and checksums: the bytes go to the replacement only)."""
+    import socket
+
+    from myria.train import peer
+
+    if kept is None:  # a replacement, or a survivor without snapshots (interval 0)
+        return {"rank": rank, "fresh": True, "own": [], "holds": None, "held": {},
+                "survivor": survivor, "host": socket.gethostname()}
+    own = [s for s, o in kept["own"].items()
+           if o["crc"] is None or peer.crc32(o["buf"]) == o["crc"]]
+    held = {}
+    for s, h in kept["held"].items():
+        if peer.crc32(h["buf"]) == h["crc"]:  # the same check as a checkpoint's on load
+            held[s] = {"meta": h["meta"], "crc": h["crc"], "nbytes": h["buf"].numel(),
+                       "path": h.get("path"), "host": h.get("host")}
+    return {"rank": rank, "fresh": False, "own": sorted(own), "holds": kept["left"],
+            "held": held, "host": socket.gethostname()}
+
+
+def choose(infos: list[dict]) -> dict | None:
+    """The newest step every survivor has its own snapshot of and each lost (fresh) rank's
+    holder (its right neighbour, a survivor) has a verified copy of; with the holders:
+    {"step": s, "sources": {lost: holder}}, or None."""
+    world = len(infos)
+    lost = [i["rank"] for i in infos if i["fresh"]]
+    survivors = [i for i in infos if not i["fresh"]]
+    if not survivors:
+        return None
+    steps = set.intersection(*(set(i["own"]) for i in survivors))
+    sources = {}
+    for r in lost:
+        h = infos[(r + 1) % world]
+        if h["fresh"] or h["holds"] != r:
+            return None   # both copies of this rank's state are gone
+        steps &= {int(s) for s in h["held"]}
+        sources[r] = h["rank"]
+    if not steps:
+        return None
+    return {"step": max(steps), "sources": sources}
+
+
+def _facts(infos: list[dict]) -> str:
+    return "; ".join(f"rank {i['rank']}: " + (
+        ("no snapshot" if i.get("survivor") else "replacement") if i["fresh"] else
+                     f"own {i['own']}, holds rank {i['holds']} at {sorted(i['held'])}")
+                     for i in infos)
+
+
+def load(engine, state: dict[str, Any]) -> None:
+    """Load a snapshot (myria.train.peer.unpack) into `engine`: tensors into its own state's
+    local shards, the optimizer's plain numbers, the scheduler and the RNG."""
+    from myria.train.checkpoint import _flatten, _local, _unflatten, set_rng_state
+
+    flat = _flatten(engine.state_dict())
+    for k, v in flat.items():
+        name = "/".join(map(str, k))
+        if name not in state:
+            raise RuntimeError(f"the snapshot has no {name!r}: it was taken with another "
+                               "model or layout")
+        src = state[name]
+        if isinstance(v, torch.Tensor):
+            dst = _local(v)
+            if tuple(dst.shape) != tuple(src.shape) or dst.dtype != src.dtype:
+                raise RuntimeError(f"snapshot {name!r}: {tuple(src.shape)} {src.dtype}, this "
+                                   f"rank holds {tuple(dst.shape)} {dst.dtype}")
+            with torch.no_grad():
+                dst.copy_(src)
+        elif isinstance(src, (int, float, bool)) and not isinstance(v, str):
+            flat[k] = src
+    engine.load_state_dict(_unflatten(flat))
+    if state.get("_scheduler") is not None:
+        engine.load_scheduler_state(state["_scheduler"])
+    if state.get("_rng") is not None:
+        set_rng_state(state["_rng"])

@@ -1,0 +1,130 @@
+"""In-job recovery (`resilience.recovery = "in-job"`): survivors stay, a hot spare takes the
+lost rank's state from its ring neighbour's memory, and the run ends bit for bit as one that
+never failed; with both copies of a shard gone it falls back to the restart from disk."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from myria.train.rejoin import choose
+from tests.conftest import TINY, final_params, losses, run_cli
+
+STEPS = 12
+COMMON = [*TINY, f"--training.steps={STEPS}", "--checkpoint.interval=4",
+          "--resilience.heartbeat_s=0.5", "--resilience.hang_timeout_s=20",
+          "--resilience.backoff_s=0.2", "--resilience.diagnose=false",
+          "--resilience.recovery=in-job"]
+
+
+def _info(rank, own=(), holds=None, held=(), fresh=False):
+    return {"rank": rank, "fresh": fresh, "own": list(own), "holds": holds,
+            "held": {s: {} for s in held}}
+
+
+def test_the_step_every_rank_holds_and_who_sends_it():
+    # rank 2 lost; rank 3 holds its copy of steps 5 and 6; a survivor a step behind decides
+    infos = [_info(0, (4, 5, 6), 3, (5, 6)), _info(1, (4, 5, 6), 0, (5, 6)),
+             _info(2, fresh=True), _info(3, (4, 5, 6), 2, (5, 6))]
+    assert choose(infos) == {"step": 6, "sources": {2: 3}}
+    infos[1]["own"] = [3, 4, 5]   # its snapshot of step 6 never finished
+    assert choose(infos) == {"step": 5, "sources": {2: 3}}
+    infos[3]["held"] = {4: {}}    # the holder's newer copies did not verify
+    assert choose(infos) == {"step": 4, "sources": {2: 3}}
+    # a rank and its holder both lost: no copy of rank 2 is left -> the checkpoint on disk
+    infos[3] = _info(3, fresh=True)
+    assert choose(infos) is None
+    # snapshots off: survivors hold nothing -> the checkpoint on disk
+    assert choose([_info(0), _info(1, fresh=True)]) is None
+
+
+def supervise(run_dir, data, fault, *extra):
+    return run_cli("supervise", "--run-dir", str(run_dir), "--nproc", "2",
+                   f"--data.path={data}", *COMMON, *extra, env={"MYRIA_FAULT": fault},
+                   timeout=400)
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory, tiny_data):
+    """The same job, uninterrupted, under plain `myria train`."""
+    d = tmp_path_factory.mktemp("ref")
+    run_cli("train", "--run-dir", str(d), "--nproc", "2", f"--data.path={tiny_data}", *COMMON)
+    return d
+
+
+def check_bit_equal(run, reference):
+    steps = [json.loads(x)["step"] for x in (run / "metrics.jsonl").read_text().splitlines()
+             if "loss" in x]
+    assert sorted(steps) == list(range(1, STEPS + 1)), "each step exactly once"
+    ref, got = losses(reference), losses(run)
+    assert [got[s] for s in range(1, STEPS + 1)] == [ref[s] for s in range(1, STEPS + 1)]
+    pa, pb = final_params(reference), final_params(run)
+    assert pa.keys() == pb.keys() and all(torch.equal(pa[k], pb[k]) for k in pa)
+
+
+@pytest.mark.slow
+def test_a_spare_takes_the_lost_rank_from_peer_memory(tmp_path, tiny_data, reference):
+    supervise(tmp_path, tiny_data, "kill:rank=1:step=5", "--resilience.spares=1")
+    s = json.loads((tmp_path / "supervisor_summary.json").read_text())
+    log = (tmp_path / "supervisor.log").read_text()
+    assert s["status"] == "succeeded" and s["final_step"] == STEPS, s
+    f = s["faults"][0]
+    assert len(s["faults"]) == 1 and f["recovery"] == "in-job: spare", f
+    assert "ACTION in-job recovery (attempt 1" in log and "hot spare 0" in log
+    assert "ACTION stop the worker group" not in log   # the survivor stayed
+    # it resumed from the step both snapshots hold (the one the kill interrupted, or the
+    # one before if rank 1's last snapshot had not reached its holder), not the checkpoint
+    assert f["resumed_from"] in (4, 5) and f["lost_steps"] in (0, 1), f
+    restored = json.loads((tmp_path / "peer" / "injob.json").read_text())
+    assert restored[0]["step"] == f["resumed_from"] and restored[0]["sources"] == {"1": 0}
+    assert restored[0]["copy"] == {"1": "mapped"}  # one host: the lost rank's shared file
+    # nothing stopped (the announcement only), no diagnostics, no back-off, no disk
+    p = f["recovery_phases"]
+    assert p["teardown"] < 0.5 and p["decision"] == p["backoff"] == 0.0, p
+    assert f["fault_to_first_step_s"] < 15, f
+    assert sum(p.values()) == pytest.approx(f["time_lost_s"], abs=0.05), (p, f)
+    # the ledger still adds up, with the recovery in it
+    g = s["goodput"]
+    assert g["accounted_s"] == pytest.approx(g["wall_s"], rel=0.01), g
+    assert g["seconds"]["detection"] > 0 and g["seconds"]["recovery"] > 0, g
+    check_bit_equal(tmp_path, reference)
+
+
+@pytest.mark.slow
+def test_both_copies_lost_falls_back_to_the_checkpoint(tmp_path, tiny_data, reference):
+    # rank 0 and rank 1 hold each other's copy: both killed at once, nothing in memory is left
+    supervise(tmp_path, tiny_data, "kill:rank=0:step=6,kill:rank=1:step=6")
+    s = json.loads((tmp_path / "supervisor_summary.json").read_text())
+    log = (tmp_path / "supervisor.log").read_text()
+    assert s["status"] == "succeeded" and s["final_step"] == STEPS, s
+    assert "the worker group restarts from the newest checkpoint" in log
+    assert "ACTION stop the worker group" in log
+    last = s["faults"][-1]
+    assert last["recovery"] == "restart" and last["resumed_from"] == 4, last
+    check_bit_equal(tmp_path, reference)
+
+
+@pytest.mark.slow
+def test_without_snapshots_every_rank_loads_the_checkpoint_in_job(tmp_path, tiny_data,
+                                                                   reference):
+    supervise(tmp_path, tiny_data, "kill:rank=1:step=6", "--resilience.memory_snapshot_interval=0")
+    s = json.loads((tmp_path / "supervisor_summary.json").read_text())
+    f = s["faults"][0]
+    assert s["status"] == "succeeded" and len(s["faults"]) == 1, s
+    assert f["recovery"] == "in-job: fresh process" and f["resumed_from"] == 4, f
+    restored = json.loads((tmp_path / "peer" / "injob.json").read_text())
+    assert restored[0]["step"] is None and "rank 0: no snapshot" in restored[0]["facts"]
+    check_bit_equal(tmp_path, reference)
+
+
+@pytest.mark.slow
+def test_a_frozen_rank_is_killed_and_replaced_in_job(tmp_path, tiny_data, reference):
+    supervise(tmp_path, tiny_data, "stop:rank=1:step=5", "--resilience.spares=1")
+    s = json.loads((tmp_path / "supervisor_summary.json").read_text())
+    f = s["faults"][0]
+    assert s["status"] == "succeeded" and len(s["faults"]) == 1, s
+    assert f["kind"] == "missed-heartbeats" and f["recovery"] == "in-job: spare", f
+    assert "in-job: kill the frozen rank 1" in f["action"], f
+    check_bit_equal(tmp_path, reference)
