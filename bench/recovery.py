@@ -28,9 +28,10 @@ step (myria.train.peer) on the same demo run without faults, `myria train` with
 snapshots' CPU time (copy + exchange thread) as a share of the process's CPU time, which on
 this all-cores-busy host is what they cost, whatever the load of the moment.
 
-`--part ettr`: a 200-step 2-rank supervised run of a tiny model with three workers killed
-(`--ettr-recovery`: in-job with a spare, the default, or restart):
-the goodput ledger's total against the wall time, and its ETTR.
+`--part ettr`: a 200-step 2-rank supervised run with three workers killed (`--ettr-recovery`:
+in-job with a spare, the default, or restart; `--ettr-model`: the tests' tiny model, ~0.1 s
+steps, or the demo's as shipped, steps of seconds, written to recovery-ettr-demo.json): the
+goodput ledger's total against the wall time, and its ETTR.
 
 Writes bench/results/recovery.json (recovery-PART.json for one part); the tables in
 bench/RESULTS.md are written by hand from them.
@@ -160,18 +161,22 @@ TINY = ["--model.layers=2", "--model.hidden=64", "--model.heads=4", "--model.kv_
 
 
 def ettr_run(work: Path, data: Path, steps: int, faults: int,
-             recovery: str = "in-job") -> dict:
-    """A `steps`-step 2-rank supervised run of a tiny model with `faults` workers killed:
-    its goodput ledger against the wall time (the supervisor's and one measured outside)."""
+             recovery: str = "in-job", model: str = "tiny") -> dict:
+    """A `steps`-step 2-rank supervised run with `faults` workers killed: its goodput ledger
+    against the wall time (the supervisor's and one measured outside). `model`: "tiny" (the
+    tests' model, ~0.1 s steps: start-up and shutdown weigh as much as the faults) or "demo"
+    (configs/demo.toml as shipped, evaluation off: steps of seconds, as real steps are)."""
     every = steps // (faults + 1)
     kills = ",".join(f"kill:rank={i % 2}:step={every * (i + 1)}" for i in range(faults))
-    s = supervise(work / "ettr", data, 2, kills, [
-        *TINY, f"--training.steps={steps}", "--checkpoint.interval=10",
+    shape = TINY if model == "tiny" else ["--training.eval_interval=0"]
+    s = supervise(work / f"ettr-{model}", data, 2, kills, [
+        *shape, f"--training.steps={steps}", "--checkpoint.interval=10",
         "--resilience.diagnose=false", "--resilience.backoff_s=0.5",
         f"--resilience.recovery={recovery}",
         *(["--resilience.spares=1"] if recovery == "in-job" else [])])
     g = s["goodput"]
-    return {"recovery": recovery, "faults": kills, "restarts": s["restarts"], "wall_s": s["wall_s"],
+    return {"recovery": recovery, "model": model, "faults": kills, "restarts": s["restarts"],
+            "wall_s": s["wall_s"],
             "outside_wall_s": s["outside_wall_s"], "accounted_s": g["accounted_s"],
             "other_s": g["seconds"]["other"], "ettr": g["ettr"],
             "step_time_ratio": s["step_time_ratio"], "seconds": g["seconds"],
@@ -187,6 +192,8 @@ def main() -> None:
     ap.add_argument("--data", default="", help="prepared demo data (default: prepare it)")
     ap.add_argument("--part", choices=("all", "recovery", "snapshot", "ettr"), default="all")
     ap.add_argument("--ettr-recovery", choices=("in-job", "restart"), default="in-job")
+    ap.add_argument("--ettr-model", choices=("tiny", "demo"), default="tiny",
+                    help="the 200-step ETTR run's model: the tests' tiny one or the demo's")
     ap.add_argument("--snapshot-steps", type=int, default=8, help="steps of each cost run")
     ap.add_argument("--rounds", type=int, default=2, help="rounds of the snapshot cost runs")
     args = ap.parse_args()
@@ -204,7 +211,7 @@ def main() -> None:
              "in-job-fresh": ["--resilience.recovery=in-job"]} \
         if args.part in ("all", "recovery") else {}
     if args.part in ("all", "ettr"):
-        e = ettr_run(work, data, 200, 3, args.ettr_recovery)
+        e = ettr_run(work, data, 200, 3, args.ettr_recovery, args.ettr_model)
         print(f"200 steps, 3 kills: ledger {e['accounted_s']} s of wall {e['wall_s']} s "
               f"(other {e['other_s']} s); ETTR {e['ettr']}", flush=True)
     results = {}
@@ -249,6 +256,8 @@ def main() -> None:
                                              args.rounds)
     (ROOT / "bench" / "results").mkdir(exist_ok=True)
     name = "recovery.json" if args.part == "all" else f"recovery-{args.part}.json"
+    if args.part == "ettr" and args.ettr_model != "tiny":
+        name = f"recovery-ettr-{args.ettr_model}.json"
     (ROOT / "bench" / "results" / name).write_text(json.dumps(out, indent=1))
     print(json.dumps(out, indent=1))
 
