@@ -75,9 +75,18 @@ CASES = ("kill", "hang", "raise", "during-recovery", "during-recovery-twice", "t
          "killed-supervisor", "killed-spare")
 
 
-def fault_of(case: str, nproc: int) -> str:
-    """The MYRIA_FAULT of a case (checkpoints every 4 steps: at 4, 8, 12, ...)."""
+def fault_of(case: str, nproc: int, recovery: str = "restart") -> str:
+    """The MYRIA_FAULT of a case (checkpoints every 4 steps: at 4, 8, 12, ...). In-job, a
+    recovery resumes from peer memory at step 9 or 10 (whether the lost rank's copy of step 10
+    had reached its holder), or from disk at 8 when it falls back: a fault "right after the
+    resume" is then a kill at each of those steps for that attempt (each fires at most once, and
+    only the one at the resumed step can: the others are past or follow the kill)."""
     last = nproc - 1
+    if recovery == "in-job" and case in ("during-recovery", "during-recovery-twice"):
+        def at(rank, attempt):
+            return ",".join(f"kill:rank={rank}:step={s}:attempt={attempt}" for s in (8, 9, 10))
+        spec = f"kill:rank={last}:step=10,{at(0, 1)}"
+        return spec + (f",{at(last, 2)}" if case == "during-recovery-twice" else "")
     return {
         "kill": f"kill:rank={last}:step=9",
         "hang": "hang:rank=0:step=10",
@@ -384,7 +393,7 @@ def check_case(name: str, run_dir: Path, ref: Path, job: dict, steps: int) -> di
         {k: f.get(k) for k in ("kind", "ranks", "attempt", "last_step", "resumed_from",
                                "newest_committed", "detection_s", "fault_to_first_step_s",
                                "time_lost_s", "lost_steps", "decision", "diagnostics",
-                               "recovery_phases", "fault_at", "injected")}
+                               "recovery_phases", "fault_at", "injected", "recovery")}
         for f in summary.get("faults", [])]
     for f in faults:
         f.setdefault("mttr_s", f.get("fault_to_first_step_s"))
@@ -415,9 +424,15 @@ def check_case(name: str, run_dir: Path, ref: Path, job: dict, steps: int) -> di
         elif (why := mgr.verify(p)) is not None:
             problems.append(f"{ckpt}, committed before the fault, does not verify: {why}")
     for f in faults:
+        # a restart resumes from the newest committed checkpoint; an in-job recovery from
+        # peer memory, at a step never older than it (older would lose committed work)
         nc = f.get("newest_committed")
-        if nc and f.get("resumed_from") is not None and f["resumed_from"] != int(nc.split("_")[1]):
-            problems.append(f"resumed from {f['resumed_from']}, newest committed was {nc}")
+        r = f.get("resumed_from")
+        if nc and r is not None and (r < int(nc.split("_")[1]) or (
+                r != int(nc.split("_")[1]) and
+                not str(f.get("recovery") or "restart").startswith("in-job"))):
+            problems.append(f"resumed from {r}, newest committed was {nc}"
+                            f" ({f.get('recovery') or 'restart'})")
     # the case as a whole (several faults: the first fault to the end of the last recovery)
     rows = step_times(run_dir)
     first = next((t for t, _ in rows if t > fault_at), None)
@@ -499,9 +514,9 @@ def main() -> None:
         elif case == "killed-supervisor":
             job = killed_supervisor(env, run_dir)
         else:
-            job = run_job(env, run_dir, fault_of(case, args.nproc))
+            job = run_job(env, run_dir, fault_of(case, args.nproc, args.recovery))
         rec = check_case(case, run_dir, ref, job, args.steps)
-        rec["fault"] = fault_of(case, args.nproc) or case
+        rec["fault"] = fault_of(case, args.nproc, args.recovery) or case
         results.append(rec)
         fs = "; ".join(f"{f.get('kind')} {f.get('ranks')}: MTTR {f.get('mttr_s')} s, lost "
                        f"{f.get('time_lost_s')} s, {f.get('lost_steps')} steps redone, "

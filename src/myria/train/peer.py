@@ -170,6 +170,7 @@ class PeerSnapshots:
 
         self.interval, self.engine = interval, engine
         self.rank, self.world, self.run_dir = rank, world, run_dir
+        self.keep_files = False   # set by in-job recovery when this rank's run fails
         self.right, self.left = (rank + 1) % world, (rank - 1) % world
         # a group of its own: its traffic never queues behind (or between) training collectives
         self.group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout_s))
@@ -345,7 +346,11 @@ class PeerSnapshots:
             self.wait()
         except BaseException as e:
             log.warning("peer snapshot exchange failed: %s", e)
-        for slot in self.slots:  # the holder's mapping keeps its copy until it ends
+        # the holder's mapping keeps its copy until it ends; a failed rank under in-job
+        # recovery leaves its files (`keep_files`): its replacement maps them by name (a rank
+        # that raised ends through here, a killed one never does); the supervisor removes
+        # what is left when the job ends (`remove_shared`)
+        for slot in self.slots if not self.keep_files else ():
             try:
                 os.unlink(f"{self.prefix}{self.rank}-{slot}")
             except OSError:

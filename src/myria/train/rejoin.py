@@ -206,6 +206,7 @@ class InJob:
         peers = getattr(run, "peers", None)
         if peers is None:
             return
+        peers.keep_files = True   # the replacement of this rank, if it is lost, maps them
         try:
             peers.wait()
         except BaseException as e:  # the exchange in flight met the same failure
