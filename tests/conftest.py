@@ -45,6 +45,20 @@ def final_params(run_dir: Path) -> dict:
     return dict(model.state_dict())
 
 
+def assert_bit_equal(run: Path, reference: Path, steps: int) -> None:
+    """`run` (which met faults) against the uninterrupted `reference`: every step logged
+    exactly once, the same loss at every step, the same final parameters bit for bit."""
+    import torch
+
+    logged = [json.loads(x)["step"] for x in (Path(run) / "metrics.jsonl").read_text()
+              .splitlines() if "loss" in x]
+    assert sorted(logged) == list(range(1, steps + 1)), "each step exactly once"
+    ref, got = losses(reference), losses(run)
+    assert [got[s] for s in range(1, steps + 1)] == [ref[s] for s in range(1, steps + 1)]
+    pa, pb = final_params(reference), final_params(run)
+    assert pa.keys() == pb.keys() and all(torch.equal(pa[k], pb[k]) for k in pa)
+
+
 @pytest.fixture(scope="session")
 def tiny_data(tmp_path_factory) -> Path:
     """The first 20 State of the Union speeches, 1024-token BPE."""

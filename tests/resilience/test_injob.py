@@ -7,10 +7,9 @@ from __future__ import annotations
 import json
 
 import pytest
-import torch
 
 from myria.train.rejoin import choose
-from tests.conftest import TINY, final_params, losses, run_cli
+from tests.conftest import TINY, assert_bit_equal, run_cli
 
 STEPS = 12
 COMMON = [*TINY, f"--training.steps={STEPS}", "--checkpoint.interval=4",
@@ -55,13 +54,7 @@ def reference(tmp_path_factory, tiny_data):
 
 
 def check_bit_equal(run, reference):
-    steps = [json.loads(x)["step"] for x in (run / "metrics.jsonl").read_text().splitlines()
-             if "loss" in x]
-    assert sorted(steps) == list(range(1, STEPS + 1)), "each step exactly once"
-    ref, got = losses(reference), losses(run)
-    assert [got[s] for s in range(1, STEPS + 1)] == [ref[s] for s in range(1, STEPS + 1)]
-    pa, pb = final_params(reference), final_params(run)
-    assert pa.keys() == pb.keys() and all(torch.equal(pa[k], pb[k]) for k in pa)
+    assert_bit_equal(run, reference, STEPS)
 
 
 @pytest.mark.slow

@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from myria.train.checkpoint import CheckpointManager
-from tests.conftest import ROOT, TINY, final_params, losses, run_cli
+from tests.conftest import ROOT, TINY, assert_bit_equal, final_params, losses, run_cli
 
 STEPS = 24
 COMMON = [*TINY, f"--training.steps={STEPS}", "--checkpoint.interval=4",
@@ -80,14 +80,7 @@ def check_recovered(run, reference, kind, rank, resumed_from=None):
         resumed_from = int(f["newest_committed"].split("_")[1]) if f["newest_committed"] else 0
     assert f["resumed_from"] == resumed_from, f
     check_summary_fields(summary)
-    steps = [json.loads(x)["step"] for x in (run / "metrics.jsonl").read_text().splitlines()
-             if "loss" in x]
-    assert sorted(steps) == list(range(1, STEPS + 1)), "each step exactly once"
-    # bitwise: same losses at every step, same final parameters
-    ref, got = losses(reference), losses(run)
-    assert [got[s] for s in range(1, STEPS + 1)] == [ref[s] for s in range(1, STEPS + 1)]
-    pa, pb = final_params(reference), final_params(run)
-    assert pa.keys() == pb.keys() and all(torch.equal(pa[k], pb[k]) for k in pa)
+    assert_bit_equal(run, reference, STEPS)   # every step once, same losses and weights
     mgr = CheckpointManager(run / "checkpoints")
     assert all(mgr.verify(p) is None for p in mgr.committed())
     assert (run / "checkpoints" / "latest").read_text().strip() == f"step_{STEPS:08d}"
@@ -413,12 +406,6 @@ def test_faults_during_recovery_twice_then_diagnostics_skipped(tmp_path, tiny_da
     assert f2["decided_at"] - f2["stopped_at"] < 1.0, f2   # the decision phase
     assert f3["decision"].startswith("run: rank 1 faulted again") and \
         "PASS" in f3["diagnostics"][0], f3
-    steps = [json.loads(x)["step"] for x in (run / "metrics.jsonl").read_text().splitlines()
-             if "loss" in x]
-    assert sorted(steps) == list(range(1, STEPS + 1)), "each step exactly once"
-    ref, got = losses(reference), losses(run)
-    assert [got[s] for s in range(1, STEPS + 1)] == [ref[s] for s in range(1, STEPS + 1)]
-    pa, pb = final_params(reference), final_params(run)
-    assert pa.keys() == pb.keys() and all(torch.equal(pa[k], pb[k]) for k in pa)
+    assert_bit_equal(run, reference, STEPS)
     mgr = CheckpointManager(run / "checkpoints")
     assert all(mgr.verify(p) is None for p in mgr.committed())
