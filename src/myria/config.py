@@ -335,6 +335,11 @@ class ResilienceConfig:
     spares: int = _f(0, "hot spare processes (torch imported, waiting) the supervisor keeps "
                      "for recovery = in-job; 0 = a fresh process replaces a lost worker",
                      min=0)
+    shrink: bool = _f(False, "recovery = in-job with no hot spare ready: go on with one data-"
+                      "parallel replica fewer on the same global batch (pure DDP layouts: "
+                      "training.data_parallel = ddp over every rank) and grow back to the "
+                      "full size once a spare is ready; false: a fresh process replaces the "
+                      "lost worker")
     snapshot_overlap: bool = _f(True, "copy the snapshot during the next step's forward and "
                                 "backward, blocking only before the optimizer changes weights")
     nccl_ib_timeout: int = _f(20, "NCCL_IB_TIMEOUT: InfiniBand verbs timeout exponent, "

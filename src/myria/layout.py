@@ -135,9 +135,13 @@ class Layout:
                 "--nproc")
         return cls.of(par, shard)
 
-    def microbatches(self, global_batch: int, micro_batch: int) -> int:
+    def microbatches(self, global_batch: int, micro_batch: int, shrunk: bool = False) -> int:
         """Microbatches per step on each data-parallel rank (gradient accumulation, and what a
-        pipeline schedule interleaves): global_batch / (dp x micro_batch), checked to divide."""
+        pipeline schedule interleaves): global_batch / (dp x micro_batch), checked to divide;
+        in a run shrunk after a lost replica (`shrink_refusal`) the largest share
+        (myria.data.loader.microbatch_share)."""
+        if shrunk and global_batch % (self.dp * micro_batch):
+            return -(-(global_batch // micro_batch) // self.dp)
         if global_batch % (self.dp * micro_batch):
             raise ConfigError(
                 f"training.global_batch = {global_batch} must be divisible by data-parallel "
@@ -145,25 +149,43 @@ class Layout:
                 f"{self.dp * micro_batch}")
         return global_batch // (self.dp * micro_batch)
 
+    def shrink_refusal(self, cfg: Config, world_size: int) -> str | None:
+        """Why this layout cannot go on with one data-parallel replica fewer after a lost
+        rank (`resilience.shrink`), or None. Only full replicas can: pure DDP over every rank
+        (each survivor holds the whole model and optimizer state, so nothing is resharded),
+        with at least one microbatch of the global batch for each of the ranks left."""
+        if cfg.training.data_parallel != "ddp" or self.dp != world_size or self.ep > 1:
+            return (f"it needs full replicas: training.data_parallel = 'ddp' over every rank "
+                    f"(not {cfg.training.data_parallel!r}, layout {self.short()})")
+        if world_size < 3:
+            return f"it needs --nproc >= 3 (two ranks left to form a group), not {world_size}"
+        if cfg.training.global_batch // cfg.training.micro_batch < world_size - 1:
+            return (f"training.global_batch / training.micro_batch = "
+                    f"{cfg.training.global_batch // cfg.training.micro_batch} microbatches "
+                    f"cannot give each of {world_size - 1} ranks one")
+        return None
+
     def manual_reduce(self, data_parallel: str) -> bool:
         """Whether the trainer all-reduces data-parallel gradients itself, unsharded: torch
         2.13's zero-bubble schedules compute weight gradients after FSDP2 has reduced them."""
         return (self.dp * self.cp > 1 and data_parallel != "ddp" and self.pp > 1
                 and self.schedule in ZERO_BUBBLE)
 
-    def check(self, cfg: Config, device_type: str = "cpu", trainer: bool = True) -> None:
+    def check(self, cfg: Config, device_type: str = "cpu", trainer: bool = True,
+              shrunk: bool = False) -> None:
         """Every rule a layout must pass, as one-line ConfigErrors naming the fields.
 
         `cfg` gives the model, batch, data-parallel engine, optimizer and the [parallel]
         options; `trainer=False` (the simulator and planner) relaxes the rules that are limits
         of myria's trainer in this version rather than of the layout itself, so that layouts
-        other frameworks run can still be priced (each such rule says so below).
+        other frameworks run can still be priced (each such rule says so below). `shrunk`:
+        the layout of a run that lost a replica (`shrink_refusal`), whose shares may differ.
         """
         m, t, p = cfg.model, cfg.training, cfg.parallel
         tp, cp, pp, ep = self.tp, self.cp, self.pp, self.ep
         only_trainer = trainer   # the trainer's own limits apply
         # -- the batch and the pipeline -----------------------------------------------------
-        n_micro = self.microbatches(t.global_batch, t.micro_batch)
+        n_micro = self.microbatches(t.global_batch, t.micro_batch, shrunk)
         validate_pipeline(m.layers, pp, self.vpp, self.schedule, n_micro)
         validate_degrees(m, tp, cp, self.sequence_parallel)
         # -- experts ---------------------------------------------------------------------------
@@ -357,3 +379,4 @@ def rank_layers(cfg: ModelConfig, pp: int, vpp: int, schedule: str) -> list[int]
     """Layers held by each pipeline rank (summed over its chunks), in rank order."""
     per_stage = stage_layers(cfg, pp, vpp)
     return [sum(per_stage[s] for s in stage_ids(r, pp, vpp, schedule)) for r in range(pp)]
+

@@ -27,11 +27,11 @@ def test_the_step_every_rank_holds_and_who_sends_it():
     # rank 2 lost; rank 3 holds its copy of steps 5 and 6; a survivor a step behind decides
     infos = [_info(0, (4, 5, 6), 3, (5, 6)), _info(1, (4, 5, 6), 0, (5, 6)),
              _info(2, fresh=True), _info(3, (4, 5, 6), 2, (5, 6))]
-    assert choose(infos) == {"step": 6, "sources": {2: 3}}
+    assert choose(infos) == {"step": 6, "sources": {2: 3}, "replica": []}
     infos[1]["own"] = [3, 4, 5]   # its snapshot of step 6 never finished
-    assert choose(infos) == {"step": 5, "sources": {2: 3}}
+    assert choose(infos) == {"step": 5, "sources": {2: 3}, "replica": []}
     infos[3]["held"] = {4: {}}    # the holder's newer copies did not verify
-    assert choose(infos) == {"step": 4, "sources": {2: 3}}
+    assert choose(infos) == {"step": 4, "sources": {2: 3}, "replica": []}
     # a rank and its holder both lost: no copy of rank 2 is left -> the checkpoint on disk
     infos[3] = _info(3, fresh=True)
     assert choose(infos) is None

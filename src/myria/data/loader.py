@@ -45,6 +45,18 @@ class _Failure:
         self.exc = exc
 
 
+def microbatch_share(global_batch: int, micro_batch: int, dp: int, dp_rank: int) -> range:
+    """The microbatches of a step's global batch (global_batch / micro_batch of them, in order)
+    that data-parallel rank `dp_rank` of `dp` trains: a contiguous run, the first
+    (microbatches % dp) ranks one more. Equal shares (global_batch / (dp x micro_batch) each)
+    when dp divides them; unequal only in a run shrunk after a lost replica
+    (`resilience.shrink`), which keeps the global batch and so the data of every step."""
+    total = global_batch // micro_batch
+    per, extra = divmod(total, dp)
+    first = dp_rank * per + min(dp_rank, extra)
+    return range(first, first + per + (dp_rank < extra))
+
+
 class BatchLoader:
     """Iterator of `Batch`es for one data-parallel rank, prefetched by a daemon thread.
 
@@ -85,9 +97,14 @@ class BatchLoader:
     def indices(self, step: int) -> np.ndarray:
         """This rank's sample indices for `step` (global_batch / dp_size of them): its contiguous
         slice of the step's global batch (a TokenDataset's or a MixtureDataset's order)."""
-        per = self.global_batch // self.dp_size
         g = self.dataset.batch_indices(step, self.global_batch, self.seed)
-        return g[self.dp_rank * per: (self.dp_rank + 1) * per]
+        if self.global_batch % (self.dp_size * self.micro_batch) == 0:
+            per = self.global_batch // self.dp_size
+            return g[self.dp_rank * per: (self.dp_rank + 1) * per]
+        # a run shrunk after a lost replica: this rank's microbatches of the same global batch
+        mine = microbatch_share(self.global_batch, self.micro_batch, self.dp_size,
+                                self.dp_rank)
+        return g[mine.start * self.micro_batch: mine.stop * self.micro_batch]
 
     def make_batch(self, step: int) -> Batch:
         """Read and shape the batch of `step` (on CPU; pinned when the device is CUDA)."""

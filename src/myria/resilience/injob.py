@@ -60,6 +60,14 @@ def check(cfg, min_nodes: int, max_nodes: int, nproc: int) -> None:
     if nproc < 2:
         raise ConfigError("resilience.recovery = 'in-job' needs --nproc >= 2 (survivors to "
                           "stay); use recovery = 'restart'")
+    if r.shrink:
+        from myria.layout import Layout
+
+        why = Layout.resolve(cfg.parallel, nproc).shrink_refusal(cfg, nproc)
+        if why is not None:
+            raise ConfigError(f"resilience.shrink = true cannot shrink this run: {why}; set "
+                              "resilience.shrink = false (a fresh process replaces a lost "
+                              "worker)")
 
 
 class InJobRecovery:
@@ -72,6 +80,9 @@ class InJobRecovery:
         self.recovered = 0
         self.owed = 0   # spares used, to be started again once the recovery is over
         self.frozen: tuple[int, object] | None = None  # (local rank, its Fault): killed by us
+        self.shrunk: dict | None = None   # the slot dropped by a shrink, until the grow
+        self.growing: dict | None = None  # a grow announced, until its first step
+        self.resizes: list[dict] = []     # each shrink and grow, for the summary
 
     # -- spares ------------------------------------------------------------------------------
     def start_spares(self) -> None:
@@ -130,15 +141,24 @@ class InJobRecovery:
             for _ in range(self.owed):
                 self._start_spare()
             self.owed = 0
-        dead = {lr: h.proc.poll() for lr, h in handlers.items()}
+        if self.shrunk is not None and self.shrunk["pc"] is not pc:
+            self.shrunk = self.growing = None   # a full restart started every slot again
+        if self.growing is not None:
+            self._track_grow()
+        dead = {lr: h.proc.poll() for lr, h in handlers.items()
+                if not isinstance(h, _Dropped)}
         dead = {lr: c for lr, c in dead.items() if c not in (None, 0)}
         if not dead:
+            if self.shrunk is not None and self.growing is None:
+                self._grow_if_ready(agent, wg, pc)
             return None
         busy = f is not None and f.recovery.startswith("in-job") and not f.first_step_at
+        busy = busy or self.growing is not None
         code = next(iter(dead.values()))
         if len(dead) > 1 or busy or code in (USER_ERROR, SAVE_FAILED) or \
-                agent._remaining_restarts <= 0:
+                agent._remaining_restarts <= 0 or self.shrunk is not None:
             why = ("a fault during an in-job recovery" if busy else
+                   "a worker lost while the run is shrunk" if self.shrunk is not None else
                    f"{len(dead)} workers lost at once" if len(dead) > 1 else
                    "no restarts left" if agent._remaining_restarts <= 0 else
                    f"exit code {code}")
@@ -211,12 +231,19 @@ class InJobRecovery:
         agent._remaining_restarts -= 1
         attempt = wg.spec.max_restarts - agent._remaining_restarts
         store = sup._server
+        spare = self._take_spare()
+        shrink = spare is None and sup.r.shrink
+        if shrink:  # the members of the next attempt, before it is announced
+            store.set(key(sup.job, f"members{attempt}"),
+                      json.dumps([r for r in sup.ranks if r != rank]))
         store.set(key(sup.job, "lost"), json.dumps([rank]))
         store.set(key(sup.job, "attempt"), str(attempt))
         f.stopped_at = f.decided_at = f.backoff_done_at = time.time()  # no stop, no decision
+        if shrink:
+            self._shrink(agent, wg, pc, local, rank, attempt, f)
+            return
         env = dict(pc.envs[local], TORCHELASTIC_RESTART_COUNT=str(attempt))
         env[ENV_JOIN] = "1"
-        spare = self._take_spare()
         if spare is not None:
             i, proc = spare
             store.set(key(sup.job, f"spare{i}"), json.dumps(
@@ -243,6 +270,113 @@ class InJobRecovery:
         if spare is not None:
             self.owed += 1  # the pool back to its size once the recovery is over
 
+    # -- shrink and grow (resilience.shrink: pure DDP, no spare ready) ------------------------
+    def _shrink(self, agent, wg, pc, local: int, rank: int, attempt: int, f) -> None:
+        """No spare: the survivors go on as a smaller data-parallel group on the same global
+        batch (announced with its members); the lost slot is marked dropped in the agent's
+        process table, and a spare is started to grow back into once it is ready (on one host
+        the lost process's share of it is free again; on a cluster it stands for the
+        replacement host the scheduler provides)."""
+        sup = self.sup
+        survivors = [r for r in sup.ranks if r != rank]
+        handler = pc.subprocess_handlers[local]
+        pc.subprocess_handlers[local] = _Dropped(pc, local, handler.proc.pid)
+        self.shrunk = {"pc": pc, "local": local, "rank": rank, "handler": handler,
+                       "at": time.time()}
+        f.recovery = "in-job: shrink"
+        f.restarted_at = time.time()
+        sup.reached(f)
+        f.action.append(f"in-job: no spare ready: ranks {survivors} go on without rank {rank} "
+                        f"on the same global batch")
+        self.resizes.append({"kind": "shrink", "attempt": attempt, "at": time.time(),
+                             "ranks": survivors, "dropped": rank})
+        log.info("ACTION in-job shrink (attempt %d, %d restart(s) left): no spare ready; ranks "
+                 "%s go on as %d data-parallel replicas on the same global batch, rank %d's "
+                 "slot waits for a spare", attempt, agent._remaining_restarts, survivors,
+                 len(survivors), rank)
+        sup.ranks = survivors
+        sup.attempt = attempt
+        sup.new_watch()
+        self.recovered += 1
+        if not self.spares:
+            self._start_spare()
+
+    def _ready_spare(self) -> tuple[int, subprocess.Popen] | None:
+        """A spare that is running and has said it is ready (torch imported, waiting)."""
+        from myria.train.rejoin import key
+
+        store = self.sup._server
+        for i, p in sorted(self.spares.items()):
+            if p.poll() is None and store.check([key(self.sup.job, f"spare{i}/ready")]):
+                return i, p
+        return None
+
+    def _grow_if_ready(self, agent, wg, pc) -> None:
+        """A shrunk run that has made progress grows back once a spare is ready: the next
+        attempt is announced with every slot a member, the spare takes the dropped slot and
+        its state from a survivor's (a replica's) memory; the survivors leave their loop after
+        the same step (myria.train.rejoin.InJob.grow_due)."""
+        from myria.train.rejoin import ENV_JOIN, key
+
+        sup, s = self.sup, self.shrunk
+        f = sup.current
+        if f is not None and not f.first_step_at or agent._remaining_restarts <= 0:
+            return
+        ready = self._ready_spare()
+        if ready is None:
+            if not any(p.poll() is None for p in self.spares.values()):
+                self._start_spare()   # the spare died before it was ready: another
+            return
+        i, proc = ready
+        del self.spares[i]
+        agent._remaining_restarts -= 1   # one numbering of attempts (the store's prefixes)
+        attempt = wg.spec.max_restarts - agent._remaining_restarts
+        local, rank = s["local"], s["rank"]
+        full = sorted([*sup.ranks, rank])
+        store = sup._server
+        env = dict(pc.envs[local], TORCHELASTIC_RESTART_COUNT=str(attempt))
+        env[ENV_JOIN] = "1"
+        store.set(key(sup.job, f"spare{i}"), json.dumps(
+            {"env": env, "stdout": pc.stdouts.get(local), "stderr": pc.stderrs.get(local)}))
+        store.set(key(sup.job, f"members{attempt}"), json.dumps(full))
+        store.set(key(sup.job, "lost"), json.dumps([rank]))
+        store.set(key(sup.job, "attempt"), str(attempt))
+        handler = s["handler"]
+        handler.proc = proc
+        pc.subprocess_handlers[local] = handler
+        wg.workers[local].id = proc.pid
+        now = time.time()
+        self.growing = {"attempt": attempt, "at": now, "spare": i, "rank": rank,
+                        "shrunk_s": round(now - s["at"], 3)}
+        self.shrunk = None
+        if f is not None:
+            f.action.append(f"in-job: grew back to {len(full)} ranks (hot spare {i} took rank "
+                            f"{rank}) after {now - s['at']:.1f} s shrunk")
+        log.info("ACTION in-job grow (attempt %d, %d restart(s) left): hot spare %d (pid %d) "
+                 "is ready and takes rank %d; ranks %s join it after their current step",
+                 attempt, agent._remaining_restarts, i, proc.pid, rank, sup.ranks)
+        sup.ranks = full
+        sup.attempt = attempt
+        sup.new_watch()
+        if sup.r.spares:
+            self.owed += 1
+
+    def _track_grow(self) -> None:
+        """The grow is over once every rank of its attempt has done a step."""
+        g = self.growing
+        recs = [x for x in self.sup._read_heartbeats().values()
+                if x and x.get("attempt") == g["attempt"]]
+        if len(recs) == len(self.sup.ranks) and all(x.get("first_step_at") for x in recs):
+            first = max(x["first_step_at"] for x in recs)
+            self.resizes.append({"kind": "grow", "attempt": g["attempt"], "at": g["at"],
+                                 "ranks": list(self.sup.ranks), "added": g["rank"],
+                                 "spare": g["spare"], "shrunk_s": g["shrunk_s"],
+                                 "to_first_step_s": round(first - g["at"], 3),
+                                 "resumed_from": min(x.get("resumed_from", -1) for x in recs)})
+            log.info("GREW back to %d ranks: first step %.1f s after the announcement",
+                     len(self.sup.ranks), first - g["at"])
+            self.growing = None
+
     @staticmethod
     def _fresh(pc, local: int, env: dict) -> subprocess.Popen:
         """The lost worker's command again, in a new process, its output appended to the same
@@ -259,3 +393,33 @@ class InJobRecovery:
                 if fh is not None:
                     fh.close()
 
+
+
+class _Dropped:
+    """Stands in torch elastic's process table (as handler and process at once) for the slot
+    a shrink dropped: running while any worker still runs, done (exit 0) once all are, so the
+    agent neither restarts the group for it nor waits for it at the end; nothing to signal."""
+
+    def __init__(self, pc, local: int, pid: int) -> None:
+        self.pc, self.local, self.pid = pc, local, pid
+        self.returncode: int | None = None
+        self.proc = self
+
+    def poll(self) -> int | None:
+        others = [h.proc.poll() for lr, h in self.pc.subprocess_handlers.items()
+                  if lr != self.local]
+        if self.returncode is None and all(c is not None for c in others):
+            self.returncode = 0
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        return self.poll() or 0
+
+    def close(self, death_sig=None) -> None:
+        pass
+
+    def send_signal(self, sig) -> None:
+        pass
+
+    def kill(self) -> None:
+        pass

@@ -907,6 +907,7 @@ class Supervisor:
             "newest_checkpoint": _newest_committed(self.run_dir),
             "faults": faults, "blocklist": self.blocklist, "goodput": ledger,
             "heartbeat_s": self.r.heartbeat_s, "store": self.r.store,
+            **({"resizes": self.injob.resizes} if self.injob and self.injob.resizes else {}),
         }
 
     def _write_summary(self, s: dict[str, Any]) -> None:

@@ -78,17 +78,29 @@ class Engine:
     """Model parts, optimizers and schedules of this rank, built for the run's layout."""
 
     def __init__(self, cfg: Config, dims: ParallelDims | None, device: torch.device,
-                 run_dir=None, eos_id: int | None = None):
+                 run_dir=None, eos_id: int | None = None, shrunk: bool = False):
         self.cfg, self.device = cfg, device
         self.eos_id = eos_id  # the document separator, for model.document_mask
         # the layout's mesh, groups and this rank's coordinates (one process: no mesh)
         self.dims = dims = dims or ParallelDims.build(Layout.resolve(cfg.parallel, 1),
                                                       device.type)
         lay, t = dims.layout, cfg.training
-        check_run(cfg, lay, device.type)   # the one place a layout is accepted
+        check_run(cfg, lay, device.type, shrunk)   # the one place a layout is accepted
         # where the optimizer state (and parameters kept off the device) live: myria.offload
         self.tier = optimizer_tier(cfg, run_dir, dist.get_rank() if dist.is_initialized() else 0)
-        self.microbatches = lay.microbatches(t.global_batch, t.micro_batch)
+        # the divisor of each microbatch's loss: this rank's microbatches, so the data-parallel
+        # average is the mean over the global batch; in a run shrunk after a lost replica
+        # (`resilience.shrink`: pure DDP, shares that may differ by one) it is the global
+        # batch's microbatches / dp, the same number when the shares are equal
+        self.loss_divisor: float | None = None
+        if shrunk and t.global_batch % (lay.dp * t.micro_batch):
+            from myria.data.loader import microbatch_share
+
+            self.microbatches = len(microbatch_share(t.global_batch, t.micro_batch, lay.dp,
+                                                     dims.dp_rank))
+            self.loss_divisor = t.global_batch / t.micro_batch / lay.dp
+        else:
+            self.microbatches = lay.microbatches(t.global_batch, t.micro_batch)
         fsdp = shards_with_fsdp(cfg, lay, device.type)
         if fsdp and dims.fsdp_mesh is None:  # one process in bf16 or with host offload
             dims.fsdp_mesh = single_rank_mesh(device.type)
@@ -184,6 +196,7 @@ class Engine:
         if self.schedule is not None:
             return self._pipelined(inputs, targets)
         accum = inputs.shape[0]
+        div = accum if self.loss_divisor is None else self.loss_divisor
         loss_sum = torch.zeros((), device=self.device)
         rec = events.current()
         for i in range(accum):
@@ -191,9 +204,9 @@ class Engine:
             with _grad_sync(self.model, i == accum - 1), self._ctx():
                 with rec.compute("forward", mb=i, stage=0):
                     if self.dims.tp > 1:  # vocabulary-sharded logits, loss on the shards
-                        loss = self._loss_fn(self.model(inputs[i], **kw), targets[i]) / accum
+                        loss = self._loss_fn(self.model(inputs[i], **kw), targets[i]) / div
                     else:  # fused, chunked output projection + cross-entropy
-                        loss = self.model(inputs[i], targets[i], **kw) / accum
+                        loss = self.model(inputs[i], targets[i], **kw) / div
                 if i == accum - 1:
                     self.tier.before_last_backward()
                 with rec.compute("backward", mb=i, stage=0):

@@ -331,7 +331,7 @@ class PeerSnapshots:
         """What outlives this ring for in-job recovery (call after `wait`, or once the
         exchange has failed): this rank's own snapshots and its left neighbour's held ones,
         by step. The buffers stay valid after `close` (a mapping outlives its file)."""
-        return {"rank": self.rank, "left": self.left, "own": dict(self.own),
+        return {"rank": self.rank, "left": self.left, "world": self.world, "own": dict(self.own),
                 "held": dict(self.held_by_step)}
 
     def held_state(self) -> dict[str, Any]:

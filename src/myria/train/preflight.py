@@ -19,10 +19,11 @@ from myria.layout import Layout
 from myria.offload.tier import check_budget
 
 
-def check_run(cfg: Config, layout: Layout, device_type: str = "cpu") -> None:
+def check_run(cfg: Config, layout: Layout, device_type: str = "cpu",
+              shrunk: bool = False) -> None:
     """Everything to refuse before a worker starts: the layout's rules (`Layout.check`) and
     the offload tier's memory budget."""
-    layout.check(cfg, device_type)
+    layout.check(cfg, device_type, shrunk=shrunk)
     check_budget(cfg, layout, device_type)
 
 

@@ -71,6 +71,12 @@ PEER_LOST = ("Connection closed by peer", "Connection reset by peer", "Broken pi
              "aborted", "Aborted")
 
 
+class Regroup(Exception):
+    """Raised by every rank of a shrunk run at the same step boundary once the supervisor has
+    announced a spare to grow back into (`InJob.grow_due`): the loop ends in order (saves
+    finished, snapshots kept) and the ranks join the next attempt at the full size."""
+
+
 def key(job: str, name: str) -> str:
     return f"{PREFIX}/{job}/{name}"
 
@@ -177,6 +183,10 @@ class InJob:
     def __init__(self, cfg, run_dir, job: str, store) -> None:
         self.cfg, self.run_dir, self.job, self.store = cfg, run_dir, job, store
         self.attempt = attempt_now()
+        # this process's rank in the full job (its slot in the supervisor's worker group, and
+        # the rank its heartbeats carry) and the full size; a shrunk attempt renumbers ranks
+        self.slot = int(os.environ.get("RANK", 0))
+        self.full_world = int(os.environ.get("WORLD_SIZE", 1))
         self.replacement = os.environ.get(ENV_JOIN) == "1"
         self.kept: dict[str, Any] | None = None   # peer snapshots that outlived the Run
         self.rejoined = False   # a survivor set up for the next attempt: restore in-job
@@ -199,10 +209,13 @@ class InJob:
         return dist.PrefixStore(key(self.job, f"pg{self.attempt}") + "/", self.store)
 
     # -- a failure -----------------------------------------------------------------------------
-    def keep(self, run) -> None:
-        """The training loop failed: abort the groups, keep the peer snapshots of `run`."""
+    def keep(self, run, orderly: bool = False) -> None:
+        """The training loop failed: abort the groups, keep the peer snapshots of `run`.
+        `orderly` (a Regroup: every rank left after the same step): nothing is aborted, the
+        run's saves finish on its groups."""
         self.failed_at = self.failed_at or time.time()
-        abort_groups()
+        if not orderly:
+            abort_groups()
         peers = getattr(run, "peers", None)
         if peers is None:
             return
@@ -241,10 +254,46 @@ class InJob:
                     "in-job", os.environ.get("RANK", "?"), _first_line(error), lost, nxt)
         self.attempt = nxt
         os.environ["TORCHELASTIC_RESTART_COUNT"] = str(nxt)
+        self._take_rank(nxt)
         self._new_attempt(hb, self.failed_at)
         self.failed_at = 0.0
         self.rejoined = True
         return True
+
+    # -- shrink and grow (resilience.shrink: pure DDP) ---------------------------------------
+    @property
+    def shrunk(self) -> bool:
+        """This attempt runs with fewer ranks than the job (a replica was lost, none replaced)."""
+        return int(os.environ.get("WORLD_SIZE", self.full_world)) < self.full_world
+
+    def _take_rank(self, attempt: int) -> None:
+        """This process's rank and the world of `attempt`: the supervisor's member list for
+        it (the survivors, in slot order, after a shrink; everyone after a grow), else the
+        full job."""
+        members = json.loads(self._get(f"members{attempt}", "null"))
+        if members is None:
+            rank, world = self.slot, self.full_world
+        elif self.slot in members:
+            rank, world = members.index(self.slot), len(members)
+        else:  # not a member: never asked to join (the supervisor dropped this slot)
+            raise RuntimeError(f"slot {self.slot} is not a member of attempt {attempt} "
+                               f"({members})")
+        os.environ["RANK"], os.environ["WORLD_SIZE"] = str(rank), str(world)
+        if members is not None:
+            log.warning("rank %d of the job joins attempt %d as rank %d of %d (%s)", self.slot,
+                        attempt, rank, world, "shrunk: a replica fewer, the same global batch"
+                        if world < self.full_world else "grown back to the full size")
+
+    def grow_due(self) -> bool:
+        """At a step boundary of a shrunk run: has the supervisor announced the attempt that
+        grows back (a spare is ready)? Rank 0 reads the store, every rank learns it from one
+        one-element all-reduce, so all leave the loop after the same step."""
+        flag = torch.zeros(1)
+        if dist.get_rank() == 0:
+            v = self._get("attempt", "")
+            flag[0] = float(v.isdigit() and int(v) > self.attempt)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return bool(flag.item())
 
     def _get(self, name: str, default: str) -> str:
         try:
@@ -304,7 +353,9 @@ class InJob:
         info = _describe(kept, env.rank, survivor=not self.replacement)
         infos: list = [None] * env.world_size
         dist.all_gather_object(infos, info)
-        plan = choose(infos)
+        lay = engine.dims.layout
+        replicas = self.cfg.training.data_parallel == "ddp" and lay.dp == env.world_size
+        plan = choose(infos, replicas=replicas)
         self.replacement = False
         if plan is None:
             if env.is_main:
@@ -317,13 +368,14 @@ class InJob:
         state = None
         how = {}
         for lost, holder in sources.items():
-            meta = infos[holder]["held"][step]
+            replica = lost in plan["replica"]   # a DDP replica's own copy (a grow)
+            meta = infos[holder]["own_meta" if replica else "held"][step]
             # on one host the copy is the lost rank's shared-memory file: the replacement maps
             # it (what its holder maps); else the holder sends it over the new group
             mapped = bool(meta.get("path")) and meta.get("host") == infos[lost]["host"]
-            how[lost] = "mapped" if mapped else "sent"
+            how[lost] = "mapped" if mapped else "replica sent" if replica else "sent"
             if env.rank == holder and not mapped:
-                dist.send(kept["held"][step]["buf"], dst=lost)
+                dist.send(kept["own" if replica else "held"][step]["buf"], dst=lost)
             elif env.rank == lost:
                 from myria.train import peer
 
@@ -348,8 +400,13 @@ class InJob:
         del kept
         self._record(step, infos, t0, env, sources, how)
         if env.is_main:
-            print(f"in-job recovery: resumed from step {step} held in memory (rank(s) "
-                  f"{sorted(sources)} from their ring neighbours' copies) in "
+            if not sources:
+                whence = f"each of {env.world_size} ranks its own copy"
+            elif plan["replica"]:
+                whence = f"new rank(s) {plan['replica']} from a replica's copy"
+            else:
+                whence = f"rank(s) {sorted(sources)} from their ring neighbours' copies"
+            print(f"in-job recovery: resumed from step {step} held in memory ({whence}) in "
                   f"{time.time() - t0:.2f} s", flush=True)
         return step
 
@@ -387,35 +444,47 @@ def _describe(kept: dict | None, rank: int, survivor: bool = True) -> dict:
                 "survivor": survivor, "host": socket.gethostname()}
     own = [s for s, o in kept["own"].items()
            if o["crc"] is None or peer.crc32(o["buf"]) == o["crc"]]
+    # what a new rank of a data-parallel replica group takes when the run grows back
+    own_meta = {s: {"meta": kept["own"][s]["meta"], "nbytes": kept["own"][s]["buf"].numel(),
+                    "crc": kept["own"][s]["crc"] if kept["own"][s]["crc"] is not None
+                    else peer.crc32(kept["own"][s]["buf"])} for s in own}
     held = {}
     for s, h in kept["held"].items():
         if peer.crc32(h["buf"]) == h["crc"]:  # the same check as a checkpoint's on load
             held[s] = {"meta": h["meta"], "crc": h["crc"], "nbytes": h["buf"].numel(),
                        "path": h.get("path"), "host": h.get("host")}
     return {"rank": rank, "fresh": False, "own": sorted(own), "holds": kept["left"],
-            "held": held, "host": socket.gethostname()}
+            "held": held, "own_meta": own_meta, "ring": kept.get("world"),
+            "host": socket.gethostname()}
 
 
-def choose(infos: list[dict]) -> dict | None:
+def choose(infos: list[dict], replicas: bool = False) -> dict | None:
     """The newest step every survivor has its own snapshot of and each lost (fresh) rank's
     holder (its right neighbour, a survivor) has a verified copy of; with the holders:
-    {"step": s, "sources": {lost: holder}}, or None."""
+    {"step": s, "sources": {lost: holder}}, or None. `replicas` (pure DDP: every rank holds
+    the same state): a new rank without a holder (a run growing back after a shrink, whose
+    ring did not include it) takes the lowest survivor's own copy instead."""
     world = len(infos)
     lost = [i["rank"] for i in infos if i["fresh"]]
     survivors = [i for i in infos if not i["fresh"]]
     if not survivors:
         return None
     steps = set.intersection(*(set(i["own"]) for i in survivors))
-    sources = {}
+    sources, replica = {}, []
     for r in lost:
         h = infos[(r + 1) % world]
-        if h["fresh"] or h["holds"] != r:
+        # a holder of the same ring: a shrunk attempt's ring numbered its ranks otherwise
+        if h["fresh"] or h["holds"] != r or h.get("ring", world) != world:
+            if replicas:
+                sources[r] = survivors[0]["rank"]
+                replica.append(r)
+                continue
             return None   # both copies of this rank's state are gone
         steps &= {int(s) for s in h["held"]}
         sources[r] = h["rank"]
     if not steps:
         return None
-    return {"step": max(steps), "sources": sources}
+    return {"step": max(steps), "sources": sources, "replica": replica}
 
 
 def _facts(infos: list[dict]) -> str:

@@ -149,12 +149,15 @@ def _train(cfg: Config, run_dir: Path, env, stop_after: int | None,
                     print(f"stopped{why} after step {step} with a committed checkpoint",
                           flush=True)
                 return TrainResult(step, losses, True)
+            if injob is not None and injob.shrunk and step < t.steps and injob.grow_due():
+                raise rejoin.Regroup(f"a spare is ready: the run grows back to "
+                                     f"{injob.full_world} ranks after step {step}")
         hb.phase("checkpoint-flush")
         run.ckpt.require_saved(step)  # never a success for work that was not saved
         return TrainResult(step, losses, False)
-    except Exception:
+    except Exception as e:
         if injob is not None:  # before the close: no thread of the run waits on a lost peer
-            injob.keep(run)
+            injob.keep(run, orderly=isinstance(e, rejoin.Regroup))
         raise
     finally:
         run.close()
@@ -258,7 +261,8 @@ class Run:
             data_fp = dataset.fingerprint(data_fp)
 
         # -- model, optimizer, schedule for this layout ----------------------------------------
-        engine = Engine(cfg, dims, env.device, run_dir, eos_id=dataset.eos_id)
+        engine = Engine(cfg, dims, env.device, run_dir, eos_id=dataset.eos_id,
+                        shrunk=injob is not None and injob.shrunk)
         faults = FaultInjector(run_dir, env.rank)
         rec = start_events(cfg, run_dir, env, dims, engine, faults)
 
