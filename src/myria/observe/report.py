@@ -658,12 +658,28 @@ def recovery_section(run_dir: Path, out: Path) -> str:
                 "; host blocklisted" if any(str(a).startswith("blocklist ")
                                             for a in f.get("action", [])) else "") + ")"
         frows += (f"<tr><td>{esc(kind)}</td><td>{esc(str(f.get('ranks')))}</td>"
-                  f"<td>{f.get('last_step')}</td>{cells}<td>{f.get('time_lost_s')}</td></tr>")
+                  f"<td>{f.get('last_step')}</td><td>{esc(str(f.get('recovery') or '-'))}</td>"
+                  f"{cells}<td>{f.get('time_lost_s')}</td></tr>")
     ftable = ""
     if faults:
         head = "".join(f"<th>{esc(k)}</th>" for k in RECOVERY_PHASES)
         ftable = (f"<h2>Recoveries by phase, s</h2><table id=recoveries><tr><th>fault</th>"
-                  f"<th>ranks</th><th>step</th>{head}<th>total lost</th></tr>{frows}</table>")
+                  f"<th>ranks</th><th>step</th><th>path</th>{head}<th>total lost</th></tr>"
+                  f"{frows}</table>")
+    try:   # in-job shrinks and grows (resilience.shrink): the job's size over time
+        resizes = json.loads((run_dir / "supervisor_summary.json").read_text()).get(
+            "resizes", [])
+    except (OSError, ValueError):
+        resizes = []
+    if resizes:
+        t0 = resizes[0]["at"]
+        ftable += ("<h2>Resizes (in-job shrink and grow)</h2><table id=resizes><tr><th>at, s"
+                   "</th><th>kind</th><th>ranks</th><th>resumed from</th><th>to first step, "
+                   "s</th></tr>" + "".join(
+                       f"<tr><td>{z['at'] - t0:.1f}</td><td>{esc(z['kind'])}</td>"
+                       f"<td>{esc(str(z['ranks']))}</td><td>{z.get('resumed_from', '-')}</td>"
+                       f"<td>{z.get('to_first_step_s', '-')}</td></tr>" for z in resizes)
+                   + "</table>")
     return (f"<h2>Goodput ledger</h2><p id=ettr>ETTR {ledger['ettr']:.4f}: {ledger['wall_s']:.1f}"
             f" s of wall time, {ledger['accounted_s']:.1f} s accounted.</p>"
             f"<table id=ledger><tr><th>category</th><th>s</th><th>of wall</th></tr>{rows}"

@@ -322,6 +322,10 @@ class InJobRecovery:
         f = sup.current
         if f is not None and not f.first_step_at or agent._remaining_restarts <= 0:
             return
+        last = self.resizes[-1]
+        if f is not None and last["kind"] == "shrink" and "to_first_step_s" not in last:
+            last["resumed_from"] = f.resumed_from
+            last["to_first_step_s"] = round(f.first_step_at - f.fault_at, 3)
         ready = self._ready_spare()
         if ready is None:
             if not any(p.poll() is None for p in self.spares.values()):

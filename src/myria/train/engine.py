@@ -196,7 +196,7 @@ class Engine:
         if self.schedule is not None:
             return self._pipelined(inputs, targets)
         accum = inputs.shape[0]
-        div = accum if self.loss_divisor is None else self.loss_divisor
+        div = self.divisor(accum)
         loss_sum = torch.zeros((), device=self.device)
         rec = events.current()
         for i in range(accum):
@@ -213,6 +213,11 @@ class Engine:
                     loss.backward()
             loss_sum += _local(loss.detach())
         return loss_sum
+
+    def divisor(self, accum: int) -> float:
+        """What each of this rank's `accum` microbatch losses is divided by (the one rule: the
+        training step and the silent-corruption check's recomputation both use it)."""
+        return accum if self.loss_divisor is None else self.loss_divisor
 
     def _pipelined(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         x = inputs.reshape(-1, inputs.shape[-1])

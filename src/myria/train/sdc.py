@@ -407,7 +407,7 @@ class ComputeCheck:
         e = self.engine
         doc = e._documents(x.unsqueeze(0))[0]
         kw = {} if doc is None else {"documents": doc}
-        accum = self._accum   # training divides each microbatch's loss by their number
+        accum = e.divisor(self._accum)   # what training divides each microbatch's loss by
         cap = _Capture(e.model, False)
         try:
             with _grad_sync(e.model, False), e._ctx():
