@@ -199,18 +199,22 @@ class InJob:
         return dist.PrefixStore(key(self.job, f"pg{self.attempt}") + "/", self.store)
 
     # -- a failure -----------------------------------------------------------------------------
+    settle_s = 10.0  # the most `keep` lets a peer-snapshot exchange in flight finish
+
     def keep(self, run) -> None:
-        """The training loop failed: abort the groups, keep the peer snapshots of `run`."""
+        """The training loop failed: keep the peer snapshots of `run`, abort the groups."""
         self.failed_at = self.failed_at or time.time()
-        abort_groups()
         peers = getattr(run, "peers", None)
+        if peers is not None:
+            peers.keep_files = True   # the replacement of this rank, if it is lost, maps them
+            # the exchange in flight first, the abort after: an abort in the middle of a
+            # transfer leaves it waiting for the group's timeout (PeerSnapshots.settle).
+            # Bounded below the hang timeout: meanwhile the peers blocked on this rank wait.
+            r = getattr(self.cfg, "resilience", None)
+            peers.settle(min(self.settle_s, r.hang_timeout_s / 4) if r else self.settle_s)
+        abort_groups()
         if peers is None:
             return
-        peers.keep_files = True   # the replacement of this rank, if it is lost, maps them
-        try:
-            peers.wait()
-        except BaseException as e:  # the exchange in flight met the same failure
-            log.debug("peer snapshot exchange ended with: %s", e)
         kept = peers.kept()
         if kept is not None:
             self.kept = kept
