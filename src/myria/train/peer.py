@@ -419,6 +419,9 @@ class _Off:
     def after_step(self, step: int) -> None:
         pass
 
+    def settle(self, timeout_s: float) -> bool:
+        return True
+
     def close(self) -> None:
         pass
 
