@@ -199,19 +199,24 @@ class InJob:
         return dist.PrefixStore(key(self.job, f"pg{self.attempt}") + "/", self.store)
 
     # -- a failure -----------------------------------------------------------------------------
-    settle_s = 10.0  # the most `keep` lets a peer-snapshot exchange in flight finish
+    settle_s = 10.0  # the most `keep` lets the background traffic in flight finish
 
     def keep(self, run) -> None:
         """The training loop failed: keep the peer snapshots of `run`, abort the groups."""
         self.failed_at = self.failed_at or time.time()
+        # the traffic in flight first (the peer snapshots' exchange, the checkpoint's save),
+        # the abort after: aborted in the middle of a transfer, gloo leaves it waiting for
+        # its group's timeout, and the run's close joins it (PeerSnapshots.settle). Bounded
+        # below the hang timeout: meanwhile the peers blocked on this rank wait.
+        r = getattr(self.cfg, "resilience", None)
+        end = time.time() + (min(self.settle_s, r.hang_timeout_s / 4) if r else self.settle_s)
         peers = getattr(run, "peers", None)
         if peers is not None:
             peers.keep_files = True   # the replacement of this rank, if it is lost, maps them
-            # the exchange in flight first, the abort after: an abort in the middle of a
-            # transfer leaves it waiting for the group's timeout (PeerSnapshots.settle).
-            # Bounded below the hang timeout: meanwhile the peers blocked on this rank wait.
-            r = getattr(self.cfg, "resilience", None)
-            peers.settle(min(self.settle_s, r.hang_timeout_s / 4) if r else self.settle_s)
+            peers.settle(max(0.0, end - time.time()))
+        ckpt = getattr(run, "ckpt", None)
+        if ckpt is not None:
+            ckpt.settle(max(0.0, end - time.time()))
         abort_groups()
         if peers is None:
             return
