@@ -59,12 +59,20 @@ def check_bit_equal(run, reference):
 
 @pytest.mark.slow
 def test_a_spare_takes_the_lost_rank_from_peer_memory(tmp_path, tiny_data, reference):
-    supervise(tmp_path, tiny_data, "kill:rank=1:step=5", "--resilience.spares=1")
+    # a kill, then (second behaviour, same job) a rank that raises: it ends through its
+    # run's close, which must leave its shared-memory snapshot for its replacement to map
+    supervise(tmp_path, tiny_data, "kill:rank=1:step=5,raise:rank=0:step=9",
+              "--resilience.spares=1")
     s = json.loads((tmp_path / "supervisor_summary.json").read_text())
     log = (tmp_path / "supervisor.log").read_text()
     assert s["status"] == "succeeded" and s["final_step"] == STEPS, s
-    f = s["faults"][0]
-    assert len(s["faults"]) == 1 and f["recovery"] == "in-job: spare", f
+    f, g2 = s["faults"][0], s["faults"][-1]
+    assert len(s["faults"]) == 2 and f["recovery"] == "in-job: spare", f
+    # the raise came with its step-9 snapshot exchange in flight: it is let finish before
+    # the abort (PeerSnapshots.settle), so nothing is redone; before, the abort cut it (the
+    # resume from 8) or left the raising rank waiting until the hang timeout (a restart)
+    assert g2["recovery"] == "in-job: spare" and g2["resumed_from"] == 9, g2
+    assert g2["lost_steps"] == 0 and g2["fault_to_first_step_s"] < 15, g2
     assert "ACTION in-job recovery (attempt 1" in log and "hot spare 0" in log
     assert "ACTION stop the worker group" not in log   # the survivor stayed
     # it resumed from the step both snapshots hold (the one the kill interrupted, or the
@@ -73,6 +81,7 @@ def test_a_spare_takes_the_lost_rank_from_peer_memory(tmp_path, tiny_data, refer
     restored = json.loads((tmp_path / "peer" / "injob.json").read_text())
     assert restored[0]["step"] == f["resumed_from"] and restored[0]["sources"] == {"1": 0}
     assert restored[0]["copy"] == {"1": "mapped"}  # one host: the lost rank's shared file
+    assert restored[-1]["copy"] == {"0": "mapped"}, restored  # the raising rank's file
     # nothing stopped (the announcement only), no diagnostics, no back-off, no disk
     p = f["recovery_phases"]
     assert p["teardown"] < 0.5 and p["decision"] == p["backoff"] == 0.0, p

@@ -555,6 +555,23 @@ class CheckpointManager:
         """Finish the save in flight (call before the process exits)."""
         self.wait()
 
+    def settle(self, timeout_s: float) -> bool:
+        """In-job recovery's failure path (`InJob.keep`), before the process groups are
+        aborted: let the save in flight finish, for at most `timeout_s`. Its collectives on
+        its gloo group meet the gloo limit of myria.train.peer's `PeerSnapshots.settle`
+        (aborted mid-transfer, an operation waits out the group's timeout, 600 s). False:
+        it is left behind in its daemon thread and `close` no longer waits for it."""
+        t = self._thread
+        if t is None:
+            return True
+        t.join(timeout_s)
+        if not t.is_alive():
+            return True
+        self._thread = None
+        log.warning("the checkpoint save in flight is not over after %.1f s: left behind",
+                    timeout_s)
+        return False
+
     def require_saved(self, step: int) -> None:
         """Wait for the save in flight; raise SaveError if the save of `step` failed (the end of
         a run, or a requested stop: work that was not saved never ends as a success)."""

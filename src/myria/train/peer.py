@@ -200,6 +200,7 @@ class PeerSnapshots:
         self._cpu0 = time.process_time()
         self._job: threading.Thread | None = None
         self._error: BaseException | None = None
+        self.abandoned = False  # `settle` gave up on the exchange in flight: never joined
 
     # -- the training thread -----------------------------------------------------------------
     def after_step(self, step: int) -> None:
@@ -237,14 +238,50 @@ class PeerSnapshots:
                                      name="myria-peer-snapshot")
         self._job.start()
 
-    def wait(self) -> None:
-        """Until the exchange in flight (if any) is over; raises what it failed with."""
+    def wait(self, timeout: float | None = None) -> bool:
+        """Until the exchange in flight (if any) is over; raises what it failed with. With
+        `timeout`: False if it is still running after that many seconds (it goes on)."""
         if self._job is not None:
-            self._job.join()
+            self._job.join(timeout)
+            if self._job.is_alive():
+                return False
             self._job = None
         if self._error is not None:
             e, self._error = self._error, None
             raise e
+        return True
+
+    def settle(self, timeout_s: float) -> bool:
+        """The failure path (in-job recovery's `InJob.keep`), BEFORE the process groups are
+        aborted: let the exchange in flight finish, for at most `timeout_s`. True once it is
+        over (done or failed); False: it is abandoned, `close` will not join it.
+
+        Why first: gloo (torch 2.13, tcp transport) fails the pending operations of a pair
+        whose connection closes, but not an unbound-buffer send already being written nor a
+        receive whose payload is being read (`Pair::signalException` skips `tx_` entries of
+        unbound buffers and the receive in progress), so aborting in the middle of a
+        transfer (`abort_groups`: shutdown(2) of every socket) left this thread waiting for
+        the group's timeout (600 s; tests/train/test_peer_race.py). Let through, the
+        exchange completes in milliseconds: every rank posts its side in `after_step`, and
+        a peer that died closed its sockets, which fails the operations still pending.
+        What stays is a transfer cut by a peer that died in the middle of it, or a frozen
+        peer: those are abandoned after `timeout_s` and keep waiting in this daemon thread,
+        which holds the group (and its buffers) until its timeout; the group is never
+        destroyed under an operation in flight, and nothing else waits for it. `kept` is
+        then the copies that verified before: a transfer never lands in either held copy
+        (`recv` buffers, `_hold`)."""
+        try:
+            done = self.wait(timeout_s)
+        except BaseException as e:  # the exchange in flight met the same failure
+            log.debug("peer snapshot exchange ended with: %s", e)
+            return True
+        if not done:
+            self.abandoned = True
+            self.stats["abandoned"] = True
+            log.warning("rank %d: the peer snapshot exchange in flight is not over after "
+                        "%.1f s: left behind; the held copy of rank %d stays at step %s",
+                        self.rank, timeout_s, self.left, self.stats["held_step"])
+        return done
 
     # -- the background thread ---------------------------------------------------------------
     def _exchange(self, meta: dict) -> None:
@@ -343,7 +380,8 @@ class PeerSnapshots:
 
     def close(self) -> None:
         try:
-            self.wait()
+            if not self.abandoned:  # else its thread may wait out the group's timeout
+                self.wait()
         except BaseException as e:
             log.warning("peer snapshot exchange failed: %s", e)
         # the holder's mapping keeps its copy until it ends; a failed rank under in-job
@@ -380,6 +418,9 @@ class _Off:
 
     def after_step(self, step: int) -> None:
         pass
+
+    def settle(self, timeout_s: float) -> bool:
+        return True
 
     def close(self) -> None:
         pass

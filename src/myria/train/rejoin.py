@@ -209,21 +209,30 @@ class InJob:
         return dist.PrefixStore(key(self.job, f"pg{self.attempt}") + "/", self.store)
 
     # -- a failure -----------------------------------------------------------------------------
+    settle_s = 10.0  # the most `keep` lets the background traffic in flight finish
+
     def keep(self, run, orderly: bool = False) -> None:
-        """The training loop failed: abort the groups, keep the peer snapshots of `run`.
+        """The training loop failed: keep the peer snapshots of `run`, abort the groups.
         `orderly` (a Regroup: every rank left after the same step): nothing is aborted, the
-        run's saves finish on its groups."""
+        run's saves finish on its groups in its close."""
         self.failed_at = self.failed_at or time.time()
+        # the traffic in flight first (the peer snapshots' exchange, the checkpoint's save),
+        # the abort after: aborted in the middle of a transfer, gloo leaves it waiting for
+        # its group's timeout, and the run's close joins it (PeerSnapshots.settle). Bounded
+        # below the hang timeout: meanwhile the peers blocked on this rank wait.
+        r = getattr(self.cfg, "resilience", None)
+        end = time.time() + (min(self.settle_s, r.hang_timeout_s / 4) if r else self.settle_s)
+        peers = getattr(run, "peers", None)
+        if peers is not None:
+            peers.keep_files = True   # the replacement of this rank, if it is lost, maps them
+            peers.settle(max(0.0, end - time.time()))
+        ckpt = getattr(run, "ckpt", None)
+        if ckpt is not None and not orderly:
+            ckpt.settle(max(0.0, end - time.time()))
         if not orderly:
             abort_groups()
-        peers = getattr(run, "peers", None)
         if peers is None:
             return
-        peers.keep_files = True   # the replacement of this rank, if it is lost, maps them
-        try:
-            peers.wait()
-        except BaseException as e:  # the exchange in flight met the same failure
-            log.debug("peer snapshot exchange ended with: %s", e)
         kept = peers.kept()
         if kept is not None:
             self.kept = kept
