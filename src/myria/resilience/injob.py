@@ -23,6 +23,15 @@ myria.train.spare I ARGS`) that import torch and the trainer, then wait on the s
 rank; a used spare is replaced by a new one at once. Without a spare, the replacement is a
 fresh worker process (the same command and environment the agent gave the lost one).
 
+Shrink and grow (`resilience.shrink`, pure DDP only, checked at start): with no spare to
+take the lost rank, the survivors go on as a smaller data-parallel group on the same global
+batch (the next attempt is announced with its members); the lost slot is marked `_Dropped` in
+the agent's process table, and a spare is started at once. Once it is ready and the shrunk
+run has done a step, the supervisor announces the attempt that grows back, with every slot a
+member and the spare in the dropped one; the workers join it at their next step boundary
+(myria.train.rejoin.InJob.grow_due). A worker lost while shrunk, or during the grow, takes
+the full restart.
+
 In-job recovery needs the supervisor's TCPStore (the workers' process groups live on it, so
 they outlive any worker) and one host (`--nnodes 1`); a config that asks for it otherwise is
 refused in one line.

@@ -40,17 +40,15 @@ with SIGKILL at step 8: the two survivors committed their next step 1.3 s later 
 sleep in the loop) with 2 participants, and a fresh replica that joined at step 47 started
 with the survivors' weights, healed from a peer's memory over HTTP (2026-11-26, a toy
 all-reduce loop; the fresh process took ~9.6 s to start and import torch on this loaded host,
-the part a hot spare removes). So for the survivors-stay, heal-from-peer and shrink-or-grow
-behaviour along the data-parallel replicas, use torchft (Manager + its reconfigurable gloo/NCCL
-process groups, as torchtitan does), not a home-made quorum on torch.distributed: that is the
-principle "use the distributed engine that exists". What torchft does not cover, and why this
-module exists anyway: it is fault tolerance across replica groups only — a fault inside a
-replica group (one FSDP/TP/PP shard of it) restarts that whole group, whose state then comes
-from another replica, so a layout without data-parallel replicas (pure FSDP, TP or PP, the
-demo's zero2 over all ranks) has no peer copy in torchft at all; a ring neighbour copy holds
-every rank's shard in any layout. Adopting torchft also means each replica group is its own
-launch (torchrun per group, a lighthouse) and its step commit protocol wraps the optimizer,
-which is the change to myria's launcher and engine that in-job recovery has to make.
+the part a hot spare removes). It was not adopted, for what it does not cover: it is fault
+tolerance across replica groups only — a fault inside a replica group (one FSDP/TP/PP shard of
+it) restarts that whole group, whose state then comes from another replica, so a layout without
+data-parallel replicas (pure FSDP, TP or PP, the demo's zero2 over all ranks) has no peer copy
+in torchft at all, while a ring neighbour's copy holds every rank's shard in any layout; and
+adopting it means a launch per replica group (torchrun per group, a lighthouse) and a step
+commit protocol wrapped around the optimizer. In-job recovery, shrink and grow are built on
+these snapshots and torch.distributed's own groups instead; myria.train.rejoin says how, and
+why its shrink keeps the global batch where torchft's would not.
 """
 
 from __future__ import annotations

@@ -36,8 +36,20 @@ Why on torch.distributed's own primitives and not torchft (evaluated, see myria.
 torchft heals replica groups of data parallelism from another replica; a fault inside a
 replica group restarts that group, so pure FSDP (the demo's zero2 over all ranks), TP and PP
 have no peer copy in it. Here the copy is the ring neighbour's, which exists in every layout,
-and the recovery is the same "abort, new group of the same size, restore" in all of them;
-what torchft adds (quorum per step, shrink) belongs to data-parallel shrinking, not built.
+and the recovery is the same "abort, new group of the same size, restore" in all of them.
+
+Shrink and grow (`resilience.shrink`, pure DDP) reuse that mechanism with another size: the
+supervisor names the next attempt's members (`members{A}` in its store; ranks renumbered in
+slot order), each survivor restores its own copy, and the batch loader and engine share the
+unchanged global batch among fewer ranks (myria.data.loader.microbatch_share,
+`Engine.divisor`); growing back, a new rank takes a replica's own copy (`choose(replicas=)`).
+torchft's shrink was not taken for it: its Manager runs a quorum every step (a round trip on
+the hot path, where this costs nothing until a fault and one one-element all-reduce per step
+while shrunk), each replica group is its own launch under a lighthouse, and it averages over
+the replicas that joined the step, each training its own batch, so a step a replica short
+trains a smaller batch; keeping the global batch needs the lost share
+redistributed, as here.
+
 torch's gloo has no reconfigurable group, but aborting and re-initialising the default group
 under a new store prefix is supported (`destroy_process_group` resets the group counter "to
 allow consistent value to be generated when we re-create process groups after some trainers
