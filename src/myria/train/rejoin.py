@@ -43,9 +43,10 @@ supervisor names the next attempt's members (`members{A}` in its store; ranks re
 slot order), each survivor restores its own copy, and the batch loader and engine share the
 unchanged global batch among fewer ranks (myria.data.loader.microbatch_share,
 `Engine.divisor`); growing back, a new rank takes a replica's own copy (`choose(replicas=)`).
-torchft's shrink was not taken for it: its Manager runs a quorum every step (a round trip on
-the hot path, where this costs nothing until a fault and one one-element all-reduce per step
-while shrunk), each replica group is its own launch under a lighthouse, and it averages over
+torchft's shrink was not taken for it: its Manager starts a quorum with its lighthouse every
+step (overlapped with the forward, but a round trip per step, where this costs nothing until a
+fault and one one-element all-reduce per step while shrunk), each replica group is its own
+launch under the lighthouse, and it averages over
 the replicas that joined the step, each training its own batch, so a step a replica short
 trains a smaller batch; keeping the global batch needs the lost share
 redistributed, as here.
