@@ -19,6 +19,16 @@ TINY = ["--model.vocab_size=1024", "--model.layers=2", "--model.hidden=64", "--m
         "--data.prefetch=2"]
 
 
+def moe_cfg(**kw):
+    """A tiny mixture-of-experts model config (4 experts, top-1) for layer-level tests."""
+    from myria.config import ModelConfig
+
+    base = dict(vocab_size=96, layers=2, hidden=16, heads=2, seq_len=16, ffn_hidden=24,
+                experts=4, top_k=1)
+    base.update(kw)
+    return ModelConfig(**base)
+
+
 def run_cli(*args: str, env: dict | None = None, check: bool = True,
             timeout: float = 300) -> subprocess.CompletedProcess:
     """Run `python -m myria ARGS` in a fresh process, as a user would."""

@@ -8,8 +8,16 @@ from myria.layout import Layout
 
 
 def test_defaults_validate():
+    """The defaults load, validate and equal the dataclass defaults field by field (no default
+    is rewritten by validation), and the default layout is one data-parallel run."""
+    import dataclasses
+
     cfg = config.load()
-    assert cfg.model.arch == "llama" and cfg.training.steps > 0
+    for section, cls in config.SECTIONS.items():
+        for f in dataclasses.fields(cls):
+            want = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+            assert getattr(getattr(cfg, section), f.name) == want, f"{section}.{f.name}"
+    assert Layout.resolve(cfg.parallel, 1)["dp"] == 1
 
 
 def test_toml_and_overrides(tmp_path):
@@ -71,7 +79,24 @@ def test_shipped_configs_validate():
 
 
 def test_describe_has_every_field_with_help():
+    """Every field of every section appears once in `describe`, under its section, with its
+    value and a non-empty one-line description."""
+    import dataclasses
+    import tomllib
+
     text = config.describe(config.Config())
+    assert tomllib.loads("\n".join(ln.split(" # ")[0] for ln in text.splitlines()))
+    section = None
+    seen = set()
+    for line in text.splitlines():
+        if line.startswith("["):
+            section = line.strip("[]")
+        elif line:
+            name, _, help_ = line.partition(" # ")
+            seen.add((section, name.split("=")[0].strip()))
+            assert help_.strip() and "\n" not in help_, line
+    every = {(s, f.name) for s, cls in config.SECTIONS.items() for f in dataclasses.fields(cls)}
+    assert seen == every and len(every) > 100
     assert "global_batch = 16" in text and "# sequences per optimizer step" in text
 
 

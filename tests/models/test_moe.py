@@ -20,14 +20,8 @@ from myria.models.moe import (
     route,
 )
 from myria.models.transformer import MLP, build_model, count_params
+from tests.conftest import moe_cfg
 from tests.models import test_model as _dense_model_tests  # noqa: F401 (CPU SDPA FLOP formula)
-
-
-def moe_cfg(**kw) -> ModelConfig:
-    base = dict(vocab_size=96, layers=2, hidden=16, heads=2, seq_len=16, ffn_hidden=24,
-                experts=4, top_k=1)
-    base.update(kw)
-    return ModelConfig(**base)
 
 
 def make_moe(cfg: ModelConfig, seed: int = 0) -> MoE:

@@ -11,24 +11,17 @@ from __future__ import annotations
 import copy
 import json
 import os
-import socket
 
 import pytest
 import torch
 
 from myria.config import ModelConfig
 from myria.parallel.expert import clip_grad_norm_, is_expert_parameter
-from tests.dist import finish
+from tests.conftest import moe_cfg
+from tests.dist import finish, init, spawn
 
 STEPS = 5
 TRAIN_REL_TOL = 1e-4
-
-
-def moe_cfg(**kw) -> ModelConfig:
-    base = dict(vocab_size=96, layers=2, hidden=16, heads=2, seq_len=16, ffn_hidden=24,
-                experts=4, top_k=1)
-    base.update(kw)
-    return ModelConfig(**base)
 
 
 # -- single process -----------------------------------------------------------------------------
@@ -57,12 +50,6 @@ def test_clip_grad_norm_matches_torch():
 
 
 # -- multi-process (gloo) -----------------------------------------------------------------------
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if hasattr(t, "to_local") else t
@@ -249,8 +236,7 @@ def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
     from myria.parallel.expert import apply_expert_parallel, expert_meshes
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=world)
+    init(rank, world, port)
     try:
         results = {}
         dp4 = init_device_mesh("cpu", (world,), mesh_dim_names=("dp_shard",))
@@ -287,10 +273,8 @@ def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
 
 @pytest.fixture(scope="module")
 def ep_results(tmp_path_factory) -> list[dict]:
-    import torch.multiprocessing as mp
-
     out = tmp_path_factory.mktemp("ep")
-    mp.spawn(_worker, args=(WORLD, _free_port(), str(out)), nprocs=WORLD)
+    spawn(_worker, WORLD, str(out))
     return [json.loads((out / f"rank{r}.json").read_text()) for r in range(WORLD)]
 
 

@@ -38,12 +38,10 @@ DIR = "goodput"
 # the categories, in the order the report stacks them
 CATEGORIES = ("productive", "startup", "data_wait", "checkpoint", "eval", "straggler",
               "detection", "recovery", "lost", "redone", "shutdown", "other")
-LOSSES = tuple(c for c in CATEGORIES if c != "productive")
 # heartbeat phase -> ledger category (phases not named here count as step time)
 PHASES = {"init": None, "resume": None, "snapshot-wait": "checkpoint",
           "checkpoint": "checkpoint", "checkpoint-flush": "checkpoint", "eval": "eval",
           "peer-snapshot": "checkpoint"}
-MILESTONES = ("process_start", "entered", "pg_ready", "model_built", "restored", "first_step")
 RECOVERY_PHASES = ("detection", "teardown", "decision", "backoff", "start_processes",
                    "process_groups", "build_model", "restore", "redo_steps")
 
