@@ -2,33 +2,20 @@
 
 `Layout` is the one frozen description of how a run's ranks are arranged: the degree of every
 mesh dimension (`MESH_ORDER`) and of expert parallelism, pipeline interleaving and schedule,
-sequence parallelism. It resolves itself from a `ParallelConfig` and a world size, computes the
-microbatch count (`microbatches`, the one place it is computed) and holds every rule a layout
-must pass (`check`): the trainer checks a layout with it before any worker starts and in each
-worker's engine, the simulator and planner with `trainer=False`, which relaxes the rules that
-are limits of myria's trainer rather than of the layout. The torch side (the DeviceMesh, groups,
-this rank's coordinates) is `myria.parallel.dims.ParallelDims`, built from a Layout; the
-placement of ranks on hosts is `myria.parallel.placement`.
-
-Beside it: the schedule names and what each means, which pipeline ranks hold which stages, and
-how the layers are split into stages. Pure Python (no torch), so the analytic performance model
-can use it without importing the trainer.
+sequence parallelism. `Layout.resolve(parallel_config, world_size)` builds it; it computes the
+microbatch count (`microbatches`, the one place) and holds every rule a layout must pass
+(`check`; `trainer=False` for the simulator and planner relaxes the rules that are limits of
+myria's trainer rather than of the layout). Pure Python (no torch): the torch side is
+`myria.parallel.dims.ParallelDims`, the placement on hosts `myria.parallel.placement`.
 
 Schedule names (the same to every part of myria):
 
 - ``gpipe``: all forwards, then all backwards (one stage per rank);
 - ``1f1b``: one forward, one backward in the steady state (one stage per rank);
 - ``interleaved-1f1b``: 1F1B over ``vpp`` looped chunks per rank (Narayanan et al. 2021);
-- ``zero-bubble``: torch's interleaved zero-bubble schedule (Qi et al. 2023's ZB-H1 order with
-  the backward split into input- and weight-gradient halves), one or more looped chunks per
-  rank (``vpp`` >= 1);
+- ``zero-bubble``: torch's interleaved zero-bubble schedule (ZB-H1 order, Qi et al. 2023, the
+  backward split into input- and weight-gradient halves), ``vpp`` >= 1 looped chunks per rank;
 - ``zbv``: zero-bubble in a V shape: exactly two chunks per rank, stages r and 2p-1-r on rank r.
-
-Stages need not hold equal numbers of layers: ``split_layers`` balances their forward FLOPs,
-so the last stage, which also runs the output layer, holds fewer layers when the output layer is
-heavy (e.g. 126 layers on 16 stages: 8 layers on most stages, 7 on the last ones).
-torch.distributed.pipelining runs such uneven stages as they are (a ``PipelineStage`` wraps any
-sub-module; only the activation shape between stages must agree), and so does myria's trainer.
 """
 
 from __future__ import annotations

@@ -1,24 +1,17 @@
 """Context parallelism: ring attention over a cp process group, and sequence sharding helpers.
 
-Each rank of the cp group holds a slice of the sequence for Q, K and V (B, H, S_local, D).
-K/V blocks travel around the ring (rank r sends to r+1 and receives from r-1) while the current
-block is being computed; partial outputs are merged with the log-sum-exp rule of online softmax
-(Milakov & Gimelshein 2018; Liu et al. 2023, "Ring Attention with Blockwise Transformers").
-The backward pass recomputes each block's probabilities from the saved log-sum-exp, and the
-dK/dV accumulators travel around the ring with their K/V block, so after a final hop every rank
-holds the gradients of its own K/V.
+Each rank of the cp group holds a slice of the sequence of Q, K and V (B, H, S_local, D). K/V
+blocks travel around the ring (rank r sends to r+1, receives from r-1) while the current block
+is computed, and partial outputs merge by the log-sum-exp rule of online softmax; in the
+backward the dK/dV accumulators travel with their K/V block, so after a final hop each rank
+holds the gradients of its own K/V. With load balancing the sequence is cut into 2*cp chunks and
+rank r holds chunks r and 2*cp-1-r, the same causal work on every rank. Masks follow
+`myria.models.attention.window_mask` on absolute positions: fully masked blocks are skipped,
+fully visible ones run unmasked. Softmax runs in fp32 (fp64 for fp64 inputs).
 
-Causal load balancing: the sequence is cut into 2*cp chunks and rank r holds chunks r and
-2*cp-1-r (a head and a tail chunk), so that every rank has the same amount of unmasked work.
-Attention masks come from absolute token positions with the semantics of
-`myria.models.attention.window_mask`; (q-chunk, k-chunk) blocks that are entirely masked (in the
-future, or out of the sliding window) are skipped and entirely visible blocks run unmasked.
-
-Why our own: torch's `context_parallel` (torch.distributed.tensor.experimental) does not run on
-CPU in torch 2.13, and we need context parallelism to be testable (and usable) on CPU with gloo,
-with sliding windows and grouped-query attention. The per-block math is plain matmuls with the
-softmax in fp32 (fp64 for fp64 inputs): simple, exact enough for 1e-5 tests, and the same
-recomputation the backward needs anyway.
+Use `swap_core_attention` (or `RingAttention`) on a model and `shard_sequence` /
+`gather_sequence` on its inputs and outputs; docs/parallelism.md says why this is not torch's
+`context_parallel`.
 """
 
 from __future__ import annotations

@@ -1,50 +1,22 @@
 """Expert parallelism: MoE experts sharded over an `ep` group, tokens exchanged by all-to-all.
 
-Expert parallelism borrows ranks that are data-parallel for the dense layers (as Megatron-LM
-and torchtitan do; GShard, Lepikhin et al. 2020, introduced the dispatch/combine all-to-all):
-the `dp` data-parallel ranks are split into groups of `ep` consecutive ranks; inside one group,
-rank r holds experts [r*E/ep, (r+1)*E/ep) of every MoE layer, and the dp/ep ranks at the same
-position of the other groups hold the same experts (the *expert replicas*).
-
-Forward of one MoE layer on each rank (routing, capacity and router losses stay local, so they
-equal the single-process values of this rank's microbatch):
-
-1. route the local tokens and sort the kept assignments by global expert (`models.moe.route`);
-2. exchange the per-expert counts with one `all_to_all_single` (equal splits of E/ep);
-3. dispatch: `all_to_all_single` of the token rows with uneven splits (rows for rank j are those
-   of j's experts); regroup the received rows by local expert, run the experts;
-4. combine: the reverse `all_to_all_single`, then the gate-weighted sum as without EP.
-
-The all-to-alls are differentiable (`_AllToAll`: the backward is the transposed exchange).
-
-Parameters keep the single-process names and global shapes: each expert weight becomes a
-DTensor sharded on dim 0 (the expert dimension) over the ep mesh. So `Transformer.init_weights`
-(`models.init.fill_parameter` generates the full value and keeps the local slice) gives every
-rank exactly the slice the single-process model holds, and DCP checkpoints of expert weights
-load under any other layout.
-
-Gradients. Expert weights are not replicated across the ep group, so they must never be
-reduced over it — only over the expert replicas. The forward scales expert-weight gradients by
-1/ep: an owner receives gradient from the microbatches of all ep ranks of its group, and the
-scaling makes it their *mean*, just as a dense gradient is one microbatch's gradient. Averaging
-over the replicas (dp/ep ranks) then gives the mean over all dp ranks, the same as the dense
-parameters' average over dp. FSDP2's default averaging does exactly that, so the recipe (tested
-in tests/parallel/test_expert.py on 1-D meshes; a 2-D HSDP mesh passed a manual check) is, on
-the meta model:
+The `dp` data-parallel ranks form groups of `ep` consecutive ranks; rank r of a group holds
+experts [r*E/ep, (r+1)*E/ep) of every MoE layer; the ranks at its position in the other groups
+are its *expert replicas*. Routing and router losses stay local; dispatch and combine are
+differentiable `all_to_all_single`s. Expert weights keep their single-process names and global
+shapes (DTensors sharded on dim 0 over the ep mesh), so `init_weights` and DCP checkpoints agree
+under any layout. Expert gradients are scaled by 1/ep in the forward and must be averaged over
+the replica group only, never over the ep group:
 
     ep_mesh, replica_mesh = expert_meshes(dp_mesh, ep)  # dp_mesh: the FSDP (or HSDP) mesh
-    apply_expert_parallel(model, ep_mesh)
+    apply_expert_parallel(model, ep_mesh)               # on the meta model
     for block in model.layers.values():
         if isinstance(block.feed_forward, MoE):
             fully_shard(block.feed_forward.experts, mesh=replica_mesh)  # first: own FSDP group
         fully_shard(block, mesh=dp_mesh)
     fully_shard(model, mesh=dp_mesh)
-    model.to_empty(device=...); model.init_weights(seed)
 
-Without FSDP, `sync_gradients` averages dense gradients over dp and expert gradients over the
-replica group. Gradients then live on different meshes, where torch's `get_total_norm` and
-`clip_grads_with_norm_` fail: use `grad_norm`, `clip_grads_with_norm_` or `clip_grad_norm_` here.
-"""
+Without FSDP `sync_gradients` averages. Clip with this module's `clip_grad_norm_`."""
 
 from __future__ import annotations
 
