@@ -1,40 +1,19 @@
-"""In-job recovery, supervisor side (`resilience.recovery = "in-job"`): on the loss of one
-worker the others stay; the supervisor gives the lost rank to a hot spare or a fresh process
-and announces the next attempt in its store, and the workers rebuild their run from peer
-memory (myria.train.rejoin, which also says why this is built on torch.distributed and not
-torchft).
+"""In-job recovery, supervisor side (`resilience.recovery = "in-job"`): one worker is lost, the
+others stay.
 
-How it sits on torch elastic. The supervisor's `LocalElasticAgent` restarts the whole worker
-group on any failure (its process context terminates every worker the moment one fails), so
-in in-job mode `poll` runs before the agent looks at its workers: when exactly one worker has
-exited with a failure, it starts the replacement itself, puts its process in the dead
-worker's place in the agent's process context and worker group (so the agent's own monitor,
-shutdown and final wait see the live process), and reports the group healthy. Everything
-else goes the agent's way, which is the fallback to today's full restart from the newest
-checkpoint on disk: two workers lost at once, a worker lost while an in-job recovery is still
-under way (before every rank has finished a step), an input error (exit 2), a failed save
-(exit 4), hangs (heartbeats without progress: the stuck rank cannot be told from those
-waiting for it), no restarts left. A single rank without heartbeats (frozen) is killed
-(`kill_frozen`) and then replaced like a lost one. Each
-in-job recovery uses one of `resilience.max_restarts`, so attempts keep one numbering.
-
-Hot spares (`resilience.spares`): processes started with the job (`python -m
-myria.train.spare I ARGS`) that import torch and the trainer, then wait on the store for a
-rank; a used spare is replaced by a new one at once. Without a spare, the replacement is a
-fresh worker process (the same command and environment the agent gave the lost one).
-
-Shrink and grow (`resilience.shrink`, pure DDP only, checked at start): with no spare to
-take the lost rank, the survivors go on as a smaller data-parallel group on the same global
-batch (the next attempt is announced with its members); the lost slot is marked `_Dropped` in
-the agent's process table, and a spare is started at once. Once it is ready and the shrunk
-run has done a step, the supervisor announces the attempt that grows back, with every slot a
-member and the spare in the dropped one; the workers join it at their next step boundary
-(myria.train.rejoin.InJob.grow_due). A worker lost while shrunk, or during the grow, takes
-the full restart.
-
-In-job recovery needs the supervisor's TCPStore (the workers' process groups live on it, so
-they outlive any worker) and one host (`--nnodes 1`); a config that asks for it otherwise is
-refused in one line.
+`InJobRecovery.poll` runs before torch elastic's agent looks at its workers. When exactly one
+worker has exited with a failure (or a frozen one was killed, `kill_frozen`), it starts the
+replacement (a hot spare, `resilience.spares`, else a fresh process with the lost one's command
+and environment), puts it in the dead worker's place in the agent's process context and worker
+group, announces the next attempt in the store and reports the group healthy; the workers then
+rebuild their run from peer memory (`myria.train.rejoin`). Everything else goes the agent's way,
+the full restart from the newest checkpoint: two workers lost at once, a loss before every rank
+has finished a step of an in-job recovery, an input error (exit 2), a failed save (exit 4), a
+hang, no restarts left. With `resilience.shrink` (pure DDP) and no spare, the survivors go on as
+a smaller data-parallel group (the lost slot is `_Dropped`) and grow back once a spare is ready.
+Each recovery, shrink or grow uses one of `resilience.max_restarts`. `check` refuses in one line
+a config it cannot serve (it needs the supervisor's TCPStore and one host). The protocol and its
+reasons: docs/robustness.md, "In-job recovery" and "How in-job recovery sits on torch elastic".
 """
 
 from __future__ import annotations

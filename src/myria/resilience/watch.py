@@ -1,23 +1,16 @@
 """Fault detection from heartbeats and worker stderr: dead, frozen, hung, silent or alarming ranks.
 
-The supervisor feeds a `Watchdog` the newest heartbeat of each local rank (the record of
-`myria.observe.heartbeat_store`) and the new lines of each worker's stderr, once per monitor
-interval.
+Once per monitor interval the supervisor feeds a `Watchdog` the newest heartbeat of each local
+rank (the record of `myria.observe.heartbeat_store`) and the new lines of each worker's stderr.
 It returns `Detection`s, each with the evidence a person needs to believe it:
-
-- `missed-heartbeats`: no heartbeat for `missed_heartbeats` periods: the process is dead or frozen
-  (SIGSTOP, a kernel hang, a stuck GIL holder);
-- `no-heartbeat`: a worker never reported within the start-up timeout;
-- `hang`: heartbeats arrive but neither the step nor the phase moved for `hang_timeout_s`; the
-  evidence names the collective and phase of each rank and which ranks are still inside a
-  collective: the others are the suspects (Llama 3 §3.3.4 also finds a stuck rank from the
-  ranks that did not reach the collective);
-- `traffic-stopped`: a rank that communicated before has moved no bytes for `traffic_timeout_s`
-  while training (MegaScale watches RDMA traffic for the same reason);
-- `alarm`: a keyword (Traceback, CUDA error, NCCL error, out of memory) in a worker's stderr.
+`missed-heartbeats` (dead or frozen), `no-heartbeat` (never reported within the start-up
+timeout), `hang` (heartbeats arrive but neither step nor phase moved; the ranks that are not
+inside the collective the others wait in are the suspects), `traffic-stopped` (a rank that
+communicated moves no bytes while training) and `alarm` (a keyword in a worker's stderr).
 
 Times are the supervisor's own clock (when it saw a heartbeat change), so worker clocks may
-drift. The watchdog only detects; the supervisor decides what to do.
+drift. The watchdog only detects; the supervisor decides what to do. The rules and their
+defaults: docs/robustness.md, "Detection".
 """
 
 from __future__ import annotations

@@ -1,23 +1,18 @@
 """Worker-side heartbeats: a daemon thread reports this rank's progress to the supervisor's store.
 
 Every `heartbeat_s` seconds each worker writes one record (`myria.observe.heartbeat_store`: the
-store, its keys and the record, shared with the supervisor that reads them): rank, host, pid,
-attempt, step, phase (data, forward-backward, grad-clip, optimizer, metrics, eval, checkpoint,
-...), the collective it is in or last issued, tokens/s, bytes communicated in the last step and
-in total, and memory in use. The supervisor reads these to tell a dead or frozen process (no
-heartbeat), a hang (heartbeats but no progress) and a silent rank (traffic stopped) apart, as
-MegaScale's driver does with its executors' heartbeats.
-
+store, its keys and the record, shared with the supervisor): rank, attempt, step, phase, the
+collective it is in or last issued, tokens/s, bytes communicated, memory in use. From them the
+supervisor tells a dead or frozen process, a hang and a silent rank apart.
 `Heartbeat.phase(name)` is the loop's one call to mark a phase: it tells the supervisor now and,
-for the moments the event timer also times (`TIMED`), returns the timer's span to enter.
+for the phases the event timer also times (`TIMED`), returns the timer's span to enter.
+Collectives are counted on the main thread from `myria.observe.comm`; what bypasses it (DDP's
+C++ reducer, DTensor's functional collectives) is not counted.
 
-Without MYRIA_HEARTBEAT (`myria train` alone) the progress is still tracked but nothing is sent.
-When the supervisor's TCPStore goes away (the supervisor died), the sender stops sending and,
-unless the parent-death signal already did (myria.train.launch.stop_with_launcher), asks its
-process to stop at the end of the step with a checkpoint (SIGTERM), in one log line.
-Collectives are counted from `myria.observe.comm` (the one interception of `torch.distributed`,
-with its one byte rule), on the main thread; what bypasses it (DDP's C++ reducer, functional
-collectives under DTensor) is not counted.
+Without MYRIA_HEARTBEAT (`myria train` alone) progress is tracked but nothing is sent. When the
+supervisor's store goes away, the sender stops and, unless the parent-death signal already did
+(`myria.train.launch.stop_with_launcher`), asks its process to stop at the end of the step with
+a checkpoint (SIGTERM), in one log line.
 """
 
 from __future__ import annotations
