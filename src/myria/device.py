@@ -1,24 +1,16 @@
 """Device facts: dense peak FLOP/s and bandwidths, read by the MFU meter and the simulator alike.
 
-Accelerator figures are datasheet peaks (dense, no 2:4 sparsity). A CPU has no datasheet entry
-here: its fp32 peak is *measured*, and every figure says whether it was looked up or measured,
-how and when. An unknown device has no peak, so MFU is shown as unknown rather than a wrong number.
-
-The CPU peak must not depend on when it was measured nor on the other jobs of the host (a
-shared machine: a probe timed on the wall clock while others run reads low, and a low peak makes
-every MFU after it too high). So it is a *core* peak, the stand-in for a datasheet figure
-(`cpu_core_peak`): one thread runs an fp32 n x n x n matmul over and over, each call timed on the
-thread's own CPU time (`time.thread_time`: the time the kernel gave it, so the time other
-processes held the core is not counted), and the figure is a high quantile (PEAK_QUANTILE) of
-those per-call rates, robust to a few lucky or disturbed calls. It is measured once per
-processor model and torch version, pinned in $MYRIA_CACHE (else $XDG_CACHE_HOME/myria, else
-~/.cache/myria) / machine_figures.json and re-used by every later run; `myria doctor --refresh`
-measures it again. A process with t threads has t cores: its peak is t x the core peak, so a run
-of 2 processes x 1 thread and one of 1 process x 2 threads divide by the same figure
-(docs/observability.md, "MFU on a CPU").
-
-`measured_figure` keeps other measured figures (the doctor's throughput history): the best of
-several short probes, raised by every later probe and never lowered, with its recent samples.
+Accelerator figures are datasheet peaks (dense, no 2:4 sparsity). A CPU's fp32 peak is measured,
+and every figure says whether it was looked up or measured, how and when; an unknown device has
+no peak, so MFU shows as unknown rather than a wrong number. The CPU figure is a *core* peak
+(`cpu_core_peak`) that must not depend on when it was measured or on the host's other jobs: the
+PEAK_QUANTILE of the per-call rates of one thread's fp32 matmul, each call timed on the thread's
+own CPU time (`time.thread_time`). It is measured once per processor model and torch version,
+pinned in $MYRIA_CACHE (else $XDG_CACHE_HOME/myria, else ~/.cache/myria)/machine_figures.json
+and re-used by every later run; `myria doctor --refresh` measures it again. A process with t
+threads has t x the core peak. `measured_figure` keeps other measured figures (the doctor's
+throughput history): the best of several probes, raised by later ones and never lowered.
+Why: docs/observability.md, "MFU on a CPU".
 """
 
 from __future__ import annotations
@@ -246,7 +238,7 @@ def measure_matmul_tflops(n: int = 1024, dtype: str = "float32", seconds: float 
 # -- the CPU's core peak ---------------------------------------------------------------------
 CORE_PEAK = "fp32_core_matmul_tflops"   # its name in machine_figures.json (under threads=1)
 PEAK_QUANTILE = 0.9     # of the per-call rates: a high quantile, not the maximum (one outlier)
-PEAK_N = 512            # matmul size: ~3 ms a call here, many calls in PEAK_SECONDS
+PEAK_N = 512            # matmul size: a few ms a call, so many calls fit in PEAK_SECONDS
 PEAK_SECONDS = 1.0      # timed calls; after PEAK_WARMUP_S of untimed ones
 PEAK_WARMUP_S = 0.3
 

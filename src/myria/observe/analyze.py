@@ -4,34 +4,15 @@
     table = step_table(run)          # per rank and step: compute-only, exposed comm by dim, ...
     blame = blame_report(run)        # per rank: compute, time others waited on it, time waited
 
-Definitions (docs/observability.md):
-
-- *Compute-only* time of a rank in a step: its compute spans (forward, backward,
-  backward_weight, grad_clip, optimizer, loss_mean) minus the blocking communication inside them
-  (synchronous collectives and `wait` spans, on the same thread). Waiting is never compute.
-- *Collective instance*: the calls with the same (group, sequence number); every member issues
-  the same sequence on a group. Its *arrival* on a rank is the issue time; the last to arrive is
-  the rank the others waited for; each other rank waited min(its blocking time in the call,
-  last arrival - its arrival).
-- *Pipeline receive*: the k-th receive of B from A pairs with A's k-th send to B; if A issued it
-  after B, B's blocking wait for it (up to the lateness) is blamed on A.
-- *Blame* of a rank: the waiting it caused: how much less every other rank would block if it
-  computed at the median speed of its peers doing the same work (same pipeline stage), found by
-  replaying the step over its recorded dependencies (`StepReplay`): the collectives' last
-  arrivals, the pipeline's sends. A rank is blamed only for its own slowness; the waits that
-  slowness sets off down a pipeline and across data-parallel groups are all its. Waiting is
-  never attributed to the rank that waited. The *what-if* of a step is the same replay's step
-  time with the most blamed rank at its peers' speed.
-- *Last arrival* (`last_arrival_s`, the direct view): the waiting at instances where the rank
-  arrived last (or sent late), its own extra blocked time since the step began passed on to
-  whom it was blocked on, up to four hops.
-- *Noise*: each rank's blame in a step minus the median rank's is its deviation. A rank's
-  *consistent excess* is the number of steps times the lower quartile of its deviations: it must
-  exceed the others in three steps of four (a one-off hiccup, or a rank descheduled for a few
-  consecutive steps on a busy host, does not move it). It stands out when that exceeds the
-  noise: 3 x 1.36 x sqrt(steps) x the robust spread (1.4826 x MAD) of all deviations pooled,
-  i.e. three standard errors of such a quartile sum under exchangeable ranks (a consistent
-  slowdown grows with the steps, the noise with their square root).
+Waiting is never compute, and never attributed to the rank that waited. A rank's *blame* is the
+waiting it caused: how much less every other rank would block if it computed at the median
+speed of its peers doing the same work (same pipeline stage), found by replaying the step over
+its recorded dependencies (`StepReplay`: the collectives' last arrivals, the pipeline's sends),
+so the waits its slowness sets off down a pipeline and across data-parallel groups are all its.
+A rank *stands out* when its consistent excess (steps x the lower quartile of its deviations
+from the median rank's blame) exceeds three standard errors of the pooled noise. Every
+definition (compute-only, collective instance, pipeline receive, last arrival, noise, what-if):
+docs/observability.md, "Who waited on whom".
 """
 
 from __future__ import annotations

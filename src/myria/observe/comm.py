@@ -1,26 +1,20 @@
 """The one interception of `torch.distributed`: every operation is published once to subscribers.
 
-The module functions of `torch.distributed` (FSDP2's all-gather and reduce-scatter, all-reduce,
-broadcast, all-to-all, barrier, send/recv, `batch_isend_irecv`, single `isend`/`irecv`) are
-wrapped once, while at least one subscriber listens, and restored when the last one leaves. Each
-call becomes one `Op`: its name, its group (the global ranks), the bytes it moves by ONE rule
-(`nbytes`), and its start and end on the monotonic clock. Subscribers (the heartbeat's progress
-counters in `myria.train.heartbeat`, the event timer in `myria.observe.events`) see:
+The module functions of `torch.distributed` (collectives, send/recv, `batch_isend_irecv`,
+`isend`/`irecv`) are wrapped while at least one subscriber listens, and restored when the last
+one leaves. Each call becomes one `Op`: name, group (global ranks), bytes by ONE rule (`nbytes`:
+the larger of the buffers given, a list counting as the sum of its tensors, the message size
+nccl-tests reports; a point-to-point op counts each tensor sent or received), and its start and
+end on the monotonic clock. A subscriber (`myria.train.heartbeat`, `myria.observe.events`) sees:
 
     started(op)            before the call, on the issuing thread
     returned(op)           the call returned (or raised): a blocking op is complete here
-    ended(op)              the op completed: op.t1 is set (a blocking op: when it returned; an
-                           asynchronous collective: when its future is done; a point-to-point
-                           batch: when the last of its works was waited for)
+    ended(op)              the op completed, op.t1 set (an asynchronous collective: when its
+                           future is done; a point-to-point batch: its last work waited for)
     waited(op, t0, t1)     the issuer blocked in `Work.wait()` on the op from t0 to t1 (ns)
 
-The byte rule: the larger of the buffers the call is given (a list counts as the sum of its
-tensors), i.e. the reduced tensor, the gathered output, the scattered input: the message size
-nccl-tests reports. A point-to-point op counts each tensor sent or received.
-
-Not seen: collectives that bypass these Python functions (DTensor's functional collectives, DDP's
-C++ reducer). Inside `batch_isend_irecv` the single isend/irecv calls it makes are the batch's,
-published once as the batch.
+Not seen: collectives that bypass these Python functions (DTensor's functional collectives,
+DDP's C++ reducer). A `batch_isend_irecv` is published once, as the batch.
 """
 
 from __future__ import annotations

@@ -10,29 +10,11 @@ the training thread never touches the file. One JSON object per line:
      "a": {...}}                                          one per event
 
 Times are integer microseconds on a clock aligned across ranks: the host's monotonic clock
-(`time.perf_counter_ns`, never a synchronisation of the device) mapped to the wall clock at
-start, minus this rank's offset to rank 0 measured at start-up through the rendezvous store
-(`measure_clock_offset`). On a GPU the compute spans would be bracketed by CUDA events resolved
-lazily by the writer thread; this CPU build records host time, which is device time on a CPU.
-
-Categories: `compute` (forward, backward, backward_weight per microbatch and pipeline stage,
-optimizer, grad_clip), `comm` (every collective issued through `torch.distributed`'s module
-functions, with its mesh dimension, group, bytes (`myria.observe.comm`'s one rule) and per-group
-sequence number; the timer subscribes to `comm`, the one interception), `p2p` (sends and
-receives, batched by `batch_isend_irecv` or one by one by `isend`/`irecv`: pipeline transfers and
-ring attention, with peers and per-pair sequence numbers),
-`data` (waiting for the next batch), `ckpt` (snapshot and persist of a checkpoint), `step`;
-`wait` is the time a rank blocks in `Work.wait()` on an asynchronous collective or a pipeline
-transfer (their exposed part; the `comm`/`p2p` event spans issue to completion).
-
-What is NOT seen (documented in docs/observability.md): collectives that bypass the module
-functions of `torch.distributed` - DTensor's functional collectives (tensor-parallel all-reduce,
-all-gather and reduce-scatter inside forward/backward: their time falls inside the compute
-spans), and collectives issued inside C++ (DDP's bucketed all-reduce: use FSDP to see them);
-blocking `send`/`recv` are recorded as collectives of their pair.
-
-Compute-only time of a span = its duration minus the communication spans nested in it on the
-same thread; `myria.observe.analyze` computes it, and stragglers are scored on it.
+(never a device synchronisation) mapped to the wall clock at start, minus this rank's offset to
+rank 0 (`measure_clock_offset`). Categories: `step`, `compute`, `comm` and `p2p` (subscribed to
+`myria.observe.comm`, the one interception), `wait` (blocked in `Work.wait()`), `data`, `ckpt`.
+Collectives that bypass `torch.distributed`'s module functions are not seen. What each category
+holds, and what is not seen: docs/observability.md, "What is recorded".
 """
 
 from __future__ import annotations

@@ -1,28 +1,16 @@
 """The goodput ledger: every second of a run's wall time, attributed to productive steps or to a
 named loss; and the milestones of each restart, from which a recovery's time splits into phases.
 
-Worker side (`Ledger`, fed through `follow(heartbeat)` by the training loop): the time of this
-process is tiled by the heartbeat phases it already reports — start-up (process start, import,
-process groups, model build, checkpoint load; `recovery` instead of `startup` in a restarted
-attempt), the step (forward, backward, optimizer), checkpoint stalls (snapshot wait, save,
-final flush) and evaluation. Each metrics row (rank 0, every `logging.interval` steps) carries
-`goodput`: the seconds of each category since the previous row, summing to the wall time since
-it, with the step time split into data wait, `redone` (steps after the resume point that an
-earlier attempt had already done: their first run was lost) and `productive`. The process also
-writes RUN_DIR/goodput/attemptA-rankRRRRR.json with its milestones (process start, entered
-Python's `train`, process group ready, model built, state restored, first step done).
+Worker side (`Ledger`, fed the heartbeat phases of the training loop): the process's time is
+tiled by those phases (start-up, or `recovery` in a restarted attempt; the step; checkpoint
+stalls; evaluation). Each metrics row carries `goodput`: the seconds of each category since the
+previous row, summing to the wall time since it, the step split into data wait, `redone` and
+`productive`. Each process writes its milestones to RUN_DIR/goodput/attemptA-rankRRRRR.json.
 
 Supervisor side (`summarize`, torch-free): the supervisor's wall time is tiled by its attempts
-and faults — start-up before the first worker, the rows of each attempt, `lost` (the part of a
-step in flight when the fault struck), `detection` (fault to detection), `recovery` (detection
-to the next attempt's process start; the worker rows then go on with their own `recovery`
-start-up), `straggler` (the per-step cost of each detected straggler, moved out of productive
-time), `shutdown` (after the last row: final flush, exit) and `other` (time no row or event
-accounts for; a test holds it under 1% of the wall time). ETTR = productive / wall.
-
-`breakdown` splits one recovery (fault to the step reached before it) into detection, tear-down,
-decision (diagnostics), back-off, starting processes, process groups, model build, restoring
-state and redoing lost steps; the phases add up to the fault's time lost.
+and faults (start-up, the attempts' rows, `lost`, `detection`, `recovery`, `straggler`,
+`shutdown`, `other`); ETTR = productive / wall. `breakdown` splits one recovery into phases that
+add up to the fault's time lost. The categories: docs/robustness.md, "The goodput ledger".
 """
 
 from __future__ import annotations

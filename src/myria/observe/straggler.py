@@ -1,29 +1,20 @@
 """Stragglers: ranks whose own compute is persistently slower than their peers'.
 
-Reads the event timer's per-rank, per-step compute-only time (waits excluded, so the ranks that
-wait for a straggler are never blamed: `myria.observe.analyze.step_table`). Peers are the ranks
-doing the same work (the same pipeline stage). The score is paired by step, so whatever slows
-every rank at once (a busy host, a longer batch) cancels:
+Reads the event timer's per-rank, per-step compute-only time (`myria.observe.analyze.step_table`:
+waits excluded, so the ranks that wait for a straggler are never blamed). Peers are the ranks
+doing the same work (the same pipeline stage); the score is paired by step, so whatever slows
+every rank at once cancels:
 
     l[r, s]  = log(compute[r, s] / median of r's peers' compute[., s])
-    sigma    = 1.4826 x MAD of the peers' own l over every step so far (the per-step noise of
-               this host, measured on the ranks that are not under test; at least 2%)
-    window   = `window` consecutive measured steps after the warm-up step
-    m        = mean of l[r, .] in the window, each clipped to +-3 sigma (one descheduled step
-               cannot dominate it; a mean is a quarter more efficient than a median)
-    slowdown = exp(m) - 1
-    z        = m / (sigma / sqrt(n))
+    sigma    = 1.4826 x MAD of the peers' own l over every step so far (at least 2%)
+    m        = mean of l[r, .] over `window` measured steps after the warm-up step, each
+               clipped to +-3 sigma
+    slowdown = exp(m) - 1;   z = m / (sigma / sqrt(n))
 
-A rank is a straggler when slowdown >= `threshold` and z >= `z_min` (2.5) in `windows`
-consecutive windows: detection within K = window x windows measured steps of the slowdown
-starting when the evidence is clear (10 with the defaults), K + window when one noisy window
-resets the streak; one bad window (a descheduled process on a busy host) is never enough. Under
-independent Gaussian noise a clean rank passes z >= 2.5 in two consecutive windows with
-probability 4e-5 per window pair, before the slowdown threshold is even asked. Without peers
-(one rank per stage) a rank is compared with its own best window instead. The cost to the job
-is the rank's excess compute per step: in synchronous training every step waits for the
-slowest rank. Missing steps (a rank that restarted, a cut
-event file) shrink a window; they never end the analysis.
+A rank is a straggler when slowdown >= `threshold` and z >= `z_min` in `windows` consecutive
+windows; without peers (one rank per stage) it is compared with its own best window. Missing
+steps (a restarted rank, a cut event file) shrink a window, never end the analysis. Its cost to
+the job is its excess compute per step. Why these choices: docs/observability.md, "Stragglers".
 """
 
 from __future__ import annotations
