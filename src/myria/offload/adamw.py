@@ -2,21 +2,14 @@
 in generation files (myria.offload.generations), streamed through the I/O pipeline's ring of
 buffers (myria.offload.pipeline).
 
-**Same bits as in memory.** Each chunk is updated by torch's own functional Adam
-(`torch.optim.adam.adam`, the function AdamW.step calls) with each param group's exact
-settings (foreach, fused, decoupled weight decay, ...). Every operation in it is elementwise
-with per-tensor scalars, so applying it to pieces of a tensor gives the bits of applying it to
-the whole; the only per-tensor state, the step count, is incremented once per tensor
-(`tests/train/test_offload.py` checks the parameters bit for bit against torch.optim.AdamW,
-one process and two FSDP ranks).
-
-**Behind training.** With the parameters on disk the update runs behind training, the next
-forward copies updated parameters from its buffers (`read_params`), and the gradient memory the
-update has used up is lent to write-behind buffers, which backward takes back
-(myria.offload.lending). And when clipping is not expected to bind (the last step's did not),
-the update starts during the last backward, each chunk once its gradients are final: a bet
-`step()` keeps if no gradient was scaled or changed, and drops otherwise, the update then
-running from `step()` into the same uncommitted file (`before_last_backward`).
+Same bits as in memory: each chunk is updated by torch's own functional Adam
+(`torch.optim.adam.adam`, what AdamW.step calls) with each param group's exact settings; every
+operation in it is elementwise with per-tensor scalars, and the step count is incremented once
+per tensor. With the parameters on disk the update runs behind training (`read_params` serves
+the next forward) and, when the last step's clipping did not bind, starts during the last
+backward (`before_last_backward`): a bet `step()` keeps if no gradient was scaled or changed and
+drops otherwise, the update then rerunning from `step()` into the same uncommitted file.
+docs/offload.md, "How the nvme tier works".
 """
 
 from __future__ import annotations

@@ -1,33 +1,17 @@
 """Parameters on disk too (parallel.offload_params): each layer read in for forward and backward.
 
 With `offload = nvme` and `offload_params = true`, a parameter's home is the `param` section of
-the optimizer's generation files (myria.offload.adamw), where the optimizer updates it in place
-of the fp32 master copy; the fast tier holds at most a few *units* at a time (the embeddings,
-one transformer block, the final norm with the output layer) in aligned slabs. This is
-ZeRO-Infinity's parameter offload (Rajbhandari et al. 2021, section 5) for one process.
-
-- Before a unit's forward (a forward pre-hook) it is loaded, waiting for its read if the
-  prefetch has not finished, and the next unit's read starts on the loader thread; after its
-  forward it is dropped (`p.data` becomes an empty tensor), except the last block and the head,
-  which backward needs next.
-- Backward reaches a unit through the gradient of its output (a tensor hook): the unit is loaded
-  again and the one below it prefetched; once every parameter of the unit has its gradient
-  accumulated (`register_post_accumulate_grad_hook`), it is dropped. Activation checkpointing
-  recomputes inside the checkpointed module, after that hook: the parameters are there.
-- Gradients stay in the fast tier (backward produces them; the optimizer reads them chunk by
-  chunk); before a unit's backward its gradients are charged against the gradient memory the
-  update lends to write-behind buffers (myria.offload.lending). All units are dropped before
-  each optimizer step. The step runs behind training (`OffloadedAdamW.step`): the next forward
-  starts at once and loads each unit as soon as the update has computed its chunks, copying the
-  new parameters from the update's buffers where they are not written yet
-  (`OffloadedAdamW.read_params`), so the optimizer's reads and writes overlap with forward and
-  backward instead of stopping training.
-
-Swapping `p.data` keeps each Parameter object (the optimizer's, autograd's saved tensors) and
-its shape during the unit's forward and backward, which is when autograd looks at it. With
-gradient accumulation every microbatch reads the parameters again (twice): use one microbatch
-per step with this option. The model is materialised one unit at a time (its initial values
-written to generation 0), so the whole model never sits in memory.
+the optimizer's generation files (myria.offload.adamw), updated there in place of an fp32 master
+copy. The fast tier holds at most a few *units* (the embeddings, one transformer block, the final
+norm with the output layer) in aligned slabs: a unit is loaded before its forward (a forward
+pre-hook, the next unit prefetched) and dropped after it, loaded again when backward reaches the
+gradient of its output (a tensor hook) and dropped once every parameter of it has accumulated
+its gradient. Dropping swaps `p.data` for an empty tensor, which keeps each Parameter object
+(the optimizer's, autograd's) and its shape while autograd looks at it. Gradients stay in the
+fast tier. All units are dropped before each optimizer step, and the next forward takes new
+parameters from the update running behind it (`OffloadedAdamW.read_params`). The model is
+materialised one unit at a time into generation 0. Use one microbatch per step (each microbatch
+reads every unit twice). docs/offload.md, "Parameters on disk".
 """
 
 from __future__ import annotations
