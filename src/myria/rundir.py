@@ -1,32 +1,11 @@
 """The run directory: the interface between the worker side and the tools above it.
 
-Every path under RUN_DIR that more than one part of myria reads or writes is named here:
-
-    config.json              the resolved config of the run (rank 0, at start)
-    config_changes.jsonl     fields changed on resume: step, field, old and new value
-    metrics.jsonl            one row per logged step (rank 0); metrics.abandoned.jsonl holds
-                             rows of steps redone after a rollback
-    checkpoints/             two-stage checkpoints (myria.train.checkpoint)
-    checkpoint_stats/rankNNNNN.json  bytes each rank read to resume, each save's stall
-    stats/data_rankNNNNN.json  samples each rank read from the token files
-    tensorboard/             TensorBoard's copy of the metrics (logging.tensorboard)
-    events/rankNNNNN.jsonl   each rank's timed events (myria.observe.events)
-    hang/rankNNNNN.json      what each rank was doing when a hang dump was requested
-    report/                  `myria report` output: index.html, trace.json, blame.json, PNGs,
-                             hang.json (the supervisor's merged hang report)
-    events.jsonl             detections (stragglers, corruption, numerical faults, health)
-    offload/rankNNNNN/       the nvme tier's optimizer-state files (parallel.offload = nvme,
-                             unless parallel.offload_dir puts them elsewhere)
-    offload_stats/rankNNNNN.json  the nvme tier's I/O per rank: bytes, times, exposed waits,
-                             peak resident memory
-    supervisor.log, supervisor_summary.json, logs/ (workers' output), diagnostics/ (the
-    doctor's reports at a fault), blocklist.txt (hosts the supervisor excluded)
-    faults/                  markers of injected faults that fired (myria.faults: once a run)
-    run.lock                 the job that owns the directory (advisory flock, exclusive; JSON:
-                             host, pid, command, job, time), held by `myria train` or
-                             `myria supervise` (for its workers too) while it runs
-    workers.lock             a shared flock held by every worker process while it runs, so that
-                             a new job waits for the workers of a dead one to stop
+Every path under RUN_DIR that more than one part of myria reads or writes is named here, each
+constant with what it holds, beside helpers for the per-rank files (rankNNNNN: the global rank)
+and `read_jsonl`, which skips a line cut by a crash. `lock` makes a process the owner of a run
+directory (RUN_DIR/run.lock: an advisory exclusive flock, JSON host, pid, command, job, time),
+held by `myria train` or `myria supervise` (for its workers too) while it runs; every worker
+also holds the shared RUN_DIR/workers.lock.
 """
 
 from __future__ import annotations
@@ -39,28 +18,30 @@ import sys
 import time
 from pathlib import Path
 
-CONFIG = "config.json"
-CONFIG_CHANGES = "config_changes.jsonl"
-METRICS = "metrics.jsonl"
-METRICS_ABANDONED = "metrics.abandoned.jsonl"
-CHECKPOINTS = "checkpoints"
-CHECKPOINT_STATS = "checkpoint_stats"
-DATA_STATS = "stats"
-TENSORBOARD = "tensorboard"
-FAULTS = "faults"
+CONFIG = "config.json"                      # the resolved config of the run (rank 0, at start)
+CONFIG_CHANGES = "config_changes.jsonl"     # fields changed on resume: step, field, old, new
+METRICS = "metrics.jsonl"                   # one row per logged step (rank 0)
+METRICS_ABANDONED = "metrics.abandoned.jsonl"  # the rows of steps redone after a rollback
+CHECKPOINTS = "checkpoints"                 # two-stage checkpoints (myria.train.checkpoint)
+CHECKPOINT_STATS = "checkpoint_stats"       # rankNNNNN.json: bytes read to resume, save stalls
+DATA_STATS = "stats"                        # data_rankNNNNN.json: samples read from token files
+TENSORBOARD = "tensorboard"                 # TensorBoard's copy of the metrics
+FAULTS = "faults"                           # markers of injected faults that fired (once a run)
 SUPERVISOR_LOG = "supervisor.log"
 SUPERVISOR_SUMMARY = "supervisor_summary.json"
-LOGS_DIR = "logs"
-DIAGNOSTICS_DIR = "diagnostics"
-BLOCKLIST = "blocklist.txt"
-EVENTS_DIR = "events"
-HANG_DIR = "hang"
-REPORT_DIR = "report"
-DETECTIONS = "events.jsonl"
-OFFLOAD_DIR = "offload"
-OFFLOAD_STATS = "offload_stats"
-LOCK = "run.lock"
-WORKERS_LOCK = "workers.lock"
+LOGS_DIR = "logs"                           # the workers' output
+DIAGNOSTICS_DIR = "diagnostics"             # the doctor's reports at a fault
+BLOCKLIST = "blocklist.txt"                 # hosts the supervisor excluded
+EVENTS_DIR = "events"                       # rankNNNNN.jsonl: timed events (myria.observe.events)
+HANG_DIR = "hang"                           # rankNNNNN.json: what the rank did at a hang dump
+REPORT_DIR = "report"                       # `myria report`: index.html, trace.json, blame.json,
+#                                             PNGs; hang.json (the supervisor's merged report)
+DETECTIONS = "events.jsonl"                 # stragglers, corruption, numerical faults, health
+OFFLOAD_DIR = "offload"                     # rankNNNNN/: nvme tier files (or parallel.offload_dir)
+OFFLOAD_STATS = "offload_stats"             # rankNNNNN.json: nvme tier I/O, waits, peak memory
+LOCK = "run.lock"                           # the owning job's exclusive flock (`lock`)
+WORKERS_LOCK = "workers.lock"               # every worker's shared flock, so a new job waits
+#                                             for the workers of a dead one to stop
 LOCK_ENV = "MYRIA_RUN_LOCK"   # set by the lock's owner: its workers run under its lock
 
 

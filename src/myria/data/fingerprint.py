@@ -4,19 +4,16 @@ A data directory's fingerprint is two sha256 digests, cheap to compute whatever 
 
     tokenizer_sha256   of the bytes of its tokenizer.json
     data_sha256        of the identity its index.json gives the tokens: dtype, vocab size, EOS id
-                       and, per split, every shard's (file, tokens, sha256) — the shards are not
-                       read (prepare wrote their sha256 into the index; opening a TokenDataset
-                       checks the shards against it)
+                       and, per split, every shard's (file, tokens, sha256); the shards are not
+                       read (opening a TokenDataset checks them against the index)
 
 The same inputs, options and seed give the same fingerprint (prepare is deterministic). The
 trainer records it in every checkpoint's meta.json (`data_fingerprint`) and keeps a copy of the
-tokenizer in the run directory (`RUN_DIR/tokenizers/tokenizer-<sha256[:16]>.json`), so that:
-
-- a resume whose data directory has a different fingerprint is refused in one line naming both
-  (`checkpoint.allow_data_change = true`, `myria train --allow-data-change`, resumes anyway and
-  the following checkpoints record the new fingerprint);
-- `myria generate` and `myria export` decode with the tokenizer the checkpoint was trained with,
-  even when the data directory moved, was deleted or was re-prepared since.
+tokenizer in RUN_DIR/tokenizers/tokenizer-<sha256[:16]>.json, so that a resume on data with a
+different fingerprint is refused in one line naming both (unless
+`checkpoint.allow_data_change`), and `myria generate` and `myria export` decode with the
+tokenizer the checkpoint was trained with even after the data directory moved, was deleted or
+was re-prepared. docs/data.md, "The data fingerprint".
 """
 
 from __future__ import annotations
