@@ -9,9 +9,9 @@ rank r holds chunks r and 2*cp-1-r, the same causal work on every rank. Masks fo
 `myria.models.attention.window_mask` on absolute positions: fully masked blocks are skipped,
 fully visible ones run unmasked. Softmax runs in fp32 (fp64 for fp64 inputs).
 
-Use `swap_core_attention` (or `RingAttention`) on a model and `shard_sequence` /
-`gather_sequence` on its inputs and outputs; docs/parallelism.md says why this is not torch's
-`context_parallel`.
+Use `swap_core_attention` on a model (its positions from `positions_for_rank`) and
+`shard_sequence` on its inputs and targets; `gather_sequence` joins the slices again.
+docs/parallelism.md says why this is not torch's `context_parallel`.
 """
 
 from __future__ import annotations

@@ -1,16 +1,15 @@
-"""In-job recovery, supervisor side (`resilience.recovery = "in-job"`): one worker is lost, the
-others stay.
+"""In-job recovery, supervisor side (`resilience.recovery = "in-job"`): replace one lost worker.
 
 `InJobRecovery.poll` runs before torch elastic's agent looks at its workers. When exactly one
 worker has exited with a failure (or a frozen one was killed, `kill_frozen`), it starts the
 replacement (a hot spare, `resilience.spares`, else a fresh process with the lost one's command
 and environment), puts it in the dead worker's place in the agent's process context and worker
-group, announces the next attempt in the store and reports the group healthy; the workers then
-rebuild their run from peer memory (`myria.train.rejoin`). Everything else goes the agent's way,
-the full restart from the newest checkpoint: two workers lost at once, a loss before every rank
-has finished a step of an in-job recovery, an input error (exit 2), a failed save (exit 4), a
-hang, no restarts left. With `resilience.shrink` (pure DDP) and no spare, the survivors go on as
-a smaller data-parallel group (the lost slot is `_Dropped`) and grow back once a spare is ready.
+group, announces the next attempt in the store and reports the group healthy; the other workers
+stay, and all rebuild their run from peer memory (`myria.train.rejoin`). Everything else goes
+the agent's way, the full restart from the newest checkpoint: two workers lost at once, a loss
+while an in-job recovery is under way, an input error (exit 2), a failed save (exit 4), a hang,
+no restarts left. With `resilience.shrink` (pure DDP) and no spare, the survivors go on as a
+smaller data-parallel group (the lost slot is `_Dropped`) and grow back once a spare is ready.
 Each recovery, shrink or grow uses one of `resilience.max_restarts`. `check` refuses in one line
 a config it cannot serve (it needs the supervisor's TCPStore and one host). The protocol and its
 reasons: docs/robustness.md, "In-job recovery" and "How in-job recovery sits on torch elastic".
