@@ -1,16 +1,13 @@
 """Device facts: dense peak FLOP/s and bandwidths, read by the MFU meter and the simulator alike.
 
-Accelerator figures are datasheet peaks (dense, no 2:4 sparsity). A CPU's fp32 peak is measured,
-and every figure says whether it was looked up or measured, how and when; an unknown device has
-no peak, so MFU shows as unknown rather than a wrong number. The CPU figure is a *core* peak
-(`cpu_core_peak`) that must not depend on when it was measured or on the host's other jobs: the
-PEAK_QUANTILE of the per-call rates of one thread's fp32 matmul, each call timed on the thread's
-own CPU time (`time.thread_time`). It is measured once per processor model and torch version,
-pinned in $MYRIA_CACHE (else $XDG_CACHE_HOME/myria, else ~/.cache/myria)/machine_figures.json
-and re-used by every later run; `myria doctor --refresh` measures it again. A process with t
-threads has t x the core peak. `measured_figure` keeps other measured figures (the doctor's
-throughput history): the best of several probes, raised by later ones and never lowered.
-Why: docs/observability.md, "MFU on a CPU".
+Accelerator figures are datasheet peaks (dense, no 2:4 sparsity); an unknown device has no peak,
+so MFU shows as unknown rather than wrong. A CPU's fp32 peak is measured once per processor model
+and torch version as a *core* peak (`cpu_core_peak`: a high quantile of one thread's matmul
+rates on its own CPU time, so the host's other jobs do not lower it), pinned in
+`cache_dir()`/machine_figures.json (`myria doctor --refresh` measures it again); a process with t
+threads has t x that peak. Every figure says whether it was looked up or measured, how and when.
+`measured_figure` keeps the doctor's throughput history: the best of several probes, never
+lowered. Why: docs/observability.md, "MFU on a CPU".
 """
 
 from __future__ import annotations

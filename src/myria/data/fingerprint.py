@@ -1,19 +1,17 @@
 """What a run trained on: a data directory's fingerprint, and the tokenizer kept with the run.
 
-A data directory's fingerprint is two sha256 digests, cheap to compute whatever its size:
+A data directory's fingerprint is two sha256 digests, cheap whatever its size, and the same for
+the same inputs, options and seed (prepare is deterministic):
 
     tokenizer_sha256   of the bytes of its tokenizer.json
     data_sha256        of the identity its index.json gives the tokens: dtype, vocab size, EOS id
                        and, per split, every shard's (file, tokens, sha256); the shards are not
                        read (opening a TokenDataset checks them against the index)
 
-The same inputs, options and seed give the same fingerprint (prepare is deterministic). The
-trainer records it in every checkpoint's meta.json (`data_fingerprint`) and keeps a copy of the
-tokenizer in RUN_DIR/tokenizers/tokenizer-<sha256[:16]>.json, so that a resume on data with a
-different fingerprint is refused in one line naming both (unless
-`checkpoint.allow_data_change`), and `myria generate` and `myria export` decode with the
-tokenizer the checkpoint was trained with even after the data directory moved, was deleted or
-was re-prepared. docs/data.md, "The data fingerprint".
+Every checkpoint records it (meta.json's `data_fingerprint`), and the run keeps its tokenizer
+(RUN_DIR/tokenizers/tokenizer-<sha256[:16]>.json): a resume on other data is refused in one line
+unless `checkpoint.allow_data_change`, and generate and export decode with the tokenizer the
+checkpoint was trained with. docs/data.md, "The data fingerprint".
 """
 
 from __future__ import annotations

@@ -1,16 +1,12 @@
 """The goodput ledger: every second of a run's wall time, attributed to productive steps or to a
 named loss; and the milestones of each restart, from which a recovery's time splits into phases.
 
-Worker side (`Ledger`, fed the heartbeat phases of the training loop): the process's time is
-tiled by those phases (start-up, or `recovery` in a restarted attempt; the step; checkpoint
-stalls; evaluation). Each metrics row carries `goodput`: the seconds of each category since the
-previous row, summing to the wall time since it, the step split into data wait, `redone` and
-`productive`. Each process writes its milestones to RUN_DIR/goodput/attemptA-rankRRRRR.json.
-
-Supervisor side (`summarize`, torch-free): the supervisor's wall time is tiled by its attempts
-and faults (start-up, the attempts' rows, `lost`, `detection`, `recovery`, `straggler`,
-`shutdown`, `other`); ETTR = productive / wall. `breakdown` splits one recovery into phases that
-add up to the fault's time lost. The categories: docs/robustness.md, "The goodput ledger".
+Worker side (`Ledger`, fed the heartbeat phases of the training loop): each metrics row carries
+`goodput`, the seconds of each category since the previous row, summing to the wall time since
+it; each process writes its milestones to RUN_DIR/goodput/attemptA-rankRRRRR.json. Supervisor
+side (`summarize`, torch-free): the supervisor's wall time tiled by its attempts and faults;
+ETTR = productive / wall. `breakdown` splits one recovery into phases that add up to the fault's
+time lost. The categories: docs/robustness.md, "The goodput ledger".
 """
 
 from __future__ import annotations

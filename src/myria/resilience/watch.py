@@ -1,16 +1,11 @@
 """Fault detection from heartbeats and worker stderr: dead, frozen, hung, silent or alarming ranks.
 
 Once per monitor interval the supervisor feeds a `Watchdog` the newest heartbeat of each local
-rank (the record of `myria.observe.heartbeat_store`) and the new lines of each worker's stderr.
-It returns `Detection`s, each with the evidence a person needs to believe it:
-`missed-heartbeats` (dead or frozen), `no-heartbeat` (never reported within the start-up
-timeout), `hang` (heartbeats arrive but neither step nor phase moved; the ranks that are not
-inside the collective the others wait in are the suspects), `traffic-stopped` (a rank that
-communicated moves no bytes while training) and `alarm` (a keyword in a worker's stderr).
-
-Times are the supervisor's own clock (when it saw a heartbeat change), so worker clocks may
-drift. The watchdog only detects; the supervisor decides what to do. The rules and their
-defaults: docs/robustness.md, "Detection".
+rank (the record of `myria.observe.heartbeat_store`) and the new lines of each worker's stderr;
+it returns `Detection`s (`missed-heartbeats`, `no-heartbeat`, `hang`, `traffic-stopped`,
+`alarm`), each with the evidence a person needs to believe it. Times are the supervisor's own
+clock (when it saw a heartbeat change), so worker clocks may drift. The watchdog only detects;
+the supervisor decides what to do. Rules and defaults: docs/robustness.md, "Detection".
 """
 
 from __future__ import annotations
