@@ -22,6 +22,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import lru_cache
+from typing import NamedTuple
 
 from myria.config import Config, ModelConfig
 from myria.errors import ConfigError
@@ -35,6 +36,13 @@ SCHEDULE_NAMES = ("gpipe", "1f1b", "interleaved-1f1b", "zero-bubble", "zbv")
 SINGLE_STAGE = ("gpipe", "1f1b")              # one stage (chunk) per rank
 ZERO_BUBBLE = ("zero-bubble", "zbv")          # backward split into input and weight gradients
 DEGREES = (*MESH_ORDER, "dp", "ep")
+
+
+class Share(NamedTuple):
+    """A data-parallel rank's part of a step's global batch (`Layout.share`)."""
+
+    microbatches: range      # indices of the step's microbatches this rank trains
+    loss_divisor: float      # what each of their losses is divided by
 
 
 @dataclass(frozen=True)
@@ -125,16 +133,29 @@ class Layout:
     def microbatches(self, global_batch: int, micro_batch: int, shrunk: bool = False) -> int:
         """Microbatches per step on each data-parallel rank (gradient accumulation, and what a
         pipeline schedule interleaves): global_batch / (dp x micro_batch), checked to divide;
-        in a run shrunk after a lost replica (`shrink_refusal`) the largest share
-        (myria.data.loader.microbatch_share)."""
+        in a run shrunk after a lost replica (`shrink_refusal`) the largest share (`share`)."""
         if shrunk and global_batch % (self.dp * micro_batch):
-            return -(-(global_batch // micro_batch) // self.dp)
+            return len(self.share(global_batch, micro_batch, 0).microbatches)
         if global_batch % (self.dp * micro_batch):
             raise ConfigError(
                 f"training.global_batch = {global_batch} must be divisible by data-parallel "
                 f"ranks ({self.dp}) x training.micro_batch ({micro_batch}) = "
                 f"{self.dp * micro_batch}")
         return global_batch // (self.dp * micro_batch)
+
+    def share(self, global_batch: int, micro_batch: int, dp_rank: int) -> Share:
+        """The microbatches of a step's global batch (global_batch / micro_batch of them, in
+        order) that data-parallel rank `dp_rank` trains, and what each microbatch's loss is
+        divided by so that the data-parallel average is the global batch's mean.
+
+        A contiguous run, the first (microbatches % dp) ranks one more: equal shares when dp
+        divides them, unequal only in a run shrunk after a lost replica, which keeps the global
+        batch and so the data of every step. The divisor is microbatches / dp, the share's own
+        size when the shares are equal."""
+        total = global_batch // micro_batch
+        per, extra = divmod(total, self.dp)
+        first = dp_rank * per + min(dp_rank, extra)
+        return Share(range(first, first + per + (dp_rank < extra)), total / self.dp)
 
     def shrink_refusal(self, cfg: Config, world_size: int) -> str | None:
         """Why this layout cannot go on with one data-parallel replica fewer after a lost

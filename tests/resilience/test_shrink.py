@@ -10,7 +10,8 @@ import json
 import numpy as np
 import pytest
 
-from myria.data.loader import BatchLoader, microbatch_share
+from myria.data.loader import BatchLoader
+from myria.layout import Layout
 from myria.train.rejoin import choose
 from tests.conftest import TINY, run_cli
 
@@ -18,7 +19,10 @@ from tests.conftest import TINY, run_cli
 @pytest.mark.parametrize("global_batch,micro,dp", [(16, 4, 3), (6, 2, 2), (16, 2, 3),
                                                    (8, 2, 4), (12, 1, 5)])
 def test_shares_cover_the_global_batch_once(global_batch, micro, dp):
-    shares = [microbatch_share(global_batch, micro, dp, r) for r in range(dp)]
+    lay = Layout(dp_shard=dp)
+    shares = [lay.share(global_batch, micro, r).microbatches for r in range(dp)]
+    assert {lay.share(global_batch, micro, r).loss_divisor for r in range(dp)} == {
+        global_batch / micro / dp}
     assert [i for s in shares for i in s] == list(range(global_batch // micro))
     sizes = [len(s) for s in shares]
     assert max(sizes) - min(sizes) <= 1 and min(sizes) >= 1
@@ -31,7 +35,9 @@ def test_an_uneven_loader_reads_every_sample_of_the_step_once(tiny_data):
 
     ds = TokenDataset(tiny_data, 64)
     full = BatchLoader(ds, 16, 4, 0, 1, seed=3, prefetch=0)
-    parts = [BatchLoader(ds, 16, 4, r, 3, seed=3, prefetch=0) for r in range(3)]
+    parts = [BatchLoader(ds, 16, 4, r, 3, seed=3, prefetch=0,
+                         microbatches=Layout(dp_shard=3).share(16, 4, r).microbatches)
+             for r in range(3)]
     for step in (0, 7):
         got = np.concatenate([p.indices(step) for p in parts])
         assert np.array_equal(got, full.indices(step))

@@ -2,9 +2,9 @@
 
 `BatchLoader` yields, for optimizer steps start_step, start_step+1, ..., this data-parallel
 rank's share of the global batch (see `myria.data.dataset` for the order rule) shaped as
-[microbatches, micro_batch, seq_len] inputs and targets. The microbatch count is the layout's
-(`myria.layout.Layout.microbatches`, which also checks that the global batch divides): the
-loader only cuts its share of the global batch into microbatches of `micro_batch`.
+[microbatches, micro_batch, seq_len] inputs and targets. Which microbatches of the step are
+this rank's is the layout's rule (`myria.layout.Layout.share`, passed in; by default the
+dp_rank-th of equal shares): the loader only reads them.
 Batches depend only on (seed, step, global_batch, dataset), so `state_dict()` (the next step)
 is all a checkpoint needs, and prefetching never changes what is produced.
 """
@@ -45,18 +45,6 @@ class _Failure:
         self.exc = exc
 
 
-def microbatch_share(global_batch: int, micro_batch: int, dp: int, dp_rank: int) -> range:
-    """The microbatches of a step's global batch (global_batch / micro_batch of them, in order)
-    that data-parallel rank `dp_rank` of `dp` trains: a contiguous run, the first
-    (microbatches % dp) ranks one more. Equal shares (global_batch / (dp x micro_batch) each)
-    when dp divides them; unequal only in a run shrunk after a lost replica
-    (`resilience.shrink`), which keeps the global batch and so the data of every step."""
-    total = global_batch // micro_batch
-    per, extra = divmod(total, dp)
-    first = dp_rank * per + min(dp_rank, extra)
-    return range(first, first + per + (dp_rank < extra))
-
-
 class BatchLoader:
     """Iterator of `Batch`es for one data-parallel rank, prefetched by a daemon thread.
 
@@ -67,7 +55,8 @@ class BatchLoader:
 
     def __init__(self, dataset: TokenDataset, global_batch: int, micro_batch: int,
                  dp_rank: int = 0, dp_size: int = 1, seed: int = 0, start_step: int = 0,
-                 prefetch: int = 2, device: str | torch.device = "cpu") -> None:
+                 prefetch: int = 2, device: str | torch.device = "cpu",
+                 microbatches: range | None = None) -> None:
         if micro_batch < 1 or global_batch < 1:
             raise ConfigError(f"global_batch ({global_batch}) and micro_batch ({micro_batch}) "
                               "must be >= 1")
@@ -81,6 +70,14 @@ class BatchLoader:
         self.global_batch, self.micro_batch = int(global_batch), int(micro_batch)
         self.dp_rank, self.dp_size = int(dp_rank), int(dp_size)
         self.seed = int(seed)
+        if microbatches is None:   # the dp_rank-th of dp_size equal shares
+            if global_batch % (dp_size * micro_batch):
+                raise ConfigError(f"global_batch ({global_batch}) is not divisible by dp_size "
+                                  f"({dp_size}) x micro_batch ({micro_batch}); pass this rank's "
+                                  "microbatches (myria.layout.Layout.share)")
+            per = global_batch // (dp_size * micro_batch)
+            microbatches = range(dp_rank * per, (dp_rank + 1) * per)
+        self.microbatches = microbatches   # of the step's global_batch / micro_batch, in order
         self.prefetch = int(prefetch)
         self.device = torch.device(device)
         self._pin = self.device.type == "cuda"
@@ -98,12 +95,7 @@ class BatchLoader:
         """This rank's sample indices for `step` (global_batch / dp_size of them): its contiguous
         slice of the step's global batch (a TokenDataset's or a MixtureDataset's order)."""
         g = self.dataset.batch_indices(step, self.global_batch, self.seed)
-        if self.global_batch % (self.dp_size * self.micro_batch) == 0:
-            per = self.global_batch // self.dp_size
-            return g[self.dp_rank * per: (self.dp_rank + 1) * per]
-        # a run shrunk after a lost replica: this rank's microbatches of the same global batch
-        mine = microbatch_share(self.global_batch, self.micro_batch, self.dp_size,
-                                self.dp_rank)
+        mine = self.microbatches
         return g[mine.start * self.micro_batch: mine.stop * self.micro_batch]
 
     def make_batch(self, step: int) -> Batch:

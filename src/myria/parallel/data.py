@@ -76,7 +76,8 @@ def make_loader(engine, dataset: TokenDataset, cfg, start_step: int):
     def real() -> BatchLoader:
         return BatchLoader(dataset, t.global_batch, t.micro_batch, engine.dims.dp_rank,
                            engine.dims.dp, t.seed, start_step=start_step,
-                           prefetch=cfg.data.prefetch, device=engine.device)
+                           prefetch=cfg.data.prefetch, device=engine.device,
+                           microbatches=engine.share.microbatches)
 
     group = engine.dims.data_group if cfg.parallel.data_broadcast else None
     if group is None:

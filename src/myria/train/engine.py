@@ -88,19 +88,9 @@ class Engine:
         check_run(cfg, lay, device.type, shrunk)   # the one place a layout is accepted
         # where the optimizer state (and parameters kept off the device) live: myria.offload
         self.tier = optimizer_tier(cfg, run_dir, dist.get_rank() if dist.is_initialized() else 0)
-        # the divisor of each microbatch's loss: this rank's microbatches, so the data-parallel
-        # average is the mean over the global batch; in a run shrunk after a lost replica
-        # (`resilience.shrink`: pure DDP, shares that may differ by one) it is the global
-        # batch's microbatches / dp, the same number when the shares are equal
-        self.loss_divisor: float | None = None
-        if shrunk and t.global_batch % (lay.dp * t.micro_batch):
-            from myria.data.loader import microbatch_share
-
-            self.microbatches = len(microbatch_share(t.global_batch, t.micro_batch, lay.dp,
-                                                     dims.dp_rank))
-            self.loss_divisor = t.global_batch / t.micro_batch / lay.dp
-        else:
-            self.microbatches = lay.microbatches(t.global_batch, t.micro_batch)
+        lay.microbatches(t.global_batch, t.micro_batch, shrunk)   # refuses what does not divide
+        self.share = lay.share(t.global_batch, t.micro_batch, dims.dp_rank)
+        self.microbatches = len(self.share.microbatches)
         fsdp = shards_with_fsdp(cfg, lay, device.type)
         if fsdp and dims.fsdp_mesh is None:  # one process in bf16 or with host offload
             dims.fsdp_mesh = single_rank_mesh(device.type)
@@ -196,7 +186,7 @@ class Engine:
         if self.schedule is not None:
             return self._pipelined(inputs, targets)
         accum = inputs.shape[0]
-        div = self.divisor(accum)
+        div = self.divisor
         loss_sum = torch.zeros((), device=self.device)
         rec = events.current()
         for i in range(accum):
@@ -214,10 +204,11 @@ class Engine:
             loss_sum += _local(loss.detach())
         return loss_sum
 
-    def divisor(self, accum: int) -> float:
-        """What each of this rank's `accum` microbatch losses is divided by (the one rule: the
+    @property
+    def divisor(self) -> float:
+        """What each of this rank's microbatch losses is divided by (`Layout.share`; the
         training step and the silent-corruption check's recomputation both use it)."""
-        return accum if self.loss_divisor is None else self.loss_divisor
+        return self.share.loss_divisor
 
     def _pipelined(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         x = inputs.reshape(-1, inputs.shape[-1])

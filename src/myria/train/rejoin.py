@@ -41,7 +41,7 @@ and the recovery is the same "abort, new group of the same size, restore" in all
 Shrink and grow (`resilience.shrink`, pure DDP) reuse that mechanism with another size: the
 supervisor names the next attempt's members (`members{A}` in its store; ranks renumbered in
 slot order), each survivor restores its own copy, and the batch loader and engine share the
-unchanged global batch among fewer ranks (myria.data.loader.microbatch_share,
+unchanged global batch among fewer ranks (myria.layout.Layout.share,
 `Engine.divisor`); growing back, a new rank takes a replica's own copy (`choose(replicas=)`).
 torchft's shrink was not taken for it: its Manager starts a quorum with its lighthouse every
 step (overlapped with the forward, but a round trip per step, where this costs nothing until a

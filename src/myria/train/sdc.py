@@ -324,7 +324,6 @@ class ComputeCheck:
         self.group = dp_group(engine)
         self.ranks = dist.get_process_group_ranks(self.group) if self.group is not None else []
         self.count = 0
-        self._accum = 1
         self.captures: list[_Capture] = []
 
     @property
@@ -407,7 +406,7 @@ class ComputeCheck:
         e = self.engine
         doc = e._documents(x.unsqueeze(0))[0]
         kw = {} if doc is None else {"documents": doc}
-        accum = e.divisor(self._accum)   # what training divides each microbatch's loss by
+        accum = e.divisor   # what training divides each microbatch's loss by
         cap = _Capture(e.model, False)
         try:
             with _grad_sync(e.model, False), e._ctx():
@@ -444,7 +443,6 @@ class ComputeCheck:
         me = self.ranks.index(dist.get_rank())
         k = 1 + self.count % (n - 1)           # this check's partner offset
         self.count += 1
-        self._accum = inputs.shape[0]
         mine = self._items(inputs, targets)
         ready = ranks_with(mine is None, e.device)
         if ready:   # a pipeline step whose first microbatch was not captured: nothing to check
