@@ -92,7 +92,7 @@ def scratch(tmp_path_factory):
             (d / f).parent.mkdir(parents=True, exist_ok=True)
             shutil.copy2(ROOT / f, d / f)
     (d / "texts" / "a").mkdir(parents=True)
-    from myria.data.prepare import read_text, sotu_speeches
+    from myria.data.sources import read_text, sotu_speeches
 
     docs = [read_text(f) for f in sotu_speeches()[:6]]  # a few demo texts as a user's files
     for i, text in enumerate(docs[:3]):

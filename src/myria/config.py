@@ -213,7 +213,6 @@ class ParallelConfig:
                                "memory; RAM on a CPU) for parameters, gradients, activations and "
                                "the nvme tier's buffers; checked before training; 0 = no budget",
                                min=0.0)
-    cpu_offload: bool = _f(False, "alias of offload = 'cpu' (older configs)")
     data_broadcast: bool = _f(True, "one rank per tensor/context-parallel group reads each batch "
                               "and broadcasts it (MegaScale's removal of redundant loaders)")
     hosts: str = _f("", "comma-separated host names in rank order for placement reports; empty "
@@ -222,11 +221,6 @@ class ParallelConfig:
                                "(one switch)", min=0)
     fast_domain: int = _f(0, "ranks per fast (NVLink) domain; 0 means the ranks of one host",
                           min=0)
-
-    @property
-    def offload_tier(self) -> str:
-        """`offload`, with the `cpu_offload` alias folded in: none, cpu or nvme."""
-        return "cpu" if self.cpu_offload and self.offload == "none" else self.offload
 
 
 @dataclass
@@ -595,16 +589,13 @@ def validate_mixer(m: ModelConfig) -> None:
 def validate(cfg: Config) -> None:
     """Raise ConfigError for inconsistent fields (the parallel layout's rules are
     `Layout.check`, run before the workers start and by each worker's engine)."""
-    m, t, par = cfg.model, cfg.training, cfg.parallel
+    m, t = cfg.model, cfg.training
     validate_model(m)
     if t.micro_batch > t.global_batch:
         raise ConfigError(f"training.micro_batch = {t.micro_batch} exceeds training.global_batch"
                           f" = {t.global_batch}")
     if cfg.optimizer.beta1 >= 1 or cfg.optimizer.beta2 >= 1:
         raise ConfigError("optimizer.beta1 and optimizer.beta2 must be < 1")
-    if par.cpu_offload and par.offload == "nvme":
-        raise ConfigError("parallel.cpu_offload = true (an alias of offload = 'cpu') contradicts "
-                          "parallel.offload = 'nvme'; set one of them")
 
 
 def describe(cfg: Config) -> str:

@@ -211,7 +211,7 @@ class Layout:
             if not only_trainer and (self.dp * cp) % ep:
                 raise ConfigError(f"parallel.ep = {ep} must divide the data-parallel (x cp) "
                                   f"ranks {self.dp * cp}: experts are spread over them")
-        tier = p.offload_tier
+        tier = p.offload
         if p.offload_params and tier != "nvme":
             raise ConfigError("parallel.offload_params = true needs parallel.offload = 'nvme' "
                               "(the parameters go to the same files as the optimizer state)")

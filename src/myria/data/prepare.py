@@ -67,10 +67,6 @@ from myria.data.sources import (
 from myria.errors import DataError
 from myria.fsutil import atomic_write
 
-__all__ = ["ERRORS", "Decoding", "ShardWriter", "_dist_files", "expand_inputs", "kjv_books",
-           "markdown_play_text", "prepare", "read_jsonl", "read_text", "sha256_file",
-           "sotu_speeches"]
-
 FORMAT = "myria-tokens"
 FORMAT_VERSION = 1
 INDEX_FILE = "index.json"

@@ -86,7 +86,7 @@ def plan_memory(cfg, params_local: int, layer_params_local: int, itemsize: int,
     section, at most enough for the whole state (with room for the next step's prefetch) and
     CHUNK_BYTES per section each."""
     par = cfg.parallel
-    tier = par.offload_tier
+    tier = par.offload
     budget = par.fast_memory_gb * 1e9
     p_bytes = params_local * itemsize
     if tier != "nvme":

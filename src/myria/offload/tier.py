@@ -113,7 +113,7 @@ class MemoryTier:
 
 def optimizer_tier(cfg, run_dir: str | Path | None, rank: int) -> OptimizerTier:
     """The tier `parallel.offload` names, before the model is built."""
-    if cfg.parallel.offload_tier == "nvme":
+    if cfg.parallel.offload == "nvme":
         return NvmeTier(cfg, run_dir, rank)
     return MemoryTier(cfg)
 
@@ -122,6 +122,6 @@ def check_budget(cfg, layout, device_type: str = "cpu") -> None:
     """A fast-memory budget too small for the run, as a one-line ConfigError before training
     starts (what each tier supports is part of the layout's rules: `Layout.check`)."""
     par = cfg.parallel
-    if par.offload_tier == "none" and not par.fast_memory_gb:
+    if par.offload == "none" and not par.fast_memory_gb:
         return
     plan_for_config(cfg, layout, device_type)

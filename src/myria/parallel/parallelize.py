@@ -74,8 +74,8 @@ def shards_with_fsdp(cfg: Config, layout, device_type: str) -> bool:
         return False
     if layout.dp * layout.cp > 1:
         return True
-    return p.offload_tier != "nvme" and (mixed_precision(cfg, device_type) is not None
-                                         or p.offload_tier == "cpu")
+    return p.offload != "nvme" and (mixed_precision(cfg, device_type) is not None
+                                         or p.offload == "cpu")
 
 
 def mixed_precision(cfg: Config, device_type: str) -> MixedPrecisionPolicy | None:
@@ -284,7 +284,7 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh, cfg: Config, device_type: str
     mp = mixed_precision(cfg, device_type)
     if mp is not None:
         kwargs["mp_policy"] = mp
-    if cfg.parallel.offload_tier == "cpu":
+    if cfg.parallel.offload == "cpu":
         kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=device_type == "cuda")
     reshard = cfg.training.data_parallel != "zero2"
     blocks = list(model.layers.values())

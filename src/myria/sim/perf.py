@@ -780,7 +780,7 @@ def config_run(cfg, nproc: int, device_spec: DeviceSpec, gpus_per_node: int = 0
                             recompute=cfg.parallel.activation_checkpoint,
                             optimizer="lamb" if cfg.optimizer.name == "lamb" else "adam",
                             zero_stage=zero, precision="fp32" if dtype == "float32" else "bf16",
-                            offload=cfg.parallel.offload_tier,
+                            offload=cfg.parallel.offload,
                             offload_params=cfg.parallel.offload_params)
     par = ParallelSpec(tp=lay["tp"], pp=lay["pp"], cp=lay["cp"], ep=lay["ep"],
                        vpp=cfg.parallel.vpp, schedule=cfg.parallel.schedule,

@@ -88,7 +88,7 @@ def dry_run(cfg: config_mod.Config, world: int, ranks_per_host: int | None = Non
              f"{model_flops_per_token(m):,.0f}",
              f"# tokens per step: {t.global_batch * m.seq_len:,}; gradient accumulation: "
              f"{lay.microbatches(t.global_batch, t.micro_batch)} microbatches of {t.micro_batch}"]
-    if cfg.parallel.offload_tier != "none" or cfg.parallel.fast_memory_gb:
+    if cfg.parallel.offload != "none" or cfg.parallel.fast_memory_gb:
         from myria.offload.budget import plan_for_config
         lines.append("# " + plan_for_config(cfg, lay).describe())
     from myria.sim.memory import decode_state_bytes

@@ -66,7 +66,6 @@ LL128_EFFICIENCY = 120 / 128
 # Simple: a ring step's chunk moves in slices of SLICESTEPS x (buffer / NCCL_STEPS) = 2 x 4 MiB
 # / 8 (NCCL's defaults), each forwarded once whole
 SIMPLE_SLICE_BYTES = 2 * 4 * 2**20 / 8
-NCCL_VERSION = "2.30"
 MAXCHANNELS = 64               # NCCL's src/include/device.h
 CHANNELS_PER_NIC = 2           # one search channel per NIC, duplicated (src/graph/connect.cc)
 # nccl-tests bus bandwidth factor: busbw = algbw x factor(n)
