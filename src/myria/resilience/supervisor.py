@@ -302,6 +302,9 @@ class Supervisor:
         self._straggler_at = 0.0
         self.store = None
         self._server = None
+        self.members: list[str] = []   # the hosts of the current rendezvous round
+        self._endpoint = rdzv_endpoint
+        self._waiting = None           # a multihost.RendezvousWait while waiting for hosts
         self.injob = None
         if self.r.recovery == "in-job":
             from myria.resilience.injob import InJobRecovery
@@ -313,8 +316,9 @@ class Supervisor:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         log.setLevel(logging.INFO)
         log.propagate = False
-        fmt = logging.Formatter("%(asctime)s myria-supervisor %(levelname)s %(message)s",
-                                "%H:%M:%S")
+        # the hosts of one job share the run directory's log: each line names its host
+        tag = f"myria-supervisor[{self.host}]" if self.max_nodes > 1 else "myria-supervisor"
+        fmt = logging.Formatter(f"%(asctime)s {tag} %(levelname)s %(message)s", "%H:%M:%S")
         for h in list(log.handlers):
             log.removeHandler(h)
         for h in (logging.StreamHandler(sys.stderr),
@@ -356,6 +360,7 @@ class Supervisor:
         from myria.train.launch import free_port
 
         endpoint = self.rdzv_endpoint or f"127.0.0.1:{free_port()}"
+        self._endpoint = endpoint
         t = self.cfg.training
         params = RendezvousParameters(
             backend="c10d", endpoint=endpoint, run_id=self.job, min_nodes=self.min_nodes,
@@ -377,6 +382,7 @@ class Supervisor:
         """Supervise the job to its end; returns the exit status (see the module docstring)."""
         from torch.distributed.elastic.agent.server.api import WorkerState
         from torch.distributed.elastic.multiprocessing.api import SignalException
+        from torch.distributed.elastic.rendezvous import RendezvousError
 
         self._setup_logging()
         self._environment()
@@ -411,6 +417,12 @@ class Supervisor:
             log.warning("ACTION stopped by %s: workers were asked to save and exit", e.sigval)
         except LaunchError as e:
             log.error("%s", e)
+        except RendezvousError as e:
+            status = "rendezvous-failed"
+            log.error("ACTION give up: the rendezvous did not complete (%s)%s",
+                      str(e) or type(e).__name__,
+                      f"; host(s) {', '.join(self._waiting.missing)} never rejoined"
+                      if self._waiting is not None and self._waiting.missing else "")
         finally:
             self._check_stragglers(time.time(), force=True)
             summary = self.summary(status)
@@ -428,6 +440,7 @@ class Supervisor:
             pass
 
     def _close(self) -> None:
+        self._stop_waiting()
         if self.injob is not None:
             self.injob.close()
         self._remove_shared()
@@ -456,6 +469,8 @@ class Supervisor:
             self.current.restarted_at = time.time()
         log.info("attempt %d: started ranks %s (pids %s)", self.attempt, self.ranks,
                  [w.id for w in wg.workers])
+        if self.max_nodes > 1:
+            self._joined(agent, wg)
 
     def new_watch(self) -> None:
         """A watchdog for the ranks of attempt `self.attempt`."""
@@ -574,6 +589,36 @@ class Supervisor:
                  "%s)", self.attempt + 1, agent._remaining_restarts, wait, newest or "none")
         time.sleep(wait)
         f.backoff_done_at = time.time()
+        if self.max_nodes > 1:
+            self._wait_for_hosts(agent, f)
+
+    # -- several hosts (myria.resilience.multihost) ------------------------------------------
+    def _joined(self, agent, wg) -> None:
+        """The round's hosts, and this host's ranks among them, once its workers started."""
+        from myria.resilience import multihost
+
+        self._stop_waiting()
+        self.members = multihost.members(agent) or self.members
+        log.info("placement: %s runs ranks %s of %d; hosts in this round: %s", self.host,
+                 self.ranks, wg.spec.local_world_size * max(1, len(self.members)),
+                 ", ".join(self.members) or "?")
+
+    def _wait_for_hosts(self, agent, f: Fault) -> None:
+        """Report, while the agent waits in the rendezvous, which hosts it waits for."""
+        from myria.resilience import multihost
+
+        self._waiting = multihost.RendezvousWait(
+            log, self._endpoint, self.job, [h for h in self.members if h != self.host] or [],
+            f.fault_at, self.cfg.training.init_timeout_s, self.min_nodes)
+        self._waiting.start()
+
+    def _stop_waiting(self) -> None:
+        if self._waiting is not None:
+            self._waiting.stop()
+            if self._waiting.missing and self.current is not None:
+                self.current.action.append(f"waited for host(s) {', '.join(self._waiting.missing)}"
+                                           " (did not rejoin)")
+            self._waiting = None
 
     def reached(self, f: Fault) -> None:
         """The newest committed checkpoint and the step reached before fault `f`."""
@@ -788,8 +833,10 @@ class Supervisor:
             return
         log.info("ACTION self-check diagnostics of %s (%d local ranks)%s", self.host,
                  self.nproc, f" with test hook {FAULT_ENV}={spec}" if spec else "")
+        # this host's own checks only: after a fault the other hosts are restarting, lost or
+        # in their own diagnostics, so a neighbour check would wait for them and blame this one
         report = run_diagnostics(self.nproc, self.expect or None, self.r.doctor_timeout_s,
-                                 faults=spec)
+                                 faults=spec, peer_hosts=[self.host])
         out = report.write_json(self.run_dir / rundir.DIAGNOSTICS_DIR /
                                 f"{self.host}-attempt{self.attempt}.json")
         f.diagnostics.append(report.summary)
@@ -821,7 +868,7 @@ class Supervisor:
         log.info("ACTION re-run the diagnostics after the blocklist hook (bad_host_action = "
                  "recheck)")
         again = run_diagnostics(self.nproc, self.expect or None, self.r.doctor_timeout_s,
-                                faults="")
+                                faults="", peer_hosts=[self.host])
         again.write_json(self.run_dir / rundir.DIAGNOSTICS_DIR /
                          f"{self.host}-attempt{self.attempt}-recheck.json")
         f.diagnostics.append(again.summary)
@@ -907,12 +954,18 @@ class Supervisor:
             "newest_checkpoint": _newest_committed(self.run_dir),
             "faults": faults, "blocklist": self.blocklist, "goodput": ledger,
             "heartbeat_s": self.r.heartbeat_s, "store": self.r.store,
+            **({"ranks": self.ranks, "members": self.members} if self.max_nodes > 1 else {}),
             **({"resizes": self.injob.resizes} if self.injob and self.injob.resizes else {}),
         }
 
     def _write_summary(self, s: dict[str, Any]) -> None:
         path = self.run_dir / rundir.SUPERVISOR_SUMMARY
-        atomic_write(path, json.dumps(s, indent=1))
+        if self.max_nodes > 1:   # one summary of the job, every host's part in it
+            from myria.resilience.multihost import write_part_and_merge
+
+            path = write_part_and_merge(self.run_dir, s)
+        else:
+            atomic_write(path, json.dumps(s, indent=1))
         log.info("summary: %s at step %s/%s after %d restart(s); wall %.1f s, training %.1f s, "
                  "effective training time ratio %s; %s", s["status"], s["final_step"],
                  s["target_steps"], s["restarts"], s["wall_s"], s["productive_s"],

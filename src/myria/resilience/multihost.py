@@ -1,0 +1,163 @@
+"""What the supervisor adds when a job spans several hosts (one `myria supervise` per host).
+
+- One summary of the job: each host's supervisor writes its own part to
+  RUN_DIR/supervisor/HOST.json, then (under an exclusive lock on the shared run directory)
+  merges every part of the same job into RUN_DIR/supervisor_summary.json: the job's status
+  (succeeded only if every host did), every host's faults (each naming its host), the placement
+  (host -> ranks) and each host's whole part under `hosts`. The last host to finish writes the
+  complete file; no host's file is ever written over another's.
+- Who is being waited for: after a fault the survivors' agents wait in the rendezvous for the
+  hosts of the previous round; `RendezvousWait` says every few seconds which hosts have not
+  rejoined, since when, and when the rendezvous gives up (its join timeout), reading the
+  rendezvous state with a client of its own (never the agent's store connection).
+"""
+
+from __future__ import annotations
+
+import base64
+import datetime
+import json
+import logging
+import pickle
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from myria import rundir
+from myria.fsutil import atomic_write
+
+PARTS_DIR = "supervisor"
+WAIT_REPORT_S = 10.0   # how often a wait for hosts is reported
+
+
+def _hms(t: float) -> str:
+    return time.strftime("%H:%M:%S", time.localtime(t))
+
+
+# -- one summary of the job --------------------------------------------------------------------
+def write_part_and_merge(run_dir: Path, part: dict[str, Any]) -> Path:
+    """Write this host's part of the summary, merge every part of its job into the summary."""
+    import fcntl
+
+    d = Path(run_dir) / PARTS_DIR
+    d.mkdir(parents=True, exist_ok=True)
+    atomic_write(d / f"{part['host']}.json", json.dumps(part, indent=1))
+    fd = open(d / ".merge.lock", "a+")
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        merged = merge(read_parts(run_dir, part["job"]), part["host"])
+        path = Path(run_dir) / rundir.SUPERVISOR_SUMMARY
+        atomic_write(path, json.dumps(merged, indent=1))
+    finally:
+        fd.close()
+    return path
+
+
+def read_parts(run_dir: Path, job: str) -> dict[str, dict]:
+    """host -> its supervisor's part of the summary, for the parts of job `job`."""
+    out = {}
+    for p in sorted((Path(run_dir) / PARTS_DIR).glob("*.json")):
+        try:
+            s = json.loads(p.read_text())
+        except (OSError, ValueError):
+            continue
+        if s.get("job") == job:
+            out[s.get("host", p.stem)] = s
+    return out
+
+
+def merge(parts: dict[str, dict], writer: str) -> dict[str, Any]:
+    """The job's summary from its hosts' parts: the writer's part at the top level (the fields
+    a one-host summary has), with the job-wide fields over it."""
+    top = dict(parts[writer])
+    statuses = {h: p.get("status") for h, p in parts.items()}
+    bad = [s for s in statuses.values() if s != "succeeded"]
+    top["status"] = bad[0] if bad else "succeeded"
+    top["final_step"] = max(p.get("final_step", 0) for p in parts.values())
+    top["restarts"] = max(p.get("restarts", 0) for p in parts.values())
+    top["faults"] = sorted((dict(f, host=h) for h, p in parts.items()
+                            for f in p.get("faults", [])), key=lambda f: f.get("fault_at", 0))
+    top["blocklist"] = sorted({b for p in parts.values() for b in p.get("blocklist", [])})
+    top["placement"] = {h: p.get("ranks", []) for h, p in sorted(parts.items())}
+    top["host_status"] = statuses
+    top["hosts"] = parts
+    top["written_by"] = writer
+    return top
+
+
+# -- the rendezvous wait -----------------------------------------------------------------------
+def members(agent) -> list[str]:
+    """The hosts of the agent's current rendezvous round (torch's c10d dynamic rendezvous)."""
+    try:
+        state = agent._rdzv_handler._state_holder.state
+        return sorted({n.addr for n in state.participants})
+    except AttributeError:
+        return []
+
+
+def _read_state(store, run_id: str):
+    key = "torch.rendezvous." + run_id
+    if not store.check([key]):
+        return None
+    raw = store.get(key)
+    try:
+        return pickle.loads(base64.b64decode(raw))
+    except Exception:
+        return None
+
+
+class RendezvousWait(threading.Thread):
+    """Logs, every WAIT_REPORT_S until stopped, which hosts of the previous round have not
+    rejoined the rendezvous, since when and until when it waits for them."""
+
+    def __init__(self, log: logging.Logger, endpoint: str, run_id: str, expected: list[str],
+                 since: float, join_timeout_s: float, min_nodes: int) -> None:
+        super().__init__(daemon=True, name="myria-rdzv-wait")
+        self.log, self.endpoint, self.run_id = log, endpoint, run_id
+        self.expected, self.since = expected, since
+        self.started_wait = time.time()
+        self.until = self.started_wait + join_timeout_s
+        self.timeout_s, self.min_nodes = join_timeout_s, min_nodes
+        self.stop_event = threading.Event()
+        self.missing: list[str] = []
+
+    def stop(self) -> None:
+        self.stop_event.set()
+
+    def _store(self):
+        import torch.distributed as dist
+
+        host, _, port = self.endpoint.rpartition(":")
+        return dist.TCPStore(host, int(port), is_master=False, wait_for_workers=False,
+                             timeout=datetime.timedelta(seconds=5))
+
+    def run(self) -> None:
+        store = None
+        while not self.stop_event.wait(min(WAIT_REPORT_S, 3.0) if store is None
+                                       else WAIT_REPORT_S):
+            joined: list[str] | None = None
+            try:
+                store = store or self._store()
+                state = _read_state(store, self.run_id)
+                if state is not None:
+                    joined = sorted({n.addr for n in (*state.participants, *state.wait_list)})
+            except Exception as e:  # the rendezvous host itself may be the one lost
+                store = None
+                self.log.warning("WAITING for the rendezvous at %s since %s: unreachable (%s); "
+                                 "gives up at %s (training.init_timeout_s %g s)", self.endpoint,
+                                 _hms(self.since), str(e).splitlines()[0][:120],
+                                 _hms(self.until), self.timeout_s)
+                continue
+            if self.stop_event.is_set():
+                break
+            if joined is None:
+                continue
+            self.missing = [h for h in self.expected if h not in joined]
+            if self.missing:
+                self.log.warning(
+                    "WAITING for host(s) %s to rejoin (in the previous round, silent since %s); "
+                    "%d of %d host(s) needed have joined (%s); the rendezvous gives up at %s "
+                    "(training.init_timeout_s %g s) unless a spare host joins",
+                    ", ".join(self.missing), _hms(self.since), len(joined), self.min_nodes,
+                    ", ".join(joined) or "none", _hms(self.until), self.timeout_s)
