@@ -389,6 +389,41 @@ def popen_on(host: str, cmd: list[str], **kw) -> subprocess.Popen:
                             env=kw.pop("env", None) or env(), **kw)
 
 
+def sbatch(script: str | Path, nodes: int, args: list[str], output: str | Path,
+           extra_env: dict[str, str] | None = None) -> int:
+    """Submit `script ARGS` for `nodes` nodes from the login node (the caller's environment
+    goes with the job, as sbatch's default --export=ALL does); returns the job id."""
+    e = env()
+    e.update(extra_env or {})
+    pid = _pid_of(LOGIN)
+    p = subprocess.run(["nsenter", "-t", str(pid), "-n", "-m", "-u", "--", "sbatch",
+                        "--parsable", "-N", str(nodes), "-o", str(output), str(script), *args],
+                       env=e, capture_output=True, text=True, timeout=60)
+    if p.returncode != 0:
+        raise ClusterError(f"sbatch exited {p.returncode}: {p.stderr.strip()[-300:]}")
+    return int(p.stdout.strip().split(";")[0])
+
+
+def job_state(job: int) -> str:
+    """Slurm's state of job `job` (PENDING, RUNNING, COMPLETED, FAILED, ...); "" if unknown."""
+    p = exec_on(LOGIN, ["scontrol", "-o", "show", "job", str(job)], capture=True, timeout=20)
+    for word in p.stdout.split():
+        if word.startswith("JobState="):
+            return word.split("=", 1)[1]
+    return ""
+
+
+def wait_job(job: int, timeout: float) -> str:
+    """Wait for job `job` to end; its final state (or the last seen one on the timeout)."""
+    end, state = time.time() + timeout, ""
+    while time.time() < end:
+        state = job_state(job)
+        if state and state not in ("PENDING", "RUNNING", "CONFIGURING", "COMPLETING"):
+            return state
+        time.sleep(1.0)
+    return state
+
+
 def kill_host(host: str) -> list[int]:
     """A lost host: SIGKILL every process in its namespace (slurmd, job steps, workers)."""
     _pid_of(host)

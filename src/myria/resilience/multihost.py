@@ -29,6 +29,7 @@ from myria.fsutil import atomic_write
 
 PARTS_DIR = "supervisor"
 WAIT_REPORT_S = 10.0   # how often a wait for hosts is reported
+SPARE_UNUSED = "spare-unused"   # the status of a spare host the job ended without
 
 
 def _hms(t: float) -> str:
@@ -72,7 +73,7 @@ def merge(parts: dict[str, dict], writer: str) -> dict[str, Any]:
     a one-host summary has), with the job-wide fields over it."""
     top = dict(parts[writer])
     statuses = {h: p.get("status") for h, p in parts.items()}
-    bad = [s for s in statuses.values() if s != "succeeded"]
+    bad = [s for s in statuses.values() if s not in ("succeeded", SPARE_UNUSED)]
     top["status"] = bad[0] if bad else "succeeded"
     top["final_step"] = max(p.get("final_step", 0) for p in parts.values())
     top["restarts"] = max(p.get("restarts", 0) for p in parts.values())
@@ -111,10 +112,12 @@ class RendezvousWait(threading.Thread):
     """Logs, every WAIT_REPORT_S until stopped, which hosts of the previous round have not
     rejoined the rendezvous, since when and until when it waits for them."""
 
-    def __init__(self, log: logging.Logger, endpoint: str, run_id: str, expected: list[str],
-                 since: float, join_timeout_s: float, min_nodes: int) -> None:
+    def __init__(self, log: logging.Logger, endpoint: str, run_id: str, host: str,
+                 expected: list[str], since: float, join_timeout_s: float,
+                 min_nodes: int) -> None:
         super().__init__(daemon=True, name="myria-rdzv-wait")
-        self.log, self.endpoint, self.run_id = log, endpoint, run_id
+        self.log, self.endpoint, self.run_id, self.host = log, endpoint, run_id, host
+        self.spare_said = False
         self.expected, self.since = expected, since
         self.started_wait = time.time()
         self.until = self.started_wait + join_timeout_s
@@ -137,11 +140,14 @@ class RendezvousWait(threading.Thread):
         while not self.stop_event.wait(min(WAIT_REPORT_S, 3.0) if store is None
                                        else WAIT_REPORT_S):
             joined: list[str] | None = None
+            spare = False
             try:
                 store = store or self._store()
                 state = _read_state(store, self.run_id)
                 if state is not None:
                     joined = sorted({n.addr for n in (*state.participants, *state.wait_list)})
+                    spare = state.complete and self.host in \
+                        {n.addr for n in (*state.redundancy_list, *state.wait_list)}
             except Exception as e:  # the rendezvous host itself may be the one lost
                 store = None
                 self.log.warning("WAITING for the rendezvous at %s since %s: unreachable (%s); "
@@ -153,8 +159,22 @@ class RendezvousWait(threading.Thread):
                 break
             if joined is None:
                 continue
+            if spare:
+                if not self.spare_said:
+                    self.spare_said = True
+                    self.log.info("SPARE: %s waits in the rendezvous as a spare host: the round "
+                                  "is complete with %s; it steps in when a host is lost",
+                                  self.host, ", ".join(sorted(n.addr for n in
+                                                              state.participants)))
+                continue
             self.missing = [h for h in self.expected if h not in joined]
-            if self.missing:
+            if not self.expected and len(joined) < self.min_nodes:
+                self.log.warning("WAITING for %d more host(s) to join the rendezvous since %s "
+                                 "(%d of %d: %s); it gives up at %s (training.init_timeout_s "
+                                 "%g s)", self.min_nodes - len(joined), _hms(self.since),
+                                 len(joined), self.min_nodes, ", ".join(joined) or "none",
+                                 _hms(self.until), self.timeout_s)
+            elif self.missing:
                 self.log.warning(
                     "WAITING for host(s) %s to rejoin (in the previous round, silent since %s); "
                     "%d of %d host(s) needed have joined (%s); the rendezvous gives up at %s "

@@ -382,7 +382,7 @@ class Supervisor:
         """Supervise the job to its end; returns the exit status (see the module docstring)."""
         from torch.distributed.elastic.agent.server.api import WorkerState
         from torch.distributed.elastic.multiprocessing.api import SignalException
-        from torch.distributed.elastic.rendezvous import RendezvousError
+        from torch.distributed.elastic.rendezvous import RendezvousClosedError, RendezvousError
 
         self._setup_logging()
         self._environment()
@@ -394,7 +394,10 @@ class Supervisor:
         try:
             if self.injob is not None:
                 self.injob.start_spares()
-            result = self._agent().run()
+            agent = self._agent()
+            if self.max_nodes > 1:
+                self._wait_for_hosts(None)
+            result = agent.run()
             if result is not None and result.state == WorkerState.SUCCEEDED:
                 status, code = "succeeded", 0
             else:
@@ -417,6 +420,12 @@ class Supervisor:
             log.warning("ACTION stopped by %s: workers were asked to save and exit", e.sigval)
         except LaunchError as e:
             log.error("%s", e)
+        except RendezvousClosedError:
+            if self.ranks:
+                log.error("ACTION stop: the rendezvous was closed (the job ended elsewhere)")
+            else:  # a spare host: the job ended without needing it
+                status, code = "spare-unused", 0
+                log.info("the job ended without needing this spare host")
         except RendezvousError as e:
             status = "rendezvous-failed"
             log.error("ACTION give up: the rendezvous did not complete (%s)%s",
@@ -590,7 +599,7 @@ class Supervisor:
         time.sleep(wait)
         f.backoff_done_at = time.time()
         if self.max_nodes > 1:
-            self._wait_for_hosts(agent, f)
+            self._wait_for_hosts(f)
 
     # -- several hosts (myria.resilience.multihost) ------------------------------------------
     def _joined(self, agent, wg) -> None:
@@ -603,13 +612,16 @@ class Supervisor:
                  self.ranks, wg.spec.local_world_size * max(1, len(self.members)),
                  ", ".join(self.members) or "?")
 
-    def _wait_for_hosts(self, agent, f: Fault) -> None:
-        """Report, while the agent waits in the rendezvous, which hosts it waits for."""
+    def _wait_for_hosts(self, f: Fault | None) -> None:
+        """Report, while the agent waits in the rendezvous, which hosts it waits for (after
+        fault `f`: the previous round's; at the start: how many more), or that it is a spare."""
         from myria.resilience import multihost
 
+        self._stop_waiting()
         self._waiting = multihost.RendezvousWait(
-            log, self._endpoint, self.job, [h for h in self.members if h != self.host] or [],
-            f.fault_at, self.cfg.training.init_timeout_s, self.min_nodes)
+            log, self._endpoint, self.job, self.host,
+            [h for h in self.members if h != self.host] if f else [],
+            f.fault_at if f else time.time(), self.cfg.training.init_timeout_s, self.min_nodes)
         self._waiting.start()
 
     def _stop_waiting(self) -> None:
