@@ -30,6 +30,7 @@ from myria.fsutil import atomic_write
 PARTS_DIR = "supervisor"
 WAIT_REPORT_S = 10.0   # how often a wait for hosts is reported
 SPARE_UNUSED = "spare-unused"   # the status of a spare host the job ended without
+EXCLUDED = "excluded"           # a host the job went on and ended without
 
 
 def _hms(t: float) -> str:
@@ -73,8 +74,12 @@ def merge(parts: dict[str, dict], writer: str) -> dict[str, Any]:
     a one-host summary has), with the job-wide fields over it."""
     top = dict(parts[writer])
     statuses = {h: p.get("status") for h, p in parts.items()}
-    bad = [s for s in statuses.values() if s not in ("succeeded", SPARE_UNUSED)]
-    top["status"] = bad[0] if bad else "succeeded"
+    # the job succeeded when a host of its last round trained to the end: hosts it went on
+    # without (lost, cut off, drained, spares) keep their own status under host_status
+    done = [p for p in parts.values() if p.get("status") == "succeeded" and
+            p.get("final_step", 0) >= p.get("target_steps", 0)]
+    bad = [s for s in statuses.values() if s not in ("succeeded", SPARE_UNUSED, EXCLUDED)]
+    top["status"] = "succeeded" if done else bad[0] if bad else "failed"
     top["final_step"] = max(p.get("final_step", 0) for p in parts.values())
     top["restarts"] = max(p.get("restarts", 0) for p in parts.values())
     top["faults"] = sorted((dict(f, host=h) for h, p in parts.items()

@@ -264,6 +264,10 @@ def _agent_class():
             self.sup.recover(self, worker_group)
             super()._restart_workers(worker_group)
 
+        def _rendezvous(self, worker_group):
+            super()._rendezvous(worker_group)
+            self.sup.rendezvoused(self, worker_group)
+
         def _initialize_workers(self, worker_group):
             self.sup.before_start(self, worker_group)
             super()._initialize_workers(worker_group)
@@ -420,11 +424,15 @@ class Supervisor:
             log.warning("ACTION stopped by %s: workers were asked to save and exit", e.sigval)
         except LaunchError as e:
             log.error("%s", e)
-        except RendezvousClosedError:
+        except RendezvousClosedError:  # the job ended on the other hosts
+            from myria.resilience.multihost import EXCLUDED, SPARE_UNUSED
+
             if self.ranks:
-                log.error("ACTION stop: the rendezvous was closed (the job ended elsewhere)")
-            else:  # a spare host: the job ended without needing it
-                status, code = "spare-unused", 0
+                status, code = EXCLUDED, 0
+                log.warning("ACTION leave: the job went on and ended without this host (its "
+                            "rendezvous is closed)")
+            else:
+                status, code = SPARE_UNUSED, 0
                 log.info("the job ended without needing this spare host")
         except RendezvousError as e:
             status = "rendezvous-failed"
@@ -611,6 +619,25 @@ class Supervisor:
         log.info("placement: %s runs ranks %s of %d; hosts in this round: %s", self.host,
                  self.ranks, wg.spec.local_world_size * max(1, len(self.members)),
                  ", ".join(self.members) or "?")
+
+    def rendezvoused(self, agent, wg) -> None:
+        """A rendezvous round completed: its workers carry the round (myria.rundir.FENCE_ENV)
+        and the first host records it as the job's current round, fencing off older rounds'
+        workers (a host cut off by a partition) before this round's workers start."""
+        if self.max_nodes <= 1:
+            return
+        from myria.resilience import multihost
+
+        try:
+            rnd = int(agent._rdzv_handler._state_holder.state.round)
+        except AttributeError:
+            return
+        os.environ[rundir.FENCE_ENV] = f"{self.job}:{rnd}"
+        if wg.group_rank == 0:
+            hosts = multihost.members(agent)
+            rundir.fence_bump(self.run_dir, self.job, rnd, hosts)
+            log.info("round %d of the rendezvous: hosts %s; workers of earlier rounds are "
+                     "fenced off the run directory", rnd, ", ".join(hosts) or "?")
 
     def _wait_for_hosts(self, f: Fault | None) -> None:
         """Report, while the agent waits in the rendezvous, which hosts it waits for (after
