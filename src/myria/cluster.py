@@ -374,19 +374,23 @@ def env() -> dict[str, str]:
     return e
 
 
+def _nsenter(pid: int) -> list[str]:
+    """Enter the namespaces of a host's daemon `pid`, in the caller's working directory."""
+    return ["nsenter", "-t", str(pid), "-n", "-m", "-u", f"--wd={os.getcwd()}", "--"]
+
+
 def exec_on(host: str, cmd: list[str], capture: bool = False, timeout: float | None = None,
             **kw) -> subprocess.CompletedProcess:
     """Run `cmd` on `host` (a compute host or the login node): in its network, mount and UTS
     namespaces (its address, /dev/shm and host name), with SLURM_CONF set."""
     pid = _pid_of(host)
-    return subprocess.run(["nsenter", "-t", str(pid), "-n", "-m", "-u", "--", *cmd],
-                          env=env(), capture_output=capture, text=True, timeout=timeout, **kw)
+    return subprocess.run(_nsenter(pid) + cmd, env=env(), capture_output=capture, text=True,
+                          timeout=timeout, **kw)
 
 
 def popen_on(host: str, cmd: list[str], **kw) -> subprocess.Popen:
     pid = _pid_of(host)
-    return subprocess.Popen(["nsenter", "-t", str(pid), "-n", "-m", "-u", "--", *cmd],
-                            env=kw.pop("env", None) or env(), **kw)
+    return subprocess.Popen(_nsenter(pid) + cmd, env=kw.pop("env", None) or env(), **kw)
 
 
 def sbatch(script: str | Path, nodes: int, args: list[str], output: str | Path,
@@ -396,9 +400,8 @@ def sbatch(script: str | Path, nodes: int, args: list[str], output: str | Path,
     e = env()
     e.update(extra_env or {})
     pid = _pid_of(LOGIN)
-    p = subprocess.run(["nsenter", "-t", str(pid), "-n", "-m", "-u", "--", "sbatch",
-                        "--parsable", "-N", str(nodes), "-o", str(output), str(script), *args],
-                       env=e, capture_output=True, text=True, timeout=60)
+    p = subprocess.run(_nsenter(pid) + ["sbatch", "--parsable", "-N", str(nodes), "-o",
+                                        str(output), str(script), *args], env=e, capture_output=True, text=True, timeout=60)
     if p.returncode != 0:
         raise ClusterError(f"sbatch exited {p.returncode}: {p.stderr.strip()[-300:]}")
     return int(p.stdout.strip().split(";")[0])
