@@ -401,7 +401,8 @@ def sbatch(script: str | Path, nodes: int, args: list[str], output: str | Path,
     e.update(extra_env or {})
     pid = _pid_of(LOGIN)
     p = subprocess.run(_nsenter(pid) + ["sbatch", "--parsable", "-N", str(nodes), "-o",
-                                        str(output), str(script), *args], env=e, capture_output=True, text=True, timeout=60)
+                                        str(output), str(script), *args],
+                       env=e, capture_output=True, text=True, timeout=60)
     if p.returncode != 0:
         raise ClusterError(f"sbatch exited {p.returncode}: {p.stderr.strip()[-300:]}")
     return int(p.stdout.strip().split(";")[0])
