@@ -21,9 +21,9 @@ Faults, as they happen on a real cluster:
   connections hang rather than fail, as with a cut cable or a dead switch port;
 - `slow-link H RATE`: both directions of the host's link limited with `tc tbf` (a slow NIC);
   `slow-link H off` removes it;
-- `fail-diagnostics H`: the host's self-check diagnostics fail from then on (a marker file in
-  the host's own /dev/shm that `myria doctor` reads, myria.resilience.diagnostics), as a host with
-  a broken device would.
+- `fail-diagnostics H`: the host's self-check diagnostics fail from then on (the doctor's test
+  hook set for that host only, in its own /dev/shm: every GEMM result wrong, as on a broken
+  device); the supervisor's diagnostics after a fault on that host fail.
 
 Facts of the kernel and Slurm this relies on (checked on Debian 12, Slurm 22.05.8, kernel 6.x):
 `ip netns exec` gives its command a new mount namespace with a fresh /sys and binds
@@ -57,8 +57,9 @@ PACKAGES = {"slurmctld": "slurmctld", "slurmd": "slurmd", "sbatch": "slurm-clien
             "munged": "munge", "ip": "iproute2", "tc": "iproute2", "nsenter": "util-linux",
             "unshare": "util-linux"}
 CGROUPS = ("cpu", "cpuacct", "cpuset", "memory", "devices", "freezer", "pids")
-# the marker `fail-diagnostics` leaves in a host's own /dev/shm (read by the diagnostics)
-DIAG_FAULT_MARKER = "/dev/shm/myria-diagnostics-fault"
+# what `fail-diagnostics` leaves in a host's own /dev/shm: the doctor's test-hook spec for that
+# host only (myria.resilience.checks.hooks.HOST_FAULT_FILE): every GEMM result perturbed
+DIAG_FAULT_SPEC = "wrong-gemm"
 
 
 class ClusterError(MyriaError):
@@ -459,9 +460,10 @@ def slow_link(host: str, rate: str) -> None:
 
 def fail_diagnostics(host: str, heal: bool = False) -> None:
     """The host's self-check diagnostics fail from now on (or pass again with heal)."""
-    cmd = ["rm", "-f", DIAG_FAULT_MARKER] if heal else \
-        ["sh", "-c", f"echo 'failed device (myria cluster fail-diagnostics)' > "
-                     f"{DIAG_FAULT_MARKER}"]
+    from myria.resilience.checks.hooks import HOST_FAULT_FILE
+
+    cmd = ["rm", "-f", HOST_FAULT_FILE] if heal else \
+        ["sh", "-c", f"echo {DIAG_FAULT_SPEC} > {HOST_FAULT_FILE}"]
     p = exec_on(host, cmd, capture=True)
     if p.returncode != 0:
         raise ClusterError(f"fail-diagnostics {host}: {p.stderr.strip()}")

@@ -858,9 +858,10 @@ class Supervisor:
             f.regained_at = now
 
     def _diagnose(self, f: Fault) -> None:
+        from myria.resilience.checks.hooks import host_fault
         from myria.resilience.diagnostics import FAULT_ENV, decide_for_supervisor, run_diagnostics
 
-        spec = _doctor_fault_once(self.run_dir, os.environ.get(FAULT_ENV, ""))
+        spec = _doctor_fault_once(self.run_dir, os.environ.get(FAULT_ENV, "") or host_fault())
         d = decide_for_supervisor(self.run_dir, self.host, self.nproc, f.to_dict(),
                                   [x.to_dict() for x in self.faults if x is not f],
                                   self.r.diagnostics_ttl_s,
