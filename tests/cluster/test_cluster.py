@@ -3,7 +3,8 @@ real Slurm), launched the way a user does it: `sbatch` of the shipped scripts/my
 
 One case per behaviour: 2 hosts x 2 processes train bit-equal to the same 4 ranks on one host
 (and `myria report` shows both hosts); a lost host is replaced by the allocation's spare node
-and the run ends bit-equal to a clean one. Root and Debian's slurm/munge packages are needed
+and the run ends bit-equal to a clean one; a partition is detected as a hang, the cut-off host's
+workers are fenced off and the run ends bit-equal. Root and Debian's slurm/munge packages are needed
 (`make cluster-packages`); without them the module skips in one line. Every test takes the
 emulated cluster down on its way out, failures included, and checks nothing of it is left.
 """
@@ -124,3 +125,34 @@ def test_lost_host_replaced_by_spare(hosts3, tiny_data, one_host, tmp_path):
     assert f["host"] == "h0" and f["kind"] == "exit"
     assert f["resumed_from"] >= int(newest.split("_")[1])   # nothing committed lost
     assert os.path.exists(run / "checkpoints" / f"step_{STEPS:08d}")
+
+
+def test_partition_detected_as_hang_and_fenced(hosts3, tiny_data, one_host, tmp_path):
+    """A host of the job cut off at the switch for longer than the hang timeout, then healed:
+    the first host detects a hang (with its ranks' stacks), goes on with the spare, and the
+    cut-off host's workers are fenced off (exit 75) without writing; the run ends bit-equal."""
+    run = tmp_path / "partition"
+    job = _submit(run, tiny_data, 3, MYRIA_NNODES="2")
+    _wait_step(run, 6)
+    log = (run / "supervisor.log").read_text()
+    cut = next(x for x in log.splitlines() if "hosts in this round:" in x) \
+        .split("hosts in this round: ")[1].split(", ")[1]
+    cluster.partition(cut)
+    end = time.time() + 120
+    while time.time() < end and "round 1 of the rendezvous" not in \
+            (run / "supervisor.log").read_text():
+        time.sleep(0.5)
+    time.sleep(3)
+    cluster.partition(cut, heal=True)
+    assert cluster.wait_job(job, 600) in ("COMPLETED", "FAILED"), _out(run)[-4000:]
+    assert_bit_equal(run, one_host, STEPS)
+    s = json.loads((run / "supervisor_summary.json").read_text())
+    assert s["status"] == "succeeded", s["host_status"]
+    f = next(f for f in s["faults"] if f["host"] == "h0")
+    assert f["kind"] in ("hang", "traffic-stopped") and "hang report" in f["action"], f
+    assert json.loads((run / "report" / "hang.json").read_text())
+    fence = json.loads((run / "fence.json").read_text())
+    assert fence["generation"] >= 1 and cut not in fence["hosts"]
+    fenced = [p for p in (run / "logs").rglob("stderr.log")
+              if f"on {cut}: fenced" in p.read_text(errors="replace")]
+    assert len(fenced) == 2   # both of the cut-off host's workers stopped on the fence
