@@ -92,6 +92,20 @@ def merge(parts: dict[str, dict], writer: str) -> dict[str, Any]:
     return top
 
 
+def moved_on_without(run_dir: Path, job: str, host: str) -> str:
+    """Why job `job` went on without `host` (a newer round recorded in the run directory's
+    fence without it: the host was cut off), or ""."""
+    try:
+        f = json.loads((Path(run_dir) / rundir.FENCE).read_text())
+    except (OSError, ValueError):
+        return ""
+    if f.get("job") != job or host in f.get("hosts", []) or not f.get("generation"):
+        return ""
+    return (f"the job went on without this host (round {f['generation']} on "
+            f"{', '.join(f.get('hosts', []))} since {_hms(f.get('time', 0))}); its workers "
+            "were fenced off the run directory")
+
+
 # -- the rendezvous wait -----------------------------------------------------------------------
 def members(agent) -> list[str]:
     """The hosts of the agent's current rendezvous round (torch's c10d dynamic rendezvous)."""

@@ -435,11 +435,17 @@ class Supervisor:
                 status, code = SPARE_UNUSED, 0
                 log.info("the job ended without needing this spare host")
         except RendezvousError as e:
+            from myria.resilience.multihost import EXCLUDED, moved_on_without
+
             status = "rendezvous-failed"
-            log.error("ACTION give up: the rendezvous did not complete (%s)%s",
-                      str(e) or type(e).__name__,
-                      f"; host(s) {', '.join(self._waiting.missing)} never rejoined"
-                      if self._waiting is not None and self._waiting.missing else "")
+            if self.ranks and (why := moved_on_without(self.run_dir, self.job, self.host)):
+                status, code = EXCLUDED, 0   # cut off: the job went on (fenced) without it
+                log.warning("ACTION leave: %s", why)
+            else:
+                log.error("ACTION give up: the rendezvous did not complete (%s)%s",
+                          str(e) or type(e).__name__,
+                          f"; host(s) {', '.join(self._waiting.missing)} never rejoined"
+                          if self._waiting is not None and self._waiting.missing else "")
         finally:
             self._check_stragglers(time.time(), force=True)
             summary = self.summary(status)
