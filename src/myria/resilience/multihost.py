@@ -200,3 +200,60 @@ class RendezvousWait(threading.Thread):
                     "(training.init_timeout_s %g s) unless a spare host joins",
                     ", ".join(self.missing), _hms(self.since), len(joined), self.min_nodes,
                     ", ".join(joined) or "none", _hms(self.until), self.timeout_s)
+
+
+# -- a host's link ------------------------------------------------------------------------------
+LINK_PROBE_BYTES = 128 * 1024
+LINK_SLOW_FRACTION = 0.25   # below this share of its own earlier bandwidth: a degraded link
+LINK_SLOW_PROBES = 3        # in a row, so one slow probe on a loaded host is not a verdict
+
+
+class LinkProbe:
+    """This host's link to the rendezvous host, measured by the supervisor: a LINK_PROBE_BYTES
+    value written to and read back from the rendezvous store (both directions of the NIC),
+    every call. A link whose bandwidth falls below LINK_SLOW_FRACTION of its own median over
+    the first probes, LINK_SLOW_PROBES times in a row, is degraded (a slow NIC, a bad cable,
+    a throttled port): `probe()` returns the verdict once. The rendezvous host's own probe
+    does not cross its NIC and is not taken."""
+
+    def __init__(self, endpoint: str, job: str, host: str) -> None:
+        self.endpoint, self.key = endpoint, f"myria/link/{job}/{host}"
+        self.history: list[float] = []
+        self.slow_in_row = 0
+        self.reported = False
+        self.store = None
+        self.payload = b"\0" * LINK_PROBE_BYTES
+
+    def probe(self) -> str:
+        import socket as _socket
+
+        host, _, port = self.endpoint.rpartition(":")
+        try:
+            if self.store is None:
+                import torch.distributed as dist
+
+                if host in ("127.0.0.1", "localhost") or host in \
+                        {a[4][0] for a in _socket.getaddrinfo(_socket.gethostname(), None)}:
+                    return ""   # the rendezvous host itself
+                self.store = dist.TCPStore(host, int(port), is_master=False,
+                                           wait_for_workers=False,
+                                           timeout=datetime.timedelta(seconds=10))
+            t = time.perf_counter()
+            self.store.set(self.key, self.payload)
+            self.store.get(self.key)
+            mbs = 2 * LINK_PROBE_BYTES / (time.perf_counter() - t) / 1e6
+        except Exception:
+            self.store = None
+            return ""
+        self.history.append(mbs)
+        base = sorted(self.history[:3])[len(self.history[:3]) // 2]
+        if len(self.history) <= 3 or self.reported:
+            return ""
+        self.slow_in_row = self.slow_in_row + 1 if mbs < LINK_SLOW_FRACTION * base else 0
+        if self.slow_in_row < LINK_SLOW_PROBES:
+            return ""
+        self.reported = True
+        recent = self.history[-LINK_SLOW_PROBES:]
+        return (f"{sum(recent) / len(recent):.2f} MB/s to the rendezvous host over the last "
+                f"{LINK_SLOW_PROBES} probes, {sum(recent) / len(recent) / base:.0%} of its "
+                f"earlier {base:.1f} MB/s")

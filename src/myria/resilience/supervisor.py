@@ -309,6 +309,7 @@ class Supervisor:
         self.members: list[str] = []   # the hosts of the current rendezvous round
         self._endpoint = rdzv_endpoint
         self._waiting = None           # a multihost.RendezvousWait while waiting for hosts
+        self._link = None              # a multihost.LinkProbe of this host's link
         self.injob = None
         if self.r.recovery == "in-job":
             from myria.resilience.injob import InJobRecovery
@@ -535,6 +536,20 @@ class Supervisor:
             return RunResult(state=WorkerState.UNHEALTHY)
         return result
 
+    def _check_link(self) -> None:
+        """Several hosts: probe this host's link to the rendezvous host (multihost.LinkProbe);
+        a degraded link is logged and recorded once, naming this host's ranks."""
+        from myria.resilience.multihost import LinkProbe
+
+        if self._link is None:
+            self._link = LinkProbe(self._endpoint, self.job, self.host)
+        if why := self._link.probe():
+            from myria import detections
+
+            log.warning("DETECTED slow link on %s (ranks %s): %s", self.host, self.ranks, why)
+            detections.record(self.run_dir, "slow-link", None, self.host, self.max_step,
+                              {"ranks": self.ranks, "evidence": why}, "none (reported)")
+
     def _check_stragglers(self, now: float, force: bool = False) -> None:
         """Every few seconds (and once at the end), score each rank's compute-only time from the
         event files against its peers (myria.observe.straggler); report each new straggler
@@ -544,6 +559,8 @@ class Supervisor:
                 (not force and now - self._straggler_at < STRAGGLER_CHECK_S):
             return
         self._straggler_at = now
+        if self.max_nodes > 1 and not force:
+            self._check_link()
         from myria import detections
         from myria.observe import straggler
 
