@@ -166,7 +166,7 @@ class RendezvousWait(threading.Thread):
                 if state is not None:
                     joined = sorted({n.addr for n in (*state.participants, *state.wait_list)})
                     spare = state.complete and self.host in \
-                        {n.addr for n in (*state.redundancy_list, *state.wait_list)}
+                        {n.addr for n in state.redundancy_list}
             except Exception as e:  # the rendezvous host itself may be the one lost
                 store = None
                 self.log.warning("WAITING for the rendezvous at %s since %s: unreachable (%s); "
