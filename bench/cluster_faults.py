@@ -216,11 +216,46 @@ def run_case(case: str, work: Path, data: Path, ref: Path) -> dict:
     return out
 
 
+def table(results: dict) -> str:
+    """The markdown table of bench/RESULTS.md from the JSON."""
+    rows = ["| case | detected (s) | recovery path | time lost (s): by phase | final weights | "
+            "nothing committed lost | Slurm |", "|---|---|---|---|---|---|---|"]
+    for c in results["cases"]:
+        if "error" in c:
+            rows.append(f"| {c['case']} | error: {c['error']} | | | | | |")
+            continue
+        ph = c.get("recovery_phases") or {}
+        phases = ", ".join(f"{k} {v:.1f}" for k, v in ph.items() if v >= 0.05)
+        w = c["final_weights"]
+        weights = "bit-equal" if w["bit_equal"] else f"max diff {w['max_abs_diff']:.2e}"
+        det = c.get("detection_s")
+        if c["case"] == "slow-link":
+            sl = c.get("slow_link_detections") or []
+            det = ("slow link on " + ", ".join(f"{d['host']} ranks {d.get('ranks')}" for d in sl)
+                   if sl else "not detected")
+        extra = ""
+        if c.get("fence"):
+            f = c["fence"]
+            extra = (f"; cut-off host's {f['cut_off_workers_fenced']} workers fenced "
+                     f"{', '.join(str(x) for x in f['their_exit_after_fence_s'])} s after "
+                     f"round {f['generation']}")
+        nodes = ", ".join(f"{h} {s}" for h, s in sorted((c.get("node_states") or {}).items()))
+        rows.append(f"| {c['case']} ({c['victim']}) | {det} | {c.get('recovery_path')}{extra} | "
+                    f"{c.get('time_lost_s')}: {phases or '-'} | {weights} | "
+                    f"{'yes' if c.get('nothing_committed_lost') else 'NO'} | "
+                    f"job {c.get('slurm_job_state')}; {nodes} |")
+    return "\n".join(rows)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--only", default=",".join(CASES))
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "cluster_faults.json"))
+    ap.add_argument("--table", action="store_true", help="print the table of --out and exit")
     args = ap.parse_args()
+    if args.table:
+        print(table(json.loads(Path(args.out).read_text())))
+        return 0
     if why := cluster.missing():
         print(f"cluster_faults: skipped: {why}")
         return 0
