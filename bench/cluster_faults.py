@@ -204,6 +204,8 @@ def run_case(case: str, work: Path, data: Path, ref: Path) -> dict:
                                         **d.get("evidence", {})} for d in dets
                                        if d.get("kind") == "slow-link"]
         out["slowed_at_s"] = round(t_fault - t_submit, 1)
+        if sl := [d for d in dets if d.get("kind") == "slow-link"]:
+            out["detection_s"] = round(sl[0]["time"] - t_fault, 2)
         myria("report", str(run), "--no-prediction")
         b = json.loads((run / "report" / "blame.json").read_text())
         out["blame"] = {"most_blamed_rank": b["most_blamed_rank"],
@@ -231,8 +233,8 @@ def table(results: dict) -> str:
         det = c.get("detection_s")
         if c["case"] == "slow-link":
             sl = c.get("slow_link_detections") or []
-            det = ("slow link on " + ", ".join(f"{d['host']} ranks {d.get('ranks')}" for d in sl)
-                   if sl else "not detected")
+            det = (f"{c.get('detection_s')}: slow link on " + ", ".join(
+                f"{d['host']} ranks {d.get('ranks')}" for d in sl) if sl else "not detected")
         extra = ""
         if c.get("fence"):
             f = c["fence"]

@@ -68,13 +68,13 @@ def _submit(run_dir: Path, data: Path, nodes: int, **env) -> int:
                           run_dir.parent / f"{run_dir.name}.out", {**JOB_ENV, **env})
 
 
-def _wait_step(run_dir: Path, step: int, timeout: float = 300) -> None:
+def _wait_step(run_dir: Path, step: int, timeout: float = 300, checkpoint: bool = True) -> None:
     end = time.time() + timeout
     while time.time() < end:
         p = run_dir / "metrics.jsonl"
         rows = [json.loads(x) for x in p.read_text().splitlines()] if p.exists() else []
         if any(r.get("step", 0) >= step and "loss" in r for r in rows) and \
-                (run_dir / "checkpoints" / "step_00000004").is_dir():
+                (not checkpoint or (run_dir / "checkpoints" / "step_00000004").is_dir()):
             return
         time.sleep(0.5)
     raise AssertionError(f"step {step} not reached in {timeout} s")
@@ -88,6 +88,13 @@ def _out(run_dir: Path) -> str:
 def test_two_hosts_bit_equal_to_one_host(hosts3, tiny_data, one_host, tmp_path):
     run = tmp_path / "two-hosts"
     job = _submit(run, tiny_data, 2)
+    _wait_step(run, 1, checkpoint=False)
+    # a second job on the same run directory from another host is refused, in one line
+    other = cluster.exec_on("h2", [sys.executable, "-m", "myria", "supervise", "--run-dir",
+                                   str(run), "--nproc", "2", f"--data.path={tiny_data}", *ARGS],
+                            capture=True, timeout=120)
+    assert other.returncode == 2 and "is in use by" in other.stderr, other.stderr[-2000:]
+    assert "Traceback" not in other.stderr
     assert cluster.wait_job(job, 600) == "COMPLETED", _out(run)[-4000:]
     assert_bit_equal(run, one_host, STEPS)
     s = json.loads((run / "supervisor_summary.json").read_text())
