@@ -30,7 +30,7 @@ pytestmark = [pytest.mark.slow,
 STEPS = 12
 ARGS = [*TINY, f"--training.steps={STEPS}", "--checkpoint.interval=4",
         "--training.eval_interval=0", "--training.init_timeout_s=60",
-        "--resilience.diagnose=false"]
+        "--resilience.diagnose=false", "--resilience.hang_timeout_s=10"]
 SCRIPT = ROOT / "scripts" / "myria.sbatch"
 JOB_ENV = {"MYRIA": f"{sys.executable} -m myria", "OMP_NUM_THREADS": "1"}
 
@@ -88,8 +88,11 @@ def _out(run_dir: Path) -> str:
 def test_two_hosts_bit_equal_to_one_host(hosts3, tiny_data, one_host, tmp_path):
     run = tmp_path / "two-hosts"
     job = _submit(run, tiny_data, 2)
-    _wait_step(run, 1, checkpoint=False)
-    # a second job on the same run directory from another host is refused, in one line
+    end = time.time() + 120   # the job's supervisors own the run directory ...
+    while time.time() < end and "slurm-" not in ((run / "run.lock").read_text()
+                                                 if (run / "run.lock").exists() else ""):
+        time.sleep(0.2)
+    # ... and a second job on it from another host is refused, in one line
     other = cluster.exec_on("h2", [sys.executable, "-m", "myria", "supervise", "--run-dir",
                                    str(run), "--nproc", "2", f"--data.path={tiny_data}", *ARGS],
                             capture=True, timeout=120)
