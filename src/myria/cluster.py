@@ -359,6 +359,8 @@ def _all_idle(names: list[str]) -> bool:
 # -- use -------------------------------------------------------------------------------------
 def _pid_of(host: str) -> int:
     s = read_state()
+    if not s.get("hosts"):
+        raise ClusterError("the emulated cluster is not up (`myria cluster up N`)")
     pid = s.get("slurmctld") if host == LOGIN else s.get("slurmd", {}).get(host)
     if host != LOGIN and host not in s.get("hosts", []):
         raise ClusterError(f"no host {host!r} in the emulated cluster; hosts: "
