@@ -8,7 +8,7 @@ DEMO_ARGS ?=
 STAMP   := $(VENV)/.installed
 
 .PHONY: setup demo test test-quick lint bench clean redis chromium viewer \
-	announce-system-packages
+	announce-system-packages cluster-packages
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -38,6 +38,15 @@ chromium:
 	  apt-get install -y -qq chromium >/dev/null) 2>/dev/null || \
 	  echo "chromium not installed: the report's browser test will be skipped"
 
+# Debian's Slurm and munge for the emulated cluster (`myria cluster`, tests/cluster): it needs
+# root (network namespaces); the tests skip cleanly without it.
+cluster-packages:
+	@test "$$(id -u)" = 0 || { echo "not root: the emulated-cluster tests will be skipped"; exit 0; }; \
+	  command -v slurmctld >/dev/null 2>&1 && command -v munged >/dev/null 2>&1 || \
+	  (apt-get update -qq && apt-get install -y -qq slurmctld slurmd slurm-client munge \
+	  iproute2 >/dev/null) 2>/dev/null || \
+	  echo "slurm/munge not installed: the emulated-cluster tests will be skipped"
+
 # speedscope (npm), a trace viewer that reads Chrome trace JSON: the test that a real viewer
 # opens `myria report`'s trace.json drives it in headless Chromium (skips without it).
 viewer:
@@ -46,12 +55,14 @@ viewer:
 	  >/dev/null 2>&1) || echo "speedscope not installed: the trace-viewer test will be skipped"
 
 # The whole test suite (CI runs this). It installs the system packages some tests use when
-# they are missing: redis-server and chromium (apt-get) and speedscope (npm, into $(VENV)).
-test: announce-system-packages $(STAMP) redis chromium viewer
+# they are missing: redis-server, chromium, slurm and munge (apt-get) and speedscope (npm,
+# into $(VENV)).
+test: announce-system-packages $(STAMP) redis chromium viewer cluster-packages
 	$(BIN)/python -m pytest -q
 
 announce-system-packages:
-	@echo "make test: installing what is missing of redis-server, chromium (apt-get, needs root)" \
+	@echo "make test: installing what is missing of redis-server, chromium, slurm and munge" \
+	  "(apt-get, needs root)" \
 	  "and speedscope (npm, into $(VENV)); tests that need them skip without them"
 
 # The quick subset: no multi-process or long tests.

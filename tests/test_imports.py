@@ -28,7 +28,7 @@ LAYERS = [
     ("observe",),                               # events, analysis, stragglers, reports
     ("offload",),                               # the nvme tier
     ("train",),                                 # the worker: engine, loop, checkpoints
-    ("resilience", "generate"),                 # the supervisor and doctor; generation
+    ("resilience", "generate", "cluster"),      # supervisor, doctor; generation; emulated cluster
 ]
 LEVEL = {name: i for i, names in enumerate(LAYERS) for name in names}
 FRONT_DOORS = {"cli", "__main__", "train.cli", "observe.report", "sim.cli_plan",

@@ -27,6 +27,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
                          "(CLOS, ECMP/adaptive routing)"),
     "plan": ("myria.sim.cli_plan", "search parallel layouts and rank them by predicted MFU"),
     "report": ("myria.observe.report", "merged timeline, heat maps and curves of a run"),
+    "cluster": ("myria.cluster", "an emulated cluster of hosts on this machine under Slurm "
+                "(up, down, faults)"),
 }
 
 

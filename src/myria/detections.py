@@ -1,7 +1,7 @@
-"""RUN_DIR/events.jsonl: every detection (straggler, corruption, numerical fault, health), one JSON
-line each, appended atomically:
+"""RUN_DIR/events.jsonl: every detection (straggler, corruption, numerical fault, health, a host's
+degraded link), one JSON line each, appended atomically:
 
-    {"kind": "straggler" | "sdc" | "nonfinite" | "loss_spike" | "health", "rank": R,
+    {"kind": "straggler" | "sdc" | "nonfinite" | "loss_spike" | "health" | "slow-link", "rank": R,
      "host": H, "step": S, "evidence": {...}, "action": "...", "time": t}
 
 One module owns the file so that every detector writes the same shape.
@@ -17,7 +17,7 @@ from typing import Any
 
 from myria import rundir
 
-KINDS = ("straggler", "sdc", "nonfinite", "loss_spike", "health")
+KINDS = ("straggler", "sdc", "nonfinite", "loss_spike", "health", "slow-link")
 
 
 def record(run_dir: str | Path, kind: str, rank: int | None, host: str, step: int,

@@ -249,3 +249,71 @@ def _release(path: str) -> None:
         pass
     if os.environ.get(LOCK_ENV) == path:
         os.environ.pop(LOCK_ENV, None)
+
+
+# -- fencing: the workers of a superseded round of a multi-host job ----------------------------
+FENCE = "fence.json"
+FENCE_LOCK = "fence.lock"
+FENCE_ENV = "MYRIA_FENCE"   # "JOB:ROUND" of the rendezvous round a worker was started in
+EXIT_FENCED = 75            # a fenced worker's exit status
+
+
+def fence_bump(run_dir: str | Path, job: str, generation: int, hosts: list[str]) -> None:
+    """Record that job `job` runs in rendezvous round `generation` on `hosts`: from now on the
+    workers of its older rounds (a host cut off by a partition, say) may not write the run
+    directory. Taken under the fence's exclusive lock, so no fenced write is half done."""
+    import fcntl
+
+    from myria.fsutil import atomic_write
+
+    run_dir = Path(run_dir)
+    with open(run_dir / FENCE_LOCK, "a+") as fh:
+        fcntl.flock(fh, fcntl.LOCK_EX)
+        atomic_write(run_dir / FENCE, json.dumps({
+            "job": job, "generation": int(generation), "hosts": hosts,
+            "by": socket.gethostname(), "time": time.time()}))
+
+
+def fenced(run_dir: str | Path) -> str:
+    """Why this worker may not write `run_dir` (its round was superseded), or ""."""
+    mine = os.environ.get(FENCE_ENV, "")
+    if not mine:
+        return ""
+    job, _, gen = mine.rpartition(":")
+    try:
+        f = json.loads((Path(run_dir) / FENCE).read_text())
+    except (OSError, ValueError):
+        return ""
+    if f.get("job") == job and gen.isdigit() and int(f.get("generation", -1)) > int(gen):
+        return (f"fenced: job {job} moved on to round {f['generation']} on "
+                f"{', '.join(f.get('hosts', [])) or '?'} while this worker ran round {gen}")
+    return ""
+
+
+class fence_guard:
+    """`with fence_guard(run_dir): <write>`: the write happens only if this worker's round is
+    still current, and no new round begins during it (a shared lock against fence_bump's
+    exclusive one); a fenced worker says so in one line and exits EXIT_FENCED, writing
+    nothing."""
+
+    def __init__(self, run_dir: str | Path) -> None:
+        self.run_dir = Path(run_dir)
+        self.fh = None
+
+    def __enter__(self):
+        if not os.environ.get(FENCE_ENV):
+            return self
+        import fcntl
+
+        self.fh = open(self.run_dir / FENCE_LOCK, "a+")
+        fcntl.flock(self.fh, fcntl.LOCK_SH)
+        if why := fenced(self.run_dir):
+            print(f"myria: rank {os.environ.get('RANK', '?')} on {socket.gethostname()}: {why}; "
+                  "exiting without writing", file=sys.stderr, flush=True)
+            os._exit(EXIT_FENCED)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.fh is not None:
+            self.fh.close()
+            self.fh = None

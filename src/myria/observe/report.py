@@ -62,6 +62,11 @@ def run(args) -> int:
               f"most blamed rank {b['most_blamed_rank']}" +
               (f" (stands out: ranks {b['standout_ranks']})" if b["standout_ranks"] else
                " (no rank stands out of the noise)"))
+        hosts: dict[str, list[int]] = {}
+        for r in b["ranks"]:
+            hosts.setdefault(str(r.get("host", "?")), []).append(r["rank"])
+        if len(hosts) > 1:
+            print("  hosts: " + "; ".join(f"{h} ranks {rs}" for h, rs in sorted(hosts.items())))
         for p in b["problems"]:
             print(f"  missing: {p}")
     val_path = out / VAL_FILE

@@ -523,7 +523,13 @@ def _collect(procs: dict[Any, Any], q: Any, release: Any, nproc: int,
     for k in sorted(pending, key=str):
         errors.setdefault(k, f"did not finish in time: still in {phase[k]}")
     for k, msg in sorted(errors.items(), key=lambda kv: str(kv[0])):
-        if k == "neighbor":
+        if k == "neighbor" and phase[k].startswith("rendezvous"):
+            # the neighbour never joined: evidence against it (gone, unreachable), not this host
+            checks = [c for c in checks if c.name != "neighbor-all-reduce"]
+            checks.append(Check("neighbor-all-reduce", "warn", f"neighbour check not run: the "
+                                f"neighbour host(s) did not join ({msg}); not a fault of this "
+                                "host", details={"error": msg, "peer_unreachable": True}))
+        elif k == "neighbor":
             checks = [c for c in checks if c.name != "neighbor-all-reduce"]
             checks.append(Check("neighbor-all-reduce", "fail", f"neighbour check: {msg}",
                                 details={"error": msg}))

@@ -264,6 +264,10 @@ def _agent_class():
             self.sup.recover(self, worker_group)
             super()._restart_workers(worker_group)
 
+        def _rendezvous(self, worker_group):
+            super()._rendezvous(worker_group)
+            self.sup.rendezvoused(self, worker_group)
+
         def _initialize_workers(self, worker_group):
             self.sup.before_start(self, worker_group)
             super()._initialize_workers(worker_group)
@@ -302,6 +306,10 @@ class Supervisor:
         self._straggler_at = 0.0
         self.store = None
         self._server = None
+        self.members: list[str] = []   # the hosts of the current rendezvous round
+        self._endpoint = rdzv_endpoint
+        self._waiting = None           # a multihost.RendezvousWait while waiting for hosts
+        self._link = None              # a multihost.LinkProbe of this host's link
         self.injob = None
         if self.r.recovery == "in-job":
             from myria.resilience.injob import InJobRecovery
@@ -313,8 +321,9 @@ class Supervisor:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         log.setLevel(logging.INFO)
         log.propagate = False
-        fmt = logging.Formatter("%(asctime)s myria-supervisor %(levelname)s %(message)s",
-                                "%H:%M:%S")
+        # the hosts of one job share the run directory's log: each line names its host
+        tag = f"myria-supervisor[{self.host}]" if self.max_nodes > 1 else "myria-supervisor"
+        fmt = logging.Formatter(f"%(asctime)s {tag} %(levelname)s %(message)s", "%H:%M:%S")
         for h in list(log.handlers):
             log.removeHandler(h)
         for h in (logging.StreamHandler(sys.stderr),
@@ -356,6 +365,7 @@ class Supervisor:
         from myria.train.launch import free_port
 
         endpoint = self.rdzv_endpoint or f"127.0.0.1:{free_port()}"
+        self._endpoint = endpoint
         t = self.cfg.training
         params = RendezvousParameters(
             backend="c10d", endpoint=endpoint, run_id=self.job, min_nodes=self.min_nodes,
@@ -377,6 +387,7 @@ class Supervisor:
         """Supervise the job to its end; returns the exit status (see the module docstring)."""
         from torch.distributed.elastic.agent.server.api import WorkerState
         from torch.distributed.elastic.multiprocessing.api import SignalException
+        from torch.distributed.elastic.rendezvous import RendezvousClosedError, RendezvousError
 
         self._setup_logging()
         self._environment()
@@ -388,7 +399,10 @@ class Supervisor:
         try:
             if self.injob is not None:
                 self.injob.start_spares()
-            result = self._agent().run()
+            agent = self._agent()
+            if self.max_nodes > 1:
+                self._wait_for_hosts(None)
+            result = agent.run()
             if result is not None and result.state == WorkerState.SUCCEEDED:
                 status, code = "succeeded", 0
             else:
@@ -411,6 +425,28 @@ class Supervisor:
             log.warning("ACTION stopped by %s: workers were asked to save and exit", e.sigval)
         except LaunchError as e:
             log.error("%s", e)
+        except RendezvousClosedError:  # the job ended on the other hosts
+            from myria.resilience.multihost import EXCLUDED, SPARE_UNUSED
+
+            if self.ranks:
+                status, code = EXCLUDED, 0
+                log.warning("ACTION leave: the job went on and ended without this host (its "
+                            "rendezvous is closed)")
+            else:
+                status, code = SPARE_UNUSED, 0
+                log.info("the job ended without needing this spare host")
+        except RendezvousError as e:
+            from myria.resilience.multihost import EXCLUDED, moved_on_without
+
+            status = "rendezvous-failed"
+            if self.ranks and (why := moved_on_without(self.run_dir, self.job, self.host)):
+                status, code = EXCLUDED, 0   # cut off: the job went on (fenced) without it
+                log.warning("ACTION leave: %s", why)
+            else:
+                log.error("ACTION give up: the rendezvous did not complete (%s)%s",
+                          str(e) or type(e).__name__,
+                          f"; host(s) {', '.join(self._waiting.missing)} never rejoined"
+                          if self._waiting is not None and self._waiting.missing else "")
         finally:
             self._check_stragglers(time.time(), force=True)
             summary = self.summary(status)
@@ -428,6 +464,7 @@ class Supervisor:
             pass
 
     def _close(self) -> None:
+        self._stop_waiting()
         if self.injob is not None:
             self.injob.close()
         self._remove_shared()
@@ -456,6 +493,8 @@ class Supervisor:
             self.current.restarted_at = time.time()
         log.info("attempt %d: started ranks %s (pids %s)", self.attempt, self.ranks,
                  [w.id for w in wg.workers])
+        if self.max_nodes > 1:
+            self._joined(agent, wg)
 
     def new_watch(self) -> None:
         """A watchdog for the ranks of attempt `self.attempt`."""
@@ -497,6 +536,20 @@ class Supervisor:
             return RunResult(state=WorkerState.UNHEALTHY)
         return result
 
+    def _check_link(self) -> None:
+        """Several hosts: probe this host's link to the rendezvous host (multihost.LinkProbe);
+        a degraded link is logged and recorded once, naming this host's ranks."""
+        from myria.resilience.multihost import LinkProbe
+
+        if self._link is None:
+            self._link = LinkProbe(self._endpoint, self.job, self.host)
+        if why := self._link.probe():
+            from myria import detections
+
+            log.warning("DETECTED slow link on %s (ranks %s): %s", self.host, self.ranks, why)
+            detections.record(self.run_dir, "slow-link", None, self.host, self.max_step,
+                              {"ranks": self.ranks, "evidence": why}, "none (reported)")
+
     def _check_stragglers(self, now: float, force: bool = False) -> None:
         """Every few seconds (and once at the end), score each rank's compute-only time from the
         event files against its peers (myria.observe.straggler); report each new straggler
@@ -506,6 +559,8 @@ class Supervisor:
                 (not force and now - self._straggler_at < STRAGGLER_CHECK_S):
             return
         self._straggler_at = now
+        if self.max_nodes > 1 and not force:
+            self._check_link()
         from myria import detections
         from myria.observe import straggler
 
@@ -574,6 +629,58 @@ class Supervisor:
                  "%s)", self.attempt + 1, agent._remaining_restarts, wait, newest or "none")
         time.sleep(wait)
         f.backoff_done_at = time.time()
+        if self.max_nodes > 1:
+            self._wait_for_hosts(f)
+
+    # -- several hosts (myria.resilience.multihost) ------------------------------------------
+    def _joined(self, agent, wg) -> None:
+        """The round's hosts, and this host's ranks among them, once its workers started."""
+        from myria.resilience import multihost
+
+        self._stop_waiting()
+        self.members = multihost.members(agent) or self.members
+        log.info("placement: %s runs ranks %s of %d; hosts in this round: %s", self.host,
+                 self.ranks, wg.spec.local_world_size * max(1, len(self.members)),
+                 ", ".join(self.members) or "?")
+
+    def rendezvoused(self, agent, wg) -> None:
+        """A rendezvous round completed: its workers carry the round (myria.rundir.FENCE_ENV)
+        and the first host records it as the job's current round, fencing off older rounds'
+        workers (a host cut off by a partition) before this round's workers start."""
+        if self.max_nodes <= 1:
+            return
+        from myria.resilience import multihost
+
+        try:
+            rnd = int(agent._rdzv_handler._state_holder.state.round)
+        except AttributeError:
+            return
+        os.environ[rundir.FENCE_ENV] = f"{self.job}:{rnd}"
+        if wg.group_rank == 0:
+            hosts = multihost.members(agent)
+            rundir.fence_bump(self.run_dir, self.job, rnd, hosts)
+            log.info("round %d of the rendezvous: hosts %s; workers of earlier rounds are "
+                     "fenced off the run directory", rnd, ", ".join(hosts) or "?")
+
+    def _wait_for_hosts(self, f: Fault | None) -> None:
+        """Report, while the agent waits in the rendezvous, which hosts it waits for (after
+        fault `f`: the previous round's; at the start: how many more), or that it is a spare."""
+        from myria.resilience import multihost
+
+        self._stop_waiting()
+        self._waiting = multihost.RendezvousWait(
+            log, self._endpoint, self.job, self.host,
+            [h for h in self.members if h != self.host] if f else [],
+            f.fault_at if f else time.time(), self.cfg.training.init_timeout_s, self.min_nodes)
+        self._waiting.start()
+
+    def _stop_waiting(self) -> None:
+        if self._waiting is not None:
+            self._waiting.stop()
+            if self._waiting.missing and self.current is not None:
+                self.current.action.append(f"waited for host(s) {', '.join(self._waiting.missing)}"
+                                           " (did not rejoin)")
+            self._waiting = None
 
     def reached(self, f: Fault) -> None:
         """The newest committed checkpoint and the step reached before fault `f`."""
@@ -774,9 +881,10 @@ class Supervisor:
             f.regained_at = now
 
     def _diagnose(self, f: Fault) -> None:
+        from myria.resilience.checks.hooks import host_fault
         from myria.resilience.diagnostics import FAULT_ENV, decide_for_supervisor, run_diagnostics
 
-        spec = _doctor_fault_once(self.run_dir, os.environ.get(FAULT_ENV, ""))
+        spec = _doctor_fault_once(self.run_dir, os.environ.get(FAULT_ENV, "") or host_fault())
         d = decide_for_supervisor(self.run_dir, self.host, self.nproc, f.to_dict(),
                                   [x.to_dict() for x in self.faults if x is not f],
                                   self.r.diagnostics_ttl_s,
@@ -788,8 +896,10 @@ class Supervisor:
             return
         log.info("ACTION self-check diagnostics of %s (%d local ranks)%s", self.host,
                  self.nproc, f" with test hook {FAULT_ENV}={spec}" if spec else "")
+        # this host's own checks only: after a fault the other hosts are restarting, lost or
+        # in their own diagnostics, so a neighbour check would wait for them and blame this one
         report = run_diagnostics(self.nproc, self.expect or None, self.r.doctor_timeout_s,
-                                 faults=spec)
+                                 faults=spec, peer_hosts=[self.host])
         out = report.write_json(self.run_dir / rundir.DIAGNOSTICS_DIR /
                                 f"{self.host}-attempt{self.attempt}.json")
         f.diagnostics.append(report.summary)
@@ -821,7 +931,7 @@ class Supervisor:
         log.info("ACTION re-run the diagnostics after the blocklist hook (bad_host_action = "
                  "recheck)")
         again = run_diagnostics(self.nproc, self.expect or None, self.r.doctor_timeout_s,
-                                faults="")
+                                faults="", peer_hosts=[self.host])
         again.write_json(self.run_dir / rundir.DIAGNOSTICS_DIR /
                          f"{self.host}-attempt{self.attempt}-recheck.json")
         f.diagnostics.append(again.summary)
@@ -907,12 +1017,18 @@ class Supervisor:
             "newest_checkpoint": _newest_committed(self.run_dir),
             "faults": faults, "blocklist": self.blocklist, "goodput": ledger,
             "heartbeat_s": self.r.heartbeat_s, "store": self.r.store,
+            **({"ranks": self.ranks, "members": self.members} if self.max_nodes > 1 else {}),
             **({"resizes": self.injob.resizes} if self.injob and self.injob.resizes else {}),
         }
 
     def _write_summary(self, s: dict[str, Any]) -> None:
         path = self.run_dir / rundir.SUPERVISOR_SUMMARY
-        atomic_write(path, json.dumps(s, indent=1))
+        if self.max_nodes > 1:   # one summary of the job, every host's part in it
+            from myria.resilience.multihost import write_part_and_merge
+
+            path = write_part_and_merge(self.run_dir, s)
+        else:
+            atomic_write(path, json.dumps(s, indent=1))
         log.info("summary: %s at step %s/%s after %d restart(s); wall %.1f s, training %.1f s, "
                  "effective training time ratio %s; %s", s["status"], s["final_step"],
                  s["target_steps"], s["restarts"], s["wall_s"], s["productive_s"],

@@ -798,14 +798,17 @@ class CheckpointManager:
             # killed after the commit can no longer leave it undamaged (issue 27)
             self.faults.mark(f)
             self._corrupt(tmp)
-        old = None
-        if final.exists():  # a step saved again after resuming from an older checkpoint
-            old = final.with_name(final.name + f".old{os.getpid()}")
-            os.replace(final, old)
-        os.replace(tmp, final)
-        _fsync_dir(self.dir)
-        self._verified.add(final.name)  # every file was checksummed as it was written
-        atomic_write(self.dir / "latest", final.name + "\n")
+        from myria.rundir import fence_guard
+
+        with fence_guard(self.dir.parent):  # a worker of a superseded round commits nothing
+            old = None
+            if final.exists():  # a step saved again after resuming from an older checkpoint
+                old = final.with_name(final.name + f".old{os.getpid()}")
+                os.replace(final, old)
+            os.replace(tmp, final)
+            _fsync_dir(self.dir)
+            self._verified.add(final.name)  # every file was checksummed as it was written
+            atomic_write(self.dir / "latest", final.name + "\n")
         if old is not None:
             shutil.rmtree(old, ignore_errors=True)
         self._prune()

@@ -46,7 +46,29 @@ def own_run_dir(run_dir) -> None:
 
     if inside_launcher():
         stop_with_launcher()
+        stop_when_fenced(run_dir)
     rundir.lock(run_dir, "train")
+
+
+def stop_when_fenced(run_dir) -> None:
+    """In a worker of a multi-host job (myria.rundir.FENCE_ENV set by its supervisor): exit,
+    writing nothing, as soon as the job has moved on to a newer rendezvous round without it
+    (a host cut off by a partition). Writes that matter also check the fence under its lock
+    (myria.rundir.fence_guard); this watch ends the worker between them."""
+    from myria import rundir
+
+    if not os.environ.get(rundir.FENCE_ENV):
+        return
+    import threading
+
+    def watch() -> None:
+        signal.pthread_sigmask(signal.SIG_BLOCK, signal.valid_signals())
+        while True:
+            time.sleep(0.5)
+            with rundir.fence_guard(run_dir):   # exits the process when fenced
+                pass
+
+    threading.Thread(target=watch, name="myria-fence-watch", daemon=True).start()
 
 
 _first_ppid: int | None = None  # this worker's parent when stop_with_launcher() ran

@@ -16,6 +16,18 @@ from dataclasses import dataclass
 from myria.errors import ConfigError
 
 FAULT_ENV = "MYRIA_DOCTOR_FAULT"
+# the same hook for one host only: a file in the host's own /dev/shm holding a spec (an
+# emulated host's, written by `myria cluster fail-diagnostics`)
+HOST_FAULT_FILE = "/dev/shm/myria-doctor-fault"
+
+
+def host_fault() -> str:
+    """The spec in this host's HOST_FAULT_FILE, or ""."""
+    try:
+        with open(HOST_FAULT_FILE) as fh:
+            return fh.read().strip()
+    except OSError:
+        return ""
 FAULT_KINDS = ("slow-gemm", "wrong-gemm")
 
 

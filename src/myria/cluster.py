@@ -1,0 +1,582 @@
+"""`myria cluster`: a cluster of emulated hosts on this Linux machine, under a real Slurm.
+
+    myria cluster up 2                  # hosts h0, h1 + a login node running slurmctld
+    myria cluster exec login sbatch -N2 scripts/slurm/myria.sbatch ...
+    myria cluster exec login sinfo
+    myria cluster kill-host h1 | partition h1 | heal h1 | slow-link h1 1mbit | fail-diagnostics h1
+    myria cluster down                  # every process by pid, every namespace
+
+To rehearse a multi-host run (and to test myria's multi-host paths) before taking it to a real
+cluster. Nothing here is simulated: each host is a Linux network namespace (its own address in
+198.18.0.0/15, the range RFC 2544 reserves for network benchmarks, its own host name through a
+UTS namespace, its own /dev/shm tmpfs and network stack); a bridge in a "switch" namespace joins
+them; the launcher is Debian's Slurm (`slurmctld` on the login node, one `slurmd` per host,
+authenticated by `munged`); the network is the kernel's TCP. The rest of the filesystem is shared
+by every host and plays the cluster's shared filesystem (run directories, data, the project).
+
+Faults, as they happen on a real cluster:
+
+- `kill-host H`: every process of the host killed (its slurmd included): a lost host;
+- `partition H` / `heal H`: the switch port of the host down / up: its packets are dropped,
+  connections hang rather than fail, as with a cut cable or a dead switch port;
+- `slow-link H RATE`: both directions of the host's link limited with `tc tbf` (a slow NIC);
+  `slow-link H off` removes it;
+- `fail-diagnostics H`: the host's self-check diagnostics fail from then on (the doctor's test
+  hook set for that host only, in its own /dev/shm: every GEMM result wrong, as on a broken
+  device); the supervisor's diagnostics after a fault on that host fail.
+
+Facts of the kernel and Slurm this relies on (checked on Debian 12, Slurm 22.05.8, kernel 6.x):
+`ip netns exec` gives its command a new mount namespace with a fresh /sys and binds
+/etc/netns/NS/hosts over /etc/hosts; slurmd insists on cgroups and Slurm 22.05 refuses a
+hybrid v1/v2 hierarchy, so each host mounts its own v1 hierarchy on its private /sys/fs/cgroup
+(never the machine's); `netem`, `htb` and `prio` may be missing from the kernel, `tbf` is there.
+
+State (config, logs, pids) lives in $MYRIA_CLUSTER_DIR (default /tmp/myria-cluster). Root only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+from myria.errors import MyriaError
+
+STATE_ENV = "MYRIA_CLUSTER_DIR"
+PREFIX = "myria-"            # namespace names: myria-sw, myria-login, myria-h0, ...
+SUBNET = "198.18.0.0/16"     # within 198.18.0.0/15 (RFC 2544)
+LOGIN = "login"
+LOGIN_ADDR = "198.18.0.1"
+HOST_IF = "eth0"             # each host's side of its link
+PACKAGES = {"slurmctld": "slurmctld", "slurmd": "slurmd", "sbatch": "slurm-client",
+            "munged": "munge", "ip": "iproute2", "tc": "iproute2", "nsenter": "util-linux",
+            "unshare": "util-linux"}
+CGROUPS = ("cpu", "cpuacct", "cpuset", "memory", "devices", "freezer", "pids")
+# what `fail-diagnostics` leaves in a host's own /dev/shm: the doctor's test-hook spec for that
+# host only (myria.resilience.checks.hooks.HOST_FAULT_FILE): every GEMM result perturbed
+DIAG_FAULT_SPEC = "wrong-gemm"
+
+
+class ClusterError(MyriaError):
+    """The emulated cluster cannot be brought up or used as asked."""
+
+
+def state_dir() -> Path:
+    return Path(os.environ.get(STATE_ENV, "/tmp/myria-cluster"))
+
+
+def host_addr(i: int) -> str:
+    return f"198.18.1.{i + 1}"
+
+
+def ns(name: str) -> str:
+    return PREFIX + name
+
+
+# -- checks ----------------------------------------------------------------------------------
+def missing() -> str:
+    """Why the cluster cannot be used here ("" when it can): not root, or a package missing."""
+    if os.geteuid() != 0:
+        return "needs root (network namespaces, mounts, Slurm daemons); run it as root"
+    gone = sorted({pkg for exe, pkg in PACKAGES.items() if not shutil.which(exe)
+                   and not Path("/usr/sbin", exe).exists()})
+    if gone:
+        return (f"missing Debian package(s) {', '.join(gone)}: `make cluster-packages` or "
+                f"`apt-get install -y {' '.join(gone)}`")
+    return ""
+
+
+def _require() -> None:
+    if why := missing():
+        raise ClusterError(why)
+
+
+def _sh(*cmd: str, check: bool = True, **kw) -> subprocess.CompletedProcess:
+    p = subprocess.run(list(cmd), capture_output=True, text=True, **kw)
+    if check and p.returncode != 0:
+        raise ClusterError(f"`{' '.join(cmd)}` exited {p.returncode}: "
+                           f"{(p.stderr or p.stdout).strip()[-300:]}")
+    return p
+
+
+def _netns_list() -> list[str]:
+    out = _sh("ip", "netns", "list", check=False).stdout
+    return [line.split()[0] for line in out.splitlines() if line.strip()]
+
+
+# -- state -----------------------------------------------------------------------------------
+def read_state() -> dict:
+    p = state_dir() / "state.json"
+    try:
+        return json.loads(p.read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def _write_state(s: dict) -> None:
+    d = state_dir()
+    d.mkdir(parents=True, exist_ok=True)
+    tmp = d / "state.json.tmp"
+    tmp.write_text(json.dumps(s, indent=1))
+    tmp.replace(d / "state.json")
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:  # a zombie is not alive
+        return Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def slurm_conf() -> Path:
+    return state_dir() / "etc" / "slurm.conf"
+
+
+def hosts() -> list[str]:
+    return list(read_state().get("hosts", []))
+
+
+def is_up() -> bool:
+    s = read_state()
+    pids = [s.get("munged", 0), s.get("slurmctld", 0), *s.get("slurmd", {}).values()]
+    return bool(s.get("hosts")) and all(p and _alive(p) for p in pids)
+
+
+# -- up --------------------------------------------------------------------------------------
+def _slurm_conf(d: Path, names: list[str]) -> str:
+    nodes = "\n".join(f"NodeName={h} NodeAddr={host_addr(i)} CPUs={os.cpu_count() or 1} "
+                      f"State=UNKNOWN" for i, h in enumerate(names))
+    return f"""# written by `myria cluster up` (an emulated cluster; see myria/cluster.py)
+ClusterName=myria
+SlurmctldHost={LOGIN}({LOGIN_ADDR})
+AuthType=auth/munge
+CredType=cred/munge
+AuthInfo=socket={d}/munge/munge.socket
+SlurmUser=root
+SlurmdUser=root
+ProctrackType=proctrack/linuxproc
+TaskPlugin=task/none
+SwitchType=switch/none
+MpiDefault=none
+SelectType=select/cons_tres
+SelectTypeParameters=CR_Core
+JobAcctGatherType=jobacct_gather/none
+StateSaveLocation={d}/slurm/state
+SlurmdSpoolDir={d}/slurm/spool/%n
+SlurmdPidFile={d}/slurm/slurmd-%n.pid
+SlurmctldPidFile={d}/slurm/slurmctld.pid
+SlurmctldLogFile={d}/log/slurmctld.log
+SlurmdLogFile={d}/log/slurmd-%n.log
+ReturnToService=2
+SlurmdTimeout=30
+InactiveLimit=0
+KillWait=5
+MinJobAge=600
+{nodes}
+PartitionName=main Nodes=ALL Default=YES MaxTime=INFINITE State=UP
+"""
+
+
+CGROUP_CONF = """CgroupPlugin=cgroup/v1
+CgroupMountpoint=/sys/fs/cgroup
+ConstrainCores=no
+ConstrainRAMSpace=no
+"""
+
+
+def _host_script(d: Path) -> Path:
+    """The script each namespace's daemon starts through: its host name, its own /dev/shm,
+    for a compute host its own cgroup v1 hierarchy, then `exec` the daemon (same pid)."""
+    p = d / "etc" / "host.sh"
+    mounts = " && ".join([
+        "mount -t tmpfs cgroup_root /sys/fs/cgroup",
+        "mkdir -p /sys/fs/cgroup/systemd",
+        "mount -t cgroup -o none,name=systemd cgroup /sys/fs/cgroup/systemd",
+        *(f"mkdir -p /sys/fs/cgroup/{c} && mount -t cgroup -o {c} cgroup /sys/fs/cgroup/{c}"
+          for c in CGROUPS)])
+    p.write_text(f"""#!/bin/sh
+# $1 host name, $2 cgroups|nocgroups, then the daemon's command line
+set -e
+name=$1; cg=$2; shift 2
+hostname "$name"
+mount -t tmpfs -o size=50% shm /dev/shm
+if [ "$cg" = cgroups ]; then {mounts}; fi
+exec "$@"
+""")
+    p.chmod(0o755)
+    return p
+
+
+def _daemon(d: Path, name: str, cgroups: bool, cmd: list[str]) -> int:
+    log = open(d / "log" / f"{name}.out", "ab")
+    p = subprocess.Popen(["ip", "netns", "exec", ns(name), "unshare", "--uts",
+                          str(d / "etc" / "host.sh"), name,
+                          "cgroups" if cgroups else "nocgroups", *cmd],
+                         stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                         start_new_session=True)
+    log.close()
+    return p.pid
+
+
+def up(n: int, quiet: bool = False) -> dict:
+    """Bring up `n` hosts h0..h{n-1}, the switch, the login node, munge, slurmctld and one
+    slurmd per host, and wait until Slurm shows every node idle. Idempotent: a cluster already
+    up with `n` hosts is left as it is; one half up (a daemon gone) is taken down first."""
+    _require()
+    if not 1 <= n <= 200:
+        raise ClusterError(f"up {n}: the number of hosts must be 1..200")
+    s = read_state()
+    if s.get("hosts") and is_up():
+        if len(s["hosts"]) == n:
+            if not quiet:
+                print(f"myria cluster: already up with {n} host(s): {' '.join(s['hosts'])}")
+            return s
+        raise ClusterError(f"up {n}: already up with {len(s['hosts'])} host(s); "
+                           "`myria cluster down` first")
+    down(quiet=True)
+    d = state_dir()
+    for sub in ("etc", "log", "munge", "slurm/state", "slurm/spool", "shared"):
+        (d / sub).mkdir(parents=True, exist_ok=True)
+    d.chmod(0o755)
+    names = [f"h{i}" for i in range(n)]
+    s = {"hosts": names, "namespaces": [], "slurmd": {}, "started": time.time(),
+         "dir": str(d)}
+    _write_state(s)
+    hosts_file = "".join([f"{LOGIN_ADDR} {LOGIN}\n"] + [f"{host_addr(i)} {h}\n"
+                                                       for i, h in enumerate(names)])
+    # the switch: a bridge in its own namespace
+    _sh("ip", "netns", "add", ns("sw"))
+    s["namespaces"].append(ns("sw"))
+    _write_state(s)
+    _sh("ip", "-n", ns("sw"), "link", "add", "br0", "type", "bridge")
+    _sh("ip", "-n", ns("sw"), "link", "set", "br0", "up")
+    for i, name in enumerate([LOGIN, *names]):
+        addr = LOGIN_ADDR if name == LOGIN else host_addr(i - 1)
+        _sh("ip", "netns", "add", ns(name))
+        s["namespaces"].append(ns(name))
+        _write_state(s)
+        etc = Path("/etc/netns") / ns(name)
+        etc.mkdir(parents=True, exist_ok=True)
+        (etc / "hosts").write_text(f"127.0.0.1 localhost\n{hosts_file}")
+        port = f"v{name}"[:15]
+        _sh("ip", "link", "add", port, "netns", ns("sw"), "type", "veth", "peer", "name",
+            HOST_IF, "netns", ns(name))
+        _sh("ip", "-n", ns("sw"), "link", "set", port, "master", "br0")
+        _sh("ip", "-n", ns("sw"), "link", "set", port, "up")
+        _sh("ip", "-n", ns(name), "addr", "add", f"{addr}/16", "dev", HOST_IF)
+        _sh("ip", "-n", ns(name), "link", "set", HOST_IF, "up")
+        _sh("ip", "-n", ns(name), "link", "set", "lo", "up")
+    # configs, munge key, daemons
+    (d / "etc" / "slurm.conf").write_text(_slurm_conf(d, names))
+    (d / "etc" / "cgroup.conf").write_text(CGROUP_CONF)
+    _host_script(d)
+    for h in names:
+        (d / "slurm" / "spool" / h).mkdir(parents=True, exist_ok=True)
+    key = d / "munge" / "munge.key"
+    if not key.exists():
+        key.write_bytes(os.urandom(1024))
+    shutil.chown(d / "munge", "munge", "munge")
+    shutil.chown(key, "munge", "munge")
+    key.chmod(0o400)
+    (d / "munge").chmod(0o700)
+    mlog = open(d / "log" / "munged.out", "ab")
+    m = subprocess.Popen(["setpriv", "--reuid=munge", "--regid=munge", "--init-groups",
+                          "munged", "-F", "--force",
+                          f"--socket={d}/munge/munge.socket", f"--key-file={key}",
+                          f"--pid-file={d}/munge/munged.pid", f"--log-file={d}/munge/munged.log",
+                          f"--seed-file={d}/munge/munged.seed"],
+                         stdout=mlog, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                         start_new_session=True)
+    mlog.close()
+    s["munged"] = m.pid
+    _write_state(s)
+    _wait(lambda: (d / "munge" / "munge.socket").exists(), 20, "munged to open its socket",
+          d / "log" / "munged.out")
+    (d / "munge").chmod(0o755)  # the daemons (root) and users reach the socket
+    conf = str(d / "etc" / "slurm.conf")
+    s["slurmctld"] = _daemon(d, LOGIN, False, ["slurmctld", "-D", "-c", "-f", conf])
+    _write_state(s)
+    for h in names:
+        s["slurmd"][h] = _daemon(d, h, True, ["slurmd", "-D", "-f", conf, "-N", h])
+        _write_state(s)
+    _wait(lambda: _all_idle(names), 90, "every Slurm node to be idle",
+          d / "log" / "slurmctld.log")
+    if not quiet:
+        print(f"myria cluster: up: {n} host(s) {' '.join(names)} "
+              f"({', '.join(host_addr(i) for i in range(n))}), login node {LOGIN} "
+              f"({LOGIN_ADDR}) running slurmctld; state in {d}")
+    return s
+
+
+def _wait(ok, timeout: float, what: str, logfile: Path) -> None:
+    end = time.time() + timeout
+    while time.time() < end:
+        if ok():
+            return
+        time.sleep(0.3)
+    tail = ""
+    try:
+        tail = logfile.read_text(errors="replace").strip().splitlines()[-1][-300:]
+    except (OSError, IndexError):
+        pass
+    down(quiet=True)
+    raise ClusterError(f"timed out after {timeout:g} s waiting for {what}"
+                       + (f"; {logfile}: {tail}" if tail else ""))
+
+
+def node_states() -> dict[str, str]:
+    """Slurm's state of each node (`sinfo -N`), from the login node; {} when unreachable."""
+    try:
+        p = exec_on(LOGIN, ["sinfo", "-h", "-N", "-o", "%N %t"], capture=True, timeout=20)
+    except (ClusterError, subprocess.TimeoutExpired):
+        return {}
+    if p.returncode != 0:
+        return {}
+    out = {}
+    for line in p.stdout.splitlines():
+        parts = line.split()
+        if len(parts) == 2:
+            out[parts[0]] = parts[1]
+    return out
+
+
+def _all_idle(names: list[str]) -> bool:
+    st = node_states()
+    return all(st.get(h) == "idle" for h in names)
+
+
+# -- use -------------------------------------------------------------------------------------
+def _pid_of(host: str) -> int:
+    s = read_state()
+    if not s.get("hosts"):
+        raise ClusterError("the emulated cluster is not up (`myria cluster up N`)")
+    pid = s.get("slurmctld") if host == LOGIN else s.get("slurmd", {}).get(host)
+    if host != LOGIN and host not in s.get("hosts", []):
+        raise ClusterError(f"no host {host!r} in the emulated cluster; hosts: "
+                           f"{', '.join([LOGIN, *s.get('hosts', [])]) or 'none (not up)'}")
+    if not pid or not _alive(pid):
+        raise ClusterError(f"host {host} is down (its daemon is gone: killed, or the cluster "
+                           "is not up)")
+    return int(pid)
+
+
+def env() -> dict[str, str]:
+    e = dict(os.environ)
+    e["SLURM_CONF"] = str(slurm_conf())
+    return e
+
+
+def _nsenter(pid: int) -> list[str]:
+    """Enter the namespaces of a host's daemon `pid`, in the caller's working directory."""
+    return ["nsenter", "-t", str(pid), "-n", "-m", "-u", f"--wd={os.getcwd()}", "--"]
+
+
+def exec_on(host: str, cmd: list[str], capture: bool = False, timeout: float | None = None,
+            **kw) -> subprocess.CompletedProcess:
+    """Run `cmd` on `host` (a compute host or the login node): in its network, mount and UTS
+    namespaces (its address, /dev/shm and host name), with SLURM_CONF set."""
+    pid = _pid_of(host)
+    return subprocess.run(_nsenter(pid) + cmd, env=env(), capture_output=capture, text=True,
+                          timeout=timeout, **kw)
+
+
+def popen_on(host: str, cmd: list[str], **kw) -> subprocess.Popen:
+    pid = _pid_of(host)
+    return subprocess.Popen(_nsenter(pid) + cmd, env=kw.pop("env", None) or env(), **kw)
+
+
+def sbatch(script: str | Path, nodes: int, args: list[str], output: str | Path,
+           extra_env: dict[str, str] | None = None) -> int:
+    """Submit `script ARGS` for `nodes` nodes from the login node (the caller's environment
+    goes with the job, as sbatch's default --export=ALL does); returns the job id."""
+    e = env()
+    e.update(extra_env or {})
+    pid = _pid_of(LOGIN)
+    p = subprocess.run(_nsenter(pid) + ["sbatch", "--parsable", "-N", str(nodes), "-o",
+                                        str(output), str(script), *args],
+                       env=e, capture_output=True, text=True, timeout=60)
+    if p.returncode != 0:
+        raise ClusterError(f"sbatch exited {p.returncode}: {p.stderr.strip()[-300:]}")
+    return int(p.stdout.strip().split(";")[0])
+
+
+def job_state(job: int) -> str:
+    """Slurm's state of job `job` (PENDING, RUNNING, COMPLETED, FAILED, ...); "" if unknown."""
+    p = exec_on(LOGIN, ["scontrol", "-o", "show", "job", str(job)], capture=True, timeout=20)
+    for word in p.stdout.split():
+        if word.startswith("JobState="):
+            return word.split("=", 1)[1]
+    return ""
+
+
+def wait_job(job: int, timeout: float) -> str:
+    """Wait for job `job` to end; its final state (or the last seen one on the timeout)."""
+    end, state = time.time() + timeout, ""
+    while time.time() < end:
+        state = job_state(job)
+        if state and state not in ("PENDING", "RUNNING", "CONFIGURING", "COMPLETING"):
+            return state
+        time.sleep(1.0)
+    return state
+
+
+def kill_host(host: str) -> list[int]:
+    """A lost host: SIGKILL every process in its namespace (slurmd, job steps, workers)."""
+    _pid_of(host)
+    pids = _ns_pids(ns(host))
+    for p in pids:
+        try:
+            os.kill(p, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    return pids
+
+
+def partition(host: str, heal: bool = False) -> None:
+    """Cut (or restore) the host's link at the switch: its packets are dropped from then on."""
+    _check_host(host)
+    _sh("ip", "-n", ns("sw"), "link", "set", f"v{host}"[:15], "up" if heal else "down")
+
+
+def slow_link(host: str, rate: str) -> None:
+    """Limit both directions of the host's link to `rate` (tc tbf), or remove it ("off")."""
+    _check_host(host)
+    ends = [(ns(host), HOST_IF), (ns("sw"), f"v{host}"[:15])]
+    for space, dev in ends:
+        _sh("tc", "-n", space, "qdisc", "del", "dev", dev, "root", check=False)
+        if rate != "off":
+            _sh("tc", "-n", space, "qdisc", "add", "dev", dev, "root", "tbf", "rate", rate,
+                "burst", "32kbit", "latency", "400ms")
+
+
+def fail_diagnostics(host: str, heal: bool = False) -> None:
+    """The host's self-check diagnostics fail from now on (or pass again with heal)."""
+    from myria.resilience.checks.hooks import HOST_FAULT_FILE
+
+    cmd = ["rm", "-f", HOST_FAULT_FILE] if heal else \
+        ["sh", "-c", f"echo {DIAG_FAULT_SPEC} > {HOST_FAULT_FILE}"]
+    p = exec_on(host, cmd, capture=True)
+    if p.returncode != 0:
+        raise ClusterError(f"fail-diagnostics {host}: {p.stderr.strip()}")
+
+
+def _check_host(host: str) -> None:
+    if host not in hosts():
+        raise ClusterError(f"no host {host!r} in the emulated cluster; hosts: "
+                           f"{', '.join(hosts()) or 'none (not up)'}")
+
+
+def _ns_pids(name: str) -> list[int]:
+    if name not in _netns_list():
+        return []
+    out = _sh("ip", "netns", "pids", name, check=False).stdout.split()
+    return [int(x) for x in out if x.isdigit()]
+
+
+# -- down ------------------------------------------------------------------------------------
+def down(quiet: bool = False) -> list[str]:
+    """Stop every process of the cluster (by pid: each namespace's processes, then the
+    recorded daemons), delete every namespace; safe to call any time, twice included."""
+    s = read_state()
+    spaces = [x for x in _netns_list() if x.startswith(PREFIX)]
+    spaces = list(dict.fromkeys([*s.get("namespaces", []), *spaces]))
+    pids = [p for name in spaces for p in _ns_pids(name)]
+    pids += [p for p in [s.get("slurmctld"), *s.get("slurmd", {}).values(), s.get("munged")]
+             if p]
+    try:  # munged's own record of its pid (only if it is our munged)
+        pid = int((state_dir() / "munge" / "munged.pid").read_text().split()[0])
+        if str(state_dir() / "munge") in Path(f"/proc/{pid}/cmdline").read_text():
+            pids.append(pid)
+    except (OSError, ValueError, IndexError):
+        pass
+    for p in pids:
+        try:
+            os.kill(p, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+    end = time.time() + 15
+    while time.time() < end and any(_alive(p) for p in pids):
+        time.sleep(0.1)
+    left = [p for p in pids if _alive(p)]
+    for name in spaces:
+        _sh("ip", "netns", "del", name, check=False)
+        shutil.rmtree(Path("/etc/netns") / name, ignore_errors=True)
+    if s:
+        s.update(namespaces=[], slurmd={}, slurmctld=0, munged=0, hosts=[])
+        _write_state(s)
+    if left:
+        raise ClusterError(f"down: process(es) {left} did not end after SIGKILL")
+    if not quiet:
+        print(f"myria cluster: down ({len(spaces)} namespace(s), {len(set(pids))} "
+              "process(es) stopped)")
+    return spaces
+
+
+# -- the CLI ---------------------------------------------------------------------------------
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    sub = p.add_subparsers(dest="action", required=True)
+    u = sub.add_parser("up", help="bring up N hosts under Slurm (idempotent)")
+    u.add_argument("n", type=int, help="number of hosts")
+    sub.add_parser("down", help="stop every process and delete every namespace")
+    sub.add_parser("status", help="the hosts, their daemons and Slurm's view (sinfo)")
+    e = sub.add_parser("exec", help="run a command on a host (or the login node)")
+    e.add_argument("host")
+    e.add_argument("cmd", nargs=argparse.REMAINDER)
+    for name, help_ in (("kill-host", "kill every process of a host"),
+                        ("partition", "cut a host's link at the switch"),
+                        ("heal", "restore a host's link"),
+                        ("fail-diagnostics", "make a host's self-check diagnostics fail")):
+        q = sub.add_parser(name, help=help_)
+        q.add_argument("host")
+        if name == "fail-diagnostics":
+            q.add_argument("--heal", action="store_true", help="pass them again")
+    s = sub.add_parser("slow-link", help="limit a host's link (tc tbf), e.g. 1mbit; off")
+    s.add_argument("host")
+    s.add_argument("rate")
+    p.epilog = ("State in $MYRIA_CLUSTER_DIR (default /tmp/myria-cluster); root only. "
+                "Slurm commands run on the login node: `myria cluster exec login sinfo`.")
+
+
+def run(args) -> int:
+    a = args.action
+    _require()
+    if a == "up":
+        up(args.n)
+    elif a == "down":
+        down()
+    elif a == "status":
+        s = read_state()
+        if not s.get("hosts"):
+            print("myria cluster: down")
+            return 0
+        for h in [LOGIN, *s["hosts"]]:
+            pid = s["slurmctld"] if h == LOGIN else s["slurmd"].get(h)
+            print(f"{h:<8} {'alive' if pid and _alive(pid) else 'DOWN'} "
+                  f"({'slurmctld' if h == LOGIN else 'slurmd'} pid {pid})")
+        print(exec_on(LOGIN, ["sinfo"], capture=True).stdout.rstrip())
+    elif a == "exec":
+        cmd = args.cmd[1:] if args.cmd[:1] == ["--"] else args.cmd
+        if not cmd:
+            raise ClusterError("exec HOST CMD...: no command given")
+        return exec_on(args.host, cmd).returncode
+    elif a == "kill-host":
+        print(f"myria cluster: killed {len(kill_host(args.host))} process(es) of {args.host}")
+    elif a in ("partition", "heal"):
+        partition(args.host, heal=a == "heal")
+    elif a == "slow-link":
+        slow_link(args.host, args.rate)
+    elif a == "fail-diagnostics":
+        fail_diagnostics(args.host, heal=args.heal)
+    return 0
+

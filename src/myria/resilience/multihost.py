@@ -1,0 +1,259 @@
+"""What the supervisor adds when a job spans several hosts (one `myria supervise` per host).
+
+- One summary of the job: each host's supervisor writes its own part to
+  RUN_DIR/supervisor/HOST.json, then (under an exclusive lock on the shared run directory)
+  merges every part of the same job into RUN_DIR/supervisor_summary.json: the job's status
+  (succeeded only if every host did), every host's faults (each naming its host), the placement
+  (host -> ranks) and each host's whole part under `hosts`. The last host to finish writes the
+  complete file; no host's file is ever written over another's.
+- Who is being waited for: after a fault the survivors' agents wait in the rendezvous for the
+  hosts of the previous round; `RendezvousWait` says every few seconds which hosts have not
+  rejoined, since when, and when the rendezvous gives up (its join timeout), reading the
+  rendezvous state with a client of its own (never the agent's store connection).
+"""
+
+from __future__ import annotations
+
+import base64
+import datetime
+import json
+import logging
+import pickle
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from myria import rundir
+from myria.fsutil import atomic_write
+
+PARTS_DIR = "supervisor"
+WAIT_REPORT_S = 10.0   # how often a wait for hosts is reported
+SPARE_UNUSED = "spare-unused"   # the status of a spare host the job ended without
+EXCLUDED = "excluded"           # a host the job went on and ended without
+
+
+def _hms(t: float) -> str:
+    return time.strftime("%H:%M:%S", time.localtime(t))
+
+
+# -- one summary of the job --------------------------------------------------------------------
+def write_part_and_merge(run_dir: Path, part: dict[str, Any]) -> Path:
+    """Write this host's part of the summary, merge every part of its job into the summary."""
+    import fcntl
+
+    d = Path(run_dir) / PARTS_DIR
+    d.mkdir(parents=True, exist_ok=True)
+    atomic_write(d / f"{part['host']}.json", json.dumps(part, indent=1))
+    fd = open(d / ".merge.lock", "a+")
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        merged = merge(read_parts(run_dir, part["job"]), part["host"])
+        path = Path(run_dir) / rundir.SUPERVISOR_SUMMARY
+        atomic_write(path, json.dumps(merged, indent=1))
+    finally:
+        fd.close()
+    return path
+
+
+def read_parts(run_dir: Path, job: str) -> dict[str, dict]:
+    """host -> its supervisor's part of the summary, for the parts of job `job`."""
+    out = {}
+    for p in sorted((Path(run_dir) / PARTS_DIR).glob("*.json")):
+        try:
+            s = json.loads(p.read_text())
+        except (OSError, ValueError):
+            continue
+        if s.get("job") == job:
+            out[s.get("host", p.stem)] = s
+    return out
+
+
+def merge(parts: dict[str, dict], writer: str) -> dict[str, Any]:
+    """The job's summary from its hosts' parts: the writer's part at the top level (the fields
+    a one-host summary has), with the job-wide fields over it."""
+    top = dict(parts[writer])
+    statuses = {h: p.get("status") for h, p in parts.items()}
+    # the job succeeded when a host of its last round trained to the end: hosts it went on
+    # without (lost, cut off, drained, spares) keep their own status under host_status
+    done = [p for p in parts.values() if p.get("status") == "succeeded" and
+            p.get("final_step", 0) >= p.get("target_steps", 0)]
+    bad = [s for s in statuses.values() if s not in ("succeeded", SPARE_UNUSED, EXCLUDED)]
+    top["status"] = "succeeded" if done else bad[0] if bad else "failed"
+    top["final_step"] = max(p.get("final_step", 0) for p in parts.values())
+    top["restarts"] = max(p.get("restarts", 0) for p in parts.values())
+    top["faults"] = sorted((dict(f, host=h) for h, p in parts.items()
+                            for f in p.get("faults", [])), key=lambda f: f.get("fault_at", 0))
+    top["blocklist"] = sorted({b for p in parts.values() for b in p.get("blocklist", [])})
+    top["placement"] = {h: p.get("ranks", []) for h, p in sorted(parts.items())}
+    top["host_status"] = statuses
+    top["hosts"] = parts
+    top["written_by"] = writer
+    return top
+
+
+def moved_on_without(run_dir: Path, job: str, host: str) -> str:
+    """Why job `job` went on without `host` (a newer round recorded in the run directory's
+    fence without it: the host was cut off), or ""."""
+    try:
+        f = json.loads((Path(run_dir) / rundir.FENCE).read_text())
+    except (OSError, ValueError):
+        return ""
+    if f.get("job") != job or host in f.get("hosts", []) or not f.get("generation"):
+        return ""
+    return (f"the job went on without this host (round {f['generation']} on "
+            f"{', '.join(f.get('hosts', []))} since {_hms(f.get('time', 0))}); its workers "
+            "were fenced off the run directory")
+
+
+# -- the rendezvous wait -----------------------------------------------------------------------
+def members(agent) -> list[str]:
+    """The hosts of the agent's current rendezvous round (torch's c10d dynamic rendezvous)."""
+    try:
+        state = agent._rdzv_handler._state_holder.state
+        return sorted({n.addr for n in state.participants})
+    except AttributeError:
+        return []
+
+
+def _read_state(store, run_id: str):
+    key = "torch.rendezvous." + run_id
+    if not store.check([key]):
+        return None
+    raw = store.get(key)
+    try:
+        return pickle.loads(base64.b64decode(raw))
+    except Exception:
+        return None
+
+
+class RendezvousWait(threading.Thread):
+    """Logs, every WAIT_REPORT_S until stopped, which hosts of the previous round have not
+    rejoined the rendezvous, since when and until when it waits for them."""
+
+    def __init__(self, log: logging.Logger, endpoint: str, run_id: str, host: str,
+                 expected: list[str], since: float, join_timeout_s: float,
+                 min_nodes: int) -> None:
+        super().__init__(daemon=True, name="myria-rdzv-wait")
+        self.log, self.endpoint, self.run_id, self.host = log, endpoint, run_id, host
+        self.spare_said = False
+        self.expected, self.since = expected, since
+        self.started_wait = time.time()
+        self.until = self.started_wait + join_timeout_s
+        self.timeout_s, self.min_nodes = join_timeout_s, min_nodes
+        self.stop_event = threading.Event()
+        self.missing: list[str] = []
+
+    def stop(self) -> None:
+        self.stop_event.set()
+
+    def _store(self):
+        import torch.distributed as dist
+
+        host, _, port = self.endpoint.rpartition(":")
+        return dist.TCPStore(host, int(port), is_master=False, wait_for_workers=False,
+                             timeout=datetime.timedelta(seconds=5))
+
+    def run(self) -> None:
+        store = None
+        while not self.stop_event.wait(min(WAIT_REPORT_S, 3.0) if store is None
+                                       else WAIT_REPORT_S):
+            joined: list[str] | None = None
+            spare = False
+            try:
+                store = store or self._store()
+                state = _read_state(store, self.run_id)
+                if state is not None:
+                    joined = sorted({n.addr for n in (*state.participants, *state.wait_list)})
+                    spare = state.complete and self.host in \
+                        {n.addr for n in state.redundancy_list}
+            except Exception as e:  # the rendezvous host itself may be the one lost
+                store = None
+                self.log.warning("WAITING for the rendezvous at %s since %s: unreachable (%s); "
+                                 "gives up at %s (training.init_timeout_s %g s)", self.endpoint,
+                                 _hms(self.since), str(e).splitlines()[0][:120],
+                                 _hms(self.until), self.timeout_s)
+                continue
+            if self.stop_event.is_set():
+                break
+            if joined is None:
+                continue
+            if spare:
+                if not self.spare_said:
+                    self.spare_said = True
+                    self.log.info("SPARE: %s waits in the rendezvous as a spare host: the round "
+                                  "is complete with %s; it steps in when a host is lost",
+                                  self.host, ", ".join(sorted(n.addr for n in
+                                                              state.participants)))
+                continue
+            self.missing = [h for h in self.expected if h not in joined]
+            if not self.expected and len(joined) < self.min_nodes:
+                self.log.warning("WAITING for %d more host(s) to join the rendezvous since %s "
+                                 "(%d of %d: %s); it gives up at %s (training.init_timeout_s "
+                                 "%g s)", self.min_nodes - len(joined), _hms(self.since),
+                                 len(joined), self.min_nodes, ", ".join(joined) or "none",
+                                 _hms(self.until), self.timeout_s)
+            elif self.missing:
+                self.log.warning(
+                    "WAITING for host(s) %s to rejoin (in the previous round, silent since %s); "
+                    "%d of %d host(s) needed have joined (%s); the rendezvous gives up at %s "
+                    "(training.init_timeout_s %g s) unless a spare host joins",
+                    ", ".join(self.missing), _hms(self.since), len(joined), self.min_nodes,
+                    ", ".join(joined) or "none", _hms(self.until), self.timeout_s)
+
+
+# -- a host's link ------------------------------------------------------------------------------
+LINK_PROBE_BYTES = 128 * 1024
+LINK_SLOW_FRACTION = 0.25   # below this share of its own earlier bandwidth: a degraded link
+LINK_SLOW_PROBES = 3        # in a row, so one slow probe on a loaded host is not a verdict
+
+
+class LinkProbe:
+    """This host's link to the rendezvous host, measured by the supervisor: a LINK_PROBE_BYTES
+    value written to and read back from the rendezvous store (both directions of the NIC),
+    every call. A link whose bandwidth falls below LINK_SLOW_FRACTION of its own median over
+    the first probes, LINK_SLOW_PROBES times in a row, is degraded (a slow NIC, a bad cable,
+    a throttled port): `probe()` returns the verdict once. The rendezvous host's own probe
+    does not cross its NIC and is not taken."""
+
+    def __init__(self, endpoint: str, job: str, host: str) -> None:
+        self.endpoint, self.key = endpoint, f"myria/link/{job}/{host}"
+        self.history: list[float] = []
+        self.slow_in_row = 0
+        self.reported = False
+        self.store = None
+        self.payload = b"\0" * LINK_PROBE_BYTES
+
+    def probe(self) -> str:
+        import socket as _socket
+
+        host, _, port = self.endpoint.rpartition(":")
+        try:
+            if self.store is None:
+                import torch.distributed as dist
+
+                if host in ("127.0.0.1", "localhost") or host in \
+                        {a[4][0] for a in _socket.getaddrinfo(_socket.gethostname(), None)}:
+                    return ""   # the rendezvous host itself
+                self.store = dist.TCPStore(host, int(port), is_master=False,
+                                           wait_for_workers=False,
+                                           timeout=datetime.timedelta(seconds=10))
+            t = time.perf_counter()
+            self.store.set(self.key, self.payload)
+            self.store.get(self.key)
+            mbs = 2 * LINK_PROBE_BYTES / (time.perf_counter() - t) / 1e6
+        except Exception:
+            self.store = None
+            return ""
+        self.history.append(mbs)
+        base = sorted(self.history[:3])[len(self.history[:3]) // 2]
+        if len(self.history) <= 3 or self.reported:
+            return ""
+        self.slow_in_row = self.slow_in_row + 1 if mbs < LINK_SLOW_FRACTION * base else 0
+        if self.slow_in_row < LINK_SLOW_PROBES:
+            return ""
+        self.reported = True
+        recent = self.history[-LINK_SLOW_PROBES:]
+        return (f"{sum(recent) / len(recent):.2f} MB/s to the rendezvous host over the last "
+                f"{LINK_SLOW_PROBES} probes, {sum(recent) / len(recent) / base:.0%} of its "
+                f"earlier {base:.1f} MB/s")

@@ -1,0 +1,168 @@
+"""myria across hosts on the emulated cluster (`myria cluster`: network-namespace hosts under a
+real Slurm), launched the way a user does it: `sbatch` of the shipped scripts/myria.sbatch.
+
+One case per behaviour: 2 hosts x 2 processes train bit-equal to the same 4 ranks on one host
+(and `myria report` shows both hosts); a lost host is replaced by the allocation's spare node
+and the run ends bit-equal to a clean one; a partition is detected as a hang, the cut-off host's
+workers are fenced off and the run ends bit-equal. Root and Debian's slurm/munge packages are needed
+(`make cluster-packages`); without them the module skips in one line. Every test takes the
+emulated cluster down on its way out, failures included, and checks nothing of it is left.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from myria import cluster
+from tests.conftest import ROOT, TINY, assert_bit_equal, run_cli
+
+pytestmark = [pytest.mark.slow,
+              pytest.mark.skipif(bool(cluster.missing()),
+                                 reason=f"emulated cluster: {cluster.missing()}")]
+
+STEPS = 12
+ARGS = [*TINY, f"--training.steps={STEPS}", "--checkpoint.interval=4",
+        "--training.eval_interval=0", "--training.init_timeout_s=60",
+        "--resilience.diagnose=false", "--resilience.hang_timeout_s=10"]
+SCRIPT = ROOT / "scripts" / "myria.sbatch"
+JOB_ENV = {"MYRIA": f"{sys.executable} -m myria", "OMP_NUM_THREADS": "1"}
+
+
+def _nothing_left() -> None:
+    assert not [n for n in cluster._netns_list() if n.startswith(cluster.PREFIX)]
+    ours = subprocess.run(["pgrep", "-f", str(cluster.state_dir())], capture_output=True,
+                          text=True).stdout.split()
+    assert not ours, f"processes of the emulated cluster left running: {ours}"
+
+
+@pytest.fixture
+def hosts3():
+    """Three emulated hosts (h0, h1, h2) under Slurm, taken down after the test."""
+    try:
+        cluster.up(3, quiet=True)
+        yield cluster
+    finally:
+        cluster.down(quiet=True)
+        _nothing_left()
+
+
+@pytest.fixture(scope="module")
+def one_host(tiny_data, tmp_path_factory) -> Path:
+    """The reference: the same 4 ranks on this one host, one thread each."""
+    out = tmp_path_factory.mktemp("cluster") / "one-host"
+    run_cli("supervise", "--run-dir", str(out), "--nproc", "4", f"--data.path={tiny_data}",
+            *ARGS, env={"OMP_NUM_THREADS": "1"}, timeout=600)
+    return out
+
+
+def _submit(run_dir: Path, data: Path, nodes: int, **env) -> int:
+    return cluster.sbatch(SCRIPT, nodes, ["--run-dir", str(run_dir), "--nproc", "2",
+                                          f"--data.path={data}", *ARGS],
+                          run_dir.parent / f"{run_dir.name}.out", {**JOB_ENV, **env})
+
+
+def _wait_step(run_dir: Path, step: int, timeout: float = 300, checkpoint: bool = True) -> None:
+    end = time.time() + timeout
+    while time.time() < end:
+        p = run_dir / "metrics.jsonl"
+        rows = [json.loads(x) for x in p.read_text().splitlines()] if p.exists() else []
+        if any(r.get("step", 0) >= step and "loss" in r for r in rows) and \
+                (not checkpoint or (run_dir / "checkpoints" / "step_00000004").is_dir()):
+            return
+        time.sleep(0.5)
+    raise AssertionError(f"step {step} not reached in {timeout} s")
+
+
+def _out(run_dir: Path) -> str:
+    p = run_dir.parent / f"{run_dir.name}.out"
+    return p.read_text(errors="replace") if p.exists() else ""
+
+
+def test_two_hosts_bit_equal_to_one_host(hosts3, tiny_data, one_host, tmp_path):
+    run = tmp_path / "two-hosts"
+    job = _submit(run, tiny_data, 2)
+    end = time.time() + 120   # the job's supervisors own the run directory ...
+    while time.time() < end and "slurm-" not in ((run / "run.lock").read_text()
+                                                 if (run / "run.lock").exists() else ""):
+        time.sleep(0.2)
+    # ... and a second job on it from another host is refused, in one line
+    other = cluster.exec_on("h2", [sys.executable, "-m", "myria", "supervise", "--run-dir",
+                                   str(run), "--nproc", "2", f"--data.path={tiny_data}", *ARGS],
+                            capture=True, timeout=120)
+    assert other.returncode == 2 and "is in use by" in other.stderr, other.stderr[-2000:]
+    assert "Traceback" not in other.stderr
+    assert cluster.wait_job(job, 600) == "COMPLETED", _out(run)[-4000:]
+    assert_bit_equal(run, one_host, STEPS)
+    s = json.loads((run / "supervisor_summary.json").read_text())
+    assert s["status"] == "succeeded" and s["job"] == f"slurm-{job}"
+    assert s["placement"] == {"h0": [0, 1], "h1": [2, 3]}      # both hosts' parts, merged
+    assert set(s["hosts"]) == {"h0", "h1"}
+    log = (run / "supervisor.log").read_text()
+    assert "myria-supervisor[h0]" in log and "myria-supervisor[h1]" in log
+    rep = run_cli("report", str(run), "--no-prediction").stdout
+    assert "hosts: h0 ranks [0, 1]; h1 ranks [2, 3]" in rep
+
+
+def test_lost_host_replaced_by_spare(hosts3, tiny_data, one_host, tmp_path):
+    """3 nodes for a 2-host job: one waits as the spare. A host of the job (not the first,
+    which serves the rendezvous) is killed outright: the survivor detects it, the spare takes
+    its place, training resumes from the newest checkpoint and ends bit-equal."""
+    run = tmp_path / "lost-host"
+    job = _submit(run, tiny_data, 3, MYRIA_NNODES="2")
+    _wait_step(run, 6)
+    log = (run / "supervisor.log").read_text()
+    line = next(x for x in log.splitlines() if "hosts in this round:" in x)
+    members = line.split("hosts in this round: ")[1].split(", ")
+    assert len(members) == 2 and members[0] == "h0", line
+    lost = members[1]
+    spare = ({"h1", "h2"} - {lost}).pop()
+    assert f"SPARE: {spare} waits" in log
+    newest = max(p.name for p in (run / "checkpoints").iterdir() if p.name.startswith("step_"))
+    cluster.kill_host(lost)
+    assert cluster.wait_job(job, 600) == "COMPLETED", _out(run)[-4000:]
+    assert_bit_equal(run, one_host, STEPS)
+    s = json.loads((run / "supervisor_summary.json").read_text())
+    assert s["status"] == "succeeded", s["host_status"]
+    assert s["placement"] == {"h0": [0, 1], spare: [2, 3]}
+    f = s["faults"][0]
+    assert f["host"] == "h0" and f["kind"] == "exit"
+    assert f["resumed_from"] >= int(newest.split("_")[1])   # nothing committed lost
+    assert os.path.exists(run / "checkpoints" / f"step_{STEPS:08d}")
+
+
+def test_partition_detected_as_hang_and_fenced(hosts3, tiny_data, one_host, tmp_path):
+    """A host of the job cut off at the switch for longer than the hang timeout, then healed:
+    the first host detects a hang (with its ranks' stacks), goes on with the spare, and the
+    cut-off host's workers are fenced off (exit 75) without writing; the run ends bit-equal."""
+    run = tmp_path / "partition"
+    job = _submit(run, tiny_data, 3, MYRIA_NNODES="2")
+    _wait_step(run, 6)
+    log = (run / "supervisor.log").read_text()
+    cut = next(x for x in log.splitlines() if "hosts in this round:" in x) \
+        .split("hosts in this round: ")[1].split(", ")[1]
+    cluster.partition(cut)
+    end = time.time() + 120
+    while time.time() < end and "round 1 of the rendezvous" not in \
+            (run / "supervisor.log").read_text():
+        time.sleep(0.5)
+    time.sleep(3)
+    cluster.partition(cut, heal=True)
+    assert cluster.wait_job(job, 600) in ("COMPLETED", "FAILED"), _out(run)[-4000:]
+    assert_bit_equal(run, one_host, STEPS)
+    s = json.loads((run / "supervisor_summary.json").read_text())
+    assert s["status"] == "succeeded", s["host_status"]
+    f = next(f for f in s["faults"] if f["host"] == "h0")
+    assert f["kind"] in ("hang", "traffic-stopped") and "hang report" in f["action"], f
+    assert json.loads((run / "report" / "hang.json").read_text())
+    fence = json.loads((run / "fence.json").read_text())
+    assert fence["generation"] >= 1 and cut not in fence["hosts"]
+    fenced = [p for p in (run / "logs").rglob("stderr.log")
+              if f"on {cut}: fenced" in p.read_text(errors="replace")]
+    assert len(fenced) == 2   # both of the cut-off host's workers stopped on the fence
