@@ -211,3 +211,23 @@ def test_plan_marks_priced_not_runnable_layouts_and_never_puts_one_first(capsys)
     assert main(args) == 0
     out = capsys.readouterr().out
     assert "2=†" in out and "1=†" not in out and "† #2: priced, not runnable by myria" in out
+
+
+def test_simulate_a_training_config_names_every_cost(monkeypatch, capsys):
+    """`myria simulate configs/demo.toml` on this CPU: the table's largest costs include the
+    measured host time when it is large (here the profile says 50 ms per block)."""
+    import dataclasses
+
+    from myria import device
+    from myria.measure import cpu
+
+    from .test_cpu import HERE, synthetic_profile
+
+    prof = synthetic_profile(nproc=1)
+    prof = dataclasses.replace(prof, gloo=(), rates=tuple(sorted(
+        prof.rates + ((("host", "block"), 0.05), (("host", "head"), 0.05)))))
+    monkeypatch.setattr(device, "planning_device", lambda dtype: HERE)
+    monkeypatch.setattr(cpu, "measured_profile", lambda *a, **k: prof)
+    assert main(["simulate", "configs/demo.toml"]) == 0
+    out = capsys.readouterr().out
+    assert "host (Python, launches)" in out and "demo" in out
