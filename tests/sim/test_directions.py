@@ -182,7 +182,8 @@ def test_sharded_data_parallel_memory_and_time_agree(llama):
     """Without a pipeline ZeRO-2's sharded gradients cost a reduce-scatter per microbatch;
     ZeRO-1 keeps whole gradients and reduces once per step: more memory, less traffic. Under a
     pipeline (torch.distributed.pipelining) ZeRO-2 also reduces once per step, after each
-    stage's last backward, and keeps whole gradients until then."""
+    stage's last backward, and keeps whole gradients until then: the same bytes, in FSDP's
+    units (one collective per block, each with its latency) instead of Megatron's one bucket."""
     base = llama.replace(overlap={"dp": False}, parallel={"pp": 1, "vpp": 1,
                                                           "schedule": "1f1b"})
     z1, z2 = base.replace(training={"zero_stage": 1}), base.replace(training={"zero_stage": 2})
@@ -195,7 +196,7 @@ def test_sharded_data_parallel_memory_and_time_agree(llama):
     assert 0.2 < t(z2) / t(z1) - 1 < 3.0
     piped = base.replace(parallel={"pp": 4})
     p1, p2 = piped.replace(training={"zero_stage": 1}), piped.replace(training={"zero_stage": 2})
-    assert dp_time(p2) == pytest.approx(dp_time(p1), rel=1e-9) and mem(p2) >= mem(p1)
+    assert dp_time(p1) < dp_time(p2) < 1.05 * dp_time(p1) and mem(p2) >= mem(p1)
 
 
 def test_fsdp_without_resharding_trades_memory_for_traffic(llama):

@@ -54,6 +54,17 @@ ALPHA_BASE_S = 8e-6       # launch + synchronisation of one collective
 ALPHA_INTRA_S = 1.0e-6    # one step (hop) over NVLink
 ALPHA_INTER_S = 5.0e-6    # one step (hop) across the network
 
+# Streaming multiprocessors per device (NVIDIA's datasheets) and the thread blocks a NCCL
+# collective keeps resident on them while it runs: one per channel, and NCCL opens two channels
+# per NIC on an 8-NIC server (16; NCCL_MIN/MAX_NCHANNELS unset). Overlapped compute runs on the
+# remaining SMs (perf.overlap_interference).
+SM_COUNT = {"a100-sxm-80gb": 108, "a100-sxm-40gb": 108, "h100-sxm-80gb": 132, "h200": 132,
+            "h800-sxm-80gb": 132}
+NCCL_CHANNELS = 16
+# HBM bytes a reduce-scatter or all-gather step moves per byte on the wire: the send buffer
+# read, the received chunk written, and the reduction's read of the local chunk.
+NCCL_HBM_BYTES_PER_WIRE_BYTE = 3.0
+
 # Measured ceiling of a large bf16 matmul as a fraction of the datasheet peak, per device: the
 # "maximum achievable matmul FLOPS" of S. Bekman's ml-engineering handbook (mamf-finder, CUDA
 # 12.1): A100 SXM 267.9 of 312 TFLOP/s (85.9%), H100 SXM 792.1 of 989 (80.1%). E_GEMM is fitted
