@@ -376,22 +376,23 @@ def _model_flops(shape: LayerShape) -> tuple:
             forward_flops_per_token(cfg, "dense"), forward_flops_per_token(cfg, "causal"))
 
 
-def efficiency_for(hw: Hardware) -> Efficiency:
+def efficiency_for(hw: Hardware, flash_version: str = "auto") -> Efficiency:
     """Calibrated efficiencies for datasheet devices; 1 for devices whose peaks are measured;
     a measured CPU profile's rates, bandwidth and kernel overhead when there is one."""
     if hw.cpu is not None:   # measured rates, bandwidth already achieved (E_MEM = 1)
         return Efficiency(gemm=1.0, half_dim=0.0, mem=1.0, mem_eager=(),
                           kernel_overhead_s=hw.cpu.kernel_overhead_s, rates=hw.cpu.rates)
-    return MEASURED_EFFICIENCY if hw.measured else _device_efficiency(hw.device)
+    return MEASURED_EFFICIENCY if hw.measured else _device_efficiency(hw.device, flash_version)
 
 
 @lru_cache(maxsize=16)
-def _device_efficiency(device: str) -> Efficiency:
+def _device_efficiency(device: str, flash_version: str = "auto") -> Efficiency:
     """The calibrated efficiencies, E_GEMM scaled by the device's matmul ceiling, and the
-    device's FlashAttention rates from the kernels' microbenchmarks (hardware.FLASH_ATTENTION)."""
-    from myria.sim.hardware import FLASH_ATTENTION, FLASH_GENERATION, gemm_ceiling_ratio
+    FlashAttention rates of the run's kernel on the device from the kernels' microbenchmarks
+    (hardware.flash_rates)."""
+    from myria.sim.hardware import flash_rates, gemm_ceiling_ratio
 
-    fa = FLASH_ATTENTION.get(FLASH_GENERATION.get(device, ""))
+    fa = flash_rates(device, flash_version)
     return dataclasses.replace(DEFAULT_EFFICIENCY,
                                gemm=DEFAULT_EFFICIENCY.gemm * gemm_ceiling_ratio(device),
                                flash=fa[:2] if fa else (), flash_half_seq=fa[2:] if fa else ())
@@ -433,7 +434,7 @@ def simulate(run: RunSpec, hw: Hardware | None = None, eff: Efficiency | None = 
              detail: bool = False) -> StepResult:
     """Predict one iteration of `run`."""
     hw = hw or build_hardware(run.cluster, run.training.precision)
-    eff = eff or efficiency_for(hw)
+    eff = eff or efficiency_for(hw, run.kernels.flash_version)
     par, tr, ov = run.parallel, run.training, run.overlap
     cfg = run.model_config()
     shape = run_shape(run)
@@ -527,7 +528,7 @@ def simulate(run: RunSpec, hw: Hardware | None = None, eff: Efficiency | None = 
             for c, val in src.items():
                 cats[c] = cats.get(c, 0.0) + mult * val
         cats["recompute"] = nl * recompute
-        z3 = 0.0
+        z3 = z3_hidden = 0.0
         if tr.zero_stage >= 3 and dp * cp > 1 and eager:
             z3 = _fsdp2_microbatch(shape, nl, first, last, pp, ep, w_b, groups, mem_rate,
                                    hw.cpu)
@@ -540,10 +541,14 @@ def simulate(run: RunSpec, hw: Hardware | None = None, eff: Efficiency | None = 
             rs = Buckets() if deferred else f_rs
             ag = f_ag if tr.zero_stage >= 3 and tr.reshard_after_forward else Buckets()
             bwd = rs + ag
-            z3 = (_cost(ag.total, _overlap(ag, F), k_dp) + _cost(bwd.total, _overlap(bwd, B),
-                                                                  k_dp)) if ov.dp \
-                else ag.total + bwd.total
+            if ov.dp:
+                e_f, e_b = _overlap(ag, F), _overlap(bwd, B)
+                z3 = _cost(ag.total, e_f, k_dp) + _cost(bwd.total, e_b, k_dp)
+                z3_hidden = ag.total - e_f + bwd.total - e_b
+            else:
+                z3 = ag.total + bwd.total
         cats["dp_zero3"] = z3
+        cats["dp_hidden"] = z3_hidden
         C = F + B + z3
         if eager and m > 1:
             # autograd adds each later microbatch's gradients into .grad: read two, write one
@@ -582,18 +587,24 @@ def simulate(run: RunSpec, hw: Hardware | None = None, eff: Efficiency | None = 
 
     # data-parallel communication after (or overlapped with) the pipeline
     F0, B0 = stages[kinds[0][0]]["F"], stages[kinds[0][0]]["B"]
+    hidden = [m * stages[crit]["cats"]["dp_hidden"]]   # seconds of hidden DP communication
+
+    def step_cost(t: float, exposed: float, k: float) -> float:
+        hidden.append(max(0.0, t - exposed))
+        return _cost(t, exposed, k)
+
     if dp * cp <= 1 and ep <= 1:
         t_dp = 0.0
     elif tr.zero_stage == 0:
-        t_dp = _cost(b_ar.total, _grad_reduce_exposed(b_ar, B0, pp, v), k_dp) if ov.dp \
+        t_dp = step_cost(b_ar.total, _grad_reduce_exposed(b_ar, B0, pp, v), k_dp) if ov.dp \
             else t_grad
     elif tr.zero_stage == 1 or (tr.zero_stage == 2 and eager):
         # whole gradients accumulate over the microbatches: one reduce-scatter per step, then
         # the updated shards are all-gathered (myria's eager "zero2" is FSDP2 without
         # resharding after forward under no_sync: gradients accumulate whole, as here)
         if ov.dp:
-            t_dp = _cost(b_rs.total, _grad_reduce_exposed(b_rs, B0, pp, v), k_dp) + \
-                _cost(b_ag.total, _grad_reduce_exposed(b_ag, F0, pp, v), k_dp)
+            t_dp = step_cost(b_rs.total, _grad_reduce_exposed(b_rs, B0, pp, v), k_dp) + \
+                step_cost(b_ag.total, _grad_reduce_exposed(b_ag, F0, pp, v), k_dp)
         else:
             t_dp = t_rs + t_ag
     elif tr.zero_stage == 2 or (tr.zero_stage >= 3 and not tr.reshard_after_forward
@@ -601,7 +612,7 @@ def simulate(run: RunSpec, hw: Hardware | None = None, eff: Efficiency | None = 
         # gradients were reduce-scattered per microbatch (above); the updated parameter shards
         # are all-gathered once per step, unit by unit, behind the first forward (ZeRO-2,
         # FSDP without resharding)
-        t_dp = _cost(f_ag.total, _grad_reduce_exposed(f_ag, F0, pp, v), k_dp) if ov.dp \
+        t_dp = step_cost(f_ag.total, _grad_reduce_exposed(f_ag, F0, pp, v), k_dp) if ov.dp \
             else f_ag.total
     elif eager and _fsdp_context(hw.cpu, groups["dp"], pp):
         _, block_rs, _, ends_rs = _fsdp_context(hw.cpu, groups["dp"], pp)
@@ -623,10 +634,10 @@ def simulate(run: RunSpec, hw: Hardware | None = None, eff: Efficiency | None = 
     if deferred and dp * cp > 1:
         # each stage's accumulated gradients, reduce-scattered after its last backward (the
         # interleaved chunks' during the remaining chunks' backward)
-        t_dp += _cost(f_rs.total, _grad_reduce_exposed(f_rs, B0, pp, v), k_dp) if ov.dp \
+        t_dp += step_cost(f_rs.total, _grad_reduce_exposed(f_rs, B0, pp, v), k_dp) if ov.dp \
             else f_rs.total
     if t_rep:  # HSDP: the replicas all-reduce their gradient shards, after the last backward
-        t_dp += _cost(t_rep, max(t_rep / f_rs.n, t_rep - B0), k_dp) if ov.dp else t_rep
+        t_dp += step_cost(t_rep, max(t_rep / f_rs.n, t_rep - B0), k_dp) if ov.dp else t_rep
     if pp > 1 and cfg.tie_embeddings:
         # the tied embedding's gradient is summed between the first and last stage
         emb = cfg.vocab_size * cfg.hidden / tp * g_b
@@ -724,6 +735,9 @@ def simulate(run: RunSpec, hw: Hardware | None = None, eff: Efficiency | None = 
               "offload": tr.offload, "offload_params": tr.offload_params}
     details = {
         "bubble_fraction": bubble / t_pipe if t_pipe else 0.0,
+        "comm_hidden_s": sum(hidden),
+        "compute_s": bd["compute_gemm"] + bd["compute_attention"] + bd["compute_memory_bound"]
+        + bd["recompute"],
         "critical_stage": crit,
         "stage_time_s": {k: s["steady"] for k, s in stages.items()},
         "p2p_time_s": t_p2p,
