@@ -6,9 +6,9 @@ win. Every assumption that can change a layout's rank is a flag whose default is
 stack does by default, and the plan's first lines say each one and the flag that changes it
 (`assumptions`): the attention kernel (--kernels: the newest FlashAttention the device runs,
 fa3 on Hopper, fa2 on Ampere), fused elementwise kernels, which communication overlaps compute
-(--overlap: pipeline sends and data-parallel buckets, as Megatron-Core's overlap_grad_reduce /
-overlap_param_gather and torchtitan's FSDP2 prefetch do; tensor-parallel overlap is opt-in in
-both), the fabric (--topology, --oversubscription, --nic-gbps) and the memory reserve.
+(--overlap: tensor-parallel collectives, pipeline sends and data-parallel buckets, as
+Megatron-Core's pretraining recipes run them; `DEFAULT_OVERLAP`), the fabric (--topology,
+--oversubscription, --nic-gbps) and the memory reserve.
 
 `--show-schedule out.png --pp 4 --vpp 2 --microbatches 8` only draws that schedule; with a model
 it draws the best layout's schedule with the stage times the step model predicts.
@@ -96,7 +96,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--unfused-ops", action="store_true",
                    help="eager elementwise kernels (no fused bias+GELU, norms, softmax)")
     g.add_argument("--overlap", help="overlaps to switch on: tp, pp, dp (comma list) or none "
-                   f"(default: {DEFAULT_OVERLAP}, as Megatron-Core and torchtitan run)")
+                   f"(default: {DEFAULT_OVERLAP}, as Megatron-Core's pretraining recipes run; "
+                   "torchtitan without async TP: pp,dp)")
     g = parser.add_argument_group("search space (comma lists)")
     g.add_argument("--tp", type=_ints)
     g.add_argument("--pp", type=_ints)
@@ -121,12 +122,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--schedule", choices=("gpipe", "1f1b", "interleaved-1f1b", "zero-bubble"))
 
 
-# What overlaps compute when no file says: pipeline sends/receives (Megatron-Core's and
-# torch.distributed.pipelining's schedules post them asynchronously) and data-parallel buckets
-# (Megatron-Core's overlap_grad_reduce / overlap_param_gather as its training recipes set them,
-# torchtitan's FSDP2 prefetch); tensor-parallel overlap (TransformerEngine's userbuffers,
-# torchtitan's async TP) is opt-in in both.
-DEFAULT_OVERLAP = "pp,dp"
+# What overlaps compute when no file says, as Megatron-Core runs large models in NVIDIA's
+# pretraining recipes (NeMo's llama3_405b, gpt3_175b, ...: tp_comm_overlap with
+# TransformerEngine's userbuffers, overlap_grad_reduce, overlap_param_gather, asynchronous
+# pipeline sends): tensor-parallel collectives in chunks behind their GEMMs, pipeline sends,
+# data-parallel buckets. torchtitan overlaps pipeline and FSDP2 traffic by default and
+# tensor-parallel traffic only with async TP switched on: --overlap pp,dp prices that.
+DEFAULT_OVERLAP = "tp,pp,dp"
 
 
 def _base_from_args(args) -> RunSpec:
@@ -230,6 +232,28 @@ def _space(args) -> SearchSpace:
     if args.zero:
         sp.zero_stage = args.zero
     return sp
+
+
+def plan_argv(argv: list[str], top: int | None = None):
+    """(base run, PlanResult) of `myria plan ARGV` exactly as the command prices it (its parser,
+    defaults and search space); `top` overrides --top (the whole ranking: a large number)."""
+    parser = argparse.ArgumentParser(prog="myria plan")
+    add_arguments(parser)
+    args = parser.parse_args(argv)
+    if top is not None:
+        args.top = top
+    base = _base_from_args(args)
+    return base, _plan(base, _space(args), args)
+
+
+def expert_commands() -> list[dict]:
+    """The typed commands of well-known runs and their published degrees
+    (data/expert_commands.toml), each with `argv` as a list."""
+    import tomllib
+
+    path = runspec.calibration_path().with_name("expert_commands.toml")
+    runs = tomllib.loads(path.read_text())["run"]
+    return [{**r, "argv": r["argv"].split()} for r in runs]
 
 
 def _draw_only(args) -> int:
@@ -366,7 +390,7 @@ def assumptions(base: RunSpec) -> list[str]:
     return [
         f"assumed: attention {attn} (--kernels fa3|fa2|unfused), elementwise kernels "
         f"{'fused' if k.fused_ops else 'unfused'} (--unfused-ops); overlap {on} (--overlap; "
-        f"default {DEFAULT_OVERLAP} as Megatron-Core and torchtitan run); data-parallel "
+        f"default {DEFAULT_OVERLAP} as Megatron-Core's recipes run); data-parallel "
         "buckets: Megatron-Core's max(40M, 1M x dp) parameters for ZeRO 0-1, FSDP's units for "
         "ZeRO 2-3",
         f"assumed: {hw.gpus_per_node} GPUs per server (--gpus-per-node), "

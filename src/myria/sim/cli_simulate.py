@@ -23,6 +23,7 @@ BREAKDOWN_LABELS = {
     "cp_comm_exposed": "CP comm", "ep_comm_exposed": "EP all-to-all", "pp_p2p_exposed":
     "PP send/recv", "pp_bubble": "PP bubble", "dp_comm_exposed": "DP comm", "optimizer":
     "optimizer", "offload": "offload", "data_loading": "data loading",
+    "sync_wait": "waiting for the slowest rank",
 }
 
 

@@ -37,6 +37,12 @@ step, offload transfers and data loading. Every overlap has one explicit rule:
   its bytes through HBM too, so the compute that hides it runs slower: on s = channels / SMs of
   the device it takes s / (1 - s) longer, and its memory-bound share loses the HBM bandwidth the
   collective takes. That slowdown, times the hidden time, is booked with the communication.
+Costs that grow with the ranks that synchronise: each collective's latency grows with its ranks
+(ring (n-1) steps, tree log2 of the servers: `collectives`), every bucket pays it
+(`bucketed`), and a synchronous step waits for the slowest of its N ranks: with per-rank compute
+spread by RANK_JITTER, E[max of N normals] x RANK_JITTER x the compute (`sync_wait`: +2.0% of
+the compute at 32 GPUs, +3.4% at 3,072, +3.9% at 16,384 with the 1% prior).
+
 Pipeline time with per-stage time C_s (all chunks of one microbatch) over m microbatches:
 (m - 1) max C + sum_s C_s / v + (1 - 1/v) max C, i.e. m C + (p - 1) C / v for equal stages
 (Narayanan et al. 2021: bubble (p-1)/m for GPipe/1F1B, (p-1)/(v m) interleaved). Zero-bubble
@@ -85,6 +91,11 @@ ADAM_BYTES_PER_PARAM = 38     # read g, p, m, v (fp32), write p, m, v, 16-bit co
 LAMB_EXTRA_BYTES = 16         # second pass: trust-ratio norms and the scaled update
 CPU_ADAM_BYTES_PER_PARAM = 32  # host-side Adam on fp32 p, m, v, g
 REPLAY_MAX_OPS = 20000        # eager pipelines up to this many (m x pp x vpp) are replayed
+# Spread (standard deviation, a share of the compute time) of one rank's step compute against
+# its peers': clock and power management, thermal state and the silicon differ from GPU to
+# GPU. A prior (not fitted): 1%, the order of the spread of identical kernels' times across a
+# cluster's GPUs; the calibration's E_GEMM was refitted with it in place.
+RANK_JITTER = 0.01
 # Slowdown of compute while communication hides behind it, as a share of the hidden time, on a
 # device whose SMs are not known (overlap_interference prices the others). A prior, not fitted.
 OVERLAP_INTERFERENCE = 0.10
@@ -258,6 +269,28 @@ def overlap_interference(hw: Hardware, mem_share: float, grp: coll.Group) -> flo
     hbm = min(0.9, NCCL_HBM_BYTES_PER_WIRE_BYTE * grp.ring_busbw / hw.mem_bw) \
         if grp.n > 1 else 0.0
     return s / (1 - s) + mem_share * hbm / (1 - hbm)
+
+
+def expected_max_normal(n: int) -> float:
+    """E[max] of n independent standard normal variables (Blom's approximation,
+    Phi^-1((n - 0.375) / (n + 0.25)); 0 for one)."""
+    if n <= 1:
+        return 0.0
+    from statistics import NormalDist
+
+    return NormalDist().inv_cdf((n - 0.375) / (n + 0.25))
+
+
+def sync_wait(hw: Hardware, compute_s: float) -> float:
+    """What the slowest of the ranks that synchronise costs a step (module docstring): every
+    rank waits, at each step's data-parallel collective (and each layer's tensor-parallel one,
+    each microbatch's pipeline exchange), for the slowest of all `hw.gpus`; with their compute
+    times spread by RANK_JITTER (a share of `compute_s`, independent between ranks) the step
+    takes RANK_JITTER x E[max of N standard normals] x compute_s longer. 0 on a measured device
+    (the CPU self-check: its few local processes are measured as they run)."""
+    if hw.cpu is not None or hw.measured:
+        return 0.0
+    return RANK_JITTER * expected_max_normal(hw.gpus) * compute_s
 
 
 def _cost(t: float, exposed: float, kappa: float = OVERLAP_INTERFERENCE) -> float:
@@ -670,7 +703,8 @@ def simulate(run: RunSpec, hw: Hardware | None = None, eff: Efficiency | None = 
     if tr.offload == "nvme":
         t_offload = _nvme_time(tr, hw, n_opt, t_opt, m, w_b, m * stages[crit]["C"])
     t_data = tr.data_loading_s
-    total = t_pipe + t_dp + t_opt + t_offload + t_data
+    t_sync = sync_wait(hw, m * (stages[crit]["F"] + stages[crit]["B"]))
+    total = t_pipe + t_dp + t_opt + t_offload + t_data + t_sync
 
     # breakdown: the critical stage's m microbatches, then the rest
     cats = stages[crit]["cats"]
@@ -689,6 +723,7 @@ def simulate(run: RunSpec, hw: Hardware | None = None, eff: Efficiency | None = 
         "optimizer": t_opt,
         "offload": t_offload,
         "data_loading": t_data,
+        "sync_wait": t_sync,
     }
     tokens = tr.global_batch * cfg.seq_len
     mf, df, fw, fc = _model_flops(shape)
