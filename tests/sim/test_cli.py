@@ -131,7 +131,31 @@ BAD_PLAN_FLAGS = [
     ["--topology", "ring"], ["--gpu", "tpu-v9"], ["--zero", "4"], ["--recompute", "some"],
     ["--overlap", "xx"], ["--top", "0"], ["--hidden", "100", "--heads", "7"],
     ["--heads", "32", "--kv-heads", "5"], ["--arch", "rnn"], ["--microbatches", "0"],
+    ["--kernels", "fa4"], ["--kernels", "fa3", "--gpu", "a100-sxm-80gb"],
 ]
+
+
+def test_plan_says_each_assumption_and_each_flag_moves_the_price(capsys):
+    """The header names every assumption that can change a rank with its flag; the defaults
+    are the public stack's (fa3 on Hopper, tp/pp/dp overlap), and each flag reprices."""
+    pinned = [*PLAN, "--tp", "8", "--pp", "2", "--vpp", "1", "--cp", "1", "--mb", "1",
+              "--recompute", "none", "--zero", "1", "--json"]
+
+    def first(*flags):
+        assert main([*pinned, *flags]) == 0
+        data = json.loads(capsys.readouterr().out)
+        return data["assumptions"], data["ranked"][0]["iteration_time_s"]
+
+    said, t = first()
+    assert "attention fa3 (--kernels" in said[0] and "overlap tp,pp,dp (--overlap" in said[0]
+    assert "(--oversubscription)" in said[1]
+    said2, t_fa2 = first("--kernels", "fa2")
+    assert "attention fa2" in said2[0]
+    assert t < t_fa2 < first("--kernels", "unfused")[1]
+    assert t < first("--overlap", "pp,dp")[1]
+    assert main(PLAN) == 0
+    out = capsys.readouterr().out
+    assert out.count("assumed:") == 2
 
 
 @pytest.mark.parametrize("bad", BAD_PLAN_FLAGS, ids=" ".join)

@@ -238,12 +238,16 @@ def test_expert_layouts_fit_without_full_recompute_where_unused():
     assert res.memory.weights == pytest.approx(2 * n) and res.memory.optimizer < 12 * n / 100
 
 
-def _plan_expert(name: str, space: SearchSpace | None = None):
-    r = _experts()[name]
-    res = plan(r, space, top=10 ** 6)
-    p = r.parallel
+def _plan_expert(name: str, extra: tuple = ()):
+    """`myria plan` as typed for a well-known run (data/expert_commands.toml), the whole
+    ranking, and the layouts with the published degrees."""
+    from myria.sim.cli_plan import expert_commands, plan_argv
+
+    cmd = {r["name"]: r for r in expert_commands()}[name]
+    _, res = plan_argv(cmd["argv"] + list(extra), top=10 ** 6)
+    p = cmd["published"]
     same = [x for x in res.ranked if (x.layout["tp"], x.layout["pp"], x.layout["cp"],
-                                      x.layout["dp"]) == (p.tp, p.pp, p.cp, r.dp)]
+                                      x.layout["dp"]) == (p["tp"], p["pp"], p["cp"], p["dp"])]
     return res, same
 
 
@@ -254,13 +258,15 @@ def _assert_in_tie_band(res, same):
     band = res.ranked[0].extra["band"]
     top = max(inter, key=lambda x: x.mfu)
     assert top.mfu >= best * (1 - band) and top.extra["tied"]
-    # the first pick shards its optimizer state (ties never go to replicated Adam state)
-    first = res.ranked[0].layout
-    assert first["zero_stage"] >= 1 or first["dp"] * first["cp"] == 1
+    # the first pick is plausible: its free memory exceeds the memory model's error
+    first = res.ranked[0]
+    assert not first.extra.get("implausible")
+    from myria.sim.planner import MEMORY_ERROR
+    assert first.memory.capacity - first.memory.total >= MEMORY_ERROR * first.memory.total
 
 
 def test_megatron_gpt3_layout_ranks_in_the_tie_band():
-    res, same = _plan_expert("megatron-lm-gpt3-175b", SearchSpace(micro_batch=[1, 2]))
+    res, same = _plan_expert("megatron-lm-gpt3-175b", ("--mb", "1,2"))
     _assert_in_tie_band(res, same)
 
 
