@@ -286,3 +286,22 @@ def test_llama3_layout_is_generated_interleaved_uneven_fits_and_ranks_in_the_tie
     assert any(len(set(x.layout["stage_layers"])) > 1 for x in inter)
     assert any(x.extra["tied"] and x.layout["zero_stage"] == 3
                and not x.layout["reshard_after_forward"] for x in inter)
+
+
+def test_a_tight_or_overhidden_prediction_is_marked_and_not_first(llama):
+    """Inside the tie band the faster layout goes first, then the one with more free memory;
+    a layout whose free memory is under the memory model's own error is marked and goes
+    after every plausible tied layout, however fast."""
+    from myria.sim.perf import simulate
+    from myria.sim.planner import MEMORY_ERROR, rank_with_ties
+
+    fast = simulate(llama)
+    need = fast.memory.total / 1e9
+    tight = simulate(llama.replace(cluster={"memory_gb": need * (1 + MEMORY_ERROR / 2)}))
+    roomy = simulate(llama.replace(parallel={"vpp": 1, "schedule": "1f1b"}))
+    assert tight.fits and roomy.iteration_time_s > tight.iteration_time_s
+    ranked = rank_with_ties([tight, roomy], band=0.2)
+    assert ranked == [roomy, tight] and all(r.extra["tied"] for r in ranked)
+    assert "memory margin" in tight.extra["implausible"] and "implausible" not in roomy.extra
+    # two plausible ties: the faster first
+    assert rank_with_ties([roomy, fast], band=0.2)[0] is fast
