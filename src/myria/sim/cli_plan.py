@@ -402,7 +402,7 @@ def assumptions(base: RunSpec) -> list[str]:
 def separation(res) -> list[str]:
     """What separates each of the first five from the first: step time, memory margin and the
     two costs that differ most (seconds per step)."""
-    from myria.sim.cli_simulate import BREAKDOWN_LABELS
+    from myria.sim.perf import BREAKDOWN_LABELS
     from myria.sim.planner import margin_bytes
 
     if len(res.ranked) < 2:

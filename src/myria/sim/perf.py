@@ -101,6 +101,18 @@ RANK_JITTER = 0.01
 OVERLAP_INTERFERENCE = 0.10
 
 
+# What each key of StepResult.breakdown is called in the tables of simulate and plan.
+BREAKDOWN_LABELS = {
+    "compute_gemm": "GEMMs", "compute_attention": "attention", "compute_memory_bound":
+    "memory-bound ops", "host_overhead": "host (Python, launches)",
+    "recompute": "recompute", "tp_comm_exposed": "TP comm",
+    "cp_comm_exposed": "CP comm", "ep_comm_exposed": "EP all-to-all", "pp_p2p_exposed":
+    "PP send/recv", "pp_bubble": "PP bubble", "dp_comm_exposed": "DP comm", "optimizer":
+    "optimizer", "offload": "offload", "data_loading": "data loading",
+    "sync_wait": "waiting for the slowest rank",
+}
+
+
 @dataclass
 class StepResult:
     """Prediction for one run."""
