@@ -1,11 +1,13 @@
-"""Where the planner ranks the public layouts of well-known large runs (issue 24).
+"""Where `myria plan`, as a planning engineer types it, ranks the public layouts of well-known
+large runs.
 
     PYTHONPATH=src .venv/bin/python bench/sim_expert_layouts.py [NAME ...]
 
-For each run of src/myria/sim/data/expert_layouts.toml (layout, hardware and batch only; no
-throughput or MFU of the papers is read): every fitting layout of the default search space
-ranked (`plan(run, top=10**6)`), then the published degrees (tp, pp, cp, dp): their best
-ranks, MFU, memory and whether they are tied with the first pick. Writes
+Each run of src/myria/sim/data/expert_commands.toml is the command line of `myria plan` with the
+model, batch and cluster only (every other assumption the command's defaults, printed in its
+header), priced by the command's own function (`cli_plan.plan_argv`) with the whole ranking
+kept; then the published degrees (tp, pp, cp, dp): their best ranks, MFU, memory and whether
+they are tied with the first pick, and the first five with what separates them. Writes
 bench/results/sim_expert_layouts.json.
 """
 
@@ -17,40 +19,53 @@ import sys
 import time
 from pathlib import Path
 
-from myria.sim.planner import plan
-from myria.sim.runspec import calibration_path, load
+from myria.sim.cli_plan import assumptions, expert_commands, plan_argv
 
 OUT = Path(__file__).resolve().parent / "results" / "sim_expert_layouts.json"
 KEYS = ("tp", "pp", "cp", "dp", "vpp", "micro_batch", "recompute", "zero_stage",
-        "reshard_after_forward")
+        "reshard_after_forward", "sequence_parallel")
+
+
+def row_of(i: int, x) -> dict:
+    bd = x.breakdown
+    return {"rank": i, "mfu": x.mfu, "iteration_time_s": x.iteration_time_s,
+            "memory_gb": x.memory.total / 1e9,
+            "free_gb": (x.memory.capacity - x.memory.total) / 1e9,
+            "tied": x.extra["tied"], "implausible": x.extra.get("implausible", ""),
+            "breakdown_share": {k: v / x.iteration_time_s for k, v in bd.items() if v > 0},
+            **{k: x.layout[k] for k in KEYS}}
 
 
 def main(argv: list[str]) -> int:
-    runs = {r.name: r for r in load(calibration_path().with_name("expert_layouts.toml"))}
+    runs = {r["name"]: r for r in expert_commands()}
     rows = []
     for name in argv or list(runs):
         r = runs[name]
         t0 = time.perf_counter()
-        res = plan(r, top=10 ** 6)
-        p = r.parallel
+        base, res = plan_argv(r["argv"], top=10 ** 6)
+        pub = r["published"]
         same = [(i + 1, x) for i, x in enumerate(res.ranked)
                 if (x.layout["tp"], x.layout["pp"], x.layout["cp"], x.layout["dp"])
-                == (p.tp, p.pp, p.cp, r.dp)]
-        row = {"run": name, "evaluated": res.evaluated, "fitting": res.fitting,
-               "seconds": time.perf_counter() - t0,
+                == (pub["tp"], pub["pp"], pub["cp"], pub["dp"])
+                and (x.layout["vpp"] > 1) == pub["interleaved"]]
+        row = {"run": name, "command": "myria plan " + " ".join(r["argv"]),
+               "assumptions": assumptions(base), "evaluated": res.evaluated,
+               "fitting": res.fitting, "seconds": time.perf_counter() - t0,
                "best_mfu": max(x.mfu for x in res.ranked),
                "tied": sum(1 for x in res.ranked if x.extra["tied"]),
                "band": res.ranked[0].extra["band"],
-               "first": {k: res.ranked[0].layout[k] for k in KEYS},
-               "published": [{"rank": i, "mfu": x.mfu, "memory_gb": x.memory.total / 1e9,
-                              "tied": x.extra["tied"], **{k: x.layout[k] for k in KEYS}}
-                             for i, x in same[:5]]}
+               "first_five": [row_of(i + 1, x) for i, x in enumerate(res.ranked[:5])],
+               "published": [row_of(i, x) for i, x in same[:5]]}
         rows.append(row)
         best = row["published"][0] if row["published"] else None
-        print(f"{name}: {res.evaluated:,} layouts, {res.fitting:,} fit; published degrees "
+        f = row["first_five"][0]
+        print(f"{name}: {res.evaluated:,} layouts, {res.fitting:,} fit, {row['tied']:,} tied; "
+              f"first tp{f['tp']} pp{f['pp']} cp{f['cp']} dp{f['dp']} v{f['vpp']} "
+              f"mb{f['micro_batch']} {f['recompute']} ZeRO {f['zero_stage']} MFU {f['mfu']:.3f} "
+              f"{f['memory_gb']:.1f} GB; published degrees "
               + (f"rank {best['rank']} (vpp {best['vpp']}, {best['recompute']}, ZeRO "
                  f"{best['zero_stage']}, MFU {best['mfu']:.3f}, tied {best['tied']})" if best
-                 else "not ranked") + f"; best MFU {row['best_mfu']:.3f}", flush=True)
+                 else "not ranked"), flush=True)
     OUT.parent.mkdir(parents=True, exist_ok=True)
     OUT.write_text(json.dumps({"command": "bench/sim_expert_layouts.py", "machine":
                                f"{platform.machine()} CPU (2 cores, shared)",

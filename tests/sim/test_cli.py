@@ -131,7 +131,31 @@ BAD_PLAN_FLAGS = [
     ["--topology", "ring"], ["--gpu", "tpu-v9"], ["--zero", "4"], ["--recompute", "some"],
     ["--overlap", "xx"], ["--top", "0"], ["--hidden", "100", "--heads", "7"],
     ["--heads", "32", "--kv-heads", "5"], ["--arch", "rnn"], ["--microbatches", "0"],
+    ["--kernels", "fa4"], ["--kernels", "fa3", "--gpu", "a100-sxm-80gb"],
 ]
+
+
+def test_plan_says_each_assumption_and_each_flag_moves_the_price(capsys):
+    """The header names every assumption that can change a rank with its flag; the defaults
+    are the public stack's (fa3 on Hopper, tp/pp/dp overlap), and each flag reprices."""
+    pinned = [*PLAN, "--tp", "8", "--pp", "2", "--vpp", "1", "--cp", "1", "--mb", "1",
+              "--recompute", "none", "--zero", "1", "--json"]
+
+    def first(*flags):
+        assert main([*pinned, *flags]) == 0
+        data = json.loads(capsys.readouterr().out)
+        return data["assumptions"], data["ranked"][0]["iteration_time_s"]
+
+    said, t = first()
+    assert "attention fa3 (--kernels" in said[0] and "overlap tp,pp,dp (--overlap" in said[0]
+    assert "(--oversubscription)" in said[1]
+    said2, t_fa2 = first("--kernels", "fa2")
+    assert "attention fa2" in said2[0]
+    assert t < t_fa2 < first("--kernels", "unfused")[1]
+    assert t < first("--overlap", "pp,dp")[1]
+    assert main(PLAN) == 0
+    out = capsys.readouterr().out
+    assert out.count("assumed:") == 2
 
 
 @pytest.mark.parametrize("bad", BAD_PLAN_FLAGS, ids=" ".join)
@@ -211,3 +235,23 @@ def test_plan_marks_priced_not_runnable_layouts_and_never_puts_one_first(capsys)
     assert main(args) == 0
     out = capsys.readouterr().out
     assert "2=†" in out and "1=†" not in out and "† #2: priced, not runnable by myria" in out
+
+
+def test_simulate_a_training_config_names_every_cost(monkeypatch, capsys):
+    """`myria simulate configs/demo.toml` on this CPU: the table's largest costs include the
+    measured host time when it is large (here the profile says 50 ms per block)."""
+    import dataclasses
+
+    from myria import device
+    from myria.measure import cpu
+
+    from .test_cpu import HERE, synthetic_profile
+
+    prof = synthetic_profile(nproc=1)
+    prof = dataclasses.replace(prof, gloo=(), rates=tuple(sorted(
+        prof.rates + ((("host", "block"), 0.05), (("host", "head"), 0.05)))))
+    monkeypatch.setattr(device, "planning_device", lambda dtype: HERE)
+    monkeypatch.setattr(cpu, "measured_profile", lambda *a, **k: prof)
+    assert main(["simulate", "configs/demo.toml"]) == 0
+    out = capsys.readouterr().out
+    assert "host (Python, launches)" in out and "demo" in out

@@ -182,7 +182,8 @@ def test_sharded_data_parallel_memory_and_time_agree(llama):
     """Without a pipeline ZeRO-2's sharded gradients cost a reduce-scatter per microbatch;
     ZeRO-1 keeps whole gradients and reduces once per step: more memory, less traffic. Under a
     pipeline (torch.distributed.pipelining) ZeRO-2 also reduces once per step, after each
-    stage's last backward, and keeps whole gradients until then."""
+    stage's last backward, and keeps whole gradients until then: the same bytes, in FSDP's
+    units (one collective per block, each with its latency) instead of Megatron's one bucket."""
     base = llama.replace(overlap={"dp": False}, parallel={"pp": 1, "vpp": 1,
                                                           "schedule": "1f1b"})
     z1, z2 = base.replace(training={"zero_stage": 1}), base.replace(training={"zero_stage": 2})
@@ -195,7 +196,7 @@ def test_sharded_data_parallel_memory_and_time_agree(llama):
     assert 0.2 < t(z2) / t(z1) - 1 < 3.0
     piped = base.replace(parallel={"pp": 4})
     p1, p2 = piped.replace(training={"zero_stage": 1}), piped.replace(training={"zero_stage": 2})
-    assert dp_time(p2) == pytest.approx(dp_time(p1), rel=1e-9) and mem(p2) >= mem(p1)
+    assert dp_time(p1) < dp_time(p2) < 1.05 * dp_time(p1) and mem(p2) >= mem(p1)
 
 
 def test_fsdp_without_resharding_trades_memory_for_traffic(llama):
@@ -297,3 +298,43 @@ def test_blocking_pipeline_sends_cost_no_more_than_the_model_charges(p, v, m):
         replay = bench.blocking_pipeline_time(p, v, m, 1.0, 2.0, tx)
         assert bench.closed_form(p, v, m, 1.0, 2.0, 0.0) < replay <= \
             bench.closed_form(p, v, m, 1.0, 2.0, tx) * (1 + 1e-9)
+
+
+def test_data_parallel_buckets_pay_their_latency_and_the_last_is_exposed():
+    """Gradient reduction priced bucket by bucket, as Megatron-Core and FSDP run it: each bucket
+    its own collective (latency), the last exposed after backward, gradients hidden behind
+    backward only. MegaScale's 175B on 12,288 A100 as `myria plan` prices it: tp8 without a
+    pipeline, ZeRO-2, micro-batch 4 (one microbatch per step) cannot hide its reduce-scatter
+    over 1,536 ranks behind one backward, and falls below the published tp8 pp8 layout."""
+    import argparse
+
+    from myria.sim import collectives as coll
+    from myria.sim.cli_plan import _base_from_args, add_arguments, expert_commands
+    from myria.sim.hardware import build_hardware
+    from myria.sim.perf import Buckets, _overlap, bucketed, dp_bucket_params
+
+    assert dp_bucket_params(8) == 40e6 and dp_bucket_params(1536) == 1.536e9
+    cmd = {r["name"]: r for r in expert_commands()}["megascale-175b"]
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    base = _base_from_args(parser.parse_args(cmd["argv"]))
+    hw = build_hardware(base.cluster, "bf16")
+    grp = coll.make_group(hw, 1536, 8)
+    whole = coll.reduce_scatter(22e9 * 4, grp)[0]
+    one = bucketed(coll.reduce_scatter, 22e9, 4, grp, float("inf"))
+    many = bucketed(coll.reduce_scatter, 22e9, 4, grp, 40e6)
+    assert one.total == pytest.approx(whole) and one.n == 1
+    assert many.n == 550 and many.total > 1.2 * whole      # 550 latencies of 1,536 ranks
+    b = Buckets(10.0, 0.5, 20)
+    assert _overlap(b, 1e9) == 0.5 and _overlap(b, 0.0) == 10.0
+    assert _overlap(b, 5.0) == pytest.approx(10.0 - 5.0 * 19 / 20)
+    z2 = simulate(base.replace(
+        parallel={"tp": 8, "pp": 1, "vpp": 1, "sequence_parallel": True, "schedule": "1f1b"},
+        training={"micro_batch": 4, "zero_stage": 2, "recompute": "elementwise"}))
+    pub = simulate(base.replace(
+        parallel={"tp": 8, "pp": 8, "vpp": 2, "sequence_parallel": True,
+                  "schedule": "interleaved-1f1b"},
+        training={"micro_batch": 1, "zero_stage": 1, "recompute": "selective"}))
+    assert z2.layout["microbatches"] == 1
+    assert z2.breakdown["dp_comm_exposed"] > 0.2 * z2.iteration_time_s
+    assert z2.mfu < 0.9 * pub.mfu

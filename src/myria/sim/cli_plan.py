@@ -2,9 +2,13 @@
 
 The model comes from a run file (first run, or --run), a myria training config, or flags
 (--layers --hidden --heads ...). Batch, sequence and cluster come from the file or flags; flags
-win. Without a file the kernels are FlashAttention + fused ops and pipeline/data-parallel
-communication overlap is on (what current Megatron-LM / torchtitan do by default); change with
---no-flash and --overlap.
+win. Every assumption that can change a layout's rank is a flag whose default is what the public
+stack does by default, and the plan's first lines say each one and the flag that changes it
+(`assumptions`): the attention kernel (--kernels: the newest FlashAttention the device runs,
+fa3 on Hopper, fa2 on Ampere), fused elementwise kernels, which communication overlaps compute
+(--overlap: tensor-parallel collectives, pipeline sends and data-parallel buckets, as
+Megatron-Core's pretraining recipes run them; `DEFAULT_OVERLAP`), the fabric (--topology,
+--oversubscription, --nic-gbps) and the memory reserve.
 
 `--show-schedule out.png --pp 4 --vpp 2 --microbatches 8` only draws that schedule; with a model
 it draws the best layout's schedule with the stage times the step model predicts.
@@ -85,8 +89,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--topology", choices=("fat-tree", "clos3", "rail-optimized"))
     g.add_argument("--oversubscription", type=_at_least(1.0, float),
                    help="fabric oversubscription (1 = non-blocking)")
-    g.add_argument("--no-flash", action="store_true", help="no FlashAttention")
-    g.add_argument("--overlap", help="overlaps to switch on, e.g. tp,pp,dp or none")
+    g.add_argument("--kernels", choices=("fa3", "fa2", "unfused"),
+                   help="attention kernel: FlashAttention-3 (Hopper), FlashAttention-2, or "
+                   "unfused softmax attention (default: the newest the device runs)")
+    g.add_argument("--no-flash", action="store_true", help="same as --kernels unfused")
+    g.add_argument("--unfused-ops", action="store_true",
+                   help="eager elementwise kernels (no fused bias+GELU, norms, softmax)")
+    g.add_argument("--overlap", help="overlaps to switch on: tp, pp, dp (comma list) or none "
+                   f"(default: {DEFAULT_OVERLAP}, as Megatron-Core's pretraining recipes run; "
+                   "torchtitan without async TP: pp,dp)")
     g = parser.add_argument_group("search space (comma lists)")
     g.add_argument("--tp", type=_ints)
     g.add_argument("--pp", type=_ints)
@@ -111,12 +122,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--schedule", choices=("gpipe", "1f1b", "interleaved-1f1b", "zero-bubble"))
 
 
+# What overlaps compute when no file says, as Megatron-Core runs large models in NVIDIA's
+# pretraining recipes (NeMo's llama3_405b, gpt3_175b, ...: tp_comm_overlap with
+# TransformerEngine's userbuffers, overlap_grad_reduce, overlap_param_gather, asynchronous
+# pipeline sends): tensor-parallel collectives in chunks behind their GEMMs, pipeline sends,
+# data-parallel buckets. torchtitan overlaps pipeline and FSDP2 traffic by default and
+# tensor-parallel traffic only with async TP switched on: --overlap pp,dp prices that.
+DEFAULT_OVERLAP = "tp,pp,dp"
+
+
 def _base_from_args(args) -> RunSpec:
     model: dict = {}
     training: dict = {}
     cluster: dict = {}
-    kernels: dict = {"flash_attention": True, "fused_ops": True}
-    overlap: dict = {"tp": False, "pp": True, "dp": True}
+    kernels: dict = {"flash_attention": True, "fused_ops": True, "flash_version": "auto"}
+    overlap: dict = {k: k in DEFAULT_OVERLAP.split(",") for k in ("tp", "pp", "dp")}
     parallel: dict = {}
     name = "plan"
     if args.base:
@@ -155,8 +175,12 @@ def _base_from_args(args) -> RunSpec:
     for flag in ("gpu", "gpus", "gpus_per_node", "nic_gbps", "topology", "oversubscription"):
         if getattr(args, flag) is not None:
             cluster[flag] = getattr(args, flag)
-    if args.no_flash:
+    if args.no_flash or args.kernels == "unfused":
         kernels["flash_attention"] = False
+    elif args.kernels:
+        kernels.update(flash_attention=True, flash_version=args.kernels)
+    if args.unfused_ops:
+        kernels["fused_ops"] = False
     if args.overlap is not None:
         want = {x.strip() for x in args.overlap.split(",") if x.strip() and x != "none"}
         bad = want - {"tp", "pp", "dp"}
@@ -177,6 +201,14 @@ def _base_from_args(args) -> RunSpec:
     for k in ("recompute", "zero_stage"):
         training.pop(k, None)
     base = runspec.parse_run(data, check=False)
+    if base.kernels.flash_attention:
+        from myria.sim.hardware import flash_kernel
+
+        try:
+            flash_kernel(base.cluster.gpu, base.kernels.flash_version)
+        except ConfigError as e:
+            raise ConfigError(f"--kernels {base.kernels.flash_version}: "
+                              f"{str(e).split(': ', 1)[1]}") from None
     from myria.config import validate_model
 
     validate_model(base.model_config())  # the layout is the search's: only the model's checks
@@ -200,6 +232,28 @@ def _space(args) -> SearchSpace:
     if args.zero:
         sp.zero_stage = args.zero
     return sp
+
+
+def plan_argv(argv: list[str], top: int | None = None):
+    """(base run, PlanResult) of `myria plan ARGV` exactly as the command prices it (its parser,
+    defaults and search space); `top` overrides --top (the whole ranking: a large number)."""
+    parser = argparse.ArgumentParser(prog="myria plan")
+    add_arguments(parser)
+    args = parser.parse_args(argv)
+    if top is not None:
+        args.top = top
+    base = _base_from_args(args)
+    return base, _plan(base, _space(args), args)
+
+
+def expert_commands() -> list[dict]:
+    """The typed commands of well-known runs and their published degrees
+    (data/expert_commands.toml), each with `argv` as a list."""
+    import tomllib
+
+    path = runspec.calibration_path().with_name("expert_commands.toml")
+    runs = tomllib.loads(path.read_text())["run"]
+    return [{**r, "argv": r["argv"].split()} for r in runs]
 
 
 def _draw_only(args) -> int:
@@ -284,7 +338,8 @@ def run(args: argparse.Namespace) -> int:
     base = _base_from_args(args)
     res = _plan(base, _space(args), args)
     if args.json:
-        print(json.dumps({"evaluated": res.evaluated, "fitting": res.fitting,
+        print(json.dumps({"assumptions": assumptions(base),
+                          "evaluated": res.evaluated, "fitting": res.fitting,
                           "seconds": res.seconds, "offloaded": res.offloaded,
                           "ranked": [r.to_json() for r in res.ranked],
                           "best_runnable": (res.best_runnable.to_json()
@@ -324,15 +379,54 @@ def _layout(lay: dict) -> str:
     return s + (" sp" if lay["sequence_parallel"] else "")
 
 
+def assumptions(base: RunSpec) -> list[str]:
+    """The assumptions that can change a layout's rank, each with the flag that changes it."""
+    from myria.sim.hardware import build_hardware, flash_kernel
+
+    k, o, c = base.kernels, base.overlap, base.cluster
+    attn = flash_kernel(c.gpu, k.flash_version) if k.flash_attention else "unfused"
+    on = ",".join(x for x in ("tp", "pp", "dp") if getattr(o, x)) or "none"
+    hw = build_hardware(c, base.training.precision)
+    return [
+        f"assumed: attention {attn} (--kernels fa3|fa2|unfused), elementwise kernels "
+        f"{'fused' if k.fused_ops else 'unfused'} (--unfused-ops); overlap {on} (--overlap; "
+        f"default {DEFAULT_OVERLAP} as Megatron-Core's recipes run); data-parallel "
+        "buckets: Megatron-Core's max(40M, 1M x dp) parameters for ZeRO 0-1, FSDP's units for "
+        "ZeRO 2-3",
+        f"assumed: {hw.gpus_per_node} GPUs per server (--gpus-per-node), "
+        f"{hw.nics_per_node} x {hw.nic_gbps:g} Gb/s NICs (--nic-gbps), {c.topology} fabric "
+        f"(--topology) at oversubscription {c.oversubscription:g} (--oversubscription)",
+    ]
+
+
+def separation(res) -> list[str]:
+    """What separates each of the first five from the first: step time, memory margin and the
+    two costs that differ most (seconds per step)."""
+    from myria.sim.perf import BREAKDOWN_LABELS
+    from myria.sim.planner import margin_bytes
+
+    if len(res.ranked) < 2:
+        return []
+    one = res.ranked[0]
+    out = [f"#1: {one.iteration_time_s:.3f} s per step, {margin_bytes(one) / 1e9:.1f} GB free"]
+    for i, r in enumerate(res.ranked[1:5], 2):
+        diff = {k: r.breakdown[k] - one.breakdown.get(k, 0.0) for k in r.breakdown}
+        top = sorted(diff.items(), key=lambda kv: -abs(kv[1]))[:2]
+        costs = ", ".join(f"{BREAKDOWN_LABELS[k]} {v:+.3f} s" for k, v in top if abs(v) > 5e-4)
+        out.append(f"#{i}: step {r.iteration_time_s / one.iteration_time_s - 1:+.1%}, "
+                   f"{margin_bytes(r) / 1e9:.1f} GB free" + (f" ({costs})" if costs else ""))
+    return out
+
+
 def _print(base: RunSpec, res) -> None:
     from rich.table import Table
 
     con = console(150)
     m = base.model
     con.print(f"model {m.arch} {m.layers}x{m.hidden} ({m.heads} heads), seq {m.seq_len}, global "
-              f"batch {base.training.global_batch}, {base.cluster.gpus} x {base.cluster.gpu}; "
-              f"flash={base.kernels.flash_attention}, overlap tp/pp/dp="
-              f"{base.overlap.tp}/{base.overlap.pp}/{base.overlap.dp}")
+              f"batch {base.training.global_batch}, {base.cluster.gpus} x {base.cluster.gpu}")
+    for line in assumptions(base):
+        con.print(line)
     con.print(f"{res.evaluated:,} layouts evaluated in {res.seconds:.2f} s, {res.fitting:,} fit "
               "in memory")
     if res.offloaded:
@@ -360,7 +454,8 @@ def _print(base: RunSpec, res) -> None:
         lay = r.layout
         x = r.extra
         tab.add_row(str(i) + ("=" if x.get("tied") else "") +
-                    ("" if x.get("runnable", True) else "†"), _layout(lay),
+                    ("" if x.get("runnable", True) else "†") +
+                    ("!" if x.get("implausible") else ""), _layout(lay),
                     str(lay["micro_batch"]), str(lay["microbatches"]),
                     lay["recompute"], str(lay["zero_stage"]), f"{t:.3f}",
                     f"{r.mfu:.1%} ({x['mfu_low']:.0%}-{x['mfu_high']:.0%})",
@@ -374,6 +469,8 @@ def _print(base: RunSpec, res) -> None:
     for i, r in enumerate(res.ranked, 1):
         if r.extra.get("not_runnable"):
             con.print(f"† #{i}: {r.extra['not_runnable']}")
+        if r.extra.get("implausible"):
+            con.print(f"! #{i}: not first: {r.extra['implausible']}")
     first = res.ranked[0]
     if not first.extra.get("runnable", True):
         b = res.best_runnable
@@ -391,8 +488,11 @@ def _print(base: RunSpec, res) -> None:
     if tied > 1:
         con.print(f"#1-#{tied} (marked =) lie within the model's uncertainty (±{band:.0%}, its "
                   "held-out error on the calibration runs) of the best MFU: statistically "
-                  "tied, so they are ordered simplest first (sharded optimizer state, fewer "
-                  "parallel dimensions, less recomputation, lower ZeRO stage, less memory).")
+                  "tied, so they are ordered by predicted step time (to 0.1%), then by free "
+                  "memory; a prediction the model cannot vouch for (!) is not first. What "
+                  "separates the first five:")
+        for line in separation(res):
+            con.print("  " + line)
     from myria.sim.band import describe
 
     con.print(describe())

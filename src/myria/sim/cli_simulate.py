@@ -14,15 +14,7 @@ import json
 from myria.errors import ConfigError
 from myria.sim import reliability, runspec
 from myria.sim.hardware import build_hardware
-from myria.sim.perf import StepResult, simulate
-
-BREAKDOWN_LABELS = {
-    "compute_gemm": "GEMMs", "compute_attention": "attention", "compute_memory_bound":
-    "memory-bound ops", "recompute": "recompute", "tp_comm_exposed": "TP comm",
-    "cp_comm_exposed": "CP comm", "ep_comm_exposed": "EP all-to-all", "pp_p2p_exposed":
-    "PP send/recv", "pp_bubble": "PP bubble", "dp_comm_exposed": "DP comm", "optimizer":
-    "optimizer", "offload": "offload", "data_loading": "data loading",
-}
+from myria.sim.perf import BREAKDOWN_LABELS, StepResult, simulate
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

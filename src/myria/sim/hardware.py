@@ -54,6 +54,17 @@ ALPHA_BASE_S = 8e-6       # launch + synchronisation of one collective
 ALPHA_INTRA_S = 1.0e-6    # one step (hop) over NVLink
 ALPHA_INTER_S = 5.0e-6    # one step (hop) across the network
 
+# Streaming multiprocessors per device (NVIDIA's datasheets) and the thread blocks a NCCL
+# collective keeps resident on them while it runs: one per channel, and NCCL opens two channels
+# per NIC on an 8-NIC server (16; NCCL_MIN/MAX_NCHANNELS unset). Overlapped compute runs on the
+# remaining SMs (perf.overlap_interference).
+SM_COUNT = {"a100-sxm-80gb": 108, "a100-sxm-40gb": 108, "h100-sxm-80gb": 132, "h200": 132,
+            "h800-sxm-80gb": 132}
+NCCL_CHANNELS = 16
+# HBM bytes a reduce-scatter or all-gather step moves per byte on the wire: the send buffer
+# read, the received chunk written, and the reduction's read of the local chunk.
+NCCL_HBM_BYTES_PER_WIRE_BYTE = 3.0
+
 # Measured ceiling of a large bf16 matmul as a fraction of the datasheet peak, per device: the
 # "maximum achievable matmul FLOPS" of S. Bekman's ml-engineering handbook (mamf-finder, CUDA
 # 12.1): A100 SXM 267.9 of 312 TFLOP/s (85.9%), H100 SXM 792.1 of 989 (80.1%). E_GEMM is fitted
@@ -88,13 +99,38 @@ def gemm_ceiling_ratio(device: str) -> float:
 # Other devices keep the GEMM roofline for the attention kernels. The head dimension scales the
 # rate by hd/(hd + 38) relative to 128 (FA3 non-causal forward at head dim 64: 497 vs 648
 # TFLOP/s at 16k), capped at the head-dim-128 figure.
+# - FlashAttention-2 on Hopper (the same FA3 paper, its FA2 baseline): "only 35% utilization"
+#   of the H100 forward (abstract), and FA3's backward 1.5-1.75x FA2's (section 4.1; 1.6 taken)
+#   -> 0.35 / 0.36, with FA3's s_half.
 FLASH_ATTENTION = {
     "ampere": (0.63, 0.56, 440.0, 285.0),
     "hopper": (0.64, 0.58, 440.0, 285.0),
+    "hopper-fa2": (0.35, 0.36, 440.0, 285.0),
 }
 FLASH_GENERATION = {"a100-sxm-80gb": "ampere", "a100-sxm-40gb": "ampere",
                     "h100-sxm-80gb": "hopper", "h200": "hopper", "h800-sxm-80gb": "hopper"}
 FLASH_HEAD_DIM_HALF = 38.0
+
+
+def flash_kernel(device: str, version: str) -> str:
+    """The FlashAttention kernel a run uses on `device` ("fa3", "fa2"; "" on devices without
+    published rates): `version` auto is the newest the device runs. fa3 on a device without
+    Hopper's tensor-memory accelerator is refused."""
+    gen = FLASH_GENERATION.get(device, "")
+    if version == "fa3" and gen != "hopper":
+        raise ConfigError(f"kernels.flash_version = 'fa3': FlashAttention-3 runs on Hopper "
+                          f"(h100-sxm-80gb, h200, h800-sxm-80gb), not {device}; use fa2")
+    if version == "auto":
+        return "fa3" if gen == "hopper" else "fa2"
+    return version
+
+
+def flash_rates(device: str, version: str) -> tuple:
+    """(forward, backward, s_half forward, s_half backward) of the run's FlashAttention."""
+    gen = FLASH_GENERATION.get(device, "")
+    if gen == "hopper" and flash_kernel(device, version) == "fa2":
+        gen = "hopper-fa2"
+    return FLASH_ATTENTION.get(gen, ())
 
 # Memory-bound kernels (norms, activations, RoPE, softmax, losses, residual chains) from their
 # own published microbenchmarks (sim/data/kernel_benchmarks.toml, kind = "memory"), not from any

@@ -43,7 +43,7 @@ class Efficiency:
     calibration data hardly constrain (the fit's error moves by < 0.3 points over 0-64).
     """
 
-    gemm: float = 0.6875          # E_GEMM (fitted): large-GEMM fraction of the dense peak
+    gemm: float = 0.7125          # E_GEMM (fitted): large-GEMM fraction of the dense peak
     half_dim: float = 32.0        # GEMM_HALF_DIM (prior): a dimension at half efficiency
     # E_MEM (kernel benchmarks): achievable fraction of HBM bandwidth of a fused kernel
     mem: float = MEMORY_EFFICIENCY["fused"]

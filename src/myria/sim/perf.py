@@ -14,19 +14,34 @@ step, offload transfers and data loading. Every overlap has one explicit rule:
   asynchronously in every version).
 - PP (overlap.pp): steady-state sends/receives hide behind compute; the fill and drain of the
   pipeline always pay them. Without it every chunk's send/receive is on the critical path.
-- DP (overlap.dp): gradient buckets reduce during the backward of the last microbatch and
-  ZeRO-1/2 parameter gathers during the forward of the first one: exposed = max(t/buckets,
-  t - t_compute). ZeRO-3 gathers and scatters every microbatch; with overlap they hide behind
-  that microbatch's compute, otherwise they add to it. Under a pipeline (pp > 1) sharded
+- DP (overlap.dp): gradients are reduced bucket by bucket as backward makes them final, and
+  sharded parameters gathered bucket by bucket ahead of forward; each bucket is its own
+  collective (its own latency). Buckets follow the framework of the ZeRO stage: Megatron-Core's
+  DistributedDataParallel for ZeRO 0-1 (max(40M, 1M x data-parallel ranks) parameters per
+  bucket when overlapping, one bucket otherwise), FSDP for ZeRO 2-3 (one bucket per wrapped
+  unit: a transformer block, and the root: embedding, final norm and head). Buckets run one
+  after another on the communication stream; a bucket starts when it is final and the one
+  before it is done, so the last bucket (and anything the compute cannot cover) is exposed:
+  exposed = max(t_last, sum t_b - t_compute (n-1)/n). Gradients hide behind backward only,
+  parameter gathers behind forward only. ZeRO-3 gathers and scatters every microbatch (its
+  forward's gathers behind its forward, the backward's gathers and scatters behind its
+  backward). Under a pipeline (pp > 1) sharded
   gradients (ZeRO-2, FSDP) are reduce-scattered once per step, after each stage's last
   backward: torch.distributed.pipelining runs FSDP stages with gradient sync off until then
   (`PipelineStage.backward_maybe_with_nosync`), and Llama 3 "accumulate[s] gradients in FP32
   during backward computation over multiple micro-batches" and reduce-scatters them (Dubey et
   al. 2024, section 3.3.4); the memory model keeps those gradients whole meanwhile.
 - CP: ring attention always overlaps the K/V exchange with the attention blocks.
-- Hidden communication is not free: NCCL runs one thread block per channel on the SMs the
-  compute needs and shares HBM with it, so every overlap charges OVERLAP_INTERFERENCE times the
-  hidden communication time as slowed compute (booked with the communication it comes from).
+- Hidden communication is not free (`overlap_interference`): a NCCL collective keeps one thread
+  block per channel on the SMs the compute needs (hardware.NCCL_CHANNELS of SM_COUNT) and moves
+  its bytes through HBM too, so the compute that hides it runs slower: on s = channels / SMs of
+  the device it takes s / (1 - s) longer, and its memory-bound share loses the HBM bandwidth the
+  collective takes. That slowdown, times the hidden time, is booked with the communication.
+Costs that grow with the ranks that synchronise: each collective's latency grows with its ranks
+(ring (n-1) steps, tree log2 of the servers: `collectives`), every bucket pays it
+(`bucketed`), and a synchronous step waits for the slowest of its N ranks: with per-rank compute
+spread by RANK_JITTER, E[max of N normals] x RANK_JITTER x the compute (`sync_wait`: +2.0% of
+the compute at 32 GPUs, +3.4% at 3,072, +3.9% at 16,384 with the 1% prior).
 
 Pipeline time with per-stage time C_s (all chunks of one microbatch) over m microbatches:
 (m - 1) max C + sum_s C_s / v + (1 - 1/v) max C, i.e. m C + (p - 1) C / v for equal stages
@@ -70,15 +85,32 @@ from myria.sim.operators import (
 )
 from myria.sim.runspec import RunSpec
 
-BUCKET_PARAMS = 40e6          # Megatron-LM DDP bucket size (parameters)
+BUCKET_PARAMS = 40e6          # Megatron-Core DDP's smallest bucket (parameters)
+BUCKET_PARAMS_PER_RANK = 1e6  # ... growing with the data-parallel ranks: max(40M, 1M x dp)
 ADAM_BYTES_PER_PARAM = 38     # read g, p, m, v (fp32), write p, m, v, 16-bit copy, norm, zero g
 LAMB_EXTRA_BYTES = 16         # second pass: trust-ratio norms and the scaled update
 CPU_ADAM_BYTES_PER_PARAM = 32  # host-side Adam on fp32 p, m, v, g
 REPLAY_MAX_OPS = 20000        # eager pipelines up to this many (m x pp x vpp) are replayed
-# Slowdown of compute while communication hides behind it, as a share of the hidden time: NCCL
-# runs one thread block per channel (8-16 channels against 108-132 SMs on A100/H100) and shares
-# HBM bandwidth with the kernels it overlaps. A prior, not fitted (no calibration run overlaps).
+# Spread (standard deviation, a share of the compute time) of one rank's step compute against
+# its peers': clock and power management, thermal state and the silicon differ from GPU to
+# GPU. A prior (not fitted): 1%, the order of the spread of identical kernels' times across a
+# cluster's GPUs; the calibration's E_GEMM was refitted with it in place.
+RANK_JITTER = 0.01
+# Slowdown of compute while communication hides behind it, as a share of the hidden time, on a
+# device whose SMs are not known (overlap_interference prices the others). A prior, not fitted.
 OVERLAP_INTERFERENCE = 0.10
+
+
+# What each key of StepResult.breakdown is called in the tables of simulate and plan.
+BREAKDOWN_LABELS = {
+    "compute_gemm": "GEMMs", "compute_attention": "attention", "compute_memory_bound":
+    "memory-bound ops", "host_overhead": "host (Python, launches)",
+    "recompute": "recompute", "tp_comm_exposed": "TP comm",
+    "cp_comm_exposed": "CP comm", "ep_comm_exposed": "EP all-to-all", "pp_p2p_exposed":
+    "PP send/recv", "pp_bubble": "PP bubble", "dp_comm_exposed": "DP comm", "optimizer":
+    "optimizer", "offload": "offload", "data_loading": "data loading",
+    "sync_wait": "waiting for the slowest rank",
+}
 
 
 @dataclass
@@ -146,31 +178,137 @@ def _chunked(t: float, n: int, t_hide: float) -> float:
     return t / n + max(0.0, t * (n - 1) / n - t_hide)
 
 
-def _grad_reduce_exposed(t: float, b_last: float, buckets: int, pp: int, v: int) -> float:
-    """Exposed time of a once-per-step gradient reduction of `t` seconds on the first pipeline
+@dataclass(frozen=True)
+class Buckets:
+    """A data-parallel collective cut into buckets, run one after another: the serial time of
+    all of them (`total`), the time of the one that finishes last (`last`), and how many."""
+
+    total: float = 0.0
+    last: float = 0.0
+    n: int = 1
+
+    def __add__(self, o: Buckets) -> Buckets:
+        return Buckets(self.total + o.total, max(self.last, o.last), self.n + o.n)
+
+    def scaled(self, share: float) -> Buckets:
+        """The share of the buckets that one interleaved chunk holds."""
+        n = max(1, round(self.n * share))
+        return Buckets(self.total * share, min(self.last, self.total * share), n)
+
+
+def bucketed(fn, params: float, bytes_per: float, grp: coll.Group, bucket: float
+             ) -> Buckets:
+    """`params` parameters' collective `fn` over `grp` in buckets of `bucket` parameters."""
+    if params <= 0 or grp.n <= 1:
+        return Buckets()
+    n = max(1, math.ceil(params / bucket - 1e-9))
+    t = fn(params / n * bytes_per, grp)[0]
+    return Buckets(n * t, t, n)
+
+
+def dp_bucket_params(dp: int) -> float:
+    """Parameters per gradient bucket of Megatron-Core's DistributedDataParallel when it
+    overlaps: max(40M, 1M x the data-parallel ranks), so that a bucket's bandwidth term
+    outweighs its latency over many ranks."""
+    return max(BUCKET_PARAMS, BUCKET_PARAMS_PER_RANK * dp)
+
+
+def megatron_buckets(fn, dense: float, expert: float, bytes_per: float, grps: tuple,
+                     bucket: float) -> Buckets:
+    """Dense and expert parameters (over their own groups) in Megatron-Core's buckets."""
+    return bucketed(fn, dense, bytes_per, grps[0], bucket) + \
+        bucketed(fn, expert, bytes_per, grps[1], bucket)
+
+
+def fsdp_buckets(fn, dense: float, expert: float, layers: float, block: tuple,
+                 bytes_per: float, grps: tuple) -> Buckets:
+    """FSDP's collectives, one per wrapped unit: `layers` transformer blocks (`block`: dense,
+    expert parameters each) and the root (what the stage holds beyond its blocks: embedding,
+    final norm, head). The root's collective runs first in forward and last in backward, next
+    to the first block's, so both are exposed together (`last`)."""
+    if grps[0].n <= 1 and grps[1].n <= 1:
+        return Buckets()
+    units = max(1, round(layers))
+    one = (fn(block[0] * bytes_per, grps[0])[0] if block[0] > 0 else 0.0) + \
+        (fn(block[1] * bytes_per, grps[1])[0] if block[1] > 0 else 0.0)
+    root = max(0.0, dense - layers * block[0]) + max(0.0, expert - layers * block[1])
+    t_root = fn(root * bytes_per, grps[0])[0] if root > 1 else 0.0
+    return Buckets(units * one + t_root, one + t_root, units + (1 if t_root else 0))
+
+
+def _overlap(b: Buckets, hide: float) -> float:
+    """Exposed time of buckets that become final evenly over `hide` seconds of compute (the last
+    when it ends) and run one after another: max(last bucket, total - hide (n - 1) / n)."""
+    if b.total <= 0:
+        return 0.0
+    return min(b.total, max(b.last, b.total - hide * (b.n - 1) / b.n))
+
+
+def _grad_reduce_exposed(b: Buckets, b_last: float, pp: int, v: int) -> float:
+    """Exposed time of a once-per-step gradient reduction (buckets `b`) on the first pipeline
     rank (the last to finish), overlapped with backward (Megatron-LM's overlap_grad_reduce:
     a bucket is reduced as soon as its gradients are final).
 
     One chunk per rank: the buckets reduce during the last microbatch's backward (`b_last`),
-    the last bucket after it: max(t / buckets, t - b_last). Interleaved (v chunks): the
-    gradients of chunks 1..v-1 are final when the schedule's last group of pp chunk-0
-    backwards starts (Megatron's interleaved order runs the backwards of pp microbatches per
-    chunk), so they reduce behind those pp chunk backwards (pp x b_last / v); chunk 0's share
-    t / v behind its own last backward, as above. Mirrored, the same holds for the updated
-    parameters' all-gather before the first forwards (Megatron's overlap_param_gather: chunk
-    0's parameters first, behind its first forward; the other chunks' behind the first group
-    of pp chunk-0 forwards), with `b_last` the first microbatch's forward."""
+    the last bucket after it (`_overlap`). Interleaved (v chunks): the gradients of chunks
+    1..v-1 are final when the schedule's last group of pp chunk-0 backwards starts (Megatron's
+    interleaved order runs the backwards of pp microbatches per chunk), so they reduce behind
+    those pp chunk backwards (pp x b_last / v); chunk 0's share behind its own last backward,
+    as above. Mirrored, the same holds for the updated parameters' all-gather before the first
+    forwards (Megatron's overlap_param_gather: chunk 0's parameters first, behind its first
+    forward; the other chunks' behind the first group of pp chunk-0 forwards), with `b_last`
+    the first microbatch's forward."""
     if pp <= 1 or v <= 1:
-        return max(t / buckets, t - b_last)
-    own = t / v
-    rest = t - own
+        return _overlap(b, b_last)
+    own = b.scaled(1 / v)
+    rest = b.total - own.total
     b_chunk = b_last / v
-    return max(0.0, rest - pp * b_chunk) + max(own / max(1, buckets // v), own - b_chunk)
+    return max(0.0, rest - pp * b_chunk) + _overlap(own, b_chunk)
 
 
-def _cost(t: float, exposed: float) -> float:
-    """Time a collective adds: its exposed part plus the interference of its hidden part."""
-    return exposed + OVERLAP_INTERFERENCE * max(0.0, t - exposed)
+@lru_cache(maxsize=4096)
+def overlap_interference(hw: Hardware, mem_share: float, grp: coll.Group) -> float:
+    """Extra compute time per second of `grp`'s communication hidden behind it (module
+    docstring): s / (1 - s) with s = NCCL's channels over the device's SMs, plus the
+    memory-bound share of the compute (`mem_share`) slowed by the HBM bandwidth the collective
+    takes (its per-rank bus rate x NCCL_HBM_BYTES_PER_WIRE_BYTE of the device's)."""
+    from myria.sim.hardware import NCCL_CHANNELS, NCCL_HBM_BYTES_PER_WIRE_BYTE, SM_COUNT
+
+    sms = SM_COUNT.get(hw.device)
+    if not sms or hw.cpu is not None:
+        return OVERLAP_INTERFERENCE
+    s = NCCL_CHANNELS / sms
+    hbm = min(0.9, NCCL_HBM_BYTES_PER_WIRE_BYTE * grp.ring_busbw / hw.mem_bw) \
+        if grp.n > 1 else 0.0
+    return s / (1 - s) + mem_share * hbm / (1 - hbm)
+
+
+def expected_max_normal(n: int) -> float:
+    """E[max] of n independent standard normal variables (Blom's approximation,
+    Phi^-1((n - 0.375) / (n + 0.25)); 0 for one)."""
+    if n <= 1:
+        return 0.0
+    from statistics import NormalDist
+
+    return NormalDist().inv_cdf((n - 0.375) / (n + 0.25))
+
+
+def sync_wait(hw: Hardware, compute_s: float) -> float:
+    """What the slowest of the ranks that synchronise costs a step (module docstring): every
+    rank waits, at each step's data-parallel collective (and each layer's tensor-parallel one,
+    each microbatch's pipeline exchange), for the slowest of all `hw.gpus`; with their compute
+    times spread by RANK_JITTER (a share of `compute_s`, independent between ranks) the step
+    takes RANK_JITTER x E[max of N standard normals] x compute_s longer. 0 on a measured device
+    (the CPU self-check: its few local processes are measured as they run)."""
+    if hw.cpu is not None or hw.measured:
+        return 0.0
+    return RANK_JITTER * expected_max_normal(hw.gpus) * compute_s
+
+
+def _cost(t: float, exposed: float, kappa: float = OVERLAP_INTERFERENCE) -> float:
+    """Time a collective adds: its exposed part plus the interference of its hidden part
+    (`kappa` seconds of slowed compute per second hidden: `overlap_interference`)."""
+    return exposed + kappa * max(0.0, t - exposed)
 
 
 @dataclass
@@ -187,9 +325,11 @@ class _Phase:
 
 
 def _sum_ops(ops: tuple[Op, ...], overlap_tp: bool, tp: int, cp: int,
-             groups: dict[str, coll.Group]) -> _Phase:
+             groups: dict[str, coll.Group], hw: Hardware) -> _Phase:
     ph = _Phase()
     by_name = {op.name: op.time for op in ops if op.kind != "comm"}
+    busy = sum(o.time for o in ops if o.kind != "comm") or 1.0
+    mem_share = sum(o.time for o in ops if o.kind != "comm" and o.category == "memory") / busy
     attn_time = {"fwd": sum(o.time for o in ops if o.attn_core and o.phase == "fwd"),
                  "bwd": sum(o.time for o in ops if o.attn_core and o.phase == "bwd")}
     for op in ops:
@@ -210,7 +350,8 @@ def _sum_ops(ops: tuple[Op, ...], overlap_tp: bool, tp: int, cp: int,
             else:
                 exposed = t
             ph.comm_detail[op.group] = algo
-            val = _cost(t, exposed)
+            val = _cost(t, exposed, overlap_interference(hw, round(mem_share, 2),
+                                                         groups[op.group]))
         else:
             val = op.time
             if op.wgrad:
@@ -256,7 +397,7 @@ def _layer_summary(shape: LayerShape, hw: Hardware, eff: Efficiency, overlap_tp:
                    groups_key: tuple) -> _Phase:
     groups = _groups(hw, *groups_key)
     ops = timed_layer_ops(shape, hw.peak_flops, hw.mem_bw, eff)
-    return _sum_ops(ops, overlap_tp, shape.tp, shape.cp, groups)
+    return _sum_ops(ops, overlap_tp, shape.tp, shape.cp, groups, hw)
 
 
 @lru_cache(maxsize=16384)
@@ -264,7 +405,7 @@ def _head_summary(shape: LayerShape, first: bool, last: bool, hw: Hardware, eff:
                   overlap_tp: bool, groups_key: tuple) -> _Phase:
     groups = _groups(hw, *groups_key)
     ops = timed_head_ops(shape, first, last, hw.peak_flops, hw.mem_bw, eff)
-    return _sum_ops(ops, overlap_tp, shape.tp, shape.cp, groups)
+    return _sum_ops(ops, overlap_tp, shape.tp, shape.cp, groups, hw)
 
 
 @lru_cache(maxsize=256)
@@ -280,22 +421,23 @@ def _model_flops(shape: LayerShape) -> tuple:
             forward_flops_per_token(cfg, "dense"), forward_flops_per_token(cfg, "causal"))
 
 
-def efficiency_for(hw: Hardware) -> Efficiency:
+def efficiency_for(hw: Hardware, flash_version: str = "auto") -> Efficiency:
     """Calibrated efficiencies for datasheet devices; 1 for devices whose peaks are measured;
     a measured CPU profile's rates, bandwidth and kernel overhead when there is one."""
     if hw.cpu is not None:   # measured rates, bandwidth already achieved (E_MEM = 1)
         return Efficiency(gemm=1.0, half_dim=0.0, mem=1.0, mem_eager=(),
                           kernel_overhead_s=hw.cpu.kernel_overhead_s, rates=hw.cpu.rates)
-    return MEASURED_EFFICIENCY if hw.measured else _device_efficiency(hw.device)
+    return MEASURED_EFFICIENCY if hw.measured else _device_efficiency(hw.device, flash_version)
 
 
 @lru_cache(maxsize=16)
-def _device_efficiency(device: str) -> Efficiency:
+def _device_efficiency(device: str, flash_version: str = "auto") -> Efficiency:
     """The calibrated efficiencies, E_GEMM scaled by the device's matmul ceiling, and the
-    device's FlashAttention rates from the kernels' microbenchmarks (hardware.FLASH_ATTENTION)."""
-    from myria.sim.hardware import FLASH_ATTENTION, FLASH_GENERATION, gemm_ceiling_ratio
+    FlashAttention rates of the run's kernel on the device from the kernels' microbenchmarks
+    (hardware.flash_rates)."""
+    from myria.sim.hardware import flash_rates, gemm_ceiling_ratio
 
-    fa = FLASH_ATTENTION.get(FLASH_GENERATION.get(device, ""))
+    fa = flash_rates(device, flash_version)
     return dataclasses.replace(DEFAULT_EFFICIENCY,
                                gemm=DEFAULT_EFFICIENCY.gemm * gemm_ceiling_ratio(device),
                                flash=fa[:2] if fa else (), flash_half_seq=fa[2:] if fa else ())
@@ -337,7 +479,7 @@ def simulate(run: RunSpec, hw: Hardware | None = None, eff: Efficiency | None = 
              detail: bool = False) -> StepResult:
     """Predict one iteration of `run`."""
     hw = hw or build_hardware(run.cluster, run.training.precision)
-    eff = eff or efficiency_for(hw)
+    eff = eff or efficiency_for(hw, run.kernels.flash_version)
     par, tr, ov = run.parallel, run.training, run.overlap
     cfg = run.model_config()
     shape = run_shape(run)
@@ -397,6 +539,23 @@ def simulate(run: RunSpec, hw: Hardware | None = None, eff: Efficiency | None = 
     t_ag = coll.all_gather(dense0 * w_b, groups["dps"])[0] + \
         coll.all_gather(expert0 * w_b, groups["edp"])[0]
     t_rep = coll.allreduce(dense0 * g_b / shard_n, groups["dpr"])[0] if hsdp else 0.0
+    # the same collectives in the buckets the frameworks cut them into (module docstring):
+    # Megatron-Core's for ZeRO 0-1 (one bucket without overlap), FSDP's units for ZeRO 2-3
+    k0 = max((k for k, _, _ in kinds), key=lambda k: sum(
+        stage_params(shape, n_layers[k], k in ("first", "only"), k in ("last", "only"), ep)))
+    block = stage_params(shape, 1, False, False, ep)
+    mega = dp_bucket_params(dp * cp) if ov.dp else math.inf
+    grps = (groups["dps"], groups["edp"])
+    b_ar = megatron_buckets(coll.allreduce, dense0, expert0, g_b, (groups["dp"], groups["edp"]),
+                            mega)
+    b_rs = megatron_buckets(coll.reduce_scatter, dense0, expert0, g_b, grps, mega)
+    b_ag = megatron_buckets(coll.all_gather, dense0, expert0, w_b, grps, mega)
+    f_rs = fsdp_buckets(coll.reduce_scatter, dense0, expert0, n_layers[k0], block, g_b, grps)
+    f_ag = fsdp_buckets(coll.all_gather, dense0, expert0, n_layers[k0], block, w_b, grps)
+    mem_layer = (lay.fwd_cat.get("memory", 0.0) + lay.bwd_cat.get("memory", 0.0)) / \
+        max(1e-30, lay.fwd + lay.bwd)
+    k_dp = overlap_interference(hw, round(mem_layer, 2), groups["dp"])
+    k_pp = overlap_interference(hw, round(mem_layer, 2), groups["pp"])
 
     mem_rate = hw.mem_bw * eff.mem
     # sharded gradients under a pipeline accumulate whole and reduce once per step (docstring)
@@ -414,19 +573,27 @@ def simulate(run: RunSpec, hw: Hardware | None = None, eff: Efficiency | None = 
             for c, val in src.items():
                 cats[c] = cats.get(c, 0.0) + mult * val
         cats["recompute"] = nl * recompute
-        z3 = 0.0
+        z3 = z3_hidden = 0.0
         if tr.zero_stage >= 3 and dp * cp > 1 and eager:
             z3 = _fsdp2_microbatch(shape, nl, first, last, pp, ep, w_b, groups, mem_rate,
                                    hw.cpu)
         elif tr.zero_stage >= 2 and dp * cp > 1 and not eager:
-            # without a pipeline every microbatch reduce-scatters its gradients (ZeRO-2, FSDP);
-            # under one, once per step (`deferred`, below); FSDP resharding after forward also
-            # gathers the weights twice per microbatch (forward, backward), without it once
-            # per step (below)
-            t_mb = (0.0 if deferred else t_rs) + \
-                (2 * t_ag if tr.zero_stage >= 3 and tr.reshard_after_forward else 0)
-            z3 = _cost(t_mb, max(0.0, t_mb - (F + B))) if ov.dp else t_mb
+            # FSDP units every microbatch: without a pipeline its gradients are
+            # reduce-scattered (under one, once per step: `deferred`, below) behind its
+            # backward; resharding after forward also gathers each unit before its forward
+            # (behind the forward) and again before its backward (behind the backward); without
+            # resharding the parameters are gathered once per step (below)
+            rs = Buckets() if deferred else f_rs
+            ag = f_ag if tr.zero_stage >= 3 and tr.reshard_after_forward else Buckets()
+            bwd = rs + ag
+            if ov.dp:
+                e_f, e_b = _overlap(ag, F), _overlap(bwd, B)
+                z3 = _cost(ag.total, e_f, k_dp) + _cost(bwd.total, e_b, k_dp)
+                z3_hidden = ag.total - e_f + bwd.total - e_b
+            else:
+                z3 = ag.total + bwd.total
         cats["dp_zero3"] = z3
+        cats["dp_hidden"] = z3_hidden
         C = F + B + z3
         if eager and m > 1:
             # autograd adds each later microbatch's gradients into .grad: read two, write one
@@ -434,7 +601,7 @@ def simulate(run: RunSpec, hw: Hardware | None = None, eff: Efficiency | None = 
             cats["grad_accumulate"] = acc * (m - 1) / m
             C += cats["grad_accumulate"]
         t_pp = 2 * v * t_p2p
-        steady = C + (_cost(t_pp, max(0.0, t_pp - C)) if ov.pp else t_pp)
+        steady = C + (_cost(t_pp, max(0.0, t_pp - C), k_pp) if ov.pp else t_pp)
         stages[kind] = dict(F=F, B=B, W=W, C=C, steady=steady, fill=C + 2 * v * t_p2p,
                             cats=cats)
 
@@ -465,27 +632,33 @@ def simulate(run: RunSpec, hw: Hardware | None = None, eff: Efficiency | None = 
 
     # data-parallel communication after (or overlapped with) the pipeline
     F0, B0 = stages[kinds[0][0]]["F"], stages[kinds[0][0]]["B"]
-    buckets = max(1, math.ceil((dense0 + expert0) / BUCKET_PARAMS))
+    hidden = [m * stages[crit]["cats"]["dp_hidden"]]   # seconds of hidden DP communication
+
+    def step_cost(t: float, exposed: float, k: float) -> float:
+        hidden.append(max(0.0, t - exposed))
+        return _cost(t, exposed, k)
+
     if dp * cp <= 1 and ep <= 1:
         t_dp = 0.0
     elif tr.zero_stage == 0:
-        t_dp = _cost(t_grad, _grad_reduce_exposed(t_grad, B0, buckets, pp, v)) if ov.dp \
+        t_dp = step_cost(b_ar.total, _grad_reduce_exposed(b_ar, B0, pp, v), k_dp) if ov.dp \
             else t_grad
     elif tr.zero_stage == 1 or (tr.zero_stage == 2 and eager):
         # whole gradients accumulate over the microbatches: one reduce-scatter per step, then
         # the updated shards are all-gathered (myria's eager "zero2" is FSDP2 without
         # resharding after forward under no_sync: gradients accumulate whole, as here)
         if ov.dp:
-            t_dp = _cost(t_rs, _grad_reduce_exposed(t_rs, B0, buckets, pp, v)) + \
-                _cost(t_ag, _grad_reduce_exposed(t_ag, F0, buckets, pp, v))
+            t_dp = step_cost(b_rs.total, _grad_reduce_exposed(b_rs, B0, pp, v), k_dp) + \
+                step_cost(b_ag.total, _grad_reduce_exposed(b_ag, F0, pp, v), k_dp)
         else:
             t_dp = t_rs + t_ag
     elif tr.zero_stage == 2 or (tr.zero_stage >= 3 and not tr.reshard_after_forward
                                 and not eager):
         # gradients were reduce-scattered per microbatch (above); the updated parameter shards
-        # are all-gathered once per step, before (ZeRO-2) or during (FSDP without resharding)
-        # the first forward
-        t_dp = _cost(t_ag, _grad_reduce_exposed(t_ag, F0, buckets, pp, v)) if ov.dp else t_ag
+        # are all-gathered once per step, unit by unit, behind the first forward (ZeRO-2,
+        # FSDP without resharding)
+        t_dp = step_cost(f_ag.total, _grad_reduce_exposed(f_ag, F0, pp, v), k_dp) if ov.dp \
+            else f_ag.total
     elif eager and _fsdp_context(hw.cpu, groups["dp"], pp):
         _, block_rs, _, ends_rs = _fsdp_context(hw.cpu, groups["dp"], pp)
         t_dp = n_layers[kinds[0][0]] * block_rs + ends_rs
@@ -506,9 +679,10 @@ def simulate(run: RunSpec, hw: Hardware | None = None, eff: Efficiency | None = 
     if deferred and dp * cp > 1:
         # each stage's accumulated gradients, reduce-scattered after its last backward (the
         # interleaved chunks' during the remaining chunks' backward)
-        t_dp += _cost(t_rs, _grad_reduce_exposed(t_rs, B0, buckets, pp, v)) if ov.dp else t_rs
+        t_dp += step_cost(f_rs.total, _grad_reduce_exposed(f_rs, B0, pp, v), k_dp) if ov.dp \
+            else f_rs.total
     if t_rep:  # HSDP: the replicas all-reduce their gradient shards, after the last backward
-        t_dp += _cost(t_rep, max(t_rep / buckets, t_rep - B0)) if ov.dp else t_rep
+        t_dp += step_cost(t_rep, max(t_rep / f_rs.n, t_rep - B0), k_dp) if ov.dp else t_rep
     if pp > 1 and cfg.tie_embeddings:
         # the tied embedding's gradient is summed between the first and last stage
         emb = cfg.vocab_size * cfg.hidden / tp * g_b
@@ -541,7 +715,8 @@ def simulate(run: RunSpec, hw: Hardware | None = None, eff: Efficiency | None = 
     if tr.offload == "nvme":
         t_offload = _nvme_time(tr, hw, n_opt, t_opt, m, w_b, m * stages[crit]["C"])
     t_data = tr.data_loading_s
-    total = t_pipe + t_dp + t_opt + t_offload + t_data
+    t_sync = sync_wait(hw, m * (stages[crit]["F"] + stages[crit]["B"]))
+    total = t_pipe + t_dp + t_opt + t_offload + t_data + t_sync
 
     # breakdown: the critical stage's m microbatches, then the rest
     cats = stages[crit]["cats"]
@@ -560,6 +735,7 @@ def simulate(run: RunSpec, hw: Hardware | None = None, eff: Efficiency | None = 
         "optimizer": t_opt,
         "offload": t_offload,
         "data_loading": t_data,
+        "sync_wait": t_sync,
     }
     tokens = tr.global_batch * cfg.seq_len
     mf, df, fw, fc = _model_flops(shape)
@@ -606,6 +782,9 @@ def simulate(run: RunSpec, hw: Hardware | None = None, eff: Efficiency | None = 
               "offload": tr.offload, "offload_params": tr.offload_params}
     details = {
         "bubble_fraction": bubble / t_pipe if t_pipe else 0.0,
+        "comm_hidden_s": sum(hidden),
+        "compute_s": bd["compute_gemm"] + bd["compute_attention"] + bd["compute_memory_bound"]
+        + bd["recompute"],
         "critical_stage": crit,
         "stage_time_s": {k: s["steady"] for k, s in stages.items()},
         "p2p_time_s": t_p2p,

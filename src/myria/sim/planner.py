@@ -11,7 +11,9 @@ first and last stages, which also hold the embedding and the output layer, get f
 Honesty about precision: every prediction carries the model's uncertainty band (the 90th
 percentile of its held-out error on the calibration set, `band.uncertainty()`), and
 layouts whose MFU lies within that band of the best are statistically tied: among them the
-simpler layout (fewer parallel dimensions, lower ZeRO stage, less recomputation) ranks first.
+faster prediction ranks first, then the one with more free memory (`tie_order`), and a
+prediction the model cannot vouch for (memory margin under its memory error, more hidden
+communication than compute to hide it) is marked and not first (`implausible`).
 Each ranked layout also gets the expected effective training time ratio and the checkpoint
 interval that maximises it (`reliability.expected_ettr`).
 
@@ -225,15 +227,16 @@ def plan(base: RunSpec, space: SearchSpace | None = None, top: int = 10,
          reliability: Reliability | None = None) -> PlanResult:
     """Search layouts for `base` (model, batch, cluster, kernels, overlap) and rank them.
 
-    A layout fits when its peak memory is below capacity minus `reserve_gb` (default 10% of
-    device memory). Ranked by MFU, then statistically tied layouts (within the model's
-    uncertainty band of the best) simplest first; each gets `extra` fields: mfu_low, mfu_high,
-    ettr, checkpoint_interval_steps, tied. When no layout fits, the search runs again with the
-    optimizer state (and parameters) offloaded, `space.offload_fallback`, and the result says
-    so (`offloaded`). Each ranked layout carries the trainer's verdict (`extra.runnable`,
-    and `extra.not_runnable` with the reason: `trainer_verdict`), and among layouts tied with the
-    best the first place goes to one myria's trainer runs (`runnable_first`); when the first
-    is priced only, `best_runnable` names the trainer's best and its place.
+    A layout fits when its peak memory is below capacity minus `reserve_gb` (default 0).
+    Ranked by MFU, then statistically tied layouts (within the model's uncertainty band of the
+    best) first in `tie_order`; each gets `extra` fields: mfu_low, mfu_high, ettr,
+    checkpoint_interval_steps, tied, implausible (when it is). When no layout fits, the search
+    runs again with the optimizer state (and parameters) offloaded, `space.offload_fallback`,
+    and the result says so (`offloaded`). Each ranked layout carries the trainer's verdict
+    (`extra.runnable`, and `extra.not_runnable` with the reason: `trainer_verdict`), and among
+    layouts tied with the best the first place goes to one myria's trainer runs
+    (`runnable_first`); when the first is priced only, `best_runnable` names the trainer's
+    best and its place.
     """
     from myria.sim.band import uncertainty
 
@@ -342,33 +345,58 @@ def best_runnable(ranked: list[perf.StepResult], runs: dict[int, RunSpec], hw
     return 0, None
 
 
-def simplicity(r: perf.StepResult) -> tuple:
-    """Smaller ranks first among tied layouts: no offload; the optimizer state sharded when
-    there is more than one data-parallel rank (a tie never goes to keeping replicated Adam
-    state: ZeRO-1 costs no extra communication, Rajbhandari et al. 2020); fewer parallel
-    dimensions in use; less recomputation; lower ZeRO stage; less memory (to the GB); fewer
-    stages and smaller degrees."""
-    lay = r.layout
-    dims = sum(1 for k in ("tp", "pp", "cp", "ep", "vpp") if lay[k] > 1)
-    rec = {"none": 0, "selective": 1, "elementwise": 1, "full": 2}[lay["recompute"]]
-    off = {"none": 0, "cpu": 1, "nvme": 2}[lay.get("offload", "none")] + \
-        bool(lay.get("offload_params"))
-    replicated = lay["zero_stage"] == 0 and lay["dp"] * lay["cp"] > 1
-    return (off, replicated, dims, rec, lay["zero_stage"], round(r.memory.total / 1e9),
-            lay["pp"] * lay["vpp"], lay["tp"], lay["cp"])
+# The memory model's own error on device memory, as a share of its prediction: the largest
+# error of bench/sim_memory_layouts.py (myria's Engine on two processes, 8.5%; the 18 single
+# configurations of bench/sim_memory.py stay within 4.4%). A first pick whose free memory is
+# smaller than this may not fit at all.
+MEMORY_ERROR = 0.085
+
+
+def margin_bytes(r: perf.StepResult) -> float:
+    """Device memory left free by the prediction (capacity less the predicted peak)."""
+    return r.memory.capacity - r.memory.total
+
+
+def implausible(r: perf.StepResult) -> str:
+    """Why a layout's prediction cannot be trusted as a first pick ("" when it can): its memory
+    margin is under the memory model's own error, or the communication it hides exceeds the
+    compute it hides behind."""
+    if margin_bytes(r) < MEMORY_ERROR * r.memory.total:
+        return (f"memory margin {margin_bytes(r) / 1e9:.1f} GB is under the memory model's "
+                f"error ({MEMORY_ERROR:.1%} of {r.memory.total / 1e9:.1f} GB)")
+    hidden = r.details.get("comm_hidden_s", 0.0)
+    compute = r.details.get("compute_s", 0.0)
+    if compute and hidden > compute:
+        return (f"hides {hidden:.2f} s of communication behind {compute:.2f} s of compute")
+    return ""
+
+
+def tie_order(r: perf.StepResult, t_best: float) -> tuple:
+    """Order inside the tie band: a plausible prediction first (`implausible`), then the
+    predicted step time (to 0.1% of the best: closer is noise), then the larger memory margin;
+    offloaded layouts after those that keep their state on the device."""
+    off = {"none": 0, "cpu": 1, "nvme": 2}[r.layout.get("offload", "none")] + \
+        bool(r.layout.get("offload_params"))
+    return (bool(r.extra.get("implausible")), off,
+            round(r.iteration_time_s / t_best / 1e-3), -margin_bytes(r))
 
 
 def rank_with_ties(results: list[perf.StepResult], band: float) -> list[perf.StepResult]:
     """Results sorted by MFU, with those within `band` of the best MFU (statistically tied
-    with it) moved to the front, simplest first."""
+    with it) moved to the front in `tie_order`; an implausible prediction (`implausible`) is
+    marked (`extra.implausible`) and never first while a plausible one is tied."""
     if not results:
         return []
     best = max(r.mfu for r in results)
     tied = [r for r in results if r.mfu >= best * (1 - band)]
     rest = [r for r in results if r.mfu < best * (1 - band)]
-    tied.sort(key=lambda r: (simplicity(r), -r.mfu))
+    t_best = min(r.iteration_time_s for r in tied)
     for r in tied:
         r.extra["tied"] = True
+        why = implausible(r)
+        if why:
+            r.extra["implausible"] = why
+    tied.sort(key=lambda r: tie_order(r, t_best))
     return tied + sorted(rest, key=lambda r: -r.mfu)
 
 
