@@ -82,6 +82,19 @@ class ModelConfig:
     document_len: int = _f(0, "with document_mask: the mean document length in tokens over which "
                            "FLOP counts and the performance model charge attention; 0 means the "
                            "training data's own mean (seq_len where no data is at hand)", min=0)
+    init_from: str = _f("", "a Hugging Face model directory (config.json + safetensors) to start "
+                        "from: its config.json sets the model's fields (seq_len stays the run's) "
+                        "and step 0 loads its weights, each rank reading only its own slices "
+                        "(myria.interop.hf; Llama 2/3, Mistral, Qwen2)")
+    qkv_bias: bool = _f(False, "biases on the query, key and value projections only (Qwen2)")
+    rope_scaling: str = _f("none", "RoPE frequency scaling for long context, as Hugging Face's "
+                           "rope_type: none, linear (positions / rope_factor) or llama3 "
+                           "(Llama 3.1's by wavelength band)", choices=("none", "linear", "llama3"))
+    rope_factor: float = _f(1.0, "rope_scaling's factor", min=1.0)
+    rope_low_freq_factor: float = _f(1.0, "llama3 rope_scaling: low_freq_factor", min=0.0)
+    rope_high_freq_factor: float = _f(4.0, "llama3 rope_scaling: high_freq_factor", min=0.0)
+    rope_original_max_len: int = _f(8192, "llama3 rope_scaling: "
+                                    "original_max_position_embeddings", min=1)
 
     @property
     def n_kv_heads(self) -> int:
@@ -549,6 +562,12 @@ def validate_model(m: ModelConfig) -> None:
                           f"<= {m.seq_len}")
     if m.experts and m.top_k > m.experts:
         raise ConfigError(f"model.top_k = {m.top_k} exceeds model.experts = {m.experts}")
+    if m.qkv_bias and m.arch != "llama":
+        raise ConfigError(f"model.qkv_bias is for model.arch = 'llama' (got {m.arch!r}; gpt "
+                          "has biases on every projection already)")
+    if m.rope_scaling == "llama3" and m.rope_high_freq_factor <= m.rope_low_freq_factor:
+        raise ConfigError(f"model.rope_high_freq_factor = {m.rope_high_freq_factor} must exceed "
+                          f"model.rope_low_freq_factor = {m.rope_low_freq_factor}")
     validate_mixer(m)
 
 
@@ -634,7 +653,7 @@ def describe(cfg: Config) -> str:
 FROZEN_ON_RESUME: dict[str, str] = {
     **{f"model.{k}": "the checkpoint's weights have that shape" for k in (
         "arch", "vocab_size", "layers", "hidden", "heads", "kv_heads", "ffn_hidden", "experts",
-        "tie_embeddings", "parallel_block", "block_pattern")},
+        "tie_embeddings", "parallel_block", "block_pattern", "qkv_bias")},
     "model.init_std": "it only initialises the weights at step 0",
     "model.seq_len": "the data position of the checkpoint is counted in sequences of that length",
     "training.seed": "the data order (and the initialisation) is a function of the seed",

@@ -170,9 +170,9 @@ def rope_for(model, length: int):
         return None
     if model.rope_cos.shape[0] >= length:
         return model.rope_cos, model.rope_sin
-    from myria.models.attention import rope_tables
+    from myria.models.transformer import rope_for
 
-    return rope_tables(length, model.cfg.head_dim, model.cfg.rope_theta)
+    return rope_for(model.cfg, length)
 
 
 def pick(logits: torch.Tensor, temperature: float, top_k: int, gen: torch.Generator) -> int:

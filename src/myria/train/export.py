@@ -36,19 +36,6 @@ from myria.errors import CheckpointError, ConfigError
 FILES = ("model.safetensors", "config.json", "generation_config.json", "tokenizer.json",
          "tokenizer_config.json", "special_tokens_map.json")
 
-_LAYER_MAP = {
-    "attention.wq.weight": "self_attn.q_proj.weight",
-    "attention.wk.weight": "self_attn.k_proj.weight",
-    "attention.wv.weight": "self_attn.v_proj.weight",
-    "attention.wo.weight": "self_attn.o_proj.weight",
-    "feed_forward.w1.weight": "mlp.gate_proj.weight",
-    "feed_forward.w3.weight": "mlp.up_proj.weight",
-    "feed_forward.w2.weight": "mlp.down_proj.weight",
-    "attention_norm.weight": "input_layernorm.weight",
-    "ffn_norm.weight": "post_attention_layernorm.weight",
-}
-
-
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--run-dir", required=True, help="run directory holding checkpoints/")
     p.add_argument("--format", default="hf", choices=["hf"], help="output format")
@@ -63,15 +50,27 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def hf_config(m, eos_id: int) -> dict:
-    """A transformers LlamaConfig dict for model config `m`."""
+    """A transformers config dict for model config `m`: LlamaConfig, or Qwen2Config for a model
+    with query/key/value biases (Llama's attention_bias would add one to the output too)."""
+    arch = {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2",
+            "use_sliding_window": False} if m.qkv_bias else \
+        {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "attention_bias": False,
+         "mlp_bias": False, "head_dim": m.head_dim}
+    rope = {"linear": {"rope_type": "linear", "factor": m.rope_factor},
+            "llama3": {"rope_type": "llama3", "factor": m.rope_factor,
+                       "low_freq_factor": m.rope_low_freq_factor,
+                       "high_freq_factor": m.rope_high_freq_factor,
+                       "original_max_position_embeddings": m.rope_original_max_len},
+            }.get(m.rope_scaling)
     return {
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama",
+        **arch,
         "vocab_size": m.vocab_size, "hidden_size": m.hidden, "intermediate_size": m.ffn_dim,
         "num_hidden_layers": m.layers, "num_attention_heads": m.heads,
-        "num_key_value_heads": m.n_kv_heads, "head_dim": m.head_dim,
-        "max_position_embeddings": m.seq_len, "rms_norm_eps": m.norm_eps,
-        "rope_theta": m.rope_theta, "hidden_act": "silu", "attention_bias": False,
-        "mlp_bias": False, "tie_word_embeddings": m.tie_embeddings,
+        "num_key_value_heads": m.n_kv_heads,
+        "max_position_embeddings": max(m.seq_len, m.rope_original_max_len if rope else 0),
+        "rms_norm_eps": m.norm_eps,
+        "rope_theta": m.rope_theta, **({"rope_scaling": rope} if rope else {}),
+        "hidden_act": "silu", "tie_word_embeddings": m.tie_embeddings,
         "dtype": "float32", "bos_token_id": eos_id, "eos_token_id": eos_id,
         "pad_token_id": eos_id,
     }
@@ -105,15 +104,11 @@ def check_out(out: Path, force: bool) -> None:
 
 
 def to_hf_state_dict(sd: dict[str, torch.Tensor], m) -> dict[str, torch.Tensor]:
-    """Rename myria parameter names to LlamaForCausalLM's."""
-    out = {"model.embed_tokens.weight": sd["tok_embeddings.weight"],
-           "model.norm.weight": sd["norm.weight"]}
-    if not m.tie_embeddings:
-        out["lm_head.weight"] = sd["output.weight"]
-    for i in range(m.layers):
-        for ours, theirs in _LAYER_MAP.items():
-            out[f"model.layers.{i}.{theirs}"] = sd[f"layers.{i}.{ours}"]
-    return {k: v.detach().to(torch.float32).contiguous() for k, v in out.items()}
+    """Rename myria parameter names to the Llama family's (myria.interop.hf.hf_name)."""
+    from myria.interop.hf import hf_name
+
+    return {hf_name(k): v.detach().to(torch.float32).contiguous() for k, v in sd.items()
+            if not (m.tie_embeddings and k == "output.weight")}
 
 
 def check_exportable(m) -> None:
@@ -208,5 +203,6 @@ def run(args) -> int:
     if note:
         print(note)
     print(f"exported {path.name} ({sum(v.numel() for v in sd.values()):,} parameters) to {out} "
-          f"as LlamaForCausalLM safetensors with its tokenizer (eos id {eos})")
+          f"as {files['config.json']['architectures'][0]} safetensors with its tokenizer "
+          f"(eos id {eos})")
     return 0

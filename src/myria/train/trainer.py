@@ -372,9 +372,23 @@ def resume_run(cfg: Config, run_dir: Path, env, engine: Engine, ckpt: Checkpoint
             print(f"resumed from {latest} (step {start_step}, saved by {meta['world_size']} "
                   f"processes; rank 0 read {ckpt.bytes_read / 2**20:.1f} MiB)", flush=True)
         resume.apply(cfg, engine, run_dir, start_step, changed, env.is_main)
+    elif cfg.model.init_from:
+        init_from_hf(cfg, engine, env.is_main)
     if env.is_main and (cfg.checkpoint.resume_from or not cfg.checkpoint.resume):
         ckpt.abandon_after(start_step)  # a new timeline: newer checkpoints go aside
     return start_step, latest
+
+
+def init_from_hf(cfg: Config, engine: Engine, is_main: bool) -> None:
+    """Step 0 of a run that starts from a Hugging Face model: its weights replace the
+    initialisation, each rank reading only its own slices (myria.interop.hf)."""
+    from myria.interop import hf
+
+    t0 = time.perf_counter()
+    held = hf.load_weights(engine.parts, cfg.model.init_from, cfg.model)
+    if is_main:
+        print(f"loaded the weights of {cfg.model.init_from} in {time.perf_counter() - t0:.1f} s "
+              f"(rank 0 holds {held / 2**20:.1f} MiB of them)", flush=True)
 
 
 def start_events(cfg: Config, run_dir: Path, env, dims: ParallelDims, engine: Engine,
