@@ -15,8 +15,8 @@ torch.distributed.checkpoint's Hugging Face reader: every rank asks for the slic
 shards own and the reader takes exactly those out of the safetensors files (`get_slice`), so no
 rank ever holds a whole copy of the model, only its shard plus the slice being copied.
 
-`NAMES` is the one map between myria's parameter names and the Llama family's; export uses it
-the other way (myria.train.export).
+`hf_name` (`LAYER_NAMES`, `TOP_NAMES`) is the one map between myria's parameter names and the
+Llama family's; export uses it the other way (myria.train.export).
 """
 
 from __future__ import annotations
