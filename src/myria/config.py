@@ -20,10 +20,11 @@ from myria.errors import ConfigError
 
 
 def schema_field(default: Any, help: str, choices: tuple | None = None,
-                 min: float | None = None):
+                 min: float | None = None, parse: Any = None):
     """A config field with its description, allowed choices and lower bound (the schema of
-    both the training config and the simulator's run files)."""
-    meta = {"help": help, "choices": choices, "min": min}
+    both the training config and the simulator's run files); `parse(where, value)` turns a
+    value of another TOML type into the field's (e.g. a list of tables into text)."""
+    meta = {"help": help, "choices": choices, "min": min, "parse": parse}
     if isinstance(default, (list, dict)):
         return field(default_factory=lambda: type(default)(default), metadata=meta)
     return field(default=default, metadata=meta)
@@ -113,6 +114,34 @@ class ModelConfig:
         return 64 * ((int(8 * self.hidden / 3) + 63) // 64)
 
 
+def sources_from_tables(where: str, value: Any) -> str:
+    """data.sources written as TOML's list of tables ([{path = "data/web", weight = 0.7,
+    epochs = 2}, ...]) as the equivalent 'PATH:WEIGHT[:EPOCHS],...' text."""
+    if not isinstance(value, list):
+        raise ConfigError(f"{where} = {value!r}: expected 'PATH:WEIGHT[:EPOCHS],...' or a list "
+                          "of tables [{path = \"...\", weight = 0.3}, ...]")
+    out = []
+    for i, t in enumerate(value):
+        entry = f"{where}[{i}]"
+        if not isinstance(t, dict):
+            raise ConfigError(f"{entry} = {t!r}: expected a table {{path = \"...\", weight = "
+                              "0.3} (epochs optional)")
+        extra = sorted(set(t) - {"path", "weight", "epochs"})
+        if extra:
+            raise ConfigError(f"{entry}: unknown key {extra[0]!r}; valid keys: path, weight, "
+                              "epochs" + suggest(extra[0], ("path", "weight", "epochs")))
+        path, weight, epochs = t.get("path"), t.get("weight"), t.get("epochs", 0)
+        if not isinstance(path, str) or not path or "," in path:
+            raise ConfigError(f"{entry}.path = {path!r}: expected a directory path (without ',')")
+        if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not weight > 0:
+            raise ConfigError(f"{entry}.weight = {weight!r}: expected a number > 0")
+        if isinstance(epochs, bool) or not isinstance(epochs, int) or epochs < 0:
+            raise ConfigError(f"{entry}.epochs = {epochs!r}: expected a whole number >= 0 "
+                              "(0: no limit)")
+        out.append(f"{path}:{weight!r}" + (f":{epochs}" if epochs else ""))
+    return ",".join(out)
+
+
 @dataclass
 class DataConfig:
     """Token shards written by `myria prepare`."""
@@ -121,7 +150,9 @@ class DataConfig:
                    "tokenizer.json)")
     sources: str = _f("", "a weighted mixture of prepared directories instead of path: "
                       "'PATH:WEIGHT[:EPOCHS],...' (e.g. 'data/web:0.7,data/code:0.3:2'; EPOCHS "
-                      "limits the passes over a source; one tokenizer for all)")
+                      "limits the passes over a source; one tokenizer for all), or TOML's list "
+                      "of tables: [{path = 'data/web', weight = 0.7}, {path = 'data/code', "
+                      "weight = 0.3, epochs = 2}]", parse=sources_from_tables)
     prefetch: int = _f(2, "batches the background loader thread keeps ready", min=0)
     eval_batches: int = _f(4, "validation batches (of global_batch sequences) per evaluation",
                            min=0)
@@ -434,6 +465,8 @@ def coerce(where: str, cls: type, name: str, value: Any) -> Any:
     t = _field_type(cls, name)
     meta = next(f.metadata for f in dataclasses.fields(cls) if f.name == name)
     choices = meta.get("choices")
+    if meta.get("parse") is not None and not isinstance(value, t):
+        value = meta["parse"](where, value)
     if t is bool:
         if isinstance(value, str) and value.lower() in ("true", "false", "1", "0", "yes", "no"):
             value = value.lower() in ("true", "1", "yes")
