@@ -35,6 +35,9 @@ NOT_HERE = {
     "--rdzv-endpoint": "continuation of a multi-host torchrun line",
     "-m myria train --config configs/llama3-8b.toml --run-dir /shared": "multi-host example",
     ". .venv/bin/activate": "the test runs the environment's `myria` directly",
+    "models/Llama-3.2-1B": "a downloaded model; tests/interop runs these commands on models "
+                           "made on the spot",
+    "runs/cpt": "continues the downloaded-model example",
 }
 # Shorter schedules for the training lines (the README's numbers are for people).
 SHORTER = [(r"--training\.steps=300", "--training.steps=4"), (r"--stop-after 50", "--stop-after 1")]

@@ -300,6 +300,29 @@ class LoggingConfig:
     interval: int = _f(1, "write metrics every N steps", min=1)
     tensorboard: bool = _f(True, "also write TensorBoard scalars to RUN_DIR/tensorboard")
     progress: bool = _f(True, "show a live progress line on rank 0")
+    trackers: str = _f("", "experiment trackers that also get the metrics, the config and "
+                       "`myria report`'s figures: wandb, mlflow or 'wandb,mlflow'; one tracker "
+                       "run per run directory, continued by restarts and resumes "
+                       "(myria.observe.tracking)")
+    project: str = _f("myria", "the W&B project and MLflow experiment of the run")
+    run_name: str = _f("", "the run's name in the trackers; empty = the run directory's name")
+    wandb_mode: str = _f("auto", "W&B: online, offline (files in RUN_DIR/wandb; `wandb sync` "
+                         "uploads them) or auto (online when WANDB_API_KEY is set)",
+                         choices=("auto", "online", "offline"))
+    mlflow_uri: str = _f("", "MLflow tracking URI (a server or a database); empty = a local "
+                         "store in RUN_DIR/mlruns")
+
+
+@dataclass
+class ProfilingConfig:
+    """torch.profiler traces of a few steps, per rank (myria.train.profiling)."""
+
+    start_step: int = _f(0, "first step profiled (as the logs count steps, from 1); 0 = off",
+                         min=0)
+    steps: int = _f(2, "steps profiled from start_step", min=1)
+    memory: bool = _f(False, "also a memory snapshot of the window: CUDA's allocator history "
+                      "(memory_rankN.pickle, for pytorch.org/memory_viz); on a CPU the "
+                      "profiler's memory records and a table of the operators by memory")
 
 
 @dataclass
@@ -427,6 +450,7 @@ class Config:
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     resilience: ResilienceConfig = field(default_factory=ResilienceConfig)
     observe: ObserveConfig = field(default_factory=ObserveConfig)
+    profiling: ProfilingConfig = field(default_factory=ProfilingConfig)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -441,6 +465,7 @@ SECTIONS: dict[str, type] = {
     "model": ModelConfig, "data": DataConfig, "training": TrainingConfig,
     "optimizer": OptimizerConfig, "parallel": ParallelConfig, "checkpoint": CheckpointConfig,
     "logging": LoggingConfig, "resilience": ResilienceConfig, "observe": ObserveConfig,
+    "profiling": ProfilingConfig,
 }
 
 
@@ -654,6 +679,11 @@ def validate(cfg: Config) -> None:
                           f" = {t.global_batch}")
     if cfg.optimizer.beta1 >= 1 or cfg.optimizer.beta2 >= 1:
         raise ConfigError("optimizer.beta1 and optimizer.beta2 must be < 1")
+    bad = [n for n in cfg.logging.trackers.split(",") if n.strip().lower()
+           not in ("", "wandb", "mlflow")]
+    if bad:
+        raise ConfigError(f"logging.trackers = {cfg.logging.trackers!r}: {bad[0].strip()!r} is "
+                          "not a tracker; use wandb, mlflow or 'wandb,mlflow'")
     if par.cpu_offload and par.offload == "nvme":
         raise ConfigError("parallel.cpu_offload = true (an alias of offload = 'cpu') contradicts "
                           "parallel.offload = 'nvme'; set one of them")
