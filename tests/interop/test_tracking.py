@@ -86,6 +86,7 @@ def check_one_run_each(run: Path) -> None:
                 if "train/loss" in items:
                     logged.append(items["_step"])
                     assert items["train/loss"] == rows[items["_step"]]["loss"]
-                images |= {k for k in items if k.startswith("report/")}
+                images |= {i.key or i.nested_key[0] for i in rec.history.item
+                           if (i.key or i.nested_key[0]).startswith("report/")}
     assert sorted(logged) == list(range(1, STEPS + 1))
     assert "report/curves" in images
