@@ -21,6 +21,7 @@ LAYERS = [
     ("device", "rundir", "faults", "config"),   # facts, paths, the config schema
     ("data", "detections"),                     # tokens on disk; detection records
     ("models", "optim"),                        # plain modules, FLOPs and memory formulas
+    ("interop",),                               # Hugging Face model directories
     ("layout",),                                # the parallel layout and its one check
     ("parallel",),                              # meshes, groups, parallelisation (torch)
     ("sim",),                                   # the performance model, planner, network

@@ -38,6 +38,9 @@ NOT_HERE = {
     "sbatch ": "a Slurm cluster",
     "myria cluster": "root and Slurm's packages: tests/cluster runs these steps",
     "make cluster-packages": "root: installs Debian packages",
+    "models/Llama-3.2-1B": "a downloaded model; tests/interop runs these commands on models "
+                           "made on the spot",
+    "runs/cpt": "continues the downloaded-model example",
 }
 # Shorter schedules for the training lines (the README's numbers are for people).
 SHORTER = [(r"--training\.steps=300", "--training.steps=4"), (r"--stop-after 50", "--stop-after 1")]

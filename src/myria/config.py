@@ -20,10 +20,11 @@ from myria.errors import ConfigError
 
 
 def schema_field(default: Any, help: str, choices: tuple | None = None,
-                 min: float | None = None):
+                 min: float | None = None, parse: Any = None):
     """A config field with its description, allowed choices and lower bound (the schema of
-    both the training config and the simulator's run files)."""
-    meta = {"help": help, "choices": choices, "min": min}
+    both the training config and the simulator's run files); `parse(where, value)` turns a
+    value of another TOML type into the field's (e.g. a list of tables into text)."""
+    meta = {"help": help, "choices": choices, "min": min, "parse": parse}
     if isinstance(default, (list, dict)):
         return field(default_factory=lambda: type(default)(default), metadata=meta)
     return field(default=default, metadata=meta)
@@ -82,6 +83,19 @@ class ModelConfig:
     document_len: int = _f(0, "with document_mask: the mean document length in tokens over which "
                            "FLOP counts and the performance model charge attention; 0 means the "
                            "training data's own mean (seq_len where no data is at hand)", min=0)
+    init_from: str = _f("", "a Hugging Face model directory (config.json + safetensors) to start "
+                        "from: its config.json sets the model's fields (seq_len stays the run's) "
+                        "and step 0 loads its weights, each rank reading only its own slices "
+                        "(myria.interop.hf; Llama 2/3, Mistral, Qwen2)")
+    qkv_bias: bool = _f(False, "biases on the query, key and value projections only (Qwen2)")
+    rope_scaling: str = _f("none", "RoPE frequency scaling for long context, as Hugging Face's "
+                           "rope_type: none, linear (positions / rope_factor) or llama3 "
+                           "(Llama 3.1's by wavelength band)", choices=("none", "linear", "llama3"))
+    rope_factor: float = _f(1.0, "rope_scaling's factor", min=1.0)
+    rope_low_freq_factor: float = _f(1.0, "llama3 rope_scaling: low_freq_factor", min=0.0)
+    rope_high_freq_factor: float = _f(4.0, "llama3 rope_scaling: high_freq_factor", min=0.0)
+    rope_original_max_len: int = _f(8192, "llama3 rope_scaling: "
+                                    "original_max_position_embeddings", min=1)
 
     @property
     def n_kv_heads(self) -> int:
@@ -100,6 +114,34 @@ class ModelConfig:
         return 64 * ((int(8 * self.hidden / 3) + 63) // 64)
 
 
+def sources_from_tables(where: str, value: Any) -> str:
+    """data.sources written as TOML's list of tables ([{path = "data/web", weight = 0.7,
+    epochs = 2}, ...]) as the equivalent 'PATH:WEIGHT[:EPOCHS],...' text."""
+    if not isinstance(value, list):
+        raise ConfigError(f"{where} = {value!r}: expected 'PATH:WEIGHT[:EPOCHS],...' or a list "
+                          "of tables [{path = \"...\", weight = 0.3}, ...]")
+    out = []
+    for i, t in enumerate(value):
+        entry = f"{where}[{i}]"
+        if not isinstance(t, dict):
+            raise ConfigError(f"{entry} = {t!r}: expected a table {{path = \"...\", weight = "
+                              "0.3} (epochs optional)")
+        extra = sorted(set(t) - {"path", "weight", "epochs"})
+        if extra:
+            raise ConfigError(f"{entry}: unknown key {extra[0]!r}; valid keys: path, weight, "
+                              "epochs" + suggest(extra[0], ("path", "weight", "epochs")))
+        path, weight, epochs = t.get("path"), t.get("weight"), t.get("epochs", 0)
+        if not isinstance(path, str) or not path or "," in path:
+            raise ConfigError(f"{entry}.path = {path!r}: expected a directory path (without ',')")
+        if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not weight > 0:
+            raise ConfigError(f"{entry}.weight = {weight!r}: expected a number > 0")
+        if isinstance(epochs, bool) or not isinstance(epochs, int) or epochs < 0:
+            raise ConfigError(f"{entry}.epochs = {epochs!r}: expected a whole number >= 0 "
+                              "(0: no limit)")
+        out.append(f"{path}:{weight!r}" + (f":{epochs}" if epochs else ""))
+    return ",".join(out)
+
+
 @dataclass
 class DataConfig:
     """Token shards written by `myria prepare`."""
@@ -108,7 +150,9 @@ class DataConfig:
                    "tokenizer.json)")
     sources: str = _f("", "a weighted mixture of prepared directories instead of path: "
                       "'PATH:WEIGHT[:EPOCHS],...' (e.g. 'data/web:0.7,data/code:0.3:2'; EPOCHS "
-                      "limits the passes over a source; one tokenizer for all)")
+                      "limits the passes over a source; one tokenizer for all), or TOML's list "
+                      "of tables: [{path = 'data/web', weight = 0.7}, {path = 'data/code', "
+                      "weight = 0.3, epochs = 2}]", parse=sources_from_tables)
     prefetch: int = _f(2, "batches the background loader thread keeps ready", min=0)
     eval_batches: int = _f(4, "validation batches (of global_batch sequences) per evaluation",
                            min=0)
@@ -250,6 +294,29 @@ class LoggingConfig:
     interval: int = _f(1, "write metrics every N steps", min=1)
     tensorboard: bool = _f(True, "also write TensorBoard scalars to RUN_DIR/tensorboard")
     progress: bool = _f(True, "show a live progress line on rank 0")
+    trackers: str = _f("", "experiment trackers that also get the metrics, the config and "
+                       "`myria report`'s figures: wandb, mlflow or 'wandb,mlflow'; one tracker "
+                       "run per run directory, continued by restarts and resumes "
+                       "(myria.observe.tracking)")
+    project: str = _f("myria", "the W&B project and MLflow experiment of the run")
+    run_name: str = _f("", "the run's name in the trackers; empty = the run directory's name")
+    wandb_mode: str = _f("auto", "W&B: online, offline (files in RUN_DIR/wandb; `wandb sync` "
+                         "uploads them) or auto (online when WANDB_API_KEY is set)",
+                         choices=("auto", "online", "offline"))
+    mlflow_uri: str = _f("", "MLflow tracking URI (a server or a database); empty = a local "
+                         "store in RUN_DIR/mlruns")
+
+
+@dataclass
+class ProfilingConfig:
+    """torch.profiler traces of a few steps, per rank (myria.train.profiling)."""
+
+    start_step: int = _f(0, "first step profiled (as the logs count steps, from 1); 0 = off",
+                         min=0)
+    steps: int = _f(2, "steps profiled from start_step", min=1)
+    memory: bool = _f(False, "also a memory snapshot of the window: CUDA's allocator history "
+                      "(memory_rankN.pickle, for pytorch.org/memory_viz); on a CPU the "
+                      "profiler's memory records and a table of the operators by memory")
 
 
 @dataclass
@@ -377,6 +444,7 @@ class Config:
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     resilience: ResilienceConfig = field(default_factory=ResilienceConfig)
     observe: ObserveConfig = field(default_factory=ObserveConfig)
+    profiling: ProfilingConfig = field(default_factory=ProfilingConfig)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -391,6 +459,7 @@ SECTIONS: dict[str, type] = {
     "model": ModelConfig, "data": DataConfig, "training": TrainingConfig,
     "optimizer": OptimizerConfig, "parallel": ParallelConfig, "checkpoint": CheckpointConfig,
     "logging": LoggingConfig, "resilience": ResilienceConfig, "observe": ObserveConfig,
+    "profiling": ProfilingConfig,
 }
 
 
@@ -415,6 +484,8 @@ def coerce(where: str, cls: type, name: str, value: Any) -> Any:
     t = _field_type(cls, name)
     meta = next(f.metadata for f in dataclasses.fields(cls) if f.name == name)
     choices = meta.get("choices")
+    if meta.get("parse") is not None and not isinstance(value, t):
+        value = meta["parse"](where, value)
     if t is bool:
         if isinstance(value, str) and value.lower() in ("true", "false", "1", "0", "yes", "no"):
             value = value.lower() in ("true", "1", "yes")
@@ -543,6 +614,12 @@ def validate_model(m: ModelConfig) -> None:
                           f"<= {m.seq_len}")
     if m.experts and m.top_k > m.experts:
         raise ConfigError(f"model.top_k = {m.top_k} exceeds model.experts = {m.experts}")
+    if m.qkv_bias and m.arch != "llama":
+        raise ConfigError(f"model.qkv_bias is for model.arch = 'llama' (got {m.arch!r}; gpt "
+                          "has biases on every projection already)")
+    if m.rope_scaling == "llama3" and m.rope_high_freq_factor <= m.rope_low_freq_factor:
+        raise ConfigError(f"model.rope_high_freq_factor = {m.rope_high_freq_factor} must exceed "
+                          f"model.rope_low_freq_factor = {m.rope_low_freq_factor}")
     validate_mixer(m)
 
 
@@ -596,6 +673,11 @@ def validate(cfg: Config) -> None:
                           f" = {t.global_batch}")
     if cfg.optimizer.beta1 >= 1 or cfg.optimizer.beta2 >= 1:
         raise ConfigError("optimizer.beta1 and optimizer.beta2 must be < 1")
+    bad = [n for n in cfg.logging.trackers.split(",") if n.strip().lower()
+           not in ("", "wandb", "mlflow")]
+    if bad:
+        raise ConfigError(f"logging.trackers = {cfg.logging.trackers!r}: {bad[0].strip()!r} is "
+                          "not a tracker; use wandb, mlflow or 'wandb,mlflow'")
 
 
 def describe(cfg: Config) -> str:
@@ -625,7 +707,7 @@ def describe(cfg: Config) -> str:
 FROZEN_ON_RESUME: dict[str, str] = {
     **{f"model.{k}": "the checkpoint's weights have that shape" for k in (
         "arch", "vocab_size", "layers", "hidden", "heads", "kv_heads", "ffn_hidden", "experts",
-        "tie_embeddings", "parallel_block", "block_pattern")},
+        "tie_embeddings", "parallel_block", "block_pattern", "qkv_bias")},
     "model.init_std": "it only initialises the weights at step 0",
     "model.seq_len": "the data position of the checkpoint is counted in sequences of that length",
     "training.seed": "the data order (and the initialisation) is a function of the seed",

@@ -170,9 +170,9 @@ def rope_for(model, length: int):
         return None
     if model.rope_cos.shape[0] >= length:
         return model.rope_cos, model.rope_sin
-    from myria.models.attention import rope_tables
+    from myria.models.transformer import rope_for
 
-    return rope_tables(length, model.cfg.head_dim, model.cfg.rope_theta)
+    return rope_for(model.cfg, length)
 
 
 def pick(logits: torch.Tensor, temperature: float, top_k: int, gen: torch.Generator) -> int:
@@ -217,7 +217,7 @@ def generate(model, prompt_ids: list[int], max_new_tokens: int, temperature: flo
 
 def run(args) -> int:
     from myria.data import fingerprint
-    from myria.data.tokenizer import decode, eos_id, load_tokenizer
+    from myria.data.tokenizer import decode, load_tokenizer, read_specials
     from myria.errors import CheckpointError
     from myria.train.export import checkpoint_path, load_checkpoint_model
 
@@ -236,17 +236,21 @@ def run(args) -> int:
     if note:
         print(note, file=sys.stderr)
     tok = load_tokenizer(tok_file)
+    eos = read_specials(tok_file, tok).eos_id
     model, m, path = load_checkpoint_model(run_dir, args.step, path)
     use_cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
     if use_cuda and not torch.cuda.is_available():
         raise ConfigError("--device cuda but no CUDA device is available; use auto or cpu")
     model.to("cuda" if use_cuda else "cpu")
-    ids = tok.encode(args.prompt, add_special_tokens=False).ids
+    # as training saw a document's start: with the tokenizer's own leading tokens (a BOS)
+    ids = tok.encode(args.prompt, add_special_tokens=True).ids
+    if tok.post_processor is not None and ids and ids[-1] == eos:
+        ids = ids[:-1]
     if not ids:
         raise ConfigError("--prompt encodes to no tokens")
     t0 = time.perf_counter()
     new = generate(model, ids, args.max_new_tokens, args.temperature, args.top_k, args.seed,
-                   eos_id(tok))
+                   eos)
     dt = time.perf_counter() - t0
     print(args.prompt + decode(tok, new))
     print(f"[{path.name}: {len(new)} tokens in {dt:.2f} s, {len(new) / dt:.1f} tokens/s, "

@@ -82,15 +82,24 @@ def keep_tokenizer(data_dir: str | Path, run_dir: str | Path, write: bool = True
         if _sha256_bytes(data) != fp["tokenizer_sha256"]:  # changed under our feet
             raise DataError(f"{str(src)!r} changed while the run was starting; is `myria "
                             "prepare` writing into it?")
-        tmp = dest.with_name(dest.name + f".tmp{os.getpid()}")
+        from myria.data.tokenizer import config_file
+
         try:
             dest.parent.mkdir(parents=True, exist_ok=True)
-            tmp.write_bytes(data)
-            os.replace(tmp, dest)
+            # its special tokens (tokenizer_config.json) first: the tokenizer's file marks both
+            if config_file(src).is_file():
+                _replace(config_file(dest), config_file(src).read_bytes())
+            _replace(dest, data)
         except OSError as e:
             raise CheckpointError(f"cannot keep the run's tokenizer in {dest.parent}: "
                                   f"{e.strerror or e}") from None
     return fp
+
+
+def _replace(dest: Path, data: bytes) -> None:
+    tmp = dest.with_name(dest.name + f".tmp{os.getpid()}")
+    tmp.write_bytes(data)
+    os.replace(tmp, dest)
 
 
 def recorded(ckpt: str | Path) -> dict[str, Any] | None:

@@ -3,9 +3,13 @@ BPE tokenizer -> uint16/32 token shards, streamed, in bounded memory, resumable.
 
 Output (DATA_DIR, see `prepare`):
 
-    tokenizer.json          HF `tokenizers` byte-level BPE (EOS = <|endoftext|>)
+    tokenizer.json          HF `tokenizers` byte-level BPE (EOS = <|endoftext|>), or the
+                            --tokenizer given (a model directory's or a tokenizer.json)
+    tokenizer_config.json   its special tokens (eos_token, and bos_token / pad_token when it
+                            has them), read back by training, generate and export
     train_00000.bin ...     raw little-endian token ids of the training split, concatenated
-                            documents each followed by EOS; at most --shard-tokens per shard
+                            documents each followed by EOS (and led by the BOS when the
+                            tokenizer adds one); at most --shard-tokens per shard
     train_00000.docs.npy    int64 offsets (within the shard) of the documents starting in it
     val_00000.bin ...       the held-out validation documents, same layout
     index.json              format version, vocab_size, dtype, eos_id, tokenizer, per split the
@@ -54,15 +58,8 @@ from myria.data.sources import (
     Decoding,
     Meter,
     Source,
-    _dist_files,
     demo_sources,
-    expand_inputs,
     file_sources,
-    kjv_books,
-    markdown_play_text,
-    read_jsonl,
-    read_text,
-    sotu_speeches,
 )
 from myria.errors import DataError
 from myria.fsutil import atomic_write
@@ -179,21 +176,22 @@ def _batches(docs: Iterator[tuple[int, str]], start: int, is_val: Any, counts: C
         yield Batch(first, texts, val, _snapshot(counts, dec))
 
 
-def _encoded(batches: Iterator[Batch], tok: Any, tok_json: str, dtype: np.dtype, workers: int
-             ) -> Iterator[tuple[Batch, np.ndarray, np.ndarray]]:
+def _encoded(batches: Iterator[Batch], tok: Any, tok_json: str, dtype: np.dtype, workers: int,
+             eos: int) -> Iterator[tuple[Batch, np.ndarray, np.ndarray]]:
     """Each batch with its (ids, lengths), in order; encoded by `workers` processes (at most
     2 batches each in flight), or in this process when workers <= 1."""
     from myria.data import tokenizer as T
 
     if workers <= 1:
         for b in batches:
-            yield (b, *T.encode_packed(tok, b.texts, dtype))
+            yield (b, *T.encode_packed(tok, b.texts, dtype, eos))
         return
     import multiprocessing as mp
     from concurrent.futures import ProcessPoolExecutor
 
     with ProcessPoolExecutor(workers, mp_context=mp.get_context("spawn"),
-                             initializer=T.init_worker, initargs=(tok_json, dtype.name)) as pool:
+                             initializer=T.init_worker,
+                             initargs=(tok_json, dtype.name, eos)) as pool:
         pending: deque[tuple[Batch, Any]] = deque()
         for b in batches:
             pending.append((b, pool.submit(T.worker_encode, b.texts)))
@@ -263,8 +261,8 @@ def prepare(out: str | Path, inputs: Sequence[str] = (), corpus: str | None = No
             "vocab_size": vocab_size, "val_fraction": val_fraction, "seed": seed,
             "shard_tokens": shard_tokens, "max_docs": max_docs, "encoding": encoding,
             "errors": errors, "dedup": dedup, "sample_mb": sample_mb,
-            "tokenizer": sha256_file(tokenizer) if tokenizer and Path(tokenizer).is_file()
-            else tokenizer}
+            "tokenizer": sha256_file(T.tokenizer_file(tokenizer))
+            if tokenizer and T.tokenizer_file(tokenizer).is_file() else tokenizer}
     key = _options_key(sources, opts)
     try:
         out_dir.mkdir(parents=True, exist_ok=True)
@@ -314,7 +312,8 @@ def prepare(out: str | Path, inputs: Sequence[str] = (), corpus: str | None = No
         checkpoints, ntok, t1 = 0, 0, time.perf_counter()
         committed = {s: len(writers[s].shards) for s in SPLITS}
         for b, ids, lengths in _encoded(_batches(docs, start, is_val, counts, dec), tok,
-                                        tok_json.decode(), dtype, workers_used):
+                                        tok_json.decode(), dtype, workers_used,
+                                        man["eos_id"]):
             pos, chars = 0, b.snapshot["chars"] - sum(map(len, b.texts))
             for j, (v, n) in enumerate(zip(b.val, lengths.tolist(), strict=True)):
                 writers["val" if v else "train"].add(ids[pos:pos + n])
@@ -408,22 +407,27 @@ def _start(out_dir: Path, sources: Sequence[Source], key: str, tokenizer: str | 
     del sample
     if tokenizer:
         tok = T.load_tokenizer(tokenizer)
-        tok_json = Path(tokenizer).read_bytes()
+        specials = T.read_specials(tokenizer, tok)
+        tok_json = T.tokenizer_file(tokenizer).read_bytes()
         tok_desc = f"loaded from {tokenizer}"
     else:
         task = bar.add_task("training tokenizer", total=None, info=f"vocab {vocab_size}")
         tok = T.train_tokenizer(train, vocab_size)
         tok_json = tok.to_str(pretty=True).encode()
+        specials = T.Specials(T.EOS_TOKEN, T.eos_id(tok))
         tok_desc = (f"byte-level BPE trained on {len(train)} documents" if small else
                     f"byte-level BPE trained on the first {len(train):,} training documents "
                     f"({sum(map(len, train)) / 1e6:,.1f} M characters)")
         bar.update(task, total=1, completed=1)
     del train
     atomic_write(out_dir / TOKENIZER_FILE, tok_json)
+    atomic_write(T.config_file(out_dir / TOKENIZER_FILE),
+                 (json.dumps(specials.config(), indent=1) + "\n").encode())
     vocab = tok.get_vocab_size()
     return {"key": key, "small": small, "val_docs": val_docs,
             "tokenizer_sha256": hashlib.sha256(tok_json).hexdigest(),
-            "tokenizer_source": tok_desc, "vocab_size": vocab, "eos_id": T.eos_id(tok),
+            "tokenizer_source": tok_desc, "vocab_size": vocab, "eos_id": specials.eos_id,
+            "eos_token": specials.eos_token, "bos_id": specials.bos_id,
             "vocab_size_requested": None if tokenizer else vocab_size,
             "dtype": "uint16" if vocab <= 65535 else "uint32",
             "splits": {s: {"shards": [], "partial": None} for s in SPLITS},
@@ -443,7 +447,8 @@ def _index(man: dict[str, Any], splits: dict[str, Any], sources: Sequence[Source
         "vocab_size": man["vocab_size"],
         "dtype": man["dtype"],
         "eos_id": man["eos_id"],
-        "eos_token": T.EOS_TOKEN,
+        "eos_token": man.get("eos_token", T.EOS_TOKEN),
+        "bos_id": man.get("bos_id"),
         "tokenizer": TOKENIZER_FILE,
         "tokenizer_sha256": man["tokenizer_sha256"],
         "tokenizer_source": man["tokenizer_source"],
@@ -536,7 +541,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--vocab-size", type=int, default=8192,
                         help="BPE vocabulary size, EOS included (default: 8192)")
     parser.add_argument("--tokenizer", metavar="PATH",
-                        help="use this tokenizer.json instead of training one")
+                        help="use this tokenizer instead of training one: a model directory "
+                        "(its tokenizer.json and tokenizer_config.json, whose bos/eos/pad "
+                        "tokens are used) or a tokenizer.json")
     parser.add_argument("--val-fraction", type=float, default=0.01,
                         help="fraction of documents held out for validation, at least one "
                         "(default: 0.01; 0 disables the validation split)")

@@ -1,14 +1,22 @@
-"""Byte-level BPE tokenizer: train one with HF `tokenizers`, load it, encode documents with EOS.
+"""Tokenizers: train myria's byte-level BPE, or use any Hugging Face tokenizer; encode documents.
 
-The tokenizer is a plain HF `tokenizers.Tokenizer` (saved as `tokenizer.json`): a BPE model with
-a ByteLevel pre-tokenizer and decoder, so every byte sequence round-trips, and one special token,
-`<|endoftext|>`, which `myria prepare` appends after every document as the separator.
+A tokenizer is a plain HF `tokenizers.Tokenizer` (`tokenizer.json`). The one myria trains is a
+BPE model with a ByteLevel pre-tokenizer and decoder, so every byte sequence round-trips, and one
+special token, `<|endoftext|>`, the end of every document.
+
+Any other tokenizer.json (a model's: Llama, Mistral, Qwen...) brings its special tokens in the
+tokenizer_config.json beside it, as Hugging Face writes them (`bos_token`, `eos_token`,
+`pad_token`; `Specials`). A document is encoded the way that model's tokenizer encodes a text
+with its special tokens (its post-processor: Llama's adds the BOS in front, Qwen's adds none)
+followed by the EOS, so the packed stream holds documents separated as the model saw them.
 """
 
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -77,43 +85,116 @@ def train_tokenizer(texts: Sequence[str] | Iterable[str], vocab_size: int,
     return tok
 
 
-def load_tokenizer(path: str | Path) -> Tokenizer:
-    """Load a `tokenizer.json`; DataError if it is missing, unreadable or lacks the EOS token."""
+def tokenizer_file(path: str | Path) -> Path:
+    """The tokenizer.json a user named: the file itself, or the one in a model directory."""
     p = Path(path)
+    return p / "tokenizer.json" if p.is_dir() else p
+
+
+def load_tokenizer(path: str | Path) -> Tokenizer:
+    """Load a `tokenizer.json` (or a model directory's); DataError if missing or unreadable."""
+    p = tokenizer_file(path)
     if not p.is_file():
-        raise DataError(f"tokenizer file {str(p)!r} does not exist")
+        raise DataError(f"tokenizer file {str(p)!r} does not exist" + (
+            f" ({str(Path(path))!r} is a directory without tokenizer.json)"
+            if Path(path).is_dir() else ""))
     try:
-        tok = Tokenizer.from_file(str(p))
+        return Tokenizer.from_file(str(p))
     except Exception as e:  # tokenizers raises a bare Exception on bad JSON
         raise DataError(f"tokenizer file {str(p)!r} is not a valid tokenizer.json: {e}") from None
-    if tok.token_to_id(EOS_TOKEN) is None:
-        raise DataError(f"tokenizer {str(p)!r} has no {EOS_TOKEN} token; myria separates "
-                        f"documents with it (add it as a special token or let `myria prepare` "
-                        "train a tokenizer)")
-    return tok
+
+
+@dataclass(frozen=True)
+class Specials:
+    """A tokenizer's special tokens: the document end (eos) always; beginning and padding
+    when the tokenizer has them."""
+
+    eos_token: str
+    eos_id: int
+    bos_token: str | None = None
+    bos_id: int | None = None
+    pad_token: str | None = None
+    pad_id: int | None = None
+
+    def config(self) -> dict[str, Any]:
+        """tokenizer_config.json's special-token fields (what `read_specials` reads back)."""
+        return {k: v for k, v in asdict(self).items() if k.endswith("_token") and v is not None}
+
+
+def config_file(tok_path: str | Path) -> Path:
+    """Where the tokenizer_config.json of a tokenizer file lives: beside tokenizer.json, or
+    `NAME.config.json` beside any other name (the copies a run keeps)."""
+    p = tokenizer_file(tok_path)
+    return p.parent / "tokenizer_config.json" if p.name == "tokenizer.json" else \
+        p.with_name(p.stem + ".config.json")
+
+
+def _token(value: Any) -> str | None:
+    """A special token of tokenizer_config.json: a string, or {"content": ...} (older files)."""
+    return value.get("content") if isinstance(value, dict) else value
+
+
+def read_specials(tok_path: str | Path, tok: Tokenizer | None = None) -> Specials:
+    """The special tokens of the tokenizer at `tok_path` from its tokenizer_config.json
+    (`config_file`); without one, myria's `<|endoftext|>` as the EOS. DataError when the EOS is
+    unknown or a named token is not in the vocabulary."""
+    tok = tok or load_tokenizer(tok_path)
+    cfg_path = config_file(tok_path)
+    cfg: dict[str, Any] = {}
+    if cfg_path.is_file():
+        try:
+            cfg = json.loads(cfg_path.read_text())
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise DataError(f"{str(cfg_path)!r} is not valid JSON: {e}") from None
+    names = {k: _token(cfg.get(f"{k}_token")) for k in ("eos", "bos", "pad")}
+    if names["eos"] is None:
+        if tok.token_to_id(EOS_TOKEN) is None:
+            raise DataError(f"tokenizer {str(tokenizer_file(tok_path))!r}: no end-of-document "
+                            f"token known (no eos_token in {str(cfg_path)!r} and no "
+                            f"{EOS_TOKEN}); give the model directory with its "
+                            "tokenizer_config.json, or write one naming eos_token")
+        names["eos"] = EOS_TOKEN
+    ids = {}
+    for k, name in names.items():
+        ids[k] = None if name is None else tok.token_to_id(name)
+        if name is not None and ids[k] is None:
+            raise DataError(f"{str(cfg_path)!r}: {k}_token {name!r} is not in the vocabulary "
+                            f"of {str(tokenizer_file(tok_path))!r}")
+    return Specials(names["eos"], int(ids["eos"]), names["bos"], ids["bos"], names["pad"],
+                    ids["pad"])
 
 
 def eos_id(tok: Tokenizer) -> int:
-    """Id of the `<|endoftext|>` document separator."""
+    """Id of myria's `<|endoftext|>` document separator."""
     i = tok.token_to_id(EOS_TOKEN)
     if i is None:
         raise DataError(f"tokenizer has no {EOS_TOKEN} token")
     return int(i)
 
 
-def encode_documents(tok: Tokenizer, texts: Sequence[str], dtype: np.dtype | type = np.uint32
-                     ) -> list[np.ndarray]:
-    """Token ids of each text followed by EOS, one array per text (multi-threaded encode)."""
-    eos = eos_id(tok)
-    encs = tok.encode_batch_fast(list(texts), add_special_tokens=False) \
+def _encode(tok: Tokenizer, texts: Sequence[str], eos: int) -> list[tuple[list[int], int]]:
+    """Each text's ids as the tokenizer encodes a whole text (its post-processor's special
+    tokens included, e.g. a leading BOS), and 1 where the EOS must still follow (0 where the
+    post-processor put it at the end already)."""
+    encs = tok.encode_batch_fast(list(texts), add_special_tokens=True) \
         if hasattr(tok, "encode_batch_fast") else \
-        tok.encode_batch(list(texts), add_special_tokens=False)
+        tok.encode_batch(list(texts), add_special_tokens=True)
+    if tok.post_processor is None:
+        return [(e.ids, 1) for e in encs]
+    return [(e.ids, 0 if e.ids and e.ids[-1] == eos else 1) for e in encs]
+
+
+def encode_documents(tok: Tokenizer, texts: Sequence[str], dtype: np.dtype | type = np.uint32,
+                     eos: int | None = None) -> list[np.ndarray]:
+    """Token ids of each text followed by the EOS (`eos`, default `<|endoftext|>`), one array
+    per text (multi-threaded encode)."""
+    eos = eos_id(tok) if eos is None else eos
     out = []
-    for e in encs:
-        ids = np.empty(len(e.ids) + 1, dtype=dtype)
-        ids[:-1] = e.ids
-        ids[-1] = eos
-        out.append(ids)
+    for ids, add in _encode(tok, texts, eos):
+        a = np.empty(len(ids) + add, dtype=dtype)
+        a[:len(ids)] = ids
+        a[len(ids):] = eos
+        out.append(a)
     return out
 
 
@@ -122,20 +203,19 @@ def decode(tok: Tokenizer, ids: Iterable[int]) -> str:
     return tok.decode([int(i) for i in ids], skip_special_tokens=False)
 
 
-def encode_packed(tok: Tokenizer, texts: Sequence[str], dtype: np.dtype | type = np.uint32
-                  ) -> tuple[np.ndarray, np.ndarray]:
-    """Token ids of all `texts`, each followed by EOS, concatenated; and each text's length in
-    tokens (EOS included)."""
-    eos = eos_id(tok)
-    encs = tok.encode_batch_fast(list(texts), add_special_tokens=False) \
-        if hasattr(tok, "encode_batch_fast") else \
-        tok.encode_batch(list(texts), add_special_tokens=False)
-    lengths = np.fromiter((len(e.ids) + 1 for e in encs), dtype=np.int64, count=len(encs))
+def encode_packed(tok: Tokenizer, texts: Sequence[str], dtype: np.dtype | type = np.uint32,
+                  eos: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """Token ids of all `texts`, each followed by the EOS (`eos`, default `<|endoftext|>`),
+    concatenated; and each text's length in tokens (EOS included)."""
+    eos = eos_id(tok) if eos is None else eos
+    docs = _encode(tok, texts, eos)
+    lengths = np.fromiter((len(ids) + add for ids, add in docs), dtype=np.int64,
+                          count=len(docs))
     out = np.empty(int(lengths.sum()), dtype=dtype)
     pos = 0
-    for e, n in zip(encs, lengths.tolist(), strict=True):
-        out[pos:pos + n - 1] = e.ids
-        out[pos + n - 1] = eos
+    for (ids, add), n in zip(docs, lengths.tolist(), strict=True):
+        out[pos:pos + n - add] = ids
+        out[pos + n - add:pos + n] = eos
         pos += n
     return out, lengths
 
@@ -145,12 +225,13 @@ def encode_packed(tok: Tokenizer, texts: Sequence[str], dtype: np.dtype | type =
 _WORKER: dict[str, Any] = {}
 
 
-def init_worker(tok_json: str, dtype: str) -> None:
+def init_worker(tok_json: str, dtype: str, eos: int | None = None) -> None:
     os.environ["RAYON_NUM_THREADS"] = "1"
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
     _WORKER["tok"] = Tokenizer.from_str(tok_json)
     _WORKER["dtype"] = np.dtype(dtype)
+    _WORKER["eos"] = eos
 
 
 def worker_encode(texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
-    return encode_packed(_WORKER["tok"], texts, _WORKER["dtype"])
+    return encode_packed(_WORKER["tok"], texts, _WORKER["dtype"], _WORKER["eos"])

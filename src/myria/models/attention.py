@@ -23,6 +23,8 @@ GPU in torch 2.13).
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -219,11 +221,31 @@ class BlockSparseAttention(nn.Module):
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
 
 
+def rope_scaled(inv: torch.Tensor, scaling: tuple | None) -> torch.Tensor:
+    """Inverse frequencies under Hugging Face's rope_type `scaling[0]`: None or ("none",)
+    leaves them; ("linear", factor) divides them by factor (positions / factor); ("llama3",
+    factor, low_freq_factor, high_freq_factor, original_max_len) divides the low frequencies
+    (wavelength above original_max_len / low_freq_factor) by factor, keeps the high ones
+    (wavelength below original_max_len / high_freq_factor) and interpolates between (Llama 3.1)."""
+    if not scaling or scaling[0] == "none":
+        return inv
+    if scaling[0] == "linear":
+        return inv / scaling[1]
+    _, factor, low, high, old_len = scaling
+    wavelen = 2 * math.pi / inv
+    scaled = torch.where(wavelen > old_len / low, inv / factor, inv)
+    smooth = (old_len / wavelen - low) / (high - low)
+    mid = (wavelen >= old_len / high) & (wavelen <= old_len / low)
+    return torch.where(mid, (1 - smooth) * scaled / factor + smooth * scaled, scaled)
+
+
 def rope_tables(seq_len: int, head_dim: int, theta: float, device=None,
-                dtype=torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin tables of shape (seq_len, head_dim) in the rotate-half layout of HF Llama."""
-    inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float64)
-                           / head_dim))
+                dtype=torch.float32, scaling: tuple | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin tables of shape (seq_len, head_dim) in the rotate-half layout of HF Llama,
+    frequencies scaled by `scaling` (`rope_scaled`)."""
+    inv = rope_scaled(1.0 / (theta ** (torch.arange(0, head_dim, 2, device=device,
+                                                    dtype=torch.float64) / head_dim)), scaling)
     t = torch.arange(seq_len, device=device, dtype=torch.float64)
     freqs = torch.outer(t, inv)
     emb = torch.cat([freqs, freqs], dim=-1)

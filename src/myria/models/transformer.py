@@ -45,9 +45,10 @@ class Attention(nn.Module):
         bias = cfg.arch == "gpt"
         self.n_heads, self.n_kv_heads, self.head_dim = cfg.heads, cfg.n_kv_heads, cfg.head_dim
         self.use_rope = cfg.arch != "gpt" and cfg.attention != "linear"
-        self.wq = nn.Linear(cfg.hidden, cfg.heads * cfg.head_dim, bias=bias)
-        self.wk = nn.Linear(cfg.hidden, cfg.n_kv_heads * cfg.head_dim, bias=bias)
-        self.wv = nn.Linear(cfg.hidden, cfg.n_kv_heads * cfg.head_dim, bias=bias)
+        qkv_bias = bias or cfg.qkv_bias
+        self.wq = nn.Linear(cfg.hidden, cfg.heads * cfg.head_dim, bias=qkv_bias)
+        self.wk = nn.Linear(cfg.hidden, cfg.n_kv_heads * cfg.head_dim, bias=qkv_bias)
+        self.wv = nn.Linear(cfg.hidden, cfg.n_kv_heads * cfg.head_dim, bias=qkv_bias)
         self.wo = nn.Linear(cfg.heads * cfg.head_dim, cfg.hidden, bias=bias)
         if cfg.attention == "block_sparse" or cfg.arch == "griffin":  # Griffin: local only
             self.core = BlockSparseAttention(cfg.attention_window, cfg.global_tokens,
@@ -183,7 +184,7 @@ class Transformer(nn.Module):
         """Fill every parameter as a pure function of (seed, name); also rebuild RoPE tables."""
         if self.cfg.arch != "gpt":
             dev = self.rope_cos.device if self.rope_cos.device.type != "meta" else "cpu"
-            cos, sin = rope_tables(self.cfg.seq_len, self.cfg.head_dim, self.cfg.rope_theta, dev)
+            cos, sin = rope_for(self.cfg, self.cfg.seq_len, dev)
             self.rope_cos, self.rope_sin = cos, sin
         if buffers_only:
             return
@@ -254,6 +255,14 @@ class Transformer(nn.Module):
         else:  # the whole table: under sequence parallelism attention sees more than `s`
             cos, sin = self.rope_cos, self.rope_sin
         return cos.to(dtype), sin.to(dtype)
+
+
+def rope_for(cfg: ModelConfig, length: int, device=None):
+    """cos and sin tables of `length` positions for model `cfg` (its theta and scaling)."""
+    scaling = {"none": None, "linear": ("linear", cfg.rope_factor),
+               "llama3": ("llama3", cfg.rope_factor, cfg.rope_low_freq_factor,
+                          cfg.rope_high_freq_factor, cfg.rope_original_max_len)}[cfg.rope_scaling]
+    return rope_tables(length, cfg.head_dim, cfg.rope_theta, device, scaling=scaling)
 
 
 def build_model(cfg: ModelConfig, device: str | torch.device = "meta") -> Transformer:

@@ -77,6 +77,12 @@ def run(args) -> int:
         print(f"  {prediction_line(json.loads(pred_path.read_text()))}")
     print(f"  open {out / 'index.html'} (timeline: load {out / 'trace.json'} in "
           "https://ui.perfetto.dev or chrome://tracing)")
+    for f in profile_files(Path(args.run_dir)):
+        print(f"  profile: {f}")
+    from myria.observe import tracking
+
+    if sent := tracking.log_report(Path(args.run_dir), sorted(out.glob("*.png"))):
+        print(f"  figures sent to the run's {' and '.join(sent)} run")
     return 0
 
 
@@ -108,7 +114,8 @@ def write_report(run_dir: Path, predict: bool = True) -> Path:
             (out / "prediction.json").write_text(json.dumps(pred, indent=1))
     val = write_validation(run_dir, out)
     (out / "index.html").write_text(page(run, table, blame, figs, pred, val,
-                                         recovery_section(run_dir, out)))
+                                         recovery_section(run_dir, out)
+                                         + profile_section(run_dir)))
     return out
 
 
@@ -614,6 +621,24 @@ def goodput_bins(timeline: list[dict], bins: int = 40) -> tuple[list[float], flo
                 for c, v in seg["s"].items():
                     out.setdefault(c, [0.0] * bins)[i] += v * (hi - lo) / (t1 - t0)
     return [i * width for i in range(bins)], width, out
+
+
+def profile_files(run_dir: Path) -> list[Path]:
+    """The files of the run's [profiling] window (RUN_DIR/profile, myria.train.profiling)."""
+    d = run_dir / "profile"
+    return sorted(f for f in d.iterdir() if f.is_file()) if d.is_dir() else []
+
+
+def profile_section(run_dir: Path) -> str:
+    """HTML: links to the profiler's traces, operator tables and memory snapshots; '' without."""
+    files = profile_files(run_dir)
+    if not files:
+        return ""
+    items = "".join(f"<li><a href='../profile/{f.name}'>{f.name}</a></li>" for f in files)
+    return ("<h2>Profile</h2><p>torch.profiler over the [profiling] steps, per rank: traces "
+            "open in <a href='https://ui.perfetto.dev'>Perfetto</a> or chrome://tracing, memory "
+            "snapshots in <a href='https://pytorch.org/memory_viz'>memory_viz</a>.</p>"
+            f"<ul>{items}</ul>")
 
 
 def recovery_section(run_dir: Path, out: Path) -> str:

@@ -102,6 +102,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args) -> int:
     cfg = config_mod.load(args.config, args.overrides)
+    from myria.interop import hf
+
+    hf.apply(cfg)  # model.init_from: the model's own config.json sets the model
     min_nodes, max_nodes = _parse_nnodes(args.nnodes)
     from myria import faults, rundir
     from myria.data.mixture import open_dataset

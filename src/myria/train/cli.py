@@ -186,6 +186,10 @@ def run(args) -> int:
     if args.allow_data_change:
         args.overrides.append("--checkpoint.allow_data_change=true")
     cfg = config_mod.load(args.config, args.overrides)
+    from myria.interop import hf
+
+    if imported := hf.apply(cfg):  # the model's own config.json sets the model
+        _say(imported)
     if args.nproc < 0:
         check_nproc(args.nproc, "cpu")
     world = _nproc_for(args)

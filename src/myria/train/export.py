@@ -1,23 +1,25 @@
-"""`myria export`: write a checkpoint as a Hugging Face model directory (LlamaForCausalLM).
+"""`myria export`: write a checkpoint as a Hugging Face model directory.
 
     myria export --run-dir runs/demo --format hf --out exported/ [--step N] [--force]
 
 Reads the DCP checkpoint in one process (DCP reassembles shards from any layout), renames the
-parameters to Hugging Face's Llama names and writes
+parameters to the Llama family's names (myria.interop.hf.hf_name) and writes
 
     model.safetensors        float32 weights
-    config.json              LlamaConfig, bos/eos/pad token ids = <|endoftext|>
-    generation_config.json   the same token ids, max_new_tokens 50 (as `myria generate`)
+    config.json              LlamaConfig (Qwen2Config for a model with q/k/v biases), its RoPE
+                             scaling, bos/eos/pad token ids of the tokenizer
+    generation_config.json   the same token ids (generation stops at the EOS), max_new_tokens 50
     tokenizer.json           the tokenizer the checkpoint was trained with (kept in the run
                              directory, see myria.data.fingerprint: the data directory need
                              not exist any more)
-    tokenizer_config.json    PreTrainedTokenizerFast with bos/eos/pad = <|endoftext|> (so batch
-    special_tokens_map.json  padding works) and left padding (what batched generation needs)
+    tokenizer_config.json    PreTrainedTokenizerFast with the tokenizer's bos/eos/pad (myria's
+    special_tokens_map.json  own: all <|endoftext|>, so batch padding works; a pad-less one
+                             pads with its EOS) and left padding (what batched generation needs)
 
 so that `AutoModelForCausalLM.from_pretrained(d)`, `AutoTokenizer.from_pretrained(d)` and
 `pipeline("text-generation", model=d)` work with no further argument (tested with transformers
 5). Only the Llama architecture without the parallel block or a sliding window maps onto
-LlamaForCausalLM; anything else is refused clearly. An --out that exists and is not empty is
+these; anything else is refused clearly. An --out that exists and is not empty is
 refused unless --force, which replaces the files above and leaves any others.
 """
 
@@ -36,19 +38,6 @@ from myria.errors import CheckpointError, ConfigError
 FILES = ("model.safetensors", "config.json", "generation_config.json", "tokenizer.json",
          "tokenizer_config.json", "special_tokens_map.json")
 
-_LAYER_MAP = {
-    "attention.wq.weight": "self_attn.q_proj.weight",
-    "attention.wk.weight": "self_attn.k_proj.weight",
-    "attention.wv.weight": "self_attn.v_proj.weight",
-    "attention.wo.weight": "self_attn.o_proj.weight",
-    "feed_forward.w1.weight": "mlp.gate_proj.weight",
-    "feed_forward.w3.weight": "mlp.up_proj.weight",
-    "feed_forward.w2.weight": "mlp.down_proj.weight",
-    "attention_norm.weight": "input_layernorm.weight",
-    "ffn_norm.weight": "post_attention_layernorm.weight",
-}
-
-
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--run-dir", required=True, help="run directory holding checkpoints/")
     p.add_argument("--format", default="hf", choices=["hf"], help="output format")
@@ -62,31 +51,55 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "match the fingerprint the checkpoint recorded, if any)")
 
 
-def hf_config(m, eos_id: int) -> dict:
-    """A transformers LlamaConfig dict for model config `m`."""
+def hf_config(m, specials) -> dict:
+    """A transformers config dict for model config `m`: LlamaConfig, or Qwen2Config for a model
+    with query/key/value biases (Llama's attention_bias would add one to the output too)."""
+    arch = {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2",
+            "use_sliding_window": False} if m.qkv_bias else \
+        {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "attention_bias": False,
+         "mlp_bias": False, "head_dim": m.head_dim}
+    rope = {"linear": {"rope_type": "linear", "factor": m.rope_factor},
+            "llama3": {"rope_type": "llama3", "factor": m.rope_factor,
+                       "low_freq_factor": m.rope_low_freq_factor,
+                       "high_freq_factor": m.rope_high_freq_factor,
+                       "original_max_position_embeddings": m.rope_original_max_len},
+            }.get(m.rope_scaling)
     return {
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama",
+        **arch,
         "vocab_size": m.vocab_size, "hidden_size": m.hidden, "intermediate_size": m.ffn_dim,
         "num_hidden_layers": m.layers, "num_attention_heads": m.heads,
-        "num_key_value_heads": m.n_kv_heads, "head_dim": m.head_dim,
-        "max_position_embeddings": m.seq_len, "rms_norm_eps": m.norm_eps,
-        "rope_theta": m.rope_theta, "hidden_act": "silu", "attention_bias": False,
-        "mlp_bias": False, "tie_word_embeddings": m.tie_embeddings,
-        "dtype": "float32", "bos_token_id": eos_id, "eos_token_id": eos_id,
-        "pad_token_id": eos_id,
+        "num_key_value_heads": m.n_kv_heads,
+        "max_position_embeddings": max(m.seq_len, m.rope_original_max_len if rope else 0),
+        "rms_norm_eps": m.norm_eps,
+        "rope_theta": m.rope_theta, **({"rope_scaling": rope} if rope else {}),
+        "hidden_act": "silu", "tie_word_embeddings": m.tie_embeddings,
+        "dtype": "float32", **token_ids(specials),
     }
 
 
-def hf_tokenizer_files(m, eos_token: str, eos_id: int) -> dict[str, dict]:
-    """generation_config.json, tokenizer_config.json and special_tokens_map.json."""
-    special = {"bos_token": eos_token, "eos_token": eos_token, "pad_token": eos_token}
+def token_ids(specials) -> dict[str, int]:
+    """bos/eos/pad token ids of the exported model: the tokenizer's own, the EOS where it has
+    no BOS or pad (batched generation needs a pad)."""
+    eos = specials.eos_id
+    return {"bos_token_id": eos if specials.bos_id is None else specials.bos_id,
+            "eos_token_id": eos, "pad_token_id": eos if specials.pad_id is None else
+            specials.pad_id}
+
+
+def hf_tokenizer_files(m, specials) -> dict[str, dict]:
+    """generation_config.json, tokenizer_config.json and special_tokens_map.json for the
+    tokenizer the run trained with (its special tokens, `myria.data.tokenizer.Specials`). A
+    tokenizer with its own post-processor (a model's: Llama's adds the BOS) keeps it; myria's
+    own adds no special token."""
+    eos = specials.eos_token
+    special = {"bos_token": specials.bos_token or eos, "eos_token": eos,
+               "pad_token": specials.pad_token or eos}
+    own = {} if specials.bos_token else {"add_bos_token": False, "add_eos_token": False}
     return {
-        "generation_config.json": {"bos_token_id": eos_id, "eos_token_id": eos_id,
-                                   "pad_token_id": eos_id, "max_new_tokens": 50},
+        "generation_config.json": {**token_ids(specials), "max_new_tokens": 50},
         "tokenizer_config.json": {"tokenizer_class": "PreTrainedTokenizerFast", **special,
                                   "model_max_length": m.seq_len, "padding_side": "left",
-                                  "add_bos_token": False, "add_eos_token": False,
-                                  "clean_up_tokenization_spaces": False},
+                                  **own, "clean_up_tokenization_spaces": False},
         "special_tokens_map.json": special,
     }
 
@@ -105,15 +118,11 @@ def check_out(out: Path, force: bool) -> None:
 
 
 def to_hf_state_dict(sd: dict[str, torch.Tensor], m) -> dict[str, torch.Tensor]:
-    """Rename myria parameter names to LlamaForCausalLM's."""
-    out = {"model.embed_tokens.weight": sd["tok_embeddings.weight"],
-           "model.norm.weight": sd["norm.weight"]}
-    if not m.tie_embeddings:
-        out["lm_head.weight"] = sd["output.weight"]
-    for i in range(m.layers):
-        for ours, theirs in _LAYER_MAP.items():
-            out[f"model.layers.{i}.{theirs}"] = sd[f"layers.{i}.{ours}"]
-    return {k: v.detach().to(torch.float32).contiguous() for k, v in out.items()}
+    """Rename myria parameter names to the Llama family's (myria.interop.hf.hf_name)."""
+    from myria.interop.hf import hf_name
+
+    return {hf_name(k): v.detach().to(torch.float32).contiguous() for k, v in sd.items()
+            if not (m.tie_embeddings and k == "output.weight")}
 
 
 def check_exportable(m) -> None:
@@ -178,7 +187,7 @@ def _write(path: Path, data: bytes) -> None:
 
 def run(args) -> int:
     from myria.data import fingerprint
-    from myria.data.tokenizer import EOS_TOKEN, eos_id, load_tokenizer
+    from myria.data.tokenizer import read_specials
 
     run_dir = Path(args.run_dir)
     if not run_dir.is_dir():
@@ -188,7 +197,7 @@ def run(args) -> int:
     check_out(out, args.force)
     path = checkpoint_path(run_dir, args.step)
     tok_path, note = fingerprint.checkpoint_tokenizer(run_dir, path, args.tokenizer)
-    eos = eos_id(load_tokenizer(tok_path))
+    specials = read_specials(tok_path)
     model, m, path = load_checkpoint_model(run_dir, args.step, path)
     check_exportable(m)
     from safetensors.torch import save_file
@@ -202,11 +211,12 @@ def run(args) -> int:
     save_file(sd, str(tmp), metadata={"format": "pt"})
     os.replace(tmp, out / "model.safetensors")
     _write(out / "tokenizer.json", tok_path.read_bytes())
-    files = {"config.json": hf_config(m, eos), **hf_tokenizer_files(m, EOS_TOKEN, eos)}
+    files = {"config.json": hf_config(m, specials), **hf_tokenizer_files(m, specials)}
     for name, obj in files.items():
         _write(out / name, (json.dumps(obj, indent=1) + "\n").encode())
     if note:
         print(note)
     print(f"exported {path.name} ({sum(v.numel() for v in sd.values()):,} parameters) to {out} "
-          f"as LlamaForCausalLM safetensors with its tokenizer (eos id {eos})")
+          f"as {files['config.json']['architectures'][0]} safetensors with its tokenizer "
+          f"(eos id {specials.eos_id}: {specials.eos_token})")
     return 0

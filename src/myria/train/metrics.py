@@ -23,8 +23,10 @@ class MetricsLogger:
     """Rank 0's metrics sink: RUN_DIR/metrics.jsonl, TensorBoard scalars, a live progress line."""
 
     def __init__(self, run_dir: Path, total_steps: int, start_step: int, enabled: bool,
-                 tensorboard: bool = True, progress: bool = True):
+                 tensorboard: bool = True, progress: bool = True, tracker: Any = None):
         self.enabled = enabled
+        self.tracker = tracker  # W&B / MLflow (myria.observe.tracking), rank 0 only
+        self._last = start_step
         self.total = total_steps
         self.start = start_step
         self._tb = None
@@ -57,6 +59,9 @@ class MetricsLogger:
             return
         self._fh.write(json.dumps(row) + "\n")
         self._fh.flush()
+        self._last = row["step"]
+        if self.tracker is not None:
+            self.tracker.log(row)
         if self._tb is not None:
             for k, v in row.items():
                 if k != "step" and isinstance(v, (int, float)) and math.isfinite(v):
@@ -76,6 +81,8 @@ class MetricsLogger:
             row["val_loss_by_source"] = by_source
         self._fh.write(json.dumps(row) + "\n")
         self._fh.flush()
+        if self.tracker is not None:
+            self.tracker.log_eval(step, val_loss, by_source)
         if self._tb is not None:
             self._tb.add_scalar("val/loss", val_loss, step)
             for name, v in (by_source or {}).items():
@@ -88,6 +95,8 @@ class MetricsLogger:
             print(msg, flush=True)
 
     def close(self) -> None:
+        if self.tracker is not None:  # finished: the last step was logged
+            self.tracker.close(self._last >= self.total)
         if self._progress is not None:
             self._progress.stop()
         if self._tb is not None:

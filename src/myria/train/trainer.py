@@ -45,7 +45,7 @@ from myria.faults import FaultInjector
 from myria.fsutil import atomic_write
 from myria.layout import Layout
 from myria.models.flops import model_flops_per_token
-from myria.observe import events, goodput, hang
+from myria.observe import events, goodput, hang, tracking
 from myria.parallel.data import make_loader, write_read_counts
 from myria.parallel.dims import ParallelDims
 from myria.train import distributed, heartbeat, peer, rejoin, resume
@@ -54,6 +54,7 @@ from myria.train.engine import Engine
 from myria.train.integrity import StepGuard
 from myria.train.metrics import MetricsLogger, StepTimer, mfu
 from myria.train.preemption import StopRequest
+from myria.train.profiling import Profiler
 
 log = logging.getLogger("myria")
 
@@ -132,8 +133,10 @@ def _train(cfg: Config, run_dir: Path, env, stop_after: int | None,
         gc.disable()   # synchronised collection: every rank at the same steps (train_step)
     try:
         while step < t.steps:
+            run.profiler.before(step + 1)
             done = train_step(run, step)
             step += 1
+            run.profiler.after(step)
             losses.append(done.loss)
             run.after_step(step, done)   # heartbeat, metrics row, evaluation
             hb.phase("stop-check")
@@ -239,6 +242,7 @@ class Run:
     since_logged: float = 0.0  # step time since the last logged row (productive time)
     val: Any = None            # the validation split, opened at the first evaluation
     peers: Any = None          # resilience.peer: this rank's state held by its neighbour
+    profiler: Any = None       # train.profiling: the [profiling] window
 
     @classmethod
     def build(cls, cfg: Config, run_dir: Path, env, hb: heartbeat.Heartbeat,
@@ -292,7 +296,8 @@ class Run:
         if m.document_mask and not m.document_len:
             span = max(1, min(m.seq_len, round(dataset.mean_document_tokens)))
         metrics = MetricsLogger(run_dir, t.steps, start_step, env.is_main,
-                                cfg.logging.tensorboard, cfg.logging.progress)
+                                cfg.logging.tensorboard, cfg.logging.progress,
+                                tracking.start(cfg.logging, run_dir, cfg.to_dict(), env.is_main))
         if env.is_main:
             print(f"training {t.steps} steps from step {start_step} on {env.world_size} x "
                   f"{env.device.type} (layout {layout.short()}, {threads or '-'} threads/rank); "
@@ -303,7 +308,8 @@ class Run:
         return cls(cfg, run_dir, env, hb, layout, dataset, data_fp, engine, rec, faults, ckpt,
                    latest, start_step, stop, loader, metrics,
                    StepGuard(cfg, engine, run_dir, env.rank, faults), StepTimer(sync),
-                   model_flops_per_token(m, seq_len=span), peak, peers=peers)
+                   model_flops_per_token(m, seq_len=span), peak, peers=peers,
+                   profiler=Profiler(cfg.profiling, run_dir, env.rank, env.device.type))
 
     def after_step(self, step: int, done: StepDone) -> None:
         """After step `step`: the heartbeat's progress, the metrics row on the logging
@@ -372,9 +378,23 @@ def resume_run(cfg: Config, run_dir: Path, env, engine: Engine, ckpt: Checkpoint
             print(f"resumed from {latest} (step {start_step}, saved by {meta['world_size']} "
                   f"processes; rank 0 read {ckpt.bytes_read / 2**20:.1f} MiB)", flush=True)
         resume.apply(cfg, engine, run_dir, start_step, changed, env.is_main)
+    elif cfg.model.init_from:
+        init_from_hf(cfg, engine, env.is_main)
     if env.is_main and (cfg.checkpoint.resume_from or not cfg.checkpoint.resume):
         ckpt.abandon_after(start_step)  # a new timeline: newer checkpoints go aside
     return start_step, latest
+
+
+def init_from_hf(cfg: Config, engine: Engine, is_main: bool) -> None:
+    """Step 0 of a run that starts from a Hugging Face model: its weights replace the
+    initialisation, each rank reading only its own slices (myria.interop.hf)."""
+    from myria.interop import hf
+
+    t0 = time.perf_counter()
+    held = hf.load_weights(engine.parts, cfg.model.init_from, cfg.model)
+    if is_main:
+        print(f"loaded the weights of {cfg.model.init_from} in {time.perf_counter() - t0:.1f} s "
+              f"(rank 0 holds {held / 2**20:.1f} MiB of them)", flush=True)
 
 
 def start_events(cfg: Config, run_dir: Path, env, dims: ParallelDims, engine: Engine,

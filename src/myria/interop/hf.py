@@ -1,0 +1,264 @@
+"""Start a run from a Hugging Face model directory (`model.init_from = DIR`).
+
+The directory is what `save_pretrained` writes: config.json and the weights as safetensors (one
+model.safetensors, or shards listed by model.safetensors.index.json). Supported: the Llama
+family and the relatives that share its block (LlamaForCausalLM: Llama 2 and 3;
+MistralForCausalLM; Qwen2ForCausalLM with its query/key/value biases), with grouped-query
+attention, tied or untied embeddings and RoPE scaling as config.json gives it (default, linear,
+llama3). Anything else (another architecture, a field that changes the computation and that
+the model does not have) is refused in one line naming it, before any process starts.
+
+`model_fields` turns config.json into the model section: the model's own config sets the
+model, the run's config sets the training (seq_len, the layout, the optimizer stay the run's).
+`load_weights` fills the parameters of the parallelised model parts at step 0 through
+torch.distributed.checkpoint's Hugging Face reader: every rank asks for the slices its DTensor
+shards own and the reader takes exactly those out of the safetensors files (`get_slice`), so no
+rank ever holds a whole copy of the model, only its shard plus the slice being copied.
+
+`hf_name` (`LAYER_NAMES`, `TOP_NAMES`) is the one map between myria's parameter names and the
+Llama family's; export uses it the other way (myria.train.export).
+"""
+
+from __future__ import annotations
+
+import json
+import warnings
+from pathlib import Path
+from typing import Any
+
+from myria.config import Config, ModelConfig
+from myria.errors import ConfigError
+
+# HF architecture -> what it maps to. All are Llama's block; Qwen2 adds q/k/v biases.
+ARCHITECTURES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral",
+                 "Qwen2ForCausalLM": "qwen2"}
+
+# per block: myria name -> Llama-family name under model.layers.N.
+LAYER_NAMES = {
+    "attention.wq.weight": "self_attn.q_proj.weight",
+    "attention.wk.weight": "self_attn.k_proj.weight",
+    "attention.wv.weight": "self_attn.v_proj.weight",
+    "attention.wo.weight": "self_attn.o_proj.weight",
+    "attention.wq.bias": "self_attn.q_proj.bias",
+    "attention.wk.bias": "self_attn.k_proj.bias",
+    "attention.wv.bias": "self_attn.v_proj.bias",
+    "feed_forward.w1.weight": "mlp.gate_proj.weight",
+    "feed_forward.w3.weight": "mlp.up_proj.weight",
+    "feed_forward.w2.weight": "mlp.down_proj.weight",
+    "attention_norm.weight": "input_layernorm.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+}
+TOP_NAMES = {"tok_embeddings.weight": "model.embed_tokens.weight",
+             "norm.weight": "model.norm.weight", "output.weight": "lm_head.weight"}
+
+# config.json keys whose non-default value changes the computation in a way myria's model does
+# not have: (key, the value that is fine)
+_REFUSED = (("attention_bias", False), ("mlp_bias", False), ("quantization_config", None),
+            ("use_sliding_window", False), ("pretraining_tp", 1))
+
+
+def hf_name(name: str) -> str:
+    """The Llama-family name of myria parameter `name` (a plain model's name)."""
+    if name in TOP_NAMES:
+        return TOP_NAMES[name]
+    _, index, rest = name.split(".", 2)
+    return f"model.layers.{index}.{LAYER_NAMES[rest]}"
+
+
+def _where(d: Path) -> str:
+    return f"model.init_from = {str(d)!r}"
+
+
+def read_config(d: str | Path) -> dict[str, Any]:
+    """config.json of model directory `d`; ConfigError when it is not a model directory."""
+    d = Path(d)
+    if not d.is_dir():
+        raise ConfigError(f"{_where(d)}: " + ("no such directory" if not d.exists() else
+                          "not a directory (give the model directory holding config.json)"))
+    f = d / "config.json"
+    if not f.is_file():
+        raise ConfigError(f"{_where(d)}: no config.json in it (a Hugging Face model directory "
+                          "as save_pretrained writes it)")
+    try:
+        return json.loads(f.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ConfigError(f"{_where(d)}: config.json is not valid JSON ({e})") from None
+
+
+def _rope(hf: dict, d: Path) -> dict[str, Any]:
+    """The RoPE fields: transformers >= 5 writes rope_parameters, older ones rope_theta and
+    rope_scaling."""
+    params = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
+    theta = params.get("rope_theta", hf.get("rope_theta", 10000.0))
+    kind = params.get("rope_type", params.get("type", "default"))
+    out: dict[str, Any] = {"rope_theta": float(theta)}
+    if kind == "default":
+        return {**out, "rope_scaling": "none"}
+    if kind == "linear":
+        return {**out, "rope_scaling": "linear", "rope_factor": float(params["factor"])}
+    if kind == "llama3":
+        return {**out, "rope_scaling": "llama3", "rope_factor": float(params["factor"]),
+                "rope_low_freq_factor": float(params["low_freq_factor"]),
+                "rope_high_freq_factor": float(params["high_freq_factor"]),
+                "rope_original_max_len": int(params["original_max_position_embeddings"])}
+    raise ConfigError(f"{_where(d)}: config.json's rope_type = {kind!r} is not supported; "
+                      "supported: default, linear, llama3")
+
+
+def model_fields(d: str | Path, seq_len: int) -> dict[str, Any]:
+    """The model-section fields that model directory `d`'s config.json sets, for a run of
+    `seq_len` tokens per sequence. ConfigError names the first thing that is not supported."""
+    d = Path(d)
+    hf = read_config(d)
+    archs = hf.get("architectures") or [hf.get("model_type", "?")]
+    if len(archs) != 1 or archs[0] not in ARCHITECTURES:
+        raise ConfigError(f"{_where(d)}: architecture {', '.join(map(str, archs))} is not "
+                          f"supported; supported: {', '.join(ARCHITECTURES)}")
+    kind = ARCHITECTURES[archs[0]]
+    for key, fine in _REFUSED:
+        if hf.get(key) is not None and hf[key] != fine:
+            raise ConfigError(f"{_where(d)}: config.json's {key} = {hf[key]!r} is not supported "
+                              f"(myria's {archs[0]} needs {fine!r})")
+    if hf.get("hidden_act", "silu") != "silu":
+        raise ConfigError(f"{_where(d)}: config.json's hidden_act = {hf['hidden_act']!r} is "
+                          "not supported (SwiGLU with silu only)")
+    try:
+        hidden, heads = int(hf["hidden_size"]), int(hf["num_attention_heads"])
+        fields = {
+            "arch": "llama", "vocab_size": int(hf["vocab_size"]), "hidden": hidden,
+            "layers": int(hf["num_hidden_layers"]), "heads": heads,
+            "kv_heads": int(hf.get("num_key_value_heads") or heads),
+            "ffn_hidden": int(hf["intermediate_size"]),
+            "norm_eps": float(hf.get("rms_norm_eps", 1e-6)),
+            "tie_embeddings": bool(hf.get("tie_word_embeddings", False)),
+            "qkv_bias": kind == "qwen2", **_rope(hf, d),
+        }
+    except KeyError as e:
+        raise ConfigError(f"{_where(d)}: config.json lacks {e.args[0]!r}") from None
+    head_dim = hf.get("head_dim")
+    if head_dim is not None and int(head_dim) * heads != hidden:
+        raise ConfigError(f"{_where(d)}: config.json's head_dim = {head_dim} is not "
+                          f"hidden_size / num_attention_heads = {hidden // heads}; myria's "
+                          "attention needs head_dim * heads = hidden")
+    window = hf.get("sliding_window") if kind == "mistral" else None
+    fields["attention_window"] = int(window) if window and int(window) < seq_len else 0
+    return fields
+
+
+def apply(cfg: Config) -> str | None:
+    """Set `cfg.model` from `cfg.model.init_from`'s config.json (no-op without one) and check
+    the result; a one-line description of the model for the user, or None."""
+    m = cfg.model
+    if not m.init_from:
+        return None
+    from myria import config as config_mod
+
+    d = Path(m.init_from)
+    fields = model_fields(d, m.seq_len)
+    for k, v in fields.items():
+        setattr(m, k, v)
+    if m.attention != "softmax" or m.experts or m.parallel_block or m.document_positions:
+        raise ConfigError(f"{_where(d)}: the imported model has softmax attention, a dense MLP, "
+                          "the sequential block and continuous positions; unset "
+                          "model.attention, model.experts, model.parallel_block and "
+                          "model.document_positions")
+    if cfg.parallel.offload_tier == "nvme":
+        raise ConfigError(f"{_where(d)} is not supported with parallel.offload = 'nvme' (its "
+                          "files hold their own copy of the weights); use offload = 'cpu' or "
+                          "'none'")
+    weight_files(d)  # the weights are there, before any process starts
+    config_mod.validate(cfg)
+    return (f"model from {d}: {fields['layers']} layers, hidden {fields['hidden']}, "
+            f"{fields['heads']}/{fields['kv_heads']} heads, vocab {fields['vocab_size']}"
+            + (", qkv bias" if fields["qkv_bias"] else "")
+            + (", tied embeddings" if fields["tie_embeddings"] else "")
+            + (f", rope {fields['rope_scaling']}" if fields["rope_scaling"] != "none" else ""))
+
+
+def weight_files(d: Path) -> list[Path]:
+    """The safetensors files of model directory `d` (the index's shards, or model.safetensors)."""
+    index = d / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        except (json.JSONDecodeError, KeyError, AttributeError) as e:
+            raise ConfigError(f"{_where(d)}: model.safetensors.index.json has no readable "
+                              f"weight_map ({e})") from None
+        missing = [n for n in names if not (d / n).is_file()]
+        if missing:
+            raise ConfigError(f"{_where(d)}: shard {missing[0]} listed by "
+                              "model.safetensors.index.json is missing")
+        return [d / n for n in names]
+    if (d / "model.safetensors").is_file():
+        return [d / "model.safetensors"]
+    raise ConfigError(f"{_where(d)}: no model.safetensors or model.safetensors.index.json "
+                      "(only safetensors weights are read; convert .bin weights with "
+                      "transformers' save_pretrained(safe_serialization=True))")
+
+
+def _shapes(d: Path) -> dict[str, tuple[tuple[int, ...], str]]:
+    """{tensor name: (shape, file name)} from the safetensors headers (no tensor is read)."""
+    from safetensors import safe_open
+
+    out = {}
+    for f in weight_files(d):
+        with safe_open(str(f), framework="pt") as h:
+            for k in h.keys():
+                out[k] = (tuple(h.get_slice(k).get_shape()), f.name)
+    return out
+
+
+def plain_name(name: str) -> str:
+    """A parameter's name in the plain model, without wrapper levels (checkpointing, compile,
+    DDP)."""
+    from myria.models.init import canonical_name
+
+    return canonical_name(name).removeprefix("module.")
+
+
+def check_weights(d: Path, m: ModelConfig) -> None:
+    """ConfigError when a tensor the model needs is missing from `d` or has another shape, or
+    `d` holds a tensor the model has no place for."""
+    from myria.models.transformer import build_model
+
+    have = _shapes(d)
+    want = {hf_name(n): tuple(p.shape) for n, p in build_model(m, "meta").named_parameters()}
+    for name, shape in want.items():
+        if name not in have:
+            raise ConfigError(f"{_where(d)}: tensor {name} is missing from the safetensors files")
+        if have[name][0] != shape:
+            raise ConfigError(f"{_where(d)}: tensor {name} in {have[name][1]} has shape "
+                              f"{list(have[name][0])}; config.json makes it {list(shape)}")
+    extra = sorted(k for k in have if k not in want and not k.endswith("rotary_emb.inv_freq")
+                   and not (k == "lm_head.weight" and m.tie_embeddings))
+    if extra:
+        raise ConfigError(f"{_where(d)}: tensor {extra[0]} in {have[extra[0]][1]} has no place "
+                          f"in the model config.json describes ({len(extra)} such tensors)")
+
+
+def load_weights(parts: list, d: str | Path, m: ModelConfig) -> int:
+    """Fill the parameters of this rank's model parts (plain, FSDP2/TP DTensors, pipeline
+    stages) from model directory `d`; every rank of the job calls it. Returns the bytes of
+    parameters this rank now holds."""
+    import torch
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import HuggingFaceStorageReader
+
+    d = Path(d)
+    check_weights(d, m)
+    # Tied embeddings: HF keeps the embedding only. The output layer reads the same tensor,
+    # in a second load when materialising gave it a parameter of its own.
+    state, tied, held = {}, {}, 0
+    for part in parts:
+        for name, p in part.named_parameters():
+            name = plain_name(name)
+            out = m.tie_embeddings and name == "output.weight"
+            (tied if out else state)[hf_name("tok_embeddings.weight" if out else name)] = p
+            held += (p.to_local() if hasattr(p, "to_local") else p).nbytes
+    for sd in (state, tied) if tied else (state,):  # the same on every rank (no tp/pp)
+        with torch.no_grad(), warnings.catch_warnings():
+            warnings.filterwarnings("ignore", "torch.distributed is disabled")
+            dcp.load(sd, storage_reader=HuggingFaceStorageReader(str(d)),
+                     no_dist=not dist.is_initialized())
+    return held

@@ -1,0 +1,181 @@
+"""`model.init_from`: a Hugging Face model directory as a run's starting point (myria.interop.hf).
+
+Logits equal transformers' on 1 process and under FSDP, TP and PP; a run with lr = 0 exports the
+imported tensors bit for bit and the export loads into transformers with the same logits;
+unsupported models are refused in one line."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.conftest import TINY, run_cli
+from tests.dist import finish, init, spawn
+from tests.interop.conftest import hf_logits, make_hf_model
+
+TOL = 1e-5
+
+
+def imported(d: Path, *overrides: str):
+    """A myria model (one process) started from HF directory `d`, and its config."""
+    from myria import config as config_mod
+    from myria.interop import hf
+    from myria.models.transformer import build_model
+
+    cfg = config_mod.load(None, [f"--model.init_from={d}", "--model.seq_len=64", *overrides])
+    hf.apply(cfg)
+    model = build_model(cfg.model, "cpu")
+    model.init_weights(0)
+    hf.load_weights([model], d, cfg.model)
+    return model.eval(), cfg
+
+
+def test_logits_equal_transformers_on_one_process(hf_models):
+    tokens = torch.randint(0, 1024, (2, 64), generator=torch.Generator().manual_seed(0))
+    for kind, d in hf_models.items():
+        model, cfg = imported(d)
+        assert (cfg.model.qkv_bias, cfg.model.tie_embeddings) == (kind == "qwen2",) * 2
+        assert cfg.model.rope_scaling == ("llama3" if kind == "llama" else "none")
+        with torch.no_grad():
+            got = model(tokens)
+        want = hf_logits(d, tokens)
+        assert (got - want).abs().max().item() < TOL, kind
+
+
+def _layouts_worker(rank, world, port, out_dir):
+    import torch.distributed as dist
+
+    from myria.interop import hf
+    from myria.layout import Layout
+    from myria.parallel.dims import ParallelDims
+    from myria.train.engine import Engine
+
+    init(rank, world, port)
+    d = Path(out_dir) / "llama"
+    tokens = torch.load(Path(out_dir) / "tokens.pt")
+    for name, extra in (("fsdp", []), ("tp", ["--parallel.tp=2", "--parallel.dp_shard=1"]),
+                        ("pp", ["--parallel.pp=2", "--parallel.dp_shard=1",
+                                "--parallel.schedule=gpipe"])):
+        from myria import config as config_mod
+
+        cfg = config_mod.load(None, [f"--model.init_from={d}", "--model.seq_len=64",
+                                     "--training.global_batch=2", "--training.micro_batch=1",
+                                     "--training.device=cpu", "--training.dtype=float32", *extra])
+        hf.apply(cfg)
+        dims = ParallelDims.build(Layout.resolve(cfg.parallel, world), "cpu")
+        engine = Engine(cfg, dims, torch.device("cpu"))
+        hf.load_weights(engine.parts, d, cfg.model)
+        part = engine.parts[0].eval()
+        with torch.no_grad():
+            if name == "pp":  # stage 0 on rank 0 sends its hidden states to stage 1
+                if rank == 0:
+                    dist.send(part(tokens).contiguous(), 1)
+                    logits = None
+                else:
+                    h = torch.empty(*tokens.shape, cfg.model.hidden)
+                    dist.recv(h, 0)
+                    logits = part(h)
+            else:
+                logits = part(tokens)
+                if hasattr(logits, "full_tensor"):
+                    logits = logits.full_tensor()
+        if logits is not None and (name != "pp" or rank == 1):
+            torch.save(logits, Path(out_dir) / f"{name}{rank}.pt")
+        dist.barrier()
+    finish()
+
+
+@pytest.mark.slow
+def test_logits_equal_transformers_under_fsdp_tp_pp(tmp_path):
+    d = make_hf_model("llama", tmp_path / "llama")
+    tokens = torch.randint(0, 1024, (2, 64), generator=torch.Generator().manual_seed(1))
+    torch.save(tokens, tmp_path / "tokens.pt")
+    spawn(_layouts_worker, 2, str(tmp_path))
+    want = hf_logits(d, tokens)
+    for f in ("fsdp0", "fsdp1", "tp0", "tp1", "pp1"):
+        got = torch.load(tmp_path / f"{f}.pt")
+        assert (got - want).abs().max().item() < TOL, f
+
+
+def test_unsupported_model_refused_in_one_line(tmp_path, tiny_data):
+    d = tmp_path / "neox"
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps({"architectures": ["GPTNeoXForCausalLM"]}))
+    p = run_cli("train", "--run-dir", str(tmp_path / "run"), f"--data.path={tiny_data}", *TINY,
+                f"--model.init_from={d}", check=False)
+    assert p.returncode != 0 and "Traceback" not in p.stderr
+    err = p.stderr.strip().splitlines()
+    assert len(err) == 1 and "GPTNeoXForCausalLM" in err[0] and "LlamaForCausalLM" in err[0]
+    assert not (tmp_path / "run").exists()
+
+    from myria import config as config_mod
+    from myria.errors import ConfigError
+    from myria.interop import hf
+
+    src = make_hf_model("mistral", tmp_path / "m")
+    good = json.loads((src / "config.json").read_text())
+    for key, value, named in (("rope_parameters", {"rope_type": "yarn", "factor": 4.0}, "yarn"),
+                              ("attention_bias", True, "attention_bias"),
+                              ("hidden_act", "gelu", "hidden_act")):
+        (src / "config.json").write_text(json.dumps({**good, key: value}))
+        with pytest.raises(ConfigError, match=named):
+            hf.apply(config_mod.load(None, [f"--model.init_from={src}"]))
+
+
+def _tensors(d: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    out = {}
+    for f in sorted(d.glob("*.safetensors")):
+        out.update(load_file(f))
+    return out
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2"])
+def test_lr0_run_exports_the_imported_model(tmp_path, hf_models, tiny_data, kind):
+    """train (lr = 0) -> export: the same tensors bit for bit, transformers loads the export
+    with the same logits, importing the export gives the same tensors again, and greedy
+    decoding of the run's checkpoint equals transformers' on the original."""
+    from transformers import AutoModelForCausalLM
+
+    from myria.generate import generate
+    from myria.train.export import load_checkpoint_model
+
+    d, run, out = hf_models[kind], tmp_path / "run", tmp_path / "hf"
+    p = run_cli("train", "--run-dir", str(run), f"--data.path={tiny_data}", *TINY,
+                f"--model.init_from={d}", "--optimizer.lr=0", "--training.steps=2")
+    assert f"model from {d}: 2 layers" in p.stdout
+    run_cli("export", "--run-dir", str(run), "--out", str(out))
+    orig, exported = _tensors(d), _tensors(out)
+    assert orig.keys() == exported.keys()
+    assert all(torch.equal(orig[k], exported[k]) for k in orig)
+    tokens = torch.randint(0, 1024, (1, 48), generator=torch.Generator().manual_seed(2))
+    assert torch.equal(hf_logits(out, tokens), hf_logits(d, tokens))
+    again, _ = imported(out)
+    model, _, _ = load_checkpoint_model(run, None)
+    assert all(torch.equal(a, b) for a, b in zip(again.state_dict().values(),
+                                                   model.state_dict().values(), strict=True))
+
+    prompt = tokens[0, :12].tolist()
+    ours = generate(model.eval(), prompt, 30, temperature=0.0)
+    ref = AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32).eval()
+    with torch.no_grad():
+        theirs = ref.generate(torch.tensor([prompt]), max_new_tokens=30, do_sample=False,
+                              eos_token_id=None, pad_token_id=0)[0, 12:].tolist()
+    assert ours == theirs
+
+
+@pytest.mark.slow
+def test_training_continues_from_an_imported_model(tmp_path, hf_models, tiny_data):
+    """Two ranks (FSDP) train a Mistral model onwards: the loss falls from its start."""
+    from tests.conftest import losses
+
+    run = tmp_path / "run"
+    run_cli("train", "--run-dir", str(run), f"--data.path={tiny_data}", *TINY, "--nproc", "2",
+            f"--model.init_from={hf_models['mistral']}", "--training.steps=12",
+            "--optimizer.lr=1e-2")
+    got = losses(run)
+    assert got[12] < got[1] - 0.5, got
