@@ -162,7 +162,7 @@ def apply(cfg: Config) -> str | None:
                           "the sequential block and continuous positions; unset "
                           "model.attention, model.experts, model.parallel_block and "
                           "model.document_positions")
-    if cfg.parallel.offload_tier == "nvme":
+    if cfg.parallel.offload == "nvme":
         raise ConfigError(f"{_where(d)} is not supported with parallel.offload = 'nvme' (its "
                           "files hold their own copy of the weights); use offload = 'cpu' or "
                           "'none'")
