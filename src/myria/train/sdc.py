@@ -70,6 +70,34 @@ def sums(tensors: list[torch.Tensor]) -> torch.Tensor:
     return torch.stack(out)
 
 
+def storage_key(t: torch.Tensor) -> tuple:
+    """What identifies a tensor's bytes in memory: two views with the same key read the same
+    bytes (a state dict's entries and the ledger's tensors share storage)."""
+    t = _local(t)
+    return (t.data_ptr(), t.numel(), t.dtype)
+
+
+def expected_sums(recorded: dict[tuple, int], tensors: list[torch.Tensor]) -> list[int]:
+    """The checksum each of `tensors` must have: the ledger's (`StateLedger.recorded`: what the
+    optimizer wrote, verified since), else its own, taken now (a tensor the ledger does not
+    track: a buffer, the step count of an optimizer tier without parameter groups)."""
+    out: list[int | None] = [recorded.get(storage_key(t)) for t in tensors]
+    missing = [i for i, v in enumerate(out) if v is None]
+    if missing:
+        for i, v in zip(missing, sums([tensors[i] for i in missing]).tolist()):
+            out[i] = v
+    return out   # type: ignore[return-value]
+
+
+def differing(expected: list[int], tensors: list[torch.Tensor]) -> list[int]:
+    """The indices of `tensors` whose checksum is not the `expected` one (empty: equal)."""
+    if not tensors:
+        return []
+    got = sums(tensors)
+    want = torch.tensor(expected, dtype=torch.int64)
+    return (got != want).nonzero().reshape(-1).tolist()
+
+
 def stick(t: torch.Tensor, bit: int = 22) -> tuple:
     """The `bitflip ... sticky=yes` fault at rest: flip one bit of the first element of a
     tensor's local shard and keep it there (a cell stuck at its new value; `StateLedger.retest`
@@ -100,6 +128,7 @@ class StateLedger:
     def __init__(self, engine):
         self.engine = engine
         self._state: tuple[list[str], torch.Tensor] | None = None
+        self._keys: list[tuple] = []   # storage_key of each tensor of `_state`
         self._grads: tuple[list[str], torch.Tensor] | None = None
         self.stuck: list[tuple] = []   # (tensor, index, bit, value): stuck cells (fault hook)
 
@@ -162,7 +191,16 @@ class StateLedger:
 
     # record right after a write, verify before a use
     def record_state(self) -> None:
-        self._state = self._take(self.params() + self.optim())
+        items = self.params() + self.optim()
+        self._state = self._take(items)
+        self._keys = [storage_key(t) for _, t in items]
+
+    def recorded(self) -> dict[tuple, int]:
+        """{storage_key: checksum} of the state as last recorded (what the optimizer wrote):
+        what a copy of it (a checkpoint's snapshot, a peer snapshot) must hold."""
+        if self._state is None:
+            return {}
+        return dict(zip(self._keys, self._state[1].tolist()))
 
     def verify_state(self) -> list[str]:
         """The tensors whose bits changed since `record_state` (empty: intact)."""
