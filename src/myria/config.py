@@ -605,6 +605,11 @@ def validate(cfg: Config) -> None:
     if par.cpu_offload and par.offload == "nvme":
         raise ConfigError("parallel.cpu_offload = true (an alias of offload = 'cpu') contradicts "
                           "parallel.offload = 'nvme'; set one of them")
+    r = cfg.resilience
+    if r.spares and r.recovery != "in-job":   # a restart starts every worker afresh
+        raise ConfigError(f"resilience.spares = {r.spares} needs resilience.recovery = "
+                          f"'in-job' (recovery = {r.recovery!r} restarts every worker and "
+                          "uses no spare); set recovery = 'in-job' or spares = 0")
 
 
 def describe(cfg: Config) -> str:

@@ -409,3 +409,15 @@ def test_faults_during_recovery_twice_then_diagnostics_skipped(tmp_path, tiny_da
     assert_bit_equal(run, reference, STEPS)
     mgr = CheckpointManager(run / "checkpoints")
     assert all(mgr.verify(p) is None for p in mgr.committed())
+
+
+def test_spares_without_in_job_recovery_are_refused_in_one_line(tmp_path):
+    """A hot spare serves in-job recovery only: with recovery = "restart" it would be started
+    and never used, so the combination is refused before anything starts."""
+    p = run_cli("supervise", "--run-dir", str(tmp_path / "run"), "--nproc", "2",
+                "--resilience.spares=1", check=False, timeout=120)
+    assert p.returncode == 2 and p.stderr.strip() == (
+        "myria supervise: error: resilience.spares = 1 needs resilience.recovery = 'in-job' "
+        "(recovery = 'restart' restarts every worker and uses no spare); set recovery = "
+        "'in-job' or spares = 0"), p.stderr
+    assert not (tmp_path / "run").exists()
