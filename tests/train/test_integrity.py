@@ -315,3 +315,22 @@ def test_flip_while_the_checkpoint_is_copied_is_never_committed(tmp_path, tiny_d
     assert [got[s] for s in range(1, 9)] == [ref[s] for s in range(1, 9)]
     pa, pb = final_params(fsdp2_reference), final_params(run)
     assert all(torch.equal(pa[k], pb[k]) for k in pa)
+
+
+@pytest.mark.slow
+def test_a_compute_fault_between_two_checks_is_said_to_be_undetected(tmp_path, tiny_data):
+    """The compute check is sampled (one microbatch every sdc_interval = 3 steps): a wrong GEMM
+    result in step 4 is not recomputed and is trained in. The run succeeds, and the supervisor
+    says that the hook fired and that nothing detected it."""
+    run = tmp_path / "run"
+    run_cli("supervise", "--config", "configs/demo.toml", "--run-dir", str(run), "--nproc", "2",
+            f"--data.path={tiny_data}", *FSDP2, "--training.steps=5",
+            env={"MYRIA_FAULT": "bitflip:rank=1:step=3:target=compute"}, timeout=600)
+    assert detections.read(run, "sdc") == []
+    summary = json.loads((run / "supervisor_summary.json").read_text())
+    assert summary["status"] == "succeeded" and summary["faults"] == [], summary
+    assert summary["undetected_hooks"] == ["bitflip_rank1_step3_targetcompute"], summary
+    log = (run / "supervisor.log").read_text()
+    assert "fault hook bitflip_rank1_step3_targetcompute fired (MYRIA_FAULT) and no check " \
+        "detected it: its effect, if any, was trained in (the compute check recomputes one " \
+        "microbatch every resilience.sdc_interval steps" in log, log[-2000:]
