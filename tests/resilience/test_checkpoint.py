@@ -130,6 +130,20 @@ def test_failed_saves_in_a_row_stop_the_run(tmp_path, caplog, async_save):
         mgr.require_saved(9)
 
 
+def test_the_failure_that_stops_the_run_stops_it_at_once(tmp_path):
+    """With one failed save behind it, an asynchronous save is waited for: its failure (the
+    second in a row) raises SaveError in the save itself, before a step it could not keep is
+    trained."""
+    faults = FaultInjector(tmp_path, 0, "diskfull:step=2,diskfull:step=4")
+    mgr = CheckpointManager(tmp_path / "ck", faults=faults, async_save=True, overlap=True,
+                            max_failures=2)
+    t = Target()
+    assert mgr.save(2, t, {}) is True   # under way; the first failure is known later
+    mgr.wait()
+    with pytest.raises(SaveError, match="training stopped at step 4: 2 checkpoint saves"):
+        mgr.save(4, t, {})
+
+
 def test_bit_flip_is_caught_by_checksum_and_skipped(tmp_path, caplog):
     faults = FaultInjector(tmp_path, 0, "corrupt-checkpoint:step=2")
     mgr = CheckpointManager(tmp_path / "ck", faults=faults, async_save=False)

@@ -43,8 +43,11 @@ At most one save is in flight: a new save first waits for the previous one. A fa
 logged in one line (a full disk reads "No space left on device", with what a checkpoint needs
 and what is free), its temporary directory removed, older checkpoints are untouched, and
 training goes on, unless `max_failures` saves in a row have failed (`checkpoint.max_failed_saves`):
-then the next save raises `SaveError`, as `require_saved` does when the final save (or the save
-of a requested stop) was not committed. A run never ends with success on work it did not save.
+then the save raises `SaveError` at once, as `require_saved` does when the final save (or the
+save of a requested stop) was not committed. So that no step is trained that could not be kept,
+a save that would be the `max_failures`-th failure in a row is waited for before training goes
+on (asynchronous saves are synchronous while the previous one failed). A run never ends with
+success on work it did not save.
 
 Resuming picks the newest checkpoint whose manifest verifies (sizes and CRC-32, the files split
 among the ranks so each byte is read once); a damaged or incomplete one is moved to
@@ -630,6 +633,12 @@ class CheckpointManager:
         self._thread = threading.Thread(target=self._background, args=(pending,),
                                         name=f"myria-ckpt-{step}", daemon=True)
         self._thread.start()
+        if self.max_failures and self.failed_in_row + 1 >= self.max_failures:
+            # its failure would stop the run: know it before training on
+            self._wait_thread()
+            rec.stall_s = time.perf_counter() - t0
+            self._check_failures(step)
+            return bool(rec.ok)
         rec.stall_s = time.perf_counter() - t0
         return True
 
@@ -912,8 +921,7 @@ class CheckpointManager:
             if rank == 0 or (err and len(votes) < world):  # rank 0 speaks for the vote
                 stop = self.max_failures and self.failed_in_row >= self.max_failures
                 log.error("%s; %s%s", self.last_failure, self._kept(p.step),
-                          ("; training stops" + (" at its next checkpoint step"
-                                                 if self.async_save else "")) if stop else
+                          "; training stops" if stop else
                           f" ({self.failed_in_row} failed in a row; the run stops at "
                           f"{self.max_failures}: checkpoint.max_failed_saves)"
                           if self.max_failures else "")
