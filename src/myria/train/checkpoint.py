@@ -777,7 +777,8 @@ class CheckpointManager:
 
         recorded = self.recorded() if self.recorded is not None else {}
         try:
-            p.expected = sdc.expected_sums(recorded, [src for src, _ in p.copies])
+            with events.current().span("snapshot_expect", "check"):   # bench/integrity.py
+                p.expected = sdc.expected_sums(recorded, [src for src, _ in p.copies])
         except BaseException as e:  # the save fails (the vote sees it)
             p.error = e
 
@@ -787,7 +788,8 @@ class CheckpointManager:
 
         if len(p.expected) != len(p.copies):
             return ""
-        bad = sdc.differing(p.expected, [dst for _, dst in p.copies])
+        with events.current().span("snapshot_verify", "check"):   # bench/integrity.py
+            bad = sdc.differing(p.expected, [dst for _, dst in p.copies])
         if not bad:
             return ""
         return (f"the snapshot differs from the state the optimizer wrote {when} "
