@@ -23,8 +23,10 @@ the backward's (the gradient of the first block's input: every block's data-grad
 head's and the loss's lead to it). The training pass's own checksums are taken by hooks as it
 runs (no extra work on the owner); the partner's recomputation runs the forward with gradients
 and a backward to that input only (`torch.autograd.grad`): the parameters' gradients are not
-touched, nothing is reduced, and the weight-gradient GEMMs are not recomputed (a fault there is
-not seen by this check; the reduced gradients are checked at rest). Under a pipeline each stage
+touched, nothing is reduced, and the weight-gradient GEMMs are not recomputed. A fault in one
+of those is seen by no check: the at-rest check records the gradients after the reduction (it
+guards them from then on, not their computation), and every replica receives the same reduced
+value, so the replica check finds nothing either. Under a pipeline each stage
 is checked by the DP partner of the same stage: the owner keeps its stage's input (tokens or the
 received activations) and the gradient it received for its output (the last stage: its targets)
 for the first microbatch, and the partner runs the stage's forward and backward on them outside
