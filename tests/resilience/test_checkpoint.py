@@ -261,3 +261,26 @@ def test_a_snapshot_that_differs_from_the_state_written_is_never_committed(tmp_p
     q = mgr.quarantined()
     assert len(q) == 1 and q[0].name.startswith("step_00000003.") and mgr.choose_resume() == \
         mgr.path_for(2)
+
+
+def test_checkpoints_after_the_last_clean_check_are_not_resumed_from(tmp_path):
+    """A fault found after a commit (the compute check at step 8, the last clean one at step 4):
+    the checkpoint of step 6 holds state computed since, so the resume quarantines it and goes
+    to step 4; in-job recovery rolls back no further than step 4 either."""
+    from myria.train.checkpoint import mark_suspect
+    from myria.train.rejoin import choose
+
+    mgr = CheckpointManager(tmp_path / "ck", async_save=False)
+    t = Target()
+    for step in (2, 4, 6):
+        assert mgr.save(step, t, {})
+        t.update()
+    mark_suspect(tmp_path / "ck", 4, 8, "a recomputed microbatch differs")
+    assert mgr.choose_resume() == mgr.path_for(4)
+    (q,) = mgr.quarantined()
+    why = json.loads((q / "QUARANTINED.json").read_text())["reason"]
+    assert q.name == "step_00000006" and "after the last clean check (step 4)" in why
+    assert mgr.choose_resume() == mgr.path_for(4) and mgr.drop_suspect() is None  # once
+    info = {"fresh": False, "own": [4, 5, 6], "holds": None, "held": {}}
+    infos = [dict(info, rank=0), dict(info, rank=1)]
+    assert choose(infos)["step"] == 6 and choose(infos, cap=4)["step"] == 4
