@@ -521,7 +521,10 @@ class StepGuard:
                       f"(rank {v['rank'] if v['rank'] is not None else v.get('suspects')}): "
                       f"{action}", flush=True)
         if action == "rollback":
-            if self.rank == 0:   # the state since the last clean check may hold the fault
+            transient = all(v["verdict"] == "transient" for v in found["mismatches"].values())
+            # a transient fault was in this step alone, found before its update: nothing
+            # committed holds it. Any other may have been there since the last clean check.
+            if self.rank == 0 and not transient:
                 from myria import rundir
                 from myria.train.checkpoint import mark_suspect
 
