@@ -36,8 +36,9 @@ are checked against it once copied (an overlapped copy runs during the next step
 may already have changed the live state) and again after the files are written (a buffer that
 changed while DCP read it). A mismatch fails the save on every rank (the vote); the files
 already written go to `quarantine/`, never to a checkpoint. A fault found after a commit (the
-compute check: the optimizer wrote state that was already wrong) is handled by `mark_suspect`:
-every checkpoint newer than the last clean check is quarantined at the next resume.
+compute check's persistent verdict: the optimizer may have written wrong state since the last
+clean check) is handled by `mark_suspect`: every checkpoint newer than the last clean check is
+quarantined at the next resume.
 
 At most one save is in flight: a new save first waits for the previous one. A failed save is
 logged in one line (a full disk reads "No space left on device", with what a checkpoint needs
