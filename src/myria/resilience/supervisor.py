@@ -642,6 +642,11 @@ class Supervisor:
                 out.append(d)
         return out
 
+    def sdc_pending(self) -> bool:
+        """Whether a worker of this attempt stopped on a silent-corruption verdict."""
+        return self.watch is not None and \
+            _sdc_verdict(self.run_dir, self.watch.started) is not None
+
     def _on_exit(self, result, records, now: float) -> None:
         failures = result.failures
         self.watch.heartbeats(records, now)

@@ -774,23 +774,23 @@ class CheckpointManager:
     def _expect(self, p: _Pending) -> None:
         """The checksum each copy must have: what the ledger recorded when the optimizer wrote
         it (verified just before the save), else the source's own, now."""
-        from myria.train import sdc
+        from myria.train import checksums
 
         recorded = self.recorded() if self.recorded is not None else {}
         try:
             with events.current().span("snapshot_expect", "check"):   # bench/integrity.py
-                p.expected = sdc.expected_sums(recorded, [src for src, _ in p.copies])
+                p.expected = checksums.expected_sums(recorded, [src for src, _ in p.copies])
         except BaseException as e:  # the save fails (the vote sees it)
             p.error = e
 
     def _check_copies(self, p: _Pending, when: str) -> str:
         """Why the host buffers' bytes are not the expected ones ("" when they are)."""
-        from myria.train import sdc
+        from myria.train import checksums
 
         if len(p.expected) != len(p.copies):
             return ""
         with events.current().span("snapshot_verify", "check"):   # bench/integrity.py
-            bad = sdc.differing(p.expected, [dst for _, dst in p.copies])
+            bad = checksums.differing(p.expected, [dst for _, dst in p.copies])
         if not bad:
             return ""
         return (f"the snapshot differs from the state the optimizer wrote {when} "

@@ -159,13 +159,14 @@ def _check_written(path: Path, sd: dict[str, torch.Tensor]) -> None:
     CheckpointError: an export is only as good as the bytes that reached the disk."""
     from safetensors.torch import load_file
 
-    from myria.train import sdc
+    from myria.train import checksums
 
     back = load_file(str(path))
     names = sorted(sd)
     if sorted(back) != names:
         raise CheckpointError(f"the exported {path.name} read back holds other tensors")
-    bad = sdc.differing(sdc.sums([sd[k] for k in names]).tolist(), [back[k] for k in names])
+    want = checksums.sums([sd[k] for k in names]).tolist()
+    bad = checksums.differing(want, [back[k] for k in names])
     if bad:
         raise CheckpointError(f"the exported weights read back from {path} differ from the "
                               f"checkpoint's ({names[bad[0]]}): nothing exported")

@@ -165,10 +165,10 @@ def _tensor_at(buf: torch.Tensor, item: dict) -> torch.Tensor:
 
 def packed_differs(buf: torch.Tensor, layout: list[dict], expected: list[int]) -> str | None:
     """The first key whose packed bytes do not have the `expected` checksum, else None."""
-    from myria.train import sdc
+    from myria.train import checksums
 
     items = [i for i in layout if "off" in i and i["n"]]
-    bad = sdc.differing(expected, [_tensor_at(buf, i) for i in items])
+    bad = checksums.differing(expected, [_tensor_at(buf, i) for i in items])
     return items[bad[0]]["k"] if bad else None
 
 
@@ -251,9 +251,9 @@ class PeerSnapshots:
         self.buf = buf
         for old in [k for k, v in self.own.items() if v["buf"] is buf]:
             del self.own[old]
-        from myria.train import sdc
+        from myria.train import checksums
 
-        self._expected = sdc.expected_sums(
+        self._expected = checksums.expected_sums(
             self.recorded() if self.recorded is not None else {},
             [state[i["k"]] for i in layout if "off" in i and i["n"]])
         pack(state, self.buf, layout)
