@@ -10,7 +10,10 @@ default `resilience.sdc_interval` ("on") and with `sdc_interval = 0` ("off"), al
 on/off `--rounds` times so that a change of the machine's load hits both alike. From the event
 files: the at-rest checksums' time per step (span `sdc_at_rest`), each compute check (span
 `compute_check`) and each replica check; from metrics.jsonl: the median and worst step time
-after the warm-up. The cost of the checks is reported two ways: the spans as a fraction of the
+after the warm-up; the checks of the checkpoints' copies (span `snapshot_expect`: the
+expected checksums, on the training thread; `snapshot_verify`: the copy checked once copied and
+once written, on the snapshot's threads) at the demo's own checkpoint interval, per checkpoint.
+The cost of the checks is reported two ways: the spans as a fraction of the
 median step (what the checks take), and the ratio of the runs' median step times (what a user
 sees, within this machine's noise). `--busy N` runs N busy loops beside (a loaded host).
 The straggler detector runs in the supervisor, off the training path: its time to score the run
@@ -41,7 +44,7 @@ def train(tag: str, steps: int, nproc: int, extra: list[str], data: str) -> dict
     try:
         args = [sys.executable, "-m", "myria", "train", "--config", "configs/demo.toml",
                 "--run-dir", str(d), f"--data.path={data}", f"--training.steps={steps}",
-                "--checkpoint.interval=0", "--logging.tensorboard=false",
+                "--logging.tensorboard=false",
                 "--training.eval_interval=0", "--nproc", str(nproc), *extra]
         env = {k: v for k, v in os.environ.items() if k != "MYRIA_FAULT"}
         env["PYTHONPATH"] = str(ROOT / "src")
@@ -61,7 +64,8 @@ def train(tag: str, steps: int, nproc: int, extra: list[str], data: str) -> dict
                 s = (e["t1"] - e["t0"]) / 1e6
                 if e.get("n") == "sdc_at_rest":
                     at_rest[(f.name, e.get("s"))] += s
-                elif e.get("n") in ("compute_check", "replica_check", "gc"):
+                elif e.get("n") in ("compute_check", "replica_check", "gc", "snapshot_expect",
+                                    "snapshot_verify"):
                     spans[e["n"]].append(s)
         t0 = time.perf_counter()
         from myria.observe.straggler import default_window, detect_dir
@@ -77,6 +81,10 @@ def train(tag: str, steps: int, nproc: int, extra: list[str], data: str) -> dict
                 "compute_check_s": med(spans["compute_check"]),
                 "compute_checks": len(spans["compute_check"]),
                 "replica_check_s": med(spans["replica_check"]),
+                # per checkpoint, summed over its spans on one rank
+                "snapshot_check_s": (sum(spans["snapshot_expect"]) + sum(
+                    spans["snapshot_verify"])) / nproc if spans["snapshot_expect"] else None,
+                "checkpoints": len(spans["snapshot_expect"]) // nproc,
                 "gc_pause_s": med(spans["gc"]), "straggler_detect_s": round(detect_s, 4)}
     finally:
         shutil.rmtree(d, ignore_errors=True)
@@ -113,6 +121,12 @@ def main() -> None:
     off_step = statistics.median(r["median_step_s"] for r in runs["off"])
     rest = statistics.median(r["at_rest_s_per_step"] for r in runs["on"])
     comp = statistics.median(r["compute_check_s"] for r in runs["on"])
+    from myria import config as config_mod
+
+    every = config_mod.load(ROOT / "configs" / "demo.toml").checkpoint.interval
+    snap = [r["snapshot_check_s"] / max(1, r["checkpoints"]) for r in runs["on"]
+            if r["snapshot_check_s"] is not None]
+    snap_s = statistics.median(snap) if snap else 0.0
     res = {"command": "bench/integrity.py " + " ".join(sys.argv[1:]),
            "date": time.strftime("%Y-%m-%d %H:%M"),
            "machine": f"{os.cpu_count()} cores {platform.machine()}, load average at start "
@@ -120,7 +134,10 @@ def main() -> None:
            "sdc_interval": default, "runs": runs,
            "at_rest_fraction_of_step": rest / on_step,
            "compute_check_fraction_of_step": comp / default / on_step,
-           "checks_fraction_of_step": (rest + comp / default) / on_step,
+           "checkpoint_interval": every, "snapshot_check_s": snap_s,
+           "snapshot_check_fraction_of_step": snap_s / every / on_step if every else 0.0,
+           "checks_fraction_of_step": (rest + comp / default + (snap_s / every if every
+                                                                 else 0.0)) / on_step,
            "step_time_ratio_on_off": on_step / off_step}
     OUT.parent.mkdir(parents=True, exist_ok=True)
     OUT.write_text(json.dumps(res, indent=1))
@@ -133,7 +150,9 @@ def main() -> None:
                   f"{r['at_rest_s_per_step'] or '-'} | {r['compute_check_s'] or '-'} | "
                   f"{r['compute_checks']} |")
     print(f"\nat rest {100 * res['at_rest_fraction_of_step']:.2f}% + compute "
-          f"{100 * res['compute_check_fraction_of_step']:.2f}% (one check per {default} steps) = "
+          f"{100 * res['compute_check_fraction_of_step']:.2f}% (one check per {default} steps) + "
+          f"checkpoint copies {100 * res['snapshot_check_fraction_of_step']:.3f}% (per "
+          f"checkpoint {snap_s:.3f} s, one per {every} steps) = "
           f"{100 * res['checks_fraction_of_step']:.2f}% of a step by the spans; median step "
           f"on/off {res['step_time_ratio_on_off']:.4f}")
 

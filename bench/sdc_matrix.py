@@ -1,17 +1,30 @@
-"""Silent data corruption, every layout x every target (issue 27): is a flipped bit reported as
-`sdc` naming its rank within one interval, and does `myria supervise` end bit-equal to a clean run?
+"""Silent data corruption, every layout x every target, at the checkpoint's edges: is a flipped
+bit reported as `sdc` naming its rank, does `myria supervise` end bit-equal to a clean run, and
+does no checkpoint left to resume from hold a corrupted tensor?
 
     .venv/bin/python bench/sdc_matrix.py [--layouts fsdp,hsdp,ddp,tp2dp2,pp2dp2]
-                                         [--targets param,grad,optimizer,compute] [--data DIR]
+        [--targets param,grad,optimizer,compute] [--positions ckpt,after]
+        [--snapshots overlap,async,sync] [--recovery restart,in-job] [--data DIR] [--out F]
 
 A tiny model (the test suite's TINY) trains 8 steps on 2 or 4 gloo ranks with checkpoints every
-4 steps and `resilience.sdc_interval = 3`; the fault `bitflip:rank=R:step=5:target=T` acts in
-step 6 (a checked step). For each layout one clean `myria train` with the checks off is the
-reference (so bit-equal also says the checks leave no trace in training). Each row:
-the `sdc` lines of events.jsonl (rank, step, check), what the supervisor filed the fault as (kind
-`sdc` and the verdict) and its blocklist, its restarts and resumed step,
-and whether the final parameters equal the reference's bit for bit. Writes
-bench/results/sdc_matrix.json and prints a Markdown table.
+2 steps (all kept) and `resilience.sdc_interval = 4`. Where the bit flips (`--positions`):
+
+- `ckpt`: `bitflip:rank=R:step=3:target=T` acts in step 4, a checkpoint step and a checked step;
+- `after`: `step=4` acts in step 5, the step after a checkpoint, while its overlapped snapshot
+  is being copied (the copy is made to come after the flip: CheckpointManager._flip_due); a
+  compute fault there is `sticky=yes` (wrong from step 5 on, found by the check of step 8: the
+  checkpoint of step 6 was committed meanwhile and must not be resumed from), since a one-step
+  compute fault between two checks is not recomputed (the check is sampled).
+
+`--snapshots`: `overlap` (the default: two-stage, copied during the next step), `async` (two-
+stage, copied before the save returns), `sync`. `--recovery`: restart (default) or in-job (peer
+memory snapshots every step). For each layout and snapshot mode one clean `myria train` with the
+checks off is the reference. Each row: the `sdc` lines of events.jsonl (rank, step, check), what
+the supervisor filed, its restarts and resumed step, whether the final parameters equal the
+reference's bit for bit, the quarantined checkpoints (and why), and `clean_ckpts`: every
+checkpoint left in checkpoints/ compared, model and optimizer state, tensor by tensor with the
+reference's of the same step (`bad_ckpts` lists any that differs). Writes bench/results/
+sdc_matrix.json (or --out) and prints a Markdown table.
 """
 
 from __future__ import annotations
@@ -34,9 +47,15 @@ TINY = ["--model.vocab_size=1024", "--model.layers=2", "--model.hidden=64", "--m
         "--model.kv_heads=2", "--model.seq_len=64", "--training.micro_batch=2",
         "--optimizer.warmup_steps=4", "--logging.tensorboard=false", "--data.prefetch=2",
         "--training.eval_interval=0"]
-COMMON = [*TINY, "--training.steps=8", "--checkpoint.interval=4", "--resilience.sdc_interval=3",
-          "--resilience.diagnose=false", "--resilience.heartbeat_s=0.5",
-          "--resilience.backoff_s=0.2"]
+COMMON = [*TINY, "--training.steps=8", "--checkpoint.interval=2", "--checkpoint.keep=100",
+          "--resilience.sdc_interval=4", "--resilience.diagnose=false",
+          "--resilience.heartbeat_s=0.5", "--resilience.backoff_s=0.2"]
+POSITIONS = {"ckpt": 3, "after": 4}   # the fault's step=: acts in step 4 / step 5
+SNAPSHOTS = {
+    "overlap": ["--resilience.async_checkpoint=true", "--resilience.snapshot_overlap=true"],
+    "async": ["--resilience.async_checkpoint=true", "--resilience.snapshot_overlap=false"],
+    "sync": ["--resilience.async_checkpoint=false"],
+}
 LAYOUTS = {   # name: (processes, arguments, the rank to corrupt)
     "fsdp": (2, ["--training.global_batch=8"], 1),
     "hsdp": (4, ["--training.global_batch=16", "--parallel.dp_replicate=2"], 2),
@@ -62,11 +81,56 @@ def params(run: Path) -> dict:
     return dict(load_checkpoint_model(run, None)[0].state_dict())
 
 
+def ckpt_state(path: Path) -> dict:
+    """Every tensor of a checkpoint (model and optimizer), whole, by key."""
+    import torch
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    with tempfile.TemporaryDirectory() as d:
+        f = Path(d) / "state.pt"
+        dcp_to_torch_save(str(path), str(f))
+        state = torch.load(f, weights_only=False)
+    out = {}
+
+    def walk(prefix, v):
+        if isinstance(v, dict):
+            for k, x in v.items():
+                walk(f"{prefix}/{k}", x)
+        elif isinstance(v, torch.Tensor):
+            out[prefix] = v
+    walk("", state)
+    return out
+
+
+def compare_ckpts(run: Path, ref: Path) -> tuple[list[str], list[str]]:
+    """(the checkpoints of `run` equal to the reference's of the same step, those that are not
+    or have no counterpart)."""
+    import torch
+
+    good, bad = [], []
+    for p in sorted((run / "checkpoints").glob("step_*")):
+        if not (p / "meta.json").exists():
+            continue
+        q = ref / "checkpoints" / p.name
+        if not q.exists():
+            bad.append(f"{p.name} (no reference)")
+            continue
+        a, b = ckpt_state(p), ckpt_state(q)
+        diff = [k for k in b if k not in a or not torch.equal(a[k], b[k])]
+        (bad if diff or a.keys() != b.keys() else good).append(
+            p.name + (f" ({diff[0]})" if diff else ""))
+    return good, bad
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--layouts", default=",".join(LAYOUTS))
     ap.add_argument("--targets", default=",".join(TARGETS))
+    ap.add_argument("--positions", default="ckpt,after")
+    ap.add_argument("--snapshots", default="overlap")
+    ap.add_argument("--recovery", default="restart")
     ap.add_argument("--data", default="")
+    ap.add_argument("--out", default=str(OUT))
     a = ap.parse_args()
     import torch
 
@@ -80,28 +144,43 @@ def main() -> None:
             "--out", data, "--quiet").check_returncode()
     rows = []
     try:
-        for lay in a.layouts.split(","):
+        cells = [(lay, snap) for lay in a.layouts.split(",") for snap in a.snapshots.split(",")]
+        for lay, snap in cells:
             nproc, extra, rank = LAYOUTS[lay]
-            args = ["--nproc", str(nproc), f"--data.path={data}", *COMMON, *extra]
-            ref = tmp / f"{lay}-clean"
+            args = ["--nproc", str(nproc), f"--data.path={data}", *COMMON, *extra,
+                    *SNAPSHOTS[snap]]
+            ref = tmp / f"{lay}-{snap}-clean"
             p = cli("train", "--run-dir", str(ref), *args, "--resilience.sdc_interval=0")
             if p.returncode:
-                rows.append({"layout": lay, "target": "-", "error": p.stderr[-400:]})
+                rows.append({"layout": lay, "snapshots": snap, "target": "-",
+                             "error": p.stderr[-400:]})
                 continue
             clean = params(ref)
-            for target in a.targets.split(","):
-                run = tmp / f"{lay}-{target}"
+            for recovery, pos, target in [(r, q, t) for r in a.recovery.split(",")
+                                          for q in a.positions.split(",")
+                                          for t in a.targets.split(",")]:
+                run = tmp / f"{lay}-{snap}-{recovery}-{pos}-{target}"
                 t0 = time.time()
+                sticky = ":sticky=yes" if target == "compute" and pos == "after" else ""
                 p = cli("supervise", "--run-dir", str(run), *args,
-                        fault=f"bitflip:rank={rank}:step=5:target={target}")
+                        f"--resilience.recovery={recovery}",
+                        fault=f"bitflip:rank={rank}:step={POSITIONS[pos]}:target={target}"
+                              f"{sticky}")
                 sdc = detections.read(run, "sdc")
                 summary = json.loads((run / "supervisor_summary.json").read_text()) \
                     if (run / "supervisor_summary.json").exists() else {}
                 got = params(run) if p.returncode == 0 else {}
                 equal = bool(got) and got.keys() == clean.keys() and \
                     all(torch.equal(got[k], clean[k]) for k in clean)
+                good, bad = compare_ckpts(run, ref) if run.exists() else ([], [])
+                qdir = run / "checkpoints" / "quarantine"
+                quarantined = {q.name.split(".")[0]: json.loads(
+                    (q / "QUARANTINED.json").read_text())["reason"][:120]
+                    for q in (sorted(qdir.iterdir()) if qdir.is_dir() else [])
+                    if (q / "QUARANTINED.json").exists()}
                 rows.append({
-                    "layout": lay, "target": target, "fault_rank": rank,
+                    "layout": lay, "snapshots": snap, "recovery": recovery, "position": pos,
+                    "target": target + (" sticky" if sticky else ""), "fault_rank": rank,
                     "sdc": [{"rank": r["rank"], "step": r["step"],
                              "check": r["evidence"].get("check"),
                              "verdict": r["evidence"].get("verdict")} for r in sdc],
@@ -111,24 +190,30 @@ def main() -> None:
                     "blocklist": summary.get("blocklist"),
                     "status": summary.get("status"), "restarts": summary.get("restarts"),
                     "resumed_from": [f.get("resumed_from") for f in summary.get("faults", [])],
-                    "bit_equal": equal, "wall_s": round(time.time() - t0, 1)})
+                    "bit_equal": equal, "clean_ckpts": good, "bad_ckpts": bad,
+                    "quarantined": quarantined, "wall_s": round(time.time() - t0, 1)})
                 print(json.dumps(rows[-1]), flush=True)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    OUT.parent.mkdir(parents=True, exist_ok=True)
-    OUT.write_text(json.dumps({"command": "bench/sdc_matrix.py " + " ".join(sys.argv[1:]),
+    out = Path(a.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"command": "bench/sdc_matrix.py " + " ".join(sys.argv[1:]),
                                "date": time.strftime("%Y-%m-%d %H:%M"), "rows": rows}, indent=1))
-    print("\n| layout | target | sdc (rank @ step, check) | named the rank | supervisor filed | "
-          "restarts | resumed from | bit-equal to clean |\n|---|---|---|---|---|---|---|---|")
+    print("\n| layout | snapshots | recovery | flip | target | sdc (rank @ step, check) | "
+          "named | restarts | resumed from | quarantined | checkpoints left clean | "
+          "bit-equal |\n|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         if "error" in r:
-            print(f"| {r['layout']} | - | clean run failed: {r['error'][-80:]!r} | | | | | |")
+            print(f"| {r['layout']} | {r['snapshots']} | | | - | clean run failed: "
+                  f"{r['error'][-80:]!r} | | | | | | |")
             continue
         s = ", ".join(f"{x['rank']} @ {x['step']} ({x['check']}"
                       + (f", {x['verdict']}" if x["verdict"] else "") + ")" for x in r["sdc"])
-        filed = ", ".join(f"{k} ({v})" if v else str(k) for k, v in r["filed_as"]) or "-"
-        print(f"| {r['layout']} | {r['target']} | {s or 'none'} | {r['named']} | {filed} | "
-              f"{r['restarts']} | {r['resumed_from']} | {r['bit_equal']} |")
+        q = ", ".join(f"{k[5:].lstrip('0')}" for k in r["quarantined"]) or "-"
+        left = f"{len(r['clean_ckpts'])}/{len(r['clean_ckpts']) + len(r['bad_ckpts'])}"
+        print(f"| {r['layout']} | {r['snapshots']} | {r['recovery']} | {r['position']} | "
+              f"{r['target']} | {s or 'none'} | {r['named']} | {r['restarts']} | "
+              f"{r['resumed_from']} | {q} | {left} | {r['bit_equal']} |")
 
 
 if __name__ == "__main__":

@@ -678,6 +678,11 @@ def validate(cfg: Config) -> None:
     if bad:
         raise ConfigError(f"logging.trackers = {cfg.logging.trackers!r}: {bad[0].strip()!r} is "
                           "not a tracker; use wandb, mlflow or 'wandb,mlflow'")
+    r = cfg.resilience
+    if r.spares and r.recovery != "in-job":   # a restart starts every worker afresh
+        raise ConfigError(f"resilience.spares = {r.spares} needs resilience.recovery = "
+                          f"'in-job' (recovery = {r.recovery!r} restarts every worker and "
+                          "uses no spare); set recovery = 'in-job' or spares = 0")
 
 
 def describe(cfg: Config) -> str:

@@ -4,6 +4,11 @@ checksum-verified resume, and the same files whichever way they were written."""
 from __future__ import annotations
 
 import json
+import os
+import socket
+import threading
+import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -125,6 +130,20 @@ def test_failed_saves_in_a_row_stop_the_run(tmp_path, caplog, async_save):
         mgr.require_saved(9)
 
 
+def test_the_failure_that_stops_the_run_stops_it_at_once(tmp_path):
+    """With one failed save behind it, an asynchronous save is waited for: its failure (the
+    second in a row) raises SaveError in the save itself, before a step it could not keep is
+    trained."""
+    faults = FaultInjector(tmp_path, 0, "diskfull:step=2,diskfull:step=4")
+    mgr = CheckpointManager(tmp_path / "ck", faults=faults, async_save=True, overlap=True,
+                            max_failures=2)
+    t = Target()
+    assert mgr.save(2, t, {}) is True   # under way; the first failure is known later
+    mgr.wait()
+    with pytest.raises(SaveError, match="training stopped at step 4: 2 checkpoint saves"):
+        mgr.save(4, t, {})
+
+
 def test_bit_flip_is_caught_by_checksum_and_skipped(tmp_path, caplog):
     faults = FaultInjector(tmp_path, 0, "corrupt-checkpoint:step=2")
     mgr = CheckpointManager(tmp_path / "ck", faults=faults, async_save=False)
@@ -161,8 +180,107 @@ def test_sync_and_async_saves_load_the_same_state(tmp_path):
 
 
 def test_leftover_temporary_directories_are_removed(tmp_path):
-    d = tmp_path / "ck" / "step_00000009.tmp"
-    d.mkdir(parents=True)
-    (d / "__0_0.distcp").write_bytes(b"partial")
+    """A save whose writer process is gone leaves a temporary directory the next manager
+    removes; one whose writer is alive (here: this process) is another writer's, kept."""
+    host = socket.gethostname()
+    dead = tmp_path / "ck" / f"step_00000009.{2**22 + 12345}-00ff00ff@{host}.tmp"
+    live = tmp_path / "ck" / f"step_00000009.{os.getpid()}-12345678@{host}.tmp"
+    for d in (dead, live):
+        d.mkdir(parents=True)
+        (d / "__0_0.distcp").write_bytes(b"partial")
     mgr = CheckpointManager(tmp_path / "ck")
-    assert not d.exists() and mgr.committed() == []
+    assert not dead.exists() and live.exists() and mgr.committed() == []
+
+
+def _gated_dcp_save(monkeypatch, thread_name: str):
+    """Hold the DCP write of the save running on thread `thread_name` until the gate opens
+    (its temporary directory exists by then)."""
+    from myria.train import checkpoint as ck
+
+    gate, real = threading.Event(), ck.dcp.save
+
+    def save(state, storage_writer, **kw):
+        if threading.current_thread().name == thread_name:
+            Path(storage_writer.path).mkdir(parents=True, exist_ok=True)
+            gate.wait(60)
+        return real(state, storage_writer=storage_writer, **kw)
+
+    monkeypatch.setattr(ck.dcp, "save", save)
+    return gate
+
+
+def test_a_new_manager_leaves_a_live_writers_save_alone(tmp_path, monkeypatch):
+    gate = _gated_dcp_save(monkeypatch, "myria-ckpt-3")
+    a = CheckpointManager(tmp_path / "ck", async_save=True)
+    a.save(3, Target(), {})
+    deadline = time.time() + 30
+    while not a.tmp_for(3).exists() and time.time() < deadline:
+        time.sleep(0.01)
+    CheckpointManager(tmp_path / "ck")   # another writer starting on the same directory
+    assert a.tmp_for(3).exists()
+    gate.set()
+    assert a.wait() is True and a.committed() == [a.path_for(3)]
+
+
+def test_an_abandoned_save_never_commits_over_a_new_attempt(tmp_path, monkeypatch):
+    """In-job recovery gives up on a save in flight (`settle`); a new manager saves the same
+    step; when the abandoned one finishes, it neither commits over the new checkpoint nor
+    touches its files."""
+    gate = _gated_dcp_save(monkeypatch, "myria-ckpt-3")
+    old, new = Target(seed=1), Target(seed=2)
+    a = CheckpointManager(tmp_path / "ck", async_save=True)
+    a.save(3, old, {})
+    assert a.settle(0.05) is False
+    b = CheckpointManager(tmp_path / "ck", async_save=False)
+    assert b.save(3, new, {})
+    thread = next(t for t in threading.enumerate() if t.name == "myria-ckpt-3")
+    gate.set()
+    thread.join(60)
+    assert a.history[-1].ok is False and "abandoned" in a.history[-1].error
+    got, _ = loaded(b.path_for(3))
+    assert torch.equal(got.w, new.w) and b.committed() == [b.path_for(3)]
+    assert not list((tmp_path / "ck").glob("*.tmp"))
+
+
+def test_a_snapshot_that_differs_from_the_state_written_is_never_committed(tmp_path):
+    """A bit of the live state flips after the save began and before its overlapped copy
+    (`bitflip` due at the next step defers the copy until `before_update`): the copy differs
+    from what was written when the save began, the save fails and its files are kept aside
+    in quarantine/, never loaded."""
+    faults = FaultInjector(tmp_path, 0, "bitflip:rank=0:step=3:target=param")
+    mgr = CheckpointManager(tmp_path / "ck", faults=faults, async_save=True, overlap=True)
+    t = Target()
+    assert mgr.save(2, t, {}) and mgr.wait() is True
+    mgr.save(3, t, {})
+    t.w.view(torch.int32)[0, 0] ^= 1 << 22   # the fault, before the copy
+    mgr.before_update()
+    assert mgr.wait() is False
+    assert "differs from the state the optimizer wrote once copied" in mgr.history[-1].error
+    assert "model/w" in mgr.history[-1].error
+    assert mgr.committed() == [mgr.path_for(2)]
+    q = mgr.quarantined()
+    assert len(q) == 1 and q[0].name.startswith("step_00000003.") and mgr.choose_resume() == \
+        mgr.path_for(2)
+
+
+def test_checkpoints_after_the_last_clean_check_are_not_resumed_from(tmp_path):
+    """A fault found after a commit (the compute check at step 8, the last clean one at step 4):
+    the checkpoint of step 6 holds state computed since, so the resume quarantines it and goes
+    to step 4; in-job recovery rolls back no further than step 4 either."""
+    from myria.train.checkpoint import mark_suspect
+    from myria.train.rejoin import choose
+
+    mgr = CheckpointManager(tmp_path / "ck", async_save=False)
+    t = Target()
+    for step in (2, 4, 6):
+        assert mgr.save(step, t, {})
+        t.update()
+    mark_suspect(tmp_path / "ck", 4, 8, "a recomputed microbatch differs")
+    assert mgr.choose_resume() == mgr.path_for(4)
+    (q,) = mgr.quarantined()
+    why = json.loads((q / "QUARANTINED.json").read_text())["reason"]
+    assert q.name == "step_00000006" and "after the last clean check (step 4)" in why
+    assert mgr.choose_resume() == mgr.path_for(4) and mgr.drop_suspect() is None  # once
+    info = {"fresh": False, "own": [4, 5, 6], "holds": None, "held": {}}
+    infos = [dict(info, rank=0), dict(info, rank=1)]
+    assert choose(infos)["step"] == 6 and choose(infos, cap=4)["step"] == 4

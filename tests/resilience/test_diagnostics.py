@@ -161,6 +161,8 @@ def test_diagnostics_are_skipped_only_when_they_cannot_tell_anything():
         (_kill(cause="RuntimeError: CUDA error: uncorrectable ECC error encountered"), [], [],
          ok, "its error names the hardware ('CUDA error'"),
         (_kill(kind="traffic-stopped"), [], [], ok, "traffic stopped"),
+        (_kill(kind="hang", cause="no progress: no progress for 5.1 s"), [], [], ok,
+         "no progress while its process lived"),
         (_kill(), [_kill(at=900.0)], [], ok, "rank 1 faulted again (before: exit at step 7"),
         (_kill(), [_kill(0, at=800.0), _kill(0, at=900.0)], [], ok, "fault 3 on this host"),
     ]

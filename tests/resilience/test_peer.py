@@ -58,6 +58,24 @@ def _worker(rank, world, port, out):
     # over the group: the damaged step 2 is refused on receipt, the step-1 copy kept intact
     ring, net, left = _ring(rank, world, False)
     net["still_equal"] = torch.equal(ring.held_state()["model/w"], left.w)
+    # step 4: a bit of the buffer changes after it was packed and checked, before its CRC-32
+    # is taken (the CRC-32 would hold the wrong bytes): checked again after the CRC-32, it is
+    # not kept as this rank's own, and its holder does not hold it
+    from myria.train import peer
+
+    real = peer.crc32
+
+    def flip_first(b):
+        if b is ring.buf:
+            b[0] ^= 0x01
+        return real(b)
+
+    peer.crc32 = flip_first
+    ring.after_step(4)
+    ring.wait()
+    peer.crc32 = real
+    net.update(flip_held=ring.held["step"], flip_own=sorted(ring.kept()["own"]),
+               flip_failures=ring.stats.get("integrity_failures"))
     ring.held["buf"][5] ^= 0xFF  # memory damaged while held
     net["damaged"] = ring.verify()
     # shared memory: the holder finds the damage when it uses the copy; the copy of step 3
@@ -84,6 +102,8 @@ def test_ring_neighbour_holds_each_rank_bit_for_bit(tmp_path):
         assert not net["shared"] and shm["shared"], r
         assert net["held"] == 1 and net["failures"] == 1 and net["still_equal"], net
         assert "no longer matches its CRC-32" in net["damaged"], net
+        assert net["flip_held"] == 1 and net["flip_own"] == [1, 2] and \
+            net["flip_failures"] == 1, net
         assert shm["equal"] and shm["held"] == 2 and "no longer matches" in shm["damaged"], shm
         assert shm["after_close"], shm
         # each rank keeps its own snapshots; over the group the damaged step 2 never became a

@@ -265,7 +265,8 @@ def test_full_disk_stops_with_status_4_and_no_restart(small_disk, tiny_data):
     assert "checkpoint of step 4 failed on rank 0: No space left on device in " in err
     assert "a checkpoint needs about 3." in err and "MiB free" in err
     assert "the previous checkpoint step_00000002 is kept" in err
-    assert "myria train: error: training stopped at step" in err
+    # the second failure in a row is waited for: no step after it is trained
+    assert "myria train: error: training stopped at step 6:" in err
     assert "2 checkpoint saves in a row failed" in err and "newest saved checkpoint is " \
         "step_00000002" in err
     assert "run " not in p.stdout.splitlines()[-1]  # no success summary
@@ -409,3 +410,15 @@ def test_faults_during_recovery_twice_then_diagnostics_skipped(tmp_path, tiny_da
     assert_bit_equal(run, reference, STEPS)
     mgr = CheckpointManager(run / "checkpoints")
     assert all(mgr.verify(p) is None for p in mgr.committed())
+
+
+def test_spares_without_in_job_recovery_are_refused_in_one_line(tmp_path):
+    """A hot spare serves in-job recovery only: with recovery = "restart" it would be started
+    and never used, so the combination is refused before anything starts."""
+    p = run_cli("supervise", "--run-dir", str(tmp_path / "run"), "--nproc", "2",
+                "--resilience.spares=1", check=False, timeout=120)
+    assert p.returncode == 2 and p.stderr.strip() == (
+        "myria supervise: error: resilience.spares = 1 needs resilience.recovery = 'in-job' "
+        "(recovery = 'restart' restarts every worker and uses no spare); set recovery = "
+        "'in-job' or spares = 0"), p.stderr
+    assert not (tmp_path / "run").exists()

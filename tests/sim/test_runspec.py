@@ -101,3 +101,17 @@ def test_trainer_config_carries_what_the_trainers_verdict_reads():
     adam = run.replace(training={"optimizer": "adam"})
     assert adam.trainer_config().optimizer.name == "adamw"
     adam.layout().check(adam.trainer_config(), "cpu", trainer=True)
+
+
+def test_zero1_with_tensor_or_pipeline_parallelism_is_runnable():
+    """ZeRO-1 runs on the trainer's sharded engine, so a ZeRO-1 layout with tp or pp is one the
+    trainer runs (DDP, which shards nothing, runs pure data parallelism only)."""
+    (run,) = runspec.loads("[model]\narch = 'llama'\nlayers = 4\nhidden = 256\nheads = 4\n"
+                           "[training]\nglobal_batch = 8\nzero_stage = 1\n"
+                           "[parallel]\ntp = 2\npp = 2\n"
+                           "[cluster]\ngpu = 'h100-sxm-80gb'\ngpus = 8\n")
+    assert run.trainer_config().training.data_parallel == "zero2"
+    run.layout().check(run.trainer_config(), "cuda", trainer=True)
+    ddp = run.replace(training={"zero_stage": 0})
+    with pytest.raises(ConfigError, match="'ddp' works with pure data parallelism"):
+        ddp.layout().check(ddp.trainer_config(), "cuda", trainer=True)

@@ -99,6 +99,23 @@ def test_out_that_exists(tmp_path, trained, exported):
     assert (d / "mine.txt").read_text() == "keep"
 
 
+def test_export_of_a_damaged_checkpoint_is_refused_in_one_line(tmp_path, trained):
+    """--step names a checkpoint whose bytes no longer match their checksums: nothing is
+    exported (the newest that verifies is what the default picks)."""
+    run = tmp_path / "run"
+    shutil.copytree(trained, run)
+    ckpt = run / "checkpoints" / "step_00000003"
+    victim = max(ckpt.glob("*.distcp"), key=lambda q: q.stat().st_size)
+    raw = bytearray(victim.read_bytes())
+    raw[len(raw) // 2] ^= 0xFF
+    victim.write_bytes(bytes(raw))
+    p = run_cli("export", "--run-dir", str(run), "--step", "3", "--out", str(tmp_path / "hf"),
+                check=False)
+    assert p.returncode != 0 and p.stderr.count("\n") == 1, p.stderr
+    assert "does not verify" in p.stderr and "fails its checksum" in p.stderr, p.stderr
+    assert not (tmp_path / "hf" / "model.safetensors").exists()
+
+
 def test_export_refuses_what_llama_cannot_hold(tmp_path, tiny_data):
     run_cli("train", "--run-dir", str(tmp_path / "r"), f"--data.path={tiny_data}", *TINY,
             "--training.steps=1", "--model.parallel_block=true")

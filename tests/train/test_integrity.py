@@ -290,3 +290,47 @@ def test_replay_tells_a_persistent_fault_from_a_transient_one(tmp_path, tiny_dat
     assert len(rows) == 1 and rows[0]["rank"] == 1 and rows[0]["action"] == "stop"
     assert rows[0]["evidence"]["replay"]["ranks"] == {"1": "persistent"}
     assert rows[0]["evidence"]["replay"]["replayed_on"] == {"1": 0}
+
+
+@pytest.mark.slow
+def test_flip_while_the_checkpoint_is_copied_is_never_committed(tmp_path, tiny_data,
+                                                               fsdp2_reference):
+    """The default overlapped snapshot of checkpoint 4 is copied during step 5, after a bit of
+    rank 1's state flipped at that step's start (the copy is made to come after the flip: see
+    CheckpointManager._flip_due): the copy does not hold what the optimizer wrote, so the
+    save is not committed, and the rollback goes to checkpoint 2, not to the corrupted 4."""
+    run = tmp_path / "run"
+    run_cli("supervise", "--config", "configs/demo.toml", "--run-dir", str(run), "--nproc", "2",
+            f"--data.path={tiny_data}", *FSDP2, "--checkpoint.interval=2",
+            env={"MYRIA_FAULT": "bitflip:rank=1:step=4:target=param"}, timeout=600)
+    sdc = detections.read(run, "sdc")
+    assert [(r["rank"], r["step"]) for r in sdc] == [(1, 5)], sdc
+    q = [p for p in (run / "checkpoints" / "quarantine").iterdir() if p.is_dir()]
+    assert [p.name.split(".")[0] for p in q] == ["step_00000004"], q
+    why = json.loads((q[0] / "QUARANTINED.json").read_text())["reason"]
+    assert "differs from the state the optimizer wrote" in why, why
+    summary = json.loads((run / "supervisor_summary.json").read_text())
+    assert summary["status"] == "succeeded" and summary["faults"][0]["resumed_from"] == 2
+    ref, got = losses(fsdp2_reference), losses(run)
+    assert [got[s] for s in range(1, 9)] == [ref[s] for s in range(1, 9)]
+    pa, pb = final_params(fsdp2_reference), final_params(run)
+    assert all(torch.equal(pa[k], pb[k]) for k in pa)
+
+
+@pytest.mark.slow
+def test_a_compute_fault_between_two_checks_is_said_to_be_undetected(tmp_path, tiny_data):
+    """The compute check is sampled (one microbatch every sdc_interval = 3 steps): a wrong GEMM
+    result in step 4 is not recomputed and is trained in. The run succeeds, and the supervisor
+    says that the hook fired and that nothing detected it."""
+    run = tmp_path / "run"
+    run_cli("supervise", "--config", "configs/demo.toml", "--run-dir", str(run), "--nproc", "2",
+            f"--data.path={tiny_data}", *FSDP2, "--training.steps=5",
+            env={"MYRIA_FAULT": "bitflip:rank=1:step=3:target=compute"}, timeout=600)
+    assert detections.read(run, "sdc") == []
+    summary = json.loads((run / "supervisor_summary.json").read_text())
+    assert summary["status"] == "succeeded" and summary["faults"] == [], summary
+    assert summary["undetected_hooks"] == ["bitflip_rank1_step3_targetcompute"], summary
+    log = (run / "supervisor.log").read_text()
+    assert "fault hook bitflip_rank1_step3_targetcompute fired (MYRIA_FAULT) and no check " \
+        "detected it: its effect, if any, was trained in (the compute check recomputes one " \
+        "microbatch every resilience.sdc_interval steps" in log, log[-2000:]

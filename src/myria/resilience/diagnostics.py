@@ -762,6 +762,8 @@ def hardware_reason(fault: dict[str, Any], previous: Sequence[dict[str, Any]],
     kind = fault.get("kind")
     if kind == "traffic-stopped":
         return "a rank's traffic stopped (a link or NIC)"
+    if kind == "hang":   # alive but stuck: a device or link that stopped answering
+        return "a rank made no progress while its process lived (a stuck device or link)"
     sig = _signal_of(fault)
     if sig in HARDWARE_SIGNALS:
         return f"the rank died of {sig} (a memory or CPU fault)"

@@ -142,9 +142,12 @@ class InJobRecovery:
         busy = f is not None and f.recovery.startswith("in-job") and not f.first_step_at
         busy = busy or self.growing is not None
         code = next(iter(dead.values()))
-        if len(dead) > 1 or busy or code in (USER_ERROR, SAVE_FAILED) or \
+        # a silent-corruption verdict stops every rank together: the rollback is the job's
+        sdc = self.sup.sdc_pending()
+        if len(dead) > 1 or busy or code in (USER_ERROR, SAVE_FAILED) or sdc or \
                 agent._remaining_restarts <= 0 or self.shrunk is not None:
             why = ("a fault during an in-job recovery" if busy else
+                   "a silent-corruption verdict: every rank rolls back" if sdc else
                    "a worker lost while the run is shrunk" if self.shrunk is not None else
                    f"{len(dead)} workers lost at once" if len(dead) > 1 else
                    "no restarts left" if agent._remaining_restarts <= 0 else

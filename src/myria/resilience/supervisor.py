@@ -752,6 +752,11 @@ class Supervisor:
                 out.append(d)
         return out
 
+    def sdc_pending(self) -> bool:
+        """Whether a worker of this attempt stopped on a silent-corruption verdict."""
+        return self.watch is not None and \
+            _sdc_verdict(self.run_dir, self.watch.started) is not None
+
     def _on_exit(self, result, records, now: float) -> None:
         failures = result.failures
         self.watch.heartbeats(records, now)
@@ -1019,6 +1024,8 @@ class Supervisor:
             "time_lost_s": round(wall - productive, 3),
             "newest_checkpoint": _newest_committed(self.run_dir),
             "faults": faults, "blocklist": self.blocklist, "goodput": ledger,
+            "undetected_hooks": _undetected(self.run_dir, self.started_at,
+                                            {f.injected for f in self.faults}),
             "heartbeat_s": self.r.heartbeat_s, "store": self.r.store,
             **({"ranks": self.ranks, "members": self.members} if self.max_nodes > 1 else {}),
             **({"resizes": self.injob.resizes} if self.injob and self.injob.resizes else {}),
@@ -1046,6 +1053,12 @@ class Supervisor:
             if f.get("recovery_phases"):
                 log.info("    recovery phases (s): %s", ", ".join(
                     f"{k} {v:.2f}" for k, v in f["recovery_phases"].items()))
+        for name in s.get("undetected_hooks", []):
+            log.warning("fault hook %s fired (MYRIA_FAULT) and no check detected it: its "
+                        "effect, if any, was trained in%s", name,
+                        " (the compute check recomputes one microbatch every "
+                        "resilience.sdc_interval steps: a step between two checks is not "
+                        "recomputed)" if "targetcompute" in name else "")
         g = s["goodput"]
         log.info("goodput ledger: ETTR %.4f; %s; accounted %.1f of %.1f s", g["ettr"],
                  ", ".join(f"{k} {v:.1f}" for k, v in g["seconds"].items() if v),
@@ -1108,6 +1121,25 @@ def _injected(run_dir: Path, since: float) -> tuple[str, float]:
         return "", 0.0
     at, name = max(marks)
     return name, at
+
+
+def _undetected(run_dir: Path, since: float, detected: set[str]) -> list[str]:
+    """The MYRIA_FAULT hooks that fired since `since` and that nothing detected: no fault of
+    the supervisor is attributed to them and no worker recorded a detection after them."""
+    from myria import detections
+
+    d = run_dir / rundir.FAULTS
+    if not d.is_dir():
+        return []
+    seen = [float(r.get("time") or 0) for r in detections.read(run_dir)]
+    out = []
+    for p in d.iterdir():
+        if not p.is_file() or p.name.startswith("doctor") or p.name in detected:
+            continue
+        at = p.stat().st_mtime
+        if at >= since and not any(t >= at for t in seen):
+            out.append(p.name)
+    return sorted(out)
 
 
 def _doctor_fault_once(run_dir: Path, spec: str) -> str:

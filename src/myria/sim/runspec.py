@@ -253,7 +253,12 @@ class RunSpec:
         t = self.training
         cfg = Config(model=self.model_config())
         cfg.training.global_batch, cfg.training.micro_batch = t.global_batch, t.micro_batch
-        cfg.training.data_parallel = {3: "fsdp", 2: "zero2"}.get(t.zero_stage, "ddp")
+        # ZeRO-1 (optimizer state sharded) runs as zero2: FSDP2 shards the optimizer state
+        # with the parameters and gradients, for the same traffic per step (a gradient
+        # reduce-scatter, a parameter all-gather) and no more memory than ZeRO-1 priced; DDP
+        # shards nothing and runs without tp, pp or cp only
+        cfg.training.data_parallel = {3: "fsdp", 2: "zero2", 1: "zero2"}.get(t.zero_stage,
+                                                                            "ddp")
         cfg.parallel.offload, cfg.parallel.offload_params = t.offload, t.offload_params
         cfg.parallel.activation_checkpoint = t.recompute   # the same names
         cfg.optimizer.name = {"adam": "adamw"}.get(t.optimizer, t.optimizer)

@@ -9,7 +9,9 @@ Layout under RUN_DIR/checkpoints/:
                              nvme), hard-linked from the offload directory, not copied
         meta.json            the manifest, written last: step, scheduler, data position, layout,
                              every file's size and CRC-32
-    step_00000060.tmp/       a save in progress (never read)
+    step_00000060.<pid>-<id>@<host>.tmp/  a save in progress (never read), named after the
+                             manager that writes it (rank 0's process), so that no other
+                             writer (a new attempt, an abandoned save) ever touches it
     latest                   name of the newest checkpoint that verifies
     quarantine/step_00000120/  a checkpoint found damaged, moved aside with QUARANTINED.json
                              (the reason and when); never loaded, counted or deleted by myria
@@ -23,14 +25,30 @@ A save has two stages, as in MegaScale (§4.5.3) and torchtitan's asynchronous c
 2. *Persist*: a background thread writes the snapshot with DCP through its own gloo process
    group (so it never interleaves with the training collectives), fsyncs every file, checksums
    them, and the ranks vote. If every rank succeeded, rank 0 writes the manifest, renames
-   `step_N.tmp` to `step_N` (atomic on POSIX), fsyncs the directory and replaces `latest`.
+   the temporary directory to `step_N` (atomic on POSIX), fsyncs the directory and replaces
+   `latest`.
+
+**End to end.** A checkpoint is committed only if the bytes it copied are the bytes the
+optimizer wrote: when a save starts, each tensor's expected checksum is taken from the at-rest
+ledger (`recorded`, myria.train.sdc: recorded right after the update and verified just before
+the save) or, for a tensor the ledger does not track, from the tensor itself; the host buffers
+are checked against it once copied (an overlapped copy runs during the next step, when a fault
+may already have changed the live state) and again after the files are written (a buffer that
+changed while DCP read it). A mismatch fails the save on every rank (the vote); the files
+already written go to `quarantine/`, never to a checkpoint. A fault found after a commit (the
+compute check's persistent verdict: the optimizer may have written wrong state since the last
+clean check) is handled by `mark_suspect`: every checkpoint newer than the last clean check is
+quarantined at the next resume.
 
 At most one save is in flight: a new save first waits for the previous one. A failed save is
 logged in one line (a full disk reads "No space left on device", with what a checkpoint needs
 and what is free), its temporary directory removed, older checkpoints are untouched, and
 training goes on, unless `max_failures` saves in a row have failed (`checkpoint.max_failed_saves`):
-then the next save raises `SaveError`, as `require_saved` does when the final save (or the save
-of a requested stop) was not committed. A run never ends with success on work it did not save.
+then the save raises `SaveError` at once, as `require_saved` does when the final save (or the
+save of a requested stop) was not committed. So that no step is trained that could not be kept,
+a save that would be the `max_failures`-th failure in a row is waited for before training goes
+on (asynchronous saves are synchronous while the previous one failed). A run never ends with
+success on work it did not save.
 
 Resuming picks the newest checkpoint whose manifest verifies (sizes and CRC-32, the files split
 among the ranks so each byte is read once); a damaged or incomplete one is moved to
@@ -59,6 +77,7 @@ import json
 import logging
 import os
 import shutil
+import socket
 import threading
 import time
 import warnings
@@ -74,6 +93,13 @@ from myria.errors import CheckpointError
 from myria.fsutil import atomic_write, file_crc32, link_or_copy
 from myria.fsutil import fsync_dir as _fsync_dir
 from myria.observe import events
+
+
+class SnapshotMismatch(Exception):
+    """A save's copy differs from the state the optimizer wrote (the save is not committed)."""
+
+
+SUSPECT = "suspect.json"   # in checkpoints/: newer than a clean check, before a fault found
 
 
 class SaveError(CheckpointError):
@@ -178,6 +204,16 @@ def _mib(n: int | None) -> str:
     return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
 
 
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
 def _world() -> tuple[int, int]:
     if dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()
@@ -253,6 +289,11 @@ class _Pending:
     rng: dict[str, str]
     record: SaveRecord
     linked: list[str] = field(default_factory=list)  # files linked in (offloaded state)
+    names: list[str] = field(default_factory=list)   # the state key of each copy
+    expected: list[int] = field(default_factory=list)  # each copy's checksum (what was written)
+    abandoned: bool = False        # `settle` gave up on it: never commit, never remove others'
+    deferred: bool = False         # copied by the training thread, as late as possible
+    mismatch: str = ""             # the copy differs from what was written (SnapshotMismatch)
     unique: int = 0                # bytes of the checkpoint that only this rank writes (at least)
     snapshot_done: threading.Event = field(default_factory=threading.Event)
     done: threading.Event = field(default_factory=threading.Event)
@@ -308,15 +349,47 @@ class CheckpointManager:
         self._thread: threading.Thread | None = None
         self._verified: set[str] = set()  # names this process wrote or checksummed
         self._pg = None
+        # {storage key: checksum} of the state the optimizer wrote (StepGuard.recorded), or
+        # None: each copy is then checked against its source as it was when the save started
+        self.recorded = None
         rank, world = _world()
         if world > 1 and async_save:
             # Background saves talk over their own gloo group, never the training group.
             import datetime
             self._pg = dist.new_group(backend="gloo",
                                       timeout=datetime.timedelta(seconds=timeout_s))
-        if rank == 0 and self.dir.is_dir():  # leftovers of a save interrupted by a crash
-            for p in self.dir.glob(f"{PREFIX}*.tmp"):
+        # the name of this manager's temporary directories: rank 0's process, unique
+        token = [f"{os.getpid()}-{os.urandom(4).hex()}@{socket.gethostname()}"]
+        if world > 1:
+            dist.broadcast_object_list(token, src=0, group=self._pg)
+        self.token = token[0]
+        if rank == 0 and self.dir.is_dir():
+            self.remove_stale_tmp()
+
+    def tmp_for(self, step: int) -> Path:
+        """The temporary directory of this manager's save of `step`."""
+        return self.dir / f"{PREFIX}{step:08d}.{self.token}.tmp"
+
+    def remove_stale_tmp(self) -> list[Path]:
+        """Remove the temporary directories of saves whose writer is gone (rank 0): a process
+        of this host that no longer exists, or on another host one older than the save timeout
+        (its collectives have failed by then). Another live writer's are left alone."""
+        host, removed = socket.gethostname(), []
+        for p in self.dir.glob(f"{PREFIX}*.tmp"):
+            owner = p.name[:-len(".tmp")].partition(".")[2]
+            pid, _, where = owner.partition("@")
+            pid = pid.partition("-")[0]
+            if where == host and pid.isdigit():
+                stale = not _alive(int(pid))
+            else:   # another host's, or a name without an owner
+                try:
+                    stale = time.time() - p.stat().st_mtime > self.timeout_s
+                except OSError:
+                    continue
+            if stale:
                 shutil.rmtree(p, ignore_errors=True)
+                removed.append(p)
+        return removed
 
     # -- listing ---------------------------------------------------------------------------
     def committed(self) -> list[Path]:
@@ -380,6 +453,7 @@ class CheckpointManager:
         """
         rank, world = _world()
         chosen = None
+        self.drop_suspect()   # before any rank lists the checkpoints
         if world == 1:
             chosen = self.latest_valid()
         else:
@@ -407,6 +481,32 @@ class CheckpointManager:
             if world > 1:
                 dist.barrier(group=self._pg)
         return chosen
+
+    def drop_suspect(self) -> int | None:
+        """Quarantine the checkpoints `mark_suspect` named (rank 0) and forget the mark
+        (collective): the step every rank must not roll back past (None: no mark)."""
+        rank, world = _world()
+        after = None
+        if rank == 0:
+            f = self.dir / SUSPECT
+            try:
+                mark = json.loads(f.read_text())
+            except (OSError, ValueError):
+                mark = None
+            if mark is not None:
+                after = int(mark["after"])
+                for p in self.committed():
+                    if int(p.name[len(PREFIX):]) > after:
+                        self.quarantine(p, f"copied after the last clean check (step {after}) "
+                                        f"and before the fault found at step "
+                                        f"{mark['found_at']}: {mark['reason']}", accepted=True)
+                self._set_latest()
+                f.unlink()
+        if world > 1:
+            box = [after]
+            dist.broadcast_object_list(box, src=0, group=self._pg)
+            after = box[0]
+        return after
 
     def abandon_after(self, step: int) -> None:
         """Move checkpoints newer than `step` aside (rank 0): an explicit older resume point
@@ -518,6 +618,7 @@ class CheckpointManager:
         rec = SaveRecord(step, wait_prev_s=prev_wait)
         self.history.append(rec)
         pending = self._snapshot_refs(step, target, extra, rec)
+        self._expect(pending)
         self._link_files(pending, target)
         if not self.async_save:
             self._copy(pending)
@@ -528,9 +629,17 @@ class CheckpointManager:
         self._pending = pending
         if not self.overlap:
             self._copy(pending)
+        else:
+            pending.deferred = self._flip_due(step)
         self._thread = threading.Thread(target=self._background, args=(pending,),
                                         name=f"myria-ckpt-{step}", daemon=True)
         self._thread.start()
+        if self.max_failures and self.failed_in_row + 1 >= self.max_failures:
+            # its failure would stop the run: know it before training on
+            self._wait_thread()
+            rec.stall_s = time.perf_counter() - t0
+            self._check_failures(step)
+            return bool(rec.ok)
         rec.stall_s = time.perf_counter() - t0
         return True
 
@@ -540,6 +649,8 @@ class CheckpointManager:
         if p is None or p.snapshot_done.is_set():
             return 0.0
         t0 = time.perf_counter()
+        if p.deferred:
+            self._copy(p)
         p.snapshot_done.wait()
         dt = time.perf_counter() - t0
         p.record.stall_s += dt
@@ -564,9 +675,12 @@ class CheckpointManager:
         t = self._thread
         if t is None:
             return True
+        self._copy_deferred()
         t.join(timeout_s)
         if not t.is_alive():
             return True
+        if self._pending is not None:   # it must not commit over what comes next
+            self._pending.abandoned = True
         self._thread = None
         log.warning("the checkpoint save in flight is not over after %.1f s: left behind",
                     timeout_s)
@@ -605,8 +719,23 @@ class CheckpointManager:
         return (f"the previous checkpoint {prev[-1].name} is kept" if prev else
                 "no checkpoint of this run is saved yet")
 
+    def _flip_due(self, step: int) -> bool:
+        """Whether a `bitflip` fault hook (target param or optimizer) is due at the start of the
+        step that follows the save of `step`: the window an overlapped copy leaves open. The
+        copy is then deferred to the last moment (`before_update`, or the end of the run when
+        the fault stops it first), so that it always copies the flipped state: the case the
+        end-to-end check must catch, made certain rather than left to thread timing."""
+        f = self.faults.due("bitflip", step) if self.faults is not None else None
+        return f is not None and f.params.get("target") in ("param", "optimizer")
+
+    def _copy_deferred(self) -> None:
+        p = self._pending
+        if p is not None and p.deferred and not p.snapshot_done.is_set():
+            self._copy(p)
+
     def _wait_thread(self) -> float:
         t0 = time.perf_counter()
+        self._copy_deferred()
         if self._thread is not None:
             self._thread.join()
             self._thread = None
@@ -619,6 +748,7 @@ class CheckpointManager:
         flat = _flatten(target.state_dict())
         out: dict[tuple, Any] = {}
         copies = []
+        names: list[str] = []
         unique = 0
         for key, v in flat.items():
             if isinstance(v, torch.Tensor):
@@ -634,11 +764,37 @@ class CheckpointManager:
                     cached = self._leaves[key] = _host_leaf(v)
                 out[key] = cached[0]
                 copies.append((local, cached[1]))
+                names.append("/".join(map(str, key)))
                 rec.bytes += local.numel() * local.element_size()
             else:
                 out[key] = copy.deepcopy(v)
         return _Pending(step, out, copies, json.loads(json.dumps(extra)), rng_state(), rec,
-                        unique=unique)
+                        unique=unique, names=names)
+
+    def _expect(self, p: _Pending) -> None:
+        """The checksum each copy must have: what the ledger recorded when the optimizer wrote
+        it (verified just before the save), else the source's own, now."""
+        from myria.train import checksums
+
+        recorded = self.recorded() if self.recorded is not None else {}
+        try:
+            with events.current().span("snapshot_expect", "check"):   # bench/integrity.py
+                p.expected = checksums.expected_sums(recorded, [src for src, _ in p.copies])
+        except BaseException as e:  # the save fails (the vote sees it)
+            p.error = e
+
+    def _check_copies(self, p: _Pending, when: str) -> str:
+        """Why the host buffers' bytes are not the expected ones ("" when they are)."""
+        from myria.train import checksums
+
+        if len(p.expected) != len(p.copies):
+            return ""
+        with events.current().span("snapshot_verify", "check"):   # bench/integrity.py
+            bad = checksums.differing(p.expected, [dst for _, dst in p.copies])
+        if not bad:
+            return ""
+        return (f"the snapshot differs from the state the optimizer wrote {when} "
+                f"({len(bad)} tensor(s), the first {p.names[bad[0]]}): not committed")
 
     def _link_files(self, p: _Pending, target) -> None:
         """Stage 1 for state kept in files (`target.checkpoint_files()`: the nvme tier's
@@ -647,8 +803,7 @@ class CheckpointManager:
         files = target.checkpoint_files() if hasattr(target, "checkpoint_files") else {}
         if not files:
             return
-        final = self.path_for(p.step)
-        tmp = final.with_name(final.name + ".tmp")
+        tmp = self.tmp_for(p.step)
         try:
             for name, src in files.items():
                 (tmp / name).parent.mkdir(parents=True, exist_ok=True)
@@ -666,6 +821,8 @@ class CheckpointManager:
                 dst.copy_(src, non_blocking=src.is_cuda)
             if any(src.is_cuda for src, _ in p.copies):
                 torch.cuda.synchronize()
+            if p.error is None:   # written all the same: every rank's DCP collectives run
+                p.mismatch = self._check_copies(p, "once copied")
         except BaseException as e:  # the writer sees it and fails the save
             p.error = e
         finally:
@@ -675,7 +832,9 @@ class CheckpointManager:
 
     def _background(self, p: _Pending) -> None:
         try:
-            if not p.snapshot_done.is_set():
+            if p.deferred:   # the training thread copies it (`_flip_due`)
+                p.snapshot_done.wait()
+            elif not p.snapshot_done.is_set():
                 self._copy(p)
             with events.current().span("persist", "ckpt", step_saved=p.step):
                 self._persist(p)
@@ -694,7 +853,7 @@ class CheckpointManager:
         t0 = time.perf_counter()
         rank, world = _world()
         final = self.path_for(p.step)
-        tmp = final.with_name(final.name + ".tmp")
+        tmp = self.tmp_for(p.step)
         mine: dict[str, list] = {}
         err: str = ""
         try:
@@ -715,6 +874,8 @@ class CheckpointManager:
             for name in names:
                 crc, _ = file_crc32(tmp / name)
                 mine[name] = [(tmp / name).stat().st_size, crc]
+            if why := p.mismatch or self._check_copies(p, "after it was written"):
+                raise SnapshotMismatch(why)
         except BaseException as e:  # a failed save must not end training (DCP raises
             err = describe_error(e)   # CheckpointException, a BaseException)
             disk = _disk_error(e, tmp, p.record.bytes)
@@ -729,6 +890,8 @@ class CheckpointManager:
             except Exception as e:
                 votes = [(f"vote failed: {e}", {}, 0)]
         errors = [(r, v[0]) for r, v in enumerate(votes) if v is None or v[0]]
+        if p.abandoned and not errors:   # a newer attempt owns the run directory now
+            errors = [(rank, "abandoned by in-job recovery before it committed")]
         committed = not errors
         if committed and rank == 0:
             try:
@@ -738,7 +901,15 @@ class CheckpointManager:
                 disk = _disk_error(e, tmp, p.record.bytes)
                 errors = [(0, f"commit failed: {disk or describe_error(e)}")]
         if not committed and rank == 0:  # free the space before the other ranks go on
-            shutil.rmtree(tmp, ignore_errors=True)
+            mismatch = next((why for _, why in errors if SnapshotMismatch.__name__ in str(why)),
+                            None)
+            if mismatch and tmp.is_dir():   # the evidence, where nothing loads it
+                try:
+                    self.quarantine(tmp, mismatch, accepted=True)
+                except OSError:
+                    shutil.rmtree(tmp, ignore_errors=True)
+            else:
+                shutil.rmtree(tmp, ignore_errors=True)
         if world > 1:
             flag = [committed if rank == 0 else None]
             try:
@@ -753,8 +924,7 @@ class CheckpointManager:
             if rank == 0 or (err and len(votes) < world):  # rank 0 speaks for the vote
                 stop = self.max_failures and self.failed_in_row >= self.max_failures
                 log.error("%s; %s%s", self.last_failure, self._kept(p.step),
-                          ("; training stops" + (" at its next checkpoint step"
-                                                 if self.async_save else "")) if stop else
+                          "; training stops" if stop else
                           f" ({self.failed_in_row} failed in a row; the run stops at "
                           f"{self.max_failures}: checkpoint.max_failed_saves)"
                           if self.max_failures else "")
@@ -921,6 +1091,15 @@ class CheckpointManager:
         """Save records and bytes read, for logs and benchmarks."""
         return {"saves": [asdict(r) for r in self.history], "bytes_read": self.bytes_read,
                 "verify_bytes": self.verify_bytes}
+
+
+def mark_suspect(directory: Path, after: int, found_at: int, reason: str) -> None:
+    """A fault found at step `found_at` may have been in the state since the last clean check
+    at step `after`: the checkpoints newer than `after` are quarantined at the next resume
+    (`drop_suspect`), whose rollback then goes to the newest verified clean one (rank 0)."""
+    directory.mkdir(parents=True, exist_ok=True)
+    atomic_write(directory / SUSPECT, json.dumps(
+        {"after": after, "found_at": found_at, "reason": reason, "time": time.time()}))
 
 
 def _unique_bytes(v: torch.Tensor) -> int:

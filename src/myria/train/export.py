@@ -21,6 +21,10 @@ so that `AutoModelForCausalLM.from_pretrained(d)`, `AutoTokenizer.from_pretraine
 5). Only the Llama architecture without the parallel block or a sliding window maps onto
 these; anything else is refused clearly. An --out that exists and is not empty is
 refused unless --force, which replaces the files above and leaves any others.
+
+End to end: the checkpoint exported is one that verifies (its files' CRC-32, also with --step),
+and model.safetensors is read back and compared tensor by tensor with what was loaded before it
+replaces anything, so an export holds the checkpoint's bytes or is not written.
 """
 
 from __future__ import annotations
@@ -152,7 +156,29 @@ def checkpoint_path(run_dir: Path, step: int | None) -> Path:
             have = [int(p.name.split("_")[1]) for p in mgr.committed()]
             raise CheckpointError(f"no committed checkpoint for step {step} in {run_dir}; "
                                   f"available steps: {have or 'none'}")
+        if (why := mgr.verify(path)) is not None:   # what is exported is what was saved
+            raise CheckpointError(f"checkpoint {path} does not verify ({why}): nothing "
+                                  "exported; export another step (--step) or the newest that "
+                                  "verifies (no --step)")
     return path
+
+
+def _check_written(path: Path, sd: dict[str, torch.Tensor]) -> None:
+    """The file `path` holds `sd` bit for bit (read back, checksummed per tensor), else
+    CheckpointError: an export is only as good as the bytes that reached the disk."""
+    from safetensors.torch import load_file
+
+    from myria.train import checksums
+
+    back = load_file(str(path))
+    names = sorted(sd)
+    if sorted(back) != names:
+        raise CheckpointError(f"the exported {path.name} read back holds other tensors")
+    want = checksums.sums([sd[k] for k in names]).tolist()
+    bad = checksums.differing(want, [back[k] for k in names])
+    if bad:
+        raise CheckpointError(f"the exported weights read back from {path} differ from the "
+                              f"checkpoint's ({names[bad[0]]}): nothing exported")
 
 
 def load_checkpoint_model(run_dir: Path, step: int | None, path: Path | None = None):
@@ -209,6 +235,11 @@ def run(args) -> int:
     sd = to_hf_state_dict(model.state_dict(), m)
     tmp = out / f"model.safetensors.tmp{os.getpid()}"
     save_file(sd, str(tmp), metadata={"format": "pt"})
+    try:
+        _check_written(tmp, sd)
+    except CheckpointError:
+        tmp.unlink(missing_ok=True)
+        raise
     os.replace(tmp, out / "model.safetensors")
     _write(out / "tokenizer.json", tok_path.read_bytes())
     files = {"config.json": hf_config(m, specials), **hf_tokenizer_files(m, specials)}

@@ -284,7 +284,7 @@ def add_skip_step(run_dir: Path, step: int) -> None:
 class StepGuard:
     """What the training loop calls around each step (see the module docstring)."""
 
-    def __init__(self, cfg, engine, run_dir: Path, rank: int, faults):
+    def __init__(self, cfg, engine, run_dir: Path, rank: int, faults, start_step: int = 0):
         import socket
 
         self.r, self.engine, self.run_dir, self.rank = cfg.resilience, engine, run_dir, rank
@@ -305,6 +305,13 @@ class StepGuard:
         self.skip = read_skip_steps(run_dir)
         self._hook = None
         self.checked_at: int | None = None
+        # the newest step whose computation a check found clean (the resumed state counts)
+        self.clean_at = start_step
+
+    def recorded(self) -> dict:
+        """{storage key: checksum} of the state the optimizer wrote (StateLedger.recorded);
+        empty when the at-rest checks are off."""
+        return self.ledger.recorded() if self.ledger is not None else {}
 
     # -- before the forward pass -------------------------------------------------------------
     def before(self, step: int) -> bool:
@@ -399,6 +406,8 @@ class StepGuard:
                 found = self.compute.check(batch.inputs, batch.targets)
             if found is not None:
                 self._compute_fault(step, found)
+            else:   # this step's update is computed from checked values
+                self.clean_at = step
         kind = None
         if not (math.isfinite(loss) and math.isfinite(grad_norm)):
             kind = "nonfinite"
@@ -512,6 +521,15 @@ class StepGuard:
                       f"(rank {v['rank'] if v['rank'] is not None else v.get('suspects')}): "
                       f"{action}", flush=True)
         if action == "rollback":
+            transient = all(v["verdict"] == "transient" for v in found["mismatches"].values())
+            # a transient fault was in this step alone, found before its update: nothing
+            # committed holds it. Any other may have been there since the last clean check.
+            if self.rank == 0 and not transient:
+                from myria import rundir
+                from myria.train.checkpoint import mark_suspect
+
+                mark_suspect(rundir.checkpoints_dir(self.run_dir), self.clean_at, step,
+                             "a recomputed microbatch differs")
             raise SilentCorruption(f"a recomputed microbatch differs at step {step} (see "
                                    "events.jsonl); rolling back to the newest checkpoint")
 

@@ -22,6 +22,13 @@ rank+1 of a host's last rank is on the next host), and the two ways differ:
   checkpoint on disk is checked when it is loaded. The sender removes its files when it ends;
   the supervisor removes those of processes that were killed (`remove_shared`).
 
+End to end, as a checkpoint (myria.train.checkpoint): a snapshot holds the bytes the optimizer
+wrote. Each tensor packed is checked against the checksum the at-rest ledger recorded for it
+(`recorded`, myria.train.sdc) on the training thread once packed (a snapshot that differs is
+never kept), and again in the background after its CRC-32 is taken (a buffer that changed in
+between is sent flagged, and its holder does not keep it): a CRC-32 is only ever taken over
+verified bytes.
+
 The next training step waits for the previous exchange only if it is still running (the stall
 the benchmark measures); RUN_DIR/peer/rankNNNNN.json has the counts and seconds (copy on the
 training thread, stall, background exchange and checksums) and any checksum failure.
@@ -146,6 +153,25 @@ def pack(state: dict[str, Any], buf: torch.Tensor, layout: list[dict]) -> None:
             buf[item["off"]:item["off"] + item["n"]].copy_(t.view(torch.uint8))
 
 
+def _tensor_at(buf: torch.Tensor, item: dict) -> torch.Tensor:
+    """The packed tensor `item` of `buf`, read in place when aligned for its type."""
+    raw = buf[item["off"]:item["off"] + item["n"]]
+    dtype = getattr(torch, item["dtype"])
+    try:
+        return raw.view(dtype)
+    except RuntimeError:   # an offset not a multiple of the element size
+        return raw.clone().view(dtype)
+
+
+def packed_differs(buf: torch.Tensor, layout: list[dict], expected: list[int]) -> str | None:
+    """The first key whose packed bytes do not have the `expected` checksum, else None."""
+    from myria.train import checksums
+
+    items = [i for i in layout if "off" in i and i["n"]]
+    bad = checksums.differing(expected, [_tensor_at(buf, i) for i in items])
+    return items[bad[0]]["k"] if bad else None
+
+
 def unpack(meta: dict, buf: torch.Tensor) -> dict[str, Any]:
     """The state a snapshot holds: {key: tensor (a copy) or value}, plus "_step", "_rng"."""
     out: dict[str, Any] = {"_step": meta["step"], "_rng": meta.get("rng"),
@@ -199,6 +225,9 @@ class PeerSnapshots:
         self._job: threading.Thread | None = None
         self._error: BaseException | None = None
         self.abandoned = False  # `settle` gave up on the exchange in flight: never joined
+        # {storage key: checksum} of the state the optimizer wrote (StepGuard.recorded)
+        self.recorded = None
+        self._expected: list[int] = []
 
     # -- the training thread -----------------------------------------------------------------
     def after_step(self, step: int) -> None:
@@ -222,11 +251,19 @@ class PeerSnapshots:
         self.buf = buf
         for old in [k for k, v in self.own.items() if v["buf"] is buf]:
             del self.own[old]
+        from myria.train import checksums
+
+        self._expected = checksums.expected_sums(
+            self.recorded() if self.recorded is not None else {},
+            [state[i["k"]] for i in layout if "off" in i and i["n"]])
         pack(state, self.buf, layout)
         sched = getattr(self.engine, "scheduler_state", None)
         meta = {"step": step, "rank": self.rank, "layout": layout, "rng": rng_state(),
                 "scheduler": sched() if sched else None}
-        self.own[step] = {"meta": meta, "buf": buf, "crc": None}
+        if (bad := packed_differs(buf, layout, self._expected)) is None:
+            self.own[step] = {"meta": meta, "buf": buf, "crc": None}
+        else:   # never kept, never held: its holder receives it flagged
+            self._integrity_failure(step, bad, "once packed")
         t2 = time.perf_counter()
         self.stats["stall_s"] += t1 - t0
         self.stats["copy_s"] += t2 - t1
@@ -235,6 +272,12 @@ class PeerSnapshots:
         self._job = threading.Thread(target=self._exchange, args=(meta,), daemon=True,
                                      name="myria-peer-snapshot")
         self._job.start()
+
+    def _integrity_failure(self, step: int, key: str, when: str) -> None:
+        self.stats["integrity_failures"] = self.stats.get("integrity_failures", 0) + 1
+        self.own.pop(step, None)
+        log.warning("rank %d: the peer snapshot of step %d differs from the state the "
+                    "optimizer wrote %s (%s): not kept", self.rank, step, when, key)
 
     def wait(self, timeout: float | None = None) -> bool:
         """Until the exchange in flight (if any) is over; raises what it failed with. With
@@ -295,14 +338,19 @@ class PeerSnapshots:
         mbytes = json.dumps(meta).encode()
         mt = torch.frombuffer(bytearray(mbytes), dtype=torch.uint8)
         own_crc = crc32(self.buf)
-        if meta["step"] in self.own:
+        # the CRC-32 covers verified bytes only: checked again after it was taken
+        ok = meta["step"] in self.own
+        if ok and (bad := packed_differs(self.buf, meta["layout"], self._expected)):
+            self._integrity_failure(meta["step"], bad, "before it was sent")
+            ok = False
+        if ok:
             self.own[meta["step"]]["crc"] = own_crc
         head = torch.tensor([meta["step"], len(mbytes), self.buf.numel(), own_crc,
-                             zlib.crc32(mbytes), self.slot], dtype=torch.int64)
-        rhead = torch.empty(6, dtype=torch.int64)
+                             zlib.crc32(mbytes), self.slot, int(ok)], dtype=torch.int64)
+        rhead = torch.empty(7, dtype=torch.int64)
         self._run([self._isend(head, self.right, group=self.group),
                    self._irecv(rhead, self.left, group=self.group)])
-        step, mlen, nbytes, crc, mcrc, slot = (int(x) for x in rhead)
+        step, mlen, nbytes, crc, mcrc, slot, rok = (int(x) for x in rhead)
         rmeta = torch.empty(mlen, dtype=torch.uint8)
         sends = [self._isend(mt, self.right, group=self.group)]
         if not self.shared_right:
@@ -315,6 +363,8 @@ class PeerSnapshots:
                 rbuf = self.mapped[slot] = _shared(f"{self.prefix}{self.left}-{slot}", nbytes)
             if zlib.crc32(mraw) != mcrc:
                 self.stats["crc_failures"] += 1
+                return
+            if not rok:   # its sender found it differs from the state it wrote
                 return
             self._hold({"from": self.left, "step": step, "meta": json.loads(mraw),
                         "buf": rbuf, "crc": crc, "path": f"{self.prefix}{self.left}-{slot}",
@@ -329,6 +379,8 @@ class PeerSnapshots:
         self._run([*sends, self._irecv(rmeta, self.left, group=self.group),
                    self._irecv(rbuf, self.left, group=self.group)])
         mraw = bytes(rmeta.numpy())
+        if not rok:   # its sender found it differs from the state it wrote
+            return
         if crc32(rbuf) != crc or zlib.crc32(mraw) != mcrc:
             self.stats["crc_failures"] += 1
             log.warning("peer snapshot of rank %d at step %d fails its checksum: the previous "

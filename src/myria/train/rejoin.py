@@ -363,10 +363,11 @@ class InJob:
             ledger.since = ledger.row_since = t
 
     # -- restoring from peer memory ------------------------------------------------------------
-    def restore(self, engine, env) -> int | None:
+    def restore(self, engine, env, cap: int | None = None) -> int | None:
         """In `Run.build` in place of the resume from disk: load the state of the newest step
         every rank's snapshot holds; its step, or None (a fresh start, or the fallback to the
-        newest checkpoint, which every rank then takes together)."""
+        newest checkpoint, which every rank then takes together). `cap`: no step after it
+        (state after the last clean check before a fault found later, `drop_suspect`)."""
         if not (self.rejoined or self.replacement):
             return None  # a started (or restarted) job: the usual resume from disk
         t0 = time.time()
@@ -377,7 +378,7 @@ class InJob:
         dist.all_gather_object(infos, info)
         lay = engine.dims.layout
         replicas = self.cfg.training.data_parallel == "ddp" and lay.dp == env.world_size
-        plan = choose(infos, replicas=replicas)
+        plan = choose(infos, replicas=replicas, cap=cap)
         self.replacement = False
         if plan is None:
             if env.is_main:
@@ -480,7 +481,7 @@ def _describe(kept: dict | None, rank: int, survivor: bool = True) -> dict:
             "host": socket.gethostname()}
 
 
-def choose(infos: list[dict], replicas: bool = False) -> dict | None:
+def choose(infos: list[dict], replicas: bool = False, cap: int | None = None) -> dict | None:
     """The newest step every survivor has its own snapshot of and each lost (fresh) rank's
     holder (its right neighbour, a survivor) has a verified copy of; with the holders:
     {"step": s, "sources": {lost: holder}}, or None. `replicas` (pure DDP: every rank holds
@@ -492,6 +493,8 @@ def choose(infos: list[dict], replicas: bool = False) -> dict | None:
     if not survivors:
         return None
     steps = set.intersection(*(set(i["own"]) for i in survivors))
+    if cap is not None:   # copied after the last clean check before a fault: suspect
+        steps = {s for s in steps if s <= cap}
     sources, replica = {}, []
     for r in lost:
         h = infos[(r + 1) % world]

@@ -23,8 +23,10 @@ the backward's (the gradient of the first block's input: every block's data-grad
 head's and the loss's lead to it). The training pass's own checksums are taken by hooks as it
 runs (no extra work on the owner); the partner's recomputation runs the forward with gradients
 and a backward to that input only (`torch.autograd.grad`): the parameters' gradients are not
-touched, nothing is reduced, and the weight-gradient GEMMs are not recomputed (a fault there is
-not seen by this check; the reduced gradients are checked at rest). Under a pipeline each stage
+touched, nothing is reduced, and the weight-gradient GEMMs are not recomputed. A fault in one
+of those is seen by no check: the at-rest check records the gradients after the reduction (it
+guards them from then on, not their computation), and every replica receives the same reduced
+value, so the replica check finds nothing either. Under a pipeline each stage
 is checked by the DP partner of the same stage: the owner keeps its stage's input (tokens or the
 received activations) and the gradient it received for its output (the last stage: its targets)
 for the first microbatch, and the partner runs the stage's forward and backward on them outside
@@ -50,24 +52,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if hasattr(t, "to_local") else t
-
-
-def sums(tensors: list[torch.Tensor]) -> torch.Tensor:
-    """One exact bit checksum per tensor (wrapping integer sums), as one int64 tensor."""
-    out = []
-    for t in tensors:
-        t = t.detach().reshape(-1)
-        if t.element_size() == 8:
-            out.append(t.view(torch.int64).sum(dtype=torch.int64))
-        else:
-            width = {4: torch.int32, 2: torch.int16, 1: torch.int8}[t.element_size()]
-            out.append(t.view(width).sum(dtype=torch.int32).to(torch.int64))
-    if not out:
-        return torch.zeros(0, dtype=torch.int64)
-    return torch.stack(out)
+from myria.train.checksums import _local, storage_key, sums
 
 
 def stick(t: torch.Tensor, bit: int = 22) -> tuple:
@@ -100,6 +85,7 @@ class StateLedger:
     def __init__(self, engine):
         self.engine = engine
         self._state: tuple[list[str], torch.Tensor] | None = None
+        self._keys: list[tuple] = []   # storage_key of each tensor of `_state`
         self._grads: tuple[list[str], torch.Tensor] | None = None
         self.stuck: list[tuple] = []   # (tensor, index, bit, value): stuck cells (fault hook)
 
@@ -162,7 +148,16 @@ class StateLedger:
 
     # record right after a write, verify before a use
     def record_state(self) -> None:
-        self._state = self._take(self.params() + self.optim())
+        items = self.params() + self.optim()
+        self._state = self._take(items)
+        self._keys = [storage_key(t) for _, t in items]
+
+    def recorded(self) -> dict[tuple, int]:
+        """{storage_key: checksum} of the state as last recorded (what the optimizer wrote):
+        what a copy of it (a checkpoint's snapshot, a peer snapshot) must hold."""
+        if self._state is None:
+            return {}
+        return dict(zip(self._keys, self._state[1].tolist()))
 
     def verify_state(self) -> list[str]:
         """The tensors whose bits changed since `record_state` (empty: intact)."""

@@ -278,7 +278,8 @@ class Run:
                                  timeout_s=t.init_timeout_s,
                                  max_failures=cfg.checkpoint.max_failed_saves,
                                  interval=cfg.checkpoint.interval)
-        held = injob.restore(engine, env) if injob is not None else None
+        # in-job: no rollback past the last clean check before a fault found after a commit
+        held = injob.restore(engine, env, ckpt.drop_suspect()) if injob is not None else None
         if held is None:
             start_step, latest = resume_run(cfg, run_dir, env, engine, ckpt, data_fp)
         else:
@@ -305,9 +306,11 @@ class Run:
             if note := torch_note():  # another torch than the tested one: what it lacks
                 print(note, flush=True)
         sync = torch.cuda.synchronize if env.device.type == "cuda" else None
+        guard = StepGuard(cfg, engine, run_dir, env.rank, faults, start_step)
+        # copies of the state (checkpoints, peer snapshots) must hold what the ledger recorded
+        ckpt.recorded = peers.recorded = guard.recorded
         return cls(cfg, run_dir, env, hb, layout, dataset, data_fp, engine, rec, faults, ckpt,
-                   latest, start_step, stop, loader, metrics,
-                   StepGuard(cfg, engine, run_dir, env.rank, faults), StepTimer(sync),
+                   latest, start_step, stop, loader, metrics, guard, StepTimer(sync),
                    model_flops_per_token(m, seq_len=span), peak, peers=peers,
                    profiler=Profiler(cfg.profiling, run_dir, env.rank, env.device.type))
 
