@@ -172,3 +172,23 @@ def test_context_parallel_refused_for_recurrent_layers():
         validate_degrees(_cfg("DDDA"), 1, 2, False)
     assert "block_pattern = 'DDDA'" in str(e.value) and "\n" not in str(e.value)
     validate_degrees(_cfg("AA"), 1, 2, False)   # attention only: ring attention applies
+
+
+@pytest.mark.parametrize("eager", [False, True])
+def test_simulator_prices_every_flop_of_a_hybrid_layer(eager):
+    """The performance model's operators of a hybrid layer carry the model's forward FLOPs
+    (all but the logits, per layer: the layer kinds averaged), the recurrent mixers' gates,
+    convolutions, state products and solves included (eager: CPU's SDPA kernel skips the
+    masked half, the causal convention)."""
+    from myria.models.flops import forward_flops_per_token
+    from myria.sim.operators import layer_ops, layer_shape
+
+    cfg = _cfg("DMAR", vocab_size=128, layers=8)
+    shape = layer_shape(cfg, 2, eager=eager, flash=False)
+    ops = layer_ops(shape)
+    priced = sum(o.flops for o in ops if o.phase == "fwd" and
+                 (o.kind in ("gemm", "attn") or o.name == "mixer_conv"))
+    f = forward_flops_per_token(cfg, "causal" if eager else "dense")
+    assert priced == pytest.approx((f.total - f.logits) / cfg.layers * 2 * cfg.seq_len,
+                                   rel=1e-9)
+    assert {"mixer_gates", "mixer_conv", "mixer_state"} <= {o.name for o in ops}
