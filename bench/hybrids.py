@@ -49,6 +49,9 @@ MODELS = {
     "mamba-2 hybrid (MMMA)": {"arch": "hybrid", "block_pattern": "MMMA"},
 }
 CONTEXTS = (1024, 4096, 16384)
+# one thread per process: on a shared, oversubscribed CPU, every small kernel of a 2-thread
+# process waits for its second thread to be scheduled (the recurrent mixers run many)
+THREADS = 1
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess:
@@ -97,7 +100,7 @@ def train_part(tmp: Path, seq_len: int, batch: int, steps: int) -> list[dict]:
              f"--training.micro_batch={batch}", f"--training.eval_interval={steps}",
              "--data.eval_batches=8", "--optimizer.warmup_steps=4", "--optimizer.lr=3e-3",
              "--checkpoint.interval=0", "--logging.tensorboard=false",
-             "--logging.progress=false")
+             "--logging.progress=false", f"--training.threads={THREADS}")
         m = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
         tps = [r["tokens_per_s"] for r in m if "tokens_per_s" in r][3:]
         loss = [r["loss"] for r in m if "loss" in r]
@@ -118,6 +121,7 @@ def generation_part(new_tokens: int) -> list[dict]:
     from myria.generate import KVCache, forward_cached, rope_for
     from myria.models.transformer import build_model
 
+    torch.set_num_threads(THREADS)
     rows = []
     for name in MODELS:
         cfg = model_config(name, 256)
