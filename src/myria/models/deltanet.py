@@ -185,19 +185,21 @@ class GatedDeltaNet(nn.Module):
         q, k, v, g, beta = self.inputs(x)
         if q.is_cuda:
             try:
-                return self.out(x, _fla_chunked(q, k, v, g, beta))
+                return self.out(x, _fla_chunked(q, k, v, g, beta).to(x.dtype))
             except ImportError:
                 pass
-        return self.out(x, gated_delta_chunked(q, k, v, g, beta, self.chunk))
+        # fp32 inside (decays and the triangular solve; torch has no bf16 triangular solve)
+        o = gated_delta_chunked(*(t.float() for t in (q, k, v, g, beta)), self.chunk)
+        return self.out(x, o.to(x.dtype))
 
     def forward_recurrent(self, x: torch.Tensor, rope, state: dict,  # noqa: ARG002
                           pos0: int) -> torch.Tensor:  # noqa: ARG002
         """x (B, S, hidden) after the tokens summarised by `state` (the convolutions' last
         inputs, the delta-rule state 's'); extends the state. Constant memory per token."""
-        q, k, v, g, beta = self.inputs(x, state)
-        prev = state.get("s")
+        q, k, v, g, beta = (t.float() for t in self.inputs(x, state))
+        prev = state.get("s")   # fp32
         if q.shape[2] == 1 and prev is not None:
             o, state["s"] = gated_delta_step(q, k, v, g, beta, prev)
         else:
             o, state["s"] = gated_delta_chunked(q, k, v, g, beta, self.chunk, prev, True)
-        return self.out(x, o)
+        return self.out(x, o.to(x.dtype))

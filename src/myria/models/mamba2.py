@@ -131,16 +131,18 @@ class Mamba2(nn.Module):
 
     def forward(self, u: torch.Tensor, rope=None) -> torch.Tensor:  # noqa: ARG002
         q, k, v, x, log_a = self.inputs(u)
-        return self.out(u, ssd_chunked(q, k, v, log_a, self.chunk), x)
+        y = ssd_chunked(*(t.float() for t in (q, k, v, log_a)), self.chunk)   # fp32 inside
+        return self.out(u, y.to(u.dtype), x)
 
     def forward_recurrent(self, u: torch.Tensor, rope, state: dict,  # noqa: ARG002
                           pos0: int) -> torch.Tensor:  # noqa: ARG002
         """u (B, S, hidden) after the tokens summarised by `state` (the convolutions' last
         inputs, the SSM state 's'); extends the state. Constant memory per token."""
         q, k, v, x, log_a = self.inputs(u, state)
-        prev = state.get("s")
+        q, k, v, log_a = (t.float() for t in (q, k, v, log_a))
+        prev = state.get("s")   # fp32
         if q.shape[2] == 1 and prev is not None:
             y, state["s"] = ssd_step(q, k, v, log_a, prev)
         else:
             y, state["s"] = ssd_chunked(q, k, v, log_a, self.chunk, prev, True)
-        return self.out(u, y, x)
+        return self.out(u, y.to(u.dtype), x)
