@@ -170,7 +170,7 @@ LAYOUT_MODEL = ["--model.vocab_size=1024", "--model.layers=4", "--model.hidden=6
                 "--model.arch=hybrid", "--model.block_pattern=DMAR", "--model.chunk_size=16",
                 "--model.ssm_state=16", "--training.global_batch=8", "--training.micro_batch=2",
                 "--optimizer.warmup_steps=4", "--training.steps=10", "--checkpoint.interval=0",
-                "--logging.tensorboard=false", "--logging.progress=false"]
+                "--logging.tensorboard=false", "--logging.progress=false", "--training.threads=1"]
 
 
 def layouts_part(tmp: Path) -> dict:
