@@ -162,7 +162,7 @@ LAYOUTS = {
     "tp2 (dp2)": ["--parallel.tp=2"],
     "pp2 (dp2)": ["--parallel.pp=2"],
     "tp2 x pp2": ["--parallel.tp=2", "--parallel.pp=2"],
-    "tp2 x pp2, 1f1b": ["--parallel.tp=2", "--parallel.pp=2", "--parallel.schedule=1f1b"],
+    "tp2 x pp2, gpipe": ["--parallel.tp=2", "--parallel.pp=2", "--parallel.schedule=gpipe"],
     "hsdp 2x2": ["--parallel.dp_replicate=2", "--parallel.dp_shard=2"],
 }
 LAYOUT_MODEL = ["--model.vocab_size=1024", "--model.layers=4", "--model.hidden=64",
