@@ -40,8 +40,10 @@ class ModelConfig:
     arch: str = _f("llama", "architecture: llama (RMSNorm, RoPE, SwiGLU, GQA), gpt (LayerNorm, "
                    "learned positions, GELU MLP, biases), retnet (multi-scale retention instead "
                    "of attention, llama's other parts) or griffin (RG-LRU recurrent blocks mixed "
-                   "with local attention per block_pattern, llama's other parts)",
-                   choices=("llama", "gpt", "retnet", "griffin"))
+                   "with local attention per block_pattern, llama's other parts) or hybrid (a "
+                   "mixer per layer from block_pattern: Gated DeltaNet, Mamba-2, attention, "
+                   "RG-LRU; llama's other parts)",
+                   choices=("llama", "gpt", "retnet", "griffin", "hybrid"))
     vocab_size: int = _f(8192, "vocabulary size of the embedding and output layers", min=2)
     layers: int = _f(4, "number of transformer blocks", min=1)
     hidden: int = _f(256, "model width (embedding dimension)", min=1)
@@ -71,10 +73,15 @@ class ModelConfig:
                             "that every later query attends to", min=0)
     feature_map: str = _f("elu1", "linear attention's positive feature map: elu1 (elu(x)+1) or "
                           "relu", choices=("elu1", "relu"))
-    block_pattern: str = _f("RRA", "griffin: layer types repeated over the layers, R = RG-LRU "
-                            "recurrent block, A = local attention (e.g. RRA)")
+    block_pattern: str = _f("RRA", "griffin and hybrid: layer types repeated over the layers, "
+                            "R = RG-LRU recurrent block, A = attention (griffin: local), and "
+                            "for hybrid D = Gated DeltaNet, M = Mamba-2 (e.g. RRA, DDDA, MMMA)")
     chunk_size: int = _f(64, "block length of blockwise block-sparse attention and of the "
-                         "chunkwise forms of linear attention and retention", min=1)
+                         "chunkwise forms of linear attention, retention, Gated DeltaNet and "
+                         "Mamba-2", min=1)
+    ssm_state: int = _f(64, "Mamba-2: state channels N of B and C per group (groups: kv_heads)",
+                        min=1)
+    ssm_expand: int = _f(2, "Mamba-2: inner width = ssm_expand x hidden", min=1)
     document_mask: bool = _f(False, "attention stays inside each document of a packed sequence "
                              "(EOS tokens separate them; llama or gpt with softmax attention, "
                              "full or sliding window)")
@@ -648,6 +655,8 @@ def validate_mixer(m: ModelConfig) -> None:
         if m.attention == "linear":
             raise ConfigError("model.arch = 'griffin' mixes recurrences with local softmax "
                               "attention; model.attention = 'linear' is for llama or gpt")
+    if m.arch == "hybrid":
+        validate_hybrid(m)
     if m.attention == "block_sparse":
         if not m.attention_window:
             raise ConfigError("model.attention = 'block_sparse' needs model.attention_window > 0 "
@@ -661,6 +670,18 @@ def validate_mixer(m: ModelConfig) -> None:
     if m.attention == "linear" and m.attention_window:
         raise ConfigError("model.attention = 'linear' has no window: set model.attention_window "
                           "= 0 (or use attention = 'block_sparse')")
+
+
+HYBRID_LETTERS = {"D": "Gated DeltaNet", "M": "Mamba-2", "A": "attention", "R": "RG-LRU"}
+
+
+def validate_hybrid(m: ModelConfig) -> None:
+    """model.arch = 'hybrid': a known letter for every layer type."""
+    bad = set(m.block_pattern) - set(HYBRID_LETTERS)
+    if not m.block_pattern or bad:
+        raise ConfigError(f"model.block_pattern = {m.block_pattern!r}: use the letters "
+                          + ", ".join(f"{k} ({v})" for k, v in HYBRID_LETTERS.items())
+                          + ", e.g. 'DDDA'")
 
 
 def validate(cfg: Config) -> None:
@@ -712,7 +733,8 @@ def describe(cfg: Config) -> str:
 FROZEN_ON_RESUME: dict[str, str] = {
     **{f"model.{k}": "the checkpoint's weights have that shape" for k in (
         "arch", "vocab_size", "layers", "hidden", "heads", "kv_heads", "ffn_hidden", "experts",
-        "tie_embeddings", "parallel_block", "block_pattern", "qkv_bias")},
+        "tie_embeddings", "parallel_block", "block_pattern", "qkv_bias", "ssm_state",
+        "ssm_expand")},
     "model.init_std": "it only initialises the weights at step 0",
     "model.seq_len": "the data position of the checkpoint is counted in sequences of that length",
     "training.seed": "the data order (and the initialisation) is a function of the seed",

@@ -7,17 +7,18 @@ the checkpoint was trained with (the copy kept in the run directory, so the data
 have moved or been re-prepared since; see myria.data.fingerprint), and decodes token by token: one
 forward over the prompt fills the cache of keys and values of every layer, then each new token
 is one forward of one position against the cache (memory grows by one key and value per layer
-per token; no attention over the whole sequence again). RetNet, Griffin's recurrent blocks and
-linear attention carry a recurrent state instead, and local attention (a window, block-sparse)
-keeps only the keys a later query can see: constant memory per token. `--temperature 0` is
-greedy and deterministic (for the Llama architecture it equals `transformers`' greedy
-`generate` on the exported model, token for token: tested); above 0 it samples from
-softmax(logits / T), over the `--top-k` most likely tokens when given, with a generator seeded
-by `--seed`. Generation stops at the end-of-text token or after `--max-new-tokens`.
+per token; no attention over the whole sequence again). RetNet, Griffin's recurrent blocks,
+Gated DeltaNet, Mamba-2 and linear attention carry a recurrent state instead, and local
+attention (a window, block-sparse) keeps only the keys a later query can see: constant memory
+per token. `--temperature 0` is greedy and deterministic (for the Llama architecture it equals
+`transformers`' greedy `generate` on the exported model, token for token: tested); above 0 it
+samples from softmax(logits / T), over the `--top-k` most likely tokens when given, with a
+generator seeded by `--seed`. Generation stops at the end-of-text token or after `--max-new-tokens`.
 
 The cached forward reuses the model's own modules (norms, projections, MLPs or MoE, head, the
-recurrent forms of retention and Griffin's block); only the attention over the cache is written
-here, because the training forward attends within one sequence and has no cache.
+recurrent forms of retention, Griffin's block, Gated DeltaNet and Mamba-2: each mixer's
+`forward_recurrent`); only the attention over the cache is written here, because the training
+forward attends within one sequence and has no cache.
 """
 
 from __future__ import annotations
@@ -52,8 +53,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 class KVCache:
     """What decoding keeps per layer: keys and values of attention layers (B, Hkv, T, D) with
-    their absolute positions, and the recurrent state of retention, linear-attention and
-    RG-LRU layers (constant size); `len` is the number of positions seen.
+    their absolute positions, and the recurrent state of retention, linear-attention, RG-LRU,
+    Gated DeltaNet and Mamba-2 layers (constant size); `len` is the number of positions seen.
 
     A local-attention layer (sliding window, block-sparse) keeps only the keys a later query
     can still see: the global tokens and the last window - 1, so its memory stops growing.
@@ -151,7 +152,7 @@ def forward_cached(model, tokens: torch.Tensor, cache: KVCache, rope=None) -> to
     for name, layer in model.layers.items():
         n = layer.attention_norm(h)
         mixer = layer.attention
-        if hasattr(mixer, "forward_recurrent"):   # retention, Griffin's recurrent block
+        if hasattr(mixer, "forward_recurrent"):   # retention, RG-LRU, Gated DeltaNet, Mamba-2
             a = mixer.forward_recurrent(n, rope, cache.state.setdefault(name, {}), pos0)
         else:
             a = _attend(mixer, n, cache, name, rope, pos0)

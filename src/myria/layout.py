@@ -320,6 +320,10 @@ def validate_degrees(m: ModelConfig, tp: int, cp: int, sequence_parallel: bool) 
     """Raise ConfigError when tensor or context parallelism cannot split the model's tensors
     (the rules of Megatron-LM and of myria's trainer alike; part of `Layout.check`, and the
     planner's quick filter of degrees)."""
+    if cp > 1 and m.arch == "hybrid" and set(m.block_pattern) - {"A"}:
+        raise ConfigError(f"parallel.cp = {cp} (ring attention) cannot split the recurrent "
+                          f"layers of model.block_pattern = {m.block_pattern!r} (D, M and R "
+                          "carry a state along the sequence); use parallel.cp = 1")
     if cp > 1 and (m.arch in ("retnet", "griffin") or m.attention != "softmax"):
         raise ConfigError(f"parallel.cp = {cp} (ring attention) needs softmax attention in "
                           f"llama or gpt; model.arch = {m.arch!r}, model.attention = "

@@ -37,7 +37,15 @@ the training data's own mean document length when ``document_len`` is 0.
 - retention: the parallel form (2SD + 2SD per token and head) up to C tokens, beyond that the
   chunkwise form (as linear attention); plus the swish gate projection;
 - Griffin's recurrent block: W_x, W_y, W_o projections, the width-4 depthwise convolution
-  (2 * 4 per channel) and the two block-diagonal gates (2 * W * W/heads each).
+  (2 * 4 per channel) and the two block-diagonal gates (2 * W * W/heads each);
+- Gated DeltaNet (chunked WY form, padded to whole chunks): its six projections and three
+  short convolutions; per token and head 4CD (K K^T, Q K^T) + 2CD (scores x U) + 6D^2 (the
+  state read twice and written once), and the unit triangular solve of each chunk,
+  2(C-1)D per token and head (`solve`: torch's FLOP counter does not count triangular
+  solves, so it equals the counter less this term);
+- Mamba-2 (the SSD chunked form, padded to whole chunks): its five projections and the
+  three convolutions; per token and head 2CN (C B^T) + 2CP (scores x X) + 4NP (state read
+  and written), N = ssm_state, P = the head dimension of the inner width.
 """
 
 from __future__ import annotations
@@ -69,6 +77,7 @@ class ForwardFlops:
     gate: float = 0.0          # retention's swish gate, Griffin's gate branch and RG-LRU gates
     conv: float = 0.0          # Griffin's temporal convolution
     state: float = 0.0         # recurrent state update and readout (linear attention, retention)
+    solve: float = 0.0         # Gated DeltaNet's triangular solves (the WY representation)
 
     @property
     def total(self) -> float:
@@ -91,13 +100,20 @@ def keys_per_query(seq_len: int, window: int, convention: str) -> float:
     raise ValueError(f"unknown FLOP convention {convention!r}; valid: {CONVENTIONS}")
 
 
+# block_pattern letters of model.arch = "hybrid" -> layer kinds
+HYBRID_KINDS = {"D": "deltanet", "M": "mamba2", "A": "attention", "R": "recurrent"}
+
+
 def layer_kind(cfg: ModelConfig, index: int) -> str:
-    """The temporal mixer of layer `index`: attention, retention or recurrent (Griffin's R)."""
+    """The temporal mixer of layer `index`: attention, retention, recurrent (RG-LRU),
+    deltanet (Gated DeltaNet) or mamba2."""
     if cfg.arch == "retnet":
         return "retention"
     if cfg.arch == "griffin":
         pat = cfg.block_pattern
         return "recurrent" if pat[index % len(pat)] == "R" else "attention"
+    if cfg.arch == "hybrid":
+        return HYBRID_KINDS[cfg.block_pattern[index % len(cfg.block_pattern)]]
     return "attention"
 
 
@@ -134,10 +150,44 @@ def _chunked_per_token(s: int, chunk: int, d: int, pad: bool) -> tuple[float, fl
     return 2 * d * pairs / s, 2 * d * pairs / s, 4 * d * d
 
 
+def _ssm_flops(cfg: ModelConfig, kind: str, s: int) -> ForwardFlops:
+    """Forward FLOPs per token of a Gated DeltaNet or Mamba-2 mixer, as their chunked forms
+    run them (the sequence padded to whole chunks of C = chunk_size tokens)."""
+    h, n_heads, c = cfg.hidden, cfg.heads, cfg.chunk_size
+    padded = -(-s // c) * c / s
+    f = ForwardFlops()
+    if kind == "deltanet":   # d_k = d_v = head_dim, width = hidden
+        w, d = n_heads * cfg.head_dim, cfg.head_dim
+        f.qkv = 2 * h * 3 * w
+        f.gate = 2 * h * w + 2 * h * 2 * n_heads          # W_g; beta and decay projections
+        f.conv = 3 * 2 * w * 4
+        f.attn_out = 2 * w * h
+        # per head: K K^T and Q K^T (2CD each), scores x U (2CD); W S, Q S and K^T U (2D^2 each)
+        f.attn_scores = n_heads * padded * 2 * 2 * c * d
+        f.attn_values = n_heads * padded * 2 * c * d
+        f.state = n_heads * padded * 3 * 2 * d * d
+        # unit lower-triangular solve, C x C against 2D right-hand sides: C(C-1) per column
+        f.solve = n_heads * padded * (c - 1) * 2 * d
+        return f
+    inner = cfg.ssm_expand * h
+    p, n, bc = inner // n_heads, cfg.ssm_state, cfg.n_kv_heads * cfg.ssm_state
+    f.qkv = 2 * h * (inner + 2 * bc)                       # W_x, W_B, W_C
+    f.gate = 2 * h * inner + 2 * h * n_heads               # W_z, W_dt
+    f.conv = 2 * 4 * (inner + 2 * bc)
+    f.attn_out = 2 * inner * h
+    # per head: C B^T (2CN), scores x X (2CP); state read and write (2NP each)
+    f.attn_scores = n_heads * padded * 2 * c * n
+    f.attn_values = n_heads * padded * 2 * c * p
+    f.state = n_heads * padded * 2 * 2 * n * p
+    return f
+
+
 def _mixer_flops(cfg: ModelConfig, kind: str, s: int, convention: str) -> ForwardFlops:
     """Forward FLOPs per token of one layer's temporal mixer."""
     h, hd = cfg.hidden, cfg.head_dim
     q_dim, kv_dim = cfg.heads * hd, cfg.n_kv_heads * hd
+    if kind in ("deltanet", "mamba2"):
+        return _ssm_flops(cfg, kind, s)
     f = ForwardFlops()
     if kind == "recurrent":   # Griffin: width = hidden
         w = h
@@ -239,12 +289,21 @@ def param_counts(cfg: ModelConfig) -> ParamCounts:
     n_norms = 1 if cfg.parallel_block else 2
     if cfg.arch == "retnet":
         attn = 5 * h * q_dim                     # wq, wk, wv, swish gate, wo
-    elif cfg.arch == "griffin":               # layers differ: the per-layer figure is a mean
+    elif cfg.arch in ("griffin", "hybrid"):   # layers differ: the per-layer figure is a mean
         w, blk = h, h // cfg.heads
-        rec = 3 * h * w + 5 * w + 2 * (w * blk + w) + w   # W_x W_y W_o, conv, gates, decay
-        kinds = [layer_kind(cfg, i) for i in range(cfg.layers)]
-        n_rec = kinds.count("recurrent")
-        attn = (n_rec * rec + (cfg.layers - n_rec) * attn) / cfg.layers
+        nh = cfg.heads
+        inner, bc = cfg.ssm_expand * h, cfg.n_kv_heads * cfg.ssm_state
+        mixer = {
+            "attention": attn,
+            # W_x W_y W_o, conv, gates, decay
+            "recurrent": 3 * h * w + 5 * w + 2 * (w * blk + w) + w,
+            # W_q W_k W_v W_g W_o, beta and decay projections, 3 convs, A_log, dt_bias, norm
+            "deltanet": 5 * h * q_dim + 2 * h * nh + 3 * 4 * q_dim + 2 * nh + q_dim,
+            # W_z W_x W_o, W_B W_C, W_dt, convs with biases, A_log dt_bias D, norm
+            "mamba2": 3 * h * inner + 2 * h * bc + h * nh + 5 * (inner + 2 * bc) + 3 * nh
+            + inner,
+        }
+        attn = sum(mixer[layer_kind(cfg, i)] for i in range(cfg.layers)) / cfg.layers
     dense = attn + n_norms * norm
     experts = active = 0
     if cfg.experts:

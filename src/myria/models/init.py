@@ -7,6 +7,8 @@ Generating the full tensor costs one parameter's worth of temporary memory at a 
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 # Wrappers that insert a level into parameter names (activation checkpointing, torch.compile).
@@ -29,6 +31,13 @@ def _full_value(shape, dtype, kind: str, std: float, key: int) -> torch.Tensor:
     if kind == "lru":  # Griffin's decay: softplus(value) = -log a0, a0^2 uniform in [0.81, 0.998]
         u = torch.empty(shape, dtype=torch.float64).uniform_(0.9 ** 2, 0.999 ** 2, generator=g)
         return torch.log(torch.expm1(-0.5 * torch.log(u))).to(dtype)
+    if kind == "a_log":  # Mamba-2 / Gated DeltaNet decay rate: A uniform in [1, 16]
+        return torch.log(torch.empty(shape, dtype=torch.float64).uniform_(1, 16, generator=g)
+                         ).to(dtype)
+    if kind == "dt_bias":  # softplus(value) = dt, log-uniform in [0.001, 0.1]
+        dt = torch.exp(torch.empty(shape, dtype=torch.float64).uniform_(
+            math.log(1e-3), math.log(0.1), generator=g))
+        return (dt + torch.log(-torch.expm1(-dt))).to(dtype)
     return torch.randn(shape, generator=g, dtype=torch.float32).mul_(std).to(dtype)
 
 

@@ -1,9 +1,11 @@
 """Decoder-only language model, with no parallelism code inside.
 
 Llama-style or GPT-style, with softmax, block-sparse (Longformer) or linear attention; or RetNet
-(retention in place of attention) or Griffin (RG-LRU recurrent blocks mixed with local
-attention). Every block is norm -> temporal mixer (`Block.attention`) -> norm -> MLP; only the
-mixer differs (`make_mixer`), so parallelism, checkpoints and the trainer treat them alike.
+(retention in place of attention), Griffin (RG-LRU recurrent blocks mixed with local
+attention) or a hybrid (Gated DeltaNet, Mamba-2, attention and RG-LRU layers per
+`block_pattern`). Every block is norm -> temporal mixer (`Block.attention`) -> norm -> MLP;
+only the mixer differs (`make_mixer`), so parallelism, checkpoints and the trainer treat them
+alike.
 
 Build it on the meta device, let parallelism wrap it, move it with `to_empty`, then call
 `init_weights(seed)`. Initial values are a pure function of (seed, parameter name), whatever
@@ -83,7 +85,30 @@ def make_mixer(cfg: ModelConfig, index: int) -> nn.Module:
     if kind == "recurrent":
         from myria.models.griffin import RecurrentBlock
         return RecurrentBlock(cfg)
+    if kind == "deltanet":
+        from myria.models.deltanet import GatedDeltaNet
+        return GatedDeltaNet(cfg)
+    if kind == "mamba2":
+        from myria.models.mamba2 import Mamba2
+        return Mamba2(cfg)
     return Attention(cfg)
+
+
+def _ssm_init_rule(name: str) -> tuple[str, float] | None:
+    """Initialisation of the Gated DeltaNet and Mamba-2 parameters that are not projections:
+    decay rates A in [1, 16] (A_log = log A), steps dt log-uniform in [0.001, 0.1] through
+    softplus (dt_bias), skip D = 1 (as both papers' reference code), and the short
+    convolutions with the variance of torch's default uniform(+-1/sqrt(4))."""
+    if name.endswith(".A_log"):
+        return ("a_log", 0.0)
+    if name.endswith(".dt_bias"):
+        return ("dt_bias", 0.0)
+    if name.endswith("attention.D"):
+        return ("ones", 0.0)
+    if ".attention.conv_" in name and name.endswith("_weight") \
+            and not name.endswith("attention.conv_weight"):
+        return ("normal", (1 / 12) ** 0.5)
+    return None
 
 
 class MLP(nn.Module):
@@ -168,6 +193,9 @@ class Transformer(nn.Module):
     # -- initialisation -------------------------------------------------------------------
     def _init_rule(self, name: str) -> tuple[str, float]:
         """How parameter `name` is initialised: ('normal', std), ('ones', 0) or ('zeros', 0)."""
+        ssm_rule = _ssm_init_rule(name)   # Gated DeltaNet and Mamba-2
+        if ssm_rule is not None:
+            return ssm_rule
         if "norm" in name:
             return ("ones", 0.0) if name.endswith("weight") else ("zeros", 0.0)
         if name.endswith("bias"):

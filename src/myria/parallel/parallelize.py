@@ -141,10 +141,20 @@ def _mixer_plan(mixer: nn.Module, tp_mesh: DeviceMesh) -> dict:
     its own heads (`head_offset`). Griffin's recurrent block: both branches column-parallel,
     and its per-channel parameters (convolution, block-diagonal gates by head, decay) sharded
     along their first dimension, so the recurrence runs on local channels with no
-    communication; the row-parallel output projection reduces.
+    communication; the row-parallel output projection reduces. Gated DeltaNet and Mamba-2
+    likewise: every input projection column-parallel (Mamba-2's B and C by group, its groups
+    being the key/value heads), the per-channel and per-head parameters (short convolutions,
+    A_log, dt_bias, D, the norm's weight) sharded along dim 0.
     """
+    from myria.models.deltanet import GatedDeltaNet
     from myria.models.griffin import RecurrentBlock
+    from myria.models.mamba2 import Mamba2
     from myria.models.retention import Retention
+
+    if isinstance(mixer, (GatedDeltaNet, Mamba2)):
+        _shard_dim0(mixer, tp_mesh, [n for n, _ in mixer.named_parameters(recurse=False)])
+        return {f"attention.{n}": ColwiseParallel() for n, m in mixer.named_children()
+                if isinstance(m, nn.Linear) and n != "wo"}
 
     if isinstance(mixer, RecurrentBlock):
         _shard_dim0(mixer, tp_mesh, ("conv_weight", "conv_bias"))

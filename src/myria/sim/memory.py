@@ -210,13 +210,25 @@ def memory(shape: LayerShape, *, layers: int, pp: int, vpp: int, microbatches: i
     return max(results, key=lambda r: r.total)
 
 
+def ssm_state_elements(cfg, kind: str) -> int:
+    """Elements of one sequence's generation state in a Gated DeltaNet ("deltanet") or
+    Mamba-2 ("mamba2") layer: the recurrent state and the last 3 inputs of each short
+    convolution (`models.deltanet`, `models.mamba2`)."""
+    if kind == "deltanet":
+        width = cfg.heads * cfg.head_dim
+        return cfg.heads * cfg.head_dim ** 2 + 3 * 3 * width
+    inner = cfg.ssm_expand * cfg.hidden
+    return cfg.ssm_state * inner + 3 * (inner + 2 * cfg.n_kv_heads * cfg.ssm_state)
+
+
 def decode_state_bytes(cfg, batch: int, context: int, elem_bytes: int = 2, tp: int = 1) -> float:
     """Bytes of what generation keeps per device after `context` tokens (`cfg`: ModelConfig).
 
     Softmax attention: keys and values of every position its window (and global tokens) can
     still reach (grows with the context up to the window); linear attention and retention: a
     head_dim x head_dim state per head (plus linear attention's normaliser); Griffin's
-    recurrent block: its RG-LRU state and the last 3 convolution inputs (constant).
+    recurrent block: its RG-LRU state and the last 3 convolution inputs (constant); Gated
+    DeltaNet and Mamba-2: `ssm_state_elements` (constant).
     Matches `myria.generate.KVCache.nbytes` (tested); heads and channels split over tp.
     """
     from myria.models.flops import layer_kind
@@ -229,6 +241,8 @@ def decode_state_bytes(cfg, batch: int, context: int, elem_bytes: int = 2, tp: i
             per_seq = 4 * cfg.hidden                       # h (W) + 3 conv inputs (W each)
         elif kind == "retention":
             per_seq = h * hd * hd
+        elif kind in ("deltanet", "mamba2"):
+            per_seq = ssm_state_elements(cfg, kind)
         elif cfg.attention == "linear":
             per_seq = h * hd * hd + h * hd
         else:

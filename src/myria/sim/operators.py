@@ -346,6 +346,8 @@ def layer_ops(shape: LayerShape) -> list[Op]:
                     dataclasses.replace(f, name="attn_values.dv", phase="bwd",
                                         dims=(s_kv, hd, s_q))])
     add(_gemm("attn_out", T, h, q_dim / tp, gem.attn_out * T / tp, e))
+    for pair in recurrent_mixer_ops(shape, gem, T / tp, e):
+        add(pair)
     if shape.parallel_block and dense_mlp:
         # both branches end in a row-parallel GEMM; their sum needs one reduction (PaLM)
         activation()
@@ -378,6 +380,32 @@ def layer_ops(shape: LayerShape) -> list[Op]:
     ops = list(fwd)
     for group in reversed(bwd):
         ops.extend(group)
+    return ops
+
+
+def recurrent_mixer_ops(shape: LayerShape, gem: ForwardFlops, T: float, e: int
+                        ) -> list[tuple[Op, list[Op]]]:
+    """The work of the recurrent mixers (Gated DeltaNet, Mamba-2, RG-LRU, retention, linear
+    attention) beyond what the attention operators price, averaged over the layers as the
+    layer's FLOPs are (`_per_layer_flops`): their gate projections as one GEMM, the short
+    convolutions as a memory-bound pass, and the chunked forms' state products and triangular
+    solves at the rate of a (tokens x head_dim) by (head_dim x head_dim) product, backward
+    twice the forward. T: tokens on this device (a tensor-parallel rank's share); none for
+    attention-only models."""
+    ops = []
+    h, hd = shape.hidden, shape.head_dim
+    if gem.gate:
+        n = gem.gate / (2 * h)       # output width of the gate projections
+        ops.append(_gemm("mixer_gates", T, n, h, gem.gate * T, e))
+    if gem.conv:
+        width = gem.conv / 8         # channels of the width-4 short convolutions
+        ops.append(_mem("mixer_conv", 2 * e * T * width, 4 * e * T * width, gem.conv * T))
+    chunked = gem.state + gem.solve
+    if chunked:
+        f = Op("mixer_state", "gemm", "fwd", chunked * T, 4 * e * T * hd, (T, hd, hd),
+               category="attention")
+        ops.append((f, [dataclasses.replace(f, name="mixer_state.bwd", phase="bwd",
+                                            flops=2 * f.flops, bytes=2 * f.bytes)]))
     return ops
 
 
@@ -552,7 +580,7 @@ def eager_layer_ops(shape: LayerShape) -> list[Op]:
         if gpt:  # bias gradient: a sum over the tokens of the output gradient
             bwd_only(name + ".bias_grad", e * T * n, 1)
 
-    norm = NORM_EAGER[shape.arch]
+    norm = NORM_EAGER.get(shape.arch, NORM_EAGER["llama"])
     add(_eager_mem("attn_norm", norm[0], norm[1], unit * h, "norm"))
     per_out = gem.qkv * T / (q + 2 * kv)
     linear("wq", q, h, per_out * q)
@@ -574,6 +602,8 @@ def eager_layer_ops(shape: LayerShape) -> list[Op]:
                    batch=b * shape.heads, attn_core=True, category="attention",
                    layout="attn-bwd", gqa=gqa)])
     linear("wo", h, q, gem.attn_out * T)
+    for pair in recurrent_mixer_ops(shape, gem, T, e):
+        add(pair)
     add(_eager_mem("attn_residual", (3, 1), (3, 1), unit * h))   # add; backward: the fork's sum
     add(_eager_mem("mlp_norm", norm[0], norm[1], unit * h, "norm"))
     if gpt:
@@ -617,7 +647,7 @@ def eager_head_ops(shape: LayerShape, first: bool, last: bool) -> list[Op]:
         bwd.append(Op("embedding.bwd", "mem", "bwd", 0.0, e * (V * h + 3 * T * h),
                       kernels=2 + extra[1], category="memory", layout="head"))
     if last:
-        norm = NORM_EAGER[shape.arch]
+        norm = NORM_EAGER.get(shape.arch, NORM_EAGER["llama"])
         nf, nb = _eager_mem("final_norm", norm[0], norm[1], e * T * h, "norm")
         nf.layout = nb[0].layout = "head"
         fwd.append(nf)

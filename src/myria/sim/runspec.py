@@ -41,8 +41,10 @@ REQUIRED = object()  # marker default of fields a run must give
 # (published GPT runs: Megatron-LM's defaults) or type (tie_embeddings: auto by architecture).
 MODEL_RENAMED = {"vocab_size": "vocab"}
 _MODEL_FACE = {
-    "arch": (str, _f("gpt", "gpt (LayerNorm, GELU, biases, learned positions) or llama "
-                     "(RMSNorm, SwiGLU, RoPE, GQA)", choices=("gpt", "llama"))),
+    "arch": (str, _f("gpt", "gpt (LayerNorm, GELU, biases, learned positions), llama "
+                     "(RMSNorm, SwiGLU, RoPE, GQA) or hybrid (llama with a mixer per layer from "
+                     "block_pattern: Gated DeltaNet, Mamba-2, attention, RG-LRU)",
+                     choices=("gpt", "llama", "hybrid"))),
     "layers": (int, _f(REQUIRED, "transformer blocks", min=1)),
     "hidden": (int, _f(REQUIRED, "model width", min=1)),
     "heads": (int, _f(REQUIRED, "attention (query) heads", min=1)),
