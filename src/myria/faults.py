@@ -1,54 +1,15 @@
 """Fault hooks for tests and benchmarks, inert unless the MYRIA_FAULT environment variable is set.
 
-MYRIA_FAULT holds comma-separated faults, each `kind:key=value:...`:
-
-- `kill:rank=R:step=S`       rank R sends itself SIGKILL at the start of step S
-- `hang:rank=R:step=S`       rank R stops making progress (sleeps) at the start of step S while
-                             its process, and its heartbeat thread, stay alive
-- `stop:rank=R:step=S`       rank R sends itself SIGSTOP at the start of step S (a frozen
-                             process: no heartbeats either)
-- `raise:rank=R:step=S`      rank R raises an exception at the start of step S
-- `corrupt-checkpoint:step=S` damage one file of the checkpoint of step S once its manifest
-                             holds the files' checksums, just before the commit makes it
-                             visible (as if the bytes rotted right after: a kill cannot separate
-                             the commit from the damage)
-- `diskfull:step=S`          the checkpoint save at step S fails with ENOSPC
-- `offload-kill[:rank=R]:step=S`  the nvme tier's update S (the optimizer step of step S) sends
-                             SIGKILL half-way through, once half its chunks are written
-- `offload-diskfull[:rank=R]:step=S`  the nvme tier's update S fails with ENOSPC half-way
-                             through writing its state (a full offload directory)
-- `slow:rank=R:factor=F[:step=S]`  rank R's forward and backward take F times as long from
-                             step S on (default 1), as a slow GPU would (myria.observe.events)
-- `bitflip:rank=R:step=S[:target=param|grad|optimizer|compute][:sticky=yes]`  silent data
-                             corruption on rank R: flip one bit of its last parameter's local
-                             shard (at the start of step S), of that parameter's gradient
-                             (after the gradient reduction, before the update), of its
-                             optimizer state (the last exp_avg, at the start of step S), or of
-                             a GEMM result (the output of the first linear layer in the first
-                             forward of the step; with sticky=yes in every forward from then
-                             on, a device that keeps computing wrong numbers); target=param
-                             with sticky=yes: the flipped bit stays flipped whatever is written
-                             over it (a stuck memory cell: a persistent fault at rest)
-- `nan:rank=R:step=S[:sticky=yes]`  rank R's loss at step S is NaN (a transient numerical
-                             fault), or with sticky=yes every forward from then on in this
-                             process (a device that keeps computing wrong numbers)
-
-Each fault fires once per run directory (a marker file under RUN_DIR/faults/ records it), so a
-restarted job does not repeat it. Any fault may add `:attempt=A`: it fires only in the workers of
-the supervisor's attempt A (torch elastic's TORCHELASTIC_RESTART_COUNT; 0 is the first start,
-1 the first restart), e.g. `kill:rank=0:step=8:attempt=1` kills rank 0 again right after the
-first restart resumed from step 8: a fault during recovery.
-
-Step numbers. The console counts steps from 1 ("step 1/30" is printed when the first step is
-done), and so do the checkpoint and offload hooks: `diskfull:step=S`, `corrupt-checkpoint:step=S`,
-`offload-*:step=S` act on the checkpoint or optimizer update of console step S. The hooks that
-act "at the start of step S" (`kill`, `hang`, `stop`, `raise`, `bitflip`, `nan`) count the steps
-done before them: they fire once S steps are done, during the step the console prints as S+1
-(`kill:rank=0:step=0` kills before the first step; `kill:rank=0:step=14` after "step 14" is
-printed, before step 15 runs). `slow` applies from console step S on.
-
-A malformed MYRIA_FAULT is a FaultSpecError (a ConfigError): one line, exit status 2, and the
-supervisor checks it before it starts any worker.
+MYRIA_FAULT holds comma-separated faults, each `kind:key=value:...`, kind one of `kill`, `hang`,
+`stop`, `raise`, `corrupt-checkpoint`, `diskfull`, `offload-kill`, `offload-diskfull`, `slow`,
+`bitflip` (`target=param|grad|optimizer|compute`, `sticky=yes`) and `nan` (`sticky=yes`). Each
+fault fires once per run directory (a marker file under RUN_DIR/faults/), so a restarted job
+does not repeat it; `:attempt=A` limits it to the supervisor's attempt A
+(TORCHELASTIC_RESTART_COUNT, 0 the first start). Checkpoint and offload hooks act on console
+step S; `kill`, `hang`, `stop`, `raise`, `bitflip` and `nan` fire once S steps are done (during
+console step S+1); `slow` applies from console step S on. A malformed MYRIA_FAULT is a
+FaultSpecError (a ConfigError): one line, exit status 2, checked by the supervisor before it
+starts any worker. Every kind and its effect: docs/robustness.md, "The fault grammar in full".
 """
 
 from __future__ import annotations

@@ -1,61 +1,19 @@
 """State in peer memory: each rank's snapshot also held by its ring neighbour's process.
 
-Every `resilience.memory_snapshot_interval` steps (0: off), after the optimizer step, a rank
-copies its training state (its shard of the model and optimizer state, `Engine.state_dict()`
-flattened to local tensors, plus the RNG state and the step) into one preallocated host buffer:
-the only work on the training thread. A background thread then computes the buffer's CRC-32
-and hands the snapshot with a header (step, sizes, checksums) and a JSON layout to rank+1,
-over a gloo process group of its own (so it never interleaves with the training collectives,
-whatever their group), and takes rank-1's. On one host the peer is another process (another
-failure domain in placement terms when the ring crosses hosts: with ranks placed host by host,
-rank+1 of a host's last rank is on the next host), and the two ways differ:
-
-- another host: the buffer itself goes over the group; the receiver keeps it once its
-  checksums verify, in one of two alternating receive buffers, so the last verified copy is
-  never overwritten by one in transit and a sender that dies mid-transfer leaves its previous
-  snapshot intact;
-- the same host: the buffer is a shared-memory file (/dev/shm) the sender packs into directly,
-  three of them in turn; only the header goes over the group and the holder maps the file, so
-  the copy outlives the sender's process at the cost of one copy and one checksum (the loopback
-  transfer of the whole state cost 20% of the demo's step on this 2-core host, see
-  bench/RESULTS.md); the holder checks the CRC-32 when the copy is used (`verify`), as a
-  checkpoint on disk is checked when it is loaded. The sender removes its files when it ends;
-  the supervisor removes those of processes that were killed (`remove_shared`).
-
-End to end, as a checkpoint (myria.train.checkpoint): a snapshot holds the bytes the optimizer
-wrote. Each tensor packed is checked against the checksum the at-rest ledger recorded for it
-(`recorded`, myria.train.sdc) on the training thread once packed (a snapshot that differs is
-never kept), and again in the background after its CRC-32 is taken (a buffer that changed in
-between is sent flagged, and its holder does not keep it): a CRC-32 is only ever taken over
-verified bytes.
-
-The next training step waits for the previous exchange only if it is still running (the stall
-the benchmark measures); RUN_DIR/peer/rankNNNNN.json has the counts and seconds (copy on the
-training thread, stall, background exchange and checksums) and any checksum failure.
-
-In-job recovery (`resilience.recovery = "in-job"`, myria.train.rejoin) reads them: a rank
-keeps its own last SLOTS snapshots (to roll back to the newest step every rank's copy exists
-for) and its left neighbour's last two verified ones (`kept`), and a replacement for a lost
-rank takes that rank's copy from its holder. The interval's default (-1) is every step with
-in-job recovery and off otherwise (the supervisor's full restart from the newest checkpoint on
-disk needs none).
-
-Why these snapshots are on torch.distributed, and what in-job recovery should build on. torchft
-0.2.0 (PyPI; needs torch>=2.7 and three opentelemetry packages) imports and runs on torch
-2.13 CPU with gloo here: three single-process replica groups under its lighthouse, one killed
-with SIGKILL at step 8: the two survivors committed their next step 1.3 s later (0.2 s of it a
-sleep in the loop) with 2 participants, and a fresh replica that joined at step 47 started
-with the survivors' weights, healed from a peer's memory over HTTP (2026-11-26, a toy
-all-reduce loop; the fresh process took ~9.6 s to start and import torch on this loaded host,
-the part a hot spare removes). It was not adopted, for what it does not cover: it is fault
-tolerance across replica groups only — a fault inside a replica group (one FSDP/TP/PP shard of
-it) restarts that whole group, whose state then comes from another replica, so a layout without
-data-parallel replicas (pure FSDP, TP or PP, the demo's zero2 over all ranks) has no peer copy
-in torchft at all, while a ring neighbour's copy holds every rank's shard in any layout; and
-adopting it means a launch per replica group (torchrun per group, a lighthouse) and a step
-commit protocol wrapped around the optimizer. In-job recovery, shrink and grow are built on
-these snapshots and torch.distributed's own groups instead; myria.train.rejoin says how, and
-why its shrink keeps the global batch where torchft's would not.
+Every `resilience.memory_snapshot_interval` steps (0: off; the default -1 is every step with
+in-job recovery, off otherwise), after the optimizer step, a rank copies its training state
+(`Engine.state_dict()` flattened to local tensors, the RNG state and the step) into one
+preallocated host buffer: the only work on the training thread. A background thread takes the
+buffer's CRC-32 and hands the snapshot (header, JSON layout) to rank+1 over a gloo group of its
+own, and takes rank-1's: across hosts the buffer goes over the group into one of two alternating
+receive buffers; on one host it is a /dev/shm file the holder maps (`verify` checks its CRC-32
+when used; `remove_shared` removes a killed process's files). Each packed tensor is checked
+against the at-rest ledger (`recorded`, myria.train.sdc), so a CRC-32 is only ever taken over
+verified bytes. The next step waits for the previous exchange only if it still runs;
+RUN_DIR/peer/rankNNNNN.json has the counts, seconds and checksum failures. A rank keeps its own
+last SLOTS snapshots and its left neighbour's last two verified ones (`kept`), which in-job
+recovery (myria.train.rejoin) reads. The reasons: docs/robustness.md, "Reasons behind the peer
+snapshot, fault and SDC modules".
 """
 
 from __future__ import annotations

@@ -1,50 +1,19 @@
-"""Silent data corruption on every layout: state at rest, and computation (issue 27).
+"""Silent data corruption on every layout: state at rest, and computation.
 
-**At rest** (`StateLedger`). Each rank keeps an exact checksum of what it owns: its local
-parameter shards, its optimizer state (exp_avg, exp_avg_sq, ...) and its reduced gradients.
-The parameters and optimizer state are recorded right after the optimizer writes them (the end
-of every step) and verified before they are used again: at the start of the next step (before
-the forward gathers them), before the next update, and before every checkpoint. The gradients
-are recorded when the reduction has written them and verified before clipping reads them. The
-checksum is the wrapping 32-bit integer sum of each tensor's bits (64-bit for 8-byte types): any
-single flipped bit changes it, and it reads memory once at full bandwidth (about 3 ms per 100 MB
-on one core here). A mismatch names the rank (the one whose memory changed) and the tensor; it
-needs no replica, so it covers plain FSDP shards, which have none. It runs on every step when
-`resilience.sdc_interval` > 0: a flip between two checks would otherwise be absorbed by the next
-update and never be seen again.
+`StateLedger` (at rest): each rank keeps an exact checksum (the wrapping 32-bit integer sum of
+each tensor's bits, 64-bit for 8-byte types) of its local parameter shards and optimizer state,
+recorded when the optimizer writes them and verified at the next step's start, before the next
+update and before every checkpoint, and of its reduced gradients, recorded after the reduction
+and verified before clipping. A mismatch names the rank and the tensor; `retest` calls it
+`persistent` (the memory does not hold a rewrite) or `transient`.
 
-**In compute** (`ComputeCheck`). Every `resilience.sdc_interval` steps each data-parallel rank's
-first microbatch of the step is recomputed, forward and backward, by a partner rank of the same
-tensor-, context- and pipeline-parallel coordinates (on the same gathered weights: the
-recomputation runs before the update), and two checksums of the two computations are compared
-bit for bit: the forward's (the final norm's output, which every logit comes from, so a changed
-bit anywhere upstream shows; a pipeline stage without the head: the activations it sends on) and
-the backward's (the gradient of the first block's input: every block's data-gradient GEMMs, the
-head's and the loss's lead to it). The training pass's own checksums are taken by hooks as it
-runs (no extra work on the owner); the partner's recomputation runs the forward with gradients
-and a backward to that input only (`torch.autograd.grad`): the parameters' gradients are not
-touched, nothing is reduced, and the weight-gradient GEMMs are not recomputed. A fault in one
-of those is seen by no check: the at-rest check records the gradients after the reduction (it
-guards them from then on, not their computation), and every replica receives the same reduced
-value, so the replica check finds nothing either. Under a pipeline each stage
-is checked by the DP partner of the same stage: the owner keeps its stage's input (tokens or the
-received activations) and the gradient it received for its output (the last stage: its targets)
-for the first microbatch, and the partner runs the stage's forward and backward on them outside
-the schedule. Every rank recomputes one partner's microbatch per check, so the cost is one extra
-forward and input-gradient backward of one microbatch per rank per interval. The partner
-rotates: check c pairs data-parallel rank i with rank i + 1 + (c mod (n - 1)), so over n - 1
-checks every rank is compared with every other. A mismatch is replayed: the owner recomputes its
-microbatch again and (with three or more data-parallel ranks) a third rank computes it too. The
-owner is named `transient` when its replay agrees with the partner (its step's computation was
-wrong once), `persistent` when its replay repeats its own result and the third rank agrees with
-the partner; the partner is named when the third rank agrees with the owner. With two ranks a
-repeated disagreement names both as suspects (`persistent`, no third to decide).
-
-**Transient or persistent at rest** (`StateLedger.retest`). On an at-rest mismatch the rank
-writes each changed tensor's complement over it and its value back, checking every bit after
-each write: memory that does not hold a rewrite (a stuck cell) is `persistent`, else the change
-was `transient`. Under `myria supervise` a persistent verdict blocklists the rank's host
-(myria.resilience.supervisor).
+`ComputeCheck` (in compute): every `resilience.sdc_interval` steps each data-parallel rank's
+first microbatch is recomputed, forward and input-gradient backward, by a partner of the same
+tensor-, context- and pipeline-parallel coordinates (partner of rank i at check c:
+i + 1 + (c mod (n - 1))), and two checksums are compared bit for bit; a mismatch is replayed and
+names the owner `transient` or `persistent`, or the partner. The weight-gradient GEMMs are not
+checked. The rules and their reasons: docs/robustness.md, "Reasons behind the peer snapshot,
+fault and SDC modules".
 """
 
 from __future__ import annotations
