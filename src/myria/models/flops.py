@@ -1,51 +1,16 @@
 """Model FLOPs and parameter counts: the one source for the live MFU meter and the planner.
 
 Counts multiply-adds as 2 FLOPs; a training step is forward + backward = 3x the forward FLOPs
-of every matmul (no recomputation: these are *model* FLOPs). Attention's two batched matmuls
-(QK^T and PV) cost 4 * (query heads * head_dim) FLOPs per (query, key) pair.
-
-Conventions for attention and the output layer:
-
-- ``dense`` (default, used by the MFU meter): every query is charged for the keys its band can
-  hold: all S keys for plain causal attention (as in PaLM, Megatron-LM and MegaScale, and as
-  `torch.utils.flop_counter` counts SDPA), min(window, S) with a sliding window.
-- ``causal``: only unmasked (query, key) pairs: (S+1)/2 keys per query on average for causal,
-  fewer with a window. This is the work a block-sparse kernel must do at least.
-- ``megatron``: the convention of Narayanan et al. 2021 scaled to model FLOPs, as the published
-  MFU figures use it: 3/4 of the recomputing count (4 layer passes, 3 logit passes), i.e. dense
-  attention with the logit layer charged 2.25x its forward instead of 3x. For the GPT
-  architecture it equals F = 72 B s l h^2 (1 + s/6h + V/16lh) per iteration.
-
-The sub-quadratic mixers are charged what their implementation multiplies, under every
-convention (``causal`` differs for block-sparse attention only: there it counts the unmasked
-pairs). All counts are of matmuls (and the convolution), exactly as
+of every matmul (no recomputation: these are *model* FLOPs). Conventions for attention and the
+output layer: ``dense`` (default, the MFU meter's: every query charged for all keys its band can
+hold), ``causal`` (only unmasked (query, key) pairs) and ``megatron`` (Narayanan et al. 2021
+scaled to model FLOPs; for GPT F = 72 B s l h^2 (1 + s/6h + V/16lh) per iteration). The
+sub-quadratic mixers are charged what their implementation multiplies, under every convention.
+All counts are of matmuls (and the convolution), exactly as
 `torch.utils.flop_counter.FlopCounterMode` counts them (tested); elementwise work is not
-counted by it nor here: feature maps, decay tables, gates' sigmoids, norms, the RG-LRU scan
-(about 10 FLOPs per channel per token, plus the scan's log2 S combining steps), prefix sums.
-
-Document masking (``model.document_mask``) charges attention as if every sequence were one
-document of the mean length ``model.document_len`` (when shorter than the sequence): the
-masked kernels skip the (query, key) blocks of different documents. The trainer's meter uses
-the training data's own mean document length when ``document_len`` is 0.
-
-- block-sparse attention (and Griffin's local attention, block-sparse without global tokens):
-  dense masked SDPA (all S keys) when S <= global + window + block, else the blockwise kernel's
-  keys per query block (`block_sparse_keys`);
-- linear attention, chunked (C = chunk_size, D = head_dim, sequence padded to chunks): per
-  token and head 2CD (scores) + 2CD (values) + 4D^2 (state update and readout) (retention's
-  chunkwise form cuts its last chunk short instead of padding it);
-- retention: the parallel form (2SD + 2SD per token and head) up to C tokens, beyond that the
-  chunkwise form (as linear attention); plus the swish gate projection;
-- Griffin's recurrent block: W_x, W_y, W_o projections, the width-4 depthwise convolution
-  (2 * 4 per channel) and the two block-diagonal gates (2 * W * W/heads each);
-- Gated DeltaNet (chunked WY form, padded to whole chunks): its six projections and three
-  short convolutions; per token and head 4CD (K K^T, Q K^T) + 2CD (scores x U) + 6D^2 (the
-  state read twice and written once), and the unit triangular solve of each chunk,
-  2(C-1)D per token and head (`solve`: torch's FLOP counter does not count triangular
-  solves, so it equals the counter less this term);
-- Mamba-2 (the SSD chunked form, padded to whole chunks): its five projections and the
-  three convolutions; per token and head 2CN (C B^T) + 2CP (scores x X) + 4NP (state read
-  and written), N = ssm_state, P = the head dimension of the inner width.
+counted. With ``model.document_mask`` attention is charged as if every sequence were documents
+of the mean length ``model.document_len`` (0: the trainer's meter uses the training data's).
+The formula of each mixer: docs/architectures.md, "Reasons behind the model modules".
 """
 
 from __future__ import annotations

@@ -3,57 +3,17 @@
 One iteration = the pipeline (m microbatches through p stages, each stage running its layers'
 forward, backward and recomputation with the exposed part of its tensor-, context- and
 expert-parallel communication), then the exposed data-parallel gradient reduction, the optimizer
-step, offload transfers and data loading. Every overlap has one explicit rule:
-
-- TP (overlap.tp): a collective decomposed into n = tp chunks hides behind the GEMM it feeds or
-  follows (MegaScale section 3.2; Megatron/TransformerEngine sequence-parallel overlap):
-  exposed = t/n + max(0, t*(n-1)/n - t_gemm). Without sequence parallelism only the backward
-  all-reduce of a column-parallel input gradient can hide (behind its weight-gradient GEMM, as
-  Megatron's asynchronous all-reduce); forward all-reduces stay exposed. The sequence-parallel
-  backward re-gather of GEMM inputs always overlaps the data-gradient GEMM (Megatron does it
-  asynchronously in every version).
-- PP (overlap.pp): steady-state sends/receives hide behind compute; the fill and drain of the
-  pipeline always pay them. Without it every chunk's send/receive is on the critical path.
-- DP (overlap.dp): gradients are reduced bucket by bucket as backward makes them final, and
-  sharded parameters gathered bucket by bucket ahead of forward; each bucket is its own
-  collective (its own latency). Buckets follow the framework of the ZeRO stage: Megatron-Core's
-  DistributedDataParallel for ZeRO 0-1 (max(40M, 1M x data-parallel ranks) parameters per
-  bucket when overlapping, one bucket otherwise), FSDP for ZeRO 2-3 (one bucket per wrapped
-  unit: a transformer block, and the root: embedding, final norm and head). Buckets run one
-  after another on the communication stream; a bucket starts when it is final and the one
-  before it is done, so the last bucket (and anything the compute cannot cover) is exposed:
-  exposed = max(t_last, sum t_b - t_compute (n-1)/n). Gradients hide behind backward only,
-  parameter gathers behind forward only. ZeRO-3 gathers and scatters every microbatch (its
-  forward's gathers behind its forward, the backward's gathers and scatters behind its
-  backward). Under a pipeline (pp > 1) sharded
-  gradients (ZeRO-2, FSDP) are reduce-scattered once per step, after each stage's last
-  backward: torch.distributed.pipelining runs FSDP stages with gradient sync off until then
-  (`PipelineStage.backward_maybe_with_nosync`), and Llama 3 "accumulate[s] gradients in FP32
-  during backward computation over multiple micro-batches" and reduce-scatters them (Dubey et
-  al. 2024, section 3.3.4); the memory model keeps those gradients whole meanwhile.
-- CP: ring attention always overlaps the K/V exchange with the attention blocks.
-- Hidden communication is not free (`overlap_interference`): a NCCL collective keeps one thread
-  block per channel on the SMs the compute needs (hardware.NCCL_CHANNELS of SM_COUNT) and moves
-  its bytes through HBM too, so the compute that hides it runs slower: on s = channels / SMs of
-  the device it takes s / (1 - s) longer, and its memory-bound share loses the HBM bandwidth the
-  collective takes. That slowdown, times the hidden time, is booked with the communication.
-Costs that grow with the ranks that synchronise: each collective's latency grows with its ranks
-(ring (n-1) steps, tree log2 of the servers: `collectives`), every bucket pays it
-(`bucketed`), and a synchronous step waits for the slowest of its N ranks: with per-rank compute
-spread by RANK_JITTER, E[max of N normals] x RANK_JITTER x the compute (`sync_wait`: +2.0% of
-the compute at 32 GPUs, +3.4% at 3,072, +3.9% at 16,384 with the 1% prior).
-
-Pipeline time with per-stage time C_s (all chunks of one microbatch) over m microbatches:
-(m - 1) max C + sum_s C_s / v + (1 - 1/v) max C, i.e. m C + (p - 1) C / v for equal stages
-(Narayanan et al. 2021: bubble (p-1)/m for GPipe/1F1B, (p-1)/(v m) interleaved). Zero-bubble
-(Qi et al. 2023): ZB-H1 bubble (p-1)(C - 2W), ZB-V (p-1)(C - 3W)/2, W = weight-gradient time.
-
-MFU counts model FLOPs only, in the live meter's convention (models/flops.py "dense": every
-matmul the model runs, 3x its forward), so a predicted and a measured MFU compare directly;
-`mfu_megatron` gives the figure under Narayanan et al.'s formula (for GPT exactly
-72 B s l h^2 (1 + s/6h + V/16lh) per iteration, the output layer at 2.25x its forward), as
-published tables use it. `hardware_tflops_per_gpu` adds the FLOPs of recomputation (for GPT with
-full recomputation 96/72 of the Megatron figure: the number Narayanan et al. report).
+step, offload transfers and data loading. Pipeline time with per-stage time C_s over m
+microbatches and v chunks is (m - 1) max C + sum_s C_s / v + (1 - 1/v) max C (Narayanan et al.
+2021), less the zero-bubble savings of ZB-H1 and ZB-V (Qi et al. 2023). Every overlap
+(`overlap.tp`, `overlap.pp`, `overlap.dp`, context parallelism's ring) has one explicit rule;
+hidden communication costs `overlap_interference`, collectives pay a latency that grows with
+their ranks (`collectives`, `bucketed`), and a synchronous step waits for its slowest rank
+(`sync_wait`). MFU counts model FLOPs in the live meter's convention (models/flops.py "dense"),
+so a predicted and a measured MFU compare directly; `mfu_megatron` and
+`hardware_tflops_per_gpu` give the published conventions. The rules, their sources and
+constants: docs/performance_model.md, "Step model (`perf.py`)", "FLOPs and MFU" and "Reasons
+behind the step and FLOP modules".
 """
 
 from __future__ import annotations
