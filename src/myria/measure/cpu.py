@@ -3,48 +3,18 @@
 This part runs torch, the trainer's model and the doctor's collective bench; it sits above the
 trainer and hands its figures to the analytic model through the cache that
 `myria.sim.cpu_profile` reads (the model itself never measures, so `--dry-run` calls downward).
-
-On a CPU myria runs eager PyTorch: oneDNN/MKL GEMMs whose speed depends on their shape and
-operand layout, SDPA's flash kernel, elementwise kernels bounded by cache/DRAM bandwidth and
-dispatch overhead, a foreach gradient clip and AdamW step, and gloo collectives between local
-processes. There is no datasheet for any of it, so this module measures each one as the trainer
-will run it: `nproc` processes at once, each with the threads the trainer gives it (cores /
-local processes, `myria.train.distributed.set_cpu_threads`), and caches the figures in
-`myria.device.cache_dir() / "cpu_profile.json"` under `myria.device.cpu_key(threads)` and the
-number of processes:
-
-- GEMM rates: achieved FLOP/s of every GEMM shape the simulated model runs, in the operand
-  layout autograd uses (nt forward, nn input gradient, tn weight gradient, tna weight gradient
-  accumulated by addmm_);
-- SDPA rates: forward and backward FLOP/s (causal convention) for the model's attention shape;
-- eager bandwidths: bytes/s of the elementwise kernels of one myria block (forward + backward)
-  and of the model's ends (embedding, final norm, loss), timed kernel by kernel under a torch
-  dispatch mode while running `myria.models.transformer` itself at the model's shape; plus a
-  generic figure (a mix of eager kernels on parameter-sized, 16 MiB tensors) for the passes over
-  parameters and gradients (gradient accumulation, FSDP's reduce-scatter copy);
-- host time: per block and per pass over the model's ends, the wall time of the untraced run
-  minus the time of its kernels (Python, autograd and module overhead between kernels);
-- kernel overhead: the dispatch time of one tiny eager kernel;
-- optimizer: myria's gradient clip plus AdamW (foreach) per parameter;
-- gloo (several processes): alpha and bus bandwidth (nccl-tests convention) of all-reduce,
-  all-gather and reduce-scatter, and latency and bandwidth of send/receive, fitted on three
-  message sizes, timed by `myria.measure.collective`; and FSDP2's own all-gather of a
-  unit (`unshard()` + `reshard()`: copy-in, gloo all-gather, copy-out) on three unit sizes.
-
-Times are medians of repeated calls, not minima: the machine is shared, and a training step sees
-the typical call, not the luckiest one (on an idle machine the two agree). With one thread per
-process (the trainer's layout whenever it runs as many processes as cores) the compute
-timings read that thread's own CPU time (`compute_clock`): the kernels run on the calling
-thread, so this is the time they take when they run, which other jobs holding the cores do not
-inflate (a prediction for a quiet host, measured on a shared one). With several threads a
-kernel lasts as long as its slowest thread, which no per-thread clock sees: the wall clock,
-and a quiet host to measure on (bench/sim_selfcheck.py waits for one). Collectives are always
-timed on the wall clock (waiting for a peer is part of their time). With several
-processes every figure is the mean over the processes, measured concurrently, so cores, caches
-and memory bandwidth are shared as in training. Shapes the table lacks are interpolated
-(`operators.measured_rate`). Measurements are capped (a GEMM above GEMM_FLOP_CAP FLOPs is
-measured halved along its largest dimension, already at its asymptotic rate), so a dry run of a
-large model on a CPU stays quick.
+It measures each kernel as the trainer will run it: `nproc` processes at once, each with the
+threads the trainer gives it (`myria.train.distributed.set_cpu_threads`), and caches the figures
+in `myria.device.cache_dir() / "cpu_profile.json"` under `myria.device.cpu_key(threads)` and the
+number of processes: GEMM rates per shape and operand layout (nt, nn, tn, tna), SDPA forward and
+backward rates, eager bandwidths of one block's and the model's ends' elementwise kernels plus a
+generic figure, host time per block, kernel dispatch overhead, the clip + AdamW step per
+parameter, and (several processes) gloo's alpha and bus bandwidth per collective, send/receive,
+and FSDP2's unit all-gather. Times are medians; compute is timed on the thread's CPU clock with
+one thread per process (`compute_clock`), else on the wall clock, collectives always on the
+wall clock. Shapes the table lacks are interpolated (`operators.measured_rate`); GEMMs above
+GEMM_FLOP_CAP are measured halved. What each figure is and why it is timed so:
+docs/performance_model.md, "Reasons behind the simulator modules".
 """
 
 from __future__ import annotations

@@ -1,46 +1,17 @@
 """Traffic of collectives as flows, and their simulation on a fabric.
 
 A collective is a list of *phases*; a phase is ``steps`` identical steps, each a set of flows
-that run at once and a latency ``alpha`` (the per-hop software/hardware latency of the alpha-beta
-model, the constants of ``myria.sim.hardware``). Communicators are rows of GPU ids in ring order
-(e.g. every data-parallel group of a layout, from ``myria.parallel.placement``), all running at
-once; within a row the members of one host are adjacent (placement orders them so).
-
-**Exactness-preserving reduction.** Every step of a ring (or of a phase) moves the same bytes
-between the same pairs, so its flows, routes and max-min rates are the same at every step: the
-simulator simulates *one* step per phase and multiplies (phase time = steps x (alpha + step
-time)). This is exact for a collective running alone; ``simulate_jobs`` simulates several
-collectives step by step, with flows arriving and finishing (no reduction).
-
-Algorithms (NCCL's; the defaults follow NCCL 2.30, see ``nccl_channels``):
-
-- ``ring`` (flat): one ring per channel. NCCL's topology search finds one ring per NIC the
-  host's members own (rail-aligned: channel ``c`` walks every host's members starting at member
-  ``c`` over NVLink and crosses to the next host on that member's NIC), then duplicates every
-  channel (``src/graph/connect.cc``), so ``C`` = 2 x NICs channels and every NIC carries two
-  connections, each its own queue pair(s) and so its own ECMP hash. Chunk = size / (n C);
-  all-reduce 2(n-1) steps, reduce-scatter and all-gather n-1. Of the steps, 2(k-1)
-  (all-reduce; k-1 otherwise) cross hosts at ``ALPHA_INTER_S`` each, the rest are NVLink hops
-  at ``ALPHA_INTRA_S``. A step is a pipeline (``step_cost``): under NCCL's LL128 protocol lines
-  are forwarded over NVLink as they arrive, so the hops' latency hides behind the chunk's
-  transfer when that is longer (at 120/128 of the links' rate); under Simple a hop first
-  receives a whole slice (1 MiB), so a ring whose chunk is one slice pays latency + transfer
-  per step, as NCCL's tuning model (``src/graph/tuning.cc``) sums it. ``--protocol auto``
-  (NCCL_PROTO unset) takes the faster.
-- ``two-stage-ring``: NVLink reduce-scatter inside each host (g-1 steps of size/g), one ring per
-  rail across the k hosts on size/g (2(k-1) steps of size/(g k)), NVLink all-gather.
-- ``tree``: NCCL's double binary tree across hosts (on every channel, two trees each carrying
-  half, the second shifted so a node interior in one is a leaf in the other), chains inside
-  hosts; reduction and broadcast pipelined, so one phase whose latency is 2 (log2 k hops
-  across + g-1 hops inside).
-- all-to-all: every member sends size/n to every other at once through its own NIC (NCCL does
-  not combine NICs for all-to-all); ``ring-p2p``: each member sends size to the next (pipeline
-  neighbours; the last to the first).
-- ``auto`` (``best_algorithm``; NCCL_ALGO unset): NCCL's tuner picks, per call, the algorithm
-  with the least predicted time from its own model, which knows NIC and NVLink bandwidths and
-  per-hop latencies but not the fabric's congestion; ``auto`` does the same with the time the
-  simulator gives when only NICs and NVLink limit (plus the latencies above), among the ring and,
-  for all-reduce, the tree (two-stage-ring is not NCCL's and is never picked).
+that run at once and a latency ``alpha`` (the alpha-beta model's per-hop latency, the constants
+of ``myria.sim.hardware``). Communicators are rows of GPU ids in ring order (e.g. every
+data-parallel group of a layout, from ``myria.parallel.placement``), all running at once; within
+a row the members of one host are adjacent. Every step of a phase moves the same bytes between
+the same pairs, so one step per phase is simulated and multiplied (phase time = steps x (alpha
++ step time)): exact for a collective running alone; ``simulate_jobs`` simulates several
+collectives step by step, with flows arriving and finishing. Algorithms, NCCL's (defaults of
+NCCL 2.30, ``nccl_channels``): ``ring``, ``two-stage-ring``, ``tree``, all-to-all, ``ring-p2p``
+and ``auto`` (``best_algorithm``, NCCL's tuner without the fabric's congestion); a ring step is
+priced by ``step_cost`` under LL128 or Simple (``--protocol auto`` takes the faster). How each
+algorithm maps to flows: docs/network.md, "Reasons behind the network simulator modules".
 """
 
 from __future__ import annotations
