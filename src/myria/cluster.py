@@ -6,32 +6,15 @@
     myria cluster kill-host h1 | partition h1 | heal h1 | slow-link h1 1mbit | fail-diagnostics h1
     myria cluster down                  # every process by pid, every namespace
 
-To rehearse a multi-host run (and to test myria's multi-host paths) before taking it to a real
-cluster. Nothing here is simulated: each host is a Linux network namespace (its own address in
-198.18.0.0/15, the range RFC 2544 reserves for network benchmarks, its own host name through a
-UTS namespace, its own /dev/shm tmpfs and network stack); a bridge in a "switch" namespace joins
-them; the launcher is Debian's Slurm (`slurmctld` on the login node, one `slurmd` per host,
-authenticated by `munged`); the network is the kernel's TCP. The rest of the filesystem is shared
-by every host and plays the cluster's shared filesystem (run directories, data, the project).
-
-Faults, as they happen on a real cluster:
-
-- `kill-host H`: every process of the host killed (its slurmd included): a lost host;
-- `partition H` / `heal H`: the switch port of the host down / up: its packets are dropped,
-  connections hang rather than fail, as with a cut cable or a dead switch port;
-- `slow-link H RATE`: both directions of the host's link limited with `tc tbf` (a slow NIC);
-  `slow-link H off` removes it;
-- `fail-diagnostics H`: the host's self-check diagnostics fail from then on (the doctor's test
-  hook set for that host only, in its own /dev/shm: every GEMM result wrong, as on a broken
-  device); the supervisor's diagnostics after a fault on that host fail.
-
-Facts of the kernel and Slurm this relies on (checked on Debian 12, Slurm 22.05.8, kernel 6.x):
-`ip netns exec` gives its command a new mount namespace with a fresh /sys and binds
-/etc/netns/NS/hosts over /etc/hosts; slurmd insists on cgroups and Slurm 22.05 refuses a
-hybrid v1/v2 hierarchy, so each host mounts its own v1 hierarchy on its private /sys/fs/cgroup
-(never the machine's); `netem`, `htb` and `prio` may be missing from the kernel, `tbf` is there.
-
-State (config, logs, pids) lives in $MYRIA_CLUSTER_DIR (default /tmp/myria-cluster). Root only.
+Each host is a Linux network namespace (its own address in 198.18.0.0/15, host name, /dev/shm
+and network stack) joined by a bridge in a "switch" namespace; the launcher is Debian's Slurm
+(`slurmctld` on the login node, one `slurmd` per host, `munged`); the rest of the filesystem is
+shared and plays the cluster's shared filesystem. Faults: `kill-host H` (every process of the
+host), `partition H` / `heal H` (its switch port down / up: connections hang), `slow-link H
+RATE|off` (`tc tbf` on its link) and `fail-diagnostics H` (its self-check diagnostics fail from
+then on). State (config, logs, pids) lives in $MYRIA_CLUSTER_DIR (default /tmp/myria-cluster).
+Root only. Why it is built so, and the kernel and Slurm facts it relies on: docs/cluster.md,
+"Reasons behind the cluster module".
 """
 
 from __future__ import annotations

@@ -1,41 +1,20 @@
 """Mixture-of-experts feed-forward layer: top-k router, expert capacity, router losses.
 
 `MoE` replaces the dense MLP of a block when `model.experts > 0`. Each token is routed to
-`top_k` of `experts` feed-forward networks (SwiGLU for llama, GELU with biases for gpt, the
-same maths as `transformer.MLP`), and its output is the gate-weighted sum of theirs.
-
-Routing (in fp32 at least, the "selective precision" of Switch Transformer, Fedus et al. 2021):
-
-- ``probs = softmax(x @ W_router^T)`` over the experts, the top-k experts are chosen.
-- top-1 (Switch): the gate is the chosen expert's probability, so the router learns through it.
-- top-k, k > 1 (GShard, Lepikhin et al. 2020; Mixtral): the k probabilities are renormalised to
-  sum to one.
-
-Capacity (GShard / Switch): each expert takes at most
-``capacity = ceil(capacity_factor * tokens * top_k / experts)`` of a microbatch's assignments;
-the rest are dropped — a dropped assignment contributes nothing and the token goes on through
-the residual connection. Priority is "first choices first": all tokens' first choices, in token
-order, then all second choices, and so on (a token never loses its first expert to another
-token's second choice). ``capacity_factor = 0`` means unlimited capacity: nothing is dropped.
-
-Auxiliary losses, added to the training loss by `Transformer.forward` (see `moe_aux_loss`):
-
-- load balancing (Switch Transformer, eq. 4): ``E * sum_i f_i * P_i`` where ``f_i`` is the
-  fraction of the microbatch's (token, choice) assignments the router sends to expert i (before
-  capacity dropping) and ``P_i`` the mean router probability of expert i; it is 1 for perfectly
-  uniform routing. Coefficient `LOAD_BALANCE_COEF` = 1e-2, the value of the Switch paper.
-- router z-loss (ST-MoE, Zoph et al. 2022, eq. 5): ``mean_t logsumexp(logits_t)^2``, which keeps
-  router logits small for numerical stability. Coefficient `Z_LOSS_COEF` = 1e-3, as in ST-MoE.
-
-Both, and the capacity, are computed over the tokens of one forward call (one microbatch on
-one rank) from that rank's own router outputs, so they do not depend on how experts are placed:
-an expert-parallel run (`myria.parallel.expert`) computes exactly the single-process values.
-
-Expert weights are stored stacked, one 3-D parameter per matrix (``experts.w1`` [E, ffn, hidden],
-``experts.w2`` [E, hidden, ffn], ``experts.w3`` [E, ffn, hidden]; gpt adds ``experts.w1_bias``
-[E, ffn] and ``experts.w2_bias`` [E, hidden]) so that expert parallelism shards dim 0 and the
-names never change. Tokens are sorted by expert and each expert runs one matmul per weight on
-its contiguous slice: no per-token Python loops.
+`top_k` of `experts` feed-forward networks (the maths of `transformer.MLP`), and its output is
+the gate-weighted sum of theirs. Routing runs in fp32 at least: ``probs = softmax(x @
+W_router^T)``, the top-k experts chosen; with top-1 the gate is the chosen probability, with
+k > 1 the k probabilities are renormalised to sum to one. Each expert takes at most ``capacity =
+ceil(capacity_factor * tokens * top_k / experts)`` of a microbatch's assignments, first choices
+first; a dropped assignment contributes nothing (``capacity_factor = 0``: unlimited).
+`moe_aux_loss` gives the load-balancing loss (coefficient `LOAD_BALANCE_COEF`) and router
+z-loss (`Z_LOSS_COEF`), which `Transformer.forward` adds to the training loss. Capacity and
+losses are computed over one forward call's tokens on one rank, so an expert-parallel run
+(`myria.parallel.expert`) computes exactly the single-process values. Expert weights are stacked,
+one 3-D parameter per matrix (``experts.w1`` [E, ffn, hidden], ``experts.w2`` [E, hidden, ffn],
+``experts.w3`` [E, ffn, hidden]; gpt adds ``experts.w1_bias`` and ``experts.w2_bias``), so
+expert parallelism shards dim 0. Sources: docs/architectures.md, "Reasons behind the model
+modules".
 """
 
 from __future__ import annotations
