@@ -5,29 +5,15 @@ writing strength beta_t in (0, 1):
 
     S_t = alpha_t (I - beta_t k_t k_t^T) S_{t-1} + beta_t k_t v_t^T        o_t = S_t^T q_t
 
-(the delta rule replaces the value stored under key k_t, the gate forgets everything at once).
-The block around it (the paper's, as in its reference implementation):
-
-    q, k, v = SiLU(ShortConv_4(W_q x)), SiLU(ShortConv_4(W_k x)), SiLU(ShortConv_4(W_v x))
-    q, k    = L2-normalised per head (q also scaled by d_k^-1/2)
-    beta    = sigmoid(W_b x),   g = -exp(A_log) * softplus(W_a x + dt_bias)   (per head)
-    out     = W_o(RMSNorm_head(o) * SiLU(W_g x))
-
-Forms that agree (tested: output and gradient within 1e-5 in fp32):
-
-- `gated_delta_step`: the recurrence, one token at a time (generation: constant memory);
-- `gated_delta_chunked`: the training form. Within a chunk of C tokens, with cumulative log
-  decays L_r = g_1 + ... + g_r and D_rj = exp(L_r - L_j) (j <= r, else 0), the chunk's updates
-  are u_r = beta_r (v_r - exp(L_r) S_0^T k_r - sum_{j<r} D_rj (k_j . k_r) u_j): a unit lower
-  triangular system (I + A) U = diag(beta) V - diag(beta exp(L)) K S_0 with
-  A = strict_lower(diag(beta) (K K^T * D)). One triangular solve per chunk gives the WY
-  representation U = U~ - W S_0 (U~, W independent of the state, computed for all chunks at
-  once); then, chunk by chunk,
-  O = diag(exp(L)) Q S_0 + (Q K^T * D) U and S_C = exp(L_C) S_0 + (K * exp(L_C - L))^T U.
-  Every exponent is <= 0, so nothing overflows.
-
-On a GPU, `flash-linear-attention` (package `fla`) serves the chunked form when it is
-installed (not a dependency); on CPU, and when it is absent, the torch code below runs.
+The block around it is the paper's: short-convolved, SiLU'd q/k/v projections, L2-normalised
+q and k (q scaled by d_k^-1/2), per-head beta and g, and out = W_o(RMSNorm_head(o) * SiLU(W_g x)).
+Two forms agree (tested: output and gradient within 1e-5 in fp32): `gated_delta_step`, the
+recurrence one token at a time (generation: constant memory), and `gated_delta_chunked`, the
+training form (one unit-triangular solve per chunk, the WY representation; every exponent is
+<= 0, so nothing overflows). On a GPU, `flash-linear-attention` (package `fla`) serves the
+chunked form when it is installed (not a dependency); otherwise the torch code below runs. The
+block's formulas and the chunked derivation: docs/architectures.md, "Reasons behind the model
+modules".
 """
 
 from __future__ import annotations

@@ -1,32 +1,17 @@
 """Layout search: enumerate tp/pp/dp/cp/ep/vpp/micro-batch/recompute/ZeRO, keep what fits, rank.
 
-Every candidate is priced by the full step model (`perf.simulate`) and memory model; those that
-do not fit in device memory less a reserve are counted but not ranked. Constraints follow
-Megatron-LM: tp divides the heads and stays inside a server unless allowed, the interleaved
-schedule needs the microbatch count to be a multiple of pp and vpp to divide the layers per
-stage, cp divides the sequence, ep divides the experts and the data-parallel ranks. pp need not
-divide the layers: stages are then uneven (FLOP-balanced as the trainer splits them, so the
-first and last stages, which also hold the embedding and the output layer, get fewer layers).
-
-Honesty about precision: every prediction carries the model's uncertainty band (the 90th
-percentile of its held-out error on the calibration set, `band.uncertainty()`), and
-layouts whose MFU lies within that band of the best are statistically tied: among them the
-faster prediction ranks first, then the one with more free memory (`tie_order`), and a
-prediction the model cannot vouch for (memory margin under its memory error, more hidden
-communication than compute to hide it) is marked and not first (`implausible`).
-Each ranked layout also gets the expected effective training time ratio and the checkpoint
-interval that maximises it (`reliability.expected_ettr`).
-
-Memory: a layout fits when its predicted peak stays below the device's memory (as the driver
-reports it, `hardware.NVML_MEMORY_MIB`) less `reserve_gb` (default 0). The reserve that
-practice keeps is already inside the prediction: the memory model counts the caching
-allocator's fragmentation as a measured share (4.6%, MindSpeed's reserved-vs-allocated gap)
-and 1.5 GB for the CUDA context, library workspaces and NCCL buffers, which are what
-NVIDIA's Megatron-Bridge memory-tuning guide lists as missing from its own estimator
-("allocator fragmentation, CUDA/NCCL workspace, ..."). A second share on top (10% until
-issue 24) counted them twice and refused the layout Llama 3 405B trained with (82 of 85.5 GB
-predicted). `--reserve-gb` keeps headroom for what a run adds (CUDA graphs, MoE token
-imbalance); the ranking breaks ties towards less memory.
+Every candidate is priced by the full step model (`perf.simulate`) and memory model. Constraints
+follow Megatron-LM: tp divides the heads and stays inside a server unless allowed, the
+interleaved schedule needs the microbatch count to be a multiple of pp and vpp to divide the
+layers per stage, cp divides the sequence, ep divides the experts and the data-parallel ranks;
+pp need not divide the layers (stages FLOP-balanced as the trainer splits them). A layout fits
+when its predicted peak stays below the device's memory (`hardware.NVML_MEMORY_MIB`) less
+`reserve_gb` (default 0); those that do not fit are counted but not ranked. Layouts whose MFU
+lies within the model's uncertainty band (`band.uncertainty()`) of the best are tied and ordered
+by `tie_order`; a prediction the model cannot vouch for is marked by `implausible` and not
+first. Each ranked layout also gets the expected ETTR and its best checkpoint interval
+(`reliability.expected_ettr`). The rules and why the reserve defaults to 0:
+docs/performance_model.md, "Planning with headroom and honesty".
 """
 
 from __future__ import annotations

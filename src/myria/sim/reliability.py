@@ -1,33 +1,17 @@
 """Expected effective training time: failures, checkpoints and restarts priced for a layout.
 
-At ten thousand GPUs a job fails every few hours. What a failure costs is the time to detect it,
-restart and reload, plus the work done since the last *committed* checkpoint; what protection
-costs is the stall of each checkpoint. This module prices both from the layout's checkpoint
-size and the cluster's bandwidths and picks the checkpoint interval that maximises the effective
-training time ratio (ETTR: the share of wall time spent in steps whose result is kept).
-
-Model (first order, failures independent and exponential with rate λ = per-GPU rate × GPUs):
-
-- a checkpoint every τ seconds of training stalls the loop δ (myria's two-stage save: the
-  snapshot to host memory; the write to storage runs in the background and takes w);
-- a failure loses, on average, half a period plus the background write still in flight,
-  (τ + δ) / 2 + w, and costs R = detection + restart + load;
-- ETTR(τ) = τ / (τ + δ) × (1 − λ (R + (τ + δ) / 2 + w)), floored at 0;
-- the interval maximising it is Young's τ* = √(2 δ / λ) (Young 1974; Daly 2006 gives the same
-  to first order), never shorter than the background write w (one save in flight) nor than one
-  step.
-
-Defaults and their sources:
-- failure rate: Llama 3 405B pre-training saw 419 unexpected interruptions in 54 days on 16,384
-  H100 GPUs (Dubey et al. 2024, "The Llama 3 Herd of Models", §3.3.4): 1.97e-5 per GPU-hour;
-- detection: myria's supervisor defaults (`resilience.heartbeat_s` x `missed_heartbeats`: a
-  heartbeat every 1 s, 3 missed), 3 s, read from the config's defaults;
-- restart: 300 s for process start, rendezvous and communicator set-up at scale (an
-  assumption of this model: MegaScale reports recovery in minutes without a breakdown);
-- storage: 5 GB/s read and write per server to a shared parallel file system (an assumption;
-  pass the figure of the cluster at hand).
-Not modelled: correlated failures (a switch takes out many hosts), failures during recovery,
-stragglers, silent data corruption found late (all lower the true ETTR).
+What a failure costs is the time to detect it, restart and reload, plus the work done since the
+last *committed* checkpoint; what protection costs is the stall of each checkpoint. This module
+prices both from the layout's checkpoint size and the cluster's bandwidths and picks the
+checkpoint interval that maximises the effective training time ratio (ETTR: the share of wall
+time spent in steps whose result is kept). First-order model, failures independent and
+exponential with rate λ = per-GPU rate × GPUs: a checkpoint every τ seconds of training stalls
+the loop δ (the snapshot to host memory) and writes in the background for w; a failure costs
+R = detection + restart + load and loses (τ + δ) / 2 + w;
+ETTR(τ) = τ / (τ + δ) × (1 − λ (R + (τ + δ) / 2 + w)), floored at 0; the interval is Young's
+τ* = √(2 δ / λ), never shorter than w nor than one step. The defaults, their sources and what is
+not modelled: docs/performance_model.md, "Planning with headroom and honesty" and "Reasons
+behind the simulator modules".
 """
 
 from __future__ import annotations
