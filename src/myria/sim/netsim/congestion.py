@@ -1,32 +1,16 @@
 """A fluid model of lossless-Ethernet congestion control: PFC pauses and DCQCN rate control.
 
-The max-min model of ``flows.py`` is the steady state congestion control is meant to reach.
-This module simulates how RoCE gets (or fails to get) there, in small time steps ``dt``, all
-flows at once (sparse matrix-vector products, no per-flow loop):
-
-- every hop of every flow holds a queue (bytes of that flow waiting for that link); a link
-  serves its queued bytes up to its capacity, each flow in proportion to what it has queued,
-  and passes them to the flow's next hop one step later (bytes are conserved end to end); the
-  first hop (NIC or NVLink port) shares its capacity among the flows the source sends;
-- ECN: a queue marks packets with probability 0 below ``kmin``, rising linearly to ``pmax`` at
-  ``kmax`` and 1 above (RED-style, as DCQCN configures switches);
-- DCQCN (Zhu et al., SIGCOMM 2015), mean-field: every ``timer_s`` each flow receives a
-  congestion notification with probability 1 - (1 - p)^(packets sent), p its path's marking
-  probability; expected updates of alpha (gain ``g``), the target rate (additive increase
-  ``rai``) and the current rate (cut by alpha/2, else halfway back to the target);
-- PFC: when a queue exceeds ``xoff`` every link feeding that switch port (the hop before it on
-  some flow's path) is paused until the queue drops below ``xon``. A paused link carries
-  nothing, so flows crossing it stop even if they do not go to the congested port
-  (head-of-line blocking: *victim* flows); its own queue then grows, and pauses spread upstream
-  (congestion trees).
-
-Not captured: packets, per-priority classes (one lossless class), the reaction delay of a
-notification and of a pause frame (both act within one ``dt``; a hop adds one ``dt`` of
-delay), strict FIFO order (service is proportional to queued bytes), buffer sharing between
-ports,
-DCQCN's byte counter and fast-recovery stage counts, PFC storms/deadlocks across cyclic buffer
-dependencies (CLOS up-down routes have none), and NIC-side losses. Times are indicative; the
-model's use is to show when and where pauses spread and which flows become victims.
+The max-min model of ``flows.py`` is the steady state congestion control is meant to reach;
+this module simulates how RoCE gets (or fails to get) there, in time steps ``dt``, all flows at
+once (sparse matrix-vector products, no per-flow loop). Every hop of every flow holds a queue; a
+link serves its queued bytes up to its capacity, each flow in proportion to what it has queued,
+and passes them to the next hop one step later (bytes are conserved end to end). Queues mark
+ECN RED-style (0 below ``kmin``, linear to ``pmax`` at ``kmax``, 1 above); DCQCN (Zhu et al.,
+SIGCOMM 2015) updates each flow's alpha (``g``), target rate (``rai``) and current rate every
+``timer_s`` in the mean-field; PFC pauses every link feeding a port whose queue exceeds
+``xoff`` until it drops below ``xon``. Times are indicative: the model shows when and where
+pauses spread and which flows become victims. The mechanisms in full and what is not captured:
+docs/network.md, "Reasons behind the network simulator modules".
 """
 
 from __future__ import annotations

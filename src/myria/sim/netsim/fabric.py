@@ -2,31 +2,15 @@
 domain and several NICs (rails), from a TOML description or a preset; directed links with
 capacities, numbered so that routes are computed with numpy.
 
-A fabric description (TOML, presets in ``myria/sim/data/fabric-*.toml``)::
-
-    name = "megascale"
-    tiers = 3                      # 2: leaf-spine, 3: ToR / aggregation / core
-    [host]
-    gpus = 8                       # one NVLink domain
-    nics = 8                       # NIC i serves GPU i*nics/gpus ("rail" i)
-    nic_gbps = 200                 # line rate of one NIC
-    nvlink_gbs = 300               # one GPU's NVLink bandwidth, each direction, GB/s
-    rail_optimized = true          # NIC i of a group of hosts on ToR i of a rail group
-    [tor]
-    down_ports = 64                # NIC-facing ports (a 400G port split into 2 x 200G counts 2)
-    up_ports = 32                  # one to each aggregation switch of the pod
-    up_gbps = 400                  # or: oversubscription = 1.0 (down:up bandwidth)
-    [agg]                          # the spine when tiers = 2
-    down_ports = 32                # ToRs per pod
-    up_ports = 32                  # one to each core switch of its plane (tiers = 3)
-    up_gbps = 400                  # or: oversubscription = 7.0
-    [core]
-    down_ports = 64                # pods
-
-Wiring (the standard folded CLOS): ToR port u goes to aggregation switch u of its pod;
+A fabric description is TOML (presets in ``myria/sim/data/fabric-*.toml``): ``name``, ``tiers``
+(2: leaf-spine, 3: ToR / aggregation / core), ``[host]`` (``gpus``, ``nics``, ``nic_gbps``,
+``nvlink_gbs``, ``rail_optimized``), and per tier ``[tor]``, ``[agg]`` (the spine when
+tiers = 2), ``[core]`` its ``down_ports``, ``up_ports`` and ``up_gbps`` or ``oversubscription``.
+Wiring is the standard folded CLOS: ToR port u goes to aggregation switch u of its pod;
 aggregation switch a of every pod joins core plane a, its port v to core switch v of the plane.
-Routes go up to the lowest common tier and down again; the choice going up (aggregation switch
-``a`` and core ``v``) fixes the way down, which is why two flows collide if their hashes agree.
+Routes go up to the lowest common tier and down again; the choice going up fixes the way down,
+which is why two flows collide if their hashes agree. Every field, annotated:
+docs/network.md, "Reasons behind the network simulator modules".
 """
 
 from __future__ import annotations

@@ -5,27 +5,12 @@ A flow goes from one GPU to another. Inside a host it crosses the source GPU's N
 the destination's. Across hosts it leaves through the NIC of its source GPU (or, with ``rail``
 routing on a rail-optimised fabric, first hops over NVLink to the GPU on the destination's rail,
 as NCCL's PXN does), climbs to the lowest tier common to both ends and comes down again: the
-aggregation switch ``a`` and the core switch ``v`` chosen going up fix the way down.
-
-Routing policies (``ROUTINGS``):
-
-- ``ecmp``: each switch hashes the flow's 5-tuple (source and destination NIC, source port =
-  the queue pair's entropy, RoCEv2 destination port 4791, UDP) onto one of its equal-cost
-  uplinks. Each tier salts the hash differently unless ``polarized``: then every tier uses the
-  same function and, with as many uplinks at each tier, the core choice repeats the aggregation
-  choice (hash polarisation), so only one core of each plane carries traffic.
-- ``adaptive``: per-packet spraying toward the least-loaded port, as InfiniBand adaptive routing
-  does, in its fluid limit: every flow spreads evenly over all its equal-cost paths, so a ToR's
-  uplinks (and a pod's core links) act as one pooled link (exact under even spreading; see
-  ``Fabric``). Vectorised.
-- ``flowlet``: one path per flow, flows placed one after another on the equal-cost path whose
-  most loaded link (bytes already placed / capacity) is least loaded, as flowlet switching
-  steers toward; it sees the whole path (an upper bound on what a switch seeing only its own
-  queues reaches). A Python loop over the flows that leave their ToR.
-- ``rail``: static, destination-based routes (aggregation switch = the destination NIC's port
-  number below its ToR, plus the ToR's index in its pod, mod the uplinks; core = the next
-  digit), the D-mod-k routing of fat-trees, plus PXN on rail-optimised
-  fabrics: traffic stays on its rail.
+aggregation switch ``a`` and the core switch ``v`` chosen going up fix the way down. Routing
+policies (``ROUTINGS``): ``ecmp`` (5-tuple hash per switch; ``polarized``: the same function at
+every tier), ``adaptive`` (every flow spread evenly over its equal-cost paths, vectorised),
+``flowlet`` (one path per flow, the least loaded end to end; a Python loop over the flows that
+leave their ToR) and ``rail`` (static D-mod-k routes plus PXN: traffic stays on its rail). How
+each hashes or chooses: docs/network.md, "Reasons behind the network simulator modules".
 """
 
 from __future__ import annotations
