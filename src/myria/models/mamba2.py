@@ -1,29 +1,18 @@
 """Mamba-2 (Dao & Gu 2024, arXiv 2405.21060): the selective state space model in its SSD form.
 
 Per head h (scalar decay A_h < 0, head dimension P) with a state H (N x P), input-dependent
-step dt_t > 0 and, shared by the heads of a group (as keys are shared under grouped-query
-attention), input and output projections B_t, C_t in R^N:
+step dt_t > 0 and, shared by the heads of a group, input and output projections B_t, C_t in R^N:
 
     H_t = exp(dt_t A_h) H_{t-1} + B_t (dt_t x_t)^T        y_t = H_t^T C_t + D_h x_t
 
-which is causal linear attention with a scalar per-token decay: queries C, keys B, values
-dt * x (the paper's state space duality). The block around it (Mamba-2's):
-
-    z = W_z u,   x, B, C = SiLU(ShortConv_4(W u)) for W = W_x, W_B, W_C
-    dt = softplus(W_dt u + dt_bias),  A = -exp(A_log)
-    out = W_o(RMSNorm((y + D x) * SiLU(z)))
-
-The inner width is ssm_expand * hidden over model.heads heads; B and C have model.kv_heads
-groups (all heads' own when 0) of ssm_state channels. The gated RMSNorm is taken per head
-(the grouped norm of Mamba-2 with one group per head), so tensor parallelism splits heads
-with no communication inside the block.
-
-Forms that agree (tested, output and gradient within 1e-5 in fp32):
-
-- `ssd_step`: the recurrence, one token at a time (generation: constant memory);
-- `ssd_chunked`: the training form (the SSD algorithm): within a chunk of C tokens the masked
-  quadratic form (C B^T * D) X with D_rj = exp(L_r - L_j), L the cumulative log decay; across
-  chunks the state, read by query r as exp(L_r) C_r H and written as sum_j exp(L_C - L_j) B_j x_j.
+The block is Mamba-2's: z, and short-convolved, SiLU'd x, B, C projections, dt = softplus(W_dt
+u + dt_bias), A = -exp(A_log), out = W_o(RMSNorm((y + D x) * SiLU(z))). The inner width is
+ssm_expand * hidden over model.heads heads; B and C have model.kv_heads groups (all heads' own
+when 0) of ssm_state channels; the gated RMSNorm is per head, so tensor parallelism splits heads
+with no communication inside the block. Two forms agree (tested, output and gradient within
+1e-5 in fp32): `ssd_step`, one token at a time (generation: constant memory), and
+`ssd_chunked`, the training form (the SSD algorithm). The block's formulas and the chunked
+form: docs/architectures.md, "Reasons behind the model modules".
 """
 
 from __future__ import annotations

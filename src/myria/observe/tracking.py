@@ -2,29 +2,16 @@
 
 `[logging] trackers = "wandb,mlflow"` (either or both). Rank 0's metrics sink (`train.metrics`)
 hands every training row and validation loss to `Tracker.log` / `Tracker.log_eval`;
-`myria report` adds its figures (`log_report`). One run directory is one tracker run:
-
-- the trackers' run ids are kept in RUN_DIR/tracking.json, chosen before the first contact, so
-  a restart, a resume and every attempt of the supervisor continue the same W&B run
-  (`wandb.init(id=..., resume="allow")`) and the same MLflow run (`MlflowClient.log_batch` on
-  its run id) instead of opening new ones;
-- each step goes to the trackers once: tracking.json also holds the last step sent, and a
-  resumed run (which redoes the steps after its checkpoint, with the same values under bitwise
-  resume) sends only the steps after it.
-
-W&B runs offline unless asked (`logging.wandb_mode`; auto: online when WANDB_API_KEY is set):
-its files are under RUN_DIR/wandb and `wandb sync RUN_DIR/wandb/offline-run-*` uploads them.
-MLflow writes to a local store, RUN_DIR/mlruns (its file store: `mlflow ui
---backend-store-uri RUN_DIR/mlruns`), unless `logging.mlflow_uri` names a tracking server or a
-database. A tracker that fails (a network error, a full disk) warns once and is dropped: the
-run never stops for its tracker.
-
-The trackers run in a process of their own (`start` returns a `Client` that writes JSON lines to
-its stdin), in a session of its own: importing and running the W&B and MLflow clients never
-takes the trainer's interpreter (its heartbeat thread goes on), and when the trainer dies, even
-by SIGKILL, the tracker process reads to the end of its input, sends what it was given and
-closes the runs. It holds RUN_DIR/tracking.lock while it lives, so the next attempt's tracker
-starts sending only after the previous one is done (each step once).
+`myria report` adds its figures (`log_report`). One run directory is one tracker run: the run
+ids are kept in RUN_DIR/tracking.json, chosen before the first contact, so a restart, a resume
+and every attempt continue the same runs; tracking.json also holds the last step sent, so each
+step goes to the trackers once. W&B runs offline unless asked (`logging.wandb_mode`; auto:
+online when WANDB_API_KEY is set), its files under RUN_DIR/wandb; MLflow writes to
+RUN_DIR/mlruns unless `logging.mlflow_uri` names a server or database. A tracker that fails
+warns once and is dropped: the run never stops for its tracker. The trackers run in a process
+and session of their own (`start` returns a `Client` that writes JSON lines to its stdin),
+which holds RUN_DIR/tracking.lock while it lives. Why: docs/observability.md, "Experiment
+trackers (`myria.observe.tracking`)" at its end.
 """
 
 from __future__ import annotations
