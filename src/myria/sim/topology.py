@@ -1,27 +1,17 @@
 """Cluster fabrics as link graphs: fat-tree, 3-tier CLOS with pods, rail-optimized; flow paths.
 
-The model is deliberately small. Capacities are in units of one NIC's achieved rate, so the flow
-solver in `network.py` returns dimensionless factors. Every server's NICs attach to leaf (ToR)
-switches with `radix/2` ports down and `radix/2` up:
-
-- ``fat-tree``: a server's NICs share one leaf; leaves reach a non-blocking spine over uplinks
-  whose total capacity is the downlink capacity / `oversubscription`.
-- ``clos3``: as fat-tree inside a pod of `radix/2` leaves (full bisection, as in the Llama 3 pods
-  and MegaScale's CLOS); pods reach the core through `radix/2` aggregation planes of `radix/2`
-  uplinks each, oversubscribed by `oversubscription` (Llama 3: 1:7 at the aggregation layer).
-- ``rail-optimized``: NIC i of every server attaches to rail switch i of its group of `radix/2`
-  servers (MegaScale's multi-rail wiring), so same-rank traffic stays on one switch; traffic
-  between rails is first moved over NVLink to the right GPU (NCCL's PXN), then stays on a rail.
-
-Routing: ``adaptive`` spreads load evenly, modelled by pooling a switch's uplinks into one link;
-``ecmp`` hashes every flow (split into `flows_per_pair` sub-flows, as NCCL opens several queue
-pairs; Llama 3 used 16 per GPU pair for entropy) onto one uplink, and in a CLOS the spine chosen
-going up fixes the downlink coming down, so two flows collide if their hashes agree.
-
-`pattern_groups` lays a traffic pattern (every group of `size` ranks `stride` apart) on a fabric
-for both pricers of it: `network.pattern_factor` (analytic) and `netsim.api.flow_pattern_factor`
-(flow-level); both return a `PatternResult`. They live here, below both, so that neither
-imports the other's module for them.
+Capacities are in units of one NIC's achieved rate, so the flow solver in `network.py` returns
+dimensionless factors. Every server's NICs attach to leaf (ToR) switches with `radix/2` ports
+down and `radix/2` up: ``fat-tree`` (a server's NICs share one leaf; a non-blocking spine over
+uplinks of the downlink capacity / `oversubscription`), ``clos3`` (fat-tree pods of `radix/2`
+leaves reaching the core through `radix/2` aggregation planes, oversubscribed) and
+``rail-optimized`` (NIC i of every server on rail switch i of its group; traffic between rails
+moves over NVLink first, as NCCL's PXN). Routing: ``adaptive`` pools a switch's uplinks into
+one link; ``ecmp`` hashes every flow (split into `flows_per_pair` sub-flows) onto one uplink,
+and the spine chosen going up fixes the way down. `pattern_groups` lays a traffic pattern (every
+group of `size` ranks `stride` apart) on a fabric for both pricers, `network.pattern_factor`
+and `netsim.api.flow_pattern_factor` (both return a `PatternResult`); it lives here, below both.
+The fabrics' sources: docs/performance_model.md, "Reasons behind the simulator modules".
 """
 
 from __future__ import annotations

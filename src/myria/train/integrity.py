@@ -1,28 +1,20 @@
 """Silent data corruption and numerical faults, checked inside the training loop.
 
-**Replica consistency.** Every `resilience.sdc_interval` steps, and before every checkpoint
-(so a committed checkpoint never holds diverged replicas), the ranks that must hold identical
-values compare a checksum of them: the integer sum of each parameter's bits (exact: any flipped
-bit changes it; a few microseconds per MB). Replicas are found from the parameters themselves:
-every DTensor mesh dimension a parameter is `Replicate` on (tensor-parallel norms, HSDP
-replicas), and the data-parallel (x context-parallel) group for DDP and for pipelines whose
-gradients are all-reduced by hand. Plain FSDP shards have no replica: there, and on every
-layout, each rank's own checksums of its state at rest and the partner recomputation of a
-microbatch (`myria.train.sdc`, driven by `StepGuard` below) catch corruption. A mismatch names the
-odd rank out by majority (with two replicas, both: the check cannot tell which one is wrong)
-and the first parameter that differs; the default action rolls back: every rank stops with
-`SilentCorruption`, and under `myria supervise` the job restarts from the newest checkpoint.
+**Replica consistency.** Every `resilience.sdc_interval` steps, and before every checkpoint (so
+a committed checkpoint never holds diverged replicas), the ranks that must hold identical values
+compare an exact checksum of them (the integer sum of each parameter's bits). Replicas are found
+from the parameters themselves: every DTensor mesh dimension a parameter is `Replicate` on, and
+the data-parallel (x context-parallel) group for DDP and for pipelines whose gradients are
+all-reduced by hand; plain FSDP shards have none and rely on `myria.train.sdc`, driven by
+`StepGuard`. A mismatch names the odd rank out by majority (with two replicas, both) and the
+first parameter that differs; every rank stops with `SilentCorruption`.
 
-**Numerical faults.** A non-finite loss or gradient norm, or a loss spike (the loss above a
-running mean by `loss_spike_sigmas` running deviations, after `SPIKE_WARMUP` steps), is judged
-the same on every rank (both figures are global), then: `skip` the update (the batch is
-consumed, the optimizer does not step, the learning-rate schedule goes on), `rollback` (stop;
-the restart resumes from the newest checkpoint and skips the offending step's batch, listed in
-RUN_DIR/skip_steps.json) or `stop`. The ranks whose own loss was non-finite are named (one
-all-gather of a flag, only on a bad step); when every local loss was finite the gradients turned
-non-finite in the backward pass or its reduction and no rank can be named from the loss.
-
-Every detection is one line in RUN_DIR/events.jsonl (`myria.detections`).
+**Numerical faults.** A non-finite loss or gradient norm, or a loss spike (above a running mean
+by `loss_spike_sigmas` running deviations, after `SPIKE_WARMUP` steps), is judged the same on
+every rank, then: `skip` the update, `rollback` (stop; the restart skips the step's batch, listed
+in RUN_DIR/skip_steps.json) or `stop`. Every detection is one line in RUN_DIR/events.jsonl
+(`myria.detections`). The rules in full: docs/robustness.md, "Reasons behind the peer snapshot,
+fault and SDC modules".
 """
 
 from __future__ import annotations
