@@ -1,26 +1,19 @@
 """A weighted mixture of prepared data directories (`data.sources`), and its order.
 
-A pre-training run reads web text, code, books, ... in chosen proportions. `data.sources =
-"data/web:0.7,data/code:0.3:2"` names prepared directories (`myria prepare`), each with a
-weight and optionally an epoch limit (the most passes the run may make over it). All sources
-must share one tokenizer.
+`data.sources = "data/web:0.7,data/code:0.3:2"` names prepared directories (`myria prepare`),
+each with a weight and optionally an epoch limit (the most passes the run may make over it).
+All sources must share one tokenizer.
 
-Order (a pure function of (seed, step), like `myria.data.dataset`'s)
-    Step t takes C_k(t+1) - C_k(t) samples from source k, where C_k(t), the samples taken from
-    source k in steps [0, t), is the apportionment of t x G samples to the sources by their
-    weights (largest remainder, ties to the earlier source): |C_k(t) - t G w_k| < 1 at every
-    step, so each source's share of tokens is its weight to within one sample over any prefix
-    of the run. With G w_k >= 1 for every source (checked), C_k never decreases.
-    Source k's n-th sample overall is sample `perm_{k,e}[n mod N_k]` of that source, epoch
-    e = n // N_k, `perm_{k,e} = default_rng([seed, k + 1, e]).permutation(N_k)`: each of its
-    samples once per epoch. A step's G samples are shuffled by `default_rng([seed, step])`;
-    data-parallel rank r takes the contiguous slice r of them (as for one directory), so the
-    global batch never depends on the number of ranks: a run resumed on another layout reads
-    every token exactly once, as the uninterrupted run would have.
-
-Why our own: Megatron-LM's BlendedDataset builds the same kind of index in C++ over the whole
-run at start-up; `datasets.interleave_datasets` samples by probability (shares drift, and the
-order is not a function of the step). This closed form needs no index and no state.
+The order is a pure function of (seed, step), like `myria.data.dataset`'s. Step t takes
+C_k(t+1) - C_k(t) samples from source k, where C_k(t) is the largest-remainder apportionment of
+t x G samples to the sources by their weights (ties to the earlier source): |C_k(t) - t G w_k| <
+1 at every step, so each source's share is its weight to within one sample over any prefix of
+the run; with G w_k >= 1 for every source (checked), C_k never decreases. Source k's n-th sample
+is sample `perm_{k,e}[n mod N_k]`, epoch e = n // N_k, `perm_{k,e} = default_rng([seed, k + 1,
+e]).permutation(N_k)`. A step's G samples are shuffled by `default_rng([seed, step])`;
+data-parallel rank r takes the contiguous slice r of them, so the global batch never depends on
+the number of ranks and a run resumed on another layout reads every token exactly once. Why a
+closed form: docs/data.md, "Reasons behind the mixture module".
 """
 
 from __future__ import annotations

@@ -2,23 +2,16 @@
 
 `CoreAttention` is its own module so that parallelism can replace it (ring attention for context
 parallelism) without the model knowing. On CPU it runs SDPA: causal via `is_causal`, sliding
-window via an explicit banded boolean mask (FlexAttention's backward does not run on CPU in torch
-2.13). On GPU, SDPA picks FlashAttention for the causal case.
-
-Document masking (`model.document_mask`): a packed sequence holds several documents separated
-by EOS tokens; `document_segments` gives every token the index of its document (an EOS token
-opens the next one, like a BOS) and its position inside it. `CoreAttention` given those ids
-attends only within a document: short sequences through SDPA with a block-diagonal causal mask,
-long ones block by block (`blockwise_document`) so the S x S mask is never built, and on CUDA
-through FlexAttention with a block mask (Llama 3's document masking).
-
-`BlockSparseAttention` is Longformer's pattern made causal: a sliding window of `window` keys
-plus `n_global` leading tokens that every later query attends to (and that attend to all
-before them). Short sequences run SDPA with the dense boolean mask; long ones run blockwise
-(`blockwise_block_sparse`): each block of `block` queries attends to the global keys and the
-keys its window reaches, so work and memory grow linearly with the sequence and the S x S mask
-is never built. On CUDA it runs FlexAttention with a block mask instead (its backward needs a
-GPU in torch 2.13).
+window via an explicit banded boolean mask; on GPU SDPA picks FlashAttention for the causal
+case. With `model.document_mask`, `document_segments` gives every token the index of its
+document (an EOS token opens the next one) and its position in it, and `CoreAttention` attends
+only within a document: SDPA with a block-diagonal causal mask, blockwise for long sequences
+(`blockwise_document`), FlexAttention on CUDA. `BlockSparseAttention` is Longformer's pattern
+made causal: a sliding window of `window` keys plus `n_global` leading tokens every later query
+attends to; dense-masked SDPA for short sequences, `blockwise_block_sparse` for long ones (work
+and memory linear in the sequence), FlexAttention on CUDA. The blockwise forms never build the
+S x S mask. Why the kernels are chosen so: docs/architectures.md, "Reasons behind the model
+modules".
 """
 
 from __future__ import annotations
