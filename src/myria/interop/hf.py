@@ -4,19 +4,14 @@ The directory is what `save_pretrained` writes: config.json and the weights as s
 model.safetensors, or shards listed by model.safetensors.index.json). Supported: the Llama
 family and the relatives that share its block (LlamaForCausalLM: Llama 2 and 3;
 MistralForCausalLM; Qwen2ForCausalLM with its query/key/value biases), with grouped-query
-attention, tied or untied embeddings and RoPE scaling as config.json gives it (default, linear,
-llama3). Anything else (another architecture, a field that changes the computation and that
-the model does not have) is refused in one line naming it, before any process starts.
-
-`model_fields` turns config.json into the model section: the model's own config sets the
-model, the run's config sets the training (seq_len, the layout, the optimizer stay the run's).
-`load_weights` fills the parameters of the parallelised model parts at step 0 through
-torch.distributed.checkpoint's Hugging Face reader: every rank asks for the slices its DTensor
-shards own and the reader takes exactly those out of the safetensors files (`get_slice`), so no
-rank ever holds a whole copy of the model, only its shard plus the slice being copied.
-
-`hf_name` (`LAYER_NAMES`, `TOP_NAMES`) is the one map between myria's parameter names and the
-Llama family's; export uses it the other way (myria.train.export).
+attention, tied or untied embeddings and RoPE scaling (default, linear, llama3). Anything else
+is refused in one line naming it, before any process starts. `model_fields` turns config.json
+into the model section (the run's config keeps the training: seq_len, layout, optimizer).
+`load_weights` fills the parallelised model parts at step 0 through torch.distributed.checkpoint's
+Hugging Face reader: every rank reads only the slices its DTensor shards own (`get_slice`), so
+no rank ever holds a whole copy of the model. `hf_name` (`LAYER_NAMES`, `TOP_NAMES`) is the one
+map between myria's parameter names and the Llama family's; export uses it the other way
+(myria.train.export).
 """
 
 from __future__ import annotations

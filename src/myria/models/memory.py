@@ -2,21 +2,14 @@
 
 The one source for the trainer (the offload tier's fast-memory budget, myria.offload.budget)
 and the planner (myria.sim.memory prices a whole device with them), as models/flops.py is for
-FLOPs.
-
-Activations are enumerated tensor by tensor, as Korthikanti et al. 2022 ("Reducing Activation
-Recomputation in Large Transformer Models", section 4) count them: for the GPT layer with
-dropout, 16-bit activations and no parallelism this gives s*b*h*(34 + 5*a*s/h) bytes per layer,
-with tensor parallelism s*b*h*(10 + 24/t + 5*a*s/(h*t)), with sequence parallelism everything
-/t; selective recomputation drops the 5*a*s/h term (the attention core), full recomputation keeps
-only each layer's input. FlashAttention never stores the score matrix (only a log-sum-exp per
-query and head). In-flight microbatches on the first pipeline stage: GPipe all m; 1F1B and
-zero-bubble ZB-H1/ZB-V min(m, p); interleaved 1F1B a further factor 1 + (p-1)/(p*v)
-(Korthikanti et al. section 4.2.3), which is Megatron-LM's warm-up count, capped at m.
-
-The formulas read a layer's dimensions from a `LayerDims`: the trainer's budget builds one with
+FLOPs. Activations are enumerated tensor by tensor, as Korthikanti et al. 2022 (section 4)
+count them, under tensor and sequence parallelism and each recomputation mode (FlashAttention
+stores a log-sum-exp per query and head, never the score matrix); in-flight microbatches on the
+first pipeline stage follow the schedule (GPipe, 1F1B, zero-bubble, interleaved). The formulas
+read a layer's dimensions from a `LayerDims`: the trainer's budget builds one with
 `layer_dims`, the planner's `sim.operators.LayerShape` is one (a subclass that adds what its
-operators' time depends on: window, experts' degree, kernel choices, the whole ModelConfig).
+operators' time depends on). The closed forms these reproduce: docs/architectures.md, "Reasons
+behind the model modules".
 """
 
 from __future__ import annotations

@@ -6,18 +6,13 @@ kernel moves through device memory, the GEMM shapes, and the time a kernel takes
     t = max(FLOPs / (peak * E_GEMM * shape(M, N, K)),  bytes / (bandwidth * E_MEM)) + overhead
 
 for matrix products and FlashAttention, and bytes / (bandwidth * E_MEM) + overhead for the
-memory-bound rest (norms, activations, softmax, dropout, residual adds, cross-entropy). The
-shape factor d / (d + GEMM_HALF_DIM) of each GEMM dimension is the share of a kernel's time spent
-on useful tiles (tile padding, pipeline prologue/epilogue are amortised over long dimensions).
-E_GEMM is fitted to training runs; E_MEM, E_MEM_EAGER and the overhead per kernel come from
-published kernel microbenchmarks (see `Efficiency` and docs/performance_model.md); on a device
-whose peaks were *measured* (the CPU) the efficiencies are 1.
-
-Fused kernels (Megatron-LM's bias+GELU, bias+dropout+add, scale+mask+softmax) read and write a
-tensor once instead of once per elementwise step; unfused, each step is a PyTorch eager kernel
-(its own launch, and the bandwidth fraction eager kernels of its class reach: E_MEM_EAGER).
-FlashAttention never writes the score matrix and, being block-sparse over the causal mask, does
-only the unmasked half of the work.
+memory-bound rest (norms, activations, softmax, dropout, residual adds, cross-entropy), with the
+shape factor d / (d + GEMM_HALF_DIM) per GEMM dimension. Fused kernels read and write a tensor
+once; unfused, each elementwise step is an eager kernel at E_MEM_EAGER. E_GEMM is fitted to
+training runs, the other efficiencies and the per-kernel overhead come from published kernel
+microbenchmarks (`Efficiency`); on a device whose peaks were *measured* (the CPU) the
+efficiencies are 1. Their sources: docs/performance_model.md, "Operator model (roofline)" and
+"Reasons behind the simulator modules".
 """
 
 from __future__ import annotations
