@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -124,7 +125,8 @@ def test_lost_host_replaced_by_spare(hosts3, tiny_data, one_host, tmp_path):
     lost = members[1]
     spare = ({"h1", "h2"} - {lost}).pop()
     assert f"SPARE: {spare} waits" in log
-    newest = max(p.name for p in (run / "checkpoints").iterdir() if p.name.startswith("step_"))
+    newest = max(p.name for p in (run / "checkpoints").iterdir()     # committed ones only
+                 if re.fullmatch(r"step_\d+", p.name))
     cluster.kill_host(lost)
     assert cluster.wait_job(job, 600) == "COMPLETED", _out(run)[-4000:]
     assert_bit_equal(run, one_host, STEPS)
