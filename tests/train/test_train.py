@@ -8,7 +8,7 @@ import shutil
 import pytest
 import torch
 
-from tests.conftest import TINY, final_params, losses, run_cli
+from tests.conftest import ROOT, TINY, final_params, losses, run_cli
 
 
 def train(run_dir, data, *extra, nproc=None, env=None, check=True):
@@ -142,6 +142,34 @@ def test_a_finished_run_or_a_change_that_cannot_apply_stops_before_anything_star
             code, out, err = in_process(capsys, cmd[0], "--run-dir", str(where), *cmd[1:],
                                         f"--data.path={tiny_data}", *TINY)
             assert code == 2 and needle in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_refusals_and_a_finished_run_answer_before_torch_is_imported(tmp_path, tiny_data,
+                                                                     reference):
+    """Importing torch takes seconds on a loaded host: every answer judged from the arguments,
+    the config and the files comes first (a `torch` that cannot be imported proves it)."""
+    fake = tmp_path / "fake"
+    (fake / "torch").mkdir(parents=True)
+    (fake / "torch" / "__init__.py").write_text("raise ImportError('torch was imported')\n")
+    env = {"PYTHONPATH": f"{fake}:{ROOT / 'src'}"}
+    afile = tmp_path / "afile"
+    afile.write_text("x\n")
+    data = f"--data.path={tiny_data}"
+    for args, needle in [
+            (["train", "--config", str(tmp_path / "missing.toml"), "--run-dir", "r"],
+             "missing.toml' does not exist"),
+            (["train", "--run-dir", "r", f"--data.path={tmp_path / 'nowhere'}"], "nowhere"),
+            (["train", "--run-dir", str(reference), data, *TINY, "--training.steps=40",
+              "--nproc", "2"], "nothing to do"),
+            (["supervise", "--run-dir", str(afile), data, "--nproc", "1"], "is a file"),
+            (["export", "--run-dir", str(tmp_path / "nope"), "--format", "hf", "--out",
+              str(tmp_path / "e")], "does not exist"),
+            (["generate", "--run-dir", str(tmp_path / "nope"), "--prompt", "hi"],
+             "does not exist")]:
+        p = run_cli(*args, env=env, check=False)
+        lines = (p.stdout + p.stderr).strip().splitlines()
+        assert len(lines) == 1 and needle in lines[0], (args, p.stdout, p.stderr)
+        assert p.returncode == (0 if needle == "nothing to do" else 2), (args, p.returncode)
 
 
 def test_failed_save_keeps_previous_checkpoint(tmp_path, tiny_data):

@@ -106,17 +106,21 @@ def run(args) -> int:
     from myria import faults, rundir
     from myria.data.mixture import open_dataset
     from myria.layout import Layout
-    from myria.train.distributed import device_type
     from myria.train.preflight import check_nproc, check_run, preflight
 
     faults.parse(os.environ.get("MYRIA_FAULT"))  # a bad test hook: one line, no restarts
-    check_nproc(args.nproc, device_type(cfg.training.device))   # one line each, before anything
+    # one line each, before anything; what needs torch (seconds to import) comes last
+    if args.nproc < 1 or cfg.training.device == "cpu":
+        check_nproc(args.nproc, "cpu")
+    data = open_dataset(cfg.data, cfg.model.seq_len, verify=False)
     if done := preflight(cfg, args.run_dir, None):
         print(done)
         return 0
+    from myria.train.distributed import device_type
     from myria.train.trainer import check_vocab
 
-    check_vocab(cfg, open_dataset(cfg.data, cfg.model.seq_len, verify=False))
+    check_nproc(args.nproc, device_type(cfg.training.device))
+    check_vocab(cfg, data)
     check_run(cfg, Layout.resolve(cfg.parallel, args.nproc * min_nodes),
               device_type(cfg.training.device))
     from myria.resilience import injob

@@ -185,6 +185,8 @@ def run(args) -> int:
         args.overrides.append("--checkpoint.start_fresh=true")
     if args.allow_data_change:
         args.overrides.append("--checkpoint.allow_data_change=true")
+    # Everything judged from the arguments, the config and the files comes before torch is
+    # imported (seconds on a loaded host): a mistake or a finished run answers at once.
     cfg = config_mod.load(args.config, args.overrides)
     if args.nproc < 0:
         check_nproc(args.nproc, "cpu")
@@ -195,12 +197,8 @@ def run(args) -> int:
             cfg, device_type(cfg.training.device))
         print(dry_run(cfg, world * args.nnodes, ranks_per_host=world))
         return 0
-    from myria.train.distributed import device_type
     from myria.train.launch import inside_launcher, launch_local, own_run_dir
 
-    launching = args.nproc and not inside_launcher()
-    if launching:
-        check_nproc(args.nproc, device_type(cfg.training.device))
     if cfg.training.eval_interval and cfg.parallel.pp > 1:
         _say(f"note: no validation loss (training.eval_interval = "
              f"{cfg.training.eval_interval} set to 0): evaluation under pipeline "
@@ -208,13 +206,25 @@ def run(args) -> int:
         cfg.training.eval_interval = 0
     if not args.run_dir:
         raise config_mod.ConfigError("--run-dir is required (where checkpoints and metrics go)")
+    launching = args.nproc and not inside_launcher()
     if not inside_launcher():
         # Check what we can before starting processes (or, for one process, before taking the
         # run directory), so bad input fails once and clearly and leaves no run directory behind.
         from myria.data.mixture import open_dataset
+
+        data = open_dataset(cfg.data, cfg.model.seq_len, verify=False)
+        if cfg.training.eval_interval:  # a split without one sample is refused now, not later
+            open_dataset(cfg.data, cfg.model.seq_len, split="val", verify=False)
+        if Path(args.run_dir).is_dir() and (done := preflight(cfg, args.run_dir,
+                                                              args.stop_after)):
+            _say(done)
+            return 0
+        from myria.train.distributed import device_type
         from myria.train.trainer import check_vocab
 
-        check_vocab(cfg, open_dataset(cfg.data, cfg.model.seq_len, verify=False))
+        if launching:
+            check_nproc(args.nproc, device_type(cfg.training.device))
+        check_vocab(cfg, data)
         check_run(cfg, Layout.resolve(cfg.parallel, args.nproc or 1),
                   device_type(cfg.training.device))
     done = preflight(cfg, args.run_dir, args.stop_after)

@@ -27,11 +27,13 @@ import argparse
 import json
 import os
 from pathlib import Path
-
-import torch
+from typing import TYPE_CHECKING
 
 from myria import rundir
 from myria.errors import CheckpointError, ConfigError
+
+if TYPE_CHECKING:
+    import torch
 
 FILES = ("model.safetensors", "config.json", "generation_config.json", "tokenizer.json",
          "tokenizer_config.json", "special_tokens_map.json")
@@ -106,6 +108,8 @@ def check_out(out: Path, force: bool) -> None:
 
 def to_hf_state_dict(sd: dict[str, torch.Tensor], m) -> dict[str, torch.Tensor]:
     """Rename myria parameter names to LlamaForCausalLM's."""
+    import torch
+
     out = {"model.embed_tokens.weight": sd["tok_embeddings.weight"],
            "model.norm.weight": sd["norm.weight"]}
     if not m.tie_embeddings:
@@ -200,6 +204,9 @@ def run(args) -> int:
     sd = to_hf_state_dict(model.state_dict(), m)
     tmp = out / f"model.safetensors.tmp{os.getpid()}"
     save_file(sd, str(tmp), metadata={"format": "pt"})
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(tmp, 0o666 & ~umask)  # safetensors writes 0600; the other files follow the umask
     os.replace(tmp, out / "model.safetensors")
     _write(out / "tokenizer.json", tok_path.read_bytes())
     files = {"config.json": hf_config(m, eos), **hf_tokenizer_files(m, EOS_TOKEN, eos)}

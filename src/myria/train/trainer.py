@@ -40,7 +40,7 @@ from myria.data import fingerprint
 from myria.data.dataset import TokenDataset
 from myria.data.mixture import MixtureDataset, open_dataset
 from myria.device import local_peak_tflops
-from myria.errors import CheckpointError, ConfigError
+from myria.errors import CheckpointError, ConfigError, DataError
 from myria.faults import FaultInjector
 from myria.fsutil import atomic_write
 from myria.layout import Layout
@@ -440,19 +440,29 @@ def write_checkpoint_stats(run_dir: Path, rank: int, ckpt: CheckpointManager,
 
 @torch.no_grad()
 def evaluate(engine: Engine, val: TokenDataset, cfg: Config) -> float:
-    """Mean loss over the first `data.eval_batches` global batches of the validation split."""
+    """Mean loss over the first `data.eval_batches` global batches of the validation split, or
+    over the whole split when it is smaller: every sample there is counted once, whatever the
+    number of data-parallel ranks."""
     dp_rank, dp_size, device = engine.dims.dp_rank, engine.dims.dp, engine.device
     g, mb = cfg.training.global_batch, cfg.training.micro_batch
-    # Every rank must run the same number of forwards (FSDP gathers in each), so round down.
-    n = min(val.num_samples, cfg.data.eval_batches * g) // (dp_size * mb) * (dp_size * mb)
+    n = min(val.num_samples, cfg.data.eval_batches * g)
+    if n < 1:
+        raise DataError(f"the validation split of {cfg.data.path or cfg.data.sources!r} has no "
+                        "sample to evaluate")
     idx = list(range(n))[dp_rank::dp_size]
+    # Every rank runs the same number of forwards (FSDP gathers in each, expert parallelism
+    # exchanges tokens): a rank whose share ran out runs sample 0 and does not count it.
+    forwards = -(-len(range(0, n, dp_size)) // mb)  # ceil(ceil(n / dp) / mb)
     total = torch.zeros((), device=device)
     count = torch.zeros((), device=device)
-    for s in range(0, len(idx), mb):
-        chunk = torch.as_tensor(val.get_many(idx[s:s + mb]), device=device)
-        total += engine.eval_loss(chunk[:, :-1], chunk[:, 1:]) * len(chunk)
-        count += len(chunk)
-    return engine.mean_over_dp(total) / max(engine.mean_over_dp(count), 1.0)
+    for f in range(forwards):
+        part = idx[f * mb:(f + 1) * mb]
+        chunk = torch.as_tensor(val.get_many(part or [0]), device=device)
+        loss = engine.eval_loss(chunk[:, :-1], chunk[:, 1:])
+        if part:
+            total += loss * len(part)
+            count += len(part)
+    return engine.mean_over_dp(total) / engine.mean_over_dp(count)
 
 
 def evaluate_sources(engine: Engine, val, cfg: Config) -> tuple[float, dict[str, float]]:
