@@ -15,6 +15,8 @@ Writes RUN_DIR/report/:
     val_loss.json the validation losses of metrics.jsonl by eval step, per source for a data
                   mixture (`data.sources`), with each source's weight: {"steps", "val_loss",
                   "by_source": {name: [...]}, "weights": {name: w}} (absent: no eval ran)
+    mixture.json  a data mixture's training figures per source: samples, tokens, epochs, the
+                  share against the weight, training loss (absent: one data directory)
     *.png         the same figures as files
 
 The prediction on a CPU is made from this CPU's measured figures at the run's threads per
@@ -64,6 +66,8 @@ def run(args) -> int:
                " (no rank stands out of the noise)"))
         for p in b["problems"]:
             print(f"  missing: {p}")
+    if (mix_path := out / MIX_FILE).exists():
+        print(f"  {mixture_line(json.loads(mix_path.read_text()))}")
     val_path = out / VAL_FILE
     if val_path.exists():
         print(f"  {validation_line(json.loads(val_path.read_text()))}")
@@ -102,8 +106,12 @@ def write_report(run_dir: Path, predict: bool = True) -> Path:
             pred.update(measured_step(table, _metrics(run_dir)))
             (out / "prediction.json").write_text(json.dumps(pred, indent=1))
     val = write_validation(run_dir, out)
+    mix = training_by_source(run_dir)
+    (out / MIX_FILE).unlink(missing_ok=True)
+    if mix is not None:
+        (out / MIX_FILE).write_text(json.dumps(mix, indent=1))
     (out / "index.html").write_text(page(run, table, blame, figs, pred, val,
-                                         recovery_section(run_dir, out)))
+                                         recovery_section(run_dir, out), mix))
     return out
 
 
@@ -281,15 +289,7 @@ def validation_losses(run_dir: Path) -> dict | None:
     steps = sorted(rows)
     per = {s: rows[s].get("val_loss_by_source") or {} for s in steps}
     names = list(dict.fromkeys(n for s in steps for n in per[s]))
-    weights: dict[str, float] = {}
-    try:
-        from myria.data.mixture import parse_sources
-
-        cfg = json.loads((run_dir / rundir.CONFIG).read_text())
-        spec = (cfg.get("data") or {}).get("sources") or ""
-        weights = {src.name: src.weight for src in parse_sources(spec)} if spec else {}
-    except (OSError, ValueError, MyriaError):
-        pass   # no or unreadable config: the losses without the weights
+    weights = validation_weights(run_dir)
     return {"steps": steps, "val_loss": [rows[s]["val_loss"] for s in steps],
             "by_source": {n: [per[s].get(n) for s in steps] for n in names},
             "weights": {n: weights[n] for n in names if n in weights}}
@@ -371,6 +371,82 @@ def validation_html(val: dict | None) -> str:
 <table id="val-by-source"><tr><th>{'source' if names else ''}</th><th>weight</th>
 <th>first</th><th>last</th><th>best</th><th>change</th></tr>{summary}</table>
 <table id="val-steps"><tr><th>step{shown}</th>{head}</tr>{body}</table>"""
+
+
+# -- training figures per source of a data mixture -------------------------------------------
+
+MIX_FILE = "mixture.json"
+
+
+def training_by_source(run_dir: Path) -> dict | None:
+    """A data mixture's training figures from metrics.jsonl: per source, the samples, tokens
+    and epochs read up to the last logged step, the share of samples against the weight (the
+    deviation in samples, under one by the mixture's order) and the training loss at the first
+    and last step that measured it. None for a run on one directory."""
+    rows = [r for r in _metrics(run_dir) if isinstance(r.get("samples_by_source"), dict)]
+    if not rows:
+        return None
+    last = rows[-1]
+    total = sum(last["samples_by_source"].values())
+    weights = validation_weights(run_dir)
+    wsum = sum(weights.values()) or 1.0
+    lossed = [r for r in rows if isinstance(r.get("loss_by_source"), dict)]
+    out = {"step": last["step"], "samples": total, "sources": {}}
+    for n, c in last["samples_by_source"].items():
+        w = weights.get(n)
+        first_loss = next((r["loss_by_source"][n] for r in lossed if n in r["loss_by_source"]),
+                          None)
+        last_loss = next((r["loss_by_source"][n] for r in reversed(lossed)
+                          if n in r["loss_by_source"]), None)
+        out["sources"][n] = {
+            "weight": w, "samples": c, "tokens": last["tokens_by_source"].get(n),
+            "epochs": (last.get("epochs_by_source") or {}).get(n),
+            "share": c / total if total else None,
+            "off_by_samples": None if w is None else round(c - total * w / wsum, 4),
+            "first_loss": first_loss, "last_loss": last_loss}
+    return out
+
+
+def validation_weights(run_dir: Path) -> dict[str, float]:
+    """Each source's weight from the run's config.json (`data.sources`); {} without one."""
+    try:
+        from myria.data.mixture import parse_sources
+
+        cfg = json.loads((run_dir / rundir.CONFIG).read_text())
+        spec = (cfg.get("data") or {}).get("sources") or ""
+        return {src.name: src.weight for src in parse_sources(spec)} if spec else {}
+    except (OSError, ValueError, MyriaError):
+        return {}   # no or unreadable config: the figures without the weights
+
+
+def mixture_line(mix: dict) -> str:
+    """One line: each source's share of the samples against its weight, and its last loss."""
+    parts = []
+    for n, x in mix["sources"].items():
+        w = "" if x["weight"] is None else f" (weight {x['weight']:g})"
+        loss = "" if x["last_loss"] is None else f", loss {x['last_loss']:.4f}"
+        parts.append(f"{n} {x['samples']:,} samples = {x['share']:.4f}{w}{loss}")
+    return f"training by source to step {mix['step']}: " + "; ".join(parts)
+
+
+def mixture_html(mix: dict | None) -> str:
+    if mix is None:
+        return ""
+    esc = html.escape
+
+    def f(x, spec=".4f") -> str:
+        return "-" if x is None else format(x, spec)
+
+    body = "".join(
+        f"<tr><td>{esc(n)}</td><td>{f(x['weight'], 'g')}</td><td>{x['samples']:,}</td>"
+        f"<td>{f(x['tokens'], ',')}</td><td>{f(x['share'])}</td>"
+        f"<td>{f(x['off_by_samples'], '+.2f')}</td><td>{f(x['epochs'], '.3f')}</td>"
+        f"<td>{f(x['first_loss'])}</td><td>{f(x['last_loss'])}</td></tr>"
+        for n, x in mix["sources"].items())
+    return f"""<h2>Training per source</h2><p>{esc(mixture_line(mix))}.</p>
+<table id="train-by-source"><tr><th>source</th><th>weight</th><th>samples</th><th>tokens</th>
+<th>share</th><th>samples off the weight</th><th>epochs</th><th>first loss</th>
+<th>last loss</th></tr>{body}</table>"""
 
 
 # -- the model's prediction ------------------------------------------------------------------
@@ -494,7 +570,7 @@ def prediction_line(pred: dict) -> str:
 # -- the page --------------------------------------------------------------------------------
 
 def page(run: Run, table: dict, blame: dict, figs: dict[str, str], pred: dict | None,
-         val: dict | None = None, recovery: str = "") -> str:
+         val: dict | None = None, recovery: str = "", mix: dict | None = None) -> str:
     """The report's HTML; `recovery` is `recovery_section`'s (goodput and recoveries)."""
     esc = html.escape
     rows = "".join(
@@ -556,6 +632,7 @@ tr.hot{{background:#fdd}}img{{max-width:100%}}.row{{display:flex;gap:2em}}</styl
 <h1>myria report: {esc(str(run.run_dir))}</h1>
 {summary}
 {img}
+{mixture_html(mix)}
 {validation_html(val)}
 {strag_html}
 <h2>Predicted beside measured</h2>{pred_html}

@@ -20,6 +20,7 @@ and builds the run again from the peers' memory.
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import json
 import logging
@@ -38,13 +39,14 @@ from myria.compat import torch_note
 from myria.config import Config
 from myria.data import fingerprint
 from myria.data.dataset import TokenDataset
-from myria.data.mixture import MixtureDataset, open_dataset
+from myria.data.mixture import MixtureDataset, open_dataset, source_counts
 from myria.device import local_peak_tflops
 from myria.errors import CheckpointError, ConfigError, DataError
 from myria.faults import FaultInjector
 from myria.fsutil import atomic_write
 from myria.layout import Layout
 from myria.models.flops import model_flops_per_token
+from myria.models.loss import record_row_losses
 from myria.observe import events, goodput, hang
 from myria.parallel.data import make_loader, write_read_counts
 from myria.parallel.dims import ParallelDims
@@ -173,6 +175,7 @@ class StepDone:
     grad_norm: float
     lr: float
     applied: bool   # False: skipped (a numerical fault) or rolled back
+    by_source: dict[str, float] | None = None   # a mixture's training loss per source
 
 
 def train_step(run: Run, step: int) -> StepDone:
@@ -188,14 +191,18 @@ def train_step(run: Run, step: int) -> StepDone:
         batch = next(run.loader)
     apply = False
     loss = grad_norm = float("nan")
+    by_source = None
     if train_this:  # else: a batch skipped after a numerical-fault rollback
         hb.phase("forward-backward")
-        loss_sum = engine.forward_backward(batch.inputs, batch.targets)
+        per_source = per_source_due(run, step + 1)
+        with record_row_losses() if per_source else contextlib.nullcontext() as rows:
+            loss_sum = engine.forward_backward(batch.inputs, batch.targets)
         guard.after_backward(step)
         with hb.phase("grad-clip"):
             grad_norm = engine.clip_grads(t.grad_clip)
         with rec.span("loss_mean", "compute"):
             loss = engine.mean_over_dp(loss_sum)
+            by_source = source_losses(run, batch, rows) if per_source else None
         apply = guard.judge(step + 1, loss_sum, loss, grad_norm, batch)
     with hb.phase("snapshot-wait"):
         run.ckpt.before_update()  # an overlapped snapshot must be copied before weights change
@@ -209,7 +216,38 @@ def train_step(run: Run, step: int) -> StepDone:
     hb.phase("peer-snapshot")
     run.peers.after_step(step + 1)  # this rank's state into its ring neighbour's memory
     rec.end(step_ev)
-    return StepDone(loss, grad_norm, lr, apply)
+    return StepDone(loss, grad_norm, lr, apply, by_source)
+
+
+def per_source_due(run: Run, step: int) -> bool:
+    """Whether step `step` measures a mixture's training loss per source: on the steps that
+    log a metrics row, where the loss is the fused one (tensor and pipeline parallelism compute
+    it otherwise), the same answer on every rank."""
+    t = run.cfg.training
+    return (isinstance(run.dataset, MixtureDataset) and run.engine.dims.tp == 1
+            and run.engine.dims.pp == 1
+            and (step % run.cfg.logging.interval == 0 or step == t.steps))
+
+
+def source_losses(run: Run, batch, rows: list[torch.Tensor]) -> dict[str, float]:
+    """Mean training loss per source of this step's global batch: every rank's per-token losses
+    (its samples, its share of each sequence under context parallelism) summed by source."""
+    ds, engine = run.dataset, run.engine
+    k = len(ds.sources)
+    sums = torch.zeros(2 * k, dtype=torch.float64)
+    n = len(batch.indices)
+    if rows and n:
+        per_sample = torch.cat(rows).double().reshape(n, -1)
+        src = torch.as_tensor(ds.source_of(batch.indices))
+        sums[:k].index_add_(0, src, per_sample.sum(1))
+        sums[k:].index_add_(0, src, torch.full((n,), float(per_sample.shape[1]),
+                                                 dtype=torch.float64))
+    sums = sums.to(engine.device)
+    if engine.dims.loss_group is not None:
+        dist.all_reduce(sums, group=engine.dims.loss_group)
+    sums = sums.cpu()
+    return {s.name: float(sums[i] / sums[k + i]) for i, s in enumerate(ds.sources)
+            if sums[k + i] > 0}
 
 
 @dataclass
@@ -324,12 +362,32 @@ class Run:
                 "mfu": mfu(self.flops_per_token, tps, self.env.world_size, self.peak),
                 "time": time.time(), "interval_time_s": self.since_logged,
                 **({} if done.applied else {"skipped": True}),
+                **self.per_source(step, done),
             }))
             self.since_logged = 0.0
         if t.eval_interval and step % t.eval_interval == 0:
             self.hb.phase("eval")
             self.val = self.val or open_dataset(cfg.data, cfg.model.seq_len, split="val")
             self.metrics.log_eval(step, *evaluate_sources(self.engine, self.val, cfg))
+
+    def per_source(self, step: int, done: StepDone) -> dict[str, Any]:
+        """A mixture's figures per source for the metrics row of step `step`: samples and
+        tokens read from each source since step 0 (the mixture's order: within one sample of
+        the weights), the epochs they make, and this step's training loss per source."""
+        ds = self.dataset
+        if not isinstance(ds, MixtureDataset):
+            return {}
+        counts = source_counts(step, self.cfg.training.global_batch, ds.shares)
+        names = [s.name for s in ds.sources]
+        out: dict[str, Any] = {
+            "samples_by_source": dict(zip(names, map(int, counts), strict=True)),
+            "tokens_by_source": {n: int(c) * ds.seq_len for n, c in zip(names, counts,
+                                                                        strict=True)},
+            "epochs_by_source": {n: round(int(c) / int(size), 4)
+                                 for n, c, size in zip(names, counts, ds.sizes, strict=True)}}
+        if done.by_source:
+            out["loss_by_source"] = done.by_source
+        return out
 
     def save(self, step: int) -> None:
         """Checkpoint step `step` (two-stage: this returns once the snapshot is taken)."""
