@@ -66,6 +66,10 @@ def run(args) -> int:
                " (no rank stands out of the noise)"))
         for p in b["problems"]:
             print(f"  missing: {p}")
+    if (hang := hang_report(out)) is not None:
+        from myria.observe.hang import summary_line
+
+        print(f"  the run hung: {summary_line(hang)}")
     if (mix_path := out / MIX_FILE).exists():
         print(f"  {mixture_line(json.loads(mix_path.read_text()))}")
     val_path = out / VAL_FILE
@@ -111,7 +115,8 @@ def write_report(run_dir: Path, predict: bool = True) -> Path:
     if mix is not None:
         (out / MIX_FILE).write_text(json.dumps(mix, indent=1))
     (out / "index.html").write_text(page(run, table, blame, figs, pred, val,
-                                         recovery_section(run_dir, out), mix))
+                                         recovery_section(run_dir, out), mix,
+                                         hang_report(out)))
     return out
 
 
@@ -373,6 +378,48 @@ def validation_html(val: dict | None) -> str:
 <table id="val-steps"><tr><th>step{shown}</th>{head}</tr>{body}</table>"""
 
 
+# -- a hang: the supervisor's report/hang.json ------------------------------------------------
+
+def hang_report(out: Path) -> dict | None:
+    """The supervisor's merged hang report (report/hang.json), None when the run never hung."""
+    try:
+        rep = json.loads((out / "hang.json").read_text())
+    except (OSError, ValueError):
+        return None
+    return rep if isinstance(rep, dict) and "stuck" in rep else None
+
+
+def hang_html(rep: dict | None) -> str:
+    """The page's first section for a run that hung: the supervisor's own line (who is stuck,
+    where, what the others wait in) and each stuck rank's stack, innermost frame first."""
+    if rep is None:
+        return ""
+    from myria.observe.hang import summary_line
+
+    esc = html.escape
+    stacks = rep.get("stacks") or {}
+    blocks = ""
+    stuck = [str(r) for r in rep.get("stuck_ranks", [])]
+    for r in stuck + [str(r) for r in rep.get("silent_ranks", [])]:
+        frames = (stacks.get(r) or {}).get("main") or []
+        tool = (stacks.get(r) or {}).get("tool")
+        what = "stuck outside any collective" if r in stuck else "wrote nothing"
+        blocks += (f"<h3>rank {esc(r)}: {what}" + (f" (stack by {esc(tool)}, innermost "
+                                                     "first)" if frames else " (no stack)")
+                   + "</h3>" + (f"<pre class=stack>{esc(chr(10).join(frames))}</pre>"
+                                if frames else ""))
+    coll = rep.get("collective") or {}
+    for r in coll.get("ranks", []):
+        frames = (stacks.get(str(r)) or {}).get("main") or []
+        if frames:
+            blocks += (f"<h3>rank {r}: waits in {esc(str(coll.get('name')))}</h3>"
+                       f"<pre class=stack>{esc(chr(10).join(frames[:8]))}</pre>")
+    rep = {**rep, "stuck": {int(k): v for k, v in rep["stuck"].items()}}
+    return (f"<h2 id=hang>The run hung</h2><p><b>{esc(summary_line(rep))}</b> (the "
+            "supervisor's hang report, <code>hang.json</code>). The blame below covers the "
+            f"steps every rank completed, before the hang.</p>{blocks}")
+
+
 # -- training figures per source of a data mixture -------------------------------------------
 
 MIX_FILE = "mixture.json"
@@ -570,11 +617,15 @@ def prediction_line(pred: dict) -> str:
 # -- the page --------------------------------------------------------------------------------
 
 def page(run: Run, table: dict, blame: dict, figs: dict[str, str], pred: dict | None,
-         val: dict | None = None, recovery: str = "", mix: dict | None = None) -> str:
-    """The report's HTML; `recovery` is `recovery_section`'s (goodput and recoveries)."""
+         val: dict | None = None, recovery: str = "", mix: dict | None = None,
+         hang: dict | None = None) -> str:
+    """The report's HTML; `recovery` is `recovery_section`'s (goodput and recoveries), `hang`
+    the supervisor's hang report. A rank is marked red only where the evidence names it: it
+    stands out of the noise, or the hang report finds it stuck."""
     esc = html.escape
+    red = set(blame["standout_ranks"]) | {int(r) for r in (hang or {}).get("stuck_ranks", [])}
     rows = "".join(
-        f"<tr{' class=hot' if r['rank'] == blame['most_blamed_rank'] else ''}>"
+        f"<tr{' class=hot' if r['rank'] in red else ''}>"
         f"<td>{r['rank']}</td><td>{esc(coord_label({'coord': r['coord']}))}</td>"
         f"<td>{esc(r['host'])}</td><td>{r['compute_s']:.3f}</td><td>{r['blamed_s']:.3f}</td>"
         f"<td>{r.get('last_arrival_s', 0.0):.3f}</td>"
@@ -612,8 +663,10 @@ def page(run: Run, table: dict, blame: dict, figs: dict[str, str], pred: dict | 
     standout = (f"rank(s) {blame['standout_ranks']} stand out" if blame["standout_ranks"]
                 else "no rank stands out of the noise")
     whatif = blame["whatif_saving_s"]
+    most = (f"<b>{blame['most_blamed_rank']}</b>" if blame["standout_ranks"] else
+            str(blame["most_blamed_rank"]))
     summary = f"""<p>{len(run.ranks)} rank(s) of {run.world}, {blame['steps']} step(s) analysed
-(first step excluded as warm-up). Most blamed rank: <b>{blame['most_blamed_rank']}</b>; {standout}
+(first step excluded as warm-up). Most blamed rank: {most}; {standout}
 (noise {blame['noise_s']:.3f} s). If it ran at its peers' median speed the steps would have
 taken {whatif:.3f} s less in total.</p>
 <h2>Blame: who waited on whom</h2>
@@ -628,8 +681,9 @@ taken {whatif:.3f} s less in total.</p>
     return f"""<!doctype html><html><head><meta charset="utf-8"><title>myria report</title>
 <style>body{{font-family:sans-serif;margin:2em;max-width:1200px}}table{{border-collapse:collapse;
 margin:1em 1em 1em 0}}td,th{{border:1px solid #ccc;padding:3px 8px;text-align:right}}
-tr.hot{{background:#fdd}}img{{max-width:100%}}.row{{display:flex;gap:2em}}</style></head><body>
+tr.hot{{background:#fdd}}pre.stack{{background:#f6f6f6;padding:.5em}}img{{max-width:100%}}.row{{display:flex;gap:2em}}</style></head><body>
 <h1>myria report: {esc(str(run.run_dir))}</h1>
+{hang_html(hang)}
 {summary}
 {img}
 {mixture_html(mix)}

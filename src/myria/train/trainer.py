@@ -185,6 +185,7 @@ def train_step(run: Run, step: int) -> StepDone:
     engine, guard, hb, rec, t = run.engine, run.guard, run.hb, run.rec, run.cfg.training
     rec.step = step + 1
     step_ev = rec.begin("step", "step")  # left open if the step raises (the exception dump)
+    hb.phase("step-start")  # a rank held here is not said to be in the previous checkpoint
     run.faults.at_step_start(step)
     train_this = guard.before(step)
     with hb.phase("data"):
