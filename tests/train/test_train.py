@@ -172,6 +172,37 @@ def test_refusals_and_a_finished_run_answer_before_torch_is_imported(tmp_path, t
         assert p.returncode == (0 if needle == "nothing to do" else 2), (args, p.returncode)
 
 
+def test_max_time_stops_cleanly_with_a_checkpoint_before_the_limit(tmp_path, tiny_data):
+    import time
+
+    t0 = time.time()
+    p = train(tmp_path, tiny_data, "--training.steps=100000", "--checkpoint.interval=0",
+              "--max-time", "0:40")
+    last = max(losses(tmp_path))   # how many steps fit depends on the load of the host
+    assert 1 <= last < 100000
+    assert (f"stopped on the wall-time limit (training.max_time_s = 40) after step {last} with "
+            "a committed checkpoint") in p.stdout, p.stdout[-2000:]
+    ckpt = tmp_path / "checkpoints" / f"step_{last:08d}" / "meta.json"
+    assert ckpt.stat().st_mtime < t0 + 40   # committed before the limit
+    # the step line of a run whose output is a file: elapsed and time left
+    line = next(x for x in p.stdout.splitlines() if x.startswith(f"step {last:>6}/100000"))
+    import re
+
+    assert re.search(r"  elapsed \d+:\d\d:\d\d  left \d+:\d\d:\d\d$", line), line
+    p = train(tmp_path, tiny_data, "--max-time", "soon", check=False)
+    assert p.returncode == 2 and "--max-time 'soon': expected a duration" in p.stderr
+
+
+def test_wsd_schedule_through_the_cli(tmp_path, tiny_data):
+    train(tmp_path, tiny_data, "--training.steps=10", "--optimizer.warmup_steps=2",
+          "--optimizer.schedule=wsd", "--optimizer.decay_fraction=0.4", "--optimizer.lr=0.001",
+          "--optimizer.min_lr_ratio=0.1")
+    rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    lr = [r["lr"] / 0.001 for r in rows if "lr" in r]
+    expect = [0.5, 1, 1, 1, 1, 1, 1, 1 - 0.9 / 4, 1 - 0.9 / 2, 1 - 0.9 * 3 / 4]
+    assert lr == pytest.approx(expect), lr
+
+
 def test_failed_save_keeps_previous_checkpoint(tmp_path, tiny_data):
     p = train(tmp_path, tiny_data, "--training.steps=6", "--checkpoint.interval=2",
               env={"MYRIA_FAULT": "diskfull:step=4"})

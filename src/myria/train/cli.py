@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import os
 import shlex
+import time
 from pathlib import Path
 
 from myria import config as config_mod
@@ -32,6 +33,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "omit when launched by torchrun")
     p.add_argument("--stop-after", type=int, default=None, metavar="N",
                    help="stop cleanly after step N with a committed checkpoint")
+    p.add_argument("--max-time", metavar="DURATION", default=None,
+                   help="wall-time limit of this job, as a scheduler writes it (Slurm's "
+                   "[D-]HH:MM:SS or MM) or with a unit (90m, 2h, 3600s): stop cleanly with a "
+                   "committed checkpoint before it passes (training.max_time_s)")
     p.add_argument("--nnodes", type=int, default=1,
                    help="hosts, for --dry-run's placement report (launch across hosts with "
                    "torchrun or `myria supervise`)")
@@ -185,6 +190,9 @@ def run(args) -> int:
         args.overrides.append("--checkpoint.start_fresh=true")
     if args.allow_data_change:
         args.overrides.append("--checkpoint.allow_data_change=true")
+    if args.max_time is not None:
+        args.overrides.append(f"--training.max_time_s={parse_duration(args.max_time)}")
+    os.environ.setdefault("MYRIA_JOB_START", str(time.time()))  # the wall-time limit's origin
     # Everything judged from the arguments, the config and the files comes before torch is
     # imported (seconds on a loaded host): a mistake or a finished run answers at once.
     cfg = config_mod.load(args.config, args.overrides)
@@ -242,6 +250,35 @@ def run(args) -> int:
     if not inside_launcher():
         _summary(Path(args.run_dir))
     return 0
+
+
+def parse_duration(text: str, flag: str = "--max-time") -> float:
+    """Seconds of a duration: Slurm's forms (MM, MM:SS, HH:MM:SS, D-HH, D-HH:MM, D-HH:MM:SS)
+    or a number with a unit s, m, h or d."""
+    t = text.strip().lower()
+    try:
+        if t and t[-1] in "smhd" and t[:-1].replace(".", "", 1).isdigit():
+            value = float(t[:-1]) * {"s": 1, "m": 60, "h": 3600, "d": 86400}[t[-1]]
+        else:
+            days, dash, rest = t.rpartition("-")
+            if dash and not days:
+                raise ValueError
+            parts = [float(x) for x in rest.split(":")]
+            if days:   # D-HH[:MM[:SS]]
+                parts += [0.0] * (3 - len(parts))
+                h, m, sec = parts
+            else:      # MM, MM:SS or HH:MM:SS
+                h, m, sec = ([0.0] * (3 - len(parts)) + parts) if len(parts) > 1 else \
+                    (0.0, parts[0], 0.0)
+            if len(parts) > 3 or not all(x >= 0 for x in parts):
+                raise ValueError
+            value = float(days or 0) * 86400 + h * 3600 + m * 60 + sec
+    except ValueError:
+        value = -1.0
+    if not value > 0:
+        raise config_mod.ConfigError(f"{flag} {text!r}: expected a duration > 0 such as "
+                                     "'1:30:00', '90' (minutes, as Slurm), '90m' or '2h'")
+    return value
 
 
 def _say(line: str) -> None:

@@ -139,6 +139,7 @@ def _train(cfg: Config, run_dir: Path, env, stop_after: int | None,
             losses.append(done.loss)
             run.after_step(step, done)   # heartbeat, metrics row, evaluation
             hb.phase("stop-check")
+            run.stop_before_time_limit(step)
             preempted = run.stop.agreed()
             stopping = preempted or (stop_after is not None and step >= stop_after)
             if run.ckpt.should_save(step, last=step == t.steps, stopping=stopping):
@@ -165,6 +166,12 @@ def _train(cfg: Config, run_dir: Path, env, stop_after: int | None,
         run.close()
         if t.gc_interval:
             gc.enable()
+
+
+# The job's start (seconds since the epoch), set by `myria train` for the processes it starts:
+# the wall-time limit counts from it. Without it, from this process's start.
+JOB_START_ENV = "MYRIA_JOB_START"
+PROCESS_START = time.time()
 
 
 @dataclass
@@ -278,6 +285,8 @@ class Run:
     since_logged: float = 0.0  # step time since the last logged row (productive time)
     val: Any = None            # the validation split, opened at the first evaluation
     peers: Any = None          # resilience.peer: this rank's state held by its neighbour
+    last_step_s: float = 0.0      # the wall-time limit's estimate of the next step
+    longest_save_s: float = 0.0   # ... and of the checkpoint after it
 
     @classmethod
     def build(cls, cfg: Config, run_dir: Path, env, hb: heartbeat.Heartbeat,
@@ -350,6 +359,7 @@ class Run:
         cfg, t = self.cfg, self.cfg.training
         self.hb.phase("metrics")
         dt = self.timer.lap()
+        self.last_step_s = dt
         self.since_logged += dt
         tps = t.global_batch * cfg.model.seq_len / dt
         self.hb.step_done(step, tps)
@@ -390,9 +400,28 @@ class Run:
             out["loss_by_source"] = done.by_source
         return out
 
+    def stop_before_time_limit(self, step: int) -> None:
+        """Ask the ranks to stop (agreed with a preemption's stop) when the job's wall-time
+        limit (`training.max_time_s`, counted from MYRIA_JOB_START, else this process's start)
+        would pass during the next step and the checkpoint after it, as measured here (the
+        last step, the longest save so far; a step's time for a save not yet measured)."""
+        limit = self.cfg.training.max_time_s
+        if not limit or step >= self.cfg.training.steps or self.stop.requested:
+            return
+        start = float(os.environ.get(JOB_START_ENV) or PROCESS_START)
+        need = self.last_step_s + max(self.longest_save_s, self.last_step_s)
+        if time.time() + need >= start + limit:
+            self.stop.requested = True
+            self.stop.signal_name = f"the wall-time limit (training.max_time_s = {limit:g})"
+
     def save(self, step: int) -> None:
         """Checkpoint step `step` (two-stage: this returns once the snapshot is taken)."""
         self.guard.check_replicas(step, force=True)  # never commit diverged replicas
+        t0 = time.perf_counter()
+        self._save(step)
+        self.longest_save_s = max(self.longest_save_s, time.perf_counter() - t0)
+
+    def _save(self, step: int) -> None:
         with self.hb.phase("checkpoint"):
             self.ckpt.save(step, self.engine, {
                 "scheduler": self.engine.scheduler_state(), "data": self.loader.state_dict(),
