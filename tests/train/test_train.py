@@ -193,10 +193,13 @@ def test_max_time_stops_cleanly_with_a_checkpoint_before_the_limit(tmp_path, tin
     assert p.returncode == 2 and "--max-time 'soon': expected a duration" in p.stderr
 
 
-def test_wsd_schedule_through_the_cli(tmp_path, tiny_data):
-    train(tmp_path, tiny_data, "--training.steps=10", "--optimizer.warmup_steps=2",
-          "--optimizer.schedule=wsd", "--optimizer.decay_fraction=0.4", "--optimizer.lr=0.001",
-          "--optimizer.min_lr_ratio=0.1")
+def test_wsd_schedule_and_document_masking_named_in_the_header(tmp_path, tiny_data):
+    p = train(tmp_path, tiny_data, "--training.steps=10", "--optimizer.warmup_steps=2",
+              "--optimizer.schedule=wsd", "--optimizer.decay_fraction=0.4",
+              "--optimizer.lr=0.001", "--optimizer.min_lr_ratio=0.1", "--model.document_mask=true")
+    header = p.stdout.splitlines()[1]
+    assert header.startswith("document masking: attention stays inside each document (mean "), \
+        p.stdout[:1000]
     rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     lr = [r["lr"] / 0.001 for r in rows if "lr" in r]
     expect = [0.5, 1, 1, 1, 1, 1, 1, 1 - 0.9 / 4, 1 - 0.9 / 2, 1 - 0.9 * 3 / 4]

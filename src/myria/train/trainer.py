@@ -345,6 +345,12 @@ class Run:
             print(f"training {t.steps} steps from step {start_step} on {env.world_size} x "
                   f"{env.device.type} (layout {layout.short()}, {threads or '-'} threads/rank); "
                   f"peak {peak and round(peak, 3)} TFLOP/s ({peak_source})", flush=True)
+            if m.document_mask:  # it changes the loss and the FLOPs: said where the run starts
+                print(f"document masking: attention stays inside each document (mean "
+                      f"{m.document_len or span} tokens"
+                      f"{' as configured' if m.document_len else ' of the data'}; positions "
+                      f"{'restart per document' if m.document_positions else 'run on'})",
+                      flush=True)
             if note := torch_note():  # another torch than the tested one: what it lacks
                 print(note, flush=True)
         sync = torch.cuda.synchronize if env.device.type == "cuda" else None
