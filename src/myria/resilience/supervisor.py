@@ -796,6 +796,13 @@ class Supervisor:
                                  faults=spec)
         out = report.write_json(self.run_dir / rundir.DIAGNOSTICS_DIR /
                                 f"{self.host}-attempt{self.attempt}.json")
+        if not spec:   # the host's record (as `myria doctor`'s): every run directory reuses it
+            from myria.resilience.diagnostics import default_report_path
+
+            try:
+                report.write_json(default_report_path(self.host))
+            except OSError as e:
+                log.warning("diagnostics not recorded in the host cache: %s", e)
         f.diagnostics.append(report.summary)
         f.action.append(f"diagnostics: {'pass' if report.passed else 'FAIL'}")
         log.info("diagnostics %s (report %s)", report.summary, out)
