@@ -16,6 +16,7 @@ import datetime
 import json
 import os
 import platform
+import signal
 import subprocess
 import sys
 import tempfile
@@ -31,6 +32,7 @@ def main() -> int:
     ap.add_argument("--runs", type=int, default=20)
     ap.add_argument("--busy", type=int, default=2)
     a = ap.parse_args()
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(1))   # the busy loops stop with it
     rows = []
     busy = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(a.busy)]
     try:

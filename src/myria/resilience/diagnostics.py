@@ -476,20 +476,45 @@ def _learn(checks: list[Check], sources: dict[str, str], dtype: str, threads: in
             record_samples(figure, threads, values)
 
 
+def _working(procs: dict[Any, Any], ranks: set, seen: dict[Any, float],
+             min_cpu_s: float = 0.05) -> bool:
+    """Whether a local rank used CPU time since the last look (Linux /proc; False where it
+    cannot be read): a rank waiting in a collective or a deadlock uses none."""
+    busy = False
+    for k in ranks:
+        pid = getattr(procs[k], "pid", None)
+        try:
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        t = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+        if k in seen and t - seen[k] >= min_cpu_s:
+            busy = True
+        if k not in seen or t - seen[k] >= min_cpu_s:
+            seen[k] = t
+    return busy
+
+
 def _collect(procs: dict[Any, Any], q: Any, release: Any, nproc: int,
              deadline: float) -> list[Check]:
     """Read worker messages until every worker is done, failed, or the deadline passes. The
-    deadline counts time without progress: each phase or check a local rank reports moves it
-    on by its length (a busy host is slow, not hung), until a rank fails."""
+    deadline counts time without progress: each phase or check a local rank reports, and CPU
+    time a local rank used, moves it on by its length (a busy host is slow, not hung), until a
+    rank fails."""
     checks: list[Check] = []
     phase = {k: "startup" for k in procs}
     pending = set(procs)
     errors: dict[Any, str] = {}
     local_deadline = deadline
     quiet_s = max(0.0, deadline - time.time())
+    cpu: dict[Any, float] = {}
     while pending:
         now = time.time()
         local_pending = pending & set(range(nproc))
+        if not errors and _working(procs, local_pending, cpu):
+            # starting up (importing torch) or computing on a busy host: slow, not hung
+            local_deadline = max(local_deadline, now + quiet_s)
+            deadline = max(deadline, local_deadline)
         if local_pending and now >= local_deadline:
             for k in local_pending:     # hung (or waiting on a failed rank): stop them
                 errors.setdefault(k, f"did not finish in time: still in {phase[k]}")
