@@ -910,6 +910,7 @@ class Supervisor:
             "target_steps": self.cfg.training.steps, "start_step": max(0, start),
             "final_step": final, "steps_trained": steps,
             "restarts": sum(1 for f in self.faults if f.restarted_at),
+            "attempts": self.attempt,   # after the first: restarts, in-job shrinks and grows
             "wall_s": round(wall, 3), "productive_s": round(productive, 3),
             "mean_step_s": round(kept / steps, 4) if steps else 0.0,
             "effective_training_time_ratio": round(ettr_ledger, 4),
@@ -924,9 +925,12 @@ class Supervisor:
     def _write_summary(self, s: dict[str, Any]) -> None:
         path = self.run_dir / rundir.SUPERVISOR_SUMMARY
         atomic_write(path, json.dumps(s, indent=1))
-        log.info("summary: %s at step %s/%s after %d restart(s); wall %.1f s, training %.1f s, "
-                 "effective training time ratio %s; %s", s["status"], s["final_step"],
-                 s["target_steps"], s["restarts"], s["wall_s"], s["productive_s"],
+        kinds = [r["kind"] for r in s.get("resizes", [])]
+        resized = (f"; {s['attempts']} attempt(s) after the first ({kinds.count('shrink')} "
+                   f"shrink, {kinds.count('grow')} grow)" if kinds else "")
+        log.info("summary: %s at step %s/%s after %d restart(s)%s; wall %.1f s, training %.1f "
+                 "s, effective training time ratio %s; %s", s["status"], s["final_step"],
+                 s["target_steps"], s["restarts"], resized, s["wall_s"], s["productive_s"],
                  s["effective_training_time_ratio"], path)
         for f in s["faults"]:
             back = (f"fault to first resumed step {f['fault_to_first_step_s']} s; lost steps "
