@@ -162,6 +162,8 @@ def test_refusals_and_a_finished_run_answer_before_torch_is_imported(tmp_path, t
             (["train", "--run-dir", str(reference), data, *TINY, "--training.steps=40",
               "--nproc", "2"], "nothing to do"),
             (["supervise", "--run-dir", str(afile), data, "--nproc", "1"], "is a file"),
+            (["train", "--run-dir", str(afile), data, "--nproc", "1"], "is a file"),
+            (["doctor", "--nproc", "-2"], "nproc=-2: must be an integer >= 1"),
             (["export", "--run-dir", str(tmp_path / "nope"), "--format", "hf", "--out",
               str(tmp_path / "e")], "does not exist"),
             (["generate", "--run-dir", str(tmp_path / "nope"), "--prompt", "hi"],

@@ -340,6 +340,8 @@ def run_diagnostics(nproc: int = 2, expected: dict[str, float] | None = None,
     """
     import multiprocessing as mp
 
+    if not isinstance(nproc, int) or nproc < 1:   # answered before torch is imported
+        raise ConfigError(f"nproc={nproc!r}: must be an integer >= 1 (local ranks)")
     import torch
 
     t_start = time.time()

@@ -223,7 +223,7 @@ def run(args) -> int:
         data = open_dataset(cfg.data, cfg.model.seq_len, verify=False)
         if cfg.training.eval_interval:  # a split without one sample is refused now, not later
             open_dataset(cfg.data, cfg.model.seq_len, split="val", verify=False)
-        if Path(args.run_dir).is_dir() and (done := preflight(cfg, args.run_dir,
+        if Path(args.run_dir).exists() and (done := preflight(cfg, args.run_dir,
                                                               args.stop_after)):
             _say(done)
             return 0
