@@ -216,8 +216,8 @@ def judge(checks: list[Check], load: dict | None = None) -> list[Check]:
     comparable), it becomes a warning with the evidence. Failures against configured or
     datasheet figures stand."""
     ev = load or host_load()
-    crowded = bool(ev.get("load_average") and ev.get("cores")
-                   and ev["load_average"] > ev["cores"])
+    one_minute = (ev.get("load_average") or [0.0])[0]   # [1, 5, 15 minutes]
+    crowded = bool(ev.get("cores")) and one_minute > ev["cores"]
     out = []
     for c in checks:
         src = c.details.get("expected_source", "") if c.details else ""
