@@ -192,7 +192,7 @@ def run(args) -> int:
         args.overrides.append("--checkpoint.allow_data_change=true")
     if args.max_time is not None:
         args.overrides.append(f"--training.max_time_s={parse_duration(args.max_time)}")
-    os.environ.setdefault("MYRIA_JOB_START", str(time.time()))  # the wall-time limit's origin
+    job_start = time.time()   # the wall-time limit's origin for the processes it starts
     # Everything judged from the arguments, the config and the files comes before torch is
     # imported (seconds on a loaded host): a mistake or a finished run answers at once.
     cfg = config_mod.load(args.config, args.overrides)
@@ -241,6 +241,7 @@ def run(args) -> int:
         return 0
     own_run_dir(args.run_dir)  # a second job on it is refused; workers stop with the launcher
     if launching:
+        os.environ.setdefault("MYRIA_JOB_START", str(job_start))
         launch_local(args.nproc, ["train", *_without_nproc(args.argv)])
         _summary(Path(args.run_dir))
         return 0
