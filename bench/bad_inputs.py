@@ -5,7 +5,8 @@
 
 Sets up a tiny prepared corpus and a 2-step run in a temporary directory, runs every case as
 `python -m myria ...` in its own process, and writes bench/results/bad_inputs.json plus a table
-(status, traceback lines, output lines, the last line). The suite keeps one case per behaviour
+(status, traceback lines, output lines, seconds, whether torch was imported before the answer, the
+last line). The suite keeps one case per behaviour
 (tests/test_config.py, tests/parallel/test_layout_errors.py, tests/data/test_prepare.py,
 tests/train/test_train.py, ...); this script is the whole matrix.
 """
@@ -17,6 +18,7 @@ import json
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -75,6 +77,14 @@ def cases(t: Path, data: Path, run: Path) -> list[list[str]]:
     ]
 
 
+def _imported(args: list[str]) -> str:
+    """The top-level modules the case imported before it answered (`python -X importtime`)."""
+    p = subprocess.run([sys.executable, "-X", "importtime", "-m", "myria", *args],
+                       capture_output=True, text=True, cwd=ROOT, timeout=300)
+    return " ".join(line.rsplit("|", 1)[-1].strip() for line in p.stderr.splitlines()
+                    if line.startswith("import time:"))
+
+
 def main() -> int:
     rows = []
     with tempfile.TemporaryDirectory() as d:
@@ -88,14 +98,18 @@ def main() -> int:
               "--out", str(data), "--quiet").check_returncode()
         myria("train", "--run-dir", str(run), f"--data.path={data}", *TINY).check_returncode()
         for args in cases(t, data, run):
+            t0 = time.perf_counter()
             p = myria(*args)
+            seconds = time.perf_counter() - t0
             out = (p.stdout + p.stderr).strip().splitlines()
             row = {"args": " ".join(a.replace(d, "TMP") for a in args), "status": p.returncode,
                    "tracebacks": sum("Traceback" in x for x in out), "lines": len(out),
+                   "seconds": round(seconds, 2), "torch": "torch" in _imported(args),
                    "last": (out[-1] if out else "").replace(d, "TMP")[:200]}
             rows.append(row)
             print(f"{row['status']:>3} tb={row['tracebacks']} lines={row['lines']:<3} "
-                  f"{row['args']}\n    {row['last']}", flush=True)
+                  f"{seconds:5.1f} s{' (torch)' if row['torch'] else ''} {row['args']}\n"
+                  f"    {row['last']}", flush=True)
     ok = all(r["status"] not in (0, 1) and r["tracebacks"] == 0 and r["lines"] == 1
              for r in rows)
     OUT.parent.mkdir(parents=True, exist_ok=True)
@@ -103,7 +117,8 @@ def main() -> int:
                                datetime.date.today().isoformat(), "all_one_line": ok,
                                "cases": rows}, indent=1))
     print(f"{sum(r['lines'] == 1 and r['tracebacks'] == 0 for r in rows)} of {len(rows)} cases "
-          f"one line, no traceback; wrote {OUT.relative_to(ROOT)}")
+          f"one line, no traceback; {sum(not r['torch'] for r in rows)} answered without "
+          f"importing torch; wrote {OUT.relative_to(ROOT)}")
     return 0 if ok else 1
 
 

@@ -9,7 +9,7 @@ the dense model's (within 0.5%); the same steps, batches and schedule. Reported:
 loss at the end, the median tokens/s after warm-up, the training model FLOPs per token.
 
 Part 2, generation at long context (in this process, batch 1, fp32): the context grows in
-1024-token prefill pieces (`myria.generate.forward_cached`, the cached forward of `myria
+1024-token prefill pieces (`myria.models.decode.forward_cached`, the cached forward of `myria
 generate`; one piece's attention mask is 1024 x context, never context x context) and at 1k,
 4k and 16k tokens the time per generated token (one token at a time against the cache/state)
 and the bytes generation holds are measured, split into the attention layers' keys and values
@@ -118,7 +118,7 @@ def train_part(tmp: Path, seq_len: int, batch: int, steps: int) -> list[dict]:
 def generation_part(new_tokens: int) -> list[dict]:
     import torch
 
-    from myria.generate import KVCache, forward_cached, rope_for
+    from myria.models.decode import KVCache, forward_cached, rope_for
     from myria.models.transformer import build_model
 
     torch.set_num_threads(THREADS)

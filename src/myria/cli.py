@@ -79,6 +79,7 @@ def main(argv: list[str] | None = None) -> int:
     module.add_arguments(parser)
     from myria.errors import MyriaError
 
+    args = None
     try:
         args, unknown = parser.parse_known_args(rest)
         if unknown and not getattr(module, "ACCEPTS_OVERRIDES", False):
@@ -96,10 +97,42 @@ def main(argv: list[str] | None = None) -> int:
         from myria.train.launch import record_worker_error
 
         record_worker_error(f"{type(e).__name__}: {e} (traceback in this rank's output)", 1)
+        if (line := _after_a_lost_peer(e, getattr(args, "run_dir", None))) is not None:
+            print(f"myria {name}: {line}", file=sys.stderr)
+            return 1
         raise
     except KeyboardInterrupt:
         print(f"myria {name}: interrupted", file=sys.stderr)
         return 130
+
+
+def _after_a_lost_peer(e: BaseException, run_dir: str | None) -> str | None:
+    """One line for a worker whose collective failed because another rank was lost (killed,
+    stopped, or failed first with its own error, which the launcher prints): the traceback
+    goes to RUN_DIR/errors/rankN-traceback.txt instead of the console. None for any other
+    error, or outside a launcher, whose traceback is printed as usual."""
+    import os
+    import traceback
+
+    from myria.resilience.watch import SECONDARY
+
+    text = f"{type(e).__name__}: {e}"
+    rank = os.environ.get("RANK")
+    if rank is None or not run_dir or not (
+            type(e).__name__ in ("DistNetworkError", "DistBackendError")
+            or any(s in text for s in SECONDARY)):
+        return None
+    from pathlib import Path
+
+    path = Path(run_dir) / "errors" / f"rank{int(rank):05d}-traceback.txt"
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text("".join(traceback.format_exception(e)))
+    except OSError:
+        return None
+    first = text.splitlines()[0][:200]
+    return f"rank {rank} stopped: a collective failed after another rank was lost ({first}); " \
+        f"traceback in {path}"
 
 
 if __name__ == "__main__":

@@ -170,6 +170,10 @@ class TrainingConfig:
     """The optimisation run."""
 
     steps: int = _f(200, "optimizer steps to train in total", min=1)
+    max_time_s: float = _f(0.0, "wall-time limit of the job in seconds (`myria train "
+                           "--max-time`): stop cleanly with a committed checkpoint before the "
+                           "next step and its save would pass it, as before a scheduler's limit; "
+                           "0 = none", min=0.0)
     global_batch: int = _f(16, "sequences per optimizer step, whatever the number of processes",
                            min=1)
     micro_batch: int = _f(4, "sequences per forward/backward pass on one rank", min=1)
@@ -210,7 +214,12 @@ class OptimizerConfig:
     lr: float = _f(3e-3, "peak learning rate", min=0.0)
     min_lr_ratio: float = _f(0.1, "final learning rate as a fraction of the peak", min=0.0)
     warmup_steps: int = _f(20, "linear warm-up steps", min=0)
-    schedule: str = _f("cosine", "decay after warm-up", choices=("cosine", "linear", "constant"))
+    schedule: str = _f("cosine", "decay after warm-up; wsd: warm-up, stable at the peak, then "
+                       "a linear decay over the last decay_fraction of the steps (MiniCPM's "
+                       "warmup-stable-decay: a run can be extended from any checkpoint of its "
+                       "stable phase)", choices=("cosine", "linear", "constant", "wsd"))
+    decay_fraction: float = _f(0.2, "wsd: the share of the decay horizon spent decaying, at its "
+                               "end", min=0.0)
     beta1: float = _f(0.9, "first-moment decay", min=0.0)
     beta2: float = _f(0.95, "second-moment decay", min=0.0)
     eps: float = _f(1e-8, "denominator epsilon", min=0.0)
@@ -692,6 +701,9 @@ def validate(cfg: Config) -> None:
     if t.micro_batch > t.global_batch:
         raise ConfigError(f"training.micro_batch = {t.micro_batch} exceeds training.global_batch"
                           f" = {t.global_batch}")
+    if cfg.optimizer.decay_fraction > 1:
+        raise ConfigError(f"optimizer.decay_fraction = {cfg.optimizer.decay_fraction}: must be "
+                          "between 0 and 1 (the share of the steps the wsd schedule decays)")
     if cfg.optimizer.beta1 >= 1 or cfg.optimizer.beta2 >= 1:
         raise ConfigError("optimizer.beta1 and optimizer.beta2 must be < 1")
     bad = [n for n in cfg.logging.trackers.split(",") if n.strip().lower()
@@ -750,6 +762,14 @@ def decay_horizon(optimizer: dict, training: dict) -> int:
     return int(optimizer.get("decay_steps") or training.get("steps") or 0)
 
 
+def decay_start(schedule: str, warmup: int, horizon: int, fraction: float) -> int:
+    """The first step whose lr is below the peak: the end of warm-up, or for wsd the end of its
+    stable phase (the last `fraction` of the horizon decays)."""
+    if schedule != "wsd":
+        return warmup
+    return max(warmup, horizon - round(fraction * horizon))
+
+
 def resume_changes(previous: dict, cfg: Config, step: int) -> list[tuple[str, Any, Any]]:
     """The fields of `cfg` that differ from `previous` (the config dict a checkpoint of step
     `step` was trained with; sections it lacks are not compared), as (field, old, new).
@@ -757,11 +777,14 @@ def resume_changes(previous: dict, cfg: Config, step: int) -> list[tuple[str, An
     Raises one ConfigError naming every field that cannot change on resume. A run whose decay
     had begun keeps the lr decay horizon it was trained with when training.steps changes
     (optimizer.decay_steps is set to it unless given), so the lr goes on where it was instead
-    of jumping; during warm-up a new horizon changes nothing that already happened.
+    of jumping; during warm-up (and wsd's stable phase) a new horizon changes nothing that
+    already happened.
     """
     prev_opt, prev_train = previous.get("optimizer", {}), previous.get("training", {})
     old = decay_horizon(prev_opt, prev_train)
-    if not cfg.optimizer.decay_steps and old and step > cfg.optimizer.warmup_steps:
+    o = cfg.optimizer
+    begun = decay_start(o.schedule, o.warmup_steps, old, o.decay_fraction)
+    if not cfg.optimizer.decay_steps and old and step > begun:
         cfg.optimizer.decay_steps = old  # keep the schedule the checkpoint was trained on
     changes, refused = [], []
     for section, cls in SECTIONS.items():

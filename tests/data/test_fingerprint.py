@@ -89,7 +89,7 @@ def test_resume_on_reprepared_data_is_refused(tmp_path: Path, tiny_data: Path) -
     import torch
 
     from myria.data.tokenizer import load_tokenizer
-    from myria.generate import generate
+    from myria.models.decode import generate
     from myria.train.export import load_checkpoint_model
 
     data, run = tmp_path / "data", tmp_path / "run"

@@ -146,20 +146,51 @@ def test_single_path_order_unchanged(tiny_data):
 
 
 @pytest.mark.slow
-def test_train_on_a_mixture_reports_validation_per_source_down_to_the_report(two_sources, tmp_path):
+def test_train_on_a_mixture_reports_training_and_validation_per_source_down_to_the_report(
+        two_sources, tmp_path):
     web, code = two_sources
     run = tmp_path / "run"
-    run_cli("train", "--run-dir", str(run), "--nproc", "1", *TINY,
-            f"--data.sources={web}:0.3,{code}:0.7", "--training.steps=4",
-            "--training.eval_interval=2", "--data.eval_batches=1", "--checkpoint.interval=0")
+    # 2 ranks x micro-batch 16: one evaluation batch (32) is larger than code's held-out split
+    # (31 samples), which is evaluated whole, never reported as a loss of 0
+    p = run_cli("train", "--run-dir", str(run), "--nproc", "2", *TINY,
+                "--training.global_batch=32", "--training.micro_batch=16",
+                f"--data.sources={web}:0.3,{code}:0.7", "--training.steps=4",
+                "--training.eval_interval=2", "--data.eval_batches=1", "--checkpoint.interval=0",
+                "--logging.tensorboard=true")
     rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
     evals = [r for r in rows if "val_loss" in r]
     assert [r["step"] for r in evals] == [2, 4]
     by = evals[-1]["val_loss_by_source"]
     assert set(by) == {"web", "code"}
+    assert 1.0 < by["code"] < 20 and 1.0 < by["web"] < 20, by
     assert evals[-1]["val_loss"] == pytest.approx(0.3 * by["web"] + 0.7 * by["code"])
+    # training figures per source: samples and tokens within one sample of the weights, and
+    # the losses per source that make up the step's loss
+    train = [r for r in rows if "loss" in r]
+    assert [r["step"] for r in train] == [1, 2, 3, 4]
+    prev = {"web": 0, "code": 0}
+    for r in train:
+        n = r["samples_by_source"]
+        assert sum(n.values()) == 32 * r["step"]
+        assert all(abs(n[k] - w * 32 * r["step"]) < 1 for k, w in (("web", .3), ("code", .7)))
+        assert r["tokens_by_source"] == {k: v * 64 for k, v in n.items()}
+        step_n = {k: n[k] - prev[k] for k in n}
+        mixed = sum(r["loss_by_source"][k] * step_n[k] for k in n) / 32
+        assert mixed == pytest.approx(r["loss"], abs=1e-4), r
+        prev = n
+        assert f"loss {r['loss']:.4f} (web {r['loss_by_source']['web']:.4f}, code " in p.stdout
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    tags = EventAccumulator(str(run / "tensorboard")).Reload().Tags()["scalars"]
+    assert {"train/loss_by_source/web", "train/tokens_by_source/code", "train/loss"} <= set(tags)
+    assert not {"train/time", "train/goodput_since", "train/attempt"} & set(tags), tags
     # `myria report`: the per-source curve, table and line, with metrics.jsonl's numbers
     p = run_cli("report", str(run), "--no-prediction")
+    last = train[-1]
+    assert (f"training by source to step 4: web {last['samples_by_source']['web']:,} samples = "
+            f"{last['samples_by_source']['web'] / 128:.4f} (weight 0.3), loss "
+            f"{last['loss_by_source']['web']:.4f}") in p.stdout, p.stdout
+    assert "<table id=\"train-by-source\">" in (run / "report" / "index.html").read_text()
     line = (f"validation loss at step 4: {evals[-1]['val_loss']:.4f} "
             f"(web {by['web']:.4f}, code {by['code']:.4f})")
     assert line in p.stdout, p.stdout

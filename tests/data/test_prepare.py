@@ -163,11 +163,14 @@ def test_cli_prints_summary(corpus: Path, tmp_path: Path, capsys, monkeypatch) -
     for var in ("RAYON_NUM_THREADS", "TOKENIZERS_PARALLELISM"):  # --workers sets them
         monkeypatch.setenv(var, "1")
 
-    rc = main(["prepare", "--input", str(corpus / "txt" / "*.txt"), "--out",
+    files = sorted(str(f) for f in (corpus / "txt").glob("*.txt"))
+    rc = main(["prepare", *(a for f in files for a in ("--input", f)), "--out",
                str(tmp_path / "cli"), "--vocab-size", "280", "--quiet", "--workers", "1"])
     assert rc == 0
     out = capsys.readouterr().out
     assert "documents" in out and "tokens" in out and "shards" in out and str(tmp_path) in out
+    first = out.splitlines()[0]   # three inputs named, not all five
+    assert first.endswith(" and 2 more input(s)") and files[3] not in first, first
     assert (tmp_path / "cli" / "index.json").is_file()
 
 

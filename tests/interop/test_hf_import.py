@@ -141,7 +141,7 @@ def test_lr0_run_exports_the_imported_model(tmp_path, hf_models, tiny_data, kind
     decoding of the run's checkpoint equals transformers' on the original."""
     from transformers import AutoModelForCausalLM
 
-    from myria.generate import generate
+    from myria.models.decode import generate
     from myria.train.export import load_checkpoint_model
 
     d, run, out = hf_models[kind], tmp_path / "run", tmp_path / "hf"

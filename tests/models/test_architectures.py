@@ -162,7 +162,7 @@ def test_block_sparse_cost_grows_linearly():
 @pytest.mark.parametrize("name", ["retnet", "griffin", "linear"])
 def test_model_training_forward_uses_forms_that_agree(name):
     """The whole model's chunked/parallel forward equals its step-by-step recurrent forward."""
-    from myria.generate import KVCache, forward_cached, rope_for
+    from myria.models.decode import KVCache, forward_cached, rope_for
 
     cfg = _cfg(name)
     model = build_model(cfg, "cpu")
@@ -197,7 +197,7 @@ def test_invalid_combinations_are_one_line(over, msg):
 def test_recurrent_generation_equals_full_forward_greedy(name):
     """`generate` (state or trimmed cache, one token per step) picks the argmax of the full
     forward over the whole sequence at every step; the state stops growing."""
-    from myria.generate import KVCache, forward_cached, generate, rope_for
+    from myria.models.decode import KVCache, forward_cached, generate, rope_for
 
     cfg = _cfg(name, vocab_size=64, **({"attention_window": 16} if name == "griffin" else {}))
     model = build_model(cfg, "cpu")
@@ -219,7 +219,7 @@ def test_recurrent_generation_equals_full_forward_greedy(name):
 
 @pytest.mark.parametrize("name", ["retnet", "griffin", "linear", "block_sparse"])
 def test_performance_model_state_memory_matches_generation(name):
-    from myria.generate import KVCache, forward_cached, rope_for
+    from myria.models.decode import KVCache, forward_cached, rope_for
     from myria.sim.memory import decode_state_bytes
 
     cfg = _cfg(name, **({"attention_window": 16} if name == "griffin" else {}))

@@ -99,7 +99,7 @@ def test_flops_and_parameters_equal_torch_counts(pattern):
 def test_whole_hybrid_training_forward_equals_token_by_token():
     """Every mixer of a D, M, A, R hybrid: the chunked forward of 45 tokens equals a 21-token
     prompt (chunked, carrying the state) followed by one token at a time."""
-    from myria.generate import KVCache, forward_cached, rope_for
+    from myria.models.decode import KVCache, forward_cached, rope_for
 
     cfg = _cfg("DMAR")
     model = build_model(cfg, "cpu")
@@ -118,7 +118,7 @@ def test_whole_hybrid_training_forward_equals_token_by_token():
 def test_greedy_generation_is_argmax_of_full_forward(pattern):
     """`generate` picks the argmax of the whole sequence's forward at every step; the
     recurrent layers' state is the same size after 30 tokens as after 40."""
-    from myria.generate import KVCache, forward_cached, generate, rope_for
+    from myria.models.decode import KVCache, forward_cached, generate, rope_for
 
     cfg = _cfg(pattern)
     model = build_model(cfg, "cpu")
@@ -143,7 +143,7 @@ def test_greedy_generation_is_argmax_of_full_forward(pattern):
 def test_generation_state_priced_exactly():
     """`sim.memory.decode_state_bytes` equals what generation holds, and grows with the
     context only through the attention layers."""
-    from myria.generate import KVCache, forward_cached, rope_for
+    from myria.models.decode import KVCache, forward_cached, rope_for
     from myria.sim.memory import decode_state_bytes
 
     cfg = _cfg("DMAR")

@@ -159,6 +159,22 @@ def test_hang_report_names_the_frozen_rank_and_the_collective(tmp_path, tiny_dat
     log = (run / "supervisor.log").read_text()
     assert "HANG REPORT rank 2 is stuck outside any collective" in log
     assert f"ranks [0, 1, 3] wait in {c['name']}" in log
+    assert "rank 2 (pid" in log and "phase step-start" in log, log   # not the last checkpoint
+    # the report's page leads with the supervisor's line and rank 2's stack, rank 2 in red
+    from myria.observe.hang import summary_line
+
+    p = run_cli("report", str(run), "--no-prediction")
+    line = summary_line({**rep, "stuck": {int(k): v for k, v in rep["stuck"].items()}})
+    assert f"the run hung: {line}" in p.stdout, p.stdout
+    page = (run / "report" / "index.html").read_text()
+    import html
+
+    hung = page.split("<h2 id=hang>The run hung</h2>")[1].split("<h2>")[0]
+    assert html.escape(line) in hung and "<h3>rank 2: stuck outside any collective" in hung
+    assert "at_step_start" in hung.split("<pre class=stack>")[1], hung
+    hot = [r for r in page.split("<table id=\"blame\">")[1].split("</table>")[0]
+           .split("<tr") if r.startswith(" class=hot")]
+    assert hot and all(r.startswith(" class=hot><td>2</td>") for r in hot), hot
 
 
 def test_clock_offset_through_the_store_corrects_a_skewed_host():

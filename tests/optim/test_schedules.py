@@ -92,3 +92,26 @@ def test_apply_config_overrides_the_loaded_optimizer_and_schedule():
     stretched = OptimizerConfig(lr=1e-5, warmup_steps=2, min_lr_ratio=0.1)
     assert apply_config([opt2], [sched2], stretched, 30) == pytest.approx(
         1e-5 * lr_lambda(11, 2, 30, "cosine", 0.1))
+
+
+def test_wsd_is_flat_at_the_peak_then_decays_linearly_over_its_last_fraction():
+    w, total, lo, frac = 10, 110, 0.1, 0.2     # decays over steps 88..110
+    assert lr_lambda(5, w, total, "wsd", lo, frac) == pytest.approx(0.6)
+    assert all(lr_lambda(s, w, total, "wsd", lo, frac) == 1.0 for s in range(9, 89))
+    assert lr_lambda(99, w, total, "wsd", lo, frac) == pytest.approx(1 - 0.9 * 11 / 22)
+    assert lr_lambda(total, w, total, "wsd", lo, frac) == pytest.approx(lo)
+
+
+def test_wsd_run_extended_in_its_stable_phase_decays_at_the_new_end():
+    from myria.config import Config, resume_changes
+
+    prev = {"optimizer": {"schedule": "wsd", "decay_steps": 0, "warmup_steps": 10,
+                          "decay_fraction": 0.2}, "training": {"steps": 100}}
+    cfg = Config()
+    cfg.optimizer.schedule, cfg.optimizer.warmup_steps = "wsd", 10
+    cfg.training.steps = 200
+    resume_changes(prev, cfg, 50)            # stable phase: the horizon moves to 200
+    assert cfg.optimizer.decay_steps == 0
+    cfg.training.steps = 200
+    resume_changes(prev, cfg, 90)            # decaying since step 80: the horizon stays
+    assert cfg.optimizer.decay_steps == 100

@@ -291,3 +291,46 @@ def test_neighbor_all_reduce_between_two_hosts():
         assert c.details["correct"] and c.details["world"] == 2
         assert _by(report, "p2p-loopback").status == "skip"
         assert report.passed, report.summary
+
+
+class _Proc:
+    """A local rank's process as `_collect` sees it."""
+
+    def __init__(self):
+        self.exitcode, self.terminated = None, False
+
+    def is_alive(self):
+        return not self.terminated
+
+    def terminate(self):
+        self.terminated = True
+
+
+def test_a_slow_rank_that_makes_progress_is_not_hung_one_without_is():
+    """The doctor's time limit counts time without progress: a busy host's ranks keep
+    reporting phases past it and pass; a rank that reports nothing for the limit fails."""
+    import queue
+    import threading
+    import time
+
+    def feed(q, plan):
+        t0 = time.time()
+        for at, msg in plan:
+            time.sleep(max(0.0, t0 + at - time.time()))
+            q.put(msg)
+
+    q = queue.Queue()
+    slow = [(0.15 * i, ("phase", 0, f"check {i}")) for i in range(1, 9)] + \
+        [(1.3, ("done", 0)), (1.35, ("done", 1))]
+    threading.Thread(target=feed, args=(q, slow), daemon=True).start()
+    procs = {0: _Proc(), 1: _Proc()}
+    checks = dg._collect(procs, q, threading.Event(), 2, time.time() + 0.5)
+    assert not [c for c in checks if c.name == "workers"], checks
+    q = queue.Queue()
+    threading.Thread(target=feed, args=(q, [(0.1, ("done", 1))]), daemon=True).start()
+    procs = {0: _Proc(), 1: _Proc()}
+    t0 = time.time()
+    checks = dg._collect(procs, q, threading.Event(), 2, time.time() + 0.5)
+    hung = [c for c in checks if c.name == "workers"]
+    assert len(hung) == 1 and "local rank 0: did not finish in time" in hung[0].reason, checks
+    assert procs[0].terminated and time.time() - t0 < 2

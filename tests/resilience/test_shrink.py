@@ -92,12 +92,16 @@ def test_a_lost_replica_shrinks_the_run_and_a_ready_spare_grows_it_back(tmp_path
     run_cli("train", "--run-dir", str(ref), "--nproc", "3", f"--data.path={tiny_data}",
             *SHRINK)
     run = tmp_path / "run"
-    run_cli("supervise", "--run-dir", str(run), "--nproc", "3", f"--data.path={tiny_data}",
-            *SHRINK, "--resilience.heartbeat_s=0.5", "--resilience.hang_timeout_s=20",
-            "--resilience.diagnose=false", "--resilience.recovery=in-job",
-            "--resilience.shrink=true", "--resilience.sdc_interval=2",  # checks while shrunk
-            env={"MYRIA_FAULT": "kill:rank=1:step=5"},
-            timeout=400)
+    p = run_cli("supervise", "--run-dir", str(run), "--nproc", "3", f"--data.path={tiny_data}",
+                *SHRINK, "--resilience.heartbeat_s=0.5", "--resilience.hang_timeout_s=20",
+                "--resilience.diagnose=false", "--resilience.recovery=in-job",
+                "--resilience.shrink=true", "--resilience.sdc_interval=2",  # checks while shrunk
+                env={"MYRIA_FAULT": "kill:rank=1:step=5"},
+                timeout=400)
+    out = p.stdout + p.stderr   # survivors say the run shrinks: nothing replaces rank 1 yet
+    assert all("grows back" in x for x in out.splitlines()
+               if "the supervisor replaces rank(s) [1]" in x), out   # only when the spare is in
+    assert "the run goes on without rank(s) [1] (2 of 3 ranks, no spare ready)" in out, out
     s = json.loads((run / "supervisor_summary.json").read_text())
     assert s["status"] == "succeeded" and s["final_step"] == STEPS, s
     f = s["faults"][0]
@@ -113,6 +117,8 @@ def test_a_lost_replica_shrinks_the_run_and_a_ready_spare_grows_it_back(tmp_path
     log = (run / "supervisor.log").read_text()
     assert "ACTION in-job shrink" in log and "ACTION in-job grow" in log
     assert "ACTION stop the worker group" not in log   # nobody restarted
+    # the summary counts what the log counts: attempts used by the shrink and the grow
+    assert s["attempts"] == 2 and "2 attempt(s) after the first (1 shrink, 1 grow)" in log
     # every step's loss within the layout tests' reduction-order tolerance of the run that
     # never failed (before the fault: the same bits)
     got, want = _losses(run), _losses(ref)

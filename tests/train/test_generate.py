@@ -9,7 +9,7 @@ import os
 import pytest
 import torch
 
-from myria.generate import KVCache, forward_cached, generate, rope_for
+from myria.models.decode import KVCache, forward_cached, generate, rope_for
 from tests.conftest import TINY, run_cli
 
 transformers = pytest.importorskip("transformers")
@@ -60,7 +60,7 @@ def test_greedy_equals_transformers(tmp_path, trained):
 
 
 def test_sampling_is_seeded():
-    from myria.generate import pick
+    from myria.models.decode import pick
 
     logits = torch.tensor([0.0, 1.0, 2.0, 3.0])
     a = [pick(logits, 1.0, 0, torch.Generator().manual_seed(7)) for _ in range(5)]

@@ -8,7 +8,7 @@ import shutil
 import pytest
 import torch
 
-from tests.conftest import TINY, final_params, losses, run_cli
+from tests.conftest import ROOT, TINY, final_params, losses, run_cli
 
 
 def train(run_dir, data, *extra, nproc=None, env=None, check=True):
@@ -142,6 +142,70 @@ def test_a_finished_run_or_a_change_that_cannot_apply_stops_before_anything_star
             code, out, err = in_process(capsys, cmd[0], "--run-dir", str(where), *cmd[1:],
                                         f"--data.path={tiny_data}", *TINY)
             assert code == 2 and needle in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_refusals_and_a_finished_run_answer_before_torch_is_imported(tmp_path, tiny_data,
+                                                                     reference):
+    """Importing torch takes seconds on a loaded host: every answer judged from the arguments,
+    the config and the files comes first (a `torch` that cannot be imported proves it)."""
+    fake = tmp_path / "fake"
+    (fake / "torch").mkdir(parents=True)
+    (fake / "torch" / "__init__.py").write_text("raise ImportError('torch was imported')\n")
+    env = {"PYTHONPATH": f"{fake}:{ROOT / 'src'}"}
+    afile = tmp_path / "afile"
+    afile.write_text("x\n")
+    data = f"--data.path={tiny_data}"
+    for args, needle in [
+            (["train", "--config", str(tmp_path / "missing.toml"), "--run-dir", "r"],
+             "missing.toml' does not exist"),
+            (["train", "--run-dir", "r", f"--data.path={tmp_path / 'nowhere'}"], "nowhere"),
+            (["train", "--run-dir", str(reference), data, *TINY, "--training.steps=40",
+              "--nproc", "2"], "nothing to do"),
+            (["supervise", "--run-dir", str(afile), data, "--nproc", "1"], "is a file"),
+            (["train", "--run-dir", str(afile), data, "--nproc", "1"], "is a file"),
+            (["doctor", "--nproc", "-2"], "nproc=-2: must be an integer >= 1"),
+            (["export", "--run-dir", str(tmp_path / "nope"), "--format", "hf", "--out",
+              str(tmp_path / "e")], "does not exist"),
+            (["generate", "--run-dir", str(tmp_path / "nope"), "--prompt", "hi"],
+             "does not exist")]:
+        p = run_cli(*args, env=env, check=False)
+        lines = (p.stdout + p.stderr).strip().splitlines()
+        assert len(lines) == 1 and needle in lines[0], (args, p.stdout, p.stderr)
+        assert p.returncode == (0 if needle == "nothing to do" else 2), (args, p.returncode)
+
+
+def test_max_time_stops_cleanly_with_a_checkpoint_before_the_limit(tmp_path, tiny_data):
+    import time
+
+    t0 = time.time()
+    p = train(tmp_path, tiny_data, "--training.steps=100000", "--checkpoint.interval=0",
+              "--max-time", "0:40")
+    last = max(losses(tmp_path))   # how many steps fit depends on the load of the host
+    assert 1 <= last < 100000
+    assert (f"stopped on the wall-time limit (training.max_time_s = 40) after step {last} with "
+            "a committed checkpoint") in p.stdout, p.stdout[-2000:]
+    ckpt = tmp_path / "checkpoints" / f"step_{last:08d}" / "meta.json"
+    assert ckpt.stat().st_mtime < t0 + 40   # committed before the limit
+    # the step line of a run whose output is a file: elapsed and time left
+    line = next(x for x in p.stdout.splitlines() if x.startswith(f"step {last:>6}/100000"))
+    import re
+
+    assert re.search(r"  elapsed \d+:\d\d:\d\d  left \d+:\d\d:\d\d$", line), line
+    p = train(tmp_path, tiny_data, "--max-time", "soon", check=False)
+    assert p.returncode == 2 and "--max-time 'soon': expected a duration" in p.stderr
+
+
+def test_wsd_schedule_and_document_masking_named_in_the_header(tmp_path, tiny_data):
+    p = train(tmp_path, tiny_data, "--training.steps=10", "--optimizer.warmup_steps=2",
+              "--optimizer.schedule=wsd", "--optimizer.decay_fraction=0.4",
+              "--optimizer.lr=0.001", "--optimizer.min_lr_ratio=0.1", "--model.document_mask=true")
+    header = p.stdout.splitlines()[1]
+    assert header.startswith("document masking: attention stays inside each document (mean "), \
+        p.stdout[:1000]
+    rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    lr = [r["lr"] / 0.001 for r in rows if "lr" in r]
+    expect = [0.5, 1, 1, 1, 1, 1, 1, 1 - 0.9 / 4, 1 - 0.9 / 2, 1 - 0.9 * 3 / 4]
+    assert lr == pytest.approx(expect), lr
 
 
 def test_failed_save_keeps_previous_checkpoint(tmp_path, tiny_data):

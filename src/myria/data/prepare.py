@@ -487,6 +487,15 @@ def check_overwrite(out: Path, force: bool) -> None:
                     "pass --force to overwrite it")
 
 
+def source_text(source: str, shown: int = 3) -> str:
+    """The index's `source` (every input, '; '-separated) for one line: the first `shown`
+    and how many more (the index keeps them all)."""
+    names = source.split("; ")
+    if len(names) <= shown:
+        return source
+    return "; ".join(names[:shown]) + f" and {len(names) - shown:,} more input(s)"
+
+
 def summary(index: dict[str, Any], out: str | Path, seconds: float) -> str:
     """A few lines describing a prepared DATA_DIR."""
     sp = index["splits"]
@@ -498,7 +507,7 @@ def summary(index: dict[str, Any], out: str | Path, seconds: float) -> str:
     d = Decoding(inputs["encoding"], inputs["errors"], inputs["files"], inputs["replaced"],
                  inputs["skipped"]) if inputs and inputs["files"] else None
     return "\n".join([
-        f"prepared {out} in {seconds:.1f} s from {index['source']}",
+        f"prepared {out} in {seconds:.1f} s from {source_text(index['source'])}",
         f"  documents  {index['total_documents']:,} (train {tr['documents']:,}, "
         f"val {va['documents']:,})",
         f"  tokens     {index['total_tokens']:,} (train {tr['tokens']:,}, val {va['tokens']:,}) "

@@ -10,9 +10,26 @@ backward pass is a scaling of stored gradients. The matmul work is the same thre
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from myria.models.flops import loss_chunk_rows
+
+# Per-token losses of every fused loss computed under `record_row_losses` (None: not recorded).
+_ROWS: list[torch.Tensor] | None = None
+
+
+@contextlib.contextmanager
+def record_row_losses():
+    """Collect the per-token cross-entropy (fp32, detached, in row order) of each fused loss
+    computed inside; a data mixture's training loss per source is made from them."""
+    global _ROWS
+    prev, _ROWS = _ROWS, []
+    try:
+        yield _ROWS
+    finally:
+        _ROWS = prev
 
 
 class _FusedLinearCE(torch.autograd.Function):
@@ -39,7 +56,10 @@ class _FusedLinearCE(torch.autograd.Function):
             picked = logits.gather(1, tc.unsqueeze(1))
             logits.sub_(m).exp_()
             s = logits.sum(dim=-1, keepdim=True)
-            total += (s.log() + m - picked).sum()
+            rows = (s.log() + m - picked).squeeze(1)
+            total += rows.sum()
+            if _ROWS is not None:
+                _ROWS.append(rows.detach().float())
             if need_h or need_w or need_b:
                 p = logits.div_(s)  # softmax, in place
                 p.scatter_add_(1, tc.unsqueeze(1), torch.full_like(picked, -1.0))

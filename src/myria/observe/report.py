@@ -15,6 +15,8 @@ Writes RUN_DIR/report/:
     val_loss.json the validation losses of metrics.jsonl by eval step, per source for a data
                   mixture (`data.sources`), with each source's weight: {"steps", "val_loss",
                   "by_source": {name: [...]}, "weights": {name: w}} (absent: no eval ran)
+    mixture.json  a data mixture's training figures per source: samples, tokens, epochs, the
+                  share against the weight, training loss (absent: one data directory)
     *.png         the same figures as files
 
 The prediction on a CPU is made from this CPU's measured figures at the run's threads per
@@ -69,6 +71,12 @@ def run(args) -> int:
             print("  hosts: " + "; ".join(f"{h} ranks {rs}" for h, rs in sorted(hosts.items())))
         for p in b["problems"]:
             print(f"  missing: {p}")
+    if (hang := hang_report(out)) is not None:
+        from myria.observe.hang import summary_line
+
+        print(f"  the run hung: {summary_line(hang)}")
+    if (mix_path := out / MIX_FILE).exists():
+        print(f"  {mixture_line(json.loads(mix_path.read_text()))}")
     val_path = out / VAL_FILE
     if val_path.exists():
         print(f"  {validation_line(json.loads(val_path.read_text()))}")
@@ -113,9 +121,14 @@ def write_report(run_dir: Path, predict: bool = True) -> Path:
             pred.update(measured_step(table, _metrics(run_dir)))
             (out / "prediction.json").write_text(json.dumps(pred, indent=1))
     val = write_validation(run_dir, out)
+    mix = training_by_source(run_dir)
+    (out / MIX_FILE).unlink(missing_ok=True)
+    if mix is not None:
+        (out / MIX_FILE).write_text(json.dumps(mix, indent=1))
     (out / "index.html").write_text(page(run, table, blame, figs, pred, val,
                                          recovery_section(run_dir, out)
-                                         + profile_section(run_dir)))
+                                         + profile_section(run_dir), mix,
+                                         hang_report(out)))
     return out
 
 
@@ -293,15 +306,7 @@ def validation_losses(run_dir: Path) -> dict | None:
     steps = sorted(rows)
     per = {s: rows[s].get("val_loss_by_source") or {} for s in steps}
     names = list(dict.fromkeys(n for s in steps for n in per[s]))
-    weights: dict[str, float] = {}
-    try:
-        from myria.data.mixture import parse_sources
-
-        cfg = json.loads((run_dir / rundir.CONFIG).read_text())
-        spec = (cfg.get("data") or {}).get("sources") or ""
-        weights = {src.name: src.weight for src in parse_sources(spec)} if spec else {}
-    except (OSError, ValueError, MyriaError):
-        pass   # no or unreadable config: the losses without the weights
+    weights = validation_weights(run_dir)
     return {"steps": steps, "val_loss": [rows[s]["val_loss"] for s in steps],
             "by_source": {n: [per[s].get(n) for s in steps] for n in names},
             "weights": {n: weights[n] for n in names if n in weights}}
@@ -383,6 +388,124 @@ def validation_html(val: dict | None) -> str:
 <table id="val-by-source"><tr><th>{'source' if names else ''}</th><th>weight</th>
 <th>first</th><th>last</th><th>best</th><th>change</th></tr>{summary}</table>
 <table id="val-steps"><tr><th>step{shown}</th>{head}</tr>{body}</table>"""
+
+
+# -- a hang: the supervisor's report/hang.json ------------------------------------------------
+
+def hang_report(out: Path) -> dict | None:
+    """The supervisor's merged hang report (report/hang.json), None when the run never hung."""
+    try:
+        rep = json.loads((out / "hang.json").read_text())
+    except (OSError, ValueError):
+        return None
+    return rep if isinstance(rep, dict) and "stuck" in rep else None
+
+
+def hang_html(rep: dict | None) -> str:
+    """The page's first section for a run that hung: the supervisor's own line (who is stuck,
+    where, what the others wait in) and each stuck rank's stack, innermost frame first."""
+    if rep is None:
+        return ""
+    from myria.observe.hang import summary_line
+
+    esc = html.escape
+    stacks = rep.get("stacks") or {}
+    blocks = ""
+    stuck = [str(r) for r in rep.get("stuck_ranks", [])]
+    for r in stuck + [str(r) for r in rep.get("silent_ranks", [])]:
+        frames = (stacks.get(r) or {}).get("main") or []
+        tool = (stacks.get(r) or {}).get("tool")
+        what = "stuck outside any collective" if r in stuck else "wrote nothing"
+        blocks += (f"<h3>rank {esc(r)}: {what}" + (f" (stack by {esc(tool)}, innermost "
+                                                     "first)" if frames else " (no stack)")
+                   + "</h3>" + (f"<pre class=stack>{esc(chr(10).join(frames))}</pre>"
+                                if frames else ""))
+    coll = rep.get("collective") or {}
+    for r in coll.get("ranks", []):
+        frames = (stacks.get(str(r)) or {}).get("main") or []
+        if frames:
+            blocks += (f"<h3>rank {r}: waits in {esc(str(coll.get('name')))}</h3>"
+                       f"<pre class=stack>{esc(chr(10).join(frames[:8]))}</pre>")
+    rep = {**rep, "stuck": {int(k): v for k, v in rep["stuck"].items()}}
+    return (f"<h2 id=hang>The run hung</h2><p><b>{esc(summary_line(rep))}</b> (the "
+            "supervisor's hang report, <code>hang.json</code>). The blame below covers the "
+            f"steps every rank completed, before the hang.</p>{blocks}")
+
+
+# -- training figures per source of a data mixture -------------------------------------------
+
+MIX_FILE = "mixture.json"
+
+
+def training_by_source(run_dir: Path) -> dict | None:
+    """A data mixture's training figures from metrics.jsonl: per source, the samples, tokens
+    and epochs read up to the last logged step, the share of samples against the weight (the
+    deviation in samples, under one by the mixture's order) and the training loss at the first
+    and last step that measured it. None for a run on one directory."""
+    rows = [r for r in _metrics(run_dir) if isinstance(r.get("samples_by_source"), dict)]
+    if not rows:
+        return None
+    last = rows[-1]
+    total = sum(last["samples_by_source"].values())
+    weights = validation_weights(run_dir)
+    wsum = sum(weights.values()) or 1.0
+    lossed = [r for r in rows if isinstance(r.get("loss_by_source"), dict)]
+    out = {"step": last["step"], "samples": total, "sources": {}}
+    for n, c in last["samples_by_source"].items():
+        w = weights.get(n)
+        first_loss = next((r["loss_by_source"][n] for r in lossed if n in r["loss_by_source"]),
+                          None)
+        last_loss = next((r["loss_by_source"][n] for r in reversed(lossed)
+                          if n in r["loss_by_source"]), None)
+        out["sources"][n] = {
+            "weight": w, "samples": c, "tokens": last["tokens_by_source"].get(n),
+            "epochs": (last.get("epochs_by_source") or {}).get(n),
+            "share": c / total if total else None,
+            "off_by_samples": None if w is None else round(c - total * w / wsum, 4),
+            "first_loss": first_loss, "last_loss": last_loss}
+    return out
+
+
+def validation_weights(run_dir: Path) -> dict[str, float]:
+    """Each source's weight from the run's config.json (`data.sources`); {} without one."""
+    try:
+        from myria.data.mixture import parse_sources
+
+        cfg = json.loads((run_dir / rundir.CONFIG).read_text())
+        spec = (cfg.get("data") or {}).get("sources") or ""
+        return {src.name: src.weight for src in parse_sources(spec)} if spec else {}
+    except (OSError, ValueError, MyriaError):
+        return {}   # no or unreadable config: the figures without the weights
+
+
+def mixture_line(mix: dict) -> str:
+    """One line: each source's share of the samples against its weight, and its last loss."""
+    parts = []
+    for n, x in mix["sources"].items():
+        w = "" if x["weight"] is None else f" (weight {x['weight']:g})"
+        loss = "" if x["last_loss"] is None else f", loss {x['last_loss']:.4f}"
+        parts.append(f"{n} {x['samples']:,} samples = {x['share']:.4f}{w}{loss}")
+    return f"training by source to step {mix['step']}: " + "; ".join(parts)
+
+
+def mixture_html(mix: dict | None) -> str:
+    if mix is None:
+        return ""
+    esc = html.escape
+
+    def f(x, spec=".4f") -> str:
+        return "-" if x is None else format(x, spec)
+
+    body = "".join(
+        f"<tr><td>{esc(n)}</td><td>{f(x['weight'], 'g')}</td><td>{x['samples']:,}</td>"
+        f"<td>{f(x['tokens'], ',')}</td><td>{f(x['share'])}</td>"
+        f"<td>{f(x['off_by_samples'], '+.2f')}</td><td>{f(x['epochs'], '.3f')}</td>"
+        f"<td>{f(x['first_loss'])}</td><td>{f(x['last_loss'])}</td></tr>"
+        for n, x in mix["sources"].items())
+    return f"""<h2>Training per source</h2><p>{esc(mixture_line(mix))}.</p>
+<table id="train-by-source"><tr><th>source</th><th>weight</th><th>samples</th><th>tokens</th>
+<th>share</th><th>samples off the weight</th><th>epochs</th><th>first loss</th>
+<th>last loss</th></tr>{body}</table>"""
 
 
 # -- the model's prediction ------------------------------------------------------------------
@@ -506,11 +629,15 @@ def prediction_line(pred: dict) -> str:
 # -- the page --------------------------------------------------------------------------------
 
 def page(run: Run, table: dict, blame: dict, figs: dict[str, str], pred: dict | None,
-         val: dict | None = None, recovery: str = "") -> str:
-    """The report's HTML; `recovery` is `recovery_section`'s (goodput and recoveries)."""
+         val: dict | None = None, recovery: str = "", mix: dict | None = None,
+         hang: dict | None = None) -> str:
+    """The report's HTML; `recovery` is `recovery_section`'s (goodput and recoveries), `hang`
+    the supervisor's hang report. A rank is marked red only where the evidence names it: it
+    stands out of the noise, or the hang report finds it stuck."""
     esc = html.escape
+    red = set(blame["standout_ranks"]) | {int(r) for r in (hang or {}).get("stuck_ranks", [])}
     rows = "".join(
-        f"<tr{' class=hot' if r['rank'] == blame['most_blamed_rank'] else ''}>"
+        f"<tr{' class=hot' if r['rank'] in red else ''}>"
         f"<td>{r['rank']}</td><td>{esc(coord_label({'coord': r['coord']}))}</td>"
         f"<td>{esc(r['host'])}</td><td>{r['compute_s']:.3f}</td><td>{r['blamed_s']:.3f}</td>"
         f"<td>{r.get('last_arrival_s', 0.0):.3f}</td>"
@@ -548,8 +675,10 @@ def page(run: Run, table: dict, blame: dict, figs: dict[str, str], pred: dict | 
     standout = (f"rank(s) {blame['standout_ranks']} stand out" if blame["standout_ranks"]
                 else "no rank stands out of the noise")
     whatif = blame["whatif_saving_s"]
+    most = (f"<b>{blame['most_blamed_rank']}</b>" if blame["standout_ranks"] else
+            str(blame["most_blamed_rank"]))
     summary = f"""<p>{len(run.ranks)} rank(s) of {run.world}, {blame['steps']} step(s) analysed
-(first step excluded as warm-up). Most blamed rank: <b>{blame['most_blamed_rank']}</b>; {standout}
+(first step excluded as warm-up). Most blamed rank: {most}; {standout}
 (noise {blame['noise_s']:.3f} s). If it ran at its peers' median speed the steps would have
 taken {whatif:.3f} s less in total.</p>
 <h2>Blame: who waited on whom</h2>
@@ -564,10 +693,12 @@ taken {whatif:.3f} s less in total.</p>
     return f"""<!doctype html><html><head><meta charset="utf-8"><title>myria report</title>
 <style>body{{font-family:sans-serif;margin:2em;max-width:1200px}}table{{border-collapse:collapse;
 margin:1em 1em 1em 0}}td,th{{border:1px solid #ccc;padding:3px 8px;text-align:right}}
-tr.hot{{background:#fdd}}img{{max-width:100%}}.row{{display:flex;gap:2em}}</style></head><body>
+tr.hot{{background:#fdd}}pre.stack{{background:#f6f6f6;padding:.5em}}img{{max-width:100%}}.row{{display:flex;gap:2em}}</style></head><body>
 <h1>myria report: {esc(str(run.run_dir))}</h1>
+{hang_html(hang)}
 {summary}
 {img}
+{mixture_html(mix)}
 {validation_html(val)}
 {strag_html}
 <h2>Predicted beside measured</h2>{pred_html}

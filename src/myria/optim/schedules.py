@@ -1,4 +1,6 @@
-"""Learning-rate schedules: linear warm-up, then cosine, linear or constant decay.
+"""Learning-rate schedules: linear warm-up, then cosine, linear or constant decay, or
+warmup-stable-decay (wsd: the peak until the last `decay_fraction` of the horizon, then linear
+to the minimum; Hu et al. 2024, MiniCPM).
 
 `lr_lambda` is the multiplier of the peak learning rate for an optimizer step; `LambdaLR`
 calls it with the index of the step about to run (0 for the first step). Warm-up reaches the
@@ -14,17 +16,18 @@ import math
 from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LambdaLR
 
-from myria.config import OptimizerConfig
+from myria.config import OptimizerConfig, decay_start
 
-SCHEDULES = ("cosine", "linear", "constant")
+SCHEDULES = ("cosine", "linear", "constant", "wsd")
 
 
 def lr_lambda(step: int, warmup: int, total: int, schedule: str = "cosine",
-              min_ratio: float = 0.0) -> float:
+              min_ratio: float = 0.0, decay_fraction: float = 0.2) -> float:
     """Learning-rate multiplier for 0-based optimizer step `step`.
 
     Steps 0..warmup-1 rise linearly as (step+1)/warmup. From `warmup` on, the multiplier goes
-    from 1 to `min_ratio` at step `total` (cosine or linear), or stays 1 (constant).
+    from 1 to `min_ratio` at step `total` (cosine or linear), or stays 1 (constant); wsd stays
+    1 until `total - decay_fraction x total`, then falls linearly to `min_ratio` at `total`.
     """
     if schedule not in SCHEDULES:
         raise ValueError(f"unknown lr schedule {schedule!r}; valid: {', '.join(SCHEDULES)}")
@@ -32,7 +35,10 @@ def lr_lambda(step: int, warmup: int, total: int, schedule: str = "cosine",
         return (step + 1) / warmup
     if schedule == "constant":
         return 1.0
-    progress = min(1.0, (step - warmup) / max(1, total - warmup))
+    start = decay_start(schedule, warmup, total, decay_fraction)
+    if step < start:   # wsd's stable phase
+        return 1.0
+    progress = min(1.0, (step - start) / max(1, total - start))
     if schedule == "cosine":
         return min_ratio + (1.0 - min_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
     return min_ratio + (1.0 - min_ratio) * (1.0 - progress)
@@ -41,7 +47,7 @@ def lr_lambda(step: int, warmup: int, total: int, schedule: str = "cosine",
 def _multiplier(cfg: OptimizerConfig, total_steps: int):
     return functools.partial(lr_lambda, warmup=cfg.warmup_steps,
                              total=cfg.decay_steps or total_steps, schedule=cfg.schedule,
-                             min_ratio=cfg.min_lr_ratio)
+                             min_ratio=cfg.min_lr_ratio, decay_fraction=cfg.decay_fraction)
 
 
 def build_scheduler(optimizer: Optimizer, cfg: OptimizerConfig, total_steps: int) -> LambdaLR:

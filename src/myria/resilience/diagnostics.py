@@ -207,7 +207,9 @@ def _worker(rank: int, cfg: dict[str, Any], q: Any) -> None:
             torch.backends.cuda.matmul.allow_fp16_reduced_precision_reduction = False
         else:
             device = torch.device("cpu")
-        timeout = _dt.timedelta(seconds=max(1.0, cfg["deadline"] - time.time()))
+        # a rank waits for another's checks (one at a time on a CPU) as long as the collector
+        # waits without progress: on a busy host those take long, which is no fault
+        timeout = _dt.timedelta(seconds=max(1.0, cfg["quiet_s"]))
         phase = "rendezvous"
         _put(q, "phase", rank, phase)
         store = dist.TCPStore("127.0.0.1", cfg["port"], is_master=False, timeout=timeout)
@@ -338,6 +340,8 @@ def run_diagnostics(nproc: int = 2, expected: dict[str, float] | None = None,
     """
     import multiprocessing as mp
 
+    if not isinstance(nproc, int) or nproc < 1:   # answered before torch is imported
+        raise ConfigError(f"nproc={nproc!r}: must be an integer >= 1 (local ranks)")
     import torch
 
     t_start = time.time()
@@ -401,6 +405,7 @@ def run_diagnostics(nproc: int = 2, expected: dict[str, float] | None = None,
         nproc=nproc, device=device, backend=backend, dtype=dtype, threads=threads,
         faults=[asdict(f) for f in fault_list], expected=values, sources=sources,
         tolerance=tolerance, collectives=list(collectives), deadline=deadline - 2,
+        quiet_s=timeout_s,
         gemm_s=gemm_seconds if gemm_seconds is not None else (0.5 if device == "cpu" else 1.0),
     )
     ctx = mp.get_context("spawn")
@@ -473,17 +478,45 @@ def _learn(checks: list[Check], sources: dict[str, str], dtype: str, threads: in
             record_samples(figure, threads, values)
 
 
+def _working(procs: dict[Any, Any], ranks: set, seen: dict[Any, float],
+             min_cpu_s: float = 0.05) -> bool:
+    """Whether a local rank used CPU time since the last look (Linux /proc; False where it
+    cannot be read): a rank waiting in a collective or a deadlock uses none."""
+    busy = False
+    for k in ranks:
+        pid = getattr(procs[k], "pid", None)
+        try:
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        t = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+        if k in seen and t - seen[k] >= min_cpu_s:
+            busy = True
+        if k not in seen or t - seen[k] >= min_cpu_s:
+            seen[k] = t
+    return busy
+
+
 def _collect(procs: dict[Any, Any], q: Any, release: Any, nproc: int,
              deadline: float) -> list[Check]:
-    """Read worker messages until every worker is done, failed, or the deadline passes."""
+    """Read worker messages until every worker is done, failed, or the deadline passes. The
+    deadline counts time without progress: each phase or check a local rank reports, and CPU
+    time a local rank used, moves it on by its length (a busy host is slow, not hung), until a
+    rank fails."""
     checks: list[Check] = []
     phase = {k: "startup" for k in procs}
     pending = set(procs)
     errors: dict[Any, str] = {}
     local_deadline = deadline
+    quiet_s = max(0.0, deadline - time.time())
+    cpu: dict[Any, float] = {}
     while pending:
         now = time.time()
         local_pending = pending & set(range(nproc))
+        if not errors and _working(procs, local_pending, cpu):
+            # starting up (importing torch) or computing on a busy host: slow, not hung
+            local_deadline = max(local_deadline, now + quiet_s)
+            deadline = max(deadline, local_deadline)
         if local_pending and now >= local_deadline:
             for k in local_pending:     # hung (or waiting on a failed rank): stop them
                 errors.setdefault(k, f"did not finish in time: still in {phase[k]}")
@@ -506,6 +539,9 @@ def _collect(procs: dict[Any, Any], q: Any, release: Any, nproc: int,
                     if k != "neighbor":
                         local_deadline = min(local_deadline, time.time() + 5)
             continue
+        if kind in ("phase", "check") and who != "neighbor" and not errors:
+            local_deadline = max(local_deadline, time.time() + quiet_s)
+            deadline = max(deadline, local_deadline)
         if kind == "phase":
             phase[who] = payload[0]
         elif kind == "check":
@@ -594,7 +630,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="local collectives to test (comma-separated: all_reduce, "
                              "all_to_all, all_gather, reduce_scatter)")
     parser.add_argument("--timeout", type=float, default=60.0,
-                        help="seconds before a hung check counts as failed (default 60)")
+                        help="seconds without progress (no check or phase finished) before a "
+                        "rank counts as hung and fails (default 60)")
     parser.add_argument("--json", default=None, metavar="PATH",
                         help="write the JSON report here ('-' prints it to stdout and the table "
                              "to stderr)")

@@ -109,17 +109,21 @@ def run(args) -> int:
     from myria import faults, rundir
     from myria.data.mixture import open_dataset
     from myria.layout import Layout
-    from myria.train.distributed import device_type
     from myria.train.preflight import check_nproc, check_run, preflight
 
     faults.parse(os.environ.get("MYRIA_FAULT"))  # a bad test hook: one line, no restarts
-    check_nproc(args.nproc, device_type(cfg.training.device))   # one line each, before anything
+    # one line each, before anything; what needs torch (seconds to import) comes last
+    if args.nproc < 1 or cfg.training.device == "cpu":
+        check_nproc(args.nproc, "cpu")
+    data = open_dataset(cfg.data, cfg.model.seq_len, verify=False)
     if done := preflight(cfg, args.run_dir, None):
         print(done)
         return 0
+    from myria.train.distributed import device_type
     from myria.train.trainer import check_vocab
 
-    check_vocab(cfg, open_dataset(cfg.data, cfg.model.seq_len, verify=False))
+    check_nproc(args.nproc, device_type(cfg.training.device))
+    check_vocab(cfg, data)
     check_run(cfg, Layout.resolve(cfg.parallel, args.nproc * min_nodes),
               device_type(cfg.training.device))
     from myria.resilience import injob
@@ -910,6 +914,13 @@ class Supervisor:
                                  faults=spec, peer_hosts=[self.host])
         out = report.write_json(self.run_dir / rundir.DIAGNOSTICS_DIR /
                                 f"{self.host}-attempt{self.attempt}.json")
+        if not spec:   # the host's record (as `myria doctor`'s): every run directory reuses it
+            from myria.resilience.diagnostics import default_report_path
+
+            try:
+                report.write_json(default_report_path(self.host))
+            except OSError as e:
+                log.warning("diagnostics not recorded in the host cache: %s", e)
         f.diagnostics.append(report.summary)
         f.action.append(f"diagnostics: {'pass' if report.passed else 'FAIL'}")
         log.info("diagnostics %s (report %s)", report.summary, out)
@@ -1017,6 +1028,7 @@ class Supervisor:
             "target_steps": self.cfg.training.steps, "start_step": max(0, start),
             "final_step": final, "steps_trained": steps,
             "restarts": sum(1 for f in self.faults if f.restarted_at),
+            "attempts": self.attempt,   # after the first: restarts, in-job shrinks and grows
             "wall_s": round(wall, 3), "productive_s": round(productive, 3),
             "mean_step_s": round(kept / steps, 4) if steps else 0.0,
             "effective_training_time_ratio": round(ettr_ledger, 4),
@@ -1039,9 +1051,12 @@ class Supervisor:
             path = write_part_and_merge(self.run_dir, s)
         else:
             atomic_write(path, json.dumps(s, indent=1))
-        log.info("summary: %s at step %s/%s after %d restart(s); wall %.1f s, training %.1f s, "
-                 "effective training time ratio %s; %s", s["status"], s["final_step"],
-                 s["target_steps"], s["restarts"], s["wall_s"], s["productive_s"],
+        kinds = [r["kind"] for r in s.get("resizes", [])]
+        resized = (f"; {s['attempts']} attempt(s) after the first ({kinds.count('shrink')} "
+                   f"shrink, {kinds.count('grow')} grow)" if kinds else "")
+        log.info("summary: %s at step %s/%s after %d restart(s)%s; wall %.1f s, training %.1f "
+                 "s, effective training time ratio %s; %s", s["status"], s["final_step"],
+                 s["target_steps"], s["restarts"], resized, s["wall_s"], s["productive_s"],
                  s["effective_training_time_ratio"], path)
         for f in s["faults"]:
             back = (f"fault to first resumed step {f['fault_to_first_step_s']} s; lost steps "

@@ -229,7 +229,7 @@ def decode_state_bytes(cfg, batch: int, context: int, elem_bytes: int = 2, tp: i
     head_dim x head_dim state per head (plus linear attention's normaliser); Griffin's
     recurrent block: its RG-LRU state and the last 3 convolution inputs (constant); Gated
     DeltaNet and Mamba-2: `ssm_state_elements` (constant).
-    Matches `myria.generate.KVCache.nbytes` (tested); heads and channels split over tp.
+    Matches `myria.models.decode.KVCache.nbytes` (tested); heads and channels split over tp.
     """
     from myria.models.flops import layer_kind
 

@@ -93,6 +93,7 @@ from myria.errors import CheckpointError
 from myria.fsutil import atomic_write, file_crc32, link_or_copy
 from myria.fsutil import fsync_dir as _fsync_dir
 from myria.observe import events
+from myria.train.manifest import verify_dir
 
 
 class SnapshotMismatch(Exception):
@@ -411,27 +412,9 @@ class CheckpointManager:
         Sizes are always checked; with `checksums`, the CRC-32 of the files with index
         `i % part[1] == part[0]` (so that ranks can share the reading).
         """
-        try:
-            meta = json.loads((path / "meta.json").read_text())
-        except (OSError, ValueError) as e:
-            return f"meta.json unreadable ({e})"
-        files = meta.get("files", {})
-        for name, size in files.items():
-            f = path / name
-            if not f.exists():
-                return f"{name} is missing"
-            if f.stat().st_size != size:
-                return f"{name} has {f.stat().st_size} bytes, expected {size}"
-        sums = meta.get("checksums", {})
-        if checksums:
-            for i, name in enumerate(sorted(sums)):
-                if i % part[1] != part[0]:
-                    continue
-                crc, n = file_crc32(path / name)
-                self.verify_bytes += n
-                if crc != sums[name]:
-                    return f"{name} fails its checksum (CRC-32 {crc}, manifest {sums[name]})"
-        return None
+        reason, read = verify_dir(path, checksums, part)
+        self.verify_bytes += read
+        return reason
 
     def latest_valid(self) -> Path | None:
         """The newest checkpoint that verifies (one process); damaged ones are quarantined."""

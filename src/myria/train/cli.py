@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import os
 import shlex
+import time
 from pathlib import Path
 
 from myria import config as config_mod
@@ -32,6 +33,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "omit when launched by torchrun")
     p.add_argument("--stop-after", type=int, default=None, metavar="N",
                    help="stop cleanly after step N with a committed checkpoint")
+    p.add_argument("--max-time", metavar="DURATION", default=None,
+                   help="wall-time limit of this job, as a scheduler writes it (Slurm's "
+                   "[D-]HH:MM:SS or MM) or with a unit (90m, 2h, 3600s): stop cleanly with a "
+                   "committed checkpoint before it passes (training.max_time_s)")
     p.add_argument("--nnodes", type=int, default=1,
                    help="hosts, for --dry-run's placement report (launch across hosts with "
                    "torchrun or `myria supervise`)")
@@ -185,6 +190,11 @@ def run(args) -> int:
         args.overrides.append("--checkpoint.start_fresh=true")
     if args.allow_data_change:
         args.overrides.append("--checkpoint.allow_data_change=true")
+    if args.max_time is not None:
+        args.overrides.append(f"--training.max_time_s={parse_duration(args.max_time)}")
+    job_start = time.time()   # the wall-time limit's origin for the processes it starts
+    # Everything judged from the arguments, the config and the files comes before torch is
+    # imported (seconds on a loaded host): a mistake or a finished run answers at once.
     cfg = config_mod.load(args.config, args.overrides)
     from myria.interop import hf
 
@@ -199,12 +209,8 @@ def run(args) -> int:
             cfg, device_type(cfg.training.device))
         print(dry_run(cfg, world * args.nnodes, ranks_per_host=world))
         return 0
-    from myria.train.distributed import device_type
     from myria.train.launch import inside_launcher, launch_local, own_run_dir
 
-    launching = args.nproc and not inside_launcher()
-    if launching:
-        check_nproc(args.nproc, device_type(cfg.training.device))
     if cfg.training.eval_interval and cfg.parallel.pp > 1:
         _say(f"note: no validation loss (training.eval_interval = "
              f"{cfg.training.eval_interval} set to 0): evaluation under pipeline "
@@ -212,13 +218,25 @@ def run(args) -> int:
         cfg.training.eval_interval = 0
     if not args.run_dir:
         raise config_mod.ConfigError("--run-dir is required (where checkpoints and metrics go)")
+    launching = args.nproc and not inside_launcher()
     if not inside_launcher():
         # Check what we can before starting processes (or, for one process, before taking the
         # run directory), so bad input fails once and clearly and leaves no run directory behind.
         from myria.data.mixture import open_dataset
+
+        data = open_dataset(cfg.data, cfg.model.seq_len, verify=False)
+        if cfg.training.eval_interval:  # a split without one sample is refused now, not later
+            open_dataset(cfg.data, cfg.model.seq_len, split="val", verify=False)
+        if Path(args.run_dir).exists() and (done := preflight(cfg, args.run_dir,
+                                                              args.stop_after)):
+            _say(done)
+            return 0
+        from myria.train.distributed import device_type
         from myria.train.trainer import check_vocab
 
-        check_vocab(cfg, open_dataset(cfg.data, cfg.model.seq_len, verify=False))
+        if launching:
+            check_nproc(args.nproc, device_type(cfg.training.device))
+        check_vocab(cfg, data)
         check_run(cfg, Layout.resolve(cfg.parallel, args.nproc or 1),
                   device_type(cfg.training.device))
     done = preflight(cfg, args.run_dir, args.stop_after)
@@ -227,6 +245,7 @@ def run(args) -> int:
         return 0
     own_run_dir(args.run_dir)  # a second job on it is refused; workers stop with the launcher
     if launching:
+        os.environ.setdefault("MYRIA_JOB_START", str(job_start))
         launch_local(args.nproc, ["train", *_without_nproc(args.argv)])
         _summary(Path(args.run_dir))
         return 0
@@ -236,6 +255,35 @@ def run(args) -> int:
     if not inside_launcher():
         _summary(Path(args.run_dir))
     return 0
+
+
+def parse_duration(text: str, flag: str = "--max-time") -> float:
+    """Seconds of a duration: Slurm's forms (MM, MM:SS, HH:MM:SS, D-HH, D-HH:MM, D-HH:MM:SS)
+    or a number with a unit s, m, h or d."""
+    t = text.strip().lower()
+    try:
+        if t and t[-1] in "smhd" and t[:-1].replace(".", "", 1).isdigit():
+            value = float(t[:-1]) * {"s": 1, "m": 60, "h": 3600, "d": 86400}[t[-1]]
+        else:
+            days, dash, rest = t.rpartition("-")
+            if dash and not days:
+                raise ValueError
+            parts = [float(x) for x in rest.split(":")]
+            if days:   # D-HH[:MM[:SS]]
+                parts += [0.0] * (3 - len(parts))
+                h, m, sec = parts
+            else:      # MM, MM:SS or HH:MM:SS
+                h, m, sec = ([0.0] * (3 - len(parts)) + parts) if len(parts) > 1 else \
+                    (0.0, parts[0], 0.0)
+            if len(parts) > 3 or not all(x >= 0 for x in parts):
+                raise ValueError
+            value = float(days or 0) * 86400 + h * 3600 + m * 60 + sec
+    except ValueError:
+        value = -1.0
+    if not value > 0:
+        raise config_mod.ConfigError(f"{flag} {text!r}: expected a duration > 0 such as "
+                                     "'1:30:00', '90' (minutes, as Slurm), '90m' or '2h'")
+    return value
 
 
 def _say(line: str) -> None:

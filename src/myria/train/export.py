@@ -33,11 +33,13 @@ import argparse
 import json
 import os
 from pathlib import Path
-
-import torch
+from typing import TYPE_CHECKING
 
 from myria import rundir
 from myria.errors import CheckpointError, ConfigError
+
+if TYPE_CHECKING:
+    import torch
 
 FILES = ("model.safetensors", "config.json", "generation_config.json", "tokenizer.json",
          "tokenizer_config.json", "special_tokens_map.json")
@@ -123,6 +125,8 @@ def check_out(out: Path, force: bool) -> None:
 
 def to_hf_state_dict(sd: dict[str, torch.Tensor], m) -> dict[str, torch.Tensor]:
     """Rename myria parameter names to the Llama family's (myria.interop.hf.hf_name)."""
+    import torch
+
     from myria.interop.hf import hf_name
 
     return {hf_name(k): v.detach().to(torch.float32).contiguous() for k, v in sd.items()
@@ -240,6 +244,9 @@ def run(args) -> int:
     except CheckpointError:
         tmp.unlink(missing_ok=True)
         raise
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(tmp, 0o666 & ~umask)  # safetensors writes 0600; the other files follow the umask
     os.replace(tmp, out / "model.safetensors")
     _write(out / "tokenizer.json", tok_path.read_bytes())
     files = {"config.json": hf_config(m, specials), **hf_tokenizer_files(m, specials)}

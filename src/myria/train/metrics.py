@@ -32,6 +32,8 @@ class MetricsLogger:
         self._tb = None
         self._progress = None
         self._fh = None
+        self._t0 = time.monotonic()
+        self._first: tuple[int, float] | None = None   # (step, time) of the first row logged
         if not enabled:
             return
         run_dir.mkdir(parents=True, exist_ok=True)
@@ -64,13 +66,35 @@ class MetricsLogger:
             self.tracker.log(row)
         if self._tb is not None:
             for k, v in row.items():
-                if k != "step" and isinstance(v, (int, float)) and math.isfinite(v):
+                if k in NOT_SCALARS:
+                    continue
+                if isinstance(v, dict):   # a mixture's figures per source: train/KEY/SOURCE
+                    for name, x in v.items():
+                        if _finite(x):
+                            self._tb.add_scalar(f"train/{k}/{name}", x, row["step"])
+                elif _finite(v):
                     self._tb.add_scalar(f"train/{k}", v, row["step"])
         info = format_row(row)
         if self._progress is not None:
             self._progress.update(self._task, completed=row["step"], info=info)
+        else:   # a file (Slurm, nohup): the time the bar would show, in the line
+            print(f"step {row['step']:>6}/{self.total}  {info}  {self._times(row['step'])}",
+                  flush=True)
+
+    def _times(self, step: int) -> str:
+        """Elapsed time of this process's training and the time left at the pace of the
+        steps since the first logged row (start-up excluded), e.g. 'elapsed 0:12:03 left
+        1:40:10'."""
+        now = time.monotonic()
+        if self._first is None:
+            self._first = (step, now)
+        s0, t0 = self._first
+        if step > s0:
+            pace = (now - t0) / (step - s0)
         else:
-            print(f"step {row['step']:>6}/{self.total}  {info}", flush=True)
+            pace = (now - self._t0) / max(1, step - self.start)
+        left = max(0, self.total - step) * pace
+        return f"elapsed {_hms(now - self._t0)}  left {_hms(left)}"
 
     def log_eval(self, step: int, val_loss: float, by_source: dict | None = None) -> None:
         """The validation loss, and for a data mixture each source's (`val_loss_by_source`)."""
@@ -103,6 +127,19 @@ class MetricsLogger:
             self._tb.close()
         if self._fh is not None:
             self._fh.close()
+
+
+# Row fields that are not curves: wall-clock stamps and the attempt number.
+NOT_SCALARS = frozenset({"step", "time", "goodput_since", "attempt"})
+
+
+def _finite(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def _hms(seconds: float) -> str:
+    s = int(round(seconds))
+    return f"{s // 3600}:{s // 60 % 60:02d}:{s % 60:02d}"
 
 
 def set_aside_after(run_dir: Path, step: int) -> int:
@@ -142,7 +179,9 @@ def set_aside_after(run_dir: Path, step: int) -> int:
 def format_row(row: dict[str, Any]) -> str:
     mfu = row.get("mfu")
     mfu_s = f"{100 * mfu:5.1f}%" if mfu is not None else "  n/a"
-    return (f"loss {row['loss']:.4f}  {row['tokens_per_s']:,.0f} tok/s  MFU {mfu_s}  "
+    by = row.get("loss_by_source")
+    per = " (" + ", ".join(f"{n} {v:.4f}" for n, v in by.items()) + ")" if by else ""
+    return (f"loss {row['loss']:.4f}{per}  {row['tokens_per_s']:,.0f} tok/s  MFU {mfu_s}  "
             f"step {row['step_time_s'] * 1000:.0f} ms  data {row['data_wait_s'] * 1000:.1f} ms  "
             f"lr {row['lr']:.2e}  gnorm {row['grad_norm']:.3f}")
 

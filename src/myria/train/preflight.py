@@ -16,13 +16,14 @@ from myria import config as config_mod
 from myria import rundir
 from myria.config import Config
 from myria.layout import Layout
-from myria.offload.tier import check_budget
 
 
 def check_run(cfg: Config, layout: Layout, device_type: str = "cpu",
               shrunk: bool = False) -> None:
     """Everything to refuse before a worker starts: the layout's rules (`Layout.check`) and
     the offload tier's memory budget."""
+    from myria.offload.tier import check_budget  # torch: after the config is judged
+
     layout.check(cfg, device_type, shrunk=shrunk)
     check_budget(cfg, layout, device_type)
 
@@ -99,10 +100,9 @@ def preflight(cfg: config_mod.Config, run_dir: str | Path, stop_after: int | Non
     config_mod.resume_changes(prev, copy.deepcopy(cfg), step)
     if step < cfg.training.steps and (stop_after is None or stop_after > step):
         return None
-    from myria.train.checkpoint import CheckpointManager
+    from myria.train.manifest import verify_dir
 
-    if not cfg.checkpoint.resume_from and \
-            CheckpointManager(run_dir / rundir.CHECKPOINTS).verify(ckpt) is not None:
+    if not cfg.checkpoint.resume_from and verify_dir(ckpt)[0] is not None:
         return None  # damaged: the trainer quarantines it, says so and resumes an older one
     if step >= cfg.training.steps:
         return (f"{run_dir}: already trained to step {step} of training.steps = "

@@ -272,8 +272,13 @@ class InJob:
             self.failed_at = 0.0
             return False
         lost = self._get("lost", "[]")
-        log.warning("rank %s: %s; the supervisor replaces rank(s) %s: joining attempt %d "
-                    "in-job", os.environ.get("RANK", "?"), _first_line(error), lost, nxt)
+        members = json.loads(self._get(f"members{nxt}", "null"))
+        what = (f"the run goes on without rank(s) {lost} ({len(members)} of "
+                f"{self.full_world} ranks, no spare ready)"
+                if members is not None and len(members) < self.full_world else
+                f"the supervisor replaces rank(s) {lost}")
+        log.warning("rank %s: %s; %s: joining attempt %d in-job", os.environ.get("RANK", "?"),
+                    _first_line(error), what, nxt)
         self.attempt = nxt
         os.environ["TORCHELASTIC_RESTART_COUNT"] = str(nxt)
         self._take_rank(nxt)

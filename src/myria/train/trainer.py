@@ -20,6 +20,7 @@ and builds the run again from the peers' memory.
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import json
 import logging
@@ -38,13 +39,14 @@ from myria.compat import torch_note
 from myria.config import Config
 from myria.data import fingerprint
 from myria.data.dataset import TokenDataset
-from myria.data.mixture import MixtureDataset, open_dataset
+from myria.data.mixture import MixtureDataset, open_dataset, source_counts
 from myria.device import local_peak_tflops
-from myria.errors import CheckpointError, ConfigError
+from myria.errors import CheckpointError, ConfigError, DataError
 from myria.faults import FaultInjector
 from myria.fsutil import atomic_write
 from myria.layout import Layout
 from myria.models.flops import model_flops_per_token
+from myria.models.loss import record_row_losses
 from myria.observe import events, goodput, hang, tracking
 from myria.parallel.data import make_loader, write_read_counts
 from myria.parallel.dims import ParallelDims
@@ -140,6 +142,7 @@ def _train(cfg: Config, run_dir: Path, env, stop_after: int | None,
             losses.append(done.loss)
             run.after_step(step, done)   # heartbeat, metrics row, evaluation
             hb.phase("stop-check")
+            run.stop_before_time_limit(step)
             preempted = run.stop.agreed()
             stopping = preempted or (stop_after is not None and step >= stop_after)
             if run.ckpt.should_save(step, last=step == t.steps, stopping=stopping):
@@ -168,6 +171,26 @@ def _train(cfg: Config, run_dir: Path, env, stop_after: int | None,
             gc.enable()
 
 
+# The job's start (seconds since the epoch), set by `myria train` for the processes it starts:
+# the wall-time limit counts from it. Without it, from this process's start.
+JOB_START_ENV = "MYRIA_JOB_START"
+
+
+def _process_start() -> float:
+    """This process's start (seconds since the epoch), from /proc; else the import of this
+    module."""
+    try:
+        ticks = int(Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()[19])
+        boot = next(float(x.split()[1]) for x in Path("/proc/stat").read_text().splitlines()
+                    if x.startswith("btime "))
+        return boot + ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError, StopIteration):
+        return time.time()
+
+
+PROCESS_START = _process_start()
+
+
 @dataclass
 class StepDone:
     """What one optimizer step reports to the loop."""
@@ -176,6 +199,7 @@ class StepDone:
     grad_norm: float
     lr: float
     applied: bool   # False: skipped (a numerical fault) or rolled back
+    by_source: dict[str, float] | None = None   # a mixture's training loss per source
 
 
 def train_step(run: Run, step: int) -> StepDone:
@@ -185,20 +209,25 @@ def train_step(run: Run, step: int) -> StepDone:
     engine, guard, hb, rec, t = run.engine, run.guard, run.hb, run.rec, run.cfg.training
     rec.step = step + 1
     step_ev = rec.begin("step", "step")  # left open if the step raises (the exception dump)
+    hb.phase("step-start")  # a rank held here is not said to be in the previous checkpoint
     run.faults.at_step_start(step)
     train_this = guard.before(step)
     with hb.phase("data"):
         batch = next(run.loader)
     apply = False
     loss = grad_norm = float("nan")
+    by_source = None
     if train_this:  # else: a batch skipped after a numerical-fault rollback
         hb.phase("forward-backward")
-        loss_sum = engine.forward_backward(batch.inputs, batch.targets)
+        per_source = per_source_due(run, step + 1)
+        with record_row_losses() if per_source else contextlib.nullcontext() as rows:
+            loss_sum = engine.forward_backward(batch.inputs, batch.targets)
         guard.after_backward(step)
         with hb.phase("grad-clip"):
             grad_norm = engine.clip_grads(t.grad_clip)
         with rec.span("loss_mean", "compute"):
             loss = engine.mean_over_dp(loss_sum)
+            by_source = source_losses(run, batch, rows) if per_source else None
         apply = guard.judge(step + 1, loss_sum, loss, grad_norm, batch)
     with hb.phase("snapshot-wait"):
         run.ckpt.before_update()  # an overlapped snapshot must be copied before weights change
@@ -212,7 +241,38 @@ def train_step(run: Run, step: int) -> StepDone:
     hb.phase("peer-snapshot")
     run.peers.after_step(step + 1)  # this rank's state into its ring neighbour's memory
     rec.end(step_ev)
-    return StepDone(loss, grad_norm, lr, apply)
+    return StepDone(loss, grad_norm, lr, apply, by_source)
+
+
+def per_source_due(run: Run, step: int) -> bool:
+    """Whether step `step` measures a mixture's training loss per source: on the steps that
+    log a metrics row, where the loss is the fused one (tensor and pipeline parallelism compute
+    it otherwise), the same answer on every rank."""
+    t = run.cfg.training
+    return (isinstance(run.dataset, MixtureDataset) and run.engine.dims.tp == 1
+            and run.engine.dims.pp == 1
+            and (step % run.cfg.logging.interval == 0 or step == t.steps))
+
+
+def source_losses(run: Run, batch, rows: list[torch.Tensor]) -> dict[str, float]:
+    """Mean training loss per source of this step's global batch: every rank's per-token losses
+    (its samples, its share of each sequence under context parallelism) summed by source."""
+    ds, engine = run.dataset, run.engine
+    k = len(ds.sources)
+    sums = torch.zeros(2 * k, dtype=torch.float64)
+    n = len(batch.indices)
+    if rows and n:
+        per_sample = torch.cat(rows).double().reshape(n, -1)
+        src = torch.as_tensor(ds.source_of(batch.indices))
+        sums[:k].index_add_(0, src, per_sample.sum(1))
+        sums[k:].index_add_(0, src, torch.full((n,), float(per_sample.shape[1]),
+                                                 dtype=torch.float64))
+    sums = sums.to(engine.device)
+    if engine.dims.loss_group is not None:
+        dist.all_reduce(sums, group=engine.dims.loss_group)
+    sums = sums.cpu()
+    return {s.name: float(sums[i] / sums[k + i]) for i, s in enumerate(ds.sources)
+            if sums[k + i] > 0}
 
 
 @dataclass
@@ -243,6 +303,8 @@ class Run:
     val: Any = None            # the validation split, opened at the first evaluation
     peers: Any = None          # resilience.peer: this rank's state held by its neighbour
     profiler: Any = None       # train.profiling: the [profiling] window
+    last_step_s: float = 0.0      # the wall-time limit's estimate of the next step
+    longest_save_s: float = 0.0   # ... and of the checkpoint after it
 
     @classmethod
     def build(cls, cfg: Config, run_dir: Path, env, hb: heartbeat.Heartbeat,
@@ -303,6 +365,12 @@ class Run:
             print(f"training {t.steps} steps from step {start_step} on {env.world_size} x "
                   f"{env.device.type} (layout {layout.short()}, {threads or '-'} threads/rank); "
                   f"peak {peak and round(peak, 3)} TFLOP/s ({peak_source})", flush=True)
+            if m.document_mask:  # it changes the loss and the FLOPs: said where the run starts
+                print(f"document masking: attention stays inside each document (mean "
+                      f"{m.document_len or span} tokens"
+                      f"{' as configured' if m.document_len else ' of the data'}; positions "
+                      f"{'restart per document' if m.document_positions else 'run on'})",
+                      flush=True)
             if note := torch_note():  # another torch than the tested one: what it lacks
                 print(note, flush=True)
         sync = torch.cuda.synchronize if env.device.type == "cuda" else None
@@ -320,6 +388,7 @@ class Run:
         cfg, t = self.cfg, self.cfg.training
         self.hb.phase("metrics")
         dt = self.timer.lap()
+        self.last_step_s = dt
         self.since_logged += dt
         tps = t.global_batch * cfg.model.seq_len / dt
         self.hb.step_done(step, tps)
@@ -333,6 +402,7 @@ class Run:
                 "mfu": mfu(self.flops_per_token, tps, self.env.world_size, self.peak),
                 "time": time.time(), "interval_time_s": self.since_logged,
                 **({} if done.applied else {"skipped": True}),
+                **self.per_source(step, done),
             }))
             self.since_logged = 0.0
         if t.eval_interval and step % t.eval_interval == 0:
@@ -340,9 +410,47 @@ class Run:
             self.val = self.val or open_dataset(cfg.data, cfg.model.seq_len, split="val")
             self.metrics.log_eval(step, *evaluate_sources(self.engine, self.val, cfg))
 
+    def per_source(self, step: int, done: StepDone) -> dict[str, Any]:
+        """A mixture's figures per source for the metrics row of step `step`: samples and
+        tokens read from each source since step 0 (the mixture's order: within one sample of
+        the weights), the epochs they make, and this step's training loss per source."""
+        ds = self.dataset
+        if not isinstance(ds, MixtureDataset):
+            return {}
+        counts = source_counts(step, self.cfg.training.global_batch, ds.shares)
+        names = [s.name for s in ds.sources]
+        out: dict[str, Any] = {
+            "samples_by_source": dict(zip(names, map(int, counts), strict=True)),
+            "tokens_by_source": {n: int(c) * ds.seq_len for n, c in zip(names, counts,
+                                                                        strict=True)},
+            "epochs_by_source": {n: round(int(c) / int(size), 4)
+                                 for n, c, size in zip(names, counts, ds.sizes, strict=True)}}
+        if done.by_source:
+            out["loss_by_source"] = done.by_source
+        return out
+
+    def stop_before_time_limit(self, step: int) -> None:
+        """Ask the ranks to stop (agreed with a preemption's stop) when the job's wall-time
+        limit (`training.max_time_s`, counted from MYRIA_JOB_START, else this process's start)
+        would pass during the next step and the checkpoint after it, as measured here (the
+        last step, the longest save so far; a step's time for a save not yet measured)."""
+        limit = self.cfg.training.max_time_s
+        if not limit or step >= self.cfg.training.steps or self.stop.requested:
+            return
+        start = float(os.environ.get(JOB_START_ENV) or PROCESS_START)
+        need = self.last_step_s + max(self.longest_save_s, self.last_step_s)
+        if time.time() + need >= start + limit:
+            self.stop.requested = True
+            self.stop.signal_name = f"the wall-time limit (training.max_time_s = {limit:g})"
+
     def save(self, step: int) -> None:
         """Checkpoint step `step` (two-stage: this returns once the snapshot is taken)."""
         self.guard.check_replicas(step, force=True)  # never commit diverged replicas
+        t0 = time.perf_counter()
+        self._save(step)
+        self.longest_save_s = max(self.longest_save_s, time.perf_counter() - t0)
+
+    def _save(self, step: int) -> None:
         with self.hb.phase("checkpoint"):
             self.ckpt.save(step, self.engine, {
                 "scheduler": self.engine.scheduler_state(), "data": self.loader.state_dict(),
@@ -463,19 +571,29 @@ def write_checkpoint_stats(run_dir: Path, rank: int, ckpt: CheckpointManager,
 
 @torch.no_grad()
 def evaluate(engine: Engine, val: TokenDataset, cfg: Config) -> float:
-    """Mean loss over the first `data.eval_batches` global batches of the validation split."""
+    """Mean loss over the first `data.eval_batches` global batches of the validation split, or
+    over the whole split when it is smaller: every sample there is counted once, whatever the
+    number of data-parallel ranks."""
     dp_rank, dp_size, device = engine.dims.dp_rank, engine.dims.dp, engine.device
     g, mb = cfg.training.global_batch, cfg.training.micro_batch
-    # Every rank must run the same number of forwards (FSDP gathers in each), so round down.
-    n = min(val.num_samples, cfg.data.eval_batches * g) // (dp_size * mb) * (dp_size * mb)
+    n = min(val.num_samples, cfg.data.eval_batches * g)
+    if n < 1:
+        raise DataError(f"the validation split of {cfg.data.path or cfg.data.sources!r} has no "
+                        "sample to evaluate")
     idx = list(range(n))[dp_rank::dp_size]
+    # Every rank runs the same number of forwards (FSDP gathers in each, expert parallelism
+    # exchanges tokens): a rank whose share ran out runs sample 0 and does not count it.
+    forwards = -(-len(range(0, n, dp_size)) // mb)  # ceil(ceil(n / dp) / mb)
     total = torch.zeros((), device=device)
     count = torch.zeros((), device=device)
-    for s in range(0, len(idx), mb):
-        chunk = torch.as_tensor(val.get_many(idx[s:s + mb]), device=device)
-        total += engine.eval_loss(chunk[:, :-1], chunk[:, 1:]) * len(chunk)
-        count += len(chunk)
-    return engine.mean_over_dp(total) / max(engine.mean_over_dp(count), 1.0)
+    for f in range(forwards):
+        part = idx[f * mb:(f + 1) * mb]
+        chunk = torch.as_tensor(val.get_many(part or [0]), device=device)
+        loss = engine.eval_loss(chunk[:, :-1], chunk[:, 1:])
+        if part:
+            total += loss * len(part)
+            count += len(part)
+    return engine.mean_over_dp(total) / engine.mean_over_dp(count)
 
 
 def evaluate_sources(engine: Engine, val, cfg: Config) -> tuple[float, dict[str, float]]:

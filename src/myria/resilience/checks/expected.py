@@ -207,11 +207,17 @@ def host_load() -> dict[str, Any]:
     return {"load_average": load, "cores": os.cpu_count()}
 
 
-def judge(checks: list[Check]) -> list[Check]:
+def judge(checks: list[Check], load: dict | None = None) -> list[Check]:
     """Peers first, own history second: a throughput check that failed against this host's own
     measured history stays failed only when the rank is also below `tolerance` of the median of
-    its peers (the other local ranks' same check); with every peer as low, or no peer, it becomes
-    a warning with the evidence. Failures against configured or datasheet figures stand."""
+    its peers (the other local ranks' same check) on a host that is not oversubscribed; with
+    every peer as low, or no peer, or more runnable processes than cores (`load`, default the
+    host's: the ranks' checks ran at different moments of a varying load, so they are not
+    comparable), it becomes a warning with the evidence. Failures against configured or
+    datasheet figures stand."""
+    ev = load or host_load()
+    one_minute = (ev.get("load_average") or [0.0])[0]   # [1, 5, 15 minutes]
+    crowded = bool(ev.get("cores")) and one_minute > ev["cores"]
     out = []
     for c in checks:
         src = c.details.get("expected_source", "") if c.details else ""
@@ -221,13 +227,15 @@ def judge(checks: list[Check]) -> list[Check]:
         peers = [p.measured for p in checks if p.name == c.name and p.rank != c.rank
                  and p.measured is not None]
         tol = c.details.get("tolerance", DEFAULT_TOLERANCE)
-        ev = host_load()
         c.details.update(ev, peers=peers)
-        if peers and c.measured < tol * statistics.median(peers):
+        odd = bool(peers) and c.measured < tol * statistics.median(peers)
+        if odd and not crowded:
             c.reason += (f"; {pct(c.measured / statistics.median(peers))} of its peers' "
                          f"median {fmt(statistics.median(peers))}: this rank is the odd one out")
         else:
-            why = ("its peers read as low" if peers else "no peer to compare with")
+            why = ("its peers, measured at other moments of an oversubscribed host, are not "
+                   "comparable" if odd else
+                   "its peers read as low" if peers else "no peer to compare with")
             c.status = "warn"
             c.reason += (f"; {why} and the figure is this host's own history: a busy host reads "
                          f"low too (load {ev['load_average']} on {ev['cores']} cores), so this "
