@@ -43,3 +43,19 @@ def test_torch_free():
                           "print('torch' in sys.modules)"], capture_output=True, text=True,
                          check=True)
     assert out.stdout.strip() == "False"
+
+
+def test_pid_alive_sees_a_zombie_as_dead():
+    """A child that exited but was not reaped yet is a zombie: not alive, so a lock or a save
+    directory it owned can be taken over; a running process is alive."""
+    import time
+
+    assert fsutil.pid_alive(os.getpid())
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    deadline = time.time() + 30
+    while fsutil.pid_alive(child.pid) and time.time() < deadline:   # exits, stays unreaped
+        time.sleep(0.05)
+    assert not fsutil.pid_alive(child.pid)
+    assert os.path.exists(f"/proc/{child.pid}")   # still a zombie, not yet reaped
+    child.wait()
+    assert not fsutil.pid_alive(child.pid)

@@ -29,6 +29,7 @@ import time
 from pathlib import Path
 
 from myria.errors import MyriaError
+from myria.fsutil import atomic_write_json, pid_alive
 
 STATE_ENV = "MYRIA_CLUSTER_DIR"
 PREFIX = "myria-"            # namespace names: myria-sw, myria-login, myria-h0, ...
@@ -104,22 +105,7 @@ def read_state() -> dict:
 def _write_state(s: dict) -> None:
     d = state_dir()
     d.mkdir(parents=True, exist_ok=True)
-    tmp = d / "state.json.tmp"
-    tmp.write_text(json.dumps(s, indent=1))
-    tmp.replace(d / "state.json")
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    try:  # a zombie is not alive
-        return Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0] != "Z"
-    except OSError:
-        return False
+    atomic_write_json(d / "state.json", s)
 
 
 def slurm_conf() -> Path:
@@ -133,7 +119,7 @@ def hosts() -> list[str]:
 def is_up() -> bool:
     s = read_state()
     pids = [s.get("munged", 0), s.get("slurmctld", 0), *s.get("slurmd", {}).values()]
-    return bool(s.get("hosts")) and all(p and _alive(p) for p in pids)
+    return bool(s.get("hosts")) and all(p and pid_alive(p) for p in pids)
 
 
 # -- up --------------------------------------------------------------------------------------
@@ -348,7 +334,7 @@ def _pid_of(host: str) -> int:
     if host != LOGIN and host not in s.get("hosts", []):
         raise ClusterError(f"no host {host!r} in the emulated cluster; hosts: "
                            f"{', '.join([LOGIN, *s.get('hosts', [])]) or 'none (not up)'}")
-    if not pid or not _alive(pid):
+    if not pid or not pid_alive(pid):
         raise ClusterError(f"host {host} is down (its daemon is gone: killed, or the cluster "
                            "is not up)")
     return int(pid)
@@ -489,9 +475,9 @@ def down(quiet: bool = False) -> list[str]:
         except (ProcessLookupError, PermissionError):
             pass
     end = time.time() + 15
-    while time.time() < end and any(_alive(p) for p in pids):
+    while time.time() < end and any(pid_alive(p) for p in pids):
         time.sleep(0.1)
-    left = [p for p in pids if _alive(p)]
+    left = [p for p in pids if pid_alive(p)]
     for name in spaces:
         _sh("ip", "netns", "del", name, check=False)
         shutil.rmtree(Path("/etc/netns") / name, ignore_errors=True)
@@ -545,7 +531,7 @@ def run(args) -> int:
             return 0
         for h in [LOGIN, *s["hosts"]]:
             pid = s["slurmctld"] if h == LOGIN else s["slurmd"].get(h)
-            print(f"{h:<8} {'alive' if pid and _alive(pid) else 'DOWN'} "
+            print(f"{h:<8} {'alive' if pid and pid_alive(pid) else 'DOWN'} "
                   f"({'slurmctld' if h == LOGIN else 'slurmd'} pid {pid})")
         print(exec_on(LOGIN, ["sinfo"], capture=True).stdout.rstrip())
     elif a == "exec":

@@ -13,6 +13,7 @@ the top of its file (the supervisor, the event recorder, the data preparation, t
   systems refuse to open a directory).
 - `link_or_copy(src, dst)`: `dst` holds `src`'s bytes without reading them through this process.
 - `file_crc32(path)`: CRC-32 of a file and the bytes read.
+- `pid_alive(pid)`: whether a process of this host runs (a zombie does not).
 """
 
 from __future__ import annotations
@@ -91,3 +92,18 @@ def file_crc32(path: str | Path, chunk: int = _CHUNK) -> tuple[str, int]:
             crc = zlib.crc32(block, crc)
             n += len(block)
     return f"{crc:08x}", n
+
+
+def pid_alive(pid: int) -> bool:
+    """Whether process `pid` of this host is running: it exists (another user's counts) and is
+    not a zombie, which has exited and only waits for its parent to reap it."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[-1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return True   # no /proc here: os.kill found it

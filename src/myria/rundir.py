@@ -18,6 +18,8 @@ import sys
 import time
 from pathlib import Path
 
+from myria.fsutil import pid_alive
+
 CONFIG = "config.json"                      # the resolved config of the run (rank 0, at start)
 CONFIG_CHANGES = "config_changes.jsonl"     # fields changed on resume: step, field, old, new
 METRICS = "metrics.jsonl"                   # one row per logged step (rank 0)
@@ -93,16 +95,6 @@ def read_jsonl(path: str | Path) -> list[dict]:
 _held: dict[str, int] = {}   # lock path -> fd, in this process
 
 
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def _read_owner(fd: int) -> dict:
     try:
         os.lseek(fd, 0, os.SEEK_SET)
@@ -173,7 +165,7 @@ def lock(run_dir: str | Path, command: str, job: str = "") -> None:
     owner = _read_owner(fd)
     if owner.get("pid"):
         here = owner.get("host") == socket.gethostname()
-        gone = "is no longer running" if here and not _pid_alive(int(owner["pid"])) else \
+        gone = "is no longer running" if here and not pid_alive(int(owner["pid"])) else \
             "left it (it holds no lock)"
         print(f"myria: taking over the lock of {run_dir} from {_describe(owner)}, which {gone}",
               file=sys.stderr)

@@ -90,7 +90,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
 from myria.errors import CheckpointError
-from myria.fsutil import atomic_write, file_crc32, link_or_copy
+from myria.fsutil import atomic_write, file_crc32, link_or_copy, pid_alive
 from myria.fsutil import fsync_dir as _fsync_dir
 from myria.observe import events
 from myria.train.manifest import verify_dir
@@ -203,16 +203,6 @@ def _mib(n: int | None) -> str:
     if n is None:
         return "? MiB"
     return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def _world() -> tuple[int, int]:
@@ -381,7 +371,7 @@ class CheckpointManager:
             pid, _, where = owner.partition("@")
             pid = pid.partition("-")[0]
             if where == host and pid.isdigit():
-                stale = not _alive(int(pid))
+                stale = not pid_alive(int(pid))
             else:   # another host's, or a name without an owner
                 try:
                     stale = time.time() - p.stat().st_mtime > self.timeout_s
