@@ -32,7 +32,6 @@ import json
 import os
 import platform
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -41,6 +40,8 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 sys.path.insert(0, str(ROOT / "src"))
+sys.path.insert(0, str(HERE))
+from architectures import _cli  # noqa: E402  (the same `myria` runner as the other bench)
 
 SIZE = {"vocab_size": 1024, "layers": 4, "hidden": 128, "heads": 4, "chunk_size": 64}
 MODELS = {
@@ -52,15 +53,6 @@ CONTEXTS = (1024, 4096, 16384)
 # one thread per process: on a shared, oversubscribed CPU, every small kernel of a 2-thread
 # process waits for its second thread to be scheduled (the recurrent mixers run many)
 THREADS = 1
-
-
-def _cli(*args: str) -> subprocess.CompletedProcess:
-    env = dict(os.environ, PYTHONPATH=str(ROOT / "src"))
-    p = subprocess.run([sys.executable, "-m", "myria", *args], capture_output=True, text=True,
-                       env=env, cwd=ROOT)
-    if p.returncode:
-        raise SystemExit(f"myria {' '.join(args[:3])} failed:\n{p.stderr[-3000:]}")
-    return p
 
 
 def model_config(name: str, seq_len: int):
