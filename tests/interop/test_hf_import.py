@@ -168,14 +168,59 @@ def test_lr0_run_exports_the_imported_model(tmp_path, hf_models, tiny_data, kind
     assert ours == theirs
 
 
+def _checkpoint_tensors(run: Path, *names: str) -> list[torch.Tensor]:
+    """Tensors `names` of a run's newest checkpoint as saved, each read into its own tensor
+    (a tied model would share one)."""
+    import torch.distributed.checkpoint as dcp
+
+    from myria.train.export import load_checkpoint_model
+
+    model, _, path = load_checkpoint_model(run, None)
+    sd = {n: torch.empty_like(model.state_dict()[n]) for n in names}
+    dcp.load({"model": sd}, checkpoint_id=str(path),
+             planner=dcp.DefaultLoadPlanner(allow_partial_load=True))
+    return [sd[n] for n in names]
+
+
+def _assert_tied_and_exported(run: Path, out: Path, start: torch.Tensor | None) -> None:
+    """The run's checkpoint holds one embedding (the output layer equal to it), moved from
+    `start`, and transformers' logits of the export equal myria's of the checkpoint."""
+    from myria.train.export import load_checkpoint_model
+
+    emb, head = _checkpoint_tensors(run, "tok_embeddings.weight", "output.weight")
+    assert torch.equal(emb, head), "the output layer drifted from the tied embedding"
+    assert start is None or not torch.equal(emb, start), "the embedding did not train"
+    run_cli("export", "--run-dir", str(run), "--out", str(out))
+    model, _, _ = load_checkpoint_model(run, None)
+    tokens = torch.randint(0, 1024, (1, 48), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        ours = model.eval()(tokens)
+    assert (hf_logits(out, tokens) - ours).abs().max().item() < TOL
+
+
+@pytest.mark.parametrize("source", ["imported", "myria"])
+def test_tied_embeddings_stay_tied_in_training(tmp_path, hf_models, tiny_data, source):
+    """One process, lr > 0: an imported tied model (Qwen2) and a tied model of myria's own keep
+    one embedding matrix through training, and the export is the model that trained."""
+    d = hf_models["qwen2"]
+    model = ([f"--model.init_from={d}"] if source == "imported"
+             else ["--model.tie_embeddings=true"])
+    run = tmp_path / "run"
+    run_cli("train", "--run-dir", str(run), f"--data.path={tiny_data}", *TINY, *model,
+            "--optimizer.lr=1e-2", "--optimizer.warmup_steps=0", "--training.steps=2")
+    start = _tensors(d)["model.embed_tokens.weight"] if source == "imported" else None
+    _assert_tied_and_exported(run, tmp_path / "hf", start)
+
+
 @pytest.mark.slow
 def test_training_continues_from_an_imported_model(tmp_path, hf_models, tiny_data):
-    """Two ranks (FSDP) train a Mistral model onwards: the loss falls from its start."""
+    """Two ranks (FSDP) train a Qwen2 model (tied embeddings, q/k/v biases) onwards: the loss
+    falls from its start, the embedding stays tied and the export is the model that trained."""
     from tests.conftest import losses
 
-    run = tmp_path / "run"
+    run, d = tmp_path / "run", hf_models["qwen2"]
     run_cli("train", "--run-dir", str(run), f"--data.path={tiny_data}", *TINY, "--nproc", "2",
-            f"--model.init_from={hf_models['mistral']}", "--training.steps=12",
-            "--optimizer.lr=1e-2")
+            f"--model.init_from={d}", "--training.steps=12", "--optimizer.lr=1e-2")
     got = losses(run)
     assert got[12] < got[1] - 0.5, got
+    _assert_tied_and_exported(run, tmp_path / "hf", _tensors(d)["model.embed_tokens.weight"])

@@ -242,18 +242,19 @@ def load_weights(parts: list, d: str | Path, m: ModelConfig) -> int:
 
     d = Path(d)
     check_weights(d, m)
-    # Tied embeddings: HF keeps the embedding only. The output layer reads the same tensor,
-    # in a second load when materialising gave it a parameter of its own.
-    state, tied, held = {}, {}, 0
+    # Tied embeddings: HF keeps the embedding only, and so does the model (Transformer.to_empty
+    # keeps the output layer on the embedding's tensor, which named_parameters lists once).
+    state, held = {}, 0
     for part in parts:
         for name, p in part.named_parameters():
             name = plain_name(name)
-            out = m.tie_embeddings and name == "output.weight"
-            (tied if out else state)[hf_name("tok_embeddings.weight" if out else name)] = p
+            if m.tie_embeddings and name == "output.weight":
+                raise RuntimeError("tied embeddings came apart: the output layer has a "
+                                   "parameter of its own")
+            state[hf_name(name)] = p
             held += (p.to_local() if hasattr(p, "to_local") else p).nbytes
-    for sd in (state, tied) if tied else (state,):  # the same on every rank (no tp/pp)
-        with torch.no_grad(), warnings.catch_warnings():
-            warnings.filterwarnings("ignore", "torch.distributed is disabled")
-            dcp.load(sd, storage_reader=HuggingFaceStorageReader(str(d)),
-                     no_dist=not dist.is_initialized())
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "torch.distributed is disabled")
+        dcp.load(state, storage_reader=HuggingFaceStorageReader(str(d)),
+                 no_dist=not dist.is_initialized())
     return held

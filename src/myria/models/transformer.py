@@ -191,6 +191,17 @@ class Transformer(nn.Module):
         self.positions: torch.Tensor | None = None
 
     # -- initialisation -------------------------------------------------------------------
+    def to_empty(self, *, device, recurse: bool = True):
+        """nn.Module's, keeping tied embeddings one tensor: materialising gives every module a
+        parameter of its own, so the output layer is pointed back at the embedding's (FSDP2
+        swaps parameters in place and keeps them tied already)."""
+        super().to_empty(device=device, recurse=recurse)
+        if (self.cfg.tie_embeddings and self.output is not None
+                and self.tok_embeddings is not None
+                and self.output.weight is not self.tok_embeddings.weight):
+            self.output.weight = self.tok_embeddings.weight
+        return self
+
     def _init_rule(self, name: str) -> tuple[str, float]:
         """How parameter `name` is initialised: ('normal', std), ('ones', 0) or ('zeros', 0)."""
         ssm_rule = _ssm_init_rule(name)   # Gated DeltaNet and Mamba-2
