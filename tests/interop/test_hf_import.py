@@ -1,8 +1,8 @@
 """`model.init_from`: a Hugging Face model directory as a run's starting point (myria.interop.hf).
 
-Logits equal transformers' on 1 process and under FSDP, TP and PP; a run with lr = 0 exports the
-imported tensors bit for bit and the export loads into transformers with the same logits;
-unsupported models are refused in one line."""
+Logits equal transformers' on 1 process and under FSDP, TP, PP and CP; a run with lr = 0
+exports the imported tensors bit for bit and the export loads into transformers with the same
+logits; tied embeddings stay tied in training; unsupported models are refused in one line."""
 
 from __future__ import annotations
 
@@ -58,7 +58,8 @@ def _layouts_worker(rank, world, port, out_dir):
     tokens = torch.load(Path(out_dir) / "tokens.pt")
     for name, extra in (("fsdp", []), ("tp", ["--parallel.tp=2", "--parallel.dp_shard=1"]),
                         ("pp", ["--parallel.pp=2", "--parallel.dp_shard=1",
-                                "--parallel.schedule=gpipe"])):
+                                "--parallel.schedule=gpipe"]),
+                        ("cp", ["--parallel.cp=2", "--parallel.dp_shard=1"])):
         from myria import config as config_mod
 
         cfg = config_mod.load(None, [f"--model.init_from={d}", "--model.seq_len=64",
@@ -78,8 +79,8 @@ def _layouts_worker(rank, world, port, out_dir):
                     h = torch.empty(*tokens.shape, cfg.model.hidden)
                     dist.recv(h, 0)
                     logits = part(h)
-            else:
-                logits = part(tokens)
+            else:  # under cp each rank holds a head and a tail chunk of the sequence
+                logits = part(engine._shard_sequence(tokens))
                 if hasattr(logits, "full_tensor"):
                     logits = logits.full_tensor()
         if logits is not None and (name != "pp" or rank == 1):
@@ -89,15 +90,18 @@ def _layouts_worker(rank, world, port, out_dir):
 
 
 @pytest.mark.slow
-def test_logits_equal_transformers_under_fsdp_tp_pp(tmp_path):
+def test_logits_equal_transformers_under_fsdp_tp_pp_cp(tmp_path):
+    from myria.parallel.context import unshard_sequence
+
     d = make_hf_model("llama", tmp_path / "llama")
     tokens = torch.randint(0, 1024, (2, 64), generator=torch.Generator().manual_seed(1))
     torch.save(tokens, tmp_path / "tokens.pt")
     spawn(_layouts_worker, 2, str(tmp_path))
     want = hf_logits(d, tokens)
-    for f in ("fsdp0", "fsdp1", "tp0", "tp1", "pp1"):
-        got = torch.load(tmp_path / f"{f}.pt")
-        assert (got - want).abs().max().item() < TOL, f
+    got = {f: torch.load(tmp_path / f"{f}.pt") for f in ("fsdp0", "fsdp1", "tp0", "tp1", "pp1")}
+    got["cp"] = unshard_sequence([torch.load(tmp_path / f"cp{r}.pt") for r in (0, 1)])
+    for f, logits in got.items():
+        assert logits.shape == want.shape and (logits - want).abs().max().item() < TOL, f
 
 
 def test_unsupported_model_refused_in_one_line(tmp_path, tiny_data):
