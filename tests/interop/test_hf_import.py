@@ -141,11 +141,11 @@ def _tensors(d: Path) -> dict[str, torch.Tensor]:
 @pytest.mark.parametrize("kind", ["llama", "qwen2"])
 def test_lr0_run_exports_the_imported_model(tmp_path, hf_models, tiny_data, kind):
     """train (lr = 0) -> export: the same tensors bit for bit, transformers loads the export
-    with the same logits, importing the export gives the same tensors again, and greedy
-    decoding of the run's checkpoint equals transformers' on the original."""
+    with the same logits, importing the export gives the same tensors again, and `myria
+    generate` greedy equals transformers' greedy on the original."""
     from transformers import AutoModelForCausalLM
 
-    from myria.models.decode import generate
+    from myria.data.tokenizer import decode, eos_id, load_tokenizer
     from myria.train.export import load_checkpoint_model
 
     d, run, out = hf_models[kind], tmp_path / "run", tmp_path / "hf"
@@ -163,13 +163,16 @@ def test_lr0_run_exports_the_imported_model(tmp_path, hf_models, tiny_data, kind
     assert all(torch.equal(a, b) for a, b in zip(again.state_dict().values(),
                                                    model.state_dict().values(), strict=True))
 
-    prompt = tokens[0, :12].tolist()
-    ours = generate(model.eval(), prompt, 30, temperature=0.0)
+    text = "My fellow citizens, the state of the Union"
+    p = run_cli("generate", "--run-dir", str(run), "--prompt", text, "--temperature", "0",
+                "--max-new-tokens", "30")
+    tok = load_tokenizer(tiny_data / "tokenizer.json")
+    prompt = tok.encode(text).ids
     ref = AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32).eval()
     with torch.no_grad():
         theirs = ref.generate(torch.tensor([prompt]), max_new_tokens=30, do_sample=False,
-                              eos_token_id=None, pad_token_id=0)[0, 12:].tolist()
-    assert ours == theirs
+                              eos_token_id=eos_id(tok), pad_token_id=0)[0, len(prompt):]
+    assert p.stdout.split("\n[step_")[0] == text + decode(tok, theirs.tolist())
 
 
 def _checkpoint_tensors(run: Path, *names: str) -> list[torch.Tensor]:
