@@ -129,6 +129,29 @@ def test_unsupported_model_refused_in_one_line(tmp_path, tiny_data):
             hf.apply(config_mod.load(None, [f"--model.init_from={src}"]))
 
 
+def test_plan_and_simulate_take_the_model_from_init_from(tmp_path, hf_models):
+    """`myria plan` and `myria simulate` of a training config naming `model.init_from` price
+    the model its config.json describes (as the same model written out by hand), and need no
+    weights for it."""
+    d = tmp_path / "config-only"
+    d.mkdir()
+    (d / "config.json").write_bytes((hf_models["qwen2"] / "config.json").read_bytes())
+    (tmp_path / "a").mkdir(), (tmp_path / "b").mkdir()
+    (tmp_path / "a" / "run.toml").write_text(f"[model]\ninit_from = {str(d)!r}\n")
+    (tmp_path / "b" / "run.toml").write_text(
+        "[model]\nvocab_size = 1024\nhidden = 64\nlayers = 2\nheads = 4\nkv_heads = 2\n"
+        "ffn_hidden = 128\ntie_embeddings = true\nqkv_bias = true\n")
+    got = {}
+    for which in ("a", "b"):
+        f = str(tmp_path / which / "run.toml")
+        plan = run_cli("plan", f, "--gpu", "H100", "--gpus", "8", "--json").stdout
+        got[which] = ({k: v for k, v in json.loads(plan).items() if k != "seconds"},
+                      run_cli("simulate", f, "--gpu", "H100", "--nproc", "2", "--json").stdout)
+    assert got["a"] == got["b"]
+    assert run_cli("plan", str(tmp_path / "a" / "run.toml"), "--gpu", "H100", "--gpus", "8"
+                   ).stdout.startswith("model llama 2x64 (4 heads)")
+
+
 def _tensors(d: Path) -> dict[str, torch.Tensor]:
     from safetensors.torch import load_file
 

@@ -140,9 +140,22 @@ def model_fields(d: str | Path, seq_len: int) -> dict[str, Any]:
     return fields
 
 
-def apply(cfg: Config) -> str | None:
+def load_config(path: str | Path | None, overrides=(), weights: bool = True
+                ) -> tuple[Config, str | None]:
+    """The config a run trains with: the TOML at `path` (the defaults when None) and
+    `overrides`, its model section set by `apply`. Every command that reads a training config
+    (train, the supervisor, plan, simulate, analyze) loads it here; the description is `apply`'s.
+    `weights` False needs config.json only (planning before the weights are downloaded)."""
+    from myria import config as config_mod
+
+    cfg = config_mod.load(path, overrides)
+    return cfg, apply(cfg, weights)
+
+
+def apply(cfg: Config, weights: bool = True) -> str | None:
     """Set `cfg.model` from `cfg.model.init_from`'s config.json (no-op without one) and check
-    the result; a one-line description of the model for the user, or None."""
+    the result (the weight files too, with `weights`); a one-line description of the model for
+    the user, or None."""
     m = cfg.model
     if not m.init_from:
         return None
@@ -161,7 +174,8 @@ def apply(cfg: Config) -> str | None:
         raise ConfigError(f"{_where(d)} is not supported with parallel.offload = 'nvme' (its "
                           "files hold their own copy of the weights); use offload = 'cpu' or "
                           "'none'")
-    weight_files(d)  # the weights are there, before any process starts
+    if weights:
+        weight_files(d)  # the weights are there, before any process starts
     config_mod.validate(cfg)
     return (f"model from {d}: {fields['layers']} layers, hidden {fields['hidden']}, "
             f"{fields['heads']}/{fields['kv_heads']} heads, vocab {fields['vocab_size']}"

@@ -101,10 +101,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args) -> int:
-    cfg = config_mod.load(args.config, args.overrides)
     from myria.interop import hf
 
-    hf.apply(cfg)  # model.init_from: the model's own config.json sets the model
+    cfg, _ = hf.load_config(args.config, args.overrides)  # model.init_from's config.json too
     min_nodes, max_nodes = _parse_nnodes(args.nnodes)
     from myria import faults, rundir
     from myria.data.mixture import open_dataset

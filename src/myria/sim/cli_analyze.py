@@ -48,10 +48,10 @@ def _load(args) -> StepResult:
         else:
             run = runs[0]
         return simulate(run, detail=True)
-    from myria import config as mconfig
+    from myria.interop import hf
     from myria.sim.hardware import device_spec
 
-    cfg = mconfig.load(p)
+    cfg, _ = hf.load_config(p, weights=False)
     if args.nproc < 0:
         raise ConfigError(f"--nproc {args.nproc}: give a positive number of processes")
     par = cfg.parallel

@@ -1,6 +1,7 @@
 """`myria plan`: search parallel layouts for a model on a cluster; draw pipeline schedules.
 
-The model comes from a run file (first run, or --run), a myria training config, or flags
+The model comes from a run file (first run, or --run), a myria training config (its
+`model.init_from` config.json when it names one, as `myria train` reads it), or flags
 (--layers --hidden --heads ...). Batch, sequence and cluster come from the file or flags; flags
 win. Every assumption that can change a layout's rank is a flag whose default is what the public
 stack does by default, and the plan's first lines say each one and the flag that changes it
@@ -158,9 +159,9 @@ def _base_from_args(args) -> RunSpec:
                         if run.parallel.schedule in ("gpipe", "zero-bubble") else "1f1b"}
             name = run.name
         else:
-            from myria import config as mconfig
+            from myria.interop import hf
 
-            cfg = mconfig.load(p)
+            cfg, _ = hf.load_config(p, weights=False)
             model = runspec.model_section(cfg.model)
             training = dict(global_batch=cfg.training.global_batch)
             name = p.stem

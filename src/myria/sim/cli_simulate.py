@@ -115,14 +115,14 @@ def _config_run(args: argparse.Namespace, path: str):
     """(run, hardware) of a myria training config, as `myria analyze` prices it."""
     from pathlib import Path
 
-    from myria import config as mconfig
     from myria.device import planning_device
+    from myria.interop import hf
     from myria.layout import Layout
     from myria.measure.cpu import measured_profile
     from myria.sim.hardware import device_spec
     from myria.sim.perf import config_run
 
-    cfg = mconfig.load(path)
+    cfg, _ = hf.load_config(path, weights=False)
     if args.nproc < 0:
         raise ConfigError(f"--nproc {args.nproc}: give a positive number of processes")
     par = cfg.parallel

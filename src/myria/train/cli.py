@@ -195,10 +195,10 @@ def run(args) -> int:
     job_start = time.time()   # the wall-time limit's origin for the processes it starts
     # Everything judged from the arguments, the config and the files comes before torch is
     # imported (seconds on a loaded host): a mistake or a finished run answers at once.
-    cfg = config_mod.load(args.config, args.overrides)
     from myria.interop import hf
 
-    if imported := hf.apply(cfg):  # the model's own config.json sets the model
+    cfg, imported = hf.load_config(args.config, args.overrides)
+    if imported:  # the model's own config.json sets the model
         _say(imported)
     if args.nproc < 0:
         check_nproc(args.nproc, "cpu")
