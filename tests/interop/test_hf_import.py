@@ -7,6 +7,7 @@ logits; tied embeddings stay tied in training; unsupported models are refused in
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -34,9 +35,12 @@ def imported(d: Path, *overrides: str):
 
 
 def test_logits_equal_transformers_on_one_process(hf_models):
+    from myria.interop import hf
+
     tokens = torch.randint(0, 1024, (2, 64), generator=torch.Generator().manual_seed(0))
     for kind, d in hf_models.items():
         model, cfg = imported(d)
+        assert set(hf.model_fields(d, 64)) <= set(hf.IMPORTED_FIELDS)  # what resuming keeps
         assert (cfg.model.qkv_bias, cfg.model.tie_embeddings) == (kind == "qwen2",) * 2
         assert cfg.model.rope_scaling == ("llama3" if kind == "llama" else "none")
         with torch.no_grad():
@@ -228,18 +232,48 @@ def _assert_tied_and_exported(run: Path, out: Path, start: torch.Tensor | None) 
     assert (hf_logits(out, tokens) - ours).abs().max().item() < TOL
 
 
+@pytest.fixture(scope="module")
+def tied_run(tmp_path_factory, hf_models, tiny_data) -> tuple[Path, Path]:
+    """(run, model directory): one process trained 2 steps (lr > 0) from a copy of the Qwen2
+    directory (tied embeddings)."""
+    root = tmp_path_factory.mktemp("tied")
+    d, run = root / "qwen2", root / "run"
+    shutil.copytree(hf_models["qwen2"], d)
+    run_cli("train", "--run-dir", str(run), f"--data.path={tiny_data}", *TINY,
+            f"--model.init_from={d}", *TIED_TRAINING)
+    return run, d
+
+
+TIED_TRAINING = ("--optimizer.lr=1e-2", "--optimizer.warmup_steps=0", "--training.steps=2")
+
+
 @pytest.mark.parametrize("source", ["imported", "myria"])
-def test_tied_embeddings_stay_tied_in_training(tmp_path, hf_models, tiny_data, source):
+def test_tied_embeddings_stay_tied_in_training(tmp_path, hf_models, tiny_data, source, request):
     """One process, lr > 0: an imported tied model (Qwen2) and a tied model of myria's own keep
     one embedding matrix through training, and the export is the model that trained."""
-    d = hf_models["qwen2"]
-    model = ([f"--model.init_from={d}"] if source == "imported"
-             else ["--model.tie_embeddings=true"])
-    run = tmp_path / "run"
-    run_cli("train", "--run-dir", str(run), f"--data.path={tiny_data}", *TINY, *model,
-            "--optimizer.lr=1e-2", "--optimizer.warmup_steps=0", "--training.steps=2")
-    start = _tensors(d)["model.embed_tokens.weight"] if source == "imported" else None
+    if source == "imported":
+        run, _ = request.getfixturevalue("tied_run")
+        start = _tensors(hf_models["qwen2"])["model.embed_tokens.weight"]
+    else:
+        run, start = tmp_path / "run", None
+        run_cli("train", "--run-dir", str(run), f"--data.path={tiny_data}", *TINY,
+                "--model.tie_embeddings=true", *TIED_TRAINING)
     _assert_tied_and_exported(run, tmp_path / "hf", start)
+
+
+def test_resume_needs_no_model_directory(tmp_path, tied_run, tiny_data):
+    """After step 0 the checkpoint holds the model: a run started from a directory resumes
+    with the directory gone and the config naming none, its model the checkpoint's."""
+    from tests.conftest import losses
+
+    run = tmp_path / "run"
+    shutil.copytree(tied_run[0], run)
+    shutil.rmtree(tied_run[1])
+    p = run_cli("train", "--run-dir", str(run), f"--data.path={tiny_data}", *TINY,
+                *TIED_TRAINING[:-1], "--training.steps=3")
+    assert (f"model from the checkpoint (2 layers, hidden 64); the run started from "
+            f"{tied_run[1]}, which resuming does not read") in p.stdout
+    assert "resumed from" in p.stdout and sorted(losses(run)) == [1, 2, 3]
 
 
 @pytest.mark.slow

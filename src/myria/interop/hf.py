@@ -140,26 +140,50 @@ def model_fields(d: str | Path, seq_len: int) -> dict[str, Any]:
     return fields
 
 
-def load_config(path: str | Path | None, overrides=(), weights: bool = True
-                ) -> tuple[Config, str | None]:
+# The model fields config.json sets (`model_fields`); a checkpoint keeps them in its config.
+IMPORTED_FIELDS = ("arch", "vocab_size", "hidden", "layers", "heads", "kv_heads", "ffn_hidden",
+                   "norm_eps", "tie_embeddings", "qkv_bias", "rope_theta", "rope_scaling",
+                   "rope_factor", "rope_low_freq_factor", "rope_high_freq_factor",
+                   "rope_original_max_len", "attention_window")
+
+
+def load_config(path: str | Path | None, overrides=(), weights: bool = True,
+                resumed: dict | None = None) -> tuple[Config, str | None]:
     """The config a run trains with: the TOML at `path` (the defaults when None) and
-    `overrides`, its model section set by `apply`. Every command that reads a training config
-    (train, the supervisor, plan, simulate, analyze) loads it here; the description is `apply`'s.
-    `weights` False needs config.json only (planning before the weights are downloaded)."""
+    `overrides`, its model section set by `apply`; and `apply`'s description. plan, simulate
+    and analyze load a training config here; train and supervise through
+    `myria.train.preflight.run_config`, which finds the checkpoint a run resumes. `weights`
+    False needs config.json only (planning before the weights are downloaded)."""
     from myria import config as config_mod
 
     cfg = config_mod.load(path, overrides)
-    return cfg, apply(cfg, weights)
+    return cfg, apply(cfg, weights, resumed)
 
 
-def apply(cfg: Config, weights: bool = True) -> str | None:
+def apply(cfg: Config, weights: bool = True, resumed: dict | None = None) -> str | None:
     """Set `cfg.model` from `cfg.model.init_from`'s config.json (no-op without one) and check
     the result (the weight files too, with `weights`); a one-line description of the model for
-    the user, or None."""
+    the user, or None.
+
+    `resumed` is the model section of the checkpoint the run resumes, if any. After step 0 the
+    checkpoint holds the model, so a run that started from a directory resumes without it:
+    when the config names no directory, or names the run's own and it is gone, the model
+    fields are the checkpoint's."""
+    from myria import config as config_mod
+
     m = cfg.model
+    started = (resumed or {}).get("init_from")
+    if started and (not m.init_from or (m.init_from == started
+                                        and not Path(started).exists())):
+        for k in IMPORTED_FIELDS:
+            if k in resumed:
+                setattr(m, k, resumed[k])
+        m.init_from = started
+        config_mod.validate(cfg)
+        return (f"model from the checkpoint ({m.layers} layers, hidden {m.hidden}); the run "
+                f"started from {started}, which resuming does not read")
     if not m.init_from:
         return None
-    from myria import config as config_mod
 
     d = Path(m.init_from)
     fields = model_fields(d, m.seq_len)

@@ -101,9 +101,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args) -> int:
-    from myria.interop import hf
+    from myria.train.preflight import run_config
 
-    cfg, _ = hf.load_config(args.config, args.overrides)  # model.init_from's config.json too
+    cfg, _ = run_config(args.config, args.overrides, args.run_dir)  # model.init_from too
     min_nodes, max_nodes = _parse_nnodes(args.nnodes)
     from myria import faults, rundir
     from myria.data.mixture import open_dataset

@@ -19,7 +19,7 @@ from myria import config as config_mod
 from myria import rundir
 from myria.errors import DataError
 from myria.layout import Layout
-from myria.train.preflight import check_nproc, check_run, preflight
+from myria.train.preflight import check_nproc, check_run, preflight, run_config
 
 ACCEPTS_OVERRIDES = True
 
@@ -195,10 +195,8 @@ def run(args) -> int:
     job_start = time.time()   # the wall-time limit's origin for the processes it starts
     # Everything judged from the arguments, the config and the files comes before torch is
     # imported (seconds on a loaded host): a mistake or a finished run answers at once.
-    from myria.interop import hf
-
-    cfg, imported = hf.load_config(args.config, args.overrides)
-    if imported:  # the model's own config.json sets the model
+    cfg, imported = run_config(args.config, args.overrides, args.run_dir)
+    if imported:  # the model's own config.json (or, resuming, the checkpoint) sets the model
         _say(imported)
     if args.nproc < 0:
         check_nproc(args.nproc, "cpu")

@@ -79,6 +79,25 @@ def newest_checkpoint(cfg: config_mod.Config, run_dir: Path) -> Path | None:
     return path if name and (path / "meta.json").is_file() else None
 
 
+def run_config(path: str | Path | None, overrides, run_dir: str | Path | None
+               ) -> tuple[Config, str | None]:
+    """The config `myria train` and `myria supervise` run with (`hf.load_config`), given the
+    model section of the checkpoint the run resumes: a run started from a Hugging Face
+    directory resumes from its checkpoint without it. Also the line that describes an
+    imported model, or None."""
+    from myria.interop import hf
+    from myria.train import resume
+
+    cfg = config_mod.load(path, overrides)
+    resumed = None
+    if run_dir and (ckpt := newest_checkpoint(cfg, Path(run_dir))) is not None:
+        try:
+            resumed = resume.previous_config(ckpt, Path(run_dir))[0].get("model")
+        except (OSError, ValueError):
+            pass  # unreadable: the trainer quarantines it and says so
+    return cfg, hf.apply(cfg, resumed=resumed if isinstance(resumed, dict) else None)
+
+
 def preflight(cfg: config_mod.Config, run_dir: str | Path, stop_after: int | None) -> str | None:
     """What can be checked before processes start: the run directory, `--stop-after` and the
     config against the checkpoint the run resumes (fields that cannot change are refused).
