@@ -9,7 +9,7 @@ import pytest
 
 from myria import detections
 from myria.observe.analyze import load_run
-from myria.observe.straggler import detect
+from myria.observe.straggler import detect, detect_dir
 from tests.conftest import TINY, run_cli
 
 # Windows of 4 steps. The fixtures' steps take ~30 ms of compute each on 4 processes over 2
@@ -51,6 +51,16 @@ def test_clean_and_slowed_runs(clean_dp, slow_dp):
     assert detect(load_run(clean_dp), window=WINDOW, windows=WINDOWS) == []
     found = detect(load_run(slow_dp), window=WINDOW, windows=WINDOWS)
     assert [s.rank for s in found] == [2]
+    # a supervisor judges only the steps timed since it started: the slowed run's steps, all
+    # before the middle of the run, are not a new supervisor's straggler
+    events = [e["t0"] for r in load_run(slow_dp).ranks.values() for e in r.events]
+    middle = (min(events) + max(events)) / 2e6
+    assert detect_dir(slow_dp, since=max(events) / 1e6 + 1, window=WINDOW,
+                      windows=WINDOWS) == []
+    assert [s.rank for s in detect_dir(slow_dp, since=0.0, window=WINDOW,
+                                       windows=WINDOWS)] == [2]
+    assert all(s.first_step > 1 for s in detect_dir(slow_dp, since=middle, window=WINDOW,
+                                                     windows=WINDOWS))
 
 
 def test_detections_are_json_lines(tmp_path):

@@ -159,8 +159,16 @@ def detect(run: Run, window: int = 5, threshold: float = 0.10, windows: int = 2,
     return sorted(found, key=lambda s: s.rank)
 
 
-def detect_dir(run_dir: str | Path, **kw) -> list[Straggler]:
-    return detect(load_run(run_dir), **kw)
+def detect_dir(run_dir: str | Path, since: float | None = None, **kw) -> list[Straggler]:
+    """The stragglers of a run directory, judged on the steps timed after wall time `since`
+    (seconds; all of them when None): a supervisor judges only what its own workers did, not
+    the steps of a run directory's earlier attempts under a supervisor that was killed."""
+    run = load_run(run_dir)
+    if since is not None:
+        cut = since * 1e6   # event times are wall-aligned microseconds
+        for re in run.ranks.values():
+            re.events = [e for e in re.events if e["t0"] >= cut]
+    return detect(run, **kw)
 
 
 def default_window(steps: int) -> int:

@@ -571,7 +571,8 @@ class Supervisor:
         from myria.observe import straggler
 
         try:
-            found = straggler.detect_dir(self.run_dir, window=r.straggler_window,
+            found = straggler.detect_dir(self.run_dir, since=self.started_at,
+                                         window=r.straggler_window,
                                          threshold=r.straggler_threshold,
                                          windows=r.straggler_windows)
         except Exception as e:  # evidence, never a reason to stop the job
