@@ -1,8 +1,9 @@
 """RUN_DIR/events.jsonl: every detection (straggler, corruption, numerical fault, health, a host's
-degraded link), one JSON line each, appended atomically:
+degraded link, an idle spare lost), one JSON line each, appended atomically:
 
-    {"kind": "straggler" | "sdc" | "nonfinite" | "loss_spike" | "health" | "slow-link", "rank": R,
-     "host": H, "step": S, "evidence": {...}, "action": "...", "time": t}
+    {"kind": "straggler" | "sdc" | "nonfinite" | "loss_spike" | "health" | "slow-link" |
+             "spare-lost", "rank": R, "host": H, "step": S, "evidence": {...}, "action": "...",
+     "time": t}
 
 One module owns the file so that every detector writes the same shape.
 """
@@ -17,7 +18,7 @@ from typing import Any
 
 from myria import rundir
 
-KINDS = ("straggler", "sdc", "nonfinite", "loss_spike", "health", "slow-link")
+KINDS = ("straggler", "sdc", "nonfinite", "loss_spike", "health", "slow-link", "spare-lost")
 
 
 def record(run_dir: str | Path, kind: str, rank: int | None, host: str, step: int,

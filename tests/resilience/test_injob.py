@@ -130,3 +130,39 @@ def test_a_frozen_rank_is_killed_and_replaced_in_job(tmp_path, tiny_data, refere
     assert f["kind"] == "missed-heartbeats" and f["recovery"] == "in-job: spare", f
     assert "in-job: kill the frozen rank 1" in f["action"], f
     check_bit_equal(tmp_path, reference)
+
+
+def test_an_idle_spare_that_dies_is_said_and_started_again(tmp_path, monkeypatch, caplog):
+    """A hot spare that dies while no rank needs it is reported at once (exit status, its log,
+    a detection) and replaced; one that keeps dying is left after SPARE_RESTARTS deaths."""
+    import logging
+    import subprocess
+    import sys
+    from types import SimpleNamespace
+
+    from myria import detections
+    from myria.resilience import injob
+
+    sup = SimpleNamespace(run_dir=tmp_path, host="h", max_step=7)
+    rec = injob.InJobRecovery(sup)
+    started = []
+
+    def start():   # a spare that exits at once with status 3, as a broken one would
+        i = rec.next_spare
+        rec.next_spare += 1
+        rec.spares[i] = subprocess.Popen([sys.executable, "-c", "raise SystemExit(3)"])
+        started.append(i)
+    monkeypatch.setattr(rec, "_start_spare", start)
+    start()
+    caplog.set_level(logging.WARNING, "myria.supervisor")
+    for _ in range(injob.SPARE_RESTARTS + 2):
+        for p in rec.spares.values():
+            p.wait()
+        rec.check_idle_spares()
+    assert started == list(range(injob.SPARE_RESTARTS + 1))   # the first and 3 restarts
+    lines = [r.getMessage() for r in caplog.records if "died while idle" in r.getMessage()]
+    assert len(lines) == injob.SPARE_RESTARTS + 1 and "exit 3" in lines[0] and \
+        "spare0.log" in lines[0] and lines[0].endswith("starting another")
+    assert "not started again after 4 deaths" in lines[-1]
+    rows = detections.read(tmp_path, "spare-lost")
+    assert [r["evidence"]["exit"] for r in rows] == [3] * 4 and rows[0]["step"] == 7

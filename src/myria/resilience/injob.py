@@ -30,6 +30,9 @@ from myria.errors import ConfigError
 log = logging.getLogger("myria.supervisor")
 
 USER_ERROR, SAVE_FAILED = 2, 4  # exits a replacement cannot fix (myria.errors, checkpoint)
+# Idle spares that die are started again at most this many times in a job: one that keeps dying
+# (a broken environment) is said once and left, and recovery falls back to a fresh process.
+SPARE_RESTARTS = 3
 
 
 def check(cfg, min_nodes: int, max_nodes: int, nproc: int) -> None:
@@ -70,6 +73,7 @@ class InJobRecovery:
         self.shrunk: dict | None = None   # the slot dropped by a shrink, until the grow
         self.growing: dict | None = None  # a grow announced, until its first step
         self.resizes: list[dict] = []     # each shrink and grow, for the summary
+        self.spare_deaths = 0             # idle spares found dead (check_idle_spares)
 
     # -- spares ------------------------------------------------------------------------------
     def start_spares(self) -> None:
@@ -101,6 +105,30 @@ class InJobRecovery:
                         p.returncode)
         return None
 
+    def check_idle_spares(self) -> None:
+        """An idle spare that died is said when it happens (with its exit status and log) and
+        started again, not found gone only when a rank needs it."""
+        from myria import detections
+
+        for i, p in sorted(self.spares.items()):
+            code = p.poll()
+            if code is None:
+                continue
+            del self.spares[i]
+            self.spare_deaths += 1
+            again = self.spare_deaths <= SPARE_RESTARTS
+            where = self.sup.run_dir / rundir.LOGS_DIR / f"spare{i}.log"
+            log.warning("DETECTED hot spare %d (pid %d) died while idle (exit %s; its log: %s)%s",
+                        i, p.pid, code, where, "; starting another" if again else
+                        f"; not started again after {self.spare_deaths} deaths: a lost rank "
+                        "is replaced by a fresh process")
+            detections.record(self.sup.run_dir, "spare-lost", None, self.sup.host,
+                              self.sup.max_step, {"spare": i, "pid": p.pid, "exit": code,
+                                                  "log": str(where)},
+                              "started another" if again else "none (too many deaths)")
+            if again:
+                self._start_spare()
+
     def close(self) -> None:
         for p in self.spares.values():
             if p.poll() is None:
@@ -128,6 +156,7 @@ class InJobRecovery:
             for _ in range(self.owed):
                 self._start_spare()
             self.owed = 0
+        self.check_idle_spares()
         if self.shrunk is not None and self.shrunk["pc"] is not pc:
             self.shrunk = self.growing = None   # a full restart started every slot again
         if self.growing is not None:
