@@ -9,6 +9,8 @@ put the parts together and may import any of them.
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
 from pathlib import Path
 
 import networkx as nx
@@ -17,7 +19,7 @@ SRC = Path(__file__).resolve().parents[1] / "src" / "myria"
 
 # bottom to top; a name is a top-level module or package of myria (docs/architecture.md)
 LAYERS = [
-    ("errors", "fsutil", "compat"),             # no myria import
+    ("errors", "fsutil", "compat", "tensors"),  # no myria import
     ("device", "rundir", "faults", "config"),   # facts, paths, the config schema
     ("data", "detections"),                     # tokens on disk; detection records
     ("models", "optim"),                        # plain modules, FLOPs and memory formulas
@@ -89,3 +91,12 @@ def test_imports_run_down_the_layers():
             if dep in FRONT_DOORS or (top in LEVEL and LEVEL[top] > me):
                 up.append(f"{path.relative_to(SRC)}:{line} imports myria.{dep}")
     assert not up, up
+
+
+def test_checkpoint_store_imports_without_torch():
+    """The supervisor, export and preflight read checkpoints through the store without torch."""
+    code = ("import sys, myria.train.checkpoint.store, myria.train.preflight; "
+            "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.')))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True).stdout
+    assert out.strip() == "[]", out

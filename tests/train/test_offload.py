@@ -12,7 +12,7 @@ from myria.errors import CheckpointError, ConfigError, OffloadError
 from myria.layout import Layout
 from myria.offload.diskio import ALIGN, HUGE_PAGE, aligned_buffer
 from myria.offload.files import FileMap
-from myria.train.checkpoint import CheckpointManager
+from myria.train.checkpoint.pipeline import CheckpointManager
 from myria.train.engine import Engine
 from tests.conftest import TINY, final_params, losses, run_cli
 

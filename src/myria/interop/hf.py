@@ -240,6 +240,8 @@ def load_weights(parts: list, d: str | Path, m: ModelConfig) -> int:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import HuggingFaceStorageReader
 
+    from myria.tensors import local_shard
+
     d = Path(d)
     check_weights(d, m)
     # Tied embeddings: HF keeps the embedding only. The output layer reads the same tensor,
@@ -250,7 +252,7 @@ def load_weights(parts: list, d: str | Path, m: ModelConfig) -> int:
             name = plain_name(name)
             out = m.tie_embeddings and name == "output.weight"
             (tied if out else state)[hf_name("tok_embeddings.weight" if out else name)] = p
-            held += (p.to_local() if hasattr(p, "to_local") else p).nbytes
+            held += local_shard(p).nbytes
     for sd in (state, tied) if tied else (state,):  # the same on every rank (no tp/pp)
         with torch.no_grad(), warnings.catch_warnings():
             warnings.filterwarnings("ignore", "torch.distributed is disabled")

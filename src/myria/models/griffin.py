@@ -21,6 +21,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from myria.tensors import local_shard
+
 C_GATE = 8.0
 CONV_WIDTH = 4
 
@@ -32,7 +34,7 @@ def local(p: torch.Tensor) -> torch.Tensor:
     convolution and decay are sharded along their first (head/channel) dimension and are
     used here on the local channels only.
     """
-    return p.to_local() if hasattr(p, "to_local") else p
+    return local_shard(p)
 
 
 def linear_scan(a: torch.Tensor, b: torch.Tensor, h0: torch.Tensor | None = None) -> torch.Tensor:

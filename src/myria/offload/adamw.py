@@ -37,13 +37,9 @@ from myria.offload.lending import GradientLoan, HeldChunks
 from myria.offload.pipeline import Pipeline, Read, Write
 from myria.offload.procmem import current_rss, peak_rss
 from myria.offload.update import Update, adam_kwargs
+from myria.tensors import local_shard
 
 log = logging.getLogger("myria")
-
-
-def local_tensor(t: torch.Tensor) -> torch.Tensor:
-    """The local tensor of a DTensor (its shard on this rank), else the tensor itself."""
-    return t._local_tensor if hasattr(t, "_local_tensor") else t
 
 
 def _flat(t: torch.Tensor) -> torch.Tensor:
@@ -72,7 +68,7 @@ class OffloadedAdamW(torch.optim.AdamW):
             self.state[p]["step"] = torch.tensor(0.0, dtype=scalar)
         sections = ("param", "exp_avg", "exp_avg_sq") if offload_params else \
             ("exp_avg", "exp_avg_sq")
-        shapes = shapes or [tuple(local_tensor(p).shape) for p in self.tensors]
+        shapes = shapes or [tuple(local_shard(p).shape) for p in self.tensors]
         self.filemap = FileMap([(s, p.dtype) for s, p in zip(shapes, self.tensors)], sections,
                                order)
         self.chunk_bytes = chunk_bytes
@@ -207,7 +203,7 @@ class OffloadedAdamW(torch.optim.AdamW):
         for fn in self.before_step:
             fn()
         settings = [adam_kwargs(group) for group in self.param_groups]
-        grads = {t: _flat(local_tensor(p.grad)) for t, p in enumerate(self.tensors)
+        grads = {t: _flat(local_shard(p.grad)) for t, p in enumerate(self.tensors)
                  if p.grad is not None}
         taken = self.loan.take_charged()
         unused = [t for t in taken if t not in grads]   # charged, and no gradient came
@@ -287,7 +283,7 @@ class OffloadedAdamW(torch.optim.AdamW):
         u = self._spec
         if u is None or u.cancelled or t in u.ptr or self.tensors[t].grad is None:
             return
-        flat = _flat(local_tensor(self.tensors[t].grad))
+        flat = _flat(local_shard(self.tensors[t].grad))
         u.grads[t], u.ptr[t] = flat, flat.data_ptr()
         for c in self._chunks_of.get(t, ()):
             u.waiting[c] -= 1
@@ -486,7 +482,7 @@ class OffloadedAdamW(torch.optim.AdamW):
                 return buf[at:at + n].view(dtype)
 
             param = view(s_param) if s_param >= 0 else \
-                _flat(local_tensor(p).detach())[pc.start:pc.stop]
+                _flat(local_shard(p).detach())[pc.start:pc.stop]
             grad = grads[pc.index][pc.start:pc.stop]
             step = before[pc.index].clone()
             ls = lists.setdefault(self.group_of[pc.index], ([], [], [], [], []))

@@ -21,14 +21,15 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from myria.train.checksums import _local, storage_key, sums
+from myria.tensors import local_shard
+from myria.train.checksums import storage_key, sums
 
 
 def stick(t: torch.Tensor, bit: int = 22) -> tuple:
     """The `bitflip ... sticky=yes` fault at rest: flip one bit of the first element of a
     tensor's local shard and keep it there (a cell stuck at its new value; `StateLedger.retest`
     finds it). Returns the stuck cell for `StateLedger.stuck`."""
-    t = _local(t.detach())
+    t = local_shard(t.detach())
     v = t.reshape(-1)[:1].view({4: torch.int32, 2: torch.int16, 8: torch.int64}[t.element_size()])
     v.bitwise_xor_(1 << bit)
     return (t, 0, bit, int(v.item() >> bit) & 1)
@@ -79,7 +80,7 @@ class StateLedger:
 
     # what this rank owns
     def params(self) -> list[tuple[str, torch.Tensor]]:
-        return [(f"param {n}", _local(p)) for n, p in self._owned() if _local(p).numel()]
+        return [(f"param {n}", local_shard(p)) for n, p in self._owned() if local_shard(p).numel()]
 
     def optim(self) -> list[tuple[str, torch.Tensor]]:
         out = []
@@ -89,13 +90,13 @@ class StateLedger:
                 if not isinstance(st, dict):
                     continue
                 for key, v in st.items():
-                    if isinstance(v, torch.Tensor) and _local(v).numel():
-                        out.append((f"optimizer {n}.{key}", _local(v)))
+                    if isinstance(v, torch.Tensor) and local_shard(v).numel():
+                        out.append((f"optimizer {n}.{key}", local_shard(v)))
         return out
 
     def grads(self) -> list[tuple[str, torch.Tensor]]:
-        return [(f"grad {n}", _local(p.grad)) for n, p in self._owned()
-                if p.grad is not None and _local(p.grad).numel()]
+        return [(f"grad {n}", local_shard(p.grad)) for n, p in self._owned()
+                if p.grad is not None and local_shard(p.grad).numel()]
 
     @staticmethod
     def _take(items) -> tuple[list[str], torch.Tensor]:
@@ -245,7 +246,7 @@ class _Capture:
         self.hooks.append(h)
 
     def _fwd(self, args, out):
-        self.fwd = sums([_local(out)])[0]
+        self.fwd = sums([local_shard(out)])[0]
 
     def _pre(self, args):
         h = args[0] if args else None
@@ -253,7 +254,7 @@ class _Capture:
             self.h = h
 
             def grad(g):
-                self.bwd = sums([_local(g)])[0]
+                self.bwd = sums([local_shard(g)])[0]
 
             h.register_hook(grad)
 
