@@ -9,13 +9,15 @@ put the parts together and may import any of them.
 from __future__ import annotations
 
 import ast
+import re
 import subprocess
 import sys
 from pathlib import Path
 
 import networkx as nx
 
-SRC = Path(__file__).resolve().parents[1] / "src" / "myria"
+ROOT = Path(__file__).resolve().parents[1]
+SRC = ROOT / "src" / "myria"
 
 # bottom to top; a name is a top-level module or package of myria (docs/architecture.md)
 LAYERS = [
@@ -100,3 +102,11 @@ def test_checkpoint_store_imports_without_torch():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          check=True).stdout
     assert out.strip() == "[]", out
+
+
+def test_each_stage_of_a_run_names_a_file_that_exists():
+    doc = (ROOT / "docs" / "architecture.md").read_text()
+    table = doc.split("## The stages of a run", 1)[1]
+    owners = re.findall(r"^\|[^|]+\| `(src/myria/[^`]+)` \|$", table, flags=re.M)
+    assert len(owners) >= 20, owners
+    assert [o for o in owners if not (ROOT / o).is_file()] == []
