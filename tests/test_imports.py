@@ -110,3 +110,23 @@ def test_each_stage_of_a_run_names_a_file_that_exists():
     owners = re.findall(r"^\|[^|]+\| `(src/myria/[^`]+)` \|$", table, flags=re.M)
     assert len(owners) >= 20, owners
     assert [o for o in owners if not (ROOT / o).is_file()] == []
+
+
+# Private names still taken across modules, each to be made public where it is defined (the
+# planner's files are being reworked); the test fails on any new one and on one fixed but
+# still listed here.
+PRIVATE_LEFT = {("sim.cli_simulate", "sim.cli_plan", "_at_least"),
+                ("measure.cpu", "sim.memory", "_act"), ("measure.cpu", "sim.memory", "_params")}
+
+
+def test_no_private_name_is_imported_from_another_module():
+    mods = _modules()
+    found = set()
+    for name, path in mods.items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("myria"):
+                base = node.module.removeprefix("myria").lstrip(".")
+                found |= {(name, base, a.name) for a in node.names
+                          if a.name.startswith("_") and not a.name.startswith("__")
+                          and f"{base}.{a.name}".lstrip(".") not in mods and base != name}
+    assert found == PRIVATE_LEFT, sorted(found ^ PRIVATE_LEFT)

@@ -38,7 +38,7 @@ from myria.tensors import full_value, local_shard
 from myria.train.preflight import check_run
 
 
-def _grad_sync(model: nn.Module, enabled: bool):
+def grad_sync(model: nn.Module, enabled: bool):
     """Gradient synchronisation on or off, for gradient accumulation (FSDP2 or DDP)."""
     if hasattr(model, "set_requires_gradient_sync"):  # FSDP2
         model.set_requires_gradient_sync(enabled)
@@ -187,7 +187,7 @@ class Engine:
         rec = events.current()
         for i in range(accum):
             kw = {} if docs[i] is None else {"documents": docs[i]}
-            with _grad_sync(self.model, i == accum - 1), self._ctx():
+            with grad_sync(self.model, i == accum - 1), self._ctx():
                 with rec.compute("forward", mb=i, stage=0):
                     if self.dims.tp > 1:  # vocabulary-sharded logits, loss on the shards
                         loss = self._loss_fn(self.model(inputs[i], **kw), targets[i]) / div

@@ -331,7 +331,7 @@ class ComputeCheck:
         gradients alone, without any gradient reduction). FSDP modules are resharded afterwards:
         one that keeps its parameters gathered after a forward (the root, zero2) would
         otherwise carry this step's weights into the next step's forward, past the update."""
-        from myria.train.engine import _grad_sync
+        from myria.train.engine import grad_sync
 
         e = self.engine
         outs = []
@@ -344,7 +344,7 @@ class ComputeCheck:
                         inp, other = items[2 * k], items[2 * k + 1]
                         cap = _Capture(part, False)
                         try:
-                            with _grad_sync(part, False), e._ctx():
+                            with grad_sync(part, False), e._ctx():
                                 x = inp.detach()
                                 if x.is_floating_point():
                                     x.requires_grad_(True)
@@ -366,7 +366,7 @@ class ComputeCheck:
         return torch.cat(outs)
 
     def _recompute_model(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        from myria.train.engine import _grad_sync
+        from myria.train.engine import grad_sync
 
         e = self.engine
         doc = e._documents(x.unsqueeze(0))[0]
@@ -374,7 +374,7 @@ class ComputeCheck:
         accum = e.divisor   # what training divides each microbatch's loss by
         cap = _Capture(e.model, False)
         try:
-            with _grad_sync(e.model, False), e._ctx():
+            with grad_sync(e.model, False), e._ctx():
                 xs, ys = e._shard_sequence(x), e._shard_sequence(y)
                 if e.dims.tp > 1:
                     loss = e._loss_fn(e.model(xs, **kw), ys) / accum

@@ -156,7 +156,7 @@ def _host_leaf(v: torch.Tensor) -> tuple[Any, torch.Tensor]:
     if not isinstance(v, DTensor):
         return buf, buf
     if v.device_mesh.device_type == "cpu":
-        twin = DTensor.fromlocal_shard(buf, v.device_mesh, v.placements, run_check=False,
+        twin = DTensor.from_local(buf, v.device_mesh, v.placements, run_check=False,
                                   shape=v.shape, stride=v.stride())
     else:  # a CPU DTensor on a GPU mesh, as DCP's own staging makes (from_local would move it)
         twin = v.detach().to("cpu")
