@@ -161,7 +161,7 @@ def _host_leaf(v: torch.Tensor) -> tuple[Any, torch.Tensor]:
     else:  # a CPU DTensor on a GPU mesh, as DCP's own staging makes (from_local would move it)
         twin = v.detach().to("cpu")
         twin._local_tensor = buf
-    return twin, local_shard(twin)
+    return twin, buf   # the local tensor of `twin` (the same storage)
 
 
 @dataclass
