@@ -39,7 +39,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
 from myria import config as config_mod  # noqa: E402
-from myria.train.checkpoint import CheckpointManager  # noqa: E402
+from myria.train.checkpoint.pipeline import CheckpointManager  # noqa: E402
 from myria.train.engine import Engine  # noqa: E402
 
 DATE = "2026-11-21"

@@ -258,7 +258,7 @@ def same_state(a: Path, b: Path) -> tuple[bool, str, int]:
 
 
 def newest(run_dir: Path) -> Path | None:
-    from myria.train.checkpoint import CheckpointManager
+    from myria.train.checkpoint.pipeline import CheckpointManager
 
     c = CheckpointManager(run_dir / "checkpoints").committed()
     return c[-1] if c else None
@@ -418,7 +418,7 @@ def check_case(name: str, run_dir: Path, ref: Path, job: dict, steps: int,
                shrink: bool = False) -> dict:
     """Every promise of the matrix for one finished case; returns its record (`shrink`:
     losses within SHRINK_RTOL instead of equal, the final state's difference reported)."""
-    from myria.train.checkpoint import CheckpointManager
+    from myria.train.checkpoint.pipeline import CheckpointManager
 
     problems = []
     if job["rc"] != 0:

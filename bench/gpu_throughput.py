@@ -105,7 +105,7 @@ def _peak_gb(device) -> dict:
 def run_myria(cfg, device, warmup: int) -> dict:
     """`myria.train.trainer.train` as `myria train` runs it, without checkpoint writes."""
     from myria.train import trainer
-    from myria.train.checkpoint import CheckpointManager
+    from myria.train.checkpoint.pipeline import CheckpointManager
 
     class NoSave(CheckpointManager):  # a 3B checkpoint is ~36 GB: not what is measured here
         def save(self, step, target, extra):

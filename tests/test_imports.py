@@ -9,15 +9,19 @@ put the parts together and may import any of them.
 from __future__ import annotations
 
 import ast
+import re
+import subprocess
+import sys
 from pathlib import Path
 
 import networkx as nx
 
-SRC = Path(__file__).resolve().parents[1] / "src" / "myria"
+ROOT = Path(__file__).resolve().parents[1]
+SRC = ROOT / "src" / "myria"
 
 # bottom to top; a name is a top-level module or package of myria (docs/architecture.md)
 LAYERS = [
-    ("errors", "fsutil", "compat"),             # no myria import
+    ("errors", "fsutil", "compat", "tensors"),  # no myria import
     ("device", "rundir", "faults", "config"),   # facts, paths, the config schema
     ("data", "detections"),                     # tokens on disk; detection records
     ("models", "optim"),                        # plain modules, FLOPs and memory formulas
@@ -89,3 +93,40 @@ def test_imports_run_down_the_layers():
             if dep in FRONT_DOORS or (top in LEVEL and LEVEL[top] > me):
                 up.append(f"{path.relative_to(SRC)}:{line} imports myria.{dep}")
     assert not up, up
+
+
+def test_checkpoint_store_imports_without_torch():
+    """The supervisor, export and preflight read checkpoints through the store without torch."""
+    code = ("import sys, myria.train.checkpoint.store, myria.train.preflight; "
+            "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.')))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True).stdout
+    assert out.strip() == "[]", out
+
+
+def test_each_stage_of_a_run_names_a_file_that_exists():
+    doc = (ROOT / "docs" / "architecture.md").read_text()
+    table = doc.split("## The stages of a run", 1)[1]
+    owners = re.findall(r"^\|[^|]+\| `(src/myria/[^`]+)` \|$", table, flags=re.M)
+    assert len(owners) >= 20, owners
+    assert [o for o in owners if not (ROOT / o).is_file()] == []
+
+
+# Private names still taken across modules, each to be made public where it is defined (the
+# planner's files are being reworked); the test fails on any new one and on one fixed but
+# still listed here.
+PRIVATE_LEFT = {("sim.cli_simulate", "sim.cli_plan", "_at_least"),
+                ("measure.cpu", "sim.memory", "_act"), ("measure.cpu", "sim.memory", "_params")}
+
+
+def test_no_private_name_is_imported_from_another_module():
+    mods = _modules()
+    found = set()
+    for name, path in mods.items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("myria"):
+                base = node.module.removeprefix("myria").lstrip(".")
+                found |= {(name, base, a.name) for a in node.names
+                          if a.name.startswith("_") and not a.name.startswith("__")
+                          and f"{base}.{a.name}".lstrip(".") not in mods and base != name}
+    assert found == PRIVATE_LEFT, sorted(found ^ PRIVATE_LEFT)

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from myria.faults import FaultInjector
-from myria.train.checkpoint import CheckpointManager, SaveError
+from myria.train.checkpoint.pipeline import CheckpointManager, SaveError
 
 
 class Target:
@@ -195,7 +195,7 @@ def test_leftover_temporary_directories_are_removed(tmp_path):
 def _gated_dcp_save(monkeypatch, thread_name: str):
     """Hold the DCP write of the save running on thread `thread_name` until the gate opens
     (its temporary directory exists by then)."""
-    from myria.train import checkpoint as ck
+    from myria.train.checkpoint import pipeline as ck
 
     gate, real = threading.Event(), ck.dcp.save
 
@@ -267,7 +267,7 @@ def test_checkpoints_after_the_last_clean_check_are_not_resumed_from(tmp_path):
     """A fault found after a commit (the compute check at step 8, the last clean one at step 4):
     the checkpoint of step 6 holds state computed since, so the resume quarantines it and goes
     to step 4; in-job recovery rolls back no further than step 4 either."""
-    from myria.train.checkpoint import mark_suspect
+    from myria.train.checkpoint.store import mark_suspect
     from myria.train.rejoin import choose
 
     mgr = CheckpointManager(tmp_path / "ck", async_save=False)

@@ -20,7 +20,7 @@ import time
 import pytest
 import torch
 
-from myria.train.checkpoint import CheckpointManager
+from myria.train.checkpoint.pipeline import CheckpointManager
 from tests.conftest import ROOT, TINY, assert_bit_equal, final_params, losses, run_cli
 
 STEPS = 24

@@ -12,7 +12,7 @@ from myria.errors import CheckpointError, ConfigError, OffloadError
 from myria.layout import Layout
 from myria.offload.diskio import ALIGN, HUGE_PAGE, aligned_buffer
 from myria.offload.files import FileMap
-from myria.train.checkpoint import CheckpointManager
+from myria.train.checkpoint.pipeline import CheckpointManager
 from myria.train.engine import Engine
 from tests.conftest import TINY, final_params, losses, run_cli
 
@@ -284,6 +284,35 @@ def _mapping_of(addr: int) -> tuple[int, int, set[str]] | None:
             elif found and line.startswith("VmFlags:"):
                 return (*found, set(line.split()[1:]))
     return None
+
+
+def test_a_chunk_read_back_other_than_written_stops_before_it_is_used(tmp_path, monkeypatch):
+    """A bit flipped between the nvme tier's write of a generation and the next update's read
+    of it (the disk, the controller, the copy into memory) is found against the checksum taken
+    when the optimizer wrote the chunk: nothing is updated from it, and the error is a fault
+    of the machine (exit 1: the supervisor restarts from the newest checkpoint)."""
+    import os
+
+    from myria.offload import pipeline
+    from myria.offload.adamw import ReadBackMismatch
+
+    off = engine(tmp_path, "--parallel.offload=nvme")
+    opt = off.optimizers[0]
+    first, real_io, flipped = opt.fd, pipeline.full_io, []
+
+    def flipping_io(op, fd, mv, offset):
+        real_io(op, fd, mv, offset)
+        if op is os.preadv and fd != first and not flipped:   # generation 1, read back
+            mv[len(mv) // 2] ^= 0x04
+            flipped.append(offset)
+
+    monkeypatch.setattr(pipeline, "full_io", flipping_io)
+    train_steps(off, 1)     # reads generation 0 (no flip), writes generation 1
+    before = {k: v.clone() for k, v in off.model.state_dict().items()}
+    with pytest.raises(ReadBackMismatch, match="chunk 0 of generation 1 read back differs"):
+        train_steps(off, 1)
+    assert flipped and ReadBackMismatch.exit_code == 1
+    assert all(torch.equal(before[k], v) for k, v in off.model.state_dict().items())
 
 
 def test_io_buffers_are_huge_page_mappings_given_back_when_freed():

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from myria.errors import CheckpointError
-from myria.train.checkpoint import CheckpointManager
+from myria.train.checkpoint.pipeline import CheckpointManager
 from myria.train.metrics import set_aside_after
 from tests.conftest import TINY, final_params, run_cli
 from tests.resilience.test_checkpoint import Target

@@ -278,6 +278,8 @@ def load_weights(parts: list, d: str | Path, m: ModelConfig) -> int:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import HuggingFaceStorageReader
 
+    from myria.tensors import local_shard
+
     d = Path(d)
     check_weights(d, m)
     # Tied embeddings: HF keeps the embedding only, and so does the model (Transformer.to_empty
@@ -290,7 +292,7 @@ def load_weights(parts: list, d: str | Path, m: ModelConfig) -> int:
                 raise RuntimeError("tied embeddings came apart: the output layer has a "
                                    "parameter of its own")
             state[hf_name(name)] = p
-            held += (p.to_local() if hasattr(p, "to_local") else p).nbytes
+            held += local_shard(p).nbytes
     with torch.no_grad(), warnings.catch_warnings():
         warnings.filterwarnings("ignore", "torch.distributed is disabled")
         dcp.load(state, storage_reader=HuggingFaceStorageReader(str(d)),

@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from myria.models.griffin import local
+from myria.tensors import local_shard
 
 CONV_WIDTH = 4
 
@@ -31,16 +31,16 @@ def causal_conv(u: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
                 past: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Depthwise causal convolution of u (B, S, W) with weight (W, CONV_WIDTH); `past` = the
     CONV_WIDTH - 1 inputs before u (zeros at the start). Returns (output, the new past)."""
-    w = local(weight)
+    w = local_shard(weight)
     if past is None:
         past = u.new_zeros(u.shape[0], CONV_WIDTH - 1, u.shape[2])
     full = torch.cat([past, u], dim=1)
-    out = F.conv1d(full.transpose(1, 2), w.unsqueeze(1), None if bias is None else local(bias),
-                   groups=w.shape[0]).transpose(1, 2)
+    bias = None if bias is None else local_shard(bias)
+    out = F.conv1d(full.transpose(1, 2), w.unsqueeze(1), bias, groups=w.shape[0]).transpose(1, 2)
     return out, full[:, -(CONV_WIDTH - 1):]
 
 
-def _pad_chunks(chunk: int, s: int, *ts: torch.Tensor) -> list[torch.Tensor]:
+def pad_chunks(chunk: int, s: int, *ts: torch.Tensor) -> list[torch.Tensor]:
     """Pad dim 2 of each (B, H, S, ...) tensor to a multiple of `chunk` with zeros (zero keys
     write nothing, zero log decay keeps the state; padded outputs are dropped)."""
     pad = (-s) % chunk
@@ -49,7 +49,7 @@ def _pad_chunks(chunk: int, s: int, *ts: torch.Tensor) -> list[torch.Tensor]:
     return [F.pad(t, (0, 0) * (t.dim() - 3) + (0, pad)) for t in ts]
 
 
-def _chunk_decays(g: torch.Tensor, chunk: int):
+def chunk_decays(g: torch.Tensor, chunk: int):
     """From log decays g (B, H, n, C): cumulative L, the in-chunk table D (B, H, n, C, C)."""
     L = torch.cumsum(g, dim=-1)
     causal = torch.ones(chunk, chunk, dtype=torch.bool, device=g.device).tril()
@@ -62,11 +62,11 @@ def gated_delta_chunked(q, k, v, g, beta, chunk: int, state=None, return_state: 
     `state` (B, H, Dk, Dv) carried in from earlier tokens, the final one returned if asked."""
     b, h, s, dk = q.shape
     dv = v.shape[-1]
-    q, k, v, g, beta = _pad_chunks(chunk, s, q, k, v, g, beta)
+    q, k, v, g, beta = pad_chunks(chunk, s, q, k, v, g, beta)
     n = q.shape[2] // chunk
     qc, kc, vc = (t.reshape(b, h, n, chunk, -1) for t in (q, k, v))
     gc, bc = g.reshape(b, h, n, chunk), beta.reshape(b, h, n, chunk)
-    L, decay = _chunk_decays(gc, chunk)
+    L, decay = chunk_decays(gc, chunk)
     strict = torch.ones(chunk, chunk, dtype=torch.bool, device=q.device).tril(-1)
     a = ((kc @ kc.transpose(-1, -2)) * decay * bc.unsqueeze(-1)).masked_fill(~strict, 0.0)
     eye = torch.eye(chunk, dtype=q.dtype, device=q.device)
@@ -157,15 +157,15 @@ class GatedDeltaNet(nn.Module):
         q = F.normalize(q, dim=-1) * self.head_dim ** -0.5
         k = F.normalize(k, dim=-1)
         beta = torch.sigmoid(self.wb(x)).transpose(1, 2)
-        dt = F.softplus(self.wa(x) + local(self.dt_bias)).transpose(1, 2)
-        g = -torch.exp(local(self.A_log)).unsqueeze(-1) * dt
+        dt = F.softplus(self.wa(x) + local_shard(self.dt_bias)).transpose(1, 2)
+        g = -torch.exp(local_shard(self.A_log)).unsqueeze(-1) * dt
         return q, k, v, g, beta
 
     def out(self, x: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
         """W_o(RMSNorm per head of o (B, H, S, D), times SiLU(W_g x))."""
         b, _, s, _ = o.shape
         o = F.rms_norm(o, (self.head_dim,), eps=self.eps).transpose(1, 2).reshape(b, s, -1)
-        return self.wo(o * local(self.norm_weight) * F.silu(self.wg(x)))
+        return self.wo(o * local_shard(self.norm_weight) * F.silu(self.wg(x)))
 
     def forward(self, x: torch.Tensor, rope=None) -> torch.Tensor:  # noqa: ARG002
         q, k, v, g, beta = self.inputs(x)

@@ -21,18 +21,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from myria.tensors import local_shard
+
 C_GATE = 8.0
 CONV_WIDTH = 4
-
-
-def local(p: torch.Tensor) -> torch.Tensor:
-    """This rank's shard of a parameter split by tensor parallelism (a DTensor), or `p`.
-
-    The only place model code meets a parallel parameter: block-diagonal gates, the per-channel
-    convolution and decay are sharded along their first (head/channel) dimension and are
-    used here on the local channels only.
-    """
-    return p.to_local() if hasattr(p, "to_local") else p
 
 
 def linear_scan(a: torch.Tensor, b: torch.Tensor, h0: torch.Tensor | None = None) -> torch.Tensor:
@@ -75,7 +67,7 @@ class RGLRU(nn.Module):
 
     def _gate(self, u, w, bias):
         b, s, _ = u.shape
-        w, bias = local(w), local(bias)
+        w, bias = local_shard(w), local_shard(bias)
         g = torch.einsum("bshi,hij->bshj", u.view(b, s, w.shape[0], self.block), w) + bias
         return torch.sigmoid(g.reshape(b, s, -1))
 
@@ -84,7 +76,7 @@ class RGLRU(nn.Module):
         sequence (no earlier state: the input is not rescaled at position 0)."""
         r = self._gate(u, self.gate_a_weight, self.gate_a_bias)
         i = self._gate(u, self.gate_x_weight, self.gate_x_bias)
-        log_a = -C_GATE * r * F.softplus(local(self.a_param))
+        log_a = -C_GATE * r * F.softplus(local_shard(self.a_param))
         a = torch.exp(log_a)
         mult = torch.sqrt(-torch.expm1(2 * log_a))          # sqrt(1 - a^2), accurate near 1
         if first:
@@ -117,7 +109,7 @@ class RecurrentBlock(nn.Module):
 
     def conv(self, u: torch.Tensor, past: torch.Tensor | None = None) -> torch.Tensor:
         """Causal depthwise convolution of (B, S, W); `past` = the previous CONV_WIDTH-1 inputs."""
-        w, bias = local(self.conv_weight), local(self.conv_bias)
+        w, bias = local_shard(self.conv_weight), local_shard(self.conv_bias)
         if past is None:
             past = u.new_zeros(u.shape[0], CONV_WIDTH - 1, u.shape[2])
         x = torch.cat([past, u], dim=1).transpose(1, 2)           # (B, W, S + 3)

@@ -21,8 +21,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from myria.models.deltanet import CONV_WIDTH, _chunk_decays, _pad_chunks, causal_conv
-from myria.models.griffin import local
+from myria.models.deltanet import CONV_WIDTH, causal_conv, chunk_decays, pad_chunks
+from myria.tensors import local_shard
 
 
 def ssd_chunked(q, k, v, log_a, chunk: int, state=None, return_state: bool = False):
@@ -30,10 +30,10 @@ def ssd_chunked(q, k, v, log_a, chunk: int, state=None, return_state: bool = Fal
     `state` (B, H, N, P) carried in from earlier tokens, the final one returned if asked."""
     b, h, s, n_state = q.shape
     p = v.shape[-1]
-    q, k, v, log_a = _pad_chunks(chunk, s, q, k, v, log_a)
+    q, k, v, log_a = pad_chunks(chunk, s, q, k, v, log_a)
     n = q.shape[2] // chunk
     qc, kc, vc = (t.reshape(b, h, n, chunk, -1) for t in (q, k, v))
-    L, decay = _chunk_decays(log_a.reshape(b, h, n, chunk), chunk)
+    L, decay = chunk_decays(log_a.reshape(b, h, n, chunk), chunk)
     inner = ((qc @ kc.transpose(-1, -2)) * decay) @ vc
     q_read = qc * torch.exp(L).unsqueeze(-1)
     k_write = kc * torch.exp(L[..., -1:] - L).unsqueeze(-1)
@@ -106,17 +106,17 @@ class Mamba2(nn.Module):
         if kb.shape[1] != x.shape[1]:   # heads of a group share B and C
             r = x.shape[1] // kb.shape[1]
             kb, qc = kb.repeat_interleave(r, dim=1), qc.repeat_interleave(r, dim=1)
-        dt = F.softplus(self.wdt(u) + local(self.dt_bias)).transpose(1, 2)    # (B, H, S)
-        log_a = -torch.exp(local(self.A_log)).unsqueeze(-1) * dt
+        dt = F.softplus(self.wdt(u) + local_shard(self.dt_bias)).transpose(1, 2)    # (B, H, S)
+        log_a = -torch.exp(local_shard(self.A_log)).unsqueeze(-1) * dt
         return qc, kb, x * dt.unsqueeze(-1), x, log_a
 
     def out(self, u: torch.Tensor, y: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """W_o(RMSNorm per head of (y + D x) * SiLU(z)); y, x (B, H, S, P)."""
         b, _, s, _ = y.shape
-        y = y + local(self.D).view(1, -1, 1, 1) * x
+        y = y + local_shard(self.D).view(1, -1, 1, 1) * x
         y = y.transpose(1, 2) * F.silu(self.wz(u)).view(b, s, -1, self.head_dim)
         y = F.rms_norm(y, (self.head_dim,), eps=self.eps).reshape(b, s, -1)
-        return self.wo(y * local(self.norm_weight))
+        return self.wo(y * local_shard(self.norm_weight))
 
     def forward(self, u: torch.Tensor, rope=None) -> torch.Tensor:  # noqa: ARG002
         q, k, v, x, log_a = self.inputs(u)

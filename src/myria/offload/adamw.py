@@ -24,6 +24,7 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
+import numpy as np
 import torch
 from torch.optim.adam import adam
 from torch.optim.optimizer import _get_scalar_dtype
@@ -37,13 +38,16 @@ from myria.offload.lending import GradientLoan, HeldChunks
 from myria.offload.pipeline import Pipeline, Read, Write
 from myria.offload.procmem import current_rss, peak_rss
 from myria.offload.update import Update, adam_kwargs
+from myria.tensors import local_shard
 
 log = logging.getLogger("myria")
 
 
-def local_tensor(t: torch.Tensor) -> torch.Tensor:
-    """The local tensor of a DTensor (its shard on this rank), else the tensor itself."""
-    return t._local_tensor if hasattr(t, "_local_tensor") else t
+class ReadBackMismatch(OffloadError):
+    """A chunk read back from the offload directory is not what the optimizer wrote (a fault of
+    the storage or memory on the way): exit 1, so the supervisor restarts the run."""
+
+    exit_code = 1
 
 
 def _flat(t: torch.Tensor) -> torch.Tensor:
@@ -72,7 +76,7 @@ class OffloadedAdamW(torch.optim.AdamW):
             self.state[p]["step"] = torch.tensor(0.0, dtype=scalar)
         sections = ("param", "exp_avg", "exp_avg_sq") if offload_params else \
             ("exp_avg", "exp_avg_sq")
-        shapes = shapes or [tuple(local_tensor(p).shape) for p in self.tensors]
+        shapes = shapes or [tuple(local_shard(p).shape) for p in self.tensors]
         self.filemap = FileMap([(s, p.dtype) for s, p in zip(shapes, self.tensors)], sections,
                                order)
         self.chunk_bytes = chunk_bytes
@@ -118,6 +122,10 @@ class OffloadedAdamW(torch.optim.AdamW):
                 if p.requires_grad:
                     p.register_post_accumulate_grad_hook(lambda p, t=t: self._final(t))
         self.gens = Generations(directory, self.filemap, direct)
+        # chunk -> checksum of the current generation's bytes as the optimizer wrote them; empty
+        # for a generation this process did not write (the first, or one a checkpoint restored,
+        # whose manifest's CRC-32s were verified when it was loaded)
+        self._sums: dict[int, tuple] = {}
         self.gen = 0
         self.fd = self.gens.create(0)
         self.gens.write_index(0)
@@ -172,6 +180,7 @@ class OffloadedAdamW(torch.optim.AdamW):
                    computed=[threading.Event() for _ in range(n)]
                    if self.offload_params else None,
                    left=[len(self._chunks_of.get(t, ())) for t in range(len(self.tensors))],
+                   expect=self._sums,
                    kill=self.faults.due("offload-kill", new) if self.faults else None,
                    full=self.faults.due("offload-diskfull", new) if self.faults else None)
         if speculative:
@@ -207,7 +216,7 @@ class OffloadedAdamW(torch.optim.AdamW):
         for fn in self.before_step:
             fn()
         settings = [adam_kwargs(group) for group in self.param_groups]
-        grads = {t: _flat(local_tensor(p.grad)) for t, p in enumerate(self.tensors)
+        grads = {t: _flat(local_shard(p.grad)) for t, p in enumerate(self.tensors)
                  if p.grad is not None}
         taken = self.loan.take_charged()
         unused = [t for t in taken if t not in grads]   # charged, and no gradient came
@@ -242,6 +251,7 @@ class OffloadedAdamW(torch.optim.AdamW):
         for t in grads:   # what adam's own `step += 1` gives each tensor's count
             self.state[self.tensors[t]]["step"] = u.before[t] + 1
         self.gen, self.fd, self._written, self._computed = u.new, u.fd, u.written, u.computed
+        self._sums = u.sums
         if self.asynchronous:
             self._behind = u.done
             if u.ready is None:
@@ -287,7 +297,7 @@ class OffloadedAdamW(torch.optim.AdamW):
         u = self._spec
         if u is None or u.cancelled or t in u.ptr or self.tensors[t].grad is None:
             return
-        flat = _flat(local_tensor(self.tensors[t].grad))
+        flat = _flat(local_shard(self.tensors[t].grad))
         u.grads[t], u.ptr[t] = flat, flat.data_ptr()
         for c in self._chunks_of.get(t, ()):
             u.waiting[c] -= 1
@@ -359,7 +369,9 @@ class OffloadedAdamW(torch.optim.AdamW):
                 return
             try:
                 self.raise_if_failed()
+                self._check_read(u, c, self.pipe.buffers[idx])
                 self._update(chunk, self.pipe.buffers[idx], u.before, u.grads, u.settings)
+                u.sums[c] = self._chunk_sum(c, self.pipe.buffers[idx])
             except BaseException:
                 self.pipe.release(idx)
                 raise
@@ -400,6 +412,27 @@ class OffloadedAdamW(torch.optim.AdamW):
                 return
         self._committed = self.pipe.call(lambda: self.gens.commit(u.new, u.fd, u.old_fd, u.g),
                                          f"committing generation {u.new}")
+
+    def _chunk_sum(self, c: int, buf: torch.Tensor) -> tuple:
+        """The exact checksum (wrapping 64-bit sums) of chunk `c`'s sections in `buf`."""
+        out = []
+        for _, boff, n in self._segments(self.chunks[c]):
+            a = buf[boff:boff + n].numpy()
+            words = a[:n - n % 8].view(np.int64)
+            out.append(int(words.sum(dtype=np.int64)) + int(a[n - n % 8:].sum(dtype=np.int64)))
+        return tuple(out)
+
+    def _check_read(self, u: Update, c: int, buf: torch.Tensor) -> None:
+        """Raise ReadBackMismatch unless chunk `c` of generation `u.g`, read into `buf`, holds
+        what the update that wrote it computed (nothing to check in a generation this process
+        did not write)."""
+        want = u.expect.get(c)
+        if want is None or self._chunk_sum(c, buf) == want:
+            return
+        raise ReadBackMismatch(
+            f"offload directory {self.dir}: chunk {c} of generation {u.g} read back differs "
+            "from what the optimizer wrote (a storage or memory fault); training stopped before "
+            "using it: run the same command to resume from the newest checkpoint")
 
     def _run_behind(self, u: Update) -> None:
         """The update on its thread: an error is kept for the training thread, and every
@@ -486,7 +519,7 @@ class OffloadedAdamW(torch.optim.AdamW):
                 return buf[at:at + n].view(dtype)
 
             param = view(s_param) if s_param >= 0 else \
-                _flat(local_tensor(p).detach())[pc.start:pc.stop]
+                _flat(local_shard(p).detach())[pc.start:pc.stop]
             grad = grads[pc.index][pc.start:pc.stop]
             step = before[pc.index].clone()
             ls = lists.setdefault(self.group_of[pc.index], ([], [], [], [], []))
@@ -537,7 +570,7 @@ class OffloadedAdamW(torch.optim.AdamW):
         self.held.clear()
         gen = int(info["gen"])
         self.fd, how = self.gens.restore(src, gen, self.gen, self.fd)
-        self.gen = gen
+        self.gen, self._sums = gen, {}
         log.debug("offload: restored generation %d from %s (%s)", gen, src, how)
 
     def close(self) -> None:

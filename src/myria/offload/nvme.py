@@ -15,18 +15,20 @@ from pathlib import Path
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from myria import rundir
 from myria.errors import CheckpointError, ConfigError, OffloadError
 from myria.faults import FaultInjector
 from myria.layout import Layout
 from myria.models.init import canonical_name
-from myria.offload.adamw import OffloadedAdamW, local_tensor
+from myria.offload.adamw import OffloadedAdamW
 from myria.offload.budget import MemoryPlan, activation_bytes, plan_memory
 from myria.offload.diskio import ALIGN, probe_direct
 from myria.offload.params import ParamStreamer, file_tensor, placeholders, units_of
 from myria.offload.procmem import keep_heap_small
 from myria.optim import param_groups
+from myria.tensors import local_shard
 
 log = logging.getLogger("myria")
 
@@ -47,9 +49,9 @@ def local_sizes(parts: list[nn.Module]) -> tuple[int, int, int]:
         for p in part.parameters():
             if id(p) not in seen:
                 seen.add(id(p))
-                total += local_tensor(p).numel()
+                total += local_shard(p).numel()
     layer = ends = 0
-    count = lambda mods: sum(local_tensor(p).numel() for m in mods if m is not None  # noqa: E731
+    count = lambda mods: sum(local_shard(p).numel() for m in mods if m is not None  # noqa: E731
                              for p in m.parameters())
     for part in parts:
         for block in getattr(part, "layers", {}).values():
@@ -125,7 +127,7 @@ class NvmeTier:
                 where = {id(p): t for t, p in enumerate(flat)}
                 order = [where[id(p)] for _, mods in units_of(part) for m in mods
                          for p in m.parameters()]
-            kinds = {hasattr(p, "_local_tensor") for g in groups for p in g["params"]}
+            kinds = {isinstance(p, DTensor) for g in groups for p in g["params"]}
             opt = OffloadedAdamW(
                 groups, directory / f"part{i}", lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps,
                 foreach=len(kinds) < 2, buffers=plan.buffers, chunk_bytes=chunk,

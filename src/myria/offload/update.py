@@ -45,6 +45,8 @@ class Update:
     decided: threading.Event = field(default_factory=threading.Event)
     used: list[int] = field(default_factory=list)   # used up before it was confirmed
     updated: int = 0      # chunks updated so far
+    expect: dict = field(default_factory=dict)  # chunk -> its checksum in `g`, as written
+    sums: dict = field(default_factory=dict)    # chunk -> its checksum in `new`, as updated
     done: threading.Event = field(default_factory=threading.Event)
 
 

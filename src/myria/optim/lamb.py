@@ -25,10 +25,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    """The local shard of a DTensor (a view sharing its storage), or the tensor itself."""
-    return t.to_local() if isinstance(t, DTensor) else t
+from myria.tensors import local_shard
 
 
 def _reduce_squares(sq: torch.Tensor, param: torch.Tensor) -> None:
@@ -110,8 +107,8 @@ class Lamb(Optimizer):
                 state = self._init_state(p)
                 state["step"] += 1
                 t = state["step"].item()
-                w, g = _local(p), _local(p.grad)
-                m, v = _local(state["exp_avg"]), _local(state["exp_avg_sq"])
+                w, g = local_shard(p), local_shard(p.grad)
+                m, v = local_shard(state["exp_avg"]), local_shard(state["exp_avg_sq"])
                 m.lerp_(g, 1.0 - beta1)
                 v.mul_(beta2).addcmul_(g, g, value=1.0 - beta2)
                 bc1 = 1.0 - beta1 ** t
@@ -130,7 +127,7 @@ class Lamb(Optimizer):
             # Accumulated in fp32 at least (fp64 when a parameter is fp64).
             acc = torch.float64 if any(p.dtype == torch.float64 for p in params) else torch.float32
             sq = torch.stack([
-                torch.stack([_local(p).to(acc).square().sum(), u.to(acc).square().sum()])
+                torch.stack([local_shard(p).to(acc).square().sum(), u.to(acc).square().sum()])
                 for p, u in zip(params, updates, strict=True)
             ], dim=1)
             self._reduce_norms(params, sq)
@@ -142,7 +139,7 @@ class Lamb(Optimizer):
 
             # Phase 3: w -= lr * r * u (r stays a tensor: no host synchronisation).
             for i, (p, u) in enumerate(zip(params, updates, strict=True)):
-                _local(p).sub_(u.mul_(ratio[i].to(u.dtype)), alpha=lr)
+                local_shard(p).sub_(u.mul_(ratio[i].to(u.dtype)), alpha=lr)
         return loss
 
     @staticmethod

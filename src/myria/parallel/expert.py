@@ -27,6 +27,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 from myria.models.moe import Experts, MoE, expert_mlps
+from myria.tensors import full_value, local_shard
 
 EXPERT_WEIGHTS = ("w1", "w2", "w3", "w1_bias", "w2_bias")
 
@@ -103,7 +104,7 @@ class ParallelExperts(Experts):
         for name in EXPERT_WEIGHTS:
             w = getattr(self, name)
             if w is not None:
-                w = w.to_local() if isinstance(w, DTensor) else w
+                w = local_shard(w)
                 w = _ScaleGrad.apply(w, 1.0 / self.ep)
             out.append(w)
         return tuple(out)
@@ -206,7 +207,7 @@ def sync_gradients(model: nn.Module, dp_group: dist.ProcessGroup | None,
         if p.grad is None:
             continue
         expert = isinstance(p, DTensor) and is_expert_parameter(name)
-        g = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
+        g = local_shard(p.grad)
         n, group = (rep, replica_group) if expert else (dp, dp_group)
         if n > 1:
             dist.all_reduce(g, op=dist.ReduceOp.SUM, group=group)
@@ -240,7 +241,7 @@ def grad_norm(parameters, foreach: bool | None = None) -> torch.Tensor:
     norms = []
     for group in _by_mesh(grads):
         n = torch.nn.utils.get_total_norm(group, 2.0, foreach=foreach)
-        norms.append(n.full_tensor() if isinstance(n, DTensor) else n)
+        norms.append(full_value(n))
     device = norms[0].device
     return torch.linalg.vector_norm(torch.stack([n.to(device) for n in norms]))
 

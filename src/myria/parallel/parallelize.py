@@ -38,6 +38,7 @@ from torch.distributed.tensor.parallel.style import ParallelStyle
 from myria.config import Config
 from myria.errors import ConfigError
 from myria.parallel.dims import ParallelDims
+from myria.tensors import local_shard
 
 
 def parallelize(part: nn.Module, dims: ParallelDims, cfg: Config, device: torch.device,
@@ -190,7 +191,7 @@ class ReplicateParallel(ParallelStyle):
                          for a in args)
 
         def outputs(mod, out, mesh):
-            return out.to_local() if isinstance(out, DTensor) else out
+            return local_shard(out)
 
         return distribute_module(module, device_mesh, None, input_fn=inputs, output_fn=outputs)
 

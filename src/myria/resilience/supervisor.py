@@ -38,7 +38,7 @@ prefixed by their rank and to RUN_DIR/logs/. Restarts use `TORCH_DISABLE_SHARE_R
 and explicit rendezvous timeouts (torch issues #135712, #167288: restarts are flaky otherwise).
 A restart is not tried where it cannot help: an input error a worker reports as such (exit 2,
 a `MyriaError`: config, data, checkpoint), checkpoints that cannot be saved (exit 4: a full disk,
-myria.train.checkpoint.SaveError), and the same error before the first step on two attempts in
+checkpoint.pipeline.SaveError), and the same error before the first step on two attempts in
 a row (a deterministic start-up error; a SIGKILL, from outside, never counts): the supervisor
 says so in one line, records the fault in the summary and exits non-zero. It owns the run
 directory while it runs (RUN_DIR/run.lock, myria.rundir.lock: a second job on it is refused)
@@ -81,7 +81,7 @@ ACCEPTS_OVERRIDES = True
 EXIT_BAD_HOST = 3
 STRAGGLER_CHECK_S = 5.0  # how often the supervisor scores the ranks' compute times
 EXIT_PREEMPTED = 143
-SAVE_FAILED = 4  # myria.train.checkpoint.SaveError.exit_code (not imported: torch-free here)
+SAVE_FAILED = 4  # checkpoint.pipeline.SaveError.exit_code (not imported: torch-free here)
 ACTIONABLE = ("exit", "missed-heartbeats", "no-heartbeat", "hang", "traffic-stopped", "alarm")
 
 log = logging.getLogger("myria.supervisor")
@@ -1119,9 +1119,12 @@ def _sdc_verdict(run_dir: Path, since: float) -> dict | None:
 
 
 def _newest_committed(run_dir: Path) -> str:
-    from myria.train.checkpoint import CheckpointManager
+    from myria.train.checkpoint.store import CheckpointStore
 
-    ckpts = CheckpointManager(run_dir / rundir.CHECKPOINTS).committed()
+    store = CheckpointStore(run_dir / rundir.CHECKPOINTS)
+    if store.dir.is_dir():
+        store.remove_stale_tmp()   # saves whose writer is gone
+    ckpts = store.committed()
     return ckpts[-1].name if ckpts else ""
 
 

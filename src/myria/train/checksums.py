@@ -12,9 +12,7 @@ from __future__ import annotations
 
 import torch
 
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if hasattr(t, "to_local") else t
+from myria.tensors import local_shard
 
 
 def sums(tensors: list[torch.Tensor]) -> torch.Tensor:
@@ -35,7 +33,7 @@ def sums(tensors: list[torch.Tensor]) -> torch.Tensor:
 def storage_key(t: torch.Tensor) -> tuple:
     """What identifies a tensor's bytes in memory: two views with the same key read the same
     bytes (a state dict's entries and the ledger's tensors share storage)."""
-    t = _local(t)
+    t = local_shard(t)
     return (t.data_ptr(), t.numel(), t.dtype)
 
 

@@ -34,10 +34,11 @@ from myria.optim.schedules import build_scheduler
 from myria.parallel import pipeline
 from myria.parallel.dims import ParallelDims, single_rank_mesh
 from myria.parallel.parallelize import apply_ddp, parallelize, shards_with_fsdp
+from myria.tensors import full_value, local_shard
 from myria.train.preflight import check_run
 
 
-def _grad_sync(model: nn.Module, enabled: bool):
+def grad_sync(model: nn.Module, enabled: bool):
     """Gradient synchronisation on or off, for gradient accumulation (FSDP2 or DDP)."""
     if hasattr(model, "set_requires_gradient_sync"):  # FSDP2
         model.set_requires_gradient_sync(enabled)
@@ -67,11 +68,6 @@ def _time_stages(schedule) -> None:
                     return _fn(*a, **kw)
 
             setattr(st, meth, timed)
-
-
-def _local(x: torch.Tensor) -> torch.Tensor:
-    """A plain tensor from a (replicated) DTensor loss."""
-    return x.full_tensor() if hasattr(x, "full_tensor") else x
 
 
 class Engine:
@@ -191,7 +187,7 @@ class Engine:
         rec = events.current()
         for i in range(accum):
             kw = {} if docs[i] is None else {"documents": docs[i]}
-            with _grad_sync(self.model, i == accum - 1), self._ctx():
+            with grad_sync(self.model, i == accum - 1), self._ctx():
                 with rec.compute("forward", mb=i, stage=0):
                     if self.dims.tp > 1:  # vocabulary-sharded logits, loss on the shards
                         loss = self._loss_fn(self.model(inputs[i], **kw), targets[i]) / div
@@ -201,7 +197,7 @@ class Engine:
                     self.tier.before_last_backward()
                 with rec.compute("backward", mb=i, stage=0):
                     loss.backward()
-            loss_sum += _local(loss.detach())
+            loss_sum += full_value(loss.detach())
         return loss_sum
 
     @property
@@ -223,7 +219,7 @@ class Engine:
                 self.schedule.step()
         if self.manual_dp:
             self._all_reduce_grads()
-        loss = torch.stack([_local(lo.detach()) for lo in losses]).mean() if losses else \
+        loss = torch.stack([full_value(lo.detach()) for lo in losses]).mean() if losses else \
             torch.zeros((), device=self.device)
         dist.all_reduce(loss, group=self.dims.pp_group)  # only the last stage's is non-zero
         return loss
@@ -231,7 +227,7 @@ class Engine:
     def _all_reduce_grads(self) -> None:
         """Average gradients over the data- and context-parallel ranks, one flat buffer."""
         grads = [p.grad for m in self.parts for p in m.parameters() if p.grad is not None]
-        local = [g.to_local() if hasattr(g, "to_local") else g for g in grads]
+        local = [local_shard(g) for g in grads]
         flat = torch.cat([g.reshape(-1) for g in local])
         dist.all_reduce(flat, group=self.dims.loss_group)
         flat /= dist.get_world_size(self.dims.loss_group)
@@ -246,8 +242,7 @@ class Engine:
 
         params = [p for m in self.parts for p in m.parameters() if p.grad is not None]
         norm = expert.grad_norm(params, foreach=True)
-        if hasattr(norm, "full_tensor"):
-            norm = norm.full_tensor()
+        norm = full_value(norm)
         if self.dims.pp > 1:
             sq = norm.pow(2)
             dist.all_reduce(sq, group=self.dims.pp_group)
@@ -304,7 +299,7 @@ class Engine:
                     loss = self._loss_fn(self.model(inputs, **kw), targets)
                 else:
                     loss = self.model(inputs, targets, **kw)
-            return _local(loss)
+            return full_value(loss)
         finally:
             self.model.train()
 

@@ -146,9 +146,9 @@ def check_exportable(m) -> None:
 
 def checkpoint_path(run_dir: Path, step: int | None) -> Path:
     """The committed checkpoint of `step` (default: the newest that verifies) of a run."""
-    from myria.train.checkpoint import CheckpointManager
+    from myria.train.checkpoint.store import CheckpointStore
 
-    mgr = CheckpointManager(rundir.checkpoints_dir(run_dir))
+    mgr = CheckpointStore(rundir.checkpoints_dir(run_dir))
     if step is None:
         path = mgr.latest_valid()
         if path is None:
@@ -192,16 +192,15 @@ def load_checkpoint_model(run_dir: Path, step: int | None, path: Path | None = N
 
     from myria import config as config_mod
     from myria.models.transformer import build_model
-    from myria.train.checkpoint import CheckpointManager
+    from myria.train.checkpoint.load import check_shapes
 
     path = path or checkpoint_path(run_dir, step)
-    mgr = CheckpointManager(rundir.checkpoints_dir(run_dir))
     meta = json.loads((path / "meta.json").read_text())
     m = config_mod.from_dict({"model": meta["model"]}).model
     model = build_model(m, "cpu")
     model.init_weights(0, buffers_only=True)
     sd = {k: v for k, v in model.state_dict().items()}
-    mgr.check_shapes(path, sd)
+    check_shapes(path, sd)
     state = {"model": sd}
     dcp.load(state, checkpoint_id=str(path), planner=dcp.DefaultLoadPlanner(
         allow_partial_load=True))

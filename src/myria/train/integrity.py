@@ -30,6 +30,7 @@ import torch.distributed as dist
 from myria import detections
 from myria.errors import MyriaError
 from myria.fsutil import atomic_write
+from myria.tensors import local_shard
 
 SKIP_STEPS = "skip_steps.json"
 SPIKE_WARMUP = 20        # steps before the running loss estimate judges spikes
@@ -57,16 +58,9 @@ class NumericalFault(MyriaError):
 
 def bit_checksum(t: torch.Tensor) -> int:
     """The exact integer sum of a tensor's elements read as integers of their width."""
-    t = t.detach()
-    if hasattr(t, "to_local"):
-        t = t.to_local()
-    t = t.contiguous().reshape(-1)
+    t = local_shard(t.detach()).contiguous().reshape(-1)
     width = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.int8}[t.element_size()]
     return int(t.view(width).sum(dtype=torch.int64))
-
-
-def _local(p: torch.Tensor) -> torch.Tensor:
-    return p.to_local() if hasattr(p, "to_local") else p
 
 
 @dataclass
@@ -157,7 +151,7 @@ class ReplicaCheck:
 def flip_bit(p: torch.Tensor, bit: int = 22, last: bool = False) -> None:
     """Flip one bit (22: the top mantissa bit of fp32, a change of up to half the value) of the
     first (or `last`) element of a parameter's (or gradient's) local tensor."""
-    t = _local(p.detach()).reshape(-1)
+    t = local_shard(p.detach()).reshape(-1)
     t = t[-1:] if last else t[:1]
     width = {4: torch.int32, 2: torch.int16, 8: torch.int64}[t.element_size()]
     v = t.view(width)
@@ -351,7 +345,7 @@ class StepGuard:
         local shard is not empty (the final norm or the output layer, whose gradient is never
         zero; an unused embedding row's would be)."""
         ps = [p for part in self.engine.parts for p in part.parameters()
-              if _local(p).numel() and (not grad or p.grad is not None)]
+              if local_shard(p).numel() and (not grad or p.grad is not None)]
         return ps[-1] if ps else list(self.engine.model.parameters())[-1]
 
     def _inject(self, target: str, sticky: bool) -> None:
@@ -518,7 +512,7 @@ class StepGuard:
             # committed holds it. Any other may have been there since the last clean check.
             if self.rank == 0 and not transient:
                 from myria import rundir
-                from myria.train.checkpoint import mark_suspect
+                from myria.train.checkpoint.store import mark_suspect
 
                 mark_suspect(rundir.checkpoints_dir(self.run_dir), self.clean_at, step,
                              "a recomputed microbatch differs")

@@ -33,6 +33,8 @@ from typing import Any
 
 import torch
 
+from myria.train.state import flat_state, rng_state
+
 log = logging.getLogger("myria")
 DIR = "peer"
 SLOTS = 3  # shared-memory snapshots per sender: the holder's newest is never the one written
@@ -75,18 +77,6 @@ def _unwrapped(fn):
 
 def crc32(buf: torch.Tensor) -> int:
     return zlib.crc32(memoryview(buf.numpy())) & 0xFFFFFFFF
-
-
-def _local(v):
-    return v._local_tensor if hasattr(v, "_local_tensor") else v
-
-
-def flat_state(engine) -> dict[str, Any]:
-    """{"/"-joined key: local tensor or plain value} of the engine's state."""
-    from myria.train.checkpoint import _flatten
-
-    return {"/".join(map(str, k)): (_local(v).detach() if isinstance(v, torch.Tensor) else v)
-            for k, v in _flatten(engine.state_dict()).items()}
 
 
 def layout_of(state: dict[str, Any]) -> tuple[list[dict], int]:
@@ -194,8 +184,6 @@ class PeerSnapshots:
         t0 = time.perf_counter()
         self.wait()
         t1 = time.perf_counter()
-        from myria.train.checkpoint import rng_state
-
         state = flat_state(self.engine)
         layout, nbytes = layout_of(state)
         # SLOTS buffers in turn, either way: the last SLOTS snapshots of this rank stay intact

@@ -119,7 +119,7 @@ def preflight(cfg: config_mod.Config, run_dir: str | Path, stop_after: int | Non
     config_mod.resume_changes(prev, copy.deepcopy(cfg), step)
     if step < cfg.training.steps and (stop_after is None or stop_after > step):
         return None
-    from myria.train.manifest import verify_dir
+    from myria.train.checkpoint.store import verify_dir
 
     if not cfg.checkpoint.resume_from and verify_dir(ckpt)[0] is not None:
         return None  # damaged: the trainer quarantines it, says so and resumes an older one

@@ -71,6 +71,7 @@ import torch
 import torch.distributed as dist
 
 from myria.observe import heartbeat_store
+from myria.train.state import load_flat_state
 
 log = logging.getLogger("myria")
 
@@ -424,7 +425,7 @@ class InJob:
 
             own = kept["own"][step]
             state = peer.unpack(own["meta"], own["buf"])
-        load(engine, state)
+        load_flat_state(engine, state)
         del kept
         self._record(step, infos, t0, env, sources, how)
         if env.is_main:
@@ -523,30 +524,3 @@ def _facts(infos: list[dict]) -> str:
                      f"own {i['own']}, holds rank {i['holds']} at {sorted(i['held'])}")
                      for i in infos)
 
-
-def load(engine, state: dict[str, Any]) -> None:
-    """Load a snapshot (myria.train.peer.unpack) into `engine`: tensors into its own state's
-    local shards, the optimizer's plain numbers, the scheduler and the RNG."""
-    from myria.train.checkpoint import _flatten, _local, _unflatten, set_rng_state
-
-    flat = _flatten(engine.state_dict())
-    for k, v in flat.items():
-        name = "/".join(map(str, k))
-        if name not in state:
-            raise RuntimeError(f"the snapshot has no {name!r}: it was taken with another "
-                               "model or layout")
-        src = state[name]
-        if isinstance(v, torch.Tensor):
-            dst = _local(v)
-            if tuple(dst.shape) != tuple(src.shape) or dst.dtype != src.dtype:
-                raise RuntimeError(f"snapshot {name!r}: {tuple(src.shape)} {src.dtype}, this "
-                                   f"rank holds {tuple(dst.shape)} {dst.dtype}")
-            with torch.no_grad():
-                dst.copy_(src)
-        elif isinstance(src, (int, float, bool)) and not isinstance(v, str):
-            flat[k] = src
-    engine.load_state_dict(_unflatten(flat))
-    if state.get("_scheduler") is not None:
-        engine.load_scheduler_state(state["_scheduler"])
-    if state.get("_rng") is not None:
-        set_rng_state(state["_rng"])

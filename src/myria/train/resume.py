@@ -18,6 +18,7 @@ from typing import Any
 from myria import config as config_mod
 from myria import rundir
 from myria.config import Config
+from myria.fsutil import atomic_write
 
 
 def previous_config(ckpt_dir: Path, run_dir: Path) -> tuple[dict, int]:
@@ -47,7 +48,6 @@ def apply(cfg: Config, engine, run_dir: Path, step: int, found: list[tuple[str, 
     """After loading the checkpoint of `step`: train with `cfg`'s optimizer settings, and (rank
     0) say and record what changed."""
     from myria.optim.schedules import apply_config
-    from myria.train.checkpoint import atomic_write
 
     before = engine.lr  # what the checkpoint's schedule would have used next
     lr = apply_config(engine.optimizers, engine.schedulers, cfg.optimizer, cfg.training.steps)

@@ -21,14 +21,15 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from myria.train.checksums import _local, storage_key, sums
+from myria.tensors import local_shard
+from myria.train.checksums import storage_key, sums
 
 
 def stick(t: torch.Tensor, bit: int = 22) -> tuple:
     """The `bitflip ... sticky=yes` fault at rest: flip one bit of the first element of a
     tensor's local shard and keep it there (a cell stuck at its new value; `StateLedger.retest`
     finds it). Returns the stuck cell for `StateLedger.stuck`."""
-    t = _local(t.detach())
+    t = local_shard(t.detach())
     v = t.reshape(-1)[:1].view({4: torch.int32, 2: torch.int16, 8: torch.int64}[t.element_size()])
     v.bitwise_xor_(1 << bit)
     return (t, 0, bit, int(v.item() >> bit) & 1)
@@ -79,7 +80,7 @@ class StateLedger:
 
     # what this rank owns
     def params(self) -> list[tuple[str, torch.Tensor]]:
-        return [(f"param {n}", _local(p)) for n, p in self._owned() if _local(p).numel()]
+        return [(f"param {n}", local_shard(p)) for n, p in self._owned() if local_shard(p).numel()]
 
     def optim(self) -> list[tuple[str, torch.Tensor]]:
         out = []
@@ -89,13 +90,13 @@ class StateLedger:
                 if not isinstance(st, dict):
                     continue
                 for key, v in st.items():
-                    if isinstance(v, torch.Tensor) and _local(v).numel():
-                        out.append((f"optimizer {n}.{key}", _local(v)))
+                    if isinstance(v, torch.Tensor) and local_shard(v).numel():
+                        out.append((f"optimizer {n}.{key}", local_shard(v)))
         return out
 
     def grads(self) -> list[tuple[str, torch.Tensor]]:
-        return [(f"grad {n}", _local(p.grad)) for n, p in self._owned()
-                if p.grad is not None and _local(p.grad).numel()]
+        return [(f"grad {n}", local_shard(p.grad)) for n, p in self._owned()
+                if p.grad is not None and local_shard(p.grad).numel()]
 
     @staticmethod
     def _take(items) -> tuple[list[str], torch.Tensor]:
@@ -245,7 +246,7 @@ class _Capture:
         self.hooks.append(h)
 
     def _fwd(self, args, out):
-        self.fwd = sums([_local(out)])[0]
+        self.fwd = sums([local_shard(out)])[0]
 
     def _pre(self, args):
         h = args[0] if args else None
@@ -253,7 +254,7 @@ class _Capture:
             self.h = h
 
             def grad(g):
-                self.bwd = sums([_local(g)])[0]
+                self.bwd = sums([local_shard(g)])[0]
 
             h.register_hook(grad)
 
@@ -330,7 +331,7 @@ class ComputeCheck:
         gradients alone, without any gradient reduction). FSDP modules are resharded afterwards:
         one that keeps its parameters gathered after a forward (the root, zero2) would
         otherwise carry this step's weights into the next step's forward, past the update."""
-        from myria.train.engine import _grad_sync
+        from myria.train.engine import grad_sync
 
         e = self.engine
         outs = []
@@ -343,7 +344,7 @@ class ComputeCheck:
                         inp, other = items[2 * k], items[2 * k + 1]
                         cap = _Capture(part, False)
                         try:
-                            with _grad_sync(part, False), e._ctx():
+                            with grad_sync(part, False), e._ctx():
                                 x = inp.detach()
                                 if x.is_floating_point():
                                     x.requires_grad_(True)
@@ -365,7 +366,7 @@ class ComputeCheck:
         return torch.cat(outs)
 
     def _recompute_model(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        from myria.train.engine import _grad_sync
+        from myria.train.engine import grad_sync
 
         e = self.engine
         doc = e._documents(x.unsqueeze(0))[0]
@@ -373,7 +374,7 @@ class ComputeCheck:
         accum = e.divisor   # what training divides each microbatch's loss by
         cap = _Capture(e.model, False)
         try:
-            with _grad_sync(e.model, False), e._ctx():
+            with grad_sync(e.model, False), e._ctx():
                 xs, ys = e._shard_sequence(x), e._shard_sequence(y)
                 if e.dims.tp > 1:
                     loss = e._loss_fn(e.model(xs, **kw), ys) / accum

@@ -51,7 +51,7 @@ from myria.observe import events, goodput, hang, tracking
 from myria.parallel.data import make_loader, write_read_counts
 from myria.parallel.dims import ParallelDims
 from myria.train import distributed, heartbeat, peer, rejoin, resume
-from myria.train.checkpoint import CheckpointManager
+from myria.train.checkpoint.pipeline import CheckpointManager
 from myria.train.engine import Engine
 from myria.train.integrity import StepGuard
 from myria.train.metrics import MetricsLogger, StepTimer, mfu

@@ -1,22 +1,8 @@
 """Two-stage distributed checkpoints: snapshot to host memory, write in the background, commit.
 
-Layout under RUN_DIR/checkpoints/:
-
-    step_00000040/          a committed checkpoint
-        .metadata, *.distcp DCP files (model + optimizer, resharded on load)
-        rng_rank00000.json   each rank's RNG states
-        offload/rank00000.part0.bin, .json  the nvme tier's optimizer state (parallel.offload =
-                             nvme), hard-linked from the offload directory, not copied
-        meta.json            the manifest, written last: step, scheduler, data position, layout,
-                             every file's size and CRC-32
-    step_00000060.<pid>-<id>@<host>.tmp/  a save in progress (never read), named after the
-                             manager that writes it (rank 0's process), so that no other
-                             writer (a new attempt, an abandoned save) ever touches it
-    latest                   name of the newest checkpoint that verifies
-    quarantine/step_00000120/  a checkpoint found damaged, moved aside with QUARANTINED.json
-                             (the reason and when); never loaded, counted or deleted by myria
-
-A save has two stages, as in MegaScale (§4.5.3) and torchtitan's asynchronous checkpointing:
+The directory layout, manifests, quarantine and retention are `myria.train.checkpoint.store`'s
+(torch-free); `CheckpointManager` is a store that also saves and loads. A save has two stages,
+as in MegaScale (§4.5.3) and torchtitan's asynchronous checkpointing:
 
 1. *Snapshot*: each rank copies its shard of the model and optimizer state into host buffers
    allocated once and reused (pinned memory on GPU). With `overlap`, the copy runs on a helper
@@ -24,60 +10,39 @@ A save has two stages, as in MegaScale (§4.5.3) and torchtitan's asynchronous c
    weights; the loop waits for it only in `before_update()`, just before the optimizer step.
 2. *Persist*: a background thread writes the snapshot with DCP through its own gloo process
    group (so it never interleaves with the training collectives), fsyncs every file, checksums
-   them, and the ranks vote. If every rank succeeded, rank 0 writes the manifest, renames
-   the temporary directory to `step_N` (atomic on POSIX), fsyncs the directory and replaces
-   `latest`.
+   them, and the ranks vote. If every rank succeeded, rank 0 commits (`CheckpointStore.commit`).
 
 **End to end.** A checkpoint is committed only if the bytes it copied are the bytes the
-optimizer wrote: when a save starts, each tensor's expected checksum is taken from the at-rest
-ledger (`recorded`, myria.train.sdc: recorded right after the update and verified just before
-the save) or, for a tensor the ledger does not track, from the tensor itself; the host buffers
-are checked against it once copied (an overlapped copy runs during the next step, when a fault
-may already have changed the live state) and again after the files are written (a buffer that
-changed while DCP read it). A mismatch fails the save on every rank (the vote); the files
-already written go to `quarantine/`, never to a checkpoint. A fault found after a commit (the
-compute check's persistent verdict: the optimizer may have written wrong state since the last
-clean check) is handled by `mark_suspect`: every checkpoint newer than the last clean check is
-quarantined at the next resume.
+optimizer wrote: each tensor's expected checksum is taken from the at-rest ledger (`recorded`,
+myria.train.sdc) or, for a tensor the ledger does not track, from the tensor itself when the
+save starts; the host buffers are checked against it once copied and again after the files are
+written. A mismatch fails the save on every rank (the vote); the files already written go to
+`quarantine/`, never to a checkpoint. A fault found after a commit is handled by
+`store.mark_suspect`.
 
-At most one save is in flight: a new save first waits for the previous one. A failed save is
-logged in one line (a full disk reads "No space left on device", with what a checkpoint needs
-and what is free), its temporary directory removed, older checkpoints are untouched, and
-training goes on, unless `max_failures` saves in a row have failed (`checkpoint.max_failed_saves`):
-then the save raises `SaveError` at once, as `require_saved` does when the final save (or the
-save of a requested stop) was not committed. So that no step is trained that could not be kept,
-a save that would be the `max_failures`-th failure in a row is waited for before training goes
-on (asynchronous saves are synchronous while the previous one failed). A run never ends with
-success on work it did not save.
+At most one save is in flight. A failed save is logged in one line (a full disk reads "No space
+left on device", with what a checkpoint needs and what is free), its temporary directory
+removed, older checkpoints untouched, and training goes on unless `max_failures` saves in a row
+have failed (`checkpoint.max_failed_saves`): then the save raises `SaveError`, as
+`require_saved` does when the final save (or the save of a requested stop) was not committed. A
+save that would be the `max_failures`-th failure in a row is waited for before training goes on.
 
-Resuming picks the newest checkpoint whose manifest verifies (sizes and CRC-32, the files split
-among the ranks so each byte is read once); a damaged or incomplete one is moved to
-`quarantine/` with its reason, so it is never counted, pruned into or pointed at by `latest`.
-
-Retention is by validity: after each commit the newest `keep` checkpoints that verify are kept
-(a damaged one met on the way is quarantined, not counted), and older ones are deleted only once
-`keep` newer verified ones exist, so the newest loadable checkpoint is never deleted. A checkpoint
-this process wrote (its files checksummed as written) or verified counts as verified after a size
-check; any other is checksummed once. When checkpoints exist but none verifies, resuming raises
-a CheckpointError naming them instead of starting again from step 0; `allow_fresh` (the
-`checkpoint.start_fresh` option) starts from step 0 explicitly and records that it did.
-Loading is one read per group of ranks holding the same shard (data-parallel replicas under DDP
-or HSDP): the group's first rank reads it from storage and broadcasts it to the others
-(MegaScale §4.5.3); `bytes_read` counts what this rank read. Loading executes nothing from the
-checkpoint (DCP reads tensors with `weights_only=True`; the rest is JSON).
+Resuming picks the newest checkpoint that every rank verifies (each checksums its share of the
+files); when checkpoints exist but none verifies, resuming raises a CheckpointError naming them
+unless `allow_fresh` (`checkpoint.start_fresh`). Loading is one read per group of ranks holding
+the same shard: the group's first rank reads it and broadcasts it to the others (MegaScale
+§4.5.3); `bytes_read` counts what this rank read. Loading executes nothing from the checkpoint
+(DCP reads tensors with `weights_only=True`; the rest is JSON).
 """
 
 from __future__ import annotations
 
-import base64
 import copy
 import errno
-import hashlib
 import json
 import logging
 import os
 import shutil
-import socket
 import threading
 import time
 import warnings
@@ -88,19 +53,33 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.tensor import DTensor
 
 from myria.errors import CheckpointError
-from myria.fsutil import atomic_write, file_crc32, link_or_copy, pid_alive
-from myria.fsutil import fsync_dir as _fsync_dir
+from myria.fsutil import atomic_write, file_crc32, link_or_copy
 from myria.observe import events
-from myria.train.manifest import verify_dir
+from myria.tensors import local_shard
+from myria.train import checksums
+from myria.train.checkpoint.load import load_state
+from myria.train.checkpoint.store import (
+    MANIFEST_VERSION,
+    CheckpointStore,
+    checkpoint_bytes,
+    free_bytes,
+    size_text,
+)
+from myria.train.state import (
+    flatten,
+    rank_and_world,
+    rng_state,
+    unflatten,
+    unique_bytes,
+)
 
 
 class SnapshotMismatch(Exception):
     """A save's copy differs from the state the optimizer wrote (the save is not committed)."""
 
-
-SUSPECT = "suspect.json"   # in checkpoints/: newer than a clean check, before a fault found
 
 
 class SaveError(CheckpointError):
@@ -115,26 +94,6 @@ warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavai
                         "uninitialized", category=UserWarning)
 
 log = logging.getLogger("myria")
-PREFIX = "step_"
-QUARANTINE = "quarantine"
-FRESH_START = "fresh_start.json"  # in quarantine/: damaged checkpoints a fresh start accepted
-MANIFEST_VERSION = 2
-
-
-def rng_state() -> dict[str, str]:
-    states = {"cpu": torch.get_rng_state()}
-    if torch.cuda.is_available():
-        states["cuda"] = torch.cuda.get_rng_state()
-    return {k: base64.b64encode(v.numpy().tobytes()).decode() for k, v in states.items()}
-
-
-def set_rng_state(states: dict[str, str]) -> None:
-    for k, v in states.items():
-        t = torch.frombuffer(bytearray(base64.b64decode(v)), dtype=torch.uint8)
-        if k == "cpu":
-            torch.set_rng_state(t)
-        elif k == "cuda" and torch.cuda.is_available():
-            torch.cuda.set_rng_state(t)
 
 
 def describe_error(e: BaseException) -> str:
@@ -188,73 +147,21 @@ def _disk_error(e: BaseException, path: Path, needed: int) -> str | None:
     return None
 
 
-def free_bytes(path: Path) -> int | None:
-    """Bytes an unprivileged writer may still use on the filesystem of `path` (or its parent)."""
-    for p in (path, *path.parents):
-        try:
-            st = os.statvfs(p)
-        except OSError:
-            continue
-        return st.f_bavail * st.f_frsize
-    return None
-
-
-def _mib(n: int | None) -> str:
-    if n is None:
-        return "? MiB"
-    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
-
-
-def _world() -> tuple[int, int]:
-    if dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
-    return 0, 1
-
-
-# -- nested state <-> flat leaves ------------------------------------------------------------
-def _flatten(obj: Any, prefix: tuple = ()) -> dict[tuple, Any]:
-    if isinstance(obj, dict):
-        out: dict[tuple, Any] = {}
-        for k, v in obj.items():
-            out.update(_flatten(v, prefix + (k,)))
-        return out
-    return {prefix: obj}
-
-
-def _unflatten(flat: dict[tuple, Any]) -> dict:
-    root: dict = {}
-    for path, v in flat.items():
-        node = root
-        for k in path[:-1]:
-            node = node.setdefault(k, {})
-        node[path[-1]] = v
-    return root
-
-
-def _is_dtensor(x: Any) -> bool:
-    return hasattr(x, "device_mesh") and hasattr(x, "placements") and hasattr(x, "_local_tensor")
-
-
-def _local(x: torch.Tensor) -> torch.Tensor:
-    return x._local_tensor if _is_dtensor(x) else x
-
 
 def _host_leaf(v: torch.Tensor) -> tuple[Any, torch.Tensor]:
     """A host-memory twin of tensor `v` (DTensor or plain) and its local buffer."""
-    local = _local(v).detach()
+    local = local_shard(v).detach()
     pin = local.is_cuda
     buf = torch.empty(local.shape, dtype=local.dtype, device="cpu", pin_memory=pin)
-    if not _is_dtensor(v):
+    if not isinstance(v, DTensor):
         return buf, buf
-    from torch.distributed.tensor import DTensor
-
     if v.device_mesh.device_type == "cpu":
         twin = DTensor.from_local(buf, v.device_mesh, v.placements, run_check=False,
                                   shape=v.shape, stride=v.stride())
     else:  # a CPU DTensor on a GPU mesh, as DCP's own staging makes (from_local would move it)
         twin = v.detach().to("cpu")
         twin._local_tensor = buf
-    return twin, _local(twin)
+    return twin, buf   # the local tensor of `twin` (the same storage)
 
 
 @dataclass
@@ -303,118 +210,42 @@ class _FaultyWriter(dcp.FileSystemWriter):
         raise OSError(errno.ENOSPC, "No space left on device (injected fault)")
 
 
-class _CountingReader(dcp.FileSystemReader):
-    """A DCP reader that counts the bytes it reads from storage."""
-
-    def __init__(self, path: str | os.PathLike) -> None:
-        super().__init__(path)
-        self.bytes_read = 0
-
-    def _slice_file(self, file, sinfo):
-        self.bytes_read += int(sinfo.length)
-        return super()._slice_file(file, sinfo)
-
-
-class CheckpointManager:
+class CheckpointManager(CheckpointStore):
     """Saves (in two stages), verifies, prunes and loads the checkpoints of one run directory."""
 
     def __init__(self, directory: str | Path, keep: int = 3, faults=None, *,
                  async_save: bool = False, overlap: bool = False, timeout_s: float = 600.0,
                  max_failures: int = 2, interval: int = 0):
-        self.dir = Path(directory)
-        self.keep = keep
+        super().__init__(directory, keep, faults, timeout_s)
         self.interval = interval       # save every `interval` steps (0: only last and stop)
         self.max_failures = max_failures  # failed saves in a row that stop the run; 0: never
         self.failed_in_row = 0
         self.last_failure = ""         # the one-line reason of the newest failed save
         self.disk_full = False         # ... and whether it was a full disk (or quota)
-        self.faults = faults
         self.async_save = async_save
         self.overlap = overlap and async_save
-        self.timeout_s = timeout_s
         self.history: list[SaveRecord] = []
         self.bytes_read = 0            # from storage by this rank during the last load
-        self.verify_bytes = 0          # read by this rank to verify checksums
         self._leaves: dict[tuple, tuple[Any, torch.Tensor]] = {}
         self._pending: _Pending | None = None
         self._thread: threading.Thread | None = None
-        self._verified: set[str] = set()  # names this process wrote or checksummed
         self._pg = None
         # {storage key: checksum} of the state the optimizer wrote (StepGuard.recorded), or
         # None: each copy is then checked against its source as it was when the save started
         self.recorded = None
-        rank, world = _world()
+        rank, world = rank_and_world()
         if world > 1 and async_save:
             # Background saves talk over their own gloo group, never the training group.
             import datetime
             self._pg = dist.new_group(backend="gloo",
                                       timeout=datetime.timedelta(seconds=timeout_s))
         # the name of this manager's temporary directories: rank 0's process, unique
-        token = [f"{os.getpid()}-{os.urandom(4).hex()}@{socket.gethostname()}"]
+        token = [self.token]
         if world > 1:
             dist.broadcast_object_list(token, src=0, group=self._pg)
         self.token = token[0]
         if rank == 0 and self.dir.is_dir():
             self.remove_stale_tmp()
-
-    def tmp_for(self, step: int) -> Path:
-        """The temporary directory of this manager's save of `step`."""
-        return self.dir / f"{PREFIX}{step:08d}.{self.token}.tmp"
-
-    def remove_stale_tmp(self) -> list[Path]:
-        """Remove the temporary directories of saves whose writer is gone (rank 0): a process
-        of this host that no longer exists, or on another host one older than the save timeout
-        (its collectives have failed by then). Another live writer's are left alone."""
-        host, removed = socket.gethostname(), []
-        for p in self.dir.glob(f"{PREFIX}*.tmp"):
-            owner = p.name[:-len(".tmp")].partition(".")[2]
-            pid, _, where = owner.partition("@")
-            pid = pid.partition("-")[0]
-            if where == host and pid.isdigit():
-                stale = not pid_alive(int(pid))
-            else:   # another host's, or a name without an owner
-                try:
-                    stale = time.time() - p.stat().st_mtime > self.timeout_s
-                except OSError:
-                    continue
-            if stale:
-                shutil.rmtree(p, ignore_errors=True)
-                removed.append(p)
-        return removed
-
-    # -- listing ---------------------------------------------------------------------------
-    def committed(self) -> list[Path]:
-        """Committed checkpoints, oldest first (temporary directories excluded)."""
-        if not self.dir.is_dir():
-            return []
-        out = [p for p in self.dir.iterdir()
-               if p.is_dir() and p.name.startswith(PREFIX) and p.name[len(PREFIX):].isdigit()
-               and (p / "meta.json").exists()]
-        return sorted(out, key=lambda p: int(p.name[len(PREFIX):]))
-
-    def path_for(self, step: int) -> Path:
-        return self.dir / f"{PREFIX}{step:08d}"
-
-    def verify(self, path: Path, checksums: bool = True, part: tuple[int, int] = (0, 1)
-               ) -> str | None:
-        """None when `path` is complete and undamaged, else the reason.
-
-        Sizes are always checked; with `checksums`, the CRC-32 of the files with index
-        `i % part[1] == part[0]` (so that ranks can share the reading).
-        """
-        reason, read = verify_dir(path, checksums, part)
-        self.verify_bytes += read
-        return reason
-
-    def latest_valid(self) -> Path | None:
-        """The newest checkpoint that verifies (one process); damaged ones are quarantined."""
-        for p in reversed(self.committed()):
-            reason = self.verify(p)
-            if reason is None:
-                self._verified.add(p.name)
-                return p
-            self.quarantine(p, reason)
-        return None
 
     def choose_resume(self, allow_fresh: bool = False) -> Path | None:
         """The newest checkpoint that verifies, decided together by all ranks (collective).
@@ -424,7 +255,7 @@ class CheckpointManager:
         rank 0 and `latest` is pointed at the chosen one. When there were checkpoints but none
         verifies, raises CheckpointError unless `allow_fresh` (then returns None).
         """
-        rank, world = _world()
+        rank, world = rank_and_world()
         chosen = None
         self.drop_suspect()   # before any rank lists the checkpoints
         if world == 1:
@@ -442,15 +273,15 @@ class CheckpointManager:
                 if rank == 0:
                     self.quarantine(p, bad[0])
         if rank == 0:
-            self._set_latest()
+            self.set_latest()
         if world > 1:
             dist.barrier(group=self._pg)  # every rank sees the files rank 0 moved
         if chosen is None:
             damaged = self.unaccepted_quarantine()
             if damaged and not allow_fresh:
-                raise CheckpointError(self._all_damaged_message(damaged))
+                raise CheckpointError(self.all_damaged_message(damaged))
             if damaged and rank == 0:
-                self._accept_fresh_start(damaged)
+                self.accept_fresh_start(damaged)
             if world > 1:
                 dist.barrier(group=self._pg)
         return chosen
@@ -458,118 +289,13 @@ class CheckpointManager:
     def drop_suspect(self) -> int | None:
         """Quarantine the checkpoints `mark_suspect` named (rank 0) and forget the mark
         (collective): the step every rank must not roll back past (None: no mark)."""
-        rank, world = _world()
-        after = None
-        if rank == 0:
-            f = self.dir / SUSPECT
-            try:
-                mark = json.loads(f.read_text())
-            except (OSError, ValueError):
-                mark = None
-            if mark is not None:
-                after = int(mark["after"])
-                for p in self.committed():
-                    if int(p.name[len(PREFIX):]) > after:
-                        self.quarantine(p, f"copied after the last clean check (step {after}) "
-                                        f"and before the fault found at step "
-                                        f"{mark['found_at']}: {mark['reason']}", accepted=True)
-                self._set_latest()
-                f.unlink()
+        rank, world = rank_and_world()
+        after = self.quarantine_suspect() if rank == 0 else None
         if world > 1:
             box = [after]
             dist.broadcast_object_list(box, src=0, group=self._pg)
             after = box[0]
         return after
-
-    def abandon_after(self, step: int) -> None:
-        """Move checkpoints newer than `step` aside (rank 0): an explicit older resume point
-        starts a new timeline, and `latest`/retention must not jump back to the old one."""
-        for p in self.committed():
-            if int(p.name[len(PREFIX):]) > step:
-                self.quarantine(p, f"newer than the explicitly chosen resume point (step {step})"
-                                "; kept aside, not damaged", accepted=True)
-        self._set_latest()
-
-    # -- quarantine and `latest` -------------------------------------------------------------
-    def quarantine(self, path: Path, reason: str, accepted: bool = False) -> Path:
-        """Move a checkpoint aside to quarantine/ with its reason (rank 0 only)."""
-        qdir = self.dir / QUARANTINE
-        qdir.mkdir(parents=True, exist_ok=True)
-        dest = qdir / path.name
-        n = 1
-        while dest.exists():
-            dest, n = qdir / f"{path.name}.{n}", n + 1
-        os.replace(path, dest)
-        _fsync_dir(self.dir)
-        atomic_write(dest / "QUARANTINED.json", json.dumps(
-            {"reason": reason, "time": time.time(), "from": str(path),
-             "accepted": accepted}, indent=1))
-        self._verified.discard(path.name)
-        if accepted:
-            log.warning("moved checkpoint %s aside to %s: %s", path.name, dest, reason)
-        else:
-            log.warning("checkpoint %s is damaged (%s): moved to %s; it will not be loaded, "
-                        "counted or deleted", path.name, reason, dest)
-        return dest
-
-    def quarantined(self) -> list[Path]:
-        """Checkpoints moved aside, oldest first."""
-        qdir = self.dir / QUARANTINE
-        if not qdir.is_dir():
-            return []
-        return sorted((p for p in qdir.iterdir() if p.is_dir() and p.name.startswith(PREFIX)),
-                      key=lambda p: p.name)
-
-    def unaccepted_quarantine(self) -> list[Path]:
-        """Damaged checkpoints that no fresh start has accepted yet."""
-        accepted = set()
-        f = self.dir / QUARANTINE / FRESH_START
-        if f.exists():
-            try:
-                accepted = set(json.loads(f.read_text()).get("accepted", []))
-            except (OSError, ValueError):
-                pass
-        out = []
-        for p in self.quarantined():
-            try:
-                info = json.loads((p / "QUARANTINED.json").read_text())
-            except (OSError, ValueError):
-                info = {}
-            if not info.get("accepted") and p.name not in accepted:
-                out.append(p)
-        return out
-
-    def _accept_fresh_start(self, damaged: list[Path]) -> None:
-        f = self.dir / QUARANTINE / FRESH_START
-        names = sorted({p.name for p in damaged} | set(
-            json.loads(f.read_text()).get("accepted", []) if f.exists() else []))
-        atomic_write(f, json.dumps({"accepted": names, "time": time.time()}, indent=1))
-        log.warning("starting from step 0 as asked (checkpoint.start_fresh): the damaged "
-                    "checkpoints %s stay in %s", ", ".join(p.name for p in damaged),
-                    self.dir / QUARANTINE)
-
-    def _all_damaged_message(self, damaged: list[Path]) -> str:
-        lines = []
-        for p in damaged:
-            try:
-                why = json.loads((p / "QUARANTINED.json").read_text())["reason"]
-            except (OSError, ValueError, KeyError):
-                why = "damaged"
-            lines.append(f"{p.name} ({why})")
-        return (f"no checkpoint in {self.dir} can be loaded: every one is damaged and was moved "
-                f"to {self.dir / QUARANTINE}: " + "; ".join(lines) + ". To go on, load one "
-                "anyway with --resume-from PATH (or --checkpoint.resume_from=PATH), or train "
-                "from step 0 with --start-fresh (--checkpoint.start_fresh=true)")
-
-    def _set_latest(self) -> None:
-        """Point `latest` at the newest committed checkpoint, or remove it (rank 0)."""
-        ckpts = self.committed()
-        f = self.dir / "latest"
-        if ckpts:
-            if not f.exists() or f.read_text().strip() != ckpts[-1].name:
-                atomic_write(f, ckpts[-1].name + "\n")
-        elif f.exists():
-            f.unlink()
 
     # -- saving ----------------------------------------------------------------------------
     def should_save(self, step: int, last: bool = False, stopping: bool = False) -> bool:
@@ -718,19 +444,19 @@ class CheckpointManager:
     def _snapshot_refs(self, step: int, target, extra: dict[str, Any],
                        rec: SaveRecord) -> _Pending:
         """Stage 1 bookkeeping: pair each live tensor with its preallocated host buffer."""
-        flat = _flatten(target.state_dict())
+        flat = flatten(target.state_dict())
         out: dict[tuple, Any] = {}
         copies = []
         names: list[str] = []
         unique = 0
         for key, v in flat.items():
             if isinstance(v, torch.Tensor):
-                unique += _unique_bytes(v)
+                unique += unique_bytes(v)
             if getattr(v, "_myria_immutable", False):  # a file never written again: as it is
                 out[key] = v
                 rec.bytes += v.numel() * v.element_size()
             elif isinstance(v, torch.Tensor):
-                local = _local(v).detach()
+                local = local_shard(v).detach()
                 cached = self._leaves.get(key)
                 if cached is None or cached[1].shape != local.shape or \
                         cached[1].dtype != local.dtype:
@@ -747,8 +473,6 @@ class CheckpointManager:
     def _expect(self, p: _Pending) -> None:
         """The checksum each copy must have: what the ledger recorded when the optimizer wrote
         it (verified just before the save), else the source's own, now."""
-        from myria.train import checksums
-
         recorded = self.recorded() if self.recorded is not None else {}
         try:
             with events.current().span("snapshot_expect", "check"):   # bench/integrity.py
@@ -758,8 +482,6 @@ class CheckpointManager:
 
     def _check_copies(self, p: _Pending, when: str) -> str:
         """Why the host buffers' bytes are not the expected ones ("" when they are)."""
-        from myria.train import checksums
-
         if len(p.expected) != len(p.copies):
             return ""
         with events.current().span("snapshot_verify", "check"):   # bench/integrity.py
@@ -824,7 +546,7 @@ class CheckpointManager:
     def _persist(self, p: _Pending) -> None:
         """Stage 2: write, fsync, checksum, vote, and (rank 0) commit."""
         t0 = time.perf_counter()
-        rank, world = _world()
+        rank, world = rank_and_world()
         final = self.path_for(p.step)
         tmp = self.tmp_for(p.step)
         mine: dict[str, list] = {}
@@ -837,7 +559,7 @@ class CheckpointManager:
                 self.faults.mark(f)
                 writer_cls = _FaultyWriter
             writer = writer_cls(str(tmp), single_file_per_rank=True, sync_files=True)
-            dcp.save(_unflatten(p.flat), storage_writer=writer, process_group=self._pg,
+            dcp.save(unflatten(p.flat), storage_writer=writer, process_group=self._pg,
                      no_dist=not dist.is_initialized())
             atomic_write(tmp / f"rng_rank{rank:05d}.json", json.dumps(p.rng))
             names = [f"rng_rank{rank:05d}.json", *p.linked]
@@ -917,13 +639,13 @@ class CheckpointManager:
             (os.strerror(errno.ENOSPC), os.strerror(errno.EDQUOT)))
         if self.disk_full:
             ckpts = [c for c in self.committed() if c.name != self.path_for(step).name]
-            need = _checkpoint_bytes(ckpts[-1]) if ckpts else None
+            need = checkpoint_bytes(ckpts[-1]) if ckpts else None
             if need:
-                need_s = f"about {_mib(need)} (the size of {ckpts[-1].name})"
+                need_s = f"about {size_text(need)} (the size of {ckpts[-1].name})"
             else:  # each rank's shards, replicated state once
-                need_s = "at least " + _mib(sum(v[2] for v in votes if v))
+                need_s = "at least " + size_text(sum(v[2] for v in votes if v))
             line += (f" in {self.dir}: a checkpoint needs {need_s}, "
-                     f"{_mib(free_bytes(self.dir))} free")
+                     f"{size_text(free_bytes(self.dir))} free")
         return line
 
     def _commit(self, p: _Pending, tmp: Path, final: Path, votes: list, world: int) -> None:
@@ -934,130 +656,13 @@ class CheckpointManager:
                 files[name], sums[name] = size, crc
         meta = dict(p.extra, step=p.step, world_size=world, files=files, checksums=sums,
                     manifest_version=MANIFEST_VERSION)
-        atomic_write(tmp / "meta.json", json.dumps(meta, indent=1))
-        _fsync_dir(tmp)
-        if self.faults is not None and (f := self.faults.due("corrupt-checkpoint", p.step)):
-            # after its checksums are in the manifest, before it becomes visible: a process
-            # killed after the commit can no longer leave it undamaged (issue 27)
-            self.faults.mark(f)
-            self._corrupt(tmp)
-        from myria.rundir import fence_guard
-
-        with fence_guard(self.dir.parent):  # a worker of a superseded round commits nothing
-            old = None
-            if final.exists():  # a step saved again after resuming from an older checkpoint
-                old = final.with_name(final.name + f".old{os.getpid()}")
-                os.replace(final, old)
-            os.replace(tmp, final)
-            _fsync_dir(self.dir)
-            self._verified.add(final.name)  # every file was checksummed as it was written
-            atomic_write(self.dir / "latest", final.name + "\n")
-        if old is not None:
-            shutil.rmtree(old, ignore_errors=True)
-        self._prune()
-
-    def _corrupt(self, path: Path) -> None:
-        """Flip bytes in the middle of the largest shard (silent corruption, same size)."""
-        victim = max((q for q in path.iterdir() if q.suffix == ".distcp"),
-                     key=lambda q: q.stat().st_size)
-        with open(victim, "r+b") as fh:
-            fh.seek(victim.stat().st_size // 2)
-            b = fh.read(16)
-            fh.seek(victim.stat().st_size // 2)
-            fh.write(bytes(x ^ 0xFF for x in b))
-            fh.flush()
-            os.fsync(fh.fileno())
-        log.warning("injected fault: corrupted %s (16 bytes flipped)", victim)
-
-    def _prune(self) -> None:
-        """Keep the newest `keep` checkpoints that verify; quarantine damaged ones (rank 0)."""
-        valid = 0
-        for p in reversed(self.committed()):
-            if valid >= self.keep:
-                shutil.rmtree(p, ignore_errors=True)
-                continue
-            reason = self.verify(p, checksums=p.name not in self._verified)
-            if reason is not None:
-                self.quarantine(p, reason)
-                continue
-            self._verified.add(p.name)
-            valid += 1
-        self._set_latest()
+        self.commit(tmp, final, meta, p.step)
 
     # -- loading ---------------------------------------------------------------------------
-    def check_shapes(self, path: Path, model_sd: dict[str, torch.Tensor],
-                     whole_model: set[str] | None = None) -> None:
-        """Raise CheckpointError listing keys whose presence or shape differ from the model.
-
-        `whole_model`: the keys of the whole model when this rank holds part of it (a pipeline
-        stage): a checkpoint key is extra only if no rank's part has it."""
-        md = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
-        saved = {k[len("model."):]: tuple(v.size) for k, v in md.items()
-                 if k.startswith("model.") and hasattr(v, "size")}
-        want = {k: tuple(v.shape) for k, v in model_sd.items()}
-        whole = set(want) if whole_model is None else whole_model
-        problems = []
-        for k in sorted(set(saved) | set(want)):
-            if k not in saved:
-                problems.append(f"{k}: not in checkpoint (model has {list(want[k])})")
-            elif k not in want and k in whole:
-                continue  # another pipeline stage's
-            elif k not in want:
-                problems.append(f"{k}: in checkpoint {list(saved[k])} but not in the model")
-            elif saved[k] != want[k]:
-                problems.append(f"{k}: checkpoint {list(saved[k])} vs model {list(want[k])}")
-        if problems:
-            shown = "\n  ".join(problems[:20])
-            more = f"\n  ... and {len(problems) - 20} more" if len(problems) > 20 else ""
-            raise CheckpointError(
-                f"checkpoint {path} does not match the model ({len(problems)} keys differ):\n  "
-                f"{shown}{more}\nUse a new --run-dir for a different model; nothing was "
-                "overwritten.")
-
     def load(self, path: Path, target) -> dict[str, Any]:
-        """Load `target` (state_dict/load_state_dict) and RNG from `path`; return its meta.
-
-        Ranks whose shards are identical form a group; the group's first rank reads the shard
-        from storage and broadcasts it to the rest.
-        """
-        rank, world = _world()
-        meta = json.loads((path / "meta.json").read_text())
-        if hasattr(target, "check_checkpoint"):  # optimizer state in files or in shards
-            target.check_checkpoint(path, meta)
-        state = target.state_dict()
-        whole = None
-        if world > 1:  # pipeline stages hold parts of the model: compare with their union
-            parts: list = [None] * world
-            dist.all_gather_object(parts, sorted(state["model"]))
-            whole = set().union(*map(set, parts))
-        self.check_shapes(path, state["model"], whole)
-        for key in getattr(target, "file_backed_keys", list)():  # restored with the files
-            state["model"].pop(key)
-        groups = replica_groups(state)
-        mine = next(g for g in groups if rank in g)
-        reader = _CountingReader(str(path))
-        try:
-            if all(len(g) == 1 for g in groups):
-                dcp.load(state, storage_reader=reader, no_dist=not dist.is_initialized())
-            else:
-                readers = sorted(g[0] for g in groups)
-                readers_pg = dist.new_group(readers, backend=None)
-                bcast_pgs = {tuple(g): dist.new_group(g) for g in groups if len(g) > 1}
-                if rank == mine[0]:
-                    dcp.load(state, storage_reader=reader, process_group=readers_pg)
-                if len(mine) > 1:
-                    _broadcast_state(state, mine[0], bcast_pgs[tuple(mine)])
-        except CheckpointError:
-            raise
-        except Exception as e:
-            raise CheckpointError(f"checkpoint {path} could not be read: {e}") from None
-        self.bytes_read = reader.bytes_read
-        target.load_state_dict(state)
-        if hasattr(target, "load_checkpoint_files"):
-            target.load_checkpoint_files(path)
-        rng_file = path / f"rng_rank{rank:05d}.json"
-        if meta.get("world_size") == world and rng_file.exists():
-            set_rng_state(json.loads(rng_file.read_text()))
+        """Load `target` (state_dict/load_state_dict) and RNG from `path`; return its meta
+        (collective; `myria.train.checkpoint.load.load_state`)."""
+        meta, self.bytes_read = load_state(path, target)
         return meta
 
     def stats(self) -> dict[str, Any]:
@@ -1065,84 +670,3 @@ class CheckpointManager:
         return {"saves": [asdict(r) for r in self.history], "bytes_read": self.bytes_read,
                 "verify_bytes": self.verify_bytes}
 
-
-def mark_suspect(directory: Path, after: int, found_at: int, reason: str) -> None:
-    """A fault found at step `found_at` may have been in the state since the last clean check
-    at step `after`: the checkpoints newer than `after` are quarantined at the next resume
-    (`drop_suspect`), whose rollback then goes to the newest verified clean one (rank 0)."""
-    directory.mkdir(parents=True, exist_ok=True)
-    atomic_write(directory / SUSPECT, json.dumps(
-        {"after": after, "found_at": found_at, "reason": reason, "time": time.time()}))
-
-
-def _unique_bytes(v: torch.Tensor) -> int:
-    """The bytes of tensor `v` that this rank alone holds: a DTensor's shard on the ranks at
-    coordinate 0 of its replicated mesh dimensions; a plain tensor on rank 0 (summed over the
-    ranks: the size of the checkpoint's tensors, or less where plain tensors differ by rank)."""
-    local = _local(v)
-    n = local.numel() * local.element_size()
-    if _is_dtensor(v):
-        coord = v.device_mesh.get_coordinate()
-        if coord is None:
-            return 0
-        return n if all(c == 0 for c, pl in zip(coord, v.placements) if not pl.is_shard()) \
-            else 0
-    return n if _world()[0] == 0 else 0
-
-
-def _checkpoint_bytes(path: Path) -> int | None:
-    """The bytes of a committed checkpoint, from its manifest."""
-    try:
-        return sum(json.loads((path / "meta.json").read_text()).get("files", {}).values())
-    except (OSError, ValueError, TypeError):
-        return None
-
-
-def _shard_key(v: Any) -> tuple:
-    """What identifies the data a rank holds for one state entry."""
-    if not isinstance(v, torch.Tensor):
-        return ()
-    if _is_dtensor(v):
-        coord = v.device_mesh.get_coordinate() or []
-        shards = tuple(c for c, pl in zip(coord, v.placements) if pl.is_shard())
-        return (tuple(v.shape), str(v.dtype), tuple(_local(v).shape), shards)
-    return (tuple(v.shape), str(v.dtype))
-
-
-def replica_groups(state: dict) -> list[list[int]]:
-    """Ranks grouped by identical state shards (collective; [[0]] for one process)."""
-    rank, world = _world()
-    if world == 1:
-        return [[0]]
-    flat = _flatten(state)
-    h = hashlib.sha256(repr(sorted((repr(k), _shard_key(v)) for k, v in flat.items()))
-                       .encode()).hexdigest()
-    keys: list[str | None] = [None] * world
-    dist.all_gather_object(keys, h)
-    groups: dict[str, list[int]] = {}
-    for r, k in enumerate(keys):
-        groups.setdefault(k, []).append(r)
-    return sorted(groups.values())
-
-
-def _broadcast_state(state: dict, src: int, group) -> None:
-    """Send the reader's state to its replicas, tensors in place, other leaves by pickle."""
-    flat = _flatten(state)
-    others = {k: v for k, v in flat.items() if not isinstance(v, torch.Tensor)}
-    for key in sorted(flat, key=repr):
-        v = flat[key]
-        if not isinstance(v, torch.Tensor):
-            continue
-        local = _local(v).detach()
-        buf = local if local.is_contiguous() else local.contiguous()
-        dist.broadcast(buf, src=src, group=group)
-        if buf is not local:
-            local.copy_(buf)
-    if others:
-        box = [others]
-        dist.broadcast_object_list(box, src=src, group=group)
-        for k, v in box[0].items():
-            node = state
-            for part in k[:-1]:
-                node = node[part]
-            node[k[-1]] = v

@@ -1,0 +1,23 @@
+"""This rank's view of a tensor that may be a DTensor: its local shard, or its whole value.
+
+Every module that walks a rank's tensors (model code, optimizers, checkpoints, peer snapshots,
+silent-corruption checks, the nvme tier) asks here, so that "the local shard" means one thing.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.distributed.tensor import DTensor
+
+
+def local_shard(t: torch.Tensor) -> torch.Tensor:
+    """The part of `t` this rank holds (a DTensor's local tensor, sharing its storage), else
+    `t` itself. Differentiable under grad mode (`DTensor.to_local`); without grad mode it is
+    the local tensor object itself, outside autograd."""
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def full_value(t: torch.Tensor) -> torch.Tensor:
+    """The whole value of `t` on this rank (a DTensor gathered, as `full_tensor` does), else
+    `t` itself: for small replicated results such as a loss or a norm."""
+    return t.full_tensor() if isinstance(t, DTensor) else t
