@@ -106,6 +106,24 @@ def moved_on_without(run_dir: Path, job: str, host: str) -> str:
             "were fenced off the run directory")
 
 
+FENCED_EXIT_S = 5.0   # how long a fenced-off host's workers get to stop on the fence themselves
+
+
+def await_fenced_exit(run_dir: Path, pids: list[int]) -> list[int]:
+    """When the job went on from the round this host's workers (`pids`) run (myria.rundir.fenced
+    with the round its supervisor gave them), wait up to FENCED_EXIT_S for them to stop on the
+    fence themselves, each saying so in its log (they look every myria.rundir.FENCE_POLL_S), so
+    that none is killed by its own agent first because a sibling stopped; returns the pids
+    still running."""
+    from myria.fsutil import pid_alive
+
+    end = time.time() + FENCED_EXIT_S
+    while (alive := [p for p in pids if pid_alive(p)]) and rundir.fenced(run_dir) and \
+            time.time() < end:
+        time.sleep(0.1)
+    return alive
+
+
 # -- the rendezvous wait -----------------------------------------------------------------------
 def members(agent) -> list[str]:
     """The hosts of the agent's current rendezvous round (torch's c10d dynamic rendezvous)."""
@@ -114,6 +132,18 @@ def members(agent) -> list[str]:
         return sorted({n.addr for n in state.participants})
     except AttributeError:
         return []
+
+
+def left_round(agent, hosts: list[str]) -> list[str]:
+    """Which of `hosts` (the current round's) are no longer participants of the rendezvous:
+    torch's c10d rendezvous drops a host whose keep-alive stopped (lost or cut off)."""
+    try:
+        holder = agent._rdzv_handler._state_holder
+        holder.sync()
+        now = {n.addr for n in holder.state.participants}
+    except Exception:
+        return []
+    return [h for h in hosts if h not in now]
 
 
 def _read_state(store, run_id: str):

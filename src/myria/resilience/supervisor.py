@@ -265,6 +265,11 @@ def _agent_class():
         def _stop_workers(self, worker_group):
             # A faulty group is killed outright: a frozen (SIGSTOP) or hung rank would ignore
             # SIGTERM, and the restart resumes from the last committed checkpoint anyway.
+            if self.sup.max_nodes > 1:   # but a fenced-off group stops on the fence first
+                from myria.resilience.multihost import await_fenced_exit
+
+                await_fenced_exit(self.sup.run_dir, [w.id for w in worker_group.workers
+                                                     if w.id])
             self._shutdown(death_sig=signal.SIGKILL, timeout=10)
 
         def _restart_workers(self, worker_group):
@@ -378,7 +383,10 @@ class Supervisor:
             backend="c10d", endpoint=endpoint, run_id=self.job, min_nodes=self.min_nodes,
             max_nodes=self.max_nodes, join_timeout=int(t.init_timeout_s),
             last_call_timeout=1 if self.min_nodes == self.max_nodes else 30,
-            close_timeout=30, read_timeout=int(max(60, t.init_timeout_s)))
+            close_timeout=30, read_timeout=int(max(60, t.init_timeout_s)),
+            # a host silent this long is out of the round, so a spare can take its place
+            keep_alive_interval=max(1, round(self.r.heartbeat_s)),
+            keep_alive_max_attempt=max(3, 2 * self.r.missed_heartbeats))
         spec = WorkerSpec(
             role="trainer", local_world_size=self.nproc, entrypoint=sys.executable,
             args=("-u", "-m", "myria", *self.worker_argv),
@@ -615,9 +623,13 @@ class Supervisor:
 
     def recover(self, agent, wg) -> None:
         """Stop the group, diagnose this host, blocklist it if bad, back off; then restart."""
-        f = self.current or self._record(Detection(
-            "membership-change", [], time.time(), time.time(),
-            "a host joined or left the rendezvous"), [])
+        f = self.current
+        if f is None:
+            f = self._record(Detection("membership-change", [], time.time(), time.time(),
+                                       self._membership_change(agent)), [])
+            log.warning("DETECTED membership-change: %s", f.evidence)
+            if self.max_nodes > 1:   # its ranks' stacks: live ones wait on the host that left
+                self._hang_report(wg, f)
         f.action.append("stop worker group")
         log.info("ACTION stop the worker group of attempt %d (SIGKILL)", self.attempt)
         agent._stop_workers(wg)
@@ -640,6 +652,16 @@ class Supervisor:
             self._wait_for_hosts(f)
 
     # -- several hosts (myria.resilience.multihost) ------------------------------------------
+    def _membership_change(self, agent) -> str:
+        """What changed in the rendezvous: the hosts of this round that left it, if any."""
+        from myria.resilience import multihost
+
+        if self.max_nodes <= 1:
+            return "a host joined or left the rendezvous"
+        gone = multihost.left_round(agent, self.members)
+        return (f"host(s) {', '.join(gone)} of this round dropped out of the rendezvous (no "
+                "keep-alive: lost or cut off)" if gone else "a host joined the rendezvous")
+
     def _joined(self, agent, wg) -> None:
         """The round's hosts, and this host's ranks among them, once its workers started."""
         from myria.resilience import multihost
@@ -874,8 +896,8 @@ class Supervisor:
         known = [x["resumed_from"] for x in recs if x.get("resumed_from", -1) >= 0]
         if self.initial_step is None and self.attempt == 0 and len(known) == len(recs):
             self.initial_step = min(known)  # -1 means "not resumed yet", never a step
-        f = self.current
-        if f is None or f.attempt == self.attempt:
+        f = self.current   # followed once its new group started (a membership change uses
+        if f is None or f.attempt == self.attempt and not f.restarted_at:   # no restart)
             return
         if f.resumed_from is None and all(x.get("resumed_from", -1) >= 0 for x in recs):
             f.resumed_from = min(x.get("resumed_from", 0) for x in recs)
