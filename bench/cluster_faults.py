@@ -12,7 +12,9 @@ the allocation as spares, injects one host fault at step 6 and waits for the job
 - failed-diagnostics: a host's diagnostics made to fail (`fail-diagnostics`) and one of its
   workers killed: its supervisor runs them, fails, drains the node in Slurm (sinfo), leaves;
 - lost-during-recovery: a host killed, then the spare that replaced it killed as soon as the new
-  round formed (4 nodes: two spares).
+  round formed (4 nodes: two spares);
+- lost-first-host: the first host (the rendezvous store's) killed: the job cannot go on (a
+  documented limit); each survivor says why in one line and the job ends FAILED.
 
 Per case: the detection time, the recovery path, the time lost by phase (the supervisor's
 recovery_phases), the final weights against a clean run of the same 4 ranks on one host (bit
@@ -46,7 +48,8 @@ TINY = ["--model.vocab_size=1024", "--model.layers=2", "--model.hidden=64", "--m
         "--training.micro_batch=2", "--optimizer.warmup_steps=4", "--logging.tensorboard=false",
         f"--training.steps={STEPS}", "--checkpoint.interval=4", "--training.eval_interval=0",
         "--training.init_timeout_s=120", "--resilience.hang_timeout_s=10"]
-CASES = ["lost-host", "partition", "slow-link", "failed-diagnostics", "lost-during-recovery"]
+CASES = ["lost-host", "partition", "slow-link", "failed-diagnostics", "lost-during-recovery",
+         "lost-first-host"]
 ENV = {"MYRIA": f"{sys.executable} -m myria", "OMP_NUM_THREADS": "1",
        "PYTHONPATH": str(ROOT / "src")}
 
@@ -133,13 +136,13 @@ def run_case(case: str, work: Path, data: Path, ref: Path) -> dict:
         wait_step(run, 3, checkpoint=False)
     else:
         wait_step(run, FAULT_STEP)
-    victim = members[1]
+    victim = members[0] if case == "lost-first-host" else members[1]
     newest = (committed(run) or [0])[-1]
     out: dict = {"case": case, "nodes": nodes, "members": members, "victim": victim,
                  "newest_committed_at_fault": newest}
     t_fault = time.time()
     out["fault_at_step"] = max(metrics(run))
-    if case == "lost-host":
+    if case in ("lost-host", "lost-first-host"):
         cluster.kill_host(victim)
     elif case == "partition":
         cluster.partition(victim)
@@ -161,6 +164,17 @@ def run_case(case: str, work: Path, data: Path, ref: Path) -> dict:
     out["slurm_job_state"] = state
     out["wall_s"] = round(time.time() - t_submit, 1)
     out["node_states"] = cluster.node_states()
+    if case == "lost-first-host":
+        log = (run / "supervisor.log").read_text()
+        out["survivor_says"] = [x.split(" ACTION ")[1] for x in log.splitlines()
+                                if " ACTION give up" in x and f"[{victim}]" not in x]
+        out["nothing_committed_lost"] = bool(committed(run)) and \
+            committed(run)[-1] >= newest
+        out["recovery_path"] = "none: the job ends (its rendezvous lived on the lost host)"
+        out["final_weights"] = {"bit_equal": False, "max_abs_diff": float("nan"),
+                                "note": "the job did not finish"}
+        cluster.down(quiet=True)
+        return out
     s = json.loads((run / "supervisor_summary.json").read_text())
     out["status"], out["host_status"] = s["status"], s.get("host_status")
     out["placement_final"] = s.get("placement")

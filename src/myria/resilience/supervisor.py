@@ -96,11 +96,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--rdzv-endpoint", default="", help="HOST:PORT of the rendezvous (default: "
                    "127.0.0.1 and a free port, one host)")
     p.add_argument("--rdzv-id", default="", help="job id shared by the hosts of one job")
+    p.add_argument("--job-status", action="store_true", help="print job --rdzv-id's outcome "
+                   "from RUN_DIR's summary and exit 0 only if it succeeded (the Slurm script's "
+                   "exit)")
     p.epilog = ("Config overrides --section.key=value pass to the workers as in `myria train`; "
                 "[resilience] sets heartbeats, timeouts, restarts and the blocklist hook.")
 
 
 def run(args) -> int:
+    if args.job_status:
+        from myria.resilience.multihost import job_status
+
+        return job_status(Path(args.run_dir), args.rdzv_id)
     cfg = config_mod.load(args.config, args.overrides)
     from myria.interop import hf
 
@@ -451,12 +458,17 @@ class Supervisor:
                 status, code = SPARE_UNUSED, 0
                 log.info("the job ended without needing this spare host")
         except RendezvousError as e:
-            from myria.resilience.multihost import EXCLUDED, moved_on_without
+            from myria.resilience.multihost import EXCLUDED, moved_on_without, store_lost
 
             status = "rendezvous-failed"
             if self.ranks and (why := moved_on_without(self.run_dir, self.job, self.host)):
                 status, code = EXCLUDED, 0   # cut off: the job went on (fenced) without it
                 log.warning("ACTION leave: %s", why)
+            elif self.max_nodes > 1 and (why := store_lost(self._endpoint)):
+                status = "rendezvous-lost"
+                log.error("ACTION give up: %s; resubmit the job: it resumes from the newest "
+                          "committed checkpoint (%s)", why,
+                          _newest_committed(self.run_dir) or "none yet")
             else:
                 log.error("ACTION give up: the rendezvous did not complete (%s)%s",
                           str(e) or type(e).__name__,
