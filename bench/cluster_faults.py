@@ -13,8 +13,9 @@ the allocation as spares, injects one host fault at step 6 and waits for the job
   workers killed: its supervisor runs them, fails, drains the node in Slurm (sinfo), leaves;
 - lost-during-recovery: a host killed, then the spare that replaced it killed as soon as the new
   round formed (4 nodes: two spares);
-- lost-first-host: the first host (the rendezvous store's) killed: the job cannot go on (a
-  documented limit); each survivor says why in one line and the job ends FAILED.
+- lost-first-host: the first host (the rendezvous store's, the batch script's) killed: the job
+  cannot go on (a documented limit); each survivor says why in one line and hands the job back
+  to Slurm (requeued: PENDING until an allocation is free; the bench then cancels it).
 
 Per case: the detection time, the recovery path, the time lost by phase (the supervisor's
 recovery_phases), the final weights against a clean run of the same 4 ranks on one host (bit
@@ -160,7 +161,15 @@ def run_case(case: str, work: Path, data: Path, ref: Path) -> dict:
         cluster.kill_host(second)
         out["second_victim"] = second
         out["second_killed_after_s"] = round(time.time() - t_fault, 2)
-    state = cluster.wait_job(job, 900)
+    if case == "lost-first-host":   # its survivors hand the job back to Slurm (requeue)
+        end = time.time() + 300
+        while time.time() < end and cluster.job_state(job) in ("RUNNING", "COMPLETING"):
+            time.sleep(1.0)
+        out["job_back_to_slurm_s"] = round(time.time() - t_fault, 1)
+        state = cluster.job_state(job)
+        cluster.exec_on(cluster.LOGIN, ["scancel", str(job)], capture=True)
+    else:
+        state = cluster.wait_job(job, 900)
     out["slurm_job_state"] = state
     out["wall_s"] = round(time.time() - t_submit, 1)
     out["node_states"] = cluster.node_states()

@@ -155,6 +155,9 @@ def members(agent) -> list[str]:
         return []
 
 
+EXIT_STORE_LOST = 69   # sysexits' EX_UNAVAILABLE: the job's rendezvous store (first node) is gone
+
+
 def store_lost(endpoint: str) -> str:
     """Why the job cannot go on when its rendezvous store (`endpoint`, on the job's first
     node) does not answer, or "" when it does: torch's c10d rendezvous keeps its state in

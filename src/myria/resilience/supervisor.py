@@ -465,7 +465,9 @@ class Supervisor:
                 status, code = EXCLUDED, 0   # cut off: the job went on (fenced) without it
                 log.warning("ACTION leave: %s", why)
             elif self.max_nodes > 1 and (why := store_lost(self._endpoint)):
-                status = "rendezvous-lost"
+                from myria.resilience.multihost import EXIT_STORE_LOST
+
+                status, code = "rendezvous-lost", EXIT_STORE_LOST
                 log.error("ACTION give up: %s; resubmit the job: it resumes from the newest "
                           "committed checkpoint (%s)", why,
                           _newest_committed(self.run_dir) or "none yet")
