@@ -231,7 +231,8 @@ def run_case(case: str, work: Path, data: Path, ref: Path) -> dict:
             out["detection_s"] = round(sl[0]["time"] - t_fault, 2)
         myria("report", str(run), "--no-prediction")
         b = json.loads((run / "report" / "blame.json").read_text())
-        out["blame"] = {"most_blamed_rank": b["most_blamed_rank"],
+        out["blame"] = {"slow_links": b.get("slow_links"),
+                        "most_blamed_rank": b["most_blamed_rank"],
                         "standout_ranks": b["standout_ranks"],
                         "by_rank": {r["rank"]: {"host": r["host"], "waited_s": round(
                             r["waited_s"], 2), "blamed_s": round(r["blamed_s"], 2)}
@@ -252,13 +253,17 @@ def table(results: dict) -> str:
         ph = c.get("recovery_phases") or {}
         phases = ", ".join(f"{k} {v:.1f}" for k, v in ph.items() if v >= 0.05)
         w = c["final_weights"]
-        weights = "bit-equal" if w["bit_equal"] else f"max diff {w['max_abs_diff']:.2e}"
+        weights = "bit-equal" if w["bit_equal"] else w.get("note") or \
+            f"max diff {w['max_abs_diff']:.2e}"
         det = c.get("detection_s")
         if c["case"] == "slow-link":
             sl = c.get("slow_link_detections") or []
             det = (f"{c.get('detection_s')}: slow link on " + ", ".join(
                 f"{d['host']} ranks {d.get('ranks')}" for d in sl) if sl else "not detected")
         extra = ""
+        if c.get("survivor_says"):
+            extra = (f"; each survivor: `{c['survivor_says'][0][:150]}...`; job back to Slurm "
+                     f"{c.get('job_back_to_slurm_s')} s after the kill")
         if c.get("fence"):
             f = c["fence"]
             extra = (f"; cut-off host's {f['cut_off_workers_fenced']} workers fenced "
