@@ -639,8 +639,9 @@ class Supervisor:
         """Stop the group, diagnose this host, blocklist it if bad, back off; then restart."""
         f = self.current
         if f is None:
-            f = self._record(Detection("membership-change", [], time.time(), time.time(),
-                                       self._membership_change(agent)), [])
+            why, silent_s = self._membership_change(agent)
+            now = time.time()
+            f = self._record(Detection("membership-change", [], now - silent_s, now, why), [])
             log.warning("DETECTED membership-change: %s", f.evidence)
             if self.max_nodes > 1:   # its ranks' stacks: live ones wait on the host that left
                 self._hang_report(wg, f)
@@ -666,15 +667,24 @@ class Supervisor:
             self._wait_for_hosts(f)
 
     # -- several hosts (myria.resilience.multihost) ------------------------------------------
-    def _membership_change(self, agent) -> str:
-        """What changed in the rendezvous: the hosts of this round that left it, if any."""
+    def _membership_change(self, agent) -> tuple[str, float]:
+        """What changed in the rendezvous (the hosts of this round that left it, if any), and
+        how long before now it happened at the least (a host that left was silent for the
+        rendezvous' keep-alive window)."""
         from myria.resilience import multihost
 
         if self.max_nodes <= 1:
-            return "a host joined or left the rendezvous"
+            return "a host joined or left the rendezvous", 0.0
         gone = multihost.left_round(agent, self.members)
+        if not gone:
+            return "a host joined the rendezvous", 0.0
+        try:
+            s = agent._rdzv_handler.settings
+            window = (s.keep_alive_interval * s.keep_alive_max_attempt).total_seconds()
+        except AttributeError:
+            window = 0.0
         return (f"host(s) {', '.join(gone)} of this round dropped out of the rendezvous (no "
-                "keep-alive: lost or cut off)" if gone else "a host joined the rendezvous")
+                f"keep-alive for {window:g} s: lost or cut off)", window)
 
     def _joined(self, agent, wg) -> None:
         """The round's hosts, and this host's ranks among them, once its workers started."""
