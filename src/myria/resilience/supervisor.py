@@ -641,7 +641,7 @@ class Supervisor:
         if f is None:
             why, silent_s = self._membership_change(agent)
             now = time.time()
-            f = self._record(Detection("membership-change", [], now - silent_s, now, why), [])
+            f = self._record(Detection("membership-change", [], now, now - silent_s, why), [])
             log.warning("DETECTED membership-change: %s", f.evidence)
             if self.max_nodes > 1:   # its ranks' stacks: live ones wait on the host that left
                 self._hang_report(wg, f)
