@@ -920,8 +920,10 @@ class Supervisor:
         known = [x["resumed_from"] for x in recs if x.get("resumed_from", -1) >= 0]
         if self.initial_step is None and self.attempt == 0 and len(known) == len(recs):
             self.initial_step = min(known)  # -1 means "not resumed yet", never a step
-        f = self.current   # followed once its new group started (a membership change uses
-        if f is None or f.attempt == self.attempt and not f.restarted_at:   # no restart)
+        # the fault is followed once its new group started (a membership change restarts the
+        # group without using a restart: same attempt, restarted_at set)
+        f = self.current
+        if f is None or f.attempt == self.attempt and not f.restarted_at:
             return
         if f.resumed_from is None and all(x.get("resumed_from", -1) >= 0 for x in recs):
             f.resumed_from = min(x.get("resumed_from", 0) for x in recs)
