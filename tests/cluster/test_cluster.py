@@ -3,8 +3,9 @@ real Slurm), launched the way a user does it: `sbatch` of the shipped scripts/my
 
 One case per behaviour: 2 hosts x 2 processes train bit-equal to the same 4 ranks on one host
 (and `myria report` shows both hosts); a lost host is replaced by the allocation's spare node
-and the run ends bit-equal to a clean one; a partition is detected as a hang, the cut-off host's
-workers are fenced off and the run ends bit-equal. Root and Debian's slurm/munge packages are needed
+and the run ends bit-equal to a clean one; a partition is detected (the host drops out of the
+rendezvous, or a hang), each of the cut-off host's workers stops on the fence and says so, and
+the run ends bit-equal. Root and Debian's slurm/munge packages are needed
 (`make cluster-packages`); without them the module skips in one line. Every test takes the
 emulated cluster down on its way out, failures included, and checks nothing of it is left.
 """
