@@ -12,7 +12,10 @@ the allocation as spares, injects one host fault at step 6 and waits for the job
 - failed-diagnostics: a host's diagnostics made to fail (`fail-diagnostics`) and one of its
   workers killed: its supervisor runs them, fails, drains the node in Slurm (sinfo), leaves;
 - lost-during-recovery: a host killed, then the spare that replaced it killed as soon as the new
-  round formed (4 nodes: two spares).
+  round formed (4 nodes: two spares);
+- lost-first-host: the first host (the rendezvous store's, the batch script's) killed: the job
+  cannot go on (a documented limit); each survivor says why in one line and hands the job back
+  to Slurm (requeued: PENDING until an allocation is free; the bench then cancels it).
 
 Per case: the detection time, the recovery path, the time lost by phase (the supervisor's
 recovery_phases), the final weights against a clean run of the same 4 ranks on one host (bit
@@ -46,7 +49,8 @@ TINY = ["--model.vocab_size=1024", "--model.layers=2", "--model.hidden=64", "--m
         "--training.micro_batch=2", "--optimizer.warmup_steps=4", "--logging.tensorboard=false",
         f"--training.steps={STEPS}", "--checkpoint.interval=4", "--training.eval_interval=0",
         "--training.init_timeout_s=120", "--resilience.hang_timeout_s=10"]
-CASES = ["lost-host", "partition", "slow-link", "failed-diagnostics", "lost-during-recovery"]
+CASES = ["lost-host", "partition", "slow-link", "failed-diagnostics", "lost-during-recovery",
+         "lost-first-host"]
 ENV = {"MYRIA": f"{sys.executable} -m myria", "OMP_NUM_THREADS": "1",
        "PYTHONPATH": str(ROOT / "src")}
 
@@ -133,13 +137,13 @@ def run_case(case: str, work: Path, data: Path, ref: Path) -> dict:
         wait_step(run, 3, checkpoint=False)
     else:
         wait_step(run, FAULT_STEP)
-    victim = members[1]
+    victim = members[0] if case == "lost-first-host" else members[1]
     newest = (committed(run) or [0])[-1]
     out: dict = {"case": case, "nodes": nodes, "members": members, "victim": victim,
                  "newest_committed_at_fault": newest}
     t_fault = time.time()
     out["fault_at_step"] = max(metrics(run))
-    if case == "lost-host":
+    if case in ("lost-host", "lost-first-host"):
         cluster.kill_host(victim)
     elif case == "partition":
         cluster.partition(victim)
@@ -157,10 +161,29 @@ def run_case(case: str, work: Path, data: Path, ref: Path) -> dict:
         cluster.kill_host(second)
         out["second_victim"] = second
         out["second_killed_after_s"] = round(time.time() - t_fault, 2)
-    state = cluster.wait_job(job, 900)
+    if case == "lost-first-host":   # its survivors hand the job back to Slurm (requeue)
+        end = time.time() + 300
+        while time.time() < end and cluster.job_state(job) in ("RUNNING", "COMPLETING"):
+            time.sleep(1.0)
+        out["job_back_to_slurm_s"] = round(time.time() - t_fault, 1)
+        state = cluster.job_state(job)
+        cluster.exec_on(cluster.LOGIN, ["scancel", str(job)], capture=True)
+    else:
+        state = cluster.wait_job(job, 900)
     out["slurm_job_state"] = state
     out["wall_s"] = round(time.time() - t_submit, 1)
     out["node_states"] = cluster.node_states()
+    if case == "lost-first-host":
+        log = (run / "supervisor.log").read_text()
+        out["survivor_says"] = [x.split(" ACTION ")[1] for x in log.splitlines()
+                                if " ACTION give up" in x and f"[{victim}]" not in x]
+        out["nothing_committed_lost"] = bool(committed(run)) and \
+            committed(run)[-1] >= newest
+        out["recovery_path"] = "none: the job ends (its rendezvous lived on the lost host)"
+        out["final_weights"] = {"bit_equal": False, "max_abs_diff": float("nan"),
+                                "note": "the job did not finish"}
+        cluster.down(quiet=True)
+        return out
     s = json.loads((run / "supervisor_summary.json").read_text())
     out["status"], out["host_status"] = s["status"], s.get("host_status")
     out["placement_final"] = s.get("placement")
@@ -208,7 +231,8 @@ def run_case(case: str, work: Path, data: Path, ref: Path) -> dict:
             out["detection_s"] = round(sl[0]["time"] - t_fault, 2)
         myria("report", str(run), "--no-prediction")
         b = json.loads((run / "report" / "blame.json").read_text())
-        out["blame"] = {"most_blamed_rank": b["most_blamed_rank"],
+        out["blame"] = {"slow_links": b.get("slow_links"),
+                        "most_blamed_rank": b["most_blamed_rank"],
                         "standout_ranks": b["standout_ranks"],
                         "by_rank": {r["rank"]: {"host": r["host"], "waited_s": round(
                             r["waited_s"], 2), "blamed_s": round(r["blamed_s"], 2)}
@@ -229,13 +253,17 @@ def table(results: dict) -> str:
         ph = c.get("recovery_phases") or {}
         phases = ", ".join(f"{k} {v:.1f}" for k, v in ph.items() if v >= 0.05)
         w = c["final_weights"]
-        weights = "bit-equal" if w["bit_equal"] else f"max diff {w['max_abs_diff']:.2e}"
+        weights = "bit-equal" if w["bit_equal"] else w.get("note") or \
+            f"max diff {w['max_abs_diff']:.2e}"
         det = c.get("detection_s")
         if c["case"] == "slow-link":
             sl = c.get("slow_link_detections") or []
             det = (f"{c.get('detection_s')}: slow link on " + ", ".join(
                 f"{d['host']} ranks {d.get('ranks')}" for d in sl) if sl else "not detected")
         extra = ""
+        if c.get("survivor_says"):
+            extra = (f"; each survivor: `{c['survivor_says'][0][:150]}...`; job back to Slurm "
+                     f"{c.get('job_back_to_slurm_s')} s after the kill")
         if c.get("fence"):
             f = c["fence"]
             extra = (f"; cut-off host's {f['cut_off_workers_fenced']} workers fenced "

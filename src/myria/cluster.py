@@ -530,7 +530,7 @@ def run(args) -> int:
             print("myria cluster: down")
             return 0
         for h in [LOGIN, *s["hosts"]]:
-            pid = s["slurmctld"] if h == LOGIN else s["slurmd"].get(h)
+            pid = s.get("slurmctld") if h == LOGIN else s.get("slurmd", {}).get(h)  # up: midway
             print(f"{h:<8} {'alive' if pid and pid_alive(pid) else 'DOWN'} "
                   f"({'slurmctld' if h == LOGIN else 'slurmd'} pid {pid})")
         print(exec_on(LOGIN, ["sinfo"], capture=True).stdout.rstrip())

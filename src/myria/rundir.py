@@ -248,6 +248,7 @@ FENCE = "fence.json"
 FENCE_LOCK = "fence.lock"
 FENCE_ENV = "MYRIA_FENCE"   # "JOB:ROUND" of the rendezvous round a worker was started in
 EXIT_FENCED = 75            # a fenced worker's exit status
+FENCE_POLL_S = 0.5          # how often a worker of a multi-host job looks at the fence
 
 
 def fence_bump(run_dir: str | Path, job: str, generation: int, hosts: list[str]) -> None:

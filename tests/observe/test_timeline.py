@@ -62,6 +62,38 @@ def test_unit_blame_attributes_waiting_to_the_late_rank(tmp_path):
     assert "rank 1: no events file" in (out / "index.html").read_text()
 
 
+def test_slow_link_is_blamed_on_communication_on_its_host(tmp_path):
+    """A host's link found slow by its supervisor's probe (a slow-link detection at step 3):
+    the report blames communication on that host, with its ranks' time in collectives per
+    step before and from then (2 hosts x 1 rank; the ring's all-reduce slows both alike)."""
+    from myria import detections
+
+    ev = tmp_path / "events"
+    ev.mkdir()
+    for r, host in enumerate(("h0", "h1")):
+        lines = [json.dumps({"header": {"rank": r, "world": 2, "host": host,
+                                        "coord": {"dp": r}}})]
+        for s in range(1, 6):
+            base, comm = s * 1_000_000, 300_000 if s >= 3 else 30_000
+            lines += [json.dumps({"n": "step", "c": "step", "s": s, "t0": base,
+                                  "t1": base + 40_000 + comm, "th": 0}),
+                      json.dumps({"n": "forward", "c": "compute", "s": s, "m": 0, "t0": base,
+                                  "t1": base + 40_000, "th": 0}),
+                      json.dumps({"n": "all_reduce", "c": "comm", "s": s, "th": 0,
+                                  "t0": base + 40_000, "t1": base + 40_000 + comm,
+                                  "a": {"dim": "dp", "group": [0, 1], "seq": s}})]
+        (ev / f"rank{r:05d}.jsonl").write_text("\n".join(lines) + "\n")
+    detections.record(tmp_path, "slow-link", None, "h1", 3,
+                      {"ranks": [1], "evidence": "0.7 MB/s to the rendezvous host"}, "none")
+    p = run_cli("report", str(tmp_path), "--no-prediction")
+    assert ("blame: communication on h1 (ranks [1]): its link is degraded from step 3 (0.7 "
+            "MB/s to the rendezvous host); its ranks' collectives took 0.300 s per step from "
+            "then, 0.030 s before") in p.stdout, p.stdout
+    b = json.loads((tmp_path / "report" / "blame.json").read_text())
+    assert b["slow_links"][0]["host"] == "h1" and b["standout_ranks"] == []
+    assert "id=slow-links" in (tmp_path / "report" / "index.html").read_text()
+
+
 @pytest.mark.slow
 def test_slowed_rank_is_blamed_and_stands_out(slow_dp):
     out = write_report(slow_dp, predict=False)

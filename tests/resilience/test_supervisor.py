@@ -434,3 +434,27 @@ def test_spares_without_in_job_recovery_are_refused_in_one_line(tmp_path):
         "(recovery = 'restart' restarts every worker and uses no spare); set recovery = "
         "'in-job' or spares = 0"), p.stderr
     assert not (tmp_path / "run").exists()
+
+
+def test_job_status_is_the_jobs_outcome_not_its_worst_hosts(tmp_path):
+    """The Slurm script's exit (`myria supervise --job-status`): a job that trained to its end
+    on some hosts succeeded though a drained host left it; one that did not, failed."""
+    from myria.resilience.multihost import write_part_and_merge
+
+    def part(host, status, step):
+        return {"job": "slurm-7", "host": host, "status": status, "final_step": step,
+                "target_steps": 12, "ranks": [0, 1] if host == "h0" else [2, 3]}
+
+    ok, bad = tmp_path / "ok", tmp_path / "bad"
+    write_part_and_merge(ok, part("h1", "host-blocklisted", 6))
+    write_part_and_merge(ok, part("h0", "succeeded", 12))
+    write_part_and_merge(bad, part("h0", "rendezvous-lost", 6))
+    args = ["supervise", "--job-status", "--rdzv-id", "slurm-7", "--nproc", "2",
+            "--training.steps=12", "--run-dir"]
+    p = run_cli(*args, str(ok))
+    assert p.stdout.strip() == ("myria: job slurm-7 succeeded at step 12/12 on h0 "
+                                "(h1: host-blocklisted)")
+    p = run_cli(*args, str(bad), check=False)
+    assert p.returncode == 1 and "job slurm-7 rendezvous-lost at step 6/12" in p.stdout
+    p = run_cli(*args[:3], "slurm-8", *args[4:], str(ok), check=False)
+    assert p.returncode == 1 and "is of job 'slurm-7'" in p.stdout

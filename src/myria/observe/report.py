@@ -71,6 +71,8 @@ def run(args) -> int:
             print("  hosts: " + "; ".join(f"{h} ranks {rs}" for h, rs in sorted(hosts.items())))
         for p in b["problems"]:
             print(f"  missing: {p}")
+        for x in b.get("slow_links", []):
+            print(f"  {slow_link_line(x)}")
     if (hang := hang_report(out)) is not None:
         from myria.observe.hang import summary_line
 
@@ -110,6 +112,7 @@ def write_report(run_dir: Path, predict: bool = True) -> Path:
     found = detect(run, window=default_window(blame["steps"] + 1), table=table)
     blame["stragglers"] = [dict(s.evidence(), rank=s.rank, host=s.host,
                                 detected_step=s.detected_step) for s in found]
+    blame["slow_links"] = slow_links(run_dir, table)
     (out / "blame.json").write_text(json.dumps(blame, indent=1))
     (out / "trace.json").write_text(json.dumps(chrome_trace(run)))
     figs = figures(run, table, blame, out)
@@ -130,6 +133,39 @@ def write_report(run_dir: Path, predict: bool = True) -> Path:
                                          + profile_section(run_dir), mix,
                                          hang_report(out)))
     return out
+
+
+def slow_links(run_dir: Path, table: dict) -> list[dict]:
+    """Communication blamed on a host's link: each slow-link detection of the run (its
+    supervisor's link probe, myria.resilience.multihost.LinkProbe) with that host's ranks' time
+    in collectives per step before the detection and from it. The compute-time blame cannot
+    see a slow link: on a ring every rank waits for it alike."""
+    from myria import detections
+
+    def per_step(ranks: list[int], lo: int, hi: int) -> float | None:
+        xs = [sum(row["comm_s"].values()) for r in ranks
+              for s, row in table.get(r, {}).items() if lo <= s < hi]
+        return statistics.median(xs) if xs else None
+
+    out = []
+    for d in detections.read(run_dir, "slow-link"):
+        ev = d.get("evidence") or {}
+        ranks, at = ev.get("ranks") or [], int(d.get("step") or 0)
+        out.append({"host": d.get("host", "?"), "ranks": ranks, "detected_step": at,
+                    "evidence": ev.get("evidence", ""),
+                    "comm_s_per_step_before": per_step(ranks, 0, at),
+                    "comm_s_per_step_from": per_step(ranks, at, 1 << 62)})
+    return out
+
+
+def slow_link_line(x: dict) -> str:
+    def f(v) -> str:
+        return "?" if v is None else f"{v:.3f}"
+
+    return (f"blame: communication on {x['host']} (ranks {x['ranks']}): its link is degraded "
+            f"from step {x['detected_step']} ({x['evidence']}); its ranks' collectives took "
+            f"{f(x['comm_s_per_step_from'])} s per step from then, "
+            f"{f(x['comm_s_per_step_before'])} s before")
 
 
 # -- the trace -------------------------------------------------------------------------------
@@ -687,6 +723,10 @@ taken {whatif:.3f} s less in total.</p>
 <th>it waited, s</th></tr>{rows}</table>"""
     strag_html = f"""<h2>Stragglers (compute-only time against peers of the same stage)</h2>
 <ul id="stragglers">{strag}</ul>"""
+    if links := blame.get("slow_links"):
+        strag_html += ("<h2>Slow links (each host's link probe)</h2><ul id=slow-links>" +
+                       "".join(f"<li><b>{esc(slow_link_line(x))}</b></li>" for x in links)
+                       + "</ul>")
     if not run.ranks:   # no events: one line instead of empty tables
         summary = f"<p id=no-events><b>{esc('; '.join(blame['problems']))}</b>.</p>"
         strag_html = ""

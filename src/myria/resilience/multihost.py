@@ -92,6 +92,27 @@ def merge(parts: dict[str, dict], writer: str) -> dict[str, Any]:
     return top
 
 
+def job_status(run_dir: Path, job: str) -> int:
+    """Print job `job`'s outcome from the run directory's merged summary in one line; 0 when
+    it succeeded, else 1. The batch script's exit: Slurm's final state of the job is then the
+    job's, not its worst node's (a node drained or cut off leaves with a non-zero exit while
+    the job trains to its end on the others)."""
+    try:
+        s = json.loads((Path(run_dir) / rundir.SUPERVISOR_SUMMARY).read_text())
+    except (OSError, ValueError) as e:
+        print(f"myria: job {job}: no summary in {run_dir} ({e.__class__.__name__})")
+        return 1
+    if s.get("job") != job:
+        print(f"myria: job {job}: the summary in {run_dir} is of job {s.get('job')!r}")
+        return 1
+    status = sorted(s.get("host_status", {}).items())
+    ran = ", ".join(h for h, st in status if st == "succeeded") or "no host"
+    others = ", ".join(f"{h}: {st}" for h, st in status if st != "succeeded")
+    print(f"myria: job {job} {s.get('status')} at step {s.get('final_step')}/"
+          f"{s.get('target_steps', '?')} on {ran}{f' ({others})' if others else ''}")
+    return 0 if s.get("status") == "succeeded" else 1
+
+
 def moved_on_without(run_dir: Path, job: str, host: str) -> str:
     """Why job `job` went on without `host` (a newer round recorded in the run directory's
     fence without it: the host was cut off), or ""."""
@@ -106,6 +127,24 @@ def moved_on_without(run_dir: Path, job: str, host: str) -> str:
             "were fenced off the run directory")
 
 
+FENCED_EXIT_S = 5.0   # how long a fenced-off host's workers get to stop on the fence themselves
+
+
+def await_fenced_exit(run_dir: Path, pids: list[int]) -> list[int]:
+    """When the job went on from the round this host's workers (`pids`) run (myria.rundir.fenced
+    with the round its supervisor gave them), wait up to FENCED_EXIT_S for them to stop on the
+    fence themselves, each saying so in its log (they look every myria.rundir.FENCE_POLL_S), so
+    that none is killed by its own agent first because a sibling stopped; returns the pids
+    still running."""
+    from myria.fsutil import pid_alive
+
+    end = time.time() + FENCED_EXIT_S
+    while (alive := [p for p in pids if pid_alive(p)]) and rundir.fenced(run_dir) and \
+            time.time() < end:
+        time.sleep(0.1)
+    return alive
+
+
 # -- the rendezvous wait -----------------------------------------------------------------------
 def members(agent) -> list[str]:
     """The hosts of the agent's current rendezvous round (torch's c10d dynamic rendezvous)."""
@@ -114,6 +153,37 @@ def members(agent) -> list[str]:
         return sorted({n.addr for n in state.participants})
     except AttributeError:
         return []
+
+
+EXIT_STORE_LOST = 69   # sysexits' EX_UNAVAILABLE: the job's rendezvous store (first node) is gone
+
+
+def store_lost(endpoint: str) -> str:
+    """Why the job cannot go on when its rendezvous store (`endpoint`, on the job's first
+    node) does not answer, or "" when it does: torch's c10d rendezvous keeps its state in
+    that one store, with no replica to fail over to."""
+    import socket
+
+    host, _, port = endpoint.rpartition(":")
+    try:
+        socket.create_connection((host, int(port)), timeout=5).close()
+        return ""
+    except (OSError, ValueError) as e:
+        return (f"the rendezvous store at {endpoint} (the job's first node) does not answer "
+                f"({getattr(e, 'strerror', None) or e}): that node is lost or this host is cut "
+                "off from it, and the job's rendezvous lives only there")
+
+
+def left_round(agent, hosts: list[str]) -> list[str]:
+    """Which of `hosts` (the current round's) are no longer participants of the rendezvous:
+    torch's c10d rendezvous drops a host whose keep-alive stopped (lost or cut off)."""
+    try:
+        holder = agent._rdzv_handler._state_holder
+        holder.sync()
+        now = {n.addr for n in holder.state.participants}
+    except Exception:
+        return []
+    return [h for h in hosts if h not in now]
 
 
 def _read_state(store, run_id: str):

@@ -96,11 +96,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--rdzv-endpoint", default="", help="HOST:PORT of the rendezvous (default: "
                    "127.0.0.1 and a free port, one host)")
     p.add_argument("--rdzv-id", default="", help="job id shared by the hosts of one job")
+    p.add_argument("--job-status", action="store_true", help="print job --rdzv-id's outcome "
+                   "from RUN_DIR's summary and exit 0 only if it succeeded (the Slurm script's "
+                   "exit)")
     p.epilog = ("Config overrides --section.key=value pass to the workers as in `myria train`; "
                 "[resilience] sets heartbeats, timeouts, restarts and the blocklist hook.")
 
 
 def run(args) -> int:
+    if args.job_status:
+        from myria.resilience.multihost import job_status
+
+        return job_status(Path(args.run_dir), args.rdzv_id)
     from myria.train.preflight import run_config
 
     cfg, _ = run_config(args.config, args.overrides, args.run_dir)  # model.init_from too
@@ -264,6 +271,11 @@ def _agent_class():
         def _stop_workers(self, worker_group):
             # A faulty group is killed outright: a frozen (SIGSTOP) or hung rank would ignore
             # SIGTERM, and the restart resumes from the last committed checkpoint anyway.
+            if self.sup.max_nodes > 1:   # but a fenced-off group stops on the fence first
+                from myria.resilience.multihost import await_fenced_exit
+
+                await_fenced_exit(self.sup.run_dir, [w.id for w in worker_group.workers
+                                                     if w.id])
             self._shutdown(death_sig=signal.SIGKILL, timeout=10)
 
         def _restart_workers(self, worker_group):
@@ -377,7 +389,10 @@ class Supervisor:
             backend="c10d", endpoint=endpoint, run_id=self.job, min_nodes=self.min_nodes,
             max_nodes=self.max_nodes, join_timeout=int(t.init_timeout_s),
             last_call_timeout=1 if self.min_nodes == self.max_nodes else 30,
-            close_timeout=30, read_timeout=int(max(60, t.init_timeout_s)))
+            close_timeout=30, read_timeout=int(max(60, t.init_timeout_s)),
+            # a host silent this long is out of the round, so a spare can take its place
+            keep_alive_interval=max(1, round(self.r.heartbeat_s)),
+            keep_alive_max_attempt=max(3, 2 * self.r.missed_heartbeats))
         spec = WorkerSpec(
             role="trainer", local_world_size=self.nproc, entrypoint=sys.executable,
             args=("-u", "-m", "myria", *self.worker_argv),
@@ -442,12 +457,19 @@ class Supervisor:
                 status, code = SPARE_UNUSED, 0
                 log.info("the job ended without needing this spare host")
         except RendezvousError as e:
-            from myria.resilience.multihost import EXCLUDED, moved_on_without
+            from myria.resilience.multihost import EXCLUDED, moved_on_without, store_lost
 
             status = "rendezvous-failed"
             if self.ranks and (why := moved_on_without(self.run_dir, self.job, self.host)):
                 status, code = EXCLUDED, 0   # cut off: the job went on (fenced) without it
                 log.warning("ACTION leave: %s", why)
+            elif self.max_nodes > 1 and (why := store_lost(self._endpoint)):
+                from myria.resilience.multihost import EXIT_STORE_LOST
+
+                status, code = "rendezvous-lost", EXIT_STORE_LOST
+                log.error("ACTION give up: %s; resubmit the job: it resumes from the newest "
+                          "committed checkpoint (%s)", why,
+                          _newest_committed(self.run_dir) or "none yet")
             else:
                 log.error("ACTION give up: the rendezvous did not complete (%s)%s",
                           str(e) or type(e).__name__,
@@ -615,9 +637,14 @@ class Supervisor:
 
     def recover(self, agent, wg) -> None:
         """Stop the group, diagnose this host, blocklist it if bad, back off; then restart."""
-        f = self.current or self._record(Detection(
-            "membership-change", [], time.time(), time.time(),
-            "a host joined or left the rendezvous"), [])
+        f = self.current
+        if f is None:
+            why, silent_s = self._membership_change(agent)
+            now = time.time()
+            f = self._record(Detection("membership-change", [], now, now - silent_s, why), [])
+            log.warning("DETECTED membership-change: %s", f.evidence)
+            if self.max_nodes > 1:   # its ranks' stacks: live ones wait on the host that left
+                self._hang_report(wg, f)
         f.action.append("stop worker group")
         log.info("ACTION stop the worker group of attempt %d (SIGKILL)", self.attempt)
         agent._stop_workers(wg)
@@ -640,6 +667,25 @@ class Supervisor:
             self._wait_for_hosts(f)
 
     # -- several hosts (myria.resilience.multihost) ------------------------------------------
+    def _membership_change(self, agent) -> tuple[str, float]:
+        """What changed in the rendezvous (the hosts of this round that left it, if any), and
+        how long before now it happened at the least (a host that left was silent for the
+        rendezvous' keep-alive window)."""
+        from myria.resilience import multihost
+
+        if self.max_nodes <= 1:
+            return "a host joined or left the rendezvous", 0.0
+        gone = multihost.left_round(agent, self.members)
+        if not gone:
+            return "a host joined the rendezvous", 0.0
+        try:
+            s = agent._rdzv_handler.settings
+            window = (s.keep_alive_interval * s.keep_alive_max_attempt).total_seconds()
+        except AttributeError:
+            window = 0.0
+        return (f"host(s) {', '.join(gone)} of this round dropped out of the rendezvous (no "
+                f"keep-alive for {window:g} s: lost or cut off)", window)
+
     def _joined(self, agent, wg) -> None:
         """The round's hosts, and this host's ranks among them, once its workers started."""
         from myria.resilience import multihost
@@ -874,8 +920,10 @@ class Supervisor:
         known = [x["resumed_from"] for x in recs if x.get("resumed_from", -1) >= 0]
         if self.initial_step is None and self.attempt == 0 and len(known) == len(recs):
             self.initial_step = min(known)  # -1 means "not resumed yet", never a step
+        # the fault is followed once its new group started (a membership change restarts the
+        # group without using a restart: same attempt, restarted_at set)
         f = self.current
-        if f is None or f.attempt == self.attempt:
+        if f is None or f.attempt == self.attempt and not f.restarted_at:
             return
         if f.resumed_from is None and all(x.get("resumed_from", -1) >= 0 for x in recs):
             f.resumed_from = min(x.get("resumed_from", 0) for x in recs)

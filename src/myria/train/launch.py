@@ -64,7 +64,7 @@ def stop_when_fenced(run_dir) -> None:
     def watch() -> None:
         signal.pthread_sigmask(signal.SIG_BLOCK, signal.valid_signals())
         while True:
-            time.sleep(0.5)
+            time.sleep(rundir.FENCE_POLL_S)
             with rundir.fence_guard(run_dir):   # exits the process when fenced
                 pass
 

@@ -114,7 +114,8 @@ def train(cfg: Config, run_dir: str | Path, stop_after: int | None = None) -> Tr
         rec = events.current()
         if rec.enabled:  # what this rank was doing when it failed (a collective timeout...)
             try:
-                events.write_dump(run_dir, rec, "exception")
+                with rundir.fence_guard(run_dir):  # a fenced-off worker writes nothing
+                    events.write_dump(run_dir, rec, "exception")
             except Exception:
                 pass
         raise
@@ -166,7 +167,8 @@ def _train(cfg: Config, run_dir: Path, env, stop_after: int | None,
             injob.keep(run, orderly=isinstance(e, rejoin.Regroup))
         raise
     finally:
-        run.close()
+        with rundir.fence_guard(run_dir):  # a fenced-off worker writes nothing
+            run.close()
         if t.gc_interval:
             gc.enable()
 
