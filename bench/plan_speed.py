@@ -89,8 +89,10 @@ gpus = 256
 
 def clear_caches() -> None:
     for fn in (network.pattern_factor, perf._groups, perf._layer_summary, perf._head_summary,
-               perf._model_flops, perf.overlap_interference, operators.timed_layer_ops,
-               operators.timed_head_ops, memory._params, memory._act):
+               perf._model_flops, perf.overlap_interference, perf._shape, perf._model_config,
+               perf._rank_layers, perf._dp_collectives, memory.stage_params,
+               operators.timed_layer_ops, operators.timed_head_ops, memory._params,
+               memory._act):
         fn.cache_clear()
 
 

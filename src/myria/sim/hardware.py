@@ -192,6 +192,21 @@ CPU_DISK_GBS = 1.0
 CPU_DISK_GB = 100.0
 
 
+def cached_hash(self) -> int:
+    """`__hash__` of a frozen dataclass that the step model's caches use as a key: the hash of
+    its fields, computed once (assign it in the class body, where `dataclass` keeps it)."""
+    h = self.__dict__.get("_hash")
+    if h is None:
+        h = hash(tuple(getattr(self, f.name) for f in dataclasses.fields(self)))
+        object.__setattr__(self, "_hash", h)
+    return h
+
+
+def state_without_hash(self) -> dict:
+    """`__getstate__` beside `cached_hash`: a copy or another process hashes anew."""
+    return {k: v for k, v in self.__dict__.items() if k != "_hash"}
+
+
 @dataclass(frozen=True)
 class Hardware:
     """Everything the step model needs about one cluster, in SI units (FLOP/s, bytes/s)."""
@@ -215,6 +230,9 @@ class Hardware:
     @property
     def nodes(self) -> int:
         return max(1, self.gpus // self.gpus_per_node)
+
+    __hash__ = cached_hash
+    __getstate__ = state_without_hash
 
     def nic_share(self) -> float:
         """NIC bandwidth per device when every device of a server sends at once."""

@@ -108,6 +108,7 @@ def _params(shape: LayerShape):
     return param_counts(shape.model_config())
 
 
+@lru_cache(maxsize=65536)
 def stage_params(shape: LayerShape, layers_on_stage: float, first: bool, last: bool,
                  ep: int) -> tuple[float, float]:
     """(dense, expert) parameters held by one device of a stage (myria.models.memory)."""

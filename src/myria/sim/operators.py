@@ -25,7 +25,12 @@ from functools import lru_cache
 from myria.config import ModelConfig
 from myria.models.flops import ForwardFlops, forward_flops_per_token
 from myria.models.memory import LayerDims, eager_layer, layer_dims
-from myria.sim.hardware import KERNEL_LAUNCH_S, MEMORY_EFFICIENCY
+from myria.sim.hardware import (
+    KERNEL_LAUNCH_S,
+    MEMORY_EFFICIENCY,
+    cached_hash,
+    state_without_hash,
+)
 
 
 @dataclass(frozen=True)
@@ -108,6 +113,9 @@ class LayerShape(LayerDims):
     fused: bool = True
     fp8: bool = False
     model: tuple = ()          # the ModelConfig's (field, value) pairs: `model_config()`
+
+    __hash__ = cached_hash
+    __getstate__ = state_without_hash
 
     def model_config(self) -> ModelConfig:
         """The ModelConfig this shape was made from (every field, as `layer_shape` got it)."""

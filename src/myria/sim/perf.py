@@ -23,6 +23,7 @@ import math
 from dataclasses import dataclass, field
 from functools import lru_cache
 
+from myria.config import ModelConfig
 from myria.device import DeviceSpec
 from myria.models.flops import (
     forward_flops_per_token,
@@ -31,7 +32,7 @@ from myria.models.flops import (
 )
 from myria.sim import collectives as coll
 from myria.sim.hardware import Hardware, build_hardware
-from myria.sim.memory import FRAGMENTATION, RESERVED_BYTES, MemoryResult, memory
+from myria.sim.memory import FRAGMENTATION, RESERVED_BYTES, MemoryResult, memory, stage_params
 from myria.sim.operators import (
     DEFAULT_EFFICIENCY,
     MEASURED_EFFICIENCY,
@@ -43,7 +44,7 @@ from myria.sim.operators import (
     timed_head_ops,
     timed_layer_ops,
 )
-from myria.sim.runspec import RunSpec
+from myria.sim.runspec import ModelSpec, RunSpec, model_config_of
 
 BUCKET_PARAMS = 40e6          # Megatron-Core DDP's smallest bucket (parameters)
 BUCKET_PARAMS_PER_RANK = 1e6  # ... growing with the data-parallel ranks: max(40M, 1M x dp)
@@ -243,6 +244,7 @@ def overlap_interference(hw: Hardware, mem_share: float, grp: coll.Group) -> flo
     return s / (1 - s) + mem_share * hbm / (1 - hbm)
 
 
+@lru_cache(maxsize=1024)
 def expected_max_normal(n: int) -> float:
     """E[max] of n independent standard normal variables (Blom's approximation,
     Phi^-1((n - 0.375) / (n + 0.25)); 0 for one)."""
@@ -406,14 +408,34 @@ def _device_efficiency(device: str, flash_version: str = "auto") -> Efficiency:
 def run_shape(run: RunSpec) -> LayerShape:
     """The LayerShape of a run (model, micro-batch, layout, kernels)."""
     p, k = run.parallel, run.kernels
+    return _shape(_model_key(run), run.training.micro_batch, p.tp, p.cp, p.ep, p.pp,
+                  p.sequence_parallel, k.flash_attention, k.fused_ops, run.dropout,
+                  run.act_bytes, run.training.precision == "fp8", k.eager)
+
+
+def _model_key(run: RunSpec) -> tuple:
+    """The run's [model] section as hashable (field, value) pairs (every field is a scalar)."""
+    return tuple(vars(run.model).items())
+
+
+@lru_cache(maxsize=256)
+def _model_config(model_key: tuple) -> ModelConfig:
+    """The ModelConfig of a [model] section given by `_model_key` (shared: read it only)."""
+    return model_config_of(ModelSpec(**dict(model_key)))
+
+
+@lru_cache(maxsize=8192)
+def _shape(model_key: tuple, micro_batch: int, tp: int, cp: int, ep: int, pp: int, sp: bool,
+           flash: bool, fused: bool, dropout: float, act_bytes: int, fp8: bool,
+           eager: bool) -> LayerShape:
+    cfg = _model_config(model_key)
     ce_chunk = 0
-    if k.eager and p.tp == 1 and p.pp == 1:
+    if eager and tp == 1 and pp == 1:
         # the Engine's loss when pp = tp = 1: myria.models.loss.fused_linear_cross_entropy
-        ce_chunk = loss_chunk_rows(run.model_config().vocab_size)
-    return layer_shape(run.model_config(), run.training.micro_batch, tp=p.tp, cp=p.cp, ep=p.ep,
-                       sp=p.sequence_parallel, flash=k.flash_attention, fused=k.fused_ops,
-                       dropout=run.dropout, act_bytes=run.act_bytes,
-                       fp8=run.training.precision == "fp8", eager=k.eager, ce_chunk=ce_chunk)
+        ce_chunk = loss_chunk_rows(cfg.vocab_size)
+    return layer_shape(cfg, micro_batch, tp=tp, cp=cp, ep=ep, sp=sp, flash=flash, fused=fused,
+                       dropout=dropout, act_bytes=act_bytes, fp8=fp8, eager=eager,
+                       ce_chunk=ce_chunk)
 
 
 def _stage_layers(run: RunSpec, eager: bool) -> dict[str, float]:
@@ -427,68 +449,57 @@ def _stage_layers(run: RunSpec, eager: bool) -> dict[str, float]:
         return {"only": float(L)}
     if not eager and L % (pp * v) == 0:
         return {"first": L / pp, "mid": L / pp, "last": L / pp}
+    return dict(_rank_layers(_model_key(run), pp, v, run.parallel.schedule))
+
+
+@lru_cache(maxsize=4096)
+def _rank_layers(model_key: tuple, pp: int, v: int, schedule: str) -> tuple:
     from myria.layout import rank_layers
 
-    per_rank = rank_layers(run.model_config(), pp, v, run.parallel.schedule)
+    per_rank = rank_layers(_model_config(model_key), pp, v, schedule)
     mid = per_rank[1:-1]
-    return {"first": float(per_rank[0]), "mid": float(max(mid)) if mid else 0.0,
-            "last": float(per_rank[-1])}
+    return (("first", float(per_rank[0])), ("mid", float(max(mid)) if mid else 0.0),
+            ("last", float(per_rank[-1])))
 
 
-def simulate(run: RunSpec, hw: Hardware | None = None, eff: Efficiency | None = None,
-             detail: bool = False) -> StepResult:
-    """Predict one iteration of `run`."""
-    hw = hw or build_hardware(run.cluster, run.training.precision)
-    eff = eff or efficiency_for(hw, run.kernels.flash_version)
-    par, tr, ov = run.parallel, run.training, run.overlap
-    cfg = run.model_config()
-    shape = run_shape(run)
-    tp, pp, cp, ep, v = par.tp, par.pp, par.cp, par.ep, par.vpp
-    dp = run.dp
-    m = run.microbatches
-    L = cfg.layers
-    e = run.act_bytes
-    warnings: list[str] = []
+@dataclass(frozen=True)
+class _DataParallel:
+    """A layout's data-parallel collectives for its busiest stage (`_dp_collectives`): whole
+    (t_*: one collective each) and in the buckets the frameworks cut them into (b_*:
+    Megatron-Core's for ZeRO 0-1, f_*: FSDP's units for ZeRO 2-3)."""
 
-    gkey = (tp, cp, ep, dp, pp)
-    hsdp = par.dp_shard if 0 < par.dp_shard < dp and tr.zero_stage >= 1 else 0
+    dense0: float
+    expert0: float
+    shard_n: int
+    t_grad: float
+    t_rs: float
+    t_ag: float
+    t_rep: float
+    b_ar: Buckets
+    b_rs: Buckets
+    b_ag: Buckets
+    f_rs: Buckets
+    f_ag: Buckets
+
+
+def _kinds(pp: int) -> tuple:
+    """(kind, first, last) of the pipeline ranks the model prices: one, or first/mid/last."""
+    return (("only", True, True),) if pp == 1 else \
+        (("first", True, False), ("mid", False, False), ("last", False, True))
+
+
+@lru_cache(maxsize=16384)
+def _dp_collectives(shape: LayerShape, hw: Hardware, gkey: tuple, hsdp: int,
+                    n_layers: tuple, overlap_dp: bool, w_b: int) -> _DataParallel:
+    """The data-parallel state per device of the busiest (first) stage and its collectives
+    (the rank holding the most parameters, under uneven stages)."""
+    _, cp, ep, dp, pp = gkey
     groups = _groups(hw, *gkey, hsdp)
-    lay = _layer_summary(shape, hw, eff, ov.tp, gkey)
-    rec = tr.recompute
-    if rec == "full":
-        recompute = lay.fwd
-    elif rec == "selective":
-        recompute = lay.attn_core_fwd  # FlashAttention recomputes inside its own backward
-    elif rec == "elementwise":
-        recompute = lay.fwd_cat.get("memory", 0.0)  # norms, RoPE, activations, dropout
-    else:
-        recompute = 0.0
-
-    eager = eager_supported(shape)
-    n_layers = _stage_layers(run, eager)
-    kinds = [("only", True, True)] if pp == 1 else \
-        [("first", True, False), ("mid", False, False), ("last", False, True)]
-    counts = {"only": 1, "first": 1, "last": 1, "mid": max(0, pp - 2)}
-
-    # pipeline point-to-point per chunk boundary (Megatron's scatter/gather optimisation: each
-    # TP rank sends 1/tp across the network, then an NVLink all-gather rebuilds the tensor)
-    t_p2p = 0.0
-    if pp > 1:
-        act = tr.micro_batch * cfg.seq_len / cp * cfg.hidden * e
-        grp = groups["pp"]
-        if tp > 1 and (par.sequence_parallel or grp.k > 1):
-            t_p2p = coll.p2p(act / tp, grp)[0]
-            if not par.sequence_parallel:
-                t_p2p += coll.all_gather(act, groups["tp"])[0]
-        else:
-            t_p2p = coll.p2p(act, grp)[0]
-
-    # data-parallel state per device, for the busiest (first) stage
-    from myria.sim.memory import stage_params
-    # (uneven stages: the rank holding the most parameters)
-    dense0, expert0 = max((stage_params(shape, n_layers[k], f, la, ep) for k, f, la in kinds),
+    layers = dict(n_layers)
+    kinds = _kinds(pp)
+    dense0, expert0 = max((stage_params(shape, layers[k], f, la, ep) for k, f, la in kinds),
                           key=sum)
-    g_b, w_b = 4, (4 if tr.precision == "fp32" else 2)
+    g_b = GRAD_BYTES
     t_grad = coll.allreduce(dense0 * g_b, groups["dp"])[0] + \
         coll.allreduce(expert0 * g_b, groups["edp"])[0]
     # sharded data parallel (ZeRO 1-3, FSDP): collectives over the shard group; under HSDP the
@@ -502,78 +513,167 @@ def simulate(run: RunSpec, hw: Hardware | None = None, eff: Efficiency | None = 
     # the same collectives in the buckets the frameworks cut them into (module docstring):
     # Megatron-Core's for ZeRO 0-1 (one bucket without overlap), FSDP's units for ZeRO 2-3
     k0 = max((k for k, _, _ in kinds), key=lambda k: sum(
-        stage_params(shape, n_layers[k], k in ("first", "only"), k in ("last", "only"), ep)))
+        stage_params(shape, layers[k], k in ("first", "only"), k in ("last", "only"), ep)))
     block = stage_params(shape, 1, False, False, ep)
-    mega = dp_bucket_params(dp * cp) if ov.dp else math.inf
+    mega = dp_bucket_params(dp * cp) if overlap_dp else math.inf
     grps = (groups["dps"], groups["edp"])
-    b_ar = megatron_buckets(coll.allreduce, dense0, expert0, g_b, (groups["dp"], groups["edp"]),
-                            mega)
-    b_rs = megatron_buckets(coll.reduce_scatter, dense0, expert0, g_b, grps, mega)
-    b_ag = megatron_buckets(coll.all_gather, dense0, expert0, w_b, grps, mega)
-    f_rs = fsdp_buckets(coll.reduce_scatter, dense0, expert0, n_layers[k0], block, g_b, grps)
-    f_ag = fsdp_buckets(coll.all_gather, dense0, expert0, n_layers[k0], block, w_b, grps)
-    mem_layer = (lay.fwd_cat.get("memory", 0.0) + lay.bwd_cat.get("memory", 0.0)) / \
-        max(1e-30, lay.fwd + lay.bwd)
-    k_dp = overlap_interference(hw, round(mem_layer, 2), groups["dp"])
-    k_pp = overlap_interference(hw, round(mem_layer, 2), groups["pp"])
+    return _DataParallel(
+        dense0, expert0, shard_n, t_grad, t_rs, t_ag, t_rep,
+        megatron_buckets(coll.allreduce, dense0, expert0, g_b, (groups["dp"], groups["edp"]),
+                         mega),
+        megatron_buckets(coll.reduce_scatter, dense0, expert0, g_b, grps, mega),
+        megatron_buckets(coll.all_gather, dense0, expert0, w_b, grps, mega),
+        fsdp_buckets(coll.reduce_scatter, dense0, expert0, layers[k0], block, g_b, grps),
+        fsdp_buckets(coll.all_gather, dense0, expert0, layers[k0], block, w_b, grps))
 
-    mem_rate = hw.mem_bw * eff.mem
-    # sharded gradients under a pipeline accumulate whole and reduce once per step (docstring)
-    deferred = pp > 1 and tr.zero_stage >= 2 and not eager
+
+@dataclass
+class _Step:
+    """What the phases of `simulate` share about one run."""
+
+    run: RunSpec
+    hw: Hardware
+    eff: Efficiency
+    shape: LayerShape
+    cfg: ModelConfig
+    groups: dict
+    lay: _Phase
+    recompute: float
+    eager: bool
+    n_layers: dict
+    kinds: tuple
+    dpc: _DataParallel
+    k_dp: float
+    k_pp: float
+    t_p2p: float
+    w_b: int
+    hsdp: int
+    gkey: tuple
+    m: int           # microbatches per step
+
+
+GRAD_BYTES = 4   # gradients reduce in fp32
+
+
+def _step_context(run: RunSpec, hw: Hardware, eff: Efficiency) -> _Step:
+    """The per-layer costs, stage layers, communicators and data-parallel collectives of
+    `run`."""
+    par, tr = run.parallel, run.training
+    shape = run_shape(run)
+    cfg = _model_config(_model_key(run))
+    dp = run.dp
+    gkey = (par.tp, par.cp, par.ep, dp, par.pp)
+    hsdp = par.dp_shard if 0 < par.dp_shard < dp and tr.zero_stage >= 1 else 0
+    groups = _groups(hw, *gkey, hsdp)
+    lay = _layer_summary(shape, hw, eff, run.overlap.tp, gkey)
+    recompute = {"full": lay.fwd,
+                 "selective": lay.attn_core_fwd,  # FlashAttention recomputes in its backward
+                 # norms, RoPE, activations, dropout
+                 "elementwise": lay.fwd_cat.get("memory", 0.0)}.get(tr.recompute, 0.0)
+    eager = eager_supported(shape)
+    n_layers = _stage_layers(run, eager)
+    w_b = 4 if tr.precision == "fp32" else 2
+    dpc = _dp_collectives(shape, hw, gkey, hsdp, tuple(n_layers.items()), run.overlap.dp, w_b)
+    mem_layer = round((lay.fwd_cat.get("memory", 0.0) + lay.bwd_cat.get("memory", 0.0)) /
+                      max(1e-30, lay.fwd + lay.bwd), 2)
+    return _Step(run, hw, eff, shape, cfg, groups, lay, recompute, eager, n_layers,
+                 _kinds(par.pp), dpc, overlap_interference(hw, mem_layer, groups["dp"]),
+                 overlap_interference(hw, mem_layer, groups["pp"]),
+                 _p2p_time(run, cfg, groups), w_b, hsdp, gkey, run.microbatches)
+
+
+def _p2p_time(run: RunSpec, cfg: ModelConfig, groups: dict) -> float:
+    """Pipeline point-to-point time per chunk boundary (Megatron's scatter/gather
+    optimisation: each TP rank sends 1/tp across the network, then an NVLink all-gather
+    rebuilds the tensor)."""
+    par = run.parallel
+    if par.pp <= 1:
+        return 0.0
+    act = run.training.micro_batch * cfg.seq_len / par.cp * cfg.hidden * run.act_bytes
+    grp = groups["pp"]
+    if par.tp > 1 and (par.sequence_parallel or grp.k > 1):
+        t = coll.p2p(act / par.tp, grp)[0]
+        if not par.sequence_parallel:
+            t += coll.all_gather(act, groups["tp"])[0]
+        return t
+    return coll.p2p(act, grp)[0]
+
+
+def _stage_zero(s: _Step, F: float, B: float, nl: float, first: bool, last: bool
+                ) -> tuple[float, float]:
+    """(cost, hidden seconds) of one microbatch's sharded data-parallel traffic on a stage."""
+    run, tr = s.run, s.run.training
+    dp, cp, pp = run.dp, run.parallel.cp, run.parallel.pp
+    if tr.zero_stage >= 3 and dp * cp > 1 and s.eager:
+        return _fsdp2_microbatch(s.shape, nl, first, last, pp, run.parallel.ep, s.w_b,
+                                 s.groups, s.hw.mem_bw * s.eff.mem, s.hw.cpu), 0.0
+    if not (tr.zero_stage >= 2 and dp * cp > 1 and not s.eager):
+        return 0.0, 0.0
+    # FSDP units every microbatch: without a pipeline its gradients are reduce-scattered
+    # (under one, once per step: `deferred`) behind its backward; resharding after forward
+    # also gathers each unit before its forward (behind the forward) and again before its
+    # backward (behind the backward); without resharding the parameters are gathered once
+    # per step (`_dp_time`)
+    rs = Buckets() if _deferred(s) else s.dpc.f_rs
+    ag = s.dpc.f_ag if tr.zero_stage >= 3 and tr.reshard_after_forward else Buckets()
+    bwd = rs + ag
+    if not run.overlap.dp:
+        return ag.total + bwd.total, 0.0
+    e_f, e_b = _overlap(ag, F), _overlap(bwd, B)
+    return (_cost(ag.total, e_f, s.k_dp) + _cost(bwd.total, e_b, s.k_dp),
+            ag.total - e_f + bwd.total - e_b)
+
+
+def _deferred(s: _Step) -> bool:
+    """Sharded gradients under a pipeline accumulate whole and reduce once per step."""
+    return s.run.parallel.pp > 1 and s.run.training.zero_stage >= 2 and not s.eager
+
+
+def _stages(s: _Step) -> dict:
+    """Per kind of pipeline rank: one microbatch's forward F, backward B, weight-gradient W,
+    compute C, steady-state time and fill time, and its time by category."""
+    lay, v, m = s.lay, s.run.parallel.vpp, s.m
+    ov = s.run.overlap
     stages = {}
-    for kind, first, last in kinds:
-        nl = n_layers[kind]
-        hp = _head_summary(shape, first, last, hw, eff, ov.tp, gkey)
+    for kind, first, last in s.kinds:
+        nl = s.n_layers[kind]
+        hp = _head_summary(s.shape, first, last, s.hw, s.eff, ov.tp, s.gkey)
         F = nl * lay.fwd + hp.fwd
-        B = nl * (lay.bwd + recompute) + hp.bwd
+        B = nl * (lay.bwd + s.recompute) + hp.bwd
         W = nl * lay.wgrad + hp.wgrad
         cats = {}
         for src, mult in ((lay.fwd_cat, nl), (lay.bwd_cat, nl),
                           (hp.fwd_cat, 1), (hp.bwd_cat, 1)):
             for c, val in src.items():
                 cats[c] = cats.get(c, 0.0) + mult * val
-        cats["recompute"] = nl * recompute
-        z3 = z3_hidden = 0.0
-        if tr.zero_stage >= 3 and dp * cp > 1 and eager:
-            z3 = _fsdp2_microbatch(shape, nl, first, last, pp, ep, w_b, groups, mem_rate,
-                                   hw.cpu)
-        elif tr.zero_stage >= 2 and dp * cp > 1 and not eager:
-            # FSDP units every microbatch: without a pipeline its gradients are
-            # reduce-scattered (under one, once per step: `deferred`, below) behind its
-            # backward; resharding after forward also gathers each unit before its forward
-            # (behind the forward) and again before its backward (behind the backward); without
-            # resharding the parameters are gathered once per step (below)
-            rs = Buckets() if deferred else f_rs
-            ag = f_ag if tr.zero_stage >= 3 and tr.reshard_after_forward else Buckets()
-            bwd = rs + ag
-            if ov.dp:
-                e_f, e_b = _overlap(ag, F), _overlap(bwd, B)
-                z3 = _cost(ag.total, e_f, k_dp) + _cost(bwd.total, e_b, k_dp)
-                z3_hidden = ag.total - e_f + bwd.total - e_b
-            else:
-                z3 = ag.total + bwd.total
-        cats["dp_zero3"] = z3
-        cats["dp_hidden"] = z3_hidden
-        C = F + B + z3
-        if eager and m > 1:
+        cats["recompute"] = nl * s.recompute
+        cats["dp_zero3"], cats["dp_hidden"] = _stage_zero(s, F, B, nl, first, last)
+        C = F + B + cats["dp_zero3"]
+        if s.eager and m > 1:
             # autograd adds each later microbatch's gradients into .grad: read two, write one
-            acc = sum(stage_params(shape, nl, first, last, ep)) * 3 * g_b / mem_rate
+            acc = sum(stage_params(s.shape, nl, first, last, s.run.parallel.ep)) * 3 * \
+                GRAD_BYTES / (s.hw.mem_bw * s.eff.mem)
             cats["grad_accumulate"] = acc * (m - 1) / m
             C += cats["grad_accumulate"]
-        t_pp = 2 * v * t_p2p
-        steady = C + (_cost(t_pp, max(0.0, t_pp - C), k_pp) if ov.pp else t_pp)
-        stages[kind] = dict(F=F, B=B, W=W, C=C, steady=steady, fill=C + 2 * v * t_p2p,
+        t_pp = 2 * v * s.t_p2p
+        steady = C + (_cost(t_pp, max(0.0, t_pp - C), s.k_pp) if ov.pp else t_pp)
+        stages[kind] = dict(F=F, B=B, W=W, C=C, steady=steady, fill=C + 2 * v * s.t_p2p,
                             cats=cats)
+    return stages
 
-    crit = max(stages, key=lambda k: stages[k]["steady"])
+
+def _pipeline_time(s: _Step, stages: dict, crit: str) -> float:
+    """The pipeline's time for m microbatches (module docstring)."""
+    par, m = s.run.parallel, s.m
+    pp, v = par.pp, par.vpp
     s_max = stages[crit]["steady"]
     if pp == 1:
-        t_pipe = m * s_max
-    elif par.schedule in ("zero-bubble", "zbv"):
-        worst = max(stages.values(), key=lambda s: s["fill"])
+        return m * s_max
+    if par.schedule in ("zero-bubble", "zbv"):
+        worst = max(stages.values(), key=lambda x: x["fill"])
         spare = (3 if par.schedule == "zbv" else 2) * worst["W"]
-        t_pipe = m * s_max + (pp - 1) * max(0.0, worst["fill"] - spare) / v
-    elif eager and m * pp * v <= REPLAY_MAX_OPS:
+        return m * s_max + (pp - 1) * max(0.0, worst["fill"] - spare) / v
+    if s.eager and m * pp * v <= REPLAY_MAX_OPS:
         # myria's own runtime splits layers by FLOPs, so its stages are unequal (the demo's go
         # 3 + 1 layers, the head on the last) and the closed form below, exact for equal
         # stages, overstates the bubble: replay the schedule's own order with each rank's
@@ -582,102 +682,165 @@ def simulate(run: RunSpec, hw: Hardware | None = None, eff: Efficiency | None = 
         from myria.sim.schedule_plot import simulate_schedule
 
         ranks = [stages["first"]] + [stages["mid"]] * (pp - 2) + [stages["last"]]
-        t_f = [s["F"] + v * t_p2p for s in ranks]
-        t_b = [s["steady"] - f for s, f in zip(ranks, t_f)]
-        t_pipe = max(sl.end for sl in simulate_schedule(par.schedule, pp, v, m, t_f, t_b))
-    else:
-        fill_sum = sum(counts[k] * s["fill"] for k, s in stages.items())
-        t_pipe = (m - 1) * s_max + fill_sum / v + (1 - 1 / v) * s_max
-    bubble = max(0.0, t_pipe - m * s_max)
+        t_f = [x["F"] + v * s.t_p2p for x in ranks]
+        t_b = [x["steady"] - f for x, f in zip(ranks, t_f)]
+        return max(sl.end for sl in simulate_schedule(par.schedule, pp, v, m, t_f, t_b))
+    counts = {"only": 1, "first": 1, "last": 1, "mid": max(0, pp - 2)}
+    fill_sum = sum(counts[k] * x["fill"] for k, x in stages.items())
+    return (m - 1) * s_max + fill_sum / v + (1 - 1 / v) * s_max
 
-    # data-parallel communication after (or overlapped with) the pipeline
-    F0, B0 = stages[kinds[0][0]]["F"], stages[kinds[0][0]]["B"]
-    hidden = [m * stages[crit]["cats"]["dp_hidden"]]   # seconds of hidden DP communication
 
-    def step_cost(t: float, exposed: float, k: float) -> float:
+def _dp_time(s: _Step, F0: float, B0: float, hidden: list) -> float:
+    """Data-parallel communication after (or overlapped with) the pipeline; the seconds it
+    hides are appended to `hidden`."""
+    run, dpc, k_dp = s.run, s.dpc, s.k_dp
+    tr, par, ov = run.training, run.parallel, run.overlap
+    dp, cp, ep, pp, v = run.dp, par.cp, par.ep, par.pp, par.vpp
+
+    def step_cost(t: float, exposed: float) -> float:
         hidden.append(max(0.0, t - exposed))
-        return _cost(t, exposed, k)
+        return _cost(t, exposed, k_dp)
+
+    def behind(b: Buckets, t_hide: float) -> float:
+        return step_cost(b.total, _grad_reduce_exposed(b, t_hide, pp, v)) if ov.dp \
+            else b.total
 
     if dp * cp <= 1 and ep <= 1:
         t_dp = 0.0
     elif tr.zero_stage == 0:
-        t_dp = step_cost(b_ar.total, _grad_reduce_exposed(b_ar, B0, pp, v), k_dp) if ov.dp \
-            else t_grad
-    elif tr.zero_stage == 1 or (tr.zero_stage == 2 and eager):
+        t_dp = behind(dpc.b_ar, B0) if ov.dp else dpc.t_grad
+    elif tr.zero_stage == 1 or (tr.zero_stage == 2 and s.eager):
         # whole gradients accumulate over the microbatches: one reduce-scatter per step, then
         # the updated shards are all-gathered (myria's eager "zero2" is FSDP2 without
         # resharding after forward under no_sync: gradients accumulate whole, as here)
-        if ov.dp:
-            t_dp = step_cost(b_rs.total, _grad_reduce_exposed(b_rs, B0, pp, v), k_dp) + \
-                step_cost(b_ag.total, _grad_reduce_exposed(b_ag, F0, pp, v), k_dp)
-        else:
-            t_dp = t_rs + t_ag
+        t_dp = behind(dpc.b_rs, B0) + behind(dpc.b_ag, F0) if ov.dp else dpc.t_rs + dpc.t_ag
     elif tr.zero_stage == 2 or (tr.zero_stage >= 3 and not tr.reshard_after_forward
-                                and not eager):
-        # gradients were reduce-scattered per microbatch (above); the updated parameter shards
-        # are all-gathered once per step, unit by unit, behind the first forward (ZeRO-2,
-        # FSDP without resharding)
-        t_dp = step_cost(f_ag.total, _grad_reduce_exposed(f_ag, F0, pp, v), k_dp) if ov.dp \
-            else f_ag.total
-    elif eager and _fsdp_context(hw.cpu, groups["dp"], pp):
-        _, block_rs, _, ends_rs = _fsdp_context(hw.cpu, groups["dp"], pp)
-        t_dp = n_layers[kinds[0][0]] * block_rs + ends_rs
-    elif eager and hw.cpu is not None and hw.cpu.fsdp and groups["dp"].k <= 1:
-        # FSDP2 under no_sync: each unit reduce-scatters its accumulated gradients once per
-        # step (the last microbatch), as timed on this machine per unit
-        nl0 = n_layers[kinds[0][0]]
-        block = sum(stage_params(shape, 1, False, False, ep))
-        root = dense0 + expert0 - nl0 * block
-        t_dp = nl0 * hw.cpu.fsdp_time(block * g_b, "reduce") + \
-            (hw.cpu.fsdp_time(root * g_b, "reduce") if root > 0 else 0.0)
-    elif eager:
-        # FSDP2 under no_sync: one reduce-scatter of the accumulated gradients per step, after
-        # chunk_cat copies them into the reduce-scatter input (read + write, fp32)
-        t_dp = t_rs + 2 * (dense0 + expert0) * g_b / mem_rate
+                                and not s.eager):
+        # gradients were reduce-scattered per microbatch (`_stage_zero`); the updated
+        # parameter shards are all-gathered once per step, unit by unit, behind the first
+        # forward (ZeRO-2, FSDP without resharding)
+        t_dp = behind(dpc.f_ag, F0)
+    elif s.eager:
+        t_dp = _eager_fsdp_reduce(s)
     else:
-        t_dp = 0.0  # ZeRO-3 traffic is charged per microbatch above
-    if deferred and dp * cp > 1:
+        t_dp = 0.0  # ZeRO-3 traffic is charged per microbatch (`_stage_zero`)
+    if _deferred(s) and dp * cp > 1:
         # each stage's accumulated gradients, reduce-scattered after its last backward (the
         # interleaved chunks' during the remaining chunks' backward)
-        t_dp += step_cost(f_rs.total, _grad_reduce_exposed(f_rs, B0, pp, v), k_dp) if ov.dp \
-            else f_rs.total
-    if t_rep:  # HSDP: the replicas all-reduce their gradient shards, after the last backward
-        t_dp += step_cost(t_rep, max(t_rep / f_rs.n, t_rep - B0), k_dp) if ov.dp else t_rep
-    if pp > 1 and cfg.tie_embeddings:
+        t_dp += behind(dpc.f_rs, B0)
+    if dpc.t_rep:  # HSDP: the replicas all-reduce their gradient shards after the last backward
+        t_dp += step_cost(dpc.t_rep, max(dpc.t_rep / dpc.f_rs.n, dpc.t_rep - B0)) if ov.dp \
+            else dpc.t_rep
+    if pp > 1 and s.cfg.tie_embeddings and not ov.dp:
         # the tied embedding's gradient is summed between the first and last stage
-        emb = cfg.vocab_size * cfg.hidden / tp * g_b
-        t_emb = coll.allreduce(emb, coll.make_group(hw, 2, tp * cp * dp * (pp - 1)))[0]
-        t_dp += 0.0 if ov.dp else t_emb
+        emb = s.cfg.vocab_size * s.cfg.hidden / par.tp * GRAD_BYTES
+        t_dp += coll.allreduce(emb, coll.make_group(s.hw, 2, par.tp * cp * dp * (pp - 1)))[0]
+    return t_dp
 
-    # optimizer step (memory-bound), offload transfers
-    shard = shard_n if tr.zero_stage >= 1 else 1
-    n_opt = dense0 / shard + expert0 / (max(1, dp * cp // ep) if tr.zero_stage >= 1 else 1)
+
+def _eager_fsdp_reduce(s: _Step) -> float:
+    """myria's eager FSDP2 (ZeRO-3) gradient reduction once per step, under no_sync."""
+    hw, dpc, par = s.hw, s.dpc, s.run.parallel
+    if _fsdp_context(hw.cpu, s.groups["dp"], par.pp):
+        _, block_rs, _, ends_rs = _fsdp_context(hw.cpu, s.groups["dp"], par.pp)
+        return s.n_layers[s.kinds[0][0]] * block_rs + ends_rs
+    if hw.cpu is not None and hw.cpu.fsdp and s.groups["dp"].k <= 1:
+        # each unit reduce-scatters its accumulated gradients once per step (the last
+        # microbatch), as timed on this machine per unit
+        nl0 = s.n_layers[s.kinds[0][0]]
+        block = sum(stage_params(s.shape, 1, False, False, par.ep))
+        root = dpc.dense0 + dpc.expert0 - nl0 * block
+        return nl0 * hw.cpu.fsdp_time(block * GRAD_BYTES, "reduce") + \
+            (hw.cpu.fsdp_time(root * GRAD_BYTES, "reduce") if root > 0 else 0.0)
+    # one reduce-scatter of the accumulated gradients, after chunk_cat copies them into the
+    # reduce-scatter input (read + write, fp32)
+    return dpc.t_rs + 2 * (dpc.dense0 + dpc.expert0) * GRAD_BYTES / (hw.mem_bw * s.eff.mem)
+
+
+def _optimizer_time(s: _Step, t_compute: float) -> tuple[float, float]:
+    """(optimizer step, exposed offload transfers) per iteration."""
+    run, hw, dpc = s.run, s.hw, s.dpc
+    tr, par = run.training, run.parallel
+    dp, cp, ep, m = run.dp, par.cp, par.ep, s.m
+    shard = dpc.shard_n if tr.zero_stage >= 1 else 1
+    n_opt = dpc.dense0 / shard + dpc.expert0 / (max(1, dp * cp // ep) if tr.zero_stage >= 1
+                                                else 1)
     per_param = ADAM_BYTES_PER_PARAM + (LAMB_EXTRA_BYTES if tr.optimizer == "lamb" else 0)
     t_offload = 0.0
     on_device = tr.offload in ("none", "nvme")   # where the update's arithmetic runs
-    if on_device and eager and hw.cpu is not None and hw.cpu.optimizer_s_per_param:
+    if on_device and s.eager and hw.cpu is not None and hw.cpu.optimizer_s_per_param:
         # measured: myria's foreach gradient clip + AdamW per parameter on this CPU, plus the
         # two scalar all-reduces of the step (gradient norm, logged loss) per reduction group
         t_opt = n_opt * hw.cpu.optimizer_s_per_param
         for name in ("dp", "pp"):
-            t_opt += 2 * coll.allreduce(8.0, groups[name])[0]
+            t_opt += 2 * coll.allreduce(8.0, s.groups[name])[0]
     elif on_device:
-        t_opt = n_opt * per_param / (hw.mem_bw * eff.mem)
+        t_opt = n_opt * per_param / (hw.mem_bw * s.eff.mem)
     else:
         srv = hw.server
-        gpn = hw.gpus_per_node
-        t_opt = n_opt * CPU_ADAM_BYTES_PER_PARAM * gpn / (srv.host_memory_bw_gbs * 1e9)
-        t_offload = n_opt * (g_b + w_b) / (srv.pcie_gbs * 1e9)
+        t_opt = n_opt * CPU_ADAM_BYTES_PER_PARAM * hw.gpus_per_node / \
+            (srv.host_memory_bw_gbs * 1e9)
+        t_offload = n_opt * (GRAD_BYTES + s.w_b) / (srv.pcie_gbs * 1e9)
         if tr.zero_stage >= 3:
             # FSDP2's CPU offload copies the sharded weights in for forward and backward of
             # every microbatch
-            t_offload += m * 2 * n_opt * w_b / (srv.pcie_gbs * 1e9)
+            t_offload += m * 2 * n_opt * s.w_b / (srv.pcie_gbs * 1e9)
     if tr.offload == "nvme":
-        t_offload = _nvme_time(tr, hw, n_opt, t_opt, m, w_b, m * stages[crit]["C"])
-    t_data = tr.data_loading_s
+        t_offload = _nvme_time(tr, hw, n_opt, t_opt, m, s.w_b, t_compute)
+    return t_opt, t_offload
+
+
+def step_memory(run: RunSpec, hw: Hardware | None = None) -> MemoryResult:
+    """Peak memory per device of `run` (`memory.memory` with the run's layout and stages), and
+    whether the offloaded state fits its host (`host_fits`); `simulate` reports the same."""
+    hw = hw or build_hardware(run.cluster, run.training.precision)
+    shape = run_shape(run)
+    eager = eager_supported(shape)
+    return _memory(run, hw, shape, _stage_layers(run, eager), eager, run.microbatches)
+
+
+def _memory(run: RunSpec, hw: Hardware, shape: LayerShape, n_layers: dict, eager: bool,
+            m: int) -> MemoryResult:
+    par, tr = run.parallel, run.training
+    dp = run.dp
+    hsdp = par.dp_shard if 0 < par.dp_shard < dp and tr.zero_stage >= 1 else 0
+    cpu_dev = hw.device == "cpu"
+    mem = memory(shape, layers=run.model.layers, pp=par.pp, vpp=par.vpp,
+                 microbatches=m, schedule=par.schedule,
+                 recompute=tr.recompute, zero_stage=tr.zero_stage, dp=dp * par.cp, ep=par.ep,
+                 precision=tr.precision, offload=tr.offload,
+                 offload_params=tr.offload_params, capacity=hw.memory_bytes,
+                 gpus_per_node=hw.gpus_per_node,
+                 reserved=0.0 if cpu_dev else RESERVED_BYTES,
+                 fragmentation=0.0 if cpu_dev else FRAGMENTATION,
+                 reshard_after_forward=tr.reshard_after_forward,
+                 shard=_groups(hw, par.tp, par.cp, par.ep, dp, par.pp, hsdp)["dps"].n,
+                 stage_layers=n_layers if par.pp > 1 else None,
+                 accumulate=par.pp > 1 and not eager)
+    if tr.offload != "none":
+        cap = (hw.server.host_memory_gb if tr.offload == "cpu" else hw.server.nvme_gb) * 1e9
+        mem.host_fits = mem.host_bytes_per_node <= cap
+    return mem
+
+
+def simulate(run: RunSpec, hw: Hardware | None = None, eff: Efficiency | None = None,
+             detail: bool = False, mem: MemoryResult | None = None) -> StepResult:
+    """Predict one iteration of `run` (`mem`: its `step_memory`, when already priced)."""
+    hw = hw or build_hardware(run.cluster, run.training.precision)
+    eff = eff or efficiency_for(hw, run.kernels.flash_version)
+    s = _step_context(run, hw, eff)
+    m = s.m
+    stages = _stages(s)
+    crit = max(stages, key=lambda k: stages[k]["steady"])
+    t_pipe = _pipeline_time(s, stages, crit)
+    bubble = max(0.0, t_pipe - m * stages[crit]["steady"])
+    first = stages[s.kinds[0][0]]
+    hidden = [m * stages[crit]["cats"]["dp_hidden"]]   # seconds of hidden DP communication
+    t_dp = _dp_time(s, first["F"], first["B"], hidden)
+    t_opt, t_offload = _optimizer_time(s, m * stages[crit]["C"])
+    t_data = run.training.data_loading_s
     t_sync = sync_wait(hw, m * (stages[crit]["F"] + stages[crit]["B"]))
     total = t_pipe + t_dp + t_opt + t_offload + t_data + t_sync
-
     # breakdown: the critical stage's m microbatches, then the rest
     cats = stages[crit]["cats"]
     bd = {
@@ -697,13 +860,28 @@ def simulate(run: RunSpec, hw: Hardware | None = None, eff: Efficiency | None = 
         "data_loading": t_data,
         "sync_wait": t_sync,
     }
-    tokens = tr.global_batch * cfg.seq_len
-    mf, df, fw, fc = _model_flops(shape)
+    if mem is None:
+        mem = _memory(run, hw, s.shape, s.n_layers, s.eager, m)
+    res = _result(s, total, bd, mem, stages, crit, t_pipe, sum(hidden))
+    if detail:
+        ops = timed_layer_ops(s.shape, hw.peak_flops, hw.mem_bw, eff)
+        res.ops = op_table(run, res, ops, stages[crit], s.n_layers[crit], m, crit, hw, eff,
+                           s.groups)
+    return res
+
+
+def _result(s: _Step, total: float, bd: dict, mem: MemoryResult, stages: dict, crit: str,
+            t_pipe: float, hidden: float) -> StepResult:
+    """The StepResult of a priced step: MFU in both conventions, layout, details, warnings."""
+    run, hw, eff = s.run, s.hw, s.eff
+    tr, par = run.training, run.parallel
+    tokens = tr.global_batch * s.cfg.seq_len
+    mf, df, fw, fc = _model_flops(s.shape)
     model_flops = mf * tokens
     dense = df * tokens
-    if rec == "full":
+    if tr.recompute == "full":
         extra = (fw.total - fw.logits) * tokens
-    elif rec == "selective":
+    elif tr.recompute == "selective":
         # the attention core runs forward twice (FlashAttention: its block-sparse causal work)
         fa = fc if run.kernels.flash_attention else fw
         extra = (fa.attn_scores + fa.attn_values) * tokens
@@ -714,41 +892,30 @@ def simulate(run: RunSpec, hw: Hardware | None = None, eff: Efficiency | None = 
     if tr.precision == "fp8":
         mfu_peak = hw.peak_flops / 2 if hw.device in ("h100-sxm-80gb", "h200",
                                                       "h800-sxm-80gb") else hw.peak_flops
-    mem = memory(shape, layers=L, pp=pp, vpp=v, microbatches=m, schedule=par.schedule,
-                 recompute=rec, zero_stage=tr.zero_stage, dp=dp * cp, ep=ep,
-                 precision=tr.precision, offload=tr.offload,
-                 offload_params=tr.offload_params, capacity=hw.memory_bytes,
-                 gpus_per_node=hw.gpus_per_node,
-                 reserved=0.0 if hw.device == "cpu" else RESERVED_BYTES,
-                 fragmentation=0.0 if hw.device == "cpu" else FRAGMENTATION,
-                 reshard_after_forward=tr.reshard_after_forward, shard=shard_n,
-                 stage_layers=n_layers if pp > 1 else None,
-                 accumulate=pp > 1 and not eager)
-    if tr.offload != "none":
+    warnings: list[str] = []
+    if tr.offload != "none" and not mem.host_fits:
         cap = (hw.server.host_memory_gb if tr.offload == "cpu" else hw.server.nvme_gb) * 1e9
-        mem.host_fits = mem.host_bytes_per_node <= cap
-        if not mem.host_fits:
-            warnings.append(f"offloaded state needs {mem.host_bytes_per_node / 1e9:.0f} GB per "
-                            f"server; {tr.offload} holds {cap / 1e9:.0f} GB")
-    fits = mem.fits and mem.host_fits
+        warnings.append(f"offloaded state needs {mem.host_bytes_per_node / 1e9:.0f} GB per "
+                        f"server; {tr.offload} holds {cap / 1e9:.0f} GB")
     if not mem.fits:
         warnings.append(f"needs {mem.total / 1e9:.1f} GB per device, has "
                         f"{hw.memory_bytes / 1e9:.0f} GB")
-    layout = {"gpus": gpus, "tp": tp, "pp": pp, "dp": dp, "cp": cp, "ep": ep, "vpp": v,
-              "micro_batch": tr.micro_batch, "microbatches": m, "schedule": par.schedule,
-              "sequence_parallel": par.sequence_parallel, "recompute": rec,
+    layout = {"gpus": gpus, "tp": par.tp, "pp": par.pp, "dp": run.dp, "cp": par.cp,
+              "ep": par.ep, "vpp": par.vpp, "micro_batch": tr.micro_batch,
+              "microbatches": s.m, "schedule": par.schedule,
+              "sequence_parallel": par.sequence_parallel, "recompute": tr.recompute,
               "zero_stage": tr.zero_stage, "device": hw.device,
-              "reshard_after_forward": tr.reshard_after_forward, "dp_shard": hsdp or dp,
+              "reshard_after_forward": tr.reshard_after_forward, "dp_shard": s.hsdp or run.dp,
               "offload": tr.offload, "offload_params": tr.offload_params}
     details = {
-        "bubble_fraction": bubble / t_pipe if t_pipe else 0.0,
-        "comm_hidden_s": sum(hidden),
+        "bubble_fraction": bd["pp_bubble"] / t_pipe if t_pipe else 0.0,
+        "comm_hidden_s": hidden,
         "compute_s": bd["compute_gemm"] + bd["compute_attention"] + bd["compute_memory_bound"]
         + bd["recompute"],
         "critical_stage": crit,
-        "stage_time_s": {k: s["steady"] for k, s in stages.items()},
-        "p2p_time_s": t_p2p,
-        "collective_algorithms": lay.comm_detail,
+        "stage_time_s": {k: x["steady"] for k, x in stages.items()},
+        "p2p_time_s": s.t_p2p,
+        "collective_algorithms": s.lay.comm_detail,
         "model_flops_per_iteration": dense,
         "megatron_flops_per_iteration": model_flops,
         "hardware_flops_per_iteration": dense + extra,
@@ -760,20 +927,15 @@ def simulate(run: RunSpec, hw: Hardware | None = None, eff: Efficiency | None = 
                        "kernel_overhead_s": eff.kernel_overhead_s},
         "fabric": _describe(hw.fabric),
     }
-    res = StepResult(
+    return StepResult(
         name=run.name, iteration_time_s=total,
         mfu=dense / (total * gpus * mfu_peak),
         mfu_megatron=model_flops / (total * gpus * mfu_peak),
         tokens_per_s=tokens / total,
         tflops_per_gpu=dense / (total * gpus) / 1e12,
         hardware_tflops_per_gpu=(dense + extra) / (total * gpus) / 1e12,
-        memory_gb_per_gpu=mem.total / 1e9, fits=fits, breakdown=bd, memory=mem,
-        layout=layout, details=details, warnings=warnings)
-    if detail:
-        ops = timed_layer_ops(shape, hw.peak_flops, hw.mem_bw, eff)
-        res.ops = op_table(run, res, ops, stages[crit], n_layers[crit], m, crit, hw, eff,
-                           groups)
-    return res
+        memory_gb_per_gpu=mem.total / 1e9, fits=mem.fits and mem.host_fits, breakdown=bd,
+        memory=mem, layout=layout, details=details, warnings=warnings)
 
 
 def _nvme_time(tr, hw: Hardware, n_opt: float, t_opt: float, m: int, w_b: int,

@@ -74,7 +74,7 @@ class PlanResult:
     evaluated: int
     fitting: int
     seconds: float
-    best_unfitting: perf.StepResult | None = None
+    best_unfitting: perf.StepResult | None = None   # the fastest that does not fit, when none fits
     offloaded: bool = False      # nothing fitted without offload: these layouts offload
     best_runnable: perf.StepResult | None = None  # when #1 is priced only: the trainer's best
     best_runnable_rank: int = 0                    # its place in the whole ranking (1-based)
@@ -207,6 +207,14 @@ def _sharding(zero: int, space: SearchSpace, dp: int, inner: int, gpus_per_node:
             yield rsh, shard
 
 
+def _with(obj, **changes):
+    """`dataclasses.replace` for the run's plain dataclasses (no __post_init__, not frozen;
+    the candidates' values are the layout check's), without its per-call field walk."""
+    out = object.__new__(type(obj))
+    out.__dict__.update(obj.__dict__, **changes)
+    return out
+
+
 def plan(base: RunSpec, space: SearchSpace | None = None, top: int = 10,
          limit: int | None = None, reserve_gb: float | None = None,
          reliability: Reliability | None = None) -> PlanResult:
@@ -235,20 +243,24 @@ def plan(base: RunSpec, space: SearchSpace | None = None, top: int = 10,
     t0 = time.perf_counter()
     ok: list[perf.StepResult] = []
     runs: dict[int, RunSpec] = {}     # id(result) -> its run, for the trainer's verdict
-    best_bad: perf.StepResult | None = None
+    unfit: list[RunSpec] = []
     n = 0
     for par, tr in candidates(base, space):
-        run = dataclasses.replace(base, parallel=dataclasses.replace(base.parallel, **par),
-                                  training=dataclasses.replace(base.training, **tr))
-        res = perf.simulate(run, hw=hw)
+        run = _with(base, parallel=_with(base.parallel, **par),
+                    training=_with(base.training, **tr))
+        # memory first: a layout that does not fit is timed only when none fits
+        mem = perf.step_memory(run, hw)
         n += 1
-        if res.fits and res.memory.total <= limit_bytes:
+        if mem.fits and mem.host_fits and mem.total <= limit_bytes:
+            res = perf.simulate(run, hw=hw, mem=mem)
             ok.append(res)
             runs[id(res)] = run
-        elif best_bad is None or res.mfu > best_bad.mfu:
-            best_bad = res
+        else:
+            unfit.append(run)
         if limit and n >= limit:
             break
+    best_bad = None if ok else max((perf.simulate(r, hw=hw) for r in unfit),
+                                   key=lambda r: r.mfu, default=None)
     if not n:
         raise ConfigError("no layout matches the model, batch and GPU count: check that "
                           "training.global_batch is divisible by some data-parallel degree")

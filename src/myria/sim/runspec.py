@@ -210,6 +210,17 @@ class ClusterSpec:
                                "GB/s (NVLink ring, nccl-tests convention)", min=0.0)
 
 
+def model_config_of(m: ModelSpec) -> ModelConfig:
+    """The myria ModelConfig of a [model] section (`RunSpec.model_config`)."""
+    kw = {f.name: getattr(m, MODEL_RENAMED.get(f.name, f.name))
+          for f in dataclasses.fields(ModelConfig)}
+    kw["tie_embeddings"] = m.tie_embeddings == "true" or (
+        m.tie_embeddings == "auto" and m.arch == "gpt")
+    kw["vocab_size"] = m.vocab or (51200 if m.arch == "gpt" else 32000)
+    kw["top_k"] = m.top_k if m.experts else 1
+    return ModelConfig(**kw)
+
+
 SECTIONS: dict[str, type] = {
     "model": ModelSpec, "training": TrainingSpec, "parallel": ParallelSpec,
     "overlap": OverlapSpec, "kernels": KernelSpec, "cluster": ClusterSpec,
@@ -279,14 +290,7 @@ class RunSpec:
     def model_config(self) -> ModelConfig:
         """The myria ModelConfig of this run (every field passes through by name), so that
         models/flops.py counts its FLOPs as the live meter does."""
-        m = self.model
-        kw = {f.name: getattr(m, MODEL_RENAMED.get(f.name, f.name))
-              for f in dataclasses.fields(ModelConfig)}
-        kw["tie_embeddings"] = m.tie_embeddings == "true" or (
-            m.tie_embeddings == "auto" and m.arch == "gpt")
-        kw["vocab_size"] = m.vocab or (51200 if m.arch == "gpt" else 32000)
-        kw["top_k"] = m.top_k if m.experts else 1
-        return ModelConfig(**kw)
+        return model_config_of(self.model)
 
     def replace(self, **sections: dict) -> RunSpec:
         """A copy with some fields changed: replace(parallel={"tp": 4}, overlap={"dp": True})."""
