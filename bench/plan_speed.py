@@ -18,7 +18,7 @@ import time
 import tomllib
 from pathlib import Path
 
-from myria.sim import memory, network, operators, perf, runspec
+from myria.sim import perf, runspec
 from myria.sim.planner import plan
 
 OUT = Path(__file__).resolve().parent / "results" / "sim_plan_speed.json"
@@ -87,15 +87,6 @@ gpus = 256
 }
 
 
-def clear_caches() -> None:
-    for fn in (network.pattern_factor, perf._groups, perf._layer_summary, perf._head_summary,
-               perf._model_flops, perf.overlap_interference, perf._shape, perf._model_config,
-               perf._rank_layers, perf._dp_collectives, memory.stage_params,
-               operators.timed_layer_ops, operators.timed_head_ops, memory._params,
-               memory._act):
-        fn.cache_clear()
-
-
 def main(names: list[str]) -> int:
     import os
 
@@ -106,7 +97,7 @@ def main(names: list[str]) -> int:
         if names and name not in names:
             continue
         base = runspec.parse_run(tomllib.loads(text) | {"name": name}, check=False)
-        clear_caches()
+        perf.clear_caches()
         t0, c0 = time.perf_counter(), time.process_time()
         res = plan(base, top=3)
         dt, cpu = time.perf_counter() - t0, time.process_time() - c0

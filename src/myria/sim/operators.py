@@ -62,6 +62,9 @@ class Efficiency:
     # kernels by shape, ((key, FLOP/s), ...) with the keys of `rate_key`. Empty: roofline above.
     rates: tuple = ()
 
+    __hash__ = cached_hash
+    __getstate__ = state_without_hash
+
 
 DEFAULT_EFFICIENCY = Efficiency()
 MEASURED_EFFICIENCY = Efficiency(gemm=1.0, half_dim=0.0, mem=1.0, mem_eager=(),

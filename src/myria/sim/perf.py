@@ -557,29 +557,67 @@ GRAD_BYTES = 4   # gradients reduce in fp32
 
 def _step_context(run: RunSpec, hw: Hardware, eff: Efficiency) -> _Step:
     """The per-layer costs, stage layers, communicators and data-parallel collectives of
-    `run`."""
-    par, tr = run.parallel, run.training
-    shape = run_shape(run)
-    cfg = _model_config(_model_key(run))
+    `run` (`_layout_context`, shared by the runs that differ only in recomputation, ZeRO
+    stage or offload)."""
+    par, tr, ov, k = run.parallel, run.training, run.overlap, run.kernels
     dp = run.dp
-    gkey = (par.tp, par.cp, par.ep, dp, par.pp)
     hsdp = par.dp_shard if 0 < par.dp_shard < dp and tr.zero_stage >= 1 else 0
-    groups = _groups(hw, *gkey, hsdp)
-    lay = _layer_summary(shape, hw, eff, run.overlap.tp, gkey)
+    ctx = _layout_context(run, hw, eff, (
+        _model_key(run), tr.micro_batch, tr.global_batch, tr.precision, par.tp, par.cp,
+        par.ep, par.pp, par.vpp, par.schedule, par.sequence_parallel, k.flash_attention,
+        k.fused_ops, k.eager, ov.tp, ov.dp, ov.pp, dp, hsdp, hw, eff))
+    lay = ctx[3]
     recompute = {"full": lay.fwd,
                  "selective": lay.attn_core_fwd,  # FlashAttention recomputes in its backward
                  # norms, RoPE, activations, dropout
                  "elementwise": lay.fwd_cat.get("memory", 0.0)}.get(tr.recompute, 0.0)
+    return _Step(run, hw, eff, *ctx[:4], recompute, *ctx[4:])
+
+
+_CONTEXTS: dict = {}   # `_layout_context`'s cache
+
+
+def _layout_context(run: RunSpec, hw: Hardware, eff: Efficiency, key: tuple) -> tuple:
+    """The `_Step` fields that do not depend on recomputation (all but run, hw, eff and
+    recompute), cached under `key`: what fixes them (the model, batch, precision, degrees,
+    schedule, kernels, overlap, hardware)."""
+    ctx = _CONTEXTS.get(key)
+    if ctx is not None:
+        return ctx
+    if len(_CONTEXTS) >= 65536:
+        _CONTEXTS.clear()
+    par = run.parallel
+    shape = run_shape(run)
+    cfg = _model_config(_model_key(run))
+    dp, hsdp = key[-4], key[-3]
+    gkey = (par.tp, par.cp, par.ep, dp, par.pp)
+    groups = _groups(hw, *gkey, hsdp)
+    lay = _layer_summary(shape, hw, eff, run.overlap.tp, gkey)
     eager = eager_supported(shape)
     n_layers = _stage_layers(run, eager)
-    w_b = 4 if tr.precision == "fp32" else 2
+    w_b = 4 if run.training.precision == "fp32" else 2
     dpc = _dp_collectives(shape, hw, gkey, hsdp, tuple(n_layers.items()), run.overlap.dp, w_b)
     mem_layer = round((lay.fwd_cat.get("memory", 0.0) + lay.bwd_cat.get("memory", 0.0)) /
                       max(1e-30, lay.fwd + lay.bwd), 2)
-    return _Step(run, hw, eff, shape, cfg, groups, lay, recompute, eager, n_layers,
-                 _kinds(par.pp), dpc, overlap_interference(hw, mem_layer, groups["dp"]),
-                 overlap_interference(hw, mem_layer, groups["pp"]),
-                 _p2p_time(run, cfg, groups), w_b, hsdp, gkey, run.microbatches)
+    ctx = _CONTEXTS[key] = (
+        shape, cfg, groups, lay, eager, n_layers, _kinds(par.pp), dpc,
+        overlap_interference(hw, mem_layer, groups["dp"]),
+        overlap_interference(hw, mem_layer, groups["pp"]), _p2p_time(run, cfg, groups), w_b,
+        hsdp, gkey, run.microbatches)
+    return ctx
+
+
+def clear_caches() -> None:
+    """Empty every cache of the step and memory models (a cold start, for timing)."""
+    from myria.sim import memory as mem
+    from myria.sim import network, operators
+
+    _CONTEXTS.clear()
+    for fn in (network.pattern_factor, _groups, _layer_summary, _head_summary, _model_flops,
+               overlap_interference, _shape, _model_config, _rank_layers, _dp_collectives,
+               expected_max_normal, mem.stage_params, mem._params, mem._act,
+               operators.timed_layer_ops, operators.timed_head_ops):
+        fn.cache_clear()
 
 
 def _p2p_time(run: RunSpec, cfg: ModelConfig, groups: dict) -> float:
