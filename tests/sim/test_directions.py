@@ -338,3 +338,22 @@ def test_data_parallel_buckets_pay_their_latency_and_the_last_is_exposed():
     assert z2.layout["microbatches"] == 1
     assert z2.breakdown["dp_comm_exposed"] > 0.2 * z2.iteration_time_s
     assert z2.mfu < 0.9 * pub.mfu
+
+
+def test_the_slowest_rank_with_a_straggler_tail_matches_sampling_and_grows_with_the_ranks():
+    """E[max] of n ranks' jitter: without a tail the normal law's; with one, what seeded
+    sampling of the same law gives (within 3 standard errors), and it grows with n faster than
+    the normal core does."""
+    import numpy as np
+
+    from myria.sim.perf import expected_max_jitter, expected_max_normal
+
+    assert expected_max_jitter(64) == expected_max_normal(64)
+    rng = np.random.default_rng(0)
+    for n, share, excess in ((4, 0.05, 2.7), (256, 0.01, 3.0)):
+        z = rng.standard_normal((4000, n)) + \
+            (rng.random((4000, n)) < share) * rng.exponential(excess, (4000, n))
+        top = z.max(axis=1)
+        assert abs(expected_max_jitter(n, share, excess) - top.mean()) < 3 * top.std() / 63
+    grow = expected_max_jitter(16384, 0.01, 3.0) - expected_max_jitter(64, 0.01, 3.0)
+    assert grow > 2 * (expected_max_normal(16384) - expected_max_normal(64))

@@ -226,6 +226,8 @@ class Hardware:
     server: ServerSpec
     fabric: Fabric
     cpu: CpuProfile | None = None   # measured CPU figures (myria.sim.cpu), "cpu" device only
+    # per-rank step-time jitter (ClusterSpec.rank_jitter, jitter_tail_share, jitter_tail_excess)
+    jitter: tuple = (0.01, 0.0, 0.0)
 
     @property
     def nodes(self) -> int:
@@ -403,4 +405,6 @@ def build_hardware(cluster: ClusterSpec, precision: str = "bf16",
                     memory_bytes=memory * 1e9, measured=measured, gpus=cluster.gpus,
                     gpus_per_node=gpn, nics_per_node=nics, nic_gbps=nic_gbps, nic_bw=nic_bw,
                     intra_busbw=intra * 1e9, intra_p2p=intra_p2p * 1e9,
-                    server=server, fabric=fabric, cpu=cpu)
+                    server=server, fabric=fabric, cpu=cpu,
+                    jitter=(cluster.rank_jitter, cluster.jitter_tail_share,
+                            cluster.jitter_tail_excess))

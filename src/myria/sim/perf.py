@@ -52,11 +52,6 @@ ADAM_BYTES_PER_PARAM = 38     # read g, p, m, v (fp32), write p, m, v, 16-bit co
 LAMB_EXTRA_BYTES = 16         # second pass: trust-ratio norms and the scaled update
 CPU_ADAM_BYTES_PER_PARAM = 32  # host-side Adam on fp32 p, m, v, g
 REPLAY_MAX_OPS = 20000        # eager pipelines up to this many (m x pp x vpp) are replayed
-# Spread (standard deviation, a share of the compute time) of one rank's step compute against
-# its peers': clock and power management, thermal state and the silicon differ from GPU to
-# GPU. A prior (not fitted): 1%, the order of the spread of identical kernels' times across a
-# cluster's GPUs; the calibration's E_GEMM was refitted with it in place.
-RANK_JITTER = 0.01
 # Slowdown of compute while communication hides behind it, as a share of the hidden time, on a
 # device whose SMs are not known (overlap_interference prices the others). A prior, not fitted.
 OVERLAP_INTERFERENCE = 0.10
@@ -256,15 +251,43 @@ def expected_max_normal(n: int) -> float:
 
 
 def sync_wait(hw: Hardware, compute_s: float) -> float:
-    """What the slowest of the ranks that synchronise costs a step (module docstring): every
-    rank waits, at each step's data-parallel collective (and each layer's tensor-parallel one,
-    each microbatch's pipeline exchange), for the slowest of all `hw.gpus`; with their compute
-    times spread by RANK_JITTER (a share of `compute_s`, independent between ranks) the step
-    takes RANK_JITTER x E[max of N standard normals] x compute_s longer. 0 on a measured device
-    (the CPU self-check: its few local processes are measured as they run)."""
+    """What the slowest of the ranks that synchronise costs a step: every rank waits, at each
+    step's data-parallel collective (and each layer's tensor-parallel one, each microbatch's
+    pipeline exchange), for the slowest of all `hw.gpus`; with their compute times spread
+    independently by `hw.jitter` (ClusterSpec.rank_jitter: sigma, a share of `compute_s`, and
+    the straggler tail) the step takes sigma x `expected_max_jitter` x compute_s longer. 0 on a
+    measured device (the CPU self-check: its few local processes are measured as they run)."""
     if hw.cpu is not None or hw.measured:
         return 0.0
-    return RANK_JITTER * expected_max_normal(hw.gpus) * compute_s
+    sigma, share, excess = hw.jitter
+    return sigma * expected_max_jitter(hw.gpus, share, excess) * compute_s
+
+
+@lru_cache(maxsize=1024)
+def expected_max_jitter(n: int, tail_share: float = 0.0, tail_excess: float = 0.0) -> float:
+    """E[max] of n independent draws of a rank's step-time deviation, in units of its spread:
+    a standard normal core (`expected_max_normal` when there is no tail), to which a share
+    `tail_share` of the draws adds an exponential delay of mean `tail_excess` (the straggler
+    tail). With the tail, E[max] = integral of 1 - F(x)^n over x > 0 less that of F(x)^n over
+    x < 0, F the mixture's CDF, integrated numerically; it grows like tail_excess x ln(n x
+    tail_share) once n x tail_share >> 1, against sqrt(2 ln n) for the normal core."""
+    if n <= 1:
+        return 0.0
+    if tail_share <= 0 or tail_excess <= 0:
+        return expected_max_normal(n)
+    import numpy as np
+    from scipy.special import log_ndtr, ndtr
+
+    top = 8.0 + tail_excess * (math.log(max(2.0, n * tail_share)) + 30.0)
+    x = np.linspace(-8.0, top, 200001)
+    # the normal core, and the core plus an Exp(mean tail_excess) delay (exponentially
+    # modified Gaussian)
+    lam = 1.0 / tail_excess
+    tail = ndtr(x) - np.exp(lam * lam / 2 - lam * x + log_ndtr(x - lam))
+    cdf = (1 - tail_share) * ndtr(x) + tail_share * tail
+    fn = np.exp(n * np.log(np.clip(cdf, 1e-300, 1.0)))
+    dx = x[1] - x[0]
+    return float(np.sum(np.where(x > 0, 1 - fn, -fn)) * dx)
 
 
 def _cost(t: float, exposed: float, kappa: float = OVERLAP_INTERFERENCE) -> float:

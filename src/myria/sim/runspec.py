@@ -194,6 +194,17 @@ class ClusterSpec:
     routing: str = _f("adaptive", "adaptive (load spread evenly over uplinks; also what IB "
                       "fat-tree routing achieves for collectives) or ecmp (hash per flow)",
                       choices=("adaptive", "ecmp"))
+    rank_jitter: float = _f(0.01, "spread (standard deviation, a share of the step's compute) "
+                            "of one rank's step time against its peers': a synchronous step "
+                            "waits for the slowest rank. 0.01 is assumed, not fitted (the "
+                            "calibration's 32-3,072 GPUs do not pin it); measure yours with "
+                            "bench/sim_rank_jitter.py", min=0.0)
+    jitter_tail_share: float = _f(0.0, "share of rank-steps that also take a rare extra delay "
+                                  "(a straggler tail: host interrupts, garbage collection, "
+                                  "throttling), at most 1; 0 means the normal law alone",
+                                  min=0.0)
+    jitter_tail_excess: float = _f(0.0, "mean of that extra delay in units of rank_jitter "
+                                   "(exponential)", min=0.0)
     flows_per_pair: int = _f(2, "flows (queue pairs) NCCL opens per connection; more flows give "
                              "ECMP more entropy", min=1)
     switch_radix: int = _f(64, "ports per switch (half down, half up)", min=2)
@@ -393,6 +404,9 @@ def validate(run: RunSpec) -> None:
         validate_model(run.model_config())  # the trainer's own checks of a model
     except ConfigError as e:
         raise ConfigError(f"run {n!r}: {e}") from None
+    if c.jitter_tail_share > 1:
+        raise ConfigError(f"run {n!r}: cluster.jitter_tail_share = {c.jitter_tail_share:g} "
+                          "is a share: at most 1")
     if p.dp_shard and (run.dp % p.dp_shard or p.dp_shard > run.dp):
         raise ConfigError(f"run {n!r}: parallel.dp_shard = {p.dp_shard} must divide the "
                           f"data-parallel degree {run.dp}")
