@@ -1,5 +1,5 @@
 """Per-rank step-time jitter of lock-step ranks, measured: the spread and the tail that
-`perf.sync_wait` prices.
+`overlap.sync_wait` prices.
 
     .venv/bin/python bench/sim_rank_jitter.py [--steps 60] [--nproc 4] [--reps 2]
 
@@ -57,7 +57,7 @@ def main() -> None:
     ap.add_argument("--nproc", type=int, default=4)
     ap.add_argument("--reps", type=int, default=2)
     a = ap.parse_args()
-    from myria.sim.perf import expected_max_normal
+    from myria.sim.overlap import expected_max_normal
 
     tmp = Path(tempfile.mkdtemp(prefix="myria-bench-jitter-"))
     data = tmp / "tiny"

@@ -428,8 +428,8 @@ def assumptions(base: RunSpec) -> list[str]:
 def separation(res) -> list[str]:
     """What separates each of the first five from the first: step time, memory margin and the
     two costs that differ most (seconds per step)."""
-    from myria.sim.perf import BREAKDOWN_LABELS
     from myria.sim.planner import margin_bytes
+    from myria.sim.step_result import BREAKDOWN_LABELS
 
     if len(res.ranked) < 2:
         return []
