@@ -11,14 +11,8 @@ from myria.device import DeviceSpec
 from myria.measure import cpu
 from myria.sim import collectives as coll
 from myria.sim.hardware import build_hardware
-from myria.sim.operators import (
-    Efficiency,
-    Op,
-    layer_shape,
-    measured_rate,
-    op_time,
-    rate_key,
-)
+from myria.sim.op_timing import measured_rate, op_time, rate_key
+from myria.sim.operators import Efficiency, Op, layer_shape
 from myria.sim.perf import config_run, efficiency_for, run_shape, simulate_config
 
 HERE = DeviceSpec("cpu", 0.15, 0.15, 16.0, 0.0, 0.0, source="measured (test)")

@@ -12,7 +12,7 @@ generic figure, host time per block, kernel dispatch overhead, the clip + AdamW 
 parameter, and (several processes) gloo's alpha and bus bandwidth per collective, send/receive,
 and FSDP2's unit all-gather. Times are medians; compute is timed on the thread's CPU clock with
 one thread per process (`compute_clock`), else on the wall clock, collectives always on the
-wall clock. Shapes the table lacks are interpolated (`operators.measured_rate`); GEMMs above
+wall clock. Shapes the table lacks are interpolated (`op_timing.measured_rate`); GEMMs above
 GEMM_FLOP_CAP are measured halved. What each figure is and why it is timed so:
 docs/performance_model.md, "Reasons behind the simulator modules".
 """
@@ -43,12 +43,12 @@ from myria.sim.cpu_profile import (  # noqa: F401  (the cache's names, used here
     update_cache,
     write_cache,
 )
+from myria.sim.op_timing import rate_key
 from myria.sim.operators import (
     LayerShape,
     Op,
     head_ops,
     layer_ops,
-    rate_key,
 )
 
 GEMM_FLOP_CAP = 4e9          # larger GEMMs are measured on a halved shape (asymptotic rate)

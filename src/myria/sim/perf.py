@@ -42,6 +42,7 @@ from myria.sim.dataparallel import (
 )
 from myria.sim.hardware import Hardware, build_hardware
 from myria.sim.memory import FRAGMENTATION, RESERVED_BYTES, MemoryResult, memory, stage_params
+from myria.sim.op_timing import timed_head_ops, timed_layer_ops
 from myria.sim.operators import (
     DEFAULT_EFFICIENCY,
     MEASURED_EFFICIENCY,
@@ -50,8 +51,6 @@ from myria.sim.operators import (
     Op,
     eager_supported,
     layer_shape,
-    timed_head_ops,
-    timed_layer_ops,
 )
 from myria.sim.optimizer import optimizer_time
 from myria.sim.overlap import chunked_exposed, comm_cost, overlap_interference, sync_wait
@@ -304,14 +303,14 @@ def _layout_context(run: RunSpec, hw: Hardware, eff: Efficiency, key: tuple) -> 
 
 def clear_caches() -> None:
     """Empty every cache of the step and memory models (a cold start, for timing)."""
-    from myria.sim import memory, network, operators, overlap
+    from myria.sim import memory, network, op_timing, overlap
 
     _CONTEXTS.clear()
     memory.clear_caches()
     for fn in (network.pattern_factor, layout_groups, _layer_summary, _head_summary, _model_flops,
                overlap.overlap_interference, overlap.expected_max_normal,
                overlap.expected_max_jitter, _shape, _model_config, _rank_layers, dp_collectives,
-               operators.timed_layer_ops, operators.timed_head_ops):
+               op_timing.timed_layer_ops, op_timing.timed_head_ops):
         fn.cache_clear()
 
 
