@@ -29,6 +29,7 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
+from myria.device import time_matmul
 from myria.errors import ConfigError
 from myria.measure.multiproc import (
     fit_alpha_bw,
@@ -135,10 +136,11 @@ def measure_gemm(layout: str, m: int, n: int, k: int, seconds: float = MEASURE_S
     else:
         raise ValueError(f"unknown GEMM layout {layout!r}")
     if layout == "tna":
-        c = torch.zeros(m, n)
-        t = _time(lambda: c.addmm_(a, b), seconds)
+        out, call = torch.zeros(m, n), lambda x, y, o: o.addmm_(x, y)
     else:
-        t = _time(lambda: torch.mm(a, b), seconds)
+        out, call = None, lambda x, y, o: torch.mm(x, y)
+    t = statistics.median(time_matmul(a, b, out, seconds=seconds, groups=5, clock=_clock,
+                                      call=call))
     return 2.0 * m * n * k / t
 
 

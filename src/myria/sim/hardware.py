@@ -11,12 +11,11 @@ from __future__ import annotations
 import dataclasses
 import json
 import platform
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from myria.device import DeviceSpec, cpu_device_spec, lookup
+from myria.device import DeviceSpec, cpu_device_spec, lookup, measure_copy_bandwidth
 from myria.errors import ConfigError
 from myria.fsutil import atomic_write_json
 from myria.sim.runspec import ClusterSpec
@@ -249,24 +248,6 @@ def _cache_path() -> Path:
     return root / "cpu_membw.json"
 
 
-def measure_memory_bandwidth(mbytes: int = 64, seconds: float = 0.5) -> float:
-    """Best achieved copy bandwidth of this CPU in GB/s (bytes read + bytes written)."""
-    import numpy as np
-
-    n = mbytes * 2**20 // 8
-    a = np.ones(n)
-    b = np.empty_like(a)
-    np.copyto(b, a)
-    best, deadline = 0.0, time.perf_counter() + seconds
-    while True:
-        t0 = time.perf_counter()
-        np.copyto(b, a)
-        dt = time.perf_counter() - t0
-        best = max(best, 2 * a.nbytes / dt / 1e9)
-        if time.perf_counter() > deadline:
-            return best
-
-
 def cpu_memory_bandwidth(refresh: bool = False) -> float:
     """This host's copy bandwidth in GB/s, measured once and cached under ~/.cache/myria."""
     path = _cache_path()
@@ -279,7 +260,7 @@ def cpu_memory_bandwidth(refresh: bool = False) -> float:
             cache = {}
     if not refresh and key in cache:
         return float(cache[key])
-    bw = measure_memory_bandwidth()
+    bw = measure_copy_bandwidth("cpu", 64 * 2**20, seconds=0.5, min_reps=1, threads=1)
     cache[key] = bw
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
