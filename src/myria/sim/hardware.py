@@ -56,7 +56,7 @@ ALPHA_INTER_S = 5.0e-6    # one step (hop) across the network
 # Streaming multiprocessors per device (NVIDIA's datasheets) and the thread blocks a NCCL
 # collective keeps resident on them while it runs: one per channel, and NCCL opens two channels
 # per NIC on an 8-NIC server (16; NCCL_MIN/MAX_NCHANNELS unset). Overlapped compute runs on the
-# remaining SMs (perf.overlap_interference).
+# remaining SMs (overlap.overlap_interference).
 SM_COUNT = {"a100-sxm-80gb": 108, "a100-sxm-40gb": 108, "h100-sxm-80gb": 132, "h200": 132,
             "h800-sxm-80gb": 132}
 NCCL_CHANNELS = 16
