@@ -4,9 +4,10 @@
 
 Runs the full search (tp, pp, cp, ep, vpp, micro-batch, sequence parallelism, recomputation,
 ZeRO stage; every candidate priced by the memory model, each that fits by the step model too)
-for three models, each with cold caches (`perf.clear_caches`), and writes bench/results/sim_plan_speed.json. Wall seconds are the target's measure;
-the process's CPU seconds and the load average are recorded beside them, because on a shared
-host the wall time counts the other processes' turns too.
+for three models, each with cold caches (`perf.clear_caches`), and writes
+bench/results/sim_plan_speed.json. Wall seconds are the target's measure; the process's CPU
+seconds and the load average are recorded beside them, because on a shared host the wall time
+counts the other processes' turns too.
 """
 
 from __future__ import annotations
