@@ -3,10 +3,11 @@
     .venv/bin/python bench/plan_speed.py [CASE ...]
 
 Runs the full search (tp, pp, cp, ep, vpp, micro-batch, sequence parallelism, recomputation,
-ZeRO stage; every candidate priced by the step and memory models) for three models, each with
-cold caches, and writes bench/results/sim_plan_speed.json. Wall seconds are the target's measure;
-the process's CPU seconds and the load average are recorded beside them, because on a shared
-host the wall time counts the other processes' turns too.
+ZeRO stage; every candidate priced by the memory model, each that fits by the step model too)
+for three models, each with cold caches (`perf.clear_caches`), and writes
+bench/results/sim_plan_speed.json. Wall seconds are the target's measure; the process's CPU
+seconds and the load average are recorded beside them, because on a shared host the wall time
+counts the other processes' turns too.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import time
 import tomllib
 from pathlib import Path
 
-from myria.sim import memory, network, operators, perf, runspec
+from myria.sim import perf, runspec
 from myria.sim.planner import plan
 
 OUT = Path(__file__).resolve().parent / "results" / "sim_plan_speed.json"
@@ -87,13 +88,6 @@ gpus = 256
 }
 
 
-def clear_caches() -> None:
-    for fn in (network.pattern_factor, perf._groups, perf._layer_summary, perf._head_summary,
-               perf._model_flops, perf.overlap_interference, operators.timed_layer_ops,
-               operators.timed_head_ops, memory._params, memory._act):
-        fn.cache_clear()
-
-
 def main(names: list[str]) -> int:
     import os
 
@@ -104,7 +98,7 @@ def main(names: list[str]) -> int:
         if names and name not in names:
             continue
         base = runspec.parse_run(tomllib.loads(text) | {"name": name}, check=False)
-        clear_caches()
+        perf.clear_caches()
         t0, c0 = time.perf_counter(), time.process_time()
         res = plan(base, top=3)
         dt, cpu = time.perf_counter() - t0, time.process_time() - c0

@@ -159,7 +159,7 @@ def load_config(case: Case):
 def measure_case(case: Case) -> dict:
     """Re-measure every figure `case` needs now, as it will run: `nproc` processes at once."""
     from myria.device import cpu_device_spec
-    from myria.measure import cpu
+    from myria.measure import cpu, profile_summary
     from myria.sim.perf import config_run, run_shape
 
     cfg = load_config(case)
@@ -180,7 +180,7 @@ def measure_case(case: Case) -> dict:
     return {"threads": threads, "peak_tflops": peak, "seconds": round(time.perf_counter() - t0, 1),
             "loadavg_before": la0, "loadavg_after": loadavg(),
             "others_cores_during_measurement": attempts,
-            "profile": asdict(cpu.summarize(prof, shape, run.parallel.pp))}
+            "profile": asdict(profile_summary.summarize(prof, shape, run.parallel.pp))}
 
 
 def predict(case: Case) -> dict:

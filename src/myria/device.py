@@ -203,6 +203,75 @@ def cpu_key(threads: int) -> str:
     return f"{model}|threads={threads}|torch={torch.__version__}"
 
 
+def time_matmul(a, b, out=None, *, seconds: float = 0.0, groups: int = 1, reps: int = 1,
+                warmup_s: float = 0.0, warmup_calls: int = 1, clock=time.perf_counter,
+                call=None, sync=None) -> list[float]:
+    """The one GEMM timer (the measured CPU peak, the doctor's throughput check and the CPU
+    profile's rates use it): seconds per call of `a @ b`, one figure per group of `reps`
+    calls, for at least `groups` groups and until `seconds` have passed, after `warmup_calls`
+    untimed calls and more until `warmup_s` have passed. `call(a, b, out)` replaces
+    `torch.matmul(a, b, out=out)` (another layout, the doctor's fault hook); `sync()` waits for
+    the device after the warm-up and after each group; a group the clock times as 0 is not
+    counted."""
+    import torch
+
+    mm = call or (lambda x, y, o: torch.matmul(x, y, out=o))
+    deadline = time.perf_counter() + warmup_s
+    done = 0
+    while done < warmup_calls or time.perf_counter() < deadline:
+        mm(a, b, out)
+        done += 1
+    if sync is not None:
+        sync()
+    times: list[float] = []
+    deadline = time.perf_counter() + seconds
+    while len(times) < groups or time.perf_counter() < deadline:
+        t0 = clock()
+        for _ in range(reps):
+            mm(a, b, out)
+        if sync is not None:
+            sync()
+        t = (clock() - t0) / reps
+        if t > 0:
+            times.append(t)
+    return times
+
+
+def measure_copy_bandwidth(device="cpu", nbytes: int = 128 * 2**20, seconds: float = 0.3,
+                           min_reps: int = 3, threads: int | None = None) -> float:
+    """The one memory-bandwidth probe (the simulator's CPU figure and the doctor's check use
+    it): the best GB/s of copying an `nbytes` buffer on `device` (bytes read + bytes written,
+    as STREAM's copy counts them), over at least `min_reps` copies and `seconds`, on a CPU at
+    `threads` torch threads (None: as set)."""
+    import torch
+
+    old = torch.get_num_threads()
+    if threads:
+        torch.set_num_threads(threads)
+    try:
+        dev = torch.device(device)
+        src = torch.ones(nbytes // 4, dtype=torch.float32, device=dev)
+        dst = torch.empty_like(src)
+
+        def sync() -> None:
+            if dev.type == "cuda":
+                torch.cuda.synchronize(dev)
+
+        dst.copy_(src)  # first touch
+        sync()
+        best, reps = 0.0, 0
+        deadline = time.perf_counter() + seconds
+        while reps < min_reps or time.perf_counter() < deadline:
+            t0 = time.perf_counter()
+            dst.copy_(src)
+            sync()
+            best = max(best, 2.0 * src.numel() * 4 / (time.perf_counter() - t0) / 1e9)
+            reps += 1
+        return best
+    finally:
+        torch.set_num_threads(old)
+
+
 def measure_matmul_tflops(n: int = 1024, dtype: str = "float32", seconds: float = 1.0,
                           threads: int | None = None) -> float:
     """Best achieved TFLOP/s of an n x n x n matmul on this CPU (the measured peak)."""
@@ -216,18 +285,7 @@ def measure_matmul_tflops(n: int = 1024, dtype: str = "float32", seconds: float 
         a = torch.randn(n, n, dtype=dt)
         b = torch.randn(n, n, dtype=dt)
         c = torch.empty(n, n, dtype=dt)
-        torch.matmul(a, b, out=c)  # warm-up
-        best = 0.0
-        deadline = time.perf_counter() + seconds
-        while True:
-            t0 = time.perf_counter()
-            for _ in range(4):
-                torch.matmul(a, b, out=c)
-            dt_s = (time.perf_counter() - t0) / 4
-            best = max(best, 2 * n**3 / dt_s / 1e12)
-            if time.perf_counter() > deadline:
-                break
-        return best
+        return 2 * n**3 / min(time_matmul(a, b, c, seconds=seconds, reps=4)) / 1e12
     finally:
         torch.set_num_threads(old)
 
@@ -269,16 +327,10 @@ def core_matmul_rates(n: int = PEAK_N, calls: int = PEAK_ROUND_CALLS,
         dt = getattr(torch, dtype)
         a, b = torch.randn(n, n, dtype=dt), torch.randn(n, n, dtype=dt)
         c = torch.empty(n, n, dtype=dt)
-        deadline = time.perf_counter() + warmup_s
-        while time.perf_counter() < deadline:    # kernel selection, caches, clock ramp-up
-            torch.matmul(a, b, out=c)
-        rates: list[float] = []
-        while len(rates) < calls:
-            t0 = time.thread_time()
-            torch.matmul(a, b, out=c)
-            t = time.thread_time() - t0
-            if t > 0:
-                rates.append(2 * n**3 / t / 1e12)
+        # warm-up: kernel selection, caches, clock ramp-up
+        times = time_matmul(a, b, c, groups=calls, warmup_s=warmup_s, warmup_calls=0,
+                            clock=time.thread_time)
+        rates = [2 * n**3 / t / 1e12 for t in times]
         return rates
     finally:
         torch.set_num_threads(old)

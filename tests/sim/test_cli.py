@@ -132,6 +132,7 @@ BAD_PLAN_FLAGS = [
     ["--overlap", "xx"], ["--top", "0"], ["--hidden", "100", "--heads", "7"],
     ["--heads", "32", "--kv-heads", "5"], ["--arch", "rnn"], ["--microbatches", "0"],
     ["--kernels", "fa4"], ["--kernels", "fa3", "--gpu", "a100-sxm-80gb"],
+    ["--rank-jitter", "-0.1"], ["--jitter-tail", "2,1"], ["--jitter-tail", "0.1"],
 ]
 
 
@@ -153,6 +154,8 @@ def test_plan_says_each_assumption_and_each_flag_moves_the_price(capsys):
     assert "attention fa2" in said2[0]
     assert t < t_fa2 < first("--kernels", "unfused")[1]
     assert t < first("--overlap", "pp,dp")[1]
+    assert "(--rank-jitter; assumed, not fitted)" in said[1] and "(--jitter-tail)" in said[1]
+    assert first("--rank-jitter", "0")[1] < t < first("--jitter-tail", "0.01,3")[1]
     assert main(PLAN) == 0
     out = capsys.readouterr().out
     assert out.count("assumed:") == 2

@@ -8,17 +8,11 @@ import pytest
 
 from myria.config import Config
 from myria.device import DeviceSpec
-from myria.measure import cpu
+from myria.measure import cpu, multiproc, profile_summary
 from myria.sim import collectives as coll
 from myria.sim.hardware import build_hardware
-from myria.sim.operators import (
-    Efficiency,
-    Op,
-    layer_shape,
-    measured_rate,
-    op_time,
-    rate_key,
-)
+from myria.sim.op_timing import measured_rate, op_time, rate_key
+from myria.sim.operators import Efficiency, Op, layer_shape
 from myria.sim.perf import config_run, efficiency_for, run_shape, simulate_config
 
 HERE = DeviceSpec("cpu", 0.15, 0.15, 16.0, 0.0, 0.0, source="measured (test)")
@@ -223,7 +217,7 @@ def test_profile_cache_round_trip():
 
 def test_alpha_beta_fit():
     pts = [(x, 1e-4 + x / 2e9) for x in (1e5, 1e6, 1e7)]
-    alpha, bw = cpu._fit(pts)
+    alpha, bw = multiproc.fit_alpha_bw(pts)
     assert alpha == pytest.approx(1e-4, rel=1e-6) and bw == pytest.approx(2e9, rel=1e-6)
 
 
@@ -272,9 +266,9 @@ def test_summary_keeps_the_models_own_figures():
     other = (("nt", 4096, 4096, 4096), 1e11)
     prof = dataclasses.replace(synthetic_profile(),
                                rates=tuple(sorted(synthetic_profile().rates + (other,))))
-    s = cpu.summarize(prof, shape)
+    s = profile_summary.summarize(prof, shape)
     assert "nt,4096,4096,4096" not in s.gemm_gflops and "nt,1024,512,512" in s.gemm_gflops
-    assert "nt,4096,4096,4096" in cpu.summarize(prof).gemm_gflops
+    assert "nt,4096,4096,4096" in profile_summary.summarize(prof).gemm_gflops
 
 
 def test_cpu_profile_is_a_leaf_of_the_simulator():

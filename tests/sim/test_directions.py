@@ -311,7 +311,7 @@ def test_data_parallel_buckets_pay_their_latency_and_the_last_is_exposed():
     from myria.sim import collectives as coll
     from myria.sim.cli_plan import _base_from_args, add_arguments, expert_commands
     from myria.sim.hardware import build_hardware
-    from myria.sim.perf import Buckets, _overlap, bucketed, dp_bucket_params
+    from myria.sim.overlap import Buckets, bucketed, buckets_exposed, dp_bucket_params
 
     assert dp_bucket_params(8) == 40e6 and dp_bucket_params(1536) == 1.536e9
     cmd = {r["name"]: r for r in expert_commands()}["megascale-175b"]
@@ -326,8 +326,8 @@ def test_data_parallel_buckets_pay_their_latency_and_the_last_is_exposed():
     assert one.total == pytest.approx(whole) and one.n == 1
     assert many.n == 550 and many.total > 1.2 * whole      # 550 latencies of 1,536 ranks
     b = Buckets(10.0, 0.5, 20)
-    assert _overlap(b, 1e9) == 0.5 and _overlap(b, 0.0) == 10.0
-    assert _overlap(b, 5.0) == pytest.approx(10.0 - 5.0 * 19 / 20)
+    assert buckets_exposed(b, 1e9) == 0.5 and buckets_exposed(b, 0.0) == 10.0
+    assert buckets_exposed(b, 5.0) == pytest.approx(10.0 - 5.0 * 19 / 20)
     z2 = simulate(base.replace(
         parallel={"tp": 8, "pp": 1, "vpp": 1, "sequence_parallel": True, "schedule": "1f1b"},
         training={"micro_batch": 4, "zero_stage": 2, "recompute": "elementwise"}))
@@ -338,3 +338,22 @@ def test_data_parallel_buckets_pay_their_latency_and_the_last_is_exposed():
     assert z2.layout["microbatches"] == 1
     assert z2.breakdown["dp_comm_exposed"] > 0.2 * z2.iteration_time_s
     assert z2.mfu < 0.9 * pub.mfu
+
+
+def test_the_slowest_rank_with_a_straggler_tail_matches_sampling_and_grows_with_the_ranks():
+    """E[max] of n ranks' jitter: without a tail the normal law's; with one, what seeded
+    sampling of the same law gives (within 3 standard errors), and it grows with n faster than
+    the normal core does."""
+    import numpy as np
+
+    from myria.sim.overlap import expected_max_jitter, expected_max_normal
+
+    assert expected_max_jitter(64) == expected_max_normal(64)
+    rng = np.random.default_rng(0)
+    for n, share, excess in ((4, 0.05, 2.7), (256, 0.01, 3.0)):
+        z = rng.standard_normal((4000, n)) + \
+            (rng.random((4000, n)) < share) * rng.exponential(excess, (4000, n))
+        top = z.max(axis=1)
+        assert abs(expected_max_jitter(n, share, excess) - top.mean()) < 3 * top.std() / 63
+    grow = expected_max_jitter(16384, 0.01, 3.0) - expected_max_jitter(64, 0.01, 3.0)
+    assert grow > 2 * (expected_max_normal(16384) - expected_max_normal(64))

@@ -99,7 +99,8 @@ def test_fused_never_slower_than_eager_published_and_modelled():
 def test_unfused_layer_ops_are_eager_chains_never_faster(arch, tp, sp):
     from myria.config import ModelConfig
     from myria.sim.hardware import build_hardware
-    from myria.sim.operators import layer_shape, timed_layer_ops
+    from myria.sim.op_timing import timed_layer_ops
+    from myria.sim.operators import layer_shape
     from myria.sim.perf import efficiency_for
     from myria.sim.runspec import ClusterSpec
 
@@ -137,7 +138,8 @@ def test_unfused_layer_ops_are_eager_chains_never_faster(arch, tp, sp):
 
 def test_measured_devices_keep_one_bandwidth_for_eager_kernels():
     """On the CPU (measured figures, E = 1) an eager kernel is priced like any other."""
-    from myria.sim.operators import MEASURED_EFFICIENCY, Op, op_time
+    from myria.sim.op_timing import op_time
+    from myria.sim.operators import MEASURED_EFFICIENCY, Op
 
     for cls in ("", "norm", "rope", "softmax", "pointwise"):
         op = Op("x", "mem", "fwd", bytes=1e9, eager=cls)

@@ -12,7 +12,7 @@ generic figure, host time per block, kernel dispatch overhead, the clip + AdamW 
 parameter, and (several processes) gloo's alpha and bus bandwidth per collective, send/receive,
 and FSDP2's unit all-gather. Times are medians; compute is timed on the thread's CPU clock with
 one thread per process (`compute_clock`), else on the wall clock, collectives always on the
-wall clock. Shapes the table lacks are interpolated (`operators.measured_rate`); GEMMs above
+wall clock. Shapes the table lacks are interpolated (`op_timing.measured_rate`); GEMMs above
 GEMM_FLOP_CAP are measured halved. What each figure is and why it is timed so:
 docs/performance_model.md, "Reasons behind the simulator modules".
 """
@@ -26,10 +26,18 @@ import os
 import statistics
 import tempfile
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from pathlib import Path
 
+from myria.device import time_matmul
 from myria.errors import ConfigError
+from myria.measure.multiproc import (
+    fit_alpha_bw,
+    fsdp_in_context,
+    fsdp_unit_points,
+    gloo_points,
+)
+from myria.measure.profile_summary import missing_ops
 from myria.sim.cpu_profile import (  # noqa: F401  (the cache's names, used here and by tests)
     CpuProfile,
     compute_key,
@@ -43,19 +51,16 @@ from myria.sim.cpu_profile import (  # noqa: F401  (the cache's names, used here
     update_cache,
     write_cache,
 )
+from myria.sim.op_timing import rate_key
 from myria.sim.operators import (
     LayerShape,
     Op,
-    head_ops,
     layer_ops,
-    rate_key,
 )
 
 GEMM_FLOP_CAP = 4e9          # larger GEMMs are measured on a halved shape (asymptotic rate)
 ATTN_FLOP_CAP = 4e9
 MEASURE_SECONDS = 0.15       # per shape: median of the calls made in this time (at least 5)
-GLOO_SIZES = (1 << 16, 1 << 21, 1 << 24)   # 64 KiB, 2 MiB, 16 MiB per rank
-GLOO_OPS = ("all_reduce", "all_gather", "reduce_scatter")
 FSDP_SIZES = (1 << 18, 1 << 23)   # parameters per FSDP unit besides the model's (1, 32 MiB fp32)
 PARAM_TENSOR_BYTES = 1 << 24               # parameter-sized passes: 16 MiB tensors
 # Sustained compute before measuring: the trainer's step times are read after its warm-up steps,
@@ -67,28 +72,6 @@ WARMUP_SECONDS = 4.0
 # processes time 5 barrier-synchronised repeats, which already last 20-30 s in all): medians
 # over a few seconds sample this VM's drifting speed better than five back-to-back runs
 IN_SITU_SECONDS = 3.0
-
-
-# -- what a model runs ----------------------------------------------------------------------------
-def shape_ops(shape: LayerShape, pp: int = 1) -> list[Op]:
-    """Every GEMM and attention op a model of `shape` runs on any of `pp` pipeline stages."""
-    ops = [op for op in layer_ops(shape) if op.kind in ("gemm", "attn")]
-    ends = [(True, True)] if pp == 1 else [(True, False), (False, True)]
-    for first, last in ends:
-        ops += [op for op in head_ops(shape, first, last) if op.kind in ("gemm", "attn")]
-    return ops
-
-
-def missing_ops(shape: LayerShape, profile: CpuProfile | None, pp: int = 1) -> list[Op]:
-    """Ops of `shape` whose exact rate is not in `profile` (one per key)."""
-    have = {k for k, _ in profile.rates} if profile else set()
-    have |= {(k[0], k[2], k[1], k[3]) for k in have if len(k) == 4}
-    out: dict[tuple, Op] = {}
-    for op in shape_ops(shape, pp):
-        k = rate_key(op)
-        if k not in have:
-            out.setdefault(k, op)
-    return list(out.values())
 
 
 def _loadavg() -> float:
@@ -153,10 +136,11 @@ def measure_gemm(layout: str, m: int, n: int, k: int, seconds: float = MEASURE_S
     else:
         raise ValueError(f"unknown GEMM layout {layout!r}")
     if layout == "tna":
-        c = torch.zeros(m, n)
-        t = _time(lambda: c.addmm_(a, b), seconds)
+        out, call = torch.zeros(m, n), lambda x, y, o: o.addmm_(x, y)
     else:
-        t = _time(lambda: torch.mm(a, b), seconds)
+        out, call = None, lambda x, y, o: torch.mm(x, y)
+    t = statistics.median(time_matmul(a, b, out, seconds=seconds, groups=5, clock=_clock,
+                                      call=call))
     return 2.0 * m * n * k / t
 
 
@@ -612,7 +596,7 @@ def run_measurements(shape: LayerShape | None, threads: int, nproc: int, ops: li
         if context is not None and shape is not None:
             ctx[eager_key(shape)] = context
         cache[gloo_key(threads, nproc)] = {
-            "fits": {op: list(_fit([tuple(p) for p in pts])) for op, pts in points.items()},
+            "fits": {op: list(fit_alpha_bw([tuple(p) for p in pts])) for op, pts in points.items()},
             "points": points,
             "fsdp": {**old, **{str(int(p[0])): list(p[1:]) for p in fsdp}},
             "fsdp_context": ctx,
@@ -671,216 +655,16 @@ def _worker(rank: int, world: int, port: int, out_dir: str, threads: int,
         entry = measure_compute(shape, threads, ops, base=base, eager=eager, sync=dist.barrier)
         if gloo:
             dist.barrier()
-            entry["gloo_points"] = _gloo_points(world)
+            entry["gloo_points"] = gloo_points(world)
             dist.barrier()
             if shape is not None and fsdp:
-                entry["gloo_points"]["fsdp_context"] = _fsdp_in_context(world, shape)
+                entry["gloo_points"]["fsdp_context"] = fsdp_in_context(world, shape)
             elif fsdp:
-                entry["gloo_points"]["fsdp"] = _fsdp_unit_points(world, units)
+                entry["gloo_points"]["fsdp"] = fsdp_unit_points(world, units)
         Path(out_dir, f"rank{rank}.json").write_text(json.dumps(entry))
         dist.barrier()
     finally:
         dist.destroy_process_group()
-
-
-# -- gloo between local processes -----------------------------------------------------------------
-def _fit(points: list[tuple[float, float]]) -> tuple[float, float]:
-    """Least-squares t = alpha + x / bw over (x, t); alpha >= 0."""
-    n = len(points)
-    mx = sum(x for x, _ in points) / n
-    mt = sum(t for _, t in points) / n
-    sxx = sum((x - mx) ** 2 for x, _ in points)
-    slope = sum((x - mx) * (t - mt) for x, t in points) / sxx if sxx else 0.0
-    if slope <= 0:
-        x, t = max(points)
-        return 0.0, x / t
-    alpha = mt - slope * mx
-    if alpha < 0:
-        alpha = 0.0
-        slope = sum(x * t for x, t in points) / sum(x * x for x, _ in points)
-    return alpha, 1.0 / slope
-
-
-def _fsdp_in_context(world: int, shape: LayerShape, repeats: int = 5) -> list[float]:
-    """What FSDP2 adds to myria's own block and model ends, measured around their compute.
-
-    Both processes run one block of this shape forward + backward (then the ends: embedding,
-    final norm, loss) at the same time, first unsharded, then sharded as
-    `parallel/parallelize.apply_fsdp` shards them (the block resharded after forward under a
-    root; the ends as the root, kept after forward), gradient sync off (a non-last
-    microbatch) and on (the last one). Returns [block per microbatch, block reduce per step,
-    ends per microbatch, ends reduce per step] in seconds: sharded minus unsharded, and sync on
-    minus off. Unlike `_fsdp_unit_points` this includes what the gathers, copies and gloo's
-    threads cost the compute they run beside, as in training.
-    """
-    import torch
-    import torch.distributed as dist
-    import torch.nn.functional as F
-    from torch import nn
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
-
-    from myria.models.transformer import build_model
-
-    mesh = init_device_mesh("cpu", (world,))
-    cfg = dataclasses.replace(shape.model_config(), layers=1)
-    b, s = shape.micro_batch, shape.seq_len
-    g = torch.Generator().manual_seed(0)
-    x = torch.randn(b, s, cfg.hidden, generator=g, requires_grad=True)
-    dy = torch.randn(b, s, cfg.hidden, generator=g)
-    tokens = torch.randint(0, cfg.vocab_size, (b, s), generator=g)
-
-    class Holder(nn.Module):
-        def __init__(self, block: nn.Module, rope):
-            super().__init__()
-            self.block, self.rope = block, rope
-
-        def forward(self, inp):
-            return self.block(inp, self.rope)
-
-    def block_module(sharded: bool) -> nn.Module:
-        model = build_model(cfg, "cpu")
-        model.init_weights(0)
-        rope = model.rope_tables_for(s, torch.float32) if cfg.arch == "llama" else None
-        m = Holder(model.layers["0"], rope)
-        if sharded:
-            fully_shard(m.block, mesh=mesh, reshard_after_forward=True)
-            fully_shard(m, mesh=mesh)
-        return m
-
-    def ends_module(sharded: bool) -> nn.Module:
-        model = build_model(cfg, "cpu")
-        model.init_weights(0)
-        model.layers = nn.ModuleDict()
-        if sharded:
-            fully_shard(model, mesh=mesh, reshard_after_forward=False)
-        return model
-
-    def run_block(m) -> None:
-        m(x).backward(dy)
-
-    def run_ends(m) -> None:
-        if shape.ce_chunk:
-            m(tokens, tokens).backward()
-        else:
-            F.cross_entropy(m(tokens).flatten(0, 1), tokens.flatten()).backward()
-
-    def timed(fn, m, sync=None) -> float:
-        if sync is not None:
-            m.set_requires_gradient_sync(sync)
-        dist.barrier()
-        t0 = time.perf_counter()
-        fn(m)
-        return time.perf_counter() - t0
-
-    out: list[float] = []
-    for make, fn in ((block_module, run_block), (ends_module, run_ends)):
-        plain, sharded = make(False), make(True)
-        timed(fn, plain)
-        timed(fn, sharded, False)
-        base, off, on = [], [], []
-        for _ in range(repeats):   # interleaved, so that drifts hit all three alike
-            base.append(timed(fn, plain))
-            off.append(timed(fn, sharded, False))
-            on.append(timed(fn, sharded, True))
-            for p in sharded.parameters():
-                p.grad = None
-        med = statistics.median
-        out += [max(0.0, med(off) - med(base)), max(0.0, med(on) - med(off))]
-    return out
-
-
-def _fsdp_unit_points(world: int, units: tuple, repeats: int = 7) -> list:
-    """(unit bytes, block s, root s, reduce s) of FSDP2 as myria applies it, per unit size.
-
-    Each unit is one fp32 parameter `fully_shard`-ed over the `world` local processes under an
-    (empty) FSDP root, as myria shards each block under the model's root
-    (`parallel/parallelize.apply_fsdp`); its forward is a trivial (w * x).sum(). Timed per
-    forward + backward, against the same module unsharded:
-
-    - block: resharded after forward, gradient sync off (a non-last microbatch): the forward
-      and backward all-gathers with their copy-in/copy-out, the hooks and the frees;
-    - root: kept unsharded after forward (myria's root when pp = 1): one all-gather;
-    - reduce: gradient sync on minus off (the last microbatch): chunk_cat copy-in, gloo
-      reduce-scatter, division and the sharded gradient.
-
-    Times are not linear in the size: an unsharded parameter is freed at reshard and allocated
-    again at unshard, and above the allocator's mmap threshold that means fresh pages every
-    time; so the model's own unit sizes are measured and interpolated between.
-    """
-    import torch
-    import torch.distributed as dist
-    from torch import nn
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
-
-    class Unit(nn.Module):
-        def __init__(self, numel: int):
-            super().__init__()
-            self.w = nn.Parameter(torch.zeros(numel // 1024, 1024))
-
-        def forward(self, x):
-            return (self.w * x).sum()
-
-    class Root(nn.Module):
-        def __init__(self, unit: nn.Module):
-            super().__init__()
-            self.unit = unit
-
-        def forward(self, x):
-            return self.unit(x)
-
-    mesh = init_device_mesh("cpu", (world,))
-    x = torch.ones(())
-
-    def timed(m, sync=None) -> float:
-        if sync is not None:
-            m.set_requires_gradient_sync(sync)
-        dist.barrier()
-        t0 = time.perf_counter()
-        m(x).backward()
-        return time.perf_counter() - t0
-
-    pts = []
-    for nbytes in units:
-        numel = max(world * 1024, nbytes // 4 // (1024 * world) * 1024 * world)
-        plain = Root(Unit(numel))
-        t_plain = statistics.median(timed(plain) for _ in range(repeats))
-        res = {}
-        for reshard in (True, False):
-            m = Root(Unit(numel))
-            fully_shard(m.unit, mesh=mesh, reshard_after_forward=reshard)
-            fully_shard(m, mesh=mesh)
-            off, on = [], []
-            for _ in range(repeats):
-                off.append(timed(m, False))
-                on.append(timed(m, True))
-                m.unit.w.grad = None
-            res[reshard] = (statistics.median(off[1:]), statistics.median(on[1:]))
-        pts.append((nbytes, max(0.0, res[True][0] - t_plain), max(0.0, res[False][0] - t_plain),
-                    max(0.0, res[True][1] - res[True][0])))
-    return pts
-
-
-def _gloo_points(world: int, sizes: tuple = GLOO_SIZES, repeats: int = 5) -> dict:
-    """(bus bytes, seconds) per size for each collective, and (bytes, seconds) of send/recv.
-
-    Medians over `repeats` timings of 3 calls each (`measure.collective`: slowest rank's mean).
-    """
-    import torch
-
-    from myria.measure.collective import bench_collective, bench_p2p_ring, busbw_factor
-
-    cpu = torch.device("cpu")
-    raw: dict[str, list] = {}
-    for op in GLOO_OPS:
-        raw[op] = [(size * busbw_factor(op, world), statistics.median(
-            bench_collective(op, size, device=cpu, warmup=1, iters=3).time_s
-            for _ in range(repeats))) for size in sizes]
-    raw["p2p"] = [(float(size), statistics.median(
-        size / (bench_p2p_ring(size, device=cpu, latency_iters=5, iters=3).bandwidth_gbs * 1e9)
-        for _ in range(repeats))) for size in sizes]
-    return raw
 
 
 def with_gloo(profile: CpuProfile, nproc: int) -> CpuProfile:
@@ -890,56 +674,6 @@ def with_gloo(profile: CpuProfile, nproc: int) -> CpuProfile:
     g = read_cache().get(gloo_key(profile.threads, nproc), {})
     gloo = tuple(sorted((op, float(a), float(b)) for op, (a, b) in g.get("fits", {}).items()))
     return replace(profile, nproc=nproc, gloo=gloo)
-
-
-@dataclass
-class Summary:
-    """Human-readable view of a profile (for reports)."""
-
-    threads: int
-    gemm_gflops: dict = field(default_factory=dict)
-    attn_gflops: dict = field(default_factory=dict)
-    elementwise_gbs: float = 0.0
-    eager_bw_gbs: dict = field(default_factory=dict)
-    host_ms: dict = field(default_factory=dict)
-    kernel_overhead_us: float = 0.0
-    optimizer_ns_per_param: float = 0.0
-    gloo: dict = field(default_factory=dict)
-    fsdp_ms: dict = field(default_factory=dict)
-    fsdp_context_ms: dict = field(default_factory=dict)
-
-
-def summarize(profile: CpuProfile, shape: LayerShape | None = None, pp: int = 1) -> Summary:
-    """Readable figures of `profile` (with `shape`: only the rates that model uses)."""
-    keep = None
-    if shape is not None:
-        keep = {rate_key(op) for op in shape_ops(shape, pp)}
-        keep |= {(k[0], k[2], k[1], k[3]) for k in keep if len(k) == 4}
-        keep |= {("bw", "eltwise"), ("bw", "head"), ("host", "block"), ("host", "head")}
-    s = Summary(threads=profile.threads,
-                elementwise_gbs=profile.elementwise_bw / 1e9,
-                kernel_overhead_us=profile.kernel_overhead_s * 1e6,
-                optimizer_ns_per_param=profile.optimizer_s_per_param * 1e9)
-    for k, r in profile.rates:
-        if keep is not None and k not in keep:
-            continue
-        if k[0] == "bw":
-            s.eager_bw_gbs[k[1]] = r / 1e9
-        elif k[0] == "host":
-            s.host_ms[k[1]] = r * 1e3
-        else:
-            (s.attn_gflops if k[0].startswith("attn") else s.gemm_gflops)[key_str(k)] = r / 1e9
-    for op, a, b in profile.gloo:
-        s.gloo[op] = {"alpha_us": a * 1e6, "bw_gbs": b / 1e9}
-    if profile.fsdp_context:
-        s.fsdp_context_ms = {k: round(t * 1e3, 2) for k, t in zip(
-            ("block per microbatch", "block reduce per step", "ends per microbatch",
-             "ends reduce per step"), profile.fsdp_context)}
-    else:
-        for nbytes, *ts in profile.fsdp:
-            s.fsdp_ms[f"{nbytes / 2**20:.1f} MiB"] = {k: round(t * 1e3, 2) for k, t in
-                                                       zip(("block", "root", "reduce"), ts)}
-    return s
 
 
 def _worker_main(argv: list[str]) -> None:

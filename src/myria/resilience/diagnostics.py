@@ -58,6 +58,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from myria.device import measure_copy_bandwidth
 from myria.errors import ConfigError, MyriaError
 from myria.resilience.checks.collectives import (  # noqa: F401 - the doctor's public API
     collective_check,
@@ -85,7 +86,7 @@ from myria.resilience.checks.hooks import (
     find_fault,
     parse_faults,  # noqa: F401
 )
-from myria.resilience.checks.memory import MEMBW_BYTES, measure_memory_bandwidth
+from myria.resilience.checks.memory import MEMBW_BYTES
 from myria.resilience.checks.report import (  # noqa: F401
     CHECKS,
     DEFAULT_TOLERANCE,
@@ -176,7 +177,7 @@ def _compute_checks(rank: int, cfg: dict[str, Any], device: Any, q: Any) -> None
         _put(q, "phase", rank, "memory-bandwidth")
 
         def membw() -> float:
-            return measure_memory_bandwidth(device, MEMBW_BYTES[dev])
+            return measure_copy_bandwidth(device, MEMBW_BYTES[dev])
 
         c = throughput_check("memory-bandwidth", rank if dev == "cuda" else None, membw(),
                              exp.get("membw_gbs"), src.get("membw_gbs", ""), tol, "GB/s",

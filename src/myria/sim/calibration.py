@@ -145,7 +145,8 @@ def attention_tflops(device: str, direction: str, seq: int, flash: bool,
     or backward (2.5x the forward FLOPs), from the operators' roofline times."""
     from myria.config import ModelConfig
     from myria.sim.hardware import build_hardware
-    from myria.sim.operators import layer_shape, timed_layer_ops
+    from myria.sim.op_timing import timed_layer_ops
+    from myria.sim.operators import layer_shape
     from myria.sim.perf import efficiency_for
     from myria.sim.runspec import ClusterSpec
 
@@ -166,7 +167,8 @@ def memory_kernel_time(point: dict, eff: Efficiency | None = None) -> float:
     the operator's bytes at E_MEM (fused) or at E_MEM_EAGER of its class (eager) of the
     device's datasheet bandwidth, plus the launch gap of each kernel, as `op_time` prices every
     memory-bound operator of a layer."""
-    from myria.sim.operators import DEFAULT_EFFICIENCY, Op, op_time
+    from myria.sim.op_timing import op_time
+    from myria.sim.operators import DEFAULT_EFFICIENCY, Op
 
     op = Op(point["family"], "mem", point["direction"], bytes=point["bytes"],
             kernels=point["kernels"], eager="" if point["fused"] else point["op_class"])

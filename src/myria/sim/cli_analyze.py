@@ -13,7 +13,8 @@ from pathlib import Path
 
 from myria.errors import ConfigError
 from myria.sim import runspec
-from myria.sim.perf import StepResult, simulate, simulate_config
+from myria.sim.perf import simulate, simulate_config
+from myria.sim.step_result import StepResult
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -90,6 +90,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--topology", choices=("fat-tree", "clos3", "rail-optimized"))
     g.add_argument("--oversubscription", type=_at_least(1.0, float),
                    help="fabric oversubscription (1 = non-blocking)")
+    g.add_argument("--rank-jitter", type=_at_least(0.0, float),
+                   help="spread of one rank's step time against its peers' (share of the "
+                   "compute; default 0.01, assumed): the step waits for the slowest rank")
+    g.add_argument("--jitter-tail", metavar="SHARE,EXCESS",
+                   help="straggler tail: the share of rank-steps with an extra delay and its "
+                   "mean in rank-jitter units (default 0,0: none; bench/sim_rank_jitter.py "
+                   "measures both from a run's event files)")
     g.add_argument("--kernels", choices=("fa3", "fa2", "unfused"),
                    help="attention kernel: FlashAttention-3 (Hopper), FlashAttention-2, or "
                    "unfused softmax attention (default: the newest the device runs)")
@@ -176,6 +183,11 @@ def _base_from_args(args) -> RunSpec:
     for flag in ("gpu", "gpus", "gpus_per_node", "nic_gbps", "topology", "oversubscription"):
         if getattr(args, flag) is not None:
             cluster[flag] = getattr(args, flag)
+    if args.rank_jitter is not None:
+        cluster["rank_jitter"] = args.rank_jitter
+    if args.jitter_tail is not None:
+        cluster["jitter_tail_share"], cluster["jitter_tail_excess"] = _jitter_tail(
+            args.jitter_tail)
     if args.no_flash or args.kernels == "unfused":
         kernels["flash_attention"] = False
     elif args.kernels:
@@ -380,6 +392,18 @@ def _layout(lay: dict) -> str:
     return s + (" sp" if lay["sequence_parallel"] else "")
 
 
+def _jitter_tail(text: str) -> tuple[float, float]:
+    """--jitter-tail SHARE,EXCESS: a share in [0, 1] and a mean excess >= 0."""
+    try:
+        share, excess = (float(x) for x in text.split(","))
+    except ValueError:
+        share = excess = -1.0
+    if not (0 <= share <= 1 and excess >= 0):
+        raise ConfigError(f"--jitter-tail {text!r}: expected SHARE,EXCESS with SHARE in [0, 1] "
+                          "and EXCESS >= 0, e.g. 0.01,3")
+    return share, excess
+
+
 def assumptions(base: RunSpec) -> list[str]:
     """The assumptions that can change a layout's rank, each with the flag that changes it."""
     from myria.sim.hardware import build_hardware, flash_kernel
@@ -396,15 +420,17 @@ def assumptions(base: RunSpec) -> list[str]:
         "ZeRO 2-3",
         f"assumed: {hw.gpus_per_node} GPUs per server (--gpus-per-node), "
         f"{hw.nics_per_node} x {hw.nic_gbps:g} Gb/s NICs (--nic-gbps), {c.topology} fabric "
-        f"(--topology) at oversubscription {c.oversubscription:g} (--oversubscription)",
+        f"(--topology) at oversubscription {c.oversubscription:g} (--oversubscription); "
+        f"rank jitter {c.rank_jitter:g} of the compute (--rank-jitter; assumed, not fitted), "
+        f"straggler tail {c.jitter_tail_share:g},{c.jitter_tail_excess:g} (--jitter-tail)",
     ]
 
 
 def separation(res) -> list[str]:
     """What separates each of the first five from the first: step time, memory margin and the
     two costs that differ most (seconds per step)."""
-    from myria.sim.perf import BREAKDOWN_LABELS
     from myria.sim.planner import margin_bytes
+    from myria.sim.step_result import BREAKDOWN_LABELS
 
     if len(res.ranked) < 2:
         return []

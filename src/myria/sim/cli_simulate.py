@@ -14,7 +14,8 @@ import json
 from myria.errors import ConfigError
 from myria.sim import reliability, runspec
 from myria.sim.hardware import build_hardware
-from myria.sim.perf import BREAKDOWN_LABELS, StepResult, simulate
+from myria.sim.perf import simulate
+from myria.sim.step_result import BREAKDOWN_LABELS, StepResult
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

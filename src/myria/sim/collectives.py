@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import TYPE_CHECKING
 
 from myria.sim.hardware import ALPHA_BASE_S, ALPHA_INTER_S, ALPHA_INTRA_S, Hardware
@@ -169,3 +170,28 @@ def bus_bandwidth(op: str, n: int, size: float, seconds: float) -> float:
 
 COLLECTIVES = {"allreduce": allreduce, "reduce_scatter": reduce_scatter,
                "all_gather": all_gather, "all_to_all": all_to_all, "p2p": p2p}
+
+
+@lru_cache(maxsize=4096)
+def layout_groups(hw: Hardware, tp: int, cp: int, ep: int, dp: int, pp: int,
+                  dp_shard: int = 0) -> dict:
+    """Communicators of a layout, placed as the trainer's mesh places them
+    (`myria.layout.MESH_ORDER`: tp fastest, then cp, dp_shard, dp_replicate, pp; ep inside the
+    data-parallel ranks). Data-parallel reductions run over dp x cp (cp ranks hold the same
+    parameters); under HSDP (`dp_shard`) over shard groups of dp_shard x cp neighbours ("dps")
+    and replica groups across them ("dpr")."""
+    from myria.layout import strides
+
+    shard = (dp_shard or dp) * cp
+    st = strides({"tp": tp, "cp": cp, "dp_shard": dp_shard or dp,
+                  "dp_replicate": dp // (dp_shard or dp), "pp": pp})
+    return {
+        "tp": make_group(hw, tp, st["tp"]),
+        "cp": make_group(hw, cp, st["cp"]),
+        "ep": make_group(hw, ep, st["cp"] * cp),
+        "dp": make_group(hw, dp * cp, st["cp"]),
+        "dps": make_group(hw, shard, st["cp"]),
+        "dpr": make_group(hw, dp * cp // shard, st["dp_replicate"]),
+        "edp": make_group(hw, max(1, dp * cp // ep), st["cp"] * cp * ep),
+        "pp": make_group(hw, pp, st["pp"]),
+    }

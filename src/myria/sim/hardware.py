@@ -11,12 +11,11 @@ from __future__ import annotations
 import dataclasses
 import json
 import platform
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from myria.device import DeviceSpec, cpu_device_spec, lookup
+from myria.device import DeviceSpec, cpu_device_spec, lookup, measure_copy_bandwidth
 from myria.errors import ConfigError
 from myria.fsutil import atomic_write_json
 from myria.sim.runspec import ClusterSpec
@@ -57,7 +56,7 @@ ALPHA_INTER_S = 5.0e-6    # one step (hop) across the network
 # Streaming multiprocessors per device (NVIDIA's datasheets) and the thread blocks a NCCL
 # collective keeps resident on them while it runs: one per channel, and NCCL opens two channels
 # per NIC on an 8-NIC server (16; NCCL_MIN/MAX_NCHANNELS unset). Overlapped compute runs on the
-# remaining SMs (perf.overlap_interference).
+# remaining SMs (overlap.overlap_interference).
 SM_COUNT = {"a100-sxm-80gb": 108, "a100-sxm-40gb": 108, "h100-sxm-80gb": 132, "h200": 132,
             "h800-sxm-80gb": 132}
 NCCL_CHANNELS = 16
@@ -192,6 +191,21 @@ CPU_DISK_GBS = 1.0
 CPU_DISK_GB = 100.0
 
 
+def cached_hash(self) -> int:
+    """`__hash__` of a frozen dataclass that the step model's caches use as a key: the hash of
+    its fields, computed once (assign it in the class body, where `dataclass` keeps it)."""
+    h = self.__dict__.get("_hash")
+    if h is None:
+        h = hash(tuple(getattr(self, f.name) for f in dataclasses.fields(self)))
+        object.__setattr__(self, "_hash", h)
+    return h
+
+
+def state_without_hash(self) -> dict:
+    """`__getstate__` beside `cached_hash`: a copy or another process hashes anew."""
+    return {k: v for k, v in self.__dict__.items() if k != "_hash"}
+
+
 @dataclass(frozen=True)
 class Hardware:
     """Everything the step model needs about one cluster, in SI units (FLOP/s, bytes/s)."""
@@ -211,10 +225,15 @@ class Hardware:
     server: ServerSpec
     fabric: Fabric
     cpu: CpuProfile | None = None   # measured CPU figures (myria.sim.cpu), "cpu" device only
+    # per-rank step-time jitter (ClusterSpec.rank_jitter, jitter_tail_share, jitter_tail_excess)
+    jitter: tuple = (0.01, 0.0, 0.0)
 
     @property
     def nodes(self) -> int:
         return max(1, self.gpus // self.gpus_per_node)
+
+    __hash__ = cached_hash
+    __getstate__ = state_without_hash
 
     def nic_share(self) -> float:
         """NIC bandwidth per device when every device of a server sends at once."""
@@ -229,24 +248,6 @@ def _cache_path() -> Path:
     return root / "cpu_membw.json"
 
 
-def measure_memory_bandwidth(mbytes: int = 64, seconds: float = 0.5) -> float:
-    """Best achieved copy bandwidth of this CPU in GB/s (bytes read + bytes written)."""
-    import numpy as np
-
-    n = mbytes * 2**20 // 8
-    a = np.ones(n)
-    b = np.empty_like(a)
-    np.copyto(b, a)
-    best, deadline = 0.0, time.perf_counter() + seconds
-    while True:
-        t0 = time.perf_counter()
-        np.copyto(b, a)
-        dt = time.perf_counter() - t0
-        best = max(best, 2 * a.nbytes / dt / 1e9)
-        if time.perf_counter() > deadline:
-            return best
-
-
 def cpu_memory_bandwidth(refresh: bool = False) -> float:
     """This host's copy bandwidth in GB/s, measured once and cached under ~/.cache/myria."""
     path = _cache_path()
@@ -259,7 +260,7 @@ def cpu_memory_bandwidth(refresh: bool = False) -> float:
             cache = {}
     if not refresh and key in cache:
         return float(cache[key])
-    bw = measure_memory_bandwidth()
+    bw = measure_copy_bandwidth("cpu", 64 * 2**20, seconds=0.5, min_reps=1, threads=1)
     cache[key] = bw
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -385,4 +386,6 @@ def build_hardware(cluster: ClusterSpec, precision: str = "bf16",
                     memory_bytes=memory * 1e9, measured=measured, gpus=cluster.gpus,
                     gpus_per_node=gpn, nics_per_node=nics, nic_gbps=nic_gbps, nic_bw=nic_bw,
                     intra_busbw=intra * 1e9, intra_p2p=intra_p2p * 1e9,
-                    server=server, fabric=fabric, cpu=cpu)
+                    server=server, fabric=fabric, cpu=cpu,
+                    jitter=(cluster.rank_jitter, cluster.jitter_tail_share,
+                            cluster.jitter_tail_excess))

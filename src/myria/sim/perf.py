@@ -7,10 +7,11 @@ step, offload transfers and data loading. Pipeline time with per-stage time C_s 
 microbatches and v chunks is (m - 1) max C + sum_s C_s / v + (1 - 1/v) max C (Narayanan et al.
 2021), less the zero-bubble savings of ZB-H1 and ZB-V (Qi et al. 2023). Every overlap
 (`overlap.tp`, `overlap.pp`, `overlap.dp`, context parallelism's ring) has one explicit rule;
-hidden communication costs `overlap_interference`, collectives pay a latency that grows with
-their ranks (`collectives`, `bucketed`), and a synchronous step waits for its slowest rank
-(`sync_wait`). MFU counts model FLOPs in the live meter's convention (models/flops.py "dense"),
-so a predicted and a measured MFU compare directly; `mfu_megatron` and
+hidden communication costs `overlap.overlap_interference`, collectives pay a latency that grows
+with their ranks (`collectives`, `overlap.bucketed`), and a synchronous step waits for its
+slowest rank (`overlap.sync_wait`). The data-parallel traffic is `dataparallel`'s, the
+optimizer and offload `optimizer`'s. MFU counts model FLOPs in the live meter's convention
+(models/flops.py "dense"), so a predicted and a measured MFU compare directly; `mfu_megatron` and
 `hardware_tflops_per_gpu` give the published conventions. The rules, their sources and
 constants: docs/performance_model.md, "Step model (`perf.py`)", "FLOPs and MFU" and "Reasons
 behind the step and FLOP modules".
@@ -19,10 +20,10 @@ behind the step and FLOP modules".
 from __future__ import annotations
 
 import dataclasses
-import math
 from dataclasses import dataclass, field
 from functools import lru_cache
 
+from myria.config import ModelConfig
 from myria.device import DeviceSpec
 from myria.models.flops import (
     forward_flops_per_token,
@@ -30,8 +31,18 @@ from myria.models.flops import (
     model_flops_per_token,
 )
 from myria.sim import collectives as coll
+from myria.sim.collectives import layout_groups
+from myria.sim.dataparallel import (
+    GRAD_BYTES,
+    DataParallel,
+    dp_collectives,
+    dp_time,
+    stage_kinds,
+    stage_zero,
+)
 from myria.sim.hardware import Hardware, build_hardware
-from myria.sim.memory import FRAGMENTATION, RESERVED_BYTES, MemoryResult, memory
+from myria.sim.memory import FRAGMENTATION, RESERVED_BYTES, MemoryResult, memory, stage_params
+from myria.sim.op_timing import timed_head_ops, timed_layer_ops
 from myria.sim.operators import (
     DEFAULT_EFFICIENCY,
     MEASURED_EFFICIENCY,
@@ -40,235 +51,13 @@ from myria.sim.operators import (
     Op,
     eager_supported,
     layer_shape,
-    timed_head_ops,
-    timed_layer_ops,
 )
-from myria.sim.runspec import RunSpec
+from myria.sim.optimizer import optimizer_time
+from myria.sim.overlap import chunked_exposed, comm_cost, overlap_interference, sync_wait
+from myria.sim.runspec import ModelSpec, RunSpec, model_config_of
+from myria.sim.step_result import StepResult
 
-BUCKET_PARAMS = 40e6          # Megatron-Core DDP's smallest bucket (parameters)
-BUCKET_PARAMS_PER_RANK = 1e6  # ... growing with the data-parallel ranks: max(40M, 1M x dp)
-ADAM_BYTES_PER_PARAM = 38     # read g, p, m, v (fp32), write p, m, v, 16-bit copy, norm, zero g
-LAMB_EXTRA_BYTES = 16         # second pass: trust-ratio norms and the scaled update
-CPU_ADAM_BYTES_PER_PARAM = 32  # host-side Adam on fp32 p, m, v, g
 REPLAY_MAX_OPS = 20000        # eager pipelines up to this many (m x pp x vpp) are replayed
-# Spread (standard deviation, a share of the compute time) of one rank's step compute against
-# its peers': clock and power management, thermal state and the silicon differ from GPU to
-# GPU. A prior (not fitted): 1%, the order of the spread of identical kernels' times across a
-# cluster's GPUs; the calibration's E_GEMM was refitted with it in place.
-RANK_JITTER = 0.01
-# Slowdown of compute while communication hides behind it, as a share of the hidden time, on a
-# device whose SMs are not known (overlap_interference prices the others). A prior, not fitted.
-OVERLAP_INTERFERENCE = 0.10
-
-
-# What each key of StepResult.breakdown is called in the tables of simulate and plan.
-BREAKDOWN_LABELS = {
-    "compute_gemm": "GEMMs", "compute_attention": "attention", "compute_memory_bound":
-    "memory-bound ops", "host_overhead": "host (Python, launches)",
-    "recompute": "recompute", "tp_comm_exposed": "TP comm",
-    "cp_comm_exposed": "CP comm", "ep_comm_exposed": "EP all-to-all", "pp_p2p_exposed":
-    "PP send/recv", "pp_bubble": "PP bubble", "dp_comm_exposed": "DP comm", "optimizer":
-    "optimizer", "offload": "offload", "data_loading": "data loading",
-    "sync_wait": "waiting for the slowest rank",
-}
-
-
-@dataclass
-class StepResult:
-    """Prediction for one run."""
-
-    name: str
-    iteration_time_s: float
-    mfu: float                 # the live meter's convention (flops.py "dense")
-    tokens_per_s: float
-    tflops_per_gpu: float
-    hardware_tflops_per_gpu: float
-    memory_gb_per_gpu: float
-    fits: bool
-    breakdown: dict[str, float]
-    memory: MemoryResult
-    layout: dict
-    details: dict = field(default_factory=dict)
-    ops: list[dict] = field(default_factory=list)
-    warnings: list[str] = field(default_factory=list)
-    extra: dict = field(default_factory=dict)  # the planner's band, ETTR, ties
-    mfu_megatron: float = 0.0  # Narayanan et al. 2021's convention, as published tables use it
-
-    def to_json(self) -> dict:
-        """The JSON object `myria simulate --json` prints."""
-        from myria.sim.band import band_coverage, held_out_mae, uncertainty
-
-        t, b = self.iteration_time_s, uncertainty()
-        return {
-            "name": self.name,
-            "iteration_time_s": t,
-            "mfu": self.mfu,
-            "mfu_megatron": self.mfu_megatron,
-            "tokens_per_s": self.tokens_per_s,
-            "tflops_per_gpu": self.tflops_per_gpu,
-            "hardware_tflops_per_gpu": self.hardware_tflops_per_gpu,
-            "flops_note": "mfu and tflops_per_gpu count model FLOPs as myria's live meter does "
-                          "(every matmul the model runs, 3x its forward; flops.py 'dense'); "
-                          "mfu_megatron uses Narayanan et al. 2021's formula (72 B s l h^2 (...) "
-                          "for GPT: the output layer at 2.25x), as published tables do; "
-                          "hardware_tflops_per_gpu adds recomputation",
-            "memory_gb_per_gpu": self.memory_gb_per_gpu,
-            "fits": self.fits,
-            "breakdown": {k: v for k, v in self.breakdown.items()},
-            "breakdown_fraction": {k: v / t for k, v in self.breakdown.items()},
-            "memory_gb": self.memory.gb(),
-            "memory_peak_stage": self.memory.stage,
-            "layout": self.layout,
-            "details": self.details,
-            "warnings": self.warnings,
-            # the model's uncertainty (leave-one-out residuals of the calibration, jackknife+
-            # quantile): the iteration time lies within t (1 -/+ band) with the nominal coverage
-            "band": b, "band_nominal_coverage": band_coverage(),
-            "band_held_out_mae": held_out_mae(),
-            "iteration_time_low_s": t * (1 - b), "iteration_time_high_s": t * (1 + b),
-            "mfu_low": self.mfu / (1 + b), "mfu_high": self.mfu / (1 - b),
-            **self.extra,
-        }
-
-
-# -- helpers -------------------------------------------------------------------------------
-def _chunked(t: float, n: int, t_hide: float) -> float:
-    """Exposed time of a collective cut into n chunks pipelined against t_hide of compute."""
-    n = max(1, n)
-    return t / n + max(0.0, t * (n - 1) / n - t_hide)
-
-
-@dataclass(frozen=True)
-class Buckets:
-    """A data-parallel collective cut into buckets, run one after another: the serial time of
-    all of them (`total`), the time of the one that finishes last (`last`), and how many."""
-
-    total: float = 0.0
-    last: float = 0.0
-    n: int = 1
-
-    def __add__(self, o: Buckets) -> Buckets:
-        return Buckets(self.total + o.total, max(self.last, o.last), self.n + o.n)
-
-    def scaled(self, share: float) -> Buckets:
-        """The share of the buckets that one interleaved chunk holds."""
-        n = max(1, round(self.n * share))
-        return Buckets(self.total * share, min(self.last, self.total * share), n)
-
-
-def bucketed(fn, params: float, bytes_per: float, grp: coll.Group, bucket: float
-             ) -> Buckets:
-    """`params` parameters' collective `fn` over `grp` in buckets of `bucket` parameters."""
-    if params <= 0 or grp.n <= 1:
-        return Buckets()
-    n = max(1, math.ceil(params / bucket - 1e-9))
-    t = fn(params / n * bytes_per, grp)[0]
-    return Buckets(n * t, t, n)
-
-
-def dp_bucket_params(dp: int) -> float:
-    """Parameters per gradient bucket of Megatron-Core's DistributedDataParallel when it
-    overlaps: max(40M, 1M x the data-parallel ranks), so that a bucket's bandwidth term
-    outweighs its latency over many ranks."""
-    return max(BUCKET_PARAMS, BUCKET_PARAMS_PER_RANK * dp)
-
-
-def megatron_buckets(fn, dense: float, expert: float, bytes_per: float, grps: tuple,
-                     bucket: float) -> Buckets:
-    """Dense and expert parameters (over their own groups) in Megatron-Core's buckets."""
-    return bucketed(fn, dense, bytes_per, grps[0], bucket) + \
-        bucketed(fn, expert, bytes_per, grps[1], bucket)
-
-
-def fsdp_buckets(fn, dense: float, expert: float, layers: float, block: tuple,
-                 bytes_per: float, grps: tuple) -> Buckets:
-    """FSDP's collectives, one per wrapped unit: `layers` transformer blocks (`block`: dense,
-    expert parameters each) and the root (what the stage holds beyond its blocks: embedding,
-    final norm, head). The root's collective runs first in forward and last in backward, next
-    to the first block's, so both are exposed together (`last`)."""
-    if grps[0].n <= 1 and grps[1].n <= 1:
-        return Buckets()
-    units = max(1, round(layers))
-    one = (fn(block[0] * bytes_per, grps[0])[0] if block[0] > 0 else 0.0) + \
-        (fn(block[1] * bytes_per, grps[1])[0] if block[1] > 0 else 0.0)
-    root = max(0.0, dense - layers * block[0]) + max(0.0, expert - layers * block[1])
-    t_root = fn(root * bytes_per, grps[0])[0] if root > 1 else 0.0
-    return Buckets(units * one + t_root, one + t_root, units + (1 if t_root else 0))
-
-
-def _overlap(b: Buckets, hide: float) -> float:
-    """Exposed time of buckets that become final evenly over `hide` seconds of compute (the last
-    when it ends) and run one after another: max(last bucket, total - hide (n - 1) / n)."""
-    if b.total <= 0:
-        return 0.0
-    return min(b.total, max(b.last, b.total - hide * (b.n - 1) / b.n))
-
-
-def _grad_reduce_exposed(b: Buckets, b_last: float, pp: int, v: int) -> float:
-    """Exposed time of a once-per-step gradient reduction (buckets `b`) on the first pipeline
-    rank (the last to finish), overlapped with backward (Megatron-LM's overlap_grad_reduce:
-    a bucket is reduced as soon as its gradients are final).
-
-    One chunk per rank: the buckets reduce during the last microbatch's backward (`b_last`),
-    the last bucket after it (`_overlap`). Interleaved (v chunks): the gradients of chunks
-    1..v-1 are final when the schedule's last group of pp chunk-0 backwards starts (Megatron's
-    interleaved order runs the backwards of pp microbatches per chunk), so they reduce behind
-    those pp chunk backwards (pp x b_last / v); chunk 0's share behind its own last backward,
-    as above. Mirrored, the same holds for the updated parameters' all-gather before the first
-    forwards (Megatron's overlap_param_gather: chunk 0's parameters first, behind its first
-    forward; the other chunks' behind the first group of pp chunk-0 forwards), with `b_last`
-    the first microbatch's forward."""
-    if pp <= 1 or v <= 1:
-        return _overlap(b, b_last)
-    own = b.scaled(1 / v)
-    rest = b.total - own.total
-    b_chunk = b_last / v
-    return max(0.0, rest - pp * b_chunk) + _overlap(own, b_chunk)
-
-
-@lru_cache(maxsize=4096)
-def overlap_interference(hw: Hardware, mem_share: float, grp: coll.Group) -> float:
-    """Extra compute time per second of `grp`'s communication hidden behind it (module
-    docstring): s / (1 - s) with s = NCCL's channels over the device's SMs, plus the
-    memory-bound share of the compute (`mem_share`) slowed by the HBM bandwidth the collective
-    takes (its per-rank bus rate x NCCL_HBM_BYTES_PER_WIRE_BYTE of the device's)."""
-    from myria.sim.hardware import NCCL_CHANNELS, NCCL_HBM_BYTES_PER_WIRE_BYTE, SM_COUNT
-
-    sms = SM_COUNT.get(hw.device)
-    if not sms or hw.cpu is not None:
-        return OVERLAP_INTERFERENCE
-    s = NCCL_CHANNELS / sms
-    hbm = min(0.9, NCCL_HBM_BYTES_PER_WIRE_BYTE * grp.ring_busbw / hw.mem_bw) \
-        if grp.n > 1 else 0.0
-    return s / (1 - s) + mem_share * hbm / (1 - hbm)
-
-
-def expected_max_normal(n: int) -> float:
-    """E[max] of n independent standard normal variables (Blom's approximation,
-    Phi^-1((n - 0.375) / (n + 0.25)); 0 for one)."""
-    if n <= 1:
-        return 0.0
-    from statistics import NormalDist
-
-    return NormalDist().inv_cdf((n - 0.375) / (n + 0.25))
-
-
-def sync_wait(hw: Hardware, compute_s: float) -> float:
-    """What the slowest of the ranks that synchronise costs a step (module docstring): every
-    rank waits, at each step's data-parallel collective (and each layer's tensor-parallel one,
-    each microbatch's pipeline exchange), for the slowest of all `hw.gpus`; with their compute
-    times spread by RANK_JITTER (a share of `compute_s`, independent between ranks) the step
-    takes RANK_JITTER x E[max of N standard normals] x compute_s longer. 0 on a measured device
-    (the CPU self-check: its few local processes are measured as they run)."""
-    if hw.cpu is not None or hw.measured:
-        return 0.0
-    return RANK_JITTER * expected_max_normal(hw.gpus) * compute_s
-
-
-def _cost(t: float, exposed: float, kappa: float = OVERLAP_INTERFERENCE) -> float:
-    """Time a collective adds: its exposed part plus the interference of its hidden part
-    (`kappa` seconds of slowed compute per second hidden: `overlap_interference`)."""
-    return exposed + kappa * max(0.0, t - exposed)
 
 
 @dataclass
@@ -302,7 +91,7 @@ def _sum_ops(ops: tuple[Op, ...], overlap_tp: bool, tp: int, cp: int,
                 if op.always_overlap:
                     exposed = max(0.0, t - hide)
                 elif overlap_tp and op.pair:
-                    exposed = _chunked(t, tp, hide)
+                    exposed = chunked_exposed(t, tp, hide)
                 else:
                     exposed = t
             elif op.group == "cp":
@@ -310,7 +99,7 @@ def _sum_ops(ops: tuple[Op, ...], overlap_tp: bool, tp: int, cp: int,
             else:
                 exposed = t
             ph.comm_detail[op.group] = algo
-            val = _cost(t, exposed, overlap_interference(hw, round(mem_share, 2),
+            val = comm_cost(t, exposed, overlap_interference(hw, round(mem_share, 2),
                                                          groups[op.group]))
         else:
             val = op.time
@@ -327,35 +116,10 @@ def _sum_ops(ops: tuple[Op, ...], overlap_tp: bool, tp: int, cp: int,
     return ph
 
 
-@lru_cache(maxsize=4096)
-def _groups(hw: Hardware, tp: int, cp: int, ep: int, dp: int, pp: int,
-            dp_shard: int = 0) -> dict:
-    """Communicators of a layout, placed as the trainer's mesh places them
-    (`myria.layout.MESH_ORDER`: tp fastest, then cp, dp_shard, dp_replicate, pp; ep inside the
-    data-parallel ranks). Data-parallel reductions run over dp x cp (cp ranks hold the same
-    parameters); under HSDP (`dp_shard`) over shard groups of dp_shard x cp neighbours ("dps")
-    and replica groups across them ("dpr")."""
-    from myria.layout import strides
-
-    shard = (dp_shard or dp) * cp
-    st = strides({"tp": tp, "cp": cp, "dp_shard": dp_shard or dp,
-                  "dp_replicate": dp // (dp_shard or dp), "pp": pp})
-    return {
-        "tp": coll.make_group(hw, tp, st["tp"]),
-        "cp": coll.make_group(hw, cp, st["cp"]),
-        "ep": coll.make_group(hw, ep, st["cp"] * cp),
-        "dp": coll.make_group(hw, dp * cp, st["cp"]),
-        "dps": coll.make_group(hw, shard, st["cp"]),
-        "dpr": coll.make_group(hw, dp * cp // shard, st["dp_replicate"]),
-        "edp": coll.make_group(hw, max(1, dp * cp // ep), st["cp"] * cp * ep),
-        "pp": coll.make_group(hw, pp, st["pp"]),
-    }
-
-
 @lru_cache(maxsize=16384)
 def _layer_summary(shape: LayerShape, hw: Hardware, eff: Efficiency, overlap_tp: bool,
                    groups_key: tuple) -> _Phase:
-    groups = _groups(hw, *groups_key)
+    groups = layout_groups(hw, *groups_key)
     ops = timed_layer_ops(shape, hw.peak_flops, hw.mem_bw, eff)
     return _sum_ops(ops, overlap_tp, shape.tp, shape.cp, groups, hw)
 
@@ -363,7 +127,7 @@ def _layer_summary(shape: LayerShape, hw: Hardware, eff: Efficiency, overlap_tp:
 @lru_cache(maxsize=16384)
 def _head_summary(shape: LayerShape, first: bool, last: bool, hw: Hardware, eff: Efficiency,
                   overlap_tp: bool, groups_key: tuple) -> _Phase:
-    groups = _groups(hw, *groups_key)
+    groups = layout_groups(hw, *groups_key)
     ops = timed_head_ops(shape, first, last, hw.peak_flops, hw.mem_bw, eff)
     return _sum_ops(ops, overlap_tp, shape.tp, shape.cp, groups, hw)
 
@@ -406,14 +170,34 @@ def _device_efficiency(device: str, flash_version: str = "auto") -> Efficiency:
 def run_shape(run: RunSpec) -> LayerShape:
     """The LayerShape of a run (model, micro-batch, layout, kernels)."""
     p, k = run.parallel, run.kernels
+    return _shape(_model_key(run), run.training.micro_batch, p.tp, p.cp, p.ep, p.pp,
+                  p.sequence_parallel, k.flash_attention, k.fused_ops, run.dropout,
+                  run.act_bytes, run.training.precision == "fp8", k.eager)
+
+
+def _model_key(run: RunSpec) -> tuple:
+    """The run's [model] section as hashable (field, value) pairs (every field is a scalar)."""
+    return tuple(vars(run.model).items())
+
+
+@lru_cache(maxsize=256)
+def _model_config(model_key: tuple) -> ModelConfig:
+    """The ModelConfig of a [model] section given by `_model_key` (shared: read it only)."""
+    return model_config_of(ModelSpec(**dict(model_key)))
+
+
+@lru_cache(maxsize=8192)
+def _shape(model_key: tuple, micro_batch: int, tp: int, cp: int, ep: int, pp: int, sp: bool,
+           flash: bool, fused: bool, dropout: float, act_bytes: int, fp8: bool,
+           eager: bool) -> LayerShape:
+    cfg = _model_config(model_key)
     ce_chunk = 0
-    if k.eager and p.tp == 1 and p.pp == 1:
+    if eager and tp == 1 and pp == 1:
         # the Engine's loss when pp = tp = 1: myria.models.loss.fused_linear_cross_entropy
-        ce_chunk = loss_chunk_rows(run.model_config().vocab_size)
-    return layer_shape(run.model_config(), run.training.micro_batch, tp=p.tp, cp=p.cp, ep=p.ep,
-                       sp=p.sequence_parallel, flash=k.flash_attention, fused=k.fused_ops,
-                       dropout=run.dropout, act_bytes=run.act_bytes,
-                       fp8=run.training.precision == "fp8", eager=k.eager, ce_chunk=ce_chunk)
+        ce_chunk = loss_chunk_rows(cfg.vocab_size)
+    return layer_shape(cfg, micro_batch, tp=tp, cp=cp, ep=ep, sp=sp, flash=flash, fused=fused,
+                       dropout=dropout, act_bytes=act_bytes, fp8=fp8, eager=eager,
+                       ce_chunk=ce_chunk)
 
 
 def _stage_layers(run: RunSpec, eager: bool) -> dict[str, float]:
@@ -427,153 +211,171 @@ def _stage_layers(run: RunSpec, eager: bool) -> dict[str, float]:
         return {"only": float(L)}
     if not eager and L % (pp * v) == 0:
         return {"first": L / pp, "mid": L / pp, "last": L / pp}
+    return dict(_rank_layers(_model_key(run), pp, v, run.parallel.schedule))
+
+
+@lru_cache(maxsize=4096)
+def _rank_layers(model_key: tuple, pp: int, v: int, schedule: str) -> tuple:
     from myria.layout import rank_layers
 
-    per_rank = rank_layers(run.model_config(), pp, v, run.parallel.schedule)
+    per_rank = rank_layers(_model_config(model_key), pp, v, schedule)
     mid = per_rank[1:-1]
-    return {"first": float(per_rank[0]), "mid": float(max(mid)) if mid else 0.0,
-            "last": float(per_rank[-1])}
+    return (("first", float(per_rank[0])), ("mid", float(max(mid)) if mid else 0.0),
+            ("last", float(per_rank[-1])))
 
 
-def simulate(run: RunSpec, hw: Hardware | None = None, eff: Efficiency | None = None,
-             detail: bool = False) -> StepResult:
-    """Predict one iteration of `run`."""
-    hw = hw or build_hardware(run.cluster, run.training.precision)
-    eff = eff or efficiency_for(hw, run.kernels.flash_version)
-    par, tr, ov = run.parallel, run.training, run.overlap
-    cfg = run.model_config()
-    shape = run_shape(run)
-    tp, pp, cp, ep, v = par.tp, par.pp, par.cp, par.ep, par.vpp
+@dataclass
+class Step:
+    """What the phases of `simulate` share about one run."""
+
+    run: RunSpec
+    hw: Hardware
+    eff: Efficiency
+    shape: LayerShape
+    cfg: ModelConfig
+    groups: dict
+    lay: _Phase
+    recompute: float
+    eager: bool
+    n_layers: dict
+    kinds: tuple
+    dpc: DataParallel
+    k_dp: float
+    k_pp: float
+    t_p2p: float
+    w_b: int
+    hsdp: int
+    gkey: tuple
+    m: int           # microbatches per step
+
+
+def _step_context(run: RunSpec, hw: Hardware, eff: Efficiency) -> Step:
+    """The per-layer costs, stage layers, communicators and data-parallel collectives of
+    `run` (`_layout_context`, shared by the runs that differ only in recomputation, ZeRO
+    stage or offload)."""
+    par, tr, ov, k = run.parallel, run.training, run.overlap, run.kernels
     dp = run.dp
-    m = run.microbatches
-    L = cfg.layers
-    e = run.act_bytes
-    warnings: list[str] = []
-
-    gkey = (tp, cp, ep, dp, pp)
     hsdp = par.dp_shard if 0 < par.dp_shard < dp and tr.zero_stage >= 1 else 0
-    groups = _groups(hw, *gkey, hsdp)
-    lay = _layer_summary(shape, hw, eff, ov.tp, gkey)
-    rec = tr.recompute
-    if rec == "full":
-        recompute = lay.fwd
-    elif rec == "selective":
-        recompute = lay.attn_core_fwd  # FlashAttention recomputes inside its own backward
-    elif rec == "elementwise":
-        recompute = lay.fwd_cat.get("memory", 0.0)  # norms, RoPE, activations, dropout
-    else:
-        recompute = 0.0
+    ctx = _layout_context(run, hw, eff, (
+        _model_key(run), tr.micro_batch, tr.global_batch, tr.precision, par.tp, par.cp,
+        par.ep, par.pp, par.vpp, par.schedule, par.sequence_parallel, k.flash_attention,
+        k.fused_ops, k.eager, ov.tp, ov.dp, ov.pp, dp, hsdp, hw, eff))
+    lay = ctx[3]
+    recompute = {"full": lay.fwd,
+                 "selective": lay.attn_core_fwd,  # FlashAttention recomputes in its backward
+                 # norms, RoPE, activations, dropout
+                 "elementwise": lay.fwd_cat.get("memory", 0.0)}.get(tr.recompute, 0.0)
+    return Step(run, hw, eff, *ctx[:4], recompute, *ctx[4:])
 
+
+_CONTEXTS: dict = {}   # `_layout_context`'s cache
+
+
+def _layout_context(run: RunSpec, hw: Hardware, eff: Efficiency, key: tuple) -> tuple:
+    """The `Step` fields that do not depend on recomputation (all but run, hw, eff and
+    recompute), cached under `key`: what fixes them (the model, batch, precision, degrees,
+    schedule, kernels, overlap, hardware)."""
+    ctx = _CONTEXTS.get(key)
+    if ctx is not None:
+        return ctx
+    if len(_CONTEXTS) >= 65536:
+        _CONTEXTS.clear()
+    par = run.parallel
+    shape = run_shape(run)
+    cfg = _model_config(_model_key(run))
+    dp, hsdp = key[-4], key[-3]
+    gkey = (par.tp, par.cp, par.ep, dp, par.pp)
+    groups = layout_groups(hw, *gkey, hsdp)
+    lay = _layer_summary(shape, hw, eff, run.overlap.tp, gkey)
     eager = eager_supported(shape)
     n_layers = _stage_layers(run, eager)
-    kinds = [("only", True, True)] if pp == 1 else \
-        [("first", True, False), ("mid", False, False), ("last", False, True)]
-    counts = {"only": 1, "first": 1, "last": 1, "mid": max(0, pp - 2)}
+    w_b = 4 if run.training.precision == "fp32" else 2
+    dpc = dp_collectives(shape, hw, gkey, hsdp, tuple(n_layers.items()), run.overlap.dp, w_b)
+    mem_layer = round((lay.fwd_cat.get("memory", 0.0) + lay.bwd_cat.get("memory", 0.0)) /
+                      max(1e-30, lay.fwd + lay.bwd), 2)
+    ctx = _CONTEXTS[key] = (
+        shape, cfg, groups, lay, eager, n_layers, stage_kinds(par.pp), dpc,
+        overlap_interference(hw, mem_layer, groups["dp"]),
+        overlap_interference(hw, mem_layer, groups["pp"]), _p2p_time(run, cfg, groups), w_b,
+        hsdp, gkey, run.microbatches)
+    return ctx
 
-    # pipeline point-to-point per chunk boundary (Megatron's scatter/gather optimisation: each
-    # TP rank sends 1/tp across the network, then an NVLink all-gather rebuilds the tensor)
-    t_p2p = 0.0
-    if pp > 1:
-        act = tr.micro_batch * cfg.seq_len / cp * cfg.hidden * e
-        grp = groups["pp"]
-        if tp > 1 and (par.sequence_parallel or grp.k > 1):
-            t_p2p = coll.p2p(act / tp, grp)[0]
-            if not par.sequence_parallel:
-                t_p2p += coll.all_gather(act, groups["tp"])[0]
-        else:
-            t_p2p = coll.p2p(act, grp)[0]
 
-    # data-parallel state per device, for the busiest (first) stage
-    from myria.sim.memory import stage_params
-    # (uneven stages: the rank holding the most parameters)
-    dense0, expert0 = max((stage_params(shape, n_layers[k], f, la, ep) for k, f, la in kinds),
-                          key=sum)
-    g_b, w_b = 4, (4 if tr.precision == "fp32" else 2)
-    t_grad = coll.allreduce(dense0 * g_b, groups["dp"])[0] + \
-        coll.allreduce(expert0 * g_b, groups["edp"])[0]
-    # sharded data parallel (ZeRO 1-3, FSDP): collectives over the shard group; under HSDP the
-    # replicas then all-reduce their gradient shards once per step
-    shard_n = groups["dps"].n
-    t_rs = coll.reduce_scatter(dense0 * g_b, groups["dps"])[0] + \
-        coll.reduce_scatter(expert0 * g_b, groups["edp"])[0]
-    t_ag = coll.all_gather(dense0 * w_b, groups["dps"])[0] + \
-        coll.all_gather(expert0 * w_b, groups["edp"])[0]
-    t_rep = coll.allreduce(dense0 * g_b / shard_n, groups["dpr"])[0] if hsdp else 0.0
-    # the same collectives in the buckets the frameworks cut them into (module docstring):
-    # Megatron-Core's for ZeRO 0-1 (one bucket without overlap), FSDP's units for ZeRO 2-3
-    k0 = max((k for k, _, _ in kinds), key=lambda k: sum(
-        stage_params(shape, n_layers[k], k in ("first", "only"), k in ("last", "only"), ep)))
-    block = stage_params(shape, 1, False, False, ep)
-    mega = dp_bucket_params(dp * cp) if ov.dp else math.inf
-    grps = (groups["dps"], groups["edp"])
-    b_ar = megatron_buckets(coll.allreduce, dense0, expert0, g_b, (groups["dp"], groups["edp"]),
-                            mega)
-    b_rs = megatron_buckets(coll.reduce_scatter, dense0, expert0, g_b, grps, mega)
-    b_ag = megatron_buckets(coll.all_gather, dense0, expert0, w_b, grps, mega)
-    f_rs = fsdp_buckets(coll.reduce_scatter, dense0, expert0, n_layers[k0], block, g_b, grps)
-    f_ag = fsdp_buckets(coll.all_gather, dense0, expert0, n_layers[k0], block, w_b, grps)
-    mem_layer = (lay.fwd_cat.get("memory", 0.0) + lay.bwd_cat.get("memory", 0.0)) / \
-        max(1e-30, lay.fwd + lay.bwd)
-    k_dp = overlap_interference(hw, round(mem_layer, 2), groups["dp"])
-    k_pp = overlap_interference(hw, round(mem_layer, 2), groups["pp"])
+def clear_caches() -> None:
+    """Empty every cache of the step and memory models (a cold start, for timing)."""
+    from myria.sim import memory, network, op_timing, overlap
 
-    mem_rate = hw.mem_bw * eff.mem
-    # sharded gradients under a pipeline accumulate whole and reduce once per step (docstring)
-    deferred = pp > 1 and tr.zero_stage >= 2 and not eager
+    _CONTEXTS.clear()
+    memory.clear_caches()
+    for fn in (network.pattern_factor, layout_groups, _layer_summary, _head_summary, _model_flops,
+               overlap.overlap_interference, overlap.expected_max_normal,
+               overlap.expected_max_jitter, _shape, _model_config, _rank_layers, dp_collectives,
+               op_timing.timed_layer_ops, op_timing.timed_head_ops):
+        fn.cache_clear()
+
+
+def _p2p_time(run: RunSpec, cfg: ModelConfig, groups: dict) -> float:
+    """Pipeline point-to-point time per chunk boundary (Megatron's scatter/gather
+    optimisation: each TP rank sends 1/tp across the network, then an NVLink all-gather
+    rebuilds the tensor)."""
+    par = run.parallel
+    if par.pp <= 1:
+        return 0.0
+    act = run.training.micro_batch * cfg.seq_len / par.cp * cfg.hidden * run.act_bytes
+    grp = groups["pp"]
+    if par.tp > 1 and (par.sequence_parallel or grp.k > 1):
+        t = coll.p2p(act / par.tp, grp)[0]
+        if not par.sequence_parallel:
+            t += coll.all_gather(act, groups["tp"])[0]
+        return t
+    return coll.p2p(act, grp)[0]
+
+
+def _stages(s: Step) -> dict:
+    """Per kind of pipeline rank: one microbatch's forward F, backward B, weight-gradient W,
+    compute C, steady-state time and fill time, and its time by category."""
+    lay, v, m = s.lay, s.run.parallel.vpp, s.m
+    ov = s.run.overlap
     stages = {}
-    for kind, first, last in kinds:
-        nl = n_layers[kind]
-        hp = _head_summary(shape, first, last, hw, eff, ov.tp, gkey)
+    for kind, first, last in s.kinds:
+        nl = s.n_layers[kind]
+        hp = _head_summary(s.shape, first, last, s.hw, s.eff, ov.tp, s.gkey)
         F = nl * lay.fwd + hp.fwd
-        B = nl * (lay.bwd + recompute) + hp.bwd
+        B = nl * (lay.bwd + s.recompute) + hp.bwd
         W = nl * lay.wgrad + hp.wgrad
         cats = {}
         for src, mult in ((lay.fwd_cat, nl), (lay.bwd_cat, nl),
                           (hp.fwd_cat, 1), (hp.bwd_cat, 1)):
             for c, val in src.items():
                 cats[c] = cats.get(c, 0.0) + mult * val
-        cats["recompute"] = nl * recompute
-        z3 = z3_hidden = 0.0
-        if tr.zero_stage >= 3 and dp * cp > 1 and eager:
-            z3 = _fsdp2_microbatch(shape, nl, first, last, pp, ep, w_b, groups, mem_rate,
-                                   hw.cpu)
-        elif tr.zero_stage >= 2 and dp * cp > 1 and not eager:
-            # FSDP units every microbatch: without a pipeline its gradients are
-            # reduce-scattered (under one, once per step: `deferred`, below) behind its
-            # backward; resharding after forward also gathers each unit before its forward
-            # (behind the forward) and again before its backward (behind the backward); without
-            # resharding the parameters are gathered once per step (below)
-            rs = Buckets() if deferred else f_rs
-            ag = f_ag if tr.zero_stage >= 3 and tr.reshard_after_forward else Buckets()
-            bwd = rs + ag
-            if ov.dp:
-                e_f, e_b = _overlap(ag, F), _overlap(bwd, B)
-                z3 = _cost(ag.total, e_f, k_dp) + _cost(bwd.total, e_b, k_dp)
-                z3_hidden = ag.total - e_f + bwd.total - e_b
-            else:
-                z3 = ag.total + bwd.total
-        cats["dp_zero3"] = z3
-        cats["dp_hidden"] = z3_hidden
-        C = F + B + z3
-        if eager and m > 1:
+        cats["recompute"] = nl * s.recompute
+        cats["dp_zero3"], cats["dp_hidden"] = stage_zero(s, F, B, nl, first, last)
+        C = F + B + cats["dp_zero3"]
+        if s.eager and m > 1:
             # autograd adds each later microbatch's gradients into .grad: read two, write one
-            acc = sum(stage_params(shape, nl, first, last, ep)) * 3 * g_b / mem_rate
+            acc = sum(stage_params(s.shape, nl, first, last, s.run.parallel.ep)) * 3 * \
+                GRAD_BYTES / (s.hw.mem_bw * s.eff.mem)
             cats["grad_accumulate"] = acc * (m - 1) / m
             C += cats["grad_accumulate"]
-        t_pp = 2 * v * t_p2p
-        steady = C + (_cost(t_pp, max(0.0, t_pp - C), k_pp) if ov.pp else t_pp)
-        stages[kind] = dict(F=F, B=B, W=W, C=C, steady=steady, fill=C + 2 * v * t_p2p,
+        t_pp = 2 * v * s.t_p2p
+        steady = C + (comm_cost(t_pp, max(0.0, t_pp - C), s.k_pp) if ov.pp else t_pp)
+        stages[kind] = dict(F=F, B=B, W=W, C=C, steady=steady, fill=C + 2 * v * s.t_p2p,
                             cats=cats)
+    return stages
 
-    crit = max(stages, key=lambda k: stages[k]["steady"])
+
+def _pipeline_time(s: Step, stages: dict, crit: str) -> float:
+    """The pipeline's time for m microbatches (module docstring)."""
+    par, m = s.run.parallel, s.m
+    pp, v = par.pp, par.vpp
     s_max = stages[crit]["steady"]
     if pp == 1:
-        t_pipe = m * s_max
-    elif par.schedule in ("zero-bubble", "zbv"):
-        worst = max(stages.values(), key=lambda s: s["fill"])
+        return m * s_max
+    if par.schedule in ("zero-bubble", "zbv"):
+        worst = max(stages.values(), key=lambda x: x["fill"])
         spare = (3 if par.schedule == "zbv" else 2) * worst["W"]
-        t_pipe = m * s_max + (pp - 1) * max(0.0, worst["fill"] - spare) / v
-    elif eager and m * pp * v <= REPLAY_MAX_OPS:
+        return m * s_max + (pp - 1) * max(0.0, worst["fill"] - spare) / v
+    if s.eager and m * pp * v <= REPLAY_MAX_OPS:
         # myria's own runtime splits layers by FLOPs, so its stages are unequal (the demo's go
         # 3 + 1 layers, the head on the last) and the closed form below, exact for equal
         # stages, overstates the bubble: replay the schedule's own order with each rank's
@@ -582,102 +384,65 @@ def simulate(run: RunSpec, hw: Hardware | None = None, eff: Efficiency | None = 
         from myria.sim.schedule_plot import simulate_schedule
 
         ranks = [stages["first"]] + [stages["mid"]] * (pp - 2) + [stages["last"]]
-        t_f = [s["F"] + v * t_p2p for s in ranks]
-        t_b = [s["steady"] - f for s, f in zip(ranks, t_f)]
-        t_pipe = max(sl.end for sl in simulate_schedule(par.schedule, pp, v, m, t_f, t_b))
-    else:
-        fill_sum = sum(counts[k] * s["fill"] for k, s in stages.items())
-        t_pipe = (m - 1) * s_max + fill_sum / v + (1 - 1 / v) * s_max
-    bubble = max(0.0, t_pipe - m * s_max)
+        t_f = [x["F"] + v * s.t_p2p for x in ranks]
+        t_b = [x["steady"] - f for x, f in zip(ranks, t_f)]
+        return max(sl.end for sl in simulate_schedule(par.schedule, pp, v, m, t_f, t_b))
+    counts = {"only": 1, "first": 1, "last": 1, "mid": max(0, pp - 2)}
+    fill_sum = sum(counts[k] * x["fill"] for k, x in stages.items())
+    return (m - 1) * s_max + fill_sum / v + (1 - 1 / v) * s_max
 
-    # data-parallel communication after (or overlapped with) the pipeline
-    F0, B0 = stages[kinds[0][0]]["F"], stages[kinds[0][0]]["B"]
+
+def step_memory(run: RunSpec, hw: Hardware | None = None) -> MemoryResult:
+    """Peak memory per device of `run` (`memory.memory` with the run's layout and stages), and
+    whether the offloaded state fits its host (`host_fits`); `simulate` reports the same."""
+    hw = hw or build_hardware(run.cluster, run.training.precision)
+    shape = run_shape(run)
+    eager = eager_supported(shape)
+    return _memory(run, hw, shape, _stage_layers(run, eager), eager, run.microbatches)
+
+
+def _memory(run: RunSpec, hw: Hardware, shape: LayerShape, n_layers: dict, eager: bool,
+            m: int) -> MemoryResult:
+    par, tr = run.parallel, run.training
+    dp = run.dp
+    hsdp = par.dp_shard if 0 < par.dp_shard < dp and tr.zero_stage >= 1 else 0
+    cpu_dev = hw.device == "cpu"
+    mem = memory(shape, layers=run.model.layers, pp=par.pp, vpp=par.vpp,
+                 microbatches=m, schedule=par.schedule,
+                 recompute=tr.recompute, zero_stage=tr.zero_stage, dp=dp * par.cp, ep=par.ep,
+                 precision=tr.precision, offload=tr.offload,
+                 offload_params=tr.offload_params, capacity=hw.memory_bytes,
+                 gpus_per_node=hw.gpus_per_node,
+                 reserved=0.0 if cpu_dev else RESERVED_BYTES,
+                 fragmentation=0.0 if cpu_dev else FRAGMENTATION,
+                 reshard_after_forward=tr.reshard_after_forward,
+                 shard=layout_groups(hw, par.tp, par.cp, par.ep, dp, par.pp, hsdp)["dps"].n,
+                 stage_layers=n_layers if par.pp > 1 else None,
+                 accumulate=par.pp > 1 and not eager)
+    if tr.offload != "none":
+        cap = (hw.server.host_memory_gb if tr.offload == "cpu" else hw.server.nvme_gb) * 1e9
+        mem.host_fits = mem.host_bytes_per_node <= cap
+    return mem
+
+
+def simulate(run: RunSpec, hw: Hardware | None = None, eff: Efficiency | None = None,
+             detail: bool = False, mem: MemoryResult | None = None) -> StepResult:
+    """Predict one iteration of `run` (`mem`: its `step_memory`, when already priced)."""
+    hw = hw or build_hardware(run.cluster, run.training.precision)
+    eff = eff or efficiency_for(hw, run.kernels.flash_version)
+    s = _step_context(run, hw, eff)
+    m = s.m
+    stages = _stages(s)
+    crit = max(stages, key=lambda k: stages[k]["steady"])
+    t_pipe = _pipeline_time(s, stages, crit)
+    bubble = max(0.0, t_pipe - m * stages[crit]["steady"])
+    first = stages[s.kinds[0][0]]
     hidden = [m * stages[crit]["cats"]["dp_hidden"]]   # seconds of hidden DP communication
-
-    def step_cost(t: float, exposed: float, k: float) -> float:
-        hidden.append(max(0.0, t - exposed))
-        return _cost(t, exposed, k)
-
-    if dp * cp <= 1 and ep <= 1:
-        t_dp = 0.0
-    elif tr.zero_stage == 0:
-        t_dp = step_cost(b_ar.total, _grad_reduce_exposed(b_ar, B0, pp, v), k_dp) if ov.dp \
-            else t_grad
-    elif tr.zero_stage == 1 or (tr.zero_stage == 2 and eager):
-        # whole gradients accumulate over the microbatches: one reduce-scatter per step, then
-        # the updated shards are all-gathered (myria's eager "zero2" is FSDP2 without
-        # resharding after forward under no_sync: gradients accumulate whole, as here)
-        if ov.dp:
-            t_dp = step_cost(b_rs.total, _grad_reduce_exposed(b_rs, B0, pp, v), k_dp) + \
-                step_cost(b_ag.total, _grad_reduce_exposed(b_ag, F0, pp, v), k_dp)
-        else:
-            t_dp = t_rs + t_ag
-    elif tr.zero_stage == 2 or (tr.zero_stage >= 3 and not tr.reshard_after_forward
-                                and not eager):
-        # gradients were reduce-scattered per microbatch (above); the updated parameter shards
-        # are all-gathered once per step, unit by unit, behind the first forward (ZeRO-2,
-        # FSDP without resharding)
-        t_dp = step_cost(f_ag.total, _grad_reduce_exposed(f_ag, F0, pp, v), k_dp) if ov.dp \
-            else f_ag.total
-    elif eager and _fsdp_context(hw.cpu, groups["dp"], pp):
-        _, block_rs, _, ends_rs = _fsdp_context(hw.cpu, groups["dp"], pp)
-        t_dp = n_layers[kinds[0][0]] * block_rs + ends_rs
-    elif eager and hw.cpu is not None and hw.cpu.fsdp and groups["dp"].k <= 1:
-        # FSDP2 under no_sync: each unit reduce-scatters its accumulated gradients once per
-        # step (the last microbatch), as timed on this machine per unit
-        nl0 = n_layers[kinds[0][0]]
-        block = sum(stage_params(shape, 1, False, False, ep))
-        root = dense0 + expert0 - nl0 * block
-        t_dp = nl0 * hw.cpu.fsdp_time(block * g_b, "reduce") + \
-            (hw.cpu.fsdp_time(root * g_b, "reduce") if root > 0 else 0.0)
-    elif eager:
-        # FSDP2 under no_sync: one reduce-scatter of the accumulated gradients per step, after
-        # chunk_cat copies them into the reduce-scatter input (read + write, fp32)
-        t_dp = t_rs + 2 * (dense0 + expert0) * g_b / mem_rate
-    else:
-        t_dp = 0.0  # ZeRO-3 traffic is charged per microbatch above
-    if deferred and dp * cp > 1:
-        # each stage's accumulated gradients, reduce-scattered after its last backward (the
-        # interleaved chunks' during the remaining chunks' backward)
-        t_dp += step_cost(f_rs.total, _grad_reduce_exposed(f_rs, B0, pp, v), k_dp) if ov.dp \
-            else f_rs.total
-    if t_rep:  # HSDP: the replicas all-reduce their gradient shards, after the last backward
-        t_dp += step_cost(t_rep, max(t_rep / f_rs.n, t_rep - B0), k_dp) if ov.dp else t_rep
-    if pp > 1 and cfg.tie_embeddings:
-        # the tied embedding's gradient is summed between the first and last stage
-        emb = cfg.vocab_size * cfg.hidden / tp * g_b
-        t_emb = coll.allreduce(emb, coll.make_group(hw, 2, tp * cp * dp * (pp - 1)))[0]
-        t_dp += 0.0 if ov.dp else t_emb
-
-    # optimizer step (memory-bound), offload transfers
-    shard = shard_n if tr.zero_stage >= 1 else 1
-    n_opt = dense0 / shard + expert0 / (max(1, dp * cp // ep) if tr.zero_stage >= 1 else 1)
-    per_param = ADAM_BYTES_PER_PARAM + (LAMB_EXTRA_BYTES if tr.optimizer == "lamb" else 0)
-    t_offload = 0.0
-    on_device = tr.offload in ("none", "nvme")   # where the update's arithmetic runs
-    if on_device and eager and hw.cpu is not None and hw.cpu.optimizer_s_per_param:
-        # measured: myria's foreach gradient clip + AdamW per parameter on this CPU, plus the
-        # two scalar all-reduces of the step (gradient norm, logged loss) per reduction group
-        t_opt = n_opt * hw.cpu.optimizer_s_per_param
-        for name in ("dp", "pp"):
-            t_opt += 2 * coll.allreduce(8.0, groups[name])[0]
-    elif on_device:
-        t_opt = n_opt * per_param / (hw.mem_bw * eff.mem)
-    else:
-        srv = hw.server
-        gpn = hw.gpus_per_node
-        t_opt = n_opt * CPU_ADAM_BYTES_PER_PARAM * gpn / (srv.host_memory_bw_gbs * 1e9)
-        t_offload = n_opt * (g_b + w_b) / (srv.pcie_gbs * 1e9)
-        if tr.zero_stage >= 3:
-            # FSDP2's CPU offload copies the sharded weights in for forward and backward of
-            # every microbatch
-            t_offload += m * 2 * n_opt * w_b / (srv.pcie_gbs * 1e9)
-    if tr.offload == "nvme":
-        t_offload = _nvme_time(tr, hw, n_opt, t_opt, m, w_b, m * stages[crit]["C"])
-    t_data = tr.data_loading_s
+    t_dp = dp_time(s, first["F"], first["B"], hidden)
+    t_opt, t_offload = optimizer_time(s, m * stages[crit]["C"])
+    t_data = run.training.data_loading_s
     t_sync = sync_wait(hw, m * (stages[crit]["F"] + stages[crit]["B"]))
     total = t_pipe + t_dp + t_opt + t_offload + t_data + t_sync
-
     # breakdown: the critical stage's m microbatches, then the rest
     cats = stages[crit]["cats"]
     bd = {
@@ -697,13 +462,28 @@ def simulate(run: RunSpec, hw: Hardware | None = None, eff: Efficiency | None = 
         "data_loading": t_data,
         "sync_wait": t_sync,
     }
-    tokens = tr.global_batch * cfg.seq_len
-    mf, df, fw, fc = _model_flops(shape)
+    if mem is None:
+        mem = _memory(run, hw, s.shape, s.n_layers, s.eager, m)
+    res = _result(s, total, bd, mem, stages, crit, t_pipe, sum(hidden))
+    if detail:
+        ops = timed_layer_ops(s.shape, hw.peak_flops, hw.mem_bw, eff)
+        res.ops = op_table(run, res, ops, stages[crit], s.n_layers[crit], m, crit, hw, eff,
+                           s.groups)
+    return res
+
+
+def _result(s: Step, total: float, bd: dict, mem: MemoryResult, stages: dict, crit: str,
+            t_pipe: float, hidden: float) -> StepResult:
+    """The StepResult of a priced step: MFU in both conventions, layout, details, warnings."""
+    run, hw, eff = s.run, s.hw, s.eff
+    tr, par = run.training, run.parallel
+    tokens = tr.global_batch * s.cfg.seq_len
+    mf, df, fw, fc = _model_flops(s.shape)
     model_flops = mf * tokens
     dense = df * tokens
-    if rec == "full":
+    if tr.recompute == "full":
         extra = (fw.total - fw.logits) * tokens
-    elif rec == "selective":
+    elif tr.recompute == "selective":
         # the attention core runs forward twice (FlashAttention: its block-sparse causal work)
         fa = fc if run.kernels.flash_attention else fw
         extra = (fa.attn_scores + fa.attn_values) * tokens
@@ -714,41 +494,30 @@ def simulate(run: RunSpec, hw: Hardware | None = None, eff: Efficiency | None = 
     if tr.precision == "fp8":
         mfu_peak = hw.peak_flops / 2 if hw.device in ("h100-sxm-80gb", "h200",
                                                       "h800-sxm-80gb") else hw.peak_flops
-    mem = memory(shape, layers=L, pp=pp, vpp=v, microbatches=m, schedule=par.schedule,
-                 recompute=rec, zero_stage=tr.zero_stage, dp=dp * cp, ep=ep,
-                 precision=tr.precision, offload=tr.offload,
-                 offload_params=tr.offload_params, capacity=hw.memory_bytes,
-                 gpus_per_node=hw.gpus_per_node,
-                 reserved=0.0 if hw.device == "cpu" else RESERVED_BYTES,
-                 fragmentation=0.0 if hw.device == "cpu" else FRAGMENTATION,
-                 reshard_after_forward=tr.reshard_after_forward, shard=shard_n,
-                 stage_layers=n_layers if pp > 1 else None,
-                 accumulate=pp > 1 and not eager)
-    if tr.offload != "none":
+    warnings: list[str] = []
+    if tr.offload != "none" and not mem.host_fits:
         cap = (hw.server.host_memory_gb if tr.offload == "cpu" else hw.server.nvme_gb) * 1e9
-        mem.host_fits = mem.host_bytes_per_node <= cap
-        if not mem.host_fits:
-            warnings.append(f"offloaded state needs {mem.host_bytes_per_node / 1e9:.0f} GB per "
-                            f"server; {tr.offload} holds {cap / 1e9:.0f} GB")
-    fits = mem.fits and mem.host_fits
+        warnings.append(f"offloaded state needs {mem.host_bytes_per_node / 1e9:.0f} GB per "
+                        f"server; {tr.offload} holds {cap / 1e9:.0f} GB")
     if not mem.fits:
         warnings.append(f"needs {mem.total / 1e9:.1f} GB per device, has "
                         f"{hw.memory_bytes / 1e9:.0f} GB")
-    layout = {"gpus": gpus, "tp": tp, "pp": pp, "dp": dp, "cp": cp, "ep": ep, "vpp": v,
-              "micro_batch": tr.micro_batch, "microbatches": m, "schedule": par.schedule,
-              "sequence_parallel": par.sequence_parallel, "recompute": rec,
+    layout = {"gpus": gpus, "tp": par.tp, "pp": par.pp, "dp": run.dp, "cp": par.cp,
+              "ep": par.ep, "vpp": par.vpp, "micro_batch": tr.micro_batch,
+              "microbatches": s.m, "schedule": par.schedule,
+              "sequence_parallel": par.sequence_parallel, "recompute": tr.recompute,
               "zero_stage": tr.zero_stage, "device": hw.device,
-              "reshard_after_forward": tr.reshard_after_forward, "dp_shard": hsdp or dp,
+              "reshard_after_forward": tr.reshard_after_forward, "dp_shard": s.hsdp or run.dp,
               "offload": tr.offload, "offload_params": tr.offload_params}
     details = {
-        "bubble_fraction": bubble / t_pipe if t_pipe else 0.0,
-        "comm_hidden_s": sum(hidden),
+        "bubble_fraction": bd["pp_bubble"] / t_pipe if t_pipe else 0.0,
+        "comm_hidden_s": hidden,
         "compute_s": bd["compute_gemm"] + bd["compute_attention"] + bd["compute_memory_bound"]
         + bd["recompute"],
         "critical_stage": crit,
-        "stage_time_s": {k: s["steady"] for k, s in stages.items()},
-        "p2p_time_s": t_p2p,
-        "collective_algorithms": lay.comm_detail,
+        "stage_time_s": {k: x["steady"] for k, x in stages.items()},
+        "p2p_time_s": s.t_p2p,
+        "collective_algorithms": s.lay.comm_detail,
         "model_flops_per_iteration": dense,
         "megatron_flops_per_iteration": model_flops,
         "hardware_flops_per_iteration": dense + extra,
@@ -760,50 +529,15 @@ def simulate(run: RunSpec, hw: Hardware | None = None, eff: Efficiency | None = 
                        "kernel_overhead_s": eff.kernel_overhead_s},
         "fabric": _describe(hw.fabric),
     }
-    res = StepResult(
+    return StepResult(
         name=run.name, iteration_time_s=total,
         mfu=dense / (total * gpus * mfu_peak),
         mfu_megatron=model_flops / (total * gpus * mfu_peak),
         tokens_per_s=tokens / total,
         tflops_per_gpu=dense / (total * gpus) / 1e12,
         hardware_tflops_per_gpu=(dense + extra) / (total * gpus) / 1e12,
-        memory_gb_per_gpu=mem.total / 1e9, fits=fits, breakdown=bd, memory=mem,
-        layout=layout, details=details, warnings=warnings)
-    if detail:
-        ops = timed_layer_ops(shape, hw.peak_flops, hw.mem_bw, eff)
-        res.ops = op_table(run, res, ops, stages[crit], n_layers[crit], m, crit, hw, eff,
-                           groups)
-    return res
-
-
-def _nvme_time(tr, hw: Hardware, n_opt: float, t_opt: float, m: int, w_b: int,
-               t_compute: float) -> float:
-    """Exposed time of myria's nvme tier (myria.offload) per iteration.
-
-    The update runs on the device chunk by chunk while a reader and a writer thread stream the
-    optimizer state from disk and back (across the host bus on a GPU): the optimizer phase
-    takes the slowest of its arithmetic, the disk and the bus, so what the offload adds is the
-    excess over the arithmetic. Every server's devices share its disks. The prefetch of the
-    next step's chunks and the trailing writes, which hide more behind forward and backward as
-    far as the buffers reach, are not counted (conservative).
-
-    With offload_params each microbatch also reads the parameters for forward and backward, a
-    layer ahead of the compute, and the update runs behind training (during the last backward
-    while clipping does not bind, else from the step on, followed chunk by chunk by the next
-    forward): the state's stream and the layers' reads share the disk with compute and the
-    update's arithmetic, and only what exceeds both is exposed. bench/offload.py measures
-    1.03-1.20x the in-memory step where the disk needs 0.5-0.7x of it."""
-    srv, gpn = hw.server, hw.gpus_per_node
-    state_b = (12 if tr.precision != "fp32" else 8) + \
-        (w_b if tr.offload_params and tr.precision == "fp32" else 0)
-    stream = 2 * n_opt * state_b                       # read and write, per device
-    if tr.offload_params:
-        stream += m * 2 * n_opt * w_b
-    t_disk = stream * gpn / (srv.nvme_gbs * 1e9)
-    t_bus = 0.0 if hw.device == "cpu" else stream / (srv.pcie_gbs * 1e9)
-    if tr.offload_params:
-        return max(0.0, max(t_disk, t_bus) - t_opt - t_compute)
-    return max(0.0, max(t_disk, t_bus) - t_opt)
+        memory_gb_per_gpu=mem.total / 1e9, fits=mem.fits and mem.host_fits, breakdown=bd,
+        memory=mem, layout=layout, details=details, warnings=warnings)
 
 
 def op_table(run: RunSpec, res: StepResult, ops: tuple[Op, ...], stage: dict,
@@ -833,51 +567,6 @@ def op_table(run: RunSpec, res: StepResult, ops: tuple[Op, ...], stage: dict,
                      "time_s": t * mult * repeats,
                      "share": t * mult * repeats / res.iteration_time_s})
     return rows
-
-
-def _fsdp_context(cpu, grp, pp: int) -> tuple:
-    """FSDP2 measured around this model's own block and ends (`cpu._fsdp_in_context`), when it
-    applies: one host, no pipeline. Empty otherwise."""
-    return cpu.fsdp_context if cpu is not None and grp.k <= 1 and pp == 1 else ()
-
-
-def _fsdp2_microbatch(shape: LayerShape, n_layers: float, first: bool, last: bool, pp: int,
-                      ep: int, w_b: int, groups: dict, mem_rate: float, cpu=None) -> float:
-    """FSDP2 traffic of one microbatch on one rank (myria's `apply_fsdp`, no overlap on CPU).
-
-    Every block is all-gathered for its forward and again for its backward (resharded after
-    forward); the root module (embeddings, final norm, head) once per microbatch when pp = 1
-    (kept unsharded until its backward), twice under pipelining. Each all-gather copies the
-    local shard in and the gathered parameters out (torch's foreach_all_gather and
-    split_with_sizes_copy: read + write each); on a measured CPU FSDP2 itself is timed per unit
-    (`cpu._fsdp_unit_points`: gathers, copies and hooks of a block or the root).
-    """
-    from myria.sim.memory import stage_params
-
-    grp = groups["dp"]
-    n = max(1, grp.n)
-    if _fsdp_context(cpu, grp, pp):
-        block_mb, _, ends_mb, _ = _fsdp_context(cpu, grp, pp)
-        return n_layers * block_mb + (ends_mb if first or last else 0.0)
-    blocks = sum(stage_params(shape, n_layers, False, False, ep))
-    root = sum(stage_params(shape, n_layers, first, last, ep)) - blocks
-    per_block = blocks / max(1.0, n_layers)
-    root_kind = "root" if pp == 1 else "block"   # myria reshards the root only under pp
-    t = 0.0
-    for params, units, kind in ((per_block, n_layers, "block"), (root, 1 if root else 0,
-                                                                 root_kind)):
-        if not units:
-            continue
-        measured = cpu.fsdp_time(params * w_b, kind) if cpu is not None and grp.k <= 1 \
-            else None
-        if measured is not None:
-            # FSDP2 timed on this machine per unit and microbatch (gathers, copies, hooks)
-            t += units * measured
-        else:
-            gathers = 2 if kind == "block" else 1
-            ag = coll.all_gather(params * w_b, grp)[0]
-            t += units * gathers * (ag + 2 * params * w_b * (1 + 1 / n) / mem_rate)
-    return t
 
 
 def measured_here(spec: DeviceSpec) -> bool:

@@ -26,6 +26,7 @@ from myria.sim import perf
 from myria.sim.hardware import build_hardware
 from myria.sim.reliability import Reliability, run_ettr
 from myria.sim.runspec import RunSpec
+from myria.sim.step_result import StepResult
 
 RESERVE_SHARE = 0.0  # default memory reserve beyond what the memory model prices (docstring)
 
@@ -70,13 +71,13 @@ class SearchSpace:
 class PlanResult:
     """Ranked layouts and search statistics."""
 
-    ranked: list[perf.StepResult]
+    ranked: list[StepResult]
     evaluated: int
     fitting: int
     seconds: float
-    best_unfitting: perf.StepResult | None = None
+    best_unfitting: StepResult | None = None   # the fastest that does not fit, when none fits
     offloaded: bool = False      # nothing fitted without offload: these layouts offload
-    best_runnable: perf.StepResult | None = None  # when #1 is priced only: the trainer's best
+    best_runnable: StepResult | None = None  # when #1 is priced only: the trainer's best
     best_runnable_rank: int = 0                    # its place in the whole ranking (1-based)
 
 
@@ -207,6 +208,14 @@ def _sharding(zero: int, space: SearchSpace, dp: int, inner: int, gpus_per_node:
             yield rsh, shard
 
 
+def _with(obj, **changes):
+    """`dataclasses.replace` for the run's plain dataclasses (no __post_init__, not frozen;
+    the candidates' values are the layout check's), without its per-call field walk."""
+    out = object.__new__(type(obj))
+    out.__dict__.update(obj.__dict__, **changes)
+    return out
+
+
 def plan(base: RunSpec, space: SearchSpace | None = None, top: int = 10,
          limit: int | None = None, reserve_gb: float | None = None,
          reliability: Reliability | None = None) -> PlanResult:
@@ -233,22 +242,26 @@ def plan(base: RunSpec, space: SearchSpace | None = None, top: int = 10,
                           f"device's {hw.memory_bytes / 1e9:g} GB")
     limit_bytes = hw.memory_bytes - reserve
     t0 = time.perf_counter()
-    ok: list[perf.StepResult] = []
+    ok: list[StepResult] = []
     runs: dict[int, RunSpec] = {}     # id(result) -> its run, for the trainer's verdict
-    best_bad: perf.StepResult | None = None
+    unfit: list[RunSpec] = []
     n = 0
     for par, tr in candidates(base, space):
-        run = dataclasses.replace(base, parallel=dataclasses.replace(base.parallel, **par),
-                                  training=dataclasses.replace(base.training, **tr))
-        res = perf.simulate(run, hw=hw)
+        run = _with(base, parallel=_with(base.parallel, **par),
+                    training=_with(base.training, **tr))
+        # memory first: a layout that does not fit is timed only when none fits
+        mem = perf.step_memory(run, hw)
         n += 1
-        if res.fits and res.memory.total <= limit_bytes:
+        if mem.fits and mem.host_fits and mem.total <= limit_bytes:
+            res = perf.simulate(run, hw=hw, mem=mem)
             ok.append(res)
             runs[id(res)] = run
-        elif best_bad is None or res.mfu > best_bad.mfu:
-            best_bad = res
+        else:
+            unfit.append(run)
         if limit and n >= limit:
             break
+    best_bad = None if ok else max((perf.simulate(r, hw=hw) for r in unfit),
+                                   key=lambda r: r.mfu, default=None)
     if not n:
         raise ConfigError("no layout matches the model, batch and GPU count: check that "
                           "training.global_batch is divisible by some data-parallel degree")
@@ -294,7 +307,7 @@ def trainer_verdict(run: RunSpec, hw) -> str:
     return ""
 
 
-def mark_runnable(r: perf.StepResult, run: RunSpec, hw) -> None:
+def mark_runnable(r: StepResult, run: RunSpec, hw) -> None:
     """`extra.runnable` (and `extra.not_runnable`: the note and the trainer's reason)."""
     if "runnable" not in r.extra:
         why = trainer_verdict(run, hw)
@@ -303,8 +316,8 @@ def mark_runnable(r: perf.StepResult, run: RunSpec, hw) -> None:
             r.extra["not_runnable"] = f"{NOT_RUNNABLE}: {why}"
 
 
-def runnable_first(ranked: list[perf.StepResult], runs: dict[int, RunSpec], hw
-                   ) -> list[perf.StepResult]:
+def runnable_first(ranked: list[StepResult], runs: dict[int, RunSpec], hw
+                   ) -> list[StepResult]:
     """`ranked` with a layout myria's trainer runs first when one is statistically tied with
     the best (the tie band at the head of `rank_with_ties`): among ties the planner prefers
     what it can run. A faster layout only other frameworks run is not hidden below a slower
@@ -319,8 +332,8 @@ def runnable_first(ranked: list[perf.StepResult], runs: dict[int, RunSpec], hw
     return ranked
 
 
-def best_runnable(ranked: list[perf.StepResult], runs: dict[int, RunSpec], hw
-                  ) -> tuple[int, perf.StepResult | None]:
+def best_runnable(ranked: list[StepResult], runs: dict[int, RunSpec], hw
+                  ) -> tuple[int, StepResult | None]:
     """(1-based place, result) of the best-ranked layout myria's trainer runs (each verdict
     is one `Layout.check`, ~0.15 ms); (0, None) when none is."""
     for i, r in enumerate(ranked, 1):
@@ -337,12 +350,12 @@ def best_runnable(ranked: list[perf.StepResult], runs: dict[int, RunSpec], hw
 MEMORY_ERROR = 0.085
 
 
-def margin_bytes(r: perf.StepResult) -> float:
+def margin_bytes(r: StepResult) -> float:
     """Device memory left free by the prediction (capacity less the predicted peak)."""
     return r.memory.capacity - r.memory.total
 
 
-def implausible(r: perf.StepResult) -> str:
+def implausible(r: StepResult) -> str:
     """Why a layout's prediction cannot be trusted as a first pick ("" when it can): its memory
     margin is under the memory model's own error, or the communication it hides exceeds the
     compute it hides behind."""
@@ -356,7 +369,7 @@ def implausible(r: perf.StepResult) -> str:
     return ""
 
 
-def tie_order(r: perf.StepResult, t_best: float) -> tuple:
+def tie_order(r: StepResult, t_best: float) -> tuple:
     """Order inside the tie band: a plausible prediction first (`implausible`), then the
     predicted step time (to 0.1% of the best: closer is noise), then the larger memory margin;
     offloaded layouts after those that keep their state on the device."""
@@ -366,7 +379,7 @@ def tie_order(r: perf.StepResult, t_best: float) -> tuple:
             round(r.iteration_time_s / t_best / 1e-3), -margin_bytes(r))
 
 
-def rank_with_ties(results: list[perf.StepResult], band: float) -> list[perf.StepResult]:
+def rank_with_ties(results: list[StepResult], band: float) -> list[StepResult]:
     """Results sorted by MFU, with those within `band` of the best MFU (statistically tied
     with it) moved to the front in `tie_order`; an implausible prediction (`implausible`) is
     marked (`extra.implausible`) and never first while a plausible one is tied."""
@@ -385,7 +398,7 @@ def rank_with_ties(results: list[perf.StepResult], band: float) -> list[perf.Ste
     return tied + sorted(rest, key=lambda r: -r.mfu)
 
 
-def annotate(r: perf.StepResult, base: RunSpec, hw, band: float,
+def annotate(r: StepResult, base: RunSpec, hw, band: float,
              reliability: Reliability | None = None) -> None:
     """Add the uncertainty band, the expected ETTR and checkpoint interval, stage layers."""
     lay = r.layout

@@ -122,7 +122,7 @@ def from_args(args: argparse.Namespace) -> Reliability:
 
 
 def run_ettr(res, run, hw, rel: Reliability | None = None) -> Ettr:
-    """Expected ETTR of a simulated run (`perf.StepResult` of `run` on `hw`): each device
+    """Expected ETTR of a simulated run (`step_result.StepResult` of `run` on `hw`): each device
     snapshots its weights and optimizer state over PCIe; the checkpoint on storage holds the
     16-bit weights and the fp32 master weights and moments once (14 bytes per parameter; fp32
     training 12)."""

@@ -194,6 +194,17 @@ class ClusterSpec:
     routing: str = _f("adaptive", "adaptive (load spread evenly over uplinks; also what IB "
                       "fat-tree routing achieves for collectives) or ecmp (hash per flow)",
                       choices=("adaptive", "ecmp"))
+    rank_jitter: float = _f(0.01, "spread (standard deviation, a share of the step's compute) "
+                            "of one rank's step time against its peers': a synchronous step "
+                            "waits for the slowest rank. 0.01 is assumed, not fitted (the "
+                            "calibration's 32-3,072 GPUs do not pin it); measure yours with "
+                            "bench/sim_rank_jitter.py", min=0.0)
+    jitter_tail_share: float = _f(0.0, "share of rank-steps that also take a rare extra delay "
+                                  "(a straggler tail: host interrupts, garbage collection, "
+                                  "throttling), at most 1; 0 means the normal law alone",
+                                  min=0.0)
+    jitter_tail_excess: float = _f(0.0, "mean of that extra delay in units of rank_jitter "
+                                   "(exponential)", min=0.0)
     flows_per_pair: int = _f(2, "flows (queue pairs) NCCL opens per connection; more flows give "
                              "ECMP more entropy", min=1)
     switch_radix: int = _f(64, "ports per switch (half down, half up)", min=2)
@@ -208,6 +219,17 @@ class ClusterSpec:
                          "(a prior: measure yours with bench/offload.py)", min=0.0)
     intra_node_gbs: float = _f(0.0, "override the achieved intra-node all-reduce bus bandwidth "
                                "GB/s (NVLink ring, nccl-tests convention)", min=0.0)
+
+
+def model_config_of(m: ModelSpec) -> ModelConfig:
+    """The myria ModelConfig of a [model] section (`RunSpec.model_config`)."""
+    kw = {f.name: getattr(m, MODEL_RENAMED.get(f.name, f.name))
+          for f in dataclasses.fields(ModelConfig)}
+    kw["tie_embeddings"] = m.tie_embeddings == "true" or (
+        m.tie_embeddings == "auto" and m.arch == "gpt")
+    kw["vocab_size"] = m.vocab or (51200 if m.arch == "gpt" else 32000)
+    kw["top_k"] = m.top_k if m.experts else 1
+    return ModelConfig(**kw)
 
 
 SECTIONS: dict[str, type] = {
@@ -279,14 +301,7 @@ class RunSpec:
     def model_config(self) -> ModelConfig:
         """The myria ModelConfig of this run (every field passes through by name), so that
         models/flops.py counts its FLOPs as the live meter does."""
-        m = self.model
-        kw = {f.name: getattr(m, MODEL_RENAMED.get(f.name, f.name))
-              for f in dataclasses.fields(ModelConfig)}
-        kw["tie_embeddings"] = m.tie_embeddings == "true" or (
-            m.tie_embeddings == "auto" and m.arch == "gpt")
-        kw["vocab_size"] = m.vocab or (51200 if m.arch == "gpt" else 32000)
-        kw["top_k"] = m.top_k if m.experts else 1
-        return ModelConfig(**kw)
+        return model_config_of(self.model)
 
     def replace(self, **sections: dict) -> RunSpec:
         """A copy with some fields changed: replace(parallel={"tp": 4}, overlap={"dp": True})."""
@@ -389,6 +404,9 @@ def validate(run: RunSpec) -> None:
         validate_model(run.model_config())  # the trainer's own checks of a model
     except ConfigError as e:
         raise ConfigError(f"run {n!r}: {e}") from None
+    if c.jitter_tail_share > 1:
+        raise ConfigError(f"run {n!r}: cluster.jitter_tail_share = {c.jitter_tail_share:g} "
+                          "is a share: at most 1")
     if p.dp_shard and (run.dp % p.dp_shard or p.dp_shard > run.dp):
         raise ConfigError(f"run {n!r}: parallel.dp_shard = {p.dp_shard} must divide the "
                           f"data-parallel degree {run.dp}")

@@ -105,22 +105,16 @@ def measure_gemm_tflops(device: Any, dtype: str, *, n: int, seconds: float, reps
     """Best TFLOP/s of groups of `reps` n x n x n matmuls within about `seconds` (>= 2 groups)."""
     import torch
 
+    from myria.device import time_matmul
+
     dt = getattr(torch, dtype)
     a = torch.randn(n, n, dtype=dt, device=device)
     b = torch.randn(n, n, dtype=dt, device=device)
     c = torch.empty(n, n, dtype=dt, device=device)
-    torch.matmul(a, b, out=c)  # warm-up
-    sync(device)
-    best, groups = 0.0, 0
-    deadline = time.perf_counter() + seconds
-    while groups < 2 or time.perf_counter() < deadline:
-        t0 = time.perf_counter()
-        for _ in range(reps):
-            matmul(a, b, c, device=device, slow=slow, expected_tflops=expected_tflops)
-        sync(device)
-        dt_s = (time.perf_counter() - t0) / reps
-        best = max(best, 2.0 * n**3 / dt_s / 1e12)
-        groups += 1
-    return best
+    times = time_matmul(a, b, c, seconds=seconds, groups=2, reps=reps,
+                        call=lambda x, y, o: matmul(x, y, o, device=device, slow=slow,
+                                                    expected_tflops=expected_tflops),
+                        sync=lambda: sync(device))
+    return 2.0 * n**3 / min(times) / 1e12
 
 

@@ -18,8 +18,9 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from myria.device import measure_copy_bandwidth
 from myria.errors import ConfigError
-from myria.resilience.checks.memory import MEMBW_BYTES, measure_memory_bandwidth
+from myria.resilience.checks.memory import MEMBW_BYTES
 from myria.resilience.checks.report import DEFAULT_TOLERANCE, Check, fmt, pct
 
 # Sources of expected figures that are this host's own measured history (judged softly).
@@ -84,7 +85,6 @@ def resolve_expected(device_type: str, dtype: str, threads: int,
 
     ops = ["all_reduce", "all_to_all", "all_gather", "reduce_scatter"]
     if device_type == "cpu":
-        import torch
 
         if "gemm_tflops" not in overrides:
             if dtype == "float32":
@@ -106,13 +106,8 @@ def resolve_expected(device_type: str, dtype: str, threads: int,
             from myria.device import measured_figure
 
             def _measure_bw() -> float:
-                old = torch.get_num_threads()
-                torch.set_num_threads(threads)
-                try:
-                    return measure_memory_bandwidth(torch.device("cpu"), MEMBW_BYTES["cpu"],
-                                                    seconds=0.1)
-                finally:
-                    torch.set_num_threads(old)
+                return measure_copy_bandwidth("cpu", MEMBW_BYTES["cpu"], seconds=0.1,
+                                              threads=threads)
 
             fig = measured_figure("membw_gbs", threads, _measure_bw, refresh=refresh,
                                   what="memory copy")

@@ -1,0 +1,192 @@
+"""What communication costs beside its transfer: data-parallel buckets and what of them stays
+exposed behind compute, the slowdown of compute that hides a collective, and the wait for the
+slowest of the ranks that synchronise (the step model's rules: docs/performance_model.md,
+"Overlap rules" and "Costs that grow with the ranks that synchronise")."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from functools import lru_cache
+
+from myria.sim import collectives as coll
+from myria.sim.hardware import Hardware
+
+BUCKET_PARAMS = 40e6          # Megatron-Core DDP's smallest bucket (parameters)
+
+
+BUCKET_PARAMS_PER_RANK = 1e6  # ... growing with the data-parallel ranks: max(40M, 1M x dp)
+
+
+# Slowdown of compute while communication hides behind it, as a share of the hidden time, on a
+# device whose SMs are not known (overlap_interference prices the others). A prior, not fitted.
+OVERLAP_INTERFERENCE = 0.10
+
+
+# -- helpers -------------------------------------------------------------------------------
+def chunked_exposed(t: float, n: int, t_hide: float) -> float:
+    """Exposed time of a collective cut into n chunks pipelined against t_hide of compute."""
+    n = max(1, n)
+    return t / n + max(0.0, t * (n - 1) / n - t_hide)
+
+
+@dataclass(frozen=True)
+class Buckets:
+    """A data-parallel collective cut into buckets, run one after another: the serial time of
+    all of them (`total`), the time of the one that finishes last (`last`), and how many."""
+
+    total: float = 0.0
+    last: float = 0.0
+    n: int = 1
+
+    def __add__(self, o: Buckets) -> Buckets:
+        return Buckets(self.total + o.total, max(self.last, o.last), self.n + o.n)
+
+    def scaled(self, share: float) -> Buckets:
+        """The share of the buckets that one interleaved chunk holds."""
+        n = max(1, round(self.n * share))
+        return Buckets(self.total * share, min(self.last, self.total * share), n)
+
+
+def bucketed(fn, params: float, bytes_per: float, grp: coll.Group, bucket: float
+             ) -> Buckets:
+    """`params` parameters' collective `fn` over `grp` in buckets of `bucket` parameters."""
+    if params <= 0 or grp.n <= 1:
+        return Buckets()
+    n = max(1, math.ceil(params / bucket - 1e-9))
+    t = fn(params / n * bytes_per, grp)[0]
+    return Buckets(n * t, t, n)
+
+
+def dp_bucket_params(dp: int) -> float:
+    """Parameters per gradient bucket of Megatron-Core's DistributedDataParallel when it
+    overlaps: max(40M, 1M x the data-parallel ranks), so that a bucket's bandwidth term
+    outweighs its latency over many ranks."""
+    return max(BUCKET_PARAMS, BUCKET_PARAMS_PER_RANK * dp)
+
+
+def megatron_buckets(fn, dense: float, expert: float, bytes_per: float, grps: tuple,
+                     bucket: float) -> Buckets:
+    """Dense and expert parameters (over their own groups) in Megatron-Core's buckets."""
+    return bucketed(fn, dense, bytes_per, grps[0], bucket) + \
+        bucketed(fn, expert, bytes_per, grps[1], bucket)
+
+
+def fsdp_buckets(fn, dense: float, expert: float, layers: float, block: tuple,
+                 bytes_per: float, grps: tuple) -> Buckets:
+    """FSDP's collectives, one per wrapped unit: `layers` transformer blocks (`block`: dense,
+    expert parameters each) and the root (what the stage holds beyond its blocks: embedding,
+    final norm, head). The root's collective runs first in forward and last in backward, next
+    to the first block's, so both are exposed together (`last`)."""
+    if grps[0].n <= 1 and grps[1].n <= 1:
+        return Buckets()
+    units = max(1, round(layers))
+    one = (fn(block[0] * bytes_per, grps[0])[0] if block[0] > 0 else 0.0) + \
+        (fn(block[1] * bytes_per, grps[1])[0] if block[1] > 0 else 0.0)
+    root = max(0.0, dense - layers * block[0]) + max(0.0, expert - layers * block[1])
+    t_root = fn(root * bytes_per, grps[0])[0] if root > 1 else 0.0
+    return Buckets(units * one + t_root, one + t_root, units + (1 if t_root else 0))
+
+
+def buckets_exposed(b: Buckets, hide: float) -> float:
+    """Exposed time of buckets that become final evenly over `hide` seconds of compute (the last
+    when it ends) and run one after another: max(last bucket, total - hide (n - 1) / n)."""
+    if b.total <= 0:
+        return 0.0
+    return min(b.total, max(b.last, b.total - hide * (b.n - 1) / b.n))
+
+
+def grad_reduce_exposed(b: Buckets, b_last: float, pp: int, v: int) -> float:
+    """Exposed time of a once-per-step gradient reduction (buckets `b`) on the first pipeline
+    rank (the last to finish), overlapped with backward (Megatron-LM's overlap_grad_reduce:
+    a bucket is reduced as soon as its gradients are final).
+
+    One chunk per rank: the buckets reduce during the last microbatch's backward (`b_last`),
+    the last bucket after it (`buckets_exposed`). Interleaved (v chunks): the gradients of chunks
+    1..v-1 are final when the schedule's last group of pp chunk-0 backwards starts (Megatron's
+    interleaved order runs the backwards of pp microbatches per chunk), so they reduce behind
+    those pp chunk backwards (pp x b_last / v); chunk 0's share behind its own last backward,
+    as above. Mirrored, the same holds for the updated parameters' all-gather before the first
+    forwards (Megatron's overlap_param_gather: chunk 0's parameters first, behind its first
+    forward; the other chunks' behind the first group of pp chunk-0 forwards), with `b_last`
+    the first microbatch's forward."""
+    if pp <= 1 or v <= 1:
+        return buckets_exposed(b, b_last)
+    own = b.scaled(1 / v)
+    rest = b.total - own.total
+    b_chunk = b_last / v
+    return max(0.0, rest - pp * b_chunk) + buckets_exposed(own, b_chunk)
+
+
+@lru_cache(maxsize=4096)
+def overlap_interference(hw: Hardware, mem_share: float, grp: coll.Group) -> float:
+    """Extra compute time per second of `grp`'s communication hidden behind it (module
+    docstring): s / (1 - s) with s = NCCL's channels over the device's SMs, plus the
+    memory-bound share of the compute (`mem_share`) slowed by the HBM bandwidth the collective
+    takes (its per-rank bus rate x NCCL_HBM_BYTES_PER_WIRE_BYTE of the device's)."""
+    from myria.sim.hardware import NCCL_CHANNELS, NCCL_HBM_BYTES_PER_WIRE_BYTE, SM_COUNT
+
+    sms = SM_COUNT.get(hw.device)
+    if not sms or hw.cpu is not None:
+        return OVERLAP_INTERFERENCE
+    s = NCCL_CHANNELS / sms
+    hbm = min(0.9, NCCL_HBM_BYTES_PER_WIRE_BYTE * grp.ring_busbw / hw.mem_bw) \
+        if grp.n > 1 else 0.0
+    return s / (1 - s) + mem_share * hbm / (1 - hbm)
+
+
+@lru_cache(maxsize=1024)
+def expected_max_normal(n: int) -> float:
+    """E[max] of n independent standard normal variables (Blom's approximation,
+    Phi^-1((n - 0.375) / (n + 0.25)); 0 for one)."""
+    if n <= 1:
+        return 0.0
+    from statistics import NormalDist
+
+    return NormalDist().inv_cdf((n - 0.375) / (n + 0.25))
+
+
+def sync_wait(hw: Hardware, compute_s: float) -> float:
+    """What the slowest of the ranks that synchronise costs a step: every rank waits, at each
+    step's data-parallel collective (and each layer's tensor-parallel one, each microbatch's
+    pipeline exchange), for the slowest of all `hw.gpus`; with their compute times spread
+    independently by `hw.jitter` (ClusterSpec.rank_jitter: sigma, a share of `compute_s`, and
+    the straggler tail) the step takes sigma x `expected_max_jitter` x compute_s longer. 0 on a
+    measured device (the CPU self-check: its few local processes are measured as they run)."""
+    if hw.cpu is not None or hw.measured:
+        return 0.0
+    sigma, share, excess = hw.jitter
+    return sigma * expected_max_jitter(hw.gpus, share, excess) * compute_s
+
+
+@lru_cache(maxsize=1024)
+def expected_max_jitter(n: int, tail_share: float = 0.0, tail_excess: float = 0.0) -> float:
+    """E[max] of n independent draws of a rank's step-time deviation, in units of its spread:
+    a standard normal core (`expected_max_normal` when there is no tail), to which a share
+    `tail_share` of the draws adds an exponential delay of mean `tail_excess` (the straggler
+    tail). With the tail, E[max] = integral of 1 - F(x)^n over x > 0 less that of F(x)^n over
+    x < 0, F the mixture's CDF, integrated numerically; it grows like tail_excess x ln(n x
+    tail_share) once n x tail_share >> 1, against sqrt(2 ln n) for the normal core."""
+    if n <= 1:
+        return 0.0
+    if tail_share <= 0 or tail_excess <= 0:
+        return expected_max_normal(n)
+    import numpy as np
+    from scipy.special import log_ndtr, ndtr
+
+    top = 8.0 + tail_excess * (math.log(max(2.0, n * tail_share)) + 30.0)
+    x = np.linspace(-8.0, top, 200001)
+    # the normal core, and the core plus an Exp(mean tail_excess) delay (exponentially
+    # modified Gaussian)
+    lam = 1.0 / tail_excess
+    tail = ndtr(x) - np.exp(lam * lam / 2 - lam * x + log_ndtr(x - lam))
+    cdf = (1 - tail_share) * ndtr(x) + tail_share * tail
+    fn = np.exp(n * np.log(np.clip(cdf, 1e-300, 1.0)))
+    dx = x[1] - x[0]
+    return float(np.sum(np.where(x > 0, 1 - fn, -fn)) * dx)
+
+
+def comm_cost(t: float, exposed: float, kappa: float = OVERLAP_INTERFERENCE) -> float:
+    """Time a collective adds: its exposed part plus the interference of its hidden part
+    (`kappa` seconds of slowed compute per second hidden: `overlap_interference`)."""
+    return exposed + kappa * max(0.0, t - exposed)
