@@ -519,12 +519,12 @@ def measured_profile(cfg, nproc: int, device_spec, gpus_per_node: int = 0
 def measurement_bytes(shape: LayerShape) -> float:
     """What one measuring process holds for `shape`: a block's fp32 weights, gradients and
     two Adam moments, and its activations at the micro-batch (as the trainer keeps them)."""
-    from myria.sim.memory import _act, _params
+    from myria.sim.memory import layer_act, layer_params
 
-    pc = _params(shape)
+    pc = layer_params(shape)
     block = pc.per_layer_dense + pc.per_layer_experts
     ends = pc.embedding + pc.head
-    return 16.0 * (block + ends) + 2 * _act(dataclasses.replace(shape, act_bytes=4), "none")
+    return 16.0 * (block + ends) + 2 * layer_act(dataclasses.replace(shape, act_bytes=4), "none")
 
 
 def check_measurable(shape: LayerShape | None, nproc: int) -> None:

@@ -54,7 +54,7 @@ def _zero_stages(text: str) -> list[int]:
     return vals
 
 
-def _at_least(lo: float, kind=int):
+def at_least(lo: float, kind=int):
     """An argparse type: a number of `kind` that is >= lo."""
     def parse(text: str):
         try:
@@ -78,19 +78,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                        ("heads", "attention heads"), ("kv-heads", "key/value heads (GQA)"),
                        ("ffn-hidden", "MLP width"), ("vocab", "vocabulary size"),
                        ("top-k", "experts per token")):
-        g.add_argument(f"--{name}", type=_at_least(1), help=what)
-    g.add_argument("--experts", type=_at_least(0), help="experts per MoE layer (0: dense)")
+        g.add_argument(f"--{name}", type=at_least(1), help=what)
+    g.add_argument("--experts", type=at_least(0), help="experts per MoE layer (0: dense)")
     g = parser.add_argument_group("run and cluster")
-    g.add_argument("--seq-len", type=_at_least(1), help="tokens per sequence")
-    g.add_argument("--global-batch", type=_at_least(1), help="sequences per iteration")
+    g.add_argument("--seq-len", type=at_least(1), help="tokens per sequence")
+    g.add_argument("--global-batch", type=at_least(1), help="sequences per iteration")
     g.add_argument("--gpu", help="a100-sxm-80gb, h100-sxm-80gb, h200, ...")
-    g.add_argument("--gpus", type=_at_least(1), help="number of devices")
-    g.add_argument("--gpus-per-node", type=_at_least(1), help="devices per server")
-    g.add_argument("--nic-gbps", type=_at_least(1e-3, float), help="NIC bandwidth, Gbit/s")
+    g.add_argument("--gpus", type=at_least(1), help="number of devices")
+    g.add_argument("--gpus-per-node", type=at_least(1), help="devices per server")
+    g.add_argument("--nic-gbps", type=at_least(1e-3, float), help="NIC bandwidth, Gbit/s")
     g.add_argument("--topology", choices=("fat-tree", "clos3", "rail-optimized"))
-    g.add_argument("--oversubscription", type=_at_least(1.0, float),
+    g.add_argument("--oversubscription", type=at_least(1.0, float),
                    help="fabric oversubscription (1 = non-blocking)")
-    g.add_argument("--rank-jitter", type=_at_least(0.0, float),
+    g.add_argument("--rank-jitter", type=at_least(0.0, float),
                    help="spread of one rank's step time against its peers' (share of the "
                    "compute; default 0.01, assumed): the step waits for the slowest rank")
     g.add_argument("--jitter-tail", metavar="SHARE,EXCESS",
@@ -115,17 +115,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--mb", type=_ints, help="micro-batch sizes")
     g.add_argument("--recompute", help="none,selective,full")
     g.add_argument("--zero", type=_zero_stages, help="ZeRO stages, e.g. 0,1,3")
-    parser.add_argument("--top", type=_at_least(1), default=10,
+    parser.add_argument("--top", type=at_least(1), default=10,
                         help="layouts to show (default 10)")
-    parser.add_argument("--reserve-gb", type=_at_least(0.0, float), default=None,
+    parser.add_argument("--reserve-gb", type=at_least(0.0, float), default=None,
                         help="device memory kept free beyond the model's estimate, which "
                         "already counts the allocator's fragmentation and the runtime's "
                         "workspaces (default 0; see myria.sim.planner)")
-    reliability.add_arguments(parser, _at_least(1e-3, float), _at_least(0.0, float))
+    reliability.add_arguments(parser, at_least(1e-3, float), at_least(0.0, float))
     parser.add_argument("--json", action="store_true", help="print the ranked layouts as JSON")
     g = parser.add_argument_group("pipeline schedule drawing")
     g.add_argument("--show-schedule", metavar="PNG", help="draw a pipeline schedule to PNG")
-    g.add_argument("--microbatches", type=_at_least(1),
+    g.add_argument("--microbatches", type=at_least(1),
                    help="m for --show-schedule (with one --pp)")
     g.add_argument("--schedule", choices=("gpipe", "1f1b", "interleaved-1f1b", "zero-bubble"))
 

@@ -36,9 +36,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--nproc", type=int, default=0,
                         help="processes for a training config (default: the fewest its "
                         "[parallel] layout needs, dp_replicate x tp x pp x cp)")
-    from myria.sim.cli_plan import _at_least
+    from myria.sim.cli_plan import at_least
 
-    reliability.add_arguments(parser, _at_least(1e-3, float), _at_least(0.0, float))
+    reliability.add_arguments(parser, at_least(1e-3, float), at_least(0.0, float))
 
 
 def _select(runs: list[runspec.RunSpec], names: list[str]) -> list[runspec.RunSpec]:

@@ -72,7 +72,7 @@ FRAGMENTATION = 0.046     # caching allocator: reserved - allocated over allocat
 
 
 @lru_cache(maxsize=16384)
-def _act(shape: LayerShape, recompute: str) -> float:
+def layer_act(shape: LayerShape, recompute: str) -> float:
     return layer_activation_bytes(shape, recompute)
 
 
@@ -104,13 +104,13 @@ class MemoryResult:
 
 
 @lru_cache(maxsize=4096)
-def _params(shape: LayerShape):
+def layer_params(shape: LayerShape):
     return param_counts(shape.model_config())
 
 
 def clear_caches() -> None:
     """Empty this module's caches (a cold start, for timing)."""
-    for fn in (_params, _act, stage_params):
+    for fn in (layer_params, layer_act, stage_params):
         fn.cache_clear()
 
 
@@ -118,7 +118,7 @@ def clear_caches() -> None:
 def stage_params(shape: LayerShape, layers_on_stage: float, first: bool, last: bool,
                  ep: int) -> tuple[float, float]:
     """(dense, expert) parameters held by one device of a stage (myria.models.memory)."""
-    return model_stage_params(_params(shape), shape.tp, layers_on_stage, first, last, ep)
+    return model_stage_params(layer_params(shape), shape.tp, layers_on_stage, first, last, ep)
 
 
 def memory(shape: LayerShape, *, layers: int, pp: int, vpp: int, microbatches: int,
@@ -150,7 +150,7 @@ def memory(shape: LayerShape, *, layers: int, pp: int, vpp: int, microbatches: i
     # ZeRO shards over the gradient-reduction ranks (dp x cp), or over an HSDP shard group
     shard = max(1, shard or dp)
     expert_shard = max(1, dp // ep)
-    a_layer = _act(shape, recompute)
+    a_layer = layer_act(shape, recompute)
     results = []
     stages = [("only", True, True)] if pp == 1 else [("first", True, False),
                                                      ("last", False, True)]
@@ -207,7 +207,7 @@ def memory(shape: LayerShape, *, layers: int, pp: int, vpp: int, microbatches: i
         if last:
             head += head_activation_bytes(shape, False, True) * (
                 in_flight if pp == 1 or schedule == "gpipe" else 1.0)
-        regrown = _act(shape, "none") - a_layer if recompute != "none" and per_stage else 0.0
+        regrown = layer_act(shape, "none") - a_layer if recompute != "none" and per_stage else 0.0
         temp += max(head, regrown + backward_transient_bytes(shape))
         dynamic = w + g + o + act + temp
         total = dynamic * (1 + fragmentation) + reserved
