@@ -9,13 +9,13 @@ optimizer and the schedule. The loop then logs, asks the checkpoint manager whet
 (`CheckpointManager.should_save`: the interval, the last step, a stop) and stops when asked.
 
 Robustness hooks (docs/robustness.md): inside a step, one seam, `run.watch`
-(myria.train.watchers: heartbeat phases, timer spans, fault injection, the integrity guard,
-the snapshots' waits); between steps, `hb.phase(...)` marks the loop's phases; checkpoints are
-two-stage (`ckpt.save` snapshots to host memory and returns, the watchers wait for an
-overlapped snapshot before the weights change); the collective timeout drops from `init_timeout_s` to `timeout_s` once the first step is done; a
-SIGTERM makes every rank save the current step and exit. With in-job recovery
-(myria.train.rejoin) a failed step does not end the process: `train` joins the next attempt
-and builds the run again from the peers' memory.
+(myria.train.watchers: heartbeat phases, timer spans, fault injection, the integrity guard, the
+snapshots' waits); between steps, `hb.phase(...)` marks the loop's phases; checkpoints are
+two-stage (`ckpt.save` snapshots to host memory and returns, the watchers wait for an overlapped
+snapshot before the weights change); the collective timeout drops from `init_timeout_s` to
+`timeout_s` once the first step is done; a SIGTERM makes every rank save the current step and
+exit. With in-job recovery (myria.train.rejoin) a failed step does not end the process: `train`
+joins the next attempt and builds the run again from the peers' memory.
 """
 
 from __future__ import annotations
@@ -93,7 +93,8 @@ def train(cfg: Config, run_dir: str | Path, stop_after: int | None = None) -> Tr
         injob.adjust_ledger(ledger)
     env = distributed.init(cfg.training.device, cfg.training.init_timeout_s,
                            injob.pg_store() if injob else None)
-    hb = goodput.follow(heartbeat.start(env.rank), ledger, env.rank)
+    hb = heartbeat.start(env.rank, ledger)
+    ledger.ready(env.rank)
     phase = "failed"
     try:
         while True:
