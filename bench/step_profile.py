@@ -7,8 +7,8 @@ Groups, as shares of the time inside `train_step`: the at-rest checksums
 (`train.checksums.sums`, called by the silent-corruption ledger every step), the rest of the
 integrity guard, the watchers' own Python (event timer, heartbeat, goodput ledger, the
 watchers), the interception of `torch.distributed` (`observe.comm`), and all of myria's Python
-(the time of its own frames, not the torch calls they make). Settings as in
-`bench/train_throughput.py` (no checkpoint interval, no progress bar). Writes
+(the time of its own frames, not the torch calls they make). The config as
+`bench/train_throughput.py` measures the trainer (`bench_config`). Writes
 bench/results/step_profile.json.
 """
 
@@ -29,8 +29,8 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
-from myria import config as config_mod  # noqa: E402
 from myria.train.trainer import train  # noqa: E402
+from train_throughput import bench_config  # noqa: E402  (bench/, this script's folder)
 
 WATCHERS = ("observe/events.py", "train/heartbeat.py", "observe/goodput.py",
             "train/watchers.py")
@@ -65,10 +65,7 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "step_profile.json"))
     args = ap.parse_args()
-    cfg = config_mod.load(args.config, [f"--training.steps={args.steps}",
-                                        "--checkpoint.interval=0", "--logging.progress=false",
-                                        "--logging.tensorboard=false", "--data.prefetch=2"])
-    cfg.checkpoint.resume = False
+    cfg = bench_config(args.config, args.steps)
     prof = cProfile.Profile()
     with tempfile.TemporaryDirectory() as d:
         prof.enable()
