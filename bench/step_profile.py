@@ -6,8 +6,9 @@ of `myria.train.trainer.train` on the demo config, grouped.
 Groups, as shares of the time inside `train_step`: the at-rest checksums
 (`train.checksums.sums`, called by the silent-corruption ledger every step), the rest of the
 integrity guard, the watchers' own Python (event timer, heartbeat, goodput ledger, the
-watchers), the interception of `torch.distributed` (`observe.comm`), and all of myria's Python
-(the time of its own frames, not the torch calls they make). The config as
+watchers), the interception of `torch.distributed` (`observe.comm`), and the framework's own
+Python (the time of myria's frames outside the model, `myria/models`: not the torch calls they
+make). The config as
 `bench/train_throughput.py` measures the trainer (`bench_config`). Writes
 bench/results/step_profile.json.
 """
@@ -40,11 +41,13 @@ GUARD = ("train/integrity.py", "train/sdc.py")
 def grouped(stats: pstats.Stats) -> dict[str, float]:
     """Seconds per group (module docstring) and in `train_step`."""
     out = {"train_step": 0.0, "checksums": 0.0, "guard_python": 0.0, "watchers_python": 0.0,
-           "comm_python": 0.0, "myria_python": 0.0}
+           "comm_python": 0.0, "framework_python": 0.0}
     for (file, _, name), (_, _, tottime, cumtime, _) in stats.stats.items():
         file = file.replace("\\", "/")
         if "/myria/" not in file:
             continue
+        if "/myria/models/" not in file:
+            out["framework_python"] += tottime
         if file.endswith("train/trainer.py") and name == "train_step":
             out["train_step"] += cumtime
         if file.endswith("train/checksums.py") and name == "sums":
@@ -55,7 +58,6 @@ def grouped(stats: pstats.Stats) -> dict[str, float]:
             out["watchers_python"] += tottime
         if file.endswith("observe/comm.py"):
             out["comm_python"] += tottime
-        out["myria_python"] += tottime
     return out
 
 
