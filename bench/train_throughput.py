@@ -86,6 +86,16 @@ def myria_loop(cfg, steps: int, warmup: int) -> float:
     return cfg.training.global_batch * cfg.model.seq_len / statistics.median(times)
 
 
+def bench_config(path: str, steps: int):
+    """The config the trainer is measured with: `steps` steps, no checkpoint interval, no
+    progress bar, a fresh run."""
+    cfg = config_mod.load(path, [f"--training.steps={steps}", "--checkpoint.interval=0",
+                                 "--logging.progress=false", "--logging.tensorboard=false",
+                                 "--data.prefetch=2"])
+    cfg.checkpoint.resume = False
+    return cfg
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--config", default=str(ROOT / "configs" / "demo.toml"))
@@ -95,10 +105,7 @@ def main() -> int:
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "train_throughput.json"))
     args = ap.parse_args()
 
-    cfg = config_mod.load(args.config, [f"--training.steps={args.steps}",
-                                        "--checkpoint.interval=0", "--logging.progress=false",
-                                        "--logging.tensorboard=false", "--data.prefetch=2"])
-    cfg.checkpoint.resume = False
+    cfg = bench_config(args.config, args.steps)
     if not (Path(cfg.data.path) / "index.json").exists():
         print(f"{cfg.data.path} is not prepared: run `myria prepare --corpus demo --out "
               f"{cfg.data.path}` first", file=sys.stderr)

@@ -1,12 +1,13 @@
 """The goodput ledger: every second of a run's wall time, attributed to productive steps or to a
 named loss; and the milestones of each restart, from which a recovery's time splits into phases.
 
-Worker side (`Ledger`, fed the heartbeat phases of the training loop): each metrics row carries
-`goodput`, the seconds of each category since the previous row, summing to the wall time since
-it; each process writes its milestones to RUN_DIR/goodput/attemptA-rankRRRRR.json. Supervisor
-side (`summarize`, torch-free): the supervisor's wall time tiled by its attempts and faults;
-ETTR = productive / wall. `breakdown` splits one recovery into phases that add up to the fault's
-time lost. The categories: docs/robustness.md, "The goodput ledger".
+Worker side (`Ledger`, fed the heartbeat phases of the training loop by `train.heartbeat`): each
+metrics row carries `goodput`, the seconds of each category since the previous row, summing to
+the wall time since it; each process writes its milestones to
+RUN_DIR/goodput/attemptA-rankRRRRR.json. Supervisor side (`summarize`, torch-free): the
+supervisor's wall time tiled by its attempts and faults; ETTR = productive / wall. `breakdown`
+splits one recovery into phases that add up to the fault's time lost. The categories:
+docs/robustness.md, "The goodput ledger".
 """
 
 from __future__ import annotations
@@ -98,6 +99,11 @@ class Ledger:
             except OSError:
                 pass  # evidence only
 
+    def ready(self, rank: int) -> None:
+        """This process's rank, and the `pg_ready` milestone: call once its process group is up."""
+        self.rank = rank
+        self.mark("pg_ready")
+
     def resumed(self, step: int) -> None:
         self.start_step = self.step = step
         self.mark("restored", write=True)
@@ -136,38 +142,6 @@ class Ledger:
         out = {c: round(acc[c], 6) for c in CATEGORIES if acc.get(c)}
         start, self.row_since = self.row_since, now
         return dict(row, goodput=out, goodput_since=round(start, 6), attempt=self.attempt)
-
-
-class _Follow:
-    """A heartbeat that also tells the ledger each phase, the resume and each step."""
-
-    def __init__(self, hb, ledger: Ledger) -> None:
-        self._hb, self.ledger = hb, ledger
-
-    def phase(self, name: str):
-        """The heartbeat's phase (its return: the event timer's span to enter), told to the
-        ledger first."""
-        self.ledger.phase(name)
-        return self._hb.phase(name)
-
-    def resumed(self, step: int) -> None:
-        self.ledger.resumed(step)
-        self._hb.resumed(step)
-
-    def step_done(self, step: int, tokens_per_s: float) -> None:
-        self.ledger.step_done(step)
-        self._hb.step_done(step, tokens_per_s)
-
-    def __getattr__(self, name: str):
-        return getattr(self._hb, name)
-
-
-def follow(hb, ledger: Ledger, rank: int):
-    """Wrap the worker's heartbeat so the ledger sees what it sees; marks the process group
-    ready (call right after the process group is up)."""
-    ledger.rank = rank
-    ledger.mark("pg_ready")
-    return _Follow(hb, ledger)
 
 
 # -- supervisor side -------------------------------------------------------------------------

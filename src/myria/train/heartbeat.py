@@ -4,8 +4,9 @@ Every `heartbeat_s` seconds each worker writes one record (`myria.observe.heartb
 store, its keys and the record, shared with the supervisor): rank, attempt, step, phase, the
 collective it is in or last issued, tokens/s, bytes communicated, memory in use. From them the
 supervisor tells a dead or frozen process, a hang and a silent rank apart.
-`Heartbeat.phase(name)` is the loop's one call to mark a phase: it tells the supervisor now and,
-for the phases the event timer also times (`TIMED`), returns the timer's span to enter.
+`Heartbeat.phase(name)` is the loop's one call to mark a phase: it tells the goodput ledger (when
+given one) and the supervisor now and, for the phases the event timer also times (`TIMED`),
+returns the timer's span to enter.
 Collectives are counted on the main thread from `myria.observe.comm`; what bypasses it (DDP's
 C++ reducer, DTensor's functional collectives) is not counted.
 
@@ -27,6 +28,7 @@ from typing import Any
 
 from myria.observe import comm, events
 from myria.observe import heartbeat_store as store_protocol
+from myria.observe.goodput import Ledger
 
 log = logging.getLogger("myria")
 
@@ -124,11 +126,14 @@ class Progress(comm.Subscriber):
 
 # -- the sender ------------------------------------------------------------------------------
 class Heartbeat:
-    """Progress of this rank plus the daemon thread that sends it every `period_s`."""
+    """Progress of this rank plus the daemon thread that sends it every `period_s`; `ledger`
+    (replaceable: a new attempt in-job starts a new one) is told each phase, the resume and each
+    finished step before the supervisor."""
 
     def __init__(self, rank: int, store: store_protocol.HeartbeatStore | None = None,
-                 period_s: float = 1.0, job: str = "local") -> None:
+                 period_s: float = 1.0, job: str = "local", ledger: Ledger | None = None) -> None:
         self.progress = Progress(rank)
+        self.ledger = ledger
         self.store = store
         self.period_s = period_s
         self.job = job
@@ -149,15 +154,21 @@ class Heartbeat:
         """Mark phase `name` for the supervisor now, and return the event timer's span of the
         same moment (`TIMED`) to enter: `with hb.phase("optimizer"): ...`. A phase the timer
         does not time returns a context that does nothing, so a plain call marks it too."""
+        if self.ledger is not None:
+            self.ledger.phase(name)
         self.progress.set_phase(name)
         timed = TIMED.get(name)
         return events.current().span(*timed) if timed else contextlib.nullcontext()
 
     def step_done(self, step: int, tokens_per_s: float) -> None:
+        if self.ledger is not None:
+            self.ledger.step_done(step)
         self.progress.step_done(step, tokens_per_s)
 
     def resumed(self, step: int) -> None:
         """Record the step training starts from (0 for a fresh run)."""
+        if self.ledger is not None:
+            self.ledger.resumed(step)
         self.progress.step = step
         self.progress.resumed_from = step
         self.progress.progress += 1
@@ -225,12 +236,13 @@ class Heartbeat:
             self.store.close()
 
 
-def start(rank: int) -> Heartbeat:
-    """The heartbeat of this worker, sending if the supervisor gave a store in the environment."""
+def start(rank: int, ledger: Ledger | None = None) -> Heartbeat:
+    """The heartbeat of this worker (telling `ledger` too), sending if the supervisor gave a
+    store in the environment."""
     url = os.environ.get(store_protocol.ENV_STORE)
     period = float(os.environ.get(store_protocol.ENV_PERIOD, 1.0))
     if not url:
-        return Heartbeat(rank)
+        return Heartbeat(rank, ledger=ledger)
     store = store_protocol.open_store(url, timeout_s=max(10.0, 5 * period),
                                       ttl_s=max(60.0, 30 * period))
-    return Heartbeat(rank, store, period, os.environ.get(store_protocol.ENV_JOB, "local"))
+    return Heartbeat(rank, store, period, os.environ.get(store_protocol.ENV_JOB, "local"), ledger)

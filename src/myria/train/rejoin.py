@@ -262,7 +262,7 @@ class InJob:
         abort_groups()
         release(error)
         # waiting is start-up, not a hang: the supervisor judges it by the start-up timeout
-        getattr(hb, "_hb", hb).phase("init")
+        hb.progress.set_phase("init")   # the supervisor's view: the ledger is replaced below
         r = self.cfg.resilience
         looks_lost = any(m in f"{type(error).__name__}: {error}" for m in PEER_LOST)
         # a peer's loss is announced within a monitor interval of its exit; a hang takes the
@@ -346,11 +346,10 @@ class InJob:
         its time from the failure on is recovery, its first step is looked for again."""
         from myria.observe import goodput
 
-        inner = getattr(hb, "_hb", hb)
-        inner.attempt = self.attempt
-        inner.progress.first_step_at = 0.0
-        inner.progress.resumed_from = -1
-        old = getattr(hb, "ledger", None)
+        hb.attempt = self.attempt
+        hb.progress.first_step_at = 0.0
+        hb.progress.resumed_from = -1
+        old = hb.ledger
         if old is None:
             return
         led = goodput.Ledger(self.run_dir, attempt=self.attempt)

@@ -8,14 +8,14 @@ batch, forward/backward over its microbatches (gradient sync only on the last), 
 optimizer and the schedule. The loop then logs, asks the checkpoint manager whether to save
 (`CheckpointManager.should_save`: the interval, the last step, a stop) and stops when asked.
 
-Robustness hooks (docs/robustness.md): `hb.phase(...)` tells the supervisor's heartbeat and the
-event timer which phase the rank is in (one call for both); the StepGuard's calls (`guard.*`)
-are the integrity seams; checkpoints are two-stage (`ckpt.save` snapshots to host memory and
-returns, `ckpt.before_update` waits for an overlapped snapshot before the weights change); the
-collective timeout drops from `init_timeout_s` to `timeout_s` once the first step is done; a
-SIGTERM makes every rank save the current step and exit. With in-job recovery
-(myria.train.rejoin) a failed step does not end the process: `train` joins the next attempt
-and builds the run again from the peers' memory.
+Robustness hooks (docs/robustness.md): inside a step, one seam, `run.watch`
+(myria.train.watchers: heartbeat phases, timer spans, fault injection, the integrity guard, the
+snapshots' waits); between steps, `hb.phase(...)` marks the loop's phases; checkpoints are
+two-stage (`ckpt.save` snapshots to host memory and returns, the watchers wait for an overlapped
+snapshot before the weights change); the collective timeout drops from `init_timeout_s` to
+`timeout_s` once the first step is done; a SIGTERM makes every rank save the current step and
+exit. With in-job recovery (myria.train.rejoin) a failed step does not end the process: `train`
+joins the next attempt and builds the run again from the peers' memory.
 """
 
 from __future__ import annotations
@@ -57,6 +57,7 @@ from myria.train.integrity import StepGuard
 from myria.train.metrics import MetricsLogger, StepTimer, mfu
 from myria.train.preemption import StopRequest
 from myria.train.profiling import Profiler
+from myria.train.watchers import Judged, StepWatchers
 
 log = logging.getLogger("myria")
 
@@ -92,7 +93,8 @@ def train(cfg: Config, run_dir: str | Path, stop_after: int | None = None) -> Tr
         injob.adjust_ledger(ledger)
     env = distributed.init(cfg.training.device, cfg.training.init_timeout_s,
                            injob.pg_store() if injob else None)
-    hb = goodput.follow(heartbeat.start(env.rank), ledger, env.rank)
+    hb = heartbeat.start(env.rank, ledger)
+    ledger.ready(env.rank)
     phase = "failed"
     try:
         while True:
@@ -206,43 +208,28 @@ class StepDone:
 
 def train_step(run: Run, step: int) -> StepDone:
     """Step `step` + 1: this rank's batch, forward/backward over its microbatches, clip, the
-    optimizer. The StepGuard's calls (`guard.*`) are the silent-corruption and numerical-fault
-    seams; `hb.phase` marks each phase for the supervisor and the event timer at once."""
-    engine, guard, hb, rec, t = run.engine, run.guard, run.hb, run.rec, run.cfg.training
-    rec.step = step + 1
-    step_ev = rec.begin("step", "step")  # left open if the step raises (the exception dump)
-    hb.phase("step-start")  # a rank held here is not said to be in the previous checkpoint
-    run.faults.at_step_start(step)
-    train_this = guard.before(step)
-    with hb.phase("data"):
-        batch = next(run.loader)
-    apply = False
+    optimizer. `run.watch` is everything else that happens around them, at fixed points
+    (myria.train.watchers: heartbeat phases, timer spans, faults, the guard, snapshots)."""
+    engine, watch, t = run.engine, run.watch, run.cfg.training
     loss = grad_norm = float("nan")
-    by_source = None
-    if train_this:  # else: a batch skipped after a numerical-fault rollback
-        hb.phase("forward-backward")
-        per_source = per_source_due(run, step + 1)
-        with record_row_losses() if per_source else contextlib.nullcontext() as rows:
-            loss_sum = engine.forward_backward(batch.inputs, batch.targets)
-        guard.after_backward(step)
-        with hb.phase("grad-clip"):
-            grad_norm = engine.clip_grads(t.grad_clip)
-        with rec.span("loss_mean", "compute"):
-            loss = engine.mean_over_dp(loss_sum)
-            by_source = source_losses(run, batch, rows) if per_source else None
-        apply = guard.judge(step + 1, loss_sum, loss, grad_norm, batch)
-    with hb.phase("snapshot-wait"):
-        run.ckpt.before_update()  # an overlapped snapshot must be copied before weights change
-    with hb.phase("optimizer"):
-        lr = engine.lr  # this step's (the schedule then moves on to the next step's)
-        engine.step() if apply else engine.skip_step()
-    if t.gc_interval and (step + 1) % t.gc_interval == 0:
-        with rec.span("gc", "check"):
-            gc.collect()  # every rank at the same step (automatic collection is off)
-    guard.check_replicas(step + 1)
-    hb.phase("peer-snapshot")
-    run.peers.after_step(step + 1)  # this rank's state into its ring neighbour's memory
-    rec.end(step_ev)
+    by_source = judged = None
+    with watch.step(step) as train_this:
+        with watch.phase("data"):
+            batch = next(run.loader)
+        if train_this:  # else: a batch skipped after a numerical-fault rollback
+            per_source = per_source_due(run, step + 1)
+            with watch.backward(), \
+                    record_row_losses() if per_source else contextlib.nullcontext() as rows:
+                loss_sum = engine.forward_backward(batch.inputs, batch.targets)
+            with watch.phase("grad-clip"):
+                grad_norm = engine.clip_grads(t.grad_clip)
+            with watch.span("loss_mean", "compute"):
+                loss = engine.mean_over_dp(loss_sum)
+                by_source = source_losses(run, batch, rows) if per_source else None
+            judged = Judged(loss_sum, loss, grad_norm, batch)
+        with watch.update(judged) as apply:
+            lr = engine.lr  # this step's (the schedule then moves on to the next step's)
+            engine.step() if apply else engine.skip_step()
     return StepDone(loss, grad_norm, lr, apply, by_source)
 
 
@@ -298,6 +285,7 @@ class Run:
     loader: Any
     metrics: MetricsLogger
     guard: StepGuard
+    watch: StepWatchers
     timer: StepTimer
     flops_per_token: float
     peak: float | None
@@ -379,8 +367,9 @@ class Run:
         guard = StepGuard(cfg, engine, run_dir, env.rank, faults, start_step)
         # copies of the state (checkpoints, peer snapshots) must hold what the ledger recorded
         ckpt.recorded = peers.recorded = guard.recorded
+        watch = StepWatchers(hb, rec, faults, guard, ckpt, peers, t.gc_interval)
         return cls(cfg, run_dir, env, hb, layout, dataset, data_fp, engine, rec, faults, ckpt,
-                   latest, start_step, stop, loader, metrics, guard, StepTimer(sync),
+                   latest, start_step, stop, loader, metrics, guard, watch, StepTimer(sync),
                    model_flops_per_token(m, seq_len=span), peak, peers=peers,
                    profiler=Profiler(cfg.profiling, run_dir, env.rank, env.device.type))
 
