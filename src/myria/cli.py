@@ -18,7 +18,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "export": ("myria.train.export", "export a checkpoint (HF safetensors + config.json)"),
     "generate": ("myria.generate", "continue a prompt with a checkpoint (KV cache, greedy or "
                  "sampled)"),
-    "supervise": ("myria.resilience.supervisor", "run training under the fault-tolerant "
+    "supervise": ("myria.resilience.cli_supervise", "run training under the fault-tolerant "
                   "supervisor"),
     "doctor": ("myria.resilience.diagnostics", "self-check diagnostics of this host"),
     "analyze": ("myria.sim.cli_analyze", "per-operator roofline table of a config"),

@@ -13,7 +13,8 @@ import torch.distributed as dist
 from myria import faults
 from myria.observe import comm, events
 from myria.observe import heartbeat_store as store
-from myria.resilience.supervisor import parse_expect, serve_tcp_store
+from myria.resilience.agent import serve_tcp_store
+from myria.resilience.policy import parse_expect
 from myria.train import heartbeat
 
 

@@ -25,11 +25,12 @@ import sys
 import time
 
 from myria import rundir
-from myria.errors import ConfigError
+from myria.errors import ConfigError, MyriaError
+from myria.resilience.policy import SAVE_FAILED
 
 log = logging.getLogger("myria.supervisor")
 
-USER_ERROR, SAVE_FAILED = 2, 4  # exits a replacement cannot fix (myria.errors, checkpoint)
+USER_ERROR = MyriaError.exit_code   # exits a replacement cannot fix: bad input, full disk
 # Idle spares that die are started again at most this many times in a job: one that keeps dying
 # (a broken environment) is said once and left, and recovery falls back to a fresh process.
 SPARE_RESTARTS = 3

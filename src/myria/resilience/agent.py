@@ -1,0 +1,104 @@
+"""The supervisor's torch elastic agent: a `LocalElasticAgent` whose monitor, stop, restart,
+rendezvous and start steps call the supervisor's hooks (myria.resilience.supervisor), and the
+TCPStore the supervisor serves the heartbeats from."""
+
+from __future__ import annotations
+
+import datetime
+import signal
+import socket
+import sys
+
+from myria import rundir
+
+
+def serve_tcp_store(timeout_s: float = 60.0):
+    """A TCPStore server bound to 127.0.0.1 only, on a free port; returns (store, port)."""
+    import torch.distributed as dist
+
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind(("127.0.0.1", 0))
+    sock.listen(64)
+    port = sock.getsockname()[1]
+    fd = sock.detach()  # TCPStore would otherwise listen on every address
+    store = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False,
+                          timeout=datetime.timedelta(seconds=timeout_s), master_listen_fd=fd)
+    return store, port
+
+
+def agent_class():
+    """The agent class (defined on first use: torch elastic is imported only then)."""
+    from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+
+    class SupervisedAgent(LocalElasticAgent):
+        """torch elastic's local agent with the supervisor's detection and recovery hooks."""
+
+        def __init__(self, sup, *a, **kw):
+            super().__init__(*a, **kw)
+            self.sup = sup
+
+        def _monitor_workers(self, worker_group):
+            if self.sup.injob is not None:  # a lost worker replaced in-job, or None
+                handled = self.sup.injob.poll(self, worker_group)
+                if handled is not None:
+                    return handled
+            return self.sup.monitor(self, worker_group, super()._monitor_workers(worker_group))
+
+        def _stop_workers(self, worker_group):
+            # A faulty group is killed outright: a frozen (SIGSTOP) or hung rank would ignore
+            # SIGTERM, and the restart resumes from the last committed checkpoint anyway.
+            if self.sup.max_nodes > 1:   # but a fenced-off group stops on the fence first
+                from myria.resilience.multihost import await_fenced_exit
+
+                await_fenced_exit(self.sup.run_dir, [w.id for w in worker_group.workers
+                                                     if w.id])
+            self._shutdown(death_sig=signal.SIGKILL, timeout=10)
+
+        def _restart_workers(self, worker_group):
+            self.sup.recover(self, worker_group)
+            super()._restart_workers(worker_group)
+
+        def _rendezvous(self, worker_group):
+            super()._rendezvous(worker_group)
+            self.sup.rendezvoused(self, worker_group)
+
+        def _initialize_workers(self, worker_group):
+            self.sup.before_start(self, worker_group)
+            super()._initialize_workers(worker_group)
+            self.sup.started(self, worker_group)
+
+    return SupervisedAgent
+
+
+def make_agent(sup):
+    """torch elastic's agent for supervisor `sup`: its rendezvous (c10d), the workers' command
+    (`python -m myria WORKER_ARGS`) and the logs under RUN_DIR/logs."""
+    from torch.distributed.elastic.agent.server.api import WorkerSpec
+    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std
+    from torch.distributed.elastic.rendezvous import RendezvousParameters
+    from torch.distributed.elastic.rendezvous import registry as rdzv_registry
+
+    from myria.train.launch import free_port
+
+    endpoint = sup.rdzv_endpoint or f"127.0.0.1:{free_port()}"
+    sup._endpoint = endpoint
+    t = sup.cfg.training
+    params = RendezvousParameters(
+        backend="c10d", endpoint=endpoint, run_id=sup.job, min_nodes=sup.min_nodes,
+        max_nodes=sup.max_nodes, join_timeout=int(t.init_timeout_s),
+        last_call_timeout=1 if sup.min_nodes == sup.max_nodes else 30,
+        close_timeout=30, read_timeout=int(max(60, t.init_timeout_s)),
+        # a host silent this long is out of the round, so a spare can take its place
+        keep_alive_interval=max(1, round(sup.r.heartbeat_s)),
+        keep_alive_max_attempt=max(3, 2 * sup.r.missed_heartbeats))
+    spec = WorkerSpec(
+        role="trainer", local_world_size=sup.nproc, entrypoint=sys.executable,
+        args=("-u", "-m", "myria", *sup.worker_argv),
+        rdzv_handler=rdzv_registry.get_rendezvous_handler(params),
+        max_restarts=sup.r.max_restarts,
+        monitor_interval=max(0.05, min(0.5, sup.r.heartbeat_s / 4)))
+    logs = DefaultLogsSpecs(log_dir=str(sup.run_dir / rundir.LOGS_DIR), tee=Std.ALL)
+    return agent_class()(sup, spec, logs, start_method="spawn", exit_barrier_timeout=60,
+                          shutdown_timeout=int(sup.r.sigterm_grace_s))
+

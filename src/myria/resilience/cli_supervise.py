@@ -1,0 +1,89 @@
+"""`myria supervise`: its arguments, the one-line refusals judged before torch is imported, and
+the start of the Supervisor (myria.resilience.supervisor) on this host.
+
+    myria supervise --config configs/demo.toml --run-dir runs/demo --nproc 2 [--section.key=value]
+    # several hosts: the same command on each, plus
+    #   --nnodes 4 --rdzv-endpoint HOST0:29400 --rdzv-id JOB
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from pathlib import Path
+
+from myria.errors import ConfigError
+
+ACCEPTS_OVERRIDES = True
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", help="TOML run config (default: built-in defaults)")
+    p.add_argument("--run-dir", required=True, help="run directory (checkpoints, metrics, logs, "
+                   "supervisor_summary.json)")
+    p.add_argument("--nproc", type=int, default=1, help="worker processes (ranks) on this host")
+    p.add_argument("--nnodes", default="1", help="hosts in the job: N or MIN:MAX (elastic)")
+    p.add_argument("--rdzv-endpoint", default="", help="HOST:PORT of the rendezvous (default: "
+                   "127.0.0.1 and a free port, one host)")
+    p.add_argument("--rdzv-id", default="", help="job id shared by the hosts of one job")
+    p.add_argument("--job-status", action="store_true", help="print job --rdzv-id's outcome "
+                   "from RUN_DIR's summary and exit 0 only if it succeeded (the Slurm script's "
+                   "exit)")
+    p.epilog = ("Config overrides --section.key=value pass to the workers as in `myria train`; "
+                "[resilience] sets heartbeats, timeouts, restarts and the blocklist hook.")
+
+
+def run(args) -> int:
+    if args.job_status:
+        from myria.resilience.multihost import job_status
+
+        return job_status(Path(args.run_dir), args.rdzv_id)
+    from myria.train.preflight import run_config
+
+    cfg, _ = run_config(args.config, args.overrides, args.run_dir)  # model.init_from too
+    min_nodes, max_nodes = _parse_nnodes(args.nnodes)
+    from myria import faults, rundir
+    from myria.data.mixture import open_dataset
+    from myria.layout import Layout
+    from myria.train.preflight import check_nproc, check_run, preflight
+
+    faults.parse(os.environ.get("MYRIA_FAULT"))  # a bad test hook: one line, no restarts
+    # one line each, before anything; what needs torch (seconds to import) comes last
+    if args.nproc < 1 or cfg.training.device == "cpu":
+        check_nproc(args.nproc, "cpu")
+    data = open_dataset(cfg.data, cfg.model.seq_len, verify=False)
+    if done := preflight(cfg, args.run_dir, None):
+        print(done)
+        return 0
+    from myria.train.distributed import device_type
+    from myria.train.trainer import check_vocab
+
+    check_nproc(args.nproc, device_type(cfg.training.device))
+    check_vocab(cfg, data)
+    check_run(cfg, Layout.resolve(cfg.parallel, args.nproc * min_nodes),
+              device_type(cfg.training.device))
+    from myria.resilience import injob
+
+    injob.check(cfg, min_nodes, max_nodes, args.nproc)
+    rundir.lock(args.run_dir, "supervise", job=args.rdzv_id)   # one job per run directory
+    worker_argv = ["train", "--run-dir", str(args.run_dir)]
+    if args.config:
+        worker_argv += ["--config", str(args.config)]
+    worker_argv += list(args.overrides)
+    from myria.resilience.supervisor import Supervisor
+
+    sup = Supervisor(cfg, Path(args.run_dir), args.nproc, worker_argv, min_nodes=min_nodes,
+                     max_nodes=max_nodes, rdzv_endpoint=args.rdzv_endpoint,
+                     rdzv_id=args.rdzv_id)
+    return sup.run()
+
+
+def _parse_nnodes(text: str) -> tuple[int, int]:
+    try:
+        lo, _, hi = str(text).partition(":")
+        a, b = int(lo), int(hi or lo)
+    except ValueError:
+        raise ConfigError(f"--nnodes {text!r}: expected N or MIN:MAX") from None
+    if not 1 <= a <= b:
+        raise ConfigError(f"--nnodes {text!r}: need 1 <= MIN <= MAX")
+    return a, b
