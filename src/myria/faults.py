@@ -15,6 +15,7 @@ starts any worker. Every kind and its effect: docs/robustness.md, "The fault gra
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -50,17 +51,28 @@ class Fault:
         return "rank" not in self.params or rank is None or self.params["rank"] == rank
 
 
-def parse(text: str | None) -> list[Fault]:
-    """Parse MYRIA_FAULT; raises FaultSpecError naming the bad item and what is valid."""
-    faults = []
+def items(text: str | None, kinds: tuple[str, ...],
+          unknown: Callable[[str, str], Exception]) -> list[tuple[str, str, list[str]]]:
+    """The grammar of the fault hooks (MYRIA_FAULT, MYRIA_DOCTOR_FAULT): comma-separated items,
+    each `kind[:key=value]...`; (item, kind, its `key=value` parts) for each, and
+    `unknown(item, kind)` raised for a kind not in `kinds`. Each hook judges its own keys."""
+    out = []
     for item in (text or "").split(","):
         item = item.strip()
         if not item:
             continue
         kind, *kvs = item.split(":")
-        if kind not in KINDS:
-            raise FaultSpecError(f"MYRIA_FAULT item {item!r}: unknown fault {kind!r}; "
-                                 f"valid: {', '.join(KINDS)}")
+        if kind not in kinds:
+            raise unknown(item, kind)
+        out.append((item, kind, kvs))
+    return out
+
+
+def parse(text: str | None) -> list[Fault]:
+    """Parse MYRIA_FAULT; raises FaultSpecError naming the bad item and what is valid."""
+    faults = []
+    for item, kind, kvs in items(text, KINDS, lambda item, kind: FaultSpecError(
+            f"MYRIA_FAULT item {item!r}: unknown fault {kind!r}; valid: {', '.join(KINDS)}")):
         params: dict = {}
         for kv in kvs:
             k, _, v = kv.partition("=")

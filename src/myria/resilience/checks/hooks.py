@@ -14,6 +14,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from myria.errors import ConfigError
+from myria.faults import items
 
 FAULT_ENV = "MYRIA_DOCTOR_FAULT"
 # the same hook for one host only: a file in the host's own /dev/shm holding a spec (an
@@ -54,14 +55,8 @@ class DoctorFault:
 def parse_faults(text: str | None) -> list[DoctorFault]:
     """Parse MYRIA_DOCTOR_FAULT, e.g. `slow-gemm`, `wrong-gemm:rank=1,slow-gemm:rank=0`."""
     faults: list[DoctorFault] = []
-    for item in (text or "").split(","):
-        item = item.strip()
-        if not item:
-            continue
-        kind, *params = item.split(":")
-        if kind not in FAULT_KINDS:
-            raise ConfigError(f"{FAULT_ENV}: unknown fault {kind!r} in {item!r}; "
-                              f"known: {', '.join(FAULT_KINDS)}")
+    for item, kind, params in items(text, FAULT_KINDS, lambda item, kind: ConfigError(
+            f"{FAULT_ENV}: unknown fault {kind!r} in {item!r}; known: {', '.join(FAULT_KINDS)}")):
         rank: int | None = None
         fraction = 0.25
         for p in params:
