@@ -16,6 +16,7 @@ import torch
 from myria.cli import main
 from myria.errors import ConfigError
 from myria.measure.collective import bus_bandwidth, busbw_factor
+from myria.resilience import decision
 from myria.resilience import diagnostics as dg
 
 # Floors a healthy host clears even when other jobs share its cores (healthy here: GEMM
@@ -146,7 +147,7 @@ def test_diagnostics_are_skipped_only_when_they_cannot_tell_anything():
     TTL and the fault does not point at the hardware; otherwise run them, with the reason."""
     now, ttl = 1000.0, 3600.0
     ok = {"at": now - 42, "passed": True, "path": "r.json"}
-    d = dg.decide(_kill(), [], ok, now=now, ttl_s=ttl)
+    d = decision.decide(_kill(), [], ok, now=now, ttl_s=ttl)
     assert not d.run and d.reason.startswith("skipped: host passed 42 s ago") and \
         d.last_pass_age_s == 42
     # (fault, previous faults, detections, newest report) -> the reason it runs
@@ -167,17 +168,17 @@ def test_diagnostics_are_skipped_only_when_they_cannot_tell_anything():
         (_kill(), [_kill(0, at=800.0), _kill(0, at=900.0)], [], ok, "fault 3 on this host"),
     ]
     for fault, prev, dets, last, why in runs:
-        d = dg.decide(fault, prev, last, now=now, ttl_s=ttl, detections=dets)
+        d = decision.decide(fault, prev, last, now=now, ttl_s=ttl, detections=dets)
         assert d.run and why in d.reason, (why, d)
     # a different rank after an earlier fault, and two faults an hour apart: still skipped
-    assert not dg.decide(_kill(), [_kill(0, at=900.0)], ok, now=now, ttl_s=ttl).run
-    assert not dg.decide(_kill(), [_kill(0, at=now - ttl - 10), _kill(0, at=900.0)], ok,
+    assert not decision.decide(_kill(), [_kill(0, at=900.0)], ok, now=now, ttl_s=ttl).run
+    assert not decision.decide(_kill(), [_kill(0, at=now - ttl - 10), _kill(0, at=900.0)], ok,
                          now=now, ttl_s=ttl).run
-    assert dg.decide(_kill(), [], ok, now=now, ttl_s=0).run
+    assert decision.decide(_kill(), [], ok, now=now, ttl_s=0).run
     from myria.config import ResilienceConfig
 
-    assert ResilienceConfig().diagnostics_ttl_s == dg.DEFAULT_TTL_S   # the documented default
-    assert dg.decide(_kill(), [], ok, now=now, ttl_s=ttl, hook=True).run
+    assert ResilienceConfig().diagnostics_ttl_s == decision.DEFAULT_TTL_S   # the documented default
+    assert decision.decide(_kill(), [], ok, now=now, ttl_s=ttl, hook=True).run
 
 
 def test_the_newest_full_report_of_the_host_is_found_in_the_run_and_the_cache(tmp_path):
@@ -201,14 +202,14 @@ def test_the_newest_full_report_of_the_host_is_found_in_the_run_and_the_cache(tm
     write(cache_dir() / "doctor" / f"{host}-20990101-000000.json", ago=100)
     for kw in ({"nproc": 1}, {"faults": ["wrong-gemm"], "passed": False}):
         write(cache_dir() / "doctor" / f"{host}-{len(kw)}.json", ago=10, **kw)
-    found = dg.newest_report(host, 2, [run / "diagnostics", cache_dir() / "doctor"])
+    found = decision.newest_report(host, 2, [run / "diagnostics", cache_dir() / "doctor"])
     assert found["passed"] and found["path"].endswith("20990101-000000.json")
     assert 95 <= time.time() - found["at"] <= 110, found
-    d = dg.decide_for_supervisor(run, host, 2, _kill(at=time.time()), [], 3600.0, since=0.0)
+    d = decision.decide_for_supervisor(run, host, 2, _kill(at=time.time()), [], 3600.0, since=0.0)
     assert not d.run and "skipped: host passed" in d.reason, d
-    assert dg.decide_for_supervisor(run, host, 4, _kill(at=time.time()), [], 3600.0, 0.0).run
+    assert decision.decide_for_supervisor(run, host, 4, _kill(at=time.time()), [], 3600.0, 0.0).run
     write(run / "diagnostics" / f"{host}-attempt1.json", ago=5, passed=False)
-    d = dg.decide_for_supervisor(run, host, 2, _kill(at=time.time()), [], 3600.0, since=0.0)
+    d = decision.decide_for_supervisor(run, host, 2, _kill(at=time.time()), [], 3600.0, since=0.0)
     assert d.run and "failed" in d.reason, d
 
 

@@ -413,11 +413,11 @@ def test_faults_during_recovery_twice_then_diagnostics_skipped(tmp_path, tiny_da
     assert f3["decision"].startswith("run: rank 1 faulted again") and \
         "PASS" in f3["diagnostics"][0], f3
     # the passes are the host's record: another run directory's first fault skips them too
-    from myria.resilience import diagnostics as dg
+    from myria.resilience import decision
 
     monkeypatch.setenv("MYRIA_CACHE", str(tmp_path / "cache"))
-    d = dg.decide_for_supervisor(tmp_path / "another", socket.gethostname(), 2, f1, [], 3600.0,
-                                 since=0.0)
+    d = decision.decide_for_supervisor(tmp_path / "another", socket.gethostname(), 2, f1, [],
+                                       3600.0, since=0.0)
     assert not d.run and f"{tmp_path / 'cache' / 'doctor'}" in d.reason, d
     assert_bit_equal(run, reference, STEPS)
     mgr = CheckpointManager(run / "checkpoints")

@@ -14,29 +14,21 @@ skip status and the reason (measured vs expected, with the evidence):
 4. `memory-bandwidth`: a large buffer copy (GB/s counting read + write) against this host's
    measured history (CPU; once per host, the ranks share the memory) or the datasheet HBM
    bandwidth times an achievable fraction (GPU, per rank); re-measured and judged as above.
-5. `all-reduce`, `all-to-all` (optionally `all-gather`, `reduce-scatter`) among the host's
-   `nproc` local ranks (gloo over loopback on CPU, NCCL on GPU): the data are checked, and the
-   bus bandwidth, computed as nccl-tests does (see `myria.measure.collective`), is compared with the
-   expected value (on CPU a modest floor).
-6. `neighbor-all-reduce`: under a multi-host launch this host forms a group with its neighbour
-   (hosts are paired in list order, (0, 1), (2, 3), ..., the last three together when the count
-   is odd: list hosts in switch order) and all-reduces one buffer per host. The host list comes
-   from `--peer-hosts`, else `MYRIA_HOSTS` (comma-separated), else Slurm's `SLURM_STEP_NODELIST`
-   inside `srun`; this host's position from `--host-index`, `MYRIA_HOST_INDEX`, `SLURMD_NODENAME`
-   or its host name. The group's first host serves the rendezvous on `--peer-port` (default
-   29571, or `MYRIA_DOCTOR_PORT`) plus the group's first index. On one host: skipped.
+5. `all-reduce`, `all-to-all` (optionally `all-gather`, `reduce-scatter`) among the `nproc`
+   local ranks (gloo on CPU, NCCL on GPU): the data checked, the bus bandwidth (nccl-tests'
+   formula, `myria.measure.collective`) against the expected value (on CPU a modest floor).
+6. `neighbor-all-reduce`: under a multi-host launch this host all-reduces one buffer with its
+   neighbour (hosts paired in list order, the last three together when the count is odd; the
+   list from `--peer-hosts`, `MYRIA_HOSTS` or Slurm's `SLURM_STEP_NODELIST`, the rendezvous on
+   `--peer-port` plus the group's first index: docs/robustness.md). On one host: skipped.
 7. `p2p-loopback`: a send/recv ring among the local ranks: payload integrity and hop latency.
 
-A worker that crashes or hangs is a failure of the `workers` check naming the rank and the check
-it was running. The host passes when no check fails (warnings are evidence, not faults). Local
-rendezvous binds 127.0.0.1 only. Test hook: MYRIA_DOCTOR_FAULT (`myria.resilience.checks.hooks`).
+A worker that crashes or hangs fails the `workers` check, naming the rank and its check. The
+host passes when no check fails (warnings are evidence, not faults). Local rendezvous binds
+127.0.0.1 only. Test hook: MYRIA_DOCTOR_FAULT (`myria.resilience.checks.hooks`).
 
-Python API (for the supervisor): `run_diagnostics(nproc, expected, timeout_s) -> HostReport`, and
-`decide_for_supervisor(...) -> Decision`: before a restart the supervisor skips the diagnostics
-when this host passed a full run of them within `resilience.diagnostics_ttl_s` (its own before an
-earlier restart, or `myria doctor`'s in the host cache, e.g. from the scheduler's prolog) and the
-fault does not point at the hardware (an sdc verdict, SIGBUS/SIGILL, a device or link error, a
-rank's traffic stopping, the same rank failing again, a third fault on the host within the TTL).
+Python API (for the supervisor): `run_diagnostics(nproc, expected, timeout_s) -> HostReport`;
+whether it runs them before a restart: myria.resilience.decision.
 """
 
 from __future__ import annotations
@@ -44,17 +36,15 @@ from __future__ import annotations
 import argparse
 import datetime as _dt
 import ipaddress
-import json
 import os
 import platform
 import queue as _queue
-import re
 import socket
 import sys
 import time
 import traceback
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -708,159 +698,3 @@ def run(args: argparse.Namespace) -> int:
             raise MyriaError(f"cannot write the JSON report to {path}: {e}") from None
         print(f"JSON report: {path}")
     return 0 if report.passed else 1
-
-
-# ---------------------------------------------------------------------------------------------
-# When the supervisor runs them: only when they can tell something (issue 26)
-#
-# Measured on this host (bench/RESULTS.md, issue 26): the diagnostics were 27.6 s of the 60.4 s a
-# 4-rank restart lost. They exist to find a bad host; a host that passed them a moment ago and a
-# fault that does not point at the hardware (a killed or crashed process, a software hang) will
-# not make them fail, so the supervisor skips them then and says why.
-
-DEFAULT_TTL_S = 3600.0
-"""resilience.diagnostics_ttl_s's default: how long a pass is trusted. The bound is not cost:
-a wrong skip costs at most one more fault cycle (the same rank failing again, or a third fault
-on the host, is diagnosed), and a host that passed goes bad within the hour with a probability
-of about 1e-4 (Llama 3's 405B run: 419 interruptions, ~78% hardware, in 54 days on 2,048
-8-GPU hosts, about one per host every 260 days), far below the 27.6 s here (minutes on GPU
-hosts) that each skip saves. An hour is also the period at which clusters run their routine
-health checks, so a pass the scheduler's prolog recorded stays in force as long as the cluster's
-own checks would trust it. 0 runs the diagnostics before every restart (the old behaviour)."""
-
-HOST_FAULTS = 3          # this many faults on the host within the TTL: diagnose (repeated)
-HARDWARE_SIGNALS = ("SIGBUS", "SIGILL")   # a machine check's poisoned page, a broken CPU
-# what a rank's last error line says when the device, its memory or a link failed
-HARDWARE_WORDS = re.compile(
-    r"CUDA error|NCCL error|\bECC\b|\bXid\b|uncorrectable|illegal memory access|NVLink|"
-    r"PCIe|SilentCorruption|replicas diverged|changed at rest", re.IGNORECASE)
-
-
-@dataclass
-class Decision:
-    """Whether to run the diagnostics before a restart, and why (recorded with the fault)."""
-
-    run: bool
-    reason: str
-    last_pass_age_s: float | None = None
-
-
-def _report_time(d: dict[str, Any], path: Path) -> float:
-    """When a report's checks ended: its start (local time) plus its duration, else its mtime."""
-    try:
-        return _dt.datetime.fromisoformat(d["started_at"]).timestamp() + \
-            float(d.get("duration_s") or 0.0)
-    except (KeyError, TypeError, ValueError):
-        return path.stat().st_mtime
-
-
-def newest_report(host: str, nproc: int, dirs: Sequence[Path], newest: int = 20
-                  ) -> dict[str, Any] | None:
-    """The newest full diagnostics report of `host` in `dirs` (the run's diagnostics/ and the
-    host cache's doctor/, where `myria doctor` writes): {"at", "passed", "path"}. Reports of a
-    test hook (MYRIA_DOCTOR_FAULT) or of fewer local ranks than `nproc` do not count."""
-    files: list[tuple[float, Path]] = []
-    for d in dirs:
-        try:
-            files += [(p.stat().st_mtime, p) for p in Path(d).glob(f"{host}-*.json")]
-        except OSError:
-            continue
-    best: dict[str, Any] | None = None
-    for _, p in sorted(files, reverse=True)[:newest]:
-        try:
-            r = json.loads(p.read_text())
-        except (OSError, ValueError):
-            continue
-        if not isinstance(r, dict) or r.get("host") != host or r.get("faults") or \
-                int(r.get("nproc") or 0) < nproc or not r.get("checks"):
-            continue
-        at = _report_time(r, p)
-        if best is None or at > best["at"]:
-            best = {"at": at, "passed": bool(r.get("passed")), "path": str(p)}
-    return best
-
-
-def _signal_of(fault: dict[str, Any]) -> str:
-    first = str(fault.get("evidence", "")).split(";")[0]
-    m = re.search(r"signal (SIG[A-Z0-9]+)", first)
-    return m.group(1) if m else ""
-
-
-def hardware_reason(fault: dict[str, Any], previous: Sequence[dict[str, Any]],
-                    detections: Sequence[dict[str, Any]], now: float, ttl_s: float) -> str:
-    """Why this fault points at the hardware ('' when it does not). `fault` and `previous`
-    (the job's earlier faults on this host) are the supervisor's Fault.to_dict()s; `detections`
-    are events.jsonl rows (myria.detections) written since the failed attempt started."""
-    for d in detections:
-        if d.get("kind") == "sdc":
-            return (f"sdc verdict at step {d.get('step')} on rank {d.get('rank')} "
-                    f"({d.get('evidence', {}).get('check', 'replicas')})")
-        if d.get("kind") == "health" and d.get("action") != "none":
-            return "a health check of this host failed during the attempt"
-    kind = fault.get("kind")
-    if kind == "traffic-stopped":
-        return "a rank's traffic stopped (a link or NIC)"
-    if kind == "hang":   # alive but stuck: a device or link that stopped answering
-        return "a rank made no progress while its process lived (a stuck device or link)"
-    sig = _signal_of(fault)
-    if sig in HARDWARE_SIGNALS:
-        return f"the rank died of {sig} (a memory or CPU fault)"
-    cause = str(fault.get("cause", ""))
-    if m := HARDWARE_WORDS.search(cause):
-        return f"its error names the hardware ({m.group(0)!r}: {cause[:120]})"
-    ranks = list(fault.get("ranks") or [])
-    culprit = ranks[0] if ranks else None
-    for p in previous:
-        if culprit is not None and (p.get("ranks") or [None])[0] == culprit:
-            return (f"rank {culprit} faulted again (before: {p.get('kind')} at step "
-                    f"{p.get('last_step')}, attempt {p.get('attempt')})")
-    recent = [p for p in previous if now - float(p.get("fault_at") or 0) <= ttl_s]
-    if len(recent) + 1 >= HOST_FAULTS:
-        return f"fault {len(recent) + 1} on this host within {ttl_s:g} s"
-    return ""
-
-
-def decide(fault: dict[str, Any], previous: Sequence[dict[str, Any]],
-           last: dict[str, Any] | None, *, now: float, ttl_s: float,
-           detections: Sequence[dict[str, Any]] = (), hook: bool = False) -> Decision:
-    """Run the diagnostics before a restart, or skip them: skip only when this host passed a
-    full diagnostic (`last`, from newest_report) within `ttl_s` and the fault does not point at
-    the hardware (hardware_reason)."""
-    if ttl_s <= 0:
-        return Decision(True, "run: resilience.diagnostics_ttl_s = 0 (always)")
-    if hook:
-        return Decision(True, f"run: test hook {FAULT_ENV} pending")
-    if why := hardware_reason(fault, previous, detections, now, ttl_s):
-        return Decision(True, f"run: {why}")
-    if last is None:
-        return Decision(True, f"run: no full diagnostics of this host on record (pass within "
-                              f"{ttl_s:g} s skips them)")
-    age = max(0.0, now - float(last["at"]))
-    if not last["passed"]:
-        return Decision(True, f"run: the newest diagnostics of this host failed {age:.0f} s ago",
-                        age)
-    if age > ttl_s:
-        return Decision(True, f"run: host passed {age:.0f} s ago, more than "
-                              f"resilience.diagnostics_ttl_s = {ttl_s:g}", age)
-    return Decision(False, f"skipped: host passed {age:.0f} s ago (within "
-                           f"resilience.diagnostics_ttl_s = {ttl_s:g}; {last['path']}) and the "
-                           f"fault ({fault.get('kind')}: {str(fault.get('cause'))[:80]}) does not "
-                           "point at the hardware", age)
-
-
-def decide_for_supervisor(run_dir: Path, host: str, nproc: int, fault: dict[str, Any],
-                          previous: Sequence[dict[str, Any]], ttl_s: float, since: float,
-                          hook: bool = False) -> Decision:
-    """decide() with the evidence a supervisor has: the run's and the host cache's reports and
-    the detections the workers recorded since `since` (the failed attempt's start)."""
-    from myria import detections as det
-    from myria import rundir
-    from myria.device import cache_dir
-
-    now = time.time()
-    if ttl_s <= 0 or hook:
-        return decide(fault, previous, None, now=now, ttl_s=ttl_s, hook=hook)
-    rows = [r for r in det.read(run_dir) if float(r.get("time") or 0) >= since]
-    last = newest_report(host, nproc, [Path(run_dir) / rundir.DIAGNOSTICS_DIR,
-                                       cache_dir() / "doctor"])
-    return decide(fault, previous, last, now=now, ttl_s=ttl_s, detections=rows)

@@ -144,7 +144,8 @@ def diagnose(sup, f: Fault) -> None:
     """After fault `f`: run this host's self-check diagnostics (or skip them, saying why), record
     the verdict, keep a slow host without a spare, else blocklist it (BadHost when it leaves)."""
     from myria.resilience.checks.hooks import host_fault
-    from myria.resilience.diagnostics import FAULT_ENV, decide_for_supervisor, run_diagnostics
+    from myria.resilience.decision import decide_for_supervisor
+    from myria.resilience.diagnostics import FAULT_ENV, run_diagnostics
 
     spec = doctor_fault_once(sup.run_dir, os.environ.get(FAULT_ENV, "") or host_fault())
     d = decide_for_supervisor(sup.run_dir, sup.host, sup.nproc, f.to_dict(),
