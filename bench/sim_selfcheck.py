@@ -2,8 +2,8 @@
 
     .venv/bin/python bench/sim_selfcheck.py [--steps 10] [--warmup 3] [--only demo,pp2]
 
-In one invocation: (1) measure this CPU's figures (`myria.measure.cpu`: GEMM rates for every shape
-the configurations run, SDPA, elementwise bandwidth, kernel overhead, optimizer, and gloo
+In one invocation: (1) measure this CPU's figures (`myria.sim.measure.cpu`: GEMM rates for every
+shape the configurations run, SDPA, elementwise bandwidth, kernel overhead, optimizer, and gloo
 collectives between 2 local processes), with the threads per process the trainer uses
 (cores / processes), refreshing the cache; (2) predict each configuration's step time with
 `myria.sim.perf.simulate_config` on those figures; (3) run `myria train` on it through the CLI
@@ -159,7 +159,7 @@ def load_config(case: Case):
 def measure_case(case: Case) -> dict:
     """Re-measure every figure `case` needs now, as it will run: `nproc` processes at once."""
     from myria.device import cpu_device_spec
-    from myria.measure import cpu, profile_summary
+    from myria.sim.measure import cpu, profile_summary
     from myria.sim.perf import config_run, run_shape
 
     cfg = load_config(case)
@@ -267,7 +267,8 @@ def write_markdown(result: dict) -> None:
         f"torch {m['torch']}, Python {m['python']}; date {DATE}.",
         "",
         "The simulator predicts each step from figures measured on this CPU just before "
-        "(`myria.measure.cpu`, threads per process = cores / processes, as the trainer sets them); "
+        "(`myria.sim.measure.cpu`, threads per process = cores / processes, as the trainer "
+        "sets them); "
         "then `myria train` runs the configuration through the CLI and the median "
         f"`step_time_s` after {result['warmup']} warm-up steps is the measured figure. "
         "The machine is shared: before each configuration the bench waits (up to "

@@ -29,7 +29,6 @@ LAYERS = [
     ("layout",),                                # the parallel layout and its one check
     ("parallel",),                              # meshes, groups, parallelisation (torch)
     ("sim",),                                   # the performance model, planner, network
-    ("measure",),                               # measurements of this machine for the model
     ("observe",),                               # events, analysis, stragglers, reports
     ("offload",),                               # the nvme tier
     ("train",),                                 # the worker: engine, loop, checkpoints

@@ -45,7 +45,7 @@ def test_report_of_a_run_without_events_says_so_in_one_line(quiet_run):
 @pytest.mark.slow
 def test_prediction_uses_the_measured_profile_of_the_runs_layout(quiet_run, tmp_path,
                                                                   monkeypatch):
-    from myria.measure import cpu
+    from myria.sim.measure import cpu
     from myria.sim.perf import simulate_config
     from tests.sim.test_cpu import synthetic_profile
 

@@ -15,9 +15,9 @@ import torch
 
 from myria.cli import main
 from myria.errors import ConfigError
-from myria.measure.collective import bus_bandwidth, busbw_factor
 from myria.resilience import decision
 from myria.resilience import diagnostics as dg
+from myria.sim.measure.collective import bus_bandwidth, busbw_factor
 
 # Floors a healthy host clears even when other jobs share its cores (healthy here: GEMM
 # ~0.1-0.3 TFLOP/s, copy ~5-10 GB/s, gloo busbw ~0.5-1 GB/s, hop latency ~0.1-5 ms).

@@ -204,8 +204,8 @@ def test_analyze_never_asks_for_more_than_the_machine_has(capsys):
 def test_measuring_a_model_too_large_for_this_host_is_refused():
     from myria import config as mconfig
     from myria.errors import ConfigError
-    from myria.measure.cpu import check_measurable
     from myria.sim.hardware import device_spec
+    from myria.sim.measure.cpu import check_measurable
     from myria.sim.perf import config_run, run_shape
 
     cfg = mconfig.load("configs/llama3-8b.toml")
@@ -246,7 +246,7 @@ def test_simulate_a_training_config_names_every_cost(monkeypatch, capsys):
     import dataclasses
 
     from myria import device
-    from myria.measure import cpu
+    from myria.sim.measure import cpu
 
     from .test_cpu import HERE, synthetic_profile
 

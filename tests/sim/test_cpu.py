@@ -8,9 +8,9 @@ import pytest
 
 from myria.config import Config
 from myria.device import DeviceSpec
-from myria.measure import cpu, multiproc, profile_summary
 from myria.sim import collectives as coll
 from myria.sim.hardware import build_hardware
+from myria.sim.measure import cpu, multiproc, profile_summary
 from myria.sim.op_timing import measured_rate, op_time, rate_key
 from myria.sim.operators import Efficiency, Op, layer_shape
 from myria.sim.perf import config_run, efficiency_for, run_shape, simulate_config

@@ -20,7 +20,7 @@ Writes RUN_DIR/report/:
     *.png         the same figures as files
 
 The prediction on a CPU is made from this CPU's measured figures at the run's threads per
-process (`myria.measure.cpu`: the GEMM/SDPA rates of the model's own shapes, eager elementwise
+process (`myria.sim.measure.cpu`: the GEMM/SDPA rates of the model's own shapes, eager elementwise
 bandwidths, gloo among the run's processes), measured on first use and cached, as `myria train
 --dry-run` does; never from the matmul peak alone, which prices an eager step 2-3x too fast.
 
@@ -550,7 +550,7 @@ def prediction(run_dir: Path, world: int | None = None) -> dict | None:
     """The performance model's step for the run's config on its `world` processes (default:
     its event files), in the meter's MFU convention; None with no config.json. On a CPU it is
     priced from this CPU's figures measured at the run's threads per process (measured now if
-    the cache lacks them, `myria.measure.cpu.measured_profile`); elsewhere on the device the
+    the cache lacks them, `myria.sim.measure.cpu.measured_profile`); elsewhere on the device the
     planner would use (`myria.device.planning_device`)."""
     cfg_path = run_dir / rundir.CONFIG
     if not cfg_path.exists():
@@ -614,7 +614,7 @@ def _prediction_device(cfg, world: int):
     if device != "cpu":
         dtype = cfg.training.dtype if cfg.training.dtype != "auto" else "bfloat16"
         return planning_device(dtype), None, 0
-    from myria.measure import cpu as mcpu
+    from myria.sim.measure import cpu as mcpu
     from myria.sim.perf import config_run, run_shape
 
     run, spec, threads = config_run(cfg, world, cpu_device_spec())   # at its threads/process

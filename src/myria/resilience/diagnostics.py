@@ -16,7 +16,7 @@ skip status and the reason (measured vs expected, with the evidence):
    bandwidth times an achievable fraction (GPU, per rank); re-measured and judged as above.
 5. `all-reduce`, `all-to-all` (optionally `all-gather`, `reduce-scatter`) among the `nproc`
    local ranks (gloo on CPU, NCCL on GPU): the data checked, the bus bandwidth (nccl-tests'
-   formula, `myria.measure.collective`) against the expected value (on CPU a modest floor).
+   formula, `myria.sim.measure.collective`) against the expected value (on CPU a modest floor).
 6. `neighbor-all-reduce`: under a multi-host launch this host all-reduces one buffer with its
    neighbour (hosts paired in list order, the last three together when the count is odd; the
    list from `--peer-hosts`, `MYRIA_HOSTS` or Slurm's `SLURM_STEP_NODELIST`, the rendezvous on
@@ -186,7 +186,7 @@ def _worker(rank: int, cfg: dict[str, Any], q: Any) -> None:
         import torch
         import torch.distributed as dist
 
-        from myria.measure import collective as cb
+        from myria.sim.measure import collective as cb
 
         torch.set_num_threads(cfg["threads"])
         n = cfg["nproc"]
@@ -273,7 +273,7 @@ def _neighbor_worker(cfg: dict[str, Any], q: Any, release: Any) -> None:
         import torch
         import torch.distributed as dist
 
-        from myria.measure import collective as cb
+        from myria.sim.measure import collective as cb
 
         device = torch.device("cuda", 0) if cfg["device"] == "cuda" else torch.device("cpu")
         if device.type == "cuda":
@@ -352,7 +352,7 @@ def run_diagnostics(nproc: int = 2, expected: dict[str, float] | None = None,
     dtype = dtype or ("float32" if device == "cpu" else "bfloat16")
     if dtype not in DTYPES:
         raise ConfigError(f"dtype {dtype!r}: use one of {', '.join(DTYPES)}")
-    from myria.measure.collective import OPS
+    from myria.sim.measure.collective import OPS
 
     bad = [op for op in collectives if op not in OPS]
     if bad:

@@ -60,7 +60,7 @@ def _load(args) -> StepResult:
     from myria.device import planning_device
 
     spec = device_spec(args.gpu) if args.gpu else planning_device(cfg.training.dtype)
-    from myria.measure.cpu import measured_profile
+    from myria.sim.measure.cpu import measured_profile
 
     return simulate_config(cfg, nproc, spec, cpu_profile=measured_profile(cfg, nproc, spec),
                            detail=True)

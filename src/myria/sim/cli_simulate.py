@@ -119,8 +119,8 @@ def _config_run(args: argparse.Namespace, path: str):
     from myria.device import planning_device
     from myria.interop import hf
     from myria.layout import Layout
-    from myria.measure.cpu import measured_profile
     from myria.sim.hardware import device_spec
+    from myria.sim.measure.cpu import measured_profile
     from myria.sim.perf import config_run
 
     cfg, _ = hf.load_config(path, weights=False)

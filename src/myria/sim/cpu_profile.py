@@ -3,7 +3,7 @@
 A leaf of the simulator: it imports no other part of `myria.sim` (the step model turns a profile
 into its `Efficiency`, `myria.sim.perf.efficiency_for`), so `hardware` can load a profile and
 `operators` can read `hardware`'s constants without a circle.
-`myria.measure.cpu` measures (torch, the trainer's model, gloo) and writes the cache
+`myria.sim.measure.cpu` measures (torch, the trainer's model, gloo) and writes the cache
 `myria.device.cache_dir() / "cpu_profile.json"`, keyed by `myria.device.cpu_key(threads)` and the
 number of processes; this module only reads it, so the analytic model imports no trainer code.
 """

@@ -321,7 +321,7 @@ def build_hardware(cluster: ClusterSpec, precision: str = "bf16",
     """Resolve a run's [cluster] section (with documented defaults) into a Hardware.
 
     For a "cpu" measured here (no peak or bandwidth given in the run) the cached profile
-    (`myria.sim.cpu_profile`, measured by `myria.measure.cpu`) at the trainer's threads per
+    (`myria.sim.cpu_profile`, measured by `myria.sim.measure.cpu`) at the trainer's threads per
     process (cores / processes per node) is used when there is one, or `cpu` when given: its
     GEMM/SDPA rates, its elementwise bandwidth as the memory bandwidth, and its gloo figures for
     the collectives between the local processes.

@@ -57,8 +57,9 @@ class Efficiency:
     # () keeps the GEMM roofline for attention
     flash: tuple = ()
     flash_half_seq: tuple = ()
-    # Measured devices only (the CPU, `myria.measure.cpu`): achieved FLOP/s of GEMMs and attention
-    # kernels by shape, ((key, FLOP/s), ...) with the keys of `rate_key`. Empty: roofline above.
+    # Measured devices only (the CPU, `myria.sim.measure.cpu`): achieved FLOP/s of GEMMs and
+    # attention kernels by shape, ((key, FLOP/s), ...) with the keys of `rate_key`. Empty:
+    # roofline above.
     rates: tuple = ()
 
     __hash__ = cached_hash

@@ -647,7 +647,7 @@ def simulate_config(cfg, nproc: int, device_spec: DeviceSpec, gpus_per_node: int
     own: no dropout, no fused elementwise kernels (`config_run`).
 
     On a CPU measured here the figures are a CPU profile at the trainer's threads per process:
-    `cpu_profile` if given (`myria.measure.cpu.measured_profile` measures what a config needs),
+    `cpu_profile` if given (`myria.sim.measure.cpu.measured_profile` measures what a config needs),
     else the cached one (`myria.sim.cpu_profile`); this function never measures. A CPU described
     by hand (a DeviceSpec with another source) is priced by its peak and bandwidth.
     """

@@ -174,7 +174,7 @@ def predicted(cfg: config_mod.Config, world: int, ranks_per_host: int):
     """The planner's prediction of this run: on the local GPU model, an H100 for bf16
     configs when there is none, or this CPU (measured peak) for fp32 ones."""
     from myria import device
-    from myria.measure.cpu import measured_profile
+    from myria.sim.measure.cpu import measured_profile
     from myria.sim.perf import simulate_config
 
     spec = device.planning_device(cfg.training.dtype)

@@ -198,7 +198,7 @@ def gloo_points(world: int, sizes: tuple = GLOO_SIZES, repeats: int = 5) -> dict
     """
     import torch
 
-    from myria.measure.collective import bench_collective, bench_p2p_ring, busbw_factor
+    from myria.sim.measure.collective import bench_collective, bench_p2p_ring, busbw_factor
 
     cpu = torch.device("cpu")
     raw: dict[str, list] = {}

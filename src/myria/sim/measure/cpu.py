@@ -31,13 +31,6 @@ from pathlib import Path
 
 from myria.device import time_matmul
 from myria.errors import ConfigError
-from myria.measure.multiproc import (
-    fit_alpha_bw,
-    fsdp_in_context,
-    fsdp_unit_points,
-    gloo_points,
-)
-from myria.measure.profile_summary import missing_ops
 from myria.sim.cpu_profile import (  # noqa: F401  (the cache's names, used here and by tests)
     CpuProfile,
     compute_key,
@@ -51,6 +44,13 @@ from myria.sim.cpu_profile import (  # noqa: F401  (the cache's names, used here
     update_cache,
     write_cache,
 )
+from myria.sim.measure.multiproc import (
+    fit_alpha_bw,
+    fsdp_in_context,
+    fsdp_unit_points,
+    gloo_points,
+)
+from myria.sim.measure.profile_summary import missing_ops
 from myria.sim.op_timing import rate_key
 from myria.sim.operators import (
     LayerShape,
@@ -563,7 +563,7 @@ def run_measurements(shape: LayerShape | None, threads: int, nproc: int, ops: li
         import torch.distributed as dist
 
         # The parent hosts the rendezvous store on a free port (the pattern of tests/dist.py);
-        # workers are fresh interpreters (`python -m myria.measure.cpu JOB RANK`), so this works
+        # workers are fresh interpreters (`python -m myria.sim.measure.cpu JOB RANK`), so this works
         # from any caller, whatever its __main__ module.
         store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
         with tempfile.TemporaryDirectory() as tmp:
@@ -574,7 +574,7 @@ def run_measurements(shape: LayerShape | None, threads: int, nproc: int, ops: li
                    "fsdp": fsdp}
             Path(tmp, "job.json").write_text(json.dumps(job))
             env = dict(os.environ, OMP_NUM_THREADS=str(threads))
-            procs = [subprocess.Popen([sys.executable, "-m", "myria.measure.cpu",
+            procs = [subprocess.Popen([sys.executable, "-m", "myria.sim.measure.cpu",
                                       str(Path(tmp, "job.json")), str(r)], env=env)
                      for r in range(nproc)]
             codes = [p.wait(timeout=900) for p in procs]
