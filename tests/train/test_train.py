@@ -8,6 +8,7 @@ import shutil
 import pytest
 import torch
 
+from myria.train.preflight import device_without_torch
 from tests.conftest import ROOT, TINY, final_params, losses, run_cli
 
 
@@ -167,7 +168,16 @@ def test_refusals_and_a_finished_run_answer_before_torch_is_imported(tmp_path, t
             (["export", "--run-dir", str(tmp_path / "nope"), "--format", "hf", "--out",
               str(tmp_path / "e")], "does not exist"),
             (["generate", "--run-dir", str(tmp_path / "nope"), "--prompt", "hi"],
-             "does not exist")]:
+             "does not exist"),
+            *([] if device_without_torch("auto") is None else [   # no accelerator can exist
+                (["train", "--run-dir", "r", data, *TINY, "--nproc", "3", "--parallel.tp=2"],
+                 "world size 3 is not divisible"),
+                (["supervise", "--run-dir", "r", data, *TINY, "--nproc", "4",
+                  "--model.experts=4", "--model.top_k=2", "--parallel.ep=4",
+                  "--parallel.dp_replicate=2", "--parallel.dp_shard=2"],
+                 "parallel.ep = 4 must divide"),
+                (["train", "--run-dir", "r", data, *TINY, "--nproc", "100000"],
+                 "--nproc 100000: this host has")])]:
         p = run_cli(*args, env=env, check=False)
         lines = (p.stdout + p.stderr).strip().splitlines()
         assert len(lines) == 1 and needle in lines[0], (args, p.stdout, p.stderr)

@@ -45,12 +45,13 @@ def run(args) -> int:
     from myria import faults, rundir
     from myria.data.mixture import open_dataset
     from myria.layout import Layout
-    from myria.train.preflight import check_nproc, check_run, preflight
+    from myria.train.preflight import check_before_torch, check_nproc, check_run, preflight
 
     faults.parse(os.environ.get("MYRIA_FAULT"))  # a bad test hook: one line, no restarts
     # one line each, before anything; what needs torch (seconds to import) comes last
-    if args.nproc < 1 or cfg.training.device == "cpu":
+    if args.nproc < 1:
         check_nproc(args.nproc, "cpu")
+    check_before_torch(cfg, args.nproc, args.nproc * min_nodes, True)
     data = open_dataset(cfg.data, cfg.model.seq_len, verify=False)
     if done := preflight(cfg, args.run_dir, None):
         print(done)

@@ -19,7 +19,13 @@ from myria import config as config_mod
 from myria import rundir
 from myria.errors import DataError
 from myria.layout import Layout
-from myria.train.preflight import check_nproc, check_run, preflight, run_config
+from myria.train.preflight import (
+    check_before_torch,
+    check_nproc,
+    check_run,
+    preflight,
+    run_config,
+)
 
 ACCEPTS_OVERRIDES = True
 
@@ -222,6 +228,7 @@ def run(args) -> int:
         # run directory), so bad input fails once and clearly and leaves no run directory behind.
         from myria.data.mixture import open_dataset
 
+        check_before_torch(cfg, args.nproc, args.nproc, bool(launching))
         data = open_dataset(cfg.data, cfg.model.seq_len, verify=False)
         if cfg.training.eval_interval:  # a split without one sample is refused now, not later
             open_dataset(cfg.data, cfg.model.seq_len, split="val", verify=False)

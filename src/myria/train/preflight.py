@@ -33,6 +33,27 @@ def check_run(cfg: Config, layout: Layout, device_type: str = "cpu",
 RANKS_PER_CORE = 8
 
 
+def device_without_torch(requested: str) -> str | None:
+    """`training.device` resolved where it can be without importing torch (seconds on a loaded
+    host): "cpu" when asked for, or when `auto` on a host without an NVIDIA device node, where
+    CUDA cannot be available; None when only torch can tell."""
+    if requested == "cpu" or (requested == "auto" and not any(Path("/dev").glob("nvidia[0-9]*"))):
+        return "cpu"
+    return None
+
+
+def check_before_torch(cfg: Config, local: int, world: int, launching: bool) -> None:
+    """This host's process count (`local`, when it starts them) and the layout's rules over
+    `world` ranks, judged before torch is imported when the device is known without it
+    (`device_without_torch`); the same checks run again with the device torch reports."""
+    device = device_without_torch(cfg.training.device)
+    if device is None:
+        return
+    if launching:
+        check_nproc(local, device)
+    Layout.resolve(cfg.parallel, world or 1).check(cfg, device)
+
+
 def check_nproc(nproc: int, device: str, flag: str = "--nproc") -> None:
     """One line for a number of local processes this host cannot run (before any starts)."""
     if nproc < 1:
