@@ -458,3 +458,23 @@ def test_job_status_is_the_jobs_outcome_not_its_worst_hosts(tmp_path):
     assert p.returncode == 1 and "job slurm-7 rendezvous-lost at step 6/12" in p.stdout
     p = run_cli(*args[:3], "slurm-8", *args[4:], str(ok), check=False)
     assert p.returncode == 1 and "is of job 'slurm-7'" in p.stdout
+
+
+def test_workers_count_the_wall_time_limit_from_the_jobs_start(tmp_path, monkeypatch):
+    """Under `myria supervise` the wall-time limit (training.max_time_s) counts from the
+    supervisor's start, which every worker of every restart inherits, not from each restart's
+    own processes (a job restarted late would otherwise overrun its scheduler's limit)."""
+    from myria import config
+    from myria.resilience.supervisor import Supervisor
+    from myria.train.launch import JOB_START_ENV
+
+    # what the supervisor exports for its workers goes to a copy, gone after the test
+    monkeypatch.setattr(os, "environ", {k: v for k, v in os.environ.items()
+                                        if k != JOB_START_ENV})
+    sup = Supervisor(config.load(None, ["--training.max_time_s=60"]), tmp_path, 1, ["train"])
+    sup.started_at = time.time() - 30   # the job started half a minute ago
+    try:
+        sup._environment()
+        assert float(os.environ[JOB_START_ENV]) == sup.started_at
+    finally:
+        sup._close()

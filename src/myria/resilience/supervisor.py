@@ -153,8 +153,10 @@ class Supervisor:
         os.environ[heartbeat.ENV_STORE] = url
         os.environ[heartbeat.ENV_PERIOD] = str(r.heartbeat_s)
         os.environ[heartbeat.ENV_JOB] = self.job
-        from myria.train.launch import LAUNCHER_ENV
+        from myria.train.launch import JOB_START_ENV, LAUNCHER_ENV
         os.environ[LAUNCHER_ENV] = str(os.getpid())  # workers stop when this process dies
+        # the wall-time limit counts from the job's start, not from each restart's workers
+        os.environ.setdefault(JOB_START_ENV, str(self.started_at))
 
     # -- the run -----------------------------------------------------------------------------
     def run(self) -> int:

@@ -213,7 +213,7 @@ def run(args) -> int:
             cfg, device_type(cfg.training.device))
         print(dry_run(cfg, world * args.nnodes, ranks_per_host=world))
         return 0
-    from myria.train.launch import inside_launcher, launch_local, own_run_dir
+    from myria.train.launch import JOB_START_ENV, inside_launcher, launch_local, own_run_dir
 
     if cfg.training.eval_interval and cfg.parallel.pp > 1:
         _say(f"note: no validation loss (training.eval_interval = "
@@ -250,7 +250,7 @@ def run(args) -> int:
         return 0
     own_run_dir(args.run_dir)  # a second job on it is refused; workers stop with the launcher
     if launching:
-        os.environ.setdefault("MYRIA_JOB_START", str(job_start))
+        os.environ.setdefault(JOB_START_ENV, str(job_start))
         launch_local(args.nproc, ["train", *_without_nproc(args.argv)])
         _summary(Path(args.run_dir))
         return 0

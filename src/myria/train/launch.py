@@ -34,6 +34,10 @@ def inside_launcher() -> bool:
 
 QUIET_ENV = "MYRIA_LAUNCHER_REPORTS"  # set for workers whose launcher prints their errors
 LAUNCHER_ENV = "MYRIA_LAUNCHER_PID"    # the process that starts the workers (their parent)
+# The job's start (seconds since the epoch), set by `myria train` and `myria supervise` for the
+# processes they start: the wall-time limit (training.max_time_s) counts from it, restarts
+# included. Without it, from the worker process's own start.
+JOB_START_ENV = "MYRIA_JOB_START"
 ORPHAN_GRACE_S = 120.0  # after its launcher died, a worker that has not stopped is killed
 PR_SET_PDEATHSIG = 1
 _watching = False

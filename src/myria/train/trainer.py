@@ -54,6 +54,7 @@ from myria.train import distributed, heartbeat, peer, rejoin, resume
 from myria.train.checkpoint.pipeline import CheckpointManager
 from myria.train.engine import Engine
 from myria.train.integrity import StepGuard
+from myria.train.launch import JOB_START_ENV
 from myria.train.metrics import MetricsLogger, StepTimer, mfu
 from myria.train.preemption import StopRequest
 from myria.train.profiling import Profiler
@@ -175,9 +176,6 @@ def _train(cfg: Config, run_dir: Path, env, stop_after: int | None,
             gc.enable()
 
 
-# The job's start (seconds since the epoch), set by `myria train` for the processes it starts:
-# the wall-time limit counts from it. Without it, from this process's start.
-JOB_START_ENV = "MYRIA_JOB_START"
 
 
 def _process_start() -> float:
