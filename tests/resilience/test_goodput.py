@@ -165,3 +165,18 @@ def test_supervised_fault_run_ledger_sums_to_wall_time(tmp_path, tiny_data):
     run_cli("report", str(tmp_path), "--no-prediction")
     page = (tmp_path / "report" / "index.html").read_text()
     assert "id=goodput" in page and "id=recoveries" in page and f"ETTR {g['ettr']:.4f}" in page
+
+
+def test_the_summary_line_counts_attempts_as_the_log_numbers_them():
+    """Each attempt after the first (a restart, an in-job recovery, a shrink, a grow) uses one of
+    resilience.max_restarts and is numbered so in the log; the summary line counts the same."""
+    from myria.resilience.summary import attempts_line
+
+    faults = [{"restarted_at": 1.0, "recovery": "restart"},
+              {"restarted_at": 2.0, "recovery": "in-job: spare"},
+              {"restarted_at": 3.0, "recovery": "in-job: shrink"},
+              {"restarted_at": 0.0, "recovery": "restart"}]   # the job ended before it
+    s = {"faults": faults, "attempts": 4, "resizes": [{"kind": "shrink"}, {"kind": "grow"}]}
+    assert attempts_line(s) == ("4 attempt(s) after the first (1 restart, 1 in-job recovery, "
+                                "1 shrink, 1 grow)")
+    assert attempts_line({"faults": [], "attempts": 0}) == "no restart"

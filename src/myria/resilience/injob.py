@@ -279,9 +279,10 @@ class InJobRecovery:
         f.restarted_at = time.time()
         sup.reached(f)
         f.action.append(f"in-job: survivors stay; rank {rank} taken over by {how_new}")
-        log.info("ACTION in-job recovery (attempt %d, %d restart(s) left): ranks %s stay, rank "
-                 "%d is taken over by %s and takes its state from rank %d's memory (or the "
-                 "newest checkpoint)", attempt,
+        log.info("ACTION in-job recovery (attempt %d; %d more allowed by resilience.max_restarts): "
+                 "ranks %s stay, rank %d is taken over by %s and takes its state from rank %d's "
+                 "memory (or the newest checkpoint)",
+                 attempt,
                  agent._remaining_restarts, [r for r in sup.ranks if r != rank], rank, how_new,
                  (rank + 1) % len(sup.ranks))
         sup.attempt = attempt
@@ -310,9 +311,10 @@ class InJobRecovery:
                         f"on the same global batch")
         self.resizes.append({"kind": "shrink", "attempt": attempt, "at": time.time(),
                              "ranks": survivors, "dropped": rank})
-        log.info("ACTION in-job shrink (attempt %d, %d restart(s) left): no spare ready; ranks "
-                 "%s go on as %d data-parallel replicas on the same global batch, rank %d's "
-                 "slot waits for a spare", attempt, agent._remaining_restarts, survivors,
+        log.info("ACTION in-job shrink (attempt %d; %d more allowed by resilience.max_restarts): "
+                 "no spare ready; ranks %s go on as %d data-parallel replicas on the same global "
+                 "batch, rank %d's slot waits for a spare",
+                 attempt, agent._remaining_restarts, survivors,
                  len(survivors), rank)
         sup.ranks = survivors
         sup.attempt = attempt
@@ -376,9 +378,9 @@ class InJobRecovery:
         if f is not None:
             f.action.append(f"in-job: grew back to {len(full)} ranks (hot spare {i} took rank "
                             f"{rank}) after {now - s['at']:.1f} s shrunk")
-        log.info("ACTION in-job grow (attempt %d, %d restart(s) left): hot spare %d (pid %d) "
-                 "is ready and takes rank %d; ranks %s join it after their current step",
-                 attempt, agent._remaining_restarts, i, proc.pid, rank, sup.ranks)
+        log.info("ACTION in-job grow (attempt %d; %d more allowed by resilience.max_restarts): hot "
+                 "spare %d (pid %d) is ready and takes rank %d; ranks %s join it after their "
+                 "current step", attempt, agent._remaining_restarts, i, proc.pid, rank, sup.ranks)
         sup.ranks = full
         sup.attempt = attempt
         sup.new_watch()

@@ -77,6 +77,23 @@ def build(sup, status: str) -> dict[str, Any]:
         **({"resizes": sup.injob.resizes} if sup.injob and sup.injob.resizes else {}),
     }
 
+def attempts_line(s: dict[str, Any]) -> str:
+    """The attempts after the first, counted as the log numbers them (each uses one of
+    resilience.max_restarts), by what each was: "2 attempt(s) after the first (1 shrink,
+    1 grow)"; "no restart" when there was none."""
+    kinds = {"restart": 0, "in-job recovery": 0, "shrink": 0, "grow": 0}
+    for f in s["faults"]:
+        if f.get("restarted_at"):
+            how = f.get("recovery") or "restart"
+            kinds["shrink" if how == "in-job: shrink" else
+                  "in-job recovery" if how.startswith("in-job") else "restart"] += 1
+    kinds["grow"] = sum(1 for r in s.get("resizes", []) if r["kind"] == "grow")
+    if not s["attempts"]:
+        return "no restart"
+    parts = ", ".join(f"{n} {k}" for k, n in kinds.items() if n)
+    return f"{s['attempts']} attempt(s) after the first ({parts})"
+
+
 def write(sup, s: dict[str, Any]) -> None:
     """Write summary `s` (one file for the job: each host's part merged) and log it."""
     path = sup.run_dir / rundir.SUPERVISOR_SUMMARY
@@ -86,12 +103,9 @@ def write(sup, s: dict[str, Any]) -> None:
         path = write_part_and_merge(sup.run_dir, s)
     else:
         atomic_write(path, json.dumps(s, indent=1))
-    kinds = [r["kind"] for r in s.get("resizes", [])]
-    resized = (f"; {s['attempts']} attempt(s) after the first ({kinds.count('shrink')} "
-               f"shrink, {kinds.count('grow')} grow)" if kinds else "")
-    log.info("summary: %s at step %s/%s after %d restart(s)%s; wall %.1f s, training %.1f "
-             "s, effective training time ratio %s; %s", s["status"], s["final_step"],
-             s["target_steps"], s["restarts"], resized, s["wall_s"], s["productive_s"],
+    log.info("summary: %s at step %s/%s after %s; wall %.1f s, training %.1f s, effective "
+             "training time ratio %s; %s", s["status"], s["final_step"], s["target_steps"],
+             attempts_line(s), s["wall_s"], s["productive_s"],
              s["effective_training_time_ratio"], path)
     for f in s["faults"]:
         back = (f"fault to first resumed step {f['fault_to_first_step_s']} s; lost steps "

@@ -403,9 +403,10 @@ class Supervisor:
         wait = min(self.r.backoff_s * 2 ** (restarts - 1), self.r.backoff_max_s)
         newest = f.newest_committed
         f.action.append(f"restart after {wait:.1f} s back-off from the newest valid checkpoint")
-        log.info("ACTION restart (attempt %d, %d restart(s) left) after %.1f s back-off; "
-                 "workers resume from the newest checkpoint that verifies (newest committed: "
-                 "%s)", self.attempt + 1, agent._remaining_restarts, wait, newest or "none")
+        log.info("ACTION restart (attempt %d; %d more allowed by resilience.max_restarts) after "
+                 "%.1f s back-off; workers resume from the newest checkpoint that verifies (newest "
+                 "committed: %s)",
+                 self.attempt + 1, agent._remaining_restarts, wait, newest or "none")
         time.sleep(wait)
         f.backoff_done_at = time.time()
         if self.max_nodes > 1:
