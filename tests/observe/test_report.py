@@ -10,6 +10,7 @@ import pytest
 from myria import config as mconfig
 from myria import device
 from myria.observe import report
+from myria.observe import report_sections as sections
 from tests.conftest import TINY, run_cli
 
 STEPS = 4
@@ -82,11 +83,11 @@ def test_a_prediction_from_figures_of_a_busy_host_says_so():
     from myria.sim.cpu_profile import CpuProfile
 
     wall = CpuProfile(threads=2, nproc=1, clock="wall", loadavg=9.0)
-    assert "load average 9.0" in report.busy_figures(wall)
-    assert report.busy_figures(CpuProfile(threads=2, nproc=1, clock="wall", loadavg=2.3)) == ""
+    assert "load average 9.0" in sections.busy_figures(wall)
+    assert sections.busy_figures(CpuProfile(threads=2, nproc=1, clock="wall", loadavg=2.3)) == ""
     cpu_time = CpuProfile(threads=1, nproc=2, clock="thread CPU time", loadavg=9.0)
-    assert report.busy_figures(cpu_time) == ""     # timed on CPU time: a quiet host's figure
-    line = report.prediction_line({"iteration_time_s": 2.0, "mfu": 0.5, "device": "cpu",
-                                   "processes": 1, "threads": 2, "measured_step_s": 4.0,
-                                   "measured_mfu": 0.25, "caveat": "busy"})
+    assert sections.busy_figures(cpu_time) == ""     # timed on CPU time: a quiet host's figure
+    line = sections.prediction_line({"iteration_time_s": 2.0, "mfu": 0.5, "device": "cpu",
+                                     "processes": 1, "threads": 2, "measured_step_s": 4.0,
+                                     "measured_mfu": 0.25, "caveat": "busy"})
     assert line.endswith("measured median step 4000 ms, MFU 25.0%: prediction -50% [busy]")

@@ -190,7 +190,7 @@ def test_persistent_sdc_blocklists_the_host_and_the_run_goes_on(tmp_path, tiny_d
     its retest calls it persistent, the supervisor files the fault as sdc, blocklists the host
     (one host: kept, no spare), the restart resumes from the newest verified checkpoint and the
     run ends bit-equal to a clean one; the report shows the verdict."""
-    from myria.observe.report import recovery_section
+    from myria.observe.report_sections import recovery_section
 
     run = tmp_path / "run"
     run_cli("supervise", "--config", "configs/demo.toml", "--run-dir", str(run), "--nproc", "2",
