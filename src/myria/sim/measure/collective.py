@@ -207,19 +207,16 @@ def bench_p2p_ring(nbytes: int, *, device: Any, group: Any = None, latency_iters
     small_s, small_r = torch.zeros(2, device=device), torch.empty(2, device=device)
     hop(small_s, small_r)
     _sync(device)
-    dist.barrier(group=group)
-    t0 = time.perf_counter()
-    for _ in range(latency_iters):
-        hop(small_s, small_r)
-    _sync(device)
-    lat = (time.perf_counter() - t0) / max(1, latency_iters)
+    def seconds_per_hop(send, into, reps: int) -> float:
+        dist.barrier(group=group)
+        t0 = time.perf_counter()
+        for _ in range(reps):
+            hop(send, into)
+        _sync(device)
+        return (time.perf_counter() - t0) / max(1, reps)
 
-    dist.barrier(group=group)
-    t0 = time.perf_counter()
-    for _ in range(iters):
-        hop(payload, recv)
-    _sync(device)
-    big = (time.perf_counter() - t0) / max(1, iters)
+    lat = seconds_per_hop(small_s, small_r, latency_iters)
+    big = seconds_per_hop(payload, recv, iters)
 
     bad, _, lat_max = _gather_flags(ok, 0.0, lat, device, group)
     _, _, big_max = _gather_flags(ok, 0.0, big, device, group)
