@@ -3,6 +3,7 @@
 import pytest
 
 from myria import config
+from myria.config import resume_rules
 from myria.errors import ConfigError
 from myria.layout import Layout
 
@@ -105,24 +106,24 @@ def test_resume_changes_apply_refuse_and_keep_the_lr_horizon():
     before = config.load(None, ["--training.steps=120"]).to_dict()
     cfg = config.load(None, ["--training.steps=300", "--optimizer.lr=1e-5",
                              "--checkpoint.resume_from=/x"])  # session fields are not changes
-    found = config.resume_changes(before, cfg, 120)
+    found = resume_rules.resume_changes(before, cfg, 120)
     assert found == [("training.steps", 120, 300), ("optimizer.lr", 0.003, 1e-5)]
     assert cfg.optimizer.decay_steps == 120  # the decay keeps the horizon it was trained with
     cfg = config.load(None, ["--training.steps=300", "--optimizer.decay_steps=300"])
-    assert ("optimizer.decay_steps", 120, 300) in config.resume_changes(before, cfg, 120)
+    assert ("optimizer.decay_steps", 120, 300) in resume_rules.resume_changes(before, cfg, 120)
     cfg = config.load(None, ["--model.hidden=512", "--training.seed=7", "--optimizer.lr=1"])
     with pytest.raises(ConfigError) as e:
-        config.resume_changes(before, cfg, 120)
+        resume_rules.resume_changes(before, cfg, 120)
     msg = str(e.value)
     assert "model.hidden = 512 (the checkpoint has 256" in msg and "training.seed = 7" in msg
     assert "optimizer.lr" not in msg and "\n" not in msg
     # still warming up at step 10 of 20: the decay has not begun, stretching it cannot jump
     cfg = config.load(None, ["--training.steps=300"])
-    assert config.resume_changes(before, cfg, 10) == [("training.steps", 120, 300),
+    assert resume_rules.resume_changes(before, cfg, 10) == [("training.steps", 120, 300),
                                                       ("optimizer.decay_steps", 120, 300)]
     assert cfg.optimizer.decay_steps == 0
     # a checkpoint that recorded only its model (older meta.json): only the model is compared
-    assert config.resume_changes({"model": before["model"]}, config.load(), 10) == []
+    assert resume_rules.resume_changes({"model": before["model"]}, config.load(), 10) == []
 
 
 def test_demo_config_evaluates_before_its_last_step():

@@ -103,7 +103,8 @@ def test_wsd_is_flat_at_the_peak_then_decays_linearly_over_its_last_fraction():
 
 
 def test_wsd_run_extended_in_its_stable_phase_decays_at_the_new_end():
-    from myria.config import Config, resume_changes
+    from myria.config import Config
+    from myria.config.resume_rules import resume_changes
 
     prev = {"optimizer": {"schedule": "wsd", "decay_steps": 0, "warmup_steps": 10,
                           "decay_fraction": 0.2}, "training": {"steps": 100}}

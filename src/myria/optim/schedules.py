@@ -16,7 +16,8 @@ import math
 from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LambdaLR
 
-from myria.config import OptimizerConfig, decay_start
+from myria.config import OptimizerConfig
+from myria.config.resume_rules import decay_start
 
 SCHEDULES = ("cosine", "linear", "constant", "wsd")
 

@@ -17,16 +17,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from myria.config import (
-    Config,
-    ModelConfig,
-    ParallelConfig,
-    read_text_file,
-    schema_field,
-    section_values,
-    suggest,
-    validate_model,
-)
+from myria.config import Config, ParallelConfig, read_text_file, section_values, suggest
+from myria.config.model import ModelConfig, validate_model
+from myria.config.schema import schema_field
 from myria.device import DEVICES, lookup
 from myria.errors import ConfigError
 from myria.layout import Layout

@@ -14,7 +14,7 @@ from pathlib import Path
 
 from myria import config as config_mod
 from myria import rundir
-from myria.config import Config
+from myria.config import Config, resume_rules
 from myria.layout import Layout
 
 
@@ -137,7 +137,7 @@ def preflight(cfg: config_mod.Config, run_dir: str | Path, stop_after: int | Non
         prev, step = resume.previous_config(ckpt, run_dir)
     except (OSError, ValueError):
         return None  # unreadable: the trainer quarantines it and says so
-    config_mod.resume_changes(prev, copy.deepcopy(cfg), step)
+    resume_rules.resume_changes(prev, copy.deepcopy(cfg), step)
     if step < cfg.training.steps and (stop_after is None or stop_after > step):
         return None
     from myria.train.checkpoint.store import verify_dir

@@ -2,10 +2,10 @@
 
 Before the checkpoint is loaded, `changes` compares the config with the one the checkpoint was
 trained with (kept in its meta.json) and refuses, in one line, fields that cannot change
-(`myria.config.FROZEN_ON_RESUME`). After loading, `apply` makes the new optimizer settings the
-ones that train (the loaded optimizer and scheduler state carry the old ones), prints the changes
-in one line, appends them to RUN_DIR/config_changes.jsonl with the step they take effect, and
-rewrites config.json with the config that trains. See docs/resume.md.
+(`myria.config.resume_rules.FROZEN_ON_RESUME`). After loading, `apply` makes the new optimizer
+settings the ones that train (the loaded optimizer and scheduler state carry the old ones),
+prints the changes in one line, appends them to RUN_DIR/config_changes.jsonl with the step they
+take effect, and rewrites config.json with the config that trains. See docs/resume.md.
 """
 
 from __future__ import annotations
@@ -15,9 +15,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from myria import config as config_mod
 from myria import rundir
 from myria.config import Config
+from myria.config.resume_rules import resume_changes
 from myria.fsutil import atomic_write
 
 
@@ -40,7 +40,7 @@ def changes(cfg: Config, ckpt_dir: Path, run_dir: Path) -> list[tuple[str, Any, 
     """The changed fields of `cfg` against checkpoint `ckpt_dir`'s; ConfigError for a field
     that cannot change. Sets optimizer.decay_steps to keep the checkpoint's lr schedule."""
     prev, step = previous_config(ckpt_dir, run_dir)
-    return config_mod.resume_changes(prev, cfg, step)
+    return resume_changes(prev, cfg, step)
 
 
 def apply(cfg: Config, engine, run_dir: Path, step: int, found: list[tuple[str, Any, Any]],
