@@ -1,6 +1,7 @@
 """Throughput and MFU of `myria train` vs a minimal plain-PyTorch loop, and vs a nanoGPT-style GPT.
 
     python bench/train_throughput.py [--config configs/demo.toml] [--steps 10] [--rounds 2]
+    python bench/train_throughput.py --cpu-time --threads 1 [--steps 12] [--rounds 3]
 
 In one process and one run: measures this CPU's fp32 matmul peak, then alternates three
 trainings on the same data and global batch, `--rounds` times each:
@@ -11,7 +12,12 @@ trainings on the same data and global batch, `--rounds` times each:
   logits + F.cross_entropy) of the same width and depth, in the plain loop.
 
 Tokens/s is the median over steps after warm-up; the best round of each is kept (the machine is
-shared, so rounds differ). MFU uses model FLOPs from `myria.models.flops` (dense convention).
+shared, so rounds differ). With `--cpu-time` each loop also runs a short schedule (`--warmup`
+steps) beside the full one, and its steady-state cost is the difference of the two runs' CPU
+seconds (user + system, every thread of this process) over the difference of their steps:
+start-up cancels, and on a shared host CPU seconds move far less with the load than wall time
+(use `--threads 1`, so no thread spins waiting for another). nanoGPT is left out in that mode.
+MFU uses model FLOPs from `myria.models.flops` (dense convention).
 Writes bench/results/train_throughput.json.
 """
 
@@ -20,7 +26,9 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import platform
+import resource
 import statistics
 import sys
 import tempfile
@@ -86,12 +94,29 @@ def myria_loop(cfg, steps: int, warmup: int) -> float:
     return cfg.training.global_batch * cfg.model.seq_len / statistics.median(times)
 
 
-def bench_config(path: str, steps: int):
+def cpu_seconds() -> float:
+    """User + system CPU seconds of this process so far, every thread included."""
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime
+
+
+def cpu_per_step(run, short: int, long: int) -> tuple[float, float]:
+    """(CPU seconds per steady-state step, wall tokens/s of the long run) of `run(steps)`: the
+    CPU of a `short`-step run subtracted from a `long`-step one's, over the extra steps."""
+    c0 = cpu_seconds()
+    run(short)
+    c1 = cpu_seconds()
+    tokens_per_s = run(long)
+    c2 = cpu_seconds()
+    return ((c2 - c1) - (c1 - c0)) / (long - short), tokens_per_s
+
+
+def bench_config(path: str, steps: int, *extra: str):
     """The config the trainer is measured with: `steps` steps, no checkpoint interval, no
     progress bar, a fresh run."""
     cfg = config_mod.load(path, [f"--training.steps={steps}", "--checkpoint.interval=0",
                                  "--logging.progress=false", "--logging.tensorboard=false",
-                                 "--data.prefetch=2"])
+                                 "--data.prefetch=2", *extra])
     cfg.checkpoint.resume = False
     return cfg
 
@@ -102,8 +127,15 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--rounds", type=int, default=2)
-    ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "train_throughput.json"))
+    ap.add_argument("--cpu-time", action="store_true",
+                    help="also compare CPU seconds per steady-state step (plain and myria only)")
+    ap.add_argument("--threads", type=int, default=0,
+                    help="torch threads of both loops (0: torch's default)")
+    ap.add_argument("--out", default=None, help="result JSON (default bench/results/"
+                    "train_throughput.json, or train_throughput_cpu.json with --cpu-time)")
     args = ap.parse_args()
+    if args.cpu_time:
+        return cpu_main(args)
 
     cfg = bench_config(args.config, args.steps)
     if not (Path(cfg.data.path) / "index.json").exists():
@@ -139,14 +171,66 @@ def main() -> int:
         "framework_overhead": 1 - best["myria"] / best["plain"],
         "model_flops_per_token": fpt,
     }
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=1))
+    out = Path(args.out or ROOT / "bench" / "results" / "train_throughput.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=1))
     print(f"\nmeasured fp32 matmul peak: {peak:.3f} TFLOP/s ({threads} threads)")
     print(f"{'loop':<10}{'tokens/s':>12}{'MFU':>8}")
     for k in best:
         print(f"{k:<10}{best[k]:>12,.0f}{100 * result['mfu'][k]:>7.1f}%")
     print(f"framework overhead (1 - myria/plain): {100 * result['framework_overhead']:.1f}%")
-    print(f"wrote {args.out}")
+    print(f"wrote {out}")
+    return 0
+
+
+def cpu_main(args) -> int:
+    """--cpu-time: plain and myria, CPU seconds per steady-state step, interleaved rounds."""
+    extra = [f"--training.threads={args.threads}"] if args.threads else []
+    cfg = bench_config(args.config, args.steps, *extra)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if not (Path(cfg.data.path) / "index.json").exists():
+        print(f"{cfg.data.path} is not prepared: run `myria prepare --corpus demo --out "
+              f"{cfg.data.path}` first", file=sys.stderr)
+        return 2
+    short = max(args.warmup, 1)
+
+    def with_steps(n: int):
+        return dataclasses.replace(cfg, training=dataclasses.replace(cfg.training, steps=n))
+
+    loops = {"plain": lambda n: plain_loop(with_steps(n), n, min(args.warmup, n - 1), False),
+             "myria": lambda n: myria_loop(with_steps(n), n, min(args.warmup, n - 1))}
+    cpu: dict[str, list[float]] = {k: [] for k in loops}
+    wall: dict[str, list[float]] = {k: [] for k in loops}
+    load = []
+    for r in range(args.rounds):
+        order = list(loops) if r % 2 == 0 else list(loops)[::-1]
+        for name in order:
+            load.append(os.getloadavg()[0])
+            c, w = cpu_per_step(loops[name], short, args.steps)
+            cpu[name].append(c)
+            wall[name].append(w)
+        print(f"round {r + 1}: " + ", ".join(f"{k} {cpu[k][-1]:.3f} CPU s/step "
+                                             f"({wall[k][-1]:,.0f} tok/s wall)" for k in loops),
+              flush=True)
+    med = {k: statistics.median(v) for k, v in cpu.items()}
+    tokens = cfg.training.global_batch * cfg.model.seq_len
+    result = {
+        "date": time.strftime("%Y-%m-%d"), "machine": f"{platform.machine()}, "
+        f"{torch.get_num_threads()} threads, torch {torch.__version__}", "config": args.config,
+        "steps": args.steps, "short_steps": short, "rounds": args.rounds,
+        "load_average_1min": load,
+        "cpu_s_per_step": cpu, "median_cpu_s_per_step": med,
+        "tokens_per_cpu_s": {k: tokens / v for k, v in med.items()},
+        "wall_tokens_per_s": wall,
+        "framework_overhead_cpu": med["myria"] / med["plain"] - 1,
+    }
+    out = Path(args.out or ROOT / "bench" / "results" / "train_throughput_cpu.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=1))
+    print(f"median CPU s per step: plain {med['plain']:.3f}, myria {med['myria']:.3f}; "
+          f"framework overhead (myria/plain - 1): {100 * result['framework_overhead_cpu']:.2f}%")
+    print(f"wrote {out}")
     return 0
 
 
