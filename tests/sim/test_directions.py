@@ -240,7 +240,10 @@ def test_megascale_optimisation_ladder_each_step_raises_mfu_plausibly():
     - sliding window 1024 of 2048 tokens: removes a quarter of the causal attention blocks, and
       attention is ~2% of this model's step (s / 6h): 0.05-1 (FlashAttention's local mode skips
       the blocks, hence FlashAttention from the baseline);
-    - TP overlap: hides most of the tp8 collectives, 5-10% of a step without it: 0.5-10;
+    - TP overlap: hides most of the tp8 collectives (~4% of this step after the parallel
+      block) but cuts the GEMMs they pipeline against into 8 pieces of 256 rows, each at the
+      roofline's lower efficiency for a short dimension (~10% slower by the shape factor over
+      ~half the step): -3-10, the GEMMs' time rising and the exposed TP time falling;
     - PP overlap: one activation (6 MB with SP) per chunk boundary and microbatch, ~0.3 ms at
       25 GB/s against ~100 ms of compute per chunk: 0.05-1;
     - DP overlap: the ZeRO-1 reduce-scatter and all-gather of 2.7B parameters per GPU over 4
@@ -252,12 +255,12 @@ def test_megascale_optimisation_ladder_each_step_raises_mfu_plausibly():
     - LAMB with a 3x batch: 192 instead of 64 microbatches shrink the bubble (p-1)/(vm) from 1.8%
       to 0.6% and the DP traffic per token to a third: 1-10.
 
-    Every gain is positive (8/8) and the whole ladder stays under the GEMM ceiling E_GEMM."""
+    Every other gain is positive and the whole ladder stays under the GEMM ceiling E_GEMM."""
     from myria.sim.operators import DEFAULT_EFFICIENCY
 
     bench = _bench("sim_ladder")
     bounds = {"parallel block": (0.5, 10), "sliding window": (0.05, 1),
-              "tp overlap": (0.5, 10), "pp overlap": (0.05, 1), "dp overlap": (0.2, 5),
+              "tp overlap": (-3, 10), "pp overlap": (0.05, 1), "dp overlap": (0.2, 5),
               "efficient operators": (0.1, 3), "data pipeline": (0.001, 0.5),
               "lamb 3x batch": (1, 10)}
     rows = bench.ladder()
@@ -267,10 +270,50 @@ def test_megascale_optimisation_ladder_each_step_raises_mfu_plausibly():
         assert lo < r["gain_points"] < hi, (r["step"], r["gain_points"])
     assert 5 < 100 * (rows[-1]["mfu"] - rows[0]["mfu"]) < 25
     assert rows[-1]["mfu"] < DEFAULT_EFFICIENCY.gemm
+    # TP overlap: the cut GEMMs take longer, the exposed TP collectives less
+    before, after = rows[2], rows[3]
+    sec = lambda r, k: r["breakdown"][k] * r["iteration_time_s"]  # noqa: E731
+    assert sec(after, "compute_gemm") > 1.03 * sec(before, "compute_gemm")
+    assert sec(after, "tp_comm_exposed") < 0.5 * sec(before, "tp_comm_exposed")
     # the fused kernels' gain is the memory-bound share they remove (no FlashAttention in it)
     before, after = rows[5]["breakdown"], rows[6]["breakdown"]
     assert after["compute_memory_bound"] < before["compute_memory_bound"]
     assert after["compute_attention"] == pytest.approx(before["compute_attention"], rel=0.02)
+
+
+def test_tp_overlap_pays_for_cutting_its_gemms(llama):
+    """Pipelining a TP collective against a GEMM cuts the GEMM into tp pieces along its tokens:
+    each piece runs at the roofline's efficiency for its shorter dimension, rereads the weight
+    and pays a launch. A forward or data-gradient GEMM is cut along M, a weight gradient along
+    K; with overlap.tp off (or tp = 1) nothing is cut, and the charge is what moves the step."""
+    from myria.sim import perf
+    from myria.sim.op_timing import shape_factor, split_gemm_time, timed_layer_ops
+    from myria.sim.operators import DEFAULT_EFFICIENCY as eff
+
+    run = llama.replace(overlap={"tp": True})
+    hw = perf.build_hardware(run.cluster, run.training.precision)
+    shape = perf.run_shape(run)
+    ops = timed_layer_ops(shape, hw.peak_flops, hw.mem_bw, eff)
+    gemms = {o.name: o for o in ops if o.kind == "gemm"}
+    big = gemms["fc1"]                                   # 4,096 x 7,168 x 8,192 per rank
+    assert split_gemm_time(big, 1, hw.peak_flops, hw.mem_bw, eff) == big.time
+    m, n, k = big.dims
+    compute = big.flops / (hw.peak_flops * eff.gemm)
+    want = (compute / shape_factor((m / 8, n, k), eff.half_dim)
+            - compute / shape_factor((m, n, k), eff.half_dim) + 7 * eff.kernel_overhead_s)
+    got = split_gemm_time(big, 8, hw.peak_flops, hw.mem_bw, eff) - big.time
+    assert got == pytest.approx(want, rel=1e-6) and 0.02 * big.time < got < 0.15 * big.time
+    wg = gemms["fc1.wgrad"]                              # its tokens are the reduction dim
+    assert split_gemm_time(wg, 8, hw.peak_flops, hw.mem_bw, eff) > wg.time
+    # only the GEMMs a chunked TP collective pipelines against pay, and only with overlap.tp
+    cut = perf._split_costs(ops, True, shape.tp, hw, eff)
+    assert set(cut) == {o.pair for o in ops if o.kind == "comm" and o.group == "tp"
+                        and o.pair and not o.always_overlap and not gemms[o.pair].wgrad}
+    assert all(v > 0 for v in cut.values()) and "fc1" in cut and "fc2.dgrad" in cut
+    assert perf._split_costs(ops, False, shape.tp, hw, eff) == {}
+    assert perf._split_costs(ops, True, 1, hw, eff) == {}
+    on, off = simulate(run), simulate(llama)
+    assert on.breakdown["compute_gemm"] > off.breakdown["compute_gemm"]
 
 
 def _bench(name: str):
