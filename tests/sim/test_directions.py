@@ -250,8 +250,10 @@ def test_megascale_optimisation_ladder_each_step_raises_mfu_plausibly():
       replicas, ~0.5 s of a ~13 s step, hidden behind the other chunks' work: 0.2-5;
     - efficient operators (fused norm, GELU, bias-dropout-add): the memory-bound kernels are
       2-3% of the step and fusion removes their extra passes and launches: 0.1-3;
-    - data pipeline: the synchronous fetch is ~0.1 ms per microbatch against ~200 ms of
-      compute: 0.001-0.5;
+    - misc (MegaScale 6.1: the data pipeline and the code whose time fluctuates per rank): the
+      synchronous fetch is ~0.1 ms per microbatch against ~200 ms of compute, and the wait for
+      the slowest of 256 ranks at the assumed 1% spread is ~2.6% of the step: 0.5-3, with no
+      wait left;
     - LAMB with a 3x batch: 192 instead of 64 microbatches shrink the bubble (p-1)/(vm) from 1.8%
       to 0.6% and the DP traffic per token to a third: 1-10.
 
@@ -261,7 +263,7 @@ def test_megascale_optimisation_ladder_each_step_raises_mfu_plausibly():
     bench = _bench("sim_ladder")
     bounds = {"parallel block": (0.5, 10), "sliding window": (0.05, 1),
               "tp overlap": (-3, 10), "pp overlap": (0.05, 1), "dp overlap": (0.2, 5),
-              "efficient operators": (0.1, 3), "data pipeline": (0.001, 0.5),
+              "efficient operators": (0.1, 3), "misc": (0.5, 3),
               "lamb 3x batch": (1, 10)}
     rows = bench.ladder()
     assert [r["step"] for r in rows[1:]] == list(bounds)
@@ -275,6 +277,7 @@ def test_megascale_optimisation_ladder_each_step_raises_mfu_plausibly():
     sec = lambda r, k: r["breakdown"][k] * r["iteration_time_s"]  # noqa: E731
     assert sec(after, "compute_gemm") > 1.03 * sec(before, "compute_gemm")
     assert sec(after, "tp_comm_exposed") < 0.5 * sec(before, "tp_comm_exposed")
+    assert rows[6]["breakdown"]["sync_wait"] > 0.02 and "sync_wait" not in rows[7]["breakdown"]
     # the fused kernels' gain is the memory-bound share they remove (no FlashAttention in it)
     before, after = rows[5]["breakdown"], rows[6]["breakdown"]
     assert after["compute_memory_bound"] < before["compute_memory_bound"]
