@@ -75,18 +75,24 @@ class _Phase:
 
 def _split_costs(ops: tuple[Op, ...], overlap_tp: bool, tp: int, hw: Hardware,
                  eff: Efficiency) -> dict[str, float]:
-    """Seconds each GEMM loses when tensor-parallel overlap cuts it into tp pieces: a
+    """Seconds each GEMM loses when tensor-parallel overlap cuts it into pieces: a
     collective pipelined against the GEMM that consumes its gathered input (all-gather) or
     produces its scattered output (reduce-scatter) needs the GEMM cut along the tokens, one
-    piece per chunk of the collective (`op_timing.split_gemm_time`). A weight gradient that
-    merely runs beside a data-gradient all-reduce is not cut; neither is a GEMM paired with a
+    piece per chunk of the collective (`op_timing.split_gemm_time`; `_tp_chunks`). A GEMM that
+    a collective merely runs beside (bulk) is not cut; neither is a GEMM paired with a
     collective overlapped whether or not overlap.tp is set (`Op.always_overlap`)."""
     if not overlap_tp or tp <= 1:
         return {}
-    cut = {op.pair for op in ops
-           if op.kind == "comm" and op.group == "tp" and op.pair and not op.always_overlap}
-    return {op.name: split_gemm_time(op, tp, hw.peak_flops, hw.mem_bw, eff) - op.time
-            for op in ops if op.name in cut and op.kind == "gemm" and not op.wgrad}
+    cut = {op.pair: _tp_chunks(op, tp) for op in ops
+           if op.kind == "comm" and op.group == "tp" and op.pair and not op.always_overlap
+           and _tp_chunks(op, tp) > 1}
+    return {op.name: split_gemm_time(op, cut[op.name], hw.peak_flops, hw.mem_bw, eff) - op.time
+            for op in ops if op.name in cut and op.kind == "gemm"}
+
+
+def _tp_chunks(op: Op, tp: int) -> int:
+    """Pieces a TP collective is cut into under overlap.tp (`Op.chunks`: ring exchange = tp)."""
+    return tp if op.chunks == 0 else op.chunks
 
 
 def _sum_ops(ops: tuple[Op, ...], overlap_tp: bool, tp: int, cp: int,
@@ -108,8 +114,10 @@ def _sum_ops(ops: tuple[Op, ...], overlap_tp: bool, tp: int, cp: int,
                 hide = by_name.get(op.pair, 0.0)
                 if op.always_overlap:
                     exposed = max(0.0, t - hide)
+                elif overlap_tp and op.pair and _tp_chunks(op, tp) == 1:   # bulk
+                    exposed = max(0.0, t - hide)
                 elif overlap_tp and op.pair:
-                    exposed = chunked_exposed(t, tp, hide)
+                    exposed = chunked_exposed(t, _tp_chunks(op, tp), hide)
                 else:
                     exposed = t
             elif op.group == "cp":
