@@ -241,9 +241,10 @@ def test_megascale_optimisation_ladder_each_step_raises_mfu_plausibly():
       attention is ~2% of this model's step (s / 6h): 0.05-1 (FlashAttention's local mode skips
       the blocks, hence FlashAttention from the baseline);
     - TP overlap: hides most of the tp8 collectives (~4% of this step after the parallel
-      block) but cuts the GEMMs they pipeline against into 8 pieces of 256 rows, each at the
-      roofline's lower efficiency for a short dimension (~10% slower by the shape factor over
-      ~half the step): -3-10, the GEMMs' time rising and the exposed TP time falling;
+      block) but cuts the GEMMs they pipeline against into pieces (8 of 256 rows for the
+      ring-exchanged all-gathers, 4 for the forward reduce-scatter), each at the roofline's
+      lower efficiency for a short dimension (up to ~10% slower by the shape factor): -3-10,
+      the GEMMs' time rising and the exposed TP time falling;
     - PP overlap: one activation (6 MB with SP) per chunk boundary and microbatch, ~0.3 ms at
       25 GB/s against ~100 ms of compute per chunk: 0.05-1;
     - DP overlap: the ZeRO-1 reduce-scatter and all-gather of 2.7B parameters per GPU over 4
