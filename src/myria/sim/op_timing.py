@@ -4,6 +4,7 @@ measured for its shape; a layer's and the head's operators timed once per shape.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from functools import lru_cache
 
@@ -108,6 +109,27 @@ def op_time(op: Op, peak_flops: float, mem_bw: float, eff: Efficiency) -> tuple[
             return t_cmp + overhead, "compute"
         return t_mem + overhead, "memory"
     return t_mem + overhead, "memory"
+
+
+def split_gemm_time(op: Op, pieces: int, peak_flops: float, mem_bw: float, eff: Efficiency
+                    ) -> float:
+    """Time of GEMM `op` cut into `pieces` along its token dimension (M of a forward or data
+    gradient, K of a weight gradient), as tensor-parallel overlap runs it so that each piece's
+    collective can start while the next computes: each piece priced by the same roofline (its
+    shorter dimension runs at the lower efficiency of `shape_factor`, or its measured rate),
+    reads the whole weight again and pays its own launch."""
+    if pieces <= 1 or op.kind != "gemm":
+        return op.time
+    m, n, k = op.dims
+    whole = m * k + k * n + m * n
+    i = 2 if op.wgrad else 0
+    dims = list(op.dims)
+    dims[i] = dims[i] / pieces
+    pm, pn, pk = dims
+    e = op.bytes / whole if whole else 0.0
+    piece = dataclasses.replace(op, flops=op.flops / pieces, dims=tuple(dims),
+                                bytes=e * (pm * pk + pk * pn + pm * pn), time=0.0)
+    return pieces * op_time(piece, peak_flops, mem_bw, eff)[0]
 
 
 @lru_cache(maxsize=65536)

@@ -88,6 +88,10 @@ class Op:
     group: str = ""            # tp | cp | ep
     pair: str = ""             # GEMM this collective can hide behind when overlap is on
     always_overlap: bool = False
+    # how overlap.tp pipelines it against `pair` (TransformerEngine's `initialize_ub` defaults,
+    # transformer_engine/pytorch/module/base.py): 0 = ring exchange, tp pieces of the GEMM;
+    # 1 = bulk, beside an independent GEMM, nothing cut; n > 1 = pipeline, n pieces
+    chunks: int = 0
     category: str = ""         # gemm | attention | memory | tp | cp | ep (for breakdowns)
     time: float = 0.0
     bound: str = ""
@@ -202,10 +206,14 @@ def _norm_op(name: str, shape: LayerShape, tokens: float) -> tuple[Op, list[Op]]
     return _mem(name, fb * e * n, bb * e * n, 5 * n, eager=("norm", fk, bk))
 
 
+BULK, RING = 1, 0          # Op.chunks: beside another GEMM / tp pieces of the paired GEMM
+TP_PIPELINE_SPLITS = 4     # TransformerEngine's default num_splits of a "pipeline" overlap
+
+
 def _comm(name: str, phase: str, coll: str, size: float, group: str, pair: str = "",
-          always: bool = False) -> Op:
+          always: bool = False, chunks: int = RING) -> Op:
     return Op(name, "comm", phase, 0.0, size, coll=coll, group=group, pair=pair,
-              always_overlap=always, category=group)
+              always_overlap=always, chunks=chunks, category=group)
 
 
 def layer_ops(shape: LayerShape) -> list[Op]:
@@ -263,25 +271,34 @@ def layer_ops(shape: LayerShape) -> list[Op]:
             add(_mem("swiglu", fb * e * n, bb * e * n, 6 * n, eager=("pointwise", fk, bk)))
 
     def tp_in(name, pair, conj_pair, wgrad_pair):
-        """Collective entering a column-parallel GEMM (SP all-gather / bwd all-reduce)."""
+        """Collective entering a column-parallel GEMM (SP all-gather / bwd all-reduce). With
+        overlap.tp (TransformerEngine's defaults): the forward all-gather by ring exchange
+        against the GEMM; the backward reduce-scatter (or all-reduce) of the input gradient in
+        bulk beside the weight-gradient GEMM."""
         if tp == 1:
             return
         size = T * h * e
         if shape.sp:
             fwd.append(_comm(name + ".ag", "fwd", "all_gather", size, "tp", pair))
-            bwd.append([_comm(name + ".rs.bwd", "bwd", "reduce_scatter", size, "tp", conj_pair),
+            bwd.append([_comm(name + ".rs.bwd", "bwd", "reduce_scatter", size, "tp", wgrad_pair,
+                              chunks=BULK),
                         _comm(name + ".ag.bwd", "bwd", "all_gather", size, "tp", conj_pair,
                               always=True)])
         else:
-            bwd.append([_comm(name + ".ar.bwd", "bwd", "allreduce", size, "tp", wgrad_pair)])
+            bwd.append([_comm(name + ".ar.bwd", "bwd", "allreduce", size, "tp", wgrad_pair,
+                              chunks=BULK)])
 
     def tp_out(name, pair, conj_pair):
-        """Collective leaving a row-parallel GEMM (all-reduce, or SP reduce-scatter)."""
+        """Collective leaving a row-parallel GEMM (all-reduce, or SP reduce-scatter). With
+        overlap.tp (TransformerEngine's defaults): the forward reduce-scatter pipelined against
+        the GEMM in TP_PIPELINE_SPLITS pieces, the backward all-gather of the output gradient by
+        ring exchange against the data-gradient GEMM."""
         if tp == 1:
             return
         size = T * h * e
         if shape.sp:
-            fwd.append(_comm(name + ".rs", "fwd", "reduce_scatter", size, "tp", pair))
+            fwd.append(_comm(name + ".rs", "fwd", "reduce_scatter", size, "tp", pair,
+                             chunks=TP_PIPELINE_SPLITS))
             bwd.append([_comm(name + ".ag.bwd", "bwd", "all_gather", size, "tp", conj_pair)])
         else:
             fwd.append(_comm(name + ".ar", "fwd", "allreduce", size, "tp", ""))
@@ -511,10 +528,10 @@ def head_ops(shape: LayerShape, first: bool, last: bool) -> list[Op]:
         if tp > 1 and shape.sp:
             ops.append(_comm("logits.ag", "fwd", "all_gather", T * h * e, "tp", "logits"))
             bwd.append(_comm("logits.rs.bwd", "bwd", "reduce_scatter", T * h * e, "tp",
-                             "logits.dgrad"))
+                             "logits.wgrad", chunks=BULK))
         elif tp > 1:
             bwd.append(_comm("logits.ar.bwd", "bwd", "allreduce", T * h * e, "tp",
-                             "logits.wgrad"))
+                             "logits.wgrad", chunks=BULK))
         # flops.py counts the output layer once per token for the whole model
         f, b = _gemm("logits", T, V / tp, h, gem.logits * shape.layers * T / tp, e)
         ops.append(f)

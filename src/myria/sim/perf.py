@@ -42,7 +42,7 @@ from myria.sim.dataparallel import (
 )
 from myria.sim.hardware import Hardware, build_hardware
 from myria.sim.memory import FRAGMENTATION, RESERVED_BYTES, MemoryResult, memory, stage_params
-from myria.sim.op_timing import timed_head_ops, timed_layer_ops
+from myria.sim.op_timing import split_gemm_time, timed_head_ops, timed_layer_ops
 from myria.sim.operators import (
     DEFAULT_EFFICIENCY,
     MEASURED_EFFICIENCY,
@@ -73,9 +73,33 @@ class _Phase:
     comm_detail: dict = field(default_factory=dict)
 
 
+def _split_costs(ops: tuple[Op, ...], overlap_tp: bool, tp: int, hw: Hardware,
+                 eff: Efficiency) -> dict[str, float]:
+    """Seconds each GEMM loses when tensor-parallel overlap cuts it into pieces: a
+    collective pipelined against the GEMM that consumes its gathered input (all-gather) or
+    produces its scattered output (reduce-scatter) needs the GEMM cut along the tokens, one
+    piece per chunk of the collective (`op_timing.split_gemm_time`; `_tp_chunks`). A GEMM that
+    a collective merely runs beside (bulk) is not cut; neither is a GEMM paired with a
+    collective overlapped whether or not overlap.tp is set (`Op.always_overlap`)."""
+    if not overlap_tp or tp <= 1:
+        return {}
+    cut = {op.pair: _tp_chunks(op, tp) for op in ops
+           if op.kind == "comm" and op.group == "tp" and op.pair and not op.always_overlap
+           and _tp_chunks(op, tp) > 1}
+    return {op.name: split_gemm_time(op, cut[op.name], hw.peak_flops, hw.mem_bw, eff) - op.time
+            for op in ops if op.name in cut and op.kind == "gemm"}
+
+
+def _tp_chunks(op: Op, tp: int) -> int:
+    """Pieces a TP collective is cut into under overlap.tp (`Op.chunks`: ring exchange = tp)."""
+    return tp if op.chunks == 0 else op.chunks
+
+
 def _sum_ops(ops: tuple[Op, ...], overlap_tp: bool, tp: int, cp: int,
-             groups: dict[str, coll.Group], hw: Hardware) -> _Phase:
+             groups: dict[str, coll.Group], hw: Hardware,
+             split: dict[str, float] | None = None) -> _Phase:
     ph = _Phase()
+    split = split or {}
     by_name = {op.name: op.time for op in ops if op.kind != "comm"}
     busy = sum(o.time for o in ops if o.kind != "comm") or 1.0
     mem_share = sum(o.time for o in ops if o.kind != "comm" and o.category == "memory") / busy
@@ -90,8 +114,10 @@ def _sum_ops(ops: tuple[Op, ...], overlap_tp: bool, tp: int, cp: int,
                 hide = by_name.get(op.pair, 0.0)
                 if op.always_overlap:
                     exposed = max(0.0, t - hide)
+                elif overlap_tp and op.pair and _tp_chunks(op, tp) == 1:   # bulk
+                    exposed = max(0.0, t - hide)
                 elif overlap_tp and op.pair:
-                    exposed = chunked_exposed(t, tp, hide)
+                    exposed = chunked_exposed(t, _tp_chunks(op, tp), hide)
                 else:
                     exposed = t
             elif op.group == "cp":
@@ -102,7 +128,7 @@ def _sum_ops(ops: tuple[Op, ...], overlap_tp: bool, tp: int, cp: int,
             val = comm_cost(t, exposed, overlap_interference(hw, round(mem_share, 2),
                                                          groups[op.group]))
         else:
-            val = op.time
+            val = op.time + split.get(op.name, 0.0)
             if op.wgrad:
                 ph.wgrad += val
             if op.attn_core and op.phase == "fwd":
@@ -121,7 +147,8 @@ def _layer_summary(shape: LayerShape, hw: Hardware, eff: Efficiency, overlap_tp:
                    groups_key: tuple) -> _Phase:
     groups = layout_groups(hw, *groups_key)
     ops = timed_layer_ops(shape, hw.peak_flops, hw.mem_bw, eff)
-    return _sum_ops(ops, overlap_tp, shape.tp, shape.cp, groups, hw)
+    return _sum_ops(ops, overlap_tp, shape.tp, shape.cp, groups, hw,
+                    _split_costs(ops, overlap_tp, shape.tp, hw, eff))
 
 
 @lru_cache(maxsize=16384)
@@ -129,7 +156,8 @@ def _head_summary(shape: LayerShape, first: bool, last: bool, hw: Hardware, eff:
                   overlap_tp: bool, groups_key: tuple) -> _Phase:
     groups = layout_groups(hw, *groups_key)
     ops = timed_head_ops(shape, first, last, hw.peak_flops, hw.mem_bw, eff)
-    return _sum_ops(ops, overlap_tp, shape.tp, shape.cp, groups, hw)
+    return _sum_ops(ops, overlap_tp, shape.tp, shape.cp, groups, hw,
+                    _split_costs(ops, overlap_tp, shape.tp, hw, eff))
 
 
 @lru_cache(maxsize=256)
