@@ -131,7 +131,7 @@ BAD_PLAN_FLAGS = [
     ["--topology", "ring"], ["--gpu", "tpu-v9"], ["--zero", "4"], ["--recompute", "some"],
     ["--overlap", "xx"], ["--top", "0"], ["--hidden", "100", "--heads", "7"],
     ["--heads", "32", "--kv-heads", "5"], ["--arch", "rnn"], ["--microbatches", "0"],
-    ["--kernels", "fa4"], ["--kernels", "fa3", "--gpu", "a100-sxm-80gb"],
+    ["--kernels", "fa4"], ["--kernels", "fa3", "--gpu", "a100-sxm-80gb"], ["--kernels", "fa1"],
     ["--rank-jitter", "-0.1"], ["--jitter-tail", "2,1"], ["--jitter-tail", "0.1"],
 ]
 

@@ -230,16 +230,16 @@ def test_hsdp_keeps_per_microbatch_traffic_inside_a_server(llama):
 def test_megascale_optimisation_ladder_each_step_raises_mfu_plausibly():
     """MegaScale's ablation (Jiang et al. 2024, section 3), priced by `bench/sim_ladder.py`:
     its 175B layout on 256 A100 (tp8 pp8 vpp6 dp4, sequence parallel, ZeRO-1, 64 microbatches)
-    from Megatron-LM (FlashAttention, unfused elementwise kernels, no overlap, a synchronous
-    batch fetch per microbatch), switching on the eight techniques one after another. MFU counts
-    the baseline model's FLOPs at every step, as an ablation does. The bounds (points of MFU)
-    come from what each step can remove, not from MegaScale's figures:
+    from Megatron-LM (the first FlashAttention, unfused elementwise kernels, no overlap, a
+    synchronous batch fetch per microbatch), switching on the eight techniques one after
+    another. MFU counts the baseline model's FLOPs at every step, as an ablation does. The
+    bounds (points of MFU) come from what each step can remove, not from MegaScale's figures:
 
     - parallel block: one TP all-reduce pair per layer instead of two, QKV fused with FC1
       (PaLM: ~15% faster at scale): 0.5-10;
     - sliding window 1024 of 2048 tokens: removes a quarter of the causal attention blocks, and
-      attention is ~2% of this model's step (s / 6h): 0.05-1 (FlashAttention's local mode skips
-      the blocks, hence FlashAttention from the baseline);
+      attention is 2-4% of this model's step (s / 6h FLOPs, at FlashAttention-1's rate):
+      0.05-1 (FlashAttention's local mode skips the blocks);
     - TP overlap: hides most of the tp8 collectives (~4% of this step after the parallel
       block) but cuts the GEMMs they pipeline against into pieces (8 of 256 rows for the
       ring-exchanged all-gathers, 4 for the forward reduce-scatter), each at the roofline's
@@ -249,8 +249,10 @@ def test_megascale_optimisation_ladder_each_step_raises_mfu_plausibly():
       25 GB/s against ~100 ms of compute per chunk: 0.05-1;
     - DP overlap: the ZeRO-1 reduce-scatter and all-gather of 2.7B parameters per GPU over 4
       replicas, ~0.5 s of a ~13 s step, hidden behind the other chunks' work: 0.2-5;
-    - efficient operators (fused norm, GELU, bias-dropout-add): the memory-bound kernels are
-      2-3% of the step and fusion removes their extra passes and launches: 0.1-3;
+    - efficient operators (FlashAttention-2 for the first FlashAttention, fused norm, GELU,
+      bias-dropout-add): FlashAttention-2 halves the attention kernels' time (its paper's "around
+      2x" on the A100), the memory-bound kernels are 2-3% of the step and fusion removes their
+      extra passes and launches: 0.1-3;
     - misc (MegaScale 6.1: the data pipeline and the code whose time fluctuates per rank): the
       synchronous fetch is ~0.1 ms per microbatch against ~200 ms of compute, and the wait for
       the slowest of 256 ranks at the assumed 1% spread is ~2.6% of the step: 0.5-3, with no
@@ -279,10 +281,11 @@ def test_megascale_optimisation_ladder_each_step_raises_mfu_plausibly():
     assert sec(after, "compute_gemm") > 1.03 * sec(before, "compute_gemm")
     assert sec(after, "tp_comm_exposed") < 0.5 * sec(before, "tp_comm_exposed")
     assert rows[6]["breakdown"]["sync_wait"] > 0.02 and "sync_wait" not in rows[7]["breakdown"]
-    # the fused kernels' gain is the memory-bound share they remove (no FlashAttention in it)
-    before, after = rows[5]["breakdown"], rows[6]["breakdown"]
-    assert after["compute_memory_bound"] < before["compute_memory_bound"]
-    assert after["compute_attention"] == pytest.approx(before["compute_attention"], rel=0.02)
+    # efficient operators: the memory-bound time the fused kernels remove, and FlashAttention-2
+    # at twice the first one's rate on the same blocks
+    before, after = rows[5], rows[6]
+    assert sec(after, "compute_memory_bound") < sec(before, "compute_memory_bound")
+    assert 0.45 < sec(after, "compute_attention") / sec(before, "compute_attention") < 0.6
 
 
 def test_tp_overlap_pays_for_cutting_its_gemms(llama):

@@ -138,11 +138,12 @@ def fit_memory_tables() -> dict:
 
 
 def attention_tflops(device: str, direction: str, seq: int, flash: bool,
-                     head_dim: int = 128, hidden: int = 2048) -> float:
+                     head_dim: int = 128, hidden: int = 2048, version: str = "auto") -> float:
     """The model's attention-kernel rate in the setting of the published microbenchmarks
     (batch x seq = 16k tokens, `hidden` split in heads of `head_dim`): TFLOP/s of the FLOPs the
     kernels execute (FlashAttention: the causal half; unfused attention: every score), forward
-    or backward (2.5x the forward FLOPs), from the operators' roofline times."""
+    or backward (2.5x the forward FLOPs), from the operators' roofline times; `version` is the
+    FlashAttention's (`kernels.flash_version`)."""
     from myria.config import ModelConfig
     from myria.sim.hardware import build_hardware
     from myria.sim.op_timing import timed_layer_ops
@@ -155,7 +156,7 @@ def attention_tflops(device: str, direction: str, seq: int, flash: bool,
     cfg = ModelConfig(arch="gpt", layers=1, hidden=hidden, heads=hidden // head_dim,
                       seq_len=seq, vocab_size=1024)
     shape = layer_shape(cfg, b, flash=flash, fused=False, dropout=0.0)
-    ops = timed_layer_ops(shape, hw.peak_flops, hw.mem_bw, efficiency_for(hw))
+    ops = timed_layer_ops(shape, hw.peak_flops, hw.mem_bw, efficiency_for(hw, version))
     t = sum(o.time for o in ops if o.attn_core and o.phase == direction)
     flops = 4 * b * seq * seq * hidden * (0.5 if flash else 1.0) * \
         (2.5 if direction == "bwd" else 1.0)

@@ -97,9 +97,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="straggler tail: the share of rank-steps with an extra delay and its "
                    "mean in rank-jitter units (default 0,0: none; bench/sim_rank_jitter.py "
                    "measures both from a run's event files)")
-    g.add_argument("--kernels", choices=("fa3", "fa2", "unfused"),
-                   help="attention kernel: FlashAttention-3 (Hopper), FlashAttention-2, or "
-                   "unfused softmax attention (default: the newest the device runs)")
+    g.add_argument("--kernels", choices=("fa3", "fa2", "fa1", "unfused"),
+                   help="attention kernel: FlashAttention-3 (Hopper), FlashAttention-2, "
+                   "FlashAttention-1 (Ampere), or unfused softmax attention (default: the "
+                   "newest the device runs)")
     g.add_argument("--no-flash", action="store_true", help="same as --kernels unfused")
     g.add_argument("--unfused-ops", action="store_true",
                    help="eager elementwise kernels (no fused bias+GELU, norms, softmax)")
@@ -413,7 +414,7 @@ def assumptions(base: RunSpec) -> list[str]:
     on = ",".join(x for x in ("tp", "pp", "dp") if getattr(o, x)) or "none"
     hw = build_hardware(c, base.training.precision)
     return [
-        f"assumed: attention {attn} (--kernels fa3|fa2|unfused), elementwise kernels "
+        f"assumed: attention {attn} (--kernels fa3|fa2|fa1|unfused), elementwise kernels "
         f"{'fused' if k.fused_ops else 'unfused'} (--unfused-ops); overlap {on} (--overlap; "
         f"default {DEFAULT_OVERLAP} as Megatron-Core's recipes run); data-parallel "
         "buckets: Megatron-Core's max(40M, 1M x dp) parameters for ZeRO 0-1, FSDP's units for "

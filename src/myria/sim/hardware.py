@@ -101,8 +101,13 @@ def gemm_ceiling_ratio(device: str) -> float:
 # - FlashAttention-2 on Hopper (the same FA3 paper, its FA2 baseline): "only 35% utilization"
 #   of the H100 forward (abstract), and FA3's backward 1.5-1.75x FA2's (section 4.1; 1.6 taken)
 #   -> 0.35 / 0.36, with FA3's s_half.
+# - FlashAttention (the first, `fa1`) on Ampere: the FlashAttention-2 paper's section 4.1,
+#   "FlashAttention-2 is around 2x faster than FlashAttention" on the A100 (forward, backward),
+#   which its introduction puts at 30-50% of peak forward, 25-35% backward -> FA2's rates / 2
+#   (0.315 / 0.28, inside both ranges), with FA2's s_half. No published FA1 rates on Hopper.
 FLASH_ATTENTION = {
     "ampere": (0.63, 0.56, 440.0, 285.0),
+    "ampere-fa1": (0.315, 0.28, 440.0, 285.0),
     "hopper": (0.64, 0.58, 440.0, 285.0),
     "hopper-fa2": (0.35, 0.36, 440.0, 285.0),
 }
@@ -112,13 +117,16 @@ FLASH_HEAD_DIM_HALF = 38.0
 
 
 def flash_kernel(device: str, version: str) -> str:
-    """The FlashAttention kernel a run uses on `device` ("fa3", "fa2"; "" on devices without
-    published rates): `version` auto is the newest the device runs. fa3 on a device without
-    Hopper's tensor-memory accelerator is refused."""
+    """The FlashAttention kernel a run uses on `device` ("fa3", "fa2", "fa1"): `version` auto
+    is the newest the device runs. fa3 on a device without Hopper's tensor-memory accelerator
+    is refused, and fa1 on Hopper (no published rates there)."""
     gen = FLASH_GENERATION.get(device, "")
     if version == "fa3" and gen != "hopper":
         raise ConfigError(f"kernels.flash_version = 'fa3': FlashAttention-3 runs on Hopper "
                           f"(h100-sxm-80gb, h200, h800-sxm-80gb), not {device}; use fa2")
+    if version == "fa1" and gen == "hopper":
+        raise ConfigError(f"kernels.flash_version = 'fa1': FlashAttention-1 is priced on Ampere "
+                          f"only (a100-sxm-80gb, a100-sxm-40gb), not {device}; use fa2 or fa3")
     if version == "auto":
         return "fa3" if gen == "hopper" else "fa2"
     return version
@@ -127,8 +135,9 @@ def flash_kernel(device: str, version: str) -> str:
 def flash_rates(device: str, version: str) -> tuple:
     """(forward, backward, s_half forward, s_half backward) of the run's FlashAttention."""
     gen = FLASH_GENERATION.get(device, "")
-    if gen == "hopper" and flash_kernel(device, version) == "fa2":
-        gen = "hopper-fa2"
+    kernel = flash_kernel(device, version)
+    if (gen, kernel) in (("hopper", "fa2"), ("ampere", "fa1")):
+        gen = f"{gen}-{kernel}"
     return FLASH_ATTENTION.get(gen, ())
 
 # Memory-bound kernels (norms, activations, RoPE, softmax, losses, residual chains) from their

@@ -157,9 +157,9 @@ class KernelSpec:
     """Kernel choices."""
 
     flash_attention: bool = _f(False, "FlashAttention (no materialised score matrix)")
-    flash_version: str = _f("auto", "which FlashAttention: fa3 (Hopper only), fa2, or auto (the "
-                            "newest the device runs: fa3 on Hopper, fa2 elsewhere)",
-                            choices=("auto", "fa2", "fa3"))
+    flash_version: str = _f("auto", "which FlashAttention: fa3 (Hopper only), fa2, fa1 (Ampere "
+                            "only), or auto (the newest the device runs: fa3 on Hopper, fa2 "
+                            "elsewhere)", choices=("auto", "fa1", "fa2", "fa3"))
     fused_ops: bool = _f(True, "fused elementwise kernels (bias+GELU, bias+dropout+add, "
                          "scale+mask+softmax, fused cross-entropy) as in Megatron-LM")
     eager: bool = _f(False, "myria's own eager PyTorch runtime (the CPU self-check): separate "
