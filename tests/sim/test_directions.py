@@ -136,6 +136,38 @@ def test_context_parallel_cuts_activation_memory(llama):
     assert simulate(cp).memory.activations < 0.5 * simulate(long).memory.activations
 
 
+def test_context_parallel_ring_pays_for_cutting_attention(llama):
+    """Ring attention hides its K/V exchange by running one FlashAttention kernel per key block
+    as it arrives: cp kernels over s/cp keys each, at FlashAttention's lower rate for the
+    shorter key length (r s / (s + s_half)) plus a launch each; the charge is what moves the
+    step's attention time against the same run without context parallelism."""
+    import dataclasses
+
+    from myria.sim import perf
+    from myria.sim.op_timing import flash_efficiency, ring_attention_time, timed_layer_ops
+
+    long = llama.replace(model={"seq_len": 8192}, training={"global_batch": 256})
+    cp = long.replace(parallel={"cp": 4})
+    hw = perf.build_hardware(cp.cluster, cp.training.precision)
+    eff = perf.efficiency_for(hw, cp.kernels.flash_version)
+    shape = perf.run_shape(cp)
+    ops = timed_layer_ops(shape, hw.peak_flops, hw.mem_bw, eff)
+    fa = next(o for o in ops if o.name == "flash_attn")
+    assert fa.dims[:2] == (2048, 8192)
+    assert ring_attention_time(fa, 1, hw.peak_flops, hw.mem_bw, eff) == fa.time
+    block = dataclasses.replace(fa, dims=(2048, 2048, fa.dims[2]))
+    want = fa.flops / hw.peak_flops * (1 / flash_efficiency(block, eff)
+                                       - 1 / flash_efficiency(fa, eff)) \
+        + 3 * eff.kernel_overhead_s
+    got = ring_attention_time(fa, 4, hw.peak_flops, hw.mem_bw, eff) - fa.time
+    assert got == pytest.approx(want, rel=1e-6) and 0.1 * fa.time < got < 0.4 * fa.time
+    cut = perf._split_costs(ops, False, shape.tp, hw, eff, shape.cp)
+    assert set(cut) == {"flash_attn", "flash_attn.bwd"} and all(v > 0 for v in cut.values())
+    assert perf._split_costs(ops, False, shape.tp, hw, eff) == {}
+    attn = lambda r: simulate(r).breakdown["compute_attention"]  # noqa: E731
+    assert attn(cp) > 1.05 * attn(long)
+
+
 def test_expert_parallel(llama):
     moe = llama.replace(model={"experts": 8, "top_k": 2})
     res = {ep: simulate(moe.replace(parallel={"ep": ep})) for ep in (1, 2, 8)}

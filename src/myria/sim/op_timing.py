@@ -132,6 +132,22 @@ def split_gemm_time(op: Op, pieces: int, peak_flops: float, mem_bw: float, eff: 
     return pieces * op_time(piece, peak_flops, mem_bw, eff)[0]
 
 
+def ring_attention_time(op: Op, pieces: int, peak_flops: float, mem_bw: float,
+                        eff: Efficiency) -> float:
+    """Time of attention kernel `op` run as ring attention runs it under context parallelism:
+    one kernel per key/value block that arrives around the ring (`pieces` = cp), each over
+    s_kv / cp keys, so at FlashAttention's lower rate for the shorter key length
+    (`flash_efficiency`, or the measured rate of that shape), with its own launch; each block
+    reads the query-side tensors again (taken as half the whole kernel's traffic: Q, O, dO, dQ
+    against K, V, dK, dV) and its share of the key/value side."""
+    if pieces <= 1 or op.kind != "attn":
+        return op.time
+    s_q, s_kv, hd = op.dims
+    piece = dataclasses.replace(op, flops=op.flops / pieces, dims=(s_q, s_kv / pieces, hd),
+                                bytes=op.bytes / 2 + op.bytes / (2 * pieces), time=0.0)
+    return pieces * op_time(piece, peak_flops, mem_bw, eff)[0]
+
+
 @lru_cache(maxsize=65536)
 def timed_layer_ops(shape: LayerShape, peak_flops: float, mem_bw: float, eff: Efficiency
                     ) -> tuple[Op, ...]:

@@ -42,7 +42,12 @@ from myria.sim.dataparallel import (
 )
 from myria.sim.hardware import Hardware, build_hardware
 from myria.sim.memory import FRAGMENTATION, RESERVED_BYTES, MemoryResult, memory, stage_params
-from myria.sim.op_timing import split_gemm_time, timed_head_ops, timed_layer_ops
+from myria.sim.op_timing import (
+    ring_attention_time,
+    split_gemm_time,
+    timed_head_ops,
+    timed_layer_ops,
+)
 from myria.sim.operators import (
     DEFAULT_EFFICIENCY,
     MEASURED_EFFICIENCY,
@@ -74,20 +79,27 @@ class _Phase:
 
 
 def _split_costs(ops: tuple[Op, ...], overlap_tp: bool, tp: int, hw: Hardware,
-                 eff: Efficiency) -> dict[str, float]:
-    """Seconds each GEMM loses when tensor-parallel overlap cuts it into pieces: a
+                 eff: Efficiency, cp: int = 1) -> dict[str, float]:
+    """Seconds each kernel loses when overlapped communication cuts it into pieces: a TP
     collective pipelined against the GEMM that consumes its gathered input (all-gather) or
     produces its scattered output (reduce-scatter) needs the GEMM cut along the tokens, one
     piece per chunk of the collective (`op_timing.split_gemm_time`; `_tp_chunks`). A GEMM that
     a collective merely runs beside (bulk) is not cut; neither is a GEMM paired with a
-    collective overlapped whether or not overlap.tp is set (`Op.always_overlap`)."""
+    collective overlapped whether or not overlap.tp is set (`Op.always_overlap`). Context
+    parallelism's ring hides its K/V exchange by running the FlashAttention kernels one key
+    block at a time (`op_timing.ring_attention_time`), always."""
+    out = {}
+    if cp > 1:
+        out = {op.name: ring_attention_time(op, cp, hw.peak_flops, hw.mem_bw, eff) - op.time
+               for op in ops if op.kind == "attn" and op.attn_core}
     if not overlap_tp or tp <= 1:
-        return {}
+        return out
     cut = {op.pair: _tp_chunks(op, tp) for op in ops
            if op.kind == "comm" and op.group == "tp" and op.pair and not op.always_overlap
            and _tp_chunks(op, tp) > 1}
-    return {op.name: split_gemm_time(op, cut[op.name], hw.peak_flops, hw.mem_bw, eff) - op.time
-            for op in ops if op.name in cut and op.kind == "gemm"}
+    out.update({op.name: split_gemm_time(op, cut[op.name], hw.peak_flops, hw.mem_bw, eff)
+                - op.time for op in ops if op.name in cut and op.kind == "gemm"})
+    return out
 
 
 def _tp_chunks(op: Op, tp: int) -> int:
@@ -103,8 +115,8 @@ def _sum_ops(ops: tuple[Op, ...], overlap_tp: bool, tp: int, cp: int,
     by_name = {op.name: op.time for op in ops if op.kind != "comm"}
     busy = sum(o.time for o in ops if o.kind != "comm") or 1.0
     mem_share = sum(o.time for o in ops if o.kind != "comm" and o.category == "memory") / busy
-    attn_time = {"fwd": sum(o.time for o in ops if o.attn_core and o.phase == "fwd"),
-                 "bwd": sum(o.time for o in ops if o.attn_core and o.phase == "bwd")}
+    attn_time = {ph: sum(o.time + split.get(o.name, 0.0) for o in ops
+                         if o.attn_core and o.phase == ph) for ph in ("fwd", "bwd")}
     for op in ops:
         cat = op.category
         if op.kind == "comm":
@@ -148,7 +160,7 @@ def _layer_summary(shape: LayerShape, hw: Hardware, eff: Efficiency, overlap_tp:
     groups = layout_groups(hw, *groups_key)
     ops = timed_layer_ops(shape, hw.peak_flops, hw.mem_bw, eff)
     return _sum_ops(ops, overlap_tp, shape.tp, shape.cp, groups, hw,
-                    _split_costs(ops, overlap_tp, shape.tp, hw, eff))
+                    _split_costs(ops, overlap_tp, shape.tp, hw, eff, shape.cp))
 
 
 @lru_cache(maxsize=16384)
@@ -157,7 +169,7 @@ def _head_summary(shape: LayerShape, first: bool, last: bool, hw: Hardware, eff:
     groups = layout_groups(hw, *groups_key)
     ops = timed_head_ops(shape, first, last, hw.peak_flops, hw.mem_bw, eff)
     return _sum_ops(ops, overlap_tp, shape.tp, shape.cp, groups, hw,
-                    _split_costs(ops, overlap_tp, shape.tp, hw, eff))
+                    _split_costs(ops, overlap_tp, shape.tp, hw, eff, shape.cp))
 
 
 @lru_cache(maxsize=256)
