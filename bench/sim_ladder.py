@@ -25,7 +25,8 @@ stages per rank.
 The "efficient operators" step is what MegaScale's section 3.3 names: FlashAttention-2 in
 place of the attention the baseline ran ("we adopt FlashAttention-2, which improves work
 partitioning between different thread blocks and warps", FlashAttention-2's own contribution
-over the first FlashAttention, which Megatron-LM's `--use-flash-attn` called then), and fused
+over the first FlashAttention, whose `flash_attn_unpadded_func` is what `--use-flash-attn`
+called in the Megatron-LM commit section 6.1 names as the baseline, 285068c8), and fused
 LayerNorm and GeLU kernels in place of their fine-grained ones. The FlashAttention-1 rates are
 the FlashAttention-2 paper's (`hardware.FLASH_ATTENTION`), not fitted.
 
