@@ -288,3 +288,22 @@ def test_training_continues_from_an_imported_model(tmp_path, hf_models, tiny_dat
     got = losses(run)
     assert got[12] < got[1] - 0.5, got
     _assert_tied_and_exported(run, tmp_path / "hf", _tensors(d)["model.embed_tokens.weight"])
+
+
+def test_import_with_parameters_on_disk(tmp_path, tiny_data):
+    """parallel.offload = 'nvme' with the parameters in its files: the files' first generation
+    is written from the imported weights (a unit at a time) and the first steps' losses equal
+    the same import trained in memory. The model's weights are large enough (std 0.2) that
+    its first loss is far from a fresh initialisation's log(vocab)."""
+    from tests.conftest import losses
+
+    d = make_hf_model("llama", tmp_path / "llama", initializer_range=0.2)
+    got = {}
+    for name, extra in (("memory", ()), ("disk", ("--parallel.offload=nvme",
+                                                  "--parallel.offload_params=true"))):
+        run = tmp_path / name
+        run_cli("train", "--run-dir", str(run), f"--data.path={tiny_data}", *TINY,
+                f"--model.init_from={d}", "--training.steps=2",
+                "--parallel.activation_checkpoint=full", *extra)
+        got[name] = losses(run)
+    assert got["disk"] == got["memory"] and got["memory"][1] > 7.5, got

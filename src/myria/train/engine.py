@@ -320,6 +320,11 @@ class Engine:
             set_model_state_dict(part, state["model"], options=StateDictOptions(strict=False))
             set_optimizer_state_dict(part, opt, state["optim"], options=self._OPTS)
 
+    def fill_parameters(self, read) -> None:
+        """Replace the initial parameter values before the first step (the offload tier's
+        `fill_parameters`: `read({name: parameter})` fills them in place)."""
+        self.tier.fill_parameters(self.parts, read)
+
     # state kept in files (the nvme tier): linked into checkpoints (myria.train.checkpoint)
     def checkpoint_files(self) -> dict:
         return self.tier.checkpoint_files()
