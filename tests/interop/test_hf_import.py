@@ -307,3 +307,25 @@ def test_import_with_parameters_on_disk(tmp_path, tiny_data):
                 "--parallel.activation_checkpoint=full", *extra)
         got[name] = losses(run)
     assert got["disk"] == got["memory"] and got["memory"][1] > 7.5, got
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", ["tp2", "pp2"])
+def test_tied_model_trains_under_tp_and_pp(tmp_path, hf_models, tiny_data, tied_run, layout):
+    """A tied model (the imported Qwen2) trains under tensor parallelism (embedding and head
+    one tensor, both sharded on the vocabulary) and pipeline parallelism (a copy on the first
+    and the last stage, their gradients summed each step) to the losses of one process; the
+    two ends stay equal and the export holds the embedding only."""
+    from tests.conftest import losses
+
+    run, out = tmp_path / "run", tmp_path / "hf"
+    degree = "--parallel.tp=2" if layout == "tp2" else "--parallel.pp=2"
+    run_cli("train", "--run-dir", str(run), f"--data.path={tiny_data}", *TINY, "--nproc", "2",
+            f"--model.init_from={hf_models['qwen2']}", *TIED_TRAINING, degree,
+            "--parallel.dp_shard=1")
+    got, ref = losses(run), losses(tied_run[0])
+    assert sorted(got) == sorted(ref) == [1, 2]
+    assert all(abs(got[s] - ref[s]) <= 1e-4 * abs(ref[s]) for s in ref), (got, ref)
+    _assert_tied_and_exported(run, out, _tensors(hf_models["qwen2"])["model.embed_tokens.weight"])
+    assert "lm_head.weight" not in _tensors(out)
+    assert json.loads((out / "config.json").read_text())["tie_word_embeddings"] is True

@@ -294,19 +294,26 @@ def reader(d: str | Path, m: ModelConfig):
 
         # Tied embeddings: HF keeps the embedding only, and so does the model
         # (Transformer.to_empty keeps the output layer on the embedding's tensor, which
-        # named_parameters lists once).
-        state, held = {}, 0
-        for name, p in named.items():
-            name = plain_name(name)
+        # named_parameters lists once). A pipeline's last stage holds a copy of its own
+        # (parallel.pipeline.TiedEmbedding), read from the embedding; when the same rank
+        # holds the first stage too (ZBV), the copy takes the embedding's values.
+        state, held, copy = {}, 0, None
+        plain = {plain_name(n): p for n, p in named.items()}
+        for name, p in plain.items():
             if m.tie_embeddings and name == "output.weight":
-                raise RuntimeError("tied embeddings came apart: the output layer has a "
-                                   "parameter of its own")
+                emb = plain.get("tok_embeddings.weight")
+                if emb is not None:
+                    copy = (p, emb)
+                    continue
+                name = "tok_embeddings.weight"
             state[hf_name(name)] = p
             held += local_shard(p).nbytes
         with torch.no_grad(), warnings.catch_warnings():
             warnings.filterwarnings("ignore", "torch.distributed is disabled")
             dcp.load(state, storage_reader=HuggingFaceStorageReader(str(d)),
                      no_dist=not dist.is_initialized())
+            if copy is not None:
+                local_shard(copy[0]).copy_(local_shard(copy[1]))
         return held
 
     return read

@@ -112,6 +112,9 @@ class Engine:
         self.optimizers = self.tier.build(parts, lay, device.type)
         self.schedulers = [build_scheduler(o, cfg.optimizer, t.steps) for o in self.optimizers]
         self.schedule = None
+        # a tied embedding under pipelining: copies on the first and last stage (pipeline.py)
+        self.tied = pipeline.TiedEmbedding(parts, self.stage_ids, lay.stages, dims) \
+            if lay.pp > 1 and cfg.model.tie_embeddings else None
         if lay.pp > 1:
             self.schedule = pipeline.build_schedule(
                 parts, self.stage_ids, lay.stages, lay.schedule, self.microbatches,
@@ -217,6 +220,8 @@ class Engine:
                 self.schedule.step(target=y, losses=losses)
             else:
                 self.schedule.step()
+        if self.tied is not None:
+            self.tied.sum_grads()
         if self.manual_dp:
             self._all_reduce_grads()
         loss = torch.stack([full_value(lo.detach()) for lo in losses]).mean() if losses else \
@@ -241,7 +246,8 @@ class Engine:
         from myria.parallel import expert  # norms of gradients that live on several meshes
 
         params = [p for m in self.parts for p in m.parameters() if p.grad is not None]
-        norm = expert.grad_norm(params, foreach=True)
+        copy = self.tied.copy if self.tied is not None else None  # counted once, on stage 0
+        norm = expert.grad_norm([p for p in params if p is not copy], foreach=True)
         norm = full_value(norm)
         if self.dims.pp > 1:
             sq = norm.pow(2)
