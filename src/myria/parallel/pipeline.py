@@ -151,3 +151,33 @@ class TiedEmbedding:
             grads[1].copy_(grads[0])
         elif grads and self.group is not None:
             dist.all_reduce(grads[0], group=self.group)
+
+    # The optimizer state of the last stage's copy is checkpointed under the embedding's name,
+    # as one process names the tied tensor's: a checkpoint then moves between a pipeline and
+    # any other layout (both ends save the same values; DCP keeps one).
+    _KINDS = ("state.", "param_groups.")
+
+    def optim_to_checkpoint(self, sd: dict) -> dict:
+        """The flat optimizer state dict `sd` with the copy's entries under the embedding's
+        name."""
+        if self.copy is None:
+            return sd
+        out = {}
+        for k, v in sd.items():
+            for kind in self._KINDS:
+                if k.startswith(kind + "output.weight."):
+                    k = kind + "tok_embeddings.weight." + k[len(kind + "output.weight."):]
+            out.setdefault(k, v)
+        return out
+
+    def optim_from_checkpoint(self, sd: dict) -> dict:
+        """`sd` (as `optim_to_checkpoint` left it) with the copy's entries back under its
+        name."""
+        if self.copy is None:
+            return sd
+        out = dict(sd)
+        for k, v in sd.items():
+            for kind in self._KINDS:
+                if k.startswith(kind + "tok_embeddings.weight."):
+                    out[kind + "output.weight." + k[len(kind + "tok_embeddings.weight."):]] = v
+        return out

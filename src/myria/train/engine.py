@@ -319,12 +319,17 @@ class Engine:
             model_sd.update(get_model_state_dict(part, options=self._OPTS))
             optim_sd.update(get_optimizer_state_dict(part, opt, options=self._OPTS))
         model_sd.update(self.tier.file_backed_state())  # parameters kept in files, mapped
+        if self.tied is not None:
+            optim_sd = self.tied.optim_to_checkpoint(optim_sd)
         return {"model": model_sd, "optim": optim_sd}
 
     def load_state_dict(self, state: dict) -> None:
+        optim_sd = state["optim"]
+        if self.tied is not None:
+            optim_sd = self.tied.optim_from_checkpoint(optim_sd)
         for part, opt in zip(self.parts, self.optimizers):
             set_model_state_dict(part, state["model"], options=StateDictOptions(strict=False))
-            set_optimizer_state_dict(part, opt, state["optim"], options=self._OPTS)
+            set_optimizer_state_dict(part, opt, optim_sd, options=self._OPTS)
 
     def fill_parameters(self, read) -> None:
         """Replace the initial parameter values before the first step (the offload tier's
