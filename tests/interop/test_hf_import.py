@@ -315,7 +315,8 @@ def test_tied_model_trains_under_tp_and_pp(tmp_path, hf_models, tiny_data, tied_
     """A tied model (the imported Qwen2) trains under tensor parallelism (embedding and head
     one tensor, both sharded on the vocabulary) and pipeline parallelism (a copy on the first
     and the last stage, their gradients summed each step) to the losses of one process; the
-    two ends stay equal and the export holds the embedding only."""
+    two ends stay equal and the export holds the embedding only. The pipeline's checkpoint
+    resumes on one process as the one-process run's own does."""
     from tests.conftest import losses
 
     run, out = tmp_path / "run", tmp_path / "hf"
@@ -329,3 +330,10 @@ def test_tied_model_trains_under_tp_and_pp(tmp_path, hf_models, tiny_data, tied_
     _assert_tied_and_exported(run, out, _tensors(hf_models["qwen2"])["model.embed_tokens.weight"])
     assert "lm_head.weight" not in _tensors(out)
     assert json.loads((out / "config.json").read_text())["tie_word_embeddings"] is True
+    if layout == "pp2":
+        ref_run = tmp_path / "ref"
+        shutil.copytree(tied_run[0], ref_run)
+        for r in (run, ref_run):
+            run_cli("train", "--run-dir", str(r), f"--data.path={tiny_data}", *TINY,
+                    *TIED_TRAINING[:-1], "--training.steps=3")
+        assert abs(losses(run)[3] - losses(ref_run)[3]) <= 1e-4 * losses(ref_run)[3]
