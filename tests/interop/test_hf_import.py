@@ -2,7 +2,9 @@
 
 Logits equal transformers' on 1 process and under FSDP, TP, PP and CP; a run with lr = 0
 exports the imported tensors bit for bit and the export loads into transformers with the same
-logits; tied embeddings stay tied in training; unsupported models are refused in one line."""
+logits; tied embeddings stay tied in training (one process, FSDP, TP, PP); the nvme tier with the
+parameters on disk starts from the imported weights; unsupported models are refused in one
+line."""
 
 from __future__ import annotations
 
