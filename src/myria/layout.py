@@ -234,15 +234,6 @@ class Layout:
         if t.data_parallel == "ddp" and (tp > 1 or pp > 1 or cp > 1):
             raise ConfigError("training.data_parallel = 'ddp' works with pure data "
                               "parallelism; use 'fsdp' or 'zero2' with tp, pp or cp")
-        if m.tie_embeddings and tp > 1:
-            raise ConfigError("model.tie_embeddings is not supported with tensor parallelism; "
-                              "a tied model trains with data (FSDP) and context parallelism "
-                              "(parallel.tp = 1)")
-        if m.tie_embeddings and pp > 1:
-            raise ConfigError("model.tie_embeddings is not supported with pipeline parallelism "
-                              "(the embedding and the head live on different stages); a tied "
-                              "model trains with data (FSDP) and context parallelism "
-                              "(parallel.pp = 1)")
         if m.document_mask and (pp > 1 or (cp > 1 and p.cp_impl == "torch")):
             raise ConfigError("model.document_mask runs without pipeline parallelism (pp = 1) "
                               "and, under context parallelism, with parallel.cp_impl = 'ring'")

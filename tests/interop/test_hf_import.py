@@ -2,7 +2,9 @@
 
 Logits equal transformers' on 1 process and under FSDP, TP, PP and CP; a run with lr = 0
 exports the imported tensors bit for bit and the export loads into transformers with the same
-logits; tied embeddings stay tied in training; unsupported models are refused in one line."""
+logits; tied embeddings stay tied in training (one process, FSDP, TP, PP); the nvme tier with the
+parameters on disk starts from the imported weights; unsupported models are refused in one
+line."""
 
 from __future__ import annotations
 
@@ -288,3 +290,52 @@ def test_training_continues_from_an_imported_model(tmp_path, hf_models, tiny_dat
     got = losses(run)
     assert got[12] < got[1] - 0.5, got
     _assert_tied_and_exported(run, tmp_path / "hf", _tensors(d)["model.embed_tokens.weight"])
+
+
+def test_import_with_parameters_on_disk(tmp_path, tiny_data):
+    """parallel.offload = 'nvme' with the parameters in its files: the files' first generation
+    is written from the imported weights (a unit at a time) and the first steps' losses equal
+    the same import trained in memory. The model's weights are large enough (std 0.2) that
+    its first loss is far from a fresh initialisation's log(vocab)."""
+    from tests.conftest import losses
+
+    d = make_hf_model("llama", tmp_path / "llama", initializer_range=0.2)
+    got = {}
+    for name, extra in (("memory", ()), ("disk", ("--parallel.offload=nvme",
+                                                  "--parallel.offload_params=true"))):
+        run = tmp_path / name
+        run_cli("train", "--run-dir", str(run), f"--data.path={tiny_data}", *TINY,
+                f"--model.init_from={d}", "--training.steps=2",
+                "--parallel.activation_checkpoint=full", *extra)
+        got[name] = losses(run)
+    assert got["disk"] == got["memory"] and got["memory"][1] > 7.5, got
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", ["tp2", "pp2"])
+def test_tied_model_trains_under_tp_and_pp(tmp_path, hf_models, tiny_data, tied_run, layout):
+    """A tied model (the imported Qwen2) trains under tensor parallelism (embedding and head
+    one tensor, both sharded on the vocabulary) and pipeline parallelism (a copy on the first
+    and the last stage, their gradients summed each step) to the losses of one process; the
+    two ends stay equal and the export holds the embedding only. The pipeline's checkpoint
+    resumes on one process as the one-process run's own does."""
+    from tests.conftest import losses
+
+    run, out = tmp_path / "run", tmp_path / "hf"
+    degree = "--parallel.tp=2" if layout == "tp2" else "--parallel.pp=2"
+    run_cli("train", "--run-dir", str(run), f"--data.path={tiny_data}", *TINY, "--nproc", "2",
+            f"--model.init_from={hf_models['qwen2']}", *TIED_TRAINING, degree,
+            "--parallel.dp_shard=1")
+    got, ref = losses(run), losses(tied_run[0])
+    assert sorted(got) == sorted(ref) == [1, 2]
+    assert all(abs(got[s] - ref[s]) <= 1e-4 * abs(ref[s]) for s in ref), (got, ref)
+    _assert_tied_and_exported(run, out, _tensors(hf_models["qwen2"])["model.embed_tokens.weight"])
+    assert "lm_head.weight" not in _tensors(out)
+    assert json.loads((out / "config.json").read_text())["tie_word_embeddings"] is True
+    if layout == "pp2":
+        ref_run = tmp_path / "ref"
+        shutil.copytree(tied_run[0], ref_run)
+        for r in (run, ref_run):
+            run_cli("train", "--run-dir", str(r), f"--data.path={tiny_data}", *TINY,
+                    *TIED_TRAINING[:-1], "--training.steps=3")
+        assert abs(losses(run)[3] - losses(ref_run)[3]) <= 1e-4 * losses(ref_run)[3]

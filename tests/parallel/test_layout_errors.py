@@ -26,7 +26,6 @@ from myria.train.preflight import check_run
     (["--parallel.pp=2", "--parallel.vpp=2", "--parallel.schedule=interleaved-1f1b",
       "--training.global_batch=3", "--training.micro_batch=1", "--model.layers=4"], 2,
      "multiple of parallel.pp = 2"),
-    (["--parallel.tp=2", "--model.tie_embeddings=true"], 2, "tie_embeddings"),
 ])
 def test_layout_errors(overrides, world, needle):
     with pytest.raises(ConfigError, match=None) as e:

@@ -194,10 +194,6 @@ def apply(cfg: Config, weights: bool = True, resumed: dict | None = None) -> str
                           "the sequential block and continuous positions; unset "
                           "model.attention, model.experts, model.parallel_block and "
                           "model.document_positions")
-    if cfg.parallel.offload == "nvme":
-        raise ConfigError(f"{_where(d)} is not supported with parallel.offload = 'nvme' (its "
-                          "files hold their own copy of the weights); use offload = 'cpu' or "
-                          "'none'")
     if weights:
         weight_files(d)  # the weights are there, before any process starts
     config_mod.validate(cfg)
@@ -273,28 +269,51 @@ def load_weights(parts: list, d: str | Path, m: ModelConfig) -> int:
     """Fill the parameters of this rank's model parts (plain, FSDP2/TP DTensors, pipeline
     stages) from model directory `d`; every rank of the job calls it. Returns the bytes of
     parameters this rank now holds."""
-    import torch
-    import torch.distributed as dist
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint import HuggingFaceStorageReader
+    named = {}
+    for part in parts:
+        named.update(part.named_parameters())
+    return reader(d, m)(named)
 
-    from myria.tensors import local_shard
 
+def reader(d: str | Path, m: ModelConfig):
+    """After checking `d`'s tensors against `m`: a function that fills the parameters
+    `{name: parameter}` it is given (names as named_parameters gives them, wrappers
+    included; all of a rank's, or a part of them) from `d`, reading only the slices their
+    local shards own, and returns their local bytes. The offload tier calls it once per unit
+    when it keeps the parameters in files (Engine.fill_parameters)."""
     d = Path(d)
     check_weights(d, m)
-    # Tied embeddings: HF keeps the embedding only, and so does the model (Transformer.to_empty
-    # keeps the output layer on the embedding's tensor, which named_parameters lists once).
-    state, held = {}, 0
-    for part in parts:
-        for name, p in part.named_parameters():
-            name = plain_name(name)
+
+    def read(named: dict) -> int:
+        import torch
+        import torch.distributed as dist
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint import HuggingFaceStorageReader
+
+        from myria.tensors import local_shard
+
+        # Tied embeddings: HF keeps the embedding only, and so does the model
+        # (Transformer.to_empty keeps the output layer on the embedding's tensor, which
+        # named_parameters lists once). A pipeline's last stage holds a copy of its own
+        # (parallel.pipeline.TiedEmbedding), read from the embedding; when the same rank
+        # holds the first stage too (ZBV), the copy takes the embedding's values.
+        state, held, copy = {}, 0, None
+        plain = {plain_name(n): p for n, p in named.items()}
+        for name, p in plain.items():
             if m.tie_embeddings and name == "output.weight":
-                raise RuntimeError("tied embeddings came apart: the output layer has a "
-                                   "parameter of its own")
+                emb = plain.get("tok_embeddings.weight")
+                if emb is not None:
+                    copy = (p, emb)
+                    continue
+                name = "tok_embeddings.weight"
             state[hf_name(name)] = p
             held += local_shard(p).nbytes
-    with torch.no_grad(), warnings.catch_warnings():
-        warnings.filterwarnings("ignore", "torch.distributed is disabled")
-        dcp.load(state, storage_reader=HuggingFaceStorageReader(str(d)),
-                 no_dist=not dist.is_initialized())
-    return held
+        with torch.no_grad(), warnings.catch_warnings():
+            warnings.filterwarnings("ignore", "torch.distributed is disabled")
+            dcp.load(state, storage_reader=HuggingFaceStorageReader(str(d)),
+                     no_dist=not dist.is_initialized())
+            if copy is not None:
+                local_shard(copy[0]).copy_(local_shard(copy[1]))
+        return held
+
+    return read

@@ -241,6 +241,10 @@ class Transformer(nn.Module):
         from myria.models.init import canonical_name, fill_parameter
 
         name = canonical_name(name)
+        if self.cfg.tie_embeddings and name == "output.weight":
+            # a pipeline's last stage holds its own copy of the tied embedding (the first
+            # stage has the embedding): the same values
+            name = "tok_embeddings.weight"
         kind, std = self._init_rule(name)
         key = (seed * 1_000_003 + zlib.crc32(name.encode())) % (2**63)
         fill_parameter(p, kind, std, key)

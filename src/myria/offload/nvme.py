@@ -40,6 +40,15 @@ def has_offload_files(meta: dict) -> bool:
     return any(name.startswith(CKPT_PREFIX + "/") for name in meta.get("files", {}))
 
 
+def fill_in_memory(parts: list[nn.Module], read) -> None:
+    """`read({name: parameter})` once with every parameter of the parts (tied ones once)."""
+    named = {}
+    for part in parts:
+        named.update(part.named_parameters())
+    with torch.no_grad():
+        read(named)
+
+
 def local_sizes(parts: list[nn.Module]) -> tuple[int, int, int]:
     """(parameters this rank holds, the largest transformer block's, the largest of the
     embeddings, the final norm with the output layer, and a block), local shards."""
@@ -138,6 +147,15 @@ class NvmeTier:
             opts.append(opt)
         self.optimizers, self.plan, self.parts = opts, plan, list(parts)
         return opts
+
+    def fill_parameters(self, parts: list[nn.Module], read) -> None:
+        """In memory as the memory tier does; on disk (offload_params) one unit at a time
+        into generation 0, so no more than a unit is ever held."""
+        if not self.cfg.parallel.offload_params:
+            fill_in_memory(parts, read)
+            return
+        for part, opt in zip(parts, self.optimizers):
+            opt.streamer.fill(part, read)
 
     # -- what the step tells the optimizers (the same methods, per part) ---------------------
     def before_last_backward(self) -> None:

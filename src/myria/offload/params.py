@@ -20,6 +20,7 @@ import os
 import queue
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -210,13 +211,27 @@ class ParamStreamer:
         """Initialise one unit at a time and write it to generation 0 (then drop it)."""
         model.init_weights(seed, buffers_only=True)   # RoPE tables
         names = {id(p): n for n, p in model.named_parameters()}
+        self._write_units(lambda named: [model.init_parameter(n, p, seed)
+                                         for n, p in named.items()], names)
+
+    @torch.no_grad()
+    def fill(self, model: nn.Module, read: Callable[[dict[str, torch.Tensor]], object]) -> None:
+        """Replace the initial values in generation 0 with `read`'s, one unit at a time:
+        `read({name: tensor})` fills the unit's parameters (named as `model.named_parameters`
+        names them) in place. Only before the first step (the generation the update reads)."""
+        if self.opt.gen != 0:
+            raise RuntimeError("parameters on disk are filled before the first step only")
+        self._write_units(read, {id(p): n for n, p in model.named_parameters()})
+
+    def _write_units(self, fill, names: dict[int, str]) -> None:
+        """For each unit: load a slab, `fill({name: parameter})`, write it to the current
+        generation's file, drop it."""
         for u in self.units:
             u.slab = self.free.pop()
             u.ready = threading.Event()
             u.ready.set()
             self._attach(u)
-            for p, _, _ in u.params:
-                model.init_parameter(names[id(p)], p, seed)
+            fill({names[id(p)]: p for p, _, _ in u.params})
             for off, soff, n in self._segments(u):
                 full_io(os.pwritev, self.opt.fd, self._views[u.slab][soff:soff + n], off)
             self.drop(u)

@@ -15,6 +15,7 @@ beside the DCP shards (files linked, parameters mapped from files).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Protocol
 
@@ -24,7 +25,7 @@ from torch import nn
 from myria.errors import CheckpointError
 from myria.layout import Layout
 from myria.offload.budget import plan_for_config
-from myria.offload.nvme import NvmeTier, has_offload_files
+from myria.offload.nvme import NvmeTier, fill_in_memory, has_offload_files
 from myria.optim import build_optimizer
 
 
@@ -40,6 +41,13 @@ class OptimizerTier(Protocol):
     def build(self, parts: list[nn.Module], layout: Layout,
               device_type: str) -> list[torch.optim.Optimizer]:
         """The optimizers of the parts (one each), kept as `optimizers`."""
+
+    def fill_parameters(self, parts: list[nn.Module],
+                        read: Callable[[dict[str, torch.Tensor]], object]) -> None:
+        """Before the first step, replace the initial values of the parts' parameters:
+        `read({name: parameter})` (names as the parts' `named_parameters` give them) fills
+        them in place, called once with all of them, or once per unit when the tier keeps
+        them in files."""
 
     def before_last_backward(self) -> None:
         """The step's last backward is about to run."""
@@ -82,6 +90,10 @@ class MemoryTier:
               device_type: str) -> list[torch.optim.Optimizer]:
         self.optimizers = [build_optimizer(part, self.cfg.optimizer) for part in parts]
         return self.optimizers
+
+    def fill_parameters(self, parts: list[nn.Module],
+                        read: Callable[[dict[str, torch.Tensor]], object]) -> None:
+        fill_in_memory(parts, read)
 
     def before_last_backward(self) -> None:
         pass

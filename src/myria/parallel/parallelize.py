@@ -97,9 +97,12 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bool = Tr
     Without SP the residual stream is replicated over the tp ranks; with SP it is sharded along
     the sequence (dim 1) between blocks, and gathered right before each attention/MLP. The
     head's output stays a vocabulary-sharded DTensor when `loss_parallel` is on (the trainer
-    computes the cross-entropy under torch's `loss_parallel`).
+    computes the cross-entropy under torch's `loss_parallel`). A tied head keeps the
+    embedding's tensor.
     """
     seq = Shard(1) if sequence_parallel else Replicate()
+    emb, out = getattr(model, "tok_embeddings", None), getattr(model, "output", None)
+    tied = emb is not None and out is not None and out.weight is emb.weight
     root_plan = {}
     if getattr(model, "tok_embeddings", None) is not None:
         root_plan["tok_embeddings"] = RowwiseParallel(input_layouts=Replicate(),
@@ -116,6 +119,12 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bool = Tr
             use_local_output=not loss_parallel)
     if root_plan:
         parallelize_module(model, tp_mesh, root_plan)
+    if tied:
+        # Tied embeddings stay one tensor: the embedding (row-wise) and the head (column-wise)
+        # both shard the (vocab, hidden) weight on the vocabulary, so the head takes the
+        # embedding's DTensor as it is and both gradients accumulate into it.
+        assert emb.weight.placements == out.weight.placements == (Shard(0),)
+        out.weight = emb.weight
     for block in model.layers.values():
         plan = {
             "attention_norm": SequenceParallel() if sequence_parallel else ReplicateParallel(),

@@ -93,3 +93,91 @@ def bubble_fraction(pp: int, vpp: int, n_microbatches: int, schedule: str,
     if relative_to != "step":
         raise ValueError(f"relative_to must be 'step' or 'compute', got {relative_to!r}")
     return b / (n_microbatches + b)
+
+
+class TiedEmbedding:
+    """A tied embedding across pipeline stages, as Megatron-LM keeps it: the first stage's input
+    embedding and the last stage's output layer are two copies of one (vocab, hidden) tensor,
+    initialised (or imported) equal; after each step's backward their gradients are summed
+    between the two stages (`sum_grads`), so both copies see the gradient of the tied tensor
+    and stay equal under the same optimizer. The last stage's copy (`copy`) is left out of the
+    gradient norm, which counts the tied tensor once as on one process.
+
+    Every rank builds it (the group of the first and last stage's ranks is made collectively);
+    a rank that holds neither end has nothing to do. When one rank holds both ends (ZBV), the
+    sum is local."""
+
+    def __init__(self, parts: list[nn.Module], ids: list[int], n_stages: int, dims) -> None:
+        import torch.distributed as dist
+
+        self.params: list[nn.Parameter] = []
+        self.copy: nn.Parameter | None = None
+        for part, s in zip(parts, ids):
+            if s == 0:
+                self.params.append(part.tok_embeddings.weight)
+            if s == n_stages - 1:
+                self.copy = part.output.weight
+                self.params.append(self.copy)
+        lay, names = dims.layout, dims.mesh.mesh_dim_names
+        pp = lay.pp
+        first, last = (next(r for r in range(pp) if s in stage_ids(r, pp, lay.vpp, lay.schedule))
+                       for s in (0, n_stages - 1))
+        self.group = None
+        if first == last:
+            return
+        if pp == 2:
+            self.group = dims.pp_group
+            return
+        ranks = dims.mesh.mesh.movedim(names.index("pp"), -1).reshape(-1, pp)
+        self.group, _ = dist.new_subgroups_by_enumeration(
+            [[int(r[first]), int(r[last])] for r in ranks])
+
+    @torch.no_grad()
+    def sum_grads(self) -> None:
+        """Sum the two copies' gradients (local shards: both ends shard the tensor alike)."""
+        import torch.distributed as dist
+        from torch.distributed.tensor import DTensor
+
+        from myria.tensors import local_shard
+
+        for p in self.params:
+            # the gradient may come out placed otherwise (the embedding's replicated under
+            # tensor parallelism): as its parameter, so that both ends hold the same slice
+            if isinstance(p.grad, DTensor) and p.grad.placements != p.placements:
+                p.grad = p.grad.redistribute(p.device_mesh, p.placements)
+        grads = [local_shard(p.grad) for p in self.params if p.grad is not None]
+        if len(grads) == 2:
+            grads[0].add_(grads[1])
+            grads[1].copy_(grads[0])
+        elif grads and self.group is not None:
+            dist.all_reduce(grads[0], group=self.group)
+
+    # The optimizer state of the last stage's copy is checkpointed under the embedding's name,
+    # as one process names the tied tensor's: a checkpoint then moves between a pipeline and
+    # any other layout (both ends save the same values; DCP keeps one).
+    _KINDS = ("state.", "param_groups.")
+
+    def optim_to_checkpoint(self, sd: dict) -> dict:
+        """The flat optimizer state dict `sd` with the copy's entries under the embedding's
+        name."""
+        if self.copy is None:
+            return sd
+        out = {}
+        for k, v in sd.items():
+            for kind in self._KINDS:
+                if k.startswith(kind + "output.weight."):
+                    k = kind + "tok_embeddings.weight." + k[len(kind + "output.weight."):]
+            out.setdefault(k, v)
+        return out
+
+    def optim_from_checkpoint(self, sd: dict) -> dict:
+        """`sd` (as `optim_to_checkpoint` left it) with the copy's entries back under its
+        name."""
+        if self.copy is None:
+            return sd
+        out = dict(sd)
+        for k, v in sd.items():
+            for kind in self._KINDS:
+                if k.startswith(kind + "tok_embeddings.weight."):
+                    out[kind + "output.weight." + k[len(kind + "tok_embeddings.weight."):]] = v
+        return out

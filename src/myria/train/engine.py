@@ -112,6 +112,9 @@ class Engine:
         self.optimizers = self.tier.build(parts, lay, device.type)
         self.schedulers = [build_scheduler(o, cfg.optimizer, t.steps) for o in self.optimizers]
         self.schedule = None
+        # a tied embedding under pipelining: copies on the first and last stage (pipeline.py)
+        self.tied = pipeline.TiedEmbedding(parts, self.stage_ids, lay.stages, dims) \
+            if lay.pp > 1 and cfg.model.tie_embeddings else None
         if lay.pp > 1:
             self.schedule = pipeline.build_schedule(
                 parts, self.stage_ids, lay.stages, lay.schedule, self.microbatches,
@@ -217,6 +220,8 @@ class Engine:
                 self.schedule.step(target=y, losses=losses)
             else:
                 self.schedule.step()
+        if self.tied is not None:
+            self.tied.sum_grads()
         if self.manual_dp:
             self._all_reduce_grads()
         loss = torch.stack([full_value(lo.detach()) for lo in losses]).mean() if losses else \
@@ -241,7 +246,8 @@ class Engine:
         from myria.parallel import expert  # norms of gradients that live on several meshes
 
         params = [p for m in self.parts for p in m.parameters() if p.grad is not None]
-        norm = expert.grad_norm(params, foreach=True)
+        copy = self.tied.copy if self.tied is not None else None  # counted once, on stage 0
+        norm = expert.grad_norm([p for p in params if p is not copy], foreach=True)
         norm = full_value(norm)
         if self.dims.pp > 1:
             sq = norm.pow(2)
@@ -313,12 +319,22 @@ class Engine:
             model_sd.update(get_model_state_dict(part, options=self._OPTS))
             optim_sd.update(get_optimizer_state_dict(part, opt, options=self._OPTS))
         model_sd.update(self.tier.file_backed_state())  # parameters kept in files, mapped
+        if self.tied is not None:
+            optim_sd = self.tied.optim_to_checkpoint(optim_sd)
         return {"model": model_sd, "optim": optim_sd}
 
     def load_state_dict(self, state: dict) -> None:
+        optim_sd = state["optim"]
+        if self.tied is not None:
+            optim_sd = self.tied.optim_from_checkpoint(optim_sd)
         for part, opt in zip(self.parts, self.optimizers):
             set_model_state_dict(part, state["model"], options=StateDictOptions(strict=False))
-            set_optimizer_state_dict(part, opt, state["optim"], options=self._OPTS)
+            set_optimizer_state_dict(part, opt, optim_sd, options=self._OPTS)
+
+    def fill_parameters(self, read) -> None:
+        """Replace the initial parameter values before the first step (the offload tier's
+        `fill_parameters`: `read({name: parameter})` fills them in place)."""
+        self.tier.fill_parameters(self.parts, read)
 
     # state kept in files (the nvme tier): linked into checkpoints (myria.train.checkpoint)
     def checkpoint_files(self) -> dict:

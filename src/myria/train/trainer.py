@@ -491,7 +491,14 @@ def init_from_hf(cfg: Config, engine: Engine, is_main: bool) -> None:
     from myria.interop import hf
 
     t0 = time.perf_counter()
-    held = hf.load_weights(engine.parts, cfg.model.init_from, cfg.model)
+    read = hf.reader(cfg.model.init_from, cfg.model)
+    held = 0
+
+    def count(named: dict) -> None:
+        nonlocal held
+        held += read(named)
+
+    engine.fill_parameters(count)
     if is_main:
         print(f"loaded the weights of {cfg.model.init_from} in {time.perf_counter() - t0:.1f} s "
               f"(rank 0 holds {held / 2**20:.1f} MiB of them)", flush=True)
