@@ -378,6 +378,29 @@ def test_checkpoint_links_the_state_and_checks_it(tmp_path):
     e.close()
 
 
+def test_checkpoint_of_a_generation_changed_on_disk_is_quarantined(tmp_path):
+    """A bit of the linked generation changed on disk between its write and the save (CRC-32
+    taken over the changed bytes) is found against the checksums the update took as it wrote
+    the chunks: the checkpoint is never committed, its files go to quarantine."""
+    e = engine(tmp_path, "--parallel.offload=nvme")
+    train_steps(e, 2)
+    opt = e.optimizers[0]
+    opt.flush()
+    with open(opt.gens.path(opt.gen), "r+b") as fh:
+        fh.seek(100)
+        b = fh.read(1)[0]
+        fh.seek(100)
+        fh.write(bytes([b ^ 0x04]))
+    ckpt = CheckpointManager(tmp_path / "checkpoints", max_failures=0)
+    assert not ckpt.save(2, e, {"scheduler": {}})
+    assert ckpt.committed() == []
+    assert "offload/rank00000.part0.bin: chunk 0 differs from what the optimizer wrote" in \
+        ckpt.last_failure
+    [reason] = (tmp_path / "checkpoints" / "quarantine").glob("*/QUARANTINED.json")
+    assert "differs from what the optimizer wrote" in json.loads(reason.read_text())["reason"]
+    e.close()
+
+
 def test_resume_with_another_offload_setting_is_refused(tmp_path):
     e = engine(tmp_path, "--parallel.offload=nvme")
     train_steps(e, 1)

@@ -21,6 +21,7 @@ import os
 import signal
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
 
@@ -48,6 +49,13 @@ class ReadBackMismatch(OffloadError):
     the storage or memory on the way): exit 1, so the supervisor restarts the run."""
 
     exit_code = 1
+
+
+def _bytes_sum(a: np.ndarray) -> int:
+    """The wrapping sum of the 64-bit words of the bytes `a` (its tail bytes added alone)."""
+    n = len(a)
+    return int(a[:n - n % 8].view(np.int64).sum(dtype=np.int64)) + \
+        int(a[n - n % 8:].sum(dtype=np.int64))
 
 
 def _flat(t: torch.Tensor) -> torch.Tensor:
@@ -415,12 +423,25 @@ class OffloadedAdamW(torch.optim.AdamW):
 
     def _chunk_sum(self, c: int, buf: torch.Tensor) -> tuple:
         """The exact checksum (wrapping 64-bit sums) of chunk `c`'s sections in `buf`."""
-        out = []
-        for _, boff, n in self._segments(self.chunks[c]):
-            a = buf[boff:boff + n].numpy()
-            words = a[:n - n % 8].view(np.int64)
-            out.append(int(words.sum(dtype=np.int64)) + int(a[n - n % 8:].sum(dtype=np.int64)))
-        return tuple(out)
+        return tuple(_bytes_sum(buf[boff:boff + n].numpy())
+                     for _, boff, n in self._segments(self.chunks[c]))
+
+    def _file_differs(self, path: Path, sums: dict[int, tuple]) -> str:
+        """Why the generation file at `path` does not hold the chunks whose checksums the
+        update that wrote it took (`sums`), "" when it does (or when there are none)."""
+        if not sums:
+            return ""
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            for c, want in sorted(sums.items()):
+                got = tuple(_bytes_sum(np.frombuffer(os.pread(fd, n, off), dtype=np.uint8))
+                            for off, _, n in self._segments(self.chunks[c]))
+                if got != want:
+                    return (f"chunk {c} differs from what the optimizer wrote (a storage "
+                            "fault between its write and the checkpoint)")
+        finally:
+            os.close(fd)
+        return ""
 
     def _check_read(self, u: Update, c: int, buf: torch.Tensor) -> None:
         """Raise ReadBackMismatch unless chunk `c` of generation `u.g`, read into `buf`, holds
@@ -544,6 +565,13 @@ class OffloadedAdamW(torch.optim.AdamW):
         self.flush()
         return {f"{prefix}.bin": self.gens.path(self.gen),
                 f"{prefix}.json": self.gens.path(self.gen, ".json")}
+
+    def checkpoint_checks(self, prefix: str) -> dict[str, Callable[[Path], str]]:
+        """{name in the checkpoint: a check of that file} for the files `checkpoint_files`
+        names: each says why the file, read back, is not what the optimizer wrote ("" when it
+        is), against the checksums of the current generation taken now."""
+        sums = dict(self._sums)
+        return {f"{prefix}.bin": lambda path: self._file_differs(path, sums)}
 
     def load_files(self, ckpt: Path, prefix: str) -> None:
         """Make the checkpoint's state files this optimizer's current generation."""
