@@ -315,6 +315,32 @@ def test_a_chunk_read_back_other_than_written_stops_before_it_is_used(tmp_path, 
     assert all(torch.equal(before[k], v) for k, v in off.model.state_dict().items())
 
 
+def test_a_parameter_read_back_other_than_written_stops_before_it_is_used(tmp_path,
+                                                                        monkeypatch):
+    """With the parameters on disk, each parameter the streamer reads for forward or backward
+    (from the file, or from the update's buffer before its write) is checked against the sum
+    the update took as it computed it: a changed bit stops training before the layer runs."""
+    from myria.offload.adamw import OffloadedAdamW, ReadBackMismatch
+
+    off = engine(tmp_path, "--parallel.activation_checkpoint=full", "--parallel.offload=nvme",
+                 "--parallel.offload_params=true")
+    train_steps(off, 1)
+    real, flipped = OffloadedAdamW.read_params, []
+
+    def flipping(self, slab, view, soff, at, n, gen, fd):
+        copied = real(self, slab, view, soff, at, n, gen, fd)
+        if not flipped:
+            slab[soff] ^= 0x04
+            flipped.append(gen)
+        return copied
+
+    monkeypatch.setattr(OffloadedAdamW, "read_params", flipping)
+    with pytest.raises(ReadBackMismatch, match=r"parameter \d+ of \S+ in generation 1 read back "
+                                               "differs from what the optimizer wrote"):
+        train_steps(off, 1)
+    assert flipped == [1]
+
+
 def test_io_buffers_are_huge_page_mappings_given_back_when_freed():
     """The I/O buffers of a huge page and more are their own 2 MiB-aligned mappings marked for
     transparent huge pages (4 KiB pages split O_DIRECT into ~1 MB requests); a buffer lent from
