@@ -305,7 +305,7 @@ class StepGuard:
         `myria.faults`); False when the batch of step `step + 1` is to be skipped (rollback)."""
         if f := self.faults.due("bitflip", step):
             target = f.params.get("target")
-            if target in ("param", "optimizer", "compute"):
+            if target in ("param", "optimizer", "compute", "wgrad"):
                 self.faults.mark(f)
                 self._inject(target, f.params.get("sticky") == "yes")
         if self.ledger is not None:   # before the forward gathers the parameters
@@ -377,6 +377,26 @@ class StepGuard:
                 return out
 
             hook = lin.register_forward_hook(corrupt)
+
+        elif target == "wgrad":   # a weight-gradient GEMM's result: the first weight gradient
+            # of the block the next compute check recomputes (its last element), in the step's
+            # first microbatch
+            from myria.train.sdc import on_weight_grads, rotating_block
+
+            part = self.engine.parts[0]
+            b = rotating_block(part, self.compute.count if self.compute is not None else 0)
+            done: list = []
+
+            def corrupt_grad(g):
+                if done:
+                    return None
+                done.append(True)
+                g = g.clone()
+                flip_bit(g, last=True)
+                return g
+
+            if b is not None:
+                on_weight_grads(b[1], corrupt_grad, [])
 
     # -- before the update -------------------------------------------------------------------
     def judge(self, step: int, local_loss: torch.Tensor, loss: float, grad_norm: float,
