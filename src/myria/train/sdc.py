@@ -217,28 +217,34 @@ def rotating_block(part, check: int):
     return name, layers[name]
 
 
-def on_weight_grads(block, fn, hooks: list) -> None:
+def on_weight_grads(block, fn, hooks: list, every: bool = False) -> None:
     """Call `fn(g)` with each weight gradient of `block` computed by the first backward after its
-    next forward (each parameter's, once; what `fn` returns replaces it). The hooks go on the
-    parameters the forward uses (FSDP's gathered ones), which carry the training's microbatch
-    gradient before any accumulation or reduction; their handles are added to `hooks`."""
+    next forward (each parameter's, once; what `fn` returns replaces it); `every`: after each
+    forward whose parameters have no such call pending. The hooks go on the parameters the
+    forward uses (FSDP's gathered ones), which carry the training's microbatch gradient before
+    any accumulation or reduction; their handles are added to `hooks`."""
+    pending: set = set()
+
     def pre(mod, args):
         for p in mod.parameters():
-            if not p.requires_grad:
+            if not p.requires_grad or id(p) in pending:
                 continue
             box: list = []
 
-            def hook(g, box=box):
+            def hook(g, box=box, key=id(p)):
                 box[0].remove()
+                pending.discard(key)
                 return fn(g)
 
+            pending.add(id(p))
             box.append(p.register_hook(hook))
             hooks.append(box[0])
 
     box = []
 
     def once(mod, args):
-        box[0].remove()
+        if not every:
+            box[0].remove()
         pre(mod, args)
 
     box.append(block.register_forward_pre_hook(once))
