@@ -3,7 +3,7 @@ bit reported as `sdc` naming its rank, does `myria supervise` end bit-equal to a
 does no checkpoint left to resume from hold a corrupted tensor?
 
     .venv/bin/python bench/sdc_matrix.py [--layouts fsdp,hsdp,ddp,tp2dp2,pp2dp2]
-        [--targets param,grad,optimizer,compute] [--positions ckpt,after]
+        [--targets param,grad,optimizer,compute,wgrad] [--positions ckpt,after]
         [--snapshots overlap,async,sync] [--recovery restart,in-job] [--data DIR] [--out F]
 
 A tiny model (the test suite's TINY) trains 8 steps on 2 or 4 gloo ranks with checkpoints every
@@ -14,7 +14,8 @@ A tiny model (the test suite's TINY) trains 8 steps on 2 or 4 gloo ranks with ch
   is being copied (the copy is made to come after the flip: CheckpointManager._flip_due); a
   compute fault there is `sticky=yes` (wrong from step 5 on, found by the check of step 8: the
   checkpoint of step 6 was committed meanwhile and must not be resumed from), since a one-step
-  compute fault between two checks is not recomputed (the check is sampled).
+  compute fault between two checks is not recomputed (the check is sampled); the same for
+  `wgrad` (a wrong weight-gradient GEMM result: every block's, every microbatch).
 
 `--snapshots`: `overlap` (the default: two-stage, copied during the next step), `async` (two-
 stage, copied before the save returns), `sync`. `--recovery`: restart (default) or in-job (peer
@@ -63,7 +64,7 @@ LAYOUTS = {   # name: (processes, arguments, the rank to corrupt)
     "tp2dp2": (4, ["--training.global_batch=16", "--parallel.tp=2"], 3),
     "pp2dp2": (4, ["--training.global_batch=16", "--parallel.pp=2"], 3),
 }
-TARGETS = ("param", "grad", "optimizer", "compute")
+TARGETS = ("param", "grad", "optimizer", "compute", "wgrad")
 
 
 def cli(*args: str, fault: str | None = None) -> subprocess.CompletedProcess:
@@ -161,7 +162,8 @@ def main() -> None:
                                           for t in a.targets.split(",")]:
                 run = tmp / f"{lay}-{snap}-{recovery}-{pos}-{target}"
                 t0 = time.time()
-                sticky = ":sticky=yes" if target == "compute" and pos == "after" else ""
+                sticky = ":sticky=yes" if target in ("compute", "wgrad") and pos == "after" \
+                    else ""
                 p = cli("supervise", "--run-dir", str(run), *args,
                         f"--resilience.recovery={recovery}",
                         fault=f"bitflip:rank={rank}:step={POSITIONS[pos]}:target={target}"

@@ -2,7 +2,7 @@
 
 MYRIA_FAULT holds comma-separated faults, each `kind:key=value:...`, kind one of `kill`, `hang`,
 `stop`, `raise`, `corrupt-checkpoint`, `diskfull`, `offload-kill`, `offload-diskfull`, `slow`,
-`bitflip` (`target=param|grad|optimizer|compute`, `sticky=yes`) and `nan` (`sticky=yes`). Each
+`bitflip` (`target=param|grad|optimizer|compute|wgrad`, `sticky=yes`) and `nan` (`sticky=yes`). Each
 fault fires once per run directory (a marker file under RUN_DIR/faults/), so a restarted job
 does not repeat it; `:attempt=A` limits it to the supervisor's attempt A
 (TORCHELASTIC_RESTART_COUNT, 0 the first start). Checkpoint and offload hooks act on console
@@ -26,7 +26,8 @@ KINDS = ("kill", "hang", "stop", "raise", "corrupt-checkpoint", "diskfull", "slo
          "nan", "offload-kill", "offload-diskfull")
 FLOAT_KEYS = ("factor",)   # parameters that take a number, not an integer
 # parameters that take one of a few words
-WORD_KEYS = {"target": ("param", "grad", "optimizer", "compute"), "sticky": ("yes", "no")}
+WORD_KEYS = {"target": ("param", "grad", "optimizer", "compute", "wgrad"),
+             "sticky": ("yes", "no")}
 
 
 class FaultSpecError(ConfigError, ValueError):
@@ -92,7 +93,7 @@ def parse(text: str | None) -> list[Fault]:
             if k not in ("rank", "step", "attempt"):
                 raise FaultSpecError(f"MYRIA_FAULT item {item!r}: unknown parameter {k!r}; "
                                      "valid: rank=N, step=N, attempt=N, factor=F (slow), "
-                                     "target=param|grad|optimizer|compute (bitflip), "
+                                     "target=param|grad|optimizer|compute|wgrad (bitflip), "
                                      "sticky=yes|no (nan, bitflip)")
             if not v.lstrip("-").isdigit():
                 raise FaultSpecError(f"MYRIA_FAULT item {item!r}: {k}={v!r} is not an integer "

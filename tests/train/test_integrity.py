@@ -150,7 +150,7 @@ def fsdp2_reference(tmp_path_factory, tiny_data):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("target", ["param", "grad", "optimizer", "compute"])
+@pytest.mark.parametrize("target", ["param", "grad", "optimizer", "compute", "wgrad"])
 def test_bitflip_on_fsdp_is_named_and_rolled_back_bit_equal(tmp_path, tiny_data,
                                                             fsdp2_reference, target):
     """The user's path of issue 27: `myria supervise --config configs/demo.toml` (FSDP, the
@@ -162,10 +162,13 @@ def test_bitflip_on_fsdp_is_named_and_rolled_back_bit_equal(tmp_path, tiny_data,
     sdc = detections.read(run, "sdc")
     assert [(r["rank"], r["step"], r["action"]) for r in sdc] == [(1, 6, "rollback")], sdc
     ev = sdc[0]["evidence"]
-    if target == "compute":   # rank 0 recomputed rank 1's microbatch; rank 1's replay agreed
+    if target in ("compute", "wgrad"):   # rank 0 recomputed rank 1's microbatch; rank 1's
+        # replay agreed. The second check (step 6) recomputes block 1's weight gradients: a
+        # wrong forward changes every pass, a wrong weight-gradient GEMM only its own
         assert ev["check"] == "compute" and ev["verdict"] == "transient", ev
         assert ev["microbatch_of"] == 1 and ev["recomputed_by"] == 0, ev
-        assert ev["differs"] == ["forward", "backward"], ev   # both passes recomputed
+        assert ev["differs"] == {"compute": ["forward", "backward", "weight gradients (block 1)"],
+                                 "wgrad": ["weight gradients (block 1)"]}[target], ev
         assert ev["checksums"]["replay"] == ev["checksums"]["partner"] != ev["checksums"]["own"]
     else:
         word = {"optimizer": "optimizer", "grad": "grad", "param": "param"}[target]
@@ -228,7 +231,8 @@ def test_compute_check_under_a_pipeline_names_the_stage_rank(tmp_path, tiny_data
     ev = sdc[0]["evidence"]
     assert ev["check"] == "compute" and ev["verdict"] == "transient", ev
     assert ev["group"] == [2, 3] and ev["recomputed_by"] == 2, ev
-    assert ev["differs"] == ["stage 1 forward", "stage 1 backward"], ev
+    assert ev["differs"] == ["stage 1 forward", "stage 1 backward",
+                             "stage 1 weight gradients (block 1)"], ev
     summary = json.loads((run / "supervisor_summary.json").read_text())
     assert summary["status"] == "succeeded" and summary["faults"][0]["resumed_from"] == 4
 

@@ -315,6 +315,32 @@ def test_a_chunk_read_back_other_than_written_stops_before_it_is_used(tmp_path, 
     assert all(torch.equal(before[k], v) for k, v in off.model.state_dict().items())
 
 
+def test_a_parameter_read_back_other_than_written_stops_before_it_is_used(tmp_path,
+                                                                        monkeypatch):
+    """With the parameters on disk, each parameter the streamer reads for forward or backward
+    (from the file, or from the update's buffer before its write) is checked against the sum
+    the update took as it computed it: a changed bit stops training before the layer runs."""
+    from myria.offload.adamw import OffloadedAdamW, ReadBackMismatch
+
+    off = engine(tmp_path, "--parallel.activation_checkpoint=full", "--parallel.offload=nvme",
+                 "--parallel.offload_params=true")
+    train_steps(off, 1)
+    real, flipped = OffloadedAdamW.read_params, []
+
+    def flipping(self, slab, view, soff, at, n, gen, fd):
+        copied = real(self, slab, view, soff, at, n, gen, fd)
+        if not flipped:
+            slab[soff] ^= 0x04
+            flipped.append(gen)
+        return copied
+
+    monkeypatch.setattr(OffloadedAdamW, "read_params", flipping)
+    with pytest.raises(ReadBackMismatch, match=r"parameter \d+ of \S+ in generation 1 read back "
+                                               "differs from what the optimizer wrote"):
+        train_steps(off, 1)
+    assert flipped == [1]
+
+
 def test_io_buffers_are_huge_page_mappings_given_back_when_freed():
     """The I/O buffers of a huge page and more are their own 2 MiB-aligned mappings marked for
     transparent huge pages (4 KiB pages split O_DIRECT into ~1 MB requests); a buffer lent from
@@ -375,6 +401,29 @@ def test_checkpoint_links_the_state_and_checks_it(tmp_path):
         fh.seek(100)
         fh.write(b"\xff" * 8)
     assert "fails its checksum" in ckpt.verify(path)
+    e.close()
+
+
+def test_checkpoint_of_a_generation_changed_on_disk_is_quarantined(tmp_path):
+    """A bit of the linked generation changed on disk between its write and the save (CRC-32
+    taken over the changed bytes) is found against the checksums the update took as it wrote
+    the chunks: the checkpoint is never committed, its files go to quarantine."""
+    e = engine(tmp_path, "--parallel.offload=nvme")
+    train_steps(e, 2)
+    opt = e.optimizers[0]
+    opt.flush()
+    with open(opt.gens.path(opt.gen), "r+b") as fh:
+        fh.seek(100)
+        b = fh.read(1)[0]
+        fh.seek(100)
+        fh.write(bytes([b ^ 0x04]))
+    ckpt = CheckpointManager(tmp_path / "checkpoints", max_failures=0)
+    assert not ckpt.save(2, e, {"scheduler": {}})
+    assert ckpt.committed() == []
+    assert "offload/rank00000.part0.bin: chunk 0 differs from what the optimizer wrote" in \
+        ckpt.last_failure
+    [reason] = (tmp_path / "checkpoints" / "quarantine").glob("*/QUARANTINED.json")
+    assert "differs from what the optimizer wrote" in json.loads(reason.read_text())["reason"]
     e.close()
 
 

@@ -21,6 +21,7 @@ import os
 import signal
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
 
@@ -48,6 +49,24 @@ class ReadBackMismatch(OffloadError):
     the storage or memory on the way): exit 1, so the supervisor restarts the run."""
 
     exit_code = 1
+
+
+def _bytes_sum(a: np.ndarray) -> int:
+    """The wrapping sum of the 64-bit words of the bytes `a` (its tail bytes added alone)."""
+    n = len(a)
+    return int(a[:n - n % 8].view(np.int64).sum(dtype=np.int64)) + \
+        int(a[n - n % 8:].sum(dtype=np.int64))
+
+
+_MASK = (1 << 64) - 1
+_INT = {1: np.int8, 2: np.int16, 4: np.int32, 8: np.int64}
+
+
+def param_sum(a: np.ndarray, itemsize: int) -> int:
+    """The checksum of parameter bytes `a` (whole elements of `itemsize` bytes): the sum of
+    their bit patterns as integers, modulo 2**64, so that a tensor's is the sum of its pieces'
+    (any one flipped bit changes it)."""
+    return int(a.view(_INT[itemsize]).sum(dtype=np.int64)) & _MASK
 
 
 def _flat(t: torch.Tensor) -> torch.Tensor:
@@ -126,6 +145,10 @@ class OffloadedAdamW(torch.optim.AdamW):
         # for a generation this process did not write (the first, or one a checkpoint restored,
         # whose manifest's CRC-32s were verified when it was loaded)
         self._sums: dict[int, tuple] = {}
+        # with the parameters on disk: tensor -> `param_sum` of its parameter in the current
+        # generation, complete once its chunks are updated (computed_events); the parameter
+        # streamer checks each read against it (empty: a restored generation)
+        self.param_sums: dict[int, int] = {}
         self.gen = 0
         self.fd = self.gens.create(0)
         self.gens.write_index(0)
@@ -251,7 +274,7 @@ class OffloadedAdamW(torch.optim.AdamW):
         for t in grads:   # what adam's own `step += 1` gives each tensor's count
             self.state[self.tensors[t]]["step"] = u.before[t] + 1
         self.gen, self.fd, self._written, self._computed = u.new, u.fd, u.written, u.computed
-        self._sums = u.sums
+        self._sums, self.param_sums = u.sums, u.psums
         if self.asynchronous:
             self._behind = u.done
             if u.ready is None:
@@ -372,6 +395,8 @@ class OffloadedAdamW(torch.optim.AdamW):
                 self._check_read(u, c, self.pipe.buffers[idx])
                 self._update(chunk, self.pipe.buffers[idx], u.before, u.grads, u.settings)
                 u.sums[c] = self._chunk_sum(c, self.pipe.buffers[idx])
+                if self.offload_params:
+                    self._add_param_sums(u.psums, chunk, self.pipe.buffers[idx])
             except BaseException:
                 self.pipe.release(idx)
                 raise
@@ -415,12 +440,34 @@ class OffloadedAdamW(torch.optim.AdamW):
 
     def _chunk_sum(self, c: int, buf: torch.Tensor) -> tuple:
         """The exact checksum (wrapping 64-bit sums) of chunk `c`'s sections in `buf`."""
-        out = []
-        for _, boff, n in self._segments(self.chunks[c]):
-            a = buf[boff:boff + n].numpy()
-            words = a[:n - n % 8].view(np.int64)
-            out.append(int(words.sum(dtype=np.int64)) + int(a[n - n % 8:].sum(dtype=np.int64)))
-        return tuple(out)
+        return tuple(_bytes_sum(buf[boff:boff + n].numpy())
+                     for _, boff, n in self._segments(self.chunks[c]))
+
+    def _add_param_sums(self, psums: dict[int, int], chunk: Chunk, buf: torch.Tensor) -> None:
+        """Add the `param_sum` of each parameter piece of `chunk` (updated, in `buf`)."""
+        base = self.filemap.section("param") * self.chunk_bytes
+        for pc in chunk.pieces:
+            isz = self.filemap.itemsizes[pc.index]
+            at = base + pc.offset
+            s = param_sum(buf[at:at + (pc.stop - pc.start) * isz].numpy(), isz)
+            psums[pc.index] = (psums.get(pc.index, 0) + s) & _MASK
+
+    def _file_differs(self, path: Path, sums: dict[int, tuple]) -> str:
+        """Why the generation file at `path` does not hold the chunks whose checksums the
+        update that wrote it took (`sums`), "" when it does (or when there are none)."""
+        if not sums:
+            return ""
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            for c, want in sorted(sums.items()):
+                got = tuple(_bytes_sum(np.frombuffer(os.pread(fd, n, off), dtype=np.uint8))
+                            for off, _, n in self._segments(self.chunks[c]))
+                if got != want:
+                    return (f"chunk {c} differs from what the optimizer wrote (a storage "
+                            "fault between its write and the checkpoint)")
+        finally:
+            os.close(fd)
+        return ""
 
     def _check_read(self, u: Update, c: int, buf: torch.Tensor) -> None:
         """Raise ReadBackMismatch unless chunk `c` of generation `u.g`, read into `buf`, holds
@@ -545,6 +592,13 @@ class OffloadedAdamW(torch.optim.AdamW):
         return {f"{prefix}.bin": self.gens.path(self.gen),
                 f"{prefix}.json": self.gens.path(self.gen, ".json")}
 
+    def checkpoint_checks(self, prefix: str) -> dict[str, Callable[[Path], str]]:
+        """{name in the checkpoint: a check of that file} for the files `checkpoint_files`
+        names: each says why the file, read back, is not what the optimizer wrote ("" when it
+        is), against the checksums of the current generation taken now."""
+        sums = dict(self._sums)
+        return {f"{prefix}.bin": lambda path: self._file_differs(path, sums)}
+
     def load_files(self, ckpt: Path, prefix: str) -> None:
         """Make the checkpoint's state files this optimizer's current generation."""
         src, idx = ckpt / f"{prefix}.bin", ckpt / f"{prefix}.json"
@@ -570,7 +624,7 @@ class OffloadedAdamW(torch.optim.AdamW):
         self.held.clear()
         gen = int(info["gen"])
         self.fd, how = self.gens.restore(src, gen, self.gen, self.fd)
-        self.gen, self._sums = gen, {}
+        self.gen, self._sums, self.param_sums = gen, {}, {}
         log.debug("offload: restored generation %d from %s (%s)", gen, src, how)
 
     def close(self) -> None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -179,6 +180,12 @@ class NvmeTier:
         for i, opt in enumerate(self.optimizers):
             files.update(opt.checkpoint_files(self.names(i)))
         return files
+
+    def checkpoint_checks(self) -> dict[str, Callable[[Path], str]]:
+        checks: dict[str, Callable[[Path], str]] = {}
+        for i, opt in enumerate(self.optimizers):
+            checks.update(opt.checkpoint_checks(self.names(i)))
+        return checks
 
     def check_checkpoint(self, path: Path, meta: dict) -> None:
         if not has_offload_files(meta):

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from myria.offload.adamw import OffloadedAdamW
+from myria.offload.adamw import OffloadedAdamW, ReadBackMismatch, param_sum
 from myria.offload.budget import PARAM_SLABS as SLABS
 from myria.offload.diskio import aligned_buffer, full_io, round_up
 
@@ -135,7 +135,7 @@ class ParamStreamer:
         u.slab = self.free.pop()
         u.ready = threading.Event()
         after = self.opt.computed_events({t for _, t, _ in u.params})
-        self._jobs.put((u, after, self.opt.gen, self.opt.fd))
+        self._jobs.put((u, after, self.opt.gen, self.opt.fd, self.opt.param_sums))
 
     def ensure(self, u: Unit, phase: str = "forward") -> None:
         """Make `u`'s parameters usable now."""
@@ -151,6 +151,8 @@ class ParamStreamer:
         self.wait_s += dt
         key = f"{phase} {u.name}"
         self.waits[key] = self.waits.get(key, 0.0) + dt
+        if isinstance(self.error, ReadBackMismatch):
+            raise self.error
         if self.error is not None:
             raise self.opt.gens.error(self.error, f"reading the parameters of {u.name}")
         self.opt.raise_if_failed()   # the update behind training, if it failed
@@ -185,7 +187,7 @@ class ParamStreamer:
 
     def _loop(self) -> None:
         while (job := self._jobs.get()) is not None:
-            u, after, gen, fd = job
+            u, after, gen, fd, sums = job
             for ev in after:
                 ev.wait()
             if self.error is None:
@@ -196,10 +198,27 @@ class ParamStreamer:
                                                       soff, off, n, gen, fd)
                         self.bytes_copied += copied
                         self.bytes_read += n - copied
+                    self._check(u, gen, sums)
                 except BaseException as e:
                     self.error = e
                 self.read_s += time.perf_counter() - t0
             u.ready.set()
+
+    def _check(self, u: Unit, gen: int, sums: dict[int, int]) -> None:
+        """Raise ReadBackMismatch unless each parameter of `u` read into its slab holds what
+        the update that wrote generation `gen` computed (`OffloadedAdamW.param_sums`)."""
+        lay, slab = self.opt.filemap, self.slabs[u.slab]
+        for _, t, off in u.params:
+            want = sums.get(t)
+            isz = lay.itemsizes[t]
+            if want is None or param_sum(slab[off:off + lay.numels[t] * isz].numpy(),
+                                         isz) == want:
+                continue
+            raise ReadBackMismatch(
+                f"offload directory {self.opt.dir}: parameter {t} of {u.name} in generation "
+                f"{gen} read back differs from what the optimizer wrote (a storage or memory "
+                "fault); training stopped before using it: run the same command to resume "
+                "from the newest checkpoint")
 
     def close(self) -> None:
         self._jobs.put(None)
@@ -234,6 +253,11 @@ class ParamStreamer:
             fill({names[id(p)]: p for p, _, _ in u.params})
             for off, soff, n in self._segments(u):
                 full_io(os.pwritev, self.opt.fd, self._views[u.slab][soff:soff + n], off)
+            lay, slab = self.opt.filemap, self.slabs[u.slab]
+            for _, t, off in u.params:
+                isz = lay.itemsizes[t]
+                self.opt.param_sums[t] = param_sum(slab[off:off + lay.numels[t] * isz].numpy(),
+                                                   isz)
             self.drop(u)
         os.fdatasync(self.opt.fd)
 

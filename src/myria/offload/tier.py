@@ -64,6 +64,10 @@ class OptimizerTier(Protocol):
     def checkpoint_files(self) -> dict[str, Path]:
         """{name in the checkpoint: file} to link into a checkpoint (committed state)."""
 
+    def checkpoint_checks(self) -> dict[str, Callable[[Path], str]]:
+        """{name in the checkpoint: a check of the linked file} for `checkpoint_files`, taken
+        with them: why the file read back is not what was written ("" when it is)."""
+
     def check_checkpoint(self, path: Path, meta: dict) -> None:
         """CheckpointError (one line) when a checkpoint's state is not where this tier keeps
         it."""
@@ -108,6 +112,9 @@ class MemoryTier:
         return {}
 
     def checkpoint_files(self) -> dict[str, Path]:
+        return {}
+
+    def checkpoint_checks(self) -> dict[str, Callable[[Path], str]]:
         return {}
 
     def check_checkpoint(self, path: Path, meta: dict) -> None:

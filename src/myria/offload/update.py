@@ -47,6 +47,7 @@ class Update:
     updated: int = 0      # chunks updated so far
     expect: dict = field(default_factory=dict)  # chunk -> its checksum in `g`, as written
     sums: dict = field(default_factory=dict)    # chunk -> its checksum in `new`, as updated
+    psums: dict = field(default_factory=dict)   # tensor -> its parameter's in `new` (param_sum)
     done: threading.Event = field(default_factory=threading.Event)
 
 

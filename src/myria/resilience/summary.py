@@ -122,7 +122,7 @@ def write(sup, s: dict[str, Any]) -> None:
                     "effect, if any, was trained in%s", name,
                     " (the compute check recomputes one microbatch every "
                     "resilience.sdc_interval steps: a step between two checks is not "
-                    "recomputed)" if "targetcompute" in name else "")
+                    "recomputed)" if "targetcompute" in name or "targetwgrad" in name else "")
     g = s["goodput"]
     log.info("goodput ledger: ETTR %.4f; %s; accounted %.1f of %.1f s", g["ettr"],
              ", ".join(f"{k} {v:.1f}" for k, v in g["seconds"].items() if v),

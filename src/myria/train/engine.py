@@ -340,6 +340,9 @@ class Engine:
     def checkpoint_files(self) -> dict:
         return self.tier.checkpoint_files()
 
+    def checkpoint_checks(self) -> dict:
+        return self.tier.checkpoint_checks()
+
     def check_checkpoint(self, path, meta: dict) -> None:
         self.tier.check_checkpoint(path, meta)
 

@@ -305,7 +305,7 @@ class StepGuard:
         `myria.faults`); False when the batch of step `step + 1` is to be skipped (rollback)."""
         if f := self.faults.due("bitflip", step):
             target = f.params.get("target")
-            if target in ("param", "optimizer", "compute"):
+            if target in ("param", "optimizer", "compute", "wgrad"):
                 self.faults.mark(f)
                 self._inject(target, f.params.get("sticky") == "yes")
         if self.ledger is not None:   # before the forward gathers the parameters
@@ -377,6 +377,32 @@ class StepGuard:
                 return out
 
             hook = lin.register_forward_hook(corrupt)
+
+        elif target == "wgrad":   # a weight-gradient GEMM's result: the first weight gradient
+            # (its last element) of the block the next compute check recomputes, in the step's
+            # first microbatch; sticky: of every block, in every microbatch from then on
+            from myria.train.sdc import on_weight_grads, rotating_block
+
+            part = self.engine.parts[0]
+            b = rotating_block(part, self.compute.count if self.compute is not None else 0)
+            layers = getattr(getattr(part, "module", part), "layers", {})   # DDP wraps it
+            blocks = list(layers.values()) if sticky else \
+                [b[1]] if b is not None else []
+            for blk in blocks:
+                first = next((p for p in blk.parameters() if p.requires_grad), None)
+                n = sum(1 for p in blk.parameters() if p.requires_grad)
+                calls = [0]
+
+                def corrupt_grad(g, calls=calls, n=n):
+                    calls[0] += 1
+                    if calls[0] % n != 1 % n:   # the first gradient of each backward
+                        return None
+                    g = g.clone()
+                    flip_bit(g, last=True)
+                    return g
+
+                if first is not None:
+                    on_weight_grads(blk, corrupt_grad, [], every=sticky)
 
     # -- before the update -------------------------------------------------------------------
     def judge(self, step: int, local_loss: torch.Tensor, loss: float, grad_norm: float,

@@ -8,12 +8,14 @@ and verified before clipping. A mismatch names the rank and the tensor; `retest`
 `persistent` (the memory does not hold a rewrite) or `transient`.
 
 `ComputeCheck` (in compute): every `resilience.sdc_interval` steps each data-parallel rank's
-first microbatch is recomputed, forward and input-gradient backward, by a partner of the same
-tensor-, context- and pipeline-parallel coordinates (partner of rank i at check c:
-i + 1 + (c mod (n - 1))), and two checksums are compared bit for bit; a mismatch is replayed and
-names the owner `transient` or `persistent`, or the partner. The weight-gradient GEMMs are not
-checked. The rules and their reasons: docs/robustness.md, "Reasons behind the peer snapshot,
-fault and SDC modules".
+first microbatch is recomputed, forward and backward, by a partner of the same tensor-,
+context- and pipeline-parallel coordinates (partner of rank i at check c:
+i + 1 + (c mod (n - 1))), and three checksums are compared bit for bit: the forward's result,
+the input gradient (the data-gradient GEMMs) and the weight gradients of one transformer block,
+which rotates from check to check (block c mod L of each model part: the weight-gradient GEMMs
+of every block in turn, at the cost of one block's). A mismatch is replayed and names the owner
+`transient` or `persistent`, or the partner. The rules and their reasons: docs/robustness.md,
+"Reasons behind the peer snapshot, fault and SDC modules".
 """
 
 from __future__ import annotations
@@ -204,6 +206,51 @@ def _first_block(part):
     return next(iter(layers.values()), None) if layers is not None else None
 
 
+def rotating_block(part, check: int):
+    """(name, module) of the transformer block whose weight gradients check number `check`
+    recomputes in `part` (None: a part without blocks)."""
+    layers = getattr(_base(part), "layers", None)
+    if not layers:
+        return None
+    names = list(layers.keys())
+    name = names[check % len(names)]
+    return name, layers[name]
+
+
+def on_weight_grads(block, fn, hooks: list, every: bool = False) -> None:
+    """Call `fn(g)` with each weight gradient of `block` computed by the first backward after its
+    next forward (each parameter's, once; what `fn` returns replaces it); `every`: after each
+    forward whose parameters have no such call pending. The hooks go on the parameters the
+    forward uses (FSDP's gathered ones), which carry the training's microbatch gradient before
+    any accumulation or reduction; their handles are added to `hooks`."""
+    pending: set = set()
+
+    def pre(mod, args):
+        for p in mod.parameters():
+            if not p.requires_grad or id(p) in pending:
+                continue
+            box: list = []
+
+            def hook(g, box=box, key=id(p)):
+                box[0].remove()
+                pending.discard(key)
+                return fn(g)
+
+            pending.add(id(p))
+            box.append(p.register_hook(hook))
+            hooks.append(box[0])
+
+    box = []
+
+    def once(mod, args):
+        if not every:
+            box[0].remove()
+        pre(mod, args)
+
+    box.append(block.register_forward_pre_hook(once))
+    hooks.append(box[0])
+
+
 def _watched(part):
     """The module whose output is the forward's result: the final norm (the hidden states every
     token's logits come from: a changed bit anywhere upstream changes them), else the part (a
@@ -215,13 +262,17 @@ class _Capture:
     """Hooks that take the checksums of one microbatch's forward and backward, as training (or a
     recomputation) runs it: the forward's = the watched module's output; the backward's = the
     gradient of the first block's input (every block's backward data-gradient GEMMs, the head's
-    and the loss's lead to it). Under a pipeline it also keeps the stage's input and the
-    gradient it received for its output (what a partner needs to recompute it). Each hook acts
-    on its first call only: the step's first microbatch."""
+    and the loss's lead to it); the weight gradients' = the sum of the checksums of block
+    `wblock`'s parameter gradients (training: taken by hooks; a recomputation keeps the
+    parameters in `wparams` and asks autograd for their gradients). Under a pipeline it also
+    keeps the stage's input and the gradient it received for its output (what a partner needs
+    to recompute it). Each hook acts on its first call only: the step's first microbatch."""
 
-    def __init__(self, part, keep_io: bool):
+    def __init__(self, part, keep_io: bool, wblock=None, recompute: bool = False):
         self.fwd: torch.Tensor | None = None
         self.bwd: torch.Tensor | None = None
+        self.wsum: torch.Tensor | None = None
+        self.wparams: list[torch.Tensor] = []
         self.inp: torch.Tensor | None = None
         self.gout: torch.Tensor | None = None
         self.h: torch.Tensor | None = None
@@ -232,6 +283,20 @@ class _Capture:
         if keep_io:
             self._on(part, "pre", self._inp)
             self._on(part, "fwd", self._out)
+        if wblock is not None and recompute:
+            self._on(wblock, "pre", lambda args: self.wparams.extend(
+                p for p in wblock.parameters() if p.requires_grad))
+        elif wblock is not None:
+            on_weight_grads(wblock, self._wgrad, self.hooks)
+
+    def _wgrad(self, g):
+        self.add_weight_grads([g])
+
+    def add_weight_grads(self, grads) -> None:
+        gs = [local_shard(g) for g in grads if g is not None]
+        if gs:
+            s = sums(gs).to(gs[0].device).sum()
+            self.wsum = s if self.wsum is None else self.wsum + s
 
     def _on(self, mod, kind, fn):
         box = []
@@ -276,7 +341,9 @@ class _Capture:
     def result(self) -> torch.Tensor | None:
         if self.fwd is None or self.bwd is None:
             return None
-        return torch.stack([self.fwd, self.bwd])
+        w = self.wsum if self.wsum is not None else torch.zeros_like(self.bwd)
+        return torch.stack([self.fwd.reshape(()), self.bwd.reshape(()),
+                            w.reshape(()).to(self.bwd.device)])
 
 
 class ComputeCheck:
@@ -289,6 +356,7 @@ class ComputeCheck:
         self.group = dp_group(engine)
         self.ranks = dist.get_process_group_ranks(self.group) if self.group is not None else []
         self.count = 0
+        self.wcheck = 0     # the check whose rotating block the captures watch
         self.captures: list[_Capture] = []
 
     @property
@@ -301,7 +369,13 @@ class ComputeCheck:
         training computes them; under a pipeline also each stage's input and output
         gradient."""
         self.cancel()
-        self.captures = [_Capture(part, self.pp) for part in self.engine.parts]
+        self.wcheck = self.count
+        self.captures = [_Capture(part, self.pp, self._wblock(part))
+                         for part in self.engine.parts]
+
+    def _wblock(self, part):
+        b = rotating_block(part, self.wcheck)
+        return b[1] if b is not None else None
 
     def cancel(self) -> None:
         for c in self.captures:
@@ -342,7 +416,7 @@ class ComputeCheck:
                 else:
                     for k, part in enumerate(e.parts):
                         inp, other = items[2 * k], items[2 * k + 1]
-                        cap = _Capture(part, False)
+                        cap = _Capture(part, False, self._wblock(part), recompute=True)
                         try:
                             with grad_sync(part, False), e._ctx():
                                 x = inp.detach()
@@ -354,7 +428,10 @@ class ComputeCheck:
                                 else:
                                     loss, gout = out, other
                                 if cap.h is not None:
-                                    torch.autograd.grad(loss, cap.h, grad_outputs=gout)
+                                    gs = torch.autograd.grad(loss, [cap.h, *cap.wparams],
+                                                             grad_outputs=gout,
+                                                             allow_unused=True)
+                                    cap.add_weight_grads(gs[1:])
                         finally:
                             cap.cancel()
                         outs.append(self._result(cap))
@@ -372,7 +449,7 @@ class ComputeCheck:
         doc = e._documents(x.unsqueeze(0))[0]
         kw = {} if doc is None else {"documents": doc}
         accum = e.divisor   # what training divides each microbatch's loss by
-        cap = _Capture(e.model, False)
+        cap = _Capture(e.model, False, self._wblock(e.model), recompute=True)
         try:
             with grad_sync(e.model, False), e._ctx():
                 xs, ys = e._shard_sequence(x), e._shard_sequence(y)
@@ -381,16 +458,17 @@ class ComputeCheck:
                 else:
                     loss = e.model(xs, ys, **kw) / accum
                 if cap.h is not None:
-                    torch.autograd.grad(loss, cap.h)
+                    gs = torch.autograd.grad(loss, [cap.h, *cap.wparams], allow_unused=True)
+                    cap.add_weight_grads(gs[1:])
         finally:
             cap.cancel()
         return self._result(cap)
 
     @staticmethod
     def _result(cap: _Capture) -> torch.Tensor:
-        fwd = cap.fwd if cap.fwd is not None else torch.zeros((), dtype=torch.int64)
-        bwd = cap.bwd if cap.bwd is not None else torch.zeros((), dtype=torch.int64)
-        return torch.stack([fwd.reshape(()).cpu(), bwd.reshape(()).cpu()])
+        zero = torch.zeros((), dtype=torch.int64)
+        return torch.stack([(v if v is not None else zero).reshape(()).cpu()
+                            for v in (cap.fwd, cap.bwd, cap.wsum)])
 
     def _own(self) -> torch.Tensor | None:
         res = [c.result() for c in self.captures]
@@ -436,20 +514,24 @@ class ComputeCheck:
         dist.all_reduce(flag)   # every rank of the world learns that some group disagreed
         if not int(flag):
             return None
-        # which pass this rank's own microbatch differs in (2 forward, 1 backward only, 0 none),
+        # which pass this rank's own microbatch differs in first (3 forward, 2 input gradient,
+        # 1 weight gradients only, 0 none),
         # for every rank of the world, with its data- and pipeline-parallel coordinates
         mine_bad = vals[me][0] != vals[(me + k) % n][1]
         first = next((x for x, (a, b) in enumerate(zip(vals[me][0], vals[(me + k) % n][1]))
                       if a != b), None) if mine_bad else None
-        code = 0 if first is None else (2 if first % 2 == 0 else 1)
+        code = 0 if first is None else 3 - first % 3
         world = self._world_codes(code)
         # replay: the owner again, and a third rank (offset k2) if there is one
         k2 = next((o for o in range(1, n) if o != k), None)
         again = self.recompute(mine)
         third = self.recompute(of((me - k2) % n)) if k2 else again
         rep = self._gather_bits([again, third])
-        names = ["forward", "backward"] if not self.pp else \
-            [f"stage {s} {w}" for s in e.stage_ids for w in ("forward", "backward")]
+        names = []
+        for s, part in zip(e.stage_ids, e.parts):
+            b = rotating_block(part, self.wcheck)
+            ws = f"weight gradients (block {b[0]})" if b is not None else "weight gradients"
+            names += [f"stage {s} {w}" if self.pp else w for w in ("forward", "backward", ws)]
         verdicts: dict[str, dict] = {}
         affected: dict[str, dict] = {}
         for i in bad:

@@ -187,6 +187,7 @@ class _Pending:
     rng: dict[str, str]
     record: SaveRecord
     linked: list[str] = field(default_factory=list)  # files linked in (offloaded state)
+    link_checks: dict = field(default_factory=dict)  # name -> why its file is not as written
     names: list[str] = field(default_factory=list)   # the state key of each copy
     expected: list[int] = field(default_factory=list)  # each copy's checksum (what was written)
     abandoned: bool = False        # `settle` gave up on it: never commit, never remove others'
@@ -491,13 +492,25 @@ class CheckpointManager(CheckpointStore):
         return (f"the snapshot differs from the state the optimizer wrote {when} "
                 f"({len(bad)} tensor(s), the first {p.names[bad[0]]}): not committed")
 
+    def _check_linked(self, p: _Pending, tmp: Path) -> str:
+        """Why a file linked into the checkpoint is not what its writer wrote ("" when each
+        is): a fault of the storage between the write and the save is not committed."""
+        with events.current().span("linked_verify", "check"):
+            for name, check in p.link_checks.items():
+                if why := check(tmp / name):
+                    return f"{name}: {why}: not committed"
+        return ""
+
     def _link_files(self, p: _Pending, target) -> None:
         """Stage 1 for state kept in files (`target.checkpoint_files()`: the nvme tier's
         optimizer state): link them into the checkpoint now, before the next step replaces
-        them (myria.fsutil.link_or_copy: no copy through memory)."""
+        them (myria.fsutil.link_or_copy: no copy through memory); stage 2 reads each back
+        against the checksums its writer took (`target.checkpoint_checks()`, taken now)."""
         files = target.checkpoint_files() if hasattr(target, "checkpoint_files") else {}
         if not files:
             return
+        if hasattr(target, "checkpoint_checks"):
+            p.link_checks = target.checkpoint_checks()
         tmp = self.tmp_for(p.step)
         try:
             for name, src in files.items():
@@ -569,7 +582,8 @@ class CheckpointManager(CheckpointStore):
             for name in names:
                 crc, _ = file_crc32(tmp / name)
                 mine[name] = [(tmp / name).stat().st_size, crc]
-            if why := p.mismatch or self._check_copies(p, "after it was written"):
+            if why := p.mismatch or self._check_copies(p, "after it was written") or \
+                    self._check_linked(p, tmp):
                 raise SnapshotMismatch(why)
         except BaseException as e:  # a failed save must not end training (DCP raises
             err = describe_error(e)   # CheckpointException, a BaseException)
