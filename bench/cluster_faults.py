@@ -9,7 +9,8 @@ the allocation as spares, injects one host fault at step 6 and waits for the job
 - lost-host: every process of a host of the job killed (`kill-host`);
 - lost-host-injob: the same with `resilience.recovery = "in-job"`: the spare node takes the
   lost host's ranks over, the other host's workers stay, the lost ranks' state comes from the
-  survivors' memory over the network (myria.resilience.takeover); run beside lost-host for
+  survivors' memory over the network (myria.resilience.takeover), two hot spares per host
+  (`resilience.spares`: torch imported before the fault); run beside lost-host for
   the MTTR (kill to the next completed step) of both, phase by phase;
 - partition: a host's switch port down for longer than the hang timeout (10 s), then healed;
 - slow-link: a host's link limited to 10 Mbit/s with tc tbf from step 3 to the end;
@@ -135,8 +136,8 @@ def run_case(case: str, work: Path, data: Path, ref: Path) -> dict:
     cluster.up(nodes, quiet=True)
     extra = ["--resilience.diagnose=true" if case == "failed-diagnostics"
              else "--resilience.diagnose=false"]
-    if case == "lost-host-injob":
-        extra.append("--resilience.recovery=in-job")
+    if case == "lost-host-injob":   # two hot spares per host: one per rank a host holds
+        extra += ["--resilience.recovery=in-job", "--resilience.spares=2"]
     load0 = os.getloadavg()[0]
     t_submit = time.time()
     job = cluster.sbatch(ROOT / "scripts" / "myria.sbatch", nodes,
