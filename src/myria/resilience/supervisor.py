@@ -499,6 +499,7 @@ class Supervisor:
         except AttributeError:
             return
         os.environ[rundir.FENCE_ENV] = f"{self.job}:{rnd}"
+        self.lost_hosts.clear()   # a new round: its hosts are all there
         if wg.group_rank == 0:
             hosts = multihost.members(agent)
             rundir.fence_bump(self.run_dir, self.job, rnd, hosts)
