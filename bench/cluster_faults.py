@@ -18,6 +18,9 @@ the allocation as spares, injects one host fault at step 6 and waits for the job
   workers killed: its supervisor runs them, fails, drains the node in Slurm (sinfo), leaves;
 - lost-during-recovery: a host killed, then the spare that replaced it killed as soon as the new
   round formed (4 nodes: two spares);
+- lost-during-injob-recovery: lost-host-injob with a second spare (4 nodes), and the spare
+  host that took the lost ranks over killed as soon as it announced the takeover: the
+  survivors give up the in-job attempt and the job restarts its round on the second spare;
 - lost-first-host: the first host (the rendezvous store's, the batch script's) killed: the job
   cannot go on (a documented limit); each survivor says why in one line and hands the job back
   to Slurm (requeued: PENDING until an allocation is free; the bench then cancels it).
@@ -55,7 +58,7 @@ TINY = ["--model.vocab_size=1024", "--model.layers=2", "--model.hidden=64", "--m
         f"--training.steps={STEPS}", "--checkpoint.interval=4", "--training.eval_interval=0",
         "--training.init_timeout_s=120", "--resilience.hang_timeout_s=10"]
 CASES = ["lost-host", "lost-host-injob", "partition", "slow-link", "failed-diagnostics",
-         "lost-during-recovery", "lost-first-host"]
+         "lost-during-recovery", "lost-during-injob-recovery", "lost-first-host"]
 ENV = {"MYRIA": f"{sys.executable} -m myria", "OMP_NUM_THREADS": "1",
        "PYTHONPATH": str(ROOT / "src")}
 
@@ -118,6 +121,17 @@ def round_members(run: Path, round_: int, timeout: float = 300) -> list[str]:
     raise TimeoutError(f"round {round_} did not form")
 
 
+def takeover_host(run: Path, timeout: float = 120) -> str:
+    """The spare host that announced an in-job takeover (its log line)."""
+    end = time.time() + timeout
+    while time.time() < end:
+        for line in (run / "supervisor.log").read_text().splitlines():
+            if "ACTION in-job takeover" in line:
+                return line.split(": ")[1].split(" takes over")[0]
+        time.sleep(0.1)
+    raise TimeoutError("no takeover announced")
+
+
 def kill_one_worker(host: str) -> int:
     for pid in cluster._ns_pids(cluster.ns(host)):
         try:
@@ -131,12 +145,13 @@ def kill_one_worker(host: str) -> int:
 
 
 def run_case(case: str, work: Path, data: Path, ref: Path) -> dict:
-    nodes = {"lost-during-recovery": 4, "slow-link": 2}.get(case, 3)
+    nodes = {"lost-during-recovery": 4, "lost-during-injob-recovery": 4,
+             "slow-link": 2}.get(case, 3)
     run = work / case
     cluster.up(nodes, quiet=True)
     extra = ["--resilience.diagnose=true" if case == "failed-diagnostics"
              else "--resilience.diagnose=false"]
-    if case == "lost-host-injob":   # two hot spares per host: one per rank a host holds
+    if "injob" in case:   # two hot spares per host: one per rank a host holds
         extra += ["--resilience.recovery=in-job", "--resilience.spares=2"]
     load0 = os.getloadavg()[0]
     t_submit = time.time()
@@ -167,6 +182,12 @@ def run_case(case: str, work: Path, data: Path, ref: Path) -> dict:
     elif case == "failed-diagnostics":
         cluster.fail_diagnostics(victim)
         out["killed_worker"] = kill_one_worker(victim)
+    elif case == "lost-during-injob-recovery":
+        cluster.kill_host(victim)
+        second = takeover_host(run)
+        cluster.kill_host(second)
+        out["second_victim"] = second
+        out["second_killed_after_s"] = round(time.time() - t_fault, 2)
     elif case == "lost-during-recovery":
         cluster.kill_host(victim)
         second = [h for h in round_members(run, 1) if h != members[0]][0]
@@ -210,6 +231,9 @@ def run_case(case: str, work: Path, data: Path, ref: Path) -> dict:
     first = next((f for f in s.get("faults", []) if f.get("host") == members[0]), None)
     if case == "lost-host-injob":
         first = next((f for f in s.get("faults", []) if f.get("kind") == "host-lost"), None)
+    if case == "lost-during-injob-recovery":   # the restart that followed the failed takeover
+        first = next((f for f in s.get("faults", []) if f.get("host") == members[0] and
+                      f.get("recovery") == "restart"), first)
     if first:
         out["detection_s"] = first.get("detection_s")
         out["time_lost_s"] = first.get("time_lost_s")
