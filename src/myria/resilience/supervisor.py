@@ -196,7 +196,7 @@ class Supervisor:
                 self._takeover = takeover.Watch(self)
                 self._beat.start()
                 self._takeover.start()
-            result = agent.run()
+            result = self._run_agent(agent)
             if result is not None and result.state == WorkerState.SUCCEEDED:
                 status, code = "succeeded", 0
             else:
@@ -224,7 +224,10 @@ class Supervisor:
             from myria.resilience.multihost import EXCLUDED, moved_on_without, store_lost
 
             status = "rendezvous-failed"
-            if self.ranks and (why := moved_on_without(self.run_dir, self.job, self.host)):
+            if self._takeover is not None and self._takeover.claimed:
+                log.info("the rendezvous ended (%s): this host's workers are the takeover's",
+                         type(e).__name__)
+            elif self.ranks and (why := moved_on_without(self.run_dir, self.job, self.host)):
                 status, code = EXCLUDED, 0   # cut off: the job went on (fenced) without it
                 log.warning("ACTION leave: %s", why)
             elif self.max_nodes > 1 and (why := store_lost(self._endpoint)):
@@ -246,6 +249,24 @@ class Supervisor:
             summary.write(self, summary.build(self, status))
             self._close()
         return code
+
+    def _run_agent(self, agent):
+        """The agent's run. Across hosts in-job, a spare host whose wait in the rendezvous
+        timed out waits again: the members took a lost host over without a new round, and
+        the spare stays ready for the next one (a later full restart) until the job closes
+        the rendezvous."""
+        from torch.distributed.elastic.rendezvous import RendezvousTimeoutError
+
+        while True:
+            try:
+                return agent.run()
+            except RendezvousTimeoutError:
+                if not self.across_hosts or self.ranks or self._takeover is None or \
+                        self._takeover.claimed:
+                    raise
+                log.info("SPARE: %s's wait in the rendezvous timed out while the job goes on "
+                         "without a new round: it waits again", self.host)
+                agent = make_agent(self)
 
     def _remove_shared(self) -> None:
         """The peer snapshots in shared memory of workers that no longer run."""
