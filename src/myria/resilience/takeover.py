@@ -43,6 +43,9 @@ from myria import rundir
 log = logging.getLogger("myria.supervisor")
 
 BEAT_S = 0.5      # how often a member's supervisor bumps its counter
+# the first node (the rendezvous store's, the batch script's: its loss ends the job anyway)
+# waits this much longer before it claims a lost host, so another spare takes the ranks
+HEAD_DELAY_S = 1.5
 WATCH_S = 0.25    # how often a spare looks at the members' counters
 # a worker's environment that makes it that rank of the job (the rest is the spare host's own)
 RANK_ENV = ("RANK", "LOCAL_RANK", "GROUP_RANK", "ROLE_RANK", "ROLE_NAME", "WORLD_SIZE",
@@ -64,6 +67,17 @@ def client(endpoint: str, timeout_s: float = 10.0):
     host, _, port = endpoint.rpartition(":")
     return dist.TCPStore(host, int(port), is_master=False, wait_for_workers=False,
                          timeout=datetime.timedelta(seconds=timeout_s))
+
+
+def _is_head(endpoint: str) -> bool:
+    import socket
+
+    host = endpoint.rpartition(":")[0]
+    try:
+        return host in ("127.0.0.1", "localhost") or host in \
+            {a[4][0] for a in socket.getaddrinfo(socket.gethostname(), None)}
+    except OSError:
+        return False
 
 
 def publish(sup, wg, pc_envs: dict) -> None:
@@ -111,6 +125,8 @@ class Watch(threading.Thread):
         super().__init__(daemon=True, name="myria-takeover")
         self.sup = sup
         self.lost_s = sup.r.heartbeat_s * sup.r.missed_heartbeats
+        if _is_head(sup._endpoint):   # the first node claims last: another spare first
+            self.lost_s += HEAD_DELAY_S
         self.seen: dict[str, tuple[int, float]] = {}   # host -> (counter, when it moved)
         self.stop_event = threading.Event()
         self.claimed: str | None = None
