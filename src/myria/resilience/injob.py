@@ -256,9 +256,9 @@ class InJobRecovery:
         attempt = wg.spec.max_restarts - agent._remaining_restarts
         store = sup.announce_store()
         if store is not sup._server:
-            from myria.resilience.takeover import announced
+            from myria.resilience.takeover import next_attempt
 
-            attempt = max(attempt, announced(store, sup.job) + 1)
+            attempt = max(attempt, next_attempt(store, sup.job))
             agent._remaining_restarts = wg.spec.max_restarts - attempt
         spare = self._take_spare()
         shrink = spare is None and sup.r.shrink

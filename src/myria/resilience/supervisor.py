@@ -122,6 +122,7 @@ class Supervisor:
         self._followed_at = 0.0
         self.agent = None              # torch elastic's agent (make_agent)
         self.lost_hosts: set[str] = set()   # hosts whose ranks a spare host took over
+        self.announced_base = 0        # the in-job attempt announced when this round started
 
     # -- set-up ------------------------------------------------------------------------------
     def _setup_logging(self) -> None:
@@ -315,6 +316,10 @@ class Supervisor:
         if self.across_hosts:
             from myria.resilience import takeover
 
+            try:
+                self.announced_base = takeover.announced(self.shared_store(), self.job)
+            except Exception:
+                pass
             takeover.publish(self, wg, agent._pcontext.envs)
 
     def shared_store(self):

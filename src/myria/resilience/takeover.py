@@ -8,7 +8,7 @@ worker, so it carries what the hosts share, under `myria-injob/JOB/` (myria.trai
 - `hosts/HOST`: what a member host runs (its round, attempt, ranks and each worker's rank
   environment), written when its workers start;
 - `alive/HOST`: a counter the host's supervisor bumps every BEAT_S (`Beat`);
-- `failedA`: how many workers of attempt A saw a collective fail (myria.train.rejoin);
+- `failed`: how many workers of the job saw a collective fail (myria.train.rejoin);
 - `taken/HOST`: the spare host that claimed HOST's ranks (compare-and-set: one claim only);
 - `attempt`, `lost`: the announcement the survivors' workers wait on (myria.train.rejoin);
 - `takeover/HOST`: the takeover's times, which the survivors' supervisors log.
@@ -100,6 +100,16 @@ def announced(store, job: str) -> int:
     return int(raw) if raw.isdigit() else 0
 
 
+def next_attempt(store, job: str) -> int:
+    """The attempt to announce: after the newest announced and every attempt the members'
+    workers run (each host's agent numbers its own restarts)."""
+    k = _key(job, "members")
+    hosts = json.loads(store.get(k).decode()) if store.check([k]) else []
+    published = [json.loads(store.get(_key(job, f"hosts/{h}")).decode())["attempt"]
+                 for h in hosts if store.check([_key(job, f"hosts/{h}")])]
+    return max([announced(store, job), *published]) + 1
+
+
 class Beat(threading.Thread):
     """A member host's liveness: bumps `alive/HOST` every BEAT_S (its own store client)."""
 
@@ -128,6 +138,8 @@ class Watch(threading.Thread):
         if _is_head(sup._endpoint):   # the first node claims last: another spare first
             self.lost_s += HEAD_DELAY_S
         self.seen: dict[str, tuple[int, float]] = {}   # host -> (counter, when it moved)
+        self.round = None            # the members' list as last read, and the failures
+        self.failed_base = 0         # counted when it was first read
         self.stop_event = threading.Event()
         self.claimed: str | None = None
         self.procs: dict[int, subprocess.Popen] = {}   # rank -> its worker here
@@ -168,8 +180,11 @@ class Watch(threading.Thread):
         None."""
         job = self.sup.job
         hosts = {}
-        names = json.loads(store.get(_key(job, "members")).decode()) \
-            if store.check([_key(job, "members")]) else []
+        raw = store.get(_key(job, "members")).decode() \
+            if store.check([_key(job, "members")]) else "[]"
+        if raw != self.round:   # a new round: failures before it are not evidence
+            self.round, self.failed_base = raw, store.add(_key(job, "failed"), 0)
+        names = json.loads(raw)
         for h in names:
             k = _key(job, f"hosts/{h}")
             if store.check([k]):
@@ -185,8 +200,7 @@ class Watch(threading.Thread):
                 continue
             if now - last[1] < self.lost_s:
                 continue
-            attempt = max(announced(store, job), info["attempt"])
-            if store.add(_key(job, f"failed{attempt}"), 0) > 0:
+            if store.add(_key(job, "failed"), 0) > self.failed_base:
                 return h, info, last[1]
         return None
 
@@ -198,12 +212,13 @@ class Watch(threading.Thread):
         sup = self.sup
         now = time.time()
         ranks = info["ranks"]
-        attempt = max(announced(store, sup.job), info["attempt"]) + 1
+        attempt = next_attempt(store, sup.job)
         since = time.strftime("%H:%M:%S", time.localtime(silent_at))
         evidence = (f"host {host} (ranks {ranks}) silent since {since} "
                     f"({now - silent_at:.1f} s; resilience.heartbeat_s x missed_heartbeats = "
-                    f"{self.lost_s:g} s) and {store.add(_key(sup.job, f'failed{attempt - 1}'), 0)}"
-                    f" worker(s) of the job saw their collectives fail")
+                    f"{self.lost_s:g} s) and "
+                    f"{store.add(_key(sup.job, 'failed'), 0) - self.failed_base} worker(s) of "
+                    "the job saw their collectives fail")
         log.warning("DETECTED host-lost on rank(s) %s: %s", ranks, evidence)
         store.set(_key(sup.job, "lost"), json.dumps(ranks))
         store.set(_key(sup.job, "attempt"), str(attempt))
@@ -289,7 +304,7 @@ def follow(sup, agent) -> None:
         a = announced(store, sup.job)
     except Exception:
         return
-    if a <= sup.attempt:
+    if a <= max(sup.attempt, sup.announced_base):   # none new since this round's start
         return
     taken = []
     for h in sup.members:

@@ -210,6 +210,16 @@ class InJob:
         self.rejoined = False   # a survivor set up for the next attempt: restore in-job
         self.failed_at = 0.0
         self.stats: list[dict] = []
+        # across hosts: the rendezvous round this process started in ("JOB:ROUND"), whose
+        # first group every host's workers form under the round's name (each host's agent
+        # numbers its own restarts); an announcement older than this process is not for it
+        from myria.rundir import FENCE_ENV
+
+        fence = os.environ.get(FENCE_ENV, "")
+        self.round = fence.rpartition(":")[2] if fence else None
+        self.first_group = not self.replacement
+        v = self._get("attempt", "")
+        self.base = int(v) if v.isdigit() and not self.replacement else 0
 
     @classmethod
     def create(cls, cfg, run_dir) -> InJob | None:
@@ -223,8 +233,13 @@ class InJob:
 
     # -- the process group of an attempt -------------------------------------------------------
     def pg_store(self):
-        """The default group's store of this attempt: the supervisor's, under its own prefix."""
-        return dist.PrefixStore(key(self.job, f"pg{self.attempt}") + "/", self.store)
+        """The default group's store of this attempt: the supervisor's (across hosts, the
+        shared one), under a prefix of the attempt's own."""
+        if self.round is None:
+            name = f"pg{self.attempt}"
+        else:
+            name = f"pg-round{self.round}" + ("" if self.first_group else f"-{self.attempt}")
+        return dist.PrefixStore(key(self.job, name) + "/", self.store)
 
     # -- a failure -----------------------------------------------------------------------------
     settle_s = 10.0  # the most `keep` lets the background traffic in flight finish
@@ -266,7 +281,7 @@ class InJob:
         abort_groups()
         release(error)
         try:   # the evidence a host's loss is acted on with: its peers' collectives failed
-            self.store.add(key(self.job, f"failed{self.attempt}"), 1)
+            self.store.add(key(self.job, "failed"), 1)
         except Exception:
             pass
         # waiting is start-up, not a hang: the supervisor judges it by the start-up timeout
@@ -293,6 +308,7 @@ class InJob:
         self._take_rank(nxt)
         self._new_attempt(hb, self.failed_at)
         self.failed_at = 0.0
+        self.first_group = False
         self.rejoined = True
         return True
 
@@ -343,7 +359,7 @@ class InJob:
         end = time.time() + wait_s
         while True:
             v = self._get("attempt", "")
-            if v.isdigit() and int(v) > self.attempt:
+            if v.isdigit() and int(v) > max(self.attempt, self.base):
                 return int(v)
             if time.time() >= end:
                 return None
