@@ -82,7 +82,10 @@ def _is_head(endpoint: str) -> bool:
 
 def publish(sup, wg, pc_envs: dict) -> None:
     """A member's workers started: what they are, for a spare that may have to take over."""
-    envs = [{k: env[k] for k in RANK_ENV if k in env}
+    # the round is the supervisor's (its workers inherit it), the rest each worker's own
+    fence = {rundir.FENCE_ENV: os.environ[rundir.FENCE_ENV]} \
+        if os.environ.get(rundir.FENCE_ENV) else {}
+    envs = [{**fence, **{k: env[k] for k in RANK_ENV if k in env}}
             for _, env in sorted(pc_envs.items())]
     try:
         store = sup.shared_store()
