@@ -7,12 +7,20 @@ Each case brings up emulated hosts under Slurm, submits the shipped scripts/myri
 the allocation as spares, injects one host fault at step 6 and waits for the job's end:
 
 - lost-host: every process of a host of the job killed (`kill-host`);
+- lost-host-injob: the same with `resilience.recovery = "in-job"`: the spare node takes the
+  lost host's ranks over, the other host's workers stay, the lost ranks' state comes from the
+  survivors' memory over the network (myria.resilience.takeover), two hot spares per host
+  (`resilience.spares`: torch imported before the fault); run beside lost-host for
+  the MTTR (kill to the next completed step) of both, phase by phase;
 - partition: a host's switch port down for longer than the hang timeout (10 s), then healed;
 - slow-link: a host's link limited to 10 Mbit/s with tc tbf from step 3 to the end;
 - failed-diagnostics: a host's diagnostics made to fail (`fail-diagnostics`) and one of its
   workers killed: its supervisor runs them, fails, drains the node in Slurm (sinfo), leaves;
 - lost-during-recovery: a host killed, then the spare that replaced it killed as soon as the new
   round formed (4 nodes: two spares);
+- lost-during-injob-recovery: lost-host-injob with a second spare (4 nodes), and the spare
+  host that took the lost ranks over killed as soon as it announced the takeover: the
+  survivors give up the in-job attempt and the job restarts its round on the second spare;
 - lost-first-host: the first host (the rendezvous store's, the batch script's) killed: the job
   cannot go on (a documented limit); each survivor says why in one line and hands the job back
   to Slurm (requeued: PENDING until an allocation is free; the bench then cancels it).
@@ -49,8 +57,8 @@ TINY = ["--model.vocab_size=1024", "--model.layers=2", "--model.hidden=64", "--m
         "--training.micro_batch=2", "--optimizer.warmup_steps=4", "--logging.tensorboard=false",
         f"--training.steps={STEPS}", "--checkpoint.interval=4", "--training.eval_interval=0",
         "--training.init_timeout_s=120", "--resilience.hang_timeout_s=10"]
-CASES = ["lost-host", "partition", "slow-link", "failed-diagnostics", "lost-during-recovery",
-         "lost-first-host"]
+CASES = ["lost-host", "lost-host-injob", "partition", "slow-link", "failed-diagnostics",
+         "lost-during-recovery", "lost-during-injob-recovery", "lost-first-host"]
 ENV = {"MYRIA": f"{sys.executable} -m myria", "OMP_NUM_THREADS": "1",
        "PYTHONPATH": str(ROOT / "src")}
 
@@ -60,10 +68,13 @@ def myria(*args: str, env: dict | None = None) -> None:
                    env={**os.environ, **ENV, **(env or {})}, capture_output=True, text=True)
 
 
-def metrics(run: Path) -> dict[int, float]:
+def rows(run: Path) -> list[dict]:
     p = run / "metrics.jsonl"
-    rows = [json.loads(x) for x in p.read_text().splitlines()] if p.exists() else []
-    return {r["step"]: r["loss"] for r in rows if "loss" in r}
+    return [json.loads(x) for x in p.read_text().splitlines()] if p.exists() else []
+
+
+def metrics(run: Path) -> dict[int, float]:
+    return {r["step"]: r["loss"] for r in rows(run) if "loss" in r}
 
 
 def committed(run: Path) -> list[int]:
@@ -110,6 +121,17 @@ def round_members(run: Path, round_: int, timeout: float = 300) -> list[str]:
     raise TimeoutError(f"round {round_} did not form")
 
 
+def takeover_host(run: Path, timeout: float = 120) -> str:
+    """The spare host that announced an in-job takeover (its log line)."""
+    end = time.time() + timeout
+    while time.time() < end:
+        for line in (run / "supervisor.log").read_text().splitlines():
+            if "ACTION in-job takeover" in line:
+                return line.split(": ")[1].split(" takes over")[0]
+        time.sleep(0.1)
+    raise TimeoutError("no takeover announced")
+
+
 def kill_one_worker(host: str) -> int:
     for pid in cluster._ns_pids(cluster.ns(host)):
         try:
@@ -123,11 +145,15 @@ def kill_one_worker(host: str) -> int:
 
 
 def run_case(case: str, work: Path, data: Path, ref: Path) -> dict:
-    nodes = {"lost-during-recovery": 4, "slow-link": 2}.get(case, 3)
+    nodes = {"lost-during-recovery": 4, "lost-during-injob-recovery": 4,
+             "slow-link": 2}.get(case, 3)
     run = work / case
     cluster.up(nodes, quiet=True)
     extra = ["--resilience.diagnose=true" if case == "failed-diagnostics"
              else "--resilience.diagnose=false"]
+    if "injob" in case:   # two hot spares per host: one per rank a host holds
+        extra += ["--resilience.recovery=in-job", "--resilience.spares=2"]
+    load0 = os.getloadavg()[0]
     t_submit = time.time()
     job = cluster.sbatch(ROOT / "scripts" / "myria.sbatch", nodes,
                          ["--run-dir", str(run), "--nproc", "2", f"--data.path={data}", *TINY,
@@ -143,7 +169,8 @@ def run_case(case: str, work: Path, data: Path, ref: Path) -> dict:
                  "newest_committed_at_fault": newest}
     t_fault = time.time()
     out["fault_at_step"] = max(metrics(run))
-    if case in ("lost-host", "lost-first-host"):
+    attempt_at_fault = max(r.get("attempt", 0) for r in rows(run))
+    if case in ("lost-host", "lost-host-injob", "lost-first-host"):
         cluster.kill_host(victim)
     elif case == "partition":
         cluster.partition(victim)
@@ -155,6 +182,12 @@ def run_case(case: str, work: Path, data: Path, ref: Path) -> dict:
     elif case == "failed-diagnostics":
         cluster.fail_diagnostics(victim)
         out["killed_worker"] = kill_one_worker(victim)
+    elif case == "lost-during-injob-recovery":
+        cluster.kill_host(victim)
+        second = takeover_host(run)
+        cluster.kill_host(second)
+        out["second_victim"] = second
+        out["second_killed_after_s"] = round(time.time() - t_fault, 2)
     elif case == "lost-during-recovery":
         cluster.kill_host(victim)
         second = [h for h in round_members(run, 1) if h != members[0]][0]
@@ -171,6 +204,10 @@ def run_case(case: str, work: Path, data: Path, ref: Path) -> dict:
     else:
         state = cluster.wait_job(job, 900)
     out["slurm_job_state"] = state
+    out["load_avg_1min"] = [round(load0, 1), round(os.getloadavg()[0], 1)]
+    if case.startswith("lost-host"):   # kill to the next completed step
+        nxt = [r for r in rows(run) if r.get("attempt", 0) > attempt_at_fault and "loss" in r]
+        out["mttr_s"] = round(min(r["time"] for r in nxt) - t_fault, 2) if nxt else None
     out["wall_s"] = round(time.time() - t_submit, 1)
     out["node_states"] = cluster.node_states()
     if case == "lost-first-host":
@@ -192,17 +229,40 @@ def run_case(case: str, work: Path, data: Path, ref: Path) -> dict:
                                             "recovery_phases", "action", "newest_committed")}
                      for f in s.get("faults", [])]
     first = next((f for f in s.get("faults", []) if f.get("host") == members[0]), None)
+    if case == "lost-host-injob":
+        first = next((f for f in s.get("faults", []) if f.get("kind") == "host-lost"), None)
+    if case == "lost-during-injob-recovery":   # the restart that followed the failed takeover
+        first = next((f for f in s.get("faults", []) if f.get("host") == members[0] and
+                      f.get("recovery") == "restart"), first)
     if first:
         out["detection_s"] = first.get("detection_s")
         out["time_lost_s"] = first.get("time_lost_s")
         out["recovery_phases"] = first.get("recovery_phases")
         resumed = [f.get("resumed_from") for f in s["faults"] if f.get("host") == members[0]
                    and f.get("resumed_from") is not None]
+        if case == "lost-host-injob":
+            resumed = [first["resumed_from"]] if first.get("resumed_from") is not None else []
+            # the phases of the MTTR: kill -> the spare's verdict -> its workers started ->
+            # state restored -> the first step done
+            out["mttr_phases"] = {
+                "detection": round(first["detected_at"] - t_fault, 2),
+                "announce_and_start": round(first["restarted_at"] - first["detected_at"], 2),
+                **{k: v for k, v in (first.get("recovery_phases") or {}).items()
+                   if k not in ("detection", "teardown", "decision", "backoff")}}
+            p = run / "peer" / "injob.json"
+            out["restored"] = json.loads(p.read_text())[-1] if p.exists() else None
         out["resumed_from"] = resumed
         out["nothing_committed_lost"] = bool(resumed) and resumed[0] >= newest
         final = [h for h in (s.get("placement") or {}) if s["host_status"].get(h) == "succeeded"]
         out["recovery_path"] = (f"restart of the job's workers from checkpoint step "
                                 f"{resumed[0] if resumed else '?'} on {', '.join(final)}")
+        if case == "lost-host-injob":
+            rs = out.get("restored") or {}
+            out["recovery_path"] = (
+                f"in-job: {first.get('host')} took over ranks {first.get('ranks')}, "
+                f"{members[0]}'s workers stayed; state of step {rs.get('step')} from ranks "
+                f"{sorted(set((rs.get('sources') or {}).values()))}' memory "
+                f"({', '.join(sorted(set((rs.get('copy') or {}).values())))}, CRC-checked)")
     else:
         out["nothing_committed_lost"] = committed(run)[-1] == STEPS
         out["recovery_path"] = "none needed: the job went on"
@@ -274,6 +334,17 @@ def table(results: dict) -> str:
                     f"{c.get('time_lost_s')}: {phases or '-'} | {weights} | "
                     f"{'yes' if c.get('nothing_committed_lost') else 'NO'} | "
                     f"job {c.get('slurm_job_state')}; {nodes} |")
+    mt = [c for c in results["cases"] if c.get("mttr_s") is not None]
+    if mt:
+        rows += ["", "| case | recovery | MTTR: kill to the next step (s) | by phase (s) | "
+                 "load (1 min, start/end) |", "|---|---|---|---|---|"]
+        for c in mt:
+            ph = c.get("mttr_phases") or {"detection": c.get("detection_s"),
+                                          **(c.get("recovery_phases") or {})}
+            rows.append(f"| {c['case']} | {'in-job' if 'injob' in c['case'] else 'restart'} | "
+                        f"{c['mttr_s']} | " + ", ".join(f"{k} {v:.1f}" for k, v in ph.items()
+                                                     if v is not None and v >= 0.05) +
+                        f" | {c.get('load_avg_1min')} |")
     return "\n".join(rows)
 
 

@@ -3,7 +3,8 @@ real Slurm), launched the way a user does it: `sbatch` of the shipped scripts/my
 
 One case per behaviour: 2 hosts x 2 processes train bit-equal to the same 4 ranks on one host
 (and `myria report` shows both hosts); a lost host is replaced by the allocation's spare node
-and the run ends bit-equal to a clean one; a partition is detected (the host drops out of the
+and the run ends bit-equal to a clean one, by the full restart or in-job (the spare takes the
+lost ranks over, the survivors stay); a partition is detected (the host drops out of the
 rendezvous, or a hang), each of the cut-off host's workers stops on the fence and says so, and
 the run ends bit-equal. Root and Debian's slurm/munge packages are needed
 (`make cluster-packages`); without them the module skips in one line. Every test takes the
@@ -64,9 +65,9 @@ def one_host(tiny_data, tmp_path_factory) -> Path:
     return out
 
 
-def _submit(run_dir: Path, data: Path, nodes: int, **env) -> int:
+def _submit(run_dir: Path, data: Path, nodes: int, *extra: str, **env) -> int:
     return cluster.sbatch(SCRIPT, nodes, ["--run-dir", str(run_dir), "--nproc", "2",
-                                          f"--data.path={data}", *ARGS],
+                                          f"--data.path={data}", *ARGS, *extra],
                           run_dir.parent / f"{run_dir.name}.out", {**JOB_ENV, **env})
 
 
@@ -176,3 +177,35 @@ def test_partition_detected_as_hang_and_fenced(hosts3, tiny_data, one_host, tmp_
                   for m in re.finditer(rf"rank (\d+) on {cut}: fenced: .* exiting without "
                                        "writing", t))
     assert said == [2, 3], said
+
+
+def test_lost_host_taken_over_in_job(hosts3, tiny_data, one_host, tmp_path):
+    """In-job recovery across hosts: a host of the job is killed outright; the spare node's
+    supervisor takes its ranks over, the other host's workers stay (same pids), the lost
+    ranks' state comes from the survivors' memory over the network (CRC-checked on arrival),
+    and the run ends bit-equal to one host's with one restart-free recovery."""
+    run = tmp_path / "injob"
+    job = _submit(run, tiny_data, 3, "--resilience.recovery=in-job", MYRIA_NNODES="2")
+    _wait_step(run, 6, checkpoint=False)
+    log = (run / "supervisor.log").read_text()
+    members = next(x for x in log.splitlines() if "hosts in this round:" in x) \
+        .split("hosts in this round: ")[1].split(", ")
+    lost = members[1]
+    spare = ({"h1", "h2"} - {lost}).pop()
+    cluster.kill_host(lost)
+    assert cluster.wait_job(job, 600) == "COMPLETED", _out(run)[-4000:]
+    assert_bit_equal(run, one_host, STEPS)
+    s = json.loads((run / "supervisor_summary.json").read_text())
+    assert s["status"] == "succeeded", s["host_status"]
+    assert s["placement"] == {"h0": [0, 1], spare: [2, 3]}
+    f = next(f for f in s["faults"] if f["kind"] == "host-lost")
+    assert f["host"] == spare and f["recovery"] == "in-job: host takeover" and f["ranks"] == [2, 3]
+    log = (run / "supervisor.log").read_text()
+    assert " ACTION restart" not in log and "stop the worker group" not in log
+    assert f"FOLLOW attempt {f['attempt'] + 1}" in log
+    restored = json.loads((run / "peer" / "injob.json").read_text())
+    assert restored[-1]["copy"] == {"2": "sent", "3": "sent"}   # over the network
+    assert restored[-1]["sources"] == {"2": 0, "3": 1}           # held on the other host
+    assert restored[-1]["step"] >= 6
+    said = [p.read_text(errors="replace") for p in (run / "logs").rglob("stderr.log")]
+    assert sum("joining attempt" in t for t in said) == 2, said   # h0's workers stayed

@@ -39,6 +39,22 @@ def test_the_step_every_rank_holds_and_who_sends_it():
     assert choose([_info(0), _info(1, fresh=True)]) is None
 
 
+def test_across_hosts_a_lost_hosts_ranks_are_held_on_the_other_host(monkeypatch):
+    # 2 hosts x 2 ranks: the ring steps by the ranks per host, so host 1's ranks 2 and 3 are
+    # held by host 0's ranks 0 and 1, and both survive host 1's loss
+    from myria.train.peer import ring_stride
+
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    assert ring_stride(4) == 2
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    assert ring_stride(4) == 1    # one host: the next rank
+    infos = [_info(0, (5, 6), 2, (5, 6)), _info(1, (5, 6), 3, (5, 6)),
+             _info(2, fresh=True), _info(3, fresh=True)]
+    for i in infos[:2]:
+        i["stride"] = 2
+    assert choose(infos) == {"step": 6, "sources": {2: 0, 3: 1}, "replica": []}
+
+
 def supervise(run_dir, data, fault, *extra):
     return run_cli("supervise", "--run-dir", str(run_dir), "--nproc", "2",
                    f"--data.path={data}", *COMMON, *extra, env={"MYRIA_FAULT": fault},

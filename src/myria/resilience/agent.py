@@ -59,6 +59,18 @@ def agent_class():
             self.sup.recover(self, worker_group)
             super()._restart_workers(worker_group)
 
+        def _exit_barrier(self):
+            # a host whose ranks a spare took over (in-job, myria.resilience.takeover) never
+            # reaches the barrier: the first host passes it in its place
+            if self.sup.lost_hosts and self._worker_group.group_rank == 0:
+                from torch.distributed.elastic.agent.server.api import _TERMINAL_STATE_SYNC_ID
+                from torch.distributed.elastic.utils.store import _barrier_nonblocking
+
+                for _ in self.sup.lost_hosts:
+                    _barrier_nonblocking(self._store, self._worker_group.group_world_size,
+                                         _TERMINAL_STATE_SYNC_ID)
+            super()._exit_barrier()
+
         def _rendezvous(self, worker_group):
             super()._rendezvous(worker_group)
             self.sup.rendezvoused(self, worker_group)
@@ -98,7 +110,34 @@ def make_agent(sup):
         rdzv_handler=rdzv_registry.get_rendezvous_handler(params),
         max_restarts=sup.r.max_restarts,
         monitor_interval=max(0.05, min(0.5, sup.r.heartbeat_s / 4)))
+    if sup.across_hosts:
+        _waiting_spares_ignored(sup, spec.rdzv_handler)
     logs = DefaultLogsSpecs(log_dir=str(sup.run_dir / rundir.LOGS_DIR), tee=Std.ALL)
-    return agent_class()(sup, spec, logs, start_method="spawn", exit_barrier_timeout=60,
-                          shutdown_timeout=int(sup.r.sigterm_grace_s))
+    sup.agent = agent_class()(sup, spec, logs, start_method="spawn", exit_barrier_timeout=60,
+                              shutdown_timeout=int(sup.r.sigterm_grace_s))
+    return sup.agent
 
+
+
+def _waiting_spares_ignored(sup, handler) -> None:
+    """In-job recovery across hosts: a host waiting in the rendezvous (a spare, moved to the
+    wait list once a member dropped out) makes torch's agent restart the round; here a spare
+    host takes a lost host's ranks over instead (myria.resilience.takeover), so a waiting
+    host is ignored once that happened, and for up to twice the takeover's detection window
+    while it may still happen."""
+    import time
+
+    from myria.resilience import takeover
+
+    waiting = handler.num_nodes_waiting
+    window = 2 * sup.r.heartbeat_s * sup.r.missed_heartbeats + 2.0
+
+    def num_nodes_waiting() -> int:
+        n = waiting()
+        end = time.time() + window
+        while n and not sup.lost_hosts and time.time() < end:
+            time.sleep(0.25)
+            takeover.follow(sup, sup.agent)
+        return 0 if sup.lost_hosts else n
+
+    handler.num_nodes_waiting = num_nodes_waiting

@@ -11,7 +11,9 @@ while an in-job recovery is under way, an input error (exit 2), a failed save (e
 no restarts left. With `resilience.shrink` (pure DDP) and no spare, the survivors go on as a
 smaller data-parallel group (the lost slot is `_Dropped`) and grow back once a spare is ready.
 Each recovery, shrink or grow uses one of `resilience.max_restarts`. `check` refuses in one line
-a config it cannot serve (it needs the supervisor's TCPStore and one host). The protocol and its
+a config it cannot serve (it needs the supervisor's TCPStore; shrinking, one host). Across
+hosts the announcements go to the store every host shares (`Supervisor.announce_store`) and a
+lost host is taken over by a spare host (myria.resilience.takeover). The protocol and its
 reasons: docs/robustness.md, "In-job recovery" and "How in-job recovery sits on torch elastic".
 """
 
@@ -41,16 +43,17 @@ def check(cfg, min_nodes: int, max_nodes: int, nproc: int) -> None:
     r = cfg.resilience
     if r.recovery != "in-job":
         return
-    if max_nodes > 1:
-        raise ConfigError(f"resilience.recovery = 'in-job' runs on one host (--nnodes 1), not "
-                          f"--nnodes {min_nodes}:{max_nodes}; use recovery = 'restart'")
     if r.store != "tcp":
         raise ConfigError(f"resilience.recovery = 'in-job' needs resilience.store = 'tcp' (the "
                           f"workers' process groups live on the supervisor's TCPStore), not "
                           f"{r.store!r}")
-    if nproc < 2:
+    if nproc < 2 and max_nodes < 2:
         raise ConfigError("resilience.recovery = 'in-job' needs --nproc >= 2 (survivors to "
                           "stay); use recovery = 'restart'")
+    if r.shrink and max_nodes > 1:
+        raise ConfigError(f"resilience.shrink = true runs on one host (--nnodes 1), not "
+                          f"--nnodes {min_nodes}:{max_nodes}: a lost host is taken over by a "
+                          "spare host; set resilience.shrink = false")
     if r.shrink:
         from myria.layout import Layout
 
@@ -248,9 +251,15 @@ class InJobRecovery:
             f = fault
         f.recovery = "in-job"
         # the attempt the survivors join: one of the restarts, so attempts keep one numbering
+        # (across hosts: after the newest any host announced)
         agent._remaining_restarts -= 1
         attempt = wg.spec.max_restarts - agent._remaining_restarts
-        store = sup._server
+        store = sup.announce_store()
+        if store is not sup._server:
+            from myria.resilience.takeover import next_attempt
+
+            attempt = max(attempt, next_attempt(store, sup.job))
+            agent._remaining_restarts = wg.spec.max_restarts - attempt
         spare = self._take_spare()
         shrink = spare is None and sup.r.shrink
         if shrink:  # the members of the next attempt, before it is announced
@@ -266,7 +275,7 @@ class InJobRecovery:
         env[ENV_JOIN] = "1"
         if spare is not None:
             i, proc = spare
-            store.set(key(sup.job, f"spare{i}"), json.dumps(
+            sup._server.set(key(sup.job, f"spare{i}"), json.dumps(
                 {"env": env, "stdout": pc.stdouts.get(local), "stderr": pc.stderrs.get(local)}))
             how_new = f"hot spare {i} (pid {proc.pid})"
             f.recovery = "in-job: spare"

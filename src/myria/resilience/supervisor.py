@@ -115,6 +115,14 @@ class Supervisor:
             from myria.resilience.injob import InJobRecovery
 
             self.injob = InJobRecovery(self)
+        # in-job recovery across hosts (myria.resilience.takeover)
+        self.across_hosts = self.injob is not None and max_nodes > 1
+        self._shared = None            # a client of the rendezvous store (the main thread's)
+        self._beat = self._takeover = None
+        self._followed_at = 0.0
+        self.agent = None              # torch elastic's agent (make_agent)
+        self.lost_hosts: set[str] = set()   # hosts whose ranks a spare host took over
+        self.announced_base = 0        # the in-job attempt announced when this round started
 
     # -- set-up ------------------------------------------------------------------------------
     def _setup_logging(self) -> None:
@@ -151,6 +159,10 @@ class Supervisor:
             self.store = heartbeat.TCPHeartbeatStore(self._server)
             url = f"tcp://127.0.0.1:{port}"
         os.environ[heartbeat.ENV_STORE] = url
+        if self.across_hosts:   # the store every host's workers share: the rendezvous store
+            from myria.train.rejoin import ENV_STORE
+
+            os.environ[ENV_STORE] = f"tcp://{self.rdzv_endpoint}"
         os.environ[heartbeat.ENV_PERIOD] = str(r.heartbeat_s)
         os.environ[heartbeat.ENV_JOB] = self.job
         from myria.train.launch import JOB_START_ENV, LAUNCHER_ENV
@@ -178,7 +190,14 @@ class Supervisor:
             agent = make_agent(self)
             if self.max_nodes > 1:
                 self._wait_for_hosts(None)
-            result = agent.run()
+            if self.across_hosts:
+                from myria.resilience import takeover
+
+                self._beat = takeover.Beat(self._endpoint, self.job, self.host)
+                self._takeover = takeover.Watch(self)
+                self._beat.start()
+                self._takeover.start()
+            result = self._run_agent(agent)
             if result is not None and result.state == WorkerState.SUCCEEDED:
                 status, code = "succeeded", 0
             else:
@@ -206,7 +225,10 @@ class Supervisor:
             from myria.resilience.multihost import EXCLUDED, moved_on_without, store_lost
 
             status = "rendezvous-failed"
-            if self.ranks and (why := moved_on_without(self.run_dir, self.job, self.host)):
+            if self._takeover is not None and self._takeover.claimed:
+                log.info("the rendezvous ended (%s): this host's workers are the takeover's",
+                         type(e).__name__)
+            elif self.ranks and (why := moved_on_without(self.run_dir, self.job, self.host)):
                 status, code = EXCLUDED, 0   # cut off: the job went on (fenced) without it
                 log.warning("ACTION leave: %s", why)
             elif self.max_nodes > 1 and (why := store_lost(self._endpoint)):
@@ -222,10 +244,30 @@ class Supervisor:
                           f"; host(s) {', '.join(self._waiting.missing)} never rejoined"
                           if self._waiting is not None and self._waiting.missing else "")
         finally:
+            if self._takeover is not None and self._takeover.claimed:
+                status, code = self._takeover.outcome()   # this spare took a host over
             self._check_stragglers(time.time(), force=True)
             summary.write(self, summary.build(self, status))
             self._close()
         return code
+
+    def _run_agent(self, agent):
+        """The agent's run. Across hosts in-job, a spare host whose wait in the rendezvous
+        timed out waits again: the members took a lost host over without a new round, and
+        the spare stays ready for the next one (a later full restart) until the job closes
+        the rendezvous."""
+        from torch.distributed.elastic.rendezvous import RendezvousTimeoutError
+
+        while True:
+            try:
+                return agent.run()
+            except RendezvousTimeoutError:
+                if not self.across_hosts or self.ranks or self._takeover is None or \
+                        self._takeover.claimed:
+                    raise
+                log.info("SPARE: %s's wait in the rendezvous timed out while the job goes on "
+                         "without a new round: it waits again", self.host)
+                agent = make_agent(self)
 
     def _remove_shared(self) -> None:
         """The peer snapshots in shared memory of workers that no longer run."""
@@ -238,6 +280,9 @@ class Supervisor:
 
     def _close(self) -> None:
         self._stop_waiting()
+        for t in (self._beat, self._takeover):
+            if t is not None:
+                t.stop_event.set()
         if self.injob is not None:
             self.injob.close()
         self._remove_shared()
@@ -268,6 +313,26 @@ class Supervisor:
                  [w.id for w in wg.workers])
         if self.max_nodes > 1:
             self._joined(agent, wg)
+        if self.across_hosts:
+            from myria.resilience import takeover
+
+            try:
+                self.announced_base = takeover.announced(self.shared_store(), self.job)
+            except Exception:
+                pass
+            takeover.publish(self, wg, agent._pcontext.envs)
+
+    def shared_store(self):
+        """The main thread's client of the rendezvous store (several hosts)."""
+        if self._shared is None:
+            from myria.resilience.takeover import client
+
+            self._shared = client(self._endpoint)
+        return self._shared
+
+    def announce_store(self):
+        """Where in-job recovery announces an attempt: the store every host's workers share."""
+        return self.shared_store() if self.across_hosts else self._server
 
     def new_watch(self) -> None:
         """A watchdog for the ranks of attempt `self.attempt`."""
@@ -285,6 +350,11 @@ class Supervisor:
         if self.watch is None:
             return result
         now = time.time()
+        if self.across_hosts and now - self._followed_at > 0.5:
+            from myria.resilience import takeover
+
+            self._followed_at = now
+            takeover.follow(self, agent)   # an attempt another host announced
         self._scan_stderr(agent, wg, now)
         records = self._read_heartbeats()
         self._track_recovery(records, now)
@@ -455,9 +525,16 @@ class Supervisor:
         except AttributeError:
             return
         os.environ[rundir.FENCE_ENV] = f"{self.job}:{rnd}"
+        self.lost_hosts.clear()   # a new round: its hosts are all there
         if wg.group_rank == 0:
             hosts = multihost.members(agent)
             rundir.fence_bump(self.run_dir, self.job, rnd, hosts)
+            if self.across_hosts:   # the members a spare host watches
+                import json
+
+                from myria.train.rejoin import key
+
+                self.shared_store().set(key(self.job, "members"), json.dumps(hosts))
             log.info("round %d of the rendezvous: hosts %s; workers of earlier rounds are "
                      "fenced off the run directory", rnd, ", ".join(hosts) or "?")
 

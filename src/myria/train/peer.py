@@ -4,12 +4,13 @@ Every `resilience.memory_snapshot_interval` steps (0: off; the default -1 is eve
 in-job recovery, off otherwise), after the optimizer step, a rank copies its training state
 (`Engine.state_dict()` flattened to local tensors, the RNG state and the step) into one
 preallocated host buffer: the only work on the training thread. A background thread takes the
-buffer's CRC-32 and hands the snapshot (header, JSON layout) to rank+1 over a gloo group of its
-own, and takes rank-1's: across hosts the buffer goes over the group into one of two alternating
-receive buffers; on one host it is a /dev/shm file the holder maps (`verify` checks its CRC-32
-when used; `remove_shared` removes a killed process's files). Each packed tensor is checked
-against the at-rest ledger (`recorded`, myria.train.sdc), so a CRC-32 is only ever taken over
-verified bytes. The next step waits for the previous exchange only if it still runs;
+buffer's CRC-32 and hands the snapshot (header, JSON layout) to rank+S over a gloo group of its
+own, and takes rank-S's (S = 1 on one host, the ranks per host across hosts: `ring_stride`):
+across hosts the buffer goes over the group into one of two alternating receive buffers; on
+one host it is a /dev/shm file the holder maps (`verify` checks its CRC-32 when used;
+`remove_shared` removes a killed process's files). Each packed tensor is checked against the
+at-rest ledger (`recorded`, myria.train.sdc), so a CRC-32 is only ever taken over verified
+bytes. The next step waits for the previous exchange only if it still runs;
 RUN_DIR/peer/rankNNNNN.json has the counts, seconds and checksum failures. A rank keeps its own
 last SLOTS snapshots and its left neighbour's last two verified ones (`kept`), which in-job
 recovery (myria.train.rejoin) reads. The reasons: docs/robustness.md, "Reasons behind the peer
@@ -143,7 +144,10 @@ class PeerSnapshots:
         self.interval, self.engine = interval, engine
         self.rank, self.world, self.run_dir = rank, world, run_dir
         self.keep_files = False   # set by in-job recovery when this rank's run fails
-        self.right, self.left = (rank + 1) % world, (rank - 1) % world
+        # the ring's step: across hosts a host's ranks are held on the next host, so a lost
+        # host's states all survive on others (torch elastic numbers ranks host by host)
+        self.stride = ring_stride(world)
+        self.right, self.left = (rank + self.stride) % world, (rank - self.stride) % world
         # a group of its own: its traffic never queues behind (or between) training collectives
         self.group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout_s))
         self._isend = _unwrapped(dist.isend)
@@ -364,7 +368,8 @@ class PeerSnapshots:
         """What outlives this ring for in-job recovery (call after `wait`, or once the
         exchange has failed): this rank's own snapshots and its left neighbour's held ones,
         by step. The buffers stay valid after `close` (a mapping outlives its file)."""
-        return {"rank": self.rank, "left": self.left, "world": self.world, "own": dict(self.own),
+        return {"rank": self.rank, "left": self.left, "world": self.world,
+                "stride": self.stride, "own": dict(self.own),
                 "held": dict(self.held_by_step)}
 
     def held_state(self) -> dict[str, Any]:
@@ -420,6 +425,13 @@ class _Off:
 
     def close(self) -> None:
         pass
+
+
+def ring_stride(world: int) -> int:
+    """How far right a rank's snapshot goes: the ranks per host (LOCAL_WORLD_SIZE) when the
+    world spans several hosts of that many ranks each, else 1 (the next rank)."""
+    per_host = int(os.environ.get("LOCAL_WORLD_SIZE", world) or world)
+    return per_host if 0 < per_host < world and world % per_host == 0 else 1
 
 
 def interval_of(resilience) -> int:

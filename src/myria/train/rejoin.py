@@ -77,6 +77,9 @@ log = logging.getLogger("myria")
 
 PREFIX = "myria-injob"       # the store keys of in-job recovery: PREFIX/JOB/...
 ENV_JOIN = "MYRIA_INJOB_JOIN"            # "1": this process replaces a lost rank
+# tcp://HOST:PORT of the store every host's workers share for in-job recovery (a job on
+# several hosts: the rendezvous store on its first node); unset: the supervisor's own store
+ENV_STORE = "MYRIA_INJOB_STORE"
 ENV_ASSIGNED_AT = "MYRIA_INJOB_ASSIGNED_AT"  # a spare: when it was given its rank
 # what a survivor's error says when a peer is gone (collective or store)
 PEER_LOST = ("Connection closed by peer", "Connection reset by peer", "Broken pipe",
@@ -95,17 +98,19 @@ def key(job: str, name: str) -> str:
     return f"{PREFIX}/{job}/{name}"
 
 
-def store_address() -> tuple[str, int] | None:
-    """(host, port) of the supervisor's TCPStore, or None (not supervised, or Redis)."""
-    url = os.environ.get(heartbeat_store.ENV_STORE, "")
+def store_address(shared: bool = False) -> tuple[str, int] | None:
+    """(host, port) of the supervisor's TCPStore, or None (not supervised, or Redis);
+    `shared`: the store of in-job recovery (every host's, `ENV_STORE`, where set)."""
+    url = os.environ.get(ENV_STORE, "") if shared else ""
+    url = url or os.environ.get(heartbeat_store.ENV_STORE, "")
     if not url.startswith("tcp://"):
         return None
     u = urlparse(url)
     return u.hostname or "127.0.0.1", int(u.port or 0)
 
 
-def connect(timeout_s: float = 60.0):
-    addr = store_address()
+def connect(timeout_s: float = 60.0, shared: bool = False):
+    addr = store_address(shared)
     if addr is None:
         return None
     return dist.TCPStore(addr[0], addr[1], is_master=False, wait_for_workers=False,
@@ -131,13 +136,12 @@ def abort_groups() -> None:
             dist.distributed_c10d._abort_process_group()
         except Exception as e:  # already half torn down
             log.debug("abort of the process groups: %s", e)
-    addr = store_address()
-    close_connections(addr[1] if addr else None)
+    close_connections({a[1] for a in (store_address(), store_address(shared=True)) if a})
 
 
-def close_connections(keep_port: int | None) -> int:
-    """shutdown(2) every connected TCP socket of this process except those to `keep_port`;
-    returns how many."""
+def close_connections(keep_ports: set[int]) -> int:
+    """shutdown(2) every connected TCP socket of this process except those to `keep_ports`
+    (the stores: heartbeats, the next attempt's group); returns how many."""
     import socket
     import stat
 
@@ -161,7 +165,7 @@ def close_connections(keep_port: int | None) -> int:
                 peer = s.getpeername()
             except OSError:
                 continue  # listening or not connected
-            if keep_port is not None and keep_port in (peer[1], s.getsockname()[1]):
+            if peer[1] in keep_ports or s.getsockname()[1] in keep_ports:
                 continue
             s.shutdown(socket.SHUT_RDWR)
             n += 1
@@ -206,21 +210,36 @@ class InJob:
         self.rejoined = False   # a survivor set up for the next attempt: restore in-job
         self.failed_at = 0.0
         self.stats: list[dict] = []
+        # across hosts: the rendezvous round this process started in ("JOB:ROUND"), whose
+        # first group every host's workers form under the round's name (each host's agent
+        # numbers its own restarts); an announcement older than this process is not for it
+        from myria.rundir import FENCE_ENV
+
+        fence = os.environ.get(FENCE_ENV, "")
+        self.round = fence.rpartition(":")[2] if fence else None
+        self.first_group = not self.replacement
+        v = self._get("attempt", "")
+        self.base = int(v) if v.isdigit() and not self.replacement else 0
 
     @classmethod
     def create(cls, cfg, run_dir) -> InJob | None:
         """In-job recovery for this worker: with recovery = in-job under the supervisor's
         TCPStore (myria.resilience.injob checks the rest before it starts a worker)."""
-        if cfg.resilience.recovery != "in-job" or store_address() is None or \
+        if cfg.resilience.recovery != "in-job" or store_address(shared=True) is None or \
                 int(os.environ.get("WORLD_SIZE", 1)) < 2:
             return None
-        store = connect(max(60.0, cfg.training.init_timeout_s))
+        store = connect(max(60.0, cfg.training.init_timeout_s), shared=True)
         return cls(cfg, run_dir, os.environ.get(heartbeat_store.ENV_JOB, "local"), store)
 
     # -- the process group of an attempt -------------------------------------------------------
     def pg_store(self):
-        """The default group's store of this attempt: the supervisor's, under its own prefix."""
-        return dist.PrefixStore(key(self.job, f"pg{self.attempt}") + "/", self.store)
+        """The default group's store of this attempt: the supervisor's (across hosts, the
+        shared one), under a prefix of the attempt's own."""
+        if self.round is None:
+            name = f"pg{self.attempt}"
+        else:
+            name = f"pg-round{self.round}" + ("" if self.first_group else f"-{self.attempt}")
+        return dist.PrefixStore(key(self.job, name) + "/", self.store)
 
     # -- a failure -----------------------------------------------------------------------------
     settle_s = 10.0  # the most `keep` lets the background traffic in flight finish
@@ -261,6 +280,10 @@ class InJob:
         self.failed_at = self.failed_at or time.time()
         abort_groups()
         release(error)
+        try:   # the evidence a host's loss is acted on with: its peers' collectives failed
+            self.store.add(key(self.job, "failed"), 1)
+        except Exception:
+            pass
         # waiting is start-up, not a hang: the supervisor judges it by the start-up timeout
         hb.progress.set_phase("init")   # the supervisor's view: the ledger is replaced below
         r = self.cfg.resilience
@@ -285,6 +308,7 @@ class InJob:
         self._take_rank(nxt)
         self._new_attempt(hb, self.failed_at)
         self.failed_at = 0.0
+        self.first_group = False
         self.rejoined = True
         return True
 
@@ -335,7 +359,7 @@ class InJob:
         end = time.time() + wait_s
         while True:
             v = self._get("attempt", "")
-            if v.isdigit() and int(v) > self.attempt:
+            if v.isdigit() and int(v) > max(self.attempt, self.base):
                 return int(v)
             if time.time() >= end:
                 return None
@@ -483,12 +507,13 @@ def _describe(kept: dict | None, rank: int, survivor: bool = True) -> dict:
                        "path": h.get("path"), "host": h.get("host")}
     return {"rank": rank, "fresh": False, "own": sorted(own), "holds": kept["left"],
             "held": held, "own_meta": own_meta, "ring": kept.get("world"),
-            "host": socket.gethostname()}
+            "stride": kept.get("stride", 1), "host": socket.gethostname()}
 
 
 def choose(infos: list[dict], replicas: bool = False, cap: int | None = None) -> dict | None:
     """The newest step every survivor has its own snapshot of and each lost (fresh) rank's
-    holder (its right neighbour, a survivor) has a verified copy of; with the holders:
+    holder (its right neighbour in the ring, rank + stride, a survivor) has a verified copy
+    of; with the holders:
     {"step": s, "sources": {lost: holder}}, or None. `replicas` (pure DDP: every rank holds
     the same state): a new rank without a holder (a run growing back after a shrink, whose
     ring did not include it) takes the lowest survivor's own copy instead."""
@@ -501,8 +526,9 @@ def choose(infos: list[dict], replicas: bool = False, cap: int | None = None) ->
     if cap is not None:   # copied after the last clean check before a fault: suspect
         steps = {s for s in steps if s <= cap}
     sources, replica = {}, []
+    stride = survivors[0].get("stride", 1)
     for r in lost:
-        h = infos[(r + 1) % world]
+        h = infos[(r + stride) % world]
         # a holder of the same ring: a shrunk attempt's ring numbered its ranks otherwise
         if h["fresh"] or h["holds"] != r or h.get("ring", world) != world:
             if replicas:
