@@ -12,11 +12,14 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 
-# A model small enough that a 2-process step takes milliseconds.
+# A model small enough that a 2-process step takes milliseconds. One CPU thread per process:
+# a one-process run would otherwise take every core, and on a host busy with other work its
+# threads spin-wait for each other and cost several times the CPU of one thread;
+# several processes get one thread each anyway.
 TINY = ["--model.vocab_size=1024", "--model.layers=2", "--model.hidden=64", "--model.heads=4",
         "--model.kv_heads=2", "--model.seq_len=64", "--training.global_batch=8",
         "--training.micro_batch=2", "--optimizer.warmup_steps=4", "--logging.tensorboard=false",
-        "--data.prefetch=2"]
+        "--data.prefetch=2", "--training.threads=1"]
 
 
 def moe_cfg(**kw):

@@ -15,7 +15,7 @@ pytestmark = pytest.mark.slow
 STEPS = 6
 HYBRID = [*TINY, "--model.layers=4", "--model.arch=hybrid", "--model.block_pattern=DMAR",
           "--model.chunk_size=16", "--model.ssm_state=16", f"--training.steps={STEPS}",
-          "--checkpoint.interval=0", "--optimizer.lr=1e-2", "--training.threads=1"]
+          "--checkpoint.interval=0", "--optimizer.lr=1e-2"]
 
 
 def _train(run_dir, data, *more, nproc=1):
