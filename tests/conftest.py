@@ -46,6 +46,15 @@ def run_cli(*args: str, env: dict | None = None, check: bool = True,
     return p
 
 
+def train(run_dir: Path, data: Path | str, *args: str, nproc: int = 1, env: dict | None = None,
+          check: bool = True, timeout: float = 300) -> subprocess.CompletedProcess:
+    """`myria train` into `run_dir` on the prepared corpus `data` with the config flags `args`,
+    on `nproc` local processes: the one runner of the tests' training jobs."""
+    return run_cli("train", "--run-dir", str(run_dir), f"--data.path={data}", *args,
+                   *(["--nproc", str(nproc)] if nproc > 1 else []), env=env, check=check,
+                   timeout=timeout)
+
+
 def losses(run_dir: Path) -> dict[int, float]:
     rows = [json.loads(x) for x in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
     return {r["step"]: r["loss"] for r in rows if "loss" in r}
@@ -89,9 +98,8 @@ OBSERVE_ARGS = [*TINY, "--training.global_batch=16", f"--training.steps={OBSERVE
 
 def train4(run_dir: Path, data: Path, *extra: str, fault: str | None = None) -> Path:
     """`myria train` on 4 ranks with the event timer on (the default)."""
-    env = {"MYRIA_FAULT": fault} if fault else None
-    run_cli("train", "--run-dir", str(run_dir), f"--data.path={data}", *OBSERVE_ARGS, *extra,
-            "--nproc", "4", env=env, timeout=600)
+    train(run_dir, data, *OBSERVE_ARGS, *extra, nproc=4,
+          env={"MYRIA_FAULT": fault} if fault else None, timeout=600)
     return run_dir
 
 
