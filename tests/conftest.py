@@ -12,11 +12,14 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 
-# A model small enough that a 2-process step takes milliseconds.
+# A model small enough that a 2-process step takes milliseconds. One CPU thread per process:
+# a one-process run would otherwise take every core, and on a host busy with other work its
+# threads spin-wait for each other and cost several times the CPU of one thread;
+# several processes get one thread each anyway.
 TINY = ["--model.vocab_size=1024", "--model.layers=2", "--model.hidden=64", "--model.heads=4",
         "--model.kv_heads=2", "--model.seq_len=64", "--training.global_batch=8",
         "--training.micro_batch=2", "--optimizer.warmup_steps=4", "--logging.tensorboard=false",
-        "--data.prefetch=2"]
+        "--data.prefetch=2", "--training.threads=1"]
 
 
 def moe_cfg(**kw):
@@ -41,6 +44,15 @@ def run_cli(*args: str, env: dict | None = None, check: bool = True,
         raise AssertionError(f"myria {' '.join(args)} exited {p.returncode}\n"
                              f"stdout:\n{p.stdout[-3000:]}\nstderr:\n{p.stderr[-5000:]}")
     return p
+
+
+def train(run_dir: Path, data: Path | str, *args: str, nproc: int = 1, env: dict | None = None,
+          check: bool = True, timeout: float = 300) -> subprocess.CompletedProcess:
+    """`myria train` into `run_dir` on the prepared corpus `data` with the config flags `args`,
+    on `nproc` local processes: the one runner of the tests' training jobs."""
+    return run_cli("train", "--run-dir", str(run_dir), f"--data.path={data}", *args,
+                   *(["--nproc", str(nproc)] if nproc > 1 else []), env=env, check=check,
+                   timeout=timeout)
 
 
 def losses(run_dir: Path) -> dict[int, float]:
@@ -86,9 +98,8 @@ OBSERVE_ARGS = [*TINY, "--training.global_batch=16", f"--training.steps={OBSERVE
 
 def train4(run_dir: Path, data: Path, *extra: str, fault: str | None = None) -> Path:
     """`myria train` on 4 ranks with the event timer on (the default)."""
-    env = {"MYRIA_FAULT": fault} if fault else None
-    run_cli("train", "--run-dir", str(run_dir), f"--data.path={data}", *OBSERVE_ARGS, *extra,
-            "--nproc", "4", env=env, timeout=600)
+    train(run_dir, data, *OBSERVE_ARGS, *extra, nproc=4,
+          env={"MYRIA_FAULT": fault} if fault else None, timeout=600)
     return run_dir
 
 

@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from tests.conftest import final_params, losses, run_cli
+from tests.conftest import train as train_job
 from tests.gpu.conftest import GPU, GPU_MODEL, gpu_config
 
 pytestmark = GPU
@@ -26,8 +27,8 @@ STEPS = 12
 
 
 def train(run_dir, data, *extra, check=True):
-    return run_cli("train", "--run-dir", str(run_dir), f"--data.path={data}", *GPU_MODEL,
-                   f"--training.steps={STEPS}", "--checkpoint.interval=0", *extra, check=check)
+    return train_job(run_dir, data, *GPU_MODEL, f"--training.steps={STEPS}",
+                     "--checkpoint.interval=0", *extra, check=check)
 
 
 @pytest.fixture(scope="module")

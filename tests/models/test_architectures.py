@@ -120,7 +120,7 @@ ARCHS = {
 
 def _cfg(name, **over) -> ModelConfig:
     kw = dict(vocab_size=128, layers=2, hidden=32, heads=4, seq_len=64)
-    kw.update(ARCHS[name])
+    kw.update(ARCHS.get(name, {}))
     kw.update(over)
     cfg = ModelConfig(**kw)
     validate_model(cfg)
@@ -193,13 +193,19 @@ def test_invalid_combinations_are_one_line(over, msg):
     assert msg in str(e.value) and "\n" not in str(e.value)
 
 
-@pytest.mark.parametrize("name", ["retnet", "griffin", "linear", "block_sparse"])
+# a Gated DeltaNet + Mamba-2 + RG-LRU hybrid: every recurrent mixer of models/ in one model
+HYBRID = dict(arch="hybrid", block_pattern="DMR", layers=3, kv_heads=2, chunk_size=16,
+              ssm_state=8)
+
+
+@pytest.mark.parametrize("name", ["retnet", "griffin", "linear", "block_sparse", "hybrid"])
 def test_recurrent_generation_equals_full_forward_greedy(name):
     """`generate` (state or trimmed cache, one token per step) picks the argmax of the full
     forward over the whole sequence at every step; the state stops growing."""
     from myria.models.decode import KVCache, forward_cached, generate, rope_for
 
-    cfg = _cfg(name, vocab_size=64, **({"attention_window": 16} if name == "griffin" else {}))
+    over = {"griffin": {"attention_window": 16}, "hybrid": HYBRID}.get(name, {})
+    cfg = _cfg(name, vocab_size=64, **over)
     model = build_model(cfg, "cpu")
     model.init_weights(5)
     prompt = torch.randint(1, cfg.vocab_size, (10,), generator=torch.Generator().manual_seed(2))

@@ -1,7 +1,8 @@
 """Gated DeltaNet, Mamba-2 and per-layer hybrids: the chunked training forms equal the
-recurrences (output and gradient, fp32), whole hybrid models generate what their full forward
-predicts, FLOPs equal torch's FLOP counter, the generation state is constant and priced
-exactly, and combinations that cannot run stop with one line."""
+recurrences (output and gradient, fp32), a whole hybrid's forward equals its token-by-token
+decode (its greedy generation: tests/models/test_architectures.py), FLOPs equal torch's FLOP
+counter, the generation state is constant and priced exactly, and combinations that cannot
+run stop with one line."""
 
 from __future__ import annotations
 
@@ -112,32 +113,6 @@ def test_whole_hybrid_training_forward_equals_token_by_token():
     parts = [forward_cached(model, x[:, :21], cache, rope)]
     parts += [forward_cached(model, x[:, i:i + 1], cache, rope) for i in range(21, 45)]
     assert torch.allclose(torch.cat(parts, dim=1), full, **TOL)
-
-
-@pytest.mark.parametrize("pattern", ["DDDA", "MMMA"])
-def test_greedy_generation_is_argmax_of_full_forward(pattern):
-    """`generate` picks the argmax of the whole sequence's forward at every step; the
-    recurrent layers' state is the same size after 30 tokens as after 40."""
-    from myria.models.decode import KVCache, forward_cached, generate, rope_for
-
-    cfg = _cfg(pattern)
-    model = build_model(cfg, "cpu")
-    model.init_weights(5)
-    prompt = torch.randint(1, cfg.vocab_size, (10,), generator=torch.Generator().manual_seed(2))
-    new = generate(model, prompt.tolist(), 30, temperature=0.0)
-    seq = prompt.tolist()
-    with torch.no_grad():
-        for _ in range(30):
-            seq.append(int(model(torch.tensor([seq]))[0, -1].argmax()))
-    assert new == seq[10:]
-    cache, rope = KVCache(), rope_for(model, 60)
-    forward_cached(model, torch.tensor([seq[:30]]), cache, rope)
-    sizes = {k: sum(t.numel() for t in st.values()) for k, st in cache.state.items()}
-    for t in seq[30:40]:
-        forward_cached(model, torch.tensor([[t]]), cache, rope)
-    assert sizes and {k: sum(t.numel() for t in st.values())
-                      for k, st in cache.state.items()} == sizes
-    assert sorted(sizes) == ["0", "1", "2"]   # the D or M layers; layer 3 is attention
 
 
 def test_generation_state_priced_exactly():

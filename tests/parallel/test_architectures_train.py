@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.conftest import TINY, losses, run_cli
+from tests.conftest import TINY, losses, train
 
 pytestmark = pytest.mark.slow
 
@@ -26,8 +26,7 @@ ARCHS = {
 
 
 def _train(run_dir, data, extra, *more):
-    run_cli("train", "--run-dir", str(run_dir), f"--data.path={data}", *BASE, *extra, *more,
-            "--nproc", "2")
+    train(run_dir, data, *BASE, *extra, *more, nproc=2)
     return losses(run_dir)
 
 

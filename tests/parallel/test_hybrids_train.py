@@ -8,19 +8,18 @@ from __future__ import annotations
 
 import pytest
 
-from tests.conftest import TINY, assert_bit_equal, losses, run_cli
+from tests.conftest import TINY, assert_bit_equal, losses, run_cli, train
 
 pytestmark = pytest.mark.slow
 
 STEPS = 6
 HYBRID = [*TINY, "--model.layers=4", "--model.arch=hybrid", "--model.block_pattern=DMAR",
           "--model.chunk_size=16", "--model.ssm_state=16", f"--training.steps={STEPS}",
-          "--checkpoint.interval=0", "--optimizer.lr=1e-2", "--training.threads=1"]
+          "--checkpoint.interval=0", "--optimizer.lr=1e-2"]
 
 
 def _train(run_dir, data, *more, nproc=1):
-    run_cli("train", "--run-dir", str(run_dir), f"--data.path={data}", *HYBRID, *more,
-            *(["--nproc", str(nproc)] if nproc > 1 else []))
+    train(run_dir, data, *HYBRID, *more, nproc=nproc)
     return losses(run_dir)
 
 

@@ -12,15 +12,15 @@ import shutil
 import pytest
 import torch
 
-from tests.conftest import TINY, losses, run_cli
+from tests.conftest import TINY, losses
+from tests.conftest import train as train_job
 
 STEPS = 8
 
 
 def train(run_dir, data, nproc, *extra):
-    return run_cli("train", "--run-dir", str(run_dir), "--nproc", str(nproc),
-                   f"--data.path={data}", *TINY, f"--training.steps={STEPS}",
-                   "--checkpoint.interval=0", *extra)
+    return train_job(run_dir, data, *TINY, f"--training.steps={STEPS}",
+                     "--checkpoint.interval=0", *extra, nproc=nproc)
 
 
 def bytes_read(run_dir, nproc):

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import re
 import signal
 import socket
 import subprocess
@@ -478,3 +479,82 @@ def test_workers_count_the_wall_time_limit_from_the_jobs_start(tmp_path, monkeyp
         assert float(os.environ[JOB_START_ENV]) == sup.started_at
     finally:
         sup._close()
+
+
+def _wait_for(what, deadline_s, proc):
+    """Poll `what()` until it is true (True) or the job ends or the time is up (False)."""
+    t0 = time.time()
+    while time.time() - t0 < deadline_s and proc.poll() is None:
+        if what():
+            return True
+        time.sleep(0.1)
+    return bool(what())
+
+
+@pytest.mark.slow
+def test_spare_straggler_and_time_limit_across_two_supervisors(tmp_path, tiny_data):
+    """One in-job job on 4 ranks, rank 1 slowed 1.5x: the idle hot spare, killed from outside,
+    is said at once and started again, and the straggler is named once; the supervisor is then
+    stopped. The next supervisor on the same run directory (no fault, 2 ranks) judges
+    stragglers only on the steps it timed itself (the slowed steps are in the run's event
+    files, and it names nobody), and its wall-time limit (`training.max_time_s`, counted from
+    its start) stops the job cleanly with a committed checkpoint before the limit."""
+    from myria import detections
+
+    e = dict(os.environ)
+    e.pop("MYRIA_FAULT", None)
+    args = ["supervise", "--run-dir", str(tmp_path), "--nproc", "4", f"--data.path={tiny_data}",
+            *TINY, "--training.global_batch=16", "--training.steps=2000",
+            "--checkpoint.interval=1000", "--resilience.diagnose=false"]
+    log = tmp_path / "supervisor.log"
+    text = lambda: log.read_text() if log.exists() else ""  # noqa: E731
+    sup = subprocess.Popen([sys.executable, "-m", "myria", *args,
+                            "--resilience.straggler_window=3", "--resilience.recovery=in-job",
+                            "--resilience.spares=1"],
+                           cwd=ROOT, env={**e, "MYRIA_FAULT": "slow:rank=1:factor=1.5"},
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert _wait_for(lambda: "started hot spare 0 (pid " in text() and
+                         (tmp_path / "metrics.jsonl").exists() and
+                         max(losses(tmp_path) or [0]) >= 2, 300, sup), text()[-3000:]
+        spare = int(text().split("started hot spare 0 (pid ")[1].split(")")[0])
+        os.kill(spare, signal.SIGKILL)
+        assert _wait_for(lambda: "started hot spare 1 (pid " in text() and
+                         "DETECTED straggler rank 1" in text() and
+                         detections.read(tmp_path, "straggler"), 300, sup), text()[-3000:]
+        sup.send_signal(signal.SIGTERM)
+        out, err = sup.communicate(timeout=120)
+    finally:
+        sup.kill()
+    assert sup.returncode == 143, err[-3000:]
+    first = text()
+    assert f"DETECTED hot spare 0 (pid {spare}) died while idle (exit -9; its log: " \
+        f"{tmp_path / 'logs' / 'spare0.log'}); starting another" in first
+    assert [r["evidence"]["pid"] for r in detections.read(tmp_path, "spare-lost")] == [spare]
+    rows = detections.read(tmp_path, "straggler")
+    assert [r["rank"] for r in rows] == [1], rows
+    assert rows[0]["evidence"]["slowdown"] >= 0.10 and rows[0]["action"] == "warn"
+    stopped = max(losses(tmp_path))
+    assert CheckpointManager(tmp_path / "checkpoints").committed()[-1].name == \
+        f"step_{stopped:08d}"
+
+    # on 2 ranks (the checkpoint reshards): a start well inside the limit on a busy host
+    p = run_cli(*args[:3], "--nproc", "2", *args[5:], "--training.max_time_s=40", timeout=400)
+    last = max(losses(tmp_path))
+    assert stopped < last < 2000
+    assert (f"stopped on the wall-time limit (training.max_time_s = 40) after step {last} with "
+            "a committed checkpoint") in p.stdout + p.stderr, (p.stdout + p.stderr)[-3000:]
+    # it judged only the steps it timed itself (2 ranks on a busy host may name one by noise
+    # in those; the slowed steps, up to `stopped`, name rank 1 from step 2 or so)
+    named = re.findall(r"DETECTED straggler rank \d+ on \S+: \d+% slower than its peers from "
+                       r"step (\d+)", text()[len(first):])
+    assert all(int(s) > stopped for s in named), (stopped, named)
+    out = tmp_path / "supervisor_summary.json"
+    summary = json.loads(out.read_text())
+    assert summary["final_step"] == last, summary
+    # committed before the limit, counted from the supervisor's start: read back as its
+    # summary file's time less its wall time, which puts it late by the summary's writing
+    # (under a second on a busy host)
+    started = out.stat().st_mtime - summary["wall_s"]
+    ckpt = tmp_path / "checkpoints" / f"step_{last:08d}" / "meta.json"
+    assert ckpt.stat().st_mtime < started + 40 + 1.0, ckpt.stat().st_mtime - started

@@ -17,7 +17,8 @@ import torch
 from myria.errors import CheckpointError
 from myria.train.checkpoint.pipeline import CheckpointManager
 from myria.train.metrics import set_aside_after
-from tests.conftest import TINY, final_params, run_cli
+from tests.conftest import TINY, final_params
+from tests.conftest import train as train_job
 from tests.resilience.test_checkpoint import Target
 
 
@@ -143,9 +144,9 @@ def test_metrics_of_abandoned_steps_are_set_aside(tmp_path):
 
 # -- end to end: a damaged newest checkpoint of a real run ---------------------------------------
 
-def train(run_dir, data, *extra, check=True):
-    return run_cli("train", "--run-dir", str(run_dir), f"--data.path={data}", *TINY,
-                   "--training.steps=12", "--checkpoint.interval=4", *extra, check=check)
+def train(run_dir, data, *extra, nproc=1, check=True):
+    return train_job(run_dir, data, *TINY, "--training.steps=12", "--checkpoint.interval=4",
+                     *extra, nproc=nproc, check=check)
 
 
 def rows(run_dir):
@@ -214,13 +215,10 @@ def test_every_checkpoint_damaged_then_fresh_start(tmp_path, tiny_data, straight
 @pytest.mark.slow
 def test_two_ranks_resume_past_a_damaged_checkpoint_bitwise(tmp_path, tiny_data):
     ref, run = tmp_path / "ref", tmp_path / "run"
-    run_cli("train", "--run-dir", str(ref), f"--data.path={tiny_data}", *TINY,
-            "--training.steps=12", "--checkpoint.interval=4", "--nproc", "2")
+    train(ref, tiny_data, nproc=2)
     shutil.copytree(ref, run)
     flip(run / "checkpoints" / "step_00000012")
-    run_cli("train", "--run-dir", str(run), f"--data.path={tiny_data}", *TINY,
-            "--training.steps=12", "--checkpoint.interval=4", "--checkpoint.keep=1",
-            "--nproc", "2")
+    train(run, tiny_data, "--checkpoint.keep=1", nproc=2)
     same_as_straight(run, ref)
 
 

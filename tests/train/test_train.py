@@ -10,13 +10,11 @@ import torch
 
 from myria.train.preflight import device_without_torch
 from tests.conftest import ROOT, TINY, final_params, losses, run_cli
+from tests.conftest import train as train_job
 
 
-def train(run_dir, data, *extra, nproc=None, env=None, check=True):
-    args = ["train", "--run-dir", str(run_dir), f"--data.path={data}", *TINY, *extra]
-    if nproc:
-        args += ["--nproc", str(nproc)]
-    return run_cli(*args, env=env, check=check)
+def train(run_dir, data, *extra, nproc=1, env=None, check=True):
+    return train_job(run_dir, data, *TINY, *extra, nproc=nproc, env=env, check=check)
 
 
 @pytest.fixture(scope="module")
@@ -27,43 +25,57 @@ def reference(tmp_path_factory, tiny_data):
     return d
 
 
+# Two ranks, 40 steps, no checkpoint but the last: straight through, and stopped after 20.
+TWO = ["--training.steps=40", "--checkpoint.interval=0"]
+
+
+@pytest.fixture(scope="module")
+def straight2(tmp_path_factory, tiny_data):
+    d = tmp_path_factory.mktemp("straight2")
+    train(d, tiny_data, *TWO, nproc=2)
+    return d
+
+
+@pytest.fixture(scope="module")
+def half2(tmp_path_factory, tiny_data):
+    """The same job stopped after step 20 (a copy is resumed by each test that needs it)."""
+    d = tmp_path_factory.mktemp("half2")
+    p = train(d, tiny_data, *TWO, "--stop-after", "20", nproc=2)
+    assert "stopped after step 20" in p.stdout
+    assert sorted(losses(d)) == list(range(1, 21))
+    return d
+
+
 @pytest.mark.slow
-def test_fsdp_two_ranks_match_one_process(tmp_path, tiny_data, reference):
-    # same schedule as the reference (40 steps), stopped after 20
-    train(tmp_path, tiny_data, "--training.steps=40", "--checkpoint.interval=0",
-          "--stop-after", "20", nproc=2)
-    ref, got = losses(reference), losses(tmp_path)
-    assert sorted(got) == list(range(1, 21))
+def test_fsdp_two_ranks_match_one_process(straight2, reference):
+    ref, got = losses(reference), losses(straight2)
+    assert sorted(got) == list(range(1, 41))
     for s in got:
         assert abs(got[s] - ref[s]) <= 1e-5, (s, got[s], ref[s])
     assert ref[40] < ref[1] - 0.5  # it learns
 
 
 @pytest.mark.slow
-def test_stop_and_resume_is_bitwise_identical(tmp_path, tiny_data):
-    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
-    train(straight, tiny_data, "--training.steps=40", "--checkpoint.interval=0", nproc=2)
-    p = train(resumed, tiny_data, "--training.steps=40", "--checkpoint.interval=0",
-              "--stop-after", "20", nproc=2)
-    assert "stopped after step 20" in p.stdout
-    assert sorted(losses(resumed)) == list(range(1, 21))
-    p = train(resumed, tiny_data, "--training.steps=40", "--checkpoint.interval=0", nproc=2)
+def test_stop_and_resume_is_bitwise_identical(tmp_path, tiny_data, straight2, half2):
+    resumed = tmp_path / "resumed"
+    shutil.copytree(half2, resumed)
+    p = train(resumed, tiny_data, *TWO, nproc=2)
     assert "resumed from" in p.stdout
-    a, b = losses(straight), losses(resumed)
+    a, b = losses(straight2), losses(resumed)
     assert [a[s] for s in range(1, 41)] == [b[s] for s in range(1, 41)]  # exact floats
-    pa, pb = final_params(straight), final_params(resumed)
+    pa, pb = final_params(straight2), final_params(resumed)
     assert pa.keys() == pb.keys()
     for k in pa:
         assert torch.equal(pa[k], pb[k]), k
 
 
 @pytest.mark.slow
-def test_resume_on_a_different_number_of_ranks(tmp_path, tiny_data, reference):
+def test_resume_on_a_different_number_of_ranks(tmp_path, tiny_data, half2, reference):
     # 2 ranks to step 20, then 1 rank to 40: DCP reshards, the data order continues.
-    train(tmp_path / "run", tiny_data, "--training.steps=40", "--stop-after", "20",
-          "--checkpoint.interval=0", nproc=2)
-    train(tmp_path / "run", tiny_data, "--training.steps=40", "--checkpoint.interval=0")
-    ref, got = losses(reference), losses(tmp_path / "run")
+    run = tmp_path / "run"
+    shutil.copytree(half2, run)
+    train(run, tiny_data, *TWO)
+    ref, got = losses(reference), losses(run)
     for s in range(1, 41):
         assert abs(got[s] - ref[s]) <= 1e-4, (s, got[s], ref[s])
 
