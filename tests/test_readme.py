@@ -2,11 +2,9 @@
 
 The README's `sh` blocks are read line by line; each `myria ...` and `make demo` line is run in
 a scratch directory holding copies of configs/ and the Makefile (the package comes from this
-checkout's environment). So the test finishes in minutes, training lines run a shorter schedule
-on a narrower model: the step counts a line names are scaled down (see SHORTER), demo training
-lines get `--training.steps=2` appended when they name no step count, and every demo training
-line (`make demo` too) gets DEMO_NARROW appended, the same for all so that each run resumes the
-checkpoint of the one before; nothing else is changed. Lines that need what this machine does
+checkout's environment). So the test finishes in minutes, training lines run a shorter schedule:
+the step counts a line names are scaled down (see SHORTER) and demo training lines get
+`--training.steps=2` appended; nothing else is changed. Lines that need what this machine does
 not have (GPU wheels, several hosts, a Slurm cluster) are listed in NOT_HERE with the reason, and
 `make test` is this very suite. Every subcommand's `--help` must answer too.
 """
@@ -47,9 +45,6 @@ NOT_HERE = {
 # Shorter schedules for the training lines (the README's numbers are for people).
 SHORTER = [(r"--training\.steps=300", "--training.steps=4"), (r"--stop-after 50", "--stop-after 1")]
 DEMO_STEPS = "--training.steps=2"
-# The demo model with hidden 128 instead of 512 (its layers, heads and vocabulary kept): the
-# commands take the same paths at a fraction of the compute per step.
-DEMO_NARROW = "--model.hidden=128"
 
 
 def readme_lines() -> list[str]:
@@ -82,13 +77,13 @@ def adapt(line: str) -> str:
         line = re.sub(pat, rep, line)
     words = shlex.split(line)
     if words[:2] in (["myria", "train"], ["myria", "supervise"]) and "--dry-run" not in words \
-            and "configs/demo.toml" in words:
-        line += f" {DEMO_NARROW}" + ("" if "--training.steps" in line else f" {DEMO_STEPS}")
+            and "configs/demo.toml" in words and "--training.steps" not in line:
+        line += f" {DEMO_STEPS}"
     if words[:2] == ["make", "demo"]:
         # the venv is this checkout's; never reinstall it from the scratch copy
         venv = Path(sys.executable).parent.parent
         line = (f"make -o {venv}/.installed demo VENV={venv} "
-                f"DEMO_ARGS='{DEMO_STEPS} {DEMO_NARROW} --logging.tensorboard=false'")
+                f"DEMO_ARGS='{DEMO_STEPS} --logging.tensorboard=false'")
     return line
 
 
