@@ -497,8 +497,8 @@ def test_spare_straggler_and_time_limit_across_two_supervisors(tmp_path, tiny_da
     is said at once and started again, and the straggler is named once; the supervisor is then
     stopped. The next supervisor on the same run directory (no fault, 2 ranks) judges
     stragglers only on the steps it timed itself (the slowed steps are in the run's event
-    files, and it names nobody), and its wall-time limit (`training.max_time_s`, counted from
-    its start) stops the job cleanly with a committed checkpoint before the limit."""
+    files, and it names nobody), and its wall-time limit (`--max-time`, counted from its
+    start) stops the job cleanly with a committed checkpoint before the limit."""
     from myria import detections
 
     e = dict(os.environ)
@@ -539,7 +539,7 @@ def test_spare_straggler_and_time_limit_across_two_supervisors(tmp_path, tiny_da
         f"step_{stopped:08d}"
 
     # on 2 ranks (the checkpoint reshards): a start well inside the limit on a busy host
-    p = run_cli(*args[:3], "--nproc", "2", *args[5:], "--training.max_time_s=40", timeout=400)
+    p = run_cli(*args[:3], "--nproc", "2", "--max-time=40s", *args[5:], timeout=400)
     last = max(losses(tmp_path))
     assert stopped < last < 2000
     assert (f"stopped on the wall-time limit (training.max_time_s = 40) after step {last} with "

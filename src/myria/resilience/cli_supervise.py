@@ -26,6 +26,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--rdzv-endpoint", default="", help="HOST:PORT of the rendezvous (default: "
                    "127.0.0.1 and a free port, one host)")
     p.add_argument("--rdzv-id", default="", help="job id shared by the hosts of one job")
+    p.add_argument("--max-time", metavar="DURATION", default=None,
+                   help="wall-time limit of this job, counted from the supervisor's start, as "
+                   "a scheduler writes it (Slurm's [D-]HH:MM:SS or MM) or with a unit (90m, 2h): "
+                   "the workers stop cleanly with a committed checkpoint before it passes, "
+                   "restarts included (training.max_time_s)")
     p.add_argument("--job-status", action="store_true", help="print job --rdzv-id's outcome "
                    "from RUN_DIR's summary and exit 0 only if it succeeded (the Slurm script's "
                    "exit)")
@@ -38,8 +43,11 @@ def run(args) -> int:
         from myria.resilience.multihost import job_status
 
         return job_status(Path(args.run_dir), args.rdzv_id)
+    from myria.train.cli import parse_duration
     from myria.train.preflight import run_config
 
+    if args.max_time is not None:
+        args.overrides.append(f"--training.max_time_s={parse_duration(args.max_time)}")
     cfg, _ = run_config(args.config, args.overrides, args.run_dir)  # model.init_from too
     min_nodes, max_nodes = _parse_nnodes(args.nnodes)
     from myria import faults, rundir
