@@ -43,8 +43,7 @@ def run(args) -> int:
         from myria.resilience.multihost import job_status
 
         return job_status(Path(args.run_dir), args.rdzv_id)
-    from myria.train.cli import parse_duration
-    from myria.train.preflight import run_config
+    from myria.train.preflight import parse_duration, run_config
 
     if args.max_time is not None:
         args.overrides.append(f"--training.max_time_s={parse_duration(args.max_time)}")

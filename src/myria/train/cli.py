@@ -23,6 +23,7 @@ from myria.train.preflight import (
     check_before_torch,
     check_nproc,
     check_run,
+    parse_duration,
     preflight,
     run_config,
 )
@@ -260,35 +261,6 @@ def run(args) -> int:
     if not inside_launcher():
         _summary(Path(args.run_dir))
     return 0
-
-
-def parse_duration(text: str, flag: str = "--max-time") -> float:
-    """Seconds of a duration: Slurm's forms (MM, MM:SS, HH:MM:SS, D-HH, D-HH:MM, D-HH:MM:SS)
-    or a number with a unit s, m, h or d."""
-    t = text.strip().lower()
-    try:
-        if t and t[-1] in "smhd" and t[:-1].replace(".", "", 1).isdigit():
-            value = float(t[:-1]) * {"s": 1, "m": 60, "h": 3600, "d": 86400}[t[-1]]
-        else:
-            days, dash, rest = t.rpartition("-")
-            if dash and not days:
-                raise ValueError
-            parts = [float(x) for x in rest.split(":")]
-            if days:   # D-HH[:MM[:SS]]
-                parts += [0.0] * (3 - len(parts))
-                h, m, sec = parts
-            else:      # MM, MM:SS or HH:MM:SS
-                h, m, sec = ([0.0] * (3 - len(parts)) + parts) if len(parts) > 1 else \
-                    (0.0, parts[0], 0.0)
-            if len(parts) > 3 or not all(x >= 0 for x in parts):
-                raise ValueError
-            value = float(days or 0) * 86400 + h * 3600 + m * 60 + sec
-    except ValueError:
-        value = -1.0
-    if not value > 0:
-        raise config_mod.ConfigError(f"{flag} {text!r}: expected a duration > 0 such as "
-                                     "'1:30:00', '90' (minutes, as Slurm), '90m' or '2h'")
-    return value
 
 
 def _say(line: str) -> None:

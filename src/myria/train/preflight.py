@@ -1,6 +1,6 @@
 """What is refused before any process of a run starts, in one line each: the number of local
-processes, the run directory, `--stop-after`, the config against the checkpoint the run resumes,
-the parallel layout (`Layout.check`) and the offload tier's memory budget.
+processes, the run directory, `--stop-after`, `--max-time`, the config against the checkpoint
+the run resumes, the parallel layout (`Layout.check`) and the offload tier's memory budget.
 
 `myria train` and `myria supervise` call these before they start workers; the engine of each
 worker checks the layout again (`check_run`), as the one place a layout is accepted.
@@ -152,3 +152,32 @@ def preflight(cfg: config_mod.Config, run_dir: str | Path, stop_after: int | Non
         raise config_mod.ConfigError(f"--stop-after {stop_after}: the run resumes at step "
                                      f"{step} ({ckpt}); give a later step")
     return None
+
+
+def parse_duration(text: str, flag: str = "--max-time") -> float:
+    """Seconds of a duration: Slurm's forms (MM, MM:SS, HH:MM:SS, D-HH, D-HH:MM, D-HH:MM:SS)
+    or a number with a unit s, m, h or d."""
+    t = text.strip().lower()
+    try:
+        if t and t[-1] in "smhd" and t[:-1].replace(".", "", 1).isdigit():
+            value = float(t[:-1]) * {"s": 1, "m": 60, "h": 3600, "d": 86400}[t[-1]]
+        else:
+            days, dash, rest = t.rpartition("-")
+            if dash and not days:
+                raise ValueError
+            parts = [float(x) for x in rest.split(":")]
+            if days:   # D-HH[:MM[:SS]]
+                parts += [0.0] * (3 - len(parts))
+                h, m, sec = parts
+            else:      # MM, MM:SS or HH:MM:SS
+                h, m, sec = ([0.0] * (3 - len(parts)) + parts) if len(parts) > 1 else \
+                    (0.0, parts[0], 0.0)
+            if len(parts) > 3 or not all(x >= 0 for x in parts):
+                raise ValueError
+            value = float(days or 0) * 86400 + h * 3600 + m * 60 + sec
+    except ValueError:
+        value = -1.0
+    if not value > 0:
+        raise config_mod.ConfigError(f"{flag} {text!r}: expected a duration > 0 such as "
+                                     "'1:30:00', '90' (minutes, as Slurm), '90m' or '2h'")
+    return value
