@@ -51,15 +51,12 @@ def test_plan_ranks_fitting_layouts(calibration):
     assert res.evaluated >= 10_000
     assert 0 < res.fitting < res.evaluated
     assert all(r.fits for r in res.ranked)
-    # GPT ties its embeddings, which myria's trainer runs without tp or pp only: the fast
-    # layouts are priced only, marked with the trainer's reason, and not hidden below a slower
-    # one it runs (none is tied with the best); the trainer's best is named, far down
-    assert all(not r.extra["runnable"] and r.extra["not_runnable"].startswith(
-        "priced, not runnable by myria: ") for r in res.ranked)
-    assert any("model.tie_embeddings" in r.extra["not_runnable"] for r in res.ranked)
-    b = res.best_runnable
-    assert b is not None and b.extra["runnable"] and res.best_runnable_rank > len(res.ranked)
-    assert b.layout["tp"] == b.layout["pp"] == 1 and b.mfu < res.ranked[0].mfu
+    # GPT ties its embeddings, which myria's trainer runs under tp and pp too (one vocabulary-
+    # sharded tensor; a copy on the last stage): the fast tp x pp layouts are runnable, so no
+    # other layout is named as the trainer's best (priced-only marks: tests/sim/test_cli.py)
+    assert all(r.extra["runnable"] and "not_runnable" not in r.extra for r in res.ranked)
+    assert all(r.layout["tp"] > 1 and r.layout["pp"] > 1 for r in res.ranked)
+    assert res.best_runnable is None and res.best_runnable_rank == 0
     # statistically tied layouts (within the band of the best) first, fastest first (to 0.1%),
     # then the most free memory; the rest by MFU
     ranked = res.ranked
