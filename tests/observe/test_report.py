@@ -56,7 +56,8 @@ def test_prediction_uses_the_measured_profile_of_the_runs_layout(quiet_run, tmp_
             "q10_q50_q90": [0.05] * 3, "measured_at": "2026-01-01T00:00:00", "loadavg": 0.0}
     (tmp_path / "machine_figures.json").write_text(json.dumps(
         {device.cpu_key(1): {device.CORE_PEAK: core}}))
-    threads = cpu.default_threads(1)
+    cfg = mconfig.from_dict(json.loads((quiet_run / "config.json").read_text()))
+    threads = cfg.training.threads or cpu.default_threads(1)   # the run's own thread count
     prof = synthetic_profile(threads=threads, gflops=20.0, nproc=1)
     asked = []
 
@@ -69,7 +70,6 @@ def test_prediction_uses_the_measured_profile_of_the_runs_layout(quiet_run, tmp_
     out = report.write_report(quiet_run, predict=True)
     pred = json.loads((out / "prediction.json").read_text())
     assert asked and asked[0][0] == 1                     # one process: from its stats files
-    cfg = mconfig.from_dict(json.loads((quiet_run / "config.json").read_text()))
     spec = device.cpu_device_spec()
     want = simulate_config(cfg, 1, spec, cpu_profile=prof).iteration_time_s
     peak_only = simulate_config(cfg, 1, spec).iteration_time_s   # no cached profile here

@@ -152,6 +152,12 @@ class ParamStreamer:
         key = f"{phase} {u.name}"
         self.waits[key] = self.waits.get(key, 0.0) + dt
         if isinstance(self.error, ReadBackMismatch):
+            # a write of the update that failed (a full disk) leaves other bytes on disk too:
+            # that error is the cause, and its thread records it just after its call returns
+            deadline = time.monotonic() + 1.0
+            while time.monotonic() < deadline:
+                self.opt.raise_if_failed()
+                time.sleep(0.05)
             raise self.error
         if self.error is not None:
             raise self.opt.gens.error(self.error, f"reading the parameters of {u.name}")
