@@ -218,11 +218,7 @@ class RendezvousWait(threading.Thread):
         self.stop_event.set()
 
     def _store(self):
-        import torch.distributed as dist
-
-        host, _, port = self.endpoint.rpartition(":")
-        return dist.TCPStore(host, int(port), is_master=False, wait_for_workers=False,
-                             timeout=datetime.timedelta(seconds=5))
+        return store_client(self.endpoint, 5.0)
 
     def run(self) -> None:
         store = None
@@ -327,3 +323,13 @@ class LinkProbe:
         return (f"{sum(recent) / len(recent):.2f} MB/s to the rendezvous host over the last "
                 f"{LINK_SLOW_PROBES} probes, {sum(recent) / len(recent) / base:.0%} of its "
                 f"earlier {base:.1f} MB/s")
+
+
+def store_client(endpoint: str, timeout_s: float = 10.0):
+    """A client of the rendezvous store at `endpoint` (HOST:PORT), served by the job's first
+    node."""
+    import torch.distributed as dist
+
+    host, _, port = endpoint.rpartition(":")
+    return dist.TCPStore(host, int(port), is_master=False, wait_for_workers=False,
+                         timeout=datetime.timedelta(seconds=timeout_s))

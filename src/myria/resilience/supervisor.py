@@ -325,9 +325,9 @@ class Supervisor:
     def shared_store(self):
         """The main thread's client of the rendezvous store (several hosts)."""
         if self._shared is None:
-            from myria.resilience.takeover import client
+            from myria.resilience.multihost import store_client
 
-            self._shared = client(self._endpoint)
+            self._shared = store_client(self._endpoint)
         return self._shared
 
     def announce_store(self):

@@ -29,7 +29,6 @@ and the first host's agent passes the exit barrier for the lost host.
 
 from __future__ import annotations
 
-import datetime
 import json
 import logging
 import os
@@ -39,6 +38,7 @@ import threading
 import time
 
 from myria import rundir
+from myria.resilience.multihost import store_client
 
 log = logging.getLogger("myria.supervisor")
 
@@ -58,15 +58,6 @@ def _key(job: str, name: str) -> str:
     from myria.train.rejoin import key
 
     return key(job, name)
-
-
-def client(endpoint: str, timeout_s: float = 10.0):
-    """A client of the rendezvous store at `endpoint` (HOST:PORT)."""
-    import torch.distributed as dist
-
-    host, _, port = endpoint.rpartition(":")
-    return dist.TCPStore(host, int(port), is_master=False, wait_for_workers=False,
-                         timeout=datetime.timedelta(seconds=timeout_s))
 
 
 def _is_head(endpoint: str) -> bool:
@@ -125,7 +116,7 @@ class Beat(threading.Thread):
         store = None
         while not self.stop_event.wait(BEAT_S):
             try:
-                store = store or client(self.endpoint, 5.0)
+                store = store or store_client(self.endpoint, 5.0)
                 store.add(self.key, 1)
             except Exception:
                 store = None
@@ -156,7 +147,7 @@ class Watch(threading.Thread):
         try:
             while not self.stop_event.wait(WATCH_S):
                 try:
-                    store = store or client(self.sup._endpoint, 5.0)
+                    store = store or store_client(self.sup._endpoint, 5.0)
                     if self.sup.ranks:   # this host joined a round: a member, not a spare
                         return
                     lost = self._lost(store)
