@@ -88,6 +88,23 @@ def _out(run_dir: Path) -> str:
     return p.read_text(errors="replace") if p.exists() else ""
 
 
+def _members(run_dir: Path) -> list[str]:
+    """The hosts of the job's first rendezvous round, as the supervisor logged them."""
+    line = next(x for x in (run_dir / "supervisor.log").read_text().splitlines()
+                if "hosts in this round:" in x)
+    return line.split("hosts in this round: ")[1].split(", ")
+
+
+def _completed_bit_equal(run_dir: Path, job: int, one_host: Path) -> dict:
+    """Slurm's COMPLETED, the run bit-equal to one host's and summarised as succeeded; the
+    job's summary."""
+    assert cluster.wait_job(job, 600) == "COMPLETED", _out(run_dir)[-4000:]
+    assert_bit_equal(run_dir, one_host, STEPS)
+    s = json.loads((run_dir / "supervisor_summary.json").read_text())
+    assert s["status"] == "succeeded", s["host_status"]
+    return s
+
+
 def test_two_hosts_bit_equal_to_one_host(hosts3, tiny_data, one_host, tmp_path):
     run = tmp_path / "two-hosts"
     job = _submit(run, tiny_data, 2)
@@ -101,10 +118,8 @@ def test_two_hosts_bit_equal_to_one_host(hosts3, tiny_data, one_host, tmp_path):
                             capture=True, timeout=120)
     assert other.returncode == 2 and "is in use by" in other.stderr, other.stderr[-2000:]
     assert "Traceback" not in other.stderr
-    assert cluster.wait_job(job, 600) == "COMPLETED", _out(run)[-4000:]
-    assert_bit_equal(run, one_host, STEPS)
-    s = json.loads((run / "supervisor_summary.json").read_text())
-    assert s["status"] == "succeeded" and s["job"] == f"slurm-{job}"
+    s = _completed_bit_equal(run, job, one_host)
+    assert s["job"] == f"slurm-{job}"
     assert s["placement"] == {"h0": [0, 1], "h1": [2, 3]}      # both hosts' parts, merged
     assert set(s["hosts"]) == {"h0", "h1"}
     log = (run / "supervisor.log").read_text()
@@ -120,20 +135,15 @@ def test_lost_host_replaced_by_spare(hosts3, tiny_data, one_host, tmp_path):
     run = tmp_path / "lost-host"
     job = _submit(run, tiny_data, 3, MYRIA_NNODES="2")
     _wait_step(run, 6)
-    log = (run / "supervisor.log").read_text()
-    line = next(x for x in log.splitlines() if "hosts in this round:" in x)
-    members = line.split("hosts in this round: ")[1].split(", ")
-    assert len(members) == 2 and members[0] == "h0", line
+    members = _members(run)
+    assert len(members) == 2 and members[0] == "h0", members
     lost = members[1]
     spare = ({"h1", "h2"} - {lost}).pop()
-    assert f"SPARE: {spare} waits" in log
+    assert f"SPARE: {spare} waits" in (run / "supervisor.log").read_text()
     newest = max(p.name for p in (run / "checkpoints").iterdir()     # committed ones only
                  if re.fullmatch(r"step_\d+", p.name))
     cluster.kill_host(lost)
-    assert cluster.wait_job(job, 600) == "COMPLETED", _out(run)[-4000:]
-    assert_bit_equal(run, one_host, STEPS)
-    s = json.loads((run / "supervisor_summary.json").read_text())
-    assert s["status"] == "succeeded", s["host_status"]
+    s = _completed_bit_equal(run, job, one_host)
     assert s["placement"] == {"h0": [0, 1], spare: [2, 3]}
     f = s["faults"][0]
     assert f["host"] == "h0" and f["kind"] == "exit"
@@ -149,9 +159,7 @@ def test_partition_detected_as_hang_and_fenced(hosts3, tiny_data, one_host, tmp_
     run = tmp_path / "partition"
     job = _submit(run, tiny_data, 3, MYRIA_NNODES="2")
     _wait_step(run, 6)
-    log = (run / "supervisor.log").read_text()
-    cut = next(x for x in log.splitlines() if "hosts in this round:" in x) \
-        .split("hosts in this round: ")[1].split(", ")[1]
+    cut = _members(run)[1]
     cluster.partition(cut)
     end = time.time() + 120
     while time.time() < end and "round 1 of the rendezvous" not in \
@@ -159,10 +167,7 @@ def test_partition_detected_as_hang_and_fenced(hosts3, tiny_data, one_host, tmp_
         time.sleep(0.5)
     time.sleep(3)
     cluster.partition(cut, heal=True)
-    assert cluster.wait_job(job, 600) == "COMPLETED", _out(run)[-4000:]
-    assert_bit_equal(run, one_host, STEPS)
-    s = json.loads((run / "supervisor_summary.json").read_text())
-    assert s["status"] == "succeeded", s["host_status"]
+    s = _completed_bit_equal(run, job, one_host)
     f = next(f for f in s["faults"] if f["host"] == "h0")
     assert f["kind"] in ("hang", "traffic-stopped", "membership-change") and \
         "hang report" in f["action"], f
@@ -187,16 +192,10 @@ def test_lost_host_taken_over_in_job(hosts3, tiny_data, one_host, tmp_path):
     run = tmp_path / "injob"
     job = _submit(run, tiny_data, 3, "--resilience.recovery=in-job", MYRIA_NNODES="2")
     _wait_step(run, 6, checkpoint=False)
-    log = (run / "supervisor.log").read_text()
-    members = next(x for x in log.splitlines() if "hosts in this round:" in x) \
-        .split("hosts in this round: ")[1].split(", ")
-    lost = members[1]
+    lost = _members(run)[1]
     spare = ({"h1", "h2"} - {lost}).pop()
     cluster.kill_host(lost)
-    assert cluster.wait_job(job, 600) == "COMPLETED", _out(run)[-4000:]
-    assert_bit_equal(run, one_host, STEPS)
-    s = json.loads((run / "supervisor_summary.json").read_text())
-    assert s["status"] == "succeeded", s["host_status"]
+    s = _completed_bit_equal(run, job, one_host)
     assert s["placement"] == {"h0": [0, 1], spare: [2, 3]}
     f = next(f for f in s["faults"] if f["kind"] == "host-lost")
     assert f["host"] == spare and f["recovery"] == "in-job: host takeover" and f["ranks"] == [2, 3]
