@@ -15,7 +15,7 @@ Tokens/s is the median over steps after warm-up; the best round of each is kept 
 shared, so rounds differ). With `--cpu-time` each loop also runs a short schedule (`--warmup`
 steps) beside the full one, and its steady-state cost is the difference of the two runs' CPU
 seconds (user + system, every thread of this process) over the difference of their steps:
-start-up cancels, and on a shared host CPU seconds move far less with the load than wall time
+start-up cancels, and on a shared host CPU seconds move less with the load than wall time
 (use `--threads 1`, so no thread spins waiting for another). nanoGPT is left out in that mode.
 MFU uses model FLOPs from `myria.models.flops` (dense convention).
 Writes bench/results/train_throughput.json.
