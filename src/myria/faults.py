@@ -134,7 +134,8 @@ class FaultInjector:
     def slow(self) -> tuple[float, int] | None:
         """(factor, from step) when this rank is to be slowed (not once: from then on)."""
         for f in self.faults:
-            if f.kind == "slow" and f.params.get("rank") == self.rank:
+            if f.kind == "slow" and f.params.get("rank") == self.rank and \
+                    f.params.get("attempt", self.attempt) == self.attempt:
                 return float(f.params["factor"]), int(f.params["step"])
         return None
 

@@ -36,6 +36,10 @@ ARGS = [*TINY, f"--training.steps={STEPS}", "--checkpoint.interval=4",
         "--resilience.diagnose=false", "--resilience.hang_timeout_s=10"]
 SCRIPT = ROOT / "scripts" / "myria.sbatch"
 JOB_ENV = {"MYRIA": f"{sys.executable} -m myria", "OMP_NUM_THREADS": "1"}
+# The host faults land after step 6 of 12: the first attempt's steps after it are slowed (rank 0
+# computes 30x as long) so that the job cannot end before its fault on a quick host. The slowed
+# steps change no number, and the restarted attempts run at full speed.
+HOLD = {"MYRIA_FAULT": "slow:rank=0:factor=30:step=7:attempt=0"}
 
 
 def _nothing_left() -> None:
@@ -133,7 +137,7 @@ def test_lost_host_replaced_by_spare(hosts3, tiny_data, one_host, tmp_path):
     which serves the rendezvous) is killed outright: the survivor detects it, the spare takes
     its place, training resumes from the newest checkpoint and ends bit-equal."""
     run = tmp_path / "lost-host"
-    job = _submit(run, tiny_data, 3, MYRIA_NNODES="2")
+    job = _submit(run, tiny_data, 3, MYRIA_NNODES="2", **HOLD)
     _wait_step(run, 6)
     members = _members(run)
     assert len(members) == 2 and members[0] == "h0", members
@@ -157,7 +161,7 @@ def test_partition_detected_as_hang_and_fenced(hosts3, tiny_data, one_host, tmp_
     with its ranks' stacks, goes on with the spare, and each of the cut-off host's workers stops
     on the fence (exit 75) without writing; the run ends bit-equal, the Slurm job COMPLETED."""
     run = tmp_path / "partition"
-    job = _submit(run, tiny_data, 3, MYRIA_NNODES="2")
+    job = _submit(run, tiny_data, 3, MYRIA_NNODES="2", **HOLD)
     _wait_step(run, 6)
     cut = _members(run)[1]
     cluster.partition(cut)
@@ -168,7 +172,8 @@ def test_partition_detected_as_hang_and_fenced(hosts3, tiny_data, one_host, tmp_
     time.sleep(3)
     cluster.partition(cut, heal=True)
     s = _completed_bit_equal(run, job, one_host)
-    f = next(f for f in s["faults"] if f["host"] == "h0")
+    f = next((f for f in s["faults"] if f["host"] == "h0"), None)
+    assert f is not None, (s["faults"], s["host_status"], _out(run)[-3000:])
     assert f["kind"] in ("hang", "traffic-stopped", "membership-change") and \
         "hang report" in f["action"], f
     assert json.loads((run / "report" / "hang.json").read_text())
@@ -190,7 +195,8 @@ def test_lost_host_taken_over_in_job(hosts3, tiny_data, one_host, tmp_path):
     ranks' state comes from the survivors' memory over the network (CRC-checked on arrival),
     and the run ends bit-equal to one host's with one restart-free recovery."""
     run = tmp_path / "injob"
-    job = _submit(run, tiny_data, 3, "--resilience.recovery=in-job", MYRIA_NNODES="2")
+    job = _submit(run, tiny_data, 3, "--resilience.recovery=in-job", MYRIA_NNODES="2",
+                  **HOLD)
     _wait_step(run, 6, checkpoint=False)
     lost = _members(run)[1]
     spare = ({"h1", "h2"} - {lost}).pop()

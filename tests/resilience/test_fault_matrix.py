@@ -22,3 +22,8 @@ def test_a_fault_can_be_bound_to_a_restart_attempt(tmp_path, monkeypatch):
     assert inj.due("kill", 8) is None
     monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "2")
     assert faults.FaultInjector(tmp_path, 1, spec).due("kill", 10) is not None  # any attempt
+    # a slowed rank too: slowed in its attempt only
+    slow = "slow:rank=0:factor=30:step=7:attempt=0"
+    assert faults.FaultInjector(tmp_path, 0, slow).slow() is None            # attempt 2
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "0")
+    assert faults.FaultInjector(tmp_path, 0, slow).slow() == (30.0, 7)
