@@ -1,53 +1,14 @@
 """`myria supervise`: training under torch elastic with heartbeats, fault detection and recovery.
 
     myria supervise --config configs/demo.toml --run-dir runs/demo --nproc 2 [--section.key=value]
-    # several hosts: the same command on each, plus
-    #   --nnodes 4 --rdzv-endpoint HOST0:29400 --rdzv-id JOB
+    # several hosts: the same command on each, plus --nnodes 4 --rdzv-endpoint HOST0:29400
 
-The supervisor is MegaScale's robust-training driver, built on torch elastic's agent API (the
-agent behind torchrun): a `LocalElasticAgent` subclass starts this host's workers (`myria train`
-processes), and its monitor loop also
-
-- reads every worker's heartbeat (a TCPStore the supervisor serves on 127.0.0.1, or Redis) and
-  scans the workers' stderr for alarm keywords (`myria.resilience.watch`);
-- on a fault (a worker exited, missed heartbeats, a hang, traffic stopped, an alarm the rank did
-  not recover from) logs the detection with its evidence, stops the worker group, runs the
-  self-check diagnostics on this host (`myria.resilience.diagnostics.run_diagnostics`; skipped,
-  with the reason in the fault's `decision`, when the host passed them within
-  `resilience.diagnostics_ttl_s` and the fault does not point at the hardware), puts a
-  failing host on the blocklist and hands it to the scheduler through `resilience.blocklist_hook`,
-  waits a back-off (doubling) and restarts the group, whose workers resume from the newest
-  checkpoint that verifies; up to `resilience.max_restarts` times;
-- at the end writes RUN_DIR/supervisor_summary.json: every fault with its cause, evidence,
-  action, detection latency and time lost, each recovery by phase (`recovery_phases`:
-  detection, tear-down, decision = diagnostics, back-off, starting processes, process groups,
-  model build, restoring state, redoing lost steps; they add up to its time lost), the
-  effective training time ratio (time in training steps whose result was kept / wall time) and
-  the goodput ledger (`goodput`: every second of the wall time by category, with its own ETTR
-  and a timeline; myria.observe.goodput). A hang's report (RUN_DIR/report/hang.json) holds
-  each rank's Python stack beside the collective it waits in (myria.observe.hang).
-
-Recovery is a full restart of this host's worker group (`resilience.recovery = "restart"`, the
-default), or with "in-job" the survivors stay and a hot spare or a fresh process takes the lost
-rank's state from its ring neighbour's memory (myria.resilience.injob, myria.train.rejoin);
-what in-job recovery cannot serve falls back to the full restart.
-
-The supervisor's log (stderr and RUN_DIR/supervisor.log) has one line per detection (DETECTED),
-per action (ACTION) and per recovery milestone (RESUMED). Workers' own output goes to the console
-prefixed by their rank and to RUN_DIR/logs/. Restarts use `TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`
-and explicit rendezvous timeouts (torch issues #135712, #167288: restarts are flaky otherwise).
-A restart is not tried where it cannot help: an input error a worker reports as such (exit 2,
-a `MyriaError`: config, data, checkpoint), checkpoints that cannot be saved (exit 4: a full disk,
-checkpoint.pipeline.SaveError), and the same error before the first step on two attempts in
-a row (a deterministic start-up error; a SIGKILL, from outside, never counts): the supervisor
-says so in one line, records the fault in the summary and exits non-zero. It owns the run
-directory while it runs (RUN_DIR/run.lock, myria.rundir.lock: a second job on it is refused)
-and its workers stop at their next step if it dies (myria.train.launch.stop_with_launcher).
-
-Exit status: 0 done, 1 gave up (restarts exhausted, unrecoverable, or the same start-up error
-twice), 2 input error, 3 this host failed its diagnostics and left the job (bad_host_action =
-exit), 4 checkpoints could not be saved (free space, then run again to resume), 143 stopped by
-SIGTERM after the workers saved a checkpoint.
+MegaScale's robust-training driver on torch elastic's agent API: a `LocalElasticAgent` subclass
+(myria.resilience.agent) starts this host's workers, and its monitor loop reads their heartbeats
+and stderr (myria.resilience.watch), detects faults, decides (myria.resilience.policy: restart,
+in-job recovery, diagnostics, blocklist, give up) and writes RUN_DIR/supervisor_summary.json
+(myria.resilience.summary). What it logs, the summary's fields, the recovery modes and the exit
+statuses are documented in docs/robustness.md.
 """
 
 from __future__ import annotations
@@ -633,35 +594,8 @@ class Supervisor:
     def _on_exit(self, result, records, now: float) -> None:
         failures = result.failures
         self.watch.heartbeats(records, now)
-        ranks = sorted(failures)
-
-        def order(r):
-            f = failures[r]
-            # SIGTERM came from the agent stopping the others, peer errors are consequences:
-            # killed by another signal < failed by itself < failed because of a peer < SIGTERM
-            if f.exitcode == -signal.SIGTERM:
-                rank_of = 3
-            elif f.exitcode < 0:
-                rank_of = 0
-            else:
-                rank_of = 2 if self.watch.is_secondary(r) else 1
-            return (rank_of, f.timestamp, r)
-
-        ranks.sort(key=order)
-        culprit = ranks[0]
-        parts = []
-        for r in ranks:
-            f = failures[r]
-            how = f"signal {f.signal_name()}" if f.exitcode < 0 else f"exit code {f.exitcode}"
-            last = self.watch.last(r) or {}
-            cause = self.watch.cause_line(r)
-            parts.append(f"rank {r} (pid {f.pid}) ended with {how} at step {last.get('step')}, "
-                         f"phase {last.get('phase')}" + (f"; stderr: {cause}" if cause else ""))
-        others = [r for r in self.ranks if r not in failures]
-        evidence = "; ".join(parts) + (f"; ranks {others} still running" if others else "")
-        last = self.watch.state[culprit].seen_at or now
-        d = Detection("exit", [culprit] + [r for r in ranks if r != culprit], now, last,
-                      evidence, {"exitcodes": {r: failures[r].exitcode for r in ranks}})
+        d = self.watch.exit_detection(failures, self.ranks, now)
+        culprit = d.ranks[0]
         log.warning("DETECTED exit on rank(s) %s: %s", d.ranks, d.evidence)
         f = self._record(d, self.alarms)
         f.cause = self.watch.cause_line(culprit) or (

@@ -11,6 +11,7 @@ the supervisor decides what to do. Rules and defaults: docs/robustness.md, "Dete
 from __future__ import annotations
 
 import re
+import signal
 import time
 from collections import deque
 from dataclasses import asdict, dataclass, field
@@ -145,6 +146,35 @@ class Watchdog:
         """True when the rank's last error reads as a consequence of another rank's failure."""
         line = self.cause_line(rank)
         return bool(line) and any(s in line for s in SECONDARY)
+
+    def exit_detection(self, failures: dict, ranks: list[int], now: float) -> Detection:
+        """The `exit` detection of torch elastic's failures (rank -> ProcessFailure) among this
+        host's `ranks`: the culprit first (killed by a signal from outside < failed by itself <
+        failed because of a peer < SIGTERM, which the agent sends stopping the others), then
+        the rest in time order, with each one's exit, step, phase and stderr line."""
+        def order(r):
+            f = failures[r]
+            if f.exitcode == -signal.SIGTERM:
+                kind = 3
+            elif f.exitcode < 0:
+                kind = 0
+            else:
+                kind = 2 if self.is_secondary(r) else 1
+            return (kind, f.timestamp, r)
+
+        failed = sorted(failures, key=order)
+        parts = []
+        for r in failed:
+            f = failures[r]
+            how = f"signal {f.signal_name()}" if f.exitcode < 0 else f"exit code {f.exitcode}"
+            last = self.last(r) or {}
+            cause = self.cause_line(r)
+            parts.append(f"rank {r} (pid {f.pid}) ended with {how} at step {last.get('step')}, "
+                         f"phase {last.get('phase')}" + (f"; stderr: {cause}" if cause else ""))
+        others = [r for r in ranks if r not in failures]
+        evidence = "; ".join(parts) + (f"; ranks {others} still running" if others else "")
+        return Detection("exit", failed, now, self.state[failed[0]].seen_at or now, evidence,
+                         {"exitcodes": {r: failures[r].exitcode for r in failed}})
 
     def describe(self, rank: int, now: float) -> str:
         rec = self.last(rank)
