@@ -88,7 +88,7 @@ def test_a_spare_takes_the_lost_rank_from_peer_memory(tmp_path, tiny_data, refer
     # the abort (PeerSnapshots.settle), so nothing is redone; before, the abort cut it (the
     # resume from 8) or left the raising rank waiting until the hang timeout (a restart)
     assert g2["recovery"] == "in-job: spare" and g2["resumed_from"] == 9, g2
-    assert g2["lost_steps"] == 0 and g2["fault_to_first_step_s"] < 15, g2
+    assert g2["lost_steps"] == 0, g2
     assert "ACTION in-job recovery (attempt 1" in log and "hot spare 0" in log
     assert "ACTION stop the worker group" not in log   # the survivor stayed
     # it resumed from the step both snapshots hold (the one the kill interrupted, or the
@@ -101,7 +101,10 @@ def test_a_spare_takes_the_lost_rank_from_peer_memory(tmp_path, tiny_data, refer
     # nothing stopped (the announcement only), no diagnostics, no back-off, no disk
     p = f["recovery_phases"]
     assert p["teardown"] < 0.5 and p["decision"] == p["backoff"] == 0.0, p
-    assert f["fault_to_first_step_s"] < 15, f
+    # quicker than the job's own start (the spare was started then): against its peers in the
+    # same run, so the claim holds on a loaded host too, where a bound in seconds does not
+    start = s["goodput"]["seconds"]["startup"]
+    assert f["fault_to_first_step_s"] < start, (f, start)
     assert sum(p.values()) == pytest.approx(f["time_lost_s"], abs=0.05), (p, f)
     # the ledger still adds up, with the recovery in it
     g = s["goodput"]
