@@ -267,15 +267,17 @@ def test_megascale_optimisation_ladder_each_step_raises_mfu_plausibly():
     another. MFU counts the baseline model's FLOPs at every step, as an ablation does. The
     bounds (points of MFU) come from what each step can remove, not from MegaScale's figures:
 
-    - parallel block: one TP all-reduce pair per layer instead of two, QKV fused with FC1
-      (PaLM: ~15% faster at scale): 0.5-10;
+    - parallel block: one TP collective pair per layer instead of two, one norm and one
+      residual fewer (PaLM: ~15% faster at scale): 0.5-10;
     - sliding window 1024 of 2048 tokens: removes a quarter of the causal attention blocks, and
       attention is 2-4% of this model's step (s / 6h FLOPs, at FlashAttention-1's rate):
       0.05-1 (FlashAttention's local mode skips the blocks);
     - TP overlap: hides most of the tp8 collectives (~4% of this step after the parallel
       block) but cuts the GEMMs they pipeline against into pieces (8 of 256 rows for the
-      ring-exchanged all-gathers, 4 for the forward reduce-scatter), each at the roofline's
-      lower efficiency for a short dimension (up to ~10% slower by the shape factor): -3-10,
+      ring-exchanged all-gathers, FC1's and FC2's data gradient's, as MegaScale's Figure 3b
+      fuses them with the FFN's GEMMs only; 4 for the forward reduce-scatter), each at the
+      roofline's lower efficiency for a short dimension (up to ~10% slower by the shape
+      factor): -3-10,
       the GEMMs' time rising and the exposed TP time falling;
     - PP overlap: one activation (6 MB with SP) per chunk boundary and microbatch, ~0.3 ms at
       25 GB/s against ~100 ms of compute per chunk, and the bundled blocking exchanges' wait
@@ -359,6 +361,13 @@ def test_tp_overlap_pays_for_cutting_its_gemms(llama):
     assert all(v > 0 for v in cut.values())
     assert perf._split_costs(ops, False, shape.tp, hw, eff) == {}
     assert perf._split_costs(ops, True, 1, hw, eff) == {}
+    # the parallel block (MegaScale, section 3.2, Figure 3b): one gather feeds both branches and
+    # is pipelined against the FFN's GEMM only; QKV reads the gathered input whole
+    block = perf.run_shape(run.replace(model={"parallel_block": True}))
+    ops_b = timed_layer_ops(block, hw.peak_flops, hw.mem_bw, eff)
+    assert set(perf._split_costs(ops_b, True, block.tp, hw, eff)) == {"fc1", "fc2", "fc2.dgrad"}
+    assert {o.pair for o in ops_b if o.name.startswith("block_in.")} == \
+        {"fc1", "fc1.wgrad", "fc1.dgrad"}
     on, off = simulate(run), simulate(llama)
     assert on.breakdown["compute_gemm"] > off.breakdown["compute_gemm"]
 
