@@ -372,6 +372,32 @@ def test_tp_overlap_pays_for_cutting_its_gemms(llama):
     assert on.breakdown["compute_gemm"] > off.breakdown["compute_gemm"]
 
 
+def test_megatron_hides_the_input_gradient_reduce_scatter_beside_wgrad(llama):
+    """Megatron-LM's sequence-parallel linear (LinearWithGradAccumulationAndAsyncCommunication,
+    also in the commit MegaScale names as its baseline) launches the input gradient's
+    reduce-scatter asynchronously and computes the weight gradient while it runs, overlap.tp or
+    not. Without overlap.tp a layer exposes its four forward collectives and the two
+    output-gradient all-gathers; the two reduce-scatters (and the recomputed input gathers
+    beside the data gradients) cost only their interference."""
+    from myria.sim import perf
+    from myria.sim.collectives import COLLECTIVES, layout_groups
+    from myria.sim.op_timing import timed_layer_ops
+    from myria.sim.operators import DEFAULT_EFFICIENCY as eff
+
+    hw = perf.build_hardware(llama.cluster, llama.training.precision)
+    shape = perf.run_shape(llama)
+    assert shape.sp and shape.tp > 1 and not llama.overlap.tp
+    ops = timed_layer_ops(shape, hw.peak_flops, hw.mem_bw, eff)
+    groups = layout_groups(hw, shape.tp, 1, 1, llama.dp, llama.parallel.pp)
+    t = {o.name: COLLECTIVES[o.coll](o.bytes, groups["tp"])[0] for o in ops if o.group == "tp"}
+    hidden = {n for n in t if n.endswith(".rs.bwd") or n in ("qkv.ag.bwd", "fc1.ag.bwd")}
+    assert len(t) == 10 and len(hidden) == 4
+    ph = perf._sum_ops(ops, False, shape.tp, 1, groups, hw)
+    paid = ph.fwd_cat["tp"] + ph.bwd_cat["tp"]
+    exposed = sum(v for n, v in t.items() if n not in hidden)
+    assert exposed < paid < exposed + 0.3 * sum(t[n] for n in hidden)
+
+
 def _bench(name: str):
     import importlib.util
     from pathlib import Path

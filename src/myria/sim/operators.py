@@ -273,15 +273,15 @@ def layer_ops(shape: LayerShape) -> list[Op]:
     def tp_in(name, pair, conj_pair, wgrad_pair):
         """Collective entering a column-parallel GEMM (SP all-gather / bwd all-reduce). With
         overlap.tp (TransformerEngine's defaults): the forward all-gather by ring exchange
-        against the GEMM; the backward reduce-scatter (or all-reduce) of the input gradient in
-        bulk beside the weight-gradient GEMM."""
+        against the GEMM, the all-reduce beside the weight-gradient GEMM; the SP reduce-scatter
+        of the input gradient runs beside it always (Megatron-LM's asynchronous one)."""
         if tp == 1:
             return
         size = T * h * e
         if shape.sp:
             fwd.append(_comm(name + ".ag", "fwd", "all_gather", size, "tp", pair))
             bwd.append([_comm(name + ".rs.bwd", "bwd", "reduce_scatter", size, "tp", wgrad_pair,
-                              chunks=BULK),
+                              always=True, chunks=BULK),
                         _comm(name + ".ag.bwd", "bwd", "all_gather", size, "tp", conj_pair,
                               always=True)])
         else:
