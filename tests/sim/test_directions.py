@@ -361,6 +361,16 @@ def test_tp_overlap_pays_for_cutting_its_gemms(llama):
     assert all(v > 0 for v in cut.values())
     assert perf._split_costs(ops, False, shape.tp, hw, eff) == {}
     assert perf._split_costs(ops, True, 1, hw, eff) == {}
+    # the ring exchange moves its chunks by copy engine (TransformerEngine: num_sm 1, use_ce):
+    # what it hides slows the GEMM by one SM's share, not by NCCL's 16 channels'
+    from myria.sim.collectives import layout_groups
+    from myria.sim.hardware import SM_COUNT
+    from myria.sim.overlap import overlap_interference
+
+    grp = layout_groups(hw, shape.tp, 1, 1, run.dp, run.parallel.pp)["tp"]
+    sms = SM_COUNT[hw.device]
+    assert overlap_interference(hw, 0.0, grp, 1) == pytest.approx(1 / (sms - 1))
+    assert overlap_interference(hw, 0.0, grp) == pytest.approx(16 / (sms - 16))
     # the parallel block (MegaScale, section 3.2, Figure 3b): one gather feeds both branches and
     # is pipelined against the FFN's GEMM only; QKV reads the gathered input whole
     block = perf.run_shape(run.replace(model={"parallel_block": True}))

@@ -119,17 +119,20 @@ def grad_reduce_exposed(b: Buckets, b_last: float, pp: int, v: int) -> float:
 
 
 @lru_cache(maxsize=4096)
-def overlap_interference(hw: Hardware, mem_share: float, grp: coll.Group) -> float:
+def overlap_interference(hw: Hardware, mem_share: float, grp: coll.Group, sms_taken: int = 0
+                         ) -> float:
     """Extra compute time per second of `grp`'s communication hidden behind it (module
-    docstring): s / (1 - s) with s = NCCL's channels over the device's SMs, plus the
-    memory-bound share of the compute (`mem_share`) slowed by the HBM bandwidth the collective
-    takes (its per-rank bus rate x NCCL_HBM_BYTES_PER_WIRE_BYTE of the device's)."""
+    docstring): s / (1 - s) with s = the SMs the communication holds (`sms_taken`, else NCCL's
+    channels, one thread block each) over the device's SMs, plus the memory-bound share of the
+    compute (`mem_share`) slowed by the HBM bandwidth the collective takes (its per-rank bus
+    rate x NCCL_HBM_BYTES_PER_WIRE_BYTE of the device's). TransformerEngine's ring exchange
+    (`initialize_ub` defaults: num_sm 1, use_ce) moves its chunks by copy engine: one SM."""
     from myria.sim.hardware import NCCL_CHANNELS, NCCL_HBM_BYTES_PER_WIRE_BYTE, SM_COUNT
 
     sms = SM_COUNT.get(hw.device)
     if not sms or hw.cpu is not None:
         return OVERLAP_INTERFERENCE
-    s = NCCL_CHANNELS / sms
+    s = (sms_taken or NCCL_CHANNELS) / sms
     hbm = min(0.9, NCCL_HBM_BYTES_PER_WIRE_BYTE * grp.ring_busbw / hw.mem_bw) \
         if grp.n > 1 else 0.0
     return s / (1 - s) + mem_share * hbm / (1 - hbm)

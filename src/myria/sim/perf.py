@@ -130,10 +130,8 @@ def _sum_ops(ops: tuple[Op, ...], overlap_tp: bool, tp: int, cp: int,
             t, algo = fn(op.bytes, groups[op.group])
             if op.group == "tp":
                 hide = by_name.get(op.pair, 0.0)
-                if op.always_overlap:
-                    exposed = max(0.0, t - hide)
-                elif overlap_tp and op.pair and _tp_chunks(op, tp) == 1:   # bulk
-                    exposed = max(0.0, t - hide)
+                if op.always_overlap or (overlap_tp and op.pair and _tp_chunks(op, tp) == 1):
+                    exposed = max(0.0, t - hide)   # beside an independent GEMM (bulk)
                 elif overlap_tp and op.pair:
                     exposed = chunked_exposed(t, _tp_chunks(op, tp), hide)
                 else:
@@ -143,8 +141,10 @@ def _sum_ops(ops: tuple[Op, ...], overlap_tp: bool, tp: int, cp: int,
             else:
                 exposed = t
             ph.comm_detail[op.group] = algo
-            val = comm_cost(t, exposed, overlap_interference(hw, round(mem_share, 2),
-                                                         groups[op.group]))
+            # TransformerEngine's ring exchange moves its chunks by copy engine (one SM)
+            ring = overlap_tp and op.pair and op.chunks == 0 and not op.always_overlap
+            val = comm_cost(t, exposed, overlap_interference(
+                hw, round(mem_share, 2), groups[op.group], 1 if ring and op.group == "tp" else 0))
         else:
             val = op.time + split.get(op.name, 0.0)
             if op.wgrad:
