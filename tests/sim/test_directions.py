@@ -469,6 +469,29 @@ def test_blocking_pipeline_exchanges_wait_for_the_slower_neighbour():
     assert exchange_wait(hw, mid["F"], mid["B"], 8, 1) == 0.0
 
 
+def test_interleaved_chunks_reduce_as_each_becomes_final():
+    """Overlapped gradient reduction of an interleaved pipeline, chunk by chunk: Megatron's
+    order ends with groups of pp backwards per chunk (chunk v-1 first), so chunk j >= 1 is
+    final j x G before the backward ends (G = pp backwards of one chunk) and its share queues
+    on one stream; chunk 0's buckets follow behind its own last backward. The exposed time is
+    that queue's, replayed here, and small shares hide entirely."""
+    from myria.sim.overlap import Buckets, buckets_exposed, grad_reduce_exposed
+
+    pp, v, bwd = 8, 6, 0.6                      # G = 0.8 s
+    for total in (1.2, 6.0, 12.0):
+        b = Buckets(total, total / 60, 60)
+        own = b.scaled(1 / v)
+        share = (total - own.total) / (v - 1)
+        end = -1e9                               # the stream, relative to the backward's end
+        for j in range(v - 1, 0, -1):
+            end = max(end, -j * pp * bwd / v) + share
+        want = max(0.0, end) + buckets_exposed(own, bwd / v)
+        assert grad_reduce_exposed(b, bwd, pp, v) == pytest.approx(want)
+    small = Buckets(1.2, 0.02, 60)
+    assert grad_reduce_exposed(small, bwd, pp, v) == buckets_exposed(small.scaled(1 / v), 0.1)
+    assert grad_reduce_exposed(small, bwd, 1, 1) == buckets_exposed(small, bwd)
+
+
 def test_data_parallel_buckets_pay_their_latency_and_the_last_is_exposed():
     """Gradient reduction priced bucket by bucket, as Megatron-Core and FSDP run it: each bucket
     its own collective (latency), the last exposed after backward, gradients hidden behind

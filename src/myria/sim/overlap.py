@@ -102,20 +102,20 @@ def grad_reduce_exposed(b: Buckets, b_last: float, pp: int, v: int) -> float:
     a bucket is reduced as soon as its gradients are final).
 
     One chunk per rank: the buckets reduce during the last microbatch's backward (`b_last`),
-    the last bucket after it (`buckets_exposed`). Interleaved (v chunks): the gradients of chunks
-    1..v-1 are final when the schedule's last group of pp chunk-0 backwards starts (Megatron's
-    interleaved order runs the backwards of pp microbatches per chunk), so they reduce behind
-    those pp chunk backwards (pp x b_last / v); chunk 0's share behind its own last backward,
-    as above. Mirrored, the same holds for the updated parameters' all-gather before the first
-    forwards (Megatron's overlap_param_gather: chunk 0's parameters first, behind its first
-    forward; the other chunks' behind the first group of pp chunk-0 forwards), with `b_last`
-    the first microbatch's forward."""
+    the last bucket after it (`buckets_exposed`). Interleaved (v chunks, each its own buckets,
+    MegaScale 3.2's "overlapping on a model chunk basis"): Megatron's order ends with groups
+    of pp backwards per chunk, chunk v-1 first, so chunk j >= 1 is final j x G before the end
+    (G = pp x b_last / v). Its share r = t (v-1)/v / (v-1) queues on one communication stream:
+    the last of them ends max(0, (v-1)(r - G)) after the backward; chunk 0's share then follows
+    the bucket rule behind its own last backward (b_last / v). Mirrored, the same holds for the
+    updated parameters' all-gather before the first forwards (Megatron's overlap_param_gather:
+    chunk j's parameters are needed j x G after the start), with `b_last` the first
+    microbatch's forward."""
     if pp <= 1 or v <= 1:
         return buckets_exposed(b, b_last)
     own = b.scaled(1 / v)
-    rest = b.total - own.total
-    b_chunk = b_last / v
-    return max(0.0, rest - pp * b_chunk) + buckets_exposed(own, b_chunk)
+    r = (b.total - own.total) / (v - 1)
+    return (v - 1) * max(0.0, r - pp * b_last / v) + buckets_exposed(own, b_last / v)
 
 
 @lru_cache(maxsize=4096)
