@@ -23,6 +23,12 @@ exchanges as Megatron composes them:
 An exchange completes `t_x` after the later of its own posting and every partner's (one transfer
 time per exchange: its sends and receives run at once). Compared with the closed form the step
 model uses for the same stages (m C + (p-1) C / v with C = F + B + 2 v t_x).
+
+With equal, fixed operation times the coupling is free. The second table spreads every
+operation's time independently (normal, sigma = the rank-jitter prior's 1% of the operation)
+and compares, per microbatch, what the blocking exchanges lose to the spread beyond what
+asynchronous sends and receives lose (`decoupled_pipeline_time`, MegaScale's PP overlap), with
+the model's charge (`overlap.exchange_wait`); 12 draws each.
 """
 
 from __future__ import annotations
@@ -93,9 +99,21 @@ def _segments(p: int, v: int, m: int) -> list[list[tuple[list, list, list]]]:
     return out
 
 
-def blocking_pipeline_time(p: int, v: int, m: int, t_f: float, t_b: float, t_x: float) -> float:
+def _duration(t_f: float, t_b: float, v: int, spread: dict | None):
+    """One operation's seconds on rank r: its chunk's share of t_f or t_b, times the
+    operation's factor in `spread` (keyed by rank and op) when given."""
+    def dur(r: int, op: tuple) -> float:
+        t = (t_f if op[0] == "F" else t_b) / v
+        return t * spread[(r, op)] if spread else t
+    return dur
+
+
+def blocking_pipeline_time(p: int, v: int, m: int, t_f: float, t_b: float, t_x: float,
+                           spread: dict | None = None) -> float:
     """End of the last exchange of Megatron's schedule with rendezvous exchanges (docstring);
-    t_f, t_b per stage (all chunks), t_x one transfer."""
+    t_f, t_b per stage (all chunks), t_x one transfer; `spread`: each operation's time factor
+    (`random_spread`)."""
+    dur = _duration(t_f, t_b, v, spread)
     segs = _segments(p, v, m)
     send_at, recv_at = {}, {}
     for r in range(p):
@@ -115,7 +133,7 @@ def blocking_pipeline_time(p: int, v: int, m: int, t_f: float, t_b: float, t_x: 
                 continue
             ops, snd, rcv = segs[r][e]
             if post[r][e] is None:
-                post[r][e] = free[r] + sum((t_f if k == "F" else t_b) / v for k, _, _ in ops)
+                post[r][e] = free[r] + sum(dur(r, op) for op in ops)
             partners = [recv_at[k] for k in snd] + [send_at[k] for k in rcv]
             times = [post[q][f] for q, f in partners]
             if any(t is None for t in times):
@@ -129,6 +147,48 @@ def blocking_pipeline_time(p: int, v: int, m: int, t_f: float, t_b: float, t_x: 
     return max(free)
 
 
+def decoupled_pipeline_time(p: int, v: int, m: int, t_f: float, t_b: float, t_x: float,
+                            spread: dict | None = None) -> float:
+    """The same order with asynchronous sends and receives (MegaScale's PP overlap, section
+    3.2): an operation waits only for its own input, `t_x` after the operation that produced
+    it ended; no rank waits for a partner to post."""
+    dur = _duration(t_f, t_b, v, spread)
+    orders = _orders("interleaved-1f1b" if v > 1 else "1f1b", p, v, m)
+    n_vs = p * v
+    end: dict = {}
+    cur, free = [0] * p, [0.0] * p
+    remaining = sum(len(o) for o in orders)
+    while remaining:
+        progress = False
+        for r in range(p):
+            while cur[r] < len(orders[r]):
+                op = orders[r][cur[r]]
+                k, mb, c = op
+                vs = c * p + r
+                src = (("F", mb, vs - 1) if vs > 0 else None) if k == "F" else \
+                    (("B", mb, vs + 1) if vs < n_vs - 1 else ("F", mb, vs))
+                if src is not None and src not in end:
+                    break
+                ready = 0.0 if src is None else end[src] + (t_x if src[2] != vs else 0.0)
+                free[r] = end[(k, mb, vs)] = max(free[r], ready) + dur(r, op)
+                cur[r] += 1
+                remaining -= 1
+                progress = True
+        if not progress:
+            raise RuntimeError("the schedule deadlocks (internal error)")
+    return max(free)
+
+
+def random_spread(p: int, v: int, m: int, sigma: float, seed: int) -> dict:
+    """Independent normal time factors 1 + sigma Z for every operation of every rank."""
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    orders = _orders("interleaved-1f1b" if v > 1 else "1f1b", p, v, m)
+    return {(r, op): 1.0 + sigma * float(rng.standard_normal())
+            for r in range(p) for op in orders[r]}
+
+
 def closed_form(p: int, v: int, m: int, t_f: float, t_b: float, t_x: float) -> float:
     """The step model's pipeline time for equal stages without overlap.pp."""
     s = t_f + t_b + 2 * v * t_x
@@ -136,15 +196,42 @@ def closed_form(p: int, v: int, m: int, t_f: float, t_b: float, t_x: float) -> f
 
 
 CASES = [(8, 2, 64), (8, 1, 64), (4, 2, 16), (16, 2, 144), (64, 2, 512)]
+SPREAD_CASES = [(4, 2, 16), (8, 2, 64), (8, 6, 64), (16, 2, 144), (8, 1, 64)]
+
+
+def spread_cost(p: int, v: int, m: int, sigma: float = 0.01, draws: int = 12,
+                t_x: float = 0.004) -> tuple[float, float]:
+    """Mean seconds per microbatch (F = 1, B = 2 per stage) that the spread adds to the
+    blocking schedule beyond what it adds to the decoupled one, and what it adds to the
+    decoupled one."""
+    fixed_b = blocking_pipeline_time(p, v, m, 1.0, 2.0, t_x)
+    fixed_d = decoupled_pipeline_time(p, v, m, 1.0, 2.0, t_x)
+    cpl = dec = 0.0
+    for seed in range(draws):
+        sp = random_spread(p, v, m, sigma, seed)
+        d = decoupled_pipeline_time(p, v, m, 1.0, 2.0, t_x, sp) - fixed_d
+        cpl += blocking_pipeline_time(p, v, m, 1.0, 2.0, t_x, sp) - fixed_b - d
+        dec += d
+    return cpl / draws / m, dec / draws / m
 
 
 def main() -> int:
+    import math
+
+    from myria.sim.overlap import lockstep_rate
+
     print("p  v    m   t_x/F   replayed  closed form  difference")
     for p, v, m in CASES:
         for tx in (0.0, 0.004, 0.02):
             a = blocking_pipeline_time(p, v, m, 1.0, 2.0, tx)
             b = closed_form(p, v, m, 1.0, 2.0, tx)
             print(f"{p:<3}{v:<3}{m:>4}  {tx:6.3f}  {a:9.3f}  {b:11.3f}  {a / b - 1:+.2%}")
+    print("\nspread 1% per operation, per microbatch (F + B = 3):")
+    print("p  v    m   blocking beyond async  async alone  model (exchange_wait)")
+    for p, v, m in SPREAD_CASES:
+        cpl, dec = spread_cost(p, v, m)
+        model = 0.01 * lockstep_rate(p) * math.hypot(1.0, 2.0) if v > 1 else 0.0
+        print(f"{p:<3}{v:<3}{m:>4}  {cpl:20.4f}  {dec:11.4f}  {model:.4f}")
     return 0
 
 

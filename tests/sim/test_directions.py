@@ -267,18 +267,22 @@ def test_megascale_optimisation_ladder_each_step_raises_mfu_plausibly():
     another. MFU counts the baseline model's FLOPs at every step, as an ablation does. The
     bounds (points of MFU) come from what each step can remove, not from MegaScale's figures:
 
-    - parallel block: one TP all-reduce pair per layer instead of two, QKV fused with FC1
-      (PaLM: ~15% faster at scale): 0.5-10;
+    - parallel block: one TP collective pair per layer instead of two, one norm and one
+      residual fewer (PaLM: ~15% faster at scale): 0.5-10;
     - sliding window 1024 of 2048 tokens: removes a quarter of the causal attention blocks, and
       attention is 2-4% of this model's step (s / 6h FLOPs, at FlashAttention-1's rate):
       0.05-1 (FlashAttention's local mode skips the blocks);
     - TP overlap: hides most of the tp8 collectives (~4% of this step after the parallel
       block) but cuts the GEMMs they pipeline against into pieces (8 of 256 rows for the
-      ring-exchanged all-gathers, 4 for the forward reduce-scatter), each at the roofline's
-      lower efficiency for a short dimension (up to ~10% slower by the shape factor): -3-10,
+      ring-exchanged all-gathers, FC1's and FC2's data gradient's, as MegaScale's Figure 3b
+      fuses them with the FFN's GEMMs only; 4 for the forward reduce-scatter), each at the
+      roofline's lower efficiency for a short dimension (up to ~10% slower by the shape
+      factor): -3-10,
       the GEMMs' time rising and the exposed TP time falling;
     - PP overlap: one activation (6 MB with SP) per chunk boundary and microbatch, ~0.3 ms at
-      25 GB/s against ~100 ms of compute per chunk: 0.05-1;
+      25 GB/s against ~100 ms of compute per chunk, and the bundled blocking exchanges' wait
+      for the slower neighbour (each operation spread by the assumed 1%: ~0.8% of the compute
+      around a ring of 8 stages): 0.3-2;
     - DP overlap: the ZeRO-1 reduce-scatter and all-gather of 2.7B parameters per GPU over 4
       replicas, ~0.5 s of a ~13 s step, hidden behind the other chunks' work: 0.2-5;
     - efficient operators (FlashAttention-2 for the first FlashAttention, fused norm, GELU,
@@ -297,7 +301,7 @@ def test_megascale_optimisation_ladder_each_step_raises_mfu_plausibly():
 
     bench = _bench("sim_ladder")
     bounds = {"parallel block": (0.5, 10), "sliding window": (0.05, 1),
-              "tp overlap": (-3, 10), "pp overlap": (0.05, 1), "dp overlap": (0.2, 5),
+              "tp overlap": (-3, 10), "pp overlap": (0.3, 2), "dp overlap": (0.2, 5),
               "efficient operators": (0.1, 3), "misc": (0.5, 3),
               "lamb 3x batch": (1, 10)}
     rows = bench.ladder()
@@ -357,8 +361,51 @@ def test_tp_overlap_pays_for_cutting_its_gemms(llama):
     assert all(v > 0 for v in cut.values())
     assert perf._split_costs(ops, False, shape.tp, hw, eff) == {}
     assert perf._split_costs(ops, True, 1, hw, eff) == {}
+    # the ring exchange moves its chunks by copy engine (TransformerEngine: num_sm 1, use_ce):
+    # what it hides slows the GEMM by one SM's share, not by NCCL's 16 channels'
+    from myria.sim.collectives import layout_groups
+    from myria.sim.hardware import SM_COUNT
+    from myria.sim.overlap import overlap_interference
+
+    grp = layout_groups(hw, shape.tp, 1, 1, run.dp, run.parallel.pp)["tp"]
+    sms = SM_COUNT[hw.device]
+    assert overlap_interference(hw, 0.0, grp, 1) == pytest.approx(1 / (sms - 1))
+    assert overlap_interference(hw, 0.0, grp) == pytest.approx(16 / (sms - 16))
+    # the parallel block (MegaScale, section 3.2, Figure 3b): one gather feeds both branches and
+    # is pipelined against the FFN's GEMM only; QKV reads the gathered input whole
+    block = perf.run_shape(run.replace(model={"parallel_block": True}))
+    ops_b = timed_layer_ops(block, hw.peak_flops, hw.mem_bw, eff)
+    assert set(perf._split_costs(ops_b, True, block.tp, hw, eff)) == {"fc1", "fc2", "fc2.dgrad"}
+    assert {o.pair for o in ops_b if o.name.startswith("block_in.")} == \
+        {"fc1", "fc1.wgrad", "fc1.dgrad"}
     on, off = simulate(run), simulate(llama)
     assert on.breakdown["compute_gemm"] > off.breakdown["compute_gemm"]
+
+
+def test_megatron_hides_the_input_gradient_reduce_scatter_beside_wgrad(llama):
+    """Megatron-LM's sequence-parallel linear (LinearWithGradAccumulationAndAsyncCommunication,
+    also in the commit MegaScale names as its baseline) launches the input gradient's
+    reduce-scatter asynchronously and computes the weight gradient while it runs, overlap.tp or
+    not. Without overlap.tp a layer exposes its four forward collectives and the two
+    output-gradient all-gathers; the two reduce-scatters (and the recomputed input gathers
+    beside the data gradients) cost only their interference."""
+    from myria.sim import perf
+    from myria.sim.collectives import COLLECTIVES, layout_groups
+    from myria.sim.op_timing import timed_layer_ops
+    from myria.sim.operators import DEFAULT_EFFICIENCY as eff
+
+    hw = perf.build_hardware(llama.cluster, llama.training.precision)
+    shape = perf.run_shape(llama)
+    assert shape.sp and shape.tp > 1 and not llama.overlap.tp
+    ops = timed_layer_ops(shape, hw.peak_flops, hw.mem_bw, eff)
+    groups = layout_groups(hw, shape.tp, 1, 1, llama.dp, llama.parallel.pp)
+    t = {o.name: COLLECTIVES[o.coll](o.bytes, groups["tp"])[0] for o in ops if o.group == "tp"}
+    hidden = {n for n in t if n.endswith(".rs.bwd") or n in ("qkv.ag.bwd", "fc1.ag.bwd")}
+    assert len(t) == 10 and len(hidden) == 4
+    ph = perf._sum_ops(ops, False, shape.tp, 1, groups, hw)
+    paid = ph.fwd_cat["tp"] + ph.bwd_cat["tp"]
+    exposed = sum(v for n, v in t.items() if n not in hidden)
+    assert exposed < paid < exposed + 0.3 * sum(t[n] for n in hidden)
 
 
 def _bench(name: str):
@@ -377,8 +424,8 @@ def test_blocking_pipeline_sends_cost_no_more_than_the_model_charges(p, v, m):
     """Without overlap.pp the model charges 2 v transfers per microbatch and stage. Megatron's
     blocking, bundled exchanges (every send waits for its receiver), replayed in its own order
     (bench/sim_pp_exchange.py): without transfers the replay is the closed form exactly; with
-    them it never ends later than the model's charge, so the PP overlap's gain is the
-    transfers' size and not a hidden coupling of the ranks."""
+    them it never ends later than the model's charge: with equal, fixed operation times the
+    coupling of the ranks costs nothing (with spread times it does: the next test)."""
     bench = _bench("sim_pp_exchange")
     assert bench.blocking_pipeline_time(p, v, m, 1.0, 2.0, 0.0) == pytest.approx(
         bench.closed_form(p, v, m, 1.0, 2.0, 0.0))
@@ -386,6 +433,63 @@ def test_blocking_pipeline_sends_cost_no_more_than_the_model_charges(p, v, m):
         replay = bench.blocking_pipeline_time(p, v, m, 1.0, 2.0, tx)
         assert bench.closed_form(p, v, m, 1.0, 2.0, 0.0) < replay <= \
             bench.closed_form(p, v, m, 1.0, 2.0, tx) * (1 + 1e-9)
+
+
+def test_blocking_pipeline_exchanges_wait_for_the_slower_neighbour():
+    """Megatron's bundled, blocking exchanges end only when both neighbours have posted theirs.
+    With every operation's time spread independently (the rank-jitter prior, 1% of itself) an
+    interleaved pipeline moves in lockstep around its ring of stages and loses
+    `lockstep_rate`(pp) x sigma x sqrt(F^2 + B^2) per microbatch (`overlap.exchange_wait`).
+    The replay of Megatron's order (bench/sim_pp_exchange.py) loses that much more than the
+    same order with asynchronous sends, which loses a tenth of it; the model charges the wait
+    only without overlap.pp, only interleaved, only with a spread."""
+    import math
+
+    from myria.sim import perf
+    from myria.sim.overlap import exchange_wait, lockstep_rate
+
+    assert lockstep_rate(2) == pytest.approx(1 / math.sqrt(math.pi), rel=0.03)
+    assert lockstep_rate(3) == pytest.approx(1.5 / math.sqrt(math.pi), rel=0.03)
+    assert lockstep_rate(4) < lockstep_rate(16) < 1.2
+    coupled, alone = _bench("sim_pp_exchange").spread_cost(4, 2, 16, draws=4)
+    want = 0.01 * lockstep_rate(4) * math.hypot(1.0, 2.0)
+    assert 0.8 * want < coupled < 1.2 * want and alone < 0.2 * coupled
+    run = _bench("sim_ladder").baseline()              # tp8 pp8 vpp6, no overlap, 1% spread
+    hw = perf.build_hardware(run.cluster, run.training.precision)
+    s = perf._step_context(run, hw, perf.efficiency_for(hw, run.kernels.flash_version))
+    mid = perf._stages(s)["mid"]
+    wait = exchange_wait(hw, mid["F"], mid["B"], 8, 6)
+    assert wait == pytest.approx(0.01 * lockstep_rate(8) * math.hypot(mid["F"], mid["B"]))
+    assert mid["steady"] - mid["C"] - 2 * 6 * s.t_p2p == pytest.approx(wait)
+    assert 0.005 < wait / mid["C"] < 0.01
+    exposed = lambda r: simulate(r).breakdown["pp_p2p_exposed"]  # noqa: E731
+    base = exposed(run)
+    for other in ({"overlap": {"pp": True}}, {"cluster": {"rank_jitter": 0.0}}):
+        assert exposed(run.replace(**other)) < base - 0.9 * s.m * wait
+    assert exchange_wait(hw, mid["F"], mid["B"], 8, 1) == 0.0
+
+
+def test_interleaved_chunks_reduce_as_each_becomes_final():
+    """Overlapped gradient reduction of an interleaved pipeline, chunk by chunk: Megatron's
+    order ends with groups of pp backwards per chunk (chunk v-1 first), so chunk j >= 1 is
+    final j x G before the backward ends (G = pp backwards of one chunk) and its share queues
+    on one stream; chunk 0's buckets follow behind its own last backward. The exposed time is
+    that queue's, replayed here, and small shares hide entirely."""
+    from myria.sim.overlap import Buckets, buckets_exposed, grad_reduce_exposed
+
+    pp, v, bwd = 8, 6, 0.6                      # G = 0.8 s
+    for total in (1.2, 6.0, 12.0):
+        b = Buckets(total, total / 60, 60)
+        own = b.scaled(1 / v)
+        share = (total - own.total) / (v - 1)
+        end = -1e9                               # the stream, relative to the backward's end
+        for j in range(v - 1, 0, -1):
+            end = max(end, -j * pp * bwd / v) + share
+        want = max(0.0, end) + buckets_exposed(own, bwd / v)
+        assert grad_reduce_exposed(b, bwd, pp, v) == pytest.approx(want)
+    small = Buckets(1.2, 0.02, 60)
+    assert grad_reduce_exposed(small, bwd, pp, v) == buckets_exposed(small.scaled(1 / v), 0.1)
+    assert grad_reduce_exposed(small, bwd, 1, 1) == buckets_exposed(small, bwd)
 
 
 def test_data_parallel_buckets_pay_their_latency_and_the_last_is_exposed():

@@ -158,6 +158,18 @@ def p2p(size: float, grp: Group) -> tuple[float, str]:
     return size / grp.inter_p2p + ALPHA_BASE_S, "network"
 
 
+def pipeline_p2p(act: float, pp: int, tp: int, sp: bool, groups: dict) -> float:
+    """Seconds of one pipeline send/receive of an activation of `act` bytes between stages
+    (Megatron's scatter/gather optimisation: each TP rank sends 1/tp across the network, then
+    an NVLink all-gather rebuilds the tensor, which sequence parallelism does not need)."""
+    if pp <= 1:
+        return 0.0
+    grp = groups["pp"]
+    if tp > 1 and (sp or grp.k > 1):
+        return p2p(act / tp, grp)[0] + (0.0 if sp else all_gather(act, groups["tp"])[0])
+    return p2p(act, grp)[0]
+
+
 def bus_bandwidth(op: str, n: int, size: float, seconds: float) -> float:
     """nccl-tests bus bandwidth (bytes/s) of a collective that moved `size` in `seconds`."""
     algbw = size / seconds

@@ -273,15 +273,15 @@ def layer_ops(shape: LayerShape) -> list[Op]:
     def tp_in(name, pair, conj_pair, wgrad_pair):
         """Collective entering a column-parallel GEMM (SP all-gather / bwd all-reduce). With
         overlap.tp (TransformerEngine's defaults): the forward all-gather by ring exchange
-        against the GEMM; the backward reduce-scatter (or all-reduce) of the input gradient in
-        bulk beside the weight-gradient GEMM."""
+        against the GEMM, the all-reduce beside the weight-gradient GEMM; the SP reduce-scatter
+        of the input gradient runs beside it always (Megatron-LM's asynchronous one)."""
         if tp == 1:
             return
         size = T * h * e
         if shape.sp:
             fwd.append(_comm(name + ".ag", "fwd", "all_gather", size, "tp", pair))
             bwd.append([_comm(name + ".rs.bwd", "bwd", "reduce_scatter", size, "tp", wgrad_pair,
-                              chunks=BULK),
+                              always=True, chunks=BULK),
                         _comm(name + ".ag.bwd", "bwd", "all_gather", size, "tp", conj_pair,
                               always=True)])
         else:
@@ -312,12 +312,11 @@ def layer_ops(shape: LayerShape) -> list[Op]:
     # -- attention block ---------------------------------------------------------------------
     norm("attn_norm")
     if shape.parallel_block and dense_mlp:
-        tp_in("qkv_fc1", "qkv_fc1", "qkv_fc1.dgrad", "qkv_fc1.wgrad")
-        add(_gemm("qkv_fc1", T, (q_dim + 2 * kv_dim + n_in * ffn) / tp, h,
-                  gem.qkv * T / tp + mlp_in_flops, e, bias=gpt))
+        # one gather for both branches, cut against FC1; QKV reads it whole (MegaScale Fig. 3b)
+        tp_in("block_in", "fc1", "fc1.dgrad", "fc1.wgrad")
     else:
         tp_in("qkv", "qkv", "qkv.dgrad", "qkv.wgrad")
-        add(_gemm("qkv", T, (q_dim + 2 * kv_dim) / tp, h, gem.qkv * T / tp, e, bias=gpt))
+    add(_gemm("qkv", T, (q_dim + 2 * kv_dim) / tp, h, gem.qkv * T / tp, e, bias=gpt))
     if not gpt:
         n_rot = T * (q_dim + kv_dim) / tp
         if shape.fused:
@@ -331,6 +330,7 @@ def layer_ops(shape: LayerShape) -> list[Op]:
         add(pair)
     if shape.parallel_block and dense_mlp:
         # both branches end in a row-parallel GEMM; their sum needs one reduction (PaLM)
+        add(_gemm("fc1", T, n_in * ffn / tp, h, mlp_in_flops, e))
         activation()
         add(_gemm("fc2", T, h, ffn / tp, mlp_out_flops, e))
         add(_mem("branch_sum", 3 * e * T * h, 0.0, T * h))

@@ -102,34 +102,37 @@ def grad_reduce_exposed(b: Buckets, b_last: float, pp: int, v: int) -> float:
     a bucket is reduced as soon as its gradients are final).
 
     One chunk per rank: the buckets reduce during the last microbatch's backward (`b_last`),
-    the last bucket after it (`buckets_exposed`). Interleaved (v chunks): the gradients of chunks
-    1..v-1 are final when the schedule's last group of pp chunk-0 backwards starts (Megatron's
-    interleaved order runs the backwards of pp microbatches per chunk), so they reduce behind
-    those pp chunk backwards (pp x b_last / v); chunk 0's share behind its own last backward,
-    as above. Mirrored, the same holds for the updated parameters' all-gather before the first
-    forwards (Megatron's overlap_param_gather: chunk 0's parameters first, behind its first
-    forward; the other chunks' behind the first group of pp chunk-0 forwards), with `b_last`
-    the first microbatch's forward."""
+    the last bucket after it (`buckets_exposed`). Interleaved (v chunks, each its own buckets,
+    MegaScale 3.2's "overlapping on a model chunk basis"): Megatron's order ends with groups
+    of pp backwards per chunk, chunk v-1 first, so chunk j >= 1 is final j x G before the end
+    (G = pp x b_last / v). Its share r = t (v-1)/v / (v-1) queues on one communication stream:
+    the last of them ends max(0, (v-1)(r - G)) after the backward; chunk 0's share then follows
+    the bucket rule behind its own last backward (b_last / v). Mirrored, the same holds for the
+    updated parameters' all-gather before the first forwards (Megatron's overlap_param_gather:
+    chunk j's parameters are needed j x G after the start), with `b_last` the first
+    microbatch's forward."""
     if pp <= 1 or v <= 1:
         return buckets_exposed(b, b_last)
     own = b.scaled(1 / v)
-    rest = b.total - own.total
-    b_chunk = b_last / v
-    return max(0.0, rest - pp * b_chunk) + buckets_exposed(own, b_chunk)
+    r = (b.total - own.total) / (v - 1)
+    return (v - 1) * max(0.0, r - pp * b_last / v) + buckets_exposed(own, b_last / v)
 
 
 @lru_cache(maxsize=4096)
-def overlap_interference(hw: Hardware, mem_share: float, grp: coll.Group) -> float:
+def overlap_interference(hw: Hardware, mem_share: float, grp: coll.Group, sms_taken: int = 0
+                         ) -> float:
     """Extra compute time per second of `grp`'s communication hidden behind it (module
-    docstring): s / (1 - s) with s = NCCL's channels over the device's SMs, plus the
-    memory-bound share of the compute (`mem_share`) slowed by the HBM bandwidth the collective
-    takes (its per-rank bus rate x NCCL_HBM_BYTES_PER_WIRE_BYTE of the device's)."""
+    docstring): s / (1 - s) with s = the SMs the communication holds (`sms_taken`, else NCCL's
+    channels, one thread block each) over the device's SMs, plus the memory-bound share of the
+    compute (`mem_share`) slowed by the HBM bandwidth the collective takes (its per-rank bus
+    rate x NCCL_HBM_BYTES_PER_WIRE_BYTE of the device's). TransformerEngine's ring exchange
+    (`initialize_ub` defaults: num_sm 1, use_ce) moves its chunks by copy engine: one SM."""
     from myria.sim.hardware import NCCL_CHANNELS, NCCL_HBM_BYTES_PER_WIRE_BYTE, SM_COUNT
 
     sms = SM_COUNT.get(hw.device)
     if not sms or hw.cpu is not None:
         return OVERLAP_INTERFERENCE
-    s = NCCL_CHANNELS / sms
+    s = (sms_taken or NCCL_CHANNELS) / sms
     hbm = min(0.9, NCCL_HBM_BYTES_PER_WIRE_BYTE * grp.ring_busbw / hw.mem_bw) \
         if grp.n > 1 else 0.0
     return s / (1 - s) + mem_share * hbm / (1 - hbm)
@@ -184,6 +187,45 @@ def expected_max_jitter(n: int, tail_share: float = 0.0, tail_excess: float = 0.
     fn = np.exp(n * np.log(np.clip(cdf, 1e-300, 1.0)))
     dx = x[1] - x[0]
     return float(np.sum(np.where(x > 0, 1 - fn, -fn)) * dx)
+
+
+def exchange_wait(hw: Hardware, fwd: float, bwd: float, pp: int, v: int) -> float:
+    """Seconds per microbatch a pipeline rank waits for its neighbours when its sends and
+    receives are bundled and blocking (Megatron-LM without overlap_p2p_comm: an exchange ends
+    only when both neighbours have posted theirs), with each operation's time spread
+    independently by `hw.jitter`'s sigma (a share of the operation's time, the rank-jitter prior
+    at the grain of one chunk; the straggler tail is not applied here). In the interleaved
+    steady state every exchange follows one forward and one backward chunk, so the ranks move
+    in lockstep around the ring of stages (the last stage feeds the first's next chunk), each
+    step taking `lockstep_rate`(pp) x the spread of one chunk pair longer than its mean:
+    sigma x rate x sqrt(F^2 + B^2) / v per exchange, v exchanges per microbatch.
+    `bench/sim_pp_exchange.py` replays Megatron's order with the spread: the closed form is
+    within ~10% of the replay, asynchronous sends (overlap.pp) lose almost nothing to the same
+    spread, and with one chunk per rank (1F1B) the bundling adds nothing beyond the schedule's
+    own dependencies, so v = 1 is charged nothing. 0 on a measured device, as `sync_wait`."""
+    if pp <= 1 or v <= 1 or hw.cpu is not None or hw.measured:
+        return 0.0
+    return hw.jitter[0] * lockstep_rate(pp) * math.hypot(fwd, bwd)
+
+
+@lru_cache(maxsize=256)
+def lockstep_rate(n: int) -> float:
+    """Mean growth per exchange, in units of one step's spread, of n ranks in a ring that each
+    wait for both neighbours at every exchange: t_i <- max(t_i-1, t_i, t_i+1) + Z_i, Z standard
+    normal. 1/sqrt(pi) for two ranks, E[max of 3] = 0.85 for three, rising towards ~1.14
+    (last-passage percolation, no closed form: simulated once per n, 32 rings x 2,000
+    exchanges, a fixed seed, +-1%)."""
+    if n <= 1:
+        return 0.0
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    steps, rings = 2000, 32
+    t = np.zeros((rings, n))
+    for _ in range(steps):
+        t = np.maximum(np.maximum(np.roll(t, 1, 1), t), np.roll(t, -1, 1)) + \
+            rng.standard_normal((rings, n))
+    return float(t.mean() / steps)
 
 
 def comm_cost(t: float, exposed: float, kappa: float = OVERLAP_INTERFERENCE) -> float:

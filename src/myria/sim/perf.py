@@ -58,7 +58,13 @@ from myria.sim.operators import (
     layer_shape,
 )
 from myria.sim.optimizer import optimizer_time
-from myria.sim.overlap import chunked_exposed, comm_cost, overlap_interference, sync_wait
+from myria.sim.overlap import (
+    chunked_exposed,
+    comm_cost,
+    exchange_wait,
+    overlap_interference,
+    sync_wait,
+)
 from myria.sim.runspec import ModelSpec, RunSpec, model_config_of
 from myria.sim.step_result import StepResult
 
@@ -124,10 +130,8 @@ def _sum_ops(ops: tuple[Op, ...], overlap_tp: bool, tp: int, cp: int,
             t, algo = fn(op.bytes, groups[op.group])
             if op.group == "tp":
                 hide = by_name.get(op.pair, 0.0)
-                if op.always_overlap:
-                    exposed = max(0.0, t - hide)
-                elif overlap_tp and op.pair and _tp_chunks(op, tp) == 1:   # bulk
-                    exposed = max(0.0, t - hide)
+                if op.always_overlap or (overlap_tp and op.pair and _tp_chunks(op, tp) == 1):
+                    exposed = max(0.0, t - hide)   # beside an independent GEMM (bulk)
                 elif overlap_tp and op.pair:
                     exposed = chunked_exposed(t, _tp_chunks(op, tp), hide)
                 else:
@@ -137,8 +141,10 @@ def _sum_ops(ops: tuple[Op, ...], overlap_tp: bool, tp: int, cp: int,
             else:
                 exposed = t
             ph.comm_detail[op.group] = algo
-            val = comm_cost(t, exposed, overlap_interference(hw, round(mem_share, 2),
-                                                         groups[op.group]))
+            # TransformerEngine's ring exchange moves its chunks by copy engine (one SM)
+            ring = overlap_tp and op.pair and op.chunks == 0 and not op.always_overlap
+            val = comm_cost(t, exposed, overlap_interference(
+                hw, round(mem_share, 2), groups[op.group], 1 if ring and op.group == "tp" else 0))
         else:
             val = op.time + split.get(op.name, 0.0)
             if op.wgrad:
@@ -349,26 +355,17 @@ def clear_caches() -> None:
     memory.clear_caches()
     for fn in (network.pattern_factor, layout_groups, _layer_summary, _head_summary, _model_flops,
                overlap.overlap_interference, overlap.expected_max_normal,
-               overlap.expected_max_jitter, _shape, _model_config, _rank_layers, dp_collectives,
+               overlap.expected_max_jitter, overlap.lockstep_rate, _shape, _model_config,
+               _rank_layers, dp_collectives,
                op_timing.timed_layer_ops, op_timing.timed_head_ops):
         fn.cache_clear()
 
 
 def _p2p_time(run: RunSpec, cfg: ModelConfig, groups: dict) -> float:
-    """Pipeline point-to-point time per chunk boundary (Megatron's scatter/gather
-    optimisation: each TP rank sends 1/tp across the network, then an NVLink all-gather
-    rebuilds the tensor)."""
+    """Pipeline point-to-point time per chunk boundary (`collectives.pipeline_p2p`)."""
     par = run.parallel
-    if par.pp <= 1:
-        return 0.0
     act = run.training.micro_batch * cfg.seq_len / par.cp * cfg.hidden * run.act_bytes
-    grp = groups["pp"]
-    if par.tp > 1 and (par.sequence_parallel or grp.k > 1):
-        t = coll.p2p(act / par.tp, grp)[0]
-        if not par.sequence_parallel:
-            t += coll.all_gather(act, groups["tp"])[0]
-        return t
-    return coll.p2p(act, grp)[0]
+    return coll.pipeline_p2p(act, par.pp, par.tp, par.sequence_parallel, groups)
 
 
 def _stages(s: Step) -> dict:
@@ -398,9 +395,10 @@ def _stages(s: Step) -> dict:
             cats["grad_accumulate"] = acc * (m - 1) / m
             C += cats["grad_accumulate"]
         t_pp = 2 * v * s.t_p2p
-        steady = C + (comm_cost(t_pp, max(0.0, t_pp - C), s.k_pp) if ov.pp else t_pp)
-        stages[kind] = dict(F=F, B=B, W=W, C=C, steady=steady, fill=C + 2 * v * s.t_p2p,
-                            cats=cats)
+        # bundled blocking exchanges wait for the slower neighbour (`exchange_wait`)
+        wait = 0.0 if ov.pp else exchange_wait(s.hw, F, B, s.run.parallel.pp, v)
+        steady = C + wait + (comm_cost(t_pp, max(0.0, t_pp - C), s.k_pp) if ov.pp else t_pp)
+        stages[kind] = dict(F=F, B=B, W=W, C=C, steady=steady, fill=C + wait + t_pp, cats=cats)
     return stages
 
 
