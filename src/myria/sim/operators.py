@@ -1,19 +1,9 @@
-"""Per-operator roofline: FLOPs, bytes moved, intensity and time of every operator of a layer.
+"""Per-operator roofline: FLOPs, bytes moved, GEMM shapes and the time of every operator of a layer.
 
 FLOPs come from `myria.models.flops` (the one source of truth); this module adds the bytes each
-kernel moves through device memory, the GEMM shapes, and the time a kernel takes on a device:
-
-    t = max(FLOPs / (peak * E_GEMM * shape(M, N, K)),  bytes / (bandwidth * E_MEM)) + overhead
-
-for matrix products and FlashAttention, and bytes / (bandwidth * E_MEM) + overhead for the
-memory-bound rest (norms, activations, softmax, dropout, residual adds, cross-entropy), with the
-shape factor d / (d + GEMM_HALF_DIM) per GEMM dimension. Fused kernels read and write a tensor
-once; unfused, each elementwise step is an eager kernel at E_MEM_EAGER. E_GEMM is fitted to
-training runs, the other efficiencies and the per-kernel overhead come from published kernel
-microbenchmarks (`Efficiency`); on a device whose peaks were *measured* (the CPU) the
-efficiencies are 1. Their sources: docs/performance_model.md, "Operator model (roofline)" and
-"Reasons behind the simulator modules".
-"""
+kernel moves and its time on a device: the larger of its FLOPs at the shape-discounted GEMM rate
+and its bytes at the achievable bandwidth, plus a launch overhead, fused or eager. The formulas,
+constants and their sources: docs/performance_model.md, "Operator model (roofline)"."""
 
 from __future__ import annotations
 
@@ -34,13 +24,8 @@ from myria.sim.hardware import (
 
 @dataclass(frozen=True)
 class Efficiency:
-    """The constants of the roofline; docs/performance_model.md documents each one.
-
-    Only `gemm` is fitted (bench/sim_calibration.py --fit, on calibration_runs.toml alone).
-    `mem`, `mem_eager` and `kernel_overhead_s` come from published kernel microbenchmarks
-    (hardware.MEMORY_EFFICIENCY, KERNEL_LAUNCH_S); `half_dim` is an a-priori value the
-    calibration data hardly constrain (the fit's error moves by < 0.3 points over 0-64).
-    """
+    """The constants of the roofline (docs/performance_model.md documents each one): only
+    `gemm` is fitted (bench/sim_calibration.py --fit, on calibration_runs.toml alone)."""
 
     gemm: float = 0.7125          # E_GEMM (fitted): large-GEMM fraction of the dense peak
     half_dim: float = 32.0        # GEMM_HALF_DIM (prior): a dimension at half efficiency
