@@ -46,6 +46,16 @@ def run_cli(*args: str, env: dict | None = None, check: bool = True,
     return p
 
 
+def run_cli_all(*commands: list[str], **kw) -> list[subprocess.CompletedProcess]:
+    """`run_cli` of each of `commands` (independent ones), as many at a time as there are cores:
+    each is mostly one thread (imports, the planner), so a 2-core host runs two in the time of
+    one. Results in the order given."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(max_workers=max(1, os.cpu_count() or 1)) as pool:
+        return list(pool.map(lambda c: run_cli(*c, **kw), commands))
+
+
 def train(run_dir: Path, data: Path | str, *args: str, nproc: int = 1, env: dict | None = None,
           check: bool = True, timeout: float = 300) -> subprocess.CompletedProcess:
     """`myria train` into `run_dir` on the prepared corpus `data` with the config flags `args`,

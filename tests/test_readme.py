@@ -157,10 +157,10 @@ def test_every_readme_command_runs(scratch):
 
 def test_every_subcommand_answers_help():
     from myria.cli import COMMANDS
+    from tests.conftest import run_cli_all
 
-    for name in COMMANDS:
-        p = subprocess.run([sys.executable, "-m", "myria", name, "--help"], cwd=ROOT,
-                           capture_output=True, text=True, env=env(), timeout=120)
+    for name, p in zip(COMMANDS, run_cli_all(*([name, "--help"] for name in COMMANDS),
+                                             check=False, timeout=120)):
         assert p.returncode == 0 and "usage: myria" in p.stdout, (name, p.stderr[-2000:])
 
 

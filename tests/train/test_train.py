@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from myria.train.preflight import device_without_torch
-from tests.conftest import ROOT, TINY, final_params, losses, run_cli
+from tests.conftest import ROOT, TINY, final_params, losses, run_cli, run_cli_all
 from tests.conftest import train as train_job
 
 
@@ -283,16 +283,17 @@ def test_dry_run_prints_sizes():
 
 def test_dry_run_uses_every_setting_and_warns_on_a_poor_layout():
     base = ["train", "--config", "configs/llama3-8b.toml", "--dry-run", "--nproc", "64"]
-    plain = predicted_line(run_cli(*base).stdout)
-    full = predicted_line(run_cli(*base, "--parallel.activation_checkpoint=full").stdout)
-    no_sp = predicted_line(run_cli(*base, "--parallel.sequence_parallel=false").stdout)
+    # FSDP over 128 ranks without a pipeline reduce-scatters every microbatch's gradients
+    *runs, p = run_cli_all(base, [*base, "--parallel.activation_checkpoint=full"],
+                           [*base, "--parallel.sequence_parallel=false"],
+                           ["train", "--config", "configs/gpt3-175b.toml", "--dry-run",
+                            "--nnodes", "128", "--nproc", "8", "--parallel.pp=1",
+                            "--parallel.tp=8"])
+    plain, full, no_sp = (predicted_line(r.stdout) for r in runs)
     assert "recompute full" in full and "sequence parallel off" in no_sp
     act = {k: memory_parts(x)[0]["activations"] for k, x in
            (("plain", plain), ("full", full), ("no_sp", no_sp))}
     assert act["full"] < act["plain"] < act["no_sp"], act
-    # FSDP over 128 ranks without a pipeline reduce-scatters every microbatch's gradients
-    p = run_cli("train", "--config", "configs/gpt3-175b.toml", "--dry-run", "--nnodes", "128",
-                "--nproc", "8", "--parallel.pp=1", "--parallel.tp=8")
     warn = [x for x in p.stdout.splitlines() if x.startswith("# WARNING: predicted MFU")]
     assert warn and "`myria plan` predicts" in warn[0] and "tp=" in warn[0], p.stdout[-2000:]
 
