@@ -46,6 +46,7 @@ def _top_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    program = argv is None   # this process is the `myria` command, not a caller's function
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help") or argv[0] == "--version" or \
             argv[0] not in COMMANDS:
@@ -86,7 +87,10 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(f"unrecognized arguments: {' '.join(unknown)}")
         args.overrides = unknown
         args.argv = rest
-        return int(module.run(args) or 0)
+        code = int(module.run(args) or 0)
+        if program and getattr(module, "EXIT_AT_ONCE", False):
+            _exit_now(code)
+        return code
     except MyriaError as e:
         from myria.train.launch import record_worker_error
 
@@ -104,6 +108,20 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(f"myria {name}: interrupted", file=sys.stderr)
         return 130
+
+
+def _exit_now(code: int) -> None:
+    """End the process with `code` once its exit handlers ran and its output is flushed,
+    without the interpreter's finalization (see the command's EXIT_AT_ONCE)."""
+    import atexit
+    import logging
+    import os
+
+    atexit._run_exitfuncs()
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def _after_a_lost_peer(e: BaseException, run_dir: str | None) -> str | None:

@@ -17,6 +17,13 @@ from myria.errors import ConfigError
 ACCEPTS_OVERRIDES = True
 
 
+# Once the job's outcome is decided and written (summary, logs, exit status), the process ends
+# without the interpreter's finalization: it destroys torch's C++ objects (stores, the in-job
+# path's process groups) in no defined order, and one whose thread is still joinable aborts
+# the process ("terminate called without an active exception", SIGABRT): a finished job's
+# exit status would read -6 (seen in the in-job fault matrix). myria.cli._exit_now.
+EXIT_AT_ONCE = True
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", help="TOML run config (default: built-in defaults)")
     p.add_argument("--run-dir", required=True, help="run directory (checkpoints, metrics, logs, "
