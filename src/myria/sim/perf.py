@@ -20,7 +20,7 @@ behind the step and FLOP modules".
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from functools import lru_cache
 
 from myria.config import ModelConfig
@@ -41,13 +41,9 @@ from myria.sim.dataparallel import (
     stage_zero,
 )
 from myria.sim.hardware import Hardware, build_hardware
+from myria.sim.layer_cost import Phase, head_summary, layer_summary
 from myria.sim.memory import FRAGMENTATION, RESERVED_BYTES, MemoryResult, memory, stage_params
-from myria.sim.op_timing import (
-    ring_attention_time,
-    split_gemm_time,
-    timed_head_ops,
-    timed_layer_ops,
-)
+from myria.sim.op_timing import timed_head_ops, timed_layer_ops
 from myria.sim.operators import (
     DEFAULT_EFFICIENCY,
     MEASURED_EFFICIENCY,
@@ -59,7 +55,6 @@ from myria.sim.operators import (
 )
 from myria.sim.optimizer import optimizer_time
 from myria.sim.overlap import (
-    chunked_exposed,
     comm_cost,
     exchange_wait,
     overlap_interference,
@@ -69,113 +64,6 @@ from myria.sim.runspec import ModelSpec, RunSpec, model_config_of
 from myria.sim.step_result import StepResult
 
 REPLAY_MAX_OPS = 20000        # eager pipelines up to this many (m x pp x vpp) are replayed
-
-
-@dataclass
-class _Phase:
-    """Per-layer (or head) sums for one microbatch."""
-
-    fwd: float = 0.0
-    bwd: float = 0.0
-    wgrad: float = 0.0
-    attn_core_fwd: float = 0.0
-    fwd_cat: dict = field(default_factory=dict)
-    bwd_cat: dict = field(default_factory=dict)
-    comm_detail: dict = field(default_factory=dict)
-
-
-def _split_costs(ops: tuple[Op, ...], overlap_tp: bool, tp: int, hw: Hardware,
-                 eff: Efficiency, cp: int = 1) -> dict[str, float]:
-    """Seconds each kernel loses when overlapped communication cuts it into pieces: a TP
-    collective pipelined against the GEMM that consumes its gathered input (all-gather) or
-    produces its scattered output (reduce-scatter) needs the GEMM cut along the tokens, one
-    piece per chunk of the collective (`op_timing.split_gemm_time`; `_tp_chunks`). A GEMM that
-    a collective merely runs beside (bulk) is not cut; neither is a GEMM paired with a
-    collective overlapped whether or not overlap.tp is set (`Op.always_overlap`). Context
-    parallelism's ring hides its K/V exchange by running the FlashAttention kernels one key
-    block at a time (`op_timing.ring_attention_time`), always."""
-    out = {}
-    if cp > 1:
-        out = {op.name: ring_attention_time(op, cp, hw.peak_flops, hw.mem_bw, eff) - op.time
-               for op in ops if op.kind == "attn" and op.attn_core}
-    if not overlap_tp or tp <= 1:
-        return out
-    cut = {op.pair: _tp_chunks(op, tp) for op in ops
-           if op.kind == "comm" and op.group == "tp" and op.pair and not op.always_overlap
-           and _tp_chunks(op, tp) > 1}
-    out.update({op.name: split_gemm_time(op, cut[op.name], hw.peak_flops, hw.mem_bw, eff)
-                - op.time for op in ops if op.name in cut and op.kind == "gemm"})
-    return out
-
-
-def _tp_chunks(op: Op, tp: int) -> int:
-    """Pieces a TP collective is cut into under overlap.tp (`Op.chunks`: ring exchange = tp)."""
-    return tp if op.chunks == 0 else op.chunks
-
-
-def _sum_ops(ops: tuple[Op, ...], overlap_tp: bool, tp: int, cp: int,
-             groups: dict[str, coll.Group], hw: Hardware,
-             split: dict[str, float] | None = None) -> _Phase:
-    ph = _Phase()
-    split = split or {}
-    by_name = {op.name: op.time for op in ops if op.kind != "comm"}
-    busy = sum(o.time for o in ops if o.kind != "comm") or 1.0
-    mem_share = sum(o.time for o in ops if o.kind != "comm" and o.category == "memory") / busy
-    attn_time = {ph: sum(o.time + split.get(o.name, 0.0) for o in ops
-                         if o.attn_core and o.phase == ph) for ph in ("fwd", "bwd")}
-    for op in ops:
-        cat = op.category
-        if op.kind == "comm":
-            fn = coll.COLLECTIVES[op.coll]
-            t, algo = fn(op.bytes, groups[op.group])
-            if op.group == "tp":
-                hide = by_name.get(op.pair, 0.0)
-                if op.always_overlap or (overlap_tp and op.pair and _tp_chunks(op, tp) == 1):
-                    exposed = max(0.0, t - hide)   # beside an independent GEMM (bulk)
-                elif overlap_tp and op.pair:
-                    exposed = chunked_exposed(t, _tp_chunks(op, tp), hide)
-                else:
-                    exposed = t
-            elif op.group == "cp":
-                exposed = max(0.0, t - (cp - 1) / cp * attn_time[op.phase])
-            else:
-                exposed = t
-            ph.comm_detail[op.group] = algo
-            # TransformerEngine's ring exchange moves its chunks by copy engine (one SM)
-            ring = overlap_tp and op.pair and op.chunks == 0 and not op.always_overlap
-            val = comm_cost(t, exposed, overlap_interference(
-                hw, round(mem_share, 2), groups[op.group], 1 if ring and op.group == "tp" else 0))
-        else:
-            val = op.time + split.get(op.name, 0.0)
-            if op.wgrad:
-                ph.wgrad += val
-            if op.attn_core and op.phase == "fwd":
-                ph.attn_core_fwd += val
-        if op.phase == "fwd":
-            ph.fwd += val
-            ph.fwd_cat[cat] = ph.fwd_cat.get(cat, 0.0) + val
-        else:
-            ph.bwd += val
-            ph.bwd_cat[cat] = ph.bwd_cat.get(cat, 0.0) + val
-    return ph
-
-
-@lru_cache(maxsize=16384)
-def _layer_summary(shape: LayerShape, hw: Hardware, eff: Efficiency, overlap_tp: bool,
-                   groups_key: tuple) -> _Phase:
-    groups = layout_groups(hw, *groups_key)
-    ops = timed_layer_ops(shape, hw.peak_flops, hw.mem_bw, eff)
-    return _sum_ops(ops, overlap_tp, shape.tp, shape.cp, groups, hw,
-                    _split_costs(ops, overlap_tp, shape.tp, hw, eff, shape.cp))
-
-
-@lru_cache(maxsize=16384)
-def _head_summary(shape: LayerShape, first: bool, last: bool, hw: Hardware, eff: Efficiency,
-                  overlap_tp: bool, groups_key: tuple) -> _Phase:
-    groups = layout_groups(hw, *groups_key)
-    ops = timed_head_ops(shape, first, last, hw.peak_flops, hw.mem_bw, eff)
-    return _sum_ops(ops, overlap_tp, shape.tp, shape.cp, groups, hw,
-                    _split_costs(ops, overlap_tp, shape.tp, hw, eff, shape.cp))
 
 
 @lru_cache(maxsize=256)
@@ -280,7 +168,7 @@ class Step:
     shape: LayerShape
     cfg: ModelConfig
     groups: dict
-    lay: _Phase
+    lay: Phase
     recompute: float
     eager: bool
     n_layers: dict
@@ -332,7 +220,7 @@ def _layout_context(run: RunSpec, hw: Hardware, eff: Efficiency, key: tuple) -> 
     dp, hsdp = key[-4], key[-3]
     gkey = (par.tp, par.cp, par.ep, dp, par.pp)
     groups = layout_groups(hw, *gkey, hsdp)
-    lay = _layer_summary(shape, hw, eff, run.overlap.tp, gkey)
+    lay = layer_summary(shape, hw, eff, run.overlap.tp, gkey)
     eager = eager_supported(shape)
     n_layers = _stage_layers(run, eager)
     w_b = 4 if run.training.precision == "fp32" else 2
@@ -353,7 +241,7 @@ def clear_caches() -> None:
 
     _CONTEXTS.clear()
     memory.clear_caches()
-    for fn in (network.pattern_factor, layout_groups, _layer_summary, _head_summary, _model_flops,
+    for fn in (network.pattern_factor, layout_groups, layer_summary, head_summary, _model_flops,
                overlap.overlap_interference, overlap.expected_max_normal,
                overlap.expected_max_jitter, overlap.lockstep_rate, _shape, _model_config,
                _rank_layers, dp_collectives,
@@ -376,7 +264,7 @@ def _stages(s: Step) -> dict:
     stages = {}
     for kind, first, last in s.kinds:
         nl = s.n_layers[kind]
-        hp = _head_summary(s.shape, first, last, s.hw, s.eff, ov.tp, s.gkey)
+        hp = head_summary(s.shape, first, last, s.hw, s.eff, ov.tp, s.gkey)
         F = nl * lay.fwd + hp.fwd
         B = nl * (lay.bwd + s.recompute) + hp.bwd
         W = nl * lay.wgrad + hp.wgrad
