@@ -181,6 +181,7 @@ class Step:
     hsdp: int
     gkey: tuple
     m: int           # microbatches per step
+    stage_base: tuple  # `_stage_base`
 
 
 def _step_context(run: RunSpec, hw: Hardware, eff: Efficiency) -> Step:
@@ -225,13 +226,14 @@ def _layout_context(run: RunSpec, hw: Hardware, eff: Efficiency, key: tuple) -> 
     n_layers = _stage_layers(run, eager)
     w_b = 4 if run.training.precision == "fp32" else 2
     dpc = dp_collectives(shape, hw, gkey, hsdp, tuple(n_layers.items()), run.overlap.dp, w_b)
+    kinds, m = stage_kinds(par.pp), run.microbatches
     mem_layer = round((lay.fwd_cat.get("memory", 0.0) + lay.bwd_cat.get("memory", 0.0)) /
                       max(1e-30, lay.fwd + lay.bwd), 2)
     ctx = _CONTEXTS[key] = (
-        shape, cfg, groups, lay, eager, n_layers, stage_kinds(par.pp), dpc,
+        shape, cfg, groups, lay, eager, n_layers, kinds, dpc,
         overlap_interference(hw, mem_layer, groups["dp"]),
         overlap_interference(hw, mem_layer, groups["pp"]), _p2p_time(run, cfg, groups), w_b,
-        hsdp, gkey, run.microbatches)
+        hsdp, gkey, m, _stage_base(run, hw, eff, shape, lay, kinds, n_layers, gkey, eager, m))
     return ctx
 
 
@@ -256,33 +258,47 @@ def _p2p_time(run: RunSpec, cfg: ModelConfig, groups: dict) -> float:
     return coll.pipeline_p2p(act, par.pp, par.tp, par.sequence_parallel, groups)
 
 
-def _stages(s: Step) -> dict:
-    """Per kind of pipeline rank: one microbatch's forward F, backward B, weight-gradient W,
-    compute C, steady-state time and fill time, and its time by category."""
-    lay, v, m = s.lay, s.run.parallel.vpp, s.m
-    ov = s.run.overlap
-    stages = {}
-    for kind, first, last in s.kinds:
-        nl = s.n_layers[kind]
-        hp = head_summary(s.shape, first, last, s.hw, s.eff, ov.tp, s.gkey)
-        F = nl * lay.fwd + hp.fwd
-        B = nl * (lay.bwd + s.recompute) + hp.bwd
-        W = nl * lay.wgrad + hp.wgrad
+def _stage_base(run: RunSpec, hw: Hardware, eff: Efficiency, shape: LayerShape, lay: Phase,
+                kinds: tuple, n_layers: dict, gkey: tuple, eager: bool, m: int) -> tuple:
+    """Per kind of pipeline rank, what `_stages` needs that recomputation and the ZeRO stage do
+    not change: (kind, first, last, layers, head sums, forward F, weight-gradient W, time by
+    category of the layers and the head, gradient accumulation per microbatch or None)."""
+    out = []
+    for kind, first, last in kinds:
+        nl = n_layers[kind]
+        hp = head_summary(shape, first, last, hw, eff, run.overlap.tp, gkey)
         cats = {}
         for src, mult in ((lay.fwd_cat, nl), (lay.bwd_cat, nl),
                           (hp.fwd_cat, 1), (hp.bwd_cat, 1)):
             for c, val in src.items():
                 cats[c] = cats.get(c, 0.0) + mult * val
+        acc = None
+        if eager and m > 1:
+            # autograd adds each later microbatch's gradients into .grad: read two, write one
+            acc = sum(stage_params(shape, nl, first, last, run.parallel.ep)) * 3 * \
+                GRAD_BYTES / (hw.mem_bw * eff.mem)
+            acc = acc * (m - 1) / m
+        out.append((kind, first, last, nl, hp, nl * lay.fwd + hp.fwd,
+                    nl * lay.wgrad + hp.wgrad, cats, acc))
+    return tuple(out)
+
+
+def _stages(s: Step) -> dict:
+    """Per kind of pipeline rank: one microbatch's forward F, backward B, weight-gradient W,
+    compute C, steady-state time and fill time, and its time by category."""
+    lay, v = s.lay, s.run.parallel.vpp
+    ov = s.run.overlap
+    stages = {}
+    t_pp = 2 * v * s.t_p2p
+    for kind, first, last, nl, hp, F, W, base, acc in s.stage_base:
+        B = nl * (lay.bwd + s.recompute) + hp.bwd
+        cats = dict(base)
         cats["recompute"] = nl * s.recompute
         cats["dp_zero3"], cats["dp_hidden"] = stage_zero(s, F, B, nl, first, last)
         C = F + B + cats["dp_zero3"]
-        if s.eager and m > 1:
-            # autograd adds each later microbatch's gradients into .grad: read two, write one
-            acc = sum(stage_params(s.shape, nl, first, last, s.run.parallel.ep)) * 3 * \
-                GRAD_BYTES / (s.hw.mem_bw * s.eff.mem)
-            cats["grad_accumulate"] = acc * (m - 1) / m
-            C += cats["grad_accumulate"]
-        t_pp = 2 * v * s.t_p2p
+        if acc is not None:
+            cats["grad_accumulate"] = acc
+            C += acc
         # bundled blocking exchanges wait for the slower neighbour (`exchange_wait`)
         wait = 0.0 if ov.pp else exchange_wait(s.hw, F, B, s.run.parallel.pp, v)
         steady = C + wait + (comm_cost(t_pp, max(0.0, t_pp - C), s.k_pp) if ov.pp else t_pp)
