@@ -109,9 +109,33 @@ def run_shape(run: RunSpec) -> LayerShape:
                   run.act_bytes, run.training.precision == "fp8", k.eager)
 
 
+class _ModelKey(tuple):
+    """(field, value) pairs of a [model] section that hash once: every cache lookup of the step
+    and memory models hashes the key again."""
+
+    def __hash__(self) -> int:
+        h = self.__dict__.get("hash")
+        if h is None:
+            h = self.__dict__["hash"] = tuple.__hash__(self)
+        return h
+
+
+_MODEL_KEYS: dict = {}   # id(model section) -> (the section, a copy of its fields, its key)
+
+
 def _model_key(run: RunSpec) -> tuple:
-    """The run's [model] section as hashable (field, value) pairs (every field is a scalar)."""
-    return tuple(vars(run.model).items())
+    """The run's [model] section as hashable (field, value) pairs (every field is a scalar),
+    made once per section object while its fields stay as they were (the planner's candidates
+    share their base run's section)."""
+    m = run.model
+    hit = _MODEL_KEYS.get(id(m))
+    if hit is not None and hit[0] is m and hit[1] == m.__dict__:
+        return hit[2]
+    if len(_MODEL_KEYS) >= 256:
+        _MODEL_KEYS.clear()
+    key = _ModelKey(vars(m).items())
+    _MODEL_KEYS[id(m)] = (m, dict(m.__dict__), key)
+    return key
 
 
 @lru_cache(maxsize=256)
@@ -242,6 +266,7 @@ def clear_caches() -> None:
     from myria.sim import memory, network, op_timing, overlap
 
     _CONTEXTS.clear()
+    _MODEL_KEYS.clear()
     memory.clear_caches()
     for fn in (network.pattern_factor, layout_groups, layer_summary, head_summary, _model_flops,
                overlap.overlap_interference, overlap.expected_max_normal,
