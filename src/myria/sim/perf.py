@@ -67,8 +67,9 @@ REPLAY_MAX_OPS = 20000        # eager pipelines up to this many (m x pp x vpp) a
 
 
 @lru_cache(maxsize=256)
-def _describe(fabric) -> str:
-    return fabric.describe()
+def _describe(hw: Hardware) -> str:
+    """`hw.fabric.describe()`, looked up by the hardware (whose hash is computed once)."""
+    return hw.fabric.describe()
 
 
 @lru_cache(maxsize=4096)
@@ -494,7 +495,7 @@ def _result(s: Step, total: float, bd: dict, mem: MemoryResult, stages: dict, cr
         "efficiency": {"gemm": eff.gemm, "half_dim": eff.half_dim, "mem": eff.mem,
                        "mem_eager": dict(eff.mem_eager),
                        "kernel_overhead_s": eff.kernel_overhead_s},
-        "fabric": _describe(hw.fabric),
+        "fabric": _describe(hw),
     }
     return StepResult(
         name=run.name, iteration_time_s=total,
