@@ -1,13 +1,16 @@
 """Planner speed: layouts evaluated per second by `myria plan` (target >= 10,000 in <= 10 s).
 
-    .venv/bin/python bench/plan_speed.py [CASE ...]
+    .venv/bin/python bench/plan_speed.py [CASE ...] [--dump FILE | --check FILE]
 
 Runs the full search (tp, pp, cp, ep, vpp, micro-batch, sequence parallelism, recomputation,
 ZeRO stage; every candidate priced by the memory model, each that fits by the step model too)
 for three models, each with cold caches (`perf.clear_caches`), and writes
 bench/results/sim_plan_speed.json. Wall seconds are the target's measure; the process's CPU
 seconds and the load average are recorded beside them, because on a shared host the wall time
-counts the other processes' turns too.
+counts the other processes' turns too. `--dump FILE` writes each case's first 50 layouts as the
+planner ranks them (every figure of `StepResult.to_json` and the memory in bytes) and `--check
+FILE` compares a run with such a file: a change meant to make the planner faster must leave
+them equal, float for float.
 """
 
 from __future__ import annotations
@@ -88,9 +91,33 @@ gpus = 256
 }
 
 
-def main(names: list[str]) -> int:
+TOP = 50   # layouts per case that --dump and --check compare
+
+
+def ranking(res) -> dict:
+    """A PlanResult as JSON, floats exact: counts and the ranked layouts (to_json, memory in
+    bytes); what --dump writes and --check compares."""
+    import dataclasses
+
+    def one(r):
+        return None if r is None else {**r.to_json(), "memory": dataclasses.asdict(r.memory)}
+
+    return json.loads(json.dumps({
+        "evaluated": res.evaluated, "fitting": res.fitting, "offloaded": res.offloaded,
+        "ranked": [one(r) for r in res.ranked], "best_unfitting": one(res.best_unfitting),
+        "best_runnable": one(res.best_runnable), "best_runnable_rank": res.best_runnable_rank},
+        default=repr))
+
+
+def main(argv: list[str]) -> int:
     import os
 
+    dump = check = None
+    if "--dump" in argv or "--check" in argv:
+        i = argv.index("--dump") if "--dump" in argv else argv.index("--check")
+        dump, check = (argv[i + 1], None) if argv[i] == "--dump" else (None, argv[i + 1])
+        argv = argv[:i] + argv[i + 2:]
+    names, rankings = argv, {}
     rows = []
     print(f"{'case':<24}{'layouts':>10}{'fit':>8}{'seconds':>9}{'layouts/s':>11}  best layout "
           "(MFU)")
@@ -100,8 +127,10 @@ def main(names: list[str]) -> int:
         base = runspec.parse_run(tomllib.loads(text) | {"name": name}, check=False)
         perf.clear_caches()
         t0, c0 = time.perf_counter(), time.process_time()
-        res = plan(base, top=3)
+        res = plan(base, top=TOP if dump or check else 3)
         dt, cpu = time.perf_counter() - t0, time.process_time() - c0
+        if dump or check:
+            rankings[name] = ranking(res)
         best = res.ranked[0] if res.ranked else None
         lay = best.layout if best else {}
         desc = (f"tp{lay['tp']} pp{lay['pp']} dp{lay['dp']} cp{lay['cp']} ep{lay['ep']} "
@@ -127,6 +156,16 @@ def main(names: list[str]) -> int:
                                f"{platform.machine()} CPU (2 cores, shared)",
                                "date": time.strftime("%Y-%m-%d"), "rows": rows}, indent=1))
     print(f"wrote {OUT}")
+    if dump:
+        Path(dump).write_text(json.dumps(rankings))
+        print(f"wrote the first {TOP} layouts of each case to {dump}")
+    if check:
+        want = json.loads(Path(check).read_text())
+        same = [n for n in rankings if rankings[n] == want.get(n)]
+        print(f"rankings equal to {check}: {len(same)} of {len(rankings)} cases "
+              f"({', '.join(n for n in rankings if n not in same) or 'none'} differ)")
+        if len(same) < len(rankings):
+            return 1
     return 0 if ok and big else 1
 
 

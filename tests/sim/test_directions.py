@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from myria.sim import layer_cost
 from myria.sim.perf import simulate
 
 
@@ -161,9 +162,9 @@ def test_context_parallel_ring_pays_for_cutting_attention(llama):
         + 3 * eff.kernel_overhead_s
     got = ring_attention_time(fa, 4, hw.peak_flops, hw.mem_bw, eff) - fa.time
     assert got == pytest.approx(want, rel=1e-6) and 0.1 * fa.time < got < 0.4 * fa.time
-    cut = perf._split_costs(ops, False, shape.tp, hw, eff, shape.cp)
+    cut = layer_cost.split_costs(ops, False, shape.tp, hw, eff, shape.cp)
     assert set(cut) == {"flash_attn", "flash_attn.bwd"} and all(v > 0 for v in cut.values())
-    assert perf._split_costs(ops, False, shape.tp, hw, eff) == {}
+    assert layer_cost.split_costs(ops, False, shape.tp, hw, eff) == {}
     attn = lambda r: simulate(r).breakdown["compute_attention"]  # noqa: E731
     assert attn(cp) > 1.05 * attn(long)
 
@@ -353,14 +354,14 @@ def test_tp_overlap_pays_for_cutting_its_gemms(llama):
     wg = gemms["fc1.wgrad"]                              # its tokens are the reduction dim
     assert split_gemm_time(wg, 8, hw.peak_flops, hw.mem_bw, eff) > wg.time
     # only the GEMMs a chunked TP collective pipelines against pay, and only with overlap.tp
-    cut = perf._split_costs(ops, True, shape.tp, hw, eff)
+    cut = layer_cost.split_costs(ops, True, shape.tp, hw, eff)
     assert set(cut) == {"qkv", "fc1", "attn_out", "fc2", "attn_out.dgrad", "fc2.dgrad"}
     assert cut["fc2"] == pytest.approx(split_gemm_time(gemms["fc2"], 4, hw.peak_flops,
                                                        hw.mem_bw, eff) - gemms["fc2"].time)
     assert cut["fc1"] == pytest.approx(got)
     assert all(v > 0 for v in cut.values())
-    assert perf._split_costs(ops, False, shape.tp, hw, eff) == {}
-    assert perf._split_costs(ops, True, 1, hw, eff) == {}
+    assert layer_cost.split_costs(ops, False, shape.tp, hw, eff) == {}
+    assert layer_cost.split_costs(ops, True, 1, hw, eff) == {}
     # the ring exchange moves its chunks by copy engine (TransformerEngine: num_sm 1, use_ce):
     # what it hides slows the GEMM by one SM's share, not by NCCL's 16 channels'
     from myria.sim.collectives import layout_groups
@@ -375,7 +376,8 @@ def test_tp_overlap_pays_for_cutting_its_gemms(llama):
     # is pipelined against the FFN's GEMM only; QKV reads the gathered input whole
     block = perf.run_shape(run.replace(model={"parallel_block": True}))
     ops_b = timed_layer_ops(block, hw.peak_flops, hw.mem_bw, eff)
-    assert set(perf._split_costs(ops_b, True, block.tp, hw, eff)) == {"fc1", "fc2", "fc2.dgrad"}
+    assert set(layer_cost.split_costs(ops_b, True, block.tp, hw, eff)) == \
+        {"fc1", "fc2", "fc2.dgrad"}
     assert {o.pair for o in ops_b if o.name.startswith("block_in.")} == \
         {"fc1", "fc1.wgrad", "fc1.dgrad"}
     on, off = simulate(run), simulate(llama)
@@ -402,7 +404,7 @@ def test_megatron_hides_the_input_gradient_reduce_scatter_beside_wgrad(llama):
     t = {o.name: COLLECTIVES[o.coll](o.bytes, groups["tp"])[0] for o in ops if o.group == "tp"}
     hidden = {n for n in t if n.endswith(".rs.bwd") or n in ("qkv.ag.bwd", "fc1.ag.bwd")}
     assert len(t) == 10 and len(hidden) == 4
-    ph = perf._sum_ops(ops, False, shape.tp, 1, groups, hw)
+    ph = layer_cost.sum_ops(ops, False, shape.tp, 1, groups, hw)
     paid = ph.fwd_cat["tp"] + ph.bwd_cat["tp"]
     exposed = sum(v for n, v in t.items() if n not in hidden)
     assert exposed < paid < exposed + 0.3 * sum(t[n] for n in hidden)

@@ -91,6 +91,7 @@ def dp_collectives(shape: LayerShape, hw: Hardware, gkey: tuple, hsdp: int,
 
 
 GRAD_BYTES = 4   # gradients reduce in fp32
+NO_BUCKETS = Buckets()   # no traffic (frozen: shared)
 
 
 def stage_zero(s, F: float, B: float, nl: float, first: bool, last: bool
@@ -108,8 +109,8 @@ def stage_zero(s, F: float, B: float, nl: float, first: bool, last: bool
     # also gathers each unit before its forward (behind the forward) and again before its
     # backward (behind the backward); without resharding the parameters are gathered once
     # per step (`dp_time`)
-    rs = Buckets() if deferred_reduce(s) else s.dpc.f_rs
-    ag = s.dpc.f_ag if tr.zero_stage >= 3 and tr.reshard_after_forward else Buckets()
+    rs = NO_BUCKETS if deferred_reduce(s) else s.dpc.f_rs
+    ag = s.dpc.f_ag if tr.zero_stage >= 3 and tr.reshard_after_forward else NO_BUCKETS
     bwd = rs + ag
     if not run.overlap.dp:
         return ag.total + bwd.total, 0.0

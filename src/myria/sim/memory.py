@@ -76,6 +76,18 @@ def layer_act(shape: LayerShape, recompute: str) -> float:
     return layer_activation_bytes(shape, recompute)
 
 
+@lru_cache(maxsize=16384)
+def _shape_bytes(shape: LayerShape, recompute: str) -> tuple:
+    """What `memory` reads of a layer shape under a recomputation policy: (a layer's kept
+    activations, what its backward regrows by recomputing, its backward's transient gradients,
+    the embedding's and the output layer's activations)."""
+    a_layer = layer_act(shape, recompute)
+    regrown = layer_act(shape, "none") - a_layer if recompute != "none" else 0.0
+    return (a_layer, regrown, backward_transient_bytes(shape),
+            (head_activation_bytes(shape, False, False), head_activation_bytes(shape, True, False)),
+            head_activation_bytes(shape, False, True))
+
+
 @dataclass
 class MemoryResult:
     """Peak memory of the busiest device, in bytes, by kind."""
@@ -110,7 +122,7 @@ def layer_params(shape: LayerShape):
 
 def clear_caches() -> None:
     """Empty this module's caches (a cold start, for timing)."""
-    for fn in (layer_params, layer_act, stage_params):
+    for fn in (layer_params, layer_act, stage_params, _shape_bytes):
         fn.cache_clear()
 
 
@@ -150,7 +162,7 @@ def memory(shape: LayerShape, *, layers: int, pp: int, vpp: int, microbatches: i
     # ZeRO shards over the gradient-reduction ranks (dp x cp), or over an HSDP shard group
     shard = max(1, shard or dp)
     expert_shard = max(1, dp // ep)
-    a_layer = layer_act(shape, recompute)
+    a_layer, regrown_layer, transient, head_first, head_last = _shape_bytes(shape, recompute)
     results = []
     stages = [("only", True, True)] if pp == 1 else [("first", True, False),
                                                      ("last", False, True)]
@@ -203,18 +215,19 @@ def memory(shape: LayerShape, *, layers: int, pp: int, vpp: int, microbatches: i
         # 1F1B, all m under GPipe)
         # the output layer sits in the last chunk, which holds one microbatch between its
         # forward and backward (all m under GPipe), whatever the rank's other chunks hold
-        head = head_activation_bytes(shape, first, False) * in_flight
+        head = head_first[first] * in_flight
         if last:
-            head += head_activation_bytes(shape, False, True) * (
-                in_flight if pp == 1 or schedule == "gpipe" else 1.0)
-        regrown = layer_act(shape, "none") - a_layer if recompute != "none" and per_stage else 0.0
-        temp += max(head, regrown + backward_transient_bytes(shape))
+            head += head_last * (in_flight if pp == 1 or schedule == "gpipe" else 1.0)
+        regrown = regrown_layer if per_stage else 0.0
+        temp += max(head, regrown + transient)
         dynamic = w + g + o + act + temp
         total = dynamic * (1 + fragmentation) + reserved
-        results.append(MemoryResult(w, g, o, act, temp + dynamic * fragmentation,
-                                    reserved, total, capacity, total <= capacity, name,
-                                    dense + expert, host))
-    return max(results, key=lambda r: r.total)
+        results.append((total, w, g, o, act, temp + dynamic * fragmentation, name,
+                        dense + expert, host))
+    # the first of the largest, built once
+    total, w, g, o, act, temp, name, params, host = max(results, key=lambda r: r[0])
+    return MemoryResult(w, g, o, act, temp, reserved, total, capacity, total <= capacity, name,
+                        params, host)
 
 
 def ssm_state_elements(cfg, kind: str) -> int:

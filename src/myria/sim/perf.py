@@ -20,7 +20,7 @@ behind the step and FLOP modules".
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from functools import lru_cache
 
 from myria.config import ModelConfig
@@ -41,13 +41,9 @@ from myria.sim.dataparallel import (
     stage_zero,
 )
 from myria.sim.hardware import Hardware, build_hardware
+from myria.sim.layer_cost import Phase, head_summary, layer_summary
 from myria.sim.memory import FRAGMENTATION, RESERVED_BYTES, MemoryResult, memory, stage_params
-from myria.sim.op_timing import (
-    ring_attention_time,
-    split_gemm_time,
-    timed_head_ops,
-    timed_layer_ops,
-)
+from myria.sim.op_timing import timed_head_ops, timed_layer_ops
 from myria.sim.operators import (
     DEFAULT_EFFICIENCY,
     MEASURED_EFFICIENCY,
@@ -59,7 +55,6 @@ from myria.sim.operators import (
 )
 from myria.sim.optimizer import optimizer_time
 from myria.sim.overlap import (
-    chunked_exposed,
     comm_cost,
     exchange_wait,
     overlap_interference,
@@ -71,116 +66,10 @@ from myria.sim.step_result import StepResult
 REPLAY_MAX_OPS = 20000        # eager pipelines up to this many (m x pp x vpp) are replayed
 
 
-@dataclass
-class _Phase:
-    """Per-layer (or head) sums for one microbatch."""
-
-    fwd: float = 0.0
-    bwd: float = 0.0
-    wgrad: float = 0.0
-    attn_core_fwd: float = 0.0
-    fwd_cat: dict = field(default_factory=dict)
-    bwd_cat: dict = field(default_factory=dict)
-    comm_detail: dict = field(default_factory=dict)
-
-
-def _split_costs(ops: tuple[Op, ...], overlap_tp: bool, tp: int, hw: Hardware,
-                 eff: Efficiency, cp: int = 1) -> dict[str, float]:
-    """Seconds each kernel loses when overlapped communication cuts it into pieces: a TP
-    collective pipelined against the GEMM that consumes its gathered input (all-gather) or
-    produces its scattered output (reduce-scatter) needs the GEMM cut along the tokens, one
-    piece per chunk of the collective (`op_timing.split_gemm_time`; `_tp_chunks`). A GEMM that
-    a collective merely runs beside (bulk) is not cut; neither is a GEMM paired with a
-    collective overlapped whether or not overlap.tp is set (`Op.always_overlap`). Context
-    parallelism's ring hides its K/V exchange by running the FlashAttention kernels one key
-    block at a time (`op_timing.ring_attention_time`), always."""
-    out = {}
-    if cp > 1:
-        out = {op.name: ring_attention_time(op, cp, hw.peak_flops, hw.mem_bw, eff) - op.time
-               for op in ops if op.kind == "attn" and op.attn_core}
-    if not overlap_tp or tp <= 1:
-        return out
-    cut = {op.pair: _tp_chunks(op, tp) for op in ops
-           if op.kind == "comm" and op.group == "tp" and op.pair and not op.always_overlap
-           and _tp_chunks(op, tp) > 1}
-    out.update({op.name: split_gemm_time(op, cut[op.name], hw.peak_flops, hw.mem_bw, eff)
-                - op.time for op in ops if op.name in cut and op.kind == "gemm"})
-    return out
-
-
-def _tp_chunks(op: Op, tp: int) -> int:
-    """Pieces a TP collective is cut into under overlap.tp (`Op.chunks`: ring exchange = tp)."""
-    return tp if op.chunks == 0 else op.chunks
-
-
-def _sum_ops(ops: tuple[Op, ...], overlap_tp: bool, tp: int, cp: int,
-             groups: dict[str, coll.Group], hw: Hardware,
-             split: dict[str, float] | None = None) -> _Phase:
-    ph = _Phase()
-    split = split or {}
-    by_name = {op.name: op.time for op in ops if op.kind != "comm"}
-    busy = sum(o.time for o in ops if o.kind != "comm") or 1.0
-    mem_share = sum(o.time for o in ops if o.kind != "comm" and o.category == "memory") / busy
-    attn_time = {ph: sum(o.time + split.get(o.name, 0.0) for o in ops
-                         if o.attn_core and o.phase == ph) for ph in ("fwd", "bwd")}
-    for op in ops:
-        cat = op.category
-        if op.kind == "comm":
-            fn = coll.COLLECTIVES[op.coll]
-            t, algo = fn(op.bytes, groups[op.group])
-            if op.group == "tp":
-                hide = by_name.get(op.pair, 0.0)
-                if op.always_overlap or (overlap_tp and op.pair and _tp_chunks(op, tp) == 1):
-                    exposed = max(0.0, t - hide)   # beside an independent GEMM (bulk)
-                elif overlap_tp and op.pair:
-                    exposed = chunked_exposed(t, _tp_chunks(op, tp), hide)
-                else:
-                    exposed = t
-            elif op.group == "cp":
-                exposed = max(0.0, t - (cp - 1) / cp * attn_time[op.phase])
-            else:
-                exposed = t
-            ph.comm_detail[op.group] = algo
-            # TransformerEngine's ring exchange moves its chunks by copy engine (one SM)
-            ring = overlap_tp and op.pair and op.chunks == 0 and not op.always_overlap
-            val = comm_cost(t, exposed, overlap_interference(
-                hw, round(mem_share, 2), groups[op.group], 1 if ring and op.group == "tp" else 0))
-        else:
-            val = op.time + split.get(op.name, 0.0)
-            if op.wgrad:
-                ph.wgrad += val
-            if op.attn_core and op.phase == "fwd":
-                ph.attn_core_fwd += val
-        if op.phase == "fwd":
-            ph.fwd += val
-            ph.fwd_cat[cat] = ph.fwd_cat.get(cat, 0.0) + val
-        else:
-            ph.bwd += val
-            ph.bwd_cat[cat] = ph.bwd_cat.get(cat, 0.0) + val
-    return ph
-
-
-@lru_cache(maxsize=16384)
-def _layer_summary(shape: LayerShape, hw: Hardware, eff: Efficiency, overlap_tp: bool,
-                   groups_key: tuple) -> _Phase:
-    groups = layout_groups(hw, *groups_key)
-    ops = timed_layer_ops(shape, hw.peak_flops, hw.mem_bw, eff)
-    return _sum_ops(ops, overlap_tp, shape.tp, shape.cp, groups, hw,
-                    _split_costs(ops, overlap_tp, shape.tp, hw, eff, shape.cp))
-
-
-@lru_cache(maxsize=16384)
-def _head_summary(shape: LayerShape, first: bool, last: bool, hw: Hardware, eff: Efficiency,
-                  overlap_tp: bool, groups_key: tuple) -> _Phase:
-    groups = layout_groups(hw, *groups_key)
-    ops = timed_head_ops(shape, first, last, hw.peak_flops, hw.mem_bw, eff)
-    return _sum_ops(ops, overlap_tp, shape.tp, shape.cp, groups, hw,
-                    _split_costs(ops, overlap_tp, shape.tp, hw, eff, shape.cp))
-
-
 @lru_cache(maxsize=256)
-def _describe(fabric) -> str:
-    return fabric.describe()
+def _describe(hw: Hardware) -> str:
+    """`hw.fabric.describe()`, looked up by the hardware (whose hash is computed once)."""
+    return hw.fabric.describe()
 
 
 @lru_cache(maxsize=4096)
@@ -221,9 +110,33 @@ def run_shape(run: RunSpec) -> LayerShape:
                   run.act_bytes, run.training.precision == "fp8", k.eager)
 
 
+class _ModelKey(tuple):
+    """(field, value) pairs of a [model] section that hash once: every cache lookup of the step
+    and memory models hashes the key again."""
+
+    def __hash__(self) -> int:
+        h = self.__dict__.get("hash")
+        if h is None:
+            h = self.__dict__["hash"] = tuple.__hash__(self)
+        return h
+
+
+_MODEL_KEYS: dict = {}   # id(model section) -> (the section, a copy of its fields, its key)
+
+
 def _model_key(run: RunSpec) -> tuple:
-    """The run's [model] section as hashable (field, value) pairs (every field is a scalar)."""
-    return tuple(vars(run.model).items())
+    """The run's [model] section as hashable (field, value) pairs (every field is a scalar),
+    made once per section object while its fields stay as they were (the planner's candidates
+    share their base run's section)."""
+    m = run.model
+    hit = _MODEL_KEYS.get(id(m))
+    if hit is not None and hit[0] is m and hit[1] == m.__dict__:
+        return hit[2]
+    if len(_MODEL_KEYS) >= 256:
+        _MODEL_KEYS.clear()
+    key = _ModelKey(vars(m).items())
+    _MODEL_KEYS[id(m)] = (m, dict(m.__dict__), key)
+    return key
 
 
 @lru_cache(maxsize=256)
@@ -280,7 +193,7 @@ class Step:
     shape: LayerShape
     cfg: ModelConfig
     groups: dict
-    lay: _Phase
+    lay: Phase
     recompute: float
     eager: bool
     n_layers: dict
@@ -293,6 +206,7 @@ class Step:
     hsdp: int
     gkey: tuple
     m: int           # microbatches per step
+    stage_base: tuple  # `_stage_base`
 
 
 def _step_context(run: RunSpec, hw: Hardware, eff: Efficiency) -> Step:
@@ -332,18 +246,19 @@ def _layout_context(run: RunSpec, hw: Hardware, eff: Efficiency, key: tuple) -> 
     dp, hsdp = key[-4], key[-3]
     gkey = (par.tp, par.cp, par.ep, dp, par.pp)
     groups = layout_groups(hw, *gkey, hsdp)
-    lay = _layer_summary(shape, hw, eff, run.overlap.tp, gkey)
+    lay = layer_summary(shape, hw, eff, run.overlap.tp, gkey)
     eager = eager_supported(shape)
     n_layers = _stage_layers(run, eager)
     w_b = 4 if run.training.precision == "fp32" else 2
     dpc = dp_collectives(shape, hw, gkey, hsdp, tuple(n_layers.items()), run.overlap.dp, w_b)
+    kinds, m = stage_kinds(par.pp), run.microbatches
     mem_layer = round((lay.fwd_cat.get("memory", 0.0) + lay.bwd_cat.get("memory", 0.0)) /
                       max(1e-30, lay.fwd + lay.bwd), 2)
     ctx = _CONTEXTS[key] = (
-        shape, cfg, groups, lay, eager, n_layers, stage_kinds(par.pp), dpc,
+        shape, cfg, groups, lay, eager, n_layers, kinds, dpc,
         overlap_interference(hw, mem_layer, groups["dp"]),
         overlap_interference(hw, mem_layer, groups["pp"]), _p2p_time(run, cfg, groups), w_b,
-        hsdp, gkey, run.microbatches)
+        hsdp, gkey, m, _stage_base(run, hw, eff, shape, lay, kinds, n_layers, gkey, eager, m))
     return ctx
 
 
@@ -352,8 +267,9 @@ def clear_caches() -> None:
     from myria.sim import memory, network, op_timing, overlap
 
     _CONTEXTS.clear()
+    _MODEL_KEYS.clear()
     memory.clear_caches()
-    for fn in (network.pattern_factor, layout_groups, _layer_summary, _head_summary, _model_flops,
+    for fn in (network.pattern_factor, layout_groups, layer_summary, head_summary, _model_flops,
                overlap.overlap_interference, overlap.expected_max_normal,
                overlap.expected_max_jitter, overlap.lockstep_rate, _shape, _model_config,
                _rank_layers, dp_collectives,
@@ -368,33 +284,47 @@ def _p2p_time(run: RunSpec, cfg: ModelConfig, groups: dict) -> float:
     return coll.pipeline_p2p(act, par.pp, par.tp, par.sequence_parallel, groups)
 
 
-def _stages(s: Step) -> dict:
-    """Per kind of pipeline rank: one microbatch's forward F, backward B, weight-gradient W,
-    compute C, steady-state time and fill time, and its time by category."""
-    lay, v, m = s.lay, s.run.parallel.vpp, s.m
-    ov = s.run.overlap
-    stages = {}
-    for kind, first, last in s.kinds:
-        nl = s.n_layers[kind]
-        hp = _head_summary(s.shape, first, last, s.hw, s.eff, ov.tp, s.gkey)
-        F = nl * lay.fwd + hp.fwd
-        B = nl * (lay.bwd + s.recompute) + hp.bwd
-        W = nl * lay.wgrad + hp.wgrad
+def _stage_base(run: RunSpec, hw: Hardware, eff: Efficiency, shape: LayerShape, lay: Phase,
+                kinds: tuple, n_layers: dict, gkey: tuple, eager: bool, m: int) -> tuple:
+    """Per kind of pipeline rank, what `_stages` needs that recomputation and the ZeRO stage do
+    not change: (kind, first, last, layers, head sums, forward F, weight-gradient W, time by
+    category of the layers and the head, gradient accumulation per microbatch or None)."""
+    out = []
+    for kind, first, last in kinds:
+        nl = n_layers[kind]
+        hp = head_summary(shape, first, last, hw, eff, run.overlap.tp, gkey)
         cats = {}
         for src, mult in ((lay.fwd_cat, nl), (lay.bwd_cat, nl),
                           (hp.fwd_cat, 1), (hp.bwd_cat, 1)):
             for c, val in src.items():
                 cats[c] = cats.get(c, 0.0) + mult * val
+        acc = None
+        if eager and m > 1:
+            # autograd adds each later microbatch's gradients into .grad: read two, write one
+            acc = sum(stage_params(shape, nl, first, last, run.parallel.ep)) * 3 * \
+                GRAD_BYTES / (hw.mem_bw * eff.mem)
+            acc = acc * (m - 1) / m
+        out.append((kind, first, last, nl, hp, nl * lay.fwd + hp.fwd,
+                    nl * lay.wgrad + hp.wgrad, cats, acc))
+    return tuple(out)
+
+
+def _stages(s: Step) -> dict:
+    """Per kind of pipeline rank: one microbatch's forward F, backward B, weight-gradient W,
+    compute C, steady-state time and fill time, and its time by category."""
+    lay, v = s.lay, s.run.parallel.vpp
+    ov = s.run.overlap
+    stages = {}
+    t_pp = 2 * v * s.t_p2p
+    for kind, first, last, nl, hp, F, W, base, acc in s.stage_base:
+        B = nl * (lay.bwd + s.recompute) + hp.bwd
+        cats = dict(base)
         cats["recompute"] = nl * s.recompute
         cats["dp_zero3"], cats["dp_hidden"] = stage_zero(s, F, B, nl, first, last)
         C = F + B + cats["dp_zero3"]
-        if s.eager and m > 1:
-            # autograd adds each later microbatch's gradients into .grad: read two, write one
-            acc = sum(stage_params(s.shape, nl, first, last, s.run.parallel.ep)) * 3 * \
-                GRAD_BYTES / (s.hw.mem_bw * s.eff.mem)
-            cats["grad_accumulate"] = acc * (m - 1) / m
-            C += cats["grad_accumulate"]
-        t_pp = 2 * v * s.t_p2p
+        if acc is not None:
+            cats["grad_accumulate"] = acc
+            C += acc
         # bundled blocking exchanges wait for the slower neighbour (`exchange_wait`)
         wait = 0.0 if ov.pp else exchange_wait(s.hw, F, B, s.run.parallel.pp, v)
         steady = C + wait + (comm_cost(t_pp, max(0.0, t_pp - C), s.k_pp) if ov.pp else t_pp)
@@ -565,7 +495,7 @@ def _result(s: Step, total: float, bd: dict, mem: MemoryResult, stages: dict, cr
         "efficiency": {"gemm": eff.gemm, "half_dim": eff.half_dim, "mem": eff.mem,
                        "mem_eager": dict(eff.mem_eager),
                        "kernel_overhead_s": eff.kernel_overhead_s},
-        "fabric": _describe(hw.fabric),
+        "fabric": _describe(hw),
     }
     return StepResult(
         name=run.name, iteration_time_s=total,
