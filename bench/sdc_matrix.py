@@ -20,12 +20,12 @@ A tiny model (the test suite's TINY) trains 8 steps on 2 or 4 gloo ranks with ch
 `--snapshots`: `overlap` (the default: two-stage, copied during the next step), `async` (two-
 stage, copied before the save returns), `sync`. `--recovery`: restart (default) or in-job (peer
 memory snapshots every step). For each layout and snapshot mode one clean `myria train` with the
-checks off is the reference. Each row: the `sdc` lines of events.jsonl (rank, step, check), what
-the supervisor filed, its restarts and resumed step, whether the final parameters equal the
-reference's bit for bit, the quarantined checkpoints (and why), and `clean_ckpts`: every
-checkpoint left in checkpoints/ compared, model and optimizer state, tensor by tensor with the
-reference's of the same step (`bad_ckpts` lists any that differs). Writes bench/results/
-sdc_matrix.json (or --out) and prints a Markdown table.
+checks off is the reference. Each row: the `sdc` lines of events.jsonl (rank, step, check;
+`named`: all of them name the corrupted rank), what the supervisor filed, its restarts and
+resumed step, whether the final parameters equal the reference's bit for bit, the quarantined
+checkpoints (and why), and `clean_ckpts`: every checkpoint left in checkpoints/ compared, model
+and optimizer state, tensor by tensor with the reference's of the same step (`bad_ckpts` lists
+any that differs). Writes bench/results/sdc_matrix.json (or --out) and prints a Markdown table.
 """
 
 from __future__ import annotations
@@ -186,7 +186,9 @@ def main() -> None:
                     "sdc": [{"rank": r["rank"], "step": r["step"],
                              "check": r["evidence"].get("check"),
                              "verdict": r["evidence"].get("verdict")} for r in sdc],
-                    "named": [r["rank"] for r in sdc] == [rank],
+                    # every detection names the faulted rank (a persistent compute fault on
+                    # two ranks is found in both microbatches: two detections, one rank)
+                    "named": bool(sdc) and all(r["rank"] == rank for r in sdc),
                     "filed_as": [(f.get("kind"), (f.get("sdc") or {}).get("verdict"))
                                  for f in summary.get("faults", [])],
                     "blocklist": summary.get("blocklist"),
