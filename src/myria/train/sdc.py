@@ -483,7 +483,8 @@ class ComputeCheck:
     def check(self, inputs: torch.Tensor, targets: torch.Tensor) -> dict | None:
         """Compare; collective over the whole world (every rank calls it at the same steps).
         Returns None when all agree (or, under a pipeline, when the step's first microbatch was
-        not captured), else the verdict (the same on every rank)."""
+        not captured), else the verdicts of this rank's group (the same on each of its ranks)
+        and `transient`: whether every group's verdict is (the same on every rank)."""
         e = self.engine
         self.cancel()
         n = len(self.ranks)
@@ -563,7 +564,15 @@ class ComputeCheck:
                 v = {"rank": checker, "verdict": "persistent"}
             elif r == t:   # each reproduces its own answer: the known-answer probe decides
                 v = decide(owner, checker, None if probes is None else
-                           (probes[i], probes[(i + k) % n]))
+                           (probes[owner][2], probes[checker][2]))
+                # a tensor-parallel peer whose probe changed earlier in the computation: the
+                # named rank only received its wrong partial result
+                early = [] if v["rank"] is None else [
+                    x for x, (dpr, ppr, c) in enumerate(probes) if x != v["rank"] and
+                    (dpr, ppr) == tuple(probes[v["rank"]][:2]) and 0 <= c < probes[v["rank"]][2]]
+                if early:
+                    affected[str(owner)] = {"through": early, "probe": v["probe"]}
+                    continue
             else:
                 v = {"rank": None, "suspects": [owner], "verdict": "inconsistent"}
             later = [r for r in peers if 0 < world[r][2] < world[owner][2]]
@@ -574,19 +583,23 @@ class ComputeCheck:
                      differs=[nm for nm, a, b in zip(names, t, p) if a != b],
                      checksums={"own": t, "partner": p, "replay": r})
             verdicts[str(owner)] = v
-        return {"group": self.ranks, "mismatches": verdicts, "affected": affected}
+        # whether any group's verdict is other than transient (every rank of the world alike:
+        # a group whose mismatches all came through another group's rank has none)
+        lasting = ranks_with(any(v["verdict"] != "transient" for v in verdicts.values()),
+                             e.device)
+        return {"group": self.ranks, "mismatches": verdicts, "affected": affected,
+                "transient": not lasting}
 
-    def _probe(self, bad, vals, rep, k, k2) -> list[int] | None:
-        """Each group rank's known-answer probe state (sdc_probe), run on every rank of the
-        world when some group has a persistent disagreement its replays cannot decide; None
-        when none has."""
+    def _probe(self, bad, vals, rep, k, k2) -> list[list[int]] | None:
+        """[data-parallel rank, pipeline rank, known-answer probe state (sdc_probe.changed)]
+        of every rank of the world, the probe run on all of them when some group has a
+        persistent disagreement its replays cannot decide; None when none has."""
         n = len(self.ranks)
         open_ = [i for i in bad if rep[i][0] == vals[i][0] and not (
             k2 and rep[(i + k2) % n][1] in (vals[i][0], vals[(i + k) % n][1]))]
         if not ranks_with(bool(open_), self.engine.device):
             return None
-        code = torch.tensor([self.probe.changed()], dtype=torch.int64)
-        return [x[0][0] for x in self._gather_bits([code])]
+        return self._world_codes(self.probe.changed())
 
     def _world_codes(self, code: int) -> list[list[int]]:
         """[data-parallel rank, pipeline rank, code] of every rank of the world."""

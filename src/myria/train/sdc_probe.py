@@ -22,9 +22,12 @@ from myria.tensors import local_shard
 from myria.train.checksums import sums
 
 SEED = 1000003          # of the parameters' fixed pattern
-SAME, CHANGED, UNRECORDED = 0, 1, 2
-WORDS = {SAME: "equals its record", CHANGED: "differs from its record",
-         UNRECORDED: "no record"}
+SAME, UNRECORDED = -1, -2   # `changed`'s answers besides the first differing checksum's index
+
+
+def words(code: int) -> str:
+    return {SAME: "equals its record", UNRECORDED: "no record"}.get(
+        code, "differs from its record")
 
 
 def first_block(part):
@@ -87,19 +90,29 @@ class KnownAnswerProbe:
                        for p, a in zip(parts, args)]
 
     def changed(self) -> int:
-        """SAME, CHANGED or UNRECORDED: this rank's answer now against its record (collective:
-        every rank of the world calls it together)."""
+        """This rank's answer now against its record (collective: every rank of the world
+        calls it together): SAME, UNRECORDED, or the index of the first checksum that differs
+        (in the order `run` takes them, parts in order): how early in the computation it
+        changed, which tells a rank that computes wrongly from a tensor-parallel peer that
+        only received its wrong partial sum."""
         if self.record is None:
             return UNRECORDED
-        now = [self.run(p, rec[0]) if rec is not None else None
-               for p, rec in zip(self.engine.parts, self.record)]
-        same = all(rec is None or torch.equal(x, rec[1]) for x, rec in zip(now, self.record))
-        return SAME if same else CHANGED
+        now = torch.cat([self.run(p, rec[0]) for p, rec in zip(self.engine.parts, self.record)
+                         if rec is not None] or [torch.zeros(0, dtype=torch.int64)])
+        was = torch.cat([rec[1] for rec in self.record if rec is not None]
+                        or [torch.zeros(0, dtype=torch.int64)])
+        if now.shape != was.shape:
+            return 0
+        bad = (now != was).nonzero().reshape(-1)
+        return int(bad[0]) if bad.numel() else SAME
 
     def run(self, part, args: tuple) -> torch.Tensor:
-        """The checksums [forward, input gradient, weight gradients] of the probe through the
-        first block of `part`; the block's parameters hold their own values again afterwards
-        (and no gradient of training is touched: autograd.grad, gradient sync off)."""
+        """The checksums of the probe through the first block of `part`: each linear layer's
+        output in the order the forward calls them (a local GEMM's result comes before any
+        tensor-parallel reduction of it), the block's output, its input gradient and the sum
+        of its weight gradients' checksums. The block's parameters hold their own values again
+        afterwards, and no gradient of training is touched (autograd.grad, gradient sync
+        off)."""
         from myria.train.engine import grad_sync
 
         blk = first_block(part)
@@ -109,8 +122,12 @@ class KnownAnswerProbe:
             for i, p in enumerate(params):
                 local_shard(p).copy_(pattern(local_shard(p), i))
         used: list[torch.Tensor] = []   # the parameters the forward uses (FSDP's gathered)
-        hook = blk.register_forward_pre_hook(
-            lambda m, a: used.extend(q for q in m.parameters() if q.requires_grad))
+        hooks = [blk.register_forward_pre_hook(
+            lambda m, a: used.extend(q for q in m.parameters() if q.requires_grad))]
+        seen: list[torch.Tensor] = []
+        hooks += [m.register_forward_hook(lambda m, a, o: seen.append(
+            sums([local_shard(o.detach())]).cpu().reshape(1)))
+            for m in blk.modules() if isinstance(m, torch.nn.Linear)]
         try:
             with torch.enable_grad(), grad_sync(part, False), self.engine._ctx():
                 x = args[0].detach().clone().requires_grad_(True)
@@ -119,11 +136,12 @@ class KnownAnswerProbe:
                 gs = torch.autograd.grad(out, [x, *used], grad_outputs=torch.ones_like(out),
                                          allow_unused=True)
             w = [local_shard(g) for g in gs[1:] if g is not None]
-            return torch.cat([sums([local_shard(out.detach())]).cpu().reshape(1),
+            return torch.cat([*seen, sums([local_shard(out.detach())]).cpu().reshape(1),
                               sums([local_shard(gs[0])]).cpu().reshape(1),
                               sums(w).cpu().sum().reshape(1)])
         finally:
-            hook.remove()
+            for h in hooks:
+                h.remove()
             if hasattr(part, "set_requires_gradient_sync"):
                 part.set_requires_gradient_sync(True)
             reshard([part])
@@ -140,9 +158,9 @@ def decide(owner: int, checker: int, probed: tuple[int, int] | None) -> dict:
     if probed is None:
         return v
     po, pc = probed
-    v["probe"] = {str(owner): WORDS[po], str(checker): WORDS[pc]}
-    if sorted((po, pc)) == [SAME, CHANGED]:
-        named = owner if po == CHANGED else checker
+    v["probe"] = {str(owner): words(po), str(checker): words(pc)}
+    if SAME in (po, pc) and max(po, pc) >= 0:
+        named = owner if po >= 0 else checker
         v.update(rank=named, verdict="persistent (its known-answer probe changed since its "
                                      "group last agreed)")
         del v["suspects"]
