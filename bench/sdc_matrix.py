@@ -132,6 +132,7 @@ def main() -> None:
     ap.add_argument("--recovery", default="restart")
     ap.add_argument("--data", default="")
     ap.add_argument("--out", default=str(OUT))
+    ap.add_argument("--keep", action="store_true", help="keep the run directories (printed)")
     a = ap.parse_args()
     import torch
 
@@ -193,12 +194,16 @@ def main() -> None:
                                  for f in summary.get("faults", [])],
                     "blocklist": summary.get("blocklist"),
                     "status": summary.get("status"), "restarts": summary.get("restarts"),
+                    "rc": p.returncode, "stderr_tail": p.stderr[-600:] if p.returncode else "",
                     "resumed_from": [f.get("resumed_from") for f in summary.get("faults", [])],
                     "bit_equal": equal, "clean_ckpts": good, "bad_ckpts": bad,
                     "quarantined": quarantined, "wall_s": round(time.time() - t0, 1)})
                 print(json.dumps(rows[-1]), flush=True)
     finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+        if a.keep:
+            print(f"run directories kept in {tmp}", flush=True)
+        else:
+            shutil.rmtree(tmp, ignore_errors=True)
     out = Path(a.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"command": "bench/sdc_matrix.py " + " ".join(sys.argv[1:]),
