@@ -360,3 +360,23 @@ def test_sticky_compute_fault_on_two_ranks_is_named_by_the_known_answer_probe(tm
         assert ev["check"] == "compute" and ev["verdict"].startswith("persistent (its known"), ev
         assert ev["probe"] == {"0": "equals its record", "1": "differs from its record"}, ev
         assert "suspects" not in ev, ev
+
+
+@pytest.mark.slow
+def test_a_tensor_parallel_fault_seen_through_a_peer_still_marks_checkpoints_suspect(
+        tmp_path, tiny_data):
+    """TP2 x DP2, a GEMM that keeps computing wrongly on rank 3 from step 4 on: its group
+    {1, 3} names rank 3 persistent; the group {0, 2} sees the fault only through the
+    tensor-parallel reduction (affected, no verdict of its own). Rank 0 must still judge the
+    fault persistent and mark the checkpoints copied since the clean check of step 3 suspect."""
+    run = tmp_path / "run"
+    p = run_cli("train", "--run-dir", str(run), "--nproc", "4", f"--data.path={tiny_data}",
+                *FSDP2, "--training.global_batch=16", "--parallel.tp=2", "--training.steps=6",
+                "--checkpoint.interval=0",
+                env={"MYRIA_FAULT": "bitflip:rank=3:step=3:target=compute:sticky=yes"},
+                check=False, timeout=600)
+    assert p.returncode != 0
+    sdc = detections.read(run, "sdc")
+    assert sorted((r["rank"], r["evidence"]["group"][0]) for r in sdc) == [(3, 1), (3, 1)], sdc
+    mark = json.loads((run / "checkpoints" / "suspect.json").read_text())
+    assert (mark["after"], mark["found_at"]) == (3, 6), mark
