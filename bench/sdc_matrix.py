@@ -20,12 +20,12 @@ A tiny model (the test suite's TINY) trains 8 steps on 2 or 4 gloo ranks with ch
 `--snapshots`: `overlap` (the default: two-stage, copied during the next step), `async` (two-
 stage, copied before the save returns), `sync`. `--recovery`: restart (default) or in-job (peer
 memory snapshots every step). For each layout and snapshot mode one clean `myria train` with the
-checks off is the reference. Each row: the `sdc` lines of events.jsonl (rank, step, check), what
-the supervisor filed, its restarts and resumed step, whether the final parameters equal the
-reference's bit for bit, the quarantined checkpoints (and why), and `clean_ckpts`: every
-checkpoint left in checkpoints/ compared, model and optimizer state, tensor by tensor with the
-reference's of the same step (`bad_ckpts` lists any that differs). Writes bench/results/
-sdc_matrix.json (or --out) and prints a Markdown table.
+checks off is the reference. Each row: the `sdc` lines of events.jsonl (rank, step, check;
+`named`: all of them name the corrupted rank), what the supervisor filed, its restarts and
+resumed step, whether the final parameters equal the reference's bit for bit, the quarantined
+checkpoints (and why), and `clean_ckpts`: every checkpoint left in checkpoints/ compared, model
+and optimizer state, tensor by tensor with the reference's of the same step (`bad_ckpts` lists
+any that differs). Writes bench/results/sdc_matrix.json (or --out) and prints a Markdown table.
 """
 
 from __future__ import annotations
@@ -132,6 +132,7 @@ def main() -> None:
     ap.add_argument("--recovery", default="restart")
     ap.add_argument("--data", default="")
     ap.add_argument("--out", default=str(OUT))
+    ap.add_argument("--keep", action="store_true", help="keep the run directories (printed)")
     a = ap.parse_args()
     import torch
 
@@ -186,17 +187,23 @@ def main() -> None:
                     "sdc": [{"rank": r["rank"], "step": r["step"],
                              "check": r["evidence"].get("check"),
                              "verdict": r["evidence"].get("verdict")} for r in sdc],
-                    "named": [r["rank"] for r in sdc] == [rank],
+                    # every detection names the faulted rank (a persistent compute fault on
+                    # two ranks is found in both microbatches: two detections, one rank)
+                    "named": bool(sdc) and all(r["rank"] == rank for r in sdc),
                     "filed_as": [(f.get("kind"), (f.get("sdc") or {}).get("verdict"))
                                  for f in summary.get("faults", [])],
                     "blocklist": summary.get("blocklist"),
                     "status": summary.get("status"), "restarts": summary.get("restarts"),
+                    "rc": p.returncode, "stderr_tail": p.stderr[-600:] if p.returncode else "",
                     "resumed_from": [f.get("resumed_from") for f in summary.get("faults", [])],
                     "bit_equal": equal, "clean_ckpts": good, "bad_ckpts": bad,
                     "quarantined": quarantined, "wall_s": round(time.time() - t0, 1)})
                 print(json.dumps(rows[-1]), flush=True)
     finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+        if a.keep:
+            print(f"run directories kept in {tmp}", flush=True)
+        else:
+            shutil.rmtree(tmp, ignore_errors=True)
     out = Path(a.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"command": "bench/sdc_matrix.py " + " ".join(sys.argv[1:]),

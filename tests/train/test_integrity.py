@@ -338,3 +338,45 @@ def test_a_compute_fault_between_two_checks_is_said_to_be_undetected(tmp_path, t
     assert "fault hook bitflip_rank1_step3_targetcompute fired (MYRIA_FAULT) and no check " \
         "detected it: its effect, if any, was trained in (the compute check recomputes one " \
         "microbatch every resilience.sdc_interval steps" in log, log[-2000:]
+
+
+@pytest.mark.slow
+def test_sticky_compute_fault_on_two_ranks_is_named_by_the_known_answer_probe(tmp_path,
+                                                                               tiny_data):
+    """A GEMM that keeps computing wrongly on rank 1 of 2 (`sticky=yes`, from step 4 on): the
+    check of step 6 finds both microbatches differ and each rank reproduces its own answer, so
+    replays cannot decide; the probe recorded at the agreed check of step 3 still gives rank 0
+    its answer and no longer rank 1, which is named, persistent, in both mismatches."""
+    run = tmp_path / "run"
+    run_cli("train", "--config", "configs/demo.toml", "--run-dir", str(run), "--nproc", "2",
+            f"--data.path={tiny_data}", *FSDP2, "--training.steps=6",
+            "--checkpoint.interval=0", "--resilience.sdc_action=warn",
+            env={"MYRIA_FAULT": "bitflip:rank=1:step=3:target=compute:sticky=yes"}, timeout=600)
+    sdc = detections.read(run, "sdc")
+    assert sorted((r["evidence"]["microbatch_of"], r["rank"], r["step"]) for r in sdc) == \
+        [(0, 1, 6), (1, 1, 6)], sdc
+    for r in sdc:
+        ev = r["evidence"]
+        assert ev["check"] == "compute" and ev["verdict"].startswith("persistent (its known"), ev
+        assert ev["probe"] == {"0": "equals its record", "1": "differs from its record"}, ev
+        assert "suspects" not in ev, ev
+
+
+@pytest.mark.slow
+def test_a_tensor_parallel_fault_seen_through_a_peer_still_marks_checkpoints_suspect(
+        tmp_path, tiny_data):
+    """TP2 x DP2, a GEMM that keeps computing wrongly on rank 3 from step 4 on: its group
+    {1, 3} names rank 3 persistent; the group {0, 2} sees the fault only through the
+    tensor-parallel reduction (affected, no verdict of its own). Rank 0 must still judge the
+    fault persistent and mark the checkpoints copied since the clean check of step 3 suspect."""
+    run = tmp_path / "run"
+    p = run_cli("train", "--run-dir", str(run), "--nproc", "4", f"--data.path={tiny_data}",
+                *FSDP2, "--training.global_batch=16", "--parallel.tp=2", "--training.steps=6",
+                "--checkpoint.interval=0",
+                env={"MYRIA_FAULT": "bitflip:rank=3:step=3:target=compute:sticky=yes"},
+                check=False, timeout=600)
+    assert p.returncode != 0
+    sdc = detections.read(run, "sdc")
+    assert sorted((r["rank"], r["evidence"]["group"][0]) for r in sdc) == [(3, 1), (3, 1)], sdc
+    mark = json.loads((run / "checkpoints" / "suspect.json").read_text())
+    assert (mark["after"], mark["found_at"]) == (3, 6), mark

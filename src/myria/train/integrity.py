@@ -533,7 +533,7 @@ class StepGuard:
                       f"(rank {v['rank'] if v['rank'] is not None else v.get('suspects')}): "
                       f"{action}", flush=True)
         if action == "rollback":
-            transient = all(v["verdict"] == "transient" for v in found["mismatches"].values())
+            transient = found["transient"]
             # a transient fault was in this step alone, found before its update: nothing
             # committed holds it. Any other may have been there since the last clean check.
             if self.rank == 0 and not transient:

@@ -14,8 +14,8 @@ i + 1 + (c mod (n - 1))), and three checksums are compared bit for bit: the forw
 the input gradient (the data-gradient GEMMs) and the weight gradients of one transformer block,
 which rotates from check to check (block c mod L of each model part: the weight-gradient GEMMs
 of every block in turn, at the cost of one block's). A mismatch is replayed and names the owner
-`transient` or `persistent`, or the partner. The rules and their reasons: docs/robustness.md,
-"Reasons behind the peer snapshot, fault and SDC modules".
+`transient` or `persistent`, or the partner (two ranks alone: myria.train.sdc_probe decides).
+The rules and their reasons: docs/robustness.md, "Reasons behind ... SDC modules".
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ import torch.distributed as dist
 
 from myria.tensors import local_shard
 from myria.train.checksums import storage_key, sums
+from myria.train.sdc_probe import KnownAnswerProbe, decide, first_block, reshard
 
 
 def stick(t: torch.Tensor, bit: int = 22) -> tuple:
@@ -201,11 +202,6 @@ def _base(part):
     return getattr(part, "module", part)   # DDP wraps the model
 
 
-def _first_block(part):
-    layers = getattr(_base(part), "layers", None)
-    return next(iter(layers.values()), None) if layers is not None else None
-
-
 def rotating_block(part, check: int):
     """(name, module) of the transformer block whose weight gradients check number `check`
     recomputes in `part` (None: a part without blocks)."""
@@ -266,9 +262,11 @@ class _Capture:
     `wblock`'s parameter gradients (training: taken by hooks; a recomputation keeps the
     parameters in `wparams` and asks autograd for their gradients). Under a pipeline it also
     keeps the stage's input and the gradient it received for its output (what a partner needs
-    to recompute it). Each hook acts on its first call only: the step's first microbatch."""
+    to recompute it), and with `keep_args` the first block's arguments (the known-answer probe's
+    input). Each hook acts on its first call only: the step's first microbatch."""
 
-    def __init__(self, part, keep_io: bool, wblock=None, recompute: bool = False):
+    def __init__(self, part, keep_io: bool, wblock=None, recompute: bool = False,
+                 keep_args: bool = False):
         self.fwd: torch.Tensor | None = None
         self.bwd: torch.Tensor | None = None
         self.wsum: torch.Tensor | None = None
@@ -276,9 +274,11 @@ class _Capture:
         self.inp: torch.Tensor | None = None
         self.gout: torch.Tensor | None = None
         self.h: torch.Tensor | None = None
+        self.keep_args = keep_args
+        self.args: tuple | None = None
         self.hooks: list = []
         self._on(_watched(part), "fwd", self._fwd)
-        if (blk := _first_block(part)) is not None:
+        if (blk := first_block(part)) is not None:
             self._on(blk, "pre", self._pre)
         if keep_io:
             self._on(part, "pre", self._inp)
@@ -314,6 +314,9 @@ class _Capture:
         self.fwd = sums([local_shard(out)])[0]
 
     def _pre(self, args):
+        if self.keep_args:
+            self.args = tuple(a.detach().clone() if isinstance(a, torch.Tensor) else a
+                              for a in args)
         h = args[0] if args else None
         if isinstance(h, torch.Tensor) and h.requires_grad:
             self.h = h
@@ -358,6 +361,7 @@ class ComputeCheck:
         self.count = 0
         self.wcheck = 0     # the check whose rotating block the captures watch
         self.captures: list[_Capture] = []
+        self.probe = KnownAnswerProbe(engine)   # decides between two ranks (sdc_probe)
 
     @property
     def enabled(self) -> bool:
@@ -370,8 +374,8 @@ class ComputeCheck:
         gradient."""
         self.cancel()
         self.wcheck = self.count
-        self.captures = [_Capture(part, self.pp, self._wblock(part))
-                         for part in self.engine.parts]
+        self.captures = [_Capture(part, self.pp, self._wblock(part),
+                                  keep_args=self.probe.wanted) for part in self.engine.parts]
 
     def _wblock(self, part):
         b = rotating_block(part, self.wcheck)
@@ -439,7 +443,7 @@ class ComputeCheck:
             for part in e.parts:
                 if hasattr(part, "set_requires_gradient_sync"):
                     part.set_requires_gradient_sync(True)
-            _reshard(e.parts)
+            reshard(e.parts)
         return torch.cat(outs)
 
     def _recompute_model(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -479,7 +483,8 @@ class ComputeCheck:
     def check(self, inputs: torch.Tensor, targets: torch.Tensor) -> dict | None:
         """Compare; collective over the whole world (every rank calls it at the same steps).
         Returns None when all agree (or, under a pipeline, when the step's first microbatch was
-        not captured), else the verdict (the same on every rank)."""
+        not captured), else the verdicts of this rank's group (the same on each of its ranks)
+        and `transient`: whether every group's verdict is (the same on every rank)."""
         e = self.engine
         self.cancel()
         n = len(self.ranks)
@@ -492,6 +497,7 @@ class ComputeCheck:
             self.captures = []
             return None
         own = self._own()
+        args = [c.args for c in self.captures]   # the probe's input, where it wants one
         self.captures = []
         if own is None:
             own = self.recompute(mine)
@@ -513,6 +519,7 @@ class ComputeCheck:
         flag = torch.tensor([len(bad)], dtype=torch.int64, device=e.device)
         dist.all_reduce(flag)   # every rank of the world learns that some group disagreed
         if not int(flag):
+            self.probe.keep(args)   # the known answer, at the first check where all agreed
             return None
         # which pass this rank's own microbatch differs in first (3 forward, 2 input gradient,
         # 1 weight gradients only, 0 none),
@@ -527,6 +534,7 @@ class ComputeCheck:
         again = self.recompute(mine)
         third = self.recompute(of((me - k2) % n)) if k2 else again
         rep = self._gather_bits([again, third])
+        probes = self._probe(bad, vals, rep, k, k2)
         names = []
         for s, part in zip(e.stage_ids, e.parts):
             b = rotating_block(part, self.wcheck)
@@ -554,9 +562,17 @@ class ComputeCheck:
                 v = {"rank": owner, "verdict": "persistent"}
             elif r == t and q is not None and q == t:
                 v = {"rank": checker, "verdict": "persistent"}
-            elif r == t:
-                v = {"rank": None, "suspects": [owner, checker],
-                     "verdict": "persistent (two ranks disagree; no third to decide)"}
+            elif r == t:   # each reproduces its own answer: the known-answer probe decides
+                v = decide(owner, checker, None if probes is None else
+                           (probes[owner][2], probes[checker][2]))
+                # a tensor-parallel peer whose probe changed earlier in the computation: the
+                # named rank only received its wrong partial result
+                early = [] if v["rank"] is None else [
+                    x for x, (dpr, ppr, c) in enumerate(probes) if x != v["rank"] and
+                    (dpr, ppr) == tuple(probes[v["rank"]][:2]) and 0 <= c < probes[v["rank"]][2]]
+                if early:
+                    affected[str(owner)] = {"through": early, "probe": v["probe"]}
+                    continue
             else:
                 v = {"rank": None, "suspects": [owner], "verdict": "inconsistent"}
             later = [r for r in peers if 0 < world[r][2] < world[owner][2]]
@@ -567,7 +583,23 @@ class ComputeCheck:
                      differs=[nm for nm, a, b in zip(names, t, p) if a != b],
                      checksums={"own": t, "partner": p, "replay": r})
             verdicts[str(owner)] = v
-        return {"group": self.ranks, "mismatches": verdicts, "affected": affected}
+        # whether any group's verdict is other than transient (every rank of the world alike:
+        # a group whose mismatches all came through another group's rank has none)
+        lasting = ranks_with(any(v["verdict"] != "transient" for v in verdicts.values()),
+                             e.device)
+        return {"group": self.ranks, "mismatches": verdicts, "affected": affected,
+                "transient": not lasting}
+
+    def _probe(self, bad, vals, rep, k, k2) -> list[list[int]] | None:
+        """[data-parallel rank, pipeline rank, known-answer probe state (sdc_probe.changed)]
+        of every rank of the world, the probe run on all of them when some group has a
+        persistent disagreement its replays cannot decide; None when none has."""
+        n = len(self.ranks)
+        open_ = [i for i in bad if rep[i][0] == vals[i][0] and not (
+            k2 and rep[(i + k2) % n][1] in (vals[i][0], vals[(i + k) % n][1]))]
+        if not ranks_with(bool(open_), self.engine.device):
+            return None
+        return self._world_codes(self.probe.changed())
 
     def _world_codes(self, code: int) -> list[list[int]]:
         """[data-parallel rank, pipeline rank, code] of every rank of the world."""
@@ -585,15 +617,3 @@ class ComputeCheck:
         dist.all_gather(table, local, group=self.group)
         return [t.tolist() for t in table]
 
-
-def _reshard(parts) -> None:
-    """Free every FSDP2 module's gathered parameters (a forward without a backward leaves those
-    with reshard_after_forward=False gathered)."""
-    try:
-        from torch.distributed.fsdp import FSDPModule
-    except ImportError:   # pragma: no cover - older torch
-        return
-    for part in parts:
-        for m in part.modules():
-            if isinstance(m, FSDPModule):
-                m.reshard()
