@@ -21,8 +21,9 @@ ACCEPTS_OVERRIDES = True
 # without the interpreter's finalization: it destroys torch's C++ objects (stores, the in-job
 # path's process groups) in no defined order, and one whose thread is still joinable aborts
 # the process ("terminate called without an active exception", SIGABRT): a finished job's
-# exit status would read -6 (seen in the in-job fault matrix). myria.cli._exit_now.
+# exit status would read -6 (bench/RESULTS.md, the in-job fault matrix). myria.cli._exit_now.
 EXIT_AT_ONCE = True
+
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", help="TOML run config (default: built-in defaults)")
