@@ -103,6 +103,26 @@ def test_checkpoint_store_imports_without_torch():
     assert out.strip() == "[]", out
 
 
+def test_a_launcher_checks_the_run_without_importing_the_engine():
+    """`myria train --nproc N` and `myria supervise` judge a run before starting its workers;
+    the engine (DTensor, FSDP, pipelining and torch._dynamo under them) is the workers' to
+    import: a second or more of every launch otherwise."""
+    code = ("import sys\n"
+            "import myria.train.cli, myria.resilience.cli_supervise, myria.train.launch\n"
+            "from myria import config\n"
+            "from myria.layout import Layout\n"
+            "from myria.train.distributed import device_type\n"
+            "from myria.train.preflight import check_run\n"
+            "cfg = config.Config()\n"
+            "check_run(cfg, Layout.resolve(cfg.parallel, 2), device_type('cpu'))\n"
+            "heavy = ('myria.train.engine', 'myria.train.trainer', 'torch._dynamo',\n"
+            "         'torch.distributed.fsdp', 'torch.distributed.pipelining')\n"
+            "print(sorted(m for m in heavy if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True).stdout
+    assert out.strip() == "[]", out
+
+
 def test_each_stage_of_a_run_names_a_file_that_exists():
     doc = (ROOT / "docs" / "architecture.md").read_text()
     table = doc.split("## The stages of a run", 1)[1]

@@ -46,8 +46,21 @@ def _top_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    program = argv is None   # this process is the `myria` command, not a caller's function
-    argv = list(sys.argv[1:] if argv is None else argv)
+    """Run the command `argv` (default: this process's arguments) and return its exit status.
+
+    As the `myria` program, the process then ends through `_exit_now`: without the
+    interpreter's finalization, which tears down torch's C++ objects (stores, process groups)
+    in no defined order (one whose thread is still joinable aborts the process with SIGABRT,
+    so a finished job's status would read -6) and costs most of a second per process once
+    torch is imported."""
+    if argv is not None:
+        return _command(list(argv))
+    code = _command(sys.argv[1:])
+    _exit_now(code)
+    return code
+
+
+def _command(argv: list[str]) -> int:
     if not argv or argv[0] in ("-h", "--help") or argv[0] == "--version" or \
             argv[0] not in COMMANDS:
         top = _top_parser()
@@ -87,10 +100,7 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(f"unrecognized arguments: {' '.join(unknown)}")
         args.overrides = unknown
         args.argv = rest
-        code = int(module.run(args) or 0)
-        if program and getattr(module, "EXIT_AT_ONCE", False):
-            _exit_now(code)
-        return code
+        return int(module.run(args) or 0)
     except MyriaError as e:
         from myria.train.launch import record_worker_error
 
@@ -111,14 +121,27 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _exit_now(code: int) -> None:
-    """End the process with `code` once its exit handlers ran and its output is flushed,
-    without the interpreter's finalization (see the command's EXIT_AT_ONCE)."""
+    """End the process with `code` after what the interpreter's own exit would have done that
+    matters: its other threads joined, its exit handlers run, every file still open flushed."""
     import atexit
+    import gc
+    import io
     import logging
     import os
+    import threading
 
+    for t in threading.enumerate():
+        if t is not threading.current_thread() and not t.daemon:
+            t.join()
     atexit._run_exitfuncs()
     logging.shutdown()
+    buffered = (io.TextIOWrapper, io.BufferedWriter, io.BufferedRandom)
+    for f in gc.get_objects():  # a writer left open would otherwise lose its buffer
+        if type(f) in buffered and not f.closed and f.writable():
+            try:
+                f.flush()
+            except (OSError, ValueError):
+                pass
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)

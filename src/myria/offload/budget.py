@@ -23,7 +23,6 @@ from myria.models.memory import (
     stage_params,
 )
 from myria.offload.diskio import ALIGN, round_up
-from myria.parallel.parallelize import mixed_precision, shards_with_fsdp
 
 CHUNK_BYTES = 64 << 20       # bytes per section per buffer when the budget allows (I/O saturates)
 MIN_BUFFERS = 3              # one being read, one being updated, one being written
@@ -164,6 +163,8 @@ def activation_bytes(cfg, layout: Layout, device_type: str) -> float:
     tp, cp, pp = layout.tp, layout.cp, layout.pp
     # 16-bit only where the engine applies FSDP2 with a mixed-precision policy (the policy
     # resolves training.dtype = auto: bf16 on CUDA); elsewhere the model runs in fp32
+    from myria.parallel.parallelize import mixed_precision, shards_with_fsdp  # torch
+
     bf16 = shards_with_fsdp(cfg, layout, device_type) and \
         mixed_precision(cfg, device_type) is not None
     shape = layer_dims(m, t.micro_batch, tp=tp, cp=cp, sp=p.sequence_parallel, flash=True,
@@ -174,3 +175,12 @@ def activation_bytes(cfg, layout: Layout, device_type: str) -> float:
     if p.activation_checkpoint == "full":  # the layer being recomputed, whole
         act += layer_activation_bytes(shape, "none")
     return act + head_activation_bytes(shape, True, True) * flight
+
+
+def check_budget(cfg, layout, device_type: str = "cpu") -> None:
+    """A fast-memory budget too small for the run, as a one-line ConfigError before training
+    starts (what each tier supports is part of the layout's rules: `Layout.check`)."""
+    par = cfg.parallel
+    if par.offload == "none" and not par.fast_memory_gb:
+        return
+    plan_for_config(cfg, layout, device_type)

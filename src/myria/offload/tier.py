@@ -24,7 +24,6 @@ from torch import nn
 
 from myria.errors import CheckpointError
 from myria.layout import Layout
-from myria.offload.budget import plan_for_config
 from myria.offload.nvme import NvmeTier, fill_in_memory, has_offload_files
 from myria.optim import build_optimizer
 
@@ -135,12 +134,3 @@ def optimizer_tier(cfg, run_dir: str | Path | None, rank: int) -> OptimizerTier:
     if cfg.parallel.offload == "nvme":
         return NvmeTier(cfg, run_dir, rank)
     return MemoryTier(cfg)
-
-
-def check_budget(cfg, layout, device_type: str = "cpu") -> None:
-    """A fast-memory budget too small for the run, as a one-line ConfigError before training
-    starts (what each tier supports is part of the layout's rules: `Layout.check`)."""
-    par = cfg.parallel
-    if par.offload == "none" and not par.fast_memory_gb:
-        return
-    plan_for_config(cfg, layout, device_type)

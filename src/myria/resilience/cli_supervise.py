@@ -17,14 +17,6 @@ from myria.errors import ConfigError
 ACCEPTS_OVERRIDES = True
 
 
-# Once the job's outcome is decided and written (summary, logs, exit status), the process ends
-# without the interpreter's finalization: it destroys torch's C++ objects (stores, the in-job
-# path's process groups) in no defined order, and one whose thread is still joinable aborts
-# the process ("terminate called without an active exception", SIGABRT): a finished job's
-# exit status would read -6 (bench/RESULTS.md, the in-job fault matrix). myria.cli._exit_now.
-EXIT_AT_ONCE = True
-
-
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", help="TOML run config (default: built-in defaults)")
     p.add_argument("--run-dir", required=True, help="run directory (checkpoints, metrics, logs, "
@@ -60,7 +52,13 @@ def run(args) -> int:
     from myria import faults, rundir
     from myria.data.mixture import open_dataset
     from myria.layout import Layout
-    from myria.train.preflight import check_before_torch, check_nproc, check_run, preflight
+    from myria.train.preflight import (
+        check_before_torch,
+        check_nproc,
+        check_run,
+        check_vocab,
+        preflight,
+    )
 
     faults.parse(os.environ.get("MYRIA_FAULT"))  # a bad test hook: one line, no restarts
     # one line each, before anything; what needs torch (seconds to import) comes last
@@ -72,7 +70,6 @@ def run(args) -> int:
         print(done)
         return 0
     from myria.train.distributed import device_type
-    from myria.train.trainer import check_vocab
 
     check_nproc(args.nproc, device_type(cfg.training.device))
     check_vocab(cfg, data)

@@ -23,6 +23,7 @@ from myria.train.preflight import (
     check_before_torch,
     check_nproc,
     check_run,
+    check_vocab,
     parse_duration,
     preflight,
     run_config,
@@ -238,7 +239,6 @@ def run(args) -> int:
             _say(done)
             return 0
         from myria.train.distributed import device_type
-        from myria.train.trainer import check_vocab
 
         if launching:
             check_nproc(args.nproc, device_type(cfg.training.device))

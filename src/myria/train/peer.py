@@ -34,8 +34,6 @@ from typing import Any
 
 import torch
 
-from myria.train.state import flat_state, rng_state
-
 log = logging.getLogger("myria")
 DIR = "peer"
 SLOTS = 3  # shared-memory snapshots per sender: the holder's newest is never the one written
@@ -188,6 +186,10 @@ class PeerSnapshots:
         t0 = time.perf_counter()
         self.wait()
         t1 = time.perf_counter()
+        # here, not at the top: the supervisor uses this module's file helpers (remove_shared)
+        # without the DTensor stack the state's walk needs
+        from myria.train.state import flat_state, rng_state
+
         state = flat_state(self.engine)
         layout, nbytes = layout_of(state)
         # SLOTS buffers in turn, either way: the last SLOTS snapshots of this rank stay intact

@@ -22,7 +22,7 @@ def check_run(cfg: Config, layout: Layout, device_type: str = "cpu",
               shrunk: bool = False) -> None:
     """Everything to refuse before a worker starts: the layout's rules (`Layout.check`) and
     the offload tier's memory budget."""
-    from myria.offload.tier import check_budget  # torch: after the config is judged
+    from myria.offload.budget import check_budget
 
     layout.check(cfg, device_type, shrunk=shrunk)
     check_budget(cfg, layout, device_type)
@@ -52,6 +52,15 @@ def check_before_torch(cfg: Config, local: int, world: int, launching: bool) -> 
     if launching:
         check_nproc(local, device)
     Layout.resolve(cfg.parallel, world or 1).check(cfg, device)
+
+
+def check_vocab(cfg: Config, dataset) -> None:
+    """Refuse a model whose vocabulary is smaller than the tokenizer of its data."""
+    if dataset.vocab_size > cfg.model.vocab_size:
+        raise config_mod.ConfigError(
+            f"the tokenizer of {dataset.path} has {dataset.vocab_size} tokens but "
+            f"model.vocab_size = {cfg.model.vocab_size}; set model.vocab_size >= "
+            f"{dataset.vocab_size}")
 
 
 def check_nproc(nproc: int, device: str, flag: str = "--nproc") -> None:

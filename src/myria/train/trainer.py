@@ -41,7 +41,7 @@ from myria.data import fingerprint
 from myria.data.dataset import TokenDataset
 from myria.data.mixture import MixtureDataset, open_dataset, source_counts
 from myria.device import local_peak_tflops
-from myria.errors import CheckpointError, ConfigError, DataError
+from myria.errors import CheckpointError, DataError
 from myria.faults import FaultInjector
 from myria.fsutil import atomic_write
 from myria.layout import Layout
@@ -57,6 +57,7 @@ from myria.train.integrity import StepGuard
 from myria.train.launch import JOB_START_ENV
 from myria.train.metrics import MetricsLogger, StepTimer, mfu
 from myria.train.preemption import StopRequest
+from myria.train.preflight import check_vocab
 from myria.train.profiling import Profiler
 from myria.train.watchers import Judged, StepWatchers
 
@@ -70,14 +71,6 @@ class TrainResult:
     last_step: int
     losses: list[float]
     stopped_early: bool
-
-
-def check_vocab(cfg: Config, dataset: TokenDataset | MixtureDataset) -> None:
-    if dataset.vocab_size > cfg.model.vocab_size:
-        raise ConfigError(
-            f"the tokenizer of {dataset.path} has {dataset.vocab_size} tokens but "
-            f"model.vocab_size = {cfg.model.vocab_size}; set model.vocab_size >= "
-            f"{dataset.vocab_size}")
 
 
 def train(cfg: Config, run_dir: str | Path, stop_after: int | None = None) -> TrainResult:
