@@ -308,8 +308,6 @@ class StepGuard:
             if target in ("param", "optimizer", "compute", "wgrad"):
                 self.faults.mark(f)
                 self._inject(target, f.params.get("sticky") == "yes")
-        if self.ledger is not None:   # before the forward gathers the parameters
-            self._verify_state(step + 1, "before the forward")
         if self.compute is not None:
             self.compute.cancel()
             if (step + 1) % self.r.sdc_interval == 0:

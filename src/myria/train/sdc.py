@@ -2,10 +2,12 @@
 
 `StateLedger` (at rest): each rank keeps an exact checksum (the wrapping 32-bit integer sum of
 each tensor's bits, 64-bit for 8-byte types) of its local parameter shards and optimizer state,
-recorded when the optimizer writes them and verified at the next step's start, before the next
-update and before every checkpoint, and of its reduced gradients, recorded after the reduction
-and verified before clipping. A mismatch names the rank and the tensor; `retest` calls it
-`persistent` (the memory does not hold a rewrite) or `transient`.
+recorded when the optimizer writes them and verified before the next update and before every
+checkpoint (a change before the forward is found there, before any gradient computed from it is
+applied: one read of the state per step fewer than verifying at the step's start too), and of
+its reduced gradients, recorded after the reduction and verified before clipping. A mismatch
+names the rank and the tensor; `retest` calls it `persistent` (the memory does not hold a
+rewrite) or `transient`.
 
 `ComputeCheck` (in compute): every `resilience.sdc_interval` steps each data-parallel rank's
 first microbatch is recomputed, forward and backward, by a partner of the same tensor-,
