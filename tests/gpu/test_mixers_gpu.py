@@ -1,13 +1,13 @@
 """The sub-quadratic mixers and hybrids on a device: each trains in bf16 and tracks fp32, and
 each mixer's kernel path agrees with its reference form there.
 
-Every test takes the device as a parameter: the CPU case runs in the normal suite, the CUDA
-case is marked `gpu` (bench/gpu/run.sh). On CUDA the mixers' kernel paths differ from the CPU's:
-block-sparse and document-masked attention run FlexAttention (forward and backward), linear
-attention and Gated DeltaNet run flash-linear-attention's Triton kernels when `fla` imports
-(`test_fla_kernels_equal_torch_forms`; bench/gpu/run.sh `fla` carries it), and the chunked
-forms of retention, linear attention, Gated DeltaNet, Mamba-2 and the RG-LRU scan run on
-cuBLAS; their agreement with the recurrences on CUDA is checked by the CPU tests' own bodies.
+Tests with a device parameter run their CPU case in the normal suite and their CUDA case
+marked `gpu` (bench/gpu/run.sh); the CUDA-only ones run the bodies of CPU tests in tests/models
+with device="cuda". On CUDA the mixers' kernel paths differ from the CPU's: block-sparse and
+document-masked attention run FlexAttention (forward and backward), linear attention and Gated
+DeltaNet run flash-linear-attention's Triton kernels when `fla` imports (bench/gpu/run.sh `fla`
+carries it), and the chunked forms of retention, linear attention, Gated DeltaNet, Mamba-2 and
+the RG-LRU scan run on cuBLAS.
 """
 
 from __future__ import annotations
