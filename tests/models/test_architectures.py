@@ -32,12 +32,12 @@ from myria.models.transformer import build_model, count_params
 TOL = dict(atol=1e-5, rtol=1e-5)
 
 
-def _qkv(b=2, h=4, s=50, d=8, kv_heads=None, seed=0):
+def _qkv(b=2, h=4, s=50, d=8, kv_heads=None, seed=0, device="cpu"):
     g = torch.Generator().manual_seed(seed)
     q = torch.randn(b, h, s, d, generator=g)
     k = torch.randn(b, kv_heads or h, s, d, generator=g)
     v = torch.randn(b, kv_heads or h, s, d, generator=g)
-    return q, k, v
+    return q.to(device), k.to(device), v.to(device)
 
 
 @pytest.mark.parametrize("s,window,n_global,block", [(50, 8, 3, 8), (64, 16, 0, 16),
@@ -59,8 +59,9 @@ def test_blockwise_block_sparse_equals_masked_dense(s, window, n_global, block):
     assert block_sparse_keys(s, window, n_global, block, "causal") * s == int(mask.sum())
 
 
-def test_linear_attention_forms_agree():
-    q, k, v = _qkv(s=45, kv_heads=2)
+def test_linear_attention_forms_agree(device="cpu"):
+    """(tests/gpu/test_mixers_gpu.py runs this body on CUDA too, as do the next two.)"""
+    q, k, v = _qkv(s=45, kv_heads=2, device=device)
     q, k = feature_map(q, "elu1"), feature_map(k, "elu1")
     ref = linear_attention_prefix(q, k, v)
     for chunk in (1, 8, 16, 64):
@@ -76,15 +77,15 @@ def test_linear_attention_forms_agree():
     assert torch.allclose(torch.cat(outs, dim=2), ref, **TOL)
 
 
-def test_retention_forms_agree():
-    q, k, v = _qkv(s=70)
+def test_retention_forms_agree(device="cpu"):
+    q, k, v = _qkv(s=70, device=device)
     q = q / 8 ** 0.5
-    lg = log_decays(4)
-    assert torch.allclose(torch.exp(lg), 1 - 2.0 ** (-5 - torch.arange(4.0)))
+    lg = log_decays(4, device=device)
+    assert torch.allclose(torch.exp(lg).cpu(), 1 - 2.0 ** (-5 - torch.arange(4.0)))
     ref = retention_parallel(q, k, v, lg)
     for chunk in (1, 16, 32, 128):
         assert torch.allclose(retention_chunkwise(q, k, v, lg, chunk), ref, **TOL)
-    state = torch.zeros(2, 4, 8, 8)
+    state = torch.zeros(2, 4, 8, 8, device=device)
     outs = []
     for t in range(70):
         o, state = retention_step(q[:, :, t:t + 1], k[:, :, t:t + 1], v[:, :, t:t + 1], lg,
@@ -96,11 +97,11 @@ def test_retention_forms_agree():
     assert torch.allclose(st, state, **TOL)
 
 
-def test_rglru_scan_equals_step_by_step():
+def test_rglru_scan_equals_step_by_step(device="cpu"):
     g = torch.Generator().manual_seed(1)
-    a = torch.rand(3, 300, 16, generator=g) * 0.5 + 0.5
-    b = torch.randn(3, 300, 16, generator=g)
-    h0 = torch.randn(3, 16, generator=g)
+    a = (torch.rand(3, 300, 16, generator=g) * 0.5 + 0.5).to(device)
+    b = torch.randn(3, 300, 16, generator=g).to(device)
+    h0 = torch.randn(3, 16, generator=g).to(device)
     assert torch.allclose(linear_scan(a, b), linear_scan_reference(a, b), **TOL)
     assert torch.allclose(linear_scan(a, b, h0), linear_scan_reference(a, b, h0), **TOL)
 

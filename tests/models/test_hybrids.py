@@ -23,7 +23,7 @@ from myria.models.transformer import build_model, count_params
 TOL = dict(atol=1e-5, rtol=1e-5)
 
 
-def _inputs(kind: str, b=2, h=3, s=45, dk=8, dv=6, seed=0):
+def _inputs(kind: str, b=2, h=3, s=45, dk=8, dv=6, seed=0, device="cpu"):
     g = torch.Generator().manual_seed(seed)
     q = torch.randn(b, h, s, dk, generator=g)
     k = torch.randn(b, h, s, dk, generator=g)
@@ -32,8 +32,10 @@ def _inputs(kind: str, b=2, h=3, s=45, dk=8, dv=6, seed=0):
     state = torch.randn(b, h, dk, dv, generator=g) * 0.5
     if kind == "deltanet":   # the block's normalised keys and scaled queries
         q, k = F.normalize(q, dim=-1) * dk ** -0.5, F.normalize(k, dim=-1)
-        return [q, k, v, log_a, torch.rand(b, h, s, generator=g)], state
-    return [q * dk ** -0.5, k * dk ** -0.5, v, log_a], state
+        xs = [q, k, v, log_a, torch.rand(b, h, s, generator=g)]
+    else:
+        xs = [q * dk ** -0.5, k * dk ** -0.5, v, log_a]
+    return [x.to(device) for x in xs], state.to(device)
 
 
 FORMS = {"deltanet": (gated_delta_chunked, gated_delta_recurrent),
@@ -41,13 +43,14 @@ FORMS = {"deltanet": (gated_delta_chunked, gated_delta_recurrent),
 
 
 @pytest.mark.parametrize("kind", list(FORMS))
-def test_chunked_form_equals_recurrence(kind):
+def test_chunked_form_equals_recurrence(kind, device="cpu"):
     """Output, final state and the gradients of every input (q, k, v, decays, beta and the
-    initial state) agree within 1e-5 in fp32, at chunk sizes that do and do not divide S."""
+    initial state) agree within 1e-5 in fp32, at chunk sizes that do and do not divide S
+    (tests/gpu/test_mixers_gpu.py runs this body on CUDA)."""
     chunked, recurrent = FORMS[kind]
-    xs, state = _inputs(kind)
+    xs, state = _inputs(kind, device=device)
     xs = [x.requires_grad_(True) for x in [*xs, state]]
-    w = torch.randn(2, 3, 45, 6, generator=torch.Generator().manual_seed(9))
+    w = torch.randn(2, 3, 45, 6, generator=torch.Generator().manual_seed(9)).to(device)
     ref, ref_state = recurrent(*xs)
     g_ref = torch.autograd.grad((ref * w).sum() + ref_state.sum(), xs)
     for chunk in (1, 7, 16, 64):

@@ -117,22 +117,23 @@ class Retention(nn.Module):
         return self.wo(F.silu(self.wg(x)) * o)
 
     def forward(self, x: torch.Tensor, rope) -> torch.Tensor:
-        q, k, v = self.qkv(x, rope)
+        # fp32 inside: the decays are fp32 (a bf16 run would multiply bf16 scores by them)
+        q, k, v = (t.float() for t in self.qkv(x, rope))
         lg = self.log_gamma(q.shape[1], q.device)
         if q.shape[2] <= self.chunk:
             o = retention_parallel(q, k, v, lg)
         else:
             o = retention_chunkwise(q, k, v, lg, self.chunk)
-        return self.out(x, o)
+        return self.out(x, o.to(x.dtype))
 
     def forward_recurrent(self, x: torch.Tensor, rope, state: dict, pos0: int) -> torch.Tensor:
         """x (B, S, H) at positions pos0.. given the retention state of the earlier tokens
         (state['s'], created when missing); extends the state. Chunkwise for S > 1."""
-        q, k, v = self.qkv(x, rope, pos0)
+        q, k, v = (t.float() for t in self.qkv(x, rope, pos0))   # fp32 inside, as forward
         lg = self.log_gamma(q.shape[1], q.device)
         prev = state.get("s")
         if q.shape[2] == 1 and prev is not None:
             o, state["s"] = retention_step(q, k, v, lg, prev)
         else:
             o, state["s"] = retention_chunkwise(q, k, v, lg, self.chunk, prev, True)
-        return self.out(x, o)
+        return self.out(x, o.to(x.dtype))
