@@ -1,6 +1,7 @@
 """Throughput and MFU of `myria train` vs a minimal plain-PyTorch loop, and vs a nanoGPT-style GPT.
 
     python bench/train_throughput.py [--config configs/demo.toml] [--steps 10] [--rounds 2]
+                                     [--without-checks]
     python bench/train_throughput.py --cpu-time --threads 1 [--steps 12] [--rounds 3]
 
 In one process and one run: measures this CPU's fp32 matmul peak, then alternates three
@@ -9,7 +10,8 @@ trainings on the same data and global batch, `--rounds` times each:
 - plain: a nanoGPT-style loop (forward, backward, clip, AdamW, schedule) on myria's demo model;
 - myria: `myria.train.trainer.train` on the same config (framework overhead = 1 - myria/plain);
 - nanogpt: a nanoGPT-style GPT (LayerNorm, GELU MLP, learned positions, full-vocabulary
-  logits + F.cross_entropy) of the same width and depth, in the plain loop.
+  logits + F.cross_entropy) of the same width and depth, in the plain loop;
+- with `--without-checks`, myria_no_checks: myria without the silent-corruption checks.
 
 Tokens/s is the median over steps after warm-up; the best round of each is kept (the machine is
 shared, so rounds differ). With `--cpu-time` each loop also runs a short schedule (`--warmup`
@@ -133,6 +135,9 @@ def main() -> int:
                     help="torch threads of both loops (0: torch's default)")
     ap.add_argument("--out", default=None, help="result JSON (default bench/results/"
                     "train_throughput.json, or train_throughput_cpu.json with --cpu-time)")
+    ap.add_argument("--without-checks", action="store_true",
+                    help="a fourth loop: myria with resilience.sdc_interval = 0 (no at-rest "
+                    "ledger, no compute check), to show what the checks cost")
     args = ap.parse_args()
     if args.cpu_time:
         return cpu_main(args)
@@ -148,13 +153,18 @@ def main() -> int:
     peak = measure_matmul_tflops(n=1024, seconds=2.0, threads=threads)
     fpt = {"plain": model_flops_per_token(cfg.model), "myria": model_flops_per_token(cfg.model),
            "nanogpt": model_flops_per_token(gpt.model)}
-    runs: dict[str, list[float]] = {"plain": [], "myria": [], "nanogpt": []}
     loops = {"plain": lambda: plain_loop(cfg, args.steps, args.warmup, full_logits=False),
              "myria": lambda: myria_loop(cfg, args.steps, args.warmup),
              "nanogpt": lambda: plain_loop(gpt, args.steps, args.warmup, full_logits=True)}
+    if args.without_checks:
+        bare = bench_config(args.config, args.steps, "--resilience.sdc_interval=0")
+        loops["myria_no_checks"] = lambda: myria_loop(bare, args.steps, args.warmup)
+        fpt["myria_no_checks"] = fpt["myria"]
+    runs: dict[str, list[float]] = {k: [] for k in loops}
     names = list(loops)
     for r in range(args.rounds):
-        for name in names[r % 3:] + names[:r % 3]:  # rotate the order: no loop always first
+        k = r % len(names)
+        for name in names[k:] + names[:k]:  # rotate the order: no loop always first
             runs[name].append(loops[name]())
         print(f"round {r + 1}: " + ", ".join(f"{k} {v[-1]:,.0f} tok/s" for k, v in runs.items()),
               flush=True)
@@ -169,6 +179,8 @@ def main() -> int:
         "tokens_per_s": best, "all_rounds": runs,
         "mfu": {k: fpt[k] * best[k] / (peak * 1e12) for k in best},
         "framework_overhead": 1 - best["myria"] / best["plain"],
+        "framework_overhead_without_checks": 1 - best["myria_no_checks"] / best["plain"]
+        if "myria_no_checks" in best else None,
         "model_flops_per_token": fpt,
     }
     out = Path(args.out or ROOT / "bench" / "results" / "train_throughput.json")
