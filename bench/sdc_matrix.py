@@ -216,6 +216,7 @@ def main() -> None:
                     "status": summary.get("status"), "restarts": summary.get("restarts"),
                     "rc": p.returncode, "stderr_tail": p.stderr[-600:] if p.returncode else "",
                     "resumed_from": [f.get("resumed_from") for f in summary.get("faults", [])],
+                    "recovered_by": [f.get("recovery") for f in summary.get("faults", [])],
                     "bit_equal": equal, "clean_ckpts": good, "bad_ckpts": bad,
                     "quarantined": quarantined, "wall_s": round(time.time() - t0, 1)})
                 print(json.dumps(rows[-1]), flush=True)
