@@ -17,6 +17,14 @@ A tiny model (the test suite's TINY) trains 8 steps on 2 or 4 gloo ranks with ch
   compute fault between two checks is not recomputed (the check is sampled); the same for
   `wgrad` (a wrong weight-gradient GEMM result: every block's, every microbatch).
 
+`--targets peer` (with `--recovery in-job` only, not in the default list): the bit flips in the
+newest peer-memory snapshot the rank holds for its left ring neighbour (`bitflip:target=peer`,
+at the start of step 4 or 5, once that copy of step 3 or 4 has landed), and that neighbour
+raises at the same step start: its replacement needs that copy. Recovery must refuse it (its
+CRC-32) and resume from the copy of the step before, held in memory too; `refused` and
+`restored` (RUN_DIR/peer/injob.json) say what it did; `named` there means the damaged step was
+refused.
+
 `--snapshots`: `overlap` (the default: two-stage, copied during the next step), `async` (two-
 stage, copied before the save returns), `sync`. `--recovery`: restart (default) or in-job (peer
 memory snapshots every step). For each layout and snapshot mode one clean `myria train` with the
@@ -165,11 +173,19 @@ def main() -> None:
                 t0 = time.time()
                 sticky = ":sticky=yes" if target in ("compute", "wgrad") and pos == "after" \
                     else ""
+                fault = f"bitflip:rank={rank}:step={POSITIONS[pos]}:target={target}{sticky}"
+                if target == "peer":   # its holder's copy damaged, then the neighbour is lost
+                    if recovery != "in-job":
+                        continue
+                    fault += f",raise:rank={(rank - 1) % nproc}:step={POSITIONS[pos]}"
                 p = cli("supervise", "--run-dir", str(run), *args,
-                        f"--resilience.recovery={recovery}",
-                        fault=f"bitflip:rank={rank}:step={POSITIONS[pos]}:target={target}"
-                              f"{sticky}")
+                        f"--resilience.recovery={recovery}", fault=fault)
                 sdc = detections.read(run, "sdc")
+                injob = run / "peer" / "injob.json"
+                restored = json.loads(injob.read_text()) if injob.exists() else []
+                damaged = POSITIONS[pos]   # the step of the copy the peer fault damages
+                refused = [x for x in restored if f"refused, CRC-32: [{damaged}]" in
+                           x.get("facts", "")]
                 summary = json.loads((run / "supervisor_summary.json").read_text()) \
                     if (run / "supervisor_summary.json").exists() else {}
                 got = params(run) if p.returncode == 0 else {}
@@ -189,13 +205,18 @@ def main() -> None:
                              "verdict": r["evidence"].get("verdict")} for r in sdc],
                     # every detection names the faulted rank (a persistent compute fault on
                     # two ranks is found in both microbatches: two detections, one rank)
-                    "named": bool(sdc) and all(r["rank"] == rank for r in sdc),
+                    "named": bool(refused) and not sdc if target == "peer" else
+                    bool(sdc) and all(r["rank"] == rank for r in sdc),
+                    "refused": bool(refused),
+                    "restored": [{"step": x.get("step"), "sources": x.get("sources"),
+                                  "facts": x.get("facts")} for x in restored],
                     "filed_as": [(f.get("kind"), (f.get("sdc") or {}).get("verdict"))
                                  for f in summary.get("faults", [])],
                     "blocklist": summary.get("blocklist"),
                     "status": summary.get("status"), "restarts": summary.get("restarts"),
                     "rc": p.returncode, "stderr_tail": p.stderr[-600:] if p.returncode else "",
                     "resumed_from": [f.get("resumed_from") for f in summary.get("faults", [])],
+                    "recovered_by": [f.get("recovery") for f in summary.get("faults", [])],
                     "bit_equal": equal, "clean_ckpts": good, "bad_ckpts": bad,
                     "quarantined": quarantined, "wall_s": round(time.time() - t0, 1)})
                 print(json.dumps(rows[-1]), flush=True)

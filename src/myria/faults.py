@@ -2,9 +2,9 @@
 
 MYRIA_FAULT holds comma-separated faults, each `kind:key=value:...`, kind one of `kill`, `hang`,
 `stop`, `raise`, `corrupt-checkpoint`, `diskfull`, `offload-kill`, `offload-diskfull`, `slow`,
-`bitflip` (`target=param|grad|optimizer|compute|wgrad`, `sticky=yes`) and `nan` (`sticky=yes`). Each
-fault fires once per run directory (a marker file under RUN_DIR/faults/), so a restarted job
-does not repeat it; `:attempt=A` limits it to the supervisor's attempt A
+`bitflip` (`target=param|grad|optimizer|compute|wgrad|peer`, `sticky=yes`) and `nan`
+(`sticky=yes`). Each fault fires once per run directory (a marker file under RUN_DIR/faults/),
+so a restarted job does not repeat it; `:attempt=A` limits it to the supervisor's attempt A
 (TORCHELASTIC_RESTART_COUNT, 0 the first start). Checkpoint and offload hooks act on console
 step S; `kill`, `hang`, `stop`, `raise`, `bitflip` and `nan` fire once S steps are done (during
 console step S+1); `slow` applies from console step S on. A malformed MYRIA_FAULT is a
@@ -26,7 +26,7 @@ KINDS = ("kill", "hang", "stop", "raise", "corrupt-checkpoint", "diskfull", "slo
          "nan", "offload-kill", "offload-diskfull")
 FLOAT_KEYS = ("factor",)   # parameters that take a number, not an integer
 # parameters that take one of a few words
-WORD_KEYS = {"target": ("param", "grad", "optimizer", "compute", "wgrad"),
+WORD_KEYS = {"target": ("param", "grad", "optimizer", "compute", "wgrad", "peer"),
              "sticky": ("yes", "no")}
 
 
@@ -93,7 +93,7 @@ def parse(text: str | None) -> list[Fault]:
             if k not in ("rank", "step", "attempt"):
                 raise FaultSpecError(f"MYRIA_FAULT item {item!r}: unknown parameter {k!r}; "
                                      "valid: rank=N, step=N, attempt=N, factor=F (slow), "
-                                     "target=param|grad|optimizer|compute|wgrad (bitflip), "
+                                     "target=param|grad|optimizer|compute|wgrad|peer (bitflip), "
                                      "sticky=yes|no (nan, bitflip)")
             if not v.lstrip("-").isdigit():
                 raise FaultSpecError(f"MYRIA_FAULT item {item!r}: {k}={v!r} is not an integer "

@@ -55,6 +55,44 @@ def test_across_hosts_a_lost_hosts_ranks_are_held_on_the_other_host(monkeypatch)
     assert choose(infos) == {"step": 6, "sources": {2: 0, 3: 1}, "replica": []}
 
 
+def test_a_held_copy_damaged_after_its_check_is_refused():
+    # `bitflip:target=peer` damages the newest copy a rank holds for its left neighbour after
+    # its CRC-32 was taken; recovery must not offer it, and takes the older copy instead
+    import torch
+
+    from myria.faults import parse
+    from myria.train import peer
+    from myria.train.integrity import flip_held
+    from myria.train.rejoin import _describe
+
+    def copy(step, value):
+        state = {"model/w": torch.full((4,), value)}
+        layout, n = peer.layout_of(state)
+        buf = torch.empty(n, dtype=torch.uint8)
+        peer.pack(state, buf, layout)
+        return {"from": 0, "step": step, "meta": {"step": step, "layout": layout},
+                "buf": buf, "crc": peer.crc32(buf)}
+
+    class Ring:   # what the hook reads of a PeerSnapshots
+        held_by_step = {5: copy(5, 1.0), 6: copy(6, 2.0)}
+        held = held_by_step[6]
+
+        def wait(self):
+            return True
+
+    assert parse("bitflip:rank=1:step=5:target=peer")[0].params["target"] == "peer"
+    ring = Ring()
+    assert flip_held(ring, 1) == 6
+    w = peer.unpack(ring.held["meta"], ring.held["buf"])["model/w"]
+    assert w[0] != 2.0 and torch.equal(w[1:], torch.full((3,), 2.0))
+    kept = {"rank": 1, "left": 0, "world": 2, "own": {5: copy(5, 3.0), 6: copy(6, 4.0)},
+            "held": ring.held_by_step}
+    info = _describe(kept, 1)
+    assert sorted(info["held"]) == [5] and info["refused"] == [6], info
+    assert choose([_info(0, fresh=True), info]) == {"step": 5, "sources": {0: 1},
+                                                    "replica": []}
+
+
 def supervise(run_dir, data, fault, *extra):
     return run_cli("supervise", "--run-dir", str(run_dir), "--nproc", "2",
                    f"--data.path={data}", *COMMON, *extra, env={"MYRIA_FAULT": fault},

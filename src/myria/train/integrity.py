@@ -158,6 +158,24 @@ def flip_bit(p: torch.Tensor, bit: int = 22, last: bool = False) -> None:
     v.bitwise_xor_(torch.tensor(1 << (bit % (8 * t.element_size() - 1)), dtype=width))
 
 
+def flip_held(peers, rank: int) -> int | None:
+    """The `bitflip:target=peer` hook: once the exchange in flight has landed, flip bit 22 of
+    the first float32 value of the newest snapshot this rank holds for its left neighbour
+    (memory damaged after the copy's CRC-32 was taken). Its step, or None when none is held."""
+    if not hasattr(peers, "wait"):   # peer snapshots off
+        return None
+    peers.wait()
+    held = peers.held
+    item = next((i for i in (held or {}).get("meta", {}).get("layout", [])
+                 if i.get("n") and i["dtype"] == "float32" and i["off"] % 4 == 0), None)
+    if item is None:
+        return None
+    flip_bit(held["buf"][item["off"]:item["off"] + item["n"]].view(torch.float32))
+    print(f"FAULT bitflip: rank {rank} damaged its copy of rank {held['from']}'s snapshot of "
+          f"step {held['step']} ({item['k']})", flush=True)
+    return held["step"]
+
+
 # ---------------------------------------------------------------------------------------------
 # Numerical faults
 
@@ -293,6 +311,7 @@ class StepGuard:
         self.checked_at: int | None = None
         # the newest step whose computation a check found clean (the resumed state counts)
         self.clean_at = start_step
+        self.peers = None   # the peer snapshots (myria.train.peer), for the bitflip hook only
 
     def recorded(self) -> dict:
         """{storage key: checksum} of the state the optimizer wrote (StateLedger.recorded);
@@ -308,6 +327,9 @@ class StepGuard:
             if target in ("param", "optimizer", "compute", "wgrad"):
                 self.faults.mark(f)
                 self._inject(target, f.params.get("sticky") == "yes")
+            elif target == "peer":   # the copy held for a ring neighbour, not this rank's state
+                self.faults.mark(f)
+                flip_held(self.peers, self.rank)
         if self.compute is not None:
             self.compute.cancel()
             if (step + 1) % self.r.sdc_interval == 0:

@@ -500,14 +500,19 @@ def _describe(kept: dict | None, rank: int, survivor: bool = True) -> dict:
     own_meta = {s: {"meta": kept["own"][s]["meta"], "nbytes": kept["own"][s]["buf"].numel(),
                     "crc": kept["own"][s]["crc"] if kept["own"][s]["crc"] is not None
                     else peer.crc32(kept["own"][s]["buf"])} for s in own}
-    held = {}
+    held, refused = {}, []
     for s, h in kept["held"].items():
         if peer.crc32(h["buf"]) == h["crc"]:  # the same check as a checkpoint's on load
             held[s] = {"meta": h["meta"], "crc": h["crc"], "nbytes": h["buf"].numel(),
                        "path": h.get("path"), "host": h.get("host")}
+        else:   # changed since it was verified: never offered
+            refused.append(s)
+            log.warning("rank %d: its copy of rank %d's snapshot of step %d no longer matches "
+                        "its CRC-32: not offered for recovery", rank, kept["left"], s)
     return {"rank": rank, "fresh": False, "own": sorted(own), "holds": kept["left"],
-            "held": held, "own_meta": own_meta, "ring": kept.get("world"),
-            "stride": kept.get("stride", 1), "host": socket.gethostname()}
+            "held": held, "refused": sorted(refused), "own_meta": own_meta,
+            "ring": kept.get("world"), "stride": kept.get("stride", 1),
+            "host": socket.gethostname()}
 
 
 def choose(infos: list[dict], replicas: bool = False, cap: int | None = None) -> dict | None:
@@ -546,6 +551,7 @@ def choose(infos: list[dict], replicas: bool = False, cap: int | None = None) ->
 def _facts(infos: list[dict]) -> str:
     return "; ".join(f"rank {i['rank']}: " + (
         ("no snapshot" if i.get("survivor") else "replacement") if i["fresh"] else
-                     f"own {i['own']}, holds rank {i['holds']} at {sorted(i['held'])}")
+                     f"own {i['own']}, holds rank {i['holds']} at {sorted(i['held'])}"
+                     + (f" (refused, CRC-32: {i['refused']})" if i.get("refused") else ""))
                      for i in infos)
 

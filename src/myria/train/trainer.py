@@ -358,6 +358,7 @@ class Run:
         guard = StepGuard(cfg, engine, run_dir, env.rank, faults, start_step)
         # copies of the state (checkpoints, peer snapshots) must hold what the ledger recorded
         ckpt.recorded = peers.recorded = guard.recorded
+        guard.peers = peers
         watch = StepWatchers(hb, rec, faults, guard, ckpt, peers, t.gc_interval)
         return cls(cfg, run_dir, env, hb, layout, dataset, data_fp, engine, rec, faults, ckpt,
                    latest, start_step, stop, loader, metrics, guard, watch, StepTimer(sync),
