@@ -86,8 +86,11 @@ class KnownAnswerProbe:
             dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         if int(flag):   # some rank has no input to probe with: no record (every rank alike)
             return
-        self.record = [(a, self.run(p, a)) if a is not None else None
-                       for p, a in zip(parts, args)]
+        from myria.observe import events
+
+        with events.current().span("probe_record", "check"):   # once per process
+            self.record = [(a, self.run(p, a)) if a is not None else None
+                           for p, a in zip(parts, args)]
 
     def changed(self) -> int:
         """This rank's answer now against its record (collective: every rank of the world
