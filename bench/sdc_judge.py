@@ -29,7 +29,14 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "src"))
-from bench.sdc_matrix import ckpt_state, cli, compare_ckpts, params  # noqa: E402
+from bench.sdc_matrix import (  # noqa: E402
+    ckpt_state,
+    cli,
+    compare_ckpts,
+    params,
+    quarantined,
+    supervisor_summary,
+)
 
 OUT = ROOT / "bench" / "results" / "sdc_judge.json"
 ARGS = ["--config", "configs/demo.toml", "--training.steps=12", "--checkpoint.interval=3",
@@ -80,8 +87,7 @@ def main() -> None:
             p = cli("supervise", *ARGS, f"--data.path={a.data}", "--run-dir", str(run),
                     fault=f"bitflip:rank=1:step=6:target={target}")
             sdc = detections.read(run, "sdc")
-            sp = run / "supervisor_summary.json"
-            summary = json.loads(sp.read_text()) if sp.exists() else {}
+            summary = supervisor_summary(run)
             got = params(run) if p.returncode == 0 else {}
             equal_w = [k for k in clean_w if k in got and torch.equal(got[k], clean_w[k])]
             fin = ckpt_state(final_ckpt(run)) if p.returncode == 0 else {}
@@ -89,11 +95,6 @@ def main() -> None:
                                                                          clean_final[k])]
             lo = losses(run) if (run / "metrics.jsonl").exists() else {}
             good, bad = compare_ckpts(run, ref)
-            qdir = run / "checkpoints" / "quarantine"
-            quarantined = {q.name.split(".")[0]: json.loads(
-                (q / "QUARANTINED.json").read_text())["reason"][:120]
-                for q in (sorted(qdir.iterdir()) if qdir.is_dir() else [])
-                if (q / "QUARANTINED.json").exists()}
             rows.append({
                 "target": target, "rc": p.returncode,
                 "stderr_tail": p.stderr[-600:] if p.returncode else "",
@@ -107,7 +108,7 @@ def main() -> None:
                               (f.get("sdc") or {}).get("verdict"))
                              for f in summary.get("faults", [])],
                 "resumed_from": [f.get("resumed_from") for f in summary.get("faults", [])],
-                "quarantined": quarantined,
+                "quarantined": quarantined(run),
                 "losses_equal": lo == clean_l, "steps": len(lo),
                 "first_loss_diff": next(([s, lo.get(s), clean_l[s]] for s in sorted(clean_l)
                                          if lo.get(s) != clean_l[s]), None),

@@ -131,6 +131,20 @@ def compare_ckpts(run: Path, ref: Path) -> tuple[list[str], list[str]]:
     return good, bad
 
 
+def supervisor_summary(run: Path) -> dict:
+    """RUN/supervisor_summary.json, or {} when the supervisor wrote none."""
+    p = run / "supervisor_summary.json"
+    return json.loads(p.read_text()) if p.exists() else {}
+
+
+def quarantined(run: Path) -> dict[str, str]:
+    """{checkpoint name: the start of its quarantine reason} of RUN/checkpoints/quarantine."""
+    qdir = run / "checkpoints" / "quarantine"
+    return {q.name.split(".")[0]: json.loads((q / "QUARANTINED.json").read_text())["reason"][:120]
+            for q in (sorted(qdir.iterdir()) if qdir.is_dir() else [])
+            if (q / "QUARANTINED.json").exists()}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--layouts", default=",".join(LAYOUTS))
@@ -186,17 +200,11 @@ def main() -> None:
                 damaged = POSITIONS[pos]   # the step of the copy the peer fault damages
                 refused = [x for x in restored if f"refused, CRC-32: [{damaged}]" in
                            x.get("facts", "")]
-                summary = json.loads((run / "supervisor_summary.json").read_text()) \
-                    if (run / "supervisor_summary.json").exists() else {}
+                summary = supervisor_summary(run)
                 got = params(run) if p.returncode == 0 else {}
                 equal = bool(got) and got.keys() == clean.keys() and \
                     all(torch.equal(got[k], clean[k]) for k in clean)
                 good, bad = compare_ckpts(run, ref) if run.exists() else ([], [])
-                qdir = run / "checkpoints" / "quarantine"
-                quarantined = {q.name.split(".")[0]: json.loads(
-                    (q / "QUARANTINED.json").read_text())["reason"][:120]
-                    for q in (sorted(qdir.iterdir()) if qdir.is_dir() else [])
-                    if (q / "QUARANTINED.json").exists()}
                 rows.append({
                     "layout": lay, "snapshots": snap, "recovery": recovery, "position": pos,
                     "target": target + (" sticky" if sticky else ""), "fault_rank": rank,
@@ -218,7 +226,7 @@ def main() -> None:
                     "resumed_from": [f.get("resumed_from") for f in summary.get("faults", [])],
                     "recovered_by": [f.get("recovery") for f in summary.get("faults", [])],
                     "bit_equal": equal, "clean_ckpts": good, "bad_ckpts": bad,
-                    "quarantined": quarantined, "wall_s": round(time.time() - t0, 1)})
+                    "quarantined": quarantined(run), "wall_s": round(time.time() - t0, 1)})
                 print(json.dumps(rows[-1]), flush=True)
     finally:
         if a.keep:
