@@ -1,6 +1,6 @@
-"""Issue 34's judging commands: a bit flipped on rank 1 of the demo's default layout (FSDP, the
-default overlapped two-stage checkpoint, 2 processes) is reported as `sdc` on rank 1, and the
-supervised job ends bit-equal to a clean run.
+"""The end-to-end integrity check as a user runs it: a bit flipped on rank 1 of the demo's
+default layout (FSDP, the default overlapped two-stage checkpoint, 2 processes) is reported as
+`sdc` on rank 1, and the supervised job ends bit-equal to a clean run.
 
     .venv/bin/python bench/sdc_judge.py [--targets param,grad,optimizer] [--data data/demo]
         [--out bench/results/sdc_judge.json] [--keep]

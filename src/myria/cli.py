@@ -51,8 +51,8 @@ def main(argv: list[str] | None = None) -> int:
     As the `myria` program, the process then ends through `_exit_now`: without the
     interpreter's finalization, which tears down torch's C++ objects (stores, process groups)
     in no defined order (one whose thread is still joinable aborts the process with SIGABRT,
-    so a finished job's status would read -6) and costs most of a second per process once
-    torch is imported."""
+    so a finished job's status would read -6) and, with torch imported, is a large part of a
+    short job's start-to-exit time."""
     if argv is not None:
         return _command(list(argv))
     code = _command(sys.argv[1:])

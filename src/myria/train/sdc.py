@@ -4,7 +4,7 @@
 each tensor's bits, 64-bit for 8-byte types) of its local parameter shards and optimizer state,
 recorded when the optimizer writes them and verified before the next update and before every
 checkpoint (a change before the forward is found there, before any gradient computed from it is
-applied: one read of the state per step fewer than verifying at the step's start too), and of
+applied, so a check at the step's start would add a read of the state and find nothing more), and of
 its reduced gradients, recorded after the reduction and verified before clipping. A mismatch
 names the rank and the tensor; `retest` calls it `persistent` (the memory does not hold a
 rewrite) or `transient`.
