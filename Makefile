@@ -56,9 +56,14 @@ viewer:
 
 # The whole test suite (CI runs this). It installs the system packages some tests use when
 # they are missing: redis-server, chromium, slurm and munge (apt-get) and speedscope (npm,
-# into $(VENV)).
+# into $(VENV)). Two pytest-xdist workers, whole files each: most tests spend much of their
+# time waiting on their worker processes (start-up, heartbeats, detection deadlines), so two
+# files at once use both cores of the 2-core CI machine the multi-process tests are sized
+# for; a file stays on one worker so its module fixtures (reference runs, the emulated
+# cluster) are built once.
+TEST_WORKERS ?= 2
 test: announce-system-packages $(STAMP) redis chromium viewer cluster-packages
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile
 
 announce-system-packages:
 	@echo "make test: installing what is missing of redis-server, chromium, slurm and munge" \
