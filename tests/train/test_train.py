@@ -317,6 +317,26 @@ def test_metrics_file_fields(reference):
     assert 0 < rows[-1]["mfu"] < 1
 
 
+def test_a_worker_error_file_is_whole_or_absent(tmp_path, monkeypatch):
+    """The error file torch elastic reads from a failed worker is written whole or not at all:
+    the agent stops the other workers as soon as one fails, and a file cut while being written
+    (here: by an exit code that cannot be serialised, midway) is one `ProcessFailure` cannot
+    parse, which ended the supervisor as failed instead of recovering the job."""
+    from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
+
+    from myria.train.launch import record_worker_error
+
+    path = tmp_path / "error.json"
+    monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(path))
+    with pytest.raises(TypeError):
+        record_worker_error("sdc on rank 2", object())
+    assert not path.exists() and list(tmp_path.iterdir()) == []
+    assert ProcessFailure(0, 1, 1, str(path)).message   # no file: torch's own message
+    record_worker_error("sdc on rank 2", 75)
+    f = ProcessFailure(0, 1, 75, str(path))
+    assert f.message == "sdc on rank 2" and f.error_file_data["myria"]["exit_code"] == 75
+
+
 @pytest.mark.slow
 def test_failed_launch_names_the_rank_that_failed_first(tmp_path, tiny_data):
     p = train(tmp_path, tiny_data, "--training.steps=6", nproc=2, check=False,

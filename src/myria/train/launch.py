@@ -19,6 +19,7 @@ import uuid
 from typing import Any
 
 from myria.errors import LaunchError
+from myria.fsutil import atomic_write
 
 
 def free_port() -> int:
@@ -148,15 +149,20 @@ def record_worker_error(message: str, exit_code: int) -> bool:
     worker fails (`ProcessFailure`); we add the exact time, so the launcher can tell which
     rank failed first. Returns True when the launcher will print the message itself (the
     worker then stays quiet, so a message shared by every rank appears once).
+
+    The file appears whole or not at all (a temporary file and a rename): the agent stops the
+    other workers as soon as one fails, and one stopped between truncating the file and
+    writing it would leave it empty, which `ProcessFailure` cannot parse and re-raises in the
+    launcher, ending the job as failed instead of recovering it.
     """
     path = os.environ.get("TORCHELASTIC_ERROR_FILE")
     if not path:
         return False
     now = time.time()
     try:
-        with open(path, "w") as fh:
-            json.dump({"message": message, "timestamp": int(now),
-                       "myria": {"time": now, "exit_code": exit_code}}, fh)
+        atomic_write(path, json.dumps({"message": message, "timestamp": int(now),
+                                       "myria": {"time": now, "exit_code": exit_code}}),
+                     durable=False)
     except OSError:
         return False
     return os.environ.get(QUIET_ENV) == "1"
