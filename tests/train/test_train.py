@@ -321,7 +321,8 @@ def test_a_worker_error_file_is_whole_or_absent(tmp_path, monkeypatch):
     """The error file torch elastic reads from a failed worker is written whole or not at all:
     the agent stops the other workers as soon as one fails, and a file cut while being written
     (here: by an exit code that cannot be serialised, midway) is one `ProcessFailure` cannot
-    parse, which ended the supervisor as failed instead of recovering the job."""
+    parse: torch re-raises that in the launcher, which then ends the job as failed instead of
+    recovering it."""
     from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 
     from myria.train.launch import record_worker_error
