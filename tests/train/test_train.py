@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
 
 import pytest
@@ -215,6 +216,39 @@ def test_max_time_stops_cleanly_with_a_checkpoint_before_the_limit(tmp_path, tin
     assert re.search(r"  elapsed \d+:\d\d:\d\d  left \d+:\d\d:\d\d$", line), line
     p = train(tmp_path, tiny_data, "--max-time", "soon", check=False)
     assert p.returncode == 2 and "--max-time 'soon': expected a duration" in p.stderr
+
+
+def _stop_reasons(rank: int, world: int, port: int, out_dir: str) -> None:
+    import signal
+
+    from myria.train.preemption import StopRequest
+    from tests.dist import finish, init
+
+    init(rank, world, port)
+    names = []
+    for asker in ("limit", "signal"):
+        stop = StopRequest(30.0)
+        stop.limit_name = "the wall-time limit (training.max_time_s = 40)"
+        if rank == 1:
+            stop.request_limit() if asker == "limit" else stop._handle(signal.SIGTERM, None)
+        names.append([stop.agreed(), stop.signal_name])
+        stop.restore()
+    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+        json.dump(names, f)
+    finish()
+
+
+def test_every_rank_names_the_reason_another_rank_stopped_for(tmp_path):
+    """The wall-time limit is judged on each rank's own clock: a rank that did not reach it
+    itself stops at the same step and names the limit, not a signal; a signal on another rank
+    is named as one."""
+    from tests.dist import spawn
+
+    spawn(_stop_reasons, 2, str(tmp_path))
+    got = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+    limit = "the wall-time limit (training.max_time_s = 40)"
+    assert got[0] == [[True, limit], [True, "SIGTERM (on another rank)"]], got
+    assert got[1] == [[True, limit], [True, "SIGTERM"]], got
 
 
 def test_wsd_schedule_and_document_masking_named_in_the_header(tmp_path, tiny_data):

@@ -6,6 +6,10 @@ SIGTERM to its workers. The handler only records the request (the loop may be in
 collective), and the ranks agree through a one-integer all-reduce on a small gloo group of
 their own at the end of every step, so every rank saves the same step. A second SIGTERM while
 saving restores the default action and ends the process at once.
+
+The same agreement carries the job's wall-time limit (`request_limit`), which each rank judges
+by its own clock and step times: the all-reduce takes the largest reason code, so a rank that
+did not reach the decision itself still names the reason the job stops for.
 """
 
 from __future__ import annotations
@@ -17,13 +21,18 @@ import threading
 import torch
 import torch.distributed as dist
 
+SIGNALLED, LIMIT = 1, 2   # reason codes of the agreement (0: go on); the larger one is named
+
 
 class StopRequest:
-    """A SIGTERM (or SIGINT) flag that the ranks agree on, step by step."""
+    """A SIGTERM (or SIGINT) flag, or the wall-time limit, that the ranks agree on, step by
+    step."""
 
     def __init__(self, timeout_s: float = 120.0, signals: tuple = (signal.SIGTERM,)) -> None:
         self.requested = False
         self.signal_name = ""
+        self._code = 0
+        self.limit_name = "the wall-time limit"   # the trainer names the limit it holds
         self._previous: dict[int, object] = {}
         self._group = None
         if dist.is_initialized() and dist.get_world_size() > 1:
@@ -38,18 +47,24 @@ class StopRequest:
             signal.signal(signum, signal.SIG_DFL)
             signal.raise_signal(signum)
             return
-        self.requested = True
+        self.requested, self._code = True, SIGNALLED
         self.signal_name = signal.Signals(signum).name
+
+    def request_limit(self) -> None:
+        """Stop at the end of this step: the job's wall-time limit would pass during the next."""
+        self.requested, self._code, self.signal_name = True, LIMIT, self.limit_name
 
     def agreed(self) -> bool:
         """True on every rank if any rank was asked to stop (collective, cheap)."""
         if self._group is None:
             return self.requested
-        flag = torch.tensor([1 if self.requested else 0], dtype=torch.int32)
+        flag = torch.tensor([self._code], dtype=torch.int32)
         dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._group)
-        if flag.item() and not self.requested:
-            self.requested, self.signal_name = True, "SIGTERM (on another rank)"
-        return bool(flag.item())
+        code = int(flag.item())
+        if code and not self.requested:
+            self.requested, self._code = True, code
+            self.signal_name = self.limit_name if code == LIMIT else "SIGTERM (on another rank)"
+        return bool(code)
 
     def restore(self) -> None:
         """Put the previous signal handlers back."""

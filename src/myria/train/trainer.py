@@ -331,6 +331,8 @@ class Run:
         peers = peer.start(peer.interval_of(r), engine, env.rank, env.world_size, run_dir)
         write_checkpoint_stats(run_dir, env.rank, ckpt, latest)
         stop = StopRequest(t.init_timeout_s)
+        if t.max_time_s:   # every rank names it, the one that judged it reached or not
+            stop.limit_name = f"the wall-time limit (training.max_time_s = {t.max_time_s:g})"
         loader = make_loader(engine, dataset, cfg, start_step)  # one reader per tp x cp group
 
         # -- meters --------------------------------------------------------------------------
@@ -423,8 +425,7 @@ class Run:
         start = float(os.environ.get(JOB_START_ENV) or PROCESS_START)
         need = self.last_step_s + max(self.longest_save_s, self.last_step_s)
         if time.time() + need >= start + limit:
-            self.stop.requested = True
-            self.stop.signal_name = f"the wall-time limit (training.max_time_s = {limit:g})"
+            self.stop.request_limit()
 
     def save(self, step: int) -> None:
         """Checkpoint step `step` (two-stage: this returns once the snapshot is taken)."""
