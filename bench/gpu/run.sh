@@ -2,14 +2,15 @@
 # The GPU check of issue 25 in one command, on a fresh lent GPU machine (bench/gpu/README.md).
 #
 #   bash bench/gpu/run.sh --fetch-wheels     # HERE (CPU machine, with PyPI): fill bench/gpu/wheels
-#   bash bench/gpu/run.sh [all|tests|bench] [ARGS for gpu_throughput.py]   # ON THE GPU MACHINE
+#   bash bench/gpu/run.sh [all|tests|gemm|bench] [ARGS for gpu_throughput.py]   # ON THE GPU MACHINE
 #   bash bench/gpu/run.sh fla                 # ON THE GPU MACHINE: the mixers with fla's kernels
 #
 # On the GPU machine: installs myria over the image's torch without touching torch (the carried
 # wheels of the pure-Python packages the image lacks, into /tmp/site; then myria itself, no
-# dependencies), records the machine, runs `pytest -m gpu` under a time cap, then
-# bench/gpu_throughput.py within its budget. Everything goes under $OUT (at most 8 files come
-# back): run.log (all output), env.txt, pytest_gpu.xml, gpu_throughput.json.
+# dependencies), records the machine, runs `pytest -m gpu` under a time cap, measures the GEMM
+# shape factor (bench/gpu_gemm_shapes.py), then bench/gpu_throughput.py within its budget.
+# Everything goes under $OUT (at most 8 files come back): run.log (all output), env.txt,
+# pytest_gpu.xml, gpu_gemm_shapes.json, gpu_throughput.json.
 # Time caps (seconds, environment): TOTAL_S (470) for the whole script, of which pytest gets at
 # most TESTS_S (200) and the benchmark the rest (BENCH_S overrides its budget); `fla` gets FLA_S
 # (150): flash-linear-attention's Triton kernels compile and autotune on their first call.
@@ -110,6 +111,12 @@ if [ "$WHAT" = fla ]; then
         -p no:cacheprovider -k "fla or linear or deltanet" \
         --junitxml="$OUT/pytest_fla.xml" -o junit_logging=no || RC=1
     say "fla done"
+fi
+if [ "$WHAT" = all ] || [ "$WHAT" = gemm ]; then
+    # GEMM_HALF_DIM measured (the tensor-parallel pieces' cost the model only assumes): ~10 s
+    say "bench/gpu_gemm_shapes.py"
+    timeout 90 python3 bench/gpu_gemm_shapes.py --out "$OUT/gpu_gemm_shapes.json" || RC=1
+    say "gemm done"
 fi
 if [ "$WHAT" = all ] || [ "$WHAT" = bench ]; then
     B=${BENCH_S:-$(( ${TOTAL_S:-470} - ($(date +%s) - T0) - 20 ))}
