@@ -1,6 +1,6 @@
 """MegaScale's optimisation ladder priced from first principles (no training table used).
 
-    PYTHONPATH=src .venv/bin/python bench/sim_ladder.py [--json out.json]
+    PYTHONPATH=src .venv/bin/python bench/sim_ladder.py [--json out.json] [--half-dim H]
 
 MegaScale's 175B layout (src/myria/sim/data/expert_layouts.toml: tp 8, pp 8, vpp 6, sequence
 parallel, ZeRO-1) on 256 A100 with 256 sequences, starting from Megatron-LM as MegaScale's
@@ -57,6 +57,7 @@ then waits one kernel launch) and builds the position ids and loss mask (a few l
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 
@@ -103,15 +104,25 @@ def baseline() -> runspec.RunSpec:
     return r.replace(training={"data_loading_s": synchronous_fetch_s(r)})
 
 
-def ladder() -> list[dict]:
+def simulate(run: runspec.RunSpec, half_dim: float | None = None):
+    """perf.simulate, with GEMM_HALF_DIM (the shape prior) set to `half_dim` when given: a
+    device's figure from bench/gpu_gemm_shapes.py in place of the prior."""
+    if half_dim is None:
+        return perf.simulate(run)
+    hw = build_hardware(run.cluster, run.training.precision)
+    eff = perf.efficiency_for(hw, run.kernels.flash_version)
+    return perf.simulate(run, hw=hw, eff=dataclasses.replace(eff, half_dim=half_dim))
+
+
+def ladder(half_dim: float | None = None) -> list[dict]:
     """Each rung: name, MFU (baseline FLOPs), gain in points and relative, breakdown shares."""
     cur = baseline()
-    base = perf.simulate(cur)
+    base = simulate(cur, half_dim)
     rows, prev = [], None
     for name, change in [("baseline", {})] + STEPS:
         if change:
             cur = cur.replace(**change)
-        res = perf.simulate(cur)
+        res = simulate(cur, half_dim)
         mfu = base.mfu * res.tokens_per_s / base.tokens_per_s
         t = res.iteration_time_s
         pub = list(PUBLISHED.values())
@@ -137,8 +148,11 @@ def ratio(row: dict) -> float:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--json", help="write the rungs to this file")
+    ap.add_argument("--half-dim", type=float,
+                    help="GEMM_HALF_DIM in place of the model's prior (a device's fit from "
+                    "bench/gpu_gemm_shapes.py; E_GEMM stays as calibrated at the prior)")
     args = ap.parse_args(argv)
-    rows = ladder()
+    rows = ladder(args.half_dim)
     for r in rows:
         gain = "" if r["gain"] is None else f"{r['gain_points']:+.2f} pt ({r['gain']:+.1%})"
         pub = "" if r["gain"] is None else (

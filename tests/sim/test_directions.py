@@ -332,6 +332,20 @@ def test_megascale_optimisation_ladder_each_step_raises_mfu_plausibly():
     assert 0.45 < sec(after, "compute_attention") / sec(before, "compute_attention") < 0.6
 
 
+def test_the_ladder_takes_a_measured_gemm_half_dimension():
+    """`bench/sim_ladder.py --half-dim H` prices every rung with a device's GEMM_HALF_DIM (from
+    bench/gpu_gemm_shapes.py) in place of the prior: with none, cutting the TP GEMMs into
+    pieces costs only their launches and weight rereads, so the TP-overlap rung gains more."""
+    bench = _bench("sim_ladder")
+    tp = lambda rows: next(r for r in rows if r["step"] == "tp overlap")  # noqa: E731
+    prior, none = bench.ladder(), bench.ladder(half_dim=0.0)
+    assert tp(none)["gain_points"] > tp(prior)["gain_points"] + 1.0
+    sec = lambda r: r["breakdown"]["compute_gemm"] * r["iteration_time_s"]  # noqa: E731
+    i = [r["step"] for r in none].index("tp overlap")
+    assert sec(none[i]) < 1.02 * sec(none[i - 1])
+    assert bench.ladder(half_dim=32.0) == prior   # the prior's value: the same ladder
+
+
 def test_tp_overlap_pays_for_cutting_its_gemms(llama):
     """Pipelining a TP collective against a GEMM cuts the GEMM into pieces along its tokens:
     each piece runs at the roofline's efficiency for its shorter dimension, rereads the weight
