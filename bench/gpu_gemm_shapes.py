@@ -78,8 +78,11 @@ def gemm_seconds(m: int, n: int, k: int, device, dtype, seconds: float) -> float
     a = torch.randn(m, k, device=device, dtype=dtype)
     b = torch.randn(k, n, device=device, dtype=dtype)
     out = torch.empty(m, n, device=device, dtype=dtype)
-    sync = torch.cuda.synchronize if device.type == "cuda" else None
-    reps = max(1, min(50, int(2e10 / (2.0 * m * n * k))))   # ~a few ms per group on a GPU
+    cuda = device.type == "cuda"
+    sync = torch.cuda.synchronize if cuda else None
+    # calls per timed group: ~2 TFLOP (a few ms on an H100) so that the synchronisation
+    # after each group is under 1% of it even for 64-row GEMMs; ~0.1 GFLOP on a CPU
+    reps = max(1, min(1000, int((2e12 if cuda else 1e8) / (2.0 * m * n * k))))
     times = time_matmul(a, b, out, seconds=seconds, groups=5, reps=reps, warmup_calls=3,
                         sync=sync)
     return statistics.median(times)
