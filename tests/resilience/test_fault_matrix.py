@@ -1,5 +1,5 @@
 """The fault matrix's hooks (bench/fault_matrix.py) and its most fragile case under `myria
-supervise` (issue 26)."""
+supervise`."""
 
 from __future__ import annotations
 

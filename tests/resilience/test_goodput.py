@@ -1,4 +1,4 @@
-"""The goodput ledger, the recovery phases and the hang report's stacks (issue 26)."""
+"""The goodput ledger, the recovery phases and the hang report's stacks."""
 
 from __future__ import annotations
 

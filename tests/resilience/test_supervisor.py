@@ -152,7 +152,7 @@ def test_corrupt_newest_checkpoint_and_full_disk(tmp_path, tiny_data, reference)
     # the resume must skip step 12 with a warning and use step 4, the newest intact one.
     # Synchronous saves: an asynchronous one of step 12 may still be persisting when rank 0 is
     # killed on a loaded host (then 4 is the newest committed: a race in the test, not a
-    # verification fault; issue 27).
+    # verification fault).
     supervise(tmp_path, tiny_data, "--checkpoint.keep=5", "--resilience.async_checkpoint=false",
               env={"MYRIA_FAULT": "diskfull:step=8,corrupt-checkpoint:step=12,kill:rank=0:step=14"})
     summary = json.loads((tmp_path / "supervisor_summary.json").read_text())

@@ -99,7 +99,7 @@ def _cli_json(capsys, *argv: str) -> dict:
 
 
 def test_cli_defaults_are_nccls_and_reach_the_nics_aggregate_on_a_non_blocking_fat_tree(capsys):
-    # issue 24, as a user types it: NCCL's defaults (algorithm auto, 2 channels per NIC, 1 QP)
+    # as a user types it: NCCL's defaults (algorithm auto, 2 channels per NIC, 1 QP)
     fat = ("--topology", "fat-tree", "--gpus", "1024", "--collective", "all-reduce")
     ada = _cli_json(capsys, *fat, "--bytes", "1G", "--routing", "adaptive")
     assert ada["ideal_busbw_gbs"] == pytest.approx(8 * 50.0)     # 8 NICs x 400G per host

@@ -1,4 +1,4 @@
-"""Silent data corruption and numerical faults (issue 10): a flipped bit in one replica is found
+"""Silent data corruption and numerical faults: a flipped bit in one replica is found
 within the check interval and its rank named; under `myria supervise` the job rolls back and ends
 bit-equal to a fault-free run; an injected NaN is attributed to its rank and its update skipped
 (or rolled back past)."""
@@ -134,7 +134,7 @@ def test_bitflip_in_a_replica_is_named_and_rolled_back_bit_equal(tmp_path, tiny_
     assert all(torch.equal(pa[k], pb[k]) for k in pa)
 
 
-# -- issue 27: the default layout (FSDP, no replica), every target ------------------------------
+# -- the default layout (FSDP, no replica), every target ----------------------------------------
 FSDP2 = [*TINY, "--training.steps=8", "--checkpoint.interval=4", "--resilience.sdc_interval=3",
          "--resilience.diagnose=false", "--resilience.heartbeat_s=0.5",
          "--resilience.backoff_s=0.2", "--training.eval_interval=0"]
@@ -153,7 +153,7 @@ def fsdp2_reference(tmp_path_factory, tiny_data):
 @pytest.mark.parametrize("target", ["param", "grad", "optimizer", "compute", "wgrad"])
 def test_bitflip_on_fsdp_is_named_and_rolled_back_bit_equal(tmp_path, tiny_data,
                                                             fsdp2_reference, target):
-    """The user's path of issue 27: `myria supervise --config configs/demo.toml` (FSDP, the
+    """The user's path: `myria supervise --config configs/demo.toml` (FSDP, the
     default) on 2 processes, one flipped bit on rank 1 in step 6 (a checked step)."""
     run = tmp_path / "run"
     run_cli("supervise", "--config", "configs/demo.toml", "--run-dir", str(run), "--nproc", "2",

@@ -1,4 +1,4 @@
-"""The raise race of in-job recovery (issue 26): a rank that fails while its peer-snapshot
+"""The raise race of in-job recovery: a rank that fails while its peer-snapshot
 exchange is in flight (myria.train.peer) runs the failure path (`InJob.keep`, then its run's
 close) and is ready for the next attempt within seconds, keeping the copies that verified.
 

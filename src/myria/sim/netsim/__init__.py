@@ -1,4 +1,4 @@
-"""Flow-level cluster network simulator (issue 12).
+"""Flow-level cluster network simulator.
 
 ``fabric``: two- and three-tier CLOS / fat-tree fabrics with rails, from TOML or presets;
 ``routing``: ECMP (polarised or not, queue pairs), adaptive and static rail-aware routes;
