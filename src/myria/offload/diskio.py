@@ -33,10 +33,9 @@ def aligned_buffer(nbytes: int) -> torch.Tensor:
     offers them (`enabled` = always or madvise; elsewhere they stay 4 KiB pages and work the
     same). Why: a direct I/O request takes at most `max_segments` physical segments (254 on a
     virtio disk), so a buffer of scattered 4 KiB pages splits the I/O into ~1 MB requests, each
-    costing the block layer's workers CPU time that no process is charged for. Measured on the
-    2-core VM (`bench/offload_hugepages.py`: 18 MB O_DIRECT calls over 2 GB): reads 1.3-1.5 ->
-    3.0-3.1 GB/s, writes 2.2-3.2 -> 6.8-6.9 GB/s, block-layer worker CPU 0.1 s -> 0 per 2 GB;
-    the offload moves ~12 GB a step.
+    costing the block layer's workers CPU time that no process is charged for; huge pages
+    about double the direct-I/O rates (`bench/offload_hugepages.py`, its figures in
+    bench/RESULTS.md, "huge pages").
     The mapping is unmapped when the tensor's storage is freed (it holds the mapping).
 
     Smaller buffers come from torch's allocator, which aligns to 64 bytes only, so a larger

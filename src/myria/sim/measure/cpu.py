@@ -64,9 +64,9 @@ MEASURE_SECONDS = 0.15       # per shape: median of the calls made in this time 
 FSDP_SIZES = (1 << 18, 1 << 23)   # parameters per FSDP unit besides the model's (1, 32 MiB fp32)
 PARAM_TENSOR_BYTES = 1 << 24               # parameter-sized passes: 16 MiB tensors
 # Sustained compute before measuring: the trainer's step times are read after its warm-up steps,
-# when the machine has been busy for seconds; on this VM a GEMM run straight after an idle spell
-# is up to 25% slower than a minute into training (bench/RESULTS_selfcheck.md probes), and a
-# 5 s measurement would sit entirely in that slow phase
+# when the machine has been busy for seconds; on a shared VM a GEMM run straight after an idle
+# spell can be markedly slower than a minute into training (bench/RESULTS_selfcheck.md, the
+# probes), and a short measurement would sit entirely in that slow phase
 WARMUP_SECONDS = 4.0
 # A single measuring process times its block and its ends for at least this long each (several
 # processes time 5 barrier-synchronised repeats, which already last 20-30 s in all): medians
