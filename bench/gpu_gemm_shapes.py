@@ -1,4 +1,4 @@
-"""What cutting a tensor-parallel GEMM into pieces costs on this GPU: the model's shape prior measured.
+"""What cutting a tensor-parallel GEMM into pieces costs on this GPU: the shape prior measured.
 
     python bench/gpu_gemm_shapes.py --out gemm.json   # on a GPU (bench/gpu/run.sh runs it)
     python bench/gpu_gemm_shapes.py --cpu             # toy sizes on the CPU (CI keeps it alive)
