@@ -27,7 +27,7 @@ class Efficiency:
     """The constants of the roofline (docs/performance_model.md documents each one): only
     `gemm` is fitted (bench/sim_calibration.py --fit, on calibration_runs.toml alone)."""
 
-    gemm: float = 0.7125          # E_GEMM (fitted): large-GEMM fraction of the dense peak
+    gemm: float = 0.7175          # E_GEMM (fitted): large-GEMM fraction of the dense peak
     half_dim: float = 32.0        # GEMM_HALF_DIM (prior): a dimension at half efficiency
     # E_MEM (kernel benchmarks): achievable fraction of HBM bandwidth of a fused kernel
     mem: float = MEMORY_EFFICIENCY["fused"]
