@@ -40,6 +40,19 @@ def test_calibration_error(calibration):
     assert sum(errs) / len(errs) <= 0.05
 
 
+def test_the_fitted_constant_is_at_its_fit(calibration):
+    """E_GEMM, the one fitted constant, is the calibration's optimum for the model as it is:
+    a change to the model that moves the optimum must refit it (`bench/sim_calibration.py
+    --fit`), or the stored figure describes another model."""
+    from myria.sim.calibration import fit_gemm
+    from myria.sim.hardware import build_hardware
+    from myria.sim.operators import DEFAULT_EFFICIENCY
+
+    hws = [build_hardware(r.cluster, r.training.precision) for r in calibration]
+    best, _ = fit_gemm(calibration, hws, DEFAULT_EFFICIENCY)
+    assert DEFAULT_EFFICIENCY.gemm == pytest.approx(best, abs=0.0026), best
+
+
 def test_breakdown_sums_to_iteration_time(calibration, llama):
     for r in [*calibration, llama]:
         res = simulate(r)
