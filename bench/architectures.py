@@ -1,4 +1,4 @@
-"""Sub-quadratic architectures beside the standard transformer (issue 13).
+"""Sub-quadratic architectures beside the standard transformer.
 
 Part 1, training (`myria train`, one process, the demo corpus): every architecture trains on
 the same token budget at two sequence lengths (the same tokens per step, so the same number of

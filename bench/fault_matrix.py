@@ -1,4 +1,4 @@
-"""The fault matrix under `myria supervise` (issue 26): each fault ends bit-equal, nothing
+"""The fault matrix under `myria supervise`: each fault ends bit-equal, nothing
 committed is lost.
 
     python bench/fault_matrix.py [--recovery restart|in-job] [--nproc 2] [--steps 24]

@@ -9,7 +9,7 @@ pin, since they all run long GEMMs). The tensor-parallel overlap rests on it: Tr
 ring exchange cuts each tensor-parallel GEMM into tp pieces of M / tp rows (256 of 2,048 for
 MegaScale's 175B at tp 8), and the prior charges those pieces ~11% more time than the whole
 GEMM, which takes back most of what hiding the collectives gains (bench/sim_ladder.py, the
-"tp overlap" rung). No GPU had measured it.
+"tp overlap" rung). Only a GPU can measure it.
 
 Measured here, in bf16 on the device in use:
 
@@ -91,7 +91,11 @@ def gemm_seconds(m: int, n: int, k: int, device, dtype, seconds: float) -> float
 def fit_half_dim(points: list[tuple[tuple[int, int, int], float]]) -> dict:
     """The GEMM_HALF_DIM h and large-GEMM rate r that best explain measured rates
     (dims, FLOP/s) as r x prod d / (d + h): least squares on log-rates, r closed-form for each
-    h on a grid (0 .. 1,024, then refined); returns h, r and the rms relative residual."""
+    h; h on a grid (0 .. 1,024), refined around the best point by scipy's bounded search (the
+    grid first, so that a sum with several dips cannot trap it); returns h, r and the rms
+    relative residual."""
+    from scipy.optimize import minimize_scalar
+
     from myria.sim.op_timing import shape_factor
 
     def score(h: float) -> tuple[float, float]:
@@ -101,15 +105,9 @@ def fit_half_dim(points: list[tuple[tuple[int, int, int], float]]) -> dict:
 
     grid = [0.5 * i for i in range(0, 2049)]
     best = min(grid, key=lambda h: score(h)[0])
-    lo, hi = max(0.0, best - 0.5), best + 0.5
-    for _ in range(40):   # golden-section refinement on [lo, hi]
-        a = hi - 0.618 * (hi - lo)
-        b = lo + 0.618 * (hi - lo)
-        if score(a)[0] < score(b)[0]:
-            hi = b
-        else:
-            lo = a
-    h = (lo + hi) / 2
+    found = minimize_scalar(lambda h: score(h)[0], bounds=(max(0.0, best - 0.5), best + 0.5),
+                            method="bounded", options={"xatol": 1e-4})
+    h = float(found.x) if found.fun <= score(best)[0] else best
     sse, r = score(h)
     return {"half_dim": h, "large_gemm_flops": r,
             "rms_log_residual": math.sqrt(sse / len(points))}

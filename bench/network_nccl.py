@@ -1,5 +1,5 @@
 """`myria simulate-network` as a user runs it: NCCL's collectives on a 1,024-GPU non-blocking
-fat-tree (issue 24) and the 12,288-GPU MegaScale case (<= 60 s), each through the CLI in its
+fat-tree and the 12,288-GPU MegaScale case (<= 60 s), each through the CLI in its
 own process (imports included in the wall time).
 
     PYTHONPATH=src .venv/bin/python bench/network_nccl.py [--label after]

@@ -1,4 +1,4 @@
-"""Train a model whose training state is >= 3x the fast-tier budget (issue 14).
+"""Train a model whose training state is >= 3x the fast-tier budget.
 
     .venv/bin/python bench/offload.py [--steps 5] [--rounds 3] [--budget-gb 1.9] [--dir DIR]
 

@@ -1,4 +1,4 @@
-"""Does the update's arithmetic on a second thread slow training beyond the CPU it uses? (issue 14)
+"""Does the update's arithmetic on a second thread slow training beyond the CPU it uses?
 
     .venv/bin/python bench/offload_contention.py   # ~3 min; bench/results/offload_contention.json
 

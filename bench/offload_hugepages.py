@@ -1,4 +1,4 @@
-"""O_DIRECT from buffers on 4 KiB pages against buffers on transparent huge pages (issue 14).
+"""O_DIRECT from buffers on 4 KiB pages against buffers on transparent huge pages.
 
     .venv/bin/python bench/offload_hugepages.py [--dir DIR] [--gb 2] [--repeat 2]
     # ~1 min; bench/results/offload_hugepages.json

@@ -1,4 +1,4 @@
-"""No false alarm from the silent-data-corruption checks (issue 27): N clean runs on a loaded host.
+"""No false alarm from the silent-data-corruption checks: N clean runs on a loaded host.
 
     .venv/bin/python bench/sdc_clean.py [--runs 20] [--busy 2]
                                         [--layouts fsdp,ddp,hsdp,tp2dp2,pp2dp2]

@@ -1,4 +1,4 @@
-"""A peak first measured on a loaded host does not survive (issue 10).
+"""A peak first measured on a loaded host does not survive.
 
     .venv/bin/python bench/selfmeasure.py [--steps 10] [--nproc 2] [--busy 2]
 

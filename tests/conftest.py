@@ -12,6 +12,16 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 
+
+def bench_module(name: str):
+    """A script of bench/ imported as a module (bench/ is not a package)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(name, ROOT / "bench" / f"{name}.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
 # A model small enough that a 2-process step takes milliseconds. One CPU thread per process:
 # a one-process run would otherwise take every core, and on a host busy with other work its
 # threads spin-wait for each other and cost several times the CPU of one thread;

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU check of issue 25 in one command, on a fresh lent GPU machine (bench/gpu/README.md).
+# The GPU check in one command, on a fresh lent GPU machine (bench/gpu/README.md).
 #
 #   bash bench/gpu/run.sh --fetch-wheels     # HERE (CPU machine, with PyPI): fill bench/gpu/wheels
 #   bash bench/gpu/run.sh [all|tests|gemm|bench] [ARGS for gpu_throughput.py]   # ON THE GPU MACHINE

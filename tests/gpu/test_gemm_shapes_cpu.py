@@ -6,22 +6,17 @@ GEMM_HALF_DIM never rots. The GPU figures themselves come from bench/gpu/run.sh.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import subprocess
 import sys
 
 import pytest
 
-from tests.conftest import ROOT
+from tests.conftest import ROOT, bench_module
 
 
 def _script():
-    spec = importlib.util.spec_from_file_location("gpu_gemm_shapes",
-                                                  ROOT / "bench" / "gpu_gemm_shapes.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return bench_module("gpu_gemm_shapes")
 
 
 @pytest.mark.parametrize("half_dim", [0.0, 24.0, 96.0])

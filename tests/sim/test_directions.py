@@ -6,6 +6,7 @@ import pytest
 
 from myria.sim import layer_cost
 from myria.sim.perf import simulate
+from tests.conftest import bench_module
 
 
 def t(run):
@@ -302,7 +303,7 @@ def test_megascale_optimisation_ladder_each_step_raises_mfu_plausibly():
     Every other gain is positive and the whole ladder stays under the GEMM ceiling E_GEMM."""
     from myria.sim.operators import DEFAULT_EFFICIENCY
 
-    bench = _bench("sim_ladder")
+    bench = bench_module("sim_ladder")
     bounds = {"parallel block": (0.5, 10), "sliding window": (0.3, 2),
               "tp overlap": (-3, 10), "pp overlap": (0.3, 2), "dp overlap": (0.2, 5),
               "efficient operators": (0.1, 3), "misc": (0.5, 3),
@@ -336,7 +337,7 @@ def test_the_ladder_takes_a_measured_gemm_half_dimension():
     """`bench/sim_ladder.py --half-dim H` prices every rung with a device's GEMM_HALF_DIM (from
     bench/gpu_gemm_shapes.py) in place of the prior: with none, cutting the TP GEMMs into
     pieces costs only their launches and weight rereads, so the TP-overlap rung gains more."""
-    bench = _bench("sim_ladder")
+    bench = bench_module("sim_ladder")
     tp = lambda rows: next(r for r in rows if r["step"] == "tp overlap")  # noqa: E731
     prior, none = bench.ladder(), bench.ladder(half_dim=0.0)
     assert tp(none)["gain_points"] > tp(prior)["gain_points"] + 1.0
@@ -431,17 +432,6 @@ def test_megatron_hides_the_input_gradient_reduce_scatter_beside_wgrad(llama):
     assert exposed < paid < exposed + 0.3 * sum(t[n] for n in hidden)
 
 
-def _bench(name: str):
-    import importlib.util
-    from pathlib import Path
-
-    path = Path(__file__).resolve().parents[2] / "bench" / f"{name}.py"
-    spec = importlib.util.spec_from_file_location(name, path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
 @pytest.mark.parametrize("p, v, m", [(4, 1, 8), (4, 2, 16)])
 def test_blocking_pipeline_sends_cost_no_more_than_the_model_charges(p, v, m):
     """Without overlap.pp the model charges 2 v transfers per microbatch and stage. Megatron's
@@ -449,7 +439,7 @@ def test_blocking_pipeline_sends_cost_no_more_than_the_model_charges(p, v, m):
     (bench/sim_pp_exchange.py): without transfers the replay is the closed form exactly; with
     them it never ends later than the model's charge: with equal, fixed operation times the
     coupling of the ranks costs nothing (with spread times it does: the next test)."""
-    bench = _bench("sim_pp_exchange")
+    bench = bench_module("sim_pp_exchange")
     assert bench.blocking_pipeline_time(p, v, m, 1.0, 2.0, 0.0) == pytest.approx(
         bench.closed_form(p, v, m, 1.0, 2.0, 0.0))
     for tx in (0.004, 0.02):
@@ -474,10 +464,10 @@ def test_blocking_pipeline_exchanges_wait_for_the_slower_neighbour():
     assert lockstep_rate(2) == pytest.approx(1 / math.sqrt(math.pi), rel=0.03)
     assert lockstep_rate(3) == pytest.approx(1.5 / math.sqrt(math.pi), rel=0.03)
     assert lockstep_rate(4) < lockstep_rate(16) < 1.2
-    coupled, alone = _bench("sim_pp_exchange").spread_cost(4, 2, 16, draws=4)
+    coupled, alone = bench_module("sim_pp_exchange").spread_cost(4, 2, 16, draws=4)
     want = 0.01 * lockstep_rate(4) * math.hypot(1.0, 2.0)
     assert 0.8 * want < coupled < 1.2 * want and alone < 0.2 * coupled
-    run = _bench("sim_ladder").baseline()              # tp8 pp8 vpp6, no overlap, 1% spread
+    run = bench_module("sim_ladder").baseline()              # tp8 pp8 vpp6, no overlap, 1% spread
     hw = perf.build_hardware(run.cluster, run.training.precision)
     s = perf._step_context(run, hw, perf.efficiency_for(hw, run.kernels.flash_version))
     mid = perf._stages(s)["mid"]
