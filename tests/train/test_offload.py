@@ -175,11 +175,18 @@ def test_update_runs_behind_the_next_forward(tmp_path, monkeypatch):
     gate.set()
     nxt.join(timeout=60)
     assert not nxt.is_alive()
-    # 2. the writes held back: the next forward reads every unit from the update's buffers
+    # 2. the writes held back: the next forward reads every unit from the update's buffers,
+    # starting with the first units' reads that step() itself queues: count from before them
+    marks = []
+
+    def mark():
+        marks.append(opt.streamer.bytes_copied)
+
+    opt.after_step.insert(0, mark)
     writes.clear()
     off.step()
     once = sum(opt.filemap.numels) * 4
-    copied0 = opt.streamer.bytes_copied
+    copied0 = marks[-1]
     nxt = threading.Thread(target=run, args=(batches[2],))
     nxt.start()
     # a forward that needs a unit not in memory waits for the held writes and stops copying:
