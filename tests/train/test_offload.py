@@ -527,8 +527,9 @@ def test_two_fsdp_ranks_on_disk_match_memory_and_resume(tmp_path, tiny_data):
                          ids=["moments", "params", "params-during-backward"])
 def test_killed_mid_step_under_supervise_resumes_bit_equal(tmp_path, tiny_data, extra, nproc,
                                                            rank):
-    """Killed half-way through writing generation 7 (with parameters on disk: on the thread
-    that runs the update behind training)."""
+    """Killed half-way through writing generation 10 (with parameters on disk: on the thread
+    that runs the update behind training). By then the step-4 checkpoint is committed (the
+    step-8 save waited for it before it began); the overlapped step-8 save may be too."""
     common = [*TINY, f"--data.path={tiny_data}", "--training.steps=12",
               "--checkpoint.interval=4", "--parallel.offload=nvme", *extra]
     ref, run = tmp_path / "ref", tmp_path / "run"
@@ -536,11 +537,11 @@ def test_killed_mid_step_under_supervise_resumes_bit_equal(tmp_path, tiny_data, 
     run_cli("supervise", "--run-dir", str(run), "--nproc", str(nproc), *common,
             "--resilience.heartbeat_s=0.5", "--resilience.hang_timeout_s=30",
             "--resilience.backoff_s=0.2", "--resilience.diagnose=false",
-            env={"MYRIA_FAULT": f"offload-kill:rank={rank}:step=7"}, timeout=400)
+            env={"MYRIA_FAULT": f"offload-kill:rank={rank}:step=10"}, timeout=400)
     summary = json.loads((run / "supervisor_summary.json").read_text())
     assert summary["status"] == "succeeded" and summary["restarts"] == 1, summary
-    assert summary["faults"][0]["resumed_from"] == 4
-    assert f"fault hook offload-kill_rank{rank}_step7 fired" in \
+    assert summary["faults"][0]["resumed_from"] in (4, 8), summary
+    assert f"fault hook offload-kill_rank{rank}_step10 fired" in \
         (run / "supervisor.log").read_text()
     assert losses(run) == losses(ref) and same_params(run, ref)
 
