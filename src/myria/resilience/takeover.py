@@ -221,6 +221,7 @@ class Watch(threading.Thread):
                   cause=f"host {host} lost")
         f.recovery = "in-job: host takeover"
         f.stopped_at = f.decided_at = f.backoff_done_at = announced_at
+        sup.reached(f)   # a spare watched no worker: the step comes from the run directory
         sup.faults.append(f)
         sup.current = f
         logs = sup.run_dir / rundir.LOGS_DIR / f"{sup.job}-{sup.host}-takeover"
