@@ -174,8 +174,9 @@ class Supervisor:
             log.error("%s", e)
         except RendezvousClosedError:  # the job ended on the other hosts
             from myria.resilience.multihost import EXCLUDED, SPARE_UNUSED
-
-            if self.ranks:
+            if self._takeover is not None and self._takeover.claimed:
+                log.info("the rendezvous closed: this host's workers were the takeover's")
+            elif self.ranks:
                 status, code = EXCLUDED, 0
                 log.warning("ACTION leave: the job went on and ended without this host (its "
                             "rendezvous is closed)")
