@@ -115,8 +115,10 @@ def _completed_bit_equal(run_dir: Path, job: int, one_host: Path) -> dict:
 
 
 def test_two_hosts_bit_equal_to_one_host(hosts3, tiny_data, one_host, tmp_path):
+    """Two hosts train as one; a third node of the allocation waits as a spare the job never
+    needs, and leaves with it: exit 0, the job not requeued, COMPLETED."""
     run = tmp_path / "two-hosts"
-    job = _submit(run, tiny_data, 2)
+    job = _submit(run, tiny_data, 3, MYRIA_NNODES="2")
     end = time.time() + 120   # the job's supervisors own the run directory ...
     while time.time() < end and "slurm-" not in ((run / "run.lock").read_text()
                                                  if (run / "run.lock").exists() else ""):
@@ -129,12 +131,17 @@ def test_two_hosts_bit_equal_to_one_host(hosts3, tiny_data, one_host, tmp_path):
     assert "Traceback" not in other.stderr
     s = _completed_bit_equal(run, job, one_host)
     assert s["job"] == f"slurm-{job}"
-    assert s["placement"] == {"h0": [0, 1], "h1": [2, 3]}      # both hosts' parts, merged
-    assert set(s["hosts"]) == {"h0", "h1"}
+    first, second = _members(run)
+    spare = ({"h0", "h1", "h2"} - {first, second}).pop()
+    # every host's part, merged
+    assert s["placement"] == {first: [0, 1], second: [2, 3], spare: []}, s["placement"]
+    assert s["host_status"][spare] == "spare-unused", s["host_status"]
     log = (run / "supervisor.log").read_text()
-    assert "myria-supervisor[h0]" in log and "myria-supervisor[h1]" in log
+    assert f"myria-supervisor[{first}]" in log and f"myria-supervisor[{second}]" in log
+    assert f"myria-supervisor[{spare}] INFO the job ended without needing this spare host" in log
+    assert "already trained" not in _out(run), _out(run)[-2000:]   # never run again
     rep = run_cli("report", str(run), "--no-prediction").stdout
-    assert "hosts: h0 ranks [0, 1]; h1 ranks [2, 3]" in rep
+    assert f"hosts: {first} ranks [0, 1]; {second} ranks [2, 3]" in rep, rep[:3000]
 
 
 def test_lost_host_replaced_by_spare(hosts3, tiny_data, one_host, tmp_path):

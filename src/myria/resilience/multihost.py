@@ -158,6 +158,23 @@ def members(agent) -> list[str]:
 EXIT_STORE_LOST = 69   # sysexits' EX_UNAVAILABLE: the job's rendezvous store (first node) is gone
 
 
+def job_ended(run_dir: Path, job: str, wait_s: float = 2.0) -> str:
+    """How job `job` trained to its end, by its hosts' parts of the summary, or "". A host
+    writes its part before it exits, and the first node's exit takes the rendezvous store
+    with it: a spare that then finds the store gone looks here (for up to `wait_s`, a shared
+    file system's lag) before it calls the store lost."""
+    end = time.time() + wait_s
+    while True:
+        done = [(h, p) for h, p in read_parts(run_dir, job).items()
+                if p.get("status") == "succeeded" and p.get("target_steps") and
+                p.get("final_step", 0) >= p["target_steps"]]
+        if done:
+            return f"{done[0][0]} trained it to step {done[0][1]['final_step']}"
+        if time.time() >= end:
+            return ""
+        time.sleep(0.25)
+
+
 def store_lost(endpoint: str) -> str:
     """Why the job cannot go on when its rendezvous store (`endpoint`, on the job's first
     node) does not answer, or "" when it does: torch's c10d rendezvous keeps its state in

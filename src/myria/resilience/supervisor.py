@@ -184,19 +184,19 @@ class Supervisor:
                 status, code = SPARE_UNUSED, 0
                 log.info("the job ended without needing this spare host")
         except RendezvousError as e:
-            from myria.resilience.multihost import EXCLUDED, moved_on_without, store_lost
-
+            from myria.resilience import multihost as mh
             status = "rendezvous-failed"
             if self._takeover is not None and self._takeover.claimed:
                 log.info("the rendezvous ended (%s): this host's workers are the takeover's",
                          type(e).__name__)
-            elif self.ranks and (why := moved_on_without(self.run_dir, self.job, self.host)):
-                status, code = EXCLUDED, 0   # cut off: the job went on (fenced) without it
+            elif not self.ranks and (how := mh.job_ended(self.run_dir, self.job)):
+                status, code = mh.SPARE_UNUSED, 0   # its first node left, taking the store
+                log.info("the job ended without needing this spare host (%s)", how)
+            elif self.ranks and (why := mh.moved_on_without(self.run_dir, self.job, self.host)):
+                status, code = mh.EXCLUDED, 0   # cut off: the job went on (fenced) without it
                 log.warning("ACTION leave: %s", why)
-            elif self.max_nodes > 1 and (why := store_lost(self._endpoint)):
-                from myria.resilience.multihost import EXIT_STORE_LOST
-
-                status, code = "rendezvous-lost", EXIT_STORE_LOST
+            elif self.max_nodes > 1 and (why := mh.store_lost(self._endpoint)):
+                status, code = "rendezvous-lost", mh.EXIT_STORE_LOST
                 log.error("ACTION give up: %s; resubmit the job: it resumes from the newest "
                           "committed checkpoint (%s)", why,
                           summary.newest_committed(self.run_dir) or "none yet")
