@@ -158,6 +158,17 @@ def members(agent) -> list[str]:
 EXIT_STORE_LOST = 69   # sysexits' EX_UNAVAILABLE: the job's rendezvous store (first node) is gone
 
 
+def close_rendezvous(agent) -> None:
+    """The job trained to its end: close its rendezvous, so that a spare host waiting in it
+    leaves now (torch's agent does not close it; torchrun's launcher does, after the agent).
+    Without this a spare that serves the store itself (the first node, when it joined last)
+    would wait out the rendezvous timeout, holding the job's allocation."""
+    try:
+        agent._rdzv_handler.set_closed()
+    except Exception as e:   # the store already gone: a spare's wait ends on its own
+        logging.getLogger("myria.supervisor").debug("closing the rendezvous: %s", e)
+
+
 def job_ended(run_dir: Path, job: str, wait_s: float = 2.0) -> str:
     """How job `job` trained to its end, by its hosts' parts of the summary, or "". A host
     writes its part before it exits, and the first node's exit takes the rendezvous store

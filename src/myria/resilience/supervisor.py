@@ -26,7 +26,7 @@ from myria import config as config_mod
 from myria import rundir
 from myria.errors import LaunchError, MyriaError
 from myria.observe import heartbeat_store as heartbeat
-from myria.resilience import policy, summary
+from myria.resilience import multihost, policy, summary
 from myria.resilience.agent import make_agent, serve_tcp_store
 from myria.resilience.policy import Fault
 from myria.resilience.watch import Detection, Watchdog
@@ -173,30 +173,29 @@ class Supervisor:
         except LaunchError as e:
             log.error("%s", e)
         except RendezvousClosedError:  # the job ended on the other hosts
-            from myria.resilience.multihost import EXCLUDED, SPARE_UNUSED
             if self._takeover is not None and self._takeover.claimed:
                 log.info("the rendezvous closed: this host's workers were the takeover's")
             elif self.ranks:
-                status, code = EXCLUDED, 0
+                status, code = multihost.EXCLUDED, 0
                 log.warning("ACTION leave: the job went on and ended without this host (its "
                             "rendezvous is closed)")
             else:
-                status, code = SPARE_UNUSED, 0
+                status, code = multihost.SPARE_UNUSED, 0
                 log.info("the job ended without needing this spare host")
         except RendezvousError as e:
-            from myria.resilience import multihost as mh
             status = "rendezvous-failed"
             if self._takeover is not None and self._takeover.claimed:
                 log.info("the rendezvous ended (%s): this host's workers are the takeover's",
                          type(e).__name__)
-            elif not self.ranks and (how := mh.job_ended(self.run_dir, self.job)):
-                status, code = mh.SPARE_UNUSED, 0   # its first node left, taking the store
+            elif not self.ranks and (how := multihost.job_ended(self.run_dir, self.job)):
+                status, code = multihost.SPARE_UNUSED, 0   # the first node left with the store
                 log.info("the job ended without needing this spare host (%s)", how)
-            elif self.ranks and (why := mh.moved_on_without(self.run_dir, self.job, self.host)):
-                status, code = mh.EXCLUDED, 0   # cut off: the job went on (fenced) without it
+            elif self.ranks and (why := multihost.moved_on_without(self.run_dir, self.job,
+                                                                   self.host)):
+                status, code = multihost.EXCLUDED, 0   # cut off: the job went on without it
                 log.warning("ACTION leave: %s", why)
-            elif self.max_nodes > 1 and (why := mh.store_lost(self._endpoint)):
-                status, code = "rendezvous-lost", mh.EXIT_STORE_LOST
+            elif self.max_nodes > 1 and (why := multihost.store_lost(self._endpoint)):
+                status, code = "rendezvous-lost", multihost.EXIT_STORE_LOST
                 log.error("ACTION give up: %s; resubmit the job: it resumes from the newest "
                           "committed checkpoint (%s)", why,
                           summary.newest_committed(self.run_dir) or "none yet")
@@ -214,18 +213,21 @@ class Supervisor:
         return code
 
     def _run_agent(self, agent):
-        """The agent's run. Across hosts in-job, a spare host whose wait in the rendezvous
-        timed out waits again: the members took a lost host over without a new round, and
-        the spare stays ready for the next one (a later full restart) until the job closes
-        the rendezvous."""
+        """The agent's run; a success closes the rendezvous, so a spare waiting in it leaves.
+        Across hosts in-job, a spare whose wait timed out waits again while the job goes on
+        (the members took a lost host over without a new round) for a later full restart."""
+        from torch.distributed.elastic.agent.server.api import WorkerState
         from torch.distributed.elastic.rendezvous import RendezvousTimeoutError
 
         while True:
             try:
-                return agent.run()
+                result = agent.run()
+                if self.max_nodes > 1 and result.state == WorkerState.SUCCEEDED:
+                    multihost.close_rendezvous(agent)
+                return result
             except RendezvousTimeoutError:
                 if not self.across_hosts or self.ranks or self._takeover is None or \
-                        self._takeover.claimed:
+                        self._takeover.claimed or multihost.job_ended(self.run_dir, self.job, 0):
                     raise
                 log.info("SPARE: %s's wait in the rendezvous timed out while the job goes on "
                          "without a new round: it waits again", self.host)
@@ -449,8 +451,6 @@ class Supervisor:
         """What changed in the rendezvous (the hosts of this round that left it, if any), and
         how long before now it happened at the least (a host that left was silent for the
         rendezvous' keep-alive window)."""
-        from myria.resilience import multihost
-
         if self.max_nodes <= 1:
             return "a host joined or left the rendezvous", 0.0
         gone = multihost.left_round(agent, self.members)
@@ -466,8 +466,6 @@ class Supervisor:
 
     def _joined(self, agent, wg) -> None:
         """The round's hosts, and this host's ranks among them, once its workers started."""
-        from myria.resilience import multihost
-
         self._stop_waiting()
         self.members = multihost.members(agent) or self.members
         log.info("placement: %s runs ranks %s of %d; hosts in this round: %s", self.host,
@@ -480,8 +478,6 @@ class Supervisor:
         workers (a host cut off by a partition) before this round's workers start."""
         if self.max_nodes <= 1:
             return
-        from myria.resilience import multihost
-
         try:
             rnd = int(agent._rdzv_handler._state_holder.state.round)
         except AttributeError:
@@ -503,8 +499,6 @@ class Supervisor:
     def _wait_for_hosts(self, f: Fault | None) -> None:
         """Report, while the agent waits in the rendezvous, which hosts it waits for (after
         fault `f`: the previous round's; at the start: how many more), or that it is a spare."""
-        from myria.resilience import multihost
-
         self._stop_waiting()
         self._waiting = multihost.RendezvousWait(
             log, self._endpoint, self.job, self.host,

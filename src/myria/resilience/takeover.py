@@ -38,7 +38,7 @@ import threading
 import time
 
 from myria import rundir
-from myria.resilience.multihost import store_client
+from myria.resilience.multihost import close_rendezvous, store_client
 
 log = logging.getLogger("myria.supervisor")
 
@@ -166,7 +166,7 @@ class Watch(threading.Thread):
                 self._take_over(store, host, info, silent_at)
                 self._follow()
                 if self.codes and all(c == 0 for c in self.codes.values()):
-                    self._end_wait()
+                    close_rendezvous(self.sup.agent)   # training ended: this spare's wait too
                 return
         finally:
             self.done.set()
@@ -279,16 +279,6 @@ class Watch(threading.Thread):
             except Exception:
                 pass
             time.sleep(0.25)
-
-    def _end_wait(self) -> None:
-        """The takeover's workers finished training, so the job is over: close the rendezvous
-        this host still waits in as a spare. Otherwise the wait lasts until its timeout
-        (training.init_timeout_s) whenever the store outlives the members' exit (it lives on
-        the first node, which may be this spare), holding the job's allocation."""
-        try:
-            self.sup.agent._rdzv_handler.set_closed()
-        except Exception as e:   # the store already gone: the wait ends on its own
-            log.debug("closing the rendezvous after the takeover: %s", e)
 
     def outcome(self) -> tuple[str, int]:
         """After the job: this spare's status and exit code from its takeover workers."""
