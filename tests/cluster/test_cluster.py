@@ -227,7 +227,7 @@ def test_lost_host_taken_over_in_job(hosts3, tiny_data, one_host, tmp_path):
     assert " ACTION restart" not in log and "stop the worker group" not in log
     assert f"FOLLOW attempt {f['attempt'] + 1}" in log
     # the spare leaves once its takeover's workers are done, not at the rendezvous's 60 s
-    # timeout (which it reached whenever the store outlived the members: h0 the spare)
+    # timeout (which it would wait out whenever the store outlives the members: h0 the spare)
     said_at = {k: max(ln[:8] for ln in log.splitlines()
                       if f"myria-supervisor[{spare}]" in ln and k in ln)
                for k in ("ended with exit 0", "summary:")}
