@@ -197,6 +197,33 @@ def test_sigterm_saves_then_exits_and_the_run_resumes(tmp_path, tiny_data, refer
     assert all(torch.equal(pa[k], pb[k]) for k in pa)
 
 
+def test_a_stop_signal_swallowed_on_the_way_is_raised_at_the_next_monitor_tick():
+    # torch's agent raises SIGTERM as an exception wherever the main thread is; one caught by a
+    # broad `except Exception` (here: around a store read) must still stop the job.
+    from torch.distributed.elastic.multiprocessing import api
+
+    from myria.resilience.agent import SignalLatch
+
+    before = signal.signal(signal.SIGTERM, api._terminate_process_handler)
+    try:
+        latch = SignalLatch()
+        latch.check()   # nothing latched: no-op
+        latch.install()
+        assert signal.getsignal(signal.SIGTERM) is not api._terminate_process_handler
+        swallowed = []
+        try:
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(1)   # the handler runs here, in the main thread
+        except Exception as e:  # noqa: BLE001 - what the supervisor's store reads do
+            swallowed.append(e)
+        assert isinstance(swallowed[0], api.SignalException)
+        with pytest.raises(api.SignalException) as e:
+            latch.check()
+        assert e.value.sigval == signal.SIGTERM
+    finally:
+        signal.signal(signal.SIGTERM, before)
+
+
 @pytest.mark.slow
 def test_busy_host_is_restarted_on_not_blocklisted(tmp_path, tiny_data, reference):
     """Issue 10's incident: the host's own history was measured quiet (here: a figure no host

@@ -5,6 +5,7 @@ TCPStore the supervisor serves the heartbeats from."""
 from __future__ import annotations
 
 import datetime
+import os
 import signal
 import socket
 import sys
@@ -27,6 +28,42 @@ def serve_tcp_store(timeout_s: float = 60.0):
     return store, port
 
 
+class SignalLatch:
+    """Remembers a stop signal that torch elastic's handler turned into an exception.
+
+    Once workers run, torch's agent raises `SignalException` for SIGTERM, SIGINT, SIGHUP and
+    SIGQUIT wherever the main thread is, and forwards the signal to the workers only when the
+    exception reaches its own run loop. A `try: ... except Exception` on the way (a store read
+    that may fail, a report that must not stop recovery) would swallow it, and the job would run
+    to its end as if never signalled. The latch wraps torch's handler to note the signal, and
+    `check()`, called at every monitor tick, raises it again where the agent handles it."""
+
+    SIGNALS = ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT")
+
+    def __init__(self):
+        self.signum: int | None = None
+
+    def install(self) -> None:
+        """Wrap torch's handler, which every start of the workers installs afresh."""
+        from torch.distributed.elastic.multiprocessing import api
+
+        def handler(signum, frame):
+            self.signum = signum
+            api._terminate_process_handler(signum, frame)
+
+        for name in self.SIGNALS:
+            s = getattr(signal, name, None)
+            if s is not None and signal.getsignal(s) is api._terminate_process_handler:
+                signal.signal(s, handler)
+
+    def check(self) -> None:
+        if self.signum is not None:
+            from torch.distributed.elastic.multiprocessing.api import SignalException
+
+            sig = signal.Signals(self.signum)
+            raise SignalException(f"Process {os.getpid()} got signal: {sig}", sigval=sig)
+
+
 def agent_class():
     """The agent class (defined on first use: torch elastic is imported only then)."""
     from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
@@ -37,8 +74,10 @@ def agent_class():
         def __init__(self, sup, *a, **kw):
             super().__init__(*a, **kw)
             self.sup = sup
+            self.latch = SignalLatch()
 
         def _monitor_workers(self, worker_group):
+            self.latch.check()
             if self.sup.injob is not None:  # a lost worker replaced in-job, or None
                 handled = self.sup.injob.poll(self, worker_group)
                 if handled is not None:
@@ -78,6 +117,7 @@ def agent_class():
         def _initialize_workers(self, worker_group):
             self.sup.before_start(self, worker_group)
             super()._initialize_workers(worker_group)
+            self.latch.install()
             self.sup.started(self, worker_group)
 
     return SupervisedAgent
