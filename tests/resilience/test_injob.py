@@ -123,8 +123,8 @@ def test_a_spare_takes_the_lost_rank_from_peer_memory(tmp_path, tiny_data, refer
     f, g2 = s["faults"][0], s["faults"][-1]
     assert len(s["faults"]) == 2 and f["recovery"] == "in-job: spare", f
     # the raise came with its step-9 snapshot exchange in flight: it is let finish before
-    # the abort (PeerSnapshots.settle), so nothing is redone; before, the abort cut it (the
-    # resume from 8) or left the raising rank waiting until the hang timeout (a restart)
+    # the abort (PeerSnapshots.settle), so nothing is redone (cutting it would resume from 8,
+    # and a raising rank left waiting would end in the hang timeout and a restart)
     assert g2["recovery"] == "in-job: spare" and g2["resumed_from"] == 9, g2
     assert g2["lost_steps"] == 0, g2
     assert "ACTION in-job recovery (attempt 1" in log and "hot spare 0" in log
