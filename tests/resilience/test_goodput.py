@@ -83,6 +83,11 @@ def test_summary_tiles_wall_time_by_attempts_and_faults(tmp_path):
     assert s["ettr"] == pytest.approx(5.0 / 45, abs=1e-4)
     starts = [seg["t"] for seg in s["timeline"]]
     assert starts == sorted(starts) and s["timeline"][0]["s"] == {"startup": 2.0}
+    # a job stopped before any row or fault (its hosts never gathered) was all start-up
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    s = goodput.summarize(empty, 0.0, 11.0, [])
+    assert {k: v for k, v in s["seconds"].items() if v} == {"startup": 11.0}, s["seconds"]
 
 
 def test_breakdown_phases_add_up_to_the_time_lost():

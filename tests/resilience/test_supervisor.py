@@ -225,6 +225,47 @@ def test_a_stop_signal_swallowed_on_the_way_is_raised_at_the_next_monitor_tick()
 
 
 @pytest.mark.slow
+def test_sigterm_while_the_hosts_gather_ends_with_a_summary(tmp_path, tiny_data):
+    """A stop signal before any worker starts (one host of two waiting in the rendezvous, as
+    when a scheduler cancels a job whose hosts never all came up) ends the supervisor as one
+    after the workers saved: exit 143, its summary `preempted`, its time counted as start-up,
+    the in-job spare it had started stopped."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    log = tmp_path / "supervisor.log"
+    text = lambda: log.read_text() if log.exists() else ""  # noqa: E731
+    e = dict(os.environ)
+    e.pop("MYRIA_FAULT", None)
+    p = subprocess.Popen([sys.executable, "-m", "myria", "supervise", "--run-dir", str(tmp_path),
+                          "--nproc", "1", "--nnodes", "2", "--rdzv-endpoint",
+                          f"127.0.0.1:{port}", "--rdzv-id", "gather", f"--data.path={tiny_data}",
+                          *COMMON, "--resilience.recovery=in-job", "--resilience.spares=1"],
+                         cwd=ROOT, env=e, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                         text=True)
+    try:
+        assert _wait_for(lambda: "WAITING for 1 more host(s)" in text() and
+                         "started hot spare 0 (pid " in text(), 120, p), text()[-3000:]
+        spare = int(text().split("started hot spare 0 (pid ")[1].split(")")[0])
+        p.send_signal(signal.SIGTERM)
+        p.communicate(timeout=60)
+    finally:
+        p.kill()
+    assert p.returncode == 143, text()[-3000:]
+    assert "ACTION stopped by SIGTERM: no worker had started on this host, nothing to save" \
+        in text()
+    summary = json.loads((tmp_path / "supervisor_summary.json").read_text())
+    assert summary["status"] == "preempted" and summary["steps_trained"] == 0, summary
+    sec = summary["goodput"]["seconds"]
+    assert sec["startup"] > 0 and sec["startup"] == pytest.approx(summary["wall_s"], abs=0.01)
+    try:
+        os.kill(spare, 0)
+        pytest.fail(f"the hot spare (pid {spare}) outlived its supervisor")
+    except ProcessLookupError:
+        pass
+
+
+@pytest.mark.slow
 def test_busy_host_is_restarted_on_not_blocklisted(tmp_path, tiny_data, reference):
     """Issue 10's incident: the host's own history was measured quiet (here: a figure no host
     reaches), now two busy loops load it and a worker is killed. The self-check reads low

@@ -266,7 +266,10 @@ def summarize(run_dir: str | Path, started_at: float, ended_at: float, faults: l
         add(cursor, f["fault_at"], {cat: max(0.0, f["fault_at"] - cursor)})
         add(f["fault_at"], f["detected_at"],
             {"detection": max(0.0, f["detected_at"] - f["fault_at"])})
-    add(cursor, ended_at, {"shutdown": max(0.0, ended_at - cursor)})
+    # after the last row or fault the job was ending; a job that never logged a row nor met a
+    # fault (stopped while its hosts gathered, its workers starting) was starting all along
+    add(cursor, ended_at, {"shutdown" if rows or faults else "startup":
+                           max(0.0, ended_at - cursor)})
 
     seconds = defaultdict(float)
     for _, _, seg in timeline:

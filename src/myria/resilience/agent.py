@@ -43,9 +43,17 @@ class SignalLatch:
     def __init__(self):
         self.signum: int | None = None
 
-    def install(self) -> None:
-        """Wrap torch's handler, which every start of the workers installs afresh."""
+    def install(self, first: bool = False) -> None:
+        """Wrap torch's handler, which every start of the workers installs afresh. `first`:
+        install it before any worker starts too (torch installs it only then), so that a stop
+        signal while the hosts gather ends the supervisor the same way, with its summary and
+        exit status, instead of by the signal's default action. Main thread only."""
+        import threading
+
         from torch.distributed.elastic.multiprocessing import api
+
+        if threading.current_thread() is not threading.main_thread():
+            return
 
         def handler(signum, frame):
             self.signum = signum
@@ -53,7 +61,7 @@ class SignalLatch:
 
         for name in self.SIGNALS:
             s = getattr(signal, name, None)
-            if s is not None and signal.getsignal(s) is api._terminate_process_handler:
+            if s is not None and (first or signal.getsignal(s) is api._terminate_process_handler):
                 signal.signal(s, handler)
 
     def check(self) -> None:
@@ -74,7 +82,7 @@ def agent_class():
         def __init__(self, sup, *a, **kw):
             super().__init__(*a, **kw)
             self.sup = sup
-            self.latch = SignalLatch()
+            self.latch = sup.latch
 
         def _monitor_workers(self, worker_group):
             self.latch.check()
@@ -115,6 +123,7 @@ def agent_class():
             self.sup.rendezvoused(self, worker_group)
 
         def _initialize_workers(self, worker_group):
+            self.latch.check()   # a stop signal swallowed while the hosts gathered
             self.sup.before_start(self, worker_group)
             super()._initialize_workers(worker_group)
             self.latch.install()

@@ -27,7 +27,7 @@ from myria import rundir
 from myria.errors import LaunchError, MyriaError
 from myria.observe import heartbeat_store as heartbeat
 from myria.resilience import multihost, policy, summary
-from myria.resilience.agent import make_agent, serve_tcp_store
+from myria.resilience.agent import SignalLatch, make_agent, serve_tcp_store
 from myria.resilience.policy import Fault
 from myria.resilience.watch import Detection, Watchdog
 
@@ -82,6 +82,7 @@ class Supervisor:
         self._beat = self._takeover = None
         self._followed_at = 0.0
         self.agent = None              # torch elastic's agent (make_agent)
+        self.latch = SignalLatch()     # stop signals torch's handler raised (agent.py)
         self.lost_hosts: set[str] = set()   # hosts whose ranks a spare host took over
         self.announced_base = 0        # the in-job attempt announced when this round started
 
@@ -146,6 +147,7 @@ class Supervisor:
                  self.r.heartbeat_s, os.environ[heartbeat.ENV_STORE], self.r.max_restarts)
         status, code = "failed", 1
         try:
+            self.latch.install(first=True)
             if self.injob is not None:
                 self.injob.start_spares()
             agent = make_agent(self)
@@ -169,7 +171,9 @@ class Supervisor:
             log.error("ACTION %s: %s", e.action, e)
         except SignalException as e:
             status, code = "preempted", policy.EXIT_PREEMPTED
-            log.warning("ACTION stopped by %s: workers were asked to save and exit", e.sigval)
+            log.warning("ACTION stopped by %s: %s", e.sigval.name, "workers were asked to save "
+                        "and exit" if self.ranks else "no worker had started on this host, "
+                        "nothing to save")
         except LaunchError as e:
             log.error("%s", e)
         except RendezvousClosedError:  # the job ended on the other hosts
