@@ -163,6 +163,14 @@ gpus = 8
 """)
     res = plan(huge, SearchSpace(recompute=["none"], zero_stage=[0]))
     assert res.ranked == [] and res.best_unfitting is not None
+    # why: without ZeRO the model state alone (bf16 weights, fp32 gradients, Adam's fp32 copy
+    # and moments: >= 16 bytes per parameter of the 12 L h^2 in the blocks, over 8 GPUs at
+    # most) is beyond the device's memory, whatever the layout
+    b = res.best_unfitting
+    gb = b.memory.gb()
+    state = gb["weights"] + gb["gradients"] + gb["optimizer"]
+    assert not b.fits and state >= 16 * 12 * 96 * 12288 ** 2 / 8 / 1e9 > gb["capacity"], gb
+    assert b.memory_gb_per_gpu == pytest.approx(gb["total"]) and gb["total"] > state
 
 
 def test_plan_accepts_uneven_stages_and_keeps_a_memory_reserve():
