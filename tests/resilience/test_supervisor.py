@@ -592,6 +592,35 @@ def test_workers_count_the_wall_time_limit_from_the_jobs_start(tmp_path, monkeyp
         sup._close()
 
 
+def test_a_spare_that_torch_ends_gracefully_leaves_as_unused(tmp_path, monkeypatch):
+    """torch's agent returns None, not a result, when the job closes the rendezvous on a node of
+    its redundancy list (a spare beyond the round's hosts): that spare leaves as one the job
+    never needed (exit 0, `spare-unused`), not with a traceback and exit 1."""
+    from myria import config
+    from myria.resilience import supervisor as sup_mod
+
+    class ClosedOnTheSpare:   # what torch's agent.run() returns then
+        def run(self):
+            return None
+
+    monkeypatch.setattr(sup_mod, "make_agent", lambda sup: ClosedOnTheSpare())
+    monkeypatch.setattr(sup_mod.Supervisor, "_wait_for_hosts", lambda self, f: None)
+    monkeypatch.setattr(os, "environ", dict(os.environ))   # what it exports goes to a copy
+    stops = [signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT]
+    handlers = [signal.getsignal(s) for s in stops]   # run() installs its own
+    try:
+        sup = sup_mod.Supervisor(config.load(None, []), tmp_path, 1, ["train"], max_nodes=3,
+                                 rdzv_endpoint="127.0.0.1:1", rdzv_id="graceful")
+        assert sup.run() == 0
+    finally:
+        for s, h in zip(stops, handlers):
+            signal.signal(s, h)
+    s = json.loads((tmp_path / "supervisor_summary.json").read_text())
+    assert s["host_status"] == {socket.gethostname(): "spare-unused"}, s
+    assert "the job ended without needing this spare host" in \
+        (tmp_path / "supervisor.log").read_text()
+
+
 def _wait_for(what, deadline_s, proc):
     """Poll `what()` until it is true (True) or the job ends or the time is up (False)."""
     t0 = time.time()

@@ -161,7 +161,7 @@ class Supervisor:
                 self._beat.start()
                 self._takeover.start()
             result = self._run_agent(agent)
-            if result is not None and result.state == WorkerState.SUCCEEDED:
+            if result.state == WorkerState.SUCCEEDED:
                 status, code = "succeeded", 0
             else:
                 log.error("ACTION give up: %s", "restarts exhausted"
@@ -220,16 +220,18 @@ class Supervisor:
         """The agent's run; a success closes the rendezvous, so a spare waiting in it leaves.
         Across hosts in-job, a spare whose wait timed out waits again while the job goes on
         (the members took a lost host over without a new round) for a later full restart."""
+        from torch.distributed.elastic import rendezvous as rdzv
         from torch.distributed.elastic.agent.server.api import WorkerState
-        from torch.distributed.elastic.rendezvous import RendezvousTimeoutError
 
         while True:
             try:
                 result = agent.run()
+                if result is None:   # torch's way to end a spare when the job closes the rdzv
+                    raise rdzv.RendezvousClosedError("the job closed the rendezvous")
                 if self.max_nodes > 1 and result.state == WorkerState.SUCCEEDED:
                     multihost.close_rendezvous(agent)
                 return result
-            except RendezvousTimeoutError:
+            except rdzv.RendezvousTimeoutError:
                 if not self.across_hosts or self.ranks or self._takeover is None or \
                         self._takeover.claimed or multihost.job_ended(self.run_dir, self.job, 0):
                     raise
