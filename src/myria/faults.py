@@ -1,15 +1,16 @@
 """Fault hooks for tests and benchmarks, inert unless the MYRIA_FAULT environment variable is set.
 
 MYRIA_FAULT holds comma-separated faults, each `kind:key=value:...`, kind one of `kill`, `hang`,
-`stop`, `raise`, `corrupt-checkpoint`, `diskfull`, `offload-kill`, `offload-diskfull`, `slow`,
-`bitflip` (`target=param|grad|optimizer|compute|wgrad|peer`, `sticky=yes`) and `nan`
-(`sticky=yes`). Each fault fires once per run directory (a marker file under RUN_DIR/faults/),
-so a restarted job does not repeat it; `:attempt=A` limits it to the supervisor's attempt A
-(TORCHELASTIC_RESTART_COUNT, 0 the first start). Checkpoint and offload hooks act on console
-step S; `kill`, `hang`, `stop`, `raise`, `bitflip` and `nan` fire once S steps are done (during
-console step S+1); `slow` applies from console step S on. A malformed MYRIA_FAULT is a
-FaultSpecError (a ConfigError): one line, exit status 2, checked by the supervisor before it
-starts any worker. Every kind and its effect: docs/robustness.md, "The fault grammar in full".
+`stop`, `raise`, `busy` (`seconds=T`), `corrupt-checkpoint`, `diskfull`, `offload-kill`,
+`offload-diskfull`, `slow`, `bitflip` (`target=param|grad|optimizer|compute|wgrad|peer`,
+`sticky=yes`) and `nan` (`sticky=yes`). Each fault fires once per run directory (a marker file
+under RUN_DIR/faults/), so a restarted job does not repeat it; `:attempt=A` limits it to the
+supervisor's attempt A (TORCHELASTIC_RESTART_COUNT, 0 the first start). Checkpoint and offload
+hooks act on console step S; `kill`, `hang`, `stop`, `raise`, `busy`, `bitflip` and `nan` fire
+once S steps are done (during console step S+1); `slow` applies from console step S on. A
+malformed MYRIA_FAULT is a FaultSpecError (a ConfigError): one line, exit status 2, checked by
+the supervisor before it starts any worker. Every kind and its effect: docs/robustness.md, "The
+fault grammar in full".
 """
 
 from __future__ import annotations
@@ -22,9 +23,9 @@ from pathlib import Path
 from myria import rundir
 from myria.errors import ConfigError
 
-KINDS = ("kill", "hang", "stop", "raise", "corrupt-checkpoint", "diskfull", "slow", "bitflip",
-         "nan", "offload-kill", "offload-diskfull")
-FLOAT_KEYS = ("factor",)   # parameters that take a number, not an integer
+KINDS = ("kill", "hang", "stop", "raise", "busy", "corrupt-checkpoint", "diskfull", "slow",
+         "bitflip", "nan", "offload-kill", "offload-diskfull")
+FLOAT_KEYS = ("factor", "seconds")   # parameters that take a number, not an integer
 # parameters that take one of a few words
 WORD_KEYS = {"target": ("param", "grad", "optimizer", "compute", "wgrad", "peer"),
              "sticky": ("yes", "no")}
@@ -93,6 +94,7 @@ def parse(text: str | None) -> list[Fault]:
             if k not in ("rank", "step", "attempt"):
                 raise FaultSpecError(f"MYRIA_FAULT item {item!r}: unknown parameter {k!r}; "
                                      "valid: rank=N, step=N, attempt=N, factor=F (slow), "
+                                     "seconds=T (busy), "
                                      "target=param|grad|optimizer|compute|wgrad|peer (bitflip), "
                                      "sticky=yes|no (nan, bitflip)")
             if not v.lstrip("-").isdigit():
@@ -106,6 +108,8 @@ def parse(text: str | None) -> list[Fault]:
             params.setdefault("step", 1)
         if "step" not in params:
             raise FaultSpecError(f"MYRIA_FAULT item {item!r}: step=N is required")
+        if kind == "busy" and params.get("seconds", 0) <= 0:
+            raise FaultSpecError(f"MYRIA_FAULT item {item!r}: busy needs seconds=T > 0")
         if kind in ("bitflip", "nan") and "rank" not in params:
             raise FaultSpecError(f"MYRIA_FAULT item {item!r}: {kind} needs rank=R")
         if kind == "bitflip":
@@ -165,7 +169,22 @@ class FaultInjector:
             self.mark(f)
             while True:  # alive but making no progress
                 time.sleep(3600)
+        if f := self.due("busy", step):
+            self.mark(f)
+            hold_gil(f.params["seconds"])
         if f := self.due("raise", step):
             self.mark(f)
             raise RuntimeError(f"injected fault: raise on rank {self.rank} at step {step} "
                                f"(after {step} steps, before console step {step + 1})")
+
+
+def hold_gil(seconds: float) -> None:
+    """Compute for about `seconds` inside one C call that keeps the GIL, so no other thread of
+    the process runs meanwhile (its heartbeat thread included), as a long call into an
+    extension or a starved process does: the builtin `sum` over a `range`, sized by a short
+    timing of the same call (one call: the interpreter hands the GIL over only between calls)."""
+    import time
+
+    t = time.perf_counter()
+    sum(range(1_000_000))
+    sum(range(int(seconds * 1_000_000 / max(1e-9, time.perf_counter() - t))))

@@ -111,6 +111,19 @@ def test_sigstop_frozen_worker_misses_heartbeats(tmp_path, tiny_data, reference)
 
 
 @pytest.mark.slow
+def test_a_rank_holding_the_gil_is_late_not_dead(tmp_path, tiny_data, reference):
+    """Rank 1 computes for 2 s inside one call that keeps the GIL: its heartbeat thread cannot
+    run (4 periods of 0.5 s, past the limit of 3) but its process uses CPU, so the supervisor
+    waits rather than restart, and the job ends bit-equal with no fault."""
+    supervise(tmp_path, tiny_data, env={"MYRIA_FAULT": "busy:rank=1:step=10:seconds=2"})
+    summary = json.loads((tmp_path / "supervisor_summary.json").read_text())
+    assert summary["status"] == "succeeded" and summary["restarts"] == 0, summary
+    assert summary["faults"] == [] and "DETECTED" not in (tmp_path / "supervisor.log").read_text()
+    assert [f.name for f in (tmp_path / "faults").iterdir()] == ["busy_rank1_seconds2.0_step10"]
+    assert_bit_equal(tmp_path, reference, STEPS)
+
+
+@pytest.mark.slow
 def test_hang_names_the_collective_and_the_stuck_rank(tmp_path, tiny_data, reference):
     supervise(tmp_path, tiny_data, env={"MYRIA_FAULT": "hang:rank=0:step=10"})
     summary, log = check_recovered(tmp_path, reference, "hang", 0)

@@ -38,6 +38,57 @@ def test_missed_heartbeats_name_the_rank_once():
     assert w.heartbeats({0: rec(0, 6, 6), 1: rec(1, 0, 1)}, now=5.0) == []  # reported once
 
 
+def test_late_heartbeats_of_a_process_that_computes_are_not_a_death():
+    """A loaded host (or a long call holding the GIL) delays a rank's heartbeats while its
+    process keeps computing: not `missed-heartbeats` until the hang timeout. A process that
+    used no CPU meanwhile, or cannot run (stopped), is reported at the usual limit."""
+    cpu = {100: 0.0, 101: 0.0}
+    w = dog(cpu=lambda pid: cpu[pid])
+    w.heartbeats({0: rec(0, 0, 1), 1: rec(1, 0, 1)}, now=1.0)
+    cpu[100] = 0.2                    # rank 0 computes (0.2 s of CPU in 3.5 s); rank 1 does not
+    found = w.heartbeats({0: rec(0, 0, 1), 1: rec(1, 0, 1)}, now=4.5)
+    assert [(d.kind, d.ranks) for d in found] == [("missed-heartbeats", [1])]
+    assert [d.ranks for d in w.heartbeats({0: rec(0, 0, 1)}, now=6.0)] == [[0]]   # 0.2 < 0.25
+    w = dog(cpu=lambda pid: cpu[pid])
+    cpu[100] = 0.0
+    w.heartbeats({0: rec(0, 0, 1)}, now=1.0)
+    cpu[100] = 0.6                    # 0.6 s in 8 s: >= 0.05 x 8
+    assert w.heartbeats({0: rec(0, 0, 1)}, now=9.0) == []
+    cpu[100] = 5.0                    # ... but the hang timeout (10 s) bounds the wait
+    found = w.heartbeats({0: rec(0, 0, 1), 1: rec(1, 0, 1)}, now=11.5)
+    assert [(d.kind, d.ranks) for d in found] == [("missed-heartbeats", [0])]
+    w = dog(cpu=lambda pid: None)     # stopped (SIGSTOP) or gone: no grace
+    w.heartbeats({0: rec(0, 0, 1), 1: rec(1, 0, 1)}, now=1.0)
+    assert {tuple(d.ranks) for d in w.heartbeats({}, now=4.5)} == {(0,), (1,)}
+
+
+def test_cpu_seconds_of_a_running_a_sleeping_and_a_stopped_process():
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from myria.resilience.watch import cpu_seconds
+
+    busy = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    idle = subprocess.Popen(["sleep", "30"])
+    try:
+        time.sleep(0.3)
+        a, i = cpu_seconds(busy.pid), cpu_seconds(idle.pid)
+        time.sleep(0.7)
+        assert cpu_seconds(busy.pid) - a > 0.05 and cpu_seconds(idle.pid) - i < 0.02
+        os.kill(busy.pid, signal.SIGSTOP)
+        time.sleep(0.1)
+        assert cpu_seconds(busy.pid) is None           # stopped: cannot run
+    finally:
+        busy.kill()
+        idle.kill()
+        busy.wait()
+        idle.wait()
+    assert cpu_seconds(busy.pid) is None and cpu_seconds("x") is None
+
+
 def test_hang_names_collective_and_the_rank_outside_it():
     w = dog(hang_timeout_s=5.0)
     for t in range(0, 12):  # heartbeats keep coming, nothing moves after t=1

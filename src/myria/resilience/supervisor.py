@@ -29,7 +29,7 @@ from myria.observe import heartbeat_store as heartbeat
 from myria.resilience import multihost, policy, summary
 from myria.resilience.agent import SignalLatch, make_agent, serve_tcp_store
 from myria.resilience.policy import Fault
-from myria.resilience.watch import Detection, Watchdog
+from myria.resilience.watch import Detection, Watchdog, cpu_seconds
 
 STRAGGLER_CHECK_S = 5.0  # how often the supervisor scores the ranks' compute times
 ACTIONABLE = ("exit", "missed-heartbeats", "no-heartbeat", "hang", "traffic-stopped", "alarm")
@@ -310,7 +310,7 @@ class Supervisor:
         self.watch = Watchdog(self.ranks, r.heartbeat_s, r.missed_heartbeats, r.hang_timeout_s,
                               r.traffic_timeout_s, startup_timeout_s=t.init_timeout_s,
                               keywords=tuple(k.strip() for k in r.alarm_keywords.split(",")),
-                              attempt=self.attempt)
+                              attempt=self.attempt, cpu=cpu_seconds)
         self.alarms = []
 
     def monitor(self, agent, wg, result):

@@ -10,6 +10,7 @@ the supervisor decides what to do. Rules and defaults: docs/robustness.md, "Dete
 
 from __future__ import annotations
 
+import os
 import re
 import signal
 import time
@@ -26,6 +27,25 @@ SECONDARY = ("Connection closed by peer", "Connection reset by peer", "Broken pi
              "connection was closed", "Socket Timeout", "Timed out waiting",
              "ProcessGroupGloo", "NCCL communicator was aborted", "SIGTERM",
              "DistBackendError", "Connection refused")
+
+
+# A rank whose heartbeats are late is still working, not dead or frozen, when its process can
+# run and used at least this share of the silence in CPU time: a loaded host starves its
+# heartbeat thread, a long call holding the GIL blocks it. A stopped or hung process uses none.
+BUSY_SHARE = 0.05
+
+
+def cpu_seconds(pid: Any) -> float | None:
+    """CPU time (user + system, s) of local process `pid` while it can run; None when it cannot
+    (stopped, traced, a zombie, gone) or /proc cannot tell."""
+    try:
+        with open(f"/proc/{int(pid)}/stat") as fh:
+            fields = fh.read().rsplit(")", 1)[1].split()
+        if fields[0] in "TtZXx":
+            return None
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, TypeError, IndexError):
+        return None
 
 
 _EXCEPTION = re.compile(r"^([A-Za-z_][\w.]*(Error|Exception|Exit|Interrupt|Failure)"
@@ -54,6 +74,7 @@ class Detection:
 class _Rank:
     seq: int = -1
     seen_at: float = 0.0          # when the newest heartbeat arrived
+    cpu_seen: float | None = None  # its process's CPU time then (`Watchdog.cpu`)
     record: dict[str, Any] | None = None
     progress: int = -1
     progress_at: float = 0.0
@@ -71,8 +92,9 @@ class Watchdog:
                  traffic_timeout_s: float = 0.0, startup_timeout_s: float = 300.0,
                  keywords: tuple[str, ...] = ("Traceback", "CUDA error", "NCCL error",
                                               "out of memory"),
-                 attempt: int = 0, now: float | None = None) -> None:
+                 attempt: int = 0, now: float | None = None, cpu=None) -> None:
         self.ranks = list(ranks)
+        self.cpu = cpu    # pid -> CPU seconds or None (`cpu_seconds`): late is not dead if busy
         self.period = heartbeat_s
         self.missed = missed
         self.hang_timeout = hang_timeout_s
@@ -95,6 +117,7 @@ class Watchdog:
                 continue
             if rec.get("seq", 0) != st.seq:
                 st.seq, st.seen_at, st.record = rec.get("seq", 0), now, rec
+                st.cpu_seen = self.cpu(rec.get("pid")) if self.cpu else None
             if rec.get("progress", 0) != st.progress:
                 st.progress, st.progress_at = rec.get("progress", 0), now
             cb = int(rec.get("comm_bytes", 0))
@@ -204,6 +227,8 @@ class Watchdog:
                 continue
             silent = now - st.seen_at
             if silent > self.missed * self.period and ("missed", r) not in self.fired:
+                if silent <= self.hang_timeout and self._busy(st, silent):
+                    continue   # late but computing: judged again at the next check
                 self.fired.add(("missed", r))
                 out.append(Detection(
                     "missed-heartbeats", [r], now, st.seen_at,
@@ -217,6 +242,13 @@ class Watchdog:
             out.append(hang)
         out.extend(self._traffic(now))
         return out
+
+    def _busy(self, st: _Rank, silent: float) -> bool:
+        """Whether a rank silent for `silent` s still computes (BUSY_SHARE); needs `cpu`."""
+        if self.cpu is None or st.cpu_seen is None:
+            return False
+        cpu = self.cpu(st.record.get("pid"))
+        return cpu is not None and cpu - st.cpu_seen >= BUSY_SHARE * silent
 
     def _hang(self, now: float) -> Detection | None:
         stuck = []
