@@ -59,3 +59,23 @@ def test_pid_alive_sees_a_zombie_as_dead():
     assert os.path.exists(f"/proc/{child.pid}")   # still a zombie, not yet reaped
     child.wait()
     assert not fsutil.pid_alive(child.pid)
+
+
+def test_proc_stat_reads_past_a_name_with_spaces_and_parentheses(tmp_path):
+    """/proc/PID/stat's command name may hold ") (": the fields start after its last ")"."""
+    import time
+
+    odd = tmp_path / "a) (b"
+    odd.symlink_to(sys.executable)
+    child = subprocess.Popen([str(odd), "-c", "import time; time.sleep(30)"])
+    try:
+        deadline = time.time() + 30
+        while time.time() < deadline and ") (" not in open(f"/proc/{child.pid}/stat").read():
+            time.sleep(0.05)   # the name is the exec'd file's once the exec is done
+        fields = fsutil.proc_stat(child.pid)
+        assert fields[0] in "RS" and int(fields[1]) == os.getpid(), fields   # state, parent
+        assert fsutil.proc_stat()[0] == "R"          # this process, running
+    finally:
+        child.kill()
+        child.wait()
+    assert fsutil.proc_stat(child.pid) is None       # reaped: gone

@@ -14,6 +14,7 @@ the top of its file (the supervisor, the event recorder, the data preparation, t
 - `link_or_copy(src, dst)`: `dst` holds `src`'s bytes without reading them through this process.
 - `file_crc32(path)`: CRC-32 of a file and the bytes read.
 - `pid_alive(pid)`: whether a process of this host runs (a zombie does not).
+- `proc_stat(pid)`: the fields of /proc/PID/stat after the command name (state first).
 """
 
 from __future__ import annotations
@@ -103,7 +104,17 @@ def pid_alive(pid: int) -> bool:
         return False
     except PermissionError:
         return True
+    fields = proc_stat(pid)
+    return fields is None or fields[0] != "Z"   # no /proc here: os.kill found it
+
+
+def proc_stat(pid: int | str = "self") -> list[str] | None:
+    """The fields of /proc/PID/stat after the command name, the process's state first (field 3
+    of proc(5) is [0], utime [11], stime [12], starttime [19]); None without /proc or process.
+    The name is cut at its last ")": it may hold spaces and parentheses."""
     try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[-1].split()[0] != "Z"
+        with open(f"/proc/{pid}/stat") as fh:
+            fields = fh.read().rsplit(")", 1)[1].split()
+        return fields or None
     except (OSError, IndexError):
-        return True   # no /proc here: os.kill found it
+        return None

@@ -33,14 +33,15 @@ RECOVERY_PHASES = ("detection", "teardown", "decision", "backoff", "start_proces
 
 def process_start_time() -> float:
     """Wall time this process started (Linux /proc), else now."""
+    from myria.fsutil import proc_stat
+
     try:
-        with open("/proc/self/stat") as fh:
-            ticks = int(fh.read().rsplit(")", 1)[1].split()[19])
+        ticks = int(proc_stat()[19])
         with open("/proc/stat") as fh:
             btime = next(int(x.split()[1]) for x in fh if x.startswith("btime"))
         t = btime + ticks / os.sysconf("SC_CLK_TCK")
         return t if t <= time.time() else time.time()
-    except (OSError, ValueError, IndexError, StopIteration):
+    except (OSError, ValueError, IndexError, TypeError, StopIteration):
         return time.time()
 
 

@@ -120,15 +120,15 @@ def write_report(run_dir: Path, predict: bool = True) -> Path:
         raise DataError(f"{run_dir} is not a directory")
     run = load_run(run_dir)
     if not run.ranks and not (run_dir / rundir.METRICS).exists():
-        if (sup := run_dir / rundir.SUPERVISOR_SUMMARY).exists():
-            try:   # a supervised job that ended before its workers trained a step
-                s = json.loads(sup.read_text())
-                raise DataError(f"{run_dir}: its job {s.get('job', '?')} ended before any "
-                                f"step was trained (status {s.get('status', '?')}, wall "
-                                f"{float(s.get('wall_s', 0)):.1f} s): nothing to report; its "
-                                f"supervisor's log says why: {run_dir / 'supervisor.log'}")
-            except (ValueError, AttributeError):
-                pass
+        try:   # a supervised job that ended before its workers trained a step
+            s = json.loads((run_dir / rundir.SUPERVISOR_SUMMARY).read_text())
+        except (OSError, ValueError):
+            s = None
+        if isinstance(s, dict):
+            raise DataError(f"{run_dir}: its job {s.get('job', '?')} ended before any step "
+                            f"was trained (status {s.get('status', '?')}, wall "
+                            f"{float(s.get('wall_s') or 0):.1f} s): nothing to report; its "
+                            f"supervisor's log says why: {run_dir / 'supervisor.log'}")
         raise DataError(f"{run_dir} is not a myria run directory (no {rundir.EVENTS_DIR}/ "
                         f"and no {rundir.METRICS}); pass the --run-dir of `myria train`")
     out = rundir.report_dir(run_dir)

@@ -18,6 +18,8 @@ from collections import deque
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from myria.fsutil import proc_stat
+
 # Phases in which a rank is not expected to make progress on its own.
 FINISHED = ("done", "stopped", "exit", "failed")
 # Phases that may legitimately last long: judged against the start-up timeout.
@@ -39,12 +41,11 @@ def cpu_seconds(pid: Any) -> float | None:
     """CPU time (user + system, s) of local process `pid` while it can run; None when it cannot
     (stopped, traced, a zombie, gone) or /proc cannot tell."""
     try:
-        with open(f"/proc/{int(pid)}/stat") as fh:
-            fields = fh.read().rsplit(")", 1)[1].split()
-        if fields[0] in "TtZXx":
+        fields = proc_stat(int(pid))
+        if fields is None or fields[0] in "TtZXx":
             return None
         return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-    except (OSError, ValueError, TypeError, IndexError):
+    except (ValueError, TypeError, IndexError):
         return None
 
 

@@ -169,21 +169,7 @@ def _train(cfg: Config, run_dir: Path, env, stop_after: int | None,
             gc.enable()
 
 
-
-
-def _process_start() -> float:
-    """This process's start (seconds since the epoch), from /proc; else the import of this
-    module."""
-    try:
-        ticks = int(Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()[19])
-        boot = next(float(x.split()[1]) for x in Path("/proc/stat").read_text().splitlines()
-                    if x.startswith("btime "))
-        return boot + ticks / os.sysconf("SC_CLK_TCK")
-    except (OSError, ValueError, IndexError, StopIteration):
-        return time.time()
-
-
-PROCESS_START = _process_start()
+PROCESS_START = goodput.process_start_time()   # else the import of this module
 
 
 @dataclass
