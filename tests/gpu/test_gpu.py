@@ -232,3 +232,16 @@ def test_cpu_only_features_are_refused_in_one_line(tmp_path, tiny_data):
     assert "Traceback" not in p.stderr, p.stderr[-2000:]
     err = [line for line in p.stderr.splitlines() if line.startswith("myria train: error")]
     assert len(err) == 1 and "runs on CPU" in err[0] and "parallel.offload" in err[0], p.stderr
+
+
+def test_checksums_of_state_on_the_gpu_and_the_host_together():
+    """An optimizer's step counts stay on the host beside parameters on the GPU: one call sums
+    both, each equal to its host sum."""
+    from myria.train.checksums import sums
+
+    g = torch.Generator().manual_seed(0)
+    tensors = [torch.randn(1000, generator=g).to(torch.bfloat16), torch.tensor(3.0),
+               torch.randn(77, generator=g)]
+    mixed = sums([tensors[0].cuda(), tensors[1], tensors[2].cuda()])
+    assert mixed.device.type == "cuda"
+    assert mixed.tolist() == sums(tensors).tolist()

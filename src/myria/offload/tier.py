@@ -86,8 +86,19 @@ class MemoryTier:
         self.optimizers: list[torch.optim.Optimizer] = []
 
     def materialise(self, part: nn.Module, device: torch.device, seed: int) -> None:
-        part.to_empty(device=device)
+        if self.cfg.parallel.offload != "cpu" or device.type == "cpu":
+            part.to_empty(device=device)
+            part.init_weights(seed)
+            return
+        # FSDP2's CPUOffloadPolicy takes the sharded parameters from host memory (it refuses
+        # device ones at its first use) and moves them to the device itself; the buffers (the
+        # RoPE tables) are not FSDP's and must be on the device the forward runs on.
+        part.to_empty(device=torch.device("cpu"))
         part.init_weights(seed)
+        for module in part.modules():
+            for name, b in module._buffers.items():
+                if b is not None:
+                    module._buffers[name] = b.to(device)
 
     def build(self, parts: list[nn.Module], layout: Layout,
               device_type: str) -> list[torch.optim.Optimizer]:

@@ -36,7 +36,12 @@ def sums(tensors: list[torch.Tensor]) -> torch.Tensor:
             out.append(t.view(width).sum(dtype=acc).to(torch.int64))
     if not out:
         return torch.zeros(0, dtype=torch.int64)
-    return torch.tensor(out, dtype=torch.int64) if host else torch.stack(out)
+    if host:
+        return torch.tensor(out, dtype=torch.int64)
+    # the state of one model can span devices (an optimizer's step counts stay on the host
+    # beside parameters on the GPU): the sums meet on the first device tensor's device
+    device = next(t.device for t in tensors if t.device.type != "cpu")
+    return torch.stack([s.to(device) for s in out])
 
 
 _NUMPY = {torch.int64: np.int64, torch.int32: np.int32}
