@@ -216,6 +216,11 @@ class Watch(threading.Thread):
                     f"{store.add(_key(sup.job, 'failed'), 0) - self.failed_base} worker(s) of "
                     "the job saw their collectives fail")
         log.warning("DETECTED host-lost on rank(s) %s: %s", ranks, evidence)
+        # the record before the announcement: a survivor's supervisor that sees the new attempt
+        # reads which host it replaces from the record, once (`follow`)
+        self.record = {"host": host, "by": sup.host, "attempt": attempt, "ranks": ranks,
+                       "silent_at": silent_at, "detected_at": now}
+        store.set(_key(sup.job, f"takeover/{host}"), json.dumps(self.record))
         store.set(_key(sup.job, "lost"), json.dumps(ranks))
         store.set(_key(sup.job, "attempt"), str(attempt))
         announced_at = time.time()
@@ -255,9 +260,7 @@ class Watch(threading.Thread):
         sup.new_watch()
         f.action.append(f"in-job: host {host}'s ranks {ranks} taken over on {sup.host} "
                         f"({'; '.join(how)}); the other hosts' workers stay")
-        self.record = {"host": host, "by": sup.host, "attempt": attempt, "ranks": ranks,
-                       "silent_at": silent_at, "detected_at": now,
-                       "announced_at": announced_at, "started_at": f.restarted_at}
+        self.record.update(announced_at=announced_at, started_at=f.restarted_at)
         store.set(_key(sup.job, f"takeover/{host}"), json.dumps(self.record))
         log.info("ACTION in-job takeover (attempt %d): %s takes over host %s's ranks %s (%s); "
                  "the other hosts' workers stay and send the lost ranks' state from their "
