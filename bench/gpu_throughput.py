@@ -10,6 +10,8 @@ off. Each case is measured three ways in one process, one after the other:
 - **myria**: `myria.train.trainer.train` on a prepared corpus, exactly as `myria train` runs it
   (one process: FSDP2 on a one-rank mesh with the bf16 mixed-precision policy, fp32 reduction;
   the event timer on, its compute spans timed by CUDA events), checkpoint writes left out;
+- **myria-nochecks**: the same with `resilience.sdc_interval = 0` (no at-rest checksums of the
+  state every step, no replica or compute checks): what the checks cost;
 - **plain**: a minimal PyTorch loop of the same model class, the same optimizer
   (`myria.optim.build_optimizer`: AdamW), the same data and batch, compiled the same way, with
   `torch.autocast(bfloat16)` (fp32 weights and gradients, bf16 compute);
@@ -57,9 +59,10 @@ BREAKDOWN = ("data_wait", "forward", "backward", "grad_clip", "loss_mean", "opti
 
 
 def overrides(name: str, cpu: bool, compile_: bool, float8: bool, steps: int, micro: int,
-              accum: int, data: str) -> list[str]:
+              accum: int, data: str, checks: bool = True) -> list[str]:
     hidden, layers, heads, kv, ffn = TOY if cpu else CONFIGS[name]
-    return [f"--model.hidden={hidden}", f"--model.layers={layers}", f"--model.heads={heads}",
+    return [*([] if checks else ["--resilience.sdc_interval=0"]),
+            f"--model.hidden={hidden}", f"--model.layers={layers}", f"--model.heads={heads}",
             f"--model.kv_heads={kv}", f"--model.ffn_hidden={ffn}",
             f"--model.vocab_size={TOY_VOCAB if cpu else VOCAB}",
             f"--model.seq_len={TOY_SEQ if cpu else SEQ}", f"--training.steps={steps}",
@@ -272,7 +275,8 @@ def child(args) -> int:
     for kind in kinds:
         float8 = kind == "myria-float8"
         cfg = config_mod.load(None, overrides(args.one, args.cpu, args.compile == "on", float8,
-                                              steps, args.micro, args.accum, args.data))
+                                              steps, args.micro, args.accum, args.data,
+                                              checks=kind != "myria-nochecks"))
         cfg.checkpoint.resume = False
         fpt = model_flops_per_token(cfg.model)
         tokens = cfg.training.global_batch * cfg.model.seq_len
@@ -328,7 +332,7 @@ def plan(args) -> list[tuple[str, str, list[str]]]:
     for n, comp in cases:
         extra = ["myria-float8"] if args.float8 and n == "1.5b" and comp == "on" \
             and not args.cpu else []
-        out.append((n, comp, ["myria", "plain"] + extra))
+        out.append((n, comp, ["myria", "plain", "myria-nochecks"] + extra))
     return out
 
 
@@ -374,6 +378,9 @@ def summary(rows: list[dict]) -> dict:
             s["step_time_error"] = r["step_s"] / p["step_s"] - 1
             if r.get("peak_allocated_gb") is not None:
                 s["memory_error"] = r["peak_allocated_gb"] / p["memory_gb"] - 1
+        bare = by.get((name, comp, "myria-nochecks"))
+        if bare and plain:
+            s["overhead_without_checks"] = bare["step_s"] / plain["step_s"] - 1
         f8 = by.get((name, comp, "myria-float8"))
         if f8:
             n = min(len(f8["losses"]), len(r["losses"]))

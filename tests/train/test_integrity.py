@@ -380,3 +380,22 @@ def test_a_tensor_parallel_fault_seen_through_a_peer_still_marks_checkpoints_sus
     assert sorted((r["rank"], r["evidence"]["group"][0]) for r in sdc) == [(3, 1), (3, 1)], sdc
     mark = json.loads((run / "checkpoints" / "suspect.json").read_text())
     assert (mark["after"], mark["found_at"]) == (3, 6), mark
+
+
+def test_checksums_on_a_device_equal_the_host_ones():
+    """A device's checksums (one torch reduction per tensor, stacked per accumulator type, the
+    host's step counts summed by numpy beside them) equal numpy's of every tensor alone: the
+    device path run on CPU tensors, over every width, wrapping values included."""
+    from myria.train.checksums import _gathered, sums
+
+    g = torch.Generator().manual_seed(0)
+    big = torch.full((70_000,), 2**30, dtype=torch.int32)          # wraps an int32 sum
+    tensors = [torch.randn(999, generator=g), torch.randn(77, generator=g).to(torch.bfloat16),
+               torch.randn(5, generator=g).double(), torch.tensor(7.0), big,
+               torch.randn(33, generator=g).half(), torch.randint(-128, 127, (64,),
+                                                                   dtype=torch.int8)]
+    want = sums(tensors).tolist()
+    assert want == [sums([t]).item() for t in tensors]
+    for host in ([], [3], [0, 3, 6], list(range(len(tensors)))):
+        assert _gathered(tensors, host, torch.device("cpu")).tolist() == want, host
+    assert sums([]).tolist() == []

@@ -17,31 +17,51 @@ from myria.tensors import local_shard
 
 
 def sums(tensors: list[torch.Tensor]) -> torch.Tensor:
-    """One exact bit checksum per tensor (wrapping integer sums), as one int64 tensor.
+    """One exact bit checksum per tensor (wrapping integer sums), as one int64 tensor: on the
+    host when every tensor is, else on the first device tensor's device (the state of one
+    model can span both: an optimizer's step counts stay on the host beside GPU parameters).
 
     Host tensors are summed by numpy, whose integer reductions run at memory bandwidth (torch's
-    CPU integer sums are several times slower); both wrap alike, so the values are the same."""
-    out = []
-    host = all(t.device.type == "cpu" for t in tensors)
-    for t in tensors:
-        t = t.detach().reshape(-1)
-        if t.element_size() == 8:
-            width, acc = torch.int64, torch.int64
-        else:
-            width, acc = {4: torch.int32, 2: torch.int16, 1: torch.int8}[t.element_size()], \
-                torch.int32
-        if host:
-            out.append(int(t.view(width).numpy().sum(dtype=_NUMPY[acc])))
-        else:
-            out.append(t.view(width).sum(dtype=acc).to(torch.int64))
-    if not out:
-        return torch.zeros(0, dtype=torch.int64)
-    if host:
-        return torch.tensor(out, dtype=torch.int64)
-    # the state of one model can span devices (an optimizer's step counts stay on the host
-    # beside parameters on the GPU): the sums meet on the first device tensor's device
+    CPU integer sums are several times slower); device tensors by one reduction each, gathered
+    with a few grouped operations (a device's cost here is the launches, not the bytes). Both
+    wrap alike, so the values are the same wherever a tensor is summed."""
+    host = [i for i, t in enumerate(tensors) if t.device.type == "cpu"]
+    if len(host) == len(tensors):
+        return torch.tensor([_host_sum(t) for t in tensors], dtype=torch.int64)
     device = next(t.device for t in tensors if t.device.type != "cpu")
-    return torch.stack([s.to(device) for s in out])
+    return _gathered(tensors, host, device)
+
+
+def _gathered(tensors: list[torch.Tensor], host: list[int], device: torch.device) -> torch.Tensor:
+    """`sums` on `device`: the tensors at indices `host` summed by numpy, the others by one
+    torch reduction each, stacked per accumulator type."""
+    out = torch.empty(len(tensors), dtype=torch.int64, device=device)
+    if host:
+        out[torch.tensor(host, device=device)] = torch.tensor(
+            [_host_sum(tensors[i]) for i in host], dtype=torch.int64).to(device)
+    groups: dict[torch.dtype, tuple[list[int], list[torch.Tensor]]] = {}
+    skip = set(host)
+    for i, t in enumerate(tensors):
+        if i not in skip:
+            width, acc = _width(t)
+            idx, vals = groups.setdefault(acc, ([], []))
+            idx.append(i)
+            vals.append(t.detach().reshape(-1).view(width).sum(dtype=acc))
+    for idx, vals in groups.values():
+        out[torch.tensor(idx, device=device)] = torch.stack(vals).to(torch.int64)
+    return out
+
+
+def _width(t: torch.Tensor) -> tuple[torch.dtype, torch.dtype]:
+    """The integer type of `t`'s bytes, and the one its wrapping sum accumulates in."""
+    if t.element_size() == 8:
+        return torch.int64, torch.int64
+    return {4: torch.int32, 2: torch.int16, 1: torch.int8}[t.element_size()], torch.int32
+
+
+def _host_sum(t: torch.Tensor) -> int:
+    width, acc = _width(t)
+    return int(t.detach().reshape(-1).view(width).numpy().sum(dtype=_NUMPY[acc]))
 
 
 _NUMPY = {torch.int64: np.int64, torch.int32: np.int32}

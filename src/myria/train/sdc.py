@@ -63,20 +63,26 @@ class StateLedger:
         self._keys: list[tuple] = []   # storage_key of each tensor of `_state`
         self._grads: tuple[list[str], torch.Tensor] | None = None
         self.stuck: list[tuple] = []   # (tensor, index, bit, value): stuck cells (fault hook)
+        self._owned_ids: tuple = ()    # the optimizers' parameters `_owned_names` names
+        self._owned_names: list[str] = []
 
     def _owned(self) -> list[tuple[str, torch.Tensor]]:
         """(name, parameter) of what the optimizers update: the parameters this rank owns (the
-        objects the optimizer holds; FSDP swaps the module's registered ones while gathered)."""
-        names: dict[int, str] = {}
-        for k, part in enumerate(self.engine.parts):
-            for name, p in part.named_parameters():
-                names[id(p)] = name if len(self.engine.parts) == 1 else f"{k}.{name}"
-        out = []
-        for i, opt in enumerate(self.engine.optimizers):
-            for g in getattr(opt, "param_groups", []):
-                for j, p in enumerate(g.get("params", [])):
-                    if isinstance(p, torch.Tensor):
-                        out.append((names.get(id(p), f"optimizer{i}.{j}"), p))
+        objects the optimizer holds; FSDP swaps the module's registered ones while gathered).
+        The names are looked up again only when the optimizers hold other objects: walking
+        the modules costs as much as summing a small model's state."""
+        held = [(i, j, p) for i, opt in enumerate(self.engine.optimizers)
+                for g in getattr(opt, "param_groups", [])
+                for j, p in enumerate(g.get("params", [])) if isinstance(p, torch.Tensor)]
+        ids = tuple(id(p) for _, _, p in held)
+        if ids != self._owned_ids:
+            names: dict[int, str] = {}
+            for k, part in enumerate(self.engine.parts):
+                for name, p in part.named_parameters():
+                    names[id(p)] = name if len(self.engine.parts) == 1 else f"{k}.{name}"
+            self._owned_names = [names.get(id(p), f"optimizer{i}.{j}") for i, j, p in held]
+            self._owned_ids = ids
+        out = [(n, p) for n, (_, _, p) in zip(self._owned_names, held)]
         if not out:   # an optimizer tier without torch parameter groups
             out = [(n, p) for n, p in
                    ((n, p) for k, part in enumerate(self.engine.parts)
