@@ -383,19 +383,32 @@ def test_a_tensor_parallel_fault_seen_through_a_peer_still_marks_checkpoints_sus
 
 
 def test_checksums_on_a_device_equal_the_host_ones():
-    """A device's checksums (one torch reduction per tensor, stacked per accumulator type, the
-    host's step counts summed by numpy beside them) equal numpy's of every tensor alone: the
-    device path run on CPU tensors, over every width, wrapping values included."""
-    from myria.train.checksums import _gathered, sums
+    """Every way `sums` takes (numpy for host tensors; on a device, small tensors summed
+    together per width and larger ones alone, run here on host tensors through the device
+    path) gives each tensor's wrapping integer sum of its bits, wrapping included."""
+    import numpy as np
+
+    from myria.train.checksums import SMALL, _gathered, sums
 
     g = torch.Generator().manual_seed(0)
-    big = torch.full((70_000,), 2**30, dtype=torch.int32)          # wraps an int32 sum
     tensors = [torch.randn(999, generator=g), torch.randn(77, generator=g).to(torch.bfloat16),
-               torch.randn(5, generator=g).double(), torch.tensor(7.0), big,
-               torch.randn(33, generator=g).half(), torch.randint(-128, 127, (64,),
-                                                                   dtype=torch.int8)]
-    want = sums(tensors).tolist()
-    assert want == [sums([t]).item() for t in tensors]
-    for host in ([], [3], [0, 3, 6], list(range(len(tensors)))):
+               torch.randn(5, generator=g).double(), torch.tensor(7.0),
+               torch.full((SMALL + 10,), 2**30, dtype=torch.int32),     # large, wraps
+               torch.full((3001,), 2**29, dtype=torch.int32),           # small, wraps
+               torch.full((5000,), -(2**14), dtype=torch.int16),        # wraps below
+               torch.randn(SMALL + 1, generator=g).half(), torch.zeros(0),
+               torch.randint(-128, 127, (64,), dtype=torch.int8), torch.randn(3, 100_000)]
+    widths = {8: (torch.int64, np.int64), 4: (torch.int32, np.int32),
+              2: (torch.int16, np.int32), 1: (torch.int8, np.int32)}
+
+    def alone(t):   # the definition: numpy's wrapping sum of the tensor's bits
+        width, acc = widths[t.element_size()]
+        return int(t.reshape(-1).view(width).numpy().sum(dtype=acc))
+
+    want = [alone(t) for t in tensors]
+    assert sums(tensors).tolist() == want
+    assert all(-(2**31) <= w < 2**31 for w, t in zip(want, tensors) if t.element_size() < 8)
+    n = len(tensors)
+    for host in ([], [3], [0, 3, 5, 9], list(range(0, n, 2)), list(range(n))):
         assert _gathered(tensors, host, torch.device("cpu")).tolist() == want, host
     assert sums([]).tolist() == []

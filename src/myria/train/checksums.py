@@ -15,16 +15,20 @@ import torch
 
 from myria.tensors import local_shard
 
+SMALL = 1 << 16   # elements: on a device, tensors this small are summed together per width
+
 
 def sums(tensors: list[torch.Tensor]) -> torch.Tensor:
-    """One exact bit checksum per tensor (wrapping integer sums), as one int64 tensor: on the
-    host when every tensor is, else on the first device tensor's device (the state of one
-    model can span both: an optimizer's step counts stay on the host beside GPU parameters).
+    """One exact bit checksum per tensor (the wrapping integer sum of its bits), as one int64
+    tensor: on the host when every tensor is, else on the first device tensor's device (the
+    state of one model can span both: an optimizer's step counts stay on the host beside GPU
+    parameters). Any single flipped bit changes a tensor's sum; the memory is read once.
 
     Host tensors are summed by numpy, whose integer reductions run at memory bandwidth (torch's
-    CPU integer sums are several times slower); device tensors by one reduction each, gathered
-    with a few grouped operations (a device's cost here is the launches, not the bytes). Both
-    wrap alike, so the values are the same wherever a tensor is summed."""
+    CPU integer sums are several times slower). On a device the cost of a model's state is the
+    launches, not the bytes (a layer's norms are tiny): larger tensors take one reduction each,
+    small ones are concatenated per width and summed per segment in int64, then wrapped to the
+    int32 a wrapping accumulator would hold, which is the same value."""
     host = [i for i, t in enumerate(tensors) if t.device.type == "cpu"]
     if len(host) == len(tensors):
         return torch.tensor([_host_sum(t) for t in tensors], dtype=torch.int64)
@@ -33,23 +37,49 @@ def sums(tensors: list[torch.Tensor]) -> torch.Tensor:
 
 
 def _gathered(tensors: list[torch.Tensor], host: list[int], device: torch.device) -> torch.Tensor:
-    """`sums` on `device`: the tensors at indices `host` summed by numpy, the others by one
-    torch reduction each, stacked per accumulator type."""
+    """`sums` on `device`, the tensors at indices `host` summed by numpy and the others by
+    torch (the seam lets the device path run on host tensors in tests)."""
     out = torch.empty(len(tensors), dtype=torch.int64, device=device)
     if host:
         out[torch.tensor(host, device=device)] = torch.tensor(
             [_host_sum(tensors[i]) for i in host], dtype=torch.int64).to(device)
-    groups: dict[torch.dtype, tuple[list[int], list[torch.Tensor]]] = {}
-    skip = set(host)
+    on_host = set(host)
+    small: dict[torch.dtype, list[int]] = {}
+    large: dict[torch.dtype, tuple[list[int], list[torch.Tensor]]] = {}
     for i, t in enumerate(tensors):
-        if i not in skip:
-            width, acc = _width(t)
-            idx, vals = groups.setdefault(acc, ([], []))
+        if i in on_host:
+            continue
+        width, acc = _width(t)
+        if 0 < t.numel() <= SMALL and acc == torch.int32:
+            small.setdefault(width, []).append(i)
+        else:
+            idx, vals = large.setdefault(acc, ([], []))
             idx.append(i)
-            vals.append(t.detach().reshape(-1).view(width).sum(dtype=acc))
-    for idx, vals in groups.values():
+            vals.append(_flat(t, width).sum(dtype=acc))
+    for idx, vals in large.values():
         out[torch.tensor(idx, device=device)] = torch.stack(vals).to(torch.int64)
+    for width, idx in small.items():
+        flat = torch.cat([_flat(tensors[i], width) for i in idx]).to(torch.int64)
+        lengths = torch.tensor([tensors[i].numel() for i in idx], device=device)
+        segment = torch.repeat_interleave(torch.arange(len(idx), device=device), lengths,
+                                          output_size=flat.numel())
+        total = torch.zeros(len(idx), dtype=torch.int64, device=device)
+        out[torch.tensor(idx, device=device)] = _wrap32(total.index_add_(0, segment, flat))
     return out
+
+
+def _host_sum(t: torch.Tensor) -> int:
+    width, acc = _width(t)
+    return int(_flat(t, width).numpy().sum(dtype=_NUMPY[acc]))
+
+
+def _flat(t: torch.Tensor, width: torch.dtype) -> torch.Tensor:
+    return t.detach().reshape(-1).view(width)
+
+
+def _wrap32(x: torch.Tensor) -> torch.Tensor:
+    """int64 sums as the int32 a wrapping int32 accumulator would hold."""
+    return (x + 2**31) % 2**32 - 2**31
 
 
 def _width(t: torch.Tensor) -> tuple[torch.dtype, torch.dtype]:
@@ -57,11 +87,6 @@ def _width(t: torch.Tensor) -> tuple[torch.dtype, torch.dtype]:
     if t.element_size() == 8:
         return torch.int64, torch.int64
     return {4: torch.int32, 2: torch.int16, 1: torch.int8}[t.element_size()], torch.int32
-
-
-def _host_sum(t: torch.Tensor) -> int:
-    width, acc = _width(t)
-    return int(t.detach().reshape(-1).view(width).numpy().sum(dtype=_NUMPY[acc]))
 
 
 _NUMPY = {torch.int64: np.int64, torch.int32: np.int32}
