@@ -12,6 +12,8 @@ off. Each case is measured three ways in one process, one after the other:
   the event timer on, its compute spans timed by CUDA events), checkpoint writes left out;
 - **myria-nochecks**: the same with `resilience.sdc_interval = 0` (no at-rest checksums of the
   state every step, no replica or compute checks): what the checks cost;
+- **plain-fsdp**: the plain loop with FSDP2 on a one-rank mesh and its bf16 mixed-precision
+  policy instead of autocast (how `myria train` runs one GPU in bf16): what FSDP2 costs alone;
 - **plain**: a minimal PyTorch loop of the same model class, the same optimizer
   (`myria.optim.build_optimizer`: AdamW), the same data and batch, compiled the same way, with
   `torch.autocast(bfloat16)` (fp32 weights and gradients, bf16 compute);
@@ -155,9 +157,12 @@ def _spans(path: Path) -> dict:
     return out
 
 
-def run_plain(cfg, device, warmup: int) -> dict:
-    """A minimal PyTorch loop: the same model class, optimizer, data and batch; autocast bf16."""
+def run_plain(cfg, device, warmup: int, fsdp: bool = False) -> dict:
+    """A minimal PyTorch loop: the same model class, optimizer, data and batch; autocast bf16.
+    `fsdp`: the model sharded by FSDP2 on a one-rank mesh with the bf16 mixed-precision policy
+    instead of autocast, as `myria train` runs one GPU in bf16 (what FSDP2 itself costs)."""
     import torch
+    import torch.distributed as dist
 
     from myria.data.dataset import TokenDataset
     from myria.data.loader import BatchLoader
@@ -169,17 +174,32 @@ def run_plain(cfg, device, warmup: int) -> dict:
     t = cfg.training
     torch.manual_seed(t.seed)
     model = build_model(cfg.model, "meta")
-    model.to_empty(device=device)
-    model.init_weights(t.seed)
     if cfg.parallel.compile:
         for name, block in list(model.layers.items()):
             model.layers[name] = torch.compile(block)
+    if fsdp:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", "29517")
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", rank=0,
+                                world_size=1)
+        mesh = init_device_mesh(device.type, (1,))
+        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
+            if device.type == "cuda" and t.dtype != "float32" else None
+        kw = {"mesh": mesh, **({"mp_policy": mp} if mp else {})}
+        for block in model.layers.values():
+            fully_shard(block, **kw)
+        fully_shard(model, reshard_after_forward=False, **kw)
+    model.to_empty(device=device)
+    model.init_weights(t.seed)
     opt = build_optimizer(model, cfg.optimizer)
     sched = build_scheduler(opt, cfg.optimizer, t.steps)
     loader = BatchLoader(TokenDataset(cfg.data.path, cfg.model.seq_len), t.global_batch,
                          t.micro_batch, 0, 1, t.seed, prefetch=2)
     amp = torch.autocast("cuda", torch.bfloat16) if device.type == "cuda" \
-        and t.dtype != "float32" else contextlib.nullcontext()
+        and t.dtype != "float32" and not fsdp else contextlib.nullcontext()
     cuda = device.type == "cuda"
     times, losses, parts = [], [], []
     t_start = time.perf_counter()
@@ -229,6 +249,8 @@ def run_plain(cfg, device, warmup: int) -> dict:
            "breakdown_s": {k: statistics.median(p[k] for p in m) for k in m[0]}}
     out.update(_peak_gb(device))
     del model, opt
+    if fsdp:
+        dist.destroy_process_group()
     return out
 
 
@@ -284,8 +306,8 @@ def child(args) -> int:
                "params": param_counts(cfg.model).total(cfg.model.layers),
                "tokens_per_step": tokens, "peak_tflops": peak, "peak_source": peak_source}
         try:
-            res = run_plain(cfg, dev, args.warmup) if kind == "plain" else \
-                run_myria(cfg, dev, args.warmup)
+            res = run_plain(cfg, dev, args.warmup, fsdp=kind == "plain-fsdp") \
+                if kind.startswith("plain") else run_myria(cfg, dev, args.warmup)
             row.update(res)
             row["tokens_per_s"] = tokens / res["step_s"]
             row["mfu"] = fpt * row["tokens_per_s"] / (peak * 1e12) if peak else None
@@ -332,7 +354,7 @@ def plan(args) -> list[tuple[str, str, list[str]]]:
     for n, comp in cases:
         extra = ["myria-float8"] if args.float8 and n == "1.5b" and comp == "on" \
             and not args.cpu else []
-        out.append((n, comp, ["myria", "plain", "myria-nochecks"] + extra))
+        out.append((n, comp, ["myria", "plain", "myria-nochecks", "plain-fsdp"] + extra))
     return out
 
 
@@ -381,6 +403,9 @@ def summary(rows: list[dict]) -> dict:
         bare = by.get((name, comp, "myria-nochecks"))
         if bare and plain:
             s["overhead_without_checks"] = bare["step_s"] / plain["step_s"] - 1
+        sharded = by.get((name, comp, "plain-fsdp"))
+        if sharded and plain:   # FSDP2 on one rank against autocast, both plain loops
+            s["fsdp_one_rank_vs_autocast"] = sharded["step_s"] / plain["step_s"] - 1
         f8 = by.get((name, comp, "myria-float8"))
         if f8:
             n = min(len(f8["losses"]), len(r["losses"]))
