@@ -1,0 +1,138 @@
+"""Host-side costs of one process's step that a GPU exposes, measured on the CPU.
+
+    PYTHONPATH=src python bench/one_rank_overheads.py [--layers 28] [--out FILE]
+
+On one GPU the first H200 run (bench/RESULTS.md) found `myria train` 60-141% behind a plain
+loop of the same model, by a cost per step that did not grow with the model. Two suspects do
+per-module or per-tensor host work that a small CPU model shows without a GPU:
+
+- **FSDP2 on a one-rank mesh** (how one GPU trains in bf16: its mixed-precision policy): the
+  forward and backward of a stand-in with the 1.5B config's block count (hidden 128, sequence
+  64, 2 microbatches), bare and under `fully_shard` (fp32 policy here: the hooks, not casts);
+- **the at-rest checksums** (`myria.train.checksums.sums`, four passes a step): the operations
+  that issue a kernel on a device for the 1.5B config's state tensors (3 per parameter,
+  shapes shrunk), one reduction per tensor against the grouped device path, counted with
+  torch's profiler on the CPU.
+
+Writes JSON (default bench/results/one_rank_overheads.json) and prints a table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "src"))
+
+from myria import config as config_mod  # noqa: E402
+from myria.models.transformer import build_model  # noqa: E402
+from myria.train import checksums  # noqa: E402
+
+KERNEL_OPS = {"aten::sum", "aten::copy_", "aten::cat", "aten::index_add_", "aten::index_put_",
+              "aten::remainder", "aten::add", "aten::sub", "aten::fill_", "aten::zero_",
+              "aten::repeat_interleave", "aten::arange", "aten::stack"}
+
+
+def fsdp_cost(layers: int, steps: int) -> dict:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    cfg = config_mod.load(None, [f"--model.layers={layers}", "--model.hidden=128",
+                                 "--model.heads=16", "--model.kv_heads=8", "--model.seq_len=64",
+                                 "--model.vocab_size=8192"])
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", "29541")
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    x = torch.randint(0, 8192, (1, 64))
+
+    def make(fsdp: bool):
+        m = build_model(cfg.model, "meta")
+        if fsdp:
+            mesh = init_device_mesh("cpu", (1,))
+            mp = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32)
+            for b in m.layers.values():
+                fully_shard(b, mesh=mesh, mp_policy=mp)
+            fully_shard(m, mesh=mesh, mp_policy=mp, reshard_after_forward=False)
+        m.to_empty(device="cpu")
+        m.init_weights(0)
+        return m
+
+    out: dict[str, list[float]] = {"bare": [], "fsdp": []}
+    for _ in range(2):   # alternate: a drift of the host's speed hits both
+        for name in out:
+            m = make(name == "fsdp")
+            times = []
+            for _ in range(steps):
+                t0 = time.perf_counter()
+                for _ in range(2):
+                    m(x, x).backward()
+                times.append(time.perf_counter() - t0)
+            out[name].append(statistics.median(times[2:]))
+    dist.destroy_process_group()
+    bare, sharded = min(out["bare"]), min(out["fsdp"])
+    return {"layers": layers, "bare_s": bare, "fsdp_s": sharded, "rounds": out,
+            "extra_per_module_microbatch_ms": 1e3 * (sharded - bare) / ((layers + 1) * 2)}
+
+
+def checksum_ops(layers: int) -> dict:
+    from torch.profiler import ProfilerActivity, profile
+
+    def one_per_tensor(ts):
+        out = []
+        for t in ts:
+            width, acc = checksums._width(t)
+            out.append(t.detach().reshape(-1).view(width).sum(dtype=acc).to(torch.int64))
+        return torch.stack(out)
+
+    hidden, ffn = 16, 43
+    shapes = [(hidden, hidden)] * 2 + [(hidden // 2, hidden)] * 2 + [(ffn, hidden)] * 2 + \
+        [(hidden, ffn)] + [(hidden,)] * 2
+    ts = [torch.randn(s) for _ in range(layers) for s in shapes for _ in range(3)]
+    cpu = torch.device("cpu")
+    ways = {"one reduction per tensor": lambda: one_per_tensor(ts),
+            "grouped (myria)": lambda: checksums._gathered(ts, [], cpu)}
+    assert ways["one reduction per tensor"]().tolist() == ways["grouped (myria)"]().tolist()
+    out = {"tensors": len(ts)}
+    for name, f in ways.items():
+        with profile(activities=[ProfilerActivity.CPU]) as p:
+            f()
+        out[name] = sum(1 for e in p.events() if e.name in KERNEL_OPS)
+    return out
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--layers", type=int, default=28, help="blocks (the 1.5B config's: 28)")
+    ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--out", default=str(ROOT / "bench" / "results" /
+                                         "one_rank_overheads.json"))
+    args = ap.parse_args()
+    f = fsdp_cost(args.layers, args.steps)
+    c = checksum_ops(args.layers)
+    res = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+           "machine": f"{platform.machine()}, {torch.get_num_threads()} threads, "
+                      f"torch {torch.__version__}, load {os.getloadavg()[0]:.1f}",
+           "fsdp_one_rank": f, "checksum_kernel_ops": c}
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(res, indent=1))
+    print(f"2 microbatches forward+backward, {f['layers']} blocks: bare {1e3 * f['bare_s']:.1f} "
+          f"ms, FSDP2 one rank {1e3 * f['fsdp_s']:.1f} ms "
+          f"(+{f['extra_per_module_microbatch_ms']:.2f} ms per module and microbatch)")
+    print(f"checksums of {c['tensors']} state tensors, kernel-issuing operations: "
+          + ", ".join(f"{k} {v}" for k, v in c.items() if k != "tensors"))
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
