@@ -27,8 +27,11 @@ STEPS = 12
 
 
 def train(run_dir, data, *extra, check=True):
+    # learning rate 1e-3: at the default 3e-3 this model's loss spikes around step 8 and two
+    # runs of different numerics part by up to 0.34 there (bf16 against fp32 on the CPU,
+    # where the same runs part the same way); at 1e-3 they stay within 0.01
     return train_job(run_dir, data, *GPU_MODEL, f"--training.steps={STEPS}",
-                     "--checkpoint.interval=0", *extra, check=check)
+                     "--checkpoint.interval=0", "--optimizer.lr=1e-3", *extra, check=check)
 
 
 @pytest.fixture(scope="module")
