@@ -248,3 +248,17 @@ def test_checksums_of_state_on_the_gpu_and_the_host_together():
     mixed = sums([tensors[0].cuda(), tensors[1], tensors[2].cuda()])
     assert mixed.device.type == "cuda"
     assert mixed.tolist() == sums(tensors).tolist()
+
+
+def test_host_tensors_of_the_state_cross_an_nccl_group(engine_of):
+    """NCCL takes no host tensors: a checkpoint reader's state broadcast to its replicas holds
+    the optimizer's step counts on the host, and a shrunk run's grow-back flag is one."""
+    from myria.train.checkpoint.load import _broadcast_state
+    from myria.train.distributed import collective_device
+
+    engine_of()   # the one-rank NCCL world
+    assert dist.get_backend() == "nccl" and collective_device().type == "cuda"
+    state = {"step": torch.tensor(5.0), "w": torch.arange(4.0, device="cuda")}
+    _broadcast_state(state, 0, dist.group.WORLD)
+    assert state["step"].device.type == "cpu" and state["step"].item() == 5.0
+    assert state["w"].device.type == "cuda" and state["w"].tolist() == [0.0, 1.0, 2.0, 3.0]

@@ -101,3 +101,11 @@ def set_timeout(seconds: float) -> None:
 def shutdown() -> None:
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+def collective_device(group=None) -> torch.device:
+    """Where a tensor must be for a collective on `group` (default: the world's): the current
+    GPU under NCCL (which takes no host tensors), else the host."""
+    if dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")

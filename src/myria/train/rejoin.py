@@ -71,6 +71,7 @@ import torch
 import torch.distributed as dist
 
 from myria.observe import heartbeat_store
+from myria.train.distributed import collective_device
 from myria.train.state import load_flat_state
 
 log = logging.getLogger("myria")
@@ -340,7 +341,7 @@ class InJob:
         """At a step boundary of a shrunk run: has the supervisor announced the attempt that
         grows back (a spare is ready)? Rank 0 reads the store, every rank learns it from one
         one-element all-reduce, so all leave the loop after the same step."""
-        flag = torch.zeros(1)
+        flag = torch.zeros(1, device=collective_device())
         if dist.get_rank() == 0:
             v = self._get("attempt", "")
             flag[0] = float(v.isdigit() and int(v) > self.attempt)

@@ -22,6 +22,7 @@ import torch.distributed.checkpoint as dcp
 from myria.errors import CheckpointError
 from myria.tensors import local_shard
 from myria.train.checkpoint.store import MANIFEST
+from myria.train.distributed import collective_device
 from myria.train.state import flatten, rank_and_world, set_rng_state, shard_key
 
 
@@ -134,12 +135,14 @@ def _broadcast_state(state: dict, src: int, group) -> None:
     """Send the reader's state to its replicas, tensors in place, other leaves by pickle."""
     flat = flatten(state)
     others = {k: v for k, v in flat.items() if not isinstance(v, torch.Tensor)}
+    device = collective_device(group)   # an optimizer's step counts stay on the host
     for key in sorted(flat, key=repr):
         v = flat[key]
         if not isinstance(v, torch.Tensor):
             continue
         local = local_shard(v).detach()
-        buf = local if local.is_contiguous() else local.contiguous()
+        buf = local if local.is_contiguous() and local.device == device else \
+            local.contiguous().to(device)
         dist.broadcast(buf, src=src, group=group)
         if buf is not local:
             local.copy_(buf)
