@@ -62,7 +62,47 @@ def test_model_state_bytes(calibration):
     z1 = simulate(r.replace(training={"zero_stage": 1}))
     assert z1.memory.optimizer == pytest.approx(12 * n / 32)
     z3 = simulate(r.replace(training={"zero_stage": 3}))
-    assert z3.memory.weights == pytest.approx(2 * n / 32)
+    assert z3.memory.weights == 0   # FSDP2's shards are the fp32 master weights
+    assert z3.memory.gradients == pytest.approx(4 * n / 32)
+    fp32 = simulate(r.replace(training={"zero_stage": 3, "precision": "fp32"}))
+    assert fp32.memory.weights == pytest.approx(4 * n / 32)
+
+
+def test_model_state_is_what_fsdp2_holds_in_bf16():
+    """One process in bf16 trains under FSDP2's mixed precision on a one-rank mesh: the bytes
+    of its parameters, gradients and optimizer state after a step are the memory model's
+    weights + gradients + optimizer state for that run (16 bytes a parameter, no bf16 copy)."""
+    import torch
+    import torch.distributed as dist
+
+    from myria import config, device
+    from myria.sim.perf import config_run, simulate
+    from myria.tensors import local_shard
+    from myria.train.engine import Engine
+
+    cfg = config.load(None, ["--model.vocab_size=512", "--model.layers=2", "--model.hidden=64",
+                             "--model.heads=4", "--model.kv_heads=2", "--model.seq_len=32",
+                             "--training.global_batch=2", "--training.micro_batch=2",
+                             "--training.dtype=bfloat16"])
+    try:
+        e = Engine(cfg, None, torch.device("cpu"))
+        x = torch.randint(0, 512, (1, 2, 33), generator=torch.Generator().manual_seed(0))
+        e.forward_backward(x[..., :-1], x[..., 1:])
+        params = [p for p in e.model.parameters()]
+        held = sum(local_shard(t).numel() * local_shard(t).element_size()
+                   for p in params for t in (p, p.grad))
+        e.step()
+        held += sum(local_shard(v).numel() * local_shard(v).element_size()
+                    for st in e.optimizers[0].state.values() for v in st.values()
+                    if isinstance(v, torch.Tensor) and v.dim() > 0)   # not the step counts
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    assert all(local_shard(p).dtype == torch.float32 for p in params)
+    run, spec, _ = config_run(cfg, 1, device.lookup("h100"), 1)
+    m = simulate(run).memory
+    assert run.training.zero_stage == 3 and run.training.precision != "fp32"
+    assert m.weights + m.gradients + m.optimizer == pytest.approx(held, rel=1e-6)
 
 
 def test_offload_moves_optimizer_to_host(calibration):

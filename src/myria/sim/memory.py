@@ -39,7 +39,9 @@ Model state per parameter (mixed precision, Rajbhandari et al. 2020 "ZeRO"): 2-b
 Adam/LAMB state (fp32 master weights, two moments). ZeRO-1 (Megatron's distributed optimizer)
 shards the optimizer state over the data-parallel ranks, ZeRO-2 also the gradients, ZeRO-3
 (FSDP) also the weights, which are then gathered one layer at a time (two layers in flight
-with prefetch: FSDP2's default forward prefetch). FSDP2 with `reshard_after_forward=False`
+with prefetch: FSDP2's default forward prefetch). Under mixed precision FSDP2's sharded
+parameters are the fp32 master weights themselves (its `MixedPrecisionPolicy` casts to bf16
+when it gathers), so no 2-byte copy persists: 16 bytes per parameter, over the shard ranks. FSDP2 with `reshard_after_forward=False`
 (PyTorch FSDP2 docs, `fully_shard`: "parameters stay unsharded after forward", used by Llama 3,
 Dubey et al. 2024 section 3.3.2) keeps every parameter of the stage gathered from its forward
 to its backward: the weights' memory is whole. HSDP shards over `shard` ranks and replicates
@@ -186,7 +188,10 @@ def memory(shape: LayerShape, *, layers: int, pp: int, vpp: int, microbatches: i
                 # one layer's full gradient is produced before it is reduced and scattered
                 temp += (dense + expert) / per_stage * g_b
         if zero_stage >= 3 and reshard_after_forward:
-            w = dense * w_b / shard + expert * w_b / expert_shard
+            # FSDP2 keeps the sharded parameters in fp32 (the master copy, counted in the
+            # optimizer's 12 bytes) and casts to bf16 as it gathers a layer: under mixed
+            # precision no 2-byte copy persists, only the gathered layers in flight
+            w = 0.0 if mixed else dense * w_b / shard + expert * w_b / expert_shard
             temp += 2 * (dense + expert) / per_stage * w_b   # gathered layers (prefetch)
         elif zero_stage >= 3:
             # parameters stay gathered from the first forward to the end of the step: the
