@@ -41,11 +41,12 @@ shards the optimizer state over the data-parallel ranks, ZeRO-2 also the gradien
 (FSDP) also the weights, which are then gathered one layer at a time (two layers in flight
 with prefetch: FSDP2's default forward prefetch). Under mixed precision FSDP2's sharded
 parameters are the fp32 master weights themselves (its `MixedPrecisionPolicy` casts to bf16
-when it gathers), so no 2-byte copy persists: 16 bytes per parameter, over the shard ranks. FSDP2 with `reshard_after_forward=False`
-(PyTorch FSDP2 docs, `fully_shard`: "parameters stay unsharded after forward", used by Llama 3,
-Dubey et al. 2024 section 3.3.2) keeps every parameter of the stage gathered from its forward
-to its backward: the weights' memory is whole. HSDP shards over `shard` ranks and replicates
-across the rest (PyTorch FSDP2 docs, 2-D device mesh).
+when it gathers), so no 2-byte copy persists: 16 bytes per parameter, over the shard ranks.
+FSDP2 with `reshard_after_forward=False` (PyTorch FSDP2 docs, `fully_shard`: "parameters stay
+unsharded after forward", used by Llama 3, Dubey et al. 2024 section 3.3.2) keeps every
+parameter of the stage gathered from its forward to its backward: the weights' memory is whole.
+HSDP shards over `shard` ranks and replicates across the rest (PyTorch FSDP2 docs, 2-D device
+mesh).
 
 The caching allocator's fragmentation is a measured fraction of the dynamic memory: 4.6%,
 the reserved-minus-allocated gap (2.7 GB) over the allocated memory (58.3 GB) that Huawei's
