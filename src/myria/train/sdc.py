@@ -81,7 +81,8 @@ class StateLedger:
                 for name, p in part.named_parameters():
                     names[id(p)] = name if len(self.engine.parts) == 1 else f"{k}.{name}"
             self._owned_names = [names.get(id(p), f"optimizer{i}.{j}") for i, j, p in held]
-            self._owned_ids = ids
+            # kept only when every parameter was found (not while FSDP has swapped some)
+            self._owned_ids = ids if all(id(p) in names for _, _, p in held) else ()
         out = [(n, p) for n, (_, _, p) in zip(self._owned_names, held)]
         if not out:   # an optimizer tier without torch parameter groups
             out = [(n, p) for n, p in
