@@ -189,10 +189,12 @@ def memory(shape: LayerShape, *, layers: int, pp: int, vpp: int, microbatches: i
                 # one layer's full gradient is produced before it is reduced and scattered
                 temp += (dense + expert) / per_stage * g_b
         if zero_stage >= 3 and reshard_after_forward:
-            # FSDP2 keeps the sharded parameters in fp32 (the master copy, counted in the
-            # optimizer's 12 bytes) and casts to bf16 as it gathers a layer: under mixed
-            # precision no 2-byte copy persists, only the gathered layers in flight
-            w = 0.0 if mixed else dense * w_b / shard + expert * w_b / expert_shard
+            # FSDP2 (offload none or cpu) keeps the sharded parameters in fp32 (the master
+            # copy, counted in the optimizer's 12 bytes) and casts to bf16 as it gathers a
+            # layer: under mixed precision no 2-byte copy persists, only the gathered layers
+            # in flight (the nvme tier is myria's own, not FSDP2: its rule is unchanged)
+            fsdp2_mixed = mixed and offload != "nvme"
+            w = 0.0 if fsdp2_mixed else dense * w_b / shard + expert * w_b / expert_shard
             temp += 2 * (dense + expert) / per_stage * w_b   # gathered layers (prefetch)
         elif zero_stage >= 3:
             # parameters stay gathered from the first forward to the end of the step: the
