@@ -118,7 +118,11 @@ def test_a_rank_holding_the_gil_is_late_not_dead(tmp_path, tiny_data, reference)
     supervise(tmp_path, tiny_data, env={"MYRIA_FAULT": "busy:rank=1:step=10:seconds=2"})
     summary = json.loads((tmp_path / "supervisor_summary.json").read_text())
     assert summary["status"] == "succeeded" and summary["restarts"] == 0, summary
-    assert summary["faults"] == [] and "DETECTED" not in (tmp_path / "supervisor.log").read_text()
+    # the 2 s are rank 1's compute: the straggler detector may report it (a report, no
+    # action); what must not happen is a watchdog's detection of a dead or hung rank
+    said = [ln for ln in (tmp_path / "supervisor.log").read_text().splitlines()
+            if "DETECTED" in ln and "DETECTED straggler" not in ln]
+    assert summary["faults"] == [] and said == [], said
     assert [f.name for f in (tmp_path / "faults").iterdir()] == ["busy_rank1_seconds2.0_step10"]
     assert_bit_equal(tmp_path, reference, STEPS)
 
