@@ -13,6 +13,7 @@ bench/results/sim_expert_layouts.json.
 
 from __future__ import annotations
 
+import argparse
 import json
 import platform
 import sys
@@ -38,8 +39,14 @@ def row_of(i: int, x) -> dict:
 
 def main(argv: list[str]) -> int:
     runs = {r["name"]: r for r in expert_commands()}
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0].replace("\n", " "))
+    ap.add_argument("names", nargs="*", metavar="NAME",
+                    help=f"runs to rank (default all): {', '.join(runs)}")
+    names = ap.parse_args(argv).names or list(runs)
+    if unknown := [n for n in names if n not in runs]:
+        ap.error(f"unknown run(s) {', '.join(unknown)}; known: {', '.join(runs)}")
     rows = []
-    for name in argv or list(runs):
+    for name in names:
         r = runs[name]
         t0 = time.perf_counter()
         base, res = plan_argv(r["argv"], top=10 ** 6)
