@@ -275,7 +275,7 @@ def predict(cfg, spec, float8: bool) -> dict:
 
 
 def child(args) -> int:
-    """Measure one config (both loops, and float8) and append JSON lines to --jsonl."""
+    """Measure one config, each loop of --loops, and append JSON lines to --jsonl."""
     import torch
 
     from myria import config as config_mod
