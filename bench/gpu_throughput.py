@@ -5,13 +5,16 @@
 
 Three Llama-style configs (about 0.5B, 1.5B and 3B parameters, sequence 4096, vocabulary
 32000, bf16, micro-batch 1, 2 microbatches per step), each with per-block `torch.compile` on and
-off. Each case is measured three ways in one process, one after the other:
+off. Each case is measured in several ways in one process, one after the other:
 
 - **myria**: `myria.train.trainer.train` on a prepared corpus, exactly as `myria train` runs it
   (one process: FSDP2 on a one-rank mesh with the bf16 mixed-precision policy, fp32 reduction;
   the event timer on, its compute spans timed by CUDA events), checkpoint writes left out;
 - **myria-nochecks**: the same with `resilience.sdc_interval = 0` (no at-rest checksums of the
   state every step, no replica or compute checks): what the checks cost;
+- **myria-zero2**: the same with `training.data_parallel = zero2`: on a one-rank mesh, the
+  blocks keep their gathered bf16 weights from the forward to the backward instead of gathering
+  them again (what FSDP2's resharding costs where nothing is sharded);
 - **plain-fsdp**: the plain loop with FSDP2 on a one-rank mesh and its bf16 mixed-precision
   policy instead of autocast (how `myria train` runs one GPU in bf16): what FSDP2 costs alone;
 - **plain**: a minimal PyTorch loop of the same model class, the same optimizer
@@ -61,9 +64,10 @@ BREAKDOWN = ("data_wait", "forward", "backward", "grad_clip", "loss_mean", "opti
 
 
 def overrides(name: str, cpu: bool, compile_: bool, float8: bool, steps: int, micro: int,
-              accum: int, data: str, checks: bool = True) -> list[str]:
+              accum: int, data: str, checks: bool = True, zero2: bool = False) -> list[str]:
     hidden, layers, heads, kv, ffn = TOY if cpu else CONFIGS[name]
     return [*([] if checks else ["--resilience.sdc_interval=0"]),
+            *(["--training.data_parallel=zero2"] if zero2 else []),
             f"--model.hidden={hidden}", f"--model.layers={layers}", f"--model.heads={heads}",
             f"--model.kv_heads={kv}", f"--model.ffn_hidden={ffn}",
             f"--model.vocab_size={TOY_VOCAB if cpu else VOCAB}",
@@ -73,7 +77,9 @@ def overrides(name: str, cpu: bool, compile_: bool, float8: bool, steps: int, mi
             f"--training.device={'cpu' if cpu else 'cuda'}",
             f"--training.float8={'true' if float8 else 'false'}",
             f"--parallel.compile={'true' if compile_ else 'false'}",
-            "--optimizer.warmup_steps=2", "--checkpoint.interval=0",
+            # a peak lr the 8 steps of every loop take without a spike, so that the loops'
+            # losses (float8's against bf16's) can be compared step by step
+            "--optimizer.lr=3e-4", "--optimizer.warmup_steps=2", "--checkpoint.interval=0",
             "--logging.tensorboard=false", "--logging.progress=false", "--data.prefetch=2",
             f"--data.path={data}", "--training.gc_interval=0"]
 
@@ -298,7 +304,8 @@ def child(args) -> int:
         float8 = kind == "myria-float8"
         cfg = config_mod.load(None, overrides(args.one, args.cpu, args.compile == "on", float8,
                                               steps, args.micro, args.accum, args.data,
-                                              checks=kind != "myria-nochecks"))
+                                              checks=kind != "myria-nochecks",
+                                              zero2=kind == "myria-zero2"))
         cfg.checkpoint.resume = False
         fpt = model_flops_per_token(cfg.model)
         tokens = cfg.training.global_batch * cfg.model.seq_len
@@ -354,7 +361,8 @@ def plan(args) -> list[tuple[str, str, list[str]]]:
     for n, comp in cases:
         extra = ["myria-float8"] if args.float8 and n == "1.5b" and comp == "on" \
             and not args.cpu else []
-        out.append((n, comp, ["myria", "plain", "myria-nochecks", "plain-fsdp"] + extra))
+        out.append((n, comp, ["myria", "plain", "myria-nochecks", "myria-zero2", "plain-fsdp"]
+                    + extra))
     return out
 
 
@@ -403,6 +411,9 @@ def summary(rows: list[dict]) -> dict:
         bare = by.get((name, comp, "myria-nochecks"))
         if bare and plain:
             s["overhead_without_checks"] = bare["step_s"] / plain["step_s"] - 1
+        kept = by.get((name, comp, "myria-zero2"))
+        if kept and plain:
+            s["overhead_zero2"] = kept["step_s"] / plain["step_s"] - 1
         sharded = by.get((name, comp, "plain-fsdp"))
         if sharded and plain:   # FSDP2 on one rank against autocast, both plain loops
             s["fsdp_one_rank_vs_autocast"] = sharded["step_s"] / plain["step_s"] - 1
@@ -490,8 +501,9 @@ def main() -> int:
     print(table(rows))
     for k, s in result["summary"].items():
         parts = [f"MFU {100 * s['mfu']:.1f}%" if s.get("mfu") is not None else "MFU -"]
-        parts += [f"{n} {100 * s[n]:+.1f}%" for n in ("overhead_vs_plain", "step_time_error",
-                                                    "memory_error") if n in s]
+        parts += [f"{n} {100 * s[n]:+.1f}%" for n in (
+            "overhead_vs_plain", "overhead_without_checks", "overhead_zero2",
+            "fsdp_one_rank_vs_autocast", "step_time_error", "memory_error") if n in s]
         if "max_abs_loss_diff_vs_plain" in s:
             parts.append(f"max |dloss| vs plain {s['max_abs_loss_diff_vs_plain']:.4f}")
         if "float8" in s:

@@ -17,6 +17,14 @@ def local_shard(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
 
 
+def local_data(t: torch.Tensor) -> torch.Tensor:
+    """The tensor object that holds this rank's bytes of `t` (a DTensor's local tensor, else
+    `t`), for code that reads or writes bytes outside autograd (checksums, copies). Unlike
+    `local_shard` it dispatches nothing: a checksum pass visits every tensor of the state each
+    step, and on a GPU host `to_local`'s autograd call per tensor outweighs the sums."""
+    return t._local_tensor if isinstance(t, DTensor) else t
+
+
 def full_value(t: torch.Tensor) -> torch.Tensor:
     """The whole value of `t` on this rank (a DTensor gathered, as `full_tensor` does), else
     `t` itself: for small replicated results such as a loss or a norm."""

@@ -13,7 +13,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from myria.tensors import local_shard
+from myria.tensors import local_data
 
 SMALL = 1 << 16   # elements: on a device, tensors this small are summed together per width
 
@@ -30,10 +30,11 @@ def sums(tensors: list[torch.Tensor]) -> torch.Tensor:
     small ones are concatenated per width and summed per segment in int64, then wrapped to the
     int32 a wrapping accumulator would hold, which is the same value."""
     host = [i for i, t in enumerate(tensors) if t.device.type == "cpu"]
-    if len(host) == len(tensors):
-        return torch.tensor([_host_sum(t) for t in tensors], dtype=torch.int64)
-    device = next(t.device for t in tensors if t.device.type != "cpu")
-    return _gathered(tensors, host, device)
+    with torch.no_grad():   # bits are read, never differentiated: no view is tracked
+        if len(host) == len(tensors):
+            return torch.tensor([_host_sum(t) for t in tensors], dtype=torch.int64)
+        device = next(t.device for t in tensors if t.device.type != "cpu")
+        return _gathered(tensors, host, device)
 
 
 def _gathered(tensors: list[torch.Tensor], host: list[int], device: torch.device) -> torch.Tensor:
@@ -55,7 +56,7 @@ def _gathered(tensors: list[torch.Tensor], host: list[int], device: torch.device
         else:
             idx, vals = large.setdefault(acc, ([], []))
             idx.append(i)
-            vals.append(_flat(t, width).sum(dtype=acc))
+            vals.append(t.view(width).sum(dtype=acc))   # same width: a view of any layout
     for idx, vals in large.values():
         out[torch.tensor(idx, device=device)] = torch.stack(vals).to(torch.int64)
     for width, idx in small.items():
@@ -95,7 +96,7 @@ _NUMPY = {torch.int64: np.int64, torch.int32: np.int32}
 def storage_key(t: torch.Tensor) -> tuple:
     """What identifies a tensor's bytes in memory: two views with the same key read the same
     bytes (a state dict's entries and the ledger's tensors share storage)."""
-    t = local_shard(t)
+    t = local_data(t)
     return (t.data_ptr(), t.numel(), t.dtype)
 
 

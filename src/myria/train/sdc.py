@@ -25,7 +25,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from myria.tensors import local_shard
+from myria.tensors import local_data, local_shard
 from myria.train.checksums import storage_key, sums
 from myria.train.sdc_probe import KnownAnswerProbe, decide, first_block, reshard
 
@@ -90,9 +90,10 @@ class StateLedger:
                     for n, p in part.named_parameters())]
         return out
 
-    # what this rank owns
+    # what this rank owns (the local tensors themselves: `local_data`)
     def params(self) -> list[tuple[str, torch.Tensor]]:
-        return [(f"param {n}", local_shard(p)) for n, p in self._owned() if local_shard(p).numel()]
+        return [(f"param {n}", t) for n, t in ((n, local_data(p)) for n, p in self._owned())
+                if t.numel()]
 
     def optim(self) -> list[tuple[str, torch.Tensor]]:
         out = []
@@ -102,13 +103,14 @@ class StateLedger:
                 if not isinstance(st, dict):
                     continue
                 for key, v in st.items():
-                    if isinstance(v, torch.Tensor) and local_shard(v).numel():
-                        out.append((f"optimizer {n}.{key}", local_shard(v)))
+                    if isinstance(v, torch.Tensor) and (t := local_data(v)).numel():
+                        out.append((f"optimizer {n}.{key}", t))
         return out
 
     def grads(self) -> list[tuple[str, torch.Tensor]]:
-        return [(f"grad {n}", local_shard(p.grad)) for n, p in self._owned()
-                if p.grad is not None and local_shard(p.grad).numel()]
+        return [(f"grad {n}", t) for n, t in
+                ((n, local_data(p.grad)) for n, p in self._owned() if p.grad is not None)
+                if t.numel()]
 
     @staticmethod
     def _take(items) -> tuple[list[str], torch.Tensor]:
