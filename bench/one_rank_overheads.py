@@ -4,11 +4,14 @@
 
 On one GPU the first H200 run (bench/RESULTS.md) found `myria train` 60-141% behind a plain
 loop of the same model, by a cost per step that did not grow with the model. Two suspects do
-per-module or per-tensor host work that a small CPU model shows without a GPU:
+per-module or per-tensor host work that a small CPU model shows without a GPU (the second,
+the at-rest checks, is measured two ways):
 
 - **FSDP2 on a one-rank mesh** (how one GPU trains in bf16: its mixed-precision policy): the
   forward and backward of a stand-in with the 1.5B config's block count (hidden 128, sequence
   64, 2 microbatches), bare and under `fully_shard` (fp32 policy here: the hooks, not casts);
+- **the at-rest ledger's host time**: its four passes a step over the same stand-in sharded
+  by FSDP2 on one rank, after an AdamW step, through the device path;
 - **the at-rest checksums** (`myria.train.checksums.sums`, four passes a step): the operations
   that issue a kernel on a device for the 1.5B config's state tensors (3 per parameter,
   shapes shrunk), one reduction per tensor against the grouped device path, counted with
@@ -84,6 +87,62 @@ def fsdp_cost(layers: int, steps: int) -> dict:
             "extra_per_module_microbatch_ms": 1e3 * (sharded - bare) / ((layers + 1) * 2)}
 
 
+def ledger_cost(layers: int, steps: int) -> dict:
+    """Host time of the at-rest ledger's four passes a step (record and verify the state,
+    record and verify the gradients) over a one-rank FSDP2 stand-in after an AdamW step, on the
+    device path (`checksums._gathered`, here on host tensors; `SMALL` lowered so that the
+    stand-in's matrices take one reduction each, as a real model's do on a GPU)."""
+    from types import SimpleNamespace
+
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from myria.train import sdc
+
+    cfg = config_mod.load(None, [f"--model.layers={layers}", "--model.hidden=128",
+                                 "--model.heads=16", "--model.kv_heads=8", "--model.seq_len=64",
+                                 "--model.vocab_size=8192"])
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", "29542")
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    m = build_model(cfg.model, "meta")
+    mesh = init_device_mesh("cpu", (1,))
+    for b in m.layers.values():
+        fully_shard(b, mesh=mesh)
+    fully_shard(m, mesh=mesh, reshard_after_forward=False)
+    m.to_empty(device="cpu")
+    m.init_weights(0)
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-3)
+    x = torch.randint(0, 8192, (1, 64))
+    m(x, x).backward()
+    opt.step()
+    cpu = torch.device("cpu")
+    small, saved = checksums.SMALL, sdc.sums
+    checksums.SMALL = 128
+    sdc.sums = lambda ts: checksums._gathered(ts, [], cpu)
+    try:
+        ledger = sdc.StateLedger(SimpleNamespace(parts=[m], optimizers=[opt]))
+
+        def step():
+            ledger.verify_state()
+            ledger.record_grads()
+            ledger.verify_grads()
+            ledger.record_state()
+
+        step()
+        times = []
+        for _ in range(steps):
+            t0 = time.perf_counter()
+            step()
+            times.append(time.perf_counter() - t0)
+        n_state, n_grads = len(ledger.params() + ledger.optim()), len(ledger.grads())
+    finally:
+        checksums.SMALL, sdc.sums = small, saved
+        dist.destroy_process_group()
+    return {"layers": layers, "state_tensors": n_state, "gradients": n_grads,
+            "ms_per_step": 1e3 * statistics.median(times)}
+
+
 def checksum_ops(layers: int) -> dict:
     from torch.profiler import ProfilerActivity, profile
 
@@ -118,16 +177,19 @@ def main() -> int:
                                          "one_rank_overheads.json"))
     args = ap.parse_args()
     f = fsdp_cost(args.layers, args.steps)
+    led = ledger_cost(args.layers, args.steps)
     c = checksum_ops(args.layers)
     res = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
            "machine": f"{platform.machine()}, {torch.get_num_threads()} threads, "
                       f"torch {torch.__version__}, load {os.getloadavg()[0]:.1f}",
-           "fsdp_one_rank": f, "checksum_kernel_ops": c}
+           "fsdp_one_rank": f, "ledger_host": led, "checksum_kernel_ops": c}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(res, indent=1))
     print(f"2 microbatches forward+backward, {f['layers']} blocks: bare {1e3 * f['bare_s']:.1f} "
           f"ms, FSDP2 one rank {1e3 * f['fsdp_s']:.1f} ms "
           f"(+{f['extra_per_module_microbatch_ms']:.2f} ms per module and microbatch)")
+    print(f"at-rest ledger, 4 passes over {led['state_tensors']} state tensors and "
+          f"{led['gradients']} gradients: {led['ms_per_step']:.1f} ms of host time a step")
     print(f"checksums of {c['tensors']} state tensors, kernel-issuing operations: "
           + ", ".join(f"{k} {v}" for k, v in c.items() if k != "tensors"))
     print(f"wrote {args.out}")

@@ -250,6 +250,31 @@ def test_checksums_of_state_on_the_gpu_and_the_host_together():
     assert mixed.tolist() == sums(tensors).tolist()
 
 
+def test_checksums_replay_a_cuda_graph_of_a_state_seen_before():
+    """The state's sums are captured in a CUDA graph the second time the same tensors are
+    summed; the graph agrees with the direct sums, is trusted, and each replay reads the
+    tensors as they are then (a bit flipped after the capture is seen)."""
+    from myria.train.checksums import SMALL, _cuda_capture, _gathered, _Replays, sums
+    from myria.train.integrity import flip_bit
+
+    g = torch.Generator().manual_seed(0)
+    host = [torch.randn(SMALL + 9, generator=g), torch.randn(2048, generator=g),
+            torch.randn(4096, generator=g).to(torch.bfloat16), torch.tensor(3.0),
+            torch.randn(3, 5, generator=g).double()]
+    want = sums(host).tolist()
+    state = [t if t.dim() == 0 else t.cuda() for t in host]
+    cuda = torch.device("cuda")
+    replays = _Replays(_cuda_capture)
+    for _ in range(3):
+        assert _gathered(state, [3], cuda, replays).tolist() == want
+    (entry,) = replays.entries.values()
+    assert entry.graph and entry.trusted and not replays.disabled
+    flip_bit(state[1])
+    got = _gathered(state, [3], cuda, replays).tolist()
+    assert got[1] != want[1] and got[:1] + got[2:] == want[:1] + want[2:]
+    assert got == sums([t.cpu() for t in state]).tolist()
+
+
 def test_host_tensors_of_the_state_cross_an_nccl_group(engine_of):
     """NCCL takes no host tensors: a checkpoint reader's state broadcast to its replicas holds
     the optimizer's step counts on the host, and a shrunk run's grow-back flag is one."""

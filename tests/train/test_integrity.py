@@ -412,3 +412,56 @@ def test_checksums_on_a_device_equal_the_host_ones():
     for host in ([], [3], [0, 3, 5, 9], list(range(0, n, 2)), list(range(n))):
         assert _gathered(tensors, host, torch.device("cpu")).tolist() == want, host
     assert sums([]).tolist() == []
+
+
+def test_checksums_replay_a_graph_only_after_it_agreed():
+    """On a device `sums` replays one CUDA graph of its operations for a list of tensors seen
+    before (same addresses, dtypes, shapes). Here a stand-in graph reruns the captured
+    operations into its output, as a replay rewrites its buffer: a list is captured the second
+    time, the graph is trusted after its first replay equalled the direct sums, it reads the
+    tensors as they are at each replay, one replay does not rewrite an earlier result, and a
+    graph whose replay differs turns graphs off for the process, with one warning."""
+    import warnings
+
+    from myria.train.checksums import SMALL, _gathered, _Replays, sums
+
+    captured = []
+
+    def capture(fn, device, wrong=False):
+        out = fn()
+
+        class Graph:
+            def replay(self):
+                out.copy_(torch.zeros_like(out) if wrong else fn())
+
+        captured.append(device)
+        return Graph(), out
+
+    cpu = torch.device("cpu")
+    ts = [torch.randn(SMALL + 5), torch.randn(10).to(torch.bfloat16), torch.tensor(3.0)]
+    want = sums(ts).tolist()
+    replays = _Replays(capture)
+    assert _gathered(ts, [2], cpu, replays).tolist() == want and captured == []
+    second = _gathered(ts, [2], cpu, replays)
+    (entry,) = replays.entries.values()
+    assert second.tolist() == want and captured == [cpu] and entry.trusted
+    flip_bit(ts[0])
+    third = _gathered(ts, [2], cpu, replays)
+    assert third.tolist() == sums(ts).tolist() != want and second.tolist() == want
+    assert len(captured) == 1                                   # replayed, not captured again
+    other = [torch.randn(7)]
+    for _ in range(2):
+        assert _gathered(other, [], cpu, replays).tolist() == sums(other).tolist()
+    assert len(replays.entries) == 2 and len(captured) == 2
+
+    bad = _Replays(lambda fn, device: capture(fn, device, wrong=True))
+    assert _gathered(ts, [], cpu, bad).tolist() == sums(ts).tolist()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert _gathered(ts, [], cpu, bad).tolist() == sums(ts).tolist()
+    assert bad.disabled and not bad.entries and len(caught) == 1
+    assert _gathered(ts, [], cpu, bad).tolist() == sums(ts).tolist()
+    none = _Replays(lambda fn, device: None)
+    for _ in range(3):
+        assert _gathered(ts, [], cpu, none).tolist() == sums(ts).tolist()
+    assert not none.disabled and list(none.entries.values())[0].graph is False
