@@ -246,6 +246,36 @@ def test_a_stop_signal_swallowed_on_the_way_is_raised_at_the_next_monitor_tick()
         signal.signal(signal.SIGTERM, before)
 
 
+def test_a_second_stop_signal_is_only_noted_while_the_summary_is_written():
+    """The supervisor writes its summary inside `SignalLatch.deferred`: a stop signal there
+    (a scheduler's second SIGTERM, a second Ctrl-C) is noted and does not cut the block; the
+    handlers are torch's again after it, so a signal then stops as before."""
+    from torch.distributed.elastic.multiprocessing import api
+
+    from myria.resilience.agent import SignalLatch
+
+    before = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
+    signal.signal(signal.SIGTERM, api._terminate_process_handler)
+    try:
+        latch = SignalLatch()
+        latch.install(first=True)
+        installed = signal.getsignal(signal.SIGTERM)
+        written = []
+        with latch.deferred():
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                os.kill(os.getpid(), sig)
+                time.sleep(0.2)   # the handler runs here, in the main thread
+            written.append("summary")
+        assert written == ["summary"] and latch.signum == signal.SIGINT
+        assert signal.getsignal(signal.SIGTERM) is installed
+        with pytest.raises(api.SignalException):
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(1)
+    finally:
+        for s, h in before.items():
+            signal.signal(s, h)
+
+
 @pytest.mark.slow
 def test_sigterm_while_the_hosts_gather_ends_with_a_summary(tmp_path, tiny_data):
     """A stop signal before any worker starts (one host of two waiting in the rendezvous, as

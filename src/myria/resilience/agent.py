@@ -4,6 +4,7 @@ TCPStore the supervisor serves the heartbeats from."""
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
 import signal
@@ -63,6 +64,28 @@ class SignalLatch:
             s = getattr(signal, name, None)
             if s is not None and (first or signal.getsignal(s) is api._terminate_process_handler):
                 signal.signal(s, handler)
+
+    @contextlib.contextmanager
+    def deferred(self):
+        """Stop signals only noted (`signum`) while the block runs, then the handlers as they
+        were: the supervisor's last words (its summary) are not cut by a second signal, as a
+        scheduler's repeated SIGTERM or a second Ctrl-C would. Main thread only (elsewhere the
+        block runs as it is)."""
+        import threading
+
+        if threading.current_thread() is not threading.main_thread():
+            yield
+            return
+        saved = {}
+        for name in self.SIGNALS:
+            s = getattr(signal, name, None)
+            if s is not None:
+                saved[s] = signal.signal(s, lambda signum, frame: setattr(self, "signum", signum))
+        try:
+            yield
+        finally:
+            for s, h in saved.items():
+                signal.signal(s, h)
 
     def check(self) -> None:
         if self.signum is not None:

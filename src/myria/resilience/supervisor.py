@@ -211,8 +211,9 @@ class Supervisor:
         finally:
             if self._takeover is not None and self._takeover.claimed:
                 status, code = self._takeover.outcome()   # this spare took a host over
-            self._check_stragglers(time.time(), force=True)
-            summary.write(self, summary.build(self, status))
+            with self.latch.deferred():   # a second stop signal does not lose the summary
+                self._check_stragglers(time.time(), force=True)
+                summary.write(self, summary.build(self, status))
             self._close()
         return code
 
