@@ -275,6 +275,46 @@ def test_checksums_replay_a_cuda_graph_of_a_state_seen_before():
     assert got == sums([t.cpu() for t in state]).tolist()
 
 
+def test_overlapped_snapshot_copies_on_its_own_stream(tmp_path):
+    """An overlapped checkpoint copies GPU state to the host on its own CUDA stream, beside
+    the next step's kernels, and holds the state as the saved step left it: the step's writes
+    queued before the save are in it, the next update's (after `before_update`) are not."""
+    from myria.train.checkpoint.pipeline import CheckpointManager
+
+    class State:
+        def __init__(self, seed):
+            g = torch.Generator(device="cuda").manual_seed(seed)
+            self.w = torch.randn(2048, 2048, device="cuda", generator=g)
+            self.m = torch.zeros_like(self.w)
+
+        def state_dict(self):
+            return {"model": {"w": self.w}, "optim": {"state.w.exp_avg": self.m}}
+
+        def load_state_dict(self, state):
+            self.w.copy_(state["model"]["w"])
+            self.m.copy_(state["optim"]["state.w.exp_avg"])
+
+    t = State(0)
+    a = torch.randn(4096, 4096, device="cuda")
+    for _ in range(10):   # a queue of kernels before the step's writes
+        a = torch.tanh(a @ a)
+    t.w.add_(1.0)
+    t.m.add_(2.0)
+    want_w, want_m = t.w.clone(), t.m.clone()
+    mgr = CheckpointManager(tmp_path / "ck", async_save=True, overlap=True)
+    assert mgr.save(1, t, {"scheduler": {}}) is True
+    for _ in range(10):   # the next step's forward and backward, beside the copy
+        a = torch.tanh(a @ a)
+    mgr.before_update()
+    assert mgr._stream is not None and mgr._stream != torch.cuda.current_stream()
+    t.w.add_(5.0)
+    t.m.add_(5.0)
+    assert mgr.wait() is True and mgr.history[0].ok
+    got = State(1)
+    CheckpointManager(tmp_path / "ck").load(mgr.path_for(1), got)
+    assert torch.equal(got.w, want_w) and torch.equal(got.m, want_m)
+
+
 def test_host_tensors_of_the_state_cross_an_nccl_group(engine_of):
     """NCCL takes no host tensors: a checkpoint reader's state broadcast to its replicas holds
     the optimizer's step counts on the host, and a shrunk run's grow-back flag is one."""

@@ -7,7 +7,8 @@ as in MegaScale (§4.5.3) and torchtitan's asynchronous checkpointing:
 1. *Snapshot*: each rank copies its shard of the model and optimizer state into host buffers
    allocated once and reused (pinned memory on GPU). With `overlap`, the copy runs on a helper
    thread during the next step's data loading, forward and backward, which do not change the
-   weights; the loop waits for it only in `before_update()`, just before the optimizer step.
+   weights (on a GPU on its own stream, so the copy runs beside their kernels); the loop waits
+   for it only in `before_update()`, just before the optimizer step.
 2. *Persist*: a background thread writes the snapshot with DCP through its own gloo process
    group (so it never interleaves with the training collectives), fsyncs every file, checksums
    them, and the ranks vote. If every rank succeeded, rank 0 commits (`CheckpointStore.commit`).
@@ -37,6 +38,7 @@ the same shard: the group's first rank reads it and broadcasts it to the others 
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import errno
 import json
@@ -197,6 +199,7 @@ class _Pending:
     snapshot_done: threading.Event = field(default_factory=threading.Event)
     done: threading.Event = field(default_factory=threading.Event)
     error: BaseException | None = None
+    ready: Any = None              # CUDA event: the saved step's writes done (overlapped copy)
 
 
 class _FaultyWriter(dcp.FileSystemWriter):
@@ -230,6 +233,7 @@ class CheckpointManager(CheckpointStore):
         self._leaves: dict[tuple, tuple[Any, torch.Tensor]] = {}
         self._pending: _Pending | None = None
         self._thread: threading.Thread | None = None
+        self._stream = None   # the overlapped snapshot's CUDA stream (`_copy_stream`)
         self._pg = None
         # {storage key: checksum} of the state the optimizer wrote (StepGuard.recorded), or
         # None: each copy is then checked against its source as it was when the save started
@@ -331,6 +335,9 @@ class CheckpointManager(CheckpointStore):
             self._copy(pending)
         else:
             pending.deferred = self._flip_due(step)
+            if not pending.deferred and any(src.is_cuda for src, _ in pending.copies):
+                pending.ready = torch.cuda.Event()
+                pending.ready.record()   # after the optimizer's writes on this thread's stream
         self._thread = threading.Thread(target=self._background, args=(pending,),
                                         name=f"myria-ckpt-{step}", daemon=True)
         self._thread.start()
@@ -525,9 +532,15 @@ class CheckpointManager(CheckpointStore):
         t0 = time.perf_counter()
         ev = events.current().begin("snapshot", "ckpt", bytes=p.record.bytes)
         try:
-            for src, dst in p.copies:
-                dst.copy_(src, non_blocking=src.is_cuda)
-            if any(src.is_cuda for src, _ in p.copies):
+            stream = self._copy_stream(p)
+            with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+                for src, dst in p.copies:
+                    dst.copy_(src, non_blocking=src.is_cuda)
+                    if stream is not None and src.is_cuda:
+                        src.record_stream(stream)   # its memory is not reused before the copy
+            if stream is not None:
+                stream.synchronize()
+            elif any(src.is_cuda for src, _ in p.copies):
                 torch.cuda.synchronize()
             if p.error is None:   # written all the same: every rank's DCP collectives run
                 p.mismatch = self._check_copies(p, "once copied")
@@ -537,6 +550,19 @@ class CheckpointManager(CheckpointStore):
             p.record.snapshot_s = time.perf_counter() - t0
             events.current().end(ev)
             p.snapshot_done.set()
+
+    def _copy_stream(self, p: _Pending):
+        """The CUDA stream an overlapped snapshot copies on (None: the current one). Its own
+        stream, waiting only for the saved step's writes (`p.ready`), lets the copy to the host
+        run beside the next step's forward and backward instead of between their kernels; the
+        optimizer's next writes wait for it (`before_update`)."""
+        if p.ready is None:
+            return None
+        if self._stream is None:
+            dev = next(src.device for src, _ in p.copies if src.is_cuda)
+            self._stream = torch.cuda.Stream(device=dev)
+        self._stream.wait_event(p.ready)
+        return self._stream
 
     def _background(self, p: _Pending) -> None:
         try:
