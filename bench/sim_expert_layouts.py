@@ -74,6 +74,11 @@ def main(argv: list[str]) -> int:
                  f"{best['zero_stage']}, MFU {best['mfu']:.3f}, tied {best['tied']})" if best
                  else "not ranked"), flush=True)
     OUT.parent.mkdir(parents=True, exist_ok=True)
+    if OUT.exists():   # a subset replaces its own runs' rows and keeps the others
+        ranked = {r["run"] for r in rows}
+        kept = [r for r in json.loads(OUT.read_text()).get("rows", []) if r["run"] not in ranked]
+        rows = sorted(kept + rows, key=lambda r: list(runs).index(r["run"])
+                      if r["run"] in runs else len(runs))
     OUT.write_text(json.dumps({"command": "bench/sim_expert_layouts.py", "machine":
                                f"{platform.machine()} CPU (2 cores, shared)",
                                "date": time.strftime("%Y-%m-%d"), "rows": rows}, indent=1))
