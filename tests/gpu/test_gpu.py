@@ -264,7 +264,7 @@ def test_checksums_replay_a_cuda_graph_of_a_state_seen_before():
     want = sums(host).tolist()
     state = [t if t.dim() == 0 else t.cuda() for t in host]
     cuda = torch.device("cuda")
-    replays = _Replays(_cuda_capture)
+    replays = _Replays(_cuda_capture, least=1)
     for _ in range(3):
         assert _gathered(state, [3], cuda, replays).tolist() == want
     (entry,) = replays.entries.values()
@@ -273,6 +273,12 @@ def test_checksums_replay_a_cuda_graph_of_a_state_seen_before():
     got = _gathered(state, [3], cuda, replays).tolist()
     assert got[1] != want[1] and got[:1] + got[2:] == want[:1] + want[2:]
     assert got == sums([t.cpu() for t in state]).tolist()
+    from myria.train import checksums  # the process's own: a model's state (>= `least`)
+    many = [torch.randn(300 + i, device="cuda") for i in range(checksums._REPLAYS.least)]
+    for _ in range(3):
+        assert sums(many).tolist() == sums([t.cpu() for t in many]).tolist()
+    assert any(e.graph and e.trusted for e in checksums._REPLAYS.entries.values())
+    assert not checksums._REPLAYS.disabled
 
 
 def test_overlapped_snapshot_copies_on_its_own_stream(tmp_path):

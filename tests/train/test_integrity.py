@@ -440,7 +440,7 @@ def test_checksums_replay_a_graph_only_after_it_agreed():
     cpu = torch.device("cpu")
     ts = [torch.randn(SMALL + 5), torch.randn(10).to(torch.bfloat16), torch.tensor(3.0)]
     want = sums(ts).tolist()
-    replays = _Replays(capture)
+    replays = _Replays(capture, least=1)
     assert _gathered(ts, [2], cpu, replays).tolist() == want and captured == []
     second = _gathered(ts, [2], cpu, replays)
     (entry,) = replays.entries.values()
@@ -454,14 +454,18 @@ def test_checksums_replay_a_graph_only_after_it_agreed():
         assert _gathered(other, [], cpu, replays).tolist() == sums(other).tolist()
     assert len(replays.entries) == 2 and len(captured) == 2
 
-    bad = _Replays(lambda fn, device: capture(fn, device, wrong=True))
+    bad = _Replays(lambda fn, device: capture(fn, device, wrong=True), least=1)
     assert _gathered(ts, [], cpu, bad).tolist() == sums(ts).tolist()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         assert _gathered(ts, [], cpu, bad).tolist() == sums(ts).tolist()
     assert bad.disabled and not bad.entries and len(caught) == 1
     assert _gathered(ts, [], cpu, bad).tolist() == sums(ts).tolist()
-    none = _Replays(lambda fn, device: None)
+    none = _Replays(lambda fn, device: None, least=1)
     for _ in range(3):
         assert _gathered(ts, [], cpu, none).tolist() == sums(ts).tolist()
     assert not none.disabled and list(none.entries.values())[0].graph is False
+    few = _Replays(capture)   # fewer device tensors than `least`: never kept, never captured
+    for _ in range(3):
+        assert _gathered(ts, [2], cpu, few).tolist() == sums(ts).tolist()
+    assert not few.entries and len(captured) == 3

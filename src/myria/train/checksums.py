@@ -44,17 +44,21 @@ def _gathered(tensors: list[torch.Tensor], host: list[int], device: torch.device
     device work of a `_Plan`, replayed from a CUDA graph where `replays` (default: the
     process's) has one. The seam lets the device path run on host tensors in tests."""
     replays = _REPLAYS if replays is None else replays
-    key = (device, tuple(host), tuple(
-        (t.data_ptr(), t.dtype, tuple(t.shape), t.stride()) for t in tensors))
-    entry = replays.entry(key, lambda: _Plan(tensors, host, device))
-    got = replays.run(entry, tensors, device)
+    if len(tensors) - len(host) >= replays.least:
+        key = (device, tuple(host), tuple(
+            (t.data_ptr(), t.dtype, tuple(t.shape), t.stride()) for t in tensors))
+        entry = replays.entry(key, lambda: _Plan(tensors, host, device))
+        plan, got = entry.plan, replays.run(entry, tensors, device)
+    else:   # a few tensors: no pattern worth a graph
+        plan = _Plan(tensors, host, device)
+        got = plan.run(tensors)
     if not host:
         return got
     out = torch.empty(len(tensors), dtype=torch.int64, device=device)
-    out.index_copy_(0, entry.plan.host_at, torch.tensor(
+    out.index_copy_(0, plan.host_at, torch.tensor(
         [_host_sum(tensors[i]) for i in host], dtype=torch.int64).to(device))
-    if entry.plan.device_at.numel():
-        out.index_copy_(0, entry.plan.device_at, got)
+    if plan.device_at.numel():
+        out.index_copy_(0, plan.device_at, got)
     return out
 
 
@@ -110,16 +114,19 @@ class _Replays:
     optimizer state, hundreds of tensors twice a step; issuing each reduction costs the host
     more than the GPU needs to read the tensor, and a graph replays them all in one launch.
 
-    A list is captured the second time it is seen (once is no pattern: gradients may move), at
-    most `limit` lists are kept (the least recently used goes), and a graph is trusted only
+    Only lists of at least `least` device tensors are kept (a model's state and gradients; the
+    few tensors of a compute check are new each time). A list is captured the second time it
+    is seen (once is no pattern: gradients may move), at most `limit` lists are kept (the least
+    recently used goes), and a graph is trusted only
     after its first replay equalled the operations run directly: on a mismatch, or where a
     capture fails, this process stops using graphs and says so once. `capture(fn)` returns
     (graph, output) with `graph.replay()` rewriting `output`, or None where the device has no
     graphs (a `capture` of None: never capture)."""
 
-    def __init__(self, capture=None, limit: int = 4):
+    def __init__(self, capture=None, limit: int = 4, least: int = 16):
         self.capture = capture
         self.limit = limit
+        self.least = least
         self.entries: OrderedDict = OrderedDict()
         self.disabled = ""   # why graphs are off in this process ("" while they are on)
 
@@ -166,14 +173,24 @@ class _Entry:
 
 
 def _cuda_capture(fn, device: torch.device):
-    """(graph, output) of `fn` captured in a CUDA graph on a CUDA `device`, else None. Other
-    threads (the overlapped checkpoint's copy) go on launching their own work while this thread
-    captures."""
+    """(graph, output) of `fn` captured in a CUDA graph on a CUDA `device`, else None. The
+    capture runs on a side stream that first waits for this thread's stream, and without
+    `torch.cuda.graph`'s device synchronisation and emptying of the allocator's cache (a
+    training step's memory would be allocated afresh after it). Other threads (the overlapped
+    checkpoint's copy) go on launching their own work meanwhile."""
     if device.type != "cuda":
         return None
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, capture_error_mode="thread_local"):
-        out = fn()
+    here = torch.cuda.current_stream(device)
+    side = torch.cuda.Stream(device)
+    side.wait_stream(here)
+    with torch.cuda.stream(side):
+        graph.capture_begin(capture_error_mode="thread_local")
+        try:
+            out = fn()
+        finally:
+            graph.capture_end()
+    here.wait_stream(side)
     return graph, out
 
 
