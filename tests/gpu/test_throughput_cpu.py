@@ -2,7 +2,7 @@
 
 Not marked `gpu`: it runs in the normal suite. The plain loop and `myria train` must train the
 same model on the same data with the same optimizer: in fp32 on one CPU process their losses
-agree step for step, with the silent-corruption checks on or off.
+agree step for step, with the silent-corruption checks on or off and with `zero2`.
 """
 
 from __future__ import annotations
@@ -23,17 +23,18 @@ def test_gpu_throughput_cpu_mode(tmp_path, tiny_data):
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     r = json.loads(out.read_text())
     rows = {x["loop"]: x for x in r["rows"]}
-    assert set(rows) == {"myria", "plain", "myria-nochecks", "plain-fsdp"} \
+    assert set(rows) == {"myria", "plain", "myria-nochecks", "myria-zero2", "plain-fsdp"} \
         and not r["skipped"]
     for x in rows.values():
         assert len(x["losses"]) == 3 and all(math.isfinite(v) for v in x["losses"])
         assert x["step_s"] > 0 and x["tokens_per_s"] > 0 and 0 < x["mfu"] < 1
         assert x["breakdown_s"]["forward"] > 0 and x["breakdown_s"]["backward"] > 0
         assert x["predicted"]["step_s"] > 0 and x["predicted"]["memory_gb"] > 0
-    for loop in ("myria", "myria-nochecks", "plain-fsdp"):   # the checks change no value
+    for loop in ("myria", "myria-nochecks", "myria-zero2", "plain-fsdp"):   # no value changes
         for a, b in zip(rows[loop]["losses"], rows["plain"]["losses"]):
             assert abs(a - b) < 1e-4, (rows[loop]["losses"], rows["plain"]["losses"])
     s = r["summary"]["toy/compile=off"]
     assert "overhead_vs_plain" in s and "step_time_error" in s
     assert "overhead_without_checks" in s and "fsdp_one_rank_vs_autocast" in s
+    assert "overhead_zero2" in s
     assert "toy" in p.stdout and "MFU" in p.stdout   # the table
