@@ -338,11 +338,12 @@ class CheckpointManager(CheckpointStore):
             if not pending.deferred and any(src.is_cuda for src, _ in pending.copies):
                 pending.ready = torch.cuda.Event()
                 pending.ready.record()   # after the optimizer's writes on this thread's stream
+        # whether its failure would stop the run, judged before its thread can fail and count
+        last_allowed = bool(self.max_failures) and self.failed_in_row + 1 >= self.max_failures
         self._thread = threading.Thread(target=self._background, args=(pending,),
                                         name=f"myria-ckpt-{step}", daemon=True)
         self._thread.start()
-        if self.max_failures and self.failed_in_row + 1 >= self.max_failures:
-            # its failure would stop the run: know it before training on
+        if last_allowed:   # know its outcome before training on
             self._wait_thread()
             rec.stall_s = time.perf_counter() - t0
             self._check_failures(step)
