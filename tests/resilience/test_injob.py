@@ -23,6 +23,34 @@ def _info(rank, own=(), holds=None, held=(), fresh=False):
             "held": {s: {} for s in held}}
 
 
+def test_no_heartbeat_of_a_new_attempt_carries_the_old_first_step():
+    """A survivor going on into a new attempt in-job resets its progress before it takes the
+    attempt's number: a heartbeat sent in between (the sender reads the attempt, then the
+    progress) never says the new attempt has finished a step, which would make the supervisor
+    treat a failure before its first step as one after it."""
+    import time
+
+    from myria.train.heartbeat import Progress
+    from myria.train.rejoin import InJob
+
+    class Beat:   # the heartbeat, with its sender run each time the attempt is set
+        def __init__(self):
+            self.progress, self.ledger, self.sent = Progress(1), None, []
+            self.progress.step_done(10, 1.0)   # the previous attempt's steps
+
+        def __setattr__(self, name, value):
+            object.__setattr__(self, name, value)
+            if name == "attempt":
+                self.sent.append(self.progress.record(attempt=value))
+
+    hb = Beat()
+    injob = InJob.__new__(InJob)
+    injob.attempt, injob.run_dir = 1, None
+    injob._new_attempt(hb, time.time())
+    assert [(r["attempt"], r["first_step_at"], r["resumed_from"]) for r in hb.sent] == \
+        [(1, 0.0, -1)]
+
+
 def test_the_step_every_rank_holds_and_who_sends_it():
     # rank 2 lost; rank 3 holds its copy of steps 5 and 6; a survivor a step behind decides
     infos = [_info(0, (4, 5, 6), 3, (5, 6)), _info(1, (4, 5, 6), 0, (5, 6)),

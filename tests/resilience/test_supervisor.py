@@ -246,6 +246,32 @@ def test_a_stop_signal_swallowed_on_the_way_is_raised_at_the_next_monitor_tick()
         signal.signal(signal.SIGTERM, before)
 
 
+@pytest.mark.parametrize("kind", ["exit", "missed-heartbeats", "hang"])
+def test_a_fault_before_the_attempts_first_step_is_said_so_however_detected(tmp_path, kind):
+    """Whether an attempt had finished a step when it failed is read from its ranks'
+    heartbeats for every fault, not only for an exit: under load a killed rank can be found by
+    its missing heartbeats before its exit is seen. A finished step of an earlier attempt does
+    not count."""
+    from types import SimpleNamespace
+
+    from myria.resilience.supervisor import Supervisor
+    from myria.resilience.watch import Detection
+
+    def fault(records):
+        sup = SimpleNamespace(run_dir=tmp_path, ranks=[0, 1], attempt=1, max_step=10,
+                              faults=[], current=None,
+                              watch=SimpleNamespace(started=0.0, last=records.get))
+        return Supervisor._record(sup, Detection(kind, [0], 5.0, 4.0, "test"), [])
+
+    old = {"attempt": 0, "step": 10, "first_step_at": 100.0}
+    resuming = {"attempt": 1, "step": 0, "first_step_at": 0.0}
+    assert fault({0: resuming, 1: resuming}).before_first_step
+    assert fault({0: old, 1: resuming}).before_first_step
+    assert fault({0: None, 1: resuming}).before_first_step
+    stepped = {"attempt": 1, "step": 9, "first_step_at": 200.0}
+    assert not fault({0: resuming, 1: stepped}).before_first_step
+
+
 def test_a_second_stop_signal_is_only_noted_while_the_summary_is_written():
     """The supervisor writes its summary inside `SignalLatch.deferred`: a stop signal there
     (a scheduler's second SIGTERM, a second Ctrl-C) is noted and does not cut the block; the

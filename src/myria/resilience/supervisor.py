@@ -633,9 +633,7 @@ class Supervisor:
                 f.action.append("host kept: no spare host" if not spare else "host kept")
             return   # a rollback, not a start-up error: restart from the newest checkpoint
         # before any step of this attempt: the same error as last time is deterministic
-        started = any(x and x.get("attempt") == self.attempt and x.get("first_step_at")
-                      for x in records.values())
-        f.before_first_step = not started
+        started = not f.before_first_step
         if started or failures[culprit].exitcode == -signal.SIGKILL:
             return  # a SIGKILL comes from outside (OOM killer, operator, node agent, a fault
             # during recovery): no evidence of a deterministic start-up error, even twice
@@ -653,12 +651,17 @@ class Supervisor:
 
     def _record(self, d: Detection, related: list[Detection]) -> Fault:
         injected, at = summary.injected(self.run_dir, self.watch.started if self.watch else 0)
-        steps = [rec.get("step", 0) for rec in
-                 (self.watch.last(r) for r in self.ranks) if rec] if self.watch else []
+        recs = [rec for rec in (self.watch.last(r) for r in self.ranks) if rec] \
+            if self.watch else []
+        steps = [rec.get("step", 0) for rec in recs]
         # an injected fault's marker is written the instant it fires: the exact fault time
         f = Fault(d.kind, list(d.ranks), self.attempt, at or d.fault_at,
                   d.detected_at, d.evidence, injected=injected,
                   last_step=max(steps + [self.max_step]))
+        # whatever detected it (an exit, missed heartbeats, a hang): had this attempt finished
+        # a step on any rank?
+        f.before_first_step = not any(x.get("attempt") == self.attempt and
+                                      x.get("first_step_at") for x in recs)
         if not f.cause:
             f.cause = d.kind if d.kind != "hang" else "no progress: " + d.evidence.split(";")[0]
         extra = [x.evidence for x in related if x is not d]

@@ -371,9 +371,12 @@ class InJob:
         its time from the failure on is recovery, its first step is looked for again."""
         from myria.observe import goodput
 
-        hb.attempt = self.attempt
+        # progress first, the attempt last: the heartbeat thread reads the attempt before the
+        # progress, so no record it sends carries the new attempt with the old first step (a
+        # supervisor would take that attempt for one that had finished a step)
         hb.progress.first_step_at = 0.0
         hb.progress.resumed_from = -1
+        hb.attempt = self.attempt
         old = hb.ledger
         if old is None:
             return
