@@ -46,16 +46,23 @@ KERNEL_OPS = {"aten::sum", "aten::copy_", "aten::cat", "aten::index_add_", "aten
               "aten::repeat_interleave", "aten::arange", "aten::stack"}
 
 
-def fsdp_cost(layers: int, steps: int) -> dict:
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-
+def _stand_in(layers: int):
+    """The config of the launch-bound stand-in (the 1.5B config's block count, tiny shapes),
+    with this process's one-rank gloo group started."""
     cfg = config_mod.load(None, [f"--model.layers={layers}", "--model.hidden=128",
                                  "--model.heads=16", "--model.kv_heads=8", "--model.seq_len=64",
                                  "--model.vocab_size=8192"])
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", "29541")
     dist.init_process_group("gloo", rank=0, world_size=1)
+    return cfg
+
+
+def fsdp_cost(layers: int, steps: int) -> dict:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    cfg = _stand_in(layers)
     x = torch.randint(0, 8192, (1, 64))
 
     def make(fsdp: bool):
@@ -99,12 +106,7 @@ def ledger_cost(layers: int, steps: int) -> dict:
 
     from myria.train import sdc
 
-    cfg = config_mod.load(None, [f"--model.layers={layers}", "--model.hidden=128",
-                                 "--model.heads=16", "--model.kv_heads=8", "--model.seq_len=64",
-                                 "--model.vocab_size=8192"])
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", "29542")
-    dist.init_process_group("gloo", rank=0, world_size=1)
+    cfg = _stand_in(layers)
     m = build_model(cfg.model, "meta")
     mesh = init_device_mesh("cpu", (1,))
     for b in m.layers.values():
