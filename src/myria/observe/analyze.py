@@ -32,10 +32,15 @@ MODEL_COMPUTE = ("forward", "backward", "backward_weight")
 
 @dataclass
 class RankEvents:
+    """One rank's events: `events` those the analyses read (each step as its newest attempt ran
+    it), `redone` those of earlier attempts of steps that a later attempt ran again (lost work,
+    drawn in the timeline only); `header` is the newest attempt's."""
+
     rank: int
     header: dict
     events: list[dict]
     truncated: bool = False
+    redone: list[dict] = field(default_factory=list)
 
 
 @dataclass
@@ -58,18 +63,25 @@ class Run:
 
 def load_run(run_dir: str | Path) -> Run:
     """Every rank's events; a rank whose file is missing or cut off mid-write is noted, and
-    whatever was written before the damage is kept."""
+    whatever was written before the damage is kept.
+
+    A rank's file holds one header per attempt it took part in (a restart or an in-job rejoin
+    appends a new one), each followed by that attempt's events. A step a later attempt ran again
+    is analysed as that attempt ran it: the earlier attempt's events of it go to `redone`, so
+    that two runs of one step are never read as one (their collectives share sequence numbers,
+    their spans would add up)."""
     run_dir = Path(run_dir)
     d = run_dir / rundir.EVENTS_DIR
     ranks: dict[int, RankEvents] = {}
     problems, truncated = [], []
     world = 0
+    attempt_of: dict[int, list[int]] = {}       # rank -> the attempt of each of its events
     for f in sorted(d.glob("rank*.jsonl")) if d.is_dir() else []:
         try:
             r = int(f.stem[4:])
         except ValueError:
             continue
-        header, evs, cut = {}, [], False
+        header, evs, cut, atts, segment = {}, [], False, [], -1
         try:
             text = f.read_text(errors="replace")
         except OSError as e:
@@ -84,14 +96,19 @@ def load_run(run_dir: str | Path) -> Run:
             if "header" in obj:
                 header = obj["header"]
                 world = max(world, int(header.get("world", 0)))
+                # files written before headers carried the attempt count their headers
+                segment = int(header.get("attempt", segment + 1))
             elif "t0" in obj and "t1" in obj:
                 evs.append(obj)
+                atts.append(segment)
         if cut:
             truncated.append(r)
             problems.append(f"rank {r}: events file truncated (a line cut mid-write)")
         if not header:
             problems.append(f"rank {r}: events file has no header")
         ranks[r] = RankEvents(r, header, evs, cut)
+        attempt_of[r] = atts
+    _split_redone(ranks, attempt_of)
     world = max(world, max(ranks) + 1 if ranks else 0)
     missing = [r for r in range(world) if r not in ranks]
     for r in missing:
@@ -100,6 +117,29 @@ def load_run(run_dir: str | Path) -> Run:
     if not ranks and not problems:
         problems.append(no_events_reason(run_dir))
     return Run(run_dir, ranks, world, missing, truncated, problems)
+
+
+def _split_redone(ranks: dict[int, RankEvents], attempt_of: dict[int, list[int]]) -> None:
+    """Keep in `events` each step's events from the newest attempt that finished it on any
+    rank (or, for a step no attempt finished, the newest that began it); move the rest to
+    `redone`."""
+    finished: dict[int, int] = {}
+    began: dict[int, int] = {}
+    for r, re in ranks.items():
+        for e, a in zip(re.events, attempt_of[r]):
+            began[e["s"]] = max(began.get(e["s"], a), a)
+            if e["n"] == "step":
+                finished[e["s"]] = max(finished.get(e["s"], a), a)
+    if len(set(began.values()) | set(finished.values())) <= 1:
+        return  # one attempt: nothing was redone
+    for r, re in ranks.items():
+        keep, redone = [], []
+        for e, a in zip(re.events, attempt_of[r]):
+            if a == finished.get(e["s"], began[e["s"]]):
+                keep.append(e)
+            else:
+                redone.append(dict(e, attempt=a))
+        re.events, re.redone = keep, redone
 
 
 def no_events_reason(run_dir: Path) -> str:

@@ -208,7 +208,7 @@ def chrome_trace(run: Run) -> dict:
     hosts = sorted({r.header.get("host", "?") for r in run.ranks.values()})
     pid_of = {h: i + 1 for i, h in enumerate(hosts)}
     ev: list[dict] = []
-    t_min = min((e["t0"] for r in run.ranks.values() for e in r.events), default=0)
+    t_min = min((e["t0"] for r in run.ranks.values() for e in r.events + r.redone), default=0)
     for h, pid in pid_of.items():
         ev.append({"ph": "M", "name": "process_name", "pid": pid, "tid": 0,
                    "args": {"name": f"host {h}"}})
@@ -220,10 +220,13 @@ def chrome_trace(run: Run) -> dict:
         ev.append({"ph": "M", "name": "thread_sort_index", "pid": pid, "tid": r,
                    "args": {"sort_index": r}})
         side = set()
-        for e in re.events:
+        for e in re.events + re.redone:
             args = dict(e.get("a") or {}, step=e["s"])
             if "m" in e:
                 args["microbatch"] = e["m"]
+            redone = "attempt" in e   # a step a later attempt ran again: lost work
+            if redone:
+                args.update(attempt=e["attempt"], redone=True)
             # the training thread's spans nest; a helper thread's (checkpoint snapshot and
             # persist) overlap them, so they get a track of their own under the rank's
             tid = r
@@ -231,10 +234,11 @@ def chrome_trace(run: Run) -> dict:
                 tid = BACKGROUND_TID + r
                 side.add(tid)
             name = e["n"] if "m" not in e else f"{e['n']} mb{e['m']}"
+            name += " (redone)" if redone else ""
             ev.append({"ph": "X", "name": name, "cat": e["c"], "pid": pid, "tid": tid,
                        "ts": e["t0"] - t_min, "dur": max(0, e["t1"] - e["t0"]), "args": args,
                        "cname": CATEGORY_COLORS.get(e["c"], "generic_work")})
-            if e["c"] == "p2p":
+            if e["c"] == "p2p" and not redone:
                 for op in (e.get("a") or {}).get("ops", []):
                     if op["kind"] == "send":
                         sends[(r, op["peer"], op["seq"])] = (pid, r, e["t0"] - t_min)
