@@ -27,12 +27,8 @@ def _write(run_dir, with_attempt: bool) -> None:
     collectives' sequence numbers start again at 0 in each attempt."""
     (run_dir / "events").mkdir(parents=True)
     for r in (0, 1):
-        lines = []
-
-        def header(a):
-            h = {"rank": r, "world": 2, "host": "h", "coord": {"dp": r}, "groups": {"dp": [0, 1]}}
-            lines.append({"header": dict(h, attempt=a) if with_attempt else h})
-        header(0)
+        h = {"rank": r, "world": 2, "host": "h", "coord": {"dp": r}, "groups": {"dp": [0, 1]}}
+        lines: list[dict] = [{"header": dict(h, attempt=0) if with_attempt else h}]
         t = 1_000_000
         for s, seq in ((1, 0), (2, 1)):
             evs = _step(s, t + s * 700 * MS, late=600 * MS if (r == 1 and s == 2) else 0)
@@ -40,7 +36,7 @@ def _write(run_dir, with_attempt: bool) -> None:
             lines += evs
         lines.append({"n": "forward", "c": "compute", "s": 3, "t0": t + 2200 * MS,
                       "t1": t + 2210 * MS, "th": 0})
-        header(1)
+        lines.append({"header": dict(h, attempt=1) if with_attempt else h})
         t += 30_000_000
         for s, seq in ((2, 0), (3, 1)):
             evs = _step(s, t + s * 700 * MS)
