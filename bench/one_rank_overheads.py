@@ -11,7 +11,9 @@ the at-rest checks, is measured two ways):
   forward and backward of a stand-in with the 1.5B config's block count (hidden 128, sequence
   64, 2 microbatches), bare and under `fully_shard` (fp32 policy here: the hooks, not casts);
 - **the at-rest ledger's host time**: its four passes a step over the same stand-in sharded
-  by FSDP2 on one rank, after an AdamW step, through the device path;
+  by FSDP2 on one rank, after an AdamW step, through the device path; and the gradients'
+  record taken in one pass after the backward against one checksum per gradient as it is
+  reduced;
 - **the at-rest checksums** (`myria.train.checksums.sums`, four passes a step): the operations
   that issue a kernel on a device for the 1.5B config's state tensors (3 per parameter,
   shapes shrunk), one reduction per tensor against the grouped device path, counted with
@@ -119,9 +121,10 @@ def ledger_cost(layers: int, steps: int) -> dict:
     m(x, x).backward()
     opt.step()
     cpu = torch.device("cpu")
-    small, saved = checksums.SMALL, sdc.sums
+    small, saved, saved_one = checksums.SMALL, sdc.sums, sdc.one_sum
     checksums.SMALL = 128
     sdc.sums = lambda ts: checksums._gathered(ts, [], cpu)
+    sdc.one_sum = checksums._device_sum
     try:
         ledger = sdc.StateLedger(SimpleNamespace(parts=[m], optimizers=[opt]))
 
@@ -138,11 +141,26 @@ def ledger_cost(layers: int, steps: int) -> dict:
             step()
             times.append(time.perf_counter() - t0)
         n_state, n_grads = len(ledger.params() + ledger.optim()), len(ledger.grads())
+        # the gradients' record: one grouped pass after the backward, or a checksum per
+        # gradient as FSDP2's reduction writes it (the hooks `watch_grads` registers; called
+        # here directly) gathered after the backward
+        grads = [p for _, p in ledger._owned() if p.grad is not None]
+        record = {"after the backward": [], "as reduced": []}
+        for _ in range(steps):
+            t0 = time.perf_counter()
+            ledger.record_grads()
+            record["after the backward"].append(time.perf_counter() - t0)
+            t0 = time.perf_counter()
+            for p in grads:
+                ledger._written(p)
+            ledger.record_grads()
+            record["as reduced"].append(time.perf_counter() - t0)
     finally:
-        checksums.SMALL, sdc.sums = small, saved
+        checksums.SMALL, sdc.sums, sdc.one_sum = small, saved, saved_one
         dist.destroy_process_group()
     return {"layers": layers, "state_tensors": n_state, "gradients": n_grads,
-            "ms_per_step": 1e3 * statistics.median(times)}
+            "ms_per_step": 1e3 * statistics.median(times),
+            "record_grads_ms": {k: 1e3 * statistics.median(v) for k, v in record.items()}}
 
 
 def checksum_ops(layers: int) -> dict:
@@ -192,6 +210,8 @@ def main() -> int:
           f"(+{f['extra_per_module_microbatch_ms']:.2f} ms per module and microbatch)")
     print(f"at-rest ledger, 4 passes over {led['state_tensors']} state tensors and "
           f"{led['gradients']} gradients: {led['ms_per_step']:.1f} ms of host time a step")
+    print("  of which the gradients' record, " + ", ".join(
+        f"{k}: {v:.1f} ms" for k, v in led["record_grads_ms"].items()))
     print(f"checksums of {c['tensors']} state tensors, kernel-issuing operations: "
           + ", ".join(f"{k} {v}" for k, v in c.items() if k != "tensors"))
     print(f"wrote {args.out}")

@@ -388,7 +388,7 @@ def test_checksums_on_a_device_equal_the_host_ones():
     path) gives each tensor's wrapping integer sum of its bits, wrapping included."""
     import numpy as np
 
-    from myria.train.checksums import SMALL, _gathered, sums
+    from myria.train.checksums import SMALL, _device_sum, _gathered, one_sum, sums
 
     g = torch.Generator().manual_seed(0)
     tensors = [torch.randn(999, generator=g), torch.randn(77, generator=g).to(torch.bfloat16),
@@ -412,6 +412,9 @@ def test_checksums_on_a_device_equal_the_host_ones():
     for host in ([], [3], [0, 3, 5, 9], list(range(0, n, 2)), list(range(n))):
         assert _gathered(tensors, host, torch.device("cpu")).tolist() == want, host
     assert sums([]).tolist() == []
+    # one tensor alone (the gradient hooks' path), on the host and through the device's
+    assert [int(one_sum(t)) for t in tensors] == want
+    assert [int(_device_sum(t)) for t in tensors] == want
 
 
 def test_checksums_replay_a_graph_only_after_it_agreed():

@@ -85,6 +85,8 @@ def offload_root(cfg, run_dir: str | Path | None) -> Path:
 class NvmeTier:
     """AdamW's state (and with offload_params the parameters) in files on a local disk."""
 
+    reads_grads_in_backward = True   # the speculative update (OffloadedAdamW.before_last_backward)
+
     def __init__(self, cfg, run_dir: str | Path | None, rank: int):
         self.cfg, self.run_dir, self.rank = cfg, run_dir, rank
         self.optimizers: list[OffloadedAdamW] = []

@@ -33,6 +33,9 @@ class OptimizerTier(Protocol):
     the device)."""
 
     optimizers: list[torch.optim.Optimizer]
+    # whether it may read gradients before the backward ends (an update started as each
+    # chunk's gradients are final): then nothing may check them only after the backward
+    reads_grads_in_backward: bool
 
     def materialise(self, part: nn.Module, device: torch.device, seed: int) -> None:
         """Give a parallelised part on the meta device its storage and initial values."""
@@ -80,6 +83,8 @@ class OptimizerTier(Protocol):
 
 class MemoryTier:
     """torch's optimizers, their state in memory (parallel.offload = none or cpu)."""
+
+    reads_grads_in_backward = False
 
     def __init__(self, cfg):
         self.cfg = cfg

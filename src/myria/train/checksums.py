@@ -38,6 +38,23 @@ def sums(tensors: list[torch.Tensor]) -> torch.Tensor:
         return _gathered(tensors, host, device)
 
 
+def one_sum(t: torch.Tensor) -> torch.Tensor:
+    """`sums([t])`'s one value as a 0-dim int64 tensor on `t`'s device, issued as one reduction
+    with no index tensors (a `_Plan` makes some on the device): for a tensor summed alone as it
+    is written, where building a plan per call would copy to the device each time."""
+    with torch.no_grad():
+        if t.device.type == "cpu":
+            return torch.tensor(_host_sum(t), dtype=torch.int64)
+        return _device_sum(t)
+
+
+def _device_sum(t: torch.Tensor) -> torch.Tensor:
+    """The wrapping sum of `t`'s bits in one reduction (the value of `_Plan.run`'s, whose
+    segment sums of small tensors wrap to the same int32)."""
+    width, acc = _width(t)
+    return t.detach().view(width).sum(dtype=acc).to(torch.int64)
+
+
 def _gathered(tensors: list[torch.Tensor], host: list[int], device: torch.device,
               replays: _Replays | None = None) -> torch.Tensor:
     """`sums` on `device`: the tensors at indices `host` summed by numpy, the others by the

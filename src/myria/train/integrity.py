@@ -322,11 +322,17 @@ class StepGuard:
     def before(self, step: int) -> bool:
         """Apply the fault hooks due at the start of `step` (steps done so far, as in
         `myria.faults`); False when the batch of step `step + 1` is to be skipped (rollback)."""
+        if self.ledger is not None:
+            self.ledger.watch_grads()
         if f := self.faults.due("bitflip", step):
             target = f.params.get("target")
             if target in ("param", "optimizer", "compute", "wgrad"):
                 self.faults.mark(f)
                 self._inject(target, f.params.get("sticky") == "yes")
+            elif target == "grad" and self.ledger is not None and \
+                    self.ledger.watches(p := self._target()):
+                self.faults.mark(f)
+                self._flip_when_reduced(p)
             elif target == "peer":   # the copy held for a ring neighbour, not this rank's state
                 self.faults.mark(f)
                 flip_held(self.peers, self.rank)
@@ -346,10 +352,10 @@ class StepGuard:
         if self._hook is not None:
             self._hook.remove()
             self._hook = None
-        if self.ledger is not None:   # the reduction has written them
+        if self.ledger is not None:   # the reduction has written them (or its hooks recorded)
             with _span():
                 self.ledger.record_grads()
-        if f := self.faults.due("bitflip", step):   # target = grad: after the reduction
+        if f := self.faults.due("bitflip", step):   # target = grad, recorded after backward
             self.faults.mark(f)
             p = self._target(grad=True)
             if p.grad is not None:
@@ -359,6 +365,19 @@ class StepGuard:
             with _span():
                 bad = self.ledger.verify_grads()
             self._sdc(step + 1, "at rest", bad, "after the reduction")
+
+    def _flip_when_reduced(self, p: torch.Tensor) -> None:
+        """The `bitflip target=grad` hook where gradients are recorded as reduced: flip `p`'s
+        gradient right after its reduction wrote (and the ledger recorded) it, with the rest of
+        the backward still to run, the window the record guards. `p` is the last parameter,
+        reduced first."""
+        box: list = []
+
+        def flip(param):
+            box.pop().remove()   # once
+            flip_bit(param.grad)
+            self.engine.gradients_changed()
+        box.append(p.register_post_accumulate_grad_hook(flip))
 
     def _target(self, grad: bool = False) -> torch.Tensor:
         """The parameter the bitflip hook corrupts: the last one of this rank's model whose

@@ -5,7 +5,9 @@ each tensor's bits, 64-bit for 8-byte types) of its local parameter shards and o
 recorded when the optimizer writes them and verified before the next update and before every
 checkpoint (a change before the forward is found there, before any gradient computed from it is
 applied, so a check at the step's start would add a read of the state and find nothing more), and of
-its reduced gradients, recorded after the reduction and verified before clipping. A mismatch
+its reduced gradients, recorded as the reduction writes each one (FSDP2 without a pipeline: the
+rest of the backward is guarded; other layouts write gradients after the reduction too, and
+record them once the backward is done) and verified before clipping. A mismatch
 names the rank and the tensor; `retest` calls it `persistent` (the memory does not hold a
 rewrite) or `transient`.
 
@@ -26,7 +28,7 @@ import torch
 import torch.distributed as dist
 
 from myria.tensors import local_data, local_shard
-from myria.train.checksums import storage_key, sums
+from myria.train.checksums import one_sum, storage_key, sums
 from myria.train.sdc_probe import KnownAnswerProbe, decide, first_block, reshard
 
 
@@ -62,6 +64,10 @@ class StateLedger:
         self._state: tuple[list[str], torch.Tensor] | None = None
         self._keys: list[tuple] = []   # storage_key of each tensor of `_state`
         self._grads: tuple[list[str], torch.Tensor] | None = None
+        self._early: dict[int, torch.Tensor] = {}   # id(param) -> its gradient's checksum
+        self._grad_hooks: list = []                  # handles of `watch_grads`' hooks
+        self._watched: tuple = ()                    # the owned ids they were chosen from
+        self._hooked: set[int] = set()               # ids of the parameters they watch
         self.stuck: list[tuple] = []   # (tensor, index, bit, value): stuck cells (fault hook)
         self._owned_ids: tuple = ()    # the optimizers' parameters `_owned_names` names
         self._owned_names: list[str] = []
@@ -108,8 +114,12 @@ class StateLedger:
         return out
 
     def grads(self) -> list[tuple[str, torch.Tensor]]:
-        return [(f"grad {n}", t) for n, t in
-                ((n, local_data(p.grad)) for n, p in self._owned() if p.grad is not None)
+        return [(name, t) for name, _, t in self._grad_items()]
+
+    def _grad_items(self) -> list[tuple[str, torch.Tensor, torch.Tensor]]:
+        """(name, parameter, local gradient) of each owned parameter with a gradient."""
+        return [(f"grad {n}", p, t) for n, p, t in
+                ((n, p, local_data(p.grad)) for n, p in self._owned() if p.grad is not None)
                 if t.numel()]
 
     @staticmethod
@@ -184,8 +194,57 @@ class StateLedger:
                 mask = 1 << bit
                 v.copy_((v & ~mask) | (mask if value else 0))
 
+    def watch_grads(self) -> None:
+        """Call at the start of each step: from here on, each gradient that FSDP2's reduction
+        writes for the last time before clipping is checksummed as it is written (a hook run
+        by the reduction, on its stream), so that `verify_grads` guards it through the rest of
+        the backward. Only where that write is the last: FSDP2 without a pipeline (a pipeline
+        stage divides its gradients after the reduction, a tied embedding's copies are summed
+        after it), with the optimizer in memory (the NVMe tier consumes gradients inside the
+        backward). Elsewhere, and for any gradient the hooks did not see this step,
+        `record_grads` takes the checksum after the backward."""
+        self._early = {}
+        owned = self._owned()
+        ids = tuple(id(p) for _, p in owned)
+        if ids == self._watched:
+            return
+        for h in self._grad_hooks:
+            h.remove()
+        self._grad_hooks, self._watched, self._hooked = [], ids, set()
+        if not self.watchable():
+            return
+        from torch.distributed.fsdp import FSDPModule
+
+        by_fsdp = {id(p) for part in self.engine.parts if isinstance(part, FSDPModule)
+                   for p in part.parameters()}
+        hooked = [p for _, p in owned if id(p) in by_fsdp]
+        self._grad_hooks = [p.register_post_accumulate_grad_hook(self._written) for p in hooked]
+        self._hooked = {id(p) for p in hooked}
+
+    def watchable(self) -> bool:
+        """Whether this engine's layout lets gradients be recorded as reduced (`watch_grads`)."""
+        e = self.engine
+        return e.schedule is None and e.tied is None and not e.manual_dp and \
+            not e.tier.reads_grads_in_backward
+
+    def watches(self, p: torch.Tensor) -> bool:
+        """Whether `p`'s gradient is recorded as the reduction writes it."""
+        return id(p) in self._hooked
+
+    def _written(self, p: torch.Tensor) -> None:
+        t = local_data(p.grad)
+        if t.numel():
+            self._early[id(p)] = one_sum(t)
+
     def record_grads(self) -> None:
-        self._grads = self._take(self.grads())
+        """After the backward: the checksums the reduction's hooks took, and the others now."""
+        items = self._grad_items()
+        early, self._early = self._early, {}
+        late = [t for _, p, t in items if id(p) not in early]
+        now = iter(sums(late)) if late else iter(())
+        vals = [(early[id(p)] if id(p) in early else next(now)).reshape(1) for _, p, _ in items]
+        self._grads = ([n for n, _, _ in items],
+                       torch.cat(vals) if vals else torch.zeros(0, dtype=torch.int64))
 
     def verify_grads(self) -> list[str]:
         found = self._diff(self._grads, self.grads())
