@@ -267,6 +267,15 @@ def fence_bump(run_dir: str | Path, job: str, generation: int, hosts: list[str])
             "by": socket.gethostname(), "time": time.time()}))
 
 
+def job_round() -> int | None:
+    """The rendezvous round this worker of a multi-host job was started in (FENCE_ENV), or
+    None outside one. Every host's workers of a round share it, and each restart of the job
+    is a new round, while each host's agent numbers its own restarts
+    (TORCHELASTIC_RESTART_COUNT): across hosts the round is the job's attempt."""
+    gen = os.environ.get(FENCE_ENV, "").rpartition(":")[2]
+    return int(gen) if gen.isdigit() else None
+
+
 def fenced(run_dir: str | Path) -> str:
     """Why this worker may not write `run_dir` (its round was superseded), or ""."""
     mine = os.environ.get(FENCE_ENV, "")

@@ -117,6 +117,21 @@ def test_fault_specs_parse_and_fire_once(tmp_path):
     r0.at_step_start(5)  # fired already: inert
 
 
+def test_a_faults_attempt_is_the_jobs_round_across_hosts(tmp_path, monkeypatch):
+    """`attempt=A` in a multi-host job is the rendezvous round (each host's agent counts its
+    own restarts: a host whose workers were restarted for a membership change still says 0)."""
+    from myria.rundir import FENCE_ENV
+
+    spec = "slow:rank=0:factor=30:step=7:attempt=0"
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "0")
+    assert faults.FaultInjector(tmp_path, 0, spec).slow() == (30.0, 7)
+    monkeypatch.setenv(FENCE_ENV, "slurm-3:1")   # round 1, this host's agent still at 0
+    assert faults.FaultInjector(tmp_path, 0, spec).slow() is None
+    monkeypatch.setenv(FENCE_ENV, "slurm-3:0")
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "2")
+    assert faults.FaultInjector(tmp_path, 0, spec).slow() == (30.0, 7)
+
+
 def test_doctor_expectations_parse():
     assert parse_expect("gemm_tflops=0.02, membw_gbs=1") == {"gemm_tflops": 0.02,
                                                              "membw_gbs": 1.0}

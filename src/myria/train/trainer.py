@@ -404,12 +404,15 @@ class Run:
         """Ask the ranks to stop (agreed with a preemption's stop) when the job's wall-time
         limit (`training.max_time_s`, counted from MYRIA_JOB_START, else this process's start)
         would pass during the next step and the checkpoint after it, as measured here (the
-        last step, the longest save so far; a step's time for a save not yet measured)."""
+        last step; the longest save so far until committed, the stop waiting for the commit;
+        a step's time for a save not yet measured)."""
         limit = self.cfg.training.max_time_s
         if not limit or step >= self.cfg.training.steps or self.stop.requested:
             return
         start = float(os.environ.get(JOB_START_ENV) or PROCESS_START)
-        need = self.last_step_s + max(self.longest_save_s, self.last_step_s)
+        committed = max((r.stall_s + r.persist_s for r in self.ckpt.history if r.ok),
+                        default=0.0)
+        need = self.last_step_s + max(self.longest_save_s, committed, self.last_step_s)
         if time.time() + need >= start + limit:
             self.stop.request_limit()
 
@@ -509,7 +512,7 @@ def start_events(cfg: Config, run_dir: Path, env, dims: ParallelDims, engine: En
         rec.time_device()  # compute spans from CUDA events (not run on this CPU build's tests)
     coord = {"dp": dims.dp_rank, "pp": dims.pp_rank, "cp": dims.cp_rank, "tp": dims.tp_rank,
              "ep": dims.ep_rank}
-    rec.start({"attempt": rejoin.attempt_now(), "coord": coord,
+    rec.start({"attempt": rejoin.attempt_now(), "round": rundir.job_round(), "coord": coord,
                "layout": dims.layout.degrees(), "groups": groups,
                "schedule": dims.layout.schedule if dims.pp > 1 else None,
                "microbatches": engine.microbatches, "stages": engine.stage_ids})
