@@ -5,8 +5,8 @@ MYRIA_FAULT holds comma-separated faults, each `kind:key=value:...`, kind one of
 `offload-diskfull`, `slow`, `bitflip` (`target=param|grad|optimizer|compute|wgrad|peer`,
 `sticky=yes`) and `nan` (`sticky=yes`). Each fault fires once per run directory (a marker file
 under RUN_DIR/faults/), so a restarted job does not repeat it; `:attempt=A` limits it to the
-supervisor's attempt A (TORCHELASTIC_RESTART_COUNT, 0 the first start; in a multi-host job
-the rendezvous round, `rundir.job_round`, as each host's agent counts only its own restarts).
+job's attempt A (`rundir.job_attempt`: 0 the first start; in a multi-host job the
+rendezvous round).
 Checkpoint and offload hooks act on console step S; `kill`, `hang`, `stop`, `raise`, `busy`,
 `bitflip` and `nan` fire once S steps are done (during console step S+1); `slow` applies from
 console step S on. A malformed MYRIA_FAULT is a FaultSpecError (a ConfigError): one line, exit
@@ -126,9 +126,7 @@ class FaultInjector:
         self.faults = parse(os.environ.get("MYRIA_FAULT") if text is None else text)
         self.dir = Path(run_dir) / rundir.FAULTS
         self.rank = rank
-        rnd = rundir.job_round()
-        self.attempt = rnd if rnd is not None else \
-            int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
+        self.attempt = rundir.job_attempt()
 
     def due(self, kind: str, step: int) -> Fault | None:
         """The fault of `kind` due at `step` on this rank that has not fired yet, if any."""

@@ -267,13 +267,16 @@ def fence_bump(run_dir: str | Path, job: str, generation: int, hosts: list[str])
             "by": socket.gethostname(), "time": time.time()}))
 
 
-def job_round() -> int | None:
-    """The rendezvous round this worker of a multi-host job was started in (FENCE_ENV), or
-    None outside one. Every host's workers of a round share it, and each restart of the job
-    is a new round, while each host's agent numbers its own restarts
-    (TORCHELASTIC_RESTART_COUNT): across hosts the round is the job's attempt."""
+def job_attempt() -> int:
+    """This worker's attempt of the job: in a multi-host job the rendezvous round it was
+    started in (FENCE_ENV), which every host's workers of a round share and each restart of
+    the job renews, as each host's agent numbers only its own restarts; else the agent's
+    restart count (TORCHELASTIC_RESTART_COUNT, 0 the first start; an in-job rejoin sets it).
+    In-job recoveries inside one round of a multi-host job share the round's number."""
     gen = os.environ.get(FENCE_ENV, "").rpartition(":")[2]
-    return int(gen) if gen.isdigit() else None
+    if gen.isdigit():
+        return int(gen)
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
 
 
 def fenced(run_dir: str | Path) -> str:

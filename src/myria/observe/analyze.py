@@ -96,7 +96,8 @@ def load_run(run_dir: str | Path) -> Run:
             if "header" in obj:
                 header = obj["header"]
                 world = max(world, int(header.get("world", 0)))
-                segment = _attempt(header, segment + 1)
+                # files written before headers carried the attempt: its place in the file
+                segment = int(header.get("attempt", segment + 1))
             elif "t0" in obj and "t1" in obj:
                 evs.append(obj)
                 atts.append(segment)
@@ -116,18 +117,6 @@ def load_run(run_dir: str | Path) -> Run:
     if not ranks and not problems:
         problems.append(no_events_reason(run_dir))
     return Run(run_dir, ranks, world, missing, truncated, problems)
-
-
-def _attempt(header: dict, ordinal: int) -> int:
-    """Which attempt of the job a header starts: the rendezvous round in a multi-host job
-    (`rundir.job_round`: each host's agent numbers its own restarts), else the attempt; the
-    header's place in the file for files written before headers carried either. In-job
-    recoveries inside one round of a multi-host job share the round's number, so their
-    steps are not told apart."""
-    rnd = header.get("round")
-    if rnd is not None:
-        return int(rnd)
-    return int(header.get("attempt", ordinal))
 
 
 def _split_redone(ranks: dict[int, RankEvents], attempt_of: dict[int, list[int]]) -> None:

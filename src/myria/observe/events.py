@@ -4,7 +4,7 @@ Every rank records events (name, category, step, microbatch, start, end, argumen
 that a background thread appends to RUN_DIR/events/rankNNNNN.jsonl every `flush_s` seconds, so
 the training thread never touches the file. One JSON object per line:
 
-    {"header": {rank, world, host, pid, attempt, round, coord: {dp, pp, cp, tp, ep}, layout,
+    {"header": {rank, world, host, pid, attempt, coord: {dp, pp, cp, tp, ep}, layout,
                 clock: {...}, groups: {dim: [ranks...]}}}   first, and again at each attempt
     {"n": name, "c": category, "s": step, "m": microbatch, "t0": µs, "t1": µs, "th": thread,
      "a": {...}}                                          one per event

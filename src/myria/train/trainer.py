@@ -512,7 +512,7 @@ def start_events(cfg: Config, run_dir: Path, env, dims: ParallelDims, engine: En
         rec.time_device()  # compute spans from CUDA events (not run on this CPU build's tests)
     coord = {"dp": dims.dp_rank, "pp": dims.pp_rank, "cp": dims.cp_rank, "tp": dims.tp_rank,
              "ep": dims.ep_rank}
-    rec.start({"attempt": rejoin.attempt_now(), "round": rundir.job_round(), "coord": coord,
+    rec.start({"attempt": rundir.job_attempt(), "coord": coord,
                "layout": dims.layout.degrees(), "groups": groups,
                "schedule": dims.layout.schedule if dims.pp > 1 else None,
                "microbatches": engine.microbatches, "stages": engine.stage_ids})
