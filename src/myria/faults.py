@@ -5,8 +5,8 @@ MYRIA_FAULT holds comma-separated faults, each `kind:key=value:...`, kind one of
 `offload-diskfull`, `slow`, `bitflip` (`target=param|grad|optimizer|compute|wgrad|peer`,
 `sticky=yes`) and `nan` (`sticky=yes`). Each fault fires once per run directory (a marker file
 under RUN_DIR/faults/), so a restarted job does not repeat it; `:attempt=A` limits it to the
-job's attempt A (`rundir.job_attempt`: 0 the first start; in a multi-host job the
-rendezvous round).
+job's attempt A (`rundir.job_attempt`: 0 the first start, then each restart or in-job
+recovery; in a multi-host job the rendezvous round, or the in-job attempt joined in it).
 Checkpoint and offload hooks act on console step S; `kill`, `hang`, `stop`, `raise`, `busy`,
 `bitflip` and `nan` fire once S steps are done (during console step S+1); `slow` applies from
 console step S on. A malformed MYRIA_FAULT is a FaultSpecError (a ConfigError): one line, exit

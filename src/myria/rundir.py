@@ -267,12 +267,19 @@ def fence_bump(run_dir: str | Path, job: str, generation: int, hosts: list[str])
             "by": socket.gethostname(), "time": time.time()}))
 
 
+JOB_ATTEMPT_ENV = "MYRIA_JOB_ATTEMPT"   # the in-job attempt a worker joined (job_attempt)
+
+
 def job_attempt() -> int:
-    """This worker's attempt of the job: in a multi-host job the rendezvous round it was
-    started in (FENCE_ENV), which every host's workers of a round share and each restart of
-    the job renews, as each host's agent numbers only its own restarts; else the agent's
-    restart count (TORCHELASTIC_RESTART_COUNT, 0 the first start; an in-job rejoin sets it).
-    In-job recoveries inside one round of a multi-host job share the round's number."""
+    """This worker's attempt of the job: the in-job attempt it joined (JOB_ATTEMPT_ENV, set by
+    an in-job rejoin and for a replacement: numbered through the job's store); else in a
+    multi-host job the rendezvous round it was started in (FENCE_ENV), which every host's
+    workers of a round share and each restart of the job renews, as each host's agent numbers
+    only its own restarts; else the agent's restart count (TORCHELASTIC_RESTART_COUNT, 0 the
+    first start). Across hosts an in-job attempt's number and a later round's are not ordered."""
+    joined = os.environ.get(JOB_ATTEMPT_ENV, "")
+    if joined.isdigit():
+        return int(joined)
     gen = os.environ.get(FENCE_ENV, "").rpartition(":")[2]
     if gen.isdigit():
         return int(gen)

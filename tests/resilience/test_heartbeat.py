@@ -121,13 +121,17 @@ def test_a_faults_attempt_is_the_jobs_round_across_hosts(tmp_path, monkeypatch):
     """`attempt=A` in a multi-host job is the rendezvous round (each host's agent counts its
     own restarts: a host whose workers were restarted for a membership change still says 0);
     the events headers carry the same number (`rundir.job_attempt`)."""
-    from myria.rundir import FENCE_ENV, job_attempt
+    from myria.rundir import FENCE_ENV, JOB_ATTEMPT_ENV, job_attempt
 
     spec = "slow:rank=0:factor=30:step=7:attempt=0"
     monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "0")
     assert faults.FaultInjector(tmp_path, 0, spec).slow() == (30.0, 7)
     monkeypatch.setenv(FENCE_ENV, "slurm-3:1")   # round 1, this host's agent still at 0
     assert faults.FaultInjector(tmp_path, 0, spec).slow() is None and job_attempt() == 1
+    monkeypatch.setenv(FENCE_ENV, "slurm-3:0")   # an in-job attempt joined inside round 0
+    monkeypatch.setenv(JOB_ATTEMPT_ENV, "1")
+    assert faults.FaultInjector(tmp_path, 0, spec).slow() is None and job_attempt() == 1
+    monkeypatch.delenv(JOB_ATTEMPT_ENV)
     monkeypatch.setenv(FENCE_ENV, "slurm-3:0")
     monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "2")
     assert faults.FaultInjector(tmp_path, 0, spec).slow() == (30.0, 7)

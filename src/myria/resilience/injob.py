@@ -271,7 +271,8 @@ class InJobRecovery:
         if shrink:
             self._shrink(agent, wg, pc, local, rank, attempt, f)
             return
-        env = dict(pc.envs[local], TORCHELASTIC_RESTART_COUNT=str(attempt))
+        env = dict(pc.envs[local], TORCHELASTIC_RESTART_COUNT=str(attempt),
+                   **{rundir.JOB_ATTEMPT_ENV: str(attempt)})
         env[ENV_JOIN] = "1"
         if spare is not None:
             i, proc = spare
@@ -369,7 +370,8 @@ class InJobRecovery:
         local, rank = s["local"], s["rank"]
         full = sorted([*sup.ranks, rank])
         store = sup._server
-        env = dict(pc.envs[local], TORCHELASTIC_RESTART_COUNT=str(attempt))
+        env = dict(pc.envs[local], TORCHELASTIC_RESTART_COUNT=str(attempt),
+                   **{rundir.JOB_ATTEMPT_ENV: str(attempt)})
         env[ENV_JOIN] = "1"
         store.set(key(sup.job, f"spare{i}"), json.dumps(
             {"env": env, "stdout": pc.stdouts.get(local), "stderr": pc.stderrs.get(local)}))

@@ -235,7 +235,8 @@ class Watch(threading.Thread):
         how = []
         for env_of in info["envs"]:
             env = {**{k: v for k, v in os.environ.items()}, **env_of,
-                   "TORCHELASTIC_RESTART_COUNT": str(attempt), ENV_JOIN: "1"}
+                   "TORCHELASTIC_RESTART_COUNT": str(attempt),
+                   rundir.JOB_ATTEMPT_ENV: str(attempt), ENV_JOIN: "1"}
             env.pop("TORCHELASTIC_ERROR_FILE", None)
             rank = int(env_of["RANK"])
             d = logs / f"rank_{rank}"

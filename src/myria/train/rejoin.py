@@ -71,6 +71,7 @@ import torch
 import torch.distributed as dist
 
 from myria.observe import heartbeat_store
+from myria.rundir import JOB_ATTEMPT_ENV
 from myria.train.distributed import collective_device
 from myria.train.state import load_flat_state
 
@@ -305,7 +306,7 @@ class InJob:
         log.warning("rank %s: %s; %s: joining attempt %d in-job", os.environ.get("RANK", "?"),
                     _first_line(error), what, nxt)
         self.attempt = nxt
-        os.environ["TORCHELASTIC_RESTART_COUNT"] = str(nxt)
+        os.environ["TORCHELASTIC_RESTART_COUNT"] = os.environ[JOB_ATTEMPT_ENV] = str(nxt)
         self._take_rank(nxt)
         self._new_attempt(hb, self.failed_at)
         self.failed_at = 0.0
