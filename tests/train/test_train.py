@@ -198,21 +198,22 @@ def test_refusals_and_a_finished_run_answer_before_torch_is_imported(tmp_path, t
 
 
 def test_the_time_limit_counts_the_commit_a_stop_waits_for(monkeypatch):
-    """The stop before `training.max_time_s` leaves room for the next step and a save until
-    committed (the stop waits for the commit), as the longest committed save measured it; a
-    failed save does not count."""
+    """The stop before `training.max_time_s` leaves room for the slowest of the last steps and
+    a save until committed (the stop waits for the commit): twice the longest committed save,
+    a failed save not counted, or a fixed allowance before any save."""
+    import collections
     import time
     from types import SimpleNamespace
 
     from myria.train.checkpoint.pipeline import SaveRecord
     from myria.train.launch import JOB_START_ENV
-    from myria.train.trainer import Run
+    from myria.train.trainer import LIMIT_SAVE_MARGIN, UNMEASURED_SAVE_S, Run
 
     asked = []
     run = SimpleNamespace(
         cfg=SimpleNamespace(training=SimpleNamespace(max_time_s=100.0, steps=1000)),
         stop=SimpleNamespace(requested=False, request_limit=lambda: asked.append(1)),
-        last_step_s=0.5, longest_save_s=0.1,
+        recent_steps_s=collections.deque([0.5, 0.2, 0.3], maxlen=8), longest_save_s=0.1,
         ckpt=SimpleNamespace(history=[SaveRecord(4, stall_s=0.1, persist_s=2.0, ok=True),
                                       SaveRecord(8, stall_s=0.1, persist_s=9.0, ok=False)]))
 
@@ -221,10 +222,14 @@ def test_the_time_limit_counts_the_commit_a_stop_waits_for(monkeypatch):
         monkeypatch.setenv(JOB_START_ENV, str(time.time() + seconds - 100.0))
         Run.stop_before_time_limit(run, 10)
         return asked
-    assert left(2.0) == [1]    # 0.5 s step + 2.1 s to commit do not fit (one step's would)
-    assert left(3.0) == []     # they fit; the failed save's 9 s does not count
-    run.ckpt.history = []
-    assert left(0.9) == [1] and left(1.2) == []   # no save measured: a step's time for it
+    need = 0.5 + LIMIT_SAVE_MARGIN * 2.1   # the slowest recent step, the save's margin
+    assert left(need - 0.05) == [1]      # 2.1 s alone (no margin) would fit
+    assert left(need + 0.3) == []        # they fit; the failed save's 9 s does not count
+    run.ckpt.history, run.longest_save_s = [], 0.0
+    first = 0.5 + max(UNMEASURED_SAVE_S, LIMIT_SAVE_MARGIN * 0.5)   # no save measured yet
+    assert left(first - 0.05) == [1] and left(first + 0.3) == []
+    run.recent_steps_s.extend([0.1] * 8)   # the slow step has left the window
+    assert left(0.1 + UNMEASURED_SAVE_S + 0.3) == []
 
 
 def test_max_time_stops_cleanly_with_a_checkpoint_before_the_limit(tmp_path, tiny_data):

@@ -20,13 +20,14 @@ joins the next attempt and builds the run again from the peers' memory.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import gc
 import json
 import logging
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -170,6 +171,13 @@ def _train(cfg: Config, run_dir: Path, env, stop_after: int | None,
 
 
 PROCESS_START = goodput.process_start_time()   # else the import of this module
+# The stop before the wall-time limit (Run.stop_before_time_limit): a save's time varies with
+# the load of the host and its disk, and a commit past the limit loses every step since the last
+# checkpoint, so the measured save counts double; before any save a fixed allowance covers the
+# first save's fixed costs (the plan, the metadata, the files' fsync), which dominate a small
+# state. Both cost at most a few steps of a job whose limit is hours.
+LIMIT_SAVE_MARGIN = 2.0
+UNMEASURED_SAVE_S = 2.0
 
 
 @dataclass
@@ -270,8 +278,11 @@ class Run:
     val: Any = None            # the validation split, opened at the first evaluation
     peers: Any = None          # resilience.peer: this rank's state held by its neighbour
     profiler: Any = None       # train.profiling: the [profiling] window
-    last_step_s: float = 0.0      # the wall-time limit's estimate of the next step
-    longest_save_s: float = 0.0   # ... and of the checkpoint after it
+    # the wall-time limit's estimate of the next step (the slowest of the last steps) and of
+    # the checkpoint after it
+    recent_steps_s: collections.deque = field(
+        default_factory=lambda: collections.deque(maxlen=8))
+    longest_save_s: float = 0.0
 
     @classmethod
     def build(cls, cfg: Config, run_dir: Path, env, hb: heartbeat.Heartbeat,
@@ -359,7 +370,7 @@ class Run:
         cfg, t = self.cfg, self.cfg.training
         self.hb.phase("metrics")
         dt = self.timer.lap()
-        self.last_step_s = dt
+        self.recent_steps_s.append(dt)
         self.since_logged += dt
         tps = t.global_batch * cfg.model.seq_len / dt
         self.hb.step_done(step, tps)
@@ -403,17 +414,23 @@ class Run:
     def stop_before_time_limit(self, step: int) -> None:
         """Ask the ranks to stop (agreed with a preemption's stop) when the job's wall-time
         limit (`training.max_time_s`, counted from MYRIA_JOB_START, else this process's start)
-        would pass during the next step and the checkpoint after it, as measured here (the
-        last step; the longest save so far until committed, the stop waiting for the commit;
-        a step's time for a save not yet measured)."""
+        could pass during the next step and the checkpoint after it: the slowest of the last
+        steps, then `LIMIT_SAVE_MARGIN` times the longest save measured so far until committed
+        (the stop waits for the commit), or `UNMEASURED_SAVE_S` (at least that margin times a
+        step) while no save has been measured. The estimate errs early: a stop too late loses
+        the steps since the last checkpoint, one too early a few steps."""
         limit = self.cfg.training.max_time_s
         if not limit or step >= self.cfg.training.steps or self.stop.requested:
             return
         start = float(os.environ.get(JOB_START_ENV) or PROCESS_START)
         committed = max((r.stall_s + r.persist_s for r in self.ckpt.history if r.ok),
                         default=0.0)
-        need = self.last_step_s + max(self.longest_save_s, committed, self.last_step_s)
-        if time.time() + need >= start + limit:
+        step_s = max(self.recent_steps_s, default=0.0)
+        measured = max(self.longest_save_s, committed)
+        save_s = LIMIT_SAVE_MARGIN * (measured if measured else step_s)
+        if not measured:
+            save_s = max(save_s, UNMEASURED_SAVE_S)
+        if time.time() + step_s + save_s >= start + limit:
             self.stop.request_limit()
 
     def save(self, step: int) -> None:
