@@ -694,6 +694,40 @@ def test_a_spare_that_torch_ends_gracefully_leaves_as_unused(tmp_path, monkeypat
         (tmp_path / "supervisor.log").read_text()
 
 
+def test_a_restart_for_a_waiting_host_after_a_recovered_fault_is_a_fault_of_its_own(
+        tmp_path, monkeypatch, caplog):
+    """torch's agent restarts the workers for a host waiting in the rendezvous without the
+    supervisor detecting anything; after an earlier fault was recovered from (its workers
+    restarted), that restart is recorded and logged as a membership change of its own, not
+    added silently to the earlier fault's actions."""
+    from types import SimpleNamespace
+
+    from myria import config
+    from myria.resilience.supervisor import Supervisor
+    from myria.resilience.watch import Detection
+
+    monkeypatch.setattr(os, "environ", dict(os.environ))   # what it exports goes to a copy
+    sup = Supervisor(config.load(None, ["--resilience.backoff_s=0",
+                                        "--resilience.diagnose=false"]), tmp_path, 1, ["train"])
+    sup.started_at = time.time()
+    stopped = []
+    agent = SimpleNamespace(_stop_workers=stopped.append, _remaining_restarts=3)
+    try:
+        now = time.time()
+        hang = sup._record(Detection("hang", [0], now, now, "no progress"), [])
+        sup.recover(agent, "group 0")
+        assert sup.faults == [hang] and stopped == ["group 0"]
+        hang.restarted_at = time.time()   # its workers started again (Supervisor.started)
+        with caplog.at_level("INFO", logger="myria.supervisor"):
+            sup.recover(agent, "group 1")   # torch's own restart, nothing detected
+        assert [f.kind for f in sup.faults] == ["hang", "membership-change"]
+        assert hang.action.count("stop worker group") == 1
+        assert sup.faults[1].action[0] == "stop worker group" and stopped[-1] == "group 1"
+        assert "DETECTED membership-change: a host joined or left the rendezvous" in caplog.text
+    finally:
+        sup._close()
+
+
 def _wait_for(what, deadline_s, proc):
     """Poll `what()` until it is true (True) or the job ends or the time is up (False)."""
     t0 = time.time()

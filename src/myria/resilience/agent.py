@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import logging
 import os
 import signal
 import socket
@@ -182,6 +183,8 @@ def make_agent(sup):
         rdzv_handler=rdzv_registry.get_rendezvous_handler(params),
         max_restarts=sup.r.max_restarts,
         monitor_interval=max(0.05, min(0.5, sup.r.heartbeat_s / 4)))
+    if sup.max_nodes > 1:
+        _waiting_with_room(spec.rdzv_handler)
     if sup.across_hosts:
         _waiting_spares_ignored(sup, spec.rdzv_handler)
     logs = DefaultLogsSpecs(log_dir=str(sup.run_dir / rundir.LOGS_DIR), tee=Std.ALL)
@@ -189,6 +192,31 @@ def make_agent(sup):
                               shutdown_timeout=int(sup.r.sigterm_grace_s))
     return sup.agent
 
+
+
+def _waiting_with_room(handler) -> None:
+    """The hosts torch's agent restarts the workers for: those waiting in the rendezvous while
+    the round has room for them. One left waiting when the round filled up without it becomes a
+    spare instead (myria.resilience.multihost.waiting_without_room), so a restart with a spare
+    or a returning host present is followed by one new round, not a restart per round."""
+    from myria.resilience.multihost import waiting_without_room
+
+    waiting = handler.num_nodes_waiting
+    log = logging.getLogger("myria.supervisor")
+
+    def num_nodes_waiting() -> int:
+        try:
+            moved = waiting_without_room(handler)
+        except Exception as e:   # the store unreachable: torch's own count, as without this
+            log.debug("the rendezvous' wait list unread: %s", e)
+            moved = []
+        if moved:
+            log.info("SPARE: host(s) %s waited for a round that filled up without them: they "
+                     "wait as spares (no restart for them while every member is there)",
+                     ", ".join(moved))
+        return waiting()
+
+    handler.num_nodes_waiting = num_nodes_waiting
 
 
 def _waiting_spares_ignored(sup, handler) -> None:

@@ -155,6 +155,35 @@ def members(agent) -> list[str]:
         return []
 
 
+def waiting_without_room(handler) -> list[str]:
+    """Hosts left in the wait list of torch's c10d rendezvous when a round filled up without
+    them, moved to its redundancy list; returns their names.
+
+    torch moves a host to the redundancy list (a spare: it waits without a deadline and is
+    taken in when a member drops out) only when it arrives after a round completed full. A
+    host already in the wait list when a new round fills up without it (a spare, or a host
+    back from a partition, racing the members back into the round after a restart) stays
+    there, and `num_nodes_waiting` counts it: every member's agent restarts the workers for
+    it, the next round fills up without one host again, and the job restarts round after round
+    until that host's join times out. A host waiting while the current round is complete and
+    full is therefore made a spare here, as if it had arrived after the round completed. The
+    change is a compare-and-set of the rendezvous state (lost, and tried again at the next
+    call, when another host wrote first); a round with a member whose keep-alive stopped has
+    room (the sync drops that member), and its waiting hosts are left to join it."""
+    with handler._heartbeat_lock:
+        holder = handler._state_holder
+        holder.sync()
+        state = holder.state
+        if not (state.wait_list and state.complete and not state.closed
+                and len(state.participants) >= handler.settings.max_nodes):
+            return []
+        moved = sorted({n.addr for n in state.wait_list})
+        state.redundancy_list.update(state.wait_list)
+        state.wait_list.clear()
+        holder.mark_dirty()
+        return moved if holder.sync() else []
+
+
 EXIT_STORE_LOST = 69   # sysexits' EX_UNAVAILABLE: the job's rendezvous store (first node) is gone
 
 

@@ -424,7 +424,9 @@ class Supervisor:
     def recover(self, agent, wg) -> None:
         """Stop the group, diagnose this host, blocklist it if bad, back off; then restart."""
         f = self.current
-        if f is None:
+        if f is None or f.restarted_at:   # not a fault this supervisor detected: torch's agent
+            # restarts for a host waiting in the rendezvous (a fault already recovered from
+            # stays `current`, and this is a new event of its own)
             why, silent_s = self._membership_change(agent)
             now = time.time()
             f = self._record(Detection("membership-change", [], now, now - silent_s, why), [])
