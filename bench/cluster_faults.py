@@ -21,16 +21,21 @@ the allocation as spares, injects one host fault at step 6 and waits for the job
 - lost-during-injob-recovery: lost-host-injob with a second spare (4 nodes), and the spare
   host that took the lost ranks over killed as soon as it announced the takeover: the
   survivors give up the in-job attempt and the job restarts its round on the second spare;
+- worker-lost-with-spare: one worker of a host of the job killed, the spare node waiting: the
+  job's two hosts and the spare race back into one new round, and the host left out waits as a
+  spare (torch's rendezvous left it in its wait list, and the members' agents restarted the
+  workers for it round after round);
 - lost-first-host: the first host (the rendezvous store's, the batch script's) killed: the job
   cannot go on (a documented limit); each survivor says why in one line and hands the job back
   to Slurm (requeued: PENDING until an allocation is free; the bench then cancels it).
 
-Per case: the detection time, the recovery path, the time lost by phase (the supervisor's
-recovery_phases), the final weights against a clean run of the same 4 ranks on one host (bit
-for bit), "nothing committed lost" (the restart resumed from the newest checkpoint committed
-when the fault struck, or later), the Slurm node states, and for the partition whether the
-cut-off host's workers were fenced off (exit 75) before writing after the job moved on. Root and
-Debian's slurm/munge are needed. JSON to bench/results/cluster_faults.json.
+Per case: the detection time, the rendezvous rounds the job formed and the restarts torch's
+agents made for a waiting host (`membership-change`), the recovery path, the time lost by phase
+(the supervisor's recovery_phases), the final weights against a clean run of the same 4 ranks
+on one host (bit for bit), "nothing committed lost" (the restart resumed from the newest
+checkpoint committed when the fault struck, or later), the Slurm node states, and for the
+partition whether the cut-off host's workers were fenced off (exit 75) before writing after the
+job moved on. Root and Debian's slurm/munge are needed. JSON to bench/results/cluster_faults.json.
 """
 
 from __future__ import annotations
@@ -58,7 +63,8 @@ TINY = ["--model.vocab_size=1024", "--model.layers=2", "--model.hidden=64", "--m
         f"--training.steps={STEPS}", "--checkpoint.interval=4", "--training.eval_interval=0",
         "--training.init_timeout_s=120", "--resilience.hang_timeout_s=10"]
 CASES = ["lost-host", "lost-host-injob", "partition", "slow-link", "failed-diagnostics",
-         "lost-during-recovery", "lost-during-injob-recovery", "lost-first-host"]
+         "lost-during-recovery", "lost-during-injob-recovery", "worker-lost-with-spare",
+         "lost-first-host"]
 ENV = {"MYRIA": f"{sys.executable} -m myria", "OMP_NUM_THREADS": "1",
        "PYTHONPATH": str(ROOT / "src")}
 
@@ -182,6 +188,8 @@ def run_case(case: str, work: Path, data: Path, ref: Path) -> dict:
     elif case == "failed-diagnostics":
         cluster.fail_diagnostics(victim)
         out["killed_worker"] = kill_one_worker(victim)
+    elif case == "worker-lost-with-spare":
+        out["killed_worker"] = kill_one_worker(victim)
     elif case == "lost-during-injob-recovery":
         cluster.kill_host(victim)
         second = takeover_host(run)
@@ -210,6 +218,11 @@ def run_case(case: str, work: Path, data: Path, ref: Path) -> dict:
         out["mttr_s"] = round(min(r["time"] for r in nxt) - t_fault, 2) if nxt else None
     out["wall_s"] = round(time.time() - t_submit, 1)
     out["node_states"] = cluster.node_states()
+    log = (run / "supervisor.log").read_text() if (run / "supervisor.log").exists() else ""
+    out["rendezvous_rounds"] = len({x.split(" of the rendezvous")[0].rsplit(" ", 1)[1]
+                                    for x in log.splitlines() if " of the rendezvous: hosts " in x})
+    out["membership_restarts"] = sum(" DETECTED membership-change" in x
+                                     for x in log.splitlines())
     if case == "lost-first-host":
         log = (run / "supervisor.log").read_text()
         out["survivor_says"] = [x.split(" ACTION ")[1] for x in log.splitlines()
@@ -329,6 +342,9 @@ def table(results: dict) -> str:
             extra = (f"; cut-off host's {f['cut_off_workers_fenced']} workers fenced "
                      f"{', '.join(str(x) for x in f['their_exit_after_fence_s'])} s after "
                      f"round {f['generation']}")
+        if c.get("rendezvous_rounds"):
+            extra += (f"; {c['rendezvous_rounds']} rendezvous rounds, "
+                      f"{c.get('membership_restarts', 0)} restarts for a waiting host")
         nodes = ", ".join(f"{h} {s}" for h, s in sorted((c.get("node_states") or {}).items()))
         rows.append(f"| {c['case']} ({c['victim']}) | {det} | {c.get('recovery_path')}{extra} | "
                     f"{c.get('time_lost_s')}: {phases or '-'} | {weights} | "

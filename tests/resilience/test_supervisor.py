@@ -728,6 +728,33 @@ def test_a_restart_for_a_waiting_host_after_a_recovered_fault_is_a_fault_of_its_
         sup._close()
 
 
+def test_a_hook_that_fired_before_a_host_ran_workers_is_not_its_undetected_fault(
+        tmp_path, monkeypatch):
+    """A fault hook fires on one host of a job while another waits as a spare: the spare that
+    then runs workers does not report the hook as undetected (it was not its to see); a hook
+    that fired while its workers ran and that it did not detect is reported."""
+    from myria import config, rundir
+    from myria.resilience import summary
+    from myria.resilience.supervisor import Supervisor
+
+    monkeypatch.setattr(os, "environ", dict(os.environ))
+    sup = Supervisor(config.load(None, []), tmp_path, 1, ["train"])
+    try:
+        marks = tmp_path / rundir.FAULTS
+        marks.mkdir()
+        (marks / "kill_rank0_step6").write_text("")
+        assert summary.build(sup, "spare-unused")["undetected_hooks"] == []   # no workers
+        time.sleep(0.05)
+        sup.ranks = [0, 1]
+        sup.new_watch()   # its first workers start after the hook fired
+        assert summary.build(sup, "succeeded")["undetected_hooks"] == []
+        time.sleep(0.05)
+        (marks / "hang_rank1_step9").write_text("")   # fired while its workers ran
+        assert summary.build(sup, "succeeded")["undetected_hooks"] == ["hang_rank1_step9"]
+    finally:
+        sup._close()
+
+
 def _wait_for(what, deadline_s, proc):
     """Poll `what()` until it is true (True) or the job ends or the time is up (False)."""
     t0 = time.time()

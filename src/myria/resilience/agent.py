@@ -196,9 +196,10 @@ def make_agent(sup):
 
 def _waiting_with_room(handler) -> None:
     """The hosts torch's agent restarts the workers for: those waiting in the rendezvous while
-    the round has room for them. One left waiting when the round filled up without it becomes a
-    spare instead (myria.resilience.multihost.waiting_without_room), so a restart with a spare
-    or a returning host present is followed by one new round, not a restart per round."""
+    the round has room for them (a member dropped out). While every place of the round is
+    taken, none: one left waiting when the round filled up without it becomes a spare
+    (myria.resilience.multihost.waiting_without_room), so a restart with a spare or a
+    returning host present is followed by one new round, not a restart per round."""
     from myria.resilience.multihost import waiting_without_room
 
     waiting = handler.num_nodes_waiting
@@ -206,15 +207,15 @@ def _waiting_with_room(handler) -> None:
 
     def num_nodes_waiting() -> int:
         try:
-            moved = waiting_without_room(handler)
+            full, moved = waiting_without_room(handler)
         except Exception as e:   # the store unreachable: torch's own count, as without this
             log.debug("the rendezvous' wait list unread: %s", e)
-            moved = []
+            full, moved = False, []
         if moved:
             log.info("SPARE: host(s) %s waited for a round that filled up without them: they "
                      "wait as spares (no restart for them while every member is there)",
                      ", ".join(moved))
-        return waiting()
+        return 0 if full else waiting()
 
     handler.num_nodes_waiting = num_nodes_waiting
 

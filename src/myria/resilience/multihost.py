@@ -155,9 +155,10 @@ def members(agent) -> list[str]:
         return []
 
 
-def waiting_without_room(handler) -> list[str]:
-    """Hosts left in the wait list of torch's c10d rendezvous when a round filled up without
-    them, moved to its redundancy list; returns their names.
+def waiting_without_room(handler) -> tuple[bool, list[str]]:
+    """Whether the current round of torch's c10d rendezvous is complete with every place taken
+    (as the rendezvous store holds it now), and the hosts left in its wait list then, moved to
+    its redundancy list (their names).
 
     torch moves a host to the redundancy list (a spare: it waits without a deadline and is
     taken in when a member drops out) only when it arrives after a round completed full. A
@@ -165,23 +166,28 @@ def waiting_without_room(handler) -> list[str]:
     back from a partition, racing the members back into the round after a restart) stays
     there, and `num_nodes_waiting` counts it: every member's agent restarts the workers for
     it, the next round fills up without one host again, and the job restarts round after round
-    until that host's join times out. A host waiting while the current round is complete and
-    full is therefore made a spare here, as if it had arrived after the round completed. The
-    change is a compare-and-set of the rendezvous state (lost, and tried again at the next
-    call, when another host wrote first); a round with a member whose keep-alive stopped has
-    room (the sync drops that member), and its waiting hosts are left to join it."""
+    until that host's join times out. A host waiting while the round is full is therefore made
+    a spare here, as if it had arrived after the round completed. The change is a
+    compare-and-set of the rendezvous state (lost, and tried again at the next call, when
+    another host wrote first). A round with a member whose keep-alive stopped has room (the
+    read drops that member), and its waiting hosts are left to join the next one.
+
+    The handler's state cache is turned off: a state read up to a second ago can predate the
+    round's completion, and the decision to restart the job must not rest on it."""
     with handler._heartbeat_lock:
         holder = handler._state_holder
+        holder._cache_duration = 0
         holder.sync()
         state = holder.state
-        if not (state.wait_list and state.complete and not state.closed
-                and len(state.participants) >= handler.settings.max_nodes):
-            return []
+        full = state.complete and not state.closed and \
+            len(state.participants) >= handler.settings.max_nodes
+        if not (full and state.wait_list):
+            return full, []
         moved = sorted({n.addr for n in state.wait_list})
         state.redundancy_list.update(state.wait_list)
         state.wait_list.clear()
         holder.mark_dirty()
-        return moved if holder.sync() else []
+        return full, moved if holder.sync() else []
 
 
 EXIT_STORE_LOST = 69   # sysexits' EX_UNAVAILABLE: the job's rendezvous store (first node) is gone

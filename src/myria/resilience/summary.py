@@ -70,7 +70,9 @@ def build(sup, status: str) -> dict[str, Any]:
         "time_lost_s": round(wall - productive, 3),
         "newest_checkpoint": newest_committed(sup.run_dir),
         "faults": faults, "blocklist": sup.blocklist, "goodput": ledger,
-        "undetected_hooks": undetected(sup.run_dir, sup.started_at,
+        # a hook that fired before this host ran workers (on another host of the job, while
+        # this one waited as a spare) was not this host's to detect
+        "undetected_hooks": undetected(sup.run_dir, sup.workers_since or float("inf"),
                                         {f.injected for f in sup.faults}),
         "heartbeat_s": sup.r.heartbeat_s, "store": sup.r.store,
         **({"ranks": sup.ranks, "members": sup.members} if sup.max_nodes > 1 else {}),

@@ -62,6 +62,9 @@ class Supervisor:
         self.max_step = 0
         self.initial_step: int | None = None
         self.started_at = time.time()
+        # when this host's first workers started (0: none yet, a spare): the fault hooks it
+        # could have seen fired after that
+        self.workers_since = 0.0
         self.blocklist: list[str] = []
         self.stragglers: dict = {}
         self._straggler_at = 0.0
@@ -307,6 +310,7 @@ class Supervisor:
 
     def new_watch(self) -> None:
         """A watchdog for the ranks of attempt `self.attempt`."""
+        self.workers_since = self.workers_since or time.time()
         r, t = self.r, self.cfg.training
         self.watch = Watchdog(self.ranks, r.heartbeat_s, r.missed_heartbeats, r.hang_timeout_s,
                               r.traffic_timeout_s, startup_timeout_s=t.init_timeout_s,
