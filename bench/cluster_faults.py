@@ -198,7 +198,13 @@ def run_case(case: str, work: Path, data: Path, ref: Path) -> dict:
         out["second_killed_after_s"] = round(time.time() - t_fault, 2)
     elif case == "lost-during-recovery":
         cluster.kill_host(victim)
-        second = [h for h in round_members(run, 1) if h != members[0]][0]
+        # never the allocation's first node: it serves the rendezvous store, and its loss
+        # ends the job (the lost-first-host case)
+        second = next((h for h in round_members(run, 1)
+                       if h != members[0] and h != cluster.hosts()[0]), None)
+        if second is None:
+            raise RuntimeError("the spare that replaced the lost host is the first node "
+                               "(the rendezvous store's): not killed (see lost-first-host)")
         cluster.kill_host(second)
         out["second_victim"] = second
         out["second_killed_after_s"] = round(time.time() - t_fault, 2)
