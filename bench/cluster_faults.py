@@ -29,13 +29,14 @@ the allocation as spares, injects one host fault at step 6 and waits for the job
   cannot go on (a documented limit); each survivor says why in one line and hands the job back
   to Slurm (requeued: PENDING until an allocation is free; the bench then cancels it).
 
-Per case: the detection time, the rendezvous rounds the job formed and the restarts torch's
-agents made for a waiting host (`membership-change`), the recovery path, the time lost by phase
-(the supervisor's recovery_phases), the final weights against a clean run of the same 4 ranks
-on one host (bit for bit), "nothing committed lost" (the restart resumed from the newest
-checkpoint committed when the fault struck, or later), the Slurm node states, and for the
-partition whether the cut-off host's workers were fenced off (exit 75) before writing after the
-job moved on. Root and Debian's slurm/munge are needed. JSON to bench/results/cluster_faults.json.
+Per case: the detection time, the rendezvous rounds the job formed and the restarts for a
+change of the rendezvous' membership (`membership-change`: a host joined, or one of the round's
+dropped out), the recovery path, the time lost by phase (the supervisor's recovery_phases), the
+final weights against a clean run of the same 4 ranks on one host (bit for bit), "nothing
+committed lost" (the restart resumed from the newest checkpoint committed when the fault
+struck, or later), the Slurm node states, and for the partition whether the cut-off host's
+workers were fenced off (exit 75) before writing after the job moved on. Root and Debian's
+slurm/munge are needed. JSON to bench/results/cluster_faults.json.
 """
 
 from __future__ import annotations
@@ -350,7 +351,7 @@ def table(results: dict) -> str:
                      f"round {f['generation']}")
         if c.get("rendezvous_rounds"):
             extra += (f"; {c['rendezvous_rounds']} rendezvous rounds, "
-                      f"{c.get('membership_restarts', 0)} restarts for a waiting host")
+                      f"{c.get('membership_restarts', 0)} restarts for a membership change")
         nodes = ", ".join(f"{h} {s}" for h, s in sorted((c.get("node_states") or {}).items()))
         rows.append(f"| {c['case']} ({c['victim']}) | {det} | {c.get('recovery_path')}{extra} | "
                     f"{c.get('time_lost_s')}: {phases or '-'} | {weights} | "
