@@ -427,9 +427,8 @@ class Run:
                         default=0.0)
         step_s = max(self.recent_steps_s, default=0.0)
         measured = max(self.longest_save_s, committed)
-        save_s = LIMIT_SAVE_MARGIN * (measured if measured else step_s)
-        if not measured:
-            save_s = max(save_s, UNMEASURED_SAVE_S)
+        save_s = LIMIT_SAVE_MARGIN * measured if measured else \
+            max(UNMEASURED_SAVE_S, LIMIT_SAVE_MARGIN * step_s)
         if time.time() + step_s + save_s >= start + limit:
             self.stop.request_limit()
 
