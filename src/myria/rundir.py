@@ -93,6 +93,11 @@ def read_jsonl(path: str | Path) -> list[dict]:
 
 # -- the run directory's lock ----------------------------------------------------------------
 _held: dict[str, int] = {}   # lock path -> fd, in this process
+# How long a process that finds the lock held waits for the holder's record while it is empty:
+# a holder writes it right after taking the flock (a takeover truncates the old one first) and
+# clears it right before letting go, so an empty record is one in flux, not an owner; acting on
+# it would refuse the hosts of the holder's own job.
+OWNER_RECORD_WAIT_S = 5.0
 
 
 def _read_owner(fd: int) -> dict:
@@ -147,21 +152,27 @@ def lock(run_dir: str | Path, command: str, job: str = "") -> None:
             return  # the launcher owns the directory (or this host's local rank 0 does)
         job = job or os.environ.get("TORCHELASTIC_RUN_ID", "")
     fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        owner = _read_owner(fd)
-        os.close(fd)
-        if job and owner.get("job") == job:
-            return  # another host of the same job owns it
-        from myria.errors import ConfigError
-        raise ConfigError(f"run directory {run_dir} is in use by {_describe(owner)}; wait for "
-                          f"it to end, stop it, or use another --run-dir") from None
-    except OSError as e:  # a filesystem without locks: say so once, go on unlocked
-        os.close(fd)
-        print(f"myria: warning: cannot lock {path} ({e.strerror}); nothing stops a second job "
-              "on this run directory", file=sys.stderr)
-        return
+    settle = time.monotonic() + OWNER_RECORD_WAIT_S
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            break
+        except BlockingIOError:
+            owner = _read_owner(fd)
+            if not owner.get("pid") and time.monotonic() < settle:
+                time.sleep(0.05)   # a holder between taking the flock and writing its record
+                continue
+            os.close(fd)
+            if job and owner.get("job") == job:
+                return  # another host of the same job owns it
+            from myria.errors import ConfigError
+            raise ConfigError(f"run directory {run_dir} is in use by {_describe(owner)}; wait "
+                              f"for it to end, stop it, or use another --run-dir") from None
+        except OSError as e:  # a filesystem without locks: say so once, go on unlocked
+            os.close(fd)
+            print(f"myria: warning: cannot lock {path} ({e.strerror}); nothing stops a second "
+                  "job on this run directory", file=sys.stderr)
+            return
     owner = _read_owner(fd)
     if owner.get("pid"):
         here = owner.get("host") == socket.gethostname()
