@@ -122,6 +122,24 @@ def test_traffic_stopped():
     assert [(d.kind, d.ranks) for d in found] == [("traffic-stopped", [1])]
 
 
+def test_a_rank_stuck_after_its_last_collective_is_a_hang_not_stopped_traffic():
+    """At the default (traffic timeout = hang timeout) a rank frozen at a step's start moved
+    its last bytes before its last phase change: its traffic stops first, yet the stall is the
+    hang rule's, which names the rank that never joined the collective the other waits in."""
+    w = dog(hang_timeout_s=5.0)
+    found = []
+    for t in range(0, 14):
+        stuck = t >= 3                     # rank 0: last bytes at t=2, step-start from t=3
+        r0 = rec(0, t, 3 if stuck else t, phase="step-start" if stuck else "forward-backward",
+                 progress=30 if stuck else t * 10, comm=200 if stuck else t * 100,
+                 coll="all_reduce")
+        r1 = rec(1, t, 3 if stuck else t, progress=31 if stuck else t * 10,
+                 comm=300 if stuck else t * 100, coll="all_gather_single", inside=stuck)
+        found += w.heartbeats({0: r0, 1: r1}, now=float(t))
+    assert [(d.kind, d.ranks) for d in found] == [("hang", [0])], found
+    assert "ranks [1] wait inside all_gather_single" in found[0].evidence
+
+
 def test_stale_attempt_is_ignored_and_no_heartbeat_is_reported():
     w = dog(attempt=1, startup_timeout_s=5.0)
     found = w.heartbeats({0: rec(0, 0, 3, attempt=0), 1: rec(1, 0, 3, attempt=0)}, now=6.0)

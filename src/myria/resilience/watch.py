@@ -298,6 +298,13 @@ class Watchdog:
                 continue
             if now - st.seen_at > self.missed * self.period:
                 continue
+            if self.traffic_timeout >= self.hang_timeout and \
+                    now - st.progress_at > self.missed * self.period:
+                # no progress either: a stall, which the hang rule judges with more evidence
+                # (the ranks inside and outside the collective). A rank's bytes stop before
+                # its last phase change (a collective ends, then the next phase starts), so
+                # at equal timeouts this rule would see the stall first and name it by chance
+                continue
             if now - st.comm_at > self.traffic_timeout and ("traffic", r) not in self.fired:
                 self.fired.add(("traffic", r))
                 out.append(Detection(
