@@ -145,6 +145,7 @@ def test_a_finished_run_or_a_change_that_cannot_apply_stops_before_anything_star
             (["--stop-after", "0"], "--stop-after 0: must be a step >= 1"),
             (["--stop-after", "30"], "--stop-after 30: the run resumes at step 40"),
             (["--nproc", "-1"], "--nproc -1: must be at least 1"),
+            (["--nproc", "0"], "--nproc 0: must be at least 1"),
             (["--nproc", "100000"], "--nproc 100000: this host has")]:
         code, out, err = in_process(capsys, *base, "--training.steps=50", *extra)
         assert code == 2 and len(err.strip().splitlines()) == 1 and needle in err, (extra, err)

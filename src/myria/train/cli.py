@@ -37,7 +37,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", help="TOML run config (default: built-in defaults)")
     p.add_argument("--run-dir", help="where checkpoints, metrics.jsonl and TensorBoard go "
                    "(required unless --dry-run)")
-    p.add_argument("--nproc", type=int, default=0,
+    p.add_argument("--nproc", type=int, default=None,
                    help="start this many local processes (ranks) through torch elastic; "
                    "omit when launched by torchrun")
     p.add_argument("--stop-after", type=int, default=None, metavar="N",
@@ -209,7 +209,7 @@ def run(args) -> int:
     cfg, imported = run_config(args.config, args.overrides, args.run_dir)
     if imported:  # the model's own config.json (or, resuming, the checkpoint) sets the model
         _say(imported)
-    if args.nproc < 0:
+    if args.nproc is not None and args.nproc < 1:
         check_nproc(args.nproc, "cpu")
     world = _nproc_for(args)
     if args.dry_run:
