@@ -6,7 +6,7 @@ import pytest
 
 from myria.errors import ConfigError
 from myria.sim import runspec
-from myria.sim.planner import SearchSpace, candidates, plan
+from myria.sim.planner import PROGRESS_EVERY, SearchSpace, candidates, plan
 from myria.sim.schedule_plot import (
     bubble_fraction,
     draw,
@@ -47,8 +47,13 @@ def test_schedule_errors_and_png(tmp_path):
 
 def test_plan_ranks_fitting_layouts(calibration):
     base = next(r for r in calibration if r.name.endswith("145.6b"))
-    res = plan(base, top=5)
+    seen = []
+    res = plan(base, top=5, progress=lambda n, fit: seen.append((n, fit)))
     assert res.evaluated >= 10_000
+    # the progress callback: every PROGRESS_EVERY candidates, counts that only grow, the last
+    # call the search's own totals
+    assert len(seen) >= res.evaluated // PROGRESS_EVERY and seen == sorted(seen)
+    assert seen[0] == (PROGRESS_EVERY, seen[0][1]) and seen[-1] == (res.evaluated, res.fitting)
     assert 0 < res.fitting < res.evaluated
     assert all(r.fits for r in res.ranked)
     # GPT ties its embeddings, which myria's trainer runs under tp and pp too (one vocabulary-
@@ -161,8 +166,12 @@ global_batch = 8
 gpu = "a100-sxm-80gb"
 gpus = 8
 """)
-    res = plan(huge, SearchSpace(recompute=["none"], zero_stage=[0]))
+    seen = []
+    res = plan(huge, SearchSpace(recompute=["none"], zero_stage=[0]),
+               progress=lambda n, fit: seen.append((n, fit)))
     assert res.ranked == [] and res.best_unfitting is not None
+    # the offloaded second search counts on from the first
+    assert seen[-1] == (res.evaluated, 0) and [n for n, _ in seen] == sorted(n for n, _ in seen)
     # why: without ZeRO the model state alone (bf16 weights, fp32 gradients, Adam's fp32 copy
     # and moments: >= 16 bytes per parameter of the 12 L h^2 in the blocks, over 8 GPUs at
     # most) is beyond the device's memory, whatever the layout
@@ -311,3 +320,24 @@ def test_a_tight_or_overhidden_prediction_is_marked_and_not_first(llama):
     assert "memory margin" in tight.extra["implausible"] and "implausible" not in roomy.extra
     # two plausible ties: the faster first
     assert rank_with_ties([roomy, fast], band=0.2)[0] is fast
+
+
+def test_the_search_shows_its_progress_on_a_terminal_only():
+    """`myria plan` (and a dry run's comparison with the best layout) search for tens of
+    seconds on a large cluster: a terminal shows the count so far; a pipe gets nothing."""
+    import io
+
+    from rich.console import Console
+
+    from myria.sim.cli_plan import searching
+
+    for terminal in (True, False):
+        out = io.StringIO()
+        con = Console(file=out, force_terminal=terminal, width=120)
+        with searching("searching layouts", con) as progress:
+            progress(12_500, 3_021)
+        text = out.getvalue()
+        if terminal:
+            assert "searching layouts: 12,500 layouts priced, 3,021 fit in memory" in text, text
+        else:
+            assert text == ""

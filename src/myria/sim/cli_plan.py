@@ -18,6 +18,7 @@ it draws the best layout's schedule with the stage times the step model predicts
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 from pathlib import Path
@@ -297,6 +298,24 @@ def console(min_width: int = 150):
     return Console(width=max(min_width, probe.width))
 
 
+@contextlib.contextmanager
+def searching(what: str, err_console=None):
+    """A `progress` callback for `plan` that shows, on stderr while the search runs, how many
+    layouts are priced and how many fit, and the time so far (a spinner that leaves no trace);
+    nothing when stderr is not a terminal. `err_console`: another rich Console (tests)."""
+    from rich.console import Console
+    from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+
+    con = err_console or Console(stderr=True)
+    bar = Progress(SpinnerColumn(), TextColumn(f"{what}: {{task.fields[n]:,}} layouts priced, "
+                                               "{task.fields[fit]:,} fit in memory"),
+                   TimeElapsedColumn(), console=con, transient=True,
+                   disable=not con.is_terminal)
+    task = bar.add_task(what, total=None, n=0, fit=0)
+    with bar:
+        yield lambda n, fit: bar.update(task, n=n, fit=fit)
+
+
 # The planner's largest model-parallel degrees (myria.sim.planner.candidates).
 MAX_TP, MAX_CP = 64, 16
 
@@ -326,8 +345,9 @@ def _plan(base: RunSpec, space: SearchSpace, args):
 
     check_gpus(base, space)
     try:
-        return plan(base, space, top=args.top, reserve_gb=args.reserve_gb,
-                    reliability=reliability.from_args(args))
+        with searching("searching layouts") as progress:
+            return plan(base, space, top=args.top, reserve_gb=args.reserve_gb,
+                        reliability=reliability.from_args(args), progress=progress)
     except ConfigError as e:
         if not str(e).startswith("no layout matches"):
             raise

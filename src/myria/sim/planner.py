@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from myria.errors import ConfigError
@@ -29,6 +30,7 @@ from myria.sim.runspec import RunSpec
 from myria.sim.step_result import StepResult
 
 RESERVE_SHARE = 0.0  # default memory reserve beyond what the memory model prices (docstring)
+PROGRESS_EVERY = 500  # candidates between two calls of `plan`'s progress callback
 
 
 def _divisors(n: int) -> list[int]:
@@ -218,7 +220,8 @@ def _with(obj, **changes):
 
 def plan(base: RunSpec, space: SearchSpace | None = None, top: int = 10,
          limit: int | None = None, reserve_gb: float | None = None,
-         reliability: Reliability | None = None) -> PlanResult:
+         reliability: Reliability | None = None,
+         progress: Callable[[int, int], None] | None = None) -> PlanResult:
     """Search layouts for `base` (model, batch, cluster, kernels, overlap) and rank them.
 
     A layout fits when its peak memory is below capacity minus `reserve_gb` (default 0).
@@ -230,7 +233,9 @@ def plan(base: RunSpec, space: SearchSpace | None = None, top: int = 10,
     (`extra.runnable`, and `extra.not_runnable` with the reason: `trainer_verdict`), and among
     layouts tied with the best the first place goes to one myria's trainer runs
     (`runnable_first`); when the first is priced only, `best_runnable` names the trainer's
-    best and its place.
+    best and its place. `progress(evaluated, fitting)`, when given, is called every
+    `PROGRESS_EVERY` candidates and once when the search ends (a large cluster's search takes
+    tens of seconds: the command line shows it).
     """
     from myria.sim.band import uncertainty
 
@@ -258,8 +263,12 @@ def plan(base: RunSpec, space: SearchSpace | None = None, top: int = 10,
             runs[id(res)] = run
         else:
             unfit.append(run)
+        if progress is not None and n % PROGRESS_EVERY == 0:
+            progress(n, len(ok))
         if limit and n >= limit:
             break
+    if progress is not None:
+        progress(n, len(ok))
     best_bad = None if ok else max((perf.simulate(r, hw=hw) for r in unfit),
                                    key=lambda r: r.mfu, default=None)
     if not n:
@@ -268,7 +277,8 @@ def plan(base: RunSpec, space: SearchSpace | None = None, top: int = 10,
     offloaded = False
     if not ok and space.offload_fallback and space.offload != space.offload_fallback:
         again = dataclasses.replace(space, offload=space.offload_fallback, offload_fallback=[])
-        res = plan(base, again, top, limit, reserve_gb, reliability)
+        res = plan(base, again, top, limit, reserve_gb, reliability,
+                   None if progress is None else lambda k, fit: progress(n + k, fit))
         res.evaluated += n
         res.seconds = time.perf_counter() - t0
         res.offloaded = bool(res.ranked)

@@ -155,12 +155,14 @@ def better_layout(cfg: config_mod.Config, world: int, ranks_per_host: int, spec,
     where the planner has no cluster to search)."""
     if spec.name == "cpu":
         return None
+    from myria.sim.cli_plan import searching
     from myria.sim.perf import config_run
     from myria.sim.planner import plan
 
     base, _, _ = config_run(cfg, world, spec, ranks_per_host)
     try:
-        best = plan(base, top=1).ranked
+        with searching("comparing with the planner's best layout") as progress:
+            best = plan(base, top=1, progress=progress).ranked
     except config_mod.ConfigError:
         return None
     if not best or pred.mfu >= LOW_MFU_SHARE * best[0].mfu:
