@@ -41,8 +41,8 @@ def main(argv: list[str] | None = None) -> int:
     eff = DEFAULT_EFFICIENCY
     out: dict = {"source": "Narayanan et al. 2021, Table 1 (src/myria/sim/data/"
                            "calibration_runs.toml)",
-                 "command": " ".join(["bench/sim_calibration.py", *sys.argv[1:]] if argv is None
-                                   else ["bench/sim_calibration.py", *argv]),
+                 "command": " ".join(["bench/sim_calibration.py",
+                                     *(sys.argv[1:] if argv is None else argv)]),
                  "machine": f"{platform.machine()} CPU, {platform.python_version()}",
                  "date": time.strftime("%Y-%m-%d"),
                  "constants": dataclasses.asdict(eff)}
