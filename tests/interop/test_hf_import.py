@@ -151,6 +151,42 @@ def test_unsupported_model_refused_in_one_line(tmp_path, tiny_data):
             hf.apply(config_mod.load(None, [f"--model.init_from={src}"]))
 
 
+def test_a_typed_model_field_must_agree_with_config_json(tmp_path, hf_models, tiny_data):
+    """The model is config.json's: a config file's model section gives way to it, a
+    `--model.X` typed on the command line that says otherwise is refused in one line, one that
+    agrees passes; a tokenizer larger than the model's vocabulary is refused naming the model,
+    and a sequence past its max_position_embeddings is said."""
+    from myria.errors import ConfigError
+    from myria.interop import hf
+
+    d = hf_models["mistral"]
+    (tmp_path / "run.toml").write_text(f"[model]\ninit_from = {str(d)!r}\nlayers = 12\n")
+    cfg, line = hf.load_config(tmp_path / "run.toml", ["--model.seq_len=64"])
+    assert cfg.model.layers == 2 and "note" not in line
+    cfg, _ = hf.load_config(tmp_path / "run.toml", ["--model.layers=2", "--model.hidden=64"])
+    assert cfg.model.layers == 2
+    with pytest.raises(ConfigError, match=r"--model.layers=12 contradicts .* layers = 2"):
+        hf.load_config(None, [f"--model.init_from={d}", "--model.layers=12"])
+    _, line = hf.load_config(None, [f"--model.init_from={d}", "--model.seq_len=512"])
+    assert "model.seq_len = 512 is beyond its max_position_embeddings (256)" in line
+
+    small = tmp_path / "small"
+    small.mkdir()
+    for f in d.iterdir():
+        (small / f.name).symlink_to(f)
+    (small / "config.json").unlink()
+    (small / "config.json").write_text(json.dumps(
+        {**json.loads((d / "config.json").read_text()), "vocab_size": 512}))
+    for model, typed, said in ((d, "--model.ffn_hidden=256", "--model.ffn_hidden=256 contradicts"),
+                               (small, "--model.vocab_size=512",
+                                f"the model in {small} has 512 (its config.json's vocab_size)")):
+        p = run_cli("train", "--run-dir", str(tmp_path / "run"), f"--data.path={tiny_data}",
+                    *TINY, f"--model.init_from={model}", typed, check=False)
+        err = p.stderr.strip().splitlines()
+        assert p.returncode == 2 and len(err) == 1 and said in err[0], p.stderr
+        assert not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
 def test_plan_and_simulate_take_the_model_from_init_from(tmp_path, hf_models):
     """`myria plan` and `myria simulate` of a training config naming `model.init_from` price
     the model its config.json describes (as the same model written out by hand), and need no

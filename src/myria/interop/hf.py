@@ -157,13 +157,18 @@ def load_config(path: str | Path | None, overrides=(), weights: bool = True,
     from myria import config as config_mod
 
     cfg = config_mod.load(path, overrides)
-    return cfg, apply(cfg, weights, resumed)
+    return cfg, apply(cfg, weights, resumed, overrides)
 
 
-def apply(cfg: Config, weights: bool = True, resumed: dict | None = None) -> str | None:
+def apply(cfg: Config, weights: bool = True, resumed: dict | None = None,
+          overrides=()) -> str | None:
     """Set `cfg.model` from `cfg.model.init_from`'s config.json (no-op without one) and check
     the result (the weight files too, with `weights`); a one-line description of the model for
     the user, or None.
+
+    config.json's fields replace the config file's model section (which describes the model
+    a run without a directory would build), but a command-line `overrides` entry that sets one
+    of them to another value is refused: the user asked for a model the weights are not.
 
     `resumed` is the model section of the checkpoint the run resumes, if any. After step 0 the
     checkpoint holds the model, so a run that started from a directory resumes without it:
@@ -187,7 +192,13 @@ def apply(cfg: Config, weights: bool = True, resumed: dict | None = None) -> str
 
     d = Path(m.init_from)
     fields = model_fields(d, m.seq_len)
+    typed = {key for section, key, _ in map(config_mod.parse_override, overrides)
+             if section == "model"}
     for k, v in fields.items():
+        if k in typed and getattr(m, k) != v:
+            raise ConfigError(f"--model.{k}={getattr(m, k)!r} contradicts {_where(d)}, whose "
+                              f"config.json sets {k} = {v!r}: the model's shape is its "
+                              f"config.json's; drop --model.{k}")
         setattr(m, k, v)
     if m.attention != "softmax" or m.experts or m.parallel_block or m.document_positions:
         raise ConfigError(f"{_where(d)}: the imported model has softmax attention, a dense MLP, "
@@ -197,11 +208,15 @@ def apply(cfg: Config, weights: bool = True, resumed: dict | None = None) -> str
     if weights:
         weight_files(d)  # the weights are there, before any process starts
     config_mod.validate(cfg)
+    trained = read_config(d).get("max_position_embeddings")
     return (f"model from {d}: {fields['layers']} layers, hidden {fields['hidden']}, "
             f"{fields['heads']}/{fields['kv_heads']} heads, vocab {fields['vocab_size']}"
             + (", qkv bias" if fields["qkv_bias"] else "")
             + (", tied embeddings" if fields["tie_embeddings"] else "")
-            + (f", rope {fields['rope_scaling']}" if fields["rope_scaling"] != "none" else ""))
+            + (f", rope {fields['rope_scaling']}" if fields["rope_scaling"] != "none" else "")
+            + (f"; note: model.seq_len = {m.seq_len} is beyond its max_position_embeddings "
+               f"({trained}), positions it was not trained at"
+               if isinstance(trained, int) and m.seq_len > trained else ""))
 
 
 def weight_files(d: Path) -> list[Path]:

@@ -56,6 +56,12 @@ def check_before_torch(cfg: Config, local: int, world: int, launching: bool) -> 
 
 def check_vocab(cfg: Config, dataset) -> None:
     """Refuse a model whose vocabulary is smaller than the tokenizer of its data."""
+    if dataset.vocab_size > cfg.model.vocab_size and cfg.model.init_from:
+        raise config_mod.ConfigError(
+            f"the tokenizer of {dataset.path} has {dataset.vocab_size} tokens but the model in "
+            f"{cfg.model.init_from} has {cfg.model.vocab_size} (its config.json's vocab_size); "
+            f"prepare the data with the model's own tokenizer: myria prepare --tokenizer "
+            f"{cfg.model.init_from} ...")
     if dataset.vocab_size > cfg.model.vocab_size:
         raise config_mod.ConfigError(
             f"the tokenizer of {dataset.path} has {dataset.vocab_size} tokens but "
@@ -125,7 +131,8 @@ def run_config(path: str | Path | None, overrides, run_dir: str | Path | None
             resumed = resume.previous_config(ckpt, Path(run_dir))[0].get("model")
         except (OSError, ValueError):
             pass  # unreadable: the trainer quarantines it and says so
-    return cfg, hf.apply(cfg, resumed=resumed if isinstance(resumed, dict) else None)
+    return cfg, hf.apply(cfg, resumed=resumed if isinstance(resumed, dict) else None,
+                         overrides=overrides)
 
 
 def preflight(cfg: config_mod.Config, run_dir: str | Path, stop_after: int | None) -> str | None:
