@@ -548,6 +548,7 @@ def describe(cfg: Config) -> str:
     for section, cls in SECTIONS.items():
         lines.append(f"[{section}]")
         obj = getattr(cfg, section)
+        rows = []
         for f in dataclasses.fields(cls):
             v = getattr(obj, f.name)
             if isinstance(v, bool):
@@ -556,6 +557,9 @@ def describe(cfg: Config) -> str:
                 s = f'"{v}"'
             else:
                 s = repr(v)
-            lines.append(f"{f.name} = {s:<14} # {f.metadata.get('help', '')}")
+            rows.append((f"{f.name} = {s}", f.metadata.get("help", "")))
+        # the comments in one column per section, past the common assignments' width
+        width = max((len(a) for a, _ in rows if len(a) <= 40), default=0)
+        lines += [f"{a:<{width}} # {h}" for a, h in rows]
         lines.append("")
     return "\n".join(lines)

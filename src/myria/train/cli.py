@@ -62,7 +62,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="print the resolved config, parameter count, FLOPs per token and "
                    "memory per rank, then exit")
     p.epilog = ("Any config field can be overridden as --section.key=value, e.g. "
-                "--training.steps=100 --model.layers=8.")
+                "--training.steps=100 --model.layers=8. `myria train --dry-run [--config "
+                "FILE]` lists every field with its value and what it means.")
 
 
 def _nproc_for(args) -> int:

@@ -32,6 +32,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -202,8 +203,12 @@ def load_checkpoint_model(run_dir: Path, step: int | None, path: Path | None = N
     sd = {k: v for k, v in model.state_dict().items()}
     check_shapes(path, sd)
     state = {"model": sd}
-    dcp.load(state, checkpoint_id=str(path), planner=dcp.DefaultLoadPlanner(
-        allow_partial_load=True))
+    with warnings.catch_warnings():
+        # one process reading the whole checkpoint is the intent here; torch warns of it on
+        # every load without a process group, which export and generate would print each time
+        warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
+        dcp.load(state, checkpoint_id=str(path), no_dist=True,
+                 planner=dcp.DefaultLoadPlanner(allow_partial_load=True))
     model.load_state_dict(state["model"])
     return model, m, path
 
