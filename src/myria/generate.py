@@ -85,6 +85,11 @@ def run(args) -> int:
         ids = ids[:-1]
     if not ids:
         raise ConfigError("--prompt encodes to no tokens")
+    if (reach := len(ids) + args.max_new_tokens) > m.seq_len and m.arch != "gpt":
+        print(f"note: the prompt ({len(ids)} tokens) and --max-new-tokens "
+              f"{args.max_new_tokens} reach position {reach}, past the {m.seq_len} tokens the "
+              "model trained on (model.seq_len): its positions beyond are untrained",
+              file=sys.stderr)
     t0 = time.perf_counter()
     new = generate(model, ids, args.max_new_tokens, args.temperature, args.top_k, args.seed,
                    eos)

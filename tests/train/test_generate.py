@@ -76,7 +76,11 @@ def test_cli_prints_text_deterministically(trained):
     a, b = run_cli(*args), run_cli(*args)
     assert a.stdout.splitlines()[0].startswith("The Congress")
     assert a.stdout.splitlines()[0] == b.stdout.splitlines()[0]
-    assert "tokens/s" in a.stdout and "greedy" in a.stdout
+    assert "tokens/s" in a.stdout and "greedy" in a.stdout and "note" not in a.stderr
+    # past the training length (TINY's 64): said, and decoded all the same
+    c = run_cli(*args[:-3], "70", "--temperature", "0")
+    assert "reach position" in c.stderr and "past the 64 tokens" in c.stderr, c.stderr
+    assert c.stdout.startswith("The Congress")
     p = run_cli("generate", "--run-dir", str(trained), "--prompt", "x", "--temperature", "-1",
                 check=False)
     assert p.returncode == 2 and "--temperature" in p.stderr and "Traceback" not in p.stderr
