@@ -190,7 +190,7 @@ def test_a_typed_model_field_must_agree_with_config_json(tmp_path, hf_models, ti
 def test_plan_and_simulate_take_the_model_from_init_from(tmp_path, hf_models):
     """`myria plan` and `myria simulate` of a training config naming `model.init_from` price
     the model its config.json describes (as the same model written out by hand), and need no
-    weights for it."""
+    weights for it; `myria plan DIR` plans the directory's model with the run typed."""
     d = tmp_path / "config-only"
     d.mkdir()
     (d / "config.json").write_bytes((hf_models["qwen2"] / "config.json").read_bytes())
@@ -208,6 +208,20 @@ def test_plan_and_simulate_take_the_model_from_init_from(tmp_path, hf_models):
     assert got["a"] == got["b"]
     assert run_cli("plan", str(tmp_path / "a" / "run.toml"), "--gpu", "H100", "--gpus", "8"
                    ).stdout.startswith("model llama 2x64 (4 heads)")
+    # the directory itself (or its config.json) with the run typed: the same plan
+    from myria.config import Config
+
+    run = ["--seq-len", str(Config().model.seq_len), "--global-batch",
+           str(Config().training.global_batch)]
+    for given in (d, d / "config.json"):
+        plan = json.loads(run_cli("plan", str(given), "--gpu", "H100", "--gpus", "8", *run,
+                                  "--json").stdout)
+        for row in plan["ranked"]:
+            assert row.pop("name") == "config-only"
+            row["name"] = "run"
+        assert {k: v for k, v in plan.items() if k != "seconds"} == got["a"][0]
+    p = run_cli("plan", str(d), "--gpu", "H100", "--gpus", "8", check=False)
+    assert p.returncode == 2 and "--seq-len (a model directory gives the model" in p.stderr
 
 
 def _tensors(d: Path) -> dict[str, torch.Tensor]:

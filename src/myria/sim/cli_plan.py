@@ -70,8 +70,10 @@ def at_least(lo: float, kind=int):
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("base", nargs="?", help="run TOML or myria training TOML giving the "
-                        "model (and batch, cluster, kernels)")
+    parser.add_argument("base", nargs="?", help="what to plan: a run TOML or myria training "
+                        "TOML (the model, and batch, cluster, kernels), or a Hugging Face model "
+                        "directory or its config.json (the model only: give --seq-len and "
+                        "--global-batch)")
     parser.add_argument("--run", default="", help="which run of a multi-run file")
     g = parser.add_argument_group("model (instead of, or overriding, a file)")
     g.add_argument("--arch", choices=("gpt", "llama"))
@@ -149,7 +151,17 @@ def _base_from_args(args) -> RunSpec:
     overlap: dict = {k: k in DEFAULT_OVERLAP.split(",") for k in ("tp", "pp", "dp")}
     parallel: dict = {}
     name = "plan"
-    if args.base:
+    hf_dir = _model_directory(Path(args.base)) if args.base else None
+    if hf_dir is not None:
+        from myria.interop import hf
+
+        # a Hugging Face model directory gives the model; the run (sequence, batch) is typed
+        seq = [f"--model.seq_len={args.seq_len}"] if args.seq_len else []
+        cfg, _ = hf.load_config(None, [f"--model.init_from={hf_dir}", *seq], weights=False)
+        model = runspec.model_section(cfg.model)
+        del model["seq_len"]
+        name = hf_dir.resolve().name
+    elif args.base:
         p = Path(args.base)
         from myria.config import read_text_file
 
@@ -203,9 +215,11 @@ def _base_from_args(args) -> RunSpec:
             raise ConfigError(f"--overlap {args.overlap!r}: unknown {sorted(bad)}; use tp, pp, "
                               "dp or none")
         overlap = {k: k in want for k in ("tp", "pp", "dp")}
+    given = " (a model directory gives the model, not the run)" if hf_dir else ""
     for req, what in ((model.get("layers"), "--layers (or a file)"),
                       (model.get("hidden"), "--hidden"), (model.get("heads"), "--heads"),
-                      (training.get("global_batch"), "--global-batch"),
+                      (model.get("seq_len"), f"--seq-len{given}"),
+                      (training.get("global_batch"), f"--global-batch{given}"),
                       (cluster.get("gpu"), "--gpu"), (cluster.get("gpus"), "--gpus")):
         if req is None:
             raise ConfigError(f"myria plan needs {what}")
@@ -228,6 +242,16 @@ def _base_from_args(args) -> RunSpec:
 
     validate_model(base.model_config())  # the layout is the search's: only the model's checks
     return base
+
+
+def _model_directory(p: Path) -> Path | None:
+    """The Hugging Face model directory `myria plan` was given (the directory, or its
+    config.json), or None for a TOML file."""
+    if p.is_dir() and (p / "config.json").is_file():
+        return p
+    if p.name == "config.json" and p.is_file():
+        return p.parent
+    return None
 
 
 def _space(args) -> SearchSpace:
