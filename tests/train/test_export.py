@@ -101,6 +101,47 @@ def test_out_that_exists(tmp_path, trained, exported):
     assert (d / "mine.txt").read_text() == "keep"
 
 
+def test_bfloat16_in_shards_loads_everywhere(tmp_path, trained, exported, tiny_data):
+    """--dtype bfloat16 --max-shard-size: the fp32 export's tensors rounded to bf16, in shards
+    with save_pretrained's index, which transformers and `model.init_from` both load; a later
+    export into the same directory leaves one model in it; a size that is not one is refused
+    before anything is written."""
+    from safetensors.torch import load_file
+
+    out = tmp_path / "bf16"
+    p = run_cli("export", "--run-dir", str(trained), "--out", str(out), "--dtype", "bfloat16",
+                "--max-shard-size", "100KB")
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    files = sorted(set(index["weight_map"].values()))
+    assert len(files) > 1 and f"in {len(files)} shards" in p.stdout and "bfloat16" in p.stdout
+    got = {k: v for f in files for k, v in load_file(out / f).items()}
+    want = load_file(exported / "model.safetensors")
+    assert got.keys() == want.keys() and all(
+        torch.equal(got[k], want[k].to(torch.bfloat16)) for k in want)
+    assert json.loads((out / "config.json").read_text())["dtype"] == "bfloat16"
+    hf = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
+    assert hf.dtype == torch.bfloat16
+    ref = transformers.AutoModelForCausalLM.from_pretrained(exported).eval()
+    x = torch.randint(0, 1024, (1, 16))
+    with torch.no_grad():
+        err = (hf(x).logits.float() - ref(x).logits).abs().max().item()
+    assert err < 0.05, err   # bf16's 8-bit mantissa over two small layers
+    # imported (lr 0) and exported again: the same bf16 tensors
+    run_cli("train", "--run-dir", str(tmp_path / "again"), f"--data.path={tiny_data}", *TINY,
+            f"--model.init_from={out}", "--training.steps=1", "--optimizer.lr=0")
+    run_cli("export", "--run-dir", str(tmp_path / "again"), "--out", str(tmp_path / "back"),
+            "--dtype", "bfloat16")
+    back = load_file(tmp_path / "back" / "model.safetensors")
+    assert all(torch.equal(back[k], got[k]) for k in got)
+
+    run_cli("export", "--run-dir", str(trained), "--out", str(out), "--force")
+    assert sorted(f.name for f in out.glob("model*")) == ["model.safetensors"]
+    p = run_cli("export", "--run-dir", str(trained), "--out", str(tmp_path / "no"),
+                "--max-shard-size", "5gigs", check=False)
+    assert p.returncode == 2 and "--max-shard-size '5gigs'" in p.stderr
+    assert not (tmp_path / "no").exists()
+
+
 def test_export_of_a_damaged_checkpoint_is_refused_in_one_line(tmp_path, trained):
     """--step names a checkpoint whose bytes no longer match their checksums: nothing is
     exported (the newest that verifies is what the default picks)."""

@@ -44,6 +44,11 @@ if TYPE_CHECKING:
 
 FILES = ("model.safetensors", "config.json", "generation_config.json", "tokenizer.json",
          "tokenizer_config.json", "special_tokens_map.json")
+DTYPES = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16"}
+# the shard size transformers' save_pretrained used by default for years, and the one the
+# Hugging Face Hub's large-file guidance is written around
+MAX_SHARD_SIZE = "5GB"
+INDEX = "model.safetensors.index.json"
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--run-dir", required=True, help="run directory holding checkpoints/")
@@ -56,9 +61,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tokenizer", metavar="PATH", default=None,
                    help="tokenizer.json to export, for checkpoints that kept none (it must "
                    "match the fingerprint the checkpoint recorded, if any)")
+    p.add_argument("--dtype", default="float32", choices=tuple(DTYPES),
+                   help="weights' type: float32 (the trained master weights, exact; default), "
+                   "bfloat16 (half the size, as Hugging Face models are usually shared) or "
+                   "float16")
+    p.add_argument("--max-shard-size", default=MAX_SHARD_SIZE, metavar="SIZE",
+                   help="largest safetensors file; a bigger model is split into "
+                   "model-0000K-of-0000N.safetensors with model.safetensors.index.json, as "
+                   f"save_pretrained does (e.g. 5GB, 500MB; default {MAX_SHARD_SIZE})")
 
 
-def hf_config(m, specials) -> dict:
+def hf_config(m, specials, dtype: str = "float32") -> dict:
     """A transformers config dict for model config `m`: LlamaConfig, or Qwen2Config for a model
     with query/key/value biases (Llama's attention_bias would add one to the output too)."""
     arch = {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2",
@@ -80,7 +93,7 @@ def hf_config(m, specials) -> dict:
         "rms_norm_eps": m.norm_eps,
         "rope_theta": m.rope_theta, **({"rope_scaling": rope} if rope else {}),
         "hidden_act": "silu", "tie_word_embeddings": m.tie_embeddings,
-        "dtype": "float32", **token_ids(specials),
+        "dtype": dtype, **token_ids(specials),
     }
 
 
@@ -124,14 +137,64 @@ def check_out(out: Path, force: bool) -> None:
                               "directory, or pass --force to replace the exported files in it")
 
 
-def to_hf_state_dict(sd: dict[str, torch.Tensor], m) -> dict[str, torch.Tensor]:
-    """Rename myria parameter names to the Llama family's (myria.interop.hf.hf_name)."""
+def to_hf_state_dict(sd: dict[str, torch.Tensor], m, dtype: str = "float32"
+                     ) -> dict[str, torch.Tensor]:
+    """Rename myria parameter names to the Llama family's (myria.interop.hf.hf_name), in
+    `dtype` (a name of `DTYPES`)."""
     import torch
 
     from myria.interop.hf import hf_name
 
-    return {hf_name(k): v.detach().to(torch.float32).contiguous() for k, v in sd.items()
+    to = getattr(torch, DTYPES[dtype])
+    return {hf_name(k): v.detach().to(to).contiguous() for k, v in sd.items()
             if not (m.tie_embeddings and k == "output.weight")}
+
+
+def shards(sd: dict[str, torch.Tensor], max_shard_size):
+    """huggingface_hub's split of `sd` into files of at most `max_shard_size` (the names and
+    index save_pretrained writes and every loader reads); an empty `sd` checks the size."""
+    from huggingface_hub import split_torch_state_dict_into_shards
+
+    try:
+        return split_torch_state_dict_into_shards(
+            sd, filename_pattern="model{suffix}.safetensors", max_shard_size=max_shard_size)
+    except ValueError as e:
+        raise ConfigError(f"--max-shard-size {max_shard_size!r}: {e}") from None
+
+
+def write_weights(out: Path, sd: dict[str, torch.Tensor], max_shard_size) -> list[str]:
+    """`sd` as safetensors in `out`: one model.safetensors, or shards of at most
+    `max_shard_size` and their index (`shards`). Each file is written under a temporary name,
+    read back bit for bit (`_check_written`) and then renamed; weight files of an earlier
+    export that this one does not write are removed, so the directory holds one model. The
+    file names."""
+    from safetensors.torch import save_file
+
+    split = shards(sd, max_shard_size)
+    umask = os.umask(0)
+    os.umask(umask)
+    for name, keys in split.filename_to_tensors.items():
+        part = {k: sd[k] for k in keys}
+        tmp = out / f"{name}.tmp{os.getpid()}"
+        save_file(part, str(tmp), metadata={"format": "pt"})
+        try:
+            _check_written(tmp, part)
+        except CheckpointError:
+            tmp.unlink(missing_ok=True)
+            raise
+        os.chmod(tmp, 0o666 & ~umask)  # safetensors writes 0600; the others follow the umask
+        os.replace(tmp, out / name)
+    names = list(split.filename_to_tensors)
+    if split.is_sharded:
+        _write(out / INDEX, (json.dumps({"metadata": split.metadata,
+                                         "weight_map": split.tensor_to_filename}, indent=1)
+                             + "\n").encode())
+        names.append(INDEX)
+    for old in [*out.glob("model-*-of-*.safetensors"), out / "model.safetensors",
+                out / INDEX]:
+        if old.name not in names:
+            old.unlink(missing_ok=True)
+    return names
 
 
 def check_exportable(m) -> None:
@@ -229,36 +292,27 @@ def run(args) -> int:
                               else f"--run-dir {run_dir} is a file, not a run directory")
     out = Path(args.out)
     check_out(out, args.force)
+    shards({}, args.max_shard_size)
     path = checkpoint_path(run_dir, args.step)
     tok_path, note = fingerprint.checkpoint_tokenizer(run_dir, path, args.tokenizer)
     specials = read_specials(tok_path)
     model, m, path = load_checkpoint_model(run_dir, args.step, path)
     check_exportable(m)
-    from safetensors.torch import save_file
-
     try:
         out.mkdir(parents=True, exist_ok=True)
     except OSError as e:
         raise ConfigError(f"--out {str(out)!r}: cannot create it ({e.strerror})") from None
-    sd = to_hf_state_dict(model.state_dict(), m)
-    tmp = out / f"model.safetensors.tmp{os.getpid()}"
-    save_file(sd, str(tmp), metadata={"format": "pt"})
-    try:
-        _check_written(tmp, sd)
-    except CheckpointError:
-        tmp.unlink(missing_ok=True)
-        raise
-    umask = os.umask(0)
-    os.umask(umask)
-    os.chmod(tmp, 0o666 & ~umask)  # safetensors writes 0600; the other files follow the umask
-    os.replace(tmp, out / "model.safetensors")
+    sd = to_hf_state_dict(model.state_dict(), m, args.dtype)
+    weights = write_weights(out, sd, args.max_shard_size)
     _write(out / "tokenizer.json", tok_path.read_bytes())
-    files = {"config.json": hf_config(m, specials), **hf_tokenizer_files(m, specials)}
+    files = {"config.json": hf_config(m, specials, args.dtype),
+             **hf_tokenizer_files(m, specials)}
     for name, obj in files.items():
         _write(out / name, (json.dumps(obj, indent=1) + "\n").encode())
     if note:
         print(note)
+    parts = f" in {len(weights) - 1} shards" if INDEX in weights else ""
     print(f"exported {path.name} ({sum(v.numel() for v in sd.values()):,} parameters) to {out} "
-          f"as {files['config.json']['architectures'][0]} safetensors with its tokenizer "
-          f"(eos id {specials.eos_id}: {specials.eos_token})")
+          f"as {files['config.json']['architectures'][0]} {args.dtype} safetensors{parts} "
+          f"with its tokenizer (eos id {specials.eos_id}: {specials.eos_token})")
     return 0
