@@ -142,6 +142,30 @@ def test_bfloat16_in_shards_loads_everywhere(tmp_path, trained, exported, tiny_d
     assert not (tmp_path / "no").exists()
 
 
+def test_export_reads_the_checkpoint_one_file_at_a_time(tmp_path, trained, monkeypatch):
+    """The process never holds the model: each checkpoint read is one output file's tensors
+    (so its memory is one shard's, whatever the model's size), and together they are all."""
+    from safetensors.torch import load_file
+
+    from myria.train import export
+
+    reads = []
+    real = export._load_alone
+    monkeypatch.setattr(export, "_load_alone",
+                        lambda state, path: (reads.append(set(state["model"])),
+                                             real(state, path)))
+    path = export.checkpoint_path(trained, None)
+    m = export.checkpoint_model_config(path)
+    names, n = export.write_weights(tmp_path, path, m, "bfloat16", "40KB")
+    index = json.loads((tmp_path / "model.safetensors.index.json").read_text())
+    files = sorted(set(index["weight_map"].values()))
+    assert len(reads) == len(files) > 2 and names == [*files, "model.safetensors.index.json"]
+    every = set().union(*reads)
+    assert sum(map(len, reads)) == len(every) == len(index["weight_map"])
+    assert max(map(len, reads)) < len(every) / 2
+    assert n == sum(t.numel() for f in files for t in load_file(tmp_path / f).values())
+
+
 def test_export_of_a_damaged_checkpoint_is_refused_in_one_line(tmp_path, trained):
     """--step names a checkpoint whose bytes no longer match their checksums: nothing is
     exported (the newest that verifies is what the default picks)."""

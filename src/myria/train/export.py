@@ -1,11 +1,16 @@
 """`myria export`: write a checkpoint as a Hugging Face model directory.
 
     myria export --run-dir runs/demo --format hf --out exported/ [--step N] [--force]
+                 [--dtype bfloat16] [--max-shard-size 5GB]
 
-Reads the DCP checkpoint in one process (DCP reassembles shards from any layout), renames the
-parameters to the Llama family's names (myria.interop.hf.hf_name) and writes
+Reads the DCP checkpoint in one process (DCP reassembles shards from any layout) one output
+file at a time, so the process holds one shard's tensors, never the model: the model is built
+on the meta device for its names and shapes only, and each file's tensors are read from the
+checkpoint alone (a partial DCP load). It renames the parameters to the Llama family's names
+(myria.interop.hf.hf_name) and writes
 
-    model.safetensors        float32 weights
+    model.safetensors        the weights (float32 by default, --dtype), or shards of at most
+                             --max-shard-size with model.safetensors.index.json
     config.json              LlamaConfig (Qwen2Config for a model with q/k/v biases), its RoPE
                              scaling, bos/eos/pad token ids of the tokenizer
     generation_config.json   the same token ids (generation stops at the EOS), max_new_tokens 50
@@ -23,7 +28,7 @@ these; anything else is refused clearly. An --out that exists and is not empty i
 refused unless --force, which replaces the files above and leaves any others.
 
 End to end: the checkpoint exported is one that verifies (its files' CRC-32, also with --step),
-and model.safetensors is read back and compared tensor by tensor with what was loaded before it
+and each weight file is read back and compared tensor by tensor with what was loaded before it
 replaces anything, so an export holds the checkpoint's bytes or is not written.
 """
 
@@ -137,44 +142,57 @@ def check_out(out: Path, force: bool) -> None:
                               "directory, or pass --force to replace the exported files in it")
 
 
-def to_hf_state_dict(sd: dict[str, torch.Tensor], m, dtype: str = "float32"
-                     ) -> dict[str, torch.Tensor]:
-    """Rename myria parameter names to the Llama family's (myria.interop.hf.hf_name), in
-    `dtype` (a name of `DTYPES`)."""
-    import torch
-
+def hf_tensors(m, sd: dict[str, torch.Tensor]) -> dict[str, tuple[str, torch.Size]]:
+    """The exported tensors of model config `m` whose state dict is `sd` (meta tensors do):
+    Llama-family name -> (myria's name, shape); a tied output layer is the embedding and is not
+    written twice."""
     from myria.interop.hf import hf_name
 
-    to = getattr(torch, DTYPES[dtype])
-    return {hf_name(k): v.detach().to(to).contiguous() for k, v in sd.items()
+    return {hf_name(k): (k, v.shape) for k, v in sd.items()
             if not (m.tie_embeddings and k == "output.weight")}
 
 
-def shards(sd: dict[str, torch.Tensor], max_shard_size):
-    """huggingface_hub's split of `sd` into files of at most `max_shard_size` (the names and
-    index save_pretrained writes and every loader reads); an empty `sd` checks the size."""
+def shards(sizes: dict[str, torch.Tensor], max_shard_size):
+    """huggingface_hub's split of tensors (meta tensors of the output dtype: sizes only) into
+    files of at most `max_shard_size`, with the names and index save_pretrained writes and
+    every loader reads; an empty `sizes` checks the size."""
     from huggingface_hub import split_torch_state_dict_into_shards
 
     try:
         return split_torch_state_dict_into_shards(
-            sd, filename_pattern="model{suffix}.safetensors", max_shard_size=max_shard_size)
+            sizes, filename_pattern="model{suffix}.safetensors", max_shard_size=max_shard_size)
     except ValueError as e:
         raise ConfigError(f"--max-shard-size {max_shard_size!r}: {e}") from None
 
 
-def write_weights(out: Path, sd: dict[str, torch.Tensor], max_shard_size) -> list[str]:
-    """`sd` as safetensors in `out`: one model.safetensors, or shards of at most
-    `max_shard_size` and their index (`shards`). Each file is written under a temporary name,
-    read back bit for bit (`_check_written`) and then renamed; weight files of an earlier
-    export that this one does not write are removed, so the directory holds one model. The
-    file names."""
+def write_weights(out: Path, path: Path, m, dtype: str, max_shard_size) -> tuple[list[str], int]:
+    """Checkpoint `path`'s weights of model config `m` as safetensors in `out`, in `dtype` (a
+    name of `DTYPES`): one model.safetensors, or shards of at most `max_shard_size` and their
+    index (`shards`). One file at a time: its tensors are read from the checkpoint alone,
+    converted, written under a temporary name, read back bit for bit (`_check_written`) and
+    renamed, and freed before the next. Weight files of an earlier export that this one does
+    not write are removed, so the directory holds one model. The file names and the number of
+    parameters written."""
+    import torch
     from safetensors.torch import save_file
 
-    split = shards(sd, max_shard_size)
+    from myria.models.transformer import build_model
+    from myria.train.checkpoint.load import check_shapes
+
+    meta_sd = build_model(m).state_dict()   # on the meta device: names and shapes only
+    check_shapes(path, meta_sd)
+    tensors = hf_tensors(m, meta_sd)
+    to = getattr(torch, DTYPES[dtype])
+    split = shards({h: torch.empty(shape, dtype=to, device="meta")
+                    for h, (_, shape) in tensors.items()}, max_shard_size)
+    saved = _saved_dtypes(path)
     umask = os.umask(0)
     os.umask(umask)
     for name, keys in split.filename_to_tensors.items():
-        part = {k: sd[k] for k in keys}
+        state = {"model": {tensors[h][0]: torch.empty(tensors[h][1], dtype=saved[tensors[h][0]])
+                           for h in keys}}
+        _load_alone(state, path)
+        part = {h: state["model"].pop(tensors[h][0]).to(to).contiguous() for h in keys}
         tmp = out / f"{name}.tmp{os.getpid()}"
         save_file(part, str(tmp), metadata={"format": "pt"})
         try:
@@ -184,6 +202,7 @@ def write_weights(out: Path, sd: dict[str, torch.Tensor], max_shard_size) -> lis
             raise
         os.chmod(tmp, 0o666 & ~umask)  # safetensors writes 0600; the others follow the umask
         os.replace(tmp, out / name)
+        del part, state
     names = list(split.filename_to_tensors)
     if split.is_sharded:
         _write(out / INDEX, (json.dumps({"metadata": split.metadata,
@@ -194,7 +213,16 @@ def write_weights(out: Path, sd: dict[str, torch.Tensor], max_shard_size) -> lis
                 out / INDEX]:
         if old.name not in names:
             old.unlink(missing_ok=True)
-    return names
+    return names, sum(shape.numel() for _, shape in tensors.values())
+
+
+def _saved_dtypes(path: Path) -> dict:
+    """The dtype each model tensor has in checkpoint `path` (myria's names)."""
+    import torch.distributed.checkpoint as dcp
+
+    md = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    return {k[len("model."):]: v.properties.dtype for k, v in md.items()
+            if k.startswith("model.") and hasattr(v, "size")}
 
 
 def check_exportable(m) -> None:
@@ -232,46 +260,57 @@ def checkpoint_path(run_dir: Path, step: int | None) -> Path:
 
 
 def _check_written(path: Path, sd: dict[str, torch.Tensor]) -> None:
-    """The file `path` holds `sd` bit for bit (read back, checksummed per tensor), else
-    CheckpointError: an export is only as good as the bytes that reached the disk."""
-    from safetensors.torch import load_file
+    """The file `path` holds `sd` bit for bit (read back one tensor at a time, checksummed),
+    else CheckpointError: an export is only as good as the bytes that reached the disk."""
+    from safetensors import safe_open
 
     from myria.train import checksums
 
-    back = load_file(str(path))
     names = sorted(sd)
-    if sorted(back) != names:
-        raise CheckpointError(f"the exported {path.name} read back holds other tensors")
-    want = checksums.sums([sd[k] for k in names]).tolist()
-    bad = checksums.differing(want, [back[k] for k in names])
-    if bad:
-        raise CheckpointError(f"the exported weights read back from {path} differ from the "
-                              f"checkpoint's ({names[bad[0]]}): nothing exported")
+    with safe_open(str(path), framework="pt") as f:
+        if sorted(f.keys()) != names:
+            raise CheckpointError(f"the exported {path.name} read back holds other tensors")
+        want = checksums.sums([sd[k] for k in names]).tolist()
+        for k, w in zip(names, want):
+            if checksums.differing([w], [f.get_tensor(k)]):
+                raise CheckpointError(f"the exported weights read back from {path} differ "
+                                      f"from the checkpoint's ({k}): nothing exported")
+
+
+def _load_alone(state: dict, path: Path) -> None:
+    """DCP's load of the tensors in `state` (a subset of the checkpoint's) in this process."""
+    import torch.distributed.checkpoint as dcp
+
+    with warnings.catch_warnings():
+        # one process reading the checkpoint is the intent here; torch warns of it on every
+        # load without a process group, which export and generate would print each time
+        warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
+        dcp.load(state, checkpoint_id=str(path), no_dist=True,
+                 planner=dcp.DefaultLoadPlanner(allow_partial_load=True))
+
+
+def checkpoint_model_config(path: Path):
+    """The model config checkpoint `path` was saved with (its meta.json)."""
+    from myria import config as config_mod
+
+    meta = json.loads((path / "meta.json").read_text())
+    return config_mod.from_dict({"model": meta["model"]}).model
 
 
 def load_checkpoint_model(run_dir: Path, step: int | None, path: Path | None = None):
     """Rebuild the model of a run's checkpoint (`path`, or found by `step`) in this process and
     load its weights."""
-    import torch.distributed.checkpoint as dcp
-
-    from myria import config as config_mod
     from myria.models.transformer import build_model
     from myria.train.checkpoint.load import check_shapes
 
     path = path or checkpoint_path(run_dir, step)
-    meta = json.loads((path / "meta.json").read_text())
-    m = config_mod.from_dict({"model": meta["model"]}).model
+    m = checkpoint_model_config(path)
     model = build_model(m, "cpu")
     model.init_weights(0, buffers_only=True)
     sd = {k: v for k, v in model.state_dict().items()}
     check_shapes(path, sd)
     state = {"model": sd}
-    with warnings.catch_warnings():
-        # one process reading the whole checkpoint is the intent here; torch warns of it on
-        # every load without a process group, which export and generate would print each time
-        warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
-        dcp.load(state, checkpoint_id=str(path), no_dist=True,
-                 planner=dcp.DefaultLoadPlanner(allow_partial_load=True))
+    _load_alone(state, path)
     model.load_state_dict(state["model"])
     return model, m, path
 
@@ -296,14 +335,13 @@ def run(args) -> int:
     path = checkpoint_path(run_dir, args.step)
     tok_path, note = fingerprint.checkpoint_tokenizer(run_dir, path, args.tokenizer)
     specials = read_specials(tok_path)
-    model, m, path = load_checkpoint_model(run_dir, args.step, path)
+    m = checkpoint_model_config(path)
     check_exportable(m)
     try:
         out.mkdir(parents=True, exist_ok=True)
     except OSError as e:
         raise ConfigError(f"--out {str(out)!r}: cannot create it ({e.strerror})") from None
-    sd = to_hf_state_dict(model.state_dict(), m, args.dtype)
-    weights = write_weights(out, sd, args.max_shard_size)
+    weights, n_params = write_weights(out, path, m, args.dtype, args.max_shard_size)
     _write(out / "tokenizer.json", tok_path.read_bytes())
     files = {"config.json": hf_config(m, specials, args.dtype),
              **hf_tokenizer_files(m, specials)}
@@ -312,7 +350,7 @@ def run(args) -> int:
     if note:
         print(note)
     parts = f" in {len(weights) - 1} shards" if INDEX in weights else ""
-    print(f"exported {path.name} ({sum(v.numel() for v in sd.values()):,} parameters) to {out} "
+    print(f"exported {path.name} ({n_params:,} parameters) to {out} "
           f"as {files['config.json']['architectures'][0]} {args.dtype} safetensors{parts} "
           f"with its tokenizer (eos id {specials.eos_id}: {specials.eos_token})")
     return 0
