@@ -47,13 +47,10 @@ from myria.errors import CheckpointError, ConfigError
 if TYPE_CHECKING:
     import torch
 
-FILES = ("model.safetensors", "config.json", "generation_config.json", "tokenizer.json",
-         "tokenizer_config.json", "special_tokens_map.json")
-DTYPES = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16"}
-# the shard size transformers' save_pretrained used by default for years, and the one the
-# Hugging Face Hub's large-file guidance is written around
-MAX_SHARD_SIZE = "5GB"
+DTYPES = ("float32", "bfloat16", "float16")   # names of torch dtypes
+MAX_SHARD_SIZE = "5GB"   # transformers 4's save_pretrained default
 INDEX = "model.safetensors.index.json"
+
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--run-dir", required=True, help="run directory holding checkpoints/")
@@ -66,7 +63,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tokenizer", metavar="PATH", default=None,
                    help="tokenizer.json to export, for checkpoints that kept none (it must "
                    "match the fingerprint the checkpoint recorded, if any)")
-    p.add_argument("--dtype", default="float32", choices=tuple(DTYPES),
+    p.add_argument("--dtype", default="float32", choices=DTYPES,
                    help="weights' type: float32 (the trained master weights, exact; default), "
                    "bfloat16 (half the size, as Hugging Face models are usually shared) or "
                    "float16")
@@ -182,7 +179,7 @@ def write_weights(out: Path, path: Path, m, dtype: str, max_shard_size) -> tuple
     meta_sd = build_model(m).state_dict()   # on the meta device: names and shapes only
     check_shapes(path, meta_sd)
     tensors = hf_tensors(m, meta_sd)
-    to = getattr(torch, DTYPES[dtype])
+    to = getattr(torch, dtype)
     split = shards({h: torch.empty(shape, dtype=to, device="meta")
                     for h, (_, shape) in tensors.items()}, max_shard_size)
     saved = _saved_dtypes(path)
