@@ -266,7 +266,7 @@ def _stop_reasons(rank: int, world: int, port: int, out_dir: str) -> None:
         stop = StopRequest(30.0)
         stop.limit_name = "the wall-time limit (training.max_time_s = 40)"
         if rank == 1:
-            stop.request_limit() if asker == "limit" else stop._handle(signal.SIGTERM, None)
+            stop.request_limit() if asker == "limit" else stop._handle(signal.SIGINT, None)
         names.append([stop.agreed(), stop.signal_name])
         stop.restore()
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
@@ -283,8 +283,42 @@ def test_every_rank_names_the_reason_another_rank_stopped_for(tmp_path):
     spawn(_stop_reasons, 2, str(tmp_path))
     got = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
     limit = "the wall-time limit (training.max_time_s = 40)"
-    assert got[0] == [[True, limit], [True, "SIGTERM (on another rank)"]], got
-    assert got[1] == [[True, limit], [True, "SIGTERM"]], got
+    assert got[0] == [[True, limit], [True, "a stop signal (on another rank)"]], got
+    assert got[1] == [[True, limit], [True, "SIGINT"]], got
+
+
+@pytest.mark.slow
+def test_ctrl_c_saves_then_says_where_the_run_resumes(tmp_path, tiny_data):
+    """Ctrl-C (SIGINT) to `myria train --nproc 2`: the launcher forwards it, the workers save
+    the step they are in as SIGTERM would have them, and the launcher names the checkpoint the
+    same command resumes from, exiting 130 as a shell does for SIGINT."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from myria.train.checkpoint.store import CheckpointStore
+
+    env = {k: v for k, v in os.environ.items() if k != "MYRIA_FAULT"}
+    p = subprocess.Popen([sys.executable, "-m", "myria", "train", "--run-dir", str(tmp_path),
+                          f"--data.path={tiny_data}", *TINY, "--training.steps=400",
+                          "--checkpoint.interval=0", "--nproc", "2"], cwd=ROOT, env=env,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.time() + 180
+        metrics = tmp_path / "metrics.jsonl"
+        while time.time() < deadline and p.poll() is None and \
+                not (metrics.exists() and max(losses(tmp_path) or [0]) >= 2):
+            time.sleep(0.05)
+        p.send_signal(signal.SIGINT)
+        out, err = p.communicate(timeout=120)
+    finally:
+        p.kill()
+    step = max(losses(tmp_path))
+    assert p.returncode == 130 and step < 400, err[-2000:]
+    assert f"stopped on SIGINT after step {step} with a committed checkpoint" in out
+    assert f"stopped by SIGINT; the same command resumes from step_{step:08d}" in err, err
+    assert CheckpointStore(tmp_path / "checkpoints").committed()[-1].name == f"step_{step:08d}"
 
 
 def test_wsd_schedule_and_document_masking_named_in_the_header(tmp_path, tiny_data):

@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import os
 import shlex
+import sys
 import time
 from pathlib import Path
 
@@ -221,7 +222,13 @@ def run(args) -> int:
             cfg, device_type(cfg.training.device))
         print(dry_run(cfg, world * args.nnodes, ranks_per_host=world))
         return 0
-    from myria.train.launch import JOB_START_ENV, inside_launcher, launch_local, own_run_dir
+    from myria.train.launch import (
+        JOB_START_ENV,
+        Stopped,
+        inside_launcher,
+        launch_local,
+        own_run_dir,
+    )
 
     if cfg.training.eval_interval and cfg.parallel.pp > 1:
         _say(f"note: no validation loss (training.eval_interval = "
@@ -258,7 +265,12 @@ def run(args) -> int:
     own_run_dir(args.run_dir)  # a second job on it is refused; workers stop with the launcher
     if launching:
         os.environ.setdefault(JOB_START_ENV, str(job_start))
-        launch_local(args.nproc, ["train", *_without_nproc(args.argv)])
+        try:
+            launch_local(args.nproc, ["train", *_without_nproc(args.argv)])
+        except Stopped as e:
+            _summary(Path(args.run_dir))
+            print(f"myria train: {e}; {_resumes_from(Path(args.run_dir))}", file=sys.stderr)
+            return e.exit_code
         _summary(Path(args.run_dir))
         return 0
     from myria.train.trainer import train
@@ -288,6 +300,16 @@ def _without_nproc(argv: list[str]) -> list[str]:
         elif not a.startswith("--nproc="):
             out.append(a)
     return out
+
+
+def _resumes_from(run_dir: Path) -> str:
+    """Where the same command would resume: the newest committed checkpoint, said as such."""
+    from myria.train.checkpoint.store import CheckpointStore
+
+    committed = CheckpointStore(rundir.checkpoints_dir(run_dir)).committed()
+    newest = committed[-1].name if committed else ""
+    return (f"the same command resumes from {newest}, the newest committed checkpoint" if newest
+            else "no checkpoint was committed: the same command starts from step 0")
 
 
 def _summary(run_dir: Path) -> None:

@@ -168,6 +168,17 @@ def record_worker_error(message: str, exit_code: int) -> bool:
     return os.environ.get(QUIET_ENV) == "1"
 
 
+class Stopped(LaunchError):
+    """The launcher was asked to stop by a signal, which it forwarded: the workers saved a
+    checkpoint at the end of their step and exited (or, past torch elastic's grace period,
+    were killed). The exit status is the shell's for that signal, 128 + its number."""
+
+    def __init__(self, sig: signal.Signals) -> None:
+        super().__init__(f"stopped by {sig.name}")
+        self.signal_name = sig.name
+        self.exit_code = 128 + int(sig)
+
+
 def first_failure(failures: dict) -> tuple[int, Any]:
     """The rank that failed first among torch elastic's ProcessFailures.
 
@@ -222,9 +233,8 @@ def launch_local(nproc: int, argv: list[str], max_restarts: int = 0) -> None:
         lg.setLevel(logging.CRITICAL)
     try:
         elastic_launch(config, entrypoint=sys.executable)("-m", "myria", *argv)
-    except SignalException as e:  # the agent forwarded it; workers saved at their next step
-        raise LaunchError(f"stopped by {e.sigval.name}: the workers were asked to save a "
-                          "checkpoint and exit; run the same command to resume") from None
+    except SignalException as e:  # the agent forwarded it; workers save at their next step
+        raise Stopped(e.sigval) from None
     except ChildFailedError as e:
         rank, f = first_failure(e.failures)
         data = f.error_file_data if isinstance(f.error_file_data, dict) else {}

@@ -1,11 +1,12 @@
-"""Save-then-exit on SIGTERM: the signal sets a flag; all ranks agree on it at the end of a step.
+"""Save-then-exit on a stop signal: it sets a flag; all ranks agree on it at the end of a step.
 
 Schedulers announce preemption with SIGTERM and follow with SIGKILL after a grace period (Slurm
-`--signal`, Kubernetes `terminationGracePeriodSeconds`); torch elastic forwards the agent's
-SIGTERM to its workers. The handler only records the request (the loop may be inside a
-collective), and the ranks agree through a one-integer all-reduce on a small gloo group of
-their own at the end of every step, so every rank saves the same step. A second SIGTERM while
-saving restores the default action and ends the process at once.
+`--signal`, Kubernetes `terminationGracePeriodSeconds`); a user stops a run with Ctrl-C (SIGINT)
+or by closing its terminal (SIGHUP). torch elastic forwards whichever of these its agent gets
+to the workers, so each is handled alike (`STOP_SIGNALS`). The handler only records the request
+(the loop may be inside a collective), and the ranks agree through a one-integer all-reduce on
+a small gloo group of their own at the end of every step, so every rank saves the same step. A
+second signal while saving restores the default action and ends the process at once.
 
 The same agreement carries the job's wall-time limit (`request_limit`), which each rank judges
 by its own clock and step times: the all-reduce takes the largest reason code, so a rank that
@@ -22,13 +23,13 @@ import torch
 import torch.distributed as dist
 
 SIGNALLED, LIMIT = 1, 2   # reason codes of the agreement (0: go on); the larger one is named
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 
 
 class StopRequest:
-    """A SIGTERM (or SIGINT) flag, or the wall-time limit, that the ranks agree on, step by
-    step."""
+    """A stop signal's flag, or the wall-time limit, that the ranks agree on, step by step."""
 
-    def __init__(self, timeout_s: float = 120.0, signals: tuple = (signal.SIGTERM,)) -> None:
+    def __init__(self, timeout_s: float = 120.0, signals: tuple = STOP_SIGNALS) -> None:
         self.requested = False
         self.signal_name = ""
         self._code = 0
@@ -63,7 +64,8 @@ class StopRequest:
         code = int(flag.item())
         if code and not self.requested:
             self.requested, self._code = True, code
-            self.signal_name = self.limit_name if code == LIMIT else "SIGTERM (on another rank)"
+            self.signal_name = self.limit_name if code == LIMIT else "a stop signal (on " \
+                "another rank)"
         return bool(code)
 
     def restore(self) -> None:
