@@ -442,6 +442,28 @@ def test_a_worker_error_file_is_whole_or_absent(tmp_path, monkeypatch):
     assert f.message == "sdc on rank 2" and f.error_file_data["myria"]["exit_code"] == 75
 
 
+def test_the_rank_killed_is_blamed_not_the_survivor_that_lost_it(tmp_path, monkeypatch):
+    """A rank killed from outside writes no error file (torch's placeholder message is not
+    one); its survivor's own error says only that its peer is gone: the killed rank failed
+    first, whatever the order the agent recorded them in, and the one the agent stopped with
+    SIGTERM comes last."""
+    import signal
+
+    from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
+
+    from myria.train.launch import first_failure, own_message, record_worker_error
+
+    err = tmp_path / "survivor.json"
+    monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(err))
+    record_worker_error("RuntimeError: [gloo] Connection reset by peer", 1)
+    survivor = ProcessFailure(0, 10, 1, str(err))
+    killed = ProcessFailure(1, 11, -signal.SIGKILL, str(tmp_path / "none.json"))
+    stopped = ProcessFailure(2, 12, -signal.SIGTERM, str(tmp_path / "none2.json"))
+    assert own_message(killed) == "" and own_message(survivor)
+    assert first_failure({0: survivor, 1: killed, 2: stopped})[0] == 1
+    assert first_failure({0: survivor, 2: stopped})[0] == 0
+
+
 @pytest.mark.slow
 def test_failed_launch_names_the_rank_that_failed_first(tmp_path, tiny_data):
     p = train(tmp_path, tiny_data, "--training.steps=6", nproc=2, check=False,

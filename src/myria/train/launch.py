@@ -168,6 +168,16 @@ def record_worker_error(message: str, exit_code: int) -> bool:
     return os.environ.get(QUIET_ENV) == "1"
 
 
+# what a survivor's error says when a peer is gone (collective or store): a consequence of
+# another rank's failure, not a cause
+PEER_LOST = ("Connection closed by peer", "Connection reset by peer", "Broken pipe",
+             "Socket Timeout", "Timed out", "timed out", "ProcessGroupGloo", "gloo",
+             "DistBackendError", "Connection refused", "has not been initialized",
+             "aborted", "Aborted")
+# torch elastic's message of a rank that wrote no error file
+NO_MESSAGE = "<NONE>"
+
+
 class Stopped(LaunchError):
     """The launcher was asked to stop by a signal, which it forwarded: the workers saved a
     checkpoint at the end of their step and exited (or, past torch elastic's grace period,
@@ -182,24 +192,33 @@ class Stopped(LaunchError):
 def first_failure(failures: dict) -> tuple[int, Any]:
     """The rank that failed first among torch elastic's ProcessFailures.
 
-    A rank that reported its own error (error file) comes before one killed by a signal, which
-    comes before one the agent stopped with SIGTERM because a peer had failed; ties go to the
-    earliest recorded time, then the lowest rank.
+    A rank that reported an error of its own (error file) comes before one killed by a signal,
+    which comes before one whose error says a peer was lost (`PEER_LOST`: the survivors of a
+    killed rank), which comes before one the agent stopped with SIGTERM because a peer had
+    failed; ties go to the earliest recorded time, then the lowest rank.
     """
     def order(item):
         rank, f = item
-        data = getattr(f, "error_file_data", None) or {}
+        data = getattr(f, "error_file_data", None)
         mine = data.get("myria") if isinstance(data, dict) else None
         t = mine["time"] if mine else float(getattr(f, "timestamp", 0) or 0)
-        if mine or (data.get("message") if isinstance(data, dict) else None):
-            kind = 0
+        message = own_message(f)
+        if message:
+            kind = 2 if any(m in message for m in PEER_LOST) else 0
         elif f.exitcode == -signal.SIGTERM:
-            kind = 2
+            kind = 3
         else:
             kind = 1
         return (kind, t, rank)
 
     return min(failures.items(), key=order)
+
+
+def own_message(f) -> str:
+    """The error a failed rank wrote of itself ("" when it wrote none)."""
+    data = getattr(f, "error_file_data", None)
+    msg = data.get("message") if isinstance(data, dict) else None
+    return msg if isinstance(msg, str) and msg != NO_MESSAGE else ""
 
 
 def launch_local(nproc: int, argv: list[str], max_restarts: int = 0) -> None:
@@ -238,7 +257,7 @@ def launch_local(nproc: int, argv: list[str], max_restarts: int = 0) -> None:
     except ChildFailedError as e:
         rank, f = first_failure(e.failures)
         data = f.error_file_data if isinstance(f.error_file_data, dict) else {}
-        msg = data.get("message") if isinstance(data.get("message"), str) else ""
+        msg = own_message(f)
         how = f"signal {f.signal_name()}" if f.exitcode < 0 else f"exit code {f.exitcode}"
         others = len(e.failures) - 1
         err = LaunchError(

@@ -73,6 +73,7 @@ import torch.distributed as dist
 from myria.observe import heartbeat_store
 from myria.rundir import JOB_ATTEMPT_ENV
 from myria.train.distributed import collective_device
+from myria.train.launch import PEER_LOST
 from myria.train.state import load_flat_state
 
 log = logging.getLogger("myria")
@@ -83,11 +84,6 @@ ENV_JOIN = "MYRIA_INJOB_JOIN"            # "1": this process replaces a lost ran
 # several hosts: the rendezvous store on its first node); unset: the supervisor's own store
 ENV_STORE = "MYRIA_INJOB_STORE"
 ENV_ASSIGNED_AT = "MYRIA_INJOB_ASSIGNED_AT"  # a spare: when it was given its rank
-# what a survivor's error says when a peer is gone (collective or store)
-PEER_LOST = ("Connection closed by peer", "Connection reset by peer", "Broken pipe",
-             "Socket Timeout", "Timed out", "timed out", "ProcessGroupGloo", "gloo",
-             "DistBackendError", "Connection refused", "has not been initialized",
-             "aborted", "Aborted")
 
 
 class Regroup(Exception):
