@@ -291,7 +291,9 @@ def test_every_rank_names_the_reason_another_rank_stopped_for(tmp_path):
 def test_ctrl_c_saves_then_says_where_the_run_resumes(tmp_path, tiny_data):
     """Ctrl-C (SIGINT) to `myria train --nproc 2`: the launcher forwards it, the workers save
     the step they are in as SIGTERM would have them, and the launcher names the checkpoint the
-    same command resumes from, exiting 130 as a shell does for SIGINT."""
+    same command resumes from, exiting 130 as a shell does for SIGINT. It leaves nothing in
+    the temporary directory but torch's compile cache (torch elastic's default log directory
+    is a new one per launch)."""
     import signal
     import subprocess
     import sys
@@ -300,6 +302,8 @@ def test_ctrl_c_saves_then_says_where_the_run_resumes(tmp_path, tiny_data):
     from myria.train.checkpoint.store import CheckpointStore
 
     env = {k: v for k, v in os.environ.items() if k != "MYRIA_FAULT"}
+    (tmp := tmp_path / "tmp").mkdir()
+    env["TMPDIR"] = str(tmp)
     p = subprocess.Popen([sys.executable, "-m", "myria", "train", "--run-dir", str(tmp_path),
                           f"--data.path={tiny_data}", *TINY, "--training.steps=400",
                           "--checkpoint.interval=0", "--nproc", "2"], cwd=ROOT, env=env,
@@ -319,6 +323,7 @@ def test_ctrl_c_saves_then_says_where_the_run_resumes(tmp_path, tiny_data):
     assert f"stopped on SIGINT after step {step} with a committed checkpoint" in out
     assert f"stopped by SIGINT; the same command resumes from step_{step:08d}" in err, err
     assert CheckpointStore(tmp_path / "checkpoints").committed()[-1].name == f"step_{step:08d}"
+    assert [x.name for x in tmp.iterdir() if not x.name.startswith("torchinductor_")] == []
 
 
 def test_wsd_schedule_and_document_masking_named_in_the_header(tmp_path, tiny_data):

@@ -223,6 +223,10 @@ def own_message(f) -> str:
 
 def launch_local(nproc: int, argv: list[str], max_restarts: int = 0) -> None:
     """Run `python -m myria *argv` as `nproc` ranks on this host; raise LaunchError on failure."""
+    import shutil
+    import tempfile
+
+    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
@@ -240,6 +244,9 @@ def launch_local(nproc: int, argv: list[str], max_restarts: int = 0) -> None:
                       "read_timeout": 120},
         max_restarts=max_restarts, monitor_interval=0.2,
         start_method="spawn",
+        # the workers' error files, read into the failures before the launch returns; torch's
+        # default is a new /tmp/torchelastic_* per launch that nothing removes
+        logs_specs=DefaultLogsSpecs(log_dir=(logs := tempfile.mkdtemp(prefix="myria-launch-"))),
     )
     os.environ[QUIET_ENV] = "1"
     os.environ[LAUNCHER_ENV] = str(os.getpid())
@@ -270,3 +277,4 @@ def launch_local(nproc: int, argv: list[str], max_restarts: int = 0) -> None:
         os.environ.pop(QUIET_ENV, None)
         for lg, level in zip(quiet, levels):
             lg.setLevel(level)
+        shutil.rmtree(logs, ignore_errors=True)
