@@ -643,6 +643,19 @@ def test_job_status_is_the_jobs_outcome_not_its_worst_hosts(tmp_path):
     assert p.returncode == 1 and "job slurm-7 rendezvous-lost at step 6/12" in p.stdout
     p = run_cli(*args[:3], "slurm-8", *args[4:], str(ok), check=False)
     assert p.returncode == 1 and "is of job 'slurm-7'" in p.stdout
+    # stopped cleanly by its wall-time limit: not a finished run, not a failure
+    stopped = tmp_path / "stopped"
+    write_part_and_merge(stopped, part("h0", "stopped", 7))
+    write_part_and_merge(stopped, part("h1", "stopped", 7))
+    p = run_cli(*args, str(stopped))
+    assert p.stdout.strip() == "myria: job slurm-7 stopped at step 7/12 on h0, h1"
+    one = tmp_path / "one"   # one host: its summary has no parts
+    one.mkdir()
+    (one / "supervisor_summary.json").write_text(json.dumps(part("vm", "succeeded", 12)))
+    assert run_cli(*args, str(one)).stdout.strip() == \
+        "myria: job slurm-7 succeeded at step 12/12 on vm"
+    p = run_cli("supervise", "--job-status", "--run-dir", str(ok), check=False)
+    assert p.returncode == 2 and "--job-status needs --rdzv-id" in p.stderr
 
 
 def test_workers_count_the_wall_time_limit_from_the_jobs_start(tmp_path, monkeypatch):
@@ -825,7 +838,7 @@ def test_spare_straggler_and_time_limit_across_two_supervisors(tmp_path, tiny_da
     assert all(int(s) > stopped for s in named), (stopped, named)
     out = tmp_path / "supervisor_summary.json"
     summary = json.loads(out.read_text())
-    assert summary["final_step"] == last, summary
+    assert summary["final_step"] == last and summary["status"] == "stopped", summary
     # committed before the limit, counted from the supervisor's start: read back as its
     # summary file's time less its wall time, which puts it late by the summary's writing
     # (under a second on a busy host)

@@ -25,12 +25,16 @@ from pathlib import Path
 from typing import Any
 
 from myria import rundir
+from myria.errors import ConfigError
 from myria.fsutil import atomic_write
 
 PARTS_DIR = "supervisor"
 WAIT_REPORT_S = 10.0   # how often a wait for hosts is reported
 SPARE_UNUSED = "spare-unused"   # the status of a spare host the job ended without
 EXCLUDED = "excluded"           # a host the job went on and ended without
+# a job whose workers ended cleanly before training.steps (its wall-time limit, a stop signal
+# sent to the workers themselves): a committed checkpoint the same command resumes from
+STOPPED = "stopped"
 
 
 def _hms(t: float) -> str:
@@ -78,8 +82,11 @@ def merge(parts: dict[str, dict], writer: str) -> dict[str, Any]:
     # without (lost, cut off, drained, spares) keep their own status under host_status
     done = [p for p in parts.values() if p.get("status") == "succeeded" and
             p.get("final_step", 0) >= p.get("target_steps", 0)]
-    bad = [s for s in statuses.values() if s not in ("succeeded", SPARE_UNUSED, EXCLUDED)]
-    top["status"] = "succeeded" if done else bad[0] if bad else "failed"
+    stopped = [p for p in parts.values() if p.get("status") == STOPPED]
+    bad = [s for s in statuses.values()
+           if s not in ("succeeded", STOPPED, SPARE_UNUSED, EXCLUDED)]
+    top["status"] = "succeeded" if done else STOPPED if stopped and not bad else \
+        bad[0] if bad else "failed"
     top["final_step"] = max(p.get("final_step", 0) for p in parts.values())
     top["restarts"] = max(p.get("restarts", 0) for p in parts.values())
     top["faults"] = sorted((dict(f, host=h) for h, p in parts.items()
@@ -94,9 +101,13 @@ def merge(parts: dict[str, dict], writer: str) -> dict[str, Any]:
 
 def job_status(run_dir: Path, job: str) -> int:
     """Print job `job`'s outcome from the run directory's merged summary in one line; 0 when
-    it succeeded, else 1. The batch script's exit: Slurm's final state of the job is then the
-    job's, not its worst node's (a node drained or cut off leaves with a non-zero exit while
-    the job trains to its end on the others)."""
+    it succeeded or stopped cleanly as asked (`summary.STOPPED`: its wall-time limit), else 1.
+    The batch script's exit: Slurm's final state of the job is then the job's, not its worst
+    node's (a node drained or cut off leaves with a non-zero exit while the job trains to its
+    end on the others)."""
+    if not job:
+        raise ConfigError("--job-status needs --rdzv-id JOB (the job whose outcome to print; "
+                          "the Slurm script's is slurm-$SLURM_JOB_ID)")
     try:
         s = json.loads((Path(run_dir) / rundir.SUPERVISOR_SUMMARY).read_text())
     except (OSError, ValueError) as e:
@@ -105,12 +116,13 @@ def job_status(run_dir: Path, job: str) -> int:
     if s.get("job") != job:
         print(f"myria: job {job}: the summary in {run_dir} is of job {s.get('job')!r}")
         return 1
-    status = sorted(s.get("host_status", {}).items())
-    ran = ", ".join(h for h, st in status if st == "succeeded") or "no host"
-    others = ", ".join(f"{h}: {st}" for h, st in status if st != "succeeded")
+    status = sorted((s.get("host_status") or {s.get("host", "?"): s.get("status")}).items())
+    ok = ("succeeded", STOPPED)
+    ran = ", ".join(h for h, st in status if st in ok) or "no host"
+    others = ", ".join(f"{h}: {st}" for h, st in status if st not in ok)
     print(f"myria: job {job} {s.get('status')} at step {s.get('final_step')}/"
           f"{s.get('target_steps', '?')} on {ran}{f' ({others})' if others else ''}")
-    return 0 if s.get("status") == "succeeded" else 1
+    return 0 if s.get("status") in ok else 1
 
 
 def moved_on_without(run_dir: Path, job: str, host: str) -> str:

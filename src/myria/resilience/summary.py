@@ -53,13 +53,19 @@ def build(sup, status: str) -> dict[str, Any]:
                                  "cost_s_per_step": s.cost_s_per_step}
                                 for s in sup.stragglers.values()])
     kept = productive  # the step-time measure; the ledger's when it has rows
+    newest = newest_committed(sup.run_dir)
+    target = sup.cfg.training.steps
+    if status == "succeeded" and max(final, _step_of(newest)) < target:
+        from myria.resilience.multihost import STOPPED
+
+        status = STOPPED
     if ledger["seconds"]["productive"] > 0:
         productive, ettr_ledger = ledger["seconds"]["productive"], ledger["ettr"]
     else:
         ettr_ledger = ettr
     return {
         "status": status, "host": sup.host, "job": sup.job,
-        "target_steps": sup.cfg.training.steps, "start_step": max(0, start),
+        "target_steps": target, "start_step": max(0, start),
         "final_step": final, "steps_trained": steps,
         "restarts": sum(1 for f in sup.faults if f.restarted_at),
         "attempts": sup.attempt,   # after the first: restarts, in-job shrinks and grows
@@ -68,7 +74,7 @@ def build(sup, status: str) -> dict[str, Any]:
         "effective_training_time_ratio": round(ettr_ledger, 4),
         "step_time_ratio": round(ettr, 4),
         "time_lost_s": round(wall - productive, 3),
-        "newest_checkpoint": newest_committed(sup.run_dir),
+        "newest_checkpoint": newest,
         "faults": faults, "blocklist": sup.blocklist, "goodput": ledger,
         # a hook that fired before this host ran workers (on another host of the job, while
         # this one waited as a spare) was not this host's to detect
@@ -161,6 +167,11 @@ def sdc_verdict(run_dir: Path, since: float) -> dict | None:
             "check": first.get("check", "replica"), "host": rows[0].get("host"),
             "verdict": next((v for v in verdicts if v.startswith("persistent")), verdicts[0]),
             "persistent": persistent, "detections": len(rows)}
+
+
+def _step_of(checkpoint: str) -> int:
+    """The step of a checkpoint directory's name (step_00000200 -> 200; 0 for none)."""
+    return int(checkpoint.rsplit("_", 1)[1]) if checkpoint.startswith("step_") else 0
 
 
 def newest_committed(run_dir: Path) -> str:
