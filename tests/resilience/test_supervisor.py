@@ -621,6 +621,24 @@ def test_spares_without_in_job_recovery_are_refused_in_one_line(tmp_path):
     assert not (tmp_path / "run").exists()
 
 
+@pytest.mark.slow
+def test_supervise_resumes_from_an_asked_checkpoint_once_and_stops_after(tmp_path, tiny_data):
+    """`myria supervise --resume-from CKPT --stop-after N`: the first start goes back to CKPT
+    (the newer checkpoints set aside); a restart after a fault resumes from the newest save
+    since, not from CKPT again; the job stops cleanly at N, status `stopped`."""
+    run_cli("train", "--run-dir", str(tmp_path), f"--data.path={tiny_data}", *COMMON,
+            "--training.steps=12", "--checkpoint.interval=2")
+    back = tmp_path / "checkpoints" / "step_00000008"
+    supervise(tmp_path, tiny_data, "--resume-from", str(back), "--stop-after", "14",
+              "--checkpoint.interval=2", env={"MYRIA_FAULT": "kill:rank=1:step=11"})
+    summary = json.loads((tmp_path / "supervisor_summary.json").read_text())
+    assert summary["status"] == "stopped" and summary["final_step"] == 14, summary
+    assert [f["resumed_from"] for f in summary["faults"]] == [10], summary["faults"]
+    out = (tmp_path / "supervisor.log").read_text() + "".join(
+        f.read_text() for f in (tmp_path / "logs").rglob("*.log"))
+    assert f"resumed from {back} (step 8" in out
+
+
 def test_job_status_is_the_jobs_outcome_not_its_worst_hosts(tmp_path):
     """The Slurm script's exit (`myria supervise --job-status`): a job that trained to its end
     on some hosts succeeded though a drained host left it; one that did not, failed."""

@@ -31,6 +31,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "a scheduler writes it (Slurm's [D-]HH:MM:SS or MM) or with a unit (90m, 2h): "
                    "the workers stop cleanly with a committed checkpoint before it passes, "
                    "restarts included (training.max_time_s)")
+    from myria.train.preflight import add_resume_arguments
+
+    add_resume_arguments(p)
     p.add_argument("--job-status", action="store_true", help="print job --rdzv-id's outcome "
                    "from RUN_DIR's summary and exit 0 only if it succeeded (the Slurm script's "
                    "exit)")
@@ -43,8 +46,9 @@ def run(args) -> int:
         from myria.resilience.multihost import job_status
 
         return job_status(Path(args.run_dir), args.rdzv_id)
-    from myria.train.preflight import parse_duration, run_config
+    from myria.train.preflight import parse_duration, resume_overrides, run_config
 
+    args.overrides += resume_overrides(args)
     if args.max_time is not None:
         args.overrides.append(f"--training.max_time_s={parse_duration(args.max_time)}")
     cfg, _ = run_config(args.config, args.overrides, args.run_dir)  # model.init_from too
@@ -66,7 +70,7 @@ def run(args) -> int:
         check_nproc(args.nproc, "cpu")
     check_before_torch(cfg, args.nproc, args.nproc * min_nodes, True)
     data = open_dataset(cfg.data, cfg.model.seq_len, verify=False)
-    if done := preflight(cfg, args.run_dir, None):
+    if done := preflight(cfg, args.run_dir, args.stop_after):
         print(done)
         return 0
     from myria.train.distributed import device_type
@@ -83,6 +87,8 @@ def run(args) -> int:
     if args.config:
         worker_argv += ["--config", str(args.config)]
     worker_argv += list(args.overrides)
+    if args.stop_after is not None:
+        worker_argv += ["--stop-after", str(args.stop_after)]
     from myria.resilience.supervisor import Supervisor
 
     sup = Supervisor(cfg, Path(args.run_dir), args.nproc, worker_argv, min_nodes=min_nodes,

@@ -22,12 +22,14 @@ from myria.errors import DataError
 from myria.layout import Layout
 from myria.observe import goodput
 from myria.train.preflight import (
+    add_resume_arguments,
     check_before_torch,
     check_nproc,
     check_run,
     check_vocab,
     parse_duration,
     preflight,
+    resume_overrides,
     run_config,
 )
 
@@ -41,8 +43,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--nproc", type=int, default=None,
                    help="start this many local processes (ranks) through torch elastic; "
                    "omit when launched by torchrun")
-    p.add_argument("--stop-after", type=int, default=None, metavar="N",
-                   help="stop cleanly after step N with a committed checkpoint")
     p.add_argument("--max-time", metavar="DURATION", default=None,
                    help="wall-time limit of this job, as a scheduler writes it (Slurm's "
                    "[D-]HH:MM:SS or MM) or with a unit (90m, 2h, 3600s): stop cleanly with a "
@@ -50,15 +50,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--nnodes", type=int, default=1,
                    help="hosts, for --dry-run's placement report (launch across hosts with "
                    "torchrun or `myria supervise`)")
-    p.add_argument("--resume-from", metavar="CKPT_DIR", default=None,
-                   help="load this checkpoint directory (even one in checkpoints/quarantine/) "
-                   "instead of the newest valid one; newer checkpoints are moved aside")
-    p.add_argument("--start-fresh", action="store_true",
-                   help="when every checkpoint of the run is damaged, train from step 0 "
-                   "instead of stopping (the damaged ones stay in checkpoints/quarantine/)")
-    p.add_argument("--allow-data-change", action="store_true",
-                   help="resume although the data directory was re-prepared since the "
-                   "checkpoint (its tokenizer or tokens differ from the recorded fingerprint)")
+    add_resume_arguments(p)
     p.add_argument("--dry-run", action="store_true",
                    help="print the resolved config, parameter count, FLOPs per token and "
                    "memory per rank, then exit")
@@ -197,12 +189,7 @@ def predicted(cfg: config_mod.Config, world: int, ranks_per_host: int):
 
 
 def run(args) -> int:
-    if args.resume_from:
-        args.overrides.append(f"--checkpoint.resume_from={Path(args.resume_from).resolve()}")
-    if args.start_fresh:
-        args.overrides.append("--checkpoint.start_fresh=true")
-    if args.allow_data_change:
-        args.overrides.append("--checkpoint.allow_data_change=true")
+    args.overrides += resume_overrides(args)
     if args.max_time is not None:
         args.overrides.append(f"--training.max_time_s={parse_duration(args.max_time)}")
     # the wall-time limit's origin for the processes it starts: when the user's command

@@ -42,6 +42,34 @@ def device_without_torch(requested: str) -> str | None:
     return None
 
 
+def add_resume_arguments(p) -> None:
+    """The options of `myria train` and `myria supervise` that say where a run resumes."""
+    p.add_argument("--stop-after", type=int, default=None, metavar="N",
+                   help="stop cleanly after step N with a committed checkpoint")
+    p.add_argument("--resume-from", metavar="CKPT_DIR", default=None,
+                   help="load this checkpoint directory (even one in checkpoints/quarantine/) "
+                   "instead of the newest valid one; newer checkpoints are moved aside (a "
+                   "restart of the job resumes from the newest, its own saves after it)")
+    p.add_argument("--start-fresh", action="store_true",
+                   help="when every checkpoint of the run is damaged, train from step 0 "
+                   "instead of stopping (the damaged ones stay in checkpoints/quarantine/)")
+    p.add_argument("--allow-data-change", action="store_true",
+                   help="resume although the data directory was re-prepared since the "
+                   "checkpoint (its tokenizer or tokens differ from the recorded fingerprint)")
+
+
+def resume_overrides(args) -> list[str]:
+    """`add_resume_arguments`' options as the [checkpoint] overrides they stand for."""
+    out = []
+    if args.resume_from:
+        out.append(f"--checkpoint.resume_from={Path(args.resume_from).resolve()}")
+    if args.start_fresh:
+        out.append("--checkpoint.start_fresh=true")
+    if args.allow_data_change:
+        out.append("--checkpoint.allow_data_change=true")
+    return out
+
+
 def check_before_torch(cfg: Config, local: int, world: int, launching: bool) -> None:
     """This host's process count (`local`, when it starts them) and the layout's rules over
     `world` ranks, judged before torch is imported when the device is known without it

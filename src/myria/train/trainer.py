@@ -480,7 +480,7 @@ def resume_run(cfg: Config, run_dir: Path, env, engine: Engine, ckpt: Checkpoint
         resume.apply(cfg, engine, run_dir, start_step, changed, env.is_main)
     elif cfg.model.init_from:
         init_from_hf(cfg, engine, env.is_main)
-    if env.is_main and (cfg.checkpoint.resume_from or not cfg.checkpoint.resume):
+    if env.is_main and (asked_checkpoint(cfg) or not cfg.checkpoint.resume):
         ckpt.abandon_after(start_step)  # a new timeline: newer checkpoints go aside
     return start_step, latest
 
@@ -535,12 +535,20 @@ def start_events(cfg: Config, run_dir: Path, env, dims: ParallelDims, engine: En
     return rec
 
 
+def asked_checkpoint(cfg: Config) -> bool:
+    """Whether this start loads `checkpoint.resume_from`: the job's first attempt does; its
+    restarts (the same command, the same option) resume from the newest checkpoint that
+    verifies, which is that one or a save after it, else every restart would go back to it
+    and set the saves since aside."""
+    return bool(cfg.checkpoint.resume_from) and rundir.job_attempt() == 0
+
+
 def resume_point(ckpt: CheckpointManager, cfg: Config, is_main: bool) -> Path | None:
     """The checkpoint this run starts from: the one asked for, the newest that verifies, or
     None (step 0). Damaged checkpoints are quarantined; when every one is damaged this raises a
     CheckpointError unless `checkpoint.start_fresh` allows starting from step 0."""
     c = cfg.checkpoint
-    if c.resume_from:
+    if asked_checkpoint(cfg):
         path = Path(c.resume_from)
         if not (path / "meta.json").is_file():
             raise CheckpointError(f"checkpoint.resume_from = {str(path)!r} is not a checkpoint "
