@@ -1,9 +1,10 @@
 """RUN_DIR/events.jsonl: every detection (straggler, corruption, numerical fault, health, a host's
-degraded link, an idle spare lost), one JSON line each, appended atomically:
+degraded link, an idle spare lost, a damaged checkpoint or a failed save), one JSON line each,
+appended atomically:
 
     {"kind": "straggler" | "sdc" | "nonfinite" | "loss_spike" | "health" | "slow-link" |
-             "spare-lost", "rank": R, "host": H, "step": S, "evidence": {...}, "action": "...",
-     "time": t}
+             "spare-lost" | "checkpoint", "rank": R, "host": H, "step": S, "evidence": {...},
+     "action": "...", "time": t}
 
 One module owns the file so that every detector writes the same shape.
 """
@@ -18,7 +19,8 @@ from typing import Any
 
 from myria import rundir
 
-KINDS = ("straggler", "sdc", "nonfinite", "loss_spike", "health", "slow-link", "spare-lost")
+KINDS = ("straggler", "sdc", "nonfinite", "loss_spike", "health", "slow-link", "spare-lost",
+         "checkpoint")
 
 
 def record(run_dir: str | Path, kind: str, rank: int | None, host: str, step: int,

@@ -639,6 +639,23 @@ def test_supervise_resumes_from_an_asked_checkpoint_once_and_stops_after(tmp_pat
     assert f"resumed from {back} (step 8" in out
 
 
+def test_a_quarantined_checkpoint_is_the_detection_of_the_hook_that_damaged_it(tmp_path):
+    """A checkpoint fault's hook (`corrupt-checkpoint`) is caught when the damaged checkpoint
+    is quarantined: the summary does not call it undetected and "trained in"."""
+    from myria import rundir
+    from myria.resilience.summary import undetected
+    from myria.train.checkpoint.store import CheckpointStore
+
+    (tmp_path / rundir.FAULTS).mkdir()
+    (tmp_path / rundir.FAULTS / "corrupt-checkpoint_step10").write_text("")
+    ckpt = tmp_path / "checkpoints" / "step_00000010"
+    ckpt.mkdir(parents=True)
+    (ckpt / "meta.json").write_text("{}")
+    assert undetected(tmp_path, 0.0, set()) == ["corrupt-checkpoint_step10"]
+    CheckpointStore(tmp_path / "checkpoints").quarantine(ckpt, "CRC-32 differs")
+    assert undetected(tmp_path, 0.0, set()) == []
+
+
 def test_job_status_is_the_jobs_outcome_not_its_worst_hosts(tmp_path):
     """The Slurm script's exit (`myria supervise --job-status`): a job that trained to its end
     on some hosts succeeded though a drained host left it; one that did not, failed."""

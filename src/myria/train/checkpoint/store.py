@@ -239,7 +239,21 @@ class CheckpointStore:
         else:
             log.warning("checkpoint %s is damaged (%s): moved to %s; it will not be loaded, "
                         "counted or deleted", path.name, reason, dest)
+            step = path.name[len(PREFIX):]
+            self.detected(int(step) if step.isdigit() else 0,
+                          {"checkpoint": path.name, "reason": reason}, "quarantined")
         return dest
+
+    def detected(self, step: int, evidence: dict, action: str) -> None:
+        """A damaged checkpoint or a failed save, in the run's detections (rank 0): what the
+        supervisor's summary counts a checkpoint fault's hook as caught by."""
+        from myria import detections
+
+        try:
+            detections.record(self.dir.parent, "checkpoint", None, socket.gethostname(), step,
+                              evidence, action)
+        except OSError:
+            pass   # a full disk may be why: the log line above says it all the same
 
     def quarantined(self) -> list[Path]:
         """Checkpoints moved aside, oldest first."""
