@@ -139,7 +139,7 @@ def _kill(rank=1, at=1000.0, **kw):
     """A supervisor Fault.to_dict() of a SIGKILLed rank."""
     return {"kind": "exit", "ranks": [rank], "attempt": 0, "fault_at": at, "last_step": 7,
             "cause": "signal SIGKILL", "evidence": f"rank {rank} (pid 9) ended with signal "
-            "SIGKILL at step 7, phase forward; ranks [0] still running", **kw}
+            "SIGKILL; its last heartbeat: step 7, phase forward; ranks [0] still running", **kw}
 
 
 def test_diagnostics_are_skipped_only_when_they_cannot_tell_anything():

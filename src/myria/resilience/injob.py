@@ -225,7 +225,7 @@ class InJobRecovery:
     def _replace(self, agent, wg, pc, local: int, code: int, fault=None) -> None:
         import signal
 
-        from myria.resilience.watch import Detection
+        from myria.resilience.watch import Detection, ended
         from myria.train.rejoin import ENV_JOIN, key
 
         sup = self.sup
@@ -238,8 +238,7 @@ class InJobRecovery:
             how = f"signal {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
             last = sup.watch.last(rank) or {}
             cause = sup.watch.cause_line(rank)
-            evidence = (f"rank {rank} (pid {worker.id}) ended with {how} at step "
-                        f"{last.get('step')}, phase {last.get('phase')}" +
+            evidence = (ended(rank, worker.id, how, last) +
                         (f"; stderr: {cause}" if cause else "") +
                         f"; ranks {[r for r in sup.ranks if r != rank]} still running")
             seen = sup.watch.state[rank].seen_at or now

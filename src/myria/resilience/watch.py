@@ -37,6 +37,13 @@ SECONDARY = ("Connection closed by peer", "Connection reset by peer", "Broken pi
 BUSY_SHARE = 0.05
 
 
+def ended(rank: int, pid: Any, how: str, last: dict) -> str:
+    """How a rank's process ended, with where its last heartbeat put it (the heartbeat is
+    sent every heartbeat_s, so the process may have gone a step or two further)."""
+    return (f"rank {rank} (pid {pid}) ended with {how}; its last heartbeat: step "
+            f"{last.get('step')}, phase {last.get('phase')}")
+
+
 def cpu_seconds(pid: Any) -> float | None:
     """CPU time (user + system, s) of local process `pid` while it can run; None when it cannot
     (stopped, traced, a zombie, gone) or /proc cannot tell."""
@@ -193,8 +200,7 @@ class Watchdog:
             how = f"signal {f.signal_name()}" if f.exitcode < 0 else f"exit code {f.exitcode}"
             last = self.last(r) or {}
             cause = self.cause_line(r)
-            parts.append(f"rank {r} (pid {f.pid}) ended with {how} at step {last.get('step')}, "
-                         f"phase {last.get('phase')}" + (f"; stderr: {cause}" if cause else ""))
+            parts.append(ended(r, f.pid, how, last) + (f"; stderr: {cause}" if cause else ""))
         others = [r for r in ranks if r not in failures]
         evidence = "; ".join(parts) + (f"; ranks {others} still running" if others else "")
         return Detection("exit", failed, now, self.state[failed[0]].seen_at or now, evidence,
