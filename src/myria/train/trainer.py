@@ -132,6 +132,11 @@ def _train(cfg: Config, run_dir: Path, env, stop_after: int | None,
     if t.gc_interval:
         gc.disable()   # synchronised collection: every rank at the same steps (train_step)
     try:
+        if step < t.steps and run.stopped_before_training():
+            if env.is_main:
+                print(f"stopped on {run.stop.signal_name} before step {step + 1}: nothing "
+                      "trained, nothing new to save", flush=True)
+            return TrainResult(step, losses, True)
         while step < t.steps:
             run.profiler.before(step + 1)
             done = train_step(run, step)
@@ -410,6 +415,17 @@ class Run:
         if done.by_source:
             out["loss_by_source"] = done.by_source
         return out
+
+    def stopped_before_training(self) -> bool:
+        """Whether the ranks agree to stop before their first step (collective): a stop
+        signal during the start-up, or a job's wall-time limit it used up (a late restart, a
+        slow start), which the check after each step would only see once a step had run past
+        it."""
+        limit = self.cfg.training.max_time_s
+        start = float(os.environ.get(JOB_START_ENV) or PROCESS_START)
+        if limit and time.time() >= start + limit:
+            self.stop.request_limit()
+        return self.stop.agreed()
 
     def stop_before_time_limit(self, step: int) -> None:
         """Ask the ranks to stop (agreed with a preemption's stop) when the job's wall-time
