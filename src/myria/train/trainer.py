@@ -347,7 +347,9 @@ class Run:
                                 cfg.logging.tensorboard, cfg.logging.progress,
                                 tracking.start(cfg.logging, run_dir, cfg.to_dict(), env.is_main))
         if env.is_main:
-            print(f"training {t.steps} steps from step {start_step} on {env.world_size} x "
+            todo = f"{t.steps} steps" if not start_step else \
+                f"to step {t.steps} from step {start_step} ({t.steps - start_step} steps)"
+            print(f"training {todo} on {env.world_size} x "
                   f"{env.device.type} (layout {layout.short()}, {threads or '-'} threads/rank); "
                   f"peak {peak and round(peak, 3)} TFLOP/s ({peak_source})", flush=True)
             if m.document_mask:  # it changes the loss and the FLOPs: said where the run starts
