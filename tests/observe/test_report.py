@@ -91,3 +91,17 @@ def test_a_prediction_from_figures_of_a_busy_host_says_so():
                                      "processes": 1, "threads": 2, "measured_step_s": 4.0,
                                      "measured_mfu": 0.25, "caveat": "busy"})
     assert line.endswith("measured median step 4000 ms, MFU 25.0%: prediction -50% [busy]")
+
+
+def test_the_report_line_names_every_detection_of_the_run(tmp_path):
+    """A step skipped for a non-finite loss and a straggler warning are in the run's
+    detections; `myria report` says them (the summary's faults hold only restarts)."""
+    from myria import detections
+    from myria.observe.report import detections_line
+
+    assert detections_line(tmp_path) == ""
+    detections.record(tmp_path, "nonfinite", 0, "h", 8, {}, "skip")
+    detections.record(tmp_path, "straggler", 1, "h", 11, {}, "warn")
+    detections.record(tmp_path, "straggler", 1, "h", 5, {}, "warn")
+    assert detections_line(tmp_path) == ("detected: nonfinite at step 8 (skip); straggler at "
+                                         "steps 5, 11 (warn)")

@@ -197,12 +197,14 @@ def test_hang_report_names_the_frozen_rank_and_the_collective(tmp_path, tiny_dat
 
     p = run_cli("report", str(run), "--no-prediction")
     line = summary_line({**rep, "stuck": {int(k): v for k, v in rep["stuck"].items()}})
-    assert f"the run hung: {line}" in p.stdout, p.stdout
+    # the supervisor restarted it, and it trained to its end: said, not "before the hang"
+    assert f"the run hung: {line}; restarted, it trained on to step 8" in p.stdout, p.stdout
     page = (run / "report" / "index.html").read_text()
     import html
 
     hung = page.split("<h2 id=hang>The run hung</h2>")[1].split("<h2>")[0]
     assert html.escape(line) in hung and "<h3>rank 2: stuck outside any collective" in hung
+    assert "restarted after the hang and trained on to step 8" in hung
     assert "at_step_start" in hung.split("<pre class=stack>")[1], hung
     hot = [r for r in page.split("<table id=\"blame\">")[1].split("</table>")[0]
            .split("<tr") if r.startswith(" class=hot")]

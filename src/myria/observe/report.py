@@ -72,6 +72,20 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="skip the performance model's predicted breakdown")
 
 
+def detections_line(run_dir: Path) -> str:
+    """The run's detections (RUN_DIR/events.jsonl) by kind, each with its steps and what was
+    done: "detected: nonfinite at step 8 (skip); straggler at step 5 (warn)"; "" for none."""
+    from myria import detections
+
+    by: dict[tuple, list] = {}
+    for d in detections.read(run_dir):
+        by.setdefault((d.get("kind"), d.get("action")), []).append(d.get("step"))
+    parts = [f"{kind} at step{'s' if len(steps) > 1 else ''} "
+             f"{', '.join(str(x) for x in sorted(set(steps), key=lambda x: x or 0))}"
+             + (f" ({action})" if action else "") for (kind, action), steps in by.items()]
+    return "detected: " + "; ".join(parts) if parts else ""
+
+
 def run(args) -> int:
     out = write_report(Path(args.run_dir), predict=not args.no_prediction)
     b = json.loads((out / "blame.json").read_text())
@@ -92,10 +106,14 @@ def run(args) -> int:
             print(f"  missing: {p}")
         for x in b.get("slow_links", []):
             print(f"  {slow_link_line(x)}")
+    if line := detections_line(Path(args.run_dir)):
+        print(f"  {line}")
     if (hang := hang_report(out)) is not None:
         from myria.observe.hang import summary_line
 
-        print(f"  the run hung: {summary_line(hang)}")
+        went_on = hang["went_on_to"]
+        print(f"  the run hung: {summary_line(hang)}" + (
+            f"; restarted, it trained on to step {went_on}" if went_on is not None else ""))
     if (mix_path := out / MIX_FILE).exists():
         print(f"  {mixture_line(json.loads(mix_path.read_text()))}")
     val_path = out / VAL_FILE

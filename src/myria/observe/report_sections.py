@@ -136,12 +136,27 @@ def validation_html(val: dict | None) -> str:
 # -- a hang: the supervisor's report/hang.json ------------------------------------------------
 
 def hang_report(out: Path) -> dict | None:
-    """The supervisor's merged hang report (report/hang.json), None when the run never hung."""
+    """The supervisor's merged hang report (report/hang.json), None when the run never hung;
+    `went_on_to`: the last step the run trained after it (a restart recovered), else None."""
     try:
         rep = json.loads((out / "hang.json").read_text())
     except (OSError, ValueError):
         return None
-    return rep if isinstance(rep, dict) and "stuck" in rep else None
+    if not (isinstance(rep, dict) and "stuck" in rep):
+        return None
+    at = float(rep.get("requested_at") or 0)
+    later = [r["step"] for r in rundir.read_jsonl(out.parent / rundir.METRICS)
+             if "loss" in r and float(r.get("time") or 0) > at] \
+        if at and (out.parent / rundir.METRICS).exists() else []
+    return {**rep, "went_on_to": max(later) if later else None}
+
+
+def hang_outcome(rep: dict) -> str:
+    """What became of a run after its hang, for the report's line and page."""
+    if rep.get("went_on_to") is None:
+        return "the steps every rank completed, before the hang"
+    return (f"every step the ranks completed: the run was restarted after the hang and trained "
+            f"on to step {rep['went_on_to']}")
 
 
 def hang_html(rep: dict | None) -> str:
@@ -171,8 +186,8 @@ def hang_html(rep: dict | None) -> str:
                        f"<pre class=stack>{esc(chr(10).join(frames[:8]))}</pre>")
     rep = {**rep, "stuck": {int(k): v for k, v in rep["stuck"].items()}}
     return (f"<h2 id=hang>The run hung</h2><p><b>{esc(summary_line(rep))}</b> (the "
-            "supervisor's hang report, <code>hang.json</code>). The blame below covers the "
-            f"steps every rank completed, before the hang.</p>{blocks}")
+            "supervisor's hang report, <code>hang.json</code>). The blame below covers "
+            f"{esc(hang_outcome(rep))}.</p>{blocks}")
 
 
 # -- training figures per source of a data mixture -------------------------------------------
