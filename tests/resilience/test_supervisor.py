@@ -629,8 +629,10 @@ def test_supervise_resumes_from_an_asked_checkpoint_once_and_stops_after(tmp_pat
     run_cli("train", "--run-dir", str(tmp_path), f"--data.path={tiny_data}", *COMMON,
             "--training.steps=12", "--checkpoint.interval=2")
     back = tmp_path / "checkpoints" / "step_00000008"
+    # synchronous saves: step 10's is committed when the fault kills a rank at step 11
     supervise(tmp_path, tiny_data, "--resume-from", str(back), "--stop-after", "14",
-              "--checkpoint.interval=2", env={"MYRIA_FAULT": "kill:rank=1:step=11"})
+              "--checkpoint.interval=2", "--resilience.async_checkpoint=false",
+              env={"MYRIA_FAULT": "kill:rank=1:step=11"})
     summary = json.loads((tmp_path / "supervisor_summary.json").read_text())
     assert summary["status"] == "stopped" and summary["final_step"] == 14, summary
     assert [f["resumed_from"] for f in summary["faults"]] == [10], summary["faults"]
