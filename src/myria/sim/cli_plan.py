@@ -216,9 +216,10 @@ def _base_from_args(args) -> RunSpec:
                               "dp or none")
         overlap = {k: k in want for k in ("tp", "pp", "dp")}
     given = " (a model directory gives the model, not the run)" if hf_dir else ""
+    if hf_dir and model.get("seq_len") is None:   # the run's default would be a guess
+        raise ConfigError(f"myria plan needs --seq-len{given}")
     for req, what in ((model.get("layers"), "--layers (or a file)"),
                       (model.get("hidden"), "--hidden"), (model.get("heads"), "--heads"),
-                      (model.get("seq_len"), f"--seq-len{given}"),
                       (training.get("global_batch"), f"--global-batch{given}"),
                       (cluster.get("gpu"), "--gpu"), (cluster.get("gpus"), "--gpus")):
         if req is None:
