@@ -101,7 +101,7 @@ def merge(parts: dict[str, dict], writer: str) -> dict[str, Any]:
 
 def job_status(run_dir: Path, job: str) -> int:
     """Print job `job`'s outcome from the run directory's merged summary in one line; 0 when
-    it succeeded or stopped cleanly as asked (`summary.STOPPED`: its wall-time limit), else 1.
+    it succeeded or stopped cleanly as asked (`STOPPED`: its wall-time limit), else 1.
     The batch script's exit: Slurm's final state of the job is then the job's, not its worst
     node's (a node drained or cut off leaves with a non-zero exit while the job trains to its
     end on the others)."""

@@ -53,9 +53,11 @@ def build(sup, status: str) -> dict[str, Any]:
                                  "cost_s_per_step": s.cost_s_per_step}
                                 for s in sup.stragglers.values()])
     kept = productive  # the step-time measure; the ledger's when it has rows
+    from myria.train.checkpoint.store import step_of
+
     newest = newest_committed(sup.run_dir)
     target = sup.cfg.training.steps
-    if status == "succeeded" and max(final, _step_of(newest)) < target:
+    if status == "succeeded" and max(final, step_of(newest)) < target:
         from myria.resilience.multihost import STOPPED
 
         status = STOPPED
@@ -167,11 +169,6 @@ def sdc_verdict(run_dir: Path, since: float) -> dict | None:
             "check": first.get("check", "replica"), "host": rows[0].get("host"),
             "verdict": next((v for v in verdicts if v.startswith("persistent")), verdicts[0]),
             "persistent": persistent, "detections": len(rows)}
-
-
-def _step_of(checkpoint: str) -> int:
-    """The step of a checkpoint directory's name (step_00000200 -> 200; 0 for none)."""
-    return int(checkpoint.rsplit("_", 1)[1]) if checkpoint.startswith("step_") else 0
 
 
 def newest_committed(run_dir: Path) -> str:

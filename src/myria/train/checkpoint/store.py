@@ -54,6 +54,12 @@ FRESH_START = "fresh_start.json"  # in quarantine/: damaged checkpoints a fresh 
 MANIFEST_VERSION = 2
 
 
+def step_of(name: str) -> int:
+    """The step of a checkpoint directory's name (step_00000200 -> 200); 0 for another name."""
+    digits = name[len(PREFIX):]
+    return int(digits) if name.startswith(PREFIX) and digits.isdigit() else 0
+
+
 def verify_dir(path: Path, checksums: bool = True, part: tuple[int, int] = (0, 1)
                ) -> tuple[str | None, int]:
     """(None when `path` is complete and undamaged, else the reason; bytes checksummed).
@@ -166,7 +172,7 @@ class CheckpointStore:
         out = [p for p in self.dir.iterdir()
                if p.is_dir() and p.name.startswith(PREFIX) and p.name[len(PREFIX):].isdigit()
                and (p / MANIFEST).exists()]
-        return sorted(out, key=lambda p: int(p.name[len(PREFIX):]))
+        return sorted(out, key=lambda p: step_of(p.name))
 
     def path_for(self, step: int) -> Path:
         return self.dir / f"{PREFIX}{step:08d}"
@@ -202,7 +208,7 @@ class CheckpointStore:
             return None
         after = int(mark["after"])
         for p in self.committed():
-            if int(p.name[len(PREFIX):]) > after:
+            if step_of(p.name) > after:
                 self.quarantine(p, f"copied after the last clean check (step {after}) "
                                 f"and before the fault found at step "
                                 f"{mark['found_at']}: {mark['reason']}", accepted=True)
@@ -214,7 +220,7 @@ class CheckpointStore:
         """Move checkpoints newer than `step` aside (rank 0): an explicit older resume point
         starts a new timeline, and `latest`/retention must not jump back to the old one."""
         for p in self.committed():
-            if int(p.name[len(PREFIX):]) > step:
+            if step_of(p.name) > step:
                 self.quarantine(p, f"newer than the explicitly chosen resume point (step {step})"
                                 "; kept aside, not damaged", accepted=True)
         self.set_latest()
@@ -239,9 +245,8 @@ class CheckpointStore:
         else:
             log.warning("checkpoint %s is damaged (%s): moved to %s; it will not be loaded, "
                         "counted or deleted", path.name, reason, dest)
-            step = path.name[len(PREFIX):]
-            self.detected(int(step) if step.isdigit() else 0,
-                          {"checkpoint": path.name, "reason": reason}, "quarantined")
+            self.detected(step_of(path.name), {"checkpoint": path.name, "reason": reason},
+                          "quarantined")
         return dest
 
     def detected(self, step: int, evidence: dict, action: str) -> None:
