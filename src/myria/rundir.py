@@ -30,7 +30,9 @@ DATA_STATS = "stats"                        # data_rankNNNNN.json: samples read 
 TENSORBOARD = "tensorboard"                 # TensorBoard's copy of the metrics
 FAULTS = "faults"                           # markers of injected faults that fired (once a run)
 SUPERVISOR_LOG = "supervisor.log"
-SUPERVISOR_SUMMARY = "supervisor_summary.json"
+SUPERVISOR_SUMMARY = "supervisor_summary.json"   # the newest supervised job's summary
+SUPERVISOR_JOBS = "supervisor_jobs"         # <job>.json: every supervised job's summary, kept
+#                                             so that a run of several jobs reports them all
 LOGS_DIR = "logs"                           # the workers' output
 DIAGNOSTICS_DIR = "diagnostics"             # the doctor's reports at a fault
 BLOCKLIST = "blocklist.txt"                 # hosts the supervisor excluded
@@ -65,6 +67,12 @@ def events_file(run_dir: str | Path, rank: int) -> Path:
 
 def hang_file(run_dir: str | Path, rank: int) -> Path:
     return Path(run_dir) / HANG_DIR / f"rank{rank:05d}.json"
+
+
+def job_summary_file(run_dir: str | Path, job: str) -> Path:
+    """Where supervised job `job`'s summary is kept (its id made a safe file name)."""
+    safe = "".join(c if c.isalnum() or c in "._-" else "_" for c in job) or "job"
+    return Path(run_dir) / SUPERVISOR_JOBS / f"{safe}.json"
 
 
 def report_dir(run_dir: str | Path) -> Path:

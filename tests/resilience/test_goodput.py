@@ -90,6 +90,52 @@ def test_summary_tiles_wall_time_by_attempts_and_faults(tmp_path):
     assert {k: v for k, v in s["seconds"].items() if v} == {"startup": 11.0}, s["seconds"]
 
 
+def test_a_second_supervised_job_keeps_the_first_ones_ledger_and_faults(tmp_path):
+    """Two supervised jobs on one run directory (the second resumed what the first stopped):
+    the newest summary is the second's, both are kept, and the report's ledger is both jobs'
+    back to back, each fault numbered by its job."""
+    from myria import rundir
+    from myria.observe import report_sections as sections
+    from myria.resilience import summary
+
+    def ledger(wall, productive, startup):
+        return {"wall_s": wall, "accounted_s": wall, "ettr": productive / wall,
+                "seconds": dict(dict.fromkeys(goodput.CATEGORIES, 0.0), productive=productive,
+                                startup=startup, shutdown=wall - productive - startup),
+                "timeline": [{"t": 0.0, "dt": startup, "s": {"startup": startup}},
+                             {"t": startup, "dt": productive, "s": {"productive": productive}}]}
+
+    first = {"job": "slurm-101", "started_at": 1000.0, "status": "stopped",
+             "goodput": ledger(100.0, 60.0, 10.0),
+             "faults": [{"kind": "crash", "ranks": [1], "last_step": 11, "time_lost_s": 9.0}]}
+    second = {"job": "slurm-102", "started_at": 5000.0, "status": "succeeded",
+              "goodput": ledger(50.0, 40.0, 5.0), "faults": []}
+    summary.keep(tmp_path, first)
+    summary.keep(tmp_path, second)
+    newest = json.loads((tmp_path / rundir.SUPERVISOR_SUMMARY).read_text())
+    assert newest["job"] == "slurm-102"
+    assert sorted(p.name for p in (tmp_path / rundir.SUPERVISOR_JOBS).iterdir()) == [
+        "slurm-101.json", "slurm-102.json"]
+    led, faults = sections.goodput_ledger(tmp_path)
+    assert led["jobs"] == 2 and led["job_starts"] == [0.0, 100.0]
+    assert led["wall_s"] == 150.0 and led["seconds"]["productive"] == 100.0
+    assert led["ettr"] == pytest.approx(100.0 / 150.0, abs=1e-4)
+    assert [seg["t"] for seg in led["timeline"]] == [0.0, 10.0, 100.0, 105.0]
+    assert [(f["job"], f["last_step"]) for f in faults] == [(1, 11)]
+    out = tmp_path / "report"
+    out.mkdir()
+    page = sections.recovery_section(tmp_path, out)
+    assert "of 2 supervised jobs" in page and "<th>job</th>" in page
+    from myria.observe.report import goodput_line
+
+    assert goodput_line(json.loads((out / "goodput.json").read_text())) == (
+        "goodput: ETTR 0.667 over 150.0 s of wall time (2 supervised jobs back to back); "
+        "1 fault(s), 9.0 s lost to them")
+    # one job's ledger stays as it was; a job id that is no file name is made one
+    assert goodput.combine([first["goodput"]])["wall_s"] == 100.0
+    assert rundir.job_summary_file(tmp_path, "a/b c").name == "a_b_c.json"
+
+
 def test_breakdown_phases_add_up_to_the_time_lost():
     f = {"fault_at": 10.0, "detected_at": 11.0, "stopped_at": 11.5, "decided_at": 20.0,
          "backoff_done_at": 21.0, "restarted_at": 21.0, "regained_at": 60.0}

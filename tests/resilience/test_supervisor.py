@@ -625,7 +625,8 @@ def test_spares_without_in_job_recovery_are_refused_in_one_line(tmp_path):
 def test_supervise_resumes_from_an_asked_checkpoint_once_and_stops_after(tmp_path, tiny_data):
     """`myria supervise --resume-from CKPT --stop-after N`: the first start goes back to CKPT
     (the newer checkpoints set aside); a restart after a fault resumes from the newest save
-    since, not from CKPT again; the job stops cleanly at N, status `stopped`."""
+    since, not from CKPT again; the job stops cleanly at N, status `stopped`. A second job
+    goes on from there, and the report covers both jobs."""
     run_cli("train", "--run-dir", str(tmp_path), f"--data.path={tiny_data}", *COMMON,
             "--training.steps=12", "--checkpoint.interval=2")
     back = tmp_path / "checkpoints" / "step_00000008"
@@ -639,6 +640,15 @@ def test_supervise_resumes_from_an_asked_checkpoint_once_and_stops_after(tmp_pat
     out = (tmp_path / "supervisor.log").read_text() + "".join(
         f.read_text() for f in (tmp_path / "logs").rglob("*.log"))
     assert f"resumed from {back} (step 8" in out
+    # a second job resumes where the first stopped: the report covers both jobs, and the
+    # first one's fault is still in it
+    supervise(tmp_path, tiny_data, "--stop-after", "16", "--checkpoint.interval=2",
+              "--resilience.async_checkpoint=false")
+    second = json.loads((tmp_path / "supervisor_summary.json").read_text())
+    assert second["status"] == "stopped" and second["start_step"] == 14, second
+    assert second["final_step"] == 16 and not second["faults"], second
+    p = run_cli("report", str(tmp_path), "--no-prediction")
+    assert "(2 supervised jobs back to back); 1 fault(s)" in p.stdout, p.stdout
 
 
 def test_a_quarantined_checkpoint_is_the_detection_of_the_hook_that_damaged_it(tmp_path):

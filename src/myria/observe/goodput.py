@@ -286,3 +286,25 @@ def summarize(run_dir: str | Path, started_at: float, ended_at: float, faults: l
                       "s": {k: round(v, 4) for k, v in seg.items() if v > 0}}
                      for t0, t1, seg in timeline],
     }
+
+
+def combine(ledgers: list[dict[str, Any]]) -> dict[str, Any]:
+    """One ledger of the supervised jobs that ran on one run directory (each job's `summarize`,
+    in the order the jobs started): seconds summed by category, the wall time the jobs' own
+    (between two jobs the run was queued or not running, which no job accounts for), ETTR over
+    it, the timelines back to back, and where each job starts in them (`job_starts`)."""
+    if len(ledgers) == 1:
+        return dict(ledgers[0], jobs=1, job_starts=[0.0])
+    seconds: dict[str, float] = defaultdict(float)
+    timeline, starts, offset = [], [], 0.0
+    for led in ledgers:
+        for k, v in led["seconds"].items():
+            seconds[k] += v
+        starts.append(round(offset, 3))
+        timeline += [dict(seg, t=round(seg["t"] + offset, 3)) for seg in led.get("timeline", [])]
+        offset += led["wall_s"]
+    return {"wall_s": round(offset, 3),
+            "seconds": {c: round(seconds.get(c, 0.0), 3) for c in CATEGORIES},
+            "accounted_s": round(sum(led["accounted_s"] for led in ledgers), 3),
+            "ettr": round(seconds["productive"] / offset, 4) if offset > 0 else 0.0,
+            "timeline": timeline, "jobs": len(ledgers), "job_starts": starts}

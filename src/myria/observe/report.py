@@ -86,6 +86,16 @@ def detections_line(run_dir: Path) -> str:
     return "detected: " + "; ".join(parts) if parts else ""
 
 
+def goodput_line(gp: dict) -> str:
+    """One line of the report's goodput.json: ETTR, over which wall time, the faults."""
+    led, faults = gp["ledger"], gp.get("faults", [])
+    jobs = led.get("jobs", 1)
+    lost = sum(float(f.get("time_lost_s") or 0) for f in faults)
+    return (f"goodput: ETTR {led['ettr']:.3f} over {led['wall_s']:.1f} s of wall time" +
+            (f" ({jobs} supervised jobs back to back)" if jobs > 1 else "") +
+            (f"; {len(faults)} fault(s), {lost:.1f} s lost to them" if faults else ""))
+
+
 def run(args) -> int:
     out = write_report(Path(args.run_dir), predict=not args.no_prediction)
     b = json.loads((out / "blame.json").read_text())
@@ -108,6 +118,8 @@ def run(args) -> int:
             print(f"  {slow_link_line(x)}")
     if line := detections_line(Path(args.run_dir)):
         print(f"  {line}")
+    if (gp_path := out / "goodput.json").exists():
+        print(f"  {goodput_line(json.loads(gp_path.read_text()))}")
     if (hang := hang_report(out)) is not None:
         from myria.observe.hang import summary_line
 

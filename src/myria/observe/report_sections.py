@@ -394,19 +394,37 @@ LEDGER_COLORS = {"productive": "#2ca02c", "startup": "#9467bd", "data_wait": "#7
                  "redone": "#f7b6d2", "shutdown": "#c5b0d5", "other": "#000000"}
 
 
+def job_summaries(run_dir: Path) -> list[dict]:
+    """The summaries of the supervised jobs that ran on the run directory, in the order they
+    started: each job's kept one (`rundir.job_summary_file`) and the newest job's
+    (RUN_DIR/supervisor_summary.json), one per job."""
+    from myria import rundir
+
+    paths = sorted((run_dir / rundir.SUPERVISOR_JOBS).glob("*.json")) + [
+        run_dir / rundir.SUPERVISOR_SUMMARY]
+    by_job: dict[str, dict] = {}
+    for p in paths:
+        try:
+            s = json.loads(p.read_text())
+        except (OSError, ValueError):
+            continue
+        if isinstance(s, dict):
+            by_job.setdefault(str(s.get("job", p)), s)
+    return sorted(by_job.values(), key=lambda s: float(s.get("started_at") or 0.0))
+
+
 def goodput_ledger(run_dir: Path) -> tuple[dict | None, list[dict]]:
-    """The run's goodput ledger (the supervisor's, or else one made from metrics.jsonl's rows)
-    and the supervisor's faults (empty without a supervisor)."""
+    """The run's goodput ledger (its supervised jobs', back to back: `goodput.combine`; or else
+    one made from metrics.jsonl's rows) and the supervisors' faults, each with its job's number
+    (1, 2, ... in the order the jobs started) when there were several (empty without a
+    supervisor)."""
     from myria.observe import goodput
 
-    path = run_dir / "supervisor_summary.json"
-    if path.exists():
-        try:
-            s = json.loads(path.read_text())
-        except ValueError:
-            s = {}
-        if s.get("goodput"):
-            return s["goodput"], s.get("faults", [])
+    jobs = [s for s in job_summaries(run_dir) if s.get("goodput")]
+    if jobs:
+        faults = [dict(f, job=i) if len(jobs) > 1 else f
+                  for i, s in enumerate(jobs, 1) for f in s.get("faults", [])]
+        return goodput.combine([s["goodput"] for s in jobs]), faults
     rows = goodput.ledger_rows(run_dir, 0.0)
     if not rows:
         return None, []
@@ -460,6 +478,7 @@ def recovery_section(run_dir: Path, out: Path) -> str:
 
     ledger, faults = goodput_ledger(run_dir)
     if ledger is None:
+        (out / "goodput.json").unlink(missing_ok=True)
         return ""
     esc = html.escape
     wall = ledger["wall_s"] or 1.0
@@ -483,7 +502,11 @@ def recovery_section(run_dir: Path, out: Path) -> str:
             ax.bar(starts, vals, width=width, bottom=bottom, align="edge", label=c,
                    color=LEDGER_COLORS.get(c))
             bottom = [b + v for b, v in zip(bottom, vals, strict=True)]
-        ax.set_xlabel("wall time since start, s")
+        for t in ledger.get("job_starts", [])[1:]:   # where the next supervised job began
+            ax.axvline(t, color="black", linestyle="--", linewidth=1)
+        ax.set_xlabel("wall time since start, s" if ledger.get("jobs", 1) == 1 else
+                      f"wall time of the {ledger['jobs']} jobs back to back (dashed: the next "
+                      "job starts), s")
         ax.set_ylabel("seconds per slice")
         ax.set_title(f"Goodput ledger: ETTR {ledger['ettr']:.3f}")
         ax.legend(loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8)
@@ -499,20 +522,19 @@ def recovery_section(run_dir: Path, out: Path) -> str:
             kind += f" ({v.get('check')} check at step {v.get('step')}: {v.get('verdict')}" + (
                 "; host blocklisted" if any(str(a).startswith("blocklist ")
                                             for a in f.get("action", [])) else "") + ")"
-        frows += (f"<tr><td>{esc(kind)}</td><td>{esc(str(f.get('ranks')))}</td>"
+        frows += ("<tr>" + (f"<td>{f['job']}</td>" if "job" in f else "") +
+                  f"<td>{esc(kind)}</td><td>{esc(str(f.get('ranks')))}</td>"
                   f"<td>{f.get('last_step')}</td><td>{esc(str(f.get('recovery') or '-'))}</td>"
                   f"{cells}<td>{f.get('time_lost_s')}</td></tr>")
     ftable = ""
     if faults:
         head = "".join(f"<th>{esc(k)}</th>" for k in RECOVERY_PHASES)
-        ftable = (f"<h2>Recoveries by phase, s</h2><table id=recoveries><tr><th>fault</th>"
+        ftable = ("<h2>Recoveries by phase, s</h2><table id=recoveries><tr>" +
+                  ("<th>job</th>" if "job" in faults[0] else "") + "<th>fault</th>"
                   f"<th>ranks</th><th>step</th><th>path</th>{head}<th>total lost</th></tr>"
                   f"{frows}</table>")
-    try:   # in-job shrinks and grows (resilience.shrink): the job's size over time
-        resizes = json.loads((run_dir / "supervisor_summary.json").read_text()).get(
-            "resizes", [])
-    except (OSError, ValueError):
-        resizes = []
+    # in-job shrinks and grows (resilience.shrink): the jobs' size over time
+    resizes = [z for s in job_summaries(run_dir) for z in s.get("resizes", [])]
     if resizes:
         t0 = resizes[0]["at"]
         ftable += ("<h2>Resizes (in-job shrink and grow)</h2><table id=resizes><tr><th>at, s"
@@ -522,7 +544,10 @@ def recovery_section(run_dir: Path, out: Path) -> str:
                        f"<td>{esc(str(z['ranks']))}</td><td>{z.get('resumed_from', '-')}</td>"
                        f"<td>{z.get('to_first_step_s', '-')}</td></tr>" for z in resizes)
                    + "</table>")
+    jobs = ledger.get("jobs", 1)
+    over = (f" of {jobs} supervised jobs (their own: the time between two jobs is not "
+            "counted)" if jobs > 1 else "")
     return (f"<h2>Goodput ledger</h2><p id=ettr>ETTR {ledger['ettr']:.4f}: {ledger['wall_s']:.1f}"
-            f" s of wall time, {ledger['accounted_s']:.1f} s accounted.</p>"
+            f" s of wall time{over}, {ledger['accounted_s']:.1f} s accounted.</p>"
             f"<table id=ledger><tr><th>category</th><th>s</th><th>of wall</th></tr>{rows}"
             f"</table>{img}{ftable}")

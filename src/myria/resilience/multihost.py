@@ -27,6 +27,7 @@ from typing import Any
 from myria import rundir
 from myria.errors import ConfigError
 from myria.fsutil import atomic_write
+from myria.resilience.summary import keep
 
 PARTS_DIR = "supervisor"
 WAIT_REPORT_S = 10.0   # how often a wait for hosts is reported
@@ -52,12 +53,10 @@ def write_part_and_merge(run_dir: Path, part: dict[str, Any]) -> Path:
     fd = open(d / ".merge.lock", "a+")
     try:
         fcntl.flock(fd, fcntl.LOCK_EX)
-        merged = merge(read_parts(run_dir, part["job"]), part["host"])
-        path = Path(run_dir) / rundir.SUPERVISOR_SUMMARY
-        atomic_write(path, json.dumps(merged, indent=1))
+        keep(Path(run_dir), merge(read_parts(run_dir, part["job"]), part["host"]))
     finally:
         fd.close()
-    return path
+    return Path(run_dir) / rundir.SUPERVISOR_SUMMARY
 
 
 def read_parts(run_dir: Path, job: str) -> dict[str, dict]:

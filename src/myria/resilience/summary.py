@@ -67,6 +67,7 @@ def build(sup, status: str) -> dict[str, Any]:
         ettr_ledger = ettr
     return {
         "status": status, "host": sup.host, "job": sup.job,
+        "started_at": round(sup.started_at, 3),
         "target_steps": target, "start_step": max(0, start),
         "final_step": final, "steps_trained": steps,
         "restarts": sum(1 for f in sup.faults if f.restarted_at),
@@ -105,14 +106,17 @@ def attempts_line(s: dict[str, Any]) -> str:
 
 
 def write(sup, s: dict[str, Any]) -> None:
-    """Write summary `s` (one file for the job: each host's part merged) and log it."""
+    """Write summary `s` (one file for the job: each host's part merged) and log it. The
+    newest job's summary is RUN_DIR/supervisor_summary.json; every job's is also kept under
+    its id (`rundir.job_summary_file`), so a later job on the same run directory does not
+    erase an earlier one's faults and ledger from the report."""
     path = sup.run_dir / rundir.SUPERVISOR_SUMMARY
     if sup.max_nodes > 1:   # one summary of the job, every host's part in it
         from myria.resilience.multihost import write_part_and_merge
 
         path = write_part_and_merge(sup.run_dir, s)
     else:
-        atomic_write(path, json.dumps(s, indent=1))
+        keep(sup.run_dir, s)
     log.info("summary: %s at step %s/%s after %s; wall %.1f s, training %.1f s, effective "
              "training time ratio %s; %s", s["status"], s["final_step"], s["target_steps"],
              attempts_line(s), s["wall_s"], s["productive_s"],
@@ -137,6 +141,15 @@ def write(sup, s: dict[str, Any]) -> None:
     log.info("goodput ledger: ETTR %.4f; %s; accounted %.1f of %.1f s", g["ettr"],
              ", ".join(f"{k} {v:.1f}" for k, v in g["seconds"].items() if v),
              g["accounted_s"], g["wall_s"])
+
+
+def keep(run_dir: Path, s: dict[str, Any]) -> None:
+    """Write job summary `s` as the run's newest and under its job's id."""
+    text = json.dumps(s, indent=1)
+    kept = rundir.job_summary_file(run_dir, str(s.get("job", "")))
+    kept.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write(kept, text)
+    atomic_write(Path(run_dir) / rundir.SUPERVISOR_SUMMARY, text)
 
 
 def metrics_rows(run_dir: Path, since: float) -> dict[int, dict]:
