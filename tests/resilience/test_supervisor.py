@@ -892,3 +892,34 @@ def test_spare_straggler_and_time_limit_across_two_supervisors(tmp_path, tiny_da
     started = out.stat().st_mtime - summary["wall_s"]
     ckpt = tmp_path / "checkpoints" / f"step_{last:08d}" / "meta.json"
     assert ckpt.stat().st_mtime < started + 40 + 1.0, ckpt.stat().st_mtime - started
+
+
+def test_no_restart_when_the_wall_time_limit_leaves_no_time_for_one(tmp_path, tiny_data):
+    """A fault near the end of `--max-time`: the back-off and a start-up would outlast the
+    limit, so the supervisor does not restart the workers; the job ends `stopped` (exit 0, the
+    same command resumes) with the fault's action saying why, instead of sleeping through its
+    back-off into the limit."""
+    t0 = time.time()
+    supervise(tmp_path, tiny_data, "--max-time", "10m", "--resilience.backoff_s=900",
+              "--resilience.backoff_max_s=900", env={"MYRIA_FAULT": "kill:rank=1:step=6"})
+    assert time.time() - t0 < 300   # it did not sleep through the 900 s back-off
+    summary = json.loads((tmp_path / "supervisor_summary.json").read_text())
+    assert summary["status"] == "stopped" and summary["restarts"] == 0, summary
+    (f,) = summary["faults"]
+    assert f["action"][-1] == "no restart: the wall-time limit is too near", f
+    log = (tmp_path / "supervisor.log").read_text()
+    assert re.search(r"ACTION stop without restarting: the wall-time limit \(training.max_time_s"
+                     r" = 600 s\) leaves \d+\.\d s, less than the back-off \(900\.0 s\)", log), log
+
+
+def test_the_time_left_for_a_restart_counts_the_back_off_and_the_start_up():
+    from myria.resilience import policy
+
+    now = time.time()
+    policy.check_time_to_restart(0.0, now - 1e6, 10.0, 10.0)        # no limit: always restart
+    policy.check_time_to_restart(100.0, now, 10.0, 60.0)            # 100 s left for 70
+    with pytest.raises(policy.TimeUp, match=r"leaves (29\.9|30\.0) s, less than the back-off "
+                       r".10.0 s. and a start-up to the first step .25.0 s"):
+        policy.check_time_to_restart(100.0, now - 70.0, 10.0, 25.0)
+    with pytest.raises(policy.TimeUp, match="leaves 0.0 s"):       # already past it
+        policy.check_time_to_restart(100.0, now - 500.0, 0.0, 0.0)

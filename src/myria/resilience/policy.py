@@ -17,6 +17,7 @@ from typing import Any
 from myria import rundir
 from myria.errors import ConfigError
 from myria.fsutil import atomic_write
+from myria.resilience.multihost import STOPPED
 
 log = logging.getLogger("myria.supervisor")
 
@@ -113,6 +114,30 @@ class SaveFailed(Stop):
 
     status, code = "checkpoint-failed", SAVE_FAILED
     action = "stop without restarting (the work would not be saved)"
+
+
+class TimeUp(Stop):
+    """The job's wall-time limit would pass before restarted workers could train a step: the
+    job ends as the limit would end it (status `stopped`, exit 0: the same command resumes from
+    the newest committed checkpoint) instead of spending its last minutes on a start-up."""
+
+    status, code = STOPPED, 0
+    action = "stop without restarting"
+
+
+def check_time_to_restart(limit_s: float, job_start: float, wait_s: float,
+                          startup_s: float) -> None:
+    """Raise `TimeUp` when the job's wall-time limit (`training.max_time_s`, 0: none, counted
+    from `job_start`) leaves less than the back-off `wait_s` and a start-up to the first step
+    (`startup_s`: the longest this job measured, 0 before any)."""
+    if not limit_s:
+        return
+    left = job_start + limit_s - time.time()
+    if left < wait_s + startup_s:
+        raise TimeUp(f"the wall-time limit (training.max_time_s = {limit_s:g} s) leaves "
+                     f"{max(0.0, left):.1f} s, less than the back-off ({wait_s:.1f} s) and a "
+                     f"start-up to the first step ({startup_s:.1f} s, the longest in this job); "
+                     "the same command resumes from the newest committed checkpoint")
 
 
 class StartupError(Stop):

@@ -65,6 +65,9 @@ class Supervisor:
         # when this host's first workers started (0: none yet, a spare): the fault hooks it
         # could have seen fired after that
         self.workers_since = 0.0
+        # the longest time from an attempt's start to its first step on every rank, and when
+        # the attempt being measured started (0: measured, or none running)
+        self.startup_s, self._attempt_at = 0.0, 0.0
         self.blocklist: list[str] = []
         self.stragglers: dict = {}
         self._straggler_at = 0.0
@@ -281,6 +284,7 @@ class Supervisor:
         self.ranks = [w.global_rank for w in wg.workers]
         self.stderr_pos = {}
         self.new_watch()
+        self._attempt_at = time.time()
         if self.current is not None:
             self.current.restarted_at = time.time()
         log.info("attempt %d: started ranks %s (pids %s)", self.attempt, self.ranks,
@@ -449,6 +453,14 @@ class Supervisor:
         restarts = sum(1 for x in self.faults if x.restarted_at) + 1
         wait = min(self.r.backoff_s * 2 ** (restarts - 1), self.r.backoff_max_s)
         newest = f.newest_committed
+        from myria.train.launch import JOB_START_ENV
+
+        try:
+            policy.check_time_to_restart(self.cfg.training.max_time_s,
+                                         float(os.environ[JOB_START_ENV]), wait, self.startup_s)
+        except policy.TimeUp:
+            f.action.append("no restart: the wall-time limit is too near")
+            raise
         f.action.append(f"restart after {wait:.1f} s back-off from the newest valid checkpoint")
         log.info("ACTION restart (attempt %d; %d more allowed by resilience.max_restarts) after "
                  "%.1f s back-off; workers resume from the newest checkpoint that verifies (newest "
@@ -685,6 +697,11 @@ class Supervisor:
             return
         step = max(x.get("step", 0) for x in recs)
         self.max_step = max(self.max_step, step)
+        if self._attempt_at and len(recs) == len(self.ranks) and \
+                all(x.get("first_step_at") for x in recs):
+            first = max(x["first_step_at"] for x in recs)
+            self.startup_s = max(self.startup_s, first - self._attempt_at)
+            self._attempt_at = 0.0
         known = [x["resumed_from"] for x in recs if x.get("resumed_from", -1) >= 0]
         if self.initial_step is None and self.attempt == 0 and len(known) == len(recs):
             self.initial_step = min(known)  # -1 means "not resumed yet", never a step
