@@ -42,6 +42,7 @@ def half2(tmp_path_factory, tiny_data):
     """The same job stopped after step 20 (a copy is resumed by each test that needs it)."""
     d = tmp_path_factory.mktemp("half2")
     p = train(d, tiny_data, *TWO, "--stop-after", "20", nproc=2)
+    assert "stopping after step 20 (--stop-after): 20 steps of training.steps = 40" in p.stdout
     assert "stopped after step 20" in p.stdout
     assert sorted(losses(d)) == list(range(1, 21))
     return d
@@ -60,8 +61,11 @@ def test_fsdp_two_ranks_match_one_process(straight2, reference):
 def test_stop_and_resume_is_bitwise_identical(tmp_path, tiny_data, straight2, half2):
     resumed = tmp_path / "resumed"
     shutil.copytree(half2, resumed)
-    p = train(resumed, tiny_data, *TWO, nproc=2)
+    # a --stop-after past training.steps ends at training.steps, and says so
+    p = train(resumed, tiny_data, *TWO, "--stop-after", "99", nproc=2)
     assert "resumed from" in p.stdout
+    assert "note: --stop-after 99 is at or past training.steps = 40: the run ends there" \
+        in p.stdout, p.stdout
     a, b = losses(straight2), losses(resumed)
     assert [a[s] for s in range(1, 41)] == [b[s] for s in range(1, 41)]  # exact floats
     pa, pb = final_params(straight2), final_params(resumed)
@@ -144,6 +148,8 @@ def test_a_finished_run_or_a_change_that_cannot_apply_stops_before_anything_star
             (["--stop-after", "-3"], "--stop-after -3: must be a step >= 1"),
             (["--stop-after", "0"], "--stop-after 0: must be a step >= 1"),
             (["--stop-after", "30"], "--stop-after 30: the run resumes at step 40"),
+            (["--max-time", "5m", "--training.max_time_s=100"],
+             "--max-time and --training.max_time_s both set the wall-time limit: give one"),
             (["--nproc", "-1"], "--nproc -1: must be at least 1"),
             (["--nproc", "0"], "--nproc 0: must be at least 1"),
             (["--nproc", "100000"], "--nproc 100000: this host has")]:

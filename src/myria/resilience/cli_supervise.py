@@ -46,11 +46,9 @@ def run(args) -> int:
         from myria.resilience.multihost import job_status
 
         return job_status(Path(args.run_dir), args.rdzv_id)
-    from myria.train.preflight import parse_duration, resume_overrides, run_config
+    from myria.train.preflight import max_time_overrides, resume_overrides, run_config
 
-    args.overrides += resume_overrides(args)
-    if args.max_time is not None:
-        args.overrides.append(f"--training.max_time_s={parse_duration(args.max_time)}")
+    args.overrides += resume_overrides(args) + max_time_overrides(args)
     cfg, _ = run_config(args.config, args.overrides, args.run_dir)  # model.init_from too
     min_nodes, max_nodes = _parse_nnodes(args.nnodes)
     from myria import faults, rundir

@@ -27,7 +27,7 @@ from myria.train.preflight import (
     check_nproc,
     check_run,
     check_vocab,
-    parse_duration,
+    max_time_overrides,
     preflight,
     resume_overrides,
     run_config,
@@ -189,9 +189,7 @@ def predicted(cfg: config_mod.Config, world: int, ranks_per_host: int):
 
 
 def run(args) -> int:
-    args.overrides += resume_overrides(args)
-    if args.max_time is not None:
-        args.overrides.append(f"--training.max_time_s={parse_duration(args.max_time)}")
+    args.overrides += resume_overrides(args) + max_time_overrides(args)
     # the wall-time limit's origin for the processes it starts: when the user's command
     # started (Python's start-up and this module's imports count against the limit)
     job_start = min(time.time(), goodput.process_start_time())

@@ -70,6 +70,17 @@ def resume_overrides(args) -> list[str]:
     return out
 
 
+def max_time_overrides(args) -> list[str]:
+    """`--max-time` as the override it stands for (training.max_time_s); given with that
+    override too, the two would silently compete: refused."""
+    if args.max_time is None:
+        return []
+    if any(o.split("=", 1)[0] == "--training.max_time_s" for o in args.overrides):
+        raise config_mod.ConfigError("--max-time and --training.max_time_s both set the "
+                                     "wall-time limit: give one")
+    return [f"--training.max_time_s={parse_duration(args.max_time)}"]
+
+
 def check_before_torch(cfg: Config, local: int, world: int, launching: bool) -> None:
     """This host's process count (`local`, when it starts them) and the layout's rules over
     `world` ranks, judged before torch is imported when the device is known without it

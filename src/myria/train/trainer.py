@@ -131,6 +131,11 @@ def _train(cfg: Config, run_dir: Path, env, stop_after: int | None,
     step = run.start_step
     if t.gc_interval:
         gc.disable()   # synchronised collection: every rank at the same steps (train_step)
+    if stop_after is not None and env.is_main and step < t.steps:
+        print(f"stopping after step {stop_after} (--stop-after): {stop_after - step} steps of "
+              f"training.steps = {t.steps}" if stop_after < t.steps else
+              f"note: --stop-after {stop_after} is at or past training.steps = {t.steps}: the "
+              "run ends there (raise --training.steps to train further)", flush=True)
     try:
         if step < t.steps and run.stopped_before_training():
             if env.is_main:
