@@ -119,6 +119,33 @@ def parse(text: str | None) -> list[Fault]:
     return faults
 
 
+# kinds that fire once S steps are done (during console step S+1): S < training.steps
+AFTER_STEP = ("kill", "hang", "stop", "raise", "busy", "bitflip", "nan")
+
+
+def unreachable(text: str | None, steps: int, world: int, run_dir: str | Path) -> list[str]:
+    """Why each MYRIA_FAULT item cannot fire in a job of `world` ranks that trains to step
+    `steps` on `run_dir` (its rank is not in the job, its step is past the run's end, or it
+    fired in this run directory before: each fires once per run directory); one line each."""
+    out = []
+    for item, _, _ in items(text, KINDS, lambda item, kind: FaultSpecError(item)):
+        (f,) = parse(item)
+        step, rank = f.params["step"], f.params.get("rank")
+        last = steps - 1 if f.kind in AFTER_STEP else steps
+        if rank is not None and not 0 <= rank < world:
+            why = f"rank={rank}, and the job has {world} rank(s), 0 to {world - 1}"
+        elif step > last:
+            why = (f"step={step}, and the run ends at step {steps}" +
+                   (" (it fires once that many steps are done, before the next)"
+                    if f.kind in AFTER_STEP else ""))
+        elif f.kind != "slow" and (marker := Path(run_dir) / rundir.FAULTS / f.tag).exists():
+            why = f"it fired in this run directory before ({marker}; once per run directory)"
+        else:
+            continue
+        out.append(f"note: MYRIA_FAULT item {item!r} will not fire: {why}")
+    return out
+
+
 class FaultInjector:
     """Fires the configured faults once per run directory."""
 

@@ -117,6 +117,27 @@ def test_fault_specs_parse_and_fire_once(tmp_path):
     r0.at_step_start(5)  # fired already: inert
 
 
+def test_a_fault_that_cannot_fire_is_named_with_why(tmp_path):
+    """Before a job starts, each MYRIA_FAULT item it can never fire is one note: a rank not in
+    the job, a step past its end (a kill after the last step never comes; a checkpoint hook on
+    the last step does), or a marker of this run directory saying it fired before."""
+    text = ("kill:rank=4:step=2,kill:rank=1:step=10,diskfull:step=10,raise:rank=0:step=9,"
+            "slow:rank=1:factor=2:step=10,corrupt-checkpoint:step=11")
+    (tmp_path / "faults").mkdir()
+    (tmp_path / "faults" / "raise_rank0_step9").write_text("fired by rank 0\n")
+    assert faults.unreachable(text, 10, 4, tmp_path) == [
+        "note: MYRIA_FAULT item 'kill:rank=4:step=2' will not fire: rank=4, and the job has 4 "
+        "rank(s), 0 to 3",
+        "note: MYRIA_FAULT item 'kill:rank=1:step=10' will not fire: step=10, and the run ends "
+        "at step 10 (it fires once that many steps are done, before the next)",
+        "note: MYRIA_FAULT item 'raise:rank=0:step=9' will not fire: it fired in this run "
+        f"directory before ({tmp_path / 'faults' / 'raise_rank0_step9'}; once per run "
+        "directory)",
+        "note: MYRIA_FAULT item 'corrupt-checkpoint:step=11' will not fire: step=11, and the "
+        "run ends at step 10"]
+    assert faults.unreachable(None, 10, 4, tmp_path) == []
+
+
 def test_a_faults_attempt_is_the_jobs_round_across_hosts(tmp_path, monkeypatch):
     """`attempt=A` in a multi-host job is the rendezvous round (each host's agent counts its
     own restarts: a host whose workers were restarted for a membership change still says 0);

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 from pathlib import Path
 
 from myria.errors import ConfigError
@@ -71,6 +72,9 @@ def run(args) -> int:
     if done := preflight(cfg, args.run_dir, args.stop_after):
         print(done)
         return 0
+    for line in faults.unreachable(os.environ.get("MYRIA_FAULT"), cfg.training.steps,
+                                   args.nproc * max_nodes, args.run_dir):
+        print(line, file=sys.stderr)
     from myria.train.distributed import device_type
 
     check_nproc(args.nproc, device_type(cfg.training.device))

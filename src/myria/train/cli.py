@@ -236,6 +236,11 @@ def run(args) -> int:
                                                               args.stop_after)):
             _say(done)
             return 0
+        from myria import faults
+
+        for line in faults.unreachable(os.environ.get("MYRIA_FAULT"), cfg.training.steps,
+                                       world * args.nnodes, args.run_dir):
+            print(line, file=sys.stderr)
         from myria.train.distributed import device_type
 
         if launching:
