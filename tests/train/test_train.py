@@ -113,6 +113,14 @@ def test_more_steps_continue_a_finished_run(tmp_path, tiny_data, reference):
         (41, "training.steps", 42), (41, "optimizer.lr", 1e-3)]
     saved = json.loads((run / "config.json").read_text())["optimizer"]
     assert saved["lr"] == 1e-3 and saved["decay_steps"] == 40
+    # a restart resuming the same checkpoint applies the same changes: recorded once
+    from myria.train import resume
+
+    resume.record(run, 41, [("training.steps", 40, 42), ("optimizer.lr", 3e-3, 1e-3),
+                            ("training.seed", 1234, 7)])
+    again = [json.loads(x) for x in (run / "config_changes.jsonl").read_text().splitlines()]
+    assert [(c["step"], c["field"]) for c in again] == [
+        (41, "training.steps"), (41, "optimizer.lr"), (41, "training.seed")]
 
 
 def in_process(capsys, *args):

@@ -43,6 +43,21 @@ def changes(cfg: Config, ckpt_dir: Path, run_dir: Path) -> list[tuple[str, Any, 
     return resume_changes(prev, cfg, step)
 
 
+def record(run_dir: Path, step: int, found: list[tuple[str, Any, Any]]) -> None:
+    """Append the changes `found` from step `step` on to RUN_DIR/config_changes.jsonl, one row
+    per change: a restart that resumes the same checkpoint again (a fault before the next
+    save) applies the same changes, already recorded."""
+    path = Path(run_dir) / rundir.CONFIG_CHANGES
+    known = {json.dumps([r.get("step"), r.get("field"), r.get("old"), r.get("new")])
+             for r in rundir.read_jsonl(path)}
+    now = time.time()
+    with open(path, "a") as f:
+        for name, old, new in found:
+            if json.dumps([step, name, old, new]) not in known:
+                f.write(json.dumps({"step": step, "field": name, "old": old, "new": new,
+                                    "time": now}) + "\n")
+
+
 def apply(cfg: Config, engine, run_dir: Path, step: int, found: list[tuple[str, Any, Any]],
           is_main: bool) -> None:
     """After loading the checkpoint of `step`: train with `cfg`'s optimizer settings, and (rank
@@ -57,11 +72,7 @@ def apply(cfg: Config, engine, run_dir: Path, step: int, found: list[tuple[str, 
     if found:
         print(f"changed on resume, from step {step + 1}: " + ", ".join(
             f"{name} {old!r} -> {new!r}" for name, old, new in found), flush=True)
-        now = time.time()
-        with open(Path(run_dir) / rundir.CONFIG_CHANGES, "a") as f:
-            for name, old, new in found:
-                f.write(json.dumps({"step": step + 1, "field": name, "old": old, "new": new,
-                                    "time": now}) + "\n")
+        record(run_dir, step + 1, found)
     if abs(lr - before) > 1e-3 * max(abs(before), 1e-30):
         print(f"lr of step {step + 1}: {lr:.3g} (the checkpoint's schedule had {before:.3g})",
               flush=True)
