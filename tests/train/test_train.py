@@ -313,7 +313,7 @@ def test_ctrl_c_saves_then_says_where_the_run_resumes(tmp_path, tiny_data):
     the step they are in as SIGTERM would have them, and the launcher names the checkpoint the
     same command resumes from, exiting 130 as a shell does for SIGINT. It leaves nothing in
     the temporary directory but torch's compile cache (torch elastic's default log directory
-    is a new one per launch)."""
+    is a new one per launch). One process without a launcher does the same on SIGTERM (143)."""
     import signal
     import subprocess
     import sys
@@ -344,6 +344,25 @@ def test_ctrl_c_saves_then_says_where_the_run_resumes(tmp_path, tiny_data):
     assert f"stopped by SIGINT; the same command resumes from step_{step:08d}" in err, err
     assert CheckpointStore(tmp_path / "checkpoints").committed()[-1].name == f"step_{step:08d}"
     assert [x.name for x in tmp.iterdir() if not x.name.startswith("torchinductor_")] == []
+    # one process, no launcher: SIGTERM saves, says the same and exits as the shell would
+    one = tmp_path / "one"
+    p = subprocess.Popen([sys.executable, "-m", "myria", "train", "--run-dir", str(one),
+                          f"--data.path={tiny_data}", *TINY, "--training.steps=400",
+                          "--checkpoint.interval=0"], cwd=ROOT, env=env,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.time() + 180
+        while time.time() < deadline and p.poll() is None and \
+                not ((one / "metrics.jsonl").exists() and max(losses(one) or [0]) >= 2):
+            time.sleep(0.05)
+        p.send_signal(signal.SIGTERM)
+        out, err = p.communicate(timeout=120)
+    finally:
+        p.kill()
+    step = max(losses(one))
+    assert p.returncode == 143 and step < 400, err[-2000:]
+    assert f"stopped on SIGTERM after step {step} with a committed checkpoint" in out
+    assert f"stopped by SIGTERM; the same command resumes from step_{step:08d}" in err, err
 
 
 def test_wsd_schedule_and_document_masking_named_in_the_header(tmp_path, tiny_data):

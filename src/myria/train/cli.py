@@ -265,9 +265,16 @@ def run(args) -> int:
         return 0
     from myria.train.trainer import train
 
-    train(cfg, args.run_dir, args.stop_after)
+    res = train(cfg, args.run_dir, args.stop_after)
     if not inside_launcher():
         _summary(Path(args.run_dir))
+        if res.signal:   # as under a launcher (launch.Stopped): the shell's status for it
+            import signal
+
+            name = signal.Signals(res.signal).name
+            print(f"myria train: stopped by {name}; {_resumes_from(Path(args.run_dir))}",
+                  file=sys.stderr)
+            return 128 + res.signal
     return 0
 
 

@@ -32,6 +32,7 @@ class StopRequest:
     def __init__(self, timeout_s: float = 120.0, signals: tuple = STOP_SIGNALS) -> None:
         self.requested = False
         self.signal_name = ""
+        self.signum = 0   # the stop signal this process received (0: none)
         self._code = 0
         self.limit_name = "the wall-time limit"   # the trainer names the limit it holds
         self._previous: dict[int, object] = {}
@@ -48,7 +49,7 @@ class StopRequest:
             signal.signal(signum, signal.SIG_DFL)
             signal.raise_signal(signum)
             return
-        self.requested, self._code = True, SIGNALLED
+        self.requested, self._code, self.signum = True, SIGNALLED, signum
         self.signal_name = signal.Signals(signum).name
 
     def request_limit(self) -> None:

@@ -72,6 +72,7 @@ class TrainResult:
     last_step: int
     losses: list[float]
     stopped_early: bool
+    signal: int = 0   # the stop signal this process received and stopped on (0: none)
 
 
 def train(cfg: Config, run_dir: str | Path, stop_after: int | None = None) -> TrainResult:
@@ -141,7 +142,7 @@ def _train(cfg: Config, run_dir: Path, env, stop_after: int | None,
             if env.is_main:
                 print(f"stopped on {run.stop.signal_name} before step {step + 1}: nothing "
                       "trained, nothing new to save", flush=True)
-            return TrainResult(step, losses, True)
+            return TrainResult(step, losses, True, run.stop.signum)
         while step < t.steps:
             run.profiler.before(step + 1)
             done = train_step(run, step)
@@ -162,7 +163,7 @@ def _train(cfg: Config, run_dir: Path, env, stop_after: int | None,
                     why = f" on {run.stop.signal_name}" if preempted else ""
                     print(f"stopped{why} after step {step} with a committed checkpoint",
                           flush=True)
-                return TrainResult(step, losses, True)
+                return TrainResult(step, losses, True, run.stop.signum)
             if injob is not None and injob.shrunk and step < t.steps and injob.grow_due():
                 raise rejoin.Regroup(f"a spare is ready: the run grows back to "
                                      f"{injob.full_world} ranks after step {step}")
