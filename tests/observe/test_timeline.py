@@ -40,6 +40,40 @@ def write_events(run_dir):
     return ev
 
 
+def test_of_two_ranks_the_one_late_every_step_stands_out_and_jitter_does_not(tmp_path):
+    """Two ranks (the median of two is their mean): one late by 20 ms +- 2 ms at each of 12
+    steps stands out; the same two ranks with only the jitter (either one late) do not."""
+    import random
+
+    def run_of(d, late_ms):
+        rng = random.Random(0)
+        ev = d / "events"
+        ev.mkdir(parents=True)
+        lines = {r: [json.dumps({"header": {"rank": r, "world": 2, "host": "h",
+                                            "coord": {"dp": r}}})] for r in (0, 1)}
+        for s in range(1, 13):
+            base = s * 1_000_000
+            comp = {r: 40_000 + rng.randint(0, 4_000) + (late_ms * 1000 if r == 1 else 0)
+                    for r in (0, 1)}
+            end = max(comp.values()) + 5_000
+            for r in (0, 1):
+                lines[r] += [json.dumps({"n": "step", "c": "step", "s": s, "t0": base,
+                                         "t1": base + end, "th": 0}),
+                             json.dumps({"n": "forward", "c": "compute", "s": s, "m": 0,
+                                         "t0": base, "t1": base + comp[r], "th": 0}),
+                             json.dumps({"n": "all_reduce", "c": "comm", "s": s, "th": 0,
+                                         "t0": base + comp[r], "t1": base + end,
+                                         "a": {"dim": "dp", "group": [0, 1], "seq": s}})]
+        for r in (0, 1):
+            (ev / f"rank{r:05d}.jsonl").write_text("\n".join(lines[r]) + "\n")
+        return blame_report(load_run(d))
+
+    late = run_of(tmp_path / "late", 20)
+    assert late["most_blamed_rank"] == 1 and late["standout_ranks"] == [1], late["noise_s"]
+    clean = run_of(tmp_path / "clean", 0)
+    assert clean["standout_ranks"] == [], (clean["excess_blame_s"], clean["noise_s"])
+
+
 def test_unit_blame_attributes_waiting_to_the_late_rank(tmp_path):
     ev = write_events(tmp_path)
     run = load_run(tmp_path)

@@ -508,6 +508,11 @@ def blame_report(run: Run, table: dict | None = None) -> dict:
             dev[r].append(v - med)
     n = len(steps)
     pooled = [x for r in ranks for x in dev[r]]
+    if len(ranks) == 2:
+        # the median of two ranks is their mean: each deviation is half their difference, so
+        # pooled deviations measure the difference itself, never the noise; each rank's
+        # spread around its own median deviation is the noise of its per-step blame
+        pooled = [x - statistics.median(dev[r]) for r in ranks if dev[r] for x in dev[r]]
     noise = 0.0
     if len(ranks) > 1 and pooled:
         mid = statistics.median(pooled)
