@@ -37,9 +37,19 @@ PLAN = ["plan", "configs/llama3-8b.toml", "--gpu", "h100-sxm-80gb"]
      "whole servers of --gpus-per-node 8 GPUs; use 8 or 16"),
     (["--gpus", "10000000000"], "--gpus 10000000000: more than this model and batch can "
      "occupy: at most 2,097,152 GPUs"),
-    (["--gpus", "24"], "--gpus 24: no layout splits 24 GPUs for this model and global batch "
-     "512 (the data-parallel degree, GPUs / (tp x pp x cp), must divide the global batch, pp "
-     "the layers); 16 or 32 GPUs do"),
+    (["--gpus", "24"], "--gpus 24: no layout searched splits 24 GPUs for this model and "
+     "global batch 512 (the data-parallel degree, GPUs / (tp x pp x cp), must divide the "
+     "global batch; unless --pp gives them, the stages tried divide the layers or are powers "
+     "of two); 16 or 32 GPUs do"),
+    # a degree the model cannot split by is named, not the GPU count
+    (["--gpus", "64", "--tp", "3"], "--tp 3: parallel.tp = 3 must divide model.heads = 32 and "
+     "the key/value heads = 8"),
+    (["--gpus", "64", "--tp", "16,32"], "--tp 16,32: parallel.tp = 16 must divide"),
+    (["--gpus", "64", "--pp", "64"], "--pp 64: more pipeline stages than model.layers = 32"),
+    (["--gpus", "64", "--ep", "2"], "--ep 2: must divide the experts per layer (none: a dense "
+     "model)"),
+    (["--gpus", "64", "--top-k", "2"], "--top-k 2: experts per token of a dense model; give "
+     "--experts N"),
 ])
 def test_plan_blames_the_gpu_count(capsys, gpus, needle):
     code, out, err = run(capsys, *PLAN, *gpus)
@@ -57,3 +67,55 @@ def test_plan_table_is_whole_when_piped(capsys):
     for col in ("MFU (band)", "ckpt every", "compute", "bubble", "other"):
         assert col in header, header
     assert "…" not in out
+
+
+def test_plan_when_nothing_fits_exits_1_with_the_layout_closest_to_fitting(capsys, tmp_path):
+    """A model no layout holds: exit 1 (a script sees it), the device's memory, the fastest
+    layout if memory allowed and the one closest to fitting; --json says the same, and names
+    no runnable layout (rank 0) while a plan that fits names its #1 (rank 1)."""
+    big = ["plan", "--arch", "llama", "--layers", "126", "--hidden", "16384", "--heads", "128",
+           "--kv-heads", "8", "--seq-len", "8192", "--global-batch", "64", "--gpu",
+           "a100-sxm-40gb", "--gpus", "8", "--mb", "1", "--zero", "3", "--recompute", "full"]
+    code, out, err = run(capsys, *big)
+    assert code == 1, err
+    assert "no layout fits in device memory (43 GB per GPU), even with offload" in out
+    assert "closest to fitting: tp8" in out and "GB per GPU" in out, out
+    code, out, err = run(capsys, *big, "--json")
+    d = json.loads(out)
+    assert code == 1 and d["ranked"] == [] and d["best_runnable_rank"] == 0
+    assert d["leanest_unfitting"]["memory_gb_per_gpu"] > 43
+    code, out, err = run(capsys, *PLAN, "--gpus", "64", "--top", "2", "--json")
+    d = json.loads(out)
+    assert code == 0 and d["best_runnable_rank"] == 1
+    assert d["best_runnable"]["layout"] == d["ranked"][0]["layout"]
+    # the schedule's PNG in a directory that does not exist: one line, before any search
+    code, out, err = run(capsys, *PLAN, "--show-schedule", str(tmp_path / "no" / "s.png"),
+                         "--pp", "4", "--microbatches", "8")
+    assert code == 2 and err.strip() == (f"myria plan: error: --show-schedule "
+                                         f"{tmp_path / 'no' / 's.png'}: its directory "
+                                         f"{tmp_path / 'no'} does not exist"), err
+    # a directory without config.json is not "not a file"
+    code, out, err = run(capsys, "plan", str(tmp_path), "--gpu", "a100", "--gpus", "8")
+    assert code == 2 and "a directory without config.json" in err, err
+
+
+def test_a_gpu_alias_gets_its_devices_attention_kernel(capsys):
+    """`--gpu h100` is the H100 SXM in every respect: FlashAttention-3 assumed and accepted."""
+    base = ["plan", "--layers", "8", "--hidden", "1024", "--heads", "16", "--seq-len", "2048",
+            "--global-batch", "64", "--gpus", "16", "--top", "1"]
+    code, out, err = run(capsys, *base, "--gpu", "h100")
+    assert code == 0 and "assumed: attention fa3" in out, (out, err)
+    code, out, err = run(capsys, *base, "--gpu", "h100", "--kernels", "fa3")
+    assert code == 0, err
+
+
+def test_when_every_layout_is_implausible_the_plan_says_so(capsys):
+    """70B on 4 A100: every layout that fits has a memory margin under the model's own error;
+    #1 is not called "not first", and one line says all are marked and ranked by MFU."""
+    code, out, err = run(capsys, "plan", "--arch", "llama", "--layers", "80", "--hidden", "8192",
+                         "--heads", "64", "--kv-heads", "8", "--ffn-hidden", "28672",
+                         "--seq-len", "4096", "--global-batch", "64", "--gpu", "a100",
+                         "--gpus", "4", "--top", "2", "--mb", "1", "--zero", "3")
+    assert code == 0, err
+    assert "! #1: memory margin" in out and "! #1: not first" not in out, out
+    assert "every layout that fits is marked ! (a prediction the model cannot vouch for)" in out

@@ -163,6 +163,9 @@ def _base_from_args(args) -> RunSpec:
         name = hf_dir.resolve().name
     elif args.base:
         p = Path(args.base)
+        if p.is_dir():
+            raise ConfigError(f"{p}: a directory without config.json; give a run or training "
+                              "TOML, or a Hugging Face model directory (it holds config.json)")
         from myria.config import read_text_file
 
         text = read_text_file(p)
@@ -215,6 +218,9 @@ def _base_from_args(args) -> RunSpec:
             raise ConfigError(f"--overlap {args.overlap!r}: unknown {sorted(bad)}; use tp, pp, "
                               "dp or none")
         overlap = {k: k in want for k in ("tp", "pp", "dp")}
+    if model.get("top_k", 1) > 1 and not model.get("experts"):
+        raise ConfigError(f"--top-k {model['top_k']}: experts per token of a dense model; give "
+                          "--experts N (experts per MoE layer) too")
     given = " (a model directory gives the model, not the run)" if hf_dir else ""
     if hf_dir and model.get("seq_len") is None:   # the run's default would be a guess
         raise ConfigError(f"myria plan needs --seq-len{given}")
@@ -364,10 +370,42 @@ def check_gpus(base: RunSpec, space: SearchSpace) -> None:
                           f"pp {pp} x cp {cp}); use fewer GPUs or a larger --global-batch")
 
 
+def check_degrees(base: RunSpec, space: SearchSpace) -> None:
+    """One line naming the flag when every degree it gives is one the model cannot split by
+    (tp, cp: heads, key/value heads, MLP width, sequence; ep: the experts; pp: the layers)."""
+    from myria.layout import validate_degrees
+
+    cfg, m = base.model_config(), base.model
+    rules = {"tp": lambda v: validate_degrees(cfg, v, 1, False),
+             "cp": lambda v: validate_degrees(cfg, 1, v, False),
+             "pp": lambda v: None if v <= m.layers else _fail(
+                 f"more pipeline stages than model.layers = {m.layers}"),
+             "ep": lambda v: None if v == 1 or (m.experts and m.experts % v == 0) else _fail(
+                 f"must divide the experts per layer ({m.experts or 'none: a dense model'})")}
+    for flag, rule in rules.items():
+        vals = getattr(space, flag) or []
+        why = []
+        for v in vals:
+            try:
+                rule(v)
+            except ConfigError as e:
+                why.append(str(e))
+                continue
+            break
+        else:
+            if vals:
+                raise ConfigError(f"--{flag} {','.join(map(str, vals))}: {why[0]}")
+
+
+def _fail(why: str):
+    raise ConfigError(why)
+
+
 def _plan(base: RunSpec, space: SearchSpace, args):
     """The planner's result; when no layout matches, which GPU counts near this one do."""
     from myria.sim.planner import candidates
 
+    check_degrees(base, space)
     check_gpus(base, space)
     try:
         with searching("searching layouts") as progress:
@@ -385,27 +423,42 @@ def _plan(base: RunSpec, space: SearchSpace, args):
 
     near = [n for n in sorted({*range(step, 4 * c.gpus + step, step)}, key=lambda n:
                               (abs(n - c.gpus), n)) if n != c.gpus and works(n)][:2]
-    raise ConfigError(f"--gpus {c.gpus}: no layout splits {c.gpus} GPUs for this model and "
-                      f"global batch {base.training.global_batch} (the data-parallel degree, "
-                      "GPUs / (tp x pp x cp), must divide the global batch, pp the layers)"
+    fixed = ", ".join(f"--{f} {','.join(map(str, getattr(space, f)))}"
+                      for f in ("tp", "pp", "cp", "ep", "vpp") if getattr(space, f))
+    raise ConfigError(f"--gpus {c.gpus}: no layout searched splits {c.gpus} GPUs for this model "
+                      f"and global batch {base.training.global_batch}"
+                      + (f" with {fixed}" if fixed else "") +
+                      " (the data-parallel degree, GPUs / (tp x pp x cp), must divide the "
+                      "global batch; unless --pp gives them, the stages tried divide the layers "
+                      "or are powers of two)"
                       + (f"; {' or '.join(map(str, sorted(near)))} GPUs do" if near else ""))
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.show_schedule and not Path(args.show_schedule).resolve().parent.is_dir():
+        raise ConfigError(f"--show-schedule {args.show_schedule}: its directory "
+                          f"{Path(args.show_schedule).resolve().parent} does not exist")
     if args.show_schedule and args.microbatches:
         return _draw_only(args)
     base = _base_from_args(args)
     res = _plan(base, _space(args), args)
     if args.json:
+        # the best layout myria's trainer runs: #1 itself, a later one, or none (rank 0)
+        first = res.ranked[0] if res.ranked and res.ranked[0].extra.get("runnable", True) \
+            else None
+        best = first or res.best_runnable
         print(json.dumps({"assumptions": assumptions(base),
                           "evaluated": res.evaluated, "fitting": res.fitting,
                           "seconds": res.seconds, "offloaded": res.offloaded,
                           "ranked": [r.to_json() for r in res.ranked],
-                          "best_runnable": (res.best_runnable.to_json()
-                                            if res.best_runnable is not None else None),
-                          "best_runnable_rank": res.best_runnable_rank}))
+                          "best_runnable": best.to_json() if best is not None else None,
+                          "best_runnable_rank": 1 if first else res.best_runnable_rank,
+                          **({} if res.ranked else {"fastest_unfitting": _json(
+                              res.best_unfitting), "leanest_unfitting": _json(res.leanest)})}))
     else:
         _print(base, res)
+    if not res.ranked:
+        return 1   # nothing fits: a script sees it
     if args.show_schedule and res.ranked:
         from myria.sim.schedule_plot import draw, simulate_schedule
 
@@ -419,6 +472,10 @@ def run(args: argparse.Namespace) -> int:
                     title=f"best layout {_layout(lay)}: {sched}, p={p}, vpp={v}, m={m}")
         print(f"schedule of the best layout: bubble {frac:.1%} -> {args.show_schedule}")
     return 0
+
+
+def _json(r) -> dict | None:
+    return r.to_json() if r is not None else None
 
 
 def _layout(lay: dict) -> str:
@@ -507,11 +564,25 @@ def _print(base: RunSpec, res) -> None:
                   "state (offload=cpu: host memory; nvme: disk, myria's parallel.offload) and "
                   "with +params the parameters off the device[/yellow]")
     if not res.ranked:
-        con.print("[red]no layout fits in device memory, even with offload[/red]")
+        from myria.sim.hardware import build_hardware
+
+        dev = build_hardware(base.cluster, base.training.precision).memory_bytes / 1e9
+        con.print(f"[red]no layout fits in device memory ({dev:.0f} GB per GPU), even with "
+                  "offload[/red]")
         if res.best_unfitting:
             b = res.best_unfitting
             con.print(f"fastest layout if memory allowed: {_layout(b.layout)} needs "
                       f"{b.memory_gb_per_gpu:.0f} GB")
+        if res.leanest:
+            b, lay = res.leanest, res.leanest.layout
+            off = lay.get("offload", "none")
+            host = (f" and {b.memory.host_bytes_per_node / 1e9:,.0f} GB of "
+                    f"{'host memory' if off == 'cpu' else 'NVMe'} per server"
+                    if off != "none" else "")
+            con.print(f"closest to fitting: {_layout(lay)}, micro-batch {lay['micro_batch']}, "
+                      f"recompute {lay['recompute']}, ZeRO {lay['zero_stage']}: "
+                      f"{b.memory_gb_per_gpu:.0f} GB per GPU{host}; more GPUs, devices or "
+                      "servers with more memory, or a shorter sequence would be needed")
         return
     tab = Table(title="best layouts by predicted MFU")
     cols = ("#", "layout", "mb", "m", "recompute", "ZeRO", "iter s", "MFU (band)", "tok/s",
@@ -539,12 +610,18 @@ def _print(base: RunSpec, res) -> None:
                     f"{bd['pp_bubble'] / t:.0%}", f"{bd['pp_p2p_exposed'] / t:.0%}",
                     f"{bd['dp_comm_exposed'] / t:.0%}", f"{(t - named) / t:.0%}")
     con.print(tab)
+    first = res.ranked[0]
+    # a plausible layout comes first: when #1 is marked, every layout that fits is
+    every = bool(first.extra.get("implausible"))
     for i, r in enumerate(res.ranked, 1):
         if r.extra.get("not_runnable"):
             con.print(f"† #{i}: {r.extra['not_runnable']}")
         if r.extra.get("implausible"):
-            con.print(f"! #{i}: not first: {r.extra['implausible']}")
-    first = res.ranked[0]
+            con.print(f"! #{i}: {'' if every else 'not first: '}{r.extra['implausible']}")
+    if every:
+        con.print("[yellow]every layout that fits is marked ! (a prediction the model cannot "
+                  "vouch for): they are ranked by predicted MFU all the same; treat #1 as a "
+                  "guess and check its memory or overlap on the cluster[/yellow]")
     if not first.extra.get("runnable", True):
         b = res.best_runnable
         if b is None:

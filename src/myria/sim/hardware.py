@@ -116,11 +116,19 @@ FLASH_GENERATION = {"a100-sxm-80gb": "ampere", "a100-sxm-40gb": "ampere",
 FLASH_HEAD_DIM_HALF = 38.0
 
 
+def flash_generation(device: str) -> str:
+    """The FlashAttention generation of `device` (a name or an alias such as "h100"), or ""."""
+    from myria.device import lookup
+
+    spec = lookup(device)
+    return FLASH_GENERATION.get(spec.name if spec else device, "")
+
+
 def flash_kernel(device: str, version: str) -> str:
     """The FlashAttention kernel a run uses on `device` ("fa3", "fa2", "fa1"): `version` auto
     is the newest the device runs. fa3 on a device without Hopper's tensor-memory accelerator
     is refused, and fa1 on Hopper (no published rates there)."""
-    gen = FLASH_GENERATION.get(device, "")
+    gen = flash_generation(device)
     if version == "fa3" and gen != "hopper":
         raise ConfigError(f"kernels.flash_version = 'fa3': FlashAttention-3 runs on Hopper "
                           f"(h100-sxm-80gb, h200, h800-sxm-80gb), not {device}; use fa2")
@@ -134,7 +142,7 @@ def flash_kernel(device: str, version: str) -> str:
 
 def flash_rates(device: str, version: str) -> tuple:
     """(forward, backward, s_half forward, s_half backward) of the run's FlashAttention."""
-    gen = FLASH_GENERATION.get(device, "")
+    gen = flash_generation(device)
     kernel = flash_kernel(device, version)
     if (gen, kernel) in (("hopper", "fa2"), ("ampere", "fa1")):
         gen = f"{gen}-{kernel}"

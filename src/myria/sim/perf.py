@@ -388,9 +388,14 @@ def _memory(run: RunSpec, hw: Hardware, shape: LayerShape, n_layers: dict, eager
                  stage_layers=n_layers if par.pp > 1 else None,
                  accumulate=par.pp > 1 and not eager)
     if tr.offload != "none":
-        cap = (hw.server.host_memory_gb if tr.offload == "cpu" else hw.server.nvme_gb) * 1e9
-        mem.host_fits = mem.host_bytes_per_node <= cap
+        mem.host_fits = mem.host_bytes_per_node <= host_capacity(hw, tr.offload)
     return mem
+
+
+def host_capacity(hw: Hardware, offload: str) -> float:
+    """Bytes per server that offloaded state may take: host memory (offload "cpu") or the
+    NVMe disks ("nvme")."""
+    return (hw.server.host_memory_gb if offload == "cpu" else hw.server.nvme_gb) * 1e9
 
 
 def simulate(run: RunSpec, hw: Hardware | None = None, eff: Efficiency | None = None,

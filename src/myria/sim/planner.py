@@ -78,6 +78,7 @@ class PlanResult:
     fitting: int
     seconds: float
     best_unfitting: StepResult | None = None   # the fastest that does not fit, when none fits
+    leanest: StepResult | None = None   # the one closest to fitting, when none fits
     offloaded: bool = False      # nothing fitted without offload: these layouts offload
     best_runnable: StepResult | None = None  # when #1 is priced only: the trainer's best
     best_runnable_rank: int = 0                    # its place in the whole ranking (1-based)
@@ -250,6 +251,7 @@ def plan(base: RunSpec, space: SearchSpace | None = None, top: int = 10,
     ok: list[StepResult] = []
     runs: dict[int, RunSpec] = {}     # id(result) -> its run, for the trainer's verdict
     unfit: list[RunSpec] = []
+    lean: tuple[float, RunSpec] | None = None   # the layout closest to fitting, and how close
     n = 0
     for par, tr in candidates(base, space):
         run = _with(base, parallel=_with(base.parallel, **par),
@@ -263,6 +265,11 @@ def plan(base: RunSpec, space: SearchSpace | None = None, top: int = 10,
             runs[id(res)] = run
         else:
             unfit.append(run)
+            # how far it is from fitting: the larger of its device and offload overcommits
+            over = max(mem.total / limit_bytes, 0.0 if run.training.offload == "none" else
+                       mem.host_bytes_per_node / perf.host_capacity(hw, run.training.offload))
+            if lean is None or over < lean[0]:
+                lean = (over, run)
         if progress is not None and n % PROGRESS_EVERY == 0:
             progress(n, len(ok))
         if limit and n >= limit:
@@ -271,6 +278,7 @@ def plan(base: RunSpec, space: SearchSpace | None = None, top: int = 10,
         progress(n, len(ok))
     best_bad = None if ok else max((perf.simulate(r, hw=hw) for r in unfit),
                                    key=lambda r: r.mfu, default=None)
+    leanest = None if ok or lean is None else perf.simulate(lean[1], hw=hw)
     if not n:
         raise ConfigError("no layout matches the model, batch and GPU count: check that "
                           "training.global_batch is divisible by some data-parallel degree")
@@ -285,6 +293,8 @@ def plan(base: RunSpec, space: SearchSpace | None = None, top: int = 10,
         if res.best_unfitting is None or (best_bad is not None and
                                           best_bad.mfu > res.best_unfitting.mfu):
             res.best_unfitting = best_bad
+        if not res.ranked and res.leanest is None:
+            res.leanest = leanest
         return res
     ok.sort(key=lambda r: -r.mfu)
     band = uncertainty()
@@ -293,7 +303,8 @@ def plan(base: RunSpec, space: SearchSpace | None = None, top: int = 10,
     for r in ranked:
         annotate(r, base, hw, band, reliability)
         mark_runnable(r, runs[id(r)], hw)
-    out = PlanResult(ranked, n, len(ok), time.perf_counter() - t0, best_bad, offloaded)
+    out = PlanResult(ranked, n, len(ok), time.perf_counter() - t0, best_bad, leanest,
+                     offloaded)
     if ranked and not ranked[0].extra["runnable"]:
         out.best_runnable_rank, out.best_runnable = best_runnable(whole, runs, hw)
         if out.best_runnable is not None:
