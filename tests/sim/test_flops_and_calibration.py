@@ -93,3 +93,24 @@ def test_band_is_the_jackknife_plus_quantile_and_json_carries_it(capsys):
     assert j["band_held_out_mae"] == pytest.approx(mae) and mae < b
     assert main(["simulate", "--run", "megatron-lm-2021-1.7b"]) == 0
     assert f"leave-one-out mean absolute error {mae:.2%}" in capsys.readouterr().out
+
+
+def test_hardware_flops_count_the_causal_attention_flash_attention_runs(calibration):
+    """MFU charges attention for every key; what runs under causal FlashAttention is the causal
+    count (about half the attention), unfused attention the whole score matrix."""
+    from myria.models.flops import forward_flops_per_token
+
+    run = calibration[0].replace(model={"seq_len": 16384},
+                                 kernels={"flash_attention": True, "flash_version": "fa2"},
+                                 training={"recompute": "none"})
+    res = simulate(run)
+    cfg = run.model_config()
+    tokens = run.training.global_batch * cfg.seq_len
+    fw, fc = forward_flops_per_token(cfg, "dense"), forward_flops_per_token(cfg, "causal")
+    skipped = 3 * (fw.attn_scores + fw.attn_values - fc.attn_scores - fc.attn_values) * tokens
+    dense = res.details["model_flops_per_iteration"]
+    assert res.details["hardware_flops_per_iteration"] == pytest.approx(dense - skipped)
+    assert res.mfu_causal == pytest.approx(res.mfu * (dense - skipped) / dense)
+    assert res.mfu - res.mfu_causal > 0.05   # a long sequence: attention is a large share
+    unfused = simulate(run.replace(kernels={"flash_attention": False}))
+    assert unfused.details["hardware_flops_per_iteration"] == pytest.approx(dense)

@@ -462,6 +462,12 @@ def _result(s: Step, total: float, bd: dict, mem: MemoryResult, stages: dict, cr
         extra = (fa.attn_scores + fa.attn_values) * tokens
     else:
         extra = 0.0
+    # causal FlashAttention skips the key blocks above the diagonal: what runs is the causal
+    # count (model FLOPs charge every key, as Megatron's and PaLM's MFU do); unfused attention
+    # computes the whole score matrix and masks it
+    causal = dense - 3.0 * (fw.attn_scores + fw.attn_values - fc.attn_scores
+                            - fc.attn_values) * tokens
+    ran = (causal if run.kernels.flash_attention else dense) + extra
     gpus = hw.gpus
     mfu_peak = hw.peak_flops
     if tr.precision == "fp8":
@@ -493,7 +499,8 @@ def _result(s: Step, total: float, bd: dict, mem: MemoryResult, stages: dict, cr
         "collective_algorithms": s.lay.comm_detail,
         "model_flops_per_iteration": dense,
         "megatron_flops_per_iteration": model_flops,
-        "hardware_flops_per_iteration": dense + extra,
+        "hardware_flops_per_iteration": ran,
+        "causal_model_flops_per_iteration": causal,
         "peak_tflops": mfu_peak / 1e12,
         "memory_bw_gbs": hw.mem_bw / 1e9,
         "params_per_device": mem.params_per_device,
@@ -506,9 +513,10 @@ def _result(s: Step, total: float, bd: dict, mem: MemoryResult, stages: dict, cr
         name=run.name, iteration_time_s=total,
         mfu=dense / (total * gpus * mfu_peak),
         mfu_megatron=model_flops / (total * gpus * mfu_peak),
+        mfu_causal=causal / (total * gpus * mfu_peak),
         tokens_per_s=tokens / total,
         tflops_per_gpu=dense / (total * gpus) / 1e12,
-        hardware_tflops_per_gpu=(dense + extra) / (total * gpus) / 1e12,
+        hardware_tflops_per_gpu=ran / (total * gpus) / 1e12,
         memory_gb_per_gpu=mem.total / 1e9, fits=mem.fits and mem.host_fits, breakdown=bd,
         memory=mem, layout=layout, details=details, warnings=warnings)
 

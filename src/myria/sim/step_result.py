@@ -38,6 +38,7 @@ class StepResult:
     warnings: list[str] = field(default_factory=list)
     extra: dict = field(default_factory=dict)  # the planner's band, ETTR, ties
     mfu_megatron: float = 0.0  # Narayanan et al. 2021's convention, as published tables use it
+    mfu_causal: float = 0.0    # attention charged only for the keys a causal query sees
 
     def to_json(self) -> dict:
         """The JSON object `myria simulate --json` prints."""
@@ -49,14 +50,17 @@ class StepResult:
             "iteration_time_s": t,
             "mfu": self.mfu,
             "mfu_megatron": self.mfu_megatron,
+            "mfu_causal": self.mfu_causal,
             "tokens_per_s": self.tokens_per_s,
             "tflops_per_gpu": self.tflops_per_gpu,
             "hardware_tflops_per_gpu": self.hardware_tflops_per_gpu,
             "flops_note": "mfu and tflops_per_gpu count model FLOPs as myria's live meter does "
                           "(every matmul the model runs, 3x its forward; flops.py 'dense'); "
                           "mfu_megatron uses Narayanan et al. 2021's formula (72 B s l h^2 (...) "
-                          "for GPT: the output layer at 2.25x), as published tables do; "
-                          "hardware_tflops_per_gpu adds recomputation",
+                          "for GPT: the output layer at 2.25x), as published tables do; both "
+                          "charge attention for every key; mfu_causal only for the keys a "
+                          "causal query sees; hardware_tflops_per_gpu counts what runs: the "
+                          "causal attention FlashAttention computes, and recomputation",
             "memory_gb_per_gpu": self.memory_gb_per_gpu,
             "fits": self.fits,
             "breakdown": {k: v for k, v in self.breakdown.items()},
