@@ -119,3 +119,22 @@ def test_when_every_layout_is_implausible_the_plan_says_so(capsys):
     assert code == 0, err
     assert "! #1: memory margin" in out and "! #1: not first" not in out, out
     assert "every layout that fits is marked ! (a prediction the model cannot vouch for)" in out
+
+
+def test_plan_writes_its_first_layout_as_a_run_simulate_prices_the_same(capsys, tmp_path):
+    """`--write-run` holds every assumption of the plan (kernels, overlap, fabric): `simulate`
+    of that file gives the plan's row, where a run file with the layout alone would not."""
+    out_file = tmp_path / "first.toml"
+    code, out, err = run(capsys, "plan", "--arch", "llama", "--layers", "8", "--hidden", "1024",
+                         "--heads", "16", "--seq-len", "2048", "--global-batch", "64", "--gpu",
+                         "h100", "--gpus", "16", "--top", "1", "--json", "--write-run",
+                         str(out_file))
+    assert code == 0, err
+    row = json.loads(out)["ranked"][0]
+    assert "wrote #1 (tp" in err and f"to {out_file}" in err, err
+    code, out, err = run(capsys, "simulate", str(out_file), "--json")
+    assert code == 0, err
+    again = json.loads(out.splitlines()[0])
+    assert again["iteration_time_s"] == pytest.approx(row["iteration_time_s"], rel=1e-9)
+    assert again["memory_gb_per_gpu"] == pytest.approx(row["memory_gb_per_gpu"], rel=1e-9)
+    assert again["layout"] == {k: v for k, v in row["layout"].items() if k != "stage_layers"}

@@ -21,6 +21,7 @@ import argparse
 import contextlib
 import dataclasses
 import json
+import sys
 from pathlib import Path
 
 from myria.errors import ConfigError
@@ -127,6 +128,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "workspaces (default 0; see myria.sim.planner)")
     reliability.add_arguments(parser, at_least(1e-3, float), at_least(0.0, float))
     parser.add_argument("--json", action="store_true", help="print the ranked layouts as JSON")
+    parser.add_argument("--write-run", metavar="TOML", help="write the first layout as a run "
+                        "file, every assumption of this plan in it: `myria simulate TOML` "
+                        "prices it as the plan did (and can be edited to try variations)")
     g = parser.add_argument_group("pipeline schedule drawing")
     g.add_argument("--show-schedule", metavar="PNG", help="draw a pipeline schedule to PNG")
     g.add_argument("--microbatches", type=at_least(1),
@@ -435,9 +439,10 @@ def _plan(base: RunSpec, space: SearchSpace, args):
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.show_schedule and not Path(args.show_schedule).resolve().parent.is_dir():
-        raise ConfigError(f"--show-schedule {args.show_schedule}: its directory "
-                          f"{Path(args.show_schedule).resolve().parent} does not exist")
+    for flag, path in (("--show-schedule", args.show_schedule), ("--write-run", args.write_run)):
+        if path and not Path(path).resolve().parent.is_dir():
+            raise ConfigError(f"{flag} {path}: its directory {Path(path).resolve().parent} "
+                              "does not exist")
     if args.show_schedule and args.microbatches:
         return _draw_only(args)
     base = _base_from_args(args)
@@ -459,6 +464,17 @@ def run(args: argparse.Namespace) -> int:
         _print(base, res)
     if not res.ranked:
         return 1   # nothing fits: a script sees it
+    if args.write_run:
+        from myria.fsutil import atomic_write
+        from myria.sim.planner import run_of
+
+        first = run_of(base, res.ranked[0])
+        atomic_write(Path(args.write_run), runspec.dumps(first, notes=(
+            f"#1 of `myria plan`: predicted {res.ranked[0].iteration_time_s:.3f} s per "
+            f"step, MFU {res.ranked[0].mfu:.1%}")))
+        print(f"wrote #1 ({_layout(res.ranked[0].layout)}) to {args.write_run}: `myria "
+              f"simulate {args.write_run}` prices it as this plan did",
+              file=sys.stderr if args.json else sys.stdout)
     if args.show_schedule and res.ranked:
         from myria.sim.schedule_plot import draw, simulate_schedule
 

@@ -104,7 +104,9 @@ def _print_table(pairs: list[tuple[runspec.RunSpec, StepResult]]) -> None:
     con.print(describe())
     con.print("TFLOP/s and MFU count model FLOPs as myria's live meter does (every matmul, 3x "
               "its forward); --json adds mfu_megatron (Narayanan et al. 2021's formula, as "
-              "published tables use it); hw TFLOP/s adds recomputation. ETTR: expected "
+              "published tables use it) and mfu_causal; both charge attention for every key; "
+              "hw TFLOP/s counts what runs (causal attention under FlashAttention, and "
+              "recomputation). ETTR: expected "
               "share of wall time in kept steps under failures (--failures-per-gpu-hour), "
               "checkpointing at the Young/Daly interval shown.")
     for run, res in pairs:

@@ -135,6 +135,19 @@ def candidates(base: RunSpec, space: SearchSpace):
                                 yield from _variants(base, space, check, lay, mb)
 
 
+PARALLEL_FIELDS = ("tp", "pp", "cp", "ep", "vpp", "schedule", "sequence_parallel", "dp_shard")
+TRAINING_FIELDS = ("micro_batch", "recompute", "zero_stage", "reshard_after_forward", "offload",
+                   "offload_params")
+
+
+def run_of(base: RunSpec, res: StepResult) -> RunSpec:
+    """The run a ranked layout is: `base` with the layout's parallel and training fields (the
+    ones `candidates` sets), so that `perf.simulate` prices it as the plan did."""
+    lay = res.layout
+    return base.replace(parallel={"dp": 0, **{k: lay[k] for k in PARALLEL_FIELDS}},
+                        training={k: lay[k] for k in TRAINING_FIELDS})
+
+
 def _variants(base: RunSpec, space: SearchSpace, check: _Checker, lay: Layout, mb: int):
     """The training-side variants of one layout (recomputation, ZeRO stage and sharding,
     offload) that pass the layout's check."""

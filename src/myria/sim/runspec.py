@@ -362,6 +362,21 @@ def loads(text: str, origin: str = "<string>") -> list[RunSpec]:
     return [parse_run(data)]
 
 
+def dumps(run: RunSpec, notes: str = "") -> str:
+    """`run` as run-file TOML (one run, its sections) that `loads` reads back equal."""
+    import tomli_w
+
+    data: dict[str, Any] = {"name": run.name}
+    if run.source:
+        data["source"] = run.source
+    if notes:
+        data["notes"] = notes
+    for sec in SECTIONS:
+        data[sec] = {k: v for k, v in dataclasses.asdict(getattr(run, sec)).items()
+                     if v is not None}
+    return tomli_w.dumps(data)
+
+
 def load(path: str | Path) -> list[RunSpec]:
     """Parse a run file from disk."""
 
