@@ -155,13 +155,13 @@ def _after_a_lost_peer(e: BaseException, run_dir: str | None) -> str | None:
     import os
     import traceback
 
-    from myria.resilience.watch import SECONDARY
+    from myria.train.launch import PEER_LOST
 
     text = f"{type(e).__name__}: {e}"
     rank = os.environ.get("RANK")
     if rank is None or not run_dir or not (
             type(e).__name__ in ("DistNetworkError", "DistBackendError")
-            or any(s in text for s in SECONDARY)):
+            or any(s in text for s in PEER_LOST)):
         return None
     from pathlib import Path
 

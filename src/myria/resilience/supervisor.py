@@ -457,7 +457,8 @@ class Supervisor:
 
         try:
             policy.check_time_to_restart(self.cfg.training.max_time_s,
-                                         float(os.environ[JOB_START_ENV]), wait, self.startup_s)
+                                         float(os.environ.get(JOB_START_ENV) or
+                                               self.started_at), wait, self.startup_s)
         except policy.TimeUp:
             f.action.append("no restart: the wall-time limit is too near")
             raise

@@ -19,16 +19,12 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from myria.fsutil import proc_stat
+from myria.train.launch import PEER_LOST
 
 # Phases in which a rank is not expected to make progress on its own.
 FINISHED = ("done", "stopped", "exit", "failed")
 # Phases that may legitimately last long: judged against the start-up timeout.
 STARTUP = ("init", "resume", "checkpoint-flush")
-# Exception text that is a consequence of another rank failing, not a cause.
-SECONDARY = ("Connection closed by peer", "Connection reset by peer", "Broken pipe",
-             "connection was closed", "Socket Timeout", "Timed out waiting",
-             "ProcessGroupGloo", "NCCL communicator was aborted", "SIGTERM",
-             "DistBackendError", "Connection refused")
 
 
 # A rank whose heartbeats are late is still working, not dead or frozen, when its process can
@@ -176,7 +172,7 @@ class Watchdog:
     def is_secondary(self, rank: int) -> bool:
         """True when the rank's last error reads as a consequence of another rank's failure."""
         line = self.cause_line(rank)
-        return bool(line) and any(s in line for s in SECONDARY)
+        return bool(line) and any(s in line for s in PEER_LOST)
 
     def exit_detection(self, failures: dict, ranks: list[int], now: float) -> Detection:
         """The `exit` detection of torch elastic's failures (rank -> ProcessFailure) among this

@@ -168,12 +168,13 @@ def record_worker_error(message: str, exit_code: int) -> bool:
     return os.environ.get(QUIET_ENV) == "1"
 
 
-# what a survivor's error says when a peer is gone (collective or store): a consequence of
-# another rank's failure, not a cause
+# what a survivor's error says when a peer is gone (collective or store), or when the agent
+# stopped it after another rank failed: a consequence of another rank's failure, not a cause
+# (the launcher, the supervisor's reading of a rank's error and in-job recovery judge by it)
 PEER_LOST = ("Connection closed by peer", "Connection reset by peer", "Broken pipe",
-             "Socket Timeout", "Timed out", "timed out", "ProcessGroupGloo", "gloo",
-             "DistBackendError", "Connection refused", "has not been initialized",
-             "aborted", "Aborted")
+             "connection was closed", "Socket Timeout", "Timed out", "timed out",
+             "ProcessGroupGloo", "gloo", "DistBackendError", "Connection refused",
+             "has not been initialized", "aborted", "Aborted", "SIGTERM")
 # torch elastic's message of a rank that wrote no error file
 NO_MESSAGE = "<NONE>"
 
