@@ -207,3 +207,26 @@ def test_train_on_a_mixture_reports_training_and_validation_per_source_down_to_t
             in section), section
     assert (f"<tr><td>4</td><td>{evals[-1]['val_loss']:.4f}</td><td>{by['web']:.4f}</td>"
             f"<td>{by['code']:.4f}</td></tr>" in section), section
+    # resumed with other weights: refused before anything starts, naming data.sources (not
+    # "was it re-prepared?"): new weights would re-read some samples and skip others
+    p = run_cli("train", "--run-dir", str(run), "--nproc", "2", *TINY,
+                "--training.global_batch=32", "--training.micro_batch=16",
+                f"--data.sources={web}:0.5,{code}:0.5", "--training.steps=6",
+                "--allow-data-change", check=False)
+    assert p.returncode == 2 and len(p.stderr.strip().splitlines()) == 1, p.stderr
+    assert (f"data.sources = '{web}:0.5,{code}:0.5': the checkpoint of step 4 was trained on "
+            f"the mixture '{web}:0.3,{code}:0.7'; a mixture cannot change its sources or "
+            "weights on resume") in p.stderr, p.stderr
+
+
+def test_a_mixture_may_move_its_directories_and_epoch_limits_on_resume(tmp_path):
+    """Only the sources, their order and their shares are the mixture's order: a moved
+    directory of the same name, weights scaled alike, or another epoch limit resume."""
+    from myria.data.mixture import check_resume
+
+    check_resume("data/web:0.3,data/code:0.7", "/mnt/web:3,/mnt/code:7:2", 10)
+    check_resume("", "data/web:1", 10)        # from one directory: its fingerprint judges
+    for new in ("data/code:0.7,data/web:0.3", "data/web:0.3,data/code:0.6",
+                "data/web:0.3,data/code:0.7,data/chat:0.1"):
+        with pytest.raises(ConfigError, match="cannot change its sources or weights"):
+            check_resume("data/web:0.3,data/code:0.7", new, 10)

@@ -80,6 +80,30 @@ def parse_sources(text: str) -> list[Source]:
     return out
 
 
+def check_resume(old: str, new: str, step: int) -> None:
+    """ConfigError when `data.sources` changes its mixture on resume from step `step`: other
+    sources, order or weights. Each source's position is C_k(step) of the weights it runs with,
+    counted from step 0 (the module docstring), so new weights would re-read some samples of a
+    source and skip others. Paths (a moved directory of the same name) and epoch limits may
+    change."""
+    if not old or not new:
+        return
+
+    def mix(text: str) -> list[tuple[str, Fraction]]:
+        src = parse_sources(text)
+        return list(zip((s.name for s in src), _fractions([s.weight for s in src]),
+                        strict=True))
+
+    if mix(old) != mix(new):
+        raise ConfigError(
+            f"data.sources = {new!r}: the checkpoint of step {step} was trained on the mixture "
+            f"{old!r}; a mixture cannot change its sources or weights on resume (each "
+            "source's position is counted from step 0 with the weights it runs with: new "
+            "weights would read some samples again and skip others). Keep the mixture, or "
+            "train the new mixture in a new --run-dir from this one's weights (`myria export` "
+            "then --model.init_from)")
+
+
 def _is_number(text: str) -> bool:
     try:
         float(text)

@@ -193,6 +193,10 @@ def preflight(cfg: config_mod.Config, run_dir: str | Path, stop_after: int | Non
     except (OSError, ValueError):
         return None  # unreadable: the trainer quarantines it and says so
     resume_rules.resume_changes(prev, copy.deepcopy(cfg), step)
+    from myria.data import mixture
+
+    mixture.check_resume(str((prev.get("data") or {}).get("sources") or ""), cfg.data.sources,
+                         step)
     if step < cfg.training.steps and (stop_after is None or stop_after > step):
         return None
     from myria.train.checkpoint.store import verify_dir
