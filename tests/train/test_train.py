@@ -528,3 +528,20 @@ def test_an_input_error_of_every_rank_is_printed_once(tmp_path, tiny_data):
     assert p.returncode == 2 and "Traceback" not in p.stderr
     assert p.stderr.count("no checkpoint in") == 1, p.stderr
     assert "failed first" in p.stderr
+
+
+def test_data_without_a_validation_split_says_how_to_train_without_validation(
+        tmp_path, tiny_data, capsys):
+    """Data prepared with --val-fraction 0 and evaluation on: one line that names the split
+    and --training.eval_interval=0, before anything starts (train and supervise alike)."""
+    data = tmp_path / "noval"
+    run_cli("prepare", "--corpus", "demo", "--max-docs", "4", "--tokenizer",
+            str(tiny_data / "tokenizer.json"), "--out", str(data), "--val-fraction", "0",
+            "--quiet")
+    for cmd in (["train"], ["supervise"]):
+        code, out, err = in_process(capsys, *cmd, "--run-dir", str(tmp_path / "run"),
+                                    f"--data.path={data}", *TINY, "--training.eval_interval=5")
+        assert code == 2 and len(err.strip().splitlines()) == 1, (cmd, err)
+        assert "split 'val'" in err and "or train without validation: " \
+            "--training.eval_interval=0 (it is 5)" in err, (cmd, err)
+    assert not (tmp_path / "run").exists()

@@ -59,6 +59,7 @@ def run(args) -> int:
         check_before_torch,
         check_nproc,
         check_run,
+        check_validation,
         check_vocab,
         preflight,
     )
@@ -69,6 +70,7 @@ def run(args) -> int:
         check_nproc(args.nproc, "cpu")
     check_before_torch(cfg, args.nproc, args.nproc * min_nodes, True)
     data = open_dataset(cfg.data, cfg.model.seq_len, verify=False)
+    check_validation(cfg)
     if done := preflight(cfg, args.run_dir, args.stop_after):
         print(done)
         return 0

@@ -26,6 +26,7 @@ from myria.train.preflight import (
     check_before_torch,
     check_nproc,
     check_run,
+    check_validation,
     check_vocab,
     max_time_overrides,
     preflight,
@@ -230,8 +231,7 @@ def run(args) -> int:
 
         check_before_torch(cfg, args.nproc, args.nproc, bool(launching))
         data = open_dataset(cfg.data, cfg.model.seq_len, verify=False)
-        if cfg.training.eval_interval:  # a split without one sample is refused now, not later
-            open_dataset(cfg.data, cfg.model.seq_len, split="val", verify=False)
+        check_validation(cfg)
         if Path(args.run_dir).exists() and (done := preflight(cfg, args.run_dir,
                                                               args.stop_after)):
             _say(done)

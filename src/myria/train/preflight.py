@@ -15,6 +15,7 @@ from pathlib import Path
 from myria import config as config_mod
 from myria import rundir
 from myria.config import Config, resume_rules
+from myria.errors import DataError
 from myria.layout import Layout
 
 
@@ -91,6 +92,20 @@ def check_before_torch(cfg: Config, local: int, world: int, launching: bool) -> 
     if launching:
         check_nproc(local, device)
     Layout.resolve(cfg.parallel, world or 1).check(cfg, device)
+
+
+def check_validation(cfg: Config) -> None:
+    """With evaluation on, refuse a validation split without one sample now, not at the first
+    evaluation, and say how to train without it."""
+    if not cfg.training.eval_interval:
+        return
+    from myria.data.mixture import open_dataset
+
+    try:
+        open_dataset(cfg.data, cfg.model.seq_len, split="val", verify=False)
+    except DataError as e:
+        raise DataError(f"{e}; or train without validation: --training.eval_interval=0 (it is "
+                        f"{cfg.training.eval_interval})") from None
 
 
 def check_vocab(cfg: Config, dataset) -> None:
