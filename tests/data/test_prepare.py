@@ -227,9 +227,24 @@ def test_bad_jsonl_names_file_and_line(tmp_path: Path) -> None:
 
 
 def test_too_few_documents_for_validation(tmp_path: Path) -> None:
+    """Too few documents to hold one out: refused before encoding for a small corpus; for one
+    past --sample-mb (split by hash) after encoding, and then the fix it names (another
+    --val-fraction) is accepted in the same directory: the refused result is no unfinished
+    prepare to resume."""
     (tmp_path / "one.txt").write_text("just one document\n")
     with pytest.raises(DataError, match="--val-fraction 0"):
         P.prepare(tmp_path / "o", inputs=[str(tmp_path / "one.txt")])
+    docs = []
+    for i in range(5):
+        docs.append(tmp_path / f"d{i}.txt")
+        docs[-1].write_text(" ".join([f"word{i}"] * 300) + "\n")
+    inputs = [str(d) for d in docs]
+    with pytest.raises(DataError, match="gave 0 for validation at --val-fraction 0.01"):
+        P.prepare(tmp_path / "big", inputs=inputs, vocab_size=300, sample_mb=0.001)
+    assert not (tmp_path / "big" / P.MANIFEST_FILE).exists()
+    index = P.prepare(tmp_path / "big", inputs=inputs, vocab_size=300, sample_mb=0.001,
+                      val_fraction=0.0)
+    assert index["splits"]["train"]["documents"] == 5
 
 
 def _cli(*args: str) -> tuple[int, str, str]:

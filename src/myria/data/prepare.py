@@ -344,6 +344,11 @@ def prepare(out: str | Path, inputs: Sequence[str] = (), corpus: str | None = No
             splits[s] = {"documents": sum(x["documents"] for x in shards),
                          "tokens": sum(x["tokens"] for x in shards), "shards": shards}
     man.update(_snapshot(counts, dec))
+    if man["kept"] == 0 or val_fraction > 0 and (splits["val"]["documents"] == 0
+                                                 or splits["train"]["documents"] == 0):
+        # a finished prepare whose result is refused: nothing to resume, so a rerun with other
+        # options is not taken for an interrupted one of these
+        man_path.unlink(missing_ok=True)
     if man["kept"] == 0:
         raise _empty(inputs, corpus, dec)
     if val_fraction > 0 and (splits["val"]["documents"] == 0 or splits["train"]["documents"] == 0):
