@@ -269,8 +269,13 @@ def test_refuses_to_overwrite_a_prepared_directory(corpus: Path, tmp_path: Path)
     assert rc == 2 and err.count("\n") == 1 and "already a prepared data directory" in err
     assert "--force" in err and str(out) in err
     assert (out / "index.json").read_bytes() == before
-    rc, _, _ = _cli(*args[:-3], "300", "--out", str(out), "--force")
+    rc, _, err = _cli(*args[:-3], "300", "--out", str(out), "--force")
     assert rc == 0 and (out / "index.json").read_bytes() != before
+    # another vocabulary is another tokenizer: what was prepared with the old one is named
+    assert f"note: {out} has a new tokenizer (sha256 " in err and \
+        "no longer match it: prepare them again with this tokenizer" in err, err
+    rc, _, err = _cli(*args[:-3], "300", "--out", str(out), "--force")
+    assert rc == 0 and "new tokenizer" not in err, err   # the same tokenizer again: no note
     rc, _, err = _cli("--input", str(corpus / "txt"), "--out", str(corpus / "records.jsonl"))
     assert rc == 2 and "is a file" in err
 

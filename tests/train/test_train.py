@@ -158,6 +158,8 @@ def test_a_finished_run_or_a_change_that_cannot_apply_stops_before_anything_star
             (["--stop-after", "30"], "--stop-after 30: the run resumes at step 40"),
             (["--max-time", "5m", "--training.max_time_s=100"],
              "--max-time and --training.max_time_s both set the wall-time limit: give one"),
+            ([f"--data.sources={tiny_data}:1"], "--data.path and --data.sources both name "
+             "the training data"),
             (["--nproc", "-1"], "--nproc -1: must be at least 1"),
             (["--nproc", "0"], "--nproc 0: must be at least 1"),
             (["--nproc", "100000"], "--nproc 100000: this host has")]:
@@ -545,3 +547,17 @@ def test_data_without_a_validation_split_says_how_to_train_without_validation(
         assert "split 'val'" in err and "or train without validation: " \
             "--training.eval_interval=0 (it is 5)" in err, (cmd, err)
     assert not (tmp_path / "run").exists()
+
+
+def test_a_model_vocabulary_far_past_the_tokenizers_is_noted(tmp_path, tiny_data):
+    """Embedding rows no token trains: one note with the vocabulary that fits."""
+    import json as _json
+
+    n = _json.loads((tiny_data / "index.json").read_text())["vocab_size"]
+    padded = -(-n // 64) * 64
+    p = train(tmp_path, tiny_data, "--model.vocab_size=16384", "--training.steps=1")
+    assert (f"note: model.vocab_size = 16,384 for a tokenizer of {n:,} tokens ({tiny_data}): "
+            f"{16384 - n:,} embedding rows no token trains; --model.vocab_size={padded} fits "
+            "it") in p.stdout, p.stdout
+    q = train(tmp_path / "fits", tiny_data, f"--model.vocab_size={padded}", "--training.steps=1")
+    assert "embedding rows no token trains" not in q.stdout

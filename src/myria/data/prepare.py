@@ -598,6 +598,10 @@ def run(args: argparse.Namespace) -> int:
     if args.tokenizer and args.vocab_size is not None:
         raise DataError(f"--vocab-size {args.vocab_size} with --tokenizer {args.tokenizer}: the "
                         "tokenizer's vocabulary is its own; drop --vocab-size")
+    try:   # what --force replaces: a tokenizer other data may have been prepared with
+        before = json.loads((Path(args.out) / INDEX_FILE).read_text()).get("tokenizer_sha256")
+    except (OSError, ValueError, AttributeError):
+        before = None
     index = prepare(args.out, inputs=args.input, corpus=args.corpus,
                     jsonl_field=args.jsonl_field,
                     vocab_size=VOCAB_SIZE if args.vocab_size is None else args.vocab_size,
@@ -607,4 +611,10 @@ def run(args: argparse.Namespace) -> int:
                     errors=args.errors, force=args.force, dedup=args.dedup,
                     sample_mb=args.sample_mb)
     print(summary(index, args.out, time.perf_counter() - t0))
+    if before and before != index.get("tokenizer_sha256"):
+        print(f"note: {args.out} has a new tokenizer (sha256 {before[:12]} -> "
+              f"{str(index.get('tokenizer_sha256'))[:12]}): its token ids mean other text; data "
+              f"prepared with --tokenizer {args.out}/tokenizer.json before, and runs trained on "
+              f"{args.out}, no longer match it: prepare them again with this tokenizer",
+              file=sys.stderr)
     return 0

@@ -47,9 +47,15 @@ def run(args) -> int:
         from myria.resilience.multihost import job_status
 
         return job_status(Path(args.run_dir), args.rdzv_id)
-    from myria.train.preflight import max_time_overrides, resume_overrides, run_config
+    from myria.train.preflight import (
+        check_data_overrides,
+        max_time_overrides,
+        resume_overrides,
+        run_config,
+    )
 
     args.overrides += resume_overrides(args) + max_time_overrides(args)
+    check_data_overrides(args.overrides)
     cfg, _ = run_config(args.config, args.overrides, args.run_dir)  # model.init_from too
     min_nodes, max_nodes = _parse_nnodes(args.nnodes)
     from myria import faults, rundir
@@ -80,7 +86,8 @@ def run(args) -> int:
     from myria.train.distributed import device_type
 
     check_nproc(args.nproc, device_type(cfg.training.device))
-    check_vocab(cfg, data)
+    if note := check_vocab(cfg, data):
+        print(note, flush=True)
     check_run(cfg, Layout.resolve(cfg.parallel, args.nproc * min_nodes),
               device_type(cfg.training.device))
     from myria.resilience import injob

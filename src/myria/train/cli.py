@@ -24,6 +24,7 @@ from myria.observe import goodput
 from myria.train.preflight import (
     add_resume_arguments,
     check_before_torch,
+    check_data_overrides,
     check_nproc,
     check_run,
     check_validation,
@@ -191,6 +192,7 @@ def predicted(cfg: config_mod.Config, world: int, ranks_per_host: int):
 
 def run(args) -> int:
     args.overrides += resume_overrides(args) + max_time_overrides(args)
+    check_data_overrides(args.overrides)
     # the wall-time limit's origin for the processes it starts: when the user's command
     # started (Python's start-up and this module's imports count against the limit)
     job_start = min(time.time(), goodput.process_start_time())
@@ -245,7 +247,8 @@ def run(args) -> int:
 
         if launching:
             check_nproc(args.nproc, device_type(cfg.training.device))
-        check_vocab(cfg, data)
+        if note := check_vocab(cfg, data):
+            print(note, flush=True)
         check_run(cfg, Layout.resolve(cfg.parallel, args.nproc or 1),
                   device_type(cfg.training.device))
     done = preflight(cfg, args.run_dir, args.stop_after)

@@ -82,6 +82,16 @@ def max_time_overrides(args) -> list[str]:
     return [f"--training.max_time_s={parse_duration(args.max_time)}"]
 
 
+def check_data_overrides(overrides: list[str]) -> None:
+    """`--data.path` and `--data.sources` both typed: the mixture would win and the path be
+    ignored without a word; refused."""
+    keys = {o.split("=", 1)[0] for o in overrides}
+    if {"--data.path", "--data.sources"} <= keys:
+        raise config_mod.ConfigError("--data.path and --data.sources both name the training "
+                                     "data (a mixture of sources takes the place of the one "
+                                     "path): give one")
+
+
 def check_before_torch(cfg: Config, local: int, world: int, launching: bool) -> None:
     """This host's process count (`local`, when it starts them) and the layout's rules over
     `world` ranks, judged before torch is imported when the device is known without it
@@ -108,8 +118,9 @@ def check_validation(cfg: Config) -> None:
                         f"{cfg.training.eval_interval})") from None
 
 
-def check_vocab(cfg: Config, dataset) -> None:
-    """Refuse a model whose vocabulary is smaller than the tokenizer of its data."""
+def check_vocab(cfg: Config, dataset) -> str | None:
+    """Refuse a model whose vocabulary is smaller than the tokenizer of its data; a note (the
+    line to print) when it is much larger: rows of the embedding no token ever trains."""
     if dataset.vocab_size > cfg.model.vocab_size and cfg.model.init_from:
         raise config_mod.ConfigError(
             f"the tokenizer of {dataset.path} has {dataset.vocab_size} tokens but the model in "
@@ -121,6 +132,14 @@ def check_vocab(cfg: Config, dataset) -> None:
             f"the tokenizer of {dataset.path} has {dataset.vocab_size} tokens but "
             f"model.vocab_size = {cfg.model.vocab_size}; set model.vocab_size >= "
             f"{dataset.vocab_size}")
+    padded = -(-dataset.vocab_size // 64) * 64   # a multiple of 64, as GEMMs like it
+    if not cfg.model.init_from and cfg.model.vocab_size > max(2 * dataset.vocab_size,
+                                                              padded + 1024):
+        return (f"note: model.vocab_size = {cfg.model.vocab_size:,} for a tokenizer of "
+                f"{dataset.vocab_size:,} tokens ({dataset.path}): "
+                f"{cfg.model.vocab_size - dataset.vocab_size:,} embedding rows no token trains; "
+                f"--model.vocab_size={padded} fits it")
+    return None
 
 
 def check_nproc(nproc: int, device: str, flag: str = "--nproc") -> None:
