@@ -67,6 +67,10 @@ def test_plan_table_is_whole_when_piped(capsys):
     for col in ("MFU (band)", "ckpt every", "compute", "bubble", "other"):
         assert col in header, header
     assert "…" not in out
+    # what separates the tied first layouts names the settings that differ from #1's
+    seps = [x.strip() for x in out.splitlines() if x.strip().startswith(("#2:", "#3:"))]
+    assert seps and all(any(f"{k} " in x.split(": step")[0] for k in
+                            ("layout", "micro-batch", "recompute", "ZeRO")) for x in seps), out
 
 
 def test_plan_when_nothing_fits_exits_1_with_the_layout_closest_to_fitting(capsys, tmp_path):
@@ -107,6 +111,11 @@ def test_a_gpu_alias_gets_its_devices_attention_kernel(capsys):
     assert code == 0 and "assumed: attention fa3" in out, (out, err)
     code, out, err = run(capsys, *base, "--gpu", "h100", "--kernels", "fa3")
     assert code == 0, err
+    # the band was measured on A100 runs only: said for an H100 plan, not for an A100 one
+    assert "calibration runs: 10 on a100-sxm-80gb" in out
+    assert "h100-sxm-80gb is outside them: the band is a floor there" in out
+    code, out, err = run(capsys, *base, "--gpu", "a100")
+    assert code == 0 and "outside them" not in out, out
 
 
 def test_when_every_layout_is_implausible_the_plan_says_so(capsys):

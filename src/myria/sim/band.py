@@ -63,11 +63,33 @@ def held_out_mae() -> float | None:
         return None
 
 
-def describe() -> str:
-    """One line for the CLI: the band, its nominal coverage and the held-out error."""
+@lru_cache(maxsize=1)
+def calibration_devices() -> dict[str, int]:
+    """Device -> number of calibration runs on it (data/calibration_runs.toml)."""
+    import tomllib
+
+    try:
+        runs = tomllib.loads((UNCERTAINTY.parent / "calibration_runs.toml").read_text())["run"]
+    except (OSError, ValueError, KeyError):
+        return {}
+    out: dict[str, int] = {}
+    for r in runs:
+        gpu = str(r.get("cluster", {}).get("gpu", "?"))
+        out[gpu] = out.get(gpu, 0) + 1
+    return out
+
+
+def describe(devices: tuple[str, ...] = ()) -> str:
+    """One line for the CLI: the band, its nominal coverage, the held-out error, what the
+    calibration ran on, and whether `devices` (canonical names) are outside it."""
     mae = held_out_mae()
+    cal = calibration_devices()
+    on = ", ".join(f"{n} on {d}" for d, n in cal.items())
+    outside = sorted(set(devices) - set(cal)) if cal else []
     return (f"model uncertainty: +/-{uncertainty():.1%} on iteration time and MFU at "
             f"{band_coverage():.0%} nominal coverage (jackknife+ quantile of the leave-one-out "
-            "errors on the calibration runs" +
-            (f"; leave-one-out mean absolute error {mae:.2%})" if mae is not None else ")"))
+            f"errors on the calibration runs{f': {on}' if on else ''}" +
+            (f"; leave-one-out mean absolute error {mae:.2%})" if mae is not None else ")") +
+            (f"; {', '.join(outside)} {'is' if len(outside) == 1 else 'are'} outside them: "
+             "the band is a floor there, not a measured width" if outside else ""))
 

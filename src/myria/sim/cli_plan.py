@@ -553,13 +553,21 @@ def separation(res) -> list[str]:
 
     if len(res.ranked) < 2:
         return []
+    def settings(lay: dict) -> dict:
+        return {"layout": _layout(lay), "micro-batch": lay["micro_batch"],
+                "recompute": lay["recompute"], "ZeRO": lay["zero_stage"]}
+
     one = res.ranked[0]
+    mine = settings(one.layout)
     out = [f"#1: {one.iteration_time_s:.3f} s per step, {margin_bytes(one) / 1e9:.1f} GB free"]
     for i, r in enumerate(res.ranked[1:5], 2):
         diff = {k: r.breakdown[k] - one.breakdown.get(k, 0.0) for k in r.breakdown}
         top = sorted(diff.items(), key=lambda kv: -abs(kv[1]))[:2]
         costs = ", ".join(f"{BREAKDOWN_LABELS[k]} {v:+.3f} s" for k, v in top if abs(v) > 5e-4)
-        out.append(f"#{i}: step {r.iteration_time_s / one.iteration_time_s - 1:+.1%}, "
+        other = settings(r.layout)
+        what = ", ".join(f"{k} {v}" for k, v in other.items() if v != mine[k])
+        out.append(f"#{i}: {what or 'the same settings'}: step "
+                   f"{r.iteration_time_s / one.iteration_time_s - 1:+.1%}, "
                    f"{margin_bytes(r) / 1e9:.1f} GB free" + (f" ({costs})" if costs else ""))
     return out
 
@@ -666,7 +674,7 @@ def _print(base: RunSpec, res) -> None:
             con.print("  " + line)
     from myria.sim.band import describe
 
-    con.print(describe())
+    con.print(describe((res.ranked[0].layout["device"],)))
     rel = res.ranked[0].extra["reliability"]
     con.print(f"ETTR: expected share of wall time in kept training steps with failures every "
               f"{rel['mtbf_s'] / 3600:.1f} h on average (job MTBF), recovery "

@@ -101,7 +101,7 @@ def _print_table(pairs: list[tuple[runspec.RunSpec, StepResult]]) -> None:
                   f"{sum(errs) / len(errs):.2%}")
     from myria.sim.band import describe
 
-    con.print(describe())
+    con.print(describe(tuple(sorted({res.layout["device"] for _, res in pairs}))))
     con.print("TFLOP/s and MFU count model FLOPs as myria's live meter does (every matmul, 3x "
               "its forward); --json adds mfu_megatron (Narayanan et al. 2021's formula, as "
               "published tables use it) and mfu_causal; both charge attention for every key; "
