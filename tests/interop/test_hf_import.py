@@ -207,7 +207,9 @@ def test_plan_and_simulate_take_the_model_from_init_from(tmp_path, hf_models):
                       run_cli("simulate", f, "--gpu", "H100", "--nproc", "2", "--json").stdout)
     assert got["a"] == got["b"]
     assert run_cli("plan", str(tmp_path / "a" / "run.toml"), "--gpu", "H100", "--gpus", "8"
-                   ).stdout.startswith("model llama 2x64 (4 heads)")
+                   ).stdout.startswith("model llama ")
+    assert ": 2 x 64, 4 heads (2 key/value), MLP 128, vocabulary 1,024, seq " in run_cli(
+        "plan", str(tmp_path / "a" / "run.toml"), "--gpu", "H100", "--gpus", "8").stdout
     # the directory itself (or its config.json) with the run typed: the same plan
     from myria.config import Config
 
@@ -216,7 +218,7 @@ def test_plan_and_simulate_take_the_model_from_init_from(tmp_path, hf_models):
     for given in (d, d / "config.json"):
         plan = json.loads(run_cli("plan", str(given), "--gpu", "H100", "--gpus", "8", *run,
                                   "--json").stdout)
-        for row in plan["ranked"]:
+        for row in plan["ranked"] + [plan["best_runnable"]]:
             assert row.pop("name") == "config-only"
             row["name"] = "run"
         assert {k: v for k, v in plan.items() if k != "seconds"} == got["a"][0]

@@ -147,3 +147,17 @@ def test_plan_writes_its_first_layout_as_a_run_simulate_prices_the_same(capsys, 
     assert again["iteration_time_s"] == pytest.approx(row["iteration_time_s"], rel=1e-9)
     assert again["memory_gb_per_gpu"] == pytest.approx(row["memory_gb_per_gpu"], rel=1e-9)
     assert again["layout"] == {k: v for k, v in row["layout"].items() if k != "stage_layers"}
+
+
+def test_a_file_of_several_runs_names_the_one_planned(capsys):
+    path = "src/myria/sim/data/expert_layouts.toml"
+    fixed = ["--tp", "8", "--pp", "16", "--cp", "1", "--vpp", "1", "--mb", "1", "--zero", "1",
+             "--recompute", "none", "--top", "1"]
+    code, out, err = run(capsys, "plan", path, *fixed)
+    assert code == 0, err
+    assert err.strip() == (f"note: planning 'llama3-405b', the first of the 3 runs in {path} "
+                           "(--run NAME plans another: megascale-175b, megatron-lm-gpt3-175b)")
+    assert out.startswith("model llama 405.9B: 126 x 16384, 128 heads (8 key/value), MLP "
+                          "53248, vocabulary 128,256, seq 8192"), out
+    code, out, err = run(capsys, "plan", path, "--run", "nope", *fixed)
+    assert code == 2 and "--run 'nope': no such run" in err and "megascale-175b" in err, err

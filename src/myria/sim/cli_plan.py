@@ -177,7 +177,12 @@ def _base_from_args(args) -> RunSpec:
             runs = runspec.loads(text, str(p))
             run = next((r for r in runs if r.name == args.run), None) if args.run else runs[0]
             if run is None:
-                raise ConfigError(f"--run {args.run!r}: no such run in {args.base}")
+                raise ConfigError(f"--run {args.run!r}: no such run in {args.base}; it has "
+                                  f"{', '.join(r.name for r in runs)}")
+            if not args.run and len(runs) > 1:
+                print(f"note: planning {run.name!r}, the first of the {len(runs)} runs in "
+                      f"{args.base} (--run NAME plans another: "
+                      f"{', '.join(r.name for r in runs[1:])})", file=sys.stderr)
             model = dataclasses.asdict(run.model)
             training = dataclasses.asdict(run.training)
             cluster = dataclasses.asdict(run.cluster)
@@ -572,13 +577,27 @@ def separation(res) -> list[str]:
     return out
 
 
+def model_line(base: RunSpec) -> str:
+    """The planned model in a few words: parameters, shape, attention heads, MLP, vocabulary,
+    experts."""
+    from myria.models.flops import param_counts
+
+    cfg = base.model_config()
+    n = param_counts(cfg).total(cfg.layers)
+    size = f"{n / 1e9:.1f}B" if n >= 1e9 else f"{n / 1e6:.0f}M"
+    moe = f", {cfg.experts} experts (top {cfg.top_k})" if cfg.experts else ""
+    return (f"{cfg.arch} {size}: {cfg.layers} x {cfg.hidden}, {cfg.heads} heads "
+            f"({cfg.n_kv_heads} key/value), MLP {cfg.ffn_dim}, vocabulary {cfg.vocab_size:,}"
+            f"{moe}")
+
+
 def _print(base: RunSpec, res) -> None:
     from rich.table import Table
 
     con = console(150)
     m = base.model
-    con.print(f"model {m.arch} {m.layers}x{m.hidden} ({m.heads} heads), seq {m.seq_len}, global "
-              f"batch {base.training.global_batch}, {base.cluster.gpus} x {base.cluster.gpu}")
+    con.print(f"model {model_line(base)}, seq {m.seq_len}, global batch "
+              f"{base.training.global_batch}, {base.cluster.gpus} x {base.cluster.gpu}")
     for line in assumptions(base):
         con.print(line)
     con.print(f"{res.evaluated:,} layouts evaluated in {res.seconds:.2f} s, {res.fitting:,} fit "
