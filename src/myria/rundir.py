@@ -18,7 +18,7 @@ import sys
 import time
 from pathlib import Path
 
-from myria.fsutil import pid_alive
+from myria.fsutil import atomic_write, pid_alive
 
 CONFIG = "config.json"                      # the resolved config of the run (rank 0, at start)
 CONFIG_CHANGES = "config_changes.jsonl"     # fields changed on resume: step, field, old, new
@@ -73,6 +73,16 @@ def job_summary_file(run_dir: str | Path, job: str) -> Path:
     """Where supervised job `job`'s summary is kept (its id made a safe file name)."""
     safe = "".join(c if c.isalnum() or c in "._-" else "_" for c in job) or "job"
     return Path(run_dir) / SUPERVISOR_JOBS / f"{safe}.json"
+
+
+def write_job_summary(run_dir: str | Path, summary: dict) -> None:
+    """Write a supervised job's summary as the run's newest (SUPERVISOR_SUMMARY) and under
+    its job's id (`job_summary_file`), so a later job does not erase it."""
+    text = json.dumps(summary, indent=1)
+    kept = job_summary_file(run_dir, str(summary.get("job", "")))
+    kept.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write(kept, text)
+    atomic_write(Path(run_dir) / SUPERVISOR_SUMMARY, text)
 
 
 def report_dir(run_dir: str | Path) -> Path:

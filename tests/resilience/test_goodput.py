@@ -96,8 +96,6 @@ def test_a_second_supervised_job_keeps_the_first_ones_ledger_and_faults(tmp_path
     back to back, each fault numbered by its job."""
     from myria import rundir
     from myria.observe import report_sections as sections
-    from myria.resilience import summary
-
     def ledger(wall, productive, startup):
         return {"wall_s": wall, "accounted_s": wall, "ettr": productive / wall,
                 "seconds": dict(dict.fromkeys(goodput.CATEGORIES, 0.0), productive=productive,
@@ -110,8 +108,8 @@ def test_a_second_supervised_job_keeps_the_first_ones_ledger_and_faults(tmp_path
              "faults": [{"kind": "crash", "ranks": [1], "last_step": 11, "time_lost_s": 9.0}]}
     second = {"job": "slurm-102", "started_at": 5000.0, "status": "succeeded",
               "goodput": ledger(50.0, 40.0, 5.0), "faults": []}
-    summary.keep(tmp_path, first)
-    summary.keep(tmp_path, second)
+    rundir.write_job_summary(tmp_path, first)
+    rundir.write_job_summary(tmp_path, second)
     newest = json.loads((tmp_path / rundir.SUPERVISOR_SUMMARY).read_text())
     assert newest["job"] == "slurm-102"
     assert sorted(p.name for p in (tmp_path / rundir.SUPERVISOR_JOBS).iterdir()) == [

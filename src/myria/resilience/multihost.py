@@ -27,7 +27,6 @@ from typing import Any
 from myria import rundir
 from myria.errors import ConfigError
 from myria.fsutil import atomic_write
-from myria.resilience.summary import keep
 
 PARTS_DIR = "supervisor"
 WAIT_REPORT_S = 10.0   # how often a wait for hosts is reported
@@ -53,7 +52,8 @@ def write_part_and_merge(run_dir: Path, part: dict[str, Any]) -> Path:
     fd = open(d / ".merge.lock", "a+")
     try:
         fcntl.flock(fd, fcntl.LOCK_EX)
-        keep(Path(run_dir), merge(read_parts(run_dir, part["job"]), part["host"]))
+        rundir.write_job_summary(run_dir, merge(read_parts(run_dir, part["job"]),
+                                                part["host"]))
     finally:
         fd.close()
     return Path(run_dir) / rundir.SUPERVISOR_SUMMARY

@@ -4,14 +4,12 @@ verdicts, the newest committed checkpoint, the fault hooks that fired and what d
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 from pathlib import Path
 from typing import Any
 
 from myria import rundir
-from myria.fsutil import atomic_write
 from myria.observe import goodput
 
 log = logging.getLogger("myria.supervisor")
@@ -108,7 +106,7 @@ def attempts_line(s: dict[str, Any]) -> str:
 def write(sup, s: dict[str, Any]) -> None:
     """Write summary `s` (one file for the job: each host's part merged) and log it. The
     newest job's summary is RUN_DIR/supervisor_summary.json; every job's is also kept under
-    its id (`rundir.job_summary_file`), so a later job on the same run directory does not
+    its id (`rundir.write_job_summary`), so a later job on the same run directory does not
     erase an earlier one's faults and ledger from the report."""
     path = sup.run_dir / rundir.SUPERVISOR_SUMMARY
     if sup.max_nodes > 1:   # one summary of the job, every host's part in it
@@ -116,7 +114,7 @@ def write(sup, s: dict[str, Any]) -> None:
 
         path = write_part_and_merge(sup.run_dir, s)
     else:
-        keep(sup.run_dir, s)
+        rundir.write_job_summary(sup.run_dir, s)
     log.info("summary: %s at step %s/%s after %s; wall %.1f s, training %.1f s, effective "
              "training time ratio %s; %s", s["status"], s["final_step"], s["target_steps"],
              attempts_line(s), s["wall_s"], s["productive_s"],
@@ -141,15 +139,6 @@ def write(sup, s: dict[str, Any]) -> None:
     log.info("goodput ledger: ETTR %.4f; %s; accounted %.1f of %.1f s", g["ettr"],
              ", ".join(f"{k} {v:.1f}" for k, v in g["seconds"].items() if v),
              g["accounted_s"], g["wall_s"])
-
-
-def keep(run_dir: Path, s: dict[str, Any]) -> None:
-    """Write job summary `s` as the run's newest and under its job's id."""
-    text = json.dumps(s, indent=1)
-    kept = rundir.job_summary_file(run_dir, str(s.get("job", "")))
-    kept.parent.mkdir(parents=True, exist_ok=True)
-    atomic_write(kept, text)
-    atomic_write(Path(run_dir) / rundir.SUPERVISOR_SUMMARY, text)
 
 
 def metrics_rows(run_dir: Path, since: float) -> dict[int, dict]:
