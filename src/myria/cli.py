@@ -116,7 +116,9 @@ def _command(argv: list[str]) -> int:
             return 1
         raise
     except KeyboardInterrupt:
-        print(f"myria {name}: interrupted", file=sys.stderr)
+        # prepare keeps what it committed: the same command goes on from there
+        again = "; the same command resumes it" if name == "prepare" else ""
+        print(f"myria {name}: interrupted{again}", file=sys.stderr)
         return 130
 
 

@@ -84,7 +84,8 @@ def run(args) -> int:
     if tok.post_processor is not None and ids and ids[-1] == eos:
         ids = ids[:-1]
     if not ids:
-        raise ConfigError("--prompt encodes to no tokens")
+        raise ConfigError(f"--prompt {args.prompt!r} encodes to no tokens (the tokenizer adds "
+                          "none of its own): give some text to continue")
     if (reach := len(ids) + args.max_new_tokens) > m.seq_len and m.arch != "gpt":
         print(f"note: the prompt ({len(ids)} tokens) and --max-new-tokens "
               f"{args.max_new_tokens} reach position {reach}, past the {m.seq_len} tokens the "

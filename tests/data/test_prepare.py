@@ -338,3 +338,12 @@ def test_vocabulary_smaller_than_asked_is_said(corpus: Path, tmp_path: Path) -> 
     rc, out, _ = _cli("--input", str(corpus / "txt"), "--vocab-size", "280",
                       "--out", str(tmp_path / "w"))
     assert rc == 0 and "SMALLER" not in out
+
+
+def test_an_interrupted_prepare_says_the_same_command_resumes_it(tmp_path, monkeypatch):
+    def interrupted(*a, **k):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(P, "prepare", interrupted)
+    rc, _, err = _cli("--corpus", "demo", "--out", str(tmp_path / "o"))
+    assert rc == 130 and err.strip() == "myria prepare: interrupted; the same command resumes it"

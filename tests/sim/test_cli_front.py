@@ -161,3 +161,12 @@ def test_a_file_of_several_runs_names_the_one_planned(capsys):
                           "53248, vocabulary 128,256, seq 8192"), out
     code, out, err = run(capsys, "plan", path, "--run", "nope", *fixed)
     assert code == 2 and "--run 'nope': no such run" in err and "megascale-175b" in err, err
+
+
+def test_a_nic_rate_in_bits_per_second_is_refused(capsys):
+    """--nic-gbps 400e9 (bits per second typed for Gbit/s): a unit slip, not a fabric."""
+    with pytest.raises(SystemExit) as e:
+        main([*PLAN, "--gpus", "64", "--nic-gbps", "400e9"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "argument --nic-gbps: '400e9' Gbit/s is faster than any NIC " \
+        "(at most 10,000): give the line rate in Gbit/s, e.g. 400 for a 400G NIC" in err, err

@@ -62,7 +62,8 @@ def parse_sources(text: str) -> list[Source]:
             raise ConfigError(f"data.sources entry {entry!r}: weight {weight!r} is not a "
                               "number") from None
         if not w > 0 or not np.isfinite(w):
-            raise ConfigError(f"data.sources entry {entry!r}: weight {w} must be > 0")
+            raise ConfigError(f"data.sources entry {entry!r}: weight {w} must be > 0 (to "
+                              "leave a source out, remove its entry)")
         epochs = 0
         if len(parts) == 3:
             if not parts[2].isdigit():

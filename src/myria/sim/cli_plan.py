@@ -27,9 +27,7 @@ from pathlib import Path
 from myria.errors import ConfigError
 from myria.sim import reliability, runspec
 from myria.sim.planner import SearchSpace, plan
-from myria.sim.runspec import (
-    RunSpec,
-)
+from myria.sim.runspec import MAX_NIC_GBPS, RunSpec
 
 
 def _ints(text: str) -> list[int]:
@@ -70,6 +68,16 @@ def at_least(lo: float, kind=int):
     return parse
 
 
+def nic_gbps(text: str) -> float:
+    """--nic-gbps: a line rate in Gbit/s, above 0 and at most MAX_NIC_GBPS."""
+    v = at_least(1e-3, float)(text)
+    if v > MAX_NIC_GBPS:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} Gbit/s is faster than any NIC (at most {MAX_NIC_GBPS:,.0f}): give the "
+            "line rate in Gbit/s, e.g. 400 for a 400G NIC")
+    return v
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("base", nargs="?", help="what to plan: a run TOML or myria training "
                         "TOML (the model, and batch, cluster, kernels), or a Hugging Face model "
@@ -90,7 +98,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--gpu", help="a100-sxm-80gb, h100-sxm-80gb, h200, ...")
     g.add_argument("--gpus", type=at_least(1), help="number of devices")
     g.add_argument("--gpus-per-node", type=at_least(1), help="devices per server")
-    g.add_argument("--nic-gbps", type=at_least(1e-3, float), help="NIC bandwidth, Gbit/s")
+    g.add_argument("--nic-gbps", type=nic_gbps, help="NIC line rate, Gbit/s (400 for a 400G "
+                   "NIC)")
     g.add_argument("--topology", choices=("fat-tree", "clos3", "rail-optimized"))
     g.add_argument("--oversubscription", type=at_least(1.0, float),
                    help="fabric oversubscription (1 = non-blocking)")

@@ -26,6 +26,9 @@ from myria.layout import Layout
 
 _f = schema_field
 REQUIRED = object()  # marker default of fields a run must give
+# No NIC runs faster (800G and 1.6T ports are the newest): a larger cluster.nic_gbps is a unit
+# slip (bits or bytes per second)
+MAX_NIC_GBPS = 10_000.0
 
 
 # The [model] section is the trainer's own ModelConfig seen with the simulator's defaults: every
@@ -412,6 +415,9 @@ def validate(run: RunSpec) -> None:
         validate_model(run.model_config())  # the trainer's own checks of a model
     except ConfigError as e:
         raise ConfigError(f"run {n!r}: {e}") from None
+    if c.nic_gbps > MAX_NIC_GBPS:
+        raise ConfigError(f"run {n!r}: cluster.nic_gbps = {c.nic_gbps:g} is faster than any NIC "
+                          f"(at most {MAX_NIC_GBPS:,.0f} Gbit/s): give the line rate in Gbit/s")
     if c.jitter_tail_share > 1:
         raise ConfigError(f"run {n!r}: cluster.jitter_tail_share = {c.jitter_tail_share:g} "
                           "is a share: at most 1")
