@@ -561,3 +561,10 @@ def test_a_model_vocabulary_far_past_the_tokenizers_is_noted(tmp_path, tiny_data
             "it") in p.stdout, p.stdout
     q = train(tmp_path / "fits", tiny_data, f"--model.vocab_size={padded}", "--training.steps=1")
     assert "embedding rows no token trains" not in q.stdout
+
+
+def test_a_run_shorter_than_the_eval_interval_ends_with_its_validation_loss(tmp_path,
+                                                                           tiny_data):
+    train(tmp_path, tiny_data, "--training.steps=3", "--training.eval_interval=5")
+    rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows if "val_loss" in r] == [3], rows

@@ -98,8 +98,8 @@ class TrainingConfig:
                      choices=("auto", "cpu", "cuda"))
     init_timeout_s: float = _f(300.0, "process-group timeout while starting up", min=1.0)
     timeout_s: float = _f(120.0, "process-group timeout once training is warm", min=1.0)
-    eval_interval: int = _f(0, "evaluate on the validation split every N steps; 0 disables",
-                            min=0)
+    eval_interval: int = _f(0, "evaluate on the validation split every N steps and at the "
+                            "last step; 0 disables", min=0)
     threads: int = _f(0, "CPU threads per process; 0 means cores / local processes", min=0)
     gc_interval: int = _f(50, "synchronised garbage collection: Python's automatic collector "
                           "off, every rank collects at the same steps, every N; 0 leaves the "

@@ -400,7 +400,9 @@ class Run:
                 **self.per_source(step, done),
             }))
             self.since_logged = 0.0
-        if t.eval_interval and step % t.eval_interval == 0:
+        # every eval_interval steps, and the last step: a run shorter than the interval, or
+        # not a multiple of it, still ends with its validation loss
+        if t.eval_interval and (step % t.eval_interval == 0 or step == t.steps):
             self.hb.phase("eval")
             self.val = self.val or open_dataset(cfg.data, cfg.model.seq_len, split="val")
             self.metrics.log_eval(step, *evaluate_sources(self.engine, self.val, cfg))
