@@ -122,13 +122,19 @@ def test_bad_mixtures_through_the_cli_one_line_and_no_run_dir(two_sources, tmp_p
              f"{web}:0,{code}:1": f"entry '{web}:0': weight 0.0 must be > 0",
              f"{web}:1,{code}:-0.5": f"entry '{code}:-0.5': weight -0.5 must be > 0",
              f"{web}:0.3,{other}:0.7": f"'{other}' was prepared with another tokenizer than "
-             f"'{web}' (tokenizer_sha256"}
+             f"'{web}' (tokenizer_sha256",
+             # read as asked: refused before processes start, not by the ranks
+             f"{web}:1,{code}:0.01": "'code' has a share of 0.0099, under one of the 8 "
+             "sequences of a step",
+             f"{web}:1,{code}:1:1": "steps read 4,000 samples of 'code', more than its epoch "
+             "limit 1 x"}
     run = tmp_path / "run"
     for i, (sources, msg) in enumerate(cases.items()):
         capsys.readouterr()
         nproc = ["--nproc", "1"] if i % 2 else []
         rc = main(["train", "--run-dir", str(run), *nproc, *TINY,
-                   f"--data.sources={sources}", "--training.steps=2"])
+                   f"--data.sources={sources}", "--training.steps=2" if i < 4 else
+                   "--training.steps=1000"])
         err = capsys.readouterr().err
         assert rc == 2 and err.count("\n") == 1 and msg in err, (sources, err)
         assert not run.exists(), sources

@@ -120,6 +120,8 @@ def test_slow_link_is_blamed_on_communication_on_its_host(tmp_path):
     detections.record(tmp_path, "slow-link", None, "h1", 3,
                       {"ranks": [1], "evidence": "0.7 MB/s to the rendezvous host"}, "none")
     p = run_cli("report", str(tmp_path), "--no-prediction")
+    assert f"report of {tmp_path}: 4 step(s) analysed (step 1, the warm-up, left out), 2 " \
+        "rank(s);" in p.stdout, p.stdout
     assert ("blame: communication on h1 (ranks [1]): its link is degraded from step 3 (0.7 "
             "MB/s to the rendezvous host); its ranks' collectives took 0.300 s per step from "
             "then, 0.030 s before") in p.stdout, p.stdout

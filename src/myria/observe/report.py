@@ -103,7 +103,10 @@ def run(args) -> int:
         print(f"report of {args.run_dir}: {'; '.join(b['problems'])}: loss and learning-rate "
               "curves and the prediction only")
     else:
-        print(f"report of {args.run_dir}: {b['steps']} step(s), {len(b['ranks'])} rank(s); "
+        warm = b.get("warmup_step_excluded")
+        print(f"report of {args.run_dir}: {b['steps']} step(s) analysed"
+              + (f" (step {warm}, the warm-up, left out)" if warm is not None else "")
+              + f", {len(b['ranks'])} rank(s); "
               f"most blamed rank {b['most_blamed_rank']}" +
               (f" (stands out: ranks {b['standout_ranks']})" if b["standout_ranks"] else
                " (no rank stands out of the noise)"))

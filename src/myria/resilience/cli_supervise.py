@@ -63,6 +63,7 @@ def run(args) -> int:
     from myria.layout import Layout
     from myria.train.preflight import (
         check_before_torch,
+        check_mixture,
         check_nproc,
         check_run,
         check_validation,
@@ -88,6 +89,7 @@ def run(args) -> int:
     check_nproc(args.nproc, device_type(cfg.training.device))
     if note := check_vocab(cfg, data):
         print(note, flush=True)
+    check_mixture(cfg, data)
     check_run(cfg, Layout.resolve(cfg.parallel, args.nproc * min_nodes),
               device_type(cfg.training.device))
     from myria.resilience import injob

@@ -25,6 +25,7 @@ from myria.train.preflight import (
     add_resume_arguments,
     check_before_torch,
     check_data_overrides,
+    check_mixture,
     check_nproc,
     check_run,
     check_validation,
@@ -249,6 +250,7 @@ def run(args) -> int:
             check_nproc(args.nproc, device_type(cfg.training.device))
         if note := check_vocab(cfg, data):
             print(note, flush=True)
+        check_mixture(cfg, data)
         check_run(cfg, Layout.resolve(cfg.parallel, args.nproc or 1),
                   device_type(cfg.training.device))
     done = preflight(cfg, args.run_dir, args.stop_after)

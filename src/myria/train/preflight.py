@@ -118,6 +118,15 @@ def check_validation(cfg: Config) -> None:
                         f"{cfg.training.eval_interval})") from None
 
 
+def check_mixture(cfg: Config, dataset) -> None:
+    """A mixture the run cannot read as asked (a share under one sample per step, a source
+    read past its epoch limit): refused before processes start, and by each rank again."""
+    from myria.data.mixture import MixtureDataset
+
+    if isinstance(dataset, MixtureDataset):
+        dataset.check(cfg.training.global_batch, cfg.training.steps)
+
+
 def check_vocab(cfg: Config, dataset) -> str | None:
     """Refuse a model whose vocabulary is smaller than the tokenizer of its data; a note (the
     line to print) when it is much larger: rows of the embedding no token ever trains."""

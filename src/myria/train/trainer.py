@@ -58,7 +58,7 @@ from myria.train.integrity import StepGuard
 from myria.train.launch import JOB_START_ENV
 from myria.train.metrics import MetricsLogger, StepTimer, mfu
 from myria.train.preemption import StopRequest
-from myria.train.preflight import check_vocab
+from myria.train.preflight import check_mixture, check_vocab
 from myria.train.profiling import Profiler
 from myria.train.watchers import Judged, StepWatchers
 
@@ -311,8 +311,8 @@ class Run:
         dataset = open_dataset(cfg.data, m.seq_len, split="train")   # a directory or a mixture
         check_vocab(cfg, dataset)
         data_fp = fingerprint.keep_tokenizer(dataset.path, run_dir, env.is_main)
+        check_mixture(cfg, dataset)
         if isinstance(dataset, MixtureDataset):
-            dataset.check(t.global_batch, t.steps)
             data_fp = dataset.fingerprint(data_fp)
 
         # -- model, optimizer, schedule for this layout ----------------------------------------
