@@ -347,3 +347,17 @@ def test_an_interrupted_prepare_says_the_same_command_resumes_it(tmp_path, monke
     monkeypatch.setattr(P, "prepare", interrupted)
     rc, _, err = _cli("--corpus", "demo", "--out", str(tmp_path / "o"))
     assert rc == 130 and err.strip() == "myria prepare: interrupted; the same command resumes it"
+
+
+def test_blank_documents_left_out_are_counted(tmp_path):
+    d = tmp_path / "in"
+    d.mkdir()
+    for i in range(3):
+        (d / f"d{i}.txt").write_text(f"some text number {i} here\n")
+    (d / "empty.txt").write_text("")
+    (d / "spaces.txt").write_text("  \n\t\n")
+    rc, out, err = _cli("--input", str(d / "*.txt"), "--out", str(tmp_path / "o"),
+                        "--vocab-size", "300", "--val-fraction", "0")
+    assert rc == 0, err
+    assert "5 file(s) read as utf-8; 2 blank document(s) left out" in out, out
+    assert json.loads((tmp_path / "o" / "index.json").read_text())["inputs"]["blank"] == 2

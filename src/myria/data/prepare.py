@@ -468,7 +468,8 @@ def _index(man: dict[str, Any], splits: dict[str, Any], sources: Sequence[Source
         "sources": [{"name": s.name, "documents": n}
                     for s, n in zip(sources, man["per_source"], strict=False)],
         "inputs": {"files": man["files"], "encoding": encoding, "errors": errors,
-                   "replaced": man["replaced"], "skipped": man["skipped"]},
+                   "replaced": man["replaced"], "skipped": man["skipped"],
+                   "blank": man.get("blank", 0)},
         "dedup": {"duplicates_dropped": man["duplicates"]} if dedup else None,
         "total_documents": man["kept"],
         "total_characters": man["chars"],
@@ -523,7 +524,9 @@ def summary(index: dict[str, Any], out: str | Path, seconds: float) -> str:
         f"(at most {index['shard_tokens']:,} tokens each)",
         f"  vocab      {index['vocab_size']:,} (eos id {index['eos_id']}), "
         f"{index['tokenizer_source']}{smaller}",
-        *([f"  inputs     {d.describe()}"] if d else []),
+        *([f"  inputs     {d.describe()}" + (
+            f"; {inputs['blank']:,} blank document(s) left out (empty files, records or "
+            "lines of only white space)" if inputs.get("blank") else "")] if d else []),
         *([f"  dedup      {index['dedup']['duplicates_dropped']:,} exact duplicate document(s) "
            "dropped"] if index.get("dedup") else []),
         *([f"  speed      {run['chars'] / run['seconds'] / 1e6:,.2f} M characters/s, "
