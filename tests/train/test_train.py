@@ -326,43 +326,36 @@ def test_ctrl_c_saves_then_says_where_the_run_resumes(tmp_path, tiny_data):
     env = {k: v for k, v in os.environ.items() if k != "MYRIA_FAULT"}
     (tmp := tmp_path / "tmp").mkdir()
     env["TMPDIR"] = str(tmp)
-    p = subprocess.Popen([sys.executable, "-m", "myria", "train", "--run-dir", str(tmp_path),
-                          f"--data.path={tiny_data}", *TINY, "--training.steps=400",
-                          "--checkpoint.interval=0", "--nproc", "2"], cwd=ROOT, env=env,
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
-        deadline = time.time() + 180
-        metrics = tmp_path / "metrics.jsonl"
-        while time.time() < deadline and p.poll() is None and \
-                not (metrics.exists() and max(losses(tmp_path) or [0]) >= 2):
-            time.sleep(0.05)
-        p.send_signal(signal.SIGINT)
-        out, err = p.communicate(timeout=120)
-    finally:
-        p.kill()
+
+    def stopped(run_dir, sig, *extra):
+        """`myria train` (400 steps) sent `sig` once two steps are logged: (exit, out, err)."""
+        p = subprocess.Popen([sys.executable, "-m", "myria", "train", "--run-dir", str(run_dir),
+                              f"--data.path={tiny_data}", *TINY, "--training.steps=400",
+                              "--checkpoint.interval=0", *extra], cwd=ROOT, env=env,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        try:
+            deadline = time.time() + 180
+            while time.time() < deadline and p.poll() is None and not (
+                    (run_dir / "metrics.jsonl").exists() and max(losses(run_dir) or [0]) >= 2):
+                time.sleep(0.05)
+            p.send_signal(sig)
+            out, err = p.communicate(timeout=120)
+        finally:
+            p.kill()
+        return p.returncode, out, err
+
+    code, out, err = stopped(tmp_path, signal.SIGINT, "--nproc", "2")
     step = max(losses(tmp_path))
-    assert p.returncode == 130 and step < 400, err[-2000:]
+    assert code == 130 and step < 400, err[-2000:]
     assert f"stopped on SIGINT after step {step} with a committed checkpoint" in out
     assert f"stopped by SIGINT; the same command resumes from step_{step:08d}" in err, err
     assert CheckpointStore(tmp_path / "checkpoints").committed()[-1].name == f"step_{step:08d}"
     assert [x.name for x in tmp.iterdir() if not x.name.startswith("torchinductor_")] == []
     # one process, no launcher: SIGTERM saves, says the same and exits as the shell would
     one = tmp_path / "one"
-    p = subprocess.Popen([sys.executable, "-m", "myria", "train", "--run-dir", str(one),
-                          f"--data.path={tiny_data}", *TINY, "--training.steps=400",
-                          "--checkpoint.interval=0"], cwd=ROOT, env=env,
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
-        deadline = time.time() + 180
-        while time.time() < deadline and p.poll() is None and \
-                not ((one / "metrics.jsonl").exists() and max(losses(one) or [0]) >= 2):
-            time.sleep(0.05)
-        p.send_signal(signal.SIGTERM)
-        out, err = p.communicate(timeout=120)
-    finally:
-        p.kill()
+    code, out, err = stopped(one, signal.SIGTERM)
     step = max(losses(one))
-    assert p.returncode == 143 and step < 400, err[-2000:]
+    assert code == 143 and step < 400, err[-2000:]
     assert f"stopped on SIGTERM after step {step} with a committed checkpoint" in out
     assert f"stopped by SIGTERM; the same command resumes from step_{step:08d}" in err, err
 

@@ -344,18 +344,20 @@ def prepare(out: str | Path, inputs: Sequence[str] = (), corpus: str | None = No
             splits[s] = {"documents": sum(x["documents"] for x in shards),
                          "tokens": sum(x["tokens"] for x in shards), "shards": shards}
     man.update(_snapshot(counts, dec))
-    if man["kept"] == 0 or val_fraction > 0 and (splits["val"]["documents"] == 0
-                                                 or splits["train"]["documents"] == 0):
+    refused = None
+    if man["kept"] == 0:
+        refused = _empty(inputs, corpus, dec)
+    elif val_fraction > 0 and (splits["val"]["documents"] == 0
+                               or splits["train"]["documents"] == 0):
+        refused = DataError(f"the corpus's {man['kept']:,} document(s) gave "
+                            f"{splits['val']['documents']} for validation at --val-fraction "
+                            f"{val_fraction} and {splits['train']['documents']} for training; "
+                            "change --val-fraction (0 disables validation)")
+    if refused is not None:
         # a finished prepare whose result is refused: nothing to resume, so a rerun with other
         # options is not taken for an interrupted one of these
         man_path.unlink(missing_ok=True)
-    if man["kept"] == 0:
-        raise _empty(inputs, corpus, dec)
-    if val_fraction > 0 and (splits["val"]["documents"] == 0 or splits["train"]["documents"] == 0):
-        raise DataError(f"the corpus's {man['kept']:,} document(s) gave "
-                        f"{splits['val']['documents']} for validation at --val-fraction "
-                        f"{val_fraction} and {splits['train']['documents']} for training; "
-                        "change --val-fraction (0 disables validation)")
+        raise refused
     LAST_RUN.update(seconds=time.perf_counter() - t0, chars=man["chars"] - start_chars,
                     tokens=ntok, resumed_at=start, encode_seconds=time.perf_counter() - t1)
     index = _index(man, splits, sources, shard_tokens, seed, val_fraction, max_docs, inputs,

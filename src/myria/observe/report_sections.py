@@ -413,14 +413,17 @@ def job_summaries(run_dir: Path) -> list[dict]:
     return sorted(by_job.values(), key=lambda s: float(s.get("started_at") or 0.0))
 
 
-def goodput_ledger(run_dir: Path) -> tuple[dict | None, list[dict]]:
+def goodput_ledger(run_dir: Path, summaries: list[dict] | None = None
+                   ) -> tuple[dict | None, list[dict]]:
     """The run's goodput ledger (its supervised jobs', back to back: `goodput.combine`; or else
     one made from metrics.jsonl's rows) and the supervisors' faults, each with its job's number
     (1, 2, ... in the order the jobs started) when there were several (empty without a
-    supervisor)."""
+    supervisor). `summaries`: `job_summaries(run_dir)` when the caller has read them."""
     from myria.observe import goodput
 
-    jobs = [s for s in job_summaries(run_dir) if s.get("goodput")]
+    if summaries is None:
+        summaries = job_summaries(run_dir)
+    jobs = [s for s in summaries if s.get("goodput")]
     if jobs:
         faults = [dict(f, job=i) if len(jobs) > 1 else f
                   for i, s in enumerate(jobs, 1) for f in s.get("faults", [])]
@@ -476,7 +479,8 @@ def recovery_section(run_dir: Path, out: Path) -> str:
     fault's recovery by phase; '' for a run without a ledger."""
     from myria.observe.goodput import RECOVERY_PHASES
 
-    ledger, faults = goodput_ledger(run_dir)
+    summaries = job_summaries(run_dir)
+    ledger, faults = goodput_ledger(run_dir, summaries)
     if ledger is None:
         (out / "goodput.json").unlink(missing_ok=True)
         return ""
@@ -534,7 +538,7 @@ def recovery_section(run_dir: Path, out: Path) -> str:
                   f"<th>ranks</th><th>step</th><th>path</th>{head}<th>total lost</th></tr>"
                   f"{frows}</table>")
     # in-job shrinks and grows (resilience.shrink): the jobs' size over time
-    resizes = [z for s in job_summaries(run_dir) for z in s.get("resizes", [])]
+    resizes = [z for s in summaries for z in s.get("resizes", [])]
     if resizes:
         t0 = resizes[0]["at"]
         ftable += ("<h2>Resizes (in-job shrink and grow)</h2><table id=resizes><tr><th>at, s"

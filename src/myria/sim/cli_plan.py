@@ -394,29 +394,24 @@ def check_degrees(base: RunSpec, space: SearchSpace) -> None:
     from myria.layout import validate_degrees
 
     cfg, m = base.model_config(), base.model
-    rules = {"tp": lambda v: validate_degrees(cfg, v, 1, False),
-             "cp": lambda v: validate_degrees(cfg, 1, v, False),
-             "pp": lambda v: None if v <= m.layers else _fail(
-                 f"more pipeline stages than model.layers = {m.layers}"),
-             "ep": lambda v: None if v == 1 or (m.experts and m.experts % v == 0) else _fail(
-                 f"must divide the experts per layer ({m.experts or 'none: a dense model'})")}
-    for flag, rule in rules.items():
+
+    def problem(flag: str, v: int) -> str:
+        try:
+            if flag in ("tp", "cp"):
+                validate_degrees(cfg, v if flag == "tp" else 1, v if flag == "cp" else 1, False)
+        except ConfigError as e:
+            return str(e)
+        if flag == "pp" and v > m.layers:
+            return f"more pipeline stages than model.layers = {m.layers}"
+        if flag == "ep" and v > 1 and not (m.experts and m.experts % v == 0):
+            return f"must divide the experts per layer ({m.experts or 'none: a dense model'})"
+        return ""
+
+    for flag in ("tp", "cp", "pp", "ep"):
         vals = getattr(space, flag) or []
-        why = []
-        for v in vals:
-            try:
-                rule(v)
-            except ConfigError as e:
-                why.append(str(e))
-                continue
-            break
-        else:
-            if vals:
-                raise ConfigError(f"--{flag} {','.join(map(str, vals))}: {why[0]}")
-
-
-def _fail(why: str):
-    raise ConfigError(why)
+        why = [problem(flag, v) for v in vals]
+        if vals and all(why):
+            raise ConfigError(f"--{flag} {','.join(map(str, vals))}: {why[0]}")
 
 
 def _plan(base: RunSpec, space: SearchSpace, args):
