@@ -361,3 +361,96 @@ def test_blank_documents_left_out_are_counted(tmp_path):
     assert rc == 0, err
     assert "5 file(s) read as utf-8; 2 blank document(s) left out" in out, out
     assert json.loads((tmp_path / "o" / "index.json").read_text())["inputs"]["blank"] == 2
+
+
+def _tokenizers(tmp_path: Path) -> dict:
+    """myria's byte-level BPE; the same with a BOS template (Llama 3's way); a SentencePiece-
+    style Metaspace BPE that marks only the text's first word (a cut after a line end would add
+    a mark); Llama 2's way, a normaliser that marks the text's start and no pre-tokenizer (no
+    cut is safe)."""
+    from tokenizers import Tokenizer, models, normalizers, pre_tokenizers, processors, trainers
+
+    rng = random.Random(3)
+    train = [make_text(rng, 400) for _ in range(4)]
+    mine = T.train_tokenizer(train, 400)
+    bos = Tokenizer.from_str(mine.to_str())
+    bos.add_special_tokens(["<s>"])
+    bos.post_processor = processors.TemplateProcessing(
+        single="<s> $A", special_tokens=[("<s>", bos.token_to_id("<s>"))])
+    meta = Tokenizer(models.BPE())
+    meta.pre_tokenizer = pre_tokenizers.Metaspace(prepend_scheme="first")
+    meta.train_from_iterator(train, trainers.BpeTrainer(vocab_size=300, show_progress=False))
+    llama2 = Tokenizer(models.BPE())
+    llama2.normalizer = normalizers.Sequence([normalizers.Prepend("▁"),
+                                              normalizers.Replace(" ", "▁")])
+    llama2.train_from_iterator(train, trainers.BpeTrainer(vocab_size=300, show_progress=False))
+    return {"bpe": mine, "bos": bos, "metaspace": meta, "llama2": llama2}
+
+
+def test_long_documents_are_encoded_in_pieces_to_the_same_ids(tmp_path, monkeypatch):
+    """A document many times PIECE_CHARS long is cut where the ids do not change: the packed
+    ids equal the tokenizer's own encoding of the whole text, specials included, for every
+    kind of tokenizer (one whose encoding a cut would change is left whole)."""
+    monkeypatch.setattr(T, "PIECE_CHARS", 2_000)
+    rng = random.Random(5)
+    long = make_text(rng, 6_000)   # ~36,000 characters, lines of 6-14 words
+    one_line = long.replace("\n", " ")
+    short = make_text(rng, 50)
+    for name, tok in _tokenizers(tmp_path).items():
+        eos = tok.get_vocab_size()  # an id no text encodes to: always appended
+        for text in (long, one_line):
+            n = len(T.pieces(tok, text))
+            assert (n == 1) if name == "llama2" else (n >= 9), (name, n)
+            ids, lengths = T.encode_packed(tok, [short, text], np.uint32, eos)
+            want = [*tok.encode(short).ids, eos, *tok.encode(text).ids, eos]
+            assert ids.tolist() == want, name
+            assert lengths.tolist() == [len(tok.encode(short).ids) + 1,
+                                        len(tok.encode(text).ids) + 1]
+
+
+def test_tokenizer_trained_on_pieces_is_the_one_trained_on_the_whole(monkeypatch):
+    rng = random.Random(9)
+    texts = [make_text(rng, 3_000), make_text(rng, 200)]
+    whole = T.train_tokenizer(texts, 350).to_str()
+    monkeypatch.setattr(T, "PIECE_CHARS", 1_000)
+    assert len(T.pieces(T.new_tokenizer(), texts[0])) > 5
+    assert T.train_tokenizer(texts, 350).to_str() == whole
+
+
+def test_tokenizer_sample_stops_inside_a_long_document(tmp_path):
+    """--sample-mb bounds what the tokenizer trains on even when one document is longer."""
+    rng = random.Random(11)
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    (docs / "a.txt").write_text(make_text(rng, 4_000))
+    (docs / "b.txt").write_text(make_text(rng, 300))
+    P.prepare(tmp_path / "out", inputs=[str(docs / "*.txt")], vocab_size=300, val_fraction=0,
+              sample_mb=0.005)
+    first = (docs / "a.txt").read_text()[:5_000]
+    assert (tmp_path / "out" / "tokenizer.json").read_text() == \
+        T.train_tokenizer([first], 300).to_str(pretty=True)
+
+
+def test_truncation_in_a_tokenizer_json_is_turned_off(corpus: Path, tmp_path: Path) -> None:
+    """A tokenizer.json saved with truncation (and padding) would cut every document; prepare
+    encodes documents whole and says what it turned off."""
+    mine = tmp_path / "mine"
+    run_prepare(corpus, mine)
+    tok = T.load_tokenizer(mine / "tokenizer.json")
+    tok.enable_truncation(16)
+    tok.enable_padding(length=16)
+    tok.save(str(tmp_path / "cut.json"))
+    index = run_prepare(corpus, tmp_path / "out", tokenizer=str(tmp_path / "cut.json"))
+    ref = json.loads((mine / "index.json").read_text())
+    assert index["splits"]["train"]["tokens"] == ref["splits"]["train"]["tokens"]
+    assert "truncation at 16 tokens and padding turned off" in index["tokenizer_source"]
+
+
+def test_a_text_field_no_input_has_is_said(corpus: Path, tmp_path: Path) -> None:
+    txt = ["--input", str(corpus / "txt"), "--vocab-size", "280", "--val-fraction", "0"]
+    rc, _, err = _cli(*txt, "--jsonl-field", "body", "--out", str(tmp_path / "a"))
+    assert rc == 0 and "--jsonl-field body was not used" in err, err
+    rc, _, err = _cli("--input", str(corpus / "records.jsonl"), "--vocab-size", "280",
+                      "--val-fraction", "0", "--jsonl-field", "text", "--out",
+                      str(tmp_path / "b"))
+    assert rc == 0 and "was not used" not in err, err

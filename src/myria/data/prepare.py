@@ -55,6 +55,7 @@ from myria.data.shards import (
 )
 from myria.data.sources import (
     ERRORS,
+    JSONL_SUFFIXES,
     Decoding,
     Meter,
     Source,
@@ -404,6 +405,9 @@ def _start(out_dir: Path, sources: Sequence[Source], key: str, tokenizer: str | 
         sample.append(text)
         if counts.chars >= limit:
             small = False
+            # the tokenizer trains on the first `limit` characters (one text file can be a
+            # document of gigabytes)
+            sample[-1] = text[:len(text) - int(counts.chars - limit)]
             break
     docs.close()
     if small and not sample:
@@ -418,7 +422,9 @@ def _start(out_dir: Path, sources: Sequence[Source], key: str, tokenizer: str | 
         tok = T.load_tokenizer(tokenizer)
         specials = T.read_specials(tokenizer, tok)
         tok_json = T.tokenizer_file(tokenizer).read_bytes()
-        tok_desc = f"loaded from {tokenizer}"
+        limits = T.encode_limits(tokenizer)
+        tok_desc = f"loaded from {tokenizer}" + (
+            f" (its {limits} turned off: documents are encoded whole)" if limits else "")
     else:
         task = bar.add_task("training tokenizer", total=None, info=f"vocab {vocab_size}")
         tok = T.train_tokenizer(train, vocab_size)
@@ -616,6 +622,12 @@ def run(args: argparse.Namespace) -> int:
                     errors=args.errors, force=args.force, dedup=args.dedup,
                     sample_mb=args.sample_mb)
     print(summary(index, args.out, time.perf_counter() - t0))
+    if args.jsonl_field != "text" and not any(
+            str(x["name"]).endswith((*JSONL_SUFFIXES, ".parquet")) or Path(x["name"]).is_dir()
+            for x in index.get("sources", [])):
+        print(f"note: --jsonl-field {args.jsonl_field} was not used: no input is JSONL, Parquet "
+              "or a `datasets` directory (a text file is one document whatever its content)",
+              file=sys.stderr)
     if before and before != index.get("tokenizer_sha256"):
         print(f"note: {args.out} has a new tokenizer (sha256 {before[:12]} -> "
               f"{str(index.get('tokenizer_sha256'))[:12]}): its token ids mean other text; data "

@@ -30,6 +30,14 @@ EOS_TOKEN = "<|endoftext|>"
 # The smallest useful vocabulary: the 256 byte symbols plus the EOS token.
 MIN_VOCAB_SIZE = 257
 
+# A text longer than this is encoded, and counted for tokenizer training, in pieces (`pieces`):
+# `tokenizers` holds ~100 bytes per character of one input while it works on it (offsets, token
+# strings, pre-tokenized words) and gives one input one thread, so a text file of 200 MB, one
+# document, would need ~20 GB at once and one core.
+PIECE_CHARS = 1 << 20
+# Characters each side of a cut that `pieces` checks: far more than one pre-tokenized word.
+_CUT_WINDOW = 256
+
 
 def set_threads(workers: int) -> None:
     """Limit the threads `tokenizers` uses (training and encode_batch); 0 leaves its default.
@@ -50,15 +58,71 @@ def new_tokenizer() -> Tokenizer:
     return tok
 
 
-def _batches(texts: Iterable[str], size: int = 256) -> Iterator[list[str]]:
+def _batches(texts: Iterable[str], size: int = 256,
+             chars: int = 4 * PIECE_CHARS) -> Iterator[list[str]]:
+    """`texts` in lists of at most `size` texts or about `chars` characters."""
     batch: list[str] = []
+    n = 0
     for t in texts:
         batch.append(t)
-        if len(batch) == size:
+        n += len(t)
+        if len(batch) == size or n >= chars:
             yield batch
-            batch = []
+            batch, n = [], 0
     if batch:
         yield batch
+
+
+def _words(tok: Tokenizer, text: str) -> list[str]:
+    """`text` as the tokenizer's normaliser and pre-tokenizer split it."""
+    if tok.normalizer is not None:
+        text = tok.normalizer.normalize_str(text)
+    return [w for w, _ in tok.pre_tokenizer.pre_tokenize_str(text)]
+
+
+def _cut_at(tok: Tokenizer, text: str, lo: int, hi: int) -> int | None:
+    """A place in text[lo:hi] where the text can be cut without changing its words: after a line
+    end, else before a space, between two non-space characters, where the words of the text
+    around it are the words of its two sides (so no word spans it and nothing is added at the
+    start of a text); None if there is none."""
+    w = _CUT_WINDOW
+    for sep, after in (("\n", 1), (" ", 0)):
+        i = text.find(sep, lo, hi)
+        tried = 0
+        while i >= 0 and tried < 64:
+            c, nxt = i + after, i + 1
+            if 0 < i and nxt < len(text) and not text[i - 1].isspace() \
+                    and not text[nxt].isspace():
+                tried += 1
+                a = max(0, c - w)
+                if _words(tok, text[a:c + w]) == \
+                        _words(tok, text[a:c]) + _words(tok, text[c:c + w]):
+                    return c
+            i = text.find(sep, i + 1, hi)
+    return None
+
+
+def pieces(tok: Tokenizer, text: str, size: int | None = None) -> list[str]:
+    """`text` in pieces of `size` (default PIECE_CHARS) to 2 x `size` characters that
+    the tokenizer encodes to the ids it gives the whole text, special tokens aside (`_cut_at`).
+    A text is left whole when no place can be cut, when the tokenizer does not pre-tokenize (its
+    model then sees the whole text), or when one of its added tokens holds a line end or a space
+    (such a token could span a cut)."""
+    size = size or PIECE_CHARS
+    if len(text) <= size or tok.pre_tokenizer is None or any(
+            "\n" in t.content or " " in t.content
+            for t in tok.get_added_tokens_decoder().values()):
+        return [text]
+    out: list[str] = []
+    start = 0
+    while len(text) - start > 2 * size:
+        c = _cut_at(tok, text, start + size, start + 2 * size)
+        if c is None:
+            break
+        out.append(text[start:c])
+        start = c
+    out.append(text[start:])
+    return out
 
 
 def train_tokenizer(texts: Sequence[str] | Iterable[str], vocab_size: int,
@@ -81,7 +145,11 @@ def train_tokenizer(texts: Sequence[str] | Iterable[str], vocab_size: int,
     )
     if length is None and isinstance(texts, Sequence):
         length = len(texts)
-    tok.train_from_iterator(_batches(texts), trainer=trainer, length=length)
+    # pieces: the same words counted as in the whole texts, in bounded memory (cut with another
+    # tokenizer: `tok` is not usable while it trains)
+    cutter = new_tokenizer()
+    tok.train_from_iterator(_batches(p for t in texts for p in pieces(cutter, t)),
+                            trainer=trainer, length=length)
     return tok
 
 
@@ -92,16 +160,40 @@ def tokenizer_file(path: str | Path) -> Path:
 
 
 def load_tokenizer(path: str | Path) -> Tokenizer:
-    """Load a `tokenizer.json` (or a model directory's); DataError if missing or unreadable."""
+    """Load a `tokenizer.json` (or a model directory's), whole texts in and out (`whole`);
+    DataError if missing or unreadable."""
     p = tokenizer_file(path)
     if not p.is_file():
         raise DataError(f"tokenizer file {str(p)!r} does not exist" + (
             f" ({str(Path(path))!r} is a directory without tokenizer.json)"
             if Path(path).is_dir() else ""))
     try:
-        return Tokenizer.from_file(str(p))
+        return whole(Tokenizer.from_file(str(p)))
     except Exception as e:  # tokenizers raises a bare Exception on bad JSON
         raise DataError(f"tokenizer file {str(p)!r} is not a valid tokenizer.json: {e}") from None
+
+
+def whole(tok: Tokenizer) -> Tokenizer:
+    """`tok` with the truncation and padding some tokenizer.json files carry turned off: a
+    document is encoded whole (a fine-tuning tokenizer saved with truncation at 512 tokens
+    would otherwise cut every document there)."""
+    tok.no_truncation()
+    tok.no_padding()
+    return tok
+
+
+def encode_limits(tok_path: str | Path) -> str | None:
+    """What `whole` turns off in a tokenizer.json, in words; None when it has neither."""
+    try:
+        cfg = json.loads(tokenizer_file(tok_path).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    said = []
+    if isinstance(cfg.get("truncation"), dict):
+        said.append(f"truncation at {cfg['truncation'].get('max_length')} tokens")
+    if isinstance(cfg.get("padding"), dict):
+        said.append("padding")
+    return " and ".join(said) or None
 
 
 @dataclass(frozen=True)
@@ -172,16 +264,46 @@ def eos_id(tok: Tokenizer) -> int:
     return int(i)
 
 
-def _encode(tok: Tokenizer, texts: Sequence[str], eos: int) -> list[tuple[list[int], int]]:
+def _encode_batch(tok: Tokenizer, texts: list[str], specials: bool) -> list[Any]:
+    return tok.encode_batch_fast(texts, add_special_tokens=specials) \
+        if hasattr(tok, "encode_batch_fast") else \
+        tok.encode_batch(texts, add_special_tokens=specials)
+
+
+def _specials_around(tok: Tokenizer) -> tuple[list[int], list[int]] | None:
+    """The ids the post-processor puts before and after a text's own; None when it puts them
+    elsewhere than at the two ends."""
+    plain = tok.encode("a", add_special_tokens=False).ids
+    full = tok.encode("a", add_special_tokens=True).ids
+    for i in range(len(full) - len(plain) + 1):
+        if full[i:i + len(plain)] == plain:
+            return full[:i], full[i + len(plain):]
+    return None
+
+
+def _encode(tok: Tokenizer, texts: Sequence[str],
+            eos: int) -> list[tuple[Sequence[int], int]]:
     """Each text's ids as the tokenizer encodes a whole text (its post-processor's special
     tokens included, e.g. a leading BOS), and 1 where the EOS must still follow (0 where the
-    post-processor put it at the end already)."""
-    encs = tok.encode_batch_fast(list(texts), add_special_tokens=True) \
-        if hasattr(tok, "encode_batch_fast") else \
-        tok.encode_batch(list(texts), add_special_tokens=True)
+    post-processor put it at the end already). A long text is encoded in `pieces`, a few
+    million characters at a time, with the special tokens put around the whole."""
+    cut = [pieces(tok, t) for t in texts]
+    around = _specials_around(tok) if any(len(p) > 1 for p in cut) else None
+    ids: list[Sequence[int] | None] = [None] * len(texts)
+    one = [i for i, p in enumerate(cut) if len(p) == 1 or around is None]
+    for i, e in zip(one, _encode_batch(tok, [texts[i] for i in one], True), strict=True):
+        ids[i] = e.ids
+    for i, p in enumerate(cut):
+        if ids[i] is None and around is not None:
+            parts = [np.asarray(around[0], dtype=np.uint32)]
+            for group in _batches(p):
+                parts += [np.asarray(e.ids, dtype=np.uint32)
+                          for e in _encode_batch(tok, group, False)]
+            parts.append(np.asarray(around[1], dtype=np.uint32))
+            ids[i] = np.concatenate(parts)
     if tok.post_processor is None:
-        return [(e.ids, 1) for e in encs]
-    return [(e.ids, 0 if e.ids and e.ids[-1] == eos else 1) for e in encs]
+        return [(x, 1) for x in ids]
+    return [(x, 0 if len(x) and x[-1] == eos else 1) for x in ids]
 
 
 def encode_documents(tok: Tokenizer, texts: Sequence[str], dtype: np.dtype | type = np.uint32,
@@ -228,7 +350,7 @@ _WORKER: dict[str, Any] = {}
 def init_worker(tok_json: str, dtype: str, eos: int | None = None) -> None:
     os.environ["RAYON_NUM_THREADS"] = "1"
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
-    _WORKER["tok"] = Tokenizer.from_str(tok_json)
+    _WORKER["tok"] = whole(Tokenizer.from_str(tok_json))
     _WORKER["dtype"] = np.dtype(dtype)
     _WORKER["eos"] = eos
 
