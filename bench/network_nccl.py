@@ -21,7 +21,8 @@ import time
 from pathlib import Path
 
 OUT = Path(__file__).resolve().parent / "results"
-FAT = ["--topology", "fat-tree", "--gpus", "1024", "--collective", "all-reduce"]
+# the 3-tier fabric its RESULTS rows were measured on (fat-tree is the planner's 2-tier one)
+FAT = ["--topology", "fat-tree-3tier-k32", "--gpus", "1024", "--collective", "all-reduce"]
 CASES = [
     ("ring 1G adaptive", FAT + ["--bytes", "1G", "--algorithm", "ring", "--routing", "adaptive"]),
     ("ring 1G ecmp", FAT + ["--bytes", "1G", "--algorithm", "ring", "--routing", "ecmp"]),

@@ -73,7 +73,7 @@ def main() -> int:
     for width in (16, 32, 64):
         groups = ep.reshape(-1, width)
         rows.append(case(f"all-to-all groups of {width} ecmp", spec, groups, "all-to-all",
-                         "ring", "ecmp", 1, 64e6))
+                         "pairwise", "ecmp", 1, 64e6))
     for routing in ("flowlet",):          # greedy least-loaded paths: a Python loop per flow
         rows.append(case(f"dp groups (tp8 pp8 dp192) ring {routing} qps=4", spec, dp,
                          "all-reduce", "ring", routing, 4))

@@ -2,6 +2,7 @@
 max-min fairness, balls-into-bins and the alpha-beta model."""
 
 import math
+import re
 
 import numpy as np
 import pytest
@@ -99,8 +100,9 @@ def _cli_json(capsys, *argv: str) -> dict:
 
 
 def test_cli_defaults_are_nccls_and_reach_the_nics_aggregate_on_a_non_blocking_fat_tree(capsys):
-    # as a user types it: NCCL's defaults (algorithm auto, 2 channels per NIC, 1 QP)
-    fat = ("--topology", "fat-tree", "--gpus", "1024", "--collective", "all-reduce")
+    # as a user types it: NCCL's defaults (algorithm auto, 2 channels per NIC, 1 QP), on the
+    # k=32 three-tier fat-tree the published figures (bench/RESULTS_network.md) were made on
+    fat = ("--topology", "fat-tree-3tier-k32", "--gpus", "1024", "--collective", "all-reduce")
     ada = _cli_json(capsys, *fat, "--bytes", "1G", "--routing", "adaptive")
     assert ada["ideal_busbw_gbs"] == pytest.approx(8 * 50.0)     # 8 NICs x 400G per host
     assert (ada["algorithm"], ada["channels"], ada["qps_per_connection"]) == ("tree", 16, 1)
@@ -127,7 +129,8 @@ def test_cli_defaults_are_nccls_and_reach_the_nics_aggregate_on_a_non_blocking_f
     assert simple["completion_time_s"] == pytest.approx(simple["ideal_time_s"] + latency,
                                                         rel=1e-9)
     # ECMP: the ring loses to hash collisions, well below the adaptive ring
-    ring_ecmp = _cli_json(capsys, *fat, "--bytes", "1G", "--algorithm", "ring")
+    ring_ecmp = _cli_json(capsys, *fat, "--bytes", "1G", "--algorithm", "ring", "--routing",
+                          "ecmp")
     assert ring_ecmp["busbw_gbs"] < 0.6 * ring["busbw_gbs"]
     # which bandwidth amortises: at 8 GiB the ring reaches 90% too
     big = _cli_json(capsys, *fat, "--bytes", "8GiB", "--algorithm", "ring", "--routing",
@@ -216,7 +219,7 @@ def test_two_stage_ring_against_flat_ring_by_the_alpha_beta_amount(nvlink_gbs):
 
 
 def test_hash_polarization_concentrates_core_traffic():
-    fab = build("fat-tree", 512)
+    fab = build("fat-tree-3tier-k32", 512)
     # ToRs alternate between the two pods (16 ToRs each): every flow crosses the core
     ring = cross_tor_ring(2, 32, tor_order=[t + 16 * p for t in range(16) for p in (0, 1)])
     coll = collective("all-reduce", ring, 1e9, "ring", 8)
@@ -236,7 +239,7 @@ def test_several_jobs_share_the_fabric_and_one_job_matches_the_step_reduction():
     assert simulate_jobs(fab, [(a, "ecmp", 1)], salt=5)[0]["completion_time_s"] == \
         pytest.approx(alone, rel=1e-9)
     # same hosts: the all-to-all takes NIC and NVLink bandwidth from the ring
-    c = collective("all-to-all", np.arange(32)[None, :], 64e6, "ring", 8)
+    c = collective("all-to-all", np.arange(32)[None, :], 64e6, "pairwise", 8)
     both = simulate_jobs(fab, [(a, "ecmp", 1), (c, "ecmp", 1)], salt=5)
     assert both[0]["completion_time_s"] > 1.05 * alone
 
@@ -245,7 +248,8 @@ def test_all_to_all_and_tree_are_nic_limited_on_a_non_blocking_fabric():
     fab = build("fat-tree", 64)
     ranks = np.arange(64)[None, :]
     size = 1e9
-    out = simulate_collective(fab, collective("all-to-all", ranks, size, "ring", 8), "adaptive")
+    out = simulate_collective(fab, collective("all-to-all", ranks, size, "pairwise", 8),
+                              "adaptive")
     # 56/64 of a rank's bytes leave through its own 50 GB/s NIC
     assert out["ideal_time_s"] == pytest.approx(56 / 64 * size / 50e9, rel=1e-6)
     tree = simulate_collective(fab, collective("all-reduce", ranks, size, "tree", 8),
@@ -272,7 +276,7 @@ def test_pfc_pauses_spread_upstream_and_make_victims_dcqcn_leaves_permutations_a
     from myria.sim.netsim.congestion import simulate_congestion
     from myria.sim.netsim.flows import incidence_of
 
-    fab = build("fat-tree", 64)                   # 8 hosts, 2 per ToR
+    fab = build("fat-tree-3tier-k32", 64)         # 8 hosts, 2 per ToR
 
     def run(src, dst):
         nb = np.full(len(src), 4e6)
@@ -384,3 +388,178 @@ def test_flow_pricing_hook_for_the_performance_model():
     assert out["ideal_busbw_gbs"] == pytest.approx(400.0)
     assert price_collective(load_spec("fat-tree"), 64, "all-reduce", key, 1e9, "ring",
                             "adaptive") is out
+
+
+# -- simulate-network walkthrough defects ------------------------------------------------------
+
+def _cli_err(capsys, *argv: str) -> str:
+    """The one-line error of a refused simulate-network command (exit 2)."""
+    from myria.cli import main
+
+    assert main(["simulate-network", *argv]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1, err
+    return err
+
+
+def _cli_text(capsys, *argv: str) -> str:
+    from myria.cli import main
+
+    assert main(["simulate-network", *argv]) == 0
+    return capsys.readouterr().out
+
+
+SMALL = ("--topology", "fat-tree", "--gpus", "64", "--collective", "all-reduce", "--bytes", "1G")
+
+
+@pytest.mark.parametrize("section, key, close", [
+    ("host", "nic_gbp", "nic_gbps"), ("tor", "up_gpbs", "up_gbps"),
+    ("agg", "down_port", "down_ports"), ("core", "downports", "down_ports"),
+    (None, "teirs", "tiers")])
+def test_fabric_toml_refuses_unknown_keys_in_every_section(tmp_path, section, key, close):
+    d = {**LEAF_SPINE, "tiers": 3, "core": {"down_ports": 2},
+         "agg": {"down_ports": 8, "up_ports": 2, "up_gbps": 400}}
+    d = {k: (dict(v) if isinstance(v, dict) else v) for k, v in d.items()}
+    (d[section] if section else d)[key] = 100
+    where = f"[{section}]" if section else "'ls'"
+    with pytest.raises(ConfigError, match=re.escape(
+            f"{where}: unknown key(s) [{key!r}] (did you mean {close!r}?)")):
+        spec_from_dict(d, "ls")
+    # as a user meets it: a misspelt NIC speed is refused, not priced at the preset's 400G
+    toml = tmp_path / "f.toml"
+    toml.write_text('tiers = 2\n[host]\nnic_gbp = 100\n[tor]\ndown_ports = 16\nup_ports = 16\n'
+                    'up_gbps = 400\n[agg]\ndown_ports = 16\n')
+    with pytest.raises(ConfigError, match=r"\[host\]: unknown key"):
+        load_spec(str(toml))
+
+
+def test_plot_path_is_checked_before_simulating(capsys, tmp_path, monkeypatch):
+    import myria.sim.netsim.cli as cli
+
+    def boom(*a, **k):
+        raise AssertionError("simulated before checking --plot")
+
+    monkeypatch.setattr(cli, "simulate_collective", boom)
+    err = _cli_err(capsys, *SMALL, "--plot", str(tmp_path / "nope" / "u.png"))
+    assert "its directory" in err and "does not exist" in err
+    err = _cli_err(capsys, *SMALL, "--plot", str(tmp_path / "u.txt"))
+    assert "'.txt'" not in err and ".png" in err and ".pdf" in err and "u.txt" in err
+
+
+def test_algorithm_must_belong_to_the_collective_and_labels_say_what_ran(capsys):
+    base = ("--topology", "fat-tree", "--gpus", "64", "--bytes", "1G")
+    for kind, has in (("all-to-all", "auto, pairwise"), ("ring-p2p", "auto, p2p"),
+                      ("all-gather", "auto, ring, two-stage-ring"),
+                      ("reduce-scatter", "auto, ring, two-stage-ring")):
+        err = _cli_err(capsys, *base, "--collective", kind, "--algorithm", "tree")
+        assert f"--algorithm 'tree': {kind} has {has}" in err
+    a2a = _cli_json(capsys, *base, "--collective", "all-to-all")
+    assert a2a["algorithm"] == "pairwise"
+    line = _cli_text(capsys, *base, "--collective", "all-to-all").splitlines()[1]
+    assert line.startswith("all-to-all (pairwise, ") and "ring" not in line
+    assert _cli_json(capsys, *base, "--collective", "ring-p2p")["algorithm"] == "p2p"
+    # --with is held to the same rule, and names itself
+    err = _cli_err(capsys, *SMALL, "--layout", "tp=8,dp=8", "--with", "all-to-all:tp:1M:tree")
+    assert err.endswith("--with 'all-to-all:tp:1M:tree': algorithm 'tree': all-to-all has "
+                        "auto, pairwise")
+    # the library holds callers to the same rule: an all-to-all is not a ring
+    assert collective("all-to-all", np.arange(16)[None, :], 1e6, "pairwise", 8).algorithm == \
+        "pairwise"
+    with pytest.raises(ConfigError, match="all-to-all has pairwise"):
+        collective("all-to-all", np.arange(16)[None, :], 1e6, "ring", 8)
+    with pytest.raises(ConfigError, match="all-gather has ring, two-stage-ring"):
+        collective("all-gather", np.arange(16)[None, :], 1e6, "tree", 8)
+
+
+def test_expert_parallel_groups_follow_myrias_trainer():
+    from myria.sim.netsim.layout import layout_groups, parse_layout
+
+    spec = load_spec("fat-tree")
+    # tp 2 x dp 32 (ep 4 inside dp): an ep group is 4 consecutive members of a dp group, as
+    # expert_meshes splits dp_shard (dp_shard / ep, ep) with ep fastest and the planner's
+    # collectives.layout_groups prices it (stride tp)
+    lay = parse_layout("tp=2,dp=32,ep=4")
+    ep = layout_groups(lay, spec, "ep")
+    dp = layout_groups(lay, spec, "dp")
+    assert ep.shape == (16, 4)
+    assert (ep == dp.reshape(-1, 4)).all()
+    assert sorted(map(tuple, ep.tolist()))[:2] == [(0, 2, 4, 6), (1, 3, 5, 7)]
+    with pytest.raises(ConfigError, match="ep = 3 must divide dp = 32"):
+        parse_layout("tp=2,dp=32,ep=3")
+
+
+def test_moe_all_to_all_over_expert_parallel_groups_from_the_cli(capsys):
+    out = _cli_json(capsys, "--topology", "clos3", "--gpus", "4096", "--collective",
+                    "all-to-all", "--bytes", "1M", "--layout", "tp=1,pp=1,ep=64,dp=4096",
+                    "--group", "ep")
+    assert (out["groups"], out["ranks"], out["algorithm"]) == (64, 64, "pairwise")
+    assert out["flows"] == 64 * 64 * 63
+
+
+def test_sizes_and_times_are_printed_in_readable_units(capsys):
+    base = ("--topology", "fat-tree", "--gpus", "64", "--collective", "all-reduce")
+    out = _cli_text(capsys, *base, "--bytes", "4KiB")
+    assert "4.096 KB per rank" in out and "e-0" not in out and " µs;" in out
+    out = _cli_text(capsys, *base, "--bytes", "1")
+    assert "1 B per rank" in out and "e-0" not in out
+    out = _cli_text(capsys, *base, "--bytes", "1e15")
+    completion = out.splitlines()[2]
+    assert re.search(r"completion \d+\.\d{3} s;", completion), completion
+    # adaptive routing pools a ToR's uplinks: no flow count per link to report
+    adaptive = _cli_text(capsys, *base, "--bytes", "1G", "--routing", "adaptive")
+    assert "most flows on one switch link" not in adaptive
+    assert "spread over all its equal-cost uplinks (adaptive)" in adaptive
+    ecmp = _cli_text(capsys, *base, "--bytes", "1G", "--routing", "ecmp")
+    assert re.search(r"most flows on one switch link: [1-9]", ecmp)
+
+
+def test_group_and_with_need_a_layout_and_with_names_itself(capsys):
+    assert _cli_err(capsys, *SMALL, "--group", "dp").endswith(
+        "--group needs --layout (its groups say who talks to whom)")
+    assert _cli_err(capsys, *SMALL, "--with", "ring-p2p:pp:1M").endswith(
+        "--with needs --layout (its groups say who talks to whom)")
+    err = _cli_err(capsys, *SMALL, "--layout", "tp=8,dp=8", "--with", "all-reduce:tpp:1M")
+    assert "--with 'all-reduce:tpp:1M': group 'tpp': valid are" in err
+    assert "--group 'tpp'" not in err
+
+
+def test_fat_tree_and_clos3_presets_are_plans_fabrics():
+    from myria.sim.netsim.api import spec_of
+    from myria.sim.topology import Fabric as PlanFabric
+
+    def shape(s):
+        return (s.tiers, s.gpus, s.nics, s.nic_gbps, s.rail_optimized, s.tor, s.agg, s.core)
+
+    ft, clos3 = load_spec("fat-tree"), load_spec("clos3")
+    # plan's default fat-tree as big as a radix-64 spine reaches (64 leaves x 4 servers)
+    assert ft.max_gpus == 2048 and ft.hosts_per_tor_group == 4
+    assert shape(ft) == shape(spec_of(PlanFabric(kind="fat-tree", nodes=256)))
+    assert clos3.max_gpus == 65536
+    assert shape(clos3) == shape(spec_of(PlanFabric(kind="clos3", nodes=8192)))
+    with pytest.raises(ConfigError, match="4096 GPUs exceed its 2048 .*clos3"):
+        build("fat-tree", 4096)
+    # the old three-tier k=32 fat-tree keeps a name that says what it is
+    old = load_spec("fat-tree-3tier-k32")
+    assert (old.tiers, old.tor.down_ports, old.max_gpus) == (3, 16, 8192)
+
+
+def test_routing_and_flows_are_in_the_header_and_the_defaults_match_the_planner(capsys):
+    import argparse
+
+    from myria.sim.netsim.cli import add_arguments
+    from myria.sim.topology import Fabric as PlanFabric
+
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    args = p.parse_args(["--topology", "x", "--gpus", "8", "--collective", "all-reduce",
+                         "--bytes", "1"])
+    assert args.routing == PlanFabric().routing == "adaptive"
+    # 1 QP per connection over NCCL's 2 channels per NIC: the planner's 2 flows per pair
+    assert int(args.qps_per_connection) * 2 == PlanFabric().flows_per_pair
+    line = _cli_text(capsys, *SMALL).splitlines()[1]
+    assert "adaptive routing, 1 flow(s) (QPs) per connection" in line
+    line = _cli_text(capsys, *SMALL, "--routing", "ecmp", "--qps-per-connection", "4")
+    assert "ecmp routing, 4 flow(s) (QPs) per connection" in line
+    # the fabric keys are in the help, not in a source file
+    text = p.format_help()
+    assert "fabric.py" not in text and "nic_gbps" in text and "docs/network.md" in text

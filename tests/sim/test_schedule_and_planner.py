@@ -322,9 +322,10 @@ def test_a_tight_or_overhidden_prediction_is_marked_and_not_first(llama):
     assert rank_with_ties([roomy, fast], band=0.2)[0] is fast
 
 
-def test_the_search_shows_its_progress_on_a_terminal_only():
+def test_the_search_shows_its_progress_on_a_terminal_and_a_long_one_on_a_pipe():
     """`myria plan` (and a dry run's comparison with the best layout) search for tens of
-    seconds on a large cluster: a terminal shows the count so far; a pipe gets nothing."""
+    seconds on a large cluster: a terminal shows the count so far; a pipe gets nothing from a
+    short search and a line every PIPE_EVERY_S from a long one."""
     import io
 
     from rich.console import Console
@@ -341,3 +342,16 @@ def test_the_search_shows_its_progress_on_a_terminal_only():
             assert "searching layouts: 12,500 layouts priced, 3,021 fit in memory" in text, text
         else:
             assert text == ""
+    # a long search on a pipe: one plain line every PIPE_EVERY_S, none before
+    from myria.sim.cli_plan import PIPE_EVERY_S
+
+    now = [0.0]
+    out = io.StringIO()
+    with searching("searching layouts", Console(file=out, force_terminal=False, width=80),
+                   clock=lambda: now[0]) as progress:
+        for n in range(1, 6):
+            now[0] = n * PIPE_EVERY_S / 2
+            progress(n * 1000, n * 10)
+    lines = out.getvalue().splitlines()
+    assert lines == [f"searching layouts: {n * 1000:,} layouts priced, {n * 10} fit in memory "
+                     f"({n * PIPE_EVERY_S / 2:.0f} s)" for n in (2, 4)], lines

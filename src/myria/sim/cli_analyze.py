@@ -1,8 +1,10 @@
 """`myria analyze CONFIG`: the per-operator roofline table (the "memory wall" analysis).
 
 CONFIG is a simulator run file (`[[run]]` tables or one run) or a myria training config (the
-TOML `myria train` reads); for the latter the device is --gpu (default: this CPU, measured) and
-the layout the config's [parallel] section over --nproc processes.
+TOML `myria train` reads); the latter is priced as `myria simulate` prices it (`cli_simulate.
+config_run_of`: the device is --gpu, the layout the config's [parallel] section over --nproc
+processes, the run named by the file), and a run file refuses --gpu and --nproc as `simulate`
+does (it sets [cluster] itself).
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ from pathlib import Path
 
 from myria.errors import ConfigError
 from myria.sim import runspec
-from myria.sim.perf import simulate, simulate_config
+from myria.sim.perf import simulate
 from myria.sim.step_result import StepResult
 
 
@@ -25,7 +27,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "(a100-sxm-80gb, h100-sxm-80gb, h200, cpu; default: as `myria train "
                         "--dry-run` chooses: the local GPU, an H100 for a bf16 config, else "
                         "this CPU)")
-    parser.add_argument("--nproc", type=int, default=0,
+    parser.add_argument("--nproc", type=int, default=None,
                         help="processes for a training config (default: the fewest its "
                         "[parallel] layout needs, dp_replicate x tp x pp x cp)")
     parser.add_argument("--sort", choices=("layer", "time"), default="layer",
@@ -36,9 +38,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def _load(args) -> StepResult:
     p = Path(args.config)
     from myria.config import read_text_file
+    from myria.sim.cli_simulate import config_run_of, refuse_config_flags
 
     text = read_text_file(p)
     if runspec.is_run_file(text):
+        refuse_config_flags(args, str(p))
         runs = runspec.loads(text, str(p))
         if args.run:
             match = [r for r in runs if r.name == args.run]
@@ -49,21 +53,8 @@ def _load(args) -> StepResult:
         else:
             run = runs[0]
         return simulate(run, detail=True)
-    from myria.interop import hf
-    from myria.sim.hardware import device_spec
-
-    cfg, _ = hf.load_config(p, weights=False)
-    if args.nproc < 0:
-        raise ConfigError(f"--nproc {args.nproc}: give a positive number of processes")
-    par = cfg.parallel
-    nproc = args.nproc or par.dp_replicate * par.tp * par.pp * par.cp
-    from myria.device import planning_device
-
-    spec = device_spec(args.gpu) if args.gpu else planning_device(cfg.training.dtype)
-    from myria.sim.measure.cpu import measured_profile
-
-    return simulate_config(cfg, nproc, spec, cpu_profile=measured_profile(cfg, nproc, spec),
-                           detail=True)
+    run, hw = config_run_of(args, p)
+    return simulate(run, hw=hw, detail=True)
 
 
 def run(args: argparse.Namespace) -> int:

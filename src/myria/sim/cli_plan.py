@@ -9,7 +9,8 @@ stack does by default, and the plan's first lines say each one and the flag that
 fa3 on Hopper, fa2 on Ampere), fused elementwise kernels, which communication overlaps compute
 (--overlap: tensor-parallel collectives, pipeline sends and data-parallel buckets, as
 Megatron-Core's pretraining recipes run them; `DEFAULT_OVERLAP`), the fabric (--topology,
---oversubscription, --nic-gbps) and the memory reserve.
+--oversubscription, --routing, --nic-gbps; `note:` lines say where the fabric's formulas leave
+its own shape, `topology.Fabric.notes`) and the memory reserve.
 
 `--show-schedule out.png --pp 4 --vpp 2 --microbatches 8` only draws that schedule; with a model
 it draws the best layout's schedule with the stage times the step model predicts.
@@ -22,6 +23,7 @@ import contextlib
 import dataclasses
 import json
 import sys
+import time
 from pathlib import Path
 
 from myria.errors import ConfigError
@@ -85,7 +87,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "--global-batch)")
     parser.add_argument("--run", default="", help="which run of a multi-run file")
     g = parser.add_argument_group("model (instead of, or overriding, a file)")
-    g.add_argument("--arch", choices=("gpt", "llama"))
+    g.add_argument("--arch", choices=("gpt", "llama"),
+                   help="block style: gpt (LayerNorm, GELU, learned positions) or llama "
+                   "(RMSNorm, SwiGLU, RoPE)")
     for name, what in (("layers", "transformer layers"), ("hidden", "model width"),
                        ("heads", "attention heads"), ("kv-heads", "key/value heads (GQA)"),
                        ("ffn-hidden", "MLP width"), ("vocab", "vocabulary size"),
@@ -103,6 +107,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--topology", choices=("fat-tree", "clos3", "rail-optimized"))
     g.add_argument("--oversubscription", type=at_least(1.0, float),
                    help="fabric oversubscription (1 = non-blocking)")
+    g.add_argument("--routing", choices=("adaptive", "ecmp"),
+                   help="how the fabric spreads flows over uplinks: adaptive (evenly) or ecmp "
+                   f"(hashed per flow; default {DEFAULT_ROUTING})")
     g.add_argument("--rank-jitter", type=at_least(0.0, float),
                    help="spread of one rank's step time against its peers' (share of the "
                    "compute; default 0.01, assumed): the step waits for the slowest rank")
@@ -121,11 +128,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    f"(default: {DEFAULT_OVERLAP}, as Megatron-Core's pretraining recipes run; "
                    "torchtitan without async TP: pp,dp)")
     g = parser.add_argument_group("search space (comma lists)")
-    g.add_argument("--tp", type=_ints)
-    g.add_argument("--pp", type=_ints)
-    g.add_argument("--cp", type=_ints)
-    g.add_argument("--ep", type=_ints)
-    g.add_argument("--vpp", type=_ints)
+    g.add_argument("--tp", type=_ints, help="tensor-parallel degrees (default: powers of two "
+                   "up to a server)")
+    g.add_argument("--pp", type=_ints, help="pipeline stages (default: divisors of the layers "
+                   "and powers of two)")
+    g.add_argument("--cp", type=_ints, help="context-parallel degrees (default: powers of two "
+                   "up to 16, >= 256 tokens each)")
+    g.add_argument("--ep", type=_ints, help="expert-parallel degrees (default: divisors of "
+                   "--experts)")
+    g.add_argument("--vpp", type=_ints, help="virtual stages per pipeline rank, interleaved "
+                   "1F1B (default: 1-8)")
     g.add_argument("--mb", type=_ints, help="micro-batch sizes")
     g.add_argument("--recompute", help="none,selective,full")
     g.add_argument("--zero", type=_zero_stages, help="ZeRO stages, e.g. 0,1,3")
@@ -140,11 +152,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--write-run", metavar="TOML", help="write the first layout as a run "
                         "file, every assumption of this plan in it: `myria simulate TOML` "
                         "prices it as the plan did (and can be edited to try variations)")
+    parser.add_argument("--csv", metavar="FILE", help="also write the ranked layouts (--top "
+                        "of them) to FILE as CSV, one row per layout: its degrees and settings, "
+                        "step time, MFU and band, memory, ETTR and the step's breakdown in "
+                        "seconds (for a spreadsheet)")
     g = parser.add_argument_group("pipeline schedule drawing")
     g.add_argument("--show-schedule", metavar="PNG", help="draw a pipeline schedule to PNG")
     g.add_argument("--microbatches", type=at_least(1),
                    help="m for --show-schedule (with one --pp)")
-    g.add_argument("--schedule", choices=("gpipe", "1f1b", "interleaved-1f1b", "zero-bubble"))
+    g.add_argument("--schedule", choices=("gpipe", "1f1b", "interleaved-1f1b", "zero-bubble"),
+                   help="schedule to draw (default: interleaved-1f1b with --vpp > 1, else 1f1b)")
 
 
 # What overlaps compute when no file says, as Megatron-Core runs large models in NVIDIA's
@@ -154,6 +171,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 # data-parallel buckets. torchtitan overlaps pipeline and FSDP2 traffic by default and
 # tensor-parallel traffic only with async TP switched on: --overlap pp,dp prices that.
 DEFAULT_OVERLAP = "tp,pp,dp"
+# The fabric's routing when neither file nor flag says: the run schema's own default.
+DEFAULT_ROUTING = runspec.ClusterSpec.__dataclass_fields__["routing"].default
 
 
 def _base_from_args(args) -> RunSpec:
@@ -215,7 +234,8 @@ def _base_from_args(args) -> RunSpec:
             model[key] = getattr(args, flag)
     if args.global_batch is not None:
         training["global_batch"] = args.global_batch
-    for flag in ("gpu", "gpus", "gpus_per_node", "nic_gbps", "topology", "oversubscription"):
+    for flag in ("gpu", "gpus", "gpus_per_node", "nic_gbps", "topology", "oversubscription",
+                 "routing"):
         if getattr(args, flag) is not None:
             cluster[flag] = getattr(args, flag)
     if args.rank_jitter is not None:
@@ -347,11 +367,18 @@ def console(min_width: int = 150):
     return Console(width=max(min_width, probe.width))
 
 
+# A search that runs longer than this (a mixture of experts on thousands of GPUs: minutes)
+# says how far it got on stderr every this many seconds when stderr is not a terminal (a CI
+# log, a pipe), where the spinner does not show.
+PIPE_EVERY_S = 20.0
+
+
 @contextlib.contextmanager
-def searching(what: str, err_console=None):
+def searching(what: str, err_console=None, clock=time.monotonic):
     """A `progress` callback for `plan` that shows, on stderr while the search runs, how many
     layouts are priced and how many fit, and the time so far (a spinner that leaves no trace);
-    nothing when stderr is not a terminal. `err_console`: another rich Console (tests)."""
+    when stderr is not a terminal, one line every PIPE_EVERY_S of a long search instead.
+    `err_console`: another rich Console, `clock`: another clock (tests)."""
     from rich.console import Console
     from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
@@ -361,8 +388,19 @@ def searching(what: str, err_console=None):
                    TimeElapsedColumn(), console=con, transient=True,
                    disable=not con.is_terminal)
     task = bar.add_task(what, total=None, n=0, fit=0)
+    t0 = clock()
+    said = [t0]
+
+    def progress(n: int, fit: int) -> None:
+        bar.update(task, n=n, fit=fit)
+        now = clock()
+        if not con.is_terminal and now - said[0] >= PIPE_EVERY_S:
+            said[0] = now
+            con.print(f"{what}: {n:,} layouts priced, {fit:,} fit in memory "
+                      f"({now - t0:.0f} s)", highlight=False, soft_wrap=True)
+
     with bar:
-        yield lambda n, fit: bar.update(task, n=n, fit=fit)
+        yield progress
 
 
 # The planner's largest model-parallel degrees (myria.sim.planner.candidates).
@@ -448,7 +486,8 @@ def _plan(base: RunSpec, space: SearchSpace, args):
 
 
 def run(args: argparse.Namespace) -> int:
-    for flag, path in (("--show-schedule", args.show_schedule), ("--write-run", args.write_run)):
+    for flag, path in (("--show-schedule", args.show_schedule), ("--write-run", args.write_run),
+                       ("--csv", args.csv)):
         if path and not Path(path).resolve().parent.is_dir():
             raise ConfigError(f"{flag} {path}: its directory {Path(path).resolve().parent} "
                               "does not exist")
@@ -471,6 +510,10 @@ def run(args: argparse.Namespace) -> int:
                               res.best_unfitting), "leanest_unfitting": _json(res.leanest)})}))
     else:
         _print(base, res)
+    if args.csv and res.ranked:
+        write_csv(Path(args.csv), res.ranked)
+        print(f"wrote {len(res.ranked)} ranked layout(s) to {args.csv}",
+              file=sys.stderr if args.json else sys.stdout)
     if not res.ranked:
         return 1   # nothing fits: a script sees it
     if args.write_run:
@@ -481,7 +524,7 @@ def run(args: argparse.Namespace) -> int:
         atomic_write(Path(args.write_run), runspec.dumps(first, notes=(
             f"#1 of `myria plan`: predicted {res.ranked[0].iteration_time_s:.3f} s per "
             f"step, MFU {res.ranked[0].mfu:.1%}")))
-        print(f"wrote #1 ({_layout(res.ranked[0].layout)}) to {args.write_run}: `myria "
+        print(f"wrote #1 ({layout_label(res.ranked[0].layout)}) to {args.write_run}: `myria "
               f"simulate {args.write_run}` prices it as this plan did",
               file=sys.stderr if args.json else sys.stdout)
     if args.show_schedule and res.ranked:
@@ -494,16 +537,49 @@ def run(args: argparse.Namespace) -> int:
                                                        "zero-bubble") else "1f1b"
         slots = simulate_schedule(sched, p, v, m)
         frac = draw(slots, p, v, m, sched, args.show_schedule,
-                    title=f"best layout {_layout(lay)}: {sched}, p={p}, vpp={v}, m={m}")
+                    title=f"best layout {layout_label(lay)}: {sched}, p={p}, vpp={v}, m={m}")
         print(f"schedule of the best layout: bubble {frac:.1%} -> {args.show_schedule}")
     return 0
+
+
+CSV_LAYOUT = ("tp", "pp", "dp", "cp", "ep", "vpp", "schedule", "sequence_parallel",
+              "micro_batch", "microbatches", "recompute", "zero_stage", "offload")
+
+
+def write_csv(path: Path, ranked: list) -> None:
+    """The ranking as CSV: rank and marks, the layout's fields, the prediction, the breakdown."""
+    import csv
+    import io
+
+    parts = list(ranked[0].breakdown)
+    out = io.StringIO()
+    w = csv.writer(out)
+    w.writerow(["rank", "tied", "runnable", "implausible", "layout", *CSV_LAYOUT,
+                "iteration_time_s", "mfu", "mfu_low", "mfu_high", "tokens_per_s",
+                "memory_gb_per_gpu", "ettr", "checkpoint_interval_steps",
+                *(f"{k}_s" for k in parts)])
+    for i, r in enumerate(ranked, 1):
+        x, lay = r.extra, r.layout
+        w.writerow([i, bool(x.get("tied")), bool(x.get("runnable", True)),
+                    x.get("implausible") or "", layout_label(lay),
+                    *(lay.get(k, "") for k in CSV_LAYOUT), f"{r.iteration_time_s:.6g}",
+                    f"{r.mfu:.6g}", f"{x['mfu_low']:.6g}", f"{x['mfu_high']:.6g}",
+                    f"{r.tokens_per_s:.6g}", f"{r.memory_gb_per_gpu:.6g}", f"{x['ettr']:.6g}",
+                    x["checkpoint_interval_steps"],
+                    *(f"{r.breakdown[k]:.6g}" for k in parts)])
+    from myria.fsutil import atomic_write
+
+    atomic_write(path, out.getvalue().encode())
 
 
 def _json(r) -> dict | None:
     return r.to_json() if r is not None else None
 
 
-def _layout(lay: dict) -> str:
+def layout_label(lay: dict) -> str:
+    """A layout in a few words, as `plan` and `simulate` label it: the degrees, HSDP's shard
+    group when ZeRO shards over fewer ranks than dp, FSDP kept gathered, offload, sequence
+    parallelism."""
     s = f"tp{lay['tp']} pp{lay['pp']} dp{lay['dp']}"
     if lay["cp"] > 1:
         s += f" cp{lay['cp']}"
@@ -548,22 +624,46 @@ def assumptions(base: RunSpec) -> list[str]:
         "ZeRO 2-3",
         f"assumed: {hw.gpus_per_node} GPUs per server (--gpus-per-node), "
         f"{hw.nics_per_node} x {hw.nic_gbps:g} Gb/s NICs (--nic-gbps), {c.topology} fabric "
-        f"(--topology) at oversubscription {c.oversubscription:g} (--oversubscription); "
+        f"(--topology) at oversubscription {c.oversubscription:g} (--oversubscription), "
+        f"{c.routing} routing (--routing) with {c.flows_per_pair} flows per pair "
+        "(cluster.flows_per_pair in a run file; ECMP hashes each); "
         f"rank jitter {c.rank_jitter:g} of the compute (--rank-jitter; assumed, not fitted), "
         f"straggler tail {c.jitter_tail_share:g},{c.jitter_tail_excess:g} (--jitter-tail)",
     ]
 
 
+def fabric_notes(hw) -> list[str]:
+    """`note:` lines where the fabric's formulas leave the fabric's own shape
+    (`topology.Fabric.notes`), shown by `plan` and `simulate`."""
+    return [f"note: {x}" for x in hw.fabric.notes()]
+
+
+# How far MFU (attention charged for every key) may exceed mfu_causal before the table's MFU
+# is called out: past it, a causal run's headline MFU overstates the work by more than noise.
+CAUSAL_GAP = 0.05
+
+
+def causal_note(res, seq_len: int, who: str) -> str:
+    """The line that says a causal run's MFU counts attention work a causal query skips, when
+    MFU and mfu_causal differ by more than `CAUSAL_GAP` ("" otherwise); `who` names the row."""
+    if res.mfu - res.mfu_causal <= CAUSAL_GAP:
+        return ""
+    return (f"MFU charges attention for every key, as Megatron's and PaLM's MFU do; a causal "
+            f"query sees about half of them, which at sequence {seq_len} is a large share of "
+            f"the work: counting only those, {who} is {res.mfu_causal:.1%} (mfu_causal in "
+            "--json)")
+
+
 def separation(res) -> list[str]:
-    """What separates each of the first five from the first: step time, memory margin and the
-    two costs that differ most (seconds per step)."""
+    """What separates each of the first five (or fewer, as ranked) from the first: step time,
+    memory margin and the two costs that differ most (seconds per step)."""
     from myria.sim.planner import margin_bytes
     from myria.sim.step_result import BREAKDOWN_LABELS
 
     if len(res.ranked) < 2:
         return []
     def settings(lay: dict) -> dict:
-        return {"layout": _layout(lay), "micro-batch": lay["micro_batch"],
+        return {"layout": layout_label(lay), "micro-batch": lay["micro_batch"],
                 "recompute": lay["recompute"], "ZeRO": lay["zero_stage"]}
 
     one = res.ranked[0]
@@ -604,6 +704,11 @@ def _print(base: RunSpec, res) -> None:
               f"{base.training.global_batch}, {base.cluster.gpus} x {base.cluster.gpu}")
     for line in assumptions(base):
         con.print(line)
+    from myria.sim.hardware import build_hardware
+
+    hw = build_hardware(base.cluster, base.training.precision)
+    for line in fabric_notes(hw):
+        con.print(line)
     con.print(f"{res.evaluated:,} layouts evaluated in {res.seconds:.2f} s, {res.fitting:,} fit "
               "in memory")
     if res.offloaded:
@@ -611,14 +716,12 @@ def _print(base: RunSpec, res) -> None:
                   "state (offload=cpu: host memory; nvme: disk, myria's parallel.offload) and "
                   "with +params the parameters off the device[/yellow]")
     if not res.ranked:
-        from myria.sim.hardware import build_hardware
-
-        dev = build_hardware(base.cluster, base.training.precision).memory_bytes / 1e9
+        dev = hw.memory_bytes / 1e9
         con.print(f"[red]no layout fits in device memory ({dev:.0f} GB per GPU), even with "
                   "offload[/red]")
         if res.best_unfitting:
             b = res.best_unfitting
-            con.print(f"fastest layout if memory allowed: {_layout(b.layout)} needs "
+            con.print(f"fastest layout if memory allowed: {layout_label(b.layout)} needs "
                       f"{b.memory_gb_per_gpu:.0f} GB")
         if res.leanest:
             b, lay = res.leanest, res.leanest.layout
@@ -626,7 +729,7 @@ def _print(base: RunSpec, res) -> None:
             host = (f" and {b.memory.host_bytes_per_node / 1e9:,.0f} GB of "
                     f"{'host memory' if off == 'cpu' else 'NVMe'} per server"
                     if off != "none" else "")
-            con.print(f"closest to fitting: {_layout(lay)}, micro-batch {lay['micro_batch']}, "
+            con.print(f"closest to fitting: {layout_label(lay)}, micro-batch {lay['micro_batch']}, "
                       f"recompute {lay['recompute']}, ZeRO {lay['zero_stage']}: "
                       f"{b.memory_gb_per_gpu:.0f} GB per GPU{host}; more GPUs, devices or "
                       "servers with more memory, or a shorter sequence would be needed")
@@ -646,23 +749,22 @@ def _print(base: RunSpec, res) -> None:
         x = r.extra
         tab.add_row(str(i) + ("=" if x.get("tied") else "") +
                     ("" if x.get("runnable", True) else "†") +
-                    ("!" if x.get("implausible") else ""), _layout(lay),
+                    ("!" if x.get("implausible") else ""), layout_label(lay),
                     str(lay["micro_batch"]), str(lay["microbatches"]),
                     lay["recompute"], str(lay["zero_stage"]), f"{t:.3f}",
                     f"{r.mfu:.1%} ({x['mfu_low']:.0%}-{x['mfu_high']:.0%})",
                     f"{r.tokens_per_s:,.0f}", f"{r.memory_gb_per_gpu:.1f}",
-                    f"{x['ettr']:.3f}", f"{x['checkpoint_interval_steps']} steps",
+                    f"{x['ettr']:.3f}",
+                    reliability.interval_text(x["checkpoint_interval_steps"]),
                     f"{comp / t:.0%}",
                     f"{bd['recompute'] / t:.0%}", f"{bd['tp_comm_exposed'] / t:.0%}",
                     f"{bd['pp_bubble'] / t:.0%}", f"{bd['pp_p2p_exposed'] / t:.0%}",
                     f"{bd['dp_comm_exposed'] / t:.0%}", f"{(t - named) / t:.0%}")
     con.print(tab)
     first = res.ranked[0]
-    if first.mfu - first.mfu_causal > 0.05:
-        con.print(f"MFU charges attention for every key, as Megatron's and PaLM's MFU do; a "
-                  f"causal query sees about half of them, which at sequence {m.seq_len} is a "
-                  f"large share of the work: counting only those, #1 is {first.mfu_causal:.1%} "
-                  "(mfu_causal in --json)")
+    note = causal_note(first, m.seq_len, "#1")
+    if note:
+        con.print(note)
     # a plausible layout comes first: when #1 is marked, every layout that fits is
     every = bool(first.extra.get("implausible"))
     for i, r in enumerate(res.ranked, 1):
@@ -681,7 +783,7 @@ def _print(base: RunSpec, res) -> None:
                       "other frameworks only)")
         elif res.best_runnable_rank > len(res.ranked):
             con.print(f"the best layout myria's trainer runs is #{res.best_runnable_rank}: "
-                      f"{_layout(b.layout)}, MFU {b.mfu:.1%}, {b.iteration_time_s:.3f} s per "
+                      f"{layout_label(b.layout)}, MFU {b.mfu:.1%}, {b.iteration_time_s:.3f} s per "
                       f"step, {b.memory_gb_per_gpu:.1f} GB")
         else:
             con.print(f"the best layout myria's trainer runs is #{res.best_runnable_rank}")
@@ -692,14 +794,18 @@ def _print(base: RunSpec, res) -> None:
                   "held-out error on the calibration runs) of the best MFU: statistically "
                   "tied, so they are ordered by predicted step time (to 0.1%), then by free "
                   "memory; a prediction the model cannot vouch for (!) is not first. What "
-                  "separates the first five:")
+                  f"separates the first {min(5, len(res.ranked))}:")
         for line in separation(res):
             con.print("  " + line)
     from myria.sim.band import describe
 
     con.print(describe((res.ranked[0].layout["device"],)))
     rel = res.ranked[0].extra["reliability"]
-    con.print(f"ETTR: expected share of wall time in kept training steps with failures every "
-              f"{rel['mtbf_s'] / 3600:.1f} h on average (job MTBF), recovery "
-              f"{rel['recovery_s']:.0f} s, checkpoint stall {rel['checkpoint_stall_s']:.2f} s "
-              "at the interval that maximises it (Young/Daly); see docs/performance_model.md.")
+    if reliability.no_failures(rel):
+        con.print(f"ETTR: {reliability.NO_FAILURES}.")
+    else:
+        con.print(f"ETTR: expected share of wall time in kept training steps with failures "
+                  f"every {rel['mtbf_s'] / 3600:.1f} h on average (job MTBF), recovery "
+                  f"{rel['recovery_s']:.0f} s, checkpoint stall "
+                  f"{rel['checkpoint_stall_s']:.2f} s at the interval that maximises it "
+                  "(Young/Daly); see docs/performance_model.md.")

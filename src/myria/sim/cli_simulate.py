@@ -33,7 +33,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--gpu", default="", help="device for a training config "
                         "(a100-sxm-80gb, h100-sxm-80gb, h200, cpu; default: the local GPU, an "
                         "H100 for a bf16 config, else this CPU)")
-    parser.add_argument("--nproc", type=int, default=0,
+    parser.add_argument("--nproc", type=int, default=None,
                         help="processes for a training config (default: the fewest its "
                         "[parallel] layout needs, dp_replicate x tp x pp x cp)")
     from myria.sim.cli_plan import at_least
@@ -64,10 +64,12 @@ def measured_error(run: runspec.RunSpec, res: StepResult) -> float | None:
     return None
 
 
-def _print_table(pairs: list[tuple[runspec.RunSpec, StepResult]]) -> None:
+def _print_table(pairs: list[tuple[runspec.RunSpec, StepResult]], hws: list) -> None:
+    """The table, then the notes: the band, what MFU counts, a causal run's MFU
+    (`cli_plan.causal_note`), ETTR, each fabric's `note:` lines (`cli_plan.fabric_notes`)."""
     from rich.table import Table
 
-    from myria.sim.cli_plan import console
+    from myria.sim.cli_plan import causal_note, console, fabric_notes, layout_label
 
     con = console(190)
     tab = Table(title="myria simulate: predicted iteration", show_lines=False)
@@ -77,11 +79,7 @@ def _print_table(pairs: list[tuple[runspec.RunSpec, StepResult]]) -> None:
                        else "right", no_wrap=col != "largest costs")
     errs = []
     for run, res in pairs:
-        lay = res.layout
-        layout = (f"tp{lay['tp']} pp{lay['pp']} dp{lay['dp']}" + (f" cp{lay['cp']}" if
-                                                                   lay['cp'] > 1 else "")
-                  + (f" ep{lay['ep']}" if lay['ep'] > 1 else "")
-                  + (f" v{lay['vpp']}" if lay['vpp'] > 1 else "") + f" mb{lay['micro_batch']}")
+        layout = f"{layout_label(res.layout)} mb{res.layout['micro_batch']}"
         err = measured_error(run, res)
         if err is not None:
             errs.append(abs(err))
@@ -94,7 +92,7 @@ def _print_table(pairs: list[tuple[runspec.RunSpec, StepResult]]) -> None:
                     f"{res.tflops_per_gpu:.0f}", f"{res.hardware_tflops_per_gpu:.0f}",
                     f"{res.tokens_per_s:,.0f}", f"{res.memory_gb_per_gpu:.1f}",
                     "yes" if res.fits else "NO", f"{res.extra['ettr']:.3f}",
-                    f"{res.extra['checkpoint_interval_steps']} steps", costs)
+                    reliability.interval_text(res.extra["checkpoint_interval_steps"]), costs)
     con.print(tab)
     if errs:
         con.print(f"mean absolute error of iteration time over {len(errs)} measured run(s): "
@@ -106,18 +104,42 @@ def _print_table(pairs: list[tuple[runspec.RunSpec, StepResult]]) -> None:
               "its forward); --json adds mfu_megatron (Narayanan et al. 2021's formula, as "
               "published tables use it) and mfu_causal; both charge attention for every key; "
               "hw TFLOP/s counts what runs (causal attention under FlashAttention, and "
-              "recomputation). ETTR: expected "
-              "share of wall time in kept steps under failures (--failures-per-gpu-hour), "
-              "checkpointing at the Young/Daly interval shown.")
+              "recomputation).")
+    for run, res in pairs:
+        note = causal_note(res, run.model.seq_len, run.name)
+        if note:
+            con.print(note)
+    if all(reliability.no_failures(res.extra["reliability"]) for _, res in pairs):
+        con.print(f"ETTR: {reliability.NO_FAILURES}.")
+    else:
+        con.print("ETTR: expected share of wall time in kept steps under failures "
+                  "(--failures-per-gpu-hour), checkpointing at the Young/Daly interval shown.")
+    for line in dict.fromkeys(x for hw in hws for x in fabric_notes(hw)):
+        con.print(line)
     for run, res in pairs:
         for w in res.warnings:
             con.print(f"[yellow]warning[/yellow] {run.name}: {w}")
 
 
-def _config_run(args: argparse.Namespace, path: str):
-    """(run, hardware) of a myria training config, as `myria analyze` prices it."""
+def refuse_config_flags(args: argparse.Namespace, path: str) -> None:
+    """--gpu and --nproc describe a training config's cluster; a run file sets its own
+    ([cluster]): refuse them there rather than ignore them (`simulate` and `analyze`)."""
+    if args.gpu or args.nproc is not None:
+        raise ConfigError(f"--gpu and --nproc are for a training config; {path} is a "
+                          "simulator run file (set [cluster] in it)")
+
+
+def config_name(path) -> str:
+    """The name a training config's run goes by in tables and JSON: its file's stem."""
     from pathlib import Path
 
+    return Path(path).stem
+
+
+def config_run_of(args: argparse.Namespace, path) -> tuple[runspec.RunSpec, object]:
+    """(run, hardware) of a myria training config on --gpu and --nproc, as `myria simulate`
+    and `myria analyze` price it: the config's [parallel] layout over --nproc processes
+    (default: the fewest it needs), named by `config_name`."""
     from myria.device import planning_device
     from myria.interop import hf
     from myria.layout import Layout
@@ -126,14 +148,14 @@ def _config_run(args: argparse.Namespace, path: str):
     from myria.sim.perf import config_run
 
     cfg, _ = hf.load_config(path, weights=False)
-    if args.nproc < 0:
+    if args.nproc is not None and args.nproc < 1:
         raise ConfigError(f"--nproc {args.nproc}: give a positive number of processes")
     par = cfg.parallel
     nproc = args.nproc or par.dp_replicate * par.tp * par.pp * par.cp
     Layout.resolve(par, nproc).check(cfg, trainer=False)   # the layout's rules, before pricing
     spec = device_spec(args.gpu) if args.gpu else planning_device(cfg.training.dtype)
     run, spec, _ = config_run(cfg, nproc, spec)
-    run.name = Path(path).stem
+    run.name = config_name(path)
     prof = measured_profile(cfg, nproc, spec)
     return run, build_hardware(run.cluster, run.training.precision, spec=spec, cpu=prof)
 
@@ -146,13 +168,11 @@ def run(args: argparse.Namespace) -> int:
     from myria.config import read_text_file
 
     if runspec.is_run_file(read_text_file(path, "run file")):
-        if args.gpu or args.nproc:
-            raise ConfigError(f"--gpu and --nproc are for a training config; {path} is a "
-                              "simulator run file (set [cluster] in it)")
+        refuse_config_flags(args, path)
         runs = [(r, build_hardware(r.cluster, r.training.precision))
                 for r in _select(runspec.load(path), args.run)]
     else:
-        runs = [_config_run(args, path)]
+        runs = [config_run_of(args, path)]
     if args.network != "analytic":
         from myria.sim.netsim.api import with_network_model
 
@@ -172,5 +192,5 @@ def run(args: argparse.Namespace) -> int:
                 obj["error"] = err
             print(json.dumps(obj))
         return 0
-    _print_table(pairs)
+    _print_table(pairs, [hw for _, hw in runs])
     return 0

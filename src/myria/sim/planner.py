@@ -142,9 +142,15 @@ TRAINING_FIELDS = ("micro_batch", "recompute", "zero_stage", "reshard_after_forw
 
 def run_of(base: RunSpec, res: StepResult) -> RunSpec:
     """The run a ranked layout is: `base` with the layout's parallel and training fields (the
-    ones `candidates` sets), so that `perf.simulate` prices it as the plan did."""
+    ones `candidates` sets), so that `perf.simulate` prices it as the plan did. dp and
+    dp_shard stay 0 ("all of them") unless the layout is HSDP: the result reads `dp_shard =
+    dp` when every rank shards, and pinning that number would turn the run into HSDP as soon
+    as its GPU count is edited."""
     lay = res.layout
-    return base.replace(parallel={"dp": 0, **{k: lay[k] for k in PARALLEL_FIELDS}},
+    par = {k: lay[k] for k in PARALLEL_FIELDS}
+    if par["dp_shard"] >= lay["dp"]:
+        par["dp_shard"] = 0
+    return base.replace(parallel={"dp": 0, **par},
                         training={k: lay[k] for k in TRAINING_FIELDS})
 
 

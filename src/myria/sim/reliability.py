@@ -96,6 +96,22 @@ def expected_ettr(iteration_time_s: float, gpus: int, gpus_per_node: int,
                 recovery)
 
 
+# What `plan` and `simulate` say when the failure rate is 0: Young/Daly's interval is then
+# infinite (`expected_ettr` returns 0 steps), a number no one should read as "every 0 steps".
+NO_FAILURES = ("no failures assumed (--failures-per-gpu-hour 0): every step is kept (ETTR 1) "
+               "and no checkpoint interval is derived")
+
+
+def no_failures(ettr_json: dict) -> bool:
+    """Whether an `Ettr.to_json()` derived no checkpoint interval (no failures assumed)."""
+    return not ettr_json["checkpoint_interval_steps"]
+
+
+def interval_text(steps: int) -> str:
+    """A table cell for the checkpoint interval: "N steps", or "none (no failures)"."""
+    return f"{steps} steps" if steps else "none (no failures)"
+
+
 def add_arguments(parser: argparse.ArgumentParser, positive, non_negative) -> None:
     """The reliability flags of `myria plan` and `myria simulate` (types check the values)."""
     g = parser.add_argument_group("reliability (expected effective training time)")

@@ -74,6 +74,44 @@ class Fabric:
                 + (f" ({self.flows_per_pair} flows per pair)" if self.routing == "ecmp" else "")
                 + (", flow-level simulated" if self.model == "flow" else ""))
 
+    @property
+    def max_leaves(self) -> int:
+        """Leaves one spine tier can join: a spine switch has `radix` ports, every one a
+        downlink, and each leaf takes one port of every spine (`radix/2` spines). A clos3
+        core joins `radix` pods the same way."""
+        return self.radix
+
+    def notes(self) -> list[str]:
+        """What the fabric's formulas assume where the cluster leaves the fabric's own shape:
+        a two-tier fabric past the leaves its spines can join (priced as one spine tier over
+        all of them, as if the switches were large enough: no third tier's cost), and an
+        oversubscription no traffic crosses (the GPUs fit under one leaf, or one clos3 pod)."""
+        out = []
+        servers = self.nodes_per_leaf * self.max_leaves
+        if self.kind != "clos3" and self.n_leaves > self.max_leaves:
+            per = self.nics_per_node if self.kind == "rail-optimized" else 1
+            cap = servers // per
+            out.append(f"a two-tier {self.kind} of radix-{self.radix} switches joins at most "
+                       f"{self.max_leaves} leaves ({cap:,} servers, {cap * self.gpus_per_node:,} "
+                       f"GPUs); {self.nodes:,} servers need {self.n_leaves:,}: priced as if one "
+                       "spine tier joined them all (no third tier's hops or contention; "
+                       "--topology clos3 prices pods and a core)")
+        elif self.kind == "clos3" and self.n_pods > self.max_leaves:
+            out.append(f"a clos3 of radix-{self.radix} switches joins at most {self.max_leaves} "
+                       f"pods; {self.n_pods:,} pods are priced as one core tier over all of "
+                       "them, without a fourth tier's cost")
+        if self.oversubscription > 1:
+            gpus = self.nodes * self.gpus_per_node
+            if self.kind == "clos3" and self.n_pods == 1:
+                out.append(f"oversubscription {self.oversubscription:g} applies between pods; "
+                           f"{gpus:,} GPUs fit in one pod ({self.leaves_per_pod} leaves of "
+                           f"{self.nodes_per_leaf} servers), so it changes nothing here")
+            elif self.kind != "clos3" and self.leaf_groups == 1:
+                out.append(f"oversubscription {self.oversubscription:g} applies between "
+                           f"leaves; {gpus:,} GPUs fit under one leaf, so it changes nothing "
+                           "here")
+        return out
+
     # -- link layout --------------------------------------------------------------------------
     def _dims(self) -> tuple[int, int, float, float]:
         """Uplinks per leaf and per pod, and their capacities (NIC units), after pooling."""

@@ -72,9 +72,9 @@ def _pattern(kind: str, groups: np.ndarray, gpus: int, nics: int) -> Collective:
         return collective("all-reduce", groups, 1e9, "ring", gpus, nics,
                           channels=nics_of(groups, gpus, nics))
     if kind == "a2a":
-        return collective("all-to-all", groups, 1e9, "ring", gpus, nics)
+        return collective("all-to-all", groups, 1e9, "pairwise", gpus, nics)
     src, dst = groups[:, :-1].reshape(-1), groups[:, 1:].reshape(-1)   # pipeline: no wrap
-    out = Collective("ring-p2p", "ring", 1e9, groups.shape[1])
+    out = Collective("ring-p2p", "p2p", 1e9, groups.shape[1])
     out.phases.append(Phase(src, dst, np.full(len(src), 1e9), 1, 0.0, "p2p"))
     return out
 

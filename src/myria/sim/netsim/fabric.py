@@ -2,7 +2,11 @@
 domain and several NICs (rails), from a TOML description or a preset; directed links with
 capacities, numbered so that routes are computed with numpy.
 
-A fabric description is TOML (presets in ``myria/sim/data/fabric-*.toml``): ``name``, ``tiers``
+Presets (``PRESETS``, files ``myria/sim/data/fabric-*.toml``): ``megascale``, ``llama3``,
+``fat-tree`` and ``clos3`` (``myria plan``'s fabrics of those names at their defaults: radix 64,
+8 x 400G NICs per server, non-blocking) and ``fat-tree-3tier-k32`` (the k=32 three-tier fat-tree
+of Al-Fares et al., ToRs of 16 ports down: 2 servers each). Unknown keys are refused in every
+section. A fabric description is TOML: ``name``, ``tiers``
 (2: leaf-spine, 3: ToR / aggregation / core), ``[host]`` (``gpus``, ``nics``, ``nic_gbps``,
 ``nvlink_gbs``, ``rail_optimized``), and per tier ``[tor]``, ``[agg]`` (the spine when
 tiers = 2), ``[core]`` its ``down_ports``, ``up_ports`` and ``up_gbps`` or ``oversubscription``.
@@ -15,6 +19,7 @@ docs/network.md, "Reasons behind the network simulator modules".
 
 from __future__ import annotations
 
+import difflib
 import math
 import tomllib
 from dataclasses import dataclass, field, replace
@@ -25,7 +30,21 @@ import numpy as np
 
 from myria.errors import ConfigError
 
-PRESETS = ("megascale", "llama3", "fat-tree")
+PRESETS = ("megascale", "llama3", "fat-tree", "clos3", "fat-tree-3tier-k32")
+HOST_KEYS = ("gpus", "nics", "nic_gbps", "nvlink_gbs", "rail_optimized")
+TIER_KEYS = ("down_ports", "up_ports", "up_gbps", "oversubscription")
+TOP_KEYS = ("name", "tiers", "host", "tor", "agg", "core", "source")
+
+
+def _refuse_unknown(d: dict, valid: tuple, where: str) -> None:
+    """ConfigError naming the keys of ``d`` not in ``valid`` (with a close match, if any)."""
+    unknown = sorted(set(d) - set(valid))
+    if not unknown:
+        return
+    hints = [f"{m[0]!r}" + (f" for {k!r}" if len(unknown) > 1 else "") for k in unknown
+             if (m := difflib.get_close_matches(k, valid, n=1))]
+    hint = f" (did you mean {', '.join(hints)}?)" if hints else ""
+    raise ConfigError(f"{where}: unknown key(s) {unknown}{hint}; valid: {', '.join(valid)}")
 
 
 @dataclass(frozen=True)
@@ -118,10 +137,7 @@ class FabricSpec:
 def _tier(d: dict, name: str, down_gbps: float) -> Tier:
     if not isinstance(d, dict):
         raise ConfigError(f"fabric [{name}]: missing table")
-    unknown = set(d) - {"down_ports", "up_ports", "up_gbps", "oversubscription"}
-    if unknown:
-        raise ConfigError(f"fabric [{name}]: unknown key(s) {sorted(unknown)}; valid: "
-                          "down_ports, up_ports, up_gbps, oversubscription")
+    _refuse_unknown(d, TIER_KEYS, f"fabric [{name}]")
     try:
         down, up = int(d["down_ports"]), int(d.get("up_ports", 0))
     except (KeyError, TypeError, ValueError):
@@ -140,10 +156,11 @@ def _tier(d: dict, name: str, down_gbps: float) -> Tier:
 
 def spec_from_dict(d: dict, name: str = "custom") -> FabricSpec:
     """A FabricSpec from a parsed TOML description (see the module docstring)."""
-    unknown = set(d) - {"name", "tiers", "host", "tor", "agg", "core", "source"}
-    if unknown:
-        raise ConfigError(f"fabric {name!r}: unknown key(s) {sorted(unknown)}")
+    _refuse_unknown(d, TOP_KEYS, f"fabric {name!r}")
     host = d.get("host", {})
+    if not isinstance(host, dict):
+        raise ConfigError(f"fabric {name!r}: host must be a table ([host])")
+    _refuse_unknown(host, HOST_KEYS, "fabric [host]")
     try:
         gpus, nics = int(host.get("gpus", 8)), int(host.get("nics", 8))
         nic_gbps = float(host.get("nic_gbps", 400.0))
@@ -161,7 +178,7 @@ def spec_from_dict(d: dict, name: str = "custom") -> FabricSpec:
 
 
 def load_spec(preset_or_path: str) -> FabricSpec:
-    """A preset name (megascale, llama3, fat-tree) or the path of a TOML description."""
+    """A preset name (``PRESETS``) or the path of a TOML description."""
     if preset_or_path in PRESETS:
         text = resources.files("myria.sim").joinpath(
             f"data/fabric-{preset_or_path}.toml").read_text()
@@ -196,8 +213,12 @@ class Fabric:
         if self.hosts < 1:
             raise ConfigError(f"fabric: hosts = {self.hosts}: must be >= 1")
         if self.hosts > s.max_hosts:
+            how = ("2 tiers: its spines reach agg.down_ports = "
+                   f"{s.agg.down_ports} leaves; more needs a third tier, e.g. the clos3 preset, "
+                   "or a TOML with a larger agg.down_ports" if s.tiers == 2
+                   else "raise core.down_ports or agg.down_ports")
             raise ConfigError(f"fabric {s.name!r}: {self.hosts * s.gpus} GPUs exceed its "
-                              f"{s.max_gpus} (raise core.down_ports or agg.down_ports)")
+                              f"{s.max_gpus} ({how})")
         self.n_nic = self.hosts * s.nics
         self.n_gpu = self.hosts * s.gpus
         groups = -(-self.hosts // s.hosts_per_tor_group)

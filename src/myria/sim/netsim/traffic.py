@@ -8,7 +8,8 @@ a row the members of one host are adjacent. Every step of a phase moves the same
 the same pairs, so one step per phase is simulated and multiplied (phase time = steps x (alpha
 + step time)): exact for a collective running alone; ``simulate_jobs`` simulates several
 collectives step by step, with flows arriving and finishing. Algorithms, NCCL's (defaults of
-NCCL 2.30, ``nccl_channels``): ``ring``, ``two-stage-ring``, ``tree``, all-to-all, ``ring-p2p``
+NCCL 2.30, ``nccl_channels``): ``ring``, ``two-stage-ring``, ``tree`` (all-reduce only), the
+all-to-all's ``pairwise`` exchange, ``ring-p2p``'s ``p2p`` sends (``COLLECTIVE_ALGORITHMS``)
 and ``auto`` (``best_algorithm``, NCCL's tuner without the fabric's congestion); a ring step is
 priced by ``step_cost`` under LL128 or Simple (``--protocol auto`` takes the faster). How each
 algorithm maps to flows: docs/network.md, "Reasons behind the network simulator modules".
@@ -29,7 +30,13 @@ from myria.sim.netsim.flows import incidence_of, max_min_rates, simulate_flows
 from myria.sim.netsim.routing import route, source_ports
 
 COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "ring-p2p")
-ALGORITHMS = ("auto", "ring", "two-stage-ring", "tree")
+# the algorithms each collective has (``auto`` picks among them): all-to-all is every rank
+# sending to every other one at once ("pairwise", NCCL's send/recv loop), not a ring; ring-p2p
+# is one send per rank to the next ("p2p")
+COLLECTIVE_ALGORITHMS = {"all-reduce": ("ring", "two-stage-ring", "tree"),
+                         "all-gather": ("ring", "two-stage-ring"),
+                         "reduce-scatter": ("ring", "two-stage-ring"),
+                         "all-to-all": ("pairwise",), "ring-p2p": ("p2p",)}
 PROTOCOLS = ("auto", "simple", "ll128")     # NCCL_PROTO (LL, for small messages, not modelled)
 # LL128: 128-byte lines of 120 data bytes and an 8-byte flag (NCCL's NCCL_LL128_DATAELEMS = 15
 # of NCCL_LL128_LINEELEMS = 16 eight-byte words), forwarded as they arrive
@@ -190,8 +197,9 @@ def collective(kind: str, groups: np.ndarray, size: float, algorithm: str, gpus_
     ``channels`` channels (None: NCCL's default, ``nccl_channels``)."""
     if kind not in COLLECTIVES:
         raise ConfigError(f"collective = {kind!r}: valid are {', '.join(COLLECTIVES)}")
-    if algorithm not in ALGORITHMS or algorithm == "auto":
-        raise ConfigError(f"algorithm = {algorithm!r}: valid are {', '.join(ALGORITHMS)}")
+    has = COLLECTIVE_ALGORITHMS[kind]
+    if algorithm not in has:
+        raise ConfigError(f"algorithm = {algorithm!r}: {kind} has {', '.join(has)}")
     if size <= 0:
         raise ConfigError(f"bytes = {size:g}: must be > 0")
     groups = np.atleast_2d(np.asarray(groups, dtype=np.int64))
@@ -322,7 +330,7 @@ def best_algorithm(fab: Fabric, kind: str, groups: np.ndarray, size: float, gpus
                    protocol: str = "auto") -> Collective:
     """``algorithm = "auto"``, as NCCL_ALGO unset: the ring, or for all-reduce the double binary
     tree if its NIC/NVLink-limited time is smaller (see the module doc)."""
-    cands = ("ring", "tree") if kind == "all-reduce" else ("ring",)
+    cands = ("ring", "tree") if kind == "all-reduce" else COLLECTIVE_ALGORITHMS[kind][:1]
     colls = [collective(kind, groups, size, a, gpus_per_host, nics_per_host, channels)
              for a in cands]
     if len(colls) == 1 or colls[1].algorithm == "ring":
