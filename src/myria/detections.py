@@ -21,6 +21,11 @@ from myria import rundir
 
 KINDS = ("straggler", "sdc", "nonfinite", "loss_spike", "health", "slow-link", "spare-lost",
          "checkpoint")
+# Each kind in words, for one-line summaries.
+WORDS = {"straggler": "straggler", "sdc": "silent data corruption",
+         "nonfinite": "non-finite loss or gradient", "loss_spike": "loss spike",
+         "health": "failed host self-check", "slow-link": "slow link",
+         "spare-lost": "idle spare lost", "checkpoint": "damaged checkpoint or failed save"}
 
 
 def record(run_dir: str | Path, kind: str, rank: int | None, host: str, step: int,

@@ -21,9 +21,10 @@ def _step(s: int, t: int, late: int = 0) -> list[dict]:
             {"n": "step", "c": "step", "s": s, "t0": t, "t1": t + 13 * MS + 600 * MS, "th": 0}]
 
 
-def _write(run_dir, with_attempt: bool) -> None:
+def _write(run_dir, with_attempt: bool, second: int = 1) -> None:
     """Attempt 0 runs steps 1-2 (rank 1 late by 0.6 s in step 2) and dies inside step 3;
-    attempt 1 resumes from step 1's checkpoint and runs steps 2-3 evenly, 30 s later. The
+    attempt 1 resumes from step 1's checkpoint and runs steps 2-3 evenly, 30 s later (its
+    header says attempt `second`: 0 when `myria train` was run again by hand). The
     collectives' sequence numbers start again at 0 in each attempt."""
     (run_dir / "events").mkdir(parents=True)
     for r in (0, 1):
@@ -39,7 +40,7 @@ def _write(run_dir, with_attempt: bool) -> None:
             lines += evs
         lines.append({"n": "forward", "c": "compute", "s": 3, "t0": t + 2200 * MS,
                       "t1": t + 2210 * MS, "th": 0})
-        lines.append(header(1))
+        lines.append(header(second))
         t += 30_000_000
         for s, seq in ((2, 0), (3, 1)):
             evs = _step(s, t + s * 700 * MS)
@@ -49,9 +50,10 @@ def _write(run_dir, with_attempt: bool) -> None:
             "".join(json.dumps(x) + "\n" for x in lines))
 
 
-@pytest.mark.parametrize("with_attempt", [True, False], ids=["attempt", "header-count"])
-def test_a_step_run_again_is_read_as_its_last_attempt_ran_it(tmp_path, with_attempt):
-    _write(tmp_path, with_attempt)
+@pytest.mark.parametrize("with_attempt,second", [(True, 1), (False, 1), (True, 0)],
+                         ids=["attempt", "header-count", "rerun-by-hand"])
+def test_a_step_run_again_is_read_as_its_last_attempt_ran_it(tmp_path, with_attempt, second):
+    _write(tmp_path, with_attempt, second)
     run = analyze.load_run(tmp_path)
     assert run.steps == [1, 2, 3] and not run.problems
     table = analyze.step_table(run)

@@ -36,6 +36,7 @@ def test_report_of_a_run_without_events_says_so_in_one_line(quiet_run):
     assert "id=no-events" in page and "observe.enabled = false" in page
     assert "<li>none</li>" not in page.split("<h2>Missing</h2>")[1]     # not "Missing: none"
     assert "id=\"blame\"" not in page                                    # no empty table
+    assert "trace.json" not in page and "trace.json" not in p.stdout     # no empty timeline
     # the curves beside the loss: the learning rate metrics.jsonl records at every step
     rows = [json.loads(x) for x in (quiet_run / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows if r.get("lr")] == list(range(1, STEPS + 1))
@@ -103,5 +104,7 @@ def test_the_report_line_names_every_detection_of_the_run(tmp_path):
     detections.record(tmp_path, "nonfinite", 0, "h", 8, {}, "skip")
     detections.record(tmp_path, "straggler", 1, "h", 11, {}, "warn")
     detections.record(tmp_path, "straggler", 1, "h", 5, {}, "warn")
-    assert detections_line(tmp_path) == ("detected: nonfinite at step 8 (skip); straggler at "
-                                         "steps 5, 11 (warn)")
+    detections.record(tmp_path, "health", 1, "h", 5, {}, "none")
+    assert detections_line(tmp_path) == (
+        "detected: non-finite loss or gradient at step 8 (skip); straggler at steps 5, 11 "
+        "(warn); failed host self-check at step 5 (no action)")

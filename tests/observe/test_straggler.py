@@ -85,3 +85,25 @@ def test_rebalancing_is_weighed_not_done():
     assert "not bit for bit" in r["numbers"]
     assert not rebalance(0.5, 1, 3)["possible"]           # one microbatch: nothing to move
     assert not rebalance(0.1, 2, 1)["possible"]           # the peer would become the straggler
+
+
+def test_tensor_parallel_partners_are_not_each_others_peers():
+    """tp2 x pp2, rank 1 slowed: its tp partner waits for it inside tensor-parallel collectives
+    the timer counts as compute, and so, one stage on, does one rank of the next pair for the
+    other. Compared with each other, the innocent rank 2 was named; peers are data-parallel
+    replicas, and here every rank has none and is judged against its own steady pace."""
+    from types import SimpleNamespace
+
+    coords = {0: {"pp": 0, "tp": 0}, 1: {"pp": 0, "tp": 1}, 2: {"pp": 1, "tp": 0},
+              3: {"pp": 1, "tp": 1}}
+    pace = {0: 0.20, 1: 0.20, 2: 0.145, 3: 0.10}   # rank 2 holds rank 3's wait for rank 1
+    run = SimpleNamespace(ranks={r: SimpleNamespace(header={"coord": c, "host": "h"})
+                                 for r, c in coords.items()})
+    table = {r: {s: {"compute_s": pace[r] * (1 + 0.01 * ((s * (r + 3)) % 5))}
+                 for s in range(1, 21)} for r in coords}
+    assert detect(run, window=4, windows=2, table=table) == []
+    # data-parallel replicas still are peers: a slow replica of the same (pp, tp) is named
+    coords[4] = {"pp": 1, "tp": 0, "dp": 1}
+    run.ranks[4] = SimpleNamespace(header={"coord": coords[4], "host": "h"})
+    table[4] = {s: {"compute_s": 0.100 * (1 + 0.01 * (s % 3))} for s in range(1, 21)}
+    assert [s.rank for s in detect(run, window=4, windows=2, table=table)] == [2]

@@ -93,7 +93,17 @@ def test_unit_blame_attributes_waiting_to_the_late_rank(tmp_path):
     out = write_report(tmp_path, predict=False)
     b = json.loads((out / "blame.json").read_text())
     assert b["missing_ranks"] == [1] and b["truncated_ranks"] == [2]
-    assert "rank 1: no events file" in (out / "index.html").read_text()
+    html = (out / "index.html").read_text()
+    assert "rank 1: no events file" in html and "no prediction: skipped (--no-prediction)" in html
+    # a file where the report directory goes: one line, no traceback
+    import shutil
+
+    shutil.rmtree(out)
+    out.write_text("")
+    from myria.errors import DataError
+
+    with pytest.raises(DataError, match="cannot write the report to .*a file has that name"):
+        write_report(tmp_path, predict=False)
 
 
 def test_slow_link_is_blamed_on_communication_on_its_host(tmp_path):
@@ -267,3 +277,15 @@ def test_clock_offset_through_the_store_corrects_a_skewed_host():
     off = measure_clock_offset(client, 1, 2, clock=lambda: time.time_ns() // 1000 + skew_us)
     t.join(timeout=30)
     assert abs(off - skew_us) < 50_000, off  # within the round trip through the store
+
+
+def test_a_report_of_an_unfinished_run_says_so(tmp_path):
+    from myria.observe.report import unfinished_line
+
+    (tmp_path / "config.json").write_text(json.dumps({"training": {"steps": 10}}))
+    rows = [{"step": s, "loss": 1.0} for s in range(1, 5)]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert "reached step 4 of training.steps = 10" in unfinished_line(tmp_path)
+    rows = [{"step": s, "loss": 1.0} for s in range(1, 11)]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert unfinished_line(tmp_path) is None

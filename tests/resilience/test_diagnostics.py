@@ -133,6 +133,13 @@ def test_bad_usage_is_a_clear_error(capsys):
     assert "KEY=VALUE" in err and "unknown expected figure 'bogus'" in err
     with pytest.raises(ConfigError):
         dg.run_diagnostics(0)
+    assert main(["doctor", "--collectives", "allreduce"]) == 2
+    assert "(did you mean 'all_reduce'?)" in capsys.readouterr().err
+    import torch
+
+    if not torch.cuda.is_available():   # the missing GPU, not a process count, is named
+        assert main(["doctor", "--device", "cuda"]) == 2
+        assert "--device cuda: no CUDA device is available" in capsys.readouterr().err
 
 
 def _kill(rank=1, at=1000.0, **kw):

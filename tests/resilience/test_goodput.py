@@ -232,3 +232,35 @@ def test_the_summary_line_counts_attempts_as_the_log_numbers_them():
     assert attempts_line(s) == ("4 attempt(s) after the first (1 restart, 1 in-job recovery, "
                                 "1 shrink, 1 grow)")
     assert attempts_line({"faults": [], "attempts": 0}) == "no restart"
+    # a multi-host job restarted by a new rendezvous round: its supervisor numbered no
+    # attempt, the fault's restart counts
+    assert attempts_line({"faults": [{"restarted_at": 5.0, "recovery": "restart"}],
+                          "attempts": 0, "restarts": 1}) == \
+        "1 attempt(s) after the first (1 restart)"
+
+
+def test_the_time_between_two_starts_by_hand_is_no_ones(tmp_path):
+    """`myria train` stopped and started again by hand (no supervisor): each start's rows tile
+    its own time; the 20 s between the two starts are not the run's, so ETTR is over 12 s."""
+    from myria.observe.report_sections import goodput_ledger
+
+    rows = []
+    for since, steps in ((100.0, 3), (126.0, 3)):   # 20 s between 106 and 126
+        t = since
+        for s in range(steps):
+            gp = {"startup": 1.0, "productive": 1.0} if s == 0 else {"productive": 2.0}
+            rows.append({"step": s + 1, "loss": 1.0, "goodput_since": t, "time": t + 2.0,
+                         "goodput": gp, "attempt": 0})
+            t += 2.0
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert goodput.process_spans(goodput.ledger_rows(tmp_path, 0.0)) == [(100.0, 106.0),
+                                                                         (126.0, 132.0)]
+    led, faults = goodput_ledger(tmp_path, summaries=[])
+    assert led["wall_s"] == 12.0 and led["seconds"]["other"] == 0.0 and not faults
+    assert led["ettr"] == pytest.approx(10.0 / 12.0, abs=1e-4)
+    assert led["jobs"] == 2 and "myria train" in led["what"]
+    # a straggler the report found costs its time per step from its first step on, as a
+    # supervisor's ledger counts it: 0.5 s on each of steps 2-3 of both starts
+    led, _ = goodput_ledger(tmp_path, summaries=[],
+                            stragglers=[{"cost_s_per_step": 0.5, "first_step": 2}])
+    assert led["seconds"]["straggler"] == 2.0 and led["seconds"]["productive"] == 8.0

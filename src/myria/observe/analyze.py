@@ -96,8 +96,10 @@ def load_run(run_dir: str | Path) -> Run:
             if "header" in obj:
                 header = obj["header"]
                 world = max(world, int(header.get("world", 0)))
-                # files written before headers carried the attempt: its place in the file
-                segment = int(header.get("attempt", segment + 1))
+                # files written before headers carried the attempt: its place in the file. A
+                # header is appended by a later start than the one before it, so its attempt
+                # is later too: `myria train` run again by hand numbers its attempt 0 again
+                segment = max(int(header.get("attempt", segment + 1)), segment + 1)
             elif "t0" in obj and "t1" in obj:
                 evs.append(obj)
                 atts.append(segment)

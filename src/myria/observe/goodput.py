@@ -288,6 +288,20 @@ def summarize(run_dir: str | Path, started_at: float, ended_at: float, faults: l
     }
 
 
+def process_spans(rows: list[dict], gap_s: float = 1.0) -> list[tuple[float, float]]:
+    """(start, end) of each process that wrote `rows` (by time): a process's rows tile its wall
+    time (each row's ledger covers the time since the one before), so a row that starts more
+    than `gap_s` after the previous one ended was written by a later start of the run (`myria
+    train` run again by hand, with no supervisor to account for the time between)."""
+    spans: list[list[float]] = []
+    for r in rows:
+        if not spans or r["goodput_since"] > spans[-1][1] + gap_s:
+            spans.append([r["goodput_since"], r["time"]])
+        else:
+            spans[-1][1] = max(spans[-1][1], r["time"])
+    return [(a, b) for a, b in spans]
+
+
 def combine(ledgers: list[dict[str, Any]]) -> dict[str, Any]:
     """One ledger of the supervised jobs that ran on one run directory (each job's `summarize`,
     in the order the jobs started): seconds summed by category, the wall time the jobs' own

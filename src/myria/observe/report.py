@@ -74,15 +74,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def detections_line(run_dir: Path) -> str:
     """The run's detections (RUN_DIR/events.jsonl) by kind, each with its steps and what was
-    done: "detected: nonfinite at step 8 (skip); straggler at step 5 (warn)"; "" for none."""
+    done: "detected: non-finite loss or gradient at step 8 (skip); straggler at step 5
+    (warn)"; "" for none."""
     from myria import detections
 
     by: dict[tuple, list] = {}
     for d in detections.read(run_dir):
         by.setdefault((d.get("kind"), d.get("action")), []).append(d.get("step"))
-    parts = [f"{kind} at step{'s' if len(steps) > 1 else ''} "
+    parts = [f"{detections.WORDS.get(kind, kind)} at step{'s' if len(steps) > 1 else ''} "
              f"{', '.join(str(x) for x in sorted(set(steps), key=lambda x: x or 0))}"
-             + (f" ({action})" if action else "") for (kind, action), steps in by.items()]
+             + (f" ({'no action' if action == 'none' else action})" if action else "")
+             for (kind, action), steps in by.items()]
     return "detected: " + "; ".join(parts) if parts else ""
 
 
@@ -92,7 +94,8 @@ def goodput_line(gp: dict) -> str:
     jobs = led.get("jobs", 1)
     lost = sum(float(f.get("time_lost_s") or 0) for f in faults)
     return (f"goodput: ETTR {led['ettr']:.3f} over {led['wall_s']:.1f} s of wall time" +
-            (f" ({jobs} supervised jobs back to back)" if jobs > 1 else "") +
+            (f" ({jobs} {led.get('what', 'supervised jobs')} back to back)" if jobs > 1
+             else "") +
             (f"; {len(faults)} fault(s), {lost:.1f} s lost to them" if faults else ""))
 
 
@@ -119,6 +122,8 @@ def run(args) -> int:
             print(f"  missing: {p}")
         for x in b.get("slow_links", []):
             print(f"  {slow_link_line(x)}")
+    if line := unfinished_line(Path(args.run_dir)):
+        print(f"  {line}")
     if line := detections_line(Path(args.run_dir)):
         print(f"  {line}")
     if (gp_path := out / "goodput.json").exists():
@@ -137,8 +142,9 @@ def run(args) -> int:
     pred_path = out / "prediction.json"
     if pred_path.exists():
         print(f"  {prediction_line(json.loads(pred_path.read_text()))}")
-    print(f"  open {out / 'index.html'} (timeline: load {out / 'trace.json'} in "
-          "https://ui.perfetto.dev or chrome://tracing)")
+    print(f"  open {out / 'index.html'}" + (f" (timeline: load {out / 'trace.json'} in "
+                                             "https://ui.perfetto.dev or chrome://tracing)"
+                                             if b["ranks"] else ""))
     for f in profile_files(Path(args.run_dir)):
         print(f"  profile: {f}")
     from myria.observe import tracking
@@ -146,6 +152,21 @@ def run(args) -> int:
     if sent := tracking.log_report(Path(args.run_dir), sorted(out.glob("*.png"))):
         print(f"  figures sent to the run's {' and '.join(sent)} run")
     return 0
+
+
+def unfinished_line(run_dir: Path) -> str | None:
+    """"the run reached step N of training.steps = M ..." when its metrics stop short of its
+    config's steps (a failed, stopped or running job); None when it trained them all."""
+    try:
+        steps = json.loads((run_dir / rundir.CONFIG).read_text())["training"]["steps"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    done = max((r["step"] for r in rundir.read_jsonl(run_dir / rundir.METRICS)
+                if "loss" in r), default=0)
+    if done >= steps:
+        return None
+    return (f"the run reached step {done} of training.steps = {steps}: it failed, was stopped, "
+            "or is still running (the figures are of the steps so far)")
 
 
 def write_report(run_dir: Path, predict: bool = True) -> Path:
@@ -165,7 +186,11 @@ def write_report(run_dir: Path, predict: bool = True) -> Path:
         raise DataError(f"{run_dir} is not a myria run directory (no {rundir.EVENTS_DIR}/ "
                         f"and no {rundir.METRICS}); pass the --run-dir of `myria train`")
     out = rundir.report_dir(run_dir)
-    out.mkdir(parents=True, exist_ok=True)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:   # a file named report/, a read-only run directory
+        raise DataError(f"cannot write the report to {out}: "
+                        f"{'a file has that name' if out.exists() else e.strerror}") from None
     table = step_table(run)
     blame = blame_report(run, table)
     from myria.observe.straggler import default_window, detect
@@ -177,7 +202,7 @@ def write_report(run_dir: Path, predict: bool = True) -> Path:
     (out / "blame.json").write_text(json.dumps(blame, indent=1))
     (out / "trace.json").write_text(json.dumps(chrome_trace(run)))
     figs = figures(run, table, blame, out)
-    pred = None
+    pred = None if predict else {"error": "skipped (--no-prediction)"}
     (out / "prediction.json").unlink(missing_ok=True)
     if predict:
         pred = prediction(run_dir, run.world or None)
@@ -190,7 +215,8 @@ def write_report(run_dir: Path, predict: bool = True) -> Path:
     if mix is not None:
         (out / MIX_FILE).write_text(json.dumps(mix, indent=1))
     (out / "index.html").write_text(page(run, table, blame, figs, pred, val,
-                                         recovery_section(run_dir, out)
+                                         recovery_section(run_dir, out,
+                                                          blame.get("stragglers"))
                                          + profile_section(run_dir), mix,
                                          hang_report(out)))
     return out
@@ -362,11 +388,16 @@ def figures(run: Run, table: dict, blame: dict, out: Path) -> dict[str, str]:
     metrics = metrics_rows(run.run_dir)
     if metrics:
         fig, axes = plt.subplots(1, 4, figsize=(16, 3))
-        for ax, key, label in zip(axes, CURVES, ("loss", "learning rate", "tokens/s", "MFU")):
-            pts = [(m["step"], m[key]) for m in metrics if m.get(key) is not None]
+        from matplotlib.ticker import MaxNLocator
+
+        for ax, key, label in zip(axes, CURVES, ("loss", "learning rate", "tokens/s",
+                                                 "MFU, %")):
+            scale = 100.0 if key == "mfu" else 1.0   # percent, as the step lines say it
+            pts = [(m["step"], scale * m[key]) for m in metrics if m.get(key) is not None]
             if pts:
                 ax.plot(*zip(*pts), color="#aa3377")
             ax.set_xlabel("step")
+            ax.xaxis.set_major_locator(MaxNLocator(integer=True))   # steps are whole
             ax.set_title(label)
             ax.ticklabel_format(axis="y", style="sci", scilimits=(-3, 4))
         figs["curves"] = png(fig, out / "curves.png")
@@ -416,7 +447,8 @@ def page(run: Run, table: dict, blame: dict, figs: dict[str, str], pred: dict | 
                      "the time other jobs held the cores; the prediction is for a quiet host."
                      "</small></p><div class=row>"
                      f"<table><tr><th>predicted</th><th>ms</th></tr>{prow}</table>"
-                     f"<table><tr><th>measured</th><th>ms</th></tr>{mrow}</table></div>")
+                     + (f"<table><tr><th>measured</th><th>ms</th></tr>{mrow}</table>"
+                        if mrow else "<p>no measured breakdown: no events</p>") + "</div>")
     problems = "".join(f"<li>{esc(p)}</li>" for p in blame["problems"]) or "<li>none</li>"
     strag = "".join(
         f"<li>rank {s['rank']} ({esc(s['host'])}): {s['slowdown']:.0%} slower than its peers "
@@ -427,7 +459,11 @@ def page(run: Run, table: dict, blame: dict, figs: dict[str, str], pred: dict | 
     whatif = blame["whatif_saving_s"]
     most = (f"<b>{blame['most_blamed_rank']}</b>" if blame["standout_ranks"] else
             str(blame["most_blamed_rank"]))
-    summary = f"""<p>{len(run.ranks)} rank(s) of {run.world}, {blame['steps']} step(s) analysed
+    timeline = ("<p>Timeline: <code>trace.json</code> (Perfetto, chrome://tracing).</p>"
+                if run.ranks else "")
+    unfinished = unfinished_line(run.run_dir)
+    summary = (f"<p id=unfinished><b>{esc(unfinished)}</b></p>" if unfinished else "") + \
+        f"""<p>{len(run.ranks)} rank(s) of {run.world}, {blame['steps']} step(s) analysed
 (first step excluded as warm-up). Most blamed rank: {most}; {standout}
 (noise {blame['noise_s']:.3f} s). If it ran at its peers' median speed the steps would have
 taken {whatif:.3f} s less in total.</p>
@@ -457,4 +493,4 @@ tr.hot{{background:#fdd}}pre.stack{{background:#f6f6f6;padding:.5em}}img{{max-wi
 {strag_html}
 <h2>Predicted beside measured</h2>{pred_html}
 <h2>Missing</h2><ul>{problems}</ul>
-<p>Timeline: <code>trace.json</code> (Perfetto, chrome://tracing).</p>{recovery}</body></html>"""
+{timeline}{recovery}</body></html>"""

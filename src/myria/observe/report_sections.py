@@ -413,12 +413,14 @@ def job_summaries(run_dir: Path) -> list[dict]:
     return sorted(by_job.values(), key=lambda s: float(s.get("started_at") or 0.0))
 
 
-def goodput_ledger(run_dir: Path, summaries: list[dict] | None = None
-                   ) -> tuple[dict | None, list[dict]]:
+def goodput_ledger(run_dir: Path, summaries: list[dict] | None = None,
+                   stragglers: list[dict] | None = None) -> tuple[dict | None, list[dict]]:
     """The run's goodput ledger (its supervised jobs', back to back: `goodput.combine`; or else
-    one made from metrics.jsonl's rows) and the supervisors' faults, each with its job's number
-    (1, 2, ... in the order the jobs started) when there were several (empty without a
-    supervisor). `summaries`: `job_summaries(run_dir)` when the caller has read them."""
+    one made from metrics.jsonl's rows, with the cost of the `stragglers` the report found moved
+    out of productive time, as a supervisor does with those it found) and the supervisors'
+    faults, each with its job's number (1, 2, ... in the order the jobs started) when there were
+    several (empty without a supervisor). `summaries`: `job_summaries(run_dir)` when the caller
+    has read them."""
     from myria.observe import goodput
 
     if summaries is None:
@@ -431,8 +433,11 @@ def goodput_ledger(run_dir: Path, summaries: list[dict] | None = None
     rows = goodput.ledger_rows(run_dir, 0.0)
     if not rows:
         return None, []
-    return goodput.summarize(run_dir, min(r["goodput_since"] for r in rows),
-                             max(r["time"] for r in rows), []), []
+    # each start of the run by hand on its own, back to back: the time between two starts was
+    # no process's (as between two supervised jobs)
+    led = goodput.combine([goodput.summarize(run_dir, a, b, [], stragglers)
+                           for a, b in goodput.process_spans(rows)])
+    return dict(led, what="starts of `myria train`"), []
 
 
 def goodput_bins(timeline: list[dict], bins: int = 40) -> tuple[list[float], float,
@@ -474,13 +479,14 @@ def profile_section(run_dir: Path) -> str:
             f"<ul>{items}</ul>")
 
 
-def recovery_section(run_dir: Path, out: Path) -> str:
+def recovery_section(run_dir: Path, out: Path, stragglers: list[dict] | None = None) -> str:
     """HTML: the goodput ledger (table, ETTR, a stacked bar of wall time over time) and each
-    fault's recovery by phase; '' for a run without a ledger."""
+    fault's recovery by phase; '' for a run without a ledger. `stragglers`: those the report
+    found (`goodput_ledger`)."""
     from myria.observe.goodput import RECOVERY_PHASES
 
     summaries = job_summaries(run_dir)
-    ledger, faults = goodput_ledger(run_dir, summaries)
+    ledger, faults = goodput_ledger(run_dir, summaries, stragglers)
     if ledger is None:
         (out / "goodput.json").unlink(missing_ok=True)
         return ""

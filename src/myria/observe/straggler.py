@@ -2,13 +2,13 @@
 
 Reads the event timer's per-rank, per-step compute-only time (`myria.observe.analyze.step_table`:
 waits excluded, so the ranks that wait for a straggler are never blamed). Peers are the ranks
-doing the same work (the same pipeline stage); the score is paired by step, so whatever slows
-every rank at once cancels:
+doing the same work (the data-parallel replicas of a rank, `_peers_key`); the score is paired by
+step, so whatever slows every rank at once cancels:
 
     l[r, s]  = log(compute[r, s] / median of r's peers' compute[., s])
     sigma    = 1.4826 x MAD of the peers' own l over every step so far (at least 2%)
     m        = mean of l[r, .] over `window` measured steps after the warm-up step, each
-               clipped to +-3 sigma
+               clipped to +-3 sigma of the window's median (outliers, not the shift itself)
     slowdown = exp(m) - 1;   z = m / (sigma / sqrt(n))
 
 A rank is a straggler when slowdown >= `threshold` and z >= `z_min` in `windows` consecutive
@@ -72,7 +72,12 @@ def rebalance(slowdown: float, microbatches: int, peers: int) -> dict:
 
 
 def _peers_key(run: Run, r: int):
-    return run.ranks[r].header.get("coord", {}).get("pp", 0)
+    """Peers: the data-parallel replicas of a rank (the same pipeline stage, tensor- and
+    context-parallel index). Tensor- and context-parallel partners are not each other's peers:
+    they wait for one another inside collectives the timer counts as compute, so a slow rank's
+    partners look as slow as it, or slower."""
+    c = run.ranks[r].header.get("coord", {})
+    return c.get("pp", 0), c.get("tp", 0), c.get("cp", 0)
 
 
 def _log_ratios(table: dict, group: list[int], steps: list[int]) -> dict[int, dict[int, float]]:
@@ -121,7 +126,11 @@ def detect(run: Run, window: int = 5, threshold: float = 0.10, windows: int = 2,
                     med_noise = statistics.median(noise)
                     sigma = max(MIN_SIGMA,
                                 1.4826 * statistics.median(abs(v - med_noise) for v in noise))
-                    m = statistics.fmean(max(-3 * sigma, min(3 * sigma, v)) for v in mine)
+                    # outliers clipped around the window's own median, not around 0: a
+                    # clip at 0 +- 3 sigma would cap the slowdown a quiet cluster can show
+                    mid = statistics.median(mine)
+                    m = statistics.fmean(max(mid - 3 * sigma, min(mid + 3 * sigma, v))
+                                         for v in mine)
                     z = m / (sigma / math.sqrt(len(mine)))
                     slow = math.exp(m) - 1
                     own = statistics.median(table[r][s]["compute_s"] for s in w if s in table[r])

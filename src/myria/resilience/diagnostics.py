@@ -356,7 +356,10 @@ def run_diagnostics(nproc: int = 2, expected: dict[str, float] | None = None,
 
     bad = [op for op in collectives if op not in OPS]
     if bad:
-        raise ConfigError(f"unknown collective(s) {bad}; known: {', '.join(OPS)}")
+        from myria.config import suggest
+
+        raise ConfigError(f"unknown collective(s) {bad}{suggest(bad[0], OPS)}; known: "
+                          f"{', '.join(OPS)}")
     overrides, tolerance = validate_expected(expected)
     fault_list = parse_faults(os.environ.get(FAULT_ENV) if faults is None else faults)
     threads = torch.get_num_threads()
@@ -608,7 +611,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--nproc", type=int, default=None,
                         help="local ranks (default: 2 on CPU, the GPU count on GPU)")
-    parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
+    parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
+                        help="where the checks run: auto (the GPUs when there are, else the "
+                        "CPU), cpu or cuda (default auto)")
     parser.add_argument("--dtype", choices=DTYPES, default=None,
                         help="GEMM dtype, the training dtype (default: float32 on CPU, "
                              "bfloat16 on GPU)")
@@ -619,7 +624,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              f"(default {DEFAULT_TOLERANCE})")
     parser.add_argument("--collectives", default="all_reduce,all_to_all",
                         help="local collectives to test (comma-separated: all_reduce, "
-                             "all_to_all, all_gather, reduce_scatter)")
+                             "all_to_all, all_gather, reduce_scatter; all-reduce etc. too)")
     parser.add_argument("--timeout", type=float, default=60.0,
                         help="seconds without progress (no check or phase finished) before a "
                         "rank counts as hung and fails (default 60)")
@@ -673,10 +678,13 @@ def run(args: argparse.Namespace) -> int:
     if nproc is None:
         import torch
 
+        if device == "cuda" and not torch.cuda.is_available():
+            raise ConfigError("--device cuda: no CUDA device is available on this host")
         use_cuda = device == "cuda" or (device == "auto" and torch.cuda.is_available())
         nproc = torch.cuda.device_count() if use_cuda else 2
     peers = [h for h in args.peer_hosts.split(",")] if args.peer_hosts else None
-    collectives = [c.strip() for c in args.collectives.split(",") if c.strip()]
+    # all-reduce as simulate-network spells it, all_reduce as torch does
+    collectives = [c.strip().replace("-", "_") for c in args.collectives.split(",") if c.strip()]
     report = run_diagnostics(nproc, expected, args.timeout, device=device, dtype=args.dtype,
                              collectives=collectives, peer_hosts=peers,
                              host_index=args.host_index, peer_port=args.peer_port,

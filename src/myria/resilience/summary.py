@@ -97,10 +97,13 @@ def attempts_line(s: dict[str, Any]) -> str:
             kinds["shrink" if how == "in-job: shrink" else
                   "in-job recovery" if how.startswith("in-job") else "restart"] += 1
     kinds["grow"] = sum(1 for r in s.get("resizes", []) if r["kind"] == "grow")
-    if not s["attempts"]:
+    # a multi-host job restarted by a new rendezvous round counts no attempt of its own
+    # supervisor: its faults' restarts count
+    n = max(s["attempts"], s.get("restarts", 0))
+    if not n:
         return "no restart"
     parts = ", ".join(f"{n} {k}" for k, n in kinds.items() if n)
-    return f"{s['attempts']} attempt(s) after the first ({parts})"
+    return f"{n} attempt(s) after the first" + (f" ({parts})" if parts else "")
 
 
 def write(sup, s: dict[str, Any]) -> None:
