@@ -39,6 +39,8 @@ def test_toml_and_overrides(tmp_path):
     ("--model.kv_heads=3", "model.kv_heads = 3 must divide model.heads = 8"),
     ("--model.attention_window=999", "attention_window = 999 is larger than model.seq_len"),
     ("--training.micro_batch=99", "exceeds training.global_batch"),
+    ("--model.top_k=2", "model.top_k = 2: mixture-of-experts setting(s) on a dense model"),
+    ("--model.capacity_factor=1.25", "model.capacity_factor = 1.25: mixture-of-experts"),
 ])
 def test_errors_name_field_value_and_valid(override, needle):
     with pytest.raises(ConfigError) as e:

@@ -101,6 +101,13 @@ def _command(argv: list[str]) -> int:
         args.overrides = unknown
         args.argv = rest
         return int(module.run(args) or 0)
+    except BrokenPipeError:
+        # the reader of our output went away (`myria ... | head`): stop quietly, as a command
+        # killed by SIGPIPE does, with stdout pointed away so that its flush at exit is silent
+        import os
+
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141
     except MyriaError as e:
         from myria.train.launch import record_worker_error
 
@@ -118,7 +125,12 @@ def _command(argv: list[str]) -> int:
     except KeyboardInterrupt:
         # prepare keeps what it committed: the same command goes on from there
         again = "; the same command resumes it" if name == "prepare" else ""
-        print(f"myria {name}: interrupted{again}", file=sys.stderr)
+        import os
+
+        from myria.train.launch import QUIET_ENV
+
+        if not os.environ.get(QUIET_ENV):   # a launcher's worker: the launcher says it
+            print(f"myria {name}: interrupted{again}", file=sys.stderr)
         return 130
 
 

@@ -20,8 +20,10 @@ Root only. Why it is built so, and the kernel and Slurm facts it relies on: docs
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -44,6 +46,10 @@ CGROUPS = ("cpu", "cpuacct", "cpuset", "memory", "devices", "freezer", "pids")
 # what `fail-diagnostics` leaves in a host's own /dev/shm: the doctor's test-hook spec for that
 # host only (myria.resilience.checks.hooks.HOST_FAULT_FILE): every GEMM result perturbed
 DIAG_FAULT_SPEC = "wrong-gemm"
+# which state directory's cluster owns the machine's myria-* namespaces (one machine-wide set of
+# names: a second cluster would take over the first one's namespaces and orphan its daemons)
+OWNER = Path("/run/myria-cluster-owner")
+RATE = re.compile(r"\d+(\.\d+)?(bit|kbit|mbit|gbit|tbit|bps|kbps|mbps|gbps|tbps)")
 
 
 class ClusterError(MyriaError):
@@ -106,6 +112,17 @@ def _write_state(s: dict) -> None:
     d = state_dir()
     d.mkdir(parents=True, exist_ok=True)
     atomic_write_json(d / "state.json", s)
+    OWNER.write_text(str(d))
+
+
+def owner() -> str:
+    """The state directory of the cluster whose namespaces are up on this machine ("" when
+    none: no record, or its namespaces are gone)."""
+    try:
+        who = OWNER.read_text().strip()
+    except OSError:
+        return ""
+    return who if any(x.startswith(PREFIX) for x in _netns_list()) else ""
 
 
 def slurm_conf() -> Path:
@@ -206,6 +223,11 @@ def up(n: int, quiet: bool = False) -> dict:
     if not 1 <= n <= 200:
         raise ClusterError(f"up {n}: the number of hosts must be 1..200")
     s = read_state()
+    other = owner()
+    if other and other != str(state_dir()):
+        raise ClusterError(f"up {n}: the cluster of {STATE_ENV}={other} is up on this machine "
+                           "(one set of namespaces per machine); take it down first: "
+                           f"`{STATE_ENV}={other} myria cluster down`")
     if s.get("hosts") and is_up():
         if len(s["hosts"]) == n:
             if not quiet:
@@ -420,6 +442,9 @@ def partition(host: str, heal: bool = False) -> None:
 
 def slow_link(host: str, rate: str) -> None:
     """Limit both directions of the host's link to `rate` (tc tbf), or remove it ("off")."""
+    if rate != "off" and not RATE.fullmatch(rate):
+        raise ClusterError(f"slow-link {host} {rate}: a rate as tc writes it (a number and "
+                           "bit, kbit, mbit or gbit, e.g. 1mbit), or off")
     _check_host(host)
     ends = [(ns(host), HOST_IF), (ns("sw"), f"v{host}"[:15])]
     for space, dev in ends:
@@ -440,6 +465,26 @@ def fail_diagnostics(host: str, heal: bool = False) -> None:
         raise ClusterError(f"fail-diagnostics {host}: {p.stderr.strip()}")
 
 
+def faults_of(host: str) -> list[str]:
+    """The faults injected on `host` now, in words (its link cut or limited, its diagnostics
+    made to fail)."""
+    out = []
+    link = _sh("ip", "-n", ns("sw"), "-o", "link", "show", f"v{host}"[:15], check=False).stdout
+    if link and "<" in link and ",UP" not in link.split(">")[0] + ",":
+        out.append("link cut (partition)")
+    qd = _sh("tc", "-n", ns(host), "qdisc", "show", "dev", HOST_IF, check=False).stdout
+    if m := re.search(r"tbf .*?rate (\S+)", qd):
+        out.append(f"link limited to {m.group(1)}")
+    from myria.resilience.checks.hooks import HOST_FAULT_FILE
+
+    try:
+        if exec_on(host, ["test", "-e", HOST_FAULT_FILE], capture=True).returncode == 0:
+            out.append("diagnostics made to fail")
+    except ClusterError:   # the host is down: nothing runs there to ask
+        pass
+    return out
+
+
 def _check_host(host: str) -> None:
     if host not in hosts():
         raise ClusterError(f"no host {host!r} in the emulated cluster; hosts: "
@@ -458,6 +503,8 @@ def down(quiet: bool = False) -> list[str]:
     """Stop every process of the cluster (by pid: each namespace's processes, then the
     recorded daemons), delete every namespace; safe to call any time, twice included."""
     s = read_state()
+    with contextlib.suppress(OSError):
+        OWNER.unlink()
     spaces = [x for x in _netns_list() if x.startswith(PREFIX)]
     spaces = list(dict.fromkeys([*s.get("namespaces", []), *spaces]))
     pids = [p for name in spaces for p in _ns_pids(name)]
@@ -527,12 +574,16 @@ def run(args) -> int:
     elif a == "status":
         s = read_state()
         if not s.get("hosts"):
-            print("myria cluster: down")
+            other = owner()
+            print("myria cluster: down" + (f" here; the cluster of {STATE_ENV}={other} is up"
+                                           if other and other != str(state_dir()) else ""))
             return 0
         for h in [LOGIN, *s["hosts"]]:
             pid = s.get("slurmctld") if h == LOGIN else s.get("slurmd", {}).get(h)  # up: midway
             print(f"{h:<8} {'alive' if pid and pid_alive(pid) else 'DOWN'} "
-                  f"({'slurmctld' if h == LOGIN else 'slurmd'} pid {pid})")
+                  f"({'slurmctld' if h == LOGIN else 'slurmd'} pid {pid})"
+                  + "".join(f"; {x}" for x in ([] if h == LOGIN or not (pid and pid_alive(pid))
+                                               else faults_of(h))))
         print(exec_on(LOGIN, ["sinfo"], capture=True).stdout.rstrip())
     elif a == "exec":
         cmd = args.cmd[1:] if args.cmd[:1] == ["--"] else args.cmd
@@ -543,9 +594,15 @@ def run(args) -> int:
         print(f"myria cluster: killed {len(kill_host(args.host))} process(es) of {args.host}")
     elif a in ("partition", "heal"):
         partition(args.host, heal=a == "heal")
+        print(f"myria cluster: {args.host}'s link "
+              f"{'restored' if a == 'heal' else 'cut at the switch'}")
     elif a == "slow-link":
         slow_link(args.host, args.rate)
+        print(f"myria cluster: {args.host}'s link "
+              + ("unlimited" if args.rate == "off" else f"limited to {args.rate} each way"))
     elif a == "fail-diagnostics":
         fail_diagnostics(args.host, heal=args.heal)
+        print(f"myria cluster: {args.host}'s self-check diagnostics "
+              f"{'pass again' if args.heal else 'fail from now on'}")
     return 0
 

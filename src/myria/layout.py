@@ -195,7 +195,7 @@ class Layout:
         # -- the batch and the pipeline -----------------------------------------------------
         n_micro = self.microbatches(t.global_batch, t.micro_batch, shrunk)
         validate_pipeline(m.layers, pp, self.vpp, self.schedule, n_micro)
-        validate_degrees(m, tp, cp, self.sequence_parallel)
+        validate_degrees(m, tp, cp, self.sequence_parallel, vocab=only_trainer)
         # -- experts ---------------------------------------------------------------------------
         if ep > 1:
             if not m.experts:
@@ -221,10 +221,6 @@ class Layout:
         if cp > 1 and p.cp_impl == "torch" and (device_type != "cuda" or m.attention_window):
             raise ConfigError("parallel.cp_impl = 'torch' (torch's context_parallel) needs CUDA "
                               "and full causal attention in torch 2.13; use cp_impl = 'ring'")
-        if tp > 1 and m.vocab_size % tp:
-            raise ConfigError(f"model.vocab_size = {m.vocab_size} must be divisible by "
-                              f"parallel.tp = {tp} (the embedding and head are split by "
-                              "vocabulary)")
         if ep > 1 and t.data_parallel == "ddp":
             raise ConfigError("parallel.ep > 1 needs training.data_parallel = 'fsdp' or 'zero2' "
                               "(DDP would average different experts together)")
@@ -240,9 +236,10 @@ class Layout:
         if tier == "cpu" and (t.data_parallel == "ddp"
                               or (self.dp * cp <= 1 and device_type != "cuda")):
             raise ConfigError("parallel.offload = 'cpu' is FSDP2's CPUOffloadPolicy: it needs "
-                              "training.data_parallel = 'fsdp' or 'zero2' on more than one "
-                              "rank (or on one GPU); on one CPU process use parallel.offload "
-                              "= 'nvme'")
+                              "training.data_parallel = 'fsdp' or 'zero2' over more than one "
+                              f"data-parallel (x cp) rank (this layout has {self.dp * cp}), or "
+                              "a GPU; on CPU processes without data parallelism use "
+                              "parallel.offload = 'nvme'")
         if tier == "nvme" and device_type != "cpu":
             # the moments sit in host buffers: the update would need a per-chunk copy to the
             # device (or a host-side update, as ZeRO-Offload does), not written yet
@@ -311,10 +308,12 @@ def validate_pipeline(layers: int, pp: int, vpp: int, schedule: str,
             f"global_batch / (dp x micro_batch)) to be a multiple of {where}.pp = {pp}")
 
 
-def validate_degrees(m: ModelConfig, tp: int, cp: int, sequence_parallel: bool) -> None:
+def validate_degrees(m: ModelConfig, tp: int, cp: int, sequence_parallel: bool,
+                     vocab: bool = False) -> None:
     """Raise ConfigError when tensor or context parallelism cannot split the model's tensors
     (the rules of Megatron-LM and of myria's trainer alike; part of `Layout.check`, and the
-    planner's quick filter of degrees)."""
+    planner's quick filter of degrees), naming every problem at once; `vocab`: also the
+    trainer's split of the embedding and head by vocabulary."""
     if cp > 1 and m.arch == "hybrid" and set(m.block_pattern) - {"A"}:
         raise ConfigError(f"parallel.cp = {cp} (ring attention) cannot split the recurrent "
                           f"layers of model.block_pattern = {m.block_pattern!r} (D, M and R "
@@ -323,18 +322,26 @@ def validate_degrees(m: ModelConfig, tp: int, cp: int, sequence_parallel: bool) 
         raise ConfigError(f"parallel.cp = {cp} (ring attention) needs softmax attention in "
                           f"llama or gpt; model.arch = {m.arch!r}, model.attention = "
                           f"{m.attention!r} runs with parallel.cp = 1")
+    problems = []
     if m.heads % tp or m.n_kv_heads % tp:
-        raise ConfigError(f"parallel.tp = {tp} must divide model.heads = {m.heads} and the "
-                          f"key/value heads = {m.n_kv_heads}")
+        problems.append(f"parallel.tp = {tp} must divide model.heads = {m.heads} and the "
+                        f"key/value heads = {m.n_kv_heads}")
     if tp > 1 and m.ffn_dim % tp:
-        raise ConfigError(f"the MLP width {m.ffn_dim} must be divisible by parallel.tp = {tp}")
+        problems.append(f"the MLP width {m.ffn_dim} (model.ffn_hidden"
+                        + ("" if m.ffn_hidden else ", derived from model.hidden when unset")
+                        + f") must be divisible by parallel.tp = {tp}")
     if tp > 1 and sequence_parallel and m.seq_len % tp:
-        raise ConfigError(f"model.seq_len = {m.seq_len} must be divisible by parallel.tp = {tp} "
-                          "for sequence parallelism")
+        problems.append(f"model.seq_len = {m.seq_len} must be divisible by parallel.tp = {tp} "
+                        "for sequence parallelism (or parallel.sequence_parallel = false)")
+    if vocab and tp > 1 and m.vocab_size % tp:
+        problems.append(f"model.vocab_size = {m.vocab_size} must be divisible by "
+                        f"parallel.tp = {tp} (the embedding and head are split by vocabulary)")
     if cp > 1 and m.seq_len % (2 * cp):
-        raise ConfigError(f"model.seq_len = {m.seq_len} must be divisible by 2 x parallel.cp = "
-                          f"{2 * cp} (each context-parallel rank holds a head and a tail chunk, "
-                          "which balances the causal work)")
+        problems.append(f"model.seq_len = {m.seq_len} must be divisible by 2 x parallel.cp = "
+                        f"{2 * cp} (each context-parallel rank holds a head and a tail chunk, "
+                        "which balances the causal work)")
+    if problems:
+        raise ConfigError("; and ".join(problems))
 
 
 def split_layers(cfg: ModelConfig, n_stages: int) -> list[list[int]]:

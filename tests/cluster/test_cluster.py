@@ -177,6 +177,7 @@ def test_partition_detected_as_hang_and_fenced(hosts3, tiny_data, one_host, tmp_
     _wait_step(run, 6)
     first, cut = _members(run)
     cluster.partition(cut)
+    assert "link cut (partition)" in cluster.faults_of(cut)   # `myria cluster status` says it
     end = time.time() + 120
     while time.time() < end and "round 1 of the rendezvous" not in \
             (run / "supervisor.log").read_text():
@@ -244,3 +245,30 @@ def test_lost_host_taken_over_in_job(hosts3, tiny_data, one_host, tmp_path):
     assert restored[-1]["step"] == f["resumed_from"] >= 5, (restored[-1], f)
     said = [p.read_text(errors="replace") for p in (run / "logs").rglob("stderr.log")]
     assert sum("joining attempt" in t for t in said) == 2, said   # the first host's workers stayed
+
+
+def test_injected_faults_are_shown_and_a_second_cluster_refused(hosts3, tmp_path, monkeypatch,
+                                                                capsys):
+    """`status` names each fault injected on a host; a bad rate is one line; a cluster of
+    another state directory is refused while this one is up (the namespaces' names are the
+    machine's: it would take them over and orphan this one's daemons)."""
+    h = cluster.hosts()[1]
+    assert cluster.faults_of(h) == []
+    cluster.slow_link(h, "1mbit")
+    cluster.fail_diagnostics(h)
+    assert cluster.faults_of(h) == ["link limited to 1Mbit", "diagnostics made to fail"]
+    cluster.slow_link(h, "off")
+    cluster.fail_diagnostics(h, heal=True)
+    assert cluster.faults_of(h) == []
+    with pytest.raises(cluster.ClusterError, match="a rate as tc writes it"):
+        cluster.slow_link(h, "fast")
+    first = str(cluster.state_dir())
+    monkeypatch.setenv(cluster.STATE_ENV, str(tmp_path / "other"))
+    with pytest.raises(cluster.ClusterError, match=f"the cluster of .*={first} is up"):
+        cluster.up(2, quiet=True)
+    from myria.cli import main
+
+    assert main(["cluster", "status"]) == 0
+    assert f"down here; the cluster of {cluster.STATE_ENV}={first} is up" in \
+        capsys.readouterr().out
+    monkeypatch.setenv(cluster.STATE_ENV, first)

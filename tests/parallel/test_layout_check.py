@@ -120,3 +120,18 @@ def test_structural_refusals_fail_in_the_engine_too(over, world, needle, monkeyp
         lay.check(cfg)
     with pytest.raises(Exception):  # noqa: B017 (any failure: the engine cannot build it)
         _build(cfg, lay, world, monkeypatch, bypass=True)
+
+
+def test_every_problem_of_a_tensor_parallel_degree_in_one_refusal():
+    """tp = 3 on a model it cannot split three ways: one refusal names every setting at fault
+    (the MLP width's own field even when derived, the way out of sequence parallelism, the
+    vocabulary), so a user fixes them in one go."""
+    cfg = config.load(None, ["--model.vocab_size=8192", "--model.hidden=96", "--model.heads=6",
+                             "--model.kv_heads=3", "--model.seq_len=64", "--parallel.tp=3",
+                             "--parallel.dp_shard=1"])
+    with pytest.raises(ConfigError) as e:
+        Layout.resolve(cfg.parallel, 3).check(cfg)
+    msg = str(e.value)
+    for needle in ("model.ffn_hidden", "parallel.sequence_parallel = false",
+                   "model.vocab_size = 8192"):
+        assert needle in msg, msg

@@ -514,6 +514,13 @@ def test_two_fsdp_ranks_on_disk_match_memory_and_resume(tmp_path, tiny_data):
     p = cli_train(disk, tiny_data, *common, "--parallel.offload=nvme", "--stop-after", "5",
                   nproc=2)
     assert "stopped after step 5" in p.stdout
+    # resumed on another layout: refused, naming the one it was saved with, and the run
+    # directory's config.json stays the one its checkpoint trained with
+    config_json = (disk / "config.json").read_bytes()
+    p = cli_train(disk, tiny_data, *common, "--parallel.offload=nvme", "--training.steps=12",
+                  check=False)
+    assert p.returncode != 0 and "2 process(es), --parallel.dp_shard=2" in p.stderr, p.stderr
+    assert (disk / "config.json").read_bytes() == config_json
     cli_train(disk, tiny_data, *common, "--parallel.offload=nvme", nproc=2)
     assert losses(mem) == losses(disk) and same_params(mem, disk)
     for r in (0, 1):

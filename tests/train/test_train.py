@@ -85,6 +85,23 @@ def test_resume_on_a_different_number_of_ranks(tmp_path, tiny_data, half2, refer
         assert abs(got[s] - ref[s]) <= 1e-4, (s, got[s], ref[s])
 
 
+def test_resume_from_another_models_checkpoint_is_refused_with_its_way_out(
+        tmp_path, tiny_data, reference):
+    """--resume-from a checkpoint of another shape: the refusal names --resume-from (not the
+    run directory, which is new) and leaves no run directory behind."""
+    from myria import config
+    from myria.errors import ConfigError
+    from myria.train.preflight import preflight
+
+    ckpt = reference / "checkpoints" / "step_00000020"
+    cfg = config.load(None, [*TINY, "--model.hidden=128", "--training.steps=40",
+                             f"--data.path={tiny_data}", f"--checkpoint.resume_from={ckpt}"])
+    with pytest.raises(ConfigError) as e:
+        preflight(cfg, tmp_path / "new", None)
+    assert f"instead of --resume-from {ckpt}" in str(e.value), e.value
+    assert not (tmp_path / "new").exists()
+
+
 def test_more_steps_continue_a_finished_run(tmp_path, tiny_data, reference):
     """Train further with a new lr: the lr goes on at the end of the decayed schedule (no
     re-stretch), at the new peak's minimum; the change is said, recorded and in config.json."""
@@ -450,6 +467,21 @@ def test_summary_points_to_the_next_commands(reference, capsys):
     for cmd in (f"myria report {reference}", f"myria generate --run-dir {reference} --prompt",
                 f"myria export --run-dir {reference} --format hf --out {reference}-hf"):
         assert cmd in out, out
+
+
+def test_summary_rate_is_tokens_over_time(tmp_path, capsys):
+    """The closing line's tokens/s and MFU are the last steps' tokens over their time: one fast
+    step among slow ones does not double them (a mean of the rates would)."""
+    from myria.train.cli import _summary
+
+    rows = [{"step": s, "loss": 5.0, "tokens_per_s": 1000.0 if s == 10 else 100.0,
+             "step_time_s": 0.5 if s == 10 else 5.0, "mfu": 0.01 if s == 10 else 0.001}
+            for s in range(1, 11)]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    _summary(tmp_path)
+    out = capsys.readouterr().out
+    # 9 x 500 tokens + 500 tokens in 45.5 s = 110 tokens/s (the mean of the rates: 190)
+    assert "110 tokens/s, MFU 0.1%" in out, out
 
 
 def test_metrics_file_fields(reference):

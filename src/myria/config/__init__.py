@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from myria.config.model import ModelConfig, validate_model
+from myria.config.model import ModelConfig, refuse_moe_settings_on_dense, validate_model
 from myria.config.schema import schema_field
 from myria.errors import ConfigError
 
@@ -522,6 +522,7 @@ def validate(cfg: Config) -> None:
     `Layout.check`, run before the workers start and by each worker's engine)."""
     m, t = cfg.model, cfg.training
     validate_model(m)
+    refuse_moe_settings_on_dense(m)
     if t.micro_batch > t.global_batch:
         raise ConfigError(f"training.micro_batch = {t.micro_batch} exceeds training.global_batch"
                           f" = {t.global_batch}")

@@ -124,6 +124,16 @@ def validate_model(m: ModelConfig) -> None:
     validate_mixer(m)
 
 
+def refuse_moe_settings_on_dense(m: ModelConfig) -> None:
+    """A training config that sets the router's settings on a dense model has a mistake in it
+    (they would be recorded and do nothing); the planner's models carry defaults of their own."""
+    moe_only = [f"model.{k} = {getattr(m, k)}" for k in ("top_k", "capacity_factor")
+                if getattr(m, k) != getattr(ModelConfig, k)]
+    if not m.experts and moe_only:
+        raise ConfigError(f"{' and '.join(moe_only)}: mixture-of-experts setting(s) on a dense "
+                          "model; set model.experts > 0, or leave them out")
+
+
 def validate_mixer(m: ModelConfig) -> None:
     """Clear errors for combinations of arch, attention, window, global tokens and pattern."""
     if m.document_mask and (m.arch not in ("llama", "gpt") or m.attention != "softmax"):

@@ -82,7 +82,11 @@ def resume_changes(previous: dict, cfg: Config, step: int) -> list[tuple[str, An
             else:
                 changes.append((name, old, new))
     if refused:
+        way_out = (f"resume from a checkpoint of this model instead of --resume-from "
+                   f"{cfg.checkpoint.resume_from}, or leave --resume-from out to train from "
+                   "step 0" if cfg.checkpoint.resume_from else
+                   "use a new --run-dir, or --checkpoint.resume=false to train this run "
+                   "directory from step 0")
         raise ConfigError(f"cannot change on resume from step {step}: " + "; ".join(refused)
-                          + ". Use a new --run-dir, or --checkpoint.resume=false to train this "
-                          "run directory from step 0")
+                          + f". To train it, {way_out}")
     return changes

@@ -612,7 +612,7 @@ class OffloadedAdamW(torch.optim.AdamW):
             raise CheckpointError(
                 f"checkpoint {ckpt}: the offloaded optimizer state {prefix}.bin was saved for "
                 "other local tensors (another layout, model or parallel.offload_params); "
-                "resume with the layout it was saved with")
+                f"resume with the layout it was saved with{_saved_layout(ckpt)}")
         self._cancel()
         self.flush()
         for fn in self.before_step:   # parameters loaded or loading are of the replaced state
@@ -661,3 +661,17 @@ class OffloadedAdamW(torch.optim.AdamW):
             atomic_write_json(self.stats_file, s, durable=False)
         except OSError:
             pass
+
+
+def _saved_layout(ckpt: Path) -> str:
+    """", " + the degrees a checkpoint's meta.json records (its processes and their
+    non-trivial degrees, as --parallel.* settings); "" when it records none."""
+    try:
+        meta = json.loads((Path(ckpt) / "meta.json").read_text())
+        lay = meta["layout"]
+        degrees = " ".join(f"--parallel.{k}={v}" for k, v in lay.items()
+                           if k in ("dp_replicate", "dp_shard", "tp", "pp", "cp", "ep", "vpp")
+                           and isinstance(v, int) and v > 1)
+        return f": {meta['world_size']} process(es){', ' + degrees if degrees else ''}"
+    except (OSError, ValueError, KeyError, TypeError):
+        return ""

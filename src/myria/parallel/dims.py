@@ -22,11 +22,19 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from myria.layout import MESH_ORDER, Layout
 
 
-def build_mesh(layout: Layout, device_type: str, cluster=None) -> DeviceMesh | None:
-    """The mesh over the non-trivial dimensions of `layout`, or None for a single process."""
+def build_mesh(layout: Layout, device_type: str, cluster=None,
+               fsdp: bool = False) -> DeviceMesh | None:
+    """The mesh over the non-trivial dimensions of `layout`, or None for a single process.
+    With `fsdp` (the model is sharded with FSDP2, `shards_with_fsdp`) on ranks that are all
+    tp, pp or ep (no data or context ranks), a dp_shard dimension of size 1 is kept: FSDP2
+    applies its bf16 mixed precision over a mesh of the same root as the tensor-parallel one
+    (meshes of different roots do not compose)."""
     dims = [(n, layout[n]) for n in MESH_ORDER if layout[n] > 1]
     if not dims:
         return None
+    if fsdp and not any(n in ("dp_replicate", "dp_shard", "cp") for n, _ in dims):
+        at = sum(MESH_ORDER.index(n) < MESH_ORDER.index("dp_shard") for n, _ in dims)
+        dims.insert(at, ("dp_shard", 1))
     names = tuple(n for n, _ in dims)
     if cluster is None:
         return init_device_mesh(device_type, tuple(s for _, s in dims), mesh_dim_names=names)
@@ -53,9 +61,11 @@ class ParallelDims:
     replica_mesh: DeviceMesh | None = None   # ranks holding copies of the same experts
 
     @classmethod
-    def build(cls, layout: Layout, device_type: str, cluster=None) -> ParallelDims:
-        """The mesh of `layout` (placed on `cluster` when given) and all derived from it."""
-        return cls.from_mesh(layout, build_mesh(layout, device_type, cluster))
+    def build(cls, layout: Layout, device_type: str, cluster=None,
+              fsdp: bool = False) -> ParallelDims:
+        """The mesh of `layout` (placed on `cluster` when given; `fsdp`: see `build_mesh`)
+        and all derived from it."""
+        return cls.from_mesh(layout, build_mesh(layout, device_type, cluster, fsdp))
 
     @classmethod
     def from_mesh(cls, layout: Layout, mesh: DeviceMesh | None) -> ParallelDims:

@@ -154,28 +154,45 @@ def better_layout(cfg: config_mod.Config, world: int, ranks_per_host: int, spec,
         return None
     from myria.sim.cli_plan import searching
     from myria.sim.perf import config_run
-    from myria.sim.planner import plan
+    from myria.sim.planner import plan, run_of
 
     base, _, _ = config_run(cfg, world, spec, ranks_per_host)
     try:
         with searching("comparing with the planner's best layout") as progress:
-            best = plan(base, top=1, progress=progress).ranked
+            res = plan(base, top=1, progress=progress)
     except config_mod.ConfigError:
         return None
-    if not best or pred.mfu >= LOW_MFU_SHARE * best[0].mfu:
+    # the best layout this trainer runs (the planner also prices what only other frameworks do)
+    b = res.ranked[0] if res.ranked and res.ranked[0].extra.get("runnable") else \
+        res.best_runnable
+    if b is None or pred.mfu >= LOW_MFU_SHARE * b.mfu:
         return None
-    b = best[0]
-    lay = b.layout
-    parts = [f"tp={lay['tp']}", f"pp={lay['pp']}", f"dp={lay['dp']}"]
-    parts += [f"{k}={lay[k]}" for k in ("cp", "ep", "vpp") if lay[k] > 1]
-    zero = {0: "ddp", 1: "zero1", 2: "zero2", 3: "fsdp"}[lay["zero_stage"]]
     return (f"# WARNING: predicted MFU {100 * pred.mfu:.1f}% is far below the "
             f"{100 * b.mfu:.1f}% that `myria plan` predicts for this model on the same "
-            f"{world} x {spec.name}: {', '.join(parts)}, micro_batch {lay['micro_batch']}, "
-            f"recompute {lay['recompute']}, ZeRO stage {lay['zero_stage']} ({zero}), sequence "
-            f"parallel {'on' if lay['sequence_parallel'] else 'off'} "
+            f"{world} x {spec.name} with {' '.join(layout_overrides(cfg, run_of(base, b)))} "
             f"({b.memory_gb_per_gpu:.0f} GB per GPU). The figure is this layout's, not "
             "myria's best; run `myria plan` for the ranking.")
+
+
+def layout_overrides(cfg: config_mod.Config, run) -> list[str]:
+    """The command-line settings that turn `cfg` into the layout of the planner's `run`: the
+    parallel degrees always, the rest where they differ."""
+    want = run.trainer_config()
+    par = run.parallel
+    out = [f"--parallel.{k}={getattr(par, k)}" for k in ("tp", "pp")]
+    out += [f"--parallel.{k}={getattr(par, k)}" for k in ("cp", "ep", "vpp")
+            if getattr(par, k) != getattr(cfg.parallel, k)]
+    for sec, key, value in (("training", "micro_batch", want.training.micro_batch),
+                            ("training", "data_parallel", want.training.data_parallel),
+                            ("parallel", "activation_checkpoint",
+                             want.parallel.activation_checkpoint),
+                            ("parallel", "sequence_parallel", par.sequence_parallel),
+                            ("parallel", "offload", want.parallel.offload),
+                            ("parallel", "offload_params", want.parallel.offload_params)):
+        if value != getattr(getattr(cfg, sec), key) and not (
+                key == "sequence_parallel" and par.tp == 1):
+            out.append(f"--{sec}.{key}={str(value).lower() if isinstance(value, bool) else value}")
+    return out
 
 
 def predicted(cfg: config_mod.Config, world: int, ranks_per_host: int):
@@ -263,6 +280,10 @@ def run(args) -> int:
         try:
             launch_local(args.nproc, ["train", *_without_nproc(args.argv)])
         except Stopped as e:
+            if not (Path(args.run_dir) / rundir.METRICS).exists():   # stopped while starting
+                print(f"myria train: {e} before the first step; nothing was trained",
+                      file=sys.stderr)
+                return e.exit_code
             _summary(Path(args.run_dir))
             print(f"myria train: {e}; {_resumes_from(Path(args.run_dir))}", file=sys.stderr)
             return e.exit_code
@@ -323,15 +344,20 @@ def _summary(run_dir: Path) -> None:
     if not train_rows:
         return
     last = train_rows[-1]
-    k = min(len(train_rows), 10)
-    tps = sum(r["tokens_per_s"] for r in train_rows[-k:]) / k
-    mfus = [r["mfu"] for r in train_rows[-k:] if r.get("mfu") is not None]
+    # over the last steps: tokens over time (each step's rate weighted by its time; a mean of
+    # the rates would let one fast step count as much as a slow one)
+    recent = [r for r in train_rows[-10:] if r.get("step_time_s")]
+    secs = sum(r["step_time_s"] for r in recent)
+    tps = sum(r["tokens_per_s"] * r["step_time_s"] for r in recent) / secs if secs else 0.0
+    timed = [r for r in recent if r.get("mfu") is not None]
+    mfus = [sum(r["mfu"] * r["step_time_s"] for r in timed)
+            / sum(r["step_time_s"] for r in timed)] if timed else []
     val = [r for r in rows if "val_loss" in r]
     val_text = "" if not val else f", val loss {val[-1]['val_loss']:.3f}" + (
         f" (step {val[-1]['step']})" if val[-1]["step"] != last["step"] else "")
     print(f"\nrun {run_dir}: step {last['step']}, loss {train_rows[0]['loss']:.3f} -> "
           f"{last['loss']:.3f}" + val_text
-          + f", {tps:,.0f} tokens/s" + (f", MFU {100 * sum(mfus) / len(mfus):.1f}%"
+          + f", {tps:,.0f} tokens/s" + (f", MFU {100 * mfus[0]:.1f}%"
                                          if mfus else ", MFU n/a"))
     print(f"  metrics:     {path}\n" + (f"  tensorboard: {run_dir / rundir.TENSORBOARD}\n"
                                            if (run_dir / rundir.TENSORBOARD).is_dir() else "")

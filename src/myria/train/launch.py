@@ -253,8 +253,10 @@ def launch_local(nproc: int, argv: list[str], max_restarts: int = 0) -> None:
     os.environ[LAUNCHER_ENV] = str(os.getpid())
     # We report a failure ourselves (the rank that failed first, its message once): torch
     # elastic's own error lines and tracebacks about its children would repeat it.
-    quiet = [logging.getLogger(n) for n in ("torch.distributed.elastic",
-                                            "torch.distributed.launcher")]
+    # (every such logger: torch's elastic modules give each its own level, which a parent's
+    # level does not override, e.g. the agent's "Received 2 death signal" on Ctrl-C)
+    quiet = [logging.getLogger(n) for n in list(logging.root.manager.loggerDict)
+             if n.startswith(("torch.distributed.elastic", "torch.distributed.launcher"))]
     levels = [lg.level for lg in quiet]
     for lg in quiet:
         lg.setLevel(logging.CRITICAL)

@@ -221,10 +221,20 @@ def preflight(cfg: config_mod.Config, run_dir: str | Path, stop_after: int | Non
     """What can be checked before processes start: the run directory, `--stop-after` and the
     config against the checkpoint the run resumes (fields that cannot change are refused).
     Returns a line to print instead of training when the run already reached training.steps."""
+    run_dir = Path(run_dir)
+    new = not run_dir.exists()
+    check_run_dir(run_dir)
+    try:
+        return _preflight(cfg, run_dir, stop_after)
+    except config_mod.ConfigError:
+        if new and not any(run_dir.iterdir()):   # a refused start leaves no run directory
+            run_dir.rmdir()
+        raise
+
+
+def _preflight(cfg: config_mod.Config, run_dir: Path, stop_after: int | None) -> str | None:
     from myria.train import resume
 
-    run_dir = Path(run_dir)
-    check_run_dir(run_dir)
     if stop_after is not None and stop_after < 1:
         raise config_mod.ConfigError(f"--stop-after {stop_after}: must be a step >= 1 (the run "
                                      "stops cleanly after that step)")

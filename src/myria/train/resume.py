@@ -84,4 +84,10 @@ def apply(cfg: Config, engine, run_dir: Path, step: int, found: list[tuple[str, 
               f"steps {start}-{t.steps} train at that minimum lr "
               f"{o.lr * o.min_lr_ratio:.3g} (--optimizer.decay_steps={t.steps} stretches the "
               "decay over the whole run instead; docs/resume.md)", flush=True)
+    write_config(cfg, Path(run_dir))
+
+
+def write_config(cfg: Config, run_dir: Path) -> None:
+    """RUN_DIR/config.json: the config the run trains with (at its start, or once a resume
+    has loaded its checkpoint: a refused resume leaves the one its checkpoints trained with)."""
     atomic_write(Path(run_dir) / rundir.CONFIG, json.dumps(cfg.to_dict(), indent=1))

@@ -27,6 +27,7 @@ import json
 import logging
 import os
 import time
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -51,6 +52,7 @@ from myria.models.loss import record_row_losses
 from myria.observe import events, goodput, hang, tracking
 from myria.parallel.data import make_loader, write_read_counts
 from myria.parallel.dims import ParallelDims
+from myria.parallel.parallelize import mixed_precision, shards_with_fsdp
 from myria.train import distributed, heartbeat, peer, rejoin, resume
 from myria.train.checkpoint.pipeline import CheckpointManager
 from myria.train.engine import Engine
@@ -75,9 +77,20 @@ class TrainResult:
     signal: int = 0   # the stop signal this process received and stopped on (0: none)
 
 
+def quiet_torch_notes() -> None:
+    """Silence two notes torch prints on every rank that a user cannot act on: DTensor's
+    "could not be optimized" when a redistribution's collectives cannot be merged (a
+    performance note on its internals, several lines per rank under tp x dp), and DeviceMesh's
+    notice that slicing a flattened dimension from the root mesh will be deprecated (the
+    trainer's context-parallel groups do; torch 2.13 still supports it)."""
+    logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
+    warnings.filterwarnings("ignore", message="Slicing a flattened dim from root mesh")
+
+
 def train(cfg: Config, run_dir: str | Path, stop_after: int | None = None) -> TrainResult:
     """Run (or resume) training as this process's rank; returns the losses of this session."""
     run_dir = Path(run_dir)
+    quiet_torch_notes()
     events.listen_for_dumps(run_dir)  # before any thread starts (SIGUSR1 -> hang dump)
     hang.listen_for_stacks(run_dir)  # STACK_SIGNAL -> every thread's stack (faulthandler)
     if cfg.training.deterministic:  # before the first cuBLAS handle (GPU bitwise resume)
@@ -305,7 +318,8 @@ class Run:
         threads = distributed.set_cpu_threads(t.threads, env) if env.device.type == "cpu" \
             else None
         layout = Layout.resolve(cfg.parallel, env.world_size)
-        dims = ParallelDims.build(layout, env.device.type)   # the mesh, groups, coordinates
+        dims = ParallelDims.build(layout, env.device.type,   # the mesh, groups, coordinates
+                                  fsdp=shards_with_fsdp(cfg, layout, env.device.type))
 
         # -- data ----------------------------------------------------------------------------
         dataset = open_dataset(cfg.data, m.seq_len, split="train")   # a directory or a mixture
@@ -353,10 +367,12 @@ class Run:
                                 cfg.logging.tensorboard, cfg.logging.progress,
                                 tracking.start(cfg.logging, run_dir, cfg.to_dict(), env.is_main))
         if env.is_main:
+            left = t.steps - start_step
             todo = f"{t.steps} steps" if not start_step else \
-                f"to step {t.steps} from step {start_step} ({t.steps - start_step} steps)"
+                f"to step {t.steps} from step {start_step} ({left} step{'s' * (left != 1)})"
             print(f"training {todo} on {env.world_size} x "
-                  f"{env.device.type} (layout {layout.short()}, {threads or '-'} threads/rank); "
+                  f"{env.device.type} (layout {layout_words(cfg, layout, env.device.type)}, "
+                  f"{threads or '-'} threads/rank); "
                   f"peak {peak and round(peak, 3)} TFLOP/s ({peak_source})", flush=True)
             if m.document_mask:  # it changes the loss and the FLOPs: said where the run starts
                 print(f"document masking: attention stays inside each document (mean "
@@ -506,6 +522,8 @@ def resume_run(cfg: Config, run_dir: Path, env, engine: Engine, ckpt: Checkpoint
         resume.apply(cfg, engine, run_dir, start_step, changed, env.is_main)
     elif cfg.model.init_from:
         init_from_hf(cfg, engine, env.is_main)
+    if latest is None and env.is_main:   # (a resume's config is written by resume.apply)
+        resume.write_config(cfg, run_dir)
     if env.is_main and (asked_checkpoint(cfg) or not cfg.checkpoint.resume):
         ckpt.abandon_after(start_step)  # a new timeline: newer checkpoints go aside
     return start_step, latest
@@ -530,14 +548,36 @@ def init_from_hf(cfg: Config, engine: Engine, is_main: bool) -> None:
               f"(rank 0 holds {held / 2**20:.1f} MiB of them)", flush=True)
 
 
+def layout_words(cfg: Config, layout: Layout, device_type: str) -> str:
+    """The run's layout as its start line says it: the degrees, then what runs them (the
+    data-parallel engine, the pipeline schedule, precision, recomputation, offload)."""
+    t, p = cfg.training, cfg.parallel
+    short = layout.short()
+    words = [short.replace("dp_shard", "dp") if t.data_parallel == "ddp" else short]
+    if layout.dp > 1:
+        words.append({"fsdp": "FSDP", "zero2": "ZeRO-2", "ddp": "DDP"}[t.data_parallel])
+    if layout.pp > 1:
+        words.append(layout.schedule + (f" x{layout.vpp} chunks" if layout.vpp > 1 else ""))
+    words.append(("float8 blocks, " if t.float8 else "")
+                 + ("bf16" if mixed_precision(cfg, device_type) is not None else "fp32"))
+    if p.activation_checkpoint != "none":
+        words.append(f"recompute {p.activation_checkpoint}")
+    if p.offload != "none":
+        words.append(f"optimizer state on {p.offload}"
+                     + (" with the parameters" if p.offload_params else ""))
+    return ", ".join(words)
+
+
 def start_events(cfg: Config, run_dir: Path, env, dims: ParallelDims, engine: Engine,
                  faults: FaultInjector) -> events.Recorder:
     """Install and start this rank's event timer (RUN_DIR/events/), or a disabled one."""
     rec = events.install(run_dir, env.rank, env.world_size, cfg.observe.enabled,
                          slow=faults.slow(), flush_s=cfg.observe.flush_s)
-    if env.is_main:   # also without events: `myria report` reads it (prediction, why no events)
+    # also without events: `myria report` reads it (prediction, why no events); one already
+    # there stays until this run's config trains (`resume_run`, `resume.write_config`)
+    if env.is_main and not (run_dir / rundir.CONFIG).exists():
         run_dir.mkdir(parents=True, exist_ok=True)
-        atomic_write(run_dir / rundir.CONFIG, json.dumps(cfg.to_dict(), indent=1))
+        resume.write_config(cfg, run_dir)
     if not rec.enabled:
         return rec
     if env.world_size > 1:
