@@ -923,3 +923,54 @@ def test_the_time_left_for_a_restart_counts_the_back_off_and_the_start_up():
         policy.check_time_to_restart(100.0, now - 70.0, 10.0, 25.0)
     with pytest.raises(policy.TimeUp, match="leaves 0.0 s"):       # already past it
         policy.check_time_to_restart(100.0, now - 500.0, 0.0, 0.0)
+
+
+def test_a_lost_host_is_named_by_the_fault_its_survivors_found(tmp_path, monkeypatch):
+    """A survivor finds a host's loss as a fault on its own ranks (its workers' collectives
+    fail); the next round's hosts say which host the job went on without, and the summary,
+    the report's line and its recoveries table name that host, not only the survivor. Two
+    survivors finding the same loss make one line."""
+    from types import SimpleNamespace
+
+    from myria import config
+    from myria.observe import report_sections as sections
+    from myria.observe.report import lost_host_lines
+    from myria.resilience.multihost import write_part_and_merge
+    from myria.resilience.supervisor import Supervisor
+    from myria.resilience.watch import Detection
+
+    def agent(*hosts):
+        state = SimpleNamespace(participants=[SimpleNamespace(addr=h) for h in hosts])
+        return SimpleNamespace(_rdzv_handler=SimpleNamespace(
+            _state_holder=SimpleNamespace(state=state)))
+
+    wg = SimpleNamespace(spec=SimpleNamespace(local_world_size=2))
+    monkeypatch.setattr(os, "environ", dict(os.environ))   # what it exports goes to a copy
+    sup = Supervisor(config.load(None, []), tmp_path, 2, ["train"])
+    try:
+        sup._joined(agent("h0", "h1", "h2"), wg)      # the first round: no fault, none lost
+        now = time.time()
+        f = sup._record(Detection("exit", [0, 1], now, now, "worker exited"), [])
+        sup._joined(agent("h0", "h3"), wg)            # the round after it: h1, h2 left
+        assert f.hosts_lost == ["h1", "h2"]
+        f.first_step_at = time.time()                 # recovered: a later round is not its
+        sup._joined(agent("h3"), wg)
+        assert f.hosts_lost == ["h1", "h2"]
+    finally:
+        sup._close()
+    run = tmp_path / "run"
+    for host, kind in (("h0", "exit"), ("h3", "hang")):
+        fault = {"kind": kind, "ranks": [0, 1], "last_step": 6, "resumed_from": 5,
+                 "hosts_lost": ["h1"], "time_lost_s": 9.0}
+        write_part_and_merge(run, {"job": "slurm-9", "host": host, "status": "succeeded",
+                                   "final_step": 12, "target_steps": 12, "faults": [fault],
+                                   "goodput": {"wall_s": 60.0, "accounted_s": 60.0,
+                                               "ettr": 0.5, "seconds": {"productive": 30.0},
+                                               "timeline": []}})
+    out = run / "report"
+    out.mkdir()
+    page = sections.recovery_section(run, out)
+    assert "<th>found on</th>" in page and "exit (host h1 lost)</td><td>h0</td>" in page, page
+    assert lost_host_lines(json.loads((out / "goodput.json").read_text())) == [
+        "host h1 lost at step 6, found on h0 (exit), h3 (hang): the job went on without it "
+        "from step 5"]

@@ -99,6 +99,26 @@ def goodput_line(gp: dict) -> str:
             (f"; {len(faults)} fault(s), {lost:.1f} s lost to them" if faults else ""))
 
 
+def lost_host_lines(gp: dict) -> list[str]:
+    """One line per host a multi-host job went on without (the report's goodput.json): which
+    host, at which step, found on which survivor(s) as which fault. A fault names the host
+    whose supervisor found it, a survivor; the host lost is in its `hosts_lost`. Survivors
+    that each found the same loss (same job, hosts and resume point) make one line."""
+    by: dict[tuple, list[dict]] = {}
+    for f in gp.get("faults", []):
+        if f.get("hosts_lost"):
+            by.setdefault((f.get("job"), tuple(f["hosts_lost"]), f.get("resumed_from")),
+                          []).append(f)
+    out = []
+    for (_, hosts, resumed), fs in by.items():
+        found = ", ".join(sorted({f"{f.get('host', '?')} ({f.get('kind')})" for f in fs}))
+        step = max(int(f.get("last_step") or 0) for f in fs)
+        out.append(f"host {', '.join(hosts)} lost at step {step}, found on {found}: the job "
+                   "went on without it" + (f" from step {resumed}" if resumed is not None
+                                           else ""))
+    return out
+
+
 def run(args) -> int:
     out = write_report(Path(args.run_dir), predict=not args.no_prediction)
     b = json.loads((out / "blame.json").read_text())
@@ -127,7 +147,10 @@ def run(args) -> int:
     if line := detections_line(Path(args.run_dir)):
         print(f"  {line}")
     if (gp_path := out / "goodput.json").exists():
-        print(f"  {goodput_line(json.loads(gp_path.read_text()))}")
+        gp = json.loads(gp_path.read_text())
+        print(f"  {goodput_line(gp)}")
+        for line in lost_host_lines(gp):
+            print(f"  {line}")
     if (hang := hang_report(out)) is not None:
         from myria.observe.hang import summary_line
 

@@ -523,24 +523,30 @@ def recovery_section(run_dir: Path, out: Path, stragglers: list[dict] | None = N
         img = f"<img id=goodput alt='goodput ledger' src='data:image/png;base64," \
               f"{png(fig, out / 'goodput.png')}'>"
     frows = ""
+    hosts = any("host" in f for f in faults)   # a multi-host job: the host that found each
     for f in faults:
         ph = f.get("recovery_phases") or {}
         cells = "".join(f"<td>{ph[k]:.2f}</td>" if k in ph else "<td>-</td>"
                         for k in RECOVERY_PHASES)
         kind = str(f.get("kind"))
+        if f.get("hosts_lost"):   # found on a survivor: the host the fault cost the job
+            kind += f" (host {', '.join(f['hosts_lost'])} lost)"
         if v := f.get("sdc"):   # the workers' silent-corruption verdict (myria.train.sdc)
             kind += f" ({v.get('check')} check at step {v.get('step')}: {v.get('verdict')}" + (
                 "; host blocklisted" if any(str(a).startswith("blocklist ")
                                             for a in f.get("action", [])) else "") + ")"
         frows += ("<tr>" + (f"<td>{f['job']}</td>" if "job" in f else "") +
-                  f"<td>{esc(kind)}</td><td>{esc(str(f.get('ranks')))}</td>"
+                  f"<td>{esc(kind)}</td>" +
+                  (f"<td>{esc(str(f.get('host', '-')))}</td>" if hosts else "") +
+                  f"<td>{esc(str(f.get('ranks')))}</td>"
                   f"<td>{f.get('last_step')}</td><td>{esc(str(f.get('recovery') or '-'))}</td>"
                   f"{cells}<td>{f.get('time_lost_s')}</td></tr>")
     ftable = ""
     if faults:
         head = "".join(f"<th>{esc(k)}</th>" for k in RECOVERY_PHASES)
         ftable = ("<h2>Recoveries by phase, s</h2><table id=recoveries><tr>" +
-                  ("<th>job</th>" if "job" in faults[0] else "") + "<th>fault</th>"
+                  ("<th>job</th>" if "job" in faults[0] else "") + "<th>fault</th>" +
+                  ("<th>found on</th>" if hosts else "") +
                   f"<th>ranks</th><th>step</th><th>path</th>{head}<th>total lost</th></tr>"
                   f"{frows}</table>")
     # in-job shrinks and grows (resilience.shrink): the jobs' size over time

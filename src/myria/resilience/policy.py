@@ -70,6 +70,9 @@ class Fault:
     before_first_step: bool = False  # the attempt had not finished a step when it failed
     sdc: dict | None = None      # kind sdc: the workers' verdict (rank, step, check, verdict)
     recovery: str = "restart"   # or "in-job: spare" / "in-job: fresh process"
+    # hosts of the job's round the job went on without after this fault (lost or cut off):
+    # the host that found the fault is the summary part's, which is not the one that failed
+    hosts_lost: list[str] = field(default_factory=list)
     signature: str = field(default="", repr=False)  # the error, numbers masked
 
     @property

@@ -435,9 +435,10 @@ class Supervisor:
         if f is None or f.restarted_at:   # not a fault this supervisor detected: torch's agent
             # restarts for a host waiting in the rendezvous (a fault already recovered from
             # stays `current`, and this is a new event of its own)
-            why, silent_s = self._membership_change(agent)
+            why, silent_s, gone = self._membership_change(agent)
             now = time.time()
             f = self._record(Detection("membership-change", [], now, now - silent_s, why), [])
+            f.hosts_lost = gone
             log.warning("DETECTED membership-change: %s", f.evidence)
             if self.max_nodes > 1:   # its ranks' stacks: live ones wait on the host that left
                 self._hang_report(wg, f)
@@ -473,27 +474,34 @@ class Supervisor:
             self._wait_for_hosts(f)
 
     # -- several hosts (myria.resilience.multihost) ------------------------------------------
-    def _membership_change(self, agent) -> tuple[str, float]:
-        """What changed in the rendezvous (the hosts of this round that left it, if any), and
-        how long before now it happened at the least (a host that left was silent for the
-        rendezvous' keep-alive window)."""
+    def _membership_change(self, agent) -> tuple[str, float, list[str]]:
+        """What changed in the rendezvous, how long before now it happened at the least (a host
+        that left was silent for the rendezvous' keep-alive window), and the hosts of this
+        round that left it."""
         if self.max_nodes <= 1:
-            return "a host joined or left the rendezvous", 0.0
+            return "a host joined or left the rendezvous", 0.0, []
         gone = multihost.left_round(agent, self.members)
         if not gone:
-            return "a host joined the rendezvous", 0.0
+            return "a host joined the rendezvous", 0.0, []
         try:
             s = agent._rdzv_handler.settings
             window = (s.keep_alive_interval * s.keep_alive_max_attempt).total_seconds()
         except AttributeError:
             window = 0.0
         return (f"host(s) {', '.join(gone)} of this round dropped out of the rendezvous (no "
-                f"keep-alive for {window:g} s: lost or cut off)", window)
+                f"keep-alive for {window:g} s: lost or cut off)", window, gone)
 
     def _joined(self, agent, wg) -> None:
-        """The round's hosts, and this host's ranks among them, once its workers started."""
+        """The round's hosts, and this host's ranks among them, once its workers started. The
+        hosts of the previous round missing from this one are those the fault that ended it
+        cost the job (`Fault.hosts_lost`, set once, while its recovery has not trained a step):
+        the fault itself was found here, on a survivor."""
         self._stop_waiting()
+        before = self.members
         self.members = multihost.members(agent) or self.members
+        f = self.current
+        if f is not None and before and not f.hosts_lost and not f.first_step_at:
+            f.hosts_lost = [h for h in before if h not in self.members]
         log.info("placement: %s runs ranks %s of %d; hosts in this round: %s", self.host,
                  self.ranks, wg.spec.local_world_size * max(1, len(self.members)),
                  ", ".join(self.members) or "?")

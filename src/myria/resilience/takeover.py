@@ -227,6 +227,7 @@ class Watch(threading.Thread):
         f = Fault("host-lost", list(ranks), attempt - 1, silent_at, now, evidence,
                   cause=f"host {host} lost")
         f.recovery = "in-job: host takeover"
+        f.hosts_lost = [host]
         f.stopped_at = f.decided_at = f.backoff_done_at = announced_at
         sup.reached(f)   # a spare watched no worker: the step comes from the run directory
         sup.faults.append(f)
