@@ -157,6 +157,22 @@ wait_in_collective()
 """
 
 
+def test_a_rank_ending_without_a_stack_dump_leaves_no_empty_file(tmp_path):
+    """Every worker opens its stack file at start (faulthandler needs it open before the
+    signal); one that ends with nothing dumped removes it and the empty hang folder, one whose
+    stack was dumped keeps it."""
+    code = ("import os, sys\nfrom myria.observe import hang\n"
+            "hang.listen_for_stacks(sys.argv[1], rank=int(sys.argv[2]))\n"
+            "assert hang.stack_file(sys.argv[1], int(sys.argv[2])).exists()\n"
+            "if sys.argv[3] == 'dump':\n    os.kill(os.getpid(), hang.STACK_SIGNAL)\n")
+    subprocess.run([sys.executable, "-c", code, str(tmp_path), "0", "none"], check=True)
+    assert not (tmp_path / "hang").exists()
+    subprocess.run([sys.executable, "-c", code, str(tmp_path), "1", "dump"], check=True)
+    subprocess.run([sys.executable, "-c", code, str(tmp_path), "2", "none"], check=True)
+    assert [p.name for p in (tmp_path / "hang").iterdir()] == ["rank00001.stack.txt"]
+    assert "File " in hang.stack_file(tmp_path, 1).read_text()
+
+
 def test_hang_stacks_name_the_function_each_rank_waits_in(tmp_path, monkeypatch):
     monkeypatch.setattr(hang.shutil, "which", lambda name: None)  # the faulthandler path
     p = subprocess.Popen([sys.executable, "-c", WAITER, str(tmp_path)], stdout=subprocess.PIPE,

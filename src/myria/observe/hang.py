@@ -147,6 +147,28 @@ def listen_for_stacks(run_dir: str | Path, rank: int | None = None) -> None:
     except OSError:
         return
     faulthandler.register(STACK_SIGNAL, file=_STACK_FH, all_threads=True, chain=False)
+    import atexit
+
+    atexit.register(_stop_listening, path)
+
+
+def _stop_listening(path: Path) -> None:
+    """At a worker's exit: a stack file no dump was written to goes (an empty file in hang/ would
+    read as a hang that never happened), and the hang folder with it when nothing else is in
+    it."""
+    global _STACK_FH
+    import faulthandler
+
+    faulthandler.unregister(STACK_SIGNAL)
+    if _STACK_FH is not None:
+        _STACK_FH.close()
+        _STACK_FH = None
+    try:
+        if path.stat().st_size == 0:
+            path.unlink()
+            path.parent.rmdir()
+    except OSError:   # written, or the folder holds other ranks' files
+        pass
 
 
 def main_thread_frames(text: str, tool: str) -> list[str]:
