@@ -3,18 +3,19 @@
     myria cluster up 2                  # hosts h0, h1 + a login node running slurmctld
     myria cluster exec login sbatch -N2 scripts/slurm/myria.sbatch ...
     myria cluster exec login sinfo
-    myria cluster kill-host h1 | partition h1 | heal h1 | slow-link h1 1mbit | fail-diagnostics h1
+    myria cluster kill-host h1 | revive h1 | partition h1 | heal h1 | slow-link h1 1mbit
+    myria cluster fail-diagnostics h1
     myria cluster down                  # every process by pid, every namespace
 
 Each host is a Linux network namespace (its own address in 198.18.0.0/15, host name, /dev/shm
 and network stack) joined by a bridge in a "switch" namespace; the launcher is Debian's Slurm
 (`slurmctld` on the login node, one `slurmd` per host, `munged`); the rest of the filesystem is
 shared and plays the cluster's shared filesystem. Faults: `kill-host H` (every process of the
-host), `partition H` / `heal H` (its switch port down / up: connections hang), `slow-link H
-RATE|off` (`tc tbf` on its link) and `fail-diagnostics H` (its self-check diagnostics fail from
-then on). State (config, logs, pids) lives in $MYRIA_CLUSTER_DIR (default /tmp/myria-cluster).
-Root only. Why it is built so, and the kernel and Slurm facts it relies on: docs/cluster.md,
-"Reasons behind the cluster module".
+host; `revive H` starts it again), `partition H` / `heal H` (its switch port down / up:
+connections hang), `slow-link H RATE|off` (`tc tbf` on its link) and `fail-diagnostics H` (its
+self-check diagnostics fail from then on). State (config, logs, pids) lives in
+$MYRIA_CLUSTER_DIR (default /tmp/myria-cluster). Root only. Why it is built so, and the
+kernel and Slurm facts it relies on: docs/cluster.md, "Reasons behind the cluster module".
 """
 
 from __future__ import annotations
@@ -434,6 +435,33 @@ def kill_host(host: str) -> list[int]:
     return pids
 
 
+def revive(host: str, timeout: float = 90.0) -> int:
+    """A killed host back: its slurmd started again in its namespace (a fresh /dev/shm, as
+    after a reboot), and Slurm's view of it waited for until it is usable again (idle, or
+    already given to a job waiting for nodes: ReturnToService=2 takes a node that registers
+    back into service). Returns the new slurmd's pid."""
+    _check_host(host)
+    s = read_state()
+    pid = s.get("slurmd", {}).get(host)
+    if pid and pid_alive(pid):
+        raise ClusterError(f"revive {host}: it is up (slurmd pid {pid}); `kill-host {host}` "
+                           "first to restart it")
+    d = state_dir()
+    s["slurmd"][host] = _daemon(d, host, True, ["slurmd", "-D", "-f", str(slurm_conf()),
+                                                "-N", host])
+    _write_state(s)
+    end = time.time() + timeout
+    while time.time() < end:
+        if node_states().get(host) in ("idle", "mix", "alloc", "comp"):   # "*": not responding
+            return s["slurmd"][host]
+        if not pid_alive(s["slurmd"][host]):
+            break
+        time.sleep(0.5)
+    raise ClusterError(f"revive {host}: Slurm does not show it back within {timeout:g} s "
+                       f"(state {node_states().get(host, '?')!r}); its log: "
+                       f"{d / 'log' / f'slurmd-{host}.log'}")
+
+
 def partition(host: str, heal: bool = False) -> None:
     """Cut (or restore) the host's link at the switch: its packets are dropped from then on."""
     _check_host(host)
@@ -550,6 +578,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     e.add_argument("host")
     e.add_argument("cmd", nargs=argparse.REMAINDER)
     for name, help_ in (("kill-host", "kill every process of a host"),
+                        ("revive", "start a killed host again (its slurmd back in Slurm)"),
                         ("partition", "cut a host's link at the switch"),
                         ("heal", "restore a host's link"),
                         ("fail-diagnostics", "make a host's self-check diagnostics fail")):
@@ -592,6 +621,10 @@ def run(args) -> int:
         return exec_on(args.host, cmd).returncode
     elif a == "kill-host":
         print(f"myria cluster: killed {len(kill_host(args.host))} process(es) of {args.host}")
+    elif a == "revive":
+        pid = revive(args.host)
+        print(f"myria cluster: {args.host} is back (slurmd pid {pid}; Slurm shows it "
+              f"{node_states().get(args.host, '?')})")
     elif a in ("partition", "heal"):
         partition(args.host, heal=a == "heal")
         print(f"myria cluster: {args.host}'s link "

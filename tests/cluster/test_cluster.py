@@ -142,6 +142,9 @@ def test_two_hosts_bit_equal_to_one_host(hosts3, tiny_data, one_host, tmp_path):
     assert "already trained" not in _out(run), _out(run)[-2000:]   # never run again
     rep = run_cli("report", str(run), "--no-prediction").stdout
     assert f"hosts: {first} ranks [0, 1]; {second} ranks [2, 3]" in rep, rep[:3000]
+    # each host's workers' output under its own name in the shared run directory
+    for host in (first, second):
+        assert len(list((run / "logs" / host).rglob("stderr.log"))) == 2, host
 
 
 def test_lost_host_replaced_by_spare(hosts3, tiny_data, one_host, tmp_path):
@@ -162,7 +165,9 @@ def test_lost_host_replaced_by_spare(hosts3, tiny_data, one_host, tmp_path):
     lo, hi = sorted((first, spare))   # a round's ranks follow its hosts' names
     assert s["placement"] == {lo: [0, 1], hi: [2, 3]}
     f = s["faults"][0]
-    assert f["host"] == first and f["kind"] == "exit"
+    assert f["host"] == first and f["kind"] == "exit" and f["hosts_lost"] == [lost], f
+    rep = run_cli("report", str(run), "--no-prediction").stdout   # names the host lost
+    assert f"host {lost} lost at step {f['last_step']}, found on {first} (exit)" in rep, rep
     assert f["resumed_from"] >= int(newest.split("_")[1])   # nothing committed lost
     assert os.path.exists(run / "checkpoints" / f"step_{STEPS:08d}")
 
@@ -221,6 +226,7 @@ def test_lost_host_taken_over_in_job(hosts3, tiny_data, one_host, tmp_path):
     assert s["placement"] == {first: [0, 1], spare: [2, 3]}
     f = next(f for f in s["faults"] if f["kind"] == "host-lost")
     assert f["host"] == spare and f["recovery"] == "in-job: host takeover" and f["ranks"] == [2, 3]
+    assert f["hosts_lost"] == [lost], f
     # the step reached comes from the run directory (the spare watched no worker); the
     # survivors' memory holds the last step or the one before
     assert f["last_step"] >= 6 and 0 <= f["lost_steps"] <= 1, f
@@ -262,6 +268,15 @@ def test_injected_faults_are_shown_and_a_second_cluster_refused(hosts3, tmp_path
     assert cluster.faults_of(h) == []
     with pytest.raises(cluster.ClusterError, match="a rate as tc writes it"):
         cluster.slow_link(h, "fast")
+    # a killed host comes back: Slurm takes it into service again, commands run on it
+    cluster.kill_host(h)
+    with pytest.raises(cluster.ClusterError, match=f"host {h} is down"):
+        cluster.exec_on(h, ["true"])
+    cluster.revive(h)
+    assert cluster.node_states()[h] == "idle"
+    assert cluster.exec_on(h, ["hostname"], capture=True).stdout.strip() == h
+    with pytest.raises(cluster.ClusterError, match=f"revive {h}: it is up"):
+        cluster.revive(h)
     first = str(cluster.state_dir())
     monkeypatch.setenv(cluster.STATE_ENV, str(tmp_path / "other"))
     with pytest.raises(cluster.ClusterError, match=f"the cluster of .*={first} is up"):

@@ -187,7 +187,10 @@ def make_agent(sup):
         _waiting_with_room(spec.rdzv_handler)
     if sup.across_hosts:
         _waiting_spares_ignored(sup, spec.rdzv_handler)
-    logs = DefaultLogsSpecs(log_dir=str(sup.run_dir / rundir.LOGS_DIR), tee=Std.ALL)
+    # several hosts share the run directory: each host's workers write under their host's name
+    # (torch names a run's log folder by the job and a random suffix only)
+    logs = DefaultLogsSpecs(log_dir=str(sup.run_dir / rundir.LOGS_DIR /
+                                        (sup.host if sup.max_nodes > 1 else "")), tee=Std.ALL)
     sup.agent = agent_class()(sup, spec, logs, start_method="spawn", exit_barrier_timeout=60,
                               shutdown_timeout=int(sup.r.sigterm_grace_s))
     return sup.agent
