@@ -124,6 +124,9 @@ def test_a_second_supervised_job_keeps_the_first_ones_ledger_and_faults(tmp_path
     out.mkdir()
     page = sections.recovery_section(tmp_path, out)
     assert "of 2 supervised jobs" in page and "<th>job</th>" in page
+    # each category of the table in words; every category has them
+    assert "<td>startup</td><td>15.0</td><td>10.0%</td><td>processes starting" in page, page
+    assert set(goodput.MEANING) == set(goodput.CATEGORIES)
     from myria.observe.report import goodput_line
 
     assert goodput_line(json.loads((out / "goodput.json").read_text())) == (

@@ -23,6 +23,19 @@ DIR = "goodput"
 # the categories, in the order the report stacks them
 CATEGORIES = ("productive", "startup", "data_wait", "checkpoint", "eval", "straggler",
               "detection", "recovery", "lost", "redone", "shutdown", "other")
+# each category in words, as the report's ledger table gives it
+MEANING = {"productive": "training steps that count (each step's last run)",
+           "startup": "processes starting, process groups, model build, first restore",
+           "data_wait": "steps waiting for their batch",
+           "checkpoint": "snapshot waits, saves, the final flush, peer snapshots",
+           "eval": "evaluation",
+           "straggler": "what detected stragglers cost every step",
+           "detection": "a fault until it was detected",
+           "recovery": "detection until the restarted processes trained again",
+           "lost": "from the last logged step to a fault: the step in flight, thrown away",
+           "redone": "steps run again after a restart (an earlier attempt had done them)",
+           "shutdown": "after the last step: the final checkpoint's flush, processes ending",
+           "other": "what nothing accounts for"}
 # heartbeat phase -> ledger category (phases not named here count as step time)
 PHASES = {"init": None, "resume": None, "snapshot-wait": "checkpoint",
           "checkpoint": "checkpoint", "checkpoint-flush": "checkpoint", "eval": "eval",

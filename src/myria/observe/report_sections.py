@@ -492,7 +492,10 @@ def recovery_section(run_dir: Path, out: Path, stragglers: list[dict] | None = N
         return ""
     esc = html.escape
     wall = ledger["wall_s"] or 1.0
-    rows = "".join(f"<tr><td>{esc(k)}</td><td>{v:.1f}</td><td>{100 * v / wall:.1f}%</td></tr>"
+    from myria.observe.goodput import MEANING
+
+    rows = "".join(f"<tr><td>{esc(k)}</td><td>{v:.1f}</td><td>{100 * v / wall:.1f}%</td>"
+                   f"<td>{esc(MEANING.get(k, ''))}</td></tr>"
                    for k, v in ledger["seconds"].items() if v > 0)
     (out / "goodput.json").write_text(json.dumps({"ledger": ledger, "faults": faults},
                                                  indent=1))
@@ -565,5 +568,6 @@ def recovery_section(run_dir: Path, out: Path, stragglers: list[dict] | None = N
             "counted)" if jobs > 1 else "")
     return (f"<h2>Goodput ledger</h2><p id=ettr>ETTR {ledger['ettr']:.4f}: {ledger['wall_s']:.1f}"
             f" s of wall time{over}, {ledger['accounted_s']:.1f} s accounted.</p>"
-            f"<table id=ledger><tr><th>category</th><th>s</th><th>of wall</th></tr>{rows}"
+            "<table id=ledger><tr><th>category</th><th>s</th><th>of wall</th>"
+            f"<th>what it is</th></tr>{rows}"
             f"</table>{img}{ftable}")
