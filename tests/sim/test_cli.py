@@ -238,6 +238,9 @@ def test_plan_marks_priced_not_runnable_layouts_and_never_puts_one_first(capsys)
     assert main(args) == 0
     out = capsys.readouterr().out
     assert "2=†" in out and "1=†" not in out and "† #2: priced, not runnable by myria" in out
+    # the tie's order says why a tied layout (a faster one, even) is not first
+    assert "nor one myria's trainer does not run (†) when one it runs is tied" in \
+        " ".join(out.split()), out
 
 
 def test_simulate_a_training_config_names_every_cost(monkeypatch, capsys):

@@ -793,8 +793,11 @@ def _print(base: RunSpec, res) -> None:
         con.print(f"#1-#{tied} (marked =) lie within the model's uncertainty (±{band:.0%}, its "
                   "held-out error on the calibration runs) of the best MFU: statistically "
                   "tied, so they are ordered by predicted step time (to 0.1%), then by free "
-                  "memory; a prediction the model cannot vouch for (!) is not first. What "
-                  f"separates the first {min(5, len(res.ranked))}:")
+                  "memory; a prediction the model cannot vouch for (!) is not first" +
+                  (", nor one myria's trainer does not run (†) when one it runs is tied"
+                   if any(not r.extra.get("runnable", True) for r in res.ranked[:tied])
+                   else "") +
+                  f". What separates the first {min(5, len(res.ranked))}:")
         for line in separation(res):
             con.print("  " + line)
     from myria.sim.band import describe
