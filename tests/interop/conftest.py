@@ -15,8 +15,8 @@ def make_hf_model(kind: str, out: Path, **kw) -> Path:
     """A random `kind` (llama, mistral, qwen2) model saved with save_pretrained in `out`.
 
     llama: Llama 3's rope scaling, untied, saved in shards with an index; qwen2: q/k/v biases
-    (random, not zero) and tied embeddings; mistral: a sliding window longer than the runs'
-    sequences."""
+    (random, not zero) and tied embeddings; mistral: a sliding window (32) shorter than the
+    runs' sequences (64)."""
     import torch
     from transformers import (
         LlamaConfig,
@@ -35,7 +35,7 @@ def make_hf_model(kind: str, out: Path, **kw) -> Path:
             "high_freq_factor": 4.0, "original_max_position_embeddings": 32}, **kw)
         model = LlamaForCausalLM(cfg)
     elif kind == "mistral":
-        model = MistralForCausalLM(MistralConfig(**SHAPE, sliding_window=4096, **kw))
+        model = MistralForCausalLM(MistralConfig(**SHAPE, **{"sliding_window": 32, **kw}))
     else:
         model = Qwen2ForCausalLM(Qwen2Config(**SHAPE, tie_word_embeddings=True, **kw))
         with torch.no_grad():

@@ -67,6 +67,35 @@ def test_logits_equal_transformers_on_one_process(hf_models, device="cpu", recor
             (kind, err16, their_err16, scale)
 
 
+def test_a_sliding_window_exports_as_mistral_with_the_same_logits(hf_models):
+    """An imported Mistral whose window (32) is shorter than the sequence (64) trains with
+    model.attention_window = 32; the export's config (MistralForCausalLM, sliding_window 32)
+    with the model's tensors under the export's names gives transformers the same logits. A
+    window with RoPE scaling has no Hugging Face class to go to: refused in one line."""
+    import dataclasses
+
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from myria.data.tokenizer import Specials
+    from myria.errors import ConfigError
+    from myria.train.export import check_exportable, hf_config, hf_tensors
+
+    model, cfg = imported(hf_models["mistral"])
+    assert cfg.model.attention_window == 32
+    check_exportable(cfg.model)
+    conf = hf_config(cfg.model, Specials("</s>", 2, "<s>", 1))
+    assert conf["architectures"] == ["MistralForCausalLM"] and conf["sliding_window"] == 32
+    kind = conf.pop("model_type")
+    ref = AutoModelForCausalLM.from_config(AutoConfig.for_model(kind, **conf)).eval()
+    sd = model.state_dict()
+    ref.load_state_dict({n: sd[k] for n, (k, _) in hf_tensors(cfg.model, sd).items()})
+    tokens = torch.randint(0, 1024, (2, 64), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        assert (ref(tokens).logits - model(tokens)).abs().max().item() < TOL
+    with pytest.raises(ConfigError, match="no RoPE scaling"):
+        check_exportable(dataclasses.replace(cfg.model, rope_scaling="linear"))
+
+
 def _layouts_worker(rank, world, port, out_dir):
     import torch.distributed as dist
 

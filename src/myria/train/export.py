@@ -11,8 +11,9 @@ checkpoint alone (a partial DCP load). It renames the parameters to the Llama fa
 
     model.safetensors        the weights (float32 by default, --dtype), or shards of at most
                              --max-shard-size with model.safetensors.index.json
-    config.json              LlamaConfig (Qwen2Config for a model with q/k/v biases), its RoPE
-                             scaling, bos/eos/pad token ids of the tokenizer
+    config.json              LlamaConfig (Qwen2Config for a model with q/k/v biases,
+                             MistralConfig for a sliding window), its RoPE scaling, bos/eos/pad
+                             token ids of the tokenizer
     generation_config.json   the same token ids (generation stops at the EOS), max_new_tokens 50
     tokenizer.json           the tokenizer the checkpoint was trained with (kept in the run
                              directory, see myria.data.fingerprint: the data directory need
@@ -23,8 +24,8 @@ checkpoint alone (a partial DCP load). It renames the parameters to the Llama fa
 
 so that `AutoModelForCausalLM.from_pretrained(d)`, `AutoTokenizer.from_pretrained(d)` and
 `pipeline("text-generation", model=d)` work with no further argument (tested with transformers
-5). Only the Llama architecture without the parallel block or a sliding window maps onto
-these; anything else is refused clearly. An --out that exists and is not empty is
+5). Only the Llama architecture without the parallel block or experts maps onto these;
+anything else is refused clearly. An --out that exists and is not empty is
 refused unless --force, which replaces the files above and leaves any others.
 
 End to end: the checkpoint exported is one that verifies (its files' CRC-32, also with --step),
@@ -74,12 +75,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def hf_config(m, specials, dtype: str = "float32") -> dict:
-    """A transformers config dict for model config `m`: LlamaConfig, or Qwen2Config for a model
-    with query/key/value biases (Llama's attention_bias would add one to the output too)."""
-    arch = {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2",
-            "use_sliding_window": False} if m.qkv_bias else \
-        {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "attention_bias": False,
-         "mlp_bias": False, "head_dim": m.head_dim}
+    """A transformers config dict for model config `m`: LlamaConfig; Qwen2Config for a model
+    with query/key/value biases (Llama's attention_bias would add one to the output too);
+    MistralConfig for one with a sliding window (`model.attention_window` keys per query is
+    Mistral's `sliding_window`: the same logits, tests/interop)."""
+    if m.qkv_bias:
+        arch = {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2",
+                "use_sliding_window": False}
+    elif m.attention_window:
+        arch = {"architectures": ["MistralForCausalLM"], "model_type": "mistral",
+                "sliding_window": m.attention_window, "head_dim": m.head_dim}
+    else:
+        arch = {"architectures": ["LlamaForCausalLM"], "model_type": "llama",
+                "attention_bias": False, "mlp_bias": False, "head_dim": m.head_dim}
     rope = {"linear": {"rope_type": "linear", "factor": m.rope_factor},
             "llama3": {"rope_type": "llama3", "factor": m.rope_factor,
                        "low_freq_factor": m.rope_low_freq_factor,
@@ -223,14 +231,17 @@ def _saved_dtypes(path: Path) -> dict:
 
 
 def check_exportable(m) -> None:
-    if (m.arch != "llama" or m.attention != "softmax" or m.parallel_block or m.attention_window
-            or m.experts):
+    if m.arch != "llama" or m.attention != "softmax" or m.parallel_block or m.experts:
         raise ConfigError(
-            "HF export maps onto LlamaForCausalLM, which needs model.arch = 'llama' with softmax "
-            "attention, without parallel_block, attention_window or experts (got "
-            f"arch={m.arch!r}, attention={m.attention!r}, "
-            f"parallel_block={m.parallel_block}, attention_window={m.attention_window}, "
-            f"experts={m.experts})")
+            "HF export maps onto LlamaForCausalLM (MistralForCausalLM with a sliding window), "
+            "which needs model.arch = 'llama' with softmax attention, without parallel_block or "
+            f"experts (got arch={m.arch!r}, attention={m.attention!r}, "
+            f"parallel_block={m.parallel_block}, experts={m.experts})")
+    if m.attention_window and (m.qkv_bias or m.rope_scaling != "none"):
+        raise ConfigError(
+            f"HF export of a sliding window (model.attention_window = {m.attention_window}) "
+            "maps onto MistralForCausalLM, which has no query/key/value biases and no RoPE "
+            f"scaling (got qkv_bias={m.qkv_bias}, rope_scaling={m.rope_scaling!r})")
 
 
 def checkpoint_path(run_dir: Path, step: int | None) -> Path:
