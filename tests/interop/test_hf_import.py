@@ -180,6 +180,35 @@ def test_unsupported_model_refused_in_one_line(tmp_path, tiny_data):
             hf.apply(config_mod.load(None, [f"--model.init_from={src}"]))
 
 
+def test_data_prepared_with_another_tokenizer_is_refused(tmp_path, hf_models, tiny_data):
+    """The model's tokenizer.json against the data's: the same (or the model's tokens at the
+    same ids) passes; two tokens swapped (another tokenizer) is refused in one line before
+    anything starts, saying how to prepare the data."""
+    from types import SimpleNamespace
+
+    from myria import config as config_mod
+    from myria.errors import ConfigError
+    from myria.train.preflight import check_tokenizer
+
+    d = tmp_path / "llama"
+    shutil.copytree(hf_models["llama"], d)
+    tok = json.loads((tiny_data / "tokenizer.json").read_text())
+    (d / "tokenizer.json").write_text(json.dumps(tok))
+    data = SimpleNamespace(path=tiny_data, tokenizer_path=tiny_data / "tokenizer.json")
+    check_tokenizer(config_mod.load(None, [f"--model.init_from={d}"]), data)
+    vocab = tok["model"]["vocab"]
+    a, b = sorted(vocab, key=vocab.get)[300:302]
+    vocab[a], vocab[b] = vocab[b], vocab[a]
+    (d / "tokenizer.json").write_text(json.dumps(tok))
+    with pytest.raises(ConfigError, match=r"2 of the model's 1,024 tokens have another id"):
+        check_tokenizer(config_mod.load(None, [f"--model.init_from={d}"]), data)
+    p = run_cli("train", "--run-dir", str(tmp_path / "run"), f"--data.path={tiny_data}", *TINY,
+                f"--model.init_from={d}", check=False)
+    err = p.stderr.strip().splitlines()
+    assert p.returncode != 0 and len(err) == 1, p.stderr
+    assert f"myria prepare --tokenizer {d}" in err[0] and not (tmp_path / "run").exists()
+
+
 def test_a_typed_model_field_must_agree_with_config_json(tmp_path, hf_models, tiny_data):
     """The model is config.json's: a config file's model section gives way to it, a
     `--model.X` typed on the command line that says otherwise is refused in one line, one that

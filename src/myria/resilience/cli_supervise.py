@@ -66,6 +66,7 @@ def run(args) -> int:
         check_mixture,
         check_nproc,
         check_run,
+        check_tokenizer,
         check_validation,
         check_vocab,
         preflight,
@@ -90,6 +91,7 @@ def run(args) -> int:
     if note := check_vocab(cfg, data):
         print(note, flush=True)
     check_mixture(cfg, data)
+    check_tokenizer(cfg, data)
     check_run(cfg, Layout.resolve(cfg.parallel, args.nproc * min_nodes),
               device_type(cfg.training.device))
     from myria.resilience import injob

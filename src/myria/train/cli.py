@@ -28,6 +28,7 @@ from myria.train.preflight import (
     check_mixture,
     check_nproc,
     check_run,
+    check_tokenizer,
     check_validation,
     check_vocab,
     max_time_overrides,
@@ -268,6 +269,7 @@ def run(args) -> int:
         if note := check_vocab(cfg, data):
             print(note, flush=True)
         check_mixture(cfg, data)
+        check_tokenizer(cfg, data)
         check_run(cfg, Layout.resolve(cfg.parallel, args.nproc or 1),
                   device_type(cfg.training.device))
     done = preflight(cfg, args.run_dir, args.stop_after)

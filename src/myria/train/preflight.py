@@ -151,6 +151,30 @@ def check_vocab(cfg: Config, dataset) -> str | None:
     return None
 
 
+def check_tokenizer(cfg: Config, dataset) -> None:
+    """Refuse data prepared with another tokenizer than the model `model.init_from` starts
+    from: every token of the model's tokenizer.json must have the same id in the data's (one
+    with tokens added after the model's is refused by `check_vocab` when they pass its
+    vocabulary). Data tokenized otherwise trains and exports without an error while the model
+    reads other tokens than it learnt; the natural slip is a `myria prepare` without
+    `--tokenizer`. A model folder without tokenizer.json is not compared."""
+    model_tok = Path(cfg.model.init_from or "") / "tokenizer.json"
+    if not cfg.model.init_from or not model_tok.is_file():
+        return
+    from myria.data.tokenizer import load_tokenizer
+
+    want = load_tokenizer(model_tok).get_vocab(with_added_tokens=True)
+    have = load_tokenizer(dataset.tokenizer_path).get_vocab(with_added_tokens=True)
+    wrong = sum(1 for t, i in want.items() if have.get(t) != i)
+    if wrong:
+        raise config_mod.ConfigError(
+            f"the data in {dataset.path} was prepared with another tokenizer than the model in "
+            f"{cfg.model.init_from}: {wrong:,} of the model's {len(want):,} tokens have another "
+            f"id or none in the data's ({dataset.tokenizer_path}), so the model would read "
+            "other tokens than it learnt; prepare the data with the model's own tokenizer: "
+            f"myria prepare --tokenizer {cfg.model.init_from} ...")
+
+
 def check_nproc(nproc: int, device: str, flag: str = "--nproc") -> None:
     """One line for a number of local processes this host cannot run (before any starts)."""
     if nproc < 1:
