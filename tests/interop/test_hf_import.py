@@ -71,20 +71,25 @@ def test_a_sliding_window_exports_as_mistral_with_the_same_logits(hf_models):
     """An imported Mistral whose window (32) is shorter than the sequence (64) trains with
     model.attention_window = 32; the export's config (MistralForCausalLM, sliding_window 32)
     with the model's tensors under the export's names gives transformers the same logits. A
-    window with RoPE scaling has no Hugging Face class to go to: refused in one line."""
+    window with RoPE scaling has no Hugging Face class to go to: refused in one line. The
+    export serves the imported model's positions (config.json's max_position_embeddings)."""
     import dataclasses
 
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from myria.data.tokenizer import Specials
     from myria.errors import ConfigError
-    from myria.train.export import check_exportable, hf_config, hf_tensors
+    from myria.train.export import check_exportable, hf_config, hf_tensors, hf_tokenizer_files
 
     model, cfg = imported(hf_models["mistral"])
     assert cfg.model.attention_window == 32
     check_exportable(cfg.model)
-    conf = hf_config(cfg.model, Specials("</s>", 2, "<s>", 1))
+    specials = Specials("</s>", 2, "<s>", 1)
+    conf = hf_config(cfg.model, specials)
     assert conf["architectures"] == ["MistralForCausalLM"] and conf["sliding_window"] == 32
+    # the positions it serves are the imported model's, not the 64 it trained at
+    assert conf["max_position_embeddings"] == 256 == \
+        hf_tokenizer_files(cfg.model, specials)["tokenizer_config.json"]["model_max_length"]
     kind = conf.pop("model_type")
     ref = AutoModelForCausalLM.from_config(AutoConfig.for_model(kind, **conf)).eval()
     sd = model.state_dict()
@@ -207,6 +212,33 @@ def test_data_prepared_with_another_tokenizer_is_refused(tmp_path, hf_models, ti
     err = p.stderr.strip().splitlines()
     assert p.returncode != 0 and len(err) == 1, p.stderr
     assert f"myria prepare --tokenizer {d}" in err[0] and not (tmp_path / "run").exists()
+
+
+def test_broken_weights_are_refused_before_any_process_starts(tmp_path, hf_models, tiny_data):
+    """A safetensors file cut short (a partial download) is named from its header alone; a
+    tensor missing from the files is refused by `myria train` in one line, before processes
+    start and without a run directory."""
+    from safetensors.torch import load_file, save_file
+
+    from myria.errors import ConfigError
+    from myria.interop import hf
+
+    d = tmp_path / "cut"
+    shutil.copytree(hf_models["mistral"], d)
+    f = d / "model.safetensors"
+    with open(f, "r+b") as fh:
+        fh.truncate(f.stat().st_size - 100)
+    with pytest.raises(ConfigError, match="model.safetensors is .* bytes where its header lists"):
+        hf.weight_files(d)
+    tensors = load_file(hf_models["mistral"] / "model.safetensors")
+    del tensors["model.layers.1.mlp.up_proj.weight"]
+    save_file(tensors, f, metadata={"format": "pt"})
+    p = run_cli("train", "--run-dir", str(tmp_path / "run"), f"--data.path={tiny_data}", *TINY,
+                f"--model.init_from={d}", check=False)
+    err = p.stderr.strip().splitlines()
+    assert p.returncode != 0 and len(err) == 1, p.stderr
+    assert "tensor model.layers.1.mlp.up_proj.weight is missing" in err[0]
+    assert not (tmp_path / "run").exists()
 
 
 def test_a_typed_model_field_must_agree_with_config_json(tmp_path, hf_models, tiny_data):

@@ -82,6 +82,10 @@ class ModelConfig:
     rope_high_freq_factor: float = _f(4.0, "llama3 rope_scaling: high_freq_factor", min=0.0)
     rope_original_max_len: int = _f(8192, "llama3 rope_scaling: "
                                     "original_max_position_embeddings", min=1)
+    max_positions: int = _f(0, "the longest sequence the model is meant to serve, written to an "
+                            "export's config.json (max_position_embeddings) and tokenizer "
+                            "(model_max_length); 0: seq_len. init_from sets it from config.json",
+                            min=0)
 
     @property
     def n_kv_heads(self) -> int:

@@ -127,6 +127,7 @@ def model_fields(d: str | Path, seq_len: int) -> dict[str, Any]:
             "norm_eps": float(hf.get("rms_norm_eps", 1e-6)),
             "tie_embeddings": bool(hf.get("tie_word_embeddings", False)),
             "qkv_bias": kind == "qwen2", **_rope(hf, d),
+            "max_positions": int(hf.get("max_position_embeddings") or 0),
         }
     except KeyError as e:
         raise ConfigError(f"{_where(d)}: config.json lacks {e.args[0]!r}") from None
@@ -144,7 +145,7 @@ def model_fields(d: str | Path, seq_len: int) -> dict[str, Any]:
 IMPORTED_FIELDS = ("arch", "vocab_size", "hidden", "layers", "heads", "kv_heads", "ffn_hidden",
                    "norm_eps", "tie_embeddings", "qkv_bias", "rope_theta", "rope_scaling",
                    "rope_factor", "rope_low_freq_factor", "rope_high_freq_factor",
-                   "rope_original_max_len", "attention_window")
+                   "rope_original_max_len", "attention_window", "max_positions")
 
 
 def load_config(path: str | Path | None, overrides=(), weights: bool = True,
@@ -232,12 +233,39 @@ def weight_files(d: Path) -> list[Path]:
         if missing:
             raise ConfigError(f"{_where(d)}: shard {missing[0]} listed by "
                               "model.safetensors.index.json is missing")
+        for n in names:
+            _check_complete(d, d / n)
         return [d / n for n in names]
     if (d / "model.safetensors").is_file():
+        _check_complete(d, d / "model.safetensors")
         return [d / "model.safetensors"]
     raise ConfigError(f"{_where(d)}: no model.safetensors or model.safetensors.index.json "
                       "(only safetensors weights are read; convert .bin weights with "
                       "transformers' save_pretrained(safe_serialization=True))")
+
+
+def _check_complete(d: Path, f: Path) -> None:
+    """ConfigError naming safetensors file `f` when its header is unreadable or the file is
+    shorter than the tensors its header lists (a partial download or copy): checked from the
+    header alone, before any process starts, where a worker would fail on its first read. The
+    format: an 8-byte little-endian header length, the JSON header (each tensor's
+    data_offsets within the data that follows), then the data."""
+    size = f.stat().st_size
+    try:
+        with open(f, "rb") as fh:
+            n = int.from_bytes(fh.read(8), "little")
+            if not 2 <= n <= size - 8:
+                raise ValueError(f"header length {n}")
+            header = json.loads(fh.read(n))
+        end = max((int(v["data_offsets"][1]) for k, v in header.items()
+                   if k != "__metadata__"), default=0)
+    except (OSError, ValueError, KeyError, TypeError, IndexError) as e:
+        raise ConfigError(f"{_where(d)}: {f.name} is not a readable safetensors file "
+                          f"({e.__class__.__name__}: {e})") from None
+    if size < 8 + n + end:
+        raise ConfigError(f"{_where(d)}: {f.name} is {size:,} bytes where its header lists "
+                          f"{8 + n + end:,}: the file is cut short (a partial download or "
+                          "copy?)")
 
 
 def _shapes(d: Path) -> dict[str, tuple[tuple[int, ...], str]]:

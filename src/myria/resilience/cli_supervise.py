@@ -63,6 +63,7 @@ def run(args) -> int:
     from myria.layout import Layout
     from myria.train.preflight import (
         check_before_torch,
+        check_init_weights,
         check_mixture,
         check_nproc,
         check_run,
@@ -92,6 +93,7 @@ def run(args) -> int:
         print(note, flush=True)
     check_mixture(cfg, data)
     check_tokenizer(cfg, data)
+    check_init_weights(cfg, args.run_dir)
     check_run(cfg, Layout.resolve(cfg.parallel, args.nproc * min_nodes),
               device_type(cfg.training.device))
     from myria.resilience import injob

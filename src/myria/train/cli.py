@@ -25,6 +25,7 @@ from myria.train.preflight import (
     add_resume_arguments,
     check_before_torch,
     check_data_overrides,
+    check_init_weights,
     check_mixture,
     check_nproc,
     check_run,
@@ -270,6 +271,7 @@ def run(args) -> int:
             print(note, flush=True)
         check_mixture(cfg, data)
         check_tokenizer(cfg, data)
+        check_init_weights(cfg, args.run_dir)
         check_run(cfg, Layout.resolve(cfg.parallel, args.nproc or 1),
                   device_type(cfg.training.device))
     done = preflight(cfg, args.run_dir, args.stop_after)

@@ -99,12 +99,20 @@ def hf_config(m, specials, dtype: str = "float32") -> dict:
         "vocab_size": m.vocab_size, "hidden_size": m.hidden, "intermediate_size": m.ffn_dim,
         "num_hidden_layers": m.layers, "num_attention_heads": m.heads,
         "num_key_value_heads": m.n_kv_heads,
-        "max_position_embeddings": max(m.seq_len, m.rope_original_max_len if rope else 0),
+        "max_position_embeddings": max_positions(m),
         "rms_norm_eps": m.norm_eps,
         "rope_theta": m.rope_theta, **({"rope_scaling": rope} if rope else {}),
         "hidden_act": "silu", "tie_word_embeddings": m.tie_embeddings,
         "dtype": dtype, **token_ids(specials),
     }
+
+
+def max_positions(m) -> int:
+    """The export's max_position_embeddings: the positions the model serves (an imported
+    model's own, `model.max_positions`), at least the trained sequence and RoPE scaling's
+    original length."""
+    return max(m.seq_len, m.max_positions,
+               m.rope_original_max_len if m.rope_scaling != "none" else 0)
 
 
 def token_ids(specials) -> dict[str, int]:
@@ -128,7 +136,8 @@ def hf_tokenizer_files(m, specials) -> dict[str, dict]:
     return {
         "generation_config.json": {**token_ids(specials), "max_new_tokens": 50},
         "tokenizer_config.json": {"tokenizer_class": "PreTrainedTokenizerFast", **special,
-                                  "model_max_length": m.seq_len, "padding_side": "left",
+                                  "model_max_length": max_positions(m),
+                                  "padding_side": "left",
                                   **own, "clean_up_tokenization_spaces": False},
         "special_tokens_map.json": special,
     }

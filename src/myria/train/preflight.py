@@ -175,6 +175,17 @@ def check_tokenizer(cfg: Config, dataset) -> None:
             f"myria prepare --tokenizer {cfg.model.init_from} ...")
 
 
+def check_init_weights(cfg: Config, run_dir: str | Path) -> None:
+    """The tensors of the `model.init_from` folder against the model (one missing, of another
+    shape, one with no place in it), refused in one line before processes start; a start that
+    resumes a checkpoint reads none of them."""
+    if not cfg.model.init_from or newest_checkpoint(cfg, Path(run_dir)) is not None:
+        return
+    from myria.interop import hf
+
+    hf.check_weights(Path(cfg.model.init_from), cfg.model)
+
+
 def check_nproc(nproc: int, device: str, flag: str = "--nproc") -> None:
     """One line for a number of local processes this host cannot run (before any starts)."""
     if nproc < 1:
