@@ -421,9 +421,10 @@ def test_tied_embeddings_stay_tied_in_training(tmp_path, hf_models, tiny_data, s
     _assert_tied_and_exported(run, tmp_path / "hf", start)
 
 
-def test_resume_needs_no_model_directory(tmp_path, tied_run, tiny_data):
+def test_resume_needs_no_model_directory(tmp_path, tied_run, tiny_data, hf_models):
     """After step 0 the checkpoint holds the model: a run started from a directory resumes
-    with the directory gone and the config naming none, its model the checkpoint's."""
+    with the directory gone and the config naming none, its model the checkpoint's. Another
+    model folder named on resume is refused in one line (it would not be read)."""
     from tests.conftest import losses
 
     run = tmp_path / "run"
@@ -434,6 +435,14 @@ def test_resume_needs_no_model_directory(tmp_path, tied_run, tiny_data):
     assert (f"model from the checkpoint (2 layers, hidden 64); the run started from "
             f"{tied_run[1]}, which resuming does not read") in p.stdout
     assert "resumed from" in p.stdout and sorted(losses(run)) == [1, 2, 3]
+    other = hf_models["mistral"]
+    p = run_cli("train", "--run-dir", str(run), f"--data.path={tiny_data}", *TINY,
+                *TIED_TRAINING[:-1], "--training.steps=4", f"--model.init_from={other}",
+                check=False)
+    err = p.stderr.strip().splitlines()
+    assert p.returncode != 0 and len(err) == 1, p.stderr
+    assert f"model.init_from = {other} is not read: this run resumes its checkpoint, which " \
+        f"started from {tied_run[1]}" in err[0]
 
 
 @pytest.mark.slow

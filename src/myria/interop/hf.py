@@ -190,6 +190,14 @@ def apply(cfg: Config, weights: bool = True, resumed: dict | None = None,
                 f"started from {started}, which resuming does not read")
     if not m.init_from:
         return None
+    if resumed is not None and (not started or Path(started).resolve() !=
+                                Path(m.init_from).resolve()):
+        # the weights of a model folder are read at step 0 only
+        raise ConfigError(
+            f"model.init_from = {m.init_from} is not read: this run resumes its checkpoint, "
+            + (f"which started from {started}" if started else "which started without one")
+            + "; drop model.init_from to resume it, or start from that model in a new "
+            "--run-dir")
 
     d = Path(m.init_from)
     fields = model_fields(d, m.seq_len)
