@@ -102,6 +102,22 @@ def test_resume_from_another_models_checkpoint_is_refused_with_its_way_out(
     assert not (tmp_path / "new").exists()
 
 
+def test_resume_from_takes_a_step_and_lists_the_checkpoints_when_wrong(reference, tmp_path):
+    """--resume-from N or step_0000000N is the run's checkpoint of that step; a path that is
+    no checkpoint is refused before anything starts, listing the run's checkpoints."""
+    from myria.errors import ConfigError
+    from myria.train.preflight import checkpoint_arg
+
+    want = (reference / "checkpoints" / "step_00000020").resolve()
+    for value in ("20", "step_00000020", str(want)):
+        assert checkpoint_arg(value, str(reference)) == want
+    with pytest.raises(ConfigError, match=r"--resume-from 21 names no checkpoint; .* holds "
+                       r"(step_\d+, )*step_00000020"):
+        checkpoint_arg("21", str(reference))
+    with pytest.raises(ConfigError, match=r"is not a checkpoint directory .*\(none in"):
+        checkpoint_arg(str(tmp_path), str(tmp_path))
+
+
 def test_more_steps_continue_a_finished_run(tmp_path, tiny_data, reference):
     """Train further with a new lr: the lr goes on at the end of the decayed schedule (no
     re-stretch), at the new peak's minimum; the change is said, recorded and in config.json."""

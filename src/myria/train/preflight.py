@@ -47,10 +47,11 @@ def add_resume_arguments(p) -> None:
     """The options of `myria train` and `myria supervise` that say where a run resumes."""
     p.add_argument("--stop-after", type=int, default=None, metavar="N",
                    help="stop cleanly after step N with a committed checkpoint")
-    p.add_argument("--resume-from", metavar="CKPT_DIR", default=None,
-                   help="load this checkpoint directory (even one in checkpoints/quarantine/) "
-                   "instead of the newest valid one; newer checkpoints are moved aside (a "
-                   "restart of the job resumes from the newest, its own saves after it)")
+    p.add_argument("--resume-from", metavar="CKPT", default=None,
+                   help="load this checkpoint (a directory, or a step of the run: 25 or "
+                   "step_00000025, also one in checkpoints/quarantine/) instead of the newest "
+                   "valid one; newer checkpoints are moved aside (a restart of the job resumes "
+                   "from the newest, its own saves after it)")
     p.add_argument("--start-fresh", action="store_true",
                    help="when every checkpoint of the run is damaged, train from step 0 "
                    "instead of stopping (the damaged ones stay in checkpoints/quarantine/)")
@@ -63,12 +64,38 @@ def resume_overrides(args) -> list[str]:
     """`add_resume_arguments`' options as the [checkpoint] overrides they stand for."""
     out = []
     if args.resume_from:
-        out.append(f"--checkpoint.resume_from={Path(args.resume_from).resolve()}")
+        path = checkpoint_arg(args.resume_from, getattr(args, "run_dir", None))
+        out.append(f"--checkpoint.resume_from={path}")
     if args.start_fresh:
         out.append("--checkpoint.start_fresh=true")
     if args.allow_data_change:
         out.append("--checkpoint.allow_data_change=true")
     return out
+
+
+def checkpoint_arg(value: str, run_dir: str | None) -> Path:
+    """`--resume-from VALUE` as a checkpoint directory: a path, a step number (N or its
+    directory's name, step_0000000N) of the run's checkpoints/ or checkpoints/quarantine/.
+    ConfigError, listing the run's checkpoints, when none of these is a checkpoint (one with
+    meta.json): said before anything starts."""
+    import re
+
+    ckpts = Path(run_dir or ".") / rundir.CHECKPOINTS
+    names = [f"step_{int(value):08d}"] if value.isdigit() else [value]
+    tries = [Path(value)] + [d / n for d in (ckpts, ckpts / "quarantine") for n in names] \
+        if run_dir else [Path(value)]
+    for t in tries:
+        if (t / "meta.json").is_file():
+            return t.resolve()
+    have = sorted(str(q.relative_to(ckpts)) for d in (ckpts, ckpts / "quarantine")
+                  if d.is_dir() for q in d.iterdir()
+                  if re.fullmatch(r"step_\d+", q.name) and (q / "meta.json").is_file())
+    why = "is not a checkpoint directory (no meta.json in it)" if Path(value).is_dir() else \
+        "names no checkpoint"
+    raise config_mod.ConfigError(
+        f"--resume-from {value} {why}; give a checkpoint directory or a step of the run's"
+        + (f": {ckpts} holds {', '.join(have)}" if have else
+           f" (none in {ckpts})" if run_dir else " (no --run-dir given)"))
 
 
 def max_time_overrides(args) -> list[str]:
