@@ -183,6 +183,14 @@ def test_unsupported_model_refused_in_one_line(tmp_path, tiny_data):
         (src / "config.json").write_text(json.dumps({**good, key: value}))
         with pytest.raises(ConfigError, match=named):
             hf.apply(config_mod.load(None, [f"--model.init_from={src}"]))
+    # no `architectures`: model_type says it; an unknown one is named as such
+    (src / "config.json").write_text(json.dumps({k: v for k, v in good.items()
+                                                 if k != "architectures"}))
+    assert hf.model_fields(src, 64)["attention_window"] == 32
+    (src / "config.json").write_text(json.dumps({**good, "architectures": None,
+                                                 "model_type": "gpt2"}))
+    with pytest.raises(ConfigError, match="names no architecture and its model_type is 'gpt2'"):
+        hf.model_fields(src, 64)
 
 
 def test_data_prepared_with_another_tokenizer_is_refused(tmp_path, hf_models, tiny_data):

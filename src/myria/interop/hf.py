@@ -105,7 +105,15 @@ def model_fields(d: str | Path, seq_len: int) -> dict[str, Any]:
     `seq_len` tokens per sequence. ConfigError names the first thing that is not supported."""
     d = Path(d)
     hf = read_config(d)
-    archs = hf.get("architectures") or [hf.get("model_type", "?")]
+    archs = hf.get("architectures")
+    if not archs:   # a config.json saved without it: its model_type says the same
+        by_type = {v: k for k, v in ARCHITECTURES.items()}
+        if hf.get("model_type") not in by_type:
+            raise ConfigError(f"{_where(d)}: config.json names no architecture and its "
+                              f"model_type is {hf.get('model_type', 'missing')!r}; supported: "
+                              f"{', '.join(ARCHITECTURES)} (model_type "
+                              f"{', '.join(by_type)})")
+        archs = [by_type[hf["model_type"]]]
     if len(archs) != 1 or archs[0] not in ARCHITECTURES:
         raise ConfigError(f"{_where(d)}: architecture {', '.join(map(str, archs))} is not "
                           f"supported; supported: {', '.join(ARCHITECTURES)}")
