@@ -134,3 +134,14 @@ def test_demo_config_evaluates_before_its_last_step():
     t = cfg.training
     assert 0 < t.eval_interval <= t.steps and t.steps % t.eval_interval == 0
     assert cfg.data.eval_batches > 0
+
+
+def test_an_unknown_command_points_to_the_one_that_does_its_work(capsys):
+    """`myria import` (what other tools call it) says how a Hugging Face model starts a run;
+    another unknown command gets the nearest name."""
+    from myria.cli import main
+
+    assert main(["import"]) == 2
+    assert "myria train --model.init_from=MODEL_DIR" in capsys.readouterr().err
+    assert main(["reprot"]) == 2
+    assert "did you mean 'report'?" in capsys.readouterr().err

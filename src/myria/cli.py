@@ -60,6 +60,12 @@ def main(argv: list[str] | None = None) -> int:
     return code
 
 
+# commands users of other tools look for, and what does their work here
+ELSEWHERE = {"import": "a Hugging Face model is a run's start: myria train "
+                       "--model.init_from=MODEL_DIR, after myria prepare --tokenizer MODEL_DIR; "
+                       "docs/interop.md"}
+
+
 def _command(argv: list[str]) -> int:
     if not argv or argv[0] in ("-h", "--help") or argv[0] == "--version" or \
             argv[0] not in COMMANDS:
@@ -72,7 +78,8 @@ def _command(argv: list[str]) -> int:
         if argv and argv[0] not in ("-h", "--help"):
             import difflib
             close = difflib.get_close_matches(argv[0], COMMANDS, n=1)
-            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            hint = f" ({ELSEWHERE[argv[0]]})" if argv[0] in ELSEWHERE else \
+                f" (did you mean {close[0]!r}?)" if close else ""
             print(f"myria: unknown command {argv[0]!r}{hint}\n", file=sys.stderr)
             top.print_help(sys.stderr)
             return 2

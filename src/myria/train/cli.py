@@ -61,7 +61,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "memory per rank, then exit")
     p.epilog = ("Any config field can be overridden as --section.key=value, e.g. "
                 "--training.steps=100 --model.layers=8. `myria train --dry-run [--config "
-                "FILE]` lists every field with its value and what it means.")
+                "FILE]` lists every field with its value and what it means. Start from a "
+                "Hugging Face model with --model.init_from=MODEL_DIR (data prepared with "
+                "`myria prepare --tokenizer MODEL_DIR`).")
 
 
 def _nproc_for(args) -> int:
