@@ -199,6 +199,11 @@ def test_training_loss_includes_router_losses_eval_does_not():
     torch.testing.assert_close(model(x, y), ce + aux)
     model.eval()
     torch.testing.assert_close(model(x, y), ce)
+    # a part without MoE layers (the CPU profile's head alone, a pipeline stage of the ends)
+    # trains on its loss alone
+    model.train()
+    model.layers = torch.nn.ModuleDict()
+    torch.testing.assert_close(model(x, y), F.cross_entropy(model(x).flatten(0, 1), y.flatten()))
 
 
 def test_init_and_param_counts():

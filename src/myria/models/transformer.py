@@ -289,7 +289,10 @@ class Transformer(nn.Module):
         out = self.output(h, targets)
         if targets is not None and self.training and self.cfg.experts:
             from myria.models.moe import moe_aux_loss  # router losses of this forward's layers
-            out = out + moe_aux_loss(self)
+            # a part without MoE layers (a pipeline stage of the ends, the CPU profile's head
+            # alone) has none
+            if (aux := moe_aux_loss(self)) is not None:
+                out = out + aux
         return out
 
     def rope_tables_for(self, s: int, dtype: torch.dtype):
