@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -116,6 +118,32 @@ def test_resume_from_takes_a_step_and_lists_the_checkpoints_when_wrong(reference
         checkpoint_arg("21", str(reference))
     with pytest.raises(ConfigError, match=r"is not a checkpoint directory .*\(none in"):
         checkpoint_arg(str(tmp_path), str(tmp_path))
+
+
+INIT_ALONE = """
+import os, sys
+os.environ.update(RANK="0", WORLD_SIZE="2", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
+                  MASTER_ADDR="127.0.0.1", MASTER_PORT=sys.argv[1])
+from myria.errors import LaunchError
+from myria.train import distributed
+try:
+    distributed.init("cpu", init_timeout_s=1)
+except LaunchError as e:
+    print(e)
+"""
+
+
+def test_ranks_that_do_not_gather_are_one_launch_error_naming_the_store():
+    """Rank 0 of 2 alone at its store (its peer never started, or joined another listener of
+    the port): after init_timeout_s a LaunchError (a crash a supervisor restarts, with another
+    port) that names the store and what may have happened, not a lost rank's collective."""
+    from myria.train.launch import free_port
+
+    port = free_port()
+    p = subprocess.run([sys.executable, "-c", INIT_ALONE, str(port)], capture_output=True,
+                       text=True, timeout=120)
+    assert f"rank 0: the 2 ranks did not gather at the process group's store 127.0.0.1:{port} " \
+        "within training.init_timeout_s = 1 s" in p.stdout, (p.stdout, p.stderr[-2000:])
 
 
 def test_more_steps_continue_a_finished_run(tmp_path, tiny_data, reference):
