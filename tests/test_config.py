@@ -119,6 +119,9 @@ def test_resume_changes_apply_refuse_and_keep_the_lr_horizon():
     msg = str(e.value)
     assert "model.hidden = 512 (the checkpoint has 256" in msg and "training.seed = 7" in msg
     assert "optimizer.lr" not in msg and "\n" not in msg
+    cfg = config.load(None, ["--model.attention=linear"])   # another mixer on the same weights
+    with pytest.raises(ConfigError, match="model.attention = 'linear' .*trained as that mixer"):
+        resume_rules.resume_changes(before, cfg, 120)
     # still warming up at step 10 of 20: the decay has not begun, stretching it cannot jump
     cfg = config.load(None, ["--training.steps=300"])
     assert resume_rules.resume_changes(before, cfg, 10) == [("training.steps", 120, 300),

@@ -21,6 +21,8 @@ FROZEN_ON_RESUME: dict[str, str] = {
         "arch", "vocab_size", "layers", "hidden", "heads", "kv_heads", "ffn_hidden", "experts",
         "tie_embeddings", "parallel_block", "block_pattern", "qkv_bias", "ssm_state",
         "ssm_expand")},
+    **{f"model.{k}": "the checkpoint's weights were trained as that mixer" for k in (
+        "attention", "feature_map")},
     "model.init_std": "it only initialises the weights at step 0",
     "model.seq_len": "the data position of the checkpoint is counted in sequences of that length",
     "training.seed": "the data order (and the initialisation) is a function of the seed",
