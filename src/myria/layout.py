@@ -22,6 +22,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import lru_cache
+from pathlib import Path
 from typing import NamedTuple
 
 from myria.config import Config, ModelConfig
@@ -246,6 +247,11 @@ class Layout:
             raise ConfigError(f"parallel.offload = 'nvme' runs on CPU in this version, not on "
                               f"{device_type}; use parallel.offload = 'cpu' (FSDP2's host "
                               "offload)")
+        if tier == "nvme" and p.offload_dir and not Path(p.offload_dir).parent.exists():
+            # creating it with its parents would put the files on whatever disk holds them
+            raise ConfigError(f"parallel.offload_dir {p.offload_dir!r}: "
+                              f"{str(Path(p.offload_dir).parent)!r} does not exist (a mistyped "
+                              "path, or a disk that is not mounted?)")
         if tier == "nvme" and cfg.optimizer.name != "adamw":
             raise ConfigError(f"parallel.offload = 'nvme' supports optimizer.name = 'adamw', "
                               f"not {cfg.optimizer.name!r}")

@@ -500,10 +500,22 @@ def test_small_budget_is_one_line_before_any_rank_starts(tmp_path, tiny_data):
 
 
 def test_unwritable_offload_dir_is_one_clear_error(tmp_path):
+    """A file in the way is one error; a folder under one that does not exist (a mistyped
+    path, an unmounted disk) is refused with the layout, before any process starts, instead of
+    being created on whatever disk holds its parents."""
+    from myria import config
+    from myria.errors import ConfigError
+    from myria.layout import Layout
+
     (tmp_path / "file").write_text("not a directory")
     with pytest.raises(OffloadError, match="is not writable: Not a directory"):
         engine(tmp_path, "--parallel.offload=nvme",
                f"--parallel.offload_dir={tmp_path / 'file' / 'sub'}")
+    cfg = config.load(None, ["--parallel.offload=nvme", "--training.device=cpu",
+                             f"--parallel.offload_dir={tmp_path / 'mnt' / 'nvme0' / 'x'}"])
+    with pytest.raises(ConfigError, match=r"nvme0'? does not exist \(a mistyped path"):
+        Layout.resolve(cfg.parallel, 1).check(cfg, "cpu")
+    assert not (tmp_path / "mnt").exists()
 
 
 @pytest.mark.slow

@@ -564,7 +564,9 @@ def layout_words(cfg: Config, layout: Layout, device_type: str) -> str:
         words.append(f"recompute {p.activation_checkpoint}")
     if p.offload != "none":
         words.append(f"optimizer state on {p.offload}"
-                     + (" with the parameters" if p.offload_params else ""))
+                     + (" with the parameters" if p.offload_params else "")
+                     + (f" in {p.offload_dir or 'RUN_DIR/offload'}" if p.offload == "nvme"
+                        else ""))
     return ", ".join(words)
 
 
