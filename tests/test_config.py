@@ -41,10 +41,17 @@ def test_toml_and_overrides(tmp_path):
     ("--training.micro_batch=99", "exceeds training.global_batch"),
     ("--model.top_k=2", "model.top_k = 2: mixture-of-experts setting(s) on a dense model"),
     ("--model.capacity_factor=1.25", "model.capacity_factor = 1.25: mixture-of-experts"),
+    # mixer settings that would do nothing, and a pattern longer than the model
+    ("--model.block_pattern=DDDA", "model.block_pattern = 'DDDA': a layer pattern for arch "
+     "griffin or hybrid (model.arch = 'llama') setting(s) that would do nothing"),
+    ("--model.feature_map=relu", "model.feature_map = 'relu': linear attention's"),
+    ("--model.ssm_state=16", "model.ssm_state = 16: Mamba-2's (no M layer"),
+    ("--model.arch=griffin --model.attention_window=8 --model.layers=2",
+     "model.block_pattern = 'RRA' is longer than model.layers = 2"),
 ])
 def test_errors_name_field_value_and_valid(override, needle):
     with pytest.raises(ConfigError) as e:
-        config.load(None, [override])
+        config.load(None, override.split())
     assert needle in str(e.value)
 
 

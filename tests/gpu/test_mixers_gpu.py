@@ -29,7 +29,7 @@ STEPS = 6
 # head_dim 16: FlexAttention's compiled kernels (parallel.compile) need at least 16
 BASE = ["--model.vocab_size=256", "--model.layers=2", "--model.hidden=64", "--model.heads=4",
         "--model.kv_heads=2", "--model.seq_len=64", "--model.chunk_size=16",
-        "--model.ssm_state=16", "--training.global_batch=4", "--training.micro_batch=2",
+        "--training.global_batch=4", "--training.micro_batch=2",
         "--optimizer.lr=3e-3", "--optimizer.warmup_steps=0", "--training.seed=0"]
 MIXERS = {
     "retnet": ["--model.arch=retnet", "--model.kv_heads=0"],
@@ -39,7 +39,7 @@ MIXERS = {
     "block_sparse": ["--model.attention=block_sparse", "--model.attention_window=16",
                      "--model.global_tokens=4"],
     "deltanet": ["--model.arch=hybrid", "--model.block_pattern=DA"],
-    "mamba2": ["--model.arch=hybrid", "--model.block_pattern=MA"],
+    "mamba2": ["--model.arch=hybrid", "--model.block_pattern=MA", "--model.ssm_state=16"],
     "document_mask": ["--model.document_mask=true", "--model.attention_window=24"],
 }
 

@@ -16,7 +16,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from myria.config.model import ModelConfig, refuse_moe_settings_on_dense, validate_model
+from myria.config.model import (
+    ModelConfig,
+    refuse_mixer_settings_that_do_nothing,
+    refuse_moe_settings_on_dense,
+    validate_model,
+)
 from myria.config.schema import schema_field
 from myria.errors import ConfigError
 
@@ -523,6 +528,7 @@ def validate(cfg: Config) -> None:
     m, t = cfg.model, cfg.training
     validate_model(m)
     refuse_moe_settings_on_dense(m)
+    refuse_mixer_settings_that_do_nothing(m)
     if t.micro_batch > t.global_batch:
         raise ConfigError(f"training.micro_batch = {t.micro_batch} exceeds training.global_batch"
                           f" = {t.global_batch}")

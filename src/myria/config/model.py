@@ -138,6 +138,32 @@ def refuse_moe_settings_on_dense(m: ModelConfig) -> None:
                           "model; set model.experts > 0, or leave them out")
 
 
+def refuse_mixer_settings_that_do_nothing(m: ModelConfig) -> None:
+    """As `refuse_moe_settings_on_dense` for the mixers' settings: a layer pattern on an
+    architecture without one, a feature map without linear attention, Mamba-2's sizes without
+    an M layer, and a pattern longer than the model (its last letters would be cut without a
+    word: griffin's default RRA on 2 layers has no attention layer)."""
+    def changed(*keys: str) -> list[str]:
+        return [f"model.{k} = {getattr(m, k)!r}" for k in keys
+                if getattr(m, k) != getattr(ModelConfig, k)]
+
+    patterned = m.arch in ("griffin", "hybrid")
+    for found, why in ((changed("block_pattern") if not patterned else [],
+                        f"a layer pattern for arch griffin or hybrid (model.arch = {m.arch!r})"),
+                       (changed("feature_map") if m.attention != "linear" else [],
+                        f"linear attention's (model.attention = {m.attention!r})"),
+                       (changed("ssm_state", "ssm_expand")
+                        if not (m.arch == "hybrid" and "M" in m.block_pattern) else [],
+                        "Mamba-2's (no M layer in a model.arch = 'hybrid' block_pattern)")):
+        if found:
+            raise ConfigError(f"{' and '.join(found)}: {why} setting(s) that would do "
+                              "nothing; leave them out, or choose the mixer they belong to")
+    if patterned and m.layers < len(m.block_pattern):
+        raise ConfigError(f"model.block_pattern = {m.block_pattern!r} is longer than "
+                          f"model.layers = {m.layers}: its last letters would have no layer; "
+                          f"use at least {len(m.block_pattern)} layers or a shorter pattern")
+
+
 def validate_mixer(m: ModelConfig) -> None:
     """Clear errors for combinations of arch, attention, window, global tokens and pattern."""
     if m.document_mask and (m.arch not in ("llama", "gpt") or m.attention != "softmax"):
