@@ -432,6 +432,9 @@ def kill_host(host: str) -> list[int]:
             os.kill(p, signal.SIGKILL)
         except ProcessLookupError:
             pass
+    end = time.time() + 10   # SIGKILL takes effect asynchronously: gone when this returns
+    while any(pid_alive(p) for p in pids) and time.time() < end:
+        time.sleep(0.05)
     return pids
 
 
