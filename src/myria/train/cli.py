@@ -57,8 +57,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "torchrun or `myria supervise`)")
     add_resume_arguments(p)
     p.add_argument("--dry-run", action="store_true",
-                   help="print the resolved config, parameter count, FLOPs per token, "
-                   "memory per rank and the predicted step, then exit; on a CPU the first dry "
+                   help="print the resolved config, parameter count, FLOPs per token and, "
+                   "for the mixers the performance model prices (softmax attention and the "
+                   "hybrids), memory per rank and the predicted step, then exit; on a CPU the "
+                   "first dry "
                    "run of a model shape measures its kernels on this machine (tens of "
                    "seconds, in worker processes) and keeps the figures for the next")
     p.epilog = ("Any config field can be overridden as --section.key=value, e.g. "
