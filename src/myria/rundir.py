@@ -22,6 +22,7 @@ from myria.fsutil import atomic_write, pid_alive
 
 CONFIG = "config.json"                      # the resolved config of the run (rank 0, at start)
 CONFIG_CHANGES = "config_changes.jsonl"     # fields changed on resume: step, field, old, new
+CONFIG_CHANGES_ABANDONED = "config_changes.abandoned.jsonl"  # those of a timeline given up
 METRICS = "metrics.jsonl"                   # one row per logged step (rank 0)
 METRICS_ABANDONED = "metrics.abandoned.jsonl"  # the rows of steps redone after a rollback
 CHECKPOINTS = "checkpoints"                 # two-stage checkpoints (myria.train.checkpoint)

@@ -140,6 +140,19 @@ def test_metrics_of_abandoned_steps_are_set_aside(tmp_path):
     assert [r.get("step") for r in gone] == [4, 5, 6, 4, None]
     assert all(r["resumed_from"] == 3 for r in gone)
     assert set_aside_after(tmp_path, 3) == 0
+    # the config changes of the abandoned timeline too: a run resumed at 4 changed lr from
+    # step 5, at 8 from step 9; resumed at 4 again, step 9's change goes aside, step 5's stays
+    # (the same resume applies it again)
+    from myria.train.metrics import MetricsLogger
+
+    (tmp_path / "config_changes.jsonl").write_text("".join(
+        json.dumps({"step": s, "field": "optimizer.lr", "old": 1, "new": s}) + "\n"
+        for s in (5, 9)))
+    MetricsLogger(tmp_path, 12, 4, enabled=True, tensorboard=False, progress=False)
+    kept = [json.loads(x) for x in (tmp_path / "config_changes.jsonl").read_text().splitlines()]
+    gone = [json.loads(x) for x in
+            (tmp_path / "config_changes.abandoned.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in kept] == [5] and [r["step"] for r in gone] == [9]
 
 
 # -- end to end: a damaged newest checkpoint of a real run ---------------------------------------

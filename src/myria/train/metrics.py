@@ -38,6 +38,9 @@ class MetricsLogger:
             return
         run_dir.mkdir(parents=True, exist_ok=True)
         set_aside_after(run_dir, start_step)
+        # the changes a resume at start_step applies begin at start_step + 1 (train.resume)
+        set_aside_after(run_dir, start_step + 1, rundir.CONFIG_CHANGES,
+                        rundir.CONFIG_CHANGES_ABANDONED)
         self._fh = open(run_dir / rundir.METRICS, "a")
         if tensorboard:
             try:
@@ -142,15 +145,18 @@ def _hms(seconds: float) -> str:
     return f"{s // 3600}:{s // 60 % 60:02d}:{s % 60:02d}"
 
 
-def set_aside_after(run_dir: Path, step: int) -> int:
-    """Move the rows of steps after `step` from metrics.jsonl to metrics.abandoned.jsonl.
+def set_aside_after(run_dir: Path, step: int, name: str = rundir.METRICS,
+                    side: str = rundir.METRICS_ABANDONED) -> int:
+    """Move the rows of steps after `step` from metrics.jsonl (`name`) to
+    metrics.abandoned.jsonl (`side`).
 
     A run resumed from step S redoes the steps after S: the rows an abandoned timeline wrote
     for them (a crash after the last checkpoint, a rollback past a damaged one) are moved to the
     side file, tagged with the resume step, so metrics.jsonl keeps one row per step, the one the
-    final model went through. Returns the number of rows moved.
+    final model went through; config_changes.jsonl likewise keeps the changes of the timeline
+    that trains. Returns the number of rows moved.
     """
-    path = run_dir / rundir.METRICS
+    path = run_dir / name
     if not path.exists():
         return 0
     keep, gone = [], []
@@ -168,7 +174,7 @@ def set_aside_after(run_dir: Path, step: int) -> int:
             keep.append(line)
     if not gone:
         return 0
-    with open(run_dir / rundir.METRICS_ABANDONED, "a") as fh:
+    with open(run_dir / side, "a") as fh:
         fh.write("\n".join(gone) + "\n")
         fh.flush()
         os.fsync(fh.fileno())
