@@ -38,7 +38,8 @@ FORMAT_VERSION = 1
 
 def _prepare_hint(path: Path) -> str:
     return (f"create it with `myria prepare --out {path} --corpus demo` "
-            "(or --input FILES for your own text)")
+            "(or --input FILES for your own text, with --tokenizer MODEL_DIR for a Hugging Face "
+            "model's tokenizer)")
 
 
 def load_index(path: str | Path) -> dict[str, Any]:
