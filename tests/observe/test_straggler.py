@@ -42,7 +42,8 @@ def test_a_rank_slowed_by_20_percent_is_named_within_k_steps(tmp_path, tiny_data
     assert s.detected_step <= 1 + K  # within K steps of the first measured step
     # The hook spins for 20% more than each span took. On 2 cores shared by 4 ranks, a busy host
     # makes the spinning rank lose more CPU than its peers, so it is slowed by more than 20%:
-    # 0.20-0.70 per window with one or two busy loops beside it, 1.08 at load 9.
+    # 0.20-0.70 per window with one or two busy loops beside it, past 1.0 on a host loaded far
+    # beyond its cores.
     assert 0.10 <= s.slowdown < 2.0 and s.cost_s_per_step > 0
     assert all(w["slowdown"] >= 0.10 for w in s.windows)
 

@@ -18,8 +18,7 @@ from typing import Any
 
 from myria.config.model import (
     ModelConfig,
-    refuse_mixer_settings_that_do_nothing,
-    refuse_moe_settings_on_dense,
+    refuse_settings_that_do_nothing,
     validate_model,
 )
 from myria.config.schema import schema_field
@@ -527,8 +526,7 @@ def validate(cfg: Config) -> None:
     `Layout.check`, run before the workers start and by each worker's engine)."""
     m, t = cfg.model, cfg.training
     validate_model(m)
-    refuse_moe_settings_on_dense(m)
-    refuse_mixer_settings_that_do_nothing(m)
+    refuse_settings_that_do_nothing(m)
     if t.micro_batch > t.global_batch:
         raise ConfigError(f"training.micro_batch = {t.micro_batch} exceeds training.global_batch"
                           f" = {t.global_batch}")

@@ -128,36 +128,33 @@ def validate_model(m: ModelConfig) -> None:
     validate_mixer(m)
 
 
-def refuse_moe_settings_on_dense(m: ModelConfig) -> None:
-    """A training config that sets the router's settings on a dense model has a mistake in it
-    (they would be recorded and do nothing); the planner's models carry defaults of their own."""
-    moe_only = [f"model.{k} = {getattr(m, k)}" for k in ("top_k", "capacity_factor")
-                if getattr(m, k) != getattr(ModelConfig, k)]
-    if not m.experts and moe_only:
-        raise ConfigError(f"{' and '.join(moe_only)}: mixture-of-experts setting(s) on a dense "
-                          "model; set model.experts > 0, or leave them out")
-
-
-def refuse_mixer_settings_that_do_nothing(m: ModelConfig) -> None:
-    """As `refuse_moe_settings_on_dense` for the mixers' settings: a layer pattern on an
-    architecture without one, a feature map without linear attention, Mamba-2's sizes without
-    an M layer, and a pattern longer than the model (its last letters would be cut without a
-    word: griffin's default RRA on 2 layers has no attention layer)."""
-    def changed(*keys: str) -> list[str]:
-        return [f"model.{k} = {getattr(m, k)!r}" for k in keys
-                if getattr(m, k) != getattr(ModelConfig, k)]
+def refuse_settings_that_do_nothing(m: ModelConfig) -> None:
+    """A training config that sets what its model does not use has a mistake in it (the
+    setting would be recorded and do nothing, and then be frozen on resume): the router's
+    settings on a dense model, a layer pattern on an architecture without one, a feature map
+    without linear attention, Mamba-2's sizes without an M layer; and a pattern longer than the
+    model (its last letters would be cut without a word: griffin's default RRA on 2 layers has
+    no attention layer). The planner's models carry defaults of their own."""
+    def changed(*keys: str, quote: bool = True) -> str:
+        return " and ".join(f"model.{k} = {getattr(m, k)!r}" if quote else
+                            f"model.{k} = {getattr(m, k)}" for k in keys
+                            if getattr(m, k) != getattr(ModelConfig, k))
 
     patterned = m.arch in ("griffin", "hybrid")
-    for found, why in ((changed("block_pattern") if not patterned else [],
-                        f"a layer pattern for arch griffin or hybrid (model.arch = {m.arch!r})"),
-                       (changed("feature_map") if m.attention != "linear" else [],
-                        f"linear attention's (model.attention = {m.attention!r})"),
-                       (changed("ssm_state", "ssm_expand")
-                        if not (m.arch == "hybrid" and "M" in m.block_pattern) else [],
-                        "Mamba-2's (no M layer in a model.arch = 'hybrid' block_pattern)")):
+    nothing = "setting(s) that would do nothing; leave them out, or choose the mixer they belong to"
+    for found, why in (
+            (changed("top_k", "capacity_factor", quote=False) if not m.experts else "",
+             "mixture-of-experts setting(s) on a dense model; set model.experts > 0, or leave "
+             "them out"),
+            (changed("block_pattern") if not patterned else "",
+             f"a layer pattern for arch griffin or hybrid (model.arch = {m.arch!r}) {nothing}"),
+            (changed("feature_map") if m.attention != "linear" else "",
+             f"linear attention's (model.attention = {m.attention!r}) {nothing}"),
+            (changed("ssm_state", "ssm_expand")
+             if not (m.arch == "hybrid" and "M" in m.block_pattern) else "",
+             f"Mamba-2's (no M layer in a model.arch = 'hybrid' block_pattern) {nothing}")):
         if found:
-            raise ConfigError(f"{' and '.join(found)}: {why} setting(s) that would do "
-                              "nothing; leave them out, or choose the mixer they belong to")
+            raise ConfigError(f"{found}: {why}")
     if patterned and m.layers < len(m.block_pattern):
         raise ConfigError(f"model.block_pattern = {m.block_pattern!r} is longer than "
                           f"model.layers = {m.layers}: its last letters would have no layer; "

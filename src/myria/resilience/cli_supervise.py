@@ -63,13 +63,10 @@ def run(args) -> int:
     from myria.layout import Layout
     from myria.train.preflight import (
         check_before_torch,
-        check_init_weights,
-        check_mixture,
+        check_data_and_model,
         check_nproc,
         check_run,
-        check_tokenizer,
         check_validation,
-        check_vocab,
         preflight,
     )
 
@@ -89,11 +86,7 @@ def run(args) -> int:
     from myria.train.distributed import device_type
 
     check_nproc(args.nproc, device_type(cfg.training.device))
-    if note := check_vocab(cfg, data):
-        print(note, flush=True)
-    check_mixture(cfg, data)
-    check_tokenizer(cfg, data)
-    check_init_weights(cfg, args.run_dir)
+    check_data_and_model(cfg, data, args.run_dir)
     check_run(cfg, Layout.resolve(cfg.parallel, args.nproc * min_nodes),
               device_type(cfg.training.device))
     from myria.resilience import injob

@@ -24,14 +24,11 @@ from myria.observe import goodput
 from myria.train.preflight import (
     add_resume_arguments,
     check_before_torch,
+    check_data_and_model,
     check_data_overrides,
-    check_init_weights,
-    check_mixture,
     check_nproc,
     check_run,
-    check_tokenizer,
     check_validation,
-    check_vocab,
     max_time_overrides,
     preflight,
     resume_overrides,
@@ -273,11 +270,7 @@ def run(args) -> int:
 
         if launching:
             check_nproc(args.nproc, device_type(cfg.training.device))
-        if note := check_vocab(cfg, data):
-            print(note, flush=True)
-        check_mixture(cfg, data)
-        check_tokenizer(cfg, data)
-        check_init_weights(cfg, args.run_dir)
+        check_data_and_model(cfg, data, args.run_dir)
         check_run(cfg, Layout.resolve(cfg.parallel, args.nproc or 1),
                   device_type(cfg.training.device))
     done = preflight(cfg, args.run_dir, args.stop_after)

@@ -78,24 +78,23 @@ def checkpoint_arg(value: str, run_dir: str | None) -> Path:
     directory's name, step_0000000N) of the run's checkpoints/ or checkpoints/quarantine/.
     ConfigError, listing the run's checkpoints, when none of these is a checkpoint (one with
     meta.json): said before anything starts."""
-    import re
+    from myria.train.checkpoint.store import MANIFEST, QUARANTINE, CheckpointStore
 
-    ckpts = Path(run_dir or ".") / rundir.CHECKPOINTS
-    names = [f"step_{int(value):08d}"] if value.isdigit() else [value]
-    tries = [Path(value)] + [d / n for d in (ckpts, ckpts / "quarantine") for n in names] \
-        if run_dir else [Path(value)]
+    store = CheckpointStore(Path(run_dir or ".") / rundir.CHECKPOINTS)
+    tries = [Path(value)]
+    if run_dir:
+        name = store.path_for(int(value)).name if value.isdigit() else value
+        tries += [store.dir / name, store.dir / QUARANTINE / name]
     for t in tries:
-        if (t / "meta.json").is_file():
+        if (t / MANIFEST).is_file():
             return t.resolve()
-    have = sorted(str(q.relative_to(ckpts)) for d in (ckpts, ckpts / "quarantine")
-                  if d.is_dir() for q in d.iterdir()
-                  if re.fullmatch(r"step_\d+", q.name) and (q / "meta.json").is_file())
-    why = "is not a checkpoint directory (no meta.json in it)" if Path(value).is_dir() else \
+    have = [str(q.relative_to(store.dir)) for q in store.committed() + store.quarantined()]
+    why = f"is not a checkpoint directory (no {MANIFEST} in it)" if Path(value).is_dir() else \
         "names no checkpoint"
     raise config_mod.ConfigError(
         f"--resume-from {value} {why}; give a checkpoint directory or a step of the run's"
-        + (f": {ckpts} holds {', '.join(have)}" if have else
-           f" (none in {ckpts})" if run_dir else " (no --run-dir given)"))
+        + (f": {store.dir} holds {', '.join(have)}" if have else
+           f" (none in {store.dir})" if run_dir else " (no --run-dir given)"))
 
 
 def max_time_overrides(args) -> list[str]:
@@ -211,6 +210,16 @@ def check_init_weights(cfg: Config, run_dir: str | Path) -> None:
     from myria.interop import hf
 
     hf.check_weights(Path(cfg.model.init_from), cfg.model)
+
+
+def check_data_and_model(cfg: Config, dataset, run_dir: str | Path) -> None:
+    """What a launcher (`myria train`, `myria supervise`) checks of the data against the model
+    before any process starts; prints `check_vocab`'s note, if any."""
+    if note := check_vocab(cfg, dataset):
+        print(note, flush=True)
+    check_mixture(cfg, dataset)
+    check_tokenizer(cfg, dataset)
+    check_init_weights(cfg, run_dir)
 
 
 def check_nproc(nproc: int, device: str, flag: str = "--nproc") -> None:
