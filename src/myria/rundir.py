@@ -21,6 +21,8 @@ from pathlib import Path
 from myria.fsutil import atomic_write, pid_alive
 
 CONFIG = "config.json"                      # the resolved config of the run (rank 0, at start)
+GENERATION_CONFIG = "generation_config.json"  # model.init_from's (rank 0, at start): its
+#                                             stop tokens and sampling defaults, for export
 CONFIG_CHANGES = "config_changes.jsonl"     # fields changed on resume: step, field, old, new
 CONFIG_CHANGES_ABANDONED = "config_changes.abandoned.jsonl"  # those of a timeline given up
 METRICS = "metrics.jsonl"                   # one row per logged step (rank 0)

@@ -1,7 +1,7 @@
 """`myria prepare --tokenizer DIR`: a model's own tokenizer (here Llama-3-style, built locally:
 no `<|endoftext|>`, BOS added by its post-processor, EOS `<|end_of_text|>`) prepares, trains,
-generates and exports; the export's tokenizer is the one trained with and transformers'
-generation stops at its EOS."""
+generates and exports; the export's tokenizer is the one trained with, with the model's chat
+template and generation settings, and transformers' generation stops at its EOS."""
 
 from __future__ import annotations
 
@@ -14,7 +14,10 @@ import torch
 from tests.conftest import TINY, run_cli
 from tests.interop.conftest import make_hf_model
 
-BOS, EOS = "<|begin_of_text|>", "<|end_of_text|>"
+BOS, EOS, EOT = "<|begin_of_text|>", "<|end_of_text|>", "<|eot_id|>"
+# Llama 3 Instruct's template, shortened: a header per message, each message ended by EOT
+TEMPLATE = ("{{ bos_token }}{% for m in messages %}<|start_header_id|>{{ m['role'] }}"
+            "<|end_header_id|>\n\n{{ m['content'] }}<|eot_id|>{% endfor %}")
 
 
 def llama3_style_tokenizer(d: Path) -> tuple[int, int]:
@@ -30,7 +33,7 @@ def llama3_style_tokenizer(d: Path) -> tuple[int, int]:
     tok.train_from_iterator(text, trainers.BpeTrainer(
         vocab_size=600, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False))
-    tok.add_special_tokens([BOS, EOS])
+    tok.add_special_tokens([BOS, EOS, EOT])
     bos, eos = tok.token_to_id(BOS), tok.token_to_id(EOS)
     tok.post_processor = processors.TemplateProcessing(
         single=f"{BOS} $A", pair=f"{BOS} $A {BOS} $B", special_tokens=[(BOS, bos)])
@@ -50,6 +53,12 @@ def test_model_tokenizer_prepares_trains_generates_exports(tmp_path):
 
     model_dir = make_hf_model("llama", tmp_path / "llama3")
     bos, eos = llama3_style_tokenizer(model_dir)
+    # as transformers saves an instruct model: the template in its own file, several stops
+    (model_dir / "chat_template.jinja").write_text(TEMPLATE)
+    eot = eos + 1
+    (model_dir / "generation_config.json").write_text(json.dumps(
+        {"bos_token_id": bos, "eos_token_id": [eos, eot], "do_sample": True,
+         "temperature": 0.6, "top_p": 0.9}))
     data, run, out = tmp_path / "data", tmp_path / "run", tmp_path / "hf"
     run_cli("prepare", "--corpus", "demo", "--max-docs", "6", "--tokenizer", str(model_dir),
             "--out", str(data), "--quiet")
@@ -71,8 +80,12 @@ def test_model_tokenizer_prepares_trains_generates_exports(tmp_path):
     tok = AutoTokenizer.from_pretrained(out)
     assert (tok.eos_token, tok.bos_token) == (EOS, BOS)
     assert tok("hello").input_ids[0] == bos  # the template came along
+    chat = tok.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False)
+    assert chat == f"{BOS}<|start_header_id|>user<|end_header_id|>\n\nhi{EOT}"
     hf = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
-    assert (hf.generation_config.eos_token_id, hf.config.bos_token_id) == (eos, bos)
+    assert hf.config.bos_token_id == bos
+    gen = hf.generation_config
+    assert (gen.eos_token_id, gen.temperature, gen.top_p) == ([eos, eot], 0.6, 0.9)
 
     class EosAtThird(LogitsProcessor):  # the model says EOS as its third new token
         def __call__(self, input_ids, scores):

@@ -86,7 +86,8 @@ def keep_tokenizer(data_dir: str | Path, run_dir: str | Path, write: bool = True
 
         try:
             dest.parent.mkdir(parents=True, exist_ok=True)
-            # its special tokens (tokenizer_config.json) first: the tokenizer's file marks both
+            # its tokenizer_config.json (special tokens, chat template) first: the
+            # tokenizer's file marks both
             if config_file(src).is_file():
                 _replace(config_file(dest), config_file(src).read_bytes())
             _replace(dest, data)

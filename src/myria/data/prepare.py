@@ -6,7 +6,9 @@ Output (DATA_DIR, see `prepare`):
     tokenizer.json          HF `tokenizers` byte-level BPE (EOS = <|endoftext|>), or the
                             --tokenizer given (a model directory's or a tokenizer.json)
     tokenizer_config.json   its special tokens (eos_token, and bos_token / pad_token when it
-                            has them), read back by training, generate and export
+                            has them), read back by training, generate and export; for a
+                            model's tokenizer, that model's whole tokenizer_config.json (its
+                            chat template too), which export passes on
     train_00000.bin ...     raw little-endian token ids of the training split, concatenated
                             documents each followed by EOS (and led by the BOS when the
                             tokenizer adds one); at most --shard-tokens per shard
@@ -421,6 +423,7 @@ def _start(out_dir: Path, sources: Sequence[Source], key: str, tokenizer: str | 
     if tokenizer:
         tok = T.load_tokenizer(tokenizer)
         specials = T.read_specials(tokenizer, tok)
+        tok_cfg = T.read_config(tokenizer)
         tok_json = T.tokenizer_file(tokenizer).read_bytes()
         limits = T.encode_limits(tokenizer)
         tok_desc = f"loaded from {tokenizer}" + (
@@ -430,6 +433,7 @@ def _start(out_dir: Path, sources: Sequence[Source], key: str, tokenizer: str | 
         tok = T.train_tokenizer(train, vocab_size)
         tok_json = tok.to_str(pretty=True).encode()
         specials = T.Specials(T.EOS_TOKEN, T.eos_id(tok))
+        tok_cfg = {}
         tok_desc = (f"byte-level BPE trained on {len(train)} documents" if small else
                     f"byte-level BPE trained on the first {len(train):,} training documents "
                     f"({sum(map(len, train)) / 1e6:,.1f} M characters)")
@@ -437,7 +441,7 @@ def _start(out_dir: Path, sources: Sequence[Source], key: str, tokenizer: str | 
     del train
     atomic_write(out_dir / TOKENIZER_FILE, tok_json)
     atomic_write(T.config_file(out_dir / TOKENIZER_FILE),
-                 (json.dumps(specials.config(), indent=1) + "\n").encode())
+                 (json.dumps({**tok_cfg, **specials.config()}, indent=1) + "\n").encode())
     vocab = tok.get_vocab_size()
     return {"key": key, "small": small, "val_docs": val_docs,
             "tokenizer_sha256": hashlib.sha256(tok_json).hexdigest(),

@@ -26,6 +26,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from myria.errors import DataError
 
 EOS_TOKEN = "<|endoftext|>"
+CHAT_TEMPLATE_FILE = "chat_template.jinja"   # where transformers saves a tokenizer's template
 
 # The smallest useful vocabulary: the 256 byte symbols plus the EOS token.
 MIN_VOCAB_SIZE = 257
@@ -221,6 +222,29 @@ def config_file(tok_path: str | Path) -> Path:
         p.with_name(p.stem + ".config.json")
 
 
+def read_config(tok_path: str | Path) -> dict[str, Any]:
+    """The tokenizer_config.json of the tokenizer at `tok_path` (`config_file`; {} without
+    one), with the chat template of a `chat_template.jinja` beside a tokenizer.json folded in as
+    its `chat_template` field (transformers saves it as that file, and reads either): what a
+    model's tokenizer carries beyond its vocabulary, kept through prepare, the run and export."""
+    cfg_path = config_file(tok_path)
+    cfg: dict[str, Any] = {}
+    if cfg_path.is_file():
+        try:
+            cfg = json.loads(cfg_path.read_text())
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise DataError(f"{str(cfg_path)!r} is not valid JSON: {e}") from None
+        if not isinstance(cfg, dict):
+            raise DataError(f"{str(cfg_path)!r} is not a JSON object")
+    template = cfg_path.parent / CHAT_TEMPLATE_FILE
+    if cfg_path.name == "tokenizer_config.json" and template.is_file():
+        try:
+            cfg["chat_template"] = template.read_text()
+        except UnicodeDecodeError as e:
+            raise DataError(f"{str(template)!r} is not UTF-8 text: {e}") from None
+    return cfg
+
+
 def _token(value: Any) -> str | None:
     """A special token of tokenizer_config.json: a string, or {"content": ...} (older files)."""
     return value.get("content") if isinstance(value, dict) else value
@@ -232,12 +256,7 @@ def read_specials(tok_path: str | Path, tok: Tokenizer | None = None) -> Special
     unknown or a named token is not in the vocabulary."""
     tok = tok or load_tokenizer(tok_path)
     cfg_path = config_file(tok_path)
-    cfg: dict[str, Any] = {}
-    if cfg_path.is_file():
-        try:
-            cfg = json.loads(cfg_path.read_text())
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise DataError(f"{str(cfg_path)!r} is not valid JSON: {e}") from None
+    cfg = read_config(tok_path)
     names = {k: _token(cfg.get(f"{k}_token")) for k in ("eos", "bos", "pad")}
     if names["eos"] is None:
         if tok.token_to_id(EOS_TOKEN) is None:

@@ -100,6 +100,27 @@ def _rope(hf: dict, d: Path) -> dict[str, Any]:
                       "supported: default, linear, llama3")
 
 
+def keep_generation_config(d: str | Path, run_dir: str | Path) -> None:
+    """Copy model directory `d`'s generation_config.json, when it has one, into the run
+    directory (`rundir.GENERATION_CONFIG`): the model's stop tokens (often several: Llama 3
+    Instruct's end of text, of a message and of a turn) and sampling defaults, which export passes
+    on; the model directory need not exist when the run is exported."""
+    from myria import rundir
+    from myria.fsutil import atomic_write
+
+    src = Path(d) / "generation_config.json"
+    try:
+        data = src.read_bytes()
+        json.loads(data)
+    except FileNotFoundError:
+        return
+    except (OSError, ValueError) as e:
+        warnings.warn(f"{src} is not kept with the run (unreadable: {e}); export writes a "
+                      "generation_config.json of the tokenizer's tokens", stacklevel=2)
+        return
+    atomic_write(Path(run_dir) / rundir.GENERATION_CONFIG, data)
+
+
 def model_fields(d: str | Path, seq_len: int) -> dict[str, Any]:
     """The model-section fields that model directory `d`'s config.json sets, for a run of
     `seq_len` tokens per sequence. ConfigError names the first thing that is not supported."""

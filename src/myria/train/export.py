@@ -14,13 +14,16 @@ checkpoint alone (a partial DCP load). It renames the parameters to the Llama fa
     config.json              LlamaConfig (Qwen2Config for a model with q/k/v biases,
                              MistralConfig for a sliding window), its RoPE scaling, bos/eos/pad
                              token ids of the tokenizer
-    generation_config.json   the same token ids (generation stops at the EOS), max_new_tokens 50
+    generation_config.json   the same token ids (generation stops at the EOS), max_new_tokens
+                             50; a run started from a model: that model's, kept with the run
     tokenizer.json           the tokenizer the checkpoint was trained with (kept in the run
                              directory, see myria.data.fingerprint: the data directory need
                              not exist any more)
     tokenizer_config.json    PreTrainedTokenizerFast with the tokenizer's bos/eos/pad (myria's
     special_tokens_map.json  own: all <|endoftext|>, so batch padding works; a pad-less one
-                             pads with its EOS) and left padding (what batched generation needs)
+                             pads with its EOS) and left padding (what batched generation
+                             needs); a model's tokenizer: its own tokenizer_config.json (chat
+                             template, added tokens) with those tokens
 
 so that `AutoModelForCausalLM.from_pretrained(d)`, `AutoTokenizer.from_pretrained(d)` and
 `pipeline("text-generation", model=d)` work with no further argument (tested with transformers
@@ -124,23 +127,51 @@ def token_ids(specials) -> dict[str, int]:
             specials.pad_id}
 
 
-def hf_tokenizer_files(m, specials) -> dict[str, dict]:
+def hf_tokenizer_files(m, specials, tok_cfg: dict | None = None,
+                       generation: dict | None = None) -> dict[str, dict]:
     """generation_config.json, tokenizer_config.json and special_tokens_map.json for the
-    tokenizer the run trained with (its special tokens, `myria.data.tokenizer.Specials`). A
-    tokenizer with its own post-processor (a model's: Llama's adds the BOS) keeps it; myria's
-    own adds no special token."""
+    tokenizer the run trained with (its special tokens, `myria.data.tokenizer.Specials`).
+
+    A model's tokenizer keeps what its own tokenizer_config.json says (`tok_cfg`: its chat
+    template, added tokens, class, padding side), and a run started from a model keeps that
+    model's generation_config.json (`generation`: its stop tokens and sampling defaults);
+    myria fills only what they leave out. Without them: PreTrainedTokenizerFast padding on the
+    left (what batched generation needs), adding no special token (myria's own tokenizer has
+    none to add), stopping at the EOS after at most 50 new tokens. A pad-less tokenizer pads
+    with its EOS."""
     eos = specials.eos_token
     special = {"bos_token": specials.bos_token or eos, "eos_token": eos,
                "pad_token": specials.pad_token or eos}
     own = {} if specials.bos_token else {"add_bos_token": False, "add_eos_token": False}
+    defaults = {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length":
+                max_positions(m), "padding_side": "left", **own,
+                "clean_up_tokenization_spaces": False}
     return {
-        "generation_config.json": {**token_ids(specials), "max_new_tokens": 50},
-        "tokenizer_config.json": {"tokenizer_class": "PreTrainedTokenizerFast", **special,
-                                  "model_max_length": max_positions(m),
-                                  "padding_side": "left",
-                                  **own, "clean_up_tokenization_spaces": False},
+        "generation_config.json": ({**token_ids(specials), **generation} if generation else
+                                   {**token_ids(specials), "max_new_tokens": 50}),
+        "tokenizer_config.json": {**defaults, **(tok_cfg or {}), **special},
         "special_tokens_map.json": special,
     }
+
+
+def kept_generation_config(run_dir: Path, specials) -> tuple[dict | None, str | None]:
+    """The generation_config.json the run kept from the model it started from
+    (`myria.interop.hf.keep_generation_config`), and a note when it is not passed on: its stop
+    tokens must include the tokenizer's EOS, else they belong to another vocabulary."""
+    f = run_dir / rundir.GENERATION_CONFIG
+    try:
+        gen = json.loads(f.read_text())
+    except FileNotFoundError:
+        return None, None
+    except (OSError, ValueError) as e:
+        return None, f"{f} is unreadable ({e}); wrote a generation_config.json of the tokens"
+    stops = gen.get("eos_token_id") if isinstance(gen, dict) else None
+    stops = stops if isinstance(stops, list) else [stops]
+    if specials.eos_id not in stops:
+        return None, (f"{f} (the starting model's) stops at token ids {stops}, not at the "
+                      f"tokenizer's EOS {specials.eos_id}: wrote a generation_config.json of "
+                      "the tokenizer's tokens instead")
+    return gen, None
 
 
 def check_out(out: Path, force: bool) -> None:
@@ -340,7 +371,7 @@ def _write(path: Path, data: bytes) -> None:
 
 def run(args) -> int:
     from myria.data import fingerprint
-    from myria.data.tokenizer import read_specials
+    from myria.data.tokenizer import read_config, read_specials
 
     run_dir = Path(args.run_dir)
     if not run_dir.is_dir():
@@ -360,12 +391,14 @@ def run(args) -> int:
         raise ConfigError(f"--out {str(out)!r}: cannot create it ({e.strerror})") from None
     weights, n_params = write_weights(out, path, m, args.dtype, args.max_shard_size)
     _write(out / "tokenizer.json", tok_path.read_bytes())
+    generation, gen_note = kept_generation_config(run_dir, specials)
     files = {"config.json": hf_config(m, specials, args.dtype),
-             **hf_tokenizer_files(m, specials)}
+             **hf_tokenizer_files(m, specials, read_config(tok_path), generation)}
     for name, obj in files.items():
         _write(out / name, (json.dumps(obj, indent=1) + "\n").encode())
-    if note:
-        print(note)
+    for said in (note, gen_note):
+        if said:
+            print(said)
     parts = f" in {len(weights) - 1} shards" if INDEX in weights else ""
     print(f"exported {path.name} ({n_params:,} parameters) to {out} "
           f"as {files['config.json']['architectures'][0]} {args.dtype} safetensors{parts} "

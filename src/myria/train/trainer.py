@@ -522,6 +522,9 @@ def resume_run(cfg: Config, run_dir: Path, env, engine: Engine, ckpt: Checkpoint
         resume.apply(cfg, engine, run_dir, start_step, changed, env.is_main)
     elif cfg.model.init_from:
         init_from_hf(cfg, engine, env.is_main)
+        if env.is_main:
+            from myria.interop import hf
+            hf.keep_generation_config(cfg.model.init_from, run_dir)
     if latest is None and env.is_main:   # (a resume's config is written by resume.apply)
         resume.write_config(cfg, run_dir)
     if env.is_main and (asked_checkpoint(cfg) or not cfg.checkpoint.resume):
