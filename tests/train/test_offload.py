@@ -688,3 +688,32 @@ def test_offload_package_imports_no_simulator_and_no_private_names():
                 if node.module.startswith("myria."):
                     private = [a.name for a in node.names if a.name.startswith("_")]
                     assert not private, (path.name, node.module, private)
+
+
+def test_budget_counts_the_parameters_fsdp2_holds_gathered():
+    """Under ZeRO-2 FSDP2 keeps every block gathered from its forward to its backward (the
+    whole model beside its shards at the peak), under FSDP the root and the blocks in flight;
+    DDP and the zero-bubble schedules' manual reduction shard nothing and gather nothing."""
+    from myria.models.flops import param_counts
+    from myria.offload.budget import plan_for_config
+
+    nvme = [*SMALL, "--model.layers=6", "--parallel.offload=nvme"]
+    two = Layout(dp_shard=2)
+
+    def plan(*more, layout=two, device="cpu"):
+        return plan_for_config(config.load(None, [*nvme, *more]), layout, device)
+
+    m = config.load(None, nvme).model
+    pc = param_counts(m)
+    n, block = pc.total(m.layers), pc.total(1) - pc.total(0)
+    zero2, fsdp = plan("--training.data_parallel=zero2"), plan("--training.data_parallel=fsdp")
+    ddp = plan("--training.data_parallel=ddp")
+    assert zero2.params == pytest.approx(4 * n / 2, abs=8) and zero2.gathered == 4 * n
+    assert fsdp.gathered == 4 * (n - (m.layers - 2) * block)   # the root and 2 blocks
+    assert ddp.gathered == 0 and ddp.params == 4 * n
+    # in bf16 on CUDA the gathered copies are 2 bytes a parameter
+    assert plan("--training.data_parallel=zero2", "--training.dtype=bfloat16",
+                device="cuda").gathered == 2 * n
+    zb = Layout(dp_shard=2, pp=2, schedule="zbv")
+    assert plan("--parallel.pp=2", "--parallel.schedule=zbv", layout=zb).gathered == 0
+    assert "gathered parameters" in zero2.describe()

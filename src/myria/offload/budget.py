@@ -47,11 +47,12 @@ class MemoryPlan:
     offloaded: float = 0.0         # bytes in the offload files per rank
     layer_state: float = 0.0       # one layer's offloaded state (all sections)
     sections: int = 2              # nvme: state tensors per parameter in the files
+    gathered: float = 0.0          # FSDP2's unsharded copies at the peak (`gathered_bytes`)
 
     @property
     def resident(self) -> float:
-        return self.params + self.grads + self.optimizer + self.activations + \
-            self.buffers * self.buffer_bytes
+        return self.params + self.gathered + self.grads + self.optimizer + \
+            self.activations + self.buffers * self.buffer_bytes
 
     @property
     def chunk_bytes(self) -> int:
@@ -61,7 +62,8 @@ class MemoryPlan:
     def describe(self) -> str:
         gb = lambda x: f"{x / 1e9:.3g}"  # noqa: E731
         s = (f"offload {self.tier}: fast tier per rank: parameters {gb(self.params)} + "
-             f"gradients {gb(self.grads)} + optimizer {gb(self.optimizer)} + activations "
+             + (f"gathered parameters {gb(self.gathered)} + " if self.gathered else "")
+             + f"gradients {gb(self.grads)} + optimizer {gb(self.optimizer)} + activations "
              f"{gb(self.activations)}")
         if self.tier == "nvme":
             s += (f" + {self.buffers} I/O buffers of {self.buffer_bytes / 2**20:.1f} MiB"
@@ -74,13 +76,15 @@ class MemoryPlan:
 
 
 def plan_memory(cfg, params_local: int, layer_params_local: int, itemsize: int,
-                activations: float, unit_params_local: int = 0) -> MemoryPlan:
+                activations: float, unit_params_local: int = 0,
+                gathered: float = 0.0) -> MemoryPlan:
     """The fast-tier plan of one rank, or a ConfigError (one line) when the budget
     `parallel.fast_memory_gb` cannot hold even one layer's worth of it.
 
     `params_local`: parameters this rank holds (its shards); `layer_params_local`: of them,
     the largest transformer block's; `unit_params_local`: the largest unit offload_params
-    loads at once (a block, the embeddings or the head). Under nvme the buffers take what the
+    loads at once (a block, the embeddings or the head); `gathered`: bytes of FSDP2's
+    unsharded parameter copies at the peak (`gathered_bytes`). Under nvme the buffers take what the
     budget leaves, at least MIN_BUFFERS chunks of MIN_CHUNK (or a layer, if smaller) per
     section, at most enough for the whole state (with room for the next step's prefetch) and
     CHUNK_BYTES per section each."""
@@ -90,7 +94,7 @@ def plan_memory(cfg, params_local: int, layer_params_local: int, itemsize: int,
     p_bytes = params_local * itemsize
     if tier != "nvme":
         plan = MemoryPlan(tier, budget, p_bytes, p_bytes, 2 * p_bytes if tier == "none" else 0,
-                          activations)
+                          activations, gathered=gathered)
         if tier == "none" and budget and plan.resident > budget:
             raise ConfigError(
                 f"parallel.fast_memory_gb = {par.fast_memory_gb:g} is too small for this run in "
@@ -104,7 +108,8 @@ def plan_memory(cfg, params_local: int, layer_params_local: int, itemsize: int,
     unit = round_up(max(unit_params_local, layer_params_local) * itemsize)
     resident_params = PARAM_SLABS * unit if par.offload_params else p_bytes
     plan = MemoryPlan(tier, budget, resident_params, p_bytes, 0.0, activations,
-                      offloaded=p_bytes * sections, layer_state=layer_state, sections=sections)
+                      offloaded=p_bytes * sections, layer_state=layer_state, sections=sections,
+                      gathered=gathered)
     chunk_min = round_up(max(1, min(layer_params_local * itemsize, MIN_CHUNK)))
     if budget:
         room = budget - plan.resident
@@ -114,7 +119,9 @@ def plan_memory(cfg, params_local: int, layer_params_local: int, itemsize: int,
             raise ConfigError(
                 f"parallel.fast_memory_gb = {par.fast_memory_gb:g} is too small for even one "
                 f"layer: this rank needs at least {least:.3g} GB (parameters "
-                f"{plan.params / 1e9:.3g}, gradients {plan.grads / 1e9:.3g}, activations "
+                f"{plan.params / 1e9:.3g}, "
+                + (f"gathered parameters {gathered / 1e9:.3g}, " if gathered else "")
+                + f"gradients {plan.grads / 1e9:.3g}, activations "
                 f"{activations / 1e9:.3g}, and {MIN_BUFFERS} I/O buffers of "
                 f"{chunk_min * sections / 1e9:.3g})"
                 + ("" if par.offload_params else "; parallel.offload_params = true also moves "
@@ -140,7 +147,12 @@ def plan_for_config(cfg, layout: Layout, device_type: str | None = None) -> Memo
     `device_type`: the device the run trains on (None: training.device, "auto" read as cpu)."""
     m, t = cfg.model, cfg.training
     tp, pp, ep = layout["tp"], layout["pp"], layout["ep"]
-    shard = layout["dp"] * layout["cp"] if t.data_parallel != "ddp" else 1
+    if device_type is None:
+        device_type = t.device if t.device != "auto" else "cpu"
+    from myria.parallel.parallelize import shards_with_fsdp  # torch
+
+    fsdp = shards_with_fsdp(cfg, layout, device_type)
+    shard = layout["dp"] * layout["cp"] if fsdp else 1
     pc = param_counts(m)
     stages = [(True, True)] if pp == 1 else [(True, False), (False, True)]
     dense, expert = max((stage_params(pc, tp, m.layers / pp, f, la, ep) for f, la in stages),
@@ -151,9 +163,33 @@ def plan_for_config(cfg, layout: Layout, device_type: str | None = None) -> Memo
     layer = math.ceil(ldense / shard + lexpert / eshard)
     unit = max(layer, math.ceil(max(pc.embedding + pc.positional, pc.final_norm + pc.head)
                                 / tp / shard))
-    if device_type is None:
-        device_type = t.device if t.device != "auto" else "cpu"
-    return plan_memory(cfg, total, layer, 4, activation_bytes(cfg, layout, device_type), unit)
+    # the root module's (embeddings, head) stays gathered after its forward unless pipelined
+    root = (pc.embedding + pc.positional + pc.final_norm + pc.head) / tp if pp == 1 else 0
+    gathered = gathered_bytes(cfg, layout, device_type, dense + expert, ldense + lexpert,
+                              root) if fsdp else 0.0
+    return plan_memory(cfg, total, layer, 4, activation_bytes(cfg, layout, device_type), unit,
+                       gathered)
+
+
+def gathered_bytes(cfg, layout: Layout, device_type: str, stage: float, layer: float,
+                   root: float) -> float:
+    """Bytes of the unsharded parameters FSDP2 holds at a rank's peak beside its fp32 shards;
+    `stage`, `layer`, `root`: a pipeline stage's, a block's and the root module's parameters
+    on this rank before the data-parallel sharding (`root` 0 where it is resharded after its
+    forward, as under pipelining). Under ZeRO-2 (`reshard_after_forward=False`) every block
+    stays gathered from its forward to its backward: the whole stage at the end of the
+    forward. Under FSDP the root, the block computing and the `fsdp_prefetch` blocks gathered
+    ahead of it (at least one, FSDP2's own prefetch). In bf16 under the mixed-precision
+    policy; in fp32 without it, on more than one rank."""
+    from myria.parallel.parallelize import mixed_precision  # torch
+
+    mixed = mixed_precision(cfg, device_type) is not None
+    if not mixed and layout["dp"] * layout["cp"] == 1:
+        return 0.0
+    per = 2 if mixed else 4
+    if cfg.training.data_parallel == "zero2":
+        return stage * per
+    return (root + layer * (1 + max(1, cfg.parallel.fsdp_prefetch))) * per
 
 
 def activation_bytes(cfg, layout: Layout, device_type: str) -> float:
