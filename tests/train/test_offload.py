@@ -644,6 +644,8 @@ def test_dry_run_accounts_for_offload():
     assert off["optimizer"] == 0 < plain["optimizer"]
     line = next(x for x in p.stdout.splitlines() if x.startswith("# offload nvme"))
     assert "I/O buffers" in line and "(budget 40 GB)" in line and "fits in 40 GB" in p.stdout
+    # the H100 figure is said to be a planning one: the tier runs on CPU
+    assert "nvme tier runs on CPU in this version, not on h100" in p.stdout
 
 
 def test_nvme_tier_refuses_a_gpu_in_one_line():
