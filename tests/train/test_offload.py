@@ -719,3 +719,40 @@ def test_budget_counts_the_parameters_fsdp2_holds_gathered():
     zb = Layout(dp_shard=2, pp=2, schedule="zbv")
     assert plan("--parallel.pp=2", "--parallel.schedule=zbv", layout=zb).gathered == 0
     assert "gathered parameters" in zero2.describe()
+
+
+def test_room_for_the_tier_files_checked_before_any_worker_starts(tmp_path, monkeypatch):
+    """Two generations per local rank must fit (else one line before launch); the kept
+    checkpoints' generations on the same file system draw a warning; an earlier start's
+    generation files count as free space, a checkpoint-linked one does not."""
+    import shutil
+    from collections import namedtuple
+
+    from myria.offload import nvme
+    from myria.offload.budget import plan_for_config
+
+    cfg = config.load(None, [*SMALL, "--parallel.offload=nvme", "--checkpoint.keep=2"])
+    one = Layout()
+    gen = plan_for_config(cfg, one, "cpu").offloaded
+    usage = namedtuple("usage", "total used free")
+
+    def free(n):
+        monkeypatch.setattr(shutil, "disk_usage", lambda _: usage(0, 0, int(n)))
+
+    free(2 * 2 * gen - 1)
+    with pytest.raises(ConfigError, match=r"2 rank\(s\) on this host.*free space or set "
+                                          "parallel.offload_dir"):
+        nvme.check_disk(cfg, one, tmp_path, local_ranks=2)
+    free(2 * 2 * gen)
+    assert "the 2 checkpoint(s) kept" in nvme.check_disk(cfg, one, tmp_path, local_ranks=2)
+    free(4 * 2 * gen)
+    assert nvme.check_disk(cfg, one, tmp_path, local_ranks=2) is None
+    # an earlier start's generation is reused or removed; a checkpoint's link keeps its blocks
+    old = tmp_path / "offload" / "rank00000" / "part0"
+    old.mkdir(parents=True)
+    (old / "gen_00000003.bin").write_bytes(b"\1" * int(gen))
+    free(2 * 2 * gen - 1)
+    assert "the 2 checkpoint(s) kept" in nvme.check_disk(cfg, one, tmp_path, local_ranks=2)
+    (tmp_path / "linked.bin").hardlink_to(old / "gen_00000003.bin")
+    with pytest.raises(ConfigError):
+        nvme.check_disk(cfg, one, tmp_path, local_ranks=2)

@@ -67,7 +67,8 @@ class MemoryPlan:
              f"{gb(self.activations)}")
         if self.tier == "nvme":
             s += (f" + {self.buffers} I/O buffers of {self.buffer_bytes / 2**20:.1f} MiB"
-                  f" = {gb(self.resident)} GB; on disk {gb(self.offloaded)} GB per rank")
+                  f" = {gb(self.resident)} GB; on disk {gb(2 * self.offloaded)} GB per rank "
+                  f"(two generations of {gb(self.offloaded)} GB, and one per kept checkpoint)")
         else:
             s += f" = {gb(self.resident)} GB"
         if self.budget:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 from collections.abc import Callable
 from pathlib import Path
 
@@ -80,6 +81,54 @@ def offload_root(cfg, run_dir: str | Path | None) -> Path:
         raise ConfigError("parallel.offload = 'nvme' needs parallel.offload_dir (or a run "
                           "directory to put RUN_DIR/offload in)")
     return Path(run_dir) / rundir.OFFLOAD_DIR
+
+
+def _existing(path: Path) -> Path:
+    """`path`, or its nearest ancestor that exists (where its file system is)."""
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    return path
+
+
+def check_disk(cfg, layout: Layout, run_dir: str | Path | None, local_ranks: int,
+               device_type: str = "cpu") -> str | None:
+    """Room for the nvme tier's files of this host's `local_ranks`, before any worker starts.
+
+    Each rank keeps two generations at rest (the committed one and the one the next update
+    writes; `myria.offload.generations`), and each kept checkpoint on the same file system
+    holds one more (it hard-links a generation, which is then never rewritten). ConfigError
+    when the two cannot fit (the run could not take a step); a warning to print when the
+    checkpoints' would not (the run would stop with a full disk at a later step). Files of an
+    earlier start in the directory count as free: they are removed or reused at start."""
+    if cfg.parallel.offload != "nvme":
+        return None
+    from myria.offload.budget import plan_for_config
+
+    root = offload_root(cfg, run_dir)
+    gen = plan_for_config(cfg, layout, device_type).offloaded
+    where = _existing(root)
+    free = shutil.disk_usage(where).free
+    for f in [*root.glob("rank*/part*/gen_*.bin"), *root.glob("rank*/part*/spare.bin")]:
+        st = f.stat()
+        if st.st_nlink == 1:   # one a checkpoint links keeps its blocks
+            free += st.st_blocks * 512
+    ckpt = _existing(rundir.checkpoints_dir(run_dir)) if run_dir is not None else None
+    pinned = cfg.checkpoint.keep if ckpt is not None and \
+        ckpt.stat().st_dev == where.stat().st_dev else 0
+    need, most = 2 * gen * local_ranks, (2 + pinned) * gen * local_ranks
+    gb = lambda x: f"{x / 1e9:.3g} GB"  # noqa: E731
+    says = (f"the nvme tier's files need {gb(gen)} a generation per rank x {local_ranks} "
+            f"rank(s) on this host: {gb(need)} at rest")
+    if free < need:
+        raise ConfigError(f"offload directory {root}: {says}, and its file system has "
+                          f"{gb(free)} free; free space or set parallel.offload_dir to a "
+                          "larger disk")
+    if free < most:
+        return (f"warning: offload directory {root}: {says}, {gb(most)} with the "
+                f"{pinned} checkpoint(s) kept (checkpoint.keep) on the same file system, "
+                f"which has {gb(free)} free: the run will stop with a full disk once they "
+                "fill it")
+    return None
 
 
 class NvmeTier:

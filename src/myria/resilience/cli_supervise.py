@@ -87,8 +87,12 @@ def run(args) -> int:
 
     check_nproc(args.nproc, device_type(cfg.training.device))
     check_data_and_model(cfg, data, args.run_dir)
-    check_run(cfg, Layout.resolve(cfg.parallel, args.nproc * min_nodes),
-              device_type(cfg.training.device))
+    layout = Layout.resolve(cfg.parallel, args.nproc * min_nodes)
+    check_run(cfg, layout, device_type(cfg.training.device))
+    if cfg.parallel.offload == "nvme":
+        from myria.offload.nvme import check_disk
+        if warning := check_disk(cfg, layout, args.run_dir, args.nproc):
+            print(warning, file=sys.stderr)
     from myria.resilience import injob
 
     injob.check(cfg, min_nodes, max_nodes, args.nproc)

@@ -275,8 +275,12 @@ def run(args) -> int:
         if launching:
             check_nproc(args.nproc, device_type(cfg.training.device))
         check_data_and_model(cfg, data, args.run_dir)
-        check_run(cfg, Layout.resolve(cfg.parallel, args.nproc or 1),
-                  device_type(cfg.training.device))
+        layout = Layout.resolve(cfg.parallel, args.nproc or 1)
+        check_run(cfg, layout, device_type(cfg.training.device))
+        if cfg.parallel.offload == "nvme":
+            from myria.offload.nvme import check_disk
+            if warning := check_disk(cfg, layout, args.run_dir, args.nproc or 1):
+                print(warning, file=sys.stderr)
     done = preflight(cfg, args.run_dir, args.stop_after)
     if done:
         _say(done)
