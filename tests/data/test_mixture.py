@@ -213,16 +213,16 @@ def test_train_on_a_mixture_reports_training_and_validation_per_source_down_to_t
             in section), section
     assert (f"<tr><td>4</td><td>{evals[-1]['val_loss']:.4f}</td><td>{by['web']:.4f}</td>"
             f"<td>{by['code']:.4f}</td></tr>" in section), section
-    # resumed with other weights: refused before anything starts, naming data.sources (not
-    # "was it re-prepared?"): new weights would re-read some samples and skip others
+    # resumed with its sources in another order: refused before anything starts, naming
+    # data.sources (not "was it re-prepared?"): it would re-read some samples and skip others
     p = run_cli("train", "--run-dir", str(run), "--nproc", "2", *TINY,
                 "--training.global_batch=32", "--training.micro_batch=16",
-                f"--data.sources={web}:0.5,{code}:0.5", "--training.steps=6",
+                f"--data.sources={code}:0.7,{web}:0.3", "--training.steps=6",
                 "--allow-data-change", check=False)
     assert p.returncode == 2 and len(p.stderr.strip().splitlines()) == 1, p.stderr
-    assert (f"data.sources = '{web}:0.5,{code}:0.5': the checkpoint of step 4 was trained on "
-            f"the mixture '{web}:0.3,{code}:0.7'; a mixture cannot change its sources or "
-            "weights on resume") in p.stderr, p.stderr
+    assert (f"data.sources = '{code}:0.7,{web}:0.3': the checkpoint of step 4 was trained on "
+            f"the mixture '{web}:0.3,{code}:0.7'; on resume a mixture keeps its sources") \
+        in p.stderr, p.stderr
 
 
 def test_a_mixture_may_move_its_directories_and_epoch_limits_on_resume(tmp_path):
@@ -234,5 +234,95 @@ def test_a_mixture_may_move_its_directories_and_epoch_limits_on_resume(tmp_path)
     check_resume("", "data/web:1", 10)        # from one directory: its fingerprint judges
     for new in ("data/code:0.7,data/web:0.3", "data/web:0.3,data/code:0.6",
                 "data/web:0.3,data/code:0.7,data/chat:0.1"):
-        with pytest.raises(ConfigError, match="cannot change its sources or weights"):
+        with pytest.raises(ConfigError, match="keeps its sources, and the weights of the steps"):
             check_resume("data/web:0.3,data/code:0.7", new, 10)
+    # phases: those from the next step on may change, one before it may not
+    check_resume("data/web:1,data/code:3", "data/web:1,data/code:3", 10, "",
+                 "11:web=3,code=1")
+    check_resume("data/web:1,data/code:3", "data/web:1,data/code:3", 10, "20:web=3,code=1",
+                 "15:web=2,code=1")
+    with pytest.raises(ConfigError, match="or phases from step 11 on"):
+        check_resume("data/web:1,data/code:3", "data/web:1,data/code:3", 10, "",
+                     "10:web=3,code=1")
+
+
+def test_phases_go_on_from_where_each_source_stood():
+    """C_k(t) across phases: continuous, the step's G samples, within one sample of each
+    phase's weights over the phase's steps; the steps before a phase read as without it."""
+    from myria.data.mixture import schedule
+
+    src = parse_sources("data/web:1,data/code:3")
+    plain, phased = schedule(src), schedule(src, "5:web=3,code=1;9:web=1,code=1")
+    g = 16
+    for t in range(0, 4 + 1):
+        assert (phased.counts(t, g) == plain.counts(t, g)).all()
+    for t in range(1, 14):
+        c = phased.counts(t, g)
+        assert c.sum() == t * g and (c >= phased.counts(t - 1, g)).all()
+    at4 = phased.counts(4, g)   # phase 2 (first step 5) starts after 4 steps
+    for t in (5, 6, 8):
+        assert np.all(np.abs(phased.counts(t, g) - at4 - (t - 4) * g * np.array([0.75, 0.25]))
+                      < 1)
+    assert phased.at(3) == plain.at(3) and [float(x) for x in phased.at(4)] == [0.75, 0.25]
+    with pytest.raises(ConfigError, match="gives no weight to code"):
+        schedule(src, "5:web=1")
+    with pytest.raises(ConfigError, match="increase from 2"):
+        schedule(src, "1:web=1,code=1")
+
+
+def test_new_weights_on_resume_are_a_phase_from_the_next_step():
+    from myria.data.mixture import resolve_resume
+
+    old = "data/web:1,data/code:3"
+    assert resolve_resume(old, "", old, "", 40) == (old, "", None)
+    base, phases, said = resolve_resume(old, "", "/mnt/web:3,/mnt/code:1", "", 40)
+    # the steps done keep their weights (the new paths), the new ones apply from step 41
+    assert (base, phases) == ("/mnt/web:1.0,/mnt/code:3.0", "41:web=3.0,code=1.0")
+    assert "change from step 41 on (web 0.75, code 0.25)" in said and "steps 1-40" in said
+    # resumed again with the same command: the phase goes on, nothing to say
+    assert resolve_resume(base, phases, "/mnt/web:3,/mnt/code:1", "", 90) == (
+        base, phases, None)
+    # a third mixture at step 90: a second phase
+    assert resolve_resume(base, phases, "data/web:1,data/code:1", "", 90)[1] == \
+        "41:web=3.0,code=1.0;91:web=1.0,code=1.0"
+    # typed phases, or other sources, are taken as typed (check_resume judges them)
+    assert resolve_resume(old, "", old, "50:web=1,code=1", 40) == (old, "50:web=1,code=1",
+                                                                   None)
+    assert resolve_resume(old, "", "data/web:1", "", 40) == ("data/web:1", "", None)
+
+
+def test_new_weights_on_resume_train_as_the_same_phase_declared(two_sources, tmp_path):
+    """Stopped after 2 steps and resumed with other weights of the same sources: the losses
+    and the samples per source of every step equal a run that declared the phase from the
+    start (data.phases as TOML tables); the report reads the phase's weights; a phase that
+    would rewrite the steps done is refused in one line."""
+    web, code = two_sources
+    common = [*TINY, "--training.steps=4", "--checkpoint.interval=2",
+              "--training.eval_interval=0"]
+    resumed, declared = tmp_path / "resumed", tmp_path / "declared"
+    run_cli("train", "--run-dir", str(resumed), *common, f"--data.sources={web}:1,{code}:3",
+            "--stop-after", "2")
+    p = run_cli("train", "--run-dir", str(resumed), *common, f"--data.sources={web}:3,{code}:1")
+    assert "the mixture's weights change from step 3 on (web 0.75, code 0.25)" in p.stdout
+    toml = tmp_path / "phases.toml"
+    toml.write_text(f'[data]\nsources = "{web}:1,{code}:3"\n'
+                    "phases = [{from_step = 3, weights = {web = 3, code = 1}}]\n")
+    run_cli("train", "--config", str(toml), "--run-dir", str(declared), *common)
+    rows = {r: [(x["step"], x["loss"], x["samples_by_source"]) for x in map(
+        json.loads, (r / "metrics.jsonl").read_text().splitlines())] for r in (resumed,
+                                                                             declared)}
+    assert rows[resumed] == rows[declared] and len(rows[resumed]) == 4
+    assert rows[resumed][1][2] == {"web": 4, "code": 12}   # 1:3 for two steps of 8
+    assert rows[resumed][3][2] == {"web": 16, "code": 16}  # then 3:1
+    changes = (resumed / "config_changes.jsonl").read_text()
+    assert '"field": "data.phases"' in changes and "3:web=3.0,code=1.0" in changes
+    from myria.observe.report_sections import training_by_source
+
+    mix = training_by_source(resumed)
+    assert mix["weights_from_step"] == 3 and mix["sources"]["web"]["weight"] == 3.0
+    assert all(x["off_by_samples"] == 0 for x in mix["sources"].values())
+    bad = run_cli("train", "--run-dir", str(resumed), *common, "--training.steps=6",
+                  f"--data.sources={web}:3,{code}:1", "--data.phases=2:web=1,code=1",
+                  check=False)
+    assert bad.returncode == 2 and "or phases from step 5 on" in bad.stderr
+    assert bad.stderr.strip().count("\n") == 0

@@ -55,6 +55,36 @@ def sources_from_tables(where: str, value: Any) -> str:
     return ",".join(out)
 
 
+def phases_from_tables(where: str, value: Any) -> str:
+    """data.phases written as TOML's list of tables ([{from_step = 9001, weights = {web = 0.3,
+    code = 0.7}}, ...]) as the equivalent 'STEP:NAME=WEIGHT,...;...' text."""
+    if not isinstance(value, list):
+        raise ConfigError(f"{where} = {value!r}: expected 'STEP:NAME=WEIGHT,...;...' or a list "
+                          "of tables [{from_step = 9001, weights = {web = 0.3, code = 0.7}}]")
+    out = []
+    for i, t in enumerate(value):
+        entry = f"{where}[{i}]"
+        if not isinstance(t, dict):
+            raise ConfigError(f"{entry} = {t!r}: expected a table {{from_step = 9001, weights = "
+                              "{web = 0.3, code = 0.7}}")
+        extra = sorted(set(t) - {"from_step", "weights"})
+        if extra:
+            raise ConfigError(f"{entry}: unknown key {extra[0]!r}; valid keys: from_step, "
+                              "weights" + suggest(extra[0], ("from_step", "weights")))
+        step, weights = t.get("from_step"), t.get("weights")
+        if isinstance(step, bool) or not isinstance(step, int) or step < 2:
+            raise ConfigError(f"{entry}.from_step = {step!r}: expected a step >= 2 (the "
+                              "phase's first step; step 1 on, data.sources' weights apply)")
+        if not isinstance(weights, dict) or not weights:
+            raise ConfigError(f"{entry}.weights = {weights!r}: expected a table of source "
+                              "names and weights, {web = 0.3, code = 0.7}")
+        for name, w in weights.items():
+            if isinstance(w, bool) or not isinstance(w, (int, float)) or not w > 0:
+                raise ConfigError(f"{entry}.weights.{name} = {w!r}: expected a number > 0")
+        out.append(f"{step}:" + ",".join(f"{n}={w!r}" for n, w in weights.items()))
+    return ";".join(out)
+
+
 @dataclass
 class DataConfig:
     """Token shards written by `myria prepare`."""
@@ -66,6 +96,13 @@ class DataConfig:
                       "limits the passes over a source; one tokenizer for all), or TOML's list "
                       "of tables: [{path = 'data/web', weight = 0.7}, {path = 'data/code', "
                       "weight = 0.3, epochs = 2}]", parse=sources_from_tables)
+    phases: str = _f("", "later weights of the same data.sources from a step on (e.g. an "
+                     "annealing phase): 'STEP:NAME=WEIGHT,...;...' by source (directory) name, "
+                     "STEP the phase's first step as the logs count them, e.g. "
+                     "'9001:web=0.3,code=0.7', or TOML's list of tables [{from_step = 9001, "
+                     "weights = {web = 0.3, code = 0.7}}]; each source goes on from where it "
+                     "stood. A resume given other weights of the same sources adds a phase from "
+                     "its next step", parse=phases_from_tables)
     prefetch: int = _f(2, "batches the background loader thread keeps ready", min=0)
     eval_batches: int = _f(4, "validation batches (of global_batch sequences) per evaluation",
                            min=0)
@@ -540,6 +577,9 @@ def validate(cfg: Config) -> None:
     if bad:
         raise ConfigError(f"logging.trackers = {cfg.logging.trackers!r}: {bad[0].strip()!r} is "
                           "not a tracker; use wandb, mlflow or 'wandb,mlflow'")
+    if cfg.data.phases and not cfg.data.sources:
+        raise ConfigError(f"data.phases = {cfg.data.phases!r} weighs the sources of a mixture; "
+                          "set data.sources (data.path is one directory)")
     r = cfg.resilience
     if r.spares and r.recovery != "in-job":   # a restart starts every worker afresh
         raise ConfigError(f"resilience.spares = {r.spares} needs resilience.recovery = "

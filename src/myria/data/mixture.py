@@ -14,10 +14,19 @@ e]).permutation(N_k)`. A step's G samples are shuffled by `default_rng([seed, st
 data-parallel rank r takes the contiguous slice r of them, so the global batch never depends on
 the number of ranks and a run resumed on another layout reads every token exactly once. Why a
 closed form: docs/data.md, "Reasons behind the mixture module".
+
+Phases (`data.phases`, "STEP:NAME=WEIGHT,...;..."): after S_j steps (from the step logged as
+S_j + 1) the same sources run with other weights. C_k(t) = C_k(S_j) + the apportionment of
+(t - S_j) x G by phase j's weights, for the last phase with S_j <= t: each source continues
+where it stood, and within a phase each count is within one sample of its share of the phase's
+samples. What was read before S_j does not depend on phase j, so a phase may be added on resume
+from the next step on (`resolve_resume`: a resume whose data.sources has the same sources with
+other weights is that).
 """
 
 from __future__ import annotations
 
+import bisect
 import functools
 import hashlib
 import json
@@ -81,28 +90,152 @@ def parse_sources(text: str) -> list[Source]:
     return out
 
 
-def check_resume(old: str, new: str, step: int) -> None:
-    """ConfigError when `data.sources` changes its mixture on resume from step `step`: other
-    sources, order or weights. Each source's position is C_k(step) of the weights it runs with,
-    counted from step 0 (the module docstring), so new weights would re-read some samples of a
-    source and skip others. Paths (a moved directory of the same name) and epoch limits may
-    change."""
+@dataclass(frozen=True)
+class Schedule:
+    """The shares of a mixture's sources from step 0 and from each phase's start on (steps
+    counted as `batch_indices` counts them: a phase that starts at t is first read by the step
+    logged as t + 1, after t steps)."""
+
+    starts: tuple[int, ...]                    # 0, then each phase's start, increasing
+    shares: tuple[tuple[Fraction, ...], ...]   # per start: each source's share
+
+    def at(self, step: int) -> tuple[Fraction, ...]:
+        """The shares step `step` reads with."""
+        return self.shares[bisect.bisect_right(self.starts, step) - 1]
+
+    def counts(self, step: int, global_batch: int) -> np.ndarray:
+        """C_k(step): samples taken from each source in steps [0, step) (module docstring)."""
+        done = np.zeros(len(self.shares[0]), dtype=np.int64)
+        for j, (start, shares) in enumerate(zip(self.starts, self.shares, strict=True)):
+            end = self.starts[j + 1] if j + 1 < len(self.starts) else None
+            if end is not None and end <= step:
+                done += source_counts(end - start, global_batch, list(shares))
+            else:
+                return done + source_counts(max(0, step - start), global_batch, list(shares))
+        return done
+
+    def before(self, step: int) -> list:
+        """What steps [0, step) read by: each start before `step` (and 0) with its shares."""
+        return [(st, sh) for st, sh in zip(self.starts, self.shares, strict=True)
+                if st < step or st == 0]
+
+
+def parse_phases(text: str, names: list[str]) -> list[tuple[int, dict[str, float]]]:
+    """`data.phases` ("STEP:NAME=WEIGHT,...;...") as (first step, {source name: weight}), for
+    a mixture of sources `names`. STEP is the first step of the phase as the logs count steps
+    (from 1; the phase starts after STEP - 1 steps); each phase names every source once with a
+    weight > 0; the steps increase from 2. ConfigError naming the phase."""
+    out: list[tuple[int, dict[str, float]]] = []
+    for entry in (e.strip() for e in text.split(";")):
+        if not entry:
+            continue
+        step, sep, rest = entry.partition(":")
+        where = f"data.phases entry {entry!r}"
+        if not sep or not step.strip().isdigit():
+            raise ConfigError(f"{where}: expected STEP:NAME=WEIGHT,... (e.g. "
+                              f"'9001:{names[0]}=0.5,...'), STEP a whole number")
+        weights: dict[str, float] = {}
+        for item in (i.strip() for i in rest.split(",") if i.strip()):
+            name, eq, w = item.rpartition("=")
+            try:
+                value = float(w)
+            except ValueError:
+                value = float("nan")
+            if not eq or not value > 0 or not np.isfinite(value):
+                raise ConfigError(f"{where}: {item!r} is not NAME=WEIGHT with a weight > 0")
+            if name not in names or name in weights:
+                raise ConfigError(f"{where}: {name!r} " + (
+                    "is named twice" if name in weights else
+                    f"is not a source of data.sources (its sources: {', '.join(names)})"))
+            weights[name] = value
+        if sorted(weights) != sorted(names):
+            raise ConfigError(f"{where}: gives no weight to "
+                              f"{', '.join(n for n in names if n not in weights)}; a phase "
+                              "weighs every source of data.sources (a source cannot be "
+                              "left out: its position would stop counting)")
+        out.append((int(step), weights))
+    steps = [st for st, _ in out]
+    if any(b <= a for a, b in zip([1, *steps], steps)):
+        raise ConfigError(f"data.phases = {text!r}: the first steps must increase from 2 "
+                          "(step 1 on, data.sources' own weights apply)")
+    return out
+
+
+def format_phases(phases: list[tuple[int, dict[str, float]]]) -> str:
+    """`parse_phases`' inverse."""
+    return ";".join(f"{st}:" + ",".join(f"{n}={w!r}" for n, w in ws.items())
+                    for st, ws in phases)
+
+
+def schedule(sources: list[Source], phases_text: str = "") -> Schedule:
+    """The Schedule of `data.sources` and `data.phases`."""
+    names = [s.name for s in sources]
+    phases = parse_phases(phases_text, names) if phases_text else []
+    return Schedule((0, *(first - 1 for first, _ in phases)),
+                    (tuple(_fractions([s.weight for s in sources])),
+                     *(tuple(_fractions([ws[n] for n in names])) for _, ws in phases)))
+
+
+def _read_before(sources_text: str, phases_text: str, step: int) -> list:
+    """The sources' names and what steps [0, step) read by (`Schedule.before`)."""
+    src = parse_sources(sources_text)
+    return [[s.name for s in src], schedule(src, phases_text).before(step)]
+
+
+def resolve_resume(old_sources: str, old_phases: str, new_sources: str, new_phases: str,
+                   step: int) -> tuple[str, str, str | None]:
+    """The data.sources and data.phases a run resuming after `step` steps reads with, and a
+    line to say when they differ from what was typed: a resume that gives the same sources
+    (by name) other weights and no phases of its own goes on with them from step `step` + 1,
+    as a phase after the checkpoint's (the steps before keep the weights they were read with);
+    anything else is taken as typed (and `check_resume` judges it)."""
+    if not old_sources or not new_sources or new_phases:
+        return new_sources, new_phases, None
+    try:
+        old, new = parse_sources(old_sources), parse_sources(new_sources)
+        old_sch = schedule(old, old_phases)
+    except ConfigError:
+        return new_sources, new_phases, None   # check_resume says what is wrong
+    if [s.name for s in old] != [s.name for s in new] or \
+            _read_before(old_sources, old_phases, step) == _read_before(new_sources, "", step):
+        return new_sources, new_phases, None   # other sources, or the same weights all along
+    new_shares = tuple(_fractions([s.weight for s in new]))
+    # the old sources' weights from step 1, with the new paths and epoch limits
+    base = ",".join(f"{n.path}:{o.weight!r}" + (f":{n.epochs}" if n.epochs else "")
+                    for o, n in zip(old, new, strict=True))
+    kept = [(first, ws) for first, ws in parse_phases(old_phases, [s.name for s in old])
+            if first <= step] if old_phases else []
+    if old_sch.at(step) != new_shares:
+        kept.append((step + 1, {s.name: s.weight for s in new}))
+    phases = format_phases(kept)
+    if old_sch.at(step) == new_shares and old_sch.starts[-1] <= step:
+        return base, phases, None    # resuming the phase in effect: nothing new to say
+    return base, phases, (
+        f"data.sources: the mixture's weights change from step {step + 1} on ("
+        + ", ".join(f"{s.name} {float(w):.3g}" for s, w in zip(new, new_shares, strict=True))
+        + f"), as a new phase: steps 1-{step} keep the weights they were read with "
+        f"(data.phases = {phases!r})")
+
+
+def check_resume(old: str, new: str, step: int, old_phases: str = "",
+                 new_phases: str = "") -> None:
+    """ConfigError when the mixture changes what the `step` steps done read, on resume: other
+    sources or order, other weights, or another phase starting by step `step` (each source's
+    position is C_k(step), counted from step 0: module docstring). Phases from step `step` + 1
+    on, paths (a moved directory of the same name) and epoch limits may change."""
     if not old or not new:
         return
-
-    def mix(text: str) -> list[tuple[str, Fraction]]:
-        src = parse_sources(text)
-        return list(zip((s.name for s in src), _fractions([s.weight for s in src]),
-                        strict=True))
-
-    if mix(old) != mix(new):
+    if _read_before(old, old_phases, step) != _read_before(new, new_phases, step):
+        said = f"data.sources = {new!r}" + (f", data.phases = {new_phases!r}" if new_phases
+                                              else "")
         raise ConfigError(
-            f"data.sources = {new!r}: the checkpoint of step {step} was trained on the mixture "
-            f"{old!r}; a mixture cannot change its sources or weights on resume (each "
-            "source's position is counted from step 0 with the weights it runs with: new "
-            "weights would read some samples again and skip others). Keep the mixture, or "
-            "train the new mixture in a new --run-dir from this one's weights (`myria export` "
-            "then --model.init_from)")
+            f"{said}: the checkpoint of step {step} was trained on the mixture {old!r}"
+            + (f" with data.phases = {old_phases!r}" if old_phases else "")
+            + "; on resume a mixture keeps its sources, and the weights of the steps already "
+            "read (each source's position is counted from step 1: other weights for steps "
+            f"1-{step} would read some samples again and skip others). New weights apply "
+            "from the next step: give the same sources with new weights and no data.phases, "
+            f"or phases from step {step + 1} on")
 
 
 def _is_number(text: str) -> bool:
@@ -141,8 +274,9 @@ class MixtureDataset:
     """Several TokenDatasets (one split each) read as one, in the mixture's order."""
 
     def __init__(self, sources: list[Source], seq_len: int, split: str = "train",
-                 verify: bool = True) -> None:
+                 verify: bool = True, phases: str = "") -> None:
         self.sources = sources
+        self.schedule = schedule(sources, phases)
         self.parts = [TokenDataset(s.path, seq_len, split=split, verify=verify) for s in sources]
         first = self.parts[0]
         for s, p in zip(sources[1:], self.parts[1:], strict=True):
@@ -155,7 +289,7 @@ class MixtureDataset:
                         "tokenizer (`myria prepare --tokenizer FIRST/tokenizer.json`)")
         self.seq_len, self.split = first.seq_len, split
         self.index, self.vocab_size, self.eos_id = first.index, first.vocab_size, first.eos_id
-        self.shares = _fractions([s.weight for s in sources])
+        self.shares = list(self.schedule.shares[0])   # data.sources' own (validation's)
         sizes = np.array([p.num_samples for p in self.parts], dtype=np.int64)
         self.sizes = sizes
         self.offsets = np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype(np.int64)
@@ -199,12 +333,15 @@ class MixtureDataset:
     def check(self, global_batch: int, steps: int) -> None:
         """DataError for a mixture the run cannot read as asked: a source whose share of a
         step is below one sample, or one the run would read beyond its epoch limit."""
-        for s, share in zip(self.sources, self.shares, strict=True):
-            if share * global_batch < 1:
-                raise DataError(f"data.sources: {s.name!r} has a share of {float(share):.4f}, "
-                                f"under one of the {global_batch} sequences of a step; raise "
-                                "its weight or training.global_batch")
-        need = source_counts(steps, global_batch, self.shares)
+        for start, shares in zip(self.schedule.starts, self.schedule.shares, strict=True):
+            for s, share in zip(self.sources, shares, strict=True):
+                if share * global_batch < 1:
+                    where = ("data.sources" if not start else
+                             f"data.phases (from step {start + 1})")
+                    raise DataError(f"{where}: {s.name!r} has a share of {float(share):.4f}, "
+                                    f"under one of the {global_batch} sequences of a step; "
+                                    "raise its weight or training.global_batch")
+        need = self.schedule.counts(steps, global_batch)
         for s, want, n in zip(self.sources, need, self.sizes, strict=True):
             if s.epochs and want > s.epochs * n:
                 raise DataError(
@@ -214,8 +351,8 @@ class MixtureDataset:
 
     def batch_indices(self, step: int, global_batch: int, seed: int) -> np.ndarray:
         """The mixture's sample indices (offset by source) of optimizer step `step`."""
-        lo = source_counts(step, global_batch, self.shares)
-        hi = source_counts(step + 1, global_batch, self.shares)
+        lo = self.schedule.counts(step, global_batch)
+        hi = self.schedule.counts(step + 1, global_batch)
         picks = []
         for k, (a, b, n) in enumerate(zip(lo, hi, self.sizes, strict=True)):
             c = np.arange(a, b, dtype=np.int64)
@@ -244,5 +381,6 @@ class MixtureDataset:
 def open_dataset(data_cfg, seq_len: int, split: str = "train", verify: bool = True):
     """The training data of `[data]`: one directory (`path`) or a mixture (`sources`)."""
     if getattr(data_cfg, "sources", ""):
-        return MixtureDataset(parse_sources(data_cfg.sources), seq_len, split, verify)
+        return MixtureDataset(parse_sources(data_cfg.sources), seq_len, split, verify,
+                              getattr(data_cfg, "phases", ""))
     return TokenDataset(data_cfg.path, seq_len, split=split, verify=verify)

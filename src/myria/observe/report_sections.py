@@ -197,18 +197,18 @@ MIX_FILE = "mixture.json"
 
 def training_by_source(run_dir: Path) -> dict | None:
     """A data mixture's training figures from metrics.jsonl: per source, the samples, tokens
-    and epochs read up to the last logged step, the share of samples against the weight (the
-    deviation in samples, under one by the mixture's order) and the training loss at the first
-    and last step that measured it. None for a run on one directory."""
+    and epochs read up to the last logged step, the weight in effect there, the samples off
+    the mixture's order (`mixture_at`: under one, phase by phase, when the run read as
+    configured) and the training loss at the first and last step that measured it. None for a
+    run on one directory."""
     rows = [r for r in metrics_rows(run_dir) if isinstance(r.get("samples_by_source"), dict)]
     if not rows:
         return None
     last = rows[-1]
     total = sum(last["samples_by_source"].values())
-    weights = validation_weights(run_dir)
-    wsum = sum(weights.values()) or 1.0
+    weights, expected, since = mixture_at(run_dir, last["step"])
     lossed = [r for r in rows if isinstance(r.get("loss_by_source"), dict)]
-    out = {"step": last["step"], "samples": total, "sources": {}}
+    out = {"step": last["step"], "samples": total, "weights_from_step": since, "sources": {}}
     for n, c in last["samples_by_source"].items():
         w = weights.get(n)
         first_loss = next((r["loss_by_source"][n] for r in lossed if n in r["loss_by_source"]),
@@ -219,9 +219,33 @@ def training_by_source(run_dir: Path) -> dict | None:
             "weight": w, "samples": c, "tokens": last["tokens_by_source"].get(n),
             "epochs": (last.get("epochs_by_source") or {}).get(n),
             "share": c / total if total else None,
-            "off_by_samples": None if w is None else round(c - total * w / wsum, 4),
+            "off_by_samples": None if n not in expected else round(c - expected[n], 4),
             "first_loss": first_loss, "last_loss": last_loss}
     return out
+
+
+def mixture_at(run_dir: Path, step: int) -> tuple[dict[str, float], dict[str, int], int]:
+    """From the run's config.json: each source's weight at step `step` (`data.sources`'s, or
+    the `data.phases` phase in effect), the samples the mixture's order takes from it in the
+    first `step` steps, and the first step of those weights; ({}, {}, 1) without a config or
+    a mixture."""
+    try:
+        from myria.data.mixture import parse_phases, parse_sources, schedule
+
+        cfg = json.loads((run_dir / rundir.CONFIG).read_text())
+        data = cfg.get("data") or {}
+        if not data.get("sources"):
+            return {}, {}, 1
+        src, phases = parse_sources(data["sources"]), str(data.get("phases") or "")
+        names = [x.name for x in src]
+        weights, since = {x.name: x.weight for x in src}, 1
+        for first, ws in parse_phases(phases, names) if phases else []:
+            if first <= step:
+                weights, since = ws, first
+        counts = schedule(src, phases).counts(step, int(cfg["training"]["global_batch"]))
+        return weights, dict(zip(names, map(int, counts), strict=True)), since
+    except (OSError, ValueError, KeyError, TypeError, MyriaError):
+        return {}, {}, 1   # no or unreadable config: the figures without the weights
 
 
 def validation_weights(run_dir: Path) -> dict[str, float]:
@@ -240,7 +264,9 @@ def mixture_line(mix: dict) -> str:
     """One line: each source's share of the samples against its weight, and its last loss."""
     parts = []
     for n, x in mix["sources"].items():
-        w = "" if x["weight"] is None else f" (weight {x['weight']:g})"
+        w = "" if x["weight"] is None else f" (weight {x['weight']:g}" + (
+            f" from step {mix['weights_from_step']})" if mix.get("weights_from_step", 1) > 1
+            else ")")
         loss = "" if x["last_loss"] is None else f", loss {x['last_loss']:.4f}"
         parts.append(f"{n} {x['samples']:,} samples = {x['share']:.4f}{w}{loss}")
     return f"training by source to step {mix['step']}: " + "; ".join(parts)

@@ -271,21 +271,30 @@ def newest_checkpoint(cfg: config_mod.Config, run_dir: Path) -> Path | None:
 def run_config(path: str | Path | None, overrides, run_dir: str | Path | None
                ) -> tuple[Config, str | None]:
     """The config `myria train` and `myria supervise` run with (`hf.load_config`), given the
-    model section of the checkpoint the run resumes: a run started from a Hugging Face
-    directory resumes from its checkpoint without it. Also the line that describes an
-    imported model, or None."""
+    checkpoint the run resumes: its model section (a run started from a Hugging Face
+    directory resumes from its checkpoint without it) and its data mixture (new weights of the
+    same sources go on as a phase from the step resumed: `mixture.resolve_resume`). Also the
+    lines that say so (an imported model, a new phase), or None."""
+    from myria.data import mixture
     from myria.interop import hf
     from myria.train import resume
 
     cfg = config_mod.load(path, overrides)
-    resumed = None
+    prev, step = {}, 0
     if run_dir and (ckpt := newest_checkpoint(cfg, Path(run_dir))) is not None:
         try:
-            resumed = resume.previous_config(ckpt, Path(run_dir))[0].get("model")
+            prev, step = resume.previous_config(ckpt, Path(run_dir))
         except (OSError, ValueError):
             pass  # unreadable: the trainer quarantines it and says so
-    return cfg, hf.apply(cfg, resumed=resumed if isinstance(resumed, dict) else None,
-                         overrides=overrides)
+    resumed = prev.get("model")
+    said = [hf.apply(cfg, resumed=resumed if isinstance(resumed, dict) else None,
+                     overrides=overrides)]
+    data = prev.get("data") if isinstance(prev.get("data"), dict) else {}
+    d = cfg.data
+    d.sources, d.phases, phase = mixture.resolve_resume(
+        str(data.get("sources") or ""), str(data.get("phases") or ""), d.sources, d.phases,
+        step)
+    return cfg, "\n".join(x for x in (*said, phase) if x) or None
 
 
 def preflight(cfg: config_mod.Config, run_dir: str | Path, stop_after: int | None) -> str | None:
@@ -319,8 +328,9 @@ def _preflight(cfg: config_mod.Config, run_dir: Path, stop_after: int | None) ->
     resume_rules.resume_changes(prev, copy.deepcopy(cfg), step)
     from myria.data import mixture
 
-    mixture.check_resume(str((prev.get("data") or {}).get("sources") or ""), cfg.data.sources,
-                         step)
+    data = prev.get("data") or {}
+    mixture.check_resume(str(data.get("sources") or ""), cfg.data.sources, step,
+                         str(data.get("phases") or ""), cfg.data.phases)
     if step < cfg.training.steps and (stop_after is None or stop_after > step):
         return None
     from myria.train.checkpoint.store import verify_dir

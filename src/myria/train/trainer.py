@@ -41,7 +41,7 @@ from myria.compat import torch_note
 from myria.config import Config
 from myria.data import fingerprint
 from myria.data.dataset import TokenDataset
-from myria.data.mixture import MixtureDataset, open_dataset, source_counts
+from myria.data.mixture import MixtureDataset, open_dataset
 from myria.device import local_peak_tflops
 from myria.errors import CheckpointError, DataError
 from myria.faults import FaultInjector
@@ -426,11 +426,12 @@ class Run:
     def per_source(self, step: int, done: StepDone) -> dict[str, Any]:
         """A mixture's figures per source for the metrics row of step `step`: samples and
         tokens read from each source since step 0 (the mixture's order: within one sample of
-        the weights), the epochs they make, and this step's training loss per source."""
+        the weights, phase by phase), the epochs they make, and this step's training loss per
+        source."""
         ds = self.dataset
         if not isinstance(ds, MixtureDataset):
             return {}
-        counts = source_counts(step, self.cfg.training.global_batch, ds.shares)
+        counts = ds.schedule.counts(step, self.cfg.training.global_batch)
         names = [s.name for s in ds.sources]
         out: dict[str, Any] = {
             "samples_by_source": dict(zip(names, map(int, counts), strict=True)),
