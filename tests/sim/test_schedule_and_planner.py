@@ -18,6 +18,7 @@ from myria.sim.schedule_plot import (
 @pytest.mark.parametrize("sched, p, v, m", [
     ("gpipe", 4, 1, 8), ("1f1b", 4, 1, 8), ("1f1b", 8, 1, 32), ("interleaved-1f1b", 4, 2, 8),
     ("interleaved-1f1b", 8, 4, 16), ("zero-bubble", 4, 1, 8), ("zero-bubble", 6, 1, 12),
+    ("zero-bubble", 4, 2, 8), ("zero-bubble", 8, 4, 16),
 ])
 def test_simulated_bubble_matches_closed_form(sched, p, v, m):
     slots = simulate_schedule(sched, p, v, m)

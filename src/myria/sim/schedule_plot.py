@@ -78,8 +78,9 @@ def simulate_schedule(schedule: str, p: int, v: int = 1, m: int = 8,
                           f"{', '.join(SCHEDULES)}")
     if p < 1 or v < 1 or m < 1:
         raise ConfigError("pipeline stages, chunks and microbatches must be >= 1")
-    if v > 1 and schedule != "interleaved-1f1b":
-        raise ConfigError(f"vpp = {v} needs schedule interleaved-1f1b, not {schedule!r}")
+    if v > 1 and schedule not in ("interleaved-1f1b", "zero-bubble"):
+        raise ConfigError(f"vpp = {v} needs schedule interleaved-1f1b or zero-bubble (its "
+                          f"interleaved form), not {schedule!r}")
     if v > 1 and m % p:
         raise ConfigError(f"the interleaved schedule needs microbatches ({m}) to be a multiple "
                           f"of pipeline stages ({p}) (as Megatron-LM requires)")
@@ -159,10 +160,11 @@ def bubble_fraction(slots: list[Slot], p: int) -> float:
 def formula_bubble(schedule: str, p: int, v: int, m: int, t_f: float = 1.0,
                    t_b: float = 2.0) -> float:
     """Closed-form idle share, as the step model uses it: b / (m + b) with b the bubble in
-    units of one microbatch's stage time ((p-1)/v for 1F1B-family, (p-1)(F+B-2W)/(F+B) ZB-H1)."""
+    units of one microbatch's stage time ((p-1)/v for 1F1B-family, (p-1)(F+B-2W)/((F+B) v)
+    ZB-H1, interleaved over v chunks)."""
     if schedule == "zero-bubble":
         w = t_b / 2
-        b = (p - 1) * max(0.0, t_f + t_b - 2 * w) / (t_f + t_b)
+        b = (p - 1) * max(0.0, t_f + t_b - 2 * w) / (t_f + t_b) / v
     else:
         b = (p - 1) / v
     return b / (m + b)
