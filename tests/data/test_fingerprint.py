@@ -109,6 +109,9 @@ def test_resume_on_reprepared_data_is_refused(tmp_path: Path, tiny_data: Path) -
     assert rec["tokenizer_sha256"][:12] in line[0] and now["tokenizer_sha256"][:12] in line[0]
     assert "--allow-data-change" in line[0]
     assert [c.name for c in (run / "checkpoints").glob("step_*")] == ["step_00000002"]
+    # the refused data's tokenizer is not kept with the run: only the one it trained with
+    kept = sorted(f.name for f in (run / "tokenizers").iterdir())
+    assert kept == [f"tokenizer-{rec['tokenizer_sha256'][:16]}{x}.json" for x in (".config", "")]
 
     # generate decodes with the tokenizer it was trained with, not the data directory's new one
     p = run_cli("generate", "--run-dir", str(run), "--prompt", "The Congress",

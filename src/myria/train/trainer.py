@@ -324,7 +324,8 @@ class Run:
         # -- data ----------------------------------------------------------------------------
         dataset = open_dataset(cfg.data, m.seq_len, split="train")   # a directory or a mixture
         check_vocab(cfg, dataset)
-        data_fp = fingerprint.keep_tokenizer(dataset.path, run_dir, env.is_main)
+        # the tokenizer is kept with the run once the resume accepts this data (below)
+        data_fp = fingerprint.keep_tokenizer(dataset.path, run_dir, write=False)
         check_mixture(cfg, dataset)
         if isinstance(dataset, MixtureDataset):
             data_fp = dataset.fingerprint(data_fp)
@@ -349,6 +350,8 @@ class Run:
             start_step, latest = resume_run(cfg, run_dir, env, engine, ckpt, data_fp)
         else:
             start_step, latest = held, None
+        if env.is_main:
+            fingerprint.keep_tokenizer(dataset.path, run_dir)
         hb.resumed(start_step)
         peers = peer.start(peer.interval_of(r), engine, env.rank, env.world_size, run_dir)
         write_checkpoint_stats(run_dir, env.rank, ckpt, latest)
