@@ -93,7 +93,10 @@ def run(args: argparse.Namespace) -> int:
     con.print(f"compute-bound operators {comp:.1%}, memory-bound {mem:.1%} of the "
               f"{res.iteration_time_s:.3f} s step; collectives {net:.1%} if nothing overlapped "
               "(the exposed part, bubble, optimizer and data-parallel time: `myria simulate`).")
-    con.print(f"ridge point {ridge:.0f} FLOP/byte ({peak:.0f} TFLOP/s x {eff['gemm']:.2f} over "
-              f"{res.details['memory_bw_gbs']:.0f} GB/s x {eff['mem']:.2f}): operators below it "
-              "are memory-bound (GEMMs also lose efficiency on short dimensions).")
+    cpu = (" On a CPU both rates are those measured for torch's own kernels at the run's "
+           "threads per process: the matmul peak, and the bandwidth elementwise operators "
+           "reach, far below the memory's.") if res.layout.get("device") == "cpu" else ""
+    con.print(f"ridge point {ridge:.0f} FLOP/byte ({peak:.3g} TFLOP/s x {eff['gemm']:.2f} over "
+              f"{res.details['memory_bw_gbs']:.3g} GB/s x {eff['mem']:.2f}): operators below it "
+              f"are memory-bound (GEMMs also lose efficiency on short dimensions).{cpu}")
     return 0

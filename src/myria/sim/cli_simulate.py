@@ -89,7 +89,7 @@ def _print_table(pairs: list[tuple[runspec.RunSpec, StepResult]], hws: list) -> 
         meas = run.measured.get("iteration_time_s", "") if run.measured else ""
         tab.add_row(run.name, layout, f"{t:.3f}", f"{meas}" if meas else "-",
                     f"{err:+.1%}" if err is not None else "-", f"{res.mfu:.1%}",
-                    f"{res.tflops_per_gpu:.0f}", f"{res.hardware_tflops_per_gpu:.0f}",
+                    _tflops(res.tflops_per_gpu), _tflops(res.hardware_tflops_per_gpu),
                     f"{res.tokens_per_s:,.0f}", f"{res.memory_gb_per_gpu:.1f}",
                     "yes" if res.fits else "NO", f"{res.extra['ettr']:.3f}",
                     reliability.interval_text(res.extra["checkpoint_interval_steps"]), costs)
@@ -194,3 +194,8 @@ def run(args: argparse.Namespace) -> int:
         return 0
     _print_table(pairs, [hw for _, hw in runs])
     return 0
+
+
+def _tflops(x: float) -> str:
+    """TFLOP/s for a table: whole numbers for accelerators, 3 digits for a CPU's fractions."""
+    return f"{x:.0f}" if x >= 10 else f"{x:.3g}"
