@@ -324,7 +324,7 @@ def test_non_utf8_and_binary_inputs(tmp_path: Path) -> None:
     # skipped: the Latin-1 file and the binary, named and counted
     rc, out, _ = _cli("--input", lat, "--input", ok, "--input", prog, "--errors", "skip", *common,
                       "--out", str(tmp_path / "e"))
-    assert rc == 0 and "3 file(s) read as utf-8; 2 file(s) skipped" in out
+    assert rc == 0 and "1 of 3 file(s) read as utf-8; 2 skipped" in out
     assert "latin1.txt' (not utf-8)" in out and "prog.txt' (binary)" in out
     assert json.loads((tmp_path / "e" / "index.json").read_text())["total_documents"] == 1
 

@@ -483,6 +483,9 @@ def test_dry_run_prints_sizes():
     assert set(parts) == {"weights", "gradients", "optimizer", "activations", "temporary",
                           "reserved"}
     assert abs(sum(parts.values()) - total) <= 0.01 * len(parts), (parts, total)
+    # FSDP2 in bf16 keeps no 16-bit copy: a weights of 0 is said to be in optimizer
+    assert parts["weights"] == 0 and "fp32 shards, the master weights, are counted in " \
+        "optimizer" in p.stdout
 
 
 def test_dry_run_uses_every_setting_and_warns_on_a_poor_layout():

@@ -152,7 +152,9 @@ def refuse_settings_that_do_nothing(m: ModelConfig) -> None:
              f"linear attention's (model.attention = {m.attention!r}) {nothing}"),
             (changed("ssm_state", "ssm_expand")
              if not (m.arch == "hybrid" and "M" in m.block_pattern) else "",
-             f"Mamba-2's (no M layer in a model.arch = 'hybrid' block_pattern) {nothing}")):
+             f"Mamba-2's, for the M layers of model.arch = 'hybrid' (this model: arch {m.arch!r}"
+             + (f", block_pattern {m.block_pattern!r} without M" if m.arch == "hybrid" else "")
+             + f") {nothing}")):
         if found:
             raise ConfigError(f"{found}: {why}")
     if patterned and m.layers < len(m.block_pattern):

@@ -111,12 +111,14 @@ class Decoding:
                         "from --input, or pass --errors skip to leave such files out")
 
     def describe(self) -> str:
-        parts = [f"{self.files:,} file(s) read as {self.encoding}"]
+        k = len(self.skipped)
+        parts = [f"{self.files - k:,} of {self.files:,} file(s) read as {self.encoding}" if k
+                 else f"{self.files:,} file(s) read as {self.encoding}"]
         if self.replaced:
             parts.append(f"{self.replaced:,} undecodable byte sequence(s) replaced by U+FFFD")
         if self.skipped:
-            shown = ", ".join(self.skipped[:3]) + (", ..." if len(self.skipped) > 3 else "")
-            parts.append(f"{len(self.skipped):,} file(s) skipped: {shown}")
+            shown = ", ".join(self.skipped[:3]) + (", ..." if k > 3 else "")
+            parts.append(f"{k:,} skipped: {shown}")
         return "; ".join(parts)
 
 

@@ -139,6 +139,10 @@ def prediction_lines(cfg, world, ranks_per_host, lay, spec, pred) -> list[str]:
              + f" = {mem['total']:.2f} GB ({'fits' if pred.fits else 'does NOT fit'} in "
              f"{mem['capacity']:.3g} GB); step {pred.iteration_time_s:.3g} s, MFU "
              f"{100 * pred.mfu:.1f}% (see `myria simulate`, `myria plan`)"]
+    if mem["weights"] < 0.005 <= mem["optimizer"]:
+        lines.append("# (weights 0: FSDP2 under mixed precision keeps no 16-bit copy; its fp32 "
+                     "shards, the master weights, are counted in optimizer, and the layers it "
+                     "gathers in temporary)")
     if cfg.parallel.offload == "nvme" and spec.name != "cpu":
         lines.append(f"# (a planning figure: the nvme tier runs on CPU in this version, not on "
                      f"{spec.name}; the offload line above is the budget of the run as it "
