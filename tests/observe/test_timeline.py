@@ -83,6 +83,8 @@ def test_unit_blame_attributes_waiting_to_the_late_rank(tmp_path):
     assert by[1]["blamed_s"] == pytest.approx(3 * 2 * 0.030)
     assert by[0]["waited_s"] == pytest.approx(3 * 0.030) and by[1]["waited_s"] == 0
     assert by[0]["blamed_s"] == 0 and by[2]["blamed_s"] == 0
+    # every step waited on rank 1, whichever rank's step was longest
+    assert [x["critical_rank"] for x in b["per_step"]] == [1, 1, 1]
     table = step_table(run)
     assert table[1][2]["compute_s"] == pytest.approx(0.070)   # waits are not compute
     assert table[0][2]["comm_s"]["dp"] == pytest.approx(0.035)

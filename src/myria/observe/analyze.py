@@ -523,14 +523,18 @@ def blame_report(run: Run, table: dict | None = None) -> dict:
     excess = {r: n * _lower_quartile(dev[r]) if dev[r] else 0.0 for r in ranks}
     most = max(rows, key=lambda x: (x["blamed_s"], -x["rank"]))["rank"] if rows else None
     standout = [r for r in ranks if excess[r] > noise and excess[r] > 0]
-    # per step: critical path (slowest rank's step) and the what-if of the most blamed rank
+    # per step: its time (the longest rank's), the rank it waited on most (the largest blame;
+    # None when no rank held it up: in lockstep every rank's step ends together, so the
+    # longest step is the rank that started first, not the one that set the pace) and the
+    # what-if of the most blamed rank
     per_step = []
     for s in steps:
         have = {r: table[r][s] for r in ranks if s in table.get(r, {})}
         if not have:
             continue
-        crit = max(have, key=lambda r: have[r]["step_s"])
-        t = have[crit]["step_s"]
+        t = max(x["step_s"] for x in have.values())
+        held = {r: v for r, v in per_step_blame[s].items() if v > 0}
+        crit = max(held, key=lambda r: (held[r], -r)) if held else None
         whatif = max(0.0, t - shorter[s].get(most, 0.0))
         per_step.append({"step": s, "step_s": t, "critical_rank": crit,
                          "blame": {str(r): v for r, v in per_step_blame[s].items()},
