@@ -180,6 +180,22 @@ def test_a_spare_takes_the_lost_rank_from_peer_memory(tmp_path, tiny_data, refer
 
 
 @pytest.mark.slow
+def test_a_damaged_peer_copy_is_refused_and_recorded(tmp_path, tiny_data, reference):
+    """Rank 0's copy of rank 1's step-6 snapshot is damaged after its check, then rank 1
+    fails: recovery refuses that copy (an older one serves), records the damage as a
+    detection, and the supervisor does not call the fault undetected."""
+    supervise(tmp_path, tiny_data, "bitflip:rank=0:step=6:target=peer,raise:rank=1:step=6")
+    s = json.loads((tmp_path / "supervisor_summary.json").read_text())
+    assert s["status"] == "succeeded" and s["undetected_hooks"] == [], s
+    found = [json.loads(x) for x in (tmp_path / "events.jsonl").read_text().splitlines()]
+    peer = [d for d in found if d["kind"] == "checkpoint"
+            and d["evidence"].get("peer_snapshot_of_rank") == 1]
+    assert peer and peer[0]["rank"] == 0 and peer[0]["step"] == 6, found
+    assert s["faults"][0]["resumed_from"] < 6, s["faults"]
+    check_bit_equal(tmp_path, reference)
+
+
+@pytest.mark.slow
 def test_both_copies_lost_falls_back_to_the_checkpoint(tmp_path, tiny_data, reference):
     # rank 0 and rank 1 hold each other's copy: both killed at once, nothing in memory is left.
     # At step 10 the step-4 checkpoint is committed (the step-8 save waited for it before it

@@ -404,6 +404,15 @@ class InJob:
         kept, self.kept = self.kept, None
         self.rejoined = False
         info = _describe(kept, env.rank, survivor=not self.replacement)
+        if info.get("refused"):   # a held copy changed after its check: a detection
+            from myria import detections
+
+            for s in info["refused"]:
+                detections.record(
+                    self.run_dir, "checkpoint", env.rank, info["host"], s,
+                    {"peer_snapshot_of_rank": info["holds"], "check": "CRC-32"},
+                    f"rank {env.rank}'s copy of rank {info['holds']}'s in-memory snapshot of "
+                    f"step {s} no longer matches its CRC-32: not offered for recovery")
         infos: list = [None] * env.world_size
         dist.all_gather_object(infos, info)
         lay = engine.dims.layout
