@@ -24,7 +24,7 @@ KINDS = ("straggler", "sdc", "nonfinite", "loss_spike", "health", "slow-link", "
 # Each kind in words, for one-line summaries.
 WORDS = {"straggler": "straggler", "sdc": "silent data corruption",
          "nonfinite": "non-finite loss or gradient", "loss_spike": "loss spike",
-         "health": "failed host self-check", "slow-link": "slow link",
+         "health": "host self-check finding", "slow-link": "slow link",
          "spare-lost": "idle spare lost", "checkpoint": "damaged checkpoint or failed save"}
 
 

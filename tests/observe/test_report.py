@@ -104,7 +104,7 @@ def test_the_report_line_names_every_detection_of_the_run(tmp_path):
     detections.record(tmp_path, "nonfinite", 0, "h", 8, {}, "skip")
     detections.record(tmp_path, "straggler", 1, "h", 11, {}, "warn")
     detections.record(tmp_path, "straggler", 1, "h", 5, {}, "warn")
-    detections.record(tmp_path, "health", 1, "h", 5, {}, "none")
+    detections.record(tmp_path, "health", 1, "h", 5, {}, "passed with warnings, no action")
     assert detections_line(tmp_path) == (
         "detected: non-finite loss or gradient at step 8 (skip); straggler at steps 5, 11 "
-        "(warn); failed host self-check at step 5 (no action)")
+        "(warn); host self-check finding at step 5 (passed with warnings, no action)")

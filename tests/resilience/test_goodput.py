@@ -132,6 +132,9 @@ def test_a_second_supervised_job_keeps_the_first_ones_ledger_and_faults(tmp_path
     assert goodput_line(json.loads((out / "goodput.json").read_text())) == (
         "goodput: ETTR 0.667 over 150.0 s of wall time (2 supervised jobs back to back); "
         "1 fault(s), 9.0 s lost to them")
+    # a fault whose lost time was not measured (a job that failed) is not counted as 0 s
+    unmeasured = {"ledger": {"ettr": 0.5, "wall_s": 10.0}, "faults": [{"time_lost_s": None}]}
+    assert goodput_line(unmeasured).endswith("1 fault(s), their lost time not measured")
     # one job's ledger stays as it was; a job id that is no file name is made one
     assert goodput.combine([first["goodput"]])["wall_s"] == 100.0
     assert rundir.job_summary_file(tmp_path, "a/b c").name == "a_b_c.json"

@@ -92,11 +92,15 @@ def goodput_line(gp: dict) -> str:
     """One line of the report's goodput.json: ETTR, over which wall time, the faults."""
     led, faults = gp["ledger"], gp.get("faults", [])
     jobs = led.get("jobs", 1)
-    lost = sum(float(f.get("time_lost_s") or 0) for f in faults)
+    timed = [float(f["time_lost_s"]) for f in faults if f.get("time_lost_s") is not None]
+    untimed = len(faults) - len(timed)
+    lost = (f"{sum(timed):.1f} s lost to them" if not untimed else
+            "their lost time not measured" if not timed else
+            f"{sum(timed):.1f} s lost to {len(timed)} of them (the others' not measured)")
     return (f"goodput: ETTR {led['ettr']:.3f} over {led['wall_s']:.1f} s of wall time" +
             (f" ({jobs} {led.get('what', 'supervised jobs')} back to back)" if jobs > 1
              else "") +
-            (f"; {len(faults)} fault(s), {lost:.1f} s lost to them" if faults else ""))
+            (f"; {len(faults)} fault(s), {lost}" if faults else ""))
 
 
 def lost_host_lines(gp: dict) -> list[str]:

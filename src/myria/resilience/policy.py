@@ -211,7 +211,7 @@ def diagnose(sup, f: Fault) -> None:
                           {"summary": report.summary, "report": str(out),
                            "checks": [c.to_dict() for c in report.failures +
                                       report.warnings]},
-                          "none" if report.passed else
+                          "passed with warnings, no action" if report.passed else
                           "restart on it: no spare host" if keep else "blocklist")
     if report.passed:
         return
