@@ -657,11 +657,13 @@ class CheckpointManager(CheckpointStore):
             who = errors[0] if errors else (0, "commit failed on rank 0")
             self.failed_in_row += 1
             self.last_failure = self._failure_line(p.step, who, votes)
-            if rank == 0:
-                self.detected(p.step, {"error": self.last_failure}, "save failed, training goes "
-                              "on from the previous checkpoint")
+            stop = self.max_failures and self.failed_in_row >= self.max_failures
+            if rank == 0:   # what is known now: whether this failure stops the run
+                self.detected(p.step, {"error": self.last_failure},
+                              f"save failed; {self._kept(p.step)}"
+                              + ("; training stops (checkpoint.max_failed_saves)" if stop
+                                 else ""))
             if rank == 0 or (err and len(votes) < world):  # rank 0 speaks for the vote
-                stop = self.max_failures and self.failed_in_row >= self.max_failures
                 log.error("%s; %s%s", self.last_failure, self._kept(p.step),
                           "; training stops" if stop else
                           f" ({self.failed_in_row} failed in a row; the run stops at "
