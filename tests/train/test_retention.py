@@ -221,6 +221,13 @@ def test_every_checkpoint_damaged_then_fresh_start(tmp_path, tiny_data, straight
     assert len(list((run / "checkpoints" / "quarantine").glob("step_*"))) == 3
     p = train(run, tiny_data, check=False)  # asked again: still no silent restart
     assert p.returncode == 2
+    # loading a damaged one anyway, as the refusal offers, when it cannot be read: one line
+    for f in (run / "checkpoints" / "quarantine" / "step_00000012").glob("*.distcp"):
+        f.write_bytes(f.read_bytes()[:100])
+    p = train(run, tiny_data, "--resume-from", "12", "--training.steps=13", check=False)
+    err = [x for x in p.stderr.splitlines() if "error:" in x]
+    assert p.returncode == 2 and "Traceback" not in p.stderr, p.stderr
+    assert len(err) == 1 and "could not be read" in err[0] and "--start-fresh" in err[0], err
     train(run, tiny_data, "--start-fresh")
     same_as_straight(run, straight)  # from step 0 with the same seed: the straight run again
 

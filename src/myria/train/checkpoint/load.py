@@ -21,7 +21,7 @@ import torch.distributed.checkpoint as dcp
 
 from myria.errors import CheckpointError
 from myria.tensors import local_shard
-from myria.train.checkpoint.store import MANIFEST
+from myria.train.checkpoint.store import MANIFEST, describe_error
 from myria.train.distributed import collective_device
 from myria.train.state import flatten, rank_and_world, set_rng_state, shard_key
 
@@ -74,8 +74,12 @@ def load_state(path: Path, target) -> tuple[dict[str, Any], int]:
                 _broadcast_state(state, mine[0], bcast_pgs[tuple(mine)])
     except CheckpointError:
         raise
-    except Exception as e:
-        raise CheckpointError(f"checkpoint {path} could not be read: {e}") from None
+    except BaseException as e:   # DCP's CheckpointException is a BaseException
+        if isinstance(e, (KeyboardInterrupt, SystemExit)):
+            raise
+        raise CheckpointError(f"checkpoint {path} could not be read ({describe_error(e)}): a "
+                              "damaged file; resume another checkpoint (--resume-from STEP), "
+                              "or train from step 0 (--start-fresh)") from None
     target.load_state_dict(state)
     if hasattr(target, "load_checkpoint_files"):
         target.load_checkpoint_files(path)

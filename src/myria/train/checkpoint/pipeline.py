@@ -67,6 +67,7 @@ from myria.train.checkpoint.store import (
     MANIFEST_VERSION,
     CheckpointStore,
     checkpoint_bytes,
+    describe_error,
     free_bytes,
     size_text,
 )
@@ -96,18 +97,6 @@ warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavai
                         "uninitialized", category=UserWarning)
 
 log = logging.getLogger("myria")
-
-
-def describe_error(e: BaseException) -> str:
-    """One line for an exception; DCP's CheckpointException gives its first rank's cause."""
-    failures = getattr(e, "failures", None)
-    if isinstance(failures, dict) and failures:
-        cause = next(iter(failures.values()))
-        if isinstance(cause, tuple):
-            cause = cause[0]
-        if isinstance(cause, BaseException):
-            return f"{type(cause).__name__}: {cause}"
-    return f"{type(e).__name__}: {e}"
 
 
 def _errors_of(e: BaseException):

@@ -371,3 +371,15 @@ class CheckpointStore:
             self._verified.add(p.name)
             valid += 1
         self.set_latest()
+
+
+def describe_error(e: BaseException) -> str:
+    """One line for an exception; DCP's CheckpointException gives its first rank's cause."""
+    failures = getattr(e, "failures", None)
+    if isinstance(failures, dict) and failures:
+        cause = next(iter(failures.values()))
+        if isinstance(cause, tuple):
+            cause = cause[0]
+        if isinstance(cause, BaseException):
+            return f"{type(cause).__name__}: {cause}"
+    return f"{type(e).__name__}: {e}"
