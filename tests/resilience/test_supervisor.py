@@ -621,6 +621,16 @@ def test_spares_without_in_job_recovery_are_refused_in_one_line(tmp_path):
     assert not (tmp_path / "run").exists()
 
 
+def test_a_refusal_that_needs_the_data_leaves_no_run_directory(tmp_path, tiny_data):
+    """Judged after the data is opened (a fast-memory budget too small), as `myria train`:
+    one line, and the run directory is not made."""
+    p = run_cli("supervise", "--run-dir", str(tmp_path / "run"), "--nproc", "1",
+                f"--data.path={tiny_data}", *TINY, "--parallel.offload=nvme",
+                "--parallel.fast_memory_gb=0.0001", check=False, timeout=120)
+    assert p.returncode == 2 and "is too small for even one layer" in p.stderr, p.stderr
+    assert not (tmp_path / "run").exists()
+
+
 @pytest.mark.slow
 def test_supervise_resumes_from_an_asked_checkpoint_once_and_stops_after(tmp_path, tiny_data):
     """`myria supervise --resume-from CKPT --stop-after N`: the first start goes back to CKPT

@@ -77,7 +77,8 @@ def run(args) -> int:
     check_before_torch(cfg, args.nproc, args.nproc * min_nodes, True)
     data = open_dataset(cfg.data, cfg.model.seq_len, verify=False)
     check_validation(cfg)
-    if done := preflight(cfg, args.run_dir, args.stop_after):
+    # a finished run answers at once; a new run directory is made only once every check passed
+    if Path(args.run_dir).exists() and (done := preflight(cfg, args.run_dir, args.stop_after)):
         print(done)
         return 0
     for line in faults.unreachable(os.environ.get("MYRIA_FAULT"), cfg.training.steps,
@@ -96,6 +97,9 @@ def run(args) -> int:
     from myria.resilience import injob
 
     injob.check(cfg, min_nodes, max_nodes, args.nproc)
+    if done := preflight(cfg, args.run_dir, args.stop_after):
+        print(done)
+        return 0
     rundir.lock(args.run_dir, "supervise", job=args.rdzv_id)   # one job per run directory
     worker_argv = ["train", "--run-dir", str(args.run_dir)]
     if args.config:
