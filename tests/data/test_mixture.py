@@ -241,7 +241,7 @@ def test_a_mixture_may_move_its_directories_and_epoch_limits_on_resume(tmp_path)
                  "11:web=3,code=1")
     check_resume("data/web:1,data/code:3", "data/web:1,data/code:3", 10, "20:web=3,code=1",
                  "15:web=2,code=1")
-    with pytest.raises(ConfigError, match="or phases from step 11 on"):
+    with pytest.raises(ConfigError, match="and yours from step 11 on"):
         check_resume("data/web:1,data/code:3", "data/web:1,data/code:3", 10, "",
                      "10:web=3,code=1")
 
@@ -266,7 +266,7 @@ def test_phases_go_on_from_where_each_source_stood():
     assert phased.at(3) == plain.at(3) and [float(x) for x in phased.at(4)] == [0.75, 0.25]
     with pytest.raises(ConfigError, match="gives no weight to code"):
         schedule(src, "5:web=1")
-    with pytest.raises(ConfigError, match="increase from 2"):
+    with pytest.raises(ConfigError, match="must be 2 or later, and later than the phase before"):
         schedule(src, "1:web=1,code=1")
 
 
@@ -289,6 +289,10 @@ def test_new_weights_on_resume_are_a_phase_from_the_next_step():
     assert resolve_resume(old, "", old, "50:web=1,code=1", 40) == (old, "50:web=1,code=1",
                                                                    None)
     assert resolve_resume(old, "", "data/web:1", "", 40) == ("data/web:1", "", None)
+    # a phase declared for later and left out of the resumed config: dropped, and said
+    src, phases, said = resolve_resume(old, "50:web=1,code=1", old, "", 40)
+    assert (src, phases) == (old, "") and "phase(s) from step 50 on are not in this " \
+        "config and are dropped" in said
 
 
 def test_new_weights_on_resume_train_as_the_same_phase_declared(two_sources, tmp_path):
@@ -322,7 +326,9 @@ def test_new_weights_on_resume_train_as_the_same_phase_declared(two_sources, tmp
     assert mix["weights_from_step"] == 3 and mix["sources"]["web"]["weight"] == 3.0
     assert all(x["off_by_samples"] == 0 for x in mix["sources"].values())
     bad = run_cli("train", "--run-dir", str(resumed), *common, "--training.steps=6",
-                  f"--data.sources={web}:3,{code}:1", "--data.phases=2:web=1,code=1",
+                  f"--data.sources={web}:3,{code}:1", "--data.phases=2:web=1,code=1;6:web=1,code=1",
                   check=False)
-    assert bad.returncode == 2 and "or phases from step 5 on" in bad.stderr
+    assert bad.returncode == 2 and "and yours from step 5 on" in bad.stderr
+    # the phases to type: the run's (from step 3) and a new one after the steps done
+    assert "--data.phases='3:web=3.0,code=1.0;6:web=1.0,code=1.0'" in bad.stderr, bad.stderr
     assert bad.stderr.strip().count("\n") == 0

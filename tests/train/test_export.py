@@ -58,10 +58,13 @@ def test_auto_classes_and_pipeline_need_no_argument(trained, exported):
     cfg = json.loads((exported / "config.json").read_text())
     gen = json.loads((exported / "generation_config.json").read_text())
     assert cfg["eos_token_id"] == cfg["pad_token_id"] == gen["eos_token_id"] == 0
+    # myria's tokenizer has no BOS: none is made up (a template's bos_token would be wrong)
+    assert cfg["bos_token_id"] is None and gen["bos_token_id"] is None
     modes = {f.name: f.stat().st_mode & 0o777 for f in exported.iterdir()}
     assert len(set(modes.values())) == 1, modes   # model.safetensors as readable as the rest
     tok = transformers.AutoTokenizer.from_pretrained(d)
     assert tok.eos_token == tok.pad_token == "<|endoftext|>" and tok.eos_token_id == 0
+    assert tok.bos_token is None
     batch = tok(["The Congress", "My fellow citizens of the United States"], padding=True,
                 return_tensors="pt")
     lengths = batch["attention_mask"].sum(1).tolist()

@@ -73,11 +73,13 @@ def phases_from_tables(where: str, value: Any) -> str:
                               "weights" + suggest(extra[0], ("from_step", "weights")))
         step, weights = t.get("from_step"), t.get("weights")
         if isinstance(step, bool) or not isinstance(step, int) or step < 2:
-            raise ConfigError(f"{entry}.from_step = {step!r}: expected a step >= 2 (the "
-                              "phase's first step; step 1 on, data.sources' weights apply)")
+            got = "missing" if step is None else f"= {step!r}"
+            raise ConfigError(f"{entry}.from_step {got}: expected the phase's first step, 2 "
+                              "or later (data.sources' own weights apply from step 1)")
         if not isinstance(weights, dict) or not weights:
-            raise ConfigError(f"{entry}.weights = {weights!r}: expected a table of source "
-                              "names and weights, {web = 0.3, code = 0.7}")
+            got = "missing" if weights is None else f"= {weights!r}"
+            raise ConfigError(f"{entry}.weights {got}: expected a table of source names and "
+                              "weights, {web = 0.3, code = 0.7}")
         for name, w in weights.items():
             if isinstance(w, bool) or not isinstance(w, (int, float)) or not w > 0:
                 raise ConfigError(f"{entry}.weights.{name} = {w!r}: expected a number > 0")

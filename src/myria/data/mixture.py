@@ -156,9 +156,37 @@ def parse_phases(text: str, names: list[str]) -> list[tuple[int, dict[str, float
         out.append((int(step), weights))
     steps = [st for st, _ in out]
     if any(b <= a for a, b in zip([1, *steps], steps)):
-        raise ConfigError(f"data.phases = {text!r}: the first steps must increase from 2 "
-                          "(step 1 on, data.sources' own weights apply)")
+        raise ConfigError(f"data.phases = {text!r}: each phase's first step must be 2 or "
+                          "later, and later than the phase before it (steps count from 1; "
+                          "data.sources' own weights apply from step 1)")
     return out
+
+
+def check_shares(sources: list[Source], sched: Schedule, global_batch: int) -> None:
+    """DataError for a source whose share of a step is under one sample, in data.sources or
+    a phase (its count could then stand still for a step and jump the next)."""
+    for start, shares in zip(sched.starts, sched.shares, strict=True):
+        for s, share in zip(sources, shares, strict=True):
+            if share * global_batch < 1:
+                where = "data.sources" if not start else f"data.phases (from step {start + 1})"
+                raise DataError(f"{where}: {s.name!r} has a share of {float(share):.4f}, "
+                                f"under one of the {global_batch} sequences of a step; "
+                                "raise its weight or training.global_batch")
+
+
+def check_mixture_config(data_cfg, global_batch: int, steps: int) -> str | None:
+    """What of `[data]`'s mixture can be judged without its directories (a dry run on a
+    planning machine): the phases' sources and steps and every share of a step; a note when
+    a phase starts after training.steps (it applies only if the run is trained further)."""
+    if not data_cfg.sources:
+        return None
+    src = parse_sources(data_cfg.sources)
+    sched = schedule(src, data_cfg.phases)
+    check_shares(src, sched, global_batch)
+    late = [st + 1 for st in sched.starts[1:] if st >= steps]
+    return (f"note: data.phases from step {', '.join(map(str, late))} start(s) after "
+            f"training.steps = {steps}: applied only if the run is trained further") \
+        if late else None
 
 
 def format_phases(phases: list[tuple[int, dict[str, float]]]) -> str:
@@ -196,9 +224,16 @@ def resolve_resume(old_sources: str, old_phases: str, new_sources: str, new_phas
         old_sch = schedule(old, old_phases)
     except ConfigError:
         return new_sources, new_phases, None   # check_resume says what is wrong
-    if [s.name for s in old] != [s.name for s in new] or \
-            _read_before(old_sources, old_phases, step) == _read_before(new_sources, "", step):
-        return new_sources, new_phases, None   # other sources, or the same weights all along
+    if [s.name for s in old] != [s.name for s in new]:
+        return new_sources, new_phases, None   # other sources: check_resume refuses them
+    later = [first for first, _ in parse_phases(old_phases, [s.name for s in old])
+             if first > step] if old_phases else []
+    dropped = (f"; the run's phase(s) from step {', '.join(map(str, later))} on are not in "
+               "this config and are dropped (give data.phases to keep them)") if later else ""
+    if _read_before(old_sources, old_phases, step) == _read_before(new_sources, "", step):
+        # the same weights all along
+        return new_sources, new_phases, (f"data.sources: as typed from step {step + 1} on"
+                                         + dropped if dropped else None)
     new_shares = tuple(_fractions([s.weight for s in new]))
     # the old sources' weights from step 1, with the new paths and epoch limits
     base = ",".join(f"{n.path}:{o.weight!r}" + (f":{n.epochs}" if n.epochs else "")
@@ -208,13 +243,15 @@ def resolve_resume(old_sources: str, old_phases: str, new_sources: str, new_phas
     if old_sch.at(step) != new_shares:
         kept.append((step + 1, {s.name: s.weight for s in new}))
     phases = format_phases(kept)
-    if old_sch.at(step) == new_shares and old_sch.starts[-1] <= step:
-        return base, phases, None    # resuming the phase in effect: nothing new to say
+    if old_sch.at(step) == new_shares:
+        # resuming the phase in effect: nothing new to say, unless later ones go
+        return base, phases, (f"data.sources: as typed from step {step + 1} on" + dropped
+                              if dropped else None)
     return base, phases, (
         f"data.sources: the mixture's weights change from step {step + 1} on ("
         + ", ".join(f"{s.name} {float(w):.3g}" for s, w in zip(new, new_shares, strict=True))
         + f"), as a new phase: steps 1-{step} keep the weights they were read with "
-        f"(data.phases = {phases!r})")
+        f"(data.phases = {phases!r})" + dropped)
 
 
 def check_resume(old: str, new: str, step: int, old_phases: str = "",
@@ -228,6 +265,19 @@ def check_resume(old: str, new: str, step: int, old_phases: str = "",
     if _read_before(old, old_phases, step) != _read_before(new, new_phases, step):
         said = f"data.sources = {new!r}" + (f", data.phases = {new_phases!r}" if new_phases
                                               else "")
+        hint = ""
+        try:   # the phases that keep what was read and add the typed ones after it
+            names = [s.name for s in parse_sources(old)]
+            if [s.name for s in parse_sources(new)] == names and (old_phases or new_phases):
+                both = ([p for p in parse_phases(old_phases, names) if p[0] <= step]
+                        if old_phases else []) + \
+                    ([p for p in parse_phases(new_phases, names) if p[0] > step]
+                     if new_phases else [])
+                if both:
+                    hint = (f" (with data.sources = {old!r}: --data.phases="
+                            f"'{format_phases(both)}')")
+        except ConfigError:
+            pass
         raise ConfigError(
             f"{said}: the checkpoint of step {step} was trained on the mixture {old!r}"
             + (f" with data.phases = {old_phases!r}" if old_phases else "")
@@ -235,7 +285,8 @@ def check_resume(old: str, new: str, step: int, old_phases: str = "",
             "read (each source's position is counted from step 1: other weights for steps "
             f"1-{step} would read some samples again and skip others). New weights apply "
             "from the next step: give the same sources with new weights and no data.phases, "
-            f"or phases from step {step + 1} on")
+            f"or the run's phases up to step {step} and yours from step {step + 1} on"
+            + hint)
 
 
 def _is_number(text: str) -> bool:
@@ -333,14 +384,7 @@ class MixtureDataset:
     def check(self, global_batch: int, steps: int) -> None:
         """DataError for a mixture the run cannot read as asked: a source whose share of a
         step is below one sample, or one the run would read beyond its epoch limit."""
-        for start, shares in zip(self.schedule.starts, self.schedule.shares, strict=True):
-            for s, share in zip(self.sources, shares, strict=True):
-                if share * global_batch < 1:
-                    where = ("data.sources" if not start else
-                             f"data.phases (from step {start + 1})")
-                    raise DataError(f"{where}: {s.name!r} has a share of {float(share):.4f}, "
-                                    f"under one of the {global_batch} sequences of a step; "
-                                    "raise its weight or training.global_batch")
+        check_shares(self.sources, self.schedule, global_batch)
         need = self.schedule.counts(steps, global_batch)
         for s, want, n in zip(self.sources, need, self.sizes, strict=True):
             if s.epochs and want > s.epochs * n:

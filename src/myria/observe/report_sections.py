@@ -288,7 +288,7 @@ def mixture_html(mix: dict | None) -> str:
         for n, x in mix["sources"].items())
     return f"""<h2>Training per source</h2><p>{esc(mixture_line(mix))}.</p>
 <table id="train-by-source"><tr><th>source</th><th>weight</th><th>samples</th><th>tokens</th>
-<th>share</th><th>samples off the weight</th><th>epochs</th><th>first loss</th>
+<th>share</th><th>samples off the mixture's order</th><th>epochs</th><th>first loss</th>
 <th>last loss</th></tr>{body}</table>"""
 
 

@@ -236,9 +236,14 @@ def run(args) -> int:
         check_nproc(args.nproc, "cpu")
     world = _nproc_for(args)
     if args.dry_run:
+        from myria.data.mixture import check_mixture_config
         from myria.train.distributed import device_type
         Layout.resolve(cfg.parallel, world * args.nnodes).check(
             cfg, device_type(cfg.training.device))
+        # the data's directories need not exist on a planning machine: what can be judged
+        if note := check_mixture_config(cfg.data, cfg.training.global_batch,
+                                        cfg.training.steps):
+            print(note, file=sys.stderr)
         print(dry_run(cfg, world * args.nnodes, ranks_per_host=world))
         return 0
     from myria.train.launch import (

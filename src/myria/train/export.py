@@ -20,10 +20,11 @@ checkpoint alone (a partial DCP load). It renames the parameters to the Llama fa
                              directory, see myria.data.fingerprint: the data directory need
                              not exist any more)
     tokenizer_config.json    PreTrainedTokenizerFast with the tokenizer's bos/eos/pad (myria's
-    special_tokens_map.json  own: all <|endoftext|>, so batch padding works; a pad-less one
-                             pads with its EOS) and left padding (what batched generation
-                             needs); a model's tokenizer: its own tokenizer_config.json (chat
-                             template, added tokens) with those tokens
+    special_tokens_map.json  own: eos and pad <|endoftext|>, no BOS, so batch padding works; a
+                             pad-less one pads with its EOS) and left padding (what batched
+                             generation needs); a model's tokenizer: its own
+                             tokenizer_config.json (chat template, added tokens) with those
+                             tokens
 
 so that `AutoModelForCausalLM.from_pretrained(d)`, `AutoTokenizer.from_pretrained(d)` and
 `pipeline("text-generation", model=d)` work with no further argument (tested with transformers
@@ -118,13 +119,13 @@ def max_positions(m) -> int:
                m.rope_original_max_len if m.rope_scaling != "none" else 0)
 
 
-def token_ids(specials) -> dict[str, int]:
-    """bos/eos/pad token ids of the exported model: the tokenizer's own, the EOS where it has
-    no BOS or pad (batched generation needs a pad)."""
+def token_ids(specials) -> dict[str, int | None]:
+    """bos/eos/pad token ids of the exported model: the tokenizer's own; the EOS where it has
+    no pad (batched generation needs one); no BOS where it has none (a chat template that
+    writes `bos_token` would otherwise start with a token the model never saw there)."""
     eos = specials.eos_id
-    return {"bos_token_id": eos if specials.bos_id is None else specials.bos_id,
-            "eos_token_id": eos, "pad_token_id": eos if specials.pad_id is None else
-            specials.pad_id}
+    return {"bos_token_id": specials.bos_id, "eos_token_id": eos,
+            "pad_token_id": eos if specials.pad_id is None else specials.pad_id}
 
 
 def hf_tokenizer_files(m, specials, tok_cfg: dict | None = None,
@@ -138,10 +139,10 @@ def hf_tokenizer_files(m, specials, tok_cfg: dict | None = None,
     myria fills only what they leave out. Without them: PreTrainedTokenizerFast padding on the
     left (what batched generation needs), adding no special token (myria's own tokenizer has
     none to add), stopping at the EOS after at most 50 new tokens. A pad-less tokenizer pads
-    with its EOS."""
+    with its EOS; a BOS-less one stays without a BOS."""
     eos = specials.eos_token
-    special = {"bos_token": specials.bos_token or eos, "eos_token": eos,
-               "pad_token": specials.pad_token or eos}
+    special = {**({"bos_token": specials.bos_token} if specials.bos_token else {}),
+               "eos_token": eos, "pad_token": specials.pad_token or eos}
     own = {} if specials.bos_token else {"add_bos_token": False, "add_eos_token": False}
     defaults = {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length":
                 max_positions(m), "padding_side": "left", **own,

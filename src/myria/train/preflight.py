@@ -217,6 +217,10 @@ def check_data_and_model(cfg: Config, dataset, run_dir: str | Path) -> None:
     before any process starts; prints `check_vocab`'s note, if any."""
     if note := check_vocab(cfg, dataset):
         print(note, flush=True)
+    from myria.data.mixture import check_mixture_config
+
+    if note := check_mixture_config(cfg.data, cfg.training.global_batch, cfg.training.steps):
+        print(note, flush=True)
     check_mixture(cfg, dataset)
     check_tokenizer(cfg, dataset)
     check_init_weights(cfg, run_dir)

@@ -383,6 +383,13 @@ class Run:
                       f"{' as configured' if m.document_len else ' of the data'}; positions "
                       f"{'restart per document' if m.document_positions else 'run on'})",
                       flush=True)
+            if isinstance(dataset, MixtureDataset) and len(dataset.schedule.starts) > 1:
+                print("data mixture: " + "; ".join(
+                    (f"from step {st + 1}: " if st else "") + ", ".join(
+                        f"{src.name} {float(w):.3g}" for src, w in
+                        zip(dataset.sources, sh, strict=True))
+                    for st, sh in zip(dataset.schedule.starts, dataset.schedule.shares,
+                                      strict=True)), flush=True)
             if note := torch_note():  # another torch than the tested one: what it lacks
                 print(note, flush=True)
         sync = torch.cuda.synchronize if env.device.type == "cuda" else None
