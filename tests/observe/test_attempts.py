@@ -74,3 +74,25 @@ def test_a_step_run_again_is_read_as_its_last_attempt_ran_it(tmp_path, with_atte
     lost = [e for e in trace if e.get("name") == "step (redone)"]
     assert len(lost) == 2 and all(e["args"] == {"step": 2, "attempt": 0, "redone": True}
                                   for e in lost)
+
+
+def test_a_start_from_an_earlier_step_rewinds_what_it_did_not_reach(tmp_path):
+    """Attempt 0 ran steps 1-6; attempt 1 began again at step 1 (a fresh start in the used
+    run directory, or a rollback) and stopped after step 2: steps 3-6 of attempt 0 are not
+    the run's, though no later attempt ran them."""
+    (tmp_path / "events").mkdir()
+    for r in (0, 1):
+        h = {"rank": r, "world": 2, "host": "h", "coord": {"dp": r}, "groups": {"dp": [0, 1]}}
+        lines: list[dict] = [{"header": dict(h, attempt=0)}]
+        t = 1_000_000
+        for s in range(1, 7):
+            lines += _step(s, t + s * 700 * MS)
+        lines.append({"header": dict(h, attempt=0)})   # `myria train` again, by hand
+        t += 30_000_000
+        for s in (1, 2):
+            lines += _step(s, t + s * 700 * MS)
+        (tmp_path / "events" / f"rank{r:05d}.jsonl").write_text(
+            "".join(json.dumps(x) + "\n" for x in lines))
+    run = analyze.load_run(tmp_path)
+    assert run.steps == [1, 2]
+    assert {e["s"] for e in run.ranks[0].redone} == {1, 2, 3, 4, 5, 6}

@@ -122,22 +122,32 @@ def load_run(run_dir: str | Path) -> Run:
 
 
 def _split_redone(ranks: dict[int, RankEvents], attempt_of: dict[int, list[int]]) -> None:
-    """Keep in `events` each step's events from the newest attempt that finished it on any
-    rank (or, for a step no attempt finished, the newest that began it); move the rest to
-    `redone`."""
+    """Keep in `events` each step's events from the attempt whose timeline the run kept; move
+    the rest to `redone`. An attempt that began at step s (it resumed there, or started afresh
+    at 1) rewound every earlier attempt's steps from s on, whether it reached them or not (a
+    fresh start in a used run directory, a rollback to an older checkpoint): of those, an
+    earlier attempt's events are kept only where no later attempt began at or before them,
+    and each step's from the newest attempt that finished it (or, for a step no attempt
+    finished, the newest that began it)."""
     finished: dict[int, int] = {}
     began: dict[int, int] = {}
+    first: dict[int, int] = {}      # attempt -> the first step it ran
     for r, re in ranks.items():
         for e, a in zip(re.events, attempt_of[r]):
             began[e["s"]] = max(began.get(e["s"], a), a)
+            first[a] = min(first.get(a, e["s"]), e["s"])
             if e["n"] == "step":
                 finished[e["s"]] = max(finished.get(e["s"], a), a)
-    if len(set(began.values()) | set(finished.values())) <= 1:
+    if len(set(began.values()) | set(finished.values())) <= 1 and len(first) <= 1:
         return  # one attempt: nothing was redone
+
+    def rewound(a: int, step: int) -> bool:
+        return any(b > a and s0 <= step for b, s0 in first.items())
+
     for r, re in ranks.items():
         keep, redone = [], []
         for e, a in zip(re.events, attempt_of[r]):
-            if a == finished.get(e["s"], began[e["s"]]):
+            if a == finished.get(e["s"], began[e["s"]]) and not rewound(a, e["s"]):
                 keep.append(e)
             else:
                 redone.append(dict(e, attempt=a))
