@@ -136,6 +136,15 @@ def test_resume_changes_apply_refuse_and_keep_the_lr_horizon():
     assert cfg.optimizer.decay_steps == 0
     # a checkpoint that recorded only its model (older meta.json): only the model is compared
     assert resume_rules.resume_changes({"model": before["model"]}, config.load(), 10) == []
+    # a derived size written out (ffn_hidden 0 is the architecture's width, kv_heads 0 one per
+    # head) is the same shape: it resumes; another size is refused, naming the derived one
+    m = config.load().model
+    same = config.load(None, [f"--model.ffn_hidden={m.ffn_dim}", f"--model.kv_heads={m.heads}"])
+    plain = config.load(None, ["--model.kv_heads=0"]).to_dict()
+    assert resume_rules.resume_changes(plain, same, 10) == []
+    with pytest.raises(ConfigError, match=rf"ffn_hidden = 64 \(the checkpoint has 0, i.e. "
+                                          rf"{m.ffn_dim}:"):
+        resume_rules.resume_changes(plain, config.load(None, ["--model.ffn_hidden=64"]), 10)
 
 
 def test_demo_config_evaluates_before_its_last_step():

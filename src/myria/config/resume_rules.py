@@ -29,6 +29,9 @@ FROZEN_ON_RESUME: dict[str, str] = {
     "training.global_batch": "the data position of the checkpoint is counted in global batches",
     "optimizer.name": "the checkpoint's optimizer state is that optimizer's",
 }
+# Shape fields whose 0 means "derived": compared by the size they resolve to (ffn_hidden 0 is
+# the architecture's width, kv_heads 0 one per head), so writing the derived value out resumes.
+RESOLVED = {"model.ffn_hidden": lambda m: m.ffn_dim, "model.kv_heads": lambda m: m.n_kv_heads}
 # Fields that choose what one session does, not part of the run's history.
 SESSION_FIELDS = ("checkpoint.resume", "checkpoint.resume_from", "checkpoint.start_fresh")
 
@@ -63,6 +66,12 @@ def resume_changes(previous: dict, cfg: Config, step: int) -> list[tuple[str, An
     if not cfg.optimizer.decay_steps and old and step > begun:
         cfg.optimizer.decay_steps = old  # keep the schedule the checkpoint was trained on
     changes, refused = [], []
+    try:   # the checkpoint's model, for the sizes RESOLVED fields stand for
+        from myria.config import from_dict
+
+        prev_model = from_dict({"model": previous["model"]}).model
+    except (KeyError, TypeError, ConfigError):
+        prev_model = None
     for section, cls in SECTIONS.items():
         before = previous.get(section)
         if not isinstance(before, dict):
@@ -78,8 +87,13 @@ def resume_changes(previous: dict, cfg: Config, step: int) -> list[tuple[str, An
                 new = new or cfg.training.steps
             if old == new or (isinstance(new, tuple) and list(new) == old):
                 continue
+            if name in RESOLVED and prev_model is not None and \
+                    RESOLVED[name](prev_model) == RESOLVED[name](cfg.model):
+                continue   # the same size, written out or left derived
             if name in FROZEN_ON_RESUME:
-                refused.append(f"{name} = {new!r} (the checkpoint has {old!r}: "
+                size = f", i.e. {RESOLVED[name](prev_model)}" if name in RESOLVED and \
+                    prev_model is not None and not old else ""
+                refused.append(f"{name} = {new!r} (the checkpoint has {old!r}{size}: "
                                f"{FROZEN_ON_RESUME[name]})")
             else:
                 changes.append((name, old, new))
