@@ -105,6 +105,26 @@ def test_damage_found_while_pruning_is_quarantined_not_counted(tmp_path):
     assert [p.name for p in mgr.quarantined()] == ["step_00000002"]
 
 
+def test_a_checkpoint_whose_manifest_was_removed_is_kept_aside_not_deleted(tmp_path):
+    """A step directory without meta.json (removed by hand after its commit) is not loaded,
+    and saving that step again does not delete it: it goes to quarantine/ with its reason."""
+    mgr = CheckpointManager(tmp_path / "ck", keep=3)
+    t = Target()
+    for step in (4, 8):
+        mgr.save(step, t, {})
+    (mgr.path_for(8) / "meta.json").unlink()
+    mgr = CheckpointManager(tmp_path / "ck", keep=3)
+    assert mgr.choose_resume().name == "step_00000004"
+    assert [p.name for p in mgr.quarantined()] == ["step_00000008"]
+    why = json.loads((mgr.dir / "quarantine" / "step_00000008" / "QUARANTINED.json").read_text())
+    assert "meta.json is missing" in why["reason"]
+    # the same on the save of that step, without a resume in between
+    (mgr.path_for(4) / "meta.json").unlink()
+    mgr.save(4, t, {})
+    assert sorted(p.name for p in mgr.quarantined()) == ["step_00000004", "step_00000008"]
+    assert (mgr.path_for(4) / "meta.json").exists()
+
+
 def test_every_checkpoint_damaged_stops_with_one_clear_error(tmp_path):
     mgr = CheckpointManager(tmp_path / "ck", keep=3)
     t = Target()

@@ -284,6 +284,8 @@ class CheckpointManager(CheckpointStore):
         """Quarantine the checkpoints `mark_suspect` named (rank 0) and forget the mark
         (collective): the step every rank must not roll back past (None: no mark)."""
         rank, world = rank_and_world()
+        if rank == 0:
+            self.quarantine_incomplete()
         after = self.quarantine_suspect() if rank == 0 else None
         if world > 1:
             box = [after]

@@ -226,6 +226,18 @@ class CheckpointStore:
         self.set_latest()
 
     # -- quarantine and `latest` -------------------------------------------------------------
+    def quarantine_incomplete(self) -> None:
+        """Move aside the step directories without a manifest (rank 0). A save is written in a
+        temporary directory and renamed only once complete, so a step directory without
+        meta.json lost it afterwards (by hand, or the file system): it is neither loaded nor
+        written over, but kept, as a damaged one."""
+        if not self.dir.is_dir():
+            return
+        for p in sorted(self.dir.iterdir()):
+            if p.is_dir() and p.name.startswith(PREFIX) and p.name[len(PREFIX):].isdigit() \
+                    and not (p / MANIFEST).exists():
+                self.quarantine(p, f"its {MANIFEST} is missing, removed after the commit")
+
     def quarantine(self, path: Path, reason: str, accepted: bool = False) -> Path:
         """Move a checkpoint aside to quarantine/ with its reason (rank 0 only)."""
         qdir = self.dir / QUARANTINE
@@ -333,6 +345,8 @@ class CheckpointStore:
 
         with fence_guard(self.dir.parent):  # a worker of a superseded round commits nothing
             old = None
+            if final.exists() and not (final / MANIFEST).exists():
+                self.quarantine(final, f"its {MANIFEST} is missing, removed after the commit")
             if final.exists():  # a step saved again after resuming from an older checkpoint
                 old = final.with_name(final.name + f".old{os.getpid()}")
                 os.replace(final, old)
