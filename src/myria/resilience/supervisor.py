@@ -177,9 +177,13 @@ class Supervisor:
             log.error("ACTION %s: %s", e.action, e)
         except SignalException as e:
             status, code = "preempted", policy.EXIT_PREEMPTED
-            log.warning("ACTION stopped by %s: %s", e.sigval.name, "workers were asked to save "
-                        "and exit" if self.ranks else "no worker had started on this host, "
-                        "nothing to save")
+            f = self.current
+            between = f is not None and f.stopped_at and not f.restarted_at
+            log.warning("ACTION stopped by %s: %s", e.sigval.name, (
+                "the workers were already stopped (recovering from a fault), nothing to save; "
+                f"the run resumes from {f.newest_committed or 'step 0 (no checkpoint yet)'}")
+                if between else "workers were asked to save and exit" if self.ranks else
+                "no worker had started on this host, nothing to save")
         except LaunchError as e:
             log.error("%s", e)
         except RendezvousClosedError:  # the job ended on the other hosts
