@@ -131,8 +131,8 @@ def check_resume(ckpt: str | Path, current: dict[str, Any], allow: bool = False,
            "re-prepared?)")
     if not allow:
         raise DataError(msg + "; restore that data, point --data.path at it, or pass "
-                        "--allow-data-change (--checkpoint.allow_data_change=true under "
-                        "`myria supervise`) to continue training on the new data")
+                        "--allow-data-change (to `myria train` or `myria supervise`) to "
+                        "continue training on the new data")
     if announce:
         log.warning("%s; continuing on the new data as allowed (checkpoint.allow_data_change)",
                     msg)
