@@ -135,6 +135,16 @@ def test_a_second_supervised_job_keeps_the_first_ones_ledger_and_faults(tmp_path
     # a fault whose lost time was not measured (a job that failed) is not counted as 0 s
     unmeasured = {"ledger": {"ettr": 0.5, "wall_s": 10.0}, "faults": [{"time_lost_s": None}]}
     assert goodput_line(unmeasured).endswith("1 fault(s), their lost time not measured")
+    # and each fault in a line of its own (a lost host's are said by lost_host_lines)
+    from myria.observe.report import fault_lines
+
+    assert fault_lines({"faults": [
+        {"kind": "exit", "ranks": [1], "last_step": 4, "recovery": "restart",
+         "resumed_from": 4, "time_lost_s": 9.3},
+        {"kind": "exit", "ranks": [0], "last_step": 6, "resumed_from": None},
+        {"kind": "exit", "hosts_lost": ["h2"]}]}) == [
+        "fault: exit of rank(s) [1] at step 4; restart from step 4, 9.3 s lost",
+        "fault: exit of rank(s) [0] at step 6; not recovered (the job ended)"]
     # one job's ledger stays as it was; a job id that is no file name is made one
     assert goodput.combine([first["goodput"]])["wall_s"] == 100.0
     assert rundir.job_summary_file(tmp_path, "a/b c").name == "a_b_c.json"

@@ -103,6 +103,23 @@ def goodput_line(gp: dict) -> str:
             (f"; {len(faults)} fault(s), {lost}" if faults else ""))
 
 
+def fault_lines(gp: dict) -> list[str]:
+    """One line per fault of the report's goodput.json (a lost host's are `lost_host_lines`):
+    what, which ranks, at which step, and what followed: "fault: exit of rank(s) [1] at step
+    4; restart from step 4, 9.3 s lost"."""
+    out = []
+    for f in gp.get("faults", []):
+        if f.get("hosts_lost"):
+            continue
+        resumed, lost = f.get("resumed_from"), f.get("time_lost_s")
+        then = (f"{f.get('recovery') or 'recovery'} from step {resumed}" if resumed is not None
+                else "not recovered (the job ended)")
+        out.append(f"fault: {f.get('kind', '?')} of rank(s) {f.get('ranks', [])} at step "
+                   f"{f.get('last_step', '?')}; {then}"
+                   + (f", {float(lost):.1f} s lost" if lost is not None else ""))
+    return out
+
+
 def lost_host_lines(gp: dict) -> list[str]:
     """One line per host a multi-host job went on without (the report's goodput.json): which
     host, at which step, found on which survivor(s) as which fault. A fault names the host
@@ -153,7 +170,7 @@ def run(args) -> int:
     if (gp_path := out / "goodput.json").exists():
         gp = json.loads(gp_path.read_text())
         print(f"  {goodput_line(gp)}")
-        for line in lost_host_lines(gp):
+        for line in fault_lines(gp) + lost_host_lines(gp):
             print(f"  {line}")
     if (hang := hang_report(out)) is not None:
         from myria.observe.hang import summary_line
