@@ -45,7 +45,8 @@ def test_toml_and_overrides(tmp_path):
     ("--model.block_pattern=DDDA", "model.block_pattern = 'DDDA': a layer pattern for arch "
      "griffin or hybrid (model.arch = 'llama') setting(s) that would do nothing"),
     ("--model.feature_map=relu", "model.feature_map = 'relu': linear attention's"),
-    ("--model.ssm_state=16", "model.ssm_state = 16: Mamba-2's (no M layer"),
+    ("--model.ssm_state=16", "model.ssm_state = 16: Mamba-2's, for the M layers of model.arch = "
+     "'hybrid' (this model: arch 'llama')"),
     ("--model.arch=griffin --model.attention_window=8 --model.layers=2",
      "model.block_pattern = 'RRA' is longer than model.layers = 2"),
 ])
