@@ -97,7 +97,8 @@ def dry_run(cfg: config_mod.Config, world: int, ranks_per_host: int | None = Non
     lay = Layout.resolve(cfg.parallel, world)
     lines = [config_mod.describe(cfg),
              f"# world size {world}: layout " + ", ".join(f"{k}={v}"
-                                                         for k, v in lay.degrees().items()),
+                                                         for k, v in lay.degrees().items())
+             + (f" (data parallel by {ENGINE_WORDS[t.data_parallel]})" if lay.dp > 1 else ""),
              f"# parameters: {n:,} ({n - pc.embedding - pc.head - pc.positional:,} without "
              "embeddings)",
              f"# model FLOPs per token (training, dense attention): "
@@ -153,6 +154,10 @@ def prediction_lines(cfg, world, ranks_per_host, lay, spec, pred) -> list[str]:
     return lines
 
 
+# How training.data_parallel runs the dp ranks, in the dry run's words.
+ENGINE_WORDS = {"fsdp": "FSDP2, each block resharded after use",
+                "zero2": "ZeRO-2, FSDP2 keeping each block gathered from forward to backward",
+                "ddp": "DDP, whole replicas"}
 # The parts of a rank's predicted memory; they add up to the total (myria.sim.memory).
 MEMORY_PARTS = ("weights", "gradients", "optimizer", "activations", "temporary", "reserved")
 LOW_MFU_SHARE = 0.6  # warn when the config reaches less than this share of the planner's best
