@@ -371,6 +371,21 @@ def test_every_rank_names_the_reason_another_rank_stopped_for(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.slow
+def test_a_killed_rank_says_it_left_no_error_and_where_the_run_resumes(tmp_path, tiny_data):
+    """A rank SIGKILLed under `myria train --nproc 2` wrote no error of its own: the launcher
+    says so (not "its output is above") and names the checkpoint the same command resumes
+    from, as after Ctrl-C."""
+    p = run_cli("train", "--run-dir", str(tmp_path), "--nproc", "2", f"--data.path={tiny_data}",
+                *TINY, "--training.steps=8", "--checkpoint.interval=2",
+                "--training.eval_interval=0", env={"MYRIA_FAULT": "kill:rank=1:step=5"},
+                check=False)
+    err = [x for x in p.stderr.splitlines() if x.startswith("myria train: error:")]
+    assert p.returncode == 1 and len(err) == 1, p.stderr[-2000:]
+    assert "rank 1 ended with signal SIGKILL (killed: no error of its own)" in err[0]
+    assert "the same command resumes from step_00000004" in err[0], err
+
+
 def test_ctrl_c_saves_then_says_where_the_run_resumes(tmp_path, tiny_data):
     """Ctrl-C (SIGINT) to `myria train --nproc 2`: the launcher forwards it, the workers save
     the step they are in as SIGTERM would have them, and the launcher names the checkpoint the

@@ -18,7 +18,7 @@ from pathlib import Path
 
 from myria import config as config_mod
 from myria import rundir
-from myria.errors import DataError
+from myria.errors import DataError, LaunchError
 from myria.layout import Layout
 from myria.observe import goodput
 from myria.train.preflight import (
@@ -312,6 +312,10 @@ def run(args) -> int:
             _summary(Path(args.run_dir))
             print(f"myria train: {e}; {_resumes_from(Path(args.run_dir))}", file=sys.stderr)
             return e.exit_code
+        except LaunchError as e:
+            if getattr(e, "killed", False):   # not the run's own error: the same command
+                e.args = (f"{e}; {_resumes_from(Path(args.run_dir))}",)   # goes on
+            raise
         _summary(Path(args.run_dir))
         return 0
     from myria.train.trainer import train

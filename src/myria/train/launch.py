@@ -270,11 +270,13 @@ def launch_local(nproc: int, argv: list[str], max_restarts: int = 0) -> None:
         msg = own_message(f)
         how = f"signal {f.signal_name()}" if f.exitcode < 0 else f"exit code {f.exitcode}"
         others = len(e.failures) - 1
+        said = "killed: no error of its own" if f.exitcode < 0 else "its output is above"
         err = LaunchError(
-            (msg or f"rank {rank} ended with {how} (its output is above)")
+            (msg or f"rank {rank} ended with {how} ({said})")
             + f"  [rank {rank} of {nproc} failed first"
             + (f"; {others} other rank(s) stopped after it]" if others else "]"))
         err.exit_code = (data.get("myria") or {}).get("exit_code", 1)
+        err.killed = not msg and f.exitcode < 0   # by a signal, not by an error of the run
         raise err from None
     finally:
         os.environ.pop(QUIET_ENV, None)
