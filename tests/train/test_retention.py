@@ -250,6 +250,16 @@ def test_every_checkpoint_damaged_then_fresh_start(tmp_path, tiny_data, straight
     assert len(err) == 1 and "could not be read" in err[0] and "--start-fresh" in err[0], err
     train(run, tiny_data, "--start-fresh")
     same_as_straight(run, straight)  # from step 0 with the same seed: the straight run again
+    # asked again with checkpoints that verify: it resumes, and says --start-fresh did nothing
+    p = train(run, tiny_data, "--start-fresh", "--training.steps=13")
+    assert "--start-fresh applies only when every checkpoint is damaged; step_00000012 " \
+        "verifies" in p.stdout, p.stdout
+    # a fresh start on purpose: the checkpoints go aside, said as such (not "damaged")
+    train(run, tiny_data, "--checkpoint.resume=false", "--training.steps=1")
+    why = [json.loads((q / "QUARANTINED.json").read_text())["reason"]
+           for q in (run / "checkpoints" / "quarantine").iterdir()
+           if q.name.startswith("step_00000013")]
+    assert why and why[0].startswith("a fresh start of the run directory"), why
 
 
 @pytest.mark.slow

@@ -539,7 +539,9 @@ def resume_run(cfg: Config, run_dir: Path, env, engine: Engine, ckpt: Checkpoint
     if latest is None and env.is_main:   # (a resume's config is written by resume.apply)
         resume.write_config(cfg, run_dir)
     if env.is_main and (asked_checkpoint(cfg) or not cfg.checkpoint.resume):
-        ckpt.abandon_after(start_step)  # a new timeline: newer checkpoints go aside
+        # a new timeline: newer checkpoints go aside
+        ckpt.abandon_after(start_step, "" if asked_checkpoint(cfg) else
+                           "a fresh start of the run directory (checkpoint.resume = false)")
     return start_step, latest
 
 
@@ -641,7 +643,12 @@ def resume_point(ckpt: CheckpointManager, cfg: Config, is_main: bool) -> Path | 
         return path
     if not c.resume:
         return None
-    return ckpt.choose_resume(allow_fresh=c.start_fresh)
+    chosen = ckpt.choose_resume(allow_fresh=c.start_fresh)
+    if chosen is not None and c.start_fresh and is_main:
+        print(f"note: --start-fresh applies only when every checkpoint is damaged; "
+              f"{chosen.name} verifies and the run resumes from it (--checkpoint.resume=false "
+              "trains this run directory from step 0)", flush=True)
+    return chosen
 
 
 def write_checkpoint_stats(run_dir: Path, rank: int, ckpt: CheckpointManager,

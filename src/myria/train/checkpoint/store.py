@@ -216,13 +216,14 @@ class CheckpointStore:
         f.unlink()
         return after
 
-    def abandon_after(self, step: int) -> None:
+    def abandon_after(self, step: int, why: str = "") -> None:
         """Move checkpoints newer than `step` aside (rank 0): an explicit older resume point
-        starts a new timeline, and `latest`/retention must not jump back to the old one."""
+        (or a fresh start: `why` says which) starts a new timeline, and `latest`/retention
+        must not jump back to the old one."""
+        why = why or f"newer than the explicitly chosen resume point (step {step})"
         for p in self.committed():
             if step_of(p.name) > step:
-                self.quarantine(p, f"newer than the explicitly chosen resume point (step {step})"
-                                "; kept aside, not damaged", accepted=True)
+                self.quarantine(p, f"{why}; kept aside, not damaged", accepted=True)
         self.set_latest()
 
     # -- quarantine and `latest` -------------------------------------------------------------
