@@ -141,10 +141,11 @@ def test_a_second_supervised_job_keeps_the_first_ones_ledger_and_faults(tmp_path
     assert fault_lines({"faults": [
         {"kind": "exit", "ranks": [1], "last_step": 4, "recovery": "restart",
          "resumed_from": 4, "time_lost_s": 9.3},
-        {"kind": "exit", "ranks": [0], "last_step": 6, "resumed_from": None},
+        {"kind": "exit", "ranks": [0, 1], "last_step": 6, "resumed_from": None},
         {"kind": "exit", "hosts_lost": ["h2"]}]}) == [
         "fault: exit of rank(s) [1] at step 4; restart from step 4, 9.3 s lost",
-        "fault: exit of rank(s) [0] at step 6; not recovered (the job ended)"]
+        "fault: exit of rank 0 (rank(s) [1] stopped after it) at step 6; not recovered (the "
+        "job ended)"]
     # one job's ledger stays as it was; a job id that is no file name is made one
     assert goodput.combine([first["goodput"]])["wall_s"] == 100.0
     assert rundir.job_summary_file(tmp_path, "a/b c").name == "a_b_c.json"

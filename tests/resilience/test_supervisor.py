@@ -984,3 +984,16 @@ def test_a_lost_host_is_named_by_the_fault_its_survivors_found(tmp_path, monkeyp
     assert lost_host_lines(json.loads((out / "goodput.json").read_text())) == [
         "host h1 lost at step 6, found on h0 (exit), h3 (hang): the job went on without it "
         "from step 5"]
+
+
+@pytest.mark.slow
+def test_giving_up_says_where_the_same_command_resumes(tmp_path, tiny_data):
+    """No restarts allowed: the first fault ends the job, failed, and the supervisor's last
+    action names the checkpoint the same command resumes from."""
+    p = supervise(tmp_path, tiny_data, "--resilience.max_restarts=0",
+                  env={"MYRIA_FAULT": "kill:rank=1:step=9"}, check=False)
+    s = json.loads((tmp_path / "supervisor_summary.json").read_text())
+    log = (tmp_path / "supervisor.log").read_text()
+    assert p.returncode != 0 and s["status"] == "failed", s["status"]
+    assert "ACTION give up: no restarts allowed (resilience.max_restarts = 0); the same " \
+        "command resumes from step_0000000" in log, log[-2000:]

@@ -114,9 +114,12 @@ def fault_lines(gp: dict) -> list[str]:
         resumed, lost = f.get("resumed_from"), f.get("time_lost_s")
         then = (f"{f.get('recovery') or 'recovery'} from step {resumed}" if resumed is not None
                 else "not recovered (the job ended)")
-        out.append(f"fault: {f.get('kind', '?')} of rank(s) {f.get('ranks', [])} at step "
-                   f"{f.get('last_step', '?')}; {then}"
-                   + (f", {float(lost):.1f} s lost" if lost is not None else ""))
+        ranks = f.get("ranks") or []
+        # an exit lists the culprit first, then the ranks that stopped because of it
+        who = (f"rank {ranks[0]} (rank(s) {ranks[1:]} stopped after it)"
+               if f.get("kind") == "exit" and len(ranks) > 1 else f"rank(s) {ranks}")
+        out.append(f"fault: {f.get('kind', '?')} of {who} at step {f.get('last_step', '?')}; "
+                   f"{then}" + (f", {float(lost):.1f} s lost" if lost is not None else ""))
     return out
 
 

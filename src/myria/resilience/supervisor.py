@@ -170,8 +170,12 @@ class Supervisor:
             if result.state == WorkerState.SUCCEEDED:
                 status, code = "succeeded", 0
             else:
-                log.error("ACTION give up: %s", "restarts exhausted"
-                          if self.r.max_restarts else "no restarts allowed")
+                log.error("ACTION give up: %s; the same command resumes from %s",
+                          f"restarts exhausted (resilience.max_restarts = "
+                          f"{self.r.max_restarts})" if self.r.max_restarts else
+                          "no restarts allowed (resilience.max_restarts = 0)",
+                          summary.newest_committed(self.run_dir) or "step 0 (no checkpoint "
+                          "was committed)")
         except policy.Stop as e:
             status, code = e.status, e.code
             log.error("ACTION %s: %s", e.action, e)
