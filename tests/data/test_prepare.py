@@ -265,6 +265,10 @@ def test_refuses_to_overwrite_a_prepared_directory(corpus: Path, tmp_path: Path)
     args = ["--input", str(corpus / "txt"), "--vocab-size", "280", "--out", str(out)]
     assert _cli(*args)[0] == 0
     before = (out / "index.json").read_bytes()
+    # the same command again: nothing to do, nothing rewritten
+    rc, said, err = _cli(*args)
+    assert rc == 0 and "already prepared from these inputs and options" in said, (said, err)
+    assert (out / "index.json").read_bytes() == before
     rc, _, err = _cli(*args[:-3], "300", "--out", str(out))
     assert rc == 2 and err.count("\n") == 1 and "already a prepared data directory" in err
     assert "--force" in err and str(out) in err

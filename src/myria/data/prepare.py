@@ -244,7 +244,8 @@ def prepare(out: str | Path, inputs: Sequence[str] = (), corpus: str | None = No
     from myria.data import tokenizer as T
 
     out_dir = Path(out)
-    check_overwrite(out_dir, force)
+    if out_dir.exists() and not out_dir.is_dir():
+        raise DataError(f"--out {str(out_dir)!r} is a file, not a directory; choose a directory")
     if shard_tokens < 1:
         raise DataError(f"--shard-tokens {shard_tokens}: must be >= 1")
     if max_docs is not None and max_docs < 1:
@@ -269,6 +270,8 @@ def prepare(out: str | Path, inputs: Sequence[str] = (), corpus: str | None = No
             "tokenizer": sha256_file(T.tokenizer_file(tokenizer))
             if tokenizer and T.tokenizer_file(tokenizer).is_file() else tokenizer}
     key = _options_key(sources, opts)
+    if (done := check_overwrite(out_dir, force, key)) is not None:
+        return done
     try:
         out_dir.mkdir(parents=True, exist_ok=True)
     except OSError as e:
@@ -471,6 +474,7 @@ def _index(man: dict[str, Any], splits: dict[str, Any], sources: Sequence[Source
         "tokenizer": TOKENIZER_FILE,
         "tokenizer_sha256": man["tokenizer_sha256"],
         "tokenizer_source": man["tokenizer_source"],
+        "inputs_key": man["key"],   # of the inputs and options: the same prepare again is done
         "vocab_size_requested": man["vocab_size_requested"],
         "shard_tokens": shard_tokens,
         "seed": seed,
@@ -490,18 +494,22 @@ def _index(man: dict[str, Any], splits: dict[str, Any], sources: Sequence[Source
     }
 
 
-def check_overwrite(out: Path, force: bool) -> None:
-    """DataError when `out` is a file, or already a prepared data directory and not `force`."""
-    if out.exists() and not out.is_dir():
-        raise DataError(f"--out {str(out)!r} is a file, not a directory; choose a directory")
+def check_overwrite(out: Path, force: bool, key: str) -> dict[str, Any] | None:
+    """None when `out` may be written (no prepared data there, or `force`); its index, marked
+    `already_prepared`, when it was prepared from the same inputs and options (`key`: the same
+    command again has nothing to do); else DataError, so that runs trained on it do not go on
+    with other tokens."""
     idx = out / INDEX_FILE
     if force or not idx.exists():
-        return
+        return None
+    old: dict[str, Any] = {}
     try:
         old = json.loads(idx.read_text())
         what = f" ({old['total_tokens']:,} tokens, vocab {old['vocab_size']:,})"
     except (OSError, ValueError, KeyError, TypeError):
         what = ""
+    if isinstance(old, dict) and old.get("inputs_key") == key:
+        return {**old, "already_prepared": True}
     raise DataError(f"--out {str(out)!r} is already a prepared data directory{what}; runs "
                     "trained on it would not resume on other data: choose another --out, or "
                     "pass --force to overwrite it")
@@ -625,6 +633,11 @@ def run(args: argparse.Namespace) -> int:
                     max_docs=args.max_docs, progress=show, encoding=args.encoding,
                     errors=args.errors, force=args.force, dedup=args.dedup,
                     sample_mb=args.sample_mb)
+    if index.get("already_prepared"):
+        print(f"{args.out}: already prepared from these inputs and options "
+              f"({index['total_tokens']:,} tokens, vocab {index['vocab_size']:,}); nothing to "
+              "do (--force prepares it again)")
+        return 0
     print(summary(index, args.out, time.perf_counter() - t0))
     if args.jsonl_field != "text" and not any(
             str(x["name"]).endswith((*JSONL_SUFFIXES, ".parquet")) or Path(x["name"]).is_dir()
