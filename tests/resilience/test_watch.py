@@ -57,6 +57,8 @@ def test_late_heartbeats_of_a_process_that_computes_are_not_a_death():
     cpu[100] = 5.0                    # ... but the hang timeout (10 s) bounds the wait
     found = w.heartbeats({0: rec(0, 0, 1), 1: rec(1, 0, 1)}, now=11.5)
     assert [(d.kind, d.ranks) for d in found] == [("missed-heartbeats", [0])]
+    # said as what it is: a computing rank past the hang timeout, not a dead one
+    assert "computing all along" in found[0].evidence and "dead" not in found[0].evidence
     w = dog(cpu=lambda pid: None)     # stopped (SIGSTOP) or gone: no grace
     w.heartbeats({0: rec(0, 0, 1), 1: rec(1, 0, 1)}, now=1.0)
     assert {tuple(d.ranks) for d in w.heartbeats({}, now=4.5)} == {(0,), (1,)}

@@ -202,7 +202,8 @@ def injected(run_dir: Path, since: float) -> tuple[str, float]:
 
 def undetected(run_dir: Path, since: float, detected: set[str]) -> list[str]:
     """The MYRIA_FAULT hooks that fired since `since` and that nothing detected: no fault of
-    the supervisor is attributed to them and no worker recorded a detection after them."""
+    the supervisor is attributed to them and no worker recorded a detection after them. A
+    delay (`busy`, `slow`) changes no value, so it has nothing to be trained in: not listed."""
     from myria import detections
 
     d = run_dir / rundir.FAULTS
@@ -211,7 +212,8 @@ def undetected(run_dir: Path, since: float, detected: set[str]) -> list[str]:
     seen = [float(r.get("time") or 0) for r in detections.read(run_dir)]
     out = []
     for p in d.iterdir():
-        if not p.is_file() or p.name.startswith("doctor") or p.name in detected:
+        if not p.is_file() or p.name.startswith(("doctor", "busy", "slow")) or \
+                p.name in detected:
             continue
         at = p.stat().st_mtime
         if at >= since and not any(t >= at for t in seen):

@@ -230,16 +230,21 @@ class Watchdog:
                 continue
             silent = now - st.seen_at
             if silent > self.missed * self.period and ("missed", r) not in self.fired:
-                if silent <= self.hang_timeout and self._busy(st, silent):
+                busy = self._busy(st, silent)
+                if silent <= self.hang_timeout and busy:
                     continue   # late but computing: judged again at the next check
                 self.fired.add(("missed", r))
+                verdict = (f"computing all along (its process used CPU) but silent past the "
+                           f"hang timeout ({self.hang_timeout:g} s): a call that holds the "
+                           "interpreter, or a host that starves it" if busy else
+                           "dead or frozen")
                 out.append(Detection(
                     "missed-heartbeats", [r], now, st.seen_at,
                     f"rank {r} (pid {rec.get('pid')}, {rec.get('host')}) sent no heartbeat for "
                     f"{silent:.1f} s = {silent / self.period:.1f} periods of {self.period:g} s "
-                    f"(limit {self.missed}): dead or frozen; last seen at step {rec.get('step')}"
+                    f"(limit {self.missed}): {verdict}; last seen at step {rec.get('step')}"
                     f", phase {rec.get('phase')}",
-                    {"last": rec, "silent_s": silent}))
+                    {"last": rec, "silent_s": silent, "busy": busy}))
         hang = self._hang(now)
         if hang:
             out.append(hang)
