@@ -99,7 +99,7 @@ def summary_line(rep: dict) -> str:
     for r, s in sorted(rep["stuck"].items()):
         parts.append(f"rank {r} is stuck outside any collective (in {s['in'] or 'no event'}"
                      + (f" for {s['since_s']:.1f} s" if s["since_s"] is not None else "")
-                     + f", step {s['step']})"
+                     + f", during step {s['step']})"
                      + (f" at {s['stack'][0].strip()}" if s.get("stack") else ""))
     if rep["silent_ranks"]:
         parts.append(f"rank(s) {rep['silent_ranks']} wrote nothing (frozen, dead or outside "

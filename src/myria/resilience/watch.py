@@ -242,7 +242,7 @@ class Watchdog:
                     "missed-heartbeats", [r], now, st.seen_at,
                     f"rank {r} (pid {rec.get('pid')}, {rec.get('host')}) sent no heartbeat for "
                     f"{silent:.1f} s = {silent / self.period:.1f} periods of {self.period:g} s "
-                    f"(limit {self.missed}): {verdict}; last seen at step {rec.get('step')}"
+                    f"(limit {self.missed}): {verdict}; last seen after step {rec.get('step')}"
                     f", phase {rec.get('phase')}",
                     {"last": rec, "silent_s": silent, "busy": busy}))
         hang = self._hang(now)
