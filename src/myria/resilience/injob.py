@@ -386,8 +386,10 @@ class InJobRecovery:
                         "shrunk_s": round(now - s["at"], 3)}
         self.shrunk = None
         if f is not None:
-            f.action.append(f"in-job: grew back to {len(full)} ranks (hot spare {i} took rank "
-                            f"{rank}) after {now - s['at']:.1f} s shrunk")
+            # announced: done once every rank has stepped (`_track_grow`, the summary's
+            # resizes), which a run ending first never does
+            f.action.append(f"in-job: grow back to {len(full)} ranks announced (hot spare {i} "
+                            f"takes rank {rank}) after {now - s['at']:.1f} s shrunk")
         log.info("ACTION in-job grow (attempt %d; %d more allowed by resilience.max_restarts): hot "
                  "spare %d (pid %d) is ready and takes rank %d; ranks %s join it after their "
                  "current step", attempt, agent._remaining_restarts, i, proc.pid, rank, sup.ranks)
