@@ -699,7 +699,15 @@ def test_job_status_is_the_jobs_outcome_not_its_worst_hosts(tmp_path):
     p = run_cli(*args, str(bad), check=False)
     assert p.returncode == 1 and "job slurm-7 rendezvous-lost at step 6/12" in p.stdout
     p = run_cli(*args[:3], "slurm-8", *args[4:], str(ok), check=False)
-    assert p.returncode == 1 and "is of job 'slurm-7'" in p.stdout
+    assert p.returncode == 1 and "no summary of it" in p.stdout and \
+        "the newest is of job 'slurm-7'" in p.stdout
+    # a later job of the run: an earlier one's outcome is still answered, from its own summary
+    write_part_and_merge(ok, dict(part("h0", "rendezvous-lost", 13), job="slurm-9"))
+    p = run_cli(*args, str(ok))
+    assert p.stdout.strip().startswith("myria: job slurm-7 succeeded at step 12/12")
+    p = run_cli(*args[:3], "slurm-9", *args[4:], str(ok), check=False)
+    assert p.returncode == 1 and p.stdout.strip() == \
+        "myria: job slurm-9 rendezvous-lost at step 13/12 (h0: rendezvous-lost)"
     # stopped cleanly by its wall-time limit: not a finished run, not a failure
     stopped = tmp_path / "stopped"
     write_part_and_merge(stopped, part("h0", "stopped", 7))

@@ -107,20 +107,26 @@ def job_status(run_dir: Path, job: str) -> int:
     if not job:
         raise ConfigError("--job-status needs --rdzv-id JOB (the job whose outcome to print; "
                           "the Slurm script's is slurm-$SLURM_JOB_ID)")
-    try:
-        s = json.loads((Path(run_dir) / rundir.SUPERVISOR_SUMMARY).read_text())
-    except (OSError, ValueError) as e:
-        print(f"myria: job {job}: no summary in {run_dir} ({e.__class__.__name__})")
-        return 1
+    s: dict = {}
+    # the newest job's summary, else the one kept for each job (an older job of the run)
+    for f in (Path(run_dir) / rundir.SUPERVISOR_SUMMARY, rundir.job_summary_file(run_dir, job)):
+        try:
+            s = json.loads(f.read_text())
+        except (OSError, ValueError):
+            continue
+        if s.get("job") == job:
+            break
     if s.get("job") != job:
-        print(f"myria: job {job}: the summary in {run_dir} is of job {s.get('job')!r}")
+        print(f"myria: job {job}: no summary of it in {run_dir}"
+              + (f" (the newest is of job {s.get('job')!r})" if s.get("job") else ""))
         return 1
     status = sorted((s.get("host_status") or {s.get("host", "?"): s.get("status")}).items())
     ok = ("succeeded", STOPPED)
-    ran = ", ".join(h for h, st in status if st in ok) or "no host"
+    ran = ", ".join(h for h, st in status if st in ok)
     others = ", ".join(f"{h}: {st}" for h, st in status if st not in ok)
+    where = (f"on {ran}" + (f" ({others})" if others else "")) if ran else f"({others})"
     print(f"myria: job {job} {s.get('status')} at step {s.get('final_step')}/"
-          f"{s.get('target_steps', '?')} on {ran}{f' ({others})' if others else ''}")
+          f"{s.get('target_steps', '?')} {where}")
     return 0 if s.get("status") in ok else 1
 
 
