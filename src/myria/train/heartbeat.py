@@ -214,7 +214,8 @@ class Heartbeat:
         gone = launcher_gone()
         log.warning("rank %d: the supervisor's heartbeat store is gone (%s)%s",
                     self.progress.rank, _first_line(e),
-                    "" if gone else ": stopping at the end of this step with a checkpoint")
+                    "" if gone else ": stopping (after the current step, with a checkpoint; at "
+                    "once if no step has begun)")
         if not gone:
             import signal
             os.kill(os.getpid(), signal.SIGTERM)

@@ -110,7 +110,8 @@ def stop_with_launcher() -> None:
         if not once.acquire(blocking=False):
             return  # told already
         print(f"myria: rank {os.environ.get('RANK', '?')} (pid {os.getpid()}): its launcher "
-              f"(pid {_first_ppid}) died; stopping at the end of this step with a checkpoint",
+              f"(pid {_first_ppid}) died; stopping (after the current step, with a checkpoint; "
+              "at once if no step has begun)",
               file=sys.stderr, flush=True)
         os.kill(os.getpid(), signal.SIGTERM)
 
