@@ -89,6 +89,9 @@ def test_a_start_from_an_earlier_step_rewinds_what_it_did_not_reach(tmp_path):
             lines += _step(s, t + s * 700 * MS)
         lines.append({"header": dict(h, attempt=0)})   # `myria train` again, by hand
         t += 30_000_000
+        # its set-up's collectives come first, numbered step 0
+        lines.append({"n": "barrier", "c": "comm", "s": 0, "t0": t, "t1": t + MS, "th": 0,
+                      "a": {"dim": "dp", "group": [0, 1], "seq": 0}})
         for s in (1, 2):
             lines += _step(s, t + s * 700 * MS)
         (tmp_path / "events" / f"rank{r:05d}.jsonl").write_text(
@@ -96,3 +99,28 @@ def test_a_start_from_an_earlier_step_rewinds_what_it_did_not_reach(tmp_path):
     run = analyze.load_run(tmp_path)
     assert run.steps == [1, 2]
     assert {e["s"] for e in run.ranks[0].redone} == {1, 2, 3, 4, 5, 6}
+
+
+def test_a_restart_from_a_checkpoint_keeps_the_steps_before_it(tmp_path):
+    """Attempt 0 ran steps 1-6 and died; attempt 1 (its set-up's collectives at step 0)
+    resumed from step 4 and ran 5-8: steps 1-4 are attempt 0's, 5-8 attempt 1's."""
+    (tmp_path / "events").mkdir()
+    for r in (0, 1):
+        h = {"rank": r, "world": 2, "host": "h", "coord": {"dp": r}, "groups": {"dp": [0, 1]}}
+        lines: list[dict] = [{"header": dict(h, attempt=0)}]
+        t = 1_000_000
+        for s in range(1, 7):
+            lines += _step(s, t + s * 700 * MS)
+        lines.append({"header": dict(h, attempt=1)})
+        t += 30_000_000
+        lines.append({"n": "barrier", "c": "comm", "s": 0, "t0": t, "t1": t + MS, "th": 0,
+                      "a": {"dim": "dp", "group": [0, 1], "seq": 0}})
+        for s in range(5, 9):
+            lines += _step(s, t + s * 700 * MS)
+        (tmp_path / "events" / f"rank{r:05d}.jsonl").write_text(
+            "".join(json.dumps(x) + "\n" for x in lines))
+    run = analyze.load_run(tmp_path)
+    assert run.steps == list(range(1, 9))
+    kept = {(e["s"], e["t0"] > 30e6) for e in run.ranks[0].events if e["n"] == "step"}
+    assert kept == {(s, s >= 5) for s in range(1, 9)}
+    assert {e["s"] for e in run.ranks[0].redone} == {5, 6}

@@ -131,11 +131,12 @@ def _split_redone(ranks: dict[int, RankEvents], attempt_of: dict[int, list[int]]
     finished, the newest that began it)."""
     finished: dict[int, int] = {}
     began: dict[int, int] = {}
-    first: dict[int, int] = {}      # attempt -> the first step it ran
+    first: dict[int, int] = {}      # attempt -> the first step it ran (its set-up is step 0)
     for r, re in ranks.items():
         for e, a in zip(re.events, attempt_of[r]):
             began[e["s"]] = max(began.get(e["s"], a), a)
-            first[a] = min(first.get(a, e["s"]), e["s"])
+            if e["s"] >= 1:
+                first[a] = min(first.get(a, e["s"]), e["s"])
             if e["n"] == "step":
                 finished[e["s"]] = max(finished.get(e["s"], a), a)
     if len(set(began.values()) | set(finished.values())) <= 1 and len(first) <= 1:
