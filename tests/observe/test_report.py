@@ -34,7 +34,8 @@ def test_report_of_a_run_without_events_says_so_in_one_line(quiet_run):
     assert not any("missing:" in x for x in lines), p.stdout
     page = (quiet_run / "report" / "index.html").read_text()
     assert "id=no-events" in page and "observe.enabled = false" in page
-    assert "<li>none</li>" not in page.split("<h2>Missing</h2>")[1]     # not "Missing: none"
+    # not "Missing: none"
+    assert "<li>none</li>" not in page.split("<h2>Missing event data</h2>")[1]
     assert "id=\"blame\"" not in page                                    # no empty table
     assert "trace.json" not in page and "trace.json" not in p.stdout     # no empty timeline
     # the curves beside the loss: the learning rate metrics.jsonl records at every step

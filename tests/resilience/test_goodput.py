@@ -250,6 +250,11 @@ def test_supervised_fault_run_ledger_sums_to_wall_time(tmp_path, tiny_data):
     run_cli("report", str(tmp_path), "--no-prediction")
     page = (tmp_path / "report" / "index.html").read_text()
     assert "id=goodput" in page and "id=recoveries" in page and f"ETTR {g['ettr']:.4f}" in page
+    # the fault said at the top as the console says it; every step of the run analysed, those
+    # before the restart too (the restart's set-up collectives are numbered step 0)
+    assert "<ul id=faults>" in page and "<li>fault: exit of rank 1" in page, page[:3000]
+    blame = json.loads((tmp_path / "report" / "blame.json").read_text())
+    assert blame["steps"] == 10 - 1, blame["steps"]   # less the warm-up step
 
 
 def test_the_summary_line_counts_attempts_as_the_log_numbers_them():

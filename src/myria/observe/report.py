@@ -421,7 +421,7 @@ def figures(run: Run, table: dict, blame: dict, out: Path) -> dict[str, str]:
         ax.set_xticks(step_ticks, [str(steps[i]) for i in step_ticks])
         ax.set_xlabel("step")
         ax.set_title("compute-only time per rank and step (ms; waits excluded; colour scale "
-                     "from step 2)", fontsize=9)
+                     f"from step {steps[1] if len(steps) > 1 else steps[0]})", fontsize=9)
         fig.colorbar(im, ax=ax, label="ms")
         figs["heatmap"] = png(fig, out / "heatmap.png")
     bd = breakdown(table)
@@ -478,8 +478,11 @@ def page(run: Run, table: dict, blame: dict, figs: dict[str, str], pred: dict | 
                   if k in figs)
     bd = breakdown(table)
     pred_html = "<p>no prediction (no config.json in the run directory)</p>"
-    if pred and "error" in pred:
-        pred_html = f"<p>no prediction: {esc(pred['error'])}</p>"
+    if pred and "error" in pred:   # the reason, without the exception's class name
+        import re
+
+        why = re.sub(r"^\w+Error: ", "", str(pred["error"]))
+        pred_html = f"<p>no prediction: {esc(why)}</p>"
     elif pred:
         prow = "".join(f"<tr><td>{esc(k)}</td><td>{v * 1e3:.1f}</td></tr>"
                        for k, v in sorted(pred["breakdown"].items(), key=lambda kv: -kv[1])
@@ -509,9 +512,22 @@ def page(run: Run, table: dict, blame: dict, figs: dict[str, str], pred: dict | 
     timeline = ("<p>Timeline: <code>trace.json</code> (Perfetto, chrome://tracing).</p>"
                 if run.ranks else "")
     unfinished = unfinished_line(run.run_dir)
+    said = []   # the faults and detections, as the console says them, at the top
+    try:
+        gp = json.loads((rundir.report_dir(run.run_dir) / "goodput.json").read_text())
+        said = [goodput_line(gp), *fault_lines(gp), *lost_host_lines(gp)]
+    except (OSError, ValueError, KeyError):
+        pass
+    if line := detections_line(run.run_dir):
+        said.append(line)
+    warm = blame.get("warmup_step_excluded")
+    warm = (f"step {warm}, the warm-up, left out" if warm is not None else
+            "no warm-up step left out")
     summary = (f"<p id=unfinished><b>{esc(unfinished)}</b></p>" if unfinished else "") + \
+        ("<ul id=faults>" + "".join(f"<li>{esc(x)}</li>" for x in said) + "</ul>"
+         if said else "") + \
         f"""<p>{len(run.ranks)} rank(s) of {run.world}, {blame['steps']} step(s) analysed
-(first step excluded as warm-up). Most blamed rank: {most}; {standout}
+({warm}). Most blamed rank: {most}; {standout}
 (noise {blame['noise_s']:.3f} s). If it ran at its peers' median speed the steps would have
 taken {whatif:.3f} s less in total.</p>
 <h2>Blame: who waited on whom</h2>
@@ -530,6 +546,7 @@ taken {whatif:.3f} s less in total.</p>
     return f"""<!doctype html><html><head><meta charset="utf-8"><title>myria report</title>
 <style>body{{font-family:sans-serif;margin:2em;max-width:1200px}}table{{border-collapse:collapse;
 margin:1em 1em 1em 0}}td,th{{border:1px solid #ccc;padding:3px 8px;text-align:right}}
+td:first-child,th:first-child,td.text{{text-align:left}}
 tr.hot{{background:#fdd}}pre.stack{{background:#f6f6f6;padding:.5em}}img{{max-width:100%}}.row{{display:flex;gap:2em}}</style></head><body>
 <h1>myria report: {esc(str(run.run_dir))}</h1>
 {hang_html(hang)}
@@ -539,5 +556,5 @@ tr.hot{{background:#fdd}}pre.stack{{background:#f6f6f6;padding:.5em}}img{{max-wi
 {validation_html(val)}
 {strag_html}
 <h2>Predicted beside measured</h2>{pred_html}
-<h2>Missing</h2><ul>{problems}</ul>
+<h2>Missing event data</h2><ul>{problems}</ul>
 {timeline}{recovery}</body></html>"""

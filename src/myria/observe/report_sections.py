@@ -248,6 +248,11 @@ def mixture_at(run_dir: Path, step: int) -> tuple[dict[str, float], dict[str, in
         return {}, {}, 1   # no or unreadable config: the figures without the weights
 
 
+def _seconds(x) -> str:
+    """A table's seconds: two decimals, "-" when not measured."""
+    return "-" if x is None else f"{float(x):.2f}"
+
+
 def validation_weights(run_dir: Path) -> dict[str, float]:
     """Each source's weight from the run's config.json (`data.sources`); {} without one."""
     try:
@@ -567,16 +572,18 @@ def recovery_section(run_dir: Path, out: Path, stragglers: list[dict] | None = N
         frows += ("<tr>" + (f"<td>{f['job']}</td>" if "job" in f else "") +
                   f"<td>{esc(kind)}</td>" +
                   (f"<td>{esc(str(f.get('host', '-')))}</td>" if hosts else "") +
-                  f"<td>{esc(str(f.get('ranks')))}</td>"
-                  f"<td>{f.get('last_step')}</td><td>{esc(str(f.get('recovery') or '-'))}</td>"
-                  f"{cells}<td>{f.get('time_lost_s')}</td></tr>")
+                  f"<td>{esc(', '.join(map(str, f.get('ranks') or [])) or '-')}</td>"
+                  f"<td>{f.get('last_step', '-')}</td>"
+                  f"<td>{esc(str(f.get('recovery') or '-'))}</td>{cells}"
+                  f"<td>{_seconds(f.get('time_lost_s'))}</td></tr>")
     ftable = ""
     if faults:
         head = "".join(f"<th>{esc(k)}</th>" for k in RECOVERY_PHASES)
         ftable = ("<h2>Recoveries by phase, s</h2><table id=recoveries><tr>" +
                   ("<th>job</th>" if "job" in faults[0] else "") + "<th>fault</th>" +
                   ("<th>found on</th>" if hosts else "") +
-                  f"<th>ranks</th><th>step</th><th>path</th>{head}<th>total lost</th></tr>"
+                  f"<th>ranks (first: the fault's)</th><th>step</th><th>path</th>{head}"
+                  "<th>total lost</th></tr>"
                   f"{frows}</table>")
     # in-job shrinks and grows (resilience.shrink): the jobs' size over time
     resizes = [z for s in summaries for z in s.get("resizes", [])]
