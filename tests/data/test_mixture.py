@@ -320,8 +320,9 @@ def test_new_weights_on_resume_train_as_the_same_phase_declared(two_sources, tmp
     assert rows[resumed][3][2] == {"web": 16, "code": 16}  # then 3:1
     changes = (resumed / "config_changes.jsonl").read_text()
     assert '"field": "data.phases"' in changes and "3:web=3.0,code=1.0" in changes
-    from myria.observe.report_sections import training_by_source
+    from myria.observe.report_sections import phase_starts, training_by_source
 
+    assert phase_starts(resumed) == [3]   # the report's curves mark it
     mix = training_by_source(resumed)
     assert mix["weights_from_step"] == 3 and mix["sources"]["web"]["weight"] == 3.0
     assert all(x["off_by_samples"] == 0 for x in mix["sources"].values())

@@ -49,6 +49,7 @@ from myria.observe.report_sections import (
     metrics_rows,
     mixture_html,
     mixture_line,
+    phase_starts,
     png,
     prediction,
     prediction_line,
@@ -434,8 +435,10 @@ def figures(run: Run, table: dict, blame: dict, out: Path) -> dict[str, str]:
         figs["breakdown"] = png(fig, out / "breakdown.png")
     metrics = metrics_rows(run.run_dir)
     if metrics:
-        fig, axes = plt.subplots(1, 4, figsize=(16, 3))
+        fig, axes = plt.subplots(1, 4, figsize=(16, 3.6))
         from matplotlib.ticker import MaxNLocator
+
+        phases = phase_starts(run.run_dir)   # a mixture's new weights: dotted on each curve
 
         for ax, key, label in zip(axes, CURVES, ("loss", "learning rate", "tokens/s",
                                                  "MFU, %")):
@@ -443,9 +446,12 @@ def figures(run: Run, table: dict, blame: dict, out: Path) -> dict[str, str]:
             pts = [(m["step"], scale * m[key]) for m in metrics if m.get(key) is not None]
             if pts:
                 ax.plot(*zip(*pts), color="#aa3377")
+            for first in phases:
+                ax.axvline(first, color="grey", linestyle=":", linewidth=1)
             ax.set_xlabel("step")
             ax.xaxis.set_major_locator(MaxNLocator(integer=True))   # steps are whole
-            ax.set_title(label)
+            ax.set_title(label + (" (dotted: data phases)" if phases and key == "loss"
+                                  else ""))
             ax.ticklabel_format(axis="y", style="sci", scilimits=(-3, 4))
         figs["curves"] = png(fig, out / "curves.png")
     return figs

@@ -73,9 +73,10 @@ def write_validation(run_dir: Path, out: Path) -> dict | None:
     for n, ys in val["by_source"].items():
         pts = [(x, y) for x, y in zip(val["steps"], ys, strict=True) if y is not None]
         w = val["weights"].get(n)
-        ax.plot(*zip(*pts), marker=".", label=n + (f" (weight {w:g})" if w else ""))
+        ax.plot(*zip(*pts), marker=".",
+                label=n + (f" (data.sources weight {w:g})" if w else ""))
     ax.plot(val["steps"], val["val_loss"], color="black", linestyle="--", marker=".",
-            label="mixture (share-weighted)" if val["by_source"] else "validation")
+            label="mixture (weighted by data.sources)" if val["by_source"] else "validation")
     ax.set_xlabel("step")
     ax.set_ylabel("validation loss")
     ax.set_title("validation loss" + (" per source" if val["by_source"] else ""))
@@ -248,6 +249,20 @@ def mixture_at(run_dir: Path, step: int) -> tuple[dict[str, float], dict[str, in
         return {}, {}, 1   # no or unreadable config: the figures without the weights
 
 
+def phase_starts(run_dir: Path) -> list[int]:
+    """The first step of each `data.phases` phase of the run's config.json; [] for none."""
+    try:
+        from myria.data.mixture import parse_phases, parse_sources
+
+        data = json.loads((run_dir / rundir.CONFIG).read_text()).get("data") or {}
+        if not data.get("phases") or not data.get("sources"):
+            return []
+        names = [x.name for x in parse_sources(data["sources"])]
+        return [first for first, _ in parse_phases(data["phases"], names)]
+    except (OSError, ValueError, MyriaError):
+        return []
+
+
 def _seconds(x) -> str:
     """A table's seconds: two decimals, "-" when not measured."""
     return "-" if x is None else f"{float(x):.2f}"
@@ -288,7 +303,7 @@ def mixture_html(mix: dict | None) -> str:
     body = "".join(
         f"<tr><td>{esc(n)}</td><td>{f(x['weight'], 'g')}</td><td>{x['samples']:,}</td>"
         f"<td>{f(x['tokens'], ',')}</td><td>{f(x['share'])}</td>"
-        f"<td>{f(x['off_by_samples'], '+.2f')}</td><td>{f(x['epochs'], '.3f')}</td>"
+        f"<td>{f(x['off_by_samples'], '+g')}</td><td>{f(x['epochs'], '.3f')}</td>"
         f"<td>{f(x['first_loss'])}</td><td>{f(x['last_loss'])}</td></tr>"
         for n, x in mix["sources"].items())
     return f"""<h2>Training per source</h2><p>{esc(mixture_line(mix))}.</p>
@@ -543,6 +558,7 @@ def recovery_section(run_dir: Path, out: Path, stragglers: list[dict] | None = N
         for c, vals in cats.items():
             if not any(vals):
                 continue
+            vals = [100.0 * v / width for v in vals]   # percent of each slice's wall time
             ax.bar(starts, vals, width=width, bottom=bottom, align="edge", label=c,
                    color=LEDGER_COLORS.get(c))
             bottom = [b + v for b, v in zip(bottom, vals, strict=True)]
@@ -551,7 +567,7 @@ def recovery_section(run_dir: Path, out: Path, stragglers: list[dict] | None = N
         ax.set_xlabel("wall time since start, s" if ledger.get("jobs", 1) == 1 else
                       f"wall time of the {ledger['jobs']} jobs back to back (dashed: the next "
                       "job starts), s")
-        ax.set_ylabel("seconds per slice")
+        ax.set_ylabel(f"% of each {width:.2g} s slice")
         ax.set_title(f"Goodput ledger: ETTR {ledger['ettr']:.3f}")
         ax.legend(loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8)
         img = f"<img id=goodput alt='goodput ledger' src='data:image/png;base64," \
