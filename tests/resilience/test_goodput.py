@@ -252,7 +252,8 @@ def test_supervised_fault_run_ledger_sums_to_wall_time(tmp_path, tiny_data):
     assert "id=goodput" in page and "id=recoveries" in page and f"ETTR {g['ettr']:.4f}" in page
     # the fault said at the top as the console says it; every step of the run analysed, those
     # before the restart too (the restart's set-up collectives are numbered step 0)
-    assert "<ul id=faults>" in page and "<li>fault: exit of rank 1" in page, page[:3000]
+    assert "<ul id=summary><li>run: 2 rank(s)" in page and "<li>fault: exit of rank 1" in page, \
+        page[:3000]
     blame = json.loads((tmp_path / "report" / "blame.json").read_text())
     assert blame["steps"] == 10 - 1, blame["steps"]   # less the warm-up step
 

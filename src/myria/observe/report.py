@@ -104,6 +104,31 @@ def goodput_line(gp: dict) -> str:
             (f"; {len(faults)} fault(s), {lost}" if faults else ""))
 
 
+def run_line(run: Run) -> str:
+    """The run in one line: its layout (the events' header), steps, loss from first to last,
+    and the median tokens/s and MFU of metrics.jsonl; "" without metrics."""
+    import statistics
+
+    rows = [r for r in metrics_rows(run.run_dir) if isinstance(r.get("loss"), (int, float))]
+    if not rows:
+        return ""
+    hdr = next((re.header for re in run.ranks.values() if re.header), {})
+    lay = hdr.get("layout") or {}
+    layout = " ".join(f"{k}{v}" for k, v in lay.items() if k != "dp" and v and v > 1) or \
+        "one process" if lay else ""
+    med = {k: statistics.median(v) for k in ("tokens_per_s", "mfu")
+           if (v := [r[k] for r in rows if isinstance(r.get(k), (int, float))])}
+    return (f"run: {run.world} rank(s)" + (f" ({layout}" + (f", {hdr['schedule']}"
+                                                            if lay.get("pp", 1) > 1 and
+                                                            hdr.get("schedule") else "")
+                                          + ")" if layout else "")
+            + f", steps {rows[0]['step']}-{rows[-1]['step']}, loss {rows[0]['loss']:.4f} -> "
+            f"{rows[-1]['loss']:.4f}"
+            + (f", median {med['tokens_per_s']:,.0f} tokens/s" if "tokens_per_s" in med
+               else "")
+            + (f", MFU {100 * med['mfu']:.1f}%" if "mfu" in med else ""))
+
+
 def fault_lines(gp: dict) -> list[str]:
     """One line per fault of the report's goodput.json (a lost host's are `lost_host_lines`):
     what, which ranks, at which step, and what followed: "fault: exit of rank(s) [1] at step
@@ -529,8 +554,10 @@ def page(run: Run, table: dict, blame: dict, figs: dict[str, str], pred: dict | 
     warm = blame.get("warmup_step_excluded")
     warm = (f"step {warm}, the warm-up, left out" if warm is not None else
             "no warm-up step left out")
+    if line := run_line(run):
+        said.insert(0, line)
     summary = (f"<p id=unfinished><b>{esc(unfinished)}</b></p>" if unfinished else "") + \
-        ("<ul id=faults>" + "".join(f"<li>{esc(x)}</li>" for x in said) + "</ul>"
+        ("<ul id=summary>" + "".join(f"<li>{esc(x)}</li>" for x in said) + "</ul>"
          if said else "") + \
         f"""<p>{len(run.ranks)} rank(s) of {run.world}, {blame['steps']} step(s) analysed
 ({warm}). Most blamed rank: {most}; {standout}
