@@ -109,3 +109,19 @@ def test_the_report_line_names_every_detection_of_the_run(tmp_path):
     assert detections_line(tmp_path) == (
         "detected: non-finite loss or gradient at step 8 (skip); straggler at steps 5, 11 "
         "(warn); host self-check finding at step 5 (passed with warnings, no action)")
+
+
+def test_prediction_and_measurement_side_by_side_in_the_measured_categories():
+    """The page compares like with like: the prediction's parts summed into the categories a
+    rank's events tell apart (the data-parallel mesh dims are the prediction's DP)."""
+    import pytest
+
+    from myria.observe.report import side_by_side
+
+    got = side_by_side({"compute_gemm": 0.010, "compute_attention": 0.002,
+                        "dp_comm_exposed": 0.003, "pp_bubble": 0.001, "tp_comm_exposed": 0.0},
+                       {"compute": 0.020, "exposed comm (dp_shard)": 0.004, "checkpoint": 0.001})
+    assert list(got) == ["compute", "exposed comm (dp)", "idle / bubble", "checkpoint"]
+    assert got["compute"] == (pytest.approx(0.012), 0.020)
+    assert got["exposed comm (dp)"] == (0.003, 0.004)
+    assert got["idle / bubble"] == (0.001, None) and got["checkpoint"] == (None, 0.001)

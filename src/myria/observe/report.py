@@ -421,6 +421,34 @@ def breakdown(table: dict) -> dict[str, float]:
     return {k: sum(v) / n for k, v in parts.items()}
 
 
+# The prediction's parts (myria.sim.step_result.BREAKDOWN_LABELS) under the measured step's
+# categories (`breakdown`): what a rank's events can tell apart
+PREDICTED_AS = {"compute": ("compute_gemm", "compute_attention", "compute_memory_bound",
+                            "recompute", "host_overhead"),
+                "optimizer": ("optimizer", "offload"), "data wait": ("data_loading",),
+                "idle / bubble": ("pp_bubble", "sync_wait"),
+                "exposed comm (dp)": ("dp_comm_exposed",), "exposed comm (tp)":
+                ("tp_comm_exposed",), "exposed comm (pp)": ("pp_p2p_exposed",),
+                "exposed comm (cp)": ("cp_comm_exposed",), "exposed comm (ep)":
+                ("ep_comm_exposed",)}
+
+
+def side_by_side(predicted: dict[str, float], measured: dict[str, float]
+                 ) -> dict[str, tuple[float | None, float | None]]:
+    """Predicted and measured seconds per step by the measured categories (`PREDICTED_AS`;
+    the data-parallel mesh dims, dp_shard and dp_replicate, are the prediction's DP), largest
+    first; None where one side has no such part."""
+    meas: dict[str, float] = {}
+    for k, v in measured.items():
+        k = "exposed comm (dp)" if k.startswith("exposed comm (dp") else k
+        meas[k] = meas.get(k, 0.0) + v
+    out = {k: (sum(predicted.get(p, 0.0) for p in parts) or None, meas.get(k))
+           for k, parts in PREDICTED_AS.items()}
+    out.update({k: (None, v) for k, v in meas.items() if k not in out})
+    keep = {k: v for k, v in out.items() if (v[0] or 0) > 0 or (v[1] or 0) > 0}
+    return dict(sorted(keep.items(), key=lambda kv: -max(kv[1][0] or 0, kv[1][1] or 0)))
+
+
 def figures(run: Run, table: dict, blame: dict, out: Path) -> dict[str, str]:
     import matplotlib
 
@@ -515,21 +543,31 @@ def page(run: Run, table: dict, blame: dict, figs: dict[str, str], pred: dict | 
         why = re.sub(r"^\w+Error: ", "", str(pred["error"]))
         pred_html = f"<p>no prediction: {esc(why)}</p>"
     elif pred:
-        prow = "".join(f"<tr><td>{esc(k)}</td><td>{v * 1e3:.1f}</td></tr>"
+        both = side_by_side(pred["breakdown"], bd)
+        ms = lambda v: "-" if v is None else f"{v * 1e3:.1f}"   # noqa: E731
+        rows_pm = "".join(f"<tr><td>{esc(k)}</td><td>{ms(p_)}</td><td>{ms(m_)}</td></tr>"
+                          for k, (p_, m_) in both.items())
+        tot = [sum(x[i] or 0.0 for x in both.values()) for i in (0, 1)]
+        rows_pm += (f"<tr><th>total</th><th>{ms(tot[0])}</th><th>"
+                    f"{ms(tot[1]) if bd else '-'}</th></tr>")
+        from myria.sim.step_result import BREAKDOWN_LABELS
+
+        prow = "".join(f"<tr><td>{esc(BREAKDOWN_LABELS.get(k, k))}</td>"
+                       f"<td>{v * 1e3:.1f}</td></tr>"
                        for k, v in sorted(pred["breakdown"].items(), key=lambda kv: -kv[1])
                        if v > 0)
-        mrow = "".join(f"<tr><td>{esc(k)}</td><td>{v * 1e3:.1f}</td></tr>"
-                       for k, v in sorted(bd.items(), key=lambda kv: -kv[1]) if v > 0)
         basis = f"peak {pred['peak']}" + (f"; figures {pred['figures']}"
                                           if pred.get("figures") else "")
         pred_html = (f"<p id=prediction>{esc(prediction_line(pred))} (MFU in the meter's "
                      f"convention; measured from {esc(pred.get('measured_from') or '-')}).</p>"
                      f"<p><small>{esc(basis)}. On a shared host the measured step includes "
                      "the time other jobs held the cores; the prediction is for a quiet host."
-                     "</small></p><div class=row>"
-                     f"<table><tr><th>predicted</th><th>ms</th></tr>{prow}</table>"
-                     + (f"<table><tr><th>measured</th><th>ms</th></tr>{mrow}</table>"
-                        if mrow else "<p>no measured breakdown: no events</p>") + "</div>")
+                     "</small></p>"
+                     "<table id=pred-vs-measured><tr><th>ms per step</th><th>predicted</th>"
+                     f"<th>measured</th></tr>{rows_pm}</table>"
+                     + ("" if bd else "<p>no measured breakdown: no events</p>")
+                     + "<details><summary>the prediction's own parts</summary><table>"
+                     f"<tr><th>predicted</th><th>ms</th></tr>{prow}</table></details>")
     problems = "".join(f"<li>{esc(p)}</li>" for p in blame["problems"]) or "<li>none</li>"
     strag = "".join(
         f"<li>rank {s['rank']} ({esc(s['host'])}): {s['slowdown']:.0%} slower than its peers "
