@@ -256,6 +256,9 @@ def test_supervised_fault_run_ledger_sums_to_wall_time(tmp_path, tiny_data):
         page[:3000]
     blame = json.loads((tmp_path / "report" / "blame.json").read_text())
     assert blame["steps"] == 10 - 1, blame["steps"]   # less the warm-up step
+    from myria.observe.report_sections import fault_steps
+
+    assert fault_steps(tmp_path) == [6]   # marked on the curves
 
 
 def test_the_summary_line_counts_attempts_as_the_log_numbers_them():

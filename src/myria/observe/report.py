@@ -43,6 +43,7 @@ from myria.observe.analyze import Run, blame_report, compute_matrix, load_run, s
 from myria.observe.report_sections import (
     MIX_FILE,
     VAL_FILE,
+    fault_steps,
     hang_html,
     hang_report,
     measured_step,
@@ -492,6 +493,7 @@ def figures(run: Run, table: dict, blame: dict, out: Path) -> dict[str, str]:
         from matplotlib.ticker import MaxNLocator
 
         phases = phase_starts(run.run_dir)   # a mixture's new weights: dotted on each curve
+        faults = fault_steps(run.run_dir)     # a supervised job's faults: dashed, red
 
         for ax, key, label in zip(axes, CURVES, ("loss", "learning rate", "tokens/s",
                                                  "MFU, %")):
@@ -501,10 +503,13 @@ def figures(run: Run, table: dict, blame: dict, out: Path) -> dict[str, str]:
                 ax.plot(*zip(*pts), color="#aa3377")
             for first in phases:
                 ax.axvline(first, color="grey", linestyle=":", linewidth=1)
+            for step in faults:
+                ax.axvline(step, color="#cc3311", linestyle="--", linewidth=1)
             ax.set_xlabel("step")
             ax.xaxis.set_major_locator(MaxNLocator(integer=True))   # steps are whole
-            ax.set_title(label + (" (dotted: data phases)" if phases and key == "loss"
-                                  else ""))
+            marks = [w for w, on in (("dotted: data phases", phases), ("dashed: faults", faults))
+                     if on]
+            ax.set_title(label + (f" ({'; '.join(marks)})" if marks and key == "loss" else ""))
             ax.ticklabel_format(axis="y", style="sci", scilimits=(-3, 4))
         figs["curves"] = png(fig, out / "curves.png")
     return figs

@@ -249,6 +249,12 @@ def mixture_at(run_dir: Path, step: int) -> tuple[dict[str, float], dict[str, in
         return {}, {}, 1   # no or unreadable config: the figures without the weights
 
 
+def fault_steps(run_dir: Path) -> list[int]:
+    """The step each fault of the run's supervised jobs came at (`job_summaries`)."""
+    return sorted({int(f["last_step"]) for s in job_summaries(run_dir)
+                   for f in s.get("faults") or [] if isinstance(f.get("last_step"), int)})
+
+
 def phase_starts(run_dir: Path) -> list[int]:
     """The first step of each `data.phases` phase of the run's config.json; [] for none."""
     try:
