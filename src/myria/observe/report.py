@@ -583,8 +583,8 @@ def page(run: Run, table: dict, blame: dict, figs: dict[str, str], pred: dict | 
     whatif = blame["whatif_saving_s"]
     most = (f"<b>{blame['most_blamed_rank']}</b>" if blame["standout_ranks"] else
             str(blame["most_blamed_rank"]))
-    timeline = ("<p>Timeline: <code>trace.json</code> (Perfetto, chrome://tracing).</p>"
-                if run.ranks else "")
+    timeline = ("<p>Timeline: <a href='trace.json'><code>trace.json</code></a> (load it in "
+                "Perfetto, ui.perfetto.dev, or chrome://tracing).</p>" if run.ranks else "")
     unfinished = unfinished_line(run.run_dir)
     said = []   # the faults and detections, as the console says them, at the top
     try:
@@ -623,7 +623,7 @@ taken {whatif:.3f} s less in total.</p>
 <style>body{{font-family:sans-serif;margin:2em;max-width:1200px}}table{{border-collapse:collapse;
 margin:1em 1em 1em 0}}td,th{{border:1px solid #ccc;padding:3px 8px;text-align:right}}
 td:first-child,th:first-child,td.text{{text-align:left}}
-tr.hot{{background:#fdd}}pre.stack{{background:#f6f6f6;padding:.5em}}img{{max-width:100%}}.row{{display:flex;gap:2em}}</style></head><body>
+tr.hot{{background:#fdd}}.scroll{{overflow-x:auto}}pre.stack{{background:#f6f6f6;padding:.5em}}img{{max-width:100%}}.row{{display:flex;gap:2em}}</style></head><body>
 <h1>myria report: {esc(str(run.run_dir))}</h1>
 {hang_html(hang)}
 {summary}

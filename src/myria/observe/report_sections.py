@@ -600,13 +600,13 @@ def recovery_section(run_dir: Path, out: Path, stragglers: list[dict] | None = N
                   f"<td>{_seconds(f.get('time_lost_s'))}</td></tr>")
     ftable = ""
     if faults:
-        head = "".join(f"<th>{esc(k)}</th>" for k in RECOVERY_PHASES)
-        ftable = ("<h2>Recoveries by phase, s</h2><table id=recoveries><tr>" +
+        head = "".join(f"<th>{esc(k.replace('_', ' '))}</th>" for k in RECOVERY_PHASES)
+        ftable = ("<h2>Recoveries by phase, s</h2><div class=scroll><table id=recoveries><tr>" +
                   ("<th>job</th>" if "job" in faults[0] else "") + "<th>fault</th>" +
                   ("<th>found on</th>" if hosts else "") +
                   f"<th>ranks (first: the fault's)</th><th>step</th><th>path</th>{head}"
                   "<th>total lost</th></tr>"
-                  f"{frows}</table>")
+                  f"{frows}</table></div>")
     # in-job shrinks and grows (resilience.shrink): the jobs' size over time
     resizes = [z for s in summaries for z in s.get("resizes", [])]
     if resizes:
