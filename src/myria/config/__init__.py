@@ -27,22 +27,31 @@ from myria.errors import ConfigError
 _f = schema_field
 
 
-def sources_from_tables(where: str, value: Any) -> str:
-    """data.sources written as TOML's list of tables ([{path = "data/web", weight = 0.7,
-    epochs = 2}, ...]) as the equivalent 'PATH:WEIGHT[:EPOCHS],...' text."""
+def _tables(where: str, value: Any, keys: tuple[str, ...], text_form: str, example: str):
+    """Each table of a TOML list of tables (`where`, with its index) and its name for errors:
+    ConfigError for anything but a list of tables of `keys` (the field's `text_form` is its
+    other spelling, `example` one table)."""
     if not isinstance(value, list):
-        raise ConfigError(f"{where} = {value!r}: expected 'PATH:WEIGHT[:EPOCHS],...' or a list "
-                          "of tables [{path = \"...\", weight = 0.3}, ...]")
-    out = []
+        raise ConfigError(f"{where} = {value!r}: expected {text_form} or a list of tables "
+                          f"[{example}, ...]")
     for i, t in enumerate(value):
         entry = f"{where}[{i}]"
         if not isinstance(t, dict):
-            raise ConfigError(f"{entry} = {t!r}: expected a table {{path = \"...\", weight = "
-                              "0.3} (epochs optional)")
-        extra = sorted(set(t) - {"path", "weight", "epochs"})
+            raise ConfigError(f"{entry} = {t!r}: expected a table {example}")
+        extra = sorted(set(t) - set(keys))
         if extra:
-            raise ConfigError(f"{entry}: unknown key {extra[0]!r}; valid keys: path, weight, "
-                              "epochs" + suggest(extra[0], ("path", "weight", "epochs")))
+            raise ConfigError(f"{entry}: unknown key {extra[0]!r}; valid keys: "
+                              f"{', '.join(keys)}" + suggest(extra[0], keys))
+        yield entry, t
+
+
+def sources_from_tables(where: str, value: Any) -> str:
+    """data.sources written as TOML's list of tables ([{path = "data/web", weight = 0.7,
+    epochs = 2}, ...]) as the equivalent 'PATH:WEIGHT[:EPOCHS],...' text."""
+    out = []
+    for entry, t in _tables(where, value, ("path", "weight", "epochs"),
+                            "'PATH:WEIGHT[:EPOCHS],...'",
+                            '{path = "...", weight = 0.3}'):
         path, weight, epochs = t.get("path"), t.get("weight"), t.get("epochs", 0)
         if not isinstance(path, str) or not path or "," in path:
             raise ConfigError(f"{entry}.path = {path!r}: expected a directory path (without ',')")
@@ -58,19 +67,10 @@ def sources_from_tables(where: str, value: Any) -> str:
 def phases_from_tables(where: str, value: Any) -> str:
     """data.phases written as TOML's list of tables ([{from_step = 9001, weights = {web = 0.3,
     code = 0.7}}, ...]) as the equivalent 'STEP:NAME=WEIGHT,...;...' text."""
-    if not isinstance(value, list):
-        raise ConfigError(f"{where} = {value!r}: expected 'STEP:NAME=WEIGHT,...;...' or a list "
-                          "of tables [{from_step = 9001, weights = {web = 0.3, code = 0.7}}]")
     out = []
-    for i, t in enumerate(value):
-        entry = f"{where}[{i}]"
-        if not isinstance(t, dict):
-            raise ConfigError(f"{entry} = {t!r}: expected a table {{from_step = 9001, weights = "
-                              "{web = 0.3, code = 0.7}}")
-        extra = sorted(set(t) - {"from_step", "weights"})
-        if extra:
-            raise ConfigError(f"{entry}: unknown key {extra[0]!r}; valid keys: from_step, "
-                              "weights" + suggest(extra[0], ("from_step", "weights")))
+    for entry, t in _tables(where, value, ("from_step", "weights"),
+                            "'STEP:NAME=WEIGHT,...;...'",
+                            "{from_step = 9001, weights = {web = 0.3, code = 0.7}}"):
         step, weights = t.get("from_step"), t.get("weights")
         if isinstance(step, bool) or not isinstance(step, int) or step < 2:
             got = "missing" if step is None else f"= {step!r}"
