@@ -76,26 +76,32 @@ def test_a_step_run_again_is_read_as_its_last_attempt_ran_it(tmp_path, with_atte
                                   for e in lost)
 
 
-def test_a_start_from_an_earlier_step_rewinds_what_it_did_not_reach(tmp_path):
-    """Attempt 0 ran steps 1-6; attempt 1 began again at step 1 (a fresh start in the used
-    run directory, or a rollback) and stopped after step 2: steps 3-6 of attempt 0 are not
-    the run's, though no later attempt ran them."""
-    (tmp_path / "events").mkdir()
+def _two_attempts(run_dir, second_attempt: int, second_steps) -> None:
+    """Attempt 0 runs steps 1-6; a second start (its header says `second_attempt`: 0 when
+    `myria train` was run again by hand) 30 s later, its set-up's collective first (numbered
+    step 0, as the trainer's are), then `second_steps`."""
+    (run_dir / "events").mkdir()
     for r in (0, 1):
         h = {"rank": r, "world": 2, "host": "h", "coord": {"dp": r}, "groups": {"dp": [0, 1]}}
         lines: list[dict] = [{"header": dict(h, attempt=0)}]
         t = 1_000_000
         for s in range(1, 7):
             lines += _step(s, t + s * 700 * MS)
-        lines.append({"header": dict(h, attempt=0)})   # `myria train` again, by hand
+        lines.append({"header": dict(h, attempt=second_attempt)})
         t += 30_000_000
-        # its set-up's collectives come first, numbered step 0
         lines.append({"n": "barrier", "c": "comm", "s": 0, "t0": t, "t1": t + MS, "th": 0,
                       "a": {"dim": "dp", "group": [0, 1], "seq": 0}})
-        for s in (1, 2):
+        for s in second_steps:
             lines += _step(s, t + s * 700 * MS)
-        (tmp_path / "events" / f"rank{r:05d}.jsonl").write_text(
+        (run_dir / "events" / f"rank{r:05d}.jsonl").write_text(
             "".join(json.dumps(x) + "\n" for x in lines))
+
+
+def test_a_start_from_an_earlier_step_rewinds_what_it_did_not_reach(tmp_path):
+    """Attempt 0 ran steps 1-6; a start again at step 1 (a fresh start in the used run
+    directory, or a rollback) stopped after step 2: steps 3-6 of attempt 0 are not the run's,
+    though no later attempt ran them."""
+    _two_attempts(tmp_path, 0, (1, 2))
     run = analyze.load_run(tmp_path)
     assert run.steps == [1, 2]
     assert {e["s"] for e in run.ranks[0].redone} == {1, 2, 3, 4, 5, 6}
@@ -104,21 +110,7 @@ def test_a_start_from_an_earlier_step_rewinds_what_it_did_not_reach(tmp_path):
 def test_a_restart_from_a_checkpoint_keeps_the_steps_before_it(tmp_path):
     """Attempt 0 ran steps 1-6 and died; attempt 1 (its set-up's collectives at step 0)
     resumed from step 4 and ran 5-8: steps 1-4 are attempt 0's, 5-8 attempt 1's."""
-    (tmp_path / "events").mkdir()
-    for r in (0, 1):
-        h = {"rank": r, "world": 2, "host": "h", "coord": {"dp": r}, "groups": {"dp": [0, 1]}}
-        lines: list[dict] = [{"header": dict(h, attempt=0)}]
-        t = 1_000_000
-        for s in range(1, 7):
-            lines += _step(s, t + s * 700 * MS)
-        lines.append({"header": dict(h, attempt=1)})
-        t += 30_000_000
-        lines.append({"n": "barrier", "c": "comm", "s": 0, "t0": t, "t1": t + MS, "th": 0,
-                      "a": {"dim": "dp", "group": [0, 1], "seq": 0}})
-        for s in range(5, 9):
-            lines += _step(s, t + s * 700 * MS)
-        (tmp_path / "events" / f"rank{r:05d}.jsonl").write_text(
-            "".join(json.dumps(x) + "\n" for x in lines))
+    _two_attempts(tmp_path, 1, range(5, 9))
     run = analyze.load_run(tmp_path)
     assert run.steps == list(range(1, 9))
     kept = {(e["s"], e["t0"] > 30e6) for e in run.ranks[0].events if e["n"] == "step"}
