@@ -226,27 +226,21 @@ def resolve_resume(old_sources: str, old_phases: str, new_sources: str, new_phas
         return new_sources, new_phases, None   # check_resume says what is wrong
     if [s.name for s in old] != [s.name for s in new]:
         return new_sources, new_phases, None   # other sources: check_resume refuses them
-    later = [first for first, _ in parse_phases(old_phases, [s.name for s in old])
-             if first > step] if old_phases else []
+    old_list = parse_phases(old_phases, [s.name for s in old]) if old_phases else []
+    kept = [(first, ws) for first, ws in old_list if first <= step]
+    later = [first for first, _ in old_list if first > step]
     dropped = (f"; the run's phase(s) from step {', '.join(map(str, later))} on are not in "
                "this config and are dropped (give data.phases to keep them)") if later else ""
+    as_typed = f"data.sources: as typed from step {step + 1} on{dropped}" if later else None
     if _read_before(old_sources, old_phases, step) == _read_before(new_sources, "", step):
-        # the same weights all along
-        return new_sources, new_phases, (f"data.sources: as typed from step {step + 1} on"
-                                         + dropped if dropped else None)
-    new_shares = tuple(_fractions([s.weight for s in new]))
+        return new_sources, new_phases, as_typed   # the same weights all along
     # the old sources' weights from step 1, with the new paths and epoch limits
     base = ",".join(f"{n.path}:{o.weight!r}" + (f":{n.epochs}" if n.epochs else "")
                     for o, n in zip(old, new, strict=True))
-    kept = [(first, ws) for first, ws in parse_phases(old_phases, [s.name for s in old])
-            if first <= step] if old_phases else []
-    if old_sch.at(step) != new_shares:
-        kept.append((step + 1, {s.name: s.weight for s in new}))
-    phases = format_phases(kept)
-    if old_sch.at(step) == new_shares:
-        # resuming the phase in effect: nothing new to say, unless later ones go
-        return base, phases, (f"data.sources: as typed from step {step + 1} on" + dropped
-                              if dropped else None)
+    new_shares = tuple(_fractions([s.weight for s in new]))
+    if old_sch.at(step) == new_shares:   # the phase in effect goes on
+        return base, format_phases(kept), as_typed
+    phases = format_phases([*kept, (step + 1, {s.name: s.weight for s in new})])
     return base, phases, (
         f"data.sources: the mixture's weights change from step {step + 1} on ("
         + ", ".join(f"{s.name} {float(w):.3g}" for s, w in zip(new, new_shares, strict=True))

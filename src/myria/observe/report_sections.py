@@ -225,28 +225,39 @@ def training_by_source(run_dir: Path) -> dict | None:
     return out
 
 
-def mixture_at(run_dir: Path, step: int) -> tuple[dict[str, float], dict[str, int], int]:
-    """From the run's config.json: each source's weight at step `step` (`data.sources`'s, or
-    the `data.phases` phase in effect), the samples the mixture's order takes from it in the
-    first `step` steps, and the first step of those weights; ({}, {}, 1) without a config or
+def run_mixture(run_dir: Path) -> tuple[list, list[tuple[int, dict]], int] | None:
+    """The run's mixture from its config.json: its sources (`data.sources`), its phases
+    (`data.phases`: first step, weights) and training.global_batch; None without a config or
     a mixture."""
     try:
-        from myria.data.mixture import parse_phases, parse_sources, schedule
+        from myria.data.mixture import parse_phases, parse_sources
 
         cfg = json.loads((run_dir / rundir.CONFIG).read_text())
         data = cfg.get("data") or {}
         if not data.get("sources"):
-            return {}, {}, 1
+            return None
         src, phases = parse_sources(data["sources"]), str(data.get("phases") or "")
-        names = [x.name for x in src]
-        weights, since = {x.name: x.weight for x in src}, 1
-        for first, ws in parse_phases(phases, names) if phases else []:
-            if first <= step:
-                weights, since = ws, first
-        counts = schedule(src, phases).counts(step, int(cfg["training"]["global_batch"]))
-        return weights, dict(zip(names, map(int, counts), strict=True)), since
+        return (src, parse_phases(phases, [x.name for x in src]) if phases else [],
+                int(cfg["training"]["global_batch"]))
     except (OSError, ValueError, KeyError, TypeError, MyriaError):
-        return {}, {}, 1   # no or unreadable config: the figures without the weights
+        return None   # no or unreadable config: the figures without the weights
+
+
+def mixture_at(run_dir: Path, step: int) -> tuple[dict[str, float], dict[str, int], int]:
+    """Each source's weight at step `step` (`data.sources`'s, or the `data.phases` phase in
+    effect), the samples the mixture's order takes from it in the first `step` steps, and the
+    first step of those weights; ({}, {}, 1) without a mixture (`run_mixture`)."""
+    from myria.data.mixture import format_phases, schedule
+
+    if (mix := run_mixture(run_dir)) is None:
+        return {}, {}, 1
+    src, phases, global_batch = mix
+    weights, since = {x.name: x.weight for x in src}, 1
+    for first, ws in phases:
+        if first <= step:
+            weights, since = ws, first
+    counts = schedule(src, format_phases(phases)).counts(step, global_batch)
+    return weights, {x.name: int(c) for x, c in zip(src, counts, strict=True)}, since
 
 
 def fault_steps(run_dir: Path) -> list[int]:
@@ -256,17 +267,9 @@ def fault_steps(run_dir: Path) -> list[int]:
 
 
 def phase_starts(run_dir: Path) -> list[int]:
-    """The first step of each `data.phases` phase of the run's config.json; [] for none."""
-    try:
-        from myria.data.mixture import parse_phases, parse_sources
-
-        data = json.loads((run_dir / rundir.CONFIG).read_text()).get("data") or {}
-        if not data.get("phases") or not data.get("sources"):
-            return []
-        names = [x.name for x in parse_sources(data["sources"])]
-        return [first for first, _ in parse_phases(data["phases"], names)]
-    except (OSError, ValueError, MyriaError):
-        return []
+    """The first step of each `data.phases` phase of the run (`run_mixture`); [] for none."""
+    mix = run_mixture(run_dir)
+    return [first for first, _ in mix[1]] if mix else []
 
 
 def _seconds(x) -> str:
