@@ -586,19 +586,17 @@ def page(run: Run, table: dict, blame: dict, figs: dict[str, str], pred: dict | 
     timeline = ("<p>Timeline: <a href='trace.json'><code>trace.json</code></a> (load it in "
                 "Perfetto, ui.perfetto.dev, or chrome://tracing).</p>" if run.ranks else "")
     unfinished = unfinished_line(run.run_dir)
-    said = []   # the faults and detections, as the console says them, at the top
+    # at the top, as the console says them: the run, its goodput and faults, its detections
+    said = [run_line(run)]
     try:
         gp = json.loads((rundir.report_dir(run.run_dir) / "goodput.json").read_text())
-        said = [goodput_line(gp), *fault_lines(gp), *lost_host_lines(gp)]
+        said += [goodput_line(gp), *fault_lines(gp), *lost_host_lines(gp)]
     except (OSError, ValueError, KeyError):
         pass
-    if line := detections_line(run.run_dir):
-        said.append(line)
+    said = [x for x in (*said, detections_line(run.run_dir)) if x]
     warm = blame.get("warmup_step_excluded")
     warm = (f"step {warm}, the warm-up, left out" if warm is not None else
             "no warm-up step left out")
-    if line := run_line(run):
-        said.insert(0, line)
     summary = (f"<p id=unfinished><b>{esc(unfinished)}</b></p>" if unfinished else "") + \
         ("<ul id=summary>" + "".join(f"<li>{esc(x)}</li>" for x in said) + "</ul>"
          if said else "") + \

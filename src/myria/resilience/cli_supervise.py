@@ -64,8 +64,8 @@ def run(args) -> int:
     from myria.train.preflight import (
         check_before_torch,
         check_data_and_model,
+        check_launch,
         check_nproc,
-        check_run,
         check_validation,
         preflight,
     )
@@ -88,12 +88,8 @@ def run(args) -> int:
 
     check_nproc(args.nproc, device_type(cfg.training.device))
     check_data_and_model(cfg, data, args.run_dir)
-    layout = Layout.resolve(cfg.parallel, args.nproc * min_nodes)
-    check_run(cfg, layout, device_type(cfg.training.device))
-    if cfg.parallel.offload == "nvme":
-        from myria.offload.nvme import check_disk
-        if warning := check_disk(cfg, layout, args.run_dir, args.nproc):
-            print(warning, file=sys.stderr)
+    check_launch(cfg, Layout.resolve(cfg.parallel, args.nproc * min_nodes),
+                 device_type(cfg.training.device), args.run_dir, args.nproc)
     from myria.resilience import injob
 
     injob.check(cfg, min_nodes, max_nodes, args.nproc)

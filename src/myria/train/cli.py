@@ -26,8 +26,8 @@ from myria.train.preflight import (
     check_before_torch,
     check_data_and_model,
     check_data_overrides,
+    check_launch,
     check_nproc,
-    check_run,
     check_validation,
     max_time_overrides,
     preflight,
@@ -289,12 +289,8 @@ def run(args) -> int:
         if launching:
             check_nproc(args.nproc, device_type(cfg.training.device))
         check_data_and_model(cfg, data, args.run_dir)
-        layout = Layout.resolve(cfg.parallel, args.nproc or 1)
-        check_run(cfg, layout, device_type(cfg.training.device))
-        if cfg.parallel.offload == "nvme":
-            from myria.offload.nvme import check_disk
-            if warning := check_disk(cfg, layout, args.run_dir, args.nproc or 1):
-                print(warning, file=sys.stderr)
+        check_launch(cfg, Layout.resolve(cfg.parallel, args.nproc or 1),
+                     device_type(cfg.training.device), args.run_dir, args.nproc or 1)
     done = preflight(cfg, args.run_dir, args.stop_after)
     if done:
         _say(done)

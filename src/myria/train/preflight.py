@@ -29,6 +29,21 @@ def check_run(cfg: Config, layout: Layout, device_type: str = "cpu",
     check_budget(cfg, layout, device_type)
 
 
+def check_launch(cfg: Config, layout: Layout, device_type: str, run_dir: str | Path,
+                 local_ranks: int) -> None:
+    """What a launcher (`myria train`, `myria supervise`) checks of the layout before it
+    starts this host's `local_ranks` workers: `check_run`, and room on disk for the nvme
+    tier's files (`myria.offload.nvme.check_disk`; its warning printed)."""
+    import sys
+
+    check_run(cfg, layout, device_type)
+    if cfg.parallel.offload == "nvme":
+        from myria.offload.nvme import check_disk
+
+        if warning := check_disk(cfg, layout, run_dir, local_ranks, device_type):
+            print(warning, file=sys.stderr)
+
+
 # Local ranks per CPU core beyond which `--nproc` is refused: each would get under an eighth of
 # a core, and the processes, threads and gloo connections would swamp the host.
 RANKS_PER_CORE = 8
