@@ -167,12 +167,15 @@ class CheckpointStore:
     # -- listing ---------------------------------------------------------------------------
     def committed(self) -> list[Path]:
         """Committed checkpoints, oldest first (temporary directories excluded)."""
+        out = [p for p in self._step_dirs() if (p / MANIFEST).exists()]
+        return sorted(out, key=lambda p: step_of(p.name))
+
+    def _step_dirs(self) -> list[Path]:
+        """Every step_N directory here, with its manifest or not (temporary ones excluded)."""
         if not self.dir.is_dir():
             return []
-        out = [p for p in self.dir.iterdir()
-               if p.is_dir() and p.name.startswith(PREFIX) and p.name[len(PREFIX):].isdigit()
-               and (p / MANIFEST).exists()]
-        return sorted(out, key=lambda p: step_of(p.name))
+        return [p for p in self.dir.iterdir()
+                if p.is_dir() and p.name.startswith(PREFIX) and p.name[len(PREFIX):].isdigit()]
 
     def path_for(self, step: int) -> Path:
         return self.dir / f"{PREFIX}{step:08d}"
@@ -232,11 +235,8 @@ class CheckpointStore:
         temporary directory and renamed only once complete, so a step directory without
         meta.json lost it afterwards (by hand, or the file system): it is neither loaded nor
         written over, but kept, as a damaged one."""
-        if not self.dir.is_dir():
-            return
-        for p in sorted(self.dir.iterdir()):
-            if p.is_dir() and p.name.startswith(PREFIX) and p.name[len(PREFIX):].isdigit() \
-                    and not (p / MANIFEST).exists():
+        for p in sorted(self._step_dirs()):
+            if not (p / MANIFEST).exists():
                 self.quarantine(p, f"its {MANIFEST} is missing, removed after the commit")
 
     def quarantine(self, path: Path, reason: str, accepted: bool = False) -> Path:
