@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import atexit
 import json
+import math
 import os
 import socket
 import sys
@@ -94,6 +95,19 @@ def report_dir(run_dir: str | Path) -> Path:
 
 def offload_stats_file(run_dir: str | Path, rank: int) -> Path:
     return Path(run_dir) / OFFLOAD_STATS / f"rank{rank:05d}.json"
+
+
+def json_safe(x):
+    """`x` with its non-finite floats as strict JSON takes them: NaN as null, infinities as
+    "inf"/"-inf" (Python's bare NaN and Infinity are not JSON: jq and browsers refuse the
+    line). Dicts, lists and tuples are walked."""
+    if isinstance(x, float) and not math.isfinite(x):
+        return None if math.isnan(x) else ("inf" if x > 0 else "-inf")
+    if isinstance(x, dict):
+        return {k: json_safe(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [json_safe(v) for v in x]
+    return x
 
 
 def read_jsonl(path: str | Path) -> list[dict]:

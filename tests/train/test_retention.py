@@ -175,6 +175,31 @@ def test_metrics_of_abandoned_steps_are_set_aside(tmp_path):
     assert [r["step"] for r in kept] == [5] and [r["step"] for r in gone] == [9]
 
 
+def test_a_skipped_steps_nan_is_written_as_strict_json(tmp_path, capsys):
+    """metrics.jsonl stays strict JSON (jq, browsers, pandas) when a step's loss is not finite:
+    null in the file, and the run's summary line says the step was skipped."""
+    from myria.train.cli import _summary
+    from myria.train.metrics import MetricsLogger
+
+    m = MetricsLogger(tmp_path, 2, 0, enabled=True, tensorboard=False, progress=False)
+    row = {"tokens_per_s": 100.0, "step_time_s": 1.0, "data_wait_s": 0.0, "lr": 1e-3,
+           "mfu": None}
+    m.log({**row, "step": 1, "loss": 5.0, "grad_norm": float("inf"), "skipped": False,
+           "loss_by_source": {"web": float("nan")}})
+    m.log({**row, "step": 2, "loss": float("nan"), "grad_norm": float("nan"), "skipped": True})
+    m.close()
+
+    def strict(const):
+        raise AssertionError(f"{const} is not JSON")
+
+    rows = [json.loads(x, parse_constant=strict)
+            for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert rows[0]["grad_norm"] == "inf" and rows[0]["loss_by_source"] == {"web": None}
+    assert rows[1]["loss"] is None and rows[1]["skipped"] is True
+    _summary(tmp_path)
+    assert "loss 5.000 -> nan (step skipped)" in capsys.readouterr().out
+
+
 # -- end to end: a damaged newest checkpoint of a real run ---------------------------------------
 
 def train(run_dir, data, *extra, nproc=1, check=True):

@@ -62,7 +62,7 @@ class MetricsLogger:
     def log(self, row: dict[str, Any]) -> None:
         if not self.enabled:
             return
-        self._fh.write(json.dumps(row) + "\n")
+        self._fh.write(_line(row))
         self._fh.flush()
         self._last = row["step"]
         if self.tracker is not None:
@@ -106,7 +106,7 @@ class MetricsLogger:
         row = {"step": step, "val_loss": val_loss}
         if by_source:
             row["val_loss_by_source"] = by_source
-        self._fh.write(json.dumps(row) + "\n")
+        self._fh.write(_line(row))
         self._fh.flush()
         if self.tracker is not None:
             self.tracker.log_eval(step, val_loss, by_source)
@@ -134,6 +134,11 @@ class MetricsLogger:
 
 # Row fields that are not curves: wall-clock stamps and the attempt number.
 NOT_SCALARS = frozenset({"step", "time", "goodput_since", "attempt"})
+
+
+def _line(row: dict[str, Any]) -> str:
+    """One line of metrics.jsonl, strict JSON: a skipped step's non-finite loss is null."""
+    return json.dumps(rundir.json_safe(row), allow_nan=False) + "\n"
 
 
 def _finite(v: Any) -> bool:

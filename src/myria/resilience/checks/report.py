@@ -14,6 +14,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from myria import rundir
 from myria.fsutil import atomic_write
 
 DEFAULT_TOLERANCE = 0.5
@@ -109,7 +110,7 @@ class HostReport:
         return d
 
     def to_json(self, indent: int | None = 1) -> str:
-        return json.dumps(json_safe(self.to_dict()), indent=indent)
+        return json.dumps(rundir.json_safe(self.to_dict()), indent=indent)
 
     def write_json(self, path: str | Path) -> Path:
         """Write the report atomically (temporary file + rename); returns the path."""
@@ -125,16 +126,6 @@ class HostReport:
         d.pop("summary", None)
         d["checks"] = [Check(**c) for c in d.get("checks", [])]
         return cls(**d)
-
-
-def json_safe(x: Any) -> Any:
-    if isinstance(x, float) and not math.isfinite(x):
-        return None if math.isnan(x) else ("inf" if x > 0 else "-inf")
-    if isinstance(x, dict):
-        return {k: json_safe(v) for k, v in x.items()}
-    if isinstance(x, (list, tuple)):
-        return [json_safe(v) for v in x]
-    return x
 
 
 def label(c: Check) -> str:
