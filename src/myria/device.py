@@ -396,6 +396,10 @@ def cpu_device_spec(threads: int | None = None, refresh: bool = False) -> Device
                       memory_gb=0.0, memory_bw_gbs=0.0, source=fig.source)
 
 
+# GPUs in one server of the planning stand-in (an HGX/DGX H100 or A100 node: 8 on NVLink)
+SERVER_GPUS = 8
+
+
 def planning_device(dtype: str) -> DeviceSpec:
     """The device a prediction of a config is made for when none is named: the local GPU, an
     H100 for a bf16/fp16 config on a machine without one, else this CPU (measured)."""

@@ -152,16 +152,30 @@ def test_context_parallel_refused_for_recurrent_layers():
     validate_degrees(_cfg("AA"), 1, 2, False)   # attention only: ring attention applies
 
 
+# the other mixers, beside the hybrid: each is priced by the same operators
+MIXERS = {
+    "hybrid DMAR": dict(arch="hybrid", block_pattern="DMAR", layers=8),
+    "retnet": dict(arch="retnet", kv_heads=0),
+    "griffin RRA": dict(arch="griffin", block_pattern="RRA", layers=3, attention_window=16),
+    "block_sparse": dict(arch="llama", attention="block_sparse", attention_window=16,
+                         global_tokens=4),
+    "linear": dict(arch="llama", attention="linear"),
+}
+
+
 @pytest.mark.parametrize("eager", [False, True])
-def test_simulator_prices_every_flop_of_a_hybrid_layer(eager):
-    """The performance model's operators of a hybrid layer carry the model's forward FLOPs
-    (all but the logits, per layer: the layer kinds averaged), the recurrent mixers' gates,
-    convolutions, state products and solves included (eager: CPU's SDPA kernel skips the
-    masked half, the causal convention)."""
+@pytest.mark.parametrize("mixer", list(MIXERS))
+def test_simulator_prices_every_flop_of_a_mixer_layer(mixer, eager):
+    """The performance model's operators of a layer carry the model's forward FLOPs (all but
+    the logits, per layer: the layer kinds averaged), the recurrent mixers' gates,
+    convolutions, state products and solves included, for the hybrids, retention, Griffin,
+    block-sparse and linear attention (eager: CPU's SDPA kernel skips the masked half, the
+    causal convention; block-sparse forms multiply only their window's blocks either way)."""
     from myria.models.flops import forward_flops_per_token
     from myria.sim.operators import layer_ops, layer_shape
 
-    cfg = _cfg("DMAR", vocab_size=128, layers=8)
+    cfg = ModelConfig(**{**SIZE, "vocab_size": 128, **MIXERS[mixer]})
+    validate_model(cfg)
     shape = layer_shape(cfg, 2, eager=eager, flash=False)
     ops = layer_ops(shape)
     priced = sum(o.flops for o in ops if o.phase == "fwd" and
@@ -169,4 +183,5 @@ def test_simulator_prices_every_flop_of_a_hybrid_layer(eager):
     f = forward_flops_per_token(cfg, "causal" if eager else "dense")
     assert priced == pytest.approx((f.total - f.logits) / cfg.layers * 2 * cfg.seq_len,
                                    rel=1e-9)
-    assert {"mixer_gates", "mixer_conv", "mixer_state"} <= {o.name for o in ops}
+    if mixer.startswith("hybrid"):
+        assert {"mixer_gates", "mixer_conv", "mixer_state"} <= {o.name for o in ops}

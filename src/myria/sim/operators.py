@@ -140,6 +140,10 @@ def _per_layer_flops(shape: LayerShape) -> tuple[ForwardFlops, ForwardFlops]:
     if shape.flash:
         # block-sparse kernels skip fully masked blocks: the causal (and windowed) count
         att = forward_flops_per_token(cfg, "causal")
+    elif cfg.attention == "block_sparse" or cfg.arch == "griffin":
+        # blockwise by construction (models.attention): only the window's blocks are
+        # multiplied, with or without a fused kernel
+        att = gem
     else:
         # a materialised score matrix is computed in full, whatever the mask (documents too)
         att = forward_flops_per_token(dataclasses.replace(cfg, attention_window=0,

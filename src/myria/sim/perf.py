@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 from myria.config import ModelConfig
-from myria.device import DeviceSpec
+from myria.device import SERVER_GPUS, DeviceSpec
 from myria.models.flops import (
     forward_flops_per_token,
     loss_chunk_rows,
@@ -596,7 +596,7 @@ def config_run(cfg, nproc: int, device_spec: DeviceSpec, gpus_per_node: int = 0
                        sequence_parallel=cfg.parallel.sequence_parallel and lay["tp"] > 1,
                        dp_shard=lay["dp_shard"] if lay["dp_replicate"] > 1 else 0)
     is_cpu = device_spec.name == "cpu"
-    gpn = gpus_per_node or (nproc if is_cpu else min(8, nproc))
+    gpn = gpus_per_node or (nproc if is_cpu else min(SERVER_GPUS, nproc))
     threads = 0
     if is_cpu:
         from myria.sim.cpu_profile import default_threads

@@ -18,6 +18,7 @@ from pathlib import Path
 
 from myria import config as config_mod
 from myria import rundir
+from myria.device import SERVER_GPUS
 from myria.errors import DataError, LaunchError
 from myria.layout import Layout
 from myria.observe import goodput
@@ -112,21 +113,26 @@ def dry_run(cfg: config_mod.Config, world: int, ranks_per_host: int | None = Non
 
     lines.append(f"# generation state per sequence of {m.seq_len} tokens (fp32): "
                  f"{decode_state_bytes(m, 1, m.seq_len, elem_bytes=4) / 2**20:,.2f} MiB")
-    if m.arch in ("retnet", "griffin") or m.attention != "softmax":
-        spec = pred = None   # the simulator's operator and activation models are attention's
-        lines.append(f"# no prediction: the performance model does not model arch={m.arch!r} "
-                     f"/ attention={m.attention!r} yet (FLOPs above are exact)")
-    else:
-        try:
-            spec, pred = predicted(cfg, world, ranks_per_host or world)
-        except config_mod.ConfigError as e:  # e.g. measuring this CPU would need more cores
-            spec = pred = None
-            lines.append(f"# no prediction: {e}")
+    rph = ranks_per_host or world
+    if (stand_in := rph > SERVER_GPUS and world % SERVER_GPUS == 0
+            and planning_stand_in(cfg.training.dtype)):
+        lines.append(f"# no GPU on this machine: the {rph} processes per host are priced and "
+                     f"placed as servers of {SERVER_GPUS} {stand_in} (--nnodes N --nproc "
+                     f"{SERVER_GPUS} says so explicitly)")
+        rph = SERVER_GPUS
+    try:
+        spec, pred = predicted(cfg, world, rph)
+    except config_mod.ConfigError as e:  # e.g. measuring this CPU would need more cores
+        spec = pred = None
+        lines.append(f"# no prediction: {e}")
     if pred is not None:
-        lines += prediction_lines(cfg, world, ranks_per_host, lay, spec, pred)
+        lines += prediction_lines(cfg, world, rph, lay, spec, pred)
+        if m.arch in ("retnet", "griffin", "hybrid") or m.attention != "softmax":
+            lines.append("# (this mixer's FLOPs are priced exactly, its activations by the "
+                         "attention layer's formula: docs/architectures.md)")
     from myria.parallel.placement import describe
 
-    lines.append(describe(lay, cluster_for(cfg, ranks_per_host or world)))
+    lines.append(describe(lay, cluster_for(cfg, rph)))
     return "\n".join(lines)
 
 
@@ -211,6 +217,15 @@ def layout_overrides(cfg: config_mod.Config, run) -> list[str]:
                 key == "sequence_parallel" and par.tp == 1):
             out.append(f"--{sec}.{key}={str(value).lower() if isinstance(value, bool) else value}")
     return out
+
+
+def planning_stand_in(dtype: str) -> str:
+    """The GPU a prediction stands in with on a machine without one (`device.planning_device`:
+    an H100 for a 16-bit config), or "" when it predicts for the local device."""
+    from myria import device
+
+    spec = device.planning_device(dtype)
+    return "" if spec.name == "cpu" or device.cuda_device_spec() is not None else spec.name
 
 
 def predicted(cfg: config_mod.Config, world: int, ranks_per_host: int):

@@ -326,7 +326,7 @@ def measure_in_situ(shape: LayerShape, sync=None) -> dict | None:
     block = model.layers["0"]
     g = torch.Generator().manual_seed(0)
     x = torch.randn(b, s, cfg.hidden, generator=g, requires_grad=True)
-    rope = model.rope_tables_for(s, torch.float32) if cfg.arch == "llama" else None
+    rope = model.rope_tables_for(s, torch.float32) if cfg.arch != "gpt" else None  # as forward
     dy = torch.randn(b, s, cfg.hidden, generator=g)
 
     def mode(cls):
