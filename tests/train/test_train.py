@@ -499,6 +499,9 @@ def test_dry_run_prints_sizes():
     p = run_cli("train", "--config", "configs/llama3-8b.toml", "--dry-run", "--nproc", "64")
     assert "parameters: 8,030,261,248" in p.stdout  # Llama-3-8B's published count
     assert "model FLOPs per token" in p.stdout and "memory per rank" in p.stdout
+    # no GPU here: 64 processes on "one host" are priced as 8 servers of 8 (no 64-GPU NVLink)
+    assert "priced and placed as servers of 8 h100" in p.stdout
+    assert "on 8 host(s) x 8 ranks" in p.stdout, p.stdout[-1500:]
     parts, total = memory_parts(predicted_line(p.stdout))
     assert set(parts) == {"weights", "gradients", "optimizer", "activations", "temporary",
                           "reserved"}

@@ -117,8 +117,8 @@ def dry_run(cfg: config_mod.Config, world: int, ranks_per_host: int | None = Non
     if (stand_in := rph > SERVER_GPUS and world % SERVER_GPUS == 0
             and planning_stand_in(cfg.training.dtype)):
         lines.append(f"# no GPU on this machine: the {rph} processes per host are priced and "
-                     f"placed as servers of {SERVER_GPUS} {stand_in} (--nnodes N --nproc "
-                     f"{SERVER_GPUS} says so explicitly)")
+                     f"placed as servers of {SERVER_GPUS} {stand_in} (--nnodes "
+                     f"{world // SERVER_GPUS} --nproc {SERVER_GPUS} says so explicitly)")
         rph = SERVER_GPUS
     try:
         spec, pred = predicted(cfg, world, rph)
