@@ -356,3 +356,15 @@ def test_the_search_shows_its_progress_on_a_terminal_and_a_long_one_on_a_pipe():
     lines = out.getvalue().splitlines()
     assert lines == [f"searching layouts: {n * 1000:,} layouts priced, {n * 10} fit in memory "
                      f"({n * PIPE_EVERY_S / 2:.0f} s)" for n in (2, 4)], lines
+
+
+def test_short_sequences_are_searched_without_context_parallelism():
+    """Ring attention is searched only while a rank keeps >= 256 tokens; a sequence shorter
+    than that still has its layouts without it (cp = 1)."""
+    base = runspec.parse_run({
+        "name": "short", "model": {"arch": "llama", "layers": 4, "hidden": 256, "heads": 4,
+                                   "seq_len": 128},
+        "training": {"global_batch": 64}, "cluster": {"gpu": "h100-sxm-80gb", "gpus": 8}},
+        check=False)
+    layouts = list(candidates(base, SearchSpace()))
+    assert layouts and {par["cp"] for par, _ in layouts} == {1}

@@ -101,7 +101,9 @@ def candidates(base: RunSpec, space: SearchSpace):
     tps = [t for t in space.tp or [t for t in _pow2_upto(min(gpus, 64)) if space.
            max_tp_across_nodes or t <= c.gpus_per_node] if _passes(validate_degrees, cfg, t, 1,
                                                                    False)]
-    cps = [x for x in space.cp or [x for x in _pow2_upto(16) if m.seq_len // x >= 256]
+    # ring attention is searched while each rank keeps >= 256 tokens; cp = 1 always
+    cps = [x for x in space.cp or [x for x in _pow2_upto(16)
+                                   if x == 1 or m.seq_len // x >= 256]
            if _passes(validate_degrees, cfg, 1, x, False)]
     eps = space.ep or ([x for x in _divisors(m.experts)] if m.experts else [1])
     mbs = space.micro_batch or _pow2_upto(16)
