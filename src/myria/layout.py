@@ -219,7 +219,8 @@ class Layout:
         if not only_trainer:
             return
         # -- limits of myria's trainer in this version (relaxed for the simulator) -------------
-        if cp > 1 and p.cp_impl == "torch" and (device_type != "cuda" or m.attention_window):
+        if cp > 1 and p.cp_impl == "torch" and (device_type != "cuda"
+                                                 or 0 < m.attention_window < m.seq_len):
             raise ConfigError("parallel.cp_impl = 'torch' (torch's context_parallel) needs CUDA "
                               "and full causal attention in torch 2.13; use cp_impl = 'ring'")
         if ep > 1 and t.data_parallel == "ddp":

@@ -48,7 +48,7 @@ def test_logits_equal_transformers_on_one_process(hf_models, device="cpu", recor
     tokens = tokens.to(device)
     for kind, d in hf_models.items():
         model, cfg = imported(d)
-        assert set(hf.model_fields(d, 64)) <= set(hf.IMPORTED_FIELDS)  # what resuming keeps
+        assert set(hf.model_fields(d)) <= set(hf.IMPORTED_FIELDS)  # what resuming keeps
         assert (cfg.model.qkv_bias, cfg.model.tie_embeddings) == (kind == "qwen2",) * 2
         assert cfg.model.rope_scaling == ("llama3" if kind == "llama" else "none")
         model = model.to(device)
@@ -99,6 +99,14 @@ def test_a_sliding_window_exports_as_mistral_with_the_same_logits(hf_models):
         assert (ref(tokens).logits - model(tokens)).abs().max().item() < TOL
     with pytest.raises(ConfigError, match="no RoPE scaling"):
         check_exportable(dataclasses.replace(cfg.model, rope_scaling="linear"))
+    # trained on sequences no longer than its window: full causal attention in training (the
+    # same logits as transformers' on 16 tokens), and the export is still a Mistral with it
+    short, cfg16 = imported(hf_models["mistral"], "--model.seq_len=16")
+    assert cfg16.model.attention_window == 32
+    assert hf_config(cfg16.model, specials)["sliding_window"] == 32
+    with torch.no_grad():
+        assert (short(tokens[:, :16]) - hf_logits(hf_models["mistral"], tokens[:, :16])
+                ).abs().max().item() < TOL
 
 
 def _layouts_worker(rank, world, port, out_dir):
@@ -186,11 +194,11 @@ def test_unsupported_model_refused_in_one_line(tmp_path, tiny_data):
     # no `architectures`: model_type says it; an unknown one is named as such
     (src / "config.json").write_text(json.dumps({k: v for k, v in good.items()
                                                  if k != "architectures"}))
-    assert hf.model_fields(src, 64)["attention_window"] == 32
+    assert hf.model_fields(src)["attention_window"] == 32
     (src / "config.json").write_text(json.dumps({**good, "architectures": None,
                                                  "model_type": "gpt2"}))
     with pytest.raises(ConfigError, match="names no architecture and its model_type is 'gpt2'"):
-        hf.model_fields(src, 64)
+        hf.model_fields(src)
 
 
 def test_data_prepared_with_another_tokenizer_is_refused(tmp_path, hf_models, tiny_data):

@@ -39,7 +39,8 @@ def llama3_style_tokenizer(d: Path) -> tuple[int, int]:
         single=f"{BOS} $A", pair=f"{BOS} $A {BOS} $B", special_tokens=[(BOS, bos)])
     tok.save(str(d / "tokenizer.json"))
     (d / "tokenizer_config.json").write_text(json.dumps(
-        {"bos_token": BOS, "eos_token": EOS, "tokenizer_class": "PreTrainedTokenizerFast"}))
+        {"bos_token": BOS, "eos_token": EOS, "tokenizer_class": "PreTrainedTokenizerFast",
+         "model_max_length": int(1e30)}))   # transformers' "no limit" sentinel
     return bos, eos
 
 
@@ -84,6 +85,8 @@ def test_model_tokenizer_prepares_trains_generates_exports(tmp_path):
     assert chat == f"{BOS}<|start_header_id|>user<|end_header_id|>\n\nhi{EOT}"
     hf = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
     assert hf.config.bos_token_id == bos
+    # the tokenizer's length is the one the export serves, not the source file's sentinel
+    assert tok.model_max_length == hf.config.max_position_embeddings == 256
     gen = hf.generation_config
     assert (gen.eos_token_id, gen.temperature, gen.top_p) == ([eos, eot], 0.6, 0.9)
 

@@ -34,7 +34,9 @@ class ModelConfig:
     seq_len: int = _f(256, "training sequence length in tokens", min=1)
     parallel_block: bool = _f(False, "parallel transformer block: y = x + Attn(LN(x)) + MLP(LN(x))")
     attention_window: int = _f(0, "sliding-window attention size in tokens; 0 means full causal "
-                               "(block_sparse and griffin: the local window, required)", min=0)
+                               "(block_sparse and griffin: the local window, required); a "
+                               "window >= seq_len trains as full causal attention and bounds "
+                               "generation past it", min=0)
     tie_embeddings: bool = _f(False, "share the input embedding and output projection weights")
     norm_eps: float = _f(1e-5, "epsilon of RMSNorm / LayerNorm", min=0.0)
     rope_theta: float = _f(10000.0, "RoPE base frequency (llama)", min=1.0)
@@ -113,10 +115,12 @@ def validate_model(m: ModelConfig) -> None:
         raise ConfigError(f"model.kv_heads = {m.kv_heads} must divide model.heads = {m.heads}")
     if m.arch != "gpt" and m.head_dim % 2:
         raise ConfigError(f"head dimension hidden/heads = {m.head_dim} must be even for RoPE")
-    if m.attention_window > m.seq_len:
+    if m.attention_window > m.seq_len and (m.attention != "softmax" or m.arch == "griffin"):
+        # the window is these mixers' block structure; softmax attention's may be longer than
+        # the training sequence (it trains as full causal attention and bounds generation
+        # past it, as an imported Mistral's does)
         raise ConfigError(f"model.attention_window = {m.attention_window} is larger than "
-                          f"model.seq_len = {m.seq_len}; use 0 for full attention or a window "
-                          f"<= {m.seq_len}")
+                          f"model.seq_len = {m.seq_len}; use a window <= {m.seq_len}")
     if m.experts and m.top_k > m.experts:
         raise ConfigError(f"model.top_k = {m.top_k} exceeds model.experts = {m.experts}")
     if m.qkv_bias and m.arch != "llama":

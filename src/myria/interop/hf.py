@@ -121,9 +121,9 @@ def keep_generation_config(d: str | Path, run_dir: str | Path) -> None:
     atomic_write(Path(run_dir) / rundir.GENERATION_CONFIG, data)
 
 
-def model_fields(d: str | Path, seq_len: int) -> dict[str, Any]:
-    """The model-section fields that model directory `d`'s config.json sets, for a run of
-    `seq_len` tokens per sequence. ConfigError names the first thing that is not supported."""
+def model_fields(d: str | Path) -> dict[str, Any]:
+    """The model-section fields that model directory `d`'s config.json sets. ConfigError names
+    the first thing that is not supported."""
     d = Path(d)
     hf = read_config(d)
     archs = hf.get("architectures")
@@ -166,7 +166,8 @@ def model_fields(d: str | Path, seq_len: int) -> dict[str, Any]:
                           f"hidden_size / num_attention_heads = {hidden // heads}; myria's "
                           "attention needs head_dim * heads = hidden")
     window = hf.get("sliding_window") if kind == "mistral" else None
-    fields["attention_window"] = int(window) if window and int(window) < seq_len else 0
+    # kept even when not shorter than seq_len: it bounds generation and goes to the export
+    fields["attention_window"] = int(window) if window else 0
     return fields
 
 
@@ -229,7 +230,7 @@ def apply(cfg: Config, weights: bool = True, resumed: dict | None = None,
             "--run-dir")
 
     d = Path(m.init_from)
-    fields = model_fields(d, m.seq_len)
+    fields = model_fields(d)
     typed = {key for section, key, _ in map(config_mod.parse_override, overrides)
              if section == "model"}
     for k, v in fields.items():

@@ -144,13 +144,14 @@ def hf_tokenizer_files(m, specials, tok_cfg: dict | None = None,
     special = {**({"bos_token": specials.bos_token} if specials.bos_token else {}),
                "eos_token": eos, "pad_token": specials.pad_token or eos}
     own = {} if specials.bos_token else {"add_bos_token": False, "add_eos_token": False}
-    defaults = {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length":
-                max_positions(m), "padding_side": "left", **own,
+    defaults = {"tokenizer_class": "PreTrainedTokenizerFast", "padding_side": "left", **own,
                 "clean_up_tokenization_spaces": False}
     return {
         "generation_config.json": ({**token_ids(specials), **generation} if generation else
                                    {**token_ids(specials), "max_new_tokens": 50}),
-        "tokenizer_config.json": {**defaults, **(tok_cfg or {}), **special},
+        # the length the exported model serves, whatever sentinel the model's own file had
+        "tokenizer_config.json": {**defaults, **(tok_cfg or {}),
+                                  "model_max_length": max_positions(m), **special},
         "special_tokens_map.json": special,
     }
 
