@@ -215,8 +215,17 @@ def test_data_prepared_with_another_tokenizer_is_refused(tmp_path, hf_models, ti
     shutil.copytree(hf_models["llama"], d)
     tok = json.loads((tiny_data / "tokenizer.json").read_text())
     (d / "tokenizer.json").write_text(json.dumps(tok))
-    data = SimpleNamespace(path=tiny_data, tokenizer_path=tiny_data / "tokenizer.json")
-    check_tokenizer(config_mod.load(None, [f"--model.init_from={d}"]), data)
+    data = SimpleNamespace(path=tiny_data, tokenizer_path=tiny_data / "tokenizer.json",
+                           vocab_size=len(tok["model"]["vocab"]))
+    assert check_tokenizer(config_mod.load(None, [f"--model.init_from={d}"]), data) is None
+    # the model's own tokenizer, with more tokens than its embedding has rows: the advice is
+    # not to prepare again with the same tokenizer
+    from myria.train.preflight import check_vocab
+
+    small = config_mod.load(None, [f"--model.init_from={d}", "--model.vocab_size=1000"])
+    with pytest.raises(ConfigError, match="does not agree with itself") as e:
+        check_vocab(small, data)
+    assert "myria prepare" not in str(e.value)
     vocab = tok["model"]["vocab"]
     a, b = sorted(vocab, key=vocab.get)[300:302]
     vocab[a], vocab[b] = vocab[b], vocab[a]
@@ -228,6 +237,10 @@ def test_data_prepared_with_another_tokenizer_is_refused(tmp_path, hf_models, ti
     err = p.stderr.strip().splitlines()
     assert p.returncode != 0 and len(err) == 1, p.stderr
     assert f"myria prepare --tokenizer {d}" in err[0] and not (tmp_path / "run").exists()
+    # a model folder without tokenizer.json: nothing to compare, and the user is told so
+    (d / "tokenizer.json").unlink()
+    note = check_tokenizer(config_mod.load(None, [f"--model.init_from={d}"]), data)
+    assert note.startswith(f"note: {d} has no tokenizer.json") and "\n" not in note
 
 
 def test_broken_weights_are_refused_before_any_process_starts(tmp_path, hf_models, tiny_data):
@@ -418,6 +431,35 @@ def tied_run(tmp_path_factory, hf_models, tiny_data) -> tuple[Path, Path]:
     run_cli("train", "--run-dir", str(run), f"--data.path={tiny_data}", *TINY,
             f"--model.init_from={d}", *TIED_TRAINING)
     return run, d
+
+
+def test_a_tied_config_with_its_own_head_is_trained_apart(tmp_path, hf_models):
+    """config.json ties the embeddings but the weights hold an lm_head.weight of other values:
+    transformers keeps the two apart, and so does the import (said in its description), with
+    transformers' logits; the same file with the head equal to the embedding stays tied."""
+    from safetensors.torch import load_file, save_file
+
+    from myria import config as config_mod
+    from myria.interop import hf
+
+    d = tmp_path / "tied_in_name"
+    shutil.copytree(hf_models["llama"], d)
+    conf = json.loads((d / "config.json").read_text())
+    (d / "config.json").write_text(json.dumps({**conf, "tie_word_embeddings": True}))
+    tokens = torch.randint(0, 1024, (2, 64), generator=torch.Generator().manual_seed(5))
+    model, cfg = imported(d)
+    assert cfg.model.tie_embeddings is False
+    with torch.no_grad():
+        assert (model(tokens) - hf_logits(d, tokens)).abs().max().item() < TOL
+    said = hf.apply(config_mod.load(None, [f"--model.init_from={d}"]))
+    assert "lm_head.weight differs from embed_tokens.weight" in said and "apart" in said
+    files = {f: load_file(f) for f in hf.weight_files(d)}
+    emb = next(t["model.embed_tokens.weight"] for t in files.values()
+               if "model.embed_tokens.weight" in t)
+    for f, t in files.items():
+        if "lm_head.weight" in t:
+            save_file({**t, "lm_head.weight": emb.clone()}, f, metadata={"format": "pt"})
+    assert imported(d)[1].model.tie_embeddings is True
 
 
 TIED_TRAINING = ("--optimizer.lr=1e-2", "--optimizer.warmup_steps=0", "--training.steps=2")

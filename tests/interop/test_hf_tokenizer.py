@@ -78,6 +78,8 @@ def test_model_tokenizer_prepares_trains_generates_exports(tmp_path):
     e = run_cli("export", "--run-dir", str(run), "--out", str(out))
     assert "Warning" not in p.stderr + e.stderr   # nothing but what myria says
     assert (out / "tokenizer.json").read_bytes() == (model_dir / "tokenizer.json").read_bytes()
+    g = run_cli("generate", "--run-dir", str(out), "--prompt", "a", check=False)
+    assert g.returncode != 0 and "is a Hugging Face model directory" in g.stderr, g.stderr
     tok = AutoTokenizer.from_pretrained(out)
     assert (tok.eos_token, tok.bos_token) == (EOS, BOS)
     assert tok("hello").input_ids[0] == bos  # the template came along
@@ -102,3 +104,18 @@ def test_model_tokenizer_prepares_trains_generates_exports(tmp_path):
         got = hf.generate(prompt, max_new_tokens=20, do_sample=False,
                           logits_processor=LogitsProcessorList([EosAtThird()]))
     assert got.shape[1] == 4 + 3 and got[0, -1].item() == eos
+
+
+def test_a_tokenizer_without_its_config_names_what_is_missing(tmp_path):
+    """A tokenizer.json alone whose vocabulary has no <|endoftext|>: the error says there is no
+    tokenizer_config.json beside it (not that the file lacks an eos_token)."""
+    import pytest
+
+    from myria.data.tokenizer import read_specials
+    from myria.errors import DataError
+
+    llama3_style_tokenizer(tmp_path)
+    (tmp_path / "tokenizer_config.json").unlink()
+    with pytest.raises(DataError, match="no tokenizer_config.json beside it and no "
+                                        "<\\|endoftext\\|> in its vocabulary"):
+        read_specials(tmp_path / "tokenizer.json")

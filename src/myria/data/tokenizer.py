@@ -260,10 +260,12 @@ def read_specials(tok_path: str | Path, tok: Tokenizer | None = None) -> Special
     names = {k: _token(cfg.get(f"{k}_token")) for k in ("eos", "bos", "pad")}
     if names["eos"] is None:
         if tok.token_to_id(EOS_TOKEN) is None:
+            where = (f"no eos_token in {str(cfg_path)!r}" if cfg_path.is_file() else
+                     f"no {cfg_path.name} beside it")
             raise DataError(f"tokenizer {str(tokenizer_file(tok_path))!r}: no end-of-document "
-                            f"token known (no eos_token in {str(cfg_path)!r} and no "
-                            f"{EOS_TOKEN}); give the model directory with its "
-                            "tokenizer_config.json, or write one naming eos_token")
+                            f"token known ({where} and no {EOS_TOKEN} in its vocabulary); "
+                            "give the model directory with its tokenizer_config.json, or "
+                            "write one naming eos_token")
         names["eos"] = EOS_TOKEN
     ids = {}
     for k, name in names.items():

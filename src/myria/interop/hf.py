@@ -244,8 +244,15 @@ def apply(cfg: Config, weights: bool = True, resumed: dict | None = None,
                           "the sequential block and continuous positions; unset "
                           "model.attention, model.experts, model.parallel_block and "
                           "model.document_positions")
+    untied = ""
     if weights:
         weight_files(d)  # the weights are there, before any process starts
+        if m.tie_embeddings and (diff := head_differs(d)) is not None:
+            # transformers does not tie them either (it warns and keeps both tensors)
+            m.tie_embeddings = False
+            untied = (f"; its lm_head.weight differs from embed_tokens.weight (max |diff| "
+                      f"{diff:.3g}) although config.json ties them: trained apart, as "
+                      "transformers loads it")
     config_mod.validate(cfg)
     trained = read_config(d).get("max_position_embeddings")
     return (f"model from {d}: {fields['layers']} layers, hidden {fields['hidden']}, "
@@ -255,7 +262,7 @@ def apply(cfg: Config, weights: bool = True, resumed: dict | None = None,
             + (f", rope {fields['rope_scaling']}" if fields["rope_scaling"] != "none" else "")
             + (f"; note: model.seq_len = {m.seq_len} is beyond its max_position_embeddings "
                f"({trained}), positions it was not trained at"
-               if isinstance(trained, int) and m.seq_len > trained else ""))
+               if isinstance(trained, int) and m.seq_len > trained else "") + untied)
 
 
 def weight_files(d: Path) -> list[Path]:
@@ -279,7 +286,31 @@ def weight_files(d: Path) -> list[Path]:
         return [d / "model.safetensors"]
     raise ConfigError(f"{_where(d)}: no model.safetensors or model.safetensors.index.json "
                       "(only safetensors weights are read; convert .bin weights with "
-                      "transformers' save_pretrained(safe_serialization=True))")
+                      "transformers' save_pretrained, which writes safetensors)")
+
+
+def head_differs(d: Path, rows: int = 4096) -> float | None:
+    """The largest difference between `d`'s lm_head.weight and its embedding, None when it has
+    no lm_head.weight or the two are equal (read `rows` rows at a time)."""
+    from safetensors import safe_open
+
+    where = {}
+    for f in weight_files(d):
+        with safe_open(str(f), framework="pt") as h:
+            where.update({k: f for k in h.keys() if k in (TOP_NAMES["output.weight"],
+                                                          TOP_NAMES["tok_embeddings.weight"])})
+    if len(where) < 2:
+        return None
+    head, emb = TOP_NAMES["output.weight"], TOP_NAMES["tok_embeddings.weight"]
+    with safe_open(str(where[head]), framework="pt") as hh, \
+            safe_open(str(where[emb]), framework="pt") as he:
+        a, b = hh.get_slice(head), he.get_slice(emb)
+        n = a.get_shape()[0]
+        if list(a.get_shape()) != list(b.get_shape()):
+            return float("inf")
+        worst = max(((a[i:i + rows].float() - b[i:i + rows].float()).abs().max().item()
+                     for i in range(0, n, rows)), default=0.0)
+    return worst or None
 
 
 def _check_complete(d: Path, f: Path) -> None:

@@ -286,6 +286,17 @@ def check_exportable(m) -> None:
             f"scaling (got qkv_bias={m.qkv_bias}, rope_scaling={m.rope_scaling!r})")
 
 
+def _export_hint(d: Path) -> str:
+    """A hint when `d` is a Hugging Face model directory (an export) rather than a run."""
+    try:
+        is_hf = "architectures" in json.loads((Path(d) / "config.json").read_text())
+    except (OSError, ValueError, TypeError):
+        return ""
+    return (f"; {d} is a Hugging Face model directory (an export?), not a run directory: "
+            "load it with transformers' AutoModelForCausalLM, or train from it with "
+            f"--model.init_from={d}") if is_hf else ""
+
+
 def checkpoint_path(run_dir: Path, step: int | None) -> Path:
     """The committed checkpoint of `step` (default: the newest that verifies) of a run."""
     from myria.train.checkpoint.store import CheckpointStore
@@ -295,7 +306,7 @@ def checkpoint_path(run_dir: Path, step: int | None) -> Path:
         path = mgr.latest_valid()
         if path is None:
             raise CheckpointError("no committed checkpoint under "
-                                  f"{rundir.checkpoints_dir(run_dir)}")
+                                  f"{rundir.checkpoints_dir(run_dir)}" + _export_hint(run_dir))
     else:
         path = mgr.path_for(step)
         if not (path / "meta.json").exists():

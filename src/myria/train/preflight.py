@@ -9,6 +9,7 @@ worker checks the layout again (`check_run`), as the one place a layout is accep
 from __future__ import annotations
 
 import copy
+import json
 import os
 from pathlib import Path
 
@@ -172,11 +173,17 @@ def check_vocab(cfg: Config, dataset) -> str | None:
     """Refuse a model whose vocabulary is smaller than the tokenizer of its data; a note (the
     line to print) when it is much larger: rows of the embedding no token ever trains."""
     if dataset.vocab_size > cfg.model.vocab_size and cfg.model.init_from:
+        own = Path(cfg.model.init_from) / "tokenizer.json"
+        same = own.is_file() and json.loads(own.read_text()) == json.loads(
+            Path(dataset.tokenizer_path).read_text())
         raise config_mod.ConfigError(
             f"the tokenizer of {dataset.path} has {dataset.vocab_size} tokens but the model in "
             f"{cfg.model.init_from} has {cfg.model.vocab_size} (its config.json's vocab_size); "
-            f"prepare the data with the model's own tokenizer: myria prepare --tokenizer "
-            f"{cfg.model.init_from} ...")
+            + ("the data was prepared with the model's own tokenizer.json, so the model folder "
+               "does not agree with itself: its embedding has fewer rows than its tokenizer "
+               "has tokens (a tokenizer with added tokens whose embedding was not resized?)"
+               if same else "prepare the data with the model's own tokenizer: myria prepare "
+               f"--tokenizer {cfg.model.init_from} ..."))
     if dataset.vocab_size > cfg.model.vocab_size:
         raise config_mod.ConfigError(
             f"the tokenizer of {dataset.path} has {dataset.vocab_size} tokens but "
@@ -192,16 +199,21 @@ def check_vocab(cfg: Config, dataset) -> str | None:
     return None
 
 
-def check_tokenizer(cfg: Config, dataset) -> None:
+def check_tokenizer(cfg: Config, dataset) -> str | None:
     """Refuse data prepared with another tokenizer than the model `model.init_from` starts
     from: every token of the model's tokenizer.json must have the same id in the data's (one
     with tokens added after the model's is refused by `check_vocab` when they pass its
     vocabulary). Data tokenized otherwise trains and exports without an error while the model
     reads other tokens than it learnt; the natural slip is a `myria prepare` without
-    `--tokenizer`. A model folder without tokenizer.json is not compared."""
+    `--tokenizer`. A model folder without tokenizer.json cannot be compared: a note (the line
+    to print) says so."""
     model_tok = Path(cfg.model.init_from or "") / "tokenizer.json"
-    if not cfg.model.init_from or not model_tok.is_file():
-        return
+    if not cfg.model.init_from:
+        return None
+    if not model_tok.is_file():
+        return (f"note: {cfg.model.init_from} has no tokenizer.json: the data's tokenizer "
+                f"({dataset.tokenizer_path}) cannot be checked against the one the model "
+                "learnt; prepare with `myria prepare --tokenizer` the model's own to be sure")
     from myria.data.tokenizer import load_tokenizer
 
     want = load_tokenizer(model_tok).get_vocab(with_added_tokens=True)
@@ -214,6 +226,7 @@ def check_tokenizer(cfg: Config, dataset) -> None:
             f"id or none in the data's ({dataset.tokenizer_path}), so the model would read "
             "other tokens than it learnt; prepare the data with the model's own tokenizer: "
             f"myria prepare --tokenizer {cfg.model.init_from} ...")
+    return None
 
 
 def check_init_weights(cfg: Config, run_dir: str | Path) -> None:
@@ -237,7 +250,8 @@ def check_data_and_model(cfg: Config, dataset, run_dir: str | Path) -> None:
     if note := check_mixture_config(cfg.data, cfg.training.global_batch, cfg.training.steps):
         print(note, flush=True)
     check_mixture(cfg, dataset)
-    check_tokenizer(cfg, dataset)
+    if note := check_tokenizer(cfg, dataset):
+        print(note, flush=True)
     check_init_weights(cfg, run_dir)
 
 
