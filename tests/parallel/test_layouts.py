@@ -116,3 +116,51 @@ def test_bf16_on_ranks_without_data_parallelism(tmp_path, tiny_data):
     ref = run(tmp_path, tiny_data, "ref-bf16", bf16, 1)
     assert_close(run(tmp_path, tiny_data, "tp2xpp2-bf16",
                      [*bf16, "--parallel.tp=2", "--parallel.pp=2"], 4), ref, rel=1e-3)
+
+
+def _gathers_worker(rank, world, port, out_dir):
+    """All-gathers FSDP2 issues in one step of 3 microbatches per rank, per engine."""
+    from pathlib import Path
+
+    import torch
+    from torch.distributed.fsdp._fully_shard import _fsdp_param_group as group
+
+    from myria import config as config_mod
+    from myria.layout import Layout
+    from myria.parallel.dims import ParallelDims
+    from myria.train.engine import Engine
+    from tests.dist import finish, init
+
+    init(rank, world, port)
+    real, counts = group.foreach_all_gather, {}
+
+    def counted(*a, **kw):
+        counts[name] = counts.get(name, 0) + 1
+        return real(*a, **kw)
+
+    group.foreach_all_gather = counted
+    x = torch.randint(0, 64, (3, 1, 16), generator=torch.Generator().manual_seed(rank))
+    for name in ("zero2", "fsdp"):
+        cfg = config_mod.load(None, ["--model.layers=2", "--model.hidden=32", "--model.heads=2",
+                                     "--model.vocab_size=64", "--model.seq_len=16",
+                                     "--training.global_batch=6", "--training.micro_batch=1",
+                                     "--training.device=cpu", "--training.dtype=float32",
+                                     f"--training.data_parallel={name}"])
+        engine = Engine(cfg, ParallelDims.build(Layout.resolve(cfg.parallel, world), "cpu"),
+                        torch.device("cpu"))
+        counts[name] = 0
+        engine.forward_backward(x, x)
+    (Path(out_dir) / f"gathers{rank}.json").write_text(json.dumps(counts))
+    finish()
+
+
+def test_zero2_gathers_each_unit_once_per_step(tmp_path):
+    """zero2 keeps the gathered blocks across a step's microbatches (one all-gather per FSDP
+    unit per step: 2 blocks and the root); fsdp gathers each block for every microbatch's
+    forward and backward (the root stays gathered after forward: once per microbatch)."""
+    from tests.dist import spawn
+
+    spawn(_gathers_worker, 2, str(tmp_path))
+    for rank in (0, 1):
+        counts = json.loads((tmp_path / f"gathers{rank}.json").read_text())
+        assert counts == {"zero2": 3, "fsdp": 3 * (2 * 2 + 1)}, counts

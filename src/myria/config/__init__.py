@@ -135,7 +135,9 @@ class TrainingConfig:
                       "dynamic scaling; embedding and output stay bf16): CUDA with compute "
                       "capability >= 8.9 (H100) and torchao installed; docs/gpu.md")
     data_parallel: str = _f("fsdp", "data-parallel engine: fsdp (FSDP2 full sharding), "
-                            "zero2 (FSDP2, reshard_after_forward=False) or ddp",
+                            "zero2 (FSDP2 keeping the blocks gathered for the whole step: one "
+                            "all-gather per step, gradients reduce-scattered once per step; "
+                            "ZeRO-1's traffic) or ddp",
                             choices=("fsdp", "zero2", "ddp"))
     device: str = _f("auto", "auto (cuda if available, else cpu), cpu or cuda",
                      choices=("auto", "cpu", "cuda"))

@@ -162,7 +162,7 @@ def prediction_lines(cfg, world, ranks_per_host, lay, spec, pred) -> list[str]:
 
 # How training.data_parallel runs the dp ranks, in the dry run's words.
 ENGINE_WORDS = {"fsdp": "FSDP2, each block resharded after use",
-                "zero2": "ZeRO-2, FSDP2 keeping each block gathered from forward to backward",
+                "zero2": "FSDP2 keeping each block gathered for the whole step (ZeRO-1's traffic)",
                 "ddp": "DDP, whole replicas"}
 # The parts of a rank's predicted memory; they add up to the total (myria.sim.memory).
 MEMORY_PARTS = ("weights", "gradients", "optimizer", "activations", "temporary", "reserved")

@@ -188,8 +188,14 @@ class Engine:
         div = self.divisor
         loss_sum = torch.zeros((), device=self.device)
         rec = events.current()
+        # zero2 keeps each block gathered from forward to backward: across the microbatches
+        # too (resharded after the last one's backward), so a step gathers each unit once
+        keep = self.cfg.training.data_parallel == "zero2" and hasattr(
+            self.model, "set_reshard_after_backward")
         for i in range(accum):
             kw = {} if docs[i] is None else {"documents": docs[i]}
+            if keep:
+                self.model.set_reshard_after_backward(i == accum - 1)
             with grad_sync(self.model, i == accum - 1), self._ctx():
                 with rec.compute("forward", mb=i, stage=0):
                     if self.dims.tp > 1:  # vocabulary-sharded logits, loss on the shards
