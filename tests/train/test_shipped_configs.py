@@ -22,17 +22,22 @@ def test_shipped_config_fits_and_is_not_a_poor_layout(path, gpus):
     assert r.mfu > 0.4, r.mfu
 
 
-def test_poor_layout_advice_is_settings_the_trainer_takes():
+@pytest.mark.parametrize("path,gpus", [("configs/gpt3-175b.toml", 1024),
+                                       ("configs/llama3-8b.toml", 64)])
+def test_poor_layout_advice_is_settings_the_trainer_takes(path, gpus):
+    """With a pipeline (GPT-3) and without (Llama 3 8B, where FSDP's per-microbatch gathers
+    dominate): the advice names settings the trainer takes, and the figure it quotes is the
+    one the dry run gives once they are applied."""
     from myria.train.cli import better_layout
 
     spec = device.planning_device("bfloat16")
-    cfg = C.load("configs/gpt3-175b.toml", ["training.data_parallel=fsdp"])
-    pred = simulate_config(cfg, 1024, spec, gpus_per_node=8)
-    line = better_layout(cfg, 1024, 8, spec, pred)
+    cfg = C.load(path, ["training.data_parallel=fsdp"])
+    pred = simulate_config(cfg, gpus, spec, gpus_per_node=8)
+    line = better_layout(cfg, gpus, 8, spec, pred)
     assert line and "ZeRO stage" not in line, line   # no setting the trainer has no name for
-    quoted = float(re.search(r"below the ([\d.]+)%", line).group(1))
+    quoted = float(re.search(r"far below the ([\d.]+)%", line).group(1))
     overrides = [o[2:] for o in re.findall(r"--[a-z_]+\.[a-z_]+=\S+", line)]
     assert "training.data_parallel=zero2" in overrides, line
-    fixed = C.load("configs/gpt3-175b.toml", ["training.data_parallel=fsdp", *overrides])
-    after = simulate_config(fixed, 1024, spec, gpus_per_node=8)
-    assert abs(100 * after.mfu - quoted) < 0.1, (after.mfu, line)
+    fixed = C.load(path, ["training.data_parallel=fsdp", *overrides])
+    after = simulate_config(fixed, gpus, spec, gpus_per_node=8)
+    assert abs(100 * after.mfu - quoted) < 0.05, (after.mfu, line)

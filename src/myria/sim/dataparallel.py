@@ -105,10 +105,10 @@ def stage_zero(s, F: float, B: float, nl: float, first: bool, last: bool
     if not (tr.zero_stage >= 2 and dp * cp > 1 and not s.eager):
         return 0.0, 0.0
     # FSDP units every microbatch: without a pipeline its gradients are reduce-scattered
-    # (under one, once per step: `deferred`) behind its backward; resharding after forward
-    # also gathers each unit before its forward (behind the forward) and again before its
-    # backward (behind the backward); without resharding the parameters are gathered once
-    # per step (`dp_time`)
+    # (under one, or with `reduce_once`, once per step: `deferred`) behind its backward;
+    # resharding after forward also gathers each unit before its forward (behind the
+    # forward) and again before its backward (behind the backward); without resharding the
+    # parameters are gathered once per step (`dp_time`)
     rs = NO_BUCKETS if deferred_reduce(s) else s.dpc.f_rs
     ag = s.dpc.f_ag if tr.zero_stage >= 3 and tr.reshard_after_forward else NO_BUCKETS
     bwd = rs + ag
@@ -120,8 +120,10 @@ def stage_zero(s, F: float, B: float, nl: float, first: bool, last: bool
 
 
 def deferred_reduce(s) -> bool:
-    """Sharded gradients under a pipeline accumulate whole and reduce once per step."""
-    return s.run.parallel.pp > 1 and s.run.training.zero_stage >= 2 and not s.eager
+    """Sharded gradients accumulate whole and reduce once per step: under a pipeline, and in
+    myria's trainer (`training.reduce_once`)."""
+    tr = s.run.training
+    return (s.run.parallel.pp > 1 or tr.reduce_once) and tr.zero_stage >= 2 and not s.eager
 
 
 def dp_time(s, F0: float, B0: float, hidden: list) -> float:

@@ -386,7 +386,7 @@ def _memory(run: RunSpec, hw: Hardware, shape: LayerShape, n_layers: dict, eager
                  reshard_after_forward=tr.reshard_after_forward,
                  shard=layout_groups(hw, par.tp, par.cp, par.ep, dp, par.pp, hsdp)["dps"].n,
                  stage_layers=n_layers if par.pp > 1 else None,
-                 accumulate=par.pp > 1 and not eager)
+                 accumulate=(par.pp > 1 or tr.reduce_once) and not eager)
     if tr.offload != "none":
         mem.host_fits = mem.host_bytes_per_node <= host_capacity(hw, tr.offload)
     return mem
@@ -590,7 +590,8 @@ def config_run(cfg, nproc: int, device_spec: DeviceSpec, gpus_per_node: int = 0
                             optimizer="lamb" if cfg.optimizer.name == "lamb" else "adam",
                             zero_stage=zero, precision="fp32" if dtype == "float32" else "bf16",
                             offload=cfg.parallel.offload,
-                            offload_params=cfg.parallel.offload_params)
+                            offload_params=cfg.parallel.offload_params,
+                            reduce_once=True)   # the trainer's FSDP2 syncs on the last microbatch
     par = ParallelSpec(tp=lay["tp"], pp=lay["pp"], cp=lay["cp"], ep=lay["ep"],
                        vpp=cfg.parallel.vpp, schedule=cfg.parallel.schedule,
                        sequence_parallel=cfg.parallel.sequence_parallel and lay["tp"] > 1,

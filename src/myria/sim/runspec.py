@@ -116,6 +116,12 @@ class TrainingSpec:
                                      "microbatch (false: keep them gathered across the step's "
                                      "microbatches: one all-gather per step, full parameter "
                                      "memory)")
+    reduce_once: bool = _f(False, "ZeRO 2-3: gradients accumulate whole over the step's "
+                           "microbatches and are reduce-scattered once per step, as myria's "
+                           "trainer runs FSDP2 (gradient sync off until the last microbatch; "
+                           "more gradient memory, less traffic); false: reduce-scattered after "
+                           "every microbatch (DeepSpeed's ZeRO-2/3). Under a pipeline always "
+                           "once per step")
     offload: str = _f("none", "ZeRO-Offload/Infinity: the optimizer state to cpu memory (with "
                       "zero_stage 3 also the sharded parameters and gradients, as FSDP2's "
                       "CPUOffloadPolicy) or nvme (myria's nvme tier: files streamed through the "

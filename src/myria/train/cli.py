@@ -171,13 +171,13 @@ LOW_MFU_SHARE = 0.6  # warn when the config reaches less than this share of the 
 
 def better_layout(cfg: config_mod.Config, world: int, ranks_per_host: int, spec, pred
                   ) -> str | None:
-    """A warning line when `myria plan` finds a layout far faster than the config's, on the
-    same model, batch and cluster; None when the config is close to the best (or on a CPU,
-    where the planner has no cluster to search)."""
+    """A warning line when `myria plan` finds a layout far faster than the config's (or the
+    config does not fit), on the same model, batch and cluster; None when the config is close
+    to the best (or on a CPU, where the planner has no cluster to search)."""
     if spec.name == "cpu":
         return None
     from myria.sim.cli_plan import searching
-    from myria.sim.perf import config_run
+    from myria.sim.perf import config_run, simulate_config
     from myria.sim.planner import plan, run_of
 
     base, _, _ = config_run(cfg, world, spec, ranks_per_host)
@@ -189,13 +189,29 @@ def better_layout(cfg: config_mod.Config, world: int, ranks_per_host: int, spec,
     # the best layout this trainer runs (the planner also prices what only other frameworks do)
     b = res.ranked[0] if res.ranked and res.ranked[0].extra.get("runnable") else \
         res.best_runnable
-    if b is None or pred.mfu >= LOW_MFU_SHARE * b.mfu:
+    if b is None or (pred.fits and pred.mfu >= LOW_MFU_SHARE * b.mfu):
         return None
-    return (f"# WARNING: predicted MFU {100 * pred.mfu:.1f}% is far below the "
-            f"{100 * b.mfu:.1f}% that `myria plan` predicts for this model on the same "
-            f"{world} x {spec.name} with {' '.join(layout_overrides(cfg, run_of(base, b)))} "
-            f"({b.memory_gb_per_gpu:.0f} GB per GPU). The figure is this layout's, not "
-            "myria's best; run `myria plan` for the ranking.")
+    # the figure quoted is this dry run's own for the settings it names (the planner's
+    # layout as myria's trainer runs it), so that following the advice prints it
+    import copy
+
+    over = layout_overrides(cfg, run_of(base, b))
+    nested: dict[str, dict] = {}
+    for o in over:
+        section, key, value = config_mod.parse_override(o)
+        nested.setdefault(section, {})[key] = value
+    fixed = simulate_config(config_mod.from_dict(nested, copy.deepcopy(cfg)), world, spec,
+                            gpus_per_node=ranks_per_host)
+    if pred.fits and pred.mfu >= LOW_MFU_SHARE * fixed.mfu:
+        return None
+    lead = (f"predicted MFU {100 * pred.mfu:.1f}% is far below the {100 * fixed.mfu:.1f}% "
+            "this model reaches" if pred.fits else "this layout does not fit in memory; this "
+            f"model reaches {100 * fixed.mfu:.1f}% MFU")
+    return (f"# WARNING: {lead} on the same {world} x {spec.name} "
+            f"with the layout `myria plan` ranks best for myria's trainer: {' '.join(over)} "
+            f"({fixed.memory_gb_per_gpu:.0f} GB per GPU)."
+            + (" The figure above is this layout's, not myria's best;" if pred.fits else "")
+            + " run `myria plan` for the ranking.")
 
 
 def layout_overrides(cfg: config_mod.Config, run) -> list[str]:
