@@ -496,7 +496,8 @@ def memory_parts(line):
 
 
 def test_dry_run_prints_sizes():
-    p = run_cli("train", "--config", "configs/llama3-8b.toml", "--dry-run", "--nproc", "64")
+    p = run_cli("train", "--config", "configs/llama3-8b.toml", "--dry-run", "--nproc", "64",
+                "--training.data_parallel=fsdp")
     assert "parameters: 8,030,261,248" in p.stdout  # Llama-3-8B's published count
     assert "model FLOPs per token" in p.stdout and "memory per rank" in p.stdout
     # no GPU here: 64 processes on "one host" are priced as 8 servers of 8 (no 64-GPU NVLink)
