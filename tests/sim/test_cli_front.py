@@ -170,3 +170,21 @@ def test_a_nic_rate_in_bits_per_second_is_refused(capsys):
     err = capsys.readouterr().err
     assert e.value.code == 2 and "argument --nic-gbps: '400e9' Gbit/s is faster than any NIC " \
         "(at most 10,000): give the line rate in Gbit/s, e.g. 400 for a 400G NIC" in err, err
+
+
+@pytest.mark.parametrize("model,named", [
+    ('arch = "retnet"\nkv_heads = 0', "retnet 126M"),
+    ('arch = "griffin"\nattention_window = 512', "layers 'RRA', window 512"),
+    ('attention = "linear"', "linear attention"),
+])
+def test_plan_takes_every_mixer_and_names_it(capsys, tmp_path, model, named):
+    """`myria plan` searches the layouts of the mixers the dry run prices, and its header
+    names the mixer (a linear-attention model is not a softmax one)."""
+    cfg = tmp_path / "m.toml"
+    cfg.write_text(f'[model]\nlayers = 8\nhidden = 1024\nheads = 16\nseq_len = 2048\n{model}\n'
+                   '[training]\nglobal_batch = 64\ndtype = "bfloat16"\n')
+    code, out, err = run(capsys, "plan", str(cfg), "--gpu", "h100-sxm-80gb", "--gpus", "8",
+                         "--top", "1")
+    assert code == 0, err
+    header = next(x for x in out.splitlines() if x.startswith("model "))
+    assert named in header, header

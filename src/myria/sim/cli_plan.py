@@ -690,9 +690,12 @@ def model_line(base: RunSpec) -> str:
     n = param_counts(cfg).total(cfg.layers)
     size = f"{n / 1e9:.1f}B" if n >= 1e9 else f"{n / 1e6:.0f}M"
     moe = f", {cfg.experts} experts (top {cfg.top_k})" if cfg.experts else ""
+    mixer = (f", layers {cfg.block_pattern!r}" if cfg.arch in ("griffin", "hybrid") else "") \
+        + (f", {cfg.attention} attention" if cfg.attention != "softmax" else "") \
+        + (f", window {cfg.attention_window}" if 0 < cfg.attention_window < cfg.seq_len else "")
     return (f"{cfg.arch} {size}: {cfg.layers} x {cfg.hidden}, {cfg.heads} heads "
             f"({cfg.n_kv_heads} key/value), MLP {cfg.ffn_dim}, vocabulary {cfg.vocab_size:,}"
-            f"{moe}")
+            f"{mixer}{moe}")
 
 
 def _print(base: RunSpec, res) -> None:

@@ -38,9 +38,10 @@ MAX_NIC_GBPS = 10_000.0
 MODEL_RENAMED = {"vocab_size": "vocab"}
 _MODEL_FACE = {
     "arch": (str, _f("gpt", "gpt (LayerNorm, GELU, biases, learned positions), llama "
-                     "(RMSNorm, SwiGLU, RoPE, GQA) or hybrid (llama with a mixer per layer from "
-                     "block_pattern: Gated DeltaNet, Mamba-2, attention, RG-LRU)",
-                     choices=("gpt", "llama", "hybrid"))),
+                     "(RMSNorm, SwiGLU, RoPE, GQA), retnet (multi-scale retention), griffin "
+                     "(RG-LRU and local attention per block_pattern) or hybrid (llama with a "
+                     "mixer per layer from block_pattern: Gated DeltaNet, Mamba-2, attention, "
+                     "RG-LRU)", choices=("gpt", "llama", "retnet", "griffin", "hybrid"))),
     "layers": (int, _f(REQUIRED, "transformer blocks", min=1)),
     "hidden": (int, _f(REQUIRED, "model width", min=1)),
     "heads": (int, _f(REQUIRED, "attention (query) heads", min=1)),
