@@ -188,3 +188,24 @@ def test_plan_takes_every_mixer_and_names_it(capsys, tmp_path, model, named):
     assert code == 0, err
     header = next(x for x in out.splitlines() if x.startswith("model "))
     assert named in header, header
+
+
+def test_plan_finds_where_a_layout_stands(capsys, tmp_path):
+    """--find names a layout's place in the whole ranking (not only the rows shown), the same
+    place as in a ranking printed long enough to hold it, and whether it is tied with #1."""
+    cfg = tmp_path / "m.toml"
+    cfg.write_text('[model]\nlayers = 8\nhidden = 1024\nheads = 16\nseq_len = 2048\n'
+                   '[training]\nglobal_batch = 64\ndtype = "bfloat16"\n')
+    args = ["plan", str(cfg), "--gpu", "h100-sxm-80gb", "--gpus", "8"]
+    code, out, err = run(capsys, *args, "--top", "1", "--find", "tp=2,zero=3")
+    assert code == 0, err
+    line = next(x for x in out.splitlines() if x.startswith("--find tp=2,zero=3: #"))
+    rank = int(line.split("#")[1].split(" ")[0])
+    assert rank > 1 and ("; tied with #1" in line) != ("; not tied" in line), line
+    code, out, err = run(capsys, *args, "--top", str(rank), "--json")
+    ranked = json.loads(out)["ranked"]
+    assert (ranked[-1]["layout"]["tp"], ranked[-1]["layout"]["zero_stage"]) == (2, 3)
+    assert all((r["layout"]["tp"], r["layout"]["zero_stage"]) != (2, 3) for r in ranked[:-1])
+    with pytest.raises(SystemExit):
+        main([*args, "--find", "tpp=2"])
+    assert "did you mean 'tp'" in capsys.readouterr().err

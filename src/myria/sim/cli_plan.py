@@ -26,6 +26,7 @@ import sys
 import time
 from pathlib import Path
 
+from myria.config import suggest as config_suggest
 from myria.errors import ConfigError
 from myria.sim import reliability, runspec
 from myria.sim.planner import SearchSpace, plan
@@ -78,6 +79,28 @@ def nic_gbps(text: str) -> float:
             f"{text!r} Gbit/s is faster than any NIC (at most {MAX_NIC_GBPS:,.0f}): give the "
             "line rate in Gbit/s, e.g. 400 for a 400G NIC")
     return v
+
+
+# --find's keys: the layout's fields (`StepResult.layout`), mb and zero as the flags say them
+FIND_KEYS = {"tp": "tp", "pp": "pp", "cp": "cp", "dp": "dp", "ep": "ep", "vpp": "vpp",
+             "mb": "micro_batch", "zero": "zero_stage", "recompute": "recompute",
+             "schedule": "schedule"}
+
+
+def _find(text: str) -> dict:
+    """--find 'tp=8,pp=16': {layout field: value}."""
+    out = {}
+    for item in (x.strip() for x in text.split(",") if x.strip()):
+        key, eq, value = item.partition("=")
+        if not eq or key.strip() not in FIND_KEYS:
+            raise argparse.ArgumentTypeError(
+                f"{item!r}: expected KEY=VALUE with KEY one of {', '.join(FIND_KEYS)}"
+                + config_suggest(key.strip(), FIND_KEYS))
+        value = value.strip()
+        out[FIND_KEYS[key.strip()]] = int(value) if value.isdigit() else value
+    if not out:
+        raise argparse.ArgumentTypeError("give KEY=VALUE pairs, e.g. 'tp=8,pp=16'")
+    return out
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -139,10 +162,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--vpp", type=_ints, help="virtual stages per pipeline rank, interleaved "
                    "1F1B (default: 1-8)")
     g.add_argument("--mb", type=_ints, help="micro-batch sizes")
-    g.add_argument("--recompute", help="none,selective,full")
+    g.add_argument("--recompute", help="none,selective,elementwise,full")
     g.add_argument("--zero", type=_zero_stages, help="ZeRO stages, e.g. 0,1,3")
     parser.add_argument("--top", type=at_least(1), default=10,
                         help="layouts to show (default 10)")
+    parser.add_argument("--find", type=_find, metavar="LAYOUT",
+                        help="where a layout stands in the whole ranking, e.g. "
+                        "'tp=8,pp=16,cp=1' (keys: " + ", ".join(FIND_KEYS) + "); the best "
+                        "ranked layout with those values is shown with its place and whether "
+                        "it is tied with #1")
     parser.add_argument("--reserve-gb", type=at_least(0.0, float), default=None,
                         help="device memory kept free beyond the model's estimate, which "
                         "already counts the allocator's fragmentation and the runtime's "
@@ -461,7 +489,8 @@ def _plan(base: RunSpec, space: SearchSpace, args):
     try:
         with searching("searching layouts") as progress:
             return plan(base, space, top=args.top, reserve_gb=args.reserve_gb,
-                        reliability=reliability.from_args(args), progress=progress)
+                        reliability=reliability.from_args(args), progress=progress,
+                        find=getattr(args, "find", None))
     except ConfigError as e:
         if not str(e).startswith("no layout matches"):
             raise
@@ -506,10 +535,15 @@ def run(args: argparse.Namespace) -> int:
                           "ranked": [r.to_json() for r in res.ranked],
                           "best_runnable": best.to_json() if best is not None else None,
                           "best_runnable_rank": 1 if first else res.best_runnable_rank,
+                          "tied": res.tied_total,
+                          **({"found": {"rank": res.found_rank, **res.found.to_json()}
+                              if res.found is not None else None} if args.find else {}),
                           **({} if res.ranked else {"fastest_unfitting": _json(
                               res.best_unfitting), "leanest_unfitting": _json(res.leanest)})}))
     else:
         _print(base, res)
+        if args.find:
+            print(found_line(res, args.find))
     if args.csv and res.ranked:
         write_csv(Path(args.csv), res.ranked)
         print(f"wrote {len(res.ranked)} ranked layout(s) to {args.csv}",
@@ -681,6 +715,27 @@ def separation(res) -> list[str]:
     return out
 
 
+def found_line(res, find: dict) -> str:
+    """--find's answer: the layout's place in the whole ranking and whether it is tied."""
+    said = {field: key for key, field in FIND_KEYS.items()}
+    spec = ",".join(f"{said[k]}={v}" for k, v in find.items())
+    r = res.found
+    if r is None:
+        return (f"--find {spec}: no layout with those values fits in memory among the "
+                f"{res.fitting:,} that do (or none was searched: see --help for the ranges)")
+    first = res.ranked[0]
+    x = r.extra
+    return (f"--find {spec}: #{res.found_rank:,} of {res.fitting:,} fitting, "
+            f"{layout_label(r.layout)}, mb {r.layout['micro_batch']}, recompute "
+            f"{r.layout['recompute']}, ZeRO {r.layout['zero_stage']}: "
+            f"{r.iteration_time_s:.3f} s per step, MFU {r.mfu:.1%}, "
+            f"{r.memory_gb_per_gpu:.1f} GB; "
+            + ("tied with #1 (within the model's uncertainty)" if x.get("tied") else
+               f"not tied with #1 ({first.mfu:.1%}: {1 - r.mfu / first.mfu:.1%} less)")
+            + (f"; {x['not_runnable']}" if x.get("not_runnable") else "")
+            + (f"; ! {x['implausible']}" if x.get("implausible") else ""))
+
+
 def model_line(base: RunSpec) -> str:
     """The planned model in a few words: parameters, shape, attention heads, MLP, vocabulary,
     experts."""
@@ -793,7 +848,9 @@ def _print(base: RunSpec, res) -> None:
     tied = sum(1 for r in res.ranked if r.extra.get("tied"))
     band = res.ranked[0].extra["band"]
     if tied > 1:
-        con.print(f"#1-#{tied} (marked =) lie within the model's uncertainty (±{band:.0%}, its "
+        whole = (f"#1-#{res.tied_total:,} (those shown marked =)" if res.tied_total > tied
+                 else f"#1-#{tied} (marked =)")
+        con.print(f"{whole} lie within the model's uncertainty (±{band:.0%}, its "
                   "held-out error on the calibration runs) of the best MFU: statistically "
                   "tied, so they are ordered by predicted step time (to 0.1%), then by free "
                   "memory; a prediction the model cannot vouch for (!) is not first" +

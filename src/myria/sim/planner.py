@@ -82,6 +82,9 @@ class PlanResult:
     offloaded: bool = False      # nothing fitted without offload: these layouts offload
     best_runnable: StepResult | None = None  # when #1 is priced only: the trainer's best
     best_runnable_rank: int = 0                    # its place in the whole ranking (1-based)
+    tied_total: int = 0     # layouts of the whole ranking tied with the best (not only shown)
+    found: StepResult | None = None   # `find`'s first match in the whole ranking, annotated
+    found_rank: int = 0               # its place (1-based); 0 when nothing matched
 
 
 def candidates(base: RunSpec, space: SearchSpace):
@@ -243,7 +246,8 @@ def _with(obj, **changes):
 def plan(base: RunSpec, space: SearchSpace | None = None, top: int = 10,
          limit: int | None = None, reserve_gb: float | None = None,
          reliability: Reliability | None = None,
-         progress: Callable[[int, int], None] | None = None) -> PlanResult:
+         progress: Callable[[int, int], None] | None = None,
+         find: dict | None = None) -> PlanResult:
     """Search layouts for `base` (model, batch, cluster, kernels, overlap) and rank them.
 
     A layout fits when its peak memory is below capacity minus `reserve_gb` (default 0).
@@ -257,7 +261,8 @@ def plan(base: RunSpec, space: SearchSpace | None = None, top: int = 10,
     (`runnable_first`); when the first is priced only, `best_runnable` names the trainer's
     best and its place. `progress(evaluated, fitting)`, when given, is called every
     `PROGRESS_EVERY` candidates and once when the search ends (a large cluster's search takes
-    tens of seconds: the command line shows it).
+    tens of seconds: the command line shows it). `find` ({layout field: value}, e.g. {"tp":
+    8, "pp": 16}) names a layout whose place in the whole ranking the result gives (`found`).
     """
     from myria.sim.band import uncertainty
 
@@ -307,7 +312,7 @@ def plan(base: RunSpec, space: SearchSpace | None = None, top: int = 10,
     if not ok and space.offload_fallback and space.offload != space.offload_fallback:
         again = dataclasses.replace(space, offload=space.offload_fallback, offload_fallback=[])
         res = plan(base, again, top, limit, reserve_gb, reliability,
-                   None if progress is None else lambda k, fit: progress(n + k, fit))
+                   None if progress is None else lambda k, fit: progress(n + k, fit), find)
         res.evaluated += n
         res.seconds = time.perf_counter() - t0
         res.offloaded = bool(res.ranked)
@@ -330,6 +335,13 @@ def plan(base: RunSpec, space: SearchSpace | None = None, top: int = 10,
         out.best_runnable_rank, out.best_runnable = best_runnable(whole, runs, hw)
         if out.best_runnable is not None:
             annotate(out.best_runnable, base, hw, band, reliability)
+    out.tied_total = sum(1 for r in whole if r.extra.get("tied"))
+    if find:
+        out.found_rank, out.found = next(((i, r) for i, r in enumerate(whole, 1) if all(
+            r.layout.get(k) == v for k, v in find.items())), (0, None))
+        if out.found is not None:
+            annotate(out.found, base, hw, band, reliability)
+            mark_runnable(out.found, runs[id(out.found)], hw)
     return out
 
 
