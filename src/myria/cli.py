@@ -32,8 +32,24 @@ COMMANDS: dict[str, tuple[str, str]] = {
 }
 
 
+class Parser(argparse.ArgumentParser):
+    """argparse with myria's error style: one line saying what is wrong and where the help is
+    (argparse's usage block above it hid the line that matters), and the closest flag for a
+    mistyped one."""
+
+    def error(self, message: str):
+        if message.startswith("unrecognized arguments:"):
+            from myria.config import suggest
+
+            known = [o for a in self._actions for o in a.option_strings]
+            typed = [a.split("=")[0] for a in message.split(":", 1)[1].split()
+                     if a.startswith("-")]
+            message += next((hint for f in typed if (hint := suggest(f, known))), "")
+        self.exit(2, f"{self.prog}: error: {message} (see `{self.prog} --help`)\n")
+
+
 def _top_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = Parser(
         prog="myria",
         description="myria: 4D-parallel LLM pre-training that plans, explains and survives runs.",
         formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -95,8 +111,8 @@ def _command(argv: list[str]) -> int:
                   file=sys.stderr)
             return 2
         raise
-    parser = argparse.ArgumentParser(prog=f"myria {name}", description=help_text,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = Parser(prog=f"myria {name}", description=help_text,
+                    formatter_class=argparse.RawDescriptionHelpFormatter)
     module.add_arguments(parser)
     from myria.errors import MyriaError
 

@@ -209,3 +209,17 @@ def test_plan_finds_where_a_layout_stands(capsys, tmp_path):
     with pytest.raises(SystemExit):
         main([*args, "--find", "tpp=2"])
     assert "did you mean 'tp'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv,needle", [
+    (["plan", "--gpus", "0"], "myria plan: error: argument --gpus: '0': must be >= 1"),
+    (["plan", "--tpp", "2"], "unrecognized arguments: --tpp (did you mean '--tp'?)"),
+])
+def test_bad_flags_say_one_line(capsys, argv, needle):
+    """A bad flag value or a mistyped flag: one line (no usage block above it) that says what
+    is wrong, the closest flag, and where the help is."""
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.count("\n") == 1 and "usage:" not in err, err
+    assert needle in err and "(see `myria plan --help`)" in err, err
