@@ -223,3 +223,18 @@ def test_bad_flags_say_one_line(capsys, argv, needle):
     err = capsys.readouterr().err
     assert e.value.code == 2 and err.count("\n") == 1 and "usage:" not in err, err
     assert needle in err and "(see `myria plan --help`)" in err, err
+
+
+def test_plan_shows_expert_traffic_in_its_own_column(capsys):
+    """Expert parallelism's all-to-all is a column of its own when a layout shown has it (it
+    was folded into "other"); a dense plan keeps the table as it was."""
+    moe = ["plan", "--arch", "llama", "--layers", "16", "--hidden", "2048", "--heads", "16",
+           "--kv-heads", "8", "--seq-len", "4096", "--global-batch", "256", "--gpu",
+           "h100-sxm-80gb", "--gpus", "64", "--top", "2", "--tp", "1", "--pp", "1"]
+    code, out, err = run(capsys, *moe, "--experts", "8", "--top-k", "2", "--ep", "8")
+    assert code == 0, err
+    head = next(x for x in out.splitlines() if "┃ layout" in x)
+    assert "┃ DP ┃ EP ┃ other ┃" in head, head
+    code, out, err = run(capsys, *moe)
+    head = next(x for x in out.splitlines() if "┃ layout" in x)
+    assert "┃ DP ┃ other ┃" in head, head

@@ -793,16 +793,19 @@ def _print(base: RunSpec, res) -> None:
                       "servers with more memory, or a shorter sequence would be needed")
         return
     tab = Table(title="best layouts by predicted MFU")
+    # context- and expert-parallel traffic get their columns when a layout shown has any
+    more = [(k, name) for k, name in (("cp_comm_exposed", "CP"), ("ep_comm_exposed", "EP"))
+            if any(r.breakdown.get(k, 0.0) > 0 for r in res.ranked)]
     cols = ("#", "layout", "mb", "m", "recompute", "ZeRO", "iter s", "MFU (band)", "tok/s",
             "mem GB", "ETTR", "ckpt every", "compute", "recomp", "TP", "bubble", "p2p", "DP",
-            "other")
+            *(name for _, name in more), "other")
     for c in cols:
         tab.add_column(c, justify="left" if c in ("layout", "recompute") else "right")
     for i, r in enumerate(res.ranked, 1):
         bd, t = r.breakdown, r.iteration_time_s
         comp = bd["compute_gemm"] + bd["compute_attention"] + bd["compute_memory_bound"]
         named = comp + bd["recompute"] + bd["tp_comm_exposed"] + bd["pp_bubble"] + \
-            bd["pp_p2p_exposed"] + bd["dp_comm_exposed"]
+            bd["pp_p2p_exposed"] + bd["dp_comm_exposed"] + sum(bd.get(k, 0.0) for k, _ in more)
         lay = r.layout
         x = r.extra
         tab.add_row(str(i) + ("=" if x.get("tied") else "") +
@@ -817,7 +820,8 @@ def _print(base: RunSpec, res) -> None:
                     f"{comp / t:.0%}",
                     f"{bd['recompute'] / t:.0%}", f"{bd['tp_comm_exposed'] / t:.0%}",
                     f"{bd['pp_bubble'] / t:.0%}", f"{bd['pp_p2p_exposed'] / t:.0%}",
-                    f"{bd['dp_comm_exposed'] / t:.0%}", f"{(t - named) / t:.0%}")
+                    f"{bd['dp_comm_exposed'] / t:.0%}",
+                    *(f"{bd.get(k, 0.0) / t:.0%}" for k, _ in more), f"{(t - named) / t:.0%}")
     con.print(tab)
     first = res.ranked[0]
     note = causal_note(first, m.seq_len, "#1")
@@ -837,8 +841,8 @@ def _print(base: RunSpec, res) -> None:
     if not first.extra.get("runnable", True):
         b = res.best_runnable
         if b is None:
-            con.print("none of the first layouts is one myria's trainer runs (†: priced for "
-                      "other frameworks only)")
+            con.print(f"none of the {res.fitting:,} layouts that fit is one myria's trainer "
+                      "runs (†: priced for other frameworks only)")
         elif res.best_runnable_rank > len(res.ranked):
             con.print(f"the best layout myria's trainer runs is #{res.best_runnable_rank}: "
                       f"{layout_label(b.layout)}, MFU {b.mfu:.1%}, {b.iteration_time_s:.3f} s per "
