@@ -156,9 +156,13 @@ def test_plan_says_each_assumption_and_each_flag_moves_the_price(capsys):
     assert t < first("--overlap", "pp,dp")[1]
     assert "(--rank-jitter; assumed, not fitted)" in said[1] and "(--jitter-tail)" in said[1]
     assert first("--rank-jitter", "0")[1] < t < first("--jitter-tail", "0.01,3")[1]
+    # the memory kept free changes which layouts fit: it is said, with its flag
+    said3, _ = first("--reserve-gb", "2.5")
+    assert "with 2.5 GB more kept free (--reserve-gb)" in said3[2]
+    assert "reduce-scattered after every microbatch" in said3[2]
     assert main(PLAN) == 0
     out = capsys.readouterr().out
-    assert out.count("assumed:") == 2
+    assert out.count("assumed:") == 3
 
 
 @pytest.mark.parametrize("bad", BAD_PLAN_FLAGS, ids=" ".join)

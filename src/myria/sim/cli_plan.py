@@ -529,7 +529,7 @@ def run(args: argparse.Namespace) -> int:
         first = res.ranked[0] if res.ranked and res.ranked[0].extra.get("runnable", True) \
             else None
         best = first or res.best_runnable
-        print(json.dumps({"assumptions": assumptions(base),
+        print(json.dumps({"assumptions": assumptions(base, args.reserve_gb),
                           "evaluated": res.evaluated, "fitting": res.fitting,
                           "seconds": res.seconds, "offloaded": res.offloaded,
                           "ranked": [r.to_json() for r in res.ranked],
@@ -541,7 +541,7 @@ def run(args: argparse.Namespace) -> int:
                           **({} if res.ranked else {"fastest_unfitting": _json(
                               res.best_unfitting), "leanest_unfitting": _json(res.leanest)})}))
     else:
-        _print(base, res)
+        _print(base, res, args.reserve_gb)
         if args.find:
             print(found_line(res, args.find))
     if args.csv and res.ranked:
@@ -642,7 +642,7 @@ def _jitter_tail(text: str) -> tuple[float, float]:
     return share, excess
 
 
-def assumptions(base: RunSpec) -> list[str]:
+def assumptions(base: RunSpec, reserve_gb: float | None = None) -> list[str]:
     """The assumptions that can change a layout's rank, each with the flag that changes it."""
     from myria.sim.hardware import build_hardware, flash_kernel
 
@@ -663,6 +663,13 @@ def assumptions(base: RunSpec) -> list[str]:
         "(cluster.flows_per_pair in a run file; ECMP hashes each); "
         f"rank jitter {c.rank_jitter:g} of the compute (--rank-jitter; assumed, not fitted), "
         f"straggler tail {c.jitter_tail_share:g},{c.jitter_tail_excess:g} (--jitter-tail)",
+        f"assumed: memory: the model's estimate with {reserve_gb or 0:g} GB more kept free "
+        f"(--reserve-gb); gradients of ZeRO 2-3 reduce-scattered "
+        + ("once per step (training.reduce_once, as myria's trainer)" if
+           base.training.reduce_once else "after every microbatch (DeepSpeed's; "
+           "training.reduce_once in a run file: once per step, as myria's trainer)")
+        + (f"; dropout {base.dropout:g} (model.dropout in a run file)"
+           if base.model.arch == "gpt" else ""),
     ]
 
 
@@ -753,14 +760,14 @@ def model_line(base: RunSpec) -> str:
             f"{mixer}{moe}")
 
 
-def _print(base: RunSpec, res) -> None:
+def _print(base: RunSpec, res, reserve_gb: float | None = None) -> None:
     from rich.table import Table
 
     con = console(150)
     m = base.model
     con.print(f"model {model_line(base)}, seq {m.seq_len}, global batch "
               f"{base.training.global_batch}, {base.cluster.gpus} x {base.cluster.gpu}")
-    for line in assumptions(base):
+    for line in assumptions(base, reserve_gb):
         con.print(line)
     from myria.sim.hardware import build_hardware
 
