@@ -300,8 +300,10 @@ def test_llama3_layout_is_generated_interleaved_uneven_fits_and_ranks_in_the_tie
     inter = [x for x in same if x.layout["vpp"] > 1 and x.layout["recompute"] == "none"]
     assert inter and all(sum(x.layout["stage_layers"]) == 126 for x in inter[:5])
     assert any(len(set(x.layout["stage_layers"])) > 1 for x in inter)
-    assert any(x.extra["tied"] and x.layout["zero_stage"] == 3
-               and not x.layout["reshard_after_forward"] for x in inter)
+    # FSDP keeping the parameters gathered (Llama 3's) is priced as ZeRO 2 and shown as it
+    assert any(x.extra["tied"] and x.layout["zero_stage"] == 2 for x in inter)
+    assert not any(x.layout["zero_stage"] == 3 and not x.layout["reshard_after_forward"]
+                   and x.layout["offload"] == "none" for x in same)
 
 
 def test_a_tight_or_overhidden_prediction_is_marked_and_not_first(llama):
@@ -368,3 +370,20 @@ def test_short_sequences_are_searched_without_context_parallelism():
         check=False)
     layouts = list(candidates(base, SearchSpace()))
     assert layouts and {par["cp"] for par, _ in layouts} == {1}
+
+
+def test_layouts_priced_alike_are_searched_once():
+    """One GPU: ZeRO shards nothing, so one stage is searched (not four identical rows); on a
+    cluster, FSDP keeping the parameters gathered is ZeRO 2 in the model and appears as it."""
+    def run(gpus):
+        return runspec.parse_run({
+            "name": "small", "model": {"arch": "llama", "layers": 4, "hidden": 256, "heads": 4,
+                                       "seq_len": 512},
+            "training": {"global_batch": 8}, "cluster": {"gpu": "h100-sxm-80gb", "gpus": gpus}},
+            check=False)
+
+    one = [t for _, t in candidates(run(1), SearchSpace()) if t["offload"] == "none"]
+    assert one and {t["zero_stage"] for t in one} == {0}
+    many = [t for _, t in candidates(run(8), SearchSpace()) if t["offload"] == "none"]
+    assert {t["zero_stage"] for t in many} == {0, 1, 2, 3}
+    assert all(t["reshard_after_forward"] for t in many if t["zero_stage"] == 3)
