@@ -84,6 +84,10 @@ def test_plan_when_nothing_fits_exits_1_with_the_layout_closest_to_fitting(capsy
     assert code == 1, err
     assert "no layout fits in device memory (43 GB per GPU), even with offload" in out
     assert "closest to fitting: tp8" in out and "GB per GPU" in out, out
+    # with memory to spare nothing would be offloaded; the state alone does not fit, so a
+    # shorter sequence is not offered
+    fastest = next(x for x in out.splitlines() if x.startswith("fastest layout if memory"))
+    assert "offload" not in fastest and "shorter sequence" not in out, out
     code, out, err = run(capsys, *big, "--json")
     d = json.loads(out)
     assert code == 1 and d["ranked"] == [] and d["best_runnable_rank"] == 0

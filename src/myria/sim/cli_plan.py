@@ -794,10 +794,15 @@ def _print(base: RunSpec, res, reserve_gb: float | None = None) -> None:
             host = (f" and {b.memory.host_bytes_per_node / 1e9:,.0f} GB of "
                     f"{'host memory' if off == 'cpu' else 'NVMe'} per server"
                     if off != "none" else "")
+            mem = b.memory
+            state = (mem.weights + mem.gradients + mem.optimizer) / 1e9
+            # a shorter sequence helps only where activations are what does not fit
+            shorter = ", or a shorter sequence" if mem.activations > 0.3 * mem.total else ""
             con.print(f"closest to fitting: {layout_label(lay)}, micro-batch {lay['micro_batch']}, "
                       f"recompute {lay['recompute']}, ZeRO {lay['zero_stage']}: "
-                      f"{b.memory_gb_per_gpu:.0f} GB per GPU{host}; more GPUs, devices or "
-                      "servers with more memory, or a shorter sequence would be needed")
+                      f"{b.memory_gb_per_gpu:.0f} GB per GPU{host} (weights, gradients and "
+                      f"optimizer state {state:.0f} GB of it); more GPUs, devices or servers "
+                      f"with more memory{shorter} would be needed")
         return
     tab = Table(title="best layouts by predicted MFU")
     # context- and expert-parallel traffic get their columns when a layout shown has any

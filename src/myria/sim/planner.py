@@ -327,9 +327,9 @@ def plan(base: RunSpec, space: SearchSpace | None = None, top: int = 10,
         res.evaluated += n
         res.seconds = time.perf_counter() - t0
         res.offloaded = bool(res.ranked)
-        if res.best_unfitting is None or (best_bad is not None and
-                                          best_bad.mfu > res.best_unfitting.mfu):
-            res.best_unfitting = best_bad
+        # "fastest if memory allowed" is a layout without offload (with enough memory, nothing
+        # would be offloaded)
+        res.best_unfitting = best_bad or res.best_unfitting
         if not res.ranked and res.leanest is None:
             res.leanest = leanest
         return res
