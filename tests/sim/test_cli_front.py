@@ -38,9 +38,10 @@ PLAN = ["plan", "configs/llama3-8b.toml", "--gpu", "h100-sxm-80gb"]
     (["--gpus", "10000000000"], "--gpus 10000000000: more than this model and batch can "
      "occupy: at most 2,097,152 GPUs"),
     (["--gpus", "24"], "--gpus 24: no layout searched splits 24 GPUs for this model and "
-     "global batch 512 (the data-parallel degree, GPUs / (tp x pp x cp), must divide the "
-     "global batch; unless --pp gives them, the stages tried divide the layers or are powers "
-     "of two); 16 or 32 GPUs do"),
+     "global batch 512 (the data-parallel degree, GPUs / (tp x pp x cp), times the "
+     "micro-batch must divide the global batch; unless --pp gives them, the stages tried "
+     "divide the layers or are powers of two); 16 or 32 GPUs do"),
+    (["--gpus", "8", "--mb", "3"], "with --mb 3 (the data-parallel degree"),
     # a degree the model cannot split by is named, not the GPU count
     (["--gpus", "64", "--tp", "3"], "--tp 3: parallel.tp = 3 must divide model.heads = 32 and "
      "the key/value heads = 8"),

@@ -503,14 +503,16 @@ def _plan(base: RunSpec, space: SearchSpace, args):
 
     near = [n for n in sorted({*range(step, 4 * c.gpus + step, step)}, key=lambda n:
                               (abs(n - c.gpus), n)) if n != c.gpus and works(n)][:2]
-    fixed = ", ".join(f"--{f} {','.join(map(str, getattr(space, f)))}"
-                      for f in ("tp", "pp", "cp", "ep", "vpp") if getattr(space, f))
+    fixed = ", ".join(f"--{flag} {','.join(map(str, getattr(space, f)))}"
+                      for f, flag in (("tp", "tp"), ("pp", "pp"), ("cp", "cp"), ("ep", "ep"),
+                                      ("vpp", "vpp"), ("micro_batch", "mb"))
+                      if getattr(space, f))
     raise ConfigError(f"--gpus {c.gpus}: no layout searched splits {c.gpus} GPUs for this model "
                       f"and global batch {base.training.global_batch}"
                       + (f" with {fixed}" if fixed else "") +
-                      " (the data-parallel degree, GPUs / (tp x pp x cp), must divide the "
-                      "global batch; unless --pp gives them, the stages tried divide the layers "
-                      "or are powers of two)"
+                      " (the data-parallel degree, GPUs / (tp x pp x cp), times the "
+                      "micro-batch must divide the global batch; unless --pp gives them, the "
+                      "stages tried divide the layers or are powers of two)"
                       + (f"; {' or '.join(map(str, sorted(near)))} GPUs do" if near else ""))
 
 
