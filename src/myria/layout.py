@@ -108,6 +108,11 @@ class Layout:
                    par.pp, par.cp, par.ep, par.vpp, par.schedule,
                    bool(par.sequence_parallel and par.tp > 1))
 
+    @staticmethod
+    def fewest_processes(par) -> int:
+        """The fewest processes a `ParallelConfig` runs on (dp_shard = -1 filled with one)."""
+        return par.dp_replicate * par.tp * par.pp * par.cp * max(1, par.dp_shard)
+
     @classmethod
     def resolve(cls, par, world_size: int) -> Layout:
         """The layout of a `ParallelConfig` on `world_size` ranks (dp_shard = -1 fills the

@@ -151,7 +151,7 @@ def config_run_of(args: argparse.Namespace, path) -> tuple[runspec.RunSpec, obje
     if args.nproc is not None and args.nproc < 1:
         raise ConfigError(f"--nproc {args.nproc}: give a positive number of processes")
     par = cfg.parallel
-    nproc = args.nproc or par.dp_replicate * par.tp * par.pp * par.cp
+    nproc = args.nproc or Layout.fewest_processes(par)
     Layout.resolve(par, nproc).check(cfg, trainer=False)   # the layout's rules, before pricing
     spec = device_spec(args.gpu) if args.gpu else planning_device(cfg.training.dtype)
     run, spec, _ = config_run(cfg, nproc, spec)

@@ -183,8 +183,11 @@ def memory(shape: LayerShape, *, layers: int, pp: int, vpp: int, microbatches: i
         if zero_stage >= 2:
             g = dense * g_b / shard + expert * g_b / expert_shard
             if accumulate:
-                temp += (dense + expert) * g_b * (1 / vpp if vpp > 1 and microbatches <= pp
+                # the whole gradients accumulate; each unit's shard is written as it is
+                # reduced, in the place of its whole gradient: the peak is the larger of the two
+                whole = (dense + expert) * g_b * (1 / vpp if vpp > 1 and microbatches <= pp
                                                   else 1.0)
+                temp += max(0.0, whole - g)
             else:
                 # one layer's full gradient is produced before it is reduced and scattered
                 temp += (dense + expert) / per_stage * g_b

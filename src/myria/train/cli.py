@@ -220,7 +220,7 @@ def layout_overrides(cfg: config_mod.Config, run) -> list[str]:
     want = run.trainer_config()
     par = run.parallel
     out = [f"--parallel.{k}={getattr(par, k)}" for k in ("tp", "pp")]
-    out += [f"--parallel.{k}={getattr(par, k)}" for k in ("cp", "ep", "vpp")
+    out += [f"--parallel.{k}={getattr(par, k)}" for k in ("cp", "ep", "vpp", "schedule")
             if getattr(par, k) != getattr(cfg.parallel, k)]
     for sec, key, value in (("training", "micro_batch", want.training.micro_batch),
                             ("training", "data_parallel", want.training.data_parallel),
@@ -271,6 +271,11 @@ def run(args) -> int:
     if args.nproc is not None and args.nproc < 1:
         check_nproc(args.nproc, "cpu")
     world = _nproc_for(args)
+    if args.dry_run and args.nproc is None and args.nnodes == 1:
+        world = Layout.fewest_processes(cfg.parallel)
+        if world > 1:
+            _say(f"note: --nproc not given: the dry run is of the fewest processes the layout "
+                 f"needs, {world} (--nproc N, --nnodes M for another scale)")
     if args.dry_run:
         from myria.data.mixture import check_mixture_config
         from myria.train.distributed import device_type
