@@ -561,3 +561,19 @@ def test_the_slowest_rank_with_a_straggler_tail_matches_sampling_and_grows_with_
         assert abs(expected_max_jitter(n, share, excess) - top.mean()) < 3 * top.std() / 63
     grow = expected_max_jitter(16384, 0.01, 3.0) - expected_max_jitter(64, 0.01, 3.0)
     assert grow > 2 * (expected_max_normal(16384) - expected_max_normal(64))
+
+
+def test_checkpoint_stall_is_a_share_of_the_checkpoint_whatever_the_zero_stage(llama):
+    """Each device snapshots its share of the checkpoint: ZeRO 1's whole 16-bit copy on every
+    data-parallel rank is saved once (DCP deduplicates replicated tensors), so its stall is
+    not many times ZeRO 3's; no rank snapshots more than it holds."""
+    from myria.sim.hardware import build_hardware
+    from myria.sim.reliability import run_ettr
+
+    stall = {}
+    for z in (1, 3):
+        run = llama.replace(training={"zero_stage": z})
+        res = simulate(run)
+        hw = build_hardware(run.cluster, run.training.precision)
+        stall[z] = run_ettr(res, run, hw).stall_s
+    assert 0 < stall[3] <= stall[1] <= 1.25 * stall[3], stall
