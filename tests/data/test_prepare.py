@@ -174,6 +174,27 @@ def test_cli_prints_summary(corpus: Path, tmp_path: Path, capsys, monkeypatch) -
     assert (tmp_path / "cli" / "index.json").is_file()
 
 
+def test_a_directory_input_names_the_files_it_did_not_read(corpus: Path, tmp_path: Path,
+                                                            capsys, monkeypatch) -> None:
+    """A directory gives its text, JSONL and Parquet files; the others (a CSV, a binary) are
+    named in a note, hidden files aside."""
+    import shutil
+
+    from myria.cli import main
+
+    monkeypatch.setenv("RAYON_NUM_THREADS", "1")
+    d = tmp_path / "mixed"
+    shutil.copytree(corpus / "txt", d)
+    (d / "table.csv").write_text("a,b\n1,2\n")
+    (d / "prog.bin").write_bytes(b"\x00\x01")
+    (d / ".DS_Store").write_bytes(b"x")
+    assert main(["prepare", "--input", str(d), "--out", str(tmp_path / "out"), "--vocab-size",
+                 "280", "--quiet", "--workers", "1"]) == 0
+    err = capsys.readouterr().err
+    note = next(x for x in err.splitlines() if x.startswith("note: 2 file(s)"))
+    assert str(d / "prog.bin") in note and str(d / "table.csv") in note and ".DS_Store" not in note
+
+
 def test_demo_corpus_subset(tmp_path: Path) -> None:
     index = P.prepare(tmp_path / "demo", corpus="demo", max_docs=4, vocab_size=400)
     assert index["total_documents"] == 4

@@ -639,6 +639,13 @@ def run(args: argparse.Namespace) -> int:
               "do (--force prepares it again)")
         return 0
     print(summary(index, args.out, time.perf_counter() - t0))
+    from myria.data.sources import DIR_SUFFIXES, unread_in_dirs
+
+    if unread := unread_in_dirs(args.input):
+        print(f"note: {len(unread)} file(s) in the input directories were not read (a "
+              f"directory gives its {', '.join(DIR_SUFFIXES)} files): "
+              + ", ".join(str(q) for q in unread[:5])
+              + (f" and {len(unread) - 5} more" if len(unread) > 5 else ""), file=sys.stderr)
     if args.jsonl_field != "text" and not any(
             str(x["name"]).endswith((*JSONL_SUFFIXES, ".parquet")) or Path(x["name"]).is_dir()
             for x in index.get("sources", [])):

@@ -208,6 +208,20 @@ def expand_inputs(patterns: Sequence[str]) -> list[Path]:
     return files
 
 
+def unread_in_dirs(patterns: Sequence[str]) -> list[Path]:
+    """The files inside directories named by `patterns` (not globs, not `datasets`
+    directories) that `expand_inputs` leaves out: not one of its suffixes (hidden files
+    aside), for the user to hear about."""
+    out = []
+    for pat in patterns:
+        p = Path(pat)
+        if glob.has_magic(pat) or not p.is_dir() or _is_hf_dir(p):
+            continue
+        out += sorted(q for q in p.rglob("*") if q.is_file() and not q.name.startswith(".")
+                      and not q.name.endswith(DIR_SUFFIXES))
+    return out
+
+
 def _read_bytes(path: Path) -> bytes:
     try:
         return path.read_bytes()
