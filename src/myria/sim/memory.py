@@ -177,7 +177,7 @@ def memory(shape: LayerShape, *, layers: int, pp: int, vpp: int, microbatches: i
         w = dense * w_b + expert * w_b
         g = dense * g_b + expert * g_b
         o = dense * o_b + expert * o_b
-        temp = 0.0
+        temp = acc = 0.0   # acc: the whole gradients accumulating beyond the shard
         if zero_stage >= 1:
             o = dense * o_b / shard + expert * o_b / expert_shard
         if zero_stage >= 2:
@@ -187,7 +187,7 @@ def memory(shape: LayerShape, *, layers: int, pp: int, vpp: int, microbatches: i
                 # reduced, in the place of its whole gradient: the peak is the larger of the two
                 whole = (dense + expert) * g_b * (1 / vpp if vpp > 1 and microbatches <= pp
                                                   else 1.0)
-                temp += max(0.0, whole - g)
+                acc = max(0.0, whole - g)
             else:
                 # one layer's full gradient is produced before it is reduced and scattered
                 temp += (dense + expert) / per_stage * g_b
@@ -231,6 +231,7 @@ def memory(shape: LayerShape, *, layers: int, pp: int, vpp: int, microbatches: i
             head += head_last * (in_flight if pp == 1 or schedule == "gpipe" else 1.0)
         regrown = regrown_layer if per_stage else 0.0
         temp += max(head, regrown + transient)
+        g += acc   # on the device whatever is offloaded: counted with the gradients
         dynamic = w + g + o + act + temp
         total = dynamic * (1 + fragmentation) + reserved
         results.append((total, w, g, o, act, temp + dynamic * fragmentation, name,
