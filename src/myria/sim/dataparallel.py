@@ -123,7 +123,8 @@ def deferred_reduce(s) -> bool:
     """Sharded gradients accumulate whole and reduce once per step: under a pipeline, and in
     myria's trainer (`training.reduce_once`)."""
     tr = s.run.training
-    return (s.run.parallel.pp > 1 or tr.reduce_once) and tr.zero_stage >= 2 and not s.eager
+    return (s.run.parallel.pp > 1 or (tr.reduce_once and s.run.microbatches > 1)) \
+        and tr.zero_stage >= 2 and not s.eager
 
 
 def dp_time(s, F0: float, B0: float, hidden: list) -> float:

@@ -386,7 +386,9 @@ def _memory(run: RunSpec, hw: Hardware, shape: LayerShape, n_layers: dict, eager
                  reshard_after_forward=tr.reshard_after_forward,
                  shard=layout_groups(hw, par.tp, par.cp, par.ep, dp, par.pp, hsdp)["dps"].n,
                  stage_layers=n_layers if par.pp > 1 else None,
-                 accumulate=(par.pp > 1 or tr.reduce_once) and not eager)
+                 # whole gradients accumulate only over several microbatches (one
+                 # reduces as it goes); myria's eager runtime accumulates them too
+                 accumulate=(par.pp > 1 and not eager) or (tr.reduce_once and m > 1))
     if tr.offload != "none":
         mem.host_fits = mem.host_bytes_per_node <= host_capacity(hw, tr.offload)
     return mem

@@ -173,14 +173,9 @@ def _variants(base: RunSpec, space: SearchSpace, check: _Checker, lay: Layout, m
     state = [(zero, rsh, shard, off, offp) for zero in space.zero_stage
              for rsh, shard in _sharding(zero, space, dp, inner, c.gpus_per_node)
              for off, offp in space.offload if (zero, off, offp) in ok]
-    # variants the model prices alike are searched once (unless they offload, where the
-    # stage decides what leaves the device): with one data-parallel rank (dp x cp = 1) ZeRO
-    # shards nothing, so only the lowest stage; FSDP keeping the parameters gathered for the
-    # step (Llama 3's) is ZeRO-2 in traffic and memory, and shown as ZeRO 2
-    kept = [v for v in state if v[3] == "none"]
-    if dp * lay.cp == 1 and kept:
-        low = min(v[0] for v in kept)
-        state = [v for v in state if v[3] != "none" or v[0] == low]
+    # FSDP keeping the parameters gathered for the step (Llama 3's) is ZeRO-2 in traffic and
+    # memory unless it offloads (then the stage decides what leaves the device): searched
+    # once, shown as ZeRO 2
     if c.gpu != "cpu":   # (myria's eager CPU runtime gathers per microbatch: priced apart)
         state = [v for v in state if not (v[0] >= 3 and not v[1] and v[3] == "none"
                                           and (2, v[3], v[4]) in ok)]
