@@ -110,8 +110,10 @@ class Layout:
 
     @staticmethod
     def fewest_processes(par) -> int:
-        """The fewest processes a `ParallelConfig` runs on (dp_shard = -1 filled with one)."""
-        return par.dp_replicate * par.tp * par.pp * par.cp * max(1, par.dp_shard)
+        """The fewest processes a `ParallelConfig` runs on: dp_shard = -1 filled with the
+        fewest shard ranks, the expert-parallel degree (experts are spread over them)."""
+        shard = par.dp_shard if par.dp_shard > 0 else par.ep
+        return par.dp_replicate * par.tp * par.pp * par.cp * shard
 
     @classmethod
     def resolve(cls, par, world_size: int) -> Layout:

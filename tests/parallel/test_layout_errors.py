@@ -39,3 +39,19 @@ def test_valid_layouts_pass():
                  (["--model.experts=4", "--parallel.ep=2"], 4)]:
         cfg = config.load(None, [*o, "--model.layers=4"])
         check_run(cfg, Layout.resolve(cfg.parallel, w))
+
+
+def test_fewest_processes_hold_the_expert_degree():
+    """The fewest processes a layout runs on (dry run and simulate without --nproc): the
+    model-parallel degrees times the shard ranks, at least ep of them (experts are spread
+    over the FSDP shard ranks); an explicit dp_shard is kept."""
+    from myria import config
+    from myria.layout import Layout
+
+    moe = config.load(None, ["--model.experts=4", "--model.top_k=2", "--parallel.ep=2",
+                             "--parallel.tp=2"])
+    n = Layout.fewest_processes(moe.parallel)
+    assert n == 4
+    Layout.resolve(moe.parallel, n).check(moe, trainer=False)
+    dense = config.load(None, ["--parallel.tp=2", "--parallel.dp_shard=3"])
+    assert Layout.fewest_processes(dense.parallel) == 6

@@ -181,12 +181,13 @@ def test_a_skipped_steps_nan_is_written_as_strict_json(tmp_path, capsys):
     from myria.train.cli import _summary
     from myria.train.metrics import MetricsLogger
 
-    m = MetricsLogger(tmp_path, 2, 0, enabled=True, tensorboard=False, progress=False)
+    m = MetricsLogger(tmp_path, 3, 0, enabled=True, tensorboard=False, progress=False)
     row = {"tokens_per_s": 100.0, "step_time_s": 1.0, "data_wait_s": 0.0, "lr": 1e-3,
            "mfu": None}
     m.log({**row, "step": 1, "loss": 5.0, "grad_norm": float("inf"), "skipped": False,
            "loss_by_source": {"web": float("nan")}})
     m.log({**row, "step": 2, "loss": float("nan"), "grad_norm": float("nan"), "skipped": True})
+    m.log({**row, "step": 3, "loss": float("inf"), "grad_norm": 1.0, "skipped": True})
     m.close()
 
     def strict(const):
@@ -195,9 +196,9 @@ def test_a_skipped_steps_nan_is_written_as_strict_json(tmp_path, capsys):
     rows = [json.loads(x, parse_constant=strict)
             for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert rows[0]["grad_norm"] == "inf" and rows[0]["loss_by_source"] == {"web": None}
-    assert rows[1]["loss"] is None and rows[1]["skipped"] is True
+    assert rows[1]["loss"] is None and rows[1]["skipped"] is True and rows[2]["loss"] == "inf"
     _summary(tmp_path)
-    assert "loss 5.000 -> nan (step skipped)" in capsys.readouterr().out
+    assert "loss 5.000 -> inf (step skipped)" in capsys.readouterr().out
 
 
 # -- end to end: a damaged newest checkpoint of a real run ---------------------------------------

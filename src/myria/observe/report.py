@@ -498,7 +498,9 @@ def figures(run: Run, table: dict, blame: dict, out: Path) -> dict[str, str]:
         for ax, key, label in zip(axes, CURVES, ("loss", "learning rate", "tokens/s",
                                                  "MFU, %")):
             scale = 100.0 if key == "mfu" else 1.0   # percent, as the step lines say it
-            pts = [(m["step"], scale * m[key]) for m in metrics if m.get(key) is not None]
+            # a skipped step's non-finite loss is null or "inf" in metrics.jsonl: not drawn
+            pts = [(m["step"], scale * m[key]) for m in metrics
+                   if isinstance(m.get(key), (int, float))]
             if pts:
                 ax.plot(*zip(*pts), color="#aa3377")
             for first in phases:

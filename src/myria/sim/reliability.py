@@ -140,15 +140,21 @@ def from_args(args: argparse.Namespace) -> Reliability:
 def run_ettr(res, run, hw, rel: Reliability | None = None) -> Ettr:
     """Expected ETTR of a simulated run (`step_result.StepResult` of `run` on `hw`): the
     checkpoint holds the 16-bit weights and the fp32 master weights and moments once (14 bytes
-    per parameter; fp32 training 12), and each device snapshots over PCIe what it holds of it,
-    at most its even share: a tensor replicated over data-parallel ranks is saved by one of
-    them (DCP's deduplication spreads them evenly), so ZeRO-0/1's whole 16-bit copy on every
-    rank is not written by every rank."""
+    per parameter; fp32 training 12), and each device snapshots over PCIe what it saves.
+    Frameworks that deduplicate replicated tensors before staging (Megatron's distributed
+    checkpoint, DCP's save planner) save at most an even share per device, so ZeRO-0/1's
+    16-bit copy on every rank is not written by every rank. myria's trainer (a myria config:
+    `reduce_once`, set by `perf.config_run`) stages every tensor of its state dict: FSDP2's
+    fp32 shards and the optimizer's (counted in `optimizer`), a DDP replica whole."""
     from myria.models.flops import param_counts
 
     mem = res.memory
-    bytes_per_param = 14 if run.training.precision != "fp32" else 12
+    tr = run.training
+    bytes_per_param = 14 if tr.precision != "fp32" else 12
     total = param_counts(run.model_config()).total(run.model.layers) * bytes_per_param
-    held = min(mem.weights + mem.optimizer, total / hw.gpus)
+    if tr.reduce_once:
+        held = mem.optimizer + (mem.weights if tr.zero_stage == 0 else 0.0)
+    else:
+        held = min(mem.weights + mem.optimizer, total / hw.gpus)
     return expected_ettr(res.iteration_time_s, hw.gpus, hw.gpus_per_node, held, total,
                          hw.server.pcie_gbs, rel)

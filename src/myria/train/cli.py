@@ -396,9 +396,12 @@ def _resumes_from(run_dir: Path) -> str:
             else "no checkpoint was committed: the same command starts from step 0")
 
 
-def _loss(x) -> str:
-    """A loss of metrics.jsonl: a skipped step's non-finite loss is written as null."""
-    return f"{x:.3f}" if isinstance(x, (int, float)) else "nan (step skipped)"
+def _loss(row: dict, key: str = "loss") -> str:
+    """A loss of a metrics.jsonl row: non-finite ones are written as null (NaN) or "inf"."""
+    x = row.get(key)
+    if isinstance(x, (int, float)):
+        return f"{x:.3f}"
+    return ("nan" if x is None else str(x)) + (" (step skipped)" if row.get("skipped") else "")
 
 
 def _summary(run_dir: Path) -> None:
@@ -419,10 +422,10 @@ def _summary(run_dir: Path) -> None:
     mfus = [sum(r["mfu"] * r["step_time_s"] for r in timed)
             / sum(r["step_time_s"] for r in timed)] if timed else []
     val = [r for r in rows if "val_loss" in r]
-    val_text = "" if not val else f", val loss {_loss(val[-1]['val_loss'])}" + (
+    val_text = "" if not val else f", val loss {_loss(val[-1], 'val_loss')}" + (
         f" (step {val[-1]['step']})" if val[-1]["step"] != last["step"] else "")
-    print(f"\nrun {run_dir}: step {last['step']}, loss {_loss(train_rows[0]['loss'])} -> "
-          f"{_loss(last['loss'])}" + val_text
+    print(f"\nrun {run_dir}: step {last['step']}, loss {_loss(train_rows[0])} -> "
+          f"{_loss(last)}" + val_text
           + f", {tps:,.0f} tokens/s" + (f", MFU {100 * mfus[0]:.1f}%"
                                          if mfus else ", MFU n/a"))
     print(f"  metrics:     {path}\n" + (f"  tensorboard: {run_dir / rundir.TENSORBOARD}\n"
