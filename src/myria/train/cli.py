@@ -396,6 +396,19 @@ def _resumes_from(run_dir: Path) -> str:
             else "no checkpoint was committed: the same command starts from step 0")
 
 
+def _prompt_for(run_dir: Path) -> str:
+    """The example prompt of the summary's `myria generate` line: the demo corpus's opening
+    words for a run on it, else a neutral start."""
+    import json
+
+    try:
+        path = json.loads((run_dir / rundir.CONFIG).read_text())["data"]["path"]
+        source = json.loads((Path(path) / "index.json").read_text()).get("source", "")
+    except (OSError, ValueError, KeyError, TypeError):
+        return "The"
+    return "My fellow citizens" if str(source).startswith("sotu") else "The"
+
+
 def _loss(row: dict, key: str = "loss") -> str:
     """A loss of a metrics.jsonl row: non-finite ones are written as null (NaN) or "inf"."""
     x = row.get(key)
@@ -434,6 +447,6 @@ def _summary(run_dir: Path) -> None:
     d = shlex.quote(str(run_dir))
     print(f"next:\n  myria report {d}          # timeline, heat maps, loss and MFU curves -> "
           f"{run_dir / 'report' / 'index.html'}\n"
-          f"  myria generate --run-dir {d} --prompt \"My fellow citizens\" --temperature 0\n"
+          f"  myria generate --run-dir {d} --prompt \"{_prompt_for(run_dir)}\" --temperature 0\n"
           f"  myria export --run-dir {d} --format hf --out {shlex.quote(str(run_dir) + '-hf')}"
           "   # Hugging Face safetensors")
