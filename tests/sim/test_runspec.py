@@ -115,3 +115,23 @@ def test_zero1_with_tensor_or_pipeline_parallelism_is_runnable():
     ddp = run.replace(training={"zero_stage": 0})
     with pytest.raises(ConfigError, match="'ddp' works with pure data parallelism"):
         ddp.layout().check(ddp.trainer_config(), "cuda", trainer=True)
+
+
+def test_recomputation_names_between_trainer_and_simulator():
+    """myria's "selective" keeps matmul outputs and recomputes the elementwise operators: the
+    simulator's "elementwise", both ways; the attention-core "selective" is not myria's (the
+    planner marks it not runnable rather than advising a setting the trainer reads otherwise)."""
+    from myria import config as C
+    from myria.device import planning_device
+    from myria.sim.hardware import build_hardware
+    from myria.sim.perf import config_run
+    from myria.sim.planner import trainer_verdict
+
+    cfg = C.load("configs/llama3-8b.toml", ["parallel.activation_checkpoint=selective"])
+    run, _, _ = config_run(cfg, 8, planning_device("bfloat16"))
+    assert run.training.recompute == "elementwise"
+    assert run.trainer_config().parallel.activation_checkpoint == "selective"
+    hw = build_hardware(run.cluster, run.training.precision)
+    assert trainer_verdict(run, hw) == ""
+    core = run.replace(training={"recompute": "selective"})
+    assert "is not one of myria's" in trainer_verdict(core, hw)

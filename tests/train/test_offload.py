@@ -637,7 +637,8 @@ def test_offload_time_is_the_disk_beyond_the_update():
 def test_dry_run_accounts_for_offload():
     from tests.train.test_train import memory_parts, predicted_line
 
-    base = ["train", "--config", "configs/llama3-8b.toml", "--dry-run", "--nproc", "8"]
+    base = ["train", "--config", "configs/llama3-8b.toml", "--dry-run", "--nproc", "8",
+            "--parallel.tp=8", "--training.data_parallel=fsdp"]
     plain = memory_parts(predicted_line(run_cli(*base).stdout))[0]
     p = run_cli(*base, "--parallel.offload=nvme", "--parallel.fast_memory_gb=40")
     off = memory_parts(predicted_line(p.stdout))[0]

@@ -570,6 +570,7 @@ def config_run(cfg, nproc: int, device_spec: DeviceSpec, gpus_per_node: int = 0
     """
     from myria.layout import Layout
     from myria.sim.runspec import (
+        RECOMPUTE_OF_TRAINER,
         ClusterSpec,
         KernelSpec,
         ModelSpec,
@@ -588,7 +589,7 @@ def config_run(cfg, nproc: int, device_spec: DeviceSpec, gpus_per_node: int = 0
     model = ModelSpec(**model_section(cfg.model))
     training = TrainingSpec(global_batch=cfg.training.global_batch,
                             micro_batch=cfg.training.micro_batch,
-                            recompute=cfg.parallel.activation_checkpoint,
+                            recompute=RECOMPUTE_OF_TRAINER[cfg.parallel.activation_checkpoint],
                             optimizer="lamb" if cfg.optimizer.name == "lamb" else "adam",
                             zero_stage=zero, precision="fp32" if dtype == "float32" else "bf16",
                             offload=cfg.parallel.offload,

@@ -359,6 +359,11 @@ def trainer_verdict(run: RunSpec, hw) -> str:
     `Layout.check(..., trainer=True)`, on the device type of the cluster. The planner searches
     with `trainer=False` (layouts other frameworks run, ZeRO-Offload with ZeRO 0-2, parameters
     on NVMe over several GPUs), so a priced layout may be one the trainer refuses."""
+    from myria.sim.runspec import TRAINER_RECOMPUTE
+
+    if run.training.recompute not in TRAINER_RECOMPUTE:
+        return (f"recompute = {run.training.recompute!r} (the attention core) is not one of "
+                "myria's; its selective recomputes the elementwise operators ('elementwise')")
     device = "cpu" if hw.cpu is not None or hw.device == "cpu" else "cuda"
     try:
         run.layout().check(run.trainer_config(), device, trainer=True)

@@ -134,6 +134,13 @@ class TrainingSpec:
                                "loader prefetches behind compute)", min=0.0)
 
 
+# The trainer's parallel.activation_checkpoint for the simulator's training.recompute: myria's
+# "selective" keeps the matmul outputs and recomputes the elementwise operators (the
+# simulator's "elementwise"); the attention-core "selective" (Korthikanti et al.) it does not run
+TRAINER_RECOMPUTE = {"none": "none", "full": "full", "elementwise": "selective"}
+RECOMPUTE_OF_TRAINER = {v: k for k, v in TRAINER_RECOMPUTE.items()}
+
+
 # The [parallel] section: the trainer's degrees, interleaving, schedule and sequence parallelism
 # (`myria.config.ParallelConfig`, same help and checks), with the data-parallel degree of a
 # cluster run (dp fills the GPUs; the trainer's dp_replicate x dp_shard) and sequence
@@ -287,7 +294,7 @@ class RunSpec:
         cfg.training.data_parallel = {3: "fsdp", 2: "zero2", 1: "zero2"}.get(t.zero_stage,
                                                                             "ddp")
         cfg.parallel.offload, cfg.parallel.offload_params = t.offload, t.offload_params
-        cfg.parallel.activation_checkpoint = t.recompute   # the same names
+        cfg.parallel.activation_checkpoint = TRAINER_RECOMPUTE.get(t.recompute, t.recompute)
         cfg.optimizer.name = {"adam": "adamw"}.get(t.optimizer, t.optimizer)
         return cfg
 
