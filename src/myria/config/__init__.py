@@ -551,13 +551,18 @@ def load(path: str | Path | None = None, overrides: typing.Sequence[str] = ()) -
         except tomllib.TOMLDecodeError as e:
             raise ConfigError(f"config file {str(p)!r} is not valid TOML: {e}") from None
         cfg = from_dict(data, cfg)
+    cfg = apply_overrides(cfg, overrides)
+    validate(cfg)
+    return cfg
+
+
+def apply_overrides(cfg: Config, overrides: typing.Sequence[str]) -> Config:
+    """`cfg` (changed in place) with the `--section.key=value` overrides set."""
     nested: dict[str, dict] = {}
     for o in overrides:
         section, key, value = parse_override(o)
         nested.setdefault(section, {})[key] = value
-    cfg = from_dict(nested, cfg)
-    validate(cfg)
-    return cfg
+    return from_dict(nested, cfg)
 
 
 

@@ -119,12 +119,17 @@ def stage_zero(s, F: float, B: float, nl: float, first: bool, last: bool
             ag.total - e_f + bwd.total - e_b)
 
 
+def accumulates_whole(run) -> bool:
+    """Whether sharded (ZeRO 2-3) gradients accumulate whole over a step and reduce once:
+    under a pipeline (torch.distributed.pipelining), and in myria's trainer
+    (`training.reduce_once`) over several microbatches (one reduces as it goes)."""
+    return run.parallel.pp > 1 or (run.training.reduce_once and run.microbatches > 1)
+
+
 def deferred_reduce(s) -> bool:
-    """Sharded gradients accumulate whole and reduce once per step: under a pipeline, and in
-    myria's trainer (`training.reduce_once`)."""
-    tr = s.run.training
-    return (s.run.parallel.pp > 1 or (tr.reduce_once and s.run.microbatches > 1)) \
-        and tr.zero_stage >= 2 and not s.eager
+    """The gradient reduce-scatter waits for the step's last backward (`accumulates_whole`),
+    in the analytic model (the eager CPU runtime is priced from measurements)."""
+    return accumulates_whole(s.run) and s.run.training.zero_stage >= 2 and not s.eager
 
 
 def dp_time(s, F0: float, B0: float, hidden: list) -> float:

@@ -35,6 +35,7 @@ from myria.sim.collectives import layout_groups
 from myria.sim.dataparallel import (
     GRAD_BYTES,
     DataParallel,
+    accumulates_whole,
     dp_collectives,
     dp_time,
     stage_kinds,
@@ -386,9 +387,8 @@ def _memory(run: RunSpec, hw: Hardware, shape: LayerShape, n_layers: dict, eager
                  reshard_after_forward=tr.reshard_after_forward,
                  shard=layout_groups(hw, par.tp, par.cp, par.ep, dp, par.pp, hsdp)["dps"].n,
                  stage_layers=n_layers if par.pp > 1 else None,
-                 # whole gradients accumulate only over several microbatches (one
-                 # reduces as it goes); myria's eager runtime accumulates them too
-                 accumulate=(par.pp > 1 and not eager) or (tr.reduce_once and m > 1))
+                 # myria's eager runtime accumulates them too (reduce_once)
+                 accumulate=accumulates_whole(run) and (not eager or tr.reduce_once))
     if tr.offload != "none":
         mem.host_fits = mem.host_bytes_per_node <= host_capacity(hw, tr.offload)
     return mem

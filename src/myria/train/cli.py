@@ -196,11 +196,7 @@ def better_layout(cfg: config_mod.Config, world: int, ranks_per_host: int, spec,
     import copy
 
     over = layout_overrides(cfg, run_of(base, b))
-    nested: dict[str, dict] = {}
-    for o in over:
-        section, key, value = config_mod.parse_override(o)
-        nested.setdefault(section, {})[key] = value
-    fixed = simulate_config(config_mod.from_dict(nested, copy.deepcopy(cfg)), world, spec,
+    fixed = simulate_config(config_mod.apply_overrides(copy.deepcopy(cfg), over), world, spec,
                             gpus_per_node=ranks_per_host)
     if pred.fits and pred.mfu >= LOW_MFU_SHARE * fixed.mfu:
         return None
