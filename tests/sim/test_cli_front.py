@@ -231,8 +231,8 @@ def test_bad_flags_say_one_line(capsys, argv, needle):
 
 
 def test_plan_shows_expert_traffic_in_its_own_column(capsys):
-    """Expert parallelism's all-to-all is a column of its own when a layout shown has it (it
-    was folded into "other"); a dense plan keeps the table as it was."""
+    """Expert parallelism's all-to-all is a column of its own when a layout shown has it, not
+    part of "other"; a plan without it has no such column."""
     moe = ["plan", "--arch", "llama", "--layers", "16", "--hidden", "2048", "--heads", "16",
            "--kv-heads", "8", "--seq-len", "4096", "--global-batch", "256", "--gpu",
            "h100-sxm-80gb", "--gpus", "64", "--top", "2", "--tp", "1", "--pp", "1"]

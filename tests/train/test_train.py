@@ -531,8 +531,8 @@ def test_dry_run_uses_every_setting_and_warns_on_a_poor_layout():
 
 
 def test_dry_run_without_nproc_takes_the_fewest_processes_the_layout_needs():
-    """A shipped multi-GPU config's dry run with no --nproc: the layout's fewest processes,
-    said in a note (it was refused: world size 1 does not divide the layout)."""
+    """A shipped multi-GPU config's dry run with no --nproc: the layout's fewest processes
+    (one process would not divide the layout), said in a note."""
     p = run_cli("train", "--config", "configs/llama3-8b.toml", "--dry-run")
     assert "the dry run is of the fewest processes the layout needs, 2" in p.stdout
     assert "# world size 2: layout" in p.stdout and "memory per rank" in p.stdout
