@@ -125,3 +125,16 @@ def test_prediction_and_measurement_side_by_side_in_the_measured_categories():
     assert got["compute"] == (pytest.approx(0.012), 0.020)
     assert got["exposed comm (dp)"] == (0.003, 0.004)
     assert got["idle / bubble"] == (0.001, None) and got["checkpoint"] == (None, 0.001)
+
+
+def test_the_loss_curve_has_each_sources_training_loss_without_skipped_steps():
+    """A mixture's `loss_by_source` becomes one curve per source under the loss; a skipped
+    step's non-finite loss (null or "inf" in metrics.jsonl) is no point of it."""
+    from myria.observe.report import source_losses
+
+    rows = [{"step": 1, "loss": 5.0, "loss_by_source": {"web": 5.5, "code": 4.5}},
+            {"step": 2, "loss": None, "loss_by_source": {"web": None, "code": "inf"}},
+            {"step": 3, "loss": 4.0, "loss_by_source": {"code": 3.5, "web": 4.25}},
+            {"step": 4, "loss": 3.9}]
+    assert source_losses(rows) == {"web": [(1, 5.5), (3, 4.25)], "code": [(1, 4.5), (3, 3.5)]}
+    assert source_losses([{"step": 1, "loss": 5.0}]) == {}

@@ -34,6 +34,7 @@ from __future__ import annotations
 import argparse
 import html
 import json
+import math
 import statistics
 from pathlib import Path
 
@@ -494,6 +495,7 @@ def figures(run: Run, table: dict, blame: dict, out: Path) -> dict[str, str]:
 
         phases = phase_starts(run.run_dir)   # a mixture's new weights: dotted on each curve
         faults = fault_steps(run.run_dir)     # a supervised job's faults: dashed, red
+        by_source = source_losses(metrics)    # a data mixture's sources, under the loss
 
         for ax, key, label in zip(axes, CURVES, ("loss", "learning rate", "tokens/s",
                                                  "MFU, %")):
@@ -502,7 +504,14 @@ def figures(run: Run, table: dict, blame: dict, out: Path) -> dict[str, str]:
             pts = [(m["step"], scale * m[key]) for m in metrics
                    if isinstance(m.get(key), (int, float))]
             if pts:
-                ax.plot(*zip(*pts), color="#aa3377")
+                ax.plot(*zip(*pts), color="#aa3377",
+                        label="mixture" if key == "loss" and by_source else None)
+            if key == "loss":   # a data mixture's sources, each on the steps that measured it
+                for name, src_pts in by_source.items():
+                    ax.plot(*zip(*src_pts), linewidth=1, marker=".", markersize=3,
+                            label=name)
+                if by_source:
+                    ax.legend(fontsize=7)
             for first in phases:
                 ax.axvline(first, color="grey", linestyle=":", linewidth=1)
             for step in faults:
@@ -518,6 +527,18 @@ def figures(run: Run, table: dict, blame: dict, out: Path) -> dict[str, str]:
 
 
 CURVES = ("loss", "lr", "tokens_per_s", "mfu")   # metrics.jsonl keys, in the curves' order
+
+
+def source_losses(metrics: list[dict]) -> dict[str, list[tuple[int, float]]]:
+    """Each source's training loss (`loss_by_source`) as (step, loss) points, in the order
+    the sources first appear; a skipped step's non-finite loss (null or "inf") is not a point."""
+    out: dict[str, list[tuple[int, float]]] = {}
+    for m in metrics:
+        by = m.get("loss_by_source")
+        for name, v in (by.items() if isinstance(by, dict) else ()):
+            if isinstance(v, (int, float)) and math.isfinite(v):
+                out.setdefault(name, []).append((m["step"], float(v)))
+    return out
 
 
 
