@@ -224,3 +224,26 @@ def test_plan_writes_its_ranking_as_csv(capsys, tmp_path):
             r["breakdown"]["dp_comm_exposed"], rel=1e-5, abs=1e-9)
     code, out, err = run(capsys, *args, "--csv", str(tmp_path / "no" / "plan.csv"))
     assert code == 2 and "its directory" in err and not out, err
+
+
+def test_plan_of_a_training_config_prices_its_layout_as_its_dry_run(capsys):
+    """`myria plan CONFIG` prices a myria training config as myria's trainer runs it (its own
+    modules, gradients reduce-scattered once per step, nothing decomposed), as the config's
+    dry run does: the config's own layout gets the dry run's step time, MFU and memory, and
+    the header says so."""
+    from myria import config as mconfig
+    from myria import device
+    from myria.sim.perf import simulate_config
+
+    code, out, err = run(capsys, "plan", "configs/llama3-8b.toml", "--gpu", "h100", "--gpus",
+                         "64", "--json", "--find", "tp=2,pp=1,cp=1,zero=2,mb=1,recompute=none")
+    assert code == 0, err
+    found = json.loads(out)["found"]
+    dry = simulate_config(mconfig.load("configs/llama3-8b.toml"), 64, device.lookup("h100"))
+    assert found["iteration_time_s"] == pytest.approx(dry.iteration_time_s, rel=1e-9)
+    assert found["mfu"] == pytest.approx(dry.mfu, rel=1e-9)
+    assert found["memory_gb_per_gpu"] == pytest.approx(dry.memory.total / 1e9, rel=1e-6)
+    code, out, err = run(capsys, "plan", "configs/llama3-8b.toml", "--gpu", "h100", "--gpus",
+                         "64", "--top", "1")
+    assert code == 0 and "priced as myria's trainer runs it" in out, out
+    assert "elementwise kernels unfused" in out and "overlap none" in out, out

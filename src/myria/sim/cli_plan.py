@@ -3,7 +3,8 @@
 The model comes from a run file (first run, or --run), a myria training config (its
 `model.init_from` config.json when it names one, as `myria train` reads it), or flags
 (--layers --hidden --heads ...). Batch, sequence and cluster come from the file or flags; flags
-win. Every assumption that can change a layout's rank is a flag whose default is what the public
+win. A training config is priced as myria's trainer runs it (`perf.trainer_stack`, what its dry
+run prices), so the plan and `myria train --dry-run` agree on its layouts. Every assumption that can change a layout's rank is a flag whose default is what the public
 stack does by default, and the plan's first lines say each one and the flag that changes it
 (`assumptions`): the attention kernel (--kernels: the newest FlashAttention the device runs,
 fa3 on Hopper, fa2 on Ampere), fused elementwise kernels, which communication overlaps compute
@@ -104,8 +105,10 @@ def _find(text: str) -> dict:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("base", nargs="?", help="what to plan: a run TOML or myria training "
-                        "TOML (the model, and batch, cluster, kernels), or a Hugging Face model "
+    parser.add_argument("base", nargs="?", help="what to plan: a run TOML (the model, batch, "
+                        "cluster, kernels, overlap), a myria training TOML (the model and batch, "
+                        "priced as myria's trainer runs it, as its --dry-run), or a Hugging Face "
+                        "model "
                         "directory or its config.json (the model only: give --seq-len and "
                         "--global-batch)")
     parser.add_argument("--run", default="", help="which run of a multi-run file")
@@ -211,6 +214,7 @@ def _base_from_args(args) -> RunSpec:
     overlap: dict = {k: k in DEFAULT_OVERLAP.split(",") for k in ("tp", "pp", "dp")}
     parallel: dict = {}
     name = "plan"
+    trainer_cfg = None   # a myria training config: priced as myria's trainer runs it
     hf_dir = _model_directory(Path(args.base)) if args.base else None
     if hf_dir is not None:
         from myria.interop import hf
@@ -250,9 +254,8 @@ def _base_from_args(args) -> RunSpec:
         else:
             from myria.interop import hf
 
-            cfg, _ = hf.load_config(p, weights=False)
-            model = runspec.model_section(cfg.model)
-            training = dict(global_batch=cfg.training.global_batch)
+            trainer_cfg, _ = hf.load_config(p, weights=False)
+            model = runspec.model_section(trainer_cfg.model)
             name = p.stem
     for flag, key in (("arch", "arch"), ("layers", "layers"), ("hidden", "hidden"),
                       ("heads", "heads"), ("kv_heads", "kv_heads"),
@@ -266,6 +269,12 @@ def _base_from_args(args) -> RunSpec:
                  "routing"):
         if getattr(args, flag) is not None:
             cluster[flag] = getattr(args, flag)
+    if trainer_cfg is not None:
+        from myria.sim.perf import trainer_stack
+
+        stack = trainer_stack(trainer_cfg, is_cpu=cluster.get("gpu") == "cpu")
+        training = {**stack["training"], **training}   # --global-batch over the config's
+        kernels, overlap = stack["kernels"], stack["overlap"]
     if args.rank_jitter is not None:
         cluster["rank_jitter"] = args.rank_jitter
     if args.jitter_tail is not None:
@@ -655,7 +664,9 @@ def assumptions(base: RunSpec, reserve_gb: float | None = None) -> list[str]:
     return [
         f"assumed: attention {attn} (--kernels fa3|fa2|fa1|unfused), elementwise kernels "
         f"{'fused' if k.fused_ops else 'unfused'} (--unfused-ops); overlap {on} (--overlap; "
-        f"default {DEFAULT_OVERLAP} as Megatron-Core's recipes run); data-parallel "
+        + ("a training config is priced as myria's trainer runs it: its own modules, nothing "
+           "decomposed; " if base.training.reduce_once else "")
+        + f"default {DEFAULT_OVERLAP} as Megatron-Core's recipes run); data-parallel "
         "buckets: Megatron-Core's max(40M, 1M x dp) parameters for ZeRO 0-1, FSDP's units for "
         "ZeRO 2-3",
         f"assumed: {hw.gpus_per_node} GPUs per server (--gpus-per-node), "

@@ -61,7 +61,7 @@ from myria.sim.overlap import (
     overlap_interference,
     sync_wait,
 )
-from myria.sim.runspec import ModelSpec, RunSpec, model_config_of
+from myria.sim.runspec import RECOMPUTE_OF_TRAINER, ModelSpec, RunSpec, model_config_of
 from myria.sim.step_result import StepResult
 
 REPLAY_MAX_OPS = 20000        # eager pipelines up to this many (m x pp x vpp) are replayed
@@ -558,6 +558,30 @@ def measured_here(spec: DeviceSpec) -> bool:
         "threads" in spec.source
 
 
+def trainer_stack(cfg, is_cpu: bool) -> dict[str, dict]:
+    """What myria's trainer fixes of a run, as run-file sections ("training", "kernels",
+    "overlap"), for a myria Config on a CPU (`is_cpu`: the eager runtime measured there, float32
+    under `dtype = "auto"`) or a GPU: its recomputation, optimizer, data-parallel stage and
+    precision; FSDP2 with gradient sync off until the last microbatch (`reduce_once`); its own
+    modules (separate elementwise kernels, SDPA's flash attention); no decomposed overlap.
+    `config_run` prices a config with it, and `myria plan` a training TOML's model."""
+    dtype = cfg.training.dtype
+    if dtype == "auto":
+        dtype = "float32" if is_cpu else "bfloat16"
+    return {
+        "training": dict(
+            global_batch=cfg.training.global_batch, micro_batch=cfg.training.micro_batch,
+            recompute=RECOMPUTE_OF_TRAINER[cfg.parallel.activation_checkpoint],
+            optimizer="lamb" if cfg.optimizer.name == "lamb" else "adam",
+            zero_stage={"fsdp": 3, "zero2": 2, "ddp": 0}[cfg.training.data_parallel],
+            precision="fp32" if dtype == "float32" else "bf16",
+            offload=cfg.parallel.offload, offload_params=cfg.parallel.offload_params,
+            reduce_once=True),   # the trainer's FSDP2 syncs on the last microbatch
+        "kernels": dict(flash_attention=True, fused_ops=False, eager=is_cpu),
+        "overlap": {},           # each OverlapSpec default: nothing decomposed
+    }
+
+
 def config_run(cfg, nproc: int, device_spec: DeviceSpec, gpus_per_node: int = 0
                ) -> tuple[RunSpec, DeviceSpec, int]:
     """The RunSpec `simulate_config` prices for a myria Config on `nproc` processes.
@@ -570,10 +594,8 @@ def config_run(cfg, nproc: int, device_spec: DeviceSpec, gpus_per_node: int = 0
     """
     from myria.layout import Layout
     from myria.sim.runspec import (
-        RECOMPUTE_OF_TRAINER,
         ClusterSpec,
         KernelSpec,
-        ModelSpec,
         OverlapSpec,
         ParallelSpec,
         TrainingSpec,
@@ -582,24 +604,15 @@ def config_run(cfg, nproc: int, device_spec: DeviceSpec, gpus_per_node: int = 0
     )
 
     lay = Layout.resolve(cfg.parallel, nproc)
-    dtype = cfg.training.dtype
-    if dtype == "auto":
-        dtype = "float32" if device_spec.name == "cpu" else "bfloat16"
-    zero = {"fsdp": 3, "zero2": 2, "ddp": 0}[cfg.training.data_parallel]
+    is_cpu = device_spec.name == "cpu"
+    stack = trainer_stack(cfg, is_cpu)
     model = ModelSpec(**model_section(cfg.model))
-    training = TrainingSpec(global_batch=cfg.training.global_batch,
-                            micro_batch=cfg.training.micro_batch,
-                            recompute=RECOMPUTE_OF_TRAINER[cfg.parallel.activation_checkpoint],
-                            optimizer="lamb" if cfg.optimizer.name == "lamb" else "adam",
-                            zero_stage=zero, precision="fp32" if dtype == "float32" else "bf16",
-                            offload=cfg.parallel.offload,
-                            offload_params=cfg.parallel.offload_params,
-                            reduce_once=True)   # the trainer's FSDP2 syncs on the last microbatch
+    training = TrainingSpec(**stack["training"])
+    dtype = "float32" if training.precision == "fp32" else "bfloat16"
     par = ParallelSpec(tp=lay["tp"], pp=lay["pp"], cp=lay["cp"], ep=lay["ep"],
                        vpp=cfg.parallel.vpp, schedule=cfg.parallel.schedule,
                        sequence_parallel=cfg.parallel.sequence_parallel and lay["tp"] > 1,
                        dp_shard=lay["dp_shard"] if lay["dp_replicate"] > 1 else 0)
-    is_cpu = device_spec.name == "cpu"
     gpn = gpus_per_node or (nproc if is_cpu else min(SERVER_GPUS, nproc))
     threads = 0
     if is_cpu:
@@ -615,8 +628,7 @@ def config_run(cfg, nproc: int, device_spec: DeviceSpec, gpus_per_node: int = 0
                           memory_gb=cfg.parallel.fast_memory_gb or (
                               0.0 if device_spec.source == "datasheet" else device_spec.memory_gb))
     run = RunSpec(name="myria-config", model=model, training=training, parallel=par,
-                  overlap=OverlapSpec(),
-                  kernels=KernelSpec(flash_attention=True, fused_ops=False, eager=is_cpu),
+                  overlap=OverlapSpec(**stack["overlap"]), kernels=KernelSpec(**stack["kernels"]),
                   cluster=cluster)
     validate(run)
     return run, device_spec, threads
