@@ -4,8 +4,9 @@ The model comes from a run file (first run, or --run), a myria training config (
 `model.init_from` config.json when it names one, as `myria train` reads it), or flags
 (--layers --hidden --heads ...). Batch, sequence and cluster come from the file or flags; flags
 win. A training config is priced as myria's trainer runs it (`perf.trainer_stack`, what its dry
-run prices), so the plan and `myria train --dry-run` agree on its layouts. Every assumption that can change a layout's rank is a flag whose default is what the public
-stack does by default, and the plan's first lines say each one and the flag that changes it
+run prices), so the plan and `myria train --dry-run` agree on its layouts. Every assumption
+that can change a layout's rank is a flag whose default is what the public stack does by
+default, and the plan's first lines say each one and the flag that changes it
 (`assumptions`): the attention kernel (--kernels: the newest FlashAttention the device runs,
 fa3 on Hopper, fa2 on Ampere), fused elementwise kernels, which communication overlaps compute
 (--overlap: tensor-parallel collectives, pipeline sends and data-parallel buckets, as
