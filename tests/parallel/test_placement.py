@@ -48,3 +48,20 @@ def test_dry_run_prints_placement():
                 "--nnodes", "128", "--parallel.hosts_per_switch=32")
     assert "placement of 1024 ranks on 128 host(s)" in p.stdout
     assert "(dp, pp, cp, tp, ep)" in p.stdout and "cross switch" in p.stdout
+
+
+def test_without_leaf_switches_data_parallelism_follows_tp_as_the_model_prices():
+    """Switches unknown (one switch): no pipeline needs keeping under one, so data
+    parallelism comes after TP and CP (Megatron-LM's order) and takes what is left of a host:
+    each group's members lie at the strides the performance model prices (`layout.strides`)."""
+    from myria.layout import strides
+
+    lay = {"pp": 2, "dp_shard": 8, "tp": 2}
+    c = Cluster(ranks_per_host=8)
+    grid = place(lay, c)
+    st = strides(lay)
+    for dim in ("tp", "dp_shard", "pp"):
+        for g in groups(grid, dim):
+            assert [b - a for a, b in zip(g, g[1:])] == [st[dim]] * (len(g) - 1), (dim, g)
+    s = crossing_summary(grid, c)
+    assert s["dp_shard"]["cross_host"] == 4 and s["pp"]["cross_host"] == 16   # 4 of 8 in a host

@@ -4,8 +4,11 @@ Launchers number ranks host by host (rank = host * ranks_per_host + local rank),
 numbered switch by switch. We order the *slots* (global ranks) by (leaf switch, host, local
 rank) and hand them out to logical coordinates with tensor parallelism varying fastest, then
 context parallelism, so TP (and CP, when it fits) groups stay inside one host's fast domain
-(NVLink). Then, when a whole pipeline fits under one leaf switch, the pipeline dimension comes
-next, so neighbouring stages sit under the same switch; otherwise data parallelism does. Data-
+(NVLink). Then, when leaf switches are known (`hosts_per_switch`) and a whole pipeline fits
+under one, the pipeline dimension comes next, so neighbouring stages sit under the same switch;
+otherwise data parallelism does, as Megatron-LM orders ranks, so the larger gradient traffic
+gets what is left of the fast domain (and the performance model, `sim.collectives.
+layout_groups`, prices this order). Data-
 parallel groups list their members in slot order, so a ring over them crosses each host and
 switch boundary once — the topology-aware ring of NCCL, done by construction (MegaScale §3.3,
 and NCCL's ring/tree search). On a single host this is the identity placement.
@@ -56,7 +59,7 @@ def place(layout: dict[str, int], cluster: Cluster) -> np.ndarray:
     switch_ranks = (cluster.hosts_per_switch or 10**9) * cluster.ranks_per_host
     if world <= cluster.ranks_per_host:  # one host: identity (pp outermost, tp fastest)
         order = list(reversed(DIMS))
-    elif pipeline_ranks <= switch_ranks and layout.get("pp", 1) > 1:
+    elif cluster.hosts_per_switch and pipeline_ranks <= switch_ranks and layout.get("pp", 1) > 1:
         order = ["tp", "cp", "pp", "dp_shard", "dp_replicate"]
     else:
         order = ["tp", "cp", "dp_shard", "dp_replicate", "pp"]
