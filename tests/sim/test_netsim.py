@@ -563,3 +563,17 @@ def test_routing_and_flows_are_in_the_header_and_the_defaults_match_the_planner(
     # the fabric keys are in the help, not in a source file
     text = p.format_help()
     assert "fabric.py" not in text and "nic_gbps" in text and "docs/network.md" in text
+
+
+def test_a_collective_with_nothing_to_send_is_refused_and_a_fallback_algorithm_said(capsys):
+    """ring-p2p on one server (one rank per group) sends nothing: refused in one line, not a
+    result of 0 B/s; a tree asked for inside one server runs as a ring, and the output says so."""
+    err = _cli_err(capsys, "--topology", "fat-tree", "--gpus", "8", "--collective", "ring-p2p",
+                   "--bytes", "64M")
+    assert "one rank each" in err and "nothing is sent" in err, err
+    out = _cli_text(capsys, "--topology", "fat-tree", "--gpus", "8", "--collective",
+                    "all-reduce", "--bytes", "1G", "--algorithm", "tree")
+    assert "all-reduce (ring, " in out and "note: --algorithm tree runs as a ring here" in out
+    out = _cli_text(capsys, *SMALL, "--algorithm", "tree")
+    assert "double binary tree" in out or "(tree" in out, out
+    assert "runs as a" not in out, out

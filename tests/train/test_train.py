@@ -536,6 +536,9 @@ def test_dry_run_without_nproc_takes_the_fewest_processes_the_layout_needs():
     p = run_cli("train", "--config", "configs/llama3-8b.toml", "--dry-run")
     assert "the dry run is of the fewest processes the layout needs, 2" in p.stdout
     assert "# world size 2: layout" in p.stdout and "memory per rank" in p.stdout
+    # 8B on 2 GPUs: the planner's best fits with no margin, and the advice says it is a guess
+    warn = next(x for x in p.stdout.splitlines() if x.startswith("# WARNING"))
+    assert "does not fit in memory" in warn and "a guess: its memory margin" in warn, warn
 
 
 def test_summary_points_to_the_next_commands(reference, capsys):

@@ -95,7 +95,8 @@ class Fabric:
                        f"{self.max_leaves} leaves ({cap:,} servers, {cap * self.gpus_per_node:,} "
                        f"GPUs); {self.nodes:,} servers need {self.n_leaves:,}: priced as if one "
                        "spine tier joined them all (no third tier's hops or contention; "
-                       "--topology clos3 prices pods and a core)")
+                       "topology clos3 prices pods and a core: --topology in `myria plan`, "
+                       "cluster.topology in a run file)")
         elif self.kind == "clos3" and self.n_pods > self.max_leaves:
             out.append(f"a clos3 of radix-{self.radix} switches joins at most {self.max_leaves} "
                        f"pods; {self.n_pods:,} pods are priced as one core tier over all of "

@@ -178,7 +178,7 @@ def better_layout(cfg: config_mod.Config, world: int, ranks_per_host: int, spec,
         return None
     from myria.sim.cli_plan import searching
     from myria.sim.perf import config_run, simulate_config
-    from myria.sim.planner import plan, run_of
+    from myria.sim.planner import implausible, plan, run_of
 
     base, _, _ = config_run(cfg, world, spec, ranks_per_host)
     try:
@@ -203,9 +203,11 @@ def better_layout(cfg: config_mod.Config, world: int, ranks_per_host: int, spec,
     lead = (f"predicted MFU {100 * pred.mfu:.1f}% is far below the {100 * fixed.mfu:.1f}% "
             "this model reaches" if pred.fits else "this layout does not fit in memory; this "
             f"model reaches {100 * fixed.mfu:.1f}% MFU")
+    doubt = implausible(fixed)   # e.g. no memory margin: the advice may not fit either
     return (f"# WARNING: {lead} on the same {world} x {spec.name} "
             f"with the layout `myria plan` ranks best for myria's trainer: {' '.join(over)} "
-            f"({fixed.memory_gb_per_gpu:.0f} GB per GPU)."
+            f"({fixed.memory_gb_per_gpu:.0f} GB per GPU"
+            + (f"; a guess: its {doubt}" if doubt else "") + ")."
             + (" The figure above is this layout's, not myria's best;" if pred.fits else "")
             + " run `myria plan` for the ranking.")
 

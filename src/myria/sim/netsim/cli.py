@@ -245,6 +245,11 @@ def run(args: argparse.Namespace) -> int:
     spec = load_spec(args.topology)
     fab = build(spec, gpus)
     groups = groups_for(args, spec, gpus, kind)
+    if groups.shape[1] < 2:
+        raise ConfigError(f"--collective {kind}: its groups have one rank each (with --gpus "
+                          f"{gpus} on servers of {spec.gpus}: "
+                          + ("one rank per server" if kind == "ring-p2p" else "--layout/--group")
+                          + "), so nothing is sent; give more servers or a layout")
     also = _with_jobs(args, spec, fab, routing, qps) if args.also else []
     if algo == "auto":
         coll = best_algorithm(fab, kind, groups, size, spec.gpus, spec.nics, channels, proto)
@@ -286,6 +291,10 @@ def run(args: argparse.Namespace) -> int:
     print(f"{kind} ({ran}) of {_size(size)} per rank over {out['groups']} group(s) of "
           f"{out['ranks']} ranks{chans}; {routing} routing, {qps} flow(s) (QPs) per "
           "connection")
+    if algo not in ("auto", coll.algorithm):
+        print(f"  note: --algorithm {algo} runs as a {coll.algorithm} here: the tree and the "
+              "two-stage ring need several servers in a group (the two-stage ring several GPUs "
+              "of a server too)")
     ideal = out["ideal_busbw_gbs"]
     print(f"  completion {_time(out['completion_time_s'])}; bus bandwidth "
           f"{_rate(out['busbw_gbs'])} of an ideal {_rate(ideal)} "
