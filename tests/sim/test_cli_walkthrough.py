@@ -247,3 +247,14 @@ def test_plan_of_a_training_config_prices_its_layout_as_its_dry_run(capsys):
                          "64", "--top", "1")
     assert code == 0 and "priced as myria's trainer runs it" in out, out
     assert "elementwise kernels unfused" in out and "overlap none" in out, out
+
+
+def test_find_refuses_a_degree_the_model_cannot_split_as_the_search_flag_does(capsys):
+    """--find tp=3 on 16 heads is refused with the reason --tp 3 gives, not answered with
+    "no layout with those values fits"."""
+    small = ["plan", "--layers", "8", "--hidden", "1024", "--heads", "16", "--seq-len", "2048",
+             "--global-batch", "64", "--gpu", "h100", "--gpus", "16"]
+    code, out, err = run(capsys, *small, "--find", "tp=3")
+    assert code == 2 and not out and "--find tp=3: parallel.tp = 3 must divide" in err, err
+    code, out, err = run(capsys, *small, "--find", "pp=9")
+    assert code == 2 and "--find pp=9: more pipeline stages than model.layers = 8" in err, err

@@ -464,37 +464,43 @@ def check_gpus(base: RunSpec, space: SearchSpace) -> None:
                           f"pp {pp} x cp {cp}); use fewer GPUs or a larger --global-batch")
 
 
-def check_degrees(base: RunSpec, space: SearchSpace) -> None:
-    """One line naming the flag when every degree it gives is one the model cannot split by
-    (tp, cp: heads, key/value heads, MLP width, sequence; ep: the experts; pp: the layers)."""
+def degree_problem(base: RunSpec, flag: str, v: int) -> str:
+    """Why the model cannot be split `v` ways along `flag` ("" when it can): tp, cp by its
+    heads, key/value heads, MLP width and sequence; pp by its layers; ep by its experts."""
     from myria.layout import validate_degrees
 
-    cfg, m = base.model_config(), base.model
+    m = base.model
+    try:
+        if flag in ("tp", "cp"):
+            validate_degrees(base.model_config(), v if flag == "tp" else 1,
+                             v if flag == "cp" else 1, False)
+    except ConfigError as e:
+        return str(e)
+    if flag == "pp" and v > m.layers:
+        return f"more pipeline stages than model.layers = {m.layers}"
+    if flag == "ep" and v > 1 and not (m.experts and m.experts % v == 0):
+        return f"must divide the experts per layer ({m.experts or 'none: a dense model'})"
+    return ""
 
-    def problem(flag: str, v: int) -> str:
-        try:
-            if flag in ("tp", "cp"):
-                validate_degrees(cfg, v if flag == "tp" else 1, v if flag == "cp" else 1, False)
-        except ConfigError as e:
-            return str(e)
-        if flag == "pp" and v > m.layers:
-            return f"more pipeline stages than model.layers = {m.layers}"
-        if flag == "ep" and v > 1 and not (m.experts and m.experts % v == 0):
-            return f"must divide the experts per layer ({m.experts or 'none: a dense model'})"
-        return ""
 
+def check_degrees(base: RunSpec, space: SearchSpace, find: dict | None = None) -> None:
+    """One line naming the flag when every degree it gives is one the model cannot split by
+    (`degree_problem`), or when a degree --find asks for is one."""
     for flag in ("tp", "cp", "pp", "ep"):
         vals = getattr(space, flag) or []
-        why = [problem(flag, v) for v in vals]
+        why = [degree_problem(base, flag, v) for v in vals]
         if vals and all(why):
             raise ConfigError(f"--{flag} {','.join(map(str, vals))}: {why[0]}")
+        v = (find or {}).get(flag)
+        if isinstance(v, int) and (why := degree_problem(base, flag, v)):
+            raise ConfigError(f"--find {flag}={v}: {why}")
 
 
 def _plan(base: RunSpec, space: SearchSpace, args):
     """The planner's result; when no layout matches, which GPU counts near this one do."""
     from myria.sim.planner import candidates
 
-    check_degrees(base, space)
+    check_degrees(base, space, getattr(args, "find", None))
     check_gpus(base, space)
     try:
         with searching("searching layouts") as progress:
