@@ -110,19 +110,24 @@ def json_safe(x):
     return x
 
 
-def read_jsonl(path: str | Path) -> list[dict]:
+def read_jsonl(path: str | Path, skipped: list[int] | None = None) -> list[dict]:
     """The JSON objects of a JSON-lines file of the run directory; a line cut by a crash (or
-    otherwise unparsable) is skipped, a missing file is empty."""
+    otherwise unparsable, not an object, or one whose "step" is neither a whole number nor
+    null) is skipped, its number (from 1) appended to `skipped` when given; a missing file is
+    empty."""
     path = Path(path)
     out = []
     if path.exists():
-        for line in path.read_text(errors="replace").splitlines():
+        for i, line in enumerate(path.read_text(errors="replace").splitlines(), 1):
             try:
                 row = json.loads(line)
             except ValueError:
-                continue
-            if isinstance(row, dict):
+                row = None
+            step = row.get("step") if isinstance(row, dict) else "?"
+            if step is None or isinstance(step, int) and not isinstance(step, bool):
                 out.append(row)
+            elif skipped is not None and line.strip():
+                skipped.append(i)
     return out
 
 

@@ -170,6 +170,8 @@ def test_train_on_a_mixture_reports_training_and_validation_per_source_down_to_t
     assert set(by) == {"web", "code"}
     assert 1.0 < by["code"] < 20 and 1.0 < by["web"] < 20, by
     assert evals[-1]["val_loss"] == pytest.approx(0.3 * by["web"] + 0.7 * by["code"])
+    # each eval's time is booked on its own row, the run's last eval too (no row follows it)
+    assert all(r["goodput"].get("eval", 0) > 0 for r in evals), evals
     # training figures per source: samples and tokens within one sample of the weights, and
     # the losses per source that make up the step's loss
     train = [r for r in rows if "loss" in r]

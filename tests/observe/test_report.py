@@ -138,3 +138,30 @@ def test_the_loss_curve_has_each_sources_training_loss_without_skipped_steps():
             {"step": 4, "loss": 3.9}]
     assert source_losses(rows) == {"web": [(1, 5.5), (3, 4.25)], "code": [(1, 4.5), (3, 3.5)]}
     assert source_losses([{"step": 1, "loss": 5.0}]) == {}
+
+
+def test_unreadable_metrics_lines_are_named_and_invent_no_restart(tmp_path):
+    """A garbled line and a row whose step is not a number: left out of the figures and named
+    in one note, never a traceback; the row lost from a process's ledger leaves its time to
+    `other` in the same span, not a second start of `myria train`."""
+    from myria.observe import goodput
+    from myria.observe.report import unfinished_line, unreadable_line
+    from myria.observe.report_sections import metrics_rows
+
+    rows = []
+    for s in range(4):
+        gp = {"startup": 1.0, "productive": 1.0} if s == 0 else {"productive": 2.0}
+        rows.append(json.dumps({"step": s + 1, "loss": 1.0, "goodput_since": 100.0 + 2 * s,
+                                "time": 102.0 + 2 * s, "goodput": gp, "attempt": 0}))
+    rows[2] = '{"step": 3, "loss": 8.12, garbage'
+    rows.insert(1, '{"step": "3", "loss": 8.1}')
+    (tmp_path / "metrics.jsonl").write_text("\n".join(rows) + "\n")
+    (tmp_path / "config.json").write_text(json.dumps({"training": {"steps": 4}}))
+    assert unreadable_line(tmp_path) == (
+        "note: 2 unreadable line(s) of metrics.jsonl left out of the figures (line 2, 4; a "
+        "line cut by a crash is the usual cause)")
+    assert [r["step"] for r in metrics_rows(tmp_path)] == [1, 2, 4]
+    assert unfinished_line(tmp_path) is None
+    assert goodput.process_spans(goodput.ledger_rows(tmp_path, 0.0)) == [(100.0, 108.0)]
+    led, _ = sections.goodput_ledger(tmp_path, summaries=[])
+    assert led["jobs"] == 1 and led["wall_s"] == 8.0 and led["seconds"]["other"] == 2.0, led

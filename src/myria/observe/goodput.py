@@ -24,7 +24,7 @@ DIR = "goodput"
 CATEGORIES = ("productive", "startup", "data_wait", "checkpoint", "eval", "straggler",
               "detection", "recovery", "lost", "redone", "shutdown", "other")
 # each category in words, as the report's ledger table gives it
-MEANING = {"productive": "training steps that count (each step's last run)",
+MEANING = {"productive": "training steps run for the first time",
            "startup": "processes starting, process groups, model build, first restore",
            "data_wait": "steps waiting for their batch",
            "checkpoint": "snapshot waits, saves, the final flush, peer snapshots",
@@ -33,7 +33,8 @@ MEANING = {"productive": "training steps that count (each step's last run)",
            "detection": "a fault until it was detected",
            "recovery": "detection until the restarted processes trained again",
            "lost": "from the last logged step to a fault: the step in flight, thrown away",
-           "redone": "steps run again after a restart (an earlier attempt had done them)",
+           "redone": "steps run again after a restart (an earlier attempt had run them, "
+                     "past its last checkpoint)",
            "shutdown": "after the last step: the final checkpoint's flush, processes ending",
            "other": "what nothing accounts for"}
 # heartbeat phase -> ledger category (phases not named here count as step time)
@@ -304,11 +305,14 @@ def summarize(run_dir: str | Path, started_at: float, ended_at: float, faults: l
 def process_spans(rows: list[dict], gap_s: float = 1.0) -> list[tuple[float, float]]:
     """(start, end) of each process that wrote `rows` (by time): a process's rows tile its wall
     time (each row's ledger covers the time since the one before), so a row that starts more
-    than `gap_s` after the previous one ended was written by a later start of the run (`myria
-    train` run again by hand, with no supervisor to account for the time between)."""
+    than `gap_s` after the previous one ended, and books a start-up (a process's first row),
+    was written by a later start of the run (`myria train` run again by hand, with no
+    supervisor to account for the time between). A gap without one (a row lost or unreadable)
+    stays in its process's span, as time nothing accounts for."""
     spans: list[list[float]] = []
     for r in rows:
-        if not spans or r["goodput_since"] > spans[-1][1] + gap_s:
+        if not spans or (r["goodput_since"] > spans[-1][1] + gap_s
+                         and r["goodput"].get("startup")):
             spans.append([r["goodput_since"], r["time"]])
         else:
             spans[-1][1] = max(spans[-1][1], r["time"])

@@ -194,6 +194,8 @@ def run(args) -> int:
             print(f"  missing: {p}")
         for x in b.get("slow_links", []):
             print(f"  {slow_link_line(x)}")
+    if line := unreadable_line(Path(args.run_dir)):
+        print(f"  {line}")
     if line := unfinished_line(Path(args.run_dir)):
         print(f"  {line}")
     if line := detections_line(Path(args.run_dir)):
@@ -229,6 +231,18 @@ def run(args) -> int:
     return 0
 
 
+def unreadable_line(run_dir: Path) -> str | None:
+    """"note: N unreadable line(s) of metrics.jsonl ..." naming them, when some are (the
+    figures leave them out); None when every line reads."""
+    bad: list[int] = []
+    rundir.read_jsonl(run_dir / rundir.METRICS, skipped=bad)
+    if not bad:
+        return None
+    said = ", ".join(map(str, bad[:5])) + (f" and {len(bad) - 5} more" if len(bad) > 5 else "")
+    return (f"note: {len(bad)} unreadable line(s) of {rundir.METRICS} left out of the figures "
+            f"(line {said}; a line cut by a crash is the usual cause)")
+
+
 def unfinished_line(run_dir: Path) -> str | None:
     """"the run reached step N of training.steps = M ..." when its metrics stop short of its
     config's steps (a failed, stopped or running job); None when it trained them all."""
@@ -236,8 +250,7 @@ def unfinished_line(run_dir: Path) -> str | None:
         steps = json.loads((run_dir / rundir.CONFIG).read_text())["training"]["steps"]
     except (OSError, ValueError, KeyError, TypeError):
         return None
-    done = max((r["step"] for r in rundir.read_jsonl(run_dir / rundir.METRICS)
-                if "loss" in r), default=0)
+    done = max((r["step"] for r in metrics_rows(run_dir)), default=0)
     if done >= steps:
         return None
     return (f"the run reached step {done} of training.steps = {steps}: it failed, was stopped, "

@@ -27,7 +27,8 @@ def png(fig, path: Path) -> str:
 
 def metrics_rows(run_dir: Path) -> list[dict]:
     """The training rows of RUN_DIR/metrics.jsonl (those with a loss)."""
-    return [r for r in rundir.read_jsonl(run_dir / rundir.METRICS) if "loss" in r]
+    return [r for r in rundir.read_jsonl(run_dir / rundir.METRICS)
+            if "loss" in r and isinstance(r.get("step"), int)]
 
 
 # -- validation loss, per source of a data mixture ------------------------------------------
@@ -622,7 +623,8 @@ def recovery_section(run_dir: Path, out: Path, stragglers: list[dict] | None = N
                        f"<td>{z.get('to_first_step_s', '-')}</td></tr>" for z in resizes)
                    + "</table>")
     jobs = ledger.get("jobs", 1)
-    over = (f" of {jobs} supervised jobs (their own: the time between two jobs is not "
+    what = ledger.get("what", "supervised jobs")   # or starts of `myria train` by hand
+    over = (f" of {jobs} {esc(what)} (their own: the time between two of them is not "
             "counted)" if jobs > 1 else "")
     return (f"<h2>Goodput ledger</h2><p id=ettr>ETTR {ledger['ettr']:.4f}: {ledger['wall_s']:.1f}"
             f" s of wall time{over}, {ledger['accounted_s']:.1f} s accounted.</p>"

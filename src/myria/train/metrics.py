@@ -99,11 +99,14 @@ class MetricsLogger:
         left = max(0, self.total - step) * pace
         return f"elapsed {_hms(now - self._t0)}  left {_hms(left)}"
 
-    def log_eval(self, step: int, val_loss: float, by_source: dict | None = None) -> None:
-        """The validation loss, and for a data mixture each source's (`val_loss_by_source`)."""
+    def log_eval(self, step: int, val_loss: float, by_source: dict | None = None,
+                 ledger: dict | None = None) -> None:
+        """The validation loss, and for a data mixture each source's (`val_loss_by_source`);
+        `ledger`: the goodput ledger's fields for the time since the previous row
+        (`goodput.Ledger.row`)."""
         if not self.enabled:
             return
-        row = {"step": step, "val_loss": val_loss}
+        row = {"step": step, "val_loss": val_loss, **(ledger or {})}
         if by_source:
             row["val_loss_by_source"] = by_source
         self._fh.write(_line(row))

@@ -431,7 +431,11 @@ class Run:
         if t.eval_interval and (step % t.eval_interval == 0 or step == t.steps):
             self.hb.phase("eval")
             self.val = self.val or open_dataset(cfg.data, cfg.model.seq_len, split="val")
-            self.metrics.log_eval(step, *evaluate_sources(self.engine, self.val, cfg))
+            losses = evaluate_sources(self.engine, self.val, cfg)
+            # the eval's row carries the ledger's seconds since the step's row (its eval), so
+            # the last eval of a run is booked too, not left after the last row
+            self.metrics.log_eval(step, *losses,
+                                  ledger=self.hb.ledger.row({"time": time.time()}))
 
     def per_source(self, step: int, done: StepDone) -> dict[str, Any]:
         """A mixture's figures per source for the metrics row of step `step`: samples and
