@@ -128,6 +128,7 @@ def unreachable(text: str | None, steps: int, world: int, run_dir: str | Path) -
     `steps` on `run_dir` (its rank is not in the job, its step is past the run's end, or it
     fired in this run directory before: each fires once per run directory); one line each."""
     out = []
+    parse(text)   # a bad item: the error names it and what is valid
     for item, _, _ in items(text, KINDS, lambda item, kind: FaultSpecError(item)):
         (f,) = parse(item)
         step, rank = f.params["step"], f.params.get("rank")

@@ -165,3 +165,16 @@ def test_unreadable_metrics_lines_are_named_and_invent_no_restart(tmp_path):
     assert goodput.process_spans(goodput.ledger_rows(tmp_path, 0.0)) == [(100.0, 108.0)]
     led, _ = sections.goodput_ledger(tmp_path, summaries=[])
     assert led["jobs"] == 1 and led["wall_s"] == 8.0 and led["seconds"]["other"] == 2.0, led
+
+
+def test_the_measured_mfu_is_that_of_the_measured_median_step():
+    """The prediction line's measured MFU belongs to the measured step beside it (events'
+    median, here 2.0 s), not to another set of rows (metrics.jsonl's fourth on)."""
+    from myria.observe.report_sections import measured_step
+
+    table = {0: {1: {"step_s": 9.0}, 2: {"step_s": 2.0}, 3: {"step_s": 2.0}, 4: {"step_s": 3.0}}}
+    metrics = [{"step": s, "mfu": 0.5 / t, "step_time_s": t}
+               for s, t in ((1, 9.0), (2, 2.0), (3, 2.0), (4, 3.0), (5, 1.0))]
+    got = measured_step(table, metrics)
+    assert got["measured_step_s"] == 2.0 and got["measured_mfu"] == pytest.approx(0.25)
+    assert measured_step({}, metrics)["measured_step_s"] == 2.0   # metrics' rows 4-5: 3.0, 1.0

@@ -143,8 +143,8 @@ def test_a_second_supervised_job_keeps_the_first_ones_ledger_and_faults(tmp_path
          "resumed_from": 4, "time_lost_s": 9.3},
         {"kind": "exit", "ranks": [0, 1], "last_step": 6, "resumed_from": None},
         {"kind": "exit", "hosts_lost": ["h2"]}]}) == [
-        "fault: exit of rank(s) [1] at step 4; restart from step 4, 9.3 s lost",
-        "fault: exit of rank 0 (rank(s) [1] stopped after it) at step 6; not recovered (the "
+        "fault: exit of rank(s) [1] after step 4; restart from step 4, 9.3 s lost",
+        "fault: exit of rank 0 (rank(s) [1] stopped after it) after step 6; not recovered (the "
         "job ended)"]
     # one job's ledger stays as it was; a job id that is no file name is made one
     assert goodput.combine([first["goodput"]])["wall_s"] == 100.0

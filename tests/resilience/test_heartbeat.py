@@ -136,6 +136,10 @@ def test_a_fault_that_cannot_fire_is_named_with_why(tmp_path):
         "note: MYRIA_FAULT item 'corrupt-checkpoint:step=11' will not fire: step=11, and the "
         "run ends at step 10"]
     assert faults.unreachable(None, 10, 4, tmp_path) == []
+    # a misspelt kind: the error names it and the valid kinds, as `myria supervise` says it
+    with pytest.raises(faults.FaultSpecError, match="item 'bitflp:rank=0:step=2': unknown "
+                       "fault 'bitflp'; valid: kill, "):
+        faults.unreachable("bitflp:rank=0:step=2", 10, 4, tmp_path)
 
 
 def test_a_faults_attempt_is_the_jobs_round_across_hosts(tmp_path, monkeypatch):

@@ -133,8 +133,8 @@ def run_line(run: Run) -> str:
 
 def fault_lines(gp: dict) -> list[str]:
     """One line per fault of the report's goodput.json (a lost host's are `lost_host_lines`):
-    what, which ranks, at which step, and what followed: "fault: exit of rank(s) [1] at step
-    4; restart from step 4, 9.3 s lost"."""
+    what, which ranks, after which step, and what followed: "fault: exit of rank(s) [1] after
+    step 4; restart from step 4, 9.3 s lost"."""
     out = []
     for f in gp.get("faults", []):
         if f.get("hosts_lost"):
@@ -146,7 +146,8 @@ def fault_lines(gp: dict) -> list[str]:
         # an exit lists the culprit first, then the ranks that stopped because of it
         who = (f"rank {ranks[0]} (rank(s) {ranks[1:]} stopped after it)"
                if f.get("kind") == "exit" and len(ranks) > 1 else f"rank(s) {ranks}")
-        out.append(f"fault: {f.get('kind', '?')} of {who} at step {f.get('last_step', '?')}; "
+        # last_step: the steps done when it struck (a detection names the step it was in)
+        out.append(f"fault: {f.get('kind', '?')} of {who} after step {f.get('last_step', '?')}; "
                    f"{then}" + (f", {float(lost):.1f} s lost" if lost is not None else ""))
     return out
 

@@ -411,15 +411,20 @@ def _prediction_device(cfg, world: int):
 
 def measured_step(table: dict, metrics: list[dict]) -> dict:
     """The measured median step (the events' steps after the first; metrics.jsonl's after the
-    first three when there are no events) and median MFU of the meter."""
+    first three when there are no events) and the MFU of a step that long (a row's MFU times
+    its step time is the step's FLOPs over the devices' peak, the same for every step), so the
+    two figures describe one step."""
     steps = [row["step_s"] for rows in table.values() for _, row in sorted(rows.items())[1:]]
     src = "events"
     if not steps:
         steps = [m["step_time_s"] for m in metrics[3:] if m.get("step_time_s")]
         src = rundir.METRICS
-    mfus = [m["mfu"] for m in metrics[3:] if m.get("mfu") is not None]
-    return {"measured_step_s": statistics.median(steps) if steps else None,
-            "measured_from": src, "measured_mfu": statistics.median(mfus) if mfus else None}
+    work = [m["mfu"] * m["step_time_s"] for m in metrics
+            if isinstance(m.get("mfu"), (int, float)) and isinstance(m.get("step_time_s"),
+                                                                      (int, float))]
+    step = statistics.median(steps) if steps else None
+    return {"measured_step_s": step, "measured_from": src,
+            "measured_mfu": statistics.median(work) / step if work and step else None}
 
 
 def prediction_line(pred: dict) -> str:

@@ -127,7 +127,7 @@ def write(sup, s: dict[str, Any]) -> None:
                 f"{f['lost_steps']}") if f["fault_to_first_step_s"] is not None else \
             "training did not resume after it"
         lost = f" (host(s) {', '.join(f['hosts_lost'])} lost)" if f.get("hosts_lost") else ""
-        log.info("  fault %s rank(s) %s at step %s%s: cause %s; detected in %.2f s; actions: "
+        log.info("  fault %s rank(s) %s after step %s%s: cause %s; detected in %.2f s; actions: "
                  "%s; %s", f["kind"], f["ranks"], f["last_step"], lost, f["cause"],
                  f["detection_s"], ", ".join(f["action"]) or "-", back)
         if f.get("recovery_phases"):
