@@ -381,7 +381,9 @@ def cpu_core_peak(refresh: bool = False) -> Figure:
 def cpu_peak_figure(threads: int, refresh: bool = False) -> Figure:
     """The fp32 matmul peak of this CPU at `threads` threads: threads x the core peak."""
     core = cpu_core_peak(refresh)
-    return Figure(threads * core.value, f"measured ({threads} threads x {core.source})",
+    what = core.source.removeprefix("measured (").removesuffix(")")   # not nested
+    return Figure(threads * core.value,
+                  f"measured ({threads} thread{'s' if threads != 1 else ''} x {what})",
                   (), core.measured_at)
 
 

@@ -733,7 +733,7 @@ class Supervisor:
         if not f.first_step_at and firsts and all(firsts) and len(recs) == len(self.ranks):
             f.first_step_at = max(firsts)
             log.info("RESUMED attempt %d from step %s: first step done %.1f s after the fault "
-                     "(%s lost steps to redo)", self.attempt, f.resumed_from,
+                     "(lost steps to redo: %s)", self.attempt, f.resumed_from,
                      f.first_step_at - f.fault_at,
                      f.last_step - f.resumed_from if f.resumed_from is not None else "?")
         # regained once every rank is back at the step reached before the fault (an in-job

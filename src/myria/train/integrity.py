@@ -33,6 +33,8 @@ from myria.fsutil import atomic_write
 from myria.tensors import local_shard
 
 SKIP_STEPS = "skip_steps.json"
+# what a detected corruption under sdc_action = "rollback" does (the restarted job resumes)
+ROLLBACK = "rolling back to the newest checkpoint (step 0 when none is saved)"
 SPIKE_WARMUP = 20        # steps before the running loss estimate judges spikes
 SPIKE_DECAY = 0.9        # running mean and deviation: exponential, this weight on the past
 
@@ -531,7 +533,7 @@ class StepGuard:
                       f"{m.param}; odd rank(s) out {m.suspects}: {action}", flush=True)
         if action == "rollback":
             raise SilentCorruption(f"replicas diverged by step {step} (see events.jsonl); "
-                                   "rolling back to the newest checkpoint")
+                                   + ROLLBACK)
 
     # -- silent data corruption at rest and in compute (myria.train.sdc) ---------------------
     def _verify_state(self, step: int, when: str) -> None:
@@ -556,7 +558,7 @@ class StepGuard:
                   f"{bad[0]} changed since it was written: {action}", flush=True)
         if action == "rollback":
             raise SilentCorruption(f"state of rank(s) {failed} changed at rest by step {step} "
-                                   "(see events.jsonl); rolling back to the newest checkpoint")
+                                   "(see events.jsonl); " + ROLLBACK)
         if bad and self.ledger is not None:   # warn: go on from the state as it is now
             self.ledger.record_state()
 
@@ -582,7 +584,7 @@ class StepGuard:
                 mark_suspect(rundir.checkpoints_dir(self.run_dir), self.clean_at, step,
                              "a recomputed microbatch differs")
             raise SilentCorruption(f"a recomputed microbatch differs at step {step} (see "
-                                   "events.jsonl); rolling back to the newest checkpoint")
+                                   "events.jsonl); " + ROLLBACK)
 
 
 def _span():
