@@ -692,3 +692,19 @@ def test_a_run_shorter_than_the_eval_interval_ends_with_its_validation_loss(tmp_
     train(tmp_path, tiny_data, "--training.steps=3", "--training.eval_interval=5")
     rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows if "val_loss" in r] == [3], rows
+
+
+def test_summary_says_what_the_checks_detected(tmp_path, capsys):
+    """A run that trained on after a detection (sdc_action = "warn") says so in its summary,
+    as `myria report` does."""
+    from myria import detections
+    from myria.train.cli import _summary
+
+    rows = [{"step": s, "loss": 5.0 - s, "lr": 1e-3, "tokens_per_s": 100.0, "step_time_s": 1.0,
+             "mfu": 0.1} for s in (1, 2)]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    _summary(tmp_path)
+    assert "detected" not in capsys.readouterr().out
+    detections.record(tmp_path, "sdc", 1, "h", 2, {"check": "at rest"}, "warn")
+    _summary(tmp_path)
+    assert "  detected: silent data corruption at step 2 (warn)\n" in capsys.readouterr().out

@@ -439,6 +439,12 @@ def _summary(run_dir: Path) -> None:
           f"{_loss(last)}" + val_text
           + f", {tps:,.0f} tokens/s" + (f", MFU {100 * mfus[0]:.1f}%"
                                          if mfus else ", MFU n/a"))
+    from myria import detections
+
+    if detections.read(run_dir):   # what the checks found: a corruption trained on, a skip
+        from myria.observe.report import detections_line
+
+        print(f"  {detections_line(run_dir)}")
     print(f"  metrics:     {path}\n" + (f"  tensorboard: {run_dir / rundir.TENSORBOARD}\n"
                                            if (run_dir / rundir.TENSORBOARD).is_dir() else "")
           + f"  checkpoints: {rundir.checkpoints_dir(run_dir)}")
