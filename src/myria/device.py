@@ -381,9 +381,8 @@ def cpu_core_peak(refresh: bool = False) -> Figure:
 def cpu_peak_figure(threads: int, refresh: bool = False) -> Figure:
     """The fp32 matmul peak of this CPU at `threads` threads: threads x the core peak."""
     core = cpu_core_peak(refresh)
-    what = core.source.removeprefix("measured (").removesuffix(")")   # not nested
     return Figure(threads * core.value,
-                  f"measured ({threads} thread{'s' if threads != 1 else ''} x {what})",
+                  f"measured ({threads} thread{'s' if threads != 1 else ''} x {core.source})",
                   (), core.measured_at)
 
 

@@ -60,7 +60,7 @@ def test_cpu_peak_is_a_pinned_core_peak_times_threads(cache, monkeypatch):
     """Measured once (a real measurement: a high quantile of one-thread calls on CPU time),
     then re-used without measuring; every thread count is threads x the same core figure."""
     one = device.cpu_device_spec(threads=1)
-    assert one.source.startswith("measured (1 threads x")   # sim.perf.measured_here reads this
+    assert one.source.startswith("measured (1 thread x")   # sim.perf.measured_here reads this
     entry = device._load_figures()[device.cpu_key(1)][device.CORE_PEAK]
     q10, q50, q90 = entry["q10_q50_q90"]
     assert entry["calls"] >= 600 and 0 < q10 <= q50 <= q90 <= one.peak_fp32_tflops

@@ -64,6 +64,21 @@ def test_analyze_training_config(tmp_path, capsys):
     assert main(["analyze", str(cfg), "--gpu", "h100-sxm-80gb", "--json"]) == 0
     rows = json.loads(capsys.readouterr().out)["operators"]
     assert any(r["name"] == "swiglu" for r in rows)
+    assert not any(r["recomputed"] for r in rows)
+    # full recomputation: each layer forward operator runs twice, the table says so and the
+    # FLOPs are twice the ones without it; backward operators are not repeated
+    cfg.write_text(cfg.read_text() + "[parallel]\nactivation_checkpoint = 'full'\n")
+    assert main(["analyze", str(cfg), "--gpu", "h100-sxm-80gb", "--json"]) == 0
+    full = json.loads(capsys.readouterr().out)["operators"]
+    for a, b in zip(rows, full, strict=True):
+        twice = a["phase"] == "fwd" and a["name"] not in ("embedding", "final_norm", "logits",
+                                                          "loss") and b["recomputed"]
+        assert b["flops"] == pytest.approx(a["flops"] * (2 if twice else 1)), (a, b)
+    assert {r["phase"] for r in full if r["recomputed"]} == {"fwd"}
+    assert main(["analyze", str(cfg), "--gpu", "h100-sxm-80gb"]) == 0
+    out = capsys.readouterr().out
+    assert " fwd x2 " in out and "fwd x2: the forward and its recomputation in backward " \
+        "(training.recompute = 'full')" in out, out
 
 
 def test_plan_command(capsys, tmp_path):

@@ -81,7 +81,8 @@ def run(args: argparse.Namespace) -> int:
                        else "right")
     for r in rows:
         inten = r["intensity"]
-        tab.add_row(r["name"], r["phase"], r["kind"], f"{r['flops'] / 1e9:,.1f}",
+        tab.add_row(r["name"], r["phase"] + (" x2" if r.get("recomputed") else ""), r["kind"],
+                    f"{r['flops'] / 1e9:,.1f}",
                     f"{r['bytes'] / 1e9:,.2f}", "-" if inten == float("inf") or r["kind"] ==
                     "comm" else f"{inten:,.1f}", r["bound"], f"{r['time_s'] * 1e3:,.2f}",
                     f"{r['share']:.1%}")
@@ -91,8 +92,13 @@ def run(args: argparse.Namespace) -> int:
     net = sum(r["share"] for r in rows if r["kind"] == "comm")
     ridge = peak * 1e12 * eff["gemm"] / (res.details["memory_bw_gbs"] * 1e9 * eff["mem"])
     con.print(f"compute-bound operators {comp:.1%}, memory-bound {mem:.1%} of the "
-              f"{res.iteration_time_s:.3f} s step; collectives {net:.1%} if nothing overlapped "
-              "(the exposed part, bubble, optimizer and data-parallel time: `myria simulate`).")
+              f"{res.iteration_time_s:.3f} s step; the layers' collectives (tensor, context, "
+              f"expert parallel) {net:.1%} if nothing overlapped. Data-parallel traffic, the "
+              "bubble and the optimizer are not operators of a layer: `myria simulate` has "
+              "them, and what overlapping leaves exposed.")
+    if any(r.get("recomputed") for r in rows):
+        con.print("fwd x2: the forward and its recomputation in backward "
+                  f"(training.recompute = {res.layout.get('recompute')!r}), both counted.")
     cpu = (" On a CPU both rates are those measured for torch's own kernels at the run's "
            "threads per process: the matmul peak, and the bandwidth elementwise operators "
            "reach, far below the memory's.") if res.layout.get("device") == "cpu" else ""

@@ -676,8 +676,9 @@ def assumptions(base: RunSpec, reserve_gb: float | None = None) -> list[str]:
         + f"default {DEFAULT_OVERLAP} as Megatron-Core's recipes run); data-parallel "
         "buckets: Megatron-Core's max(40M, 1M x dp) parameters for ZeRO 0-1, FSDP's units for "
         "ZeRO 2-3",
-        f"assumed: {hw.gpus_per_node} GPUs per server (--gpus-per-node), "
-        f"{hw.nics_per_node} x {hw.nic_gbps:g} Gb/s NICs (--nic-gbps), {c.topology} fabric "
+        f"assumed: {hw.gpus_per_node} GPU{'s' if hw.gpus_per_node != 1 else ''} per server "
+        f"(--gpus-per-node), {hw.nics_per_node} x {hw.nic_gbps:g} Gb/s "
+        f"NIC{'s' if hw.nics_per_node != 1 else ''} (--nic-gbps), {c.topology} fabric "
         f"(--topology) at oversubscription {c.oversubscription:g} (--oversubscription), "
         f"{c.routing} routing (--routing) with {c.flows_per_pair} flows per pair "
         "(cluster.flows_per_pair in a run file; ECMP hashes each); "
@@ -736,8 +737,9 @@ def separation(res) -> list[str]:
         costs = ", ".join(f"{BREAKDOWN_LABELS[k]} {v:+.3f} s" for k, v in top if abs(v) > 5e-4)
         other = settings(r.layout)
         what = ", ".join(f"{k} {v}" for k, v in other.items() if v != mine[k])
+        longer = r.iteration_time_s / one.iteration_time_s - 1
         out.append(f"#{i}: {what or 'the same settings'}: step "
-                   f"{r.iteration_time_s / one.iteration_time_s - 1:+.1%}, "
+                   f"{0.0 if abs(longer) < 5e-4 else longer:+.1%}, "   # never "-0.0%"
                    f"{margin_bytes(r) / 1e9:.1f} GB free" + (f" ({costs})" if costs else ""))
     return out
 

@@ -20,6 +20,7 @@ behind the step and FLOP modules".
 from __future__ import annotations
 
 import dataclasses
+import re
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -526,7 +527,9 @@ def _result(s: Step, total: float, bd: dict, mem: MemoryResult, stages: dict, cr
 def op_table(run: RunSpec, res: StepResult, ops: tuple[Op, ...], stage: dict,
              per_stage: float, m: int, crit: str, hw: Hardware, eff: Efficiency,
              groups: dict) -> list[dict]:
-    """Per-operator rows for `myria analyze`: totals per iteration on the critical stage."""
+    """Per-operator rows for `myria analyze`: totals per iteration on the critical stage; a
+    forward operator that `training.recompute` runs again in backward counts both runs
+    (`recomputed`)."""
     shape = run_shape(run)
     first, last = crit in ("only", "first"), crit in ("only", "last")
     head = timed_head_ops(shape, first, last, hw.peak_flops, hw.mem_bw, eff)
@@ -544,7 +547,8 @@ def op_table(run: RunSpec, res: StepResult, ops: tuple[Op, ...], stage: dict,
             bound = "network" if groups[op.group].k > 1 else "nvlink"
         else:
             t, bound = op.time, op.bound
-        rows.append({"name": op.name, "phase": op.phase, "kind": op.kind,
+        rows.append({"name": op.name, "phase": op.phase, "recomputed": repeats == 2,
+                     "kind": op.kind,
                      "flops": op.flops * mult * repeats, "bytes": op.bytes * mult * repeats,
                      "intensity": op.intensity, "bound": bound,
                      "time_s": t * mult * repeats,
@@ -554,8 +558,7 @@ def op_table(run: RunSpec, res: StepResult, ops: tuple[Op, ...], stage: dict,
 
 def measured_here(spec: DeviceSpec) -> bool:
     """A CPU spec measured on this machine by `myria.device.cpu_device_spec`."""
-    return spec.name == "cpu" and spec.source.startswith("measured (") and \
-        "threads" in spec.source
+    return spec.name == "cpu" and re.match(r"measured \(\d+ threads? x ", spec.source) is not None
 
 
 def trainer_stack(cfg, is_cpu: bool) -> dict[str, dict]:
