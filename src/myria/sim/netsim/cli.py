@@ -276,6 +276,8 @@ def run(args: argparse.Namespace) -> int:
                requested_algorithm=algo,
                groups=int(groups.shape[0]), wall_s=time.perf_counter() - t0)
     util = out.pop("_fabric_util")
+    if routing == "adaptive":   # every flow spread over all its uplinks: no count per link
+        out["max_flows_on_a_fabric_link"] = None
     if args.plot:
         _plot(out, util, args.plot)
     if args.json:
@@ -318,7 +320,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"  PFC/DCQCN fluid model: step {_time(c['completion_time_s'])} vs "
               f"{_time(c['max_min_time_s'])} max-min; links paused "
               f"{c['paused_links']}, victim flows {c['victim_flows']}")
-    print(f"  {out['flows']:,} flows on {out['links']:,} links, {out['wall_s']:.2f} s")
+    print(f"  {out['flows']:,} flows on {out['links']:,} links ({len(util):,} of them switch "
+          f"links that carried traffic), {out['wall_s']:.2f} s")
     return 0
 
 
@@ -364,10 +367,11 @@ def _plot(out: dict, util: np.ndarray, path: str) -> None:
     fig, ax = plt.subplots(figsize=(6, 3.5))
     if len(util):
         ax.hist(util * 100, bins=40)
-    ax.set_xlabel("switch-link utilisation over the collective (%)")
-    ax.set_ylabel("links")
-    ax.set_title(f"{out['collective']} {out['algorithm']} on {out['topology']}, "
-                 f"{out['routing']}")
+    ax.set_xlabel("utilisation over the collective (%)")
+    ax.set_ylabel(f"switch links that carried traffic ({len(util):,})")
+    ax.set_title(f"{out['collective']} {out['algorithm']} of {_size(out['bytes'])} on "
+                 f"{out['gpus']:,} GPUs, {out['topology']}, {out['routing']}, "
+                 f"{out['qps_per_connection']} QP(s)", fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
