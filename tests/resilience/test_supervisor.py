@@ -1007,3 +1007,17 @@ def test_giving_up_says_where_the_same_command_resumes(tmp_path, tiny_data):
     assert p.returncode != 0 and s["status"] == "failed", s["status"]
     assert "ACTION give up: no restarts allowed (resilience.max_restarts = 0); the same " \
         "command resumes from step_0000000" in log, log[-2000:]
+
+
+def test_a_host_the_job_went_on_without_does_not_head_its_summary(tmp_path):
+    """The merged summary's top level (wall time, ETTR) is a host's of the job's last round,
+    even when an excluded host (back after a partition) writes its part last."""
+    from myria.resilience.multihost import EXCLUDED, write_part_and_merge
+
+    for host, status, wall in (("h0", "succeeded", 99.2), ("h2", "succeeded", 99.0),
+                               ("h1", EXCLUDED, 143.7)):
+        write_part_and_merge(tmp_path, {"job": "slurm-4", "host": host, "status": status,
+                                        "final_step": 8, "target_steps": 8, "wall_s": wall})
+    s = json.loads((tmp_path / "supervisor_summary.json").read_text())
+    assert s["host"] == "h0" and s["wall_s"] == 99.2 and s["written_by"] == "h1", s
+    assert s["status"] == "succeeded" and s["host_status"]["h1"] == EXCLUDED

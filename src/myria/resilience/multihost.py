@@ -73,9 +73,15 @@ def read_parts(run_dir: Path, job: str) -> dict[str, dict]:
 
 
 def merge(parts: dict[str, dict], writer: str) -> dict[str, Any]:
-    """The job's summary from its hosts' parts: the writer's part at the top level (the fields
-    a one-host summary has), with the job-wide fields over it."""
-    top = dict(parts[writer])
+    """The job's summary from its hosts' parts: a part at the top level (the fields a one-host
+    summary has: wall time, ETTR), with the job-wide fields over it. That part is the writer's
+    when the writer was in the job's last round, else that of the host of the last round that
+    trained furthest: a host the job went on without (excluded, a spare left unused) wrote
+    only its own view, however late it wrote."""
+    last_round = [h for h, p in parts.items() if p.get("status") not in (EXCLUDED, SPARE_UNUSED)]
+    head = writer if writer in last_round or not last_round else \
+        max(sorted(last_round), key=lambda h: parts[h].get("final_step", 0))
+    top = dict(parts[head])
     statuses = {h: p.get("status") for h, p in parts.items()}
     # the job succeeded when a host of its last round trained to the end: hosts it went on
     # without (lost, cut off, drained, spares) keep their own status under host_status
@@ -235,6 +241,20 @@ def job_ended(run_dir: Path, job: str, wait_s: float = 2.0) -> str:
             return f"{done[0][0]} trained it to step {done[0][1]['final_step']}"
         if time.time() >= end:
             return ""
+        time.sleep(0.25)
+
+
+def gave_up_gathering(run_dir: Path, job: str, host: str, wait_s: float = 2.0) -> str:
+    """Which other host of job `job` gave up because the job's hosts never gathered (its part
+    of the summary says "rendezvous-failed"), or "": when the first node gives up so, its exit
+    takes the rendezvous store with it, and a host that then finds the store gone is seeing
+    that, not a lost node (waits up to `wait_s` for a shared file system's lag)."""
+    end = time.time() + wait_s
+    while True:
+        who = sorted(h for h, p in read_parts(run_dir, job).items()
+                     if h != host and p.get("status") == "rendezvous-failed")
+        if who or time.time() >= end:
+            return ", ".join(who)
         time.sleep(0.25)
 
 

@@ -212,11 +212,19 @@ class Supervisor:
                                                                    self.host)):
                 status, code = multihost.EXCLUDED, 0   # cut off: the job went on without it
                 log.warning("ACTION leave: %s", why)
+            elif self.max_nodes > 1 and (who := multihost.gave_up_gathering(
+                    self.run_dir, self.job, self.host)):
+                # the job's hosts never gathered: running it again would not gather them
+                log.error("ACTION give up: the rendezvous did not complete on %s either "
+                          "(%s): the job's hosts never gathered", who,
+                          str(e) or type(e).__name__)
             elif self.max_nodes > 1 and (why := multihost.store_lost(self._endpoint)):
                 status, code = "rendezvous-lost", multihost.EXIT_STORE_LOST
-                log.error("ACTION give up: %s; resubmit the job: it resumes from the newest "
-                          "committed checkpoint (%s)", why,
-                          summary.newest_committed(self.run_dir) or "none yet")
+                log.error("ACTION give up: %s; the job runs again from the newest committed "
+                          "checkpoint (%s) when it is requeued (exit %d: the batch script "
+                          "requeues it) or resubmitted", why,
+                          summary.newest_committed(self.run_dir) or "none yet",
+                          multihost.EXIT_STORE_LOST)
             else:
                 log.error("ACTION give up: the rendezvous did not complete (%s)%s",
                           str(e) or type(e).__name__,
