@@ -571,6 +571,9 @@ def down(quiet: bool = False) -> list[str]:
 
 
 # -- the CLI ---------------------------------------------------------------------------------
+HOST_HELP = "a host: h0 .. h{N-1} after `myria cluster up N` (`myria cluster status` lists them)"
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     sub = p.add_subparsers(dest="action", required=True)
     u = sub.add_parser("up", help="bring up N hosts under Slurm (idempotent)")
@@ -578,20 +581,21 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     sub.add_parser("down", help="stop every process and delete every namespace")
     sub.add_parser("status", help="the hosts, their daemons and Slurm's view (sinfo)")
     e = sub.add_parser("exec", help="run a command on a host (or the login node)")
-    e.add_argument("host")
-    e.add_argument("cmd", nargs=argparse.REMAINDER)
+    e.add_argument("host", help=HOST_HELP + ", or login (the login node: Slurm's commands)")
+    e.add_argument("cmd", nargs=argparse.REMAINDER, help="the command and its arguments")
     for name, help_ in (("kill-host", "kill every process of a host"),
                         ("revive", "start a killed host again (its slurmd back in Slurm)"),
                         ("partition", "cut a host's link at the switch"),
                         ("heal", "restore a host's link"),
                         ("fail-diagnostics", "make a host's self-check diagnostics fail")):
         q = sub.add_parser(name, help=help_)
-        q.add_argument("host")
+        q.add_argument("host", help=HOST_HELP)
         if name == "fail-diagnostics":
             q.add_argument("--heal", action="store_true", help="pass them again")
     s = sub.add_parser("slow-link", help="limit a host's link (tc tbf), e.g. 1mbit; off")
-    s.add_argument("host")
-    s.add_argument("rate")
+    s.add_argument("host", help=HOST_HELP)
+    s.add_argument("rate", help="the link's rate as tc writes it (e.g. 1mbit, 500kbit), or "
+                   "off to lift the limit")
     p.epilog = ("State in $MYRIA_CLUSTER_DIR (default /tmp/myria-cluster); root only. "
                 "Slurm commands run on the login node: `myria cluster exec login sinfo`.")
 

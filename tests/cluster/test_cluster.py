@@ -104,6 +104,11 @@ def _members(run_dir: Path) -> list[str]:
     return line.split("hosts in this round: ")[1].split(", ")
 
 
+def fence_round(run_dir: Path) -> int:
+    """The job's current rendezvous round, as the first host recorded it (fence.json)."""
+    return int(json.loads((run_dir / "fence.json").read_text())["generation"])
+
+
 def _completed_bit_equal(run_dir: Path, job: int, one_host: Path) -> dict:
     """Slurm's COMPLETED, the run bit-equal to one host's and summarised as succeeded; the
     job's summary."""
@@ -195,6 +200,11 @@ def test_partition_detected_as_hang_and_fenced(hosts3, tiny_data, one_host, tmp_
     assert f["kind"] in ("hang", "traffic-stopped", "membership-change") and \
         "hang report" in f["action"], f
     assert json.loads((run / "report" / "hang.json").read_text())
+    # the round after it is the first host's next attempt (its workers' number), so its
+    # recovery is split into phases and booked, not left to `other`
+    assert f["attempt"] < fence_round(run) and f.get("recovery_phases"), f
+    g = s["goodput"]["seconds"]
+    assert g["recovery"] > 0 and g["other"] < 0.05 * s["wall_s"], g
     fence = json.loads((run / "fence.json").read_text())
     assert fence["generation"] >= 1 and cut not in fence["hosts"]
     # each of the cut-off host's workers stopped on the fence and says so (exit 75 from

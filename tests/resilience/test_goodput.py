@@ -306,3 +306,20 @@ def test_the_time_between_two_starts_by_hand_is_no_ones(tmp_path):
     led, _ = goodput_ledger(tmp_path, summaries=[],
                             stragglers=[{"cost_s_per_step": 0.5, "first_step": 2}])
     assert led["seconds"]["straggler"] == 2.0 and led["seconds"]["productive"] == 8.0
+
+
+def test_a_rank_without_a_dump_whose_stack_waits_in_a_collective_is_no_suspect():
+    """A rank that wrote no event dump but whose stack was read is alive: in torch.distributed
+    it waits for another rank (one on a lost host) and is no suspect; without a stack it is
+    silent, a suspect."""
+    rep = {"stuck": {}, "waiting": {}, "collective": None, "silent_ranks": [0, 1],
+           "suspects": [0, 1]}
+    frame = ("reduce_scatter_single (/venv/lib/python3.11/site-packages/torch/distributed/"
+             "distributed_c10d.py:4321)")
+    hang.add_stacks(rep, {0: {"tool": "py-spy", "main": [frame, "step (myria/x.py:1)"],
+                              "text": ""}})
+    assert rep["silent_ranks"] == [1] and rep["suspects"] == [1]
+    assert rep["alive"][0]["in_collective"]
+    line = hang.summary_line(rep)
+    assert "rank(s) [1] wrote nothing" in line and "rank 0 wrote no event dump; its stack is " \
+        "in reduce_scatter_single" in line and "it waits for another rank" in line, line

@@ -69,8 +69,10 @@ class Ledger:
     def __init__(self, run_dir: str | Path, attempt: int | None = None, clock=time.time) -> None:
         self.run_dir = Path(run_dir)
         self.clock = clock
-        self.attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)) \
-            if attempt is None else attempt
+        from myria import rundir
+
+        # the job's attempt as every record of this process says it (across hosts: the round)
+        self.attempt = rundir.job_attempt() if attempt is None else attempt
         t0 = process_start_time() if clock is time.time else clock()
         self.marks: dict[str, float] = {"process_start": t0, "entered": clock()}
         self.rank: int | None = None

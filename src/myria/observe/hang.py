@@ -104,6 +104,11 @@ def summary_line(rep: dict) -> str:
     if rep["silent_ranks"]:
         parts.append(f"rank(s) {rep['silent_ranks']} wrote nothing (frozen, dead or outside "
                      "Python)")
+    for r, a in sorted(rep.get("alive", {}).items()):
+        where = a["stack"][0].strip() if a["stack"] else "?"
+        parts.append(f"rank {r} wrote no event dump; its stack is in {where}"
+                     + (" (a collective: it waits for another rank)" if a["in_collective"]
+                        else ""))
     c = rep["collective"]
     if c:
         parts.append(f"ranks {c['ranks']} wait in {c['name']} (mesh dim {c['dim']}, "
@@ -251,5 +256,17 @@ def add_stacks(rep: dict, stacks: dict[int, dict], frames: int = 8) -> dict:
         for r, entry in rep.get(part, {}).items():
             if r in stacks:
                 entry["stack"] = stacks[r]["main"][:frames]
+    # a rank that wrote no event dump but whose stack was read is alive: where its stack is
+    # in torch.distributed it waits for another rank (one on a host the job lost, say), so it
+    # is no suspect; it stays silent where nothing was read
+    alive = {r: stacks[r]["main"][:frames] for r in rep.get("silent_ranks", []) if r in stacks}
+    rep["silent_ranks"] = [r for r in rep.get("silent_ranks", []) if r not in alive]
+    rep["alive"] = {r: {"stack": st, "in_collective": any(COLLECTIVE_FRAME in x for x in st)}
+                    for r, st in alive.items()}
+    rep["suspects"] = [r for r in rep.get("suspects", [])
+                       if not (r in rep["alive"] and rep["alive"][r]["in_collective"])]
     rep["stack_ranks"] = sorted(stacks)
     return rep
+
+
+COLLECTIVE_FRAME = "torch/distributed/"   # a stack frame of a collective (its file's path)

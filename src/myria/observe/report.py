@@ -294,7 +294,10 @@ def write_report(run_dir: Path, predict: bool = True) -> Path:
     pred = None if predict else {"error": "skipped (--no-prediction)"}
     (out / "prediction.json").unlink(missing_ok=True)
     if predict:
-        pred = prediction(run_dir, run.world or None)
+        hosts = {r.header.get("host") for r in run.ranks.values()}
+        per_host = run.world // len(hosts) if run.world and None not in hosts and \
+            "" not in hosts and run.world % len(hosts) == 0 else 0
+        pred = prediction(run_dir, run.world or None, per_host)
         if pred is not None:
             pred.update(measured_step(table, metrics_rows(run_dir)))
             (out / "prediction.json").write_text(json.dumps(pred, indent=1))

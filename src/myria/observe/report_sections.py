@@ -324,9 +324,11 @@ def mixture_html(mix: dict | None) -> str:
 
 # -- the model's prediction ------------------------------------------------------------------
 
-def prediction(run_dir: Path, world: int | None = None) -> dict | None:
+def prediction(run_dir: Path, world: int | None = None, ranks_per_host: int = 0
+               ) -> dict | None:
     """The performance model's step for the run's config on its `world` processes (default:
-    its event files), in the meter's MFU convention; None with no config.json. On a CPU it is
+    its event files), `ranks_per_host` to a host (0: all on one), in the meter's MFU
+    convention; None with no config.json. On a CPU it is
     priced from this CPU's figures measured at the run's threads per process (measured now if
     the cache lacks them, `myria.sim.measure.cpu.measured_profile`); elsewhere on the device the
     planner would use (`myria.device.planning_device`)."""
@@ -339,8 +341,8 @@ def prediction(run_dir: Path, world: int | None = None) -> dict | None:
 
         cfg = mconfig.from_dict(json.loads(cfg_path.read_text()))
         world = world or run_world(run_dir)
-        spec, prof, threads = _prediction_device(cfg, world)
-        res = simulate_config(cfg, world, spec, cpu_profile=prof)
+        spec, prof, threads = _prediction_device(cfg, world, ranks_per_host)
+        res = simulate_config(cfg, world, spec, gpus_per_node=ranks_per_host, cpu_profile=prof)
     except Exception as e:  # a prediction is a bonus: say why there is none
         return {"error": f"{type(e).__name__}: {e}"}
     out = {"iteration_time_s": res.iteration_time_s, "mfu": res.mfu,
@@ -380,8 +382,9 @@ def run_world(run_dir: Path) -> int:
     return max(1, *counts)
 
 
-def _prediction_device(cfg, world: int):
-    """(device spec, CPU profile or None, threads per process or 0) of a run's prediction."""
+def _prediction_device(cfg, world: int, ranks_per_host: int = 0):
+    """(device spec, CPU profile or None, threads per process or 0) of a run's prediction
+    (`ranks_per_host` to a host; 0: all on one)."""
     from myria.device import cpu_device_spec, planning_device
 
     device = cfg.training.device
@@ -395,7 +398,8 @@ def _prediction_device(cfg, world: int):
     from myria.sim.measure import cpu as mcpu
     from myria.sim.perf import config_run, run_shape
 
-    run, spec, threads = config_run(cfg, world, cpu_device_spec())   # at its threads/process
+    run, spec, threads = config_run(cfg, world, cpu_device_spec(),   # at its threads/process
+                                    ranks_per_host)
     gpn = run.cluster.gpus_per_node
     shape = run_shape(run)
     have = mcpu.load_profile(threads, gpn, shape)
@@ -406,7 +410,7 @@ def _prediction_device(cfg, world: int):
 
         print(f"predicting the step: measuring this CPU's figures for this model as {gpn} "
               f"process(es) x {threads} thread(s) (once; cached in {cache_dir()})", flush=True)
-    return spec, mcpu.measured_profile(cfg, world, spec), threads
+    return spec, mcpu.measured_profile(cfg, world, spec, gpus_per_node=ranks_per_host), threads
 
 
 def measured_step(table: dict, metrics: list[dict]) -> dict:

@@ -26,6 +26,7 @@ import threading
 import time
 from typing import Any
 
+from myria import rundir
 from myria.observe import comm, events
 from myria.observe import heartbeat_store as store_protocol
 from myria.observe.goodput import Ledger
@@ -137,7 +138,7 @@ class Heartbeat:
         self.store = store
         self.period_s = period_s
         self.job = job
-        self.attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
+        self.attempt = rundir.job_attempt()   # what the supervisor matches records by
         self.sent = 0
         self.failures = 0
         self.lost = False  # the supervisor's store went away: nothing more is sent
