@@ -378,11 +378,24 @@ def cpu_core_peak(refresh: bool = False) -> Figure:
     return Figure(float(entry["value"]), source, (), entry["measured_at"])
 
 
+MEASURED = "measured"   # how a CPU peak measured here begins its source
+
+
+def measured_threads(source: str) -> int | None:
+    """The threads a CPU peak measured on this machine was taken at (`cpu_peak_figure`'s
+    source), or None for a figure from elsewhere (a datasheet, one described by hand)."""
+    import re
+
+    m = re.match(rf"{MEASURED} \((\d+) threads? x ", source)
+    return int(m.group(1)) if m else None
+
+
 def cpu_peak_figure(threads: int, refresh: bool = False) -> Figure:
-    """The fp32 matmul peak of this CPU at `threads` threads: threads x the core peak."""
+    """The fp32 matmul peak of this CPU at `threads` threads: threads x the core peak; its
+    source says the threads (`measured_threads` reads them back)."""
     core = cpu_core_peak(refresh)
     return Figure(threads * core.value,
-                  f"measured ({threads} thread{'s' if threads != 1 else ''} x {core.source})",
+                  f"{MEASURED} ({threads} thread{'s' if threads != 1 else ''} x {core.source})",
                   (), core.measured_at)
 
 

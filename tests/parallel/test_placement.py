@@ -1,4 +1,4 @@
-"""Topology-aware placement: TP inside hosts, pipelines under one switch, every rank once."""
+"""Placement: the trainer's mesh order, TP inside hosts, every rank once, what groups cross."""
 
 import numpy as np
 
@@ -6,24 +6,19 @@ from myria.parallel.placement import Cluster, crossing_summary, groups, place
 
 
 def test_every_rank_placed_once_and_tp_inside_hosts():
+    """The trainer's mesh order: TP inside a host, data parallelism next (a ring crosses each
+    host boundary once), the pipeline outermost; switches only counted."""
     lay = {"pp": 4, "dp_shard": 4, "tp": 8}
     c = Cluster(ranks_per_host=8, hosts_per_switch=4)
     grid = place(lay, c)
     assert sorted(grid.flatten().tolist()) == list(range(128))
     s = crossing_summary(grid, c)
     assert s["tp"]["cross_host"] == 0
-    assert s["pp"]["cross_switch"] == 0  # a 32-rank pipeline fits under one 4-host switch
+    assert s["dp_shard"]["cross_switch"] == 0   # 4 hosts of one data-parallel group, 1 switch
+    assert s["pp"]["cross_switch"] == 32        # stages 32 ranks apart: every pipeline crosses
     # data-parallel groups list ranks in slot order: a ring crosses each host boundary once
     for g in groups(grid, "dp_shard"):
         assert g == sorted(g)
-
-
-def test_pipeline_too_big_for_a_switch_puts_dp_inside():
-    lay = {"pp": 8, "dp_shard": 2, "tp": 8}
-    c = Cluster(ranks_per_host=8, hosts_per_switch=2)  # 16 ranks per switch < 64 per pipeline
-    s = crossing_summary(place(lay, c), c)
-    assert s["tp"]["cross_host"] == 0
-    assert s["dp_shard"]["cross_switch"] == 0
 
 
 def test_cp_and_tp_share_a_host_when_they_fit():
@@ -50,10 +45,10 @@ def test_dry_run_prints_placement():
     assert "(dp, pp, cp, tp, ep)" in p.stdout and "cross switch" in p.stdout
 
 
-def test_without_leaf_switches_data_parallelism_follows_tp_as_the_model_prices():
-    """Switches unknown (one switch): no pipeline needs keeping under one, so data
-    parallelism comes after TP and CP (Megatron-LM's order) and takes what is left of a host:
-    each group's members lie at the strides the performance model prices (`layout.strides`)."""
+def test_data_parallelism_follows_tp_at_the_strides_the_model_prices():
+    """Data parallelism comes after TP and CP (Megatron-LM's order) and takes what is left of
+    a host: each group's members lie at the strides the performance model prices
+    (`layout.strides`)."""
     from myria.layout import strides
 
     lay = {"pp": 2, "dp_shard": 8, "tp": 2}

@@ -60,7 +60,13 @@ def test_cpu_peak_is_a_pinned_core_peak_times_threads(cache, monkeypatch):
     """Measured once (a real measurement: a high quantile of one-thread calls on CPU time),
     then re-used without measuring; every thread count is threads x the same core figure."""
     one = device.cpu_device_spec(threads=1)
-    assert one.source.startswith("measured (1 thread x")   # sim.perf.measured_here reads this
+    # the performance model knows it for a spec measured here, at its threads
+    from myria.sim.perf import measured_here
+
+    assert device.measured_threads(one.source) == 1 and measured_here(one)
+    assert device.measured_threads(device.cpu_device_spec(threads=2).source) == 2
+    hand = device.DeviceSpec("cpu", 0.2, 0.2, 16.0, 20.0, 0.0, source="measured (test)")
+    assert device.measured_threads(hand.source) is None and not measured_here(hand)
     entry = device._load_figures()[device.cpu_key(1)][device.CORE_PEAK]
     q10, q50, q90 = entry["q10_q50_q90"]
     assert entry["calls"] >= 600 and 0 < q10 <= q50 <= q90 <= one.peak_fp32_tflops

@@ -245,8 +245,20 @@ def test_plan_of_a_training_config_prices_its_layout_as_its_dry_run(capsys):
     assert found["memory_gb_per_gpu"] == pytest.approx(dry.memory.total / 1e9, rel=1e-6)
     code, out, err = run(capsys, "plan", "configs/llama3-8b.toml", "--gpu", "h100", "--gpus",
                          "64", "--top", "1")
-    assert code == 0 and "priced as myria's trainer runs it" in out, out
-    assert "elementwise kernels unfused" in out and "overlap none" in out, out
+    assert code == 0 and "default for a training config: none, as myria's trainer runs it" \
+        in out, out
+    assert "attention fa2 " in out and "elementwise kernels unfused" in out and \
+        "overlap none" in out, out
+    # only what the trainer has is searched: ZeRO 0, 2, 3 and its three recomputations
+    code, out, err = run(capsys, "plan", "configs/llama3-8b.toml", "--gpu", "h100", "--gpus",
+                         "64", "--top", "100000", "--json")
+    ranked = json.loads(out)["ranked"]
+    assert {r["layout"]["zero_stage"] for r in ranked} == {0, 2, 3}
+    assert {r["layout"]["recompute"] for r in ranked} <= {"none", "elementwise", "full"}
+    # a flag still wins: --overlap prices the decomposed overlap, and the header says it
+    code, out, err = run(capsys, "plan", "configs/llama3-8b.toml", "--gpu", "h100", "--gpus",
+                         "64", "--top", "1", "--overlap", "tp,pp,dp")
+    assert "overlap tp,pp,dp (--overlap; default for a training config: none" in out, out
 
 
 def test_find_refuses_a_degree_the_model_cannot_split_as_the_search_flag_does(capsys):

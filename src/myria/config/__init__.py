@@ -224,8 +224,9 @@ class ParallelConfig:
                               "and broadcasts it (MegaScale's removal of redundant loaders)")
     hosts: str = _f("", "comma-separated host names in rank order for placement reports; empty "
                     "means this host only (or $MYRIA_HOSTS / Slurm's node list)")
-    hosts_per_switch: int = _f(0, "hosts under one leaf switch, for placement; 0 = unknown "
-                               "(one switch)", min=0)
+    hosts_per_switch: int = _f(0, "hosts under one leaf switch, for the dry run's placement "
+                               "report (which groups cross switches); 0 = unknown (one "
+                               "switch)", min=0)
     fast_domain: int = _f(0, "ranks per fast (NVLink) domain; 0 means the ranks of one host",
                           min=0)
 

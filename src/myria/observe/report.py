@@ -633,7 +633,7 @@ def page(run: Run, table: dict, blame: dict, figs: dict[str, str], pred: dict | 
         said += [goodput_line(gp), *fault_lines(gp), *lost_host_lines(gp)]
     except (OSError, ValueError, KeyError):
         pass
-    said = [x for x in (*said, detections_line(run.run_dir)) if x]
+    said = [x for x in (*said, detections_line(run.run_dir), unreadable_line(run.run_dir)) if x]
     warm = blame.get("warmup_step_excluded")
     warm = (f"step {warm}, the warm-up, left out" if warm is not None else
             "no warm-up step left out")

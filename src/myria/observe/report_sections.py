@@ -456,7 +456,7 @@ def prediction_line(pred: dict) -> str:
 LEDGER_COLORS = {"productive": "#2ca02c", "startup": "#9467bd", "data_wait": "#7f7f7f",
                  "checkpoint": "#bcbd22", "eval": "#17becf", "straggler": "#ff7f0e",
                  "detection": "#d62728", "recovery": "#e377c2", "lost": "#8c564b",
-                 "redone": "#f7b6d2", "shutdown": "#c5b0d5", "other": "#000000"}
+                 "redone": "#1f77b4", "shutdown": "#c5b0d5", "other": "#000000"}
 
 
 def job_summaries(run_dir: Path) -> list[dict]:

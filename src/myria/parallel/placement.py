@@ -1,22 +1,20 @@
-"""Topology-aware rank placement: which global rank takes which (pp, dp, cp, tp) coordinate.
+"""Rank placement: which global rank takes which (pp, dp, cp, tp) coordinate, and which groups
+cross hosts, leaf switches and NVLink domains.
 
 Launchers number ranks host by host (rank = host * ranks_per_host + local rank), and hosts are
-numbered switch by switch. We order the *slots* (global ranks) by (leaf switch, host, local
-rank) and hand them out to logical coordinates with tensor parallelism varying fastest, then
-context parallelism, so TP (and CP, when it fits) groups stay inside one host's fast domain
-(NVLink). Then, when leaf switches are known (`hosts_per_switch`) and a whole pipeline fits
-under one, the pipeline dimension comes next, so neighbouring stages sit under the same switch;
-otherwise data parallelism does, as Megatron-LM orders ranks, so the larger gradient traffic
-gets what is left of the fast domain (and the performance model, `sim.collectives.
-layout_groups`, prices this order). Data-
-parallel groups list their members in slot order, so a ring over them crosses each host and
-switch boundary once — the topology-aware ring of NCCL, done by construction (MegaScale §3.3,
-and NCCL's ring/tree search). On a single host this is the identity placement.
+numbered switch by switch. The trainer's mesh (`myria.layout.MESH_ORDER`) gives coordinates to
+ranks with tensor parallelism varying fastest, then context parallelism, then data
+parallelism, then the pipeline (Megatron-LM's order): TP (and CP, when it fits) groups stay
+inside one host's fast domain (NVLink), data parallelism takes what is left of a host (the
+larger gradient traffic), and data-parallel groups list their members in rank order, so a ring
+over them crosses each host and switch boundary once (the topology-aware ring of NCCL, by
+construction; MegaScale section 3.3). The performance model prices this order
+(`sim.collectives.layout_groups`). `describe` reports it for a dry run, the switches
+(`hosts_per_switch`) and NVLink domains only counting which groups cross them.
 """
 
 from __future__ import annotations
 
-import itertools
 from dataclasses import dataclass
 
 import numpy as np
@@ -50,35 +48,16 @@ class Cluster:
         return f"host{h}"
 
 
-def place(layout: dict[str, int], cluster: Cluster) -> np.ndarray:
-    """Global ranks laid out as an array of shape (pp, dp_replicate, dp_shard, cp, tp)."""
-    sizes = [layout.get(d, 1) for d in DIMS]
-    world = int(np.prod(sizes))
-    # inner-to-outer assignment order of the logical dimensions
-    pipeline_ranks = layout.get("pp", 1) * layout.get("cp", 1) * layout.get("tp", 1)
-    switch_ranks = (cluster.hosts_per_switch or 10**9) * cluster.ranks_per_host
-    if world <= cluster.ranks_per_host:  # one host: identity (pp outermost, tp fastest)
-        order = list(reversed(DIMS))
-    elif cluster.hosts_per_switch and pipeline_ranks <= switch_ranks and layout.get("pp", 1) > 1:
-        order = ["tp", "cp", "pp", "dp_shard", "dp_replicate"]
-    else:
-        order = ["tp", "cp", "dp_shard", "dp_replicate", "pp"]
-    slots = sorted(range(world), key=lambda r: (cluster.switch_of(r), cluster.host_of(r), r))
-    out = np.empty(sizes, dtype=np.int64)
-    ranges = [range(layout.get(d, 1)) for d in reversed(order)]  # outermost first
-    for i, coords_outer_first in enumerate(itertools.product(*ranges)):
-        coord = dict(zip(reversed(order), coords_outer_first))
-        out[tuple(coord[d] for d in DIMS)] = slots[i]
-    return out
-
-
-def grid(layout, cluster: Cluster | None = None) -> np.ndarray:
-    """The global ranks as an array with one axis per dimension of `MESH_ORDER`: consecutive
-    ranks fill tp first, or placed by topology given a `Cluster`."""
-    if cluster is not None:
-        return place(layout, cluster)
+def place(layout: dict[str, int], cluster: Cluster | None = None) -> np.ndarray:
+    """Global ranks laid out as an array of shape (pp, dp_replicate, dp_shard, cp, tp), as the
+    trainer's mesh has them: consecutive ranks fill tp first (`MESH_ORDER`). Launchers number
+    ranks host by host and hosts switch by switch, so this needs nothing of the `cluster`,
+    which only says what the groups cross."""
     sizes = [layout.get(d, 1) for d in DIMS]
     return np.arange(int(np.prod(sizes)), dtype=np.int64).reshape(sizes)
+
+
+grid = place   # the same array, named for callers without a cluster
 
 
 def coordinates(grid: np.ndarray) -> dict[int, dict[str, int]]:

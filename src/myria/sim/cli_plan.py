@@ -270,10 +270,11 @@ def _base_from_args(args) -> RunSpec:
                  "routing"):
         if getattr(args, flag) is not None:
             cluster[flag] = getattr(args, flag)
+    args.trainer_config = trainer_cfg is not None   # its search: what the trainer runs
     if trainer_cfg is not None:
         from myria.sim.perf import trainer_stack
 
-        stack = trainer_stack(trainer_cfg, is_cpu=cluster.get("gpu") == "cpu")
+        stack = trainer_stack(trainer_cfg, is_cpu=str(cluster.get("gpu")).lower() == "cpu")
         training = {**stack["training"], **training}   # --global-batch over the config's
         kernels, overlap = stack["kernels"], stack["overlap"]
     if args.rank_jitter is not None:
@@ -338,7 +339,13 @@ def _model_directory(p: Path) -> Path | None:
 
 
 def _space(args) -> SearchSpace:
+    """The search the flags ask for; of a training config (`args.trainer_config`), only the
+    data-parallel stages and recomputations myria's trainer has (ddp, zero2, fsdp: ZeRO 0, 2,
+    3; none, selective, full: the model's none, elementwise, full)."""
     sp = SearchSpace()
+    if getattr(args, "trainer_config", False):
+        sp.zero_stage = [0, 2, 3]
+        sp.recompute = list(runspec.TRAINER_RECOMPUTE)
     for f in ("tp", "pp", "cp", "ep", "vpp"):
         if getattr(args, f):
             setattr(sp, f, getattr(args, f))
@@ -547,7 +554,8 @@ def run(args: argparse.Namespace) -> int:
         first = res.ranked[0] if res.ranked and res.ranked[0].extra.get("runnable", True) \
             else None
         best = first or res.best_runnable
-        print(json.dumps({"assumptions": assumptions(base, args.reserve_gb),
+        print(json.dumps({"assumptions": assumptions(base, args.reserve_gb,
+                                                     args.trainer_config),
                           "evaluated": res.evaluated, "fitting": res.fitting,
                           "seconds": res.seconds, "offloaded": res.offloaded,
                           "ranked": [r.to_json() for r in res.ranked],
@@ -559,7 +567,7 @@ def run(args: argparse.Namespace) -> int:
                           **({} if res.ranked else {"fastest_unfitting": _json(
                               res.best_unfitting), "leanest_unfitting": _json(res.leanest)})}))
     else:
-        _print(base, res, args.reserve_gb)
+        _print(base, res, args.reserve_gb, args.trainer_config)
         if args.find:
             print(found_line(res, args.find))
     if args.csv and res.ranked:
@@ -660,8 +668,10 @@ def _jitter_tail(text: str) -> tuple[float, float]:
     return share, excess
 
 
-def assumptions(base: RunSpec, reserve_gb: float | None = None) -> list[str]:
-    """The assumptions that can change a layout's rank, each with the flag that changes it."""
+def assumptions(base: RunSpec, reserve_gb: float | None = None, trainer: bool = False
+                ) -> list[str]:
+    """The assumptions that can change a layout's rank, each with the flag that changes it;
+    `trainer`: the model came from a myria training config, priced as its trainer runs it."""
     from myria.sim.hardware import build_hardware, flash_kernel
 
     k, o, c = base.kernels, base.overlap, base.cluster
@@ -671,9 +681,10 @@ def assumptions(base: RunSpec, reserve_gb: float | None = None) -> list[str]:
     return [
         f"assumed: attention {attn} (--kernels fa3|fa2|fa1|unfused), elementwise kernels "
         f"{'fused' if k.fused_ops else 'unfused'} (--unfused-ops); overlap {on} (--overlap; "
-        + ("a training config is priced as myria's trainer runs it: its own modules, nothing "
-           "decomposed; " if base.training.reduce_once else "")
-        + f"default {DEFAULT_OVERLAP} as Megatron-Core's recipes run); data-parallel "
+        + ("default for a training config: none, as myria's trainer runs it, with its own "
+           "modules and SDPA's FlashAttention-2; ZeRO 0, 2, 3 and its recomputations searched"
+           if trainer else f"default {DEFAULT_OVERLAP} as Megatron-Core's recipes run")
+        + "); data-parallel "
         "buckets: Megatron-Core's max(40M, 1M x dp) parameters for ZeRO 0-1, FSDP's units for "
         "ZeRO 2-3",
         f"assumed: {hw.gpus_per_node} GPU{'s' if hw.gpus_per_node != 1 else ''} per server "
@@ -782,14 +793,15 @@ def model_line(base: RunSpec) -> str:
             f"{mixer}{moe}")
 
 
-def _print(base: RunSpec, res, reserve_gb: float | None = None) -> None:
+def _print(base: RunSpec, res, reserve_gb: float | None = None, trainer: bool = False
+           ) -> None:
     from rich.table import Table
 
     con = console(150)
     m = base.model
     con.print(f"model {model_line(base)}, seq {m.seq_len}, global batch "
               f"{base.training.global_batch}, {base.cluster.gpus} x {base.cluster.gpu}")
-    for line in assumptions(base, reserve_gb):
+    for line in assumptions(base, reserve_gb, trainer):
         con.print(line)
     from myria.sim.hardware import build_hardware
 

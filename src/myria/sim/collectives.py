@@ -187,13 +187,11 @@ COLLECTIVES = {"allreduce": allreduce, "reduce_scatter": reduce_scatter,
 @lru_cache(maxsize=4096)
 def layout_groups(hw: Hardware, tp: int, cp: int, ep: int, dp: int, pp: int,
                   dp_shard: int = 0) -> dict:
-    """Communicators of a layout, placed as the trainer's mesh places them when leaf switches
-    are not given (`myria.layout.MESH_ORDER`, `myria.parallel.placement.place`: tp fastest,
-    then cp, dp_shard, dp_replicate, pp; ep inside the data-parallel ranks). With
-    `parallel.hosts_per_switch` the trainer keeps a pipeline that fits under one switch
-    (pp inside dp), which this does not price. Data-parallel reductions run over dp x cp (cp
-    ranks hold the same parameters); under HSDP (`dp_shard`) over shard groups of dp_shard x cp
-    neighbours ("dps") and replica groups across them ("dpr")."""
+    """Communicators of a layout, placed as the trainer's mesh places them
+    (`myria.layout.MESH_ORDER`, `myria.parallel.placement.place`: tp fastest, then cp,
+    dp_shard, dp_replicate, pp; ep inside the data-parallel ranks). Data-parallel reductions
+    run over dp x cp (cp ranks hold the same parameters); under HSDP (`dp_shard`) over shard
+    groups of dp_shard x cp neighbours ("dps") and replica groups across them ("dpr")."""
     from myria.layout import strides
 
     shard = (dp_shard or dp) * cp

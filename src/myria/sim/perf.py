@@ -20,12 +20,11 @@ behind the step and FLOP modules".
 from __future__ import annotations
 
 import dataclasses
-import re
 from dataclasses import dataclass
 from functools import lru_cache
 
 from myria.config import ModelConfig
-from myria.device import SERVER_GPUS, DeviceSpec
+from myria.device import SERVER_GPUS, DeviceSpec, measured_threads
 from myria.models.flops import (
     forward_flops_per_token,
     loss_chunk_rows,
@@ -558,7 +557,7 @@ def op_table(run: RunSpec, res: StepResult, ops: tuple[Op, ...], stage: dict,
 
 def measured_here(spec: DeviceSpec) -> bool:
     """A CPU spec measured on this machine by `myria.device.cpu_device_spec`."""
-    return spec.name == "cpu" and re.match(r"measured \(\d+ threads? x ", spec.source) is not None
+    return spec.name == "cpu" and measured_threads(spec.source) is not None
 
 
 def trainer_stack(cfg, is_cpu: bool) -> dict[str, dict]:
@@ -566,7 +565,7 @@ def trainer_stack(cfg, is_cpu: bool) -> dict[str, dict]:
     "overlap"), for a myria Config on a CPU (`is_cpu`: the eager runtime measured there, float32
     under `dtype = "auto"`) or a GPU: its recomputation, optimizer, data-parallel stage and
     precision; FSDP2 with gradient sync off until the last microbatch (`reduce_once`); its own
-    modules (separate elementwise kernels, SDPA's flash attention); no decomposed overlap.
+    modules (separate elementwise kernels, SDPA's FlashAttention-2); no decomposed overlap.
     `config_run` prices a config with it, and `myria plan` a training TOML's model."""
     dtype = cfg.training.dtype
     if dtype == "auto":
@@ -580,7 +579,9 @@ def trainer_stack(cfg, is_cpu: bool) -> dict[str, dict]:
             precision="fp32" if dtype == "float32" else "bf16",
             offload=cfg.parallel.offload, offload_params=cfg.parallel.offload_params,
             reduce_once=True),   # the trainer's FSDP2 syncs on the last microbatch
-        "kernels": dict(flash_attention=True, fused_ops=False, eager=is_cpu),
+        # SDPA's flash backend is FlashAttention-2 on every GPU (torch's default priority)
+        "kernels": dict(flash_attention=True, flash_version="fa2", fused_ops=False,
+                        eager=is_cpu),
         "overlap": {},           # each OverlapSpec default: nothing decomposed
     }
 

@@ -115,6 +115,9 @@ class MetricsLogger:
             self.tracker.log_eval(step, val_loss, by_source)
         if self._tb is not None:
             self._tb.add_scalar("val/loss", val_loss, step)
+            for cat, v in ((ledger or {}).get("goodput") or {}).items():   # the eval's time
+                if _finite(v):
+                    self._tb.add_scalar(f"val/goodput/{cat}", v, step)
             for name, v in (by_source or {}).items():
                 self._tb.add_scalar(f"val/loss/{name}", v, step)
         msg = f"step {step:>6}/{self.total}  val_loss {val_loss:.4f}" + "".join(

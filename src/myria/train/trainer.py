@@ -432,10 +432,11 @@ class Run:
             self.hb.phase("eval")
             self.val = self.val or open_dataset(cfg.data, cfg.model.seq_len, split="val")
             losses = evaluate_sources(self.engine, self.val, cfg)
-            # the eval's row carries the ledger's seconds since the step's row (its eval), so
-            # the last eval of a run is booked too, not left after the last row
-            self.metrics.log_eval(step, *losses,
-                                  ledger=self.hb.ledger.row({"time": time.time()}))
+            # the eval's row carries the ledger's seconds since the last row (the eval, and
+            # the steps and their data waits in between when rows are further apart), so the
+            # last eval of a run is booked too, not left after the last row
+            self.metrics.log_eval(step, *losses, ledger=self.hb.ledger.row(
+                {"time": time.time(), "data_wait_s": self.loader.pop_wait_time()}))
 
     def per_source(self, step: int, done: StepDone) -> dict[str, Any]:
         """A mixture's figures per source for the metrics row of step `step`: samples and

@@ -276,8 +276,6 @@ def run(args: argparse.Namespace) -> int:
                requested_algorithm=algo,
                groups=int(groups.shape[0]), wall_s=time.perf_counter() - t0)
     util = out.pop("_fabric_util")
-    if routing == "adaptive":   # every flow spread over all its uplinks: no count per link
-        out["max_flows_on_a_fabric_link"] = None
     if args.plot:
         _plot(out, util, args.plot)
     if args.json:

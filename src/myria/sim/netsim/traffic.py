@@ -369,6 +369,8 @@ def simulate_collective(fab: Fabric, coll: Collective, routing: str = "ecmp", qp
     out["protocol"] = proto
     out["transfer_time_s"] = t_xfer
     out["fabric_efficiency"] = t_ideal / t_xfer if t_xfer > 0 else 1.0
+    if routing == "adaptive":   # every flow spread over all its uplinks: no count per link
+        out["max_flows_on_a_fabric_link"] = None
     return out
 
 
