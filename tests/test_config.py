@@ -166,3 +166,15 @@ def test_an_unknown_command_points_to_the_one_that_does_its_work(capsys):
     assert "myria train --model.init_from=MODEL_DIR" in capsys.readouterr().err
     assert main(["reprot"]) == 2
     assert "did you mean 'report'?" in capsys.readouterr().err
+
+
+def test_an_errors_first_line_is_cut_at_a_word():
+    """A long one-line error of torch or gloo, quoted in one of myria's lines, ends at a whole
+    word with " ..." (not mid-word); only the first line is kept."""
+    from myria.errors import first_line
+
+    text = ("[pair.cc:537] Read error [10.0.0.1]:1234: Connection reset by peer. Check the logs "
+            "on the other host\nsecond line")
+    cut = first_line(RuntimeError(text), 70)
+    assert cut == "[pair.cc:537] Read error [10.0.0.1]:1234: Connection reset by ..."
+    assert first_line(text) == text.splitlines()[0] and first_line("") == ""

@@ -192,6 +192,7 @@ def _after_a_lost_peer(e: BaseException, run_dir: str | None) -> str | None:
     import os
     import traceback
 
+    from myria.errors import first_line
     from myria.train.launch import PEER_LOST
 
     text = f"{type(e).__name__}: {e}"
@@ -208,7 +209,7 @@ def _after_a_lost_peer(e: BaseException, run_dir: str | None) -> str | None:
         path.write_text("".join(traceback.format_exception(e)))
     except OSError:
         return None
-    first = text.splitlines()[0][:200]
+    first = first_line(text)
     return f"rank {rank} stopped: a collective failed after another rank was lost ({first}); " \
         f"traceback in {path}"
 

@@ -29,3 +29,12 @@ class LaunchError(MyriaError):
     """Workers could not be started or failed."""
 
     exit_code = 1
+
+
+def first_line(text: object, width: int = 200) -> str:
+    """The first line of `text` for a one-line message, cut at a word with " ..." past `width`
+    characters (an error of torch or gloo can be many lines, or one very long one)."""
+    import textwrap
+
+    lines = str(text).strip().splitlines()
+    return textwrap.shorten(lines[0], width, placeholder=" ...") if lines else ""

@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from myria import rundir
-from myria.errors import ConfigError
+from myria.errors import ConfigError, first_line
 from myria.fsutil import atomic_write
 
 PARTS_DIR = "supervisor"
@@ -337,7 +337,7 @@ class RendezvousWait(threading.Thread):
                 store = None
                 self.log.warning("WAITING for the rendezvous at %s since %s: unreachable (%s); "
                                  "gives up at %s (training.init_timeout_s %g s)", self.endpoint,
-                                 _hms(self.since), str(e).splitlines()[0][:120],
+                                 _hms(self.since), first_line(e, 120),
                                  _hms(self.until), self.timeout_s)
                 continue
             if self.stop_event.is_set():

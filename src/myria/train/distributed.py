@@ -89,13 +89,13 @@ def init(requested_device: str = "auto", init_timeout_s: float = 300.0,
         except RuntimeError as e:   # torch's DistStoreError / DistNetworkError are RuntimeErrors
             if store is not None or not type(e).__name__.startswith("Dist"):
                 raise
-            from myria.errors import LaunchError
+            from myria.errors import LaunchError, first_line
 
             where = f"{os.environ.get('MASTER_ADDR', '?')}:{os.environ.get('MASTER_PORT', '?')}"
             raise LaunchError(
                 f"rank {env.rank}: the {env.world_size} ranks did not gather at the process "
                 f"group's store {where} within training.init_timeout_s = {init_timeout_s:g} s "
-                f"({str(e).splitlines()[0][:160]}): a rank did not start, or another process "
+                f"({first_line(e, 160)}): a rank did not start, or another process "
                 "took that port before the store did; a new start picks another port") from None
     return env
 

@@ -70,6 +70,7 @@ from urllib.parse import urlparse
 import torch
 import torch.distributed as dist
 
+from myria.errors import first_line
 from myria.observe import heartbeat_store
 from myria.rundir import JOB_ATTEMPT_ENV
 from myria.train.distributed import collective_device
@@ -490,8 +491,7 @@ class InJob:
 
 
 def _first_line(e: BaseException) -> str:
-    text = str(e).strip()
-    return f"{type(e).__name__}: " + (text.splitlines()[0][:200] if text else "")
+    return f"{type(e).__name__}: " + first_line(e)
 
 
 def _describe(kept: dict | None, rank: int, survivor: bool = True) -> dict:
