@@ -57,7 +57,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.tensor import DTensor
 
-from myria.errors import CheckpointError
+from myria.errors import CheckpointError, first_line
 from myria.fsutil import atomic_write, file_crc32, link_or_copy
 from myria.observe import events
 from myria.tensors import local_shard
@@ -615,7 +615,7 @@ class CheckpointManager(CheckpointStore):
             try:
                 dist.all_gather_object(votes, (err, mine, p.unique), group=self._pg)
             except Exception as e:
-                votes = [(f"vote failed: {e}", {}, 0)]
+                votes = [(f"vote failed: {first_line(e)}", {}, 0)]
         errors = [(r, v[0]) for r, v in enumerate(votes) if v is None or v[0]]
         if p.abandoned and not errors:   # a newer attempt owns the run directory now
             errors = [(rank, "abandoned by in-job recovery before it committed")]
