@@ -416,8 +416,9 @@ def _prediction_device(cfg, world: int, ranks_per_host: int = 0):
 def measured_step(table: dict, metrics: list[dict]) -> dict:
     """The measured median step (the events' steps after the first; metrics.jsonl's after the
     first three when there are no events) and the MFU of a step that long (a row's MFU times
-    its step time is the step's FLOPs over the devices' peak, the same for every step), so the
-    two figures describe one step."""
+    its step time is the step's FLOPs over the devices' peak: the same for every step of one
+    layout and batch, the last row's after an in-job shrink or a changed batch), so the two
+    figures describe one step."""
     steps = [row["step_s"] for rows in table.values() for _, row in sorted(rows.items())[1:]]
     src = "events"
     if not steps:
@@ -428,7 +429,7 @@ def measured_step(table: dict, metrics: list[dict]) -> dict:
                                                                       (int, float))]
     step = statistics.median(steps) if steps else None
     return {"measured_step_s": step, "measured_from": src,
-            "measured_mfu": statistics.median(work) / step if work and step else None}
+            "measured_mfu": work[-1] / step if work and step else None}
 
 
 def prediction_line(pred: dict) -> str:
