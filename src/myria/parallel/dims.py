@@ -16,15 +16,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-import torch
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from myria.layout import MESH_ORDER, Layout
 
 
-def build_mesh(layout: Layout, device_type: str, cluster=None,
-               fsdp: bool = False) -> DeviceMesh | None:
-    """The mesh over the non-trivial dimensions of `layout`, or None for a single process.
+def build_mesh(layout: Layout, device_type: str, fsdp: bool = False) -> DeviceMesh | None:
+    """The mesh over the non-trivial dimensions of `layout` in `MESH_ORDER` (consecutive ranks
+    fill tp first: `myria.parallel.placement` says what its groups cross), or None for a
+    single process.
     With `fsdp` (the model is sharded with FSDP2, `shards_with_fsdp`) on ranks that are all
     tp, pp or ep (no data or context ranks), a dp_shard dimension of size 1 is kept: FSDP2
     applies its bf16 mixed precision over a mesh of the same root as the tensor-parallel one
@@ -36,12 +36,7 @@ def build_mesh(layout: Layout, device_type: str, cluster=None,
         at = sum(MESH_ORDER.index(n) < MESH_ORDER.index("dp_shard") for n, _ in dims)
         dims.insert(at, ("dp_shard", 1))
     names = tuple(n for n, _ in dims)
-    if cluster is None:
-        return init_device_mesh(device_type, tuple(s for _, s in dims), mesh_dim_names=names)
-    from myria.parallel.placement import place
-
-    grid = place(layout, cluster).reshape([s for _, s in dims])
-    return DeviceMesh(device_type, torch.as_tensor(grid), mesh_dim_names=names)
+    return init_device_mesh(device_type, tuple(s for _, s in dims), mesh_dim_names=names)
 
 
 @dataclass
@@ -61,11 +56,9 @@ class ParallelDims:
     replica_mesh: DeviceMesh | None = None   # ranks holding copies of the same experts
 
     @classmethod
-    def build(cls, layout: Layout, device_type: str, cluster=None,
-              fsdp: bool = False) -> ParallelDims:
-        """The mesh of `layout` (placed on `cluster` when given; `fsdp`: see `build_mesh`)
-        and all derived from it."""
-        return cls.from_mesh(layout, build_mesh(layout, device_type, cluster, fsdp))
+    def build(cls, layout: Layout, device_type: str, fsdp: bool = False) -> ParallelDims:
+        """The mesh of `layout` (`fsdp`: see `build_mesh`) and all derived from it."""
+        return cls.from_mesh(layout, build_mesh(layout, device_type, fsdp))
 
     @classmethod
     def from_mesh(cls, layout: Layout, mesh: DeviceMesh | None) -> ParallelDims:
