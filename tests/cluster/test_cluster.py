@@ -205,6 +205,9 @@ def test_partition_detected_as_hang_and_fenced(hosts3, tiny_data, one_host, tmp_
     assert f["attempt"] < fence_round(run) and f.get("recovery_phases"), f
     g = s["goodput"]["seconds"]
     assert g["recovery"] > 0 and g["other"] < 0.05 * s["wall_s"], g
+    # and its workers' logs go to a folder of their own: the first round's are kept
+    rounds = {p.name for p in (run / "logs" / first).glob("*/attempt_*")}
+    assert {"attempt_0", f"attempt_{fence_round(run)}"} <= rounds, rounds
     fence = json.loads((run / "fence.json").read_text())
     assert fence["generation"] >= 1 and cut not in fence["hosts"]
     # each of the cut-off host's workers stopped on the fence and says so (exit 75 from

@@ -323,3 +323,17 @@ def test_a_rank_without_a_dump_whose_stack_waits_in_a_collective_is_no_suspect()
     line = hang.summary_line(rep)
     assert "rank(s) [1] wrote nothing" in line and "rank 0 wrote no event dump; its stack is " \
         "in reduce_scatter_single" in line and "it waits for another rank" in line, line
+
+
+def test_stacks_taken_at_another_fault_are_not_called_a_hang():
+    """The supervisor takes the ranks' stacks for a hang and for a host dropping out of the
+    rendezvous; the report says which (an old report without the field is a hang's)."""
+    from myria.observe.report_sections import hang_html, hang_title
+
+    rep = {"stuck": {}, "waiting": {}, "collective": None, "silent_ranks": [],
+           "suspects": [], "stuck_ranks": []}
+    assert hang_title(rep) == "the run hung"
+    assert hang_title({**rep, "fault": "hang"}) == "the run hung"
+    other = {**rep, "fault": "membership-change"}
+    assert hang_title(other) == "the ranks' stacks at the membership change"
+    assert "<h2 id=hang>The ranks&#x27; stacks at the membership change</h2>" in hang_html(other)

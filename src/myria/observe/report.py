@@ -47,6 +47,7 @@ from myria.observe.report_sections import (
     fault_steps,
     hang_html,
     hang_report,
+    hang_title,
     measured_step,
     metrics_rows,
     mixture_html,
@@ -210,7 +211,7 @@ def run(args) -> int:
         from myria.observe.hang import summary_line
 
         went_on = hang["went_on_to"]
-        print(f"  the run hung: {summary_line(hang)}" + (
+        print(f"  {hang_title(hang)}: {summary_line(hang)}" + (
             f"; restarted, it trained on to step {went_on}" if went_on is not None else ""))
     if (mix_path := out / MIX_FILE).exists():
         print(f"  {mixture_line(json.loads(mix_path.read_text()))}")

@@ -161,6 +161,14 @@ def hang_outcome(rep: dict) -> str:
             f"on to step {rep['went_on_to']}")
 
 
+def hang_title(rep: dict) -> str:
+    """What the hang report was taken at: "the run hung", or for another fault whose
+    detection takes the ranks' stacks (a host dropping out of the rendezvous) its name."""
+    kind = rep.get("fault") or "hang"
+    return "the run hung" if kind == "hang" else \
+        f"the ranks' stacks at the {kind.replace('-', ' ')}"
+
+
 def hang_html(rep: dict | None) -> str:
     """The page's first section for a run that hung: the supervisor's own line (who is stuck,
     where, what the others wait in) and each stuck rank's stack, innermost frame first."""
@@ -187,7 +195,9 @@ def hang_html(rep: dict | None) -> str:
             blocks += (f"<h3>rank {r}: waits in {esc(str(coll.get('name')))}</h3>"
                        f"<pre class=stack>{esc(chr(10).join(frames[:8]))}</pre>")
     rep = {**rep, "stuck": {int(k): v for k, v in rep["stuck"].items()}}
-    return (f"<h2 id=hang>The run hung</h2><p><b>{esc(summary_line(rep))}</b> (the "
+    title = hang_title(rep)
+    return (f"<h2 id=hang>{esc(title[0].upper() + title[1:])}</h2><p>"
+            f"<b>{esc(summary_line(rep))}</b> (the "
             "supervisor's hang report, <code>hang.json</code>). The blame below covers "
             f"{esc(hang_outcome(rep))}.</p>{blocks}")
 

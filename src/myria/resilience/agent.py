@@ -187,10 +187,33 @@ def make_agent(sup):
         _waiting_with_room(spec.rdzv_handler)
     if sup.across_hosts:
         _waiting_spares_ignored(sup, spec.rdzv_handler)
+    class LogsByAttempt(DefaultLogsSpecs):
+        """torch names each start's log folder attempt_<its restart count> and empties it
+        first; across hosts a membership change starts the workers again without spending a
+        restart, so there the folder is named by the rendezvous round (the workers' own
+        attempt, `rundir.job_attempt`): an earlier round's logs are kept. Only the naming
+        sees the round: the workers' environment keeps torch's count."""
+
+        def reify(self, envs):
+            rnd = os.environ.get(rundir.FENCE_ENV, "").rpartition(":")
+            if sup.max_nodes <= 1 or rnd[0] != sup.job or not rnd[2].isdigit():
+                return super().reify(envs)
+            counts = {k: v.get("TORCHELASTIC_RESTART_COUNT") for k, v in envs.items()}
+            for v in envs.values():
+                v["TORCHELASTIC_RESTART_COUNT"] = rnd[2]
+            try:
+                return super().reify(envs)
+            finally:
+                for k, v in envs.items():
+                    if counts[k] is None:
+                        v.pop("TORCHELASTIC_RESTART_COUNT", None)
+                    else:
+                        v["TORCHELASTIC_RESTART_COUNT"] = counts[k]
+
     # several hosts share the run directory: each host's workers write under their host's name
     # (torch names a run's log folder by the job and a random suffix only)
-    logs = DefaultLogsSpecs(log_dir=str(sup.run_dir / rundir.LOGS_DIR /
-                                        (sup.host if sup.max_nodes > 1 else "")), tee=Std.ALL)
+    logs = LogsByAttempt(log_dir=str(sup.run_dir / rundir.LOGS_DIR /
+                                     (sup.host if sup.max_nodes > 1 else "")), tee=Std.ALL)
     sup.agent = agent_class()(sup, spec, logs, start_method="spawn", exit_barrier_timeout=60,
                               shutdown_timeout=int(sup.r.sigterm_grace_s))
     return sup.agent

@@ -442,6 +442,7 @@ class Supervisor:
             since = hang.request(pids, self.run_dir)
             rep = hang.merge(self.run_dir, sorted(pids), since)
             hang.add_stacks(rep, hang.request_stacks(pids, self.run_dir))
+            rep["fault"] = f.kind   # a hang, or what else asked for the stacks
             path = hang.write(self.run_dir, rep)
         except Exception as e:  # the report is evidence; never let it stop recovery
             log.warning("hang report failed: %s", e)
