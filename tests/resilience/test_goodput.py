@@ -336,4 +336,6 @@ def test_stacks_taken_at_another_fault_are_not_called_a_hang():
     assert hang_title({**rep, "fault": "hang"}) == "the run hung"
     other = {**rep, "fault": "membership-change"}
     assert hang_title(other) == "the ranks' stacks at the membership change"
-    assert "<h2 id=hang>The ranks&#x27; stacks at the membership change</h2>" in hang_html(other)
+    page = hang_html(other)
+    assert "<h2 id=hang>The ranks&#x27; stacks at the membership change</h2>" in page
+    assert "before the membership change" in page and "hang." not in page, page

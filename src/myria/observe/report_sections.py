@@ -154,10 +154,13 @@ def hang_report(out: Path) -> dict | None:
 
 
 def hang_outcome(rep: dict) -> str:
-    """What became of a run after its hang, for the report's line and page."""
+    """What became of a run after its hang (or the fault its stacks were taken at), for the
+    report's line and page."""
+    what = "the hang" if (rep.get("fault") or "hang") == "hang" else \
+        f"the {rep['fault'].replace('-', ' ')}"
     if rep.get("went_on_to") is None:
-        return "the steps every rank completed, before the hang"
-    return (f"every step the ranks completed: the run was restarted after the hang and trained "
+        return f"the steps every rank completed, before {what}"
+    return (f"every step the ranks completed: the run was restarted after {what} and trained "
             f"on to step {rep['went_on_to']}")
 
 
