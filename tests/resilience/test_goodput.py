@@ -338,4 +338,4 @@ def test_stacks_taken_at_another_fault_are_not_called_a_hang():
     assert hang_title(other) == "the ranks' stacks at the membership change"
     page = hang_html(other)
     assert "<h2 id=hang>The ranks&#x27; stacks at the membership change</h2>" in page
-    assert "before the membership change" in page and "hang." not in page, page
+    assert "before the membership change" in page and "the hang" not in page, page
