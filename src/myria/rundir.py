@@ -318,6 +318,9 @@ def fence_bump(run_dir: str | Path, job: str, generation: int, hosts: list[str])
             "by": socket.gethostname(), "time": time.time()}))
 
 
+# the fault kind of a multi-host job's first node lost, its rendezvous store with it: the job
+# ends there (recorded by the supervisor, said by the report)
+STORE_LOST = "store-lost"
 JOB_ATTEMPT_ENV = "MYRIA_JOB_ATTEMPT"   # the in-job attempt a worker joined (job_attempt)
 
 

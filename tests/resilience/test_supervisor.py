@@ -1021,3 +1021,27 @@ def test_a_host_the_job_went_on_without_does_not_head_its_summary(tmp_path):
     s = json.loads((tmp_path / "supervisor_summary.json").read_text())
     assert s["host"] == "h0" and s["wall_s"] == 99.2 and s["written_by"] == "h1", s
     assert s["status"] == "succeeded" and s["host_status"]["h1"] == EXCLUDED
+
+
+def test_the_first_nodes_loss_is_a_fault_of_the_job_that_ends(tmp_path, monkeypatch):
+    """A host that finds the rendezvous store (the first node) gone records it as a fault
+    naming that node, so the job's summary and report list it; the report says the job ended
+    with it rather than went on without it."""
+    from myria import config, rundir
+    from myria.observe.report import lost_host_lines
+    from myria.resilience.supervisor import Supervisor
+
+    monkeypatch.setattr(os, "environ", dict(os.environ))
+    sup = Supervisor(config.load(None, []), tmp_path, 2, ["train"])
+    try:
+        sup.members, sup._endpoint, sup.ranks = ["localhost", "h2"], "127.0.0.1:29400", [2, 3]
+        f = sup._record_store_lost("the rendezvous store at 127.0.0.1:29400 does not answer")
+        assert f.kind == rundir.STORE_LOST and f.hosts_lost == ["localhost"] and f.ranks == [2, 3]
+        assert sup.faults == [f]
+    finally:
+        sup._close()
+    fault = dict(f.to_dict(), host="h2", last_step=3)
+    assert lost_host_lines({"faults": [fault]}) == [
+        "host localhost lost at step 3, found on h2 (store-lost): the job ended with it (the "
+        "rendezvous store was there); run again, it resumes from the newest committed "
+        "checkpoint"]

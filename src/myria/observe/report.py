@@ -167,6 +167,11 @@ def lost_host_lines(gp: dict) -> list[str]:
     for (_, hosts, resumed), fs in by.items():
         found = ", ".join(sorted({f"{f.get('host', '?')} ({f.get('kind')})" for f in fs}))
         step = max(int(f.get("last_step") or 0) for f in fs)
+        if any(f.get("kind") == rundir.STORE_LOST for f in fs):   # the first node: the job ended
+            out.append(f"host {', '.join(hosts)} lost at step {step}, found on {found}: the "
+                       "job ended with it (the rendezvous store was there); run again, it "
+                       "resumes from the newest committed checkpoint")
+            continue
         out.append(f"host {', '.join(hosts)} lost at step {step}, found on {found}: the job "
                    "went on without it" + (f" from step {resumed}" if resumed is not None
                                            else ""))

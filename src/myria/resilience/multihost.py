@@ -258,6 +258,20 @@ def gave_up_gathering(run_dir: Path, job: str, host: str, wait_s: float = 2.0) -
         time.sleep(0.25)
 
 
+def hosts_at(hosts: list[str], address: str) -> list[str]:
+    """Which of `hosts` (names) is at `address` (the rendezvous store's), by name or by what
+    the name resolves to; [address] when none is known to be."""
+    import socket
+
+    for h in hosts:
+        try:
+            if h == address or address in {a[4][0] for a in socket.getaddrinfo(h, None)}:
+                return [h]
+        except OSError:
+            continue
+    return [address] if address else []
+
+
 def store_lost(endpoint: str) -> str:
     """Why the job cannot go on when its rendezvous store (`endpoint`, on the job's first
     node) does not answer, or "" when it does: torch's c10d rendezvous keeps its state in

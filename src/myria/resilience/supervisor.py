@@ -220,6 +220,7 @@ class Supervisor:
                           str(e) or type(e).__name__)
             elif self.max_nodes > 1 and (why := multihost.store_lost(self._endpoint)):
                 status, code = "rendezvous-lost", multihost.EXIT_STORE_LOST
+                self._record_store_lost(why)
                 log.error("ACTION give up: %s; the job runs again from the newest committed "
                           "checkpoint (%s) when it is requeued (exit %d: the batch script "
                           "requeues it) or resubmitted", why,
@@ -698,6 +699,17 @@ class Supervisor:
                 f"first step, so a restart cannot fix it (a deterministic start-up error such "
                 f"as the config or the environment): rank {culprit}: {f.cause}")
         f.signature = sign
+
+    def _record_store_lost(self, why: str) -> Fault:
+        """The loss of the job's first node (its rendezvous store) as this host found it: a
+        fault, the host lost named (the member of the round at the store's address), so the
+        job's summary and report list it; the job ends here, to run again."""
+        now = time.time()
+        f = self._record(Detection(rundir.STORE_LOST, list(self.ranks), now, now, why), [])
+        f.cause = why
+        f.hosts_lost = multihost.hosts_at(self.members, self._endpoint.rpartition(":")[0])
+        f.action.append("give up: the job runs again from the newest committed checkpoint")
+        return f
 
     def _record(self, d: Detection, related: list[Detection]) -> Fault:
         injected, at = summary.injected(self.run_dir, self.watch.started if self.watch else 0)
