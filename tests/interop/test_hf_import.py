@@ -329,18 +329,25 @@ def test_plan_and_simulate_take_the_model_from_init_from(tmp_path, hf_models):
                    ).stdout.startswith("model llama ")
     assert ": 2 x 64, 4 heads (2 key/value), MLP 128, vocabulary 1,024, seq " in run_cli(
         "plan", str(tmp_path / "a" / "run.toml"), "--gpu", "H100", "--gpus", "8").stdout
-    # the directory itself (or its config.json) with the run typed: the same plan
+    # the directory itself (or its config.json) with the run typed: the same model, planned
+    # on the public stack's defaults (a training config is planned as myria's trainer runs it)
     from myria.config import Config
 
     run = ["--seq-len", str(Config().model.seq_len), "--global-batch",
            str(Config().training.global_batch)]
-    for given in (d, d / "config.json"):
-        plan = json.loads(run_cli("plan", str(given), "--gpu", "H100", "--gpus", "8", *run,
-                                  "--json").stdout)
-        for row in plan["ranked"] + [plan["best_runnable"]]:
-            assert row.pop("name") == "config-only"
-            row["name"] = "run"
-        assert {k: v for k, v in plan.items() if k != "seconds"} == got["a"][0]
+    plans = [json.loads(run_cli("plan", str(given), "--gpu", "H100", "--gpus", "8", *run,
+                                "--json").stdout) for given in (d, d / "config.json")]
+    assert [{k: v for k, v in p.items() if k != "seconds"} for p in plans[1:]] == \
+        [{k: v for k, v in plans[0].items() if k != "seconds"}]
+    for row in plans[0]["ranked"] + [plans[0]["best_runnable"]]:
+        assert row["name"] == "config-only"
+    trainer = got["a"][0]
+    assert {r["layout"]["zero_stage"] for r in trainer["ranked"]} <= {0, 2, 3}
+    assert 1 in {r["layout"]["zero_stage"] for r in plans[0]["ranked"]}
+    typed = run_cli("plan", str(d), "--gpu", "H100", "--gpus", "8", *run).stdout
+    assert typed.splitlines()[0] == run_cli(   # the same model line
+        "plan", str(tmp_path / "a" / "run.toml"), "--gpu", "H100", "--gpus", "8"
+    ).stdout.splitlines()[0]
     p = run_cli("plan", str(d), "--gpu", "H100", "--gpus", "8", check=False)
     assert p.returncode == 2 and "--seq-len (a model directory gives the model" in p.stderr
 
