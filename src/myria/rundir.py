@@ -334,10 +334,18 @@ def job_attempt() -> int:
     joined = os.environ.get(JOB_ATTEMPT_ENV, "")
     if joined.isdigit():
         return int(joined)
-    gen = os.environ.get(FENCE_ENV, "").rpartition(":")[2]
-    if gen.isdigit():
-        return int(gen)
+    rnd = job_round()
+    if rnd is not None:
+        return rnd
     return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
+
+
+def job_round(job: str | None = None) -> int | None:
+    """The rendezvous round this process's workers run in (FENCE_ENV, set in a multi-host
+    job: by the supervisor for the round it starts, inherited by its workers), of job `job`
+    when given; None outside one."""
+    name, _, rnd = os.environ.get(FENCE_ENV, "").rpartition(":")
+    return int(rnd) if rnd.isdigit() and (job is None or name == job) else None
 
 
 def fenced(run_dir: str | Path) -> str:

@@ -247,6 +247,9 @@ def request_stacks(pids: dict[int, int], run_dir: str | Path,
     return got
 
 
+COLLECTIVE_FRAME = "torch/distributed/"   # a stack frame of a collective (its file's path)
+
+
 def add_stacks(rep: dict, stacks: dict[int, dict], frames: int = 8) -> dict:
     """Put each rank's stack in the report, and its main thread's innermost frames beside the
     collective it waits in (or the event it is stuck in)."""
@@ -267,6 +270,3 @@ def add_stacks(rep: dict, stacks: dict[int, dict], frames: int = 8) -> dict:
                        if not (r in rep["alive"] and rep["alive"][r]["in_collective"])]
     rep["stack_ranks"] = sorted(stacks)
     return rep
-
-
-COLLECTIVE_FRAME = "torch/distributed/"   # a stack frame of a collective (its file's path)

@@ -153,11 +153,16 @@ def hang_report(out: Path) -> dict | None:
     return {**rep, "went_on_to": max(later) if later else None}
 
 
+def _taken_at(rep: dict) -> str:
+    """The fault a hang report's stacks were taken at, in words ("hang" for a report without
+    the field, which only hangs wrote)."""
+    return (rep.get("fault") or "hang").replace("-", " ")
+
+
 def hang_outcome(rep: dict) -> str:
     """What became of a run after its hang (or the fault its stacks were taken at), for the
     report's line and page."""
-    what = "the hang" if (rep.get("fault") or "hang") == "hang" else \
-        f"the {rep['fault'].replace('-', ' ')}"
+    what = f"the {_taken_at(rep)}"
     if rep.get("went_on_to") is None:
         return f"the steps every rank completed, before {what}"
     return (f"every step the ranks completed: the run was restarted after {what} and trained "
@@ -167,9 +172,8 @@ def hang_outcome(rep: dict) -> str:
 def hang_title(rep: dict) -> str:
     """What the hang report was taken at: "the run hung", or for another fault whose
     detection takes the ranks' stacks (a host dropping out of the rendezvous) its name."""
-    kind = rep.get("fault") or "hang"
-    return "the run hung" if kind == "hang" else \
-        f"the ranks' stacks at the {kind.replace('-', ' ')}"
+    kind = _taken_at(rep)
+    return "the run hung" if kind == "hang" else f"the ranks' stacks at the {kind}"
 
 
 def hang_html(rep: dict | None) -> str:
@@ -437,12 +441,12 @@ def measured_step(table: dict, metrics: list[dict]) -> dict:
     if not steps:
         steps = [m["step_time_s"] for m in metrics[3:] if m.get("step_time_s")]
         src = rundir.METRICS
-    work = [m["mfu"] * m["step_time_s"] for m in metrics
-            if isinstance(m.get("mfu"), (int, float)) and isinstance(m.get("step_time_s"),
-                                                                      (int, float))]
+    last = next((m for m in reversed(metrics) if isinstance(m.get("mfu"), (int, float))
+                 and isinstance(m.get("step_time_s"), (int, float))), None)
     step = statistics.median(steps) if steps else None
     return {"measured_step_s": step, "measured_from": src,
-            "measured_mfu": work[-1] / step if work and step else None}
+            "measured_mfu": last["mfu"] * last["step_time_s"] / step if last and step
+            else None}
 
 
 def prediction_line(pred: dict) -> str:

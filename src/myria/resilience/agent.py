@@ -195,12 +195,12 @@ def make_agent(sup):
         sees the round: the workers' environment keeps torch's count."""
 
         def reify(self, envs):
-            rnd = os.environ.get(rundir.FENCE_ENV, "").rpartition(":")
-            if sup.max_nodes <= 1 or rnd[0] != sup.job or not rnd[2].isdigit():
+            rnd = rundir.job_round(sup.job)
+            if sup.max_nodes <= 1 or rnd is None:
                 return super().reify(envs)
             counts = {k: v.get("TORCHELASTIC_RESTART_COUNT") for k, v in envs.items()}
             for v in envs.values():
-                v["TORCHELASTIC_RESTART_COUNT"] = rnd[2]
+                v["TORCHELASTIC_RESTART_COUNT"] = str(rnd)
             try:
                 return super().reify(envs)
             finally:

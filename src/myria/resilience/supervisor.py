@@ -298,12 +298,12 @@ class Supervisor:
 
     def started(self, agent, wg) -> None:
         self.attempt = wg.spec.max_restarts - agent._remaining_restarts
-        rnd = os.environ.get(rundir.FENCE_ENV, "").rpartition(":")
-        if self.max_nodes > 1 and rnd[0] == self.job and rnd[2].isdigit():
+        rnd = rundir.job_round(self.job)
+        if self.max_nodes > 1 and rnd is not None:
             # across hosts the workers' attempt is the rendezvous round (rundir.job_attempt):
             # a membership change starts a round without spending one of torch's restarts,
             # and its rows, milestones and faults must not be booked to the round before
-            self.attempt = int(rnd[2])
+            self.attempt = rnd
         self.ranks = [w.global_rank for w in wg.workers]
         self.stderr_pos = {}
         self.new_watch()
