@@ -139,9 +139,11 @@ def dry_run(cfg: config_mod.Config, world: int, ranks_per_host: int | None = Non
 def prediction_lines(cfg, world, ranks_per_host, lay, spec, pred) -> list[str]:
     """The dry-run's prediction: memory parts that add up, step, MFU, a better layout."""
     mem = pred.memory.gb()
-    source = spec.source.removeprefix("measured (").removesuffix(")")   # not nested
+    from myria.device import MEASURED
+
+    source = spec.source.removeprefix(f"{MEASURED} (").removesuffix(")")   # not nested
     lines = [f"# predicted on {spec.name} ("
-             + ("measured: " if source != spec.source else "") + f"{source}), recompute "
+             + (f"{MEASURED}: " if source != spec.source else "") + f"{source}), recompute "
              f"{cfg.parallel.activation_checkpoint}, sequence parallel "
              f"{'on' if cfg.parallel.sequence_parallel and lay['tp'] > 1 else 'off'}: "
              "memory per rank " + " + ".join(f"{k} {mem[k]:.2f}" for k in MEMORY_PARTS)
