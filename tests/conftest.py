@@ -125,8 +125,8 @@ def train4(run_dir: Path, data: Path, *extra: str, fault: str | None = None) -> 
 
 @pytest.fixture(scope="session")
 def slow_dp(tmp_path_factory, tiny_data) -> Path:
-    """4-rank data parallel, rank 2 slowed 1.5x from step 1."""
-    return train4(tmp_path_factory.mktemp("slow_dp"), tiny_data, fault="slow:rank=2:factor=1.5")
+    """4-rank data parallel, rank 2 slowed 2x from step 1."""
+    return train4(tmp_path_factory.mktemp("slow_dp"), tiny_data, fault="slow:rank=2:factor=2")
 
 
 @pytest.fixture(scope="session")

@@ -48,21 +48,28 @@ def test_a_rank_slowed_by_20_percent_is_named_within_k_steps(tmp_path, tiny_data
     assert all(w["slowdown"] >= 0.10 for w in s.windows)
 
 
+# Four processes on two cores do not share them evenly: in a clean run one rank can compute
+# 10-18% longer than its peers for the whole run (the mean log-ratio per rank over 7 clean runs
+# of the fixture, busy host: -0.18 to +0.17), which at the 10% threshold is a straggler in all
+# but cause; once in ~11 full suites rank 0 was named at 15%. A clean run on this host is judged
+# with a threshold above that noise floor, against a rank slowed 2x (measured 3.7 on a loaded
+# host; 1.5x measured 0.23-0.42 on a quiet one, bench/RESULTS_detect.md).
+CLEAN_THRESHOLD = 0.25
+
+
 @pytest.mark.slow
 def test_clean_and_slowed_runs(clean_dp, slow_dp):
-    assert detect(load_run(clean_dp), window=WINDOW, windows=WINDOWS) == []
-    found = detect(load_run(slow_dp), window=WINDOW, windows=WINDOWS)
+    judge = {"window": WINDOW, "windows": WINDOWS, "threshold": CLEAN_THRESHOLD}
+    assert detect(load_run(clean_dp), **judge) == []
+    found = detect(load_run(slow_dp), **judge)
     assert [s.rank for s in found] == [2]
     # a supervisor judges only the steps timed since it started: the slowed run's steps, all
     # before the middle of the run, are not a new supervisor's straggler
     events = [e["t0"] for r in load_run(slow_dp).ranks.values() for e in r.events]
     middle = (min(events) + max(events)) / 2e6
-    assert detect_dir(slow_dp, since=max(events) / 1e6 + 1, window=WINDOW,
-                      windows=WINDOWS) == []
-    assert [s.rank for s in detect_dir(slow_dp, since=0.0, window=WINDOW,
-                                       windows=WINDOWS)] == [2]
-    assert all(s.first_step > 1 for s in detect_dir(slow_dp, since=middle, window=WINDOW,
-                                                     windows=WINDOWS))
+    assert detect_dir(slow_dp, since=max(events) / 1e6 + 1, **judge) == []
+    assert [s.rank for s in detect_dir(slow_dp, since=0.0, **judge)] == [2]
+    assert all(s.first_step > 1 for s in detect_dir(slow_dp, since=middle, **judge))
 
 
 def test_detections_are_json_lines(tmp_path):
