@@ -97,6 +97,22 @@ def test_damaged_shards(data_dir: Path, tmp_path: Path) -> None:
         TokenDataset(data_dir, 10**6)
 
 
+def test_replaced_tokenizer_is_refused(data_dir: Path, tmp_path: Path) -> None:
+    """Shards read with a tokenizer other than the one index.json records would be other text."""
+    import json
+
+    bad = tmp_path / "bad"
+    shutil.copytree(data_dir, bad)
+    want = json.loads((bad / "index.json").read_text())["tokenizer_sha256"]
+    tok = bad / "tokenizer.json"
+    tok.write_text(tok.read_text().replace('"<|endoftext|>"', '"<|eos|>"'))
+    with pytest.raises(DataError) as e:
+        TokenDataset(bad, SEQ, verify=False)
+    got = P.sha256_file(tok)
+    assert got[:12] in str(e.value) and want[:12] in str(e.value)
+    assert f"myria prepare --out {bad} --force" in str(e.value) and "\n" not in str(e.value)
+
+
 # ----------------------------------------------------------------------------- order
 
 

@@ -21,13 +21,13 @@ Order (the data-order rule; everything below is a pure function of its arguments
 from __future__ import annotations
 
 import functools
-import hashlib
 import json
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from myria.data.shards import sha256_file as _sha256
 from myria.errors import ConfigError, DataError
 
 INDEX_FILE = "index.json"
@@ -40,6 +40,13 @@ def _prepare_hint(path: Path) -> str:
     return (f"create it with `myria prepare --out {path} --corpus demo` "
             "(or --input FILES for your own text, with --tokenizer MODEL_DIR for a Hugging Face "
             "model's tokenizer)")
+
+
+def reprepare_hint(path: str | Path) -> str:
+    """The command that rebuilds data directory `path` whatever it holds now (a plain rerun
+    finds index.json and stops, or does nothing when the inputs are unchanged)."""
+    return (f"prepare it again with `myria prepare --out {path} --force` and the inputs and "
+            "options it was prepared from")
 
 
 def load_index(path: str | Path) -> dict[str, Any]:
@@ -63,29 +70,39 @@ def load_index(path: str | Path) -> dict[str, Any]:
     try:
         index = json.loads(p.read_text())
     except (OSError, json.JSONDecodeError) as e:
-        raise DataError(f"{str(p)!r} is unreadable ({e}); re-run `myria prepare --out {d}`"
-                        ) from None
+        raise DataError(f"{str(p)!r} is unreadable ({e}); {reprepare_hint(d)}") from None
     if not isinstance(index, dict) or index.get("format") != FORMAT:
         raise DataError(f"{str(p)!r} is not a myria token index (format {FORMAT!r})")
     if index.get("version") != FORMAT_VERSION:
         raise DataError(f"{str(p)!r} has format version {index.get('version')!r}; this myria "
-                        f"reads version {FORMAT_VERSION}: re-run `myria prepare --out {d}`")
+                        f"reads version {FORMAT_VERSION}: {reprepare_hint(d)}")
     return index
 
 
-def _sha256(path: Path, chunk: int = 1 << 22) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as fh:
-        while b := fh.read(chunk):
-            h.update(b)
-    return h.hexdigest()
+def tokenizer_sha256(path: str | Path, index: dict[str, Any]) -> str:
+    """The sha256 of data directory `path`'s tokenizer file. DataError when it is unreadable or
+    is not the tokenizer index.json records: the shards' token ids would be read as other text.
+    """
+    d = Path(path)
+    tok = d / index.get("tokenizer", "tokenizer.json")
+    try:
+        got = _sha256(tok)
+    except OSError as e:
+        raise DataError(f"tokenizer {str(tok)!r} of {str(d)!r} is unreadable: "
+                        f"{e.strerror or e}; {reprepare_hint(d)}") from None
+    want = index.get("tokenizer_sha256")
+    if want and got != want:
+        raise DataError(f"{str(d)!r}: {tok.name} (sha256 {got[:12]}) is not the tokenizer its "
+                        f"shards were prepared with (index.json: sha256 {str(want)[:12]}); put "
+                        f"that tokenizer back, or {reprepare_hint(d)}")
+    return got
 
 
 class TokenDataset:
     """Fixed windows of `seq_len + 1` tokens over the memory-mapped shards of one split.
 
-    Opening checks every shard's size against index.json and, with `verify`, its sha256;
-    a mismatch raises DataError naming the shard.
+    Opening checks the tokenizer file and every shard's size against index.json and, with
+    `verify`, each shard's sha256; a mismatch raises DataError naming the file.
     """
 
     def __init__(self, path: str | Path, seq_len: int, split: str = "train",
@@ -96,6 +113,7 @@ class TokenDataset:
         self.seq_len = int(seq_len)
         self.split = split
         self.index = load_index(self.path)
+        tokenizer_sha256(self.path, self.index)
         splits = self.index.get("splits", {})
         if split not in splits:
             raise DataError(f"{self.path / INDEX_FILE} has no split {split!r}; it has: "
@@ -108,19 +126,19 @@ class TokenDataset:
         for s in self.shards:
             f = self.path / s["file"]
             if not f.is_file():
-                raise DataError(f"shard {str(f)!r} listed in index.json is missing; re-run "
-                                f"`myria prepare --out {self.path}`")
+                raise DataError(f"shard {str(f)!r} listed in index.json is missing; "
+                                f"{reprepare_hint(self.path)}")
             size, want = f.stat().st_size, int(s["tokens"]) * self.dtype.itemsize
             if size != want:
                 raise DataError(f"shard {str(f)!r} has {size} bytes but index.json says "
                                 f"{s['tokens']} {self.dtype.name} tokens ({want} bytes): it is "
-                                f"truncated or from another run; re-run `myria prepare`")
+                                f"truncated or from another run; {reprepare_hint(self.path)}")
             if verify:
                 got = _sha256(f)
                 if got != s["sha256"]:
                     raise DataError(f"shard {str(f)!r} is damaged: sha256 {got[:16]}... does "
-                                    f"not match index.json ({s['sha256'][:16]}...); re-run "
-                                    "`myria prepare`")
+                                    f"not match index.json ({s['sha256'][:16]}...); "
+                                    f"{reprepare_hint(self.path)}")
             self._maps.append(np.memmap(f, dtype=self.dtype, mode="r", shape=(int(s["tokens"]),)))
         sizes = np.array([int(s["tokens"]) for s in self.shards], dtype=np.int64)
         self._ends = np.cumsum(sizes)

@@ -43,21 +43,16 @@ def short(fp: dict[str, Any] | None) -> str:
 
 def fingerprint(data_dir: str | Path) -> dict[str, Any]:
     """The fingerprint of prepared data directory `data_dir` (see the module docstring)."""
-    from myria.data.dataset import load_index
+    from myria.data.dataset import load_index, tokenizer_sha256
 
     d = Path(data_dir)
     index = load_index(d)
-    tok = d / index.get("tokenizer", "tokenizer.json")
-    try:
-        tok_bytes = tok.read_bytes()
-    except OSError as e:
-        raise DataError(f"tokenizer {str(tok)!r} of {str(d)!r} is unreadable: "
-                        f"{e.strerror or e}; re-run `myria prepare --out {d} --force`") from None
+    tok_sha = tokenizer_sha256(d, index)
     identity = {"dtype": index.get("dtype"), "vocab_size": index.get("vocab_size"),
                 "eos_id": index.get("eos_id"),
                 "splits": {name: [[s["file"], s["tokens"], s["sha256"]] for s in sp["shards"]]
                            for name, sp in sorted(index.get("splits", {}).items())}}
-    return {"tokenizer_sha256": _sha256_bytes(tok_bytes),
+    return {"tokenizer_sha256": tok_sha,
             "data_sha256": _sha256_bytes(json.dumps(identity, sort_keys=True).encode()),
             "path": str(d.resolve())}
 
