@@ -233,6 +233,48 @@ def test_empty_corpus(tmp_path: Path) -> None:
         P.prepare(tmp_path / "o", inputs=[str(tmp_path / "a.txt"), str(tmp_path / "b.jsonl")])
 
 
+def test_bad_options_are_refused_before_any_output(tmp_path: Path) -> None:
+    out = tmp_path / "o"
+    with pytest.raises(DataError, match=r"^--seed -1: must be >= 0$"):
+        P.prepare(out, corpus="demo", seed=-1)
+    with pytest.raises(DataError, match=r"^--vocab-size 10 is too small"):
+        P.prepare(out, corpus="demo", vocab_size=10)
+    assert not out.exists()
+
+
+def test_a_failed_prepare_removes_only_the_empty_folder_it_created(tmp_path: Path) -> None:
+    (tmp_path / "blank.txt").write_text("  \n")
+    blank = [str(tmp_path / "blank.txt")]
+    with pytest.raises(DataError, match="empty corpus"):
+        P.prepare(tmp_path / "new" / "o", inputs=blank)
+    assert not (tmp_path / "new").exists()
+    (tmp_path / "mine").mkdir()
+    with pytest.raises(DataError, match="empty corpus"):
+        P.prepare(tmp_path / "mine", inputs=blank)
+    assert (tmp_path / "mine").is_dir()
+
+
+def test_an_unwritable_out_is_refused_before_reading_inputs(tmp_path: Path) -> None:
+    import os
+    import subprocess
+
+    out = tmp_path / "ro"
+    out.mkdir()
+    if os.geteuid() == 0:   # root writes whatever the mode: make it immutable
+        if subprocess.run(["chattr", "+i", str(out)], capture_output=True).returncode:
+            pytest.skip("chattr +i is not available here")
+    else:
+        out.chmod(0o500)
+    (tmp_path / "bad.jsonl").write_text("not json\n")
+    try:
+        with pytest.raises(DataError, match=r"^cannot write to output directory .*ro'"):
+            P.prepare(out, inputs=[str(tmp_path / "bad.jsonl")])
+    finally:
+        subprocess.run(["chattr", "-i", str(out)], capture_output=True)
+        out.chmod(0o700)
+    assert list(out.iterdir()) == []
+
+
 def test_bad_jsonl_names_file_and_line(tmp_path: Path) -> None:
     f = tmp_path / "bad.jsonl"
     f.write_text('{"text": "fine"}\n{"text": broken\n')

@@ -254,6 +254,10 @@ def prepare(out: str | Path, inputs: Sequence[str] = (), corpus: str | None = No
         raise DataError(f"--sample-mb {sample_mb}: must be > 0")
     if not 0.0 <= val_fraction < 1.0:
         raise DataError(f"--val-fraction {val_fraction}: must be >= 0 and < 1")
+    if seed < 0:
+        raise DataError(f"--seed {seed}: must be >= 0")
+    if not tokenizer:
+        T.check_vocab_size(vocab_size, "--vocab-size")
     if not inputs and not corpus:
         raise DataError("no input: pass --input PATH_OR_GLOB (repeatable) or --corpus demo")
     if corpus and corpus not in ("demo", "demo+"):
@@ -272,10 +276,59 @@ def prepare(out: str | Path, inputs: Sequence[str] = (), corpus: str | None = No
     key = _options_key(sources, opts)
     if (done := check_overwrite(out_dir, force, key)) is not None:
         return done
+    created = _make_out_dir(out_dir)
+    try:
+        return _prepare(out_dir, sources, key, inputs, corpus, tokenizer, vocab_size,
+                        val_fraction, nproc, seed, shard_tokens, max_docs, progress, encoding,
+                        errors, force, dedup, sample_mb)
+    except BaseException:
+        if created is not None:
+            _remove_if_empty(out_dir, created)
+        raise
+
+
+def _make_out_dir(out_dir: Path) -> Path | None:
+    """Create `out_dir` (with its missing parents) and check that files can be written in it,
+    before any input is read; the topmost directory this created, or None if it existed."""
+    top = None
+    for p in (out_dir, *out_dir.parents):
+        if p.exists():
+            break
+        top = p
     try:
         out_dir.mkdir(parents=True, exist_ok=True)
+        probe = out_dir / f".myria-write-test.{os.getpid()}"
+        probe.write_bytes(b"")
+        probe.unlink()
     except OSError as e:
-        raise DataError(f"cannot create output directory {str(out_dir)!r}: {e.strerror}") from None
+        if top is not None:
+            _remove_if_empty(out_dir, top)
+        verb = "create" if top is not None else "write to"
+        raise DataError(f"cannot {verb} output directory {str(out_dir)!r}: "
+                        f"{e.strerror or e}") from None
+    return top
+
+
+def _remove_if_empty(out_dir: Path, top: Path) -> None:
+    """Remove `out_dir` and its parents up to `top` (the directories a failed prepare created)
+    while they are empty: a directory with files in it (a resumable prepare) is kept."""
+    for p in (out_dir, *out_dir.parents):
+        try:
+            p.rmdir()
+        except OSError:
+            return
+        if p == top:
+            return
+
+
+def _prepare(out_dir: Path, sources: Sequence[Source], key: str, inputs: Sequence[str],
+             corpus: str | None, tokenizer: str | None, vocab_size: int, val_fraction: float,
+             nproc: int, seed: int, shard_tokens: int, max_docs: int | None, progress: bool,
+             encoding: str, errors: str, force: bool, dedup: bool, sample_mb: float
+             ) -> dict[str, Any]:
+    """`prepare` in the checked, writable `out_dir`."""
+    from myria.data import tokenizer as T
+
     man_path = out_dir / MANIFEST_FILE
     man = _load_manifest(man_path)
     if man is not None and not force and man.get("key") != key:

@@ -126,6 +126,13 @@ def pieces(tok: Tokenizer, text: str, size: int | None = None) -> list[str]:
     return out
 
 
+def check_vocab_size(vocab_size: int, name: str = "vocab size") -> None:
+    """DataError (naming the option `name`) for a size no byte-level BPE fits in."""
+    if vocab_size < MIN_VOCAB_SIZE:
+        raise DataError(f"{name} {vocab_size} is too small: a byte-level BPE needs at least "
+                        f"{MIN_VOCAB_SIZE} (256 bytes + {EOS_TOKEN})")
+
+
 def train_tokenizer(texts: Sequence[str] | Iterable[str], vocab_size: int,
                     min_frequency: int = 2, length: int | None = None) -> Tokenizer:
     """Train a byte-level BPE of at most `vocab_size` tokens (EOS included) on `texts`.
@@ -133,9 +140,7 @@ def train_tokenizer(texts: Sequence[str] | Iterable[str], vocab_size: int,
     The result may be smaller than `vocab_size` when the corpus has too few distinct merges.
     Training is deterministic for the same texts in the same order.
     """
-    if vocab_size < MIN_VOCAB_SIZE:
-        raise DataError(f"vocab size {vocab_size} is too small: a byte-level BPE needs at least "
-                        f"{MIN_VOCAB_SIZE} (256 bytes + {EOS_TOKEN})")
+    check_vocab_size(vocab_size)
     tok = new_tokenizer()
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
