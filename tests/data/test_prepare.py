@@ -430,6 +430,24 @@ def test_blank_documents_left_out_are_counted(tmp_path):
     assert json.loads((tmp_path / "o" / "index.json").read_text())["inputs"]["blank"] == 2
 
 
+def test_null_texts_are_blank_documents_in_every_format(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    d = tmp_path / "in"
+    d.mkdir()
+    texts = [f"some text number {i} here" for i in range(3)]
+    pq.write_table(pa.table({"text": [texts[0], None, texts[1]]}), d / "a.parquet")
+    (d / "b.jsonl").write_text(json.dumps({"text": texts[2]}) + "\n" +
+                               json.dumps({"text": None}) + "\n")
+    rc, out, err = _cli("--input", str(d), "--out", str(tmp_path / "o"), "--vocab-size", "300",
+                        "--val-fraction", "0")
+    assert rc == 0, err
+    assert "2 blank document(s) left out" in out, out
+    index = json.loads((tmp_path / "o" / "index.json").read_text())
+    assert index["inputs"]["blank"] == 2 and index["total_documents"] == 3
+
+
 def _tokenizers(tmp_path: Path) -> dict:
     """myria's byte-level BPE; the same with a BOS template (Llama 3's way); a SentencePiece-
     style Metaspace BPE that marks only the text's first word (a cut after a line end would add

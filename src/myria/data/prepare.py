@@ -598,8 +598,8 @@ def summary(index: dict[str, Any], out: str | Path, seconds: float) -> str:
         f"  vocab      {index['vocab_size']:,} (eos id {index['eos_id']}), "
         f"{index['tokenizer_source']}{smaller}",
         *([f"  inputs     {d.describe()}" + (
-            f"; {inputs['blank']:,} blank document(s) left out (empty files, records or "
-            "lines of only white space)" if inputs.get("blank") else "")] if d else []),
+            f"; {inputs['blank']:,} blank document(s) left out (empty files, records of only "
+            "white space or with a null text)" if inputs.get("blank") else "")] if d else []),
         *([f"  dedup      {index['dedup']['duplicates_dropped']:,} exact duplicate document(s) "
            "dropped"] if index.get("dedup") else []),
         *([f"  speed      {run['chars'] / run['seconds'] / 1e6:,.2f} M characters/s, "

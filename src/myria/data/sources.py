@@ -370,7 +370,7 @@ def jsonl_records(path: Path, text_field: str) -> Callable[[Decoding, Meter],
                 keys = ", ".join(map(str, obj)) if isinstance(obj, dict) else type(obj).__name__
                 raise DataError(f"{where}: no {text_field!r} field (found: {keys}); choose the "
                                 "field with --jsonl-field")
-            text = obj[text_field]
+            text = _text(obj[text_field])
             if not isinstance(text, str):
                 raise DataError(f"{where}: field {text_field!r} is {type(text).__name__}, "
                                 "expected a string")
@@ -379,9 +379,16 @@ def jsonl_records(path: Path, text_field: str) -> Callable[[Decoding, Meter],
 
 
 def read_jsonl(path: Path, text_field: str, dec: Decoding | None = None) -> list[str]:
-    """The `text_field` string of every non-blank line; DataError with file:line otherwise."""
+    """The `text_field` string of every non-blank line ("" for a null); DataError with
+    file:line otherwise."""
     return [t for t in jsonl_records(path, text_field)(dec or Decoding(), Meter())
             if t is not None]
+
+
+def _text(value: str | None) -> str:
+    """A record's text: a null (a row or JSONL record without text) is a blank document,
+    left out and counted like one of only white space; None stays the mark of a skipped file."""
+    return "" if value is None else value
 
 
 def _column_check(where: str, names: list[str], types: dict[str, Any], text_field: str) -> None:
@@ -409,7 +416,7 @@ def parquet_records(path: Path, text_field: str) -> Callable[[Decoding, Meter],
             total, done = max(1, pf.metadata.num_rows), 0
             size = path.stat().st_size
             for batch in pf.iter_batches(batch_size=_ROWS, columns=[text_field]):
-                yield from batch.column(0).to_pylist()
+                yield from map(_text, batch.column(0).to_pylist())
                 done += batch.num_rows
                 meter.current = size * done // total
         except (pa.ArrowException, OSError) as e:
@@ -436,7 +443,7 @@ def hf_records(path: Path, text_field: str) -> Callable[[Decoding, Meter],
         total, done, size = max(1, len(ds)), 0, _dir_size(path)
         for batch in ds.select_columns([text_field]).iter(batch_size=_ROWS):
             col = batch[text_field]
-            yield from col
+            yield from map(_text, col)
             done += len(col)
             meter.current = size * done // total
     return records
