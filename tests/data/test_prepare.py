@@ -539,3 +539,8 @@ def test_a_text_field_no_input_has_is_said(corpus: Path, tmp_path: Path) -> None
                       "--val-fraction", "0", "--jsonl-field", "text", "--out",
                       str(tmp_path / "b"))
     assert rc == 0 and "was not used" not in err, err
+    (tmp_path / "body.jsonl").write_text(json.dumps({"body": "some words in a body"}) + "\n")
+    rc, _, err = _cli("--input", str(tmp_path / "body.jsonl"), "--vocab-size", "280",
+                      "--val-fraction", "0", "--jsonl-field", "body", "--out",
+                      str(tmp_path / "c"))
+    assert rc == 0 and "was not used" not in err, err

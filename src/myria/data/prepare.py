@@ -57,7 +57,6 @@ from myria.data.shards import (
 )
 from myria.data.sources import (
     ERRORS,
-    JSONL_SUFFIXES,
     Decoding,
     Meter,
     Source,
@@ -692,16 +691,14 @@ def run(args: argparse.Namespace) -> int:
               "do (--force prepares it again)")
         return 0
     print(summary(index, args.out, time.perf_counter() - t0))
-    from myria.data.sources import DIR_SUFFIXES, unread_in_dirs
+    from myria.data.sources import DIR_SUFFIXES, field_used, unread_in_dirs
 
     if unread := unread_in_dirs(args.input):
         print(f"note: {len(unread)} file(s) in the input directories were not read (a "
               f"directory gives its {', '.join(DIR_SUFFIXES)} files): "
               + ", ".join(str(q) for q in unread[:5])
               + (f" and {len(unread) - 5} more" if len(unread) > 5 else ""), file=sys.stderr)
-    if args.jsonl_field != "text" and not any(
-            str(x["name"]).endswith((*JSONL_SUFFIXES, ".parquet")) or Path(x["name"]).is_dir()
-            for x in index.get("sources", [])):
+    if args.jsonl_field != "text" and not field_used(args.input):
         print(f"note: --jsonl-field {args.jsonl_field} was not used: no input is JSONL, Parquet "
               "or a `datasets` directory (a text file is one document whatever its content)",
               file=sys.stderr)

@@ -453,11 +453,25 @@ def _dir_size(p: Path) -> int:
     return sum(q.stat().st_size for q in p.rglob("*") if q.is_file())
 
 
+def _reads_field(f: Path) -> bool:
+    """Whether input `f` is read by field or column (a `datasets` directory, JSONL, Parquet);
+    any other file is one document whatever its content."""
+    return f.is_dir() or f.name.endswith((*JSONL_SUFFIXES, ".parquet"))
+
+
+def field_used(inputs: Sequence[str]) -> bool:
+    """Whether any of `inputs` is read by --jsonl-field (see `_reads_field`)."""
+    return any(map(_reads_field, expand_inputs(inputs)))
+
+
 def file_sources(inputs: Sequence[str], text_field: str) -> list[Source]:
     """A Source per input file (see the module docstring for the formats)."""
     out = []
     for f in expand_inputs(inputs):
-        if f.is_dir():
+        if not _reads_field(f):
+            out.append(Source(str(f), _stat(f), f.stat().st_size,
+                              lambda dec, meter, f=f: iter([read_text(f, dec)])))
+        elif f.is_dir():
             ident = [str(f.resolve()), *[_stat(q)[1:] for q in sorted(f.rglob("*"))
                                          if q.is_file()]]
             out.append(Source(f"{f} [{text_field}]", ident, _dir_size(f),
@@ -465,12 +479,9 @@ def file_sources(inputs: Sequence[str], text_field: str) -> list[Source]:
         elif f.name.endswith(JSONL_SUFFIXES):
             out.append(Source(f"{f} [{text_field}]", _stat(f), f.stat().st_size,
                               jsonl_records(f, text_field)))
-        elif f.name.endswith(".parquet"):
+        else:
             out.append(Source(f"{f} [{text_field}]", _stat(f), f.stat().st_size,
                               parquet_records(f, text_field)))
-        else:
-            out.append(Source(str(f), _stat(f), f.stat().st_size,
-                              lambda dec, meter, f=f: iter([read_text(f, dec)])))
     return out
 
 
