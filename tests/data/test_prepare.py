@@ -343,6 +343,9 @@ def test_refuses_to_overwrite_a_prepared_directory(corpus: Path, tmp_path: Path)
         "no longer match it: prepare them again with this tokenizer" in err, err
     rc, _, err = _cli(*args[:-3], "300", "--out", str(out), "--force")
     assert rc == 0 and "new tokenizer" not in err, err   # the same tokenizer again: no note
+    (out / "index.json").write_text("{broken")
+    rc, _, err = _cli(*args)
+    assert rc == 2 and "index.json is unreadable" in err and "pass --force" in err, err
     rc, _, err = _cli("--input", str(corpus / "txt"), "--out", str(corpus / "records.jsonl"))
     assert rc == 2 and "is a file" in err
 

@@ -559,7 +559,7 @@ def check_overwrite(out: Path, force: bool, key: str) -> dict[str, Any] | None:
         old = json.loads(idx.read_text())
         what = f" ({old['total_tokens']:,} tokens, vocab {old['vocab_size']:,})"
     except (OSError, ValueError, KeyError, TypeError):
-        what = ""
+        what = f" (its {INDEX_FILE} is unreadable)"
     if isinstance(old, dict) and old.get("inputs_key") == key:
         return {**old, "already_prepared": True}
     raise DataError(f"--out {str(out)!r} is already a prepared data directory{what}; runs "
