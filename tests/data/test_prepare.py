@@ -410,6 +410,29 @@ def test_vocabulary_smaller_than_asked_is_said(corpus: Path, tmp_path: Path) -> 
     assert rc == 0 and "SMALLER" not in out
 
 
+def test_progress_is_plain_lines_where_stderr_is_not_a_terminal(corpus: Path, tmp_path: Path,
+                                                                monkeypatch) -> None:
+    import contextlib
+    import io
+
+    from myria.cli import main
+
+    monkeypatch.setattr(P, "PROGRESS_EVERY_S", 0.0)
+    monkeypatch.setattr(P, "_BATCH_DOCS", 1)   # an update per document
+    args = ["prepare", "--workers", "1", "--input", str(corpus / "txt"), "--vocab-size", "280"]
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+        assert main([*args, "--out", str(tmp_path / "a")]) == 0
+    lines = err.getvalue().splitlines()
+    assert lines and all(x.startswith("prepare: ") for x in lines), lines
+    assert any("MB read (" in x and "ETA" in x for x in lines), lines
+    assert lines[-1].startswith("prepare: tokenizing done in "), lines
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+        assert main([*args, "--out", str(tmp_path / "b"), "--quiet"]) == 0
+    assert err.getvalue() == ""
+
+
 def test_an_interrupted_prepare_says_the_same_command_resumes_it(tmp_path, monkeypatch):
     def interrupted(*a, **k):
         raise KeyboardInterrupt

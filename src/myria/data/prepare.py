@@ -80,6 +80,7 @@ SAMPLE_MB = 64.0
 VOCAB_SIZE = 8192   # the BPE vocabulary prepare trains when given no --vocab-size
 # Test hook: exit (as if killed) when this many shard checkpoints would be written.
 EXIT_ENV = "MYRIA_PREPARE_EXIT_AT_CHECKPOINT"
+PROGRESS_EVERY_S = 10.0   # seconds between the progress lines written where no bar can be drawn
 # Throughput of the last prepare() call in this process (for the summary).
 LAST_RUN: dict[str, float] = {}
 
@@ -212,7 +213,69 @@ def _options_key(sources: Sequence[Source], opts: dict[str, Any]) -> str:
     return hashlib.sha256(blob.encode()).hexdigest()
 
 
+class LineProgress:
+    """Progress as plain lines on `stream`, for a log file (nohup, Slurm, CI) where a bar cannot
+    redraw: a line when a task starts, then at most one per `every` seconds (bytes done, rate,
+    ETA) and one when it ends. The subset of `rich.progress.Progress` that prepare uses."""
+
+    def __init__(self, stream: Any, every: float = PROGRESS_EVERY_S) -> None:
+        self.stream, self.every = stream, every
+        self.tasks: list[dict[str, Any]] = []
+
+    def __enter__(self) -> LineProgress:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        return None
+
+    def add_task(self, description: str, total: float | None = None, info: str = "") -> int:
+        now = time.monotonic()
+        self.tasks.append({"name": description, "total": total, "done": 0.0, "info": info,
+                           "start": now, "last": now, "ended": False})
+        total_mb = f" {total / 1e6:,.1f} MB" if total else ""
+        self._say(f"{description}{total_mb}" + (f" ({info})" if info else "") + " ...")
+        return len(self.tasks) - 1
+
+    def update(self, task: int, completed: float | None = None, total: float | None = None,
+               info: str | None = None) -> None:
+        t = self.tasks[task]
+        if total is not None:
+            t["total"] = total
+        if completed is not None:
+            t["done"] = completed
+        if info is not None:
+            t["info"] = info
+        now = time.monotonic()
+        elapsed = max(now - t["start"], 1e-9)
+        if t["total"] and t["done"] >= t["total"]:
+            if not t["ended"]:
+                t["ended"] = True
+                self._say(f"{t['name']} done in {_clock(elapsed)}")
+        elif now - t["last"] >= self.every:
+            t["last"] = now
+            rate = t["done"] / elapsed
+            if t["total"]:
+                eta = _clock((t["total"] - t["done"]) / rate) if rate > 0 else "?"
+                line = (f"{t['name']}: {t['done'] / 1e6:,.1f} of {t['total'] / 1e6:,.1f} MB "
+                        f"read ({100 * t['done'] / t['total']:.0f}%, {rate / 1e6:,.1f} MB/s, "
+                        f"ETA {eta})")
+            else:
+                line = f"{t['name']}: {t['done'] / 1e6:,.1f} MB read ({rate / 1e6:,.1f} MB/s)"
+            self._say(line + (f"; {t['info']}" if t["info"] else ""))
+
+    def _say(self, line: str) -> None:
+        print(f"prepare: {line}", file=self.stream, flush=True)
+
+
+def _clock(seconds: float) -> str:
+    s = int(seconds)
+    return f"{s // 3600}:{s // 60 % 60:02d}:{s % 60:02d}"
+
+
 def _progress(enabled: bool):
+    """Prepare's progress on stderr: a bar on a terminal, plain lines otherwise, or none."""
+    if enabled and not sys.stderr.isatty():
+        return LineProgress(sys.stderr, PROGRESS_EVERY_S)
     from rich import progress as rp
     from rich.console import Console
 
@@ -664,12 +727,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="overwrite --out even if it already holds a prepared data directory "
                         "(runs trained on it will refuse to resume on the new data), or start "
                         "an unfinished prepare over instead of resuming it")
-    parser.add_argument("--quiet", action="store_true", help="no progress bar")
+    parser.add_argument("--quiet", action="store_true",
+                        help="no progress (a bar on a terminal, else a plain line every 10 s)")
 
 
 def run(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
-    show = not args.quiet and sys.stderr.isatty()
+    show = not args.quiet
     if args.tokenizer and args.vocab_size is not None:
         raise DataError(f"--vocab-size {args.vocab_size} with --tokenizer {args.tokenizer}: the "
                         "tokenizer's vocabulary is its own; drop --vocab-size")
