@@ -215,6 +215,36 @@ def test_profile_cache_round_trip():
     assert cpu.with_gloo(prof, 1).gloo == ()
 
 
+def test_figures_of_a_busy_host_are_measured_again_once_it_is_quiet(monkeypatch):
+    """Figures timed on the wall clock while other jobs held the cores are flagged (an entry
+    keeps the worst load average merged into it), priced with a caveat while the host stays
+    busy, and measured again, in place of the old ones, the first time it is quiet."""
+    key = cpu.compute_key(2)
+    shape = layer_shape(demo_config().model, 2)
+    base = {"elementwise_bw": 2e10, "kernel_overhead_s": 1e-6, "optimizer_s_per_param": 4e-9,
+            "clock": "wall", "threads": 2, "eager_bw": {cpu.eager_key(shape): [1e10, 1e10]}}
+    cpu.update_cache(key, {**base, "rates": {"nt,64,64,64": 1e11}, "loadavg": 1.0})
+    assert cpu.load_profile(2).busy() == ""
+    cpu.update_cache(key, {"rates": {"tn,64,384,256": 4e8}, "loadavg": 6.0})   # a busy moment
+    cpu.update_cache(key, {"rates": {"nn,8,8,8": 1e10}, "loadavg": 1.2})       # quiet again
+    prof = cpu.load_profile(2)
+    assert "load average 6.0" in prof.busy() and "too long" in prof.busy()
+    assert cpu.CpuProfile(threads=1, clock="thread CPU time", loadavg=9.0).busy() == ""
+    calls = []
+    monkeypatch.setattr(cpu, "missing_ops", lambda shape, prof, pp: [])
+    monkeypatch.setattr(cpu, "run_measurements",
+                        lambda *a, **k: calls.append(k) or cpu.update_cache(
+                            key, {**base, "rates": {"nt,64,64,64": 1.1e11}, "loadavg": 1.1},
+                            replace=k["replace"]))
+    monkeypatch.setattr(cpu, "_loadavg", lambda: 5.0)     # still busy: priced as it is
+    assert cpu.profile_for(shape, 2).busy() and calls == []
+    monkeypatch.setattr(cpu, "_loadavg", lambda: 1.5)     # quiet: measured again, replaced
+    prof = cpu.profile_for(shape, 2)
+    assert [c["replace"] for c in calls] == [True] and prof.busy() == ""
+    rates = dict(prof.rates)
+    assert rates[("nt", 64, 64, 64)] == 1.1e11 and ("tn", 64, 384, 256) not in rates
+
+
 def test_alpha_beta_fit():
     pts = [(x, 1e-4 + x / 2e9) for x in (1e5, 1e6, 1e7)]
     alpha, bw = multiproc.fit_alpha_bw(pts)

@@ -374,20 +374,10 @@ def prediction(run_dir: Path, world: int | None = None, ranks_per_host: int = 0
 
 
 def busy_figures(prof) -> str:
-    """Why a CPU profile is not a quiet host's, or "": compute timed on the wall clock (several
-    threads per process) while other work held the cores (load average above this process's
-    own threads: the measuring processes' own)."""
-    import os
-
-    own = prof.threads * max(1, prof.nproc)
-    if prof.clock == "thread CPU time" or prof.loadavg <= own + 0.5:
-        return ""
-    from myria.sim.cpu_profile import profile_path
-
-    return (f"this CPU's figures were timed on the wall clock ({prof.threads} threads per "
-            f"process) at load average {prof.loadavg:.1f} on {os.cpu_count()} cores: other "
-            "jobs held the cores, so the predicted step is too long; remove "
-            f"{profile_path()} and run `myria report` again on a quiet host")
+    """Why a CPU profile is not a quiet host's (`CpuProfile.busy`), with what to do, or ""."""
+    why = prof.busy()
+    return why and (f"{why}; run `myria report` again on a quiet host (figures timed on a "
+                    "busy one are measured again there)")
 
 
 def run_world(run_dir: Path) -> int:

@@ -27,6 +27,12 @@ def default_threads(nproc: int) -> int:
     return max(1, (os.cpu_count() or 1) // max(1, nproc))
 
 
+def quiet_load(threads: int, nproc: int = 1) -> float:
+    """The highest load average at which `nproc` measuring processes of `threads` threads have
+    the cores to themselves: their own threads, and half a core for everything else."""
+    return threads * max(1, nproc) + 0.5
+
+
 @dataclass(frozen=True)
 class CpuProfile:
     """What the simulator needs about this CPU at `threads` threads per process (hashable)."""
@@ -61,6 +67,18 @@ class CpuProfile:
                 return max(0.0, t0 + (t1 - t0) * (nbytes - x0) / (x1 - x0))
         return None
 
+    def busy(self) -> str:
+        """Why these figures are not a quiet host's, or "": compute timed on the wall clock
+        (several threads per process) while other work held the cores (load average above
+        the measuring processes' own threads). Threads that wait for a descheduled peer inside
+        a kernel make such figures too slow by anything up to hundreds of times, shape by shape."""
+        if self.clock == "thread CPU time" or not self.loadavg > quiet_load(self.threads,
+                                                                             self.nproc):
+            return ""
+        return (f"this CPU's figures were timed on the wall clock ({self.threads} threads per "
+                f"process) at load average {self.loadavg:.1f} on {os.cpu_count()} cores: other "
+                "jobs held the cores, so the predicted step is too long")
+
     def gloo_fit(self, op: str) -> tuple[float, float] | None:
         """(alpha_s, bandwidth) of a collective ("all_reduce", ..., "p2p"), if measured."""
         for name, alpha, bw in self.gloo:
@@ -90,15 +108,20 @@ def write_cache(cache: dict) -> None:
     write_cache_file(profile_path(), cache)
 
 
-def update_cache(key: str, entry: dict) -> None:
-    """Merge `entry` into the cache under `key` (re-read first: other processes write too)."""
+def update_cache(key: str, entry: dict, replace: bool = False) -> None:
+    """Merge `entry` into the cache under `key` (re-read first: other processes write too), or
+    with `replace` put it in place of what was there. A merged entry keeps the highest load
+    average of the measurements in it: its figures are as trustworthy as its worst ones."""
     cache = read_cache()
-    old = cache.get(key, {})
+    old = {} if replace else cache.get(key, {})
+    load = [x for x in (old.get("loadavg"), entry.get("loadavg")) if isinstance(x, (int, float))]
     for k, v in entry.items():
         if isinstance(v, dict) and isinstance(old.get(k), dict):
             old[k] = {**old[k], **v}
         else:
             old[k] = v
+    if load:
+        old["loadavg"] = max(load)
     cache[key] = old
     write_cache(cache)
 

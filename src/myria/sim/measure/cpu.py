@@ -40,6 +40,7 @@ from myria.sim.cpu_profile import (  # noqa: F401  (the cache's names, used here
     key_str,
     key_tuple,
     load_profile,
+    quiet_load,
     read_cache,
     update_cache,
     write_cache,
@@ -492,13 +493,17 @@ def profile_for(shape: LayerShape, threads: int, nproc: int = 1, pp: int = 1,
     it now (the self-check does, so that its figures and its runs see the same machine).
     """
     prof = None if refresh else load_profile(threads, nproc, shape)
+    if measure and prof is not None and prof.busy() and \
+            _loadavg() <= quiet_load(threads, nproc):
+        refresh = True   # figures of a busy host, and this one is quiet now: measure again
     if measure:
         missing = missing_ops(shape, prof, pp) if not refresh else missing_ops(shape, None, pp)
         no_bw = prof is None or ("bw", "eltwise") not in dict(prof.rates)
         no_gloo = nproc > 1 and (refresh or not read_cache().get(gloo_key(threads, nproc)))
         if refresh or prof is None or missing or no_bw or no_gloo:
             run_measurements(shape, threads, nproc, missing, base=refresh or prof is None,
-                             eager=refresh or no_bw, gloo=no_gloo, fsdp=pp == 1)
+                             eager=refresh or no_bw, gloo=no_gloo, fsdp=pp == 1,
+                             replace=refresh)
         prof = load_profile(threads, nproc, shape)
     return prof
 
@@ -551,8 +556,10 @@ def check_measurable(shape: LayerShape | None, nproc: int) -> None:
 
 
 def run_measurements(shape: LayerShape | None, threads: int, nproc: int, ops: list[Op],
-                     base: bool, eager: bool, gloo: bool, fsdp: bool = True) -> None:
-    """Measure on `nproc` concurrent processes (this one if 1) and merge into the cache."""
+                     base: bool, eager: bool, gloo: bool, fsdp: bool = True,
+                     replace: bool = False) -> None:
+    """Measure on `nproc` concurrent processes (this one if 1) and merge into the cache (with
+    `replace`, in place of this CPU's figures at these threads and processes)."""
     check_measurable(shape, nproc)
     if nproc <= 1:
         entries = [measure_compute(shape, threads, ops, base=base, eager=eager)]
@@ -585,7 +592,7 @@ def run_measurements(shape: LayerShape | None, threads: int, nproc: int, ops: li
     merged = _mean_entries(entries)
     points = merged.pop("gloo_points", None)
     if shape is not None or base:
-        update_cache(compute_key(threads, nproc), merged)
+        update_cache(compute_key(threads, nproc), merged, replace=replace)
     if points:
         fsdp = points.pop("fsdp", [])
         context = points.pop("fsdp_context", None)
