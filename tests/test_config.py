@@ -147,6 +147,14 @@ def test_resume_changes_apply_refuse_and_keep_the_lr_horizon():
     with pytest.raises(ConfigError, match=rf"ffn_hidden = 64 \(the checkpoint has 0, i.e. "
                                           rf"{m.ffn_dim}:"):
         resume_rules.resume_changes(plain, config.load(None, ["--model.ffn_hidden=64"]), 10)
+    # a hybrid's checkpoint resumed as llama: the architecture is named, not the layer pattern
+    # llama does not read (its default, which the user never typed)
+    hybrid = config.load(None, ["--model.arch=hybrid", "--model.block_pattern=DMAR",
+                                "--model.layers=4"]).to_dict()
+    with pytest.raises(ConfigError) as e:
+        resume_rules.resume_changes(hybrid, config.load(None, ["--model.layers=4"]), 10)
+    assert "model.arch = 'llama' (the checkpoint has 'hybrid'" in str(e.value)
+    assert "block_pattern" not in str(e.value) and "ssm_" not in str(e.value)
 
 
 def test_demo_config_evaluates_before_its_last_step():

@@ -143,6 +143,16 @@ def test_unknown_pattern_letter_is_one_line():
     assert "\n" not in str(e.value)
 
 
+def test_a_pattern_that_does_not_divide_the_layers_says_what_is_built():
+    from myria.config.model import pattern_note
+
+    note = pattern_note(ModelConfig(**{**SIZE, "arch": "hybrid", "block_pattern": "DDA",
+                                       "layers": 4}))
+    assert "'DDA' repeated over model.layers = 4 builds 'DDAD'" in note
+    assert pattern_note(ModelConfig(**{**SIZE, "arch": "hybrid", "block_pattern": "DA",
+                                       "layers": 4})) == ""
+
+
 def test_context_parallel_refused_for_recurrent_layers():
     from myria.layout import validate_degrees
 

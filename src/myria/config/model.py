@@ -132,6 +132,39 @@ def validate_model(m: ModelConfig) -> None:
     validate_mixer(m)
 
 
+def inert_settings(m: ModelConfig) -> list[tuple[tuple[str, ...], str]]:
+    """The model's settings that do nothing in `m`, in groups, each with why: the router's on a
+    dense model, a layer pattern on an architecture without one, a feature map without linear
+    attention, Mamba-2's sizes without an M layer."""
+    nothing = "setting(s) that would do nothing; leave them out, or choose the mixer they belong to"
+    out = []
+    if not m.experts:
+        out.append((("top_k", "capacity_factor"), "mixture-of-experts setting(s) on a dense "
+                    "model; set model.experts > 0, or leave them out"))
+    if m.arch not in ("griffin", "hybrid"):
+        out.append((("block_pattern",), f"a layer pattern for arch griffin or hybrid "
+                    f"(model.arch = {m.arch!r}) {nothing}"))
+    if m.attention != "linear":
+        out.append((("feature_map",), f"linear attention's (model.attention = "
+                    f"{m.attention!r}) {nothing}"))
+    if not (m.arch == "hybrid" and "M" in m.block_pattern):
+        out.append((("ssm_state", "ssm_expand"), "Mamba-2's, for the M layers of model.arch = "
+                    f"'hybrid' (this model: arch {m.arch!r}"
+                    + (f", block_pattern {m.block_pattern!r} without M" if m.arch == "hybrid"
+                       else "") + f") {nothing}"))
+    return out
+
+
+def pattern_note(m: ModelConfig) -> str:
+    """A note when a griffin or hybrid layer pattern does not divide the layers (it repeats and
+    is cut at the last layer: the layers built are said), else ""."""
+    if m.arch not in ("griffin", "hybrid") or not m.layers % len(m.block_pattern):
+        return ""
+    built = (m.block_pattern * m.layers)[:m.layers]
+    return (f"note: model.block_pattern = {m.block_pattern!r} repeated over model.layers = "
+            f"{m.layers} builds {built!r} (the pattern does not divide the layers)")
+
+
 def refuse_settings_that_do_nothing(m: ModelConfig) -> None:
     """A training config that sets what its model does not use has a mistake in it (the
     setting would be recorded and do nothing, and then be frozen on resume): the router's
@@ -139,29 +172,12 @@ def refuse_settings_that_do_nothing(m: ModelConfig) -> None:
     without linear attention, Mamba-2's sizes without an M layer; and a pattern longer than the
     model (its last letters would be cut without a word: griffin's default RRA on 2 layers has
     no attention layer). The planner's models carry defaults of their own."""
-    def changed(*keys: str, quote: bool = True) -> str:
-        return " and ".join(f"model.{k} = {getattr(m, k)!r}" if quote else
-                            f"model.{k} = {getattr(m, k)}" for k in keys
-                            if getattr(m, k) != getattr(ModelConfig, k))
-
-    patterned = m.arch in ("griffin", "hybrid")
-    nothing = "setting(s) that would do nothing; leave them out, or choose the mixer they belong to"
-    for found, why in (
-            (changed("top_k", "capacity_factor", quote=False) if not m.experts else "",
-             "mixture-of-experts setting(s) on a dense model; set model.experts > 0, or leave "
-             "them out"),
-            (changed("block_pattern") if not patterned else "",
-             f"a layer pattern for arch griffin or hybrid (model.arch = {m.arch!r}) {nothing}"),
-            (changed("feature_map") if m.attention != "linear" else "",
-             f"linear attention's (model.attention = {m.attention!r}) {nothing}"),
-            (changed("ssm_state", "ssm_expand")
-             if not (m.arch == "hybrid" and "M" in m.block_pattern) else "",
-             f"Mamba-2's, for the M layers of model.arch = 'hybrid' (this model: arch {m.arch!r}"
-             + (f", block_pattern {m.block_pattern!r} without M" if m.arch == "hybrid" else "")
-             + f") {nothing}")):
+    for keys, why in inert_settings(m):
+        found = " and ".join(f"model.{k} = {getattr(m, k)!r}" for k in keys
+                             if getattr(m, k) != getattr(ModelConfig, k))
         if found:
             raise ConfigError(f"{found}: {why}")
-    if patterned and m.layers < len(m.block_pattern):
+    if m.arch in ("griffin", "hybrid") and m.layers < len(m.block_pattern):
         raise ConfigError(f"model.block_pattern = {m.block_pattern!r} is longer than "
                           f"model.layers = {m.layers}: its last letters would have no layer; "
                           f"use at least {len(m.block_pattern)} layers or a shorter pattern")

@@ -72,6 +72,11 @@ def resume_changes(previous: dict, cfg: Config, step: int) -> list[tuple[str, An
         prev_model = from_dict({"model": previous["model"]}).model
     except (KeyError, TypeError, ConfigError):
         prev_model = None
+    from myria.config.model import inert_settings
+
+    # a setting the resumed model does not use (another architecture's pattern) is no change
+    # to name: the change that matters (model.arch) is named on its own
+    inert = {f"model.{k}" for keys, _ in inert_settings(cfg.model) for k in keys}
     for section, cls in SECTIONS.items():
         before = previous.get(section)
         if not isinstance(before, dict):
@@ -79,7 +84,7 @@ def resume_changes(previous: dict, cfg: Config, step: int) -> list[tuple[str, An
         now = getattr(cfg, section)
         for f in dataclasses.fields(cls):
             name = f"{section}.{f.name}"
-            if name in SESSION_FIELDS or f.name not in before:
+            if name in SESSION_FIELDS or name in inert or f.name not in before:
                 continue
             old, new = before[f.name], getattr(now, f.name)
             if name == "optimizer.decay_steps":  # 0 means training.steps: compare horizons

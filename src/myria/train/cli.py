@@ -18,6 +18,7 @@ from pathlib import Path
 
 from myria import config as config_mod
 from myria import rundir
+from myria.config.model import pattern_note
 from myria.device import SERVER_GPUS
 from myria.errors import DataError, LaunchError
 from myria.layout import Layout
@@ -55,12 +56,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "torchrun or `myria supervise`)")
     add_resume_arguments(p)
     p.add_argument("--dry-run", action="store_true",
-                   help="print the resolved config, parameter count, FLOPs per token and, "
-                   "for the mixers the performance model prices (softmax attention and the "
-                   "hybrids), memory per rank and the predicted step, then exit; on a CPU the "
-                   "first dry "
+                   help="print the resolved config, parameter count, FLOPs per token, "
+                   "memory per rank and the predicted step, then exit; on a CPU the first dry "
                    "run of a model shape measures its kernels on this machine (tens of "
-                   "seconds, in worker processes) and keeps the figures for the next")
+                   "seconds, in worker processes) and keeps the figures for the next (figures "
+                   "timed while other jobs held the cores are said so, and measured again "
+                   "the first time the host is quiet)")
     p.epilog = ("Any config field can be overridden as --section.key=value, e.g. "
                 "--training.steps=100 --model.layers=8. `myria train --dry-run [--config "
                 "FILE]` lists every field with its value and what it means. Start from a "
@@ -102,7 +103,9 @@ def dry_run(cfg: config_mod.Config, world: int, ranks_per_host: int | None = Non
              + (f" (data parallel by {ENGINE_WORDS[t.data_parallel]})" if lay.dp > 1 else ""),
              f"# parameters: {n:,} ({n - pc.embedding - pc.head - pc.positional:,} without "
              "embeddings)",
-             f"# model FLOPs per token (training, dense attention): "
+             f"# model FLOPs per token (training; softmax attention layers charged for all "
+             "the keys a query's band holds, as the MFU meter counts; other mixers for what "
+             "they multiply): "
              f"{model_flops_per_token(m):,.0f}",
              f"# tokens per step: {t.global_batch * m.seq_len:,}; gradient accumulation: "
              f"{lay.microbatches(t.global_batch, t.micro_batch)} microbatches of {t.micro_batch}"]
@@ -121,12 +124,15 @@ def dry_run(cfg: config_mod.Config, world: int, ranks_per_host: int | None = Non
                      f"{world // SERVER_GPUS} --nproc {SERVER_GPUS} says so explicitly)")
         rph = SERVER_GPUS
     try:
-        spec, pred = predicted(cfg, world, rph)
+        spec, pred, prof = predicted(cfg, world, rph)
     except config_mod.ConfigError as e:  # e.g. measuring this CPU would need more cores
-        spec = pred = None
+        spec = pred = prof = None
         lines.append(f"# no prediction: {e}")
     if pred is not None:
         lines += prediction_lines(cfg, world, rph, lay, spec, pred)
+        if prof is not None and prof.busy():
+            lines.append(f"# ({prof.busy()}; run the dry run again on a quiet host: figures "
+                         "timed on a busy one are measured again there)")
         if m.arch in ("retnet", "griffin", "hybrid") or m.attention != "softmax":
             lines.append("# (this mixer's FLOPs are priced exactly, its activations by the "
                          "attention layer's formula: docs/architectures.md)")
@@ -248,7 +254,8 @@ def planning_stand_in(dtype: str) -> str:
 
 def predicted(cfg: config_mod.Config, world: int, ranks_per_host: int):
     """The planner's prediction of this run: on the local GPU model, an H100 for bf16
-    configs when there is none, or this CPU (measured peak) for fp32 ones."""
+    configs when there is none, or this CPU (measured peak) for fp32 ones; (device, step
+    result, the CPU profile it was priced from or None)."""
     from myria import device
     from myria.sim.measure.cpu import measured_profile
     from myria.sim.perf import simulate_config
@@ -256,7 +263,7 @@ def predicted(cfg: config_mod.Config, world: int, ranks_per_host: int):
     spec = device.planning_device(cfg.training.dtype)
     gpn = ranks_per_host if spec.name != "cpu" else world
     prof = measured_profile(cfg, world, spec, gpus_per_node=gpn)
-    return spec, simulate_config(cfg, world, spec, gpus_per_node=gpn, cpu_profile=prof)
+    return spec, simulate_config(cfg, world, spec, gpus_per_node=gpn, cpu_profile=prof), prof
 
 
 def run(args) -> int:
@@ -270,6 +277,8 @@ def run(args) -> int:
     cfg, imported = run_config(args.config, args.overrides, args.run_dir)
     if imported:  # the model's own config.json (or, resuming, the checkpoint) sets the model
         _say(imported)
+    if note := pattern_note(cfg.model):
+        _say(note)
     if args.nproc is not None and args.nproc < 1:
         check_nproc(args.nproc, "cpu")
     world = _nproc_for(args)
