@@ -195,6 +195,15 @@ def test_a_directory_input_names_the_files_it_did_not_read(corpus: Path, tmp_pat
     assert str(d / "prog.bin") in note and str(d / "table.csv") in note and ".DS_Store" not in note
 
 
+def test_a_file_named_twice_is_read_once_and_named(corpus: Path, tmp_path: Path) -> None:
+    jl = str(corpus / "records.jsonl")
+    rc, out, err = _cli("--input", jl, "--input", str(corpus / "*.jsonl"), "--dedup",
+                        "--vocab-size", "280", "--val-fraction", "0", "--out", str(tmp_path / "o"))
+    assert rc == 0 and "documents  8 " in out and "0 exact duplicate" in out, out
+    assert (f"note: --input names these file(s) more than once, and each is read once: {jl}; "
+            "--dedup does not count the repetition as duplicates") in err, err
+
+
 def test_demo_corpus_subset(tmp_path: Path) -> None:
     index = P.prepare(tmp_path / "demo", corpus="demo", max_docs=4, vocab_size=400)
     assert index["total_documents"] == 4

@@ -761,8 +761,14 @@ def run(args: argparse.Namespace) -> int:
               "do (--force prepares it again)")
         return 0
     print(summary(index, args.out, time.perf_counter() - t0))
-    from myria.data.sources import DIR_SUFFIXES, field_used, unread_in_dirs
+    from myria.data.sources import DIR_SUFFIXES, field_used, repeated_inputs, unread_in_dirs
 
+    if twice := repeated_inputs(args.input):
+        print("note: --input names these file(s) more than once, and each is read once: "
+              + ", ".join(str(q) for q in twice[:5])
+              + (f" and {len(twice) - 5} more" if len(twice) > 5 else "")
+              + ("; --dedup does not count the repetition as duplicates" if args.dedup else ""),
+              file=sys.stderr)
     if unread := unread_in_dirs(args.input):
         print(f"note: {len(unread)} file(s) in the input directories were not read (a "
               f"directory gives its {', '.join(DIR_SUFFIXES)} files): "

@@ -174,11 +174,23 @@ def expand_inputs(patterns: Sequence[str]) -> list[Path]:
     """Files (or `datasets` directories) named by paths, directories (their *.txt, *.md, *.jsonl,
     *.jsonl.gz, *.jsonl.zst, *.parquet) or globs, in order.
 
-    Glob matches are sorted; a file named twice is read once. DataError names a missing path
-    or a pattern that matches no file.
+    Glob matches are sorted; a file named twice is read once (`repeated_inputs` names them, for
+    the user to hear about). DataError names a missing path or a pattern that matches no file.
     """
+    return _expand(patterns)[0]
+
+
+def repeated_inputs(patterns: Sequence[str]) -> list[Path]:
+    """The files `patterns` name more than once (by two paths, globs or directories), each once,
+    in order: `expand_inputs` reads each of them once."""
+    return _expand(patterns)[1]
+
+
+def _expand(patterns: Sequence[str]) -> tuple[list[Path], list[Path]]:
+    """(`expand_inputs`, `repeated_inputs`) of `patterns`."""
     files: list[Path] = []
     seen: set[Path] = set()
+    repeated: dict[Path, Path] = {}
     for pat in patterns:
         if glob.has_magic(pat):
             found = [Path(m) for m in sorted(glob.glob(pat, recursive=True))
@@ -205,7 +217,9 @@ def expand_inputs(patterns: Sequence[str]) -> list[Path]:
             if key not in seen:
                 seen.add(key)
                 files.append(f)
-    return files
+            else:
+                repeated.setdefault(key, f)
+    return files, list(repeated.values())
 
 
 def unread_in_dirs(patterns: Sequence[str]) -> list[Path]:
