@@ -300,9 +300,9 @@ def test_bad_jsonl_names_file_and_line(tmp_path: Path) -> None:
 
 def test_too_few_documents_for_validation(tmp_path: Path) -> None:
     """Too few documents to hold one out: refused before encoding for a small corpus; for one
-    past --sample-mb (split by hash) after encoding, and then the fix it names (another
-    --val-fraction) is accepted in the same directory: the refused result is no unfinished
-    prepare to resume."""
+    past --sample-mb (split by hash) after encoding, naming the --sample-mb that splits it as a
+    small one, and then the fix it names (another --val-fraction) is accepted in the same
+    directory: the refused result is no unfinished prepare to resume."""
     (tmp_path / "one.txt").write_text("just one document\n")
     with pytest.raises(DataError, match="--val-fraction 0"):
         P.prepare(tmp_path / "o", inputs=[str(tmp_path / "one.txt")])
@@ -311,10 +311,11 @@ def test_too_few_documents_for_validation(tmp_path: Path) -> None:
         docs.append(tmp_path / f"d{i}.txt")
         docs[-1].write_text(" ".join([f"word{i}"] * 300) + "\n")
     inputs = [str(d) for d in docs]
-    with pytest.raises(DataError, match="gave 0 for validation at --val-fraction 0.01"):
-        P.prepare(tmp_path / "big", inputs=inputs, vocab_size=300, sample_mb=0.001)
+    with pytest.raises(DataError, match=r"gave 0 for validation at --val-fraction 0\.01 .*"
+                       r"--sample-mb above 0\.009 \(the corpus's 9,000 characters\)"):
+        P.prepare(tmp_path / "big", inputs=inputs, vocab_size=260, sample_mb=0.001)
     assert not (tmp_path / "big" / P.MANIFEST_FILE).exists()
-    index = P.prepare(tmp_path / "big", inputs=inputs, vocab_size=300, sample_mb=0.001,
+    index = P.prepare(tmp_path / "big", inputs=inputs, vocab_size=260, sample_mb=0.001,
                       val_fraction=0.0)
     assert index["splits"]["train"]["documents"] == 5
 
@@ -549,6 +550,20 @@ def test_tokenizer_sample_stops_inside_a_long_document(tmp_path):
     first = (docs / "a.txt").read_text()[:5_000]
     assert (tmp_path / "out" / "tokenizer.json").read_text() == \
         T.train_tokenizer([first], 300).to_str(pretty=True)
+
+
+def test_a_tokenizer_sample_too_small_for_the_vocabulary_is_refused(tmp_path):
+    """A sample cut by --sample-mb that trains fewer tokens than asked is refused before any
+    encoding, naming --sample-mb (the whole corpus in the sample gives a smaller vocabulary,
+    said in the summary)."""
+    rng = random.Random(5)
+    (tmp_path / "a.txt").write_text(make_text(rng, 400))
+    with pytest.raises(DataError, match=r"--sample-mb 1e-05: the tokenizer sample \(the first "
+                       r"10 characters .* trained a vocabulary of \d+, not the 8,192 asked; "
+                       r"raise --sample-mb"):
+        P.prepare(tmp_path / "out", inputs=[str(tmp_path / "a.txt")], val_fraction=0,
+                  sample_mb=0.00001)
+    assert not (tmp_path / "out").exists()
 
 
 def test_truncation_in_a_tokenizer_json_is_turned_off(corpus: Path, tmp_path: Path) -> None:

@@ -472,10 +472,15 @@ def _prepare(out_dir: Path, sources: Sequence[Source], key: str, inputs: Sequenc
         refused = _empty(inputs, corpus, dec)
     elif val_fraction > 0 and (splits["val"]["documents"] == 0
                                or splits["train"]["documents"] == 0):
+        by_hash = "" if man["small"] else (
+            f"; the corpus is larger than the tokenizer sample (--sample-mb {sample_mb:g}), so "
+            "each document was held out with probability --val-fraction: --sample-mb above "
+            f"{man['chars'] / 1e6:.6g} (the corpus's {man['chars']:,} characters) holds out a "
+            "seeded choice of at least one instead")
         refused = DataError(f"the corpus's {man['kept']:,} document(s) gave "
                             f"{splits['val']['documents']} for validation at --val-fraction "
                             f"{val_fraction} and {splits['train']['documents']} for training; "
-                            "change --val-fraction (0 disables validation)")
+                            f"change --val-fraction (0 disables validation){by_hash}")
     if refused is not None:
         # a finished prepare whose result is refused: nothing to resume, so a rerun with other
         # options is not taken for an interrupted one of these
@@ -551,6 +556,13 @@ def _start(out_dir: Path, sources: Sequence[Source], key: str, tokenizer: str | 
     else:
         task = bar.add_task("training tokenizer", total=None, info=f"vocab {vocab_size}")
         tok = T.train_tokenizer(train, vocab_size)
+        if not small and tok.get_vocab_size() < vocab_size:
+            # the sample, not the corpus, is what falls short: refused before any encoding
+            raise DataError(f"--sample-mb {sample_mb:g}: the tokenizer sample (the first "
+                            f"{sum(map(len, train)):,} characters of training documents of a "
+                            f"larger corpus) trained a vocabulary of {tok.get_vocab_size():,}, "
+                            f"not the {vocab_size:,} asked; raise --sample-mb (default "
+                            f"{SAMPLE_MB:g}) or lower --vocab-size")
         tok_json = tok.to_str(pretty=True).encode()
         specials = T.Specials(T.EOS_TOKEN, T.eos_id(tok))
         tok_cfg = {}
