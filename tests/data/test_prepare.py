@@ -298,6 +298,17 @@ def test_bad_jsonl_names_file_and_line(tmp_path: Path) -> None:
     assert index["total_documents"] == 1
 
 
+def test_a_jsonl_file_with_a_byte_order_mark_names_utf_8_sig(tmp_path: Path) -> None:
+    f = tmp_path / "bom.jsonl"
+    f.write_bytes(b'\xef\xbb\xbf{"text": "some words"}\n{"text": "more words"}\n')
+    with pytest.raises(DataError, match=r"bom\.jsonl:1: the file starts with a UTF-8 byte "
+                       r"order mark .* pass --encoding utf-8-sig"):
+        P.prepare(tmp_path / "o", inputs=[str(f)], val_fraction=0)
+    index = P.prepare(tmp_path / "o", inputs=[str(f)], val_fraction=0, vocab_size=260,
+                      encoding="utf-8-sig")
+    assert index["total_documents"] == 2
+
+
 def test_too_few_documents_for_validation(tmp_path: Path) -> None:
     """Too few documents to hold one out: refused before encoding for a small corpus; for one
     past --sample-mb (split by hash) after encoding, naming the --sample-mb that splits it as a

@@ -378,6 +378,11 @@ def jsonl_records(path: Path, text_field: str) -> Callable[[Decoding, Meter],
             try:
                 obj = json.loads(line)
             except json.JSONDecodeError as e:
+                if (lineno == 1 and line.startswith("\ufeff")    # JSON allows no BOM
+                        and codecs.lookup(dec.encoding).name == "utf-8"):
+                    raise DataError(f"{where}: the file starts with a UTF-8 byte order mark "
+                                    "(U+FEFF), which JSON does not allow; pass --encoding "
+                                    "utf-8-sig to read it without the mark") from None
                 raise DataError(f"{where}: not valid JSON ({e.msg} at column {e.colno})"
                                 ) from None
             if not isinstance(obj, dict) or text_field not in obj:
