@@ -292,6 +292,9 @@ def test_bad_jsonl_names_file_and_line(tmp_path: Path) -> None:
     f.write_text('{"text": "fine"}\n\n{"body": "x"}\n')
     with pytest.raises(DataError, match=r"bad\.jsonl:3: no 'text' field.*--jsonl-field"):
         P.prepare(tmp_path / "o", inputs=[str(f)])
+    f.write_text('{"text": "fine"}\n"a bare string"\n')
+    with pytest.raises(DataError, match=r"bad\.jsonl:2: not a JSON object but a string"):
+        P.prepare(tmp_path / "o", inputs=[str(f)])
     f.write_text('{"body": "x"}\n')
     index = P.prepare(tmp_path / "o", inputs=[str(f)], jsonl_field="body", val_fraction=0,
                       vocab_size=260)

@@ -385,16 +385,27 @@ def jsonl_records(path: Path, text_field: str) -> Callable[[Decoding, Meter],
                                     "utf-8-sig to read it without the mark") from None
                 raise DataError(f"{where}: not valid JSON ({e.msg} at column {e.colno})"
                                 ) from None
-            if not isinstance(obj, dict) or text_field not in obj:
-                keys = ", ".join(map(str, obj)) if isinstance(obj, dict) else type(obj).__name__
-                raise DataError(f"{where}: no {text_field!r} field (found: {keys}); choose the "
-                                "field with --jsonl-field")
+            if not isinstance(obj, dict):
+                raise DataError(f"{where}: not a JSON object but {_json_kind(obj)}; each line "
+                                f"must be an object with the text in a field ({text_field!r}, "
+                                "or the one --jsonl-field names)")
+            if text_field not in obj:
+                raise DataError(f"{where}: no {text_field!r} field (found: "
+                                f"{', '.join(map(str, obj))}); choose the field with "
+                                "--jsonl-field")
             text = _text(obj[text_field])
             if not isinstance(text, str):
                 raise DataError(f"{where}: field {text_field!r} is {type(text).__name__}, "
                                 "expected a string")
             yield text
     return records
+
+
+def _json_kind(value: Any) -> str:
+    """What a decoded JSON value is, in JSON's words (a string, an array, ...)."""
+    kinds = {str: "a string", list: "an array", bool: "a boolean", int: "a number",
+             float: "a number", type(None): "null"}
+    return kinds.get(type(value), type(value).__name__)
 
 
 def read_jsonl(path: Path, text_field: str, dec: Decoding | None = None) -> list[str]:
