@@ -248,6 +248,8 @@ def test_bad_options_are_refused_before_any_output(tmp_path: Path) -> None:
         P.prepare(out, corpus="demo", seed=-1)
     with pytest.raises(DataError, match=r"^--vocab-size 10 is too small"):
         P.prepare(out, corpus="demo", vocab_size=10)
+    with pytest.raises(DataError, match=r"^--workers -1: must be >= 0 \(0: all cores\)$"):
+        P.prepare(out, corpus="demo", workers=-1)
     assert not out.exists()
 
 

@@ -320,6 +320,8 @@ def prepare(out: str | Path, inputs: Sequence[str] = (), corpus: str | None = No
         raise DataError(f"--val-fraction {val_fraction}: must be >= 0 and < 1")
     if seed < 0:
         raise DataError(f"--seed {seed}: must be >= 0")
+    if workers < 0:
+        raise DataError(f"--workers {workers}: must be >= 0 (0: all cores)")
     if not tokenizer:
         T.check_vocab_size(vocab_size, "--vocab-size")
     if not inputs and not corpus:
@@ -724,8 +726,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-docs", type=int, default=None,
                         help="use only the first N documents (quick runs and tests)")
     parser.add_argument("--workers", type=int, default=0,
-                        help="encoding processes (and tokenizer training threads; default: all "
-                        "cores); a corpus that fits in --sample-mb is encoded in this process")
+                        help="encoding processes (and tokenizer training threads; 0, the default: "
+                        "all cores); a corpus that fits in --sample-mb is encoded in this process")
     parser.add_argument("--sample-mb", type=float, default=SAMPLE_MB,
                         help="train the tokenizer on the first this many million characters of "
                         f"training documents (default: {SAMPLE_MB:g})")
