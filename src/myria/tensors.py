@@ -17,6 +17,26 @@ def local_shard(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
 
 
+def local_grad(p: torch.Tensor) -> torch.Tensor | None:
+    """This rank's part of `p`'s gradient, laid out as `p` is. Under tensor parallelism a
+    gradient can come out placed otherwise than its parameter: a replicated norm weight's
+    pending a sum over the group (Partial), the sharded embedding's whole (Replicate). DTensor
+    arithmetic (torch's optimizers, the clip's norm) redistributes it on every use; code that
+    reads the local bytes needs it as the parameter is, so it is redistributed here, once, and
+    kept in `p.grad` (for a Partial gradient that is a sum over the group: every rank of it
+    calls this for the same tensors in the same order)."""
+    g = p.grad
+    if isinstance(g, DTensor) and isinstance(p, DTensor) and g.placements != p.placements:
+        g = p.grad = g.redistribute(p.device_mesh, p.placements)
+    return None if g is None else local_shard(g)
+
+
+def placed_as_param(p: torch.Tensor) -> bool:
+    """Whether `p`'s gradient (if any) already has its parameter's layout (`local_grad`)."""
+    g = p.grad
+    return not (isinstance(g, DTensor) and isinstance(p, DTensor) and g.placements != p.placements)
+
+
 def local_data(t: torch.Tensor) -> torch.Tensor:
     """The tensor object that holds this rank's bytes of `t` (a DTensor's local tensor, else
     `t`), for code that reads or writes bytes outside autograd (checksums, copies). Unlike

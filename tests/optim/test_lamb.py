@@ -143,7 +143,7 @@ def test_build_optimizer_steps(name):
 def _dtensor_worker(rank: int, world: int, port: int, out_dir: str) -> None:
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+    from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 
     torch.set_num_threads(1)
     init_group(rank, world, port)
@@ -151,6 +151,9 @@ def _dtensor_worker(rank: int, world: int, port: int, out_dir: str) -> None:
         mesh = init_device_mesh("cpu", (world,))
         init, grads = _problem(steps=4, seed=1)
         placements = [Shard(0), Shard(0), Shard(1), Replicate(), Shard(0)]
+        # gradients as tensor parallelism leaves some: a sharded parameter's whole (the
+        # embedding's), a replicated one's pending its sum over the group (a norm weight's)
+        grad_placements = [Replicate(), Shard(0), Shard(1), Partial(), Shard(0)]
         plain = [torch.nn.Parameter(torch.tensor(x, dtype=torch.float64)) for x in init]
         dts = [torch.nn.Parameter(distribute_tensor(torch.tensor(x, dtype=torch.float64), mesh,
                                                     [pl]))
@@ -158,9 +161,10 @@ def _dtensor_worker(rank: int, world: int, port: int, out_dir: str) -> None:
         kw = dict(lr=0.05, betas=(0.9, 0.95), eps=1e-6, weight_decay=0.1)
         opt_plain, opt_dt = Lamb(plain, **kw), Lamb(dts, **kw)
         for gs in grads:
-            for p, d, g, pl in zip(plain, dts, gs, placements, strict=True):
+            for p, d, g, pl in zip(plain, dts, gs, grad_placements, strict=True):
                 p.grad = torch.tensor(g, dtype=torch.float64)
-                d.grad = distribute_tensor(torch.tensor(g, dtype=torch.float64), mesh, [pl])
+                d.grad = DTensor.from_local(p.grad / world, mesh, [pl]) if pl.is_partial() \
+                    else distribute_tensor(p.grad, mesh, [pl])
             opt_plain.step()
             opt_dt.step()
         err = max((p.detach() - d.detach().full_tensor()).abs().max().item()

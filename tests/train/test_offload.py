@@ -541,6 +541,18 @@ def test_two_fsdp_ranks_on_disk_match_memory_and_resume(tmp_path, tiny_data):
 
 
 @pytest.mark.slow
+def test_tensor_parallel_on_disk_matches_memory(tmp_path, tiny_data):
+    """Tensor parallelism leaves some gradients placed otherwise than their parameters (a norm
+    weight's pending its sum over the group, the embedding's whole on every rank): the update
+    on disk takes each rank's part as its parameter is placed, as AdamW in memory does."""
+    mem, disk = tmp_path / "mem", tmp_path / "disk"
+    common = ["--training.steps=4", "--checkpoint.interval=0", "--parallel.tp=2"]
+    cli_train(mem, tiny_data, *common, nproc=2)
+    cli_train(disk, tiny_data, *common, "--parallel.offload=nvme", nproc=2)
+    assert losses(mem) == losses(disk) and same_params(mem, disk)
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("extra,nproc,rank", [([], 2, 1), (PARAMS_ON_DISK, 1, 0),
                                               (DURING_BACKWARD, 1, 0)],
                          ids=["moments", "params", "params-during-backward"])

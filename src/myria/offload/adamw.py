@@ -39,7 +39,7 @@ from myria.offload.lending import GradientLoan, HeldChunks
 from myria.offload.pipeline import Pipeline, Read, Write
 from myria.offload.procmem import current_rss, peak_rss
 from myria.offload.update import Update, adam_kwargs
-from myria.tensors import local_shard
+from myria.tensors import local_grad, local_shard, placed_as_param
 
 log = logging.getLogger("myria")
 
@@ -239,7 +239,7 @@ class OffloadedAdamW(torch.optim.AdamW):
         for fn in self.before_step:
             fn()
         settings = [adam_kwargs(group) for group in self.param_groups]
-        grads = {t: _flat(local_shard(p.grad)) for t, p in enumerate(self.tensors)
+        grads = {t: _flat(local_grad(p)) for t, p in enumerate(self.tensors)
                  if p.grad is not None}
         taken = self.loan.take_charged()
         unused = [t for t in taken if t not in grads]   # charged, and no gradient came
@@ -318,9 +318,12 @@ class OffloadedAdamW(torch.optim.AdamW):
         """Backward (post-accumulate hook): tensor `t`'s gradient has accumulated."""
         self.loan.charge((t,))
         u = self._spec
-        if u is None or u.cancelled or t in u.ptr or self.tensors[t].grad is None:
+        p = self.tensors[t]
+        # a gradient placed otherwise than its parameter needs a collective to become this
+        # rank's part (`local_grad`), not run inside backward's hooks: `step` takes it
+        if u is None or u.cancelled or t in u.ptr or p.grad is None or not placed_as_param(p):
             return
-        flat = _flat(local_shard(self.tensors[t].grad))
+        flat = _flat(local_shard(p.grad))
         u.grads[t], u.ptr[t] = flat, flat.data_ptr()
         for c in self._chunks_of.get(t, ()):
             u.waiting[c] -= 1

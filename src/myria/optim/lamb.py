@@ -25,7 +25,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
-from myria.tensors import local_shard
+from myria.tensors import local_grad, local_shard
 
 
 def _reduce_squares(sq: torch.Tensor, param: torch.Tensor) -> None:
@@ -107,7 +107,7 @@ class Lamb(Optimizer):
                 state = self._init_state(p)
                 state["step"] += 1
                 t = state["step"].item()
-                w, g = local_shard(p), local_shard(p.grad)
+                w, g = local_shard(p), local_grad(p)
                 m, v = local_shard(state["exp_avg"]), local_shard(state["exp_avg_sq"])
                 m.lerp_(g, 1.0 - beta1)
                 v.mul_(beta2).addcmul_(g, g, value=1.0 - beta2)

@@ -136,16 +136,12 @@ class TiedEmbedding:
     def sum_grads(self) -> None:
         """Sum the two copies' gradients (local shards: both ends shard the tensor alike)."""
         import torch.distributed as dist
-        from torch.distributed.tensor import DTensor
 
-        from myria.tensors import local_shard
+        from myria.tensors import local_grad
 
-        for p in self.params:
-            # the gradient may come out placed otherwise (the embedding's replicated under
-            # tensor parallelism): as its parameter, so that both ends hold the same slice
-            if isinstance(p.grad, DTensor) and p.grad.placements != p.placements:
-                p.grad = p.grad.redistribute(p.device_mesh, p.placements)
-        grads = [local_shard(p.grad) for p in self.params if p.grad is not None]
+        # each placed as its parameter (the embedding's comes out replicated under tensor
+        # parallelism), so that both ends hold the same slice
+        grads = [local_grad(p) for p in self.params if p.grad is not None]
         if len(grads) == 2:
             grads[0].add_(grads[1])
             grads[1].copy_(grads[0])
