@@ -374,10 +374,10 @@ def prediction(run_dir: Path, world: int | None = None, ranks_per_host: int = 0
 
 
 def busy_figures(prof) -> str:
-    """Why a CPU profile is not a quiet host's (`CpuProfile.busy`), with what to do, or ""."""
-    why = prof.busy()
-    return why and (f"{why}; run `myria report` again on a quiet host (figures timed on a "
-                    "busy one are measured again there)")
+    """Why a CPU profile is not a quiet host's, with what to do, or "" (`busy_note`)."""
+    from myria.sim.cpu_profile import busy_note
+
+    return busy_note(prof, "myria report")
 
 
 def run_world(run_dir: Path) -> int:

@@ -28,9 +28,27 @@ def default_threads(nproc: int) -> int:
 
 
 def quiet_load(threads: int, nproc: int = 1) -> float:
-    """The highest load average at which `nproc` measuring processes of `threads` threads have
-    the cores to themselves: their own threads, and half a core for everything else."""
+    """The highest load average, read as a measurement ends, at which `nproc` measuring
+    processes of `threads` threads had the cores to themselves: their own threads, and half a
+    core for everything else."""
     return threads * max(1, nproc) + 0.5
+
+
+def quiet_to_measure(threads: int, nproc: int = 1) -> float:
+    """The highest load average, read before measuring, that leaves `nproc` processes of
+    `threads` threads their cores: what the cores they will not use hold, and half a core."""
+    return max(0.0, (os.cpu_count() or 1) - threads * max(1, nproc)) + 0.5
+
+
+def busy_note(prof: CpuProfile | None, command: str) -> str:
+    """The caveat a prediction priced from `prof` carries when its figures are a busy host's
+    (`CpuProfile.busy`), with what to do, for the output of `command`; else ""."""
+    why = prof.busy() if prof is not None else ""
+    if not why:
+        return ""
+    return (f"{why}; run `{command}` again on a quiet host: figures timed on a busy one are "
+            f"measured again the first time the load average is at most "
+            f"{quiet_to_measure(prof.threads, prof.nproc):g}")
 
 
 @dataclass(frozen=True)

@@ -130,9 +130,10 @@ def dry_run(cfg: config_mod.Config, world: int, ranks_per_host: int | None = Non
         lines.append(f"# no prediction: {e}")
     if pred is not None:
         lines += prediction_lines(cfg, world, rph, lay, spec, pred)
-        if prof is not None and prof.busy():
-            lines.append(f"# ({prof.busy()}; run the dry run again on a quiet host: figures "
-                         "timed on a busy one are measured again there)")
+        from myria.sim.cpu_profile import busy_note
+
+        if note := busy_note(prof, "myria train --dry-run"):
+            lines.append(f"# ({note})")
         if m.arch in ("retnet", "griffin", "hybrid") or m.attention != "softmax":
             lines.append("# (this mixer's FLOPs are priced exactly, its activations by the "
                          "attention layer's formula: docs/architectures.md)")

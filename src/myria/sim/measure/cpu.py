@@ -40,7 +40,7 @@ from myria.sim.cpu_profile import (  # noqa: F401  (the cache's names, used here
     key_str,
     key_tuple,
     load_profile,
-    quiet_load,
+    quiet_to_measure,
     read_cache,
     update_cache,
     write_cache,
@@ -494,7 +494,7 @@ def profile_for(shape: LayerShape, threads: int, nproc: int = 1, pp: int = 1,
     """
     prof = None if refresh else load_profile(threads, nproc, shape)
     if measure and prof is not None and prof.busy() and \
-            _loadavg() <= quiet_load(threads, nproc):
+            _loadavg() <= quiet_to_measure(threads, nproc):
         refresh = True   # figures of a busy host, and this one is quiet now: measure again
     if measure:
         missing = missing_ops(shape, prof, pp) if not refresh else missing_ops(shape, None, pp)
@@ -597,7 +597,7 @@ def run_measurements(shape: LayerShape | None, threads: int, nproc: int, ops: li
         fsdp = points.pop("fsdp", [])
         context = points.pop("fsdp_context", None)
         cache = read_cache()
-        prev = cache.get(gloo_key(threads, nproc), {})
+        prev = {} if replace else cache.get(gloo_key(threads, nproc), {})
         old = prev.get("fsdp", {})
         ctx = dict(prev.get("fsdp_context", {}))
         if context is not None and shape is not None:
