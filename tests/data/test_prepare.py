@@ -263,6 +263,10 @@ def test_a_failed_prepare_removes_only_the_empty_folder_it_created(tmp_path: Pat
     with pytest.raises(DataError, match="empty corpus"):
         P.prepare(tmp_path / "mine", inputs=blank)
     assert (tmp_path / "mine").is_dir()
+    # `a/../mine` names the user's folder, not a new `a`: it is kept and no `a` is left behind
+    with pytest.raises(DataError, match="empty corpus"):
+        P.prepare(tmp_path / "a" / ".." / "mine", inputs=blank)
+    assert (tmp_path / "mine").is_dir() and not (tmp_path / "a").exists()
 
 
 def test_an_unwritable_out_is_refused_before_reading_inputs(tmp_path: Path) -> None:

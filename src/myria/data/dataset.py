@@ -79,6 +79,13 @@ def load_index(path: str | Path) -> dict[str, Any]:
     return index
 
 
+@functools.lru_cache(maxsize=64)
+def _file_sha256(path: str, mtime_ns: int, size: int) -> str:  # noqa: ARG001 (cache key)
+    """sha256 of a file, once per process while its modification time and size stay: every
+    split and mixture source of a run opens the same tokenizer (megabytes each time)."""
+    return _sha256(Path(path))
+
+
 def tokenizer_sha256(path: str | Path, index: dict[str, Any]) -> str:
     """The sha256 of data directory `path`'s tokenizer file. DataError when it is unreadable or
     is not the tokenizer index.json records: the shards' token ids would be read as other text.
@@ -86,7 +93,8 @@ def tokenizer_sha256(path: str | Path, index: dict[str, Any]) -> str:
     d = Path(path)
     tok = d / index.get("tokenizer", "tokenizer.json")
     try:
-        got = _sha256(tok)
+        st = tok.stat()
+        got = _file_sha256(str(tok), st.st_mtime_ns, st.st_size)
     except OSError as e:
         raise DataError(f"tokenizer {str(tok)!r} of {str(d)!r} is unreadable: "
                         f"{e.strerror or e}; {reprepare_hint(d)}") from None

@@ -307,7 +307,8 @@ def prepare(out: str | Path, inputs: Sequence[str] = (), corpus: str | None = No
     (`force` starts it over)."""
     from myria.data import tokenizer as T
 
-    out_dir = Path(out)
+    # `a/../b` is `b`: the directories created and removed on failure are walked on this path
+    out_dir = Path(os.path.normpath(out))
     if out_dir.exists() and not out_dir.is_dir():
         raise DataError(f"--out {str(out_dir)!r} is a file, not a directory; choose a directory")
     if shard_tokens < 1:
@@ -748,7 +749,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "to resume on new data), or start an unfinished prepare over instead "
                         "of resuming it")
     parser.add_argument("--quiet", action="store_true",
-                        help="no progress (a bar on a terminal, else a plain line every 10 s)")
+                        help="no progress (a bar on a terminal, else a plain line every "
+                             f"{PROGRESS_EVERY_S:g} s)")
 
 
 def run(args: argparse.Namespace) -> int:

@@ -319,8 +319,10 @@ class OffloadedAdamW(torch.optim.AdamW):
         self.loan.charge((t,))
         u = self._spec
         p = self.tensors[t]
-        # a gradient placed otherwise than its parameter needs a collective to become this
-        # rank's part (`local_grad`), not run inside backward's hooks: `step` takes it
+        # parameters on disk (the one mode that speculates) run without tensor parallelism,
+        # so gradients here are placed as their parameters; one that were not would need a
+        # collective to become this rank's part (`local_grad`), which backward's hooks must not
+        # run: `step` would take it
         if u is None or u.cancelled or t in u.ptr or p.grad is None or not placed_as_param(p):
             return
         flat = _flat(local_shard(p.grad))
