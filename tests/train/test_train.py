@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -510,6 +511,19 @@ def test_dry_run_prints_sizes():
     # FSDP2 in bf16 keeps no 16-bit copy: a weights of 0 is said to be in optimizer
     assert parts["weights"] == 0 and "fp32 shards, the master weights, are counted in " \
         "optimizer" in p.stdout
+
+
+def test_dry_run_of_a_small_model_says_megabytes():
+    """A model whose state takes under a gigabyte a rank is sized in megabytes (in gigabytes
+    each of its parts would read 0.00 beside the allocator's reserve); the parts add up."""
+    from myria import config
+    from myria.train.cli import dry_run
+
+    cfg = config.load(None, [*TINY, "--training.dtype=bfloat16"])   # priced on an H100
+    line = predicted_line(dry_run(cfg, 1))
+    parts = dict((k, float(v)) for k, v in re.findall(r"(\w+) ([\d.]+)(?= \+| =)", line))
+    total = float(re.search(r"= ([\d.]+) MB", line).group(1))
+    assert parts["optimizer"] > 0.5 and abs(sum(parts.values()) - total) <= 0.01 * len(parts)
 
 
 def test_dry_run_uses_every_setting_and_warns_on_a_poor_layout():

@@ -149,12 +149,16 @@ def prediction_lines(cfg, world, ranks_per_host, lay, spec, pred) -> list[str]:
     from myria.device import MEASURED
 
     source = spec.source.removeprefix(f"{MEASURED} (").removesuffix(")")   # not nested
+    # a model whose state and activations take under a gigabyte a rank (a small test model)
+    # in megabytes: its parts would all read 0.00 GB beside the allocator's reserve
+    unit, scale = ("GB", 1.0) if mem["total"] - mem["reserved"] >= 1 else ("MB", 1e3)
     lines = [f"# predicted on {spec.name} ("
              + (f"{MEASURED}: " if source != spec.source else "") + f"{source}), recompute "
              f"{cfg.parallel.activation_checkpoint}, sequence parallel "
              f"{'on' if cfg.parallel.sequence_parallel and lay['tp'] > 1 else 'off'}: "
-             "memory per rank " + " + ".join(f"{k} {mem[k]:.2f}" for k in MEMORY_PARTS)
-             + f" = {mem['total']:.2f} GB ({'fits' if pred.fits else 'does NOT fit'} in "
+             "memory per rank " + " + ".join(f"{k} {scale * mem[k]:.2f}" for k in MEMORY_PARTS)
+             + f" = {scale * mem['total']:.2f} {unit} "
+             f"({'fits' if pred.fits else 'does NOT fit'} in "
              f"{mem['capacity']:.3g} GB); step {pred.iteration_time_s:.3g} s, MFU "
              f"{100 * pred.mfu:.1f}% (see `myria simulate`, `myria plan`)"]
     if mem["weights"] < 0.005 <= mem["optimizer"]:
