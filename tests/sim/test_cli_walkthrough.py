@@ -270,3 +270,17 @@ def test_find_refuses_a_degree_the_model_cannot_split_as_the_search_flag_does(ca
     assert code == 2 and not out and "--find tp=3: parallel.tp = 3 must divide" in err, err
     code, out, err = run(capsys, *small, "--find", "pp=9")
     assert code == 2 and "--find pp=9: more pipeline stages than model.layers = 8" in err, err
+
+
+def test_plan_with_another_arch_than_its_file_says_so(capsys, tmp_path):
+    """`--arch` over a training config of another architecture prices a model of that
+    architecture at the file's sizes, and says so on stderr."""
+    cfg = tmp_path / "hybrid.toml"
+    cfg.write_text('[model]\narch = "hybrid"\nblock_pattern = "DMAR"\nlayers = 8\nhidden = 512\n'
+                   'heads = 8\nkv_heads = 4\nvocab_size = 8192\nseq_len = 1024\n')
+    code, out, err = run(capsys, "plan", str(cfg), "--arch", "llama", "--gpu", "h100",
+                         "--gpus", "8", "--top", "1")
+    assert code == 0 and out.startswith("model llama"), err
+    assert "--arch llama replaces hybrid's architecture 'hybrid'" in err
+    code, out, err = run(capsys, "plan", str(cfg), "--gpu", "h100", "--gpus", "8", "--top", "1")
+    assert code == 0 and "replaces" not in err

@@ -258,6 +258,10 @@ def _base_from_args(args) -> RunSpec:
             trainer_cfg, _ = hf.load_config(p, weights=False)
             model = runspec.model_section(trainer_cfg.model)
             name = p.stem
+    if args.arch is not None and model.get("arch", args.arch) != args.arch:
+        print(f"note: --arch {args.arch} replaces {name}'s architecture {model['arch']!r}: "
+              f"the plan prices a {args.arch} model of its sizes, not the file's",
+              file=sys.stderr)
     for flag, key in (("arch", "arch"), ("layers", "layers"), ("hidden", "hidden"),
                       ("heads", "heads"), ("kv_heads", "kv_heads"),
                       ("ffn_hidden", "ffn_hidden"), ("vocab", "vocab"),
