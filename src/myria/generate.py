@@ -23,6 +23,7 @@ the run directory and the tokenizer before it imports torch.
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 import time
 from pathlib import Path
@@ -51,30 +52,36 @@ def run(args) -> int:
     from myria.data import fingerprint
     from myria.data.tokenizer import decode, load_tokenizer, read_specials
     from myria.errors import CheckpointError
-    from myria.train.export import checkpoint_path
+    from myria.train.export import read_checkpoint
 
     if args.max_new_tokens < 1:
         raise ConfigError(f"--max-new-tokens {args.max_new_tokens}: must be at least 1")
-    if args.temperature < 0:
-        raise ConfigError(f"--temperature {args.temperature}: must be 0 (greedy) or more")
+    if not math.isfinite(args.temperature) or args.temperature < 0:
+        raise ConfigError(f"--temperature {args.temperature}: must be a finite number, 0 "
+                          "(greedy) or more")
     if args.top_k < 0:
         raise ConfigError(f"--top-k {args.top_k}: must be 0 (all tokens) or more")
     run_dir = Path(args.run_dir)
     if not run_dir.is_dir():
         raise CheckpointError(f"run directory {run_dir} does not exist" if not run_dir.exists()
                               else f"--run-dir {run_dir} is a file, not a run directory")
-    path = checkpoint_path(run_dir, args.step)
-    tok_file, note = fingerprint.checkpoint_tokenizer(run_dir, path, args.tokenizer)
+
+    def load(path: Path):
+        tok_file, note = fingerprint.checkpoint_tokenizer(run_dir, path, args.tokenizer)
+        tok = load_tokenizer(tok_file)
+        eos = read_specials(tok_file, tok).eos_id
+        # torch after the arguments and the tokenizer are judged: seconds on a loaded host
+        from myria.train.export import load_checkpoint_model
+
+        return (tok, eos, note, *load_checkpoint_model(run_dir, args.step, path))
+
+    tok, eos, note, model, m, path = read_checkpoint(run_dir, args.step, load)
     if note:
         print(note, file=sys.stderr)
-    tok = load_tokenizer(tok_file)
-    eos = read_specials(tok_file, tok).eos_id
-    import torch  # after the arguments are judged: seconds on a loaded host
+    import torch
 
     from myria.models.decode import generate
-    from myria.train.export import load_checkpoint_model
 
-    model, m, path = load_checkpoint_model(run_dir, args.step, path)
     use_cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
     if use_cuda and not torch.cuda.is_available():
         raise ConfigError("--device cuda but no CUDA device is available; use auto or cpu")

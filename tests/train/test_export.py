@@ -186,6 +186,54 @@ def test_export_of_a_damaged_checkpoint_is_refused_in_one_line(tmp_path, trained
     assert not (tmp_path / "hf" / "model.safetensors").exists()
 
 
+def test_export_chooses_again_when_a_live_run_deletes_its_checkpoint(tmp_path, trained,
+                                                                     monkeypatch):
+    """A run saving into the same directory prunes the checkpoint chosen before it is read:
+    the newest is chosen again; deleted every time, one CheckpointError after READ_TRIES
+    choices, and an --out the export made is not left behind. With every checkpoint
+    quarantined, the refusal names them and what can load one."""
+    import argparse
+
+    from myria.errors import CheckpointError
+    from myria.train import export
+
+    run = tmp_path / "run"
+    shutil.copytree(trained, run)
+    ck = run / "checkpoints"
+    for s in (1, 2, 4):
+        shutil.copytree(ck / "step_00000003", ck / f"step_{s:08d}")
+    deletions = [1]
+    real = export.checkpoint_path
+
+    def chosen_then_pruned(run_dir, step):
+        path = real(run_dir, step)
+        if deletions:
+            shutil.rmtree(path)
+            deletions.pop()
+        return path
+
+    monkeypatch.setattr(export, "checkpoint_path", chosen_then_pruned)
+
+    def args(out):
+        return argparse.Namespace(run_dir=str(run), out=str(out), step=None, force=False,
+                                  tokenizer=None, dtype="float32", max_shard_size="5GB")
+
+    export.run(args(tmp_path / "a"))
+    assert (tmp_path / "a" / "model.safetensors").exists()
+    deletions[:] = [1] * 3
+    with pytest.raises(CheckpointError, match="deleted while it was read, 3 times"):
+        export.run(args(tmp_path / "b"))
+    assert not (tmp_path / "b").exists()
+    assert [p.name for p in ck.glob("step_*")] == []
+    from myria.train.checkpoint.store import CheckpointStore
+
+    shutil.copytree(trained / "checkpoints" / "step_00000003", ck / "step_00000003")
+    CheckpointStore(ck).quarantine(ck / "step_00000003", "fails its checksum")
+    with pytest.raises(CheckpointError, match=r"quarantined in .*step_00000003 \(fails its "
+                       r"checksum\).*train --resume-from PATH"):
+        export.run(args(tmp_path / "c"))
+
+
 def test_export_refuses_what_llama_cannot_hold(tmp_path, tiny_data):
     run_cli("train", "--run-dir", str(tmp_path / "r"), f"--data.path={tiny_data}", *TINY,
             "--training.steps=1", "--model.parallel_block=true")

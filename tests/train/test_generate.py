@@ -84,3 +84,16 @@ def test_cli_prints_text_deterministically(trained):
     p = run_cli("generate", "--run-dir", str(trained), "--prompt", "x", "--temperature", "-1",
                 check=False)
     assert p.returncode == 2 and "--temperature" in p.stderr and "Traceback" not in p.stderr
+
+
+@pytest.mark.parametrize("t", ["nan", "inf"])
+def test_a_temperature_that_is_not_finite_is_refused(t):
+    import argparse
+
+    from myria import generate as cli
+    from myria.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=f"--temperature {t}: must be a finite number"):
+        cli.run(argparse.Namespace(run_dir="nowhere", prompt="x", max_new_tokens=1,
+                                   temperature=float(t), top_k=0, seed=0, step=None,
+                                   tokenizer=None, device="cpu"))

@@ -92,6 +92,29 @@ def test_keep_one_with_damaged_newest_never_drops_the_loadable_one(tmp_path):
     assert (mgr.dir / "latest").read_text().strip() == "step_00000081"
 
 
+def test_a_reader_quarantines_and_points_latest_at_what_it_uses(tmp_path, caplog):
+    """export and generate (CheckpointStore.latest_valid) move a damaged and a manifest-less
+    checkpoint aside as train does, saying so, and `latest` names the one they use; a garbage
+    .metadata is read as one CheckpointError line."""
+    from myria.train.checkpoint.store import CheckpointStore
+
+    mgr = CheckpointManager(tmp_path / "ck", keep=3)
+    t = Target()
+    for step in (40, 80, 120):
+        mgr.save(step, t, {})
+    flip(mgr.path_for(120))
+    (mgr.path_for(80) / "meta.json").unlink()
+    with caplog.at_level("WARNING", logger="myria"):
+        assert CheckpointStore(tmp_path / "ck").latest_valid() == mgr.path_for(40)
+    assert "step_00000080 is damaged (its meta.json is missing" in caplog.text
+    assert [p.name for p in mgr.quarantined()] == ["step_00000080", "step_00000120"]
+    assert (mgr.dir / "latest").read_text().strip() == "step_00000040"
+    (mgr.path_for(40) / ".metadata").write_bytes(b"\x80garbage")
+    with pytest.raises(CheckpointError, match="could not be read") as e:
+        mgr.load(mgr.path_for(40), Target(seed=99))
+    assert "\n" not in str(e.value)
+
+
 def test_damage_found_while_pruning_is_quarantined_not_counted(tmp_path):
     mgr = CheckpointManager(tmp_path / "ck", keep=2)
     t = Target()

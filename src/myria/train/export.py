@@ -34,7 +34,10 @@ refused unless --force, which replaces the files above and leaves any others.
 
 End to end: the checkpoint exported is one that verifies (its files' CRC-32, also with --step),
 and each weight file is read back and compared tensor by tensor with what was loaded before it
-replaces anything, so an export holds the checkpoint's bytes or is not written.
+replaces anything, so an export holds the checkpoint's bytes or is not written. Damaged and
+incomplete checkpoints are quarantined as `myria train` does (docs/robustness.md); one deleted
+while read by a run saving into the same directory is chosen again (`read_checkpoint`); an --out
+this export created is removed when it fails.
 """
 
 from __future__ import annotations
@@ -42,6 +45,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -55,6 +59,7 @@ if TYPE_CHECKING:
 DTYPES = ("float32", "bfloat16", "float16")   # names of torch dtypes
 MAX_SHARD_SIZE = "5GB"   # transformers 4's save_pretrained default
 INDEX = "model.safetensors.index.json"
+READ_TRIES = 3   # choices of a checkpoint, when a live run's retention deletes the chosen one
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -297,6 +302,15 @@ def _export_hint(d: Path) -> str:
             f"--model.init_from={d}") if is_hf else ""
 
 
+def _quarantine_note(mgr) -> str:
+    """What a refusal for want of a committed checkpoint adds when some are quarantined."""
+    if not (q := mgr.quarantined()):
+        return ""
+    return (f"; quarantined in {q[0].parent}: {mgr.quarantine_reasons(q)}. export and generate "
+            "read only committed checkpoints: `myria train --resume-from PATH` loads a "
+            "quarantined one anyway, and the checkpoints it saves can be read")
+
+
 def checkpoint_path(run_dir: Path, step: int | None) -> Path:
     """The committed checkpoint of `step` (default: the newest that verifies) of a run."""
     from myria.train.checkpoint.store import CheckpointStore
@@ -306,18 +320,42 @@ def checkpoint_path(run_dir: Path, step: int | None) -> Path:
         path = mgr.latest_valid()
         if path is None:
             raise CheckpointError("no committed checkpoint under "
-                                  f"{rundir.checkpoints_dir(run_dir)}" + _export_hint(run_dir))
+                                  f"{rundir.checkpoints_dir(run_dir)}" + _export_hint(run_dir)
+                                  + _quarantine_note(mgr))
     else:
         path = mgr.path_for(step)
         if not (path / "meta.json").exists():
             have = [int(p.name.split("_")[1]) for p in mgr.committed()]
             raise CheckpointError(f"no committed checkpoint for step {step} in {run_dir}; "
-                                  f"available steps: {have or 'none'}")
+                                  f"available steps: {have or 'none'}" + _quarantine_note(mgr))
         if (why := mgr.verify(path)) is not None:   # what is exported is what was saved
             raise CheckpointError(f"checkpoint {path} does not verify ({why}): nothing "
                                   "exported; export another step (--step) or the newest that "
                                   "verifies (no --step)")
     return path
+
+
+def read_checkpoint(run_dir: Path, step: int | None, read):
+    """`read(path)` of the checkpoint `checkpoint_path` chooses. A run saving into the same
+    directory deletes older checkpoints (retention, checkpoint.keep), also the chosen one while
+    it is read: then the choice is made again, READ_TRIES times in all, else CheckpointError.
+    A failure while the checkpoint is still complete is raised as it is."""
+    from myria.train.checkpoint.store import verify_dir
+
+    gone = []
+    for _ in range(READ_TRIES):
+        path = checkpoint_path(run_dir, step)
+        try:
+            return read(path)
+        except BaseException as e:   # DCP's CheckpointException is a BaseException
+            if isinstance(e, (KeyboardInterrupt, SystemExit)) or \
+                    verify_dir(path, checksums=False)[0] is None:
+                raise
+            gone.append(path.name)
+    raise CheckpointError(f"the checkpoint chosen was deleted while it was read, {READ_TRIES} "
+                          f"times ({', '.join(gone)}): a run saving into "
+                          f"{rundir.checkpoints_dir(run_dir)} deletes older ones "
+                          "(checkpoint.keep); try again, or once it has stopped")
 
 
 def _check_written(path: Path, sd: dict[str, torch.Tensor]) -> None:
@@ -393,17 +431,28 @@ def run(args) -> int:
     out = Path(args.out)
     check_out(out, args.force)
     shards({}, args.max_shard_size)
-    path = checkpoint_path(run_dir, args.step)
-    tok_path, note = fingerprint.checkpoint_tokenizer(run_dir, path, args.tokenizer)
-    specials = read_specials(tok_path)
-    m = checkpoint_model_config(path)
-    check_exportable(m)
+
+    def export(path: Path):
+        tok_path, note = fingerprint.checkpoint_tokenizer(run_dir, path, args.tokenizer)
+        specials = read_specials(tok_path)
+        m = checkpoint_model_config(path)
+        check_exportable(m)
+        try:
+            out.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise ConfigError(f"--out {str(out)!r}: cannot create it ({e.strerror})") from None
+        weights, n_params = write_weights(out, path, m, args.dtype, args.max_shard_size)
+        _write(out / "tokenizer.json", tok_path.read_bytes())
+        return path, tok_path, note, specials, m, weights, n_params
+
+    created = not out.exists()
     try:
-        out.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise ConfigError(f"--out {str(out)!r}: cannot create it ({e.strerror})") from None
-    weights, n_params = write_weights(out, path, m, args.dtype, args.max_shard_size)
-    _write(out / "tokenizer.json", tok_path.read_bytes())
+        path, tok_path, note, specials, m, weights, n_params = read_checkpoint(
+            run_dir, args.step, export)
+    except BaseException:
+        if created:   # all in it is this export's: an --out this export made is not left
+            shutil.rmtree(out, ignore_errors=True)
+        raise
     generation, gen_note = kept_generation_config(run_dir, specials)
     files = {"config.json": hf_config(m, specials, args.dtype),
              **hf_tokenizer_files(m, specials, read_config(tok_path), generation)}

@@ -77,9 +77,7 @@ def load_state(path: Path, target) -> tuple[dict[str, Any], int]:
     except BaseException as e:   # DCP's CheckpointException is a BaseException
         if isinstance(e, (KeyboardInterrupt, SystemExit)):
             raise
-        raise CheckpointError(f"checkpoint {path} could not be read ({describe_error(e)}): a "
-                              "damaged file; resume another checkpoint (--resume-from STEP), "
-                              "or train from step 0 (--start-fresh)") from None
+        raise unreadable(path, e) from None
     target.load_state_dict(state)
     if hasattr(target, "load_checkpoint_files"):
         target.load_checkpoint_files(path)
@@ -89,13 +87,24 @@ def load_state(path: Path, target) -> tuple[dict[str, Any], int]:
     return meta, reader.bytes_read
 
 
+def unreadable(path: Path, e: BaseException) -> CheckpointError:
+    """The one-line error of a checkpoint whose files fail to read."""
+    return CheckpointError(f"checkpoint {path} could not be read ({describe_error(e)}): a "
+                           "damaged file; resume another checkpoint (--resume-from STEP), or "
+                           "train from step 0 (--start-fresh)")
+
+
 def check_shapes(path: Path, model_sd: dict[str, torch.Tensor],
                  whole_model: set[str] | None = None) -> None:
-    """Raise CheckpointError listing keys whose presence or shape differ from the model.
+    """Raise CheckpointError listing keys whose presence or shape differ from the model, or
+    saying that the checkpoint's metadata (.metadata) cannot be read.
 
     `whole_model`: the keys of the whole model when this rank holds part of it (a pipeline
     stage): a checkpoint key is extra only if no rank's part has it."""
-    md = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    try:
+        md = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    except Exception as e:   # a garbage .metadata fails to unpickle with any error
+        raise unreadable(path, e) from None
     saved = {k[len("model."):]: tuple(v.size) for k, v in md.items()
              if k.startswith("model.") and hasattr(v, "size")}
     want = {k: tuple(v.shape) for k, v in model_sd.items()}

@@ -192,14 +192,26 @@ class CheckpointStore:
         return reason
 
     def latest_valid(self) -> Path | None:
-        """The newest checkpoint that verifies (one process); damaged ones are quarantined."""
+        """The newest checkpoint that verifies (one process); damaged and incomplete ones
+        (`quarantine_incomplete`) are quarantined, and then `latest` is pointed at the one
+        returned (it names only one that verified). One that vanishes while verified (a live
+        run's retention deleted it) is skipped."""
+        moved = bool(self.quarantine_incomplete())
+        chosen = None
         for p in reversed(self.committed()):
             reason = self.verify(p)
             if reason is None:
                 self._verified.add(p.name)
-                return p
-            self.quarantine(p, reason)
-        return None
+                chosen = p
+                break
+            try:
+                self.quarantine(p, reason)
+            except FileNotFoundError:
+                continue   # gone meanwhile: deleted by a live run's retention
+            moved = True
+        if moved:
+            self.set_latest()
+        return chosen
 
     def quarantine_suspect(self) -> int | None:
         """Quarantine the checkpoints `mark_suspect` named and forget the mark (rank 0): the
@@ -230,14 +242,20 @@ class CheckpointStore:
         self.set_latest()
 
     # -- quarantine and `latest` -------------------------------------------------------------
-    def quarantine_incomplete(self) -> None:
-        """Move aside the step directories without a manifest (rank 0). A save is written in a
-        temporary directory and renamed only once complete, so a step directory without
-        meta.json lost it afterwards (by hand, or the file system): it is neither loaded nor
-        written over, but kept, as a damaged one."""
+    def quarantine_incomplete(self) -> list[Path]:
+        """Move aside the step directories without a manifest (rank 0); the moved ones. A save
+        is written in a temporary directory and renamed only once complete, so a step directory
+        without meta.json lost it afterwards (by hand, or the file system): it is neither loaded
+        nor written over, but kept, as a damaged one."""
+        moved = []
         for p in sorted(self._step_dirs()):
             if not (p / MANIFEST).exists():
-                self.quarantine(p, f"its {MANIFEST} is missing, removed after the commit")
+                try:
+                    moved.append(self.quarantine(p, f"its {MANIFEST} is missing, removed "
+                                                 "after the commit"))
+                except FileNotFoundError:
+                    continue   # gone meanwhile: deleted by a live run's retention
+        return moved
 
     def quarantine(self, path: Path, reason: str, accepted: bool = False) -> Path:
         """Move a checkpoint aside to quarantine/ with its reason (rank 0 only)."""
@@ -309,16 +327,22 @@ class CheckpointStore:
                     "checkpoints %s stay in %s", ", ".join(p.name for p in damaged),
                     self.dir / QUARANTINE)
 
-    def all_damaged_message(self, damaged: list[Path]) -> str:
+    @staticmethod
+    def quarantine_reasons(paths: list[Path]) -> str:
+        """'step_N (reason); ...' of quarantined checkpoints, from their QUARANTINED.json."""
         lines = []
-        for p in damaged:
+        for p in paths:
             try:
                 why = json.loads((p / "QUARANTINED.json").read_text())["reason"]
             except (OSError, ValueError, KeyError):
                 why = "damaged"
             lines.append(f"{p.name} ({why})")
+        return "; ".join(lines)
+
+    def all_damaged_message(self, damaged: list[Path]) -> str:
         return (f"no checkpoint in {self.dir} can be loaded: every one is damaged and was moved "
-                f"to {self.dir / QUARANTINE}: " + "; ".join(lines) + ". To go on, load one "
+                f"to {self.dir / QUARANTINE}: " + self.quarantine_reasons(damaged) + ". To go "
+                "on, load one "
                 "anyway with --resume-from PATH (or --checkpoint.resume_from=PATH), or train "
                 "from step 0 with --start-fresh (--checkpoint.start_fresh=true)")
 
@@ -396,5 +420,5 @@ def describe_error(e: BaseException) -> str:
         if isinstance(cause, tuple):
             cause = cause[0]
         if isinstance(cause, BaseException):
-            return f"{type(cause).__name__}: {cause}"
-    return f"{type(e).__name__}: {e}"
+            e = cause
+    return f"{type(e).__name__}: " + " ".join(str(e).split())   # messages span lines too
