@@ -181,6 +181,37 @@ class Layout:
                     f"cannot give each of {world_size - 1} ranks one")
         return None
 
+    def shards_with_fsdp(self, cfg: Config, device_type: str) -> bool:
+        """Whether the trainer shards the model with FSDP2, and so applies its mixed-precision
+        and CPU-offload policies: over the data and context ranks (not under DDP, not with the
+        zero-bubble schedules, whose gradients the engine all-reduces itself), and on a lone
+        process that computes in bf16 or offloads to the host (a one-rank mesh: as on N
+        ranks)."""
+        t, p = cfg.training, cfg.parallel
+        if t.data_parallel == "ddp" or self.manual_reduce(t.data_parallel):
+            return False
+        if self.dp * self.cp > 1:
+            return True
+        return p.offload != "nvme" and (wants_bf16(cfg, device_type) or p.offload == "cpu")
+
+    def computes_in_bf16(self, cfg: Config, device_type: str) -> bool:
+        """Whether the run computes in bf16: the trainer applies bf16 only through FSDP2's
+        mixed-precision policy, so where training.dtype asks for it and FSDP2 shards."""
+        return wants_bf16(cfg, device_type) and self.shards_with_fsdp(cfg, device_type)
+
+    def no_bf16_reason(self, cfg: Config) -> str:
+        """What keeps this layout from computing in bf16 (no FSDP2, so no mixed-precision
+        policy), in words naming the setting; "" if nothing does."""
+        t, p = cfg.training, cfg.parallel
+        if t.data_parallel == "ddp":
+            return "training.data_parallel = 'ddp' (DDP applies no mixed-precision policy)"
+        if self.manual_reduce(t.data_parallel):
+            return (f"parallel.schedule = {self.schedule!r} with data parallelism (the engine "
+                    "reduces its gradients itself, without FSDP2)")
+        if p.offload == "nvme" and self.dp * self.cp <= 1:
+            return "parallel.offload = 'nvme' on one data-parallel rank (no FSDP2)"
+        return ""
+
     def manual_reduce(self, data_parallel: str) -> bool:
         """Whether the trainer all-reduces data-parallel gradients itself, unsharded: torch
         2.13's zero-bubble schedules compute weight gradients after FSDP2 has reduced them."""
@@ -239,6 +270,14 @@ class Layout:
         if t.data_parallel == "ddp" and (tp > 1 or pp > 1 or cp > 1):
             raise ConfigError("training.data_parallel = 'ddp' works with pure data "
                               "parallelism; use 'fsdp' or 'zero2' with tp, pp or cp")
+        # (the nvme tier on one rank is left to say fp32 in its start line: the tier runs on
+        # CPU processes in this version, and a bf16 GPU config's dry run with it is a plan)
+        if only_trainer and t.dtype == "bfloat16" and p.offload != "nvme" and \
+                not self.computes_in_bf16(cfg, device_type):
+            raise ConfigError(f"training.dtype = 'bfloat16' with {self.no_bf16_reason(cfg)}: "
+                              "myria computes in bf16 through FSDP2's mixed-precision policy "
+                              "only, so this would train in fp32; set training.dtype = "
+                              "'float32', or use training.data_parallel = 'fsdp' or 'zero2'")
         if m.document_mask and (pp > 1 or (cp > 1 and p.cp_impl == "torch")):
             raise ConfigError("model.document_mask runs without pipeline parallelism (pp = 1) "
                               "and, under context parallelism, with parallel.cp_impl = 'ring'")
@@ -279,6 +318,13 @@ class Layout:
                 raise ConfigError("parallel.offload_params = true needs "
                                   "parallel.activation_checkpoint = 'full' or 'selective' (each "
                                   "block's forward is recomputed from the parameters read back)")
+
+
+def wants_bf16(cfg: Config, device_type: str) -> bool:
+    """Whether training.dtype asks for bf16 compute on `device_type` (auto: bf16 on CUDA,
+    fp32 elsewhere)."""
+    d = cfg.training.dtype
+    return d == "bfloat16" or (d == "auto" and device_type == "cuda")
 
 
 def stage_ids(pp_rank: int, pp: int, vpp: int, schedule: str) -> list[int]:

@@ -135,3 +135,41 @@ def test_every_problem_of_a_tensor_parallel_degree_in_one_refusal():
     for needle in ("model.ffn_hidden", "parallel.sequence_parallel = false",
                    "model.vocab_size = 8192"):
         assert needle in msg, msg
+
+
+def test_bf16_only_where_fsdp2_applies_its_policy():
+    """myria computes in bf16 through FSDP2's mixed-precision policy only: a layout that does
+    not shard with FSDP2 (DDP; a zero-bubble schedule with data parallelism; the nvme tier on
+    one rank) refuses an explicit bf16 instead of training in fp32 under a bf16 label, and
+    `auto` on CUDA resolves to fp32 there, with the reason in the start line."""
+    from myria.train.trainer import layout_words
+
+    def cfg(*extra):
+        return config.load(None, [*MODEL, "--training.global_batch=4", *extra])
+
+    ddp = cfg("--training.dtype=bfloat16", "--training.data_parallel=ddp")
+    lay = Layout.resolve(ddp.parallel, 2)
+    assert not lay.computes_in_bf16(ddp, "cpu")
+    with pytest.raises(ConfigError, match=r"training.dtype = 'bfloat16' with training."
+                                          r"data_parallel = 'ddp' .*train in fp32"):
+        lay.check(ddp, "cpu")
+    auto = cfg("--training.data_parallel=ddp")
+    lay.check(auto, "cuda")
+    assert not lay.computes_in_bf16(auto, "cuda")
+    assert "fp32 (training.data_parallel = 'ddp'" in layout_words(auto, lay, "cuda")
+    zb = cfg("--training.dtype=bfloat16", "--parallel.pp=2", "--parallel.schedule=zbv",
+             "--parallel.vpp=2")
+    with pytest.raises(ConfigError, match="parallel.schedule = 'zbv' with data parallelism"):
+        Layout.resolve(zb.parallel, 4).check(zb, "cpu")
+    # the nvme tier on one rank (a CPU feature here; a GPU config's dry run with it is a plan)
+    # is not refused: its start line says fp32 and why
+    nvme = cfg("--training.dtype=bfloat16", "--parallel.offload=nvme")
+    lay = Layout.resolve(nvme.parallel, 1)
+    lay.check(nvme, "cpu")
+    assert "fp32 (parallel.offload = 'nvme' on one data-parallel" in layout_words(nvme, lay,
+                                                                                  "cpu")
+    for world, extra in ((2, ()), (1, ()), (4, ("--parallel.pp=2",))):   # FSDP2 applies it
+        c = cfg("--training.dtype=bfloat16", *extra)
+        lay = Layout.resolve(c.parallel, world)
+        lay.check(c, "cpu")
+        assert lay.computes_in_bf16(c, "cpu") and "bf16" in layout_words(c, lay, "cpu")

@@ -150,9 +150,7 @@ def plan_for_config(cfg, layout: Layout, device_type: str | None = None) -> Memo
     tp, pp, ep = layout["tp"], layout["pp"], layout["ep"]
     if device_type is None:
         device_type = t.device if t.device != "auto" else "cpu"
-    from myria.parallel.parallelize import shards_with_fsdp  # torch
-
-    fsdp = shards_with_fsdp(cfg, layout, device_type)
+    fsdp = layout.shards_with_fsdp(cfg, device_type)
     shard = layout["dp"] * layout["cp"] if fsdp else 1
     pc = param_counts(m)
     stages = [(True, True)] if pp == 1 else [(True, False), (False, True)]
@@ -182,9 +180,7 @@ def gathered_bytes(cfg, layout: Layout, device_type: str, stage: float, layer: f
     forward. Under FSDP the root, the block computing and the `fsdp_prefetch` blocks gathered
     ahead of it (at least one, FSDP2's own prefetch). In bf16 under the mixed-precision
     policy; in fp32 without it, on more than one rank."""
-    from myria.parallel.parallelize import mixed_precision  # torch
-
-    mixed = mixed_precision(cfg, device_type) is not None
+    mixed = layout.computes_in_bf16(cfg, device_type)
     if not mixed and layout["dp"] * layout["cp"] == 1:
         return 0.0
     per = 2 if mixed else 4
@@ -200,10 +196,7 @@ def activation_bytes(cfg, layout: Layout, device_type: str) -> float:
     tp, cp, pp = layout.tp, layout.cp, layout.pp
     # 16-bit only where the engine applies FSDP2 with a mixed-precision policy (the policy
     # resolves training.dtype = auto: bf16 on CUDA); elsewhere the model runs in fp32
-    from myria.parallel.parallelize import mixed_precision, shards_with_fsdp  # torch
-
-    bf16 = shards_with_fsdp(cfg, layout, device_type) and \
-        mixed_precision(cfg, device_type) is not None
+    bf16 = layout.computes_in_bf16(cfg, device_type)
     shape = layer_dims(m, t.micro_batch, tp=tp, cp=cp, sp=p.sequence_parallel, flash=True,
                        act_bytes=2 if bf16 else 4)
     micro = layout.microbatches(t.global_batch, t.micro_batch)

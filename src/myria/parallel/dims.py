@@ -25,7 +25,7 @@ def build_mesh(layout: Layout, device_type: str, fsdp: bool = False) -> DeviceMe
     """The mesh over the non-trivial dimensions of `layout` in `MESH_ORDER` (consecutive ranks
     fill tp first: `myria.parallel.placement` says what its groups cross), or None for a
     single process.
-    With `fsdp` (the model is sharded with FSDP2, `shards_with_fsdp`) on ranks that are all
+    With `fsdp` (the model is sharded with FSDP2, `Layout.shards_with_fsdp`) on ranks that are all
     tp, pp or ep (no data or context ranks), a dp_shard dimension of size 1 is kept: FSDP2
     applies its bf16 mixed precision over a mesh of the same root as the tensor-parallel one
     (meshes of different roots do not compose)."""

@@ -65,26 +65,13 @@ def parallelize(part: nn.Module, dims: ParallelDims, cfg: Config, device: torch.
                    expert_mesh=dims.replica_mesh)
 
 
-def shards_with_fsdp(cfg: Config, layout, device_type: str) -> bool:
-    """Whether the trainer shards the model with FSDP2, and so applies its mixed-precision and
-    CPU-offload policies: over the data and context ranks (not under DDP, not with the
-    zero-bubble schedules, whose gradients the engine all-reduces itself), and on a lone
-    process that computes in bf16 or offloads to the host (a one-rank mesh: as on N ranks)."""
-    t, p = cfg.training, cfg.parallel
-    if t.data_parallel == "ddp" or layout.manual_reduce(t.data_parallel):
-        return False
-    if layout.dp * layout.cp > 1:
-        return True
-    return p.offload != "nvme" and (mixed_precision(cfg, device_type) is not None
-                                         or p.offload == "cpu")
-
-
 def mixed_precision(cfg: Config, device_type: str) -> MixedPrecisionPolicy | None:
-    """bf16 parameters/compute with fp32 gradient reduction on GPU; fp32 on CPU by default."""
-    dtype = cfg.training.dtype
-    if dtype == "auto":
-        dtype = "bfloat16" if device_type == "cuda" else "float32"
-    if dtype == "float32":
+    """FSDP2's policy for the dtype training.dtype asks for (`layout.wants_bf16`): bf16
+    parameters and compute with fp32 gradient reduction; None for fp32. Applied only where
+    FSDP2 shards (`Layout.computes_in_bf16`)."""
+    from myria.layout import wants_bf16
+
+    if not wants_bf16(cfg, device_type):
         return None
     return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
 

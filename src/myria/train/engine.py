@@ -33,7 +33,7 @@ from myria.offload.tier import optimizer_tier
 from myria.optim.schedules import build_scheduler
 from myria.parallel import pipeline
 from myria.parallel.dims import ParallelDims, single_rank_mesh
-from myria.parallel.parallelize import apply_ddp, parallelize, shards_with_fsdp
+from myria.parallel.parallelize import apply_ddp, parallelize
 from myria.tensors import full_value, local_shard
 from myria.train.preflight import check_run
 
@@ -87,7 +87,7 @@ class Engine:
         lay.microbatches(t.global_batch, t.micro_batch, shrunk)   # refuses what does not divide
         self.share = lay.share(t.global_batch, t.micro_batch, dims.dp_rank)
         self.microbatches = len(self.share.microbatches)
-        fsdp = shards_with_fsdp(cfg, lay, device.type)
+        fsdp = lay.shards_with_fsdp(cfg, device.type)
         if fsdp and dims.fsdp_mesh is None:  # one process in bf16 or with host offload
             dims.fsdp_mesh = single_rank_mesh(device.type)
 

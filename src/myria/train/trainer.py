@@ -46,13 +46,12 @@ from myria.device import local_peak_tflops
 from myria.errors import CheckpointError, DataError
 from myria.faults import FaultInjector
 from myria.fsutil import atomic_write
-from myria.layout import Layout
+from myria.layout import Layout, wants_bf16
 from myria.models.flops import model_flops_per_token
 from myria.models.loss import record_row_losses
 from myria.observe import events, goodput, hang, tracking
 from myria.parallel.data import make_loader, write_read_counts
 from myria.parallel.dims import ParallelDims
-from myria.parallel.parallelize import mixed_precision, shards_with_fsdp
 from myria.train import distributed, heartbeat, peer, rejoin, resume
 from myria.train.checkpoint.pipeline import CheckpointManager
 from myria.train.engine import Engine
@@ -319,7 +318,7 @@ class Run:
             else None
         layout = Layout.resolve(cfg.parallel, env.world_size)
         dims = ParallelDims.build(layout, env.device.type,   # the mesh, groups, coordinates
-                                  fsdp=shards_with_fsdp(cfg, layout, env.device.type))
+                                  fsdp=layout.shards_with_fsdp(cfg, env.device.type))
 
         # -- data ----------------------------------------------------------------------------
         dataset = open_dataset(cfg.data, m.seq_len, split="train")   # a directory or a mixture
@@ -361,7 +360,7 @@ class Run:
         loader = make_loader(engine, dataset, cfg, start_step)  # one reader per tp x cp group
 
         # -- meters --------------------------------------------------------------------------
-        dtype = "float32" if (t.dtype == "auto" and env.device.type == "cpu") else t.dtype
+        dtype = "bfloat16" if layout.computes_in_bf16(cfg, env.device.type) else "float32"
         peak, peak_source = local_peak_tflops(env.device.type, dtype)
         span = None   # document masking: attention inside documents of the data's mean length
         if m.document_mask and not m.document_len:
@@ -580,7 +579,9 @@ def layout_words(cfg: Config, layout: Layout, device_type: str) -> str:
     if layout.pp > 1:
         words.append(layout.schedule + (f" x{layout.vpp} chunks" if layout.vpp > 1 else ""))
     words.append(("float8 blocks, " if t.float8 else "")
-                 + ("bf16" if mixed_precision(cfg, device_type) is not None else "fp32"))
+                 + ("bf16" if layout.computes_in_bf16(cfg, device_type) else "fp32"
+                    + (f" ({layout.no_bf16_reason(cfg)})" if wants_bf16(cfg, device_type)
+                       else "")))
     if p.activation_checkpoint != "none":
         words.append(f"recompute {p.activation_checkpoint}")
     if p.offload != "none":
