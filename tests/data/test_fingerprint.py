@@ -126,3 +126,107 @@ def test_resume_on_reprepared_data_is_refused(tmp_path: Path, tiny_data: Path) -
     p = run_cli(*train, "--training.steps=3", "--allow-data-change")
     assert "continuing on the new data as allowed" in p.stdout + p.stderr
     assert not F.differs(F.recorded(run / "checkpoints" / "step_00000003"), now)
+
+
+def _mix_fp(text: str) -> dict:
+    from myria.data import mixture
+
+    return mixture.fingerprint(mixture.parse_sources(text))
+
+
+def test_a_mixtures_fingerprint_is_its_order_not_its_typing(tmp_path: Path) -> None:
+    """The same sources with the same shares read the same tokens in the same order: weights
+    at another scale, another epoch limit and a moved directory give the same fingerprint
+    (and resume silently); another order, other shares, or one data.path do not."""
+    src = _texts(tmp_path / "in", 3)
+    P.prepare(tmp_path / "a", [src], vocab_size=300, val_fraction=0)
+    P.prepare(tmp_path / "b", [_texts(tmp_path / "in2", 2)],
+              tokenizer=str(tmp_path / "a" / "tokenizer.json"), val_fraction=0)
+    shutil.copytree(tmp_path / "b", tmp_path / "moved" / "b")
+    a, b, moved = tmp_path / "a", tmp_path / "b", tmp_path / "moved" / "b"
+    base = _mix_fp(f"{a}:0.5,{b}:0.5")
+    for same in (f"{a}:1,{b}:1", f"{a}:2,{b}:2:9", f"{a}:0.5,{moved}:0.5:1"):
+        assert not F.differs(base, _mix_fp(same)), same
+    for other in (f"{b}:1,{a}:1", f"{a}:1,{b}:3", f"{a}:1"):
+        assert F.differs(base, _mix_fp(other)), other
+    assert F.differs(_mix_fp(f"{a}:1"), F.fingerprint(a))   # another order than one path
+    ck = _ckpt(tmp_path, {F.META_KEY: base,
+                          "config": {"data": {"sources": f"{a}:0.5,{b}:0.5"}}})
+    F.check_resume(ck, _mix_fp(f"{a}:1,{b}:1:9"))
+
+
+def test_resume_refusal_names_what_changed(tmp_path: Path) -> None:
+    """Each refusal says what the evidence shows, with the key that names the data and a hint
+    that gets it back: another directory (which still holds the recorded data), the same
+    directory re-prepared (other tokens, or as many in shards of another size), one data.path
+    against a mixture, and the source of a mixture that changed."""
+    src = _texts(tmp_path / "in", 3)
+    d, e = tmp_path / "d", tmp_path / "e"
+    P.prepare(d, [src], vocab_size=300, val_fraction=0, shard_tokens=10**6)
+    P.prepare(e, [_texts(tmp_path / "in2", 2)], tokenizer=str(d / "tokenizer.json"),
+              val_fraction=0)
+
+    def refusal(rec: dict, now: dict, sources: str = "") -> str:
+        shutil.rmtree(tmp_path / "run", ignore_errors=True)
+        ck = _ckpt(tmp_path, {F.META_KEY: rec, "config": {"data": {"sources": sources}}})
+        with pytest.raises(DataError) as err:
+            F.check_resume(ck, now)
+        msg = str(err.value)
+        assert "\n" not in msg and "was it re-prepared" not in msg, msg
+        return msg
+
+    old = F.fingerprint(d)
+    msg = refusal(old, F.fingerprint(e))
+    assert (f"trained on data.path {d.resolve()} " in msg and f"but data.path {e.resolve()} "
+            in msg and f"{e.resolve()} is another directory than {d.resolve()}, holding other "
+            "tokens of the same tokenizer" in msg
+            and f"point data.path at {d.resolve()}, which still holds that data" in msg), msg
+    msg = refusal(old, _mix_fp(f"{d}:1"))
+    assert "but data.sources " in msg and "a mixture reads its samples in another order than " \
+        "one data.path, even a mixture of one source" in msg and \
+        f"give --data.sources= --data.path={d.resolve()} as the run did" in msg, msg
+    msg = refusal(_mix_fp(f"{d}:1"), old, f"{d}:1")
+    assert "trained on data.sources " in msg and "one data.path is read in another order " \
+        "than the mixture" in msg and f"give --data.sources={d}:1 as" in msg, msg
+    mixed = _mix_fp(f"{d}:1,{e}:3")
+    P.prepare(d, [src], vocab_size=300, val_fraction=0, shard_tokens=97, force=True)
+    assert F.fingerprint(d)["tokens"] == old["tokens"]
+    msg = refusal(old, F.fingerprint(d))
+    assert ("it was re-prepared since, now with as many tokens per split in shards of "
+            "another size (--shard-tokens 97, was 1000000)" in msg and
+            f"prepare {d.resolve()} again with --shard-tokens 1000000" in msg), msg
+    msg = refusal(mixed, _mix_fp(f"{d}:1,{e}:3"), f"{d}:1,{e}:3")
+    assert "source 'd': it was re-prepared since" in msg and "source 'e'" not in msg, msg
+    _texts(tmp_path / "in", 4)                                     # more text
+    P.prepare(d, [src], tokenizer=str(e / "tokenizer.json"), val_fraction=0, force=True)
+    msg = refusal(old, F.fingerprint(d))
+    assert "it was re-prepared since, now with other tokens of the same tokenizer (" in msg \
+        and f"training tokens, were {old['tokens']['train']:,})" in msg, msg
+
+
+def test_a_mixture_checkpoint_without_its_sources_listed_resumes_on_the_same_data(
+        tmp_path: Path) -> None:
+    """A mixture fingerprint that lists no sources digests them as typed (name, weight, epoch
+    limit, data digest): the same sources' data resume, other data is refused."""
+    import hashlib
+
+    from myria.data.mixture import parse_sources
+
+    src = _texts(tmp_path / "in", 3)
+    d, e = tmp_path / "d", tmp_path / "e"
+    P.prepare(d, [src], vocab_size=300, val_fraction=0)
+    P.prepare(e, [_texts(tmp_path / "in2", 2)], tokenizer=str(d / "tokenizer.json"),
+              val_fraction=0)
+    typed = f"{d}:0.3,{e}:0.7:2"
+    h = hashlib.sha256()
+    for s in parse_sources(typed):
+        h.update(json.dumps([s.name, s.weight, s.epochs,
+                             F.fingerprint(s.path)["data_sha256"]]).encode())
+    rec = {**F.fingerprint(d), "data_sha256": h.hexdigest(), "path": typed}
+    ck = _ckpt(tmp_path, {F.META_KEY: rec, "config": {"data": {"sources": typed}}})
+    F.check_resume(ck, _mix_fp(typed))
+    P.prepare(e, [_texts(tmp_path / "in2", 3)], tokenizer=str(d / "tokenizer.json"),
+              val_fraction=0, force=True)
+    with pytest.raises(DataError, match="trained on data.sources .* a source holds other "
+                       f"tokens than it did.*give --data.sources={typed} as the run did"):
+        F.check_resume(ck, _mix_fp(typed))

@@ -8,10 +8,14 @@ the same inputs, options and seed (prepare is deterministic):
                        and, per split, every shard's (file, tokens, sha256); the shards are not
                        read (opening a TokenDataset checks them against the index)
 
+with, to say what changed when they differ, the directory (`path`, resolved), the tokens of
+each split and the shard size it was prepared with. A mixture's (`myria.data.mixture`) has one
+such entry per source (`sources`) and digests the sources' data and shares in their order.
+
 Every checkpoint records it (meta.json's `data_fingerprint`), and the run keeps its tokenizer
 (RUN_DIR/tokenizers/tokenizer-<sha256[:16]>.json): a resume on other data is refused in one line
-unless `checkpoint.allow_data_change`, and generate and export decode with the tokenizer the
-checkpoint was trained with. docs/data.md, "The data fingerprint".
+naming what changed unless `checkpoint.allow_data_change`, and generate and export decode with
+the tokenizer the checkpoint was trained with. docs/data.md, "The data fingerprint".
 """
 
 from __future__ import annotations
@@ -20,10 +24,11 @@ import hashlib
 import json
 import logging
 import os
+from fractions import Fraction
 from pathlib import Path
 from typing import Any
 
-from myria.errors import CheckpointError, DataError
+from myria.errors import CheckpointError, ConfigError, DataError
 
 log = logging.getLogger("myria")
 KEPT_DIR = "tokenizers"  # under RUN_DIR
@@ -54,7 +59,10 @@ def fingerprint(data_dir: str | Path) -> dict[str, Any]:
                            for name, sp in sorted(index.get("splits", {}).items())}}
     return {"tokenizer_sha256": tok_sha,
             "data_sha256": _sha256_bytes(json.dumps(identity, sort_keys=True).encode()),
-            "path": str(d.resolve())}
+            "path": str(d.resolve()),
+            "tokens": {name: sum(int(s["tokens"]) for s in sp["shards"])
+                       for name, sp in sorted(index.get("splits", {}).items())},
+            "shard_tokens": index.get("shard_tokens")}
 
 
 def kept_tokenizer_path(run_dir: str | Path, tokenizer_sha256: str) -> Path:
@@ -115,22 +123,138 @@ def differs(a: dict[str, Any], b: dict[str, Any]) -> bool:
 def check_resume(ckpt: str | Path, current: dict[str, Any], allow: bool = False,
                  announce: bool = True) -> None:
     """Refuse (DataError) to resume checkpoint `ckpt` on data whose fingerprint differs from the
-    one it recorded, unless `allow`, which logs the change instead."""
+    one it recorded, naming what changed (`change`), unless `allow`, which logs it instead."""
     rec = recorded(ckpt)
     if rec is None or not differs(rec, current):
         return
-    what = "tokenizer and tokens" if rec["tokenizer_sha256"] != current["tokenizer_sha256"] \
-        else "tokens (same tokenizer)"
-    msg = (f"{Path(ckpt).name} was trained on data {rec.get('path', '?')} ({short(rec)}) but "
-           f"data.path {current['path']} now has {short(current)}: its {what} changed (was it "
-           "re-prepared?)")
+    typed = recorded_sources(ckpt)
+    if typed and "sources" not in rec and _same_as_typed(rec, typed, current):
+        return
+    what, hint = change(rec, current, typed)
+    msg = (f"{Path(ckpt).name} was trained on {_named(rec, typed)} ({short(rec)}) but "
+           f"{_named(current)} has {short(current)}: {what}")
     if not allow:
-        raise DataError(msg + "; restore that data, point --data.path at it, or pass "
-                        "--allow-data-change (to `myria train` or `myria supervise`) to "
-                        "continue training on the new data")
+        raise DataError(f"{msg}; {hint}, or pass --allow-data-change (to `myria train` or "
+                        "`myria supervise`) to continue training on the new data")
     if announce:
         log.warning("%s; continuing on the new data as allowed (checkpoint.allow_data_change)",
                     msg)
+
+
+def recorded_sources(ckpt: str | Path) -> str:
+    """The data.sources checkpoint `ckpt` was trained with ("" for one data.path)."""
+    try:
+        data = json.loads((Path(ckpt) / "meta.json").read_text()).get("config", {}).get("data")
+        return str(data.get("sources") or "") if isinstance(data, dict) else ""
+    except (OSError, ValueError, AttributeError):
+        return ""
+
+
+def _is_mixture(fp: dict[str, Any], typed: str = "") -> bool:
+    return "sources" in fp or bool(typed)
+
+
+def _named(fp: dict[str, Any], typed: str = "") -> str:
+    """`data.path DIR` or `data.sources DIR:SHARE,...` of a fingerprint."""
+    return f"data.{'sources' if _is_mixture(fp, typed) else 'path'} {fp.get('path', '?')}"
+
+
+def _same_as_typed(rec: dict[str, Any], typed: str, current: dict[str, Any]) -> bool:
+    """A mixture fingerprint without `sources` digests each source's name, weight and epoch
+    limit as typed in the checkpoint's data.sources (`typed`) with its data digest: the same
+    data when that digest over the sources' data now matches and the shares are the same."""
+    from myria.data.mixture import parse_sources, shares_text
+
+    now = {e["name"]: e for e in current.get("sources", [])}
+    try:
+        old = parse_sources(typed)
+    except ConfigError:
+        return False
+    if [s.name for s in old] != list(now) or \
+            shares_text(old) != [now[s.name]["share"] for s in old]:
+        return False
+    h = hashlib.sha256()
+    for s in old:
+        h.update(json.dumps([s.name, s.weight, s.epochs, now[s.name]["data_sha256"]]).encode())
+    return h.hexdigest() == rec["data_sha256"]
+
+
+def change(rec: dict[str, Any], cur: dict[str, Any], typed: str = "") -> tuple[str, str]:
+    """What differs between recorded fingerprint `rec` and `cur` (they differ), and how to get
+    the recorded data back: (reason, hint). `typed`: the checkpoint's data.sources ("" for one
+    data.path), for a mixture fingerprint that lists no sources."""
+    was_mix, is_mix = _is_mixture(rec, typed), _is_mixture(cur)
+    if was_mix and not is_mix:
+        return ("one data.path is read in another order than the mixture the run read"), \
+            f"give --data.sources={typed or rec.get('path', '?')} as the run did"
+    if is_mix and not was_mix:
+        return ("a mixture reads its samples in another order than one data.path, even a "
+                "mixture of one source: the run would read some samples again and skip "
+                "others"), f"give --data.sources= --data.path={rec.get('path', '?')} as the run did"
+    same_tok = rec["tokenizer_sha256"] == cur["tokenizer_sha256"]
+    if not is_mix:
+        return _dir_change(rec, cur, same_tok), _dir_hint(rec, rec, cur, "data.path")
+    old, new = rec.get("sources"), cur["sources"]
+    if old is None:
+        return ("a source holds other tokens than it did, or the sources or their shares "
+                "changed"), f"restore that data or give --data.sources={typed} as the run did"
+    if [(e["name"], e["share"]) for e in old] != [(e["name"], e["share"]) for e in new]:
+        return (f"other sources or shares ({_shares(new)}; the run read {_shares(old)})",
+                f"give --data.sources={typed or rec.get('path', '?')} as the run did")
+    moved = [(o, n) for o, n in zip(old, new, strict=True)
+             if o["data_sha256"] != n["data_sha256"] or not same_tok]
+    return ("; ".join(f"source {n['name']!r}: {_dir_change(o, n, same_tok)}" for o, n in moved),
+            _dir_hint(rec, moved[0][0], moved[0][1],
+                      f"source {moved[0][0]['name']!r} of data.sources"))
+
+
+def _shares(entries: list[dict[str, Any]]) -> str:
+    return ", ".join(f"{e['name']} {float(Fraction(e['share'])):.3g}" for e in entries)
+
+
+def _dir_change(rec: dict[str, Any], cur: dict[str, Any], same_tokenizer: bool) -> str:
+    """What differs between two directories' fingerprints, said from the evidence: the same
+    directory re-prepared, or another directory; with another tokenizer, as many tokens per
+    split in shards of another size, or other tokens."""
+    if not same_tokenizer:
+        detail = "another tokenizer, and so other tokens"
+    elif _other_shards(rec, cur):
+        detail = (f"as many tokens per split in shards of another size (--shard-tokens "
+                  f"{cur.get('shard_tokens')}, was {rec.get('shard_tokens')}), which the "
+                  "shards' digests cannot compare")
+    else:
+        counts = (rec.get("tokens") or {}).get("train"), (cur.get("tokens") or {}).get("train")
+        detail = "other tokens of the same tokenizer" + (
+            f" ({counts[1]:,} training tokens, were {counts[0]:,})"
+            if None not in counts and counts[0] != counts[1] else "")
+    if rec.get("path") == cur.get("path"):
+        return f"it was re-prepared since, now with {detail}"
+    return f"{cur.get('path')} is another directory than {rec.get('path')}, holding {detail}"
+
+
+def _other_shards(rec: dict[str, Any], cur: dict[str, Any]) -> bool:
+    """As many tokens per split, prepared with another shard size."""
+    return rec.get("tokens") is not None and rec.get("tokens") == cur.get("tokens") and \
+        rec.get("shard_tokens") != cur.get("shard_tokens")
+
+
+def _dir_hint(rec: dict[str, Any], entry: dict[str, Any], cur: dict[str, Any], what: str
+              ) -> str:
+    """How to get back the data of `entry` (`rec` itself, or one of its sources; `cur` what
+    is there now): the directory it was read from, when that still holds it; its shard size,
+    when that is what differs."""
+    path = entry.get("path")
+    try:
+        now = fingerprint(path) if path else None
+    except DataError:
+        now = None
+    if now is not None and (now["tokenizer_sha256"], now["data_sha256"]) == (
+            rec["tokenizer_sha256"], entry["data_sha256"]):
+        return f"point {what} at {path}, which still holds that data"
+    if _other_shards(entry, cur) and cur.get("path") == path:
+        return (f"prepare {path} again with --shard-tokens {entry['shard_tokens']} (and the "
+                "inputs and options it was prepared from)")
+    return f"restore that data (in {path})" if path else "restore that data"
 
 
 def checkpoint_tokenizer(run_dir: str | Path, ckpt: str | Path, override: str | Path | None = None

@@ -296,6 +296,41 @@ def _fractions(weights: list[float]) -> list[Fraction]:
     return [Fraction(str(w)) / total for w in weights]
 
 
+def shares_text(sources: list[Source]) -> list[str]:
+    """The sources' shares of data.sources as exact fractions ("3/10"): the same for the same
+    weights at any scale."""
+    return [str(f) for f in _fractions([s.weight for s in sources])]
+
+
+def fingerprint(sources: list[Source]) -> dict[str, Any]:
+    """The data fingerprint (`myria.data.fingerprint`) of a mixture: the tokenizer's digest (one
+    for every source), and the data digest over each source's data digest and share of
+    data.sources in their order (what fixes the tokens each step reads, with the seed, the
+    global batch and data.phases, which the config's resume rules compare); not the weights as
+    typed, the paths or the epoch limits, which do not change the order. `sources` lists each
+    source's name, share and directory fingerprint; `path` shows them as DIR:SHARE,..."""
+    from myria.data import fingerprint as fp
+
+    dirs = [fp.fingerprint(s.path) for s in sources]
+    entries = [{"name": s.name, "share": share,
+                **{k: d[k] for k in ("path", "data_sha256", "tokens", "shard_tokens")}}
+               for s, share, d in zip(sources, shares_text(sources), dirs, strict=True)]
+    digest = hashlib.sha256(json.dumps([[e["share"], e["data_sha256"]]
+                                        for e in entries]).encode()).hexdigest()
+    return {"tokenizer_sha256": dirs[0]["tokenizer_sha256"], "data_sha256": digest,
+            "path": ",".join(f"{e['path']}:{float(Fraction(e['share'])):.4g}" for e in entries),
+            "sources": entries}
+
+
+def data_fingerprint(data_cfg) -> dict[str, Any]:
+    """The data fingerprint of `[data]`: one directory's (`path`) or a mixture's (`sources`)."""
+    if getattr(data_cfg, "sources", ""):
+        return fingerprint(parse_sources(data_cfg.sources))
+    from myria.data.fingerprint import fingerprint as dir_fingerprint
+
+    return dir_fingerprint(data_cfg.path)
+
+
 def source_counts(step: int, global_batch: int, shares: list[Fraction]) -> np.ndarray:
     """C_k(step): samples taken from each source in steps [0, step) (largest remainder)."""
     n = step * global_batch
@@ -364,16 +399,11 @@ class MixtureDataset:
         return self.num_samples
 
     def fingerprint(self, first: dict) -> dict:
-        """The mixture's data fingerprint (`myria.data.fingerprint`): the first source's, with
-        the data digest over every source's digest, weight and epoch limit."""
-        from myria.data.fingerprint import fingerprint
-
-        h = hashlib.sha256()
-        for s in self.sources:
-            h.update(json.dumps([s.name, s.weight, s.epochs,
-                                 fingerprint(s.path)["data_sha256"]]).encode())
-        return {**first, "data_sha256": h.hexdigest(),
-                "path": ",".join(f"{s.path}:{s.weight}" for s in self.sources)}
+        """The mixture's data fingerprint (module `fingerprint`), with what `first` (the first
+        source's, as `keep_tokenizer` gives it) adds to a directory's: the kept tokenizer."""
+        return {**fingerprint(self.sources),
+                **({"tokenizer_file": first["tokenizer_file"]} if "tokenizer_file" in first
+                   else {})}
 
     def check(self, global_batch: int, steps: int) -> None:
         """DataError for a mixture the run cannot read as asked: a source whose share of a

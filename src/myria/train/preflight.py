@@ -1,6 +1,7 @@
 """What is refused before any process of a run starts, in one line each: the number of local
-processes, the run directory, `--stop-after`, `--max-time`, the config against the checkpoint
-the run resumes, the parallel layout (`Layout.check`) and the offload tier's memory budget.
+processes, the run directory, `--stop-after`, `--max-time`, the config and the data against the
+checkpoint the run resumes, the parallel layout (`Layout.check`) and the offload tier's memory
+budget.
 
 `myria train` and `myria supervise` call these before they start workers; the engine of each
 worker checks the layout again (`check_run`), as the one place a layout is accepted.
@@ -72,8 +73,9 @@ def add_resume_arguments(p) -> None:
                    help="when every checkpoint of the run is damaged, train from step 0 "
                    "instead of stopping (the damaged ones stay in checkpoints/quarantine/)")
     p.add_argument("--allow-data-change", action="store_true",
-                   help="resume although the data directory was re-prepared since the "
-                   "checkpoint (its tokenizer or tokens differ from the recorded fingerprint)")
+                   help="resume although the data differs from the fingerprint the "
+                   "checkpoint recorded (another directory, one re-prepared since, another "
+                   "mixture): train on it from there")
 
 
 def resume_overrides(args) -> list[str]:
@@ -332,7 +334,8 @@ def run_config(path: str | Path | None, overrides, run_dir: str | Path | None
 
 def preflight(cfg: config_mod.Config, run_dir: str | Path, stop_after: int | None) -> str | None:
     """What can be checked before processes start: the run directory, `--stop-after` and the
-    config against the checkpoint the run resumes (fields that cannot change are refused).
+    config against the checkpoint the run resumes (fields that cannot change are refused), and,
+    when it trains further, the data against the fingerprint that checkpoint recorded.
     Returns a line to print instead of training when the run already reached training.steps."""
     run_dir = Path(run_dir)
     new = not run_dir.exists()
@@ -365,6 +368,10 @@ def _preflight(cfg: config_mod.Config, run_dir: Path, stop_after: int | None) ->
     mixture.check_resume(str(data.get("sources") or ""), cfg.data.sources, step,
                          str(data.get("phases") or ""), cfg.data.phases)
     if step < cfg.training.steps and (stop_after is None or stop_after > step):
+        from myria.data import fingerprint  # the trainer checks again the checkpoint it loads
+
+        fingerprint.check_resume(ckpt, mixture.data_fingerprint(cfg.data),
+                                 cfg.checkpoint.allow_data_change, announce=False)
         return None
     from myria.train.checkpoint.store import verify_dir
 
