@@ -99,6 +99,18 @@ def test_damaged_shards(data_dir: Path, tmp_path: Path) -> None:
         TokenDataset(data_dir, 10**6)
 
 
+def test_an_empty_validation_split_says_how_it_came_to_be(data_dir: Path, tmp_path: Path
+                                                          ) -> None:
+    """A split 'val' prepared with --val-fraction 0 is empty: the line says so and how to get
+    one, not to shorten the sequence length (which cannot help)."""
+    P.prepare(tmp_path / "noval", inputs=[str(data_dir.parent / "*.txt")], vocab_size=280,
+              val_fraction=0)
+    with pytest.raises(DataError) as e:
+        TokenDataset(tmp_path / "noval", SEQ, split="val")
+    assert "is empty (prepared with --val-fraction 0)" in str(e.value) and \
+        "--val-fraction > 0" in str(e.value) and "sequence length" not in str(e.value)
+
+
 def test_replaced_tokenizer_is_refused(data_dir: Path, tmp_path: Path) -> None:
     """Shards read with a tokenizer other than the one index.json records would be other text."""
     import json

@@ -687,6 +687,25 @@ def test_data_without_a_validation_split_says_how_to_train_without_validation(
     assert not (tmp_path / "run").exists()
 
 
+def test_a_damaged_validation_shard_is_refused_before_training(tmp_path, tiny_data):
+    """With evaluation on, the validation shards are checksummed before processes start, as
+    the training shards are by each rank: not found at the first evaluation, mid-run."""
+    from myria import config
+    from myria.errors import DataError
+    from myria.train.preflight import check_validation
+
+    data = tmp_path / "d"
+    shutil.copytree(tiny_data, data)
+    shard = data / "val_00000.bin"
+    raw = bytearray(shard.read_bytes())
+    raw[100] ^= 0xFF
+    shard.write_bytes(bytes(raw))
+    with pytest.raises(DataError, match=r"val_00000\.bin' is damaged.*or train without "
+                       r"validation: --training.eval_interval=0 \(it is 2\)"):
+        check_validation(config.load(None, [*TINY, f"--data.path={data}",
+                                            "--training.eval_interval=2"]))
+
+
 def test_a_model_vocabulary_far_past_the_tokenizers_is_noted(tmp_path, tiny_data):
     """Embedding rows no token trains: one note with the vocabulary that fits."""
     import json as _json

@@ -153,6 +153,12 @@ class TokenDataset:
         self._starts = self._ends - sizes
         self.num_tokens: int = int(self._ends[-1]) if len(sizes) else 0
         self.num_samples: int = max(0, (self.num_tokens - 1) // self.seq_len)
+        if self.num_tokens == 0 and split == "val":
+            how = " (prepared with --val-fraction 0)" if not self.index.get("val_fraction") \
+                else ""
+            raise DataError(f"split 'val' of {str(self.path)!r} is empty{how}: there is no "
+                            "text to evaluate on; prepare the data with a --val-fraction > 0 "
+                            "(e.g. 0.01)")
         if self.num_samples == 0:
             raise DataError(f"split {split!r} of {str(self.path)!r} has {self.num_tokens} "
                             f"tokens, fewer than seq_len + 1 = {self.seq_len + 1}; prepare more "

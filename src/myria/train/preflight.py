@@ -149,14 +149,16 @@ def check_before_torch(cfg: Config, local: int, world: int, launching: bool) -> 
 
 
 def check_validation(cfg: Config) -> None:
-    """With evaluation on, refuse a validation split without one sample now, not at the first
-    evaluation, and say how to train without it."""
+    """With evaluation on, refuse a validation split without one sample, or with a shard that
+    does not match its sha256 in index.json, now, not at the first evaluation, and say how to
+    train without it. (The validation split is a small share of the data, `--val-fraction`:
+    checksumming it costs a fraction of what each rank's check of the training shards does.)"""
     if not cfg.training.eval_interval:
         return
     from myria.data.mixture import open_dataset
 
     try:
-        open_dataset(cfg.data, cfg.model.seq_len, split="val", verify=False)
+        open_dataset(cfg.data, cfg.model.seq_len, split="val", verify=True)
     except DataError as e:
         raise DataError(f"{e}; or train without validation: --training.eval_interval=0 (it is "
                         f"{cfg.training.eval_interval})") from None
