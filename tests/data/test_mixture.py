@@ -335,3 +335,34 @@ def test_new_weights_on_resume_train_as_the_same_phase_declared(two_sources, tmp
     # the phases to type: the run's (from step 3) and a new one after the steps done
     assert "--data.phases='3:web=3.0,code=1.0;6:web=1.0,code=1.0'" in bad.stderr, bad.stderr
     assert bad.stderr.strip().count("\n") == 0
+
+
+def test_reading_a_source_more_than_once_is_said(two_sources, tiny_data):
+    """training.steps that read a directory more than once: a note of how many times; one
+    step reading more samples of it than it has: a warning (the preflight's lines)."""
+    from myria import config
+    from myria.data.mixture import open_dataset
+    from myria.train.preflight import data_passes
+
+    web, code = two_sources
+
+    def lines(*overrides):
+        cfg = config.load(None, [*TINY, *overrides])
+        return data_passes(cfg, open_dataset(cfg.data, cfg.model.seq_len, verify=False))
+
+    one = open_dataset(DataConfig(path=str(tiny_data)), 64, verify=False).num_samples
+    assert lines(f"--data.path={tiny_data}", "--training.steps=1") == []
+    passes = 3 * one // 8   # steps that read it 3 times
+    assert lines(f"--data.path={tiny_data}", f"--training.steps={passes}") == [
+        f"note: training.steps = {passes} read data.path {tiny_data} 3 times over (each sample "
+        "once per pass)"]
+    (w,) = lines(f"--data.path={tiny_data}", "--model.seq_len=512",
+                 f"--training.global_batch={2 * (one // 8) + 2}", "--training.steps=1")
+    assert w.startswith(f"warning: data.path {tiny_data} has {one // 8:,} training samples of "
+                        "model.seq_len = 512, fewer than the") and "each step repeats" in w, w
+    mix = open_dataset(DataConfig(sources=f"{web}:1,{code}:1"), 64, verify=False)
+    steps = int(2 * mix.sizes[1]) // 4 + 1     # code read just over twice, web less than once
+    (note,) = lines(f"--data.sources={web}:1,{code}:1", f"--training.steps={steps}")
+    assert note.startswith(f"note: training.steps = {steps} read source 'code' ({code}) "
+                           f"{mix.epochs(steps, 8)[1]:.3g} times over") and "web" not in note
+

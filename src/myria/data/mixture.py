@@ -405,6 +405,10 @@ class MixtureDataset:
                 **({"tokenizer_file": first["tokenizer_file"]} if "tokenizer_file" in first
                    else {})}
 
+    def epochs(self, step: int, global_batch: int) -> np.ndarray:
+        """The passes steps [0, step) make over each source (samples read / samples)."""
+        return self.schedule.counts(step, global_batch) / self.sizes
+
     def check(self, global_batch: int, steps: int) -> None:
         """DataError for a mixture the run cannot read as asked: a source whose share of a
         step is below one sample, or one the run would read beyond its epoch limit."""

@@ -31,6 +31,7 @@ from myria.train.preflight import (
     check_launch,
     check_nproc,
     check_validation,
+    data_passes,
     max_time_overrides,
     preflight,
     resume_overrides,
@@ -293,7 +294,7 @@ def run(args) -> int:
             _say(f"note: --nproc not given: the dry run is of the fewest processes the layout "
                  f"needs, {world} (--nproc N, --nnodes M for another scale)")
     if args.dry_run:
-        from myria.data.mixture import check_mixture_config
+        from myria.data.mixture import check_mixture_config, open_dataset
         from myria.train.distributed import device_type
         Layout.resolve(cfg.parallel, world * args.nnodes).check(
             cfg, device_type(cfg.training.device))
@@ -301,6 +302,12 @@ def run(args) -> int:
         if note := check_mixture_config(cfg.data, cfg.training.global_batch,
                                         cfg.training.steps):
             print(note, file=sys.stderr)
+        try:   # and, where they exist, how many times the steps read them
+            data = open_dataset(cfg.data, cfg.model.seq_len, verify=False)
+        except DataError:
+            data = None
+        for line in data_passes(cfg, data) if data is not None else ():
+            print(line, file=sys.stderr)
         print(dry_run(cfg, world * args.nnodes, ranks_per_host=world))
         return 0
     from myria.train.launch import (

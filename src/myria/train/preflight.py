@@ -12,6 +12,7 @@ from __future__ import annotations
 import copy
 import json
 import os
+import sys
 from pathlib import Path
 
 from myria import config as config_mod
@@ -36,8 +37,6 @@ def check_launch(cfg: Config, layout: Layout, device_type: str, run_dir: str | P
     """What a launcher (`myria train`, `myria supervise`) checks of the layout before it
     starts this host's `local_ranks` workers: `check_run`, and room on disk for the nvme
     tier's files (`myria.offload.nvme.check_disk`; its warning printed)."""
-    import sys
-
     check_run(cfg, layout, device_type)
     if cfg.parallel.offload == "nvme":
         from myria.offload.nvme import check_disk
@@ -173,6 +172,38 @@ def check_mixture(cfg: Config, dataset) -> None:
         dataset.check(cfg.training.global_batch, cfg.training.steps)
 
 
+def data_passes(cfg: Config, dataset) -> list[str]:
+    """Lines to print when training.steps read a directory (`data.path`, or a source of
+    `data.sources`) more than once: a note of how many times, or a warning when one step
+    reads more samples of it than it has (the same samples repeated within the step)."""
+    from myria.data.mixture import MixtureDataset
+
+    t = cfg.training
+    if isinstance(dataset, MixtureDataset):
+        parts = [(f"source {s.name!r} ({s.path})", int(n), float(e),
+                  max(float(sh[k]) for sh in dataset.schedule.shares) * t.global_batch)
+                 for k, (s, n, e) in enumerate(zip(dataset.sources, dataset.sizes,
+                                                   dataset.epochs(t.steps, t.global_batch),
+                                                   strict=True))]
+    else:
+        parts = [(f"data.path {dataset.path}", dataset.num_samples,
+                  t.steps * t.global_batch / dataset.num_samples, float(t.global_batch))]
+    out, again = [], []
+    for what, n, epochs, per_step in parts:
+        if per_step > n:
+            out.append(f"warning: {what} has {n:,} training sample{'s' * (n != 1)} of "
+                       f"model.seq_len = {cfg.model.seq_len}, fewer than the {per_step:.3g} a "
+                       f"step reads of it: each step repeats them (about {per_step / n:.3g} "
+                       f"times; {epochs:.3g} passes in training.steps = {t.steps}); prepare "
+                       "more text, or lower training.global_batch or model.seq_len")
+        elif epochs > 1:
+            again.append(f"{what} {epochs:.3g} times")
+    if again:
+        out.insert(0, f"note: training.steps = {t.steps} read {', '.join(again)} over (each "
+                   "sample once per pass)")
+    return out
+
+
 def check_vocab(cfg: Config, dataset) -> str | None:
     """Refuse a model whose vocabulary is smaller than the tokenizer of its data; a note (the
     line to print) when it is much larger: rows of the embedding no token ever trains."""
@@ -254,6 +285,8 @@ def check_data_and_model(cfg: Config, dataset, run_dir: str | Path) -> None:
     if note := check_mixture_config(cfg.data, cfg.training.global_batch, cfg.training.steps):
         print(note, flush=True)
     check_mixture(cfg, dataset)
+    for line in data_passes(cfg, dataset):
+        print(line, file=sys.stderr if line.startswith("warning") else sys.stdout, flush=True)
     if note := check_tokenizer(cfg, dataset):
         print(note, flush=True)
     check_init_weights(cfg, run_dir)

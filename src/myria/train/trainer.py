@@ -451,8 +451,8 @@ class Run:
             "samples_by_source": dict(zip(names, map(int, counts), strict=True)),
             "tokens_by_source": {n: int(c) * ds.seq_len for n, c in zip(names, counts,
                                                                         strict=True)},
-            "epochs_by_source": {n: round(int(c) / int(size), 4)
-                                 for n, c, size in zip(names, counts, ds.sizes, strict=True)}}
+            "epochs_by_source": {n: round(float(e), 4) for n, e in zip(
+                names, ds.epochs(step, self.cfg.training.global_batch), strict=True)}}
         if done.by_source:
             out["loss_by_source"] = done.by_source
         return out
