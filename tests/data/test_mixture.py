@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from myria.config import DataConfig
+from myria.data import prepare as P
 from myria.data.loader import BatchLoader
 from myria.data.mixture import MixtureDataset, parse_sources, source_counts
 from myria.errors import ConfigError, DataError
@@ -96,6 +97,8 @@ def test_bad_sources_one_line(two_sources, tmp_path):
     web, code = two_sources
     with pytest.raises(ConfigError, match="must be > 0"):
         parse_sources(f"{web}:0,{code}:1")
+    with pytest.raises(ConfigError, match="weight inf must be a finite number > 0"):
+        parse_sources(f"{web}:1,{code}:inf")
     with pytest.raises(ConfigError, match="not a number"):
         parse_sources(f"{web}:x")
     with pytest.raises(DataError, match="does not exist"):
@@ -122,7 +125,8 @@ def test_bad_mixtures_through_the_cli_one_line_and_no_run_dir(two_sources, tmp_p
              f"{web}:0,{code}:1": f"entry '{web}:0': weight 0.0 must be > 0",
              f"{web}:1,{code}:-0.5": f"entry '{code}:-0.5': weight -0.5 must be > 0",
              f"{web}:0.3,{other}:0.7": f"'{other}' was prepared with another tokenizer than "
-             f"'{web}' (tokenizer_sha256",
+             f"'{web}' (tokenizer_sha256 {P.sha256_file(other / 'tokenizer.json')[:12]} vs "
+             f"{P.sha256_file(web / 'tokenizer.json')[:12]}); prepare every source",
              # read as asked: refused before processes start, not by the ranks
              f"{web}:1,{code}:0.01": "'code' has a share of 0.0099, under one of the 8 "
              "sequences of a step",
@@ -366,3 +370,19 @@ def test_reading_a_source_more_than_once_is_said(two_sources, tiny_data):
     assert note.startswith(f"note: training.steps = {steps} read source 'code' ({code}) "
                            f"{mix.epochs(steps, 8)[1]:.3g} times over") and "web" not in note
 
+
+def test_a_finished_run_says_no_new_phase(tmp_path):
+    """Other weights for a run already trained to training.steps: nothing to train, so no line
+    that the weights change; with steps to train, the line."""
+    from myria.train.preflight import run_config
+
+    ck = tmp_path / "checkpoints" / "step_00000004"
+    ck.mkdir(parents=True)
+    (ck / "meta.json").write_text(json.dumps(
+        {"step": 4, "config": {"data": {"sources": "data/web:1,data/code:3"}}}))
+    (tmp_path / "checkpoints" / "latest").write_text("step_00000004")
+    new = ["--data.sources=data/web:3,data/code:1"]
+    cfg, said = run_config(None, [*new, "--training.steps=4"], tmp_path)
+    assert said is None and cfg.data.phases == "5:web=3.0,code=1.0"
+    _, said = run_config(None, [*new, "--training.steps=5"], tmp_path)
+    assert "the mixture's weights change from step 5 on" in said

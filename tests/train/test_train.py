@@ -706,6 +706,57 @@ def test_a_damaged_validation_shard_is_refused_before_training(tmp_path, tiny_da
                                             "--training.eval_interval=2"]))
 
 
+def test_an_empty_data_sources_with_data_path_trains_on_the_path():
+    """`--data.sources= --data.path=DIR` switches a mixture off for the one path; a
+    --data.sources that names sources with --data.path stays refused."""
+    from myria import config
+    from myria.train.preflight import check_data_overrides
+
+    for empty in ("--data.sources=", '--data.sources=""'):
+        check_data_overrides([empty, "--data.path=data/x"])
+        assert config.load(None, ["--data.sources=data/a:1", empty,
+                                  "--data.path=data/x"]).data.sources == ""
+    with pytest.raises(config.ConfigError, match="both name the training data"):
+        check_data_overrides(["--data.sources=data/a:1", "--data.path=data/x"])
+
+
+def test_resume_on_other_or_missing_data_is_refused_before_processes_start(
+        tmp_path, tiny_data, monkeypatch):
+    """The checkpoint's data fingerprint is judged before any process starts; a relative
+    data.path missing from the working directory names the directory the checkpoint was
+    trained on, not how to prepare new data."""
+    from myria import config
+    from myria.data import fingerprint
+    from myria.data import prepare as P
+    from myria.errors import DataError
+    from myria.train.preflight import check_recorded_data, preflight
+
+    (tmp_path / "in.txt").write_text(" ".join(f"w{i % 37}" for i in range(3000)))
+    other = tmp_path / "other"
+    P.prepare(other, [str(tmp_path / "in.txt")], vocab_size=300, val_fraction=0)
+    run = tmp_path / "run"
+    ck = run / "checkpoints" / "step_00000002"
+    ck.mkdir(parents=True)
+    cfg = config.load(None, [*TINY, f"--data.path={tiny_data}", "--training.steps=4"])
+    (ck / "meta.json").write_text(json.dumps({"step": 2, "config": cfg.to_dict(),
+                                              fingerprint.META_KEY:
+                                              fingerprint.fingerprint(tiny_data)}))
+    (run / "checkpoints" / "latest").write_text(ck.name)
+    assert preflight(cfg, run, None) is None
+    cfg.data.path = str(other)
+    with pytest.raises(DataError, match=f"{other} is another directory than {tiny_data}"):
+        preflight(cfg, run, None)
+    cfg.checkpoint.allow_data_change = True
+    assert preflight(cfg, run, None) is None
+    monkeypatch.chdir(other)
+    cfg.data.path = tiny_data.name
+    with pytest.raises(DataError) as e:
+        check_recorded_data(cfg, run)
+    assert str(e.value) == (f"data directory {tiny_data.name!r} does not exist (relative to "
+                            f"{other}); step_00000002 was trained on {tiny_data}, which exists: "
+                            f"give --data.path={tiny_data}")
+
+
 def test_a_model_vocabulary_far_past_the_tokenizers_is_noted(tmp_path, tiny_data):
     """Embedding rows no token trains: one note with the vocabulary that fits."""
     import json as _json

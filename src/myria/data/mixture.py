@@ -70,7 +70,10 @@ def parse_sources(text: str) -> list[Source]:
         except ValueError:
             raise ConfigError(f"data.sources entry {entry!r}: weight {weight!r} is not a "
                               "number") from None
-        if not w > 0 or not np.isfinite(w):
+        if not np.isfinite(w):
+            raise ConfigError(f"data.sources entry {entry!r}: weight {weight} must be a finite "
+                              "number > 0")
+        if not w > 0:
             raise ConfigError(f"data.sources entry {entry!r}: weight {w} must be > 0 (to "
                               "leave a source out, remove its entry)")
         epochs = 0
@@ -142,7 +145,8 @@ def parse_phases(text: str, names: list[str]) -> list[tuple[int, dict[str, float
             except ValueError:
                 value = float("nan")
             if not eq or not value > 0 or not np.isfinite(value):
-                raise ConfigError(f"{where}: {item!r} is not NAME=WEIGHT with a weight > 0")
+                raise ConfigError(f"{where}: {item!r} is not NAME=WEIGHT with a finite weight "
+                                  "> 0")
             if name not in names or name in weights:
                 raise ConfigError(f"{where}: {name!r} " + (
                     "is named twice" if name in weights else
@@ -362,11 +366,12 @@ class MixtureDataset:
         for s, p in zip(sources[1:], self.parts[1:], strict=True):
             for key in ("tokenizer_sha256", "eos_id", "vocab_size"):
                 if p.index.get(key) != first.index.get(key):
+                    a, b = (str(x.index.get(key))[:12] if key == "tokenizer_sha256" else
+                            repr(x.index.get(key)) for x in (p, first))
                     raise DataError(
                         f"data.sources: {s.path!r} was prepared with another tokenizer than "
-                        f"{sources[0].path!r} ({key} {p.index.get(key)!r} vs "
-                        f"{first.index.get(key)!r}); prepare every source with the same "
-                        "tokenizer (`myria prepare --tokenizer FIRST/tokenizer.json`)")
+                        f"{sources[0].path!r} ({key} {a} vs {b}); prepare every source with "
+                        "the same tokenizer (`myria prepare --tokenizer FIRST/tokenizer.json`)")
         self.seq_len, self.split = first.seq_len, split
         self.index, self.vocab_size, self.eos_id = first.index, first.vocab_size, first.eos_id
         self.shares = list(self.schedule.shares[0])   # data.sources' own (validation's)

@@ -30,6 +30,7 @@ from myria.train.preflight import (
     check_data_overrides,
     check_launch,
     check_nproc,
+    check_recorded_data,
     check_validation,
     data_passes,
     max_time_overrides,
@@ -332,6 +333,7 @@ def run(args) -> int:
         from myria.data.mixture import open_dataset
 
         check_before_torch(cfg, args.nproc, args.nproc, bool(launching))
+        check_recorded_data(cfg, args.run_dir)
         data = open_dataset(cfg.data, cfg.model.seq_len, verify=False)
         check_validation(cfg)
         if Path(args.run_dir).exists() and (done := preflight(cfg, args.run_dir,

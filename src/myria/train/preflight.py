@@ -126,13 +126,18 @@ def max_time_overrides(args) -> list[str]:
 
 
 def check_data_overrides(overrides: list[str]) -> None:
-    """`--data.path` and `--data.sources` both typed: the mixture would win and the path be
-    ignored without a word; refused."""
-    keys = {o.split("=", 1)[0] for o in overrides}
-    if {"--data.path", "--data.sources"} <= keys:
+    """`--data.path` and a `--data.sources` that names sources both typed: the mixture would
+    win and the path be ignored without a word; refused. An empty `--data.sources=` with
+    `--data.path` trains on the one path (it takes a config file's mixture away)."""
+    typed = {}
+    for o in overrides:
+        key = o.split("=", 1)[0]
+        if key in ("--data.path", "--data.sources"):
+            typed[key] = config_mod.parse_override(o)[2]   # the last one typed applies
+    if "--data.path" in typed and str(typed.get("--data.sources") or "").strip():
         raise config_mod.ConfigError("--data.path and --data.sources both name the training "
                                      "data (a mixture of sources takes the place of the one "
-                                     "path): give one")
+                                     "path): give one (--data.sources= trains on the path)")
 
 
 def check_before_torch(cfg: Config, local: int, world: int, launching: bool) -> None:
@@ -364,7 +369,40 @@ def run_config(path: str | Path | None, overrides, run_dir: str | Path | None
     d.sources, d.phases, phase = mixture.resolve_resume(
         str(data.get("sources") or ""), str(data.get("phases") or ""), d.sources, d.phases,
         step)
+    if prev and step >= cfg.training.steps:
+        phase = None   # nothing to train (`preflight` says so): no weights change
     return cfg, "\n".join(x for x in (*said, phase) if x) or None
+
+
+def check_recorded_data(cfg: Config, run_dir: str | Path | None) -> None:
+    """A directory of `[data]` that does not exist, where the checkpoint the run resumes was
+    trained on one of that name elsewhere (a relative path read from another working
+    directory, a moved directory): DataError naming the recorded one, not how to prepare new
+    data, which the fingerprint would refuse (`myria.data.fingerprint`)."""
+    from myria.data import fingerprint
+    from myria.data.mixture import parse_sources
+
+    ckpt = newest_checkpoint(cfg, Path(run_dir)) if run_dir else None
+    rec = fingerprint.recorded(ckpt) if ckpt is not None else None
+    if rec is None:
+        return
+    if cfg.data.sources:
+        typed = [(s.path, f"source {s.name!r} of data.sources as ")
+                 for s in parse_sources(cfg.data.sources)]
+        held = {Path(e["path"]).name: e["path"] for e in rec.get("sources", [])}
+    else:
+        typed = [(cfg.data.path, "--data.path=")]
+        mixture = "sources" in rec or fingerprint.recorded_sources(ckpt)
+        held = {} if mixture else {"": rec["path"]}
+    for path, key in typed:
+        was = held.get(Path(path).name, held.get(""))
+        if Path(path).is_dir() or not was or Path(was) == Path(path).absolute():
+            continue
+        fix = f"which exists: give {key}{was}" if Path(was).is_dir() else \
+            "which does not exist either: restore it there"
+        where = "" if Path(path).is_absolute() else f" (relative to {os.getcwd()})"
+        raise DataError(f"data directory {path!r} does not exist{where}; {ckpt.name} was "
+                        f"trained on {was}, {fix}")
 
 
 def preflight(cfg: config_mod.Config, run_dir: str | Path, stop_after: int | None) -> str | None:
