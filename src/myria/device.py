@@ -183,8 +183,11 @@ def measured_figure(name: str, threads: int, measure, *, refresh: bool = False, 
         entry = record_samples(name, threads, [float(measure()) for _ in range(max(1, probes))])
     value = float(entry["best"])
     n = len(entry["samples"])
-    source = (f"measured ({threads} threads{', ' + what if what else ''}, best of {n} probes "
-              f"since {entry['samples'][0][0] if n else '?'}, best at {entry['best_at']})")
+    # the best of every probe ever made survives the HISTORY trim, so it may predate the kept
+    # samples
+    source = (f"measured ({threads} threads{', ' + what if what else ''}, the best probe ever, "
+              f"at {entry['best_at']}; the last {n} kept since "
+              f"{entry['samples'][0][0] if n else '?'})")
     return Figure(value, source, tuple(tuple(x) for x in entry["samples"]), entry["best_at"])
 
 

@@ -135,6 +135,19 @@ def test_bad_usage_is_a_clear_error(capsys):
         dg.run_diagnostics(0)
     assert main(["doctor", "--collectives", "allreduce"]) == 2
     assert "(did you mean 'all_reduce'?)" in capsys.readouterr().err
+    # a tolerance outside (0, 1] is one message, below as above; a port is 1-65535; a host
+    # index or peer port without a host list of several hosts would do nothing: refused
+    for args, said in (
+            (["--tolerance", "-1"], "tolerance=-1.0 must be a fraction in (0, 1]"),
+            (["--tolerance", "5"], "tolerance=5.0 must be a fraction in (0, 1]"),
+            (["--peer-hosts", "localhost,otherhost", "--host-index", "0",
+              "--peer-port", "99999999"], "peer port 99999999: not a port number (1-65535)"),
+            (["--host-index", "5"], "host index 5: used only by the neighbour check of a "
+             "multi-host launch, and the host list (this host only) has one host"),
+            (["--peer-port", "5000"], "peer port 5000: used only by the neighbour check")):
+        assert main(["doctor", "--nproc", "1", *args]) == 2, args
+        err = capsys.readouterr().err
+        assert said in err and err.count("\n") == 1, (args, err)
     import torch
 
     if not torch.cuda.is_available():   # the missing GPU, not a process count, is named
@@ -228,13 +241,21 @@ def _expect_args(expected: dict[str, float]) -> list[str]:
 
 
 @pytest.mark.slow
-def test_cli_healthy_host_passes_and_writes_json(tmp_path, capsys):
+def test_cli_healthy_host_passes_and_writes_json(tmp_path, capfd, monkeypatch):
+    """A healthy host passes with a --timeout shorter than one rank's compute checks (each
+    GEMM measured for 1.5 s): the other rank waits for them in the rendezvous and the barrier,
+    which is no hang while the computing rank makes progress; nothing but the table shows."""
+    import functools
+
+    monkeypatch.setattr(dg, "run_diagnostics",
+                        functools.partial(dg.run_diagnostics, gemm_seconds=1.5))
     path = tmp_path / "doctor.json"
-    rc = main(["doctor", "--nproc", "2", "--json", str(path), "--collectives",
+    rc = main(["doctor", "--nproc", "2", "--timeout", "1", "--json", str(path), "--collectives",
                "all_reduce,all_to_all,all_gather,reduce_scatter", *_expect_args(GENEROUS)])
-    out = capsys.readouterr().out
+    out, err = capfd.readouterr()
     report = json.loads(path.read_text())
     assert rc == 0, out
+    assert err == "", err     # no traceback, no c10d warning
     assert report["passed"] is True and "PASS" in out and str(path) in out
     statuses = {(c["name"], c["rank"]): c["status"] for c in report["checks"]}
     for name in ("gemm-correctness", "gemm-throughput"):

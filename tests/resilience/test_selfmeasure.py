@@ -30,7 +30,8 @@ def _probes(*values):
 def test_a_peak_measured_on_a_busy_host_is_raised_and_never_lowered(cache):
     busy = device.measured_figure("x", 2, _probes(0.05, 0.048, 0.049))
     assert busy.value == 0.05 and len(busy.samples) == 3
-    assert "best of 3 probes" in busy.source and "2 threads" in busy.source
+    assert f"the best probe ever, at {busy.measured_at}; the last 3 kept since" in busy.source
+    assert "2 threads" in busy.source
     # Cached: no probe runs without refresh.
     assert device.measured_figure("x", 2, _probes()).value == 0.05
     quiet = device.measured_figure("x", 2, _probes(0.15, 0.16, 0.14), refresh=True)
@@ -44,6 +45,14 @@ def test_history_is_bounded(cache):
     for i in range(30):
         fig = device.measured_figure("z", 1, _probes(float(i)), refresh=True, probes=1)
     assert len(fig.samples) == device.HISTORY and fig.value == 29.0
+    # a best older than the kept samples is said to be: not "best of the last N since T"
+    entry = device._load_figures()[device.cpu_key(1)]["z"]
+    entry["best"], entry["best_at"] = 99.0, "2020-01-01T00:00:00"
+    device._save_figures({device.cpu_key(1): {"z": entry}})
+    old = device.measured_figure("z", 1, _probes())
+    assert old.value == 99.0 and old.source.endswith(
+        f"the best probe ever, at 2020-01-01T00:00:00; the last {device.HISTORY} kept since "
+        f"{old.samples[0][0]})"), old.source
 
 
 def test_cache_follows_myria_cache_then_xdg(monkeypatch, tmp_path):

@@ -23,8 +23,12 @@ skip status and the reason (measured vs expected, with the evidence):
    `--peer-port` plus the group's first index: docs/robustness.md). On one host: skipped.
 7. `p2p-loopback`: a send/recv ring among the local ranks: payload integrity and hop latency.
 
-A worker that crashes or hangs fails the `workers` check, naming the rank and its check. The
-host passes when no check fails (warnings are evidence, not faults). Local rendezvous binds
+A worker that crashes or hangs fails the `workers` check, naming the rank and its check (its
+traceback in the check's details). The time limit counts time without progress from the
+workers' start (`_collect`): that watchdog alone tells a hung rank from a slow one, so a rank
+waiting for another (the rendezvous, the compute checks one rank at a time on a CPU) never
+fails by a timeout of its own. The host passes when no check fails (warnings are evidence, not
+faults). Local rendezvous binds
 127.0.0.1 only. Test hook: MYRIA_DOCTOR_FAULT (`myria.resilience.checks.hooks`).
 
 Python API (for the supervisor): `run_diagnostics(nproc, expected, timeout_s) -> HostReport`;
@@ -122,6 +126,25 @@ def _serve_store(addr: str, port: int, timeout: _dt.timedelta) -> Any:
         raise
 
 
+# A local rank's store and process-group timeout: longer than any check (the collector ends a
+# rank that stops making progress, and `_exit_with_collector` one whose collector is gone).
+_PEER_WAIT = _dt.timedelta(hours=6)
+
+
+def _exit_with_collector(poll_s: float = 1.0) -> None:
+    """End this worker when the process that started it (the collector) is gone."""
+    import threading
+
+    parent = os.getppid()
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(poll_s)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="myria-doctor-parent-watch", daemon=True).start()
+
+
 def _put(q: Any, *msg: Any) -> None:
     q.put(msg)
 
@@ -198,9 +221,12 @@ def _worker(rank: int, cfg: dict[str, Any], q: Any) -> None:
             torch.backends.cuda.matmul.allow_fp16_reduced_precision_reduction = False
         else:
             device = torch.device("cpu")
-        # a rank waits for another's checks (one at a time on a CPU) as long as the collector
-        # waits without progress: on a busy host those take long, which is no fault
-        timeout = _dt.timedelta(seconds=max(1.0, cfg["quiet_s"]))
+        _exit_with_collector()
+        # The collector's no-progress watchdog tells a hung rank from a slow one; a rank waits
+        # here (a peer still importing torch, its compute checks one rank at a time on a CPU)
+        # as long as the collector lets it, so the store's and the group's own timeout never
+        # decide.
+        timeout = _PEER_WAIT
         phase = "rendezvous"
         _put(q, "phase", rank, phase)
         store = dist.TCPStore("127.0.0.1", cfg["port"], is_master=False, timeout=timeout)
@@ -362,14 +388,18 @@ def run_diagnostics(nproc: int = 2, expected: dict[str, float] | None = None,
                           f"{', '.join(OPS)}")
     overrides, tolerance = validate_expected(expected)
     fault_list = parse_faults(os.environ.get(FAULT_ENV) if faults is None else faults)
-    threads = torch.get_num_threads()
-    values, sources = resolve_expected(device, dtype, threads, overrides, refresh)
-    backend = "nccl" if device == "cuda" else "gloo"
     host = socket.gethostname()
-    deadline = t_start + timeout_s
 
     # Neighbour group (multi-host) or the reason it is skipped.
+    if peer_port is not None and not _is_port(peer_port):
+        raise ConfigError(f"peer port {peer_port!r}: not a port number (1-65535)")
     hosts, index, host_source = discover_hosts(peer_hosts, host_index)
+    if len(hosts) < 2 and (host_index is not None or peer_port is not None):
+        given = " and ".join(f"{f} {v}" for f, v in (("host index", host_index),
+                                                    ("peer port", peer_port)) if v is not None)
+        raise ConfigError(f"{given}: used only by the neighbour check of a multi-host launch, "
+                          f"and the host list ({host_source}) has one host; give --peer-hosts "
+                          "(or MYRIA_HOSTS)")
     checks: list[Check] = []
     group_hosts: list[str] = []
     if len(hosts) < 2:
@@ -388,9 +418,15 @@ def run_diagnostics(nproc: int = 2, expected: dict[str, float] | None = None,
         except ValueError:
             raise ConfigError(f"MYRIA_DOCTOR_PORT={os.environ['MYRIA_DOCTOR_PORT']!r} is not "
                               "a port number") from None
+        if not _is_port(base + members[0]):
+            raise ConfigError(f"peer port {base} + the group's first index {members[0]} = "
+                              f"{base + members[0]}: not a port number (1-65535)")
         neighbor_cfg = dict(group_hosts=group_hosts, pos=members.index(index),
                             port=base + members[0])
 
+    threads = torch.get_num_threads()
+    values, sources = resolve_expected(device, dtype, threads, overrides, refresh)
+    backend = "nccl" if device == "cuda" else "gloo"
     if nproc == 1:
         for name in [op.replace("_", "-") for op in collectives] + ["p2p-loopback"]:
             checks.append(Check(name, "skip", "skipped: single local rank (--nproc 1)"))
@@ -398,8 +434,7 @@ def run_diagnostics(nproc: int = 2, expected: dict[str, float] | None = None,
     cfg: dict[str, Any] = dict(
         nproc=nproc, device=device, backend=backend, dtype=dtype, threads=threads,
         faults=[asdict(f) for f in fault_list], expected=values, sources=sources,
-        tolerance=tolerance, collectives=list(collectives), deadline=deadline - 2,
-        quiet_s=timeout_s,
+        tolerance=tolerance, collectives=list(collectives),
         gemm_s=gemm_seconds if gemm_seconds is not None else (0.5 if device == "cpu" else 1.0),
     )
     ctx = mp.get_context("spawn")
@@ -411,6 +446,9 @@ def run_diagnostics(nproc: int = 2, expected: dict[str, float] | None = None,
     store = _serve_store("127.0.0.1", 0, _dt.timedelta(seconds=timeout_s))
     cfg["port"] = store.port
     received: list[Check] = []
+    # the time without progress counts from the workers' start (the expected figures measured
+    # above are this process's own progress)
+    deadline = time.time() + timeout_s
     try:
         if group_hosts:
             ncfg = dict(cfg, **neighbor_cfg, deadline=deadline - 3)
@@ -451,6 +489,10 @@ def run_diagnostics(nproc: int = 2, expected: dict[str, float] | None = None,
         versions={"myria": myria.__version__, "torch": torch.__version__,
                   "python": platform.python_version()},
     )
+
+
+def _is_port(n: Any) -> bool:
+    return isinstance(n, int) and 1 <= n <= 65535
 
 
 def _learn(checks: list[Check], sources: dict[str, str], dtype: str, threads: int) -> None:
@@ -501,6 +543,7 @@ def _collect(procs: dict[Any, Any], q: Any, release: Any, nproc: int,
     phase = {k: "startup" for k in procs}
     pending = set(procs)
     errors: dict[Any, str] = {}
+    tracebacks: dict[Any, str] = {}     # a failed worker's, kept in its check's details
     local_deadline = deadline
     quiet_s = max(0.0, deadline - time.time())
     cpu: dict[Any, float] = {}
@@ -546,26 +589,27 @@ def _collect(procs: dict[Any, Any], q: Any, release: Any, nproc: int,
             where, msg, tb = payload
             pending.discard(who)
             errors[who] = f"{msg} (during {where})"
+            tracebacks[who] = tb
             if who != "neighbor":
                 # The other ranks are probably stuck in a collective with this one.
                 local_deadline = min(local_deadline, time.time() + 5)
-            print(f"myria doctor: worker {who} failed:\n{tb}", file=sys.stderr)
     for k in sorted(pending, key=str):
         errors.setdefault(k, f"did not finish in time: still in {phase[k]}")
     for k, msg in sorted(errors.items(), key=lambda kv: str(kv[0])):
+        evidence = {"error": msg, **({"traceback": tracebacks[k]} if k in tracebacks else {})}
         if k == "neighbor" and phase[k].startswith("rendezvous"):
             # the neighbour never joined: evidence against it (gone, unreachable), not this host
             checks = [c for c in checks if c.name != "neighbor-all-reduce"]
             checks.append(Check("neighbor-all-reduce", "warn", f"neighbour check not run: the "
                                 f"neighbour host(s) did not join ({msg}); not a fault of this "
-                                "host", details={"error": msg, "peer_unreachable": True}))
+                                "host", details={**evidence, "peer_unreachable": True}))
         elif k == "neighbor":
             checks = [c for c in checks if c.name != "neighbor-all-reduce"]
             checks.append(Check("neighbor-all-reduce", "fail", f"neighbour check: {msg}",
-                                details={"error": msg}))
+                                details=evidence))
         else:
             checks.append(Check("workers", "fail", f"local rank {k}: {msg}", k,
-                                details={"error": msg, "phase": phase[k]}))
+                                details={**evidence, "phase": phase[k]}))
     return checks
 
 

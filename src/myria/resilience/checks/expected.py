@@ -156,14 +156,14 @@ def validate_expected(expected: dict[str, Any] | None) -> tuple[dict[str, float]
             v = float(value)
         except (TypeError, ValueError):
             raise ConfigError(f"expected figure {key}={value!r} is not a number") from None
-        if not (v > 0 and math.isfinite(v)):
-            raise ConfigError(f"expected figure {key}={value!r} must be a positive number")
         if key == "tolerance":
-            if v > 1:
+            if not 0 < v <= 1:
                 raise ConfigError(f"tolerance={value!r} must be a fraction in (0, 1]")
             tolerance = v
-        else:
-            out[key] = v
+            continue
+        if not (v > 0 and math.isfinite(v)):
+            raise ConfigError(f"expected figure {key}={value!r} must be a positive number")
+        out[key] = v
     return out, tolerance
 
 
