@@ -106,6 +106,18 @@ def test_eager_ops_follow_myria_modules():
     # the FLOPs are the model's: 3x the forward of every matmul
     fwd = sum(o.flops for o in gemms if o.phase == "fwd")
     assert sum(o.flops for o in gemms) == pytest.approx(3 * fwd)
+    # `myria analyze` tells the host time of a layer from the head's by name, labels it as both
+    # passes' time, and the fused loss's gradient GEMMs (run inside the forward) as such
+    from myria.sim.cli_analyze import _phase
+    from myria.sim.operators import head_ops
+
+    head = head_ops(dataclasses.replace(shape, ce_chunk=64), True, True)
+    assert [o.name for o in ops + head if o.kind == "host"] == ["host.block", "host.head"]
+    shown = {o.name: _phase({"name": o.name, "phase": o.phase, "kind": o.kind})
+             for o in ops + head}
+    assert shown["host.block"] == shown["host.head"] == "fwd+bwd"
+    assert shown["logits.dgrad"] == shown["logits.wgrad"] == "fwd (grad)"
+    assert shown["logits"] == "fwd" and shown["w1.dgrad"] == "bwd"
 
 
 def test_eager_memory_bytes_match_a_dispatch_trace():

@@ -4,7 +4,7 @@ CONFIG is a simulator run file (`[[run]]` tables or one run) or a myria training
 TOML `myria train` reads); the latter is priced as `myria simulate` prices it (`cli_simulate.
 config_run_of`: the device is --gpu, the layout the config's [parallel] section over --nproc
 processes, the run named by the file), and a run file refuses --gpu and --nproc as `simulate`
-does (it sets [cluster] itself).
+does (it sets [cluster] itself), a training config --run (it is one run).
 """
 
 from __future__ import annotations
@@ -57,6 +57,19 @@ def _load(args) -> StepResult:
     return simulate(run, hw=hw, detail=True)
 
 
+HOST = "fwd+bwd"          # the phase column of a host-time row
+GRAD_IN_FWD = "fwd (grad)"  # ... of a gradient GEMM run inside the forward
+
+
+def _phase(row: dict) -> str:
+    """A row's phase as the table shows it: where its time is spent, beyond fwd or bwd."""
+    if row["kind"] == "host":
+        return HOST
+    if row["phase"] == "fwd" and row["name"].endswith((".dgrad", ".wgrad")):
+        return GRAD_IN_FWD
+    return row["phase"]
+
+
 def run(args: argparse.Namespace) -> int:
     res = _load(args)
     rows = list(res.ops)
@@ -81,7 +94,7 @@ def run(args: argparse.Namespace) -> int:
                        else "right")
     for r in rows:
         inten = r["intensity"]
-        tab.add_row(r["name"], r["phase"] + (" x2" if r.get("recomputed") else ""), r["kind"],
+        tab.add_row(r["name"], _phase(r) + (" x2" if r.get("recomputed") else ""), r["kind"],
                     f"{r['flops'] / 1e9:,.1f}",
                     f"{r['bytes'] / 1e9:,.2f}", "-" if inten == float("inf") or r["kind"] ==
                     "comm" else f"{inten:,.1f}", r["bound"], f"{r['time_s'] * 1e3:,.2f}",
@@ -96,6 +109,14 @@ def run(args: argparse.Namespace) -> int:
               f"expert parallel) {net:.1%} if nothing overlapped. Data-parallel traffic, the "
               "bubble and the optimizer are not operators of a layer: `myria simulate` has "
               "them, and what overlapping leaves exposed.")
+    if any(r["kind"] == "host" for r in rows):
+        con.print(f"{HOST}: the time between kernels (Python, autograd, module calls) of a "
+                  "layer (host.block) and of the embedding and output head (host.head), forward "
+                  "and backward together.")
+    if any(_phase(r) == GRAD_IN_FWD for r in rows):
+        con.print(f"{GRAD_IN_FWD}: the fused loss (myria.models.loss.fused_linear_cross_entropy) "
+                  "computes the output layer's input and weight gradients chunk by chunk inside "
+                  "the forward; its backward (cross_entropy.bwd) only scales them.")
     if any(r.get("recomputed") for r in rows):
         con.print("fwd x2: the forward and its recomputation in backward "
                   f"(training.recompute = {res.layout.get('recompute')!r}), both counted.")

@@ -139,7 +139,7 @@ def config_name(path) -> str:
 def config_run_of(args: argparse.Namespace, path) -> tuple[runspec.RunSpec, object]:
     """(run, hardware) of a myria training config on --gpu and --nproc, as `myria simulate`
     and `myria analyze` price it: the config's [parallel] layout over --nproc processes
-    (default: the fewest it needs), named by `config_name`."""
+    (default: the fewest it needs), named by `config_name`; --run (a run file's) is refused."""
     from myria.device import planning_device
     from myria.interop import hf
     from myria.layout import Layout
@@ -147,6 +147,9 @@ def config_run_of(args: argparse.Namespace, path) -> tuple[runspec.RunSpec, obje
     from myria.sim.measure.cpu import measured_profile
     from myria.sim.perf import config_run
 
+    if getattr(args, "run", None):
+        raise ConfigError(f"--run picks a run of a simulator run file; {path} is a training "
+                          "config, one run (named by its file)")
     cfg, _ = hf.load_config(path, weights=False)
     if args.nproc is not None and args.nproc < 1:
         raise ConfigError(f"--nproc {args.nproc}: give a positive number of processes")

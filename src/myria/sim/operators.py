@@ -638,7 +638,7 @@ def eager_layer_ops(shape: LayerShape) -> list[Op]:
         linear("w2", h, f, gem.mlp / 3 * T)
     add(_eager_mem("mlp_residual", (3, 1), (3, 1), unit * h))
     # time between kernels (Python, autograd, module calls), forward and backward together
-    fwd.append(Op("host", "host", "fwd", layout="block", kernels=0, category="host"))
+    fwd.append(Op("host.block", "host", "fwd", layout="block", kernels=0, category="host"))
     ops = list(fwd)
     for group in reversed(bwd):
         ops.extend(group)
@@ -699,5 +699,5 @@ def eager_head_ops(shape: LayerShape, first: bool, last: bool) -> list[Op]:
                           (T, h, V), layout="nn", category="gemm"))
             bwd.append(Op("logits.wgrad", "gemm", "bwd", flops, e * (n + T * h + V * h),
                           (V, h, T), layout="tn", wgrad=True, category="gemm"))
-        fwd.append(Op("host", "host", "fwd", layout="head", kernels=0, category="host"))
+        fwd.append(Op("host.head", "host", "fwd", layout="head", kernels=0, category="host"))
     return fwd + list(reversed(bwd))
