@@ -90,3 +90,129 @@ def check_one_run_each(run: Path) -> None:
                            if (i.key or i.nested_key[0]).startswith("report/")}
     assert sorted(logged) == list(range(1, STEPS + 1))
     assert "report/curves" in images
+
+
+# -- in-process: each tracker's own position, catching up, a tracker that does not start ------
+
+class _Backend:
+    """A tracker run recording what it was sent: W&B's `log` and MLflow's `log_batch`."""
+
+    def __init__(self, got: list, fail_at: int | None = None):
+        self.got, self.fail_at = got, fail_at
+
+    def log(self, values, step):
+        if step == self.fail_at:
+            raise ConnectionError("[Errno 104] Connection reset by peer")
+        self.got.append((step, sorted(values)))
+
+    def log_batch(self, run_id, metrics):
+        self.log({m.key: m.value for m in metrics}, metrics[0].step)
+
+    def finish(self, exit_code):
+        pass
+
+    def set_terminated(self, run_id, status):
+        pass
+
+
+def _attempt(run: Path, monkeypatch, steps, *, wandb=None, mlflow=None, eval_at=()):
+    """One attempt of the trainer: each step's row (and eval row) appended to metrics.jsonl,
+    then handed to a Tracker of `wandb` and `mlflow` (a _Backend, or an exception raised when
+    it opens)."""
+    from types import SimpleNamespace
+
+    from myria.observe import tracking
+
+    def opener(backend, key):
+        def open_(self, config):
+            if isinstance(backend, Exception):
+                raise backend
+            self.state.setdefault(key, "id")
+            return backend
+        return open_
+
+    monkeypatch.setattr(tracking.Tracker, "_open_wandb", opener(wandb, "wandb_id"))
+    monkeypatch.setattr(tracking.Tracker, "_open_mlflow", opener(mlflow, "mlflow_id"))
+    cfg = SimpleNamespace(trackers="wandb,mlflow", run_name="", project="p",
+                          wandb_mode="offline", mlflow_uri="")
+    t = tracking.Tracker(run, cfg, {})
+    for s in steps:
+        row = {"step": s, "loss": 7.0 - s, "time": 0.0}
+        with open(run / "metrics.jsonl", "a") as fh:
+            fh.write(json.dumps(row) + "\n" +
+                     (json.dumps({"step": s, "val_loss": 8.0 - s}) + "\n" if s in eval_at
+                      else ""))
+        t.log(row)
+        if s in eval_at:
+            t.log_eval(s, 8.0 - s)
+    t.close(finished=True)
+    return json.loads((run / "tracking.json").read_text())
+
+
+def test_a_tracker_that_did_not_start_or_failed_gets_its_missed_steps_on_resume(
+        tmp_path, monkeypatch, caplog):
+    """A tracker's position moves only past what it accepted: one whose package is missing
+    (said in one line, with the install command) or that failed mid-run gets the steps it
+    missed from metrics.jsonl when a resume starts it; the others get no step twice."""
+    pytest.importorskip("mlflow")
+    run = tmp_path / "run"
+    run.mkdir()
+    w, m = [], []
+    missing = ModuleNotFoundError("No module named 'mlflow'", name="mlflow")
+    state = _attempt(run, monkeypatch, [1, 2], wandb=_Backend(w), mlflow=missing, eval_at=[2])
+    said = [r.getMessage() for r in caplog.records if "not started" in r.getMessage()]
+    assert len(said) == 1 and "\n" not in said[0], said
+    assert "mlflow (No module named 'mlflow'; pip install mlflow)" in said[0], said
+    assert state["sent"] == {"wandb": 2} and state["sent_eval"] == {"wandb": 2}, state
+    # resumed: MLflow now starts and gets steps 1-2 first; W&B fails at step 4
+    state = _attempt(run, monkeypatch, [3, 4], wandb=_Backend(w, fail_at=4),
+                     mlflow=_Backend(m), eval_at=[4])
+    assert state["sent"] == {"wandb": 3, "mlflow": 4} and state["sent_eval"] == \
+        {"wandb": 2, "mlflow": 4}, state
+    state = _attempt(run, monkeypatch, [5], wandb=_Backend(w), mlflow=_Backend(m))
+    train = ["train/loss"]
+    assert w == [(1, train), (2, train), (2, ["val/loss"]), (3, train), (4, train),
+                 (4, ["val/loss"]), (5, train)], w
+    assert m == [(1, train), (2, train), (2, ["val/loss"]), (3, train), (4, train),
+                 (4, ["val/loss"]), (5, train)], m
+    assert state["sent"] == {"wandb": 5, "mlflow": 5}
+
+
+def test_a_tracking_json_of_one_position_is_every_configured_trackers(tmp_path, monkeypatch):
+    pytest.importorskip("mlflow")
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "metrics.jsonl").write_text("".join(json.dumps({"step": s, "loss": 1.0}) + "\n"
+                                               for s in (1, 2)))
+    (run / "tracking.json").write_text(json.dumps({"sent_step": 2, "sent_eval_step": 0,
+                                                   "wandb_id": "w", "mlflow_id": "m"}))
+    w, m = [], []
+    state = _attempt(run, monkeypatch, [3], wandb=_Backend(w), mlflow=_Backend(m))
+    assert [s for s, _ in w] == [s for s, _ in m] == [3]
+    assert state["sent"] == {"wandb": 3, "mlflow": 3} and "sent_step" not in state
+
+
+def test_an_unreachable_mlflow_server_is_one_line_within_seconds(tmp_path, monkeypatch,
+                                                                 caplog):
+    """MLflow's default retries would keep the tracker process going for minutes after the
+    run; the tracker gives a server that refuses a few seconds and says so in one line."""
+    import time
+    from types import SimpleNamespace
+
+    pytest.importorskip("mlflow")
+    import mlflow  # noqa: F401 - imported before the clock starts
+
+    from myria.observe import tracking
+    from myria.train.launch import free_port
+
+    for k in tracking.MLFLOW_HTTP:   # the tracker's defaults, removed again after the test
+        monkeypatch.setenv(k, "")
+        monkeypatch.delenv(k)
+    cfg = SimpleNamespace(trackers="mlflow", run_name="", project="p", wandb_mode="offline",
+                          mlflow_uri=f"http://127.0.0.1:{free_port()}")
+    t0 = time.monotonic()
+    t = tracking.Tracker(tmp_path, cfg, {})
+    assert time.monotonic() - t0 < 30 and t.backends == {}
+    said = [r.getMessage() for r in caplog.records if "not started" in r.getMessage()]
+    assert len(said) == 1 and "\n" not in said[0] and \
+        "tracker not started: mlflow (Connection refused: " in said[0], said

@@ -4,11 +4,15 @@
 hands every training row and validation loss to `Tracker.log` / `Tracker.log_eval`;
 `myria report` adds its figures (`log_report`). One run directory is one tracker run: the run
 ids are kept in RUN_DIR/tracking.json, chosen before the first contact, so a restart, a resume
-and every attempt continue the same runs; tracking.json also holds the last step sent, so each
-step goes to the trackers once. W&B runs offline unless asked (`logging.wandb_mode`; auto:
-online when WANDB_API_KEY is set), its files under RUN_DIR/wandb; MLflow writes to
-RUN_DIR/mlruns unless `logging.mlflow_uri` names a server or database. A tracker that fails
-warns once and is dropped: the run never stops for its tracker. The trackers run in a process
+and every attempt continue the same runs; tracking.json also holds, per tracker, the last step
+it accepted, so each step goes to each tracker once, and a tracker that could not start or
+failed (a missing package, an unreachable server) gets the steps it missed from
+RUN_DIR/metrics.jsonl the next time it starts (a resume), as does a tracker added on a resume.
+W&B runs offline unless asked (`logging.wandb_mode`; auto: online when WANDB_API_KEY is set),
+its files under RUN_DIR/wandb; MLflow writes to RUN_DIR/mlruns unless `logging.mlflow_uri`
+names a server or database, which it gives a few seconds (`MLFLOW_HTTP` below) rather
+than MLflow's minutes of retries. A tracker that does not start or fails says so in one line
+and is dropped: the run never stops for its tracker. The trackers run in a process
 and session of their own (`start` returns a `Client` that writes JSON lines to its stdin),
 which holds RUN_DIR/tracking.lock while it lives. Why: docs/observability.md, "Experiment
 trackers (`myria.observe.tracking`)" at its end.
@@ -20,16 +24,24 @@ import json
 import logging
 import math
 import os
+import re
 import time
 import uuid
 from pathlib import Path
 from typing import Any
 
+from myria import rundir
+from myria.errors import first_line
 from myria.fsutil import atomic_write
 
 log = logging.getLogger("myria")
 STATE = "tracking.json"   # under RUN_DIR
 TRACKERS = ("wandb", "mlflow")
+# An MLflow server that does not answer: 2 retries of 5 s each (MLflow's default, 7 retries of
+# 120 s with backoff, keeps the tracker process going for minutes after the run); the
+# environment's own settings win.
+MLFLOW_HTTP = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "2", "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR": "1",
+               "MLFLOW_HTTP_REQUEST_TIMEOUT": "5"}
 
 
 def names(spec: str) -> list[str]:
@@ -54,29 +66,58 @@ def _numbers(row: dict, prefix: str = "") -> dict[str, float]:
             and not isinstance(v, bool) and math.isfinite(v)}
 
 
+def _why(name: str, e: Exception) -> str:
+    """One line on why tracker `name` did not start, with the install command when its package
+    is missing."""
+    if isinstance(e, ModuleNotFoundError) and (e.name or "").split(".")[0] == name:
+        return f"{e}; pip install {name}"
+    # a client's connection error ends, deep in a long line, with the system's reason
+    errno = re.findall(r"\[Errno -?\d+\] ([^'\")\]]+)", str(e))
+    return f"{errno[-1]}: {first_line(e, 100)}" if errno else first_line(e)
+
+
+def _eval_values(val_loss: float, by_source: dict | None) -> dict[str, float]:
+    return {"val/loss": float(val_loss),
+            **{f"val/loss/{k}": float(v) for k, v in (by_source or {}).items()}}
+
+
 class Tracker:
     """Rank 0's connection to the trackers of one run directory."""
 
     def __init__(self, run_dir: Path, logging_cfg, config: dict):
         self.run_dir = Path(run_dir)
         self.path = self.run_dir / STATE
-        self.state = self._read()
         self.cfg = logging_cfg
+        self.state = self._read(names(logging_cfg.trackers))
         self.name = logging_cfg.run_name or self.run_dir.resolve().name
         self.backends: dict[str, Any] = {}
+        self._caught_up = False
+        failed = []
         for n in names(logging_cfg.trackers):
             try:
                 self.backends[n] = getattr(self, f"_open_{n}")(config)
             except Exception as e:  # an unreachable server, a broken install: warn, go on
-                log.warning("tracker %s not started: %s", n, e)
+                failed.append(f"{n} ({_why(n, e)})")
+        if failed:   # one line, while the run goes on
+            log.warning("myria: tracker%s not started: %s; the run's steps stay in %s, sent "
+                        "when a resume starts %s", "" if len(failed) == 1 else "s",
+                        ", ".join(failed), rundir.METRICS, "it" if len(failed) == 1 else "them")
         self._save()
 
     # -- state ------------------------------------------------------------------------------
-    def _read(self) -> dict:
+    def _read(self, trackers: list[str]) -> dict:
+        """tracking.json; the single `sent_step` / `sent_eval_step` it held before the positions
+        were kept per tracker is every configured tracker's."""
         try:
-            return json.loads(self.path.read_text())
+            state = json.loads(self.path.read_text())
         except (OSError, ValueError):
-            return {}
+            return {"sent": {}, "sent_eval": {}}
+        for key, old in (("sent", "sent_step"), ("sent_eval", "sent_eval_step")):
+            if old in state:
+                at = state.pop(old)
+                state.setdefault(key, {n: at for n in trackers})
+            state.setdefault(key, {})
+        return state
 
     def _save(self) -> None:
         try:
@@ -101,6 +142,8 @@ class Tracker:
 
     def _open_mlflow(self, config: dict):
         os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")  # the local default store
+        for k, v in MLFLOW_HTTP.items():
+            os.environ.setdefault(k, v)
         from mlflow.entities import Param
         from mlflow.tracking import MlflowClient
 
@@ -118,8 +161,13 @@ class Tracker:
             client.update_run(self.state["mlflow_id"], status="RUNNING")
         return client
 
-    def _send(self, step: int, values: dict[str, float]) -> None:
+    def _send(self, kind: str, step: int, values: dict[str, float]) -> None:
+        """`values` of `step` to each open tracker that has not accepted that step of `kind`
+        ("sent": training rows, "sent_eval": validation losses); a tracker's position moves
+        only past what it accepted."""
         for n, b in list(self.backends.items()):
+            if step <= self.state[kind].get(n, 0):
+                continue
             try:
                 if n == "wandb":
                     b.log(values, step=step)
@@ -130,31 +178,49 @@ class Tracker:
                     b.log_batch(self.state["mlflow_id"],
                                 metrics=[Metric(k, v, ms, step) for k, v in values.items()])
             except Exception as e:
-                log.warning("tracker %s dropped after an error: %s", n, e)
+                log.warning("myria: tracker %s dropped after an error (the steps it missed "
+                            "reach it when a resume starts it): %s", n, first_line(e))
                 self.backends.pop(n)
+            else:
+                self.state[kind][n] = step
+
+    def _catch_up(self) -> None:
+        """Send each open tracker the rows of RUN_DIR/metrics.jsonl it has not accepted (the
+        steps of an attempt it missed). Called at this process's first message from the
+        trainer: by then the trainer has set aside the rows of an abandoned timeline
+        (`train.metrics.set_aside_after`), and every row it has handed over is in the file."""
+        if self._caught_up:
+            return
+        self._caught_up = True
+        if not self.backends:
+            return
+        for row in rundir.read_jsonl(self.run_dir / rundir.METRICS):
+            if not isinstance(row.get("step"), int):
+                continue
+            if "loss" in row:
+                self._send("sent", row["step"], _numbers(row, "train/"))
+            elif isinstance(row.get("val_loss"), (int, float)):
+                self._send("sent_eval", row["step"],
+                           _eval_values(row["val_loss"], row.get("val_loss_by_source")))
+        self._save()
 
     # -- what the metrics sink calls --------------------------------------------------------
     def log(self, row: dict) -> None:
-        """A training row of metrics.jsonl, unless its step was sent before."""
-        step = int(row["step"])
-        if step <= self.state.get("sent_step", 0):
-            return
-        self._send(step, _numbers(row, "train/"))
-        self.state["sent_step"] = step
+        """A training row of metrics.jsonl, to each tracker that has not had its step."""
+        self._catch_up()
+        self._send("sent", int(row["step"]), _numbers(row, "train/"))
         self._save()
 
     def log_eval(self, step: int, val_loss: float, by_source: dict | None = None) -> None:
-        """A validation loss (and each source's, for a mixture), unless sent before."""
-        if step <= self.state.get("sent_eval_step", 0):
-            return
-        values = {"val/loss": float(val_loss),
-                  **{f"val/loss/{k}": float(v) for k, v in (by_source or {}).items()}}
-        self._send(step, values)
-        self.state["sent_eval_step"] = step
+        """A validation loss (and each source's, for a mixture), to each tracker that has not
+        had it."""
+        self._catch_up()
+        self._send("sent_eval", step, _eval_values(val_loss, by_source))
         self._save()
 
     def close(self, finished: bool = False) -> None:
         """Flush and detach; `finished`: the run reached its last step."""
+        self._catch_up()
         if finished:
             self.state["finished"] = True
             self._save()
@@ -170,6 +236,7 @@ class Tracker:
 
 
 LOCK = "tracking.lock"     # under RUN_DIR, held by the live tracker process
+CLOSE_WAIT_S = 15.0        # a finished run's wait for its tracker process
 
 
 class Client:
@@ -201,11 +268,22 @@ class Client:
         self._send({"op": "eval", "step": step, "val_loss": val_loss, "by_source": by_source})
 
     def close(self, finished: bool = False) -> None:
-        """Tell the tracker process to close the runs and let it finish on its own."""
+        """Tell the tracker process to close the runs. After the last step, wait up to
+        CLOSE_WAIT_S for it, so that what it says (a tracker that did not start) comes before
+        the run's own last lines; otherwise (a stop, a failure) let it finish on its own."""
+        import subprocess
+
         self._send({"op": "close", "finished": finished})
-        if self.proc is not None:
-            self.proc.stdin.close()
-            self.proc = None
+        if self.proc is None:
+            return
+        proc, self.proc = self.proc, None
+        proc.stdin.close()
+        if finished:
+            try:
+                proc.wait(CLOSE_WAIT_S)
+            except subprocess.TimeoutExpired:
+                log.warning("myria: the tracker process (pid %d) is still sending; it finishes "
+                            "on its own", proc.pid)
 
 
 def start(logging_cfg, run_dir: Path, config: dict, is_main: bool) -> Client | None:
@@ -272,13 +350,14 @@ def log_report(run_dir: Path, figures: list[Path]) -> list[str]:
     done = []
     lock = _locked(run_dir)
     t = Tracker(run_dir, logging_cfg, cfg)
-    step = t.state.get("sent_step", 0)
+    t._catch_up()
     for n, b in t.backends.items():
         try:
             if n == "wandb":
                 import wandb
 
-                b.log({f"report/{f.stem}": wandb.Image(str(f)) for f in figures}, step=step)
+                b.log({f"report/{f.stem}": wandb.Image(str(f)) for f in figures},
+                      step=t.state["sent"].get(n, 0))
             else:
                 for f in figures:
                     b.log_artifact(t.state["mlflow_id"], str(f), "report")
