@@ -648,6 +648,39 @@ def test_the_rank_killed_is_blamed_not_the_survivor_that_lost_it(tmp_path, monke
     assert first_failure({0: survivor, 2: stopped})[0] == 0
 
 
+def test_a_killed_launchers_error_file_directory_is_removed_by_the_next(tmp_path, monkeypatch):
+    """`myria train --nproc N` keeps its workers' error files in a directory of the temporary
+    directory, removed when the launch returns; one a launcher killed by SIGKILL left behind
+    (its owner file names a pid that no longer runs, on this host) is removed by the next
+    launcher; a live launcher's, another host's and one without an owner file are kept."""
+    import socket
+    import subprocess
+    import tempfile
+
+    from myria.train.launch import LOGS_OWNER, LOGS_PREFIX, logs_dir
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+
+    def left(name, host, pid):
+        d = tmp_path / f"{LOGS_PREFIX}{name}"
+        (d / "attempt_0" / "0").mkdir(parents=True)
+        if pid is not None:
+            (d / LOGS_OWNER).write_text(json.dumps({"host": host, "pid": pid}))
+        return d
+
+    here = socket.gethostname()
+    stale = left("killed", here, dead.pid)
+    kept = [left("live", here, os.getpid()), left("elsewhere", "another-host", dead.pid),
+            left("unowned", here, None)]
+    new = logs_dir()
+    assert not stale.exists() and all(d.exists() for d in kept)
+    assert json.loads((tmp_path / new / LOGS_OWNER).read_text()) == \
+        {"host": here, "pid": os.getpid()}
+    assert os.path.basename(new).startswith(f"{LOGS_PREFIX}{os.getpid()}-")
+
+
 @pytest.mark.slow
 def test_failed_launch_names_the_rank_that_failed_first(tmp_path, tiny_data):
     p = train(tmp_path, tiny_data, "--training.steps=6", nproc=2, check=False,

@@ -16,10 +16,11 @@ import socket
 import sys
 import time
 import uuid
+from pathlib import Path
 from typing import Any
 
 from myria.errors import LaunchError
-from myria.fsutil import atomic_write
+from myria.fsutil import atomic_write, pid_alive
 
 
 def free_port() -> int:
@@ -223,10 +224,36 @@ def own_message(f) -> str:
     return msg if isinstance(msg, str) and msg != NO_MESSAGE else ""
 
 
+LOGS_PREFIX = "myria-launch-"   # a launcher's directory of worker error files, in the temp dir
+LOGS_OWNER = "launcher.json"    # in it: the launcher's host and pid
+
+
+def logs_dir() -> str:
+    """A new directory for this launcher's worker error files (removed when the launch
+    returns), after removing those a launcher of this host left when it was killed (SIGKILL
+    skips its clean-up): this user's, whose owner file names a pid that no longer runs."""
+    import shutil
+    import tempfile
+
+    host = socket.gethostname()
+    for d in Path(tempfile.gettempdir()).glob(f"{LOGS_PREFIX}*"):
+        try:
+            owner = json.loads((d / LOGS_OWNER).read_text())
+            stale = (d.stat().st_uid == os.getuid() and owner.get("host") == host
+                     and not pid_alive(int(owner["pid"])))
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):
+            continue   # no owner file (yet): not known to be stale
+        if stale:
+            shutil.rmtree(d, ignore_errors=True)
+    path = tempfile.mkdtemp(prefix=f"{LOGS_PREFIX}{os.getpid()}-")
+    atomic_write(Path(path) / LOGS_OWNER, json.dumps({"host": host, "pid": os.getpid()}),
+                 durable=False)
+    return path
+
+
 def launch_local(nproc: int, argv: list[str], max_restarts: int = 0) -> None:
     """Run `python -m myria *argv` as `nproc` ranks on this host; raise LaunchError on failure."""
     import shutil
-    import tempfile
 
     from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
     from torch.distributed.elastic.multiprocessing.api import SignalException
@@ -248,7 +275,7 @@ def launch_local(nproc: int, argv: list[str], max_restarts: int = 0) -> None:
         start_method="spawn",
         # the workers' error files, read into the failures before the launch returns; torch's
         # default is a new /tmp/torchelastic_* per launch that nothing removes
-        logs_specs=DefaultLogsSpecs(log_dir=(logs := tempfile.mkdtemp(prefix="myria-launch-"))),
+        logs_specs=DefaultLogsSpecs(log_dir=(logs := logs_dir())),
     )
     os.environ[QUIET_ENV] = "1"
     os.environ[LAUNCHER_ENV] = str(os.getpid())
