@@ -75,6 +75,12 @@ def test_stop_and_resume_is_bitwise_identical(tmp_path, tiny_data, straight2, ha
     assert pa.keys() == pb.keys()
     for k in pa:
         assert torch.equal(pa[k], pb[k]), k
+    # the global generators start from training.seed, per rank: the same job saves the same
+    # generator states, whichever way it went
+    rng = [f"checkpoints/step_00000040/rng_rank{r:05d}.json" for r in (0, 1)]
+    for name in rng:
+        assert (straight2 / name).read_bytes() == (resumed / name).read_bytes(), name
+    assert (straight2 / rng[0]).read_bytes() != (straight2 / rng[1]).read_bytes()
 
 
 @pytest.mark.slow
@@ -739,18 +745,28 @@ def test_a_damaged_validation_shard_is_refused_before_training(tmp_path, tiny_da
                                             "--training.eval_interval=2"]))
 
 
-def test_an_empty_data_sources_with_data_path_trains_on_the_path():
+def test_an_empty_data_sources_with_data_path_trains_on_the_path(tmp_path):
     """`--data.sources= --data.path=DIR` switches a mixture off for the one path; a
-    --data.sources that names sources with --data.path stays refused."""
+    --data.sources that names sources with --data.path stays refused, and so does
+    --data.path alone when the config file's mixture would take its place."""
     from myria import config
     from myria.train.preflight import check_data_overrides
 
     for empty in ("--data.sources=", '--data.sources=""'):
-        check_data_overrides([empty, "--data.path=data/x"])
-        assert config.load(None, ["--data.sources=data/a:1", empty,
-                                  "--data.path=data/x"]).data.sources == ""
+        ov = ["--data.sources=data/a:1", empty, "--data.path=data/x"]
+        cfg = config.load(None, ov)
+        assert cfg.data.sources == ""
+        check_data_overrides(ov, cfg)
+    ov = ["--data.sources=data/a:1", "--data.path=data/x"]
     with pytest.raises(config.ConfigError, match="both name the training data"):
-        check_data_overrides(["--data.sources=data/a:1", "--data.path=data/x"])
+        check_data_overrides(ov, config.load(None, ov))
+    toml = tmp_path / "mix.toml"
+    toml.write_text('[data]\nsources = "data/a:1,data/b:1"\n')
+    cfg = config.load(str(toml), ["--data.path=data/x"])
+    with pytest.raises(config.ConfigError, match=r"--data.path data/x: the run's data is the "
+                       r"mixture data.sources = 'data/a:1,data/b:1'.*add --data.sources="):
+        check_data_overrides(["--data.path=data/x"], cfg)
+    check_data_overrides(["--data.path=data/x"], config.load(None, ["--data.path=data/x"]))
 
 
 def test_resume_on_other_or_missing_data_is_refused_before_processes_start(
@@ -825,3 +841,26 @@ def test_summary_says_what_the_checks_detected(tmp_path, capsys):
     detections.record(tmp_path, "sdc", 1, "h", 2, {"check": "at rest"}, "warn")
     _summary(tmp_path)
     assert "  detected: silent data corruption at step 2 (warn)\n" in capsys.readouterr().out
+
+
+def test_a_signal_after_the_last_step_is_a_finished_run(tmp_path):
+    """A signal that lands once the last step's checkpoint is committed (training.steps, or
+    --stop-after) stops a run that had finished: said as such, not as a run to resume."""
+    from myria import config
+    from myria.train.checkpoint.store import MANIFEST
+    from myria.train.cli import _finished
+
+    cfg = config.load(None, [*TINY, "--training.steps=10"])
+    assert _finished(cfg, tmp_path, None) == ""
+    for step in (9, 10):
+        (d := tmp_path / "checkpoints" / f"step_{step:08d}").mkdir(parents=True)
+        if step == 10:
+            (tmp_path / "checkpoints" / "step_00000010.tmp").mkdir()   # not committed
+        assert _finished(cfg, tmp_path, None) == ""
+        (d / MANIFEST).write_text("{}")
+        assert (_finished(cfg, tmp_path, None) != "") is (step == 10)
+    assert _finished(cfg, tmp_path, None) == ("after its last step: trained to step 10 of "
+                                              "training.steps = 10, step_00000010 committed")
+    cfg = config.load(None, [*TINY, "--training.steps=20"])
+    assert _finished(cfg, tmp_path, None) == ""
+    assert _finished(cfg, tmp_path, 10).startswith("after step 10 of --stop-after 10")

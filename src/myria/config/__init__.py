@@ -243,7 +243,8 @@ class CheckpointConfig:
                           "newer checkpoints of the run are moved aside, not deleted")
     start_fresh: bool = _f(False, "when checkpoints exist but none can be loaded, train from "
                            "step 0 instead of stopping (the damaged ones stay in quarantine/)")
-    allow_data_change: bool = _f(False, "resume although data.path's tokenizer or tokens differ "
+    allow_data_change: bool = _f(False, "resume although the data (data.path or data.sources: "
+                                 "tokenizer, tokens, a mixture's sources and shares) differ "
                                  "from the fingerprint the checkpoint recorded")
     max_failed_saves: int = _f(2, "stop the run (exit status 4) once this many checkpoint "
                                "saves in a row have failed, e.g. on a full disk; 0 trains on "

@@ -55,8 +55,8 @@ def run(args) -> int:
     )
 
     args.overrides += resume_overrides(args) + max_time_overrides(args)
-    check_data_overrides(args.overrides)
     cfg, _ = run_config(args.config, args.overrides, args.run_dir)  # model.init_from too
+    check_data_overrides(args.overrides, cfg)
     min_nodes, max_nodes = _parse_nnodes(args.nnodes)
     from myria import faults, rundir
     from myria.data.mixture import open_dataset
@@ -66,6 +66,7 @@ def run(args) -> int:
         check_data_and_model,
         check_launch,
         check_nproc,
+        check_recorded_data,
         check_validation,
         preflight,
     )
@@ -75,6 +76,7 @@ def run(args) -> int:
     if args.nproc < 1:
         check_nproc(args.nproc, "cpu")
     check_before_torch(cfg, args.nproc, args.nproc * min_nodes, True)
+    check_recorded_data(cfg, args.run_dir)
     data = open_dataset(cfg.data, cfg.model.seq_len, verify=False)
     check_validation(cfg)
     # a finished run answers at once; a new run directory is made only once every check passed

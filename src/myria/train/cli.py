@@ -275,13 +275,13 @@ def predicted(cfg: config_mod.Config, world: int, ranks_per_host: int):
 
 def run(args) -> int:
     args.overrides += resume_overrides(args) + max_time_overrides(args)
-    check_data_overrides(args.overrides)
     # the wall-time limit's origin for the processes it starts: when the user's command
     # started (Python's start-up and this module's imports count against the limit)
     job_start = min(time.time(), goodput.process_start_time())
     # Everything judged from the arguments, the config and the files comes before torch is
     # imported (seconds on a loaded host): a mistake or a finished run answers at once.
     cfg, imported = run_config(args.config, args.overrides, args.run_dir)
+    check_data_overrides(args.overrides, cfg)
     if imported:  # the model's own config.json (or, resuming, the checkpoint) sets the model
         _say(imported)
     if note := pattern_note(cfg.model):
@@ -367,6 +367,9 @@ def run(args) -> int:
                       file=sys.stderr)
                 return e.exit_code
             _summary(Path(args.run_dir))
+            if done := _finished(cfg, Path(args.run_dir), args.stop_after):
+                print(f"myria train: {e} {done}", file=sys.stderr)
+                return 0
             print(f"myria train: {e}; {_resumes_from(Path(args.run_dir))}", file=sys.stderr)
             return e.exit_code
         except LaunchError as e:
@@ -384,6 +387,9 @@ def run(args) -> int:
             import signal
 
             name = signal.Signals(res.signal).name
+            if done := _finished(cfg, Path(args.run_dir), args.stop_after):
+                print(f"myria train: stopped by {name} {done}", file=sys.stderr)
+                return 0
             print(f"myria train: stopped by {name}; {_resumes_from(Path(args.run_dir))}",
                   file=sys.stderr)
             return 128 + res.signal
@@ -409,6 +415,23 @@ def _without_nproc(argv: list[str]) -> list[str]:
         elif not a.startswith("--nproc="):
             out.append(a)
     return out
+
+
+def _finished(cfg: config_mod.Config, run_dir: Path, stop_after: int | None) -> str:
+    """How a run stopped by a signal had finished all the same (its newest committed
+    checkpoint is at training.steps, or at --stop-after), or "". A finished run exits 0: a
+    scheduler that requeues on a signal's status would start it again for nothing."""
+    from myria.train.checkpoint.store import CheckpointStore, step_of
+
+    committed = CheckpointStore(rundir.checkpoints_dir(run_dir)).committed()
+    step = step_of(committed[-1].name) if committed else 0
+    if step and step >= cfg.training.steps:
+        return (f"after its last step: trained to step {step} of training.steps = "
+                f"{cfg.training.steps}, {committed[-1].name} committed")
+    if step and stop_after is not None and step >= stop_after:
+        return (f"after step {step} of --stop-after {stop_after}: {committed[-1].name} "
+                "committed")
+    return ""
 
 
 def _resumes_from(run_dir: Path) -> str:

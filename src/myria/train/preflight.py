@@ -125,19 +125,27 @@ def max_time_overrides(args) -> list[str]:
     return [f"--training.max_time_s={parse_duration(args.max_time)}"]
 
 
-def check_data_overrides(overrides: list[str]) -> None:
-    """`--data.path` and a `--data.sources` that names sources both typed: the mixture would
-    win and the path be ignored without a word; refused. An empty `--data.sources=` with
-    `--data.path` trains on the one path (it takes a config file's mixture away)."""
+def check_data_overrides(overrides: list[str], cfg: Config) -> None:
+    """`--data.path` typed while a mixture names the data (a `--data.sources` typed beside it,
+    or the config's or the resumed run's `data.sources`): the mixture would win and the path
+    be ignored without a word; refused. An empty `--data.sources=` with `--data.path` trains
+    on the one path (it takes a config file's mixture away)."""
     typed = {}
     for o in overrides:
         key = o.split("=", 1)[0]
         if key in ("--data.path", "--data.sources"):
             typed[key] = config_mod.parse_override(o)[2]   # the last one typed applies
-    if "--data.path" in typed and str(typed.get("--data.sources") or "").strip():
+    if "--data.path" not in typed:
+        return
+    if str(typed.get("--data.sources") or "").strip():
         raise config_mod.ConfigError("--data.path and --data.sources both name the training "
                                      "data (a mixture of sources takes the place of the one "
                                      "path): give one (--data.sources= trains on the path)")
+    if "--data.sources" not in typed and str(cfg.data.sources or "").strip():
+        raise config_mod.ConfigError(f"--data.path {typed['--data.path']}: the run's data is "
+                                     f"the mixture data.sources = {cfg.data.sources!r}, which "
+                                     "takes the place of the one path; add --data.sources= "
+                                     "to train on the path")
 
 
 def check_before_torch(cfg: Config, local: int, world: int, launching: bool) -> None:
