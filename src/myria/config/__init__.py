@@ -122,7 +122,8 @@ class TrainingConfig:
     global_batch: int = _f(16, "sequences per optimizer step, whatever the number of processes",
                            min=1)
     micro_batch: int = _f(4, "sequences per forward/backward pass on one rank", min=1)
-    seed: int = _f(1234, "seed of weight initialisation and data order", min=0)
+    seed: int = _f(1234, "seed of weight initialisation, data order and the global generators "
+                   "(train.state.seed_rng)", min=0)
     grad_clip: float = _f(1.0, "clip the global gradient norm to this; 0 disables", min=0.0)
     dtype: str = _f("auto", "parameter/compute precision: auto (bf16 on GPU, fp32 on CPU), "
                     "float32 or bfloat16", choices=("auto", "float32", "bfloat16"))

@@ -36,6 +36,7 @@ from myria.parallel.dims import ParallelDims, single_rank_mesh
 from myria.parallel.parallelize import apply_ddp, parallelize
 from myria.tensors import full_value, local_shard
 from myria.train.preflight import check_run
+from myria.train.state import seed_rng
 
 
 def grad_sync(model: nn.Module, enabled: bool):
@@ -76,6 +77,7 @@ class Engine:
     def __init__(self, cfg: Config, dims: ParallelDims | None, device: torch.device,
                  run_dir=None, eos_id: int | None = None, shrunk: bool = False):
         self.cfg, self.device = cfg, device
+        seed_rng(cfg.training.seed)
         self.eos_id = eos_id  # the document separator, for model.document_mask
         # the layout's mesh, groups and this rank's coordinates (one process: no mesh)
         self.dims = dims = dims or ParallelDims.build(Layout.resolve(cfg.parallel, 1),

@@ -51,6 +51,14 @@ def unflatten(flat: dict[tuple, Any]) -> dict:
 
 
 # -- random number generators ----------------------------------------------------------------
+def seed_rng(seed: int) -> None:
+    """Seed this process's global CPU and CUDA generators from the run's seed, rank r from
+    `seed + r` (ranks draw different streams). Nothing of a step draws from them (model init
+    and data order use generators of their own), so this fixes what a checkpoint records of
+    them (`rng_state`): the same config saves the same states."""
+    torch.manual_seed(seed + rank_and_world()[0])
+
+
 def rng_state() -> dict[str, str]:
     """This process's CPU (and CUDA) RNG states, as JSON-safe strings."""
     states = {"cpu": torch.get_rng_state()}
