@@ -216,3 +216,20 @@ def test_an_unreachable_mlflow_server_is_one_line_within_seconds(tmp_path, monke
     said = [r.getMessage() for r in caplog.records if "not started" in r.getMessage()]
     assert len(said) == 1 and "\n" not in said[0] and \
         "tracker not started: mlflow (Connection refused: " in said[0], said
+
+
+def test_the_summary_names_where_each_tracker_holds_the_run(tmp_path):
+    """The end-of-run summary lists each tracker that took the run (its store and run id and
+    the last step it accepted); none when no tracker ran."""
+    import json
+
+    from myria.observe.tracking import STATE, summary_lines
+
+    assert summary_lines(tmp_path, {}) == []
+    (tmp_path / STATE).write_text(json.dumps({"wandb_id": "abc", "mlflow_id": "r1",
+                                              "sent": {"wandb": 7}}))
+    wb, mf = summary_lines(tmp_path, {"mlflow_uri": "http://mlflow:5000"})
+    assert wb == f"wandb:       {tmp_path / 'wandb'} (run abc, to step 7)", wb
+    assert mf == "mlflow:      http://mlflow:5000 (run r1, no step sent yet)", mf
+    (mf,) = summary_lines(tmp_path, {})[1:]
+    assert mf.startswith(f"mlflow:      file://{(tmp_path / 'mlruns').resolve()}"), mf

@@ -81,6 +81,32 @@ def _eval_values(val_loss: float, by_source: dict | None) -> dict[str, float]:
             **{f"val/loss/{k}": float(v) for k, v in (by_source or {}).items()}}
 
 
+
+def mlflow_uri(configured: str, run_dir: str | Path) -> str:
+    """Where a run's MLflow records go: `logging.mlflow_uri`, else a file store in the run."""
+    return configured or (Path(run_dir) / "mlruns").resolve().as_uri()
+
+
+def summary_lines(run_dir: str | Path, logging_cfg: dict) -> list[str]:
+    """Where each tracker that took the run's steps holds them (for the end-of-run summary):
+    the W&B files and run id, the MLflow store and run id, with the last step each accepted."""
+    run_dir = Path(run_dir)
+    try:
+        state = json.loads((run_dir / STATE).read_text())
+    except (OSError, ValueError):
+        return []
+    sent = state.get("sent") or {}
+    out = []
+    for name, key, where in (
+            ("wandb", "wandb_id", str(run_dir / "wandb")),
+            ("mlflow", "mlflow_id", mlflow_uri(str(logging_cfg.get("mlflow_uri") or ""),
+                                               run_dir))):
+        if state.get(key):
+            at = sent.get(name, state.get("sent_step"))
+            out.append(f"{name + ':':<13}{where} (run {state[key]}"
+                       + (f", to step {at})" if at else ", no step sent yet)"))
+    return out
+
 class Tracker:
     """Rank 0's connection to the trackers of one run directory."""
 
@@ -147,7 +173,7 @@ class Tracker:
         from mlflow.entities import Param
         from mlflow.tracking import MlflowClient
 
-        uri = self.cfg.mlflow_uri or (self.run_dir / "mlruns").resolve().as_uri()
+        uri = mlflow_uri(self.cfg.mlflow_uri, self.run_dir)
         client = MlflowClient(uri)
         if "mlflow_id" not in self.state:
             exp = client.get_experiment_by_name(self.cfg.project)

@@ -444,13 +444,24 @@ def _resumes_from(run_dir: Path) -> str:
             else "no checkpoint was committed: the same command starts from step 0")
 
 
+def _recorded(run_dir: Path) -> dict:
+    """The run's config.json as written at its start ({} if unreadable)."""
+    import json
+
+    try:
+        cfg = json.loads((run_dir / rundir.CONFIG).read_text())
+    except (OSError, ValueError):
+        return {}
+    return cfg if isinstance(cfg, dict) else {}
+
+
 def _prompt_for(run_dir: Path) -> str:
     """The example prompt of the summary's `myria generate` line: the demo corpus's opening
     words for a run on it, else a neutral start."""
     import json
 
     try:
-        path = json.loads((run_dir / rundir.CONFIG).read_text())["data"]["path"]
+        path = _recorded(run_dir)["data"]["path"]
         source = json.loads((Path(path) / "index.json").read_text()).get("source", "")
     except (OSError, ValueError, KeyError, TypeError):
         return "The"
@@ -498,6 +509,10 @@ def _summary(run_dir: Path) -> None:
     print(f"  metrics:     {path}\n" + (f"  tensorboard: {run_dir / rundir.TENSORBOARD}\n"
                                            if (run_dir / rundir.TENSORBOARD).is_dir() else "")
           + f"  checkpoints: {rundir.checkpoints_dir(run_dir)}")
+    from myria.observe import tracking
+
+    for line in tracking.summary_lines(run_dir, _recorded(run_dir).get("logging") or {}):
+        print(f"  {line}")
     d = shlex.quote(str(run_dir))
     print(f"next:\n  myria report {d}          # timeline, heat maps, loss and MFU curves -> "
           f"{run_dir / 'report' / 'index.html'}\n"
