@@ -80,8 +80,8 @@ def test_analyze_training_config(tmp_path, capsys):
     assert " fwd x2 " in out and "fwd x2: the forward and its recomputation in backward " \
         "(training.recompute = 'full')" in out, out
     # --run names a run of a run file: a training config is one run, so it is refused
-    for cmd in ("analyze", "simulate"):
-        assert main([cmd, str(cfg), "--run", "nosuch"]) == 2
+    for cmd in ("analyze", "simulate", "plan"):
+        assert main([cmd, str(cfg), "--run", "nosuch", *(["--gpus", "8"] * (cmd == "plan"))]) == 2
         err = capsys.readouterr().err
         assert err.count("\n") == 1 and "--run picks a run of a simulator run file" in err, err
 

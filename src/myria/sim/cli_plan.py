@@ -258,6 +258,11 @@ def _base_from_args(args) -> RunSpec:
             trainer_cfg, _ = hf.load_config(p, weights=False)
             model = runspec.model_section(trainer_cfg.model)
             name = p.stem
+    if args.run and not (args.base and hf_dir is None and runspec.is_run_file(text)):
+        raise ConfigError(f"--run picks a run of a simulator run file; "
+                          f"{args.base or 'the typed model'} is "
+                          + ("a Hugging Face model directory" if hf_dir is not None else
+                             "a training config, one run" if args.base else "one run"))
     if args.arch is not None and model.get("arch", args.arch) != args.arch:
         print(f"note: --arch {args.arch} replaces {name}'s architecture {model['arch']!r}: "
               f"the plan prices a {args.arch} model of its sizes, not the file's",
