@@ -1,9 +1,11 @@
 """Every parallel layout on 4 gloo ranks trains to the same losses as one process.
 
 Runs `myria train` end to end (torch elastic launch, the real trainer and checkpoints) on a
-4-layer model for 6 steps (4 of warm-up, 2 of decay) and compares each step's loss with a
-single-process run of the same config, global batch and seed: relative difference <= 1e-4.
-tp2 x pp2 is the layout the checkpoint-moving test saves under.
+4-layer model for 6 steps (4 of warm-up, 2 of decay) and compares each step's loss, and the
+validation loss of steps 3 and 6 (pipelined layouts evaluate through their schedule; the
+training after an evaluation goes on equal), with a single-process run of the same config,
+global batch and seed: relative difference <= 1e-4. tp2 x pp2 is the layout the
+checkpoint-moving test saves under.
 """
 
 from __future__ import annotations
@@ -16,7 +18,8 @@ from tests.conftest import TINY, losses, train
 
 pytestmark = pytest.mark.slow
 
-BASE = [*TINY, "--model.layers=4", "--training.steps=6", "--checkpoint.interval=0"]
+BASE = [*TINY, "--model.layers=4", "--training.steps=6", "--checkpoint.interval=0",
+        "--training.eval_interval=3"]
 WINDOW = ["--model.parallel_block=true", "--model.attention_window=24"]
 MOE = ["--model.experts=4", "--model.top_k=2"]
 
@@ -39,9 +42,16 @@ WINDOWED = {
 }
 
 
+def curves(run_dir):
+    """{step: training loss} and {("val", step): validation loss} of a run."""
+    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return {**losses(run_dir), **{("val", r["step"]): r["val_loss"] for r in rows
+                                  if "val_loss" in r}}
+
+
 def run(tmp, data, name, extra, nproc):
     train(tmp / name, data, *BASE, *extra, nproc=nproc)
-    return losses(tmp / name)
+    return curves(tmp / name)
 
 
 @pytest.fixture(scope="module")
@@ -53,7 +63,7 @@ def refs(tmp_path_factory, tiny_data):
 
 
 def assert_close(got, ref, rel=1e-4):
-    assert sorted(got) == sorted(ref) == list(range(1, 7))
+    assert set(got) == set(ref) == {*range(1, 7), ("val", 3), ("val", 6)}, sorted(map(str, got))
     for s in ref:
         assert abs(got[s] - ref[s]) <= rel * abs(ref[s]), (s, got[s], ref[s])
 
@@ -96,7 +106,7 @@ def test_checkpoint_moves_between_layouts(refs, tmp_path, tiny_data):
           nproc=4)
     assert_readers(d, READERS["tp2xpp2"])
     train(d, tiny_data, *BASE, nproc=4)
-    assert_close(losses(d), refs["plain"])
+    assert_close(curves(d), refs["plain"])
 
 
 def test_pipeline_run_resumes_from_its_own_checkpoint(refs, tmp_path, tiny_data):
@@ -105,7 +115,7 @@ def test_pipeline_run_resumes_from_its_own_checkpoint(refs, tmp_path, tiny_data)
     d = tmp_path / "pp"
     train(d, tiny_data, *BASE, "--parallel.pp=2", "--stop-after", "3", nproc=2)
     train(d, tiny_data, *BASE, "--parallel.pp=2", nproc=2)
-    assert_close(losses(d), refs["plain"])
+    assert_close(curves(d), refs["plain"])
 
 
 def test_bf16_on_ranks_without_data_parallelism(tmp_path, tiny_data):

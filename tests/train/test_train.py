@@ -657,33 +657,44 @@ def test_the_rank_killed_is_blamed_not_the_survivor_that_lost_it(tmp_path, monke
 def test_a_killed_launchers_error_file_directory_is_removed_by_the_next(tmp_path, monkeypatch):
     """`myria train --nproc N` keeps its workers' error files in a directory of the temporary
     directory, removed when the launch returns; one a launcher killed by SIGKILL left behind
-    (its owner file names a pid that no longer runs, on this host) is removed by the next
-    launcher; a live launcher's, another host's and one without an owner file are kept."""
-    import socket
+    (its owner record names this host, PID namespace and boot, and a pid that no longer runs
+    or runs with another start time) is removed by the next launcher, and so is one without a
+    comparable record a day old. A live launcher's, another PID namespace's or boot's (a
+    container sharing /tmp and the hostname: its pids mean nothing here) and a fresh one
+    without a comparable record are kept."""
     import subprocess
     import tempfile
+    import time
 
+    from myria.train import launch
     from myria.train.launch import LOGS_OWNER, LOGS_PREFIX, logs_dir
 
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     dead = subprocess.Popen(["true"])
     dead.wait()
+    me = launch._launcher()
+    assert me["pid"] == os.getpid() and me["start"] is not None and me["boot"], me
 
-    def left(name, host, pid):
+    def left(name, owner, age_s=0.0):
         d = tmp_path / f"{LOGS_PREFIX}{name}"
         (d / "attempt_0" / "0").mkdir(parents=True)
-        if pid is not None:
-            (d / LOGS_OWNER).write_text(json.dumps({"host": host, "pid": pid}))
+        if owner is not None:
+            (d / LOGS_OWNER).write_text(json.dumps(owner))
+        os.utime(d, (time.time() - age_s, time.time() - age_s))
         return d
 
-    here = socket.gethostname()
-    stale = left("killed", here, dead.pid)
-    kept = [left("live", here, os.getpid()), left("elsewhere", "another-host", dead.pid),
-            left("unowned", here, None)]
+    gone = [left("killed", {**me, "pid": dead.pid}),
+            left("reused", {**me, "start": str(int(me["start"]) - 1)}),   # our pid, not us
+            left("unowned-old", None, age_s=2 * 86400),
+            left("older-record", {"host": me["host"], "pid": dead.pid}, age_s=2 * 86400)]
+    kept = [left("live", me), left("other-ns", {**me, "pid": dead.pid, "pidns": 1}),
+            left("other-boot", {**me, "pid": dead.pid, "boot": "x"}),
+            left("elsewhere", {**me, "pid": dead.pid, "host": "another-host"}),
+            left("unowned", None),
+            left("older-record-fresh", {"host": me["host"], "pid": dead.pid})]
     new = logs_dir()
-    assert not stale.exists() and all(d.exists() for d in kept)
-    assert json.loads((tmp_path / new / LOGS_OWNER).read_text()) == \
-        {"host": here, "pid": os.getpid()}
+    assert [d.name for d in gone if d.exists()] == [] and all(d.exists() for d in kept)
+    assert json.loads((tmp_path / new / LOGS_OWNER).read_text()) == me
     assert os.path.basename(new).startswith(f"{LOGS_PREFIX}{os.getpid()}-")
 
 

@@ -66,10 +66,30 @@ def build_schedule(parts: list[nn.Module], ids: list[int], n_stages: int, schedu
                    group) -> object:
     """Wrap each part in a PipelineStage and build the named schedule over them."""
     stages = [PipelineStage(p, s, n_stages, device, group=group) for p, s in zip(parts, ids)]
+    for st in stages:
+        _no_gradient_handoff_in_eval(st)
     cls = SCHEDULES[schedule]
     if schedule in SINGLE_STAGE:
         return cls(stages[0], n_microbatches=n_microbatches, loss_fn=loss_fn)
     return cls(stages, n_microbatches=n_microbatches, loss_fn=loss_fn)
+
+
+def _no_gradient_handoff_in_eval(stage: PipelineStage) -> None:
+    """torch 2.13's multi-stage executor hands a gradient from a stage to the previous one on
+    the same rank (the V-schedule's two adjacent stages, `zbv`) after each backward action,
+    also in the schedule's forward-only `eval`, where the stage refuses it (it has no
+    backward): without a backward the handoff carries nothing and is skipped."""
+    get, put = stage.get_local_bwd_output, stage.set_local_bwd_input
+
+    def get_local_bwd_output(mb_index):
+        return get(mb_index) if stage.has_backward else ()
+
+    def set_local_bwd_input(grads, mb_index):
+        if stage.has_backward:
+            put(grads, mb_index)
+
+    stage.get_local_bwd_output = get_local_bwd_output
+    stage.set_local_bwd_input = set_local_bwd_input
 
 
 def bubble_fraction(pp: int, vpp: int, n_microbatches: int, schedule: str,

@@ -297,12 +297,66 @@ class Engine:
             value /= dist.get_world_size(group)
         return float(value)
 
+    @property
+    def eval_rows(self) -> int:
+        """Samples of one evaluation forward: a microbatch, or under pipelining the schedule's
+        whole batch (its microbatches, each of micro_batch samples)."""
+        mb = self.cfg.training.micro_batch
+        return mb if self.schedule is None else mb * self.microbatches
+
+    @torch.no_grad()
+    def eval_sum(self, samples: torch.Tensor, real: int) -> torch.Tensor:
+        """The sum, over the first `real` of `samples` ([eval_rows or fewer, seq_len + 1]; the
+        rest padding), of each sample's share of its forward's mean loss: a forward's mean
+        loss times its real samples. Without gradients; every pipeline rank returns it."""
+        if self.schedule is None:
+            loss = self.eval_loss(samples[:, :-1], samples[:, 1:])
+            return loss * real if real else torch.zeros((), device=self.device)
+        return self._eval_pipelined(samples, real)
+
+    def _eval_pipelined(self, samples: torch.Tensor, real: int) -> torch.Tensor:
+        """`eval_sum` through the schedule's forward-only pass (torch's `eval`, the stages'
+        training path without backward). A microbatch partly padding ignores its padded rows'
+        targets (cross-entropy's ignore_index), so its loss is its real samples' mean, as one
+        forward of those samples alone gives; one wholly padding keeps real targets (a mean
+        over no token is NaN) and weighs nothing."""
+        mb, n = self.cfg.training.micro_batch, self.microbatches
+        rows = samples.shape[0]
+        if rows < mb * n:   # the schedule splits exactly its batch: pad with the first row
+            samples = torch.cat([samples, samples[:1].expand(mb * n - rows, -1)])
+        inputs, targets = samples[:, :-1], samples[:, 1:].clone()
+        weights = [min(max(real - m * mb, 0), mb) for m in range(n)]
+        for m, k in enumerate(weights):
+            if 0 < k < mb:
+                targets[m * mb + k:(m + 1) * mb] = -100   # F.cross_entropy's ignore_index
+        x, y = self._shard_sequence(inputs), self._shard_sequence(targets)
+        losses: list[torch.Tensor] = []
+        for part in self.parts:
+            part.eval()
+        try:
+            with self._ctx():
+                if self.has_first:
+                    self.schedule.eval(x, target=y if self.has_last else None, losses=losses)
+                elif self.has_last:
+                    self.schedule.eval(target=y, losses=losses)
+                else:
+                    self.schedule.eval()
+        finally:
+            for part in self.parts:
+                part.train()
+        total = torch.zeros((), device=self.device)
+        for lo, k in zip(losses, weights, strict=False):
+            if k:
+                total += full_value(lo) * k
+        dist.all_reduce(total, group=self.dims.pp_group)  # only the last stage's is non-zero
+        return total
+
     @torch.no_grad()
     def eval_loss(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        """Mean loss of one microbatch without gradients (not pipelined: pp must be 1)."""
+        """Mean loss of one microbatch without gradients (not pipelined: `eval_sum` is)."""
         if self.schedule is not None:
-            raise ConfigError("evaluation under pipeline parallelism is not supported yet; "
-                              "set training.eval_interval = 0")
+            raise ValueError("eval_loss runs one microbatch without a pipeline; under "
+                             "pipelining evaluate with eval_sum")
         doc = self._documents(inputs.unsqueeze(0))[0]
         kw = {} if doc is None else {"documents": doc}
         inputs, targets = self._shard_sequence(inputs), self._shard_sequence(targets)

@@ -675,24 +675,23 @@ def evaluate(engine: Engine, val: TokenDataset, cfg: Config) -> float:
     over the whole split when it is smaller: every sample there is counted once, whatever the
     number of data-parallel ranks."""
     dp_rank, dp_size, device = engine.dims.dp_rank, engine.dims.dp, engine.device
-    g, mb = cfg.training.global_batch, cfg.training.micro_batch
-    n = min(val.num_samples, cfg.data.eval_batches * g)
+    n = min(val.num_samples, cfg.data.eval_batches * cfg.training.global_batch)
     if n < 1:
         raise DataError(f"the validation split of {cfg.data.path or cfg.data.sources!r} has no "
                         "sample to evaluate")
     idx = list(range(n))[dp_rank::dp_size]
     # Every rank runs the same number of forwards (FSDP gathers in each, expert parallelism
-    # exchanges tokens): a rank whose share ran out runs sample 0 and does not count it.
-    forwards = -(-len(range(0, n, dp_size)) // mb)  # ceil(ceil(n / dp) / mb)
+    # exchanges tokens, a pipeline passes activations): a rank whose share ran out runs
+    # sample 0 and does not count it.
+    rows = engine.eval_rows
+    forwards = -(-len(range(0, n, dp_size)) // rows)  # ceil(ceil(n / dp) / rows)
     total = torch.zeros((), device=device)
     count = torch.zeros((), device=device)
     for f in range(forwards):
-        part = idx[f * mb:(f + 1) * mb]
+        part = idx[f * rows:(f + 1) * rows]
         chunk = torch.as_tensor(val.get_many(part or [0]), device=device)
-        loss = engine.eval_loss(chunk[:, :-1], chunk[:, 1:])
-        if part:
-            total += loss * len(part)
-            count += len(part)
+        total += engine.eval_sum(chunk, len(part))
+        count += len(part)
     return engine.mean_over_dp(total) / engine.mean_over_dp(count)
 
 
