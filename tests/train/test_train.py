@@ -855,23 +855,33 @@ def test_summary_says_what_the_checks_detected(tmp_path, capsys):
 
 
 def test_a_signal_after_the_last_step_is_a_finished_run(tmp_path):
-    """A signal that lands once the last step's checkpoint is committed (training.steps, or
-    --stop-after) stops a run that had finished: said as such, not as a run to resume."""
+    """A signal that lands once this job committed the last step's checkpoint (training.steps,
+    or --stop-after) stopped a run that had finished: said as such, not as a run to resume. A
+    checkpoint committed before the job (one a --resume-from sets aside after its load)
+    counts for nothing."""
+    import os
+
     from myria import config
     from myria.train.checkpoint.store import MANIFEST
     from myria.train.cli import _finished
 
     cfg = config.load(None, [*TINY, "--training.steps=10"])
-    assert _finished(cfg, tmp_path, None) == ""
+    assert _finished(cfg, tmp_path, None, 0) == ""
     for step in (9, 10):
         (d := tmp_path / "checkpoints" / f"step_{step:08d}").mkdir(parents=True)
         if step == 10:
             (tmp_path / "checkpoints" / "step_00000010.tmp").mkdir()   # not committed
-        assert _finished(cfg, tmp_path, None) == ""
+        assert _finished(cfg, tmp_path, None, 0) == ""
         (d / MANIFEST).write_text("{}")
-        assert (_finished(cfg, tmp_path, None) != "") is (step == 10)
-    assert _finished(cfg, tmp_path, None) == ("after its last step: trained to step 10 of "
-                                              "training.steps = 10, step_00000010 committed")
+        assert (_finished(cfg, tmp_path, None, 0) != "") is (step == 10)
+    assert _finished(cfg, tmp_path, None, 0) == ("after its last step: trained to step 10 of "
+                                                 "training.steps = 10, step_00000010 committed")
+    committed = (tmp_path / "checkpoints" / "step_00000010" / MANIFEST).stat().st_mtime
+    assert _finished(cfg, tmp_path, None, committed + 1) == ""   # committed before this job
     cfg = config.load(None, [*TINY, "--training.steps=20"])
-    assert _finished(cfg, tmp_path, None) == ""
-    assert _finished(cfg, tmp_path, 10).startswith("after step 10 of --stop-after 10")
+    assert _finished(cfg, tmp_path, None, 0) == ""
+    assert _finished(cfg, tmp_path, 10, 0).startswith("after step 10 of --stop-after 10")
+    # a --resume-from step 9 of a run trained to 10: step 10's predates the job
+    os.utime(tmp_path / "checkpoints" / "step_00000010" / MANIFEST, (0, 0))
+    assert _finished(cfg, tmp_path, 9, 1).startswith("after step 9 of --stop-after 9")
+    assert _finished(cfg, tmp_path, 10, 1) == ""

@@ -319,11 +319,6 @@ def run(args) -> int:
         own_run_dir,
     )
 
-    if cfg.training.eval_interval and cfg.parallel.pp > 1:
-        _say(f"note: no validation loss (training.eval_interval = "
-             f"{cfg.training.eval_interval} set to 0): evaluation under pipeline "
-             f"parallelism (parallel.pp = {cfg.parallel.pp}) is not supported yet")
-        cfg.training.eval_interval = 0
     if not args.run_dir:
         raise config_mod.ConfigError("--run-dir is required (where checkpoints and metrics go)")
     launching = args.nproc and not inside_launcher()
@@ -367,7 +362,7 @@ def run(args) -> int:
                       file=sys.stderr)
                 return e.exit_code
             _summary(Path(args.run_dir))
-            if done := _finished(cfg, Path(args.run_dir), args.stop_after):
+            if done := _finished(cfg, Path(args.run_dir), args.stop_after, job_start):
                 print(f"myria train: {e} {done}", file=sys.stderr)
                 return 0
             print(f"myria train: {e}; {_resumes_from(Path(args.run_dir))}", file=sys.stderr)
@@ -387,7 +382,7 @@ def run(args) -> int:
             import signal
 
             name = signal.Signals(res.signal).name
-            if done := _finished(cfg, Path(args.run_dir), args.stop_after):
+            if done := _finished(cfg, Path(args.run_dir), args.stop_after, job_start):
                 print(f"myria train: stopped by {name} {done}", file=sys.stderr)
                 return 0
             print(f"myria train: stopped by {name}; {_resumes_from(Path(args.run_dir))}",
@@ -417,13 +412,24 @@ def _without_nproc(argv: list[str]) -> list[str]:
     return out
 
 
-def _finished(cfg: config_mod.Config, run_dir: Path, stop_after: int | None) -> str:
-    """How a run stopped by a signal had finished all the same (its newest committed
-    checkpoint is at training.steps, or at --stop-after), or "". A finished run exits 0: a
-    scheduler that requeues on a signal's status would start it again for nothing."""
-    from myria.train.checkpoint.store import CheckpointStore, step_of
+def _finished(cfg: config_mod.Config, run_dir: Path, stop_after: int | None,
+              since: float) -> str:
+    """How a run stopped by a signal had finished all the same (the newest checkpoint this job
+    committed, at or after `since`, is at training.steps or at --stop-after), or "". A
+    checkpoint committed before the job counts for nothing: a job that resumes an older one
+    (--resume-from, checkpoint.resume = false) sets the newer ones aside only after its load.
+    A finished run exits 0: a scheduler that requeues on a signal's status would start it again
+    for nothing."""
+    from myria.train.checkpoint.store import MANIFEST, CheckpointStore, step_of
 
-    committed = CheckpointStore(rundir.checkpoints_dir(run_dir)).committed()
+    def ours(p: Path) -> bool:
+        try:
+            return (p / MANIFEST).stat().st_mtime >= since
+        except OSError:
+            return False
+
+    committed = [p for p in CheckpointStore(rundir.checkpoints_dir(run_dir)).committed()
+                 if ours(p)]
     step = step_of(committed[-1].name) if committed else 0
     if step and step >= cfg.training.steps:
         return (f"after its last step: trained to step {step} of training.steps = "
