@@ -225,29 +225,75 @@ def own_message(f) -> str:
 
 
 LOGS_PREFIX = "myria-launch-"   # a launcher's directory of worker error files, in the temp dir
-LOGS_OWNER = "launcher.json"    # in it: the launcher's host and pid
+LOGS_OWNER = "launcher.json"    # in it: the launcher's identity (`_launcher`)
+UNOWNED_AGE_S = 86400.0         # a directory without a full owner record, removed this old
+
+
+def _start_time(pid: int | str = "self") -> str | None:
+    """When process `pid` started (`fsutil.proc_stat`'s [19], clock ticks since boot)."""
+    from myria.fsutil import proc_stat
+
+    stat = proc_stat(pid)
+    return stat[19] if stat and len(stat) > 19 else None
+
+
+def _launcher() -> dict:
+    """This process as another launcher can tell it apart: its host, pid, PID namespace (the
+    inode of /proc/self/ns/pid), boot (/proc/sys/kernel/random/boot_id) and start time; a part
+    that cannot be read is None. Two containers can share /tmp and the hostname and each have
+    a pid 1234: the namespace and boot tell them apart, the start time a pid reused after the
+    launcher's death."""
+    def read(f):
+        try:
+            return f()
+        except OSError:
+            return None
+
+    return {"host": socket.gethostname(), "pid": os.getpid(),
+            "pidns": read(lambda: os.stat("/proc/self/ns/pid").st_ino),
+            "boot": read(lambda: Path("/proc/sys/kernel/random/boot_id").read_text().strip()),
+            "start": _start_time()}
+
+
+def _stale(d: Path, me: dict) -> bool:
+    """Whether launcher directory `d` (this user's) was left by a launcher that is gone: its
+    owner record names this host, PID namespace and boot, and a pid that no longer runs or
+    runs with another start time; one of another host, namespace or boot is that one's to
+    judge. A directory without a record to compare (no owner file, one cut short, or one
+    without namespace and boot) is removed once it is UNOWNED_AGE_S old: a launcher writes
+    its record right after creating the directory."""
+    try:
+        owner = json.loads((d / LOGS_OWNER).read_text())
+        if all(owner.get(k) is not None for k in ("pidns", "boot")):
+            if any(owner.get(k) != me[k] for k in ("host", "pidns", "boot")):
+                return False
+            pid = int(owner["pid"])
+            return not pid_alive(pid) or owner.get("start") not in (None, _start_time(pid))
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        pass
+    try:
+        return time.time() - d.stat().st_mtime > UNOWNED_AGE_S
+    except OSError:
+        return False
 
 
 def logs_dir() -> str:
     """A new directory for this launcher's worker error files (removed when the launch
-    returns), after removing those a launcher of this host left when it was killed (SIGKILL
-    skips its clean-up): this user's, whose owner file names a pid that no longer runs."""
+    returns), after removing the directories of this user that a killed launcher left behind
+    (SIGKILL skips its clean-up; `_stale`)."""
     import shutil
     import tempfile
 
-    host = socket.gethostname()
+    me = _launcher()
     for d in Path(tempfile.gettempdir()).glob(f"{LOGS_PREFIX}*"):
         try:
-            owner = json.loads((d / LOGS_OWNER).read_text())
-            stale = (d.stat().st_uid == os.getuid() and owner.get("host") == host
-                     and not pid_alive(int(owner["pid"])))
-        except (OSError, ValueError, KeyError, TypeError, AttributeError):
-            continue   # no owner file (yet): not known to be stale
-        if stale:
+            mine = d.is_dir() and not d.is_symlink() and d.stat().st_uid == os.getuid()
+        except OSError:
+            continue
+        if mine and _stale(d, me):
             shutil.rmtree(d, ignore_errors=True)
     path = tempfile.mkdtemp(prefix=f"{LOGS_PREFIX}{os.getpid()}-")
-    atomic_write(Path(path) / LOGS_OWNER, json.dumps({"host": host, "pid": os.getpid()}),
-                 durable=False)
+    atomic_write(Path(path) / LOGS_OWNER, json.dumps(me), durable=False)
     return path
 
 
