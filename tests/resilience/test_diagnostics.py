@@ -135,16 +135,16 @@ def test_bad_usage_is_a_clear_error(capsys):
         dg.run_diagnostics(0)
     assert main(["doctor", "--collectives", "allreduce"]) == 2
     assert "(did you mean 'all_reduce'?)" in capsys.readouterr().err
-    # a tolerance outside (0, 1] is one message, below as above; a port is 1-65535; a host
-    # index or peer port without a host list of several hosts would do nothing: refused
+    # a tolerance outside (0, 1] is one message, below as above; a port is 1-65535, with one
+    # host too; a host index is inside a list of several hosts
     for args, said in (
             (["--tolerance", "-1"], "tolerance=-1.0 must be a fraction in (0, 1]"),
             (["--tolerance", "5"], "tolerance=5.0 must be a fraction in (0, 1]"),
             (["--peer-hosts", "localhost,otherhost", "--host-index", "0",
               "--peer-port", "99999999"], "peer port 99999999: not a port number (1-65535)"),
-            (["--host-index", "5"], "host index 5: used only by the neighbour check of a "
-             "multi-host launch, and the host list (this host only) has one host"),
-            (["--peer-port", "5000"], "peer port 5000: used only by the neighbour check")):
+            (["--peer-port", "0"], "peer port 0: not a port number (1-65535)"),
+            (["--peer-hosts", "localhost,otherhost", "--host-index", "5"],
+             "host index 5 is outside the host list of 2 hosts (--peer-hosts)")):
         assert main(["doctor", "--nproc", "1", *args]) == 2, args
         err = capsys.readouterr().err
         assert said in err and err.count("\n") == 1, (args, err)
@@ -153,6 +153,24 @@ def test_bad_usage_is_a_clear_error(capsys):
     if not torch.cuda.is_available():   # the missing GPU, not a process count, is named
         assert main(["doctor", "--device", "cuda"]) == 2
         assert "--device cuda: no CUDA device is available" in capsys.readouterr().err
+
+
+def test_a_host_index_or_peer_port_with_one_host_is_noted_not_refused(monkeypatch):
+    """A generic `srun myria doctor --peer-port 30000 --host-index $SLURM_NODEID` on a one-node
+    allocation: the neighbour check is skipped, the unused options named in its reason."""
+    for k in ("MYRIA_HOSTS", "MYRIA_HOST_INDEX", "MYRIA_DOCTOR_PORT"):
+        monkeypatch.delenv(k, raising=False)
+    monkeypatch.setenv("SLURM_STEP_NODELIST", "node7")
+    skipped, cfg = dg._neighbour_plan(None, 0, 30000, "node7")
+    assert cfg is None and skipped.status == "skip", skipped
+    assert skipped.reason == ("skipped: single host (the host list from SLURM_STEP_NODELIST; "
+                              "--host-index 0 and --peer-port 30000 not used)"), skipped.reason
+    monkeypatch.delenv("SLURM_STEP_NODELIST")
+    skipped, _ = dg._neighbour_plan(None, 3, None, "h")
+    assert skipped.reason == ("skipped: single host (no --peer-hosts, MYRIA_HOSTS or Slurm step "
+                              "node list; --host-index 3 not used)"), skipped.reason
+    assert dg._neighbour_plan(["a", "b"], 1, 30000, "b") == \
+        (None, {"group_hosts": ["a", "b"], "pos": 1, "port": 30000})
 
 
 def _kill(rank=1, at=1000.0, **kw):

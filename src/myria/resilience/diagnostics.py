@@ -338,6 +338,43 @@ def _neighbor_worker(cfg: dict[str, Any], q: Any, release: Any) -> None:
 # The caller side
 
 
+def _neighbour_plan(peer_hosts: list[str] | None, host_index: int | None,
+                    peer_port: int | None, host: str) -> tuple[Check | None, dict | None]:
+    """The neighbour check of a multi-host launch: (None, its group's hosts, this host's
+    position and the rendezvous port), or (the skipped check, None). A host index and peer
+    port serve only a list of several hosts: with one (a generic `srun myria doctor
+    --host-index $SLURM_NODEID` on one node) the skipped check notes them unused; a port
+    outside 1-65535, or an index outside a list of several hosts, is refused."""
+    if peer_port is not None and not _is_port(peer_port):
+        raise ConfigError(f"peer port {peer_port!r}: not a port number (1-65535)")
+    hosts, index, host_source = discover_hosts(peer_hosts)
+    if len(hosts) >= 2 and host_index is not None:
+        hosts, index, host_source = discover_hosts(peer_hosts, host_index)
+    if len(hosts) < 2:
+        unused = " and ".join(f"{f} {v}" for f, v in (("--host-index", host_index),
+                                                      ("--peer-port", peer_port))
+                              if v is not None)
+        where = ("no --peer-hosts, MYRIA_HOSTS or Slurm step node list"
+                 if host_source == "this host only" else f"the host list from {host_source}")
+        return Check("neighbor-all-reduce", "skip", f"skipped: single host ({where}"
+                     + (f"; {unused} not used" if unused else "") + ")"), None
+    if index is None:
+        return Check("neighbor-all-reduce", "skip",
+                     f"skipped: this host ({host}) is not found in the host list from "
+                     f"{host_source}; give --host-index or MYRIA_HOST_INDEX"), None
+    members = neighbor_group(len(hosts), index)
+    try:
+        base = peer_port or int(os.environ.get("MYRIA_DOCTOR_PORT", DEFAULT_PEER_PORT))
+    except ValueError:
+        raise ConfigError(f"MYRIA_DOCTOR_PORT={os.environ['MYRIA_DOCTOR_PORT']!r} is not "
+                          "a port number") from None
+    if not _is_port(base + members[0]):
+        raise ConfigError(f"peer port {base} + the group's first index {members[0]} = "
+                          f"{base + members[0]}: not a port number (1-65535)")
+    return None, dict(group_hosts=[hosts[i] for i in members], pos=members.index(index),
+                      port=base + members[0])
+
+
 def run_diagnostics(nproc: int = 2, expected: dict[str, float] | None = None,
                     timeout_s: float = 60, *, device: str = "auto", dtype: str | None = None,
                     collectives: Sequence[str] = ("all_reduce", "all_to_all"),
@@ -390,39 +427,9 @@ def run_diagnostics(nproc: int = 2, expected: dict[str, float] | None = None,
     fault_list = parse_faults(os.environ.get(FAULT_ENV) if faults is None else faults)
     host = socket.gethostname()
 
-    # Neighbour group (multi-host) or the reason it is skipped.
-    if peer_port is not None and not _is_port(peer_port):
-        raise ConfigError(f"peer port {peer_port!r}: not a port number (1-65535)")
-    hosts, index, host_source = discover_hosts(peer_hosts, host_index)
-    if len(hosts) < 2 and (host_index is not None or peer_port is not None):
-        given = " and ".join(f"{f} {v}" for f, v in (("host index", host_index),
-                                                    ("peer port", peer_port)) if v is not None)
-        raise ConfigError(f"{given}: used only by the neighbour check of a multi-host launch, "
-                          f"and the host list ({host_source}) has one host; give --peer-hosts "
-                          "(or MYRIA_HOSTS)")
-    checks: list[Check] = []
-    group_hosts: list[str] = []
-    if len(hosts) < 2:
-        checks.append(Check("neighbor-all-reduce", "skip",
-                            "skipped: single host (no --peer-hosts, MYRIA_HOSTS or Slurm step "
-                            "node list)"))
-    elif index is None:
-        checks.append(Check("neighbor-all-reduce", "skip",
-                            f"skipped: this host ({host}) is not found in the host list from "
-                            f"{host_source}; give --host-index or MYRIA_HOST_INDEX"))
-    else:
-        members = neighbor_group(len(hosts), index)
-        group_hosts = [hosts[i] for i in members]
-        try:
-            base = peer_port or int(os.environ.get("MYRIA_DOCTOR_PORT", DEFAULT_PEER_PORT))
-        except ValueError:
-            raise ConfigError(f"MYRIA_DOCTOR_PORT={os.environ['MYRIA_DOCTOR_PORT']!r} is not "
-                              "a port number") from None
-        if not _is_port(base + members[0]):
-            raise ConfigError(f"peer port {base} + the group's first index {members[0]} = "
-                              f"{base + members[0]}: not a port number (1-65535)")
-        neighbor_cfg = dict(group_hosts=group_hosts, pos=members.index(index),
-                            port=base + members[0])
+    skipped, neighbor_cfg = _neighbour_plan(peer_hosts, host_index, peer_port, host)
+    checks: list[Check] = [skipped] if skipped else []
+    group_hosts: list[str] = neighbor_cfg["group_hosts"] if neighbor_cfg else []
 
     threads = torch.get_num_threads()
     values, sources = resolve_expected(device, dtype, threads, overrides, refresh)
