@@ -242,9 +242,10 @@ def test_a_tracking_json_of_one_position_is_the_position_of_the_trackers_it_name
 
 
 def test_the_trainers_writes_never_wait_on_a_tracker_catching_up(tmp_path, monkeypatch):
-    """While a tracker takes its time (a catch-up of thousands of rows, a slow server), the
-    tracker process still drains its input: a trainer writing far more than a pipe holds is
-    never blocked; the live rows follow the caught-up ones, in order, each once."""
+    """While a tracker takes its time (a catch-up of thousands of rows, a slow server), or the
+    previous attempt's tracker process still holds the lock, the tracker process drains its
+    input: a trainer writing far more than a pipe holds is never blocked; the live rows follow
+    the caught-up ones, in order, each once."""
     pytest.importorskip("mlflow")
     import os
     import threading
@@ -262,6 +263,7 @@ def test_the_trainers_writes_never_wait_on_a_tracker_catching_up(tmp_path, monke
             super().log_batch(run_id, metrics)
 
     _backends(monkeypatch, mlflow=Slow(got))
+    previous = tracking._locked(run)   # the previous attempt's tracker process, still sending
     r, w = os.pipe()
     server = threading.Thread(target=tracking.serve,
                               args=(run, open(r, encoding="utf-8")), daemon=True)
@@ -283,6 +285,7 @@ def test_the_trainers_writes_never_wait_on_a_tracker_catching_up(tmp_path, monke
                 assert time.monotonic() - t0 < deadline, "the pipe is not drained"
                 time.sleep(0.01)
     finally:
+        previous.close()
         release.set()
         os.close(w)
     server.join(20)

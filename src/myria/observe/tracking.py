@@ -433,8 +433,9 @@ def _locked(run_dir: Path):
 
 
 def _drained(lines: Iterable[str]) -> Iterator[str]:
-    """`lines`, read on a thread of their own into an unbounded queue: the pipe from the
-    trainer is always drained, so its writes never wait on the trackers."""
+    """`lines`, read from now on by a thread of their own into an unbounded queue: the pipe
+    from the trainer is always drained, so its writes never wait on the trackers (nor on the
+    previous attempt's tracker process holding the lock)."""
     q: queue.SimpleQueue = queue.SimpleQueue()
 
     def read() -> None:
@@ -445,18 +446,18 @@ def _drained(lines: Iterable[str]) -> Iterator[str]:
             q.put(None)
 
     threading.Thread(target=read, name="tracking-input", daemon=True).start()
-    while (line := q.get()) is not None:
-        yield line
+    return iter(q.get, None)
 
 
 def serve(run_dir: Path, lines: Iterable[str]) -> None:
     """The tracker process: messages from the trainer (JSON lines) until the end of input."""
     from types import SimpleNamespace
 
+    messages = _drained(lines)
     lock = _locked(run_dir)
     tracker, finished = None, False
     try:
-        for line in _drained(lines):
+        for line in messages:
             try:
                 msg = json.loads(line)
             except ValueError:  # a line cut by the trainer's death
