@@ -220,14 +220,7 @@ class Engine:
     def _pipelined(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         x = inputs.reshape(-1, inputs.shape[-1])
         y = targets.reshape(-1, targets.shape[-1])
-        losses: list[torch.Tensor] = []
-        with self._ctx():
-            if self.has_first:
-                self.schedule.step(x, target=y if self.has_last else None, losses=losses)
-            elif self.has_last:
-                self.schedule.step(target=y, losses=losses)
-            else:
-                self.schedule.step()
+        losses = self._run_schedule(self.schedule.step, x, y)
         if self.tied is not None:
             self.tied.sum_grads()
         if self.manual_dp:
@@ -236,6 +229,19 @@ class Engine:
             torch.zeros((), device=self.device)
         dist.all_reduce(loss, group=self.dims.pp_group)  # only the last stage's is non-zero
         return loss
+
+    def _run_schedule(self, run, x: torch.Tensor, y: torch.Tensor) -> list[torch.Tensor]:
+        """One call of the schedule's `step` or `eval`: the first stage feeds the inputs, the
+        last the targets; returns the last stage's per-microbatch losses (empty elsewhere)."""
+        losses: list[torch.Tensor] = []
+        with self._ctx():
+            if self.has_first:
+                run(x, target=y if self.has_last else None, losses=losses)
+            elif self.has_last:
+                run(target=y, losses=losses)
+            else:
+                run()
+        return losses
 
     def _all_reduce_grads(self) -> None:
         """Average gradients over the data- and context-parallel ranks, one flat buffer."""
@@ -330,17 +336,10 @@ class Engine:
             if 0 < k < mb:
                 targets[m * mb + k:(m + 1) * mb] = -100   # F.cross_entropy's ignore_index
         x, y = self._shard_sequence(inputs), self._shard_sequence(targets)
-        losses: list[torch.Tensor] = []
         for part in self.parts:
             part.eval()
         try:
-            with self._ctx():
-                if self.has_first:
-                    self.schedule.eval(x, target=y if self.has_last else None, losses=losses)
-                elif self.has_last:
-                    self.schedule.eval(target=y, losses=losses)
-                else:
-                    self.schedule.eval()
+            losses = self._run_schedule(self.schedule.eval, x, y)
         finally:
             for part in self.parts:
                 part.train()
