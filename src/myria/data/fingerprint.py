@@ -163,7 +163,7 @@ def _same_as_typed(rec: dict[str, Any], typed: str, current: dict[str, Any]) -> 
     """A mixture fingerprint without `sources` digests each source's name, weight and epoch
     limit as typed in the checkpoint's data.sources (`typed`) with its data digest: the same
     data when that digest over the sources' data now matches and the shares are the same."""
-    from myria.data.mixture import parse_sources, shares_text
+    from myria.data.spec import parse_sources, shares_text
 
     now = {e["name"]: e for e in current.get("sources", [])}
     try:

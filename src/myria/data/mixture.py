@@ -38,59 +38,8 @@ from typing import Any
 import numpy as np
 
 from myria.data.dataset import TokenDataset
+from myria.data.spec import Source, fractions_of, parse_sources, shares_text
 from myria.errors import ConfigError, DataError
-
-
-@dataclass(frozen=True)
-class Source:
-    """One prepared directory of a mixture."""
-
-    path: str
-    weight: float
-    epochs: int = 0          # at most this many passes over the source; 0 = no limit
-    name: str = ""
-
-
-def parse_sources(text: str) -> list[Source]:
-    """`data.sources` ("PATH:WEIGHT[:EPOCHS],...") as Sources; ConfigError naming the entry."""
-    out: list[Source] = []
-    for entry in (e.strip() for e in text.split(",")):
-        if not entry:
-            continue
-        parts = entry.rsplit(":", 2)
-        # PATH:WEIGHT or PATH:WEIGHT:EPOCHS (a path may hold ':' only before those)
-        if len(parts) == 3 and not _is_number(parts[1]):
-            parts = [parts[0] + ":" + parts[1], parts[2]]
-        if len(parts) < 2 or not parts[0]:
-            raise ConfigError(f"data.sources entry {entry!r}: expected PATH:WEIGHT[:EPOCHS], "
-                              "e.g. 'data/web:0.7,data/code:0.3:2'")
-        path, weight = parts[0], parts[1]
-        try:
-            w = float(weight)
-        except ValueError:
-            raise ConfigError(f"data.sources entry {entry!r}: weight {weight!r} is not a "
-                              "number") from None
-        if not np.isfinite(w):
-            raise ConfigError(f"data.sources entry {entry!r}: weight {weight} must be a finite "
-                              "number > 0")
-        if not w > 0:
-            raise ConfigError(f"data.sources entry {entry!r}: weight {w} must be > 0 (to "
-                              "leave a source out, remove its entry)")
-        epochs = 0
-        if len(parts) == 3:
-            if not parts[2].isdigit():
-                raise ConfigError(f"data.sources entry {entry!r}: epoch limit {parts[2]!r} must "
-                                  "be a whole number >= 0 (0: no limit)")
-            epochs = int(parts[2])
-        out.append(Source(path, w, epochs, Path(path).name or path))
-    if not out:
-        raise ConfigError(f"data.sources = {text!r}: no source; expected PATH:WEIGHT[:EPOCHS],...")
-    names = [s.name for s in out]
-    dup = {n for n in names if names.count(n) > 1}
-    if dup:
-        raise ConfigError(f"data.sources names {sorted(dup)} more than once (sources are named "
-                          "by their directory's name): use distinct directories")
-    return out
 
 
 @dataclass(frozen=True)
@@ -204,8 +153,8 @@ def schedule(sources: list[Source], phases_text: str = "") -> Schedule:
     names = [s.name for s in sources]
     phases = parse_phases(phases_text, names) if phases_text else []
     return Schedule((0, *(first - 1 for first, _ in phases)),
-                    (tuple(_fractions([s.weight for s in sources])),
-                     *(tuple(_fractions([ws[n] for n in names])) for _, ws in phases)))
+                    (tuple(fractions_of([s.weight for s in sources])),
+                     *(tuple(fractions_of([ws[n] for n in names])) for _, ws in phases)))
 
 
 def _read_before(sources_text: str, phases_text: str, step: int) -> list:
@@ -241,7 +190,7 @@ def resolve_resume(old_sources: str, old_phases: str, new_sources: str, new_phas
     # the old sources' weights from step 1, with the new paths and epoch limits
     base = ",".join(f"{n.path}:{o.weight!r}" + (f":{n.epochs}" if n.epochs else "")
                     for o, n in zip(old, new, strict=True))
-    new_shares = tuple(_fractions([s.weight for s in new]))
+    new_shares = tuple(fractions_of([s.weight for s in new]))
     if old_sch.at(step) == new_shares:   # the phase in effect goes on
         return base, format_phases(kept), as_typed
     phases = format_phases([*kept, (step + 1, {s.name: s.weight for s in new})])
@@ -285,25 +234,6 @@ def check_resume(old: str, new: str, step: int, old_phases: str = "",
             "from the next step: give the same sources with new weights and no data.phases, "
             f"or the run's phases up to step {step} and yours from step {step + 1} on"
             + hint)
-
-
-def _is_number(text: str) -> bool:
-    try:
-        float(text)
-        return True
-    except ValueError:
-        return False
-
-
-def _fractions(weights: list[float]) -> list[Fraction]:
-    total = sum(Fraction(str(w)) for w in weights)
-    return [Fraction(str(w)) / total for w in weights]
-
-
-def shares_text(sources: list[Source]) -> list[str]:
-    """The sources' shares of data.sources as exact fractions ("3/10"): the same for the same
-    weights at any scale."""
-    return [str(f) for f in _fractions([s.weight for s in sources])]
 
 
 def fingerprint(sources: list[Source]) -> dict[str, Any]:
