@@ -3,10 +3,12 @@
 The README's `sh` blocks are read line by line; each `myria ...` and `make demo` line is run in
 a scratch directory holding copies of configs/ and the Makefile (the package comes from this
 checkout's environment). So the test finishes in minutes, training lines run a shorter schedule:
-the step counts a line names are scaled down (see SHORTER) and demo training lines get
-`--training.steps=2` appended; nothing else is changed. Lines that need what this machine does
-not have (GPU wheels, several hosts, a Slurm cluster) are listed in NOT_HERE with the reason, and
-`make test` is this very suite. Every subcommand's `--help` must answer too.
+the step counts a line names are scaled down (see SHORTER), demo training lines get
+`--training.steps=2` appended and evaluate one validation batch instead of the config's
+(DEMO_EVAL: the evaluation still runs, at the last step); nothing else is changed. Lines that
+need what this machine does not have (GPU wheels, several hosts, a Slurm cluster) are listed in
+NOT_HERE with the reason, and `make test` is this very suite. Every subcommand's `--help` must
+answer too.
 """
 
 from __future__ import annotations
@@ -45,6 +47,7 @@ NOT_HERE = {
 # Shorter schedules for the training lines (the README's numbers are for people).
 SHORTER = [(r"--training\.steps=300", "--training.steps=4"), (r"--stop-after 50", "--stop-after 1")]
 DEMO_STEPS = "--training.steps=2"
+DEMO_EVAL = "--data.eval_batches=1"
 
 
 def readme_lines() -> list[str]:
@@ -77,13 +80,15 @@ def adapt(line: str) -> str:
         line = re.sub(pat, rep, line)
     words = shlex.split(line)
     if words[:2] in (["myria", "train"], ["myria", "supervise"]) and "--dry-run" not in words \
-            and "configs/demo.toml" in words and "--training.steps" not in line:
-        line += f" {DEMO_STEPS}"
+            and "configs/demo.toml" in words:
+        if "--training.steps" not in line:
+            line += f" {DEMO_STEPS}"
+        line += f" {DEMO_EVAL}"
     if words[:2] == ["make", "demo"]:
         # the venv is this checkout's; never reinstall it from the scratch copy
         venv = Path(sys.executable).parent.parent
         line = (f"make -o {venv}/.installed demo VENV={venv} "
-                f"DEMO_ARGS='{DEMO_STEPS} --logging.tensorboard=false'")
+                f"DEMO_ARGS='{DEMO_STEPS} {DEMO_EVAL} --logging.tensorboard=false'")
     return line
 
 
