@@ -292,3 +292,22 @@ def test_a_report_of_an_unfinished_run_says_so(tmp_path):
     rows = [{"step": s, "loss": 1.0} for s in range(1, 11)]
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     assert unfinished_line(tmp_path) is None
+
+
+def test_a_paused_recorder_records_nothing_inside(tmp_path):
+    """Work between steps that a step's breakdown must not count (a pipelined evaluation's
+    forwards) is not recorded; recording resumes after, nested pauses included."""
+    from myria.observe.events import Recorder
+
+    rec = Recorder(tmp_path, 0, 1, flush_s=60)
+    with rec.compute("forward", mb=0):
+        pass
+    with rec.paused():
+        with rec.paused():
+            with rec.compute("forward", mb=1):
+                pass
+        with rec.compute("forward", mb=2):
+            pass
+    with rec.compute("backward", mb=0):
+        pass
+    assert [(e["n"], e.get("m")) for e in rec._events] == [("forward", 0), ("backward", 0)]

@@ -44,6 +44,7 @@ class Recorder(comm.Subscriber):
         self.rank, self.world = rank, world
         self.flush_s = flush_s
         self.step = 0
+        self._paused = 0   # > 0: inside paused()
         self._events: list[dict] = []
         self._lock = threading.Lock()
         self._open: dict[int, list[dict]] = {}       # thread id -> stack of open spans
@@ -136,7 +137,7 @@ class Recorder(comm.Subscriber):
         return th
 
     def begin(self, name: str, cat: str, mb: int | None = None, **args) -> dict | None:
-        if not self.enabled:
+        if not self.enabled or self._paused:
             return None
         ev = {"n": name, "c": cat, "s": self.step, "t0": self.now_us(), "th": self._thread()}
         if mb is not None:
@@ -164,6 +165,16 @@ class Recorder(comm.Subscriber):
             yield ev
         finally:
             self.end(ev)
+
+    @contextlib.contextmanager
+    def paused(self):
+        """Record nothing inside: work between steps that a step's breakdown must not count
+        (the pipeline's forwards of an evaluation, booked as eval by the ledger)."""
+        self._paused += 1
+        try:
+            yield
+        finally:
+            self._paused -= 1
 
     @contextlib.contextmanager
     def compute(self, name: str, mb: int | None = None, **args):
