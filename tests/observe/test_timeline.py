@@ -302,12 +302,19 @@ def test_a_paused_recorder_records_nothing_inside(tmp_path):
     rec = Recorder(tmp_path, 0, 1, flush_s=60)
     with rec.compute("forward", mb=0):
         pass
+    from myria.observe import comm
+
     with rec.paused():
         with rec.paused():
             with rec.compute("forward", mb=1):
                 pass
         with rec.compute("forward", mb=2):
             pass
+        # an asynchronous collective issued while paused (FSDP's all-gather in an evaluation)
+        op = comm.Op("all_gather_into_tensor", "collective", (0, 1), 1024, async_op=True)
+        op.t1 = op.t0
+        rec.started(op)
+        rec.ended(op)
     with rec.compute("backward", mb=0):
         pass
     assert [(e["n"], e.get("m")) for e in rec._events] == [("forward", 0), ("backward", 0)]

@@ -229,7 +229,7 @@ class Recorder(comm.Subscriber):
             ev = self.begin(op.name, "comm", dim=self._dims.get(key, "world" if len(key) ==
                                                                 self.world else "other"),
                             group=list(key), seq=seq, bytes=op.bytes)
-            if op.async_op:
+            if op.async_op and ev is not None:   # None: not recorded (paused)
                 ev["a"]["async"] = True
         if ev is not None:
             ev["t0"] = self._us(op.t0)
