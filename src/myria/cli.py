@@ -64,7 +64,7 @@ def _top_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     """Run the command `argv` (default: this process's arguments) and return its exit status.
 
-    As the `myria` program, the process then ends through `_exit_now`: without the
+    As the `myria` program, the process then ends through `exit_now`: without the
     interpreter's finalization, which tears down torch's C++ objects (stores, process groups)
     in no defined order (one whose thread is still joinable aborts the process with SIGABRT,
     so a finished job's status would read -6) and, with torch imported, is a large part of a
@@ -72,7 +72,7 @@ def main(argv: list[str] | None = None) -> int:
     if argv is not None:
         return _command(list(argv))
     code = _command(sys.argv[1:])
-    _exit_now(code)
+    exit_now(code)
     return code
 
 
@@ -157,14 +157,22 @@ def _command(argv: list[str]) -> int:
         return 130
 
 
-def _exit_now(code: int) -> None:
+def exit_now(code: int) -> None:
     """End the process with `code` after what the interpreter's own exit would have done that
-    matters: its other threads joined, its exit handlers run, every file still open flushed."""
+    matters (`wind_down`)."""
+    import os
+
+    wind_down()
+    os._exit(code)
+
+
+def wind_down() -> None:
+    """What the interpreter's own exit would have done that matters: the process's other
+    threads joined, its exit handlers run, every file still open flushed."""
     import atexit
     import gc
     import io
     import logging
-    import os
     import threading
 
     for t in threading.enumerate():
@@ -181,7 +189,6 @@ def _exit_now(code: int) -> None:
                 pass
     sys.stdout.flush()
     sys.stderr.flush()
-    os._exit(code)
 
 
 def _after_a_lost_peer(e: BaseException, run_dir: str | None) -> str | None:

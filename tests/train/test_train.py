@@ -378,7 +378,6 @@ def test_every_rank_names_the_reason_another_rank_stopped_for(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.slow
 def test_a_killed_rank_says_it_left_no_error_and_where_the_run_resumes(tmp_path, tiny_data):
     """A rank SIGKILLed under `myria train --nproc 2` wrote no error of its own: the launcher
     says so (not "its output is above") and names the checkpoint the same command resumes
@@ -652,6 +651,69 @@ def test_the_rank_killed_is_blamed_not_the_survivor_that_lost_it(tmp_path, monke
     assert own_message(killed) == "" and own_message(survivor)
     assert first_failure({0: survivor, 1: killed, 2: stopped})[0] == 1
     assert first_failure({0: survivor, 2: stopped})[0] == 0
+
+
+def _workers_of(launcher: int) -> dict[int, str]:
+    """The processes forked by `launcher`'s forkserver: pid -> name (/proc/PID/comm)."""
+    from myria.fsutil import proc_stat
+
+    out = {}
+    for d in os.listdir("/proc"):
+        stat = proc_stat(d) if d.isdigit() else None
+        parent = proc_stat(stat[1]) if stat else None
+        if parent and parent[1] == str(launcher):
+            try:
+                out[int(d)] = open(f"/proc/{d}/comm").read().strip()
+            except OSError:
+                pass
+    return out
+
+
+@pytest.mark.slow
+def test_a_killed_launcher_stops_its_forked_workers_with_a_checkpoint(tmp_path, tiny_data):
+    """`myria train --nproc 2` forks its workers from a forkserver that has imported torch and
+    the trainer; each is named by its rank (`top`, `ps -o comm`). After kill -9 of the
+    launcher, the workers save at the end of their step and exit within seconds, and the same
+    command resumes from that checkpoint."""
+    import time
+
+    e = dict(os.environ)
+    e.pop("MYRIA_FAULT", None)
+    args = ["train", "--run-dir", str(tmp_path), f"--data.path={tiny_data}", *TINY,
+            "--checkpoint.interval=1000", "--training.eval_interval=0"]
+    out, err = tmp_path / "out.txt", tmp_path / "err.txt"
+    job = subprocess.Popen([sys.executable, "-m", "myria", *args, "--nproc", "2",
+                            "--training.steps=2000"], cwd=ROOT, env=e,
+                           stdout=out.open("w"), stderr=err.open("w"))
+    try:
+        deadline = time.time() + 180
+        while time.time() < deadline and job.poll() is None:
+            if (tmp_path / "metrics.jsonl").exists() and max(losses(tmp_path) or [0]) >= 2:
+                break
+            time.sleep(0.1)
+        assert job.poll() is None, "the job ended before the test could kill it"
+        workers = _workers_of(job.pid)
+        assert sorted(workers.values()) == ["myria-rank0", "myria-rank1"], workers
+        job.kill()
+        t0 = time.time()
+        while time.time() - t0 < 60 and any(_running(pid) for pid in workers):
+            time.sleep(0.1)
+        gone_s = time.time() - t0
+    finally:
+        job.kill()
+    assert not any(_running(pid) for pid in workers), "workers outlived their launcher"
+    assert gone_s < 30, gone_s
+    assert err.read_text().count(f"its launcher (pid {job.pid}) died") == 2, err.read_text()
+    stopped = int(out.read_text().split("stopped on SIGTERM after step ")[1].split()[0])
+    p = run_cli(*args, f"--training.steps={stopped + 1}")
+    assert f"resumed from {tmp_path / 'checkpoints' / f'step_{stopped:08d}'}" in p.stdout
+
+
+def _running(pid: int) -> bool:
+    try:   # a zombie is gone for our purpose
+        return "Z" not in open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
 
 
 def test_a_killed_launchers_error_file_directory_is_removed_by_the_next(tmp_path, monkeypatch):

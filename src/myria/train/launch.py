@@ -1,7 +1,8 @@
 """Start N local worker processes through torch elastic (the launcher behind torchrun).
 
-`myria train --nproc N` re-runs itself as N workers, each one rank; workers inherit the same
-arguments without --nproc. Across hosts, use torchrun (or `myria supervise`) with a rendezvous
+`myria train --nproc N` runs itself as N workers, each one rank, with the same arguments without
+--nproc; the workers are forked from a forkserver that imported torch and the trainer once
+(`WORKER_PRELOAD`). Across hosts, use torchrun (or `myria supervise`) with a rendezvous
 endpoint instead: the workers are the same. `myria supervise` (myria.resilience.supervisor) uses
 the same torch elastic agent with heartbeats, fault detection and recovery on top.
 """
@@ -85,24 +86,35 @@ def launcher_gone() -> bool:
     return _first_ppid is not None and os.getppid() != _first_ppid
 
 
+def _parent_of(pid: int) -> int | None:
+    from myria.fsutil import proc_stat
+
+    stat = proc_stat(pid)
+    return int(stat[1]) if stat and len(stat) > 1 and stat[1].isdigit() else None
+
+
 def stop_with_launcher() -> None:
-    """Make this worker stop when its launcher (`myria supervise`, `myria train --nproc`,
-    torchrun: the parent process) dies, instead of training on as an orphan.
+    """Make this worker stop when its launcher (`myria supervise`, torchrun: the parent
+    process; `myria train --nproc`: the parent of its forkserver, which ends with it) dies,
+    instead of training on as an orphan.
 
     On Linux the kernel signals the worker at its parent's death (prctl PR_SET_PDEATHSIG;
     torch elastic starts the workers from the agent's main thread, so the signal follows the
-    agent process). The signal is SIGUSR2, not SIGTERM: the kernel sends it once per thread
-    that inherited the setting, and a second SIGTERM would end a save half-way. Its handler,
-    and a thread that watches the parent where prctl is missing, send this process one
-    SIGTERM: the trainer saves a checkpoint at the end of the current step and exits, as on a
-    preemption. The thread kills the process if it has not stopped ORPHAN_GRACE_S later (a
-    hung rank never reaches its next step). Call from the main thread."""
+    agent process or the forkserver). The signal is SIGUSR2, not SIGTERM: the kernel sends it
+    once per thread that inherited the setting, and a second SIGTERM would end a save
+    half-way. Its handler, and a thread that watches the parent where prctl is missing, send
+    this process one SIGTERM: the trainer saves a checkpoint at the end of the current step
+    and exits, as on a preemption. The thread kills the process if it has not stopped
+    ORPHAN_GRACE_S later (a hung rank never reaches its next step). Call from the main
+    thread."""
     global _watching, _first_ppid
     if _watching:
         return
     _watching = True
     want = os.environ.get(LAUNCHER_ENV, "")
     _first_ppid = os.getppid()
+    # a worker of `launch_local` is forked by the launcher's forkserver, which ends with it
+    parents = {_first_ppid, _parent_of(_first_ppid)}
     import threading
 
     once = threading.Lock()
@@ -111,8 +123,8 @@ def stop_with_launcher() -> None:
         if not once.acquire(blocking=False):
             return  # told already
         print(f"myria: rank {os.environ.get('RANK', '?')} (pid {os.getpid()}): its launcher "
-              f"(pid {_first_ppid}) died; stopping (after the current step, with a checkpoint; "
-              "at once if no step has begun)",
+              f"(pid {want or _first_ppid}) died; stopping (after the current step, with a "
+              "checkpoint; at once if no step has begun)",
               file=sys.stderr, flush=True)
         os.kill(os.getpid(), signal.SIGTERM)
 
@@ -124,7 +136,7 @@ def stop_with_launcher() -> None:
                                                     0, 0, 0)
         except (OSError, AttributeError):
             pass
-    if (want.isdigit() and int(want) != _first_ppid) or _first_ppid == 1:
+    if (want.isdigit() and int(want) not in parents) or _first_ppid == 1:
         print(f"myria: the launcher of this worker (pid {want or '?'}) is gone before it "
               "started: exiting", file=sys.stderr, flush=True)
         os._exit(1)
@@ -297,8 +309,51 @@ def logs_dir() -> str:
     return path
 
 
+# What a worker imports before its first step: torch, the trainer and the command line;
+# torch._dynamo, which torch.optim imports on a process's first optimizer; the pipeline
+# schedules. The launcher's forkserver imports them once, each worker is forked from it: N
+# processes each importing torch (seconds of CPU apiece, and of the file system on a shared
+# one) is much of a job's start-up. The forkserver never touches a GPU (torch's import does
+# not), so forked workers may use CUDA.
+WORKER_PRELOAD = ("torch", "torch._dynamo", "torch.distributed.pipelining", "myria.cli",
+                  "myria.train.cli", "myria.train.trainer", "myria.parallel.pipeline")
+PR_SET_NAME = 15
+
+
+def run_worker(argv: list[str]) -> None:
+    """A worker's body, forked from the launcher's forkserver: `myria *argv` in this process,
+    ending as `python -m myria *argv` would (a failure's status is its exit code; on success
+    torch elastic collects the return value before the process exits)."""
+    from multiprocessing import forkserver
+
+    from myria import cli
+
+    # The forkserver hands each child a copy of the launcher's end of the pipe whose closing
+    # ends the forkserver (so that children may fork children of their own): a worker holding
+    # it would keep its parent, the forkserver, alive after the launcher's death, and would
+    # never learn of that death (stop_with_launcher). Workers fork nothing.
+    server = getattr(forkserver, "_forkserver", None)
+    if isinstance(fd := getattr(server, "_forkserver_alive_fd", None), int):
+        os.close(fd)
+        server._forkserver_alive_fd = None
+    sys.argv = ["myria", *argv]
+    if sys.platform.startswith("linux"):   # `top` and `ps -o comm` name the rank
+        try:
+            import ctypes
+            name = f"myria-rank{os.environ.get('RANK', '')}".encode()[:15]
+            ctypes.CDLL(None, use_errno=True).prctl(PR_SET_NAME, ctypes.c_char_p(name), 0, 0, 0)
+        except (OSError, AttributeError):
+            pass
+    code = cli.main(argv)
+    if code or launcher_gone():   # no launcher to collect a return value: it would wait
+        cli.exit_now(code)
+    cli.wind_down()
+
+
 def launch_local(nproc: int, argv: list[str], max_restarts: int = 0) -> None:
-    """Run `python -m myria *argv` as `nproc` ranks on this host; raise LaunchError on failure."""
+    """Run `myria *argv` as `nproc` ranks on this host, forked from a forkserver that has
+    imported what a worker needs (`WORKER_PRELOAD`); raise LaunchError on failure."""
+    import multiprocessing
     import shutil
 
     from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
@@ -318,7 +373,7 @@ def launch_local(nproc: int, argv: list[str], max_restarts: int = 0) -> None:
         rdzv_configs={"join_timeout": 300, "last_call_timeout": 1, "close_timeout": 30,
                       "read_timeout": 120},
         max_restarts=max_restarts, monitor_interval=0.2,
-        start_method="spawn",
+        start_method="forkserver",
         # the workers' error files, read into the failures before the launch returns; torch's
         # default is a new /tmp/torchelastic_* per launch that nothing removes
         logs_specs=DefaultLogsSpecs(log_dir=(logs := logs_dir())),
@@ -335,7 +390,8 @@ def launch_local(nproc: int, argv: list[str], max_restarts: int = 0) -> None:
     for lg in quiet:
         lg.setLevel(logging.CRITICAL)
     try:
-        elastic_launch(config, entrypoint=sys.executable)("-m", "myria", *argv)
+        multiprocessing.get_context("forkserver").set_forkserver_preload(list(WORKER_PRELOAD))
+        elastic_launch(config, entrypoint=run_worker)(list(argv))
     except SignalException as e:  # the agent forwarded it; workers save at their next step
         raise Stopped(e.sigval) from None
     except ChildFailedError as e:
