@@ -80,8 +80,10 @@ def test_bitwise_resume_on_the_gpu(bf16_run, tmp_path, tiny_data):
     resumed = tmp_path / "resumed"
     p = train(resumed, tiny_data, "--training.deterministic=true", "--stop-after", "6")
     assert "stopped after step 6" in p.stdout
-    p = train(resumed, tiny_data, "--training.deterministic=true")
-    assert "resumed from" in p.stdout
+    # the second half through the launcher: its worker forked from a forkserver that imported
+    # torch (which must not have touched CUDA there)
+    p = train(resumed, tiny_data, "--training.deterministic=true", "--nproc", "1")
+    assert "resumed from" in p.stdout and "on 1 x cuda" in p.stdout, p.stdout
     a, b = losses(bf16_run), losses(resumed)
     assert [a[s] for s in range(1, STEPS + 1)] == [b[s] for s in range(1, STEPS + 1)]
     pa, pb = final_params(bf16_run), final_params(resumed)

@@ -344,7 +344,17 @@ def run_worker(argv: list[str]) -> None:
             ctypes.CDLL(None, use_errno=True).prctl(PR_SET_NAME, ctypes.c_char_p(name), 0, 0, 0)
         except (OSError, AttributeError):
             pass
-    code = cli.main(argv)
+    try:
+        code = cli.main(argv)
+    except SystemExit as e:   # as the interpreter ends a process on it
+        code = e.code if isinstance(e.code, int) else 0 if e.code is None else 1
+        if isinstance(e.code, str):
+            print(e.code, file=sys.stderr)
+    except BaseException as e:   # as the interpreter would: its traceback, status 1
+        import traceback
+
+        traceback.print_exc()
+        code = 128 + signal.SIGINT if isinstance(e, KeyboardInterrupt) else 1
     if code or launcher_gone():   # no launcher to collect a return value: it would wait
         cli.exit_now(code)
     cli.wind_down()
@@ -385,7 +395,8 @@ def launch_local(nproc: int, argv: list[str], max_restarts: int = 0) -> None:
     # (every such logger: torch's elastic modules give each its own level, which a parent's
     # level does not override, e.g. the agent's "Received 2 death signal" on Ctrl-C)
     quiet = [logging.getLogger(n) for n in list(logging.root.manager.loggerDict)
-             if n.startswith(("torch.distributed.elastic", "torch.distributed.launcher"))]
+             if n.startswith(("torch.distributed.elastic", "torch.distributed.launcher",
+                              "torch.multiprocessing"))]
     levels = [lg.level for lg in quiet]
     for lg in quiet:
         lg.setLevel(logging.CRITICAL)
