@@ -709,6 +709,23 @@ def test_a_killed_launcher_stops_its_forked_workers_with_a_checkpoint(tmp_path, 
     assert f"resumed from {tmp_path / 'checkpoints' / f'step_{stopped:08d}'}" in p.stdout
 
 
+def test_the_forkserver_starts_under_a_temporary_directory_too_long_for_its_socket(tmp_path):
+    """The forkserver's socket goes in a new directory under TMPDIR; a socket's path holds at
+    most 107 bytes, so under a longer TMPDIR (a batch job's own) it goes under /tmp."""
+    from myria.train.launch import UNIX_PATH_MAX
+
+    deep = tmp_path / ("d" * (UNIX_PATH_MAX - len(str(tmp_path)) - 20))
+    deep.mkdir()
+    code = ("from multiprocessing import util\n"
+            "from myria.train.launch import start_forkserver\n"
+            "start_forkserver()\n"
+            "print(util.get_temp_dir())")
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                       env={**os.environ, "TMPDIR": str(deep)}, timeout=120)
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert p.stdout.startswith("/tmp/pymp-"), p.stdout
+
+
 def _running(pid: int) -> bool:
     try:   # a zombie is gone for our purpose
         return "Z" not in open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0]

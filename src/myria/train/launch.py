@@ -17,6 +17,7 @@ import socket
 import sys
 import time
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -320,13 +321,9 @@ WORKER_PRELOAD = ("torch", "torch._dynamo", "torch.distributed.pipelining", "myr
 PR_SET_NAME = 15
 
 
-def run_worker(argv: list[str]) -> None:
-    """A worker's body, forked from the launcher's forkserver: `myria *argv` in this process,
-    ending as `python -m myria *argv` would (a failure's status is its exit code; on success
-    torch elastic collects the return value before the process exits)."""
+def as_forked_worker() -> None:
+    """Ready this process, just forked from the launcher's forkserver, to be a worker."""
     from multiprocessing import forkserver
-
-    from myria import cli
 
     # The forkserver hands each child a copy of the launcher's end of the pipe whose closing
     # ends the forkserver (so that children may fork children of their own): a worker holding
@@ -336,7 +333,6 @@ def run_worker(argv: list[str]) -> None:
     if isinstance(fd := getattr(server, "_forkserver_alive_fd", None), int):
         os.close(fd)
         server._forkserver_alive_fd = None
-    sys.argv = ["myria", *argv]
     if sys.platform.startswith("linux"):   # `top` and `ps -o comm` name the rank
         try:
             import ctypes
@@ -344,26 +340,36 @@ def run_worker(argv: list[str]) -> None:
             ctypes.CDLL(None, use_errno=True).prctl(PR_SET_NAME, ctypes.c_char_p(name), 0, 0, 0)
         except (OSError, AttributeError):
             pass
+
+
+# A Unix socket's path holds at most 107 bytes (sun_path, with its NUL).
+UNIX_PATH_MAX = 107
+
+
+def start_forkserver() -> None:
+    """Start this process's forkserver, importing `WORKER_PRELOAD` (it inherits the environment
+    as it is now), while the launcher goes on to the rendezvous. It listens on a socket in a
+    new directory under the temporary directory (TMPDIR/pymp-XXXXXXXX/listener-XXXXXXXX): under
+    a TMPDIR too long for that (a job's own directory under a batch system), in /tmp."""
+    import tempfile
+    from multiprocessing import forkserver
+
+    forkserver.set_forkserver_preload(list(WORKER_PRELOAD))
+    saved = tempfile.tempdir
     try:
-        code = cli.main(argv)
-    except SystemExit as e:   # as the interpreter ends a process on it
-        code = e.code if isinstance(e.code, int) else 0 if e.code is None else 1
-        if isinstance(e.code, str):
-            print(e.code, file=sys.stderr)
-    except BaseException as e:   # as the interpreter would: its traceback, status 1
-        import traceback
-
-        traceback.print_exc()
-        code = 128 + signal.SIGINT if isinstance(e, KeyboardInterrupt) else 1
-    if code or launcher_gone():   # no launcher to collect a return value: it would wait
-        cli.exit_now(code)
-    cli.wind_down()
+        probe = os.path.join(tempfile.gettempdir(), "pymp-XXXXXXXX", "listener-XXXXXXXX")
+        if len(os.fsencode(probe)) > UNIX_PATH_MAX:
+            tempfile.tempdir = "/tmp"
+        forkserver.ensure_running()
+    finally:
+        tempfile.tempdir = saved
 
 
-def launch_local(nproc: int, argv: list[str], max_restarts: int = 0) -> None:
-    """Run `myria *argv` as `nproc` ranks on this host, forked from a forkserver that has
-    imported what a worker needs (`WORKER_PRELOAD`); raise LaunchError on failure."""
-    import multiprocessing
+def launch_local(nproc: int, argv: list[str], worker: Callable[[list[str]], None],
+                 max_restarts: int = 0) -> None:
+    """Run `worker(argv)` (`myria.train.cli.worker`: `myria *argv` in the worker) as `nproc`
+    ranks on this host, forked from a forkserver that has imported what a worker needs
+    (`WORKER_PRELOAD`); raise LaunchError on failure."""
     import shutil
 
     from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
@@ -401,8 +407,8 @@ def launch_local(nproc: int, argv: list[str], max_restarts: int = 0) -> None:
     for lg in quiet:
         lg.setLevel(logging.CRITICAL)
     try:
-        multiprocessing.get_context("forkserver").set_forkserver_preload(list(WORKER_PRELOAD))
-        elastic_launch(config, entrypoint=run_worker)(list(argv))
+        start_forkserver()
+        elastic_launch(config, entrypoint=worker)(list(argv))
     except SignalException as e:  # the agent forwarded it; workers save at their next step
         raise Stopped(e.sigval) from None
     except ChildFailedError as e:
