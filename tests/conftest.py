@@ -75,6 +75,24 @@ def train(run_dir: Path, data: Path | str, *args: str, nproc: int = 1, env: dict
                    timeout=timeout)
 
 
+def running(pid: int) -> bool:
+    """Whether process `pid` runs (a zombie is gone for a test's purpose)."""
+    try:
+        return "Z" not in open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+
+
+def wait_gone(pids, limit_s: float = 60.0) -> float:
+    """Seconds until none of `pids` runs (at most about `limit_s`)."""
+    import time
+
+    t0 = time.time()
+    while time.time() - t0 < limit_s and any(running(pid) for pid in pids):
+        time.sleep(0.1)
+    return time.time() - t0
+
+
 def losses(run_dir: Path) -> dict[int, float]:
     rows = [json.loads(x) for x in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
     return {r["step"]: r["loss"] for r in rows if "loss" in r}

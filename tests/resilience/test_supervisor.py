@@ -22,7 +22,16 @@ import pytest
 import torch
 
 from myria.train.checkpoint.pipeline import CheckpointManager
-from tests.conftest import ROOT, TINY, assert_bit_equal, final_params, losses, run_cli
+from tests.conftest import (
+    ROOT,
+    TINY,
+    assert_bit_equal,
+    final_params,
+    losses,
+    run_cli,
+    running,
+    wait_gone,
+)
 
 STEPS = 24
 COMMON = [*TINY, f"--training.steps={STEPS}", "--checkpoint.interval=4",
@@ -475,13 +484,10 @@ def test_killed_supervisor_stops_its_workers_and_locks_its_run_dir(tmp_path, tin
         pids = json.loads(log.split("(pids ")[1].split(")")[0])
         sup.kill()
         sup.wait()
-        t0 = time.time()
-        while time.time() - t0 < 60 and any(_alive(pid) for pid in pids):
-            time.sleep(0.1)
-        gone_s = time.time() - t0
+        gone_s = wait_gone(pids)
     finally:
         sup.kill()
-    assert not any(_alive(pid) for pid in pids), "workers outlived their supervisor"
+    assert not any(map(running, pids)), "workers outlived their supervisor"
     assert gone_s < 30, gone_s
     out = "\n".join(p.read_text() for p in (tmp_path / "logs").rglob("std*.log"))
     assert f"its launcher (pid {sup.pid}) died" in out
@@ -491,17 +497,6 @@ def test_killed_supervisor_stops_its_workers_and_locks_its_run_dir(tmp_path, tin
     assert f"taking over the lock of {tmp_path.resolve()} from `myria supervise` (pid " \
         f"{sup.pid}" in p.stderr and "which is no longer running" in p.stderr
     assert f"resumed from {tmp_path / 'checkpoints' / f'step_{stopped:08d}'}" in p.stdout
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    try:  # a zombie is gone for our purpose
-        return "Z" not in open(f"/proc/{pid}/stat").read().split(")")[1].split()[0]
-    except OSError:
-        return False
 
 
 @pytest.mark.slow

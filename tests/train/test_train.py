@@ -13,7 +13,16 @@ import pytest
 import torch
 
 from myria.train.preflight import device_without_torch
-from tests.conftest import ROOT, TINY, final_params, losses, run_cli, run_cli_all
+from tests.conftest import (
+    ROOT,
+    TINY,
+    final_params,
+    losses,
+    run_cli,
+    run_cli_all,
+    running,
+    wait_gone,
+)
 from tests.conftest import train as train_job
 
 
@@ -695,13 +704,10 @@ def test_a_killed_launcher_stops_its_forked_workers_with_a_checkpoint(tmp_path, 
         workers = _workers_of(job.pid)
         assert sorted(workers.values()) == ["myria-rank0", "myria-rank1"], workers
         job.kill()
-        t0 = time.time()
-        while time.time() - t0 < 60 and any(_running(pid) for pid in workers):
-            time.sleep(0.1)
-        gone_s = time.time() - t0
+        gone_s = wait_gone(workers)
     finally:
         job.kill()
-    assert not any(_running(pid) for pid in workers), "workers outlived their launcher"
+    assert not any(map(running, workers)), "workers outlived their launcher"
     assert gone_s < 30, gone_s
     assert err.read_text().count(f"its launcher (pid {job.pid}) died") == 2, err.read_text()
     stopped = int(out.read_text().split("stopped on SIGTERM after step ")[1].split()[0])
@@ -726,13 +732,6 @@ def test_the_forkserver_starts_under_a_temporary_directory_too_long_for_its_sock
                        env={**os.environ, "TMPDIR": str(deep)}, timeout=120)
     assert p.returncode == 0, p.stderr[-2000:]
     assert p.stdout.startswith("/tmp/pymp-"), p.stdout
-
-
-def _running(pid: int) -> bool:
-    try:   # a zombie is gone for our purpose
-        return "Z" not in open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return False
 
 
 def test_a_killed_launchers_error_file_directory_is_removed_by_the_next(tmp_path, monkeypatch):
