@@ -76,6 +76,32 @@ def main(argv: list[str] | None = None) -> int:
     return code
 
 
+def worker(argv: list[str]) -> None:
+    """A worker of `myria train --nproc` (`train.launch.launch_local`), forked from the
+    launcher's forkserver: `myria *argv` in this process, ending as `python -m myria *argv`
+    would (a failure's status is its exit code; on success torch elastic collects the return
+    value before the process exits)."""
+    from myria.train.launch import as_forked_worker, launcher_gone
+
+    as_forked_worker()
+    sys.argv = ["myria", *argv]
+    try:
+        code = main(argv)
+    except SystemExit as e:   # as the interpreter ends a process on it
+        code = e.code if isinstance(e.code, int) else 0 if e.code is None else 1
+        if isinstance(e.code, str):
+            print(e.code, file=sys.stderr)
+    except BaseException as e:   # as the interpreter would: its traceback, status 1
+        import signal
+        import traceback
+
+        traceback.print_exc()
+        code = 128 + signal.SIGINT if isinstance(e, KeyboardInterrupt) else 1
+    if code or launcher_gone():   # no launcher to collect a return value: it would wait
+        exit_now(code)
+    wind_down()
+
+
 # commands users of other tools look for, and what does their work here
 ELSEWHERE = {"import": "a Hugging Face model is a run's start: myria train "
                        "--model.init_from=MODEL_DIR, after myria prepare --tokenizer MODEL_DIR; "

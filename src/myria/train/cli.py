@@ -355,7 +355,7 @@ def run(args) -> int:
     if launching:
         os.environ.setdefault(JOB_START_ENV, str(job_start))
         try:
-            launch_local(args.nproc, ["train", *_without_nproc(args.argv)], worker)
+            launch_local(args.nproc, ["train", *_without_nproc(args.argv)], "myria.cli:worker")
         except Stopped as e:
             if not (Path(args.run_dir) / rundir.METRICS).exists():   # stopped while starting
                 print(f"myria train: {e} before the first step; nothing was trained",
@@ -389,32 +389,6 @@ def run(args) -> int:
                   file=sys.stderr)
             return 128 + res.signal
     return 0
-
-
-def worker(argv: list[str]) -> None:
-    """A worker of `myria train --nproc`, forked from the launcher's forkserver: `myria *argv`
-    in this process, ending as `python -m myria *argv` would (a failure's status is its exit
-    code; on success torch elastic collects the return value before the process exits)."""
-    from myria import cli
-    from myria.train.launch import as_forked_worker, launcher_gone
-
-    as_forked_worker()
-    sys.argv = ["myria", *argv]
-    try:
-        code = cli.main(argv)
-    except SystemExit as e:   # as the interpreter ends a process on it
-        code = e.code if isinstance(e.code, int) else 0 if e.code is None else 1
-        if isinstance(e.code, str):
-            print(e.code, file=sys.stderr)
-    except BaseException as e:   # as the interpreter would: its traceback, status 1
-        import signal
-        import traceback
-
-        traceback.print_exc()
-        code = 128 + signal.SIGINT if isinstance(e, KeyboardInterrupt) else 1
-    if code or launcher_gone():   # no launcher to collect a return value: it would wait
-        cli.exit_now(code)
-    cli.wind_down()
 
 
 def _say(line: str) -> None:

@@ -17,7 +17,6 @@ import socket
 import sys
 import time
 import uuid
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -365,11 +364,19 @@ def start_forkserver() -> None:
         tempfile.tempdir = saved
 
 
-def launch_local(nproc: int, argv: list[str], worker: Callable[[list[str]], None],
-                 max_restarts: int = 0) -> None:
-    """Run `worker(argv)` (`myria.train.cli.worker`: `myria *argv` in the worker) as `nproc`
-    ranks on this host, forked from a forkserver that has imported what a worker needs
-    (`WORKER_PRELOAD`); raise LaunchError on failure."""
+def run_entry(entry: str, argv: list[str]) -> None:
+    """A worker's body: the function `entry` names ("module:function", as a console script
+    is named) called with `argv`."""
+    import importlib
+
+    module, _, name = entry.partition(":")
+    getattr(importlib.import_module(module), name)(argv)
+
+
+def launch_local(nproc: int, argv: list[str], entry: str, max_restarts: int = 0) -> None:
+    """Run the worker entry point `entry` ("myria.cli:worker": `myria *argv` in the worker) on
+    `argv` as `nproc` ranks on this host, forked from a forkserver that has imported what a
+    worker needs (`WORKER_PRELOAD`); raise LaunchError on failure."""
     import shutil
 
     from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
@@ -408,7 +415,7 @@ def launch_local(nproc: int, argv: list[str], worker: Callable[[list[str]], None
         lg.setLevel(logging.CRITICAL)
     try:
         start_forkserver()
-        elastic_launch(config, entrypoint=worker)(list(argv))
+        elastic_launch(config, entrypoint=run_entry)(entry, list(argv))
     except SignalException as e:  # the agent forwarded it; workers save at their next step
         raise Stopped(e.sigval) from None
     except ChildFailedError as e:
