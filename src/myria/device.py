@@ -275,6 +275,16 @@ def measure_copy_bandwidth(device="cpu", nbytes: int = 128 * 2**20, seconds: flo
         torch.set_num_threads(old)
 
 
+def operands(n: int, dtype, device="cpu"):
+    """Two n x n random matrices for a timed matmul, drawn from a generator of their own: a
+    measurement made inside a run (the first to ask for this machine's peak measures it) must
+    not move the run's random streams, which its checkpoints save and its resume restores."""
+    import torch
+
+    g = torch.Generator(device=device).manual_seed(0)
+    return tuple(torch.randn(n, n, dtype=dtype, device=device, generator=g) for _ in range(2))
+
+
 def measure_matmul_tflops(n: int = 1024, dtype: str = "float32", seconds: float = 1.0,
                           threads: int | None = None) -> float:
     """Best achieved TFLOP/s of an n x n x n matmul on this CPU (the measured peak)."""
@@ -284,10 +294,8 @@ def measure_matmul_tflops(n: int = 1024, dtype: str = "float32", seconds: float 
     if threads:
         torch.set_num_threads(threads)
     try:
-        dt = getattr(torch, dtype)
-        a = torch.randn(n, n, dtype=dt)
-        b = torch.randn(n, n, dtype=dt)
-        c = torch.empty(n, n, dtype=dt)
+        a, b = operands(n, getattr(torch, dtype))
+        c = torch.empty_like(a)
         return 2 * n**3 / min(time_matmul(a, b, c, seconds=seconds, reps=4)) / 1e12
     finally:
         torch.set_num_threads(old)
@@ -327,9 +335,8 @@ def core_matmul_rates(n: int = PEAK_N, calls: int = PEAK_ROUND_CALLS,
     old = torch.get_num_threads()
     torch.set_num_threads(1)    # the intra-op work then runs on this thread
     try:
-        dt = getattr(torch, dtype)
-        a, b = torch.randn(n, n, dtype=dt), torch.randn(n, n, dtype=dt)
-        c = torch.empty(n, n, dtype=dt)
+        a, b = operands(n, getattr(torch, dtype))
+        c = torch.empty_like(a)
         # warm-up: kernel selection, caches, clock ramp-up
         times = time_matmul(a, b, c, groups=calls, warmup_s=warmup_s, warmup_calls=0,
                             clock=time.thread_time)

@@ -103,6 +103,22 @@ def _gemm(rank, measured, expected=1.0, src=ex.OWN_HISTORY + "CPU peak"):
     return ex.throughput_check("gemm-throughput", rank, measured, expected, src, 0.5, "TFLOP/s")
 
 
+def test_a_measurement_leaves_the_global_random_streams_alone():
+    """The first process to need this machine's peak measures it, often a training rank after
+    seeding: its random matrices come from a generator of their own, so the run's saved
+    generator states do not depend on whether the cache was filled."""
+    from myria.resilience.checks.compute import measure_gemm_tflops
+
+    torch.manual_seed(7)
+    before = torch.get_rng_state()
+    device.core_matmul_rates(n=32, calls=2, warmup_s=0.0)
+    device.measure_matmul_tflops(n=32, seconds=0.0)
+    measure_gemm_tflops(torch.device("cpu"), "float32", n=32, seconds=0.0, reps=1)
+    assert torch.equal(torch.get_rng_state(), before)
+    a, b = device.operands(8, torch.float32)
+    assert torch.equal(a, device.operands(8, torch.float32)[0]) and not torch.equal(a, b)
+
+
 def test_remeasure_before_failing():
     first = _gemm(0, 0.3)
     assert first.status == "fail"

@@ -105,12 +105,10 @@ def measure_gemm_tflops(device: Any, dtype: str, *, n: int, seconds: float, reps
     """Best TFLOP/s of groups of `reps` n x n x n matmuls within about `seconds` (>= 2 groups)."""
     import torch
 
-    from myria.device import time_matmul
+    from myria.device import operands, time_matmul
 
-    dt = getattr(torch, dtype)
-    a = torch.randn(n, n, dtype=dt, device=device)
-    b = torch.randn(n, n, dtype=dt, device=device)
-    c = torch.empty(n, n, dtype=dt, device=device)
+    a, b = operands(n, getattr(torch, dtype), device)
+    c = torch.empty_like(a)
     times = time_matmul(a, b, c, seconds=seconds, groups=2, reps=reps,
                         call=lambda x, y, o: matmul(x, y, o, device=device, slow=slow,
                                                     expected_tflops=expected_tflops),
