@@ -85,21 +85,29 @@ def worker(argv: list[str]) -> None:
 
     as_forked_worker()
     sys.argv = ["myria", *argv]
+    code = program_status(lambda: main(argv))
+    if code or launcher_gone():   # no launcher to collect a return value: it would wait
+        exit_now(code)
+    wind_down()
+
+
+def program_status(run) -> int:
+    """Call `run` and return the exit status the interpreter would have ended a program with:
+    its return value, a SystemExit's code (a string printed, status 1), or, for any other
+    exception, status 1 with its traceback printed (130 for KeyboardInterrupt)."""
     try:
-        code = main(argv)
-    except SystemExit as e:   # as the interpreter ends a process on it
-        code = e.code if isinstance(e.code, int) else 0 if e.code is None else 1
+        code = run()
+        return code if isinstance(code, int) else 0
+    except SystemExit as e:
         if isinstance(e.code, str):
             print(e.code, file=sys.stderr)
-    except BaseException as e:   # as the interpreter would: its traceback, status 1
+        return e.code if isinstance(e.code, int) else 0 if e.code is None else 1
+    except BaseException as e:
         import signal
         import traceback
 
         traceback.print_exc()
-        code = 128 + signal.SIGINT if isinstance(e, KeyboardInterrupt) else 1
-    if code or launcher_gone():   # no launcher to collect a return value: it would wait
-        exit_now(code)
-    wind_down()
+        return 128 + signal.SIGINT if isinstance(e, KeyboardInterrupt) else 1
 
 
 # commands users of other tools look for, and what does their work here

@@ -717,6 +717,41 @@ def test_a_killed_launcher_stops_its_forked_workers_with_a_checkpoint(tmp_path, 
         f"step_{stopped:08d}"
 
 
+def test_a_forked_module_program_runs_as_python_minus_m_would(tmp_path, monkeypatch):
+    """`fork_module` (the supervisor's workers, spares and replacements): the module runs as
+    `python -u -m` runs it, with the given environment alone, its output appended to the given
+    files, in a session of its own; its exit status reads as Popen's (its code, 1 after a
+    traceback, -9 when killed) and `wait` times out as Popen's."""
+    import signal
+
+    from myria.train.launch import fork_module
+
+    (tmp_path / "probe_mod.py").write_text(
+        "import os, sys, time\n"
+        "print('env', os.environ.get('PROBE'), os.environ.get('HOME'))\n"
+        "print('args', sys.argv[1:], 'own session', os.getsid(0) == os.getpid())\n"
+        "if sys.argv[1] == 'raise':\n    raise RuntimeError('probe failed')\n"
+        "if sys.argv[1] == 'sleep':\n    time.sleep(120)\n"
+        "raise SystemExit(int(sys.argv[1]))\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    out, err = tmp_path / "out.log", tmp_path / "err.log"
+    out.write_text("before\n")
+    p = fork_module(("-u", "-m", "probe_mod", "3", "--x=y"), {"PROBE": "a"}, str(out), str(err))
+    assert p.wait(timeout=120) == 3 and p.poll() == 3 and p.returncode == 3
+    assert out.read_text() == "before\nenv a None\nargs ['3', '--x=y'] own session True\n"
+    p = fork_module(("-m", "probe_mod", "raise"), {}, str(out), str(err))
+    assert p.wait(timeout=60) == 1
+    assert err.read_text().rstrip().endswith("RuntimeError: probe failed"), err.read_text()
+    p = fork_module(("-u", "-m", "probe_mod", "sleep"), {}, str(out), str(err))
+    with pytest.raises(subprocess.TimeoutExpired):
+        p.wait(timeout=0.2)
+    assert p.poll() is None
+    p.signal_group(signal.SIGKILL)
+    assert p.wait(timeout=60) == -signal.SIGKILL
+    with pytest.raises(ValueError, match="not a `python -u -m MODULE ARGS` command"):
+        fork_module(("-c", "print(1)"), {})
+
+
 def test_the_forkserver_starts_under_a_temporary_directory_too_long_for_its_socket(tmp_path):
     """The forkserver's socket goes in a new directory under TMPDIR; a socket's path holds at
     most 107 bytes, so under a longer TMPDIR (a batch job's own) it goes under /tmp."""

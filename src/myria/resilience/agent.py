@@ -96,6 +96,28 @@ class SignalLatch:
             raise SignalException(f"Process {os.getpid()} got signal: {sig}", sigval=sig)
 
 
+class ForkedHandler:
+    """torch elastic's SubprocessHandler for a worker command (`python -u -m myria ...`) run as
+    a process forked from the supervisor's forkserver (myria.train.launch.fork_module), which
+    imported torch and the trainer once: with Popen every worker, every restart and every
+    replacement imports them again (seconds of CPU per process). The same output files (the
+    agent's tee reads them), environment, session and signals as torch's handler."""
+
+    def __init__(self, entrypoint: str, args: tuple, env: dict, stdout: str | None,
+                 stderr: str | None, local_rank_id: int, numa_options=None) -> None:
+        from myria.train.launch import fork_module
+
+        if numa_options is not None:
+            raise ValueError("NUMA binding is not supported by the supervisor's workers")
+        self.local_rank_id = local_rank_id
+        for path in {stdout, stderr} - {None}:
+            open(path, "w").close()   # a new start's files begin empty, as torch's do
+        self.proc = fork_module(args, {**os.environ, **env}, stdout, stderr)
+
+    def close(self, death_sig=None) -> None:
+        self.proc.signal_group(death_sig or signal.SIGTERM)
+
+
 def agent_class():
     """The agent class (defined on first use: torch elastic is imported only then)."""
     from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
@@ -145,6 +167,18 @@ def agent_class():
         def _rendezvous(self, worker_group):
             super()._rendezvous(worker_group)
             self.sup.rendezvoused(self, worker_group)
+
+        def _start_workers(self, worker_group):
+            # torch elastic starts a command's workers with `Popen` (SubprocessHandler) and has
+            # no hook for how: its handler factory is swapped for `ForkedHandler` while it does
+            from torch.distributed.elastic.multiprocessing import api
+
+            saved = api.get_subprocess_handler
+            api.get_subprocess_handler = ForkedHandler
+            try:
+                return super()._start_workers(worker_group)
+            finally:
+                api.get_subprocess_handler = saved
 
         def _initialize_workers(self, worker_group):
             self.latch.check()   # a stop signal swallowed while the hosts gathered

@@ -23,12 +23,12 @@ import json
 import logging
 import os
 import subprocess
-import sys
 import time
 
 from myria import rundir
 from myria.errors import ConfigError, MyriaError
 from myria.resilience.policy import SAVE_FAILED
+from myria.train.launch import ForkedProcess, fork_module
 
 log = logging.getLogger("myria.supervisor")
 
@@ -69,7 +69,7 @@ class InJobRecovery:
 
     def __init__(self, sup) -> None:
         self.sup = sup
-        self.spares: dict[int, subprocess.Popen] = {}
+        self.spares: dict[int, ForkedProcess] = {}
         self.next_spare = 0
         self.recovered = 0
         self.owed = 0   # spares used, to be started again once the recovery is over
@@ -89,17 +89,12 @@ class InJobRecovery:
         self.next_spare += 1
         logs = self.sup.run_dir / rundir.LOGS_DIR
         logs.mkdir(parents=True, exist_ok=True)
-        out = open(logs / f"spare{i}.log", "a")  # noqa: SIM115 (the child keeps it)
-        try:
-            self.spares[i] = subprocess.Popen(
-                [sys.executable, "-u", "-m", "myria.train.spare", str(i),
-                 *self.sup.worker_argv], stdout=out, stderr=subprocess.STDOUT,
-                start_new_session=True)
-        finally:
-            out.close()
+        out = str(logs / f"spare{i}.log")
+        self.spares[i] = fork_module(("-u", "-m", "myria.train.spare", str(i),
+                                      *self.sup.worker_argv), dict(os.environ), out, out)
         log.info("started hot spare %d (pid %d)", i, self.spares[i].pid)
 
-    def _take_spare(self) -> tuple[int, subprocess.Popen] | None:
+    def _take_spare(self) -> tuple[int, ForkedProcess] | None:
         for i, p in sorted(self.spares.items()):
             if p.poll() is None:
                 del self.spares[i]
@@ -332,7 +327,7 @@ class InJobRecovery:
         if not self.spares:
             self._start_spare()
 
-    def _ready_spare(self) -> tuple[int, subprocess.Popen] | None:
+    def _ready_spare(self) -> tuple[int, ForkedProcess] | None:
         """A spare that is running and has said it is ready (torch imported, waiting)."""
         from myria.train.rejoin import key
 
@@ -416,20 +411,11 @@ class InJobRecovery:
             self.growing = None
 
     @staticmethod
-    def _fresh(pc, local: int, env: dict) -> subprocess.Popen:
+    def _fresh(pc, local: int, env: dict):
         """The lost worker's command again, in a new process, its output appended to the same
         files (the agent's tee keeps showing it)."""
-        files = []
-        try:
-            for path in (pc.stdouts.get(local), pc.stderrs.get(local)):
-                files.append(open(path, "a") if path else None)  # noqa: SIM115
-            return subprocess.Popen([pc.entrypoint, *map(str, pc.args[local])],
-                                    env={**os.environ, **env}, stdout=files[0],
-                                    stderr=files[1], start_new_session=True)
-        finally:
-            for fh in files:
-                if fh is not None:
-                    fh.close()
+        return fork_module(pc.args[local], {**os.environ, **env}, pc.stdouts.get(local),
+                           pc.stderrs.get(local))
 
 
 

@@ -147,6 +147,9 @@ class Supervisor:
 
         self._setup_logging()
         self._environment()
+        # the workers' imports, once, while the hosts gather (myria.train.launch.fork_module)
+        from myria.train.launch import start_forkserver
+        start_forkserver()
         self.started_at = time.time()
         log.info("supervising %d worker(s) on %s: job %s, run dir %s, heartbeat every %g s "
                  "to %s, up to %d restarts", self.nproc, self.host, self.job, self.run_dir,

@@ -32,13 +32,12 @@ from __future__ import annotations
 import json
 import logging
 import os
-import subprocess
-import sys
 import threading
 import time
 
 from myria import rundir
 from myria.resilience.multihost import close_rendezvous, store_client
+from myria.train.launch import ForkedProcess, fork_module
 
 log = logging.getLogger("myria.supervisor")
 
@@ -136,7 +135,7 @@ class Watch(threading.Thread):
         self.failed_base = 0         # counted when it was first read
         self.stop_event = threading.Event()
         self.claimed: str | None = None
-        self.procs: dict[int, subprocess.Popen] = {}   # rank -> its worker here
+        self.procs: dict[int, ForkedProcess] = {}   # rank -> its worker here
         self.codes: dict[int, int] = {}
         self.record: dict = {}
         self.done = threading.Event()
@@ -250,10 +249,8 @@ class Watch(threading.Thread):
                      "stderr": str(d / "stderr.log")}))
                 how.append(f"rank {rank}: hot spare {i} (pid {proc.pid})")
             else:
-                with open(d / "stdout.log", "a") as out, open(d / "stderr.log", "a") as err:
-                    proc = subprocess.Popen([sys.executable, "-u", "-m", "myria",
-                                             *sup.worker_argv], env=env, stdout=out,
-                                            stderr=err, start_new_session=True)
+                proc = fork_module(("-u", "-m", "myria", *sup.worker_argv), env,
+                                   str(d / "stdout.log"), str(d / "stderr.log"))
                 how.append(f"rank {rank}: a fresh process (pid {proc.pid})")
             self.procs[rank] = proc
         f.restarted_at = time.time()

@@ -4,7 +4,8 @@
 --nproc; the workers are forked from a forkserver that imported torch and the trainer once
 (`WORKER_PRELOAD`). Across hosts, use torchrun (or `myria supervise`) with a rendezvous
 endpoint instead: the workers are the same. `myria supervise` (myria.resilience.supervisor) uses
-the same torch elastic agent with heartbeats, fault detection and recovery on top.
+the same torch elastic agent with heartbeats, fault detection and recovery on top, and forks its
+workers from the same forkserver (`fork_module`).
 """
 
 from __future__ import annotations
@@ -311,17 +312,19 @@ def logs_dir() -> str:
 
 # What a worker imports before its first step: torch, the trainer and the command line;
 # torch._dynamo, which torch.optim imports on a process's first optimizer; the pipeline
-# schedules. The launcher's forkserver imports them once, each worker is forked from it: N
-# processes each importing torch (seconds of CPU apiece, and of the file system on a shared
-# one) is much of a job's start-up. The forkserver never touches a GPU (torch's import does
-# not), so forked workers may use CUDA.
+# schedules; the supervisor's hot spare (myria.train.spare). The launcher's forkserver imports
+# them once, each worker is forked from it: N processes each importing torch (seconds of CPU
+# apiece, and of the file system on a shared one) is much of a job's start-up. The forkserver
+# never touches a GPU (torch's import does not), so forked workers may use CUDA.
 WORKER_PRELOAD = ("torch", "torch._dynamo", "torch.distributed.pipelining", "myria.cli",
-                  "myria.train.cli", "myria.train.trainer", "myria.parallel.pipeline")
+                  "myria.train.cli", "myria.train.trainer", "myria.parallel.pipeline",
+                  "myria.train.spare")
 PR_SET_NAME = 15
 
 
-def as_forked_worker() -> None:
-    """Ready this process, just forked from the launcher's forkserver, to be a worker."""
+def as_forked_worker(name: str | None = None) -> None:
+    """Ready this process, just forked from the launcher's forkserver, to be a worker; `name`
+    is its name in `top` and `ps -o comm` (default: myria-rankN, N its RANK)."""
     from multiprocessing import forkserver
 
     # The forkserver hands each child a copy of the launcher's end of the pipe whose closing
@@ -335,8 +338,8 @@ def as_forked_worker() -> None:
     if sys.platform.startswith("linux"):   # `top` and `ps -o comm` name the rank
         try:
             import ctypes
-            name = f"myria-rank{os.environ.get('RANK', '')}".encode()[:15]
-            ctypes.CDLL(None, use_errno=True).prctl(PR_SET_NAME, ctypes.c_char_p(name), 0, 0, 0)
+            comm = (name or f"myria-rank{os.environ.get('RANK', '')}").encode()[:15]
+            ctypes.CDLL(None, use_errno=True).prctl(PR_SET_NAME, ctypes.c_char_p(comm), 0, 0, 0)
         except (OSError, AttributeError):
             pass
 
@@ -362,6 +365,112 @@ def start_forkserver() -> None:
         forkserver.ensure_running()
     finally:
         tempfile.tempdir = saved
+
+
+class ForkedProcess:
+    """A process forked from this process's forkserver (`fork_module`), with the part of
+    `subprocess.Popen`'s interface torch elastic's subprocess table and the supervisor use:
+    `pid`, `args`, `returncode`, `poll`, `wait`, `send_signal`, `terminate`, `kill`. Its exit
+    status reads as Popen's does (-N for signal N). It is not a child of this process: the
+    forkserver reaps it and reports its status through a pipe."""
+
+    def __init__(self, args: tuple, process) -> None:
+        import threading
+
+        self.args, self._process, self.pid = args, process, process.pid
+        self.returncode: int | None = None
+        self._lock = threading.Lock()   # the status is read from the pipe once
+
+    def poll(self) -> int | None:
+        with self._lock:
+            if self.returncode is None:
+                self.returncode = self._process.exitcode
+            return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        import subprocess
+        from multiprocessing.connection import wait
+
+        if self.poll() is None:
+            wait([self._process.sentinel], timeout)
+            if self.poll() is None:
+                raise subprocess.TimeoutExpired(self.args, timeout)
+        return self.returncode
+
+    def send_signal(self, sig: int) -> None:
+        if self.poll() is None:
+            try:
+                os.kill(self.pid, sig)
+            except ProcessLookupError:
+                pass
+
+    def terminate(self) -> None:
+        self.send_signal(signal.SIGTERM)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+    def signal_group(self, sig: int) -> None:
+        """`sig` to the process's session (it starts one, as Popen's start_new_session), or to
+        the process alone if it has not started it yet."""
+        if self.poll() is None:
+            try:
+                os.killpg(self.pid, sig)
+            except (ProcessLookupError, PermissionError):
+                self.send_signal(sig)
+
+
+def fork_module(args: tuple | list, env: dict, stdout: str | None = None,
+                stderr: str | None = None) -> ForkedProcess:
+    """`python -u -m MODULE ARGS` (args = ("-u", "-m", MODULE, *ARGS)) as a process forked from
+    this process's forkserver (started here if it is not running: `start_forkserver`), with
+    the environment `env` (whole, not added to this process's), its output appended to the
+    files `stdout` and `stderr`, in a session of its own. What a worker imports is imported
+    once by the forkserver, not again in every process (`WORKER_PRELOAD`)."""
+    import multiprocessing
+    from multiprocessing import process as mp_process
+
+    args = tuple(str(a) for a in args)
+    flags = [a for a in args[:args.index("-m")]] if "-m" in args else None
+    if flags is None or set(flags) - {"-u"} or len(args) < 3:
+        raise ValueError(f"not a `python -u -m MODULE ARGS` command: {args}")
+    at = args.index("-m")
+    start_forkserver()
+    p = multiprocessing.get_context("forkserver").Process(
+        target=_module_program, args=(args[at + 1], list(args[at + 2:]), dict(env), stdout,
+                                      stderr), name=f"myria-{args[at + 1]}")
+    p.start()
+    # multiprocessing's table of children: it would read the exit status from the pipe itself
+    # (on the next start of any process, in whatever thread) and join the process at exit
+    mp_process._children.discard(p)
+    return ForkedProcess(args, p)
+
+
+def _module_program(module: str, argv: list[str], env: dict, stdout: str | None,
+                    stderr: str | None) -> None:
+    """The body of a `fork_module` process: what `python -u -m module *argv` would do."""
+    import io
+    import runpy
+
+    from myria.cli import exit_now, program_status
+
+    os.setsid()
+    os.environ.clear()
+    os.environ.update(env)
+    as_forked_worker(None if "RANK" in env else f"myria-{module.rpartition('.')[2]}")
+    for fd, path in ((1, stdout), (2, stderr)):
+        if path:
+            f = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+            os.dup2(f, fd)
+            os.close(f)
+    # unbuffered, as -u: a reader of the files sees each line as it is written
+    for name, fd in (("stdout", 1), ("stderr", 2)):
+        setattr(sys, name, io.TextIOWrapper(io.FileIO(fd, "w", closefd=False),
+                                            encoding=getattr(sys, name).encoding,
+                                            errors="backslashreplace", write_through=True))
+    sys.argv = [module, *argv]
+    exit_now(program_status(
+        lambda: runpy.run_module(module, run_name="__main__", alter_sys=True)))
 
 
 def run_entry(entry: str, argv: list[str]) -> None:
