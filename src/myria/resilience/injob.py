@@ -81,8 +81,10 @@ class InJobRecovery:
 
     # -- spares ------------------------------------------------------------------------------
     def start_spares(self) -> None:
-        for _ in range(self.sup.r.spares):
-            self._start_spare()
+        """The pool's spares, started at the first look at the workers (`poll`): a spare is
+        forked ready (myria.train.launch.fork_module), so none is held while the hosts
+        gather, and the supervisor's start does not wait for its forkserver's imports."""
+        self.owed += self.sup.r.spares
 
     def _start_spare(self) -> None:
         i = self.next_spare
@@ -151,7 +153,8 @@ class InJobRecovery:
             return None
         f = self.sup.current
         if self.owed and (f is None or f.first_step_at):
-            # after the recovery: a spare's start (importing torch) would compete with it
+            # the first spares, or those used, once any recovery is over (not to compete
+            # with it)
             for _ in range(self.owed):
                 self._start_spare()
             self.owed = 0
