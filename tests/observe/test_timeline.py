@@ -318,3 +318,36 @@ def test_a_paused_recorder_records_nothing_inside(tmp_path):
     with rec.compute("backward", mb=0):
         pass
     assert [(e["n"], e.get("m")) for e in rec._events] == [("forward", 0), ("backward", 0)]
+
+
+def test_a_finished_step_reaches_the_file_without_waiting_for_the_flush_interval(tmp_path):
+    """A rank killed mid-step (a supervisor's restart kills the whole group at once) leaves in
+    its event file every step it finished: the writer flushes at each step's end, not only
+    every `flush_s` seconds."""
+    import json
+    import time
+
+    from myria import rundir
+    from myria.observe.events import Recorder
+
+    rec = Recorder(tmp_path, 0, 1, flush_s=60)
+    rec.start({"attempt": 0})
+    try:
+        rec.step = 1
+        with rec.compute("forward", mb=0):
+            pass
+        ev = rec.begin("step", "step")
+        rec.end(ev)
+        path = rundir.events_file(tmp_path, 0)
+        deadline = time.time() + 10
+        while time.time() < deadline and '"c":"step"' not in path.read_text():
+            time.sleep(0.01)
+        lines = [json.loads(x) for x in path.read_text().splitlines()[1:]]
+        assert [(e["n"], e["s"]) for e in lines] == [("forward", 1), ("step", 1)]
+        with rec.compute("forward", mb=0):   # no step ended: it waits for the interval
+            pass
+        time.sleep(0.3)
+        assert len(path.read_text().splitlines()) == 3
+    finally:
+        rec.close()
+    assert len(path.read_text().splitlines()) == 4

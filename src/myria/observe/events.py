@@ -1,8 +1,10 @@
 """The always-on event timer of a rank: timed spans of compute, communication and I/O.
 
 Every rank records events (name, category, step, microbatch, start, end, arguments) into a list
-that a background thread appends to RUN_DIR/events/rankNNNNN.jsonl every `flush_s` seconds, so
-the training thread never touches the file. One JSON object per line:
+that a background thread appends to RUN_DIR/events/rankNNNNN.jsonl at the end of each step and
+at least every `flush_s` seconds, so the training thread never touches the file, and a rank
+killed mid-step (the whole group is, when a supervisor restarts it after a fault) leaves every
+step it finished in the file. One JSON object per line:
 
     {"header": {rank, world, host, pid, attempt, coord: {dp, pp, cp, tp, ep}, layout,
                 clock: {...}, groups: {dim: [ranks...]}}}   first, and again at each attempt
@@ -59,6 +61,7 @@ class Recorder(comm.Subscriber):
         self.offset_us = 0
         self.path = rundir.events_file(run_dir, rank) if self.enabled else None
         self._stop = threading.Event()
+        self._wake = threading.Event()   # a step ended: the writer flushes now
         self._writer: threading.Thread | None = None
         self._header: dict | None = None
         self._cuda_ref = None  # (CUDA event, host µs) when compute is timed on the device
@@ -101,6 +104,7 @@ class Recorder(comm.Subscriber):
     def close(self) -> None:
         if self._writer is not None:
             self._stop.set()
+            self._wake.set()
             self._writer.join(timeout=10)
             self._writer = None
         self.flush()
@@ -122,7 +126,11 @@ class Recorder(comm.Subscriber):
                 fh.write("".join(json.dumps(e, separators=(",", ":")) + "\n" for e in batch))
 
     def _write_loop(self) -> None:
-        while not self._stop.wait(self.flush_s):
+        while not self._stop.is_set():
+            self._wake.wait(self.flush_s)
+            self._wake.clear()
+            if self._stop.is_set():
+                break   # close() flushes what is left
             try:
                 self.flush()
             except OSError:
@@ -157,6 +165,8 @@ class Recorder(comm.Subscriber):
         self._last = ev
         with self._lock:
             self._events.append(ev)
+        if ev["c"] == "step":
+            self._wake.set()
 
     @contextlib.contextmanager
     def span(self, name: str, cat: str, mb: int | None = None, **args):
