@@ -44,16 +44,46 @@ def moe_cfg(**kw):
 
 def run_cli(*args: str, env: dict | None = None, check: bool = True,
             timeout: float = 300) -> subprocess.CompletedProcess:
-    """Run `python -m myria ARGS` in a fresh process, as a user would."""
+    """Run `python -m myria ARGS` in a fresh process, as a user would. The process is forked
+    from a forkserver that has imported torch and myria (`myria.train.launch.fork_module`, as
+    `myria supervise` starts its workers), so that each of the suite's hundreds of commands
+    does not import them again; with MYRIA_TEST_SPAWN=1 each starts a new interpreter. What
+    a new interpreter imports (no torch for `--help` or the planner) is tested with new
+    interpreters (tests/test_imports.py)."""
     e = dict(os.environ)
     e.pop("MYRIA_FAULT", None)
     e.update(env or {})
-    p = subprocess.run([sys.executable, "-m", "myria", *args], capture_output=True, text=True,
-                       env=e, timeout=timeout, cwd=ROOT)
+    if os.environ.get("MYRIA_TEST_SPAWN"):
+        p = subprocess.run([sys.executable, "-m", "myria", *args], capture_output=True,
+                           text=True, env=e, timeout=timeout, cwd=ROOT)
+    else:
+        p = _forked_cli(list(args), e, timeout)
     if check and p.returncode != 0:
         raise AssertionError(f"myria {' '.join(args)} exited {p.returncode}\n"
                              f"stdout:\n{p.stdout[-3000:]}\nstderr:\n{p.stderr[-5000:]}")
     return p
+
+
+def _forked_cli(args: list[str], env: dict, timeout: float) -> subprocess.CompletedProcess:
+    """`python -m myria ARGS` forked (`run_cli`): its exit status and output, as
+    `subprocess.run` gives them; on `timeout`, killed and TimeoutExpired raised."""
+    import signal
+    import tempfile
+
+    from myria.train.launch import fork_module
+
+    with tempfile.TemporaryDirectory(prefix="myria-cli-") as d:
+        out, err = Path(d) / "stdout", Path(d) / "stderr"
+        proc = fork_module(("-u", "-m", "myria", *args), env, str(out), str(err), cwd=str(ROOT))
+        try:
+            code = proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            proc.signal_group(signal.SIGKILL)
+            proc.wait(60)
+            raise subprocess.TimeoutExpired(["myria", *args], timeout, out.read_text(),
+                                            err.read_text()) from None
+        read = lambda f: f.read_text(errors="replace") if f.exists() else ""  # noqa: E731
+        return subprocess.CompletedProcess(["myria", *args], code, read(out), read(err))
 
 
 def run_cli_all(*commands: list[str], **kw) -> list[subprocess.CompletedProcess]:

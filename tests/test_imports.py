@@ -21,7 +21,7 @@ SRC = ROOT / "src" / "myria"
 
 # bottom to top; a name is a top-level module or package of myria (docs/architecture.md)
 LAYERS = [
-    ("errors", "fsutil", "compat", "tensors"),  # no myria import
+    ("errors", "fsutil", "compat", "tensors", "exits"),  # no myria import
     ("device", "rundir", "faults", "config"),   # facts, paths, the config schema
     ("data", "detections"),                     # tokens on disk; detection records
     ("models", "optim"),                        # plain modules, FLOPs and memory formulas

@@ -11,6 +11,8 @@ import argparse
 import importlib
 import sys
 
+from myria.exits import exit_now, program_status, wind_down
+
 # name -> (module, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
     "prepare": ("myria.data.prepare", "text files -> BPE tokenizer -> memory-mapped token shards"),
@@ -64,11 +66,8 @@ def _top_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     """Run the command `argv` (default: this process's arguments) and return its exit status.
 
-    As the `myria` program, the process then ends through `exit_now`: without the
-    interpreter's finalization, which tears down torch's C++ objects (stores, process groups)
-    in no defined order (one whose thread is still joinable aborts the process with SIGABRT,
-    so a finished job's status would read -6) and, with torch imported, is a large part of a
-    short job's start-to-exit time."""
+    As the `myria` program, the process then ends through `exit_now` (myria.exits: without
+    the interpreter's finalization)."""
     if argv is not None:
         return _command(list(argv))
     code = _command(sys.argv[1:])
@@ -89,25 +88,6 @@ def worker(argv: list[str]) -> None:
     if code or launcher_gone():   # no launcher to collect a return value: it would wait
         exit_now(code)
     wind_down()
-
-
-def program_status(run) -> int:
-    """Call `run` and return the exit status the interpreter would have ended a program with:
-    its return value, a SystemExit's code (a string printed, status 1), or, for any other
-    exception, status 1 with its traceback printed (130 for KeyboardInterrupt)."""
-    try:
-        code = run()
-        return code if isinstance(code, int) else 0
-    except SystemExit as e:
-        if isinstance(e.code, str):
-            print(e.code, file=sys.stderr)
-        return e.code if isinstance(e.code, int) else 0 if e.code is None else 1
-    except BaseException as e:
-        import signal
-        import traceback
-
-        traceback.print_exc()
-        return 128 + signal.SIGINT if isinstance(e, KeyboardInterrupt) else 1
 
 
 # commands users of other tools look for, and what does their work here
@@ -189,40 +169,6 @@ def _command(argv: list[str]) -> int:
         if not os.environ.get(QUIET_ENV):   # a launcher's worker: the launcher says it
             print(f"myria {name}: interrupted{again}", file=sys.stderr)
         return 130
-
-
-def exit_now(code: int) -> None:
-    """End the process with `code` after what the interpreter's own exit would have done that
-    matters (`wind_down`)."""
-    import os
-
-    wind_down()
-    os._exit(code)
-
-
-def wind_down() -> None:
-    """What the interpreter's own exit would have done that matters: the process's other
-    threads joined, its exit handlers run, every file still open flushed."""
-    import atexit
-    import gc
-    import io
-    import logging
-    import threading
-
-    for t in threading.enumerate():
-        if t is not threading.current_thread() and not t.daemon:
-            t.join()
-    atexit._run_exitfuncs()
-    logging.shutdown()
-    buffered = (io.TextIOWrapper, io.BufferedWriter, io.BufferedRandom)
-    for f in gc.get_objects():  # a writer left open would otherwise lose its buffer
-        if type(f) in buffered and not f.closed and f.writable():
-            try:
-                f.flush()
-            except (OSError, ValueError):
-                pass
-    sys.stdout.flush()
-    sys.stderr.flush()
 
 
 def _after_a_lost_peer(e: BaseException, run_dir: str | None) -> str | None:

@@ -16,6 +16,7 @@ import os
 import signal
 import socket
 import sys
+import threading
 import time
 import uuid
 from pathlib import Path
@@ -375,8 +376,6 @@ class ForkedProcess:
     forkserver reaps it and reports its status through a pipe."""
 
     def __init__(self, args: tuple, process) -> None:
-        import threading
-
         self.args, self._process, self.pid = args, process, process.pid
         self.returncode: int | None = None
         self._lock = threading.Lock()   # the status is read from the pipe once
@@ -420,13 +419,17 @@ class ForkedProcess:
                 self.send_signal(sig)
 
 
+_FORKING = threading.Lock()   # multiprocessing's table of children is not thread-safe
+
+
 def fork_module(args: tuple | list, env: dict, stdout: str | None = None,
-                stderr: str | None = None) -> ForkedProcess:
+                stderr: str | None = None, cwd: str | None = None) -> ForkedProcess:
     """`python -u -m MODULE ARGS` (args = ("-u", "-m", MODULE, *ARGS)) as a process forked from
     this process's forkserver (started here if it is not running: `start_forkserver`), with
     the environment `env` (whole, not added to this process's), its output appended to the
-    files `stdout` and `stderr`, in a session of its own. What a worker imports is imported
-    once by the forkserver, not again in every process (`WORKER_PRELOAD`)."""
+    files `stdout` and `stderr`, in the directory `cwd` (default: the forkserver's), in a
+    session of its own. What a worker imports is imported once by the forkserver, not again
+    in every process (`WORKER_PRELOAD`). Thread-safe."""
     import multiprocessing
     from multiprocessing import process as mp_process
 
@@ -435,28 +438,33 @@ def fork_module(args: tuple | list, env: dict, stdout: str | None = None,
     if flags is None or set(flags) - {"-u"} or len(args) < 3:
         raise ValueError(f"not a `python -u -m MODULE ARGS` command: {args}")
     at = args.index("-m")
-    start_forkserver()
-    p = multiprocessing.get_context("forkserver").Process(
-        target=_module_program, args=(args[at + 1], list(args[at + 2:]), dict(env), stdout,
-                                      stderr), name=f"myria-{args[at + 1]}")
-    p.start()
-    # multiprocessing's table of children: it would read the exit status from the pipe itself
-    # (on the next start of any process, in whatever thread) and join the process at exit
-    mp_process._children.discard(p)
+    with _FORKING:
+        start_forkserver()
+        p = multiprocessing.get_context("forkserver").Process(
+            target=_module_program, args=(args[at + 1], list(args[at + 2:]), dict(env), stdout,
+                                          stderr, cwd), name=f"myria-{args[at + 1]}")
+        p.start()
+        # multiprocessing's table of children: it would read the exit status from the pipe
+        # itself (at the next start of any process, in whatever thread) and join it at exit
+        mp_process._children.discard(p)
     return ForkedProcess(args, p)
 
 
 def _module_program(module: str, argv: list[str], env: dict, stdout: str | None,
-                    stderr: str | None) -> None:
+                    stderr: str | None, cwd: str | None = None) -> None:
     """The body of a `fork_module` process: what `python -u -m module *argv` would do."""
     import io
     import runpy
+    import tempfile
 
-    from myria.cli import exit_now, program_status
+    from myria.exits import exit_now, program_status
 
     os.setsid()
     os.environ.clear()
     os.environ.update(env)
+    tempfile.tempdir = None   # the forkserver's, cached: TMPDIR is read again from `env`
+    if cwd is not None:
+        os.chdir(cwd)
     as_forked_worker(None if "RANK" in env else f"myria-{module.rpartition('.')[2]}")
     for fd, path in ((1, stdout), (2, stderr)):
         if path:

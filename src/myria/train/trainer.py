@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import functools
 import gc
 import json
 import logging
@@ -193,7 +194,13 @@ def _train(cfg: Config, run_dir: Path, env, stop_after: int | None,
             gc.enable()
 
 
-PROCESS_START = goodput.process_start_time()   # else the import of this module
+@functools.cache
+def _process_start(pid: int) -> float:
+    """When process `pid` (this one) started: a forked worker's fork, not its forkserver's
+    start, so read at the first call, not at this module's import."""
+    return goodput.process_start_time()
+
+
 # The stop before the wall-time limit (Run.stop_before_time_limit): a save's time varies with
 # the load of the host and its disk, and a commit past the limit loses every step since the last
 # checkpoint, so the measured save counts double; before any save a fixed allowance covers the
@@ -463,7 +470,7 @@ class Run:
         slow start), which the check after each step would only see once a step had run past
         it."""
         limit = self.cfg.training.max_time_s
-        start = float(os.environ.get(JOB_START_ENV) or PROCESS_START)
+        start = float(os.environ.get(JOB_START_ENV) or _process_start(os.getpid()))
         if limit and time.time() >= start + limit:
             self.stop.request_limit()
         return self.stop.agreed()
@@ -479,7 +486,7 @@ class Run:
         limit = self.cfg.training.max_time_s
         if not limit or step >= self.cfg.training.steps or self.stop.requested:
             return
-        start = float(os.environ.get(JOB_START_ENV) or PROCESS_START)
+        start = float(os.environ.get(JOB_START_ENV) or _process_start(os.getpid()))
         committed = max((r.stall_s + r.persist_s for r in self.ckpt.history if r.ok),
                         default=0.0)
         step_s = max(self.recent_steps_s, default=0.0)
