@@ -485,7 +485,10 @@ def test_killed_supervisor_stops_its_workers_and_locks_its_run_dir(tmp_path, tin
     assert not any(map(running, pids)), "workers outlived their supervisor"
     assert gone_s < 30, gone_s
     out = "\n".join(p.read_text() for p in (tmp_path / "logs").rglob("std*.log"))
-    assert f"its launcher (pid {sup.pid}) died" in out
+    # the first to tell each worker (its parent's death, or the supervisor's store gone, when
+    # the forkserver between them is slower to end) stops it, once
+    assert f"its launcher (pid {sup.pid}) died" in out or \
+        "the supervisor's heartbeat store is gone" in out, out[-3000:]
     stopped = int(out.split("stopped on SIGTERM after step ")[1].split()[0])
     assert "with a committed checkpoint" in out and out.count("frame #0") <= 2, out[-3000:]
     p = run_cli("train", "--run-dir", str(tmp_path), *args, f"--training.steps={stopped + 1}")

@@ -209,17 +209,14 @@ class Heartbeat:
                 m in str(e) for m in store_protocol.LOST_CONNECTION):
             return False
         self.lost = True
-        from myria.train.launch import launcher_gone
+        from myria.train.launch import launcher_gone, stop_once
 
         time.sleep(min(2.0, 2 * self.period_s))  # the parent-death signal comes with the exit
-        gone = launcher_gone()
+        sent = not launcher_gone() and stop_once()
         log.warning("rank %d: the supervisor's heartbeat store is gone (%s)%s",
                     self.progress.rank, _first_line(e),
-                    "" if gone else ": stopping (after the current step, with a checkpoint; at "
-                    "once if no step has begun)")
-        if not gone:
-            import signal
-            os.kill(os.getpid(), signal.SIGTERM)
+                    ": stopping (after the current step, with a checkpoint; at once if no step "
+                    "has begun)" if sent else "")
         return True
 
     def close(self, phase: str = "exit") -> None:

@@ -95,6 +95,22 @@ def _parent_of(pid: int) -> int | None:
     return int(stat[1]) if stat and len(stat) > 1 and stat[1].isdigit() else None
 
 
+_stopping = threading.Lock()
+
+
+def stop_once(message: str | None = None) -> bool:
+    """Send this process one SIGTERM (the trainer saves at the end of the step and exits),
+    printing `message` first; True if this call sent it. Every way a worker learns that its
+    launcher is gone (the parent-death signal, the watch thread, the supervisor's store lost)
+    stops it through here: a second SIGTERM would end the save half-way."""
+    if not _stopping.acquire(blocking=False):
+        return False
+    if message:
+        print(message, file=sys.stderr, flush=True)
+    os.kill(os.getpid(), signal.SIGTERM)
+    return True
+
+
 def stop_with_launcher() -> None:
     """Make this worker stop when its launcher (`myria supervise`, torchrun: the parent
     process; `myria train --nproc`: the parent of its forkserver, which ends with it) dies,
@@ -119,16 +135,10 @@ def stop_with_launcher() -> None:
     parents = {_first_ppid, _parent_of(_first_ppid)}
     import threading
 
-    once = threading.Lock()
-
     def stop(*_) -> None:
-        if not once.acquire(blocking=False):
-            return  # told already
-        print(f"myria: rank {os.environ.get('RANK', '?')} (pid {os.getpid()}): its launcher "
-              f"(pid {want or _first_ppid}) died; stopping (after the current step, with a "
-              "checkpoint; at once if no step has begun)",
-              file=sys.stderr, flush=True)
-        os.kill(os.getpid(), signal.SIGTERM)
+        stop_once(f"myria: rank {os.environ.get('RANK', '?')} (pid {os.getpid()}): its launcher "
+                  f"(pid {want or _first_ppid}) died; stopping (after the current step, with a "
+                  "checkpoint; at once if no step has begun)")
 
     signal.signal(signal.SIGUSR2, stop)
     if sys.platform.startswith("linux"):
