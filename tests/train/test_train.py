@@ -748,8 +748,9 @@ def test_a_forked_module_program_runs_as_python_minus_m_would(tmp_path, monkeypa
     assert p.poll() is None
     p.signal_group(signal.SIGKILL)
     assert p.wait(timeout=60) == -signal.SIGKILL
-    with pytest.raises(ValueError, match="not a `python -u -m MODULE ARGS` command"):
-        fork_module(("-c", "print(1)"), {})
+    for bad in (("-c", "print(1)"), ("-u", "-m"), ("-X", "dev", "-m", "probe_mod")):
+        with pytest.raises(ValueError, match="not a `python -u -m MODULE ARGS` command"):
+            fork_module(bad, {})
 
 
 def test_the_forkserver_starts_under_a_temporary_directory_too_long_for_its_socket(tmp_path):

@@ -414,7 +414,7 @@ class InJobRecovery:
             self.growing = None
 
     @staticmethod
-    def _fresh(pc, local: int, env: dict):
+    def _fresh(pc, local: int, env: dict) -> ForkedProcess:
         """The lost worker's command again, in a new process, its output appended to the same
         files (the agent's tee keeps showing it)."""
         return fork_module(pc.args[local], {**os.environ, **env}, pc.stdouts.get(local),

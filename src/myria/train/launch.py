@@ -133,7 +133,6 @@ def stop_with_launcher() -> None:
     _first_ppid = os.getppid()
     # a worker of `launch_local` is forked by the launcher's forkserver, which ends with it
     parents = {_first_ppid, _parent_of(_first_ppid)}
-    import threading
 
     def stop(*_) -> None:
         stop_once(f"myria: rank {os.environ.get('RANK', '?')} (pid {os.getpid()}): its launcher "
@@ -444,10 +443,9 @@ def fork_module(args: tuple | list, env: dict, stdout: str | None = None,
     from multiprocessing import process as mp_process
 
     args = tuple(str(a) for a in args)
-    flags = [a for a in args[:args.index("-m")]] if "-m" in args else None
-    if flags is None or set(flags) - {"-u"} or len(args) < 3:
+    at = args.index("-m") if "-m" in args else -1
+    if at < 0 or set(args[:at]) - {"-u"} or len(args) == at + 1:
         raise ValueError(f"not a `python -u -m MODULE ARGS` command: {args}")
-    at = args.index("-m")
     with _FORKING:
         start_forkserver()
         p = multiprocessing.get_context("forkserver").Process(
