@@ -770,6 +770,41 @@ def test_the_forkserver_starts_under_a_temporary_directory_too_long_for_its_sock
     assert p.stdout.startswith("/tmp/pymp-"), p.stdout
 
 
+@pytest.mark.parametrize("threads", ["one", "two"])
+def test_a_launcher_forks_its_forkserver_unless_it_has_another_thread(tmp_path, threads):
+    """A launcher (a new interpreter that imported torch, numpy's OpenBLAS pool with it, and
+    locked a file as a run directory's lock) forks its forkserver instead of starting one that
+    imports torch again; the fork holds none of the launcher's files (the lock would outlive
+    the launcher in its workers); a program forked from it runs. With a thread of its own
+    running (a store's server), the launcher starts a new interpreter, as multiprocessing
+    does."""
+    code = ("import fcntl, os, sys, threading, time\n"
+            "import torch\n"
+            "from multiprocessing import forkserver\n"
+            "from myria.train.launch import fork_module, start_forkserver\n"
+            "lock = open(sys.argv[1], 'w')\n"
+            "fcntl.flock(lock, fcntl.LOCK_EX)\n"
+            "if sys.argv[2] == 'two':\n"
+            "    threading.Thread(target=time.sleep, args=(60,), daemon=True).start()\n"
+            "start_forkserver()\n"
+            "p = fork_module(('-u', '-m', 'myria', '--version'), dict(os.environ), sys.argv[3])\n"
+            "status = p.wait(timeout=120)\n"
+            "pid = forkserver._forkserver._forkserver_pid\n"
+            "args = open(f'/proc/{pid}/cmdline').read().split(chr(0))\n"
+            "print(repr(args[args.index('-c') + 1][:30]))\n"
+            "print(sorted(os.readlink(f'/proc/{pid}/fd/{fd}') for fd in os.listdir(f'/proc/{pid}/fd')))\n"
+            "print(status)\n")
+    lock, out = tmp_path / "run.lock", tmp_path / "out.txt"
+    p = subprocess.run([sys.executable, "-c", code, str(lock), threads, str(out)],
+                       capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
+    server, fds, status = p.stdout.splitlines()
+    assert (server == repr(code[:30])) == (threads == "one"), server
+    assert (server == repr("from multiprocessing.forkserve")) == (threads == "two"), server
+    assert str(lock) not in fds, fds
+    assert status == "0" and out.read_text().startswith("myria "), (status, out.read_text())
+
+
 def test_a_killed_launchers_error_file_directory_is_removed_by_the_next(tmp_path, monkeypatch):
     """`myria train --nproc N` keeps its workers' error files in a directory of the temporary
     directory, removed when the launch returns; one a launcher killed by SIGKILL left behind

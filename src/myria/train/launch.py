@@ -362,7 +362,12 @@ def start_forkserver() -> None:
     """Start this process's forkserver, importing `WORKER_PRELOAD` (it inherits the environment
     as it is now), while the launcher goes on to the rendezvous. It listens on a socket in a
     new directory under the temporary directory (TMPDIR/pymp-XXXXXXXX/listener-XXXXXXXX): under
-    a TMPDIR too long for that (a job's own directory under a batch system), in /tmp."""
+    a TMPDIR too long for that (a job's own directory under a batch system), in /tmp.
+
+    A launcher with one thread forks its forkserver (`_fork_forkserver`): it has imported torch
+    already, so the forkserver does not start an interpreter and import torch again (seconds of
+    CPU per job); with other threads (a store's server) it starts one, as multiprocessing does,
+    since a fork copies only the calling thread (`one_thread_at_fork`)."""
     import tempfile
     from multiprocessing import forkserver
 
@@ -372,9 +377,110 @@ def start_forkserver() -> None:
         probe = os.path.join(tempfile.gettempdir(), "pymp-XXXXXXXX", "listener-XXXXXXXX")
         if len(os.fsencode(probe)) > UNIX_PATH_MAX:
             tempfile.tempdir = "/tmp"
-        forkserver.ensure_running()
+        if not _fork_forkserver():
+            forkserver.ensure_running()
     finally:
         tempfile.tempdir = saved
+
+
+def threads_of_this_process() -> int:
+    """The threads of this process, the interpreter's and the libraries' (OpenMP, stores) alike;
+    0 where the system does not say (no /proc)."""
+    try:
+        return len(os.listdir("/proc/self/task"))
+    except OSError:
+        return 0
+
+
+def one_thread_at_fork() -> bool:
+    """Whether a fork of this process would copy all of it: it has one thread once the thread
+    pools that stop themselves before a fork have (numpy's OpenBLAS starts one at import and
+    shuts it down in its pthread_atfork handler, to restart it at its next use). A trial fork,
+    whose child exits at once, runs those handlers."""
+    if threads_of_this_process() > 1:
+        pid = os.fork()
+        if pid == 0:
+            os._exit(0)
+        os.waitpid(pid, 0)
+    return threads_of_this_process() == 1
+
+
+def _fork_forkserver() -> bool:
+    """Start multiprocessing's forkserver as a fork of this process rather than a new
+    interpreter: what `ForkServer.ensure_running` does (the resource tracker, a listening
+    socket, the pipe whose end tells the server its clients are gone), with `os.fork` in place
+    of its spawn. False, and nothing started, unless this process has exactly one thread and no
+    forkserver yet. The standard library has no forking variant; the server's loop is its own
+    (`forkserver.main`)."""
+    from multiprocessing import connection, forkserver, resource_tracker, util
+
+    server = forkserver._forkserver
+    if server._forkserver_pid is not None:
+        return False
+    with server._lock:
+        resource_tracker.ensure_running()   # a process of its own (it imports nothing large)
+        if not one_thread_at_fork():
+            return False
+        with socket.socket(socket.AF_UNIX) as listener:
+            address = connection.arbitrary_address("AF_UNIX")
+            listener.bind(address)
+            if not util.is_abstract_socket_namespace(address):
+                os.chmod(address, 0o600)
+            listener.listen()
+            alive_r, alive_w = os.pipe()
+            # read to its end once the server has let go of this process's files (the write
+            # end is one of them)
+            ready_r, ready_w = os.pipe()
+            pid = os.fork()
+            if pid == 0:
+                code = 1
+                try:
+                    os.close(alive_w)
+                    os.close(ready_r)
+                    _serve_forks(listener.fileno(), alive_r, list(server._preload_modules))
+                    code = 0
+                except SystemExit:   # the server's end: its clients are gone
+                    code = 0
+                finally:
+                    os._exit(code)
+            os.close(alive_r)
+            os.close(ready_w)
+            os.read(ready_r, 1)
+            os.close(ready_r)
+        server._forkserver_address = address
+        server._forkserver_alive_fd = alive_w
+        server._forkserver_pid = pid
+    return True
+
+
+def _serve_forks(listener_fd: int, alive_r: int, preload: list[str]) -> None:
+    """The forked forkserver's body: the state a new interpreter's server would start from,
+    then multiprocessing's server loop. What the launcher installed is not a worker's: its
+    Python signal handlers go back to the defaults, and every file it holds open beyond the
+    standard streams (a run directory's lock, sockets, logs) is pointed at /dev/null, so that
+    no worker keeps one alive; the numbers stay taken, so that an object of the launcher that
+    closes its file later closes /dev/null, not a file the worker opened since."""
+    from multiprocessing import forkserver
+
+    global _FORKING
+    # locks the launcher held while it forked (this process's copies stay locked)
+    forkserver._forkserver._lock = threading.Lock()
+    _FORKING = threading.Lock()
+    for sig in signal.valid_signals():
+        try:
+            if callable(signal.getsignal(sig)) and sig != signal.SIGINT:
+                signal.signal(sig, signal.SIG_DFL)
+        except (OSError, ValueError, TypeError):
+            pass
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    keep = {0, 1, 2, listener_fd, alive_r}
+    null = os.open(os.devnull, os.O_RDWR)
+    for name in os.listdir("/proc/self/fd"):
+        fd = int(name)
+        if fd not in keep and fd != null:
+            os.dup2(null, fd, inheritable=False)   # (the listing's own, closed since: harmless)
+    os.close(null)
+    forkserver.main(listener_fd, alive_r, preload)
 
 
 class ForkedProcess:
