@@ -770,15 +770,22 @@ def test_the_forkserver_starts_under_a_temporary_directory_too_long_for_its_sock
     assert p.stdout.startswith("/tmp/pymp-"), p.stdout
 
 
-@pytest.mark.parametrize("threads", ["one", "two"])
+@pytest.mark.parametrize("threads", ["one", "two", "cuda"])
 def test_a_launcher_forks_its_forkserver_unless_it_has_another_thread(tmp_path, threads):
     """A launcher (a new interpreter that imported torch, numpy's OpenBLAS pool with it, and
     locked a file as a run directory's lock) forks its forkserver instead of starting one that
     imports torch again; the fork holds none of the launcher's files (the lock would outlive
     the launcher in its workers); a program forked from it runs. With a thread of its own
-    running (a store's server), the launcher starts a new interpreter, as multiprocessing
-    does."""
-    code = ("import fcntl, os, sys, threading, time\n"
+    running (a store's server), or with the CUDA driver loaded (a forked child could not use
+    it; here a library named as the driver), the launcher starts a new interpreter, as
+    multiprocessing does."""
+    from pathlib import Path
+
+    driver = tmp_path / "libcuda.so.1"   # any shared library, loaded under the driver's name
+    shutil.copy(next(p for p in map(Path, ("/lib/x86_64-linux-gnu/libm.so.6",
+                                           "/usr/lib/x86_64-linux-gnu/libm.so.6",
+                                           "/lib64/libm.so.6")) if p.exists()), driver)
+    code = ("import ctypes, fcntl, os, sys, threading, time\n"
             "import torch\n"
             "from multiprocessing import forkserver\n"
             "from myria.train.launch import fork_module, start_forkserver\n"
@@ -786,6 +793,8 @@ def test_a_launcher_forks_its_forkserver_unless_it_has_another_thread(tmp_path, 
             "fcntl.flock(lock, fcntl.LOCK_EX)\n"
             "if sys.argv[2] == 'two':\n"
             "    threading.Thread(target=time.sleep, args=(60,), daemon=True).start()\n"
+            "if sys.argv[2] == 'cuda':\n"
+            "    ctypes.CDLL(sys.argv[4])\n"
             "start_forkserver()\n"
             "p = fork_module(('-u', '-m', 'myria', '--version'), dict(os.environ), sys.argv[3])\n"
             "status = p.wait(timeout=120)\n"
@@ -795,12 +804,12 @@ def test_a_launcher_forks_its_forkserver_unless_it_has_another_thread(tmp_path, 
             "print(sorted(os.readlink(f'/proc/{pid}/fd/{fd}') for fd in os.listdir(f'/proc/{pid}/fd')))\n"
             "print(status)\n")
     lock, out = tmp_path / "run.lock", tmp_path / "out.txt"
-    p = subprocess.run([sys.executable, "-c", code, str(lock), threads, str(out)],
+    p = subprocess.run([sys.executable, "-c", code, str(lock), threads, str(out), str(driver)],
                        capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stderr[-3000:]
     server, fds, status = p.stdout.splitlines()
     assert (server == repr(code[:30])) == (threads == "one"), server
-    assert (server == repr("from multiprocessing.forkserve")) == (threads == "two"), server
+    assert (server == repr("from multiprocessing.forkserve")) == (threads != "one"), server
     assert str(lock) not in fds, fds
     assert status == "0" and out.read_text().startswith("myria "), (status, out.read_text())
 

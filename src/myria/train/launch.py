@@ -325,7 +325,8 @@ def logs_dir() -> str:
 # schedules; the supervisor's hot spare (myria.train.spare). The launcher's forkserver imports
 # them once, each worker is forked from it: N processes each importing torch (seconds of CPU
 # apiece, and of the file system on a shared one) is much of a job's start-up. The forkserver
-# never touches a GPU (torch's import does not), so forked workers may use CUDA.
+# never touches a GPU (torch's import does not, and it is not forked from a process that has:
+# `cuda_driver_loaded`), so forked workers may use CUDA.
 WORKER_PRELOAD = ("torch", "torch._dynamo", "torch.distributed.pipelining", "myria.cli",
                   "myria.train.cli", "myria.train.trainer", "myria.parallel.pipeline",
                   "myria.train.spare")
@@ -367,7 +368,8 @@ def start_forkserver() -> None:
     A launcher with one thread forks its forkserver (`_fork_forkserver`): it has imported torch
     already, so the forkserver does not start an interpreter and import torch again (seconds of
     CPU per job); with other threads (a store's server) it starts one, as multiprocessing does,
-    since a fork copies only the calling thread (`one_thread_at_fork`)."""
+    since a fork copies only the calling thread (`one_thread_at_fork`), and so it does once it
+    has loaded the CUDA driver (`cuda_driver_loaded`)."""
     import tempfile
     from multiprocessing import forkserver
 
@@ -405,17 +407,29 @@ def one_thread_at_fork() -> bool:
     return threads_of_this_process() == 1
 
 
+def cuda_driver_loaded() -> bool:
+    """Whether this process has loaded the CUDA driver (libcuda, which the CUDA runtime loads
+    at its first call: `torch.cuda.is_available()` is one). The driver does not survive a
+    fork: a forked child's first CUDA call fails, so a launcher that asked it anything does
+    not fork its workers' forkserver. True where the system does not say (no /proc)."""
+    try:
+        with open("/proc/self/maps") as f:
+            return any("/libcuda.so" in line for line in f)
+    except OSError:
+        return True
+
+
 def _fork_forkserver() -> bool:
     """Start multiprocessing's forkserver as a fork of this process rather than a new
     interpreter: what `ForkServer.ensure_running` does (the resource tracker, a listening
     socket, the pipe whose end tells the server its clients are gone), with `os.fork` in place
-    of its spawn. False, and nothing started, unless this process has exactly one thread and no
-    forkserver yet. The standard library has no forking variant; the server's loop is its own
-    (`forkserver.main`)."""
+    of its spawn. False, and nothing started, unless this process has exactly one thread, no
+    forkserver yet and no CUDA driver loaded. The standard library has no forking variant; the
+    server's loop is its own (`forkserver.main`)."""
     from multiprocessing import connection, forkserver, resource_tracker, util
 
     server = forkserver._forkserver
-    if server._forkserver_pid is not None:
+    if server._forkserver_pid is not None or cuda_driver_loaded():
         return False
     with server._lock:
         resource_tracker.ensure_running()   # a process of its own (it imports nothing large)
