@@ -145,12 +145,13 @@ class Supervisor:
         from torch.distributed.elastic.multiprocessing.api import SignalException
         from torch.distributed.elastic.rendezvous import RendezvousClosedError, RendezvousError
 
-        self._setup_logging()
         # the workers' imports, once, while the hosts gather (myria.train.launch.fork_module);
-        # before the heartbeat store's server thread, so that it can be a fork of this process
-        # (the workers' environment is given to each: fork_module)
+        # before the heartbeat store's server thread, so that it can be a fork of this process,
+        # and before this process's log handlers, which a fork would keep (the workers'
+        # environment is given to each: fork_module)
         from myria.train.launch import start_forkserver
         start_forkserver()
+        self._setup_logging()
         self._environment()
         self.started_at = time.time()
         log.info("supervising %d worker(s) on %s: job %s, run dir %s, heartbeat every %g s "

@@ -656,10 +656,12 @@ def launch_local(nproc: int, argv: list[str], entry: str, max_restarts: int = 0)
              if n.startswith(("torch.distributed.elastic", "torch.distributed.launcher",
                               "torch.multiprocessing"))]
     levels = [lg.level for lg in quiet]
-    for lg in quiet:
-        lg.setLevel(logging.CRITICAL)
     try:
+        # the workers' server before the launcher's loggers are quieted: a forked server keeps
+        # what this process set, and the workers' loggers are their own
         start_forkserver()
+        for lg in quiet:
+            lg.setLevel(logging.CRITICAL)
         elastic_launch(config, entrypoint=run_entry)(entry, list(argv))
     except SignalException as e:  # the agent forwarded it; workers save at their next step
         raise Stopped(e.sigval) from None
