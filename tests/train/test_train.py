@@ -899,7 +899,8 @@ def test_data_without_a_validation_split_says_how_to_train_without_validation(
 
 def test_a_damaged_validation_shard_is_refused_before_training(tmp_path, tiny_data):
     """With evaluation on, the validation shards are checksummed before processes start, as
-    the training shards are by each rank: not found at the first evaluation, mid-run."""
+    the training shards are by each rank: not found at the first evaluation, mid-run; and by
+    each rank at its start, for a run whose ranks torchrun started."""
     from myria import config
     from myria.errors import DataError
     from myria.train.preflight import check_validation
@@ -914,6 +915,17 @@ def test_a_damaged_validation_shard_is_refused_before_training(tmp_path, tiny_da
                        r"validation: --training.eval_interval=0 \(it is 2\)"):
         check_validation(config.load(None, [*TINY, f"--data.path={data}",
                                             "--training.eval_interval=2"]))
+    # a rank started by torchrun (no launcher's checks before it) refuses it at its start
+    from myria.train.launch import free_port
+
+    rank = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1",
+            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
+    p = run_cli("train", "--run-dir", str(tmp_path / "run"), f"--data.path={data}", *TINY,
+                "--training.steps=4", "--training.eval_interval=2", "--logging.interval=1",
+                env=rank, check=False)
+    assert p.returncode != 0 and "val_00000.bin' is damaged" in p.stderr, p.stderr[-2000:]
+    metrics = tmp_path / "run" / "metrics.jsonl"
+    assert not metrics.exists() or '"loss"' not in metrics.read_text(), metrics.read_text()
 
 
 def test_an_empty_data_sources_with_data_path_trains_on_the_path(tmp_path):

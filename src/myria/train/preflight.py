@@ -160,17 +160,20 @@ def check_before_torch(cfg: Config, local: int, world: int, launching: bool) -> 
     Layout.resolve(cfg.parallel, world or 1).check(cfg, device)
 
 
-def check_validation(cfg: Config) -> None:
-    """With evaluation on, refuse a validation split without one sample, or with a shard that
-    does not match its sha256 in index.json, now, not at the first evaluation, and say how to
-    train without it. (The validation split is a small share of the data, `--val-fraction`:
-    checksumming it costs a fraction of what each rank's check of the training shards does.)"""
+def check_validation(cfg: Config):
+    """With evaluation on, the validation split, opened and checked: a split without one
+    sample, or with a shard that does not match its sha256 in index.json, is refused now, not
+    at the first evaluation, with how to train without it (None with evaluation off). The
+    launchers ask it before processes start; each rank opens its split with it, so a run
+    started by torchrun, which has no launcher's checks, is refused at its start too. (The
+    validation split is a small share of the data, `--val-fraction`: checksumming it costs a
+    fraction of what each rank's check of the training shards does.)"""
     if not cfg.training.eval_interval:
-        return
+        return None
     from myria.data.mixture import open_dataset
 
     try:
-        open_dataset(cfg.data, cfg.model.seq_len, split="val", verify=True)
+        return open_dataset(cfg.data, cfg.model.seq_len, split="val", verify=True)
     except DataError as e:
         raise DataError(f"{e}; or train without validation: --training.eval_interval=0 (it is "
                         f"{cfg.training.eval_interval})") from None

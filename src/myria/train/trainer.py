@@ -60,7 +60,7 @@ from myria.train.integrity import StepGuard
 from myria.train.launch import JOB_START_ENV
 from myria.train.metrics import MetricsLogger, StepTimer, mfu
 from myria.train.preemption import StopRequest
-from myria.train.preflight import check_mixture, check_vocab
+from myria.train.preflight import check_mixture, check_validation, check_vocab
 from myria.train.profiling import Profiler
 from myria.train.watchers import Judged, StepWatchers
 
@@ -305,7 +305,7 @@ class Run:
     flops_per_token: float
     peak: float | None
     since_logged: float = 0.0  # step time since the last logged row (productive time)
-    val: Any = None            # the validation split, opened at the first evaluation
+    val: Any = None            # the validation split (None with evaluation off)
     peers: Any = None          # resilience.peer: this rank's state held by its neighbour
     profiler: Any = None       # train.profiling: the [profiling] window
     # the wall-time limit's estimate of the next step (the slowest of the last steps) and of
@@ -335,6 +335,7 @@ class Run:
         check_mixture(cfg, dataset)
         if isinstance(dataset, MixtureDataset):
             data_fp = dataset.fingerprint(data_fp)
+        val = check_validation(cfg)   # checked at the start, not at the first evaluation
 
         # -- model, optimizer, schedule for this layout ----------------------------------------
         engine = Engine(cfg, dims, env.device, run_dir, eos_id=dataset.eos_id,
@@ -407,7 +408,8 @@ class Run:
         return cls(cfg, run_dir, env, hb, layout, dataset, data_fp, engine, rec, faults, ckpt,
                    latest, start_step, stop, loader, metrics, guard, watch, StepTimer(sync),
                    model_flops_per_token(m, seq_len=span), peak, peers=peers,
-                   profiler=Profiler(cfg.profiling, run_dir, env.rank, env.device.type))
+                   profiler=Profiler(cfg.profiling, run_dir, env.rank, env.device.type),
+                   val=val)
 
     def after_step(self, step: int, done: StepDone) -> None:
         """After step `step`: the heartbeat's progress, the metrics row on the logging
@@ -436,7 +438,6 @@ class Run:
         # not a multiple of it, still ends with its validation loss
         if t.eval_interval and (step % t.eval_interval == 0 or step == t.steps):
             self.hb.phase("eval")
-            self.val = self.val or open_dataset(cfg.data, cfg.model.seq_len, split="val")
             losses = evaluate_sources(self.engine, self.val, cfg)
             # the eval's row carries the ledger's seconds since the last row (the eval, and
             # the steps and their data waits in between when rows are further apart), so the
