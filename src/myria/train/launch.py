@@ -455,6 +455,9 @@ def _fork_forkserver() -> bool:
                     code = 0
                 except SystemExit:   # the server's end: its clients are gone
                     code = 0
+                except BaseException:   # said where a new interpreter's server would say it
+                    sys.excepthook(*sys.exc_info())
+                    sys.stderr.flush()
                 finally:
                     os._exit(code)
             os.close(alive_r)
