@@ -25,6 +25,41 @@ class Clock:
         self.t += s
 
 
+def test_steps_at_under_half_the_usual_pace_book_their_excess_as_slow(tmp_path):
+    """A row whose steps took more than SLOW_FACTOR x the median of the process's earlier rows
+    (from the PACE_MIN-th row) books the time beyond that median as `slow`; a row within the
+    factor, the first rows (start-up and warm-up set no pace) and a row without a step (an
+    evaluation's) book none."""
+    c = Clock()
+    led = goodput.Ledger(tmp_path, attempt=0, clock=c)
+    led.ready(rank=0)
+    hb = heartbeat.Heartbeat(0, ledger=led)
+    hb.resumed(0)
+    step = 0
+
+    def row(seconds_per_step, steps=1):
+        nonlocal step
+        for _ in range(steps):
+            step += 1
+            hb.phase("forward-backward")
+            c.tick(seconds_per_step)
+            hb.step_done(step, seconds_per_step)
+        hb.phase("metrics")
+        return led.row({"step": step, "data_wait_s": 0.0, "time": c()})["goodput"]
+
+    first = row(9.0)    # the first step: compiling, caches, no pace yet
+    assert "slow" not in first and first["productive"] == 9.0
+    for _ in range(goodput.PACE_MIN):
+        assert "slow" not in row(1.0)
+    hb.phase("eval")
+    c.tick(3.0)
+    assert led.row({"step": step, "time": c()})["goodput"] == {"eval": 3.0}
+    assert row(1.9, steps=2) == {"productive": 3.8}         # within the factor
+    assert row(5.0) == {"productive": 1.0, "slow": 4.0}     # a stall: 4 s beyond the usual 1 s
+    assert row(3.0, steps=3) == {"productive": 3.0, "slow": 6.0}
+    assert "slow" not in row(1.0)
+
+
 def test_ledger_rows_tile_the_process_time_and_mark_redone_steps(tmp_path):
     (tmp_path / "metrics.abandoned.jsonl").write_text(
         json.dumps({"step": 3, "loss": 1.0, "resumed_from": 2}) + "\n")
@@ -224,12 +259,13 @@ def test_supervised_fault_run_ledger_sums_to_wall_time(tmp_path, tiny_data):
     assert g["seconds"]["other"] <= 0.01 * s["wall_s"], g["seconds"]
     assert g["seconds"]["detection"] > 0 and g["seconds"]["recovery"] > 0
     assert g["seconds"]["redone"] > 0  # the steps lost after the newest committed checkpoint
-    # the ledger's step time (first runs, redone runs, data waits) is the steps' recorded time
-    # (kept and set-aside rows) less the peer snapshots' copies, which the ledger counts apart
+    # the ledger's step time (first runs, their slow part, redone runs, data waits) is the
+    # steps' recorded time (kept and set-aside rows) less the peer snapshots' copies, which the
+    # ledger counts apart
     rows = [r for name in ("metrics.jsonl", "metrics.abandoned.jsonl")
             for r in map(json.loads, (tmp_path / name).read_text().splitlines())
             if "step_time_s" in r]
-    steps = g["seconds"]["productive"] + g["seconds"]["redone"] + g["seconds"]["data_wait"]
+    steps = sum(g["seconds"][k] for k in ("productive", "slow", "redone", "data_wait"))
     recorded = sum(r["step_time_s"] for r in rows)
     assert 0.8 * recorded <= steps <= recorded + 0.05, (steps, recorded)
     f = s["faults"][0]

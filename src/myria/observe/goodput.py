@@ -14,14 +14,15 @@ from __future__ import annotations
 
 import json
 import os
+import statistics
 import time
-from collections import defaultdict
+from collections import defaultdict, deque
 from pathlib import Path
 from typing import Any
 
 DIR = "goodput"
 # the categories, in the order the report stacks them
-CATEGORIES = ("productive", "startup", "data_wait", "checkpoint", "eval", "straggler",
+CATEGORIES = ("productive", "startup", "data_wait", "checkpoint", "eval", "straggler", "slow",
               "detection", "recovery", "lost", "redone", "shutdown", "other")
 # each category in words, as the report's ledger table gives it
 MEANING = {"productive": "training steps run for the first time",
@@ -30,6 +31,8 @@ MEANING = {"productive": "training steps run for the first time",
            "checkpoint": "snapshot waits, saves, the final flush, peer snapshots",
            "eval": "evaluation",
            "straggler": "what detected stragglers cost every step",
+           "slow": "steps at under half the run's usual pace (a slowed link, a healed "
+                   "partition, a stall no detector named): their time beyond the usual",
            "detection": "a fault until it was detected",
            "recovery": "detection until the restarted processes trained again",
            "lost": "from the last logged step to a fault: the step in flight, thrown away",
@@ -43,6 +46,14 @@ PHASES = {"init": None, "resume": None, "snapshot-wait": "checkpoint",
           "peer-snapshot": "checkpoint"}
 RECOVERY_PHASES = ("detection", "teardown", "decision", "backoff", "start_processes",
                    "process_groups", "build_model", "restore", "redo_steps")
+# `slow`: a metrics row whose steps took on average more than SLOW_FACTOR x the median of the
+# process's last PACE_WINDOW rows (judged from the PACE_MIN-th row, so that start-up and
+# warm-up rows set no pace) books its time beyond that median as `slow`. A median, and a
+# factor well above the step-to-step noise of a loaded host, so that only a stall counts; the
+# step time deviation of Google's ML goodput measurement, with a robust norm.
+SLOW_FACTOR = 2.0
+PACE_WINDOW = 50
+PACE_MIN = 5
 
 
 def process_start_time() -> float:
@@ -83,6 +94,8 @@ class Ledger:
         self.acc: dict[str, float] = defaultdict(float)
         self.start_step = 0
         self.step = 0
+        self._row_step = 0   # the step of the previous row
+        self._pace: deque[float] = deque(maxlen=PACE_WINDOW)   # seconds per step, per row
         self._high_water: int | None = None
 
     # -- the tiling --------------------------------------------------------------------------
@@ -122,7 +135,7 @@ class Ledger:
         self.mark("pg_ready")
 
     def resumed(self, step: int) -> None:
-        self.start_step = self.step = step
+        self.start_step = self.step = self._row_step = step
         self.mark("restored", write=True)
 
     def step_done(self, step: int) -> None:
@@ -154,7 +167,16 @@ class Ledger:
         step_s = acc.pop("step", 0.0)
         wait = min(step_s, max(0.0, float(row.get("data_wait_s") or 0.0)))
         kind = "redone" if self.step <= self.high_water() else "productive"
-        acc[kind] += step_s - wait
+        work = step_s - wait
+        steps, self._row_step = self.step - self._row_step, self.step
+        if kind == "productive" and steps > 0:
+            per = work / steps
+            usual = statistics.median(self._pace) if len(self._pace) >= PACE_MIN - 1 else None
+            self._pace.append(per)
+            if usual is not None and per > SLOW_FACTOR * usual:
+                acc["slow"] += (per - usual) * steps
+                work = usual * steps
+        acc[kind] += work
         acc["data_wait"] += wait
         out = {c: round(acc[c], 6) for c in CATEGORIES if acc.get(c)}
         start, self.row_since = self.row_since, now

@@ -463,6 +463,7 @@ def prediction_line(pred: dict) -> str:
 # -- recovery and goodput -------------------------------------------------------------------
 LEDGER_COLORS = {"productive": "#2ca02c", "startup": "#9467bd", "data_wait": "#7f7f7f",
                  "checkpoint": "#bcbd22", "eval": "#17becf", "straggler": "#ff7f0e",
+                 "slow": "#ffbb78",
                  "detection": "#d62728", "recovery": "#e377c2", "lost": "#8c564b",
                  "redone": "#1f77b4", "shutdown": "#c5b0d5", "other": "#000000"}
 
