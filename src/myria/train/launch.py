@@ -190,7 +190,13 @@ def record_worker_error(message: str, exit_code: int) -> bool:
                      durable=False)
     except OSError:
         return False
-    return os.environ.get(QUIET_ENV) == "1"
+    quiet = os.environ.get(QUIET_ENV) == "1"
+    if quiet and any(m in message for m in PEER_LOST):
+        # `myria train --nproc`'s agent keeps one failure per poll, the lowest rank among the
+        # processes found ended (torch.multiprocessing's ProcessContext.join): a survivor
+        # ending in the same poll as the peer it lost would be named instead of the peer
+        time.sleep(PEER_LOST_LINGER_S)
+    return quiet
 
 
 # what a survivor's error says when a peer is gone (collective or store), or when the agent
@@ -200,6 +206,9 @@ PEER_LOST = ("Connection closed by peer", "Connection reset by peer", "Broken pi
              "connection was closed", "Socket Timeout", "Timed out", "timed out",
              "ProcessGroupGloo", "gloo", "DistBackendError", "Connection refused",
              "has not been initialized", "aborted", "Aborted", "SIGTERM")
+# how long a survivor of `myria train --nproc` whose error is a lost peer waits before it
+# exits (`record_worker_error`): several of the agent's polls (launch_local: every 0.2 s)
+PEER_LOST_LINGER_S = 1.0
 # torch elastic's message of a rank that wrote no error file
 NO_MESSAGE = "<NONE>"
 
