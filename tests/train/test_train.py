@@ -662,6 +662,29 @@ def test_the_rank_killed_is_blamed_not_the_survivor_that_lost_it(tmp_path, monke
     assert first_failure({0: survivor, 2: stopped})[0] == 0
 
 
+def test_a_survivor_that_lost_a_peer_ends_after_it_under_the_launcher(tmp_path, monkeypatch):
+    """The agent of `myria train --nproc` keeps one failure per poll, the lowest rank found
+    ended: a worker whose launcher reports its errors and whose error is a lost peer waits
+    PEER_LOST_LINGER_S before it exits, so that the peer's end is seen first; an error of its
+    own, or a worker of another launcher, does not wait."""
+    import time
+
+    from myria.train import launch
+
+    monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(tmp_path / "error.json"))
+    monkeypatch.setattr(launch, "PEER_LOST_LINGER_S", 0.3)
+    for quiet, message, waits in ((True, "RuntimeError: [gloo] Connection closed by peer", True),
+                                  (True, "data shard 3 is damaged", False),
+                                  (False, "RuntimeError: [gloo] Connection closed by peer", False)):
+        if quiet:
+            monkeypatch.setenv(launch.QUIET_ENV, "1")
+        else:
+            monkeypatch.delenv(launch.QUIET_ENV, raising=False)
+        t0 = time.monotonic()
+        assert launch.record_worker_error(message, 1) is quiet
+        assert (time.monotonic() - t0 >= 0.3) is waits, (quiet, message)
+
+
 def _workers_of(launcher: int) -> dict[int, str]:
     """The processes forked by `launcher`'s forkserver: pid -> name (/proc/PID/comm)."""
     from myria.fsutil import proc_stat
