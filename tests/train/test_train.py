@@ -802,12 +802,10 @@ def test_a_launcher_forks_its_forkserver_unless_it_has_another_thread(tmp_path, 
     running (a store's server), or with the CUDA driver loaded (a forked child could not use
     it; here a library named as the driver), the launcher starts a new interpreter, as
     multiprocessing does."""
-    from pathlib import Path
-
-    driver = tmp_path / "libcuda.so.1"   # any shared library, loaded under the driver's name
-    shutil.copy(next(p for p in map(Path, ("/lib/x86_64-linux-gnu/libm.so.6",
-                                           "/usr/lib/x86_64-linux-gnu/libm.so.6",
-                                           "/lib64/libm.so.6")) if p.exists()), driver)
+    # any shared library, loaded under the driver's name: this interpreter's libm
+    libm = next(line.split()[-1] for line in open("/proc/self/maps") if "/libm.so" in line)
+    driver = tmp_path / "libcuda.so.1"
+    shutil.copy(libm, driver)
     code = ("import ctypes, fcntl, os, sys, threading, time\n"
             "import torch\n"
             "from multiprocessing import forkserver\n"

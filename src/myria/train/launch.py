@@ -206,9 +206,11 @@ PEER_LOST = ("Connection closed by peer", "Connection reset by peer", "Broken pi
              "connection was closed", "Socket Timeout", "Timed out", "timed out",
              "ProcessGroupGloo", "gloo", "DistBackendError", "Connection refused",
              "has not been initialized", "aborted", "Aborted", "SIGTERM")
-# how long a survivor of `myria train --nproc` whose error is a lost peer waits before it
-# exits (`record_worker_error`): several of the agent's polls (launch_local: every 0.2 s)
-PEER_LOST_LINGER_S = 1.0
+# how often `myria train --nproc`'s agent looks at its workers (launch_local), and how long a
+# survivor whose error is a lost peer waits before it exits (`record_worker_error`): several
+# of those looks
+MONITOR_INTERVAL_S = 0.2
+PEER_LOST_LINGER_S = 5 * MONITOR_INTERVAL_S
 # torch elastic's message of a rank that wrote no error file
 NO_MESSAGE = "<NONE>"
 
@@ -652,7 +654,7 @@ def launch_local(nproc: int, argv: list[str], entry: str, max_restarts: int = 0)
         # each rendezvous-store read
         rdzv_configs={"join_timeout": 300, "last_call_timeout": 1, "close_timeout": 30,
                       "read_timeout": 120},
-        max_restarts=max_restarts, monitor_interval=0.2,
+        max_restarts=max_restarts, monitor_interval=MONITOR_INTERVAL_S,
         start_method="forkserver",
         # the workers' error files, read into the failures before the launch returns; torch's
         # default is a new /tmp/torchelastic_* per launch that nothing removes
