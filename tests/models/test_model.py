@@ -1,13 +1,17 @@
 """The model: FLOP counts against torch's counter, parameter counts, fused loss, init."""
 
+import contextlib
+
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import FlopCounterMode, register_flop_formula, sdpa_flop_count
 
 from myria.config import ModelConfig
 from myria.models.flops import (
     forward_flops_per_token,
+    loss_chunk_rows,
     megatron_gpt_flops_per_iteration,
     model_flops_per_token,
     param_counts,
@@ -106,6 +110,63 @@ def test_fused_cross_entropy_matches_reference():
     assert torch.allclose(fh, gh, atol=1e-12) and torch.allclose(fw, gw, atol=1e-12)
     with torch.no_grad():
         assert torch.allclose(fused_linear_cross_entropy(h, w, t), ref)
+
+
+class _GemmDtypes(TorchDispatchMode):
+    """Records the input dtypes of every matrix multiply dispatched inside it."""
+
+    GEMMS = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default,
+             torch.ops.aten.addmm_.default, torch.ops.aten.bmm.default}
+
+    def __init__(self):
+        super().__init__()
+        self.seen: list[tuple] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func in self.GEMMS or func.overloadpacket is torch.ops.aten.mm:
+            self.seen.append(tuple(a.dtype for a in args if isinstance(a, torch.Tensor)))
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("autocast", [False, True], ids=["bf16-inputs", "autocast"])
+def test_fused_loss_runs_every_gemm_in_bf16_on_an_accelerator(monkeypatch, autocast):
+    """On an accelerator the loss's three GEMMs run in the forward's dtype (bf16 inputs, or fp32
+    inputs under autocast) and its gradients match the unfused bf16 computation; a CPU keeps
+    its fp32 weight-gradient GEMM."""
+    from myria.models import loss as loss_mod
+
+    torch.manual_seed(0)
+    dt = torch.float32 if autocast else torch.bfloat16
+    h = torch.randn(300, 64).to(dt).requires_grad_()
+    w = (torch.randn(200, 64) * 0.1).to(dt).requires_grad_()
+    t = torch.randint(0, 200, (300,))
+    ctx = torch.autocast("cpu", torch.bfloat16) if autocast else contextlib.nullcontext()
+    hb, wb = h.detach().bfloat16().requires_grad_(), w.detach().bfloat16().requires_grad_()
+    ref = F.cross_entropy((hb @ wb.t()).float(), t)
+    gh, gw = torch.autograd.grad(ref, (hb, wb))
+
+    def run():
+        with ctx, _GemmDtypes() as rec:
+            out = fused_linear_cross_entropy(h, w, t, chunk=64)
+        return out, torch.autograd.grad(out, (h, w)), rec.seen
+
+    _, _, cpu_gemms = run()
+    assert any(torch.float32 in d for d in cpu_gemms)   # the CPU's fp32 weight gradient
+    monkeypatch.setattr(loss_mod, "on_accelerator", lambda _t: True)
+    out, (fh, fw), gemms = run()
+    assert len(gemms) == 3 * 5 and all(d == (torch.bfloat16,) * 2 for d in gemms), gemms
+    assert fh.dtype == h.dtype and fw.dtype == w.dtype
+    assert abs(out.item() - ref.item()) < 1e-3
+    # as close to the unfused bf16 gradients as bf16's resolution allows
+    assert (fh.float() - gh.float()).abs().max() <= 2e-2 * gh.float().abs().max()
+    assert (fw.float() - gw.float()).abs().max() <= 2e-2 * gw.float().abs().max()
+
+
+def test_fused_loss_chunks_are_long_on_an_accelerator():
+    assert loss_chunk_rows(32000) == 131                 # a CPU's: 4 Mi logits
+    assert loss_chunk_rows(32000, "cuda") == 2097        # 64 Mi: GEMMs of ~2k rows
+    assert loss_chunk_rows(128256, "cuda") == 523
+    assert loss_chunk_rows(10 ** 9, "cuda") == 16
 
 
 def test_model_loss_equals_logits_loss():

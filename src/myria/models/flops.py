@@ -22,10 +22,20 @@ from myria.config import ModelConfig
 CONVENTIONS = ("dense", "causal", "megatron")
 
 
-def loss_chunk_rows(vocab: int, target_elems: int = 1 << 22) -> int:
-    """Rows per chunk of myria's fused linear + cross-entropy (models/loss.py): logits of
-    about `target_elems` elements at a time (the planner prices the same chunks)."""
-    return max(16, target_elems // max(vocab, 1))
+# Elements of fp32 logits per chunk of the fused loss, by device type. A CPU's 4 Mi (16 MB);
+# an accelerator's 64 Mi (256 MB): ~2k rows at a 32k vocabulary, so that the chunk's three
+# GEMMs are long enough for the tensor cores (a few hundred rows run far below their rate:
+# the M sweep of bench/gpu_gemm_shapes.py) and the loop issues a few dozen kernels, not hundreds.
+LOSS_CHUNK_ELEMS = {"cpu": 1 << 22}
+LOSS_CHUNK_ELEMS_ACCELERATOR = 1 << 26
+
+
+def loss_chunk_rows(vocab: int, device_type: str = "cpu") -> int:
+    """Rows per chunk of myria's fused linear + cross-entropy (models/loss.py) on a device of
+    `device_type`: logits of about LOSS_CHUNK_ELEMS elements at a time (the planner prices the
+    CPU's chunks: the eager runtime it prices runs there)."""
+    target = LOSS_CHUNK_ELEMS.get(device_type, LOSS_CHUNK_ELEMS_ACCELERATOR)
+    return max(16, target // max(vocab, 1))
 
 
 @dataclass
