@@ -50,6 +50,8 @@ def test_toml_and_overrides(tmp_path):
      "'hybrid' (this model: arch 'llama')"),
     ("--model.arch=griffin --model.attention_window=8 --model.layers=2",
      "model.block_pattern = 'RRA' is longer than model.layers = 2"),
+    ("--data.eval_batches=0 --training.eval_interval=40",
+     "data.eval_batches = 0 with training.eval_interval = 40: an evaluation needs a batch"),
 ])
 def test_errors_name_field_value_and_valid(override, needle):
     with pytest.raises(ConfigError) as e:

@@ -589,6 +589,10 @@ def validate(cfg: Config) -> None:
     if bad:
         raise ConfigError(f"logging.trackers = {cfg.logging.trackers!r}: {bad[0].strip()!r} is "
                           "not a tracker; use wandb, mlflow or 'wandb,mlflow'")
+    if t.eval_interval and not cfg.data.eval_batches:
+        raise ConfigError(f"data.eval_batches = 0 with training.eval_interval = "
+                          f"{t.eval_interval}: an evaluation needs a batch; to train without "
+                          "validation set training.eval_interval = 0")
     if cfg.data.phases and not cfg.data.sources:
         raise ConfigError(f"data.phases = {cfg.data.phases!r} weighs the sources of a mixture; "
                           "set data.sources (data.path is one directory)")
