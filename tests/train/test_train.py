@@ -1078,3 +1078,26 @@ def test_a_signal_after_the_last_step_is_a_finished_run(tmp_path):
     os.utime(tmp_path / "checkpoints" / "step_00000010" / MANIFEST, (0, 0))
     assert _finished(cfg, tmp_path, 9, 1).startswith("after step 9 of --stop-after 9")
     assert _finished(cfg, tmp_path, 10, 1) == ""
+
+
+def test_clipping_waits_for_the_device_once(tmp_path):
+    """The clip reads the gradients' norm on the host once (on a GPU each read waits for the
+    queue to drain), however the norm is then used: the coefficient, the scaling, the log."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Reads(TorchDispatchMode):
+        n = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func is torch.ops.aten._local_scalar_dense.default:
+                Reads.n += 1
+            return func(*args, **(kwargs or {}))
+
+    from tests.train.test_offload import engine
+
+    e = engine(tmp_path)
+    x = torch.randint(0, 512, (2, 2, 33), generator=torch.Generator().manual_seed(1))
+    e.forward_backward(x[..., :-1], x[..., 1:])
+    with Reads():
+        norm = e.clip_grads(1e-3)    # below the norm: the gradients are scaled
+    assert Reads.n == 1 and norm > 1e-3

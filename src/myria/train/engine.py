@@ -267,11 +267,12 @@ class Engine:
             sq = norm.pow(2)
             dist.all_reduce(sq, group=self.dims.pp_group)
             norm = sq.sqrt()
-        scaled = expert.clip_coef(max_norm, norm) < 1.0
+        value = float(norm)   # the clip's one wait for the device
+        scaled = expert.clip_coef(max_norm, value) < 1.0
         self.tier.on_clip(scaled)   # before the gradients change
         if scaled:
-            expert.clip_grads_with_norm_(params, max_norm, norm)
-        return float(norm)
+            expert.clip_grads_with_norm_(params, max_norm, value)
+        return value
 
     def gradients_changed(self) -> None:
         """Gradients were changed after backward (a fault injected into one)."""
