@@ -27,7 +27,9 @@ off. Each case is measured in several ways in one process, one after the other:
 Reported per case: tokens/s, MFU against the chip's dense bf16 peak from `myria.device` (the
 one table of device facts), peak memory (`torch.cuda.max_memory_allocated`), the step-time
 breakdown (forward, backward, clip, optimizer, data wait), and for float8 (`--float8`, 1.5B
-with compile) its losses beside the bf16 run's. Step times are medians over the measured steps
+with compile) its losses beside the bf16 run's. The first case's plain, myria and myria-nochecks
+loops run one more step under torch.profiler, untimed (`--profile-loops`): how much of that step
+the device was busy (under all of it: it waited for the host) and the kernels that took most. Step times are medians over the measured steps
 after `--warmup` steps (compilation happens in the first). Each config runs in its own child
 process (a failure or an out-of-memory in one does not lose the others) and the children run
 in priority order within `--budget-s`; what did not fit is listed as skipped. Writes JSON
@@ -39,6 +41,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import math
 import os
 import platform
 import statistics
@@ -113,8 +116,10 @@ def _peak_gb(device) -> dict:
             "peak_reserved_gb": torch.cuda.max_memory_reserved() / 1e9}
 
 
-def run_myria(cfg, device, warmup: int) -> dict:
-    """`myria.train.trainer.train` as `myria train` runs it, without checkpoint writes."""
+def run_myria(cfg, device, warmup: int, profile: bool = False) -> dict:
+    """`myria.train.trainer.train` as `myria train` runs it, without checkpoint writes.
+    `profile`: its last step runs under torch.profiler (the trainer's own [profiling] window),
+    is left out of the timings, and its trace gives `device_profile`."""
     from myria.train import trainer
     from myria.train.checkpoint.pipeline import CheckpointManager
 
@@ -130,12 +135,17 @@ def run_myria(cfg, device, warmup: int) -> dict:
         rows = [json.loads(x) for x in (Path(d) / "metrics.jsonl").read_text().splitlines()]
         rows = [r for r in rows if "step_time_s" in r]
         spans = _spans(Path(d) / "events" / "rank00000.jsonl")
-    measured = [r for r in rows if r["step"] > warmup]
+        trace = Path(d) / "profile" / "trace_rank00000.json"
+        prof = device_profile(trace) if profile and trace.exists() else None
+    last = cfg.training.steps - (1 if profile else 0)
+    measured = [r for r in rows if warmup < r["step"] <= last]
     out = {"step_s": statistics.median(r["step_time_s"] for r in measured),
            "step_s_all": [r["step_time_s"] for r in rows],
            "losses": [r["loss"] for r in rows], "wall_s": wall,
            "breakdown_s": {k: statistics.median(spans.get((r["step"], k), 0.0) for r in measured)
                            for k in BREAKDOWN}}
+    if profile:
+        out["profile"] = prof
     out.update(_peak_gb(device))
     return out
 
@@ -163,10 +173,41 @@ def _spans(path: Path) -> dict:
     return out
 
 
-def run_plain(cfg, device, warmup: int, fsdp: bool = False) -> dict:
+DEVICE_CATS = ("kernel", "gpu_memcpy", "gpu_memset")
+
+
+def device_profile(trace: Path, top: int = 10) -> dict | None:
+    """Where one profiled step's device time went, from its Chrome trace (torch.profiler's):
+    the window (first to last event), the time the device was busy (the union of its kernels,
+    copies and sets), that share of the window (under 1: the device waited for the host), and
+    the kernels taking the most of it. None when the trace has no device event (a CPU run)."""
+    events = json.loads(Path(trace).read_text()).get("traceEvents", [])
+    timed = [e for e in events if e.get("ph") == "X" and "dur" in e and "ts" in e]
+    dev = sorted((float(e["ts"]), float(e["ts"]) + float(e["dur"]), e.get("name", "?"))
+                 for e in timed if e.get("cat") in DEVICE_CATS)
+    if not dev:
+        return None
+    lo = min(float(e["ts"]) for e in timed)
+    hi = max(float(e["ts"]) + float(e["dur"]) for e in timed)
+    busy, end = 0.0, -math.inf
+    by_name: dict[str, float] = {}
+    for a, b, name in dev:
+        busy += max(0.0, b - max(a, end))
+        end = max(end, b)
+        key = name if len(name) <= 80 else name[:77] + "..."
+        by_name[key] = by_name.get(key, 0.0) + (b - a)
+    kernels = sorted(by_name.items(), key=lambda kv: -kv[1])[:top]
+    return {"window_s": (hi - lo) / 1e6, "device_busy_s": busy / 1e6,
+            "device_busy_share": busy / (hi - lo) if hi > lo else None,
+            "device_events": len(dev),
+            "top": [[k, v / 1e6, v / busy] for k, v in kernels]}
+
+
+def run_plain(cfg, device, warmup: int, fsdp: bool = False, profile: bool = False) -> dict:
     """A minimal PyTorch loop: the same model class, optimizer, data and batch; autocast bf16.
     `fsdp`: the model sharded by FSDP2 on a one-rank mesh with the bf16 mixed-precision policy
-    instead of autocast, as `myria train` runs one GPU in bf16 (what FSDP2 itself costs)."""
+    instead of autocast, as `myria train` runs one GPU in bf16 (what FSDP2 itself costs).
+    `profile`: the last step runs under torch.profiler, left out of the timings."""
     import torch
     import torch.distributed as dist
 
@@ -209,7 +250,13 @@ def run_plain(cfg, device, warmup: int, fsdp: bool = False) -> dict:
     cuda = device.type == "cuda"
     times, losses, parts = [], [], []
     t_start = time.perf_counter()
-    for _ in range(t.steps):
+    prof = trace = None
+    for i in range(t.steps):
+        if profile and i == t.steps - 1:
+            acts = [torch.profiler.ProfilerActivity.CPU] + (
+                [torch.profiler.ProfilerActivity.CUDA] if device.type == "cuda" else [])
+            prof = torch.profiler.profile(activities=acts)
+            prof.__enter__()
         marks = []
 
         def mark(marks=marks):
@@ -249,10 +296,18 @@ def run_plain(cfg, device, warmup: int, fsdp: bool = False) -> dict:
         parts.append({"forward": fwd, "backward": bwd, "grad_clip": el[-2], "optimizer": el[-1]})
     loader.close()
     wall = time.perf_counter() - t_start
-    m = parts[warmup:]
-    out = {"step_s": statistics.median(times[warmup:]), "step_s_all": times, "losses": losses,
+    if prof is not None:
+        prof.__exit__(None, None, None)
+        with tempfile.TemporaryDirectory() as d:
+            prof.export_chrome_trace(str(Path(d) / "trace.json"))
+            trace = device_profile(Path(d) / "trace.json")
+    last = t.steps - (1 if profile else 0)
+    m = parts[warmup:last]
+    out = {"step_s": statistics.median(times[warmup:last]), "step_s_all": times, "losses": losses,
            "wall_s": wall,
            "breakdown_s": {k: statistics.median(p[k] for p in m) for k in m[0]}}
+    if profile:
+        out["profile"] = trace
     out.update(_peak_gb(device))
     del model, opt
     if fsdp:
@@ -300,12 +355,16 @@ def child(args) -> int:
         peak_source = "this CPU, measured fp32 matmul (myria.device)"
     steps = args.warmup + args.steps
     kinds = [k for k in args.loops.split(",") if k]
+    profiled = set((args.profile_loops or "").split(",")) - {""}
     for kind in kinds:
         float8 = kind == "myria-float8"
+        prof = kind in profiled   # one more step, under the profiler, not timed
+        extra = [f"--profiling.start_step={steps + 1}", "--profiling.steps=1"] \
+            if prof and not kind.startswith("plain") else []
         cfg = config_mod.load(None, overrides(args.one, args.cpu, args.compile == "on", float8,
-                                              steps, args.micro, args.accum, args.data,
+                                              steps + prof, args.micro, args.accum, args.data,
                                               checks=kind != "myria-nochecks",
-                                              zero2=kind == "myria-zero2"))
+                                              zero2=kind == "myria-zero2") + extra)
         cfg.checkpoint.resume = False
         fpt = model_flops_per_token(cfg.model)
         tokens = cfg.training.global_batch * cfg.model.seq_len
@@ -313,8 +372,8 @@ def child(args) -> int:
                "params": param_counts(cfg.model).total(cfg.model.layers),
                "tokens_per_step": tokens, "peak_tflops": peak, "peak_source": peak_source}
         try:
-            res = run_plain(cfg, dev, args.warmup, fsdp=kind == "plain-fsdp") \
-                if kind.startswith("plain") else run_myria(cfg, dev, args.warmup)
+            res = run_plain(cfg, dev, args.warmup, fsdp=kind == "plain-fsdp", profile=prof) \
+                if kind.startswith("plain") else run_myria(cfg, dev, args.warmup, profile=prof)
             row.update(res)
             row["tokens_per_s"] = tokens / res["step_s"]
             row["mfu"] = fpt * row["tokens_per_s"] / (peak * 1e12) if peak else None
@@ -443,6 +502,10 @@ def main() -> int:
     ap.add_argument("--budget-s", type=float, default=330.0,
                     help="wall-clock budget of the whole benchmark; cases that would start "
                     "after it are skipped")
+    ap.add_argument("--profile-loops", default="plain,myria,myria-nochecks",
+                    help="loops of the first case (1.5B compiled; --cpu: the toy) that run one "
+                    "more step under torch.profiler, untimed: the device's busy share of that "
+                    "step and its largest kernels ('' for none)")
     ap.add_argument("--data", default="", help="a prepared corpus (default: prepare one)")
     ap.add_argument("--out", default="", help="JSON file (default bench/results/gpu_<dev>.json)")
     ap.add_argument("--one", help=argparse.SUPPRESS)
@@ -464,7 +527,7 @@ def main() -> int:
     data = Path(args.data) if args.data else prepare_data(work / "data", 40 if args.cpu else 80)
     jsonl = work / "rows.jsonl"
     skipped = []
-    for name, comp, loops in plan(args):
+    for i, (name, comp, loops) in enumerate(plan(args)):
         left = args.budget_s - (time.perf_counter() - t_start)
         if left < 20:
             skipped.append(f"{name}/compile={comp}")
@@ -473,6 +536,8 @@ def main() -> int:
                "--loops", ",".join(loops), "--jsonl", str(jsonl), "--data", str(data),
                "--warmup", str(args.warmup), "--steps", str(args.steps),
                "--micro", str(args.micro), "--accum", str(args.accum)]
+        if i == 0 and args.profile_loops:
+            cmd += ["--profile-loops", args.profile_loops]
         if args.cpu:
             cmd.append("--cpu")
         print(f"{name} compile={comp} ({', '.join(loops)}), {left:.0f} s left", flush=True)
@@ -510,6 +575,17 @@ def main() -> int:
             parts.append(f"float8 x{s['float8']['speedup']:.2f} (max |dloss| "
                          f"{s['float8']['max_abs_loss_diff']:.4f})")
         print(f"{k}: " + ", ".join(parts))
+    for r in rows:
+        if "profile" not in r:
+            continue
+        pr = r["profile"]
+        what = f"profiled step, {r['config']} compile={'on' if r['compile'] else 'off'} {r['loop']}"
+        if not pr:
+            print(f"{what}: no device events")
+            continue
+        print(f"{what}: device busy {pr['device_busy_s']:.4f} s of {pr['window_s']:.4f} s "
+              f"({100 * pr['device_busy_share']:.0f}%), {pr['device_events']} device events; "
+              "most time: " + "; ".join(f"{100 * sh:.0f}% {k[:48]}" for k, _, sh in pr["top"][:4]))
     if skipped:
         print("skipped: " + "; ".join(skipped))
     print(f"wrote {out}")

@@ -25,8 +25,11 @@ def test_gpu_throughput_cpu_mode(tmp_path, tiny_data):
     rows = {x["loop"]: x for x in r["rows"]}
     assert set(rows) == {"myria", "plain", "myria-nochecks", "myria-zero2", "plain-fsdp"} \
         and not r["skipped"]
-    for x in rows.values():
-        assert len(x["losses"]) == 3 and all(math.isfinite(v) for v in x["losses"])
+    profiled = {"plain", "myria", "myria-nochecks"}   # one more step each, untimed
+    for loop, x in rows.items():
+        assert len(x["losses"]) == 3 + (loop in profiled)
+        assert all(math.isfinite(v) for v in x["losses"])
+        assert ("profile" in x) == (loop in profiled) and x.get("profile") is None  # no device
         assert x["step_s"] > 0 and x["tokens_per_s"] > 0 and 0 < x["mfu"] < 1
         assert x["breakdown_s"]["forward"] > 0 and x["breakdown_s"]["backward"] > 0
         assert x["predicted"]["step_s"] > 0 and x["predicted"]["memory_gb"] > 0
@@ -38,3 +41,25 @@ def test_gpu_throughput_cpu_mode(tmp_path, tiny_data):
     assert "overhead_without_checks" in s and "fsdp_one_rank_vs_autocast" in s
     assert "overhead_zero2" in s
     assert "toy" in p.stdout and "MFU" in p.stdout   # the table
+
+
+def test_a_profiled_step_says_how_busy_the_device_was(tmp_path):
+    """`device_profile` over a trace: the device's busy time is the union of its events (two
+    overlapping kernels count once), the window runs from the first to the last event, host
+    or device; kernels are ranked by their summed time."""
+    from tests.conftest import bench_module
+
+    ev = [{"ph": "X", "cat": "cpu_op", "name": "aten::mm", "ts": 0, "dur": 100},
+          {"ph": "X", "cat": "kernel", "name": "gemm", "ts": 10, "dur": 30},
+          {"ph": "X", "cat": "kernel", "name": "gemm", "ts": 30, "dur": 20},   # overlaps
+          {"ph": "X", "cat": "kernel", "name": "softmax", "ts": 70, "dur": 10},
+          {"ph": "X", "cat": "gpu_memcpy", "name": "Memcpy HtoD", "ts": 190, "dur": 10},
+          {"ph": "i", "cat": "kernel", "name": "marker", "ts": 500}]            # no duration
+    (tmp_path / "t.json").write_text(json.dumps({"traceEvents": ev}))
+    pr = bench_module("gpu_throughput").device_profile(tmp_path / "t.json")
+    assert pr["window_s"] == 200e-6 and pr["device_busy_s"] == 60e-6
+    assert pr["device_busy_share"] == 0.3 and pr["device_events"] == 4
+    assert [k for k, *_ in pr["top"]] == ["gemm", "softmax", "Memcpy HtoD"]
+    assert pr["top"][0][1] == 50e-6
+    (tmp_path / "cpu.json").write_text(json.dumps({"traceEvents": ev[:1]}))
+    assert bench_module("gpu_throughput").device_profile(tmp_path / "cpu.json") is None
