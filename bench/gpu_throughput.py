@@ -29,8 +29,9 @@ one table of device facts), peak memory (`torch.cuda.max_memory_allocated`), the
 breakdown (forward, backward, clip, optimizer, data wait), and for float8 (`--float8`, 1.5B
 with compile) its losses beside the bf16 run's. The first case's plain, myria and myria-nochecks
 loops run one more step under torch.profiler, untimed (`--profile-loops`): how much of that step
-the device was busy (under all of it: it waited for the host) and the kernels that took most. Step times are medians over the measured steps
-after `--warmup` steps (compilation happens in the first). Each config runs in its own child
+the device was busy (under all of it: it waited for the host) and the kernels that took most.
+Step times are medians over the measured steps after `--warmup` steps (compilation happens in
+the first). Each config runs in its own child
 process (a failure or an out-of-memory in one does not lose the others) and the children run
 in priority order within `--budget-s`; what did not fit is listed as skipped. Writes JSON
 (`--out`, default bench/results/gpu_<device>.json) and prints a table.

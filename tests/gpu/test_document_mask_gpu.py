@@ -40,3 +40,32 @@ def test_document_mask_gradients_equal_documents_alone(device):
         errs = [float((a - b).abs().max() / b.abs().max()) for a, b in zip(g_packed, g_alone)
                 if b.abs().max() > 0]
         assert len(errs) == len(params) and max(errs) < tol, (window, max(errs))
+
+
+@gpu_only
+def test_long_sequences_run_compiled_flex_equal_to_blockwise(record_property):
+    """Past CoreAttention.DENSE_MASK_MAX tokens the document mask runs FlexAttention compiled
+    (eagerly it would hold every head's S x S scores): output and gradients equal the blockwise
+    SDPA form's (fp32, 1e-4 of the largest entry); the first call's compile time is recorded."""
+    import time
+
+    from myria.models import attention as att
+
+    s = 2 * att.CoreAttention.DENSE_MASK_MAX
+    g = torch.Generator(device="cuda").manual_seed(0)
+    q, k, v = (torch.randn(2, 4, s, 64, device="cuda", generator=g).requires_grad_()
+               for _ in range(3))
+    tokens = torch.randint(4, 100, (2, s), device="cuda", generator=g)
+    tokens[tokens % 37 == 0] = 3                                       # ~1 in 37 an EOS
+    ids, _ = att.document_segments(tokens, 3)
+    for window in (0, 300):
+        t0 = time.perf_counter()
+        out = att._flex_document(q, k, v, ids, window, False)
+        grads = torch.autograd.grad(out.square().sum(), (q, k, v))
+        torch.cuda.synchronize()
+        record_property(f"flex_first_call_s_window{window}", time.perf_counter() - t0)
+        ref = att.blockwise_document(q, k, v, ids, window, 256)
+        ref_grads = torch.autograd.grad(ref.square().sum(), (q, k, v))
+        assert att._FLEX is not None                                   # the compiled kernel ran
+        for a, b in zip((out, *grads), (ref, *ref_grads)):
+            assert float((a - b).abs().max() / b.abs().max()) < 1e-4, window

@@ -135,3 +135,33 @@ def test_flops_count_attention_inside_documents():
                                                document_mask=True, document_len=1024))
     assert docs.attn_scores == pytest.approx(plain.attn_scores / 4)
     assert docs.mlp == plain.mlp and docs.qkv == plain.qkv
+
+
+@pytest.mark.parametrize("long", [False, True], ids=["eager-flex", "compiled-flex"])
+def test_flex_path_builds_the_block_mask_once_per_forward(monkeypatch, long):
+    """Where FlexAttention runs the mask (CUDA; forced here, forward only, as its backward does
+    not run on a CPU), the block mask is built once per forward for every layer, and a sequence
+    longer than DENSE_MASK_MAX runs the compiled kernel (a stand-in here: compiling takes
+    minutes on this machine), a shorter one the eager form; the loss is the dense mask's."""
+    from torch.nn.attention import flex_attention as fa
+
+    from myria.models import attention as att
+
+    model = _model(attention_window=5)
+    x, y = _packed()
+    with torch.no_grad():
+        dense = _packed_sum(model, x, y, False)
+    built, compiled = [], []
+    real = fa.create_block_mask
+    monkeypatch.setattr(fa, "create_block_mask", lambda *a, **k: built.append(1) or real(*a, **k))
+    monkeypatch.setattr(att, "_FLEX",
+                        lambda *a, **k: compiled.append(1) or fa.flex_attention(*a, **k))
+    monkeypatch.setattr(att, "use_flex", lambda q: True)
+    if long:
+        monkeypatch.setattr(CoreAttention, "DENSE_MASK_MAX", 8)
+    with torch.no_grad():
+        flex = _packed_sum(model, x, y, False)
+        assert len(built) == 1 and len(compiled) == (2 if long else 0)   # 2 layers
+        _packed_sum(model, x, y, False)                                  # a new forward
+        assert len(built) == 2
+    assert abs(float(flex - dense)) / float(dense) < 1e-6

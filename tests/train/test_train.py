@@ -822,7 +822,8 @@ def test_a_launcher_forks_its_forkserver_unless_it_has_another_thread(tmp_path, 
             "pid = forkserver._forkserver._forkserver_pid\n"
             "args = open(f'/proc/{pid}/cmdline').read().split(chr(0))\n"
             "print(repr(args[args.index('-c') + 1][:30]))\n"
-            "print(sorted(os.readlink(f'/proc/{pid}/fd/{fd}') for fd in os.listdir(f'/proc/{pid}/fd')))\n"
+            "fds = f'/proc/{pid}/fd'\n"
+            "print(sorted(os.readlink(f'{fds}/{fd}') for fd in os.listdir(fds)))\n"
             "print(status)\n")
     lock, out = tmp_path / "run.lock", tmp_path / "out.txt"
     p = subprocess.run([sys.executable, "-c", code, str(lock), threads, str(out), str(driver)],

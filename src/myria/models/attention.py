@@ -89,17 +89,62 @@ def blockwise_document(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, doc_id
     return torch.cat(outs, dim=2)
 
 
-def _flex_document(q, k, v, doc_ids: torch.Tensor, window: int, gqa: bool) -> torch.Tensor:
-    """FlexAttention with a document block mask (CUDA: its backward does not run on CPU)."""
-    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+_FLEX = None                            # flex_attention compiled (flex_attention_for)
+_DOC_MASK: tuple | None = None          # (doc_ids ref, its version, window, BlockMask)
+
+
+def flex_attention_for(s: int):
+    """FlexAttention for sequences of `s` tokens. Called eagerly it materialises the whole
+    S x S score matrix of every head (torch warns as much): that is what a sequence of up to
+    CoreAttention.DENSE_MASK_MAX tokens gets (as the CPU's dense mask), without a compile's
+    one-time cost of tens of seconds; a longer one gets the compiled, fused kernel (compiled
+    once per process on first use, inlined where a block is itself compiled)."""
+    global _FLEX
+    from torch.nn.attention.flex_attention import flex_attention
+
+    if s <= CoreAttention.DENSE_MASK_MAX:
+        return flex_attention
+    if _FLEX is None:
+        _FLEX = torch.compile(flex_attention, dynamic=False)
+    return _FLEX
+
+
+def use_flex(q: torch.Tensor) -> bool:
+    """Whether FlexAttention runs the masked attention of `q` (CUDA: its backward does not run
+    on a CPU)."""
+    return q.is_cuda
+
+
+def _document_block_mask(doc_ids: torch.Tensor, window: int):
+    """FlexAttention's block mask of causal (window > 0: sliding) attention inside documents.
+    Every layer of one forward gets the same `doc_ids` tensor: the mask is built once per
+    forward and window (outside a compiled region, where it is part of the graph instead)."""
+    global _DOC_MASK
+    import weakref
+
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    compiling = torch.compiler.is_compiling()
+    if not compiling and _DOC_MASK is not None:
+        ref, version, w, mask = _DOC_MASK
+        if ref() is doc_ids and version == doc_ids._version and w == window:
+            return mask
 
     def keep(b, h, qi, kj):
         ok = (kj <= qi) & (doc_ids[b, qi] == doc_ids[b, kj])
         return ok & (qi - kj < window) if window else ok
 
     b, s = doc_ids.shape
-    mask = create_block_mask(keep, b, None, s, s, device=q.device)
-    return flex_attention(q, k, v, block_mask=mask, enable_gqa=gqa)
+    mask = create_block_mask(keep, b, None, s, s, device=doc_ids.device)
+    if not compiling:
+        _DOC_MASK = (weakref.ref(doc_ids), doc_ids._version, window, mask)
+    return mask
+
+
+def _flex_document(q, k, v, doc_ids: torch.Tensor, window: int, gqa: bool) -> torch.Tensor:
+    """FlexAttention with a document block mask."""
+    return flex_attention_for(q.shape[2])(q, k, v, enable_gqa=gqa,
+                                          block_mask=_document_block_mask(doc_ids, window))
 
 
 class CoreAttention(nn.Module):
@@ -119,7 +164,7 @@ class CoreAttention(nn.Module):
         enable_gqa = k.shape[1] != q.shape[1]
         s = q.shape[2]
         if doc_ids is not None:
-            if q.is_cuda:
+            if use_flex(q):
                 return _flex_document(q, k, v, doc_ids, self.window, enable_gqa)
             if s > self.DENSE_MASK_MAX:
                 return blockwise_document(q, k, v, doc_ids, self.window, self.block)
@@ -199,18 +244,17 @@ class BlockSparseAttention(nn.Module):
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         s, gqa = q.shape[2], k.shape[1] != q.shape[1]
-        if not q.is_cuda and s > self.n_global + self.window + self.block:
+        flex = use_flex(q)
+        if not flex and s > self.n_global + self.window + self.block:
             return blockwise_block_sparse(q, k, v, self.window, self.n_global, self.block)
         key = (s, q.device)   # a mask per length, built once (not in every forward)
         mask = self._mask_cache.get(key)
         if mask is None:
-            mask = _flex_block_mask(s, self.window, self.n_global, q.device) if q.is_cuda \
+            mask = _flex_block_mask(s, self.window, self.n_global, q.device) if flex \
                 else block_sparse_mask(s, s, self.window, self.n_global, q.device)
             self._mask_cache[key] = mask
-        if q.is_cuda:
-            from torch.nn.attention.flex_attention import flex_attention
-
-            return flex_attention(q, k, v, block_mask=mask, enable_gqa=gqa)
+        if flex:
+            return flex_attention_for(s)(q, k, v, block_mask=mask, enable_gqa=gqa)
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
 
 
