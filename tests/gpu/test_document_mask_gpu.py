@@ -58,14 +58,14 @@ def test_long_sequences_run_compiled_flex_equal_to_blockwise(record_property):
     tokens = torch.randint(4, 100, (2, s), device="cuda", generator=g)
     tokens[tokens % 37 == 0] = 3                                       # ~1 in 37 an EOS
     ids, _ = att.document_segments(tokens, 3)
-    for window in (0, 300):
-        t0 = time.perf_counter()
-        out = att._flex_document(q, k, v, ids, window, False)
-        grads = torch.autograd.grad(out.square().sum(), (q, k, v))
-        torch.cuda.synchronize()
-        record_property(f"flex_first_call_s_window{window}", time.perf_counter() - t0)
-        ref = att.blockwise_document(q, k, v, ids, window, 256)
-        ref_grads = torch.autograd.grad(ref.square().sum(), (q, k, v))
-        assert att._FLEX is not None                                   # the compiled kernel ran
-        for a, b in zip((out, *grads), (ref, *ref_grads)):
-            assert float((a - b).abs().max() / b.abs().max()) < 1e-4, window
+    # one compile (a sliding window would be another; the CPU tests cover windows)
+    t0 = time.perf_counter()
+    out = att._flex_document(q, k, v, ids, 0, False)
+    grads = torch.autograd.grad(out.square().sum(), (q, k, v))
+    torch.cuda.synchronize()
+    record_property("flex_first_call_s", time.perf_counter() - t0)
+    ref = att.blockwise_document(q, k, v, ids, 0, 256)
+    ref_grads = torch.autograd.grad(ref.square().sum(), (q, k, v))
+    assert att._FLEX is not None                                       # the compiled kernel ran
+    for a, b in zip((out, *grads), (ref, *ref_grads)):
+        assert float((a - b).abs().max() / b.abs().max()) < 1e-4
