@@ -69,3 +69,44 @@ def test_long_sequences_run_compiled_flex_equal_to_blockwise(record_property):
     assert att._FLEX is not None                                       # the compiled kernel ran
     for a, b in zip((out, *grads), (ref, *ref_grads)):
         assert float((a - b).abs().max() / b.abs().max()) < 1e-4
+
+
+@gpu_only
+def test_sliding_window_with_grouped_heads_runs_flex(record_property):
+    """A sliding window with grouped-query heads on CUDA runs FlexAttention's block mask (SDPA
+    with a mask and GQA would run its math kernel, every head's S x S scores): output and
+    gradients equal the masked SDPA form's on repeated key/value heads (fp32, 1e-4 of the
+    largest entry); the compiled kernel's time and the math kernel's are recorded."""
+    import time
+
+    import torch.nn.functional as F
+
+    from myria.models import attention as att
+
+    s, w = 2 * att.CoreAttention.DENSE_MASK_MAX, 256
+    g = torch.Generator(device="cuda").manual_seed(1)
+    q = torch.randn(2, 8, s, 64, device="cuda", generator=g).requires_grad_()
+    k, v = (torch.randn(2, 2, s, 64, device="cuda", generator=g).requires_grad_()
+            for _ in range(2))
+    core = att.CoreAttention(window=w)
+
+    def run(fn):
+        out = fn()
+        return out, torch.autograd.grad(out.square().sum(), (q, k, v))
+
+    out, grads = run(lambda: core(q, k, v))
+    mask = att.window_mask(s, s, w, "cuda")
+    ref, ref_grads = run(lambda: F.scaled_dot_product_attention(
+        q, k.repeat_interleave(4, 1), v.repeat_interleave(4, 1), attn_mask=mask))
+    for a, b in zip((out, *grads), (ref, *ref_grads)):
+        assert float((a - b).abs().max() / b.abs().max()) < 1e-4
+    def sdpa_gqa():   # what the window ran before: SDPA's math kernel under GQA and a mask
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+
+    for name, fn in (("flex", lambda: core(q, k, v)), ("sdpa_math", sdpa_gqa)):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(5):
+            run(fn)
+        torch.cuda.synchronize()
+        record_property(f"window_gqa_{name}_s", (time.perf_counter() - t0) / 5)

@@ -208,3 +208,28 @@ def test_sliding_window_limits_attention():
     # with one layer, positions >= window cannot see token 0
     assert torch.allclose(out[0, 4:], out2[0, 4:], atol=1e-6)
     assert not torch.allclose(out[0, :4], out2[0, :4])
+
+
+@pytest.mark.parametrize("s", [24, 40])
+def test_sliding_window_on_the_flex_path_equals_the_banded_mask(monkeypatch, s):
+    """Where FlexAttention runs (CUDA; forced here, forward only), the sliding window is its
+    block mask, not SDPA's banded mask (with grouped-query heads SDPA would run its math kernel
+    on a GPU): the same output, grouped-query heads included, and past DENSE_MASK_MAX (lowered
+    to 32 here) the compiled kernel (a stand-in)."""
+    from torch.nn.attention import flex_attention as fa
+
+    from myria.models import attention as att
+    from myria.models.attention import CoreAttention
+
+    g = torch.Generator().manual_seed(4)
+    q = torch.randn(2, 4, s, 8, generator=g, dtype=torch.float64)
+    k, v = (torch.randn(2, 2, s, 8, generator=g, dtype=torch.float64) for _ in range(2))
+    banded = CoreAttention(window=7)(q, k, v)
+    compiled = []
+    monkeypatch.setattr(att, "_FLEX",
+                        lambda *a, **kw: compiled.append(1) or fa.flex_attention(*a, **kw))
+    monkeypatch.setattr(att, "use_flex", lambda q: True)
+    monkeypatch.setattr(CoreAttention, "DENSE_MASK_MAX", 32)
+    flex = CoreAttention(window=7)(q, k, v)
+    assert len(compiled) == (s > 32)
+    assert torch.allclose(flex, banded, atol=1e-12)

@@ -3,15 +3,15 @@
 `CoreAttention` is its own module so that parallelism can replace it (ring attention for context
 parallelism) without the model knowing. On CPU it runs SDPA: causal via `is_causal`, sliding
 window via an explicit banded boolean mask; on GPU SDPA picks FlashAttention for the causal
-case. With `model.document_mask`, `document_segments` gives every token the index of its
-document (an EOS token opens the next one) and its position in it, and `CoreAttention` attends
-only within a document: SDPA with a block-diagonal causal mask, blockwise for long sequences
-(`blockwise_document`), FlexAttention on CUDA. `BlockSparseAttention` is Longformer's pattern
-made causal: a sliding window of `window` keys plus `n_global` leading tokens every later query
-attends to; dense-masked SDPA for short sequences, `blockwise_block_sparse` for long ones (work
-and memory linear in the sequence), FlexAttention on CUDA. The blockwise forms never build the
-S x S mask. Why the kernels are chosen so: docs/architectures.md, "Reasons behind the model
-modules".
+case, and the sliding window runs FlexAttention. With `model.document_mask`,
+`document_segments` gives every token the index of its document (an EOS token opens the next
+one) and its position in it, and `CoreAttention` attends only within a document: SDPA with a
+block-diagonal causal mask, blockwise for long sequences (`blockwise_document`), FlexAttention
+on CUDA. `BlockSparseAttention` is Longformer's pattern made causal: a sliding window of
+`window` keys plus `n_global` leading tokens every later query attends to; dense-masked SDPA for
+short sequences, `blockwise_block_sparse` for long ones (work and memory linear in the
+sequence), FlexAttention on CUDA. The blockwise forms never build the S x S mask. Why the
+kernels are chosen so: docs/architectures.md, "Reasons behind the model modules".
 """
 
 from __future__ import annotations
@@ -171,12 +171,29 @@ class CoreAttention(nn.Module):
             mask = document_mask(doc_ids, doc_ids, self.window)
             return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=enable_gqa)
         if self.window and self.window < s:
-            key = (s, q.device)
+            # SDPA with a mask cannot run FlashAttention, and with grouped-query heads not the
+            # memory-efficient kernel either (torch: GQA runs on flash and math only): on CUDA
+            # the window is FlexAttention's block mask, whose kernel skips blocks outside it
+            flex = use_flex(q)
+            key = (s, q.device, flex)
             mask = self._mask_cache.get(key)
             if mask is None:
-                mask = self._mask_cache[key] = window_mask(s, s, self.window, q.device)
+                mask = self._mask_cache[key] = _flex_window_mask(s, self.window, q.device) \
+                    if flex else window_mask(s, s, self.window, q.device)
+            if flex:
+                return flex_attention_for(s)(q, k, v, block_mask=mask, enable_gqa=enable_gqa)
             return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=enable_gqa)
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=enable_gqa)
+
+
+def _flex_window_mask(s: int, window: int, device):
+    """FlexAttention's block mask of causal attention to the last `window` keys."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    def keep(b, h, qi, kj):
+        return (kj <= qi) & (qi - kj < window)
+
+    return create_block_mask(keep, None, None, s, s, device=device)
 
 
 def block_sparse_mask(q_len: int, k_len: int, window: int, n_global: int, device,
