@@ -1,7 +1,7 @@
 """Context parallelism's ring attention on one GPU (a cp group of one: every block computed on
-this rank): its output and gradients against SDPA's, and its time against SDPA's fused kernel,
-recorded. The ring computes each block's scores with fp32 einsums (`myria.parallel.context`),
-not a fused kernel: the recorded ratio is what a fused ring would save on a GPU."""
+this rank): its unmasked and causal blocks run FlashAttention's kernels (their check against
+fp32 SDPA passed), its output and gradients equal SDPA's, and its time and SDPA's are recorded
+(`myria.parallel.context`: the other blocks run fp32 einsums)."""
 
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ pytestmark = GPU
 
 
 def test_ring_attention_on_one_gpu_against_sdpa(record_property):
+    from myria.parallel import context
     from myria.parallel.context import ring_attention
 
     g = torch.Generator(device="cuda").manual_seed(0)
@@ -37,6 +38,8 @@ def test_ring_attention_on_one_gpu_against_sdpa(record_property):
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
 
     out, grads = run(ring)
+    record_property("ring_fused_kernel", context._CUDA_FUSED)
+    assert context._CUDA_FUSED, "the fused kernel failed its check: see the warning logged"
     ref, ref_grads = run(sdpa)
     for a, b in zip((out, *grads), (ref, *ref_grads)):   # bf16 in and out
         assert float((a.float() - b.float()).abs().max() / b.float().abs().max()) < 2e-2

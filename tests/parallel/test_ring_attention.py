@@ -124,7 +124,7 @@ def test_plan_skips_future_and_out_of_window_blocks():
         # Step 0 (own K/V): two diagonal blocks and tail queries over the head chunk; every
         # later step computes 2 of its 4 chunk pairs. Same work on every rank: 2*cp+1 blocks.
         assert [len(b) for b in plan] == [3] + [2] * (cp - 1)
-        assert sum(m is not None for b in plan for *_, m in b) == 2
+        assert sum(m is not None for b in plan for *_, m, _causal in b) == 2
     # Window smaller than a chunk: only the diagonal and the chunk just before it are touched.
     for r in range(cp):
         n_blocks = sum(len(b) for b in _plan(r, cp, local, 3, True))
@@ -136,6 +136,30 @@ def test_plan_skips_future_and_out_of_window_blocks():
 def test_single_process_matches_sdpa(name):
     errs = run_case(name, None, 0, 1)  # no process group: plain attention, cp = 1
     assert max(errs.values()) < TOL[CASES[name][4]], errs
+
+
+@pytest.mark.parametrize("window,fused", [(0, 3), (20, 3), (3, 0)])
+def test_unmasked_and_causal_blocks_run_the_fused_kernel(monkeypatch, window, fused):
+    """Blocks with no mask or exactly the causal one run the fused kernel (the CPU counterpart
+    of FlashAttention here), forward and backward, and other blocks the einsums: two chunks of
+    8 make two diagonal blocks and one full one; a window of 20 reaches past both chunks (all
+    three fused), a window of 3 cuts every block (none)."""
+    from myria.parallel import context
+
+    calls = {"fwd": 0, "bwd": 0}
+    real_f, real_b = context._fused_block, context._fused_block_grads
+    monkeypatch.setattr(context, "_fused_block",
+                        lambda *a: calls.__setitem__("fwd", calls["fwd"] + 1) or real_f(*a))
+    monkeypatch.setattr(context, "_fused_block_grads",
+                        lambda *a: calls.__setitem__("bwd", calls["bwd"] + 1) or real_b(*a))
+    q, k, v, dout = make_inputs(4 * CHUNK, 4, 2, torch.float32)
+    ref = reference(q, k, v, dout, window)
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
+    out = ring_attention(q, k, v, window=window)
+    out.backward(dout)
+    assert calls == {"fwd": fused, "bwd": fused}
+    for got, want in zip((out, q.grad, k.grad, v.grad), ref, strict=True):
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
 
 def test_bf16_inputs_compute_in_fp32():

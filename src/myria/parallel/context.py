@@ -7,7 +7,9 @@ backward the dK/dV accumulators travel with their K/V block, so after a final ho
 holds the gradients of its own K/V. With load balancing the sequence is cut into 2*cp chunks and
 rank r holds chunks r and 2*cp-1-r, the same causal work on every rank. Masks follow
 `myria.models.attention.window_mask` on absolute positions: fully masked blocks are skipped,
-fully visible ones run unmasked. Softmax runs in fp32 (fp64 for fp64 inputs).
+fully visible ones run unmasked. Unmasked and causal blocks run a fused attention kernel
+(FlashAttention on CUDA, its CPU counterpart on a CPU); the others run fp32 einsums (fp64 for
+fp64 inputs).
 
 Use `swap_core_attention` on a model (its positions from `positions_for_rank`) and
 `shard_sequence` on its inputs and targets; `gather_sequence` joins the slices again.
@@ -16,14 +18,18 @@ docs/parallelism.md says why this is not torch's `context_parallel`.
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from torch import nn
 
 from myria.models.attention import CoreAttention, window_mask
+
+log = logging.getLogger("myria")
 
 __all__ = ["RingAttention", "chunk_bounds", "gather_sequence", "positions_for_rank",
            "ring_attention", "shard_sequence", "swap_core_attention", "unshard_sequence"]
@@ -106,8 +112,10 @@ def _block_kind(q_start: int, q_len: int, k_start: int, k_len: int, window: int)
     return MASKED
 
 
-# One computed block: local query offset and length, local key offset and length, mask or None.
-Block = tuple[int, int, int, int, "torch.Tensor | None"]
+# One computed block: local query offset and length, local key offset and length, mask or None,
+# and whether that mask is exactly causal (a chunk against itself, no window within it, no
+# documents).
+Block = tuple[int, int, int, int, "torch.Tensor | None", bool]
 
 
 def _plan(rank: int, size: int, local_len: int, window: int, load_balance: bool,
@@ -132,7 +140,10 @@ def _plan(rank: int, size: int, local_len: int, window: int, load_balance: bool,
                         if key not in masks:
                             masks[key] = window_mask(ql, kl, window, device, qs, ks)
                         mask = masks[key]
-                    blocks.append((qo, ql, ko, kl, mask))
+                    # a chunk against itself: the window (if any) reaches past the chunk
+                    causal = kind == MASKED and qs == ks and ql == kl and \
+                        (not window or window >= ql)
+                    blocks.append((qo, ql, ko, kl, mask, causal))
                 ko += kl
             qo += ql
         steps.append(blocks)
@@ -149,12 +160,13 @@ def _document_plan(plan: list[list[Block]], doc_ids: torch.Tensor, rank: int, si
     for i, blocks in enumerate(plan):
         k_ids = shard_sequence(doc_ids, (rank - i) % size, size, dim=1, load_balance=load_balance)
         kept: list[Block] = []
-        for qo, ql, ko, kl, mask in blocks:
+        for qo, ql, ko, kl, mask, causal in blocks:
             same = q_ids[:, qo:qo + ql, None] == k_ids[:, None, ko:ko + kl]
             keep = same if mask is None else same & mask
             if not keep.any():
                 continue
-            kept.append((qo, ql, ko, kl, None if keep.all() else keep[:, None, None]))
+            kept.append((qo, ql, ko, kl, None if keep.all() else keep[:, None, None],
+                         causal and bool(same.all())))
         out.append(kept)
     return out
 
@@ -225,6 +237,91 @@ def _merge(out: torch.Tensor, lse: torch.Tensor, blk_out: torch.Tensor,
     lse.copy_(new)
 
 
+# -- fused blocks (q: (B, H, Sq, D); k, v: (B, Hkv, Sk, D), grouped heads as SDPA takes them) ---
+# A block with no mask, or with exactly the causal one, runs a fused attention kernel that also
+# returns the block's log-sum-exp: FlashAttention on CUDA (fp16/bf16 inputs: fp32 accumulation,
+# the block's scores never held) or its CPU counterpart (fp32/fp64). Its backward kernel, given
+# the merged output and log-sum-exp of the whole row, returns the block's share of dQ, dK and dV,
+# the rule the einsum backward follows. Blocks with other masks (a window's edge, documents),
+# and fp32 inputs on CUDA, run the einsums. torch's own context parallelism merges its flash
+# blocks the same way; it is not used here (docs/parallelism.md).
+_CUDA_FUSED: bool | None = None   # the CUDA kernels' check in this process (None: not yet run)
+FUSED_CHECK_TOL = 3e-2            # bf16 blocks against fp32 SDPA, relative to the largest entry
+
+
+def _fused_block(q, k, v, causal: bool, scale: float) -> tuple:
+    """A block's output (B, H, Sq, D) and log-sum-exp (B, H, Sq) from the fused kernel, and
+    what the CUDA kernel's backward takes back from its forward (None on a CPU): the sequence
+    offsets and random state of a non-variable-length, dropout-free call, alike for every
+    block (torch's own ring passes one call's back for every step the same way)."""
+    if q.is_cuda:
+        out, lse, cum_q, cum_k, _, _, seed, offset, _ = \
+            torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal, False,
+                                                               scale=scale)
+        return out, lse, (cum_q, cum_k, seed, offset)
+    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal,
+                                                                          scale=scale)
+    return out, lse, None
+
+
+def _fused_block_grads(do, q, k, v, out, lse, causal: bool, scale: float,
+                       rest: tuple | None) -> tuple[torch.Tensor, ...]:
+    """dQ, dK, dV of one block given the rows' merged output `out` and log-sum-exp `lse`
+    (`rest`: `_fused_block`'s third value)."""
+    if q.is_cuda:
+        cum_q, cum_k, seed, offset = rest
+        dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_backward(
+            do, q, k, v, out, lse, cum_q, cum_k, q.shape[2], k.shape[2], 0.0, causal, seed,
+            offset, scale=scale)
+    else:
+        dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            do, q, k, v, out, lse, 0.0, causal, scale=scale)
+    if dk.shape[1] != k.shape[1]:   # a kernel that returns the grouped heads expanded
+        dk, dv = (t.unflatten(1, (k.shape[1], -1)).sum(2) for t in (dk, dv))
+    return dq, dk, dv
+
+
+def _cuda_fused_ok(q: torch.Tensor) -> bool:
+    """Whether the CUDA kernels run this process's blocks: checked once, on a small causal
+    block with grouped heads, forward and backward against fp32 SDPA; a failure or a
+    disagreement leaves the einsums, with one warning."""
+    global _CUDA_FUSED
+    if _CUDA_FUSED is None:
+        try:
+            g = torch.Generator(device=q.device).manual_seed(0)
+            d = q.shape[-1]
+            qs = torch.randn(1, 4, 128, d, device=q.device, generator=g).to(q.dtype)
+            ks, vs = (torch.randn(1, 2, 128, d, device=q.device, generator=g).to(q.dtype)
+                      for _ in range(2))
+            do = torch.randn_like(qs)
+            out, lse, rest = _fused_block(qs, ks, vs, True, 1 / math.sqrt(d))
+            grads = _fused_block_grads(do, qs, ks, vs, out, lse, True, 1 / math.sqrt(d), rest)
+            ref_in = [t.float().requires_grad_() for t in (qs, ks, vs)]
+            ref = F.scaled_dot_product_attention(*ref_in, is_causal=True, enable_gqa=True)
+            ref_grads = torch.autograd.grad(ref, ref_in, do.float())
+            worst = max(float((a.float() - b).abs().max() / b.abs().max())
+                        for a, b in zip((out, *grads), (ref, *ref_grads), strict=True))
+            _CUDA_FUSED = worst < FUSED_CHECK_TOL
+            why = f"it differs from SDPA by {worst:.3g} of the largest entry"
+        except (RuntimeError, TypeError, ValueError) as e:
+            _CUDA_FUSED, why = False, f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
+        if not _CUDA_FUSED:
+            log.warning(
+                "ring attention: the fused CUDA kernel is not used (%s); blocks run as fp32 "
+                "einsums", why)
+    return _CUDA_FUSED
+
+
+def _fused_dtype(q: torch.Tensor) -> torch.dtype | None:
+    """The dtype the fused kernel runs `q`'s blocks in, or None where the einsums run them."""
+    if q.device.type == "cpu":
+        return torch.promote_types(q.dtype, torch.float32)
+    if q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and q.shape[-1] <= 256 \
+            and _cuda_fused_ok(q):
+        return q.dtype
+    return None
+
+
 class _RingAttentionFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, group, window, load_balance, doc_ids=None):
@@ -239,26 +336,38 @@ class _RingAttentionFn(torch.autograd.Function):
         plan = _plan(ring.rank, ring.size, s, window, load_balance, q.device)
         if doc_ids is not None:
             plan = _document_plan(plan, doc_ids, ring.rank, ring.size, load_balance)
-        qc = q.to(cdtype).reshape(b, hkv, h // hkv, s, d)
+        g = h // hkv
+        qc = q.to(cdtype).reshape(b, hkv, g, s, d)
+        fdt = _fused_dtype(q)
+        qf = q.to(fdt) if fdt is not None else None
         out = torch.zeros_like(qc)
         lse = torch.full(qc.shape[:-1], float("-inf"), dtype=cdtype, device=q.device)
         cur = torch.stack([k, v])  # one message per hop; sent in the input dtype
+        rest = None
         for i, blocks in enumerate(plan):
             works, nxt = [], None
             if i + 1 < ring.size:  # prefetch the next K/V block while computing this one
                 nxt = torch.empty_like(cur)
                 works = ring.exchange([cur], [nxt])
             kc, vc = cur[0].to(cdtype), cur[1].to(cdtype)
-            for qo, ql, ko, kl, mask in blocks:
-                o_blk, l_blk = _attend_block(qc[..., qo:qo + ql, :], kc[:, :, ko:ko + kl],
-                                             vc[:, :, ko:ko + kl], mask, scale)
-                _merge(out[..., qo:qo + ql, :], lse[..., qo:qo + ql], o_blk, l_blk)
+            kf, vf = (cur[0].to(fdt), cur[1].to(fdt)) if fdt is not None else (None, None)
+            for qo, ql, ko, kl, mask, causal in blocks:
+                qs, ks = slice(qo, qo + ql), slice(ko, ko + kl)
+                if fdt is not None and (mask is None or causal):
+                    o_blk, l_blk, rest = _fused_block(qf[:, :, qs], kf[:, :, ks], vf[:, :, ks],
+                                                      causal, scale)
+                    o_blk = o_blk.to(cdtype).reshape(b, hkv, g, ql, d)
+                    l_blk = l_blk.to(cdtype).reshape(b, hkv, g, ql)
+                else:
+                    o_blk, l_blk = _attend_block(qc[..., qs, :], kc[:, :, ks], vc[:, :, ks],
+                                                 mask, scale)
+                _merge(out[..., qs, :], lse[..., qs], o_blk, l_blk)
             _wait(works)
             if nxt is not None:
                 cur = nxt
         o = out.reshape(b, h, s, d).to(q.dtype)
         ctx.save_for_backward(q, k, v, o, lse)
-        ctx.group, ctx.plan, ctx.scale = group, plan, scale
+        ctx.group, ctx.plan, ctx.scale, ctx.rest = group, plan, scale, rest
         return o
 
     @staticmethod
@@ -273,6 +382,10 @@ class _RingAttentionFn(torch.autograd.Function):
         do = grad_out.to(cdtype).reshape(shape5)
         delta = (do * o.to(cdtype).reshape(shape5)).sum(-1)  # rowsum(dO * O)
         lse_f = _finite(lse)
+        fdt = _fused_dtype(q)
+        if fdt is not None:   # the fused kernels' operands, (B, H, S, D) and (B, H, S)
+            qf, dof, of = q.to(fdt), grad_out.to(fdt), o.to(fdt)
+            lsef = lse.reshape(b, h, s)
         dq = torch.zeros_like(qc)
         cur = torch.stack([k, v])
         acc = None  # dK/dV accumulator of the block computed in the previous step
@@ -290,8 +403,17 @@ class _RingAttentionFn(torch.autograd.Function):
             works = ring.exchange(sends, recvs)
             kc, vc = cur[0].to(cdtype), cur[1].to(cdtype)
             local = torch.zeros((2, *kc.shape), dtype=cdtype, device=q.device)
-            for qo, ql, ko, kl, mask in blocks:
+            for qo, ql, ko, kl, mask, causal in blocks:
                 qs, ks = slice(qo, qo + ql), slice(ko, ko + kl)
+                if fdt is not None and (mask is None or causal):
+                    dqb, dkb, dvb = _fused_block_grads(
+                        dof[:, :, qs], qf[:, :, qs], cur[0][:, :, ks].to(fdt),
+                        cur[1][:, :, ks].to(fdt), of[:, :, qs], lsef[:, :, qs], causal, scale,
+                        ctx.rest)
+                    dq[..., qs, :] += dqb.to(cdtype).reshape(b, hkv, h // hkv, ql, d)
+                    local[0][:, :, ks] += dkb.to(cdtype)
+                    local[1][:, :, ks] += dvb.to(cdtype)
+                    continue
                 qb, dob = qc[..., qs, :], do[..., qs, :]
                 kb, vb = kc[:, :, ks], vc[:, :, ks]
                 p = torch.exp(_scores(qb, kb, mask, scale) - lse_f[..., qs].unsqueeze(-1))
