@@ -254,7 +254,8 @@ def _fused_block(q, k, v, causal: bool, scale: float) -> tuple:
     what the CUDA kernel's backward takes back from its forward (None on a CPU): the sequence
     offsets and random state of a non-variable-length, dropout-free call, alike for every
     block (torch's own ring passes one call's back for every step the same way)."""
-    if q.is_cuda:
+    if q.is_cuda:   # the kernel takes the blocks' slices as dense tensors
+        q, k, v = (t.contiguous() for t in (q, k, v))
         out, lse, cum_q, cum_k, _, _, seed, offset, _ = \
             torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal, False,
                                                                scale=scale)
@@ -269,6 +270,7 @@ def _fused_block_grads(do, q, k, v, out, lse, causal: bool, scale: float,
     """dQ, dK, dV of one block given the rows' merged output `out` and log-sum-exp `lse`
     (`rest`: `_fused_block`'s third value)."""
     if q.is_cuda:
+        do, q, k, v, out, lse = (t.contiguous() for t in (do, q, k, v, out, lse))
         cum_q, cum_k, seed, offset = rest
         dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_backward(
             do, q, k, v, out, lse, cum_q, cum_k, q.shape[2], k.shape[2], 0.0, causal, seed,
