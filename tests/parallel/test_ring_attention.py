@@ -162,6 +162,21 @@ def test_unmasked_and_causal_blocks_run_the_fused_kernel(monkeypatch, window, fu
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
 
+def test_a_fused_kernel_that_fails_its_check_leaves_the_einsums(monkeypatch, caplog):
+    """The CUDA kernels' one-time check: a kernel that raises (here: a device with no such
+    kernel) is not used again in the process, and says why once."""
+    from myria.parallel import context
+
+    monkeypatch.setattr(context, "_CUDA_FUSED", None)
+    q = torch.empty(1, 4, 8, 64, device="meta")
+    with caplog.at_level("WARNING", logger="myria"):
+        assert context._cuda_fused_ok(q) is False
+        assert context._cuda_fused_ok(q) is False
+    assert context._CUDA_FUSED is False
+    msgs = [r.getMessage() for r in caplog.records if "fused CUDA kernel" in r.getMessage()]
+    assert len(msgs) == 1 and "blocks run as fp32 einsums" in msgs[0], msgs
+
+
 def test_bf16_inputs_compute_in_fp32():
     q, k, v, dout = make_inputs(16, 4, 2, torch.float32)
     ref = reference(q, k, v, dout, 5)
