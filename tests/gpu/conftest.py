@@ -34,3 +34,17 @@ def gpu_only(fn):
     for mark in GPU:
         fn = mark(fn)
     return fn
+
+
+def cuda_seconds(fn, reps: int = 5) -> float:
+    """Mean seconds of `fn()` on the current CUDA stream: one warm-up call, then `reps` calls
+    between two CUDA events."""
+    fn()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(reps):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / 1e3 / reps

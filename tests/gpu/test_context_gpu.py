@@ -5,12 +5,10 @@ fp32 SDPA passed), its output and gradients equal SDPA's, and its time and SDPA'
 
 from __future__ import annotations
 
-import time
-
 import torch
 import torch.nn.functional as F
 
-from tests.gpu.conftest import GPU
+from tests.gpu.conftest import GPU, cuda_seconds
 
 pytestmark = GPU
 
@@ -44,10 +42,4 @@ def test_ring_attention_on_one_gpu_against_sdpa(record_property):
     for a, b in zip((out, *grads), (ref, *ref_grads)):   # bf16 in and out
         assert float((a.float() - b.float()).abs().max() / b.float().abs().max()) < 2e-2
     for name, fn in (("ring", ring), ("sdpa", sdpa)):
-        run(fn)
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        for _ in range(5):
-            run(fn)
-        torch.cuda.synchronize()
-        record_property(f"{name}_attention_fwd_bwd_s", (time.perf_counter() - t0) / 5)
+        record_property(f"{name}_attention_fwd_bwd_s", cuda_seconds(lambda fn=fn: run(fn)))

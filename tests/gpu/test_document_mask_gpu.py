@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.gpu.conftest import GPU, gpu_only
+from tests.gpu.conftest import GPU, cuda_seconds, gpu_only
 from tests.models.test_document_mask import _alone_sum, _model, _packed, _packed_sum
 
 
@@ -77,8 +77,6 @@ def test_sliding_window_with_grouped_heads_runs_flex(record_property):
     with a mask and GQA would run its math kernel, every head's S x S scores): output and
     gradients equal the masked SDPA form's on repeated key/value heads (fp32, 1e-4 of the
     largest entry); the compiled kernel's time and the math kernel's are recorded."""
-    import time
-
     import torch.nn.functional as F
 
     from myria.models import attention as att
@@ -104,9 +102,4 @@ def test_sliding_window_with_grouped_heads_runs_flex(record_property):
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
 
     for name, fn in (("flex", lambda: core(q, k, v)), ("sdpa_math", sdpa_gqa)):
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        for _ in range(5):
-            run(fn)
-        torch.cuda.synchronize()
-        record_property(f"window_gqa_{name}_s", (time.perf_counter() - t0) / 5)
+        record_property(f"window_gqa_{name}_s", cuda_seconds(lambda fn=fn: run(fn)))

@@ -11,24 +11,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tests.gpu.conftest import GPU
+from tests.gpu.conftest import GPU, cuda_seconds
 from tests.models.test_model import _GemmDtypes
 
 pytestmark = GPU
 
 T, H, V = 4096, 2048, 32000
-
-
-def _timed(fn, reps: int = 5) -> float:
-    fn()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(reps):
-        fn()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / 1e3 / reps
 
 
 @pytest.mark.parametrize("autocast", [False, True], ids=["bf16", "autocast"])
@@ -59,7 +47,7 @@ def test_fused_loss_on_cuda_runs_bf16_gemms_as_fast_as_unfused(autocast, record_
     assert abs(out.item() - ref.item()) < 1e-2 * abs(ref.item())
     for a, b in ((fh, gh), (fw, gw)):
         assert (a.float() - b.float()).abs().max() <= 2e-2 * b.float().abs().max()
-    t_fused, t_plain = _timed(fused), _timed(unfused)
+    t_fused, t_plain = cuda_seconds(fused), cuda_seconds(unfused)
     record_property(f"fused_loss_s_{'autocast' if autocast else 'bf16'}", t_fused)
     record_property(f"unfused_loss_s_{'autocast' if autocast else 'bf16'}", t_plain)
     assert t_fused <= 1.5 * t_plain, (t_fused, t_plain)
