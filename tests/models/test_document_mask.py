@@ -142,7 +142,7 @@ def test_flex_path_builds_the_block_mask_once_per_forward(monkeypatch, long):
     """Where FlexAttention runs the mask (CUDA; forced here, forward only, as its backward does
     not run on a CPU), the block mask is built once per forward for every layer, and a sequence
     longer than DENSE_MASK_MAX runs the compiled kernel (a stand-in here: compiling takes
-    minutes on this machine), a shorter one the eager form; the loss is the dense mask's."""
+    minutes on a CPU), a shorter one the eager form; the loss is the dense mask's."""
     from torch.nn.attention import flex_attention as fa
 
     from myria.models import attention as att

@@ -404,14 +404,14 @@ class _RingAttentionFn(torch.autograd.Function):
                 recvs.append(incoming)
             works = ring.exchange(sends, recvs)
             kc, vc = cur[0].to(cdtype), cur[1].to(cdtype)
+            kf, vf = (cur[0].to(fdt), cur[1].to(fdt)) if fdt is not None else (None, None)
             local = torch.zeros((2, *kc.shape), dtype=cdtype, device=q.device)
             for qo, ql, ko, kl, mask, causal in blocks:
                 qs, ks = slice(qo, qo + ql), slice(ko, ko + kl)
                 if fdt is not None and (mask is None or causal):
                     dqb, dkb, dvb = _fused_block_grads(
-                        dof[:, :, qs], qf[:, :, qs], cur[0][:, :, ks].to(fdt),
-                        cur[1][:, :, ks].to(fdt), of[:, :, qs], lsef[:, :, qs], causal, scale,
-                        ctx.rest)
+                        dof[:, :, qs], qf[:, :, qs], kf[:, :, ks], vf[:, :, ks], of[:, :, qs],
+                        lsef[:, :, qs], causal, scale, ctx.rest)
                     dq[..., qs, :] += dqb.to(cdtype).reshape(b, hkv, h // hkv, ql, d)
                     local[0][:, :, ks] += dkb.to(cdtype)
                     local[1][:, :, ks] += dvb.to(cdtype)

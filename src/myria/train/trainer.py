@@ -335,7 +335,7 @@ class Run:
         check_mixture(cfg, dataset)
         if isinstance(dataset, MixtureDataset):
             data_fp = dataset.fingerprint(data_fp)
-        val = check_validation(cfg)   # checked at the start, not at the first evaluation
+        val = check_validation(cfg)   # opened and checked before the first step
 
         # -- model, optimizer, schedule for this layout ----------------------------------------
         engine = Engine(cfg, dims, env.device, run_dir, eos_id=dataset.eos_id,
