@@ -836,6 +836,36 @@ def test_a_launcher_forks_its_forkserver_unless_it_has_another_thread(tmp_path, 
     assert status == "0" and out.read_text().startswith("myria "), (status, out.read_text())
 
 
+def test_a_forked_worker_logs_as_a_new_interpreter_would(tmp_path):
+    """A launcher whose root logger writes to a file of its own (a user's `basicConfig`, a test
+    runner's capture) forks its forkserver; a program forked from it logs as under `python
+    -m`: a warning of a myria logger reaches the program's stderr (logging's last resort), not
+    the launcher's handler, whose file the forkserver no longer holds."""
+    (tmp_path / "probe_log.py").write_text(
+        "import logging\nlogging.getLogger('myria.probe').warning('probe warning')\n")
+    launcher_log, out, err = tmp_path / "launcher.log", tmp_path / "out", tmp_path / "err"
+    code = ("import logging, os, sys\n"
+            "import torch\n"
+            "from multiprocessing import forkserver\n"
+            "from myria.train.launch import fork_module, start_forkserver\n"
+            "logging.basicConfig(filename=sys.argv[1], level=logging.INFO)\n"
+            "start_forkserver()\n"
+            "pid = forkserver._forkserver._forkserver_pid\n"
+            "same = open(f'/proc/{pid}/cmdline').read() == open('/proc/self/cmdline').read()\n"
+            "print('forked', same)\n"
+            "p = fork_module(('-u', '-m', 'probe_log'), dict(os.environ), sys.argv[2],\n"
+            "                sys.argv[3])\n"
+            "print(p.wait(timeout=120))\n")
+    path = os.pathsep.join(x for x in (str(tmp_path), os.environ.get("PYTHONPATH")) if x)
+    p = subprocess.run([sys.executable, "-c", code, str(launcher_log), str(out), str(err)],
+                       capture_output=True, text=True, timeout=300,
+                       env={**os.environ, "PYTHONPATH": path})
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert p.stdout.split() == ["forked", "True", "0"], p.stdout
+    assert err.read_text() == "probe warning\n", (err.read_text(), launcher_log.read_text())
+    assert "probe warning" not in launcher_log.read_text()
+
+
 def test_a_killed_launchers_error_file_directory_is_removed_by_the_next(tmp_path, monkeypatch):
     """`myria train --nproc N` keeps its workers' error files in a directory of the temporary
     directory, removed when the launch returns; one a launcher killed by SIGKILL left behind

@@ -484,10 +484,13 @@ def _fork_forkserver() -> bool:
 def _serve_forks(listener_fd: int, alive_r: int, preload: list[str]) -> None:
     """The forked forkserver's body: the state a new interpreter's server would start from,
     then multiprocessing's server loop. What the launcher installed is not a worker's: its
-    Python signal handlers go back to the defaults, and every file it holds open beyond the
-    standard streams (a run directory's lock, sockets, logs) is pointed at /dev/null, so that
-    no worker keeps one alive; the numbers stay taken, so that an object of the launcher that
-    closes its file later closes /dev/null, not a file the worker opened since."""
+    Python signal handlers go back to the defaults, its root logger to a new interpreter's (no
+    handlers, level WARNING: a worker's records then reach its stderr through logging's last
+    resort, not a launcher's file or a test runner's capture), and every file it holds open
+    beyond the standard streams (a run directory's lock, sockets, logs) is pointed at
+    /dev/null, so that no worker keeps one alive; the numbers stay taken, so that an object of
+    the launcher that closes its file later closes /dev/null, not a file the worker opened
+    since."""
     from multiprocessing import forkserver
 
     global _FORKING
@@ -501,6 +504,10 @@ def _serve_forks(listener_fd: int, alive_r: int, preload: list[str]) -> None:
         except (OSError, ValueError, TypeError):
             pass
     signal.signal(signal.SIGINT, signal.default_int_handler)
+    root = logging.getLogger()
+    for h in list(root.handlers):
+        root.removeHandler(h)
+    root.setLevel(logging.WARNING)
     keep = {0, 1, 2, listener_fd, alive_r}
     null = os.open(os.devnull, os.O_RDWR)
     for name in os.listdir("/proc/self/fd"):
