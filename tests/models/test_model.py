@@ -33,6 +33,20 @@ try:
 except (AttributeError, RuntimeError):  # already registered by a newer torch
     pass
 
+# ... nor torch._grouped_mm (the MoE experts, models.moe.grouped_expert_mlps): 2 x the rows each
+# group contracts x its output columns, summed over the groups.
+try:
+    @register_flop_formula(torch.ops.aten._grouped_mm)
+    def _grouped_mm_flop(a_shape, b_shape, *args, out_shape=None, **kwargs) -> int:
+        if len(a_shape) == 2 and len(b_shape) == 2:   # the groups split the contraction
+            return 2 * a_shape[0] * a_shape[1] * b_shape[1]
+        n = 1
+        for d in out_shape:
+            n *= d
+        return 2 * n * a_shape[-1]
+except (AttributeError, RuntimeError):  # already registered by a newer torch
+    pass
+
 OPTIONS = [
     dict(arch="llama"), dict(arch="gpt"), dict(arch="llama", parallel_block=True),
     dict(arch="llama", kv_heads=2), dict(arch="gpt", parallel_block=True, kv_heads=2),

@@ -1,4 +1,5 @@
-"""MoE layer: routing and capacity against a per-token reference, router losses, FLOPs."""
+"""MoE layer: routing and capacity against a per-token reference, router losses, FLOPs, the
+grouped expert GEMMs against the per-expert loop."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from myria.config import ModelConfig
+from myria.models import moe as moe_mod
 from myria.models.flops import param_counts
 from myria.models.moe import (
     LOAD_BALANCE_COEF,
@@ -16,12 +18,14 @@ from myria.models.moe import (
     MoE,
     expert_capacity,
     expert_mlps,
+    grouped_expert_mlps,
+    looped_expert_mlps,
     moe_aux_loss,
     route,
 )
 from myria.models.transformer import MLP, build_model, count_params
 from tests.conftest import moe_cfg
-from tests.models import test_model as _dense_model_tests  # noqa: F401 (CPU SDPA FLOP formula)
+from tests.models import test_model as _dense_model_tests  # noqa: F401 (CPU SDPA, grouped GEMM FLOPs)
 
 
 def make_moe(cfg: ModelConfig, seed: int = 0) -> MoE:
@@ -96,7 +100,7 @@ def test_expert_matches_dense_mlp():
                 mlp.w1.bias.copy_(moe.experts.w1_bias[e])
                 mlp.w2.bias.copy_(moe.experts.w2_bias[e])
         x = torch.randn(5, cfg.hidden, dtype=torch.float64)
-        counts = [0, 0, 5, 0]
+        counts = torch.tensor([0, 0, 5, 0])
         torch.testing.assert_close(expert_mlps(x, counts, *moe.experts.weights()), mlp(x))
 
 
@@ -229,3 +233,96 @@ def test_flops_count_active_experts(kw):
     from tests.models.test_model import assert_flops_match_counter
 
     assert_flops_match_counter(moe_cfg(capacity_factor=0.0, **kw))
+
+
+def _expert_operands(arch: str, dtype=torch.float32, device="cpu", seed: int = 0):
+    """x and the stacked weights (w1, w2, w3, b1, b2) of 4 experts, hidden 16, ffn 24, leaves
+    that require gradients; `counts` gives expert 1 no rows."""
+    g = torch.Generator().manual_seed(seed)
+    e, h, f = 4, 16, 24
+
+    def leaf(*shape):
+        return (torch.randn(shape, generator=g) * 0.3).to(device, dtype).requires_grad_()
+
+    rows = [7, 0, 12, 5]
+    counts = torch.tensor(rows, device=device)
+    x = leaf(sum(rows), h)
+    ws = (leaf(e, f, h), leaf(e, h, f), leaf(e, f, h) if arch == "llama" else None,
+          None if arch == "llama" else leaf(e, f), None if arch == "llama" else leaf(e, h))
+    return x, counts, ws
+
+
+@pytest.mark.parametrize("align", [1, 16], ids=["as-routed", "cuda-padding"])
+@pytest.mark.parametrize("arch", ["llama", "gpt"])
+def test_grouped_experts_equal_the_per_expert_loop(arch, align):
+    """One grouped GEMM per weight = each expert in turn, output and every gradient (an expert
+    without rows included; fp32, to rounding: the two take different GEMM kernels), as routed
+    (the CPU path) and with each expert's rows moved to 16-row boundaries as on CUDA (the
+    padding rows add nothing)."""
+    x, counts, ws = _expert_operands(arch)
+    leaves = [t for t in (x, *ws) if t is not None]
+    ref = looped_expert_mlps(x, counts.tolist(), *ws)
+    dy = torch.randn(ref.shape, generator=torch.Generator().manual_seed(1))
+    ref_grads = torch.autograd.grad(ref, leaves, dy)
+    got = grouped_expert_mlps(x, counts, *ws, align=align)
+    got_grads = torch.autograd.grad(got, leaves, dy)
+    for a, b in zip((got, *got_grads), (ref, *ref_grads), strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    assert got_grads[1][1].abs().max() == 0   # expert 1 had no rows: w1[1] has no gradient
+    assert got_grads[1][0].abs().min() > 0    # the others' gradients are not zero
+
+
+@pytest.mark.parametrize("align", [1, 16])
+def test_grouped_experts_never_read_the_routing_on_the_host(align):
+    """The grouped path runs forward and backward on meta tensors, which hold no values: no
+    step of it reads `counts` (or anything) back to the host, so on a GPU the host never waits
+    for the router."""
+    for arch in ("llama", "gpt"):
+        x, counts, ws = _expert_operands(arch, torch.bfloat16, "meta")
+        y = grouped_expert_mlps(x, counts, *ws, align=align)
+        y.backward(torch.empty_like(y))
+        assert y.shape == x.shape and ws[0].grad.shape == ws[0].shape
+
+
+def test_moe_layer_runs_grouped_gemms_where_torch_takes_them():
+    """An fp32 MoE layer on a CPU runs torch._grouped_mm (three a forward for SwiGLU) instead of
+    a GEMM per expert; float64, which the grouped kernel does not take, runs the loop."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Ops(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.seen = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.seen.append(func)
+            return func(*args, **(kwargs or {}))
+
+    cfg = moe_cfg(top_k=2)
+    for dtype, grouped in ((torch.float32, 3), (torch.float64, 0)):
+        layer = make_moe(cfg).to(dtype)
+        x = torch.randn(2, 8, cfg.hidden, dtype=dtype)
+        with Ops() as ops:
+            layer(x)
+        assert ops.seen.count(torch.ops.aten._grouped_mm.default) == grouped, dtype
+        # the router's GEMM, and with the loop one per expert and SwiGLU matrix (4 x 3)
+        assert ops.seen.count(torch.ops.aten.mm.default) == (1 if grouped else 13), dtype
+
+
+def test_a_grouped_gemm_that_fails_its_check_leaves_the_loop(monkeypatch, caplog):
+    """The once-per-process check of the accelerator's grouped GEMM: passes where the kernel
+    agrees with the loop (here the CPU's bf16), and a failure leaves the per-expert loop with
+    one warning naming it."""
+    monkeypatch.setattr(moe_mod, "_CUDA_GROUPED", None)
+    assert moe_mod._cuda_grouped_ok(torch.device("cpu")) is True
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("grouped gemm is not supported on this device")
+
+    monkeypatch.setattr(moe_mod, "_CUDA_GROUPED", None)
+    monkeypatch.setattr(moe_mod, "grouped_expert_mlps", broken)
+    with caplog.at_level("WARNING", logger="myria.models.moe"):
+        assert moe_mod._cuda_grouped_ok(torch.device("cpu")) is False
+        assert moe_mod._cuda_grouped_ok(torch.device("cpu")) is False
+    warned = [r for r in caplog.records if "grouped GEMM is not used" in r.getMessage()]
+    assert len(warned) == 1 and "not supported on this device" in warned[0].getMessage()

@@ -96,15 +96,40 @@ def router_z_loss(logits: torch.Tensor) -> torch.Tensor:
     return torch.logsumexp(logits, dim=-1).square().mean()
 
 
-def expert_mlps(x: torch.Tensor, counts: list[int], w1: torch.Tensor, w2: torch.Tensor,
+# Rows at which each expert's slice of a CUDA grouped GEMM starts a multiple of: the weight
+# gradient contracts over the tokens, and each expert's slice of its operands must start on a
+# 16-byte boundary (8 bf16 rows); 16 also covers float8 operands (torchtitan aligns its token
+# groups the same way for `torch._grouped_mm`).
+CUDA_GROUP_ALIGN = 16
+GROUPED_CHECK_TOL = 2e-2   # bf16 grouped GEMMs against the per-expert loop, of the largest entry
+_CUDA_GROUPED: bool | None = None   # this process's check of the CUDA grouped GEMM (None: not run)
+
+
+def expert_mlps(x: torch.Tensor, counts: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
                 w3: torch.Tensor | None, b1: torch.Tensor | None,
                 b2: torch.Tensor | None) -> torch.Tensor:
     """Run expert i on rows [sum(counts[:i]), sum(counts[:i+1])) of x; weights stacked on dim 0.
 
     SwiGLU when `w3` is given, else GELU (tanh) with biases: `transformer.MLP` per expert. Every
-    expert runs even on an empty slice, so every weight is in the autograd graph on every rank
-    (data-parallel gradient reductions then see the same parameters everywhere).
+    expert's weights are in the autograd graph on every rank, even with no rows (data-parallel
+    gradient reductions then see the same parameters everywhere).
+
+    Where torch's grouped GEMM takes the operands (`grouped_ok`), one `torch._grouped_mm` per
+    weight runs all experts from `counts` as it lies on the device, so the host never waits for
+    the routing; it computes what the per-expert loop computes, to rounding. Elsewhere
+    (fp32 on a GPU, widths off 16-byte strides) each expert runs in turn, after reading `counts`.
     """
+    ws = (w1, w2, w3, b1, b2)
+    if grouped_ok(x, w1, w2, w3):
+        return grouped_expert_mlps(x, counts, *ws,
+                                   align=CUDA_GROUP_ALIGN if x.is_cuda else 1)
+    return looped_expert_mlps(x, counts.tolist(), *ws)
+
+
+def looped_expert_mlps(x: torch.Tensor, counts: list[int], w1: torch.Tensor, w2: torch.Tensor,
+                       w3: torch.Tensor | None, b1: torch.Tensor | None,
+                       b2: torch.Tensor | None) -> torch.Tensor:
+    """`expert_mlps` one expert at a time (`counts` read to the host)."""
     w1s, w2s = w1.unbind(0), w2.unbind(0)
     w3s = w3.unbind(0) if w3 is not None else None
     b1s = b1.unbind(0) if b1 is not None else None
@@ -117,6 +142,100 @@ def expert_mlps(x: torch.Tensor, counts: list[int], w1: torch.Tensor, w2: torch.
             h = F.gelu(F.linear(xi, w1s[i], b1s[i] if b1s else None), approximate="tanh")
         outs.append(F.linear(h, w2s[i], b2s[i] if b2s else None))
     return torch.cat(outs)
+
+
+def grouped_expert_mlps(x: torch.Tensor, counts: torch.Tensor, w1: torch.Tensor,
+                        w2: torch.Tensor, w3: torch.Tensor | None, b1: torch.Tensor | None,
+                        b2: torch.Tensor | None, align: int = 1) -> torch.Tensor:
+    """`expert_mlps` as three (two for GELU) grouped GEMMs, with no host read of `counts`.
+
+    With `align` > 1 each expert's rows are copied to a slice that starts at a multiple of
+    `align` in a zero-filled buffer whose size is bounded without reading `counts` (rows + E x
+    (align - 1), rounded up); the slack after the last expert's rows goes to the last expert,
+    so every row of the buffer belongs to an expert and holds finite values. Padding rows are
+    zero in, and their outputs are never read, so they add nothing to any gradient."""
+    e, rows = counts.numel(), x.shape[0]
+    dev = x.device
+    biased = b1 is not None or b2 is not None
+    expert = None   # each row's expert, where a bias or the padding needs it
+    if align > 1 or biased:
+        expert = torch.repeat_interleave(torch.arange(e, device=dev), counts, output_size=rows)
+    if align > 1:
+        padded = (counts + align - 1) // align * align
+        start, pstart = counts.cumsum(0) - counts, padded.cumsum(0) - padded
+        dest = pstart[expert] + torch.arange(rows, device=dev) - start[expert]
+        cap = -(-(rows + e * (align - 1)) // align) * align
+        xin = x.new_zeros(cap, x.shape[1]).index_copy(0, dest, x)
+        offs = torch.cat([padded.cumsum(0)[:-1], padded.new_full((1,), cap)]).to(torch.int32)
+        if biased:
+            expert = torch.bucketize(torch.arange(cap, device=dev), offs, right=True).clamp_(
+                max=e - 1)
+    else:
+        xin, offs = x, counts.cumsum(0).to(torch.int32)
+
+    def mm(a: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+        out = torch._grouped_mm(a, w.transpose(-2, -1), offs=offs)
+        return out if b is None else out + b[expert]
+
+    if w3 is not None:
+        h = F.silu(mm(xin, w1, b1)) * mm(xin, w3, None)
+    else:
+        h = F.gelu(mm(xin, w1, b1), approximate="tanh")
+    y = mm(h, w2, b2)
+    return y[dest] if align > 1 else y
+
+
+def grouped_ok(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
+               w3: torch.Tensor | None) -> bool:
+    """Whether `torch._grouped_mm` runs these experts: one dtype for all (bf16 on CUDA, where
+    the kernel's check passed once in this process; fp32, bf16 or fp16 on a CPU), both widths
+    16-byte strides and every operand at a 16-byte aligned address (the kernel's own rules)."""
+    dt = x.dtype
+    if not hasattr(torch, "_grouped_mm") or any(
+            w is not None and w.dtype != dt for w in (w1, w2, w3)):
+        return False
+    size = x.element_size()
+    if (w1.shape[-1] * size) % 16 or (w1.shape[-2] * size) % 16 or any(
+            w is not None and w.data_ptr() % 16 for w in (x, w1, w2, w3)):
+        return False
+    if x.is_cuda:
+        return dt == torch.bfloat16 and _cuda_grouped_ok(x.device)
+    return x.device.type == "cpu" and dt in (torch.float32, torch.bfloat16, torch.float16)
+
+
+def _cuda_grouped_ok(device: torch.device) -> bool:
+    """Whether the CUDA grouped GEMM runs this process's experts: checked once, on three small
+    bf16 experts (one of them without rows), forward and backward against the per-expert
+    loop; a failure or a disagreement leaves the loop, with one warning."""
+    global _CUDA_GROUPED
+    if _CUDA_GROUPED is None:
+        import logging
+
+        try:
+            g = torch.Generator(device=device).manual_seed(0)
+            counts = torch.tensor([37, 0, 91], device=device)
+            ins = [torch.randn(*s, device=device, generator=g).to(torch.bfloat16)
+                   for s in ((128, 64), (3, 32, 64), (3, 64, 32), (3, 32, 64))]
+            got_in = [t.clone().requires_grad_() for t in ins]
+            ref_in = [t.clone().requires_grad_() for t in ins]
+            got = grouped_expert_mlps(got_in[0], counts, got_in[1], got_in[2], got_in[3],
+                                      None, None, align=CUDA_GROUP_ALIGN)
+            ref = looped_expert_mlps(ref_in[0], counts.tolist(), ref_in[1], ref_in[2],
+                                     ref_in[3], None, None)
+            dy = torch.randn(ref.shape, device=device, generator=g).to(torch.bfloat16)
+            got.backward(dy)
+            ref.backward(dy)
+            worst = max(float((a.float() - b.float()).abs().max() / b.float().abs().max())
+                        for a, b in zip((got, *(t.grad for t in got_in)),
+                                        (ref, *(t.grad for t in ref_in)), strict=True))
+            _CUDA_GROUPED = worst < GROUPED_CHECK_TOL
+            why = f"it differs from the per-expert loop by {worst:.3g} of the largest entry"
+        except (RuntimeError, TypeError, ValueError, NotImplementedError) as e:
+            _CUDA_GROUPED, why = False, f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
+        if not _CUDA_GROUPED:
+            logging.getLogger(__name__).warning(
+                "MoE: torch's grouped GEMM is not used (%s); experts run one at a time", why)
+    return _CUDA_GROUPED
 
 
 class Experts(nn.Module):
@@ -148,7 +267,7 @@ class Experts(nn.Module):
 
     def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """x: kept assignments sorted by expert; counts: [E] rows per expert."""
-        return expert_mlps(x, counts.tolist(), *self.weights())
+        return expert_mlps(x, counts, *self.weights())
 
     def extra_repr(self) -> str:
         return f"experts={self.num_experts}, gated={self.gated}"

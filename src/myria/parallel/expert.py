@@ -121,14 +121,14 @@ class ParallelExperts(Experts):
         xr = all_to_all(x, recv_splits, send_splits, group)
         per_expert = recv_by_src.sum(0)
         if el == 1:
-            y = expert_mlps(xr, per_expert.tolist(), *self.weights())
+            y = expert_mlps(xr, per_expert, *self.weights())
         else:
             # Received rows are grouped by source, then expert: regroup them by expert.
             local = torch.arange(el, device=recv.device).repeat(ep).repeat_interleave(recv)
             perm = torch.argsort(local, stable=True)
             inv = torch.empty_like(perm)
             inv[perm] = torch.arange(perm.numel(), device=perm.device)
-            y = expert_mlps(xr[perm], per_expert.tolist(), *self.weights())[inv]
+            y = expert_mlps(xr[perm], per_expert, *self.weights())[inv]
         return all_to_all(y, send_splits, recv_splits, group)
 
     def extra_repr(self) -> str:
