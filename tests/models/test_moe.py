@@ -326,3 +326,11 @@ def test_a_grouped_gemm_that_fails_its_check_leaves_the_loop(monkeypatch, caplog
         assert moe_mod._cuda_grouped_ok(torch.device("cpu")) is False
     warned = [r for r in caplog.records if "grouped GEMM is not used" in r.getMessage()]
     assert len(warned) == 1 and "not supported on this device" in warned[0].getMessage()
+
+
+def test_compiled_experts_on_a_cpu_run_the_loop():
+    """Under torch.compile the grouped kernel's shape rules are its CUDA form's (bf16 only): a
+    compiled fp32 MoE on a CPU runs the per-expert loop and computes what eager does."""
+    x, counts, ws = _expert_operands("llama")
+    compiled = torch.compile(expert_mlps, backend="eager", fullgraph=False)
+    torch.testing.assert_close(compiled(x, counts, *ws), expert_mlps(x, counts, *ws))

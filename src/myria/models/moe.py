@@ -189,20 +189,25 @@ def grouped_ok(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
                w3: torch.Tensor | None) -> bool:
     """Whether `torch._grouped_mm` runs these experts: one dtype for all (bf16 on CUDA, where
     the kernel's check passed once in this process; fp32, bf16 or fp16 on a CPU), both widths
-    16-byte strides and every operand at a 16-byte aligned address (the kernel's own rules)."""
+    16-byte strides and every operand at a 16-byte aligned address (the kernel's own rules).
+    Under torch.compile the kernel's rules are its CUDA form's (bf16 only) and a CPU has no
+    compiled form, so a compiled CPU model runs the loop; the compiler places its buffers."""
     dt = x.dtype
     if not hasattr(torch, "_grouped_mm") or any(
             w is not None and w.dtype != dt for w in (w1, w2, w3)):
         return False
     size = x.element_size()
-    if (w1.shape[-1] * size) % 16 or (w1.shape[-2] * size) % 16 or any(
-            w is not None and w.data_ptr() % 16 for w in (x, w1, w2, w3)):
+    if (w1.shape[-1] * size) % 16 or (w1.shape[-2] * size) % 16:
         return False
+    compiling = torch.compiler.is_compiling()
+    aligned = compiling or all(w is None or w.data_ptr() % 16 == 0 for w in (x, w1, w2, w3))
     if x.is_cuda:
-        return dt == torch.bfloat16 and _cuda_grouped_ok(x.device)
-    return x.device.type == "cpu" and dt in (torch.float32, torch.bfloat16, torch.float16)
+        return dt == torch.bfloat16 and aligned and _cuda_grouped_ok(x.device)
+    return x.device.type == "cpu" and dt in (torch.float32, torch.bfloat16, torch.float16) \
+        and aligned and not compiling
 
 
+@torch.compiler.disable
 def _cuda_grouped_ok(device: torch.device) -> bool:
     """Whether the CUDA grouped GEMM runs this process's experts: checked once, on three small
     bf16 experts (one of them without rows), forward and backward against the per-expert
