@@ -19,6 +19,7 @@ modules".
 
 from __future__ import annotations
 
+import logging
 import math
 from dataclasses import dataclass
 
@@ -30,6 +31,8 @@ from myria.config import ModelConfig
 
 LOAD_BALANCE_COEF = 1e-2  # Switch Transformer (Fedus et al. 2021), alpha = 10^-2
 Z_LOSS_COEF = 1e-3        # ST-MoE (Zoph et al. 2022), c_z = 10^-3
+
+log = logging.getLogger(__name__)
 
 
 def expert_capacity(tokens: int, experts: int, top_k: int, capacity_factor: float) -> int | None:
@@ -117,7 +120,8 @@ def expert_mlps(x: torch.Tensor, counts: torch.Tensor, w1: torch.Tensor, w2: tor
     Where torch's grouped GEMM takes the operands (`grouped_ok`), one `torch._grouped_mm` per
     weight runs all experts from `counts` as it lies on the device, so the host never waits for
     the routing; it computes what the per-expert loop computes, to rounding. Elsewhere
-    (fp32 on a GPU, widths off 16-byte strides) each expert runs in turn, after reading `counts`.
+    (fp32 on a GPU, float64, widths off 16-byte strides, a compiled model on a CPU) each expert
+    runs in turn, after reading `counts`.
     """
     ws = (w1, w2, w3, b1, b2)
     if grouped_ok(x, w1, w2, w3):
@@ -214,8 +218,6 @@ def _cuda_grouped_ok(device: torch.device) -> bool:
     loop; a failure or a disagreement leaves the loop, with one warning."""
     global _CUDA_GROUPED
     if _CUDA_GROUPED is None:
-        import logging
-
         try:
             g = torch.Generator(device=device).manual_seed(0)
             counts = torch.tensor([37, 0, 91], device=device)
@@ -238,7 +240,7 @@ def _cuda_grouped_ok(device: torch.device) -> bool:
         except (RuntimeError, TypeError, ValueError, NotImplementedError) as e:
             _CUDA_GROUPED, why = False, f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
         if not _CUDA_GROUPED:
-            logging.getLogger(__name__).warning(
+            log.warning(
                 "MoE: torch's grouped GEMM is not used (%s); experts run one at a time", why)
     return _CUDA_GROUPED
 
